@@ -1,0 +1,350 @@
+"""The run configuration: one TOML file loaded into frozen, typed objects.
+
+Unknown keys and bad values raise ConfigError naming the file and the dotted key. Relative paths
+are resolved against the config file's folder. The API key is never in the file: `api_key_env`
+names the environment variable that holds it, read by `Config.api_key()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    base_url: str = "https://openrouter.ai/api/v1"
+    api_key_env: str = "OPENROUTER_API_KEY"
+    model: str = "moonshotai/kimi-k2.5"
+    request_timeout_s: float = 1800.0
+    connect_timeout_s: float = 30.0
+    stream: bool = False
+    referer: str = "https://github.com/draftgen/draftgen"
+    title: str = "draftgen"
+    credits_interval_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    max_usd: float | None = None
+    credit_floor_usd: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    path: str = "moonshotai/Kimi-K2.5"
+    template: str = "kimi-k2.5"
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: Path = Path("runs/draftgen")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    parallel: bool = False
+    max_attempts: int = 8
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
+    snapshot_hz: float = 4.0
+    # Reconstruct token ids as answers land (worker processes); `draftgen tokens` does it later otherwise.
+    reconstruct: bool = True
+    workers: int = 0  # 0 = one per core
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    name: str
+    prompts: Path
+    concurrency: int = 64
+    max_tokens: int = 4096
+    token_budget: int | None = None
+    # Merged over the top-level [request] table for this dataset only.
+    request: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    seed: int = 42
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    model: str = ""
+    backend: Literal["hf", "sglang"] = "hf"
+    tp_size: int = 1
+    aux_layers: str | list[int] = "eagle3"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    device: str = "auto"
+    batch_tokens: int = 16384
+    compress: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class SmokeConfig:
+    prompt: str = "What is 2+2? Answer in one word."
+    max_tokens: int = 500
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    api: ApiConfig
+    request: dict[str, Any]
+    budget: BudgetConfig
+    tokenizer: TokenizerConfig
+    output: OutputConfig
+    datasets: tuple[DatasetConfig, ...]
+    engine: EngineConfig
+    merge: MergeConfig
+    extract: ExtractConfig
+    smoke: SmokeConfig
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output.dir
+
+    def api_key(self) -> str:
+        """The key from the environment variable the config names; a clear error when it is unset."""
+        key = os.environ.get(self.api.api_key_env, "")
+        if not key:
+            raise ConfigError(
+                f"{self.path}: api.api_key_env names ${self.api.api_key_env}, which is not set "
+                f"(export {self.api.api_key_env}=... before running)"
+            )
+        return key
+
+    def request_body(self, dataset: DatasetConfig, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """The exact body sent for a prompt of `dataset`: the [request] table as-is, then the dataset's."""
+        body: dict[str, Any] = {"model": self.api.model, "messages": messages, "max_tokens": dataset.max_tokens}
+        body.update(self.request)
+        body.update(dataset.request)
+        if self.api.stream:
+            body["stream"] = True
+        return body
+
+    def request_shape(self, dataset: DatasetConfig) -> dict[str, Any]:
+        """Everything about a request except its messages: what the smoke test must have checked."""
+        body = self.request_body(dataset, [])
+        body.pop("messages")
+        return {"base_url": self.api.base_url, **body}
+
+    def fingerprint(self, dataset: DatasetConfig) -> str:
+        return hashlib.sha256(orjson.dumps(self.request_shape(dataset), option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+    def run_fingerprint(self) -> str:
+        """One fingerprint over every dataset's request shape (what `run` compares with smoke.json)."""
+        shapes = sorted({self.fingerprint(d) for d in self.datasets})
+        return hashlib.sha256("|".join(shapes).encode()).hexdigest()[:16]
+
+    def public_dict(self) -> dict[str, Any]:
+        """The config as written to run.json: no secrets (the key is only ever named, never read here)."""
+        def convert(value: Any) -> Any:
+            if dataclasses.is_dataclass(value):
+                return {f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)}
+            if isinstance(value, Path):
+                return str(value)
+            if isinstance(value, (list, tuple)):
+                return [convert(v) for v in value]
+            if isinstance(value, dict):
+                return {k: convert(v) for k, v in value.items()}
+            return value
+        return convert(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and validation
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+               Path: "a path string", dict: "a table", list: "a list"}
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_describe(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        return f"a list of {_describe(inner).removeprefix('a ').removeprefix('an ')}s"
+    return _TYPE_NAMES.get(origin or tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against the annotation `tp`; return it converted (ints to floats, strs to Paths)."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        for arm in typing.get_args(tp):
+            if arm is type(None):
+                continue
+            try:
+                return _coerce(value, arm, where)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where} must be {_describe(tp)}, not {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where} must be {_describe(tp)}, not {value!r}")
+        return value
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be {_describe(tp)}, not {value!r}")
+        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table, not {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, not {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, not {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, not {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, not {value!r}")
+        return value
+    if tp is Path:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where} must be a path string, not {value!r}")
+        return Path(value)
+    raise TypeError(f"unhandled config type {tp!r}")  # a programming error, not a user one
+
+
+def _build(cls: type, table: Any, where: str, file: Path) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{file}: [{where}] must be a table, not {table!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        raise ConfigError(f"{file}: unknown key {where}.{unknown[0]} (known keys: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in table:
+            kwargs[name] = _coerce(table[name], hints[name], f"{file}: {where}.{name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{file}: {where}.{name} is required")
+    return cls(**kwargs)
+
+
+def _positive(file: Path, where: str, value: float | int | None, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{file}: {where} must be {'>= 0' if allow_zero else '> 0'}, not {value!r}")
+
+
+_TABLES = {"api": ApiConfig, "budget": BudgetConfig, "tokenizer": TokenizerConfig, "output": OutputConfig,
+           "engine": EngineConfig, "merge": MergeConfig, "extract": ExtractConfig, "smoke": SmokeConfig}
+
+
+def load_config(path: str | Path) -> Config:
+    file = Path(path)
+    try:
+        raw = tomllib.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: config file not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{file}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{file}: cannot read: {e.strerror}") from None
+    return config_from_dict(raw, file)
+
+
+def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
+    known = set(_TABLES) | {"request", "datasets"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{file}: unknown table or key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    base = file.resolve().parent
+    parts = {name: _build(cls, raw.get(name, {}), name, file) for name, cls in _TABLES.items()}
+    request = raw.get("request", {})
+    if not isinstance(request, dict):
+        raise ConfigError(f"{file}: [request] must be a table, not {request!r}")
+    for reserved in ("messages", "model"):
+        if reserved in request:
+            raise ConfigError(f"{file}: request.{reserved} cannot be set here (messages come from the prompt "
+                              f"files, the model from api.model)")
+
+    raw_datasets = raw.get("datasets")
+    if not raw_datasets:
+        raise ConfigError(f"{file}: no [[datasets]] (at least one is needed)")
+    if not isinstance(raw_datasets, list):
+        raise ConfigError(f"{file}: datasets must be an array of tables ([[datasets]])")
+    datasets = []
+    names: set[str] = set()
+    for i, table in enumerate(raw_datasets):
+        ds: DatasetConfig = _build(DatasetConfig, table, f"datasets[{i}]", file)
+        where = f"datasets[{i}] ({ds.name})"
+        if not ds.name or "/" in ds.name or ds.name.startswith(".") or ds.name in ("merged", "hidden_states"):
+            raise ConfigError(f"{file}: datasets[{i}].name {ds.name!r} cannot be used as a folder name")
+        if ds.name in names:
+            raise ConfigError(f"{file}: datasets[{i}].name {ds.name!r} is used twice")
+        names.add(ds.name)
+        if ds.concurrency < 1 or ds.concurrency > 100_000:
+            raise ConfigError(f"{file}: {where}.concurrency must be between 1 and 100000, not {ds.concurrency}")
+        _positive(file, f"{where}.max_tokens", ds.max_tokens)
+        _positive(file, f"{where}.token_budget", ds.token_budget)
+        datasets.append(dataclasses.replace(ds, prompts=(base / ds.prompts)))
+
+    api: ApiConfig = parts["api"]
+    if not api.base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"{file}: api.base_url must start with http:// or https://, not {api.base_url!r}")
+    _positive(file, "api.request_timeout_s", api.request_timeout_s)
+    _positive(file, "api.connect_timeout_s", api.connect_timeout_s)
+    _positive(file, "api.credits_interval_s", api.credits_interval_s)
+    budget: BudgetConfig = parts["budget"]
+    _positive(file, "budget.max_usd", budget.max_usd)
+    _positive(file, "budget.credit_floor_usd", budget.credit_floor_usd, allow_zero=True)
+    engine: EngineConfig = parts["engine"]
+    _positive(file, "engine.max_attempts", engine.max_attempts)
+    _positive(file, "engine.snapshot_hz", engine.snapshot_hz)
+    _positive(file, "engine.workers", engine.workers, allow_zero=True)
+    extract: ExtractConfig = parts["extract"]
+    if isinstance(extract.aux_layers, str) and extract.aux_layers != "eagle3":
+        raise ConfigError(f"{file}: extract.aux_layers must be \"eagle3\" or a list of 3 layer ids, "
+                          f"not {extract.aux_layers!r}")
+    if isinstance(extract.aux_layers, list) and len(extract.aux_layers) != 3:
+        raise ConfigError(f"{file}: extract.aux_layers must list exactly 3 layer ids, not {extract.aux_layers!r}")
+    tokenizer: TokenizerConfig = parts["tokenizer"]
+    if tokenizer.template not in ("kimi-k2.5", "auto"):
+        raise ConfigError(f"{file}: tokenizer.template must be \"kimi-k2.5\" or \"auto\", not {tokenizer.template!r}")
+    # A local tokenizer folder is resolved against the config; an HF id (org/name) stays as written.
+    tok_path = tokenizer.path
+    if tok_path.startswith((".", "/", "~")) or (base / tok_path).exists():
+        tokenizer = dataclasses.replace(tokenizer, path=str((base / Path(tok_path).expanduser())))
+    if extract.model and (extract.model.startswith((".", "/", "~")) or (base / extract.model).exists()):
+        extract = dataclasses.replace(extract, model=str(base / Path(extract.model).expanduser()))
+    output: OutputConfig = parts["output"]
+    return Config(
+        path=file, api=api, request=request, budget=budget, tokenizer=tokenizer,
+        output=OutputConfig(dir=base / output.dir), datasets=tuple(datasets), engine=engine,
+        merge=parts["merge"], extract=extract, smoke=parts["smoke"],
+    )

@@ -1,0 +1,182 @@
+"""The run directory and its append-only JSONL files.
+
+    <output.dir>/
+      run.json                    config snapshot (no secrets), request fingerprint, versions
+      smoke.json                  last smoke result with its fingerprint
+      events.log                  human-readable log
+      attach.sock                 Unix socket for `draftgen attach` (owner-only), while a run is live
+      <dataset>/responses.jsonl   one line per answered prompt (record fields: see core/records.py)
+      <dataset>/failures.jsonl    one line per prompt that failed for good, with the last error
+      <dataset>/rejected.jsonl    input lines that could not be used
+      <dataset>/tokens/           token ids, loss mask, validation flags (core/tokenstore.py)
+      merged/                     train.jsonl, tokens/, stats.json (core/merge.py)
+      hidden_states/              SpecForge offline format (core/extract/)
+
+A JSONL line is written whole with one write() and flushed before the answer counts as
+acknowledged. On reopening, a torn last line (a crash mid-write) is cut off and reported.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .errors import DiskError
+
+DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EDQUOT, errno.EIO}
+
+
+class RunDir:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    @property
+    def run_json(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def smoke_json(self) -> Path:
+        return self.root / "smoke.json"
+
+    @property
+    def events_log(self) -> Path:
+        return self.root / "events.log"
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "attach.sock"
+
+    @property
+    def merged(self) -> Path:
+        return self.root / "merged"
+
+    @property
+    def hidden_states(self) -> Path:
+        return self.root / "hidden_states"
+
+    def dataset(self, name: str) -> Path:
+        return self.root / name
+
+    def responses(self, name: str) -> Path:
+        return self.root / name / "responses.jsonl"
+
+    def failures(self, name: str) -> Path:
+        return self.root / name / "failures.jsonl"
+
+    def rejected(self, name: str) -> Path:
+        return self.root / name / "rejected.jsonl"
+
+    def tokens(self, name: str) -> Path:
+        return self.root / name / "tokens"
+
+
+def disk_error(path: Path, exc: OSError) -> DiskError:
+    reason = {errno.ENOSPC: "the disk is full", errno.EROFS: "the disk is read-only",
+              errno.EFBIG: "the file is too large (file size limit)", errno.EDQUOT: "disk quota exceeded",
+              errno.EIO: "I/O error"}.get(exc.errno or 0, exc.strerror or str(exc))
+    return DiskError(f"cannot write {path}: {reason}")
+
+
+def repair_torn_tail(path: Path) -> int:
+    """Cut a half-written last line; return how many bytes were cut (0 if the file was whole)."""
+    if not path.exists():
+        return 0
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with open(path, "rb") as f:
+        # Walk back to the last newline; a torn line is at most one record long.
+        block = 1 << 16
+        pos = size
+        while pos > 0:
+            start = max(0, pos - block)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            if pos == size and chunk.endswith(b"\n"):
+                return 0
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            pos = start
+        else:
+            keep = 0
+    os.truncate(path, keep)
+    return size - keep
+
+
+class JsonlAppender:
+    """Appends whole JSON lines, flushed (and optionally fsynced) before `append` returns."""
+
+    def __init__(self, path: Path, *, fsync: bool = False) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.cut_bytes = repair_torn_tail(self.path)
+        self._fsync = fsync
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, obj: Any) -> None:
+        line = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):
+                # A short write (disk filled mid-line): take the partial line back out.
+                os.ftruncate(self._fd, os.lseek(self._fd, 0, os.SEEK_END) - written)
+                raise OSError(errno.ENOSPC, "short write")
+            if self._fsync:
+                os.fsync(self._fd)
+        except OSError as e:
+            raise disk_error(self.path, e) from e
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(byte offset, object) for each complete, parseable line; a torn or bad line is skipped."""
+    if not path.exists():
+        return
+    with open(path, "rb") as f:
+        pos = 0
+        for line in f:
+            start, pos = pos, pos + len(line)
+            if not line.endswith(b"\n"):
+                return
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                yield start, obj
+
+
+def read_line_at(f: Any, offset: int) -> dict[str, Any]:
+    f.seek(offset)
+    return orjson.loads(f.readline())
+
+
+class EventLog:
+    """events.log: one human-readable line per event, flushed as it happens."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, level: str, message: str, ts: float | None = None) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts or time.time()))
+        try:
+            self._f.write(f"{stamp} {level.upper():5} {message}\n")
+            self._f.flush()
+        except OSError:
+            pass  # the log is for people; a full disk is reported by the record writers
+
+    def close(self) -> None:
+        self._f.close()

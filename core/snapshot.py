@@ -1,0 +1,171 @@
+"""The one immutable picture of a run that every view reads: TUI panels, headless line, attach stream.
+
+The engine builds a `RunSnapshot` several times a second and publishes it with a stream of `Event`s.
+Views never reach into the engine; they render these. Snapshots travel over the attach socket as
+JSON (`to_json` / `snapshot_from_dict`), so every field is plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+# Run states shown in the header.
+RUNNING, PAUSED, DRAINING, DONE, STOPPED, IDLE = "RUNNING", "PAUSED", "DRAINING", "DONE", "STOPPED", "IDLE"
+
+# Dataset statuses.
+DS_PENDING, DS_RUNNING, DS_PAUSED, DS_DONE, DS_BUDGET, DS_STOPPED, DS_ERROR = (
+    "pending", "running", "paused", "done", "budget", "stopped", "error")
+
+
+@dataclass(frozen=True)
+class DatasetSnapshot:
+    name: str
+    status: str = DS_PENDING
+    total: int = 0              # usable prompts (rejected lines excluded)
+    done: int = 0               # answered, on disk (this run and earlier ones)
+    failed: int = 0             # failed for good, on disk
+    skipped: int = 0            # not admitted because a budget ran out; eligible for a later run
+    rejected: int = 0           # input lines that could not be used
+    truncated: int = 0          # answered with finish_reason "length" or empty content
+    in_flight: int = 0
+    concurrency: int = 0        # configured
+    effective_concurrency: int = 0  # after 429 back-off
+    tokens_used: int = 0        # completion tokens of answers (reasoning included)
+    tokens_in_flight: int = 0   # expected tokens of requests in flight (counted against the budget)
+    token_budget: int | None = None
+    cost_usd: float = 0.0
+    projected_cost_usd: float | None = None  # to finish this dataset, from observed cost per answer
+    message: str = ""           # why it stopped, when it did
+
+
+@dataclass(frozen=True)
+class Throughput:
+    window_s: float = 30.0
+    req_s_window: float = 0.0
+    req_s_total: float = 0.0
+    tok_s_window: float = 0.0          # completion tokens/s
+    tok_s_total: float = 0.0
+    avg_completion_tokens_window: float = 0.0
+    avg_completion_tokens_total: float = 0.0
+    history: tuple[float, ...] = ()    # req/s per second, oldest first (sparkline)
+    in_flight: int = 0
+    effective_concurrency: int = 0
+    configured_concurrency: int = 0
+    eta_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Credits:
+    balance_usd: float | None = None    # last fetched balance minus spend since
+    balance_age_s: float | None = None  # seconds since it was fetched
+    spent_usd: float = 0.0              # this run (this process)
+    spent_total_usd: float = 0.0        # all answers on disk
+    in_flight_usd: float = 0.0          # expected cost of requests in flight
+    projected_total_usd: float | None = None
+    max_usd: float | None = None
+    floor_usd: float = 0.0
+
+
+@dataclass(frozen=True)
+class GpuStat:
+    index: int
+    name: str
+    util_pct: float
+    mem_used_mb: float
+    mem_total_mb: float
+    power_w: float | None
+    temp_c: float | None
+
+
+@dataclass(frozen=True)
+class StageProgress:
+    """Progress of a one-shot stage (smoke, tokens, merge, extract)."""
+    name: str
+    state: str = "idle"                 # idle | running | done | failed
+    done: int = 0
+    total: int = 0
+    rate: float = 0.0                   # items (or tokens) per second
+    rate_unit: str = "/s"
+    eta_s: float | None = None
+    detail: tuple[tuple[str, str], ...] = ()  # ordered label/value pairs for the panel
+    checks: tuple[tuple[str, bool, str], ...] = ()  # smoke checklist rows: (check, passed, reason)
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    run_name: str
+    model: str
+    state: str = IDLE
+    elapsed_s: float = 0.0
+    seq: int = 0
+    taken_at: float = field(default_factory=time.time)
+    datasets: tuple[DatasetSnapshot, ...] = ()
+    throughput: Throughput = Throughput()
+    errors: tuple[tuple[str, int], ...] = ()      # kind -> count, most first
+    retries: int = 0
+    providers: tuple[tuple[str, int], ...] = ()   # provider (quantization) -> answers
+    credits: Credits = Credits()
+    gpus: tuple[GpuStat, ...] | None = None       # None: no GPU / NVML absent
+    stages: tuple[StageProgress, ...] = ()        # smoke, tokens, merge, extract
+    alert: str = ""                               # e.g. 402: out of credits, run paused
+    attached: bool = False                        # set by the attach viewer, never by the engine
+
+    def stage(self, name: str) -> StageProgress | None:
+        return next((s for s in self.stages if s.name == name), None)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self)
+
+
+@dataclass(frozen=True)
+class Event:
+    ts: float
+    level: str       # info | warn | error
+    kind: str        # e.g. dataset_done, smoke_passed, error, alert, run_done, merge_done
+    message: str
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self)
+
+
+def _from(cls: type, data: Any) -> Any:
+    """Rebuild a snapshot dataclass from its JSON dict (the attach viewer's side)."""
+    if data is None:
+        return None
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        if f.name == "datasets":
+            value = tuple(_from(DatasetSnapshot, d) for d in value)
+        elif f.name == "throughput":
+            value = _from(Throughput, value)
+        elif f.name == "credits":
+            value = _from(Credits, value)
+        elif f.name == "gpus":
+            value = None if value is None else tuple(_from(GpuStat, g) for g in value)
+        elif f.name == "stages":
+            value = tuple(_from(StageProgress, s) for s in value)
+        elif f.name in ("detail", "checks"):
+            value = tuple(tuple(p) for p in value)
+        elif f.name in ("errors", "providers"):
+            value = tuple((k, v) for k, v in value)
+        elif f.name == "history":
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def snapshot_from_dict(data: dict[str, Any]) -> RunSnapshot:
+    return _from(RunSnapshot, data)
+
+
+def event_from_dict(data: dict[str, Any]) -> Event:
+    return Event(**{k: data[k] for k in ("ts", "level", "kind", "message")})
