@@ -97,7 +97,8 @@ class ExtractConfig:
 @dataclass(frozen=True)
 class SmokeConfig:
     prompt: str = "What is 2+2? Answer in one word."
-    max_tokens: int = 500
+    # None: each dataset's own max_tokens, so the request is exactly the run's (same fingerprint).
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)

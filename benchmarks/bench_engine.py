@@ -1,0 +1,215 @@
+"""Engine throughput, memory and concurrency against the simulator, next to the references.
+
+    python benchmarks/bench_engine.py [--n 20000] [--concurrency 2000] [--openai]
+
+Each contender runs in its own process against the same simulator process (latency 0), so their
+peak RSS is their own:
+- bare:   a bare aiohttp loop (one session, connector sized to the concurrency, orjson) doing the
+          same POSTs and parsing the bodies, nothing else;
+- engine: draftgen's Engine (prompt file streamed, retries armed, every answer written and flushed
+          to responses.jsonl, snapshots taken 4 times a second), reconstruction off;
+- openai: openai-python's AsyncOpenAI (httpx) at the same concurrency (with --openai; slow).
+Then the simulator is restarted with a fixed 2 s latency to measure the concurrency reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+BODY = {"model": "moonshotai/kimi-k2.5", "max_tokens": 1024, "temperature": 0.6, "include_reasoning": True}
+KEY = "sk-bench-not-a-real-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_sim(port: int, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "draftgen.tui.cli", "simulate", "--port", str(port),
+                             "--seed", "1", "--mean-tokens", "40", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import urllib.request
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/_sim/stats", timeout=1).read()
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("the simulator did not start")
+
+
+def sim_stats(port: int) -> dict:
+    import urllib.request
+    return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/_sim/stats", timeout=5).read())
+
+
+def child(mode: str, port: int, n: int, concurrency: int) -> dict:
+    """Run one contender in a fresh interpreter; it prints one JSON line with its figures."""
+    out = subprocess.run([sys.executable, __file__, "--child", mode, "--port", str(port), "--n", str(n),
+                          "--concurrency", str(concurrency)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+async def run_bare(url: str, n: int, concurrency: int) -> float:
+    import aiohttp
+    remaining = n
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+        async def worker(w: int) -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                body = {**BODY, "messages": [{"role": "user", "content": f"Question {remaining}"}]}
+                async with session.post(f"{url}/chat/completions", data=orjson.dumps(body)) as resp:
+                    obj = orjson.loads(await resp.read())
+                    assert obj["choices"][0]["message"]["content"] is not None
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        return n / (time.perf_counter() - start)
+
+
+async def run_openai(url: str, n: int, concurrency: int) -> float:
+    from openai import AsyncOpenAI
+    import httpx
+    client = AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0,
+                         http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency)))
+    remaining = n
+
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            await client.chat.completions.create(
+                model=BODY["model"], max_tokens=1024, temperature=0.6,
+                messages=[{"role": "user", "content": f"Question {remaining}"}],
+                extra_body={"include_reasoning": True})
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return n / (time.perf_counter() - start)
+
+
+async def run_engine(url: str, n: int, concurrency: int) -> tuple[float, int]:
+    from draftgen.core.config import load_config
+    from draftgen.core.engine import Engine
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        with open(root / "p.jsonl", "wb") as f:
+            for i in range(n):
+                f.write(orjson.dumps({"id": i, "prompt": f"Question {i}"}) + b"\n")
+        (root / "c.toml").write_text(f"""
+[api]
+base_url = "{url}"
+api_key_env = "BENCH_KEY"
+[request]
+temperature = 0.6
+include_reasoning = true
+[engine]
+reconstruct = false
+[output]
+dir = "run"
+[[datasets]]
+name = "bench"
+prompts = "p.jsonl"
+concurrency = {concurrency}
+max_tokens = 1024
+""")
+        config = load_config(root / "c.toml")
+        engine = Engine(config, KEY)
+        peak_in_flight = 0
+
+        async def watch() -> None:  # what the TUI or headless line does: 4 snapshots a second
+            nonlocal peak_in_flight
+            while True:
+                await asyncio.sleep(0.25)
+                peak_in_flight = max(peak_in_flight, engine.snapshot().throughput.in_flight)
+        watcher = asyncio.create_task(watch())
+        start = time.perf_counter()
+        await engine.run()
+        elapsed = time.perf_counter() - start
+        watcher.cancel()
+        assert engine.datasets["bench"].done == n, engine.datasets["bench"].done
+        return n / elapsed, peak_in_flight
+
+
+def child_main(args: argparse.Namespace) -> None:
+    url = f"http://127.0.0.1:{args.port}/api/v1"
+    extra = {}
+    if args.child == "bare":
+        rate = asyncio.run(run_bare(url, args.n, args.concurrency))
+    elif args.child == "openai":
+        rate = asyncio.run(run_openai(url, args.n, args.concurrency))
+    else:
+        rate, peak = asyncio.run(run_engine(url, args.n, args.concurrency))
+        extra["peak_in_flight"] = peak
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"rate": rate, "rss_mb": rss_mb, **extra}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=20000)
+    p.add_argument("--concurrency", type=int, default=2000)
+    p.add_argument("--openai", action="store_true", help="also measure AsyncOpenAI (needs `pip install openai`)")
+    p.add_argument("--child")
+    p.add_argument("--port", type=int)
+    args = p.parse_args()
+    if args.child:
+        child_main(args)
+        return
+    os.environ["BENCH_KEY"] = KEY
+    port = free_port()
+    sim = start_sim(port, "--latency-scale", "0")
+    rows = []
+    try:
+        child("bare", port, 2000, args.concurrency)  # warm the simulator's pool and caches
+        bare = child("bare", port, args.n, args.concurrency)
+        engine = child("engine", port, args.n, args.concurrency)
+        rows.append(("bare aiohttp loop", bare["rate"], 1.0, bare["rss_mb"]))
+        rows.append(("draftgen engine", engine["rate"], engine["rate"] / bare["rate"], engine["rss_mb"]))
+        if args.openai:
+            oa = child("openai", port, min(args.n, 2000), args.concurrency)
+            rows.append(("AsyncOpenAI (httpx)", oa["rate"], oa["rate"] / bare["rate"], oa["rss_mb"]))
+    finally:
+        sim.terminate()
+        sim.wait()
+    port = free_port()
+    sim = start_sim(port, "--fixed-latency", "2")
+    try:
+        conc = child("engine", port, args.concurrency * 3, args.concurrency)
+        peak = sim_stats(port).get("peak_in_flight", 0)
+    finally:
+        sim.terminate()
+        sim.wait()
+
+    print(f"\nengine vs references, {args.concurrency} in flight, simulator latency 0, {args.n} requests\n")
+    print(f"| {'client':22} | {'req/s':>8} | {'vs bare':>8} | {'peak RSS MB':>11} |")
+    print(f"|{'-' * 24}|{'-' * 10}|{'-' * 10}|{'-' * 13}|")
+    for name, rate, ratio, rss in rows:
+        print(f"| {name:22} | {rate:8.0f} | {ratio:7.2f}x | {rss:11.0f} |")
+    engine_rate = rows[1][1]
+    if args.openai:
+        print(f"\nengine / AsyncOpenAI: {engine_rate / rows[2][1]:.1f}x (target >= 20x)")
+    print(f"engine / bare: {rows[1][2]:.2f}x (target >= 0.9x); engine peak RSS {rows[1][3]:.0f} MB "
+          "(target <= 300 MB, no tokenizer loaded)")
+    print(f"concurrency reached at 2 s latency: simulator peak {peak} / configured {args.concurrency} = "
+          f"{peak / args.concurrency:.3f} (target >= 0.98); engine's own peak in flight {conc['peak_in_flight']}")
+
+
+if __name__ == "__main__":
+    main()

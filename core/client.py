@@ -1,0 +1,343 @@
+"""The HTTP client for any OpenAI-compatible chat API (OpenRouter first), on aiohttp + orjson.
+
+One `ClientSession` for the life of a run; its connector is sized to the run's concurrency (the
+default pool of 100 would silently cap a run at 100). Every failure becomes a `RequestFailed`
+whose `kind` says how the engine treats it (see `retryable` and core/records.py ERROR_KINDS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+# Statuses retried with backoff (SPEC "Engine behaviour"); everything else 4xx is final.
+RETRY_STATUSES = {408, 429, 500, 502, 503, 504, 524}
+RETRYABLE_KINDS = {"429", "5xx", "timeout", "connection", "bad_body", "200_error", "finish_error",
+                   "empty_choices", "408"}
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cost: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChatAnswer:
+    content: str
+    reasoning: str | None
+    tool_calls: list[Any] | None
+    finish_reason: str | None
+    native_finish_reason: str | None
+    provider: str | None
+    model: str | None
+    generation_id: str | None
+    usage: Usage
+    latency_s: float
+    token_ids: list[int] | None = None
+
+
+class RequestFailed(Exception):
+    """A request that did not produce an answer. `kind` is one of ERROR_KINDS."""
+
+    def __init__(self, kind: str, message: str, *, status: int | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in RETRYABLE_KINDS
+
+
+def _retry_after(headers: Any) -> float | None:
+    value = headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None  # an HTTP date: rare from these APIs; fall back to our own backoff
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        obj = orjson.loads(body)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict):
+            msg = str(err.get("message") or err)
+            meta = err.get("metadata")
+            if isinstance(meta, dict) and meta.get("raw"):
+                msg += f" ({str(meta['raw'])[:200]})"
+            return msg[:500]
+        if err:
+            return str(err)[:500]
+    except (orjson.JSONDecodeError, AttributeError):
+        pass
+    return body[:300].decode("utf-8", "replace")
+
+
+def classify_status(status: int, body: bytes, headers: Any) -> RequestFailed:
+    msg = _error_message(body)
+    if status == 429:
+        return RequestFailed("429", msg or "rate limited", status=status, retry_after=_retry_after(headers))
+    if status == 408:
+        return RequestFailed("408", msg or "request timeout", status=status, retry_after=_retry_after(headers))
+    if status >= 500:
+        return RequestFailed("5xx", f"HTTP {status}: {msg}", status=status, retry_after=_retry_after(headers))
+    if status == 402:
+        return RequestFailed("402", msg or "payment required: out of credits", status=status)
+    if status == 404 and "no endpoints" in msg.lower():
+        return RequestFailed("404_no_endpoints", msg, status=status)
+    if status == 403 and ("moderat" in msg.lower() or "flagged" in msg.lower()):
+        return RequestFailed("moderated", msg, status=status)
+    if status in (400, 401, 403, 404):
+        return RequestFailed(str(status), f"HTTP {status}: {msg}", status=status)
+    return RequestFailed("other_4xx", f"HTTP {status}: {msg}", status=status)
+
+
+def _reasoning_of(message: dict[str, Any]) -> str | None:
+    """Reasoning text: `reasoning`, else `reasoning_content`, else the text of `reasoning_details`."""
+    for key in ("reasoning", "reasoning_content"):
+        value = message.get(key)
+        if isinstance(value, str) and value:
+            return value
+    details = message.get("reasoning_details")
+    if isinstance(details, list):
+        texts = [d.get("text") or d.get("summary") or "" for d in details if isinstance(d, dict)]
+        joined = "".join(t for t in texts if isinstance(t, str))
+        if joined:
+            return joined
+    return None
+
+
+def _usage_of(raw: Any) -> Usage:
+    if not isinstance(raw, dict):
+        return Usage()
+    details = raw.get("completion_tokens_details") or {}
+    return Usage(
+        prompt_tokens=int(raw.get("prompt_tokens") or 0),
+        completion_tokens=int(raw.get("completion_tokens") or 0),
+        reasoning_tokens=int((details.get("reasoning_tokens") if isinstance(details, dict) else 0) or 0),
+        cost=float(raw.get("cost") or 0.0),
+    )
+
+
+def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
+    """An answer from a non-streamed body, or RequestFailed for the 200-with-a-problem cases."""
+    if not isinstance(obj, dict):
+        raise RequestFailed("bad_body", "response body is not a JSON object")
+    if obj.get("error"):
+        err = obj["error"]
+        msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+        raise RequestFailed("200_error", f"HTTP 200 with an error: {str(msg)[:300]}")
+    choices = obj.get("choices")
+    if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
+        raise RequestFailed("empty_choices", "HTTP 200 with no choices")
+    choice = choices[0]
+    if choice.get("finish_reason") == "error":
+        raise RequestFailed("finish_error", f"finish_reason \"error\" ({choice.get('native_finish_reason')})")
+    message = choice.get("message") or {}
+    if not isinstance(message, dict):
+        raise RequestFailed("bad_body", "choices[0].message is not an object")
+    token_ids = choice.get("token_ids")
+    return ChatAnswer(
+        content=message.get("content") or "",
+        reasoning=_reasoning_of(message),
+        tool_calls=message.get("tool_calls") or None,
+        finish_reason=choice.get("finish_reason"),
+        native_finish_reason=choice.get("native_finish_reason"),
+        provider=obj.get("provider"),
+        model=obj.get("model"),
+        generation_id=obj.get("id"),
+        usage=_usage_of(obj.get("usage")),
+        latency_s=latency_s,
+        token_ids=token_ids if isinstance(token_ids, list) else None,
+    )
+
+
+class _StreamState:
+    """Accumulates SSE chunks into the same shape as a non-streamed body."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+        self.native_finish_reason: str | None = None
+        self.meta: dict[str, Any] = {}
+        self.usage: Any = None
+        self.done = False
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        if chunk.get("error"):
+            err = chunk["error"]
+            msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+            raise RequestFailed("200_error", f"error chunk mid-stream: {str(msg)[:300]}")
+        for key in ("id", "provider", "model"):
+            if chunk.get(key):
+                self.meta[key] = chunk[key]
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.content.append(delta["content"])
+            r = delta.get("reasoning") or delta.get("reasoning_content")
+            if isinstance(r, str) and r:
+                self.reasoning.append(r)
+            for tc in delta.get("tool_calls") or ():
+                slot = self.tool_calls.setdefault(int(tc.get("index", 0)), {"function": {"arguments": ""}})
+                for k in ("id", "type"):
+                    if tc.get(k):
+                        slot[k] = tc[k]
+                fn = tc.get("function") or {}
+                if fn.get("name"):
+                    slot["function"]["name"] = fn["name"]
+                slot["function"]["arguments"] += fn.get("arguments") or ""
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+            if choice.get("native_finish_reason"):
+                self.native_finish_reason = choice["native_finish_reason"]
+
+    def body(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content),
+                                   "reasoning": "".join(self.reasoning) or None}
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return {**self.meta, "usage": self.usage, "choices": [{
+            "message": message, "finish_reason": self.finish_reason,
+            "native_finish_reason": self.native_finish_reason}]}
+
+
+class ChatClient:
+    """One session, a connector sized to `concurrency`, timeouts per phase, OpenRouter headers."""
+
+    def __init__(self, base_url: str, api_key: str, *, concurrency: int, request_timeout_s: float = 1800.0,
+                 connect_timeout_s: float = 30.0, referer: str = "", title: str = "draftgen") -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+        if referer:
+            self._headers["HTTP-Referer"] = referer
+        if title:
+            self._headers["X-Title"] = title
+        self._concurrency = concurrency
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "ChatClient":
+        self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def open(self) -> None:
+        if self._session is None:
+            # A few spare connections for the credit checks beside the answers in flight.
+            connector = aiohttp.TCPConnector(limit=self._concurrency + 8, limit_per_host=0,
+                                             ttl_dns_cache=300, keepalive_timeout=60)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self._timeout, headers=self._headers,
+                # Answers of 100 KB+ arrive in one body or one SSE line: room for a few MB.
+                read_bufsize=1 << 22, max_line_size=1 << 24, max_field_size=1 << 16,
+                json_serialize=lambda o: orjson.dumps(o).decode())
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def chat(self, body: dict[str, Any]) -> ChatAnswer:
+        assert self._session is not None, "ChatClient.open() first"
+        start = time.monotonic()
+        try:
+            async with self._session.post(f"{self.base_url}/chat/completions", data=orjson.dumps(body)) as resp:
+                if resp.status != 200:
+                    raise classify_status(resp.status, await resp.read(), resp.headers)
+                if body.get("stream"):
+                    obj = await self._read_sse(resp)
+                else:
+                    raw = await resp.read()
+                    try:
+                        obj = orjson.loads(raw)
+                    except orjson.JSONDecodeError:
+                        raise RequestFailed("bad_body", f"HTTP 200 with a body that is not JSON "
+                                            f"({len(raw)} bytes, truncated?)") from None
+        except RequestFailed:
+            raise
+        except asyncio.TimeoutError:
+            raise RequestFailed("timeout", f"no complete answer within {self._timeout.total:.0f} s") from None
+        except aiohttp.ClientPayloadError as e:
+            raise RequestFailed("bad_body", f"truncated body: {e}") from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientOSError, ConnectionError) as e:
+            raise RequestFailed("connection", f"connection error: {type(e).__name__}: {e}") from None
+        except aiohttp.ClientResponseError as e:
+            raise RequestFailed("bad_body", f"bad response: {e.message}") from None
+        return parse_completion(obj, time.monotonic() - start)
+
+    async def _read_sse(self, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+        state = _StreamState()
+        async for raw_line in resp.content:
+            line = raw_line.strip()
+            if not line or line.startswith(b":"):  # ": OPENROUTER PROCESSING" keep-alives
+                continue
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                state.done = True
+                break
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                raise RequestFailed("bad_body", "a stream chunk is not JSON") from None
+            if isinstance(chunk, dict):
+                state.feed(chunk)
+        if not state.done and state.finish_reason is None:
+            raise RequestFailed("bad_body", "the stream ended before the answer finished")
+        return state.body()
+
+    async def _get_json(self, path: str) -> dict[str, Any]:
+        assert self._session is not None
+        async with self._session.get(f"{self.base_url}{path}",
+                                     timeout=aiohttp.ClientTimeout(total=30, sock_connect=10)) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                raise classify_status(resp.status, raw, resp.headers)
+            try:
+                obj = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                raise RequestFailed("bad_body", f"GET {path}: body is not JSON") from None
+            return obj if isinstance(obj, dict) else {}
+
+    async def key_info(self) -> dict[str, Any]:
+        """GET /key: label, usage, limit, limit_remaining (raises RequestFailed on 401 and the like)."""
+        return (await self._get_json("/key")).get("data") or {}
+
+    async def balance(self) -> float | None:
+        """Credits left: GET /credits (total_credits - total_usage), falling back to GET /key."""
+        try:
+            data = (await self._get_json("/credits")).get("data") or {}
+            if "total_credits" in data:
+                return float(data["total_credits"]) - float(data.get("total_usage") or 0.0)
+        except RequestFailed as e:
+            if e.kind in ("401",):
+                raise
+        except (asyncio.TimeoutError, aiohttp.ClientError):
+            pass
+        try:
+            data = await self.key_info()
+            remaining = data.get("limit_remaining")
+            return None if remaining is None else float(remaining)
+        except (asyncio.TimeoutError, aiohttp.ClientError, RequestFailed):
+            return None

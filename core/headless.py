@@ -1,0 +1,112 @@
+"""`draftgen run --headless`: the pipeline without the TUI, one status line every few seconds.
+
+Made for `nohup ... &` and `tail -f`: each line stands alone and labels its averages. SIGINT drains
+(a second SIGINT stops now); SIGTERM and SIGHUP (a closed tmux pane, a dropped SSH session) drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from typing import TextIO
+
+from . import snapshot as snap
+from .config import Config
+from .pipeline import Pipeline
+
+
+def _dur(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def status_line(s: snap.RunSnapshot) -> str:
+    t, c = s.throughput, s.credits
+    active = [d for d in s.datasets if d.status in (snap.DS_RUNNING, snap.DS_PAUSED)]
+    ds = active[0] if active else (s.datasets[-1] if s.datasets else None)
+    parts = [f"[{_dur(s.elapsed_s)}] {s.state}"]
+    if ds is not None:
+        parts.append(f"{ds.name} {ds.done + ds.failed}/{ds.total} ({ds.failed} failed, {ds.skipped} skipped)")
+    parts.append(f"req/s {t.req_s_window:.1f} (30s) {t.req_s_total:.1f} (all)")
+    parts.append(f"tok/s {t.tok_s_window:,.0f} (30s)")
+    parts.append(f"in flight {t.in_flight} (limit {t.effective_concurrency}/{t.configured_concurrency})")
+    parts.append(f"avg completion tok {t.avg_completion_tokens_window:,.0f} (30s) "
+                 f"{t.avg_completion_tokens_total:,.0f} (all)")
+    errors = sum(n for k, n in s.errors if k not in ("length", "empty_content"))
+    parts.append(f"errors {errors} retries {s.retries}")
+    spent = f"spent ${c.spent_usd:.2f}"
+    if c.max_usd is not None:
+        spent += f"/{c.max_usd:.2f}"
+    parts.append(spent)
+    if c.balance_usd is not None:
+        parts.append(f"balance ${c.balance_usd:.2f} ({_dur(c.balance_age_s)} old)")
+    parts.append(f"ETA {_dur(t.eta_s)}")
+    line = " | ".join(parts)
+    if s.alert:
+        line += f"\n  ALERT: {s.alert}"
+    return line
+
+
+async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False, interval_s: float = 5.0,
+                       out: TextIO = sys.stdout, merge: bool = False, extract: bool = False,
+                       reconstruct: bool | None = None) -> int:
+    pipeline = Pipeline(config, api_key, skip_smoke=skip_smoke, reconstruct=reconstruct)
+    await pipeline.start()
+    loop = asyncio.get_running_loop()
+    interrupts = 0
+
+    def on_sigint() -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            print("SIGINT: draining (requests in flight finish); press Ctrl-C again to stop now", file=out,
+                  flush=True)
+            pipeline.quit(drain=True)
+        else:
+            print("SIGINT again: stopping now", file=out, flush=True)
+            pipeline.quit(drain=False)
+
+    def on_term(name: str) -> None:
+        print(f"{name}: draining", file=out, flush=True)
+        pipeline.quit(drain=True)
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    loop.add_signal_handler(signal.SIGTERM, on_term, "SIGTERM")
+    loop.add_signal_handler(signal.SIGHUP, on_term, "SIGHUP")
+    sub = pipeline.hub.subscribe(maxsize=256)
+
+    async def printer() -> None:
+        next_line = loop.time()
+        while True:
+            item = await sub.get()
+            if item[0] == "event":
+                ev = item[1]
+                if ev.level != "info" or ev.kind in ("dataset_start", "dataset_done", "run_done", "smoke_done",
+                                                      "merge_done", "extract_done", "budget", "tokens_done"):
+                    print(f"  {ev.level}: {ev.message}", file=out, flush=True)
+            elif loop.time() >= next_line:
+                next_line = loop.time() + interval_s
+                print(status_line(item[1]), file=out, flush=True)
+
+    printing = asyncio.create_task(printer())
+    try:
+        state = await pipeline.generate()
+        code = pipeline.exit_code
+        if code == 0 and state == snap.DONE and merge:
+            await pipeline.merge()
+        if code == 0 and state == snap.DONE and extract:
+            await pipeline.extract()
+        print(status_line(pipeline.snapshot()), file=out, flush=True)
+        await asyncio.sleep(0)  # let the printer flush the last events
+        return code
+    finally:
+        printing.cancel()
+        sub.close()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        await pipeline.close()

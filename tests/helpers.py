@@ -1,0 +1,68 @@
+"""Builders shared by the tests: prompt files and configs pointing at a simulator on loopback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from draftgen.core.config import Config, load_config
+
+TEST_KEY = "sk-or-v1-draftgen-test-key-0123456789abcdef"
+
+
+def write_prompts(path: Path, n: int, prefix: str = "q", start: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        for i in range(start, start + n):
+            f.write(orjson.dumps({"id": f"{prefix}{i}", "prompt": f"Question {prefix}{i}: explain item {i}."}) + b"\n")
+    return path
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return orjson.dumps(v).decode()
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    return repr(v)
+
+
+def make_config(tmp_path: Path, base_url: str, datasets: list[dict[str, Any]], *,
+                tables: dict[str, dict[str, Any]] | None = None, request: dict[str, Any] | None = None,
+                key_env: str = "DG_TEST_KEY") -> Config:
+    """A config file in tmp_path; each dataset dict needs name and n (prompt count) or prompts."""
+    api = {"base_url": base_url, "api_key_env": key_env, "model": "moonshotai/kimi-k2.5",
+           "request_timeout_s": 20, "connect_timeout_s": 5, **(tables or {}).get("api", {})}
+    engine = {"backoff_base_s": 0.01, "backoff_max_s": 0.2, "snapshot_hz": 10, **(tables or {}).get("engine", {})}
+    lines = ["[api]"] + [f"{k} = {_toml_value(v)}" for k, v in api.items()]
+    lines += ["", "[request]"]
+    for k, v in (request if request is not None else {"temperature": 0.6, "include_reasoning": True}).items():
+        lines.append(f"{k} = {_toml_value(v)}")
+    lines += ["", "[engine]"] + [f"{k} = {_toml_value(v)}" for k, v in engine.items()]
+    for table, values in (tables or {}).items():
+        if table in ("api", "engine"):
+            continue
+        lines += ["", f"[{table}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    if "output" not in (tables or {}):
+        lines += ["", "[output]", "dir = \"run\""]
+    for ds in datasets:
+        ds = dict(ds)
+        n = ds.pop("n", None)
+        if n is not None and "prompts" not in ds:
+            ds["prompts"] = f"prompts/{ds['name']}.jsonl"
+            write_prompts(tmp_path / ds["prompts"], n, prefix=f"{ds['name']}-")
+        lines += ["", "[[datasets]]"] + [f"{k} = {_toml_value(v)}" for k, v in ds.items()]
+    path = tmp_path / "draftgen.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return load_config(path)
+
+
+def read_ids(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    return [orjson.loads(line)["id"] for line in path.read_bytes().splitlines() if line.strip()]
