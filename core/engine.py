@@ -11,7 +11,6 @@ An answer counts as acknowledged once its line is written and flushed.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import platform
 import random
 import time
@@ -482,7 +481,9 @@ class Engine:
             "id": prompt.id, "messages": prompt.messages, "reasoning": a.reasoning, "content": a.content,
             "tool_calls": a.tool_calls, "finish_reason": a.finish_reason,
             "native_finish_reason": a.native_finish_reason, "provider": a.provider, "model": a.model,
-            "generation_id": a.generation_id, "usage": dataclasses.asdict(a.usage),
+            "generation_id": a.generation_id,
+            "usage": {"prompt_tokens": a.usage.prompt_tokens, "completion_tokens": a.usage.completion_tokens,
+                      "reasoning_tokens": a.usage.reasoning_tokens, "cost": a.usage.cost},
             "latency_s": round(a.latency_s, 3), "attempts": attempts, "truncated": truncated,
             "empty_content": empty, "ts": round(time.time(), 3)}
         if a.token_ids is not None:

@@ -1,0 +1,403 @@
+"""Merge: clean samples of every dataset → merged/train.jsonl + merged/tokens/ + merged/stats.json."""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+from draftgen.core import merge as merge_mod
+from draftgen.core.config import Config, config_from_dict
+from draftgen.core.errors import DraftgenError
+from draftgen.core.merge import DROP_REASONS, merge, merge_command, recover
+from draftgen.core.snapshot import StageProgress
+from draftgen.core.tokenstore import TokenReader, TokenWriter
+
+
+@dataclass
+class Sample:
+    id: str
+    messages: list[dict[str, Any]]
+    content: str = "The answer."
+    reasoning: str | None = "Let me think."
+    truncated: bool = False
+    tokens: bool = True                     # a token store entry exists
+    valid: bool = True
+    failed_checks: list[str] = field(default_factory=list)
+    cost: float = 0.001
+
+
+def user(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+def write_dataset(run: Path, name: str, samples: list[Sample], *, failures: int = 0, torn_tail: bool = False,
+                  seed: int = 0) -> None:
+    folder = run / name
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    lines = [orjson.dumps({
+        "id": s.id, "messages": s.messages, "reasoning": s.reasoning, "content": s.content,
+        "tool_calls": None, "finish_reason": "length" if s.truncated else "stop",
+        "usage": {"prompt_tokens": 10, "completion_tokens": 20, "reasoning_tokens": 5, "cost": s.cost},
+        "truncated": s.truncated, "empty_content": not s.content, "ts": 1.0,
+    }) + b"\n" for s in samples]
+    if torn_tail:
+        lines.append(b'{"id": "torn", "messages": [{"role": "user", "content": "half')
+    (folder / "responses.jsonl").write_bytes(b"".join(lines))
+    (folder / "failures.jsonl").write_bytes(b"".join(
+        orjson.dumps({"id": f"f{i}", "messages": user(f"failed {i}"), "error_kind": "400"}) + b"\n"
+        for i in range(failures)))
+    with TokenWriter(folder / "tokens") as writer:
+        for s in samples:
+            if not s.tokens:
+                continue
+            n = int(rng.integers(5, 40))
+            ids = rng.integers(0, 163_000, n, dtype=np.uint32)
+            mask = (np.arange(n) >= n // 2).astype(np.uint8)
+            writer.append(s.id, ids, mask, {"answer_start": n // 2, "answer_end": n, "valid": s.valid,
+                                            "failed_checks": s.failed_checks, "truncated": s.truncated})
+
+
+SYSTEM_PROMPT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+MULTI_TURN = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+              {"role": "user", "content": "And 2+2?"}]
+
+
+@pytest.fixture
+def run_config(tmp_path: Path) -> Config:
+    run = tmp_path / "run"
+    write_dataset(run, "A", [
+        Sample("a1", user("shared prompt")),
+        Sample("a2", SYSTEM_PROMPT, reasoning=None),
+        Sample("a3", MULTI_TURN),
+        Sample("a4", user("cut short"), truncated=True),
+        Sample("a5", user("no answer"), content=""),
+        Sample("a6", user("bad tokens"), valid=False, failed_checks=["decode_roundtrip", "count"]),
+        Sample("a7", user("not yet reconstructed"), tokens=False),
+        Sample("a8", user("shared prompt")),  # same prompt as a1: duplicate within the dataset
+    ], failures=2, seed=1)
+    write_dataset(run, "B", [
+        Sample("b1", SYSTEM_PROMPT),                 # duplicate of A/a2 across datasets
+        Sample("b2", user("only in B")),
+        Sample("b3", user("cut short")),             # A/a4 was dropped, so this one is kept
+        Sample("b4", user("bad eot"), valid=False, failed_checks=["ends_with_eot"]),
+        Sample("7", [{"role": "user", "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "joined"}]}]),
+    ], torn_tail=True, seed=2)
+    write_dataset(run, "C", [Sample(f"c{i}", user(f"prompt {i}"), cost=0.002) for i in range(30)], failures=1, seed=3)
+    return make_config(tmp_path, seed=42)
+
+
+def raw_config(seed: int) -> dict[str, Any]:
+    return {"output": {"dir": "run"}, "merge": {"seed": seed},
+            "datasets": [{"name": n, "prompts": f"{n}.jsonl"} for n in ("A", "B", "C")]}
+
+
+def make_config(tmp_path: Path, seed: int) -> Config:
+    return config_from_dict(raw_config(seed), tmp_path / "draftgen.toml")
+
+
+def train_lines(run: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in (run / "merged" / "train.jsonl").read_bytes().splitlines()]
+
+
+def snapshot_outputs(run: Path) -> dict[str, bytes]:
+    merged = run / "merged"
+    return {str(p.relative_to(merged)): p.read_bytes() for p in sorted(merged.rglob("*")) if p.is_file()}
+
+
+def stats_without_times(raw: bytes) -> dict[str, Any]:
+    stats = orjson.loads(raw)
+    stats.pop("created_at")
+    stats.pop("elapsed_s")
+    return stats
+
+
+EXPECTED_KEPT = {"A/a1", "A/a2", "A/a3", "B/b2", "B/b3", "B/7", *(f"C/c{i}" for i in range(30))}
+
+
+def test_keeps_clean_first_seen_samples_and_counts_each_drop_reason(run_config: Config) -> None:
+    stats = merge(run_config)
+    run = run_config.run_dir
+    assert {r["id"] for r in train_lines(run)} == EXPECTED_KEPT
+    by_name = {d.name: d for d in stats.datasets}
+    assert by_name["A"].dropped == {"failed": 2, "truncated": 1, "empty": 1, "not_reconstructed": 1,
+                                    "invalid": 1, "duplicate": 1, "bad_line": 0}
+    assert by_name["A"].invalid_checks == {"decode_roundtrip": 1, "count": 1}
+    assert by_name["B"].dropped == dict.fromkeys(DROP_REASONS, 0) | {"duplicate": 1, "invalid": 1}
+    assert by_name["B"].invalid_checks == {"ends_with_eot": 1}
+    assert by_name["B"].read == 5  # the torn last line is not read
+    assert all(d.read == d.kept + d.dropped_total for d in stats.datasets)
+    assert by_name["C"].dropped["failed"] == 1 and by_name["C"].kept == 30
+    assert stats.samples == len(EXPECTED_KEPT) == sum(d.kept for d in stats.datasets)
+    assert by_name["C"].cost_usd == pytest.approx(0.06)
+    assert by_name["A"].cost_usd == pytest.approx(0.003) and by_name["A"].cost_all_usd == pytest.approx(0.008)
+
+    on_disk = orjson.loads((run / "merged" / "stats.json").read_bytes())
+    assert on_disk["seed"] == 42 and on_disk["samples"] == stats.samples
+    assert on_disk["dropped"]["duplicate"] == 2 and on_disk["dropped"]["failed"] == 3
+    assert on_disk["tokens"] == stats.tokens == sum(d["tokens"] for d in on_disk["datasets"])
+    assert 0 < on_disk["masked_tokens"] < on_disk["tokens"]
+    fingerprinted = {f["path"] for f in on_disk["inputs"]}
+    assert {"A/responses.jsonl", "A/failures.jsonl", "A/tokens/index.jsonl", "C/tokens/input_ids.bin"} <= fingerprinted
+    b_responses = next(f for f in on_disk["inputs"] if f["path"] == "B/responses.jsonl")
+    assert b_responses["size"] == (run / "B" / "responses.jsonl").stat().st_size
+
+
+def test_same_inputs_and_seed_give_byte_identical_outputs(run_config: Config, tmp_path: Path) -> None:
+    merge(run_config)
+    first = snapshot_outputs(run_config.run_dir)
+    merge(run_config)
+    second = snapshot_outputs(run_config.run_dir)
+    assert first.keys() == second.keys() == {"train.jsonl", "stats.json", "tokens/input_ids.bin",
+                                             "tokens/loss_mask.bin", "tokens/index.jsonl"}
+    for name in first:
+        if name == "stats.json":
+            assert stats_without_times(first[name]) == stats_without_times(second[name])
+        else:
+            assert first[name] == second[name], name
+
+    merge(make_config(tmp_path, seed=7))
+    reseeded = [r["id"] for r in train_lines(run_config.run_dir)]
+    original = [orjson.loads(line)["id"] for line in first["train.jsonl"].splitlines()]
+    assert sorted(reseeded) == sorted(original) and reseeded != original
+
+
+def test_train_jsonl_lines_align_with_merged_tokens(run_config: Config) -> None:
+    merge(run_config)
+    run = run_config.run_dir
+    merged = TokenReader(run / "merged" / "tokens")
+    sources = {name: TokenReader(run / name / "tokens") for name in ("A", "B", "C")}
+    lines = train_lines(run)
+    assert len(lines) == len(merged)
+    for line, entry in zip(lines, merged.entries):
+        assert line["id"] == entry.id
+        dataset, source_id = entry.id.split("/", 1)
+        assert entry.meta["dataset"] == dataset
+        got_ids, got_mask = merged.raw(entry)
+        want_ids, want_mask = sources[dataset].raw(sources[dataset].entry(source_id))
+        assert got_ids.dtype == np.dtype("<u4") and got_mask.dtype == np.uint8
+        np.testing.assert_array_equal(got_ids, want_ids)
+        np.testing.assert_array_equal(got_mask, want_mask)
+
+
+def test_records_follow_specforge_conversation_schema(run_config: Config) -> None:
+    merge(run_config)
+    records = {r["id"]: r for r in train_lines(run_config.run_dir)}
+    for record in records.values():
+        assert list(record) == ["id", "conversations"] and isinstance(record["id"], str)
+        turns = record["conversations"]
+        assert all(isinstance(t["content"], str) for t in turns)
+        roles = [t["role"] for t in turns]
+        body = roles[1:] if roles[0] == "system" else roles
+        # SpecForge's GeneralParser: starts with user, an assistant turn follows a user (or tool) turn.
+        assert body[0] == "user" and body[-1] == "assistant"
+        assert all(prev != "assistant" for prev, cur in itertools.pairwise(body) if cur == "assistant")
+        assert isinstance(turns[-1]["reasoning_content"], str)
+        assert all("reasoning_content" not in t for t in turns[:-1])
+
+    assert records["A/a1"]["conversations"] == [
+        {"role": "user", "content": "shared prompt"},
+        {"role": "assistant", "content": "The answer.", "reasoning_content": "Let me think."}]
+    assert records["A/a2"]["conversations"] == [
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "The answer.", "reasoning_content": ""}]
+    assert [t["role"] for t in records["A/a3"]["conversations"]] == ["user", "assistant", "user", "assistant"]
+    assert records["A/a3"]["conversations"][1] == {"role": "assistant", "content": "Hello!"}
+    assert records["B/7"]["conversations"][0] == {"role": "user", "content": "parts joined"}
+
+
+def test_crash_mid_write_leaves_old_merged_intact(run_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = run_config.run_dir
+    merge(run_config)
+    before = snapshot_outputs(run)
+
+    calls = {"n": 0}
+    real_append = TokenWriter.append
+
+    def failing_append(self: TokenWriter, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] > len(EXPECTED_KEPT) // 2:
+            raise RuntimeError("simulated crash")
+        return real_append(self, *args, **kwargs)
+
+    # A new answer lands, so the failed merge would have produced a different merged/.
+    with open(run / "C" / "responses.jsonl", "ab") as f:
+        f.write(orjson.dumps({"id": "late", "messages": user("late"), "content": "x", "reasoning": "y",
+                              "truncated": False, "empty_content": False, "usage": {"cost": 0.0}}) + b"\n")
+    monkeypatch.setattr(merge_mod.TokenWriter, "append", failing_append)
+    progress: list[StageProgress] = []
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        merge(run_config, progress.append)
+    assert progress[-1].state == "failed"
+    assert snapshot_outputs(run) == before
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("merged")) == ["merged", "merged.lock"]
+
+    monkeypatch.setattr(merge_mod.TokenWriter, "append", real_append)
+    stats = merge(run_config)
+    assert stats.samples == len(EXPECTED_KEPT)  # "late" has no tokens yet: not_reconstructed
+    assert stats.datasets[2].dropped["not_reconstructed"] == 1
+
+
+def test_error_between_renames_puts_the_old_merged_back(run_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = run_config.run_dir
+    merge(run_config)
+    before = snapshot_outputs(run)
+    real_rename = os.rename
+    calls = {"n": 0}
+
+    def rename_then_fail(src: Any, dst: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:  # merged → merged.old-* done, tmp → merged not yet
+            raise OSError("simulated failure")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename_then_fail)
+    with pytest.raises(OSError, match="simulated failure"):
+        merge(run_config)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert snapshot_outputs(run) == before
+    assert not list(run.glob("merged.old-*")) and not list(run.glob("merged.tmp-*"))
+
+
+# A merge killed outright (os._exit: no except, no finally) at a chosen point, in a child process.
+HARD_CRASH = """
+import os, sys
+from pathlib import Path
+import orjson
+from draftgen.core import merge as m
+from draftgen.core.config import config_from_dict
+
+where, calls = sys.argv[3], [0]
+real_append, real_rename = m.TokenWriter.append, os.rename
+def append(self, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] > 10:
+        os._exit(9)
+    return real_append(self, *args, **kwargs)
+def rename(src, dst):
+    calls[0] += 1
+    if calls[0] == 2:
+        os._exit(9)
+    real_rename(src, dst)
+if where == "write":
+    m.TokenWriter.append = append
+else:
+    os.rename = rename
+m.merge(config_from_dict(orjson.loads(sys.argv[1]), Path(sys.argv[2])))
+"""
+
+
+@pytest.mark.parametrize("where", ["write", "rename"])
+def test_killed_merge_leaves_old_or_new_merged_never_half(run_config: Config, tmp_path: Path, where: str) -> None:
+    run = run_config.run_dir
+    merge(run_config)
+    before = snapshot_outputs(run)
+    child = subprocess.run([sys.executable, "-c", HARD_CRASH, orjson.dumps(raw_config(42)).decode(),
+                            str(tmp_path / "draftgen.toml"), where], capture_output=True, text=True, check=False)
+    assert child.returncode == 9, child.stderr
+    if where == "write":
+        assert snapshot_outputs(run) == before and list(run.glob("merged.tmp-*"))
+    else:  # killed between the renames: merged/ is aside as merged.old-*, the new one still in tmp
+        assert not (run / "merged").exists() and list(run.glob("merged.old-*"))
+        recover(run)
+        assert snapshot_outputs(run) == before
+    merge(run_config)
+    assert not list(run.glob("merged.tmp-*")) and not list(run.glob("merged.old-*"))
+    after = snapshot_outputs(run)
+    assert after["train.jsonl"] == before["train.jsonl"] and after["tokens/input_ids.bin"] == before["tokens/input_ids.bin"]
+
+
+def test_stale_temp_folders_are_cleaned(run_config: Config) -> None:
+    run = run_config.run_dir
+    stale = run / "merged.tmp-999999"
+    (stale / "tokens").mkdir(parents=True)
+    (stale / "train.jsonl").write_text("half\n")
+    merge(run_config)
+    assert not stale.exists()
+
+
+def test_reads_only_what_was_on_disk_at_the_start(run_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = run_config.run_dir
+    real_read_index = merge_mod._DatasetInput.read_token_index
+
+    def read_index_while_generation_appends(self: Any) -> Any:
+        # Generation goes on while merge runs: a clean answer (with tokens) lands after the sizes were taken.
+        if self.name == "B":
+            late = Sample("late", user("arrived during the merge"))
+            with open(run / "B" / "responses.jsonl", "ab") as f:
+                f.write(b"\n" + orjson.dumps({"id": late.id, "messages": late.messages, "content": "x",
+                                              "reasoning": "y", "truncated": False}) + b"\n")
+            with TokenWriter(run / "B" / "tokens") as writer:
+                writer.append(late.id, [1, 2, 3], [0, 1, 1], {"valid": True, "failed_checks": []})
+        return real_read_index(self)
+
+    monkeypatch.setattr(merge_mod._DatasetInput, "read_token_index", read_index_while_generation_appends)
+    stats = merge(run_config)
+    assert "B/late" not in {r["id"] for r in train_lines(run)}
+    assert stats.datasets[1].read == 5
+
+
+def test_a_second_merge_at_the_same_time_is_refused(run_config: Config) -> None:
+    run = run_config.run_dir
+    fd = os.open(run / "merged.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(DraftgenError, match="another merge is running"):
+            merge(run_config)
+    finally:
+        os.close(fd)
+
+
+def test_missing_run_directory_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DraftgenError, match="run directory not found"):
+        merge(make_config(tmp_path, seed=1))
+
+
+def test_progress_reports_counts_and_ends_done(run_config: Config) -> None:
+    seen: list[StageProgress] = []
+    stats = merge(run_config, seen.append)
+    assert all(p.name == "merge" for p in seen)
+    final = seen[-1]
+    assert final.state == "done" and final.done == final.total == stats.samples
+    detail = dict(final.detail)
+    assert list(detail) == ["read", "kept", "dropped", "written"]
+    assert int(detail["kept"]) == int(detail["written"]) == stats.samples
+    assert int(detail["read"]) == stats.read == stats.samples + sum(stats.dropped.values())
+    assert int(detail["dropped"]) == sum(stats.dropped.values())
+
+
+def test_merge_command_prints_a_summary(run_config: Config, capsys: pytest.CaptureFixture[str]) -> None:
+    assert merge_command(run_config) == 0
+    out = capsys.readouterr().out
+    assert "merge done" in out and "total" in out and "duplicate" in out
+    assert f"{len(EXPECTED_KEPT)} samples written" in out
+
+
+def test_tool_call_prompts_give_every_row_the_same_keys(run_config: Config, tmp_path: Path) -> None:
+    # datasets < 5 (what SpecForge loads with) fails when a key is in some Arrow batches and not others.
+    tool_prompt = [{"role": "user", "content": "list files"},
+                   {"role": "assistant", "content": "", "tool_calls": [
+                       {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
+                   {"role": "tool", "content": "a.py"}, {"role": "user", "content": "now read it"}]
+    write_dataset(run_config.run_dir, "D", [Sample("d1", tool_prompt)], seed=4)
+    # An answer that calls a tool (reconstruction renders its calls into the tokens).
+    responses = run_config.run_dir / "D" / "responses.jsonl"
+    record = orjson.loads(responses.read_bytes())
+    record["tool_calls"] = [{"id": "c2", "type": "function", "function": {"name": "cat", "arguments": "{}"}}]
+    responses.write_bytes(orjson.dumps(record) + b"\n")
+    raw = {"output": {"dir": "run"}, "datasets": [{"name": n, "prompts": f"{n}.jsonl"} for n in "ABCD"]}
+    merge(config_from_dict(raw, tmp_path / "draftgen.toml"))
+    records = {r["id"]: r for r in train_lines(run_config.run_dir)}
+    assert records["D/d1"]["conversations"][1]["tool_calls"][0]["function"]["name"] == "ls"
+    assert [t["role"] for t in records["D/d1"]["conversations"]] == ["user", "assistant", "tool", "user", "assistant"]
+    assert records["D/d1"]["conversations"][-1]["tool_calls"][0]["function"]["name"] == "cat"
+    assert all(r["conversations"][-1]["tool_calls"] == [] for i, r in records.items() if i != "D/d1")
