@@ -1,0 +1,72 @@
+"""`draftgen extract CONFIG [--shard I/N]`: extraction with plain progress lines, for nohup and CI."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+from ..config import Config
+from ..errors import DraftgenError
+from ..snapshot import StageProgress
+from .units import fmt_bytes, fmt_count, fmt_eta
+
+PRINT_INTERVAL_S = 5.0
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`"i/N"` -> (i, N) with 0 <= i < N."""
+    try:
+        i_text, n_text = text.split("/")
+        i, n = int(i_text), int(n_text)
+    except ValueError:
+        raise DraftgenError(f"--shard {text!r}: expected I/N, e.g. 0/4 for the first of four machines") from None
+    if n < 1 or not 0 <= i < n:
+        raise DraftgenError(f"--shard {text!r}: I must be between 0 and N-1 (got I={i}, N={n})")
+    return i, n
+
+
+def progress_line(p: StageProgress) -> str:
+    detail = dict(p.detail)
+    return (f"extract {p.done:,}/{p.total:,} samples  {detail.get('tokens', '')} tok  "
+            f"{fmt_count(p.rate)} {p.rate_unit}  written {detail.get('written', '')}  NaN {detail.get('NaN', '0')}  "
+            f"ETA {fmt_eta(p.eta_s)}")
+
+
+def extract_command(config: Config, shard: str | None, *, out: TextIO | None = None) -> int:
+    """Run extraction, print a progress line every few seconds and a summary; 0 when it finished.
+
+    DraftgenError (bad config, no merged tokens, not enough disk, backend missing) propagates to
+    the CLI boundary, which prints it without a traceback.
+    """
+    stream = out or sys.stdout
+    parsed = parse_shard(shard) if shard else (0, 1)
+    try:
+        from .runner import extract
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        raise DraftgenError("draftgen extract needs PyTorch, which is not installed: "
+                            "pip install 'draftgen[extract]' (or torch itself, see README)") from None
+    last = [0.0]
+
+    def show(p: StageProgress) -> None:
+        now = time.monotonic()
+        if p.state == "running" and now - last[0] < PRINT_INTERVAL_S:
+            return
+        last[0] = now
+        print(progress_line(p), file=stream, flush=True)
+
+    stats = extract(config, shard=parsed, progress=show)
+    where = config.run_dir / "hidden_states"
+    print(f"extract {'stopped' if stats.stopped else 'done'}: {stats.written:,} files written to {where} "
+          f"({fmt_count(stats.tokens_written)} tokens, {fmt_bytes(stats.bytes_written)}, "
+          f"{stats.tokens_per_s:,.0f} tok/s), {stats.skipped_existing:,} already there, "
+          f"{stats.nan_samples:,} with NaN not written; model {stats.model} (N={stats.num_layers}, "
+          f"H={stats.hidden_size}), aux layers {list(stats.layers)}, {stats.backend}, "
+          f"shard {parsed[0]}/{parsed[1]}", file=stream, flush=True)
+    if stats.nan_samples:
+        shown = ", ".join(str(x["index"]) for x in stats.nan[:10])
+        more = f" and {stats.nan_samples - 10} more" if stats.nan_samples > 10 else ""
+        print(f"warning: samples with NaN/Inf (not written): {shown}{more}; see stats.json", file=stream, flush=True)
+    return 0

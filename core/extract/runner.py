@@ -1,0 +1,287 @@
+"""`extract()`: the target model over `merged/tokens/`, written as SpecForge offline files (see layout.py).
+
+Synchronous on purpose: the model forward is the whole cost, and the caller (the TUI's engine, or
+`draftgen extract`) runs it in a thread and reads its progress through the `progress` callback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+from ..config import Config
+from ..errors import ConfigError, DiskError, DraftgenError
+from ..rundir import EventLog, RunDir, disk_error
+from ..snapshot import StageProgress
+from ..tokenstore import INDEX_FILE, TokenEntry, TokenReader
+from . import layout
+from .backend import ExtractBackend, make_backend
+from .model_info import ModelDims, read_model_dims, resolve_aux_layers
+from .units import fmt_bytes, fmt_count
+
+PROGRESS_INTERVAL_S = 0.25
+# torch.save's zip container, pickled dict and 64-byte alignment per file, rounded up generously.
+FILE_OVERHEAD_BYTES = 4096
+IDS_MASK_BYTES_PER_TOKEN = 16  # input_ids and loss_mask as int64
+
+
+@dataclass
+class ExtractStats:
+    """What `hidden_states/stats.json` holds for one run (one shard)."""
+    model: str
+    backend: str
+    num_layers: int
+    hidden_size: int
+    layers: tuple[int, int, int]
+    shard: tuple[int, int]
+    compress: bool
+    samples: int = 0              # in this shard
+    tokens: int = 0               # in this shard
+    skipped_existing: int = 0     # already on disk when the run started
+    written: int = 0
+    tokens_written: int = 0
+    bytes_written: int = 0
+    nan_samples: int = 0          # outputs held NaN or Inf: reported, not written
+    nan: list[dict[str, Any]] = field(default_factory=list)  # {"index", "id"} of each
+    stopped: bool = False
+    elapsed_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def bytes_needed(tokens: int, files: int, hidden_size: int) -> int:
+    """(3H + H)·2 bytes of bf16 states per token, plus the ids, the mask and each file's container."""
+    return tokens * (4 * hidden_size * 2 + IDS_MASK_BYTES_PER_TOKEN) + files * FILE_OVERHEAD_BYTES
+
+
+def plan_batches(items: Sequence[tuple[int, int]], batch_tokens: int, max_samples: int | None = None,
+                 ) -> list[list[int]]:
+    """Group (index, length) items of similar length into batches of at most `batch_tokens` padded tokens.
+
+    Longest first: a batch that does not fit in memory fails in the first minute, not hours in.
+    A sample longer than `batch_tokens` gets a batch of its own.
+    """
+    ordered = sorted(items, key=lambda item: (-item[1], item[0]))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for index, length in ordered:
+        too_many = max_samples is not None and len(current) >= max_samples
+        if current and (too_many or (len(current) + 1) * width > batch_tokens):
+            batches.append(current)
+            current = []
+        if not current:
+            width = length  # the first of a batch is its longest
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _shard_indices(count: int, shard: tuple[int, int]) -> range:
+    i, n = shard
+    return range(i, count, n)
+
+
+def _remove_stale_tmp(root: Path, shard: tuple[int, int]) -> None:
+    """Delete temporary files a killed run of *this* shard left (other machines may be writing theirs)."""
+    i, n = shard
+    for folder in root.glob("rows_*"):
+        for tmp in folder.glob(f".data_*{layout.TMP_MARK}*"):
+            digits = tmp.name.removeprefix(".data_").split(".", 1)[0]
+            if digits.isdigit() and int(digits) % n == i:
+                tmp.unlink(missing_ok=True)
+
+
+def _check_disk(root: Path, tokens: int, files: int, dims: ModelDims) -> None:
+    need = bytes_needed(tokens, files, dims.hidden_size)
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise DiskError(
+            f"{root}: extraction needs {fmt_bytes(need)} ({need:,} bytes: {tokens:,} tokens x "
+            f"({8 * dims.hidden_size:,} bytes of bf16 states, (3H+H)*2 with H={dims.hidden_size}, + "
+            f"{IDS_MASK_BYTES_PER_TOKEN} of ids and mask) + {FILE_OVERHEAD_BYTES:,} per file, for the {files:,} "
+            f"samples still to do) but only {fmt_bytes(free)} ({free:,} bytes) is free there")
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}{layout.TMP_MARK}{os.getpid()}")
+    try:
+        tmp.write_bytes(orjson.dumps(obj, option=orjson.OPT_INDENT_2) + b"\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise disk_error(path, e) from e
+
+
+def stats_path(root: Path, shard: tuple[int, int]) -> Path:
+    # Machines running different shards share the folder; each keeps its own stats.
+    return root / ("stats.json" if shard == (0, 1) else f"stats.shard-{shard[0]}-of-{shard[1]}.json")
+
+
+class _Reporter:
+    """Builds StageProgress from the running counts, at most every PROGRESS_INTERVAL_S."""
+
+    def __init__(self, progress: Callable[[StageProgress], None] | None, stats: ExtractStats,
+                 backend_desc: str, tokens_todo: int) -> None:
+        self.progress = progress
+        self.stats = stats
+        self.backend_desc = backend_desc
+        self.tokens_todo = tokens_todo
+        self.started = time.monotonic()
+        self.last = 0.0
+
+    def emit(self, state: str = "running", message: str = "", force: bool = False) -> None:
+        now = time.monotonic()
+        if self.progress is None or (not force and now - self.last < PROGRESS_INTERVAL_S):
+            return
+        self.last = now
+        s = self.stats
+        elapsed = max(now - self.started, 1e-9)
+        rate = s.tokens_written / elapsed
+        done_tokens = s.tokens_written
+        remaining = max(self.tokens_todo - done_tokens, 0)
+        eta = remaining / rate if rate > 0 and state == "running" else (0.0 if state == "done" else None)
+        self.progress(StageProgress(
+            name="extract", state=state, done=s.skipped_existing + s.written + s.nan_samples, total=s.samples,
+            rate=rate, rate_unit="tok/s", eta_s=eta, message=message,
+            detail=(
+                ("tokens", f"{fmt_count(done_tokens)} / {fmt_count(self.tokens_todo)}"),
+                ("written", fmt_bytes(s.bytes_written)),
+                ("files", f"{s.written:,}"),
+                ("skipped", f"{s.skipped_existing:,} done before"),
+                ("NaN", f"{s.nan_samples:,}"),
+                ("backend", self.backend_desc),
+                ("layers", ", ".join(str(k) for k in s.layers)),
+                ("shard", f"{s.shard[0]}/{s.shard[1]}"),
+            ),
+        ))
+
+
+def _batches_of_arrays(reader: TokenReader, batches: list[list[int]]) -> Iterator[tuple[list[int], list[Any], list[Any]]]:
+    for batch in batches:
+        ids, masks = [], []
+        for index in batch:
+            i, m = reader.arrays(reader.entries[index])
+            ids.append(i)
+            masks.append(m)
+        yield batch, ids, masks
+
+
+def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
+            progress: Callable[[StageProgress], None] | None = None,
+            backend: ExtractBackend | None = None, stop: threading.Event | None = None) -> ExtractStats:
+    """Write `hidden_states/` for every sample of `shard` not already there; return the run's stats.
+
+    `backend` replaces the one `config.extract` describes (a test's, or a model already loaded);
+    `stop`, when set, ends the run after the batch in progress (everything written stays valid).
+    """
+    cfg = config.extract
+    if not cfg.model:
+        raise ConfigError(f"{config.path}: extract.model is not set (a local model folder or an HF id)")
+    i, n = shard
+    if n < 1 or not 0 <= i < n:
+        raise DraftgenError(f"shard {i}/{n}: I must be between 0 and N-1")
+    if cfg.batch_tokens < 1:
+        raise ConfigError(f"{config.path}: extract.batch_tokens must be > 0, not {cfg.batch_tokens}")
+    rundir = RunDir(config.run_dir)
+    tokens_dir = rundir.merged / "tokens"
+    if not (tokens_dir / INDEX_FILE).exists():
+        raise DraftgenError(f"{tokens_dir / INDEX_FILE}: not found; run `draftgen merge` first")
+    reader = TokenReader(tokens_dir)
+    dims = read_model_dims(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    layers = resolve_aux_layers(cfg.aux_layers, dims, config.path)
+    root = rundir.hidden_states
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise disk_error(root, e) from e
+    _remove_stale_tmp(root, shard)
+
+    indices = _shard_indices(len(reader), shard)
+    entries: list[TokenEntry] = reader.entries
+    todo = [k for k in indices if layout.existing_sample(root, k) is None]
+    stats = ExtractStats(model=cfg.model, backend=cfg.backend, num_layers=dims.num_layers,
+                         hidden_size=dims.hidden_size, layers=layers, shard=shard, compress=cfg.compress,
+                         samples=len(indices), tokens=sum(entries[k].length for k in indices),
+                         skipped_existing=len(indices) - len(todo))
+    tokens_todo = sum(entries[k].length for k in todo)
+    _check_disk(root, tokens_todo, len(todo), dims)
+
+    owned = backend is None
+    events = EventLog(rundir.events_log)
+    events.write("info", f"extract: {len(todo):,} samples ({tokens_todo:,} tokens) to do in shard {i}/{n}, "
+                         f"{stats.skipped_existing:,} already written; layers {list(layers)}, H={dims.hidden_size}")
+    reporter: _Reporter | None = None
+    started = time.monotonic()
+    try:
+        if backend is None:
+            backend = make_backend(cfg, dims, layers, log_dir=root, config_path=config.path)
+        stats.backend = backend.description
+        reporter = _Reporter(progress, stats, backend.description, tokens_todo)
+        reporter.emit(force=True)
+        started = reporter.started
+        limit = min(cfg.batch_tokens, backend.max_batch_tokens or cfg.batch_tokens)
+        batches = plan_batches([(k, entries[k].length) for k in todo], limit, backend.max_batch_samples)
+        for batch, ids, masks in _batches_of_arrays(reader, batches):
+            if stop is not None and stop.is_set():
+                stats.stopped = True
+                break
+            outputs = backend.run(ids)
+            for index, sample_ids, mask, (hidden, aux) in zip(batch, ids, masks, outputs, strict=True):
+                _store(root, index, entries[index].id, torch.from_numpy(sample_ids), torch.from_numpy(mask),
+                       hidden, aux, dims, stats, events, cfg.compress, backend.description)
+            reporter.emit()
+    except BaseException as e:
+        if reporter is not None:
+            reporter.emit("failed", message=str(e) or type(e).__name__, force=True)
+        events.write("error", f"extract: stopped by an error: {e}")
+        events.close()
+        raise
+    finally:
+        if owned and backend is not None:
+            backend.close()
+        elapsed = time.monotonic() - started
+        stats.elapsed_s = round(elapsed, 3)
+        stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
+    _write_json_atomic(stats_path(root, shard), stats.to_dict())
+    summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
+               f"{stats.skipped_existing:,} already there")
+    events.write("info", f"extract: {'stopped' if stats.stopped else 'done'}: {summary}")
+    events.close()
+    if reporter is not None:
+        reporter.emit("done", force=True, message=("stopped: " if stats.stopped else "") + summary)
+    return stats
+
+
+def _store(root: Path, index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+           hidden: torch.Tensor, aux: torch.Tensor, dims: ModelDims, stats: ExtractStats, events: EventLog,
+           compress: bool, source: str) -> None:
+    """Check one sample's outputs and write them, or count it as NaN."""
+    length = int(input_ids.shape[0])
+    h = dims.hidden_size
+    if tuple(hidden.shape) != (length, h) or tuple(aux.shape) != (length, 3 * h):
+        raise DraftgenError(f"{source}: sample {index} gave hidden {tuple(hidden.shape)} and aux "
+                            f"{tuple(aux.shape)}, expected ({length}, {h}) and ({length}, {3 * h})")
+    sample = layout.SampleTensors(input_ids, loss_mask, hidden, aux)
+    if not sample.is_finite():
+        stats.nan_samples += 1
+        stats.nan.append({"index": index, "id": sample_id})
+        events.write("warn", f"extract: sample {index} (id {sample_id}) has NaN/Inf in its hidden states; "
+                             f"not written")
+        return
+    stats.bytes_written += layout.write_sample(root, index, sample, compress=compress)
+    stats.written += 1
+    stats.tokens_written += length
