@@ -28,9 +28,9 @@ def _dur(seconds: float | None) -> str:
 def status_line(s: snap.RunSnapshot) -> str:
     t, c = s.throughput, s.credits
     active = [d for d in s.datasets if d.status in (snap.DS_RUNNING, snap.DS_PAUSED)]
-    ds = active[0] if active else (s.datasets[-1] if s.datasets else None)
+    shown = active or [d for d in s.datasets if d.status != snap.DS_PENDING][-1:]
     parts = [f"[{_dur(s.elapsed_s)}] {s.state}"]
-    if ds is not None:
+    for ds in shown:
         parts.append(f"{ds.name} {ds.done + ds.failed}/{ds.total} ({ds.failed} failed, {ds.skipped} skipped)")
     parts.append(f"req/s {t.req_s_window:.1f} (30s) {t.req_s_total:.1f} (all)")
     parts.append(f"tok/s {t.tok_s_window:,.0f} (30s)")

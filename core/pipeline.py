@@ -193,7 +193,9 @@ class Pipeline:
             self.stages["merge"] = snap.StageProgress("merge", state="failed", message=str(e))
             self.emit("error", "merge_done", f"merge failed: {e}")
             raise
-        self.emit("info", "merge_done", f"merge done: {getattr(stats, 'summary', lambda: '')()}")
+        dropped = ", ".join(f"{n} {why}" for why, n in stats.dropped.items() if n) or "none"
+        self.emit("info", "merge_done", f"merge done: {stats.samples} of {stats.read} answers kept "
+                  f"({stats.tokens:,} tokens), dropped: {dropped}; {self.rundir.merged}/train.jsonl")
         return stats
 
     async def extract(self, shard: tuple[int, int] = (0, 1)) -> Any:
@@ -210,7 +212,9 @@ class Pipeline:
             raise
         finally:
             sampler.cancel()
-        self.emit("info", "extract_done", f"extraction done: {getattr(stats, 'summary', lambda: '')()}")
+        self.emit("info", "extract_done", f"extraction done: {stats.written} files written "
+                  f"({stats.skipped_existing} already there, {stats.nan_samples} NaN), "
+                  f"{stats.tokens_written:,} tokens at {stats.tokens_per_s:,.0f} tok/s in {self.rundir.hidden_states}")
         return stats
 
     def _set_gpus(self, gpus: tuple[snap.GpuStat, ...] | None) -> None:

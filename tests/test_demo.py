@@ -1,0 +1,32 @@
+"""`draftgen demo --headless` end to end: simulator, smoke, run, reconstruction, merge, extraction."""
+
+from __future__ import annotations
+
+import io
+
+import orjson
+
+from draftgen.core.extract import load_sample
+from draftgen.core.tokenstore import TokenReader
+from draftgen.tui.demo import DEMO_KEY, run_demo
+
+
+async def test_demo_headless_end_to_end(tmp_path):
+    out = io.StringIO()
+    code = await run_demo(tmp_path, headless=True, out=out, latency_scale=0.02)
+    text = out.getvalue()
+    assert code == 0, text[-3000:]
+    run = tmp_path / "run"
+    # The chat dataset runs out of its token budget; its two bad lines are rejected, not fatal.
+    assert "chat: token budget reached" in text
+    assert len((run / "chat" / "rejected.jsonl").read_bytes().splitlines()) == 2
+    train = (run / "merged" / "train.jsonl").read_bytes().splitlines()
+    tokens = TokenReader(run / "merged" / "tokens")
+    assert len(train) == len(tokens) > 200
+    stats = orjson.loads((run / "merged" / "stats.json").read_bytes())
+    assert stats["dropped"]["duplicate"] >= 1
+    files = sorted((run / "hidden_states").rglob("data_*.ckpt"))
+    assert len(files) == len(train)
+    sample = load_sample(files[0])
+    assert set(sample) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+    assert DEMO_KEY not in (run / "events.log").read_text()

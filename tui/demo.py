@@ -1,0 +1,154 @@
+"""`draftgen demo`: the whole pipeline offline in about a minute.
+
+The built-in simulator serves on a free loopback port (realistic latency, a provider mix, a little
+fault injection); three small bundled datasets (one runs out of its token budget, one has two bad
+lines) go through smoke, generation with the bundled Kimi tokenizer reconstructing as answers
+land, merge, and extraction with a tiny random-weight Llama on the CPU. The run directory stays
+for the user to look at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+from importlib.resources import files
+from pathlib import Path
+from typing import TextIO
+
+from draftgen.core.config import Config, load_config
+from draftgen.core.errors import DraftgenError
+
+DEMO_KEY_ENV = "DRAFTGEN_DEMO_KEY"
+DEMO_KEY = "sk-demo-local-simulator-not-a-secret"
+
+CONFIG = """\
+# The demo's config: the same file format a real run uses (see README "Config reference").
+[api]
+base_url = "{base_url}"          # the simulator started by `draftgen demo`
+api_key_env = "{key_env}"
+model = "moonshotai/kimi-k2.5"
+request_timeout_s = 60
+credits_interval_s = 5
+
+[request]
+temperature = 0.6
+include_reasoning = true
+[request.provider]
+ignore = ["fireworks", "baseten"]
+sort = "price"
+allow_fallbacks = true
+quantizations = ["int4"]
+
+[budget]
+max_usd = 5.0
+credit_floor_usd = 1.0
+
+[tokenizer]
+path = "{tokenizer}"             # the bundled Kimi-K2 tiktoken vocabulary
+template = "kimi-k2.5"
+
+[output]
+dir = "run"
+
+[engine]
+parallel = true
+backoff_base_s = 0.2
+backoff_max_s = 2.0
+
+[[datasets]]
+name = "code"
+prompts = "prompts/code.jsonl"
+concurrency = 48
+max_tokens = 4096
+
+[[datasets]]
+name = "maths"
+prompts = "prompts/maths.jsonl"
+concurrency = 64
+max_tokens = 4096
+
+[[datasets]]
+name = "chat"                    # a small token budget: it runs out and skips the rest
+prompts = "prompts/chat.jsonl"
+concurrency = 16
+max_tokens = 2048
+token_budget = 30000
+
+[extract]
+model = "tiny-model"             # a 4-layer random-weight Llama with the Kimi vocabulary
+backend = "hf"
+dtype = "float32"
+device = "cpu"
+"""
+
+
+def build_tiny_model(folder: Path) -> None:
+    """A random-weight Llama small enough for the CPU, with the Kimi vocabulary size so that the
+    reconstructed token ids are valid inputs."""
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        raise DraftgenError("the demo's extraction step needs torch: pip install torch==2.13.0 "
+                            "(CPU build) and pip install -e '.[extract]'") from None
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=163840, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=65536,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+
+
+def prepare(root: Path, base_url: str) -> Config:
+    """Write prompts, the tiny model and the config into `root`; return the loaded config."""
+    from draftgen.core.tokenizer import bundled_kimi_path
+    root.mkdir(parents=True, exist_ok=True)
+    prompts = root / "prompts"
+    prompts.mkdir(exist_ok=True)
+    for name in ("code", "maths", "chat"):
+        src = files("draftgen.core").joinpath("data", "demo", f"{name}.jsonl")
+        (prompts / f"{name}.jsonl").write_bytes(src.read_bytes())
+    model = root / "tiny-model"
+    if not (model / "config.json").exists():
+        build_tiny_model(model)
+    path = root / "draftgen.toml"
+    path.write_text(CONFIG.format(base_url=base_url, key_env=DEMO_KEY_ENV, tokenizer=bundled_kimi_path()))
+    return load_config(path)
+
+
+async def run_demo(root: Path, *, headless: bool, out: TextIO = sys.stdout, latency_scale: float = 0.3) -> int:
+    from draftgen.core.simulator import SimConfig, SimServer
+    run_dir = root / "run"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a demo starts from scratch; a real run resumes instead
+    os.environ[DEMO_KEY_ENV] = DEMO_KEY
+    sim_config = SimConfig(seed=7, latency_scale=latency_scale, mean_completion_tokens=500, credits=25.0,
+                           faults={"429": 0.03, "500": 0.01, "502": 0.01, "drop": 0.005, "truncated": 0.005})
+    async with SimServer(sim_config, port=0) as sim:
+        config = prepare(root, sim.base_url)
+        print(f"draftgen demo: simulator at {sim.base_url}, run directory {run_dir}", file=out, flush=True)
+        if headless:
+            from draftgen.core.headless import run_headless
+            from draftgen.core.smoke import print_result, run_smoke
+            result = await run_smoke(config, DEMO_KEY)
+            print_result(result)
+            if not result.passed:
+                return 1
+            code = await run_headless(config, DEMO_KEY, interval_s=3.0, out=out, merge=True, extract=True)
+        else:
+            from .launch import run_tui
+            code = await run_tui(config, DEMO_KEY, after_run=["merge", "extract"])
+    print(f"\ndraftgen demo finished (exit {code}). Look around in {run_dir}:\n"
+          f"  {run_dir}/<dataset>/responses.jsonl   answers as they landed\n"
+          f"  {run_dir}/<dataset>/tokens/           token ids, loss masks, validation report\n"
+          f"  {run_dir}/merged/train.jsonl          the training set (SpecForge conversation format)\n"
+          f"  {run_dir}/hidden_states/              what EAGLE-3 trains on\n"
+          f"  {run_dir}/events.log                  what happened, in order\n"
+          f"  {root}/draftgen.toml                  the config the demo used", file=out, flush=True)
+    return code
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    return asyncio.run(run_demo(Path(args.dir).resolve(), headless=args.headless))
