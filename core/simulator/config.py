@@ -1,0 +1,209 @@
+"""What the simulator serves: providers with prices, answer lengths, latency, faults, credits.
+
+`SimConfig` is frozen; `SimServer.update(**changes)` (or `POST /_sim/config`) swaps in a new one
+at runtime, so a test can start a 429 storm, empty the credits and top them up again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..errors import DraftgenError
+
+
+class SimulatorError(DraftgenError):
+    """A bad simulator setting (CLI flag or control-endpoint patch); the message names it."""
+
+
+# Order matters: one uniform draw per request walks these cumulatively, so a given seed and
+# prompt always meets the same fault whatever the other rates are set to.
+FAULT_KINDS: tuple[str, ...] = (
+    "429",            # rate limited, with Retry-After
+    "500",
+    "502",
+    "503",
+    "524",            # Cloudflare's origin timeout: a text/plain body, not JSON
+    "drop",           # connection closed without any response
+    "hang",           # no response for hang_s, then the connection is closed
+    "truncated",      # HTTP 200 whose JSON body (or SSE stream) is cut off
+    "error200",       # HTTP 200 with an `error` object instead of choices
+    "finish_error",   # an answer with finish_reason "error"
+    "empty_choices",  # HTTP 200 with `choices: []`
+)
+
+_FAULT_ALIASES = {
+    "error_body": "error200",
+    "200error": "error200",
+    "truncate": "truncated",
+    "truncated_json": "truncated",
+    "empty": "empty_choices",
+    "finish-error": "finish_error",
+    "empty-choices": "empty_choices",
+    "dropped": "drop",
+}
+
+
+# These shape the answer pool, which is built once when the server starts.
+FIXED_AT_START: frozenset[str] = frozenset({"seed", "mean_completion_tokens", "length_sigma", "pool_size"})
+
+
+@dataclass(frozen=True)
+class SimProvider:
+    """One upstream endpoint behind the router, as OpenRouter lists it."""
+
+    name: str  # display name, as returned in the response's `provider`
+    slug: str  # what `provider.only/ignore/order` name
+    quantization: str
+    usd_per_m_in: float
+    usd_per_m_out: float
+    weight: float  # share of traffic when the router load-balances
+    ttft_s: float  # time to first token
+    tokens_per_s: float
+
+
+# Kimi-K2.5 endpoints as the reference run met them: int4 providers serve the model's tokens,
+# Fireworks and Baseten serve FP4 variants (which the reference config ignores).
+# DeepInfra's price reproduces the smoke check of SPEC.md: 205 completion tokens cost ~$0.00047.
+DEFAULT_PROVIDERS: tuple[SimProvider, ...] = (
+    SimProvider("DeepInfra", "deepinfra", "int4", 0.45, 2.25, 3.0, 0.9, 38.0),
+    SimProvider("Together", "together", "int4", 0.60, 3.00, 3.0, 0.6, 55.0),
+    SimProvider("Parasail", "parasail", "int4", 0.55, 2.80, 2.0, 0.8, 45.0),
+    SimProvider("AtlasCloud", "atlas-cloud", "int4", 0.50, 2.50, 1.0, 1.2, 30.0),
+    SimProvider("Fireworks", "fireworks", "fp4", 0.60, 2.50, 2.0, 0.4, 90.0),
+    SimProvider("Baseten", "baseten", "fp4", 0.60, 2.50, 1.0, 0.5, 80.0),
+)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything the simulator does; every field can be patched at runtime except those in
+    `FIXED_AT_START`."""
+
+    seed: int = 0
+    # Answers: lengths are log-normal around this mean (reasoning + content + 2 special tokens).
+    mean_completion_tokens: int = 1200
+    length_sigma: float = 0.6
+    pool_size: int = 192
+    # None accepts any non-empty bearer key; a string requires exactly that key (never printed).
+    api_key: str | None = field(default=None, repr=False)
+    # Credits: total purchased; the balance is credits - spent. 402 when it cannot pay.
+    credits: float = 100.0
+    credits_forbidden: bool = False  # /credits answers 403, as it does for non-management keys
+    # Latency = (ttft + tokens / tokens_per_s) * jitter * latency_scale, or fixed_latency_s.
+    latency_scale: float = 1.0
+    fixed_latency_s: float | None = None
+    jitter: float = 0.35
+    # Faults: kind -> probability per request (see FAULT_KINDS); at most 1.0 in all.
+    faults: Mapping[str, float] = field(default_factory=dict)
+    retry_after_s: float = 1.0
+    hang_s: float = 600.0
+    # Requests beyond this many in flight get 429, like a provider's concurrency limit.
+    max_in_flight: int | None = None
+    # Chance that the first choice of the router is "down" and the next provider serves.
+    fallback_rate: float = 0.1
+    # Chance that the billed completion_tokens is off by one from the answer's real count.
+    tokens_drift: float = 0.0
+    # Where the reasoning goes: OpenRouter uses `reasoning`; vLLM/SGLang use `reasoning_content`.
+    reasoning_field: Literal["reasoning", "reasoning_content"] = "reasoning"
+    # SSE keep-alive comment while the first token is awaited.
+    processing_comment_s: float = 2.0
+    providers: tuple[SimProvider, ...] = DEFAULT_PROVIDERS
+    # How many generations `/generation?id=` remembers (oldest forgotten first).
+    generation_log_size: int = 100_000
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "faults", normalise_faults(self.faults))
+        object.__setattr__(self, "providers", tuple(_provider(p) for p in self.providers))
+        _check(self.mean_completion_tokens >= 8, "mean_completion_tokens", "must be at least 8")
+        _check(self.pool_size >= 1, "pool_size", "must be at least 1")
+        _check(self.length_sigma >= 0, "length_sigma", "must be >= 0")
+        _check(math.isfinite(self.credits), "credits", "must be a finite number")
+        _check(self.latency_scale >= 0, "latency_scale", "must be >= 0")
+        _check(self.fixed_latency_s is None or self.fixed_latency_s >= 0, "fixed_latency_s", "must be >= 0")
+        _check(0 <= self.jitter < 1, "jitter", "must be in [0, 1)")
+        _check(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
+        _check(self.hang_s >= 0, "hang_s", "must be >= 0")
+        _check(self.max_in_flight is None or self.max_in_flight >= 1, "max_in_flight", "must be >= 1")
+        _check(0 <= self.fallback_rate <= 1, "fallback_rate", "must be in [0, 1]")
+        _check(0 <= self.tokens_drift <= 1, "tokens_drift", "must be in [0, 1]")
+        _check(self.reasoning_field in ("reasoning", "reasoning_content"), "reasoning_field",
+               "must be 'reasoning' or 'reasoning_content'")
+        _check(self.processing_comment_s > 0, "processing_comment_s", "must be > 0")
+        _check(len(self.providers) >= 1, "providers", "needs at least one provider")
+        _check(self.generation_log_size >= 1, "generation_log_size", "must be >= 1")
+
+    def replace(self, **changes: Any) -> SimConfig:
+        """A copy with `changes`; unknown field names are a SimulatorError naming them."""
+        known = {f.name for f in dataclasses.fields(self) if f.init}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise SimulatorError(f"simulator config: unknown field(s) {', '.join(unknown)}; "
+                                 f"known: {', '.join(sorted(known))}")
+        try:
+            return dataclasses.replace(self, **changes)
+        except (TypeError, ValueError) as exc:
+            raise SimulatorError(f"simulator config: bad value for {', '.join(sorted(changes))}: {exc}") from exc
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        out["faults"] = dict(self.faults)
+        out["providers"] = [dataclasses.asdict(p) for p in self.providers]
+        out["api_key"] = None if self.api_key is None else "(set)"  # never echo a key
+        return out
+
+
+def _check(ok: bool, name: str, what: str) -> None:
+    if not ok:
+        raise SimulatorError(f"simulator config: {name} {what}")
+
+
+def _provider(p: SimProvider | Mapping[str, Any]) -> SimProvider:
+    if isinstance(p, SimProvider):
+        return p
+    try:
+        return SimProvider(**p)
+    except TypeError as exc:
+        raise SimulatorError(f"simulator config: providers: bad entry {dict(p)!r}: {exc}") from exc
+
+
+def normalise_faults(faults: Mapping[str, float] | None) -> dict[str, float]:
+    """Canonical kind names, rates checked in [0, 1] and summing to at most 1."""
+    out: dict[str, float] = {}
+    for raw_kind, raw_rate in (faults or {}).items():
+        kind = _FAULT_ALIASES.get(str(raw_kind).strip().lower(), str(raw_kind).strip().lower())
+        if kind not in FAULT_KINDS:
+            raise SimulatorError(f"simulator faults: unknown kind {raw_kind!r}; "
+                                 f"known: {', '.join(FAULT_KINDS)}")
+        try:
+            rate = float(raw_rate)
+        except (TypeError, ValueError):
+            raise SimulatorError(f"simulator faults: rate of {raw_kind!r} is not a number: {raw_rate!r}") from None
+        if not 0.0 <= rate <= 1.0:
+            raise SimulatorError(f"simulator faults: rate of {raw_kind!r} must be in [0, 1], got {rate}")
+        if rate > 0:
+            out[kind] = out.get(kind, 0.0) + rate
+    total = sum(out.values())
+    if total > 1.0 + 1e-9:
+        raise SimulatorError(f"simulator faults: rates add up to {total:g}, more than 1")
+    return out
+
+
+def parse_faults(spec: str) -> dict[str, float]:
+    """The CLI form `429=0.3,500=0.1,drop=0.05` as a checked {kind: rate} dict."""
+    pairs: dict[str, float] = {}
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        kind, sep, rate = item.partition("=")
+        if not sep:
+            raise SimulatorError(f"--faults: {item!r} is not KIND=RATE (e.g. 429=0.3,drop=0.05)")
+        try:
+            pairs[kind.strip()] = pairs.get(kind.strip(), 0.0) + float(rate)
+        except ValueError:
+            raise SimulatorError(f"--faults: rate of {kind.strip()!r} is not a number: {rate.strip()!r}") from None
+    return normalise_faults(pairs)

@@ -1,0 +1,82 @@
+"""How each fault looks on the wire, and which one (if any) a request meets."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from . import responses, wire
+from .config import FAULT_KINDS, SimConfig
+
+
+def pick_fault(faults: dict[str, float], u: float) -> str | None:
+    """The fault a request with uniform draw `u` meets, walking the kinds in a fixed order."""
+    if not faults:
+        return None
+    for kind in FAULT_KINDS:
+        rate = faults.get(kind)
+        if rate:
+            u -= rate
+            if u < 0:
+                return kind
+    return None
+
+
+async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.Reply, ttft: float,
+                      latency: float, stream: bool, fragments: wire.FragmentCache) -> web.StreamResponse:
+    """The response of a request that meets `fault` (see config.FAULT_KINDS); nothing is billed."""
+    meta = {"provider_name": r.provider}
+    if fault == "429":
+        return responses.rate_limited(cfg, r.provider)
+    if fault in ("500", "502", "503"):
+        await responses.sleep(ttft)
+        if fault == "500":
+            return responses.error(500, "Internal Server Error")
+        if fault == "502":
+            return responses.error(502, "Provider returned error",
+                                   {**meta, "raw": "upstream connect error or disconnect/reset before headers"})
+        return responses.error(503, f"No instances available for {r.model}. Please retry shortly.", meta)
+    if fault == "524":
+        await responses.sleep(latency)
+        # Cloudflare answers an origin timeout with its own plain-text page, not JSON.
+        return web.Response(status=524, text="error code: 524", content_type="text/plain")
+    if fault in ("drop", "hang"):
+        request[responses.NO_RESPONSE] = fault  # recorded even if the client gives up first
+        await responses.sleep(ttft if fault == "drop" else cfg.hang_s)
+        return await responses.drop(request, fault)
+    if not stream:
+        await responses.sleep(latency)
+        if fault == "truncated":
+            full = wire.completion_json(r, fragments)
+            return web.Response(body=full[: len(full) // 2], content_type=responses.JSON)
+        if fault == "error200":
+            body = wire.error_json(502, "Provider returned error", meta)
+        elif fault == "finish_error":
+            body = wire.completion_json(unbilled(r), None, "error", r.completion.content[:200])
+        else:
+            body = wire.empty_choices_json(r)
+        return web.Response(body=body, content_type=responses.JSON)
+    # Streamed faults: the 200 and some of the answer are already out when it goes wrong.
+    resp = await responses.open_stream(request)
+    await responses.wait_with_comments(resp, ttft, cfg.processing_comment_s)
+    frames = wire.delta_frames(r, fragments)
+    half = frames[: len(frames) // 2]
+    if fault == "empty_choices":
+        await resp.write(wire.empty_choices_frame(r) + wire.DONE)
+    elif fault == "truncated":
+        await responses.paced(resp, half, max(0.0, latency - ttft) / 2)
+        last = frames[len(half)] if len(frames) > len(half) else wire.final_frame(r)
+        await resp.write(last[: len(last) // 2])
+    elif fault == "error200":
+        await responses.paced(resp, half, max(0.0, latency - ttft) / 2)
+        await resp.write(wire.error_frame(r, 502, "Provider returned error: upstream disconnected"))
+    else:  # finish_error
+        await responses.paced(resp, half, max(0.0, latency - ttft) / 2)
+        await resp.write(wire.final_frame(unbilled(r), "error") + wire.DONE)
+    await resp.write_eof()
+    return resp
+
+
+def unbilled(r: wire.Reply) -> wire.Reply:
+    """The same reply with a zero cost: only answers are billed."""
+    return wire.Reply(r.gen_id, r.provider, r.model, r.created, r.completion, r.show_reasoning,
+                      r.reasoning_field, r.token_ids, {**r.usage, "cost": 0.0})

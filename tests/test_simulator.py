@@ -1,0 +1,526 @@
+"""The simulator over loopback: a raw aiohttp client against the real SimServer."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+from importlib import resources
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import tiktoken
+from draftgen.core.errors import DraftgenError
+from draftgen.core.simulator import FAULT_KINDS, SimConfig, SimServer, SimulatorError, parse_faults, prompt_key
+from draftgen.core.simulator.answers import build_pool
+from tiktoken.load import load_tiktoken_bpe
+
+AUTH = {"Authorization": "Bearer sk-test"}
+REFERENCE_ROUTING = {"ignore": ["fireworks", "baseten"], "sort": "price", "allow_fallbacks": True,
+                     "quantizations": ["int4"]}
+
+
+def cfg(**kw: Any) -> SimConfig:
+    base: dict[str, Any] = dict(seed=1, latency_scale=0.0, mean_completion_tokens=300, pool_size=24)
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def body(prompt: str = "What is 2+2? Answer in one word.", **kw: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": prompt}],
+                           "max_tokens": 10240, "include_reasoning": True}
+    out.update(kw)
+    return out
+
+
+async def post(s: aiohttp.ClientSession, sim: SimServer, payload: dict[str, Any],
+               headers: dict[str, str] = AUTH, **kw: Any) -> tuple[int, Any, bytes]:
+    async with s.post(f"{sim.base_url}/chat/completions", data=orjson.dumps(payload),
+                      headers={**headers, "Content-Type": "application/json"}, **kw) as r:
+        return r.status, r.headers, await r.read()
+
+
+def parse_sse(raw: bytes) -> tuple[list[dict[str, Any]], int, bool]:
+    """(data chunks, comment lines, saw [DONE])"""
+    chunks, comments, done = [], 0, False
+    for line in raw.decode().split("\n"):
+        if line.startswith(":"):
+            comments += 1
+        elif line.startswith("data: "):
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                done = True
+            else:
+                chunks.append(json.loads(data))
+    return chunks, comments, done
+
+
+@functools.cache
+def kimi() -> tiktoken.Encoding:
+    """The Kimi tokenizer built here independently of the simulator's own loader."""
+    folder = resources.files("draftgen.core") / "data" / "kimi-k2"
+    table = json.loads((folder / "special_tokens.json").read_text())
+    enc = tiktoken.Encoding(name="kimi-test", pat_str="|".join(table["pat_str_alternatives"]),
+                            mergeable_ranks=load_tiktoken_bpe(str(folder / "tiktoken.model")),
+                            special_tokens=table["named"])
+    vector = table["test_vectors"]["plain_text"]
+    assert enc.encode_ordinary(vector["text"]) == vector["ids"]
+    return enc
+
+
+def rendered_ids(reasoning: str, content: str) -> list[int]:
+    """`{reasoning}</think>{content}<|im_end|>` with the two specials as specials and any
+    special-looking text inside reasoning or content as ordinary text."""
+    enc = kimi()
+    return (enc.encode_ordinary(reasoning) + [enc._special_tokens["</think>"]]
+            + enc.encode_ordinary(content) + [enc._special_tokens["<|im_end|>"]])
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+# -- wire format -----------------------------------------------------------------------------
+
+
+async def test_plain_response_wire_format(session):
+    async with SimServer(cfg(), port=0) as sim:
+        assert sim.base_url.startswith("http://127.0.0.1:") and sim.base_url.endswith("/api/v1")
+        status, headers, raw = await post(session, sim, body(provider=REFERENCE_ROUTING))
+        assert status == 200 and headers["Content-Type"].startswith("application/json")
+        d = json.loads(raw)
+        assert d["id"].startswith("gen-") and d["object"] == "chat.completion"
+        assert d["model"] == "moonshotai/kimi-k2.5" and isinstance(d["created"], int)
+        assert d["provider"] in {"DeepInfra", "Together", "Parasail", "AtlasCloud"}  # int4, not ignored
+        choice = d["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["native_finish_reason"] == "stop"
+        msg = choice["message"]
+        assert msg["role"] == "assistant" and msg["content"] and msg["reasoning"]
+        assert not msg.get("reasoning_content")  # reasoning comes in `reasoning`, as on OpenRouter
+        assert msg["reasoning_details"] == [{"type": "reasoning.text", "text": msg["reasoning"],
+                                             "format": "unknown", "index": 0}]
+        u = d["usage"]
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        assert 0 < u["completion_tokens_details"]["reasoning_tokens"] < u["completion_tokens"]
+        price = {p.name: p for p in sim.config.providers}[d["provider"]]
+        expected = (u["prompt_tokens"] * price.usd_per_m_in + u["completion_tokens"] * price.usd_per_m_out) / 1e6
+        assert u["cost"] == pytest.approx(expected)
+        assert sim.stats.billed_usd == pytest.approx(u["cost"])
+
+
+async def test_sse_stream_carries_the_same_answer(session):
+    async with SimServer(cfg(), port=0) as sim:
+        _, _, plain = await post(session, sim, body())
+        status, headers, raw = await post(session, sim, body(stream=True))
+        assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+        chunks, comments, done = parse_sse(raw)
+        assert done and comments >= 2  # ": OPENROUTER PROCESSING" comments, before and amid the data
+        assert raw.index(b"\n: OPENROUTER PROCESSING") > raw.index(b"data: ")
+        assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+        reasoning = "".join(c["choices"][0]["delta"].get("reasoning") or "" for c in chunks)
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        final = chunks[-1]
+        assert final["choices"][0]["finish_reason"] == "stop" and "usage" in final
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+        # The answer depends on seed and prompt only, so the plain and streamed texts agree.
+        msg = json.loads(plain)["choices"][0]["message"]
+        assert (reasoning, content) == (msg["reasoning"], msg["content"])
+        assert final["usage"]["completion_tokens"] == len(rendered_ids(reasoning, content))
+
+
+async def test_completion_tokens_are_the_kimi_count_of_the_rendered_answer(session):
+    async with SimServer(cfg(pool_size=30), port=0) as sim:
+        prompts = [f"Write a python function number {i}" for i in range(6)] + \
+                  [f"Solve the equation {i}x = 7" for i in range(6)] + [f"Tell me about {i} bees" for i in range(6)]
+        for p in prompts:
+            _, _, raw = await post(session, sim, body(p, return_token_ids=True))
+            d = json.loads(raw)
+            msg, u = d["choices"][0]["message"], d["usage"]
+            ids = rendered_ids(msg["reasoning"], msg["content"])
+            assert u["completion_tokens"] == len(ids)
+            assert u["completion_tokens_details"]["reasoning_tokens"] == len(kimi().encode_ordinary(msg["reasoning"]))
+            assert d["choices"][0]["token_ids"] == ids
+
+
+def test_every_pool_answer_counts_as_the_kimi_tokenizer_counts_it():
+    pool = build_pool(1, 300, 0.6, 96)
+    answers = [a for group in pool.by_style.values() for a in group]
+    # Some code answers carry a literal "<|im_end|>", which must stay ordinary text.
+    assert any("<|im_end|>" in a.content for a in answers)
+    for a in answers:
+        for think in (True, False):
+            c = pool.complete(a, None, think)
+            assert c.ids == rendered_ids(a.reasoning if think else "", a.content)
+            assert c.completion_tokens == len(c.ids)
+        for limit in (1, 7, len(a.reasoning_ids) + 1, len(a.reasoning_ids) + 3, a.completion_tokens - 1):
+            c = pool.complete(a, limit)
+            assert c.finish_reason == "length" and c.completion_tokens <= limit
+            assert kimi().decode(c.ids) == (c.reasoning + "</think>" + c.content if c.think_end else c.reasoning)
+
+
+async def test_reasoning_modes(session):
+    async with SimServer(cfg(), port=0) as sim:
+        plain = body()
+        del plain["include_reasoning"]
+        d = json.loads((await post(session, sim, plain))[2])
+        assert d["choices"][0]["message"]["reasoning"] is None
+        assert d["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+        assert d["usage"]["completion_tokens"] == len(rendered_ids("", d["choices"][0]["message"]["content"]))
+
+        hidden = dict(plain, reasoning={"effort": "high", "exclude": True})
+        d = json.loads((await post(session, sim, hidden))[2])
+        assert d["choices"][0]["message"]["reasoning"] is None
+        assert d["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0  # thought, billed, not shown
+
+        shown = dict(plain, reasoning={"enabled": True})
+        d = json.loads((await post(session, sim, shown))[2])
+        assert d["choices"][0]["message"]["reasoning"]
+
+        sim.update(reasoning_field="reasoning_content")  # a vLLM/SGLang-style server
+        d = json.loads((await post(session, sim, shown))[2])
+        msg = d["choices"][0]["message"]
+        assert msg["reasoning_content"] and "reasoning" not in msg
+
+
+async def test_max_tokens_cuts_the_answer_with_finish_reason_length(session):
+    async with SimServer(cfg(), port=0) as sim:
+        for stream in (False, True):
+            # Small max_tokens: the reasoning alone uses it up and the content is empty.
+            status, _, raw = await post(session, sim, body(max_tokens=5, stream=stream, return_token_ids=True))
+            assert status == 200
+            if stream:
+                chunks, _, _ = parse_sse(raw)
+                content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+                reasoning = "".join(c["choices"][0]["delta"].get("reasoning") or "" for c in chunks)
+                fr, u = chunks[-1]["choices"][0]["finish_reason"], chunks[-1]["usage"]
+                ids = [t for c in chunks for t in c["choices"][0].get("token_ids") or []]
+            else:
+                d = json.loads(raw)
+                content, reasoning = d["choices"][0]["message"]["content"], d["choices"][0]["message"]["reasoning"]
+                fr, u, ids = d["choices"][0]["finish_reason"], d["usage"], d["choices"][0]["token_ids"]
+            assert fr == "length" and content == "" and u["completion_tokens"] == 5 == len(ids)
+            assert kimi().decode(ids) == reasoning
+
+        # A cut inside the content: reasoning whole, then `</think>`, then part of the content.
+        full = json.loads((await post(session, sim, body(return_token_ids=True)))[2])
+        n_reasoning = full["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        limit = n_reasoning + 4
+        d = json.loads((await post(session, sim, body(max_tokens=limit, return_token_ids=True)))[2])
+        msg = d["choices"][0]["message"]
+        assert d["choices"][0]["finish_reason"] == "length" and d["usage"]["completion_tokens"] == limit
+        assert msg["reasoning"] == full["choices"][0]["message"]["reasoning"]
+        assert full["choices"][0]["message"]["content"].startswith(msg["content"]) and msg["content"]
+        assert d["choices"][0]["token_ids"] == full["choices"][0]["token_ids"][:limit]
+        assert sim.stats.finish_reasons == {"length": 3, "stop": 1}
+
+
+# -- routing, credits, auth ------------------------------------------------------------------
+
+
+async def test_provider_routing(session):
+    async with SimServer(cfg(fallback_rate=0.0), port=0) as sim:
+        async def providers(prefs: dict[str, Any], n: int = 12) -> set[str]:
+            seen = set()
+            for i in range(n):
+                status, _, raw = await post(session, sim, body(f"route {i} {json.dumps(prefs)}", provider=prefs))
+                assert status == 200, raw
+                seen.add(json.loads(raw)["provider"])
+            return seen
+
+        assert await providers({"quantizations": ["int4"]}) <= {"DeepInfra", "Together", "Parasail", "AtlasCloud"}
+        assert await providers({"ignore": ["fireworks", "baseten", "DeepInfra"]}) & {"Fireworks", "Baseten",
+                                                                                       "DeepInfra"} == set()
+        assert await providers({"only": ["together"]}) == {"Together"}
+        assert await providers(REFERENCE_ROUTING) == {"DeepInfra"}  # cheapest int4, no outage drawn
+        assert await providers({"order": ["parasail", "together"], "allow_fallbacks": False}) == {"Parasail"}
+        sim.update(fallback_rate=1.0)  # the first choice is always "down"
+        assert await providers(REFERENCE_ROUTING) <= {"Together", "Parasail", "AtlasCloud"}
+        assert await providers({"order": ["parasail"], "allow_fallbacks": False}) == {"Parasail"}
+
+        status, _, raw = await post(session, sim, body(provider={"only": ["fireworks"], "quantizations": ["int4"]}))
+        err = json.loads(raw)["error"]
+        assert status == 404 and err["code"] == 404 and err["message"].startswith("No endpoints found")
+        assert sim.stats.by_status["404"] == 1
+
+
+async def test_credits_fall_with_spend_and_402_when_they_run_out(session):
+    async with SimServer(cfg(credits=0.01), port=0) as sim:
+        async with session.get(f"{sim.base_url}/credits", headers=AUTH) as r:
+            assert (await r.json())["data"] == {"total_credits": 0.01, "total_usage": 0.0}
+        statuses = []
+        for i in range(40):
+            status, _, raw = await post(session, sim, body(f"spend {i}", max_tokens=500))
+            statuses.append(status)
+            if status == 402:
+                err = json.loads(raw)["error"]
+                assert err["code"] == 402 and "credits" in err["message"]
+                break
+        assert statuses[0] == 200 and statuses[-1] == 402
+        spent = sim.stats.billed_usd
+        async with session.get(f"{sim.base_url}/credits", headers=AUTH) as r:
+            data = (await r.json())["data"]
+        assert data["total_usage"] == pytest.approx(spent) and data["total_credits"] - spent < 0.01
+        async with session.get(f"{sim.base_url}/key", headers=AUTH) as r:
+            key = (await r.json())["data"]
+        assert key["limit_remaining"] == pytest.approx(0.01 - spent) and key["is_free_tier"] is False
+        assert "sk-test" not in json.dumps(key)
+
+        sim.set_balance(5.0)  # topped up
+        assert (await post(session, sim, body("after top-up", max_tokens=500)))[0] == 200
+        sim.set_balance(0.0)
+        assert (await post(session, sim, body("drained", max_tokens=500)))[0] == 402
+        sim.update(credits_forbidden=True)  # a non-management key: /credits refused, /key still works
+        async with session.get(f"{sim.base_url}/credits", headers=AUTH) as r:
+            assert r.status == 403
+
+
+async def test_generation_endpoint(session):
+    async with SimServer(cfg(), port=0) as sim:
+        d = json.loads((await post(session, sim, body(provider=REFERENCE_ROUTING)))[2])
+        async with session.get(f"{sim.base_url}/generation", params={"id": d["id"]}, headers=AUTH) as r:
+            g = (await r.json())["data"]
+        assert g["id"] == d["id"] and g["total_cost"] == d["usage"]["cost"]
+        assert g["tokens_completion"] == d["usage"]["completion_tokens"] and g["provider_name"] == d["provider"]
+        assert g["native_tokens_reasoning"] == d["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        async with session.get(f"{sim.base_url}/generation", params={"id": "gen-nope"}, headers=AUTH) as r:
+            assert r.status == 404
+
+
+async def test_auth(session):
+    async with SimServer(cfg(), port=0) as sim:
+        assert (await post(session, sim, body(), headers={}))[0] == 401
+        assert (await post(session, sim, body(), headers={"Authorization": "Bearer "}))[0] == 401
+    async with SimServer(cfg(api_key="sk-right"), port=0) as sim:
+        status, _, raw = await post(session, sim, body(), headers={"Authorization": "Bearer sk-wrong"})
+        assert status == 401 and b"sk-right" not in raw and b"sk-wrong" not in raw
+        assert (await post(session, sim, body(), headers={"Authorization": "Bearer sk-right"}))[0] == 200
+        async with session.get(f"{sim.base_url}/credits") as r:
+            assert r.status == 401
+        async with session.get(f"http://127.0.0.1:{sim.port}/_sim/config") as r:
+            assert (await r.json())["api_key"] == "(set)"
+
+
+async def test_bad_requests_get_400(session):
+    async with SimServer(cfg(), port=0) as sim:
+        async with session.post(f"{sim.base_url}/chat/completions", data=b"{not json", headers=AUTH) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == 400
+        assert (await post(session, sim, {"model": "m", "messages": []}))[0] == 400
+        assert (await post(session, sim, body(max_tokens=0)))[0] == 400
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+
+async def _outcome(session: aiohttp.ClientSession, sim: SimServer, stream: bool) -> tuple[Any, ...]:
+    try:
+        async with session.post(f"{sim.base_url}/chat/completions", json=body(stream=stream), headers=AUTH,
+                                timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+            return r.status, r.headers, await r.read()
+    except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+        return "error", type(exc), None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+async def test_each_fault_at_rate_one(session, kind, stream):
+    async with SimServer(cfg(faults={kind: 1.0}, retry_after_s=7, hang_s=30), port=0) as sim:
+        status, headers, raw = await _outcome(session, sim, stream)
+        if kind in ("429", "500", "502", "503"):
+            assert status == int(kind) and json.loads(raw)["error"]["code"] == int(kind)
+            if kind == "429":
+                assert headers["Retry-After"] == "7"
+        elif kind == "524":
+            assert status == 524 and raw == b"error code: 524"  # Cloudflare's page, not JSON
+        elif kind == "drop":
+            assert status == "error" and issubclass(headers, aiohttp.ServerDisconnectedError)
+        elif kind == "hang":
+            assert status == "error" and issubclass(headers, asyncio.TimeoutError)
+        elif not stream:
+            assert status == 200
+            if kind == "truncated":
+                with pytest.raises(json.JSONDecodeError):
+                    json.loads(raw)
+            elif kind == "error200":
+                d = json.loads(raw)
+                assert "choices" not in d and d["error"]["message"]
+            elif kind == "finish_error":
+                assert json.loads(raw)["choices"][0]["finish_reason"] == "error"
+            else:
+                assert json.loads(raw)["choices"] == []
+        else:
+            assert status == 200
+            if kind == "truncated":
+                lines = raw.decode().rstrip("\n").split("\n")
+                assert "data: [DONE]" not in lines
+                with pytest.raises(json.JSONDecodeError):
+                    json.loads(lines[-1][len("data: "):])
+            else:
+                chunks, _, _ = parse_sse(raw)
+                if kind == "error200":
+                    assert chunks[-1]["error"]["message"] and chunks[-1]["choices"][0]["finish_reason"] == "error"
+                elif kind == "finish_error":
+                    assert chunks[-1]["choices"][0]["finish_reason"] == "error"
+                else:
+                    assert chunks[-1]["choices"] == []
+        for _ in range(100):  # a dropped or abandoned handler is cancelled a moment later
+            if sim.stats.in_flight == 0:
+                break
+            await asyncio.sleep(0.02)
+        st = sim.stats
+        assert st.faults == {kind: 1} and st.answers_total == 0 and st.billed_usd == 0
+        assert st.in_flight == 0 and st.requests_total == 1
+
+
+async def test_fault_rates_and_max_in_flight(session):
+    async with SimServer(cfg(faults=parse_faults("429=0.3,500=0.1,error200=0.1")), port=0) as sim:
+        statuses = [(await post(session, sim, body(f"p{i}")))[0] for i in range(200)]
+        st = sim.stats
+        assert st.faults["429"] == statuses.count(429) and 30 <= statuses.count(429) <= 90
+        assert st.faults["500"] == statuses.count(500)
+        assert st.answers_total + st.faults.get("error200", 0) == statuses.count(200)
+    async with SimServer(cfg(fixed_latency_s=0.3, max_in_flight=5), port=0) as sim:
+        results = await asyncio.gather(*(post(session, sim, body(f"c{i}")) for i in range(12)))
+        assert sorted(r[0] for r in results) == [200] * 5 + [429] * 7
+        assert all(r[1]["Retry-After"] for r in results if r[0] == 429)
+
+
+# -- determinism, counters, control ----------------------------------------------------------
+
+
+async def _run(session: aiohttp.ClientSession, seed: int) -> list[tuple[Any, ...]]:
+    async with SimServer(cfg(seed=seed, faults={"429": 0.3, "500": 0.1}, tokens_drift=0.5), port=0) as sim:
+        out = []
+        for i in range(25):
+            status, _, raw = await post(session, sim, body(f"determinism {i % 10}"))
+            d = json.loads(raw)
+            if status == 200:
+                msg = d["choices"][0]["message"]
+                out.append((status, d["provider"], msg["content"], d["usage"]["completion_tokens"]))
+            else:
+                out.append((status, d["error"]["message"]))
+        return out
+
+
+async def test_same_seed_same_run(session):
+    first, again, other = await _run(session, 5), await _run(session, 5), await _run(session, 6)
+    assert first == again
+    assert first != other
+
+
+async def test_tokens_drift(session):
+    async with SimServer(cfg(tokens_drift=1.0), port=0) as sim:
+        d = json.loads((await post(session, sim, body()))[2])
+        msg = d["choices"][0]["message"]
+        assert abs(d["usage"]["completion_tokens"] - len(rendered_ids(msg["reasoning"], msg["content"]))) == 1
+
+
+async def test_peak_concurrency_and_per_prompt_counts(session):
+    async with SimServer(cfg(fixed_latency_s=0.5), port=0) as sim:
+        payloads = [body(f"concurrent {i}") for i in range(60)]
+        results = await asyncio.gather(*(post(session, sim, p) for p in payloads))
+        assert all(r[0] == 200 for r in results)
+        st = sim.stats
+        assert st.peak_in_flight == 60 and st.in_flight == 0 and st.requests_total == 60
+        key = prompt_key(payloads[7]["messages"])
+        assert st.prompt_requests[key] == 1 and st.prompt_answers[key] == 1
+        assert st.prompt_cost[key] == pytest.approx(json.loads(results[7][2])["usage"]["cost"])
+        assert sum(st.answers_by_provider.values()) == 60
+
+
+async def test_control_endpoints_drive_a_running_server(session):
+    async with SimServer(cfg(), port=0) as sim:
+        ctl = f"http://127.0.0.1:{sim.port}/_sim"
+        async with session.post(f"{ctl}/config", json={"faults": {"429": 1.0}, "retry_after_s": 2}) as r:
+            assert r.status == 200 and (await r.json())["faults"] == {"429": 1.0}
+        status, headers, _ = await post(session, sim, body())
+        assert status == 429 and headers["Retry-After"] == "2"
+        async with session.post(f"{ctl}/config", json={"faults": {}, "balance": 0}) as r:
+            assert r.status == 200
+        assert (await post(session, sim, body()))[0] == 402
+        async with session.post(f"{ctl}/config", json={"balance": 10}) as r:
+            assert r.status == 200
+        assert (await post(session, sim, body()))[0] == 200
+        async with session.post(f"{ctl}/config", json={"no_such_field": 1}) as r:
+            assert r.status == 400 and "no_such_field" in (await r.json())["error"]["message"]
+        async with session.post(f"{ctl}/config", json={"seed": 99}) as r:
+            assert r.status == 400 and "seed" in (await r.json())["error"]["message"]
+        async with session.get(f"{ctl}/stats") as r:
+            stats = await r.json()
+        assert stats["requests_total"] == 3 and stats["by_status"] == {"429": 1, "402": 1, "200": 1}
+        assert stats["prompt_requests"][prompt_key(body()["messages"])] == 3
+        assert stats["balance"] == pytest.approx(sim.balance) and sim.balance < 10
+        async with session.get(f"{ctl}/stats", params={"prompts": "0"}) as r:
+            assert "prompt_requests" not in await r.json()
+
+
+async def test_a_client_that_leaves_is_neither_counted_in_flight_nor_billed(session, caplog):
+    async with SimServer(cfg(fixed_latency_s=0.6), port=0) as sim:
+        with pytest.raises(TimeoutError):  # gives up before the answer: the handler is cancelled
+            await post(session, sim, body(), timeout=aiohttp.ClientTimeout(total=0.2))
+        async with session.post(f"{sim.base_url}/chat/completions", json=body(stream=True), headers=AUTH) as r:
+            assert (await r.content.readline()).startswith(b": OPENROUTER PROCESSING")
+            r.close()  # leaves mid-stream
+        for _ in range(100):
+            if sim.stats.in_flight == 0:
+                break
+            await asyncio.sleep(0.02)
+        st = sim.stats
+        assert st.in_flight == 0 and st.by_status == {"cancelled": 2}
+        assert st.answers_total == 0 and st.billed_usd == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_parse_faults():
+    assert parse_faults("429=0.3, 500=0.1,drop=0.05,error_body=0.01") == {
+        "429": 0.3, "500": 0.1, "drop": 0.05, "error200": 0.01}
+    assert parse_faults("") == {}
+    for bad in ("teapot=0.1", "429", "429=x", "429=1.5", "429=0.6,500=0.6"):
+        with pytest.raises(SimulatorError) as exc:
+            parse_faults(bad)
+        assert isinstance(exc.value, DraftgenError) and "faults" in str(exc.value)
+    with pytest.raises(SimulatorError, match="latency_scale"):
+        SimConfig(latency_scale=-1)
+
+
+def test_cli_serves_until_interrupted(tmp_path):
+    script = ("import argparse, sys\n"
+              "from draftgen.core.simulator import cli\n"
+              "p = argparse.ArgumentParser(); cli.add_arguments(p)\n"
+              "sys.exit(cli.run(p.parse_args()))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, "--port", "0", "--latency-scale", "0",
+                             "--mean-tokens", "300", "--faults", "429=0.5", "--key", "sk-cli-secret"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        first = proc.stdout.readline()
+        assert "http://127.0.0.1:" in first, first + proc.stderr.read()
+        base_url = first.split(" at ")[1].strip()
+
+        async def ask() -> list[int]:
+            async with aiohttp.ClientSession() as s:
+                out = []
+                for i in range(6):
+                    async with s.post(f"{base_url}/chat/completions", json=body(f"cli {i}"),
+                                      headers={"Authorization": "Bearer sk-cli-secret"}) as r:
+                        out.append(r.status)
+                return out
+
+        statuses = asyncio.run(ask())
+        assert set(statuses) <= {200, 429} and 200 in statuses
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
+        assert "sk-cli-secret" not in first + out + err
+        assert "requests 6" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
