@@ -40,7 +40,7 @@ def free_port() -> int:
 
 def start_sim(port: int, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "draftgen.tui.cli", "simulate", "--port", str(port),
-                             "--seed", "1", "--mean-tokens", "40", *extra],
+                             "--seed", "1", "--mean-tokens", "40", "--credits", "1e9", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import urllib.request
     for _ in range(200):

@@ -426,46 +426,12 @@ class Engine:
         ds.in_flight += 1
         ds.tokens.in_flight += expected_tokens
         self.money.in_flight += expected_cost
-        task = asyncio.create_task(self._request(ds, prompt, expected_tokens, expected_cost))
+        task = asyncio.create_task(self._request(ds, prompt))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
-    async def _request(self, ds: DatasetRun, prompt: Prompt, expected_tokens: int, expected_cost: float) -> None:
-        assert self._client is not None
-        cfg = self.config
-        body = cfg.request_body(ds.config, prompt.messages)
-        attempt = 0
-        try:
-            while True:
-                attempt += 1
-                try:
-                    answer = await self._client.chat(body)
-                except RequestFailed as e:
-                    self.errors.add(e.kind)
-                    if e.kind == "429":
-                        ds.concurrency.on_429()
-                    if e.kind == "402":
-                        ds.requeue.append(prompt)
-                        self._alert("402 Payment Required: out of credits. The run is paused; add credits "
-                                    "and press r (or send SIGCONT... see README) to resume.")
-                        return
-                    if e.kind == "404_no_endpoints":
-                        if not ds.stopped:
-                            ds.stopped = True
-                            ds.message = f"no endpoints: {self._redact(e.message)[:200]}"
-                            self._event("error", "no_endpoints", f"{ds.config.name}: stopped: provider routing "
-                                        f"excludes every provider: {self._redact(e.message)}")
-                        return
-                    if e.retryable and attempt < cfg.engine.max_attempts and not self._stopping:
-                        self.retries += 1
-                        await asyncio.sleep(backoff_delay(attempt, cfg.engine.backoff_base_s,
-                                                          cfg.engine.backoff_max_s, e.retry_after, self._rng))
-                        continue
-                    self._record_failure(ds, prompt, e, attempt)
-                    return
-                self._record_answer(ds, prompt, answer, attempt)
-                return
-        finally:
+        # A done-callback, not a `finally`: a task cancelled before its first step never runs its body.
+        def finished(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
             ds.in_flight -= 1
             ds.tokens.in_flight -= expected_tokens
             self.money.in_flight -= expected_cost
@@ -473,6 +439,42 @@ class Engine:
                 ds.wake.set()
             else:
                 self._wake_all()
+        task.add_done_callback(finished)
+
+    async def _request(self, ds: DatasetRun, prompt: Prompt) -> None:
+        assert self._client is not None
+        cfg = self.config
+        body = cfg.request_body(ds.config, prompt.messages)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                answer = await self._client.chat(body)
+            except RequestFailed as e:
+                self.errors.add(e.kind)
+                if e.kind == "429":
+                    ds.concurrency.on_429()
+                if e.kind == "402":
+                    ds.requeue.append(prompt)
+                    self._alert("402 Payment Required: out of credits. The run is paused; add credits "
+                                "and press r to resume (headless: kill -USR1 <pid>).")
+                    return
+                if e.kind == "404_no_endpoints":
+                    if not ds.stopped:
+                        ds.stopped = True
+                        ds.message = f"no endpoints: {self._redact(e.message)[:200]}"
+                        self._event("error", "no_endpoints", f"{ds.config.name}: stopped: provider routing "
+                                    f"excludes every provider: {self._redact(e.message)}")
+                    return
+                if e.retryable and attempt < cfg.engine.max_attempts and not self._stopping:
+                    self.retries += 1
+                    await asyncio.sleep(backoff_delay(attempt, cfg.engine.backoff_base_s,
+                                                      cfg.engine.backoff_max_s, e.retry_after, self._rng))
+                    continue
+                self._record_failure(ds, prompt, e, attempt)
+                return
+            self._record_answer(ds, prompt, answer, attempt)
+            return
 
     def _record_answer(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int) -> None:
         truncated = a.finish_reason == "length"
@@ -522,7 +524,7 @@ class Engine:
         except DiskError as e:
             self._pending_writes.append((appender, record))
             self._alert(f"{e}. The run is paused with {len(self._pending_writes)} record(s) held in memory; "
-                        "free space and press r to resume.")
+                        "free space and press r to resume (headless: kill -USR1 <pid>).")
 
     def _flush_pending(self) -> bool:
         while self._pending_writes:

@@ -1,7 +1,8 @@
 """`draftgen run --headless`: the pipeline without the TUI, one status line every few seconds.
 
 Made for `nohup ... &` and `tail -f`: each line stands alone and labels its averages. SIGINT drains
-(a second SIGINT stops now); SIGTERM and SIGHUP (a closed tmux pane, a dropped SSH session) drain.
+(a second SIGINT stops now); SIGTERM and SIGHUP (a closed tmux pane, a dropped SSH session) drain. SIGUSR1 resumes after a 402
+or a full disk paused the run.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
     loop.add_signal_handler(signal.SIGINT, on_sigint)
     loop.add_signal_handler(signal.SIGTERM, on_term, "SIGTERM")
     loop.add_signal_handler(signal.SIGHUP, on_term, "SIGHUP")
+    # Headless has no `r` key: SIGUSR1 resumes a run paused by a 402 or a full disk.
+    loop.add_signal_handler(signal.SIGUSR1, pipeline.resume)
     sub = pipeline.hub.subscribe(maxsize=256)
 
     async def printer() -> None:
@@ -107,6 +110,6 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
     finally:
         printing.cancel()
         sub.close()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
         await pipeline.close()

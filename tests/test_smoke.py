@@ -44,7 +44,7 @@ async def test_passing_smoke_writes_fingerprint(tmp_path):
 
 @pytest.mark.parametrize("sim_kw, tables, request_, expect", [
     ({"api_key": "another-key"}, None, None, {"key", "short: request"}),
-    ({"credits": 0.0001}, None, None, {"balance"}),
+    ({"credits": 0.05}, {"budget": {"credit_floor_usd": 0.045}}, None, {"balance"}),
     ({"faults": {"500": 1.0}}, None, None, {"short: request", "long: request"}),
     (None, {"smoke": {"max_tokens": 3}}, None, {"short: content", "short: finish", "short: tokens"}),
     ({"misbehave": ["no_reasoning"]}, None, None, {"short: reasoning"}),

@@ -47,6 +47,8 @@ _FAULT_ALIASES = {
 }
 
 
+MISBEHAVIOURS = ("no_reasoning", "wrong_model", "no_cost", "ignore_routing", "bad_token_count", "tool_calls")
+
 # These shape the answer pool, which is built once when the server starts.
 FIXED_AT_START: frozenset[str] = frozenset({"seed", "mean_completion_tokens", "length_sigma", "pool_size"})
 
@@ -112,6 +114,9 @@ class SimConfig:
     # SSE keep-alive comment while the first token is awaited.
     processing_comment_s: float = 2.0
     providers: tuple[SimProvider, ...] = DEFAULT_PROVIDERS
+    # Deliberate wire-level misbehaviour, so the smoke test's checks can be shown to fail
+    # (non-streamed answers only): see MISBEHAVIOURS.
+    misbehave: tuple[str, ...] = ()
     # How many generations `/generation?id=` remembers (oldest forgotten first).
     generation_log_size: int = 100_000
 
@@ -134,6 +139,9 @@ class SimConfig:
                "must be 'reasoning' or 'reasoning_content'")
         _check(self.processing_comment_s > 0, "processing_comment_s", "must be > 0")
         _check(len(self.providers) >= 1, "providers", "needs at least one provider")
+        object.__setattr__(self, "misbehave", tuple(self.misbehave))
+        _check(all(m in MISBEHAVIOURS for m in self.misbehave), "misbehave",
+               f"must name some of {', '.join(MISBEHAVIOURS)}")
         _check(self.generation_log_size >= 1, "generation_log_size", "must be >= 1")
 
     def replace(self, **changes: Any) -> SimConfig:

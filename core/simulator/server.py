@@ -230,7 +230,10 @@ class SimServer:
         if latency > 0:
             await asyncio.sleep(latency)
         self._bill(reply, key, provider.name, latency, streamed=False)
-        return web.Response(body=wire.completion_json(reply, self._fragments), content_type=responses.JSON)
+        data = wire.completion_json(reply, self._fragments)
+        if cfg.misbehave:
+            data = _misbehave(data, cfg, prefs)
+        return web.Response(body=data, content_type=responses.JSON)
 
     def _routes(self, cfg: SimConfig, prefs: Any, model: str) -> list[SimProvider] | NoEndpoints:
         # Memoised: a run sends the same provider preferences with every request.
@@ -415,3 +418,29 @@ def _latency(cfg: SimConfig, provider: SimProvider, tokens: int, u_jitter: float
 
 def _iso(ts: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(ts))
+
+
+def _misbehave(data: bytes, cfg: SimConfig, prefs: Any) -> bytes:
+    """Break an answer the ways a real endpoint has: for showing each smoke check can fail."""
+    obj = orjson.loads(data)
+    message = obj["choices"][0]["message"]
+    usage = obj["usage"]
+    for what in cfg.misbehave:
+        if what == "no_reasoning":
+            message["reasoning"] = None
+            message.pop("reasoning_details", None)
+            message.pop("reasoning_content", None)
+        elif what == "wrong_model":
+            obj["model"] = "someone/another-model"
+        elif what == "no_cost":
+            usage.pop("cost", None)
+        elif what == "ignore_routing":
+            ignored = (prefs or {}).get("ignore") if isinstance(prefs, dict) else None
+            slug = (ignored or ["fireworks"])[0]
+            obj["provider"] = next((p.name for p in cfg.providers if p.slug == slug), "Fireworks")
+        elif what == "bad_token_count":
+            usage["completion_tokens"] += 50
+        elif what == "tool_calls":
+            message["tool_calls"] = [{"id": "call_0", "type": "function",
+                                      "function": {"name": "lookup", "arguments": "{}"}}]
+    return orjson.dumps(obj)
