@@ -1,0 +1,355 @@
+"""Reconstruction on the real Kimi vocabulary: exact ids, loss mask, each validation check, the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from draftgen.core import tokenizer as tokmod
+from draftgen.core.reconstruct import CHECKS, ValidationReport, reconstruct, reconstruct_record
+from draftgen.core.template import KIMI_DEFAULT_SYSTEM, AutoTemplate, KimiK25Template, TemplateError, load_template
+from draftgen.core.tokenizer import bundled_kimi, bundled_kimi_path, load_tokenizer
+
+from .test_tokenizer import ROUND_TRIPS, build_tokenizer_json
+
+TABLE = json.loads((bundled_kimi_path() / "special_tokens.json").read_text())
+TOK = bundled_kimi()
+KIMI = load_template("kimi-k2.5", TOK)
+SPECIAL = {name: TOK.special_id(name) for name in TABLE["named"]}
+
+
+def user(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+def by_hand(messages: list[dict[str, Any]], reasoning: str | None, content: str,
+            *, truncated: bool = False) -> tuple[list[int], int, int]:
+    """An independent reconstruction: the SPEC.md rendering written out as one string and encoded by
+    tiktoken with every special allowed (valid when the texts hold no special look-alikes)."""
+    last_plain = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    text = ""
+    for i, m in enumerate(messages):
+        opener = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>"}[m["role"]]
+        text += f"{opener}{m['role']}<|im_middle|>"
+        if m["role"] == "assistant":
+            text += "<think></think>" if i <= last_plain else f"<think>{m.get('reasoning_content', '')}</think>"
+        text += f"{m['content']}<|im_end|>"
+    text += "<|im_assistant|>assistant<|im_middle|><think>"
+    start = len(TOK.encoding.encode(text, allowed_special="all"))
+    answer = reasoning or ""
+    if not (truncated and not content):
+        answer += f"</think>{content}"
+    if not truncated:
+        answer += "<|im_end|>"
+    ids = TOK.encoding.encode(text + answer, allowed_special="all")
+    return ids, start, len(ids)
+
+
+SYSTEM_MULTI = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!", "reasoning_content": "greet back (dropped)"},
+    {"role": "user", "content": "What is 2+2? Answer in one word."},
+]
+
+CASES = {
+    "single": (user("What is 2+2?"), "Simple sum.", "Four."),
+    "system_multi_turn": (SYSTEM_MULTI, "2 plus 2 is 4.", "Four"),
+    "no_reasoning": (user("Say hi"), None, "Hi!"),
+    "empty_content": (user("Think only"), "I will think but say nothing.", ""),
+    "code": (user("Factorial?"), "Recursion.", ROUND_TRIPS["code"]),
+    "cjk": (user(ROUND_TRIPS["cjk"]), "中文推理。", ROUND_TRIPS["cjk"]),
+    "emoji": (user("Emoji?"), "🚀 thinking", ROUND_TRIPS["emoji"]),
+    "whitespace": (user("  spaced\n\n"), "\n\n  lead and trail  \n", ROUND_TRIPS["whitespace"]),
+}
+
+
+def test_chat_vector_through_the_template() -> None:
+    vec = TABLE["test_vectors"]["chat_with_specials"]
+    r = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello", billed_tokens=4)
+    assert r.input_ids.tolist() == vec["ids"]
+    assert (r.answer_start, r.answer_end) == (9, 13)
+    assert r.loss_mask.tolist() == [0] * 8 + [1] * 5  # from the <think> through <|im_end|>
+    assert r.valid and r.count_diff == 0 and r.source == "reconstructed"
+    assert set(r.checks) == set(CHECKS) - {"matches_backend"}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_an_independent_reconstruction(case: str) -> None:
+    messages, reasoning, content = CASES[case]
+    expected, start, end = by_hand(messages, reasoning, content)
+    r = reconstruct(TOK, KIMI, messages, reasoning, content)
+    assert r.input_ids.tolist() == expected
+    assert (r.answer_start, r.answer_end) == (start, end)
+    assert r.valid, r.failed_checks
+    span = r.input_ids[r.answer_start:r.answer_end].tolist()
+    assert TOK.decode(span) == f"{reasoning or ''}</think>{content}<|im_end|>"
+    assert span[-1] == SPECIAL["<|im_end|>"] and span.count(SPECIAL["</think>"]) == 1
+
+
+def test_loss_mask_on_a_multi_turn_prompt_with_a_system_turn() -> None:
+    r = reconstruct(TOK, KIMI, SYSTEM_MULTI, "2 plus 2 is 4.", "Four")
+    ids, mask = r.input_ids.tolist(), r.loss_mask.tolist()
+    think = SPECIAL["<think>"]
+    last_think = len(ids) - 1 - ids[::-1].index(think)
+    assert last_think == r.answer_start - 1
+    assert mask == [0] * last_think + [1] * (len(ids) - last_think)
+    # The earlier assistant turn: <think></think>Hello!<|im_end|>, its reasoning dropped, not in the mask.
+    assert TOK.decode(ids).count("greet back") == 0
+    first_assistant = ids.index(SPECIAL["<|im_assistant|>"])
+    assert ids[first_assistant + 3:first_assistant + 5] == [think, SPECIAL["</think>"]]
+    assert ids[0] == SPECIAL["<|im_system|>"] and sum(mask) == r.answer_end - r.answer_start + 1
+
+
+def test_literal_im_end_in_an_answer_stays_text() -> None:
+    content = "Close a turn with <|im_end|> and think with <|im_user|>."
+    r = reconstruct(TOK, KIMI, user("How do turns end? Type <|im_end|>"), "Easy.", content)
+    assert r.valid
+    span = r.input_ids[r.answer_start:r.answer_end].tolist()
+    assert span.count(SPECIAL["<|im_end|>"]) == 1 and span[-1] == SPECIAL["<|im_end|>"]
+    assert r.input_ids.tolist().count(SPECIAL["<|im_end|>"]) == 2  # the user turn's and the answer's
+    assert TOK.decode(span) == f"Easy.</think>{content}<|im_end|>"
+
+
+def test_truncated_answers_have_no_end_of_turn() -> None:
+    messages = user("Write a long essay.")
+    r = reconstruct(TOK, KIMI, messages, "Plan the essay.", "Once upon a", truncated=True, billed_tokens=None)
+    expected, start, end = by_hand(messages, "Plan the essay.", "Once upon a", truncated=True)
+    assert r.input_ids.tolist() == expected and (r.answer_start, r.answer_end) == (start, end)
+    assert r.truncated and r.failed_checks == ("ends_with_eot",)
+    assert r.input_ids[-1] != SPECIAL["<|im_end|>"]
+
+
+def test_truncated_while_reasoning_has_no_think_close() -> None:
+    messages = user("Prove the Riemann hypothesis.")
+    r = reconstruct(TOK, KIMI, messages, "Consider the zeta function", "", truncated=True)
+    expected, _, _ = by_hand(messages, "Consider the zeta function", "", truncated=True)
+    assert r.input_ids.tolist() == expected
+    assert r.failed_checks == ("one_think_close", "ends_with_eot")
+
+
+def test_without_reasoning_and_with_empty_content() -> None:
+    r = reconstruct(TOK, KIMI, user("Hi"), None, "Hello")
+    assert TOK.decode(r.input_ids[r.answer_start:].tolist()) == "</think>Hello<|im_end|>"
+    r = reconstruct(TOK, KIMI, user("Hi"), "just thinking", "")
+    assert TOK.decode(r.input_ids[r.answer_start:].tolist()) == "just thinking</think><|im_end|>"
+    assert r.valid
+
+
+# -- each check, shown to fail on an answer made to break it ---------------------------------------
+
+
+def test_renders_fails_on_a_conversation_it_cannot_render() -> None:
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    r = reconstruct(TOK, KIMI, image, "r", "c", billed_tokens=5)
+    assert r.failed_checks == ("renders",) and "not supported" in r.error
+    assert r.input_ids.shape == (0,) and r.span_tokens == 0 and r.count_diff is None
+    assert reconstruct(TOK, KIMI, [], "r", "c").failed_checks == ("renders",)
+
+
+def test_one_think_close_fails_on_a_second_think_close_in_the_text() -> None:
+    r = reconstruct(TOK, KIMI, user("Hi"), "first thoughts", "more thoughts</think>The answer.")
+    assert r.failed_checks == ("one_think_close",)
+
+
+def test_no_think_open_fails_when_the_provider_left_the_tag_in() -> None:
+    r = reconstruct(TOK, KIMI, user("Hi"), "<think>reasoning the provider did not strip", "Answer.")
+    assert r.failed_checks == ("no_think_open",)
+    # Reasoning delivered inside content, tags and all: both tag checks fail.
+    r = reconstruct(TOK, KIMI, user("Hi"), None, "<think>reasoning</think>Answer.")
+    assert r.failed_checks == ("one_think_close", "no_think_open")
+
+
+def test_ends_with_eot_fails_on_backend_ids_without_the_stop_token() -> None:
+    good = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello")
+    span = good.input_ids[good.answer_start:good.answer_end].tolist()
+    r = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello", backend_ids=span[:-1])
+    assert "ends_with_eot" in r.failed_checks and "matches_backend" in r.failed_checks
+
+
+def test_round_trip_fails_on_text_the_tokenizer_cannot_hold() -> None:
+    r = reconstruct(TOK, KIMI, user("Hi"), "ok", "broken \ud800 surrogate")
+    assert r.failed_checks == ("round_trip",)
+
+
+def test_token_count_against_billed_with_a_tolerance() -> None:
+    r = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello", billed_tokens=6)  # span is 4 tokens
+    assert r.count_diff == -2 and r.valid
+    r = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello", billed_tokens=6, count_tolerance=1)
+    assert r.count_diff == -2 and r.failed_checks == ("token_count",)
+    r = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello", billed_tokens=400)
+    assert r.count_diff == -396 and r.failed_checks == ("token_count",)
+
+
+def test_backend_ids_are_used_and_compared() -> None:
+    good = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello")
+    span = good.input_ids[good.answer_start:good.answer_end].tolist()
+    same = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello", backend_ids=span, billed_tokens=4)
+    assert same.valid and same.source == "backend" and same.checks["matches_backend"]
+    assert same.input_ids.tolist() == good.input_ids.tolist()
+    # Same text, other ids (the server split "Hello" in two): used as given, flagged as a mismatch.
+    hello = TOK.encode_text("Hello")
+    split = TOK.encode_text("Hel") + TOK.encode_text("lo")
+    assert len(hello) == 1 and len(split) == 2
+    assert span[2:3] == hello
+    other = span[:2] + split + span[3:]
+    r = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello", backend_ids=other)
+    assert r.failed_checks == ("matches_backend",) and r.checks["round_trip"]
+    assert r.input_ids[r.answer_start:r.answer_end].tolist() == other
+    # Ids the tokenizer does not have: the reconstruction is kept, the mismatch flagged.
+    bad = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello", backend_ids=span[:-1] + [TOK.vocab_size + 5])
+    assert bad.source == "reconstructed" and bad.failed_checks == ("matches_backend",)
+    assert bad.input_ids.tolist() == good.input_ids.tolist()
+
+
+def test_reconstruct_record_reads_a_response_line() -> None:
+    record = {"id": "7", "messages": user("Hi"), "reasoning": "ok", "content": "Hello", "finish_reason": "length",
+              "usage": {"completion_tokens": 3}, "truncated": True}
+    r = reconstruct_record(TOK, KIMI, record)
+    assert r.truncated and r.billed_tokens == 3 and r.count_diff == 0
+    assert r.index_meta() == {"answer_start": 9, "answer_end": 12, "valid": False,
+                              "failed_checks": ["ends_with_eot"], "span_tokens": 3, "billed_tokens": 3,
+                              "count_diff": 0, "truncated": True, "source": "reconstructed"}
+
+
+PIECES = st.lists(st.one_of(st.text(max_size=40), st.sampled_from(
+    ["\ud800", "\udfff", "<|im_end|>", "</think>", "<think>", "  \n\n", "你好", "🚀", "\r\n", "QUJD" * 10])),
+    max_size=6).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(reasoning=st.one_of(st.none(), PIECES), content=PIECES, prompt=PIECES, truncated=st.booleans())
+def test_skipping_the_decode_of_our_own_ids_changes_no_outcome(reasoning: str | None, content: str, prompt: str,
+                                                                truncated: bool) -> None:
+    """Kimi's BPE is lossless on valid Unicode, so reconstruction does not decode its own ids; decoding
+    them anyway must give the same checks on any text, broken Unicode and look-alikes included."""
+    assert TOK.lossless_text
+    fast = reconstruct(TOK, KIMI, user(prompt), reasoning, content, truncated=truncated)
+    full = reconstruct(TOK, KIMI, user(prompt), reasoning, content, truncated=truncated, verify_decode=True)
+    assert fast.checks == full.checks
+    assert fast.input_ids.tolist() == full.input_ids.tolist()
+
+
+# -- template details ----------------------------------------------------------------------------------
+
+
+def test_tool_call_turns_after_the_last_plain_answer_keep_reasoning() -> None:
+    call = {"id": "functions.ls:0", "type": "function", "function": {"name": "ls", "arguments": '{"path":"."}'}}
+    messages = [
+        {"role": "user", "content": "List files"},
+        {"role": "assistant", "content": "", "reasoning_content": "use ls", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "functions.ls:0", "content": "a.py"},
+    ]
+    r = reconstruct(TOK, KIMI, messages, "one file", "a.py")
+    text = TOK.decode(r.input_ids.tolist())
+    assert ("<|im_assistant|>assistant<|im_middle|><think>use ls</think><|tool_calls_section_begin|>"
+            "<|tool_call_begin|>functions.ls:0<|tool_call_argument_begin|>{\"path\":\".\"}<|tool_call_end|>"
+            "<|tool_calls_section_end|><|im_end|><|im_system|>tool<|im_middle|>## Return of functions.ls:0\na.py"
+            "<|im_end|>") in text
+    assert r.valid
+
+
+def test_default_system_turn_is_optional() -> None:
+    with_default = reconstruct(TOK, KimiK25Template(default_system=KIMI_DEFAULT_SYSTEM), user("Hi"), "ok", "Hello")
+    assert TOK.decode(with_default.input_ids.tolist()).startswith(
+        f"<|im_system|>system<|im_middle|>{KIMI_DEFAULT_SYSTEM}<|im_end|><|im_user|>user")
+    assert with_default.answer_end - with_default.answer_start == 4
+
+
+QWEN_LIKE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if m.reasoning_content is defined and m.reasoning_content is not none -%}"
+    "{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{{- m.content + '<|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+@pytest.fixture
+def tj_tok(tmp_path: Path):
+    tokmod._load_cached.cache_clear()
+    return load_tokenizer(str(build_tokenizer_json(tmp_path / "tj", QWEN_LIKE)))
+
+
+def test_auto_template_uses_the_tokenizers_own_template(tj_tok) -> None:
+    tok = tj_tok
+    template = load_template("auto", tok)
+    assert isinstance(template, AutoTemplate)
+    messages = user("Hi <|im_end|> there")
+    r = reconstruct(tok, template, messages, "think a bit", "Hello <think> world", billed_tokens=None)
+    s = tok.special_id
+    t = tok.encode_text
+    prompt = [s("<|im_start|>"), *t("user\nHi <|im_end|> there"), s("<|im_end|>"), *t("\n"),
+              s("<|im_start|>"), *t("assistant\n")]
+    answer = [s("<think>"), *t("\nthink a bit\n"), s("</think>"), *t("\n\nHello <think> world"), s("<|im_end|>")]
+    assert r.input_ids.tolist() == prompt + answer + t("\n")
+    assert (r.answer_start, r.answer_end) == (len(prompt), len(prompt) + len(answer))
+    assert r.loss_mask.tolist() == [0] * len(prompt) + [1] * len(answer) + [0] * len(t("\n"))
+    # The look-alike "<think>" typed in the content is flagged, not turned into a token.
+    assert r.failed_checks == ("no_think_open",)
+    clean = reconstruct(tok, template, messages, "think a bit", "Hello world")
+    assert clean.valid, clean.failed_checks
+
+
+def test_auto_template_that_rewrites_text_is_used_as_it_renders(tmp_path: Path) -> None:
+    tokmod._load_cached.cache_clear()
+    trimming = QWEN_LIKE.replace("m.content + '<|im_end|>\\n'", "m.content | trim + '<|im_end|>\\n'")
+    tok = load_tokenizer(str(build_tokenizer_json(tmp_path / "trim", trimming)))
+    r = reconstruct(tok, load_template("auto", tok), user("  padded  "), "r", "  answer  ")
+    assert tok.decode(r.input_ids.tolist()).endswith("\n\nanswer<|im_end|>\n")
+    assert r.valid, r.failed_checks  # the span decodes to what the template rendered
+
+
+def test_auto_template_that_drops_the_final_reasoning_is_refused(tmp_path: Path) -> None:
+    tokmod._load_cached.cache_clear()
+    drops = ("{%- for m in messages -%}{%- if m.role == 'assistant' -%}"
+             "{{- '<|im_start|>assistant\\n<think></think>' + m.content + '<|im_end|>' -}}"
+             "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>' -}}{%- endif -%}"
+             "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>' -}}{%- endif -%}")
+    tok = load_tokenizer(str(build_tokenizer_json(tmp_path / "drops", drops)))
+    r = reconstruct(tok, load_template("auto", tok), user("Hi"), "lost reasoning", "Hello")
+    assert r.failed_checks == ("renders",) and "drops the answer's reasoning" in r.error
+
+
+def test_templates_refuse_what_they_cannot_serve(tmp_path: Path) -> None:
+    tokmod._load_cached.cache_clear()
+    plain = load_tokenizer(str(build_tokenizer_json(tmp_path / "plain")))
+    with pytest.raises(TemplateError, match="has no chat template"):
+        load_template("auto", plain)
+    from draftgen.core.errors import TokenizerError
+    with pytest.raises(TokenizerError, match="no special token '<|im_user|>'"):
+        load_template("kimi-k2.5", plain)
+    with pytest.raises(TemplateError, match="unknown chat template"):
+        load_template("chatml", TOK)
+
+
+# -- the report --------------------------------------------------------------------------------------
+
+
+def test_validation_report() -> None:
+    a, b = ValidationReport("A"), ValidationReport("B")
+    for diff in [0] * 97 + [1, -1, 5]:
+        a.add_outcome([], diff, 1000, False, "reconstructed")
+    a.add(reconstruct(TOK, KIMI, user("Hi"), "ok", "cut", truncated=True, billed_tokens=4))
+    b.add(reconstruct(TOK, KIMI, [], "r", "c"))
+    b.add_meta({"failed_checks": [], "count_diff": None, "truncated": False, "source": "backend"})
+    assert (a.checked, a.valid, a.truncated, a.failures["ends_with_eot"]) == (101, 100, 1, 1)
+    assert a.share_exact == pytest.approx(97 / 101) and a.diff_abs_percentile(50) == 0
+    # The truncated answer above: 3 span tokens against 4 billed.
+    assert a.diff_abs_percentile(99) == 1 and a.diff_mean == pytest.approx((1 - 1 + 5 - 1) / 101)
+    total = ValidationReport.combine([a, b])
+    assert (total.name, total.checked, total.from_backend, total.failures["renders"]) == ("all", 103, 1, 1)
+    again = ValidationReport.from_dict(json.loads(json.dumps(total.to_dict())))
+    assert again.to_dict() == total.to_dict()
+    text = total.format()
+    assert "103 answers checked" in text and "ends_with_eot" in text and "[" not in text
+    assert "p99 |diff| 1" in total.summary_line()

@@ -1,0 +1,200 @@
+"""Dataset reconstruction on disk (`draftgen tokens`) and live during a run, on the real Kimi vocabulary."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from draftgen.core.config import Config, config_from_dict
+from draftgen.core.errors import ConfigError, TokenizerError
+from draftgen.core.reconstruct import reconstruct_record
+from draftgen.core.rundir import RunDir, repair_torn_tail
+from draftgen.core.snapshot import StageProgress
+from draftgen.core.template import load_template
+from draftgen.core.tokenizer import bundled_kimi, bundled_kimi_path
+from draftgen.core.tokens import INLINE_MAX, REPORT_FILE, LiveReconstructor, reconstruct_dataset, tokens_command
+from draftgen.core.tokenstore import INDEX_FILE, TokenReader
+
+META_KEYS = {"answer_start", "answer_end", "valid", "failed_checks", "span_tokens", "billed_tokens", "count_diff",
+             "truncated", "source"}
+
+
+def make_config(tmp_path: Path, *, tokenizer: str | None = None, datasets: tuple[str, ...] = ("A",)) -> Config:
+    raw: dict[str, Any] = {
+        "tokenizer": {"path": tokenizer or str(bundled_kimi_path()), "template": "kimi-k2.5"},
+        "output": {"dir": "run"},
+        "engine": {"workers": 2},
+        "datasets": [{"name": n, "prompts": f"{n}.jsonl"} for n in datasets],
+    }
+    return config_from_dict(raw, tmp_path / "draftgen.toml")
+
+
+def response(i: int, **over: Any) -> dict[str, Any]:
+    """A response line; its billed count is what the Kimi tokenizer gives, so it validates."""
+    rec = {"id": f"p{i}", "messages": [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}],
+           "reasoning": f"Add {i} and {i}: " + "carefully " * (i % 7), "content": f"It is {2 * i}. 答案 🚀",
+           "tool_calls": None, "finish_reason": "stop", "native_finish_reason": "stop", "provider": "Test",
+           "model": "moonshotai/kimi-k2.5", "generation_id": f"gen-{i}", "latency_s": 0.1, "attempts": 1,
+           "truncated": False, "empty_content": False, "ts": 1.0}
+    rec.update(over)
+    probe = reconstruct_record(bundled_kimi(), load_template("kimi-k2.5", bundled_kimi()), rec)
+    rec.setdefault("usage", {"prompt_tokens": 20, "completion_tokens": probe.span_tokens, "reasoning_tokens": 5,
+                             "cost": 0.0001})
+    return rec
+
+
+def write_responses(config: Config, name: str, records: list[dict[str, Any]]) -> Path:
+    path = RunDir(config.run_dir).responses(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as f:
+        for rec in records:
+            f.write(orjson.dumps(rec) + b"\n")
+    return path
+
+
+def index_lines(config: Config, name: str) -> list[dict[str, Any]]:
+    path = RunDir(config.run_dir).tokens(name) / INDEX_FILE
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def test_reconstruct_dataset_incremental_and_resumable(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    tok, template = bundled_kimi(), load_template("kimi-k2.5", bundled_kimi())
+    records = [response(i) for i in range(INLINE_MAX + 8)]  # enough to use the worker processes
+    records[3] = response(3, finish_reason="length", truncated=True, content="It is cu")
+    records[5] = response(5, content="Type <|im_end|> to end a turn.")
+    records[7] = response(7, usage={"completion_tokens": 500})
+    backend = reconstruct_record(tok, template, records[9])
+    records[9]["token_ids"] = backend.input_ids[backend.answer_start:backend.answer_end].tolist()
+    records[11] = {**records[11], "messages": "not a list", "reasoning": 5}  # malformed: flagged, not fatal
+    write_responses(config, "A", records)
+    with open(RunDir(config.run_dir).responses("A"), "ab") as f:
+        f.write(b'{"id": "torn", "messages": [{"role": "user", "con')  # a crash mid-line: ignored
+
+    seen: list[StageProgress] = []
+    report = reconstruct_dataset(config, "A", seen.append)
+    assert report.checked == len(records) and report.valid == len(records) - 3
+    assert report.failures["ends_with_eot"] == 1 and report.failures["token_count"] == 1
+    assert report.failures["renders"] == 1
+    assert report.from_backend == 1 and report.truncated == 1
+    assert seen[-1].name == "tokens" and seen[-1].state == "done" and seen[-1].done == len(records)
+
+    lines = index_lines(config, "A")
+    assert [e["id"] for e in lines] == [r["id"] for r in records]  # committed in response order
+    assert all(set(e) == {"id", "offset", "length"} | META_KEYS for e in lines)
+    reader = TokenReader(RunDir(config.run_dir).tokens("A"))
+    for rec in records:
+        expected = reconstruct_record(tok, template, rec)
+        ids, mask = reader.arrays(reader.entry(rec["id"]))
+        assert ids.tolist() == expected.input_ids.tolist() and mask.tolist() == expected.loss_mask.tolist()
+        assert reader.entry(rec["id"]).meta == expected.index_meta()
+    assert reader.entry("p9").meta["source"] == "backend"
+    assert reader.entry("p11").length == 0 and reader.entry("p11").meta["failed_checks"] == ["renders"]
+    saved = orjson.loads((RunDir(config.run_dir).tokens("A") / REPORT_FILE).read_bytes())
+    assert saved == report.to_dict()
+
+    # Again: nothing new, nothing written twice.
+    folder = RunDir(config.run_dir).tokens("A")
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir()}
+    again = reconstruct_dataset(config, "A")
+    assert again.to_dict() == report.to_dict()
+    assert {p.name: p.stat().st_size for p in folder.iterdir()} == sizes
+
+    # A crash mid-commit: a torn index line and stray token bytes. Repaired, then only what is missing.
+    with open(folder / INDEX_FILE, "rb+") as f:
+        data = f.read()
+        cut = data.rstrip(b"\n").rfind(b"\n") + 1
+        f.seek(cut)
+        f.truncate()
+        f.write(data[cut:cut + 25])
+    with open(folder / "input_ids.bin", "ab") as f:
+        f.write(b"\x01\x02\x03\x04" * 3)
+    repair_torn_tail(RunDir(config.run_dir).responses("A"))  # as the engine's appender does on reopening
+    write_responses(config, "A", [response(i) for i in range(100, 103)])  # answers that landed since
+    third = reconstruct_dataset(config, "A")
+    lines = index_lines(config, "A")
+    ids = [e["id"] for e in lines]
+    assert len(ids) == len(set(ids)) == len(records) + 3
+    assert third.checked == len(records) + 3
+    assert ids[-4:] == [records[-1]["id"], "p100", "p101", "p102"]
+    final = TokenReader(folder)
+    for rec in (records[-1], response(101)):
+        got, _ = final.arrays(final.entry(rec["id"]))
+        assert got.tolist() == reconstruct_record(tok, template, rec).input_ids.tolist()
+
+
+def test_tokens_command_prints_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "160")
+    config = make_config(tmp_path, datasets=("A", "B"))
+    write_responses(config, "A", [response(i) for i in range(3)])
+    write_responses(config, "B", [response(i, content="cut", truncated=True, finish_reason="length")
+                                  for i in range(2)])
+    assert tokens_command(config) == 0
+    out = capsys.readouterr().out
+    assert "ends_with_eot 2" in out and "all" in out and "100.0%" in out
+    assert (RunDir(config.run_dir).tokens("B") / REPORT_FILE).exists()
+
+
+def test_errors_name_what_is_wrong(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    with pytest.raises(ConfigError, match="no dataset named 'Z'"):
+        reconstruct_dataset(config, "Z")
+    write_responses(config, "A", [response(0)])
+    broken = make_config(tmp_path, tokenizer=str(tmp_path / "missing-tokenizer"))
+    with pytest.raises(TokenizerError, match="missing-tokenizer: tokenizer folder not found"):
+        reconstruct_dataset(broken, "A")
+
+
+async def test_live_reconstructor(tmp_path: Path) -> None:
+    config = make_config(tmp_path, datasets=("A", "B"))
+    # Answers a crashed run left on disk without tokens.
+    write_responses(config, "A", [response(i) for i in range(5)])
+    live = LiveReconstructor(config, workers=1)
+    await live.start()
+    assert await live.catch_up("A") == 5
+    assert await live.catch_up("B") == 0
+
+    new = [response(i) for i in range(5, 45)]
+    write_responses(config, "A", new)
+    for rec in new:
+        live.submit("A", rec)
+    live.submit("A", new[0])  # a duplicate: ignored
+    live.submit("B", response(900, content="cut", truncated=True, finish_reason="length"))
+    # submit only queued the work: nothing can have been written by the worker yet.
+    assert live.progress().done < 46 and live.progress().name == "tokens"
+
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    t = asyncio.create_task(ticker())
+    await live.wait_idle()
+    t.cancel()
+    assert ticks > 1  # the loop kept running while workers tokenized
+    await live.close()
+
+    ids_a = [e["id"] for e in index_lines(config, "A")]
+    assert sorted(ids_a) == sorted(f"p{i}" for i in range(45)) and len(ids_a) == 45
+    assert [e["id"] for e in index_lines(config, "B")] == ["p900"]
+    assert live.report("A").checked == 45 and live.report("A").valid == 45
+    assert live.report(None).checked == 46 and live.report("B").failures["ends_with_eot"] == 1
+    done = live.progress()
+    assert done.state == "done" and done.done == 46 and done.total == 46
+    assert orjson.loads((RunDir(config.run_dir).tokens("A") / REPORT_FILE).read_bytes())["checked"] == 45
+
+    # A restart: what is on disk is known, nothing is redone.
+    again = LiveReconstructor(config, workers=1)
+    await again.start()
+    assert await again.catch_up("A") == 0
+    assert again.report("A").checked == 45
+    await again.close()
+    assert len(index_lines(config, "A")) == 45
