@@ -1,0 +1,300 @@
+"""The TUI driven by its keys through `App.run_test()`, on the deterministic fake control surface."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from draftgen.core import snapshot as snap
+from draftgen.tui import fixtures as fx
+from draftgen.tui import fmt
+from draftgen.tui.app import DraftgenApp
+from draftgen.tui.help import HelpScreen
+from draftgen.tui.quitdialog import QuitScreen
+from draftgen.tui.smoke import SmokeScreen
+from rich.console import Console
+
+
+@pytest.fixture(autouse=True)
+def utc() -> Iterator[None]:
+    # Event times are wall-clock; pin the zone so texts compare the same everywhere.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TZ", "UTC")
+        time.tzset()
+        yield
+    time.tzset()
+
+
+def text(app: DraftgenApp, selector: str) -> str:
+    """What a Static panel shows, as plain text at its current width."""
+    widget = app.screen.query_one(selector)
+    console = Console(width=max(widget.content_region.width, 40), file=io.StringIO(), color_system=None)
+    with console.capture() as cap:
+        console.print(widget.content)  # type: ignore[attr-defined]
+    return cap.get()
+
+
+def make(snapshot: snap.RunSnapshot | None = None, **kw: object) -> tuple[DraftgenApp, fx.FakeControls]:
+    controls = fx.FakeControls(fx.running() if snapshot is None else snapshot, fx.events(), **kw)  # type: ignore[arg-type]
+    return DraftgenApp(controls, title="draftgen", refresh_s=0.05), controls
+
+
+async def until(pilot, cond: Callable[[], bool], what: str) -> None:
+    """Let the app's refresh timer run until `cond` holds (a hang guard, not a timing check)."""
+    for _ in range(400):
+        if cond():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_running_view_shows_the_snapshot() -> None:
+    app, _ = make()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        header = text(app, "#header")
+        assert "RUNNING" in header and "kimi-k25-eagle3" in header and "moonshotai/kimi-k2.5" in header
+        assert "elapsed 0:39:28" in header and "ETA 32 min" in header
+        datasets = text(app, "#datasets")
+        for name in ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8"):
+            assert f"\n{name} " in "\n" + datasets
+        assert "1,891/10,002" in datasets and "8,111" in datasets and "$15.12" in datasets
+        throughput = text(app, "#throughput")
+        # The window of every rate is named in its column header.
+        assert "last 30 s" in throughput and "since start" in throughput
+        assert "5,312" in throughput and "5,248" in throughput
+        assert "in flight 460, limit 460 of 500" in throughput
+        assert "$64.15, 42 s ago" in text(app, "#credits")
+        assert "429 rate limited" in text(app, "#errors") and "43" in text(app, "#errors")
+        assert "novita/int4" in text(app, "#providers")
+        log = app.query_one("#events").lines  # type: ignore[attr-defined]
+        assert log[-1] == "10:38:46 info  balance $64.15"
+        assert not app.query_one("#alert").display
+        assert not app.query_one("#lower").display  # no stage has started
+
+
+async def test_pause_and_resume_call_controls_and_header_follows() -> None:
+    app, controls = make()
+    async with app.run_test() as pilot:
+        await pilot.press("p")
+        assert controls.calls == ["pause"]
+        await until(pilot, lambda: "PAUSED" in text(app, "#header"), "header shows PAUSED")
+        assert "paused" in text(app, "#datasets")
+        await pilot.press("r")
+        assert controls.calls == ["pause", "resume"]
+        await until(pilot, lambda: "RUNNING" in text(app, "#header"), "header shows RUNNING")
+        log = app.query_one("#events").lines  # type: ignore[attr-defined]
+        assert any("resumed" in line for line in log)
+
+
+async def test_smoke_opens_checklist_that_fills_in() -> None:
+    app, controls = make()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("s")
+        assert controls.calls == ["smoke"]
+        assert isinstance(app.screen, SmokeScreen)
+        await until(pilot, lambda: "running…" in text(app, "#smoke-body"), "smoke running")
+        body = text(app, "#smoke-body")
+        assert "API key" in body and "requests" in body and "reasoning" not in body
+        controls.publish(fx.smoke())  # the engine finishes the checks
+        await until(pilot, lambda: "PASSED" in text(app, "#smoke-body"), "smoke passed")
+        body = text(app, "#smoke-body")
+        assert body.count("✓ pass") == len(fx.SMOKE_CHECKS)
+        assert "$0.00047" in body
+        await pilot.press("escape")
+        assert not isinstance(app.screen, SmokeScreen)
+
+
+async def test_failed_smoke_check_shows_its_reason() -> None:
+    app, controls = make()
+    failed = dataclasses.replace(fx.smoke(), stages=(snap.StageProgress(
+        name="smoke", state="failed", checks=(("API key", True, "valid"),
+                                              ("provider", False, "fireworks served FP4 tokens")),
+        message="1 check failed: the run stays paused"),))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("s")
+        controls.publish(failed)
+        await until(pilot, lambda: "FAILED" in text(app, "#smoke-body"), "smoke failed")
+        body = text(app, "#smoke-body")
+        assert "✗ FAIL" in body and "fireworks served FP4 tokens" in body and "stays paused" in body
+
+
+async def test_quit_stop_now_exits_at_once() -> None:
+    app, controls = make()
+    async with app.run_test() as pilot:
+        await pilot.press("q")
+        assert isinstance(app.screen, QuitScreen)
+        assert controls.calls == []
+        await pilot.press("s")
+        assert controls.calls == ["quit:stop"]
+        await until(pilot, lambda: not app.is_running, "app exits")
+
+
+async def test_quit_drain_waits_for_the_run_to_stop() -> None:
+    app, controls = make()
+    async with app.run_test() as pilot:
+        await pilot.press("q", "d")
+        assert controls.calls == ["quit:drain"]
+        # Draining: the app stays up while the requests in flight finish...
+        await until(pilot, lambda: "DRAINING" in text(app, "#header"), "header shows DRAINING")
+        assert app.is_running
+        # ...q again offers the choice once more; the app leaves when the engine says it stopped.
+        await pilot.press("q")
+        assert isinstance(app.screen, QuitScreen)
+        await pilot.press("escape")
+        controls.publish(dataclasses.replace(controls.latest, state=snap.STOPPED, seq=999))
+        await until(pilot, lambda: not app.is_running, "app exits")
+        assert controls.calls == ["quit:drain"]
+
+
+async def test_quit_cancel_keeps_running() -> None:
+    app, controls = make()
+    async with app.run_test() as pilot:
+        await pilot.press("q")
+        await pilot.press("escape")
+        assert not isinstance(app.screen, QuitScreen)
+        assert controls.calls == [] and app.is_running and not app.quit_requested
+        await pilot.press("q", "tab", "tab", "enter")  # keyboard focus on "Cancel": same
+        assert controls.calls == [] and app.is_running
+
+
+async def test_quit_after_the_run_ended_does_not_ask() -> None:
+    app, controls = make(dataclasses.replace(fx.running(), state=snap.DONE))
+    async with app.run_test() as pilot:
+        await pilot.press("q")
+        assert controls.calls == ["quit:drain"]
+        await until(pilot, lambda: not app.is_running, "app exits")
+
+
+async def test_help_opens_and_closes() -> None:
+    app, _ = make()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("p")  # control keys belong to the main screen, not the help
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+async def test_merge_and_extract_start_their_stages() -> None:
+    app, controls = make()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("m")
+        assert controls.calls == ["merge"]
+        await until(pilot, lambda: app.query_one("#stages").display, "stages panel shown")
+        assert "merge" in text(app, "#stages") and "9,400/15,157" in text(app, "#stages")
+        assert not app.query_one("#gpu").display
+        await pilot.press("x")
+        assert controls.calls == ["merge", "extract"]
+        await until(pilot, lambda: app.query_one("#gpu").display, "GPU panel shown")
+        gpu = text(app, "#gpu")
+        assert "0 H200" in gpu and "1 H200" in gpu and "97%" in gpu and "612 W" in gpu and "64°C" in gpu
+
+
+async def test_extraction_without_nvml_says_no_gpu() -> None:
+    app, _ = make(dataclasses.replace(fx.extracting(), gpus=None))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        assert app.query_one("#gpu").display
+        assert "no GPU" in text(app, "#gpu")
+
+
+async def test_unavailable_stage_says_why_instead() -> None:
+    reason = "merge needs finished datasets: B5 is still running"
+    app, controls = make(unavailable={"merge": reason, "extract": "extraction needs merged/ first"})
+    notes: list[str] = []
+    async with app.run_test() as pilot:
+        app.notify = lambda message, **kw: notes.append(message)  # type: ignore[method-assign]
+        await pilot.press("m", "x")
+        assert controls.calls == []
+        assert notes == [reason, "extraction needs merged/ first"]
+        assert not app.query_one("#stages").display
+
+
+async def test_read_only_disables_control_keys() -> None:
+    app, controls = make(fx.attached(), read_only=True)
+    async with app.run_test() as pilot:
+        assert "ATTACHED read-only" in text(app, "#header")
+        for action in ("pause", "resume", "smoke", "merge", "extract"):
+            assert app.check_action(action, ()) is None  # shown greyed out in the footer
+        await pilot.press("p", "r", "s", "m", "x")
+        assert controls.calls == []
+        assert len(app.screen_stack) == 1
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape", "q")  # q closes the viewer only
+        await until(pilot, lambda: not app.is_running, "viewer exits")
+        assert controls.calls == []
+
+
+async def test_alert_bar_shows_402() -> None:
+    app, controls = make(fx.out_of_credits())
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        assert app.query_one("#alert").display
+        assert "402 Payment Required" in text(app, "#alert")
+        await pilot.press("r")  # the fake engine clears the alert on resume
+        await until(pilot, lambda: not app.query_one("#alert").display, "alert cleared")
+
+
+async def test_80x24_keeps_every_panel_on_screen() -> None:
+    app, _ = make()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        for selector in ("#header", "#datasets", "#throughput", "#credits", "#errors", "#providers", "#events",
+                         "Footer"):
+            region = app.query_one(selector).region
+            assert region.height > 0 and region.right <= 80 and region.bottom <= 24, selector
+        datasets = text(app, "#datasets")
+        assert "B8" in datasets and "$15.05" in datasets
+        throughput = text(app, "#throughput")
+        assert "last 30 s" in throughput and "since start" in throughput
+        assert "$64.15, 42 s ago" in text(app, "#credits")
+
+
+async def test_no_color_still_says_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NO_COLOR", "1")
+    app, _ = make(fx.paused())
+    assert app.no_color
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        assert "PAUSED" in text(app, "#header")
+        assert "░" in text(app, "#datasets")  # progress bars read without colour
+
+
+async def test_only_the_newest_snapshot_is_drawn() -> None:
+    app, controls = make()
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        app.refresh_s = 3600  # hold the timer back while the engine outruns the screen
+        await pilot.pause(0.1)
+        for i in range(500):
+            controls.publish(dataclasses.replace(fx.running(), seq=1000 + i, elapsed_s=3_000.0 + i))
+        app.pull()
+        assert app.latest is not None and app.latest.seq == 1499
+        assert "elapsed 0:58:19" in text(app, "#header")
+
+
+async def test_panel_skips_unchanged_slices() -> None:
+    app, _ = make()
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        header, datasets = app.query_one("#header"), app.query_one("#datasets")
+        later = dataclasses.replace(fx.running(), seq=500, elapsed_s=9_999.0)
+        assert header.show(later)  # type: ignore[attr-defined]
+        assert not datasets.show(later)  # type: ignore[attr-defined]  # datasets unchanged: no render
+
+
+def test_number_formats() -> None:
+    assert [fmt.tokens(n) for n in (950, 12_345, 9_996_000, 10_000_000)] == ["950", "12.3k", "9.99M", "10.0M"]
+    assert fmt.usd(0.00047) == "$0.00047" and fmt.usd(86.4) == "$86.40" and fmt.usd(None) == "—"
+    assert fmt.duration(42) == "42 s" and fmt.duration(1_890) == "32 min" and fmt.duration(7_500) == "2 h 05 min"
+    assert fmt.clock(2_368) == "0:39:28"
+    # Zero-based: a steady rate is a flat line, not noise blown up to full height.
+    assert fmt.sparkline([3.5, 3.6, 3.6], 10) == "███"
+    assert fmt.sparkline([1.0, 2.0, 4.0], 10) == "▂▄█"
+    assert fmt.sparkline([0, 1, 2, 4], 3) == "▂▄█"  # the newest that fit; a zero is blank

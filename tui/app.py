@@ -1,0 +1,219 @@
+"""The draftgen app: panels fed from the engine's snapshots, keys wired to the control surface.
+
+It reads only `controls.hub` (snapshots and events) and calls only the `Controls` methods, so the
+same app shows a run embedded in this process or one attached over the socket (read-only).
+Rendering is pulled on a one-shot timer re-armed after each pass (never two passes at once, at most
+`refresh_s` apart), so an engine publishing faster than the screen only costs dropped snapshots.
+"""
+
+from __future__ import annotations
+
+from draftgen.core import snapshot as snap
+from draftgen.core.control import Controls
+from draftgen.core.hub import Subscription
+from draftgen.core.snapshot import Event, RunSnapshot
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.timer import Timer
+from textual.widgets import Footer
+
+from .credits import CreditsPanel
+from .datasets import DatasetsPanel
+from .errors import ErrorsPanel
+from .eventlog import EventLogPanel
+from .gpu import GpuPanel
+from .header import AlertBar, RunHeader
+from .help import HelpScreen
+from .panel import Panel
+from .providers import ProvidersPanel
+from .quitdialog import DRAIN, QuitScreen
+from .smoke import SmokeScreen
+from .stages import StagesPanel, active_stages
+from .throughput import ThroughputPanel
+
+# Actions that change the run: disabled (shown greyed) when attached read-only.
+CONTROL_ACTIONS = frozenset({"pause", "resume", "smoke", "merge", "extract"})
+APP_ACTIONS = CONTROL_ACTIONS | {"quit_run", "help"}
+FINAL_STATES = (snap.DONE, snap.STOPPED)
+
+
+class DraftgenApp(App[None]):
+    CSS_PATH = "draftgen.tcss"
+    ENABLE_COMMAND_PALETTE = False
+    # Screen classes the stylesheet keys on: borders only where there are rows to spare.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
+    BINDINGS = [
+        Binding("p", "pause", "pause"),
+        Binding("r", "resume", "resume"),
+        Binding("s", "smoke", "smoke"),
+        Binding("m", "merge", "merge"),
+        Binding("x", "extract", "extract"),
+        Binding("q", "quit_run", "quit"),
+        Binding("ctrl+q", "quit_run", "quit", show=False, priority=True),  # never exit without asking
+        Binding("question_mark", "help", "help"),
+    ]
+
+    def __init__(self, controls: Controls, *, title: str = "draftgen", refresh_s: float = 0.25,
+                 queue_size: int = 256) -> None:
+        super().__init__()
+        self.controls = controls
+        self.title = title
+        self.refresh_s = refresh_s
+        self.latest: RunSnapshot | None = None
+        self.quit_requested = False
+        self._queue_size = queue_size
+        self._sub: Subscription | None = None
+        self._timer: Timer | None = None
+        self._shape: object = None
+
+    def compose(self) -> ComposeResult:
+        yield RunHeader(self.title, id="header")
+        yield AlertBar(id="alert")
+        with Vertical(id="body"):
+            yield DatasetsPanel(id="datasets")
+            with Horizontal(id="middle"):
+                yield ThroughputPanel(id="throughput")
+                yield CreditsPanel(id="credits")
+                with Vertical(id="tallies"):
+                    yield ErrorsPanel(id="errors")
+                    yield ProvidersPanel(id="providers")
+            with Horizontal(id="lower"):
+                yield StagesPanel(id="stages")
+                yield GpuPanel(id="gpu")
+            yield EventLogPanel(id="events")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        for hidden in ("#alert", "#lower", "#stages", "#gpu"):
+            self.query_one(hidden).display = False
+        self._sub = self.controls.hub.subscribe(maxsize=self._queue_size)
+        self.pull()
+        self._timer = self.set_timer(self.refresh_s, self._tick)
+
+    def on_unmount(self) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+        if self._sub is not None:
+            self._sub.close()
+            self._sub = None
+
+    # -- rendering --------------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        try:
+            self.pull()
+        finally:
+            self._timer = self.set_timer(self.refresh_s, self._tick)
+
+    def pull(self) -> None:
+        """Take everything the hub queued since the last pass; render the newest snapshot only."""
+        if self._sub is None or not self.screen_stack:
+            return  # not mounted yet, or shutting down
+        newest: RunSnapshot | None = None
+        events: list[Event] = []
+        while (item := self._sub.get_nowait()) is not None:
+            if item[0] == "snapshot":
+                newest = item[1]
+            else:
+                events.append(item[1])
+        if events:
+            self.query_one(EventLogPanel).add(events)
+        # A resize can change what panels show (short screens keep to essentials): redraw then too.
+        shape = (self.size, self.screen_stack[0].classes)
+        reshaped, self._shape = shape != self._shape, shape
+        if newest is None and reshaped:
+            newest = self.latest
+        if newest is not None and (newest is not self.latest or reshaped):
+            self.render_snapshot(newest)
+
+    def render_snapshot(self, s: RunSnapshot) -> None:
+        previous = self.latest
+        self.latest = s
+        for panel in self.query(Panel):
+            panel.show(s)
+        lower = self.query_one("#lower")
+        wanted = self.query_one(StagesPanel).display or self.query_one(GpuPanel).display
+        if lower.display != wanted:
+            lower.display = wanted
+        if isinstance(self.screen, SmokeScreen):
+            self.screen.show(s)
+        if previous is None or previous.attached != s.attached or previous.state != s.state:
+            self.refresh_bindings()
+        if self.quit_requested and s.state in FINAL_STATES:
+            self.exit()
+
+    # -- keys -------------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action not in APP_ACTIONS:
+            return True
+        if len(self.screen_stack) > 1:
+            return False  # a dialog is open: its own keys apply, and its footer shows only those
+        if self.controls.read_only and action in CONTROL_ACTIONS:
+            return None  # shown greyed out in the footer, does nothing
+        return True
+
+    def _allowed(self, action: str) -> bool:
+        """Ask the controls first; a stage that cannot start yet says why instead."""
+        reason = self.controls.unavailable(action)
+        if reason:
+            self.notify(reason, title=f"{action}: not available", severity="warning")
+            return False
+        return True
+
+    def action_pause(self) -> None:
+        if self._allowed("pause"):
+            self.controls.pause()
+
+    def action_resume(self) -> None:
+        if self._allowed("resume"):
+            self.controls.resume()
+
+    def action_smoke(self) -> None:
+        if self._allowed("smoke"):
+            self.controls.run_smoke()
+            self.push_screen(SmokeScreen(self.latest))
+
+    def action_merge(self) -> None:
+        if self._allowed("merge"):
+            self.controls.start_merge()
+            self.notify("merge started: progress in the stages panel", title="merge")
+
+    def action_extract(self) -> None:
+        if self._allowed("extract"):
+            self.controls.start_extract()
+            self.notify("extraction started: progress in the stages and GPU panels", title="extract")
+
+    def action_quit_run(self) -> None:
+        if self.controls.read_only:
+            self.exit()  # a viewer closes itself only; the run goes on
+            return
+        if len(self.screen_stack) > 1:
+            return
+        if not self._allowed("quit"):
+            return
+        s = self.latest
+        busy = s is None or s.state not in (*FINAL_STATES, snap.IDLE) or any(
+            st.state == "running" for st in active_stages(s))
+        if not busy:
+            self.controls.quit(drain=True)  # nothing in flight: nothing to choose between
+            self.exit()
+            return
+        self.push_screen(QuitScreen(s.throughput.in_flight if s else 0), self._quit_chosen)
+
+    def _quit_chosen(self, choice: str | None) -> None:
+        if choice is None:
+            return
+        self.quit_requested = True
+        drain = choice == DRAIN
+        self.controls.quit(drain=drain)
+        # Stop now means now: the engine winds down after the screen is gone. A drain keeps the
+        # screen up until the engine reports the run stopped (q again offers stop now).
+        if not drain or (self.latest is not None and self.latest.state in FINAL_STATES):
+            self.exit()
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.controls.read_only))
