@@ -99,6 +99,8 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
     printing = asyncio.create_task(printer())
     try:
         state = await pipeline.generate()
+        if pipeline.error is not None:
+            raise pipeline.error  # printed once, at the command boundary
         code = pipeline.exit_code
         if code == 0 and state == snap.DONE and merge:
             await pipeline.merge()

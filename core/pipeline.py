@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,6 +68,8 @@ class Pipeline:
         self.generation_done = asyncio.Event()
         self.quit_requested = asyncio.Event()
         self.exit_code = 0
+        self.error: DraftgenError | None = None
+        self._extract_stop = threading.Event()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -81,6 +84,7 @@ class Pipeline:
         self.publish()
 
     async def close(self) -> None:
+        self._extract_stop.set()
         for task in self._tasks.values():
             if not task.done():
                 task.cancel()
@@ -97,7 +101,23 @@ class Pipeline:
             self._log.close()
 
     async def generate(self) -> str:
-        """Smoke gate, then the run. Returns the engine's final state."""
+        """Smoke gate, then the run. Returns the engine's final state. A user-facing error (a missing
+        tokenizer or prompt file, the open-file limit) stops the run with an alert and is kept in
+        `self.error` for the command boundary to print."""
+        try:
+            return await self._generate()
+        except DraftgenError as e:
+            self.error = e
+            self.exit_code = 2
+            for name, stage in list(self.stages.items()):
+                if stage.state == "running":
+                    self.stages[name] = dataclasses.replace(stage, state="failed", message=self._redact(str(e)))
+            self.engine.alert = self._redact(str(e))
+            self.engine.state = snap.STOPPED
+            self.emit("error", "run_failed", f"the run cannot go on: {e}")
+            return snap.STOPPED
+
+    async def _generate(self) -> str:
         self._generating = True
         try:
             if not self._skip_smoke:
@@ -205,7 +225,9 @@ class Pipeline:
         sampler = asyncio.create_task(monitor.run(self._set_gpus, interval_s=1.0))
         self.stages["extract"] = snap.StageProgress("extract", state="running")
         try:
-            stats = await asyncio.to_thread(extract, self.config, shard=shard, progress=self._progress("extract"))
+            self._extract_stop.clear()
+            stats = await asyncio.to_thread(extract, self.config, shard=shard, progress=self._progress("extract"),
+                                            stop=self._extract_stop)
         except DraftgenError as e:
             self.stages["extract"] = snap.StageProgress("extract", state="failed", message=str(e))
             self.emit("error", "extract_done", f"extraction failed: {e}")
@@ -276,5 +298,6 @@ class Pipeline:
             self.engine.drain()
         else:
             self.engine.stop()
+            self._extract_stop.set()  # the extraction thread stops after its current batch
             for task in self._tasks.values():
                 task.cancel()

@@ -36,6 +36,8 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 work.cancel()
         await pipeline.close()
+    if pipeline.error is not None:
+        raise pipeline.error  # shown in the UI's alert bar; printed again once the screen is gone
     return pipeline.exit_code
 
 

@@ -1,0 +1,127 @@
+"""Event-loop lag with the TUI on, 2,000 requests in flight, next to the same run headless.
+
+    python benchmarks/bench_ui_lag.py [--n 16000] [--concurrency 2000] [--latency 2.0]
+
+The simulator runs in its own process with a fixed latency, so 2,000 requests really are in
+flight. Each mode runs the real Pipeline (engine, attach socket, snapshots at 4 Hz; reconstruction
+off) in a fresh process; a probe task sleeps 10 ms at a time and records how late it wakes. In the
+`tui` mode the real DraftgenApp runs on the same loop through Textual's headless driver
+(`App.run_test`, 120x40): every panel is composed and rendered, only the terminal write is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_engine import KEY, free_port, sim_stats, start_sim  # noqa: E402
+
+
+def write_config(root: Path, url: str, n: int, concurrency: int) -> Path:
+    with open(root / "p.jsonl", "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": i, "prompt": f"Question {i}"}) + "\n")
+    path = root / "c.toml"
+    path.write_text(f"""
+[api]
+base_url = "{url}"
+api_key_env = "BENCH_KEY"
+[engine]
+reconstruct = false
+[output]
+dir = "run"
+[[datasets]]
+name = "lag"
+prompts = "p.jsonl"
+concurrency = {concurrency}
+max_tokens = 1024
+""")
+    return path
+
+
+async def measure(mode: str, config_path: Path) -> dict:
+    from draftgen.core.config import load_config
+    from draftgen.core.pipeline import Pipeline
+    config = load_config(config_path)
+    pipeline = Pipeline(config, KEY, skip_smoke=True)
+    await pipeline.start()
+    lags: list[float] = []
+    peak = 0
+
+    async def probe() -> None:
+        nonlocal peak
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append(time.perf_counter() - t - 0.01)
+            peak = max(peak, pipeline.engine.in_flight)
+
+    prober = asyncio.create_task(probe())
+    start = time.perf_counter()
+    if mode == "tui":
+        from draftgen.tui.app import DraftgenApp
+        app = DraftgenApp(pipeline, title="bench")
+        async with app.run_test(headless=True, size=(120, 40)):
+            await pipeline.generate()
+    else:
+        await pipeline.generate()
+    elapsed = time.perf_counter() - start
+    prober.cancel()
+    done = pipeline.engine.datasets["lag"].done
+    await pipeline.close()
+    lags_ms = sorted(x * 1000 for x in lags)
+    return {"req_s": done / elapsed, "p50": statistics.median(lags_ms),
+            "p99": lags_ms[int(len(lags_ms) * 0.99)], "max": lags_ms[-1], "peak_in_flight": peak, "done": done}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=16000)
+    p.add_argument("--concurrency", type=int, default=2000)
+    p.add_argument("--latency", type=float, default=0.0,
+                   help="fixed latency in s (all answers land in waves: a worst case); default: the "
+                        "simulator's realistic, varied latency for short answers (~1-2 s)")
+    p.add_argument("--child")
+    p.add_argument("--config")
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(asyncio.run(measure(args.child, Path(args.config)))))
+        return
+    os.environ["BENCH_KEY"] = KEY
+    port = free_port()
+    latency = ["--fixed-latency", str(args.latency)] if args.latency else ["--latency-scale", "1"]
+    sim = start_sim(port, *latency)
+    rows = {}
+    try:
+        for mode in ("headless", "tui"):
+            with tempfile.TemporaryDirectory() as tmp:
+                cfg = write_config(Path(tmp), f"http://127.0.0.1:{port}/api/v1", args.n, args.concurrency)
+                out = subprocess.run([sys.executable, __file__, "--child", mode, "--config", str(cfg)],
+                                     capture_output=True, text=True, check=True)
+                rows[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        sim_peak = sim_stats(port).get("peak_in_flight")
+    finally:
+        sim.terminate()
+        sim.wait()
+    how = f"fixed {args.latency} s" if args.latency else "realistic, varied"
+    print(f"\nevent-loop lag, {args.concurrency} in flight (simulator latency {how}), {args.n} requests\n")
+    print(f"| {'mode':9} | {'req/s':>7} | {'lag p50 ms':>10} | {'lag p99 ms':>10} | {'lag max ms':>10} | {'peak in flight':>14} |")
+    print(f"|{'-' * 11}|{'-' * 9}|{'-' * 12}|{'-' * 12}|{'-' * 12}|{'-' * 16}|")
+    for mode, r in rows.items():
+        print(f"| {mode:9} | {r['req_s']:7.0f} | {r['p50']:10.1f} | {r['p99']:10.1f} | {r['max']:10.1f} | {r['peak_in_flight']:14} |")
+    ratio = rows["tui"]["req_s"] / rows["headless"]["req_s"]
+    print(f"\nTUI req/s / headless req/s: {ratio:.2f} (target >= 0.90); TUI lag p99 {rows['tui']['p99']:.1f} ms "
+          f"(target <= 100 ms); simulator peak in flight {sim_peak}")
+
+
+if __name__ == "__main__":
+    main()
