@@ -25,7 +25,7 @@ async def start_run(cfg, *extra):
 
 async def test_sigkill_and_restart_keeps_every_acknowledged_answer(tmp_path):
     rng = random.Random(7)
-    async with SimServer(SimConfig(seed=9, latency_scale=0.02, mean_completion_tokens=80,
+    async with SimServer(SimConfig(seed=9, latency_scale=0.06, mean_completion_tokens=80,
                                    faults={"500": 0.1, "429": 0.05}, retry_after_s=0.01), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 400, "concurrency": 32},
                                                    {"name": "b", "n": 200, "concurrency": 16}],
@@ -35,7 +35,7 @@ async def test_sigkill_and_restart_keeps_every_acknowledged_answer(tmp_path):
         kills = 0
         for _ in range(6):
             proc = await start_run(cfg)
-            await asyncio.sleep(rng.uniform(0.8, 2.0))
+            await asyncio.sleep(rng.uniform(0.6, 1.6))
             if proc.returncode is None:
                 proc.send_signal(signal.SIGKILL)
                 kills += 1

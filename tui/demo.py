@@ -94,6 +94,8 @@ def build_tiny_model(folder: Path) -> None:
     except ImportError:
         raise DraftgenError("the demo's extraction step needs torch: pip install torch==2.13.0 "
                             "(CPU build) and pip install -e '.[extract]'") from None
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # its bars would draw over the demo's own output
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=163840, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=65536,
