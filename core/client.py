@@ -177,6 +177,7 @@ class _StreamState:
         self.meta: dict[str, Any] = {}
         self.usage: Any = None
         self.done = False
+        self.choices = 0  # choice deltas seen: a stream of `choices: []` only carries no answer
 
     def feed(self, chunk: dict[str, Any]) -> None:
         if chunk.get("error"):
@@ -189,6 +190,7 @@ class _StreamState:
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or ():
+            self.choices += 1
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 self.content.append(delta["content"])
@@ -276,7 +278,7 @@ class ChatClient:
         except RequestFailed:
             raise
         except asyncio.TimeoutError:
-            raise RequestFailed("timeout", f"no complete answer within {self._timeout.total:.0f} s") from None
+            raise RequestFailed("timeout", f"no complete answer within {self._timeout.total:g} s") from None
         except aiohttp.ClientPayloadError as e:
             raise RequestFailed("bad_body", f"truncated body: {e}") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientOSError, ConnectionError) as e:
@@ -305,6 +307,9 @@ class ChatClient:
                 state.feed(chunk)
         if not state.done and state.finish_reason is None:
             raise RequestFailed("bad_body", "the stream ended before the answer finished")
+        if not state.choices:
+            # The streamed form of HTTP 200 with `choices: []`: retried, never kept as an empty answer.
+            raise RequestFailed("empty_choices", "HTTP 200 stream with no choices")
         return state.body()
 
     async def _get_json(self, path: str) -> dict[str, Any]:

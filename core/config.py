@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import tomllib
 import types
@@ -192,9 +193,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in typing.get_args(tp):
             return None
-        for arm in typing.get_args(tp):
-            if arm is type(None):
-                continue
+        arms = [arm for arm in typing.get_args(tp) if arm is not type(None)]
+        if len(arms) == 1:  # `float | None`: the arm's own message ("must be a finite number")
+            return _coerce(value, arms[0], where)
+        for arm in arms:
             try:
                 return _coerce(value, arm, where)
             except ConfigError:
@@ -224,14 +226,20 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, not {value!r}")
+        if not math.isfinite(value):  # TOML has nan and inf: a nan budget would never stop the run
+            raise ConfigError(f"{where} must be a finite number, not {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, not {value!r}")
+        if "\x00" in value:  # names and paths reach the filesystem, which cannot hold a NUL
+            raise ConfigError(f"{where} must not contain a NUL character (\\u0000), not {value!r}")
         return value
     if tp is Path:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{where} must be a path string, not {value!r}")
+        if "\x00" in value:
+            raise ConfigError(f"{where} must not contain a NUL character (\\u0000), not {value!r}")
         return Path(value)
     raise TypeError(f"unhandled config type {tp!r}")  # a programming error, not a user one
 
@@ -260,8 +268,18 @@ def _positive(file: Path, where: str, value: float | int | None, *, allow_zero: 
         raise ConfigError(f"{file}: {where} must be {'>= 0' if allow_zero else '> 0'}, not {value!r}")
 
 
+MAX_WORKERS = 1024
+
 _TABLES = {"api": ApiConfig, "budget": BudgetConfig, "tokenizer": TokenizerConfig, "output": OutputConfig,
            "engine": EngineConfig, "merge": MergeConfig, "extract": ExtractConfig, "smoke": SmokeConfig}
+
+
+def _exists(path: Path) -> bool:
+    """Path.exists() that says no (instead of raising) for a name too long for the filesystem."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def load_config(path: str | Path) -> Config:
@@ -328,6 +346,8 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     _positive(file, "engine.max_attempts", engine.max_attempts)
     _positive(file, "engine.snapshot_hz", engine.snapshot_hz)
     _positive(file, "engine.workers", engine.workers, allow_zero=True)
+    if engine.workers > MAX_WORKERS:  # each is a process holding the tokenizer: a typo must not fork thousands
+        raise ConfigError(f"{file}: engine.workers must be at most {MAX_WORKERS}, not {engine.workers}")
     extract: ExtractConfig = parts["extract"]
     if isinstance(extract.aux_layers, str) and extract.aux_layers != "eagle3":
         raise ConfigError(f"{file}: extract.aux_layers must be \"eagle3\" or a list of 3 layer ids, "
@@ -339,9 +359,9 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
         raise ConfigError(f"{file}: tokenizer.template must be \"kimi-k2.5\" or \"auto\", not {tokenizer.template!r}")
     # A local tokenizer folder is resolved against the config; an HF id (org/name) stays as written.
     tok_path = tokenizer.path
-    if tok_path.startswith((".", "/", "~")) or (base / tok_path).exists():
+    if tok_path.startswith((".", "/", "~")) or _exists(base / tok_path):
         tokenizer = dataclasses.replace(tokenizer, path=str((base / Path(tok_path).expanduser())))
-    if extract.model and (extract.model.startswith((".", "/", "~")) or (base / extract.model).exists()):
+    if extract.model and (extract.model.startswith((".", "/", "~")) or _exists(base / extract.model)):
         extract = dataclasses.replace(extract, model=str(base / Path(extract.model).expanduser()))
     output: OutputConfig = parts["output"]
     return Config(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import platform
 import random
 import time
@@ -28,7 +29,7 @@ from .config import Config, DatasetConfig
 from .errors import DiskError
 from .limits import ensure_open_files
 from .prompts import Prompt, Rejection, read_prompts
-from .rundir import JsonlAppender, RunDir, iter_jsonl
+from .rundir import JsonlAppender, RunDir, disk_error, iter_jsonl
 from .secrets import Redactor
 from .stats import RateTracker, Tally
 
@@ -83,6 +84,7 @@ class DatasetRun:
     rejected: int = 0
     truncated: int = 0
     in_flight: int = 0
+    parked: int = 0            # of those, retries waiting for a slot under a lowered limit
     cost: float = 0.0
     message: str = ""
     done_ids: set[str] = field(default_factory=set)
@@ -242,6 +244,7 @@ class Engine:
             credits.cancel()
             if own_client:
                 await self._client.close()
+            self._settle_pending()
             for ds in self.datasets.values():
                 for f in (ds.responses, ds.failures):
                     if f is not None:
@@ -269,8 +272,11 @@ class Engine:
                              "aiohttp": aiohttp.__version__, "orjson": orjson.__version__},
                 "started_at": time.time()}
         tmp = self.rundir.run_json.with_suffix(".json.tmp")
-        tmp.write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))
-        tmp.replace(self.rundir.run_json)
+        try:
+            tmp.write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))
+            tmp.replace(self.rundir.run_json)
+        except OSError as e:  # a full disk at the start: a clear message, not a traceback
+            raise disk_error(tmp, e) from e
 
     def _load_done(self, ds: DatasetRun) -> None:
         """Open the dataset's files (cutting a torn last line) and count what is already on disk."""
@@ -287,10 +293,11 @@ class Engine:
                 continue
             ds.done_ids.add(rid)
             ds.done += 1
-            usage = rec.get("usage") or {}
-            ds.tokens.used += int(usage.get("completion_tokens") or 0)
+            # A line edited by hand or written by another tool: odd values count as nothing, not a crash.
+            usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
+            ds.tokens.used += _count(usage.get("completion_tokens"))
             ds.tokens.answers += 1
-            cost = float(usage.get("cost") or 0.0)
+            cost = _cost(usage.get("cost"))
             ds.cost += cost
             self.money.spent_before += cost
             self.money.answers += 1
@@ -307,15 +314,21 @@ class Engine:
         path = self.rundir.rejected(ds.config.name)
         tmp = path.with_suffix(".jsonl.tmp")
         total = rejected = 0
-        with open(tmp, "wb") as out:
-            for item in read_prompts(ds.config.prompts):
-                if isinstance(item, Rejection):
-                    rejected += 1
-                    out.write(orjson.dumps({"line": item.line, "id": item.id, "reason": item.reason,
-                                            "file": str(ds.config.prompts), "ts": time.time()}) + b"\n")
-                else:
-                    total += 1
-        tmp.replace(path)
+        try:
+            with open(tmp, "wb") as out:
+                for item in read_prompts(ds.config.prompts):
+                    if isinstance(item, Rejection):
+                        rejected += 1
+                        out.write(orjson.dumps({"line": item.line, "id": item.id, "reason": item.reason,
+                                                "file": str(ds.config.prompts), "ts": time.time()}) + b"\n")
+                    else:
+                        total += 1
+            tmp.replace(path)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)  # the old rejected.jsonl stays as it was
+            if isinstance(e, OSError):
+                raise disk_error(tmp, e) from e
+            raise
         ds.total, ds.rejected = total, rejected
 
     async def _prompts(self, ds: DatasetRun) -> Any:
@@ -486,11 +499,26 @@ class Engine:
                     self.retries += 1
                     await asyncio.sleep(backoff_delay(attempt, cfg.engine.backoff_base_s,
                                                       cfg.engine.backoff_max_s, e.retry_after, self._rng))
+                    await self._retry_slot(ds)
                     continue
                 self._record_failure(ds, prompt, e, attempt)
                 return
             self._record_answer(ds, prompt, answer, attempt)
             return
+
+    async def _retry_slot(self, ds: DatasetRun) -> None:
+        """A retry goes out only within the current limit. After sustained 429s cut it, the requests
+        over it wait here holding no slot, so what the provider receives drops with the limit; without
+        this only new admissions stopped, and every request already in flight kept retrying."""
+        if ds.in_flight - ds.parked <= ds.concurrency.limit:
+            return
+        ds.parked += 1
+        try:
+            while ds.in_flight - ds.parked >= ds.concurrency.limit:
+                ds.wake.clear()
+                await ds.wake.wait()  # set when a request ends and when the limit grows
+        finally:
+            ds.parked -= 1
 
     def _record_answer(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int) -> None:
         truncated = a.finish_reason == "length"
@@ -507,7 +535,7 @@ class Engine:
         if a.token_ids is not None:
             record["token_ids"] = a.token_ids
         assert ds.responses is not None
-        self._write(ds.responses, record)
+        on_disk = self._write(ds.responses, record)
         ds.done += 1
         ds.done_ids.add(prompt.id)
         ds.tokens.used += a.usage.completion_tokens
@@ -520,7 +548,7 @@ class Engine:
             self.errors.add("length" if truncated else "empty_content")
         self.rates.record(a.usage.completion_tokens)
         self.providers.add(a.provider or "unknown")
-        if self._on_answer is not None:
+        if self._on_answer is not None and on_disk:  # a held record is handed on once it is written
             self._on_answer(ds.config.name, record)
 
     def _record_failure(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int) -> None:
@@ -531,16 +559,19 @@ class Engine:
         ds.failed += 1
         ds.done_ids.add(prompt.id)
 
-    def _write(self, appender: JsonlAppender, record: dict[str, Any]) -> None:
+    def _write(self, appender: JsonlAppender, record: dict[str, Any]) -> bool:
+        """True when the record is on disk now; False when it is held in memory (a failed write)."""
         if self._pending_writes:
             self._pending_writes.append((appender, record))
-            return
+            return False
         try:
             appender.append(record)
         except DiskError as e:
             self._pending_writes.append((appender, record))
             self._alert(f"{e}. The run is paused with {len(self._pending_writes)} record(s) held in memory; "
                         "free space and press r to resume (headless: kill -USR1 <pid>).")
+            return False
+        return True
 
     def _flush_pending(self) -> bool:
         while self._pending_writes:
@@ -551,7 +582,32 @@ class Engine:
                 self._alert(f"{e}. Still paused: {len(self._pending_writes)} record(s) held in memory.")
                 return False
             self._pending_writes.pop(0)
+            if self._on_answer is not None:
+                for ds in self.datasets.values():
+                    if appender is ds.responses:
+                        self._on_answer(ds.config.name, record)
         return True
+
+    def _settle_pending(self) -> None:
+        """At the end of a run: write what is still held (space may be back); what cannot be written is
+        not counted as done (those prompts stay eligible for the next run) and the log says so."""
+        if not self._pending_writes or self._flush_pending():
+            return
+        lost: dict[str, int] = {}
+        for appender, record in self._pending_writes:
+            for ds in self.datasets.values():
+                if appender is ds.responses:
+                    ds.done -= 1
+                elif appender is ds.failures:
+                    ds.failed -= 1
+                else:
+                    continue
+                ds.done_ids.discard(str(record.get("id")))
+                lost[str(appender.path)] = lost.get(str(appender.path), 0) + 1
+        self._pending_writes.clear()
+        where = ", ".join(f"{n} for {path}" for path, n in lost.items())
+        self._event("error", "unsaved", f"{sum(lost.values())} record(s) could not be written and are not saved "
+                    f"({where}): {self.alert.split('. ')[0]}; the next run asks those prompts again")
 
     def _alert(self, message: str) -> None:
         first = self.alert != message
@@ -638,6 +694,15 @@ class Engine:
             elapsed_s=self._clock() - self._started, seq=self._seq, datasets=tuple(datasets),
             throughput=throughput, errors=self.errors.items(), retries=self.retries,
             providers=self.providers.items(), credits=credits, alert=self.alert)
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62 else 0
+
+
+def _cost(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and 0 <= value < 1e9 else 0.0
 
 
 async def _empty() -> Any:

@@ -8,6 +8,7 @@ or a full disk paused the run.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from typing import TextIO
@@ -53,6 +54,31 @@ def status_line(s: snap.RunSnapshot) -> str:
     return line
 
 
+class _Output:
+    """Where the status lines go. The terminal can vanish under a long run (a closed tmux pane, a
+    dropped SSH session): a write that fails must neither stop the run nor keep it from hearing the
+    SIGHUP that follows, so after the first failure the output is silenced, not raised."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.gone = False
+
+    def say(self, text: str) -> None:
+        if self.gone:
+            return
+        try:
+            print(text, file=self.stream, flush=True)
+        except (OSError, ValueError):  # EPIPE, EIO from a hung-up terminal; a closed file
+            self.gone = True
+            try:
+                # What is still buffered would fail again at exit (and turn exit status 0 into 120).
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, self.stream.fileno())
+                os.close(devnull)
+            except (OSError, ValueError, AttributeError):
+                pass  # not a real file (a test's StringIO)
+
+
 async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False, interval_s: float = 5.0,
                        out: TextIO = sys.stdout, merge: bool = False, extract: bool = False,
                        reconstruct: bool | None = None) -> int:
@@ -60,21 +86,22 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
     await pipeline.start()
     loop = asyncio.get_running_loop()
     interrupts = 0
+    say = _Output(out).say
 
     def on_sigint() -> None:
         nonlocal interrupts
         interrupts += 1
+        # Act first, then say so: the saying may fail.
         if interrupts == 1:
-            print("SIGINT: draining (requests in flight finish); press Ctrl-C again to stop now", file=out,
-                  flush=True)
             pipeline.quit(drain=True)
+            say("SIGINT: draining (requests in flight finish); press Ctrl-C again to stop now")
         else:
-            print("SIGINT again: stopping now", file=out, flush=True)
             pipeline.quit(drain=False)
+            say("SIGINT again: stopping now")
 
     def on_term(name: str) -> None:
-        print(f"{name}: draining", file=out, flush=True)
         pipeline.quit(drain=True)
+        say(f"{name}: draining")
 
     loop.add_signal_handler(signal.SIGINT, on_sigint)
     loop.add_signal_handler(signal.SIGTERM, on_term, "SIGTERM")
@@ -91,10 +118,10 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
                 ev = item[1]
                 if ev.level != "info" or ev.kind in ("dataset_start", "dataset_done", "run_done", "smoke_done",
                                                       "merge_done", "extract_done", "budget", "tokens_done"):
-                    print(f"  {ev.level}: {ev.message}", file=out, flush=True)
+                    say(f"  {ev.level}: {ev.message}")
             elif loop.time() >= next_line:
                 next_line = loop.time() + interval_s
-                print(status_line(item[1]), file=out, flush=True)
+                say(status_line(item[1]))
 
     printing = asyncio.create_task(printer())
     try:
@@ -106,7 +133,7 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
             await pipeline.merge()
         if code == 0 and state == snap.DONE and extract:
             await pipeline.extract()
-        print(status_line(pipeline.snapshot()), file=out, flush=True)
+        say(status_line(pipeline.snapshot()))
         await asyncio.sleep(0)  # let the printer flush the last events
         return code
     finally:

@@ -610,6 +610,7 @@ def _write(inputs: list[_DatasetInput], kept: list[_Kept], tmp: Path, stats: Mer
 def merge_command(config: Config) -> int:
     """Headless merge: a progress line about once a second, then a summary table. Returns 0."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -628,11 +629,12 @@ def merge_command(config: Config) -> int:
     totals = DatasetMergeStats("total", stats.read, stats.samples, stats.dropped, {}, stats.tokens,
                                stats.masked_tokens, stats.cost_usd)
     rows = [*stats.datasets, totals]
-    table = Table(title=f"merged → {stats.output_dir} (seed {stats.seed})")
+    # Names and paths are the user's text, not rich markup ("B[/x]" must print, not raise).
+    table = Table(title=f"merged → {escape(stats.output_dir)} (seed {stats.seed})")
     for col in ("dataset", "read", "kept", "dropped", "tokens", "masked", "cost $"):
         table.add_column(col, justify="left" if col == "dataset" else "right")
     for d in rows:
-        table.add_row(d.name, f"{d.read:,}", f"{d.kept:,}", f"{d.dropped_total:,}", f"{d.tokens:,}",
+        table.add_row(escape(d.name), f"{d.read:,}", f"{d.kept:,}", f"{d.dropped_total:,}", f"{d.tokens:,}",
                       f"{d.masked_tokens:,}", f"{d.cost_usd:.4f}", end_section=d is stats.datasets[-1])
     console.print(table)
     reasons = [r for r in DROP_REASONS if totals.dropped[r]]
@@ -642,7 +644,7 @@ def merge_command(config: Config) -> int:
         for r in reasons:
             drops.add_column(r, justify="right")
         for d in rows:
-            drops.add_row(d.name, *(f"{d.dropped[r]:,}" for r in reasons), end_section=d is stats.datasets[-1])
+            drops.add_row(escape(d.name), *(f"{d.dropped[r]:,}" for r in reasons), end_section=d is stats.datasets[-1])
         console.print(drops)
     checks: dict[str, int] = {}
     for d in stats.datasets:

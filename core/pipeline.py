@@ -69,6 +69,7 @@ class Pipeline:
         self.quit_requested = asyncio.Event()
         self.exit_code = 0
         self.error: DraftgenError | None = None
+        self._crash: BaseException | None = None
         self._extract_stop = threading.Event()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -106,7 +107,11 @@ class Pipeline:
         `self.error` for the command boundary to print."""
         try:
             return await self._generate()
-        except DraftgenError as e:
+        except Exception as e:  # noqa: BLE001 - the run must never sit silent: every failure shows
+            if not isinstance(e, DraftgenError):
+                self._crash = e  # a bug, not a user error: re-raised with its traceback at the boundary
+                e = DraftgenError(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the "
+                                  "traceback, and please report it)")
             self.error = e
             self.exit_code = 2
             for name, stage in list(self.stages.items()):

@@ -13,6 +13,7 @@ A line that cannot be used becomes a `Rejection` (line number and reason); readi
 from __future__ import annotations
 
 import gzip
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,11 +116,13 @@ def read_prompts(path: Path) -> Iterator[Prompt | Rejection]:
         while True:
             try:
                 line = f.readline()
-            except (OSError, EOFError, gzip.BadGzipFile) as e:
+            except (OSError, EOFError, zlib.error) as e:  # a corrupt or cut-short .gz (BadGzipFile is an OSError)
                 raise PromptFileError(f"{path}: line {line_no + 1}: cannot read the file ({e})") from None
             if not line:
                 return
             line_no += 1
+            if line_no == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]  # a UTF-8 byte-order mark (some editors and exports write one)
             if not line.strip():
                 continue
             try:

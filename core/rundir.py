@@ -18,6 +18,7 @@ acknowledged. On reopening, a torn last line (a crash mid-write) is cut off and 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -123,15 +124,22 @@ class JsonlAppender:
 
     def append(self, obj: Any) -> None:
         line = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        written = 0
         try:
-            written = os.write(self._fd, line)
-            if written != len(line):
-                # A short write (disk filled mid-line): take the partial line back out.
-                os.ftruncate(self._fd, os.lseek(self._fd, 0, os.SEEK_END) - written)
-                raise OSError(errno.ENOSPC, "short write")
+            while written < len(line):
+                # After a short write (the disk filled mid-line, a file-size limit) the rest either
+                # goes through or fails with the real reason (ENOSPC, EFBIG...).
+                n = os.write(self._fd, line[written:])
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, "no bytes written")
+                written += n
             if self._fsync:
                 os.fsync(self._fd)
         except OSError as e:
+            if 0 < written < len(line):
+                # Take the partial line back out: a record is on disk whole or not at all.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, os.lseek(self._fd, 0, os.SEEK_END) - written)
             raise disk_error(self.path, e) from e
 
     def close(self) -> None:
@@ -179,4 +187,5 @@ class EventLog:
             pass  # the log is for people; a full disk is reported by the record writers
 
     def close(self) -> None:
-        self._f.close()
+        with contextlib.suppress(OSError):  # lines a full disk held back are given up, not raised
+            self._f.close()

@@ -27,7 +27,7 @@ from .client import ChatAnswer, ChatClient, RequestFailed
 from .config import Config, DatasetConfig
 from .errors import DraftgenError
 from .prompts import Prompt, read_prompts
-from .rundir import RunDir
+from .rundir import RunDir, disk_error
 from .secrets import Redactor
 
 
@@ -248,8 +248,11 @@ async def run_smoke(config: Config, api_key: str,
     rd = RunDir(config.run_dir)
     rd.root.mkdir(parents=True, exist_ok=True)
     tmp = rd.smoke_json.with_suffix(".json.tmp")
-    tmp.write_bytes(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2))
-    tmp.replace(rd.smoke_json)
+    try:
+        tmp.write_bytes(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2))
+        tmp.replace(rd.smoke_json)
+    except OSError as e:  # a full disk: a clear message, and the last smoke.json stays as it was
+        raise disk_error(tmp, e) from e
     if progress is not None:
         progress(snap.StageProgress("smoke", state="done" if result.passed else "failed", done=len(result.rows),
                                     total=len(result.rows), message=result.summary(),
@@ -259,21 +262,23 @@ async def run_smoke(config: Config, api_key: str,
 
 def print_result(result: SmokeResult) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
     table = Table(title="draftgen smoke test", show_lines=False)
     table.add_column("check")
     table.add_column("result")
     table.add_column("detail", overflow="fold")
     for r in result.rows:
-        table.add_row(r.check, "[green]PASS[/]" if r.passed else "[bold red]FAIL[/]", r.detail)
+        # Details quote the upstream (answers, error bodies): "[/INST]" there is text, not rich markup.
+        table.add_row(escape(r.check), "[green]PASS[/]" if r.passed else "[bold red]FAIL[/]", escape(r.detail))
     console = Console()
     console.print(table)
     for name, cost in result.cost_per_request.items():
-        console.print(f"cost per request ({name}): ${cost:.6f}")
+        console.print(f"cost per request ({escape(name)}): ${cost:.6f}")
     if result.projected_cost_usd is not None:
         console.print(f"projected run cost (rough: half of max_tokens per answer, capped by token budgets): "
                       f"${result.projected_cost_usd:.2f}")
-    console.print(("[green]PASSED[/]: " if result.passed else "[bold red]FAILED[/]: ") + result.summary())
+    console.print(("[green]PASSED[/]: " if result.passed else "[bold red]FAILED[/]: ") + escape(result.summary()))
 
 
 def smoke_command(config: Config, api_key: str) -> int:

@@ -346,6 +346,12 @@ def _load_tiktoken_folder(folder: Path) -> TiktokenTokenizer:
             named = {int(i): str(n) for n, i in dict(table.get("named", {})).items()}
         except (ValueError, TypeError):
             raise TokenizerError(f"{where}: \"named\" must map token names to integer ids") from None
+        # A tiktoken.model cut at a line boundary (an interrupted copy) parses: only its size tells.
+        expected = table.get("base_vocab_size")
+        if isinstance(expected, int) and n_base != expected:
+            raise TokenizerError(f"{model}: holds {n_base:,} tokens but {where} expects {expected:,}: the file is "
+                                 f"cut short (copy it again) or belongs to another model (then put that model's "
+                                 f"special_tokens.json or tokenizer_config.json beside it)")
     reserved = int(table.get("num_reserved_special_tokens", KIMI_RESERVED_SPECIAL_TOKENS))
     specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, n_base + reserved)}
     for i, name in named.items():

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import fcntl
 import multiprocessing
 import os
+import signal
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -28,15 +32,16 @@ import numpy as np
 import orjson
 
 from .config import Config
-from .errors import ConfigError
+from .errors import ConfigError, DraftgenError
 from .reconstruct import CHECKS, DEFAULT_COUNT_TOLERANCE, ValidationReport, reconstruct_record, unrenderable
-from .rundir import RunDir, iter_jsonl, read_line_at
+from .rundir import RunDir, disk_error, iter_jsonl, read_line_at
 from .snapshot import StageProgress
 from .template import ChatTemplate, load_template
 from .tokenizer import Tokenizer, load_tokenizer
 from .tokenstore import INDEX_FILE, TokenWriter
 
 REPORT_FILE = "report.json"
+LOCK_FILE = "writer.lock"     # flock'ed by the one process writing the folder
 BATCH_ANSWERS = 32            # answers per worker task: amortises IPC without starving cores
 BATCH_CHARS = 1 << 20         # ... or fewer when they are long
 INLINE_MAX = 32               # fewer pending answers than this: not worth starting processes
@@ -77,6 +82,26 @@ def _init_worker(spec: WorkerSpec) -> None:
     global _worker
     tok, template = spec.load()
     _worker = (tok, template, spec.count_tolerance)
+
+
+def _init_pool_worker(spec: WorkerSpec) -> None:
+    """A pool worker's initializer: tied to the process that made the pool, deaf to the terminal.
+
+    Ctrl-C, a closed tmux pane and `kill -TERM -PGID` signal the whole process group: the main
+    process drains and then stops its workers itself, so a worker must not die first (its batch
+    would be lost and the pool broken). And when the main process dies (kill -9, the OOM killer) a
+    worker blocked on the pool's queue would wait forever, keeping the forkserver and the resource
+    tracker alive with it, each holding a tokenizer: it exits as soon as its parent is gone."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+
+        def exit_with_parent() -> None:
+            parent.join()  # returns when the parent's end of the pipe closes: it has exited
+            os._exit(0)
+        threading.Thread(target=exit_with_parent, name="draftgen-parent-watch", daemon=True).start()
+    _init_worker(spec)
 
 
 def _ping(_: object = None) -> bool:
@@ -127,10 +152,49 @@ def _batches(records: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]
         yield batch
 
 
+def _start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker against the real stderr. Inside the TUI, sys.stderr is
+    Textual's print capture, whose fileno() is -1: the tracker would pass that fd to its child and
+    fail to start (ValueError: bad value(s) in fds_to_keep), taking live reconstruction down with it."""
+    from multiprocessing import resource_tracker
+    try:
+        usable = sys.stderr.fileno() >= 0
+    except (AttributeError, ValueError, OSError):
+        usable = True  # the tracker skips a stderr without a fileno() by itself
+    if usable or sys.__stderr__ is None:
+        resource_tracker.ensure_running()
+        return
+    captured, sys.stderr = sys.stderr, sys.__stderr__
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        sys.stderr = captured
+
+
+_TERMINAL_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def _start_helpers() -> None:
+    """Start the resource tracker and the forkserver with the terminal's signals blocked: a blocked
+    mask survives exec, so a Ctrl-C, a closed tmux pane or `kill -TERM -PGID` (which signal the whole
+    process group) cannot kill them. A dead forkserver looks to the pool like every worker died at
+    once: the pool breaks and live reconstruction stops while the run is draining."""
+    import multiprocessing.forkserver
+    for start in (_start_resource_tracker, multiprocessing.forkserver.ensure_running):
+        # Each under its own block: the tracker's own start unblocks SIGINT and SIGTERM when done.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _TERMINAL_SIGNALS)
+        try:
+            start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def _new_pool(spec: WorkerSpec, workers: int) -> concurrent.futures.ProcessPoolExecutor:
     # forkserver, not fork: the live run forks from a process with an event loop and threads.
     ctx = multiprocessing.get_context("forkserver")
-    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(spec,))
+    _start_helpers()
+    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_pool_worker,
+                                               initargs=(spec,))
 
 
 def _cores() -> int:
@@ -142,6 +206,45 @@ def _cores() -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Shared bookkeeping
+
+
+class TokensBusy(DraftgenError):
+    """Another process is writing the tokens folder."""
+
+
+class _LockedWriter(TokenWriter):
+    """A TokenWriter that holds an exclusive lock on its folder while open. Two writers would each
+    append at the offsets they believe in (and the second one's opening repair truncates what the
+    first is writing): `draftgen tokens` during a live `run` silently corrupted the token files.
+    The lock goes with the process, so a crash never leaves it held."""
+
+    def __init__(self, folder: Path) -> None:
+        folder = Path(folder)
+        path = folder / LOCK_FILE
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise disk_error(path, e) from e
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            super().__init__(folder)  # only now: opening repairs (truncates) the files
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise TokensBusy(f"{folder}: another draftgen process is writing these token files (a live `draftgen "
+                             "run` reconstructs its answers as they land); a second writer would corrupt them. "
+                             "Wait until it has finished and run this again.") from None
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
 
 def _dataset_names(config: Config) -> list[str]:
@@ -221,7 +324,7 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: Progress | 
     responses, folder = run.responses(dataset_name), run.tokens(dataset_name)
     spec = WorkerSpec.from_config(config)
     n_workers = workers if workers is not None else (config.engine.workers or _cores())
-    with TokenWriter(folder) as writer:
+    with _LockedWriter(folder) as writer:
         report = index_report(folder, dataset_name)
         offsets = _pending(responses, writer.ids)
         total = len(offsets)
@@ -250,7 +353,8 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: Progress | 
             tell()
 
         tell(force=True)
-        records = _read_records(responses, offsets)
+        # No answers yet (a dataset not run): nothing to open; responses.jsonl may not exist.
+        records = _read_records(responses, offsets) if offsets else iter(())
         if pool is None and (n_workers <= 1 or total < INLINE_MAX):
             _init_worker(spec)
             for batch in _batches(records):
@@ -290,6 +394,7 @@ def tokens_command(config: Config) -> int:
     """`draftgen tokens CONFIG`: reconstruct every dataset, print the validation report."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -300,7 +405,7 @@ def tokens_command(config: Config) -> int:
         with Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                  console=console, transient=True) as bar:
             for ds in config.datasets:
-                task = bar.add_task(ds.name, total=None)
+                task = bar.add_task(escape(ds.name), total=None)
 
                 def show(p: StageProgress, task: Any = task) -> None:
                     bar.update(task, completed=p.done, total=p.total or None)
@@ -309,14 +414,15 @@ def tokens_command(config: Config) -> int:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    table = Table(title=f"token reconstruction — {config.run_dir}", box=None, header_style="bold")
+    # Names and paths are the user's text, not rich markup ("B[/x]" must print, not raise).
+    table = Table(title=f"token reconstruction — {escape(str(config.run_dir))}", box=None, header_style="bold")
     table.add_column("dataset", no_wrap=True)
     for col in ("answers", "valid", "invalid", "trunc.", "Δ mean", "p50 |Δ|", "p99 |Δ|", "exact"):
         table.add_column(col, justify="right", no_wrap=True)
     total = ValidationReport.combine(reports)
     for i, r in enumerate([*reports, total]):
         counted = r.counted > 0
-        table.add_row(r.name, f"{r.checked:,}", f"{r.valid:,}", f"{r.checked - r.valid:,}", f"{r.truncated:,}",
+        table.add_row(escape(r.name), f"{r.checked:,}", f"{r.valid:,}", f"{r.checked - r.valid:,}", f"{r.truncated:,}",
                       f"{r.diff_mean:+.2f}" if counted else "-",
                       str(r.diff_abs_percentile(50)) if counted else "-",
                       str(r.diff_abs_percentile(99)) if counted else "-",
@@ -325,9 +431,9 @@ def tokens_command(config: Config) -> int:
     for r in reports:
         failed = ", ".join(f"{c} {r.failures[c]:,}" for c in CHECKS if r.failures.get(c))
         if failed:
-            console.print(f"{r.name}: failed checks: {failed}")
+            console.print(f"{escape(r.name)}: failed checks: {failed}")
     console.print("Δ = reconstructed answer tokens - billed completion_tokens. Reports: "
-                  f"{RunDir(config.run_dir).root}/<dataset>/tokens/{REPORT_FILE}")
+                  f"{escape(str(RunDir(config.run_dir).root))}/<dataset>/tokens/{REPORT_FILE}")
     return 0
 
 
@@ -386,7 +492,7 @@ class LiveReconstructor:
         writer = self._writers.get(name)
         if writer is None:
             folder = self._run.tokens(name)
-            writer = self._writers[name] = TokenWriter(folder)
+            writer = self._writers[name] = _LockedWriter(folder)
             self._reports[name] = index_report(folder, name)
             self._known[name] = set(writer.ids)
             self._buffers[name] = []

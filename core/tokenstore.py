@@ -18,6 +18,8 @@ the end of the last committed sample, so a crash never leaves a sample half-visi
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import orjson
+
+from .rundir import disk_error
 
 IDS_FILE, MASK_FILE, INDEX_FILE = "input_ids.bin", "loss_mask.bin", "index.jsonl"
 
@@ -60,8 +64,19 @@ def _read_index(path: Path) -> tuple[list[TokenEntry], int]:
     return entries, good
 
 
+def _write_all(f: Any, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = f.write(view)
+        if not n:
+            raise OSError(errno.ENOSPC, "no bytes written")
+        view = view[n:]
+
+
 class TokenWriter:
-    """Appends samples; reopening an existing folder resumes after its last committed sample."""
+    """Appends samples; reopening an existing folder resumes after its last committed sample.
+    A write that fails (full disk, file-size limit) raises DiskError naming the file and leaves the
+    folder as it was before that sample."""
 
     def __init__(self, folder: Path, *, fsync: bool = False) -> None:
         self.folder = Path(folder)
@@ -80,31 +95,45 @@ class TokenWriter:
             if p.exists() and p.stat().st_size != self.tokens * width:
                 os.truncate(p, self.tokens * width)
                 self.repaired = True
-        self._ids_f = open(self.folder / IDS_FILE, "ab")
-        self._mask_f = open(self.folder / MASK_FILE, "ab")
-        self._index_f = open(index_path, "ab")
+        # Unbuffered: after a failed write nothing is left in a buffer to land later, out of place.
+        self._ids_f = open(self.folder / IDS_FILE, "ab", buffering=0)
+        self._mask_f = open(self.folder / MASK_FILE, "ab", buffering=0)
+        self._index_f = open(index_path, "ab", buffering=0)
+        self._index_size = good
 
     def append(self, sample_id: str, input_ids: Any, loss_mask: Any, meta: dict[str, Any] | None = None) -> TokenEntry:
         ids = np.asarray(input_ids, dtype="<u4")
         mask = np.asarray(loss_mask, dtype=np.uint8)
         if ids.shape != mask.shape or ids.ndim != 1:
             raise ValueError(f"{sample_id}: input_ids {ids.shape} and loss_mask {mask.shape} differ")
-        self._ids_f.write(ids.tobytes())
-        self._mask_f.write(mask.tobytes())
-        self._ids_f.flush()
-        self._mask_f.flush()
-        if self._fsync:
-            os.fsync(self._ids_f.fileno())
-            os.fsync(self._mask_f.fileno())
         entry = TokenEntry(str(sample_id), self.tokens, int(ids.shape[0]), dict(meta or {}))
-        self._index_f.write(orjson.dumps({"id": entry.id, "offset": entry.offset, "length": entry.length,
-                                          **entry.meta}) + b"\n")
-        self._index_f.flush()
-        if self._fsync:
-            os.fsync(self._index_f.fileno())
+        line = orjson.dumps({"id": entry.id, "offset": entry.offset, "length": entry.length, **entry.meta}) + b"\n"
+        target = self.folder / IDS_FILE
+        try:
+            _write_all(self._ids_f, ids.tobytes())
+            target = self.folder / MASK_FILE
+            _write_all(self._mask_f, mask.tobytes())
+            if self._fsync:
+                os.fsync(self._ids_f.fileno())
+                os.fsync(self._mask_f.fileno())
+            target = self.folder / INDEX_FILE
+            _write_all(self._index_f, line)
+            if self._fsync:
+                os.fsync(self._index_f.fileno())
+        except OSError as e:
+            # A full disk mid-sample: cut every file back to the last committed sample, so the next
+            # append (when space is back) lands where the index says it does.
+            self._rollback()
+            raise disk_error(target, e) from e
         self.tokens += entry.length
+        self._index_size += len(line)
         self.ids.add(entry.id)
         return entry
+
+    def _rollback(self) -> None:
+        for f, size in ((self._ids_f, self.tokens * 4), (self._mask_f, self.tokens), (self._index_f, self._index_size)):
+            with contextlib.suppress(OSError):
+                os.ftruncate(f.fileno(), size)
 
     def close(self) -> None:
         for f in (self._ids_f, self._mask_f, self._index_f):

@@ -131,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"draftgen: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        # The filesystem said no where no DraftgenError names it (a run folder that cannot be made: a
+        # name too long, a file in the way, no permission): the path and the reason, no traceback.
+        if args.debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"draftgen: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

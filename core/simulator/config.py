@@ -117,6 +117,9 @@ class SimConfig:
     # Deliberate wire-level misbehaviour, so the smoke test's checks can be shown to fail
     # (non-streamed answers only): see MISBEHAVIOURS.
     misbehave: tuple[str, ...] = ()
+    # A careless upstream: error bodies (4xx/5xx, and 200s carrying an error) quote the bearer key
+    # the request came with, so tests can show draftgen never writes or prints what it is sent.
+    echo_key: bool = False
     # How many generations `/generation?id=` remembers (oldest forgotten first).
     generation_log_size: int = 100_000
 

@@ -139,9 +139,12 @@ class SimServer:
         if st.in_flight > st.peak_in_flight:
             st.peak_in_flight = st.in_flight
         status = "?"
+        cfg = self._cfg
         try:
-            resp = await self._serve_chat(request, self._cfg)
+            resp = await self._serve_chat(request, cfg)
             status = str(resp.status)
+            if cfg.echo_key:
+                _echo_key(request, resp)
             return resp
         except asyncio.CancelledError:
             status = request.get(responses.NO_RESPONSE, "cancelled")
@@ -365,8 +368,29 @@ def _auth_error(request: web.Request, cfg: SimConfig) -> web.Response | None:
     if scheme.lower() != "bearer" or not key:
         return responses.error(401, "No auth credentials found")
     if cfg.api_key is not None and key != cfg.api_key:
-        return responses.error(401, "User not found.")
+        return responses.error(401, "User not found." + (f" Key: {key}" if cfg.echo_key else ""))
     return None
+
+
+def _echo_key(request: web.Request, resp: web.StreamResponse) -> None:
+    """SimConfig.echo_key: put the caller's bearer key into an error body (not into answers)."""
+    body = getattr(resp, "body", None)
+    if not isinstance(body, bytes) or (resp.status < 400 and b'"error"' not in body):
+        return
+    key = request.headers.get("Authorization", "").partition(" ")[2].strip()
+    note = f" (request made with key {key})"
+    try:
+        obj = orjson.loads(body)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if not isinstance(err, dict):
+            raise ValueError("no error object")
+        err["message"] = f"{err.get('message', '')}{note}"
+        meta = err.get("metadata")
+        if isinstance(meta, dict):
+            meta["raw"] = f"{meta.get('raw', '')}{note}"
+        resp.body = orjson.dumps(obj)
+    except ValueError:  # orjson.JSONDecodeError included: a plain-text body (524)
+        resp.body = body + note.encode()
 
 
 def _draws(seed: int, key: str, n: int) -> list[float]:

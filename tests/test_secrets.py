@@ -1,0 +1,194 @@
+"""The API key never leaves the process: not in a file, a log line, stdout/stderr, the attach stream
+or a screenshot — even when the upstream quotes it back in its error bodies.
+
+One recognisable fake key goes through smoke, run (headless subprocess with a viewer on the attach
+socket, and the in-process pipeline inside the real TUI), tokens and merge, against a simulator
+that echoes the key in every error (SimConfig.echo_key) and one that rejects it with a 401 that
+quotes it. Then everything written and printed is searched for the key and its first 12 characters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import os
+import re
+import sys
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from draftgen.core.config import load_config
+from draftgen.core.pipeline import Pipeline
+from draftgen.core.rundir import RunDir
+from draftgen.core.secrets import PREFIX
+from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.core.tokenizer import bundled_kimi_path
+
+from .helpers import make_config
+
+CANARY = "sk-or-v1-LEAKCANARY-7f3a9c1e5b2d4f6a8c0e1b3d5f7a9c2e4b6d8f0a1c3e5b7d9f2a4c6e8b0d1f3a"
+NEEDLES = (CANARY.encode(), CANARY[:PREFIX].encode())
+FAULTS = {"429": 0.1, "500": 0.1, "524": 0.1, "error200": 0.1, "truncated": 0.05}
+REQUEST = {"temperature": 0.6, "include_reasoning": True, "provider": {"ignore": ["fireworks", "baseten"]}}
+
+
+def leaks(data: bytes) -> list[bytes]:
+    return [n for n in NEEDLES if n in data]
+
+
+def svg_text(svg: str) -> bytes:
+    """The visible text of an SVG screenshot (tags dropped, entities decoded), as well as the raw file."""
+    return (svg + html.unescape(re.sub(r"<[^>]+>", "", svg))).encode()
+
+
+def scan_tree(root: Path) -> tuple[int, dict[str, list[bytes]]]:
+    """(files read, {path: needles found}) over every regular file under root (names included)."""
+    found: dict[str, list[bytes]] = {}
+    count = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*filenames, *dirnames]:
+            path = Path(dirpath) / name
+            hits = leaks(os.fsencode(str(path)))
+            if path.is_file() and not path.is_symlink():
+                count += 1
+                hits += leaks(path.read_bytes())
+            if hits:
+                found[str(path)] = hits
+    return count, found
+
+
+async def cli(*args: str, env_key: str = CANARY, timeout: float = 90) -> tuple[int, bytes, bytes]:
+    env = {**os.environ, "DG_TEST_KEY": env_key}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "draftgen.tui.cli", *args, env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    return proc.returncode, out, err
+
+
+async def read_attach_stream(run_dir: Path, proc: asyncio.subprocess.Process) -> bytes:
+    """Every byte the run's attach socket sends to a viewer, from as early as it can connect to the bye."""
+    sock = RunDir(run_dir).socket
+    for _ in range(3000):  # a hang guard: the run serves the socket before its first request
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(sock), limit=1 << 24)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            assert proc.returncode is None, "the run ended before a viewer could attach"
+            await asyncio.sleep(0.01)
+    else:
+        raise AssertionError(f"nothing served {sock}")
+    chunks = []
+    try:
+        while chunk := await asyncio.wait_for(reader.read(1 << 16), 60):
+            chunks.append(chunk)
+    finally:
+        writer.close()
+    return b"".join(chunks)
+
+
+async def test_the_key_appears_nowhere(tmp_path: Path) -> None:
+    outputs: dict[str, bytes] = {}
+    sim_cfg = SimConfig(seed=11, latency_scale=0.0, fixed_latency_s=0.02, mean_completion_tokens=60,
+                        faults=FAULTS, retry_after_s=0.01, echo_key=True)
+    async with SimServer(sim_cfg, port=0) as sim, \
+            SimServer(SimConfig(seed=12, latency_scale=0.0, api_key="the-real-key", echo_key=True), port=0) as deny:
+        # The simulator really does quote the key back: otherwise this test would prove nothing.
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {CANARY}"}) as http:
+            async with http.get(f"{deny.base_url}/credits") as resp:
+                assert resp.status == 401 and CANARY in await resp.text()
+
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 120, "concurrency": 8},
+                                                   {"name": "b", "n": 40, "concurrency": 4, "max_tokens": 2048}],
+                          tables={"tokenizer": {"path": str(bundled_kimi_path())},
+                                  "engine": {"max_attempts": 2, "workers": 1},
+                                  "api": {"credits_interval_s": 0.2}},
+                          request=REQUEST)
+        denied_dir = tmp_path / "denied"
+        denied_dir.mkdir()
+        denied = make_config(denied_dir, deny.base_url, [{"name": "d", "n": 6, "concurrency": 3}],
+                             tables={"tokenizer": {"path": str(bundled_kimi_path())},
+                                     "engine": {"reconstruct": False}})
+
+        # smoke: one against the echoing fault storm, one whose key is refused with a 401 that quotes it.
+        for label, config in (("smoke", cfg), ("smoke-401", denied)):
+            code, out, err = await cli("smoke", str(config.path))
+            outputs[f"{label} stdout"], outputs[f"{label} stderr"] = out, err
+            assert b"Traceback" not in err, err.decode()[-2000:]
+        assert code == 1 and b"key" in outputs["smoke-401 stdout"]
+
+        # run, headless in a subprocess, with a viewer reading the raw attach stream throughout.
+        env = {**os.environ, "DG_TEST_KEY": CANARY}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "draftgen.tui.cli", "run", str(cfg.path), "--headless", "--skip-smoke",
+            "--interval", "0.2", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stream_task = asyncio.create_task(read_attach_stream(cfg.run_dir, proc))
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        outputs["attach stream"] = await asyncio.wait_for(stream_task, 30)
+        outputs["run stdout"], outputs["run stderr"] = out, err
+        assert proc.returncode == 0, (out + err).decode()[-3000:]
+
+        # run with the refused key: every prompt fails with a 401 body quoting the key.
+        code, out, err = await cli("run", str(denied.path), "--headless", "--skip-smoke", "--interval", "0.2")
+        outputs["run-401 stdout"], outputs["run-401 stderr"] = out, err
+        assert code == 0, (out + err).decode()[-3000:]
+
+        # The in-process pipeline inside the real TUI, then its screenshot.
+        shots = await pipeline_in_tui(tmp_path / "tui", sim.base_url)
+        stats = sim.stats
+
+    for command in ("tokens", "merge"):
+        code, out, err = await cli(command, str(cfg.path))
+        outputs[f"{command} stdout"], outputs[f"{command} stderr"] = out, err
+        assert code == 0, (out + err).decode()[-3000:]
+
+    # The storm really happened and errors really were recorded (with the key cut out of them).
+    assert sum(stats.faults.values()) > 20
+    failures = (RunDir(cfg.run_dir).failures("a").read_bytes() + RunDir(cfg.run_dir).failures("b").read_bytes()
+                + RunDir(denied.run_dir).failures("d").read_bytes())
+    assert b"[redacted]" in failures
+    assert b'"error_kind":"401"' in failures
+    assert b"[redacted]" in outputs["smoke-401 stdout"] or b"[redacted]" in outputs["smoke stdout"]
+    stream_lines = [orjson.loads(line) for line in outputs["attach stream"].splitlines()]
+    assert stream_lines[0]["type"] == "hello" and any(x["type"] == "snapshot" for x in stream_lines)
+    assert (Path(cfg.run_dir) / "merged" / "train.jsonl").exists()
+
+    files, found = scan_tree(tmp_path)
+    assert files > 20
+    for name, svg in shots.items():
+        outputs[name] = svg_text(svg)
+    repo_shots = sorted((Path(__file__).resolve().parents[1] / "screenshots").glob("*.svg"))
+    for path in repo_shots:
+        outputs[str(path)] = svg_text(path.read_text(encoding="utf-8"))
+    printed = {name: hits for name, data in outputs.items() if (hits := leaks(data))}
+    print(f"searched {files} files and {len(outputs)} outputs ({sum(map(len, outputs.values())):,} bytes)")
+    assert not found, f"the key was written to {found}"
+    assert not printed, f"the key was printed in {printed}"
+
+
+async def pipeline_in_tui(folder: Path, base_url: str) -> dict[str, str]:
+    """Smoke, then a run, in the Pipeline embedded in the real app; SVG screenshots of both."""
+    from draftgen.tui.app import DraftgenApp
+
+    folder.mkdir()
+    make_config(folder, base_url, [{"name": "t", "n": 40, "concurrency": 6}],
+                tables={"tokenizer": {"path": str(bundled_kimi_path())},
+                        "engine": {"max_attempts": 2, "workers": 1}, "api": {"credits_interval_s": 0.2}},
+                request=REQUEST)
+    config = load_config(folder / "draftgen.toml")
+    pipeline = Pipeline(config, CANARY, skip_smoke=True)
+    await pipeline.start()
+    shots = {}
+    try:
+        app = DraftgenApp(pipeline, title="draftgen · secrets")
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pipeline.smoke()
+            await pilot.pause(0.3)
+            shots["tui smoke screenshot"] = app.export_screenshot()
+            await pipeline.generate()
+            await pilot.pause(0.3)
+            shots["tui run screenshot"] = app.export_screenshot()
+    finally:
+        await pipeline.close()
+    return shots
