@@ -47,12 +47,16 @@ class ChatAnswer:
 class RequestFailed(Exception):
     """A request that did not produce an answer. `kind` is one of ERROR_KINDS."""
 
-    def __init__(self, kind: str, message: str, *, status: int | None = None, retry_after: float | None = None):
+    def __init__(self, kind: str, message: str, *, status: int | None = None, retry_after: float | None = None,
+                 unreachable: bool = False):
         super().__init__(message)
         self.kind = kind
         self.status = status
         self.message = message
         self.retry_after = retry_after
+        # No connection could be made at all (refused, no route, DNS, connect timeout): nothing was
+        # sent, the API is down or out of reach, which says nothing about this prompt.
+        self.unreachable = unreachable
 
     @property
     def retryable(self) -> bool:
@@ -277,10 +281,17 @@ class ChatClient:
                                             f"({len(raw)} bytes, truncated?)") from None
         except RequestFailed:
             raise
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError as e:
+            if isinstance(e, aiohttp.ConnectionTimeoutError):
+                raise RequestFailed("connection", f"cannot connect to {self.base_url}: no answer within "
+                                    f"{self._timeout.sock_connect:g} s", unreachable=True) from None
             raise RequestFailed("timeout", f"no complete answer within {self._timeout.total:g} s") from None
         except aiohttp.ClientPayloadError as e:
             raise RequestFailed("bad_body", f"truncated body: {e}") from None
+        except aiohttp.ClientConnectorError as e:
+            # A TLS failure is a setup problem, not an outage: it fails like any connection error.
+            raise RequestFailed("connection", f"cannot connect: {type(e).__name__}: {e}",
+                                unreachable=not isinstance(e, aiohttp.ClientSSLError)) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientOSError, ConnectionError) as e:
             raise RequestFailed("connection", f"connection error: {type(e).__name__}: {e}") from None
         except aiohttp.ClientResponseError as e:

@@ -4,8 +4,9 @@ Per dataset an admission loop streams the prompt file, skips ids already on disk
 request when the run is not paused, a concurrency slot is free and the budgets allow it. Each
 request task retries what SPEC.md says to retry (exponential backoff with full jitter, honouring
 Retry-After) and ends in exactly one of: an answer line in responses.jsonl, a failure line in
-failures.jsonl, or nothing at all (stop now, 402, 404 "no endpoints": the prompt stays eligible).
-An answer counts as acknowledged once its line is written and flushed.
+failures.jsonl, or nothing at all (stop now, 402, 404 "no endpoints", a drain while the API cannot
+be reached: the prompt stays eligible). An API that cannot be reached at all spends no attempt: the
+request waits the outage out. An answer counts as acknowledged once its line is written and flushed.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ class Engine:
         self._pending_writes: list[tuple[JsonlAppender, dict[str, Any]]] = []
         self._client: ChatClient | None = None
         self._seq = 0
+        self._unreachable_since: float | None = None  # the API could not be reached; reset by an answer
 
     # -- control surface ------------------------------------------------------------------------
 
@@ -475,12 +477,27 @@ class Engine:
         cfg = self.config
         body = cfg.request_body(ds.config, prompt.messages)
         attempt = 0
+        outage = 0
         while True:
             attempt += 1
             try:
                 answer = await self._client.chat(body)
             except RequestFailed as e:
                 self.errors.add(e.kind)
+                if e.unreachable and not self._stopping:
+                    # Nothing was sent: the network or the server is down. Not this prompt's fault, so no
+                    # attempt is spent and it waits the outage out however long it lasts; a drain gives it
+                    # up unrecorded (it stays eligible). Spending attempts here failed for good every
+                    # prompt in flight or admitted during a few minutes' outage.
+                    if self._draining:
+                        return
+                    attempt -= 1
+                    outage += 1
+                    self.retries += 1
+                    self._note_unreachable(e)
+                    await asyncio.sleep(backoff_delay(min(outage, 16), cfg.engine.backoff_base_s,
+                                                      cfg.engine.backoff_max_s, None, self._rng))
+                    continue
                 if e.kind == "429":
                     ds.concurrency.on_429()
                 if e.kind == "402":
@@ -520,7 +537,18 @@ class Engine:
         finally:
             ds.parked -= 1
 
+    def _note_unreachable(self, e: RequestFailed) -> None:
+        if self._unreachable_since is None:
+            self._unreachable_since = self._clock()
+            self._event("warn", "unreachable", f"cannot reach {self.config.api.base_url} "
+                        f"({self._redact(e.message)[:200]}): retrying until it answers; no prompt is failed "
+                        "while it cannot be reached")
+
     def _record_answer(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int) -> None:
+        if self._unreachable_since is not None:
+            self._event("info", "reachable", f"{self.config.api.base_url} answers again after "
+                        f"{self._clock() - self._unreachable_since:.0f} s out of reach")
+            self._unreachable_since = None
         truncated = a.finish_reason == "length"
         empty = not a.content.strip()
         record: dict[str, Any] = {

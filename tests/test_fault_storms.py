@@ -1,0 +1,328 @@
+"""Fault storms through the whole pipeline (engine and live reconstruction with the bundled Kimi
+tokenizer) against the simulator: every fault kind at once, a 429 storm, hung requests, and a 402
+mid-run that pauses with an alert and resumes when told (in-process, and headless by SIGUSR1).
+
+tests/test_engine.py covers each fault kind alone on the bare engine; these mix them, run the
+reconstruction beside them and audit the run directory against the simulator's own counters
+(benchmarks/soak.py `audit`): every prompt accounted for once, token files in step with the
+answers, and every dollar billed recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from draftgen.core import snapshot as snap
+from draftgen.core.client import RETRYABLE_KINDS
+from draftgen.core.config import Config
+from draftgen.core.pipeline import Pipeline
+from draftgen.core.rundir import RunDir
+from draftgen.core.simulator import FAULT_KINDS, SimConfig, SimServer
+from draftgen.core.tokenizer import bundled_kimi_path
+
+from .helpers import TEST_KEY, make_config, read_ids
+
+
+def _load_soak() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+    spec = importlib.util.spec_from_file_location("draftgen_soak", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+soak = sys.modules.get("draftgen_soak") or _load_soak()
+
+# Every kind the simulator injects, 40% of requests in all.
+MIXED = {kind: 0.4 / len(FAULT_KINDS) for kind in FAULT_KINDS}
+
+
+def config_for(tmp_path: Path, base_url: str, datasets: list[dict[str, Any]], *, api: dict[str, Any] | None = None,
+               engine: dict[str, Any] | None = None) -> Config:
+    tables = {"api": {"request_timeout_s": 5, **(api or {})},
+              "engine": {"reconstruct": True, "workers": 1, **(engine or {})},
+              "tokenizer": {"path": str(bundled_kimi_path()), "template": "kimi-k2.5"}}
+    return make_config(tmp_path, base_url, datasets, tables=tables)
+
+
+async def until(predicate: Callable[[], bool], timeout: float, what: str, every: float = 0.02) -> None:
+    async def poll() -> None:
+        while not predicate():
+            await asyncio.sleep(every)
+    try:
+        await asyncio.wait_for(poll(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}") from None
+
+
+def clean_audit(config: Config, sim: SimServer, **kw: Any) -> Any:
+    """The soak's audit of a run that was never killed: nothing served may go unwritten."""
+    a = soak.audit(config, sim.stats, sample=20, **kw)
+    assert a.problems == []
+    assert a.duplicates == 0 and a.served_unwritten == 0
+    assert a.recorded_usd == pytest.approx(a.billed_usd, rel=1e-9, abs=1e-12)
+    assert a.token_entries == a.answered and a.sample_mismatch == 0
+    return a
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_every_fault_kind_at_once_through_the_pipeline(tmp_path: Path, stream: bool) -> None:
+    async with SimServer(SimConfig(seed=11, latency_scale=0.0, mean_completion_tokens=60, faults=MIXED,
+                                   retry_after_s=0.01, hang_s=120), port=0) as sim:
+        config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": 240, "concurrency": 24},
+                                                     {"name": "b", "n": 60, "concurrency": 8}],
+                            api={"request_timeout_s": 1.0, "stream": stream}, engine={"max_attempts": 4})
+        pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
+        await pipeline.start()
+        try:
+            state = await asyncio.wait_for(pipeline.generate(), 120)
+            s = pipeline.snapshot()
+        finally:
+            await pipeline.close()
+        faults = sim.stats.faults
+    assert state == snap.DONE
+    assert all(faults.get(kind, 0) > 0 for kind in FAULT_KINDS), faults
+    a = clean_audit(config, sim)
+    assert a.answered + a.failed == a.prompts == 300 and a.skipped == 0
+    assert a.failed, "at 40% faults and 4 attempts a few prompts fail for good"
+    rd = RunDir(config.run_dir)
+    for ds in ("a", "b"):
+        for line in soak.whole_lines(rd.failures(ds))[0]:
+            assert line["attempts"] == 4 and line["error_kind"] in RETRYABLE_KINDS and line["message"]
+    tallied = dict(s.errors)
+    assert {"429", "5xx", "timeout", "connection", "bad_body"} <= set(tallied), tallied
+    assert s.retries > 0
+    tokens = s.stage("tokens")
+    assert tokens is not None and tokens.state == "done" and tokens.done == a.answered
+
+
+@pytest.mark.timeout(120)
+async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
+    configured = 40
+    async with SimServer(SimConfig(seed=5, fixed_latency_s=0.1, mean_completion_tokens=40, retry_after_s=0.3),
+                         port=0) as sim:
+        config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": 4000, "concurrency": configured}],
+                            engine={"max_attempts": 80})
+        pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
+        await pipeline.start()
+        task = asyncio.create_task(pipeline.generate())
+        # (phase, effective limit shown, requests taking part: in flight and not parked, simulator requests)
+        samples: list[tuple[str, int, int, int]] = []
+        phase = "before"
+        run = pipeline.engine.datasets["a"]
+
+        async def watch() -> None:
+            while True:
+                d = pipeline.snapshot().datasets[0]
+                samples.append((phase, d.effective_concurrency, run.in_flight - run.parked, sim.stats.requests_total))
+                await asyncio.sleep(0.1)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await until(lambda: sim.stats.answers_total >= 100, 60, "the run to get going")
+            await asyncio.sleep(1.0)
+            sim.update(faults={"429": 1.0})  # every request rate-limited, with Retry-After
+            phase = "storm"
+            answered_at_storm = sim.stats.answers_total
+            await asyncio.sleep(9.0)
+            lowest = min(e for p, e, _, _ in samples if p == "storm")
+            sim.update(faults={})
+            phase = "after"
+            after_storm = sim.stats.answers_total
+            # Additive increase: 5 s without a 429, then a step a second.
+            await until(lambda: pipeline.snapshot().datasets[0].effective_concurrency >= lowest + 2, 30,
+                        "the limit to climb back")
+            sim.update(fixed_latency_s=0.0)  # finish the rest quickly
+            state = await asyncio.wait_for(task, 90)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                pipeline.quit(drain=False)
+            await pipeline.close()
+        storm_429s = sim.stats.faults.get("429", 0)
+    assert state == snap.DONE
+    before = [e for p, e, _, _ in samples if p == "before"]
+    assert before and min(before) == configured
+    assert lowest <= configured // 2, f"the limit only dropped to {lowest}"
+    storm = [(e, n, r) for p, e, n, r in samples if p == "storm"]
+    # The load drops with the limit: in the second half of the storm the requests taking part keep
+    # within it (a cut is met at each one's next retry), so the provider gets fewer requests a round.
+    late = storm[len(storm) // 2:]
+    assert sum(n for _, n, _ in late) <= sum(e for e, _, _ in late) + len(late), late
+    third = len(storm) // 3
+    first_rate = (storm[third][2] - storm[0][2]) / third
+    last_rate = (storm[-1][2] - storm[-third][2]) / (third - 1)
+    assert last_rate < first_rate, (first_rate, last_rate)
+    # Only the requests already in flight when it started could still be answered.
+    assert after_storm - answered_at_storm <= configured, "answers kept landing through a total storm"
+    assert max(e for p, e, _, _ in samples if p == "after") >= lowest + 2
+    assert storm_429s > 2 * configured
+    a = clean_audit(config, sim)
+    assert a.answered == 4000 and a.failed == 0  # Retry-After spaced the retries: none ran out of attempts
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_hung_requests_are_cut_by_their_timeout(tmp_path: Path, stream: bool) -> None:
+    async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=40, faults={"hang": 0.5},
+                                   hang_s=300), port=0) as sim:
+        config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": 40, "concurrency": 10}],
+                            api={"request_timeout_s": 0.5, "stream": stream}, engine={"max_attempts": 3})
+        pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
+        await pipeline.start()
+        try:
+            # Each hang holds for 300 s: the run ends this soon only if every one was cut at 0.5 s.
+            state = await asyncio.wait_for(pipeline.generate(), 60)
+            s = pipeline.snapshot()
+        finally:
+            await pipeline.close()
+        await until(lambda: sim.stats.in_flight == 0, 5, "the simulator's hung handlers to be let go")
+        stats = sim.stats
+    assert state == snap.DONE
+    hangs = stats.faults.get("hang", 0)
+    assert hangs > 0 and dict(s.errors).get("timeout") == hangs
+    assert stats.by_status.get("hang") == hangs  # each hung connection was closed by the client
+    failures = soak.whole_lines(RunDir(config.run_dir).failures("a"))[0]
+    assert failures and all(f["error_kind"] == "timeout" and "within 0.5 s" in f["message"] for f in failures)
+    a = clean_audit(config, sim)
+    assert a.answered + a.failed == 40
+
+
+async def test_402_mid_run_pauses_with_an_alert_and_resumes_when_told(tmp_path: Path) -> None:
+    async with SimServer(SimConfig(seed=6, fixed_latency_s=0.05, mean_completion_tokens=60), port=0) as sim:
+        config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": 150, "concurrency": 8},
+                                                     {"name": "b", "n": 50, "concurrency": 4}])
+        pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
+        await pipeline.start()
+        task = asyncio.create_task(pipeline.generate())
+        try:
+            await until(lambda: sim.stats.answers_total >= 40, 60, "40 answers")
+            sim.set_balance(0)  # out of credits mid-run
+            await until(lambda: pipeline.engine.state == snap.PAUSED, 20, "the run to pause")
+            s = pipeline.snapshot()
+            assert s.state == snap.PAUSED and s.alert.startswith("402")
+            assert any(e.kind == "alert" and e.level == "error" and "402" in e.message for e in pipeline.hub.recent)
+            # Requests in flight finish and are recorded; nothing new is admitted while paused.
+            await until(lambda: pipeline.engine.in_flight == 0, 20, "the requests in flight to finish")
+            asked = sim.stats.requests_total
+            await asyncio.sleep(0.5)
+            assert sim.stats.requests_total == asked and pipeline.engine.state == snap.PAUSED
+            assert pipeline.unavailable("resume") is None
+            paused_with = sum(len(read_ids(RunDir(config.run_dir).responses(d))) for d in ("a", "b"))
+            sim.set_balance(20)
+            pipeline.resume()
+            state = await asyncio.wait_for(task, 60)
+        finally:
+            if not task.done():
+                pipeline.quit(drain=False)
+            await pipeline.close()
+    assert state == snap.DONE and 40 <= paused_with < 200
+    assert any(e.kind == "resumed" for e in pipeline.hub.recent)
+    a = clean_audit(config, sim)
+    assert a.answered == 200 and a.failed == 0  # the 402'd prompts were asked again, not failed
+
+
+async def test_402_headless_pauses_and_sigusr1_resumes(tmp_path: Path) -> None:
+    async with SimServer(SimConfig(seed=7, fixed_latency_s=0.05, mean_completion_tokens=60), port=0) as sim:
+        config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": 300, "concurrency": 8}])
+        log_path = tmp_path / "run.log"
+        with open(log_path, "wb") as log:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "draftgen.tui.cli", "run", str(config.path), "--headless", "--skip-smoke",
+                "--interval", "0.2", env={**os.environ, "DG_TEST_KEY": TEST_KEY}, stdout=log,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        events_log = RunDir(config.run_dir).events_log
+        try:
+            await until(lambda: sim.stats.answers_total >= 40, 60, "40 answers")
+            sim.set_balance(0)
+            await until(lambda: events_log.exists() and "402 Payment Required" in events_log.read_text(), 20,
+                        "the 402 alert in events.log")
+            await until(lambda: sim.stats.in_flight == 0, 20, "the requests in flight to finish")
+            asked = sim.stats.requests_total
+            await asyncio.sleep(0.6)
+            assert sim.stats.requests_total == asked, "requests admitted while paused"
+            assert proc.returncode is None
+            assert "ALERT: 402" in log_path.read_text()
+            sim.set_balance(20)
+            os.kill(proc.pid, signal.SIGUSR1)
+            code = await asyncio.wait_for(proc.wait(), 60)
+        finally:
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+            await soak.reap_session(proc.pid, 3.0)
+    assert code == 0, log_path.read_text()[-2000:]
+    assert "resumed" in events_log.read_text()
+    a = clean_audit(config, sim)
+    assert a.answered == 300 and a.failed == 0
+
+
+def _combined(*stats: Any) -> Any:
+    """The counters of several simulator lives as one (the audit reads one SimStats)."""
+    from draftgen.core.simulator import SimStats
+    out = SimStats()
+    for st in stats:
+        out.requests_total += st.requests_total
+        out.answers_total += st.answers_total
+        out.billed_usd += st.billed_usd
+        for name in ("faults", "prompt_requests", "prompt_answers", "prompt_cost"):
+            mine = getattr(out, name)
+            for k, v in getattr(st, name).items():
+                mine[k] = mine.get(k, 0) + v
+    return out
+
+
+@pytest.mark.parametrize("how", ["finish", "drain"])
+async def test_an_outage_fails_no_prompt(tmp_path: Path, how: str) -> None:
+    """The API goes away mid-run (network down, a local server restarting): connections are refused.
+    No prompt may be failed for it; the run waits and goes on when the API is back. A drain during
+    the outage ends at once and leaves the prompts in flight eligible for the next run."""
+    sim_config = SimConfig(seed=9, fixed_latency_s=0.05, mean_completion_tokens=60)
+    first = SimServer(sim_config, port=0)
+    await first.start()
+    port = first.port
+    config = config_for(tmp_path, first.base_url, [{"name": "a", "n": 200, "concurrency": 8}],
+                        engine={"max_attempts": 3})
+    pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
+    await pipeline.start()
+    task = asyncio.create_task(pipeline.generate())
+    second: SimServer | None = None
+    try:
+        await until(lambda: first.stats.answers_total >= 40, 60, "40 answers")
+        await first.close()  # refused from now on: at 3 attempts every request would fail in well under a second
+        gone = first.stats
+        await until(lambda: dict(pipeline.snapshot().errors).get("connection", 0) >= 30, 30, "refused connections")
+        assert pipeline.engine.state == snap.RUNNING and not pipeline.snapshot().alert
+        if how == "drain":
+            pipeline.quit(drain=True)
+            state = await asyncio.wait_for(task, 30)
+            outcome = soak.read_disk(config)
+            assert state == snap.DONE and outcome.failed["a"] == []
+            assert len(outcome.answered["a"]) == gone.answers_total  # what was answered is written
+            return
+        second = SimServer(sim_config, port=port)
+        await second.start()
+        state = await asyncio.wait_for(task, 60)
+        again = second.stats
+    finally:
+        if not task.done():
+            pipeline.quit(drain=False)
+        await pipeline.close()
+        await first.close()
+        if second is not None:
+            await second.close()
+    assert state == snap.DONE
+    kinds = [e.kind for e in pipeline.hub.recent]
+    assert "unreachable" in kinds and "reachable" in kinds
+    a = soak.audit(config, _combined(gone, again), sample=20)
+    assert a.problems == [] and a.answered == 200 and a.failed == 0
