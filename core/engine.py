@@ -17,6 +17,7 @@ import math
 import platform
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,14 +40,21 @@ ADMIT_BURST = 64  # admissions between yields to the event loop (2,000 at once w
 
 
 class AdaptiveConcurrency:
-    """AIMD on sustained 429s: several within 2 s cut the limit by 30% (at most every 2 s);
-    5 s without one lets it grow back by 2% of the configured value per second."""
+    """AIMD on sustained 429s: three or more within 2 s that are also at least 5% of the responses
+    in those 2 s cut the limit by 30% (at most every 2 s) — a background trickle of 429s at a high
+    request rate is not a storm; 5 s without a 429 lets it grow back by 2% of the configured value
+    per second."""
+
+    WINDOW_S = 2.0
+    MIN_429 = 3
+    MIN_SHARE = 0.05
 
     def __init__(self, configured: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.configured = configured
         self.effective = float(configured)
         self._clock = clock
-        self._recent: list[float] = []
+        self._recent: deque[float] = deque()      # times of 429s in the window
+        self._responses: deque[float] = deque()   # times of every response in the window
         self._last_cut = -1e9
         self._last_429 = -1e9
 
@@ -54,11 +62,26 @@ class AdaptiveConcurrency:
     def limit(self) -> int:
         return max(1, int(self.effective))
 
+    def _prune(self, now: float) -> None:
+        for q in (self._recent, self._responses):
+            while q and now - q[0] >= self.WINDOW_S:
+                q.popleft()
+
+    def on_response(self) -> None:
+        """Any answer or error other than a 429 (the share's denominator)."""
+        now = self._clock()
+        self._responses.append(now)
+        if len(self._responses) > 4096:
+            self._prune(now)
+
     def on_429(self) -> None:
         now = self._clock()
         self._last_429 = now
-        self._recent = [t for t in self._recent if now - t < 2.0] + [now]
-        if len(self._recent) >= 3 and now - self._last_cut >= 2.0:
+        self._recent.append(now)
+        self._responses.append(now)
+        self._prune(now)
+        share = len(self._recent) / len(self._responses)
+        if len(self._recent) >= self.MIN_429 and share >= self.MIN_SHARE and now - self._last_cut >= 2.0:
             self.effective = max(1.0, self.effective * 0.7)
             self._last_cut = now
             self._recent.clear()
@@ -500,6 +523,8 @@ class Engine:
                     continue
                 if e.kind == "429":
                     ds.concurrency.on_429()
+                else:
+                    ds.concurrency.on_response()
                 if e.kind == "402":
                     ds.requeue.append(prompt)
                     self._alert("402 Payment Required: out of credits. The run is paused; add credits "
@@ -520,6 +545,7 @@ class Engine:
                     continue
                 self._record_failure(ds, prompt, e, attempt)
                 return
+            ds.concurrency.on_response()
             self._record_answer(ds, prompt, answer, attempt)
             return
 

@@ -278,3 +278,16 @@ async def test_two_thousand_really_in_flight(tmp_path):
         peak = sim.stats.peak_in_flight
     assert state == snap.DONE
     assert peak >= 0.98 * 2000, peak
+
+
+def test_a_trickle_of_429s_at_a_high_rate_is_not_a_storm():
+    clock = [0.0]
+    aimd = AdaptiveConcurrency(100, clock=lambda: clock[0])
+    for i in range(2000):  # 1,000 responses/s, 1% of them 429s
+        clock[0] += 0.001
+        aimd.on_429() if i % 100 == 0 else aimd.on_response()
+    assert aimd.limit == 100
+    for _ in range(100):  # then every response is a 429 for a second: a storm
+        clock[0] += 0.01
+        aimd.on_429()
+    assert aimd.limit == 70
