@@ -89,6 +89,7 @@ class AttachServer:
         self.dropped_clients = 0     # clients cut off for not reading
         self._server: asyncio.AbstractServer | None = None
         self._clients: set[asyncio.Task[None]] = set()
+        self._writers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._inode: int | None = None
         self._closing = False
         self._reason = "run ended"
@@ -127,7 +128,7 @@ class AttachServer:
             os.umask(old_umask)
         os.chmod(self.path, 0o600)
         self._inode = self.path.lstat().st_ino
-        sock.listen(16)
+        sock.listen(socket.SOMAXCONN)  # a hundred viewers connecting at once must all get in
         sock.setblocking(False)
         return sock
 
@@ -149,6 +150,7 @@ class AttachServer:
             writer.close()
             return
         self._clients.add(task)
+        self._writers[task] = writer
         sub = self.hub.subscribe(maxsize=self.client_queue)
         discard = asyncio.create_task(self._discard(reader))
         try:
@@ -161,6 +163,7 @@ class AttachServer:
             sub.close()
             discard.cancel()
             self._clients.discard(task)
+            self._writers.pop(task, None)
             if self._closing and not writer.is_closing():
                 with contextlib.suppress(Exception):
                     writer.write(orjson.dumps({"type": "bye", "reason": self._reason}) + b"\n")
@@ -205,7 +208,15 @@ class AttachServer:
         for task in tuple(self._clients):
             task.cancel()
         if self._clients:
-            await asyncio.gather(*self._clients, return_exceptions=True)
+            _, stuck = await asyncio.wait(tuple(self._clients), timeout=2.0)
+            # Viewers whose socket stays full (they never read) can hold a goodbye forever: cut them.
+            for task in stuck:
+                writer = self._writers.get(task)
+                if writer is not None:
+                    writer.transport.abort()
+                task.cancel()
+            if stuck:
+                await asyncio.wait(stuck, timeout=2.0)
         self._remove_socket()
 
     def _remove_socket(self) -> None:
