@@ -145,8 +145,7 @@ class Pipeline:
             if self._reconstructor is not None:
                 await self._reconstructor.close()
                 self.stages["tokens"] = self._reconstructor.progress()
-                self.emit("info", "tokens_done", self._reconstructor.report(None).summary_line()
-                          if hasattr(self._reconstructor.report(None), "summary_line") else "tokens reconstructed")
+                self.emit("info", "tokens_done", self._reconstructor.report(None).summary_line())
                 self._reconstructor = None
             return state
         finally:
