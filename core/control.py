@@ -11,9 +11,6 @@ from typing import Protocol
 
 from .hub import Hub
 
-ACTIONS = ("pause", "resume", "smoke", "merge", "extract", "quit")
-
-
 class Controls(Protocol):
     hub: Hub               # snapshots and events to render
     read_only: bool        # True when attached: every action is disabled

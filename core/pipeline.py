@@ -64,8 +64,6 @@ class Pipeline:
         self._reconstructor: Any = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._ticker: asyncio.Task[None] | None = None
-        self._generating = False
-        self.generation_done = asyncio.Event()
         self.quit_requested = asyncio.Event()
         self.exit_code = 0
         self.error: DraftgenError | None = None
@@ -123,7 +121,6 @@ class Pipeline:
             return snap.STOPPED
 
     async def _generate(self) -> str:
-        self._generating = True
         try:
             if not self._skip_smoke:
                 ok, why = smoke_status(self.config)
@@ -149,8 +146,6 @@ class Pipeline:
                 self._reconstructor = None
             return state
         finally:
-            self._generating = False
-            self.generation_done.set()
             self.publish()
 
     # -- events and snapshots -------------------------------------------------------------------

@@ -48,8 +48,3 @@ ERROR_KINDS = (
     "429", "5xx", "timeout", "connection", "bad_body", "200_error", "finish_error", "empty_choices",
     "400", "401", "403", "402", "404_no_endpoints", "404", "other_4xx", "length", "moderated",
 )
-
-RESPONSE_KEYS = (
-    "id", "messages", "reasoning", "content", "tool_calls", "finish_reason", "native_finish_reason",
-    "provider", "model", "generation_id", "usage", "latency_s", "attempts", "truncated", "empty_content",
-)
