@@ -39,7 +39,7 @@ def free_port() -> int:
 
 
 def start_sim(port: int, *extra: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "draftgen.tui.cli", "simulate", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "draftgen.cli.main", "simulate", "--port", str(port),
                              "--seed", "1", "--mean-tokens", "40", "--credits", "1e9", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import urllib.request
@@ -112,7 +112,7 @@ async def run_openai(url: str, n: int, concurrency: int) -> float:
 
 async def run_engine(url: str, n: int, concurrency: int) -> tuple[float, int]:
     from draftgen.core.config import load_config
-    from draftgen.core.engine import Engine
+    from draftgen.core.generate.engine import Engine
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         with open(root / "p.jsonl", "wb") as f:
@@ -158,7 +158,7 @@ def child_main(args: argparse.Namespace) -> None:
     extra = {}
     if args.child in ("bare", "bare_gc"):
         if args.child == "bare_gc":
-            from draftgen.core.engine import tune_gc
+            from draftgen.core.generate.engine import tune_gc
             tune_gc()
         rate = asyncio.run(run_bare(url, args.n, args.concurrency))
     elif args.child == "openai":
@@ -196,7 +196,7 @@ def main() -> None:
         if args.openai:
             oa = child("openai", port, min(args.n, 2000), args.concurrency)
             rows.append(("AsyncOpenAI (httpx)", oa["rate"], oa["rate"] / bare["rate"], oa["rss_mb"]))
-    # The engine tunes the garbage collector (core/engine.py tune_gc); the third row gives the bare
+    # The engine tunes the garbage collector (core/generate/engine.py tune_gc); the third row gives the bare
     # loop the same settings, so the engine's own overhead shows as engine / that row.
     finally:
         sim.terminate()

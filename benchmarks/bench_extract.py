@@ -32,7 +32,7 @@ from draftgen.core.config import config_from_dict  # noqa: E402
 from draftgen.core.extract import extract  # noqa: E402
 from draftgen.core.extract.hf_backend import HFBackend  # noqa: E402
 from draftgen.core.extract.model_info import eagle3_layers  # noqa: E402
-from draftgen.core.tokenstore import TokenWriter  # noqa: E402
+from draftgen.core.tokens.store import TokenWriter  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0
 

@@ -43,7 +43,7 @@ def word_pool(rng: np.random.Generator, size: int) -> str:
 
 def generate(run: Path, samples: int, tokens: int, text_bytes: int, seed: int = 0) -> dict[str, int]:
     """Write the datasets; returns counts of what was generated."""
-    from draftgen.core.tokenstore import TokenWriter
+    from draftgen.core.tokens.store import TokenWriter
 
     rng = np.random.default_rng(seed)
     pool = word_pool(rng, 8 << 20)
@@ -128,8 +128,8 @@ def peak_rss_mb() -> float:
 def worker(config_path: str, baseline: bool) -> None:
     """Runs in the measured subprocess: one merge (or, for the baseline, only the imports)."""
     from draftgen.core.config import load_config
-    from draftgen.core.merge import merge
-    from draftgen.core.snapshot import StageProgress
+    from draftgen.core.merge.merge import merge
+    from draftgen.core.live.snapshot import StageProgress
 
     config = load_config(config_path)
     started = time.perf_counter()

@@ -50,7 +50,7 @@ max_tokens = 1024
 
 async def measure(mode: str, config_path: Path) -> dict:
     from draftgen.core.config import load_config
-    from draftgen.core.pipeline import Pipeline
+    from draftgen.core.live.pipeline import Pipeline
     config = load_config(config_path)
     pipeline = Pipeline(config, KEY, skip_smoke=True)
     await pipeline.start()

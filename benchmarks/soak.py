@@ -4,7 +4,7 @@
                               [--storm 60] [--concurrency 48] [--seed 1] [--dir DIR]
 
 The simulator runs in this process (so its per-prompt counters can be read directly); each run is a
-real `python -m draftgen.tui.cli run CONFIG --headless --skip-smoke` subprocess in its own session,
+real `python -m draftgen.cli.main run CONFIG --headless --skip-smoke` subprocess in its own session,
 with live token reconstruction on (the bundled Kimi tokenizer) and its output in a log file, as
 under nohup. The plan:
 
@@ -50,13 +50,13 @@ import orjson
 import psutil
 
 from draftgen.core.config import Config, load_config
-from draftgen.core.prompts import Prompt, read_prompts
-from draftgen.core.reconstruct import reconstruct_record
+from draftgen.core.generate.prompts import Prompt, read_prompts
+from draftgen.core.tokens.reconstruct import reconstruct_record
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import FAULT_KINDS, SimConfig, SimServer, SimStats, parse_faults, prompt_key
-from draftgen.core.template import load_template
-from draftgen.core.tokenizer import bundled_kimi, bundled_kimi_path
-from draftgen.core.tokenstore import TokenReader
+from draftgen.core.tokens.template import load_template
+from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
+from draftgen.core.tokens.store import TokenReader
 
 KEY_ENV = "DG_SOAK_KEY"
 SOAK_KEY = "sk-or-v1-soak-not-a-real-key-5f0e1d2c3b4a"
@@ -520,7 +520,7 @@ class Soak:
         log_path = self.root / f"run-{self._n:03d}.log"
         with open(log_path, "wb") as log:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "draftgen.tui.cli", "run", str(self.config_path), "--headless", "--skip-smoke",
+                sys.executable, "-m", "draftgen.cli.main", "run", str(self.config_path), "--headless", "--skip-smoke",
                 "--interval", "0.5", env=self.env, stdout=log, stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True)
         return proc, log_path
@@ -714,7 +714,7 @@ class Soak:
 
     async def _tokens_command(self) -> None:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "draftgen.tui.cli", "tokens", str(self.config_path), env=self.env,
+            sys.executable, "-m", "draftgen.cli.main", "tokens", str(self.config_path), env=self.env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), 300)

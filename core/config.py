@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import orjson
 
-from .errors import ConfigError
+from draftgen.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,12 @@
 
     line (1-based line number in the prompt file), id (or null), reason, ts
 
-`<dataset>/tokens/index.jsonl` metadata (beside id/offset/length, see core/tokenstore.py):
+`<dataset>/tokens/index.jsonl` metadata (beside id/offset/length, see core/tokens/store.py):
 
     answer_start, answer_end  token positions of the answer span [start, end) (after the <think>
                               that opens the assistant turn, through its <|im_end|>)
     valid                     bool, every validation check passed
-    failed_checks             list[str], names from core/reconstruct.py CHECKS
+    failed_checks             list[str], names from core/tokens/reconstruct.py CHECKS
     span_tokens               int, tokens in the answer span
     billed_tokens             int | null, usage.completion_tokens
     count_diff                int | null, span_tokens - billed_tokens

@@ -8,8 +8,8 @@
       <dataset>/responses.jsonl   one line per answered prompt (record fields: see core/records.py)
       <dataset>/failures.jsonl    one line per prompt that failed for good, with the last error
       <dataset>/rejected.jsonl    input lines that could not be used
-      <dataset>/tokens/           token ids, loss mask, validation flags (core/tokenstore.py)
-      merged/                     train.jsonl, tokens/, stats.json (core/merge.py)
+      <dataset>/tokens/           token ids, loss mask, validation flags (core/tokens/store.py)
+      merged/                     train.jsonl, tokens/, stats.json (core/merge/merge.py)
       hidden_states/              SpecForge offline format (core/extract/)
 
 A JSONL line is written whole with one write() and flushed before the answer counts as
@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from .errors import DiskError
+from draftgen.core.errors import DiskError
 
 DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EDQUOT, errno.EIO}
 

@@ -1,4 +1,4 @@
-"""Render every view of the TUI to SVG in screenshots/ from deterministic data (tui/fixtures.py).
+"""Render every view of the TUI to SVG in screenshots/ from deterministic data (tests/fixtures.py).
 
     python scripts/make_screenshots.py [OUT_DIR]
 
@@ -18,7 +18,8 @@ from pathlib import Path
 os.environ["TZ"] = "UTC"
 time.tzset()
 
-from draftgen.tui.fixtures import VIEWS, View
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.fixtures import VIEWS, View  # noqa: E402
 
 
 async def shoot(view: View, out: Path) -> Path:

@@ -14,19 +14,19 @@ from pathlib import Path
 
 import orjson
 import pytest
-from draftgen.core import snapshot as snap
-from draftgen.core.attach import ENDED, LIVE, AttachClient, AttachControls, AttachError, AttachServer, AttachState
-from draftgen.core.hub import Hub
+from draftgen.core.live import snapshot as snap
+from draftgen.core.live.attach import ENDED, LIVE, AttachClient, AttachControls, AttachError, AttachServer, AttachState
+from draftgen.core.live.hub import Hub
 from draftgen.core.rundir import RunDir
-from draftgen.tui import fixtures as fx
+from tests import fixtures as fx
 
 # The viewer of the two-process test: prints what it receives, one JSON line each, and from a
 # second connection throws commands and junk at the engine.
 VIEWER = r"""
 import asyncio, sys, orjson
 from pathlib import Path
-from draftgen.core.attach import AttachClient, AttachState
-from draftgen.core.snapshot import RunSnapshot
+from draftgen.core.live.attach import AttachClient, AttachState
+from draftgen.core.live.snapshot import RunSnapshot
 
 def say(**kw):
     sys.stdout.write(orjson.dumps(kw).decode() + "\n"); sys.stdout.flush()

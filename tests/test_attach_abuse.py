@@ -8,8 +8,8 @@ import stat
 
 import orjson
 
-from draftgen.core import snapshot as snap
-from draftgen.core.pipeline import Pipeline
+from draftgen.core.live import snapshot as snap
+from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import SimConfig, SimServer
 

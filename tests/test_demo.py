@@ -7,7 +7,7 @@ import io
 import orjson
 
 from draftgen.core.extract import load_sample
-from draftgen.core.tokenstore import TokenReader
+from draftgen.core.tokens.store import TokenReader
 from draftgen.tui.demo import DEMO_KEY, run_demo
 
 

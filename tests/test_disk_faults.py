@@ -25,15 +25,15 @@ from pathlib import Path
 import orjson
 import pytest
 
-from draftgen.core import snapshot as snap
+from draftgen.core.live import snapshot as snap
 from draftgen.core.config import load_config
-from draftgen.core.engine import Engine
-from draftgen.core.pipeline import Pipeline
+from draftgen.core.generate.engine import Engine
+from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import SimConfig, SimServer
-from draftgen.core.tokenizer import bundled_kimi_path
-from draftgen.core.tokens import reconstruct_dataset
-from draftgen.core.tokenstore import INDEX_FILE, TokenReader
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.core.tokens.workers import reconstruct_dataset
+from draftgen.core.tokens.store import INDEX_FILE, TokenReader
 
 from .helpers import TEST_KEY, make_config
 
@@ -107,7 +107,7 @@ def cli_env() -> dict[str, str]:
 
 
 def cli(args: list[str], limit: int | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "draftgen.tui.cli", *args], env=cli_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "draftgen.cli.main", *args], env=cli_env(), capture_output=True,
                           text=True, timeout=timeout, preexec_fn=fsize_limit(limit) if limit else None)
 
 
@@ -242,7 +242,7 @@ async def test_headless_run_pauses_on_efbig_and_sigusr1_resumes(tmp_path):
                           tables={"engine": {"reconstruct": False}})
         run = RunDir(cfg.run_dir)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "draftgen.tui.cli", "run", str(cfg.path), "--headless", "--skip-smoke",
+            sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
             "--interval", "0.2", env=cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             preexec_fn=fsize_limit(40_000))
         out: list[str] = []
@@ -280,7 +280,7 @@ async def test_headless_run_stopped_while_the_disk_is_full_says_what_was_not_sav
                           tables={"engine": {"reconstruct": False}})
         run = RunDir(cfg.run_dir)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "draftgen.tui.cli", "run", str(cfg.path), "--headless", "--skip-smoke",
+            sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
             "--interval", "0.2", env=cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             preexec_fn=fsize_limit(30_000))
         out: list[str] = []
@@ -332,7 +332,7 @@ import resource, signal, sys
 import numpy as np, orjson
 from pathlib import Path
 from draftgen.core.errors import DiskError
-from draftgen.core.tokenstore import TokenWriter
+from draftgen.core.tokens.store import TokenWriter
 
 folder = Path(sys.argv[1])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -455,7 +455,7 @@ def test_extraction_on_a_full_disk_keeps_every_finished_file(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from draftgen.core.extract import extract
-    from draftgen.core.tokenstore import TokenWriter
+    from draftgen.core.tokens.store import TokenWriter
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -8,8 +8,8 @@ import random
 import orjson
 import pytest
 
-from draftgen.core import snapshot as snap
-from draftgen.core.engine import AdaptiveConcurrency, Engine, backoff_delay
+from draftgen.core.live import snapshot as snap
+from draftgen.core.generate.engine import AdaptiveConcurrency, Engine, backoff_delay
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import SimConfig, SimServer
 

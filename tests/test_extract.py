@@ -25,8 +25,8 @@ from draftgen.core.extract.model_info import (ModelDims, dims_from_config_dict, 
                                               resolve_aux_layers)
 from draftgen.core.extract.runner import plan_batches
 from draftgen.core.extract.sglang_backend import sglang_available
-from draftgen.core.snapshot import StageProgress
-from draftgen.core.tokenstore import TokenWriter
+from draftgen.core.live.snapshot import StageProgress
+from draftgen.core.tokens.store import TokenWriter
 
 N_LAYERS, HIDDEN, VOCAB = 8, 64, 1000
 NAN_TOKEN = VOCAB - 1  # its embedding row is NaN: a sample holding it gives NaN states
@@ -77,7 +77,7 @@ def make_run(tmp_path: Path, model_dir: Path, samples: list[tuple[np.ndarray, np
 
 
 def token_arrays(config: Config) -> list[tuple[np.ndarray, np.ndarray]]:
-    from draftgen.core.tokenstore import TokenReader
+    from draftgen.core.tokens.store import TokenReader
     return [(ids, mask) for _, ids, mask in TokenReader(config.run_dir / "merged" / "tokens")]
 
 

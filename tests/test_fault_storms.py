@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
-from draftgen.core import snapshot as snap
-from draftgen.core.client import RETRYABLE_KINDS
+from draftgen.core.live import snapshot as snap
+from draftgen.core.generate.client import RETRYABLE_KINDS
 from draftgen.core.config import Config
-from draftgen.core.pipeline import Pipeline
+from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import FAULT_KINDS, SimConfig, SimServer
-from draftgen.core.tokenizer import bundled_kimi_path
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
 from .helpers import TEST_KEY, make_config, read_ids
 
@@ -238,7 +238,7 @@ async def test_402_headless_pauses_and_sigusr1_resumes(tmp_path: Path) -> None:
         log_path = tmp_path / "run.log"
         with open(log_path, "wb") as log:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "draftgen.tui.cli", "run", str(config.path), "--headless", "--skip-smoke",
+                sys.executable, "-m", "draftgen.cli.main", "run", str(config.path), "--headless", "--skip-smoke",
                 "--interval", "0.2", env={**os.environ, "DG_TEST_KEY": TEST_KEY}, stdout=log,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         events_log = RunDir(config.run_dir).events_log

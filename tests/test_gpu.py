@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from draftgen.core.gpu import GpuMonitor
-from draftgen.core.snapshot import GpuStat
+from draftgen.core.extract.gpu import GpuMonitor
+from draftgen.core.live.snapshot import GpuStat
 
 
 class NVMLError(Exception):

@@ -28,14 +28,14 @@ from hypothesis import strategies as st
 
 from draftgen.core import config as cfgmod
 from draftgen.core.config import Config, load_config
-from draftgen.core.engine import Engine
+from draftgen.core.generate.engine import Engine
 from draftgen.core.errors import ConfigError, PromptFileError
-from draftgen.core.prompts import Prompt, Rejection, read_prompts
+from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import SimConfig, SimServer
-from draftgen.core.tokenizer import bundled_kimi, bundled_kimi_path
-from draftgen.core.tokens import reconstruct_dataset
-from draftgen.core.tokenstore import TokenReader
+from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
+from draftgen.core.tokens.workers import reconstruct_dataset
+from draftgen.core.tokens.store import TokenReader
 
 from .helpers import TEST_KEY, make_config
 
@@ -45,7 +45,7 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 def cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     # Wide: rich folds table cells at the default 80 columns of a pipe.
-    return subprocess.run([sys.executable, "-m", "draftgen.tui.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "draftgen.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "DG_TEST_KEY": TEST_KEY, "COLUMNS": "250"})
 
 

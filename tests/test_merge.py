@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
-from draftgen.core import merge as merge_mod
+from draftgen.core.merge import merge as merge_mod
 from draftgen.core.config import Config, config_from_dict
 from draftgen.core.errors import DraftgenError
-from draftgen.core.merge import DROP_REASONS, merge, merge_command, recover
-from draftgen.core.snapshot import StageProgress
-from draftgen.core.tokenstore import TokenReader, TokenWriter
+from draftgen.core.merge.merge import DROP_REASONS, merge, merge_command, recover
+from draftgen.core.live.snapshot import StageProgress
+from draftgen.core.tokens.store import TokenReader, TokenWriter
 
 
 @dataclass
@@ -273,7 +273,7 @@ HARD_CRASH = """
 import os, sys
 from pathlib import Path
 import orjson
-from draftgen.core import merge as m
+from draftgen.core.merge import merge as m
 from draftgen.core.config import config_from_dict
 
 where, calls = sys.argv[3], [0]

@@ -6,12 +6,12 @@ import asyncio
 
 import orjson
 
-from draftgen.core import snapshot as snap
-from draftgen.core.pipeline import Pipeline, smoke_status
+from draftgen.core.live import snapshot as snap
+from draftgen.core.live.pipeline import Pipeline, smoke_status
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import SimConfig, SimServer
-from draftgen.core.tokenizer import bundled_kimi_path
-from draftgen.core.tokenstore import TokenReader
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.core.tokens.store import TokenReader
 
 from .helpers import TEST_KEY, make_config, read_ids
 

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draftgen.core import tokenizer as tokmod
-from draftgen.core.reconstruct import CHECKS, ValidationReport, reconstruct, reconstruct_record
-from draftgen.core.template import KIMI_DEFAULT_SYSTEM, AutoTemplate, KimiK25Template, TemplateError, load_template
-from draftgen.core.tokenizer import bundled_kimi, bundled_kimi_path, load_tokenizer
+from draftgen.core.tokens import tokenizer as tokmod
+from draftgen.core.tokens.reconstruct import CHECKS, ValidationReport, reconstruct, reconstruct_record
+from draftgen.core.tokens.template import KIMI_DEFAULT_SYSTEM, AutoTemplate, KimiK25Template, TemplateError, load_template
+from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path, load_tokenizer
 
 from .test_tokenizer import ROUND_TRIPS, build_tokenizer_json
 

@@ -19,7 +19,7 @@ from .helpers import TEST_KEY, make_config, read_ids
 async def start_run(cfg, *extra):
     env = {**os.environ, "DG_TEST_KEY": TEST_KEY}
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "draftgen.tui.cli", "run", str(cfg.path), "--headless", "--skip-smoke",
+        sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
         "--interval", "0.5", *extra, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
 
 

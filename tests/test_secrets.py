@@ -20,11 +20,11 @@ import aiohttp
 import orjson
 
 from draftgen.core.config import load_config
-from draftgen.core.pipeline import Pipeline
+from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import PREFIX
 from draftgen.core.simulator import SimConfig, SimServer
-from draftgen.core.tokenizer import bundled_kimi_path
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
 from .helpers import make_config
 
@@ -61,7 +61,7 @@ def scan_tree(root: Path) -> tuple[int, dict[str, list[bytes]]]:
 
 async def cli(*args: str, env_key: str = CANARY, timeout: float = 90) -> tuple[int, bytes, bytes]:
     env = {**os.environ, "DG_TEST_KEY": env_key}
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "draftgen.tui.cli", *args, env=env,
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "draftgen.cli.main", *args, env=env,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), timeout)
     return proc.returncode, out, err
@@ -121,7 +121,7 @@ async def test_the_key_appears_nowhere(tmp_path: Path) -> None:
         # run, headless in a subprocess, with a viewer reading the raw attach stream throughout.
         env = {**os.environ, "DG_TEST_KEY": CANARY}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "draftgen.tui.cli", "run", str(cfg.path), "--headless", "--skip-smoke",
+            sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
             "--interval", "0.2", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         stream_task = asyncio.create_task(read_attach_stream(cfg.run_dir, proc))
         out, err = await asyncio.wait_for(proc.communicate(), 120)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from draftgen.core.pipeline import smoke_status
+from draftgen.core.live.pipeline import smoke_status
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import SimConfig, SimServer
-from draftgen.core.smoke import run_smoke
-from draftgen.core.tokenizer import bundled_kimi_path
+from draftgen.core.generate.smoke import run_smoke
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
 from .helpers import TEST_KEY, make_config
 

@@ -17,7 +17,7 @@ import pytest
 from draftgen.core.config import load_config
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import FAULT_KINDS, SimConfig, SimServer
-from draftgen.core.tokenstore import TokenReader
+from draftgen.core.tokens.store import TokenReader
 
 
 def _load_soak() -> ModuleType:
@@ -58,7 +58,7 @@ async def test_crash_and_resume_soak(tmp_path: Path) -> None:
 
 async def _start(config_path: Path, stdout: int) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "draftgen.tui.cli", "run", str(config_path), "--headless", "--skip-smoke",
+        sys.executable, "-m", "draftgen.cli.main", "run", str(config_path), "--headless", "--skip-smoke",
         "--interval", "0.2", env={**os.environ, soak.KEY_ENV: soak.SOAK_KEY}, stdout=stdout, stderr=stdout,
         start_new_session=True)
 
@@ -154,7 +154,7 @@ async def test_second_process_on_a_live_run_directory_is_refused(tmp_path: Path)
             for command in ("run", "tokens"):
                 extra = ("--headless", "--skip-smoke") if command == "run" else ()
                 other = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "draftgen.tui.cli", command, str(path), *extra, env=env,
+                    sys.executable, "-m", "draftgen.cli.main", command, str(path), *extra, env=env,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
                 out, _ = await asyncio.wait_for(other.communicate(), 60)
                 outcomes.append((other.returncode, out.decode(), proc.returncode))

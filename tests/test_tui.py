@@ -8,13 +8,13 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from draftgen.core import snapshot as snap
-from draftgen.tui import fixtures as fx
+from draftgen.core.live import snapshot as snap
+from tests import fixtures as fx
 from draftgen.tui import fmt
 from draftgen.tui.app import DraftgenApp
-from draftgen.tui.help import HelpScreen
-from draftgen.tui.quitdialog import QuitScreen
-from draftgen.tui.smoke import SmokeScreen
+from draftgen.tui.screens.help import HelpScreen
+from draftgen.tui.screens.quitdialog import QuitScreen
+from draftgen.tui.screens.smoke import SmokeScreen
 from rich.console import Console
 
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from draftgen.tui.fixtures import VIEWS, View
+from tests.fixtures import VIEWS, View
 
 
 @pytest.fixture(autouse=True)

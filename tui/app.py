@@ -8,29 +8,29 @@ Rendering is pulled on a one-shot timer re-armed after each pass (never two pass
 
 from __future__ import annotations
 
-from draftgen.core import snapshot as snap
-from draftgen.core.control import Controls
-from draftgen.core.hub import Subscription
-from draftgen.core.snapshot import Event, RunSnapshot
+from draftgen.core.live import snapshot as snap
+from draftgen.core.live.control import Controls
+from draftgen.core.live.hub import Subscription
+from draftgen.core.live.snapshot import Event, RunSnapshot
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.timer import Timer
 from textual.widgets import Footer
 
-from .credits import CreditsPanel
-from .datasets import DatasetsPanel
-from .errors import ErrorsPanel
-from .eventlog import EventLogPanel
-from .gpu import GpuPanel
-from .header import AlertBar, RunHeader
-from .help import HelpScreen
-from .panel import Panel
-from .providers import ProvidersPanel
-from .quitdialog import DRAIN, QuitScreen
-from .smoke import SmokeScreen
-from .stages import StagesPanel, active_stages
-from .throughput import ThroughputPanel
+from draftgen.tui.panels.credits import CreditsPanel
+from draftgen.tui.panels.datasets import DatasetsPanel
+from draftgen.tui.panels.errors import ErrorsPanel
+from draftgen.tui.panels.eventlog import EventLogPanel
+from draftgen.tui.panels.gpu import GpuPanel
+from draftgen.tui.panels.header import AlertBar, RunHeader
+from draftgen.tui.screens.help import HelpScreen
+from draftgen.tui.panels.panel import Panel
+from draftgen.tui.panels.providers import ProvidersPanel
+from draftgen.tui.screens.quitdialog import DRAIN, QuitScreen
+from draftgen.tui.screens.smoke import SmokeScreen
+from draftgen.tui.panels.stages import StagesPanel, active_stages
+from draftgen.tui.panels.throughput import ThroughputPanel
 
 # Actions that change the run: disabled (shown greyed) when attached read-only.
 CONTROL_ACTIONS = frozenset({"pause", "resume", "smoke", "merge", "extract"})

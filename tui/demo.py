@@ -105,7 +105,7 @@ def build_tiny_model(folder: Path) -> None:
 
 def prepare(root: Path, base_url: str) -> Config:
     """Write prompts, the tiny model and the config into `root`; return the loaded config."""
-    from draftgen.core.tokenizer import bundled_kimi_path
+    from draftgen.core.tokens.tokenizer import bundled_kimi_path
     root.mkdir(parents=True, exist_ok=True)
     prompts = root / "prompts"
     prompts.mkdir(exist_ok=True)
@@ -132,15 +132,15 @@ async def run_demo(root: Path, *, headless: bool, out: TextIO = sys.stdout, late
         config = prepare(root, sim.base_url)
         print(f"draftgen demo: simulator at {sim.base_url}, run directory {run_dir}", file=out, flush=True)
         if headless:
-            from draftgen.core.headless import run_headless
-            from draftgen.core.smoke import print_result, run_smoke
+            from draftgen.core.live.headless import run_headless
+            from draftgen.core.generate.smoke import print_result, run_smoke
             result = await run_smoke(config, DEMO_KEY)
             print_result(result)
             if not result.passed:
                 return 1
             code = await run_headless(config, DEMO_KEY, interval_s=3.0, out=out, merge=True, extract=True)
         else:
-            from .launch import run_tui
+            from draftgen.tui.launch import run_tui
             code = await run_tui(config, DEMO_KEY, after_run=["merge", "extract"])
     print(f"\ndraftgen demo finished (exit {code}). Look around in {run_dir}:\n"
           f"  {run_dir}/<dataset>/responses.jsonl   answers as they landed\n"

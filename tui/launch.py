@@ -6,9 +6,9 @@ import asyncio
 from pathlib import Path
 
 from draftgen.core.config import Config
-from draftgen.core.pipeline import Pipeline
+from draftgen.core.live.pipeline import Pipeline
 
-from .app import DraftgenApp
+from draftgen.tui.app import DraftgenApp
 
 
 async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, after_run: list[str] | None = None) -> int:
@@ -42,7 +42,7 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
 
 
 async def attach_tui(run_dir: Path) -> int:
-    from draftgen.core.attach import AttachControls
+    from draftgen.core.live.attach import AttachControls
     controls = AttachControls(run_dir)
     await controls.start()
     try:

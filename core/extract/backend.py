@@ -9,9 +9,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..config import ExtractConfig
-from ..errors import ConfigError
-from .model_info import ModelDims
+from draftgen.core.config import ExtractConfig
+from draftgen.core.errors import ConfigError
+from draftgen.core.extract.model_info import ModelDims
 
 
 class ExtractBackend(Protocol):
@@ -36,11 +36,11 @@ class ExtractBackend(Protocol):
 def make_backend(cfg: ExtractConfig, dims: ModelDims, layers: tuple[int, int, int], *,
                  log_dir: Path, config_path: object = "config") -> ExtractBackend:
     if cfg.backend == "hf":
-        from .hf_backend import HFBackend
+        from draftgen.core.extract.hf_backend import HFBackend
         return HFBackend(cfg.model, layers, dtype=cfg.dtype, device=cfg.device,
                          trust_remote_code=cfg.trust_remote_code)
     if cfg.backend == "sglang":
-        from .sglang_backend import SglangBackend
+        from draftgen.core.extract.sglang_backend import SglangBackend
         return SglangBackend(cfg.model, layers, dims=dims, tp_size=cfg.tp_size, dtype=cfg.dtype,
                              trust_remote_code=cfg.trust_remote_code, log_dir=log_dir)
     raise ConfigError(f"{config_path}: extract.backend must be \"hf\" or \"sglang\", not {cfg.backend!r}")

@@ -6,10 +6,10 @@ import sys
 import time
 from typing import TextIO
 
-from ..config import Config
-from ..errors import DraftgenError
-from ..snapshot import StageProgress
-from .units import fmt_bytes, fmt_count, fmt_eta
+from draftgen.core.config import Config
+from draftgen.core.errors import DraftgenError
+from draftgen.core.live.snapshot import StageProgress
+from draftgen.core.extract.units import fmt_bytes, fmt_count, fmt_eta
 
 PRINT_INTERVAL_S = 5.0
 
@@ -42,7 +42,7 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
     stream = out or sys.stdout
     parsed = parse_shard(shard) if shard else (0, 1)
     try:
-        from .runner import extract
+        from draftgen.core.extract.runner import extract
     except ModuleNotFoundError as e:
         if e.name != "torch":
             raise

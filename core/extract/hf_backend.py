@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DraftgenError
+from draftgen.core.errors import DraftgenError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 PAD_ID = 0  # any valid id: padded positions are masked and cut off

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ..rundir import disk_error
+from draftgen.core.rundir import disk_error
 
 ROWS_PER_DIR = 2000
 SUFFIX, GZ_SUFFIX = ".ckpt", ".ckpt.gz"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, DraftgenError
+from draftgen.core.errors import ConfigError, DraftgenError
 
 
 @dataclass(frozen=True)

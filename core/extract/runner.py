@@ -19,15 +19,15 @@ from typing import Any
 import orjson
 import torch
 
-from ..config import Config
-from ..errors import ConfigError, DiskError, DraftgenError
-from ..rundir import EventLog, RunDir, disk_error
-from ..snapshot import StageProgress
-from ..tokenstore import INDEX_FILE, TokenEntry, TokenReader
-from . import layout
-from .backend import ExtractBackend, make_backend
-from .model_info import ModelDims, read_model_dims, resolve_aux_layers
-from .units import fmt_bytes, fmt_count
+from draftgen.core.config import Config
+from draftgen.core.errors import ConfigError, DiskError, DraftgenError
+from draftgen.core.rundir import EventLog, RunDir, disk_error
+from draftgen.core.live.snapshot import StageProgress
+from draftgen.core.tokens.store import INDEX_FILE, TokenEntry, TokenReader
+from draftgen.core.extract import layout
+from draftgen.core.extract.backend import ExtractBackend, make_backend
+from draftgen.core.extract.model_info import ModelDims, read_model_dims, resolve_aux_layers
+from draftgen.core.extract.units import fmt_bytes, fmt_count
 
 PROGRESS_INTERVAL_S = 0.25
 # torch.save's zip container, pickled dict and 64-byte alignment per file, rounded up generously.

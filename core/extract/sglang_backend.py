@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DraftgenError
-from .model_info import ModelDims
+from draftgen.core.errors import DraftgenError
+from draftgen.core.extract.model_info import ModelDims
 
 STARTUP_TIMEOUT_S = 3600.0  # loading a 1T-parameter checkpoint over 8 GPUs takes a while
 

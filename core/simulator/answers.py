@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import resources
 from itertools import accumulate
 
-from .answer_text import STYLES, content_text, reasoning_text
+from draftgen.core.simulator.answer_text import STYLES, content_text, reasoning_text
 
 # Characters per token of the canned text under the Kimi tokenizer (measured), used only to aim
 # the generated length near the drawn token count; the real count comes from tokenizing.
@@ -54,7 +54,7 @@ def answer_tokenizer() -> AnswerTokenizer:
     """The Kimi tokenizer answers are counted with: the project's bundled one, or, where that
     module is missing, one built here from the same bundled files (so the same ids)."""
     try:
-        from ..tokenizer import bundled_kimi
+        from draftgen.core.tokens.tokenizer import bundled_kimi
     except ImportError:
         enc = _bundled_encoding()
         return AnswerTokenizer(enc.encode_ordinary, enc._special_tokens.__getitem__,

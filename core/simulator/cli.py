@@ -9,8 +9,8 @@ import signal
 import sys
 import time
 
-from .config import SimConfig, SimulatorError, parse_faults
-from .server import SimServer
+from draftgen.core.simulator.config import SimConfig, SimulatorError, parse_faults
+from draftgen.core.simulator.server import SimServer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..errors import DraftgenError
+from draftgen.core.errors import DraftgenError
 
 
 class SimulatorError(DraftgenError):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from . import responses, wire
-from .config import FAULT_KINDS, SimConfig
+from draftgen.core.simulator import responses, wire
+from draftgen.core.simulator.config import FAULT_KINDS, SimConfig
 
 
 def pick_fault(faults: dict[str, float], u: float) -> str | None:

@@ -25,13 +25,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from . import responses, wire
-from .answer_text import style_of_prompt
-from .answers import AnswerPool, build_pool
-from .config import FIXED_AT_START, SimConfig, SimProvider, SimulatorError
-from .faults import pick_fault, serve_fault
-from .routing import NoEndpoints, candidates, choose
-from .stats import SimStats
+from draftgen.core.simulator import responses, wire
+from draftgen.core.simulator.answer_text import style_of_prompt
+from draftgen.core.simulator.answers import AnswerPool, build_pool
+from draftgen.core.simulator.config import FIXED_AT_START, SimConfig, SimProvider, SimulatorError
+from draftgen.core.simulator.faults import pick_fault, serve_fault
+from draftgen.core.simulator.routing import NoEndpoints, candidates, choose
+from draftgen.core.simulator.stats import SimStats
 
 API = "/api/v1"
 _U32 = float(1 << 32)

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from .answers import Completion
+from draftgen.core.simulator.answers import Completion
 
 PROCESSING = b": OPENROUTER PROCESSING\n\n"
 DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,25 @@
+"""The open-file limit: each connection in flight is a socket, so 2,000 in flight need 2,000+ fds."""
+
+from __future__ import annotations
+
+import resource
+
+from draftgen.core.errors import DraftgenError
+
+# Files the process holds besides its sockets: output files, the tokenizer, workers' pipes, the TUI.
+FD_HEADROOM = 256
+
+
+def ensure_open_files(concurrency: int) -> int:
+    """Raise the soft RLIMIT_NOFILE to fit `concurrency` connections; refuse clearly if it cannot."""
+    need = concurrency + FD_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise DraftgenError(
+                f"a concurrency of {concurrency} needs {need} open files, but this shell allows at most "
+                f"{hard} (ulimit -Hn). Raise the hard limit (e.g. `ulimit -n {need}` as root, or "
+                f"LimitNOFILE / /etc/security/limits.conf) or lower the datasets' concurrency.")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        soft = need
+    return soft

@@ -1,0 +1,144 @@
+"""Prompt files: JSONL or JSONL.gz, read as a stream, one prompt per line.
+
+Each line is an object with an `id` (string or integer, unique within the dataset; integers are
+kept as their decimal string) and one of:
+- `prompt`: a string, sent as one user message;
+- `messages`: OpenAI-style list, the last message from the user;
+- `conversations`: ShareGPT/SpecForge style (`role`/`content` or `from`/`value`); the turns up to the
+  last user turn are the prompt, later assistant turns are dropped (they are regenerated).
+
+A line that cannot be used becomes a `Rejection` (line number and reason); reading goes on.
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+
+from draftgen.core.errors import PromptFileError
+
+_ROLE_ALIASES = {
+    "user": "user", "human": "user", "system": "system",
+    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "model": "assistant", "bot": "assistant",
+}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    messages: list[dict[str, str]]
+    line: int
+
+
+@dataclass(frozen=True)
+class Rejection:
+    line: int
+    id: str | None
+    reason: str
+
+
+def _open(path: Path) -> BinaryIO:
+    try:
+        with open(path, "rb") as probe:
+            magic = probe.read(2)
+        return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")  # type: ignore[return-value]
+    except FileNotFoundError:
+        raise PromptFileError(f"{path}: prompt file not found") from None
+    except IsADirectoryError:
+        raise PromptFileError(f"{path}: is a folder, not a prompt file") from None
+    except OSError as e:
+        raise PromptFileError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    # OpenAI content parts: only text parts can be sent to a text-only target.
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ValueError(f"{where} content must be a string (or text parts)")
+
+
+def _turns(raw: Any, key: str) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"`{key}` must be a non-empty list")
+    turns = []
+    for i, turn in enumerate(raw):
+        if not isinstance(turn, dict):
+            raise ValueError(f"{key}[{i}] must be an object")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        norm = _ROLE_ALIASES.get(role) if isinstance(role, str) else None
+        if norm is None:
+            raise ValueError(f"{key}[{i}] has an unknown role {role!r}")
+        turns.append({"role": norm, "content": _text(content, f"{key}[{i}]")})
+    return turns
+
+
+def parse_prompt(obj: Any) -> tuple[str, list[dict[str, str]]]:
+    """(id, messages) from one decoded line, or ValueError saying what is wrong."""
+    if not isinstance(obj, dict):
+        raise ValueError("line is not a JSON object")
+    raw_id = obj.get("id")
+    if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or raw_id == "":
+        raise ValueError("missing `id` (a string or integer)" if raw_id is None else f"bad id {raw_id!r}")
+    pid = str(raw_id)
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
+            raise ValueError("`prompt` must be a non-empty string")
+        return pid, [{"role": "user", "content": obj["prompt"]}]
+    if "messages" in obj:
+        messages = _turns(obj["messages"], "messages")
+        if messages[-1]["role"] != "user":
+            raise ValueError("the last message must be from the user")
+        return pid, messages
+    if "conversations" in obj:
+        turns = _turns(obj["conversations"], "conversations")
+        last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=-1)
+        if last_user < 0:
+            raise ValueError("`conversations` has no user turn")
+        return pid, turns[: last_user + 1]
+    raise ValueError("no `prompt`, `messages` or `conversations`")
+
+
+def read_prompts(path: Path) -> Iterator[Prompt | Rejection]:
+    """Every line of the file as a Prompt or a Rejection, streamed; duplicate ids are rejected."""
+    seen: set[str] = set()
+    with _open(path) as f:
+        line_no = 0
+        while True:
+            try:
+                line = f.readline()
+            except (OSError, EOFError, zlib.error) as e:  # a corrupt or cut-short .gz (BadGzipFile is an OSError)
+                raise PromptFileError(f"{path}: line {line_no + 1}: cannot read the file ({e})") from None
+            if not line:
+                return
+            line_no += 1
+            if line_no == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]  # a UTF-8 byte-order mark (some editors and exports write one)
+            if not line.strip():
+                continue
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError as e:
+                reason = "not valid UTF-8" if "utf-8" in str(e).lower() else f"not valid JSON ({e.msg})"
+                yield Rejection(line_no, None, reason)
+                continue
+            try:
+                pid, messages = parse_prompt(obj)
+            except ValueError as e:
+                rid = obj.get("id") if isinstance(obj, dict) else None
+                yield Rejection(line_no, None if rid is None else str(rid)[:200], str(e))
+                continue
+            if pid in seen:
+                yield Rejection(line_no, pid, f"duplicate id {pid!r}")
+                continue
+            seen.add(pid)
+            yield Prompt(pid, messages, line_no)

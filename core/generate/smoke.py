@@ -1,0 +1,287 @@
+"""`draftgen smoke CONFIG`: check everything a run depends on with one request per request shape.
+
+The checklist (each row pass/fail with its reason):
+- key: GET /key answers (the key is valid);
+- balance: the live balance against the projected cost of the run (and `max_usd`, the floor);
+- per distinct dataset request shape (the exact body the run sends, the smoke prompt as message):
+  the request answers; content; reasoning present where the request asks for it (and which field
+  carried it); tool calls; the model that answered; usage with cost; the provider is not one the
+  routing ignores; finish_reason; the answer reconstructed with the target tokenizer and validated;
+  the cost of the request.
+`smoke.json` keeps the result with the run's request fingerprint: `run` starts at full concurrency
+only when the fingerprint matches a passing smoke test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from draftgen.core.live import snapshot as snap
+from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
+from draftgen.core.config import Config, DatasetConfig
+from draftgen.core.errors import DraftgenError
+from draftgen.core.generate.prompts import Prompt, read_prompts
+from draftgen.core.rundir import RunDir, disk_error
+from draftgen.core.secrets import Redactor
+
+
+@dataclass(frozen=True)
+class SmokeRow:
+    check: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class SmokeResult:
+    fingerprint: str
+    rows: list[SmokeRow] = field(default_factory=list)
+    cost_per_request: dict[str, float] = field(default_factory=dict)  # dataset name -> $ of its smoke request
+    projected_cost_usd: float | None = None
+    balance_usd: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+    def summary(self) -> str:
+        failed = [r.check for r in self.rows if not r.passed]
+        head = f"{len(self.rows) - len(failed)}/{len(self.rows)} checks passed"
+        return head + (f"; failed: {', '.join(failed)}" if failed else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "passed": self.passed, "checked_at": time.time(),
+                "rows": [{"check": r.check, "passed": r.passed, "detail": r.detail} for r in self.rows],
+                "cost_per_request": self.cost_per_request, "projected_cost_usd": self.projected_cost_usd,
+                "balance_usd": self.balance_usd}
+
+
+def _norm(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def _asks_reasoning(body: dict[str, Any]) -> bool:
+    r = body.get("reasoning")
+    if isinstance(r, dict):
+        if r.get("exclude") or r.get("enabled") is False:
+            return False
+        return True
+    return bool(body.get("include_reasoning"))
+
+
+def _count_prompts(ds: DatasetConfig) -> int:
+    return sum(isinstance(item, Prompt) for item in read_prompts(ds.prompts))
+
+
+def projected_cost(config: Config, cost_per_token: dict[str, float], remaining: dict[str, int]) -> float:
+    """Rough: each answer is taken to use half its max_tokens, capped by the dataset's token budget."""
+    total = 0.0
+    for ds in config.datasets:
+        tokens = remaining.get(ds.name, 0) * ds.max_tokens / 2
+        if ds.token_budget is not None:
+            tokens = min(tokens, ds.token_budget)
+        total += tokens * cost_per_token.get(ds.name, 0.0)
+    return total
+
+
+def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: ChatAnswer,
+                 reconstruct_fn: Callable[..., Any]) -> list[SmokeRow]:
+    label = f"{ds.name}:"
+    ignore = {_norm(p) for p in (body.get("provider") or {}).get("ignore", []) or []}
+    rows = [SmokeRow(f"{label} content", bool(a.content.strip()),
+                     repr(a.content[:60]) if a.content.strip() else "empty content (reasoning may have used up "
+                     "max_tokens)")]
+    if _asks_reasoning(body):
+        rows.append(SmokeRow(f"{label} reasoning", bool(a.reasoning),
+                             f"{len(a.reasoning or '')} chars of reasoning" if a.reasoning else
+                             "the request asks for reasoning but none came back (checked `reasoning`, "
+                             "`reasoning_content`, `reasoning_details`)"))
+    else:
+        rows.append(SmokeRow(f"{label} reasoning", True, "not requested"))
+    tools_sent = bool(body.get("tools"))
+    rows.append(SmokeRow(f"{label} tool calls", tools_sent or not a.tool_calls,
+                         f"{len(a.tool_calls or [])} tool call(s)" + ("" if tools_sent or not a.tool_calls
+                                                                      else " without tools in the request")))
+    want = config.api.model
+    model_ok = bool(a.model) and (_norm(a.model).startswith(_norm(want)) or _norm(want).startswith(_norm(a.model)))
+    rows.append(SmokeRow(f"{label} model", model_ok, f"{a.model!r} (asked for {want!r})"))
+    u = a.usage
+    rows.append(SmokeRow(f"{label} usage", u.completion_tokens > 0 and u.cost > 0,
+                         f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens "
+                         f"({u.reasoning_tokens} reasoning), cost ${u.cost:.6f}"
+                         + ("" if u.cost > 0 else ": no cost in usage (budgets need it)")))
+    provider_ok = bool(a.provider) and _norm(a.provider) not in ignore
+    rows.append(SmokeRow(f"{label} provider", provider_ok,
+                         f"{a.provider!r}" + (" is in provider.ignore" if a.provider and not provider_ok else
+                                               "" if a.provider else "no provider in the response")))
+    rows.append(SmokeRow(f"{label} finish", a.finish_reason == "stop",
+                         f"finish_reason {a.finish_reason!r}, native {a.native_finish_reason!r}"))
+    rec = reconstruct_fn(body["messages"], a)
+    if rec is None:
+        rows.append(SmokeRow(f"{label} tokens", False, "the tokenizer could not be loaded"))
+    else:
+        rows.append(SmokeRow(
+            f"{label} tokens", rec.valid,
+            f"{rec.span_tokens} answer tokens vs {rec.billed_tokens} billed (diff {rec.count_diff})"
+            + (f"; failed: {', '.join(rec.failed_checks)}" if rec.failed_checks else "; all checks pass")))
+    return rows
+
+
+async def run_smoke(config: Config, api_key: str,
+                    progress: Callable[[snap.StageProgress], None] | None = None) -> SmokeResult:
+    """Run the checklist, write smoke.json, return the result (never raises for a failed check)."""
+    redact = Redactor(api_key)
+    result = SmokeResult(fingerprint=config.run_fingerprint())
+    shapes: dict[str, DatasetConfig] = {}
+    for ds in config.datasets:
+        shapes.setdefault(config.fingerprint(ds), ds)
+
+    def add(row: SmokeRow) -> None:
+        result.rows.append(SmokeRow(row.check, row.passed, redact(row.detail)))
+        if progress is not None:
+            progress(snap.StageProgress("smoke", state="running", done=len(result.rows),
+                                        total=2 + 8 * len(shapes),
+                                        checks=tuple((r.check, r.passed, r.detail) for r in result.rows)))
+
+    tok_and_template: list[Any] = []
+
+    def reconstruct_fn(messages: list[dict[str, Any]], a: ChatAnswer) -> Any:
+        from draftgen.core.tokens.reconstruct import reconstruct
+        from draftgen.core.tokens.template import load_template
+        from draftgen.core.tokens.tokenizer import load_tokenizer
+        if not tok_and_template:
+            try:
+                tok = load_tokenizer(config.tokenizer.path, config.tokenizer.trust_remote_code)
+                tok_and_template.append((tok, load_template(config.tokenizer.template, tok)))
+            except DraftgenError as e:
+                add(SmokeRow("tokenizer", False, str(e)))
+                tok_and_template.append(None)
+        if tok_and_template[0] is None:
+            return None
+        tok, template = tok_and_template[0]
+        return reconstruct(tok, template, messages, a.reasoning, a.content, billed_tokens=a.usage.completion_tokens,
+                           backend_ids=a.token_ids, truncated=a.finish_reason == "length", tool_calls=a.tool_calls)
+
+    async with ChatClient(config.api.base_url, api_key, concurrency=4,
+                          request_timeout_s=min(config.api.request_timeout_s, 600),
+                          connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
+                          title=config.api.title) as client:
+        try:
+            info = await client.key_info()
+            label = info.get("label") or "unlabelled"
+            add(SmokeRow("key", True, f"accepted (label {redact(str(label))!r})"))
+        except RequestFailed as e:
+            add(SmokeRow("key", e.kind not in ("401", "403"), f"GET /key: {e.message}"))
+        except Exception as e:  # noqa: BLE001 - any network failure is this row's failure
+            add(SmokeRow("key", False, f"GET /key failed: {type(e).__name__}: {e}"))
+        try:
+            result.balance_usd = await client.balance()
+        except Exception:  # noqa: BLE001 - reported in the balance row
+            result.balance_usd = None
+
+        async def ask(fp: str, ds: DatasetConfig) -> tuple[str, dict[str, Any], ChatAnswer | SmokeRow, float]:
+            body = config.request_body(ds, [{"role": "user", "content": config.smoke.prompt}])
+            if config.smoke.max_tokens is not None:
+                body["max_tokens"] = config.smoke.max_tokens
+            start = time.monotonic()
+            try:
+                return fp, body, await client.chat(body), time.monotonic() - start
+            except RequestFailed as e:
+                return fp, body, SmokeRow(f"{ds.name}: request", False, f"{e.kind}: {e.message}"), 0.0
+            except Exception as e:  # noqa: BLE001 - any failure is this row's failure
+                return fp, body, SmokeRow(f"{ds.name}: request", False, f"{type(e).__name__}: {e}"), 0.0
+
+        # One request per shape, all at once: a run's shapes differ only in their parameters.
+        answers = await asyncio.gather(*(ask(fp, ds) for fp, ds in shapes.items()))
+
+    cost_per_token: dict[str, float] = {}
+    for fp, body, answer, took in answers:
+        ds = shapes[fp]
+        if isinstance(answer, SmokeRow):
+            add(answer)
+            continue
+        add(SmokeRow(f"{ds.name}: request", True, f"answered in {took:.2f} s "
+                     f"(shape {fp}, max_tokens {body['max_tokens']})"))
+        rows = await asyncio.to_thread(_answer_rows, config, ds, body, answer, reconstruct_fn)
+        for row in rows:
+            add(row)
+        for other in config.datasets:
+            if config.fingerprint(other) == fp:
+                result.cost_per_request[other.name] = answer.usage.cost
+                if answer.usage.completion_tokens:
+                    cost_per_token[other.name] = answer.usage.cost / answer.usage.completion_tokens
+
+    remaining = {}
+    for ds in config.datasets:
+        try:
+            n = await asyncio.to_thread(_count_prompts, ds)
+        except DraftgenError as e:
+            add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
+            n = 0
+        rd = RunDir(config.run_dir)
+        done = sum(1 for _ in open(rd.responses(ds.name), "rb")) if rd.responses(ds.name).exists() else 0
+        remaining[ds.name] = max(0, n - done)
+    if cost_per_token:
+        result.projected_cost_usd = projected_cost(config, cost_per_token, remaining)
+    cap = config.budget.max_usd
+    need = result.projected_cost_usd
+    if need is not None and cap is not None:
+        need = min(need, cap)
+    if result.balance_usd is None:
+        add(SmokeRow("balance", False, "could not read the balance (GET /credits and GET /key)"))
+    elif need is None:
+        add(SmokeRow("balance", result.balance_usd > config.budget.credit_floor_usd,
+                     f"${result.balance_usd:.2f}; no projection (no answer came back)"))
+    else:
+        ok = result.balance_usd - config.budget.credit_floor_usd >= need
+        proj = f"${result.projected_cost_usd:.2f}" + (f", capped by max_usd ${cap:.2f}" if cap is not None else "")
+        add(SmokeRow("balance", ok, f"${result.balance_usd:.2f} against a projected {proj} "
+                     f"+ floor ${config.budget.credit_floor_usd:.2f}"
+                     + ("" if ok else ": the run would stop at the credit floor before finishing")))
+
+    rd = RunDir(config.run_dir)
+    rd.root.mkdir(parents=True, exist_ok=True)
+    tmp = rd.smoke_json.with_suffix(".json.tmp")
+    try:
+        tmp.write_bytes(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2))
+        tmp.replace(rd.smoke_json)
+    except OSError as e:  # a full disk: a clear message, and the last smoke.json stays as it was
+        raise disk_error(tmp, e) from e
+    if progress is not None:
+        progress(snap.StageProgress("smoke", state="done" if result.passed else "failed", done=len(result.rows),
+                                    total=len(result.rows), message=result.summary(),
+                                    checks=tuple((r.check, r.passed, r.detail) for r in result.rows)))
+    return result
+
+
+def print_result(result: SmokeResult) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+    table = Table(title="draftgen smoke test", show_lines=False)
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for r in result.rows:
+        # Details quote the upstream (answers, error bodies): "[/INST]" there is text, not rich markup.
+        table.add_row(escape(r.check), "[green]PASS[/]" if r.passed else "[bold red]FAIL[/]", escape(r.detail))
+    console = Console()
+    console.print(table)
+    for name, cost in result.cost_per_request.items():
+        console.print(f"cost per request ({escape(name)}): ${cost:.6f}")
+    if result.projected_cost_usd is not None:
+        console.print(f"projected run cost (rough: half of max_tokens per answer, capped by token budgets): "
+                      f"${result.projected_cost_usd:.2f}")
+    console.print(("[green]PASSED[/]: " if result.passed else "[bold red]FAILED[/]: ") + escape(result.summary()))
+
+
+def smoke_command(config: Config, api_key: str) -> int:
+    result = asyncio.run(run_smoke(config, api_key))
+    print_result(result)
+    return 0 if result.passed else 1

@@ -1,0 +1,400 @@
+"""Watching a run from another terminal: the engine serves its snapshots and events over a Unix
+socket in the run directory; `draftgen attach RUN_DIR` reads them and renders the same panels.
+
+The stream is one JSON object per line (newline-delimited), server to client only:
+
+    {"type": "hello", "protocol": 1, "pid": 1234, "run_dir": "/runs/k25"}
+    {"type": "event", "data": {"ts": ..., "level": "info", "kind": "...", "message": "..."}}
+    {"type": "snapshot", "data": {...RunSnapshot as JSON, see core/live/snapshot.py...}}
+    {"type": "bye", "reason": "run ended"}
+
+Security: the socket is created owner-only (0600) and the server never interprets a byte a client
+sends (it reads and discards them), so a viewer cannot change the run. Each client has its own
+bounded hub subscription: a client that stops reading loses old snapshots, and is dropped when
+its socket stays full for `stall_timeout_s`; the engine is never made to wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import socket
+import stat
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from draftgen.core.errors import DraftgenError
+from draftgen.core.live.hub import Hub, Subscription
+from draftgen.core.rundir import RunDir
+from draftgen.core.live.snapshot import Event, RunSnapshot, event_from_dict, snapshot_from_dict
+
+PROTOCOL = 1
+MAX_LINE = 16 << 20     # one snapshot line; far above any real one (a few KB)
+SUN_PATH_MAX = 100      # sockaddr_un holds ~108 bytes; longer paths go through /proc/self/fd
+
+
+class AttachError(DraftgenError):
+    pass
+
+
+@contextlib.contextmanager
+def _short_path(path: Path) -> Iterator[str]:
+    """A name for `path` that fits in a sockaddr_un: itself, or /proc/self/fd/N/NAME through an open
+    descriptor of its directory (run directories can be deep)."""
+    if len(os.fsencode(str(path))) <= SUN_PATH_MAX:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        short = f"/proc/self/fd/{fd}/{path.name}"
+        if len(short) > SUN_PATH_MAX:
+            raise AttachError(f"{path}: the socket name is too long for a Unix socket")
+        yield short
+    finally:
+        os.close(fd)
+
+
+def _connect_blocking(path: Path) -> bool:
+    """True when something is listening on `path` (a live run), False for a stale file."""
+    with _short_path(path) as name, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(name)
+        except (TimeoutError, ConnectionRefusedError, FileNotFoundError):
+            return False
+        return True
+
+
+def _encode(kind: str, payload: bytes) -> bytes:
+    return b'{"type":"' + kind.encode() + b'","data":' + payload + b"}\n"
+
+
+class AttachServer:
+    """Serves a hub's snapshots and events to any number of read-only viewers."""
+
+    def __init__(self, hub: Hub, socket_path: Path, *, client_queue: int = 32,
+                 stall_timeout_s: float = 10.0) -> None:
+        self.hub = hub
+        self.path = Path(socket_path)
+        self.client_queue = client_queue
+        self.stall_timeout_s = stall_timeout_s
+        self.dropped_clients = 0     # clients cut off for not reading
+        self._server: asyncio.AbstractServer | None = None
+        self._clients: set[asyncio.Task[None]] = set()
+        self._writers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._inode: int | None = None
+        self._closing = False
+        self._reason = "run ended"
+        # Every client is sent the same snapshot objects: encode each once, not once per client.
+        self._encoded: tuple[object, bytes] | None = None
+
+    @property
+    def clients(self) -> int:
+        return len(self._clients)
+
+    async def start(self) -> None:
+        sock = self._bind()
+        self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=MAX_LINE)
+
+    def _bind(self) -> socket.socket:
+        parent = self.path.parent
+        if not parent.is_dir():
+            raise AttachError(f"cannot serve attach socket {self.path}: {parent} is not a directory")
+        if self.path.is_symlink() or (self.path.exists() and not stat.S_ISSOCK(self.path.lstat().st_mode)):
+            raise AttachError(f"cannot serve attach socket {self.path}: a file that is not a socket is in the"
+                              " way; move it and start again")
+        if self.path.exists():
+            if _connect_blocking(self.path):
+                raise AttachError(f"another draftgen process is serving {self.path}: a run is already live in"
+                                  f" {parent}")
+            self.path.unlink()  # left by a run that crashed
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # born 0600: no window in which others could connect
+        try:
+            with _short_path(self.path) as name:
+                sock.bind(name)
+        except OSError as e:
+            sock.close()
+            raise AttachError(f"cannot create attach socket {self.path}: {e.strerror or e}") from e
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o600)
+        self._inode = self.path.lstat().st_ino
+        sock.listen(socket.SOMAXCONN)  # a hundred viewers connecting at once must all get in
+        sock.setblocking(False)
+        return sock
+
+    def _line(self, item: tuple[str, Any]) -> bytes:
+        kind, obj = item
+        if kind == "snapshot":
+            cached = self._encoded
+            if cached is not None and cached[0] is obj:
+                return cached[1]
+            line = _encode("snapshot", obj.to_json())
+            self._encoded = (obj, line)
+            return line
+        return _encode(kind, obj.to_json())
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if self._closing:
+            writer.close()
+            return
+        self._clients.add(task)
+        self._writers[task] = writer
+        sub = self.hub.subscribe(maxsize=self.client_queue)
+        discard = asyncio.create_task(self._discard(reader))
+        try:
+            hello = {"type": "hello", "protocol": PROTOCOL, "pid": os.getpid(), "run_dir": str(self.path.parent)}
+            writer.write(orjson.dumps(hello) + b"\n")
+            await self._pump(sub, writer, discard)
+        except (ConnectionError, OSError, asyncio.CancelledError):
+            pass  # cancelled: the server is closing and says goodbye below
+        finally:
+            sub.close()
+            discard.cancel()
+            self._clients.discard(task)
+            self._writers.pop(task, None)
+            if self._closing and not writer.is_closing():
+                with contextlib.suppress(Exception):
+                    writer.write(orjson.dumps({"type": "bye", "reason": self._reason}) + b"\n")
+                    await asyncio.wait_for(writer.drain(), 1.0)
+            writer.close()
+
+    async def _pump(self, sub: Subscription, writer: asyncio.StreamWriter, discard: asyncio.Task[None]) -> None:
+        while not discard.done():
+            getter = asyncio.ensure_future(sub.get())
+            # A viewer that hangs up is noticed at once, not at the next snapshot.
+            try:
+                await asyncio.wait((getter, discard), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            if not getter.done() or getter.cancelled():
+                return
+            writer.write(self._line(getter.result()))
+            try:
+                await asyncio.wait_for(writer.drain(), self.stall_timeout_s)
+            except TimeoutError:
+                # Its socket stayed full: cut it off rather than hold its backlog.
+                self.dropped_clients += 1
+                writer.transport.abort()
+                return
+
+    @staticmethod
+    async def _discard(reader: asyncio.StreamReader) -> None:
+        """Read and throw away whatever a client sends: the stream is one-way by design."""
+        with contextlib.suppress(ConnectionError, OSError):
+            while await reader.read(65536):
+                pass
+
+    async def close(self, reason: str = "run ended") -> None:
+        """Say goodbye to every viewer, stop serving and remove the socket file."""
+        if self._closing:
+            return
+        self._closing = True
+        self._reason = reason
+        if self._server is not None:
+            self._server.close()
+        for task in tuple(self._clients):
+            task.cancel()
+        if self._clients:
+            _, stuck = await asyncio.wait(tuple(self._clients), timeout=2.0)
+            # Viewers whose socket stays full (they never read) can hold a goodbye forever: cut them.
+            for task in stuck:
+                writer = self._writers.get(task)
+                if writer is not None:
+                    writer.transport.abort()
+                task.cancel()
+            if stuck:
+                await asyncio.wait(stuck, timeout=2.0)
+        self._remove_socket()
+
+    def _remove_socket(self) -> None:
+        # Only our own socket: a restarted run may already have put its own in place.
+        with contextlib.suppress(FileNotFoundError):
+            if self._inode is not None and self.path.lstat().st_ino == self._inode:
+                self.path.unlink()
+
+    async def __aenter__(self) -> AttachServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+# -- the viewer's side ------------------------------------------------------------------------------
+
+WAITING, LIVE, ENDED = "waiting for run", "live", "run ended"
+
+
+@dataclass(frozen=True)
+class AttachState:
+    """Where the viewer stands: waiting for a run to serve, live, or the run said it ended."""
+    state: str
+    message: str
+
+
+AttachItem = RunSnapshot | Event | AttachState
+
+
+class AttachClient:
+    """Snapshots, events and connection states from the run in `run_dir`, reconnecting whenever the
+    run restarts: while nothing serves the socket the state is "waiting for run" (or stays "run
+    ended" after a goodbye) and a connection is tried every `retry_s`."""
+
+    def __init__(self, run_dir: Path, *, retry_s: float = 1.0) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = RunDir(self.run_dir).socket
+        self.retry_s = retry_s
+        self.state = ""  # none yet: the first state is always reported
+
+    def __aiter__(self) -> AsyncIterator[AttachItem]:
+        return self._items()
+
+    def _enter(self, state: str, message: str) -> AttachState:
+        self.state = state
+        return AttachState(state, message)
+
+    async def _items(self) -> AsyncIterator[AttachItem]:
+        while True:
+            try:
+                with _short_path(self.path) as name:
+                    reader, writer = await asyncio.open_unix_connection(name, limit=MAX_LINE)
+            except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+                if self.state not in (WAITING, ENDED):
+                    yield self._enter(WAITING, f"waiting for run: nothing serves {self.path} yet; retrying every"
+                                               f" {self.retry_s:g} s")
+                await asyncio.sleep(self.retry_s)
+                continue
+            except PermissionError as e:
+                raise AttachError(f"cannot attach to {self.path}: permission denied (the socket is owner-only;"
+                                  " attach as the user who started the run)") from e
+            try:
+                while line := await reader.readline():
+                    item = self._parse(line)
+                    if isinstance(item, AttachState):
+                        yield self._enter(item.state, item.message)
+                    elif item is not None and self.state == LIVE:
+                        yield item
+            except (ConnectionError, asyncio.LimitOverrunError, ValueError):
+                pass
+            finally:
+                writer.close()
+            if self.state == LIVE:  # gone without a goodbye: crashed or killed
+                yield self._enter(WAITING, f"connection to the run lost; waiting for run at {self.path}")
+            await asyncio.sleep(self.retry_s)
+
+    def _parse(self, line: bytes) -> AttachItem | None:
+        try:
+            msg = orjson.loads(line)
+            kind = msg["type"]
+            if kind == "snapshot":
+                return snapshot_from_dict(msg["data"])
+            if kind == "event":
+                return event_from_dict(msg["data"])
+            if kind == "hello":
+                return AttachState(LIVE, f"attached to the run in {self.run_dir} (pid {msg.get('pid')})")
+            if kind == "bye":
+                return AttachState(ENDED, f"{msg.get('reason') or 'run ended'}: showing its last state;"
+                                          " a restarted run is picked up")
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            pass  # a line from a newer or broken engine: skip it, keep the stream
+        return None
+
+
+class AttachControls:
+    """The `Controls` protocol for a viewer: a local hub fed from the socket, every action refused.
+
+    The app renders it like an embedded run; snapshots are marked `attached`, and while the run is
+    not live the last snapshot is shown with an alert saying so (waiting for run / run ended).
+    """
+
+    read_only = True
+
+    def __init__(self, run_dir: Path, *, retry_s: float = 1.0) -> None:
+        run_dir = Path(run_dir)
+        if not run_dir.is_dir():
+            raise AttachError(f"cannot attach: {run_dir} is not a run directory (no such directory)")
+        self.run_dir = run_dir
+        self.hub = Hub()
+        self.client = AttachClient(run_dir, retry_s=retry_s)
+        self.status = AttachState(WAITING, "connecting…")
+        self._last: RunSnapshot | None = None
+        self._seen: deque[tuple[float, str, str]] = deque(maxlen=2000)
+        self._task: asyncio.Task[None] | None = None
+
+    def unavailable(self, action: str) -> str | None:
+        return "attached read-only: this viewer cannot change the run"
+
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def run_smoke(self) -> None: ...
+    def start_merge(self) -> None: ...
+    def start_extract(self) -> None: ...
+    def quit(self, drain: bool) -> None: ...
+
+    async def start(self) -> None:
+        """Start feeding the hub from the socket, on the running loop (the app's)."""
+        if self._task is None:
+            self._publish()
+            self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def __aenter__(self) -> AttachControls:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def run(self) -> None:
+        note: Event | None = None
+        async for item in self.client:
+            if isinstance(item, RunSnapshot):
+                self._last = item
+                self._publish()
+                if note is not None:
+                    # Logged after the events the engine replays on connect, so the log stays in order.
+                    self.hub.publish_event(dataclasses.replace(note, ts=time.time()))
+                    note = None
+            elif isinstance(item, Event):
+                key = (item.ts, item.kind, item.message)
+                if key in self._seen:
+                    continue  # a reconnect replays the engine's recent events
+                self._seen.append(key)
+                self.hub.publish_event(item)
+            else:
+                self.status = item
+                event = Event(ts=time.time(), level="info" if item.state == LIVE else "warn", kind="attach",
+                              message=item.message)
+                if item.state == LIVE:
+                    note = event
+                else:
+                    self.hub.publish_event(event)
+                self._publish()
+
+    def _publish(self) -> None:
+        """The last snapshot as this viewer should show it: attached, and stale runs flagged."""
+        base = self._last or RunSnapshot(run_name=self.run_dir.name, model="—")
+        alert = base.alert
+        if self.status.state != LIVE:
+            alert = self.status.message + (f" | {alert}" if alert else "")
+        self.hub.publish_snapshot(dataclasses.replace(base, attached=True, alert=alert))
+

@@ -1,0 +1,26 @@
+"""The control surface: the only way a view changes a run.
+
+The TUI holds an object with this shape: the live `Pipeline` (core/live/pipeline.py) when it embeds
+the engine, or a read-only viewer when attached, whose methods do nothing and whose
+`unavailable()` says why. Stage progress and results arrive through snapshots and events only.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from draftgen.core.live.hub import Hub
+
+class Controls(Protocol):
+    hub: Hub               # snapshots and events to render
+    read_only: bool        # True when attached: every action is disabled
+
+    def unavailable(self, action: str) -> str | None:
+        """None when `action` can run now, else a sentence saying why not (shown to the user)."""
+
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def run_smoke(self) -> None: ...      # progress/result: snapshot stage "smoke" (checks), event "smoke_done"
+    def start_merge(self) -> None: ...    # stage "merge", event "merge_done"
+    def start_extract(self) -> None: ...  # stage "extract" (+ RunSnapshot.gpus), event "extract_done"
+    def quit(self, drain: bool) -> None: ...  # drain: finish in-flight requests; else stop now

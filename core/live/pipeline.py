@@ -1,0 +1,302 @@
+"""The whole pipeline behind one control surface: smoke gate, generation, live reconstruction,
+merge, extraction; snapshots and events published to a Hub for the TUI, headless line and attach.
+
+`Pipeline` implements core/live/control.py `Controls`. The TUI embeds it on its own event loop; the
+headless runner drives it with `asyncio.run`. It imports nothing from Textual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from draftgen.core.live import snapshot as snap
+from draftgen.core.config import Config
+from draftgen.core.generate.engine import Engine
+from draftgen.core.errors import DraftgenError
+from draftgen.core.live.hub import Hub
+from draftgen.core.rundir import EventLog, RunDir
+from draftgen.core.secrets import Redactor
+
+STAGES = ("smoke", "tokens", "merge", "extract")
+
+
+def smoke_status(config: Config) -> tuple[bool, str]:
+    """(passed for this config's request shapes, why not) from smoke.json."""
+    path = RunDir(config.run_dir).smoke_json
+    if not path.exists():
+        return False, "no smoke test has run for this run directory"
+    try:
+        data = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return False, f"{path} cannot be read"
+    if data.get("fingerprint") != config.run_fingerprint():
+        return False, "the request parameters changed since the last smoke test"
+    if not data.get("passed"):
+        return False, "the last smoke test failed"
+    return True, ""
+
+
+class Pipeline:
+    read_only = False
+
+    def __init__(self, config: Config, api_key: str, *, skip_smoke: bool = False,
+                 reconstruct: bool | None = None, serve_attach: bool = True, seed: int | None = None) -> None:
+        self.config = config
+        self.rundir = RunDir(config.run_dir)
+        self.hub = Hub()
+        self._api_key = api_key
+        self._redact = Redactor(api_key)
+        self._skip_smoke = skip_smoke
+        self._reconstruct = config.engine.reconstruct if reconstruct is None else reconstruct
+        self._serve_attach = serve_attach
+        self.engine = Engine(config, api_key, on_event=self.emit, on_answer=self._on_answer, seed=seed)
+        self.stages: dict[str, snap.StageProgress] = {}
+        self.gpus: tuple[snap.GpuStat, ...] | None = None
+        self._log: EventLog | None = None
+        self._attach: Any = None
+        self._reconstructor: Any = None
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._ticker: asyncio.Task[None] | None = None
+        self.quit_requested = asyncio.Event()
+        self.exit_code = 0
+        self.error: DraftgenError | None = None
+        self._crash: BaseException | None = None
+        self._extract_stop = threading.Event()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.rundir.root.mkdir(parents=True, exist_ok=True)
+        self._log = EventLog(self.rundir.events_log)
+        if self._serve_attach:
+            from draftgen.core.live.attach import AttachServer
+            self._attach = AttachServer(self.hub, self.rundir.socket)
+            await self._attach.start()
+        self._ticker = asyncio.create_task(self._publish_loop())
+        self.publish()
+
+    async def close(self) -> None:
+        self._extract_stop.set()
+        for task in self._tasks.values():
+            if not task.done():
+                task.cancel()
+        if self._reconstructor is not None:
+            await self._reconstructor.close()
+            self._reconstructor = None
+        if self._ticker is not None:
+            self._ticker.cancel()
+        self.publish()
+        if self._attach is not None:
+            await self._attach.close()
+            self._attach = None
+        if self._log is not None:
+            self._log.close()
+
+    async def generate(self) -> str:
+        """Smoke gate, then the run. Returns the engine's final state. A user-facing error (a missing
+        tokenizer or prompt file, the open-file limit) stops the run with an alert and is kept in
+        `self.error` for the command boundary to print."""
+        try:
+            return await self._generate()
+        except Exception as e:  # noqa: BLE001 - the run must never sit silent: every failure shows
+            if not isinstance(e, DraftgenError):
+                self._crash = e  # a bug, not a user error: re-raised with its traceback at the boundary
+                e = DraftgenError(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the "
+                                  "traceback, and please report it)")
+            self.error = e
+            self.exit_code = 2
+            for name, stage in list(self.stages.items()):
+                if stage.state == "running":
+                    self.stages[name] = dataclasses.replace(stage, state="failed", message=self._redact(str(e)))
+            self.engine.alert = self._redact(str(e))
+            self.engine.state = snap.STOPPED
+            self.emit("error", "run_failed", f"the run cannot go on: {e}")
+            return snap.STOPPED
+
+    async def _generate(self) -> str:
+        try:
+            if not self._skip_smoke:
+                ok, why = smoke_status(self.config)
+                if not ok:
+                    self.emit("info", "smoke", f"running the smoke test first: {why}")
+                    if not await self.smoke():
+                        self.engine.alert = ("the smoke test failed: the run will not start at full "
+                                             "concurrency (fix the config, press s to rerun, or --skip-smoke)")
+                        self.engine.state = snap.STOPPED
+                        self.exit_code = 1
+                        return snap.STOPPED
+            if self._reconstruct:
+                from draftgen.core.tokens.workers import LiveReconstructor
+                self._reconstructor = LiveReconstructor(self.config, workers=self.config.engine.workers)
+                await self._reconstructor.start()
+                for ds in self.config.datasets:
+                    await self._reconstructor.catch_up(ds.name)
+            state = await self.engine.run()
+            if self._reconstructor is not None:
+                await self._reconstructor.close()
+                self.stages["tokens"] = self._reconstructor.progress()
+                self.emit("info", "tokens_done", self._reconstructor.report(None).summary_line())
+                self._reconstructor = None
+            return state
+        finally:
+            self.publish()
+
+    # -- events and snapshots -------------------------------------------------------------------
+
+    def emit(self, level: str, kind: str, message: str) -> None:
+        message = self._redact(message)
+        event = snap.Event(time.time(), level, kind, message)
+        if self._log is not None:
+            self._log.write(level, message, event.ts)
+        self.hub.publish_event(event)
+
+    def snapshot(self) -> snap.RunSnapshot:
+        s = self.engine.snapshot()
+        if self._reconstructor is not None:
+            self.stages["tokens"] = self._reconstructor.progress()
+        return dataclasses.replace(s, stages=tuple(self.stages[n] for n in STAGES if n in self.stages),
+                                   gpus=self.gpus)
+
+    def publish(self) -> None:
+        self.hub.publish_snapshot(self.snapshot())
+
+    async def _publish_loop(self) -> None:
+        period = 1.0 / self.config.engine.snapshot_hz
+        while True:
+            await asyncio.sleep(period)
+            self.publish()
+
+    def _on_answer(self, dataset: str, record: dict[str, Any]) -> None:
+        if self._reconstructor is not None:
+            self._reconstructor.submit(dataset, record)
+
+    def _progress(self, name: str) -> Callable[[snap.StageProgress], None]:
+        def update(progress: snap.StageProgress) -> None:
+            self.stages[name] = progress  # may be called from a worker thread: one atomic assignment
+        return update
+
+    # -- stages ---------------------------------------------------------------------------------
+
+    async def smoke(self) -> bool:
+        from draftgen.core.generate.smoke import run_smoke
+        was_running = self.engine.state == snap.RUNNING
+        if was_running:
+            self.engine.pause("smoke test")
+        try:
+            result = await run_smoke(self.config, self._api_key, progress=self._progress("smoke"))
+        except DraftgenError as e:
+            self.stages["smoke"] = snap.StageProgress("smoke", state="failed", message=self._redact(str(e)))
+            self.emit("error", "smoke_done", f"smoke test could not run: {e}")
+            return False
+        finally:
+            if was_running:
+                self.engine.resume()
+        passed = bool(result.passed)
+        self.emit("info" if passed else "error", "smoke_done",
+                  f"smoke test {'passed' if passed else 'FAILED'}: {result.summary()}")
+        return passed
+
+    async def merge(self) -> Any:
+        from draftgen.core.merge.merge import merge
+        self.stages["merge"] = snap.StageProgress("merge", state="running")
+        try:
+            stats = await asyncio.to_thread(merge, self.config, self._progress("merge"))
+        except DraftgenError as e:
+            self.stages["merge"] = snap.StageProgress("merge", state="failed", message=str(e))
+            self.emit("error", "merge_done", f"merge failed: {e}")
+            raise
+        dropped = ", ".join(f"{n} {why}" for why, n in stats.dropped.items() if n) or "none"
+        self.emit("info", "merge_done", f"merge done: {stats.samples} of {stats.read} answers kept "
+                  f"({stats.tokens:,} tokens), dropped: {dropped}; {self.rundir.merged}/train.jsonl")
+        return stats
+
+    async def extract(self, shard: tuple[int, int] = (0, 1)) -> Any:
+        from draftgen.core.extract import extract
+        from draftgen.core.extract.gpu import GpuMonitor
+        monitor = GpuMonitor()
+        sampler = asyncio.create_task(monitor.run(self._set_gpus, interval_s=1.0))
+        self.stages["extract"] = snap.StageProgress("extract", state="running")
+        try:
+            self._extract_stop.clear()
+            stats = await asyncio.to_thread(extract, self.config, shard=shard, progress=self._progress("extract"),
+                                            stop=self._extract_stop)
+        except DraftgenError as e:
+            self.stages["extract"] = snap.StageProgress("extract", state="failed", message=str(e))
+            self.emit("error", "extract_done", f"extraction failed: {e}")
+            raise
+        finally:
+            sampler.cancel()
+        self.emit("info", "extract_done", f"extraction done: {stats.written} files written "
+                  f"({stats.skipped_existing} already there, {stats.nan_samples} NaN), "
+                  f"{stats.tokens_written:,} tokens at {stats.tokens_per_s:,.0f} tok/s in {self.rundir.hidden_states}")
+        return stats
+
+    def _set_gpus(self, gpus: tuple[snap.GpuStat, ...] | None) -> None:
+        self.gpus = gpus
+
+    # -- control surface (core/live/control.py) ------------------------------------------------------
+
+    def unavailable(self, action: str) -> str | None:
+        state = self.engine.state
+        if action == "pause":
+            return None if state == snap.RUNNING else f"nothing to pause: the run is {state.lower()}"
+        if action == "resume":
+            return None if state == snap.PAUSED else f"nothing to resume: the run is {state.lower()}"
+        if action in ("smoke", "merge", "extract"):
+            task = self._tasks.get(action)
+            if task is not None and not task.done():
+                return f"{action} is already running"
+        if action == "merge":
+            if not any(self.rundir.responses(d.name).exists() for d in self.config.datasets):
+                return "nothing to merge yet: no answers on disk"
+        if action == "extract":
+            if not self.config.extract.model:
+                return f"no model to extract with: set [extract] model in {self.config.path}"
+            if not (self.rundir.merged / "tokens" / "index.jsonl").exists():
+                return "no merged set yet: press m to merge first"
+            if self._tasks.get("merge") is not None and not self._tasks["merge"].done():
+                return "merge is still running"
+        return None
+
+    def pause(self) -> None:
+        self.engine.pause("by the user")
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def _spawn(self, name: str, coro: Any) -> None:
+        async def guarded() -> None:
+            try:
+                await coro
+            except DraftgenError:
+                pass  # already reported as an event and in the stage panel
+            except Exception as e:  # a stage crash must not take the run down
+                self.stages[name] = snap.StageProgress(name, state="failed", message=f"{type(e).__name__}: {e}")
+                self.emit("error", f"{name}_done", f"{name} crashed: {type(e).__name__}: {self._redact(str(e))}")
+        self._tasks[name] = asyncio.create_task(guarded())
+
+    def run_smoke(self) -> None:
+        self._spawn("smoke", self.smoke())
+
+    def start_merge(self) -> None:
+        self._spawn("merge", self.merge())
+
+    def start_extract(self) -> None:
+        self._spawn("extract", self.extract())
+
+    def quit(self, drain: bool) -> None:
+        self.quit_requested.set()
+        if drain:
+            self.engine.drain()
+        else:
+            self.engine.stop()
+            self._extract_stop.set()  # the extraction thread stops after its current batch
+            for task in self._tasks.values():
+                task.cancel()

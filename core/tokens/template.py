@@ -1,0 +1,311 @@
+"""Chat templates rendered as segments: special tokens by name, everything else ordinary text.
+
+A rendered conversation is three runs of segments: the prompt (through the generation prompt the
+server appended), the answer span (what the target model generated) and a suffix the template
+adds after the end-of-turn token (mask 0). Special segments are inserted by id; text segments are
+encoded as ordinary text, so text that looks like a special token stays text.
+
+`kimi-k2.5`, built in:
+    <|im_system|>system<|im_middle|>{system}<|im_end|>
+    <|im_user|>user<|im_middle|>{prompt}<|im_end|>
+    <|im_assistant|>assistant<|im_middle|><think></think>{earlier answer}<|im_end|>   (history)
+    <|im_assistant|>assistant<|im_middle|><think>{reasoning}</think>{content}<|im_end|>
+Checked (with the `search` tool) against: llama.cpp's copy of Kimi-K2-Thinking's
+`chat_template.jinja`; the opening of Kimi-K2.5's `chat_template.jinja` (same `render_content`,
+`set_roles`, `render_toolcalls` macros and history/suffix split) and the descriptions of its
+history split in ART's and miles' patches of it; tinker-cookbook's K2.5 renderer; SpecForge's
+`specforge/data/template.py` and `parse.py`. What that gives:
+- roles render as `message.name or role`; roles other than user/assistant open with `<|im_system|>`;
+- assistant turns up to the last one without tool calls are history, their reasoning dropped
+  (`<think></think>`); later ones (tool-call turns) keep their `reasoning_content`;
+- tool results render `## Return of {tool_call_id}\n{content}`; tool calls
+  `<|tool_calls_section_begin|><|tool_call_begin|>{id}<|tool_call_argument_begin|>{args}<|tool_call_end|>…`;
+- K2.5's generation prompt ends with `<think>` (K2-Thinking's did not), so the answer span starts
+  after it while the loss mask starts at it: SpecForge's `kimi-k2-thinking` template has
+  assistant_header `<|im_assistant|>assistant<|im_middle|>` and end_of_turn `<|im_end|>`, and its
+  GeneralParser (under ThinkingParser) masks from the end of that header through the end-of-turn
+  token inclusive. SpecForge masks every assistant turn unless `train_only_last_turn`; here only the
+  last, since earlier ones came with the prompt.
+- The K2 and K2-Thinking templates (and K2.5's, per tinker-cookbook; its full text was not found)
+  insert a default system turn ("You are Kimi, an AI assistant created by Moonshot AI.") when a
+  conversation has none. SPEC.md's rendering has no such turn, so it is off by default;
+  `KimiK25Template(default_system=KIMI_DEFAULT_SYSTEM)` turns it on.
+- Not rendered: `tools` declarations (`tool_declare`) and image parts (rejected with TemplateError).
+
+`auto`: the tokenizer's own Jinja template (transformers `apply_chat_template`, the final assistant
+message carrying `reasoning_content`). Message texts are replaced by sentinels before rendering so
+the template's own special tokens can be told from look-alikes typed in the texts; the answer span
+starts where the generation prompt (`add_generation_prompt=True`) ends. A template that rewrites
+the texts themselves (trims them, splits them on tags) is used as it renders, split at every
+special token, look-alikes included.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from draftgen.core.errors import DraftgenError
+from draftgen.core.tokens.tokenizer import Tokenizer
+
+KIMI_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+TEMPLATES = ("kimi-k2.5", "auto")
+
+
+class TemplateError(DraftgenError):
+    """A conversation the template cannot render (bad message shape, unsupported content)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    text: str
+    special: bool = False   # True: `text` is the name of a special token, inserted by id
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    prompt: tuple[Segment, ...]      # everything before the answer span, generation prompt included
+    answer: tuple[Segment, ...]      # what the target model generated
+    suffix: tuple[Segment, ...]      # template text after the answer (never generated; mask 0)
+    mask_prompt_tail: int            # trailing prompt segments (specials) the loss mask also covers
+    eot: str                         # end-of-turn special token name
+    think_open: str | None           # reasoning delimiters (None: the template has none)
+    think_close: str | None
+    answer_opens_think: bool = False  # the model generates the opening `<think>` itself (not in the prompt)
+
+    def answer_text(self) -> str:
+        return "".join(s.text for s in self.answer)
+
+
+class ChatTemplate(Protocol):
+    name: str
+
+    def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
+               truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> RenderedChat: ...
+
+
+def message_text(message: dict[str, Any], where: str) -> str:
+    """The text of an OpenAI-style message content: a string, None, or a list of text parts."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise TemplateError(f"{where}: content part of type {kind!r} is not supported (text only)")
+        return "".join(parts)
+    raise TemplateError(f"{where}: content must be a string or a list of parts, not {type(content).__name__}")
+
+
+def _check_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise TemplateError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TemplateError(f"messages[{i}] must be an object with a string role")
+    return messages
+
+
+def _tool_call_parts(tool_calls: Any, where: str) -> list[Segment]:
+    """Kimi's tool-call section; arguments verbatim when a string, else compact JSON."""
+    import json
+    out = [Segment("<|tool_calls_section_begin|>", True)]
+    for j, call in enumerate(tool_calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise TemplateError(f"{where}.tool_calls[{j}] must have function.name")
+        call_id = call.get("id") or f"functions.{fn['name']}:{j}"
+        args = fn.get("arguments", "")
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        out += [Segment("<|tool_call_begin|>", True), Segment(str(call_id)),
+                Segment("<|tool_call_argument_begin|>", True), Segment(args), Segment("<|tool_call_end|>", True)]
+    out.append(Segment("<|tool_calls_section_end|>", True))
+    return out
+
+
+class KimiK25Template:
+    """The built-in Kimi-K2.5 rendering (see the module docstring)."""
+
+    name = "kimi-k2.5"
+    EOT, THINK_OPEN, THINK_CLOSE = "<|im_end|>", "<think>", "</think>"
+
+    def __init__(self, default_system: str | None = None) -> None:
+        self.default_system = default_system
+
+    def _header(self, message: dict[str, Any]) -> list[Segment]:
+        role = message["role"]
+        name = message.get("name") or role
+        opener = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}.get(role, "<|im_system|>")
+        return [Segment(opener, True), Segment(str(name)), Segment("<|im_middle|>", True)]
+
+    def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
+               truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> RenderedChat:
+        messages = _check_messages(messages)
+        prompt: list[Segment] = []
+        if self.default_system is not None and messages[0]["role"] != "system":
+            prompt += [Segment("<|im_system|>", True), Segment("system"), Segment("<|im_middle|>", True),
+                       Segment(self.default_system), Segment(self.EOT, True)]
+        # History ends at the last assistant turn without tool calls; its reasoning (and earlier) is dropped.
+        last_plain = max((i for i, m in enumerate(messages)
+                          if m["role"] == "assistant" and not m.get("tool_calls")), default=-1)
+        pending_ids: list[str] = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            prompt += self._header(m)
+            text = message_text(m, where)
+            if m["role"] == "assistant":
+                rc = "" if i <= last_plain else (m.get("reasoning_content") or "")
+                prompt += [Segment(self.THINK_OPEN, True), Segment(rc), Segment(self.THINK_CLOSE, True), Segment(text)]
+                if m.get("tool_calls"):
+                    prompt += _tool_call_parts(m["tool_calls"], where)
+                    pending_ids += [str(c.get("id") or "") for c in m["tool_calls"] if isinstance(c, dict)]
+            elif m["role"] == "tool":
+                call_id = m.get("tool_call_id") or (pending_ids[0] if pending_ids else "")
+                if pending_ids:
+                    pending_ids.pop(0)
+                prompt.append(Segment(f"## Return of {call_id}\n{text}"))
+            else:
+                prompt.append(Segment(text))
+            prompt.append(Segment(self.EOT, True))
+        prompt += [Segment("<|im_assistant|>", True), Segment("assistant"), Segment("<|im_middle|>", True),
+                   Segment(self.THINK_OPEN, True)]
+
+        answer: list[Segment] = [Segment(reasoning or "")]
+        # A truncated answer with no content was cut while still reasoning: no </think> was generated.
+        if not (truncated and not content and not tool_calls):
+            answer += [Segment(self.THINK_CLOSE, True), Segment(content)]
+        if tool_calls:
+            answer += _tool_call_parts(tool_calls, "answer")
+        if not truncated:
+            answer.append(Segment(self.EOT, True))
+        return RenderedChat(tuple(prompt), tuple(answer), (), 1, self.EOT, self.THINK_OPEN, self.THINK_CLOSE)
+
+
+# Private-use code points: never produced by a tokenizer's template, cheap to find afterwards.
+_SENTINEL = "\ue000{}\ue001"
+_SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
+
+
+class AutoTemplate:
+    """The tokenizer's own chat template (see the module docstring)."""
+
+    name = "auto"
+
+    def __init__(self, tok: Tokenizer) -> None:
+        if not tok.has_chat_template:
+            raise TemplateError(f"tokenizer {tok.name} has no chat template of its own: "
+                                f"tokenizer.template = \"auto\" needs one (or use \"kimi-k2.5\")")
+        self.tok = tok
+        specials = sorted(tok.special_tokens(), key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(["\ue000\\d+\ue001"] + [re.escape(s) for s in specials]) + ")")
+        names = set(specials)
+        self.think_open = "<think>" if "<think>" in names else None
+        self.think_close = "</think>" if "</think>" in names else None
+
+    def _segments(self, rendered: str, texts: list[str]) -> list[Segment]:
+        """Split a sentinel rendering at the template's specials; sentinels become their texts."""
+        out: list[Segment] = []
+        pending: list[str] = []
+        for k, piece in enumerate(self._split.split(rendered)):
+            if k % 2 == 0:
+                pending.append(piece)
+                continue
+            found = _SENTINEL_RE.fullmatch(piece)
+            if found:
+                pending.append(texts[int(found.group(1))])
+                continue
+            if pending:
+                out.append(Segment("".join(pending)))
+                pending = []
+            out.append(Segment(piece, True))
+        if pending:
+            out.append(Segment("".join(pending)))
+        return [s for s in out if s.special or s.text]
+
+    def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
+               truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> RenderedChat:
+        messages = _check_messages(messages)
+        texts: list[str] = []
+
+        def hide(text: str) -> str:
+            if not text:
+                return text
+            texts.append(text)
+            return _SENTINEL.format(len(texts) - 1)
+
+        hidden = []
+        for i, m in enumerate(messages):
+            h = dict(m)
+            h["content"] = hide(message_text(m, f"messages[{i}]"))
+            if isinstance(m.get("reasoning_content"), str):
+                h["reasoning_content"] = hide(m["reasoning_content"])
+            hidden.append(h)
+        final: dict[str, Any] = {"role": "assistant", "content": hide(content)}
+        if reasoning is not None:
+            final["reasoning_content"] = hide(reasoning)
+        if tool_calls:
+            final["tool_calls"] = tool_calls
+        head = self.tok.render_chat(hidden, add_generation_prompt=True)
+        full = self.tok.render_chat(hidden + [final], add_generation_prompt=False)
+        if not full.startswith(head):
+            raise TemplateError(f"the chat template of {self.tok.name} does not render the answer as a "
+                                f"continuation of its generation prompt; use tokenizer.template = \"kimi-k2.5\"")
+        tail = full[len(head):]
+        for what, sentinel in (("reasoning", final.get("reasoning_content")), ("content", final["content"])):
+            if sentinel and sentinel not in tail:
+                raise TemplateError(f"the chat template of {self.tok.name} drops the answer's {what} from the "
+                                    f"final turn; use tokenizer.template = \"kimi-k2.5\"")
+        prompt = self._segments(head, texts)
+        rest = self._segments(tail, texts)
+        # A template that rewrites texts (trims, splits on tags) renders something else than the
+        # sentinels stand for: then take its real rendering, split at every special it contains.
+        real_head = self.tok.render_chat(messages, add_generation_prompt=True)
+        real_final = {k: v for k, v in final.items() if k not in ("content", "reasoning_content")}
+        real_final["content"] = content
+        if reasoning is not None:
+            real_final["reasoning_content"] = reasoning
+        real_full = self.tok.render_chat(messages + [real_final], add_generation_prompt=False)
+        if "".join(s.text for s in prompt) != real_head or "".join(s.text for s in prompt + rest) != real_full:
+            if not real_full.startswith(real_head):
+                raise TemplateError(f"the chat template of {self.tok.name} does not render the answer as a "
+                                    f"continuation of its generation prompt; use tokenizer.template = \"kimi-k2.5\"")
+            prompt = self._segments(real_head, [])
+            rest = self._segments(real_full[len(real_head):], [])
+        last_special = max((i for i, s in enumerate(rest) if s.special), default=-1)
+        if last_special < 0:
+            raise TemplateError(f"the chat template of {self.tok.name} ends the assistant turn with no "
+                                f"special end-of-turn token")
+        answer, suffix = rest[:last_special + 1], rest[last_special + 1:]
+        eot = answer[-1].text
+        if truncated:
+            # Cut answers end where generation stopped: no end-of-turn (and no </think> if content never began).
+            answer = answer[:-1]
+            if not content and self.think_close is not None:
+                cut = next((i for i, s in enumerate(answer) if s.special and s.text == self.think_close), None)
+                answer = answer if cut is None else answer[:cut]
+            suffix = []
+        tail_mask = 1 if prompt and prompt[-1].special and prompt[-1].text == self.think_open else 0
+        opens = bool(answer) and answer[0].special and answer[0].text == self.think_open
+        return RenderedChat(tuple(prompt), tuple(answer), tuple(suffix), tail_mask, eot,
+                            self.think_open, self.think_close, opens)
+
+
+def load_template(name: str, tok: Tokenizer, *, default_system: str | None = None) -> ChatTemplate:
+    """The template `name` ("kimi-k2.5" or "auto") for `tok`."""
+    if name == "kimi-k2.5":
+        for special in ("<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>",
+                        "<think>", "</think>"):
+            tok.special_id(special)  # a clear TokenizerError now, not one per answer later
+        return KimiK25Template(default_system)
+    if name == "auto":
+        return AutoTemplate(tok)
+    raise TemplateError(f"unknown chat template {name!r} (known: {', '.join(TEMPLATES)})")

@@ -1,0 +1,295 @@
+"""Deterministic runs for tests and screenshots: snapshots shaped like the reference run, and a fake
+control surface that records what the keys asked for.
+
+The reference run: eight datasets B1..B8 (~10,000 prompts each, 83,012 in all), Kimi-K2.5 on
+OpenRouter, a 10M-token budget per dataset that long reasoning answers (~5,300 tokens) exhaust after
+~1,900 answers, ~3.5 requests/s, ~$15 a dataset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from draftgen.core.live import snapshot as snap
+from draftgen.core.live.hub import Hub
+from draftgen.core.live.snapshot import Credits, DatasetSnapshot, Event, GpuStat, RunSnapshot, StageProgress, Throughput
+
+if TYPE_CHECKING:
+    from textual.pilot import Pilot
+
+    from draftgen.tui.app import DraftgenApp
+
+T0 = 1_767_261_600.0  # 2026-01-01 10:00:00 UTC: every timestamp here counts from it
+MODEL = "moonshotai/kimi-k2.5"
+RUN = "kimi-k25-eagle3"
+BUDGET = 10_000_000
+PER_ANSWER = 0.0079  # USD
+
+
+def _budget_done(name: str, total: int, done: int, cost: float) -> DatasetSnapshot:
+    return DatasetSnapshot(name=name, status=snap.DS_BUDGET, total=total, done=done, skipped=total - done,
+                           concurrency=2000, effective_concurrency=2000, tokens_used=BUDGET - 1_730 * (done % 7),
+                           token_budget=BUDGET, cost_usd=cost, projected_cost_usd=cost, truncated=done // 300)
+
+
+def _datasets(running_status: str = snap.DS_RUNNING, b5_done: int = 740) -> tuple[DatasetSnapshot, ...]:
+    b5_tokens = b5_done * 5_312
+    return (
+        _budget_done("B1", 10_002, 1_891, 15.12),
+        _budget_done("B2", 10_000, 1_880, 14.87),
+        _budget_done("B3", 10_450, 1_902, 15.30),
+        _budget_done("B4", 10_120, 1_875, 14.71),
+        DatasetSnapshot(name="B5", status=running_status, total=10_310, done=b5_done, failed=2, in_flight=460,
+                        concurrency=500, effective_concurrency=460, tokens_used=b5_tokens,
+                        tokens_in_flight=460 * 5_312, token_budget=BUDGET, cost_usd=round(b5_done * PER_ANSWER, 2),
+                        projected_cost_usd=15.05, truncated=3),
+        DatasetSnapshot(name="B6", total=10_800, concurrency=2000, token_budget=BUDGET),
+        DatasetSnapshot(name="B7", total=10_640, concurrency=2000, token_budget=BUDGET),
+        DatasetSnapshot(name="B8", total=10_690, concurrency=500, token_budget=BUDGET, rejected=3),
+    )
+
+
+def _history(n: int = 180, level: float = 3.5) -> tuple[float, ...]:
+    # A steady rate with a slow wave and a dip where a dataset handed over to the next.
+    out = []
+    for i in range(n):
+        v = level + 0.45 * math.sin(i / 6.0) + 0.2 * math.sin(i * 1.7)
+        if 60 <= i < 66:
+            v *= (i - 59) / 7
+        out.append(round(max(0.0, v), 2))
+    return tuple(out)
+
+
+def running(**changes: object) -> RunSnapshot:
+    s = RunSnapshot(
+        run_name=RUN, model=MODEL, state=snap.RUNNING, elapsed_s=2_368.0, seq=100, taken_at=T0 + 2_368,
+        datasets=_datasets(),
+        throughput=Throughput(window_s=30.0, req_s_window=3.62, req_s_total=3.50, tok_s_window=19_230.0,
+                              tok_s_total=18_370.0, avg_completion_tokens_window=5_312.0,
+                              avg_completion_tokens_total=5_248.0, history=_history(), in_flight=460,
+                              effective_concurrency=460, configured_concurrency=500, eta_s=1_890.0),
+        errors=(("429 rate limited", 37), ("timeout", 4), ("502 bad gateway", 2)),
+        retries=43,
+        providers=(("novita/int4", 3_512), ("parasail/int4", 2_790), ("together/int4", 1_986)),
+        credits=Credits(balance_usd=64.15, balance_age_s=42.0, spent_usd=65.85, spent_total_usd=65.85,
+                        in_flight_usd=3.63, projected_total_usd=120.05, max_usd=130.0, floor_usd=5.0),
+        stages=(StageProgress(name="smoke", state="idle"), StageProgress(name="merge"),
+                StageProgress(name="extract")),
+    )
+    return dataclasses.replace(s, **changes)  # type: ignore[arg-type]
+
+
+def paused() -> RunSnapshot:
+    s = running()
+    return dataclasses.replace(s, state=snap.PAUSED, seq=s.seq + 1, datasets=_datasets(snap.DS_PAUSED),
+                               throughput=dataclasses.replace(s.throughput, eta_s=None))
+
+
+SMOKE_CHECKS = (
+    ("API key", True, "valid"),
+    ("credits", True, "$64.15 available, above the $5.00 floor"),
+    ("requests", True, "B1..B8 answered with each dataset's exact parameters"),
+    ("content", True, "non-empty, finish_reason stop"),
+    ("reasoning", True, "in `reasoning` (`reasoning_content` is empty)"),
+    ("tool calls", True, "none asked, none returned"),
+    ("model", True, "moonshotai/kimi-k2.5"),
+    ("provider", True, "novita, int4 (fireworks, baseten ignored)"),
+    ("usage", True, "205 completion tokens, cost reported"),
+    ("tokens", True, "205 reconstructed = 205 billed; one </think>; ends <|im_end|>"),
+)
+
+
+def smoke(state: str = "done", checks: int = len(SMOKE_CHECKS)) -> RunSnapshot:
+    stage = StageProgress(
+        name="smoke", state=state, done=checks, total=len(SMOKE_CHECKS), checks=SMOKE_CHECKS[:checks],
+        detail=(("cost per request", "$0.00047 (205 completion tokens)"),
+                ("projected run cost", "$118.40 for 83,012 prompts at the budgets"))
+        if state == "done" else (),
+        message="All checks passed: the run resumes." if state == "done" else "")
+    s = running()
+    return dataclasses.replace(s, state=snap.PAUSED, seq=s.seq + 2, datasets=_datasets(snap.DS_PAUSED),
+                               stages=(stage, StageProgress(name="merge"), StageProgress(name="extract")))
+
+
+def merging() -> RunSnapshot:
+    datasets = tuple(_budget_done(d.name, d.total, 1_890 + i * 3, 15.0 + i / 10) for i, d in enumerate(_datasets()))
+    s = running()
+    merge = StageProgress(name="merge", state="running", done=9_400, total=15_157, rate=4_120.0,
+                          rate_unit=" samples/s", eta_s=1.4,
+                          detail=(("kept", "9,356"), ("duplicates", "31"), ("truncated", "13"),
+                                  ("seed", "1234")))
+    return dataclasses.replace(
+        s, state=snap.DONE, elapsed_s=4_980.0, seq=240, datasets=datasets,
+        throughput=dataclasses.replace(s.throughput, req_s_window=0.0, tok_s_window=0.0, in_flight=0, eta_s=None,
+                                       history=_history()[:-30] + (0.0,) * 30),
+        credits=dataclasses.replace(s.credits, balance_usd=9.40, spent_usd=120.60, spent_total_usd=120.60,
+                                    in_flight_usd=0.0, projected_total_usd=120.60),
+        stages=(StageProgress(name="smoke", state="done", checks=SMOKE_CHECKS),
+                StageProgress(name="tokens", state="done", done=15_157, total=15_157),
+                merge, StageProgress(name="extract")))
+
+
+def extracting() -> RunSnapshot:
+    s = merging()
+    merge = StageProgress(name="merge", state="done", done=15_157, total=15_157,
+                          detail=(("kept", "15,088"), ("dropped", "69 (duplicates 44, truncated 25)")))
+    extract = StageProgress(name="extract", state="running", done=6_000, total=15_088, rate=41_800.0,
+                            rate_unit=" tok/s", eta_s=1_150.0,
+                            detail=(("backend", "sglang, tp=2"), ("layers", "1, 29, 57"),
+                                    ("written", "rows_0-2000 … rows_4000-6000")))
+    gpus = (GpuStat(index=0, name="NVIDIA H200", util_pct=97.0, mem_used_mb=128_410.0, mem_total_mb=143_771.0,
+                    power_w=612.0, temp_c=64.0),
+            GpuStat(index=1, name="NVIDIA H200", util_pct=94.0, mem_used_mb=127_998.0, mem_total_mb=143_771.0,
+                    power_w=598.0, temp_c=61.0))
+    return dataclasses.replace(s, elapsed_s=5_840.0, seq=300, gpus=gpus,
+                               stages=(s.stages[0], s.stages[1], merge, extract))
+
+
+def out_of_credits() -> RunSnapshot:
+    s = paused()
+    return dataclasses.replace(
+        s, alert="402 Payment Required: out of credits. The run is paused; add credits, then press r to resume.",
+        credits=dataclasses.replace(s.credits, balance_usd=0.0, balance_age_s=3.0),
+        errors=(("402 payment required", 1),) + s.errors)
+
+
+def attached() -> RunSnapshot:
+    return dataclasses.replace(running(), attached=True)
+
+
+def events() -> tuple[Event, ...]:
+    rows = (
+        (0, "info", "run_start", f"run {RUN}: 8 datasets, 83,012 prompts, model {MODEL}"),
+        (4, "info", "smoke_done", "smoke test passed: 10/10 checks, $0.00047 per request"),
+        (5, "info", "dataset_start", "B1: 10,002 prompts, 0 already answered, concurrency 2,000"),
+        (541, "warn", "budget", "B1: token budget 10,000,000 reached; 8,111 prompts skipped, eligible later"),
+        (566, "info", "dataset_done", "B1: budget: 1,891/10,002 answered, 0 failed, 8,111 skipped, $15.12"),
+        (1_102, "info", "dataset_done", "B2: budget: 1,880/10,000 answered, 0 failed, 8,120 skipped, $14.87"),
+        (1_211, "info", "credits", "balance $96.20"),
+        (1_650, "info", "dataset_done", "B3: budget: 1,902/10,450 answered, 0 failed, 8,548 skipped, $15.30"),
+        (2_150, "info", "dataset_done", "B4: budget: 1,875/10,120 answered, 0 failed, 8,245 skipped, $14.71"),
+        (2_151, "info", "dataset_start", "B5: 10,310 prompts, 0 already answered, concurrency 500"),
+        (2_290, "warn", "backoff", "B5: sustained 429s, effective concurrency 500 → 460"),
+        (2_326, "info", "credits", "balance $64.15"),
+    )
+    return tuple(Event(ts=T0 + dt, level=level, kind=kind, message=msg) for dt, level, kind, msg in rows)
+
+
+class FakeControls:
+    """The `Controls` protocol over a local Hub: records every call and answers it with the snapshot a
+    real engine would publish next, so pilot tests can watch the screen follow."""
+
+    def __init__(self, snapshot: RunSnapshot | None = None, events: Sequence[Event] = (), *,
+                 read_only: bool = False, unavailable: Mapping[str, str] | None = None) -> None:
+        self.hub = Hub()
+        self.read_only = read_only
+        self.reasons = dict(unavailable or {})
+        self.calls: list[str] = []
+        for e in events:
+            self.hub.publish_event(e)
+        if snapshot is not None:
+            self.hub.publish_snapshot(snapshot)
+
+    @property
+    def latest(self) -> RunSnapshot:
+        assert self.hub.latest is not None
+        return self.hub.latest
+
+    def publish(self, s: RunSnapshot) -> None:
+        self.hub.publish_snapshot(s)
+
+    def event(self, level: str, kind: str, message: str) -> None:
+        last = self.hub.recent[-1].ts if self.hub.recent else T0
+        self.hub.publish_event(Event(ts=last + 1, level=level, kind=kind, message=message))
+
+    def _next(self, **changes: object) -> None:
+        s = self.latest
+        self.publish(dataclasses.replace(s, seq=s.seq + 1, **changes))  # type: ignore[arg-type]
+
+    def unavailable(self, action: str) -> str | None:
+        if self.read_only:
+            return "attached read-only: this viewer cannot change the run"
+        return self.reasons.get(action)
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+        self._next(state=snap.PAUSED, datasets=tuple(
+            dataclasses.replace(d, status=snap.DS_PAUSED) if d.status == snap.DS_RUNNING else d
+            for d in self.latest.datasets))
+        self.event("info", "paused", "paused: no new requests; those in flight finish")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+        self._next(state=snap.RUNNING, alert="", datasets=tuple(
+            dataclasses.replace(d, status=snap.DS_RUNNING) if d.status == snap.DS_PAUSED else d
+            for d in self.latest.datasets))
+        self.event("info", "resumed", "resumed")
+
+    def run_smoke(self) -> None:
+        self.calls.append("smoke")
+        self.publish(smoke(state="running", checks=3))
+
+    def start_merge(self) -> None:
+        self.calls.append("merge")
+        self.publish(merging())
+
+    def start_extract(self) -> None:
+        self.calls.append("extract")
+        self.publish(extracting())
+
+    def quit(self, drain: bool) -> None:
+        self.calls.append("quit:drain" if drain else "quit:stop")
+        self._next(state=snap.DRAINING if drain else snap.STOPPED)
+
+
+@dataclass(frozen=True)
+class View:
+    """One screen as the screenshots and snapshot tests show it: a starting snapshot, keys pressed,
+    and optionally the snapshot the engine publishes after them (e.g. the smoke result)."""
+
+    name: str
+    caption: str
+    snapshot: Callable[[], RunSnapshot]
+    keys: tuple[str, ...] = ()
+    then: Callable[[], RunSnapshot] | None = None
+    size: tuple[int, int] = (120, 40)
+    read_only: bool = False
+
+    def app(self) -> tuple[DraftgenApp, FakeControls]:
+        from draftgen.tui.app import DraftgenApp
+
+        controls = FakeControls(self.snapshot(), events(), read_only=self.read_only)
+        return DraftgenApp(controls, title="draftgen"), controls
+
+    async def settle(self, pilot: Pilot[None]) -> None:
+        """Press the view's keys, publish what follows them, and let the screen catch up."""
+        app = pilot.app
+        assert isinstance(app.controls, FakeControls)  # type: ignore[attr-defined]
+        await pilot.pause()
+        for key in self.keys:
+            await pilot.press(key)
+        if self.then is not None:
+            app.controls.publish(self.then())  # type: ignore[attr-defined]
+        app.pull()  # type: ignore[attr-defined]
+        await pilot.pause()
+        await pilot.pause()
+
+
+VIEWS = (
+    View("running", "A run of eight datasets: four stopped by their token budget, one running", running),
+    View("paused", "Paused with p: no new requests, those in flight finish", paused),
+    View("smoke", "Smoke test (s): the checklist fills in as the checks complete", running, ("s",), then=smoke),
+    View("quit", "Quit (q) asks: drain the requests in flight, or stop now", running, ("q",)),
+    View("help", "Help (?)", running, ("question_mark",)),
+    View("attach", "draftgen attach RUN_DIR: the same panels, read-only, control keys disabled", attached,
+         read_only=True),
+    View("alert", "Out of credits (402): the run pauses and says why", out_of_credits),
+    View("merge", "Merge (m) in progress after the run", merging),
+    View("extract", "Hidden-state extraction (x) with the GPU panel", extracting),
+    View("running_80x24", "The same run in an 80x24 terminal", running, size=(80, 24)),
+    View("extract_80x24", "Extraction in an 80x24 terminal", extracting, size=(80, 24)),
+)

@@ -1,0 +1,44 @@
+"""Credits: the balance with its age (a balance read once goes stale), spend, projection, limits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftgen.core.live.snapshot import RunSnapshot
+from rich.console import RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from draftgen.tui import fmt
+from draftgen.tui.panels.panel import Panel
+
+
+class CreditsPanel(Panel):
+    TITLE = "credits"
+
+    def key(self, s: RunSnapshot) -> Any:
+        c = s.credits
+        # The age ticks every snapshot; whole seconds are all it shows.
+        return (c.balance_usd, None if c.balance_age_s is None else int(c.balance_age_s), c.spent_usd,
+                c.spent_total_usd, c.in_flight_usd, c.projected_total_usd, c.max_usd, c.floor_usd)
+
+    def draw(self, s: RunSnapshot) -> RenderableType:
+        c = s.credits
+        table = Table.grid(expand=True, padding=(0, 0, 0, 1))
+        table.add_column(no_wrap=True)
+        table.add_column(justify="right", no_wrap=True, overflow="ellipsis", ratio=1)
+        if c.balance_usd is None:
+            table.add_row("balance", Text("unknown", style="dim"))
+        else:
+            low = c.balance_usd - c.in_flight_usd <= c.floor_usd
+            value = Text(fmt.usd(c.balance_usd), style="bold red" if low else "bold")
+            if c.balance_age_s is not None:
+                value.append(f", {fmt.duration(c.balance_age_s)} ago", style="")
+            table.add_row("balance", value)
+        table.add_row("spent", Text(f"{fmt.usd(c.spent_usd)} this run"))
+        table.add_row("", Text(f"{fmt.usd(c.spent_total_usd)} all runs"))
+        over = c.max_usd is not None and c.projected_total_usd is not None and c.projected_total_usd > c.max_usd
+        table.add_row("projected", Text(fmt.usd(c.projected_total_usd), style="bold red" if over else ""))
+        table.add_row("max_usd", fmt.usd(c.max_usd) if c.max_usd is not None else Text("none", style="dim"))
+        table.add_row("floor", fmt.usd(c.floor_usd))
+        return table

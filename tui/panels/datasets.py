@@ -1,0 +1,84 @@
+"""Datasets: one row each with status, progress, token budget, skipped/failed counts and cost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftgen.core.live import snapshot as snap
+from draftgen.core.live.snapshot import DatasetSnapshot, RunSnapshot
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from draftgen.tui import fmt
+from draftgen.tui.panels.panel import Panel
+
+STATUS_STYLES = {
+    snap.DS_PENDING: "dim",
+    snap.DS_RUNNING: "bold green",
+    snap.DS_PAUSED: "bold yellow",
+    snap.DS_DONE: "bold blue",
+    snap.DS_BUDGET: "bold magenta",
+    snap.DS_STOPPED: "bold red",
+    snap.DS_ERROR: "bold red",
+}
+
+
+def _tokens_cell(d: DatasetSnapshot) -> Text:
+    used = fmt.tokens(d.tokens_used)
+    if d.token_budget is None:
+        return Text(used)
+    style = "bold magenta" if d.tokens_used + d.tokens_in_flight >= d.token_budget else ""
+    return Text(f"{used}/{fmt.tokens(d.token_budget)}", style=style)
+
+
+# Column headers spelled out from this content width; abbreviated below it (80-column terminals).
+WIDE = 100
+
+
+class DatasetsPanel(Panel):
+    TITLE = "datasets"
+
+    def key(self, s: RunSnapshot) -> Any:
+        return s.datasets
+
+    def fit(self) -> Any:
+        return self.cols >= WIDE
+
+    def shape(self, s: RunSnapshot) -> Any:
+        return tuple(bool(d.message) for d in s.datasets)
+
+    def draw(self, s: RunSnapshot) -> RenderableType:
+        if not s.datasets:
+            return Text("no datasets yet", style="dim")
+        wide = self.cols >= WIDE
+        table = Table(box=None, expand=True, padding=(0, 1, 0, 0), header_style="bold", show_edge=False)
+        table.add_column("dataset", no_wrap=True, overflow="ellipsis", max_width=20 if wide else 12)
+        table.add_column("status", no_wrap=True)
+        table.add_column("done/total", justify="right", no_wrap=True)
+        table.add_column("progress", ratio=1, no_wrap=True, min_width=8)
+        table.add_column("tokens/budget" if wide else "tok/budget", justify="right", no_wrap=True)
+        table.add_column("skipped" if wide else "skip", justify="right", no_wrap=True)
+        table.add_column("failed" if wide else "fail", justify="right", no_wrap=True)
+        table.add_column("cost", justify="right", no_wrap=True)
+        table.add_column("proj. total" if wide else "proj.", justify="right", no_wrap=True)
+        notes = []
+        for d in s.datasets:
+            finished = d.done + d.failed
+            table.add_row(
+                d.name,
+                Text(d.status, style=STATUS_STYLES.get(d.status, "")),
+                f"{fmt.count(d.done)}/{fmt.count(d.total)}",
+                fmt.Bar(finished / d.total if d.total else 0.0, style="green" if d.status != snap.DS_BUDGET
+                        else "magenta", label=fmt.percent(finished, d.total).rjust(4)),
+                _tokens_cell(d),
+                Text(fmt.count(d.skipped), style="magenta" if d.skipped else "dim"),
+                Text(fmt.count(d.failed), style="bold red" if d.failed else "dim"),
+                fmt.usd(d.cost_usd),
+                fmt.usd(d.projected_cost_usd),
+            )
+            if d.message:
+                notes.append(Text.assemble((f"{d.name}: ", "bold"), d.message))
+        if not notes:
+            return table
+        return Group(table, *notes)

@@ -1,0 +1,41 @@
+"""Errors: tallies by kind (429, 5xx, timeout, …), most first, and how many retries they cost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftgen.core.live.snapshot import RunSnapshot
+from rich.console import RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from draftgen.tui import fmt
+from draftgen.tui.panels.panel import Panel
+
+
+class ErrorsPanel(Panel):
+    TITLE = "errors"
+
+    def key(self, s: RunSnapshot) -> Any:
+        return (s.errors, s.retries)
+
+    def fit(self) -> Any:
+        return self.rows
+
+    def draw(self, s: RunSnapshot) -> RenderableType:
+        table = Table.grid(expand=True, padding=(0, 0, 0, 1))
+        table.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
+        table.add_column(justify="right", no_wrap=True)
+        table.add_row(Text("retries", style="bold"), fmt.count(s.retries))
+        if not s.errors:
+            table.add_row(Text("no errors", style="green"), "")
+            return table
+        # As many kinds as fit under the retries line; the rest summed on the last one.
+        room = max(1, self.rows - 1)
+        shown = s.errors if len(s.errors) <= room else s.errors[:room - 1]
+        for kind, n in shown:
+            table.add_row(kind, Text(fmt.count(n), style="red"))
+        rest = s.errors[len(shown):]
+        if rest:
+            table.add_row(Text(f"+{len(rest)} more", style="dim"), fmt.count(sum(n for _, n in rest)))
+        return table

@@ -1,0 +1,71 @@
+"""Header: run name, model, state, elapsed time; and the alert bar under it (e.g. 402, out of credits)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftgen.core.live import snapshot as snap
+from draftgen.core.live.snapshot import RunSnapshot
+from rich.console import RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from draftgen.tui import fmt
+from draftgen.tui.panels.panel import Panel
+
+STATE_STYLES = {
+    snap.RUNNING: "bold black on green",
+    snap.PAUSED: "bold black on yellow",
+    snap.DRAINING: "bold black on yellow",
+    snap.DONE: "bold white on blue",
+    snap.STOPPED: "bold white on red",
+    snap.IDLE: "bold reverse",
+}
+
+
+class RunHeader(Panel):
+    FRAMED = False
+
+    def __init__(self, title: str, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.app_title = title
+        self.update(Text(f" {title} · waiting for the first snapshot…", style="bold"))
+
+    def key(self, s: RunSnapshot) -> Any:
+        eta = fmt.duration(s.throughput.eta_s) if s.throughput.eta_s is not None else ""
+        return (s.run_name, s.model, s.state, int(s.elapsed_s), s.attached, eta)
+
+    def draw(self, s: RunSnapshot) -> RenderableType:
+        # State first: on a narrow terminal the model name is what gets cut, never the state.
+        left = Text.assemble((f" {s.state} ", STATE_STYLES.get(s.state, "bold reverse")), " ")
+        if s.attached:
+            left.append(" ATTACHED read-only ", "bold black on cyan")
+            left.append(" ")
+        left.append(s.run_name, "bold")
+        left.append(f" · {s.model}")
+        grid = Table.grid(expand=True)
+        grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
+        grid.add_column(justify="right", no_wrap=True)
+        right = Text()
+        if s.throughput.eta_s is not None:
+            right.append(f"ETA {fmt.duration(s.throughput.eta_s)}  ")
+        right.append(f"elapsed {fmt.clock(s.elapsed_s)} ", style="bold")
+        grid.add_row(left, right)
+        return grid
+
+
+class AlertBar(Panel):
+    """The engine's alert, on a line of its own so it cannot be missed; hidden when there is none."""
+
+    FRAMED = False
+
+    def key(self, s: RunSnapshot) -> Any:
+        return s.alert
+
+    def shape(self, s: RunSnapshot) -> Any:
+        return s.alert  # it may wrap
+
+    def draw(self, s: RunSnapshot) -> RenderableType:
+        if self.display != bool(s.alert):
+            self.display = bool(s.alert)
+        return Text(f" ⚠ {s.alert}", style="bold")

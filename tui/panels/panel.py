@@ -1,0 +1,74 @@
+"""The base of every panel: render one slice of the snapshot, and only when that slice changed."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from draftgen.core.live.snapshot import RunSnapshot
+from rich.console import RenderableType
+from textual.widgets import Static
+
+_NEVER = object()
+
+
+class Panel(Static):
+    """A `Static` fed with snapshots. Subclasses name the slice they read (`key`) and draw it (`draw`);
+    a panel whose drawing depends on its own size says so in `fit` and is redrawn on resize."""
+
+    TITLE: ClassVar[str] = ""
+    FRAMED: ClassVar[bool] = True  # bordered per the stylesheet's .panel rules
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__("", id=id, classes="panel" if self.FRAMED else "")
+        self.border_title = self.TITLE or None
+        self.last: RunSnapshot | None = None
+        self._key: Any = _NEVER
+        self._shape: Any = _NEVER
+
+    def show(self, snap: RunSnapshot) -> bool:
+        """Redraw from `snap` if what this panel reads changed; say whether it did."""
+        self.last = snap
+        key = (self.key(snap), self.fit())
+        if key == self._key:  # frozen dataclasses compare by value: unchanged slices cost no render
+            return False
+        self._key = key
+        # Re-laying out the screen measures every panel; only ask for it when this one's height
+        # may have changed (most updates are new numbers in the same rows).
+        shape = (self.shape(snap), key[1])
+        self.update(self.draw(snap), layout=shape != self._shape)
+        self._shape = shape
+        return True
+
+    def shape(self, snap: RunSnapshot) -> Any:
+        """What decides this panel's height; None for panels whose height the stylesheet fixes."""
+        return None
+
+    def on_resize(self) -> None:
+        if self.last is not None:
+            self.show(self.last)
+
+    def key(self, snap: RunSnapshot) -> Any:
+        return snap
+
+    def fit(self) -> Any:
+        return None
+
+    def draw(self, snap: RunSnapshot) -> RenderableType:
+        raise NotImplementedError
+
+    @property
+    def short(self) -> bool:
+        """On a short screen (the stylesheet's -short class): panels keep to their essentials."""
+        try:
+            return self.screen.has_class("-short")
+        except Exception:  # not mounted on a screen yet
+            return False
+
+    @property
+    def rows(self) -> int:
+        """Content rows available, or a generous default before the first layout."""
+        return self.content_region.height or 12
+
+    @property
+    def cols(self) -> int:
+        return self.content_region.width or 80

@@ -1,0 +1,39 @@
+"""Providers: share of answers per provider (with its quantization where known)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftgen.core.live.snapshot import RunSnapshot
+from rich.console import RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from draftgen.tui import fmt
+from draftgen.tui.panels.panel import Panel
+
+
+class ProvidersPanel(Panel):
+    TITLE = "providers"
+
+    def key(self, s: RunSnapshot) -> Any:
+        return s.providers
+
+    def fit(self) -> Any:
+        return self.rows
+
+    def draw(self, s: RunSnapshot) -> RenderableType:
+        if not s.providers:
+            return Text("no answers yet", style="dim")
+        total = sum(n for _, n in s.providers)
+        table = Table.grid(expand=True, padding=(0, 0, 0, 1))
+        table.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
+        table.add_column(justify="right", no_wrap=True)
+        room = max(1, self.rows)
+        shown = s.providers if len(s.providers) <= room else s.providers[:room - 1]
+        for name, n in shown:
+            table.add_row(name, fmt.percent(n, total))
+        rest = s.providers[len(shown):]
+        if rest:
+            table.add_row(Text(f"+{len(rest)} others", style="dim"), fmt.percent(sum(n for _, n in rest), total))
+        return table

@@ -1,0 +1,82 @@
+"""Stages: progress of the one-shot stages (smoke, tokens, merge, extract) once they have started."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftgen.core.live.snapshot import RunSnapshot, StageProgress
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from draftgen.tui import fmt
+from draftgen.tui.panels.panel import Panel
+
+STATE_STYLES = {"running": "bold green", "done": "bold blue", "failed": "bold red"}
+
+
+def active_stages(s: RunSnapshot) -> tuple[StageProgress, ...]:
+    return tuple(st for st in s.stages if st.state != "idle")
+
+
+def _progress(st: StageProgress) -> RenderableType:
+    if st.checks:
+        passed = sum(1 for _, ok, _ in st.checks if ok)
+        text = Text(f"{passed}/{len(st.checks)} passed")
+        if passed < len(st.checks):
+            text.append(f", {len(st.checks) - passed} failed", style="bold red")
+        return text
+    if not st.total:
+        return Text(fmt.count(st.done) if st.done else "")
+    return fmt.Bar(st.done / st.total, style="green", label=fmt.percent(st.done, st.total).rjust(4), max_width=60)
+
+
+def _row(st: StageProgress) -> Table:
+    # One grid per stage with fixed leading columns, so that stages line up and a detail line can
+    # sit under its own stage.
+    grid = Table.grid(expand=True, padding=(0, 1, 0, 0))
+    grid.add_column(no_wrap=True, width=7)
+    grid.add_column(no_wrap=True, width=7)
+    grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
+    grid.add_column(justify="right", no_wrap=True, width=13, overflow="ellipsis")
+    grid.add_column(justify="right", no_wrap=True, width=23, overflow="ellipsis")
+    counts = f"{fmt.count(st.done)}/{fmt.count(st.total)}" if st.total and not st.checks else ""
+    pace = ""
+    if st.state == "running" and st.rate:
+        pace = f"{fmt.rate(st.rate)}{st.rate_unit}"
+        if st.eta_s is not None:
+            pace += f" ETA {fmt.duration(st.eta_s)}"
+    grid.add_row(Text(st.name, style="bold"), Text(st.state, style=STATE_STYLES.get(st.state, "")),
+                 _progress(st), counts, pace)
+    return grid
+
+
+class StagesPanel(Panel):
+    TITLE = "stages"
+
+    def key(self, s: RunSnapshot) -> Any:
+        return active_stages(s)
+
+    def fit(self) -> Any:
+        return self.short
+
+    def shape(self, s: RunSnapshot) -> Any:
+        return tuple((st.name, st.state, bool(st.detail or st.message)) for st in active_stages(s))
+
+    def draw(self, s: RunSnapshot) -> RenderableType:
+        stages = active_stages(s)
+        if self.short:
+            # 80x24: only what is running or failed, one line each.
+            stages = tuple(st for st in stages if st.state in ("running", "failed"))
+        if self.display != bool(stages):
+            self.display = bool(stages)
+        parts: list[RenderableType] = []
+        for st in stages:
+            parts.append(_row(st))
+            # Details only while a stage runs or when it failed: finished stages keep to one line.
+            if st.state in ("running", "failed") and not self.short:
+                notes = [f"{k} {v}" for k, v in st.detail] + ([st.message] if st.message else [])
+                if notes:
+                    parts.append(Text("        " + " · ".join(notes), style="dim", no_wrap=True,
+                                      overflow="ellipsis"))
+        return Group(*parts)

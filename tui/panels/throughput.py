@@ -1,0 +1,71 @@
+"""Throughput: request and token rates over the recent window and since the start, side by side.
+
+The reference run's operator read a running average (2,284 tokens) for the recent one (~5,300):
+every figure here sits under a column header that names its window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftgen.core.live.snapshot import RunSnapshot
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from draftgen.tui import fmt
+from draftgen.tui.panels.panel import Panel
+
+# Labels by the panel's content width: spelled out where there is room, short where not.
+LABELS = ((46, ("requests/s", "completion tokens/s", "avg tokens per answer")),
+          (37, ("requests/s", "tokens/s", "avg tok/answer")),
+          (0, ("req/s", "tok/s", "avg tok")))
+
+
+def _labels(cols: int) -> tuple[str, str, str]:
+    return next(labels for width, labels in LABELS if cols >= width)
+
+
+class ThroughputPanel(Panel):
+    TITLE = "throughput"
+
+    def key(self, s: RunSnapshot) -> Any:
+        return s.throughput
+
+    def fit(self) -> Any:
+        return _labels(self.cols)
+
+    def draw(self, s: RunSnapshot) -> RenderableType:
+        t = s.throughput
+        wide = self.cols >= LABELS[0][0]
+        req, tok, avg = _labels(self.cols)
+        table = Table(box=None, expand=True, padding=(0, 0, 0, 1), pad_edge=False, show_edge=False,
+                      header_style="bold")
+        table.add_column("", no_wrap=True, overflow="ellipsis", ratio=1)
+        table.add_column(f"last {t.window_s:g} s", justify="right", no_wrap=True)
+        table.add_column("since start", justify="right", no_wrap=True)
+        table.add_row(req, fmt.rate(t.req_s_window), fmt.rate(t.req_s_total))
+        table.add_row(tok, fmt.count(t.tok_s_window),
+                      fmt.count(t.tok_s_total))
+        table.add_row(avg,
+                      fmt.count(t.avg_completion_tokens_window), fmt.count(t.avg_completion_tokens_total))
+
+        flight = Text.assemble("in flight ", (fmt.count(t.in_flight), "bold"))
+        if t.effective_concurrency < t.configured_concurrency:
+            # Backed off after 429s: show how far, effective of configured.
+            flight.append(", limit ")
+            flight.append(f"{fmt.count(t.effective_concurrency)} of {fmt.count(t.configured_concurrency)}",
+                          style="bold yellow")
+            flight.append(" (429 back-off)" if wide else "")
+        else:
+            flight.append(f", limit {fmt.count(t.configured_concurrency)}")
+        flight.no_wrap = True
+        flight.overflow = "ellipsis"
+
+        # One bar per second, newest on the right, scaled to the peak named in its label.
+        spark = Table.grid(expand=True, padding=(0, 1, 0, 0), pad_edge=False)
+        spark.add_column(no_wrap=True)
+        spark.add_column(ratio=1)
+        spark.add_row(Text(f"req/s ≤{fmt.rate(max(t.history, default=0.0))}", style="dim"),
+                      fmt.Spark(t.history, style="green"))
+        return Group(table, flight, spark)
