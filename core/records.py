@@ -22,7 +22,7 @@
 
 `<dataset>/failures.jsonl` — one prompt that failed for good per line:
 
-    id, messages, error_kind (see ERROR_KINDS), status (HTTP status or null), message, attempts, ts
+    id, messages, error_kind (an ErrorKind value), status (HTTP status or null), message, attempts, ts
 
 `<dataset>/rejected.jsonl` — one unusable input line per line:
 
@@ -43,8 +43,146 @@
 
 from __future__ import annotations
 
-# Error kinds tallied in the UI and written in failures.jsonl.
-ERROR_KINDS = (
-    "429", "5xx", "timeout", "connection", "bad_body", "200_error", "finish_error", "empty_choices",
-    "400", "401", "403", "402", "404_no_endpoints", "404", "other_4xx", "length", "moderated",
-)
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class ErrorKind(StrEnum):
+    """Why a request produced no answer (tallied in the UI, written as failures.jsonl `error_kind`)."""
+    RATE_LIMITED = "429"
+    SERVER = "5xx"
+    TIMEOUT = "timeout"
+    CONNECTION = "connection"
+    BAD_BODY = "bad_body"
+    ERROR_IN_200 = "200_error"
+    FINISH_ERROR = "finish_error"
+    EMPTY_CHOICES = "empty_choices"
+    REQUEST_TIMEOUT = "408"
+    BAD_REQUEST = "400"
+    UNAUTHORIZED = "401"
+    FORBIDDEN = "403"
+    PAYMENT_REQUIRED = "402"
+    NO_ENDPOINTS = "404_no_endpoints"
+    NOT_FOUND = "404"
+    OTHER_4XX = "other_4xx"
+    MODERATED = "moderated"
+    # Answers that count as done but are tallied as errors:
+    LENGTH = "length"
+    EMPTY_CONTENT = "empty_content"
+
+
+ERROR_KINDS = tuple(k.value for k in ErrorKind)
+
+
+def count_of(value: Any) -> int:
+    """A token count read from a line: anything but a sane non-negative int counts as 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62 else 0
+
+
+def cost_of(value: Any) -> float:
+    """A cost in USD read from a line: anything but a finite non-negative number (booleans included)
+    counts as 0, so a line edited by hand or written by another tool never inflates the spend."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and 0 <= value < 1e9 else 0.0
+
+
+def _finite(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) else 0.0
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cost: float = 0.0
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> Usage:
+        """Lenient: odd values (a hand-edited line) count as nothing, never a crash."""
+        if not isinstance(raw, dict):
+            return cls()
+        return cls(count_of(raw.get("prompt_tokens")), count_of(raw.get("completion_tokens")),
+                   count_of(raw.get("reasoning_tokens")), cost_of(raw.get("cost")))
+
+
+@dataclass(frozen=True)
+class ResponseRecord:
+    """One line of responses.jsonl (fields as documented above, in the order they are written)."""
+    id: str
+    messages: list[Any]
+    reasoning: str | None
+    content: str
+    tool_calls: list[Any] | None
+    finish_reason: str | None
+    native_finish_reason: str | None
+    provider: str | None
+    model: str | None
+    generation_id: str | None
+    usage: Usage
+    latency_s: float
+    attempts: int
+    truncated: bool
+    empty_content: bool
+    ts: float
+    token_ids: list[int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        u = self.usage
+        line: dict[str, Any] = {
+            "id": self.id, "messages": self.messages, "reasoning": self.reasoning, "content": self.content,
+            "tool_calls": self.tool_calls, "finish_reason": self.finish_reason,
+            "native_finish_reason": self.native_finish_reason, "provider": self.provider, "model": self.model,
+            "generation_id": self.generation_id,
+            "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                      "reasoning_tokens": u.reasoning_tokens, "cost": u.cost},
+            "latency_s": self.latency_s, "attempts": self.attempts, "truncated": self.truncated,
+            "empty_content": self.empty_content, "ts": self.ts}
+        if self.token_ids is not None:
+            line["token_ids"] = self.token_ids
+        return line
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ResponseRecord:
+        """Read a line leniently (resume, merge): a line edited by hand or written by another tool
+        gets neutral values for what is odd, not a crash; `id` is always a string."""
+        def text(key: str) -> str | None:
+            value = raw.get(key)
+            return value if isinstance(value, str) else None
+
+        messages, tool_calls, token_ids = raw.get("messages"), raw.get("tool_calls"), raw.get("token_ids")
+        latency, attempts, ts = raw.get("latency_s"), raw.get("attempts"), raw.get("ts")
+        return cls(
+            id=str(raw.get("id")), messages=messages if isinstance(messages, list) else [],
+            reasoning=text("reasoning"), content=text("content") or "",
+            tool_calls=tool_calls if isinstance(tool_calls, list) else None,
+            finish_reason=text("finish_reason"), native_finish_reason=text("native_finish_reason"),
+            provider=text("provider"), model=text("model"), generation_id=text("generation_id"),
+            usage=Usage.from_dict(raw.get("usage")),
+            latency_s=_finite(latency), attempts=count_of(attempts),
+            truncated=bool(raw.get("truncated")), empty_content=bool(raw.get("empty_content")), ts=_finite(ts),
+            token_ids=token_ids if isinstance(token_ids, list) else None)
+
+    @property
+    def short(self) -> bool:
+        """Counted as truncated: cut by max_tokens or no content."""
+        return self.truncated or self.empty_content
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One line of failures.jsonl."""
+    id: str
+    messages: list[Any]
+    error_kind: ErrorKind
+    status: int | None
+    message: str
+    attempts: int
+    ts: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "messages": self.messages, "error_kind": self.error_kind, "status": self.status,
+                "message": self.message, "attempts": self.attempts, "ts": self.ts}

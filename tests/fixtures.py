@@ -31,12 +31,12 @@ PER_ANSWER = 0.0079  # USD
 
 
 def _budget_done(name: str, total: int, done: int, cost: float) -> DatasetSnapshot:
-    return DatasetSnapshot(name=name, status=snap.DS_BUDGET, total=total, done=done, skipped=total - done,
+    return DatasetSnapshot(name=name, status=snap.DatasetStatus.BUDGET, total=total, done=done, skipped=total - done,
                            concurrency=2000, effective_concurrency=2000, tokens_used=BUDGET - 1_730 * (done % 7),
                            token_budget=BUDGET, cost_usd=cost, projected_cost_usd=cost, truncated=done // 300)
 
 
-def _datasets(running_status: str = snap.DS_RUNNING, b5_done: int = 740) -> tuple[DatasetSnapshot, ...]:
+def _datasets(running_status: str = snap.DatasetStatus.RUNNING, b5_done: int = 740) -> tuple[DatasetSnapshot, ...]:
     b5_tokens = b5_done * 5_312
     return (
         _budget_done("B1", 10_002, 1_891, 15.12),
@@ -66,7 +66,7 @@ def _history(n: int = 180, level: float = 3.5) -> tuple[float, ...]:
 
 def running(**changes: object) -> RunSnapshot:
     s = RunSnapshot(
-        run_name=RUN, model=MODEL, state=snap.RUNNING, elapsed_s=2_368.0, seq=100, taken_at=T0 + 2_368,
+        run_name=RUN, model=MODEL, state=snap.RunState.RUNNING, elapsed_s=2_368.0, seq=100, taken_at=T0 + 2_368,
         datasets=_datasets(),
         throughput=Throughput(window_s=30.0, req_s_window=3.62, req_s_total=3.50, tok_s_window=19_230.0,
                               tok_s_total=18_370.0, avg_completion_tokens_window=5_312.0,
@@ -85,7 +85,7 @@ def running(**changes: object) -> RunSnapshot:
 
 def paused() -> RunSnapshot:
     s = running()
-    return dataclasses.replace(s, state=snap.PAUSED, seq=s.seq + 1, datasets=_datasets(snap.DS_PAUSED),
+    return dataclasses.replace(s, state=snap.RunState.PAUSED, seq=s.seq + 1, datasets=_datasets(snap.DatasetStatus.PAUSED),
                                throughput=dataclasses.replace(s.throughput, eta_s=None))
 
 
@@ -111,7 +111,7 @@ def smoke(state: str = "done", checks: int = len(SMOKE_CHECKS)) -> RunSnapshot:
         if state == "done" else (),
         message="All checks passed: the run resumes." if state == "done" else "")
     s = running()
-    return dataclasses.replace(s, state=snap.PAUSED, seq=s.seq + 2, datasets=_datasets(snap.DS_PAUSED),
+    return dataclasses.replace(s, state=snap.RunState.PAUSED, seq=s.seq + 2, datasets=_datasets(snap.DatasetStatus.PAUSED),
                                stages=(stage, StageProgress(name="merge"), StageProgress(name="extract")))
 
 
@@ -123,7 +123,7 @@ def merging() -> RunSnapshot:
                           detail=(("kept", "9,356"), ("duplicates", "31"), ("truncated", "13"),
                                   ("seed", "1234")))
     return dataclasses.replace(
-        s, state=snap.DONE, elapsed_s=4_980.0, seq=240, datasets=datasets,
+        s, state=snap.RunState.DONE, elapsed_s=4_980.0, seq=240, datasets=datasets,
         throughput=dataclasses.replace(s.throughput, req_s_window=0.0, tok_s_window=0.0, in_flight=0, eta_s=None,
                                        history=_history()[:-30] + (0.0,) * 30),
         credits=dataclasses.replace(s.credits, balance_usd=9.40, spent_usd=120.60, spent_total_usd=120.60,
@@ -217,15 +217,15 @@ class FakeControls:
 
     def pause(self) -> None:
         self.calls.append("pause")
-        self._next(state=snap.PAUSED, datasets=tuple(
-            dataclasses.replace(d, status=snap.DS_PAUSED) if d.status == snap.DS_RUNNING else d
+        self._next(state=snap.RunState.PAUSED, datasets=tuple(
+            dataclasses.replace(d, status=snap.DatasetStatus.PAUSED) if d.status == snap.DatasetStatus.RUNNING else d
             for d in self.latest.datasets))
         self.event("info", "paused", "paused: no new requests; those in flight finish")
 
     def resume(self) -> None:
         self.calls.append("resume")
-        self._next(state=snap.RUNNING, alert="", datasets=tuple(
-            dataclasses.replace(d, status=snap.DS_RUNNING) if d.status == snap.DS_PAUSED else d
+        self._next(state=snap.RunState.RUNNING, alert="", datasets=tuple(
+            dataclasses.replace(d, status=snap.DatasetStatus.RUNNING) if d.status == snap.DatasetStatus.PAUSED else d
             for d in self.latest.datasets))
         self.event("info", "resumed", "resumed")
 
@@ -243,7 +243,7 @@ class FakeControls:
 
     def quit(self, drain: bool) -> None:
         self.calls.append("quit:drain" if drain else "quit:stop")
-        self._next(state=snap.DRAINING if drain else snap.STOPPED)
+        self._next(state=snap.RunState.DRAINING if drain else snap.RunState.STOPPED)
 
 
 @dataclass(frozen=True)

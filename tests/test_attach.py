@@ -152,10 +152,10 @@ async def test_viewer_in_another_process_follows_the_run_and_cannot_change_it(ru
 
     try:
         await expect(lambda m: m.get("state") == LIVE, "live")
-        await expect(lambda m: m.get("seq") == 100 and m["state"] == snap.RUNNING, "first snapshot")
+        await expect(lambda m: m.get("seq") == 100 and m["state"] == snap.RunState.RUNNING, "first snapshot")
         await expect(lambda m: m["kind"] == "event", "replayed events")
         controls.publish(fx.paused())
-        await expect(lambda m: m.get("seq") == 101 and m["state"] == snap.PAUSED, "paused snapshot")
+        await expect(lambda m: m.get("seq") == 101 and m["state"] == snap.RunState.PAUSED, "paused snapshot")
         await expect(lambda m: m["kind"] == "garbage_sent", "garbage sent")
         latest = controls.hub.latest
         controls.publish(dataclasses.replace(fx.running(), seq=102))

@@ -59,8 +59,8 @@ async def test_a_hundred_clients_at_once_change_nothing(tmp_path):
             c.cancel()
         await asyncio.gather(*clients, return_exceptions=True)
         await pipeline.close()
-    assert state == snap.DONE
+    assert state == snap.RunState.DONE
     ids = read_ids(RunDir(cfg.run_dir).responses("a"))
     assert len(ids) == len(set(ids)) == 600
-    assert pipeline.engine.alert == "" and pipeline.engine.state == snap.DONE
+    assert pipeline.engine.alert == "" and pipeline.engine.state == snap.RunState.DONE
     assert seen["snapshots"] > 40  # the readers were served all along

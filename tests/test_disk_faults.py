@@ -138,7 +138,7 @@ async def test_a_failing_write_pauses_the_run_and_resume_loses_nothing(tmp_path,
         task = asyncio.create_task(engine.run())
         await until(lambda: engine.datasets["a"].done >= 25, "25 answers")
         disk.full = True
-        await until(lambda: engine.state == snap.PAUSED, "the run pauses on the failed write")
+        await until(lambda: engine.state == snap.RunState.PAUSED, "the run pauses on the failed write")
         assert str(run.root / "a") in engine.alert and REASONS[err] in engine.alert, engine.alert
         assert any(kind == "alert" and REASONS[err] in msg for _, kind, msg in events)
         await until(lambda: engine.in_flight == 0, "requests in flight finish")
@@ -153,13 +153,13 @@ async def test_a_failing_write_pauses_the_run_and_resume_loses_nothing(tmp_path,
         assert sim.stats.requests_total == requests, "nothing admitted while the disk is full"
 
         engine.resume()  # still full: stays paused, nothing written, nothing torn
-        assert engine.state == snap.PAUSED and "Still paused" in engine.alert
+        assert engine.state == snap.RunState.PAUSED and "Still paused" in engine.alert
         assert (run.responses("a").read_bytes(), run.failures("a").read_bytes()) == before
 
         disk.full = False
         engine.resume()
-        assert engine.state == snap.RUNNING
-        assert await asyncio.wait_for(task, 60) == snap.DONE
+        assert engine.state == snap.RunState.RUNNING
+        assert await asyncio.wait_for(task, 60) == snap.RunState.DONE
     final = on_disk(run, "a")
     assert sorted(final) == sorted(f"a-{i}" for i in range(150)), "every prompt answered or failed, once"
     assert set(acknowledged) <= set(final)
@@ -183,7 +183,7 @@ async def test_quitting_on_a_full_disk_says_what_was_not_saved_and_tokens_follow
         try:
             await until(lambda: pipeline.engine.datasets["a"].done >= 20, "20 answers")
             disk.full = True
-            await until(lambda: pipeline.engine.state == snap.PAUSED, "paused on the full disk")
+            await until(lambda: pipeline.engine.state == snap.RunState.PAUSED, "paused on the full disk")
             await until(lambda: pipeline.engine.in_flight == 0, "requests in flight finish")
             pipeline.quit(drain=True)
             await asyncio.wait_for(task, 60)
@@ -204,7 +204,7 @@ async def test_quitting_on_a_full_disk_says_what_was_not_saved_and_tokens_follow
         pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
         await pipeline.start()
         try:
-            assert await asyncio.wait_for(pipeline.generate(), 60) == snap.DONE
+            assert await asyncio.wait_for(pipeline.generate(), 60) == snap.RunState.DONE
         finally:
             await pipeline.close()
     saved = parsed_ids(run.responses("a"))
@@ -223,7 +223,7 @@ async def test_space_back_before_quitting_writes_what_was_held(tmp_path, monkeyp
         task = asyncio.create_task(engine.run())
         await until(lambda: engine.datasets["a"].done >= 10, "10 answers")
         disk.full = True
-        await until(lambda: engine.state == snap.PAUSED and engine.in_flight == 0, "paused and idle")
+        await until(lambda: engine.state == snap.RunState.PAUSED and engine.in_flight == 0, "paused and idle")
         answered = engine.datasets["a"].done
         assert len(parsed_ids(run.responses("a"))) < answered
         disk.full = False
@@ -385,7 +385,7 @@ async def answered_run(tmp_path: Path, n: int = 60) -> tuple[Path, RunDir]:
                           tables={"tokenizer": {"path": str(bundled_kimi_path())},
                                   "engine": {"reconstruct": False, "workers": 1}},
                           request={"temperature": 0.6, "include_reasoning": True})
-        assert await Engine(cfg, TEST_KEY, seed=1).run() == snap.DONE
+        assert await Engine(cfg, TEST_KEY, seed=1).run() == snap.RunState.DONE
     return cfg.path, RunDir(cfg.run_dir)
 
 

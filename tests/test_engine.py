@@ -9,7 +9,9 @@ import orjson
 import pytest
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.generate.engine import AdaptiveConcurrency, Engine, backoff_delay
+from draftgen.core.generate.admission import AdaptiveConcurrency
+from draftgen.core.generate.attempts import backoff_delay
+from draftgen.core.generate.engine import Engine
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import SimConfig, SimServer
 
@@ -49,7 +51,7 @@ async def test_answers_land_with_every_field(tmp_path):
                           request={"temperature": 0.6, "include_reasoning": True,
                                    "provider": {"ignore": ["fireworks", "baseten"], "quantizations": ["int4"]}})
         engine, state, events = await run_engine(cfg)
-    assert state == snap.DONE
+    assert state == snap.RunState.DONE
     rd = RunDir(cfg.run_dir)
     recs = lines(rd.responses("a"))
     assert len(recs) == 30
@@ -76,7 +78,7 @@ async def test_every_prompt_accounted_for_under_faults(tmp_path, fault):
                           tables={"engine": {"max_attempts": 4}})
         engine, state, _ = await run_engine(cfg)
         stats = sim.stats
-    assert state == snap.DONE
+    assert state == snap.RunState.DONE
     accounted(cfg, engine)
     rd = RunDir(cfg.run_dir)
     answered, failed = lines(rd.responses("a")), lines(rd.failures("a"))
@@ -166,13 +168,13 @@ async def test_402_pauses_the_run_and_resume_finishes_it(tmp_path):
         task = asyncio.create_task(engine.run())
         for _ in range(200):
             await asyncio.sleep(0.05)
-            if engine.state == snap.PAUSED:
+            if engine.state == snap.RunState.PAUSED:
                 break
-        assert engine.state == snap.PAUSED and "402" in engine.alert
+        assert engine.state == snap.RunState.PAUSED and "402" in engine.alert
         sim.update(credits=100.0)
         engine.resume()
         state = await asyncio.wait_for(task, 30)
-    assert state == snap.DONE
+    assert state == snap.RunState.DONE
     assert len(read_ids(RunDir(cfg.run_dir).responses("a"))) == 60
     accounted(cfg, engine)
 
@@ -191,7 +193,7 @@ async def test_pause_stops_admission_and_resume_readmits(tmp_path):
         await asyncio.sleep(0.4)
         assert sim.stats.requests_total == requests, "no request admitted while paused"
         engine.resume()
-        assert await asyncio.wait_for(task, 30) == snap.DONE
+        assert await asyncio.wait_for(task, 30) == snap.RunState.DONE
     assert len(read_ids(RunDir(cfg.run_dir).responses("a"))) == 80
 
 
@@ -203,7 +205,7 @@ async def test_drain_and_stop(tmp_path):
         while engine.in_flight < 10:
             await asyncio.sleep(0.01)
         engine.drain()
-        assert await asyncio.wait_for(task, 10) == snap.DONE
+        assert await asyncio.wait_for(task, 10) == snap.RunState.DONE
         assert engine.datasets["a"].done == 10  # the ten in flight finished and were recorded
         # A second run resumes; stop-now abandons what is in flight without recording it.
         engine2 = Engine(cfg, TEST_KEY, seed=2)
@@ -211,9 +213,9 @@ async def test_drain_and_stop(tmp_path):
         while engine2.in_flight < 10:
             await asyncio.sleep(0.01)
         engine2.stop()
-        assert await asyncio.wait_for(task, 10) == snap.STOPPED
+        assert await asyncio.wait_for(task, 10) == snap.RunState.STOPPED
         engine3 = Engine(cfg, TEST_KEY, seed=3)
-        assert await engine3.run() == snap.DONE
+        assert await engine3.run() == snap.RunState.DONE
     ids = read_ids(RunDir(cfg.run_dir).responses("a"))
     assert len(ids) == len(set(ids)) == 100
 
@@ -276,7 +278,7 @@ async def test_two_thousand_really_in_flight(tmp_path):
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 2000, "concurrency": 2000}])
         engine, state, _ = await run_engine(cfg)
         peak = sim.stats.peak_in_flight
-    assert state == snap.DONE
+    assert state == snap.RunState.DONE
     assert peak >= 0.98 * 2000, peak
 
 

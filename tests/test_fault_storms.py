@@ -91,7 +91,7 @@ async def test_every_fault_kind_at_once_through_the_pipeline(tmp_path: Path, str
         finally:
             await pipeline.close()
         faults = sim.stats.faults
-    assert state == snap.DONE
+    assert state == snap.RunState.DONE
     assert all(faults.get(kind, 0) > 0 for kind in FAULT_KINDS), faults
     a = clean_audit(config, sim)
     assert a.answered + a.failed == a.prompts == 300 and a.skipped == 0
@@ -151,7 +151,7 @@ async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
                 pipeline.quit(drain=False)
             await pipeline.close()
         storm_429s = sim.stats.faults.get("429", 0)
-    assert state == snap.DONE
+    assert state == snap.RunState.DONE
     before = [e for p, e, _, _ in samples if p == "before"]
     assert before and min(before) == configured
     assert lowest <= configured // 2, f"the limit only dropped to {lowest}"
@@ -188,7 +188,7 @@ async def test_hung_requests_are_cut_by_their_timeout(tmp_path: Path, stream: bo
             await pipeline.close()
         await until(lambda: sim.stats.in_flight == 0, 5, "the simulator's hung handlers to be let go")
         stats = sim.stats
-    assert state == snap.DONE
+    assert state == snap.RunState.DONE
     hangs = stats.faults.get("hang", 0)
     assert hangs > 0 and dict(s.errors).get("timeout") == hangs
     assert stats.by_status.get("hang") == hangs  # each hung connection was closed by the client
@@ -208,15 +208,15 @@ async def test_402_mid_run_pauses_with_an_alert_and_resumes_when_told(tmp_path: 
         try:
             await until(lambda: sim.stats.answers_total >= 40, 60, "40 answers")
             sim.set_balance(0)  # out of credits mid-run
-            await until(lambda: pipeline.engine.state == snap.PAUSED, 20, "the run to pause")
+            await until(lambda: pipeline.engine.state == snap.RunState.PAUSED, 20, "the run to pause")
             s = pipeline.snapshot()
-            assert s.state == snap.PAUSED and s.alert.startswith("402")
+            assert s.state == snap.RunState.PAUSED and s.alert.startswith("402")
             assert any(e.kind == "alert" and e.level == "error" and "402" in e.message for e in pipeline.hub.recent)
             # Requests in flight finish and are recorded; nothing new is admitted while paused.
             await until(lambda: pipeline.engine.in_flight == 0, 20, "the requests in flight to finish")
             asked = sim.stats.requests_total
             await asyncio.sleep(0.5)
-            assert sim.stats.requests_total == asked and pipeline.engine.state == snap.PAUSED
+            assert sim.stats.requests_total == asked and pipeline.engine.state == snap.RunState.PAUSED
             assert pipeline.unavailable("resume") is None
             paused_with = sum(len(read_ids(RunDir(config.run_dir).responses(d))) for d in ("a", "b"))
             sim.set_balance(20)
@@ -226,7 +226,7 @@ async def test_402_mid_run_pauses_with_an_alert_and_resumes_when_told(tmp_path: 
             if not task.done():
                 pipeline.quit(drain=False)
             await pipeline.close()
-    assert state == snap.DONE and 40 <= paused_with < 200
+    assert state == snap.RunState.DONE and 40 <= paused_with < 200
     assert any(e.kind == "resumed" for e in pipeline.hub.recent)
     a = clean_audit(config, sim)
     assert a.answered == 200 and a.failed == 0  # the 402'd prompts were asked again, not failed
@@ -302,12 +302,12 @@ async def test_an_outage_fails_no_prompt(tmp_path: Path, how: str) -> None:
         await first.close()  # refused from now on: at 3 attempts every request would fail in well under a second
         gone = first.stats
         await until(lambda: dict(pipeline.snapshot().errors).get("connection", 0) >= 30, 30, "refused connections")
-        assert pipeline.engine.state == snap.RUNNING and not pipeline.snapshot().alert
+        assert pipeline.engine.state == snap.RunState.RUNNING and not pipeline.snapshot().alert
         if how == "drain":
             pipeline.quit(drain=True)
             state = await asyncio.wait_for(task, 30)
             outcome = soak.read_disk(config)
-            assert state == snap.DONE and outcome.failed["a"] == []
+            assert state == snap.RunState.DONE and outcome.failed["a"] == []
             assert len(outcome.answered["a"]) == gone.answers_total  # what was answered is written
             return
         second = SimServer(sim_config, port=port)
@@ -321,7 +321,7 @@ async def test_an_outage_fails_no_prompt(tmp_path: Path, how: str) -> None:
         await first.close()
         if second is not None:
             await second.close()
-    assert state == snap.DONE
+    assert state == snap.RunState.DONE
     kinds = [e.kind for e in pipeline.hub.recent]
     assert "unreachable" in kinds and "reachable" in kinds
     a = soak.audit(config, _combined(gone, again), sample=20)

@@ -33,7 +33,7 @@ async def test_run_without_a_smoke_test_runs_one_first(tmp_path):
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 30, "concurrency": 8}], tables=TABLES)
         assert not smoke_status(cfg)[0]
         pipeline, state = await generate(cfg)
-    assert state == snap.DONE and pipeline.exit_code == 0
+    assert state == snap.RunState.DONE and pipeline.exit_code == 0
     assert smoke_status(cfg) == (True, "")
     rd = RunDir(cfg.run_dir)
     answered = read_ids(rd.responses("a"))
@@ -51,7 +51,7 @@ async def test_failing_smoke_refuses_the_run(tmp_path):
                           request={"include_reasoning": True, "provider": {"ignore": ["fireworks"]}})
         pipeline, state = await generate(cfg)
         requests = sim.stats.requests_total
-    assert state == snap.STOPPED and pipeline.exit_code == 1
+    assert state == snap.RunState.STOPPED and pipeline.exit_code == 1
     assert "smoke test failed" in pipeline.snapshot().alert
     assert not RunDir(cfg.run_dir).responses("a").exists()
     assert requests == 1  # the smoke request only
@@ -67,7 +67,7 @@ async def test_skip_smoke_and_stage_availability(tmp_path):
         assert "nothing to merge" in pipeline.unavailable("merge")
         assert "[extract] model" in pipeline.unavailable("extract")
         assert "nothing to resume" in pipeline.unavailable("resume")
-        assert await pipeline.generate() == snap.DONE
+        assert await pipeline.generate() == snap.RunState.DONE
         assert not RunDir(cfg.run_dir).smoke_json.exists()
         assert pipeline.unavailable("merge") is None
         pipeline.start_merge()
@@ -82,6 +82,6 @@ async def test_missing_tokenizer_stops_with_a_clear_alert(tmp_path):
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 5}],
                           tables={"tokenizer": {"path": str(tmp_path / "no-such-tokenizer")}})
         pipeline, state = await generate(cfg, skip_smoke=True)
-    assert state == snap.STOPPED and pipeline.exit_code == 2
+    assert state == snap.RunState.STOPPED and pipeline.exit_code == 2
     assert "no-such-tokenizer" in str(pipeline.error)
     assert "no-such-tokenizer" in pipeline.snapshot().alert

@@ -145,7 +145,7 @@ async def test_quit_drain_waits_for_the_run_to_stop() -> None:
         await pilot.press("q")
         assert isinstance(app.screen, QuitScreen)
         await pilot.press("escape")
-        controls.publish(dataclasses.replace(controls.latest, state=snap.STOPPED, seq=999))
+        controls.publish(dataclasses.replace(controls.latest, state=snap.RunState.STOPPED, seq=999))
         await until(pilot, lambda: not app.is_running, "app exits")
         assert controls.calls == ["quit:drain"]
 
@@ -162,7 +162,7 @@ async def test_quit_cancel_keeps_running() -> None:
 
 
 async def test_quit_after_the_run_ended_does_not_ask() -> None:
-    app, controls = make(dataclasses.replace(fx.running(), state=snap.DONE))
+    app, controls = make(dataclasses.replace(fx.running(), state=snap.RunState.DONE))
     async with app.run_test() as pilot:
         await pilot.press("q")
         assert controls.calls == ["quit:drain"]

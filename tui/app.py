@@ -35,7 +35,7 @@ from draftgen.tui.panels.throughput import ThroughputPanel
 # Actions that change the run: disabled (shown greyed) when attached read-only.
 CONTROL_ACTIONS = frozenset({"pause", "resume", "smoke", "merge", "extract"})
 APP_ACTIONS = CONTROL_ACTIONS | {"quit_run", "help"}
-FINAL_STATES = (snap.DONE, snap.STOPPED)
+FINAL_STATES = (snap.RunState.DONE, snap.RunState.STOPPED)
 
 
 class DraftgenApp(App[None]):
@@ -195,7 +195,7 @@ class DraftgenApp(App[None]):
         if not self._allowed("quit"):
             return
         s = self.latest
-        busy = s is None or s.state not in (*FINAL_STATES, snap.IDLE) or any(
+        busy = s is None or s.state not in (*FINAL_STATES, snap.RunState.IDLE) or any(
             st.state == "running" for st in active_stages(s))
         if not busy:
             self.controls.quit(drain=True)  # nothing in flight: nothing to choose between

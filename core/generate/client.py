@@ -15,18 +15,13 @@ from typing import Any
 import aiohttp
 import orjson
 
+from draftgen.core.records import ErrorKind, Usage
+
 # Statuses retried with backoff (SPEC "Engine behaviour"); everything else 4xx is final.
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504, 524}
-RETRYABLE_KINDS = {"429", "5xx", "timeout", "connection", "bad_body", "200_error", "finish_error",
-                   "empty_choices", "408"}
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    reasoning_tokens: int = 0
-    cost: float = 0.0
+RETRYABLE_KINDS = frozenset({
+    ErrorKind.RATE_LIMITED, ErrorKind.SERVER, ErrorKind.TIMEOUT, ErrorKind.CONNECTION, ErrorKind.BAD_BODY,
+    ErrorKind.ERROR_IN_200, ErrorKind.FINISH_ERROR, ErrorKind.EMPTY_CHOICES, ErrorKind.REQUEST_TIMEOUT})
 
 
 @dataclass(frozen=True)
@@ -45,9 +40,9 @@ class ChatAnswer:
 
 
 class RequestFailed(Exception):
-    """A request that did not produce an answer. `kind` is one of ERROR_KINDS."""
+    """A request that did not produce an answer, and why (`kind`)."""
 
-    def __init__(self, kind: str, message: str, *, status: int | None = None, retry_after: float | None = None,
+    def __init__(self, kind: ErrorKind, message: str, *, status: int | None = None, retry_after: float | None = None,
                  unreachable: bool = False):
         super().__init__(message)
         self.kind = kind
@@ -93,20 +88,20 @@ def _error_message(body: bytes) -> str:
 def classify_status(status: int, body: bytes, headers: Any) -> RequestFailed:
     msg = _error_message(body)
     if status == 429:
-        return RequestFailed("429", msg or "rate limited", status=status, retry_after=_retry_after(headers))
+        return RequestFailed(ErrorKind.RATE_LIMITED, msg or "rate limited", status=status, retry_after=_retry_after(headers))
     if status == 408:
-        return RequestFailed("408", msg or "request timeout", status=status, retry_after=_retry_after(headers))
+        return RequestFailed(ErrorKind.REQUEST_TIMEOUT, msg or "request timeout", status=status, retry_after=_retry_after(headers))
     if status >= 500:
-        return RequestFailed("5xx", f"HTTP {status}: {msg}", status=status, retry_after=_retry_after(headers))
+        return RequestFailed(ErrorKind.SERVER, f"HTTP {status}: {msg}", status=status, retry_after=_retry_after(headers))
     if status == 402:
-        return RequestFailed("402", msg or "payment required: out of credits", status=status)
+        return RequestFailed(ErrorKind.PAYMENT_REQUIRED, msg or "payment required: out of credits", status=status)
     if status == 404 and "no endpoints" in msg.lower():
-        return RequestFailed("404_no_endpoints", msg, status=status)
+        return RequestFailed(ErrorKind.NO_ENDPOINTS, msg, status=status)
     if status == 403 and ("moderat" in msg.lower() or "flagged" in msg.lower()):
-        return RequestFailed("moderated", msg, status=status)
+        return RequestFailed(ErrorKind.MODERATED, msg, status=status)
     if status in (400, 401, 403, 404):
-        return RequestFailed(str(status), f"HTTP {status}: {msg}", status=status)
-    return RequestFailed("other_4xx", f"HTTP {status}: {msg}", status=status)
+        return RequestFailed(ErrorKind(str(status)), f"HTTP {status}: {msg}", status=status)
+    return RequestFailed(ErrorKind.OTHER_4XX, f"HTTP {status}: {msg}", status=status)
 
 
 def _reasoning_of(message: dict[str, Any]) -> str | None:
@@ -139,20 +134,20 @@ def _usage_of(raw: Any) -> Usage:
 def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
     """An answer from a non-streamed body, or RequestFailed for the 200-with-a-problem cases."""
     if not isinstance(obj, dict):
-        raise RequestFailed("bad_body", "response body is not a JSON object")
+        raise RequestFailed(ErrorKind.BAD_BODY, "response body is not a JSON object")
     if obj.get("error"):
         err = obj["error"]
         msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-        raise RequestFailed("200_error", f"HTTP 200 with an error: {str(msg)[:300]}")
+        raise RequestFailed(ErrorKind.ERROR_IN_200, f"HTTP 200 with an error: {str(msg)[:300]}")
     choices = obj.get("choices")
     if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
-        raise RequestFailed("empty_choices", "HTTP 200 with no choices")
+        raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 with no choices")
     choice = choices[0]
     if choice.get("finish_reason") == "error":
-        raise RequestFailed("finish_error", f"finish_reason \"error\" ({choice.get('native_finish_reason')})")
+        raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason \"error\" ({choice.get('native_finish_reason')})")
     message = choice.get("message") or {}
     if not isinstance(message, dict):
-        raise RequestFailed("bad_body", "choices[0].message is not an object")
+        raise RequestFailed(ErrorKind.BAD_BODY, "choices[0].message is not an object")
     token_ids = choice.get("token_ids")
     return ChatAnswer(
         content=message.get("content") or "",
@@ -187,7 +182,7 @@ class _StreamState:
         if chunk.get("error"):
             err = chunk["error"]
             msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-            raise RequestFailed("200_error", f"error chunk mid-stream: {str(msg)[:300]}")
+            raise RequestFailed(ErrorKind.ERROR_IN_200, f"error chunk mid-stream: {str(msg)[:300]}")
         for key in ("id", "provider", "model"):
             if chunk.get(key):
                 self.meta[key] = chunk[key]
@@ -277,25 +272,25 @@ class ChatClient:
                     try:
                         obj = orjson.loads(raw)
                     except orjson.JSONDecodeError:
-                        raise RequestFailed("bad_body", f"HTTP 200 with a body that is not JSON "
+                        raise RequestFailed(ErrorKind.BAD_BODY, f"HTTP 200 with a body that is not JSON "
                                             f"({len(raw)} bytes, truncated?)") from None
         except RequestFailed:
             raise
         except asyncio.TimeoutError as e:
             if isinstance(e, aiohttp.ConnectionTimeoutError):
-                raise RequestFailed("connection", f"cannot connect to {self.base_url}: no answer within "
+                raise RequestFailed(ErrorKind.CONNECTION, f"cannot connect to {self.base_url}: no answer within "
                                     f"{self._timeout.sock_connect:g} s", unreachable=True) from None
-            raise RequestFailed("timeout", f"no complete answer within {self._timeout.total:g} s") from None
+            raise RequestFailed(ErrorKind.TIMEOUT, f"no complete answer within {self._timeout.total:g} s") from None
         except aiohttp.ClientPayloadError as e:
-            raise RequestFailed("bad_body", f"truncated body: {e}") from None
+            raise RequestFailed(ErrorKind.BAD_BODY, f"truncated body: {e}") from None
         except aiohttp.ClientConnectorError as e:
             # A TLS failure is a setup problem, not an outage: it fails like any connection error.
-            raise RequestFailed("connection", f"cannot connect: {type(e).__name__}: {e}",
+            raise RequestFailed(ErrorKind.CONNECTION, f"cannot connect: {type(e).__name__}: {e}",
                                 unreachable=not isinstance(e, aiohttp.ClientSSLError)) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientOSError, ConnectionError) as e:
-            raise RequestFailed("connection", f"connection error: {type(e).__name__}: {e}") from None
+            raise RequestFailed(ErrorKind.CONNECTION, f"connection error: {type(e).__name__}: {e}") from None
         except aiohttp.ClientResponseError as e:
-            raise RequestFailed("bad_body", f"bad response: {e.message}") from None
+            raise RequestFailed(ErrorKind.BAD_BODY, f"bad response: {e.message}") from None
         return parse_completion(obj, time.monotonic() - start)
 
     async def _read_sse(self, resp: aiohttp.ClientResponse) -> dict[str, Any]:
@@ -313,14 +308,14 @@ class ChatClient:
             try:
                 chunk = orjson.loads(data)
             except orjson.JSONDecodeError:
-                raise RequestFailed("bad_body", "a stream chunk is not JSON") from None
+                raise RequestFailed(ErrorKind.BAD_BODY, "a stream chunk is not JSON") from None
             if isinstance(chunk, dict):
                 state.feed(chunk)
         if not state.done and state.finish_reason is None:
-            raise RequestFailed("bad_body", "the stream ended before the answer finished")
+            raise RequestFailed(ErrorKind.BAD_BODY, "the stream ended before the answer finished")
         if not state.choices:
             # The streamed form of HTTP 200 with `choices: []`: retried, never kept as an empty answer.
-            raise RequestFailed("empty_choices", "HTTP 200 stream with no choices")
+            raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 stream with no choices")
         return state.body()
 
     async def _get_json(self, path: str) -> dict[str, Any]:
@@ -333,7 +328,7 @@ class ChatClient:
             try:
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError:
-                raise RequestFailed("bad_body", f"GET {path}: body is not JSON") from None
+                raise RequestFailed(ErrorKind.BAD_BODY, f"GET {path}: body is not JSON") from None
             return obj if isinstance(obj, dict) else {}
 
     async def key_info(self) -> dict[str, Any]:
@@ -347,7 +342,7 @@ class ChatClient:
             if "total_credits" in data:
                 return float(data["total_credits"]) - float(data.get("total_usage") or 0.0)
         except RequestFailed as e:
-            if e.kind in ("401",):
+            if e.kind == ErrorKind.UNAUTHORIZED:
                 raise
         except (asyncio.TimeoutError, aiohttp.ClientError):
             pass

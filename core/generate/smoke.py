@@ -26,6 +26,7 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
 from draftgen.core.config import Config, DatasetConfig
 from draftgen.core.errors import DraftgenError
+from draftgen.core.records import ErrorKind
 from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.rundir import RunDir, disk_error
 from draftgen.core.secrets import Redactor
@@ -145,7 +146,7 @@ async def run_smoke(config: Config, api_key: str,
     def add(row: SmokeRow) -> None:
         result.rows.append(SmokeRow(row.check, row.passed, redact(row.detail)))
         if progress is not None:
-            progress(snap.StageProgress("smoke", state="running", done=len(result.rows),
+            progress(snap.StageProgress("smoke", state=snap.StageState.RUNNING, done=len(result.rows),
                                         total=2 + 8 * len(shapes),
                                         checks=tuple((r.check, r.passed, r.detail) for r in result.rows)))
 
@@ -177,7 +178,7 @@ async def run_smoke(config: Config, api_key: str,
             label = info.get("label") or "unlabelled"
             add(SmokeRow("key", True, f"accepted (label {redact(str(label))!r})"))
         except RequestFailed as e:
-            add(SmokeRow("key", e.kind not in ("401", "403"), f"GET /key: {e.message}"))
+            add(SmokeRow("key", e.kind not in (ErrorKind.UNAUTHORIZED, ErrorKind.FORBIDDEN), f"GET /key: {e.message}"))
         except Exception as e:  # noqa: BLE001 - any network failure is this row's failure
             add(SmokeRow("key", False, f"GET /key failed: {type(e).__name__}: {e}"))
         try:
@@ -254,7 +255,8 @@ async def run_smoke(config: Config, api_key: str,
     except OSError as e:  # a full disk: a clear message, and the last smoke.json stays as it was
         raise disk_error(tmp, e) from e
     if progress is not None:
-        progress(snap.StageProgress("smoke", state="done" if result.passed else "failed", done=len(result.rows),
+        final = snap.StageState.DONE if result.passed else snap.StageState.FAILED
+        progress(snap.StageProgress("smoke", state=final, done=len(result.rows),
                                     total=len(result.rows), message=result.summary(),
                                     checks=tuple((r.check, r.passed, r.detail) for r in result.rows)))
     return result

@@ -29,8 +29,8 @@ def _dur(seconds: float | None) -> str:
 
 def status_line(s: snap.RunSnapshot) -> str:
     t, c = s.throughput, s.credits
-    active = [d for d in s.datasets if d.status in (snap.DS_RUNNING, snap.DS_PAUSED)]
-    shown = active or [d for d in s.datasets if d.status != snap.DS_PENDING][-1:]
+    active = [d for d in s.datasets if d.status in (snap.DatasetStatus.RUNNING, snap.DatasetStatus.PAUSED)]
+    shown = active or [d for d in s.datasets if d.status != snap.DatasetStatus.PENDING][-1:]
     parts = [f"[{_dur(s.elapsed_s)}] {s.state}"]
     for ds in shown:
         parts.append(f"{ds.name} {ds.done + ds.failed}/{ds.total} ({ds.failed} failed, {ds.skipped} skipped)")
@@ -129,9 +129,9 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
         if pipeline.error is not None:
             raise pipeline.error  # printed once, at the command boundary
         code = pipeline.exit_code
-        if code == 0 and state == snap.DONE and merge:
+        if code == 0 and state == snap.RunState.DONE and merge:
             await pipeline.merge()
-        if code == 0 and state == snap.DONE and extract:
+        if code == 0 and state == snap.RunState.DONE and extract:
             await pipeline.extract()
         say(status_line(pipeline.snapshot()))
         await asyncio.sleep(0)  # let the printer flush the last events

@@ -113,12 +113,13 @@ class Pipeline:
             self.error = e
             self.exit_code = 2
             for name, stage in list(self.stages.items()):
-                if stage.state == "running":
-                    self.stages[name] = dataclasses.replace(stage, state="failed", message=self._redact(str(e)))
+                if stage.state == snap.StageState.RUNNING:
+                    self.stages[name] = dataclasses.replace(stage, state=snap.StageState.FAILED,
+                                                            message=self._redact(str(e)))
             self.engine.alert = self._redact(str(e))
-            self.engine.state = snap.STOPPED
+            self.engine.state = snap.RunState.STOPPED
             self.emit("error", "run_failed", f"the run cannot go on: {e}")
-            return snap.STOPPED
+            return snap.RunState.STOPPED
 
     async def _generate(self) -> str:
         try:
@@ -129,11 +130,11 @@ class Pipeline:
                     if not await self.smoke():
                         self.engine.alert = ("the smoke test failed: the run will not start at full "
                                              "concurrency (fix the config, press s to rerun, or --skip-smoke)")
-                        self.engine.state = snap.STOPPED
+                        self.engine.state = snap.RunState.STOPPED
                         self.exit_code = 1
-                        return snap.STOPPED
+                        return snap.RunState.STOPPED
             if self._reconstruct:
-                from draftgen.core.tokens.workers import LiveReconstructor
+                from draftgen.core.tokens.live import LiveReconstructor
                 self._reconstructor = LiveReconstructor(self.config, workers=self.config.engine.workers)
                 await self._reconstructor.start()
                 for ds in self.config.datasets:
@@ -186,13 +187,14 @@ class Pipeline:
 
     async def smoke(self) -> bool:
         from draftgen.core.generate.smoke import run_smoke
-        was_running = self.engine.state == snap.RUNNING
+        was_running = self.engine.state == snap.RunState.RUNNING
         if was_running:
             self.engine.pause("smoke test")
         try:
             result = await run_smoke(self.config, self._api_key, progress=self._progress("smoke"))
         except DraftgenError as e:
-            self.stages["smoke"] = snap.StageProgress("smoke", state="failed", message=self._redact(str(e)))
+            self.stages["smoke"] = snap.StageProgress("smoke", state=snap.StageState.FAILED,
+                                                      message=self._redact(str(e)))
             self.emit("error", "smoke_done", f"smoke test could not run: {e}")
             return False
         finally:
@@ -205,11 +207,11 @@ class Pipeline:
 
     async def merge(self) -> Any:
         from draftgen.core.merge.merge import merge
-        self.stages["merge"] = snap.StageProgress("merge", state="running")
+        self.stages["merge"] = snap.StageProgress("merge", state=snap.StageState.RUNNING)
         try:
             stats = await asyncio.to_thread(merge, self.config, self._progress("merge"))
         except DraftgenError as e:
-            self.stages["merge"] = snap.StageProgress("merge", state="failed", message=str(e))
+            self.stages["merge"] = snap.StageProgress("merge", state=snap.StageState.FAILED, message=str(e))
             self.emit("error", "merge_done", f"merge failed: {e}")
             raise
         dropped = ", ".join(f"{n} {why}" for why, n in stats.dropped.items() if n) or "none"
@@ -222,13 +224,13 @@ class Pipeline:
         from draftgen.core.extract.gpu import GpuMonitor
         monitor = GpuMonitor()
         sampler = asyncio.create_task(monitor.run(self._set_gpus, interval_s=1.0))
-        self.stages["extract"] = snap.StageProgress("extract", state="running")
+        self.stages["extract"] = snap.StageProgress("extract", state=snap.StageState.RUNNING)
         try:
             self._extract_stop.clear()
             stats = await asyncio.to_thread(extract, self.config, shard=shard, progress=self._progress("extract"),
                                             stop=self._extract_stop)
         except DraftgenError as e:
-            self.stages["extract"] = snap.StageProgress("extract", state="failed", message=str(e))
+            self.stages["extract"] = snap.StageProgress("extract", state=snap.StageState.FAILED, message=str(e))
             self.emit("error", "extract_done", f"extraction failed: {e}")
             raise
         finally:
@@ -246,9 +248,9 @@ class Pipeline:
     def unavailable(self, action: str) -> str | None:
         state = self.engine.state
         if action == "pause":
-            return None if state == snap.RUNNING else f"nothing to pause: the run is {state.lower()}"
+            return None if state == snap.RunState.RUNNING else f"nothing to pause: the run is {state.lower()}"
         if action == "resume":
-            return None if state == snap.PAUSED else f"nothing to resume: the run is {state.lower()}"
+            return None if state == snap.RunState.PAUSED else f"nothing to resume: the run is {state.lower()}"
         if action in ("smoke", "merge", "extract"):
             task = self._tasks.get(action)
             if task is not None and not task.done():
@@ -278,7 +280,8 @@ class Pipeline:
             except DraftgenError:
                 pass  # already reported as an event and in the stage panel
             except Exception as e:  # a stage crash must not take the run down
-                self.stages[name] = snap.StageProgress(name, state="failed", message=f"{type(e).__name__}: {e}")
+                self.stages[name] = snap.StageProgress(name, state=snap.StageState.FAILED,
+                                                       message=f"{type(e).__name__}: {e}")
                 self.emit("error", f"{name}_done", f"{name} crashed: {type(e).__name__}: {self._redact(str(e))}")
         self._tasks[name] = asyncio.create_task(guarded())
 

@@ -10,22 +10,44 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import orjson
 
-# Run states shown in the header.
-RUNNING, PAUSED, DRAINING, DONE, STOPPED, IDLE = "RUNNING", "PAUSED", "DRAINING", "DONE", "STOPPED", "IDLE"
+class RunState(StrEnum):
+    """The run's state, shown in the header (the values travel in snapshots as they are)."""
+    IDLE = "IDLE"
+    RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
+    DRAINING = "DRAINING"
+    DONE = "DONE"
+    STOPPED = "STOPPED"
 
-# Dataset statuses.
-DS_PENDING, DS_RUNNING, DS_PAUSED, DS_DONE, DS_BUDGET, DS_STOPPED, DS_ERROR = (
-    "pending", "running", "paused", "done", "budget", "stopped", "error")
+
+class DatasetStatus(StrEnum):
+    """A dataset's status in the datasets panel."""
+    PENDING = "pending"
+    RUNNING = "running"
+    PAUSED = "paused"
+    DONE = "done"
+    BUDGET = "budget"      # a budget ran out; the rest is skipped
+    STOPPED = "stopped"
+    ERROR = "error"
+
+
+class StageState(StrEnum):
+    """The state of a one-shot stage (smoke, tokens, merge, extract)."""
+    IDLE = "idle"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)
 class DatasetSnapshot:
     name: str
-    status: str = DS_PENDING
+    status: DatasetStatus = DatasetStatus.PENDING
     total: int = 0              # usable prompts (rejected lines excluded)
     done: int = 0               # answered, on disk (this run and earlier ones)
     failed: int = 0             # failed for good, on disk
@@ -86,7 +108,7 @@ class GpuStat:
 class StageProgress:
     """Progress of a one-shot stage (smoke, tokens, merge, extract)."""
     name: str
-    state: str = "idle"                 # idle | running | done | failed
+    state: StageState = StageState.IDLE
     done: int = 0
     total: int = 0
     rate: float = 0.0                   # items (or tokens) per second
@@ -101,7 +123,7 @@ class StageProgress:
 class RunSnapshot:
     run_name: str
     model: str
-    state: str = IDLE
+    state: RunState = RunState.IDLE
     elapsed_s: float = 0.0
     seq: int = 0
     taken_at: float = field(default_factory=time.time)

@@ -1,4 +1,5 @@
-"""Reconstruction of whole datasets: what is on disk (`draftgen tokens`) and what lands during a run.
+"""Reconstruction of whole datasets (`draftgen tokens`), and the worker pool it shares with the live
+reconstruction of a run (core/tokens/live.py).
 
 Both read `<run>/<dataset>/responses.jsonl`, skip every id already committed to
 `<dataset>/tokens/index.jsonl`, and append the rest with `TokenWriter` (core/tokens/store.py; index
@@ -12,7 +13,6 @@ batches of answers, so all cores work and the event loop of a live run never wai
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import fcntl
 import multiprocessing
@@ -24,7 +24,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +103,7 @@ def _init_pool_worker(spec: WorkerSpec) -> None:
     _init_worker(spec)
 
 
-def _ping(_: object = None) -> bool:
+def ping(_: object = None) -> bool:
     return _worker is not None
 
 
@@ -122,7 +121,7 @@ def reconstruct_batch(records: list[dict[str, Any]]) -> list[Result]:
     return out
 
 
-def _slim(record: dict[str, Any]) -> dict[str, Any]:
+def slim_record(record: dict[str, Any]) -> dict[str, Any]:
     slim = {k: record[k] for k in _FIELDS if k in record}
     usage = record.get("usage")
     if isinstance(usage, dict):
@@ -130,7 +129,7 @@ def _slim(record: dict[str, Any]) -> dict[str, Any]:
     return slim
 
 
-def _record_chars(rec: dict[str, Any]) -> int:
+def record_chars(rec: dict[str, Any]) -> int:
     n = sum(len(v) for v in (rec.get("reasoning"), rec.get("content")) if isinstance(v, str))
     messages = rec.get("messages")
     for m in messages if isinstance(messages, list) else ():
@@ -144,7 +143,7 @@ def _batches(records: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]
     chars = 0
     for rec in records:
         batch.append(rec)
-        chars += _record_chars(rec)
+        chars += record_chars(rec)
         if len(batch) >= BATCH_ANSWERS or chars >= BATCH_CHARS:
             yield batch
             batch, chars = [], 0
@@ -189,7 +188,7 @@ def _start_helpers() -> None:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def _new_pool(spec: WorkerSpec, workers: int) -> concurrent.futures.ProcessPoolExecutor:
+def new_pool(spec: WorkerSpec, workers: int) -> concurrent.futures.ProcessPoolExecutor:
     # forkserver, not fork: the live run forks from a process with an event loop and threads.
     ctx = multiprocessing.get_context("forkserver")
     _start_helpers()
@@ -197,7 +196,7 @@ def _new_pool(spec: WorkerSpec, workers: int) -> concurrent.futures.ProcessPoolE
                                                initargs=(spec,))
 
 
-def _cores() -> int:
+def cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -212,7 +211,7 @@ class TokensBusy(DraftgenError):
     """Another process is writing the tokens folder."""
 
 
-class _LockedWriter(TokenWriter):
+class LockedWriter(TokenWriter):
     """A TokenWriter that holds an exclusive lock on its folder while open. Two writers would each
     append at the offsets they believe in (and the second one's opening repair truncates what the
     first is writing): `draftgen tokens` during a live `run` silently corrupted the token files.
@@ -251,7 +250,7 @@ def _dataset_names(config: Config) -> list[str]:
     return [d.name for d in config.datasets]
 
 
-def _check_dataset(config: Config, name: str) -> None:
+def check_dataset(config: Config, name: str) -> None:
     if name not in _dataset_names(config):
         raise ConfigError(f"{config.path}: no dataset named {name!r} (datasets: {', '.join(_dataset_names(config))})")
 
@@ -273,7 +272,7 @@ def write_report(folder: Path, report: ValidationReport) -> Path:
     return path
 
 
-class _Rate:
+class TokenRate:
     """Answers and tokens per second since the first one, for progress lines."""
 
     def __init__(self) -> None:
@@ -294,7 +293,7 @@ class _Rate:
 # `draftgen tokens`: one dataset, on disk
 
 
-def _pending(responses: Path, done: set[str]) -> list[int]:
+def pending_offsets(responses: Path, done: set[str]) -> list[int]:
     """Offsets of the response lines whose id has no tokens yet (first occurrence of an id only)."""
     offsets, seen = [], set(done)
     for offset, rec in iter_jsonl(responses):
@@ -305,10 +304,10 @@ def _pending(responses: Path, done: set[str]) -> list[int]:
     return offsets
 
 
-def _read_records(responses: Path, offsets: Iterable[int]) -> Iterator[dict[str, Any]]:
+def read_records(responses: Path, offsets: Iterable[int]) -> Iterator[dict[str, Any]]:
     with open(responses, "rb") as f:
         for offset in offsets:
-            yield _slim(read_line_at(f, offset))
+            yield slim_record(read_line_at(f, offset))
 
 
 def reconstruct_dataset(config: Config, dataset_name: str, progress: Progress | None = None, *,
@@ -319,16 +318,16 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: Progress | 
     `workers`: processes to use (default: config.engine.workers, 0 meaning one per core). `pool`: a
     pool made by `worker_pool` to share between datasets (else one is started when worth it).
     """
-    _check_dataset(config, dataset_name)
+    check_dataset(config, dataset_name)
     run = RunDir(config.run_dir)
     responses, folder = run.responses(dataset_name), run.tokens(dataset_name)
     spec = WorkerSpec.from_config(config)
-    n_workers = workers if workers is not None else (config.engine.workers or _cores())
-    with _LockedWriter(folder) as writer:
+    n_workers = workers if workers is not None else (config.engine.workers or cores())
+    with LockedWriter(folder) as writer:
         report = index_report(folder, dataset_name)
-        offsets = _pending(responses, writer.ids)
+        offsets = pending_offsets(responses, writer.ids)
         total = len(offsets)
-        rate = _Rate()
+        rate = TokenRate()
         last = [0.0]
 
         def tell(state: str = "running", force: bool = False) -> None:
@@ -354,7 +353,7 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: Progress | 
 
         tell(force=True)
         # No answers yet (a dataset not run): nothing to open; responses.jsonl may not exist.
-        records = _read_records(responses, offsets) if offsets else iter(())
+        records = read_records(responses, offsets) if offsets else iter(())
         if pool is None and (n_workers <= 1 or total < INLINE_MAX):
             _init_worker(spec)
             for batch in _batches(records):
@@ -387,7 +386,7 @@ def worker_pool(config: Config, workers: int | None = None) -> concurrent.future
     """A process pool whose workers each hold the config's tokenizer and template."""
     spec = WorkerSpec.from_config(config)
     spec.load()  # a tokenizer error is raised here, clearly, not as a broken pool
-    return _new_pool(spec, workers or config.engine.workers or _cores())
+    return new_pool(spec, workers or config.engine.workers or cores())
 
 
 def tokens_command(config: Config) -> int:
@@ -399,7 +398,7 @@ def tokens_command(config: Config) -> int:
 
     console = Console()
     reports = []
-    workers = config.engine.workers or _cores()
+    workers = config.engine.workers or cores()
     pool = worker_pool(config, workers) if workers > 1 else None  # one pool for every dataset
     try:
         with Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -435,221 +434,3 @@ def tokens_command(config: Config) -> int:
     console.print("Δ = reconstructed answer tokens - billed completion_tokens. Reports: "
                   f"{escape(str(RunDir(config.run_dir).root))}/<dataset>/tokens/{REPORT_FILE}")
     return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# During `run`
-
-
-class LiveReconstructor:
-    """Reconstructs answers as the engine lands them, in worker processes.
-
-    `submit` never blocks: answers are batched (briefly) and handed to the pool; results are appended
-    to the dataset's TokenWriter from the event loop thread as they come back. A batch lost to a
-    dead worker is not retried here: those answers stay in responses.jsonl and the next `catch_up`
-    or `draftgen tokens` picks them up.
-    """
-
-    FLUSH_AFTER_S = 0.05
-
-    def __init__(self, config: Config, workers: int = 0) -> None:
-        self.config = config
-        # Leave a core to the event loop unless told otherwise.
-        self.workers = workers or max(1, _cores() - 1)
-        self._spec = WorkerSpec.from_config(config)
-        self._run = RunDir(config.run_dir)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self._writers: dict[str, TokenWriter] = {}
-        self._reports: dict[str, ValidationReport] = {}
-        self._known: dict[str, set[str]] = {}        # ids committed or on their way, per dataset
-        self._buffers: dict[str, list[dict[str, Any]]] = {}
-        self._buffer_chars: dict[str, int] = {}
-        self._flush_handle: asyncio.TimerHandle | None = None
-        self._inflight: set[asyncio.Future[Any]] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._rate = _Rate()
-        self._submitted = 0
-        self._lost = 0
-        self._error = ""
-        self._closed = False
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._start_blocking)
-
-    def _start_blocking(self) -> None:
-        self._spec.load()  # a missing or broken tokenizer is a clear error here
-        for ds in self.config.datasets:
-            self._open(ds.name)
-        pool = _new_pool(self._spec, self.workers)
-        # Start every worker (and load its tokenizer) now, off the event loop.
-        for fut in [pool.submit(_ping) for _ in range(self.workers)]:
-            fut.result()
-        self._pool = pool
-
-    def _open(self, name: str) -> TokenWriter:
-        writer = self._writers.get(name)
-        if writer is None:
-            folder = self._run.tokens(name)
-            writer = self._writers[name] = _LockedWriter(folder)
-            self._reports[name] = index_report(folder, name)
-            self._known[name] = set(writer.ids)
-            self._buffers[name] = []
-            self._buffer_chars[name] = 0
-        return writer
-
-    # -- intake ---------------------------------------------------------------------------------
-
-    def submit(self, dataset_name: str, record: dict[str, Any]) -> None:
-        """Queue one answered record for reconstruction; returns at once."""
-        if self._pool is None or self._loop is None or self._closed:
-            raise RuntimeError("LiveReconstructor.submit before start() or after close()")
-        if dataset_name not in self._writers:
-            self._open(dataset_name)
-        rid = str(record.get("id"))
-        known = self._known[dataset_name]
-        if rid in known:
-            return
-        known.add(rid)
-        self._submitted += 1
-        slim = _slim(record)
-        self._buffers[dataset_name].append(slim)
-        self._buffer_chars[dataset_name] += _record_chars(slim)
-        if len(self._buffers[dataset_name]) >= BATCH_ANSWERS or self._buffer_chars[dataset_name] >= BATCH_CHARS:
-            self._flush(dataset_name)
-        elif self._flush_handle is None:
-            self._flush_handle = self._loop.call_later(self.FLUSH_AFTER_S, self._flush_all)
-
-    def _flush_all(self) -> None:
-        self._flush_handle = None
-        for name in list(self._buffers):
-            self._flush(name)
-
-    def _flush(self, name: str) -> None:
-        batch = self._buffers[name]
-        if not batch:
-            return
-        self._buffers[name] = []
-        self._buffer_chars[name] = 0
-        assert self._loop is not None and self._pool is not None
-        try:
-            fut = self._loop.run_in_executor(self._pool, reconstruct_batch, batch)
-        except RuntimeError as e:  # the pool broke earlier (BrokenProcessPool is a RuntimeError)
-            self._lose(name, batch, e)
-            return
-        self._inflight.add(fut)
-        fut.add_done_callback(partial(self._landed, name, batch))
-
-    def _lose(self, name: str, batch: list[dict[str, Any]], exc: BaseException) -> None:
-        self._error = f"token reconstruction stopped: {exc}"
-        self._lost += len(batch)
-        for rec in batch:
-            self._known[name].discard(str(rec.get("id")))
-
-    def _landed(self, name: str, batch: list[dict[str, Any]], fut: asyncio.Future[list[Result]]) -> None:
-        self._inflight.discard(fut)
-        if fut.cancelled():
-            self._lose(name, batch, RuntimeError("cancelled"))
-            return
-        exc = fut.exception()
-        if exc is not None:
-            self._lose(name, batch, exc)
-            return
-        writer, report = self._writers[name], self._reports[name]
-        for rid, ids, mask, meta in fut.result():
-            try:
-                writer.append(rid, ids, mask, meta)
-            except Exception as e:  # a full disk: stop counting it as done, say so
-                self._lose(name, [{"id": rid}], e)
-                continue
-            report.add_meta(meta)
-            self._rate.add(int(ids.shape[0]))
-
-    # -- catching up with what is on disk -----------------------------------------------------------
-
-    async def catch_up(self, dataset_name: str) -> int:
-        """Queue every answer of `dataset_name` already on disk but not yet in its tokens folder
-        (e.g. after a crash); returns how many. The work continues in the background; `wait_idle`
-        or `close` waits for it."""
-        _check_dataset(self.config, dataset_name)
-        if dataset_name not in self._writers:
-            self._open(dataset_name)
-        responses = self._run.responses(dataset_name)
-        offsets = await asyncio.to_thread(_pending, responses, set(self._known[dataset_name]))
-        if offsets:
-            task = asyncio.create_task(self._feed(dataset_name, responses, offsets))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        return len(offsets)
-
-    async def _feed(self, name: str, responses: Path, offsets: list[int]) -> None:
-        chunk = BATCH_ANSWERS * self.workers
-        try:
-            for i in range(0, len(offsets), chunk):
-                part = offsets[i:i + chunk]
-                records = await asyncio.to_thread(lambda: list(_read_records(responses, part)))
-                for rec in records:
-                    if self._closed:
-                        return
-                    self.submit(name, rec)
-                self._flush_all()
-                # Bounded memory: keep about two batches per worker queued.
-                while len(self._inflight) > 2 * self.workers:
-                    await asyncio.wait(set(self._inflight), return_when=asyncio.FIRST_COMPLETED)
-        except (OSError, ValueError) as e:  # responses.jsonl unreadable: say so, the run goes on
-            self._error = f"token reconstruction could not read {responses}: {e}"
-
-    async def wait_idle(self) -> None:
-        """Wait until everything submitted or queued by `catch_up` is written."""
-        while self._tasks or self._inflight or any(self._buffers.values()):
-            if self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
-            self._flush_all()
-            if self._inflight:
-                await asyncio.wait(set(self._inflight))
-
-    # -- views ----------------------------------------------------------------------------------------
-
-    def report(self, dataset_name: str | None = None) -> ValidationReport:
-        """One dataset's report (every answer in its tokens folder), or all datasets' with None."""
-        if dataset_name is None:
-            return ValidationReport.combine(self._reports.values())
-        if dataset_name not in self._reports:
-            return ValidationReport(dataset_name)
-        return self._reports[dataset_name]
-
-    def progress(self) -> StageProgress:
-        done = self._rate.answers
-        per_s, tok_s = self._rate.per_s()
-        waiting = self._submitted - done - self._lost
-        state = "failed" if self._error else ("done" if self._closed else "running")
-        total = self.report(None)
-        return StageProgress(
-            name="tokens", state=state, done=done, total=self._submitted, rate=per_s if done else 0.0,
-            rate_unit="answers/s",
-            detail=(("valid", f"{total.valid:,}/{total.checked:,}"), ("waiting", f"{waiting:,}"),
-                    ("tokens/s", f"{tok_s:,.0f}" if done else "0")),
-            message=self._error or total.summary_line())
-
-    # -- shutdown -------------------------------------------------------------------------------------
-
-    async def close(self) -> None:
-        """Finish everything queued, write each dataset's report.json, stop the workers."""
-        if self._closed:
-            return
-        if self._pool is not None:
-            await self.wait_idle()
-        self._closed = True
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
-        pool, self._pool = self._pool, None
-
-        def finish() -> None:
-            for name, writer in self._writers.items():
-                writer.close()
-                write_report(self._run.tokens(name), self._reports[name])
-            if pool is not None:
-                pool.shutdown(wait=True)
-        await asyncio.to_thread(finish)

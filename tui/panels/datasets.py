@@ -14,13 +14,13 @@ from draftgen.tui import fmt
 from draftgen.tui.panels.panel import Panel
 
 STATUS_STYLES = {
-    snap.DS_PENDING: "dim",
-    snap.DS_RUNNING: "bold green",
-    snap.DS_PAUSED: "bold yellow",
-    snap.DS_DONE: "bold blue",
-    snap.DS_BUDGET: "bold magenta",
-    snap.DS_STOPPED: "bold red",
-    snap.DS_ERROR: "bold red",
+    snap.DatasetStatus.PENDING: "dim",
+    snap.DatasetStatus.RUNNING: "bold green",
+    snap.DatasetStatus.PAUSED: "bold yellow",
+    snap.DatasetStatus.DONE: "bold blue",
+    snap.DatasetStatus.BUDGET: "bold magenta",
+    snap.DatasetStatus.STOPPED: "bold red",
+    snap.DatasetStatus.ERROR: "bold red",
 }
 
 
@@ -69,7 +69,7 @@ class DatasetsPanel(Panel):
                 d.name,
                 Text(d.status, style=STATUS_STYLES.get(d.status, "")),
                 f"{fmt.count(d.done)}/{fmt.count(d.total)}",
-                fmt.Bar(finished / d.total if d.total else 0.0, style="green" if d.status != snap.DS_BUDGET
+                fmt.Bar(finished / d.total if d.total else 0.0, style="green" if d.status != snap.DatasetStatus.BUDGET
                         else "magenta", label=fmt.percent(finished, d.total).rjust(4)),
                 _tokens_cell(d),
                 Text(fmt.count(d.skipped), style="magenta" if d.skipped else "dim"),

@@ -14,12 +14,12 @@ from draftgen.tui import fmt
 from draftgen.tui.panels.panel import Panel
 
 STATE_STYLES = {
-    snap.RUNNING: "bold black on green",
-    snap.PAUSED: "bold black on yellow",
-    snap.DRAINING: "bold black on yellow",
-    snap.DONE: "bold white on blue",
-    snap.STOPPED: "bold white on red",
-    snap.IDLE: "bold reverse",
+    snap.RunState.RUNNING: "bold black on green",
+    snap.RunState.PAUSED: "bold black on yellow",
+    snap.RunState.DRAINING: "bold black on yellow",
+    snap.RunState.DONE: "bold white on blue",
+    snap.RunState.STOPPED: "bold white on red",
+    snap.RunState.IDLE: "bold reverse",
 }
 
 

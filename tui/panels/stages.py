@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftgen.core.live.snapshot import RunSnapshot, StageProgress
+from draftgen.core.live.snapshot import RunSnapshot, StageProgress, StageState
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -12,7 +12,7 @@ from rich.text import Text
 from draftgen.tui import fmt
 from draftgen.tui.panels.panel import Panel
 
-STATE_STYLES = {"running": "bold green", "done": "bold blue", "failed": "bold red"}
+STATE_STYLES = {StageState.RUNNING: "bold green", StageState.DONE: "bold blue", StageState.FAILED: "bold red"}
 
 
 def active_stages(s: RunSnapshot) -> tuple[StageProgress, ...]:
@@ -42,7 +42,7 @@ def _row(st: StageProgress) -> Table:
     grid.add_column(justify="right", no_wrap=True, width=23, overflow="ellipsis")
     counts = f"{fmt.count(st.done)}/{fmt.count(st.total)}" if st.total and not st.checks else ""
     pace = ""
-    if st.state == "running" and st.rate:
+    if st.state == StageState.RUNNING and st.rate:
         pace = f"{fmt.rate(st.rate)}{st.rate_unit}"
         if st.eta_s is not None:
             pace += f" ETA {fmt.duration(st.eta_s)}"
@@ -67,14 +67,14 @@ class StagesPanel(Panel):
         stages = active_stages(s)
         if self.short:
             # 80x24: only what is running or failed, one line each.
-            stages = tuple(st for st in stages if st.state in ("running", "failed"))
+            stages = tuple(st for st in stages if st.state in (StageState.RUNNING, StageState.FAILED))
         if self.display != bool(stages):
             self.display = bool(stages)
         parts: list[RenderableType] = []
         for st in stages:
             parts.append(_row(st))
             # Details only while a stage runs or when it failed: finished stages keep to one line.
-            if st.state in ("running", "failed") and not self.short:
+            if st.state in (StageState.RUNNING, StageState.FAILED) and not self.short:
                 notes = [f"{k} {v}" for k, v in st.detail] + ([st.message] if st.message else [])
                 if notes:
                     parts.append(Text("        " + " · ".join(notes), style="dim", no_wrap=True,

@@ -1,0 +1,286 @@
+"""Admission: which prompt goes out, and when.
+
+Per dataset an admission loop streams the prompt file (ids already on disk skipped), puts the
+prompts handed back (a 402) in front, and admits a request when the run is not paused, a
+concurrency slot is free under the adaptive limit and the budgets allow it. The limit adapts
+(AIMD) to sustained 429s; a retry over a lowered limit waits for a slot holding none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from draftgen.core.generate.budget import MoneyBudget
+from draftgen.core.generate.prompts import Prompt
+from draftgen.core.live.snapshot import DatasetStatus
+
+if TYPE_CHECKING:
+    from draftgen.core.generate.ledger import DatasetRun, Ledger
+
+ADMIT_BURST = 64  # admissions between yields to the event loop (2,000 at once would stall it)
+
+EventSink = Callable[[str, str, str], None]
+
+
+class AdaptiveConcurrency:
+    """AIMD on sustained 429s: three or more within 2 s that are also at least 5% of the responses
+    in those 2 s cut the limit by 30% (at most every 2 s) — a background trickle of 429s at a high
+    request rate is not a storm; 5 s without a 429 lets it grow back by 2% of the configured value
+    per second."""
+
+    WINDOW_S = 2.0
+    MIN_429 = 3
+    MIN_SHARE = 0.05
+
+    def __init__(self, configured: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.configured = configured
+        self.effective = float(configured)
+        self._clock = clock
+        self._recent: deque[float] = deque()      # times of 429s in the window
+        self._responses: deque[float] = deque()   # times of every response in the window
+        self._last_cut = -1e9
+        self._last_429 = -1e9
+
+    @property
+    def limit(self) -> int:
+        return max(1, int(self.effective))
+
+    def _prune(self, now: float) -> None:
+        for q in (self._recent, self._responses):
+            while q and now - q[0] >= self.WINDOW_S:
+                q.popleft()
+
+    def on_response(self) -> None:
+        """Any answer or error other than a 429 (the share's denominator)."""
+        now = self._clock()
+        self._responses.append(now)
+        if len(self._responses) > 4096:
+            self._prune(now)
+
+    def on_429(self) -> None:
+        now = self._clock()
+        self._last_429 = now
+        self._recent.append(now)
+        self._responses.append(now)
+        self._prune(now)
+        share = len(self._recent) / len(self._responses)
+        if len(self._recent) >= self.MIN_429 and share >= self.MIN_SHARE and now - self._last_cut >= 2.0:
+            self.effective = max(1.0, self.effective * 0.7)
+            self._last_cut = now
+            self._recent.clear()
+
+    def tick(self) -> bool:
+        """Called every second; True when the limit grew."""
+        now = self._clock()
+        if self.effective < self.configured and now - self._last_429 >= 5.0:
+            self.effective = min(float(self.configured), self.effective + max(1.0, self.configured * 0.02))
+            return True
+        return False
+
+
+class Hold(Enum):
+    """Why the engine paused the run by itself (a pause by the user holds nothing)."""
+    OUT_OF_CREDITS = "402"
+    DISK = "disk"
+
+
+@dataclass
+class Gate:
+    """The run-wide switches every admission and every retry consults."""
+    resume: asyncio.Event      # clear while paused
+    draining: bool = False     # admit nothing more; requests in flight finish
+    stopping: bool = False     # requests in flight are abandoned
+
+    @property
+    def closed(self) -> bool:
+        return self.draining or self.stopping
+
+
+class Verdict(Enum):
+    GO = "go"            # admit now
+    HALT = "halt"        # drain, stop, or the dataset has no endpoints: keep the prompt, admit nothing
+    BUDGET = "budget"    # a budget ran out for this dataset: the rest is skipped
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    reason: str = ""     # for BUDGET: which budget and how far it got
+
+
+GO = Decision(Verdict.GO)
+HALT = Decision(Verdict.HALT)
+
+
+class Admission:
+    """Admits the prompts of every dataset and keeps track of the requests it started."""
+
+    def __init__(self, datasets: dict[str, DatasetRun], money: MoneyBudget, gate: Gate, ledger: Ledger,
+                 request: Callable[[DatasetRun, Prompt], Coroutine[Any, Any, None]], on_event: EventSink) -> None:
+        self._datasets = datasets
+        self._money = money
+        self._gate = gate
+        self._ledger = ledger
+        self._request = request
+        self._event = on_event
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(d.in_flight for d in self._datasets.values())
+
+    def wake_all(self) -> None:
+        for d in self._datasets.values():
+            d.wake.set()
+
+    async def run(self, ds: DatasetRun) -> None:
+        """Admit the dataset's prompts until none is left (or a budget, drain or stop ends it), then
+        wait for its requests in flight; leaves the dataset's final status."""
+        name = ds.config.name
+        if self._gate.closed:
+            return
+        await asyncio.to_thread(self._ledger.scan_prompts, ds)
+        ds.status = DatasetStatus.RUNNING
+        if ds.rejected:
+            self._event("warn", "rejected", f"{name}: {ds.rejected} prompt lines rejected "
+                        f"(see {self._ledger.rundir.rejected(name)})")
+        self._event("info", "dataset_start", f"{name}: {ds.total} prompts, {ds.done} already answered, "
+                    f"{ds.failed} already failed; concurrency {ds.config.concurrency}")
+        budget_reason = ""
+        admitted = 0
+        async for prompt in self._with_requeue(ds, self._ledger.prompts(ds)):
+            if budget_reason:
+                ds.skipped += 1
+                continue
+            decision = await self.admit(ds)
+            if decision.verdict is Verdict.GO:
+                self._start(ds, prompt)
+                admitted += 1
+                if admitted % ADMIT_BURST == 0:
+                    await asyncio.sleep(0)  # let answers and the UI run between bursts of admissions
+            elif decision.verdict is Verdict.HALT:
+                ds.requeue.insert(0, prompt)
+                break
+            else:
+                budget_reason = decision.reason
+                ds.skipped += 1
+                ds.status = DatasetStatus.BUDGET
+                ds.message = budget_reason
+                self._event("warn", "budget", f"{name}: {budget_reason}; the rest is skipped "
+                            "(stays eligible for a later run)")
+        while ds.in_flight or ds.requeue:
+            if ds.requeue and not self._gate.draining and not ds.stopped and not budget_reason:
+                # 402'd prompts waiting for the run to resume.
+                async for prompt in self._with_requeue(ds, _nothing()):
+                    if (await self.admit(ds)).verdict is not Verdict.GO:
+                        ds.requeue.insert(0, prompt)
+                        break
+                    self._start(ds, prompt)
+                continue
+            ds.wake.clear()
+            if not ds.in_flight:
+                break
+            await ds.wake.wait()
+        if ds.stopped:
+            ds.status = DatasetStatus.STOPPED
+        elif budget_reason:
+            ds.status = DatasetStatus.BUDGET
+        elif self._gate.closed:
+            ds.status = DatasetStatus.STOPPED
+            ds.message = ds.message or "stopped before the end; the next run resumes"
+        else:
+            ds.status = DatasetStatus.DONE
+        self._event("info", "dataset_done", f"{name}: {ds.status}: {ds.done}/{ds.total} answered, "
+                    f"{ds.failed} failed, {ds.skipped} skipped, ${ds.cost:.4f}")
+
+    async def _with_requeue(self, ds: DatasetRun, source: AsyncIterator[Prompt]) -> AsyncIterator[Prompt]:
+        async for prompt in source:
+            while ds.requeue:
+                yield ds.requeue.pop(0)
+            yield prompt
+        while ds.requeue:
+            yield ds.requeue.pop(0)
+
+    async def admit(self, ds: DatasetRun) -> Decision:
+        """Wait until the dataset may send one more request; GO, HALT, or the budget that stops it."""
+        while True:
+            if self._gate.closed or ds.stopped:
+                return HALT
+            if not self._gate.resume.is_set():
+                await self._gate.resume.wait()
+                continue
+            expected = ds.tokens.expected()
+            if not ds.tokens.fits(expected):
+                # This dataset's answers in flight may come in under their estimate and free room.
+                if ds.in_flight:
+                    ds.wake.clear()
+                    await ds.wake.wait()
+                    continue
+                return Decision(Verdict.BUDGET, f"token budget reached: {ds.tokens.used:,} used + "
+                                f"{ds.tokens.in_flight:,} in flight of {ds.tokens.limit:,}")
+            reason = self._money.blocked(self._money.expected_cost())
+            if reason:
+                if self.in_flight:
+                    ds.wake.clear()
+                    await ds.wake.wait()
+                    continue
+                return Decision(Verdict.BUDGET, reason)
+            if ds.in_flight >= ds.concurrency.limit:
+                ds.wake.clear()
+                await ds.wake.wait()
+                continue
+            return GO
+
+    def _start(self, ds: DatasetRun, prompt: Prompt) -> None:
+        expected_tokens = ds.tokens.expected()
+        expected_cost = self._money.expected_cost()
+        ds.in_flight += 1
+        ds.tokens.in_flight += expected_tokens
+        self._money.in_flight += expected_cost
+        task = asyncio.create_task(self._request(ds, prompt))
+        self.tasks.add(task)
+
+        # A done-callback, not a `finally`: a task cancelled before its first step never runs its body.
+        def finished(t: asyncio.Task[None]) -> None:
+            self.tasks.discard(t)
+            ds.in_flight -= 1
+            ds.tokens.in_flight -= expected_tokens
+            self._money.in_flight -= expected_cost
+            if len(self._datasets) == 1:
+                ds.wake.set()
+            else:
+                self.wake_all()
+        task.add_done_callback(finished)
+
+    async def retry_slot(self, ds: DatasetRun) -> None:
+        """A retry goes out only within the current limit. After sustained 429s cut it, the requests
+        over it wait here holding no slot, so what the provider receives drops with the limit; without
+        this only new admissions stopped, and every request already in flight kept retrying."""
+        if ds.in_flight - ds.parked <= ds.concurrency.limit:
+            return
+        ds.parked += 1
+        try:
+            while ds.in_flight - ds.parked >= ds.concurrency.limit:
+                ds.wake.clear()
+                await ds.wake.wait()  # set when a request ends and when the limit grows
+        finally:
+            ds.parked -= 1
+
+    async def grow_limits(self) -> None:
+        """Every second: let the limits cut by 429s grow back (runs for the life of the run)."""
+        while True:
+            await asyncio.sleep(1.0)
+            for ds in self._datasets.values():
+                if ds.concurrency.tick():
+                    ds.wake.set()
+
+
+async def _nothing() -> AsyncIterator[Prompt]:
+    return
+    yield  # pragma: no cover - makes this an async generator

@@ -1,0 +1,257 @@
+"""The ledger: what each dataset has on disk, what it cost, and the writer of its records.
+
+On start (and on resume after a crash) a dataset's responses.jsonl and failures.jsonl are opened
+(a torn last line cut) and counted: every id on disk is done, and the spend and tokens of the
+answers already there count against the budgets. Then each request ends in one line: an answer in
+responses.jsonl (formats in core/records.py) or a failure in failures.jsonl; an answer counts as
+acknowledged once its line is written and flushed.
+
+A write the disk refuses (full, read-only) is held in memory, in order, and the run pauses; every
+later record queues behind it, so the files never get a gap. Resuming writes the held records first;
+at the end of the run what still cannot be written is not counted as done (the next run asks those
+prompts again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from draftgen.core.config import DatasetConfig
+from draftgen.core.errors import DiskError
+from draftgen.core.generate.admission import AdaptiveConcurrency, Hold
+from draftgen.core.generate.budget import MoneyBudget, TokenBudget
+from draftgen.core.generate.client import ChatAnswer, RequestFailed
+from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
+from draftgen.core.generate.stats import RateTracker, Tally
+from draftgen.core.live.snapshot import DatasetStatus
+from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
+from draftgen.core.rundir import JsonlAppender, RunDir, disk_error, iter_jsonl
+from draftgen.core.secrets import Redactor
+
+PROMPT_CHUNK = 512
+
+
+@dataclass
+class DatasetRun:
+    """One dataset's live state: counts, budgets, the requests in flight and its two record files."""
+    config: DatasetConfig
+    tokens: TokenBudget
+    concurrency: AdaptiveConcurrency
+    status: DatasetStatus = DatasetStatus.PENDING
+    total: int = 0
+    done: int = 0
+    failed: int = 0
+    skipped: int = 0
+    rejected: int = 0
+    truncated: int = 0
+    in_flight: int = 0
+    parked: int = 0            # of those, retries waiting for a slot under a lowered limit
+    cost: float = 0.0
+    message: str = ""
+    done_ids: set[str] = field(default_factory=set)
+    requeue: list[Prompt] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    stopped: bool = False      # 404 "no endpoints": admit nothing more
+    responses: JsonlAppender | None = None
+    failures: JsonlAppender | None = None
+
+
+@dataclass
+class _Held:
+    """A record the disk refused, waiting in memory."""
+    ds: DatasetRun
+    appender: JsonlAppender
+    line: dict[str, Any]
+    answer: bool               # a responses.jsonl line (else failures.jsonl)
+
+
+class Ledger:
+    def __init__(self, rundir: RunDir, datasets: dict[str, DatasetRun], money: MoneyBudget, errors: Tally,
+                 redact: Redactor, *, on_event: Callable[[str, str, str], None],
+                 on_hold: Callable[[Hold, str], None], on_answer: Callable[[str, dict[str, Any]], None] | None,
+                 clock: Callable[[], float]) -> None:
+        self.rundir = rundir
+        self._datasets = datasets
+        self.money = money
+        self.errors = errors
+        self.rates = RateTracker(clock=clock)
+        self.providers = Tally()
+        self._redact = redact
+        self._event = on_event
+        self._hold = on_hold
+        self._on_answer = on_answer
+        self._held: list[_Held] = []
+        self._disk_error: DiskError | None = None   # why the records are held
+
+    @property
+    def holding(self) -> int:
+        return len(self._held)
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def open(self, ds: DatasetRun) -> None:
+        """Open the dataset's files (cutting a torn last line) and count what is already on disk."""
+        rd = self.rundir
+        ds.responses = JsonlAppender(rd.responses(ds.config.name))
+        ds.failures = JsonlAppender(rd.failures(ds.config.name))
+        for f in (ds.responses, ds.failures):
+            if f.cut_bytes:
+                self._event("warn", "repaired", f"{f.path}: cut a half-written last line "
+                            f"({f.cut_bytes} bytes) left by a crash")
+        for _, raw in iter_jsonl(rd.responses(ds.config.name)):
+            rec = ResponseRecord.from_dict(raw)  # odd values in a hand-edited line count as nothing
+            if rec.id in ds.done_ids:
+                continue
+            ds.done_ids.add(rec.id)
+            ds.done += 1
+            ds.tokens.used += rec.usage.completion_tokens
+            ds.tokens.answers += 1
+            ds.cost += rec.usage.cost
+            self.money.spent_before += rec.usage.cost
+            self.money.answers += 1
+            if rec.short:
+                ds.truncated += 1
+        for _, raw in iter_jsonl(rd.failures(ds.config.name)):
+            rid = str(raw.get("id"))
+            if rid not in ds.done_ids:
+                ds.done_ids.add(rid)
+                ds.failed += 1
+
+    def close(self) -> None:
+        for ds in self._datasets.values():
+            for f in (ds.responses, ds.failures):
+                if f is not None:
+                    f.close()
+
+    def scan_prompts(self, ds: DatasetRun) -> None:
+        """Count usable prompts and rewrite rejected.jsonl (derived from the input, so rewritten whole)."""
+        path = self.rundir.rejected(ds.config.name)
+        tmp = path.with_suffix(".jsonl.tmp")
+        total = rejected = 0
+        try:
+            with open(tmp, "wb") as out:
+                for item in read_prompts(ds.config.prompts):
+                    if isinstance(item, Rejection):
+                        rejected += 1
+                        out.write(orjson.dumps({"line": item.line, "id": item.id, "reason": item.reason,
+                                                "file": str(ds.config.prompts), "ts": time.time()}) + b"\n")
+                    else:
+                        total += 1
+            tmp.replace(path)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)  # the old rejected.jsonl stays as it was
+            if isinstance(e, OSError):
+                raise disk_error(tmp, e) from e
+            raise
+        ds.total, ds.rejected = total, rejected
+
+    async def prompts(self, ds: DatasetRun) -> AsyncIterator[Prompt]:
+        """The dataset's prompts not yet on disk, read in a thread a chunk at a time."""
+        it: Iterator[Prompt | Rejection] = read_prompts(ds.config.prompts)
+
+        def chunk() -> list[Prompt]:
+            out: list[Prompt] = []
+            for item in it:
+                if isinstance(item, Prompt) and item.id not in ds.done_ids:
+                    out.append(item)
+                    if len(out) >= PROMPT_CHUNK:
+                        break
+            return out
+
+        while True:
+            batch = await asyncio.to_thread(chunk)
+            if not batch:
+                return
+            for p in batch:
+                yield p
+
+    # -- records --------------------------------------------------------------------------------
+
+    def record_answer(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int) -> None:
+        truncated = a.finish_reason == "length"
+        empty = not a.content.strip()
+        record = ResponseRecord(
+            id=prompt.id, messages=prompt.messages, reasoning=a.reasoning, content=a.content,
+            tool_calls=a.tool_calls, finish_reason=a.finish_reason, native_finish_reason=a.native_finish_reason,
+            provider=a.provider, model=a.model, generation_id=a.generation_id, usage=a.usage,
+            latency_s=round(a.latency_s, 3), attempts=attempts, truncated=truncated, empty_content=empty,
+            ts=round(time.time(), 3), token_ids=a.token_ids)
+        line = record.to_dict()
+        assert ds.responses is not None
+        on_disk = self._write(_Held(ds, ds.responses, line, answer=True))
+        ds.done += 1
+        ds.done_ids.add(prompt.id)
+        ds.tokens.used += a.usage.completion_tokens
+        ds.tokens.answers += 1
+        ds.cost += a.usage.cost
+        self.money.spent_run += a.usage.cost
+        self.money.answers += 1
+        if truncated or empty:
+            ds.truncated += 1
+            self.errors.add(ErrorKind.LENGTH if truncated else ErrorKind.EMPTY_CONTENT)
+        self.rates.record(a.usage.completion_tokens)
+        self.providers.add(a.provider or "unknown")
+        if self._on_answer is not None and on_disk:  # a held record is handed on once it is written
+            self._on_answer(ds.config.name, line)
+
+    def record_failure(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int) -> None:
+        record = FailureRecord(id=prompt.id, messages=prompt.messages, error_kind=e.kind, status=e.status,
+                               message=self._redact(e.message), attempts=attempts, ts=round(time.time(), 3))
+        assert ds.failures is not None
+        self._write(_Held(ds, ds.failures, record.to_dict(), answer=False))
+        ds.failed += 1
+        ds.done_ids.add(prompt.id)
+
+    def _write(self, item: _Held) -> bool:
+        """True when the record is on disk now; False when it is held in memory (a failed write)."""
+        if self._held:
+            self._held.append(item)
+            return False
+        try:
+            item.appender.append(item.line)
+        except DiskError as e:
+            self._held.append(item)
+            self._disk_error = e
+            self._hold(Hold.DISK, f"{e}. The run is paused with {len(self._held)} record(s) held in memory; "
+                       "free space and press r to resume (headless: kill -USR1 <pid>).")
+            return False
+        return True
+
+    def flush_held(self) -> bool:
+        """Write the held records in order; False (and still paused) when the disk refuses again."""
+        while self._held:
+            item = self._held[0]
+            try:
+                item.appender.append(item.line)
+            except DiskError as e:
+                self._disk_error = e
+                self._hold(Hold.DISK, f"{e}. Still paused: {len(self._held)} record(s) held in memory.")
+                return False
+            self._held.pop(0)
+            if self._on_answer is not None and item.answer:
+                self._on_answer(item.ds.config.name, item.line)
+        return True
+
+    def settle_held(self) -> None:
+        """At the end of a run: write what is still held (space may be back); what cannot be written is
+        not counted as done (those prompts stay eligible for the next run) and the log says so."""
+        if not self._held or self.flush_held():
+            return
+        lost: dict[str, int] = {}
+        for item in self._held:
+            if item.answer:
+                item.ds.done -= 1
+            else:
+                item.ds.failed -= 1
+            item.ds.done_ids.discard(str(item.line.get("id")))
+            lost[str(item.appender.path)] = lost.get(str(item.appender.path), 0) + 1
+        self._held.clear()
+        where = ", ".join(f"{n} for {path}" for path, n in lost.items())
+        self._event("error", "unsaved", f"{sum(lost.values())} record(s) could not be written and are not saved "
+                    f"({where}): {self._disk_error}; the next run asks those prompts again")
