@@ -34,6 +34,9 @@ class ApiConfig:
     referer: str = "https://github.com/draftgen/draftgen"
     title: str = "draftgen"
     credits_interval_s: float = 60.0
+    # Ask the server for the generated token ids (`return_token_ids`: vLLM, SGLang >= 0.5.x); they
+    # become the sample's ids and the reconstruction is compared with them. OpenRouter ignores it.
+    return_token_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -42,11 +45,31 @@ class BudgetConfig:
     credit_floor_usd: float = 0.0
 
 
+# What the Kimi K2 and K2-Thinking chat templates insert when a conversation has no system turn.
+KIMI_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+
+
 @dataclass(frozen=True)
 class TokenizerConfig:
     path: str = "moonshotai/Kimi-K2.5"
     template: str = "kimi-k2.5"
     trust_remote_code: bool = False
+    # The system turn rendered in front of a conversation that has none: "auto" (what the template
+    # itself does: none for Kimi-K2.5, see core/tokens/template.py), "none", or the text itself.
+    default_system: str = "auto"
+
+    def system_turn(self) -> str | None:
+        """The default system text this run renders (and writes into train.jsonl), or None."""
+        return None if self.default_system in ("auto", "none") else self.default_system
+
+    def system_turn_why(self) -> str:
+        if self.default_system == "auto":
+            return ("auto: none, as the template itself renders (Kimi-K2.5's chat template adds no default "
+                    "system turn, unlike K2's)" if self.template == "kimi-k2.5" else
+                    "auto: whatever the tokenizer's own chat template renders")
+        if self.default_system == "none":
+            return "none: conversations without a system turn are rendered without one"
+        return "tokenizer.default_system: rendered in front of every conversation without a system turn"
 
 
 @dataclass(frozen=True)
@@ -80,6 +103,26 @@ class DatasetConfig:
 @dataclass(frozen=True)
 class MergeConfig:
     seed: int = 42
+    # Providers whose answers merge leaves out (the `ignore` line for answers already paid for).
+    exclude_providers: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """What makes a sample clean and when a provider is flagged (core/merge/policy.py)."""
+    # |answer tokens - billed completion_tokens| up to this: the count agrees.
+    count_tolerance: int = 2
+    # Beyond that but within this share of the billed answer: a BPE split (kept, reported). More: the
+    # sample is dropped as count_mismatch (another model or tokenizer produced it).
+    split_share: float = 0.005
+    # |reconstructed prompt tokens - usage.prompt_tokens| up to this: the prompt agrees.
+    prompt_tolerance: int = 0
+    # true: a sample whose prompt disagrees is dropped (false: kept and reported).
+    drop_prompt_mismatch: bool = False
+    # A provider with at least this many answers is flagged when its share of exact answer (or
+    # prompt) counts is this far below the other providers' together.
+    provider_min_answers: int = 20
+    provider_exact_gap: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -115,6 +158,7 @@ class Config:
     merge: MergeConfig
     extract: ExtractConfig
     smoke: SmokeConfig
+    validation: ValidationConfig = ValidationConfig()
 
     @property
     def run_dir(self) -> Path:
@@ -135,6 +179,8 @@ class Config:
         body: dict[str, Any] = {"model": self.api.model, "messages": messages, "max_tokens": dataset.max_tokens}
         body.update(self.request)
         body.update(dataset.request)
+        if self.api.return_token_ids:
+            body["return_token_ids"] = True
         if self.api.stream:
             body["stream"] = True
         return body
@@ -165,7 +211,10 @@ class Config:
             if isinstance(value, dict):
                 return {k: convert(v) for k, v in value.items()}
             return value
-        return convert(self)
+        out = convert(self)
+        out["tokenizer"]["system_turn"] = {"rendered": self.tokenizer.system_turn(),
+                                           "why": self.tokenizer.system_turn_why()}
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +320,8 @@ def _positive(file: Path, where: str, value: float | int | None, *, allow_zero: 
 MAX_WORKERS = 1024
 
 _TABLES = {"api": ApiConfig, "budget": BudgetConfig, "tokenizer": TokenizerConfig, "output": OutputConfig,
-           "engine": EngineConfig, "merge": MergeConfig, "extract": ExtractConfig, "smoke": SmokeConfig}
+           "engine": EngineConfig, "merge": MergeConfig, "extract": ExtractConfig, "smoke": SmokeConfig,
+           "validation": ValidationConfig}
 
 
 def _exists(path: Path) -> bool:
@@ -357,6 +407,16 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     tokenizer: TokenizerConfig = parts["tokenizer"]
     if tokenizer.template not in ("kimi-k2.5", "auto"):
         raise ConfigError(f"{file}: tokenizer.template must be \"kimi-k2.5\" or \"auto\", not {tokenizer.template!r}")
+    if not tokenizer.default_system.strip():
+        raise ConfigError(f"{file}: tokenizer.default_system must be \"auto\", \"none\" or the system text, "
+                          f"not an empty string")
+    validation: ValidationConfig = parts["validation"]
+    _positive(file, "validation.count_tolerance", validation.count_tolerance, allow_zero=True)
+    _positive(file, "validation.prompt_tolerance", validation.prompt_tolerance, allow_zero=True)
+    _positive(file, "validation.provider_min_answers", validation.provider_min_answers)
+    for key in ("split_share", "provider_exact_gap"):
+        if not 0 <= getattr(validation, key) <= 1:
+            raise ConfigError(f"{file}: validation.{key} must be between 0 and 1, not {getattr(validation, key)!r}")
     # A local tokenizer folder is resolved against the config; an HF id (org/name) stays as written.
     tok_path = tokenizer.path
     if tok_path.startswith((".", "/", "~")) or _exists(base / tok_path):
@@ -367,5 +427,5 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     return Config(
         path=file, api=api, request=request, budget=budget, tokenizer=tokenizer,
         output=OutputConfig(dir=base / output.dir), datasets=tuple(datasets), engine=engine,
-        merge=parts["merge"], extract=extract, smoke=parts["smoke"],
+        merge=parts["merge"], extract=extract, smoke=parts["smoke"], validation=validation,
     )

@@ -39,6 +39,10 @@
     count_diff                int | null, span_tokens - billed_tokens
     truncated                 bool, copied from the response
     source                    "reconstructed" or "backend" (token ids the server returned)
+    prompt_tokens             int | null, tokens before the answer span (the rendered prompt)
+    billed_prompt_tokens      int | null, usage.prompt_tokens (the provider's count of what it ran)
+    prompt_diff               int | null, prompt_tokens - billed_prompt_tokens
+    provider                  str | null, copied from the response
 """
 
 from __future__ import annotations

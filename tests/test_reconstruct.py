@@ -209,12 +209,15 @@ def test_backend_ids_are_used_and_compared() -> None:
 
 def test_reconstruct_record_reads_a_response_line() -> None:
     record = {"id": "7", "messages": user("Hi"), "reasoning": "ok", "content": "Hello", "finish_reason": "length",
-              "usage": {"completion_tokens": 3}, "truncated": True}
+              "usage": {"completion_tokens": 3, "prompt_tokens": 10}, "truncated": True, "provider": "Together"}
     r = reconstruct_record(TOK, KIMI, record)
     assert r.truncated and r.billed_tokens == 3 and r.count_diff == 0
+    # The prompt is 9 tokens (user turn, generation prompt and its <think>); the provider billed 10.
     assert r.index_meta() == {"answer_start": 9, "answer_end": 12, "valid": False,
                               "failed_checks": ["ends_with_eot"], "span_tokens": 3, "billed_tokens": 3,
-                              "count_diff": 0, "truncated": True, "source": "reconstructed"}
+                              "count_diff": 0, "truncated": True, "source": "reconstructed",
+                              "prompt_tokens": 9, "billed_prompt_tokens": 10, "prompt_diff": -1,
+                              "provider": "Together"}
 
 
 PIECES = st.lists(st.one_of(st.text(max_size=40), st.sampled_from(

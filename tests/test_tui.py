@@ -298,3 +298,15 @@ def test_number_formats() -> None:
     assert fmt.sparkline([3.5, 3.6, 3.6], 10) == "███"
     assert fmt.sparkline([1.0, 2.0, 4.0], 10) == "▂▄█"
     assert fmt.sparkline([0, 1, 2, 4], 3) == "▂▄█"  # the newest that fit; a zero is blank
+
+
+async def test_providers_panel_shows_token_agreement_and_the_flag() -> None:
+    fidelity = (snap.ProviderFidelity("novita/int4", 3_512, 0.97, 1.0),
+                snap.ProviderFidelity("parasail/int4", 2_790, 0.02, 0.0,
+                                      "answer token counts exact in 2% of 2,790 answers against 97%"))
+    app, _ = make(dataclasses.replace(fx.running(), fidelity=fidelity))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        shown = text(app, "#providers")
+        assert "exact 97%" in shown and "! exact 2%" in shown
+        assert "together/int4" in shown  # no figures yet: listed without them

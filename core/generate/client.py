@@ -131,6 +131,20 @@ def _usage_of(raw: Any) -> Usage:
     )
 
 
+def _token_ids(obj: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
+    """The generated ids a vLLM or SGLang server returns when asked (`return_token_ids`): on the choice
+    (`token_ids`: vLLM, SGLang >= PR 30917), or SGLang's response-level `sglext.output_ids` (one list per
+    choice). None when absent or not a list of integers."""
+    ids = choice.get("token_ids")
+    if ids is None:
+        ext = obj.get("sglext")
+        out = ext.get("output_ids") if isinstance(ext, dict) else None
+        ids = out[0] if isinstance(out, list) and out and isinstance(out[0], list) else None
+    if isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return ids
+    return None
+
+
 def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
     """An answer from a non-streamed body, or RequestFailed for the 200-with-a-problem cases."""
     if not isinstance(obj, dict):
@@ -148,7 +162,7 @@ def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
     message = choice.get("message") or {}
     if not isinstance(message, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "choices[0].message is not an object")
-    token_ids = choice.get("token_ids")
+    token_ids = _token_ids(obj, choice)
     return ChatAnswer(
         content=message.get("content") or "",
         reasoning=_reasoning_of(message),
@@ -177,6 +191,8 @@ class _StreamState:
         self.usage: Any = None
         self.done = False
         self.choices = 0  # choice deltas seen: a stream of `choices: []` only carries no answer
+        self.token_ids: list[int] | None = None  # vLLM's per-chunk `token_ids` deltas, joined
+        self.sglext: Any = None
 
     def feed(self, chunk: dict[str, Any]) -> None:
         if chunk.get("error"):
@@ -188,8 +204,13 @@ class _StreamState:
                 self.meta[key] = chunk[key]
         if chunk.get("usage"):
             self.usage = chunk["usage"]
+        if isinstance(chunk.get("sglext"), dict):
+            self.sglext = chunk["sglext"]
         for choice in chunk.get("choices") or ():
             self.choices += 1
+            ids = choice.get("token_ids")
+            if isinstance(ids, list):
+                self.token_ids = (self.token_ids or []) + ids
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 self.content.append(delta["content"])
@@ -215,9 +236,14 @@ class _StreamState:
                                    "reasoning": "".join(self.reasoning) or None}
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-        return {**self.meta, "usage": self.usage, "choices": [{
-            "message": message, "finish_reason": self.finish_reason,
-            "native_finish_reason": self.native_finish_reason}]}
+        choice: dict[str, Any] = {"message": message, "finish_reason": self.finish_reason,
+                                  "native_finish_reason": self.native_finish_reason}
+        if self.token_ids is not None:
+            choice["token_ids"] = self.token_ids
+        body = {**self.meta, "usage": self.usage, "choices": [choice]}
+        if self.sglext is not None:
+            body["sglext"] = self.sglext
+        return body
 
 
 class ChatClient:

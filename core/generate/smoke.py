@@ -6,7 +6,10 @@ The checklist (each row pass/fail with its reason):
 - per distinct dataset request shape (the exact body the run sends, the smoke prompt as message):
   the request answers; content; reasoning present where the request asks for it (and which field
   carried it); tool calls; the model that answered; usage with cost; the provider is not one the
-  routing ignores; finish_reason; the answer reconstructed with the target tokenizer and validated;
+  routing ignores; finish_reason; the answer reconstructed with the target tokenizer and validated
+  (its count judged by the sample policy, core/merge/policy.py: a provider whose count is off by more
+  than a BPE split is named, with the `ignore` line to add); the prompt's token count against
+  `usage.prompt_tokens` (a mismatch says which `[tokenizer] default_system` would match the provider);
   the cost of the request.
 `smoke.json` keeps the result with the run's request fingerprint: `run` starts at full concurrency
 only when the fingerprint matches a passing smoke test.
@@ -126,12 +129,60 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
     rec = reconstruct_fn(body["messages"], a)
     if rec is None:
         rows.append(SmokeRow(f"{label} tokens", False, "the tokenizer could not be loaded"))
-    else:
-        rows.append(SmokeRow(
-            f"{label} tokens", rec.valid,
-            f"{rec.span_tokens} answer tokens vs {rec.billed_tokens} billed (diff {rec.count_diff})"
-            + (f"; failed: {', '.join(rec.failed_checks)}" if rec.failed_checks else "; all checks pass")))
+        return rows
+    rows.append(_tokens_row(config, label, rec, a.provider))
+    rows.append(_prompt_row(config, label, rec, body["messages"], reconstruct_fn))
     return rows
+
+
+def _tokens_row(config: Config, label: str, rec: Any, provider: str | None) -> SmokeRow:
+    """The answer's ids: structure checked, count judged by the sample policy (a BPE split passes)."""
+    from draftgen.core.merge.policy import SamplePolicy
+    from draftgen.core.tokens.fidelity import routing_name, toml_list
+    verdict = SamplePolicy.from_config(config).judge(rec.failed_checks, rec.count_diff, rec.billed_tokens)
+    detail = (f"{rec.span_tokens} answer tokens vs {rec.billed_tokens} billed (diff {rec.count_diff})"
+              + (f"; failed: {', '.join(rec.failed_checks)}" if rec.failed_checks else "; all checks pass"))
+    if rec.source == "backend" or "matches_backend" in rec.failed_checks:
+        detail += ("; the server's token ids " + ("differ from" if "matches_backend" in rec.failed_checks
+                                                   else "equal") + " the reconstruction")
+    if verdict.cause == "count_mismatch" and provider:
+        routing = config.request.get("provider")
+        ignore = routing.get("ignore") if isinstance(routing, dict) else None
+        names = [*(str(x) for x in ignore if isinstance(ignore, list)), routing_name(provider)] \
+            if isinstance(ignore, list) else [routing_name(provider)]
+        detail += (f"; {provider} counts this answer {abs(rec.count_diff) / max(1, rec.billed_tokens or 1):.1%} "
+                   f"off: another tokenizer or quantization? To route around it, in [request.provider]: "
+                   f"{toml_list('ignore', names)}")
+    passed = verdict.keep and not rec.truncated
+    return SmokeRow(f"{label} tokens", passed, detail)
+
+
+def _prompt_row(config: Config, label: str, rec: Any, messages: list[dict[str, Any]],
+                reconstruct_fn: Callable[..., Any]) -> SmokeRow:
+    """The prompt the provider ran (usage.prompt_tokens) against the prompt the run reconstructs."""
+    from draftgen.core.config import KIMI_DEFAULT_SYSTEM
+    if rec.prompt_diff is None:
+        return SmokeRow(f"{label} prompt tokens", False,
+                        "no usage.prompt_tokens in the answer: the prompt cannot be checked")
+    tol = config.validation.prompt_tolerance
+    detail = (f"{rec.prompt_tokens} prompt tokens rendered vs {rec.billed_prompt_tokens} in usage.prompt_tokens "
+              f"(diff {rec.prompt_diff}; system turn: {config.tokenizer.system_turn_why()})")
+    if abs(rec.prompt_diff) <= tol:
+        return SmokeRow(f"{label} prompt tokens", True, detail)
+    # Would the other default system turn explain it? Say which setting matches the provider.
+    current = config.tokenizer.system_turn()
+    other = None if current is not None else KIMI_DEFAULT_SYSTEM
+    alt = reconstruct_fn(messages, None, system=other)
+    if alt is not None and alt.prompt_tokens is not None and abs(alt.prompt_tokens - rec.billed_prompt_tokens) <= tol:
+        setting = "\"none\"" if other is None else '"' + other + '"'
+        detail += (f"; the provider's count matches the prompt rendered with "
+                   f"{'no default system turn' if other is None else 'the Kimi default system turn'}: "
+                   f"set [tokenizer] default_system = {setting}")
+    else:
+        detail += ("; the provider ran another prompt than the one reconstructed (a different chat template, "
+                   "system turn or tool declarations), so every row's prompt would differ from what produced "
+                   "its answer")
+    return SmokeRow(f"{label} prompt tokens", False, detail)
 
 
 async def run_smoke(config: Config, api_key: str,
@@ -147,27 +198,35 @@ async def run_smoke(config: Config, api_key: str,
         result.rows.append(SmokeRow(row.check, row.passed, redact(row.detail)))
         if progress is not None:
             progress(snap.StageProgress("smoke", state=snap.StageState.RUNNING, done=len(result.rows),
-                                        total=2 + 8 * len(shapes),
+                                        total=2 + 9 * len(shapes),
                                         checks=tuple((r.check, r.passed, r.detail) for r in result.rows)))
 
     tok_and_template: list[Any] = []
+    _unset = object()
 
-    def reconstruct_fn(messages: list[dict[str, Any]], a: ChatAnswer) -> Any:
+    def reconstruct_fn(messages: list[dict[str, Any]], a: ChatAnswer | None, system: Any = _unset) -> Any:
+        """The answer `a` reconstructed; with `a` None, only the prompt (rendered with `system`)."""
         from draftgen.core.tokens.reconstruct import reconstruct
         from draftgen.core.tokens.template import load_template
         from draftgen.core.tokens.tokenizer import load_tokenizer
         if not tok_and_template:
             try:
                 tok = load_tokenizer(config.tokenizer.path, config.tokenizer.trust_remote_code)
-                tok_and_template.append((tok, load_template(config.tokenizer.template, tok)))
+                tok_and_template.append((tok, load_template(config.tokenizer.template, tok,
+                                                            default_system=config.tokenizer.system_turn())))
             except DraftgenError as e:
                 add(SmokeRow("tokenizer", False, str(e)))
                 tok_and_template.append(None)
         if tok_and_template[0] is None:
             return None
         tok, template = tok_and_template[0]
+        if a is None:
+            return reconstruct(tok, load_template(config.tokenizer.template, tok, default_system=system),
+                               messages, "", "")
         return reconstruct(tok, template, messages, a.reasoning, a.content, billed_tokens=a.usage.completion_tokens,
-                           backend_ids=a.token_ids, truncated=a.finish_reason == "length", tool_calls=a.tool_calls)
+                           backend_ids=a.token_ids, truncated=a.finish_reason == "length", tool_calls=a.tool_calls,
+                           count_tolerance=config.validation.count_tolerance,
+                           billed_prompt_tokens=a.usage.prompt_tokens, provider=a.provider)
 
     async with ChatClient(config.api.base_url, api_key, concurrency=4,
                           request_timeout_s=min(config.api.request_timeout_s, 600),

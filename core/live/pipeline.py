@@ -62,6 +62,7 @@ class Pipeline:
         self._log: EventLog | None = None
         self._attach: Any = None
         self._reconstructor: Any = None
+        self._fidelity: tuple[snap.ProviderFidelity, ...] = ()  # the last figures, kept after the workers stop
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._ticker: asyncio.Task[None] | None = None
         self.quit_requested = asyncio.Event()
@@ -143,7 +144,12 @@ class Pipeline:
             if self._reconstructor is not None:
                 await self._reconstructor.close()
                 self.stages["tokens"] = self._reconstructor.progress()
+                self._fidelity = self._reconstructor.fidelity()
                 self.emit("info", "tokens_done", self._reconstructor.report(None).summary_line())
+                for row in self._fidelity:
+                    if row.flagged:
+                        self.emit("warn", "provider_flagged", f"provider {row.name}: {row.flagged} "
+                                  f"(`draftgen tokens` prints the ignore line to add)")
                 self._reconstructor = None
             return state
         finally:
@@ -162,8 +168,10 @@ class Pipeline:
         s = self.engine.snapshot()
         if self._reconstructor is not None:
             self.stages["tokens"] = self._reconstructor.progress()
+            self._fidelity = self._reconstructor.fidelity()
+        fidelity = self._fidelity
         return dataclasses.replace(s, stages=tuple(self.stages[n] for n in STAGES if n in self.stages),
-                                   gpus=self.gpus)
+                                   gpus=self.gpus, fidelity=fidelity)
 
     def publish(self) -> None:
         self.hub.publish_snapshot(self.snapshot())

@@ -120,6 +120,16 @@ class StageProgress:
 
 
 @dataclass(frozen=True)
+class ProviderFidelity:
+    """One provider's token-count agreement so far (core/tokens/fidelity.py), for the providers panel."""
+    name: str
+    answers: int
+    answer_exact: float | None      # share of answers whose token count equals the billed one
+    prompt_exact: float | None      # share whose rendered prompt equals usage.prompt_tokens
+    flagged: str = ""               # why its counts depart from the other providers' ("" when they do not)
+
+
+@dataclass(frozen=True)
 class RunSnapshot:
     run_name: str
     model: str
@@ -132,6 +142,7 @@ class RunSnapshot:
     errors: tuple[tuple[str, int], ...] = ()      # kind -> count, most first
     retries: int = 0
     providers: tuple[tuple[str, int], ...] = ()   # provider (quantization) -> answers
+    fidelity: tuple[ProviderFidelity, ...] = ()   # per provider, from the reconstructed answers
     credits: Credits = Credits()
     gpus: tuple[GpuStat, ...] | None = None       # None: no GPU / NVML absent
     stages: tuple[StageProgress, ...] = ()        # smoke, tokens, merge, extract
@@ -175,6 +186,8 @@ def _from(cls: type, data: Any) -> Any:
             value = None if value is None else tuple(_from(GpuStat, g) for g in value)
         elif f.name == "stages":
             value = tuple(_from(StageProgress, s) for s in value)
+        elif f.name == "fidelity":
+            value = tuple(_from(ProviderFidelity, p) for p in value)
         elif f.name in ("detail", "checks"):
             value = tuple(tuple(p) for p in value)
         elif f.name in ("errors", "providers"):

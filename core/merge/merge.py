@@ -64,11 +64,15 @@ from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.rundir import RunDir, disk_error
 from draftgen.core.live.snapshot import StageProgress
+from draftgen.core.merge.policy import NOTES, SamplePolicy
 from draftgen.core.tokens.store import IDS_FILE, INDEX_FILE, MASK_FILE, TokenWriter
 
 # Each dropped sample is counted under the first reason that applies, in this order ("failed" are
 # failures.jsonl lines; "bad_line" a responses.jsonl line that is not a JSON object with an id).
-DROP_REASONS = ("failed", "truncated", "empty", "not_reconstructed", "invalid", "duplicate", "bad_line")
+# The token-level causes (provider_excluded, invalid, count_mismatch, prompt_mismatch) are the sample
+# policy's, core/merge/policy.py: a structural failure drops a sample, a BPE split keeps it.
+DROP_REASONS = ("failed", "truncated", "empty", "not_reconstructed", "provider_excluded", "invalid",
+                "count_mismatch", "prompt_mismatch", "duplicate", "bad_line")
 
 TRAIN_FILE, TOKENS_DIR, STATS_FILE = "train.jsonl", "tokens", "stats.json"
 LOCK_FILE, TMP_PREFIX, OLD_PREFIX = "merged.lock", "merged.tmp-", "merged.old-"
@@ -89,6 +93,7 @@ class DatasetMergeStats:
     masked_tokens: int = 0              # loss_mask == 1 of kept samples
     cost_usd: float = 0.0               # usage.cost of kept samples
     cost_all_usd: float = 0.0           # usage.cost of every answer read (what the dataset cost)
+    kept_noted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NOTES, 0))  # kept, but differed
 
     @property
     def dropped_total(self) -> int:
@@ -108,6 +113,8 @@ class MergeStats:
     seed: int
     datasets: list[DatasetMergeStats]
     inputs: list[InputFingerprint]
+    policy: dict[str, Any] = field(default_factory=dict)
+    system_turn: str | None = None
     samples: int = 0
     tokens: int = 0
     masked_tokens: int = 0
@@ -137,6 +144,9 @@ class MergeStats:
             "read": self.read,
             "dropped": self.dropped,
             "drop_reasons": list(DROP_REASONS),
+            "kept_noted": {n: sum(d.kept_noted.get(n, 0) for d in self.datasets) for n in NOTES},
+            "policy": self.policy,
+            "system_turn": self.system_turn,
             "datasets": [{**asdict(d), "dropped_total": d.dropped_total} for d in self.datasets],
             "inputs": [asdict(f) for f in self.inputs],
             "outputs": {"train_jsonl": {"lines": self.samples, "bytes": self.train_bytes},
@@ -179,6 +189,9 @@ class _TokenRef:
     valid: bool
     failed_checks: tuple[str, ...]
     truncated: bool
+    count_diff: int | None = None
+    billed: int | None = None
+    prompt_diff: int | None = None
 
 
 class _DatasetInput:
@@ -224,7 +237,9 @@ class _DatasetInput:
             try:
                 obj = orjson.loads(line)
                 ref = _TokenRef(int(obj["offset"]), int(obj["length"]), obj.get("valid") is True,
-                                tuple(obj.get("failed_checks") or ()), bool(obj.get("truncated")))
+                                tuple(obj.get("failed_checks") or ()), bool(obj.get("truncated")),
+                                _int_or_none(obj.get("count_diff")), _int_or_none(obj.get("billed_tokens")),
+                                _int_or_none(obj.get("prompt_diff")))
                 refs[str(obj["id"])] = ref
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
                 break  # same rule as TokenReader: the index ends at its first unreadable line
@@ -285,12 +300,18 @@ def _turn(message: dict[str, Any]) -> dict[str, Any]:
     return turn
 
 
-def specforge_record(sample_id: str, response: dict[str, Any], *, tool_calls_key: bool = False) -> dict[str, Any]:
+def specforge_record(sample_id: str, response: dict[str, Any], *, tool_calls_key: bool = False,
+                     system: str | None = None) -> dict[str, Any]:
     """One train.jsonl object from a responses.jsonl record: the prompt as sent, then the answer.
 
     `tool_calls_key`: some sample of the merge has tool calls, so every row carries the key (see top).
+    `system`: the default system turn the run rendered ([tokenizer] default_system): written out in
+    front of a prompt without one, so no downstream template adds its own (SpecForge's kimi templates
+    would add "You are a helpful assistant.").
     """
     conversations = [_turn(m) for m in response.get("messages") or () if isinstance(m, dict)]
+    if system is not None and not (conversations and conversations[0]["role"] == "system"):
+        conversations.insert(0, {"role": "system", "content": system})
     answer: dict[str, Any] = {"role": "assistant", "content": _text(response.get("content")),
                               "reasoning_content": _text(response.get("reasoning"))}
     if tool_calls_key or response.get("tool_calls"):
@@ -312,16 +333,23 @@ def _cost(record: dict[str, Any]) -> float:
     return float(cost) if isinstance(cost, (int, float)) and math.isfinite(cost) else 0.0
 
 
-def _drop_reason(record: dict[str, Any], ref: _TokenRef | None) -> str | None:
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _drop_reason(record: dict[str, Any], ref: _TokenRef | None,
+                 policy: SamplePolicy) -> tuple[str | None, tuple[str, ...]]:
+    """(the reason a sample is dropped or None, what a kept one differed in)."""
     if record.get("truncated") or record.get("finish_reason") == "length" or (ref is not None and ref.truncated):
-        return "truncated"
+        return "truncated", ()
     if record.get("empty_content") or not _text(record.get("content")):
-        return "empty"
+        return "empty", ()
     if ref is None:
-        return "not_reconstructed"
-    if not ref.valid:
-        return "invalid"
-    return None
+        return "not_reconstructed", ()
+    if not ref.valid and not ref.failed_checks:  # an index entry that never says it was validated
+        return "invalid", ()
+    verdict = policy.judge(ref.failed_checks, ref.count_diff, ref.billed, ref.prompt_diff, record.get("provider"))
+    return (None, verdict.notes) if verdict.keep else (verdict.cause, ())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,9 +504,11 @@ def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> M
     try:
         per_ds = [DatasetMergeStats(ds.name) for ds in config.datasets]
         fingerprints = [fp for inp in inputs for fp in inp.fingerprints(root)]
-        kept, tool_calls_key = _scan(inputs, per_ds, reporter)
+        policy = SamplePolicy.from_config(config)
+        kept, tool_calls_key = _scan(inputs, per_ds, reporter, policy)
         random.Random(config.merge.seed).shuffle(kept)
-        stats = MergeStats(seed=config.merge.seed, datasets=per_ds, inputs=fingerprints)
+        stats = MergeStats(seed=config.merge.seed, datasets=per_ds, inputs=fingerprints, policy=policy.to_dict(),
+                           system_turn=config.tokenizer.system_turn())
         tmp.mkdir()
         try:
             _write(inputs, kept, tmp, stats, reporter, tool_calls_key)
@@ -500,7 +530,7 @@ _Kept = tuple[int, int, int, int, int]
 
 
 def _scan(inputs: list[_DatasetInput], per_ds: list[DatasetMergeStats],
-          reporter: _Reporter) -> tuple[list[_Kept], bool]:
+          reporter: _Reporter, policy: SamplePolicy) -> tuple[list[_Kept], bool]:
     """Pass 1: classify every answer, keep the clean first-seen ones as small tuples.
 
     Also says whether any kept prompt has tool calls (then every row gets the key, see top).
@@ -525,7 +555,7 @@ def _scan(inputs: list[_DatasetInput], per_ds: list[DatasetMergeStats],
         for offset, line in _complete_lines(inp.responses, inp.size(inp.responses)):
             st.read += 1
             reporter.read += 1
-            reason, ref, key, sample_tools = _classify(line, refs, seen, kept_ids, st)
+            reason, ref, key, sample_tools = _classify(line, refs, seen, kept_ids, st, policy)
             if reason is None:
                 tools = tools or sample_tools
                 seen.add(key)
@@ -545,7 +575,7 @@ def _scan(inputs: list[_DatasetInput], per_ds: list[DatasetMergeStats],
 
 
 def _classify(line: bytes, refs: dict[str, _TokenRef], seen: set[bytes], kept_ids: set[str],
-              st: DatasetMergeStats) -> tuple[str | None, Any, bytes, bool]:
+              st: DatasetMergeStats, policy: SamplePolicy) -> tuple[str | None, Any, bytes, bool]:
     try:
         record = orjson.loads(line)
         sample_id = str(record["id"])
@@ -555,7 +585,7 @@ def _classify(line: bytes, refs: dict[str, _TokenRef], seen: set[bytes], kept_id
         return "bad_line", None, b"", False
     st.cost_all_usd += _cost(record)
     ref = refs.get(sample_id)
-    reason = _drop_reason(record, ref)
+    reason, notes = _drop_reason(record, ref, policy)
     if reason == "invalid":
         for check in ref.failed_checks or ("unvalidated",):
             st.invalid_checks[check] = st.invalid_checks.get(check, 0) + 1
@@ -567,6 +597,8 @@ def _classify(line: bytes, refs: dict[str, _TokenRef], seen: set[bytes], kept_id
         return "duplicate", ref, key, False
     kept_ids.add(sample_id)
     st.cost_usd += _cost(record)
+    for note in notes:
+        st.kept_noted[note] = st.kept_noted.get(note, 0) + 1
     return None, ref, key, has_tool_calls(record)
 
 
@@ -581,7 +613,8 @@ def _write(inputs: list[_DatasetInput], kept: list[_Kept], tmp: Path, stats: Mer
             inp, st = inputs[ds_index], stats.datasets[ds_index]
             record = orjson.loads(os.pread(inp.responses.fileno(), line_length, offset))
             sample_id = f"{inp.name}/{record['id']}"
-            line = orjson.dumps(specforge_record(sample_id, record, tool_calls_key=tool_calls_key)) + b"\n"
+            line = orjson.dumps(specforge_record(sample_id, record, tool_calls_key=tool_calls_key,
+                                                 system=stats.system_turn)) + b"\n"
             train.write(line)
             train_bytes += len(line)
             ids, mask = inp.token_arrays(tok_offset, tok_length)
@@ -652,6 +685,10 @@ def merge_command(config: Config) -> int:
             checks[check] = checks.get(check, 0) + n
     if checks:
         console.print("invalid by check: " + ", ".join(f"{c} {n:,}" for c, n in sorted(checks.items())))
+    noted = {n: sum(d.kept_noted.get(n, 0) for d in stats.datasets) for n in NOTES}
+    if any(noted.values()):
+        console.print("kept although they differed: " + ", ".join(f"{n} {c:,}" for n, c in noted.items() if c)
+                      + " (see [validation] in the README)", highlight=False)
     console.print(f"{stats.samples:,} samples written in {stats.elapsed_s:.1f} s", highlight=False)
     sys.stdout.flush()
     return 0

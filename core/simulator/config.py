@@ -65,6 +65,10 @@ class SimProvider:
     weight: float  # share of traffic when the router load-balances
     ttft_s: float  # time to first token
     tokens_per_s: float
+    # Another tokenizer behind this endpoint: the counts it bills (completion and prompt tokens) are
+    # this share off the Kimi tokenizer's (0.04: 4 % more), so the validation report and the smoke
+    # test can be shown to flag it.
+    token_skew: float = 0.0
 
 
 # Kimi-K2.5 endpoints as the reference run met them: int4 providers serve the model's tokens,
@@ -109,6 +113,10 @@ class SimConfig:
     fallback_rate: float = 0.1
     # Chance that the billed completion_tokens is off by one from the answer's real count.
     tokens_drift: float = 0.0
+    # The system turn the simulated servers render in front of a conversation that has none, counted
+    # in usage.prompt_tokens: None as Kimi-K2.5's chat template does; a text to play a server that
+    # renders another prompt than the run reconstructs (the prompt check then fails).
+    default_system: str | None = None
     # Where the reasoning goes: OpenRouter uses `reasoning`; vLLM/SGLang use `reasoning_content`.
     reasoning_field: Literal["reasoning", "reasoning_content"] = "reasoning"
     # SSE keep-alive comment while the first token is awaited.
@@ -142,6 +150,7 @@ class SimConfig:
                "must be 'reasoning' or 'reasoning_content'")
         _check(self.processing_comment_s > 0, "processing_comment_s", "must be > 0")
         _check(len(self.providers) >= 1, "providers", "needs at least one provider")
+        _check(all(-0.5 <= p.token_skew <= 1 for p in self.providers), "providers", "token_skew must be in [-0.5, 1]")
         object.__setattr__(self, "misbehave", tuple(self.misbehave))
         _check(all(m in MISBEHAVIOURS for m in self.misbehave), "misbehave",
                f"must name some of {', '.join(MISBEHAVIOURS)}")

@@ -27,9 +27,10 @@ from aiohttp import web
 
 from draftgen.core.simulator import responses, wire
 from draftgen.core.simulator.answer_text import style_of_prompt
-from draftgen.core.simulator.answers import AnswerPool, build_pool
+from draftgen.core.simulator.answers import AnswerPool, answer_tokenizer, build_pool
 from draftgen.core.simulator.config import FIXED_AT_START, SimConfig, SimProvider, SimulatorError
 from draftgen.core.simulator.faults import pick_fault, serve_fault
+from draftgen.core.simulator.prompt import prompt_token_count
 from draftgen.core.simulator.routing import NoEndpoints, candidates, choose
 from draftgen.core.simulator.stats import SimStats
 
@@ -51,6 +52,7 @@ class SimServer:
         self._gen_counter = 0
         self._fragments: wire.FragmentCache = {}
         self._route_cache: dict[tuple[bytes, str, int], list[SimProvider] | NoEndpoints] = {}
+        self._prompt_cache: dict[tuple[str, str | None], int] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -214,7 +216,10 @@ class SimServer:
         billed_tokens = completion.completion_tokens
         if draws[4] < cfg.tokens_drift:
             billed_tokens = max(1, billed_tokens + (1 if draws[5] < 0.5 else -1))
-        prompt_tokens = _prompt_tokens(messages, len(key_json))
+        prompt_tokens = self._prompt_tokens(key, messages, cfg.default_system)
+        if provider.token_skew:
+            billed_tokens = max(1, round(billed_tokens * (1 + provider.token_skew)))
+            prompt_tokens = max(1, round(prompt_tokens * (1 + provider.token_skew)))
         cost = (prompt_tokens * provider.usd_per_m_in + billed_tokens * provider.usd_per_m_out) / 1e6
 
         self._gen_counter += 1
@@ -237,6 +242,15 @@ class SimServer:
         if cfg.misbehave:
             data = _misbehave(data, cfg, prefs)
         return web.Response(body=data, content_type=responses.JSON)
+
+    def _prompt_tokens(self, key: str, messages: list[Any], system: str | None) -> int:
+        # Memoised per prompt: retries and repeated prompts are not tokenized again.
+        found = self._prompt_cache.get((key, system))
+        if found is None:
+            if len(self._prompt_cache) > 65536:
+                self._prompt_cache.clear()
+            found = self._prompt_cache[(key, system)] = prompt_token_count(answer_tokenizer(), messages, system)
+        return found
 
     def _routes(self, cfg: SimConfig, prefs: Any, model: str) -> list[SimProvider] | NoEndpoints:
         # Memoised: a run sends the same provider preferences with every request.
@@ -419,11 +433,6 @@ def _last_user_text(messages: list[Any]) -> str:
             if isinstance(content, list):
                 return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
     return ""
-
-
-def _prompt_tokens(messages: list[Any], json_len: int) -> int:
-    # An estimate (the prompt is never tokenized here): ~4 bytes a token plus a few per turn.
-    return max(1, json_len // 4 + 3 * len(messages))
 
 
 def _latency(cfg: SimConfig, provider: SimProvider, tokens: int, u_jitter: float,

@@ -16,13 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.live.snapshot import StageProgress, StageState
+from draftgen.core.live.snapshot import ProviderFidelity, StageProgress, StageState
+from draftgen.core.merge.policy import SamplePolicy
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.reconstruct import ValidationReport
 from draftgen.core.tokens.store import TokenWriter
 from draftgen.core.tokens.workers import (
     BATCH_ANSWERS, BATCH_CHARS, LockedWriter, Result, TokenRate, WorkerSpec, check_dataset, cores, index_report,
-    new_pool, pending_offsets, ping, read_records, reconstruct_batch, record_chars, slim_record, write_report)
+    new_pool, pending_offsets, ping, provider_flags, read_records, reconstruct_batch, record_chars, slim_record,
+    write_report)
 
 
 @dataclass
@@ -37,10 +39,10 @@ class _Dataset:
     buffer_chars: int = 0
 
     @classmethod
-    def open(cls, run: RunDir, name: str) -> _Dataset:
+    def open(cls, run: RunDir, name: str, policy: SamplePolicy) -> _Dataset:
         folder = run.tokens(name)
         writer = LockedWriter(folder)
-        return cls(name, folder, writer, index_report(folder, name), set(writer.ids))
+        return cls(name, folder, writer, index_report(folder, name, policy), set(writer.ids))
 
     def take(self) -> list[dict[str, Any]]:
         batch, self.buffer, self.buffer_chars = self.buffer, [], 0
@@ -87,7 +89,7 @@ class LiveReconstructor:
     def _open(self, name: str) -> _Dataset:
         ds = self._datasets.get(name)
         if ds is None:
-            ds = self._datasets[name] = _Dataset.open(self._run, name)
+            ds = self._datasets[name] = _Dataset.open(self._run, name, SamplePolicy.from_config(self.config))
         return ds
 
     # -- intake ---------------------------------------------------------------------------------
@@ -201,8 +203,19 @@ class LiveReconstructor:
         if dataset_name is None:
             return ValidationReport.combine(ds.report for ds in self._datasets.values())
         if dataset_name not in self._datasets:
-            return ValidationReport(dataset_name)
+            return ValidationReport(dataset_name, policy=SamplePolicy.from_config(self.config))
         return self._datasets[dataset_name].report
+
+    def fidelity(self) -> tuple[ProviderFidelity, ...]:
+        """Each provider's token-count agreement over every dataset so far, flagged where it departs."""
+        total = self.report(None)
+        flags = {f.provider: f.reason for f in provider_flags(self.config, total)}
+        rows = []
+        for name, a in sorted(total.providers.items(), key=lambda kv: -kv[1].answers):
+            if a.answers:
+                rows.append(ProviderFidelity(name, a.answers, a.answer.share_exact, a.prompt.share_exact,
+                                             flags.get(name, "")))
+        return tuple(rows)
 
     def progress(self) -> StageProgress:
         done = self._rate.answers
@@ -234,7 +247,7 @@ class LiveReconstructor:
         def finish() -> None:
             for ds in self._datasets.values():
                 ds.writer.close()
-                write_report(ds.folder, ds.report)
+                write_report(ds.folder, ds.report, provider_flags(self.config, ds.report))
             if pool is not None:
                 pool.shutdown(wait=True)
         await asyncio.to_thread(finish)

@@ -26,10 +26,16 @@ history split in ART's and miles' patches of it; tinker-cookbook's K2.5 renderer
   GeneralParser (under ThinkingParser) masks from the end of that header through the end-of-turn
   token inclusive. SpecForge masks every assistant turn unless `train_only_last_turn`; here only the
   last, since earlier ones came with the prompt.
-- The K2 and K2-Thinking templates (and K2.5's, per tinker-cookbook; its full text was not found)
-  insert a default system turn ("You are Kimi, an AI assistant created by Moonshot AI.") when a
-  conversation has none. SPEC.md's rendering has no such turn, so it is off by default;
-  `KimiK25Template(default_system=KIMI_DEFAULT_SYSTEM)` turns it on.
+- The default system turn. K2's and K2-Thinking's templates insert "You are Kimi, an AI assistant
+  created by Moonshot AI." when a conversation has none (llama.cpp's copies of both). K2.5's does
+  not: PrimeIntellect-ai/renderers' K2.5 renderer, parity-tested token for token against the HF
+  Jinja template of moonshotai/Kimi-K2.5 on a user-only conversation with and without the generation
+  prompt (tests/parity.py scenarios "user", "generation-prompt-no-system"), renders none, while its
+  K2 renderer does; a downstream fork of tinker-cookbook calls tinker's inherited K2 default in its
+  K2.5 renderer the thing its "corrected" variant removes. vLLM and SGLang render the model's own
+  template, so a provider serving K2.5 renders no system turn: `kimi-k2.5` renders none by default.
+  `[tokenizer] default_system` overrides that (a text renders that turn, as `KimiK25Template(
+  default_system=...)`); the smoke test's prompt-token check shows which one the provider ran.
 - Not rendered: `tools` declarations (`tool_declare`) and image parts (rejected with TemplateError).
 
 `auto`: the tokenizer's own Jinja template (transformers `apply_chat_template`, the final assistant
@@ -46,10 +52,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from draftgen.core.config import KIMI_DEFAULT_SYSTEM  # noqa: F401 - re-exported for callers of this module
 from draftgen.core.errors import DraftgenError
 from draftgen.core.tokens.tokenizer import Tokenizer
 
-KIMI_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 TEMPLATES = ("kimi-k2.5", "auto")
 
 
@@ -115,6 +121,13 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
+def with_system(messages: list[dict[str, Any]], system: str | None) -> list[dict[str, Any]]:
+    """`messages` with `system` as a first system turn when they have none (and `system` is set)."""
+    if system is None or (messages and isinstance(messages[0], dict) and messages[0].get("role") == "system"):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
 def _tool_call_parts(tool_calls: Any, where: str) -> list[Segment]:
     """Kimi's tool-call section; arguments verbatim when a string, else compact JSON."""
     import json
@@ -149,11 +162,8 @@ class KimiK25Template:
 
     def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
                truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> RenderedChat:
-        messages = _check_messages(messages)
+        messages = with_system(_check_messages(messages), self.default_system)
         prompt: list[Segment] = []
-        if self.default_system is not None and messages[0]["role"] != "system":
-            prompt += [Segment("<|im_system|>", True), Segment("system"), Segment("<|im_middle|>", True),
-                       Segment(self.default_system), Segment(self.EOT, True)]
         # History ends at the last assistant turn without tool calls; its reasoning (and earlier) is dropped.
         last_plain = max((i for i, m in enumerate(messages)
                           if m["role"] == "assistant" and not m.get("tool_calls")), default=-1)
@@ -200,7 +210,8 @@ class AutoTemplate:
 
     name = "auto"
 
-    def __init__(self, tok: Tokenizer) -> None:
+    def __init__(self, tok: Tokenizer, default_system: str | None = None) -> None:
+        self.default_system = default_system
         if not tok.has_chat_template:
             raise TemplateError(f"tokenizer {tok.name} has no chat template of its own: "
                                 f"tokenizer.template = \"auto\" needs one (or use \"kimi-k2.5\")")
@@ -233,7 +244,7 @@ class AutoTemplate:
 
     def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
                truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> RenderedChat:
-        messages = _check_messages(messages)
+        messages = with_system(_check_messages(messages), self.default_system)
         texts: list[str] = []
 
         def hide(text: str) -> str:
@@ -307,5 +318,5 @@ def load_template(name: str, tok: Tokenizer, *, default_system: str | None = Non
             tok.special_id(special)  # a clear TokenizerError now, not one per answer later
         return KimiK25Template(default_system)
     if name == "auto":
-        return AutoTemplate(tok)
+        return AutoTemplate(tok, default_system)
     raise TemplateError(f"unknown chat template {name!r} (known: {', '.join(TEMPLATES)})")

@@ -32,7 +32,10 @@ import orjson
 
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DraftgenError
-from draftgen.core.tokens.reconstruct import CHECKS, DEFAULT_COUNT_TOLERANCE, ValidationReport, reconstruct_record, unrenderable
+from draftgen.core.merge.policy import SamplePolicy
+from draftgen.core.tokens.fidelity import ProviderFlag
+from draftgen.core.tokens.reconstruct import (CHECKS, DEFAULT_COUNT_TOLERANCE, PROVIDER_COLUMNS, ValidationReport,
+                                              provider_rows, reconstruct_record, unrenderable)
 from draftgen.core.rundir import RunDir, disk_error, iter_jsonl, read_line_at
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.tokens.template import ChatTemplate, load_template
@@ -46,7 +49,8 @@ BATCH_CHARS = 1 << 20         # ... or fewer when they are long
 INLINE_MAX = 32               # fewer pending answers than this: not worth starting processes
 PROGRESS_EVERY_S = 0.25
 # The fields of a response line that reconstruction reads (the rest never crosses to a worker).
-_FIELDS = ("id", "messages", "reasoning", "content", "tool_calls", "finish_reason", "truncated", "token_ids")
+_FIELDS = ("id", "messages", "reasoning", "content", "tool_calls", "finish_reason", "truncated", "token_ids",
+           "provider")
 
 Progress = Callable[[StageProgress], None]
 Result = tuple[str, np.ndarray, np.ndarray, dict[str, Any]]
@@ -63,15 +67,16 @@ class WorkerSpec:
     trust_remote_code: bool
     template: str
     count_tolerance: int = DEFAULT_COUNT_TOLERANCE
+    default_system: str | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> "WorkerSpec":
         t = config.tokenizer
-        return cls(t.path, t.trust_remote_code, t.template)
+        return cls(t.path, t.trust_remote_code, t.template, config.validation.count_tolerance, t.system_turn())
 
     def load(self) -> tuple[Tokenizer, ChatTemplate]:
         tok = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
-        return tok, load_template(self.template, tok)
+        return tok, load_template(self.template, tok, default_system=self.default_system)
 
 
 _worker: tuple[Tokenizer, ChatTemplate, int] | None = None
@@ -125,7 +130,7 @@ def slim_record(record: dict[str, Any]) -> dict[str, Any]:
     slim = {k: record[k] for k in _FIELDS if k in record}
     usage = record.get("usage")
     if isinstance(usage, dict):
-        slim["usage"] = {"completion_tokens": usage.get("completion_tokens")}
+        slim["usage"] = {"completion_tokens": usage.get("completion_tokens"), "prompt_tokens": usage.get("prompt_tokens")}
     return slim
 
 
@@ -255,19 +260,28 @@ def check_dataset(config: Config, name: str) -> None:
         raise ConfigError(f"{config.path}: no dataset named {name!r} (datasets: {', '.join(_dataset_names(config))})")
 
 
-def index_report(folder: Path, name: str) -> ValidationReport:
+def index_report(folder: Path, name: str, policy: SamplePolicy | None = None) -> ValidationReport:
     """The report of every sample committed in a tokens folder (read from its index metadata)."""
-    report = ValidationReport(name)
+    report = ValidationReport(name, policy=policy or SamplePolicy())
     for _, entry in iter_jsonl(Path(folder) / INDEX_FILE):
         report.add_meta(entry)
     return report
 
 
-def write_report(folder: Path, report: ValidationReport) -> Path:
+def provider_flags(config: Config, report: ValidationReport) -> list[ProviderFlag]:
+    """Providers whose token counts depart from the others' in `report` (thresholds from [validation])."""
+    v = config.validation
+    routing = config.request.get("provider")
+    ignore = routing.get("ignore") if isinstance(routing, dict) else None
+    ignore = [str(x) for x in ignore] if isinstance(ignore, list) else ([ignore] if isinstance(ignore, str) else [])
+    return report.flags(v.provider_min_answers, v.provider_exact_gap, ignore, config.merge.exclude_providers)
+
+
+def write_report(folder: Path, report: ValidationReport, flags: Iterable[ProviderFlag] = ()) -> Path:
     """`<tokens>/report.json`, replaced atomically."""
     path = Path(folder) / REPORT_FILE
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_bytes(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2))
+    tmp.write_bytes(orjson.dumps(report.to_dict(flags), option=orjson.OPT_INDENT_2))
     os.replace(tmp, path)
     return path
 
@@ -324,7 +338,7 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: Progress | 
     spec = WorkerSpec.from_config(config)
     n_workers = workers if workers is not None else (config.engine.workers or cores())
     with LockedWriter(folder) as writer:
-        report = index_report(folder, dataset_name)
+        report = index_report(folder, dataset_name, SamplePolicy.from_config(config))
         offsets = pending_offsets(responses, writer.ids)
         total = len(offsets)
         rate = TokenRate()
@@ -377,7 +391,7 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: Progress | 
                     fut.cancel()
                 if own:
                     pool.shutdown(wait=True)
-    write_report(folder, report)
+    write_report(folder, report, provider_flags(config, report))
     tell("done", force=True)
     return report
 
@@ -416,21 +430,42 @@ def tokens_command(config: Config) -> int:
     # Names and paths are the user's text, not rich markup ("B[/x]" must print, not raise).
     table = Table(title=f"token reconstruction — {escape(str(config.run_dir))}", box=None, header_style="bold")
     table.add_column("dataset", no_wrap=True)
-    for col in ("answers", "valid", "invalid", "trunc.", "Δ mean", "p50 |Δ|", "p99 |Δ|", "exact"):
+    for col in ("answers", "valid", "invalid", "trunc.", "Δ mean", "p50 |Δ|", "p99 |Δ|", "exact", "prompt exact",
+                "kept", "split"):
         table.add_column(col, justify="right", no_wrap=True)
     total = ValidationReport.combine(reports)
     for i, r in enumerate([*reports, total]):
         counted = r.counted > 0
+        prompt = r.prompt
         table.add_row(escape(r.name), f"{r.checked:,}", f"{r.valid:,}", f"{r.checked - r.valid:,}", f"{r.truncated:,}",
                       f"{r.diff_mean:+.2f}" if counted else "-",
                       str(r.diff_abs_percentile(50)) if counted else "-",
                       str(r.diff_abs_percentile(99)) if counted else "-",
-                      f"{r.share_exact:.1%}" if counted else "-", end_section=i == len(reports) - 1)
+                      f"{r.share_exact:.1%}" if counted else "-",
+                      f"{prompt.share_exact:.1%}" if prompt.n else "-",
+                      f"{r.kept:,}", f"{r.noted.get('count_split', 0):,}", end_section=i == len(reports) - 1)
     console.print(table)
     for r in reports:
         failed = ", ".join(f"{c} {r.failures[c]:,}" for c in CHECKS if r.failures.get(c))
         if failed:
             console.print(f"{escape(r.name)}: failed checks: {failed}")
-    console.print("Δ = reconstructed answer tokens - billed completion_tokens. Reports: "
+        dropped = ", ".join(f"{k} {n:,}" for k, n in sorted(r.dropped.items()) if n)
+        if dropped:
+            console.print(f"{escape(r.name)}: the sample policy drops {dropped}")
+    named = {p: a for p, a in total.providers.items() if a.answers}
+    if named:
+        per = Table(title="agreement per provider (answer: tokens vs billed; prompt: vs usage.prompt_tokens)",
+                    box=None, header_style="bold")
+        for j, col in enumerate(PROVIDER_COLUMNS):
+            per.add_column(col, justify="left" if j == 0 else "right", no_wrap=True)
+        for row in provider_rows(named):
+            per.add_row(escape(row[0]), *row[1:])
+        console.print(per)
+    for flag in provider_flags(config, total):
+        console.print(f"[bold red]FLAGGED[/] {escape(flag.provider)}: {escape(flag.reason)}")
+        console.print(f"  to stop sending it requests, in [request.provider]: {escape(flag.ignore_line)}")
+        console.print(f"  to leave its answers out of merge, in [merge]: {escape(flag.exclude_line)}")
+    console.print("Δ = reconstructed answer tokens - billed completion_tokens; prompt exact = rendered prompt "
+                  "tokens equal to usage.prompt_tokens. Reports: "
                   f"{escape(str(RunDir(config.run_dir).root))}/<dataset>/tokens/{REPORT_FILE}")
     return 0

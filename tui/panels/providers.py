@@ -1,4 +1,6 @@
-"""Providers: share of answers per provider (with its quantization where known)."""
+"""Providers: share of answers per provider (with its quantization where known) and, once answers are
+reconstructed, the share whose token count equals the billed one; a provider whose counts depart from
+the others' is marked (`draftgen tokens` prints why, with the `ignore` line to add)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ class ProvidersPanel(Panel):
     TITLE = "providers"
 
     def key(self, s: RunSnapshot) -> Any:
-        return s.providers
+        return s.providers, s.fidelity
 
     def fit(self) -> Any:
         return self.rows
@@ -29,11 +31,20 @@ class ProvidersPanel(Panel):
         table = Table.grid(expand=True, padding=(0, 0, 0, 1))
         table.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
         table.add_column(justify="right", no_wrap=True)
+        fidelity = {f.name: f for f in s.fidelity}
+        if fidelity:
+            table.add_column(justify="right", no_wrap=True)  # answer tokens exact
         room = max(1, self.rows)
         shown = s.providers if len(s.providers) <= room else s.providers[:room - 1]
         for name, n in shown:
-            table.add_row(name, fmt.percent(n, total))
+            cells: list[Any] = [name, fmt.percent(n, total)]
+            if fidelity:
+                f = fidelity.get(name)
+                exact = "" if f is None or f.answer_exact is None else f"exact {f.answer_exact:.0%}"
+                cells.append(Text(f"! {exact}", style="bold red") if f is not None and f.flagged else exact)
+            table.add_row(*cells)
         rest = s.providers[len(shown):]
         if rest:
-            table.add_row(Text(f"+{len(rest)} others", style="dim"), fmt.percent(sum(n for _, n in rest), total))
+            table.add_row(Text(f"+{len(rest)} others", style="dim"), fmt.percent(sum(n for _, n in rest), total),
+                          *([""] if fidelity else []))
         return table

@@ -1,0 +1,58 @@
+"""`usage.prompt_tokens` as a provider counts it: the conversation rendered with Kimi-K2.5's chat template.
+
+Written here from the template's structure (roles, `<|im_middle|>`, history turns with empty
+`<think></think>`, tool results as `## Return of {id}`, the generation prompt ending in `<think>`),
+not taken from draftgen's own renderer, so the prompt check compares two renderings. `system` is the
+system turn the simulated server puts in front of a conversation that has none: None (Kimi-K2.5's
+template adds none), or a text to make a server that renders another prompt than the run does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from draftgen.core.simulator.answers import AnswerTokenizer
+
+_OPENERS = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return ""
+
+
+def prompt_token_count(tok: AnswerTokenizer, messages: list[Any], system: str | None = None) -> int:
+    """Tokens of the rendered prompt, generation prompt (`<|im_assistant|>assistant<|im_middle|><think>`)
+    included; non-dict messages count as nothing (the request was accepted as sent)."""
+    msgs = [m for m in messages if isinstance(m, dict)]
+    if system is not None and not (msgs and msgs[0].get("role") == "system"):
+        msgs = [{"role": "system", "content": system}, *msgs]
+    last_plain = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant" and not m.get("tool_calls")),
+                     default=-1)
+    n = 0
+    for i, m in enumerate(msgs):
+        role = str(m.get("role", ""))
+        n += 2 + len(tok.encode_text(str(m.get("name") or role)))  # opener, name, <|im_middle|>
+        body = _text(m.get("content"))
+        if role == "assistant":
+            reasoning = "" if i <= last_plain else str(m.get("reasoning_content") or "")
+            n += 2 + len(tok.encode_text(reasoning)) + len(tok.encode_text(body))  # <think>...</think>
+            calls = m.get("tool_calls") or []
+            if calls:
+                n += 2  # the tool-calls section's begin and end
+                for j, call in enumerate(calls):
+                    fn = call.get("function") or {} if isinstance(call, dict) else {}
+                    args = fn.get("arguments", "")
+                    call_id = call.get("id") if isinstance(call, dict) else None
+                    n += 3 + len(tok.encode_text(str(call_id or f"functions.{fn.get('name')}:{j}")))
+                    n += len(tok.encode_text(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        elif role == "tool":
+            n += len(tok.encode_text(f"## Return of {m.get('tool_call_id') or ''}\n{body}"))
+        else:
+            n += len(tok.encode_text(body))
+        n += 1  # <|im_end|>
+    return n + 2 + len(tok.encode_text("assistant")) + 1  # generation prompt, with its <think>
