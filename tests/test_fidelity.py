@@ -204,7 +204,8 @@ async def test_draftgen_tokens_prints_agreement_per_provider_and_the_flag(tmp_pa
     assert tokens_command(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, workers=1))) == 0
     out = capsys.readouterr().out
     assert "agreement per provider" in out and "prompt exact" in out and "Skewed" in out
-    assert "FLAGGED" in out and '"skewed"' in out and 'exclude_providers = ["Skewed"]' in out
+    assert "FLAGGED" in out and 'in [request.provider]: ignore = ["fireworks", "baseten", "skewed"]' in out
+    assert 'in [merge]: exclude_providers = ["Skewed"]' in out
 
 
 async def test_a_provider_serving_another_tokenizer_is_flagged_in_smoke(tmp_path):

@@ -462,9 +462,12 @@ def tokens_command(config: Config) -> int:
             per.add_row(escape(row[0]), *row[1:])
         console.print(per)
     for flag in provider_flags(config, total):
+        # soft_wrap: the lines to paste stay whole however narrow the terminal.
         console.print(f"[bold red]FLAGGED[/] {escape(flag.provider)}: {escape(flag.reason)}")
-        console.print(f"  to stop sending it requests, in [request.provider]: {escape(flag.ignore_line)}")
-        console.print(f"  to leave its answers out of merge, in [merge]: {escape(flag.exclude_line)}")
+        console.print(f"  to stop sending it requests, in {escape('[request.provider]')}: {escape(flag.ignore_line)}",
+                      soft_wrap=True)
+        console.print(f"  to leave its answers out of merge, in {escape('[merge]')}: {escape(flag.exclude_line)}",
+                      soft_wrap=True)
     console.print("Δ = reconstructed answer tokens - billed completion_tokens; prompt exact = rendered prompt "
                   "tokens equal to usage.prompt_tokens. Reports: "
                   f"{escape(str(RunDir(config.run_dir).root))}/<dataset>/tokens/{REPORT_FILE}")
