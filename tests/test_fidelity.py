@@ -188,7 +188,7 @@ async def test_a_provider_serving_another_tokenizer_is_flagged_in_the_report_and
     on_disk = orjson.loads((RunDir(cfg.run_dir).tokens("a") / "report.json").read_bytes())
     assert on_disk["provider_flags"][0]["provider"] == "Skewed"
     assert on_disk["providers"]["Skewed"]["answer"]["share_exact"] == 0.0
-    assert "FLAGGED Skewed" in report.format(flags) and "answer exact" in report.format(flags)
+    assert "FLAGGED Skewed" in report.format(flags) and "mean|Δ|" in report.format(flags)
     # 5 % off is no BPE split: its answers are dropped; named in [merge] they are excluded as such.
     stats = merge(cfg)
     assert stats.dropped["count_mismatch"] == skewed.answers
@@ -203,7 +203,7 @@ async def test_draftgen_tokens_prints_agreement_per_provider_and_the_flag(tmp_pa
     cfg, _ = await generate(tmp_path, {"providers": PROVIDERS, "fallback_rate": 0.0}, tables, n=60)
     assert tokens_command(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, workers=1))) == 0
     out = capsys.readouterr().out
-    assert "agreement per provider" in out and "prompt exact" in out and "Skewed" in out
+    assert "agreement per provider" in out and "usage.prompt_tokens" in out and "Skewed" in out
     assert "FLAGGED" in out and 'in [request.provider]: ignore = ["fireworks", "baseten", "skewed"]' in out
     assert 'in [merge]: exclude_providers = ["Skewed"]' in out
 
@@ -253,8 +253,19 @@ async def test_returned_token_ids_are_used_and_compared(tmp_path, stream):
     agreement = next(iter(a for a in report.providers.values() if a.backend))
     assert sum(a.backend for a in report.providers.values()) == 16
     assert sum(a.backend_match for a in report.providers.values()) == 16
-    assert "agree" in report.format() and agreement.backend_match == agreement.backend
+    assert f"{agreement.backend}/{agreement.backend}" in report.format()
     # Without the opt-in nothing is asked for, nothing comes back.
     cfg2, plain = await generate(tmp_path / "plain", None, None, n=4)
     assert plain.from_backend == 0
     assert all("token_ids" not in orjson.loads(x) for x in RunDir(cfg2.run_dir).responses("a").read_bytes().splitlines())
+
+
+def test_the_readme_example_report_is_the_report_format():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme[readme.index("## Fidelity to what the model saw"):readme.index("## Rehearse for free")]
+    from draftgen.core.tokens.fidelity import Agreement
+    from draftgen.core.tokens.reconstruct import format_providers
+    header = format_providers({"x": Agreement({0: 1}, 10, {0: 1})}).splitlines()
+    assert header[0] in block and header[1] in block  # the caption, as format() prints it
+    assert "    provider    answers   exact  mean|Δ|  p99|Δ|  prompt  mean|Δ|  p99|Δ|  ids=" in block
+    assert "prompt_token_count" in block and "sample policy: keeps" in block and "FLAGGED" in block

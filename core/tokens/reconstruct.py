@@ -464,8 +464,9 @@ def _num(x: float | int | None, spec: str = "") -> str:
     return "-" if x is None else format(x, spec)
 
 
-PROVIDER_COLUMNS = ("provider", "answers", "answer exact", "mean |Δ|", "p99 |Δ|",
-                    "prompt exact", "mean |Δ|", "p99 |Δ|", "backend ids")
+PROVIDER_COLUMNS = ("provider", "answers", "exact", "mean|Δ|", "p99|Δ|", "prompt", "mean|Δ|", "p99|Δ|", "ids=")
+PROVIDER_CAPTION = ("exact: answer tokens equal to the billed completion_tokens; prompt: rendered prompt tokens "
+                    "equal to usage.prompt_tokens; |Δ| after each; ids=: returned ids equal to the reconstruction")
 
 
 def provider_rows(providers: Mapping[str, Agreement]) -> list[tuple[str, ...]]:
@@ -475,7 +476,7 @@ def provider_rows(providers: Mapping[str, Agreement]) -> list[tuple[str, ...]]:
         ans, pr = a.answer, a.prompt
         rows.append((name, f"{a.answers:,}", _pct(ans.share_exact), _num(ans.mean_abs, ".2f"), _num(ans.p99_abs),
                      _pct(pr.share_exact), _num(pr.mean_abs, ".2f"), _num(pr.p99_abs),
-                     f"{a.backend_match:,}/{a.backend:,} agree" if a.backend else "-"))
+                     f"{a.backend_match:,}/{a.backend:,}" if a.backend else "-"))
     return rows
 
 
@@ -483,7 +484,8 @@ def format_providers(providers: Mapping[str, Agreement]) -> str:
     """The per-provider agreement as a plain-text table (answer: span vs billed; prompt: vs usage)."""
     rows = [PROVIDER_COLUMNS, *provider_rows(providers)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(PROVIDER_COLUMNS))]
-    out = ["  per provider (answer: tokens vs billed completion_tokens; prompt: vs usage.prompt_tokens)"]
+    out = ["  per provider (exact: answer tokens equal to the billed completion_tokens; prompt: rendered",
+           "  prompt tokens equal to usage.prompt_tokens; |Δ| after each; ids=: returned ids equal to ours)"]
     for r in rows:
         out.append("    " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
     return "\n".join(out)

@@ -34,8 +34,8 @@ from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.merge.policy import SamplePolicy
 from draftgen.core.tokens.fidelity import ProviderFlag
-from draftgen.core.tokens.reconstruct import (CHECKS, DEFAULT_COUNT_TOLERANCE, PROVIDER_COLUMNS, ValidationReport,
-                                              provider_rows, reconstruct_record, unrenderable)
+from draftgen.core.tokens.reconstruct import (CHECKS, DEFAULT_COUNT_TOLERANCE, PROVIDER_CAPTION, PROVIDER_COLUMNS,
+                                              ValidationReport, provider_rows, reconstruct_record, unrenderable)
 from draftgen.core.rundir import RunDir, disk_error, iter_jsonl, read_line_at
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.tokens.template import ChatTemplate, load_template
@@ -430,32 +430,32 @@ def tokens_command(config: Config) -> int:
     # Names and paths are the user's text, not rich markup ("B[/x]" must print, not raise).
     table = Table(title=f"token reconstruction — {escape(str(config.run_dir))}", box=None, header_style="bold")
     table.add_column("dataset", no_wrap=True)
-    for col in ("answers", "valid", "invalid", "trunc.", "Δ mean", "p50 |Δ|", "p99 |Δ|", "exact", "prompt exact",
-                "kept", "split"):
+    for col in ("answers", "valid", "invalid", "trunc.", "Δ mean", "p50 |Δ|", "p99 |Δ|", "exact"):
         table.add_column(col, justify="right", no_wrap=True)
     total = ValidationReport.combine(reports)
     for i, r in enumerate([*reports, total]):
         counted = r.counted > 0
-        prompt = r.prompt
         table.add_row(escape(r.name), f"{r.checked:,}", f"{r.valid:,}", f"{r.checked - r.valid:,}", f"{r.truncated:,}",
                       f"{r.diff_mean:+.2f}" if counted else "-",
                       str(r.diff_abs_percentile(50)) if counted else "-",
                       str(r.diff_abs_percentile(99)) if counted else "-",
-                      f"{r.share_exact:.1%}" if counted else "-",
-                      f"{prompt.share_exact:.1%}" if prompt.n else "-",
-                      f"{r.kept:,}", f"{r.noted.get('count_split', 0):,}", end_section=i == len(reports) - 1)
+                      f"{r.share_exact:.1%}" if counted else "-", end_section=i == len(reports) - 1)
     console.print(table)
     for r in reports:
         failed = ", ".join(f"{c} {r.failures[c]:,}" for c in CHECKS if r.failures.get(c))
         if failed:
             console.print(f"{escape(r.name)}: failed checks: {failed}")
-        dropped = ", ".join(f"{k} {n:,}" for k, n in sorted(r.dropped.items()) if n)
-        if dropped:
-            console.print(f"{escape(r.name)}: the sample policy drops {dropped}")
+        prompt = r.prompt
+        if prompt.n:
+            console.print(f"{escape(r.name)}: prompt tokens equal to usage.prompt_tokens in {prompt.share_exact:.1%} "
+                          f"of {prompt.n:,} ({r.prompt_mismatches:,} differ)")
+        dropped = ", ".join(f"{k} {n:,}" for k, n in sorted(r.dropped.items()) if n) or "nothing"
+        noted = ", ".join(f"{k} {n:,}" for k, n in sorted(r.noted.items()) if n)
+        console.print(f"{escape(r.name)}: the sample policy keeps {r.kept:,}" + (f" ({noted})" if noted else "")
+                      + f", drops {dropped}")
     named = {p: a for p, a in total.providers.items() if a.answers}
     if named:
-        per = Table(title="agreement per provider (answer: tokens vs billed; prompt: vs usage.prompt_tokens)",
-                    box=None, header_style="bold")
+        per = Table(title="agreement per provider", caption=PROVIDER_CAPTION, box=None, header_style="bold")
         for j, col in enumerate(PROVIDER_COLUMNS):
             per.add_column(col, justify="left" if j == 0 else "right", no_wrap=True)
         for row in provider_rows(named):
@@ -468,7 +468,6 @@ def tokens_command(config: Config) -> int:
                       soft_wrap=True)
         console.print(f"  to leave its answers out of merge, in {escape('[merge]')}: {escape(flag.exclude_line)}",
                       soft_wrap=True)
-    console.print("Δ = reconstructed answer tokens - billed completion_tokens; prompt exact = rendered prompt "
-                  "tokens equal to usage.prompt_tokens. Reports: "
+    console.print("Δ = reconstructed answer tokens - billed completion_tokens. Reports: "
                   f"{escape(str(RunDir(config.run_dir).root))}/<dataset>/tokens/{REPORT_FILE}")
     return 0
