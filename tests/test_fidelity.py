@@ -47,7 +47,7 @@ async def generate(tmp_path, sim_kw=None, tables=None, request=None, n=40):
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": n, "concurrency": 8, "max_tokens": 4096}],
                           tables={"tokenizer": TOKENIZER, **(tables or {})}, request=request or REQUEST)
         state = await Engine(cfg, TEST_KEY, seed=1).run()
-    assert state == snap.DONE
+    assert state == snap.RunState.DONE
     return cfg, reconstruct_dataset(cfg, "a", workers=1)
 
 
@@ -229,7 +229,7 @@ async def test_the_live_run_shows_provider_fidelity_in_the_snapshot(tmp_path):
         pipeline = Pipeline(cfg, TEST_KEY, serve_attach=False, skip_smoke=True)
         await pipeline.start()
         try:
-            assert await asyncio.wait_for(pipeline.generate(), 120) == snap.DONE
+            assert await asyncio.wait_for(pipeline.generate(), 120) == snap.RunState.DONE
             shown = pipeline.snapshot().fidelity  # the reconstruction has finished: its last figures
         finally:
             await pipeline.close()
