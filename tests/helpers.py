@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-
 from draftgen.core.config import Config, load_config
 
+if TYPE_CHECKING:
+    import aiohttp
+    from draftgen.core.simulator import SimServer
+
 TEST_KEY = "sk-or-v1-draftgen-test-key-0123456789abcdef"
+SIM_AUTH = {"Authorization": "Bearer sk-test"}
 
 
 def write_prompts(path: Path, n: int, prefix: str = "q", start: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
-        for i in range(start, start + n):
-            f.write(orjson.dumps({"id": f"{prefix}{i}", "prompt": f"Question {prefix}{i}: explain item {i}."}) + b"\n")
+        f.writelines(orjson.dumps({"id": f"{prefix}{i}", "prompt": f"Question {prefix}{i}: explain item {i}."}) + b"\n" for i in range(start, start + n))
     return path
 
 
@@ -66,3 +70,37 @@ def read_ids(path: Path) -> list[str]:
     if not path.exists():
         return []
     return [orjson.loads(line)["id"] for line in path.read_bytes().splitlines() if line.strip()]
+
+
+# -- raw chat requests to the simulator ----------------------------------------------------------
+
+
+def chat_body(prompt: str = "What is 2+2? Answer in one word.", **kw: Any) -> dict[str, Any]:
+    """A chat-completions request body as the engine sends it, with `kw` on top."""
+    out: dict[str, Any] = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": prompt}],
+                           "max_tokens": 10240, "include_reasoning": True}
+    out.update(kw)
+    return out
+
+
+async def chat_post(s: aiohttp.ClientSession, sim: SimServer, payload: dict[str, Any],
+                    headers: dict[str, str] = SIM_AUTH, **kw: Any) -> tuple[int, Any, bytes]:
+    """(status, headers, raw body) of one POST /chat/completions."""
+    async with s.post(f"{sim.base_url}/chat/completions", data=orjson.dumps(payload),
+                      headers={**headers, "Content-Type": "application/json"}, **kw) as r:
+        return r.status, r.headers, await r.read()
+
+
+def parse_sse(raw: bytes) -> tuple[list[dict[str, Any]], int, bool]:
+    """(data chunks, comment lines, saw [DONE]) of an SSE body."""
+    chunks, comments, done = [], 0, False
+    for line in raw.decode().split("\n"):
+        if line.startswith(":"):
+            comments += 1
+        elif line.startswith("data: "):
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                done = True
+            else:
+                chunks.append(json.loads(data))
+    return chunks, comments, done

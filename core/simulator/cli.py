@@ -10,6 +10,7 @@ import sys
 import time
 
 from draftgen.core.simulator.config import SimConfig, SimulatorError, parse_faults
+from draftgen.core.simulator.scenarios import BY_NAME, parse_scenarios
 from draftgen.core.simulator.server import SimServer
 
 
@@ -37,6 +38,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="answer 429 above this many concurrent requests, like a provider's limit")
     p.add_argument("--tokens-drift", type=float, default=0.0,
                    help="share of answers whose billed completion_tokens is off by one")
+    p.add_argument("--scenario", action="append", default=[], metavar="NAME[:KEY=VALUE...][,NAME...]",
+                   help="switch scenarios on at start (repeatable), e.g. key_limit:after=30 or "
+                        "rate_limited:rate=0.2:duration=60; params rate, after, duration, match and "
+                        "per scenario more (README, 'Rehearse for free'); at run time: POST /_sim/scenario. "
+                        f"Names: {' '.join(BY_NAME)}")
+    p.add_argument("--key-limit", type=float, default=None, metavar="USD",
+                   help="the key's own spending cap (GET /key data.limit); 403 once reached")
+    p.add_argument("--management-key", action="append", default=None, metavar="KEY",
+                   help="a key that may read GET /credits (repeatable); others get 403 there "
+                        "(default: any accepted key may)")
+    p.add_argument("--generation-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="how long after a generation ends GET /generation?id= finds it (default 0)")
     p.add_argument("--status-every", type=float, default=10.0, metavar="SECONDS",
                    help="print a status line this often while requests come in (0: never)")
 
@@ -46,7 +59,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed, faults=parse_faults(args.faults), latency_scale=args.latency_scale,
         fixed_latency_s=args.fixed_latency, credits=args.credits, mean_completion_tokens=args.mean_tokens,
         api_key=args.key, retry_after_s=args.retry_after, hang_s=args.hang, max_in_flight=args.max_in_flight,
-        tokens_drift=args.tokens_drift,
+        tokens_drift=args.tokens_drift, key_limit_usd=args.key_limit,
+        management_keys=tuple(args.management_key) if args.management_key else None,
+        generation_delay_s=args.generation_delay,
+        scenarios={name: params for spec in args.scenario for name, params in parse_scenarios(spec).items()},
     )
 
 
@@ -71,10 +87,13 @@ async def _serve(cfg: SimConfig, host: str, port: int, status_every: float) -> i
     faults = ", ".join(f"{k}={v:g}" for k, v in cfg.faults.items()) or "none"
     latency = f"fixed {cfg.fixed_latency_s:g} s" if cfg.fixed_latency_s is not None else f"x{cfg.latency_scale:g}"
     print(f"draftgen simulate: OpenRouter-compatible API at {sim.base_url}", flush=True)
-    print(f"  seed {cfg.seed}, faults {faults}, latency {latency}, credits ${cfg.credits:g}, "
+    scenarios = ", ".join(cfg.scenarios) or "none"
+    print(f"  seed {cfg.seed}, faults {faults}, scenarios {scenarios}, latency {latency}, credits ${cfg.credits:g}, "
           f"mean answer {cfg.mean_completion_tokens} tokens, key {'required' if cfg.api_key else 'any'}", flush=True)
     print(f'  use it: [api] base_url = "{sim.base_url}" (any non-empty key unless --key); Ctrl-C stops',
           flush=True)
+    print(f"  switch scenarios at run time: POST http://{host}:{sim.port}/_sim/scenario "
+          '{"name": "key_limit", "on": true}', flush=True)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"  warning: listening on {host}: anyone who can reach it can use and reconfigure it",
               file=sys.stderr, flush=True)

@@ -69,6 +69,10 @@ class SimProvider:
     # this share off the Kimi tokenizer's (0.04: 4 % more), so the validation report and the smoke
     # test can be shown to flag it.
     token_skew: float = 0.0
+    # Limits as `GET /models/{author}/{slug}/endpoints` lists them (Kimi-K2.5: 262,144 context).
+    max_completion_tokens: int = 262_144
+    max_prompt_tokens: int = 262_144
+    context_length: int = 262_144
 
 
 # Kimi-K2.5 endpoints as the reference run met them: int4 providers serve the model's tokens,
@@ -98,7 +102,24 @@ class SimConfig:
     api_key: str | None = field(default=None, repr=False)
     # Credits: total purchased; the balance is credits - spent. 402 when it cannot pay.
     credits: float = 100.0
-    credits_forbidden: bool = False  # /credits answers 403, as it does for non-management keys
+    credits_forbidden: bool = False  # /credits answers 403 to every key
+    # Keys that may read `GET /credits` (OpenRouter's management keys); any other key gets 403
+    # there. None: every accepted key may (the simulator's old default, kept for the suite).
+    management_keys: tuple[str, ...] | None = field(default=None, repr=False)
+    # The key's own spending cap (`GET /key` data.limit); null: no cap. Reached: 403 with
+    # `limit_source: openrouter_key_limit`. Raise it (POST /_sim/config) to recover.
+    key_limit_usd: float | None = None
+    key_limit_reset: str | None = None  # "daily", "weekly", "monthly" or None, as /key shows it
+    # In-flight spending budget: running plus recently finished (within in_flight_window_s)
+    # requests' estimated cost may not exceed this share of the balance. None: off.
+    in_flight_budget_ratio: float | None = None
+    in_flight_window_s: float = 2.0
+    # Model ids served (`GET /models`; any other gets 404). None: any id is served as asked.
+    models: tuple[str, ...] | None = None
+    # Seconds after a generation ends before `GET /generation?id=` finds it (404 before).
+    generation_delay_s: float = 0.0
+    # Scenarios switched on at start: {name: {param: value}} (see scenarios.py).
+    scenarios: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Latency = (ttft + tokens / tokens_per_s) * jitter * latency_scale, or fixed_latency_s.
     latency_scale: float = 1.0
     fixed_latency_s: float | None = None
@@ -155,6 +176,21 @@ class SimConfig:
         _check(all(m in MISBEHAVIOURS for m in self.misbehave), "misbehave",
                f"must name some of {', '.join(MISBEHAVIOURS)}")
         _check(self.generation_log_size >= 1, "generation_log_size", "must be >= 1")
+        if self.management_keys is not None:
+            object.__setattr__(self, "management_keys", tuple(self.management_keys))
+        if self.models is not None:
+            object.__setattr__(self, "models", tuple(self.models))
+        _check(self.key_limit_usd is None or self.key_limit_usd >= 0, "key_limit_usd", "must be >= 0 or null")
+        _check(self.in_flight_budget_ratio is None or self.in_flight_budget_ratio > 0, "in_flight_budget_ratio",
+               "must be > 0 or null")
+        _check(self.in_flight_window_s >= 0, "in_flight_window_s", "must be >= 0")
+        _check(self.generation_delay_s >= 0, "generation_delay_s", "must be >= 0")
+        from draftgen.core.simulator.scenarios import (
+            check_params,  # scenarios imports this module
+        )
+
+        object.__setattr__(self, "scenarios", {str(k).lower(): check_params(str(k).lower(), v)
+                                               for k, v in (self.scenarios or {}).items()})
 
     def replace(self, **changes: Any) -> SimConfig:
         """A copy with `changes`; unknown field names are a SimulatorError naming them."""
@@ -173,6 +209,8 @@ class SimConfig:
         out["faults"] = dict(self.faults)
         out["providers"] = [dataclasses.asdict(p) for p in self.providers]
         out["api_key"] = None if self.api_key is None else "(set)"  # never echo a key
+        out["management_keys"] = None if self.management_keys is None else len(self.management_keys)
+        out["scenarios"] = {k: dict(v) for k, v in self.scenarios.items()}
         return out
 
 

@@ -1,11 +1,27 @@
-"""How each fault looks on the wire, and which one (if any) a request meets."""
+"""How each fault looks on the wire, which one (if any) a request meets, and who pays.
+
+Billing, as OpenRouter bills (see generations.py):
+- 429, 500, 502, 503, 524: answered before any generation starts: free.
+- drop: the connection is closed at the first token. The generation goes on: a plain request is
+  billed in full when it would have finished; a stream is aborted there, so billed for the
+  prompt and the tokens produced by then.
+- hang: no response for hang_s, then the connection is closed. The generation runs to its end
+  upstream and is billed in full (a stream the client aborts first: up to the abort).
+- truncated: the answer is generated and billed in full; its body is cut on the way.
+- error200, finish_error, empty_choices: the provider failed; free (usage.cost 0).
+"""
 
 from __future__ import annotations
 
-from aiohttp import web
+from collections.abc import Callable
 
+from aiohttp import web
 from draftgen.core.simulator import responses, wire
 from draftgen.core.simulator.config import FAULT_KINDS, SimConfig
+from draftgen.core.simulator.generations import Generation
+
+# `choices[0].error` of an answer that ended with finish_reason "error".
+PROVIDER_ERROR = {"code": 502, "message": "Provider returned error: generation stopped"}
 
 
 def pick_fault(faults: dict[str, float], u: float) -> str | None:
@@ -22,8 +38,10 @@ def pick_fault(faults: dict[str, float], u: float) -> str | None:
 
 
 async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.Reply, ttft: float,
-                      latency: float, stream: bool, fragments: wire.FragmentCache) -> web.StreamResponse:
-    """The response of a request that meets `fault` (see config.FAULT_KINDS); nothing is billed."""
+                      latency: float, stream: bool, fragments: wire.FragmentCache,
+                      start: Callable[[], Generation]) -> web.StreamResponse:
+    """The response of a request that meets `fault` (see config.FAULT_KINDS); `start()` starts
+    the billed generation of the faults that have one (drop, hang, truncated)."""
     meta = {"provider_name": r.provider}
     if fault == "429":
         return responses.rate_limited(cfg, r.provider)
@@ -41,8 +59,11 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
         return web.Response(status=524, text="error code: 524", content_type="text/plain")
     if fault in ("drop", "hang"):
         request[responses.NO_RESPONSE] = fault  # recorded even if the client gives up first
+        start()  # a stream is aborted (billed so far) when the connection closes: see completions.py
         await responses.sleep(ttft if fault == "drop" else cfg.hang_s)
         return await responses.drop(request, fault)
+    if fault == "truncated":
+        start()
     if not stream:
         await responses.sleep(latency)
         if fault == "truncated":
@@ -51,7 +72,7 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
         if fault == "error200":
             body = wire.error_json(502, "Provider returned error", meta)
         elif fault == "finish_error":
-            body = wire.completion_json(unbilled(r), None, "error", r.completion.content[:200])
+            body = wire.completion_json(unbilled(r), None, "error", r.completion.content[:200], PROVIDER_ERROR)
         else:
             body = wire.empty_choices_json(r)
         return web.Response(body=body, content_type=responses.JSON)
@@ -71,12 +92,12 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
         await resp.write(wire.error_frame(r, 502, "Provider returned error: upstream disconnected"))
     else:  # finish_error
         await responses.paced(resp, half, max(0.0, latency - ttft) / 2)
-        await resp.write(wire.final_frame(unbilled(r), "error") + wire.DONE)
+        await resp.write(wire.final_frame(unbilled(r), "error", PROVIDER_ERROR) + wire.DONE)
     await resp.write_eof()
     return resp
 
 
 def unbilled(r: wire.Reply) -> wire.Reply:
-    """The same reply with a zero cost: only answers are billed."""
+    """The same reply with a zero cost: a failed generation is not billed."""
     return wire.Reply(r.gen_id, r.provider, r.model, r.created, r.completion, r.show_reasoning,
                       r.reasoning_field, r.token_ids, {**r.usage, "cost": 0.0})

@@ -36,10 +36,15 @@ class SimStats:
     answers_total: int = 0  # HTTP 200 with an answer (finish_reason stop or length)
     answers_by_provider: dict[str, int] = field(default_factory=dict)
     finish_reasons: dict[str, int] = field(default_factory=dict)
-    completion_tokens_total: int = 0
-    billed_usd: float = 0.0
+    completion_tokens_total: int = 0  # billed completion tokens
+    billed_usd: float = 0.0  # every charge, read or not (see generations.py)
+    generations_billed: int = 0  # answers, requests the client gave up on, cancelled streams
+    generations_running: int = 0  # started and not yet billed (billed later even if nobody listens)
+    cancelled_total: int = 0  # streams aborted mid-generation, billed up to the cancel
+    # Responses sent by a scenario, by name (see scenarios.py).
+    scenarios: dict[str, int] = field(default_factory=dict)
     prompt_requests: dict[str, int] = field(default_factory=dict)
-    prompt_answers: dict[str, int] = field(default_factory=dict)
+    prompt_answers: dict[str, int] = field(default_factory=dict)  # generations billed, per prompt
     prompt_cost: dict[str, float] = field(default_factory=dict)
 
     def copy(self) -> SimStats:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-
 from draftgen.core.simulator.answers import Completion
 
 PROCESSING = b": OPENROUTER PROCESSING\n\n"
@@ -96,8 +95,8 @@ def _message(r: Reply, content: str) -> bytes:
 
 
 def completion_json(r: Reply, cache: FragmentCache | None = None, finish_reason: str | None = None,
-                    content: str | None = None) -> bytes:
-    """The plain (non-streamed) body; `finish_reason`/`content` override them for faults."""
+                    content: str | None = None, error: dict[str, Any] | None = None) -> bytes:
+    """The plain (non-streamed) body; `finish_reason`/`content`/`error` (the choice's) for faults."""
     c = r.completion
     key = r.cache_key("message") if cache is not None and content is None else None
     message = cache.get(key) if key is not None else None
@@ -108,6 +107,8 @@ def completion_json(r: Reply, cache: FragmentCache | None = None, finish_reason:
     fr = orjson.dumps(finish_reason or c.finish_reason)
     parts = [r.prefix("chat.completion"), b'{"index":0,"finish_reason":', fr, b',"native_finish_reason":', fr,
              b',"logprobs":null,"message":', message]
+    if error is not None:
+        parts += [b',"error":', orjson.dumps(error)]
     if r.token_ids:
         parts += [b',"token_ids":', orjson.dumps(c.ids)]
     parts += [b'}],"usage":', orjson.dumps(r.usage), b"}"]
@@ -172,17 +173,22 @@ def _frame(r: Reply, choice: bytes, **extra: Any) -> bytes:
     return b"data: " + r.prefix("chat.completion.chunk") + choice + tail + b"\n\n"
 
 
-def final_frame(r: Reply, finish_reason: str | None = None) -> bytes:
+def final_frame(r: Reply, finish_reason: str | None = None, error: dict[str, Any] | None = None) -> bytes:
     c = r.completion
     ids = ([c.im_end_id] if c.im_end else []) if r.token_ids else None
-    return _frame(r, _choice({"role": "assistant", "content": ""}, ids, finish_reason or c.finish_reason),
-                  usage=r.usage)
+    choice = _choice({"role": "assistant", "content": ""}, ids, finish_reason or c.finish_reason)
+    if error is not None:
+        choice = choice[:-1] + b',"error":' + orjson.dumps(error) + b"}"
+    return _frame(r, choice, usage=r.usage)
 
 
-def error_frame(r: Reply, code: int, message: str) -> bytes:
-    """A mid-stream error, as OpenRouter sends it once the HTTP 200 is already out."""
-    return _frame(r, _choice({"role": "assistant", "content": ""}, None, "error"),
-                  error={"code": code, "message": message})
+def error_frame(r: Reply, code: int, message: str, metadata: dict[str, Any] | None = None) -> bytes:
+    """A mid-stream error, as OpenRouter sends it once the HTTP 200 is already out: a top-level
+    `error` and `finish_reason: "error"`."""
+    err: dict[str, Any] = {"code": code, "message": message}
+    if metadata:
+        err["metadata"] = metadata
+    return _frame(r, _choice({"role": "assistant", "content": ""}, None, "error"), error=err)
 
 
 def empty_choices_frame(r: Reply) -> bytes:

@@ -1,0 +1,311 @@
+"""POST /api/v1/chat/completions: the checks in the order the service makes them, then an answer
+(plain JSON or SSE), a fault (faults.py) or a scenario's response (scenarios.py).
+
+Order: key (401) -> body (400) -> model and routing (404) -> max_tokens against the endpoints
+(400 max_tokens_exceeded) -> the prompt's own problems (400 context length / invalid prompt,
+403 moderation) -> the account (403 key cap and budgets, 402 balance and in-flight budget) ->
+upstream (429, 408, 5xx) -> the generation. Everything before the generation is free; the
+generation is billed by the ledger (generations.py), whoever is still listening.
+
+Every response to a completion carries `X-Generation-Id` (sent with the headers, so a stream's
+id is known at once), the same id as the body's `id`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+from draftgen.core.simulator import responses, scenarios, shaping, wire
+from draftgen.core.simulator.account import Account, auth_error
+from draftgen.core.simulator.answer_text import style_of_prompt
+from draftgen.core.simulator.answers import AnswerPool, answer_tokenizer
+from draftgen.core.simulator.config import SimConfig, SimProvider
+from draftgen.core.simulator.faults import pick_fault, serve_fault
+from draftgen.core.simulator.generations import Generation, Ledger
+from draftgen.core.simulator.models import Models, completion_limit
+from draftgen.core.simulator.prompt import prompt_token_count
+from draftgen.core.simulator.routing import NoEndpoints, candidates, choose
+from draftgen.core.simulator.scenarios import Active, Scenarios
+from draftgen.core.simulator.stats import SimStats
+
+# The generation a request started, so that a stream the client aborts is billed up to there.
+GENERATION = web.RequestKey("draftgen_sim_generation", Generation)
+# The 200-with-a-problem scenarios as the fault that draws the same response.
+_AS_FAULT = {"error_body": "error200", "finish_error": "finish_error", "empty_choices": "empty_choices",
+             "stream_error": "error200"}
+
+
+class Completions:
+    def __init__(self, stats: SimStats, config: Callable[[], SimConfig], pool: Callable[[], AnswerPool],
+                 scenarios: Scenarios, account: Account, ledger: Ledger, models: Models) -> None:
+        self._stats = stats
+        self._config = config
+        self._pool = pool
+        self._scenarios = scenarios
+        self._account = account
+        self._ledger = ledger
+        self._models = models
+        self._gen_counter = 0
+        self.fragments: wire.FragmentCache = {}
+        self._route_cache: dict[tuple[bytes, str, int], list[SimProvider] | NoEndpoints] = {}
+        self._prompt_cache: dict[tuple[str, str | None], int] = {}
+
+    def forget_routes(self) -> None:
+        self._route_cache.clear()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        st = self._stats
+        st.requests_total += 1
+        st.in_flight += 1
+        st.peak_in_flight = max(st.peak_in_flight, st.in_flight)
+        status = "?"
+        cfg = self._config()
+        try:
+            resp = await self._serve(request, cfg)
+            status = str(resp.status)
+            if responses.GEN_ID in request and not resp.prepared:
+                resp.headers["X-Generation-Id"] = request[responses.GEN_ID]
+            if cfg.echo_key:
+                shaping.echo_key(request, resp)
+            return resp
+        except asyncio.CancelledError:
+            status = request.get(responses.NO_RESPONSE, "cancelled")
+            self._abandoned(request)
+            raise
+        except ConnectionError:
+            # The client left mid-stream before aiohttp noticed; a stand-in response lets aiohttp
+            # see the closed connection itself instead of logging a handler error.
+            status = "cancelled"
+            self._abandoned(request)
+            return web.Response(status=499)
+        finally:
+            st.in_flight -= 1
+            st.by_status[status] = st.by_status.get(status, 0) + 1
+
+    def _abandoned(self, request: web.Request) -> None:
+        """The client left: a stream stops (billed so far); a plain request runs on to its bill."""
+        g = request.get(GENERATION)
+        if g is not None and g.streamed:
+            self._ledger.finish(g, cancelled=True)
+
+    def _hit(self, a: Active | str) -> None:
+        """Count a response a scenario sent (on the scenario and in the stats)."""
+        if isinstance(a, str):
+            a = self._scenarios.live(a)
+            if a is None:
+                return
+        a.hits += 1
+        name = a.scenario.name
+        self._stats.scenarios[name] = self._stats.scenarios.get(name, 0) + 1
+
+    def _new_id(self, key: str, n: int) -> str:
+        self._gen_counter += 1
+        return f"gen-{int(time.time())}-{key[:8]}{n:x}{self._gen_counter:x}"
+
+    async def _serve(self, request: web.Request, cfg: SimConfig) -> web.StreamResponse:
+        sc, st = self._scenarios, self._stats
+        if (denied := auth_error(request, cfg, sc)) is not None:
+            self._hit("revoked_key")
+            return denied
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return responses.error(400, "Invalid JSON in request body")
+        if not isinstance(body, dict):
+            return responses.error(400, "Request body must be a JSON object")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return responses.error(400, "Input required: specify \"messages\" (a non-empty list)")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return responses.error(400, "\"model\" is required")
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
+            return responses.error(400, f"max_tokens must be a positive integer, got {max_tokens!r}")
+        stream = bool(body.get("stream"))
+
+        key_json = orjson.dumps(messages)
+        key = hashlib.sha1(key_json).hexdigest()
+        n = st.prompt_requests.get(key, 0) + 1
+        st.prompt_requests[key] = n
+        draws = shaping.draws(cfg.seed, key, n)
+        # A prompt's own problems draw the same for every retry of the prompt.
+        prompt_draw = shaping.draws(cfg.seed, key, 0)[3] if sc else 1.0
+        text = shaping.last_user_text(messages) if sc else ""
+
+        if sc and (a := sc.first(scenarios.BEFORE_ROUTING, draws[3], prompt_draw, text)):
+            self._hit(a)
+            if a.scenario.name == "payload_too_large":
+                return responses.error(413, "Payload Too Large: the request body is larger than this endpoint "
+                                            "accepts")
+            return responses.no_endpoints(a.scenario.name, model, a.get("what", "the requested parameters"))
+        if not self._models.known(model):
+            return responses.no_endpoints("unknown_model", model)
+        prefs = body.get("provider")
+        routes = self._routes(cfg, prefs, model)
+        if isinstance(routes, NoEndpoints):
+            return responses.error(404, routes.message)
+        provider = choose(routes, prefs, draws[0], draws[1], cfg.fallback_rate)
+
+        limit = max(completion_limit(p, sc) if sc else p.max_completion_tokens for p in routes)
+        if max_tokens is not None and max_tokens > limit:
+            self._hit("max_tokens_exceeded")
+            return responses.error(400, f"max_tokens_exceeded: max_tokens ({max_tokens}) is more than any "
+                                        f"allowed endpoint accepts ({limit})", {"code": "max_tokens_exceeded"})
+        n_prompt = self._prompt_tokens(key, messages, cfg.default_system)
+        if provider.token_skew:  # another tokenizer behind this endpoint: it bills other counts
+            n_prompt = max(1, round(n_prompt * (1 + provider.token_skew)))
+        context = max(p.context_length for p in routes)
+        if n_prompt + (max_tokens or 0) > context:
+            return responses.prompt_400("context_length", model, n_prompt, context, max_tokens)
+        if sc and (a := sc.first(scenarios.PROMPT_CHECKS, draws[3], prompt_draw, text)):
+            self._hit(a)
+            if a.scenario.name == "moderation":
+                return responses.moderation(provider.name, model, text)
+            return responses.prompt_400(a.scenario.name, model, n_prompt, context, max_tokens)
+
+        if (capped := self._account.key_limited()) is not None:
+            self._hit("key_limit")
+            return capped
+        est_tokens = min(max_tokens or limit, limit)
+        estimate = (n_prompt * provider.usd_per_m_in + est_tokens * provider.usd_per_m_out) / 1e6
+        if sc and (a := sc.first(scenarios.ACCOUNT_CHECKS, draws[3], prompt_draw, text)):
+            self._hit(a)
+            if a.scenario.name == "weight_exceeds_budget":
+                return responses.weight_exceeds(estimate / 2, estimate)
+            return self._account.other_budget(a)
+        balance = self._account.balance()
+        if balance <= 0:
+            self._hit("out_of_credits")
+            return responses.out_of_credits()
+        affordable = int(balance / (provider.usd_per_m_out / 1e6)) if provider.usd_per_m_out > 0 else 1 << 62
+        if max_tokens is not None and affordable < max_tokens:
+            return responses.error(402, "This request requires more credits, or fewer max_tokens. You requested "
+                                        f"up to {max_tokens} tokens, but can only afford {affordable}. To increase, "
+                                        "visit https://openrouter.ai/settings/credits and add more credits")
+        if (full := self._account.admit(estimate)) is not None:
+            self._hit("in_flight_budget")
+            return full
+        if cfg.max_in_flight is not None and st.in_flight > cfg.max_in_flight:
+            st.faults["max_in_flight"] = st.faults.get("max_in_flight", 0) + 1
+            return responses.rate_limited(cfg, provider.name)
+        upstream = sc.first(scenarios.UPSTREAM, draws[3], prompt_draw, text) if sc else None
+        if upstream is not None and not (stream and upstream.get("midstream")):
+            self._hit(upstream)
+            return self._upstream_error(upstream, provider, draws[5], cfg)
+
+        think, show = shaping.reasoning_mode(body)
+        # The answer depends on the seed and the prompt only: a retry gets the same text.
+        pool = self._pool()
+        answer = pool.pick(style_of_prompt(shaping.last_user_text(messages)),
+                           int(key[:15], 16) + cfg.seed * 0x9E3779B97F4A7C15)
+        completion = pool.complete(answer, max_tokens, think)
+        billed_tokens = completion.completion_tokens
+        if draws[4] < cfg.tokens_drift:
+            billed_tokens = max(1, billed_tokens + (1 if draws[5] < 0.5 else -1))
+        if provider.token_skew:
+            billed_tokens = max(1, round(billed_tokens * (1 + provider.token_skew)))
+        latency, ttft = shaping.latency(cfg, provider, completion.completion_tokens, draws[6], draws[7])
+        gen = Generation(self._new_id(key, n), key, provider, model, int(time.time()), n_prompt, completion,
+                         billed_tokens, stream, ttft, latency, estimate)
+        request[responses.GEN_ID] = gen.gen_id
+        reply = wire.Reply(gen.gen_id, provider.name, model, gen.created, completion, think and show,
+                           cfg.reasoning_field, body.get("return_token_ids") is True,
+                           wire.usage(n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost))
+
+        if upstream is not None:  # a 5xx of a stream already under way: an error chunk, nothing billed
+            self._hit(upstream)
+            code = upstream.scenario.status
+            message, meta = responses.upstream(code, provider.name)
+            resp = await responses.open_stream(request)
+            await responses.wait_with_comments(resp, ttft, cfg.processing_comment_s)
+            await resp.write(wire.error_frame(reply, code, message, meta))
+            await resp.write_eof()
+            return resp
+        answer_200 = sc.first(scenarios.ANSWER_200, draws[3], prompt_draw, text) if sc else None
+        fault = _AS_FAULT[answer_200.scenario.name] if answer_200 is not None else pick_fault(cfg.faults, draws[2])
+        if answer_200 is not None:
+            self._hit(answer_200)
+        elif fault is not None:
+            st.faults[fault] = st.faults.get(fault, 0) + 1
+        if fault is not None:
+            return await serve_fault(request, cfg, fault, reply, ttft, latency, stream, self.fragments,
+                                     lambda: self._start(request, gen))
+        self._start(request, gen)
+        if stream:
+            return await self._stream(request, cfg, reply, gen)
+        if latency > 0:
+            await asyncio.sleep(latency)
+        self._ledger.finish(gen)
+        self._delivered(reply)
+        data = wire.completion_json(reply, self.fragments)
+        if cfg.misbehave:
+            data = shaping.misbehave(data, cfg, prefs)
+        return web.Response(body=data, content_type=responses.JSON)
+
+    def _start(self, request: web.Request, gen: Generation) -> Generation:
+        request[GENERATION] = gen
+        self._account.started(gen)
+        self._ledger.start(gen)
+        return gen
+
+    def _upstream_error(self, a: Active, provider: SimProvider, draw: float, cfg: SimConfig) -> web.Response:
+        code = a.scenario.status
+        if code == 429:
+            by_provider = draw < a.get("provider", 0.5)
+            return responses.rate_limited_by(provider.name if by_provider else None,
+                                             a.get("retry_after", cfg.retry_after_s))
+        message, meta = responses.upstream(code, provider.name)
+        return responses.error(code, message, meta)
+
+    def _delivered(self, r: wire.Reply) -> None:
+        st = self._stats
+        st.answers_total += 1
+        st.answers_by_provider[r.provider] = st.answers_by_provider.get(r.provider, 0) + 1
+        fr = r.completion.finish_reason
+        st.finish_reasons[fr] = st.finish_reasons.get(fr, 0) + 1
+
+    def _prompt_tokens(self, key: str, messages: list[Any], system: str | None) -> int:
+        # Memoised per prompt: retries and repeated prompts are not tokenized again.
+        found = self._prompt_cache.get((key, system))
+        if found is None:
+            if len(self._prompt_cache) > 65536:
+                self._prompt_cache.clear()
+            found = self._prompt_cache[(key, system)] = prompt_token_count(answer_tokenizer(), messages, system)
+        return found
+
+    def _routes(self, cfg: SimConfig, prefs: Any, model: str) -> list[SimProvider] | NoEndpoints:
+        # Memoised: a run sends the same provider preferences with every request.
+        key = (orjson.dumps(prefs, option=orjson.OPT_SORT_KEYS), model, id(cfg.providers))
+        found = self._route_cache.get(key)
+        if found is None:
+            if len(self._route_cache) > 256:
+                self._route_cache.clear()
+            try:
+                found = candidates(cfg.providers, prefs, model)
+            except NoEndpoints as exc:
+                found = exc
+            except TypeError:  # preferences of the wrong shape: treat as none, as the API does
+                found = candidates(cfg.providers, None, model)
+            self._route_cache[key] = found
+        return found
+
+    async def _stream(self, request: web.Request, cfg: SimConfig, r: wire.Reply,
+                      gen: Generation) -> web.StreamResponse:
+        resp = await responses.open_stream(request)
+        await responses.wait_with_comments(resp, gen.ttft, cfg.processing_comment_s)
+        frames = wire.delta_frames(r, self.fragments)
+        await responses.paced(resp, frames, max(0.0, gen.latency - gen.ttft))
+        self._ledger.finish(gen)
+        self._delivered(r)
+        await resp.write(wire.final_frame(r) + wire.DONE)
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,156 @@
+"""Billing as OpenRouter bills, and the generation records `GET /api/v1/generation?id=` returns.
+
+- A generation is charged when it finishes, at its provider's prices (prompt tokens x
+  `pricing.prompt` + completion tokens x `pricing.completion`).
+- A non-streamed request keeps running when the client gives up on it (timeout, dropped
+  connection, killed process) and is charged in full when it would have finished: every
+  generation has a timer at its end that bills it whoever is still listening.
+- An aborted stream stops the generation: it is charged for the prompt and the completion
+  tokens produced until the cancel (produced at the provider's pace from the first token, so
+  never fewer than the client received), and its record says `cancelled: true`.
+- A record appears `generation_delay_s` (as set now) after the generation ends; before that the
+  id is a 404, as an unknown id is.
+
+Every charge goes to `SimStats.billed_usd` and, per prompt, to `prompt_answers` (generations
+billed) and `prompt_cost`, so a test can compare a client's ledger with what was billed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from draftgen.core.simulator import responses
+from draftgen.core.simulator.answers import Completion
+from draftgen.core.simulator.config import SimConfig, SimProvider
+from draftgen.core.simulator.stats import SimStats
+
+
+@dataclass(eq=False)
+class Generation:
+    """One generation under way at a provider."""
+
+    gen_id: str
+    key: str  # the prompt's key (stats.prompt_key)
+    provider: SimProvider
+    model: str
+    created: int
+    prompt_tokens: int
+    completion: Completion
+    billed_tokens: int  # what usage reports (the drift knob may make it differ by one)
+    streamed: bool
+    ttft: float
+    latency: float
+    estimate: float  # worst-case cost, for the in-flight budget
+    started: float = field(default_factory=time.monotonic)
+    cost: float | None = None  # set once billed
+    timer: asyncio.TimerHandle | None = None
+
+    def cost_of(self, tokens: int) -> float:
+        p = self.provider
+        return (self.prompt_tokens * p.usd_per_m_in + tokens * p.usd_per_m_out) / 1e6
+
+    @property
+    def full_cost(self) -> float:
+        return self.cost_of(self.billed_tokens)
+
+    def produced(self, now: float) -> int:
+        """Completion tokens produced by `now`, at the provider's pace after the first token."""
+        gen_time = self.latency - self.ttft
+        if gen_time <= 0:
+            return self.billed_tokens if now - self.started >= self.latency else 0
+        share = min(1.0, max(0.0, (now - self.started - self.ttft) / gen_time))
+        return int(self.billed_tokens * share)
+
+
+class Ledger:
+    """Generations running, what they were billed, and their records."""
+
+    def __init__(self, stats: SimStats, config: Callable[[], SimConfig],
+                 on_finish: Callable[[Generation], None]) -> None:
+        self._stats = stats
+        self._config = config
+        self._on_finish = on_finish  # the account's in-flight book hears of each finish
+        self.running: dict[str, Generation] = {}
+        # gen_id -> (finished at, record); oldest first, bounded by generation_log_size.
+        self._records: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+
+    def start(self, g: Generation) -> None:
+        """The generation runs: billed in full at its end unless a stream is cancelled first."""
+        self.running[g.gen_id] = g
+        self._stats.generations_running = len(self.running)
+        if g.latency <= 0:
+            self.finish(g)
+        else:
+            g.timer = asyncio.get_running_loop().call_later(g.latency, self.finish, g)
+
+    def finish(self, g: Generation, *, cancelled: bool = False) -> float:
+        """Bill `g` once: in full, or (a cancelled stream) what it produced so far. Returns the cost."""
+        if g.cost is not None:
+            return g.cost
+        now = time.monotonic()
+        if g.timer is not None:
+            g.timer.cancel()
+            g.timer = None
+        tokens = g.produced(now) if cancelled else g.billed_tokens
+        g.cost = cost = g.cost_of(tokens)
+        self.running.pop(g.gen_id, None)
+        st = self._stats
+        st.generations_running = len(self.running)
+        st.billed_usd += cost
+        st.generations_billed += 1
+        st.cancelled_total += cancelled
+        st.completion_tokens_total += tokens
+        st.prompt_answers[g.key] = st.prompt_answers.get(g.key, 0) + 1
+        st.prompt_cost[g.key] = st.prompt_cost.get(g.key, 0.0) + cost
+        self._on_finish(g)
+        c = g.completion
+        finish = None if cancelled else c.finish_reason
+        cfg = self._config()
+        self._records[g.gen_id] = (now, {
+            "id": g.gen_id, "upstream_id": f"chatcmpl-{g.gen_id[4:]}", "total_cost": cost, "usage": cost,
+            "cache_discount": None, "created_at": _iso(g.created), "model": g.model, "app_id": None,
+            "streamed": g.streamed, "cancelled": cancelled, "provider_name": g.provider.name,
+            "latency": round(g.ttft * 1000), "generation_time": round((now - g.started) * 1000),
+            "moderation_latency": None, "finish_reason": finish, "native_finish_reason": finish,
+            "tokens_prompt": g.prompt_tokens, "tokens_completion": tokens,
+            "native_tokens_prompt": g.prompt_tokens, "native_tokens_completion": tokens,
+            "native_tokens_reasoning": min(c.n_reasoning, tokens), "native_tokens_cached": 0,
+            "num_media_prompt": None, "num_media_completion": None, "num_search_results": None,
+            "origin": "", "is_byok": False,
+        })
+        while len(self._records) > cfg.generation_log_size:
+            self._records.popitem(last=False)
+        return cost
+
+    def record(self, gen_id: str) -> dict[str, Any] | None:
+        found = self._records.get(gen_id)
+        # The delay is read now, so a test can hold records back and then release them.
+        if found is None or time.monotonic() < found[0] + self._config().generation_delay_s:
+            return None
+        return found[1]
+
+    def close(self) -> None:
+        """Server shutdown: generations still running are never billed."""
+        for g in self.running.values():
+            if g.timer is not None:
+                g.timer.cancel()
+        self.running.clear()
+        self._stats.generations_running = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        """GET /api/v1/generation?id=: the record, or 404 until it appears."""
+        gen_id = request.query.get("id", "")
+        found = self.record(gen_id)
+        if found is None:
+            return responses.error(404, f"Generation {gen_id!r} not found")
+        return responses.json_response({"data": found})
+
+
+def _iso(ts: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(ts))

@@ -1,0 +1,102 @@
+"""How a request shapes its answer, free of HTTP: the seeded draws, the reasoning mode, the
+prompt's size, the latency, and the deliberate misbehaviours (SimConfig.misbehave, echo_key)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import orjson
+from aiohttp import web
+from draftgen.core.simulator.config import SimConfig, SimProvider
+
+_U32 = float(1 << 32)
+
+
+def echo_key(request: web.Request, resp: web.StreamResponse) -> None:
+    """SimConfig.echo_key: put the caller's bearer key into an error body (not into answers)."""
+    body = getattr(resp, "body", None)
+    if not isinstance(body, bytes) or (resp.status < 400 and b'"error"' not in body):
+        return
+    key = request.headers.get("Authorization", "").partition(" ")[2].strip()
+    note = f" (request made with key {key})"
+    try:
+        obj = orjson.loads(body)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if not isinstance(err, dict):
+            raise ValueError("no error object")
+        err["message"] = f"{err.get('message', '')}{note}"
+        meta = err.get("metadata")
+        if isinstance(meta, dict):
+            meta["raw"] = f"{meta.get('raw', '')}{note}"
+        resp.body = orjson.dumps(obj)
+    except ValueError:  # orjson.JSONDecodeError included: a plain-text body (524)
+        resp.body = body + note.encode()
+
+
+def draws(seed: int, key: str, n: int) -> list[float]:
+    """Eight uniforms in [0, 1) for the n-th request of a prompt under this seed."""
+    digest = hashlib.blake2b(f"{seed}:{key}:{n}".encode(), digest_size=32).digest()
+    return [int.from_bytes(digest[i:i + 4], "little") / _U32 for i in range(0, 32, 4)]
+
+
+def reasoning_mode(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(the model thinks, the reasoning is returned) from `reasoning` / `include_reasoning`."""
+    opt = body.get("reasoning")
+    if isinstance(opt, dict):
+        think = opt.get("enabled", True) is not False and opt.get("effort") != "none"
+        return think, think and not opt.get("exclude", False)
+    if opt is not None and opt is not False:
+        return True, True
+    return (True, True) if body.get("include_reasoning") is True else (False, False)
+
+
+def last_user_text(messages: list[Any]) -> str:
+    for m in reversed(messages):
+        if isinstance(m, dict) and m.get("role", m.get("from")) in ("user", "human"):
+            content = m.get("content", m.get("value"))
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def latency(cfg: SimConfig, provider: SimProvider, tokens: int, u_jitter: float,
+             u_slow: float) -> tuple[float, float]:
+    """(total latency, time to first token) in seconds."""
+    if cfg.fixed_latency_s is not None:
+        return cfg.fixed_latency_s, cfg.fixed_latency_s * 0.2
+    if cfg.latency_scale == 0:
+        return 0.0, 0.0
+    jitter = 1.0 + cfg.jitter * (2.0 * u_jitter - 1.0)
+    if u_slow < 0.05:  # a slow replica now and then: the long tail a run really sees
+        jitter *= 3.0
+    ttft = provider.ttft_s * jitter * cfg.latency_scale
+    return ttft + tokens / provider.tokens_per_s * jitter * cfg.latency_scale, ttft
+
+
+def misbehave(data: bytes, cfg: SimConfig, prefs: Any) -> bytes:
+    """Break an answer the ways a real endpoint has: for showing each smoke check can fail."""
+    obj = orjson.loads(data)
+    message = obj["choices"][0]["message"]
+    usage = obj["usage"]
+    for what in cfg.misbehave:
+        if what == "no_reasoning":
+            message["reasoning"] = None
+            message.pop("reasoning_details", None)
+            message.pop("reasoning_content", None)
+        elif what == "wrong_model":
+            obj["model"] = "someone/another-model"
+        elif what == "no_cost":
+            usage.pop("cost", None)
+        elif what == "ignore_routing":
+            ignored = (prefs or {}).get("ignore") if isinstance(prefs, dict) else None
+            slug = (ignored or ["fireworks"])[0]
+            obj["provider"] = next((p.name for p in cfg.providers if p.slug == slug), "Fireworks")
+        elif what == "bad_token_count":
+            usage["completion_tokens"] += 50
+        elif what == "tool_calls":
+            message["tool_calls"] = [{"id": "call_0", "type": "function",
+                                      "function": {"name": "lookup", "arguments": "{}"}}]
+    return orjson.dumps(obj)
