@@ -22,8 +22,10 @@ no process of its session left behind (the reconstruction workers must die with 
 At the end (`audit`): every prompt id answered, failed or skipped exactly once (skipped only where
 a token budget ran out); one token entry per answer, and a sample re-reconstructed gives identical
 ids and loss mask; the spend recorded (sum of usage.cost) matches what the simulator billed: every
-prompt's billing is explained by its written answer, plus answers served but never written, which
-only a SIGKILL may leave (at most one per request in flight at the kill).
+prompt's billing is explained by its written answer, plus generations billed but never written:
+those of faults nobody could read (drop, hang, truncated: the service bills them, see
+core/simulator/faults.py) and answers a SIGKILL left (at most one per request in flight at the
+kill; the simulator bills an abandoned plain request in full, as OpenRouter does).
 
 The figures print as a table; exit status 0 only if no check failed. The short form runs in the
 suite (tests/test_soak.py).
@@ -67,6 +69,9 @@ MAX_TOKENS = 400
 MEAN_TOKENS = 80
 EPS_USD = 1e-9
 _LIMIT = re.compile(rb"in flight (\d+) \(limit (\d+)/(\d+)\)")
+
+# Faults whose generation ran and is billed though no client could read it (core/simulator/faults.py).
+BILLED_FAULTS = ("drop", "hang", "truncated")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,7 +341,8 @@ class Step:
     phase: str = ""              # where a kill landed: "start-up" or "running"
     returncode: int | None = None
     answers: int = 0             # answers written during this process
-    unwritten: int = 0           # answers served during it and never written
+    unwritten: int = 0           # answers served during it (billed, not a fault) and never written
+    faulted: int = 0             # generations billed for faults no client could read (BILLED_FAULTS)
     in_flight_bound: int = 0     # what it could have had in flight
     orphans: int = 0
     lost: int = 0
@@ -503,13 +509,14 @@ class Soak:
         a = await asyncio.to_thread(audit, self.config, stats, sample=o.sample, seed=o.seed,
                                     budgeted=("b",) if o.budget else ())
         bound = sum(s.in_flight_bound for s in self.steps if s.how != "final")
-        if a.served_unwritten > bound:
-            self.problems.append(f"{a.served_unwritten} answers served and never written, more than the "
+        faulted = sum(s.faulted for s in self.steps)
+        if a.served_unwritten - faulted > bound:
+            self.problems.append(f"{a.served_unwritten - faulted} answers served and never written, more than the "
                                  f"{bound} that could be in flight at the kills")
         measured = sum(s.unwritten for s in self.steps)
-        if measured != a.served_unwritten:
-            self.problems.append(f"served-unwritten per process add up to {measured}, the audit counts "
-                                 f"{a.served_unwritten}")
+        if measured + faulted != a.served_unwritten:
+            self.problems.append(f"served-unwritten per process add up to {measured} (+{faulted} billed faults), "
+                                 f"the audit counts {a.served_unwritten}")
         return SoakReport(o, self.steps, dict(stats.faults), a, self.storm, self.torn,
                           stats.requests_total, time.monotonic() - t0, self.problems + a.problems)
 
@@ -540,10 +547,16 @@ class Soak:
             return None
 
     async def _settle_sim(self) -> None:
-        # Handlers of a dead client are cancelled when its sockets close; give them a moment.
-        deadline = time.monotonic() + 5.0
-        while self.sim.stats.in_flight and time.monotonic() < deadline:
+        # Handlers of a dead client are cancelled when its sockets close, and the generations it
+        # left run on to their bill (OPENROUTER.md, "Billing"); give them a moment.
+        deadline = time.monotonic() + 30.0
+        while (self.sim.stats.in_flight or self.sim.stats.generations_running) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
+    def _billed_unreadable(self) -> tuple[int, int]:
+        """(generations billed, of them faults no client could read: drop, hang, truncated)."""
+        st = self.sim.stats
+        return st.generations_billed, sum(st.faults.get(k, 0) for k in BILLED_FAULTS)
 
     def _in_flight_bound(self) -> int:
         return sum(d.concurrency for d in self.config.datasets)
@@ -551,6 +564,7 @@ class Soak:
     async def _step(self, how: str) -> Step:
         step = Step(how)
         disk0 = read_disk(self.config)
+        billed0, faulted0 = self._billed_unreadable()
         served0 = self.sim.stats.answers_total
         t0 = time.monotonic()
         if how == "storm":
@@ -628,7 +642,9 @@ class Soak:
         if step.duplicates:
             self.problems.append(f"{how}: {step.duplicates} id(s) on disk twice")
         step.answers = disk.written() - disk0.written()
-        step.unwritten = (self.sim.stats.answers_total - served0) - step.answers
+        billed, faulted = self._billed_unreadable()
+        step.faulted = faulted - faulted0
+        step.unwritten = (billed - billed0) - step.faulted - step.answers
         if how != "SIGKILL" and how != "storm" and step.unwritten:
             self.problems.append(f"{how}: {step.unwritten} answer(s) served and not written without a kill")
         if how in ("SIGTERM", "SIGHUP", "final") and not step.finished_early:
