@@ -31,7 +31,7 @@ from draftgen.core.simulator.config import SimConfig, SimProvider
 from draftgen.core.simulator.stats import SimStats
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Generation:
     """One generation under way at a provider."""
 
@@ -77,8 +77,8 @@ class Ledger:
         self._config = config
         self._on_finish = on_finish  # the account's in-flight book hears of each finish
         self.running: dict[str, Generation] = {}
-        # gen_id -> (finished at, record); oldest first, bounded by generation_log_size.
-        self._records: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+        # gen_id -> (finished at, generation, completion tokens billed, cancelled); oldest first.
+        self._records: OrderedDict[str, tuple[float, Generation, int, bool]] = OrderedDict()
 
     def start(self, g: Generation) -> None:
         """The generation runs: billed in full at its end unless a stream is cancelled first."""
@@ -109,21 +109,9 @@ class Ledger:
         st.prompt_answers[g.key] = st.prompt_answers.get(g.key, 0) + 1
         st.prompt_cost[g.key] = st.prompt_cost.get(g.key, 0.0) + cost
         self._on_finish(g)
-        c = g.completion
-        finish = None if cancelled else c.finish_reason
+        # Compact: up to generation_log_size of these are kept; the record is built when asked for.
+        self._records[g.gen_id] = (now, g, tokens, cancelled)
         cfg = self._config()
-        self._records[g.gen_id] = (now, {
-            "id": g.gen_id, "upstream_id": f"chatcmpl-{g.gen_id[4:]}", "total_cost": cost, "usage": cost,
-            "cache_discount": None, "created_at": _iso(g.created), "model": g.model, "app_id": None,
-            "streamed": g.streamed, "cancelled": cancelled, "provider_name": g.provider.name,
-            "latency": round(g.ttft * 1000), "generation_time": round((now - g.started) * 1000),
-            "moderation_latency": None, "finish_reason": finish, "native_finish_reason": finish,
-            "tokens_prompt": g.prompt_tokens, "tokens_completion": tokens,
-            "native_tokens_prompt": g.prompt_tokens, "native_tokens_completion": tokens,
-            "native_tokens_reasoning": min(c.n_reasoning, tokens), "native_tokens_cached": 0,
-            "num_media_prompt": None, "num_media_completion": None, "num_search_results": None,
-            "origin": "", "is_byok": False,
-        })
         while len(self._records) > cfg.generation_log_size:
             self._records.popitem(last=False)
         return cost
@@ -133,7 +121,20 @@ class Ledger:
         # The delay is read now, so a test can hold records back and then release them.
         if found is None or time.monotonic() < found[0] + self._config().generation_delay_s:
             return None
-        return found[1]
+        ended, g, tokens, cancelled = found
+        finish = None if cancelled else g.completion.finish_reason
+        return {
+            "id": g.gen_id, "upstream_id": f"chatcmpl-{g.gen_id[4:]}", "total_cost": g.cost, "usage": g.cost,
+            "cache_discount": None, "created_at": _iso(g.created), "model": g.model, "app_id": None,
+            "streamed": g.streamed, "cancelled": cancelled, "provider_name": g.provider.name,
+            "latency": round(g.ttft * 1000), "generation_time": round((ended - g.started) * 1000),
+            "moderation_latency": None, "finish_reason": finish, "native_finish_reason": finish,
+            "tokens_prompt": g.prompt_tokens, "tokens_completion": tokens,
+            "native_tokens_prompt": g.prompt_tokens, "native_tokens_completion": tokens,
+            "native_tokens_reasoning": min(g.completion.n_reasoning, tokens), "native_tokens_cached": 0,
+            "num_media_prompt": None, "num_media_completion": None, "num_search_results": None,
+            "origin": "", "is_byok": False,
+        }
 
     def close(self) -> None:
         """Server shutdown: generations still running are never billed."""
