@@ -91,8 +91,8 @@ class Completions:
     def _abandoned(self, request: web.Request) -> None:
         """The client left: a stream stops (billed so far); a plain request runs on to its bill."""
         g = request.get(GENERATION)
-        if g is not None and g.streamed:
-            self._ledger.finish(g, cancelled=True)
+        if g is not None:
+            self._ledger.abandoned(g)
 
     def _hit(self, a: Active | str) -> None:
         """Count a response a scenario sent (on the scenario and in the stats)."""
@@ -238,7 +238,7 @@ class Completions:
             st.faults[fault] = st.faults.get(fault, 0) + 1
         if fault is not None:
             return await serve_fault(request, cfg, fault, reply, ttft, latency, stream, self.fragments,
-                                     lambda: self._start(request, gen))
+                                     lambda: self._start(request, gen), self._ledger.finish)
         self._start(request, gen)
         if stream:
             return await self._stream(request, cfg, reply, gen)

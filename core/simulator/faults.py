@@ -6,7 +6,7 @@ Billing, as OpenRouter bills (see generations.py):
   billed in full when it would have finished; a stream is aborted there, so billed for the
   prompt and the tokens produced by then.
 - hang: no response for hang_s, then the connection is closed. The generation runs to its end
-  upstream and is billed in full (a stream the client aborts first: up to the abort).
+  upstream and is billed in full, once the connection is gone (a stream: up to the abort).
 - truncated: the answer is generated and billed in full; its body is cut on the way.
 - error200, finish_error, empty_choices: the provider failed; free (usage.cost 0).
 """
@@ -39,9 +39,9 @@ def pick_fault(faults: dict[str, float], u: float) -> str | None:
 
 async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.Reply, ttft: float,
                       latency: float, stream: bool, fragments: wire.FragmentCache,
-                      start: Callable[[], Generation]) -> web.StreamResponse:
+                      start: Callable[[], Generation], finish: Callable[[Generation], object]) -> web.StreamResponse:
     """The response of a request that meets `fault` (see config.FAULT_KINDS); `start()` starts
-    the billed generation of the faults that have one (drop, hang, truncated)."""
+    the billed generation of the faults that have one (drop, hang, truncated), `finish()` bills it."""
     meta = {"provider_name": r.provider}
     if fault == "429":
         return responses.rate_limited(cfg, r.provider)
@@ -59,14 +59,15 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
         return web.Response(status=524, text="error code: 524", content_type="text/plain")
     if fault in ("drop", "hang"):
         request[responses.NO_RESPONSE] = fault  # recorded even if the client gives up first
-        start()  # a stream is aborted (billed so far) when the connection closes: see completions.py
+        # When the connection closes, the ledger hears the generation was abandoned (completions.py).
+        start()
         await responses.sleep(ttft if fault == "drop" else cfg.hang_s)
         return await responses.drop(request, fault)
-    if fault == "truncated":
-        start()
+    g = start() if fault == "truncated" else None
     if not stream:
         await responses.sleep(latency)
-        if fault == "truncated":
+        if g is not None:
+            finish(g)
             full = wire.completion_json(r, fragments)
             return web.Response(body=full[: len(full) // 2], content_type=responses.JSON)
         if fault == "error200":
@@ -83,10 +84,11 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
     half = frames[: len(frames) // 2]
     if fault == "empty_choices":
         await resp.write(wire.empty_choices_frame(r) + wire.DONE)
-    elif fault == "truncated":
+    elif g is not None:  # truncated: the generation ran to its end, the stream is cut on the way
         await responses.paced(resp, half, max(0.0, latency - ttft) / 2)
         last = frames[len(half)] if len(frames) > len(half) else wire.final_frame(r)
         await resp.write(last[: len(last) // 2])
+        finish(g)
     elif fault == "error200":
         await responses.paced(resp, half, max(0.0, latency - ttft) / 2)
         await resp.write(wire.error_frame(r, 502, "Provider returned error: upstream disconnected"))

@@ -3,8 +3,8 @@
 - A generation is charged when it finishes, at its provider's prices (prompt tokens x
   `pricing.prompt` + completion tokens x `pricing.completion`).
 - A non-streamed request keeps running when the client gives up on it (timeout, dropped
-  connection, killed process) and is charged in full when it would have finished: every
-  generation has a timer at its end that bills it whoever is still listening.
+  connection, killed process) and is charged in full when it would have finished (a timer
+  set when the handler learns the client left).
 - An aborted stream stops the generation: it is charged for the prompt and the completion
   tokens produced until the cancel (produced at the provider's pace from the first token, so
   never fewer than the client received), and its record says `cancelled: true`.
@@ -77,17 +77,30 @@ class Ledger:
         self._config = config
         self._on_finish = on_finish  # the account's in-flight book hears of each finish
         self.running: dict[str, Generation] = {}
+        self._closed = False
         # gen_id -> (finished at, generation, completion tokens billed, cancelled); oldest first.
         self._records: OrderedDict[str, tuple[float, Generation, int, bool]] = OrderedDict()
 
     def start(self, g: Generation) -> None:
-        """The generation runs: billed in full at its end unless a stream is cancelled first."""
+        """The generation runs; whoever serves it calls finish() at its end, or abandoned()."""
         self.running[g.gen_id] = g
         self._stats.generations_running = len(self.running)
         if g.latency <= 0:
             self.finish(g)
+
+    def abandoned(self, g: Generation) -> None:
+        """Nobody will read `g` (the client left, or the connection was dropped): a stream stops
+        and is billed so far; a plain request runs on and is billed in full at its end."""
+        if g.cost is not None or g.timer is not None or self._closed:
+            return
+        if g.streamed:
+            self.finish(g, cancelled=True)
+            return
+        left = g.started + g.latency - time.monotonic()
+        if left <= 0:
+            self.finish(g)
         else:
-            g.timer = asyncio.get_running_loop().call_later(g.latency, self.finish, g)
+            g.timer = asyncio.get_running_loop().call_later(left, self.finish, g)
 
     def finish(self, g: Generation, *, cancelled: bool = False) -> float:
         """Bill `g` once: in full, or (a cancelled stream) what it produced so far. Returns the cost."""
@@ -138,6 +151,7 @@ class Ledger:
 
     def close(self) -> None:
         """Server shutdown: generations still running are never billed."""
+        self._closed = True
         for g in self.running.values():
             if g.timer is not None:
                 g.timer.cancel()
