@@ -91,9 +91,7 @@ class Account:
         budget, window = found
         if estimate > budget:
             return responses.weight_exceeds(budget, estimate)
-        now = time.monotonic()
-        while self._recent and self._recent[0][0] < now - window:
-            self._recent.popleft()
+        self._prune(window)
         used = self._running_sum + sum(e for _, e in self._recent)
         if used + estimate > budget:
             a = self._scenarios.live("in_flight_budget")
@@ -112,6 +110,15 @@ class Account:
             self._recent.append((time.monotonic(), est))
         if not self._running:
             self._running_sum = 0.0  # no float crumbs left behind
+        a = self._scenarios.live("in_flight_budget")
+        self._prune(a.get("window", self._config().in_flight_window_s) if a is not None
+                    else self._config().in_flight_window_s)
+
+    def _prune(self, window: float) -> None:
+        """Forget requests that finished more than `window` seconds ago."""
+        horizon = time.monotonic() - window
+        while self._recent and self._recent[0][0] < horizon:
+            self._recent.popleft()
 
     # -- endpoints -------------------------------------------------------------------------
 
