@@ -274,7 +274,10 @@ def test_backoff_is_full_jitter_and_honours_retry_after():
 
 
 async def test_two_thousand_really_in_flight(tmp_path):
-    async with SimServer(SimConfig(seed=1, fixed_latency_s=2.0, mean_completion_tokens=20), port=0) as sim:
+    # Answers are held until 2,000 are in flight (60 s at most), so a loaded machine admitting
+    # slowly cannot make this fail, while a pool capped below 2,000 still does.
+    sim_cfg = SimConfig(seed=1, fixed_latency_s=0.2, mean_completion_tokens=20, hold_until_in_flight=2000)
+    async with SimServer(sim_cfg, port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 2000, "concurrency": 2000}])
         engine, state, _ = await run_engine(cfg)
         peak = sim.stats.peak_in_flight

@@ -14,6 +14,7 @@ id is known at once), the same id as the body's `id`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ class Completions:
         self.fragments: wire.FragmentCache = {}
         self._route_cache: dict[tuple[bytes, str, int], list[SimProvider] | NoEndpoints] = {}
         self._prompt_cache: dict[tuple[str, str | None], int] = {}
+        self._held = asyncio.Event()
 
     def forget_routes(self) -> None:
         self._route_cache.clear()
@@ -67,6 +69,8 @@ class Completions:
         status = "?"
         cfg = self._config()
         try:
+            if cfg.hold_until_in_flight is not None:
+                await self._hold(cfg)
             resp = await self._serve(request, cfg)
             status = str(resp.status)
             if responses.GEN_ID in request and not resp.prepared:
@@ -87,6 +91,12 @@ class Completions:
         finally:
             st.in_flight -= 1
             st.by_status[status] = st.by_status.get(status, 0) + 1
+
+    async def _hold(self, cfg: SimConfig) -> None:
+        if self._stats.in_flight >= cfg.hold_until_in_flight:
+            self._held.set()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._held.wait(), cfg.hold_timeout_s)
 
     def _abandoned(self, request: web.Request) -> None:
         """The client left: a stream stops (billed so far); a plain request runs on to its bill."""

@@ -123,6 +123,10 @@ class SimConfig:
     # Latency = (ttft + tokens / tokens_per_s) * jitter * latency_scale, or fixed_latency_s.
     latency_scale: float = 1.0
     fixed_latency_s: float | None = None
+    # Hold every request until this many are in flight at once (or hold_timeout_s passes): shows
+    # a client really reaches a concurrency however slowly a loaded machine admits requests.
+    hold_until_in_flight: int | None = None
+    hold_timeout_s: float = 60.0
     jitter: float = 0.35
     # Faults: kind -> probability per request (see FAULT_KINDS); at most 1.0 in all.
     faults: Mapping[str, float] = field(default_factory=dict)
