@@ -66,6 +66,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_extract(args: argparse.Namespace) -> int:
     from draftgen.core.extract import extract_command
+    if args.self_check:
+        from draftgen.core.extract.command import self_check_command
+        return self_check_command(_config(args.config) if args.config else None, long_tokens=args.long_tokens)
+    if not args.config:
+        raise DraftgenError("draftgen extract: give the config file (or --self-check)")
     _parse_shard(args.shard)
     return extract_command(_config(args.config), args.shard)
 
@@ -107,8 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("merge", cmd_merge, "merge all datasets into one deduplicated, shuffled training set")
     p.add_argument("config")
     p = add("extract", cmd_extract, "run the target model over the merged set and save hidden states")
-    p.add_argument("config")
+    p.add_argument("config", nargs="?")
     p.add_argument("--shard", help="i/N: this machine's share of the samples")
+    p.add_argument("--self-check", action="store_true",
+                   help="check the configured backend end to end on tiny random models first (minutes)")
+    p.add_argument("--long-tokens", type=int, default=16384, metavar="N",
+                   help="--self-check: length of its long sample (default 16384)")
     p = add("simulate", cmd_simulate, "serve a local OpenRouter-compatible API to rehearse against")
     try:
         from draftgen.core.simulator.cli import add_arguments

@@ -128,14 +128,20 @@ class ValidationConfig:
 @dataclass(frozen=True)
 class ExtractConfig:
     model: str = ""
-    backend: Literal["hf", "sglang"] = "hf"
+    # "sglang" (draftgen's own SGLang driver) was removed: config_from_dict says what replaced it.
+    backend: Literal["hf", "specforge", "sglang"] = "hf"
     tp_size: int = 1
     aux_layers: str | list[int] = "eagle3"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     device: str = "auto"
-    batch_tokens: int = 16384
+    batch_tokens: int = 16384      # padded tokens per forward (the longest sample alone may exceed it)
     compress: bool = False
     trust_remote_code: bool = False
+    # specforge backend: SGLang's static share of each GPU (weights + KV pool), its attention
+    # backend ("" = SGLang's choice) and the /dev/shm NCCL needs, checked at start.
+    mem_fraction_static: float = 0.8
+    attention_backend: str = ""
+    min_shm_gb: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -399,6 +405,13 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     if engine.workers > MAX_WORKERS:  # each is a process holding the tokenizer: a typo must not fork thousands
         raise ConfigError(f"{file}: engine.workers must be at most {MAX_WORKERS}, not {engine.workers}")
     extract: ExtractConfig = parts["extract"]
+    if extract.backend == "sglang":
+        raise ConfigError(f"{file}: extract.backend = \"sglang\" was replaced by \"specforge\" (SpecForge's maintained "
+                          f"SGLang capture, pinned; see README, GPU extraction)")
+    if not 0 < extract.mem_fraction_static < 1:
+        raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1, not {extract.mem_fraction_static!r}")
+    _positive(file, "extract.min_shm_gb", extract.min_shm_gb, allow_zero=True)
+    _positive(file, "extract.tp_size", extract.tp_size)
     if isinstance(extract.aux_layers, str) and extract.aux_layers != "eagle3":
         raise ConfigError(f"{file}: extract.aux_layers must be \"eagle3\" or a list of 3 layer ids, "
                           f"not {extract.aux_layers!r}")

@@ -9,9 +9,10 @@ import orjson
 from draftgen.core.extract import load_sample
 from draftgen.core.tokens.store import TokenReader
 from draftgen.tui.demo import DEMO_KEY, run_demo
+from tests.test_specforge_release import check_run_with_specforge
 
 
-async def test_demo_headless_end_to_end(tmp_path):
+async def test_demo_headless_end_to_end(tmp_path, specforge_tree):
     out = io.StringIO()
     code = await run_demo(tmp_path, headless=True, out=out, latency_scale=0.02)
     text = out.getvalue()
@@ -30,3 +31,5 @@ async def test_demo_headless_end_to_end(tmp_path):
     sample = load_sample(files[0])
     assert set(sample) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
     assert DEMO_KEY not in (run / "events.log").read_text()
+    # SpecForge's released reader, loader and EAGLE-3 normaliser accept every file and row (issue 15.5).
+    check_run_with_specforge(run, specforge_tree)

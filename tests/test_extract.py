@@ -24,7 +24,6 @@ from draftgen.core.extract.hf_backend import HFBackend
 from draftgen.core.extract.model_info import (ModelDims, dims_from_config_dict, eagle3_layers, read_model_dims,
                                               resolve_aux_layers)
 from draftgen.core.extract.runner import plan_batches
-from draftgen.core.extract.sglang_backend import sglang_available
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.tokens.store import TokenWriter
 
@@ -370,6 +369,30 @@ def test_explicit_layers_out_of_range_are_refused() -> None:
         resolve_aux_layers([1, 2], dims)
 
 
+def test_aux_layers_must_ascend() -> None:
+    # SGLang concatenates captured layers in model order: [5, 2, 3] would label every slice wrong.
+    dims = ModelDims(num_layers=8, hidden_size=64, source="tiny")
+    for bad in ([5, 2, 3], [2, 2, 3], [1, 4, 3]):
+        with pytest.raises(ConfigError, match=r"strictly ascending.*e\.g\. \["):
+            resolve_aux_layers(bad, dims)
+
+
+def test_sglang_capture_ids_follow_the_deepseek_plus_one_rule() -> None:
+    from draftgen.core.extract.model_info import sglang_capture_ids
+    llama = ModelDims(num_layers=61, hidden_size=64, source="t", architectures=("LlamaForCausalLM",))
+    kimi = dims_from_config_dict({"architectures": ["KimiK25ForConditionalGeneration"],
+                                  "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": 61,
+                                                  "hidden_size": 7168}}, "kimi")
+    assert kimi.deepseek_family and not llama.deepseek_family
+    # Llama adds 1 to every id; DeepSeek adds 1 when the first id is 1 (Kimi's default [1, 29, 57]).
+    assert sglang_capture_ids((2, 29, 57), llama) == [2, 29, 57]
+    assert sglang_capture_ids((1, 29, 57), kimi) == [1, 29, 57]
+    assert sglang_capture_ids((2, 29, 57), kimi) == [3, 30, 58]  # taken as layer inputs: shift them ourselves
+    with pytest.raises(ConfigError, match="starts at layer 0, which SGLang cannot capture for a DeepSeek-family"):
+        sglang_capture_ids((0, 29, 57), kimi)
+    assert sglang_capture_ids((0, 29, 57), llama) == [0, 29, 57]
+
+
 # ---------------------------------------------------------------------------------------------
 # Progress and the command
 
@@ -411,82 +434,62 @@ def test_parse_shard() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The sglang backend (needs SGLang and a GPU)
+# The specforge backend's setup (its forwards need a GPU: the self-check runs them there)
 
 
-def _fake_rank(rank: int, tp_size: int, server_kwargs: dict, nccl_port: int, layers: list[int], log_path: str,
-               jobs: object, results: object) -> None:
-    """Stands in for an SGLang TP rank (no GPU here): answers each batch with states made from the ids."""
-    results.put(("ready", rank, 10_000, 64))  # type: ignore[attr-defined]
-    while (job := jobs.get()) is not None:  # type: ignore[attr-defined]
-        job_id, batch = job
-        ids = np.concatenate(batch)
-        if NAN_TOKEN in ids:
-            results.put(("error", rank, "Traceback ...\nRuntimeError: CUDA out of memory"))  # type: ignore[attr-defined]
-            continue
-        if ids[0] == 1:
-            os._exit(3)
-        if rank == 0:
-            states = torch.from_numpy(ids).float()[:, None].repeat(1, 4 * HIDDEN)
-            states[:, HIDDEN:] += torch.arange(3 * HIDDEN).float()
-            results.put(("done", job_id, states.to(torch.bfloat16)))  # type: ignore[attr-defined]
+def test_specforge_backend_missing_is_a_clear_error(tmp_path: Path, model_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = make_run(tmp_path, model_dir, backend="specforge", dtype="bfloat16")
+    with pytest.raises(DraftgenError, match=r"needs SpecForge and SGLang .*pip install -e '\.\[gpu\]'"):
+        extract(config)
+    assert "WORLD_SIZE" not in os.environ  # nothing of torchrun's environment was faked before failing
 
 
-def test_sglang_driver_splits_batches_and_reports_worker_failures(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    # The process plumbing of the sglang backend, with the per-rank SGLang code replaced.
-    from draftgen.core.extract import sglang_backend
-
-    monkeypatch.setattr(sglang_backend, "_require_sglang", lambda: None)
-    monkeypatch.setattr(sglang_backend.torch.cuda, "device_count", lambda: 2)
-    dims = ModelDims(num_layers=N_LAYERS, hidden_size=HIDDEN, source="test")
-    backend = sglang_backend.SglangBackend("unused", (1, 3, 4), dims=dims, tp_size=2, log_dir=tmp_path,
-                                           worker=_fake_rank)
-    try:
-        assert (backend.max_batch_tokens, backend.max_batch_samples) == (10_000, 64)
-        batch = [np.array([5, 6, 7]), np.array([8]), np.array([9, 10])]
-        out = backend.run(batch)
-        for ids, (hidden, aux) in zip(batch, out):
-            assert hidden.shape == (len(ids), HIDDEN) and aux.shape == (len(ids), 3 * HIDDEN)
-            assert hidden[:, 0].tolist() == ids.tolist()
-            assert aux[:, 0].tolist() == ids.tolist()
-        with pytest.raises(DraftgenError, match="rank . failed while running a batch.*CUDA out of memory"):
-            backend.run([np.array([NAN_TOKEN, 2])])
-        with pytest.raises(DraftgenError, match="unusable after an earlier failure"):
-            backend.run([np.array([4])])
-    finally:
-        backend.close()
-    backend = sglang_backend.SglangBackend("unused", (1, 3, 4), dims=dims, tp_size=1, log_dir=tmp_path,
-                                           worker=_fake_rank)
-    try:
-        with pytest.raises(DraftgenError, match=r"rank 0 exited \(code 3\)"):
-            backend.run([np.array([1, 2])])
-    finally:
-        backend.close()
-
-
-@pytest.mark.skipif(sglang_available(), reason="sglang is installed; this checks the message when it is not")
-def test_sglang_backend_missing_is_a_clear_error(tmp_path: Path, model_dir: Path) -> None:
-    config = make_run(tmp_path, model_dir, backend="sglang")
-    with pytest.raises(DraftgenError, match="needs SGLang, which is not installed"):
+def test_specforge_tp_size_must_match_torchrun(tmp_path: Path, model_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = make_run(tmp_path, model_dir, backend="specforge", tp_size=8)
+    with pytest.raises(ConfigError, match="torchrun --nproc_per_node 8 --no-python draftgen extract"):
+        extract(config)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="tp_size = 8 but torchrun started 4 processes"):
         extract(config)
 
 
-@pytest.mark.skipif(not sglang_available(), reason="sglang is not installed (optional GPU extra): "
-                    "the sglang backend is untested on this machine")
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the sglang backend needs one")
-def test_sglang_backend_matches_hf(tmp_path: Path, model_dir: Path, hf_model: torch.nn.Module) -> None:
-    samples = make_samples(seed=6, n=6)
-    config = make_run(tmp_path, model_dir, samples, backend="sglang", dtype="bfloat16")
-    stats = extract(config)
-    assert stats.written == len(samples)
-    for i, (ids, _) in enumerate(samples):
-        logits, hidden_states = reference(hf_model, ids)
-        data = layout.load_sample(layout.sample_path(config.run_dir / "hidden_states", i))
-        assert data["hidden_state"].shape == (1, len(ids), HIDDEN)
-        with torch.no_grad():
-            torch.testing.assert_close(hf_model.lm_head(data["hidden_state"][0].float()), logits,
-                                       atol=5e-2, rtol=5e-2)
-        for j, k in enumerate(eagle3_layers(N_LAYERS)):
-            torch.testing.assert_close(data["aux_hidden_state"][0, :, j * HIDDEN:(j + 1) * HIDDEN].float(),
-                                       hidden_states[k + 1], atol=5e-2, rtol=5e-2)
+def test_removed_sglang_backend_names_its_replacement(tmp_path: Path, model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match='extract.backend = "sglang" was replaced by "specforge"'):
+        make_run(tmp_path, model_dir, backend="sglang")
+    with pytest.raises(ConfigError, match="mem_fraction_static must be between 0 and 1"):
+        make_run(tmp_path, model_dir, mem_fraction_static=1.5)
+
+
+def test_shm_check_names_the_fix(tmp_path: Path) -> None:
+    from draftgen.core.extract.specforge_backend import check_shm
+    assert check_shm(0.0, tmp_path) > 0
+    with pytest.raises(DraftgenError, match=r"needs at least 1e\+06 GiB there \(extract.min_shm_gb\).*--shm-size"):
+        check_shm(1e6, tmp_path)
+
+
+def test_server_args_size_the_pools_for_the_largest_forward() -> None:
+    from draftgen.core.extract.specforge_backend import server_args
+    args = server_args(max_forward_tokens=20_000, max_samples=3, mem_fraction_static=0.8, attention_backend="")
+    assert args["max_total_tokens"] >= 20_000 and args["max_running_requests"] == 3
+    assert args["mem_fraction_static"] == 0.8 and "attention_backend" not in args
+    assert server_args(max_forward_tokens=1, max_samples=1, mem_fraction_static=0.5,
+                       attention_backend="fa3")["attention_backend"] == "fa3"
+
+
+def test_specforge_plan_is_made_before_the_model_loads(tmp_path: Path, model_dir: Path) -> None:
+    # Rank 0's plan sizes SGLang's pools: the widest forward and the most samples of any batch.
+    config = make_run(tmp_path, model_dir, batch_tokens=64)
+    root = config.run_dir / "hidden_states"
+    from draftgen.core.tokens.store import TokenReader
+    reader = TokenReader(config.run_dir / "merged" / "tokens")
+    dims = read_model_dims(str(model_dir))
+    plan = runner._make_plan(root, reader, (0, 1), dims, 64, config.extract, None)
+    lengths = [e.length for e in reader.entries]
+    assert sorted(k for b in plan.batches for k in b) == list(range(len(lengths)))
+    assert plan.max_forward_tokens == max(len(b) * max(lengths[k] for k in b) for b in plan.batches)
+    assert plan.max_forward_tokens <= max(64, max(lengths))
+    assert plan.max_samples == max(len(b) for b in plan.batches)

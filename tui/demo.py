@@ -97,7 +97,7 @@ def build_tiny_model(folder: Path) -> None:
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # its bars would draw over the demo's own output
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=163840, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    config = LlamaConfig(vocab_size=163840, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=65536,
                          tie_word_embeddings=True)
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)

@@ -70,3 +70,33 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
         more = f" and {stats.nan_samples - 10} more" if stats.nan_samples > 10 else ""
         print(f"warning: samples with NaN/Inf (not written): {shown}{more}; see stats.json", file=stream, flush=True)
     return 0
+
+
+def self_check_command(config: Config | None, *, long_tokens: int, out: TextIO | None = None) -> int:
+    """`draftgen extract [CONFIG] --self-check`: the checklist on tiny models; 0 when every check passed.
+
+    With a config, its [extract] backend and settings are checked (its model only sizes the memory
+    extrapolation); without one, the hf backend on this machine (float32 on a CPU).
+    """
+    import dataclasses
+    from pathlib import Path
+
+    from draftgen.core.config import ExtractConfig
+    if long_tokens < 8:
+        raise DraftgenError(f"--long-tokens {long_tokens}: must be at least 8")
+    try:
+        import torch
+    except ModuleNotFoundError:
+        raise DraftgenError("draftgen extract --self-check needs PyTorch: pip install 'draftgen[extract]'") from None
+    from draftgen.core.extract.selfcheck import print_result, run_self_check
+    if config is None:
+        base = ExtractConfig(dtype="bfloat16" if torch.cuda.is_available() else "float32")
+        path = Path("selfcheck.toml")
+    else:
+        base, path = config.extract, config.path
+    if base.backend == "hf" and base.device == "cpu" or not torch.cuda.is_available():
+        base = dataclasses.replace(base, dtype="float32") if base.backend == "hf" else base
+    result = run_self_check(base, long_tokens=long_tokens, config_path=path)
+    if result.rows:  # only rank 0 of a torchrun job has rows to print
+        print_result(result, out)
+    return 0 if result.passed or not result.rows else 1

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from draftgen.core.errors import DraftgenError
+from draftgen.core.extract.backend import right_pad
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-PAD_ID = 0  # any valid id: padded positions are masked and cut off
 
 
 def resolve_device(device: str) -> str:
@@ -80,13 +80,7 @@ class HFBackend:
         return hook
 
     def run(self, batch: Sequence[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        lengths = [len(ids) for ids in batch]
-        width = max(lengths)
-        input_ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, ids in enumerate(batch):
-            input_ids[row, : len(ids)] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
-            attention_mask[row, : len(ids)] = 1
+        input_ids, attention_mask, lengths = right_pad(batch)
         self._captured.clear()
         with torch.inference_mode():
             out = self.decoder(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),

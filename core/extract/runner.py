@@ -180,13 +180,56 @@ def _batches_of_arrays(reader: TokenReader, batches: list[list[int]]) -> Iterato
         yield batch, ids, masks
 
 
+@dataclass
+class _Plan:
+    """What rank 0 decides before any model loads, shared with every rank of a torchrun job."""
+    todo: list[int]
+    batches: list[list[int]]
+    skipped_existing: int
+    tokens_todo: int
+    max_forward_tokens: int  # padded tokens of the largest planned batch
+    max_samples: int
+
+
+def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: ModelDims, limit: int,
+               cfg: Any, max_samples: int | None) -> _Plan:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise disk_error(root, e) from e
+    _remove_stale_tmp(root, shard)
+    entries: list[TokenEntry] = reader.entries
+    indices = _shard_indices(len(reader), shard)
+    todo = [k for k in indices if layout.existing_sample(root, k) is None]
+    tokens_todo = sum(entries[k].length for k in todo)
+    _check_disk(root, tokens_todo, len(todo), dims)
+    if cfg.backend == "specforge" and todo:
+        from draftgen.core.extract.specforge_backend import check_shm
+        check_shm(cfg.min_shm_gb)
+    batches = plan_batches([(k, entries[k].length) for k in todo], limit, max_samples)
+    widest = max((len(b) * max(entries[k].length for k in b) for b in batches), default=0)
+    return _Plan(todo=todo, batches=batches, skipped_existing=len(indices) - len(todo), tokens_todo=tokens_todo,
+                 max_forward_tokens=widest, max_samples=max((len(b) for b in batches), default=0))
+
+
+def make_group(cfg: Any, config_path: object = "config") -> Any:
+    """Where this process stands: alone (hf), or one rank of a torchrun job (specforge)."""
+    from draftgen.core.extract.specforge_backend import LocalGroup, TorchrunGroup
+    if cfg.backend == "specforge":
+        return TorchrunGroup(cfg.tp_size, config_path)
+    return LocalGroup()
+
+
 def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
             progress: Callable[[StageProgress], None] | None = None,
-            backend: ExtractBackend | None = None, stop: threading.Event | None = None) -> ExtractStats:
+            backend: ExtractBackend | None = None, stop: threading.Event | None = None,
+            group: Any = None) -> ExtractStats:
     """Write `hidden_states/` for every sample of `shard` not already there; return the run's stats.
 
     `backend` replaces the one `config.extract` describes (a test's, or a model already loaded);
     `stop`, when set, ends the run after the batch in progress (everything written stays valid).
+    Under torchrun (specforge backend) every rank calls this: rank 0 plans, checks and writes,
+    and all ranks run the same forwards; `group` is that job (made here when None).
     """
     cfg = config.extract
     if not cfg.model:
@@ -203,39 +246,54 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     reader = TokenReader(tokens_dir)
     dims = read_model_dims(cfg.model, trust_remote_code=cfg.trust_remote_code)
     layers = resolve_aux_layers(cfg.aux_layers, dims, config.path)
+    if cfg.backend == "specforge" and backend is None:
+        from draftgen.core.extract.model_info import sglang_capture_ids
+        sglang_capture_ids(layers, dims, config.path)  # refuse what SGLang cannot capture before anything loads
     root = rundir.hidden_states
+    owned_group = group is None
+    if group is None:
+        group = make_group(cfg, config.path) if backend is None else make_group(dataclasses.replace(cfg, backend="hf"))
+    owned = backend is None
     try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise disk_error(root, e) from e
-    _remove_stale_tmp(root, shard)
+        limit = min(cfg.batch_tokens, (backend.max_batch_tokens if backend else None) or cfg.batch_tokens)
+        plan: _Plan = group.share(lambda: _make_plan(root, reader, shard, dims, limit, cfg,
+                                                     backend.max_batch_samples if backend else None))
+        if backend is None:
+            backend = make_backend(cfg, dims, layers, group=group, max_forward_tokens=plan.max_forward_tokens,
+                                   max_samples=plan.max_samples, config_path=config.path)
+        if group.writer:
+            return _run_writer(config, shard, dims, layers, reader, root, plan, backend, progress, stop, rundir)
+        for batch, ids, _masks in _batches_of_arrays(reader, plan.batches):
+            backend.run(ids)
+        return ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
+                            hidden_size=dims.hidden_size, layers=layers, shard=shard, compress=cfg.compress)
+    finally:
+        if owned and backend is not None:
+            backend.close()
+        if owned_group:
+            group.close()
 
-    indices = _shard_indices(len(reader), shard)
+
+def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers: tuple[int, int, int],
+                reader: TokenReader, root: Path, plan: _Plan, backend: ExtractBackend,
+                progress: Callable[[StageProgress], None] | None, stop: threading.Event | None,
+                rundir: RunDir) -> ExtractStats:
+    cfg = config.extract
+    i, n = shard
     entries: list[TokenEntry] = reader.entries
-    todo = [k for k in indices if layout.existing_sample(root, k) is None]
-    stats = ExtractStats(model=cfg.model, backend=cfg.backend, num_layers=dims.num_layers,
+    indices = _shard_indices(len(reader), shard)
+    stats = ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
                          hidden_size=dims.hidden_size, layers=layers, shard=shard, compress=cfg.compress,
                          samples=len(indices), tokens=sum(entries[k].length for k in indices),
-                         skipped_existing=len(indices) - len(todo))
-    tokens_todo = sum(entries[k].length for k in todo)
-    _check_disk(root, tokens_todo, len(todo), dims)
-
-    owned = backend is None
+                         skipped_existing=plan.skipped_existing)
     events = EventLog(rundir.events_log)
-    events.write("info", f"extract: {len(todo):,} samples ({tokens_todo:,} tokens) to do in shard {i}/{n}, "
+    events.write("info", f"extract: {len(plan.todo):,} samples ({plan.tokens_todo:,} tokens) to do in shard {i}/{n}, "
                          f"{stats.skipped_existing:,} already written; layers {list(layers)}, H={dims.hidden_size}")
-    reporter: _Reporter | None = None
-    started = time.monotonic()
+    reporter = _Reporter(progress, stats, backend.description, plan.tokens_todo)
+    started = reporter.started
     try:
-        if backend is None:
-            backend = make_backend(cfg, dims, layers, log_dir=root, config_path=config.path)
-        stats.backend = backend.description
-        reporter = _Reporter(progress, stats, backend.description, tokens_todo)
         reporter.emit(force=True)
-        started = reporter.started
-        limit = min(cfg.batch_tokens, backend.max_batch_tokens or cfg.batch_tokens)
-        batches = plan_batches([(k, entries[k].length) for k in todo], limit, backend.max_batch_samples)
-        for batch, ids, masks in _batches_of_arrays(reader, batches):
+        for batch, ids, masks in _batches_of_arrays(reader, plan.batches):
             if stop is not None and stop.is_set():
                 stats.stopped = True
                 break
@@ -245,14 +303,11 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
                        hidden, aux, dims, stats, events, cfg.compress, backend.description)
             reporter.emit()
     except BaseException as e:
-        if reporter is not None:
-            reporter.emit("failed", message=str(e) or type(e).__name__, force=True)
+        reporter.emit("failed", message=str(e) or type(e).__name__, force=True)
         events.write("error", f"extract: stopped by an error: {e}")
         events.close()
         raise
     finally:
-        if owned and backend is not None:
-            backend.close()
         elapsed = time.monotonic() - started
         stats.elapsed_s = round(elapsed, 3)
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
@@ -261,8 +316,7 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
                f"{stats.skipped_existing:,} already there")
     events.write("info", f"extract: {'stopped' if stats.stopped else 'done'}: {summary}")
     events.close()
-    if reporter is not None:
-        reporter.emit("done", force=True, message=("stopped: " if stats.stopped else "") + summary)
+    reporter.emit("done", force=True, message=("stopped: " if stats.stopped else "") + summary)
     return stats
 
 

@@ -324,16 +324,11 @@ async def run_smoke(config: Config, api_key: str,
 def print_result(result: SmokeResult) -> None:
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
-    table = Table(title="draftgen smoke test", show_lines=False)
-    table.add_column("check")
-    table.add_column("result")
-    table.add_column("detail", overflow="fold")
-    for r in result.rows:
-        # Details quote the upstream (answers, error bodies): "[/INST]" there is text, not rich markup.
-        table.add_row(escape(r.check), "[green]PASS[/]" if r.passed else "[bold red]FAIL[/]", escape(r.detail))
+
+    from draftgen.core.checklist import checklist_table
     console = Console()
-    console.print(table)
+    # Details quote the upstream (answers, error bodies): "[/INST]" there is text, not rich markup.
+    console.print(checklist_table("draftgen smoke test", ((r.check, r.passed, r.detail) for r in result.rows)))
     for name, cost in result.cost_per_request.items():
         console.print(f"cost per request ({escape(name)}): ${cost:.6f}")
     if result.projected_cost_usd is not None:

@@ -1,0 +1,382 @@
+"""`draftgen extract --self-check`: extraction's smoke test, for the GPU box before hours of 8-GPU time.
+
+On tiny random models of the target's families, built here (a Llama with head_dim 128, and a
+DeepseekV3-style MoE with MLA like Kimi-K2.5's language model), through the configured backend
+and the real runner, it checks:
+
+1. the backend starts;
+2. a mixed batch with one long sample (`--long-tokens`, 16,384 by default) gives the right
+   shapes and dtypes, all finite;
+3. each sample run alone equals the same sample inside the batch (padding leaks nowhere);
+4. `lm_head(hidden_state)` agrees with transformers' own logits (mean cosine >= 0.99, argmax >= 98 %);
+5. aux slice j matches HF `hidden_states[k_j + 1]` clearly better (at least 2x closer) than
+   `[k_j]` or `[k_j + 2]`: the layer convention, SGLang's +1 rule included;
+6. the files the runner writes read back through SpecForge's own loader and EAGLE-3 normaliser
+   (draftgen's copy of them, said so, where specforge is not installed) and equal the states;
+7. peak accelerator (or, on a CPU, process) memory and /dev/shm during the long sample, and the
+   same extrapolated to the configured model's H;
+8. a rerun skips every file, and the backend leaves no process or process group behind.
+
+Under torchrun every rank runs the same forwards; rank 0 compares and prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+from draftgen.core.config import Config, ExtractConfig, config_from_dict
+from draftgen.core.extract import layout
+from draftgen.core.extract.backend import make_backend
+from draftgen.core.extract.model_info import ModelDims, read_model_dims, resolve_aux_layers
+from draftgen.core.extract.units import fmt_bytes
+
+DEFAULT_LONG_TOKENS = 16_384
+SHORT_LENGTHS = (300, 64, 17, 3)  # the rest of the mixed batch, cut to below the long sample
+VOCAB = 8192
+N_LAYERS = 8
+COSINE_MIN, ARGMAX_MIN = 0.99, 0.98
+AUX_MARGIN = 2.0      # the right layer must be this many times closer than its neighbours
+ALONE_COSINE_MIN = 0.999  # per-row cosine of sample-alone vs sample-in-batch (bf16 kernels differ a little by shape)
+KIMI_HIDDEN = 7168    # extrapolation target when no model is configured
+
+
+def tiny_configs(max_positions: int, tp_size: int = 1) -> dict[str, Any]:
+    """The two families, small but with shapes GPU kernels accept: head_dim 128, MLA ranks 512 + 64.
+
+    Heads (and so H = 128 x heads) grow with the TP degree so every rank holds whole heads: H = 256
+    on one device, 1024 under TP 8.
+    """
+    from transformers import DeepseekV3Config, LlamaConfig
+    heads = max(2, tp_size)
+    hidden = 128 * heads
+    common = dict(vocab_size=VOCAB, num_hidden_layers=N_LAYERS, max_position_embeddings=max_positions,
+                  hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=heads,
+                  num_key_value_heads=heads, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+    return {
+        "llama (head_dim 128)": LlamaConfig(head_dim=128, **common),
+        "deepseek-v3 MoE + MLA": DeepseekV3Config(
+            moe_intermediate_size=64 * heads, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=384,
+            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, **common),
+    }
+
+
+@dataclass
+class Row:
+    check: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class SelfCheckResult:
+    rows: list[Row] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+    def add(self, check: str, passed: bool, detail: str) -> None:
+        self.rows.append(Row(check, bool(passed), detail))
+
+
+def _samples(long_tokens: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    lengths = [long_tokens] + [min(n, max(long_tokens - 1, 1)) for n in SHORT_LENGTHS]
+    out = []
+    for n in lengths:
+        ids = rng.integers(3, VOCAB, size=n).astype(np.int64)  # never pad/bos/eos
+        mask = (rng.random(n) < 0.5).astype(np.uint8)
+        out.append((ids, mask))
+    return out
+
+
+def _cos_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+class _Peak:
+    """Samples process RSS and /dev/shm use in a thread while a block runs; on CUDA, the allocator's peak."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.mem = 0
+        self.shm = 0
+
+    @contextmanager
+    def watch(self) -> Iterator[None]:
+        import psutil
+        proc = psutil.Process()
+        shm = Path("/dev/shm")
+
+        def shm_used() -> int:
+            try:
+                return shutil.disk_usage(shm).used
+            except OSError:
+                return 0
+
+        base_rss, base_shm = proc.memory_info().rss, shm_used()
+        peak = {"rss": base_rss, "shm": base_shm}
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.wait(0.02):
+                peak["rss"] = max(peak["rss"], proc.memory_info().rss)
+                peak["shm"] = max(peak["shm"], shm_used())
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base_cuda = torch.cuda.memory_allocated()
+        thread = threading.Thread(target=poll, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+            peak["rss"] = max(peak["rss"], proc.memory_info().rss)
+            peak["shm"] = max(peak["shm"], shm_used())
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+                self.mem = torch.cuda.max_memory_allocated() - base_cuda
+            else:
+                self.mem = peak["rss"] - base_rss
+            self.shm = peak["shm"] - base_shm
+
+
+def _make_run(root: Path, name: str, model_dir: Path, samples: list[tuple[np.ndarray, np.ndarray]],
+              base: ExtractConfig, config_path: Path) -> Config:
+    from draftgen.core.tokens.store import TokenWriter
+    run = root / f"run-{name.split()[0]}"
+    with TokenWriter(run / "merged" / "tokens") as writer:
+        for k, (ids, mask) in enumerate(samples):
+            writer.append(f"selfcheck-{k}", ids, mask)
+    table = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    table.update(model=str(model_dir), aux_layers="eagle3",
+                 batch_tokens=sum(len(ids) for ids, _ in samples) * len(samples))
+    raw = {"output": {"dir": str(run)}, "datasets": [{"name": "selfcheck", "prompts": "p.jsonl"}], "extract": table}
+    return config_from_dict(raw, config_path)
+
+
+def _specforge_reader() -> tuple[Callable[[Path], list[dict[str, torch.Tensor]]], str]:
+    """SpecForge's offline reader + EAGLE-3 normaliser when installed; else draftgen's copy (named as such)."""
+    try:
+        from specforge.algorithms.eagle3.data import normalize_offline_sample
+        from specforge.runtime.data_plane.feature_store import load_feature_file
+        from specforge.runtime.data_plane.offline_reader import list_feature_files
+    except ImportError:
+        def read_copy(root: Path) -> list[dict[str, torch.Tensor]]:
+            out = []
+            for path in sorted(p for p in root.rglob("*") if p.name.endswith((".ckpt", ".ckpt.gz"))):
+                raw = layout.load_sample(path)
+                out.append({"path": str(path), "hidden_state": raw["aux_hidden_state"], "target": raw["hidden_state"],
+                            "input_ids": raw["input_ids"][None], "loss_mask": raw["loss_mask"][None]})
+            return out
+        return read_copy, "draftgen's copy of SpecForge's reader (specforge not installed)"
+
+    def read(root: Path) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for path in list_feature_files(str(root)):
+            sample = normalize_offline_sample(load_feature_file(path), max_len=1 << 30)
+            sample["path"] = path
+            out.append(sample)
+        return out
+    return read, "SpecForge's list_feature_files, load_feature_file and normalize_offline_sample"
+
+
+def _check_model(result: SelfCheckResult, name: str, hf_config: Any, work: Path, base: ExtractConfig,
+                 config_path: Path, long_tokens: int, target_hidden: int, group: Any) -> None:
+    from transformers import AutoModelForCausalLM
+    from draftgen.core.extract.runner import extract
+    label = f"[{name}]"
+    model_dir = work / name.split()[0]
+    ref = None
+    if group.writer:
+        torch.manual_seed(0)
+        ref = AutoModelForCausalLM.from_config(hf_config).eval()
+        ref.save_pretrained(model_dir)
+    group.share(lambda: None)  # every rank waits for the weights on disk
+    samples = _samples(long_tokens, seed=1)
+    config = _make_run(work, name, model_dir, samples, base, config_path)
+    cfg = config.extract
+    dims = read_model_dims(str(model_dir))
+    layers = resolve_aux_layers("eagle3", dims)
+    ids_list = [ids for ids, _ in samples]
+
+    started = time.monotonic()
+    backend = make_backend(cfg, dims, layers, group=group, max_forward_tokens=len(samples) * long_tokens,
+                           max_samples=len(samples), config_path=config_path)
+    result.add(f"{label} backend starts", True, f"{backend.description} in {time.monotonic() - started:.1f}s")
+    device = "cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"
+    try:
+        peak = _Peak(device)
+        with peak.watch():  # first, so that on a CPU the process has not grown for something else already
+            alone_out = [backend.run([ids_list[0]])]
+        batch_out = backend.run(ids_list)
+        alone_out += [backend.run([ids]) for ids in ids_list[1:]]
+        if group.writer:
+            _compare(result, label, samples, batch_out, [o[0] for o in alone_out], dims, layers, ref, device,
+                     batch_out[0][0].dtype)
+            ref = None
+            per_token = peak.mem / long_tokens
+            estimate = per_token * target_hidden / dims.hidden_size * long_tokens
+            what = "GPU memory (allocator peak above the weights)" if device == "cuda" else "process memory (RSS)"
+            result.add(f"{label} peak memory, long sample", True,
+                       f"{what}: {fmt_bytes(peak.mem)} for {long_tokens:,} tokens at H={dims.hidden_size}; "
+                       f"~{fmt_bytes(estimate)} at H={target_hidden} (rough: scaled by H); /dev/shm grew "
+                       f"{fmt_bytes(max(peak.shm, 0))}")
+        stats = extract(config, backend=backend, group=group)
+        if group.writer:
+            _check_files(result, label, config, samples, batch_out, stats)
+        again = extract(config, backend=backend, group=group)
+        if group.writer:
+            result.add(f"{label} rerun skips every file", again.written == 0 and again.skipped_existing == len(samples),
+                       f"{again.skipped_existing}/{len(samples)} skipped, {again.written} written")
+    finally:
+        backend.close()
+
+
+def _compare(result: SelfCheckResult, label: str, samples: list[tuple[np.ndarray, np.ndarray]],
+             batch_out: list[tuple[torch.Tensor, torch.Tensor]], alone_out: list[tuple[torch.Tensor, torch.Tensor]],
+             dims: ModelDims, layers: tuple[int, int, int], ref: Any, device: str, dtype: torch.dtype) -> None:
+    h = dims.hidden_size
+    shapes_ok = all(tuple(hid.shape) == (len(ids), h) and tuple(aux.shape) == (len(ids), 3 * h)
+                    and hid.is_floating_point() and aux.is_floating_point()
+                    and bool(torch.isfinite(hid).all()) and bool(torch.isfinite(aux).all())
+                    for (ids, _), (hid, aux) in zip(samples, batch_out, strict=True))
+    lengths = [len(ids) for ids, _ in samples]
+    result.add(f"{label} mixed batch: shapes, dtypes, finite", shapes_ok,
+               f"lengths {lengths}; hidden [T, {h}], aux [T, {3 * h}], {batch_out[0][0].dtype}")
+    worst = min(float(torch.minimum(_cos_rows(a[0], b[0]).min(), _cos_rows(a[1], b[1]).min()))
+                for a, b in zip(alone_out, batch_out, strict=True))
+    result.add(f"{label} each sample alone == in the batch", worst >= ALONE_COSINE_MIN,
+               f"lowest per-token cosine {worst:.6f} (>= {ALONE_COSINE_MIN})")
+
+    # The reference runs in the backend's dtype: a random model's logits are nearly flat, and
+    # comparing bf16 kernels against float32 would test rounding, not the extraction.
+    ref = ref.to(device=device, dtype=dtype)
+    cosines, agree, total = [], 0, 0
+    aux_ok, aux_detail = True, []
+    with torch.inference_mode():
+        for (ids, _), (hid, aux) in zip(samples, batch_out, strict=True):
+            out = ref(torch.from_numpy(ids)[None].to(device), output_hidden_states=True)
+            logits = out.logits[0].float()
+            mine = ref.lm_head(hid.to(device=device, dtype=dtype)).float()
+            cosines.append(_cos_rows(mine, logits))
+            agree += int((mine.argmax(-1) == logits.argmax(-1)).sum())
+            total += len(ids)
+            hs = out.hidden_states
+            for j, k in enumerate(layers):
+                part = aux[:, j * h:(j + 1) * h].to(device)
+                right = _rel(part, hs[k + 1][0])
+                wrong = min(_rel(part, hs[k][0]), _rel(part, hs[k + 2][0]))
+                if not right * AUX_MARGIN <= wrong:
+                    aux_ok = False
+                if len(ids) == lengths[0]:
+                    aux_detail.append(f"layer {k}: {right:.1e} vs {wrong:.1e}")
+    cos = torch.cat(cosines)
+    share = agree / max(total, 1)
+    result.add(f"{label} lm_head(hidden_state) vs HF logits", float(cos.mean()) >= COSINE_MIN and share >= ARGMAX_MIN,
+               f"mean cosine {float(cos.mean()):.5f} (min {float(cos.min()):.5f}), argmax agrees on "
+               f"{share:.2%} of {total:,} tokens")
+    result.add(f"{label} aux slices are HF hidden_states[k+1]", aux_ok,
+               f"rel. error to [k+1] vs nearest of [k], [k+2], long sample: {'; '.join(aux_detail)}")
+
+
+def _check_files(result: SelfCheckResult, label: str, config: Config, samples: list[tuple[np.ndarray, np.ndarray]],
+                 batch_out: list[tuple[torch.Tensor, torch.Tensor]], stats: Any) -> None:
+    """The runner's files, read back through SpecForge's reader, equal the states of the same batch."""
+    read, how = _specforge_reader()
+    root = config.run_dir / "hidden_states"
+    got = read(root)
+    by_index = {int(Path(s["path"]).name.split("_")[1].split(".")[0]): s for s in got}
+    ok = stats.written == len(samples) and sorted(by_index) == list(range(len(samples)))
+    worst = 1.0
+    for k, ((ids, mask), (hid, aux)) in enumerate(zip(samples, batch_out, strict=True)):
+        s = by_index.get(k)
+        if s is None:
+            ok = False
+            continue
+        expect_mask = torch.from_numpy(mask.astype(np.int64))
+        ok &= torch.equal(s["input_ids"].reshape(-1), torch.from_numpy(ids))
+        ok &= torch.equal(s["loss_mask"].reshape(-1)[:-1], expect_mask[:-1])  # the normaliser zeroes the last one
+        ok &= s["target"].dtype == torch.bfloat16 and s["hidden_state"].dtype == torch.bfloat16
+        ok &= tuple(s["target"].shape[-2:]) == tuple(hid.shape) and tuple(s["hidden_state"].shape[-2:]) == tuple(aux.shape)
+        if ok:
+            # The runner made its own forward of the same batch; on a GPU kernels may round differently.
+            worst = min(worst, float(_cos_rows(s["target"].reshape(hid.shape), hid).min()),
+                        float(_cos_rows(s["hidden_state"].reshape(aux.shape), aux).min()))
+    ok &= worst >= ALONE_COSINE_MIN
+    result.add(f"{label} files read back through SpecForge's reader", ok,
+               f"{len(got)} files via {how}; {stats.written} written, {stats.tokens_written:,} tokens; lowest "
+               f"per-token cosine to the states {worst:.6f}")
+
+
+def run_self_check(base: ExtractConfig, *, long_tokens: int = DEFAULT_LONG_TOKENS, target_hidden: int | None = None,
+                   config_path: Path = Path("selfcheck.toml"), work_dir: Path | None = None,
+                   families: tuple[str, ...] | None = None) -> SelfCheckResult:
+    """Run the checklist with `base`'s backend settings (its model only sizes the extrapolation)."""
+    from draftgen.core.extract.runner import make_group
+    result = SelfCheckResult()
+    started = time.monotonic()
+    if target_hidden is None:
+        target_hidden = KIMI_HIDDEN
+        if base.model:
+            try:
+                target_hidden = read_model_dims(base.model, trust_remote_code=base.trust_remote_code).hidden_size
+            except Exception:  # the extrapolation is a courtesy; the checks do not need the big model
+                pass
+    import psutil
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    group = make_group(base, config_path)
+    tmp = None
+    try:
+        work = work_dir
+        if work is None:
+            tmp = tempfile.mkdtemp(prefix="draftgen-selfcheck-")
+            work = Path(tmp)
+        for name, hf_config in tiny_configs(max(2 * long_tokens, 4096), base.tp_size).items():
+            if families is not None and name not in families:
+                continue
+            _check_model(result, name, hf_config, work, base, config_path, long_tokens, target_hidden, group)
+    finally:
+        group.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if group.writer:
+        children = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
+        result.add("workers exit", not children,
+                   f"{base.backend}: process group closed, {len(children)} child processes left"
+                   + (f" ({', '.join(str(c.pid) for c in children)})" if children else ""))
+    result.elapsed_s = time.monotonic() - started
+    return result
+
+
+def print_result(result: SelfCheckResult, out: TextIO | None = None) -> None:
+    from rich.console import Console
+
+    from draftgen.core.checklist import checklist_table
+    console = Console(file=out, width=160) if out is not None else Console()
+    console.print(checklist_table("draftgen extract --self-check", ((r.check, r.passed, r.detail) for r in result.rows)))
+    failed = sum(not r.passed for r in result.rows)
+    console.print(("[green]PASSED[/]" if result.passed else f"[bold red]FAILED[/] ({failed} checks)")
+                  + f" in {result.elapsed_s:.1f}s")

@@ -1,0 +1,101 @@
+"""`draftgen extract --self-check` end to end on the CPU (hf backend), and its checks failing when they should.
+
+The GPU default for the long sample is 16,384 tokens; here 128, so the suite stays fast (the length
+is `--long-tokens`). The run uses the released SpecForge reader (unpacked, on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftgen.core.extract.model_info import eagle3_layers, read_model_dims
+from draftgen.core.extract.selfcheck import SelfCheckResult, _compare, _samples
+
+CHECKS = ("backend starts", "mixed batch: shapes, dtypes, finite", "each sample alone == in the batch",
+          "lm_head(hidden_state) vs HF logits", "aux slices are HF hidden_states[k+1]", "peak memory, long sample",
+          "files read back through SpecForge's reader", "rerun skips every file")
+FAMILIES = ("llama (head_dim 128)", "deepseek-v3 MoE + MLA")
+
+
+def test_self_check_passes_end_to_end_on_cpu(tmp_path: Path, specforge_tree: Path, capsys: pytest.CaptureFixture,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from draftgen.cli.main import main
+    monkeypatch.syspath_prepend(str(specforge_tree))  # the released reader, as on a GPU box with the extra
+    monkeypatch.setenv("COLUMNS", "250")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    try:
+        code = main(["extract", "--self-check", "--long-tokens", "64"])
+    finally:
+        for name in [m for m in sys.modules if m == "specforge" or m.startswith("specforge.")]:
+            del sys.modules[name]
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for family in FAMILIES:
+        for check in CHECKS:
+            line = next((x for x in out.splitlines() if f"[{family}] {check}" in x), None)
+            assert line is not None and "PASS" in line, f"{family} / {check} missing or failed:\n{out}"
+    assert "lengths [64, 63, 63, 17, 3]" in out and "hidden [T, 256], aux [T, 768]" in out
+    assert "via SpecForge's list_feature_files, load_feature_file and normalize_offline_sample" in out
+    assert "workers exit" in out and "0 child processes left" in out
+    assert "PASSED" in out
+    assert not list(tmp_path.glob("draftgen-selfcheck-*"))  # its scratch folder is gone
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=8192)).eval()
+    path = tmp_path_factory.mktemp("selfcheck-tiny")
+    model.save_pretrained(path)
+    return path, model
+
+
+def _outputs(model: torch.nn.Module, samples: list, layers: tuple[int, int, int], shift: int = 1
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    with torch.inference_mode():
+        for ids, _ in samples:
+            hs = model(torch.from_numpy(ids)[None], output_hidden_states=True).hidden_states
+            out.append((hs[-1][0],  # after the final norm (transformers 5)
+                        torch.cat([hs[k + shift][0] for k in layers], dim=-1)))
+    return out
+
+
+def _rows(path: Path, model: torch.nn.Module, batch: list, alone: list, samples: list) -> dict[str, bool]:
+    result = SelfCheckResult()
+    dims = read_model_dims(str(path))
+    _compare(result, "[t]", samples, batch, alone, dims, eagle3_layers(8), model, "cpu", torch.float32)
+    return {r.check.removeprefix("[t] "): r.passed for r in result.rows}
+
+
+def test_checks_fail_on_wrong_layers_wrong_states_and_padding_leaks(tiny: tuple[Path, torch.nn.Module]) -> None:
+    path, model = tiny
+    samples = _samples(40, seed=2)
+    layers = eagle3_layers(8)
+    right = _outputs(model, samples, layers)
+    assert all(_rows(path, model, right, right, samples).values())
+    # aux one layer early (SGLang's +1 rule got wrong): the layer check fails, nothing else.
+    early = _outputs(model, samples, layers, shift=0)
+    rows = _rows(path, model, early, early, samples)
+    assert not rows["aux slices are HF hidden_states[k+1]"] and rows["lm_head(hidden_state) vs HF logits"]
+    # hidden_state before the final norm instead of after it: the logits check fails.
+    with torch.inference_mode():
+        pre_norm = [(model(torch.from_numpy(ids)[None], output_hidden_states=True).hidden_states[-2][0], aux)
+                    for (ids, _), (_, aux) in zip(samples, right)]
+    assert not _rows(path, model, pre_norm, pre_norm, samples)["lm_head(hidden_state) vs HF logits"]
+    # A batch whose rows differ from the samples run alone (padding leaking in): that check fails.
+    leaky = [(h + 0.5 * torch.randn_like(h), a) for h, a in right]
+    assert not _rows(path, model, right, leaky, samples)["each sample alone == in the batch"]
+    # A NaN anywhere: the shapes/finite check fails.
+    nan = [(h.clone(), a) for h, a in right]
+    nan[1][0][0, 0] = float("nan")
+    assert not _rows(path, model, nan, nan, samples)["mixed batch: shapes, dtypes, finite"]

@@ -1,0 +1,122 @@
+"""The specforge backend against the source of the releases pyproject's `gpu` extra pins, without a GPU.
+
+SpecForge 0.2.0 and SGLang 0.5.14 are downloaded once per pytest cache (`pip download --no-deps`,
+tests/pinned.py) and read with `ast` (tests/contract.py): nothing of them is imported or installed.
+A renamed function, a dropped parameter, a changed capture-id rule or a clashing ServerArgs key
+fails here, in CI, instead of after an 8-GPU job has loaded its weights.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.contract import (BATCH_FIELDS, CAPTURE_METHODS, CONTRACT, Sources, check_expectations, check_imports,
+                            imports_of, server_args_collisions)
+from tests.pinned import ROOT, gpu_pins
+
+BACKEND = ROOT / "core" / "extract" / "specforge_backend.py"
+BACKEND_REL = "draftgen/core/extract/specforge_backend.py"
+
+
+@pytest.fixture(scope="session")
+def releases(specforge_tree: Path, sglang_tree: Path) -> Sources:
+    return Sources([specforge_tree, sglang_tree])
+
+
+def capture_files(src: Sources) -> dict[str, ast.Module]:
+    """SpecForge's offline capture package and the distributed helpers it uses: the code our backend runs."""
+    root = next(r for r in src.roots if (r / "specforge").is_dir())
+    rels = [p.relative_to(root).as_posix() for p in sorted((root / "specforge" / "offline_capture").rglob("*.py"))]
+    rels.append("specforge/distributed.py")
+    return {rel: src.tree(rel) for rel in rels}  # type: ignore[misc]
+
+
+def our_server_args() -> set[str]:
+    from draftgen.core.extract.specforge_backend import server_args
+    return set(server_args(max_forward_tokens=1, max_samples=1, mem_fraction_static=0.5, attention_backend="fa3"))
+
+
+def test_extra_pins_are_specforges_own(releases: Sources) -> None:
+    # The extra pins SpecForge and exactly the sglang/torch/transformers its release requires.
+    pins = gpu_pins()
+    meta = (next(r for r in releases.roots if (r / "specforge").is_dir())
+            / f"specforge-{pins['specforge']}.dist-info" / "METADATA").read_text()
+    required = dict(re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)==([^\s;]+)\s*$", meta, re.M))
+    for name in ("sglang", "torch", "transformers"):
+        assert pins[name] == required[name], f"gpu extra pins {name}=={pins[name]}, SpecForge requires {required[name]}"
+
+
+def test_backend_imports_exist_in_pinned_specforge(releases: Sources) -> None:
+    tree = ast.parse(BACKEND.read_text())
+    assert {m for m, _, _ in imports_of(tree, BACKEND_REL, ("specforge",))} == {
+        "specforge.distributed", "specforge.offline_capture"}
+    assert check_imports(releases, {BACKEND_REL: tree}, ("specforge", "sglang")) == []
+
+
+def test_specforge_capture_imports_exist_in_pinned_sglang(releases: Sources) -> None:
+    assert check_imports(releases, capture_files(releases), ("specforge", "sglang")) == []
+
+
+def test_called_functions_signatures_and_rules_hold(releases: Sources) -> None:
+    assert check_expectations(releases, CONTRACT) == []
+
+
+def test_server_args_are_fields_and_do_not_clash_with_specforges(releases: Sources) -> None:
+    assert server_args_collisions(releases, our_server_args()) == []
+
+
+def test_backend_uses_only_the_contracted_names() -> None:
+    # The contract lists what the backend touches on SpecForge's objects; a new call must be added there.
+    tree = ast.parse(BACKEND.read_text())
+    on_capture = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                  and isinstance(n.value, ast.Attribute) and n.value.attr == "capture"
+                  and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
+    on_result = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                 and isinstance(n.value, ast.Name) and n.value.id == "out"}
+    assert on_capture == CAPTURE_METHODS
+    assert on_result == BATCH_FIELDS
+    loads = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id == "load_offline_eagle3_capture"]
+    assert len(loads) == 1 and {k.arg for k in loads[0].keywords} == {"torch_dtype", "trust_remote_code", None}
+
+
+def _broken(src: Sources, rel: str, old: str, new: str) -> Sources:
+    root = next(r for r in src.roots if (r / rel).is_file())
+    text = (root / rel).read_text()
+    assert old in text, f"{rel}: {old!r} not found: the mutation would test nothing"
+    return Sources(src.roots, overrides={rel: text.replace(old, new)})
+
+
+def test_a_renamed_function_fails_the_contract(releases: Sources) -> None:
+    sf = "specforge/offline_capture/sglang.py"
+    broken = _broken(releases, sf, "def set_capture_layers(", "def set_layers_to_capture(")
+    assert any("set_capture_layers: not found" in p for p in check_expectations(broken, CONTRACT))
+    broken = _broken(releases, sf, "def load_offline_eagle3_capture(", "def load_offline_capture_v2(")
+    problems = check_expectations(broken, CONTRACT) + check_imports(
+        broken, {BACKEND_REL: ast.parse(BACKEND.read_text())}, ("specforge",))
+    assert any("load_offline_eagle3_capture" in p for p in problems)
+    # SGLang under SpecForge's capture: a renamed method, a renamed class it imports, a dropped parameter.
+    runner = "sglang/srt/model_executor/model_runner.py"
+    broken = _broken(releases, runner, "def init_attention_backends(", "def init_attention_backend(")
+    assert any("ModelRunner.init_attention_backends: not found" in p for p in check_expectations(broken, CONTRACT))
+    fbi = "sglang/srt/model_executor/forward_batch_info.py"
+    broken = _broken(releases, fbi, "class CaptureHiddenMode(", "class HiddenCaptureMode(")
+    assert any("has no CaptureHiddenMode" in p for p in check_imports(broken, capture_files(broken), ("sglang",)))
+    broken = _broken(releases, "sglang/srt/managers/schedule_batch.py", "origin_input_ids: array[int],",
+                     "input_ids: array[int],")
+    assert any("Req.__init__: no parameter 'origin_input_ids'" in p for p in check_expectations(broken, CONTRACT))
+
+
+def test_a_changed_capture_rule_or_server_arg_fails_the_contract(releases: Sources) -> None:
+    broken = _broken(releases, "sglang/srt/models/deepseek_v2.py", "if layer_ids and layer_ids[0] == 1:",
+                     "if layer_ids:")
+    assert any("DeepseekV2ForCausalLM.set_eagle3_layers_to_capture: its source no longer has" in p
+               for p in check_expectations(broken, CONTRACT))
+    broken = _broken(releases, "sglang/srt/server_args.py", "    max_total_tokens:", "    max_total_num_tokens:")
+    assert "ServerArgs has no field 'max_total_tokens' (the specforge backend passes it)" in \
+        server_args_collisions(broken, our_server_args())
+    assert any("duplicate keyword" in p for p in server_args_collisions(releases, our_server_args() | {"tp_size"}))
