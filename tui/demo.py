@@ -87,7 +87,8 @@ device = "cpu"
 
 def build_tiny_model(folder: Path) -> None:
     """A random-weight Llama small enough for the CPU, with the Kimi vocabulary size so that the
-    reconstructed token ids are valid inputs."""
+    reconstructed token ids are valid inputs. 8 layers: the fewest for which EAGLE-3's default
+    layers [1, N//2-1, N-4] are distinct and ascending ([1, 3, 4])."""
     try:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
