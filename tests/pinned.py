@@ -32,6 +32,9 @@ def gpu_pins() -> dict[str, str]:
 
 
 def pinned_source(name: str, cache: Path) -> Path:
+    """The unpacked wheel of the pinned `name`; safe when several test runs share `cache` at once."""
+    import os
+    import shutil
     version = gpu_pins()[name]
     dest = cache / f"{name}-{version}"
     if (dest / ".complete").exists():
@@ -40,26 +43,32 @@ def pinned_source(name: str, cache: Path) -> Path:
     wheels.mkdir(parents=True, exist_ok=True)
     found = sorted(wheels.glob(f"{name}-{version}-*.whl"))
     if not found:
+        mine = cache / f".download-{os.getpid()}"
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-               f"{name}=={version}", "-d", str(wheels)]
+               f"{name}=={version}", "-d", str(mine)]
         if name == "sglang":
             cmd[4:4] = PLATFORM_ARGS
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        found = sorted(wheels.glob(f"{name}-{version}-*.whl"))
-        assert proc.returncode == 0 and found, (
+        got = sorted(mine.glob(f"{name}-{version}-*.whl"))
+        assert proc.returncode == 0 and got, (
             f"could not download the pinned {name}=={version} from PyPI (the contract and reader tests read "
             f"the released source):\n{proc.stderr[-2000:]}")
-    tmp = cache / f".{name}-{version}.partial"
-    if tmp.exists():
-        import shutil
-        shutil.rmtree(tmp)
+        os.replace(got[0], wheels / got[0].name)  # whole files only: another run may be reading wheels/
+        shutil.rmtree(mine, ignore_errors=True)
+        found = [wheels / got[0].name]
+    tmp = cache / f".{name}-{version}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
     with zipfile.ZipFile(found[0]) as z:
         z.extractall(tmp, members=[m for m in z.namelist() if m.endswith(".py") or m.endswith("METADATA")])
-    if dest.exists():  # a run killed before it marked the tree complete
-        import shutil
-        shutil.rmtree(dest)
-    tmp.rename(dest)
-    (dest / ".complete").write_text(found[0].name)
+    (tmp / ".complete").write_text(found[0].name)
+    try:
+        tmp.rename(dest)
+    except OSError:  # another run finished first (dest exists, complete) or left an incomplete one
+        if not (dest / ".complete").exists():
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
