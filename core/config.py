@@ -129,7 +129,7 @@ class ValidationConfig:
 class ExtractConfig:
     model: str = ""
     # "sglang" (draftgen's own SGLang driver) was removed: config_from_dict says what replaced it.
-    backend: Literal["hf", "specforge", "sglang"] = "hf"
+    backend: Literal["hf", "specforge"] = "hf"
     tp_size: int = 1
     aux_layers: str | list[int] = "eagle3"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -359,6 +359,10 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     if unknown:
         raise ConfigError(f"{file}: unknown table or key {unknown[0]!r} (known: {', '.join(sorted(known))})")
     base = file.resolve().parent
+    extract_table = raw.get("extract")
+    if isinstance(extract_table, dict) and extract_table.get("backend") == "sglang":
+        raise ConfigError(f"{file}: extract.backend = \"sglang\" was replaced by \"specforge\" (SpecForge's maintained "
+                          f"SGLang capture, pinned; see README, GPU extraction)")
     parts = {name: _build(cls, raw.get(name, {}), name, file) for name, cls in _TABLES.items()}
     request = raw.get("request", {})
     if not isinstance(request, dict):
@@ -405,9 +409,6 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     if engine.workers > MAX_WORKERS:  # each is a process holding the tokenizer: a typo must not fork thousands
         raise ConfigError(f"{file}: engine.workers must be at most {MAX_WORKERS}, not {engine.workers}")
     extract: ExtractConfig = parts["extract"]
-    if extract.backend == "sglang":
-        raise ConfigError(f"{file}: extract.backend = \"sglang\" was replaced by \"specforge\" (SpecForge's maintained "
-                          f"SGLang capture, pinned; see README, GPU extraction)")
     if not 0 < extract.mem_fraction_static < 1:
         raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1, not {extract.mem_fraction_static!r}")
     _positive(file, "extract.min_shm_gb", extract.min_shm_gb, allow_zero=True)

@@ -48,7 +48,7 @@ token_budget = 10_000_000
 
 [extract]
 model = "moonshotai/Kimi-K2.5"
-backend = "sglang"
+backend = "specforge"
 tp_size = 8
 aux_layers = "eagle3"
 """
@@ -82,7 +82,8 @@ def test_spec_example_loads(tmp_path):
     (("concurrency = 2000", "concurrency = \"lots\""), "datasets[0].concurrency must be an integer"),
     (("concurrency = 2000", "concurrency = 0"), "concurrency must be between 1 and 100000"),
     (("max_usd = 90.0", "max_usd = -1"), "budget.max_usd must be > 0"),
-    (("backend = \"sglang\"", "backend = \"vllm\""), "extract.backend must be one of 'hf', 'sglang'"),
+    (("backend = \"specforge\"", "backend = \"vllm\""), "extract.backend must be one of 'hf', 'specforge'"),
+    (("backend = \"specforge\"", "backend = \"sglang\""), 'extract.backend = "sglang" was replaced by "specforge"'),
     (("template = \"kimi-k2.5\"", "template = \"chatml\""), "tokenizer.template must be"),
     (("[output]", "[outputs]"), "unknown table or key 'outputs'"),
     (("aux_layers = \"eagle3\"", "aux_layers = [1, 2]"), "exactly 3 layer ids"),

@@ -458,7 +458,7 @@ def test_extraction_on_a_full_disk_keeps_every_finished_file(tmp_path):
     from draftgen.core.tokens.store import TokenWriter
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
                                          max_position_embeddings=256, pad_token_id=0)).eval()
     model.save_pretrained(tmp_path / "model")

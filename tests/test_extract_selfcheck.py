@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftgen.core.extract.model_info import eagle3_layers, read_model_dims
-from draftgen.core.extract.selfcheck import SelfCheckResult, _compare, _samples
+from draftgen.core.extract.model_info import ModelDims, eagle3_layers, read_model_dims
+from draftgen.core.extract.selfcheck import FAMILIES, SelfCheckResult, _compare, _samples, families_for
 
 CHECKS = ("backend starts", "mixed batch: shapes, dtypes, finite", "each sample alone == in the batch",
           "lm_head(hidden_state) vs HF logits", "aux slices are HF hidden_states[k+1]", "peak memory, long sample",
           "files read back through SpecForge's reader", "rerun skips every file")
-FAMILIES = ("llama (head_dim 128)", "deepseek-v3 MoE + MLA")
 
 
 def test_self_check_passes_end_to_end_on_cpu(tmp_path: Path, specforge_tree: Path, capsys: pytest.CaptureFixture,
@@ -99,3 +98,12 @@ def test_checks_fail_on_wrong_layers_wrong_states_and_padding_leaks(tiny: tuple[
     nan = [(h.clone(), a) for h, a in right]
     nan[1][0][0, 0] = float("nan")
     assert not _rows(path, model, nan, nan, samples)["mixed batch: shapes, dtypes, finite"]
+
+
+def test_specforge_checks_the_targets_family_only() -> None:
+    # SGLang's parallel state is set up once per process: one tiny model, the target's family.
+    kimi = ModelDims(61, 7168, "k", architectures=("KimiK25ForConditionalGeneration",))
+    llama = ModelDims(32, 4096, "l", architectures=("LlamaForCausalLM",))
+    assert families_for("specforge", kimi) == families_for("specforge", None) == (FAMILIES[1],)
+    assert families_for("specforge", llama) == (FAMILIES[0],)
+    assert families_for("hf", kimi) == FAMILIES

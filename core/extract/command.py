@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
@@ -58,6 +59,8 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
         print(progress_line(p), file=stream, flush=True)
 
     stats = extract(config, shard=parsed, progress=show)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under torchrun rank 0 planned, wrote and reports; the others only ran forwards
     where = config.run_dir / "hidden_states"
     print(f"extract {'stopped' if stats.stopped else 'done'}: {stats.written:,} files written to {where} "
           f"({fmt_count(stats.tokens_written)} tokens, {fmt_bytes(stats.bytes_written)}, "

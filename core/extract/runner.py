@@ -252,7 +252,8 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     root = rundir.hidden_states
     owned_group = group is None
     if group is None:
-        group = make_group(cfg, config.path) if backend is None else make_group(dataclasses.replace(cfg, backend="hf"))
+        from draftgen.core.extract.specforge_backend import LocalGroup
+        group = make_group(cfg, config.path) if backend is None else LocalGroup()
     owned = backend is None
     try:
         limit = min(cfg.batch_tokens, (backend.max_batch_tokens if backend else None) or cfg.batch_tokens)

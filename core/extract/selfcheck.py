@@ -2,7 +2,8 @@
 
 On tiny random models of the target's families, built here (a Llama with head_dim 128, and a
 DeepseekV3-style MoE with MLA like Kimi-K2.5's language model), through the configured backend
-and the real runner, it checks:
+and the real runner, it checks (the hf backend: both families; specforge: the configured model's
+family only, since SGLang sets up its model-parallel state once per process):
 
 1. the backend starts;
 2. a mixed batch with one long sample (`--long-tokens`, 16,384 by default) gives the right
@@ -66,12 +67,15 @@ def tiny_configs(max_positions: int, tp_size: int = 1) -> dict[str, Any]:
                   num_key_value_heads=heads, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                   tie_word_embeddings=False)
     return {
-        "llama (head_dim 128)": LlamaConfig(head_dim=128, **common),
-        "deepseek-v3 MoE + MLA": DeepseekV3Config(
+        FAMILIES[0]: LlamaConfig(head_dim=128, **common),
+        FAMILIES[1]: DeepseekV3Config(
             moe_intermediate_size=64 * heads, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
             n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=384,
             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, **common),
     }
+
+
+FAMILIES = ("llama (head_dim 128)", "deepseek-v3 MoE + MLA")
 
 
 @dataclass
@@ -331,6 +335,14 @@ def _check_files(result: SelfCheckResult, label: str, config: Config, samples: l
                f"per-token cosine to the states {worst:.6f}")
 
 
+def families_for(backend: str, target: ModelDims | None) -> tuple[str, ...]:
+    """hf: both. specforge: SGLang sets up its model-parallel state once per process, so one family,
+    the target's (DeepSeek-style for Kimi-K2.5, and when no model is configured)."""
+    if backend != "specforge":
+        return FAMILIES
+    return (FAMILIES[1] if target is None or target.deepseek_family else FAMILIES[0],)
+
+
 def run_self_check(base: ExtractConfig, *, long_tokens: int = DEFAULT_LONG_TOKENS, target_hidden: int | None = None,
                    config_path: Path = Path("selfcheck.toml"), work_dir: Path | None = None,
                    families: tuple[str, ...] | None = None) -> SelfCheckResult:
@@ -338,13 +350,16 @@ def run_self_check(base: ExtractConfig, *, long_tokens: int = DEFAULT_LONG_TOKEN
     from draftgen.core.extract.runner import make_group
     result = SelfCheckResult()
     started = time.monotonic()
+    target: ModelDims | None = None
+    if base.model:
+        try:
+            target = read_model_dims(base.model, trust_remote_code=base.trust_remote_code)
+        except Exception:  # the extrapolation is a courtesy; the checks do not need the big model
+            target = None
     if target_hidden is None:
-        target_hidden = KIMI_HIDDEN
-        if base.model:
-            try:
-                target_hidden = read_model_dims(base.model, trust_remote_code=base.trust_remote_code).hidden_size
-            except Exception:  # the extrapolation is a courtesy; the checks do not need the big model
-                pass
+        target_hidden = target.hidden_size if target else KIMI_HIDDEN
+    if families is None:
+        families = families_for(base.backend, target)
     import psutil
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     group = make_group(base, config_path)
