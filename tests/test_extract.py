@@ -493,3 +493,38 @@ def test_specforge_plan_is_made_before_the_model_loads(tmp_path: Path, model_dir
     assert plan.max_forward_tokens == max(len(b) * max(lengths[k] for k in b) for b in plan.batches)
     assert plan.max_forward_tokens <= max(64, max(lengths))
     assert plan.max_samples == max(len(b) for b in plan.batches)
+
+
+async def test_extract_is_served_to_attach_with_the_gpu_panel(tmp_path: Path, model_dir: Path) -> None:
+    # What `draftgen attach RUN_DIR` sees from another pane while `draftgen extract` runs (rank 0).
+    import asyncio
+
+    from draftgen.core.extract.live import ExtractPublisher
+    from draftgen.core.live.attach import AttachClient
+    from draftgen.core.live.snapshot import RunSnapshot
+    from tests.test_gpu import FakeNvml
+
+    config = make_run(tmp_path, model_dir)
+    seen: list[RunSnapshot] = []
+
+    async def watch() -> None:
+        async for item in AttachClient(config.run_dir, retry_s=0.05):
+            if isinstance(item, RunSnapshot):
+                seen.append(item)
+                stage = item.stage("extract")
+                if stage is not None and stage.done == 3 and item.gpus:
+                    return
+
+    with ExtractPublisher(config, interval_s=0.05, nvml=FakeNvml()) as pub:
+        assert pub.serving, pub.error
+        pub.progress(StageProgress("extract", state="running", done=3, total=7))
+        await asyncio.wait_for(watch(), timeout=30)
+    last = seen[-1]
+    assert last.stage("extract").total == 7 and [g.name for g in last.gpus] == ["NVIDIA H200", "NVIDIA H200"]
+    assert last.model == str(model_dir)
+    # The command serves it too, and leaves no socket behind.
+    out = io.StringIO()
+    assert extract_command(config, None, out=out) == 0
+    assert "not serving attach" not in out.getvalue()
+    from draftgen.core.rundir import RunDir
+    assert not RunDir(config.run_dir).socket.exists()

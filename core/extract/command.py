@@ -1,11 +1,13 @@
-"""`draftgen extract CONFIG [--shard I/N]`: extraction with plain progress lines, for nohup and CI."""
+"""`draftgen extract CONFIG [--shard I/N]`: extraction with plain progress lines, for nohup and CI,
+served to `draftgen attach RUN_DIR` (the extract stage and the GPU panel) from rank 0."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
@@ -34,7 +36,7 @@ def progress_line(p: StageProgress) -> str:
             f"ETA {fmt_eta(p.eta_s)}")
 
 
-def extract_command(config: Config, shard: str | None, *, out: TextIO | None = None) -> int:
+def extract_command(config: Config, shard: str | None, *, out: TextIO | None = None, nvml: Any = None) -> int:
     """Run extraction, print a progress line every few seconds and a summary; 0 when it finished.
 
     DraftgenError (bad config, no merged tokens, not enough disk, backend missing) propagates to
@@ -50,16 +52,34 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
         raise DraftgenError("draftgen extract needs PyTorch, which is not installed: "
                             "pip install 'draftgen[extract]' (or torch itself, see README)") from None
     last = [0.0]
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    publisher = None
+    if rank0 and config.run_dir.is_dir():  # `draftgen attach RUN_DIR` shows the stage and the GPU panel
+        from draftgen.core.extract.live import ExtractPublisher
+        publisher = ExtractPublisher(config, nvml=nvml)
 
     def show(p: StageProgress) -> None:
+        if publisher is not None:
+            publisher.progress(p)
         now = time.monotonic()
         if p.state == "running" and now - last[0] < PRINT_INTERVAL_S:
             return
         last[0] = now
         print(progress_line(p), file=stream, flush=True)
 
-    stats = extract(config, shard=parsed, progress=show)
-    if int(os.environ.get("RANK", "0")) != 0:
+    with publisher if publisher is not None else contextlib.nullcontext():
+        if publisher is not None and not publisher.serving:
+            print(f"warning: not serving attach: {publisher.error}", file=stream, flush=True)
+        try:
+            stats = extract(config, shard=parsed, progress=show)
+        except BaseException as e:
+            if publisher is not None:
+                publisher.finish("error", f"extraction failed: {e}")
+            raise
+        if publisher is not None:
+            publisher.finish("info", f"extraction {'stopped' if stats.stopped else 'done'}: {stats.written:,} files "
+                                     f"written ({stats.skipped_existing:,} already there, {stats.nan_samples:,} NaN)")
+    if not rank0:
         return 0  # under torchrun rank 0 planned, wrote and reports; the others only ran forwards
     where = config.run_dir / "hidden_states"
     print(f"extract {'stopped' if stats.stopped else 'done'}: {stats.written:,} files written to {where} "
