@@ -17,7 +17,8 @@ import pytest
 from draftgen.core.merge import merge as merge_mod
 from draftgen.core.config import Config, config_from_dict
 from draftgen.core.errors import DraftgenError
-from draftgen.core.merge.merge import DROP_REASONS, merge, merge_command, recover
+from draftgen.core.merge.merge import DROP_REASONS, merge, merge_command
+from draftgen.core.merge.swap import recover
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.tokens.store import TokenReader, TokenWriter
 
@@ -327,7 +328,7 @@ def test_stale_temp_folders_are_cleaned(run_config: Config) -> None:
 
 def test_reads_only_what_was_on_disk_at_the_start(run_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     run = run_config.run_dir
-    real_read_index = merge_mod._DatasetInput.read_token_index
+    real_read_index = merge_mod.DatasetInput.read_token_index
 
     def read_index_while_generation_appends(self: Any) -> Any:
         # Generation goes on while merge runs: a clean answer (with tokens) lands after the sizes were taken.
@@ -340,7 +341,7 @@ def test_reads_only_what_was_on_disk_at_the_start(run_config: Config, monkeypatc
                 writer.append(late.id, [1, 2, 3], [0, 1, 1], {"valid": True, "failed_checks": []})
         return real_read_index(self)
 
-    monkeypatch.setattr(merge_mod._DatasetInput, "read_token_index", read_index_while_generation_appends)
+    monkeypatch.setattr(merge_mod.DatasetInput, "read_token_index", read_index_while_generation_appends)
     stats = merge(run_config)
     assert "B/late" not in {r["id"] for r in train_lines(run)}
     assert stats.datasets[1].read == 5

@@ -12,60 +12,36 @@ Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed i
                   input_ids and loss_mask copied byte for byte from the dataset's token store
     stats.json    kept and dropped (by reason) per dataset, tokens, cost, seed, input fingerprints
 
-What SpecForge (sgl-project/SpecForge) does with train.jsonl, read from its code:
-- docs/basic_usage/data_preparation.md documents `{"id": str, "conversations": [{"role", "content"}]}`
-  and says several datasets merge by concatenating JSONL files;
-- data/utils.py `safe_conversations_generator` loads each line with json, keeps every key of every
-  message and turns list/dict values (tool_calls) into JSON strings so Arrow sees one type;
-- data/parse.py `Parser._normalize_message` accepts role/content or from/value and uses
-  `content or ""`; `GeneralParser.parse` takes a first `system` message from the data (else the
-  template's default system prompt), drops messages before the first user turn, and cuts the
-  conversation where an assistant turn follows neither user nor tool;
-- `_sanitize_message` keeps only role, content and tool_calls; `ThinkingParser` (parser_type
-  "thinking", e.g. the kimi-k2-thinking and qwen3-thinking templates) also keeps
-  `reasoning_content` and hands it to the tokenizer's chat template, which renders it inside
-  <think>...</think>. Other parsers drop it, so it must sit beside `content`, never inside it.
-So every turn gets a string `content`, the answer's reasoning goes in `reasoning_content` on the
-final assistant turn, and prompt turns keep their order (system first when the prompt had one).
-Arrow needs one key set per batch of rows (checked with `datasets` 3.6, 4.0, 4.4 and 5.2 through
-that generator: before 5.x a `tool_calls` key present in some batches and not others fails to
-load), so when any kept sample has tool calls (in its prompt or its answer), every final assistant
-turn carries `tool_calls`: the answer's own (reconstruction renders them into the tokens), else
-`[]` (chat templates test it for truth). Other message keys (tool_call_id, name) are left out:
-SpecForge's parsers drop them.
-The token ids in tokens/ are the ground truth for extraction: SpecForge re-tokenizing train.jsonl
-with its own template may differ from them (e.g. it adds a default system prompt).
-
-Safe while generation runs: each input file's size is recorded first and only complete lines up to
-it are read; file handles stay open from the scan to the copy, so a file replaced meanwhile is
-still read as it was. Token ids are copied with pread (raw uint32/uint8, never re-tokenized). A lock file (`merged.lock`) keeps two merges from racing.
+The record's shape and why: core/merge/specforge.py. Safe while generation runs (core/merge/inputs.py),
+and a crash never leaves a half-built merged/ (core/merge/swap.py). A lock file (`merged.lock`)
+keeps two merges from racing.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import math
 import os
 import random
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import orjson
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
-from draftgen.core.rundir import RunDir, disk_error
 from draftgen.core.live.snapshot import StageProgress
+from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef, complete_lines
 from draftgen.core.merge.policy import NOTES, SamplePolicy
-from draftgen.core.tokens.store import IDS_FILE, INDEX_FILE, MASK_FILE, TokenWriter
+from draftgen.core.merge.specforge import has_tool_calls, prompt_key, specforge_record, text_of
+from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
+from draftgen.core.rundir import disk_error
+from draftgen.core.tokens.store import TokenWriter
 
 # Each dropped sample is counted under the first reason that applies, in this order ("failed" are
 # failures.jsonl lines; "bad_line" a responses.jsonl line that is not a JSON object with an id).
@@ -75,8 +51,6 @@ DROP_REASONS = ("failed", "truncated", "empty", "not_reconstructed", "provider_e
                 "count_mismatch", "prompt_mismatch", "duplicate", "bad_line")
 
 TRAIN_FILE, TOKENS_DIR, STATS_FILE = "train.jsonl", "tokens", "stats.json"
-LOCK_FILE, TMP_PREFIX, OLD_PREFIX = "merged.lock", "merged.tmp-", "merged.old-"
-FINGERPRINT_BLOCK = 64 * 1024
 PROGRESS_INTERVAL_S = 0.25
 
 ProgressCallback = Callable[[StageProgress], None]
@@ -98,14 +72,6 @@ class DatasetMergeStats:
     @property
     def dropped_total(self) -> int:
         return sum(self.dropped.values())
-
-
-@dataclass(frozen=True)
-class InputFingerprint:
-    path: str                 # relative to the run directory
-    size: int                 # bytes read (the size when the merge started)
-    mtime_ns: int
-    head_tail_sha256: str     # sha256 of the first and last 64 KiB of what was read
 
 
 @dataclass
@@ -157,174 +123,7 @@ class MergeStats:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading what is on disk now
-
-
-def _complete_lines(f: BinaryIO, limit: int) -> Iterator[tuple[int, bytes]]:
-    """(offset, line) for each newline-terminated line ending at or before byte `limit`."""
-    f.seek(0)
-    pos = 0
-    for line in f:
-        end = pos + len(line)
-        if end > limit or not line.endswith(b"\n"):
-            return  # a line still being written (or past where we started): not ours
-        yield pos, line
-        pos = end
-
-
-def _fingerprint(root: Path, path: Path, f: BinaryIO, size: int) -> InputFingerprint:
-    digest = hashlib.sha256()
-    f.seek(0)
-    digest.update(f.read(min(size, FINGERPRINT_BLOCK)))
-    if size > FINGERPRINT_BLOCK:
-        f.seek(max(FINGERPRINT_BLOCK, size - FINGERPRINT_BLOCK))
-        digest.update(f.read(size - max(FINGERPRINT_BLOCK, size - FINGERPRINT_BLOCK)))
-    return InputFingerprint(str(path.relative_to(root)), size, os.fstat(f.fileno()).st_mtime_ns, digest.hexdigest())
-
-
-@dataclass(frozen=True)
-class _TokenRef:
-    offset: int
-    length: int
-    valid: bool
-    failed_checks: tuple[str, ...]
-    truncated: bool
-    count_diff: int | None = None
-    billed: int | None = None
-    prompt_diff: int | None = None
-
-
-class _DatasetInput:
-    """One dataset's files, opened once: sizes recorded at open, handles kept until the copy is done."""
-
-    def __init__(self, root: Path, name: str) -> None:
-        run = RunDir(root)
-        self.name = name
-        self.responses_path = run.responses(name)
-        self.failures_path = run.failures(name)
-        self.tokens_dir = run.tokens(name)
-        self._files: list[BinaryIO] = []
-        self.responses = self._open(self.responses_path, buffering=1 << 20)  # long lines: few read calls
-        self.failures = self._open(self.failures_path)
-        self.index = self._open(self.tokens_dir / INDEX_FILE)
-        self.sizes = {f: os.fstat(f.fileno()).st_size for f in self._files}
-        # The .bin files are opened after the index so they hold every sample it commits.
-        self.ids_file = self._open(self.tokens_dir / IDS_FILE)
-        self.mask_file = self._open(self.tokens_dir / MASK_FILE)
-        for f in (self.ids_file, self.mask_file):
-            if f is not None:
-                self.sizes[f] = os.fstat(f.fileno()).st_size
-
-    def _open(self, path: Path, buffering: int = -1) -> BinaryIO | None:
-        try:
-            f = open(path, "rb", buffering=buffering)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise DraftgenError(f"{path}: cannot read: {e.strerror}") from None
-        self._files.append(f)
-        return f
-
-    def size(self, f: BinaryIO | None) -> int:
-        return 0 if f is None else self.sizes[f]
-
-    def read_token_index(self) -> dict[str, _TokenRef]:
-        refs: dict[str, _TokenRef] = {}
-        if self.index is None:
-            return refs
-        total = 0
-        for _, line in _complete_lines(self.index, self.size(self.index)):
-            try:
-                obj = orjson.loads(line)
-                ref = _TokenRef(int(obj["offset"]), int(obj["length"]), obj.get("valid") is True,
-                                tuple(obj.get("failed_checks") or ()), bool(obj.get("truncated")),
-                                _int_or_none(obj.get("count_diff")), _int_or_none(obj.get("billed_tokens")),
-                                _int_or_none(obj.get("prompt_diff")))
-                refs[str(obj["id"])] = ref
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-                break  # same rule as TokenReader: the index ends at its first unreadable line
-            total = max(total, ref.offset + ref.length)
-        for f, name, width in ((self.ids_file, IDS_FILE, 4), (self.mask_file, MASK_FILE, 1)):
-            have = 0 if f is None else os.fstat(f.fileno()).st_size
-            if have < total * width:
-                raise DraftgenError(f"{self.tokens_dir / name}: holds {have // width} tokens but "
-                                    f"{self.tokens_dir / INDEX_FILE} needs {total}; the token store is damaged "
-                                    f"(rebuild it with `draftgen tokens`)")
-        return refs
-
-    def token_arrays(self, offset: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """The stored uint32 ids and uint8 mask of one sample, read with pread.
-
-        Not a memmap: mapped pages would count in the merge's RSS and grow with the data size.
-        """
-        assert self.ids_file is not None and self.mask_file is not None
-        ids = os.pread(self.ids_file.fileno(), 4 * length, 4 * offset)
-        mask = os.pread(self.mask_file.fileno(), length, offset)
-        if len(ids) != 4 * length or len(mask) != length:
-            raise DraftgenError(f"{self.tokens_dir}: a token file was cut short while merging "
-                                f"(tokens {offset}..{offset + length}); run the merge again")
-        return np.frombuffer(ids, dtype="<u4"), np.frombuffer(mask, dtype=np.uint8)
-
-    def fingerprints(self, root: Path) -> list[InputFingerprint]:
-        return [_fingerprint(root, Path(f.name), f, self.sizes[f]) for f in self._files]
-
-    def close(self) -> None:
-        for f in self._files:
-            f.close()
-
-
-# ---------------------------------------------------------------------------------------------
-# Classification and the SpecForge record
-
-
-def prompt_key(messages: Any) -> bytes:
-    """Dedupe key: a hash of everything sent (the prompt messages) in canonical JSON."""
-    return hashlib.blake2b(orjson.dumps(messages, option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
-
-
-def _text(content: Any) -> str:
-    """A message's content as one string (OpenAI content parts joined; None is empty)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    return str(content)
-
-
-def _turn(message: dict[str, Any]) -> dict[str, Any]:
-    turn: dict[str, Any] = {"role": str(message.get("role", "")), "content": _text(message.get("content"))}
-    if message.get("tool_calls"):
-        turn["tool_calls"] = message["tool_calls"]  # SpecForge keeps tool_calls on a turn
-    return turn
-
-
-def specforge_record(sample_id: str, response: dict[str, Any], *, tool_calls_key: bool = False,
-                     system: str | None = None) -> dict[str, Any]:
-    """One train.jsonl object from a responses.jsonl record: the prompt as sent, then the answer.
-
-    `tool_calls_key`: some sample of the merge has tool calls, so every row carries the key (see top).
-    `system`: the default system turn the run rendered ([tokenizer] default_system): written out in
-    front of a prompt without one, so no downstream template adds its own (SpecForge's kimi templates
-    would add "You are a helpful assistant.").
-    """
-    conversations = [_turn(m) for m in response.get("messages") or () if isinstance(m, dict)]
-    if system is not None and not (conversations and conversations[0]["role"] == "system"):
-        conversations.insert(0, {"role": "system", "content": system})
-    answer: dict[str, Any] = {"role": "assistant", "content": _text(response.get("content")),
-                              "reasoning_content": _text(response.get("reasoning"))}
-    if tool_calls_key or response.get("tool_calls"):
-        answer["tool_calls"] = response.get("tool_calls") or []
-    conversations.append(answer)
-    return {"id": sample_id, "conversations": conversations}
-
-
-def has_tool_calls(record: dict[str, Any]) -> bool:
-    """The answer or a prompt turn has tool calls."""
-    messages = record.get("messages")
-    return bool(record.get("tool_calls")) or (
-        isinstance(messages, list) and any(isinstance(m, dict) and m.get("tool_calls") for m in messages))
+# Classification
 
 
 def _cost(record: dict[str, Any]) -> float:
@@ -333,16 +132,12 @@ def _cost(record: dict[str, Any]) -> float:
     return float(cost) if isinstance(cost, (int, float)) and math.isfinite(cost) else 0.0
 
 
-def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _drop_reason(record: dict[str, Any], ref: _TokenRef | None,
+def _drop_reason(record: dict[str, Any], ref: TokenRef | None,
                  policy: SamplePolicy) -> tuple[str | None, tuple[str, ...]]:
     """(the reason a sample is dropped or None, what a kept one differed in)."""
     if record.get("truncated") or record.get("finish_reason") == "length" or (ref is not None and ref.truncated):
         return "truncated", ()
-    if record.get("empty_content") or not _text(record.get("content")):
+    if record.get("empty_content") or not text_of(record.get("content")):
         return "empty", ()
     if ref is None:
         return "not_reconstructed", ()
@@ -387,82 +182,6 @@ class _Reporter:
 
 
 # ---------------------------------------------------------------------------------------------
-# Crash safety: lock, recovery, atomic switch
-
-
-@contextmanager
-def _merge_lock(root: Path) -> Iterator[None]:
-    path = root / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DraftgenError(f"{root}: another merge is running on this run directory "
-                                f"(it holds {path}); wait for it to finish") from None
-        yield
-    finally:
-        os.close(fd)
-
-
-def _old_stamp(path: Path) -> int:
-    try:
-        return int(path.name.removeprefix(OLD_PREFIX))
-    except ValueError:
-        return -1
-
-
-def recover(root: Path) -> None:
-    """Undo what a crashed merge left: stale temp folders go; a lost merged/ comes back from merged.old-*.
-
-    Call only while holding the merge lock (every other merge.tmp-* is then stale).
-    """
-    merged = root / "merged"
-    for tmp in root.glob(TMP_PREFIX + "*"):
-        shutil.rmtree(tmp, ignore_errors=True)
-    olds = sorted(root.glob(OLD_PREFIX + "*"), key=_old_stamp)
-    if not merged.exists() and olds:
-        # The crash fell between moving the old merged/ aside and moving the new one in.
-        os.rename(olds.pop(), merged)
-        _fsync_dir(root)
-    for old in olds:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(folder: Path) -> None:
-    """Everything under `folder` on disk before the rename publishes it (a power cut included)."""
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    for sub in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
-        _fsync_dir(sub)
-
-
-def _switch(tmp: Path, merged: Path) -> None:
-    """merged → merged.old-<ns>, tmp → merged, then drop the old one; `recover` handles a crash between."""
-    old = None
-    if merged.exists():
-        old = merged.with_name(f"{OLD_PREFIX}{time.time_ns()}")
-        os.rename(merged, old)
-    os.rename(tmp, merged)
-    _fsync_dir(merged.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------
 # The merge
 
 
@@ -480,12 +199,12 @@ def merge(config: Config, progress: ProgressCallback | None = None) -> MergeStat
     reporter = _Reporter(progress)
     reporter.send("running", 0, 0, "starting", force=True)
     try:
-        with _merge_lock(root):
+        with merge_lock(root):
             recover(root)
             tmp = root / f"{TMP_PREFIX}{os.getpid()}"
             try:
                 stats = _merge_into(config, root, tmp, reporter)
-                _switch(tmp, root / "merged")
+                switch(tmp, root / "merged")
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 recover(root)  # an error between the two renames: put the old merged/ back now
@@ -500,7 +219,7 @@ def merge(config: Config, progress: ProgressCallback | None = None) -> MergeStat
 
 def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> MergeStats:
     started = time.monotonic()
-    inputs = [_DatasetInput(root, ds.name) for ds in config.datasets]
+    inputs = [DatasetInput(root, ds.name) for ds in config.datasets]
     try:
         per_ds = [DatasetMergeStats(ds.name) for ds in config.datasets]
         fingerprints = [fp for inp in inputs for fp in inp.fingerprints(root)]
@@ -516,7 +235,7 @@ def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> M
             stats.elapsed_s = round(time.monotonic() - started, 3)
             stats.output_dir = str(root / "merged")
             (tmp / STATS_FILE).write_bytes(orjson.dumps(stats.to_json_dict(), option=orjson.OPT_INDENT_2) + b"\n")
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
         except OSError as e:
             raise disk_error(tmp, e) from e
         return stats
@@ -529,7 +248,7 @@ def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> M
 _Kept = tuple[int, int, int, int, int]
 
 
-def _scan(inputs: list[_DatasetInput], per_ds: list[DatasetMergeStats],
+def _scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats],
           reporter: _Reporter, policy: SamplePolicy) -> tuple[list[_Kept], bool]:
     """Pass 1: classify every answer, keep the clean first-seen ones as small tuples.
 
@@ -543,7 +262,7 @@ def _scan(inputs: list[_DatasetInput], per_ds: list[DatasetMergeStats],
     reporter.phase()
     for ds_index, (inp, st) in enumerate(zip(inputs, per_ds)):
         if inp.failures is not None:
-            failed = sum(1 for _ in _complete_lines(inp.failures, inp.size(inp.failures)))
+            failed = sum(1 for _ in complete_lines(inp.failures, inp.size(inp.failures)))
             st.dropped["failed"] += failed
             st.read += failed
             reporter.read += failed
@@ -552,7 +271,7 @@ def _scan(inputs: list[_DatasetInput], per_ds: list[DatasetMergeStats],
             continue
         refs = inp.read_token_index()
         kept_ids: set[str] = set()  # ids are unique per dataset by contract; a repeat must not give two rows one id
-        for offset, line in _complete_lines(inp.responses, inp.size(inp.responses)):
+        for offset, line in complete_lines(inp.responses, inp.size(inp.responses)):
             st.read += 1
             reporter.read += 1
             reason, ref, key, sample_tools = _classify(line, refs, seen, kept_ids, st, policy)
@@ -574,7 +293,7 @@ def _scan(inputs: list[_DatasetInput], per_ds: list[DatasetMergeStats],
     return kept, tools
 
 
-def _classify(line: bytes, refs: dict[str, _TokenRef], seen: set[bytes], kept_ids: set[str],
+def _classify(line: bytes, refs: dict[str, TokenRef], seen: set[bytes], kept_ids: set[str],
               st: DatasetMergeStats, policy: SamplePolicy) -> tuple[str | None, Any, bytes, bool]:
     try:
         record = orjson.loads(line)
@@ -602,7 +321,7 @@ def _classify(line: bytes, refs: dict[str, _TokenRef], seen: set[bytes], kept_id
     return None, ref, key, has_tool_calls(record)
 
 
-def _write(inputs: list[_DatasetInput], kept: list[_Kept], tmp: Path, stats: MergeStats,
+def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: MergeStats,
            reporter: _Reporter, tool_calls_key: bool) -> None:
     """Pass 2: train.jsonl and tokens/ in shuffled order, line k ↔ token entry k."""
     reporter.phase()
