@@ -17,18 +17,6 @@ def _config(path: str):  # noqa: ANN202 - Config; imported lazily to keep `--hel
     return load_config(path)
 
 
-def _parse_shard(text: str | None) -> tuple[int, int]:
-    if not text:
-        return (0, 1)
-    try:
-        i, n = (int(x) for x in text.split("/"))
-        if n < 1 or not 0 <= i < n:
-            raise ValueError
-    except ValueError:
-        raise DraftgenError(f"--shard {text!r}: expected i/N with 0 <= i < N, e.g. 0/4") from None
-    return (i, n)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args.config)
     key = config.api_key()
@@ -65,13 +53,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    from draftgen.core.extract import extract_command
+    from draftgen.core.extract import extract_command, parse_shard
     if args.self_check:
         from draftgen.core.extract.command import self_check_command
         return self_check_command(_config(args.config) if args.config else None, long_tokens=args.long_tokens)
     if not args.config:
         raise DraftgenError("draftgen extract: give the config file (or --self-check)")
-    _parse_shard(args.shard)
+    if args.shard:
+        parse_shard(args.shard)  # a bad --shard fails before the config is read
     return extract_command(_config(args.config), args.shard)
 
 

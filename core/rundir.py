@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from draftgen.core.errors import DiskError
+from draftgen.core.files import disk_error
 
 DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EDQUOT, errno.EIO}
 
@@ -75,13 +75,6 @@ class RunDir:
 
     def tokens(self, name: str) -> Path:
         return self.root / name / "tokens"
-
-
-def disk_error(path: Path, exc: OSError) -> DiskError:
-    reason = {errno.ENOSPC: "the disk is full", errno.EROFS: "the disk is read-only",
-              errno.EFBIG: "the file is too large (file size limit)", errno.EDQUOT: "disk quota exceeded",
-              errno.EIO: "I/O error"}.get(exc.errno or 0, exc.strerror or str(exc))
-    return DiskError(f"cannot write {path}: {reason}")
 
 
 def repair_torn_tail(path: Path) -> int:

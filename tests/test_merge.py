@@ -153,6 +153,19 @@ def test_keeps_clean_first_seen_samples_and_counts_each_drop_reason(run_config: 
     assert b_responses["size"] == (run / "B" / "responses.jsonl").stat().st_size
 
 
+def test_odd_costs_count_as_nothing_as_on_resume(tmp_path: Path) -> None:
+    """Merge reads usage.cost by the same rule as the engine's resume (core/records.py cost_of): a
+    boolean, a negative number or a string is no cost, never $1 or a refund."""
+    run = tmp_path / "run"
+    write_dataset(run, "A", [Sample("yes", user("p1"), cost=True), Sample("neg", user("p2"), cost=-0.5),
+                             Sample("text", user("p3"), cost="0.5"), Sample("real", user("p4"), cost=0.25)])  # type: ignore[arg-type]
+    for name in ("B", "C"):
+        write_dataset(run, name, [])
+    stats = merge(make_config(tmp_path, seed=1))
+    a = next(d for d in stats.datasets if d.name == "A")
+    assert a.kept == 4 and a.cost_all_usd == a.cost_usd == 0.25
+
+
 def test_same_inputs_and_seed_give_byte_identical_outputs(run_config: Config, tmp_path: Path) -> None:
     merge(run_config)
     first = snapshot_outputs(run_config.run_dir)

@@ -12,6 +12,10 @@ from rich.measure import Measurement
 from rich.segment import Segment
 from rich.style import Style
 
+from draftgen.core.units import clock, duration
+
+__all__ = ["Bar", "Spark", "clock", "count", "duration", "percent", "rate", "sparkline", "tokens", "usd", "wall_time"]
+
 _EIGHTHS = " ▏▎▍▌▋▊▉"
 _SPARKS = "▁▂▃▄▅▆▇█"
 
@@ -49,24 +53,6 @@ def rate(x: float) -> str:
     if x >= 10:
         return f"{x:.1f}"
     return f"{x:.2f}"
-
-
-def clock(seconds: float) -> str:
-    """Elapsed time as H:MM:SS (hours grow past 99 rather than wrap)."""
-    s = max(0, int(seconds))
-    return f"{s // 3600:d}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
-def duration(seconds: float | None) -> str:
-    """A rough span for ETAs and ages: 42 s, 7 min, 2 h 05 min."""
-    if seconds is None:
-        return "—"
-    s = max(0, int(round(seconds)))
-    if s < 90:
-        return f"{s} s"
-    if s < 3600:
-        return f"{round(s / 60)} min"
-    return f"{s // 3600} h {s // 60 % 60:02d} min"
 
 
 def wall_time(ts: float) -> str:

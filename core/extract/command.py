@@ -6,13 +6,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import time
 from typing import Any, TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.live.snapshot import StageProgress
-from draftgen.core.extract.units import fmt_bytes, fmt_count, fmt_eta
+from draftgen.core.progress import every
+from draftgen.core.units import compact_duration, fmt_bytes, fmt_count
 
 PRINT_INTERVAL_S = 5.0
 
@@ -33,7 +33,7 @@ def progress_line(p: StageProgress) -> str:
     detail = dict(p.detail)
     return (f"extract {p.done:,}/{p.total:,} samples  {detail.get('tokens', '')} tok  "
             f"{fmt_count(p.rate)} {p.rate_unit}  written {detail.get('written', '')}  NaN {detail.get('NaN', '0')}  "
-            f"ETA {fmt_eta(p.eta_s)}")
+            f"ETA {compact_duration(p.eta_s)}")
 
 
 def extract_command(config: Config, shard: str | None, *, out: TextIO | None = None, nvml: Any = None) -> int:
@@ -51,21 +51,18 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
             raise
         raise DraftgenError("draftgen extract needs PyTorch, which is not installed: "
                             "pip install 'draftgen[extract]' (or torch itself, see README)") from None
-    last = [0.0]
     rank0 = int(os.environ.get("RANK", "0")) == 0
     publisher = None
     if rank0 and config.run_dir.is_dir():  # `draftgen attach RUN_DIR` shows the stage and the GPU panel
         from draftgen.core.extract.live import ExtractPublisher
         publisher = ExtractPublisher(config, nvml=nvml)
 
+    printer = every(PRINT_INTERVAL_S, lambda p: print(progress_line(p), file=stream, flush=True))
+
     def show(p: StageProgress) -> None:
         if publisher is not None:
             publisher.progress(p)
-        now = time.monotonic()
-        if p.state == "running" and now - last[0] < PRINT_INTERVAL_S:
-            return
-        last[0] = now
-        print(progress_line(p), file=stream, flush=True)
+        printer(p)
 
     with publisher if publisher is not None else contextlib.nullcontext():
         if publisher is not None and not publisher.serving:

@@ -37,18 +37,16 @@ from __future__ import annotations
 
 import gzip
 import io
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftgen.core.rundir import disk_error
+from draftgen.core.files import write_atomic
 
 ROWS_PER_DIR = 2000
 SUFFIX, GZ_SUFFIX = ".ckpt", ".ckpt.gz"
-TMP_MARK = ".tmp-"
 KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
 # Level 1: bf16 activations compress little, and level 6 would make gzip the bottleneck.
 GZ_LEVEL = 1
@@ -98,24 +96,13 @@ def write_sample(root: Path, index: int, sample: SampleTensors, *, compress: boo
     """Write one file atomically (temporary name, then rename); return its size in bytes."""
     path = sample_path(root, index, compress=compress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}{TMP_MARK}{os.getpid()}"
     buf = io.BytesIO()
     torch.save(sample_dict(sample), buf)
     data = buf.getvalue()
     if compress:
         data = gzip.compress(data, compresslevel=GZ_LEVEL)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            # Without it a power cut after the rename can leave an empty file that looks done.
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise disk_error(path, e) from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # fsync: without it a power cut after the rename can leave an empty file that looks done.
+    write_atomic(path, data, fsync=True)
     return len(data)
 
 

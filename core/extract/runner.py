@@ -7,7 +7,6 @@ Synchronous on purpose: the model forward is the whole cost, and the caller (the
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import threading
 import time
@@ -16,20 +15,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
 import torch
 
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DiskError, DraftgenError
-from draftgen.core.rundir import EventLog, RunDir, disk_error
-from draftgen.core.live.snapshot import StageProgress
+from draftgen.core.files import TMP_MARK, disk_error, write_json_atomic
+from draftgen.core.rundir import EventLog, RunDir
+from draftgen.core.live.snapshot import StageProgress, StageState
+from draftgen.core.progress import Throttle
 from draftgen.core.tokens.store import INDEX_FILE, TokenEntry, TokenReader
 from draftgen.core.extract import layout
 from draftgen.core.extract.backend import ExtractBackend, make_backend
 from draftgen.core.extract.model_info import ModelDims, read_model_dims, resolve_aux_layers
-from draftgen.core.extract.units import fmt_bytes, fmt_count
+from draftgen.core.units import fmt_bytes, fmt_count
 
-PROGRESS_INTERVAL_S = 0.25
 # torch.save's zip container, pickled dict and 64-byte alignment per file, rounded up generously.
 FILE_OVERHEAD_BYTES = 4096
 IDS_MASK_BYTES_PER_TOKEN = 16  # input_ids and loss_mask as int64
@@ -99,7 +98,7 @@ def _remove_stale_tmp(root: Path, shard: tuple[int, int]) -> None:
     """Delete temporary files a killed run of *this* shard left (other machines may be writing theirs)."""
     i, n = shard
     for folder in root.glob("rows_*"):
-        for tmp in folder.glob(f".data_*{layout.TMP_MARK}*"):
+        for tmp in folder.glob(f".data_*{TMP_MARK}*"):
             digits = tmp.name.removeprefix(".data_").split(".", 1)[0]
             if digits.isdigit() and int(digits) % n == i:
                 tmp.unlink(missing_ok=True)
@@ -114,16 +113,6 @@ def _check_disk(root: Path, tokens: int, files: int, dims: ModelDims) -> None:
             f"({8 * dims.hidden_size:,} bytes of bf16 states, (3H+H)*2 with H={dims.hidden_size}, + "
             f"{IDS_MASK_BYTES_PER_TOKEN} of ids and mask) + {FILE_OVERHEAD_BYTES:,} per file, for the {files:,} "
             f"samples still to do) but only {fmt_bytes(free)} ({free:,} bytes) is free there")
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}{layout.TMP_MARK}{os.getpid()}")
-    try:
-        tmp.write_bytes(orjson.dumps(obj, option=orjson.OPT_INDENT_2) + b"\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise disk_error(path, e) from e
 
 
 def stats_path(root: Path, shard: tuple[int, int]) -> Path:
@@ -141,19 +130,18 @@ class _Reporter:
         self.backend_desc = backend_desc
         self.tokens_todo = tokens_todo
         self.started = time.monotonic()
-        self.last = 0.0
+        self._throttle = Throttle()
 
-    def emit(self, state: str = "running", message: str = "", force: bool = False) -> None:
-        now = time.monotonic()
-        if self.progress is None or (not force and now - self.last < PROGRESS_INTERVAL_S):
+    def emit(self, state: StageState = StageState.RUNNING, message: str = "", force: bool = False) -> None:
+        if self.progress is None or not self._throttle.due(force):
             return
-        self.last = now
+        now = time.monotonic()
         s = self.stats
         elapsed = max(now - self.started, 1e-9)
         rate = s.tokens_written / elapsed
         done_tokens = s.tokens_written
         remaining = max(self.tokens_todo - done_tokens, 0)
-        eta = remaining / rate if rate > 0 and state == "running" else (0.0 if state == "done" else None)
+        eta = remaining / rate if rate > 0 and state == StageState.RUNNING else (0.0 if state == StageState.DONE else None)
         self.progress(StageProgress(
             name="extract", state=state, done=s.skipped_existing + s.written + s.nan_samples, total=s.samples,
             rate=rate, rate_unit="tok/s", eta_s=eta, message=message,
@@ -304,7 +292,8 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                        hidden, aux, dims, stats, events, cfg.compress, backend.description)
             reporter.emit()
     except BaseException as e:
-        reporter.emit("failed", message=str(e) or type(e).__name__, force=True)
+        if reporter is not None:
+            reporter.emit(StageState.FAILED, message=str(e) or type(e).__name__, force=True)
         events.write("error", f"extract: stopped by an error: {e}")
         events.close()
         raise
@@ -312,12 +301,13 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         elapsed = time.monotonic() - started
         stats.elapsed_s = round(elapsed, 3)
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
-    _write_json_atomic(stats_path(root, shard), stats.to_dict())
+    write_json_atomic(stats_path(root, shard), stats.to_dict())
     summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
                f"{stats.skipped_existing:,} already there")
     events.write("info", f"extract: {'stopped' if stats.stopped else 'done'}: {summary}")
     events.close()
-    reporter.emit("done", force=True, message=("stopped: " if stats.stopped else "") + summary)
+    if reporter is not None:
+        reporter.emit(StageState.DONE, force=True, message=("stopped: " if stats.stopped else "") + summary)
     return stats
 
 

@@ -37,7 +37,8 @@ from draftgen.core.generate.prompts import Prompt
 from draftgen.core.generate.stats import Tally
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.snapshot import RunState
-from draftgen.core.rundir import RunDir, disk_error
+from draftgen.core.files import write_json_atomic
+from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
 
 
@@ -210,12 +211,7 @@ class Engine:
                 "versions": {"draftgen": dg_version, "python": platform.python_version(),
                              "aiohttp": aiohttp.__version__, "orjson": orjson.__version__},
                 "started_at": time.time()}
-        tmp = self.rundir.run_json.with_suffix(".json.tmp")
-        try:
-            tmp.write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))
-            tmp.replace(self.rundir.run_json)
-        except OSError as e:  # a full disk at the start: a clear message, not a traceback
-            raise disk_error(tmp, e) from e
+        write_json_atomic(self.rundir.run_json, info)  # a full disk at the start: a clear message
 
     async def _request(self, ds: DatasetRun, prompt: Prompt) -> None:
         done = await self.attempts.ask(ds, self.config.request_body(ds.config, prompt.messages))

@@ -24,6 +24,7 @@ import orjson
 
 from draftgen.core.config import DatasetConfig
 from draftgen.core.errors import DiskError
+from draftgen.core.files import replacing
 from draftgen.core.generate.admission import AdaptiveConcurrency, Hold
 from draftgen.core.generate.budget import MoneyBudget, TokenBudget
 from draftgen.core.generate.client import ChatAnswer, RequestFailed
@@ -31,7 +32,7 @@ from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
 from draftgen.core.generate.stats import RateTracker, Tally
 from draftgen.core.live.snapshot import DatasetStatus
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
-from draftgen.core.rundir import JsonlAppender, RunDir, disk_error, iter_jsonl
+from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
 
 PROMPT_CHUNK = 512
@@ -131,24 +132,15 @@ class Ledger:
 
     def scan_prompts(self, ds: DatasetRun) -> None:
         """Count usable prompts and rewrite rejected.jsonl (derived from the input, so rewritten whole)."""
-        path = self.rundir.rejected(ds.config.name)
-        tmp = path.with_suffix(".jsonl.tmp")
         total = rejected = 0
-        try:
-            with open(tmp, "wb") as out:
-                for item in read_prompts(ds.config.prompts):
-                    if isinstance(item, Rejection):
-                        rejected += 1
-                        out.write(orjson.dumps({"line": item.line, "id": item.id, "reason": item.reason,
-                                                "file": str(ds.config.prompts), "ts": time.time()}) + b"\n")
-                    else:
-                        total += 1
-            tmp.replace(path)
-        except BaseException as e:
-            tmp.unlink(missing_ok=True)  # the old rejected.jsonl stays as it was
-            if isinstance(e, OSError):
-                raise disk_error(tmp, e) from e
-            raise
+        with replacing(self.rundir.rejected(ds.config.name)) as out:  # on an error the old one stays
+            for item in read_prompts(ds.config.prompts):
+                if isinstance(item, Rejection):
+                    rejected += 1
+                    out.write(orjson.dumps({"line": item.line, "id": item.id, "reason": item.reason,
+                                            "file": str(ds.config.prompts), "ts": time.time()}) + b"\n")
+                else:
+                    total += 1
         ds.total, ds.rejected = total, rejected
 
     async def prompts(self, ds: DatasetRun) -> AsyncIterator[Prompt]:

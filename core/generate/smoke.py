@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 
 from draftgen.core.live import snapshot as snap
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
@@ -31,7 +30,8 @@ from draftgen.core.config import Config, DatasetConfig
 from draftgen.core.errors import DraftgenError
 from draftgen.core.records import ErrorKind
 from draftgen.core.generate.prompts import Prompt, read_prompts
-from draftgen.core.rundir import RunDir, disk_error
+from draftgen.core.files import write_json_atomic
+from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
 
 
@@ -307,12 +307,7 @@ async def run_smoke(config: Config, api_key: str,
 
     rd = RunDir(config.run_dir)
     rd.root.mkdir(parents=True, exist_ok=True)
-    tmp = rd.smoke_json.with_suffix(".json.tmp")
-    try:
-        tmp.write_bytes(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2))
-        tmp.replace(rd.smoke_json)
-    except OSError as e:  # a full disk: a clear message, and the last smoke.json stays as it was
-        raise disk_error(tmp, e) from e
+    write_json_atomic(rd.smoke_json, result.to_dict())  # a full disk: the last smoke.json stays as it was
     if progress is not None:
         final = snap.StageState.DONE if result.passed else snap.StageState.FAILED
         progress(snap.StageProgress("smoke", state=final, done=len(result.rows),

@@ -16,22 +16,14 @@ from typing import TextIO
 from draftgen.core.live import snapshot as snap
 from draftgen.core.config import Config
 from draftgen.core.live.pipeline import Pipeline
-
-
-def _dur(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+from draftgen.core.units import compact_duration
 
 
 def status_line(s: snap.RunSnapshot) -> str:
     t, c = s.throughput, s.credits
     active = [d for d in s.datasets if d.status in (snap.DatasetStatus.RUNNING, snap.DatasetStatus.PAUSED)]
     shown = active or [d for d in s.datasets if d.status != snap.DatasetStatus.PENDING][-1:]
-    parts = [f"[{_dur(s.elapsed_s)}] {s.state}"]
+    parts = [f"[{compact_duration(s.elapsed_s, '?')}] {s.state}"]
     for ds in shown:
         parts.append(f"{ds.name} {ds.done + ds.failed}/{ds.total} ({ds.failed} failed, {ds.skipped} skipped)")
     parts.append(f"req/s {t.req_s_window:.1f} (30s) {t.req_s_total:.1f} (all)")
@@ -46,8 +38,8 @@ def status_line(s: snap.RunSnapshot) -> str:
         spent += f"/{c.max_usd:.2f}"
     parts.append(spent)
     if c.balance_usd is not None:
-        parts.append(f"balance ${c.balance_usd:.2f} ({_dur(c.balance_age_s)} old)")
-    parts.append(f"ETA {_dur(t.eta_s)}")
+        parts.append(f"balance ${c.balance_usd:.2f} ({compact_duration(c.balance_age_s, '?')} old)")
+    parts.append(f"ETA {compact_duration(t.eta_s, '?')}")
     line = " | ".join(parts)
     if s.alert:
         line += f"\n  ALERT: {s.alert}"

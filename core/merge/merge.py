@@ -25,7 +25,6 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,12 +34,14 @@ import orjson
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
-from draftgen.core.live.snapshot import StageProgress
+from draftgen.core.files import disk_error
+from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef, complete_lines
 from draftgen.core.merge.policy import NOTES, SamplePolicy
 from draftgen.core.merge.specforge import has_tool_calls, prompt_key, specforge_record, text_of
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
-from draftgen.core.rundir import disk_error
+from draftgen.core.progress import ProgressCallback, Throttle, every
+from draftgen.core.records import Usage
 from draftgen.core.tokens.store import TokenWriter
 
 # Each dropped sample is counted under the first reason that applies, in this order ("failed" are
@@ -51,9 +52,7 @@ DROP_REASONS = ("failed", "truncated", "empty", "not_reconstructed", "provider_e
                 "count_mismatch", "prompt_mismatch", "duplicate", "bad_line")
 
 TRAIN_FILE, TOKENS_DIR, STATS_FILE = "train.jsonl", "tokens", "stats.json"
-PROGRESS_INTERVAL_S = 0.25
 
-ProgressCallback = Callable[[StageProgress], None]
 
 
 @dataclass
@@ -126,12 +125,6 @@ class MergeStats:
 # Classification
 
 
-def _cost(record: dict[str, Any]) -> float:
-    usage = record.get("usage")
-    cost = usage.get("cost") if isinstance(usage, dict) else None
-    return float(cost) if isinstance(cost, (int, float)) and math.isfinite(cost) else 0.0
-
-
 def _drop_reason(record: dict[str, Any], ref: TokenRef | None,
                  policy: SamplePolicy) -> tuple[str | None, tuple[str, ...]]:
     """(the reason a sample is dropped or None, what a kept one differed in)."""
@@ -157,7 +150,7 @@ class _Reporter:
     def __init__(self, callback: ProgressCallback | None) -> None:
         self.callback = callback
         self.started = time.monotonic()
-        self._last = 0.0
+        self._throttle = Throttle()
         self.read = self.kept = self.dropped = self.written = 0
         self._phase_started = self.started
 
@@ -168,15 +161,14 @@ class _Reporter:
         return (("read", str(self.read)), ("kept", str(self.kept)), ("dropped", str(self.dropped)),
                 ("written", str(self.written)))
 
-    def send(self, state: str, done: int, total: int, message: str, *, unit: str = "/s",
+    def send(self, state: StageState, done: int, total: int, message: str, *, unit: str = "/s",
              scale: float = 1.0, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.callback is None or (not force and now - self._last < PROGRESS_INTERVAL_S):
+        if self.callback is None or not self._throttle.due(force):
             return
-        self._last = now
+        now = time.monotonic()
         spent = max(now - self._phase_started, 1e-9)
         rate = done / spent
-        eta = (total - done) / rate if rate > 0 and state == "running" else None
+        eta = (total - done) / rate if rate > 0 and state == StageState.RUNNING else None
         self.callback(StageProgress(name="merge", state=state, done=done, total=total, rate=rate / scale,
                                     rate_unit=unit, eta_s=eta, detail=self.detail(), message=message))
 
@@ -197,7 +189,7 @@ def merge(config: Config, progress: ProgressCallback | None = None) -> MergeStat
         raise DraftgenError(f"{root}: run directory not found (output.dir in {config.path}); "
                             f"generate first with `draftgen run {config.path}`")
     reporter = _Reporter(progress)
-    reporter.send("running", 0, 0, "starting", force=True)
+    reporter.send(StageState.RUNNING, 0, 0, "starting", force=True)
     try:
         with merge_lock(root):
             recover(root)
@@ -210,9 +202,9 @@ def merge(config: Config, progress: ProgressCallback | None = None) -> MergeStat
                 recover(root)  # an error between the two renames: put the old merged/ back now
                 raise
     except BaseException as e:
-        reporter.send("failed", reporter.written, reporter.kept, f"merge failed: {e}", force=True)
+        reporter.send(StageState.FAILED, reporter.written, reporter.kept, f"merge failed: {e}", force=True)
         raise
-    reporter.send("done", stats.samples, stats.samples,
+    reporter.send(StageState.DONE, stats.samples, stats.samples,
                   f"{stats.samples} samples, {stats.tokens} tokens → {root / 'merged'}", force=True)
     return stats
 
@@ -285,11 +277,11 @@ def _scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats],
                 st.dropped[reason] += 1
                 reporter.dropped += 1
             if st.read & 255 == 0:
-                reporter.send("running", done_bytes + offset, total_bytes, f"reading {inp.name}",
+                reporter.send(StageState.RUNNING, done_bytes + offset, total_bytes, f"reading {inp.name}",
                               unit="MB/s", scale=1e6)
         done_bytes += inp.size(inp.responses)
         del refs, kept_ids  # one dataset's token index in memory at a time
-    reporter.send("running", total_bytes, total_bytes, "read", unit="MB/s", scale=1e6, force=True)
+    reporter.send(StageState.RUNNING, total_bytes, total_bytes, "read", unit="MB/s", scale=1e6, force=True)
     return kept, tools
 
 
@@ -302,7 +294,7 @@ def _classify(line: bytes, refs: dict[str, TokenRef], seen: set[bytes], kept_ids
         return "bad_line", None, b"", False
     if not isinstance(record, dict):
         return "bad_line", None, b"", False
-    st.cost_all_usd += _cost(record)
+    st.cost_all_usd += Usage.from_dict(record.get("usage")).cost
     ref = refs.get(sample_id)
     reason, notes = _drop_reason(record, ref, policy)
     if reason == "invalid":
@@ -315,7 +307,7 @@ def _classify(line: bytes, refs: dict[str, TokenRef], seen: set[bytes], kept_ids
     if key in seen or sample_id in kept_ids:
         return "duplicate", ref, key, False
     kept_ids.add(sample_id)
-    st.cost_usd += _cost(record)
+    st.cost_usd += Usage.from_dict(record.get("usage")).cost
     for note in notes:
         st.kept_noted[note] = st.kept_noted.get(note, 0) + 1
     return None, ref, key, has_tool_calls(record)
@@ -343,7 +335,7 @@ def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: Merg
             st.masked_tokens += masked
             reporter.written = k + 1
             if k & 127 == 0:
-                reporter.send("running", k + 1, total, "writing")
+                reporter.send(StageState.RUNNING, k + 1, total, "writing")
     stats.samples = total
     stats.tokens = sum(d.tokens for d in stats.datasets)
     stats.masked_tokens = sum(d.masked_tokens for d in stats.datasets)
@@ -352,7 +344,7 @@ def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: Merg
     for d in stats.datasets:
         d.cost_usd = round(d.cost_usd, 9)
         d.cost_all_usd = round(d.cost_all_usd, 9)
-    reporter.send("running", total, total, "finishing", force=True)
+    reporter.send(StageState.RUNNING, total, total, "finishing", force=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,18 +358,12 @@ def merge_command(config: Config) -> int:
     from rich.table import Table
 
     console = Console()
-    last = [0.0]
-
     def show(p: StageProgress) -> None:
-        now = time.monotonic()
-        if p.state == "running" and now - last[0] < 1.0:
-            return
-        last[0] = now
         counts = "  ".join(f"{k} {int(v):,}" for k, v in p.detail)
         pct = f"{100 * p.done / p.total:5.1f}%" if p.total else "     "
         print(f"merge {p.state:8} {pct}  {p.message:<24}  {counts}", flush=True)
 
-    stats = merge(config, show)
+    stats = merge(config, every(1.0, show))
     totals = DatasetMergeStats("total", stats.read, stats.samples, stats.dropped, {}, stats.tokens,
                                stats.masked_tokens, stats.cost_usd)
     rows = [*stats.datasets, totals]

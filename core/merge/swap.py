@@ -7,7 +7,6 @@ new folder → `merged/`. A crash at any point leaves either the old merged/ or 
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import time
@@ -16,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from draftgen.core.errors import DraftgenError
+from draftgen.core.files import lock_file
 
 LOCK_FILE, TMP_PREFIX, OLD_PREFIX = "merged.lock", "merged.tmp-", "merged.old-"
 
@@ -23,13 +23,11 @@ LOCK_FILE, TMP_PREFIX, OLD_PREFIX = "merged.lock", "merged.tmp-", "merged.old-"
 @contextmanager
 def merge_lock(root: Path) -> Iterator[None]:
     path = root / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = lock_file(path)
+    if fd is None:
+        raise DraftgenError(f"{root}: another merge is running on this run directory "
+                            f"(it holds {path}); wait for it to finish")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DraftgenError(f"{root}: another merge is running on this run directory "
-                                f"(it holds {path}); wait for it to finish") from None
         yield
     finally:
         os.close(fd)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from draftgen.core.rundir import disk_error
+from draftgen.core.files import disk_error
 
 IDS_FILE, MASK_FILE, INDEX_FILE = "input_ids.bin", "loss_mask.bin", "index.jsonl"
 

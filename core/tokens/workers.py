@@ -14,7 +14,6 @@ batches of answers, so all cores work and the event loop of a live run never wai
 from __future__ import annotations
 
 import concurrent.futures
-import fcntl
 import multiprocessing
 import os
 import signal
@@ -22,22 +21,23 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DraftgenError
+from draftgen.core.files import disk_error, lock_file, write_json_atomic
+from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.merge.policy import SamplePolicy
+from draftgen.core.progress import ProgressCallback, Throttle
+from draftgen.core.rundir import RunDir, iter_jsonl, read_line_at
 from draftgen.core.tokens.fidelity import ProviderFlag
 from draftgen.core.tokens.reconstruct import (CHECKS, DEFAULT_COUNT_TOLERANCE, PROVIDER_CAPTION, PROVIDER_COLUMNS,
                                               ValidationReport, provider_rows, reconstruct_record, unrenderable)
-from draftgen.core.rundir import RunDir, disk_error, iter_jsonl, read_line_at
-from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.tokens.template import ChatTemplate, load_template
 from draftgen.core.tokens.tokenizer import Tokenizer, load_tokenizer
 from draftgen.core.tokens.store import INDEX_FILE, TokenWriter
@@ -47,12 +47,10 @@ LOCK_FILE = "writer.lock"     # flock'ed by the one process writing the folder
 BATCH_ANSWERS = 32            # answers per worker task: amortises IPC without starving cores
 BATCH_CHARS = 1 << 20         # ... or fewer when they are long
 INLINE_MAX = 32               # fewer pending answers than this: not worth starting processes
-PROGRESS_EVERY_S = 0.25
 # The fields of a response line that reconstruction reads (the rest never crosses to a worker).
 _FIELDS = ("id", "messages", "reasoning", "content", "tool_calls", "finish_reason", "truncated", "token_ids",
            "provider")
 
-Progress = Callable[[StageProgress], None]
 Result = tuple[str, np.ndarray, np.ndarray, dict[str, Any]]
 
 
@@ -227,17 +225,16 @@ class LockedWriter(TokenWriter):
         path = folder / LOCK_FILE
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise disk_error(path, e) from e
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            super().__init__(folder)  # only now: opening repairs (truncates) the files
-        except BlockingIOError:
-            os.close(self._lock_fd)
+        fd = lock_file(path)
+        if fd is None:
             raise TokensBusy(f"{folder}: another draftgen process is writing these token files (a live `draftgen "
                              "run` reconstructs its answers as they land); a second writer would corrupt them. "
-                             "Wait until it has finished and run this again.") from None
+                             "Wait until it has finished and run this again.")
+        self._lock_fd = fd
+        try:
+            super().__init__(folder)  # only now: opening repairs (truncates) the files
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -280,9 +277,7 @@ def provider_flags(config: Config, report: ValidationReport) -> list[ProviderFla
 def write_report(folder: Path, report: ValidationReport, flags: Iterable[ProviderFlag] = ()) -> Path:
     """`<tokens>/report.json`, replaced atomically."""
     path = Path(folder) / REPORT_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_bytes(orjson.dumps(report.to_dict(flags), option=orjson.OPT_INDENT_2))
-    os.replace(tmp, path)
+    write_json_atomic(path, report.to_dict(flags))
     return path
 
 
@@ -324,7 +319,7 @@ def read_records(responses: Path, offsets: Iterable[int]) -> Iterator[dict[str, 
             yield slim_record(read_line_at(f, offset))
 
 
-def reconstruct_dataset(config: Config, dataset_name: str, progress: Progress | None = None, *,
+def reconstruct_dataset(config: Config, dataset_name: str, progress: ProgressCallback | None = None, *,
                         workers: int | None = None,
                         pool: concurrent.futures.ProcessPoolExecutor | None = None) -> ValidationReport:
     """Reconstruct every answer of `dataset_name` not yet in its tokens folder; the folder's full report.
@@ -342,13 +337,11 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: Progress | 
         offsets = pending_offsets(responses, writer.ids)
         total = len(offsets)
         rate = TokenRate()
-        last = [0.0]
+        throttle = Throttle()
 
-        def tell(state: str = "running", force: bool = False) -> None:
-            now = time.monotonic()
-            if progress is None or (not force and now - last[0] < PROGRESS_EVERY_S):
+        def tell(state: StageState = StageState.RUNNING, force: bool = False) -> None:
+            if progress is None or not throttle.due(force):
                 return
-            last[0] = now
             per_s, tok_s = rate.per_s()
             left = total - rate.answers
             progress(StageProgress(
@@ -392,7 +385,7 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: Progress | 
                 if own:
                     pool.shutdown(wait=True)
     write_report(folder, report, provider_flags(config, report))
-    tell("done", force=True)
+    tell(StageState.DONE, force=True)
     return report
 
 

@@ -1,0 +1,47 @@
+"""How quantities read in text: sizes, counts and durations, the same wherever they are printed
+(progress lines, headless status, TUI panels through tui/fmt.py)."""
+
+from __future__ import annotations
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def fmt_count(n: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def compact_duration(seconds: float | None, unknown: str = "--") -> str:
+    """For one-line logs: 3m05s, 1h02m; `unknown` for None."""
+    if seconds is None:
+        return unknown
+    s = max(0, int(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s"
+
+
+def clock(seconds: float) -> str:
+    """Elapsed time as H:MM:SS (hours grow past 99 rather than wrap)."""
+    s = max(0, int(seconds))
+    return f"{s // 3600:d}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def duration(seconds: float | None) -> str:
+    """A rough span for ETAs and ages: 42 s, 7 min, 2 h 05 min."""
+    if seconds is None:
+        return "—"
+    s = max(0, int(round(seconds)))
+    if s < 90:
+        return f"{s} s"
+    if s < 3600:
+        return f"{round(s / 60)} min"
+    return f"{s // 3600} h {s // 60 % 60:02d} min"
