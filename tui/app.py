@@ -86,8 +86,8 @@ class DraftgenApp(App[None]):
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
-        for hidden in ("#alert", "#lower", "#stages", "#gpu"):
-            self.query_one(hidden).display = False
+        for hidden in ("#alert", "#lower", "#stages", "#gpu"):  # until a snapshot gives them something to show
+            self.query_one(hidden).add_class("-hidden")
         self._sub = self.controls.hub.subscribe(maxsize=self._queue_size)
         self.pull()
         self._timer = self.set_timer(self.refresh_s, self._tick)
@@ -133,10 +133,8 @@ class DraftgenApp(App[None]):
         self.latest = s
         for panel in self.query(Panel):
             panel.show(s)
-        lower = self.query_one("#lower")
-        wanted = self.query_one(StagesPanel).display or self.query_one(GpuPanel).display
-        if lower.display != wanted:
-            lower.display = wanted
+        hidden = self.query_one(StagesPanel).has_class("-hidden") and self.query_one(GpuPanel).has_class("-hidden")
+        self.query_one("#lower").set_class(hidden, "-hidden")
         if isinstance(self.screen, SmokeScreen):
             self.screen.show(s)
         if previous is None or previous.attached != s.attached or previous.state != s.state:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftgen.core.live.snapshot import RunSnapshot
+from draftgen.core.live.snapshot import RunSnapshot, StageState
 from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -15,7 +15,7 @@ from draftgen.tui.panels.panel import Panel
 
 def _wanted(s: RunSnapshot) -> bool:
     extract = s.stage("extract")
-    return s.gpus is not None or (extract is not None and extract.state != "idle")
+    return s.gpus is not None or (extract is not None and extract.state != StageState.IDLE)
 
 
 class GpuPanel(Panel):
@@ -30,9 +30,10 @@ class GpuPanel(Panel):
     def shape(self, s: RunSnapshot) -> Any:
         return (_wanted(s), None if s.gpus is None else len(s.gpus))
 
+    def wanted(self, s: RunSnapshot) -> bool:
+        return _wanted(s)
+
     def draw(self, s: RunSnapshot) -> RenderableType:
-        if self.display != _wanted(s):
-            self.display = _wanted(s)
         if not s.gpus:
             return Text("no GPU (NVML not available)", style="dim")
         # Short screens drop the header row: each cell carries its unit.

@@ -65,7 +65,8 @@ class AlertBar(Panel):
     def shape(self, s: RunSnapshot) -> Any:
         return s.alert  # it may wrap
 
+    def wanted(self, s: RunSnapshot) -> bool:
+        return bool(s.alert)
+
     def draw(self, s: RunSnapshot) -> RenderableType:
-        if self.display != bool(s.alert):
-            self.display = bool(s.alert)
         return Text(f" ⚠ {s.alert}", style="bold")

@@ -13,7 +13,9 @@ _NEVER = object()
 
 class Panel(Static):
     """A `Static` fed with snapshots. Subclasses name the slice they read (`key`) and draw it (`draw`);
-    a panel whose drawing depends on its own size says so in `fit` and is redrawn on resize."""
+    a panel whose drawing depends on its own size says so in `fit` and is redrawn on resize. A panel
+    shown only when it has something to say says when in `wanted`: it carries the `-hidden` class
+    (the stylesheet hides it) otherwise."""
 
     TITLE: ClassVar[str] = ""
     FRAMED: ClassVar[bool] = True  # bordered per the stylesheet's .panel rules
@@ -28,6 +30,7 @@ class Panel(Static):
     def show(self, snap: RunSnapshot) -> bool:
         """Redraw from `snap` if what this panel reads changed; say whether it did."""
         self.last = snap
+        self.set_class(not self.wanted(snap), "-hidden")
         key = (self.key(snap), self.fit())
         if key == self._key:  # frozen dataclasses compare by value: unchanged slices cost no render
             return False
@@ -49,6 +52,10 @@ class Panel(Static):
 
     def key(self, snap: RunSnapshot) -> Any:
         return snap
+
+    def wanted(self, snap: RunSnapshot) -> bool:
+        """Whether the panel is shown for this snapshot."""
+        return True
 
     def fit(self) -> Any:
         return None

@@ -16,7 +16,7 @@ STATE_STYLES = {StageState.RUNNING: "bold green", StageState.DONE: "bold blue", 
 
 
 def active_stages(s: RunSnapshot) -> tuple[StageProgress, ...]:
-    return tuple(st for st in s.stages if st.state != "idle")
+    return tuple(st for st in s.stages if st.state != StageState.IDLE)
 
 
 def _progress(st: StageProgress) -> RenderableType:
@@ -63,13 +63,18 @@ class StagesPanel(Panel):
     def shape(self, s: RunSnapshot) -> Any:
         return tuple((st.name, st.state, bool(st.detail or st.message)) for st in active_stages(s))
 
-    def draw(self, s: RunSnapshot) -> RenderableType:
+    def _shown(self, s: RunSnapshot) -> tuple[StageProgress, ...]:
         stages = active_stages(s)
         if self.short:
             # 80x24: only what is running or failed, one line each.
             stages = tuple(st for st in stages if st.state in (StageState.RUNNING, StageState.FAILED))
-        if self.display != bool(stages):
-            self.display = bool(stages)
+        return stages
+
+    def wanted(self, s: RunSnapshot) -> bool:
+        return bool(self._shown(s))
+
+    def draw(self, s: RunSnapshot) -> RenderableType:
+        stages = self._shown(s)
         parts: list[RenderableType] = []
         for st in stages:
             parts.append(_row(st))
