@@ -15,6 +15,7 @@ from pathlib import Path
 import orjson
 import pytest
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.snapshot import event_from_dict, snapshot_from_dict
 from draftgen.core.live.attach import ENDED, LIVE, AttachClient, AttachControls, AttachError, AttachServer, AttachState
 from draftgen.core.live.hub import Hub
 from draftgen.core.rundir import RunDir
@@ -270,3 +271,16 @@ def _plain(app: object, selector: str) -> str:
     with console.capture() as cap:
         console.print(widget.content)
     return cap.get()
+
+
+@pytest.mark.parametrize("make", [fx.running, fx.paused, fx.smoke, fx.merging, fx.extracting, fx.out_of_credits])
+def test_a_snapshot_comes_back_from_json_equal_and_typed(make) -> None:
+    """What the viewer rebuilds from the wire is the snapshot the owner sent: nested dataclasses,
+    tuples and the state enums come back from the type hints, for every field."""
+    sent = make()
+    back = snapshot_from_dict(orjson.loads(sent.to_json()))
+    assert back == sent
+    assert isinstance(back.state, snap.RunState) and all(isinstance(d.status, snap.DatasetStatus) for d in back.datasets)
+    assert all(isinstance(st.state, snap.StageState) for st in back.stages)
+    for event in fx.events():
+        assert event_from_dict(orjson.loads(event.to_json())) == event

@@ -8,7 +8,11 @@ JSON (`to_json` / `snapshot_from_dict`), so every field is plain data.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import time
+import types
+import typing
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -167,35 +171,40 @@ class Event:
         return orjson.dumps(self)
 
 
-def _from(cls: type, data: Any) -> Any:
-    """Rebuild a snapshot dataclass from its JSON dict (the attach viewer's side)."""
-    if data is None:
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _decode(tp: Any, value: Any) -> Any:
+    """Rebuild a value of the annotated type `tp` from its JSON form (lists back to tuples, dicts
+    back to dataclasses, strings back to enums), so a new field needs no line here."""
+    if value is None:
         return None
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in data:
-            continue
-        value = data[f.name]
-        if f.name == "datasets":
-            value = tuple(_from(DatasetSnapshot, d) for d in value)
-        elif f.name == "throughput":
-            value = _from(Throughput, value)
-        elif f.name == "credits":
-            value = _from(Credits, value)
-        elif f.name == "gpus":
-            value = None if value is None else tuple(_from(GpuStat, g) for g in value)
-        elif f.name == "stages":
-            value = tuple(_from(StageProgress, s) for s in value)
-        elif f.name == "fidelity":
-            value = tuple(_from(ProviderFidelity, p) for p in value)
-        elif f.name in ("detail", "checks"):
-            value = tuple(tuple(p) for p in value)
-        elif f.name in ("errors", "providers"):
-            value = tuple((k, v) for k, v in value)
-        elif f.name == "history":
-            value = tuple(value)
-        kwargs[f.name] = value
-    return cls(**kwargs)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _decode(inner[0], value) if len(inner) == 1 else value
+    if dataclasses.is_dataclass(tp):
+        return _from(tp, value)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(args[0], v) for v in value)
+        return tuple(_decode(a, v) for a, v in zip(args, value))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:  # a newer engine's state: shown as it is rather than refused
+            return value
+    return value
+
+
+def _from(cls: type, data: dict[str, Any]) -> Any:
+    """Rebuild a snapshot dataclass from its JSON dict (the attach viewer's side); fields it does not
+    know are ignored and fields it lacks keep their defaults."""
+    hints = _hints(cls)
+    return cls(**{f.name: _decode(hints[f.name], data[f.name]) for f in dataclasses.fields(cls) if f.name in data})
 
 
 def snapshot_from_dict(data: dict[str, Any]) -> RunSnapshot:
@@ -203,4 +212,4 @@ def snapshot_from_dict(data: dict[str, Any]) -> RunSnapshot:
 
 
 def event_from_dict(data: dict[str, Any]) -> Event:
-    return Event(**{k: data[k] for k in ("ts", "level", "kind", "message")})
+    return Event(**{f.name: data[f.name] for f in dataclasses.fields(Event)})
