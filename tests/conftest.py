@@ -1,13 +1,37 @@
-"""Session fixtures: the pinned GPU releases' source (downloaded once per cache, never installed)."""
+"""Fixtures shared by several test files. Builders that tests call as functions (configs, prompt
+files, waiting for a condition) are in tests/helpers.py; the TUI's snapshot fixtures in
+tests/fixtures.py; the pinned GPU releases' source (downloaded once per cache, never installed)
+in tests/pinned.py."""
 
 from __future__ import annotations
 
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from draftgen.core.tokens import tokenizer as tokmod
 from tests.pinned import pinned_source
+
+
+@pytest.fixture
+def utc() -> Iterator[None]:
+    """Event times are wall-clock: pin the zone so rendered texts compare the same everywhere."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TZ", "UTC")
+        time.tzset()
+        yield
+    time.tzset()
+
+
+@pytest.fixture
+def fresh_tokenizers() -> Iterator[None]:
+    """No tokenizer loaded by an earlier test (they are cached by path) stands in for this test's."""
+    tokmod._load_cached.cache_clear()
+    yield
+    tokmod._load_cached.cache_clear()
 
 
 def _cache(request: pytest.FixtureRequest) -> Path:

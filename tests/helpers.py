@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,3 +107,19 @@ def parse_sse(raw: bytes) -> tuple[list[dict[str, Any]], int, bool]:
             else:
                 chunks.append(json.loads(data))
     return chunks, comments, done
+
+
+def cli_env(key: str = TEST_KEY, **extra: str) -> dict[str, str]:
+    """The environment for a `draftgen` subprocess: this one's, plus the API key where configs look."""
+    return {**os.environ, "DG_TEST_KEY": key, **extra}
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 30.0, every: float = 0.01) -> None:
+    """Wait for `cond`: a guard against a hang, not a timing check (the timeout is generous)."""
+    async def poll() -> None:
+        while not cond():
+            await asyncio.sleep(every)
+    try:
+        await asyncio.wait_for(poll(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"never happened within {timeout:.0f} s: {what}") from None

@@ -20,6 +20,7 @@ from draftgen.core.live.attach import ENDED, LIVE, AttachClient, AttachControls,
 from draftgen.core.live.hub import Hub
 from draftgen.core.rundir import RunDir
 from tests import fixtures as fx
+from tests.helpers import until
 
 # The viewer of the two-process test: prints what it receives, one JSON line each, and from a
 # second connection throws commands and junk at the engine.
@@ -63,15 +64,6 @@ def run_dir(tmp_path: Path) -> Path:
     d = tmp_path / "run"
     d.mkdir()
     return d
-
-
-async def until(cond: Callable[[], bool], what: str) -> None:
-    """Wait for `cond` (a hang guard, not a timing check)."""
-    for _ in range(1000):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
 
 
 async def test_socket_is_owner_only_and_removed_on_close(run_dir: Path) -> None:

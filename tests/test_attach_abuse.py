@@ -7,6 +7,7 @@ import asyncio
 import stat
 
 import orjson
+import pytest
 
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.pipeline import Pipeline
@@ -16,6 +17,7 @@ from draftgen.core.simulator import SimConfig, SimServer
 from .helpers import TEST_KEY, make_config, read_ids
 
 
+@pytest.mark.slow
 async def test_a_hundred_clients_at_once_change_nothing(tmp_path):
     async with SimServer(SimConfig(seed=3, fixed_latency_s=0.05, mean_completion_tokens=60), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 600, "concurrency": 64}],

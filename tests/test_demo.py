@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import orjson
+import pytest
 
 from draftgen.core.extract import load_sample
 from draftgen.core.tokens.store import TokenReader
@@ -12,6 +13,7 @@ from draftgen.tui.demo import DEMO_KEY, run_demo
 from tests.test_specforge_release import check_run_with_specforge
 
 
+@pytest.mark.slow
 async def test_demo_headless_end_to_end(tmp_path, specforge_tree):
     out = io.StringIO()
     code = await run_demo(tmp_path, headless=True, out=out, latency_scale=0.02)

@@ -35,7 +35,7 @@ from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.core.tokens.workers import reconstruct_dataset
 from draftgen.core.tokens.store import INDEX_FILE, TokenReader
 
-from .helpers import TEST_KEY, make_config
+from .helpers import TEST_KEY, cli_env, make_config, until
 
 REAL_WRITE = os.write
 REASONS = {errno.ENOSPC: "the disk is full", errno.EROFS: "the disk is read-only",
@@ -79,15 +79,6 @@ def on_disk(run: RunDir, name: str) -> list[str]:
     return parsed_ids(run.responses(name)) + parsed_ids(run.failures(name))
 
 
-async def until(cond: Callable[[], bool], what: str, limit_s: float = 30) -> None:
-    """Wait for `cond` (a hang guard, not a timing check)."""
-    for _ in range(int(limit_s / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
-
-
 def tree_digest(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -100,10 +91,6 @@ def fsize_limit(limit: int) -> Callable[[], None]:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
     return apply
-
-
-def cli_env() -> dict[str, str]:
-    return {**os.environ, "DG_TEST_KEY": TEST_KEY}
 
 
 def cli(args: list[str], limit: int | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -389,6 +376,7 @@ async def answered_run(tmp_path: Path, n: int = 60) -> tuple[Path, RunDir]:
     return cfg.path, RunDir(cfg.run_dir)
 
 
+@pytest.mark.slow
 async def test_tokens_command_on_a_full_disk_fails_clearly_and_a_rerun_completes(tmp_path):
     config, run = await answered_run(tmp_path)
     responses = run.responses("a").read_bytes()
@@ -447,6 +435,7 @@ def test_the_event_log_on_a_full_disk_never_takes_the_run_down(tmp_path):
     assert 0 < path.stat().st_size <= 4_000
 
 
+@pytest.mark.slow
 def test_extraction_on_a_full_disk_keeps_every_finished_file(tmp_path):
     """A hidden-state file that cannot be written: a clear error naming it, the files already there
     untouched, no half file left; the next extraction writes only what is missing."""

@@ -273,6 +273,7 @@ def test_backoff_is_full_jitter_and_honours_retry_after():
     assert max(backoff_delay(30, 1.0, 60.0, None, rng) for _ in range(200)) <= 60.0
 
 
+@pytest.mark.slow
 async def test_two_thousand_really_in_flight(tmp_path):
     # Answers are held until 2,000 are in flight (60 s at most), so a loaded machine admitting
     # slowly cannot make this fail, while a pool capped below 2,000 still does.

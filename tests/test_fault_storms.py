@@ -14,7 +14,6 @@ import importlib.util
 import os
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -29,7 +28,7 @@ from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import FAULT_KINDS, SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
-from .helpers import TEST_KEY, make_config, read_ids
+from .helpers import TEST_KEY, cli_env, make_config, read_ids, until
 
 
 def _load_soak() -> ModuleType:
@@ -56,16 +55,6 @@ def config_for(tmp_path: Path, base_url: str, datasets: list[dict[str, Any]], *,
     return make_config(tmp_path, base_url, datasets, tables=tables)
 
 
-async def until(predicate: Callable[[], bool], timeout: float, what: str, every: float = 0.02) -> None:
-    async def poll() -> None:
-        while not predicate():
-            await asyncio.sleep(every)
-    try:
-        await asyncio.wait_for(poll(), timeout)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}") from None
-
-
 def clean_audit(config: Config, sim: SimServer, **kw: Any) -> Any:
     """The soak's audit of a run that was never killed: every answer delivered is written; the
     only generations billed and unwritten are those nobody could read (drops, hangs, truncated
@@ -80,6 +69,7 @@ def clean_audit(config: Config, sim: SimServer, **kw: Any) -> Any:
     return a
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_every_fault_kind_at_once_through_the_pipeline(tmp_path: Path, stream: bool) -> None:
     async with SimServer(SimConfig(seed=11, latency_scale=0.0, mean_completion_tokens=60, faults=MIXED,
@@ -111,6 +101,7 @@ async def test_every_fault_kind_at_once_through_the_pipeline(tmp_path: Path, str
     assert tokens is not None and tokens.state == "done" and tokens.done == a.answered
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
     configured = 40
@@ -134,7 +125,7 @@ async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
 
         watcher = asyncio.create_task(watch())
         try:
-            await until(lambda: sim.stats.answers_total >= 100, 60, "the run to get going")
+            await until(lambda: sim.stats.answers_total >= 100, "the run to get going", 60)
             await asyncio.sleep(1.0)
             sim.update(faults={"429": 1.0})  # every request rate-limited, with Retry-After
             phase = "storm"
@@ -145,8 +136,8 @@ async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
             phase = "after"
             after_storm = sim.stats.answers_total
             # Additive increase: 5 s without a 429, then a step a second.
-            await until(lambda: pipeline.snapshot().datasets[0].effective_concurrency >= lowest + 2, 30,
-                        "the limit to climb back")
+            await until(lambda: pipeline.snapshot().datasets[0].effective_concurrency >= lowest + 2,
+                        "the limit to climb back", 30)
             sim.update(fixed_latency_s=0.0)  # finish the rest quickly
             state = await asyncio.wait_for(task, 90)
         finally:
@@ -190,7 +181,7 @@ async def test_hung_requests_are_cut_by_their_timeout(tmp_path: Path, stream: bo
             s = pipeline.snapshot()
         finally:
             await pipeline.close()
-        await until(lambda: sim.stats.in_flight == 0, 5, "the simulator's hung handlers to be let go")
+        await until(lambda: sim.stats.in_flight == 0, "the simulator's hung handlers to be let go", 5)
         stats = sim.stats
     assert state == snap.RunState.DONE
     hangs = stats.faults.get("hang", 0)
@@ -210,14 +201,14 @@ async def test_402_mid_run_pauses_with_an_alert_and_resumes_when_told(tmp_path: 
         await pipeline.start()
         task = asyncio.create_task(pipeline.generate())
         try:
-            await until(lambda: sim.stats.answers_total >= 40, 60, "40 answers")
+            await until(lambda: sim.stats.answers_total >= 40, "40 answers", 60)
             sim.set_balance(0)  # out of credits mid-run
-            await until(lambda: pipeline.engine.state == snap.RunState.PAUSED, 20, "the run to pause")
+            await until(lambda: pipeline.engine.state == snap.RunState.PAUSED, "the run to pause", 20)
             s = pipeline.snapshot()
             assert s.state == snap.RunState.PAUSED and s.alert.startswith("402")
             assert any(e.kind == "alert" and e.level == "error" and "402" in e.message for e in pipeline.hub.recent)
             # Requests in flight finish and are recorded; nothing new is admitted while paused.
-            await until(lambda: pipeline.engine.in_flight == 0, 20, "the requests in flight to finish")
+            await until(lambda: pipeline.engine.in_flight == 0, "the requests in flight to finish", 20)
             asked = sim.stats.requests_total
             await asyncio.sleep(0.5)
             assert sim.stats.requests_total == asked and pipeline.engine.state == snap.RunState.PAUSED
@@ -236,6 +227,7 @@ async def test_402_mid_run_pauses_with_an_alert_and_resumes_when_told(tmp_path: 
     assert a.answered == 200 and a.failed == 0  # the 402'd prompts were asked again, not failed
 
 
+@pytest.mark.slow
 async def test_402_headless_pauses_and_sigusr1_resumes(tmp_path: Path) -> None:
     async with SimServer(SimConfig(seed=7, fixed_latency_s=0.05, mean_completion_tokens=60), port=0) as sim:
         config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": 300, "concurrency": 8}])
@@ -243,15 +235,15 @@ async def test_402_headless_pauses_and_sigusr1_resumes(tmp_path: Path) -> None:
         with open(log_path, "wb") as log:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "draftgen.cli.main", "run", str(config.path), "--headless", "--skip-smoke",
-                "--interval", "0.2", env={**os.environ, "DG_TEST_KEY": TEST_KEY}, stdout=log,
+                "--interval", "0.2", env=cli_env(), stdout=log,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         events_log = RunDir(config.run_dir).events_log
         try:
-            await until(lambda: sim.stats.answers_total >= 40, 60, "40 answers")
+            await until(lambda: sim.stats.answers_total >= 40, "40 answers", 60)
             sim.set_balance(0)
-            await until(lambda: events_log.exists() and "402 Payment Required" in events_log.read_text(), 20,
-                        "the 402 alert in events.log")
-            await until(lambda: sim.stats.in_flight == 0, 20, "the requests in flight to finish")
+            await until(lambda: events_log.exists() and "402 Payment Required" in events_log.read_text(),
+                        "the 402 alert in events.log", 20)
+            await until(lambda: sim.stats.in_flight == 0, "the requests in flight to finish", 20)
             asked = sim.stats.requests_total
             await asyncio.sleep(0.6)
             assert sim.stats.requests_total == asked, "requests admitted while paused"
@@ -302,10 +294,10 @@ async def test_an_outage_fails_no_prompt(tmp_path: Path, how: str) -> None:
     task = asyncio.create_task(pipeline.generate())
     second: SimServer | None = None
     try:
-        await until(lambda: first.stats.answers_total >= 40, 60, "40 answers")
+        await until(lambda: first.stats.answers_total >= 40, "40 answers", 60)
         await first.close()  # refused from now on: at 3 attempts every request would fail in well under a second
         gone = first.stats
-        await until(lambda: dict(pipeline.snapshot().errors).get("connection", 0) >= 30, 30, "refused connections")
+        await until(lambda: dict(pipeline.snapshot().errors).get("connection", 0) >= 30, "refused connections", 30)
         assert pipeline.engine.state == snap.RunState.RUNNING and not pipeline.snapshot().alert
         if how == "drain":
             pipeline.quit(drain=True)

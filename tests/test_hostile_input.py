@@ -37,7 +37,7 @@ from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
 from draftgen.core.tokens.workers import reconstruct_dataset
 from draftgen.core.tokens.store import TokenReader
 
-from .helpers import TEST_KEY, make_config
+from .helpers import TEST_KEY, cli_env, make_config
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 derandomize=True)
@@ -46,7 +46,7 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 def cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     # Wide: rich folds table cells at the default 80 columns of a pipe.
     return subprocess.run([sys.executable, "-m", "draftgen.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "DG_TEST_KEY": TEST_KEY, "COLUMNS": "250"})
+                          timeout=timeout, env=cli_env(COLUMNS="250"))
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -178,6 +178,7 @@ def assert_loaded_config_is_sane(cfg: Config) -> None:
         walk(getattr(cfg, name), name)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(doc=_document)
 def test_any_toml_ish_config_loads_or_raises_config_error_naming_the_file(tmp_path_factory, doc):
@@ -448,6 +449,7 @@ BROKEN = [  # (what, how, command, words the message must hold)
 ]
 
 
+@pytest.mark.slow
 async def test_broken_inputs_fail_clearly_and_damage_nothing(tmp_path):
     cfg = await finished_run(tmp_path)
     root = RunDir(cfg.run_dir).root
@@ -562,6 +564,7 @@ HAND_WRITTEN = [  # responses.jsonl lines another tool (or a hand) wrote
 ]
 
 
+@pytest.mark.slow
 async def test_hostile_answers_stay_text_and_are_validated_right(tmp_path):
     names = [*hostile_answers(), "surrogate"]
     prompts = tmp_path / "prompts" / "chat[v2].jsonl"
@@ -641,6 +644,7 @@ async def test_hostile_answers_stay_text_and_are_validated_right(tmp_path):
     assert chat["dropped"]["invalid"] == 2 and chat["dropped"]["failed"] == 1
 
 
+@pytest.mark.slow
 async def test_tokens_and_merge_before_every_dataset_has_answers(tmp_path):
     """A second dataset not run yet (no responses.jsonl): tokens and merge do the first and skip it."""
     cfg = await finished_run(tmp_path, n=6)

@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draftgen.core.tokens import tokenizer as tokmod
 from draftgen.core.tokens.reconstruct import CHECKS, ValidationReport, reconstruct, reconstruct_record
 from draftgen.core.tokens.template import KIMI_DEFAULT_SYSTEM, AutoTemplate, KimiK25Template, TemplateError, load_template
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path, load_tokenizer
@@ -278,8 +277,7 @@ QWEN_LIKE = (
 
 
 @pytest.fixture
-def tj_tok(tmp_path: Path):
-    tokmod._load_cached.cache_clear()
+def tj_tok(tmp_path: Path, fresh_tokenizers: None):
     return load_tokenizer(str(build_tokenizer_json(tmp_path / "tj", QWEN_LIKE)))
 
 
@@ -303,8 +301,8 @@ def test_auto_template_uses_the_tokenizers_own_template(tj_tok) -> None:
     assert clean.valid, clean.failed_checks
 
 
+@pytest.mark.usefixtures("fresh_tokenizers")
 def test_auto_template_that_rewrites_text_is_used_as_it_renders(tmp_path: Path) -> None:
-    tokmod._load_cached.cache_clear()
     trimming = QWEN_LIKE.replace("m.content + '<|im_end|>\\n'", "m.content | trim + '<|im_end|>\\n'")
     tok = load_tokenizer(str(build_tokenizer_json(tmp_path / "trim", trimming)))
     r = reconstruct(tok, load_template("auto", tok), user("  padded  "), "r", "  answer  ")
@@ -312,8 +310,8 @@ def test_auto_template_that_rewrites_text_is_used_as_it_renders(tmp_path: Path) 
     assert r.valid, r.failed_checks  # the span decodes to what the template rendered
 
 
+@pytest.mark.usefixtures("fresh_tokenizers")
 def test_auto_template_that_drops_the_final_reasoning_is_refused(tmp_path: Path) -> None:
-    tokmod._load_cached.cache_clear()
     drops = ("{%- for m in messages -%}{%- if m.role == 'assistant' -%}"
              "{{- '<|im_start|>assistant\\n<think></think>' + m.content + '<|im_end|>' -}}"
              "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>' -}}{%- endif -%}"
@@ -323,8 +321,8 @@ def test_auto_template_that_drops_the_final_reasoning_is_refused(tmp_path: Path)
     assert r.failed_checks == ("renders",) and "drops the answer's reasoning" in r.error
 
 
+@pytest.mark.usefixtures("fresh_tokenizers")
 def test_templates_refuse_what_they_cannot_serve(tmp_path: Path) -> None:
-    tokmod._load_cached.cache_clear()
     plain = load_tokenizer(str(build_tokenizer_json(tmp_path / "plain")))
     with pytest.raises(TemplateError, match="has no chat template"):
         load_template("auto", plain)

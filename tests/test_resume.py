@@ -3,26 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
 import sys
 
 import orjson
+import pytest
 
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import SimConfig, SimServer
 
-from .helpers import TEST_KEY, make_config, read_ids
+from .helpers import TEST_KEY, cli_env, make_config, read_ids
 
 
 async def start_run(cfg, *extra):
-    env = {**os.environ, "DG_TEST_KEY": TEST_KEY}
+    env = cli_env()
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
         "--interval", "0.5", *extra, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
 
 
+@pytest.mark.slow
 async def test_sigkill_and_restart_keeps_every_acknowledged_answer(tmp_path):
     rng = random.Random(7)
     async with SimServer(SimConfig(seed=9, latency_scale=0.06, mean_completion_tokens=80,

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 import orjson
 
 from draftgen.core.config import load_config
@@ -26,7 +27,7 @@ from draftgen.core.secrets import PREFIX
 from draftgen.core.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
-from .helpers import make_config
+from .helpers import cli_env, make_config
 
 CANARY = "sk-or-v1-LEAKCANARY-7f3a9c1e5b2d4f6a8c0e1b3d5f7a9c2e4b6d8f0a1c3e5b7d9f2a4c6e8b0d1f3a"
 NEEDLES = (CANARY.encode(), CANARY[:PREFIX].encode())
@@ -60,7 +61,7 @@ def scan_tree(root: Path) -> tuple[int, dict[str, list[bytes]]]:
 
 
 async def cli(*args: str, env_key: str = CANARY, timeout: float = 90) -> tuple[int, bytes, bytes]:
-    env = {**os.environ, "DG_TEST_KEY": env_key}
+    env = cli_env(env_key)
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "draftgen.cli.main", *args, env=env,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), timeout)
@@ -88,6 +89,7 @@ async def read_attach_stream(run_dir: Path, proc: asyncio.subprocess.Process) ->
     return b"".join(chunks)
 
 
+@pytest.mark.slow
 async def test_the_key_appears_nowhere(tmp_path: Path) -> None:
     outputs: dict[str, bytes] = {}
     sim_cfg = SimConfig(seed=11, latency_scale=0.0, fixed_latency_s=0.02, mean_completion_tokens=60,
@@ -119,7 +121,7 @@ async def test_the_key_appears_nowhere(tmp_path: Path) -> None:
         assert code == 1 and b"key" in outputs["smoke-401 stdout"]
 
         # run, headless in a subprocess, with a viewer reading the raw attach stream throughout.
-        env = {**os.environ, "DG_TEST_KEY": CANARY}
+        env = cli_env(CANARY)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
             "--interval", "0.2", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)

@@ -33,6 +33,7 @@ def _load_soak() -> ModuleType:
 soak = _load_soak()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_crash_and_resume_soak(tmp_path: Path) -> None:
     options = soak.SoakOptions(kills=6, prompts=1000, concurrency=16, storm_s=0, running_window_s=2.0,
@@ -68,6 +69,16 @@ async def _answers(sim: SimServer, at_least: int) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _requests(sim: SimServer, at_least: int) -> None:
+    while sim.stats.requests_total < at_least:
+        await asyncio.sleep(0.02)
+
+
+async def _logged(log: Path, text: str) -> None:
+    while text not in log.read_text(errors="replace"):
+        await asyncio.sleep(0.02)
+
+
 def _tokens_in_step(config_path: Path) -> bool:
     config = load_config(config_path)
     disk = soak.read_disk(config)
@@ -76,6 +87,7 @@ def _tokens_in_step(config_path: Path) -> bool:
                for d in config.datasets)
 
 
+@pytest.mark.slow
 async def test_closed_terminal_then_sighup_drains(tmp_path: Path) -> None:
     """A headless run in a tmux pane that is closed: its terminal is gone (every write fails), then
     the whole process group gets SIGHUP. It must drain and exit 0, not carry on ignoring the signal."""
@@ -105,6 +117,7 @@ async def test_closed_terminal_then_sighup_drains(tmp_path: Path) -> None:
     assert _tokens_in_step(path)
 
 
+@pytest.mark.slow
 async def test_ctrl_c_drains_then_second_ctrl_c_stops(tmp_path: Path) -> None:
     """Ctrl-C in the terminal signals the whole foreground group (the reconstruction workers too):
     the first drains, the second stops now; nothing written is lost and the tokens keep up."""
@@ -115,11 +128,19 @@ async def test_ctrl_c_drains_then_second_ctrl_c_stops(tmp_path: Path) -> None:
         proc = await _start(path, log.fileno())
         log.close()
         await asyncio.wait_for(_answers(sim, 40), 60)
+        # From now on every request takes a minute, and a few are in flight before the first Ctrl-C:
+        # the drain cannot end on its own before the second one, however loaded this machine is (with
+        # a sleep between the two, a slow machine let the drain finish first and the second SIGINT hit
+        # a process that was closing, or gone).
+        sim.update(fixed_latency_s=60.0)
+        slow_from = sim.stats.requests_total
+        await asyncio.wait_for(_requests(sim, slow_from + 4), 60)
         os.killpg(proc.pid, signal.SIGINT)
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(_logged(tmp_path / "run.log", "SIGINT: draining"), 60)
         os.killpg(proc.pid, signal.SIGINT)
         try:
-            code = await asyncio.wait_for(proc.wait(), 30)
+            # Well under the minute the slow requests take: the second Ctrl-C did not wait for them.
+            code = await asyncio.wait_for(proc.wait(), 40)
         finally:
             left = await soak.reap_session(proc.pid, 3.0)
         first = soak.read_disk(load_config(path))
@@ -139,6 +160,7 @@ async def test_ctrl_c_drains_then_second_ctrl_c_stops(tmp_path: Path) -> None:
     assert _tokens_in_step(path)
 
 
+@pytest.mark.slow
 async def test_second_process_on_a_live_run_directory_is_refused(tmp_path: Path) -> None:
     """Back on the box after a while, one runs `draftgen run` again, or `draftgen tokens` to look at
     the report, while the nohup'ed run is still live: both are refused with a message, and the live

@@ -43,11 +43,7 @@ def _reference_split(s: str, limit: int) -> list[str]:
     return out
 
 
-@pytest.fixture(autouse=True)
-def _fresh_cache():
-    tokmod._load_cached.cache_clear()
-    yield
-    tokmod._load_cached.cache_clear()
+pytestmark = pytest.mark.usefixtures("fresh_tokenizers")
 
 
 def test_plain_text_vector() -> None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from draftgen.core.live import snapshot as snap
@@ -18,14 +17,7 @@ from draftgen.tui.screens.smoke import SmokeScreen
 from rich.console import Console
 
 
-@pytest.fixture(autouse=True)
-def utc() -> Iterator[None]:
-    # Event times are wall-clock; pin the zone so texts compare the same everywhere.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TZ", "UTC")
-        time.tzset()
-        yield
-    time.tzset()
+pytestmark = pytest.mark.usefixtures("utc")
 
 
 def text(app: DraftgenApp, selector: str) -> str:

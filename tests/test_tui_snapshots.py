@@ -3,20 +3,11 @@ with the SVGs accepted in tests/__snapshots__/ (update with `pytest --snapshot-u
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-
 import pytest
 from tests.fixtures import VIEWS, View
 
 
-@pytest.fixture(autouse=True)
-def utc() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TZ", "UTC")
-        time.tzset()
-        yield
-    time.tzset()
+pytestmark = pytest.mark.usefixtures("utc")
 
 
 @pytest.mark.parametrize("view", VIEWS, ids=[v.name for v in VIEWS])

@@ -131,6 +131,11 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
     finally:
         printing.cancel()
         sub.close()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
-            loop.remove_signal_handler(sig)
-        await pipeline.close()
+        try:
+            # The handlers stay until the pipeline is closed: a second Ctrl-C that lands after the drain
+            # ended, while token files and reports are still being finished, is answered like any other,
+            # not with Python's KeyboardInterrupt in the middle of writing them (and a traceback, exit 1).
+            await pipeline.close()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+                loop.remove_signal_handler(sig)
