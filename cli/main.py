@@ -43,7 +43,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 
 
 def cmd_tokens(args: argparse.Namespace) -> int:
-    from draftgen.core.tokens.workers import tokens_command
+    from draftgen.core.tokens.command import tokens_command
     return tokens_command(_config(args.config))
 
 

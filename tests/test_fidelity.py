@@ -21,7 +21,8 @@ from draftgen.core.tokens.reconstruct import reconstruct_record
 from draftgen.core.tokens.store import TokenReader
 from draftgen.core.tokens.template import load_template
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
-from draftgen.core.tokens.workers import provider_flags, reconstruct_dataset, tokens_command
+from draftgen.core.tokens.command import tokens_command
+from draftgen.core.tokens.workers import provider_flags, reconstruct_dataset
 
 from .helpers import TEST_KEY, make_config
 
