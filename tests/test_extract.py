@@ -50,7 +50,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def hf_model(model_dir: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from draftgen.core.extract.hf_backend import _dtype_kwarg  # `torch_dtype` before transformers 4.56
+    return AutoModelForCausalLM.from_pretrained(model_dir, **{_dtype_kwarg(): torch.float32}).eval()
 
 
 def make_samples(seed: int = 1, n: int = N_SAMPLES) -> list[tuple[np.ndarray, np.ndarray]]:
