@@ -265,7 +265,7 @@ def test_the_readme_example_report_is_the_report_format():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     block = readme[readme.index("## Fidelity to what the model saw"):readme.index("## Rehearse for free")]
     from draftgen.core.tokens.fidelity import Agreement
-    from draftgen.core.tokens.reconstruct import format_providers
+    from draftgen.core.tokens.report import format_providers
     header = format_providers({"x": Agreement({0: 1}, 10, {0: 1})}).splitlines()
     assert header[0] in block and header[1] in block  # the caption, as format() prints it
     assert "    provider    answers   exact  mean|Δ|  p99|Δ|  prompt  mean|Δ|  p99|Δ|  ids=" in block

@@ -44,6 +44,10 @@ def smoke_status(config: Config) -> tuple[bool, str]:
 
 
 class Pipeline:
+    """The run as the views see it: every stage (smoke, generation, tokens, merge, extract) driven from
+    one place, the snapshot they read, and the control surface they call. A little over 250 lines:
+    it is that surface, one short method per command, and splitting it would hand the views two."""
+
     read_only = False
 
     def __init__(self, config: Config, api_key: str, *, skip_smoke: bool = False,

@@ -8,7 +8,8 @@ from typing import Any
 from draftgen.core.config import Config
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.rundir import RunDir
-from draftgen.core.tokens.reconstruct import CHECKS, PROVIDER_CAPTION, PROVIDER_COLUMNS, ValidationReport, provider_rows
+from draftgen.core.tokens.reconstruct import CHECKS
+from draftgen.core.tokens.report import PROVIDER_CAPTION, PROVIDER_COLUMNS, ValidationReport, provider_rows
 from draftgen.core.tokens.workers import REPORT_FILE, cores, provider_flags, reconstruct_dataset, worker_pool
 
 

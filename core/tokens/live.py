@@ -19,7 +19,7 @@ from draftgen.core.config import Config
 from draftgen.core.live.snapshot import ProviderFidelity, StageProgress, StageState
 from draftgen.core.merge.policy import SamplePolicy
 from draftgen.core.rundir import RunDir
-from draftgen.core.tokens.reconstruct import ValidationReport
+from draftgen.core.tokens.report import ValidationReport
 from draftgen.core.tokens.store import TokenWriter
 from draftgen.core.tokens.workers import (
     BATCH_ANSWERS, BATCH_CHARS, LockedWriter, Result, TokenRate, WorkerSpec, check_dataset, cores, index_report,

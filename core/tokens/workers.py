@@ -36,7 +36,8 @@ from draftgen.core.merge.policy import SamplePolicy
 from draftgen.core.progress import ProgressCallback, Throttle
 from draftgen.core.rundir import RunDir, iter_jsonl, read_line_at
 from draftgen.core.tokens.fidelity import ProviderFlag
-from draftgen.core.tokens.reconstruct import DEFAULT_COUNT_TOLERANCE, ValidationReport, reconstruct_record, unrenderable
+from draftgen.core.tokens.reconstruct import DEFAULT_COUNT_TOLERANCE, reconstruct_record, unrenderable
+from draftgen.core.tokens.report import ValidationReport
 from draftgen.core.tokens.template import ChatTemplate, load_template
 from draftgen.core.tokens.tokenizer import Tokenizer, load_tokenizer
 from draftgen.core.tokens.store import INDEX_FILE, TokenWriter
