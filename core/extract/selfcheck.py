@@ -41,7 +41,7 @@ from draftgen.core.config import Config, ExtractConfig, config_from_dict
 from draftgen.core.extract import layout
 from draftgen.core.extract.backend import make_backend
 from draftgen.core.extract.model_info import ModelDims, read_model_dims, resolve_aux_layers
-from draftgen.core.extract.units import fmt_bytes
+from draftgen.core.units import fmt_bytes
 
 DEFAULT_LONG_TOKENS = 16_384
 SHORT_LENGTHS = (300, 64, 17, 3)  # the rest of the mixed batch, cut to below the long sample

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from draftgen.core.errors import ConfigError, DraftgenError
-from draftgen.core.extract.units import fmt_bytes
+from draftgen.core.units import fmt_bytes
 
 DIST_TIMEOUT_MIN = 120  # loading a 1T-parameter checkpoint can keep some ranks waiting a long time
 SHM_PATH = Path("/dev/shm")
