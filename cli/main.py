@@ -64,6 +64,17 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return extract_command(_config(args.config), args.shard)
 
 
+def cmd_prompts_build(args: argparse.Namespace) -> int:
+    from draftgen.core.promptsets.command import BuildRequest, build_command
+    return build_command(BuildRequest(
+        sources=args.sources, out_dir=Path(args.out), config=None if args.no_config else Path(args.config),
+        preset=args.preset, mapping=args.map, turns=args.turns, n=args.n, seed=args.seed, languages=args.language,
+        min_tokens=args.min_tokens, max_tokens=args.max_tokens, split=args.split, short=args.short,
+        long=args.long, tokenizer=args.tokenizer, template=args.template, price_in=args.price_in,
+        price_out=args.price_out, model=args.model, output_dir=args.output_dir, download=args.download,
+        subset=args.subset, force=args.force))
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from draftgen.core.simulator.cli import run
     return run(args)
@@ -107,6 +118,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check the configured backend end to end on tiny random models first (minutes)")
     p.add_argument("--long-tokens", type=int, default=16384, metavar="N",
                    help="--self-check: length of its long sample (default 16384)")
+    p = add("prompts", lambda a: 0, "prompt files from datasets on disk (parquet, arrow, JSON, saved or cached)")
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    b = verbs.add_parser("build", help="sample, dedupe, measure and split datasets into prompt files and "
+                         "[[datasets]] entries", description="Build prompt files from local datasets: "
+                         "SOURCE is [NAME=]PATH_OR_HUB_ID[:SPLIT] (a save_to_disk folder, a .parquet/.arrow/"
+                         ".json/.jsonl file, a folder of data files, or a dataset in the local Hugging Face cache).")
+    b.set_defaults(fn=cmd_prompts_build)
+    b.add_argument("sources", nargs="+", metavar="SOURCE")
+    b.add_argument("--out", default="prompts", help="folder for the prompt files (default ./prompts)")
+    b.add_argument("--config", default="draftgen.toml", help="config to add [[datasets]] to; started if absent "
+                   "(default ./draftgen.toml)")
+    b.add_argument("--no-config", action="store_true", help="write the prompt files only")
+    b.add_argument("--preset", choices=("auto", "sharegpt", "openai", "instruction", "text"), default="auto",
+                   help="row layout (default: detected from the columns)")
+    b.add_argument("--map", help="explicit columns: prompt=COL[,input=COL][,system=COL] or messages=COL or "
+                   "conversations=COL")
+    b.add_argument("--turns", choices=("first", "last"), default="first",
+                   help="conversations: the first user turn (default) or everything up to the last one")
+    b.add_argument("-n", type=int, help="prompts per source (default: all usable rows)")
+    b.add_argument("--seed", type=int, default=42, help="sampling seed (default 42)")
+    b.add_argument("--language", help="keep these languages, e.g. en or en,zh (a language column, else the script)")
+    b.add_argument("--min-tokens", type=int, help="drop prompts shorter than this (target tokenizer)")
+    b.add_argument("--max-tokens", type=int, help="drop prompts longer than this (target tokenizer)")
+    b.add_argument("--split", default="auto", help="short/long threshold in prompt tokens: auto (suggested), "
+                   "off, or a number")
+    b.add_argument("--short", help="short class CONCURRENCY/MAX_TOKENS (default 2000/10240)")
+    b.add_argument("--long", help="long class CONCURRENCY/MAX_TOKENS (default 500/16384)")
+    b.add_argument("--tokenizer", help="target tokenizer folder or cached HF id (default: the config's, "
+                   "else moonshotai/Kimi-K2.5)")
+    b.add_argument("--template", choices=("kimi-k2.5", "auto"), help="chat template (default: the config's)")
+    b.add_argument("--price-in", type=float, help="USD per million prompt tokens, for the cost estimate")
+    b.add_argument("--price-out", type=float, help="USD per million completion tokens, for the cost estimate")
+    b.add_argument("--model", default="moonshotai/kimi-k2.5", help="api.model of a config started here")
+    b.add_argument("--output-dir", help="output.dir of a config started here (default runs/<config name>)")
+    b.add_argument("--download", action="store_true", help="allow downloading a Hub dataset not in the cache")
+    b.add_argument("--subset", help="the dataset's configuration (subset) name, for a folder or Hub id")
+    b.add_argument("--force", action="store_true", help="overwrite prompt files already in --out")
     p = add("simulate", cmd_simulate, "serve a local OpenRouter-compatible API to rehearse against")
     try:
         from draftgen.core.simulator.cli import add_arguments

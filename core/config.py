@@ -227,6 +227,21 @@ class Config:
         return out
 
 
+def toml_value(value: Any) -> str:
+    """One TOML value: strings as basic strings (JSON escapes are TOML escapes), lists, inline tables."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (str, Path)):
+        return orjson.dumps(str(value)).decode()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{orjson.dumps(str(k)).decode()} = {toml_value(x)}" for k, x in value.items()) + "}"
+    if isinstance(value, (int, float)):
+        return repr(value)  # TOML spells nan and inf as Python does
+    raise TypeError(f"no TOML for {type(value).__name__}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading and validation
 

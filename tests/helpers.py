@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from draftgen.core.config import Config, load_config
+from draftgen.core.config import Config, load_config, toml_value
 
 if TYPE_CHECKING:
     import aiohttp
@@ -27,18 +27,6 @@ def write_prompts(path: Path, n: int, prefix: str = "q", start: int = 0) -> Path
     return path
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return orjson.dumps(v).decode()
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    return repr(v)
-
-
 def make_config(tmp_path: Path, base_url: str, datasets: list[dict[str, Any]], *,
                 tables: dict[str, dict[str, Any]] | None = None, request: dict[str, Any] | None = None,
                 key_env: str = "DG_TEST_KEY") -> Config:
@@ -46,15 +34,15 @@ def make_config(tmp_path: Path, base_url: str, datasets: list[dict[str, Any]], *
     api = {"base_url": base_url, "api_key_env": key_env, "model": "moonshotai/kimi-k2.5",
            "request_timeout_s": 20, "connect_timeout_s": 5, **(tables or {}).get("api", {})}
     engine = {"backoff_base_s": 0.01, "backoff_max_s": 0.2, "snapshot_hz": 10, **(tables or {}).get("engine", {})}
-    lines = ["[api]"] + [f"{k} = {_toml_value(v)}" for k, v in api.items()]
+    lines = ["[api]"] + [f"{k} = {toml_value(v)}" for k, v in api.items()]
     lines += ["", "[request]"]
     for k, v in (request if request is not None else {"temperature": 0.6, "include_reasoning": True}).items():
-        lines.append(f"{k} = {_toml_value(v)}")
-    lines += ["", "[engine]"] + [f"{k} = {_toml_value(v)}" for k, v in engine.items()]
+        lines.append(f"{k} = {toml_value(v)}")
+    lines += ["", "[engine]"] + [f"{k} = {toml_value(v)}" for k, v in engine.items()]
     for table, values in (tables or {}).items():
         if table in ("api", "engine"):
             continue
-        lines += ["", f"[{table}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines += ["", f"[{table}]"] + [f"{k} = {toml_value(v)}" for k, v in values.items()]
     if "output" not in (tables or {}):
         lines += ["", "[output]", "dir = \"run\""]
     for ds in datasets:
@@ -63,7 +51,7 @@ def make_config(tmp_path: Path, base_url: str, datasets: list[dict[str, Any]], *
         if n is not None and "prompts" not in ds:
             ds["prompts"] = f"prompts/{ds['name']}.jsonl"
             write_prompts(tmp_path / ds["prompts"], n, prefix=f"{ds['name']}-")
-        lines += ["", "[[datasets]]"] + [f"{k} = {_toml_value(v)}" for k, v in ds.items()]
+        lines += ["", "[[datasets]]"] + [f"{k} = {toml_value(v)}" for k, v in ds.items()]
     path = tmp_path / "draftgen.toml"
     path.write_text("\n".join(lines) + "\n")
     return load_config(path)

@@ -66,15 +66,17 @@ def _text(content: Any, where: str) -> str:
     raise ValueError(f"{where} content must be a string (or text parts)")
 
 
-def _turns(raw: Any, key: str) -> list[dict[str, str]]:
+def parse_turns(raw: Any, key: str) -> list[dict[str, str]]:
+    """A `messages`/`conversations` list as role/content turns (roles normalised), or ValueError."""
     if not isinstance(raw, list) or not raw:
         raise ValueError(f"`{key}` must be a non-empty list")
     turns = []
     for i, turn in enumerate(raw):
         if not isinstance(turn, dict):
             raise ValueError(f"{key}[{i}] must be an object")
-        role = turn.get("role", turn.get("from"))
-        content = turn.get("content", turn.get("value"))
+        # An Arrow struct column holds every key seen in the column, absent ones as null.
+        role = turn.get("role") if turn.get("role") is not None else turn.get("from")
+        content = turn.get("content") if turn.get("content") is not None else turn.get("value")
         norm = _ROLE_ALIASES.get(role) if isinstance(role, str) else None
         if norm is None:
             raise ValueError(f"{key}[{i}] has an unknown role {role!r}")
@@ -95,12 +97,12 @@ def parse_prompt(obj: Any) -> tuple[str, list[dict[str, str]]]:
             raise ValueError("`prompt` must be a non-empty string")
         return pid, [{"role": "user", "content": obj["prompt"]}]
     if "messages" in obj:
-        messages = _turns(obj["messages"], "messages")
+        messages = parse_turns(obj["messages"], "messages")
         if messages[-1]["role"] != "user":
             raise ValueError("the last message must be from the user")
         return pid, messages
     if "conversations" in obj:
-        turns = _turns(obj["conversations"], "conversations")
+        turns = parse_turns(obj["conversations"], "conversations")
         last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=-1)
         if last_user < 0:
             raise ValueError("`conversations` has no user turn")

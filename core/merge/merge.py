@@ -1,5 +1,8 @@
 """Merge: every dataset's clean samples into one deduplicated, shuffled training set.
 
+Deduplicated by prompt: the first clean sample of each core/dedupe.py `prompt_key` (roles and
+normalised text of the prompt messages) is kept, in config order.
+
 Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed into place):
 
     train.jsonl   one sample a line, SpecForge's conversation schema:
@@ -38,7 +41,8 @@ from draftgen.core.files import disk_error
 from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef, complete_lines
 from draftgen.core.merge.policy import NOTES, SamplePolicy
-from draftgen.core.merge.specforge import has_tool_calls, prompt_key, specforge_record, text_of
+from draftgen.core.dedupe import message_text, prompt_key
+from draftgen.core.merge.specforge import has_tool_calls, specforge_record
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
 from draftgen.core.progress import ProgressCallback, Throttle, every
 from draftgen.core.records import Usage
@@ -130,7 +134,7 @@ def _drop_reason(record: dict[str, Any], ref: TokenRef | None,
     """(the reason a sample is dropped or None, what a kept one differed in)."""
     if record.get("truncated") or record.get("finish_reason") == "length" or (ref is not None and ref.truncated):
         return "truncated", ()
-    if record.get("empty_content") or not text_of(record.get("content")):
+    if record.get("empty_content") or not message_text(record.get("content")):
         return "empty", ()
     if ref is None:
         return "not_reconstructed", ()
@@ -303,7 +307,7 @@ def _classify(line: bytes, refs: dict[str, TokenRef], seen: set[bytes], kept_ids
     if reason is not None:
         return reason, ref, b"", False
     messages = record.get("messages")
-    key = prompt_key(messages)
+    key = prompt_key(messages)  # normalised text: the same notion of duplicate as `prompts build` and `run`
     if key in seen or sample_id in kept_ids:
         return "duplicate", ref, key, False
     kept_ids.add(sample_id)

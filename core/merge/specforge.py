@@ -27,30 +27,13 @@ with its own template may differ from them (e.g. it adds a default system prompt
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
-import orjson
-
-
-def prompt_key(messages: Any) -> bytes:
-    """Dedupe key: a hash of everything sent (the prompt messages) in canonical JSON."""
-    return hashlib.blake2b(orjson.dumps(messages, option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
-
-
-def text_of(content: Any) -> str:
-    """A message's content as one string (OpenAI content parts joined; None is empty)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    return str(content)
+from draftgen.core.dedupe import message_text
 
 
 def _turn(message: dict[str, Any]) -> dict[str, Any]:
-    turn: dict[str, Any] = {"role": str(message.get("role", "")), "content": text_of(message.get("content"))}
+    turn: dict[str, Any] = {"role": str(message.get("role", "")), "content": message_text(message.get("content"))}
     if message.get("tool_calls"):
         turn["tool_calls"] = message["tool_calls"]  # SpecForge keeps tool_calls on a turn
     return turn
@@ -68,8 +51,8 @@ def specforge_record(sample_id: str, response: dict[str, Any], *, tool_calls_key
     conversations = [_turn(m) for m in response.get("messages") or () if isinstance(m, dict)]
     if system is not None and not (conversations and conversations[0]["role"] == "system"):
         conversations.insert(0, {"role": "system", "content": system})
-    answer: dict[str, Any] = {"role": "assistant", "content": text_of(response.get("content")),
-                              "reasoning_content": text_of(response.get("reasoning"))}
+    answer: dict[str, Any] = {"role": "assistant", "content": message_text(response.get("content")),
+                              "reasoning_content": message_text(response.get("reasoning"))}
     if tool_calls_key or response.get("tool_calls"):
         answer["tool_calls"] = response.get("tool_calls") or []
     conversations.append(answer)

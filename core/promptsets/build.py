@@ -1,0 +1,223 @@
+"""Build prompt files: open each source, map rows to prompts, filter, dedupe, sample, measure, split.
+
+Per source, rows are visited in a seeded random order (`random.Random(f"{seed}:{name}")`, so adding
+a source never changes another's sample) until N prompts are kept. A row is dropped, with the
+reason counted, when it cannot be mapped, is in another language, is a duplicate, or is outside
+the length bounds. Duplicates are checked against everything kept so far in this build and against
+the prompt files already listed in the target config (core/dedupe.py: exact, then normalised text).
+
+Ids are `NAME:SPLIT:ROW` (ROW the row's index in the split): the same source gives the same ids on
+every build, whatever N or the seed, so a rebuilt file resumes a run instead of redoing it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+
+from draftgen.core import dedupe
+from draftgen.core.errors import DraftgenError
+from draftgen.core.generate.prompts import Prompt, read_prompts
+from draftgen.core.promptsets import language, presets
+from draftgen.core.promptsets.sources import Source, SourceSpec, open_source
+from draftgen.core.promptsets.split import LONG, SHORT, ClassSettings, suggest_threshold
+
+DROP_REASONS = ("unusable", "language", "duplicate_exact", "duplicate_normalised", "too_short", "too_long")
+
+
+class BuildError(DraftgenError):
+    """Options that cannot give prompt files (a clash of names, files in the way)."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    sources: Sequence[SourceSpec]
+    out_dir: Path
+    tokenizer: Any                               # core.tokens.tokenizer.Tokenizer
+    template: Any                                # core.tokens.template.ChatTemplate
+    preset: str | None = None                    # None/"auto": detected from the columns
+    mapping: dict[str, str] | None = None
+    turns: Literal["first", "last"] = "first"
+    n: int | None = None                         # per source; None: every usable row
+    seed: int = 42
+    languages: frozenset[str] | None = None
+    min_tokens: int | None = None
+    max_tokens: int | None = None
+    split: int | Literal["auto", "off"] = "auto"
+    short: ClassSettings = SHORT
+    long: ClassSettings = LONG
+    download: bool = False
+    subset: str | None = None
+    existing: Sequence[Path] = ()                # prompt files already in the config: dedupe against them
+    force: bool = False                          # overwrite prompt files already in out_dir
+
+
+@dataclass
+class SourceStats:
+    name: str
+    origin: str
+    split: str
+    mapping: str
+    rows: int
+    kept: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    example_unusable: str | None = None  # the first reason a row could not be used
+
+
+@dataclass(frozen=True)
+class Kept:
+    id: str
+    messages: list[dict[str, str]]
+    tokens: int
+
+
+@dataclass(frozen=True)
+class DatasetOut:
+    """One prompt file written, and the `[[datasets]]` entry it gets."""
+
+    name: str
+    path: Path
+    source: str
+    length_class: Literal["all", "short", "long"]
+    settings: ClassSettings
+    prompts: int
+    prompt_tokens: int
+
+
+@dataclass
+class BuildResult:
+    sources: list[SourceStats]
+    datasets: list[DatasetOut]
+    lengths: list[int]
+    threshold: int | None
+    suggested: int | None
+
+
+def prompt_tokens(tok: Any, template: Any, messages: list[dict[str, Any]]) -> int:
+    """Prompt tokens as the target sees them: the chat template through the generation prompt."""
+    from draftgen.core.tokens.reconstruct import encode_segments
+    return len(encode_segments(tok, template.render(messages, None, "").prompt))
+
+
+def seen_keys(paths: Iterable[Path]) -> tuple[set[bytes], set[bytes]]:
+    """Exact and normalised keys of the prompts in existing prompt files."""
+    exact: set[bytes] = set()
+    norm: set[bytes] = set()
+    for path in paths:
+        if not path.exists():
+            continue
+        for item in read_prompts(path):
+            if isinstance(item, Prompt):
+                exact.add(dedupe.exact_key(item.messages))
+                norm.add(dedupe.prompt_key(item.messages))
+    return exact, norm
+
+
+def _select(source: Source, opts: BuildOptions, stats: SourceStats, exact: set[bytes],
+            norm: set[bytes]) -> list[Kept]:
+    mapping = presets.resolve(source.columns, preset=opts.preset, mapping=opts.mapping, turns=opts.turns,
+                              label=source.spec.where)
+    stats.mapping = mapping.describe()
+    order = list(range(len(source)))
+    random.Random(f"{opts.seed}:{source.name}").shuffle(order)
+    kept: list[Kept] = []
+    for index, row in source.rows(order):
+        if opts.n is not None and len(kept) >= opts.n:
+            break
+        try:
+            messages = presets.to_messages(row, mapping)
+        except ValueError as e:
+            stats.dropped["unusable"] += 1
+            stats.example_unusable = stats.example_unusable or f"row {index}: {e}"
+            continue
+        if opts.languages and not language.matches(
+                row, "\n".join(m["content"] for m in messages), opts.languages):
+            stats.dropped["language"] += 1
+            continue
+        ek, nk = dedupe.exact_key(messages), dedupe.prompt_key(messages)
+        if ek in exact:
+            stats.dropped["duplicate_exact"] += 1
+            continue
+        if nk in norm:
+            stats.dropped["duplicate_normalised"] += 1
+            continue
+        try:
+            tokens = prompt_tokens(opts.tokenizer, opts.template, messages)
+        except DraftgenError as e:  # a prompt the template cannot render would fail at run time too
+            stats.dropped["unusable"] += 1
+            stats.example_unusable = stats.example_unusable or f"row {index}: {e}"
+            continue
+        if opts.min_tokens is not None and tokens < opts.min_tokens:
+            stats.dropped["too_short"] += 1
+            continue
+        if opts.max_tokens is not None and tokens > opts.max_tokens:
+            stats.dropped["too_long"] += 1
+            continue
+        exact.add(ek)
+        norm.add(nk)
+        kept.append(Kept(f"{source.name}:{source.split}:{index}", messages, tokens))
+    kept.sort(key=lambda k: int(k.id.rsplit(":", 1)[1]))  # file order follows the dataset, not the draw
+    stats.kept = len(kept)
+    return kept
+
+
+def _write_jsonl(path: Path, prompts: Sequence[Kept]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            for k in prompts:
+                f.write(orjson.dumps({"id": k.id, "messages": k.messages}) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def build(opts: BuildOptions, on_source: Callable[[SourceStats], None] | None = None) -> BuildResult:
+    """Select, measure and split every source; write the prompt files; say what was kept and dropped."""
+    names = [s.name for s in opts.sources]
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise BuildError(f"two sources are named {twice!r}: name them with NAME=PATH")
+    exact, norm = seen_keys(opts.existing)
+    selected: list[tuple[SourceStats, list[Kept]]] = []
+    for spec in opts.sources:
+        source = open_source(spec, download=opts.download, subset=opts.subset)
+        stats = SourceStats(spec.name, source.origin, source.split, "", len(source))
+        selected.append((stats, _select(source, opts, stats, exact, norm)))
+        if on_source is not None:
+            on_source(stats)
+    lengths = [k.tokens for _, kept in selected for k in kept]
+    suggested = suggest_threshold(lengths)
+    threshold = None if opts.split == "off" else (suggested if opts.split == "auto" else int(opts.split))
+
+    plan: list[tuple[DatasetOut, list[Kept]]] = []
+    for stats, kept in selected:
+        if threshold is None:
+            groups = [("all", stats.name, kept, opts.short)]
+        else:
+            groups = [("short", f"{stats.name}_short", [k for k in kept if k.tokens < threshold], opts.short),
+                      ("long", f"{stats.name}_long", [k for k in kept if k.tokens >= threshold], opts.long)]
+        for cls, name, group, settings in groups:
+            if not group:
+                continue
+            path = opts.out_dir / f"{name}.jsonl"
+            plan.append((DatasetOut(name, path, stats.name, cls, settings, len(group),
+                                    sum(k.tokens for k in group)), group))
+    in_the_way = [out.path for out, _ in plan if out.path.exists()]
+    if in_the_way and not opts.force:
+        raise BuildError(f"{in_the_way[0]}: already exists (pass --force to overwrite"
+                         f"{f', {len(in_the_way) - 1} more' if len(in_the_way) > 1 else ''})")
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    for out, group in plan:
+        _write_jsonl(out.path, group)
+    return BuildResult([s for s, _ in selected], [out for out, _ in plan], lengths, threshold, suggested)

@@ -1,0 +1,331 @@
+"""`draftgen prompts build`: real parquet, arrow, save_to_disk and JSONL files made here, read through
+the `datasets` library, measured with the bundled Kimi tokenizer, written, and loaded back."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+datasets = pytest.importorskip("datasets")
+
+from draftgen.cli.main import main  # noqa: E402
+from draftgen.core import dedupe  # noqa: E402
+from draftgen.core.config import load_config  # noqa: E402
+from draftgen.core.generate.prompts import Prompt, read_prompts  # noqa: E402
+from draftgen.core.promptsets import presets  # noqa: E402
+from draftgen.core.promptsets.build import BuildError, BuildOptions, build, prompt_tokens  # noqa: E402
+from draftgen.core.promptsets.sources import SourceError, open_source, parse_source  # noqa: E402
+from draftgen.core.promptsets.split import suggest_threshold  # noqa: E402
+from draftgen.core.tokens.template import load_template  # noqa: E402
+from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The datasets library's arrow cache goes to the test's folder, never the user's.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets-cache"))
+
+
+def _sharegpt(i: int) -> dict:
+    return {"conversations": [{"from": "system", "value": "Be brief."},
+                              {"from": "human", "value": f"What is {i} squared?"},
+                              {"from": "gpt", "value": f"{i * i} (the dataset's own answer)"},
+                              {"from": "human", "value": "And cubed?"},
+                              {"from": "gpt", "value": "another answer"}]}
+
+
+def _openai(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"Write a haiku about the number {i}."},
+                         {"role": "assistant", "content": "old answer"}], "source": "x"}
+
+
+def _alpaca(i: int) -> dict:
+    return {"instruction": f"Translate sentence {i} to French.", "input": "" if i % 2 else f"The cat {i}.",
+            "output": "Le chat."}
+
+
+def make_parquet(tmp: Path, rows: list[dict], name: str = "chat.parquet") -> Path:
+    path = tmp / name
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return path
+
+
+def make_arrow(tmp: Path, rows: list[dict], name: str = "msgs") -> Path:
+    """A plain .arrow file (the stream format datasets writes), taken out of a save_to_disk folder."""
+    folder = tmp / f"{name}-saved"
+    datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+    (arrow,) = folder.glob("*.arrow")
+    path = tmp / f"{name}.arrow"
+    arrow.rename(path)
+    return path
+
+
+def make_saved(tmp: Path, rows: list[dict], name: str = "alpaca") -> Path:
+    folder = tmp / name
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(folder))
+    return folder
+
+
+def make_jsonl(tmp: Path, rows: list[dict], name: str = "plain.jsonl") -> Path:
+    path = tmp / name
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return path
+
+
+def _opts(tmp: Path, sources: list[str], **kw) -> BuildOptions:
+    tok = bundled_kimi()
+    kw.setdefault("out_dir", tmp / "prompts")
+    return BuildOptions(sources=[parse_source(s) for s in sources], tokenizer=tok,
+                        template=load_template("kimi-k2.5", tok), **kw)
+
+
+def _read(path: Path) -> list[Prompt]:
+    items = list(read_prompts(path))
+    assert all(isinstance(p, Prompt) for p in items), items  # every written line is a usable prompt
+    return items  # type: ignore[return-value]
+
+
+def test_each_preset_keeps_only_the_prompt_side(tmp_path: Path) -> None:
+    sources = [str(make_parquet(tmp_path, [_sharegpt(i) for i in range(6)])),
+               str(make_arrow(tmp_path, [_openai(i) for i in range(5)])),
+               str(make_saved(tmp_path, [_alpaca(i) for i in range(4)])),
+               str(make_jsonl(tmp_path, [{"question": f"Why is the sky blue, take {i}?", "answer": "Rayleigh"}
+                                         for i in range(3)]))]
+    result = build(_opts(tmp_path, sources, split="off"))
+    by_name = {d.name: _read(d.path) for d in result.datasets}
+    assert {s.name: s.mapping for s in result.sources} == {
+        "chat": "conversations(conversations)", "msgs": "conversations(messages)",
+        "alpaca": "instruction(instruction, input=input)", "plain": "text(question)"}
+
+    chat = by_name["chat"]
+    assert len(chat) == 6
+    # sharegpt: the system turn and the first human turn; every gpt turn (the dataset's answers) dropped
+    assert chat[2].messages == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "What is 2 squared?"}]
+    assert [p.messages for p in by_name["msgs"]][3] == [{"role": "user", "content": "Write a haiku about the number 3."}]
+    alpaca = {p.id: p.messages[0]["content"] for p in by_name["alpaca"]}
+    assert alpaca["alpaca:train:0"] == "Translate sentence 0 to French.\n\nThe cat 0."
+    assert alpaca["alpaca:train:1"] == "Translate sentence 1 to French."  # empty input: no blank line
+    assert [p.messages for p in by_name["plain"]][0] == [{"role": "user", "content": "Why is the sky blue, take 0?"}]
+    for prompts in by_name.values():
+        assert all(m["role"] != "assistant" for p in prompts for m in p.messages)
+
+
+def test_turns_last_keeps_history_up_to_the_last_user_turn(tmp_path: Path) -> None:
+    src = str(make_parquet(tmp_path, [_sharegpt(i) for i in range(2)]))
+    result = build(_opts(tmp_path, [src], split="off", turns="last"))
+    messages = _read(result.datasets[0].path)[0].messages
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[-1]["content"] == "And cubed?"
+
+
+def test_explicit_mapping(tmp_path: Path) -> None:
+    rows = [{"q": f"Prove lemma {i}.", "ctx": f"Context {i}.", "persona": "You are a mathematician.",
+             "solution": "QED"} for i in range(4)]
+    src = str(make_jsonl(tmp_path, rows, "lemmas.jsonl"))
+    mapping = presets.parse_mapping("prompt=q,input=ctx,system=persona")
+    result = build(_opts(tmp_path, [src], split="off", mapping=mapping))
+    first = _read(result.datasets[0].path)[0]
+    assert first.id == "lemmas:train:0"
+    assert first.messages == [{"role": "system", "content": "You are a mathematician."},
+                              {"role": "user", "content": "Prove lemma 0.\n\nContext 0."}]
+    with pytest.raises(presets.MappingError, match="no column 'nope'.*columns: q, ctx, persona, solution"):
+        build(_opts(tmp_path, [src], split="off", mapping={"prompt": "nope"}, out_dir=tmp_path / "x"))
+    with pytest.raises(presets.MappingError, match="unknown key 'answer'"):
+        presets.parse_mapping("answer=solution")
+
+
+def test_ids_are_stable_across_runs_and_sample_sizes(tmp_path: Path) -> None:
+    src = str(make_parquet(tmp_path, [_sharegpt(i) for i in range(200)]))
+
+    def ids(out: str, n: int, seed: int = 7) -> dict[str, list]:
+        result = build(_opts(tmp_path, [src], split="off", n=n, seed=seed, out_dir=tmp_path / out))
+        return {p.id: p.messages for p in _read(result.datasets[0].path)}
+
+    first, again = ids("a", 50), ids("b", 50)
+    assert first == again and len(first) == 50
+    bigger = ids("c", 80)
+    assert set(first) < set(bigger)  # a larger sample with the same seed extends the smaller one
+    for pid, messages in first.items():  # an id always names the same row, whatever the sample
+        row = int(pid.rsplit(":", 1)[1])
+        assert messages[1]["content"] == f"What is {row} squared?"
+    assert set(ids("d", 50, seed=8)) != set(first)  # the seed chooses the sample
+
+
+def test_duplicates_within_and_across_sources_and_existing_files(tmp_path: Path) -> None:
+    a = [{"prompt": "Explain recursion."}, {"prompt": "Explain recursion."},            # exact duplicate
+         {"prompt": "  EXPLAIN   recursion. "},                                          # same normalised text
+         {"prompt": "Ｅｘｐｌａｉｎ recursion."},                                           # full-width: NFKC
+         {"prompt": "Explain iteration."}]
+    b = [{"prompt": "explain ITERATION."}, {"prompt": "What is a monad?"}]
+    existing = make_jsonl(tmp_path, [{"id": "old-1", "prompt": "What is a   monad?"}], "old.jsonl")
+    sa, sb = make_jsonl(tmp_path, a, "a.jsonl"), make_jsonl(tmp_path, b, "b.jsonl")
+    result = build(_opts(tmp_path, [str(sa), str(sb)], split="off", existing=[existing]))
+    stats = {s.name: s for s in result.sources}
+    assert stats["a"].kept == 2 and stats["b"].kept == 0
+    assert stats["a"].dropped["duplicate_exact"] + stats["a"].dropped["duplicate_normalised"] == 3
+    assert stats["b"].dropped["duplicate_normalised"] == 2  # one across sources, one against old.jsonl
+    assert [d.name for d in result.datasets] == ["a"]
+    kept = [p.messages for p in _read(result.datasets[0].path)]
+    assert len({dedupe.prompt_key(m) for m in kept}) == 2
+
+
+def test_the_normalised_key_keeps_roles_apart() -> None:
+    user = [{"role": "user", "content": "Hello there"}]
+    assert dedupe.prompt_key(user) == dedupe.prompt_key([{"role": "user", "content": " hello\n\tTHERE "}])
+    assert dedupe.prompt_key(user) != dedupe.prompt_key([{"role": "system", "content": "Hello there"},
+                                                          {"role": "user", "content": ""}])
+    assert dedupe.prompt_key(user) != dedupe.prompt_key([{"role": "user", "content": "Hello, there"}])
+    assert dedupe.exact_key(user) != dedupe.exact_key([{"role": "user", "content": "hello there"}])
+
+
+def test_suggested_threshold_separates_two_groups() -> None:
+    short = [40 + i % 30 for i in range(300)]
+    long = [3000 + 50 * (i % 40) for i in range(60)]
+    cut = suggest_threshold(short + long)
+    assert cut is not None and max(short) < cut <= min(long)
+    assert cut == 450  # Otsu on log2: midway between 69 and 3,000 is 455, rounded down to 2 digits
+    assert suggest_threshold([100] * 10) is None
+    assert suggest_threshold([]) is None
+
+
+def test_split_writes_two_classes_and_a_config_the_loader_reads(tmp_path: Path) -> None:
+    rows = [{"prompt": f"Short question {i}?"} for i in range(30)]
+    rows += [{"prompt": f"Long document {i}: " + " ".join(f"sentence {k} of the text." for k in range(150))}
+             for i in range(10)]
+    src = make_jsonl(tmp_path, rows, "mix.jsonl")
+    config = tmp_path / "job.toml"
+    rc = main(["prompts", "build", f"{src}", "--out", str(tmp_path / "prompts"), "--config", str(config),
+               "--tokenizer", str(bundled_kimi_path()), "--price-in", "0.6", "--price-out", "2.5"])
+    assert rc == 0
+    cfg = load_config(config)
+    by_name = {d.name: d for d in cfg.datasets}
+    assert set(by_name) == {"mix_short", "mix_long"}
+    assert (by_name["mix_short"].concurrency, by_name["mix_short"].max_tokens) == (2000, 10240)
+    assert (by_name["mix_long"].concurrency, by_name["mix_long"].max_tokens) == (500, 16384)
+    short, long = _read(by_name["mix_short"].prompts), _read(by_name["mix_long"].prompts)
+    assert (len(short), len(long)) == (30, 10)
+    tok = bundled_kimi()
+    template = load_template("kimi-k2.5", tok)
+    text = config.read_text()
+    threshold = int(text.split("split at ")[1].split(" prompt tokens")[0].replace(",", ""))
+    assert max(prompt_tokens(tok, template, p.messages) for p in short) < threshold
+    assert min(prompt_tokens(tok, template, p.messages) for p in long) >= threshold
+    # The cost in the comment: prompt tokens at $0.6/M plus 30 answers of 10,240/2 tokens at $2.5/M.
+    short_tokens = sum(prompt_tokens(tok, template, p.messages) for p in short)
+    expected = short_tokens * 0.6e-6 + 30 * 5120 * 2.5e-6
+    assert f"# 30 prompts (short) from mix, {short_tokens:,} prompt tokens; estimated ${expected:,.2f}" in text
+    assert Path(cfg.tokenizer.path).resolve() == bundled_kimi_path().resolve()
+    assert 'prompts = "prompts/mix_short.jsonl"' in text  # under the config's folder: relative
+    assert cfg.budget.max_usd is not None and cfg.budget.max_usd > expected
+
+    # A second build adds to the same config, deduplicated against what it already lists.
+    more = make_jsonl(tmp_path, [{"prompt": "short question 3?"}, {"prompt": "A new one."}], "more.jsonl")
+    assert main(["prompts", "build", str(more), "--out", str(tmp_path / "prompts"), "--config", str(config),
+                 "--split", "off"]) == 0
+    cfg2 = load_config(config)
+    assert [d.name for d in cfg2.datasets] == ["mix_short", "mix_long", "more"]
+    assert [p.messages[0]["content"] for p in _read(cfg2.datasets[2].prompts)] == ["A new one."]
+    assert text in config.read_text()  # appended: nothing already in the file changed
+
+
+def test_a_name_already_in_the_config_is_refused_before_any_work(tmp_path: Path, capsys) -> None:
+    src = make_jsonl(tmp_path, [{"prompt": "x"}], "dup.jsonl")
+    config = tmp_path / "c.toml"
+    args = ["prompts", "build", str(src), "--out", str(tmp_path / "p"), "--config", str(config), "--split", "off",
+            "--tokenizer", str(bundled_kimi_path())]
+    assert main(args) == 0
+    before = config.read_text()
+    assert main(args) == 2
+    assert "a dataset named 'dup' is already there" in capsys.readouterr().err
+    assert config.read_text() == before
+
+
+def test_language_and_length_filters(tmp_path: Path) -> None:
+    rows = [{"prompt": "Explain the halting problem in simple words."},
+            {"prompt": "请用简单的话解释停机问题。"},
+            {"prompt": "Объясните проблему остановки простыми словами."},
+            {"prompt": "请解释这个函数：def f(x): return x * 2"},
+            {"prompt": "Hi"},
+            {"prompt": "Bonjour", "language": "fr"}]
+    src = str(make_jsonl(tmp_path, rows, "lang.jsonl"))
+    en = build(_opts(tmp_path, [src], split="off", languages=frozenset({"en"}), out_dir=tmp_path / "en"))
+    assert [p.messages[0]["content"] for p in _read(en.datasets[0].path)] == [rows[0]["prompt"], "Hi"]
+    assert en.sources[0].dropped["language"] == 4  # the language column says fr: not en
+    zh = build(_opts(tmp_path, [src], split="off", languages=frozenset({"zh", "ru"}), out_dir=tmp_path / "zh"))
+    assert [p.messages[0]["content"] for p in _read(zh.datasets[0].path)] == [rows[1]["prompt"], rows[2]["prompt"],
+                                                                             rows[3]["prompt"]]
+    sized = build(_opts(tmp_path, [src], split="off", min_tokens=12, max_tokens=20, out_dir=tmp_path / "len"))
+    kept = _read(sized.datasets[0].path)
+    tok = bundled_kimi()
+    template = load_template("kimi-k2.5", tok)
+    assert kept and all(12 <= prompt_tokens(tok, template, p.messages) <= 20 for p in kept)
+    assert sized.sources[0].dropped["too_short"] + sized.sources[0].dropped["too_long"] == 6 - len(kept)
+
+
+def test_unusable_rows_are_counted_with_a_reason(tmp_path: Path) -> None:
+    rows = [{"conversations": [{"from": "gpt", "value": "only an answer"}]},
+            {"conversations": [{"from": "human", "value": "Fine."}]}]
+    result = build(_opts(tmp_path, [str(make_parquet(tmp_path, rows, "bad.parquet"))], split="off"))
+    assert result.sources[0].dropped["unusable"] == 1
+    assert "row 0: `conversations` has no user turn" == result.sources[0].example_unusable
+
+
+def test_hub_cache_is_read_offline_and_a_missing_dataset_is_never_downloaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants as hub_constants
+    cache = tmp_path / "hub"
+    repo = cache / "datasets--someorg--mathqa"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    data = repo / "snapshots" / commit / "data"
+    data.mkdir(parents=True)
+    datasets.Dataset.from_list([{"problem": f"Solve x+{i}=0."} for i in range(5)]).to_parquet(
+        str(data / "train-00000-of-00001.parquet"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    source = open_source(parse_source("someorg/mathqa"))
+    assert len(source) == 5 and source.columns == ["problem"] and source.name == "mathqa"
+    with pytest.raises(SourceError, match="not in the local Hugging Face cache.*--download"):
+        open_source(parse_source("someorg/not-here"))
+
+
+def test_bad_sources_say_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="no such file or folder"):
+        open_source(parse_source(str(tmp_path / "missing.parquet")))
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(SourceError, match="unknown file type"):
+        open_source(parse_source(str(tmp_path / "notes.txt")))
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(SourceError, match="broken.parquet: cannot"):
+        open_source(parse_source(str(tmp_path / "broken.parquet")))
+    src = make_jsonl(tmp_path, [{"prompt": "x"}], "same.jsonl")
+    with pytest.raises(BuildError, match="two sources are named 'same'"):
+        build(_opts(tmp_path, [str(src), str(src)]))
+
+
+def test_written_prompt_files_are_not_overwritten_without_force(tmp_path: Path) -> None:
+    src = str(make_jsonl(tmp_path, [{"prompt": "x"}], "once.jsonl"))
+    build(_opts(tmp_path, [src], split="off"))
+    with pytest.raises(BuildError, match="once.jsonl: already exists"):
+        build(_opts(tmp_path, [src], split="off"))
+    build(_opts(tmp_path, [src], split="off", force=True))
+
+
+def test_without_the_datasets_library_the_message_names_the_extra(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as when it is not installed
+    with pytest.raises(SourceError, match=r"pip install 'draftgen\[prompts\]'"):
+        open_source(parse_source(str(make_jsonl(tmp_path, [{"prompt": "x"}]))))
+
+
+def test_turns_with_mixed_keys_in_one_arrow_column(tmp_path: Path) -> None:
+    # Arrow gives every struct in a column every key: a from/value turn also has role/content = null.
+    rows = [{"conversations": [{"from": "human", "value": "First?"}]},
+            {"conversations": [{"role": "user", "content": "Second?"}]}]
+    result = build(_opts(tmp_path, [str(make_parquet(tmp_path, rows, "mixed.parquet"))], split="off"))
+    assert [p.messages for p in _read(result.datasets[0].path)] == [[{"role": "user", "content": "First?"}],
+                                                                    [{"role": "user", "content": "Second?"}]]
