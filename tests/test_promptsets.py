@@ -17,7 +17,7 @@ from draftgen.core.config import load_config  # noqa: E402
 from draftgen.core.generate.prompts import Prompt, read_prompts  # noqa: E402
 from draftgen.core.promptsets import presets  # noqa: E402
 from draftgen.core.promptsets.build import BuildError, BuildOptions, build, prompt_tokens  # noqa: E402
-from draftgen.core.promptsets.sources import SourceError, open_source, parse_source  # noqa: E402
+from draftgen.core.promptsets.sources import SourceError, open_source, parse_source, stay_offline  # noqa: E402
 from draftgen.core.promptsets.split import suggest_threshold  # noqa: E402
 from draftgen.core.tokens.template import load_template  # noqa: E402
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path  # noqa: E402
@@ -25,8 +25,14 @@ from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path  # no
 
 @pytest.fixture(autouse=True)
 def _hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The datasets library's arrow cache goes to the test's folder, never the user's.
+    # The datasets library's arrow cache goes to the test's folder, never the user's; the offline
+    # switches the command sets are put back after each test.
+    import huggingface_hub.constants as hub_constants
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets-cache"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", datasets.config.HF_HUB_OFFLINE)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", hub_constants.HF_HUB_OFFLINE)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
 
 
 def _sharegpt(i: int) -> dict:
@@ -287,6 +293,7 @@ def test_hub_cache_is_read_offline_and_a_missing_dataset_is_never_downloaded(
     datasets.Dataset.from_list([{"problem": f"Solve x+{i}=0."} for i in range(5)]).to_parquet(
         str(data / "train-00000-of-00001.parquet"))
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    stay_offline()
     source = open_source(parse_source("someorg/mathqa"))
     assert len(source) == 5 and source.columns == ["problem"] and source.name == "mathqa"
     with pytest.raises(SourceError, match="not in the local Hugging Face cache.*--download"):

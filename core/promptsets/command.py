@@ -15,7 +15,7 @@ from draftgen.core.errors import DraftgenError
 from draftgen.core.promptsets import presets
 from draftgen.core.promptsets.build import DROP_REASONS, BuildError, BuildOptions, SourceStats, build
 from draftgen.core.promptsets.configfile import Prices, config_relative, estimate, header_line, write_config
-from draftgen.core.promptsets.sources import parse_source
+from draftgen.core.promptsets.sources import parse_source, stay_offline
 from draftgen.core.promptsets.split import LONG, SHORT, ClassSettings, render_histogram
 
 DEFAULT_TOKENIZER = "moonshotai/Kimi-K2.5"
@@ -100,6 +100,8 @@ def build_command(req: BuildRequest, console: Console | None = None) -> int:
     from draftgen.core.tokens.tokenizer import load_tokenizer
 
     console = console or Console()
+    if not req.download:
+        stay_offline()
     existing = load_config(req.config) if req.config is not None and req.config.exists() else None
     specs = [parse_source(s) for s in req.sources]
     if existing is not None:
@@ -141,9 +143,10 @@ def build_command(req: BuildRequest, console: Console | None = None) -> int:
         console.print(f"  (suggested split: {result.suggested:,} tokens)")
     console.print()
 
-    table = Table(title="prompt files", title_justify="left", box=None, pad_edge=False)
-    for col in ("dataset", "class", "prompts", "prompt tokens", "concurrency", "max_tokens", "est. cost", "at most"):
-        table.add_column(col, justify="left" if col in ("dataset", "class") else "right")
+    table = Table(title="prompt files (tokens: prompt tokens; est. $: answers at half max_tokens, max $: all of it)",
+                  title_justify="left", box=None, pad_edge=False)
+    for col in ("dataset", "class", "prompts", "tokens", "concurrency", "max_tokens", "est. $", "max $"):
+        table.add_column(col, justify="left" if col in ("dataset", "class") else "right", no_wrap=True)
     for out in result.datasets:
         cost = estimate(out, prices) if prices else None
         table.add_row(out.name, out.length_class, f"{out.prompts:,}", f"{out.prompt_tokens:,}",
@@ -154,8 +157,7 @@ def build_command(req: BuildRequest, console: Console | None = None) -> int:
         console.print("  no cost estimate: pass --price-in and --price-out (USD per million tokens, from the "
                       "provider's price listing)")
     else:
-        console.print(f"  estimated at ${prices.prompt:g}/M prompt and ${prices.completion:g}/M completion tokens; "
-                      f"an answer taken as half its max_tokens (at most: all of it)")
+        console.print(f"  prices: ${prices.prompt:g}/M prompt, ${prices.completion:g}/M completion tokens")
     if not result.datasets:
         console.print("[yellow]no prompt was kept: nothing written[/]")
         return 1
@@ -165,6 +167,6 @@ def build_command(req: BuildRequest, console: Console | None = None) -> int:
                      tokenizer=_tokenizer_entry(tok_path, req.config.parent), template=template_name,
                      output_dir=req.output_dir or f"runs/{req.config.stem}")
         verb = "added to" if existing is not None else "written:"
-        console.print(f"\n{len(result.datasets)} \\[[datasets]] {verb} {req.config}")
+        console.print(f"\n{len(result.datasets)} [[datasets]] {verb} {req.config}", markup=False)
         console.print(f"next: [bold]draftgen smoke {req.config}[/] then [bold]draftgen run {req.config}[/]")
     return 0

@@ -9,7 +9,8 @@ A source is written `[NAME=]WHERE[:SPLIT]`, WHERE being:
   `huggingface_hub.snapshot_download(..., repo_type="dataset", local_files_only=True)` and is opened
   like a folder. Nothing is downloaded unless the user passes `--download`; without it,
   HF_HUB_OFFLINE and HF_DATASETS_OFFLINE are set before `datasets` is imported, so the library
-  itself never reaches the network either.
+  itself never reaches the network either (`stay_offline`, called by the command before anything
+  is imported).
 
 `datasets` is imported here and only here, lazily, with a message naming the extra when it is missing.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +35,17 @@ class SourceError(DraftgenError):
     """A dataset that cannot be found or opened."""
 
 
-def _datasets(download: bool) -> Any:
-    if not download:
-        # Read by datasets and huggingface_hub when they are imported (their constants are set then).
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        os.environ["HF_DATASETS_OFFLINE"] = "1"
+def stay_offline() -> None:
+    """Tell the Hugging Face libraries not to reach the network: the variables they read when imported,
+    and their constants when they are imported already (e.g. by a tokenizer lookup in the cache)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    for module, name in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE")):
+        if module in sys.modules and hasattr(sys.modules[module], name):
+            setattr(sys.modules[module], name, True)
+
+
+def _datasets() -> Any:
     try:
         import datasets
     except ImportError:
@@ -139,7 +147,7 @@ def open_source(spec: SourceSpec, *, download: bool = False, subset: str | None 
     looks_like_hub = not path.exists() and not spec.where.startswith((".", "/", "~")) and spec.where.count("/") == 1
     if not path.exists() and not looks_like_hub:
         raise SourceError(f"{spec.where}: no such file or folder")
-    ds = _datasets(download)
+    ds = _datasets()
     try:
         if looks_like_hub:
             folder = _hub_snapshot(spec.where, download)
