@@ -94,7 +94,7 @@ def write_prompt_file(path: Path, prefix: str, n: int) -> None:
             pid = f"{prefix}{i}"
             if i % 7 == 3:
                 line = {"id": pid, "messages": [{"role": "system", "content": "Be brief."},
-                                                {"role": "user", "content": f"Implement function f{i} in Python."}]}
+                                                {"role": "user", "content": f"Implement function f{i} in Python ({pid})."}]}
             elif i % 11 == 5:
                 line = {"id": pid, "conversations": [
                     {"from": "human", "value": f"What is {i} + {i}?"}, {"from": "gpt", "value": f"{2 * i}."},

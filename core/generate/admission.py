@@ -2,8 +2,9 @@
 
 Per dataset an admission loop streams the prompt file (ids already on disk skipped), puts the
 prompts handed back (a 402) in front, and admits a request when the run is not paused, a
-concurrency slot is free under the adaptive limit and the budgets allow it. The limit adapts
-(AIMD) to sustained 429s; a retry over a lowered limit waits for a slot holding none.
+concurrency slot is free under the adaptive limit and the budgets allow it; right before a request
+starts, a prompt another dataset answered or is answering is skipped instead (duplicates.py). The
+limit adapts (AIMD) to sustained 429s; a retry over a lowered limit waits for a slot holding none.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from draftgen.core.generate.budget import MoneyBudget
+from draftgen.core.generate.duplicates import CrossDatasetDuplicates
 from draftgen.core.generate.prompts import Prompt
 from draftgen.core.live.snapshot import DatasetStatus
 
@@ -130,6 +132,8 @@ class Admission:
         self._request = request
         self._event = on_event
         self.tasks: set[asyncio.Task[None]] = set()
+        # Set by the engine once it has read the run directory (None: off, or only one dataset).
+        self.duplicates: CrossDatasetDuplicates | None = None
 
     @property
     def in_flight(self) -> int:
@@ -160,6 +164,8 @@ class Admission:
                 continue
             decision = await self.admit(ds)
             if decision.verdict is Verdict.GO:
+                if self._taken_elsewhere(ds, prompt):
+                    continue
                 self._start(ds, prompt)
                 admitted += 1
                 if admitted % ADMIT_BURST == 0:
@@ -181,6 +187,8 @@ class Admission:
                     if (await self.admit(ds)).verdict is not Verdict.GO:
                         ds.requeue.insert(0, prompt)
                         break
+                    if self._taken_elsewhere(ds, prompt):
+                        continue
                     self._start(ds, prompt)
                 continue
             ds.wake.clear()
@@ -196,8 +204,25 @@ class Admission:
             ds.message = ds.message or "stopped before the end; the next run resumes"
         else:
             ds.status = DatasetStatus.DONE
+        duplicates = self.duplicates.skipped.get(name, 0) if self.duplicates is not None else 0
         self._event("info", "dataset_done", f"{name}: {ds.status}: {ds.done}/{ds.total} answered, "
-                    f"{ds.failed} failed, {ds.skipped} skipped, ${ds.cost:.4f}")
+                    f"{ds.failed} failed, {ds.skipped} skipped"
+                    f"{f' ({duplicates} already answered in another dataset)' if duplicates else ''}, ${ds.cost:.4f}")
+
+    def _taken_elsewhere(self, ds: DatasetRun, prompt: Prompt) -> bool:
+        """Skip (counted, and said once per dataset) a prompt another dataset answered or is answering;
+        otherwise the prompt is this dataset's while it is in flight (core/generate/duplicates.py)."""
+        if self.duplicates is None:
+            return False
+        other = self.duplicates.claim(ds.config.name, prompt.id, prompt.messages)
+        if other is None:
+            return False
+        ds.skipped += 1
+        if self.duplicates.skip(ds.config.name) == 1:
+            self._event("warn", "duplicate", f"{ds.config.name}: prompt {prompt.id!r} skipped: the same prompt "
+                        f"(normalised text) is already answered in {other}; every such prompt is skipped and "
+                        f"counted ([engine] skip_cross_dataset_duplicates = false sends them)")
+        return True
 
     async def _with_requeue(self, ds: DatasetRun, source: AsyncIterator[Prompt]) -> AsyncIterator[Prompt]:
         async for prompt in source:
@@ -252,6 +277,8 @@ class Admission:
             ds.in_flight -= 1
             ds.tokens.in_flight -= expected_tokens
             self._money.in_flight -= expected_cost
+            if self.duplicates is not None:
+                self.duplicates.settled(ds.config.name, prompt.id)
             if len(self._datasets) == 1:
                 ds.wake.set()
             else:

@@ -4,6 +4,7 @@ The engine owns the run's lifecycle and its control surface (pause, resume, drai
 is done by its parts, each in its own module:
 
     admission.py   which prompt goes out when: adaptive concurrency, slots, budgets, the requeue
+    duplicates.py  a prompt another dataset of the run directory answered is not sent again
     attempts.py    one prompt asked until it has an outcome: backoff, retries, outages
     ledger.py      per-dataset counts, resume from disk, the record writer, the disk-full hold-back
     projection.py  the snapshot: counts, projected cost, ETA
@@ -30,6 +31,7 @@ from draftgen.core.generate.admission import AdaptiveConcurrency, Admission, Gat
 from draftgen.core.generate.attempts import Attempts, Outcome
 from draftgen.core.generate.budget import MoneyBudget, TokenBudget
 from draftgen.core.generate.client import ChatClient, RequestFailed
+from draftgen.core.generate.duplicates import CrossDatasetDuplicates
 from draftgen.core.generate.ledger import DatasetRun, Ledger
 from draftgen.core.generate.limits import ensure_open_files
 from draftgen.core.generate.projection import project
@@ -173,6 +175,11 @@ class Engine:
         # Spend and answers already on disk count against the budgets from the start.
         for ds in self.datasets.values():
             await asyncio.to_thread(self.ledger.open, ds)
+        if cfg.engine.skip_cross_dataset_duplicates:
+            duplicates = CrossDatasetDuplicates()
+            await asyncio.to_thread(duplicates.load, self.rundir.root, list(self.datasets))
+            # One dataset: nothing to compare with, so no key is computed per prompt.
+            self.admission.duplicates = duplicates if duplicates.needed else None
         tune_gc()
         ticker = asyncio.create_task(self.admission.grow_limits())
         credits = asyncio.create_task(self._watch_credits())
@@ -218,6 +225,8 @@ class Engine:
         if done.outcome is Outcome.ANSWERED:
             assert done.answer is not None
             self.ledger.record_answer(ds, prompt, done.answer, done.attempts)
+            if self.admission.duplicates is not None:
+                self.admission.duplicates.answered(ds.config.name, prompt.id)
         elif done.outcome is Outcome.FAILED:
             assert done.error is not None
             self.ledger.record_failure(ds, prompt, done.error, done.attempts)
