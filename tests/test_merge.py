@@ -415,3 +415,14 @@ def test_tool_call_prompts_give_every_row_the_same_keys(run_config: Config, tmp_
     assert [t["role"] for t in records["D/d1"]["conversations"]] == ["user", "assistant", "tool", "user", "assistant"]
     assert records["D/d1"]["conversations"][-1]["tool_calls"][0]["function"]["name"] == "cat"
     assert all(r["conversations"][-1]["tool_calls"] == [] for i, r in records.items() if i != "D/d1")
+
+
+def test_a_prompt_differing_only_in_case_spacing_or_unicode_form_is_a_duplicate(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    write_dataset(run, "A", [Sample("a1", user("Shared prompt"))], seed=1)
+    write_dataset(run, "B", [Sample("b1", user("  shared\nPROMPT ")), Sample("b2", user("Ｓhared prompt")),
+                             Sample("b3", user("Shared prompts"))], seed=2)
+    write_dataset(run, "C", [], seed=3)
+    stats = merge(make_config(tmp_path, seed=1))
+    assert {r["id"] for r in train_lines(run)} == {"A/a1", "B/b3"}
+    assert {d.name: d.dropped["duplicate"] for d in stats.datasets} == {"A": 0, "B": 2, "C": 0}
