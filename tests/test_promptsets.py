@@ -336,3 +336,20 @@ def test_turns_with_mixed_keys_in_one_arrow_column(tmp_path: Path) -> None:
     result = build(_opts(tmp_path, [str(make_parquet(tmp_path, rows, "mixed.parquet"))], split="off"))
     assert [p.messages for p in _read(result.datasets[0].path)] == [[{"role": "user", "content": "First?"}],
                                                                     [{"role": "user", "content": "Second?"}]]
+
+
+def test_lengths_count_the_default_system_turn_of_the_config(tmp_path: Path) -> None:
+    config = tmp_path / "sys.toml"
+    old = make_jsonl(tmp_path, [{"id": "o1", "prompt": "old"}], "old.jsonl")
+    config.write_text(f'[tokenizer]\npath = {orjson.dumps(str(bundled_kimi_path())).decode()}\n'
+                      f'default_system = "You are a careful assistant who answers in full sentences."\n\n'
+                      f'[[datasets]]\nname = "old"\nprompts = "{old.name}"\n')
+    src = make_jsonl(tmp_path, [{"prompt": "What is 2+2?"}], "sums.jsonl")
+    assert main(["prompts", "build", str(src), "--out", str(tmp_path / "p"), "--config", str(config),
+                 "--split", "off"]) == 0
+    tok = bundled_kimi()
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    with_system = prompt_tokens(tok, load_template("kimi-k2.5", tok, default_system=load_config(config)
+                                                   .tokenizer.system_turn()), messages)
+    assert with_system > prompt_tokens(tok, load_template("kimi-k2.5", tok), messages)
+    assert f"# 1 prompts (all) from sums, {with_system:,} prompt tokens" in config.read_text()

@@ -114,7 +114,9 @@ def build_command(req: BuildRequest, console: Console | None = None) -> int:
     tok_path = req.tokenizer or (existing.tokenizer.path if existing else DEFAULT_TOKENIZER)
     template_name = req.template or (existing.tokenizer.template if existing else "kimi-k2.5")
     tok = load_tokenizer(tok_path)
-    template = load_template(template_name, tok)
+    # The system turn the run will render in front of prompts without one counts in their length.
+    template = load_template(template_name, tok,
+                             default_system=existing.tokenizer.system_turn() if existing else None)
     mapping = presets.parse_mapping(req.mapping) if req.mapping else None
     languages = frozenset(x.strip().lower() for x in req.languages.split(",") if x.strip()) if req.languages else None
     if (req.price_in is None) != (req.price_out is None):
