@@ -16,33 +16,41 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.timer import Timer
-from textual.widgets import Footer
+from textual.widgets import Footer, Static
 
 from draftgen.tui.panels.credits import CreditsPanel
 from draftgen.tui.panels.datasets import DatasetsPanel
 from draftgen.tui.panels.errors import ErrorsPanel
-from draftgen.tui.panels.eventlog import EventLogPanel
+from draftgen.tui.panels.eventlog import EventLogPanel, EventStore
 from draftgen.tui.panels.gpu import GpuPanel
 from draftgen.tui.panels.header import AlertBar, RunHeader
+from draftgen.tui.panels.history import HistoryPanel
+from draftgen.tui.screens.drill import DrillScreen, Target
 from draftgen.tui.screens.help import HelpScreen
-from draftgen.tui.panels.panel import Panel
+from draftgen.tui.screens.history import HistoryScreen
+from draftgen.tui.screens.logview import LogScreen
+from draftgen.tui.panels.panel import Panel, SelectablePanel
 from draftgen.tui.panels.providers import ProvidersPanel
 from draftgen.tui.screens.quitdialog import DRAIN, QuitScreen
 from draftgen.tui.screens.smoke import SmokeScreen
 from draftgen.tui.panels.stages import StagesPanel, active_stages
 from draftgen.tui.panels.throughput import ThroughputPanel
 
-# Actions that change the run: disabled (shown greyed) when attached read-only.
+# Actions that change the run: hidden from the footer when attached read-only, where their keys
+# answer that the viewer is read-only.
 CONTROL_ACTIONS = frozenset({"pause", "resume", "smoke", "merge", "extract"})
-APP_ACTIONS = CONTROL_ACTIONS | {"quit_run", "help"}
+VIEW_ACTIONS = frozenset({"log", "search", "history"})
+APP_ACTIONS = CONTROL_ACTIONS | VIEW_ACTIONS | {"quit_run", "help", "read_only"}
 FINAL_STATES = (snap.RunState.DONE, snap.RunState.STOPPED)
+VIEW_SCREENS = (LogScreen, HistoryScreen, DrillScreen)
+MIN_SIZE = (80, 24)  # below it a one-line notice replaces the panels
 
 
 class DraftgenApp(App[None]):
     CSS_PATH = "draftgen.tcss"
     ENABLE_COMMAND_PALETTE = False
     # Screen classes the stylesheet keys on: borders only where there are rows to spare.
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide"), (160, "-huge")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
     BINDINGS = [
         Binding("p", "pause", "pause"),
@@ -50,8 +58,17 @@ class DraftgenApp(App[None]):
         Binding("s", "smoke", "smoke"),
         Binding("m", "merge", "merge"),
         Binding("x", "extract", "extract"),
+        Binding("p,r,s,m,x", "read_only", show=False),  # attached: these keys say why they do nothing
+        Binding("l", "log", "log"),
+        Binding("h", "history", "history"),
+        Binding("slash", "search", "search", show=False),
+        Binding("pageup", "scroll_log('page_up')", show=False),
+        Binding("pagedown", "scroll_log('page_down')", show=False),
+        Binding("home", "scroll_log('first')", show=False),
+        Binding("end", "scroll_log('last')", show=False),
         Binding("q", "quit_run", "quit"),
-        Binding("ctrl+q", "quit_run", "quit", show=False, priority=True),  # never exit without asking
+        # Never exit without asking: Ctrl-C and Ctrl-Q ask like q.
+        Binding("ctrl+q,ctrl+c", "quit_run", "quit", show=False, priority=True),
         Binding("question_mark", "help", "help"),
     ]
 
@@ -67,10 +84,12 @@ class DraftgenApp(App[None]):
         self._sub: Subscription | None = None
         self._timer: Timer | None = None
         self._shape: object = None
+        self.events = EventStore()
 
     def compose(self) -> ComposeResult:
         yield RunHeader(self.title, id="header")
         yield AlertBar(id="alert")
+        yield Static(id="too-small")
         with Vertical(id="body"):
             yield DatasetsPanel(id="datasets")
             with Horizontal(id="middle"):
@@ -79,18 +98,36 @@ class DraftgenApp(App[None]):
                 with Vertical(id="tallies"):
                     yield ErrorsPanel(id="errors")
                     yield ProvidersPanel(id="providers")
+                yield HistoryPanel(id="mini-history")
             with Horizontal(id="lower"):
                 yield StagesPanel(id="stages")
                 yield GpuPanel(id="gpu")
-            yield EventLogPanel(id="events")
+            yield EventLogPanel(self.events, id="events")
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
         for hidden in ("#alert", "#lower", "#stages", "#gpu"):  # until a snapshot gives them something to show
             self.query_one(hidden).add_class("-hidden")
         self._sub = self.controls.hub.subscribe(maxsize=self._queue_size)
+        self._fit_screen()
         self.pull()
         self._timer = self.set_timer(self.refresh_s, self._tick)
+
+    def on_resize(self) -> None:
+        self._fit_screen()
+
+    def _fit_screen(self) -> None:
+        """Below 80x24 the panels would clip: one line says so instead (the run goes on)."""
+        width, height = self.size
+        small = width < MIN_SIZE[0] or height < MIN_SIZE[1]
+        base = self.screen_stack[0] if self.screen_stack else None
+        if base is None:
+            return
+        base.set_class(small, "-too-small")
+        if small:
+            self.query_one("#too-small", Static).update(
+                f"terminal {width}×{height}: draftgen needs at least {MIN_SIZE[0]}×{MIN_SIZE[1]}; enlarge it "
+                "(the run goes on; q quits)")
 
     def on_unmount(self) -> None:
         if self._timer is not None:
@@ -119,7 +156,8 @@ class DraftgenApp(App[None]):
             else:
                 events.append(item[1])
         if events:
-            self.query_one(EventLogPanel).add(events)
+            self.events.extend(events)
+            self._sync_logs()
         # A resize can change what panels show (short screens keep to essentials): redraw then too.
         shape = (self.size, self.screen_stack[0].classes)
         reshaped, self._shape = shape != self._shape, shape
@@ -128,14 +166,21 @@ class DraftgenApp(App[None]):
         if newest is not None and (newest is not self.latest or reshaped):
             self.render_snapshot(newest)
 
+    def _sync_logs(self) -> None:
+        for screen in {self.screen_stack[0], self.screen}:
+            for log in screen.query(EventLogPanel):
+                log.sync()
+
     def render_snapshot(self, s: RunSnapshot) -> None:
         previous = self.latest
         self.latest = s
-        for panel in self.query(Panel):
+        base = self.screen_stack[0]
+        for panel in base.query(Panel):
             panel.show(s)
-        hidden = self.query_one(StagesPanel).has_class("-hidden") and self.query_one(GpuPanel).has_class("-hidden")
-        self.query_one("#lower").set_class(hidden, "-hidden")
-        if isinstance(self.screen, SmokeScreen):
+        base.query_one(EventLogPanel).set_datasets(tuple(d.name for d in s.datasets))
+        hidden = base.query_one(StagesPanel).has_class("-hidden") and base.query_one(GpuPanel).has_class("-hidden")
+        base.query_one("#lower").set_class(hidden, "-hidden")
+        if self.screen is not base and hasattr(self.screen, "show"):
             self.screen.show(s)
         if previous is None or previous.attached != s.attached or previous.state != s.state:
             self.refresh_bindings()
@@ -148,10 +193,39 @@ class DraftgenApp(App[None]):
         if action not in APP_ACTIONS:
             return True
         if len(self.screen_stack) > 1:
-            return False  # a dialog is open: its own keys apply, and its footer shows only those
+            # A view (log, history, drill-down) still quits like the main screen; a dialog has its own keys.
+            return action == "quit_run" and isinstance(self.screen, VIEW_SCREENS)
+        if action == "read_only":
+            return self.controls.read_only
         if self.controls.read_only and action in CONTROL_ACTIONS:
-            return None  # shown greyed out in the footer, does nothing
+            return False  # hidden from the footer; the key answers through action_read_only
         return True
+
+    def action_read_only(self) -> None:
+        self.notify("read-only: attached viewer (control keys work in the terminal that runs it)",
+                    title="attached", severity="warning")
+
+    # -- views ------------------------------------------------------------------------------------
+
+    def on_selectable_panel_open(self, message: SelectablePanel.Open) -> None:
+        if self.latest is not None:
+            self.push_screen(DrillScreen(Target(message.what, message.name), self.latest))
+
+    def action_log(self) -> None:
+        self.push_screen(LogScreen(self.events, self._dataset_names()))
+
+    def action_search(self) -> None:
+        self.push_screen(LogScreen(self.events, self._dataset_names(), search=True))
+
+    def action_history(self) -> None:
+        self.push_screen(HistoryScreen(self.latest))
+
+    def action_scroll_log(self, how: str) -> None:
+        log = self.screen_stack[0].query_one(EventLogPanel)
+        getattr(log, f"action_{how}")()
+
+    def _dataset_names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.latest.datasets) if self.latest else ()
 
     def _allowed(self, action: str) -> bool:
         """Ask the controls first; a stage that cannot start yet says why instead."""
@@ -188,6 +262,8 @@ class DraftgenApp(App[None]):
         if self.controls.read_only:
             self.exit()  # a viewer closes itself only; the run goes on
             return
+        while len(self.screen_stack) > 1 and isinstance(self.screen, VIEW_SCREENS):
+            self.pop_screen()
         if len(self.screen_stack) > 1:
             return
         if not self._allowed("quit"):

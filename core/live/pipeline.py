@@ -21,10 +21,12 @@ from draftgen.core.config import Config
 from draftgen.core.generate.engine import Engine
 from draftgen.core.errors import DraftgenError
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.timeline import TimelineRecorder, Totals
 from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.secrets import Redactor
 
 STAGES = ("smoke", "tokens", "merge", "extract")
+NOT_ERRORS = ("length", "empty_content")  # tallied with the errors, but answers that were kept
 
 
 def smoke_status(config: Config) -> tuple[bool, str]:
@@ -74,12 +76,16 @@ class Pipeline:
         self.error: DraftgenError | None = None
         self._crash: BaseException | None = None
         self._extract_stop = threading.Event()
+        self.timeline = TimelineRecorder(self.rundir.history,
+                                         on_write_error=lambda message: self.emit("warn", "history", message))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.rundir.root.mkdir(parents=True, exist_ok=True)
         self._log = EventLog(self.rundir.events_log)
+        await asyncio.to_thread(self.timeline.load)
+        self.timeline.start(self._totals())
         if self._serve_attach:
             from draftgen.core.live.attach import AttachServer
             self._attach = AttachServer(self.hub, self.rundir.socket)
@@ -103,6 +109,7 @@ class Pipeline:
             self._attach = None
         if self._log is not None:
             self._log.close()
+        self.timeline.close()
 
     async def generate(self) -> str:
         """Smoke gate, then the run. Returns the engine's final state. A user-facing error (a missing
@@ -175,7 +182,16 @@ class Pipeline:
             self._fidelity = self._reconstructor.fidelity()
         fidelity = self._fidelity
         return dataclasses.replace(s, stages=tuple(self.stages[n] for n in STAGES if n in self.stages),
-                                   gpus=self.gpus, fidelity=fidelity)
+                                   gpus=self.gpus, fidelity=fidelity, timeline=self.timeline.timeline(),
+                                   started_at=self.timeline.started_at,
+                                   first_started_at=self.timeline.first_started_at)
+
+    def _totals(self) -> Totals:
+        """This process's running totals for the history (core/live/timeline.py)."""
+        e = self.engine
+        errors = sum(n for kind, n in e.errors.items() if kind not in NOT_ERRORS)
+        return Totals(answers=e.rates.answers, tokens=e.rates.tokens, usd=e.money.spent_run, errors=errors,
+                      in_flight=e.in_flight)
 
     def publish(self) -> None:
         self.hub.publish_snapshot(self.snapshot())
@@ -184,6 +200,7 @@ class Pipeline:
         period = 1.0 / self.config.engine.snapshot_hz
         while True:
             await asyncio.sleep(period)
+            self.timeline.observe(self._totals())
             self.publish()
 
     def _on_answer(self, dataset: str, record: dict[str, Any]) -> None:

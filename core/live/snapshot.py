@@ -134,6 +134,48 @@ class ProviderFidelity:
 
 
 @dataclass(frozen=True)
+class ErrorRecord:
+    """One failed attempt, kept in the engine's bounded rings for the drill-down views."""
+    ts: float                 # wall clock
+    kind: str                 # as tallied in RunSnapshot.errors
+    dataset: str
+    prompt_id: str
+    attempt: int
+    message: str              # redacted, cut to 300 characters (core/live/recent.py)
+    status: int | None = None
+    provider: str = ""        # "" when the failure names none (most transport errors)
+    final: bool = False       # the prompt failed for good with it (else it was retried or kept)
+
+
+@dataclass(frozen=True)
+class ProviderStat:
+    """Per provider (as in RunSnapshot.providers): answers, attributed errors and latency."""
+    name: str
+    answers: int = 0
+    errors: int = 0
+    latency_mean_s: float = 0.0
+    latency_p90_s: float = 0.0
+    completion_tokens: int = 0
+
+
+# One history point: wall clock at its start, then the rates over it.
+TIMELINE_FIELDS = ("ts", "req_s", "tok_s", "usd_min", "error_pct", "in_flight")
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The whole run's history, bounded: at most `capacity` points, each `interval_s` long (pairs are
+    merged when it fills, so the resolution halves instead of the start being forgotten)."""
+    interval_s: float = 5.0
+    points: tuple[tuple[float, ...], ...] = ()   # TIMELINE_FIELDS per point, oldest first
+    runs: tuple[float, ...] = ()                 # wall-clock start of each run found in the run directory
+
+    def series(self, name: str) -> tuple[float, ...]:
+        i = TIMELINE_FIELDS.index(name)
+        return tuple(p[i] for p in self.points)
+
+
+@dataclass(frozen=True)
 class RunSnapshot:
     run_name: str
     model: str
@@ -152,6 +194,12 @@ class RunSnapshot:
     stages: tuple[StageProgress, ...] = ()        # smoke, tokens, merge, extract
     alert: str = ""                               # e.g. 402: out of credits, run paused
     attached: bool = False                        # set by the attach viewer, never by the engine
+    started_at: float = 0.0                       # wall clock this run (process) started
+    first_started_at: float = 0.0                 # wall clock the first run of this directory started
+    timeline: Timeline = Timeline()               # history of the rates, whole run (history.jsonl)
+    recent_errors: tuple[ErrorRecord, ...] = ()   # newest last; bounded per kind, dataset and provider
+    provider_stats: tuple[ProviderStat, ...] = ()
+    ended: str = ""                               # why the run ended (final states only), with counts
 
     def stage(self, name: str) -> StageProgress | None:
         return next((s for s in self.stages if s.name == name), None)

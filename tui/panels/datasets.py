@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from draftgen.tui import fmt
-from draftgen.tui.panels.panel import Panel
+from draftgen.tui.panels.panel import SelectablePanel
 
 STATUS_STYLES = {
     snap.DatasetStatus.PENDING: "dim",
@@ -36,8 +36,12 @@ def _tokens_cell(d: DatasetSnapshot) -> Text:
 WIDE = 100
 
 
-class DatasetsPanel(Panel):
+class DatasetsPanel(SelectablePanel):
     TITLE = "datasets"
+    WHAT = "dataset"
+
+    def items(self, s: RunSnapshot) -> tuple[str, ...]:
+        return tuple(d.name for d in s.datasets)
 
     def key(self, s: RunSnapshot) -> Any:
         return s.datasets
@@ -53,15 +57,18 @@ class DatasetsPanel(Panel):
             return Text("no datasets yet", style="dim")
         wide = self.cols >= WIDE
         table = Table(box=None, expand=True, padding=(0, 1, 0, 0), header_style="bold", show_edge=False)
+        # Widths from the totals, not the current values: columns stay put as counts and costs grow.
+        count_w = max(len(fmt.count(d.total)) for d in s.datasets)
+        money_w = max(8, *(len(fmt.usd(x)) for d in s.datasets for x in (d.cost_usd, d.projected_cost_usd)))
         table.add_column("dataset", no_wrap=True, overflow="ellipsis", max_width=20 if wide else 12)
-        table.add_column("status", no_wrap=True)
-        table.add_column("done/total", justify="right", no_wrap=True)
+        table.add_column("status", no_wrap=True, min_width=7)
+        table.add_column("done/total", justify="right", no_wrap=True, min_width=2 * count_w + 1)
         table.add_column("progress", ratio=1, no_wrap=True, min_width=8)
-        table.add_column("tokens/budget" if wide else "tok/budget", justify="right", no_wrap=True)
-        table.add_column("skipped" if wide else "skip", justify="right", no_wrap=True)
-        table.add_column("failed" if wide else "fail", justify="right", no_wrap=True)
-        table.add_column("cost", justify="right", no_wrap=True)
-        table.add_column("proj. total" if wide else "proj.", justify="right", no_wrap=True)
+        table.add_column("tokens/budget" if wide else "tok/budget", justify="right", no_wrap=True, min_width=11)
+        table.add_column("skipped" if wide else "skip", justify="right", no_wrap=True, min_width=min(count_w, 6))
+        table.add_column("failed" if wide else "fail", justify="right", no_wrap=True, min_width=min(count_w, 6))
+        table.add_column("cost", justify="right", no_wrap=True, min_width=money_w)
+        table.add_column("proj. total" if wide else "proj.", justify="right", no_wrap=True, min_width=money_w)
         notes = []
         for d in s.datasets:
             finished = d.done + d.failed
@@ -76,6 +83,7 @@ class DatasetsPanel(Panel):
                 Text(fmt.count(d.failed), style="bold red" if d.failed else "dim"),
                 fmt.usd(d.cost_usd),
                 fmt.usd(d.projected_cost_usd),
+                style="reverse" if d.name == self.selected else None,
             )
             if d.message:
                 notes.append(Text.assemble((f"{d.name}: ", "bold"), d.message))

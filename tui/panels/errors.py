@@ -10,11 +10,21 @@ from rich.table import Table
 from rich.text import Text
 
 from draftgen.tui import fmt
-from draftgen.tui.panels.panel import Panel
+from draftgen.tui.panels.panel import SelectablePanel
 
 
-class ErrorsPanel(Panel):
+class ErrorsPanel(SelectablePanel):
     TITLE = "errors"
+    WHAT = "error kind"
+
+    def items(self, s: RunSnapshot) -> tuple[str, ...]:
+        return tuple(kind for kind, _ in self._shown(s)[0])
+
+    def _shown(self, s: RunSnapshot) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
+        # As many kinds as fit under the retries line; the rest summed on the last one.
+        room = max(1, self.rows - 1)
+        shown = s.errors if len(s.errors) <= room else s.errors[:room - 1]
+        return shown, s.errors[len(shown):]
 
     def key(self, s: RunSnapshot) -> Any:
         return (s.errors, s.retries)
@@ -30,12 +40,9 @@ class ErrorsPanel(Panel):
         if not s.errors:
             table.add_row(Text("no errors", style="green"), "")
             return table
-        # As many kinds as fit under the retries line; the rest summed on the last one.
-        room = max(1, self.rows - 1)
-        shown = s.errors if len(s.errors) <= room else s.errors[:room - 1]
+        shown, rest = self._shown(s)
         for kind, n in shown:
-            table.add_row(kind, Text(fmt.count(n), style="red"))
-        rest = s.errors[len(shown):]
+            table.add_row(kind, Text(fmt.count(n), style="red"), style="reverse" if kind == self.selected else None)
         if rest:
             table.add_row(Text(f"+{len(rest)} more", style="dim"), fmt.count(sum(n for _, n in rest)))
         return table

@@ -1,7 +1,10 @@
-"""Event log: the run's recent events, newest at the bottom, wrapped to the panel's width.
+"""The events log: every event of the run (the newest `keep`), scrollable, filterable and searchable.
 
-Only the newest events that fit are drawn (the full history is in the run's events.log), so the
-panel re-wraps cleanly on resize and needs no scrolling.
+It follows the tail until you move the cursor up; `end` follows again. `v` cycles the level shown
+(all, warnings and errors, errors), `d` the dataset (an event belongs to a dataset when its message
+starts with the dataset's name), and the log view's `/` searches (case-insensitive, in the
+message). The highlighted line is shown whole, wrapped; the others are cut to one line. The full
+history is in the run's events.log as well.
 """
 
 from __future__ import annotations
@@ -9,55 +12,178 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from rich.console import RenderableType
-from rich.table import Table
 from rich.text import Text
-from textual.widget import Widget
+from textual.binding import Binding
+from textual.message import Message
+from textual.widgets import OptionList
 
 from draftgen.core.live.snapshot import Event
-
 from draftgen.tui import fmt
 
 LEVEL_STYLES = {"info": "", "warn": "bold yellow", "error": "bold red"}
-PREFIX = 15  # "HH:MM:SS level " before each message; wrapped lines indent under the message
+LEVELS = (("all", ("info", "warn", "error")), ("warn+", ("warn", "error")), ("error", ("error",)))
 
 
-class EventLogPanel(Widget):
-    DEFAULT_CSS = "EventLogPanel { height: 1fr; }"
+class EventStore:
+    """The events the app has seen, shared by every log widget (the main screen's and the log view's)."""
 
-    def __init__(self, *, id: str | None = None, keep: int = 500) -> None:
-        super().__init__(id=id, classes="panel")
-        self.border_title = "events"
+    def __init__(self, keep: int = 5000) -> None:
         self.events: deque[Event] = deque(maxlen=keep)
+        self.version = 0
+
+    def extend(self, events: Iterable[Event]) -> None:
+        self.events.extend(events)
+        self.version += 1
+
+
+def dataset_of(event: Event, datasets: Iterable[str]) -> str:
+    """The dataset an event is about: its message starts with "NAME:" (the engine's convention)."""
+    head, sep, _ = event.message.partition(":")
+    return head if sep and head in datasets else ""
+
+
+class EventLogPanel(OptionList):
+    """One row per event; the highlighted row whole."""
+
+    DEFAULT_CSS = "EventLogPanel { height: 1fr; }"
+    BINDINGS = [
+        Binding("v", "cycle_level", "level", show=False),
+        Binding("d", "cycle_dataset", "dataset", show=False),
+        Binding("k", "cursor_up", show=False),
+        Binding("j", "cursor_down", show=False),
+        Binding("G", "last", show=False),
+    ]
+
+    class FilterChanged(Message):
+        pass
+
+    def __init__(self, store: EventStore | None = None, *, id: str | None = None, title: str = "events") -> None:
+        super().__init__(id=id, classes="panel")
+        self.store = store or EventStore()
+        self.log_title = title
+        self.datasets: tuple[str, ...] = ()
+        self.level = 0           # index into LEVELS
+        self.dataset = ""        # "" = every dataset
+        self.search = ""
+        self.following = True
+        self._shown: list[Event] = []
+        self._seen_version = -1
+        self._expanded: int | None = None
+        self._update_title()
+
+    # -- what is shown ----------------------------------------------------------------------------
 
     @property
     def lines(self) -> list[str]:
-        """The log as plain one-line texts (what a test or a copy would want)."""
-        return [f"{fmt.wall_time(e.ts)} {e.level:<5} {e.message}" for e in self.events]
+        """The shown events as plain one-line texts (what a test or a copy would want)."""
+        return [f"{fmt.wall_time(e.ts)} {e.level:<5} {e.message}" for e in self._shown]
+
+    def wanted(self, e: Event) -> bool:
+        if e.level not in LEVELS[self.level][1]:
+            return False
+        if self.dataset and dataset_of(e, self.datasets) != self.dataset:
+            return False
+        return not self.search or self.search.lower() in e.message.lower()
+
+    def _prompt(self, e: Event, whole: bool = False) -> Text:
+        text = Text.assemble((fmt.wall_time(e.ts), "dim"), " ", (f"{e.level:<5}", LEVEL_STYLES.get(e.level, "")),
+                             " ")
+        message = Text(e.message, style="red" if e.level == "error" else "")
+        if self.search:
+            message.highlight_words([self.search], style="reverse", case_sensitive=False)
+        text.append_text(message)
+        if not whole:
+            text.no_wrap = True
+            text.overflow = "ellipsis"
+        return text
+
+    def sync(self, force: bool = False) -> None:
+        """Show what the store gained since the last call (or everything again, after a filter change)."""
+        if not force and self._seen_version == self.store.version:
+            return
+        if force or self._seen_version < 0:
+            self._shown = [e for e in self.store.events if self.wanted(e)]
+            self._expanded = None
+            self.set_options(self._prompt(e) for e in self._shown)
+        else:
+            known = self._shown[-1] if self._shown else None
+            fresh: list[Event] = []
+            for e in reversed(self.store.events):
+                if e is known:
+                    break
+                fresh.append(e)
+            fresh = [e for e in reversed(fresh) if self.wanted(e)]
+            overflow = len(self._shown) + len(fresh) - (self.store.events.maxlen or 1 << 30)
+            if overflow > 0 or (known is not None and known not in self.store.events):
+                self.sync(force=True)
+                return
+            self._shown.extend(fresh)
+            self.add_options(self._prompt(e) for e in fresh)
+        self._seen_version = self.store.version
+        if self.following and self._shown:
+            self.highlighted = len(self._shown) - 1
+        self._update_title()
 
     def add(self, events: Iterable[Event]) -> None:
-        self.events.extend(events)
-        self.refresh()
+        self.store.extend(events)
+        self.sync()
 
-    def render(self) -> RenderableType:
-        width, height = self.content_region.width, self.content_region.height
-        if not self.events:
-            return Text("no events yet", style="dim")
-        if width <= PREFIX or height <= 0:
-            return Text("")
-        shown: list[tuple[Event, Text]] = []
-        used = 0
-        for e in reversed(self.events):
-            message = Text(e.message, style="red" if e.level == "error" else "")
-            rows = len(message.wrap(self.app.console, width - PREFIX))
-            if used + rows > height:
-                break
-            shown.append((e, message))
-            used += rows
-        grid = Table.grid(expand=True, padding=(0, 1, 0, 0))
-        grid.add_column(style="dim", no_wrap=True, width=8)
-        grid.add_column(no_wrap=True, width=5)
-        grid.add_column(ratio=1)
-        for e, message in reversed(shown):
-            grid.add_row(fmt.wall_time(e.ts), Text(e.level, style=LEVEL_STYLES.get(e.level, "")), message)
-        return grid
+    def set_datasets(self, names: tuple[str, ...]) -> None:
+        self.datasets = names
+
+    # -- cursor and expansion ---------------------------------------------------------------------
+
+    def watch_highlighted(self, highlighted: int | None) -> None:
+        super().watch_highlighted(highlighted)
+        if self._expanded is not None and self._expanded != highlighted and self._expanded < len(self._shown):
+            self.replace_option_prompt_at_index(self._expanded, self._prompt(self._shown[self._expanded]))
+            self._expanded = None
+        if highlighted is not None and highlighted < len(self._shown) and self._expanded != highlighted:
+            self._expanded = highlighted
+            self.replace_option_prompt_at_index(highlighted, self._prompt(self._shown[highlighted], whole=True))
+        following = highlighted is None or highlighted >= len(self._shown) - 1
+        if following != self.following:
+            self.following = following
+            self._update_title()
+
+    def _update_title(self) -> None:
+        parts = [self.log_title]
+        level = LEVELS[self.level][0]
+        if level != "all":
+            parts.append(f"level {level}")
+        if self.dataset:
+            parts.append(f"dataset {self.dataset}")
+        if self.search:
+            parts.append(f"/{self.search}")
+        shown = len(self._shown)
+        if len(parts) > 1:
+            parts.append(f"{shown} of {len(self.store.events)}")
+        if not self.following and shown:
+            parts.append("scrolled: end follows")
+        self.border_title = " · ".join(parts)
+
+    # -- filters ----------------------------------------------------------------------------------
+
+    def set_filter(self, *, level: int | None = None, dataset: str | None = None, search: str | None = None) -> None:
+        if level is not None:
+            self.level = level % len(LEVELS)
+        if dataset is not None:
+            self.dataset = dataset
+        if search is not None:
+            self.search = search
+        self.following = True
+        self.sync(force=True)
+        self._update_title()
+        self.post_message(self.FilterChanged())
+
+    def action_cycle_level(self) -> None:
+        self.set_filter(level=self.level + 1)
+
+    def action_cycle_dataset(self) -> None:
+        names = ("",) + self.datasets
+        i = names.index(self.dataset) if self.dataset in names else 0
+        self.set_filter(dataset=names[(i + 1) % len(names)])
+
+    def action_last(self) -> None:
+        self.following = True
+        super().action_last()

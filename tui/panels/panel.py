@@ -6,6 +6,8 @@ from typing import Any, ClassVar
 
 from draftgen.core.live.snapshot import RunSnapshot
 from rich.console import RenderableType
+from textual.binding import Binding
+from textual.message import Message
 from textual.widgets import Static
 
 _NEVER = object()
@@ -31,7 +33,7 @@ class Panel(Static):
         """Redraw from `snap` if what this panel reads changed; say whether it did."""
         self.last = snap
         self.set_class(not self.wanted(snap), "-hidden")
-        key = (self.key(snap), self.fit())
+        key = (self.key(snap), self.fit(), self.selection())
         if key == self._key:  # frozen dataclasses compare by value: unchanged slices cost no render
             return False
         self._key = key
@@ -60,6 +62,10 @@ class Panel(Static):
     def fit(self) -> Any:
         return None
 
+    def selection(self) -> Any:
+        """What of the cursor shows (selectable panels)."""
+        return None
+
     def draw(self, snap: RunSnapshot) -> RenderableType:
         raise NotImplementedError
 
@@ -79,3 +85,61 @@ class Panel(Static):
     @property
     def cols(self) -> int:
         return self.content_region.width or 80
+
+
+class SelectablePanel(Panel):
+    """A panel with a row cursor (arrows or j/k) once focused (tab); enter drills into the row."""
+
+    can_focus = True
+    WHAT: ClassVar[str] = ""   # what a row is: "dataset", "error kind", "provider"
+    BINDINGS = [
+        Binding("up,k", "move(-1)", "up", show=False),
+        Binding("down,j", "move(1)", "down", show=False),
+        Binding("enter", "open", "details"),
+    ]
+
+    class Open(Message):
+        def __init__(self, what: str, name: str) -> None:
+            super().__init__()
+            self.what = what
+            self.name = name
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.cursor = 0
+
+    def items(self, snap: RunSnapshot) -> tuple[str, ...]:
+        """The names of the rows, in the order drawn."""
+        return ()
+
+    @property
+    def selected(self) -> str | None:
+        """The row under the cursor while focused, else None (nothing highlighted)."""
+        if not self.has_focus or self.last is None:
+            return None
+        names = self.items(self.last)
+        return names[min(self.cursor, len(names) - 1)] if names else None
+
+    def selection(self) -> Any:
+        return self.selected
+
+    def _redraw(self) -> None:
+        if self.last is not None:
+            self.show(self.last)
+
+    def on_focus(self) -> None:
+        self._redraw()
+
+    def on_blur(self) -> None:
+        self._redraw()
+
+    def action_move(self, step: int) -> None:
+        if self.last is None:
+            return
+        n = len(self.items(self.last))
+        self.cursor = max(0, min(n - 1, self.cursor + step)) if n else 0
+        self._redraw()
+
+    def action_open(self) -> None:
+        if self.selected is not None:
+            self.post_message(self.Open(self.WHAT, self.selected))

@@ -12,11 +12,17 @@ from rich.table import Table
 from rich.text import Text
 
 from draftgen.tui import fmt
-from draftgen.tui.panels.panel import Panel
+from draftgen.tui.panels.panel import SelectablePanel
 
 
-class ProvidersPanel(Panel):
+class ProvidersPanel(SelectablePanel):
     TITLE = "providers"
+    WHAT = "provider"
+
+    def items(self, s: RunSnapshot) -> tuple[str, ...]:
+        room = max(1, self.rows)
+        shown = s.providers if len(s.providers) <= room else s.providers[:room - 1]
+        return tuple(name for name, _ in shown)
 
     def key(self, s: RunSnapshot) -> Any:
         return s.providers, s.fidelity
@@ -42,7 +48,7 @@ class ProvidersPanel(Panel):
                 f = fidelity.get(name)
                 exact = "" if f is None or f.answer_exact is None else f"exact {f.answer_exact:.0%}"
                 cells.append(Text(f"! {exact}", style="bold red") if f is not None and f.flagged else exact)
-            table.add_row(*cells)
+            table.add_row(*cells, style="reverse" if name == self.selected else None)
         rest = s.providers[len(shown):]
         if rest:
             table.add_row(Text(f"+{len(rest)} others", style="dim"), fmt.percent(sum(n for _, n in rest), total),

@@ -1,0 +1,97 @@
+"""What the drill-down views read: the recent failed attempts by kind, dataset and provider, and each
+provider's answers, errors and latency.
+
+With 2,000 requests in flight a 429 storm produces hundreds of errors a second, so the cost per
+error is three deque appends of one shared record, and the snapshot's tuple is rebuilt only when
+something was added. Each ring is bounded (`per_key` records for each kind, each dataset and each
+provider), so a storm of one kind never pushes a rare kind out of view, and memory stays flat.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from draftgen.core.live.snapshot import ErrorRecord, ProviderStat
+
+ERROR_MESSAGE_MAX = 300
+LATENCY_SAMPLES = 256   # per provider: the recent answers its percentile is taken over
+
+
+class RecentErrors:
+    def __init__(self, per_key: int = 8, clock: Callable[[], float] = time.time) -> None:
+        self.per_key = per_key
+        self._clock = clock
+        self._rings: dict[tuple[str, str], deque[ErrorRecord]] = {}
+        self._version = 0
+        self._built: tuple[int, tuple[ErrorRecord, ...]] = (0, ())
+
+    def add(self, *, kind: str, dataset: str, prompt_id: str, attempt: int, message: str,
+            status: int | None = None, provider: str = "", final: bool = False) -> None:
+        if len(message) > ERROR_MESSAGE_MAX:
+            message = message[:ERROR_MESSAGE_MAX - 1] + "…"
+        record = ErrorRecord(ts=round(self._clock(), 3), kind=kind, dataset=dataset, prompt_id=str(prompt_id),
+                             attempt=attempt, message=message, status=status, provider=provider or "", final=final)
+        for key in (("kind", kind), ("dataset", dataset), ("provider", provider or "")):
+            ring = self._rings.get(key)
+            if ring is None:
+                ring = self._rings[key] = deque(maxlen=self.per_key)
+            ring.append(record)
+        self._version += 1
+
+    def records(self) -> tuple[ErrorRecord, ...]:
+        """Every record still in some ring, oldest first (rebuilt only after an add)."""
+        version, built = self._built
+        if version != self._version:
+            seen: dict[int, ErrorRecord] = {}
+            for ring in self._rings.values():
+                for r in ring:
+                    seen[id(r)] = r
+            built = tuple(sorted(seen.values(), key=lambda r: r.ts))
+            self._built = (self._version, built)
+        return built
+
+
+class ProviderStats:
+    """Answers, attributed errors, completion tokens and latency per provider."""
+
+    def __init__(self) -> None:
+        self._answers: dict[str, int] = {}
+        self._errors: dict[str, int] = {}
+        self._tokens: dict[str, int] = {}
+        self._latency_sum: dict[str, float] = {}
+        self._latency: dict[str, deque[float]] = {}
+        self._version = 0
+        self._built: tuple[int, tuple[ProviderStat, ...]] = (0, ())
+
+    def answer(self, provider: str, latency_s: float, completion_tokens: int) -> None:
+        self._answers[provider] = self._answers.get(provider, 0) + 1
+        self._tokens[provider] = self._tokens.get(provider, 0) + completion_tokens
+        self._latency_sum[provider] = self._latency_sum.get(provider, 0.0) + latency_s
+        ring = self._latency.get(provider)
+        if ring is None:
+            ring = self._latency[provider] = deque(maxlen=LATENCY_SAMPLES)
+        ring.append(latency_s)
+        self._version += 1
+
+    def error(self, provider: str) -> None:
+        self._errors[provider] = self._errors.get(provider, 0) + 1
+        self._version += 1
+
+    def stats(self) -> tuple[ProviderStat, ...]:
+        version, built = self._built
+        if version == self._version:
+            return built
+        out = []
+        for name in sorted(set(self._answers) | set(self._errors),
+                           key=lambda n: (-self._answers.get(n, 0), n)):
+            answers = self._answers.get(name, 0)
+            recent = sorted(self._latency.get(name, ()))
+            p90 = recent[min(len(recent) - 1, int(len(recent) * 0.9))] if recent else 0.0
+            out.append(ProviderStat(name=name, answers=answers, errors=self._errors.get(name, 0),
+                                    latency_mean_s=round(self._latency_sum.get(name, 0.0) / answers, 3) if answers else 0.0,
+                                    latency_p90_s=round(p90, 3), completion_tokens=self._tokens.get(name, 0)))
+        built = tuple(out)
+        self._built = (self._version, built)
+        return built

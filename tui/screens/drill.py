@@ -1,0 +1,156 @@
+"""Drill-down (enter on a dataset, an error kind or a provider): its figures and its recent failed
+attempts with prompt ids, providers, attempts and messages, newest first, updated live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from draftgen.core.live.snapshot import ErrorRecord, RunSnapshot
+from draftgen.tui import fmt
+from draftgen.tui.panels.header import RunHeader
+
+DATASET, KIND, PROVIDER = "dataset", "error kind", "provider"
+
+
+@dataclass(frozen=True)
+class Target:
+    what: str    # DATASET | KIND | PROVIDER
+    name: str
+
+    def matches(self, r: ErrorRecord) -> bool:
+        field = {DATASET: r.dataset, KIND: r.kind, PROVIDER: r.provider}[self.what]
+        return field == self.name
+
+
+def _facts(rows: list[tuple[str, str | Text]]) -> Table:
+    table = Table.grid(padding=(0, 2, 0, 0))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+def _dataset_facts(s: RunSnapshot, name: str) -> list[tuple[str, str | Text]]:
+    d = next((d for d in s.datasets if d.name == name), None)
+    if d is None:
+        return [("dataset", Text("not in this run", style="dim"))]
+    budget = f"{fmt.tokens(d.tokens_used)} of {fmt.tokens(d.token_budget)}" if d.token_budget else fmt.tokens(d.tokens_used)
+    rows: list[tuple[str, str | Text]] = [
+        ("status", d.status),
+        ("answered", f"{fmt.count(d.done)} of {fmt.count(d.total)} ({fmt.percent(d.done + d.failed, d.total)} finished)"),
+        ("failed for good", fmt.count(d.failed)),
+        ("skipped (budget)", fmt.count(d.skipped)),
+        ("truncated", fmt.count(d.truncated)),
+        ("rejected lines", fmt.count(d.rejected)),
+        ("in flight", f"{fmt.count(d.in_flight)} (limit {fmt.count(d.effective_concurrency)} of "
+                      f"{fmt.count(d.concurrency)})"),
+        ("tokens", budget),
+        ("cost", f"{fmt.usd(d.cost_usd)}, projected {fmt.usd(d.projected_cost_usd)}"),
+    ]
+    if d.message:
+        rows.append(("note", d.message))
+    return rows
+
+
+def _kind_facts(s: RunSnapshot, kind: str) -> list[tuple[str, str | Text]]:
+    counts = dict(s.errors)
+    total = sum(counts.values())
+    n = counts.get(kind, 0)
+    return [("attempts", f"{fmt.count(n)} ({fmt.percent(n, total)} of all errors)"),
+            ("retries (all kinds)", fmt.count(s.retries))]
+
+
+def _provider_facts(s: RunSnapshot, name: str) -> list[tuple[str, str | Text]]:
+    answers = dict(s.providers)
+    total = sum(answers.values())
+    st = next((p for p in s.provider_stats if p.name == name), None)
+    rows: list[tuple[str, str | Text]] = [("share", f"{fmt.percent(answers.get(name, 0), total)} of "
+                                                    f"{fmt.count(total)} answers ({fmt.count(answers.get(name, 0))})")]
+    if st is not None:
+        tried = st.answers + st.errors
+        rows += [("errors", f"{fmt.count(st.errors)} attributed ({fmt.percent(st.errors, tried)} of its attempts)"),
+                 ("latency", f"mean {st.latency_mean_s:.1f} s, p90 {st.latency_p90_s:.1f} s (recent answers)"),
+                 ("avg completion", f"{fmt.count(st.completion_tokens / st.answers) if st.answers else '—'} tokens")]
+    rows.append(("token-count agreement", Text("per provider in `draftgen tokens` (validation report)", style="dim")))
+    return rows
+
+
+def draw_drill(s: RunSnapshot, target: Target) -> RenderableType:
+    facts = {DATASET: _dataset_facts, KIND: _kind_facts, PROVIDER: _provider_facts}[target.what](s, target.name)
+    records = [r for r in reversed(s.recent_errors) if target.matches(r)]
+    table = Table(box=None, expand=True, padding=(0, 1, 0, 0), show_edge=False, header_style="bold")
+    table.add_column("time", no_wrap=True, style="dim")
+    if target.what != DATASET:
+        table.add_column("dataset", no_wrap=True, max_width=14, overflow="ellipsis")
+    table.add_column("prompt", no_wrap=True, max_width=18, overflow="ellipsis")
+    if target.what != KIND:
+        table.add_column("kind", no_wrap=True, max_width=18, overflow="ellipsis")
+    if target.what != PROVIDER:
+        table.add_column("provider", no_wrap=True, max_width=16, overflow="ellipsis")
+    table.add_column("try", justify="right", no_wrap=True)
+    table.add_column("message", ratio=1, overflow="fold")
+    for r in records:
+        row: list[str | Text] = [fmt.wall_time(r.ts)]
+        if target.what != DATASET:
+            row.append(r.dataset)
+        row.append(r.prompt_id)
+        if target.what != KIND:
+            row.append(r.kind)
+        if target.what != PROVIDER:
+            row.append(r.provider or Text("—", style="dim"))
+        row.append(Text(f"{r.attempt}" + (" ✗" if r.final else ""), style="bold red" if r.final else ""))
+        row.append(r.message)
+        table.add_row(*row)
+    head = Text.assemble((f"{target.what} ", "dim"), (target.name, "bold"))
+    recent = Text("recent errors, newest first (✗: the prompt failed for good)", style="bold underline") \
+        if records else Text("no errors recorded for it in this run", style="green")
+    return Group(head, Text(""), _facts(facts), Text(""), recent, table if records else Text(""))
+
+
+class DrillScreen(Screen[None]):
+    BINDINGS = [
+        Binding("escape", "back", "back"),
+        Binding("j,down", "scroll(1)", "scroll", show=False),
+        Binding("k,up", "scroll(-1)", show=False),
+    ]
+
+    def __init__(self, target: Target, snapshot: RunSnapshot) -> None:
+        super().__init__()
+        self.target = target
+        self.latest = snapshot
+        self._key: object = None
+
+    def compose(self) -> ComposeResult:
+        yield RunHeader("draftgen", id="header")
+        with VerticalScroll(id="drill", classes="panel") as box:
+            box.border_title = f"{self.target.what}: {self.target.name}"
+            yield Static(id="drill-body")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        self.show(self.latest)
+
+    def show(self, s: RunSnapshot) -> None:
+        self.latest = s
+        self.query_one(RunHeader).show(s)
+        key = (s.recent_errors, s.datasets, s.errors, s.providers, s.provider_stats)
+        if key == self._key:
+            return
+        self._key = key
+        self.query_one("#drill-body", Static).update(draw_drill(s, self.target))
+
+    def action_scroll(self, rows: int) -> None:
+        self.query_one("#drill").scroll_relative(y=rows, animate=False)
+
+    def action_back(self) -> None:
+        self.dismiss(None)
