@@ -11,6 +11,15 @@ from pathlib import Path
 
 from draftgen.core.errors import DraftgenError
 
+EXIT_CODES = """exit codes:
+  0  complete: every prompt answered, failed for a reason of its own, or skipped by a budget
+  1  the smoke test failed (smoke, or run without a passing smoke test)
+  2  error: bad config or input, a stage that failed, an internal error
+  3  incomplete: the run was drained, stopped, or waiting on the account; run again to resume
+  130  interrupted before the run started
+
+start with `draftgen demo`; `draftgen COMMAND -h` for a command's options"""
+
 
 def _config(path: str):  # noqa: ANN202 - Config; imported lazily to keep `--help` fast
     from draftgen.core.config import load_config
@@ -80,16 +89,25 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from draftgen.tui.report import report_command
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise DraftgenError(f"{run_dir}: no such run directory")
+    return report_command(run_dir)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from draftgen.tui.demo import demo_command
     return demo_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftgen", description="EAGLE-3 draft-model training data "
-                                     "from a target model, run from a live terminal UI.")
+    parser = argparse.ArgumentParser(
+        prog="draftgen", description="EAGLE-3 draft-model training data from a target model, run from a live "
+        "terminal UI.", epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
@@ -106,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true", help="headless: merge when generation is done")
     p.add_argument("--extract", action="store_true", help="headless: extract after merging")
     p = add("attach", cmd_attach, "watch a run started elsewhere, read-only")
+    p.add_argument("run_dir")
+    p = add("report", cmd_report, "how a run went: counts per dataset, spend and its history charts")
     p.add_argument("run_dir")
     p = add("tokens", cmd_tokens, "reconstruct token ids of the answers on disk and validate them")
     p.add_argument("config")
@@ -170,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()  # `draftgen` alone: the commands, what each does, and the exit codes
+        return 0
     try:
         return int(args.fn(args) or 0)
     except DraftgenError as e:

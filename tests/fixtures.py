@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.hub import Hub
-from draftgen.core.live.snapshot import Credits, DatasetSnapshot, Event, GpuStat, RunSnapshot, StageProgress, Throughput
+from draftgen.core.live.snapshot import (Credits, DatasetSnapshot, ErrorRecord, Event, GpuStat, ProviderStat,
+                                          RunSnapshot, StageProgress, Throughput, Timeline)
 
 if TYPE_CHECKING:
     from textual.pilot import Pilot
@@ -64,6 +65,55 @@ def _history(n: int = 180, level: float = 3.5) -> tuple[float, ...]:
     return tuple(out)
 
 
+def timeline(seconds: float = 2_368.0, interval: float = 10.0) -> Timeline:
+    """The run's history: 2,000 in flight through B1..B4, a hand-over dip, B5 at 500 with a 429 burst."""
+    points = []
+    for i in range(int(seconds // interval)):
+        t = i * interval
+        wave = 0.45 * math.sin(i / 9.0) + 0.2 * math.sin(i * 1.3)
+        req = max(0.0, 3.5 + wave)
+        handover = any(abs(t - h) < 25 for h in (566, 1_102, 1_650, 2_150))
+        if handover:
+            req *= 0.35
+        storm = 2_280 <= t < 2_330
+        flight = 500 if t >= 2_150 else 2_000
+        if storm:
+            flight = 460
+        if t < 60:
+            req *= t / 60
+        points.append((T0 + t, round(req, 3), round(req * 5_290, 1), round(req * 60 * PER_ANSWER, 5),
+                       round(6.5 if storm else 0.3 + 0.25 * math.sin(i / 4.0) ** 2, 3),
+                       float(flight // 3 if handover else flight)))
+    return Timeline(interval_s=interval, points=tuple(points), runs=(T0,))
+
+
+RECENT_ERRORS = (
+    ErrorRecord(ts=T0 + 1_420.2, kind="timeout", dataset="B3", prompt_id="b3-04417", attempt=1,
+                message="no answer within request_timeout_s=1800 (total)", provider=""),
+    ErrorRecord(ts=T0 + 2_231.0, kind="502 bad gateway", dataset="B5", prompt_id="b5-00212", attempt=1, status=502,
+                message="502: Bad Gateway (upstream provider parasail did not answer)", provider="parasail/int4"),
+    ErrorRecord(ts=T0 + 2_288.4, kind="429 rate limited", dataset="B5", prompt_id="b5-00871", attempt=1, status=429,
+                message="429: Rate limit exceeded: free-models-per-min. Retry-After 4", provider="novita/int4"),
+    ErrorRecord(ts=T0 + 2_289.9, kind="429 rate limited", dataset="B5", prompt_id="b5-00893", attempt=2, status=429,
+                message="429: Provider novita is temporarily rate-limited upstream; please retry shortly",
+                provider="novita/int4"),
+    ErrorRecord(ts=T0 + 2_301.7, kind="timeout", dataset="B5", prompt_id="b5-00904", attempt=8, final=True,
+                message="no answer within request_timeout_s=1800 (total) after 8 attempts: failed for good",
+                provider=""),
+    ErrorRecord(ts=T0 + 2_344.1, kind="502 bad gateway", dataset="B5", prompt_id="b5-00951", attempt=8, status=502,
+                final=True, message="502: Bad Gateway after 8 attempts: failed for good", provider="together/int4"),
+)
+
+PROVIDER_STATS = (
+    ProviderStat(name="novita/int4", answers=3_512, errors=31, latency_mean_s=96.4, latency_p90_s=171.0,
+                 completion_tokens=3_512 * 5_310),
+    ProviderStat(name="parasail/int4", answers=2_790, errors=5, latency_mean_s=88.1, latency_p90_s=158.5,
+                 completion_tokens=2_790 * 5_260),
+    ProviderStat(name="together/int4", answers=1_986, errors=4, latency_mean_s=104.9, latency_p90_s=190.2,
+                 completion_tokens=1_986 * 5_330),
+)
+
+
 def running(**changes: object) -> RunSnapshot:
     s = RunSnapshot(
         run_name=RUN, model=MODEL, state=snap.RunState.RUNNING, elapsed_s=2_368.0, seq=100, taken_at=T0 + 2_368,
@@ -79,6 +129,8 @@ def running(**changes: object) -> RunSnapshot:
                         in_flight_usd=3.63, projected_total_usd=120.05, max_usd=130.0, floor_usd=5.0),
         stages=(StageProgress(name="smoke", state="idle"), StageProgress(name="merge"),
                 StageProgress(name="extract")),
+        started_at=T0, first_started_at=T0, timeline=timeline(), recent_errors=RECENT_ERRORS,
+        provider_stats=PROVIDER_STATS,
     )
     return dataclasses.replace(s, **changes)  # type: ignore[arg-type]
 

@@ -97,7 +97,7 @@ class Chart:
         head = f"{self.title}  now {self.value(now)}  mean {self.value(mean)}  peak {self.value(peak)}"
         yield Segment(head[:width].ljust(width), Style(bold=True))
         yield Segment.line()
-        gutter = 9 if self.axis and width >= 40 else 0
+        gutter = 9 if width >= 40 else 0
         plot_w = width - gutter
         if not self.values:
             yield Segment("no history yet: a point every few seconds".ljust(width)[:width], Style(dim=True))

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
+from typing import TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.live.pipeline import Pipeline
+from draftgen.core.live.summary import EXIT_ERROR, summary_lines
 
 from draftgen.tui.app import DraftgenApp
 
 
-async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, after_run: list[str] | None = None) -> int:
+async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, after_run: list[str] | None = None,
+                  out: TextIO = sys.stdout) -> int:
     """The app and the engine share one event loop; every panel reads the pipeline's snapshots."""
     pipeline = Pipeline(config, api_key, skip_smoke=skip_smoke)
     await pipeline.start()
@@ -36,6 +40,9 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 work.cancel()
         await pipeline.close()
+        # The screen is gone: say in the shell how the run ended (also after a failed smoke or an error).
+        code = EXIT_ERROR if pipeline.error is not None else pipeline.exit_code
+        print("\n".join(summary_lines(pipeline.snapshot(), code, config_hint=str(config.path))), file=out, flush=True)
     if pipeline.error is not None:
         raise pipeline.error  # shown in the UI's alert bar; printed again once the screen is gone
     return pipeline.exit_code

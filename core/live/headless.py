@@ -11,39 +11,93 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from typing import TextIO
 
 from draftgen.core.live import snapshot as snap
 from draftgen.core.config import Config
 from draftgen.core.live.pipeline import Pipeline
-from draftgen.core.units import compact_duration
+from draftgen.core.live.summary import summary_lines
+
+WIDTH = 120          # every line fits a 120-column terminal
+INDENT = " " * 9     # detail lines sit under the status line's state
+DETAILS_EVERY = 6    # status lines between two detail blocks (and at every change)
 
 
-def status_line(s: snap.RunSnapshot) -> str:
-    t, c = s.throughput, s.credits
+def _dur(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def _clock(seconds: float) -> str:
+    s = max(0, int(seconds))
+    return f"{s // 3600:d}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _usd(x: float) -> str:
+    return f"${x:.5f}" if 0 < abs(x) < 0.01 else f"${x:,.2f}"
+
+
+def _fit(line: str) -> str:
+    return line if len(line) <= WIDTH else line[:WIDTH - 1] + "…"
+
+
+def _active(s: snap.RunSnapshot) -> list[snap.DatasetSnapshot]:
     active = [d for d in s.datasets if d.status in (snap.DatasetStatus.RUNNING, snap.DatasetStatus.PAUSED)]
-    shown = active or [d for d in s.datasets if d.status != snap.DatasetStatus.PENDING][-1:]
-    parts = [f"[{compact_duration(s.elapsed_s, '?')}] {s.state}"]
-    for ds in shown:
-        parts.append(f"{ds.name} {ds.done + ds.failed}/{ds.total} ({ds.failed} failed, {ds.skipped} skipped)")
-    parts.append(f"req/s {t.req_s_window:.1f} (30s) {t.req_s_total:.1f} (all)")
-    parts.append(f"tok/s {t.tok_s_window:,.0f} (30s)")
-    parts.append(f"in flight {t.in_flight} (limit {t.effective_concurrency}/{t.configured_concurrency})")
-    parts.append(f"avg completion tok {t.avg_completion_tokens_window:,.0f} (30s) "
-                 f"{t.avg_completion_tokens_total:,.0f} (all)")
+    return active or [d for d in s.datasets if d.status != snap.DatasetStatus.PENDING][-1:]
+
+
+def status_line(s: snap.RunSnapshot, now: float | None = None) -> str:
+    """One line of at most 120 columns: wall clock, state, this run's elapsed time, progress over every
+    dataset, the recent rates, in flight, errors, spend (this run and all runs against max_usd), ETA."""
+    t, c = s.throughput, s.credits
+    wall = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
+    done = sum(d.done for d in s.datasets)
+    total = sum(d.total for d in s.datasets)
+    pct = f" {100 * (done + sum(d.failed + d.skipped for d in s.datasets)) / total:.0f}%" if total else ""
     errors = sum(n for k, n in s.errors if k not in ("length", "empty_content"))
-    parts.append(f"errors {errors} retries {s.retries}")
-    spent = f"spent ${c.spent_usd:.2f}"
+    spent = f"{_usd(c.spent_usd)} run {_usd(c.spent_total_usd)} all"
     if c.max_usd is not None:
-        spent += f"/{c.max_usd:.2f}"
-    parts.append(spent)
+        spent += f"/{_usd(c.max_usd)}"
+    parts = [f"{wall} {s.state:<8} run {_clock(s.elapsed_s)}",
+             f"done {done:,}/{total:,}{pct}",
+             f"{t.req_s_window:.2f} req/s {t.tok_s_window:,.0f} tok/s (30s)",
+             f"in flight {t.in_flight:,}/{t.effective_concurrency:,}",
+             f"err {errors:,}",
+             spent]
+    if t.eta_s is not None:
+        parts.append(f"ETA {_dur(t.eta_s)}")
+    return _fit(" | ".join(parts))
+
+
+def detail_lines(s: snap.RunSnapshot) -> list[str]:
+    """What the status line leaves out, printed every few lines and whenever it changes."""
+    t, c = s.throughput, s.credits
+    out = []
+    for d in _active(s):
+        out.append(_fit(f"{INDENT}{d.name}: {d.status} {d.done:,}/{d.total:,} answered, {d.failed:,} failed, "
+                        f"{d.skipped:,} skipped, {d.in_flight:,} in flight (limit {d.effective_concurrency:,}/"
+                        f"{d.concurrency:,}), {_usd(d.cost_usd)}"))
+    more = [f"avg completion {t.avg_completion_tokens_window:,.0f} tok (30s) {t.avg_completion_tokens_total:,.0f} (all)",
+            f"{t.req_s_total:.2f} req/s (all)", f"retries {s.retries:,}"]
     if c.balance_usd is not None:
-        parts.append(f"balance ${c.balance_usd:.2f} ({compact_duration(c.balance_age_s, '?')} old)")
-    parts.append(f"ETA {compact_duration(t.eta_s, '?')}")
-    line = " | ".join(parts)
+        more.append(f"balance {_usd(c.balance_usd)} ({_dur(c.balance_age_s)} old)")
+    if s.first_started_at and len(s.timeline.runs) > 1:
+        more.append(f"first started {time.strftime('%m-%d %H:%M', time.localtime(s.first_started_at))} "
+                    f"({len(s.timeline.runs)} runs)")
+    out.append(_fit(INDENT + " | ".join(more)))
     if s.alert:
-        line += f"\n  ALERT: {s.alert}"
-    return line
+        out.append(_fit(f"{INDENT}ALERT: {s.alert}"))
+    return out
+
+
+def _shape(s: snap.RunSnapshot) -> object:
+    """What, when it changes, brings the details out at once."""
+    return (s.state, tuple((d.name, d.status) for d in _active(s)), s.alert)
 
 
 class _Output:
@@ -104,16 +158,25 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
 
     async def printer() -> None:
         next_line = loop.time()
+        lines = 0
+        shape: object = None
         while True:
             item = await sub.get()
             if item[0] == "event":
                 ev = item[1]
                 if ev.level != "info" or ev.kind in ("dataset_start", "dataset_done", "run_done", "smoke_done",
                                                       "merge_done", "extract_done", "budget", "tokens_done"):
-                    say(f"  {ev.level}: {ev.message}")
+                    wall = time.strftime("%H:%M:%S", time.localtime(ev.ts))
+                    say(_fit(f"{wall} {ev.level:<8} {ev.message}"))
             elif loop.time() >= next_line:
                 next_line = loop.time() + interval_s
-                say(status_line(item[1]))
+                s = item[1]
+                say(status_line(s))
+                if lines % DETAILS_EVERY == 0 or _shape(s) != shape:
+                    shape = _shape(s)
+                    for line in detail_lines(s):
+                        say(line)
+                lines += 1
 
     printing = asyncio.create_task(printer())
     try:
@@ -125,8 +188,12 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
             await pipeline.merge()
         if code == 0 and state == snap.RunState.DONE and extract:
             await pipeline.extract()
-        say(status_line(pipeline.snapshot()))
         await asyncio.sleep(0)  # let the printer flush the last events
+        final = pipeline.snapshot()
+        say(status_line(final))
+        say("")
+        for line in summary_lines(final, code, config_hint=str(config.path)):
+            say(line)
         return code
     finally:
         printing.cancel()

@@ -16,6 +16,9 @@ from draftgen.tui.panels.panel import Panel
 class CreditsPanel(Panel):
     TITLE = "credits"
 
+    def fit(self) -> Any:
+        return self.cols < 30
+
     def key(self, s: RunSnapshot) -> Any:
         c = s.credits
         # The age ticks every snapshot; whole seconds are all it shows.
@@ -24,6 +27,7 @@ class CreditsPanel(Panel):
 
     def draw(self, s: RunSnapshot) -> RenderableType:
         c = s.credits
+        narrow = self.cols < 30
         table = Table.grid(expand=True, padding=(0, 0, 0, 1))
         table.add_column(no_wrap=True)
         table.add_column(justify="right", no_wrap=True, overflow="ellipsis", ratio=1)
@@ -33,10 +37,13 @@ class CreditsPanel(Panel):
             low = c.balance_usd - c.in_flight_usd <= c.floor_usd
             value = Text(fmt.usd(c.balance_usd), style="bold red" if low else "bold")
             if c.balance_age_s is not None:
-                value.append(f", {fmt.duration(c.balance_age_s)} ago", style="")
+                # 80 columns: the age in brackets, so that nothing is cut.
+                age = fmt.duration(c.balance_age_s)
+                value.append(f" ({age})" if narrow else f", {age} ago", style="")
             table.add_row("balance", value)
-        table.add_row("spent", Text(f"{fmt.usd(c.spent_usd)} this run"))
-        table.add_row("", Text(f"{fmt.usd(c.spent_total_usd)} all runs"))
+        run, every = ("this run", "all runs") if not narrow else ("run", "all")
+        table.add_row("spent", Text(f"{fmt.usd(c.spent_usd)} {run}"))
+        table.add_row("", Text(f"{fmt.usd(c.spent_total_usd)} {every}"))
         over = c.max_usd is not None and c.projected_total_usd is not None and c.projected_total_usd > c.max_usd
         table.add_row("projected", Text(fmt.usd(c.projected_total_usd), style="bold red" if over else ""))
         table.add_row("max_usd", fmt.usd(c.max_usd) if c.max_usd is not None else Text("none", style="dim"))

@@ -59,14 +59,15 @@ class DatasetsPanel(SelectablePanel):
         table = Table(box=None, expand=True, padding=(0, 1, 0, 0), header_style="bold", show_edge=False)
         # Widths from the totals, not the current values: columns stay put as counts and costs grow.
         count_w = max(len(fmt.count(d.total)) for d in s.datasets)
-        money_w = max(8, *(len(fmt.usd(x)) for d in s.datasets for x in (d.cost_usd, d.projected_cost_usd)))
+        money_w = max(8 if wide else 7, *(len(fmt.usd(x)) for d in s.datasets
+                                          for x in (d.cost_usd, d.projected_cost_usd)))
         table.add_column("dataset", no_wrap=True, overflow="ellipsis", max_width=20 if wide else 12)
         table.add_column("status", no_wrap=True, min_width=7)
         table.add_column("done/total", justify="right", no_wrap=True, min_width=2 * count_w + 1)
         table.add_column("progress", ratio=1, no_wrap=True, min_width=8)
         table.add_column("tokens/budget" if wide else "tok/budget", justify="right", no_wrap=True, min_width=11)
-        table.add_column("skipped" if wide else "skip", justify="right", no_wrap=True, min_width=min(count_w, 6))
-        table.add_column("failed" if wide else "fail", justify="right", no_wrap=True, min_width=min(count_w, 6))
+        table.add_column("skipped" if wide else "skip", justify="right", no_wrap=True, min_width=min(count_w, 6) if wide else 4)
+        table.add_column("failed" if wide else "fail", justify="right", no_wrap=True, min_width=min(count_w, 6) if wide else 4)
         table.add_column("cost", justify="right", no_wrap=True, min_width=money_w)
         table.add_column("proj. total" if wide else "proj.", justify="right", no_wrap=True, min_width=money_w)
         notes = []
@@ -77,7 +78,7 @@ class DatasetsPanel(SelectablePanel):
                 Text(d.status, style=STATUS_STYLES.get(d.status, "")),
                 f"{fmt.count(d.done)}/{fmt.count(d.total)}",
                 fmt.Bar(finished / d.total if d.total else 0.0, style="green" if d.status != snap.DatasetStatus.BUDGET
-                        else "magenta", label=fmt.percent(finished, d.total).rjust(4)),
+                        else "magenta", label=fmt.percent(finished, d.total).rjust(4), max_width=160),
                 _tokens_cell(d),
                 Text(fmt.count(d.skipped), style="magenta" if d.skipped else "dim"),
                 Text(fmt.count(d.failed), style="bold red" if d.failed else "dim"),

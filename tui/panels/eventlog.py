@@ -45,7 +45,7 @@ def dataset_of(event: Event, datasets: Iterable[str]) -> str:
 class EventLogPanel(OptionList):
     """One row per event; the highlighted row whole."""
 
-    DEFAULT_CSS = "EventLogPanel { height: 1fr; }"
+    DEFAULT_CSS = "EventLogPanel { height: 1fr; scrollbar-size-vertical: 1; }"
     BINDINGS = [
         Binding("v", "cycle_level", "level", show=False),
         Binding("d", "cycle_dataset", "dataset", show=False),
@@ -69,6 +69,7 @@ class EventLogPanel(OptionList):
         self._shown: list[Event] = []
         self._seen_version = -1
         self._expanded: int | None = None
+        self._width = 0
         self._update_title()
 
     # -- what is shown ----------------------------------------------------------------------------
@@ -92,10 +93,16 @@ class EventLogPanel(OptionList):
         if self.search:
             message.highlight_words([self.search], style="reverse", case_sensitive=False)
         text.append_text(message)
-        if not whole:
-            text.no_wrap = True
-            text.overflow = "ellipsis"
+        width = self.scrollable_content_region.width
+        if not whole and width and text.cell_len > width:
+            text.truncate(width - 1)
+            text.append("…", style="dim")
         return text
+
+    def on_resize(self) -> None:
+        if self.scrollable_content_region.width != self._width:
+            self._width = self.scrollable_content_region.width
+            self.sync(force=True)
 
     def sync(self, force: bool = False) -> None:
         """Show what the store gained since the last call (or everything again, after a filter change)."""

@@ -43,7 +43,8 @@ def _row(st: StageProgress) -> Table:
     counts = f"{fmt.count(st.done)}/{fmt.count(st.total)}" if st.total and not st.checks else ""
     pace = ""
     if st.state == StageState.RUNNING and st.rate:
-        pace = f"{fmt.rate(st.rate)}{st.rate_unit}"
+        unit = st.rate_unit.strip()
+        pace = f"{fmt.rate(st.rate)}{unit}" if unit.startswith("/") else f"{fmt.rate(st.rate)} {unit}"
         if st.eta_s is not None:
             pace += f" ETA {fmt.duration(st.eta_s)}"
     grid.add_row(Text(st.name, style="bold"), Text(st.state, style=STATE_STYLES.get(st.state, "")),

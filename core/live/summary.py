@@ -1,0 +1,83 @@
+"""How a run ends, and the few lines that say so in the shell.
+
+A run is DONE only when every usable prompt of every dataset is answered, failed for a reason of
+its own, or skipped because a budget ran out. Otherwise it ended DRAINED (a drain let the requests
+in flight finish), STOPPED (stop now, or a dataset stopped by its routing) or WAITING (an account
+condition held admission when it ended); the prompts not asked stay eligible and the next `run`
+resumes them. The exit code tells these apart (README "Exit codes").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from draftgen.core.live.snapshot import DatasetSnapshot, RunSnapshot
+
+# Exit codes of `draftgen run` (and `demo`): README "Exit codes".
+EXIT_COMPLETE, EXIT_SMOKE_FAILED, EXIT_ERROR, EXIT_INCOMPLETE = 0, 1, 2, 3
+EXIT_MEANING = {EXIT_COMPLETE: "complete", EXIT_SMOKE_FAILED: "smoke test failed", EXIT_ERROR: "error",
+                EXIT_INCOMPLETE: "incomplete: run again to resume", 130: "interrupted"}
+WIDTH = 120
+
+
+def left(d: DatasetSnapshot) -> int:
+    """Prompts neither answered, failed nor skipped: still to ask."""
+    return max(0, d.total - d.done - d.failed - d.skipped)
+
+
+def prompts_left(datasets: Iterable[DatasetSnapshot]) -> int:
+    return sum(left(d) for d in datasets)
+
+
+def ended_line(state: str, datasets: Iterable[DatasetSnapshot]) -> str:
+    """One line for the header and the log: the end state with its counts."""
+    ds = tuple(datasets)
+    total = sum(d.total for d in ds)
+    return (f"{state}: {sum(d.done for d in ds):,} of {total:,} answered, {sum(d.failed for d in ds):,} failed, "
+            f"{sum(d.skipped for d in ds):,} skipped, {prompts_left(ds):,} not asked yet")
+
+
+def _clock(seconds: float) -> str:
+    s = max(0, int(seconds))
+    return f"{s // 3600:d}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _usd(x: float) -> str:
+    return f"${x:.5f}" if 0 < abs(x) < 0.01 else f"${x:,.2f}"
+
+
+def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG") -> list[str]:
+    """The block printed when the TUI closes or a headless run ends: each line fits 120 columns."""
+    started = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.first_started_at)) if s.first_started_at else "?"
+    runs = len(s.timeline.runs)
+    out = [f"draftgen: {s.run_name}: {s.state} after {_clock(s.elapsed_s)} this run"
+           + (f" (first started {started}, {runs} runs)" if runs > 1 else "")]
+    if s.datasets:
+        name_w = min(20, max(len("total"), *(len(d.name) for d in s.datasets)))
+        count_w = max(len(f"{d.total:,}") for d in s.datasets)
+        total_w = len(f"{sum(d.total for d in s.datasets):,}")
+        w = max(count_w, total_w)
+
+        def row(name: str, done: int, total: int, failed: int, skipped: int, rest: int, cost: str) -> str:
+            return (f"  {name[:name_w]:<{name_w}} {done:>{w},}/{total:<{w},} answered {failed:>{w},} failed "
+                    f"{skipped:>{w},} skipped {rest:>{w},} left  {cost}")[:WIDTH]
+
+        for d in s.datasets:
+            out.append(row(d.name, d.done, d.total, d.failed, d.skipped, left(d), _usd(d.cost_usd))
+                       + (f"  {d.status}" if d.status else ""))
+        ds = s.datasets
+        out.append(row("total", sum(d.done for d in ds), sum(d.total for d in ds), sum(d.failed for d in ds),
+                       sum(d.skipped for d in ds), prompts_left(ds), _usd(s.credits.spent_total_usd)))
+    c = s.credits
+    spend = f"  spent {_usd(c.spent_usd)} this run, {_usd(c.spent_total_usd)} all runs"
+    if c.max_usd is not None:
+        spend += f" (max_usd {_usd(c.max_usd)})"
+    out.append(spend)
+    if s.alert:
+        out.append(f"  alert: {s.alert}"[:WIDTH])
+    rest = prompts_left(s.datasets)
+    if exit_code == EXIT_INCOMPLETE and rest:
+        out.append(f"  {rest:,} prompts not asked yet: `draftgen run {config_hint}` again resumes them")
+    out.append(f"  exit {exit_code} ({EXIT_MEANING.get(exit_code, 'see README')})")
+    return out

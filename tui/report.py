@@ -1,0 +1,78 @@
+"""`draftgen report RUN_DIR`: how a run went, from its files alone (it may be running, finished, or
+copied elsewhere): answered, failed and rejected per dataset, the spend on disk, and the history
+charts from history.jsonl (core/live/timeline.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from draftgen.core.live.timeline import timeline_from_file
+from draftgen.core.rundir import RunDir, iter_jsonl
+from draftgen.tui import fmt
+from draftgen.tui.charts import CHARTS, Chart
+
+
+def _datasets(rd: RunDir) -> list[str]:
+    """Dataset names from run.json in config order, else the folders holding a responses.jsonl."""
+    try:
+        config = orjson.loads(rd.run_json.read_bytes()).get("config", {})
+        names = [d["name"] for d in config.get("datasets", []) if isinstance(d, dict) and "name" in d]
+        if names:
+            return names
+    except (OSError, orjson.JSONDecodeError, AttributeError, TypeError):
+        pass
+    return sorted(p.parent.name for p in rd.root.glob("*/responses.jsonl"))
+
+
+def _count(path: Path) -> int:
+    return sum(1 for _ in iter_jsonl(path)) if path.exists() else 0
+
+
+def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) -> None:
+    rd = RunDir(run_dir)
+    console = Console(file=out, width=width or min(120, Console().width), highlight=False)
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for col, justify in (("dataset", "left"), ("answered", "right"), ("failed", "right"), ("rejected", "right"),
+                         ("truncated", "right"), ("tokens", "right"), ("cost", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    totals = [0, 0, 0, 0, 0, 0.0]
+    for name in _datasets(rd):
+        answered = truncated = tokens = 0
+        cost = 0.0
+        for _, rec in iter_jsonl(rd.responses(name)):
+            answered += 1
+            usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
+            n = usage.get("completion_tokens")
+            tokens += n if isinstance(n, int) and not isinstance(n, bool) else 0
+            c = usage.get("cost")
+            cost += c if isinstance(c, (int, float)) and not isinstance(c, bool) else 0.0
+            truncated += bool(rec.get("truncated") or rec.get("empty_content"))
+        row = [answered, _count(rd.failures(name)), _count(rd.rejected(name)), truncated, tokens, cost]
+        totals = [a + b for a, b in zip(totals, row)]
+        table.add_row(name, fmt.count(row[0]), fmt.count(row[1]), fmt.count(row[2]), fmt.count(row[3]),
+                      fmt.tokens(row[4]), fmt.usd(row[5]))
+    table.add_row(Text("total", style="bold"), *(fmt.count(x) for x in totals[:4]), fmt.tokens(totals[4]),
+                  fmt.usd(totals[5]))
+    console.print(Text(f"draftgen report: {rd.root.resolve()}", style="bold"))
+    console.print(table)
+    timeline = timeline_from_file(rd.history)
+    if not timeline.points:
+        console.print(Text(f"\nno history: {rd.history} is missing or empty (written by runs since this version)",
+                           style="dim"))
+        return
+    console.print(Text(f"\nhistory: {len(timeline.runs)} run(s), {fmt.duration(len(timeline.points) * timeline.interval_s)}"
+                       f" in points of {fmt.duration(timeline.interval_s)}", style="bold"))
+    for series, title, value, style in CHARTS:
+        console.print(Chart(timeline, series, title, value, style, height=4))
+
+
+def report_command(run_dir: Path) -> int:
+    report(run_dir)
+    return 0
