@@ -209,6 +209,24 @@ def out_of_credits() -> RunSnapshot:
         errors=(("402 payment required", 1),) + s.errors)
 
 
+def ended(state: str) -> RunSnapshot:
+    """The run after it ended in `state`: DONE has nothing left; the others leave B5..B8 to ask."""
+    from draftgen.core.live.summary import ended_line
+    s = running()
+    if state == snap.RunState.DONE:
+        datasets = tuple(_budget_done(d.name, d.total, d.done or 1_900, d.cost_usd or 15.0) for d in s.datasets)
+    else:
+        datasets = tuple(dataclasses.replace(d, status=snap.DatasetStatus.STOPPED, in_flight=0,
+                                             message="stopped before the end; the next run resumes")
+                         if d.status in (snap.DatasetStatus.RUNNING, snap.DatasetStatus.PENDING) else d
+                         for d in s.datasets)
+    alert = ("402 Payment Required: out of credits; add credits and run again" if state == snap.RunState.WAITING
+             else "")
+    return dataclasses.replace(
+        s, state=state, seq=s.seq + 50, datasets=datasets, alert=alert, ended=ended_line(state, datasets),
+        throughput=dataclasses.replace(s.throughput, in_flight=0, req_s_window=0.0, tok_s_window=0.0, eta_s=None))
+
+
 def attached() -> RunSnapshot:
     return dataclasses.replace(running(), attached=True)
 
@@ -343,5 +361,17 @@ VIEWS = (
     View("merge", "Merge (m) in progress after the run", merging),
     View("extract", "Hidden-state extraction (x) with the GPU panel", extracting),
     View("running_80x24", "The same run in an 80x24 terminal", running, size=(80, 24)),
+    View("running_200x50", "A wide terminal (200x50): the history beside the tables, more events", running,
+         size=(200, 50)),
+    View("drill_dataset", "Drill-down (enter on a dataset): its figures and recent errors with prompt ids",
+         running, ("j", "j", "j", "j", "enter")),
+    View("drill_kind", "Drill-down on an error kind (tab to the errors panel, enter)", running, ("tab", "enter")),
+    View("drill_provider", "Drill-down on a provider: share, errors, latency", running, ("tab", "tab", "enter")),
+    View("history", "History (h): the whole run's rates as charts", running, ("h",)),
+    View("log_filter", "The events log (l), warnings and errors only (v)", running, ("l", "v")),
+    View("log_search", "The events log searched with /", running, ("slash", *"balance", "enter")),
+    View("drained", "A drained run ends DRAINED, with what is left to ask", lambda: ended(snap.RunState.DRAINED)),
+    View("done", "A finished run: DONE only when every prompt has an outcome", lambda: ended(snap.RunState.DONE)),
+    View("too_small", "Below 80x24: one line says so", running, size=(70, 20)),
     View("extract_80x24", "Extraction in an 80x24 terminal", extracting, size=(80, 24)),
 )

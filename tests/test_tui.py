@@ -11,7 +11,10 @@ from draftgen.core.live import snapshot as snap
 from tests import fixtures as fx
 from draftgen.tui import fmt
 from draftgen.tui.app import DraftgenApp
+from draftgen.tui.screens.drill import DrillScreen
 from draftgen.tui.screens.help import HelpScreen
+from draftgen.tui.screens.history import HistoryScreen
+from draftgen.tui.screens.logview import LogScreen
 from draftgen.tui.screens.quitdialog import QuitScreen
 from draftgen.tui.screens.smoke import SmokeScreen
 from rich.console import Console
@@ -249,7 +252,9 @@ async def test_80x24_keeps_every_panel_on_screen() -> None:
         assert "B8" in datasets and "$15.05" in datasets
         throughput = text(app, "#throughput")
         assert "last 30 s" in throughput and "since start" in throughput
-        assert "$64.15, 42 s ago" in text(app, "#credits")
+        credits = text(app, "#credits")
+        assert "$64.15 (42 s)" in credits and "$65.85 run" in credits  # nothing cut at 80 columns
+        assert "…" not in credits
 
 
 async def test_no_color_still_says_everything(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -306,3 +311,198 @@ async def test_providers_panel_shows_token_agreement_and_the_flag() -> None:
         shown = text(app, "#providers")
         assert "exact 97%" in shown and "! exact 2%" in shown
         assert "together/int4" in shown  # no figures yet: listed without them
+
+
+# -- drill-down, log, history, end states, sizes (issue 14) --------------------------------------------
+
+
+async def test_drill_into_a_dataset_shows_its_recent_errors() -> None:
+    app, _ = make()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        assert app.focused is app.query_one("#datasets")
+        await pilot.press("j", "j", "j", "down")  # B1 -> B5
+        assert app.query_one("#datasets").selected == "B5"  # type: ignore[attr-defined]
+        await pilot.press("k", "j", "enter")
+        assert isinstance(app.screen, DrillScreen)
+        body = text(app, "#drill-body")
+        assert "dataset B5" in body and "740 of 10,310" in body
+        # Its recent errors, newest first, with prompt ids, kinds, providers and attempts; B3's not.
+        assert body.index("b5-00951") < body.index("b5-00871") and "b3-04417" not in body
+        assert "novita/int4" in body and "8 ✗" in body
+        await pilot.press("escape")
+        assert not isinstance(app.screen, DrillScreen)
+
+
+async def test_drill_into_an_error_kind_and_a_provider() -> None:
+    app, _ = make()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("tab")  # datasets -> errors
+        assert app.focused is app.query_one("#errors")
+        await pilot.press("enter")  # the first kind: 429 rate limited
+        assert isinstance(app.screen, DrillScreen)
+        body = text(app, "#drill-body")
+        assert "error kind 429 rate limited" in body and "37" in body
+        assert "b5-00871" in body and "b5-00904" not in body  # only that kind
+        await pilot.press("escape", "tab", "j", "enter")  # providers: parasail/int4
+        body = text(app, "#drill-body")
+        assert "provider parasail/int4" in body and "34%" in body and "p90 158.5 s" in body
+        assert "b5-00212" in body and "b5-00871" not in body
+
+
+async def test_drill_follows_new_snapshots() -> None:
+    app, controls = make()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("enter")  # B1 has no errors
+        assert "no errors recorded" in text(app, "#drill-body")
+        new = fx.RECENT_ERRORS[0].__class__(ts=fx.T0 + 2_400, kind="timeout", dataset="B1", prompt_id="b1-09999",
+                                            attempt=3, message="late timeout")
+        controls.publish(dataclasses.replace(fx.running(), seq=500, recent_errors=fx.RECENT_ERRORS + (new,)))
+        await until(pilot, lambda: "b1-09999" in text(app, "#drill-body"), "drill-down shows the new error")
+
+
+async def test_main_log_scrolls_and_stops_following_until_end() -> None:
+    app, controls = make()
+    async with app.run_test(size=(120, 30)) as pilot:
+        log = app.query_one("#events")
+        await pilot.pause()
+        assert log.following and log.highlighted == len(fx.events()) - 1  # type: ignore[attr-defined]
+        await pilot.press("pageup")  # works from the main screen without focusing the log
+        assert not log.following and log.highlighted < len(fx.events()) - 1  # type: ignore[attr-defined]
+        assert "scrolled" in str(log.border_title)
+        controls.event("info", "x", "a new event while scrolled up")
+        await until(pilot, lambda: log.option_count == len(fx.events()) + 1, "new event listed")  # type: ignore[attr-defined]
+        assert log.highlighted < log.option_count - 1  # type: ignore[attr-defined]  # did not jump to the tail
+        await pilot.press("end")
+        assert log.following and log.highlighted == log.option_count - 1  # type: ignore[attr-defined]
+
+
+async def test_log_view_filters_by_level_and_dataset_and_searches() -> None:
+    app, _ = make()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("l")
+        assert isinstance(app.screen, LogScreen)
+        log = app.screen.events_log
+        assert len(log.lines) == len(fx.events())
+        await pilot.press("v")  # warnings and errors
+        assert len(log.lines) == 2 and all(" warn " in line for line in log.lines)
+        await pilot.press("v", "v", "d")  # back to every level; then the first dataset, B1
+        assert log.dataset == "B1" and all(" B1: " in line for line in log.lines) and len(log.lines) == 3
+        await pilot.press("c", "slash")
+        await pilot.press(*"balance", "enter")
+        assert [line.split(" ", 2)[2].strip() for line in log.lines] == ["balance $96.20", "balance $64.15"]
+        assert "/balance" in str(log.border_title)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, LogScreen)
+
+
+async def test_slash_opens_the_log_searching() -> None:
+    app, _ = make()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("slash")
+        assert isinstance(app.screen, LogScreen)
+        await pilot.press(*"429s", "enter")
+        assert len(app.screen.events_log.lines) == 1
+
+
+async def test_selected_log_line_shows_its_full_text() -> None:
+    long = "B5: " + "a long message that does not fit on one line of an 80-column terminal " * 3 + "END"
+    app, controls = make()
+    async with app.run_test(size=(80, 24)) as pilot:
+        controls.event("error", "x", long)
+        await pilot.press("l")
+        log = app.screen.events_log
+
+        def shown() -> str:
+            console = Console(width=80, file=io.StringIO(), color_system=None)
+            with console.capture() as cap:
+                console.print(app.screen._compositor.render_update(full=True))
+            return cap.get()
+
+        await until(pilot, lambda: "END" in shown(), "the highlighted (newest) line is shown whole")
+        await pilot.press("up")
+        await until(pilot, lambda: "END" not in shown(), "once not highlighted, cut to one line")
+        assert "…" in shown()
+
+
+async def test_history_view_draws_every_chart() -> None:
+    app, _ = make()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("h")
+        assert isinstance(app.screen, HistoryScreen)
+        body = text(app, "#history-body")
+        for title in ("requests/s", "completion tokens/s", "spend per minute", "errors, % of attempts",
+                      "requests in flight"):
+            assert title in body
+        assert "peak 6.5%" in body and "10:00" in body and "10:39" in body and "█" in body
+        await pilot.press("h")
+        assert not isinstance(app.screen, HistoryScreen)
+
+
+async def test_wide_screen_shows_history_beside_the_tables() -> None:
+    app, _ = make()
+    async with app.run_test(size=(200, 50)) as pilot:
+        await pilot.pause()
+        mini = app.query_one("#mini-history")
+        assert mini.display and mini.region.width > 40
+        assert "requests/s" in text(app, "#mini-history")
+    app, _ = make()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        assert app.query_one("#mini-history").region.width == 0
+
+
+async def test_below_80x24_one_line_says_so() -> None:
+    app, _ = make()
+    async with app.run_test(size=(70, 20)) as pilot:
+        await pilot.pause()
+        notice = app.query_one("#too-small")
+        assert notice.display and notice.region.height == 1
+        assert "70×20" in text(app, "#too-small") and "80×24" in text(app, "#too-small")
+        assert app.query_one("#body").region.height == 0
+        await pilot.resize_terminal(80, 24)
+        await until(pilot, lambda: app.query_one("#body").region.height > 0, "panels back at 80x24")
+
+
+@pytest.mark.parametrize("key", ["ctrl+c", "ctrl+q"])
+async def test_ctrl_c_asks_like_q(key: str) -> None:
+    app, controls = make()
+    async with app.run_test() as pilot:
+        await pilot.press(key)
+        assert isinstance(app.screen, QuitScreen) and app.is_running and controls.calls == []
+        await pilot.press("escape", "l", key)  # from a view too: back to the main screen, then the question
+        assert isinstance(app.screen, QuitScreen)
+
+
+@pytest.mark.parametrize("state", [snap.RunState.DRAINED, snap.RunState.STOPPED, snap.RunState.WAITING])
+async def test_incomplete_end_states_say_what_is_left(state: snap.RunState) -> None:
+    s = fx.ended(state)
+    app, _ = make(s)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        assert f" {state.value} " in text(app, "#header")
+        alert = text(app, "#alert")
+        assert f"run {state.value}" in alert and "not asked yet" in alert and "run again" in alert
+        # The account's alert stays red above the ending; otherwise the bar is the ending's colour.
+        assert app.query_one("#alert").has_class("-incomplete") == (state != snap.RunState.WAITING)
+
+
+async def test_done_means_nothing_left() -> None:
+    app, _ = make(fx.ended(snap.RunState.DONE))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        alert = text(app, "#alert")
+        assert "run DONE" in alert and ", 0 not asked yet" in alert and "run again" not in alert
+
+
+def test_stage_rates_have_a_space_before_the_unit() -> None:
+    from draftgen.tui.panels.stages import _row
+    for unit, want in (("answers/s", "17.1 answers/s"), ("tok/s", "46,486 tok/s"), (" samples/s", "4,120 samples/s"),
+                       ("/s", "3.50/s")):
+        rate = {"answers/s": 17.1, "tok/s": 46_486.0, " samples/s": 4_120.0, "/s": 3.5}[unit]
+        st = snap.StageProgress(name="tokens", state=snap.StageState.RUNNING, done=1, total=2, rate=rate,
+                                rate_unit=unit)
+        console = Console(width=120, file=io.StringIO(), color_system=None)
+        with console.capture() as cap:
+            console.print(_row(st))
+        assert want in cap.get(), cap.get()

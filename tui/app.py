@@ -41,7 +41,7 @@ from draftgen.tui.panels.throughput import ThroughputPanel
 CONTROL_ACTIONS = frozenset({"pause", "resume", "smoke", "merge", "extract"})
 VIEW_ACTIONS = frozenset({"log", "search", "history"})
 APP_ACTIONS = CONTROL_ACTIONS | VIEW_ACTIONS | {"quit_run", "help", "read_only"}
-FINAL_STATES = (snap.RunState.DONE, snap.RunState.STOPPED)
+FINAL_STATES = (snap.RunState.DONE, snap.RunState.STOPPED, snap.RunState.DRAINED, snap.RunState.WAITING)
 VIEW_SCREENS = (LogScreen, HistoryScreen, DrillScreen)
 MIN_SIZE = (80, 24)  # below it a one-line notice replaces the panels
 
@@ -161,6 +161,8 @@ class DraftgenApp(App[None]):
         # A resize can change what panels show (short screens keep to essentials): redraw then too.
         shape = (self.size, self.screen_stack[0].classes)
         reshaped, self._shape = shape != self._shape, shape
+        if reshaped:
+            self._fit_screen()
         if newest is None and reshaped:
             newest = self.latest
         if newest is not None and (newest is not self.latest or reshaped):

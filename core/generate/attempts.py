@@ -19,6 +19,7 @@ from draftgen.core.config import Config
 from draftgen.core.generate.admission import Gate
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
 from draftgen.core.generate.stats import Tally
+from draftgen.core.live.recent import RecentErrors
 from draftgen.core.records import ErrorKind
 from draftgen.core.secrets import Redactor
 
@@ -56,7 +57,7 @@ class Attempts:
 
     def __init__(self, config: Config, gate: Gate, errors: Tally, rng: random.Random, *,
                  retry_slot: Callable[[DatasetRun], Awaitable[None]], on_event: Callable[[str, str, str], None],
-                 redact: Redactor, clock: Callable[[], float]) -> None:
+                 redact: Redactor, clock: Callable[[], float], recent: RecentErrors | None = None) -> None:
         self._config = config
         self._gate = gate
         self._errors = errors
@@ -65,11 +66,12 @@ class Attempts:
         self._event = on_event
         self._redact = redact
         self._clock = clock
+        self._recent = recent   # the drill-down's rings of recent errors
         self.client: ChatClient | None = None
         self.retries = 0
         self._unreachable_since: float | None = None  # the API could not be reached; reset by an answer
 
-    async def ask(self, ds: DatasetRun, body: dict[str, Any]) -> Attempted:
+    async def ask(self, ds: DatasetRun, body: dict[str, Any], prompt_id: str = "") -> Attempted:
         assert self.client is not None
         eng = self._config.engine
         attempt = 0
@@ -80,6 +82,10 @@ class Attempts:
                 answer = await self.client.chat(body)
             except RequestFailed as e:
                 self._errors.add(e.kind)
+                if self._recent is not None:
+                    self._recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=prompt_id, attempt=attempt,
+                                     message=self._redact(e.message), status=e.status,
+                                     provider=getattr(e, "provider", None) or "")
                 if e.unreachable and not self._gate.stopping:
                     # Nothing was sent: the network or the server is down. Not this prompt's fault, so no
                     # attempt is spent and it waits the outage out however long it lasts; a drain gives it
@@ -108,6 +114,8 @@ class Attempts:
                                                       e.retry_after, self._rng))
                     await self._retry_slot(ds)
                     continue
+                if self._recent is not None:
+                    self._recent.mark_final(ds.config.name, prompt_id)
                 return Attempted(Outcome.FAILED, attempt, error=e)
             ds.concurrency.on_response()
             self._note_reachable()

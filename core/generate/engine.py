@@ -38,6 +38,8 @@ from draftgen.core.generate.projection import project
 from draftgen.core.generate.prompts import Prompt
 from draftgen.core.generate.stats import Tally
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.recent import ProviderStats, RecentErrors
+from draftgen.core.live.summary import ended_line, final_state
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.files import write_json_atomic
 from draftgen.core.rundir import RunDir
@@ -68,8 +70,11 @@ class Engine:
                          for d in config.datasets}
         self.money = MoneyBudget(config.budget.max_usd, config.budget.credit_floor_usd, clock)
         self.errors = Tally()
+        self.provider_stats = ProviderStats()
+        self.recent = RecentErrors(providers=self.provider_stats)
         self.state = RunState.IDLE
         self.alert = ""
+        self.ended = ""  # how the run ended, with counts (final states only)
         self.held: Hold | None = None  # why the engine paused the run by itself, while it is paused
         self._started = clock()
         self._gate = Gate(asyncio.Event())
@@ -79,7 +84,7 @@ class Engine:
         self.admission = Admission(self.datasets, self.money, self._gate, self.ledger, self._request, self._event)
         self.attempts = Attempts(config, self._gate, self.errors, random.Random(seed),
                                  retry_slot=self.admission.retry_slot, on_event=self._event,
-                                 redact=self._redact, clock=clock)
+                                 redact=self._redact, clock=clock, recent=self.recent)
         self._client: ChatClient | None = None
         self._seq = 0
 
@@ -196,12 +201,12 @@ class Engine:
                 await self._client.close()
             self.ledger.settle_held()
             self.ledger.close()
-        self.state = RunState.STOPPED if self._gate.stopping else RunState.DONE
-        done = sum(d.done for d in self.datasets.values())
-        self._event("info", "run_done", f"run {self.state.lower()}: {done} answered, "
-                    f"{sum(d.failed for d in self.datasets.values())} failed, "
-                    f"{sum(d.skipped for d in self.datasets.values())} skipped, "
-                    f"${self.money.spent_run:.4f} spent this run")
+        # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
+        self.state = final_state(self.datasets.values(), stopping=self._gate.stopping,
+                                 draining=self._gate.draining, waiting=self.held is Hold.OUT_OF_CREDITS)
+        self.ended = ended_line(self.state, self.datasets.values())
+        self._event("info" if self.state == RunState.DONE else "warn", "run_done",
+                    f"run {self.ended}; ${self.money.spent_run:.4f} spent this run")
         return self.state
 
     def _write_run_json(self) -> None:
@@ -221,9 +226,11 @@ class Engine:
         write_json_atomic(self.rundir.run_json, info)  # a full disk at the start: a clear message
 
     async def _request(self, ds: DatasetRun, prompt: Prompt) -> None:
-        done = await self.attempts.ask(ds, self.config.request_body(ds.config, prompt.messages))
+        done = await self.attempts.ask(ds, self.config.request_body(ds.config, prompt.messages), prompt.id)
         if done.outcome is Outcome.ANSWERED:
             assert done.answer is not None
+            self.provider_stats.answer(done.answer.provider or "unknown", done.answer.latency_s,
+                                       done.answer.usage.completion_tokens)
             self.ledger.record_answer(ds, prompt, done.answer, done.attempts)
             if self.admission.duplicates is not None:
                 self.admission.duplicates.answered(ds.config.name, prompt.id)

@@ -21,6 +21,7 @@ from draftgen.core.config import Config
 from draftgen.core.generate.engine import Engine
 from draftgen.core.errors import DraftgenError
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_INCOMPLETE, INCOMPLETE
 from draftgen.core.live.timeline import TimelineRecorder, Totals
 from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.secrets import Redactor
@@ -152,6 +153,8 @@ class Pipeline:
                 for ds in self.config.datasets:
                     await self._reconstructor.catch_up(ds.name)
             state = await self.engine.run()
+            if state in INCOMPLETE and self.exit_code == EXIT_COMPLETE:
+                self.exit_code = EXIT_INCOMPLETE  # prompts are left: the shell can tell it from a complete run
             if self._reconstructor is not None:
                 await self._reconstructor.close()
                 self.stages["tokens"] = self._reconstructor.progress()
@@ -182,7 +185,9 @@ class Pipeline:
             self._fidelity = self._reconstructor.fidelity()
         fidelity = self._fidelity
         return dataclasses.replace(s, stages=tuple(self.stages[n] for n in STAGES if n in self.stages),
-                                   gpus=self.gpus, fidelity=fidelity, timeline=self.timeline.timeline(),
+                                   gpus=self.gpus, fidelity=fidelity, timeline=self.timeline.timeline(), ended=self.engine.ended,
+                                   recent_errors=self.engine.recent.records(),
+                                   provider_stats=self.engine.provider_stats.stats(),
                                    started_at=self.timeline.started_at,
                                    first_started_at=self.timeline.first_started_at)
 
@@ -190,7 +195,7 @@ class Pipeline:
         """This process's running totals for the history (core/live/timeline.py)."""
         e = self.engine
         errors = sum(n for kind, n in e.errors.items() if kind not in NOT_ERRORS)
-        return Totals(answers=e.rates.answers, tokens=e.rates.tokens, usd=e.money.spent_run, errors=errors,
+        return Totals(answers=e.ledger.rates.answers, tokens=e.ledger.rates.tokens, usd=e.money.spent_run, errors=errors,
                       in_flight=e.in_flight)
 
     def publish(self) -> None:

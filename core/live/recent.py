@@ -9,6 +9,7 @@ provider), so a storm of one kind never pushes a rare kind out of view, and memo
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -20,8 +21,10 @@ LATENCY_SAMPLES = 256   # per provider: the recent answers its percentile is tak
 
 
 class RecentErrors:
-    def __init__(self, per_key: int = 8, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, per_key: int = 8, clock: Callable[[], float] = time.time,
+                 providers: ProviderStats | None = None) -> None:
         self.per_key = per_key
+        self.providers = providers
         self._clock = clock
         self._rings: dict[tuple[str, str], deque[ErrorRecord]] = {}
         self._version = 0
@@ -38,6 +41,18 @@ class RecentErrors:
             if ring is None:
                 ring = self._rings[key] = deque(maxlen=self.per_key)
             ring.append(record)
+        if provider and self.providers is not None:
+            self.providers.error(provider)
+        self._version += 1
+
+    def mark_final(self, dataset: str, prompt_id: str) -> None:
+        """The prompt failed for good with its last recorded attempt."""
+        for ring in self._rings.values():
+            for i in range(len(ring) - 1, -1, -1):
+                r = ring[i]
+                if r.dataset == dataset and r.prompt_id == prompt_id:
+                    ring[i] = dataclasses.replace(r, final=True)
+                    break
         self._version += 1
 
     def records(self) -> tuple[ErrorRecord, ...]:

@@ -25,8 +25,10 @@ class RunState(StrEnum):
     RUNNING = "RUNNING"
     PAUSED = "PAUSED"
     DRAINING = "DRAINING"
-    DONE = "DONE"
-    STOPPED = "STOPPED"
+    DONE = "DONE"          # ended with every prompt answered, failed or skipped
+    STOPPED = "STOPPED"    # ended by stop now (or a dataset's routing) with prompts not asked
+    DRAINED = "DRAINED"    # ended by a drain with prompts not asked
+    WAITING = "WAITING"    # ended while an account condition (402) held admission
 
 
 class DatasetStatus(StrEnum):

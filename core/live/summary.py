@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Protocol
 
-from draftgen.core.live.snapshot import DatasetSnapshot, RunSnapshot
+from draftgen.core.live.snapshot import RunSnapshot, RunState
+
+
+class Counted(Protocol):
+    """A dataset's counts: its snapshot, or the engine's live record of it."""
+    name: str
+    total: int
+    done: int
+    failed: int
+    skipped: int
 
 # Exit codes of `draftgen run` (and `demo`): README "Exit codes".
 EXIT_COMPLETE, EXIT_SMOKE_FAILED, EXIT_ERROR, EXIT_INCOMPLETE = 0, 1, 2, 3
@@ -21,16 +31,32 @@ EXIT_MEANING = {EXIT_COMPLETE: "complete", EXIT_SMOKE_FAILED: "smoke test failed
 WIDTH = 120
 
 
-def left(d: DatasetSnapshot) -> int:
+INCOMPLETE = (RunState.DRAINED, RunState.STOPPED, RunState.WAITING)
+
+
+def left(d: Counted) -> int:
     """Prompts neither answered, failed nor skipped: still to ask."""
     return max(0, d.total - d.done - d.failed - d.skipped)
 
 
-def prompts_left(datasets: Iterable[DatasetSnapshot]) -> int:
+def prompts_left(datasets: Iterable[Counted]) -> int:
     return sum(left(d) for d in datasets)
 
 
-def ended_line(state: str, datasets: Iterable[DatasetSnapshot]) -> str:
+def final_state(datasets: Iterable[Counted], *, stopping: bool, draining: bool, waiting: bool) -> RunState:
+    """How a finished run ended: DONE only when no prompt is left to ask."""
+    if prompts_left(datasets) == 0:
+        return RunState.DONE
+    if waiting:
+        return RunState.WAITING
+    if stopping:
+        return RunState.STOPPED
+    if draining:
+        return RunState.DRAINED
+    return RunState.STOPPED  # a dataset stopped by its routing (404 no endpoints) left prompts
+
+
+def ended_line(state: str, datasets: Iterable[Counted]) -> str:
     """One line for the header and the log: the end state with its counts."""
     ds = tuple(datasets)
     total = sum(d.total for d in ds)

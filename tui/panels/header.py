@@ -19,6 +19,8 @@ STATE_STYLES = {
     snap.RunState.DRAINING: "bold black on yellow",
     snap.RunState.DONE: "bold white on blue",
     snap.RunState.STOPPED: "bold white on red",
+    snap.RunState.DRAINED: "bold black on yellow",
+    snap.RunState.WAITING: "bold black on magenta",
     snap.RunState.IDLE: "bold reverse",
 }
 
@@ -55,18 +57,23 @@ class RunHeader(Panel):
 
 
 class AlertBar(Panel):
-    """The engine's alert, on a line of its own so it cannot be missed; hidden when there is none."""
+    """The engine's alert, on a line of its own so it cannot be missed, and once the run has ended how
+    it ended, with its counts; hidden when there is neither."""
 
     FRAMED = False
 
     def key(self, s: RunSnapshot) -> Any:
-        return s.alert
+        return (s.alert, s.ended)
 
     def shape(self, s: RunSnapshot) -> Any:
-        return s.alert  # it may wrap
+        return (s.alert, s.ended)  # it may wrap
 
     def wanted(self, s: RunSnapshot) -> bool:
-        return bool(s.alert)
+        return bool(s.alert or s.ended)
 
     def draw(self, s: RunSnapshot) -> RenderableType:
-        return Text(f" ⚠ {s.alert}", style="bold")
+        self.set_class(not s.alert and s.state == snap.RunState.DONE, "-done")
+        self.set_class(not s.alert and bool(s.ended) and s.state != snap.RunState.DONE, "-incomplete")
+        hint = "" if s.state == snap.RunState.DONE else " · run again to resume the rest"
+        lines = ([f" ⚠ {s.alert}"] if s.alert else []) + ([f" ■ run {s.ended}{hint}"] if s.ended else [])
+        return Text("\n".join(lines), style="bold")

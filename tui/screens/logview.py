@@ -52,39 +52,39 @@ class LogScreen(Screen[None]):
         log.sync()
 
     @property
-    def log(self) -> EventLogPanel:
+    def events_log(self) -> EventLogPanel:
         return self.query_one(EventLogPanel)
 
     def action_search(self) -> None:
         search = self.query_one("#log-search", Input)
-        search.value = self.log.search
+        search.value = self.events_log.search
         search.remove_class("-hidden")
         search.focus()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.input.add_class("-hidden")
-        self.log.set_filter(search=event.value.strip())
-        self.log.focus()
+        self.events_log.set_filter(search=event.value.strip())
+        self.events_log.focus()
 
     def action_back(self) -> None:
         search = self.query_one("#log-search", Input)
         if search.has_focus:
             search.add_class("-hidden")
-            self.log.focus()
+            self.events_log.focus()
             return
         self.dismiss(None)
 
     def action_level(self) -> None:
-        self.log.action_cycle_level()
+        self.events_log.action_cycle_level()
 
     def action_dataset(self) -> None:
-        self.log.action_cycle_dataset()
+        self.events_log.action_cycle_dataset()
 
     def action_clear(self) -> None:
-        self.log.set_filter(level=0, dataset="", search="")
+        self.events_log.set_filter(level=0, dataset="", search="")
 
     def action_follow(self) -> None:
-        self.log.action_last()
+        self.events_log.action_last()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # While typing a search, letters are text, not keys.
