@@ -42,6 +42,10 @@ def _usd(x: float) -> str:
     return f"${x:.5f}" if 0 < abs(x) < 0.01 else f"${x:,.2f}"
 
 
+def _tok(x: float) -> str:
+    return f"{x / 1000:.1f}k" if x >= 10_000 else f"{x:,.0f}"
+
+
 def _fit(line: str) -> str:
     return line if len(line) <= WIDTH else line[:WIDTH - 1] + "…"
 
@@ -60,18 +64,24 @@ def status_line(s: snap.RunSnapshot, now: float | None = None) -> str:
     total = sum(d.total for d in s.datasets)
     pct = f" {100 * (done + sum(d.failed + d.skipped for d in s.datasets)) / total:.0f}%" if total else ""
     errors = sum(n for k, n in s.errors if k not in ("length", "empty_content"))
-    spent = f"{_usd(c.spent_usd)} run {_usd(c.spent_total_usd)} all"
+    spent = f"{_usd(c.spent_usd)} run {_usd(c.spent_total_usd)}"
     if c.max_usd is not None:
-        spent += f"/{_usd(c.max_usd)}"
-    parts = [f"{wall} {s.state:<8} run {_clock(s.elapsed_s)}",
-             f"done {done:,}/{total:,}{pct}",
-             f"{t.req_s_window:.2f} req/s {t.tok_s_window:,.0f} tok/s (30s)",
-             f"in flight {t.in_flight:,}/{t.effective_concurrency:,}",
-             f"err {errors:,}",
-             spent]
+        spent += f"/${c.max_usd:,.0f}" if c.max_usd == int(c.max_usd) else f"/{_usd(c.max_usd)}"
+    spent += " all"
+    # Most important first: what does not fit in 120 columns is left to the detail lines.
+    parts = [f"{wall} {s.state} +{_clock(s.elapsed_s)}",
+             f"{done:,}/{total:,}{pct}",
+             spent,
+             f"{t.in_flight:,} in flight",
+             f"30s: {t.req_s_window:.2f} req/s {_tok(t.tok_s_window)} tok/s",
+             f"err {errors:,}"]
     if t.eta_s is not None:
         parts.append(f"ETA {_dur(t.eta_s)}")
-    return _fit(" | ".join(parts))
+    kept: list[str] = []
+    for p in parts:
+        if len(" | ".join(kept + [p])) <= WIDTH:
+            kept.append(p)
+    return _fit(" | ".join(kept))
 
 
 def detail_lines(s: snap.RunSnapshot) -> list[str]:
@@ -82,14 +92,22 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
         out.append(_fit(f"{INDENT}{d.name}: {d.status} {d.done:,}/{d.total:,} answered, {d.failed:,} failed, "
                         f"{d.skipped:,} skipped, {d.in_flight:,} in flight (limit {d.effective_concurrency:,}/"
                         f"{d.concurrency:,}), {_usd(d.cost_usd)}"))
-    more = [f"avg completion {t.avg_completion_tokens_window:,.0f} tok (30s) {t.avg_completion_tokens_total:,.0f} (all)",
-            f"{t.req_s_total:.2f} req/s (all)", f"retries {s.retries:,}"]
+    errors = sum(n for k, n in s.errors if k not in ("length", "empty_content"))
+    out.append(_fit(INDENT + " | ".join([
+        f"limit {t.effective_concurrency:,}/{t.configured_concurrency:,}",
+        f"avg completion {t.avg_completion_tokens_window:,.0f} tok (30s) {t.avg_completion_tokens_total:,.0f} (all)",
+        f"{t.req_s_total:.2f} req/s (all)", f"errors {errors:,} retries {s.retries:,}"])))
+    more = []
+    if t.eta_s is not None:
+        more.append(f"ETA {_dur(t.eta_s)}")
     if c.balance_usd is not None:
         more.append(f"balance {_usd(c.balance_usd)} ({_dur(c.balance_age_s)} old)")
-    if s.first_started_at and len(s.timeline.runs) > 1:
-        more.append(f"first started {time.strftime('%m-%d %H:%M', time.localtime(s.first_started_at))} "
-                    f"({len(s.timeline.runs)} runs)")
-    out.append(_fit(INDENT + " | ".join(more)))
+    if s.first_started_at:
+        runs = len(s.timeline.runs)
+        more.append(f"first started {time.strftime('%Y-%m-%d %H:%M', time.localtime(s.first_started_at))}"
+                    + (f" ({runs} runs)" if runs > 1 else ""))
+    if more:
+        out.append(_fit(INDENT + " | ".join(more)))
     if s.alert:
         out.append(_fit(f"{INDENT}ALERT: {s.alert}"))
     return out

@@ -47,12 +47,15 @@ class RecentErrors:
 
     def mark_final(self, dataset: str, prompt_id: str) -> None:
         """The prompt failed for good with its last recorded attempt."""
-        for ring in self._rings.values():
-            for i in range(len(ring) - 1, -1, -1):
-                r = ring[i]
-                if r.dataset == dataset and r.prompt_id == prompt_id:
-                    ring[i] = dataclasses.replace(r, final=True)
-                    break
+        ring = self._rings.get(("dataset", dataset), ())
+        last = next((r for r in reversed(ring) if r.prompt_id == prompt_id), None)
+        if last is None:
+            return
+        marked = dataclasses.replace(last, final=True)
+        for ring in self._rings.values():  # the same record sits in its kind's, dataset's and provider's rings
+            for i, r in enumerate(ring):
+                if r is last:
+                    ring[i] = marked
         self._version += 1
 
     def records(self) -> tuple[ErrorRecord, ...]:

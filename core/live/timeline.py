@@ -199,8 +199,11 @@ class TimelineRecorder:
         return self._built
 
 
-def timeline_from_file(path: Path, *, interval_s: float = 5.0, capacity: int = 360) -> Timeline:
-    """The history a finished run left, as the history view shows it (for `draftgen report`)."""
+def timeline_from_file(path: Path, *, interval_s: float | None = None, capacity: int = 360) -> Timeline:
+    """The history a run left, as the history view shows it (for `draftgen report`); by default in
+    points of the interval the run recorded at."""
+    if interval_s is None:
+        interval_s = next((iv.dt for iv in read_history(path)), 5.0)
     recorder = TimelineRecorder(path, interval_s=interval_s, capacity=capacity)
     recorder.load()
     return recorder.timeline()
