@@ -45,3 +45,13 @@ def duration(seconds: float | None) -> str:
     if s < 3600:
         return f"{round(s / 60)} min"
     return f"{s // 3600} h {s // 60 % 60:02d} min"
+
+
+def usd(x: float | None) -> str:
+    """Dollars as every view shows them: cents, or five decimals below a cent (a single request
+    costs fractions of a cent)."""
+    if x is None:
+        return "—"
+    if x != 0 and abs(x) < 0.01:
+        return f"${x:.5f}"
+    return f"${x:,.2f}"

@@ -16,6 +16,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.timer import Timer
+from rich.text import Text
 from textual.widgets import Footer, Static
 
 from draftgen.tui.panels.credits import CreditsPanel
@@ -125,9 +126,9 @@ class DraftgenApp(App[None]):
             return
         base.set_class(small, "-too-small")
         if small:
-            self.query_one("#too-small", Static).update(
-                f"terminal {width}×{height}: draftgen needs at least {MIN_SIZE[0]}×{MIN_SIZE[1]}; enlarge it "
-                "(the run goes on; q quits)")
+            notice = Text(f"{width}×{height} is too small: draftgen needs {MIN_SIZE[0]}×{MIN_SIZE[1]} (the run goes on)",
+                          no_wrap=True, overflow="ellipsis")
+            self.query_one("#too-small", Static).update(notice)
 
     def on_unmount(self) -> None:
         if self._timer is not None:

@@ -12,7 +12,7 @@ from rich.measure import Measurement
 from rich.segment import Segment
 from rich.style import Style
 
-from draftgen.core.units import clock, duration
+from draftgen.core.units import clock, duration, usd
 
 __all__ = ["Bar", "Spark", "clock", "count", "duration", "percent", "rate", "sparkline", "tokens", "usd", "wall_time"]
 
@@ -37,14 +37,6 @@ def tokens(n: float | None) -> str:
             v = int(v * 10 ** digits + 1e-6) / 10 ** digits
             return f"{v:.{digits}f}{unit}"
     return f"{n:.0f}"
-
-
-def usd(x: float | None) -> str:
-    if x is None:
-        return "—"
-    if x != 0 and abs(x) < 0.01:
-        return f"${x:.5f}"  # a single request costs fractions of a cent
-    return f"${x:,.2f}"
 
 
 def rate(x: float) -> str:

@@ -17,7 +17,7 @@ from typing import TextIO
 from draftgen.core.live import snapshot as snap
 from draftgen.core.config import Config
 from draftgen.core.live.pipeline import Pipeline
-from draftgen.core.live.summary import summary_lines
+from draftgen.core.live.summary import clock, summary_lines, usd
 
 WIDTH = 120          # every line fits a 120-column terminal
 INDENT = " " * 9     # detail lines sit under the status line's state
@@ -31,15 +31,6 @@ def _dur(seconds: float | None) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
-def _clock(seconds: float) -> str:
-    s = max(0, int(seconds))
-    return f"{s // 3600:d}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
-def _usd(x: float) -> str:
-    return f"${x:.5f}" if 0 < abs(x) < 0.01 else f"${x:,.2f}"
 
 
 def _tok(x: float) -> str:
@@ -64,12 +55,12 @@ def status_line(s: snap.RunSnapshot, now: float | None = None) -> str:
     total = sum(d.total for d in s.datasets)
     pct = f" {100 * (done + sum(d.failed + d.skipped for d in s.datasets)) / total:.0f}%" if total else ""
     errors = sum(n for k, n in s.errors if k not in ("length", "empty_content"))
-    spent = f"{_usd(c.spent_usd)} run {_usd(c.spent_total_usd)}"
+    spent = f"{usd(c.spent_usd)} run {usd(c.spent_total_usd)}"
     if c.max_usd is not None:
-        spent += f"/${c.max_usd:,.0f}" if c.max_usd == int(c.max_usd) else f"/{_usd(c.max_usd)}"
+        spent += f"/${c.max_usd:,.0f}" if c.max_usd == int(c.max_usd) else f"/{usd(c.max_usd)}"
     spent += " all"
     # Most important first: what does not fit in 120 columns is left to the detail lines.
-    parts = [f"{wall} {s.state} +{_clock(s.elapsed_s)}",
+    parts = [f"{wall} {s.state} +{clock(s.elapsed_s)}",
              f"{done:,}/{total:,}{pct}",
              spent,
              f"{t.in_flight:,} in flight",
@@ -91,7 +82,7 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
     for d in _active(s):
         out.append(_fit(f"{INDENT}{d.name}: {d.status} {d.done:,}/{d.total:,} answered, {d.failed:,} failed, "
                         f"{d.skipped:,} skipped, {d.in_flight:,} in flight (limit {d.effective_concurrency:,}/"
-                        f"{d.concurrency:,}), {_usd(d.cost_usd)}"))
+                        f"{d.concurrency:,}), {usd(d.cost_usd)}"))
     errors = sum(n for k, n in s.errors if k not in ("length", "empty_content"))
     out.append(_fit(INDENT + " | ".join([
         f"limit {t.effective_concurrency:,}/{t.configured_concurrency:,}",
@@ -101,7 +92,7 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
     if t.eta_s is not None:
         more.append(f"ETA {_dur(t.eta_s)}")
     if c.balance_usd is not None:
-        more.append(f"balance {_usd(c.balance_usd)} ({_dur(c.balance_age_s)} old)")
+        more.append(f"balance {usd(c.balance_usd)} ({_dur(c.balance_age_s)} old)")
     if s.first_started_at:
         runs = len(s.timeline.runs)
         more.append(f"first started {time.strftime('%Y-%m-%d %H:%M', time.localtime(s.first_started_at))}"

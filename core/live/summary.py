@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from draftgen.core.live.snapshot import RunSnapshot, RunState
+from draftgen.core.units import clock, usd
 
 
 class Counted(Protocol):
@@ -64,20 +65,11 @@ def ended_line(state: str, datasets: Iterable[Counted]) -> str:
             f"{sum(d.skipped for d in ds):,} skipped, {prompts_left(ds):,} not asked yet")
 
 
-def _clock(seconds: float) -> str:
-    s = max(0, int(seconds))
-    return f"{s // 3600:d}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
-def _usd(x: float) -> str:
-    return f"${x:.5f}" if 0 < abs(x) < 0.01 else f"${x:,.2f}"
-
-
 def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG") -> list[str]:
     """The block printed when the TUI closes or a headless run ends: each line fits 120 columns."""
     started = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.first_started_at)) if s.first_started_at else "?"
     runs = len(s.timeline.runs)
-    out = [f"draftgen: {s.run_name}: {s.state} after {_clock(s.elapsed_s)} this run"
+    out = [f"draftgen: {s.run_name}: {s.state} after {clock(s.elapsed_s)} this run"
            + (f" (first started {started}, {runs} runs)" if runs > 1 else "")]
     if s.datasets:
         name_w = min(20, max(len("total"), *(len(d.name) for d in s.datasets)))
@@ -90,15 +82,15 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
                     f"{skipped:>{w},} skipped {rest:>{w},} left  {cost}")[:WIDTH]
 
         for d in s.datasets:
-            out.append(row(d.name, d.done, d.total, d.failed, d.skipped, left(d), _usd(d.cost_usd))
+            out.append(row(d.name, d.done, d.total, d.failed, d.skipped, left(d), usd(d.cost_usd))
                        + (f"  {d.status}" if d.status else ""))
         ds = s.datasets
         out.append(row("total", sum(d.done for d in ds), sum(d.total for d in ds), sum(d.failed for d in ds),
-                       sum(d.skipped for d in ds), prompts_left(ds), _usd(s.credits.spent_total_usd)))
+                       sum(d.skipped for d in ds), prompts_left(ds), usd(s.credits.spent_total_usd)))
     c = s.credits
-    spend = f"  spent {_usd(c.spent_usd)} this run, {_usd(c.spent_total_usd)} all runs"
+    spend = f"  spent {usd(c.spent_usd)} this run, {usd(c.spent_total_usd)} all runs"
     if c.max_usd is not None:
-        spend += f" (max_usd {_usd(c.max_usd)})"
+        spend += f" (max_usd {usd(c.max_usd)})"
     out.append(spend)
     if s.alert:
         out.append(f"  alert: {s.alert}"[:WIDTH])

@@ -47,8 +47,8 @@ class EventLogPanel(OptionList):
 
     DEFAULT_CSS = "EventLogPanel { height: 1fr; scrollbar-size-vertical: 1; }"
     BINDINGS = [
-        Binding("v", "cycle_level", "level", show=False),
-        Binding("d", "cycle_dataset", "dataset", show=False),
+        Binding("v", "cycle_level", "level"),
+        Binding("d", "cycle_dataset", "dataset"),
         Binding("k", "cursor_up", show=False),
         Binding("j", "cursor_down", show=False),
         Binding("G", "last", show=False),

@@ -95,7 +95,7 @@ class SelectablePanel(Panel):
     BINDINGS = [
         Binding("up,k", "move(-1)", "up", show=False),
         Binding("down,j", "move(1)", "down", show=False),
-        Binding("enter", "open", "details"),
+        Binding("enter", "open", "open"),
     ]
 
     class Open(Message):

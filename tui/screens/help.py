@@ -18,7 +18,16 @@ KEYS = (
           " the run is paused while it runs"),
     ("m", "merge: all datasets into one deduplicated, shuffled training set (merged/)"),
     ("x", "extract: run the target model over merged/ and write hidden states (GPU panel)"),
-    ("q", "quit: choose drain (finish requests in flight) or stop now; nothing on disk is lost"),
+    ("q", "quit: choose drain (finish requests in flight) or stop now; nothing on disk is lost (Ctrl-C,"
+          " Ctrl-Q ask the same)"),
+    ("tab", "move between the datasets, errors, providers and events panels"),
+    ("↑ ↓  j k", "move the cursor in the focused panel"),
+    ("enter", "drill down: a dataset, error kind or provider with its recent errors (prompt ids, providers,"
+              " attempts, messages); esc goes back"),
+    ("l  /", "the events log on the whole screen; / searches it"),
+    ("v  d  c", "in the log: cycle the level (all, warn+, error), cycle the dataset, clear the filters"),
+    ("PgUp PgDn Home End", "scroll the events log; it follows new events again at End"),
+    ("h", "history: requests/s, tokens/s, spend per minute, error rate and in flight over the whole run"),
     ("?", "this help"),
 )
 
@@ -56,8 +65,8 @@ class HelpScreen(ModalScreen[None]):
         parts = [Text("keys", style="bold underline"), keys, Text(""),
                  Text("reading the panels", style="bold underline"), reading]
         if self.read_only:
-            parts[:0] = [Text("Attached read-only: this viewer cannot change the run; the control keys are"
-                              " disabled and q closes the viewer only.\n", style="bold")]
+            parts[:0] = [Text("Attached read-only: this viewer cannot change the run; p r s m x answer"
+                              " \"read-only\" and q closes the viewer only.\n", style="bold")]
         with VerticalScroll(id="help-dialog", classes="dialog") as box:
             box.border_title = "help"
             yield Static(Group(*parts))

@@ -16,8 +16,8 @@ class LogScreen(Screen[None]):
     BINDINGS = [
         Binding("escape", "back", "back"),
         Binding("slash", "search", "search"),
-        Binding("v", "level", "level"),
-        Binding("d", "dataset", "dataset"),
+        Binding("v", "level", "level", show=False),  # shown by the log itself, which has the focus
+        Binding("d", "dataset", "dataset", show=False),
         Binding("c", "clear", "clear filters"),
         Binding("end", "follow", "follow", show=False),
     ]
@@ -42,6 +42,9 @@ class LogScreen(Screen[None]):
         log = self.query_one(EventLogPanel)
         log.sync(force=True)
         log.focus()
+        latest = getattr(self.app, "latest", None)
+        if latest is not None:
+            self.query_one(RunHeader).show(latest)
         if self._search_first:
             self.action_search()
 
