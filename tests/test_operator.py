@@ -167,3 +167,10 @@ async def test_errors_reach_the_snapshot_with_prompt_ids(tmp_path: Path) -> None
     if s.datasets[0].failed:  # a prompt that failed for good is marked so in its last record
         assert any(r.final and r.attempt == 2 for r in s.recent_errors)
     assert s.provider_stats and sum(p.answers for p in s.provider_stats) == s.datasets[0].done
+
+
+def test_history_and_drill_down_data_reach_an_attached_viewer() -> None:
+    s = fx.ended(snap.RunState.DRAINED)
+    back = snap.snapshot_from_dict(orjson.loads(s.to_json()))
+    assert back.timeline == s.timeline and back.recent_errors == s.recent_errors
+    assert back.provider_stats == s.provider_stats and back.ended == s.ended and back.state == s.state
