@@ -17,24 +17,12 @@ from typing import TextIO
 from draftgen.core.live import snapshot as snap
 from draftgen.core.config import Config
 from draftgen.core.live.pipeline import Pipeline
-from draftgen.core.live.summary import clock, summary_lines, usd
+from draftgen.core.live.summary import summary_lines
+from draftgen.core.units import clock, compact_duration, fmt_count, usd
 
 WIDTH = 120          # every line fits a 120-column terminal
 INDENT = " " * 9     # detail lines sit under the status line's state
 DETAILS_EVERY = 6    # status lines between two detail blocks (and at every change)
-
-
-def _dur(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
-def _tok(x: float) -> str:
-    return f"{x / 1000:.1f}k" if x >= 10_000 else f"{x:,.0f}"
 
 
 def _fit(line: str) -> str:
@@ -64,10 +52,10 @@ def status_line(s: snap.RunSnapshot, now: float | None = None) -> str:
              f"{done:,}/{total:,}{pct}",
              spent,
              f"{t.in_flight:,} in flight",
-             f"30s: {t.req_s_window:.2f} req/s {_tok(t.tok_s_window)} tok/s",
+             f"30s: {t.req_s_window:.2f} req/s {fmt_count(t.tok_s_window)} tok/s",
              f"err {errors:,}"]
     if t.eta_s is not None:
-        parts.append(f"ETA {_dur(t.eta_s)}")
+        parts.append(f"ETA {compact_duration(t.eta_s)}")
     kept: list[str] = []
     for p in parts:
         if len(" | ".join(kept + [p])) <= WIDTH:
@@ -90,9 +78,9 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
         f"{t.req_s_total:.2f} req/s (all)", f"errors {errors:,} retries {s.retries:,}"])))
     more = []
     if t.eta_s is not None:
-        more.append(f"ETA {_dur(t.eta_s)}")
+        more.append(f"ETA {compact_duration(t.eta_s)}")
     if c.balance_usd is not None:
-        more.append(f"balance {usd(c.balance_usd)} ({_dur(c.balance_age_s)} old)")
+        more.append(f"balance {usd(c.balance_usd)} ({compact_duration(c.balance_age_s)} old)")
     if s.first_started_at:
         runs = len(s.timeline.runs)
         more.append(f"first started {time.strftime('%Y-%m-%d %H:%M', time.localtime(s.first_started_at))}"
