@@ -144,29 +144,30 @@ async def run_demo(root: Path, *, headless: bool, out: TextIO = sys.stdout, late
             from draftgen.tui.launch import run_tui
             code = await run_tui(config, DEMO_KEY, after_run=["merge", "extract"])
     print(f"\ndraftgen demo finished (exit {code}). Look around in {run_dir}:", file=out)
-    for path, what in what_exists(root, run_dir):
-        print(f"  {path:<40} {what}", file=out)
-    out.flush()
+    for path, what in what_exists(run_dir):
+        print(f"  {path:<26} {what}", file=out)
+    print(f"The config it used: {root / 'draftgen.toml'}; `draftgen report {run_dir}` for counts and charts.",
+          file=out, flush=True)
     return code
 
 
-def what_exists(root: Path, run_dir: Path) -> list[tuple[str, str]]:
-    """The demo's outputs that were made: a demo stopped early lists no merged/ or hidden_states/."""
+def what_exists(run_dir: Path) -> list[tuple[str, str]]:
+    """The demo's outputs that were made, relative to the run directory: a demo stopped early lists
+    no merged/ or hidden_states/."""
     rows = []
     datasets = sorted(p.parent.name for p in run_dir.glob("*/responses.jsonl"))
     if datasets:
-        rows.append((f"{run_dir}/<dataset>/responses.jsonl", f"answers as they landed ({', '.join(datasets)})"))
+        rows.append(("<dataset>/responses.jsonl", f"answers as they landed ({', '.join(datasets)})"))
     if any(run_dir.glob("*/tokens/index.jsonl")):
-        rows.append((f"{run_dir}/<dataset>/tokens/", "token ids, loss masks, validation report"))
+        rows.append(("<dataset>/tokens/", "token ids, loss masks, validation report"))
     if (run_dir / "merged" / "train.jsonl").exists():
-        rows.append((f"{run_dir}/merged/train.jsonl", "the training set (SpecForge conversation format)"))
+        rows.append(("merged/train.jsonl", "the training set (SpecForge conversation format)"))
     if any((run_dir / "hidden_states").glob("rows_*/*.ckpt*")):
-        rows.append((f"{run_dir}/hidden_states/", "what EAGLE-3 trains on"))
+        rows.append(("hidden_states/", "what EAGLE-3 trains on"))
     if (run_dir / "history.jsonl").exists():
-        rows.append((f"{run_dir}/history.jsonl", f"the run's rates over time (draftgen report {run_dir})"))
+        rows.append(("history.jsonl", "the rates over time (draftgen report prints them)"))
     if (run_dir / "events.log").exists():
-        rows.append((f"{run_dir}/events.log", "what happened, in order"))
-    rows.append((f"{root}/draftgen.toml", "the config the demo used"))
+        rows.append(("events.log", "what happened, in order"))
     return rows
 
 

@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import sys
+import textwrap
 import time
 from typing import TextIO
 
@@ -164,7 +165,10 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
                 if ev.level != "info" or ev.kind in ("dataset_start", "dataset_done", "run_done", "smoke_done",
                                                       "merge_done", "extract_done", "budget", "tokens_done"):
                     wall = time.strftime("%H:%M:%S", time.localtime(ev.ts))
-                    say(_fit(f"{wall} {ev.level:<8} {ev.message}"))
+                    # Wrapped, not cut: an event's end is often what matters (a path, the figures).
+                    for line in textwrap.wrap(f"{wall} {ev.level:<8} {ev.message}", WIDTH,
+                                              subsequent_indent=" " * 18, break_on_hyphens=False):
+                        say(line)
             elif loop.time() >= next_line:
                 next_line = loop.time() + interval_s
                 s = item[1]

@@ -9,6 +9,7 @@ resumes them. The exit code tells these apart (README "Exit codes").
 
 from __future__ import annotations
 
+import textwrap
 import time
 from collections.abc import Iterable
 from typing import Protocol
@@ -71,7 +72,9 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     runs = len(s.timeline.runs)
     out = [f"draftgen: {s.run_name}: {s.state} after {clock(s.elapsed_s)} this run"
            + (f" (first started {started}, {runs} runs)" if runs > 1 else "")]
-    if s.datasets:
+    if not sum(d.total for d in s.datasets):
+        out.append("  no prompt was read: the run did not start")
+    elif s.datasets:
         name_w = min(20, max(len("total"), *(len(d.name) for d in s.datasets)))
         count_w = max(len(f"{d.total:,}") for d in s.datasets)
         total_w = len(f"{sum(d.total for d in s.datasets):,}")
@@ -93,9 +96,10 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
         spend += f" (max_usd {usd(c.max_usd)})"
     out.append(spend)
     if s.alert:
-        out.append(f"  alert: {s.alert}"[:WIDTH])
+        out += textwrap.wrap(f"alert: {s.alert}", WIDTH, initial_indent="  ", subsequent_indent="    ")
     rest = prompts_left(s.datasets)
     if exit_code == EXIT_INCOMPLETE and rest:
-        out.append(f"  {rest:,} prompts not asked yet: `draftgen run {config_hint}` again resumes them")
+        out += textwrap.wrap(f"{rest:,} prompts not asked yet: `draftgen run {config_hint}` again resumes them",
+                             WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
     out.append(f"  exit {exit_code} ({EXIT_MEANING.get(exit_code, 'see README')})")
     return out

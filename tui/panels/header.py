@@ -35,7 +35,7 @@ class RunHeader(Panel):
 
     def key(self, s: RunSnapshot) -> Any:
         eta = fmt.duration(s.throughput.eta_s) if s.throughput.eta_s is not None else ""
-        return (s.run_name, s.model, s.state, int(s.elapsed_s), s.attached, eta)
+        return (s.run_name, s.model, s.state, int(s.elapsed_s), s.attached, eta, len(s.timeline.runs))
 
     def draw(self, s: RunSnapshot) -> RenderableType:
         # State first: on a narrow terminal the model name is what gets cut, never the state.
@@ -52,6 +52,10 @@ class RunHeader(Panel):
         if s.throughput.eta_s is not None:
             right.append(f"ETA {fmt.duration(s.throughput.eta_s)}  ")
         right.append(f"elapsed {fmt.clock(s.elapsed_s)} ", style="bold")
+        runs = len(s.timeline.runs)
+        if runs > 1:
+            # A resumed run's clock starts again: say so, and when the directory's first run began.
+            right.append(f"(run {runs}, first {fmt.wall_time(s.first_started_at)[:5]}) ", style="dim")
         grid.add_row(left, right)
         return grid
 

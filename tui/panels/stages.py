@@ -62,7 +62,15 @@ class StagesPanel(Panel):
         return self.short
 
     def shape(self, s: RunSnapshot) -> Any:
-        return tuple((st.name, st.state, bool(st.detail or st.message)) for st in active_stages(s))
+        # The detail line wraps rather than cut words (the validation figures are at its end): its
+        # height follows its length.
+        return tuple((st.name, st.state, len(self._notes(st)) // max(1, self.cols - 8)) for st in active_stages(s))
+
+    @staticmethod
+    def _notes(st: StageProgress) -> str:
+        if st.state not in (StageState.RUNNING, StageState.FAILED):
+            return ""
+        return " · ".join([f"{k} {v}" for k, v in st.detail] + ([st.message] if st.message else []))
 
     def _shown(self, s: RunSnapshot) -> tuple[StageProgress, ...]:
         stages = active_stages(s)
@@ -80,9 +88,11 @@ class StagesPanel(Panel):
         for st in stages:
             parts.append(_row(st))
             # Details only while a stage runs or when it failed: finished stages keep to one line.
-            if st.state in (StageState.RUNNING, StageState.FAILED) and not self.short:
-                notes = [f"{k} {v}" for k, v in st.detail] + ([st.message] if st.message else [])
-                if notes:
-                    parts.append(Text("        " + " · ".join(notes), style="dim", no_wrap=True,
-                                      overflow="ellipsis"))
+            notes = self._notes(st)
+            if notes and not self.short:
+                grid = Table.grid(expand=True)
+                grid.add_column(width=8)
+                grid.add_column(ratio=1)
+                grid.add_row("", Text(notes, style="dim"))
+                parts.append(grid)
         return Group(*parts)
