@@ -51,6 +51,7 @@ from typing import Any, TextIO
 import orjson
 import psutil
 
+from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_INCOMPLETE
 from draftgen.core.config import Config, load_config
 from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.tokens.reconstruct import reconstruct_record
@@ -605,7 +606,8 @@ class Soak:
                     os.killpg(proc.pid, signal.SIGKILL)
                     step.returncode = await proc.wait()
                 text = log_path.read_bytes()
-                step.drained = step.returncode == 0 and f"{how}: draining".encode() in text
+                # A drain exits 0 when nothing was left to ask, 3 (incomplete) when prompts were left.
+                step.drained = step.returncode in (EXIT_COMPLETE, EXIT_INCOMPLETE) and f"{how}: draining".encode() in text
                 if not step.drained:
                     self.problems.append(f"{how}: exit {step.returncode}, not a clean drain: "
                                          f"{text[-600:].decode(errors='replace')}")

@@ -205,8 +205,10 @@ async def test_drain_and_stop(tmp_path):
         while engine.in_flight < 10:
             await asyncio.sleep(0.01)
         engine.drain()
-        assert await asyncio.wait_for(task, 10) == snap.RunState.DONE
+        # DRAINED, not DONE: 90 prompts were never asked.
+        assert await asyncio.wait_for(task, 10) == snap.RunState.DRAINED
         assert engine.datasets["a"].done == 10  # the ten in flight finished and were recorded
+        assert engine.ended.startswith("DRAINED: 10 of 100 answered") and "90 not asked yet" in engine.ended
         # A second run resumes; stop-now abandons what is in flight without recording it.
         engine2 = Engine(cfg, TEST_KEY, seed=2)
         task = asyncio.create_task(engine2.run())

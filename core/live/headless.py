@@ -89,7 +89,9 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
     if more:
         out.append(_fit(INDENT + " | ".join(more)))
     if s.alert:
-        out.append(_fit(f"{INDENT}ALERT: {s.alert}"))
+        # Wrapped, never cut: it names the path or the account condition to act on.
+        out += textwrap.wrap(f"ALERT: {s.alert}", WIDTH, initial_indent=INDENT, subsequent_indent=INDENT + "  ",
+                             break_long_words=False, break_on_hyphens=False)
     return out
 
 
