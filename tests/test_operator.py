@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import io
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -24,16 +23,9 @@ from draftgen.core.simulator import SimConfig, SimServer
 from draftgen.tui.report import report
 from tests import fixtures as fx
 
+pytestmark = pytest.mark.usefixtures("utc")  # conftest.py: times render in UTC
+
 from .helpers import TEST_KEY, make_config
-
-
-@pytest.fixture(autouse=True)
-def utc() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TZ", "UTC")
-        time.tzset()
-        yield
-    time.tzset()
 
 
 class Clock:

@@ -62,7 +62,7 @@ async def test_running_view_shows_the_snapshot() -> None:
         assert "last 30 s" in throughput and "since start" in throughput
         assert "5,312" in throughput and "5,248" in throughput
         assert "in flight 460, limit 460 of 500" in throughput
-        assert "$64.15, 42 s ago" in text(app, "#credits")
+        assert "$64.15 (42 s)" in text(app, "#credits")  # its age beside it, nothing cut
         assert "429 rate limited" in text(app, "#errors") and "43" in text(app, "#errors")
         assert "novita/int4" in text(app, "#providers")
         log = app.query_one("#events").lines  # type: ignore[attr-defined]
@@ -347,6 +347,7 @@ async def test_drill_into_an_error_kind_and_a_provider() -> None:
         await pilot.press("escape", "tab", "j", "enter")  # providers: parasail/int4
         body = text(app, "#drill-body")
         assert "provider parasail/int4" in body and "34%" in body and "p90 158.5 s" in body
+        assert "answer counts exact in 96% of 2,771 reconstructed, prompt counts in 100%" in body
         assert "b5-00212" in body and "b5-00871" not in body
 
 

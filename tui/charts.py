@@ -94,8 +94,12 @@ class Chart:
         peak = max(self.values, default=0.0)
         now = self.values[-1] if self.values else 0.0
         mean = sum(self.values) / len(self.values) if self.values else 0.0
-        head = f"{self.title}  now {self.value(now)}  mean {self.value(mean)}  peak {self.value(peak)}"
-        yield Segment(head[:width].ljust(width), Style(bold=True))
+        # As much of the head as fits, never a figure cut in half.
+        heads = (f"{self.title}  now {self.value(now)}  mean {self.value(mean)}  peak {self.value(peak)}",
+                 f"{self.title}  now {self.value(now)}  peak {self.value(peak)}",
+                 f"{self.title}  now {self.value(now)}", self.title)
+        head = next((h for h in heads if len(h) <= width), self.title[:width])
+        yield Segment(head.ljust(width), Style(bold=True))
         yield Segment.line()
         gutter = 9 if width >= 40 else 0
         plot_w = width - gutter

@@ -28,7 +28,7 @@ class ProvidersPanel(SelectablePanel):
         return s.providers, s.fidelity
 
     def fit(self) -> Any:
-        return self.rows
+        return (self.rows, self.cols < 26)
 
     def draw(self, s: RunSnapshot) -> RenderableType:
         if not s.providers:
@@ -38,12 +38,18 @@ class ProvidersPanel(SelectablePanel):
         table.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
         table.add_column(justify="right", no_wrap=True)
         fidelity = {f.name: f for f in s.fidelity}
+        # Too narrow for the agreement column (80 columns): names first; a flagged provider keeps its "!".
+        narrow = self.cols < 26
+        flagged = {f.name for f in s.fidelity if f.flagged}
+        if narrow:
+            fidelity = {}
         if fidelity:
             table.add_column(justify="right", no_wrap=True)  # answer tokens exact
         room = max(1, self.rows)
         shown = s.providers if len(s.providers) <= room else s.providers[:room - 1]
         for name, n in shown:
-            cells: list[Any] = [name, fmt.percent(n, total)]
+            label = Text(name) if not (narrow and name in flagged) else Text.assemble(("! ", "bold red"), name)
+            cells: list[Any] = [label, fmt.percent(n, total)]
             if fidelity:
                 f = fidelity.get(name)
                 exact = "" if f is None or f.answer_exact is None else f"exact {f.answer_exact:.0%}"

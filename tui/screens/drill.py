@@ -81,8 +81,16 @@ def _provider_facts(s: RunSnapshot, name: str) -> list[tuple[str, str | Text]]:
         rows += [("errors", f"{fmt.count(st.errors)} attributed ({fmt.percent(st.errors, tried)} of its attempts)"),
                  ("latency", f"mean {st.latency_mean_s:.1f} s, p90 {st.latency_p90_s:.1f} s (recent answers)"),
                  ("avg completion", f"{fmt.count(st.completion_tokens / st.answers) if st.answers else '—'} tokens")]
-    # Token-count agreement is checked per answer by the reconstruction but not yet kept per provider.
-    rows.append(("token-count agreement", Text("not measured per provider yet", style="dim")))
+    f = next((f for f in s.fidelity if f.name == name), None)
+    if f is None or f.answer_exact is None:
+        rows.append(("token-count agreement", Text("no answer reconstructed yet", style="dim")))
+    else:
+        agreement = f"answer counts exact in {f.answer_exact:.0%} of {fmt.count(f.answers)} reconstructed"
+        if f.prompt_exact is not None:
+            agreement += f", prompt counts in {f.prompt_exact:.0%}"
+        rows.append(("token-count agreement", agreement))
+        if f.flagged:
+            rows.append(("flagged", Text(f.flagged, style="bold red")))
     return rows
 
 
