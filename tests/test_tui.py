@@ -376,6 +376,10 @@ async def test_main_log_scrolls_and_stops_following_until_end() -> None:
         assert log.highlighted < log.option_count - 1  # type: ignore[attr-defined]  # did not jump to the tail
         await pilot.press("end")
         assert log.following and log.highlighted == log.option_count - 1  # type: ignore[attr-defined]
+        await pilot.press("home")
+        assert log.highlighted == 0 and not log.following  # type: ignore[attr-defined]
+        await pilot.press("pagedown")
+        assert log.highlighted > 0  # type: ignore[attr-defined]
 
 
 async def test_log_view_filters_by_level_and_dataset_and_searches() -> None:
