@@ -511,3 +511,21 @@ def test_stage_rates_have_a_space_before_the_unit() -> None:
         with console.capture() as cap:
             console.print(_row(st))
         assert want in cap.get(), cap.get()
+
+
+async def test_a_long_newest_event_is_shown_whole_at_the_bottom() -> None:
+    long = "B5: " + "a long message that wraps over several rows of the events panel " * 3 + "THE END"
+    app, controls = make()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        controls.event("warn", "x", long)
+        log = app.query_one("#events")
+
+        def bottom_visible() -> bool:
+            console = Console(width=80, file=io.StringIO(), color_system=None)
+            with console.capture() as cap:
+                console.print(app.screen._compositor.render_update(full=True))
+            return "THE END" in cap.get()
+
+        await until(pilot, bottom_visible, "the whole newest event, its last row included, in view")
+        assert log.following  # type: ignore[attr-defined]

@@ -148,6 +148,8 @@ class EventLogPanel(OptionList):
         if highlighted is not None and highlighted < len(self._shown) and self._expanded != highlighted:
             self._expanded = highlighted
             self.replace_option_prompt_at_index(highlighted, self._prompt(self._shown[highlighted], whole=True))
+            # Shown whole it may take more rows than when the list scrolled to it: bring all of it in view.
+            self.call_after_refresh(self.scroll_to_highlight)
         following = highlighted is None or highlighted >= len(self._shown) - 1
         if following != self.following:
             self.following = following
