@@ -117,6 +117,20 @@ async def test_sse_stream_carries_the_same_answer(session):
         assert final["usage"]["completion_tokens"] == len(rendered_ids(reasoning, content))
 
 
+async def test_stream_chunk_tokens_sets_the_tokens_per_event(session):
+    texts = {}
+    for per in (3, 12):
+        async with SimServer(cfg(stream_chunk_tokens=per), port=0) as sim:
+            chunks, _, _ = parse_sse((await post(session, sim, body(stream=True, return_token_ids=True)))[2])
+        sizes = [len(c["choices"][0]["token_ids"]) for c in chunks[:-1]]
+        # Every delta holds `per` tokens but the last of the reasoning and of the content; `</think>`
+        # rides on the first content delta.
+        assert max(sizes) <= per + 1 and sorted(sizes)[len(sizes) // 2] == per
+        texts[per] = ("".join(c["choices"][0]["delta"].get("reasoning") or "" for c in chunks),
+                      "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks), len(chunks))
+    assert texts[3][:2] == texts[12][:2] and texts[3][2] > 3 * texts[12][2] - 8
+
+
 async def test_completion_tokens_are_the_kimi_count_of_the_rendered_answer(session):
     async with SimServer(cfg(pool_size=30), port=0) as sim:
         prompts = [f"Write a python function number {i}" for i in range(6)] + \

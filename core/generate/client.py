@@ -178,6 +178,10 @@ def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
     )
 
 
+# One SSE line may carry a whole answer (a server that sends it in one event): room for a few MB.
+MAX_SSE_LINE = 1 << 24
+
+
 class _StreamState:
     """Accumulates SSE chunks into the same shape as a non-streamed body."""
 
@@ -195,41 +199,67 @@ class _StreamState:
         self.sglext: Any = None
 
     def feed(self, chunk: dict[str, Any]) -> None:
-        if chunk.get("error"):
+        # Runs once per SSE event (hundreds per answer): one lookup per key, no temporaries.
+        get = chunk.get
+        if get("error"):
             err = chunk["error"]
             msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
             raise RequestFailed(ErrorKind.ERROR_IN_200, f"error chunk mid-stream: {str(msg)[:300]}")
-        for key in ("id", "provider", "model"):
-            if chunk.get(key):
-                self.meta[key] = chunk[key]
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        if isinstance(chunk.get("sglext"), dict):
-            self.sglext = chunk["sglext"]
-        for choice in chunk.get("choices") or ():
+        value = get("id")
+        if value:
+            self.meta["id"] = value
+        value = get("provider")
+        if value:
+            self.meta["provider"] = value
+        value = get("model")
+        if value:
+            self.meta["model"] = value
+        value = get("usage")
+        if value:
+            self.usage = value
+        value = get("sglext")
+        if isinstance(value, dict):
+            self.sglext = value
+        choices = get("choices")
+        if not choices:
+            return
+        for choice in choices:
             self.choices += 1
-            ids = choice.get("token_ids")
+            cget = choice.get
+            ids = cget("token_ids")
             if isinstance(ids, list):
-                self.token_ids = (self.token_ids or []) + ids
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                self.content.append(delta["content"])
-            r = delta.get("reasoning") or delta.get("reasoning_content")
-            if isinstance(r, str) and r:
-                self.reasoning.append(r)
-            for tc in delta.get("tool_calls") or ():
-                slot = self.tool_calls.setdefault(int(tc.get("index", 0)), {"function": {"arguments": ""}})
-                for k in ("id", "type"):
-                    if tc.get(k):
-                        slot[k] = tc[k]
-                fn = tc.get("function") or {}
-                if fn.get("name"):
-                    slot["function"]["name"] = fn["name"]
-                slot["function"]["arguments"] += fn.get("arguments") or ""
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-            if choice.get("native_finish_reason"):
-                self.native_finish_reason = choice["native_finish_reason"]
+                if self.token_ids is None:
+                    self.token_ids = []
+                self.token_ids.extend(ids)
+            delta = cget("delta")
+            if delta:
+                dget = delta.get
+                text = dget("content")
+                if text:
+                    self.content.append(text)
+                text = dget("reasoning") or dget("reasoning_content")
+                if text and isinstance(text, str):
+                    self.reasoning.append(text)
+                calls = dget("tool_calls")
+                if calls:
+                    self._tool_call_deltas(calls)
+            value = cget("finish_reason")
+            if value:
+                self.finish_reason = value
+            value = cget("native_finish_reason")
+            if value:
+                self.native_finish_reason = value
+
+    def _tool_call_deltas(self, calls: list[dict[str, Any]]) -> None:
+        for tc in calls:
+            slot = self.tool_calls.setdefault(int(tc.get("index", 0)), {"function": {"arguments": ""}})
+            for k in ("id", "type"):
+                if tc.get(k):
+                    slot[k] = tc[k]
+            fn = tc.get("function") or {}
+            if fn.get("name"):
+                slot["function"]["name"] = fn["name"]
+            slot["function"]["arguments"] += fn.get("arguments") or ""
 
     def body(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content),
@@ -244,6 +274,24 @@ class _StreamState:
         if self.sglext is not None:
             body["sglext"] = self.sglext
         return body
+
+
+def _feed_lines(lines: list[bytes], state: _StreamState) -> bool:
+    """Feed the `data:` lines among `lines` (one decode each); True at `data: [DONE]`."""
+    feed, loads = state.feed, orjson.loads
+    for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            chunk = loads(line[5:])
+        except orjson.JSONDecodeError:
+            if line[5:].strip() == b"[DONE]":
+                state.done = True
+                return True
+            raise RequestFailed(ErrorKind.BAD_BODY, "a stream chunk is not JSON") from None
+        if type(chunk) is dict:
+            feed(chunk)
+    return False
 
 
 class ChatClient:
@@ -320,23 +368,32 @@ class ChatClient:
         return parse_completion(obj, time.monotonic() - start)
 
     async def _read_sse(self, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+        """The answer of an SSE stream. Whatever has arrived is taken at once (`iter_any`) and split into
+        lines here: aiohttp's line iterator costs a buffer round trip per line, more than the JSON
+        decode of the event. Lines that are not `data:` (`: OPENROUTER PROCESSING` keep-alives, blank
+        separators, `event:`/`id:` fields) are skipped; each event is decoded once (orjson skips the
+        space after `data:` and a `\r` before the newline), and its deltas are joined once at the end."""
         state = _StreamState()
-        async for raw_line in resp.content:
-            line = raw_line.strip()
-            if not line or line.startswith(b":"):  # ": OPENROUTER PROCESSING" keep-alives
+        partial: list[bytes] = []  # a line still arriving, in pieces
+        size = 0
+        async for data in resp.content.iter_any():
+            if data.find(b"\n") < 0:
+                partial.append(data)
+                size += len(data)
+                if size > MAX_SSE_LINE:
+                    raise RequestFailed(ErrorKind.BAD_BODY, f"an SSE line over {MAX_SSE_LINE >> 20} MB")
                 continue
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                state.done = True
+            if partial:
+                partial.append(data)
+                data = b"".join(partial)
+            lines = data.split(b"\n")
+            rest = lines.pop()  # after the last newline: the start of a line still arriving
+            partial, size = ([rest], len(rest)) if rest else ([], 0)
+            if _feed_lines(lines, state):
                 break
-            try:
-                chunk = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                raise RequestFailed(ErrorKind.BAD_BODY, "a stream chunk is not JSON") from None
-            if isinstance(chunk, dict):
-                state.feed(chunk)
+        else:
+            if partial:  # a last line without a newline
+                _feed_lines([b"".join(partial)], state)
         if not state.done and state.finish_reason is None:
             raise RequestFailed(ErrorKind.BAD_BODY, "the stream ended before the answer finished")
         if not state.choices:

@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: any accepted key may)")
     p.add_argument("--generation-delay", type=float, default=0.0, metavar="SECONDS",
                    help="how long after a generation ends GET /generation?id= finds it (default 0)")
+    p.add_argument("--chunk-tokens", type=int, default=12, metavar="N",
+                   help="tokens per SSE event of a streamed answer (default 12; OpenRouter sends a few)")
     p.add_argument("--status-every", type=float, default=10.0, metavar="SECONDS",
                    help="print a status line this often while requests come in (0: never)")
 
@@ -61,7 +63,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         api_key=args.key, retry_after_s=args.retry_after, hang_s=args.hang, max_in_flight=args.max_in_flight,
         tokens_drift=args.tokens_drift, key_limit_usd=args.key_limit,
         management_keys=tuple(args.management_key) if args.management_key else None,
-        generation_delay_s=args.generation_delay,
+        generation_delay_s=args.generation_delay, stream_chunk_tokens=args.chunk_tokens,
         scenarios={name: params for spec in args.scenario for name, params in parse_scenarios(spec).items()},
     )
 

@@ -229,7 +229,8 @@ class Completions:
         request[responses.GEN_ID] = gen.gen_id
         reply = wire.Reply(gen.gen_id, provider.name, model, gen.created, completion, think and show,
                            cfg.reasoning_field, body.get("return_token_ids") is True,
-                           wire.usage(n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost))
+                           wire.usage(n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost),
+                           cfg.stream_chunk_tokens)
 
         if upstream is not None:  # a 5xx of a stream already under way: an error chunk, nothing billed
             self._hit(upstream)

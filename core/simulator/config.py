@@ -146,6 +146,8 @@ class SimConfig:
     reasoning_field: Literal["reasoning", "reasoning_content"] = "reasoning"
     # SSE keep-alive comment while the first token is awaited.
     processing_comment_s: float = 2.0
+    # Tokens per SSE delta of a streamed answer (OpenRouter sends one event per few tokens).
+    stream_chunk_tokens: int = 12
     providers: tuple[SimProvider, ...] = DEFAULT_PROVIDERS
     # Deliberate wire-level misbehaviour, so the smoke test's checks can be shown to fail
     # (non-streamed answers only): see MISBEHAVIOURS.
@@ -174,6 +176,7 @@ class SimConfig:
         _check(self.reasoning_field in ("reasoning", "reasoning_content"), "reasoning_field",
                "must be 'reasoning' or 'reasoning_content'")
         _check(self.processing_comment_s > 0, "processing_comment_s", "must be > 0")
+        _check(self.stream_chunk_tokens >= 1, "stream_chunk_tokens", "must be at least 1")
         _check(len(self.providers) >= 1, "providers", "needs at least one provider")
         _check(all(-0.5 <= p.token_skew <= 1 for p in self.providers), "providers", "token_skew must be in [-0.5, 1]")
         object.__setattr__(self, "misbehave", tuple(self.misbehave))

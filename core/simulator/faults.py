@@ -102,4 +102,4 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
 def unbilled(r: wire.Reply) -> wire.Reply:
     """The same reply with a zero cost: a failed generation is not billed."""
     return wire.Reply(r.gen_id, r.provider, r.model, r.created, r.completion, r.show_reasoning,
-                      r.reasoning_field, r.token_ids, {**r.usage, "cost": 0.0})
+                      r.reasoning_field, r.token_ids, {**r.usage, "cost": 0.0}, r.chunk_tokens)

@@ -24,7 +24,8 @@ from draftgen.core.simulator.answers import Completion
 
 PROCESSING = b": OPENROUTER PROCESSING\n\n"
 DONE = b"data: [DONE]\n\n"
-# Tokens per SSE delta: real streams send a few tokens a chunk; a dozen keeps frames few.
+# Tokens per SSE delta by default: real streams send a few tokens a chunk; a dozen keeps frames few.
+# SimConfig.stream_chunk_tokens sets it per server (the streaming benchmark uses OpenRouter's few).
 TOKENS_PER_CHUNK = 12
 
 # Serialised parts of whole answers, keyed by (answer, variant); bounded by pool size x variants.
@@ -64,6 +65,7 @@ class Reply:
     reasoning_field: str  # "reasoning" (OpenRouter) or "reasoning_content" (vLLM/SGLang)
     token_ids: bool  # add `token_ids` to the choice, as vLLM's return_token_ids does
     usage: dict[str, Any]
+    chunk_tokens: int = TOKENS_PER_CHUNK  # tokens per SSE delta of a streamed answer
 
     def prefix(self, obj: str) -> bytes:
         """`{"id":..,"provider":..,"model":..,"object":..,"created":..,"choices":[` """
@@ -75,7 +77,8 @@ class Reply:
         c = self.completion
         if c.finish_reason != "stop":  # cut answers vary with max_tokens: not cached
             return None
-        return (kind, c.answer, c.think, self.show_reasoning, self.reasoning_field, self.token_ids)
+        return (kind, c.answer, c.think, self.show_reasoning, self.reasoning_field, self.token_ids,
+                self.chunk_tokens)
 
 
 def _reasoning_fields(text: str, field: str) -> dict[str, Any]:
@@ -127,12 +130,13 @@ def _choice(delta: dict[str, Any], ids: list[int] | None, finish: str | None = N
     return orjson.dumps(choice)
 
 
-def _pieces(raw: bytes, ends: tuple[int, ...], ids: tuple[int, ...], n: int) -> Iterator[tuple[str, list[int]]]:
+def _pieces(raw: bytes, ends: tuple[int, ...], ids: tuple[int, ...], n: int,
+            per: int) -> Iterator[tuple[str, list[int]]]:
     # Token groups can end inside a UTF-8 character; the incremental decoder carries it over.
     decode = codecs.getincrementaldecoder("utf-8")().decode
     start = 0
-    for i in range(0, n, TOKENS_PER_CHUNK):
-        j = min(i + TOKENS_PER_CHUNK, n)
+    for i in range(0, n, per):
+        j = min(i + per, n)
         yield decode(raw[start:ends[j - 1]]), list(ids[i:j])
         start = ends[j - 1]
 
@@ -141,14 +145,14 @@ def _delta_choices(r: Reply) -> list[bytes]:
     c, a = r.completion, r.completion.answer
     with_ids = r.token_ids
     out = []
-    for text, ids in _pieces(a.reasoning_bytes, a.reasoning_ends, a.reasoning_ids, c.n_reasoning):
+    for text, ids in _pieces(a.reasoning_bytes, a.reasoning_ends, a.reasoning_ids, c.n_reasoning, r.chunk_tokens):
         delta: dict[str, Any] = {"role": "assistant", "content": ""}
         if r.show_reasoning:
             delta.update(_reasoning_fields(text, r.reasoning_field))
         out.append(_choice(delta, ids if with_ids else None))
     if c.think_end:  # the content part begins with `</think>`
         pending = [c.think_end_id]
-        for text, ids in _pieces(a.content_bytes, a.content_ends, a.content_ids, c.n_content):
+        for text, ids in _pieces(a.content_bytes, a.content_ends, a.content_ids, c.n_content, r.chunk_tokens):
             out.append(_choice({"role": "assistant", "content": text}, pending + ids if with_ids else None))
             pending = []
         if pending:
