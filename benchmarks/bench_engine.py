@@ -1,6 +1,6 @@
 """Engine throughput, memory and concurrency against the simulator, next to the references.
 
-    python benchmarks/bench_engine.py [--n 20000] [--concurrency 2000] [--openai]
+    python benchmarks/bench_engine.py [--n 20000] [--concurrency 2000] [--openai] [--pin]
 
 Each contender runs in its own process against the same simulator process (latency 0), so their
 peak RSS is their own:
@@ -9,7 +9,9 @@ peak RSS is their own:
 - engine: draftgen's Engine (prompt file streamed, retries armed, every answer written and flushed
           to responses.jsonl, snapshots taken 4 times a second), reconstruction off;
 - openai: openai-python's AsyncOpenAI (httpx) at the same concurrency (with --openai; slow).
-Then the simulator is restarted with a fixed 2 s latency to measure the concurrency reached.
+Then the simulator is restarted with a fixed latency (2 s, or 1 s per 1,000 in flight above 2,000,
+so that one simulator process can keep that many answers open) to measure the concurrency reached.
+With --pin every client runs on CPU 0 only and the simulator on CPU 1 (the "one core" figure).
 """
 
 from __future__ import annotations
@@ -58,10 +60,11 @@ def sim_stats(port: int) -> dict:
     return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/_sim/stats", timeout=5).read())
 
 
-def child(mode: str, port: int, n: int, concurrency: int) -> dict:
+def child(mode: str, port: int, n: int, concurrency: int, pin: bool = False) -> dict:
     """Run one contender in a fresh interpreter; it prints one JSON line with its figures."""
     out = subprocess.run([sys.executable, __file__, "--child", mode, "--port", str(port), "--n", str(n),
-                          "--concurrency", str(concurrency)], capture_output=True, text=True, check=True)
+                          "--concurrency", str(concurrency), *(["--pin"] if pin else [])],
+                         capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -155,6 +158,8 @@ max_tokens = 1024
 
 def child_main(args: argparse.Namespace) -> None:
     url = f"http://127.0.0.1:{args.port}/api/v1"
+    if args.pin:
+        os.sched_setaffinity(0, {0})
     extra = {}
     if args.child in ("bare", "bare_gc"):
         if args.child == "bare_gc":
@@ -175,6 +180,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=20000)
     p.add_argument("--concurrency", type=int, default=2000)
     p.add_argument("--openai", action="store_true", help="also measure AsyncOpenAI (needs `pip install openai`)")
+    p.add_argument("--pin", action="store_true", help="clients on CPU 0, the simulator on CPU 1")
     p.add_argument("--child")
     p.add_argument("--port", type=int)
     args = p.parse_args()
@@ -184,12 +190,14 @@ def main() -> None:
     os.environ["BENCH_KEY"] = KEY
     port = free_port()
     sim = start_sim(port, "--latency-scale", "0")
+    if args.pin:
+        os.sched_setaffinity(sim.pid, {1})
     rows = []
     try:
         child("bare", port, 2000, args.concurrency)  # warm the simulator's pool and caches
-        bare = child("bare", port, args.n, args.concurrency)
-        engine = child("engine", port, args.n, args.concurrency)
-        bare_gc = child("bare_gc", port, args.n, args.concurrency)
+        bare = child("bare", port, args.n, args.concurrency, args.pin)
+        engine = child("engine", port, args.n, args.concurrency, args.pin)
+        bare_gc = child("bare_gc", port, args.n, args.concurrency, args.pin)
         rows.append(("bare aiohttp loop", bare["rate"], 1.0, bare["rss_mb"]))
         rows.append(("draftgen engine", engine["rate"], engine["rate"] / bare["rate"], engine["rss_mb"]))
         rows.append(("bare loop + engine's GC", bare_gc["rate"], bare_gc["rate"] / bare["rate"], bare_gc["rss_mb"]))
@@ -202,9 +210,12 @@ def main() -> None:
         sim.terminate()
         sim.wait()
     port = free_port()
-    sim = start_sim(port, "--fixed-latency", "2")
+    hold_s = max(2.0, args.concurrency / 1000)
+    sim = start_sim(port, "--fixed-latency", f"{hold_s:g}")
+    if args.pin:
+        os.sched_setaffinity(sim.pid, {1})
     try:
-        conc = child("engine", port, args.concurrency * 3, args.concurrency)
+        conc = child("engine", port, args.concurrency * 3, args.concurrency, args.pin)
         peak = sim_stats(port).get("peak_in_flight", 0)
     finally:
         sim.terminate()
@@ -221,7 +232,7 @@ def main() -> None:
     print(f"engine / bare: {rows[1][2]:.2f}x (target >= 0.9x); engine / bare with the same GC settings: "
           f"{engine_rate / rows[2][1]:.2f}x; engine peak RSS {rows[1][3]:.0f} MB "
           "(target <= 300 MB, no tokenizer loaded)")
-    print(f"concurrency reached at 2 s latency: simulator peak {peak} / configured {args.concurrency} = "
+    print(f"concurrency reached at {hold_s:g} s latency: simulator peak {peak} / configured {args.concurrency} = "
           f"{peak / args.concurrency:.3f} (target >= 0.98); engine's own peak in flight {conc['peak_in_flight']}")
 
 

@@ -4,10 +4,13 @@ Generates a run directory (8 datasets, responses.jsonl + tokens/ with a few perc
 drop: truncated, invalid, duplicate prompt, not reconstructed, failed), merges it in a fresh
 subprocess and reports wall time and that process's peak RSS. Then it does the same with text twice
 as long (same token counts) to show memory does not grow with the text. The reference measured in
-the same run is the I/O floor: copying the same input files with shutil.copyfile. Data are written
-under --dir (default: the system temp folder) and deleted afterwards.
+the same run is the I/O floor: copying the same input files (shutil.copyfile: sendfile, a real
+copy of the bytes, never a reflink), then fsyncing the copies as the merge fsyncs its output. Copy
+and merge alternate, --repeats times, so load on the shared machine falls on both; the ratio is
+taken per pair. Drop-caches is not available here: inputs are in the page cache for both. Data are
+written under --dir (default: the system temp folder) and deleted afterwards.
 
-    python benchmarks/bench_merge.py [--samples 100000] [--tokens 2000] [--text-kb 8]
+    python benchmarks/bench_merge.py [--samples 100000] [--tokens 2000] [--text-kb 8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -159,17 +162,28 @@ def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def io_floor(run: Path, scratch: Path) -> float:
-    """Seconds to copy every dataset file once: what any merge of these bytes must at least spend."""
+def io_floor(run: Path, scratch: Path) -> tuple[float, float]:
+    """Seconds to copy every dataset file once, then to fsync the copies: what any merge of these
+    bytes must at least spend."""
     started = time.perf_counter()
+    copies = []
     for src in run.glob("*/**/*"):
         if src.is_file() and "merged" not in src.parts:
             dst = scratch / src.relative_to(run)
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
-    seconds = time.perf_counter() - started
+            copies.append(dst)
+    copied = time.perf_counter()
+    for dst in copies:
+        fd = os.open(dst, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    synced = time.perf_counter()
     shutil.rmtree(scratch)
-    return seconds
+    os.sync()  # the removal's writeback must not land in the merge's time
+    return copied - started, synced - copied
 
 
 def main() -> None:
@@ -177,6 +191,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=100_000)
     parser.add_argument("--tokens", type=int, default=2000, help="mean tokens per sample")
     parser.add_argument("--text-kb", type=float, default=8.0, help="mean reasoning+content KB per answer")
+    parser.add_argument("--repeats", type=int, default=3, help="copy/merge pairs per text size")
     parser.add_argument("--dir", type=Path, default=None, help="where to generate (deleted afterwards)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
@@ -194,28 +209,35 @@ def main() -> None:
             generated_s = time.perf_counter() - started
             config = write_config(root)
             input_gb = tree_bytes(root / "run") / 1e9
-            floor_s = io_floor(root / "run", root / "copy")
-            os.sync()  # the generator's and the copy's writeback must not land in the merge's time
+            os.sync()  # the generator's writeback must not land in the first copy's time
             base = measure(config, baseline=True)
-            result = measure(config)
-            output_gb = tree_bytes(root / "run" / "merged") / 1e9
-            rows.append((f"{args.text_kb * scale:.0f} KB", input_gb, output_gb, generated_s, floor_s, result, base))
+            for _ in range(args.repeats):
+                copy_s, fsync_s = io_floor(root / "run", root / "copy")
+                result = measure(config)
+                output_gb = tree_bytes(root / "run" / "merged") / 1e9
+                rows.append((f"{args.text_kb * scale:.0f} KB", input_gb, output_gb, generated_s, copy_s, fsync_s,
+                             result, base))
+                os.sync()
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
     print(f"\nmerge of {args.samples:,} answers, {len(DATASETS)} datasets, ~{args.tokens:,} tokens each "
-          f"(inputs in the page cache; target ≤ 20 s, memory independent of text size).\n"
-          f"Reference: copying the same input files once (shutil.copyfile, page cache, no fsync).\n")
-    header = ("text/answer", "inputs GB", "merged GB", "kept", "dropped", "tokens", "copy inputs s",
-              "merge s", "pass 1 s", "pass 2 s", "fsync+switch s", "peak RSS MB", "RSS over imports MB")
-    print(" | ".join(header))
-    print(" | ".join("-" * len(h) for h in header))
-    for text, in_gb, out_gb, _gen_s, floor_s, r, base in rows:
-        print(" | ".join((text, f"{in_gb:.2f}", f"{out_gb:.2f}", f"{r['samples']:,}", f"{r['dropped']:,}",
-                          f"{r['tokens']:,}", f"{floor_s:.1f}", f"{r['seconds']:.1f}", f"{r['scan_s']:.1f}",
-                          f"{r['write_s']:.1f}", f"{r['seconds'] - r['scan_s'] - r['write_s']:.1f}",
-                          f"{r['peak_rss_mb']:.0f}",
-                          f"{r['peak_rss_mb'] - base['peak_rss_mb']:.0f}")))
+          f"(inputs in the page cache; target ≤ 20 s, memory independent of text size; load average "
+          f"{os.getloadavg()[0]:.1f}).\n"
+          f"Reference, alternating with the merges: copying the same input files once (shutil.copyfile, "
+          f"page cache), then fsyncing the copies.\n")
+    header = ("text/answer", "inputs GB", "merged GB", "kept", "dropped", "copy s", "copy+fsync s",
+              "merge s", "pass 1 s", "pass 2 s", "fsync+switch s", "merge / copy+fsync",
+              "passes / copy", "peak RSS MB", "RSS over imports MB")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("-" * (len(h) + 2) for h in header) + "|")
+    for text, in_gb, out_gb, _gen_s, copy_s, fsync_s, r, base in rows:
+        passes = r["scan_s"] + r["write_s"]
+        print("| " + " | ".join((text, f"{in_gb:.2f}", f"{out_gb:.2f}", f"{r['samples']:,}", f"{r['dropped']:,}",
+                                 f"{copy_s:.1f}", f"{copy_s + fsync_s:.1f}", f"{r['seconds']:.1f}",
+                                 f"{r['scan_s']:.1f}", f"{r['write_s']:.1f}", f"{r['seconds'] - passes:.1f}",
+                                 f"{r['seconds'] / (copy_s + fsync_s):.2f}x", f"{passes / copy_s:.2f}x",
+                                 f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_mb'] - base['peak_rss_mb']:.0f}")) + " |")
 
 
 if __name__ == "__main__":
