@@ -367,6 +367,33 @@ def test_token_writer_rolls_back_a_failed_sample_and_goes_on(tmp_path):
     assert (folder / "loss_mask.bin").stat().st_size == total
 
 
+BUFFERED_WRITER_CHILD = r"""
+import resource, signal, sys
+import numpy as np
+from pathlib import Path
+from draftgen.core.errors import DiskError
+from draftgen.core.tokens.store import TokenWriter
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
+writer = TokenWriter(Path(sys.argv[1]), buffered=True)
+for i in range(40):  # 40 x 300 ids = 48 KB: held in the buffer, past the limit
+    writer.append(f"s{i}", np.arange(300, dtype=np.uint32), np.ones(300, dtype=np.uint8))
+try:
+    writer.close()
+except DiskError as e:
+    print("DiskError", e)
+"""
+
+
+def test_a_buffered_token_writer_fails_clearly_when_its_last_bytes_do_not_fit(tmp_path):
+    folder = tmp_path / "tokens"
+    proc = subprocess.run([sys.executable, "-c", BUFFERED_WRITER_CHILD, str(folder)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"DiskError cannot write {folder / 'input_ids.bin'}: the file is too large")
+
+
 async def answered_run(tmp_path: Path, n: int = 60) -> tuple[Path, RunDir]:
     """A finished run (responses on disk) whose config reconstructs with the bundled tokenizer."""
     async with SimServer(SimConfig(seed=8, latency_scale=0.0, mean_completion_tokens=80), port=0) as sim:

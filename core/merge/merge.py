@@ -323,7 +323,10 @@ def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: Merg
     reporter.phase()
     total = len(kept)
     train_bytes = 0
-    with open(tmp / TRAIN_FILE, "wb", buffering=1 << 20) as train, TokenWriter(tmp / TOKENS_DIR) as tokens:
+    # Buffered token files: the temporary folder is thrown away on any error, so no write needs to
+    # be its own commit (three system calls a sample were a tenth of the merge).
+    with open(tmp / TRAIN_FILE, "wb", buffering=1 << 20) as train, \
+            TokenWriter(tmp / TOKENS_DIR, buffered=True) as tokens:
         for k, (ds_index, offset, line_length, tok_offset, tok_length) in enumerate(kept):
             inp, st = inputs[ds_index], stats.datasets[ds_index]
             record = orjson.loads(os.pread(inp.responses.fileno(), line_length, offset))
