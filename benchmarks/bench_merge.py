@@ -146,6 +146,8 @@ def worker(config_path: str, baseline: bool) -> None:
         stats = merge(config, phase)
         result = {"samples": stats.samples, "tokens": stats.tokens, "dropped": sum(stats.dropped.values())}
     result["seconds"] = time.perf_counter() - started
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["cpu_s"] = usage.ru_utime + usage.ru_stime
     result["scan_s"] = marks.get("read", 0.0)
     result["write_s"] = marks.get("finishing", 0.0) - result["scan_s"]
     result["peak_rss_mb"] = peak_rss_mb()
@@ -227,7 +229,7 @@ def main() -> None:
           f"Reference, alternating with the merges: copying the same input files once (shutil.copyfile, "
           f"page cache), then fsyncing the copies.\n")
     header = ("text/answer", "inputs GB", "merged GB", "kept", "dropped", "copy s", "copy+fsync s",
-              "merge s", "pass 1 s", "pass 2 s", "fsync+switch s", "merge / copy+fsync",
+              "merge s", "merge CPU s", "pass 1 s", "pass 2 s", "fsync+switch s", "merge / copy+fsync",
               "passes / copy", "peak RSS MB", "RSS over imports MB")
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("-" * (len(h) + 2) for h in header) + "|")
@@ -235,6 +237,7 @@ def main() -> None:
         passes = r["scan_s"] + r["write_s"]
         print("| " + " | ".join((text, f"{in_gb:.2f}", f"{out_gb:.2f}", f"{r['samples']:,}", f"{r['dropped']:,}",
                                  f"{copy_s:.1f}", f"{copy_s + fsync_s:.1f}", f"{r['seconds']:.1f}",
+                                 f"{r['cpu_s'] - base['cpu_s']:.1f}",
                                  f"{r['scan_s']:.1f}", f"{r['write_s']:.1f}", f"{r['seconds'] - passes:.1f}",
                                  f"{r['seconds'] / (copy_s + fsync_s):.2f}x", f"{passes / copy_s:.2f}x",
                                  f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_mb'] - base['peak_rss_mb']:.0f}")) + " |")
