@@ -8,8 +8,9 @@ off) in a fresh process; a probe task sleeps 10 ms at a time and records how lat
 `tui` mode the real DraftgenApp runs on the same loop through Textual's headless driver
 (`App.run_test`, 120x40): every panel is composed and rendered, only the terminal write is skipped.
 Each `--views` entry is one tui row, with that view open the whole run: `main` (the panels),
-`history` (key h: the history charts), `drill` (tab, enter: the drill-down of the first dataset);
-the row names the screen that was really up at the end, so a build without a view shows it.
+`history` (key h: the history charts), `drill` (enter on the focused datasets panel: the
+drill-down of the first dataset); the row names the screen that was really up at the end, so a
+build without a view shows it.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ max_tokens = 1024
     return path
 
 
-VIEW_KEYS = {"main": (), "history": ("h",), "drill": ("tab", "enter")}
+VIEW_KEYS = {"main": (), "history": ("h",), "drill": ("enter",)}
 
 
 async def measure(mode: str, config_path: Path) -> dict:
