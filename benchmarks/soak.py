@@ -1,6 +1,7 @@
 """Crash-and-resume soak: `draftgen run --headless` against a faulty simulator, killed over and over.
 
     python benchmarks/soak.py [--kills 40] [--prompts 24000] [--faults 429=0.05,500=0.04,...]
+                              [--scenarios moderation:rate=0.01,rate_limited:rate=0.02,...]
                               [--storm 60] [--concurrency 48] [--seed 1] [--dir DIR]
 
 The simulator runs in this process (so its per-prompt counters can be read directly); each run is a
@@ -19,8 +20,12 @@ under nohup. The plan:
 
 After every process: no response or failure acknowledged on disk before is missing, no id twice,
 no process of its session left behind (the reconstruction workers must die with their run).
+Beside the faults, rows of OpenRouter's response table run as simulator scenarios (`--scenarios`,
+default DEFAULT_SCENARIOS): prompts of their own that fail (moderation, context length, invalid
+prompt) and transient answers (a provider's 429, 503 routing, 200 carrying an error).
 At the end (`audit`): every prompt id answered, failed or skipped exactly once (skipped only where
-a token budget ran out); one token entry per answer, and a sample re-reconstructed gives identical
+a token budget ran out), failed only for a reason of its own (classify.py: the prompt's own kinds,
+or an answer fault repeated after others were answered); one token entry per answer, and a sample re-reconstructed gives identical
 ids and loss mask; the spend recorded (sum of usage.cost) matches what the simulator billed: every
 prompt's billing is explained by its written answer, plus generations billed but never written:
 those of faults nobody could read (drop, hang, truncated: the service bills them, see
@@ -56,7 +61,10 @@ from draftgen.core.config import Config, load_config
 from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.tokens.reconstruct import reconstruct_record
 from draftgen.core.rundir import RunDir
+from draftgen.core.generate.classify import ANSWER_KINDS, WHOSE, Whose
+from draftgen.core.records import ErrorKind
 from draftgen.core.simulator import FAULT_KINDS, SimConfig, SimServer, SimStats, parse_faults, prompt_key
+from draftgen.core.simulator.scenarios import parse_scenarios
 from draftgen.core.tokens.template import load_template
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
 from draftgen.core.tokens.store import TokenReader
@@ -66,6 +74,13 @@ SOAK_KEY = "sk-or-v1-soak-not-a-real-key-5f0e1d2c3b4a"
 # Every fault kind of the simulator, about 35% of requests in all.
 DEFAULT_FAULTS = {"429": 0.05, "500": 0.04, "502": 0.03, "503": 0.03, "524": 0.03, "drop": 0.03,
                   "hang": 0.02, "truncated": 0.03, "error200": 0.03, "finish_error": 0.03, "empty_choices": 0.03}
+# Rows of OpenRouter's table mixed in (simulator scenarios; see core/simulator/scenarios.py).
+# Scenarios share their draws (one per prompt for a prompt's own problems, one per request for the
+# rest) and the first in the order the service meets them answers, so the rates climb.
+DEFAULT_SCENARIOS = {"context_length": {"rate": 0.005}, "invalid_prompt": {"rate": 0.01},
+                     "moderation": {"rate": 0.02}, "rate_limited": {"rate": 0.02, "retry_after": 0.05},
+                     "no_provider_503": {"rate": 0.04}, "provider_502": {"rate": 0.05},
+                     "finish_error": {"rate": 0.06}, "stream_error": {"rate": 0.07}}
 MAX_TOKENS = 400
 MEAN_TOKENS = 80
 EPS_USD = 1e-9
@@ -205,6 +220,16 @@ class Audit:
     problems: list[str] = field(default_factory=list)
 
 
+def _own_reason(kind: str) -> bool:
+    """A failure kind that may be the prompt's own (classify.py); an outage, the dataset's settings or the
+    account never fail a prompt."""
+    try:
+        k = ErrorKind(kind)
+    except ValueError:
+        return False
+    return WHOSE.get(k) is Whose.PROMPT or k in ANSWER_KINDS
+
+
 def audit(config: Config, stats: SimStats, *, tokens: bool = True, sample: int = 50, seed: int = 0,
           budgeted: tuple[str, ...] = ()) -> Audit:
     """Check a run directory after the last run (see the module docstring); `problems` lists what failed.
@@ -245,6 +270,10 @@ def audit(config: Config, stats: SimStats, *, tokens: bool = True, sample: int =
         for f in fails:
             if not f.get("error_kind") or not f.get("message") or not f.get("attempts"):
                 a.problems.append(f"{ds.name}: failure line without a reason: {str(f)[:200]}")
+                break
+            if not _own_reason(str(f["error_kind"])):
+                a.problems.append(f"{ds.name}: prompt {f.get('id')} failed for a cause not its own: "
+                                  f"{f['error_kind']} ({str(f.get('message'))[:120]})")
                 break
         for p in prompts.values():
             prompt_keys.add(prompt_key(p.messages))
@@ -373,6 +402,8 @@ class SoakOptions:
     kills: int = 40
     prompts: int = 24000
     faults: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FAULTS))
+    scenarios: dict[str, dict[str, Any]] = field(default_factory=lambda: {k: dict(v) for k, v in
+                                                                          DEFAULT_SCENARIOS.items()})
     storm_s: float = 60.0
     concurrency: int = 48
     workers: int = 1
@@ -397,6 +428,7 @@ class SoakReport:
     sim_requests: int
     seconds: float
     problems: list[str]
+    scenarios: dict[str, int] = field(default_factory=dict)   # responses each table row sent
 
     @property
     def kills(self) -> int:
@@ -435,6 +467,7 @@ class SoakReport:
             ("simulator requests", f"{self.sim_requests:,}"),
             ("faults injected", ", ".join(f"{k} {self.faults.get(k, 0):,}" for k in (*FAULT_KINDS, "max_in_flight")
                                           if self.faults.get(k))),
+            ("table rows sent", ", ".join(f"{k} {n:,}" for k, n in sorted(self.scenarios.items())) or "none"),
             ("token entries", f"{a.token_entries:,}: {a.token_missing} missing, {a.token_extra} extra, "
                               f"{a.token_duplicates} twice; {a.sampled} re-reconstructed, {a.sample_mismatch} differ"),
             ("spend recorded / billed", f"${a.recorded_usd:.6f} / ${a.billed_usd:.6f}"),
@@ -479,7 +512,7 @@ class Soak:
         o = self.o
         t0 = time.monotonic()
         sim_cfg = SimConfig(seed=o.seed, latency_scale=o.latency_scale, mean_completion_tokens=MEAN_TOKENS,
-                            faults=o.faults, retry_after_s=0.05, hang_s=120.0)
+                            faults=o.faults, retry_after_s=0.05, hang_s=120.0, scenarios=o.scenarios)
         async with SimServer(sim_cfg, port=0) as sim:
             self.sim = sim
             self.config_path = write_config(self.root, sim.base_url, prompts=o.prompts, concurrency=o.concurrency,
@@ -519,7 +552,8 @@ class Soak:
             self.problems.append(f"served-unwritten per process add up to {measured} (+{faulted} billed faults), "
                                  f"the audit counts {a.served_unwritten}")
         return SoakReport(o, self.steps, dict(stats.faults), a, self.storm, self.torn,
-                          stats.requests_total, time.monotonic() - t0, self.problems + a.problems)
+                          stats.requests_total, time.monotonic() - t0, self.problems + a.problems,
+                          dict(stats.scenarios))
 
     # -- one process ----------------------------------------------------------------------------
 
@@ -756,6 +790,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=24000, help="prompts in all, over two datasets (default 24000)")
     p.add_argument("--faults", default=",".join(f"{k}={v:g}" for k, v in DEFAULT_FAULTS.items()),
                    help="simulator fault rates, KIND=RATE,... (default: every kind, ~35%% in all)")
+    p.add_argument("--scenarios", default=",".join(
+        name + "".join(f":{k}={v:g}" for k, v in params.items()) for name, params in DEFAULT_SCENARIOS.items()),
+        help="rows of OpenRouter's table mixed in, NAME:KEY=VALUE,... ('' for none)")
     p.add_argument("--storm", type=float, default=60.0, help="seconds of 429 storm in one run (0: none)")
     p.add_argument("--concurrency", type=int, default=48, help="concurrency of the first dataset (default 48)")
     p.add_argument("--workers", type=int, default=1, help="reconstruction worker processes (default 1)")
@@ -764,6 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed unless it fails)")
     args = p.parse_args(argv)
     options = SoakOptions(kills=args.kills, prompts=args.prompts, faults=parse_faults(args.faults),
+                          scenarios=parse_scenarios(args.scenarios),
                           storm_s=args.storm, concurrency=args.concurrency, workers=args.workers, seed=args.seed,
                           budget=not args.no_budget)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="draftgen-soak-"))

@@ -16,6 +16,7 @@ EXIT_CODES = """exit codes:
   1  the smoke test failed (smoke, or run without a passing smoke test)
   2  error: bad config or input, a stage that failed, an internal error
   3  incomplete: the run was drained, stopped, or waiting on the account; run again to resume
+  4  the API key was refused (401, at start or mid-run): set a valid key, run again
   130  interrupted before the run started
 
 start with `draftgen demo`; `draftgen COMMAND -h` for a command's options"""
@@ -49,6 +50,11 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     from draftgen.core.generate.smoke import smoke_command
     config = _config(args.config)
     return smoke_command(config, config.api_key())
+
+
+def cmd_retry_failed(args: argparse.Namespace) -> int:
+    from draftgen.core.generate.retry_failed import retry_failed_command
+    return retry_failed_command(_config(args.config), args.dataset, args.kind)
 
 
 def cmd_tokens(args: argparse.Namespace) -> int:
@@ -123,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=5.0, help="seconds between headless status lines")
     p.add_argument("--merge", action="store_true", help="headless: merge when generation is done")
     p.add_argument("--extract", action="store_true", help="headless: extract after merging")
+    p = add("retry-failed", cmd_retry_failed, "make failed prompts eligible again (their lines move to "
+            "failures.history.jsonl); the next run answers them")
+    p.add_argument("config")
+    p.add_argument("--dataset", help="only this dataset (default: all)")
+    p.add_argument("--kind", help="only failures of these error kinds, comma-separated (e.g. 401,404_no_endpoints)")
     p = add("attach", cmd_attach, "watch a run started elsewhere, read-only")
     p.add_argument("run_dir")
     p = add("report", cmd_report, "how a run went: counts per dataset, spend and its history charts")
@@ -199,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"draftgen: error: {e}", file=sys.stderr)
-        return 2
+        return int(getattr(e, "exit_code", 2))
     except OSError as e:
         # The filesystem said no where no DraftgenError names it (a run folder that cannot be made: a
         # name too long, a file in the way, no permission): the path and the reason, no traceback.

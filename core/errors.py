@@ -21,3 +21,17 @@ class TokenizerError(DraftgenError):
 
 class DiskError(DraftgenError):
     """A write failed (full disk, read-only disk, file too large); names the path."""
+
+
+# Exit status of a run whose API key was refused (401), at start or mid-run: distinct from 2 (bad
+# config or input) and 3 (incomplete) so that a script can tell "fix the key" apart.
+EXIT_KEY_REFUSED = 4
+
+
+class KeyRefusedError(DraftgenError):
+    """The service refused the API key (401): missing, invalid or revoked."""
+    exit_code = EXIT_KEY_REFUSED
+
+
+class UnreachableError(DraftgenError):
+    """The API at base_url cannot be reached at all."""

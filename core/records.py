@@ -64,12 +64,19 @@ class ErrorKind(StrEnum):
     FINISH_ERROR = "finish_error"
     EMPTY_CHOICES = "empty_choices"
     REQUEST_TIMEOUT = "408"
+    IN_FLIGHT_BUDGET = "402_in_flight"      # the in-flight spending budget is full for now
     BAD_REQUEST = "400"
+    CONTEXT_LENGTH = "400_context_length"
+    INVALID_PROMPT = "400_invalid_prompt"
+    MAX_TOKENS_EXCEEDED = "400_max_tokens"  # max_tokens above what any allowed endpoint accepts
     UNAUTHORIZED = "401"
     FORBIDDEN = "403"
+    BUDGET_LIMIT = "403_limit"              # key cap, guardrail or workspace budget reached
     PAYMENT_REQUIRED = "402"
+    WEIGHT_EXCEEDS_BUDGET = "402_weight"    # one request costs more than the whole in-flight budget
     NO_ENDPOINTS = "404_no_endpoints"
     NOT_FOUND = "404"
+    PAYLOAD_TOO_LARGE = "413"
     OTHER_4XX = "other_4xx"
     MODERATED = "moderated"
     # Answers that count as done but are tallied as errors:

@@ -11,6 +11,7 @@ import pytest
 from draftgen.core.live import snapshot as snap
 from draftgen.core.generate.admission import AdaptiveConcurrency
 from draftgen.core.generate.attempts import backoff_delay
+from draftgen.core.generate.classify import ANSWER_KINDS
 from draftgen.core.generate.engine import Engine
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import SimConfig, SimServer
@@ -84,8 +85,10 @@ async def test_every_prompt_accounted_for_under_faults(tmp_path, fault):
     answered, failed = lines(rd.responses("a")), lines(rd.failures("a"))
     assert answered, "some prompts must get through at a 50% fault rate"
     assert engine.retries > 0
-    for f in failed:  # a prompt fails for good only after every attempt, with the last error
-        assert f["attempts"] == 4 and f["error_kind"] and f["message"]
+    for f in failed:  # only an answer fault, after max_attempts spent while others were answered
+        assert f["attempts"] >= 4 and f["error_kind"] in ANSWER_KINDS and f["message"]
+    if fault in ("429", "500", "502", "503", "524", "drop"):
+        assert failed == [], "an outage kind never fails a prompt, however often it comes"
     assert sum(stats.faults.values()) > 0
 
 
@@ -98,16 +101,16 @@ async def test_hung_request_is_cut_by_its_timeout(tmp_path):
     assert dict(engine.errors.items()).get("timeout", 0) > 0
 
 
-async def test_final_statuses_are_not_retried(tmp_path):
+async def test_a_refused_key_drains_the_run_and_fails_nothing(tmp_path):
     async with SimServer(SimConfig(seed=1, api_key="the-right-key", **FAST), port=0) as sim:
-        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 5, "concurrency": 5}])
-        engine, state, _ = await run_engine(cfg)  # TEST_KEY is the wrong key: 401
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 50, "concurrency": 5}])
+        engine, state, events = await run_engine(cfg)  # TEST_KEY is the wrong key: 401
         requests = sim.stats.requests_total
-    failed = lines(RunDir(cfg.run_dir).failures("a"))
-    assert len(failed) == 5 and {f["error_kind"] for f in failed} == {"401"}
-    assert all(f["attempts"] == 1 for f in failed)
-    assert requests == 5  # one request per prompt, no retry
-    assert TEST_KEY not in RunDir(cfg.run_dir).failures("a").read_text()
+    assert lines(RunDir(cfg.run_dir).failures("a")) == []  # the key's problem, not the prompts'
+    assert state == snap.RunState.STOPPED and engine.key_refused is not None
+    assert requests == 5  # the ones in flight when it began; no retry, nothing more admitted
+    assert "401" in engine.alert and "key" in engine.alert and TEST_KEY not in engine.alert
+    assert any(kind == "account" and "refused" in msg for _, kind, msg in events)
 
 
 async def test_no_endpoints_stops_the_dataset_without_failing_prompts(tmp_path):
@@ -119,7 +122,7 @@ async def test_no_endpoints_stops_the_dataset_without_failing_prompts(tmp_path):
     s = engine.snapshot()
     assert s.datasets[0].status == "stopped" and "no endpoints" in s.datasets[0].message.lower()
     assert not RunDir(cfg.run_dir).failures("a").exists() or not lines(RunDir(cfg.run_dir).failures("a"))
-    assert any(kind == "no_endpoints" for _, kind, _ in events)
+    assert any(kind == "dataset_stopped" for _, kind, _ in events)
 
 
 async def test_token_budget_stops_admission_and_counts_skipped(tmp_path):
@@ -150,14 +153,25 @@ async def test_max_usd_stops_the_run(tmp_path):
     accounted(cfg, engine)
 
 
-async def test_credit_floor_stops_admission(tmp_path):
+async def test_credit_floor_holds_the_run_until_a_top_up(tmp_path):
+    """The balance reaching credit_floor_usd is the account's condition, not a budget: the run holds
+    (nothing skipped, nothing failed) and resumes by itself once a re-read shows credit again."""
     async with SimServer(SimConfig(seed=4, latency_scale=0.0, mean_completion_tokens=400, credits=1.0), port=0) as sim:
-        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 400, "concurrency": 4}],
-                          tables={"budget": {"credit_floor_usd": 0.97}})
-        engine, state, _ = await run_engine(cfg)
-    assert engine.datasets["a"].skipped > 0
-    s = engine.snapshot()
-    assert s.credits.balance_usd is not None and s.credits.balance_age_s is not None
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 100, "concurrency": 4}],
+                          tables={"budget": {"credit_floor_usd": 0.97}, "api": {"credits_interval_s": 0.1}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        for _ in range(1000):
+            await asyncio.sleep(0.02)
+            if engine.account is not None:
+                break
+        assert engine.state == snap.RunState.PAUSED and "credit_floor_usd" in engine.alert
+        s = engine.snapshot()
+        assert s.credits.balance_usd is not None and s.credits.balance_age_s is not None
+        assert engine.datasets["a"].skipped == 0 and s.waiting
+        sim.update(credits=100.0)  # a top-up
+        assert await asyncio.wait_for(task, 60) == snap.RunState.DONE
+    assert len(set(read_ids(RunDir(cfg.run_dir).responses("a")))) == 100
 
 
 async def test_402_pauses_the_run_and_resume_finishes_it(tmp_path):

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.generate.client import RETRYABLE_KINDS
+from draftgen.core.generate.classify import ANSWER_KINDS
 from draftgen.core.config import Config
 from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
@@ -89,16 +89,76 @@ async def test_every_fault_kind_at_once_through_the_pipeline(tmp_path: Path, str
     assert all(faults.get(kind, 0) > 0 for kind in FAULT_KINDS), faults
     a = clean_audit(config, sim)
     assert a.answered + a.failed == a.prompts == 300 and a.skipped == 0
-    assert a.failed, "at 40% faults and 4 attempts a few prompts fail for good"
     rd = RunDir(config.run_dir)
     for ds in ("a", "b"):
+        # Outage kinds (429, 5xx, connection) never fail a prompt; an answer fault may, after 4
+        # attempts spent while other prompts were answered.
         for line in soak.whole_lines(rd.failures(ds))[0]:
-            assert line["attempts"] == 4 and line["error_kind"] in RETRYABLE_KINDS and line["message"]
+            assert line["attempts"] >= 4 and line["error_kind"] in ANSWER_KINDS and line["message"]
     tallied = dict(s.errors)
     assert {"429", "5xx", "timeout", "connection", "bad_body"} <= set(tallied), tallied
     assert s.retries > 0
     tokens = s.stage("tokens")
     assert tokens is not None and tokens.state == "done" and tokens.done == a.answered
+
+
+# Rows of OpenRouter's table mixed in at rates: prompts of their own that fail, transient answers.
+# Scenarios share their draws (one per prompt for a prompt's own problems, one per request for the
+# rest) and the first in the order the service meets them answers, so the rates climb: 2% each.
+TABLE_MIX = {"payload_too_large": {"rate": 0.02}, "context_length": {"rate": 0.04},
+             "invalid_prompt": {"rate": 0.06}, "moderation": {"rate": 0.08},
+             "rate_limited": {"rate": 0.04, "retry_after": 0.01}, "request_timeout": {"rate": 0.06},
+             "no_provider_503": {"rate": 0.09}, "provider_500": {"rate": 0.11}, "provider_502": {"rate": 0.13},
+             "gateway_504": {"rate": 0.15}, "gateway_524": {"rate": 0.17}, "error_body": {"rate": 0.19},
+             "finish_error": {"rate": 0.21}, "empty_choices": {"rate": 0.23}, "stream_error": {"rate": 0.25}}
+OWN = {"moderated", "400_context_length", "400_invalid_prompt", "413"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_the_response_table_mixed_with_faults_and_account_episodes(tmp_path: Path, stream: bool) -> None:
+    """Faults and table rows at once, and mid-run a key cap, then the balance, then the in-flight budget:
+    the run holds for the account twice and resumes by itself each time (a re-read of /key, /credits),
+    and only the prompts' own problems fail prompts."""
+    faults = {kind: 0.15 / len(FAULT_KINDS) for kind in FAULT_KINDS}
+    async with SimServer(SimConfig(seed=12, fixed_latency_s=0.02, mean_completion_tokens=60, faults=faults,
+                                   retry_after_s=0.01, hang_s=120, scenarios=TABLE_MIX), port=0) as sim:
+        config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": 240, "concurrency": 16},
+                                                     {"name": "b", "n": 60, "concurrency": 6}],
+                            api={"request_timeout_s": 1.0, "stream": stream, "credits_interval_s": 0.1},
+                            engine={"max_attempts": 4, "parallel": True})
+        pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
+        await pipeline.start()
+        task = asyncio.create_task(pipeline.generate())
+        engine = pipeline.engine
+        try:
+            for episode, answers in (("key_limit", 60), ("out_of_credits", 140)):
+                await until(lambda: sim.stats.answers_total >= answers, f"{answers} answers", 60)
+                sim.scenario(episode, True)
+                await until(lambda: engine.account is not None, f"{episode} to hold the run", 20)
+                assert engine.state == snap.RunState.PAUSED and pipeline.snapshot().waiting
+                await asyncio.sleep(0.3)
+                sim.scenario(episode, False)
+                await until(lambda: engine.state == snap.RunState.RUNNING, f"{episode} to clear by itself", 20)
+            # A budget for about three requests of 4096 max_tokens: 402s with Retry-After, never one alone too big.
+            sim.scenario("in_flight_budget", True, ratio=0.0003, retry_after=0.05, duration=1.0)
+            state = await asyncio.wait_for(task, 120)
+            s = pipeline.snapshot()
+        finally:
+            if not task.done():
+                pipeline.quit(drain=False)
+            await pipeline.close()
+        hits = sim.stats.scenarios
+    assert state == snap.RunState.DONE
+    assert set(TABLE_MIX) | {"key_limit", "out_of_credits", "in_flight_budget"} <= set(hits), hits
+    a = clean_audit(config, sim)
+    assert a.answered + a.failed == a.prompts == 300 and a.skipped == 0
+    rd = RunDir(config.run_dir)
+    kinds = [f["error_kind"] for ds in ("a", "b") for f in soak.whole_lines(rd.failures(ds))[0]]
+    assert kinds and all(k in OWN or k in ANSWER_KINDS for k in kinds), kinds
+    assert OWN & set(kinds), "the prompts of their own problems fail, with their reason"
+    assert sum(1 for e in pipeline.hub.recent if e.kind == "account" and "cleared" in e.message) == 2
+    assert s.stage("tokens") is not None and s.stage("tokens").done == a.answered
 
 
 @pytest.mark.slow
@@ -205,7 +265,7 @@ async def test_402_mid_run_pauses_with_an_alert_and_resumes_when_told(tmp_path: 
             sim.set_balance(0)  # out of credits mid-run
             await until(lambda: pipeline.engine.state == snap.RunState.PAUSED, "the run to pause", 20)
             s = pipeline.snapshot()
-            assert s.state == snap.RunState.PAUSED and s.alert.startswith("402")
+            assert s.state == snap.RunState.PAUSED and "out of credits (402)" in s.alert
             assert any(e.kind == "alert" and e.level == "error" and "402" in e.message for e in pipeline.hub.recent)
             # Requests in flight finish and are recorded; nothing new is admitted while paused.
             await until(lambda: pipeline.engine.in_flight == 0, "the requests in flight to finish", 20)
@@ -241,14 +301,14 @@ async def test_402_headless_pauses_and_sigusr1_resumes(tmp_path: Path) -> None:
         try:
             await until(lambda: sim.stats.answers_total >= 40, "40 answers", 60)
             sim.set_balance(0)
-            await until(lambda: events_log.exists() and "402 Payment Required" in events_log.read_text(),
+            await until(lambda: events_log.exists() and "out of credits (402)" in events_log.read_text(),
                         "the 402 alert in events.log", 20)
             await until(lambda: sim.stats.in_flight == 0, "the requests in flight to finish", 20)
             asked = sim.stats.requests_total
             await asyncio.sleep(0.6)
             assert sim.stats.requests_total == asked, "requests admitted while paused"
             assert proc.returncode is None
-            assert "ALERT: 402" in log_path.read_text()
+            assert "WAITING (PAUSED)" in log_path.read_text() and "ALERT: out of credits (402)" in log_path.read_text()
             sim.set_balance(20)
             os.kill(proc.pid, signal.SIGUSR1)
             code = await asyncio.wait_for(proc.wait(), 60)

@@ -21,6 +21,7 @@ import pytest
 import orjson
 
 from draftgen.core.config import load_config
+from draftgen.core.errors import EXIT_KEY_REFUSED
 from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import PREFIX
@@ -131,10 +132,10 @@ async def test_the_key_appears_nowhere(tmp_path: Path) -> None:
         outputs["run stdout"], outputs["run stderr"] = out, err
         assert proc.returncode == 0, (out + err).decode()[-3000:]
 
-        # run with the refused key: every prompt fails with a 401 body quoting the key.
+        # run with the refused key: the start-up check stops it with the 401 body, which quotes the key.
         code, out, err = await cli("run", str(denied.path), "--headless", "--skip-smoke", "--interval", "0.2")
         outputs["run-401 stdout"], outputs["run-401 stderr"] = out, err
-        assert code == 0, (out + err).decode()[-3000:]
+        assert code == EXIT_KEY_REFUSED and b"was refused" in err, (out + err).decode()[-3000:]
 
         # The in-process pipeline inside the real TUI, then its screenshot.
         shots = await pipeline_in_tui(tmp_path / "tui", sim.base_url)
@@ -147,10 +148,10 @@ async def test_the_key_appears_nowhere(tmp_path: Path) -> None:
 
     # The storm really happened and errors really were recorded (with the key cut out of them).
     assert sum(stats.faults.values()) > 20
-    failures = (RunDir(cfg.run_dir).failures("a").read_bytes() + RunDir(cfg.run_dir).failures("b").read_bytes()
-                + RunDir(denied.run_dir).failures("d").read_bytes())
-    assert b"[redacted]" in failures
-    assert b'"error_kind":"401"' in failures
+    # A refused key fails no prompt (the account's problem): its 401 body, which quotes the key, is
+    # said at the shell with the key cut out.
+    assert not RunDir(denied.run_dir).failures("d").exists() or not RunDir(denied.run_dir).failures("d").read_bytes()
+    assert b"[redacted]" in outputs["run-401 stderr"] and b"401" in outputs["run-401 stderr"]
     assert b"[redacted]" in outputs["smoke-401 stdout"] or b"[redacted]" in outputs["smoke stdout"]
     stream_lines = [orjson.loads(line) for line in outputs["attach stream"].splitlines()]
     assert stream_lines[0]["type"] == "hello" and any(x["type"] == "snapshot" for x in stream_lines)

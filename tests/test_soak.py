@@ -48,8 +48,10 @@ async def test_crash_and_resume_soak(tmp_path: Path) -> None:
     assert set(drains) == {"SIGTERM", "SIGHUP"}
     assert all(s.drained and s.tokens_in_step and s.unwritten == 0 for s in drains.values())
     assert all(report.faults.get(kind, 0) > 0 for kind in FAULT_KINDS), report.faults
+    assert set(report.scenarios) == set(soak.DEFAULT_SCENARIOS), report.scenarios  # every row mixed in answered
     a = report.audit
     assert a.answered + a.failed + a.skipped == a.prompts == 1000
+    # Failures are the prompts' own (the audit checks each kind): the moderated, too long, invalid ones.
     assert a.answered and a.failed and a.token_entries == a.answered and a.sampled == 80 and not a.sample_mismatch  # 40 per dataset
     assert a.recorded_usd <= a.billed_usd and a.billed_usd - a.recorded_usd == pytest.approx(a.served_unwritten_usd)
 

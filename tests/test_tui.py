@@ -240,6 +240,15 @@ async def test_alert_bar_shows_402() -> None:
         await until(pilot, lambda: not app.query_one("#alert").display, "alert cleared")
 
 
+async def test_alert_bar_says_why_the_run_waits_through_an_outage() -> None:
+    why = "cannot connect to 127.0.0.1:18799 (connection refused) for 12 s; retrying until it answers"
+    app, _ = make(dataclasses.replace(fx.running(), waiting=why))
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        assert app.query_one("#alert").display
+        assert "WAITING: cannot connect to 127.0.0.1:18799" in text(app, "#alert")
+
+
 async def test_80x24_keeps_every_panel_on_screen() -> None:
     app, _ = make()
     async with app.run_test(size=(80, 24)) as pilot:

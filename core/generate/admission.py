@@ -1,7 +1,7 @@
 """Admission: which prompt goes out, and when.
 
 Per dataset an admission loop streams the prompt file (ids already on disk skipped), puts the
-prompts handed back (a 402) in front, and admits a request when the run is not paused, a
+prompts handed back (an account condition) in front, and admits a request when the run is not paused, a
 concurrency slot is free under the adaptive limit and the budgets allow it; right before a request
 starts, a prompt another dataset answered or is answering is skipped instead (duplicates.py). The
 limit adapts (AIMD) to sustained 429s; a retry over a lowered limit waits for a slot holding none.
@@ -88,7 +88,7 @@ class AdaptiveConcurrency:
 
 class Hold(Enum):
     """Why the engine paused the run by itself (a pause by the user holds nothing)."""
-    OUT_OF_CREDITS = "402"
+    ACCOUNT = "account"    # the key or the account (401, 402 out of credits, 403 a spending limit)
     DISK = "disk"
 
 
@@ -124,13 +124,15 @@ class Admission:
     """Admits the prompts of every dataset and keeps track of the requests it started."""
 
     def __init__(self, datasets: dict[str, DatasetRun], money: MoneyBudget, gate: Gate, ledger: Ledger,
-                 request: Callable[[DatasetRun, Prompt], Coroutine[Any, Any, None]], on_event: EventSink) -> None:
+                 request: Callable[[DatasetRun, Prompt], Coroutine[Any, Any, None]], on_event: EventSink,
+                 on_floor: Callable[[str], None]) -> None:
         self._datasets = datasets
         self._money = money
         self._gate = gate
         self._ledger = ledger
         self._request = request
         self._event = on_event
+        self._on_floor = on_floor  # the balance reached credit_floor_usd: the engine holds the run
         self.tasks: set[asyncio.Task[None]] = set()
         # Set by the engine once it has read the run directory (None: off, or only one dataset).
         self.duplicates: CrossDatasetDuplicates | None = None
@@ -182,7 +184,7 @@ class Admission:
                             "(stays eligible for a later run)")
         while ds.in_flight or ds.requeue:
             if ds.requeue and not self._gate.draining and not ds.stopped and not budget_reason:
-                # 402'd prompts waiting for the run to resume.
+                # Prompts handed back by an account condition, waiting for the run to resume.
                 async for prompt in self._with_requeue(ds, _nothing()):
                     if (await self.admit(ds)).verdict is not Verdict.GO:
                         ds.requeue.insert(0, prompt)
@@ -249,11 +251,18 @@ class Admission:
                     continue
                 return Decision(Verdict.BUDGET, f"token budget reached: {ds.tokens.used:,} used + "
                                 f"{ds.tokens.in_flight:,} in flight of {ds.tokens.limit:,}")
-            reason = self._money.blocked(self._money.expected_cost())
+            expected_cost = self._money.expected_cost()
+            reason = self._money.over_max(expected_cost) or self._money.below_floor(expected_cost)
             if reason:
                 if self.in_flight:
                     ds.wake.clear()
                     await ds.wake.wait()
+                    continue
+                if self._money.over_max(expected_cost) is None:
+                    # The balance, not a budget: hold the run (nothing skipped) until it shows room again.
+                    self._on_floor(reason)
+                    if self._gate.resume.is_set():  # the hold was refused (draining): admit nothing
+                        return HALT
                     continue
                 return Decision(Verdict.BUDGET, reason)
             if ds.in_flight >= ds.concurrency.limit:

@@ -1,9 +1,15 @@
 """Attempts: one prompt asked until it has an outcome.
 
-A request is retried as SPEC.md says (exponential backoff with full jitter, honouring Retry-After)
-up to `engine.max_attempts`; every response feeds the dataset's adaptive limit (a 429 cuts it). An
-API that cannot be reached at all spends no attempt: the request waits the outage out, however long
-it lasts. The loop ends in exactly one `Outcome`; what to record for it is the engine's business.
+Each response is classified by whose problem it is (core/generate/classify.py). The prompt's own
+fails it; the dataset's and the account's hand it back unrecorded (it stays eligible) for the
+engine to stop the dataset or the run's admission. Transient ones are retried with exponential
+backoff and full jitter, honouring Retry-After, for as long as they last: the outage kinds
+(connection, 408, 429, 5xx, the in-flight-budget 402) spend no attempt, so an outage of any length
+fails no prompt; the answer kinds (a timeout, a cut-off body, a 200 carrying an error) spend one of
+`engine.max_attempts` only while, since this prompt was first sent, the service has given more
+answers than answer faults: then the trouble is this prompt's, not the service's (in an outage of
+such answers the faults outnumber the answers, and nothing fails). A 429 and the in-flight-budget 402 feed the
+dataset's adaptive limit (AIMD). A drain gives a retrying prompt up unrecorded.
 """
 
 from __future__ import annotations
@@ -17,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
 from draftgen.core.generate.admission import Gate
+from draftgen.core.generate.classify import ANSWER_KINDS, SLOW_DOWN_KINDS, Whose
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
 from draftgen.core.generate.stats import Tally
 from draftgen.core.live.recent import RecentErrors
-from draftgen.core.records import ErrorKind
 from draftgen.core.secrets import Redactor
 
 if TYPE_CHECKING:
@@ -37,11 +43,11 @@ def backoff_delay(attempt: int, base: float, cap: float, retry_after: float | No
 
 
 class Outcome(Enum):
-    ANSWERED = "answered"              # record the answer
-    FAILED = "failed"                  # failed for good: record the failure
-    OUT_OF_CREDITS = "out_of_credits"  # a 402: hand the prompt back and pause the run
-    NO_ENDPOINTS = "no_endpoints"      # a 404 "no endpoints": the dataset admits nothing more
-    GIVEN_UP = "given_up"              # drained while the API could not be reached: not recorded, stays eligible
+    ANSWERED = "answered"    # record the answer
+    FAILED = "failed"        # failed for a reason of its own: record the failure
+    ACCOUNT = "account"      # the key or the account: hand the prompt back, stop admission run-wide
+    DATASET = "dataset"      # the dataset's routing or settings: stop the dataset, the prompt stays eligible
+    GIVEN_UP = "given_up"    # drained while retrying: not recorded, stays eligible
 
 
 @dataclass(frozen=True)
@@ -70,58 +76,82 @@ class Attempts:
         self.client: ChatClient | None = None
         self.retries = 0
         self._unreachable_since: float | None = None  # the API could not be reached; reset by an answer
+        self.answered = 0        # answers this run: a prompt that fails while others are answered is suspect
+        self.answer_faults = 0   # answer faults this run (ANSWER_KINDS)
+        self.backing_off = 0     # requests waiting to retry a transient error right now
+        self.last_transient: RequestFailed | None = None
+        self.unreachable_cause = ""  # e.g. "cannot connect to 127.0.0.1:18799 (connection refused)"
+
+    @property
+    def unreachable_since(self) -> float | None:
+        return self._unreachable_since
 
     async def ask(self, ds: DatasetRun, body: dict[str, Any], prompt_id: str = "") -> Attempted:
         assert self.client is not None
         eng = self._config.engine
-        attempt = 0
-        outage = 0
+        spent = 0   # attempts that count against max_attempts
+        tries = 0   # requests sent
+        # What the service did since this prompt's first try: more answers than answer faults says it
+        # works, and this prompt's answer fault is its own; more faults says an outage.
+        answered_before, faults_before = self.answered, self.answer_faults
         while True:
-            attempt += 1
+            tries += 1
             try:
                 answer = await self.client.chat(body)
             except RequestFailed as e:
                 self._errors.add(e.kind)
                 if self._recent is not None:
-                    self._recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=prompt_id, attempt=attempt,
+                    self._recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=prompt_id, attempt=tries,
                                      message=self._redact(e.message), status=e.status,
                                      provider=getattr(e, "provider", None) or "")
-                if e.unreachable and not self._gate.stopping:
-                    # Nothing was sent: the network or the server is down. Not this prompt's fault, so no
-                    # attempt is spent and it waits the outage out however long it lasts; a drain gives it
-                    # up unrecorded (it stays eligible). Spending attempts here failed for good every
-                    # prompt in flight or admitted during a few minutes' outage.
-                    if self._gate.draining:
-                        return Attempted(Outcome.GIVEN_UP, attempt - 1, error=e)
-                    attempt -= 1
-                    outage += 1
-                    self.retries += 1
-                    self._note_unreachable(e)
-                    await asyncio.sleep(backoff_delay(min(outage, 16), eng.backoff_base_s, eng.backoff_max_s,
-                                                      None, self._rng))
-                    continue
-                if e.kind == ErrorKind.RATE_LIMITED:
+                if e.kind in SLOW_DOWN_KINDS:
                     ds.concurrency.on_429()
-                else:
+                elif not e.unreachable:
                     ds.concurrency.on_response()
-                if e.kind == ErrorKind.PAYMENT_REQUIRED:
-                    return Attempted(Outcome.OUT_OF_CREDITS, attempt, error=e)
-                if e.kind == ErrorKind.NO_ENDPOINTS:
-                    return Attempted(Outcome.NO_ENDPOINTS, attempt, error=e)
-                if e.retryable and attempt < eng.max_attempts and not self._gate.stopping:
-                    self.retries += 1
-                    await asyncio.sleep(backoff_delay(attempt, eng.backoff_base_s, eng.backoff_max_s,
+                whose = e.whose
+                if whose is Whose.ACCOUNT:
+                    return Attempted(Outcome.ACCOUNT, tries, error=e)
+                if whose is Whose.DATASET:
+                    return Attempted(Outcome.DATASET, tries, error=e)
+                if whose is Whose.PROMPT:
+                    return self._failed(ds, prompt_id, tries, e)
+                if e.unreachable:
+                    self._note_unreachable(e)
+                if e.kind in ANSWER_KINDS:
+                    self.answer_faults += 1
+                if e.kind in ANSWER_KINDS and \
+                        self.answered - answered_before > self.answer_faults - faults_before:
+                    spent += 1
+                    if spent >= eng.max_attempts:
+                        return self._failed(ds, prompt_id, tries, e)
+                if self._gate.closed:
+                    return Attempted(Outcome.GIVEN_UP, tries - 1, error=e)
+                self.retries += 1
+                self.backing_off += 1
+                try:
+                    # Retries go on while the run is paused: a request in flight finishes (an account
+                    # condition answers it at once and hands the prompt back).
+                    await asyncio.sleep(backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s,
                                                       e.retry_after, self._rng))
-                    await self._retry_slot(ds)
-                    continue
-                if self._recent is not None:
-                    self._recent.mark_final(ds.config.name, prompt_id)
-                return Attempted(Outcome.FAILED, attempt, error=e)
+                finally:
+                    self.backing_off -= 1
+                    self.last_transient = e
+                if self._gate.closed:
+                    return Attempted(Outcome.GIVEN_UP, tries, error=e)
+                await self._retry_slot(ds)
+                continue
             ds.concurrency.on_response()
+            self.answered += 1
             self._note_reachable()
-            return Attempted(Outcome.ANSWERED, attempt, answer=answer)
+            return Attempted(Outcome.ANSWERED, tries, answer=answer)
+
+    def _failed(self, ds: DatasetRun, prompt_id: str, tries: int, e: RequestFailed) -> Attempted:
+        if self._recent is not None:
+            self._recent.mark_final(ds.config.name, prompt_id)
+        return Attempted(Outcome.FAILED, tries, error=e)
 
     def _note_unreachable(self, e: RequestFailed) -> None:
+        self.unreachable_cause = self._redact(e.message)[:200]
         if self._unreachable_since is None:
             self._unreachable_since = self._clock()
             self._event("warn", "unreachable", f"cannot reach {self._config.api.base_url} "

@@ -75,13 +75,22 @@ class MoneyBudget:
     def balance_age(self) -> float | None:
         return None if self._balance_at is None else self._clock() - self._balance_at
 
-    def blocked(self, expected: float) -> str | None:
-        """Why no more requests may be admitted, or None."""
+    def over_max(self, expected: float) -> str | None:
+        """Why `max_usd` allows no more requests (final for this run: the rest is skipped), or None."""
         if self.max_usd is not None and self.spent_total + self.in_flight + expected > self.max_usd:
             return (f"max_usd reached: spent ${self.spent_total:.2f} + ${self.in_flight:.2f} in flight "
                     f"of ${self.max_usd:.2f}")
+        return None
+
+    def below_floor(self, expected: float) -> str | None:
+        """Why the live balance allows no more requests (an account condition: the run holds until the
+        balance shows room again), or None."""
         balance = self.balance_now()
         if balance is not None and balance - self.in_flight - expected <= self.floor_usd:
             return (f"credit floor reached: balance ${balance:.2f} - ${self.in_flight:.2f} in flight "
                     f"<= floor ${self.floor_usd:.2f}")
         return None
+
+    def blocked(self, expected: float) -> str | None:
+        """Why no more requests may be admitted, or None."""
+        return self.over_max(expected) or self.below_floor(expected)

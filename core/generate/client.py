@@ -2,7 +2,7 @@
 
 One `ClientSession` for the life of a run; its connector is sized to the run's concurrency (the
 default pool of 100 would silently cap a run at 100). Every failure becomes a `RequestFailed`
-whose `kind` says how the engine treats it (see `retryable` and core/records.py ERROR_KINDS).
+whose `kind` says whose problem it is and so how the engine treats it (core/generate/classify.py).
 """
 
 from __future__ import annotations
@@ -15,13 +15,10 @@ from typing import Any
 import aiohttp
 import orjson
 
+from draftgen.core.generate.classify import RequestFailed, cannot_connect, classify_status
 from draftgen.core.records import ErrorKind, Usage
 
-# Statuses retried with backoff (SPEC "Engine behaviour"); everything else 4xx is final.
-RETRY_STATUSES = {408, 429, 500, 502, 503, 504, 524}
-RETRYABLE_KINDS = frozenset({
-    ErrorKind.RATE_LIMITED, ErrorKind.SERVER, ErrorKind.TIMEOUT, ErrorKind.CONNECTION, ErrorKind.BAD_BODY,
-    ErrorKind.ERROR_IN_200, ErrorKind.FINISH_ERROR, ErrorKind.EMPTY_CHOICES, ErrorKind.REQUEST_TIMEOUT})
+__all__ = ["ChatAnswer", "ChatClient", "RequestFailed", "classify_status", "parse_completion"]
 
 
 @dataclass(frozen=True)
@@ -37,71 +34,6 @@ class ChatAnswer:
     usage: Usage
     latency_s: float
     token_ids: list[int] | None = None
-
-
-class RequestFailed(Exception):
-    """A request that did not produce an answer, and why (`kind`)."""
-
-    def __init__(self, kind: ErrorKind, message: str, *, status: int | None = None, retry_after: float | None = None,
-                 unreachable: bool = False):
-        super().__init__(message)
-        self.kind = kind
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
-        # No connection could be made at all (refused, no route, DNS, connect timeout): nothing was
-        # sent, the API is down or out of reach, which says nothing about this prompt.
-        self.unreachable = unreachable
-
-    @property
-    def retryable(self) -> bool:
-        return self.kind in RETRYABLE_KINDS
-
-
-def _retry_after(headers: Any) -> float | None:
-    value = headers.get("Retry-After")
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None  # an HTTP date: rare from these APIs; fall back to our own backoff
-
-
-def _error_message(body: bytes) -> str:
-    try:
-        obj = orjson.loads(body)
-        err = obj.get("error") if isinstance(obj, dict) else None
-        if isinstance(err, dict):
-            msg = str(err.get("message") or err)
-            meta = err.get("metadata")
-            if isinstance(meta, dict) and meta.get("raw"):
-                msg += f" ({str(meta['raw'])[:200]})"
-            return msg[:500]
-        if err:
-            return str(err)[:500]
-    except (orjson.JSONDecodeError, AttributeError):
-        pass
-    return body[:300].decode("utf-8", "replace")
-
-
-def classify_status(status: int, body: bytes, headers: Any) -> RequestFailed:
-    msg = _error_message(body)
-    if status == 429:
-        return RequestFailed(ErrorKind.RATE_LIMITED, msg or "rate limited", status=status, retry_after=_retry_after(headers))
-    if status == 408:
-        return RequestFailed(ErrorKind.REQUEST_TIMEOUT, msg or "request timeout", status=status, retry_after=_retry_after(headers))
-    if status >= 500:
-        return RequestFailed(ErrorKind.SERVER, f"HTTP {status}: {msg}", status=status, retry_after=_retry_after(headers))
-    if status == 402:
-        return RequestFailed(ErrorKind.PAYMENT_REQUIRED, msg or "payment required: out of credits", status=status)
-    if status == 404 and "no endpoints" in msg.lower():
-        return RequestFailed(ErrorKind.NO_ENDPOINTS, msg, status=status)
-    if status == 403 and ("moderat" in msg.lower() or "flagged" in msg.lower()):
-        return RequestFailed(ErrorKind.MODERATED, msg, status=status)
-    if status in (400, 401, 403, 404):
-        return RequestFailed(ErrorKind(str(status)), f"HTTP {status}: {msg}", status=status)
-    return RequestFailed(ErrorKind.OTHER_4XX, f"HTTP {status}: {msg}", status=status)
 
 
 def _reasoning_of(message: dict[str, Any]) -> str | None:
@@ -359,7 +291,7 @@ class ChatClient:
             raise RequestFailed(ErrorKind.BAD_BODY, f"truncated body: {e}") from None
         except aiohttp.ClientConnectorError as e:
             # A TLS failure is a setup problem, not an outage: it fails like any connection error.
-            raise RequestFailed(ErrorKind.CONNECTION, f"cannot connect: {type(e).__name__}: {e}",
+            raise RequestFailed(ErrorKind.CONNECTION, cannot_connect(self.base_url, e),
                                 unreachable=not isinstance(e, aiohttp.ClientSSLError)) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientOSError, ConnectionError) as e:
             raise RequestFailed(ErrorKind.CONNECTION, f"connection error: {type(e).__name__}: {e}") from None
@@ -401,37 +333,20 @@ class ChatClient:
             raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 stream with no choices")
         return state.body()
 
-    async def _get_json(self, path: str) -> dict[str, Any]:
+    async def get_json(self, path: str) -> dict[str, Any]:
+        """GET `path` under base_url (e.g. "/key"); RequestFailed for any status but 200."""
         assert self._session is not None
-        async with self._session.get(f"{self.base_url}{path}",
-                                     timeout=aiohttp.ClientTimeout(total=30, sock_connect=10)) as resp:
-            raw = await resp.read()
-            if resp.status != 200:
-                raise classify_status(resp.status, raw, resp.headers)
-            try:
-                obj = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                raise RequestFailed(ErrorKind.BAD_BODY, f"GET {path}: body is not JSON") from None
-            return obj if isinstance(obj, dict) else {}
-
-    async def key_info(self) -> dict[str, Any]:
-        """GET /key: label, usage, limit, limit_remaining (raises RequestFailed on 401 and the like)."""
-        return (await self._get_json("/key")).get("data") or {}
-
-    async def balance(self) -> float | None:
-        """Credits left: GET /credits (total_credits - total_usage), falling back to GET /key."""
         try:
-            data = (await self._get_json("/credits")).get("data") or {}
-            if "total_credits" in data:
-                return float(data["total_credits"]) - float(data.get("total_usage") or 0.0)
-        except RequestFailed as e:
-            if e.kind == ErrorKind.UNAUTHORIZED:
-                raise
-        except (asyncio.TimeoutError, aiohttp.ClientError):
-            pass
+            async with self._session.get(f"{self.base_url}{path}",
+                                         timeout=aiohttp.ClientTimeout(total=30, sock_connect=10)) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise classify_status(resp.status, raw, resp.headers)
+        except aiohttp.ClientConnectorError as e:
+            raise RequestFailed(ErrorKind.CONNECTION, f"GET {path}: {cannot_connect(self.base_url, e)}",
+                                unreachable=True) from None
         try:
-            data = await self.key_info()
-            remaining = data.get("limit_remaining")
-            return None if remaining is None else float(remaining)
-        except (asyncio.TimeoutError, aiohttp.ClientError, RequestFailed):
-            return None
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise RequestFailed(ErrorKind.BAD_BODY, f"GET {path}: body is not JSON") from None
+        return obj if isinstance(obj, dict) else {}

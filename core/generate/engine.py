@@ -10,8 +10,14 @@ is done by its parts, each in its own module:
     projection.py  the snapshot: counts, projected cost, ETA
 
 Each request ends in exactly one of: an answer line in responses.jsonl, a failure line in
-failures.jsonl, or nothing at all (stop now, 402, 404 "no endpoints", a drain while the API cannot
-be reached: the prompt stays eligible).
+failures.jsonl (a reason of the prompt's own), or nothing at all (stop now, an account or dataset
+condition, a drain while retrying: the prompt stays eligible). Which, is decided by whose problem
+each response is (classify.py).
+
+Account conditions stop admission run-wide (requests in flight finish): a refused key (401) drains
+the run, which ends with `key_refused` set; the others hold the run and re-read the account
+(GET /key, GET /credits) every `api.credits_interval_s`, resuming when it shows room again; `r` or
+SIGUSR1 resumes at once.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from draftgen.core.config import Config
 from draftgen.core.generate.admission import AdaptiveConcurrency, Admission, Gate, Hold
 from draftgen.core.generate.attempts import Attempts, Outcome
 from draftgen.core.generate.budget import MoneyBudget, TokenBudget
-from draftgen.core.generate.client import ChatClient, RequestFailed
+from draftgen.core.generate.account import AccountStatus, AccountStop, read_account
+from draftgen.core.generate.classify import AccountCondition, RequestFailed
+from draftgen.core.generate.client import ChatClient
 from draftgen.core.generate.duplicates import CrossDatasetDuplicates
 from draftgen.core.generate.ledger import DatasetRun, Ledger
 from draftgen.core.generate.limits import ensure_open_files
@@ -42,6 +50,7 @@ from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.summary import ended_line, final_state
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.files import write_json_atomic
+from draftgen.core.records import ErrorKind
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
 
@@ -76,12 +85,17 @@ class Engine:
         self.alert = ""
         self.ended = ""  # how the run ended, with counts (final states only)
         self.held: Hold | None = None  # why the engine paused the run by itself, while it is paused
+        self.account: AccountStop | None = None  # the account condition holding the run, while it does
+        self.key_refused: AccountStop | None = None  # a 401 drained the run
+        self._recheck: asyncio.Task[None] | None = None
+        self._account_status: AccountStatus | None = None  # the last read of GET /key and GET /credits
         self._started = clock()
         self._gate = Gate(asyncio.Event())
         self._gate.resume.set()
         self.ledger = Ledger(self.rundir, self.datasets, self.money, self.errors, self._redact,
                              on_event=self._event, on_hold=self._hold, on_answer=on_answer, clock=clock)
-        self.admission = Admission(self.datasets, self.money, self._gate, self.ledger, self._request, self._event)
+        self.admission = Admission(self.datasets, self.money, self._gate, self.ledger, self._request, self._event,
+                                   on_floor=self._floor_hold)
         self.attempts = Attempts(config, self._gate, self.errors, random.Random(seed),
                                  retry_slot=self.admission.retry_slot, on_event=self._event,
                                  redact=self._redact, clock=clock, recent=self.recent)
@@ -110,7 +124,9 @@ class Engine:
             return
         if self.ledger.holding and not self.ledger.flush_held():
             return
-        if self.held is Hold.OUT_OF_CREDITS and self._client is not None:
+        stop = self.account
+        if stop is not None and stop.condition in (AccountCondition.OUT_OF_CREDITS, AccountCondition.CREDIT_FLOOR) \
+                and self._client is not None:
             # The balance we hold is from before the top-up: read it again before admitting.
             self.alert = "402: checking the balance before resuming"
             asyncio.get_running_loop().create_task(self._resume_after_balance())
@@ -118,19 +134,18 @@ class Engine:
         self._set_running()
 
     async def _resume_after_balance(self) -> None:
-        assert self._client is not None
         try:
-            balance = await asyncio.wait_for(self._client.balance(), 30)
-            if balance is not None:
-                self.money.set_balance(balance)
-        except Exception as e:  # resume anyway: the next 402 pauses again
+            await self._read_account()
+        except Exception as e:  # resume anyway: the next 402 holds the run again
             self._event("warn", "credits", f"could not read the balance: {type(e).__name__}")
-        self._set_running()
+        if self.state == RunState.PAUSED:
+            self._set_running()
 
     def _set_running(self) -> None:
         self.state = RunState.RUNNING
         self.alert = ""
         self.held = None
+        self.account = None
         self._gate.resume.set()
         self.admission.wake_all()
         self._event("info", "resumed", "resumed")
@@ -197,13 +212,15 @@ class Engine:
         finally:
             ticker.cancel()
             credits.cancel()
+            if self._recheck is not None:
+                self._recheck.cancel()
             if own_client:
                 await self._client.close()
             self.ledger.settle_held()
             self.ledger.close()
         # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
         self.state = final_state(self.datasets.values(), stopping=self._gate.stopping,
-                                 draining=self._gate.draining, waiting=self.held is Hold.OUT_OF_CREDITS)
+                                 draining=self._gate.draining, waiting=self.held is Hold.ACCOUNT)
         self.ended = ended_line(self.state, self.datasets.values())
         self._event("info" if self.state == RunState.DONE else "warn", "run_done",
                     f"run {self.ended}; ${self.money.spent_run:.4f} spent this run")
@@ -237,16 +254,91 @@ class Engine:
         elif done.outcome is Outcome.FAILED:
             assert done.error is not None
             self.ledger.record_failure(ds, prompt, done.error, done.attempts)
-        elif done.outcome is Outcome.OUT_OF_CREDITS:
-            ds.requeue.append(prompt)
-            self._hold(Hold.OUT_OF_CREDITS, "402 Payment Required: out of credits. The run is paused; add "
-                       "credits and press r to resume (headless: kill -USR1 <pid>).")
-        elif done.outcome is Outcome.NO_ENDPOINTS and not ds.stopped:
+        elif done.outcome is Outcome.ACCOUNT:
             assert done.error is not None
-            ds.stopped = True
-            ds.message = f"no endpoints: {self._redact(done.error.message)[:200]}"
-            self._event("error", "no_endpoints", f"{ds.config.name}: stopped: provider routing "
-                        f"excludes every provider: {self._redact(done.error.message)}")
+            ds.requeue.append(prompt)
+            self._account_stop(done.error)
+        elif done.outcome is Outcome.DATASET:
+            assert done.error is not None
+            self._stop_dataset(ds, done.error)
+
+    def _stop_dataset(self, ds: DatasetRun, e: RequestFailed) -> None:
+        """The dataset's routing or settings refuse every prompt: it admits nothing more, its prompts stay
+        eligible, the message says what to change."""
+        if ds.stopped:
+            return
+        ds.stopped = True
+        why = self._redact(e.message)[:300]
+        todo = {ErrorKind.MAX_TOKENS_EXCEEDED: f"lower max_tokens (now {ds.config.max_tokens}) for this dataset",
+                ErrorKind.WEIGHT_EXCEEDS_BUDGET: f"lower max_tokens (now {ds.config.max_tokens}) or add credits",
+                ErrorKind.NOT_FOUND: "check [api] model",
+                }.get(e.kind, "check the provider routing ([request] provider, the account's privacy settings)")
+        ds.message = f"stopped: {why}; {todo}, then run again (its prompts stay eligible)"
+        self._event("error", "dataset_stopped", f"{ds.config.name}: {ds.message}")
+        ds.wake.set()
+
+    def _floor_hold(self, reason: str) -> None:
+        """The live balance reached credit_floor_usd: an account condition like a 402, met before it."""
+        source = self._account_status.balance_source if self._account_status is not None else "unknown"
+        self._hold_account(AccountStop(AccountCondition.CREDIT_FLOOR, f"{reason}; balance from {source}"))
+
+    def _account_stop(self, e: RequestFailed) -> None:
+        """Stop admission run-wide for an account condition; nothing is failed."""
+        condition = e.account or AccountCondition.FORBIDDEN
+        self._hold_account(AccountStop.of(condition, self._redact(e.message)[:300], e.metadata))
+
+    def _hold_account(self, stop: AccountStop) -> None:
+        condition = stop.condition
+        if condition is AccountCondition.KEY_REFUSED:
+            if self.key_refused is None:
+                self.key_refused = stop
+                self.alert = stop.alert(paused=False)
+                self._event("error", "account", self.alert)
+                self.drain()
+            return
+        if self._gate.closed:
+            return
+        if self.account is not None and self.state == RunState.PAUSED:
+            return  # already held (an answer in flight when it began)
+        self.account = stop
+        self._hold(Hold.ACCOUNT, stop.alert())
+        if stop.recheck and (self._recheck is None or self._recheck.done()):
+            self._recheck = asyncio.get_running_loop().create_task(self._recheck_account())
+
+    async def _recheck_account(self) -> None:
+        """While an account condition holds the run: read the account every credits interval, resume
+        when it shows room again."""
+        while self.account is not None and self.state == RunState.PAUSED and not self._gate.closed:
+            await asyncio.sleep(self.config.api.credits_interval_s)
+            stop = self.account
+            if stop is None or self.state != RunState.PAUSED or self._gate.closed:
+                return
+            try:
+                status = await self._read_account()
+            except RequestFailed as e:
+                if e.account is AccountCondition.KEY_REFUSED:
+                    self._account_stop(e)
+                    return
+                continue  # the account cannot be read now: try again next interval
+            except Exception:  # noqa: BLE001 - a re-check must never take the run down
+                continue
+            if stop.cleared_by(status, need_usd=self.money.expected_cost(), floor_usd=self.money.floor_usd,
+                               now=time.time()):
+                self._event("info", "account", f"{stop.condition.value} cleared ({status.balance_source}): "
+                            "resuming")
+                if self.ledger.holding and not self.ledger.flush_held():
+                    return
+                self._set_running()
+                return
+
+    async def _read_account(self) -> AccountStatus:
+        assert self._client is not None
+        status = await read_account(self._client)
+        self._account_status = status
+        if status.balance is not None:
+            self.money.set_balance(status.balance)
+            self.admission.wake_all()
+        return status
 
     def _hold(self, why: Hold, message: str) -> None:
         """The engine pauses the run by itself (out of credits, a write the disk refused)."""
@@ -263,23 +355,38 @@ class Engine:
         self._on_event(level, kind, self._redact(message))
 
     async def _watch_credits(self) -> None:
-        assert self._client is not None
         while True:
             try:
-                balance = await self._client.balance()
-                if balance is not None:
-                    self.money.set_balance(balance)
-                    self.admission.wake_all()
+                await self._read_account()
             except RequestFailed as e:
                 self._event("warn", "credits", f"could not read the balance: {self._redact(e.message)}")
             except Exception as e:  # a balance check must never take the run down
                 self._event("warn", "credits", f"could not read the balance: {type(e).__name__}")
             await asyncio.sleep(self.config.api.credits_interval_s)
 
+    def waiting(self) -> str:
+        """Why the run is making no progress right now, in a sentence (empty while it is)."""
+        if self.state == RunState.PAUSED:
+            return self.alert or "paused by the user: r resumes (headless: kill -USR1 <pid>)"
+        if self.state not in (RunState.RUNNING, RunState.DRAINING):
+            return ""
+        since = self.attempts.unreachable_since
+        if since is not None:
+            return (f"{self.attempts.unreachable_cause or 'cannot reach ' + self.config.api.base_url} for "
+                    f"{self._clock() - since:.0f} s; retrying until it answers (check [api] base_url), no prompt "
+                    "is failed meanwhile")
+        backing = self.attempts.backing_off
+        last = self.attempts.last_transient
+        if backing and backing >= self.in_flight and last is not None:
+            wait = f", Retry-After {last.retry_after:g} s" if last.retry_after is not None else ""
+            return (f"all {backing} requests in flight are backing off a transient error "
+                    f"({last.kind}{wait}): {self._redact(last.message)[:120]}")
+        return ""
+
     # -- the picture ----------------------------------------------------------------------------
 
     def snapshot(self) -> snap.RunSnapshot:
         self._seq += 1
         return project(run_name=self.rundir.root.name, model=self.config.api.model, state=self.state,
-                       alert=self.alert, elapsed_s=self._clock() - self._started, seq=self._seq,
+                       alert=self.alert, waiting=self.waiting(), elapsed_s=self._clock() - self._started, seq=self._seq,
                        datasets=self.datasets.values(), ledger=self.ledger, retries=self.attempts.retries)

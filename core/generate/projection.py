@@ -25,7 +25,7 @@ def remaining(ds: DatasetRun) -> int:
     return left
 
 
-def project(*, run_name: str, model: str, state: RunState, alert: str, elapsed_s: float, seq: int,
+def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: str = "", elapsed_s: float, seq: int,
             datasets: Iterable[DatasetRun], ledger: Ledger, retries: int) -> snap.RunSnapshot:
     money, rates = ledger.money, ledger.rates
     all_ds = list(datasets)
@@ -65,4 +65,4 @@ def project(*, run_name: str, model: str, state: RunState, alert: str, elapsed_s
     return snap.RunSnapshot(
         run_name=run_name, model=model, state=state, elapsed_s=elapsed_s, seq=seq, datasets=tuple(shots),
         throughput=throughput, errors=ledger.errors.items(), retries=retries,
-        providers=ledger.providers.items(), credits=credits, alert=alert)
+        providers=ledger.providers.items(), credits=credits, alert=alert, waiting=waiting)

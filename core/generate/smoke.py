@@ -25,10 +25,10 @@ from typing import Any
 
 
 from draftgen.core.live import snapshot as snap
+from draftgen.core.generate.account import read_account
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
 from draftgen.core.config import Config, DatasetConfig
 from draftgen.core.errors import DraftgenError
-from draftgen.core.records import ErrorKind
 from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.files import write_json_atomic
 from draftgen.core.rundir import RunDir
@@ -55,9 +55,12 @@ class SmokeResult:
         return bool(self.rows) and all(r.passed for r in self.rows)
 
     def summary(self) -> str:
-        failed = [r.check for r in self.rows if not r.passed]
+        """One line: the count, and each failed check with its cause ("key (cannot connect to …)")."""
+        failed = [r for r in self.rows if not r.passed]
         head = f"{len(self.rows) - len(failed)}/{len(self.rows)} checks passed"
-        return head + (f"; failed: {', '.join(failed)}" if failed else "")
+        if not failed:
+            return head
+        return head + "; failed: " + ", ".join(f"{r.check} ({r.detail[:160]})" for r in failed)
 
     def to_dict(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "passed": self.passed, "checked_at": time.time(),
@@ -233,17 +236,13 @@ async def run_smoke(config: Config, api_key: str,
                           connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
                           title=config.api.title) as client:
         try:
-            info = await client.key_info()
-            label = info.get("label") or "unlabelled"
-            add(SmokeRow("key", True, f"accepted (label {redact(str(label))!r})"))
+            account = await read_account(client)
+            add(SmokeRow("key", True, f"accepted (label {redact(str(account.label or 'unlabelled'))!r})"))
+            result.balance_usd = account.balance
         except RequestFailed as e:
-            add(SmokeRow("key", e.kind not in (ErrorKind.UNAUTHORIZED, ErrorKind.FORBIDDEN), f"GET /key: {e.message}"))
+            add(SmokeRow("key", False, e.message if e.unreachable else f"GET /key: {e.message}"))
         except Exception as e:  # noqa: BLE001 - any network failure is this row's failure
             add(SmokeRow("key", False, f"GET /key failed: {type(e).__name__}: {e}"))
-        try:
-            result.balance_usd = await client.balance()
-        except Exception:  # noqa: BLE001 - reported in the balance row
-            result.balance_usd = None
 
         async def ask(fp: str, ds: DatasetConfig) -> tuple[str, dict[str, Any], ChatAnswer | SmokeRow, float]:
             body = config.request_body(ds, [{"role": "user", "content": config.smoke.prompt}])

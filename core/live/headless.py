@@ -1,8 +1,9 @@
 """`draftgen run --headless`: the pipeline without the TUI, one status line every few seconds.
 
 Made for `nohup ... &` and `tail -f`: each line stands alone and labels its averages. SIGINT drains
-(a second SIGINT stops now); SIGTERM and SIGHUP (a closed tmux pane, a dropped SSH session) drain. SIGUSR1 resumes after a 402
-or a full disk paused the run.
+(a second SIGINT stops now); SIGTERM and SIGHUP (a closed tmux pane, a dropped SSH session) drain.
+SIGUSR1 resumes a run held by the account (402, a spending limit) or a full disk; while the run
+waits, each status line says WAITING and the detail lines say why.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def status_line(s: snap.RunSnapshot, now: float | None = None) -> str:
         spent += f"/${c.max_usd:,.0f}" if c.max_usd == int(c.max_usd) else f"/{usd(c.max_usd)}"
     spent += " all"
     # Most important first: what does not fit in 120 columns is left to the detail lines.
-    parts = [f"{wall} {s.state} +{clock(s.elapsed_s)}",
+    # A run that makes no progress says so on every line; the details say why (held, unreachable, backing off).
+    state = f"WAITING ({s.state})" if s.waiting and s.state != snap.RunState.WAITING else s.state
+    parts = [f"{wall} {state} +{clock(s.elapsed_s)}",
              f"{done:,}/{total:,}{pct}",
              spent,
              f"{t.in_flight:,} in flight",
@@ -92,12 +95,15 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
         # Wrapped, never cut: it names the path or the account condition to act on.
         out += textwrap.wrap(f"ALERT: {s.alert}", WIDTH, initial_indent=INDENT, subsequent_indent=INDENT + "  ",
                              break_long_words=False, break_on_hyphens=False)
+    if s.waiting and s.waiting != s.alert:  # never wait silently: say what the run waits for
+        out += textwrap.wrap(f"WAITING: {s.waiting}", WIDTH, initial_indent=INDENT,
+                             subsequent_indent=INDENT + "  ", break_long_words=False, break_on_hyphens=False)
     return out
 
 
 def _shape(s: snap.RunSnapshot) -> object:
     """What, when it changes, brings the details out at once."""
-    return (s.state, tuple((d.name, d.status) for d in _active(s)), s.alert)
+    return (s.state, tuple((d.name, d.status) for d in _active(s)), s.alert, bool(s.waiting))
 
 
 class _Output:
@@ -152,7 +158,7 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
     loop.add_signal_handler(signal.SIGINT, on_sigint)
     loop.add_signal_handler(signal.SIGTERM, on_term, "SIGTERM")
     loop.add_signal_handler(signal.SIGHUP, on_term, "SIGHUP")
-    # Headless has no `r` key: SIGUSR1 resumes a run paused by a 402 or a full disk.
+    # Headless has no `r` key: SIGUSR1 resumes a run held by the account or a full disk.
     loop.add_signal_handler(signal.SIGUSR1, pipeline.resume)
     sub = pipeline.hub.subscribe(maxsize=256)
 

@@ -19,7 +19,7 @@ import orjson
 from draftgen.core.live import snapshot as snap
 from draftgen.core.config import Config
 from draftgen.core.generate.engine import Engine
-from draftgen.core.errors import DraftgenError
+from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError, UnreachableError
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_INCOMPLETE, INCOMPLETE
 from draftgen.core.live.timeline import TimelineRecorder, Totals
@@ -124,7 +124,7 @@ class Pipeline:
                 e = DraftgenError(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the "
                                   "traceback, and please report it)")
             self.error = e
-            self.exit_code = 2
+            self.exit_code = getattr(e, "exit_code", 2)
             for name, stage in list(self.stages.items()):
                 if stage.state == snap.StageState.RUNNING:
                     self.stages[name] = dataclasses.replace(stage, state=snap.StageState.FAILED,
@@ -136,6 +136,11 @@ class Pipeline:
 
     async def _generate(self) -> str:
         try:
+            from draftgen.core.generate.preflight import check_api
+            try:
+                await check_api(self.config, self._api_key)
+            except UnreachableError as e:
+                self.emit("warn", "unreachable", f"{e}; the run waits for it (no prompt is failed meanwhile)")
             if not self._skip_smoke:
                 ok, why = smoke_status(self.config)
                 if not ok:
@@ -155,6 +160,8 @@ class Pipeline:
             state = await self.engine.run()
             if state in INCOMPLETE and self.exit_code == EXIT_COMPLETE:
                 self.exit_code = EXIT_INCOMPLETE  # prompts are left: the shell can tell it from a complete run
+            if self.engine.key_refused is not None:
+                self.exit_code = EXIT_KEY_REFUSED
             if self._reconstructor is not None:
                 await self._reconstructor.close()
                 self.stages["tokens"] = self._reconstructor.progress()

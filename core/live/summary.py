@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
+from draftgen.core.errors import EXIT_KEY_REFUSED
 from draftgen.core.live.snapshot import RunSnapshot, RunState
 from draftgen.core.units import clock, usd
 
@@ -28,8 +29,10 @@ class Counted(Protocol):
 
 # Exit codes of `draftgen run` (and `demo`): README "Exit codes".
 EXIT_COMPLETE, EXIT_SMOKE_FAILED, EXIT_ERROR, EXIT_INCOMPLETE = 0, 1, 2, 3
+# EXIT_KEY_REFUSED (4) lives in core/errors.py with the KeyRefusedError that carries it.
 EXIT_MEANING = {EXIT_COMPLETE: "complete", EXIT_SMOKE_FAILED: "smoke test failed", EXIT_ERROR: "error",
-                EXIT_INCOMPLETE: "incomplete: run again to resume", 130: "interrupted"}
+                EXIT_INCOMPLETE: "incomplete: run again to resume",
+                EXIT_KEY_REFUSED: "the API key was refused: set a valid one, run again", 130: "interrupted"}
 WIDTH = 120
 
 

@@ -61,23 +61,29 @@ class RunHeader(Panel):
 
 
 class AlertBar(Panel):
-    """The engine's alert, on a line of its own so it cannot be missed, and once the run has ended how
-    it ended, with its counts; hidden when there is neither."""
+    """The engine's alert, on a line of its own so it cannot be missed, else why the run waits (an
+    outage, every request backing off), and once the run has ended how it ended, with its counts;
+    hidden when there is none of them."""
 
     FRAMED = False
 
+    @staticmethod
+    def _line(s: RunSnapshot) -> str:
+        return f" ⚠ {s.alert}" if s.alert else f" WAITING: {s.waiting}" if s.waiting else ""
+
     def key(self, s: RunSnapshot) -> Any:
-        return (s.alert, s.ended)
+        return (self._line(s), s.ended)
 
     def shape(self, s: RunSnapshot) -> Any:
-        return (s.alert, s.ended)  # it may wrap
+        return (self._line(s), s.ended)  # it may wrap
 
     def wanted(self, s: RunSnapshot) -> bool:
-        return bool(s.alert or s.ended)
+        return bool(self._line(s) or s.ended)
 
     def draw(self, s: RunSnapshot) -> RenderableType:
         self.set_class(not s.alert and s.state == snap.RunState.DONE, "-done")
         self.set_class(not s.alert and bool(s.ended) and s.state != snap.RunState.DONE, "-incomplete")
         hint = "" if s.state == snap.RunState.DONE else " · run again to resume the rest"
-        lines = ([f" ⚠ {s.alert}"] if s.alert else []) + ([f" ■ run {s.ended}{hint}"] if s.ended else [])
+        first = [self._line(s)] if self._line(s) else []
+        lines = first + ([f" ■ run {s.ended}{hint}"] if s.ended else [])
         return Text("\n".join(lines), style="bold")

@@ -1,0 +1,228 @@
+"""Whose problem a response is, as OpenRouter's table says (../shared/OPENROUTER.md; README
+"OpenRouter responses").
+
+Every response that is not an answer becomes a `RequestFailed` whose `kind` (an ErrorKind) maps to
+one `Whose`:
+
+- PROMPT: the prompt's own (400 context length or invalid prompt, 403 moderation, 413): that prompt
+  fails, with the reason.
+- TRANSIENT: retried with backoff and full jitter, honouring Retry-After, never pausing. The
+  outage kinds (connection, 408, 429, 5xx, the in-flight-budget 402) spend no attempt: an outage
+  of any length fails no prompt. The answer kinds (a timeout, a truncated body, a 200 carrying an
+  error) spend an attempt only while the service, since this prompt was first sent, has given more
+  answers than answer faults (attempts.py).
+- DATASET: the dataset's routing or settings (404 no endpoints or unknown model, 400
+  max_tokens_exceeded, 402 weight_exceeds_budget): the dataset stops with the message; its prompts
+  stay eligible.
+- ACCOUNT: the key or the account (401, 402 out of credits, 403 key cap, guardrail or workspace
+  budget): admission stops run-wide, nothing is failed, requests in flight finish.
+
+The match is on the status and `error.metadata` (`limit_source`, `code`, `reasons`); the message
+text is only a hint, since messages change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+
+from draftgen.core.records import ErrorKind
+
+
+class Whose(StrEnum):
+    PROMPT = "prompt"
+    TRANSIENT = "transient"
+    DATASET = "dataset"
+    ACCOUNT = "account"
+
+
+class AccountCondition(StrEnum):
+    """Why the account stops admission run-wide (`limit_source` values where OpenRouter sends one)."""
+    KEY_REFUSED = "key_refused"                        # 401: missing, invalid or revoked key
+    OUT_OF_CREDITS = "out_of_credits"                  # 402 without an in-flight limit_source
+    KEY_LIMIT = "openrouter_key_limit"                 # the key's own cap
+    GUARDRAIL_BUDGET = "openrouter_guardrail_budget"
+    WORKSPACE_BUDGET = "openrouter_workspace_budget"
+    FORBIDDEN = "forbidden"                            # another 403 (permissions, a guardrail block)
+    CREDIT_FLOOR = "credit_floor"                      # the live balance reached credit_floor_usd (no response)
+
+
+BUDGET_SOURCES = frozenset({AccountCondition.KEY_LIMIT, AccountCondition.GUARDRAIL_BUDGET,
+                            AccountCondition.WORKSPACE_BUDGET})
+IN_FLIGHT_SOURCE = "openrouter_in_flight_budget"
+
+WHOSE: dict[ErrorKind, Whose] = {
+    ErrorKind.RATE_LIMITED: Whose.TRANSIENT,
+    ErrorKind.SERVER: Whose.TRANSIENT,
+    ErrorKind.TIMEOUT: Whose.TRANSIENT,
+    ErrorKind.CONNECTION: Whose.TRANSIENT,
+    ErrorKind.BAD_BODY: Whose.TRANSIENT,
+    ErrorKind.ERROR_IN_200: Whose.TRANSIENT,
+    ErrorKind.FINISH_ERROR: Whose.TRANSIENT,
+    ErrorKind.EMPTY_CHOICES: Whose.TRANSIENT,
+    ErrorKind.REQUEST_TIMEOUT: Whose.TRANSIENT,
+    ErrorKind.IN_FLIGHT_BUDGET: Whose.TRANSIENT,
+    ErrorKind.BAD_REQUEST: Whose.PROMPT,
+    ErrorKind.CONTEXT_LENGTH: Whose.PROMPT,
+    ErrorKind.INVALID_PROMPT: Whose.PROMPT,
+    ErrorKind.MODERATED: Whose.PROMPT,
+    ErrorKind.PAYLOAD_TOO_LARGE: Whose.PROMPT,
+    ErrorKind.OTHER_4XX: Whose.PROMPT,
+    ErrorKind.MAX_TOKENS_EXCEEDED: Whose.DATASET,
+    ErrorKind.WEIGHT_EXCEEDS_BUDGET: Whose.DATASET,
+    ErrorKind.NO_ENDPOINTS: Whose.DATASET,
+    ErrorKind.NOT_FOUND: Whose.DATASET,
+    ErrorKind.UNAUTHORIZED: Whose.ACCOUNT,
+    ErrorKind.PAYMENT_REQUIRED: Whose.ACCOUNT,
+    ErrorKind.BUDGET_LIMIT: Whose.ACCOUNT,
+    ErrorKind.FORBIDDEN: Whose.ACCOUNT,
+}
+
+# Transient kinds that may still be this prompt's doing (its answer always too long for the timeout,
+# always cut off, always an error from the provider): they spend an attempt while the service gives
+# more answers than answer faults since this prompt was first sent. Every other transient kind is the
+# service's.
+ANSWER_KINDS = frozenset({ErrorKind.TIMEOUT, ErrorKind.BAD_BODY, ErrorKind.ERROR_IN_200,
+                          ErrorKind.FINISH_ERROR, ErrorKind.EMPTY_CHOICES})
+# Kinds that cut the adaptive concurrency (AIMD) like a 429.
+SLOW_DOWN_KINDS = frozenset({ErrorKind.RATE_LIMITED, ErrorKind.IN_FLIGHT_BUDGET})
+
+
+@dataclass(frozen=True)
+class ErrorBody:
+    """The parts of OpenRouter's `{"error": {"code", "message", "metadata"}}` that decide the class."""
+    message: str = ""
+    code: str = ""                 # error.code when a string, else metadata.code ("context_length_exceeded")
+    metadata: dict[str, Any] | None = None
+
+    @property
+    def limit_source(self) -> str:
+        meta = self.metadata or {}
+        value = meta.get("limit_source")
+        return value if isinstance(value, str) else ""
+
+    def meta(self, key: str) -> Any:
+        return (self.metadata or {}).get(key)
+
+
+class RequestFailed(Exception):
+    """A request that did not produce an answer, why (`kind`), and whose problem it is (`whose`)."""
+
+    def __init__(self, kind: ErrorKind, message: str, *, status: int | None = None, retry_after: float | None = None,
+                 unreachable: bool = False, account: AccountCondition | None = None,
+                 metadata: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+        # No connection could be made at all (refused, no route, DNS, connect timeout): nothing was
+        # sent, the API is down or out of reach, which says nothing about this prompt.
+        self.unreachable = unreachable
+        self.account = account          # for Whose.ACCOUNT: which condition
+        self.metadata = metadata or {}  # error.metadata as sent (limit_usd, spend_usd, resets_at, ...)
+
+    @property
+    def whose(self) -> Whose:
+        return WHOSE.get(self.kind, Whose.PROMPT)
+
+
+def parse_error_body(body: bytes) -> ErrorBody:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return ErrorBody(body[:300].decode("utf-8", "replace"))
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        msg = str(err.get("message") or err)
+        meta = err.get("metadata") if isinstance(err.get("metadata"), dict) else None
+        code = err.get("code") if isinstance(err.get("code"), str) else ""
+        if not code and meta is not None and isinstance(meta.get("code"), str):
+            code = meta["code"]
+        if meta is not None and meta.get("raw"):
+            msg += f" ({str(meta['raw'])[:200]})"
+        return ErrorBody(msg[:500], code, meta)
+    if err:
+        return ErrorBody(str(err)[:500])
+    return ErrorBody(body[:300].decode("utf-8", "replace"))
+
+
+def retry_after_of(headers: Any) -> float | None:
+    value = headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None  # an HTTP date: rare from these APIs; fall back to our own backoff
+
+
+def _hinted(err: ErrorBody, *words: str) -> bool:
+    text = f"{err.code} {err.message}".lower()
+    return any(w in text for w in words)
+
+
+def classify_status(status: int, body: bytes, headers: Any) -> RequestFailed:
+    """The RequestFailed for a non-200 response (chat completions, /key, /credits)."""
+    err = parse_error_body(body)
+    msg = err.message
+    wait = retry_after_of(headers)
+    meta = err.metadata
+
+    def failed(kind: ErrorKind, text: str, account: AccountCondition | None = None) -> RequestFailed:
+        return RequestFailed(kind, text, status=status, retry_after=wait, account=account, metadata=meta)
+
+    source = err.limit_source
+    if source == IN_FLIGHT_SOURCE or (status == 402 and _hinted(err, "in_flight_budget_exhausted")):
+        return failed(ErrorKind.IN_FLIGHT_BUDGET, f"HTTP {status} in-flight spending budget full: {msg}")
+    if source in BUDGET_SOURCES:  # documented as 403; some pages say 402: the source decides
+        return failed(ErrorKind.BUDGET_LIMIT, f"HTTP {status}: {msg}", AccountCondition(source))
+    if status == 429:
+        return failed(ErrorKind.RATE_LIMITED, msg or "rate limited")
+    if status == 408:
+        return failed(ErrorKind.REQUEST_TIMEOUT, msg or "request timeout")
+    if status >= 500:
+        return failed(ErrorKind.SERVER, f"HTTP {status}: {msg}")
+    if status == 401:
+        return failed(ErrorKind.UNAUTHORIZED, f"HTTP 401: {msg}", AccountCondition.KEY_REFUSED)
+    if status == 402:
+        if _hinted(err, "weight_exceeds_budget"):
+            return failed(ErrorKind.WEIGHT_EXCEEDS_BUDGET, f"HTTP 402: {msg}")
+        return failed(ErrorKind.PAYMENT_REQUIRED, f"HTTP 402: {msg or 'out of credits'}",
+                      AccountCondition.OUT_OF_CREDITS)
+    if status == 403:
+        if meta is not None and ("reasons" in meta or "flagged_input" in meta) or _hinted(err, "moderat", "flagged"):
+            return failed(ErrorKind.MODERATED, f"HTTP 403 moderation: {msg}")
+        if _hinted(err, "limit exceeded", "budget"):
+            return failed(ErrorKind.BUDGET_LIMIT, f"HTTP 403: {msg}", AccountCondition.KEY_LIMIT)
+        return failed(ErrorKind.FORBIDDEN, f"HTTP 403: {msg}", AccountCondition.FORBIDDEN)
+    if status == 404:
+        # Every 404 from chat completions is routing or the model id: the dataset's, never the prompt's.
+        kind = ErrorKind.NO_ENDPOINTS if _hinted(err, "endpoint", "provider") else ErrorKind.NOT_FOUND
+        return failed(kind, f"HTTP 404: {msg}")
+    if status == 400:
+        if _hinted(err, "max_tokens_exceeded"):
+            return failed(ErrorKind.MAX_TOKENS_EXCEEDED, f"HTTP 400: {msg}")
+        if _hinted(err, "context_length_exceeded", "context length"):
+            return failed(ErrorKind.CONTEXT_LENGTH, f"HTTP 400: {msg}")
+        if _hinted(err, "invalid_prompt"):
+            return failed(ErrorKind.INVALID_PROMPT, f"HTTP 400: {msg}")
+        return failed(ErrorKind.BAD_REQUEST, f"HTTP 400: {msg}")
+    if status == 413:
+        return failed(ErrorKind.PAYLOAD_TOO_LARGE, f"HTTP 413: {msg or 'payload too large'}")
+    return failed(ErrorKind.OTHER_4XX, f"HTTP {status}: {msg}")
+
+
+def cannot_connect(base_url: str, e: BaseException) -> str:
+    """"cannot connect to 127.0.0.1:18799 (connection refused)": the address and the cause."""
+    parts = urlsplit(base_url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    os_error = getattr(e, "os_error", None)
+    cause = getattr(os_error, "strerror", None) or str(os_error or e) or type(e).__name__
+    if "Connect call failed" in cause or "refused" in cause.lower():
+        cause = "connection refused"
+    return f"cannot connect to {parts.hostname}:{port} ({cause.lower() if cause[:1].isupper() else cause})"

@@ -1,0 +1,35 @@
+"""The start-up check with causes: before a run (and its smoke gate) asks anything, GET /key with
+the run's key. A refused key stops the run ("the API key … was refused (401 …)", exit 4); an
+address that does not answer ("cannot connect to 127.0.0.1:18799 (connection refused)") is said at
+once, and the run waits for it like any outage (its status line says WAITING and why). A missing
+or broken prompt file is named when its dataset starts ("PATH: prompt file not found")."""
+
+from __future__ import annotations
+
+from draftgen.core.config import Config
+from draftgen.core.errors import KeyRefusedError, UnreachableError
+from draftgen.core.generate.account import AccountStatus, read_account
+from draftgen.core.generate.classify import AccountCondition, RequestFailed
+from draftgen.core.generate.client import ChatClient
+from draftgen.core.secrets import Redactor
+
+
+async def check_api(config: Config, api_key: str) -> AccountStatus:
+    """GET /key with the run's key: the address answers and the key is accepted."""
+    redact = Redactor(api_key)
+    async with ChatClient(config.api.base_url, api_key, concurrency=1,
+                          connect_timeout_s=config.api.connect_timeout_s) as client:
+        try:
+            return await read_account(client, timeout_s=max(10.0, config.api.connect_timeout_s))
+        except RequestFailed as e:
+            if e.unreachable:
+                raise UnreachableError(f"{redact(e.message.removeprefix('GET /key: '))}: check [api] base_url "
+                                       f"({config.api.base_url}) in {config.path} and that the server is up") from None
+            if e.account is AccountCondition.KEY_REFUSED:
+                raise KeyRefusedError(f"the API key in ${config.api.api_key_env} was refused by "
+                                      f"{config.api.base_url}/key ({redact(e.message)}): set a valid key "
+                                      "(revoked or mistyped?) and run again") from None
+            return AccountStatus()  # /key is odd here, but the key may still run completions
+        except TimeoutError:
+            raise UnreachableError(f"{config.api.base_url}/key did not answer: check [api] base_url in "
+                                   f"{config.path}") from None
