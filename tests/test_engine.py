@@ -107,7 +107,7 @@ async def test_a_refused_key_drains_the_run_and_fails_nothing(tmp_path):
         engine, state, events = await run_engine(cfg)  # TEST_KEY is the wrong key: 401
         requests = sim.stats.requests_total
     assert lines(RunDir(cfg.run_dir).failures("a")) == []  # the key's problem, not the prompts'
-    assert state == snap.RunState.STOPPED and engine.key_refused is not None
+    assert state == snap.RunState.DRAINED and engine.key_refused is not None
     assert requests == 5  # the ones in flight when it began; no retry, nothing more admitted
     assert "401" in engine.alert and "key" in engine.alert and TEST_KEY not in engine.alert
     assert any(kind == "account" and "refused" in msg for _, kind, msg in events)

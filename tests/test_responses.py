@@ -24,6 +24,7 @@ from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.headless import run_headless
 from draftgen.core.live.pipeline import Pipeline
+from draftgen.core.live.summary import EXIT_INCOMPLETE
 from draftgen.core.rundir import RunDir
 from draftgen.core.simulator import SimConfig, SimServer
 from draftgen.core.simulator.scenarios import BY_NAME
@@ -169,7 +170,7 @@ async def test_dataset_rows_stop_the_dataset_and_a_rerun_finishes_it(tmp_path: P
         config = config_for(tmp_path, sim, stream)
         sim.scenario(name, True, after=0.1, **params)
         run = Watch(config)
-        assert await run.result() == snap.RunState.DONE
+        assert await run.result() == snap.RunState.STOPPED  # prompts are left: not DONE, run again
         s = run.engine.snapshot()
         a, b = s.datasets
         assert a.status == snap.DatasetStatus.STOPPED and a.done < A and "run again" in a.message
@@ -245,7 +246,7 @@ async def test_a_revoked_key_drains_fails_nothing_and_a_rerun_finishes(tmp_path:
         config = config_for(tmp_path, sim, stream)
         sim.scenario("revoked_key", True, after=0.1)
         run = Watch(config)
-        assert await run.result() == snap.RunState.STOPPED
+        assert await run.result() == snap.RunState.DRAINED  # in-flight requests finished, the rest is left
         assert run.engine.key_refused is not None and "401" in run.engine.alert
         assert failures(config, "a") == failures(config, "b") == []
         done = len(read_ids(RunDir(config.run_dir).responses("a")))
@@ -321,10 +322,10 @@ async def test_startup_names_an_unreachable_base_url_and_waits_for_it(tmp_path: 
         if f"WAITING: {cause}" in out.getvalue():
             break
     text = out.getvalue()
-    assert f"warn: {cause}: check [api] base_url" in text, text[-2000:]  # said at start
+    assert f"warn     {cause}: check [api] base_url" in text, text[-2000:]  # said at start
     assert f"WAITING: {cause}" in text and "WAITING (RUNNING)" in text, text[-2000:]  # and while it waits
     os.kill(os.getpid(), signal.SIGINT)  # the user fixes the address: drain, nothing failed
-    assert await asyncio.wait_for(task, 30) == 0
+    assert await asyncio.wait_for(task, 30) == EXIT_INCOMPLETE  # prompts left: run again
     assert not RunDir(config.run_dir).failures("a").exists() or not failures(config, "a")
     result = await run_smoke(config, TEST_KEY)
     assert not result.passed and f"key (GET /key: {cause})" in result.summary()

@@ -64,7 +64,9 @@ class AccountStatus:
 
     @property
     def balance_source(self) -> str:
-        if self.credits_left is not None:
+        """Where `balance` comes from: the smaller of the credits left and the room under the key's cap."""
+        left = self.credits_left
+        if left is not None and (self.limit_remaining is None or left <= self.limit_remaining):
             return "GET /credits"
         if self.limit_remaining is not None:
             return "GET /key limit_remaining"
