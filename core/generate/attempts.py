@@ -6,9 +6,9 @@ engine to stop the dataset or the run's admission. Transient ones are retried wi
 backoff and full jitter, honouring Retry-After, for as long as they last: the outage kinds
 (connection, 408, 429, 5xx, the in-flight-budget 402) spend no attempt, so an outage of any length
 fails no prompt; the answer kinds (a timeout, a cut-off body, a 200 carrying an error) spend one of
-`engine.max_attempts` only while, since this prompt was first sent, the service has given more
-answers than answer faults: then the trouble is this prompt's, not the service's (in an outage of
-such answers the faults outnumber the answers, and nothing fails). A 429 and the in-flight-budget 402 feed the
+`engine.max_attempts` only while, since this prompt was first sent, the service has given the other
+prompts more answers than answer faults: then the trouble is this prompt's, not the service's (in
+an outage of such answers the others' faults outnumber the answers, and nothing fails). A 429 and the in-flight-budget 402 feed the
 dataset's adaptive limit (AIMD). A drain gives a retrying prompt up unrecorded.
 """
 
@@ -91,9 +91,10 @@ class Attempts:
         eng = self._config.engine
         spent = 0   # attempts that count against max_attempts
         tries = 0   # requests sent
-        # What the service did since this prompt's first try: more answers than answer faults says it
-        # works, and this prompt's answer fault is its own; more faults says an outage.
+        # What the service did for the other prompts since this one's first try: more answers than
+        # answer faults says it works, and this prompt's answer fault is its own; more says an outage.
         answered_before, faults_before = self.answered, self.answer_faults
+        own_faults = 0
         while True:
             tries += 1
             try:
@@ -119,8 +120,9 @@ class Attempts:
                     self._note_unreachable(e)
                 if e.kind in ANSWER_KINDS:
                     self.answer_faults += 1
-                if e.kind in ANSWER_KINDS and \
-                        self.answered - answered_before > self.answer_faults - faults_before:
+                    own_faults += 1
+                others_faults = self.answer_faults - faults_before - own_faults
+                if e.kind in ANSWER_KINDS and self.answered - answered_before > others_faults:
                     spent += 1
                     if spent >= eng.max_attempts:
                         return self._failed(ds, prompt_id, tries, e)

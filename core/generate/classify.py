@@ -9,8 +9,8 @@ one `Whose`:
 - TRANSIENT: retried with backoff and full jitter, honouring Retry-After, never pausing. The
   outage kinds (connection, 408, 429, 5xx, the in-flight-budget 402) spend no attempt: an outage
   of any length fails no prompt. The answer kinds (a timeout, a truncated body, a 200 carrying an
-  error) spend an attempt only while the service, since this prompt was first sent, has given more
-  answers than answer faults (attempts.py).
+  error) spend an attempt only while the service, since this prompt was first sent, has given the
+  other prompts more answers than answer faults (attempts.py).
 - DATASET: the dataset's routing or settings (404 no endpoints or unknown model, 400
   max_tokens_exceeded, 402 weight_exceeds_budget): the dataset stops with the message; its prompts
   stay eligible.
@@ -84,8 +84,8 @@ WHOSE: dict[ErrorKind, Whose] = {
 
 # Transient kinds that may still be this prompt's doing (its answer always too long for the timeout,
 # always cut off, always an error from the provider): they spend an attempt while the service gives
-# more answers than answer faults since this prompt was first sent. Every other transient kind is the
-# service's.
+# the other prompts more answers than answer faults since this one was first sent. Every other
+# transient kind is the service's.
 ANSWER_KINDS = frozenset({ErrorKind.TIMEOUT, ErrorKind.BAD_BODY, ErrorKind.ERROR_IN_200,
                           ErrorKind.FINISH_ERROR, ErrorKind.EMPTY_CHOICES})
 # Kinds that cut the adaptive concurrency (AIMD) like a 429.
