@@ -15,7 +15,6 @@ ledger holds the failed ids in memory and would not ask them again.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,7 +24,8 @@ import orjson
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
-from draftgen.core.rundir import JsonlAppender, RunDir, disk_error
+from draftgen.core.files import write_atomic
+from draftgen.core.rundir import JsonlAppender, RunDir
 
 
 @dataclass
@@ -45,24 +45,6 @@ class Retried:
 
 def history_path(rundir: RunDir, dataset: str) -> Path:
     return rundir.dataset(dataset) / "failures.history.jsonl"
-
-
-def _replace_synced(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a power cut
-        finally:
-            os.close(dir_fd)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise disk_error(path, e) from e
 
 
 def retry_dataset(rundir: RunDir, dataset: str, kinds: frozenset[str] | None) -> Retried:
@@ -96,7 +78,7 @@ def retry_dataset(rundir: RunDir, dataset: str, kinds: frozenset[str] | None) ->
             history.append(obj)
     finally:
         history.close()
-    _replace_synced(path, b"".join(kept))
+    write_atomic(path, b"".join(kept), fsync=True)
     return result
 
 
