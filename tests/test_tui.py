@@ -414,9 +414,11 @@ async def test_slash_opens_the_log_searching() -> None:
     app, _ = make()
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("slash")
-        assert isinstance(app.screen, LogScreen)
+        # Typing before the search box has the focus would send the letters to the log's own keys.
+        await until(pilot, lambda: isinstance(app.screen, LogScreen)
+                    and app.screen.query_one("#log-search").has_focus, "the search box has the focus")
         await pilot.press(*"429s", "enter")
-        assert len(app.screen.events_log.lines) == 1
+        await until(pilot, lambda: len(app.screen.events_log.lines) == 1, "only the 429 line is left")
 
 
 async def test_selected_log_line_shows_its_full_text() -> None:
