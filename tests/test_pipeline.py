@@ -71,7 +71,7 @@ async def test_skip_smoke_and_stage_availability(tmp_path):
         assert not RunDir(cfg.run_dir).smoke_json.exists()
         assert pipeline.unavailable("merge") is None
         pipeline.start_merge()
-        await asyncio.wait_for(pipeline._tasks["merge"], 60)
+        await asyncio.wait_for(pipeline.oneshot.task("merge"), 60)
         assert pipeline.snapshot().stage("merge").state == "done"
         await pipeline.close()
     assert len((RunDir(cfg.run_dir).merged / "train.jsonl").read_bytes().splitlines()) == 10

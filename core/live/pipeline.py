@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -21,6 +19,7 @@ from draftgen.core.config import Config
 from draftgen.core.generate.engine import Engine
 from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError, UnreachableError
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.stages import Stages
 from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_INCOMPLETE, INCOMPLETE
 from draftgen.core.live.timeline import TimelineRecorder, Totals
 from draftgen.core.rundir import EventLog, RunDir
@@ -48,8 +47,8 @@ def smoke_status(config: Config) -> tuple[bool, str]:
 
 class Pipeline:
     """The run as the views see it: every stage (smoke, generation, tokens, merge, extract) driven from
-    one place, the snapshot they read, and the control surface they call. A little over 250 lines:
-    it is that surface, one short method per command, and splitting it would hand the views two."""
+    one place, the snapshot they read, and the control surface they call; the one-shot stages
+    (smoke, merge, extract) run in core/live/stages.py."""
 
     read_only = False
 
@@ -64,19 +63,17 @@ class Pipeline:
         self._reconstruct = config.engine.reconstruct if reconstruct is None else reconstruct
         self._serve_attach = serve_attach
         self.engine = Engine(config, api_key, on_event=self.emit, on_answer=self._on_answer, seed=seed)
-        self.stages: dict[str, snap.StageProgress] = {}
-        self.gpus: tuple[snap.GpuStat, ...] | None = None
         self._log: EventLog | None = None
         self._attach: Any = None
         self._reconstructor: Any = None
         self._fidelity: tuple[snap.ProviderFidelity, ...] = ()  # the last figures, kept after the workers stop
-        self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._ticker: asyncio.Task[None] | None = None
         self.quit_requested = asyncio.Event()
         self.exit_code = 0
         self.error: DraftgenError | None = None
         self._crash: BaseException | None = None
-        self._extract_stop = threading.Event()
+        self.oneshot = Stages(config, api_key, self.engine, emit=self.emit)
+        self.stages = self.oneshot.progress  # the stages panel's rows (one dict, shared)
         self.timeline = TimelineRecorder(self.rundir.history,
                                          on_write_error=lambda message: self.emit("warn", "history", message))
 
@@ -95,10 +92,7 @@ class Pipeline:
         self.publish()
 
     async def close(self) -> None:
-        self._extract_stop.set()
-        for task in self._tasks.values():
-            if not task.done():
-                task.cancel()
+        self.oneshot.cancel()
         if self._reconstructor is not None:
             await self._reconstructor.close()
             self._reconstructor = None
@@ -145,7 +139,7 @@ class Pipeline:
                 ok, why = smoke_status(self.config)
                 if not ok:
                     self.emit("info", "smoke", f"running the smoke test first: {why}")
-                    if not await self.smoke():
+                    if not await self.oneshot.smoke():
                         self.engine.alert = ("the smoke test failed: the run will not start at full "
                                              "concurrency (fix the config, press s to rerun, or --skip-smoke)")
                         self.engine.state = snap.RunState.STOPPED
@@ -192,7 +186,7 @@ class Pipeline:
             self._fidelity = self._reconstructor.fidelity()
         fidelity = self._fidelity
         return dataclasses.replace(s, stages=tuple(self.stages[n] for n in STAGES if n in self.stages),
-                                   gpus=self.gpus, fidelity=fidelity, timeline=self.timeline.timeline(), ended=self.engine.ended,
+                                   gpus=self.oneshot.gpus, fidelity=fidelity, timeline=self.timeline.timeline(), ended=self.engine.ended,
                                    recent_errors=self.engine.recent.records(),
                                    provider_stats=self.engine.provider_stats.stats(),
                                    started_at=self.timeline.started_at,
@@ -219,71 +213,6 @@ class Pipeline:
         if self._reconstructor is not None:
             self._reconstructor.submit(dataset, record)
 
-    def _progress(self, name: str) -> Callable[[snap.StageProgress], None]:
-        def update(progress: snap.StageProgress) -> None:
-            self.stages[name] = progress  # may be called from a worker thread: one atomic assignment
-        return update
-
-    # -- stages ---------------------------------------------------------------------------------
-
-    async def smoke(self) -> bool:
-        from draftgen.core.generate.smoke import run_smoke
-        was_running = self.engine.state == snap.RunState.RUNNING
-        if was_running:
-            self.engine.pause("smoke test")
-        try:
-            result = await run_smoke(self.config, self._api_key, progress=self._progress("smoke"))
-        except DraftgenError as e:
-            self.stages["smoke"] = snap.StageProgress("smoke", state=snap.StageState.FAILED,
-                                                      message=self._redact(str(e)))
-            self.emit("error", "smoke_done", f"smoke test could not run: {e}")
-            return False
-        finally:
-            if was_running:
-                self.engine.resume()
-        passed = bool(result.passed)
-        self.emit("info" if passed else "error", "smoke_done",
-                  f"smoke test {'passed' if passed else 'FAILED'}: {result.summary()}")
-        return passed
-
-    async def merge(self) -> Any:
-        from draftgen.core.merge.merge import merge
-        self.stages["merge"] = snap.StageProgress("merge", state=snap.StageState.RUNNING)
-        try:
-            stats = await asyncio.to_thread(merge, self.config, self._progress("merge"))
-        except DraftgenError as e:
-            self.stages["merge"] = snap.StageProgress("merge", state=snap.StageState.FAILED, message=str(e))
-            self.emit("error", "merge_done", f"merge failed: {e}")
-            raise
-        dropped = ", ".join(f"{n} {why}" for why, n in stats.dropped.items() if n) or "none"
-        self.emit("info", "merge_done", f"merge done: {stats.samples} of {stats.read} answers kept "
-                  f"({stats.tokens:,} tokens), dropped: {dropped}; {self.rundir.merged}/train.jsonl")
-        return stats
-
-    async def extract(self, shard: tuple[int, int] = (0, 1)) -> Any:
-        from draftgen.core.extract import extract
-        from draftgen.core.extract.gpu import GpuMonitor
-        monitor = GpuMonitor()
-        sampler = asyncio.create_task(monitor.run(self._set_gpus, interval_s=1.0))
-        self.stages["extract"] = snap.StageProgress("extract", state=snap.StageState.RUNNING)
-        try:
-            self._extract_stop.clear()
-            stats = await asyncio.to_thread(extract, self.config, shard=shard, progress=self._progress("extract"),
-                                            stop=self._extract_stop)
-        except DraftgenError as e:
-            self.stages["extract"] = snap.StageProgress("extract", state=snap.StageState.FAILED, message=str(e))
-            self.emit("error", "extract_done", f"extraction failed: {e}")
-            raise
-        finally:
-            sampler.cancel()
-        self.emit("info", "extract_done", f"extraction done: {stats.written} files written "
-                  f"({stats.skipped_existing} already there, {stats.nan_samples} NaN), "
-                  f"{stats.tokens_written:,} tokens at {stats.tokens_per_s:,.0f} tok/s in {self.rundir.hidden_states}")
-        return stats
-
-    def _set_gpus(self, gpus: tuple[snap.GpuStat, ...] | None) -> None:
-        self.gpus = gpus
-
     # -- control surface (core/live/control.py) ------------------------------------------------------
 
     def unavailable(self, action: str) -> str | None:
@@ -292,10 +221,8 @@ class Pipeline:
             return None if state == snap.RunState.RUNNING else f"nothing to pause: the run is {state.lower()}"
         if action == "resume":
             return None if state == snap.RunState.PAUSED else f"nothing to resume: the run is {state.lower()}"
-        if action in ("smoke", "merge", "extract"):
-            task = self._tasks.get(action)
-            if task is not None and not task.done():
-                return f"{action} is already running"
+        if action in ("smoke", "merge", "extract") and self.oneshot.running(action):
+            return f"{action} is already running"
         if action == "merge":
             if not any(self.rundir.responses(d.name).exists() for d in self.config.datasets):
                 return "nothing to merge yet: no answers on disk"
@@ -304,7 +231,7 @@ class Pipeline:
                 return f"no model to extract with: set [extract] model in {self.config.path}"
             if not (self.rundir.merged / "tokens" / "index.jsonl").exists():
                 return "no merged set yet: press m to merge first"
-            if self._tasks.get("merge") is not None and not self._tasks["merge"].done():
+            if self.oneshot.running("merge"):
                 return "merge is still running"
         return None
 
@@ -314,26 +241,23 @@ class Pipeline:
     def resume(self) -> None:
         self.engine.resume()
 
-    def _spawn(self, name: str, coro: Any) -> None:
-        async def guarded() -> None:
-            try:
-                await coro
-            except DraftgenError:
-                pass  # already reported as an event and in the stage panel
-            except Exception as e:  # a stage crash must not take the run down
-                self.stages[name] = snap.StageProgress(name, state=snap.StageState.FAILED,
-                                                       message=f"{type(e).__name__}: {e}")
-                self.emit("error", f"{name}_done", f"{name} crashed: {type(e).__name__}: {self._redact(str(e))}")
-        self._tasks[name] = asyncio.create_task(guarded())
+    async def smoke(self) -> bool:
+        return await self.oneshot.smoke()
+
+    async def merge(self) -> Any:
+        return await self.oneshot.merge()
+
+    async def extract(self, shard: tuple[int, int] = (0, 1)) -> Any:
+        return await self.oneshot.extract(shard)
 
     def run_smoke(self) -> None:
-        self._spawn("smoke", self.smoke())
+        self.oneshot.spawn("smoke", self.oneshot.smoke())
 
     def start_merge(self) -> None:
-        self._spawn("merge", self.merge())
+        self.oneshot.spawn("merge", self.oneshot.merge())
 
     def start_extract(self) -> None:
-        self._spawn("extract", self.extract())
+        self.oneshot.spawn("extract", self.oneshot.extract())
 
     def quit(self, drain: bool) -> None:
         self.quit_requested.set()
@@ -341,6 +265,4 @@ class Pipeline:
             self.engine.drain()
         else:
             self.engine.stop()
-            self._extract_stop.set()  # the extraction thread stops after its current batch
-            for task in self._tasks.values():
-                task.cancel()
+            self.oneshot.cancel()  # the extraction thread stops after its current batch

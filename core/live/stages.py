@@ -1,0 +1,123 @@
+"""The one-shot stages beside generation: the smoke test, merge and extraction, each run on demand
+(a key, a command) with its progress kept for the stages panel, and extraction's GPU samples for
+the GPU panel. The Pipeline (core/live/pipeline.py) owns one and calls it from its control surface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from draftgen.core.config import Config
+from draftgen.core.errors import DraftgenError
+from draftgen.core.generate.engine import Engine
+from draftgen.core.live import snapshot as snap
+from draftgen.core.rundir import RunDir
+from draftgen.core.secrets import Redactor
+
+
+class Stages:
+    def __init__(self, config: Config, api_key: str, engine: Engine, *,
+                 emit: Callable[[str, str, str], None]) -> None:
+        self._config = config
+        self._api_key = api_key
+        self._rundir = RunDir(config.run_dir)
+        self._redact = Redactor(api_key)
+        self._emit = emit
+        self.engine = engine
+        self.progress: dict[str, snap.StageProgress] = {}
+        self.gpus: tuple[snap.GpuStat, ...] | None = None
+        self.extract_stop = threading.Event()
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+
+    def running(self, name: str) -> bool:
+        task = self._tasks.get(name)
+        return task is not None and not task.done()
+
+    def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a stage in the background: its errors become an event and a failed row, never a crash."""
+        async def guarded() -> None:
+            try:
+                await coro
+            except DraftgenError:
+                pass  # already reported as an event and in the stage panel
+            except Exception as e:  # a stage crash must not take the run down
+                self.progress[name] = snap.StageProgress(name, state=snap.StageState.FAILED,
+                                                         message=f"{type(e).__name__}: {e}")
+                self._emit("error", f"{name}_done", f"{name} crashed: {type(e).__name__}: {self._redact(str(e))}")
+        self._tasks[name] = asyncio.create_task(guarded())
+
+    def task(self, name: str) -> asyncio.Task[Any] | None:
+        return self._tasks.get(name)
+
+    def cancel(self) -> None:
+        self.extract_stop.set()  # the extraction thread stops after its current batch
+        for task in self._tasks.values():
+            if not task.done():
+                task.cancel()
+
+    async def smoke(self) -> bool:
+        from draftgen.core.generate.smoke import run_smoke
+        was_running = self.engine.state == snap.RunState.RUNNING
+        if was_running:
+            self.engine.pause("smoke test")
+        try:
+            result = await run_smoke(self._config, self._api_key, progress=self._progress("smoke"))
+        except DraftgenError as e:
+            self.progress["smoke"] = snap.StageProgress("smoke", state=snap.StageState.FAILED,
+                                                      message=self._redact(str(e)))
+            self._emit("error", "smoke_done", f"smoke test could not run: {e}")
+            return False
+        finally:
+            if was_running:
+                self.engine.resume()
+        passed = bool(result.passed)
+        self._emit("info" if passed else "error", "smoke_done",
+                  f"smoke test {'passed' if passed else 'FAILED'}: {result.summary()}")
+        return passed
+
+    async def merge(self) -> Any:
+        from draftgen.core.merge.merge import merge
+        self.progress["merge"] = snap.StageProgress("merge", state=snap.StageState.RUNNING)
+        try:
+            stats = await asyncio.to_thread(merge, self._config, self._progress("merge"))
+        except DraftgenError as e:
+            self.progress["merge"] = snap.StageProgress("merge", state=snap.StageState.FAILED, message=str(e))
+            self._emit("error", "merge_done", f"merge failed: {e}")
+            raise
+        dropped = ", ".join(f"{n} {why}" for why, n in stats.dropped.items() if n) or "none"
+        self._emit("info", "merge_done", f"merge done: {stats.samples} of {stats.read} answers kept "
+                  f"({stats.tokens:,} tokens), dropped: {dropped}; {self._rundir.merged}/train.jsonl")
+        return stats
+
+    async def extract(self, shard: tuple[int, int] = (0, 1)) -> Any:
+        from draftgen.core.extract import extract
+        from draftgen.core.extract.gpu import GpuMonitor
+        monitor = GpuMonitor()
+        sampler = asyncio.create_task(monitor.run(self._set_gpus, interval_s=1.0))
+        self.progress["extract"] = snap.StageProgress("extract", state=snap.StageState.RUNNING)
+        try:
+            self.extract_stop.clear()
+            stats = await asyncio.to_thread(extract, self._config, shard=shard, progress=self._progress("extract"),
+                                            stop=self.extract_stop)
+        except DraftgenError as e:
+            self.progress["extract"] = snap.StageProgress("extract", state=snap.StageState.FAILED, message=str(e))
+            self._emit("error", "extract_done", f"extraction failed: {e}")
+            raise
+        finally:
+            sampler.cancel()
+        self._emit("info", "extract_done", f"extraction done: {stats.written} files written "
+                  f"({stats.skipped_existing} already there, {stats.nan_samples} NaN), "
+                  f"{stats.tokens_written:,} tokens at {stats.tokens_per_s:,.0f} tok/s in {self._rundir.hidden_states}")
+        return stats
+
+    def _progress(self, name: str) -> Callable[[snap.StageProgress], None]:
+        def update(progress: snap.StageProgress) -> None:
+            self.progress[name] = progress  # may be called from a worker thread: one atomic assignment
+        return update
+
+    def _set_gpus(self, gpus: tuple[snap.GpuStat, ...] | None) -> None:
+        self.gpus = gpus
+
