@@ -54,12 +54,11 @@ class Completions:
         self._models = models
         self._gen_counter = 0
         self.fragments: wire.FragmentCache = {}
-        self._route_cache: dict[tuple[bytes, str, int], list[SimProvider] | NoEndpoints] = {}
-        self._prompt_cache: dict[tuple[str, str | None], int] = {}
+        self._memo = Memo()
         self._held = asyncio.Event()
 
     def forget_routes(self) -> None:
-        self._route_cache.clear()
+        self._memo.forget_routes()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         st = self._stats
@@ -123,23 +122,11 @@ class Completions:
         if (denied := auth_error(request, cfg, sc)) is not None:
             self._hit("revoked_key")
             return denied
-        raw = await request.read()
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return responses.error(400, "Invalid JSON in request body")
-        if not isinstance(body, dict):
-            return responses.error(400, "Request body must be a JSON object")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return responses.error(400, "Input required: specify \"messages\" (a non-empty list)")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            return responses.error(400, "\"model\" is required")
+        body = await read_body(request)
+        if isinstance(body, web.Response):
+            return body
+        messages, model = body["messages"], body["model"]
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                       or max_tokens < 1):
-            return responses.error(400, f"max_tokens must be a positive integer, got {max_tokens!r}")
         stream = bool(body.get("stream"))
 
         key_json = orjson.dumps(messages)
@@ -160,7 +147,7 @@ class Completions:
         if not self._models.known(model):
             return responses.no_endpoints("unknown_model", model)
         prefs = body.get("provider")
-        routes = self._routes(cfg, prefs, model)
+        routes = self._memo.routes(cfg, prefs, model)
         if isinstance(routes, NoEndpoints):
             return responses.error(404, routes.message)
         provider = choose(routes, prefs, draws[0], draws[1], cfg.fallback_rate)
@@ -170,7 +157,7 @@ class Completions:
             self._hit("max_tokens_exceeded")
             return responses.error(400, f"max_tokens_exceeded: max_tokens ({max_tokens}) is more than any "
                                         f"allowed endpoint accepts ({limit})", {"code": "max_tokens_exceeded"})
-        n_prompt = self._prompt_tokens(key, messages, cfg.default_system)
+        n_prompt = self._memo.prompt_tokens(key, messages, cfg.default_system)
         if provider.token_skew:  # another tokenizer behind this endpoint: it bills other counts
             n_prompt = max(1, round(n_prompt * (1 + provider.token_skew)))
         context = max(p.context_length for p in routes)
@@ -210,7 +197,7 @@ class Completions:
         upstream = sc.first(scenarios.UPSTREAM, draws[3], prompt_draw, text) if sc else None
         if upstream is not None and not (stream and upstream.get("midstream")):
             self._hit(upstream)
-            return self._upstream_error(upstream, provider, draws[5], cfg)
+            return upstream_error(upstream, provider, draws[5], cfg)
 
         think, show = shaping.reasoning_mode(body)
         # The answer depends on the seed and the prompt only: a retry gets the same text.
@@ -268,15 +255,6 @@ class Completions:
         self._ledger.start(gen)
         return gen
 
-    def _upstream_error(self, a: Active, provider: SimProvider, draw: float, cfg: SimConfig) -> web.Response:
-        code = a.scenario.status
-        if code == 429:
-            by_provider = draw < a.get("provider", 0.5)
-            return responses.rate_limited_by(provider.name if by_provider else None,
-                                             a.get("retry_after", cfg.retry_after_s))
-        message, meta = responses.upstream(code, provider.name)
-        return responses.error(code, message, meta)
-
     def _delivered(self, r: wire.Reply) -> None:
         st = self._stats
         st.answers_total += 1
@@ -284,7 +262,63 @@ class Completions:
         fr = r.completion.finish_reason
         st.finish_reasons[fr] = st.finish_reasons.get(fr, 0) + 1
 
-    def _prompt_tokens(self, key: str, messages: list[Any], system: str | None) -> int:
+    async def _stream(self, request: web.Request, cfg: SimConfig, r: wire.Reply,
+                      gen: Generation) -> web.StreamResponse:
+        resp = await responses.open_stream(request)
+        await responses.wait_with_comments(resp, gen.ttft, cfg.processing_comment_s)
+        frames = wire.delta_frames(r, self.fragments)
+        await responses.paced(resp, frames, max(0.0, gen.latency - gen.ttft))
+        self._ledger.finish(gen)
+        self._delivered(r)
+        await resp.write(wire.final_frame(r) + wire.DONE)
+        await resp.write_eof()
+        return resp
+
+
+async def read_body(request: web.Request) -> dict[str, Any] | web.Response:
+    """The request body, or the 400 the API answers a malformed one with."""
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        return responses.error(400, "Invalid JSON in request body")
+    if not isinstance(body, dict):
+        return responses.error(400, "Request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return responses.error(400, "Input required: specify \"messages\" (a non-empty list)")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        return responses.error(400, "\"model\" is required")
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                   or max_tokens < 1):
+        return responses.error(400, f"max_tokens must be a positive integer, got {max_tokens!r}")
+    return body
+
+
+def upstream_error(a: Active, provider: SimProvider, draw: float, cfg: SimConfig) -> web.Response:
+    """A provider's or the gateway's error status (429 by the provider or by OpenRouter, 5xx)."""
+    code = a.scenario.status
+    if code == 429:
+        by_provider = draw < a.get("provider", 0.5)
+        return responses.rate_limited_by(provider.name if by_provider else None,
+                                         a.get("retry_after", cfg.retry_after_s))
+    message, meta = responses.upstream(code, provider.name)
+    return responses.error(code, message, meta)
+
+
+class Memo:
+    """What the simulator works out once per prompt or per routing preferences: a run sends the same
+    provider preferences with every request, and retries and repeated prompts the same messages."""
+
+    def __init__(self) -> None:
+        self._route_cache: dict[tuple[bytes, str, int], list[SimProvider] | NoEndpoints] = {}
+        self._prompt_cache: dict[tuple[str, str | None], int] = {}
+
+    def forget_routes(self) -> None:
+        self._route_cache.clear()
+
+    def prompt_tokens(self, key: str, messages: list[Any], system: str | None) -> int:
         # Memoised per prompt: retries and repeated prompts are not tokenized again.
         found = self._prompt_cache.get((key, system))
         if found is None:
@@ -293,7 +327,7 @@ class Completions:
             found = self._prompt_cache[(key, system)] = prompt_token_count(answer_tokenizer(), messages, system)
         return found
 
-    def _routes(self, cfg: SimConfig, prefs: Any, model: str) -> list[SimProvider] | NoEndpoints:
+    def routes(self, cfg: SimConfig, prefs: Any, model: str) -> list[SimProvider] | NoEndpoints:
         # Memoised: a run sends the same provider preferences with every request.
         key = (orjson.dumps(prefs, option=orjson.OPT_SORT_KEYS), model, id(cfg.providers))
         found = self._route_cache.get(key)
@@ -308,15 +342,3 @@ class Completions:
                 found = candidates(cfg.providers, None, model)
             self._route_cache[key] = found
         return found
-
-    async def _stream(self, request: web.Request, cfg: SimConfig, r: wire.Reply,
-                      gen: Generation) -> web.StreamResponse:
-        resp = await responses.open_stream(request)
-        await responses.wait_with_comments(resp, gen.ttft, cfg.processing_comment_s)
-        frames = wire.delta_frames(r, self.fragments)
-        await responses.paced(resp, frames, max(0.0, gen.latency - gen.ttft))
-        self._ledger.finish(gen)
-        self._delivered(r)
-        await resp.write(wire.final_frame(r) + wire.DONE)
-        await resp.write_eof()
-        return resp
