@@ -108,6 +108,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_command(args)
 
 
+def cmd_ledger(args: argparse.Namespace) -> int:
+    from draftgen.core.generate.reconcile import ledger_command
+    config = _config(args.config)
+    return ledger_command(config, config.api_key())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftgen", description="EAGLE-3 draft-model training data from a target model, run from a live "
@@ -134,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("--dataset", help="only this dataset (default: all)")
     p.add_argument("--kind", help="only failures of these error kinds, comma-separated (e.g. 401,404_no_endpoints)")
+    p = add("ledger", cmd_ledger, "price pending generations and print the spend ledger's reconciliation")
+    p.add_argument("config")
     p = add("attach", cmd_attach, "watch a run started elsewhere, read-only")
     p.add_argument("run_dir")
     p = add("report", cmd_report, "how a run went: counts per dataset, spend and its history charts")

@@ -34,13 +34,35 @@ class ApiConfig:
     model: str = "moonshotai/kimi-k2.5"
     request_timeout_s: float = 1800.0
     connect_timeout_s: float = 30.0
-    stream: bool = False
+    # None: stream against OpenRouter (aborting a stream stops its billing; the generation id comes
+    # with the headers), not elsewhere. See `streams`.
+    stream: bool | None = None
     referer: str = "https://github.com/draftgen/draftgen"
     title: str = "draftgen"
     credits_interval_s: float = 60.0
     # Ask the server for the generated token ids (`return_token_ids`: vLLM, SGLang >= 0.5.x); they
     # become the sample's ids and the reconstruction is compared with them. OpenRouter ignores it.
     return_token_ids: bool = False
+    # A management key's variable: the only key GET /credits answers (else GET /key's limit_remaining).
+    management_key_env: str = ""
+    # USD per million tokens, for servers without OpenRouter's endpoints listing; set, they win over it.
+    prompt_price_per_mtok: float | None = None
+    completion_price_per_mtok: float | None = None
+    # How long an abandoned generation is looked up (GET /generation?id=, retried on 404) before it is
+    # left pending for the next run or `draftgen ledger`.
+    generation_lookup_s: float = 120.0
+
+    @property
+    def is_openrouter(self) -> bool:
+        return "openrouter.ai" in self.base_url
+
+    @property
+    def streams(self) -> bool:
+        return self.is_openrouter if self.stream is None else self.stream
+
+    def management_key(self) -> str:
+        """The management key from `management_key_env`, or "" when none is configured or set."""
+        return os.environ.get(self.management_key_env, "") if self.management_key_env else ""
 
 
 @dataclass(frozen=True)
@@ -193,7 +215,7 @@ class Config:
         body.update(dataset.request)
         if self.api.return_token_ids:
             body["return_token_ids"] = True
-        if self.api.stream:
+        if self.api.streams:
             body["stream"] = True
         return body
 
@@ -420,6 +442,9 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     _positive(file, "api.request_timeout_s", api.request_timeout_s)
     _positive(file, "api.connect_timeout_s", api.connect_timeout_s)
     _positive(file, "api.credits_interval_s", api.credits_interval_s)
+    _positive(file, "api.prompt_price_per_mtok", api.prompt_price_per_mtok, allow_zero=True)
+    _positive(file, "api.completion_price_per_mtok", api.completion_price_per_mtok, allow_zero=True)
+    _positive(file, "api.generation_lookup_s", api.generation_lookup_s, allow_zero=True)
     budget: BudgetConfig = parts["budget"]
     _positive(file, "budget.max_usd", budget.max_usd)
     _positive(file, "budget.credit_floor_usd", budget.credit_floor_usd, allow_zero=True)

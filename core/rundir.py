@@ -55,6 +55,10 @@ class RunDir:
         return self.root / "history.jsonl"
 
     @property
+    def spend(self) -> Path:
+        return self.root / "spend.jsonl"
+
+    @property
     def socket(self) -> Path:
         return self.root / "attach.sock"
 

@@ -4,11 +4,13 @@
   `data.limit_remaining` (null without a cap), `data.limit_reset`, `data.is_free_tier`. A 401 here
   means the key itself is refused.
 - `GET /api/v1/credits` answers management keys only: `data.total_credits`, `data.total_usage`.
-  An ordinary inference key gets 401 or 403 there, which says nothing about whether it can run
-  completions, so it is read as "balance unknown", never as a bad key.
+  It is read with the key `[api] management_key_env` names, else with the run's key (a local server
+  may answer it). An ordinary inference key gets 401 or 403 there, which says only that it is not a
+  management key, never that it cannot run completions: "balance unknown", never a bad key.
 
-The balance is the credits left when /credits answers, else the key's `limit_remaining`, else
-unknown (the run goes on under `max_usd`). Both reads are one `AccountStatus`, the single home of
+The balance is the credits left when /credits answers, else the key's `limit_remaining` when the key
+has a cap, else unknown: a warning, not a failure (the run goes on under `max_usd`). When both are
+known the smaller one is the balance. Both reads are one `AccountStatus`, the single home of
 these two endpoints for the engine (balance, account re-checks) and smoke.
 """
 
@@ -47,6 +49,7 @@ class AccountStatus:
     total_credits: float | None = None      # /credits, management keys only
     total_usage: float | None = None
     key_read: bool = False                  # GET /key answered
+    credits_note: str = ""                  # why /credits gave no balance (empty when it did)
 
     @property
     def credits_left(self) -> float | None:
@@ -64,16 +67,31 @@ class AccountStatus:
 
     @property
     def balance_source(self) -> str:
-        """Where `balance` comes from: the smaller of the credits left and the room under the key's cap."""
+        """Where `balance` comes from, in a word: "credits", "key limit" or "unknown" (the smaller of
+        the credits left and the room under the key's cap when both are known)."""
         left = self.credits_left
         if left is not None and (self.limit_remaining is None or left <= self.limit_remaining):
-            return "GET /credits"
+            return "credits"
         if self.limit_remaining is not None:
-            return "GET /key limit_remaining"
-        return "unknown (no management key and no key cap)"
+            return "key limit"
+        return "unknown"
+
+    @property
+    def balance_detail(self) -> str:
+        """Where `balance` comes from, spelled out: the endpoint read, or why none gave a balance."""
+        source = self.balance_source
+        if source == "credits":
+            return "GET /credits"
+        if source == "key limit":
+            return f"GET /key limit_remaining of a ${self.key_limit or 0:.2f} key cap"
+        notes = [self.credits_note or "GET /credits gave no balance"]
+        if self.key_read:
+            notes.append("the key has no spending cap (GET /key limit null)")
+        return "unknown (" + "; ".join(notes) + ")"
 
 
-def status_from(key: dict[str, Any] | None, credits: dict[str, Any] | None) -> AccountStatus:
+def status_from(key: dict[str, Any] | None, credits: dict[str, Any] | None,
+                credits_note: str = "") -> AccountStatus:
     """An AccountStatus from the `data` objects of the two endpoints (either may be None)."""
     k = key if isinstance(key, dict) else {}
     c = credits if isinstance(credits, dict) else {}
@@ -85,20 +103,31 @@ def status_from(key: dict[str, Any] | None, credits: dict[str, Any] | None) -> A
         key_usage=_num(k.get("usage")), limit_remaining=_num(k.get("limit_remaining")),
         limit_reset=str(reset) if reset else None, is_free_tier=free if isinstance(free, bool) else None,
         total_credits=_num(c.get("total_credits")), total_usage=_num(c.get("total_usage")),
-        key_read=key is not None)
+        key_read=key is not None, credits_note=credits_note)
 
 
-async def read_account(client: ChatClient, *, timeout_s: float = 30.0) -> AccountStatus:
-    """GET /key then GET /credits. Raises the client's RequestFailed when /key refuses the key (401)
-    or cannot be reached; a /credits that refuses an ordinary key only leaves the credits unknown."""
+async def read_account(client: ChatClient, *, management_key: str = "", timeout_s: float = 30.0) -> AccountStatus:
+    """GET /key with the run's key, then GET /credits with `management_key` (else the run's key).
+    Raises the client's RequestFailed when /key refuses the key (401) or cannot be reached; a /credits
+    that refuses the key only leaves the credits unknown (`credits_note` says why)."""
     from draftgen.core.generate.client import RequestFailed
 
     key = (await asyncio.wait_for(client.get_json("/key"), timeout_s)).get("data")
+    which = "the management key" if management_key else "the run's key"
+    credits: Any = None
+    note = ""
     try:
-        credits = (await asyncio.wait_for(client.get_json("/credits"), timeout_s)).get("data")
-    except (RequestFailed, asyncio.TimeoutError, aiohttp.ClientError):
-        credits = None  # an inference key (401/403), or /credits is down: the balance stays unknown
-    return status_from(key if isinstance(key, dict) else {}, credits if isinstance(credits, dict) else None)
+        credits = (await asyncio.wait_for(client.get_json("/credits", key=management_key or None),
+                                          timeout_s)).get("data")
+        if not isinstance(credits, dict) or "total_credits" not in credits:
+            credits, note = None, "GET /credits answered without total_credits"
+    except RequestFailed as e:
+        refused = e.status in (401, 403) and not management_key
+        note = (f"GET /credits refused {which} ({e.status}: not a management key; set [api] management_key_env)"
+                if refused else f"GET /credits with {which}: {e.message}")
+    except (asyncio.TimeoutError, aiohttp.ClientError, ValueError, TypeError) as e:
+        note = f"GET /credits: {type(e).__name__}"
+    return status_from(key if isinstance(key, dict) else {}, credits, note)
 
 
 # -- account conditions: what stops admission run-wide, and what clears it -----------------------

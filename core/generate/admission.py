@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from draftgen.core.generate.budget import MoneyBudget
 from draftgen.core.generate.duplicates import CrossDatasetDuplicates
+from draftgen.core.generate.prices import Prices, prompt_token_bound
 from draftgen.core.generate.prompts import Prompt
+from draftgen.core.generate.spend import Ticket
 from draftgen.core.live.snapshot import DatasetStatus
 
 if TYPE_CHECKING:
@@ -124,10 +126,14 @@ class Admission:
     """Admits the prompts of every dataset and keeps track of the requests it started."""
 
     def __init__(self, datasets: dict[str, DatasetRun], money: MoneyBudget, gate: Gate, ledger: Ledger,
-                 request: Callable[[DatasetRun, Prompt], Coroutine[Any, Any, None]], on_event: EventSink,
-                 on_floor: Callable[[str], None]) -> None:
+                 request: Callable[[DatasetRun, Prompt, Ticket], Coroutine[Any, Any, None]], on_event: EventSink,
+                 on_floor: Callable[[str], None], settling: Callable[[], int] = lambda: 0) -> None:
         self._datasets = datasets
         self._money = money
+        self._settling = settling  # abandoned attempts being priced: settling them may free room
+        self.prices: dict[str, Prices | None] = {}
+        self.last_worst = 0.0  # the worst case of the last request asked for: what a re-check must find room for
+        self._retries_waiting = 0
         self._gate = gate
         self._ledger = ledger
         self._request = request
@@ -151,7 +157,8 @@ class Admission:
         name = ds.config.name
         if self._gate.closed:
             return
-        await asyncio.to_thread(self._ledger.scan_prompts, ds)
+        if not ds.scanned:
+            await asyncio.to_thread(self._ledger.scan_prompts, ds)
         ds.status = DatasetStatus.RUNNING
         if ds.rejected:
             self._event("warn", "rejected", f"{name}: {ds.rejected} prompt lines rejected "
@@ -164,11 +171,12 @@ class Admission:
             if budget_reason:
                 ds.skipped += 1
                 continue
-            decision = await self.admit(ds)
+            worst = self.worst_case(ds, prompt)
+            decision = await self.admit(ds, worst)
             if decision.verdict is Verdict.GO:
                 if self._taken_elsewhere(ds, prompt):
                     continue
-                self._start(ds, prompt)
+                self._start(ds, prompt, worst)
                 admitted += 1
                 if admitted % ADMIT_BURST == 0:
                     await asyncio.sleep(0)  # let answers and the UI run between bursts of admissions
@@ -186,12 +194,13 @@ class Admission:
             if ds.requeue and not self._gate.draining and not ds.stopped and not budget_reason:
                 # Prompts handed back by an account condition, waiting for the run to resume.
                 async for prompt in self._with_requeue(ds, _nothing()):
-                    if (await self.admit(ds)).verdict is not Verdict.GO:
+                    worst = self.worst_case(ds, prompt)
+                    if (await self.admit(ds, worst)).verdict is not Verdict.GO:
                         ds.requeue.insert(0, prompt)
                         break
                     if self._taken_elsewhere(ds, prompt):
                         continue
-                    self._start(ds, prompt)
+                    self._start(ds, prompt, worst)
                 continue
             ds.wake.clear()
             if not ds.in_flight:
@@ -234,8 +243,16 @@ class Admission:
         while ds.requeue:
             yield ds.requeue.pop(0)
 
-    async def admit(self, ds: DatasetRun) -> Decision:
-        """Wait until the dataset may send one more request; GO, HALT, or the budget that stops it."""
+    def worst_case(self, ds: DatasetRun, prompt: Prompt) -> float:
+        """What this prompt's request can cost at most (0 when no price is known and no ceiling is set)."""
+        prices = self.prices.get(ds.config.name)
+        if prices is None:
+            return 0.0
+        return prices.worst_case(prompt_token_bound(prompt.messages), ds.config.max_tokens)
+
+    async def admit(self, ds: DatasetRun, worst: float) -> Decision:
+        """Wait until the dataset may send one more request costing at most `worst`; GO, HALT, or the
+        budget that stops it."""
         while True:
             if self._gate.closed or ds.stopped:
                 return HALT
@@ -251,14 +268,16 @@ class Admission:
                     continue
                 return Decision(Verdict.BUDGET, f"token budget reached: {ds.tokens.used:,} used + "
                                 f"{ds.tokens.in_flight:,} in flight of {ds.tokens.limit:,}")
-            expected_cost = self._money.expected_cost()
-            reason = self._money.over_max(expected_cost) or self._money.below_floor(expected_cost)
+            self.last_worst = worst
+            reason = self._money.blocked(worst)
             if reason:
-                if self.in_flight:
+                # Answers settling below their reservation free room; near the end fewer go out, not none.
+                if self.in_flight or self._settling():
+                    self._money.note_limited()
                     ds.wake.clear()
                     await ds.wake.wait()
                     continue
-                if self._money.over_max(expected_cost) is None:
+                if self._money.over_max(worst) is None:
                     # The balance, not a budget: hold the run (nothing skipped) until it shows room again.
                     self._on_floor(reason)
                     if self._gate.resume.is_set():  # the hold was refused (draining): admit nothing
@@ -271,13 +290,12 @@ class Admission:
                 continue
             return GO
 
-    def _start(self, ds: DatasetRun, prompt: Prompt) -> None:
+    def _start(self, ds: DatasetRun, prompt: Prompt, worst: float) -> None:
         expected_tokens = ds.tokens.expected()
-        expected_cost = self._money.expected_cost()
+        ticket = self._money.spend.reserve(ds.config.name, prompt.id, worst)
         ds.in_flight += 1
         ds.tokens.in_flight += expected_tokens
-        self._money.in_flight += expected_cost
-        task = asyncio.create_task(self._request(ds, prompt))
+        task = asyncio.create_task(self._request(ds, prompt, ticket))
         self.tasks.add(task)
 
         # A done-callback, not a `finally`: a task cancelled before its first step never runs its body.
@@ -285,7 +303,7 @@ class Admission:
             self.tasks.discard(t)
             ds.in_flight -= 1
             ds.tokens.in_flight -= expected_tokens
-            self._money.in_flight -= expected_cost
+            self._money.spend.release(ticket)  # cancelled before it was sent: nothing to settle
             if self.duplicates is not None:
                 self.duplicates.settled(ds.config.name, prompt.id)
             if len(self._datasets) == 1:
@@ -293,6 +311,33 @@ class Admission:
             else:
                 self.wake_all()
         task.add_done_callback(finished)
+
+    async def reserve_retry(self, ds: DatasetRun, prompt_id: str, worst: float) -> Ticket | None:
+        """A new reservation for a retry (the last attempt's may be pending at its worst case); None when
+        the ceiling leaves no room and nothing in flight or being priced can free any."""
+        while True:
+            if self._gate.stopping:
+                return None
+            reason = self._money.blocked(worst)
+            if reason is None:
+                return self._money.spend.reserve(ds.config.name, prompt_id, worst)
+            if self.in_flight - self._retries_waiting - 1 <= 0 and not self._settling():
+                if self._money.over_max(worst) is not None or self._gate.draining:
+                    return None
+                # The balance, not the ceiling: hold the run (nothing skipped) until it shows room again.
+                self.last_worst = worst
+                self._on_floor(reason)
+                if self._gate.resume.is_set():  # the hold was refused (draining)
+                    return None
+                await self._gate.resume.wait()
+                continue
+            self._money.note_limited()
+            self._retries_waiting += 1
+            try:
+                ds.wake.clear()
+                await ds.wake.wait()
+            finally:
+                self._retries_waiting -= 1
 
     async def retry_slot(self, ds: DatasetRun) -> None:
         """A retry goes out only within the current limit. After sustained 429s cut it, the requests

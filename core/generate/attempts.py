@@ -22,9 +22,12 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
+from draftgen.core.errors import DiskError
 from draftgen.core.generate.admission import Gate
 from draftgen.core.generate.classify import ANSWER_KINDS, SLOW_DOWN_KINDS, Whose
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
+from draftgen.core.generate.settle import Settler
+from draftgen.core.generate.spend import SpendLedger, Ticket
 from draftgen.core.generate.stats import Tally
 from draftgen.core.live.recent import RecentErrors
 from draftgen.core.secrets import Redactor
@@ -48,6 +51,8 @@ class Outcome(Enum):
     ACCOUNT = "account"      # the key or the account: hand the prompt back, stop admission run-wide
     DATASET = "dataset"      # the dataset's routing or settings: stop the dataset, the prompt stays eligible
     GIVEN_UP = "given_up"    # drained while retrying: not recorded, stays eligible
+    OVER_BUDGET = "over_budget"  # max_usd leaves no room for a retry: not recorded, counted skipped
+    UNSENT = "unsent"        # the disk refused the spend ledger's line: not sent, handed back
 
 
 @dataclass(frozen=True)
@@ -56,19 +61,25 @@ class Attempted:
     attempts: int
     answer: ChatAnswer | None = None
     error: RequestFailed | None = None
+    disk_error: DiskError | None = None
 
 
 class Attempts:
     """Asks prompts with retries; counts retries and the kinds of error seen; notices outages."""
 
     def __init__(self, config: Config, gate: Gate, errors: Tally, rng: random.Random, *,
-                 retry_slot: Callable[[DatasetRun], Awaitable[None]], on_event: Callable[[str, str, str], None],
-                 redact: Redactor, clock: Callable[[], float], recent: RecentErrors | None = None) -> None:
+                 retry_slot: Callable[[DatasetRun], Awaitable[None]],
+                 reserve_retry: Callable[[DatasetRun, str, float], Awaitable[Ticket | None]], spend: SpendLedger,
+                 on_event: Callable[[str, str, str], None], redact: Redactor, clock: Callable[[], float],
+                 recent: RecentErrors | None = None) -> None:
         self._config = config
         self._gate = gate
         self._errors = errors
         self._rng = rng
         self._retry_slot = retry_slot
+        self._reserve_retry = reserve_retry
+        self._spend = spend
+        self.settler: Settler | None = None
         self._event = on_event
         self._redact = redact
         self._clock = clock
@@ -86,9 +97,14 @@ class Attempts:
     def unreachable_since(self) -> float | None:
         return self._unreachable_since
 
-    async def ask(self, ds: DatasetRun, body: dict[str, Any], prompt_id: str = "") -> Attempted:
+    async def ask(self, ds: DatasetRun, body: dict[str, Any], ticket: Ticket) -> Attempted:
+        """Ask until there is an outcome. Each attempt goes out under its own reservation (`ticket` for
+        the first), on the spend ledger before it leaves, and is settled as it ends: answered at its
+        usage.cost, refused (an HTTP error: nothing billed), or abandoned (priced later by the settler)."""
         assert self.client is not None
         eng = self._config.engine
+        spend = self._spend
+        prompt_id = ticket.prompt_id
         spent = 0   # attempts that count against max_attempts
         tries = 0   # requests sent
         # What the service did for the other prompts since this one's first try: more answers than
@@ -96,10 +112,25 @@ class Attempts:
         answered_before, faults_before = self.answered, self.answer_faults
         own_faults = 0
         while True:
-            tries += 1
+            if not ticket.open:  # a retry: the last reservation is settled or pending
+                renewed = await self._reserve_retry(ds, prompt_id, ticket.worst)
+                if renewed is None:
+                    return Attempted(Outcome.GIVEN_UP if self._gate.closed else Outcome.OVER_BUDGET, tries)
+                ticket = renewed
             try:
-                answer = await self.client.chat(body)
+                spend.send(ticket)
+            except DiskError as e:
+                spend.release(ticket)
+                return Attempted(Outcome.UNSENT, tries, disk_error=e)
+            tries += 1
+            t = ticket
+            try:
+                answer = await self.client.chat(body, lambda gen_id: spend.generation(t, gen_id))
             except RequestFailed as e:
+                if e.status is not None or e.unreachable:
+                    spend.refused(ticket)
+                else:
+                    self._abandon(ticket)
                 self._errors.add(e.kind)
                 if self._recent is not None:
                     self._recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=prompt_id, attempt=tries,
@@ -142,6 +173,10 @@ class Attempts:
                     return Attempted(Outcome.GIVEN_UP, tries, error=e)
                 await self._retry_slot(ds)
                 continue
+            except BaseException:  # stop-now (a cancel) mid-request: the provider may bill it anyway
+                self._abandon(ticket)
+                raise
+            spend.answered(ticket, answer.usage.cost)
             ds.concurrency.on_response()
             self.answered += 1
             self._note_reachable()
@@ -151,6 +186,11 @@ class Attempts:
         if self._recent is not None:
             self._recent.mark_final(ds.config.name, prompt_id)
         return Attempted(Outcome.FAILED, tries, error=e)
+
+    def _abandon(self, ticket: Ticket) -> None:
+        pending = self._spend.abandoned(ticket)
+        if pending is not None and self.settler is not None:
+            self.settler.add((pending,))
 
     def _note_unreachable(self, e: RequestFailed) -> None:
         self.unreachable_cause = self._redact(e.message)[:200]

@@ -1,10 +1,11 @@
 """Token and money budgets: what stops admission, and why.
 
 Tokens (per dataset): completion tokens of answers on disk plus the expected tokens of requests in
-flight; a prompt is admitted only if its expected tokens still fit. Money (whole run): spend on
-disk plus the expected cost of requests in flight against `max_usd`, and the live balance (last
-fetched balance minus the spend since) minus in-flight cost against `credit_floor_usd`.
-Overshoot is therefore bounded by what was in flight and how far answers exceed their estimate.
+flight; a prompt is admitted only if its expected tokens still fit (a soft budget: answers may run
+past their estimate). Money (whole directory, all runs): a hard ceiling. Each attempt reserves its
+worst-case cost before it leaves; known, pending and reserved spend plus the next reservation never
+pass `max_usd` (spend.py says why a crash cannot break this), and the live balance (last fetched
+balance minus the spend since) minus the reservations stays above `credit_floor_usd`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from draftgen.core.generate.spend import SpendLedger
 
 # Until this many answers have landed, the estimate of a request's tokens is half its max_tokens.
 MIN_SAMPLES = 20
@@ -40,57 +43,73 @@ class TokenBudget:
 
 
 class MoneyBudget:
-    def __init__(self, max_usd: float | None, floor_usd: float, clock: Callable[[], float] = time.monotonic):
+    """`max_usd` and `credit_floor_usd` over the spend ledger (spend.py): a request is admitted only
+    if its worst case fits under the ceiling beside everything known, pending and reserved, and the
+    live balance minus what is reserved stays above the floor."""
+
+    def __init__(self, max_usd: float | None, floor_usd: float, spend: SpendLedger,
+                 clock: Callable[[], float] = time.monotonic):
         self.max_usd = max_usd
         self.floor_usd = floor_usd
+        self.spend = spend
         self._clock = clock
-        self.spent_before = 0.0      # on disk when this run started
-        self.spent_run = 0.0         # answers landed in this process
-        self.answers = 0             # answers (any run) whose cost is known
-        self.in_flight = 0.0         # expected cost of requests in flight
-        self.fallback_cost = 0.0     # cost per request before any answer (from smoke.json)
+        self.balance_source = "unknown"   # "credits", "key limit" or "unknown"
         self._balance: float | None = None
         self._balance_at: float | None = None
         self._spent_at_fetch = 0.0
+        self.limited_at: float | None = None  # last time the ceiling held back an admission
 
     @property
     def spent_total(self) -> float:
-        return self.spent_before + self.spent_run
+        return self.spend.spent_usd
 
-    def expected_cost(self) -> float:
-        if self.answers:
-            return self.spent_total / self.answers
-        return self.fallback_cost
+    @property
+    def spent_run(self) -> float:
+        return self.spend.spent_run
 
-    def set_balance(self, balance: float) -> None:
+    @property
+    def reserved(self) -> float:
+        return self.spend.reserved_usd
+
+    def set_balance(self, balance: float | None, source: str) -> None:
+        self.balance_source = source if balance is not None else "unknown"
         self._balance = balance
-        self._balance_at = self._clock()
-        self._spent_at_fetch = self.spent_run
+        self._balance_at = None if balance is None else self._clock()
+        self._spent_at_fetch = self.spend.spent_usd
 
     def balance_now(self) -> float | None:
         if self._balance is None:
             return None
-        return self._balance - (self.spent_run - self._spent_at_fetch)
+        return self._balance - (self.spend.spent_usd - self._spent_at_fetch)
 
     def balance_age(self) -> float | None:
         return None if self._balance_at is None else self._clock() - self._balance_at
 
-    def over_max(self, expected: float) -> str | None:
-        """Why `max_usd` allows no more requests (final for this run: the rest is skipped), or None."""
-        if self.max_usd is not None and self.spent_total + self.in_flight + expected > self.max_usd:
-            return (f"max_usd reached: spent ${self.spent_total:.2f} + ${self.in_flight:.2f} in flight "
-                    f"of ${self.max_usd:.2f}")
+    def note_limited(self) -> None:
+        self.limited_at = self._clock()
+
+    def ceiling_limited(self, within_s: float = 2.0) -> bool:
+        """The ceiling held back an admission lately: the reservations, not the slots, bound concurrency."""
+        return self.limited_at is not None and self._clock() - self.limited_at < within_s
+
+    def over_max(self, worst: float) -> str | None:
+        """Why `max_usd` allows no request whose worst case is `worst` now, or None."""
+        sp = self.spend
+        if self.max_usd is not None and sp.committed_usd + worst > self.max_usd:
+            return (f"max_usd reached: spent ${sp.settled_usd:.4f} + ${sp.pending_usd:.4f} pending + "
+                    f"${sp.reserved_usd:.4f} reserved + ${worst:.4f} for the next request > ${self.max_usd:.2f}")
         return None
 
-    def below_floor(self, expected: float) -> str | None:
-        """Why the live balance allows no more requests (an account condition: the run holds until the
-        balance shows room again), or None."""
+    def below_floor(self, worst: float) -> str | None:
+        """Why the live balance minus what is reserved allows no request whose worst case is `worst`
+        (an account condition: the run holds until the balance shows room again), or None."""
+        sp = self.spend
         balance = self.balance_now()
-        if balance is not None and balance - self.in_flight - expected <= self.floor_usd:
-            return (f"credit floor reached: balance ${balance:.2f} - ${self.in_flight:.2f} in flight "
+        if balance is not None and balance - sp.reserved_usd - worst <= self.floor_usd:
+            return (f"credit floor reached: balance ${balance:.2f} - ${sp.reserved_usd:.2f} reserved "
                     f"<= floor ${self.floor_usd:.2f}")
         return None
 
-    def blocked(self, expected: float) -> str | None:
-        """Why no more requests may be admitted, or None."""
-        return self.over_max(expected) or self.below_floor(expected)
+    def blocked(self, worst: float) -> str | None:
+        """Why a request whose worst case is `worst` may not go out now, or None."""
+        return self.over_max(worst) or self.below_floor(worst)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import quote
 from typing import Any
 
 import aiohttp
@@ -264,11 +266,17 @@ class ChatClient:
             await self._session.close()
             self._session = None
 
-    async def chat(self, body: dict[str, Any]) -> ChatAnswer:
+    async def chat(self, body: dict[str, Any], on_generation: Callable[[str], None] | None = None) -> ChatAnswer:
+        """One completion. `on_generation` hears the generation id as soon as the headers carry it
+        (X-Generation-Id), before the body: what prices the request if it is abandoned."""
         assert self._session is not None, "ChatClient.open() first"
         start = time.monotonic()
         try:
             async with self._session.post(f"{self.base_url}/chat/completions", data=orjson.dumps(body)) as resp:
+                if on_generation is not None:
+                    gen_id = resp.headers.get("X-Generation-Id")
+                    if gen_id:
+                        on_generation(gen_id)
                 if resp.status != 200:
                     raise classify_status(resp.status, await resp.read(), resp.headers)
                 if body.get("stream"):
@@ -333,11 +341,13 @@ class ChatClient:
             raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 stream with no choices")
         return state.body()
 
-    async def get_json(self, path: str) -> dict[str, Any]:
-        """GET `path` under base_url (e.g. "/key"); RequestFailed for any status but 200."""
+    async def get_json(self, path: str, *, key: str | None = None) -> dict[str, Any]:
+        """GET `path` under base_url (e.g. "/key"), with another key when `key` is given (a management
+        key for /credits); RequestFailed for any status but 200."""
         assert self._session is not None
+        headers = {"Authorization": f"Bearer {key}"} if key else None
         try:
-            async with self._session.get(f"{self.base_url}{path}",
+            async with self._session.get(f"{self.base_url}{path}", headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=30, sock_connect=10)) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
@@ -350,3 +360,13 @@ class ChatClient:
         except orjson.JSONDecodeError:
             raise RequestFailed(ErrorKind.BAD_BODY, f"GET {path}: body is not JSON") from None
         return obj if isinstance(obj, dict) else {}
+
+    async def generation(self, gen_id: str) -> dict[str, Any] | None:
+        """GET /generation?id=: the generation's record, or None while it is not there yet (404)."""
+        try:
+            data = (await self.get_json(f"/generation?id={quote(gen_id, safe='')}")).get("data")
+        except RequestFailed as e:
+            if e.status == 404:
+                return None
+            raise
+        return data if isinstance(data, dict) else None

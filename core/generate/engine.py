@@ -7,7 +7,10 @@ is done by its parts, each in its own module:
     duplicates.py  a prompt another dataset of the run directory answered is not sent again
     attempts.py    one prompt asked until it has an outcome: backoff, retries, outages
     ledger.py      per-dataset counts, resume from disk, the record writer, the disk-full hold-back
-    projection.py  the snapshot: counts, projected cost, ETA
+    spend.py       the money: every attempt on spend.jsonl, the sums behind the max_usd ceiling
+    prices.py      worst-case prices from the endpoints listing or the config; settle.py prices
+                   abandoned generations from their records; account.py reads the balance
+    projection.py  the snapshot: counts, projected cost, ETA (forecast.py: the whole-run projection)
 
 Each request ends in exactly one of: an answer line in responses.jsonl, a failure line in
 failures.jsonl (a reason of the prompt's own), or nothing at all (stop now, an account or dataset
@@ -23,6 +26,7 @@ SIGUSR1 resumes at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import platform
 import random
@@ -33,6 +37,7 @@ from typing import Any
 import orjson
 
 from draftgen.core.config import Config
+from draftgen.core.errors import DraftgenError
 from draftgen.core.generate.admission import AdaptiveConcurrency, Admission, Gate, Hold
 from draftgen.core.generate.attempts import Attempts, Outcome
 from draftgen.core.generate.budget import MoneyBudget, TokenBudget
@@ -40,10 +45,15 @@ from draftgen.core.generate.account import AccountStatus, AccountStop, read_acco
 from draftgen.core.generate.classify import AccountCondition, RequestFailed
 from draftgen.core.generate.client import ChatClient
 from draftgen.core.generate.duplicates import CrossDatasetDuplicates
+from draftgen.core.generate.forecast import SmokeFigures
 from draftgen.core.generate.ledger import DatasetRun, Ledger
 from draftgen.core.generate.limits import ensure_open_files
+from draftgen.core.generate.prices import fetch_prices, require_prices
 from draftgen.core.generate.projection import project
 from draftgen.core.generate.prompts import Prompt
+from draftgen.core.generate.settle import Settler
+from draftgen.core.generate.smoke import load_smoke_answer
+from draftgen.core.generate.spend import SpendLedger, Ticket
 from draftgen.core.generate.stats import Tally
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.recent import ProviderStats, RecentErrors
@@ -77,7 +87,10 @@ class Engine:
         self.datasets = {d.name: DatasetRun(d, TokenBudget(d.token_budget, d.max_tokens),
                                             AdaptiveConcurrency(d.concurrency, clock))
                          for d in config.datasets}
-        self.money = MoneyBudget(config.budget.max_usd, config.budget.credit_floor_usd, clock)
+        self.spend = SpendLedger(self.rundir.spend)
+        self.money = MoneyBudget(config.budget.max_usd, config.budget.credit_floor_usd, self.spend, clock)
+        self.settler: Settler | None = None
+        self._smoke_answer: SmokeFigures | None = None
         self.errors = Tally()
         self.provider_stats = ProviderStats()
         self.recent = RecentErrors(providers=self.provider_stats)
@@ -95,10 +108,12 @@ class Engine:
         self.ledger = Ledger(self.rundir, self.datasets, self.money, self.errors, self._redact,
                              on_event=self._event, on_hold=self._hold, on_answer=on_answer, clock=clock)
         self.admission = Admission(self.datasets, self.money, self._gate, self.ledger, self._request, self._event,
-                                   on_floor=self._floor_hold)
+                                   on_floor=self._floor_hold,
+                                   settling=lambda: self.settler.waiting if self.settler is not None else 0)
         self.attempts = Attempts(config, self._gate, self.errors, random.Random(seed),
-                                 retry_slot=self.admission.retry_slot, on_event=self._event,
-                                 redact=self._redact, clock=clock, recent=self.recent)
+                                 retry_slot=self.admission.retry_slot, reserve_retry=self.admission.reserve_retry,
+                                 spend=self.spend, on_event=self._event, redact=self._redact, clock=clock,
+                                 recent=self.recent)
         self._client: ChatClient | None = None
         self._seq = 0
 
@@ -190,11 +205,26 @@ class Engine:
             connect_timeout_s=cfg.api.connect_timeout_s, referer=cfg.api.referer, title=cfg.api.title)
         self._client.open()
         self.attempts.client = self._client
+        try:
+            await self._open_money()
+        except BaseException:
+            if own_client:
+                await self._client.close()
+            self.spend.close()
+            raise
         self.state = RunState.RUNNING if self.state == RunState.IDLE else self.state
         self._started = self._clock()
         # Spend and answers already on disk count against the budgets from the start.
         for ds in self.datasets.values():
             await asyncio.to_thread(self.ledger.open, ds)
+        if not self.spend.existed:  # a directory from before the spend ledger: its answers' cost carries in
+            for ds in self.datasets.values():
+                self.spend.carry(ds.config.name, ds.cost)
+        # Every dataset's prompts counted now, so the projection covers those not started yet; a file
+        # that cannot be read fails when its dataset starts, as before.
+        for ds in self.datasets.values():
+            with contextlib.suppress(DraftgenError):
+                await asyncio.to_thread(self.ledger.scan_prompts, ds)
         if cfg.engine.skip_cross_dataset_duplicates:
             duplicates = CrossDatasetDuplicates()
             await asyncio.to_thread(duplicates.load, self.rundir.root, list(self.datasets))
@@ -214,16 +244,22 @@ class Engine:
             credits.cancel()
             if self._recheck is not None:
                 self._recheck.cancel()
+            assert self.settler is not None
+            # Abandoned attempts priced now if their records come quickly; the rest stay pending for
+            # the next run (or `draftgen ledger`), counted at their worst case until then.
+            await self.settler.drain(0.0 if self._gate.stopping else min(10.0, self.config.api.generation_lookup_s))
             if own_client:
                 await self._client.close()
             self.ledger.settle_held()
             self.ledger.close()
+            self.spend.close()
         # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
         self.state = final_state(self.datasets.values(), stopping=self._gate.stopping,
                                  draining=self._gate.draining, waiting=self.held is Hold.ACCOUNT)
         self.ended = ended_line(self.state, self.datasets.values())
         self._event("info" if self.state == RunState.DONE else "warn", "run_done",
-                    f"run {self.ended}; ${self.money.spent_run:.4f} spent this run")
+                    f"run {self.ended}; ${self.money.spent_run:.4f} spent this run, ${self.spend.spent_usd:.4f} all runs"
+                    + (f" (${self.spend.pending_usd:.4f} of it pending, at worst case)" if self.spend.pending else ""))
         return self.state
 
     def _write_run_json(self) -> None:
@@ -242,8 +278,32 @@ class Engine:
                 "started_at": time.time()}
         write_json_atomic(self.rundir.run_json, info)  # a full disk at the start: a clear message
 
-    async def _request(self, ds: DatasetRun, prompt: Prompt) -> None:
-        done = await self.attempts.ask(ds, self.config.request_body(ds.config, prompt.messages), prompt.id)
+    async def _open_money(self) -> None:
+        """The spend ledger of every earlier run, the prices (refusing to start with a ceiling and no
+        price), and the lookups of what earlier runs left pending."""
+        assert self._client is not None
+        cut = await asyncio.to_thread(self.spend.open)
+        if cut:
+            self._event("warn", "repaired", f"{self.spend.path}: cut a half-written last line ({cut} bytes)")
+        prices, listing_error = await fetch_prices(self._client, self.config)
+        require_prices(self.config, prices, listing_error)
+        self.admission.prices = prices
+        for name, p in prices.items():
+            self._event("info", "prices", f"{name}: worst case {p.describe()}" if p is not None else
+                        f"{name}: no price known ({listing_error or 'no provider allowed'}); no ceiling is set")
+        self._smoke_answer = await asyncio.to_thread(load_smoke_answer, self.rundir, self.config.run_fingerprint())
+        self.settler = Settler(self.spend, self._client, self.config.api.generation_lookup_s,
+                               on_settled=self.admission.wake_all)
+        self.attempts.settler = self.settler
+        self.settler.start()
+        left = self.spend.lookups()
+        if self.spend.pending:
+            self._event("warn", "pending", f"{len(self.spend.pending)} attempt(s) of earlier runs not priced yet "
+                        f"count at their worst case (${self.spend.pending_usd:.4f}); {len(left)} looked up now")
+        self.settler.add(left)
+
+    async def _request(self, ds: DatasetRun, prompt: Prompt, ticket: Ticket) -> None:
+        done = await self.attempts.ask(ds, self.config.request_body(ds.config, prompt.messages), ticket)
         if done.outcome is Outcome.ANSWERED:
             assert done.answer is not None
             self.provider_stats.answer(done.answer.provider or "unknown", done.answer.latency_s,
@@ -258,6 +318,12 @@ class Engine:
             assert done.error is not None
             ds.requeue.append(prompt)
             self._account_stop(done.error)
+        elif done.outcome is Outcome.OVER_BUDGET:
+            ds.skipped += 1  # stays eligible: the next run (with a higher max_usd) asks it again
+        elif done.outcome is Outcome.UNSENT:
+            ds.requeue.append(prompt)
+            self._hold(Hold.DISK, f"{done.disk_error}. The run is paused: a request is only sent once the spend "
+                       "ledger has it on disk; free space and press r to resume (headless: kill -USR1 <pid>).")
         elif done.outcome is Outcome.DATASET:
             assert done.error is not None
             self._stop_dataset(ds, done.error)
@@ -279,7 +345,7 @@ class Engine:
 
     def _floor_hold(self, reason: str) -> None:
         """The live balance reached credit_floor_usd: an account condition like a 402, met before it."""
-        source = self._account_status.balance_source if self._account_status is not None else "unknown"
+        source = self._account_status.balance_detail if self._account_status is not None else "unknown"
         self._hold_account(AccountStop(AccountCondition.CREDIT_FLOOR, f"{reason}; balance from {source}"))
 
     def _account_stop(self, e: RequestFailed) -> None:
@@ -322,9 +388,10 @@ class Engine:
                 continue  # the account cannot be read now: try again next interval
             except Exception:  # noqa: BLE001 - a re-check must never take the run down
                 continue
-            if stop.cleared_by(status, need_usd=self.money.expected_cost(), floor_usd=self.money.floor_usd,
-                               now=time.time()):
-                self._event("info", "account", f"{stop.condition.value} cleared ({status.balance_source}): "
+            # Room for what is still reserved plus the worst case of the next request, as admission asks.
+            need = self.spend.reserved_usd + self.admission.last_worst
+            if stop.cleared_by(status, need_usd=need, floor_usd=self.money.floor_usd, now=time.time()):
+                self._event("info", "account", f"{stop.condition.value} cleared ({status.balance_detail}): "
                             "resuming")
                 if self.ledger.holding and not self.ledger.flush_held():
                     return
@@ -333,11 +400,16 @@ class Engine:
 
     async def _read_account(self) -> AccountStatus:
         assert self._client is not None
-        status = await read_account(self._client)
+        status = await read_account(self._client, management_key=self.config.api.management_key())
+        first_unknown = status.balance is None and (self._account_status is None or
+                                                    self._account_status.balance is not None)
         self._account_status = status
+        self.money.set_balance(status.balance, status.balance_source)
         if status.balance is not None:
-            self.money.set_balance(status.balance)
             self.admission.wake_all()
+        elif first_unknown:
+            self._event("warn", "credits", f"balance {self._redact(status.balance_detail)}; the run keeps going "
+                        "under max_usd")
         return status
 
     def _hold(self, why: Hold, message: str) -> None:
@@ -389,4 +461,6 @@ class Engine:
         self._seq += 1
         return project(run_name=self.rundir.root.name, model=self.config.api.model, state=self.state,
                        alert=self.alert, waiting=self.waiting(), elapsed_s=self._clock() - self._started, seq=self._seq,
-                       datasets=self.datasets.values(), ledger=self.ledger, retries=self.attempts.retries)
+                       datasets=self.datasets.values(), ledger=self.ledger, retries=self.attempts.retries,
+                       money=self.money, prices=self.admission.prices, parallel=self.config.engine.parallel,
+                       smoke=self._smoke_answer)

@@ -59,6 +59,7 @@ class DatasetRun:
     requeue: list[Prompt] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     stopped: bool = False      # 404 "no endpoints": admit nothing more
+    scanned: bool = False      # total and rejected counted (at the start, for the whole-run projection)
     responses: JsonlAppender | None = None
     failures: JsonlAppender | None = None
 
@@ -114,8 +115,6 @@ class Ledger:
             ds.tokens.used += rec.usage.completion_tokens
             ds.tokens.answers += 1
             ds.cost += rec.usage.cost
-            self.money.spent_before += rec.usage.cost
-            self.money.answers += 1
             if rec.short:
                 ds.truncated += 1
         for _, raw in iter_jsonl(rd.failures(ds.config.name)):
@@ -142,6 +141,7 @@ class Ledger:
                 else:
                     total += 1
         ds.total, ds.rejected = total, rejected
+        ds.scanned = True
 
     async def prompts(self, ds: DatasetRun) -> AsyncIterator[Prompt]:
         """The dataset's prompts not yet on disk, read in a thread a chunk at a time."""
@@ -182,8 +182,6 @@ class Ledger:
         ds.tokens.used += a.usage.completion_tokens
         ds.tokens.answers += 1
         ds.cost += a.usage.cost
-        self.money.spent_run += a.usage.cost
-        self.money.answers += 1
         if truncated or empty:
             ds.truncated += 1
             self.errors.add(ErrorKind.LENGTH if truncated else ErrorKind.EMPTY_CONTENT)

@@ -20,7 +20,7 @@ async def check_api(config: Config, api_key: str) -> AccountStatus:
     async with ChatClient(config.api.base_url, api_key, concurrency=1,
                           connect_timeout_s=config.api.connect_timeout_s) as client:
         try:
-            return await read_account(client, timeout_s=max(10.0, config.api.connect_timeout_s))
+            return await read_account(client, management_key=config.api.management_key(), timeout_s=max(10.0, config.api.connect_timeout_s))
         except RequestFailed as e:
             if e.unreachable:
                 raise UnreachableError(f"{redact(e.message.removeprefix('GET /key: '))}: check [api] base_url "

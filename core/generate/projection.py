@@ -1,15 +1,19 @@
 """The engine's picture of a run: counts as they are, and what finishing will take.
 
 What is left of a dataset is its usable prompts not yet done, failed or skipped, capped by what
-its token budget still allows at the average answer length; projected cost is what it has spent
-plus what is left at the observed cost per answer; the ETA is what is left over the recent rate.
+its token budget still allows at the average answer length; projected cost and the ETA cover every
+dataset of the config, those not started included, by forecast.py (the function smoke uses too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
+from draftgen.core.generate.budget import MoneyBudget
+from draftgen.core.generate.forecast import DatasetFigures, SmokeFigures, forecast
 from draftgen.core.generate.ledger import DatasetRun, Ledger
+from draftgen.core.generate.prices import Prices
+from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.snapshot import DatasetStatus, RunState
 
@@ -25,43 +29,53 @@ def remaining(ds: DatasetRun) -> int:
     return left
 
 
+def figures(ds: DatasetRun, spend: SpendLedger, prices: Prices | None) -> DatasetFigures:
+    return DatasetFigures(
+        name=ds.config.name, remaining=remaining(ds), max_tokens=ds.config.max_tokens,
+        concurrency=ds.config.concurrency, token_budget_left=ds.tokens.remaining(), answers=ds.tokens.answers,
+        completion_tokens=ds.tokens.used, cost_usd=spend.by_dataset.get(ds.config.name, ds.cost), prices=prices)
+
+
 def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: str = "", elapsed_s: float, seq: int,
-            datasets: Iterable[DatasetRun], ledger: Ledger, retries: int) -> snap.RunSnapshot:
-    money, rates = ledger.money, ledger.rates
+            datasets: Iterable[DatasetRun], ledger: Ledger, retries: int, money: MoneyBudget,
+            prices: Mapping[str, Prices | None], parallel: bool, smoke: SmokeFigures | None = None) -> snap.RunSnapshot:
+    rates, spend = ledger.rates, money.spend
     all_ds = list(datasets)
     win_req, win_tok, win_avg = rates.window()
     tot_req, tot_tok, tot_avg = rates.total()
+    active = [d for d in all_ds if d.status == DatasetStatus.RUNNING] or all_ds
+    running = state == RunState.RUNNING
+    plan = forecast([figures(d, spend, prices.get(d.config.name)) for d in all_ds], spent_usd=spend.spent_usd,
+                    max_usd=money.max_usd, tokens_per_s=win_tok if running else 0.0,
+                    running_concurrency=sum(d.concurrency.limit for d in active), smoke=smoke, parallel=parallel)
     shots = []
-    projected_remaining = 0.0
-    admissible = 0
-    cost_per_answer = money.expected_cost()
-    for ds in all_ds:
-        left = remaining(ds)
-        projected = ds.cost + left * cost_per_answer if cost_per_answer else None
-        if projected is not None:
-            projected_remaining += projected - ds.cost
-        admissible += left
+    for ds, fc in zip(all_ds, plan.datasets):
+        cost = spend.by_dataset.get(ds.config.name, ds.cost)
         paused = state == RunState.PAUSED and ds.status == DatasetStatus.RUNNING
         shots.append(snap.DatasetSnapshot(
             name=ds.config.name, status=DatasetStatus.PAUSED if paused else ds.status,
             total=ds.total, done=ds.done, failed=ds.failed, skipped=ds.skipped, rejected=ds.rejected,
             truncated=ds.truncated, in_flight=ds.in_flight, concurrency=ds.config.concurrency,
             effective_concurrency=ds.concurrency.limit, tokens_used=ds.tokens.used,
-            tokens_in_flight=ds.tokens.in_flight, token_budget=ds.tokens.limit, cost_usd=round(ds.cost, 6),
-            projected_cost_usd=None if projected is None else round(projected, 4), message=ds.message))
-    active = [d for d in all_ds if d.status == DatasetStatus.RUNNING] or all_ds
+            tokens_in_flight=ds.tokens.in_flight, token_budget=ds.tokens.limit, cost_usd=round(cost, 6),
+            projected_cost_usd=round(cost + fc.cost_usd, 4) if fc.cost_usd or cost else None, message=ds.message))
     throughput = snap.Throughput(
         window_s=rates.window_s, req_s_window=win_req, req_s_total=tot_req, tok_s_window=win_tok,
         tok_s_total=tot_tok, avg_completion_tokens_window=win_avg, avg_completion_tokens_total=tot_avg,
         history=rates.history(), in_flight=sum(d.in_flight for d in all_ds),
         effective_concurrency=sum(d.concurrency.limit for d in active),
         configured_concurrency=sum(d.config.concurrency for d in active),
-        eta_s=(admissible / win_req) if win_req > 0 and state == RunState.RUNNING else None)
+        eta_s=plan.time_s if running else None)
+    known = plan.left_usd > 0 or not any(f.answers_left for f in plan.datasets)
+    low, high = plan.range_usd
     credits = snap.Credits(
         balance_usd=money.balance_now(), balance_age_s=money.balance_age(),
-        spent_usd=money.spent_run, spent_total_usd=money.spent_total, in_flight_usd=money.in_flight,
-        projected_total_usd=(money.spent_total + projected_remaining) if cost_per_answer else None,
-        max_usd=money.max_usd, floor_usd=money.floor_usd)
+        spent_usd=spend.spent_run, spent_total_usd=spend.spent_usd, in_flight_usd=spend.reserved_usd,
+        projected_total_usd=plan.total_usd if known else None, max_usd=money.max_usd, floor_usd=money.floor_usd,
+        pending_usd=spend.pending_usd, balance_source=money.balance_source,
+        ceiling_limited=running and money.ceiling_limited(),
+        projected_low_usd=low if known else None, projected_high_usd=high if known else None,
+        projected_capped=plan.capped)
     return snap.RunSnapshot(
         run_name=run_name, model=model, state=state, elapsed_s=elapsed_s, seq=seq, datasets=tuple(shots),
         throughput=throughput, errors=ledger.errors.items(), retries=retries,

@@ -2,7 +2,9 @@
 
 The checklist (each row pass/fail with its reason):
 - key: GET /key answers (the key is valid);
-- balance: the live balance against the projected cost of the run (and `max_usd`, the floor);
+- prices: the worst-case prices each dataset's routing allows (the endpoints listing or the config);
+- balance: the live balance (account.py) against the projected cost of the run (and `max_usd`, the
+  floor); an unknown balance (an ordinary key without a cap) is a warning, not a failure;
 - per distinct dataset request shape (the exact body the run sends, the smoke prompt as message):
   the request answers; content; reasoning present where the request asks for it (and which field
   carried it); tool calls; the model that answered; usage with cost; the provider is not one the
@@ -18,6 +20,7 @@ only when the fingerprint matches a passing smoke test.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,13 +28,17 @@ from typing import Any
 
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.generate.account import read_account
+from draftgen.core.generate.account import AccountStatus, read_account
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
+from draftgen.core.generate.forecast import DatasetFigures, RunForecast, SmokeFigures, forecast
+from draftgen.core.generate.prices import fetch_prices, prompt_token_bound
+from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.config import Config, DatasetConfig
 from draftgen.core.errors import DraftgenError
+from draftgen.core.records import ResponseRecord
 from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.files import write_json_atomic
-from draftgen.core.rundir import RunDir
+from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
 
 
@@ -40,6 +47,7 @@ class SmokeRow:
     check: str
     passed: bool
     detail: str
+    warning: bool = False  # passed, but worth reading (an unknown balance)
 
 
 @dataclass
@@ -49,6 +57,8 @@ class SmokeResult:
     cost_per_request: dict[str, float] = field(default_factory=dict)  # dataset name -> $ of its smoke request
     projected_cost_usd: float | None = None
     balance_usd: float | None = None
+    projection: RunForecast | None = None
+    smoke_answer: SmokeFigures | None = None  # the projection's pace and price before a run has answers
 
     @property
     def passed(self) -> bool:
@@ -64,9 +74,11 @@ class SmokeResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "passed": self.passed, "checked_at": time.time(),
-                "rows": [{"check": r.check, "passed": r.passed, "detail": r.detail} for r in self.rows],
+                "rows": [{"check": r.check, "passed": r.passed, "detail": r.detail, "warning": r.warning}
+                         for r in self.rows],
                 "cost_per_request": self.cost_per_request, "projected_cost_usd": self.projected_cost_usd,
-                "balance_usd": self.balance_usd}
+                "balance_usd": self.balance_usd,
+                "smoke_answer": None if self.smoke_answer is None else dataclasses.asdict(self.smoke_answer)}
 
 
 def _norm(name: str) -> str:
@@ -86,15 +98,16 @@ def _count_prompts(ds: DatasetConfig) -> int:
     return sum(isinstance(item, Prompt) for item in read_prompts(ds.prompts))
 
 
-def projected_cost(config: Config, cost_per_token: dict[str, float], remaining: dict[str, int]) -> float:
-    """Rough: each answer is taken to use half its max_tokens, capped by the dataset's token budget."""
-    total = 0.0
-    for ds in config.datasets:
-        tokens = remaining.get(ds.name, 0) * ds.max_tokens / 2
-        if ds.token_budget is not None:
-            tokens = min(tokens, ds.token_budget)
-        total += tokens * cost_per_token.get(ds.name, 0.0)
-    return total
+def _on_disk(rd: RunDir, ds: DatasetConfig) -> tuple[int, int, float]:
+    """(answers, completion tokens, cost) already in the dataset's responses.jsonl."""
+    answers = tokens = 0
+    cost = 0.0
+    for _, raw in iter_jsonl(rd.responses(ds.name)):
+        usage = ResponseRecord.from_dict(raw).usage
+        answers += 1
+        tokens += usage.completion_tokens
+        cost += usage.cost
+    return answers, tokens, cost
 
 
 def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: ChatAnswer,
@@ -198,10 +211,10 @@ async def run_smoke(config: Config, api_key: str,
         shapes.setdefault(config.fingerprint(ds), ds)
 
     def add(row: SmokeRow) -> None:
-        result.rows.append(SmokeRow(row.check, row.passed, redact(row.detail)))
+        result.rows.append(SmokeRow(row.check, row.passed, redact(row.detail), row.warning))
         if progress is not None:
             progress(snap.StageProgress("smoke", state=snap.StageState.RUNNING, done=len(result.rows),
-                                        total=2 + 9 * len(shapes),
+                                        total=2 + len(config.datasets) + 9 * len(shapes),
                                         checks=tuple((r.check, r.passed, r.detail) for r in result.rows)))
 
     tok_and_template: list[Any] = []
@@ -235,14 +248,28 @@ async def run_smoke(config: Config, api_key: str,
                           request_timeout_s=min(config.api.request_timeout_s, 600),
                           connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
                           title=config.api.title) as client:
+        account: AccountStatus | None = None
         try:
-            account = await read_account(client)
+            account = await read_account(client, management_key=config.api.management_key())
             add(SmokeRow("key", True, f"accepted (label {redact(str(account.label or 'unlabelled'))!r})"))
             result.balance_usd = account.balance
         except RequestFailed as e:
             add(SmokeRow("key", False, e.message if e.unreachable else f"GET /key: {e.message}"))
         except Exception as e:  # noqa: BLE001 - any network failure is this row's failure
             add(SmokeRow("key", False, f"GET /key failed: {type(e).__name__}: {e}"))
+        prices, listing_error = await fetch_prices(client, config)
+        for ds in config.datasets:
+            p = prices[ds.name]
+            if p is not None:
+                add(SmokeRow(f"{ds.name}: prices", True, f"worst case {p.describe()}; at most "
+                             f"${p.worst_case(prompt_token_bound([{'content': config.smoke.prompt}]), ds.max_tokens):.6f}"
+                             f" for a short prompt at max_tokens {ds.max_tokens}"))
+            else:
+                need = config.budget.max_usd is not None
+                why = listing_error or "the routing allows no listed provider"
+                hint = ("; max_usd needs one: set [api] prompt_price_per_mtok and completion_price_per_mtok"
+                        if need else "; no max_usd, so no ceiling to keep")
+                add(SmokeRow(f"{ds.name}: prices", not need, f"no price known ({why}){hint}", warning=not need))
 
         async def ask(fp: str, ds: DatasetConfig) -> tuple[str, dict[str, Any], ChatAnswer | SmokeRow, float]:
             body = config.request_body(ds, [{"role": "user", "content": config.smoke.prompt}])
@@ -259,7 +286,7 @@ async def run_smoke(config: Config, api_key: str,
         # One request per shape, all at once: a run's shapes differ only in their parameters.
         answers = await asyncio.gather(*(ask(fp, ds) for fp, ds in shapes.items()))
 
-    cost_per_token: dict[str, float] = {}
+    smoke: SmokeFigures | None = None
     for fp, body, answer, took in answers:
         ds = shapes[fp]
         if isinstance(answer, SmokeRow):
@@ -273,38 +300,49 @@ async def run_smoke(config: Config, api_key: str,
         for other in config.datasets:
             if config.fingerprint(other) == fp:
                 result.cost_per_request[other.name] = answer.usage.cost
-                if answer.usage.completion_tokens:
-                    cost_per_token[other.name] = answer.usage.cost / answer.usage.completion_tokens
+        if answer.usage.completion_tokens and (smoke is None or answer.usage.cost > smoke.cost_usd):
+            smoke = SmokeFigures(answer.usage.completion_tokens, answer.usage.cost, took)
 
-    remaining = {}
+    rd = RunDir(config.run_dir)
+    figures = []
+    spent = 0.0
     for ds in config.datasets:
         try:
             n = await asyncio.to_thread(_count_prompts, ds)
         except DraftgenError as e:
             add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
             n = 0
-        rd = RunDir(config.run_dir)
-        done = sum(1 for _ in open(rd.responses(ds.name), "rb")) if rd.responses(ds.name).exists() else 0
-        remaining[ds.name] = max(0, n - done)
-    if cost_per_token:
-        result.projected_cost_usd = projected_cost(config, cost_per_token, remaining)
+        answers, tokens, cost = await asyncio.to_thread(_on_disk, rd, ds)
+        spent += cost
+        figures.append(DatasetFigures(
+            name=ds.name, remaining=max(0, n - answers), max_tokens=ds.max_tokens, concurrency=ds.concurrency,
+            token_budget_left=None if ds.token_budget is None else max(0, ds.token_budget - tokens),
+            answers=answers, completion_tokens=tokens, cost_usd=cost, prices=prices[ds.name]))
+    if rd.spend.exists():  # the spend ledger, when there is one, is the spend (abandoned attempts included)
+        spent = (await asyncio.to_thread(SpendLedger.read, rd.spend)).spent_usd
+    result.smoke_answer = smoke
+    plan = forecast(figures, spent_usd=spent, max_usd=config.budget.max_usd, smoke=smoke,
+                    parallel=config.engine.parallel)
+    known = plan.left_usd > 0 or not any(d.answers_left for d in plan.datasets)
+    if known:
+        result.projected_cost_usd = plan.total_usd
+        result.projection = plan
     cap = config.budget.max_usd
-    need = result.projected_cost_usd
-    if need is not None and cap is not None:
-        need = min(need, cap)
-    if result.balance_usd is None:
-        add(SmokeRow("balance", False, "could not read the balance (GET /credits and GET /key)"))
+    need = plan.total_usd - spent if known else None
+    if account is None:
+        add(SmokeRow("balance", False, "could not read the balance (GET /key failed)"))
+    elif result.balance_usd is None:
+        add(SmokeRow("balance", True, f"{redact(account.balance_detail)}. A warning, not a failure: the run keeps "
+                     "going under max_usd" + (f" (${cap:.2f})" if cap is not None else " (none set)"), warning=True))
     elif need is None:
         add(SmokeRow("balance", result.balance_usd > config.budget.credit_floor_usd,
-                     f"${result.balance_usd:.2f}; no projection (no answer came back)"))
+                     f"${result.balance_usd:.2f} ({account.balance_source}); no projection (no answer came back)"))
     else:
         ok = result.balance_usd - config.budget.credit_floor_usd >= need
-        proj = f"${result.projected_cost_usd:.2f}" + (f", capped by max_usd ${cap:.2f}" if cap is not None else "")
-        add(SmokeRow("balance", ok, f"${result.balance_usd:.2f} against a projected {proj} "
-                     f"+ floor ${config.budget.credit_floor_usd:.2f}"
+        add(SmokeRow("balance", ok, f"${result.balance_usd:.2f} ({account.balance_source}) against ${need:.2f} to finish "
+                     f"(projected {plan.describe()}) + floor ${config.budget.credit_floor_usd:.2f}"
                      + ("" if ok else ": the run would stop at the credit floor before finishing")))
 
-    rd = RunDir(config.run_dir)
     rd.root.mkdir(parents=True, exist_ok=True)
     write_json_atomic(rd.smoke_json, result.to_dict())  # a full disk: the last smoke.json stays as it was
     if progress is not None:
@@ -315,6 +353,17 @@ async def run_smoke(config: Config, api_key: str,
     return result
 
 
+def load_smoke_answer(rd: RunDir, fingerprint: str) -> SmokeFigures | None:
+    """The smoke answer of the last passing smoke test of these request shapes, for the projection."""
+    try:
+        data = orjson.loads(rd.smoke_json.read_bytes())
+        raw = data.get("smoke_answer") if data.get("fingerprint") == fingerprint else None
+        return None if not isinstance(raw, dict) else SmokeFigures(
+            int(raw["completion_tokens"]), float(raw["cost_usd"]), float(raw["latency_s"]))
+    except (OSError, orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
 def print_result(result: SmokeResult) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -322,12 +371,16 @@ def print_result(result: SmokeResult) -> None:
     from draftgen.core.checklist import checklist_table
     console = Console()
     # Details quote the upstream (answers, error bodies): "[/INST]" there is text, not rich markup.
-    console.print(checklist_table("draftgen smoke test", ((r.check, r.passed, r.detail) for r in result.rows)))
+    console.print(checklist_table("draftgen smoke test", ((r.check, r.passed, r.detail, r.warning)
+                                                          for r in result.rows)))
     for name, cost in result.cost_per_request.items():
         console.print(f"cost per request ({escape(name)}): ${cost:.6f}")
-    if result.projected_cost_usd is not None:
-        console.print(f"projected run cost (rough: half of max_tokens per answer, capped by token budgets): "
-                      f"${result.projected_cost_usd:.2f}")
+    if result.projection is not None:
+        console.print(f"projected run cost, every dataset: {escape(result.projection.describe())}")
+        for d in result.projection.datasets:
+            console.print(f"  {escape(d.name)}: {d.answers_left} answers of ~{d.tokens_per_answer:.0f} tokens "
+                          f"({d.basis}): ${d.cost_usd:.2f} (${d.low_usd:.2f}-${d.high_usd:.2f})"
+                          + (f", ~{d.time_s / 60:.0f} min" if d.time_s is not None else ""))
     console.print(("[green]PASSED[/]: " if result.passed else "[bold red]FAILED[/]: ") + escape(result.summary()))
 
 

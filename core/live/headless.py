@@ -45,10 +45,9 @@ def status_line(s: snap.RunSnapshot, now: float | None = None) -> str:
     total = sum(d.total for d in s.datasets)
     pct = f" {100 * (done + sum(d.failed + d.skipped for d in s.datasets)) / total:.0f}%" if total else ""
     errors = sum(n for k, n in s.errors if k not in ("length", "empty_content"))
-    spent = f"{usd(c.spent_usd)} run {usd(c.spent_total_usd)}"
-    if c.max_usd is not None:
-        spent += f"/${c.max_usd:,.0f}" if c.max_usd == int(c.max_usd) else f"/{usd(c.max_usd)}"
-    spent += " all"
+    # Spend is the spend ledger over all runs; reserved is the worst case of the requests in flight.
+    spent = f"spent {usd(c.spent_total_usd)} all / reserved {usd(c.in_flight_usd)} / ceiling " + (
+        usd(c.max_usd) if c.max_usd is not None else "none")
     # Most important first: what does not fit in 120 columns is left to the detail lines.
     # A run that makes no progress says so on every line; the details say why (held, unreachable, backing off).
     state = f"WAITING ({s.state})" if s.waiting and s.state != snap.RunState.WAITING else s.state
@@ -83,8 +82,15 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
     more = []
     if t.eta_s is not None:
         more.append(f"ETA {compact_duration(t.eta_s)}")
-    if c.balance_usd is not None:
-        more.append(f"balance {usd(c.balance_usd)} ({compact_duration(c.balance_age_s)} old)")
+    more.append(f"balance {usd(c.balance_usd)} ({compact_duration(c.balance_age_s)} old)" if c.balance_usd is not None
+                else "balance unknown")
+    if c.projected_total_usd is not None:
+        more.append(f"projected {usd(c.projected_total_usd)} ({usd(c.projected_low_usd or 0)}-"
+                    f"{usd(c.projected_high_usd or 0)})" + (", stopped by max_usd" if c.projected_capped else ""))
+    if c.ceiling_limited:
+        more.append("the ceiling limits concurrency")
+    if c.pending_usd:
+        more.append(f"{usd(c.pending_usd)} pending")
     if s.first_started_at:
         runs = len(s.timeline.runs)
         more.append(f"first started {time.strftime('%Y-%m-%d %H:%M', time.localtime(s.first_started_at))}"

@@ -91,12 +91,18 @@ class Throughput:
 class Credits:
     balance_usd: float | None = None    # last fetched balance minus spend since
     balance_age_s: float | None = None  # seconds since it was fetched
-    spent_usd: float = 0.0              # this run (this process)
-    spent_total_usd: float = 0.0        # all answers on disk
-    in_flight_usd: float = 0.0          # expected cost of requests in flight
-    projected_total_usd: float | None = None
+    spent_usd: float = 0.0              # this run (this process), known costs
+    spent_total_usd: float = 0.0        # the spend ledger over all runs: known costs + pending at worst case
+    in_flight_usd: float = 0.0          # reserved: the worst-case cost of the requests in flight
+    projected_total_usd: float | None = None  # spent + the estimate to finish every dataset, <= max_usd
     max_usd: float | None = None
     floor_usd: float = 0.0
+    pending_usd: float = 0.0            # of spent_total_usd: abandoned attempts not priced yet (worst case)
+    balance_source: str = "unknown"     # "credits", "key limit" or "unknown"
+    ceiling_limited: bool = False       # the reservations under max_usd, not the slots, bound concurrency
+    projected_low_usd: float | None = None
+    projected_high_usd: float | None = None
+    projected_capped: bool = False      # max_usd stops the run before every dataset is done
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ class CreditsPanel(Panel):
         c = s.credits
         # The age ticks every snapshot; whole seconds are all it shows.
         return (c.balance_usd, None if c.balance_age_s is None else int(c.balance_age_s), c.spent_usd,
-                c.spent_total_usd, c.in_flight_usd, c.projected_total_usd, c.max_usd, c.floor_usd)
+                c.spent_total_usd, c.in_flight_usd, c.projected_total_usd, c.max_usd, c.floor_usd, c.pending_usd,
+                c.balance_source, c.ceiling_limited, c.projected_low_usd, c.projected_high_usd, c.projected_capped)
 
     def draw(self, s: RunSnapshot) -> RenderableType:
         c = s.credits
@@ -32,7 +33,8 @@ class CreditsPanel(Panel):
         table.add_column(no_wrap=True)
         table.add_column(justify="right", no_wrap=True, overflow="ellipsis", ratio=1)
         if c.balance_usd is None:
-            table.add_row("balance", Text("unknown", style="dim"))
+            # An ordinary key without a cap cannot read it: a warning, the run goes on under max_usd.
+            table.add_row("balance", Text("unknown", style="yellow"))
         else:
             low = c.balance_usd - c.in_flight_usd <= c.floor_usd
             value = Text(fmt.usd(c.balance_usd), style="bold red" if low else "bold")
@@ -40,12 +42,20 @@ class CreditsPanel(Panel):
                 # 80 columns: the age in brackets, so that nothing is cut.
                 age = fmt.duration(c.balance_age_s)
                 value.append(f" ({age})" if narrow else f", {age} ago", style="")
+            if c.balance_source == "key limit":
+                value.append(" (key cap)", style="dim")
             table.add_row("balance", value)
         run, every = ("this run", "all runs") if not narrow else ("run", "all")
         table.add_row("spent", Text(f"{fmt.usd(c.spent_usd)} {run}"))
         table.add_row("", Text(f"{fmt.usd(c.spent_total_usd)} {every}"))
-        over = c.max_usd is not None and c.projected_total_usd is not None and c.projected_total_usd > c.max_usd
-        table.add_row("projected", Text(fmt.usd(c.projected_total_usd), style="bold red" if over else ""))
+        if c.pending_usd:
+            table.add_row("", Text(f"{fmt.usd(c.pending_usd)} of it pending", style="dim"))
+        table.add_row("reserved", Text(fmt.usd(c.in_flight_usd), style="bold yellow" if c.ceiling_limited else ""))
         table.add_row("max_usd", fmt.usd(c.max_usd) if c.max_usd is not None else Text("none", style="dim"))
+        if c.ceiling_limited:
+            table.add_row("", Text("ceiling limits concurrency", style="bold yellow"))
+        table.add_row("projected", Text(fmt.usd(c.projected_total_usd), style="bold red" if c.projected_capped else ""))
+        if c.projected_low_usd is not None and c.projected_high_usd is not None:
+            table.add_row("", Text(f"{fmt.usd(c.projected_low_usd)}-{fmt.usd(c.projected_high_usd)}", style="dim"))
         table.add_row("floor", fmt.usd(c.floor_usd))
         return table

@@ -1,0 +1,184 @@
+"""What a request can cost at worst: prices per token at the most expensive provider a dataset's
+routing allows, and the worst-case cost of one request.
+
+Prices come from OpenRouter's `GET /api/v1/models/{author}/{slug}/endpoints` (`data.endpoints[]`,
+one per provider: `provider_name`, `tag`, `quantization`, `pricing.prompt` / `pricing.completion` /
+`pricing.request` in USD per token or per request, as strings), filtered by the dataset's
+`provider` routing (`ignore`, `only`, `quantizations`): with `allow_fallbacks` any allowed endpoint
+may serve a request, so the worst case takes the highest prompt and the highest completion price
+among them. `[api] prompt_price_per_mtok` / `completion_price_per_mtok` set the prices for servers
+without that listing (and win over it when set).
+
+Prompt tokens are bounded without the tokenizer (the engine does not load it; reconstruction runs
+in worker processes): every token of a byte-level BPE covers at least one byte, so the UTF-8 bytes
+of the messages plus a few tokens per message for the chat template never undercount.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from draftgen.core.config import Config, DatasetConfig
+from draftgen.core.errors import ConfigError
+from draftgen.core.generate.client import ChatClient, RequestFailed
+
+TEMPLATE_TOKENS_PER_MESSAGE = 8   # role header, separators and end marker of the chat template
+TEMPLATE_TOKENS = 8               # the generation prompt (assistant header, <think>)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One provider's endpoint of the model, as the listing shows it."""
+    provider: str
+    tag: str
+    quantization: str
+    prompt: float        # USD per prompt token
+    completion: float    # USD per completion token
+    request: float = 0.0 # USD per request
+
+
+@dataclass(frozen=True)
+class Prices:
+    """USD per token at the worst endpoint a dataset's routing allows, and where they came from."""
+    prompt: float
+    completion: float
+    request: float
+    source: str                      # "config", "endpoints listing (3 of 5 providers)"
+    providers: tuple[str, ...] = ()  # the endpoints allowed by the routing
+
+    def worst_case(self, prompt_tokens: int, max_tokens: int) -> float:
+        return prompt_tokens * self.prompt + max_tokens * self.completion + self.request
+
+    def describe(self) -> str:
+        return (f"${self.prompt * 1e6:.4g}/M prompt, ${self.completion * 1e6:.4g}/M completion"
+                + (f", ${self.request:.4g}/request" if self.request else "") + f" ({self.source})")
+
+
+def prompt_token_bound(messages: Sequence[Mapping[str, Any]]) -> int:
+    """An upper bound on the prompt tokens of `messages` (see the module docstring)."""
+    n = TEMPLATE_TOKENS
+    for m in messages:
+        n += TEMPLATE_TOKENS_PER_MESSAGE
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content.encode("utf-8", "surrogatepass"))
+        elif content is not None:  # parts, tool calls: their JSON is longer than their text
+            n += len(repr(content).encode("utf-8", "surrogatepass"))
+        for key in ("tool_calls", "name", "reasoning"):
+            if m.get(key):
+                n += len(repr(m[key]).encode("utf-8", "surrogatepass"))
+    return n
+
+
+def _price(raw: Any) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        return 0.0
+    return value if value > 0 else 0.0  # "-1" marks a variable price (routers): not a price
+
+
+def parse_endpoints(body: Any) -> list[Endpoint]:
+    """The endpoints of a listing body; entries of another shape are skipped."""
+    data = body.get("data") if isinstance(body, dict) else None
+    raw = data.get("endpoints") if isinstance(data, dict) else None
+    out = []
+    for e in raw if isinstance(raw, list) else ():
+        if not isinstance(e, dict):
+            continue
+        pricing = e.get("pricing") if isinstance(e.get("pricing"), dict) else {}
+        out.append(Endpoint(provider=str(e.get("provider_name") or ""), tag=str(e.get("tag") or ""),
+                            quantization=str(e.get("quantization") or "").lower(),
+                            prompt=_price(pricing.get("prompt")), completion=_price(pricing.get("completion")),
+                            request=_price(pricing.get("request"))))
+    return out
+
+
+def _slug(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def _names(e: Endpoint) -> set[str]:
+    """The names routing may use for an endpoint: its provider, its tag, the tag's provider part."""
+    names = {_slug(e.provider), _slug(e.tag)}
+    if "/" in e.tag:
+        names.add(_slug(e.tag.split("/", 1)[0]))
+    return names - {""}
+
+
+def allowed(endpoints: Sequence[Endpoint], routing: Any) -> list[Endpoint]:
+    """The endpoints a request with this `provider` object may be served by."""
+    if not isinstance(routing, dict):
+        return list(endpoints)
+    ignore = {_slug(str(p)) for p in routing.get("ignore") or ()}
+    only = {_slug(str(p)) for p in routing.get("only") or ()}
+    quants = {str(q).lower() for q in routing.get("quantizations") or ()}
+    out = []
+    for e in endpoints:
+        names = _names(e)
+        if names & ignore:
+            continue
+        if only and not names & only:
+            continue
+        if quants and e.quantization and e.quantization not in quants:
+            continue
+        out.append(e)
+    return out
+
+
+def dataset_prices(config: Config, ds: DatasetConfig, endpoints: Sequence[Endpoint] | None) -> Prices | None:
+    """The worst-case prices for `ds`; None when neither the config nor the listing gives any."""
+    api = config.api
+    if api.prompt_price_per_mtok is not None or api.completion_price_per_mtok is not None:
+        return Prices((api.prompt_price_per_mtok or 0.0) / 1e6, (api.completion_price_per_mtok or 0.0) / 1e6, 0.0,
+                      "config [api] prompt_price_per_mtok / completion_price_per_mtok")
+    if not endpoints:
+        return None
+    routing = config.request_body(ds, []).get("provider")
+    ok = allowed(endpoints, routing)
+    if not ok:
+        return None
+    return Prices(max(e.prompt for e in ok), max(e.completion for e in ok), max(e.request for e in ok),
+                  f"endpoints listing: worst of {len(ok)} of {len(endpoints)} providers the routing allows",
+                  tuple(sorted(e.provider or e.tag for e in ok)))
+
+
+def require_prices(config: Config, prices: Mapping[str, Prices | None], listing_error: str) -> None:
+    """With `max_usd` set, every dataset needs a price: refuse to start, saying how to set one."""
+    if config.budget.max_usd is None:
+        return
+    missing = [name for name, p in prices.items() if p is None]
+    if missing:
+        raise ConfigError(
+            f"{config.path}: budget.max_usd is set but no price is known for {', '.join(missing)} "
+            f"({listing_error or 'the endpoints listing allows no provider for its routing'}), so the ceiling "
+            "cannot be kept. Set [api] prompt_price_per_mtok and completion_price_per_mtok (USD per million "
+            "tokens, the most expensive provider you may be served by), or remove budget.max_usd.")
+
+
+def endpoints_path(model: str) -> str:
+    """`/models/{author}/{slug}/endpoints` for a model id like "moonshotai/kimi-k2.5"."""
+    return f"/models/{model.strip('/')}/endpoints"
+
+
+async def fetch_prices(client: ChatClient, config: Config) -> tuple[dict[str, Prices | None], str]:
+    """Every dataset's worst-case prices, and why the listing could not be used ("" when it could)."""
+    endpoints: list[Endpoint] | None = None
+    error = ""
+    api = config.api
+    if api.prompt_price_per_mtok is None and api.completion_price_per_mtok is None:
+        path = endpoints_path(api.model)
+        try:
+            endpoints = parse_endpoints(await client.get_json(path))
+            if not endpoints:
+                error = f"GET {path} lists no endpoints"
+        except RequestFailed as e:
+            error = f"GET {path}: {e.message}"
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
+            error = f"GET {path}: {type(e).__name__}: {e}"
+    return {ds.name: dataset_prices(config, ds, endpoints) for ds in config.datasets}, error

@@ -1,0 +1,86 @@
+"""`draftgen ledger CONFIG`: the spend ledger's reconciliation, after pricing what is still pending.
+
+Looks up every pending attempt that has a generation id (as a run does at its start), then prints
+what was answered, refused, abandoned and priced, what is still pending or unknown (counted at the
+worst case), the ledger's total, and the key's own usage from `GET /key` to hold it against (the
+key's usage covers everything the key ever ran, this directory's runs among them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from draftgen.core.config import Config
+from draftgen.core.generate.account import read_account
+from draftgen.core.generate.client import ChatClient, RequestFailed
+from draftgen.core.generate.settle import Settler
+from draftgen.core.generate.spend import Reconciliation, SpendLedger
+from draftgen.core.rundir import RunDir
+
+
+@dataclass(frozen=True)
+class LedgerReport:
+    reconciliation: Reconciliation
+    looked_up: int
+    key_usage_usd: float | None
+    key_note: str
+    max_usd: float | None
+
+
+async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = None) -> LedgerReport:
+    rd = RunDir(config.run_dir)
+    spend = SpendLedger(rd.spend)
+    spend.open()
+    try:
+        async with ChatClient(config.api.base_url, api_key, concurrency=16, request_timeout_s=60,
+                              connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
+                              title=config.api.title) as client:
+            todo = spend.lookups()
+            settler = Settler(spend, client, config.api.generation_lookup_s if lookup_s is None else lookup_s)
+            settler.start()
+            settler.add(todo)
+            await settler.drain(config.api.generation_lookup_s if lookup_s is None else lookup_s)
+            try:
+                usage = (await read_account(client, management_key=config.api.management_key())).key_usage
+                key_usage, note = (usage, "GET /key usage: everything this key ran") if usage is not None \
+                    else (None, "GET /key shows no usage")
+            except (RequestFailed, asyncio.TimeoutError, OSError) as e:
+                key_usage, note = None, f"GET /key: {getattr(e, 'message', type(e).__name__)}"
+    finally:
+        spend.close()
+    return LedgerReport(spend.reconcile(), len(todo), key_usage, note, config.budget.max_usd)
+
+
+def print_report(report: LedgerReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    r = report.reconciliation
+    table = Table(title="draftgen spend ledger (all runs of the directory)")
+    table.add_column("attempts")
+    table.add_column("count", justify="right")
+    table.add_column("USD", justify="right")
+    table.add_row("answered (usage.cost)", str(r.answered), f"{r.answered_usd:.6f}")
+    table.add_row("refused (HTTP error, not billed)", str(r.refused), "0")
+    table.add_row("abandoned, priced (generation record)", str(r.abandoned_settled), f"{r.abandoned_settled_usd:.6f}")
+    table.add_row("abandoned, still pending (worst case)", str(r.pending), f"<= {r.pending_worst_usd:.6f}")
+    table.add_row("unknown: no generation id (worst case)", str(r.unknown), f"<= {r.unknown_worst_usd:.6f}")
+    if r.carried_usd:
+        table.add_row("carried from responses.jsonl (before the ledger)", "", f"{r.carried_usd:.6f}")
+    table.add_row("total known", "", f"{r.total_usd:.6f}")
+    table.add_row("counted against max_usd", "", f"{r.committed_usd:.6f}"
+                  + (f" of {report.max_usd:.2f}" if report.max_usd is not None else ""))
+    console = Console()
+    console.print(table)
+    console.print(f"looked up {report.looked_up} pending generation(s)")
+    if report.key_usage_usd is not None:
+        console.print(f"key usage ${report.key_usage_usd:.6f} ({report.key_note}); ledger total ${r.total_usd:.6f}, "
+                      f"difference ${report.key_usage_usd - r.total_usd:+.6f}")
+    else:
+        console.print(f"key usage not shown ({report.key_note})")
+
+
+def ledger_command(config: Config, api_key: str) -> int:
+    report = asyncio.run(reconcile(config, api_key))
+    print_report(report)
+    return 0

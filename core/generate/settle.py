@@ -1,0 +1,92 @@
+"""Pricing abandoned generations from their records, in the background.
+
+An attempt the client gave up on (a timeout, a dropped connection, stop-now, a run killed before
+it read the answer) may still be billed: a non-streamed request runs on and is billed in full, an
+aborted stream up to the abort. `GET /api/v1/generation?id=` returns the record (`total_cost`)
+shortly after the generation ends, so a 404 is retried, with backoff, for `lookup_s`; what is still
+not found then stays pending (at its worst case) for the next run or `draftgen ledger`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+
+import aiohttp
+
+from draftgen.core.generate.client import ChatClient, RequestFailed
+from draftgen.core.generate.spend import Pending, SpendLedger
+
+WORKERS = 8
+
+
+class Settler:
+    def __init__(self, spend: SpendLedger, client: ChatClient, lookup_s: float,
+                 on_settled: Callable[[], None] = lambda: None) -> None:
+        self._spend = spend
+        self._client = client
+        self._lookup_s = lookup_s
+        self._on_settled = on_settled
+        self._queue: asyncio.Queue[tuple[Pending, float]] = asyncio.Queue()
+        self._workers: list[asyncio.Task[None]] = []
+        self._busy = 0
+        self.failures = 0     # lookups refused for another reason than "not there yet"
+
+    def start(self) -> None:
+        if not self._workers:
+            self._workers = [asyncio.create_task(self._work()) for _ in range(WORKERS)]
+
+    def add(self, items: Iterable[Pending]) -> None:
+        now = time.monotonic()
+        for p in items:
+            if p.gen:
+                self._queue.put_nowait((p, now))
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize() + self._busy
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) for the lookups queued so far, then stop the workers."""
+        deadline = time.monotonic() + timeout_s
+        while self.waiting and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.close()
+
+    async def close(self) -> None:
+        for w in self._workers:
+            w.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
+
+    async def _work(self) -> None:
+        while True:
+            p, first = await self._queue.get()
+            self._busy += 1
+            try:
+                await self._look_up(p, first)
+            finally:
+                self._busy -= 1
+
+    async def _look_up(self, p: Pending, first: float) -> None:
+        delay = 0.25
+        assert p.gen is not None
+        while p.id in self._spend.pending:
+            try:
+                record = await self._client.generation(p.gen)
+            except (RequestFailed, asyncio.TimeoutError, aiohttp.ClientError, OSError):
+                record = None
+                self.failures += 1
+            if record is not None:
+                cost = record.get("total_cost", record.get("usage"))
+                try:
+                    self._spend.settle(p, float(cost))
+                except (TypeError, ValueError):
+                    return  # a record without a cost: left pending at its worst case
+                self._on_settled()
+                return
+            if time.monotonic() - first + delay > self._lookup_s:
+                return  # still not there: pending for the next run or `draftgen ledger`
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)

@@ -1,0 +1,328 @@
+"""The spend ledger: every request attempt's cost, on one append-only file per run directory.
+
+`<run dir>/spend.jsonl` holds every attempt sent to the API, by every run of the directory. Each
+line is one JSON object, written whole with one `write` before the call returns (so a `kill -9`
+loses nothing written; `JsonlAppender` cuts a torn last line on the next open):
+
+    {"e":"sent","a":ID,"ds":DATASET,"p":PROMPT_ID,"w":WORST_USD,"t":UNIX_TIME}
+        written before the request leaves; w is the reservation (worst-case cost, see prices.py)
+    {"e":"gen","a":ID,"g":GENERATION_ID}
+        the generation id, from the X-Generation-Id header (known with the first bytes)
+    {"e":"end","a":ID,"o":OUTCOME,"c":USD|null,"s":SOURCE}
+        OUTCOME answered: c is the answer's usage.cost (SOURCE "usage.cost");
+        OUTCOME refused: an HTTP error status, nothing generated (c 0, SOURCE "not billed");
+        OUTCOME abandoned: timed out, dropped, cut short or stopped: c null, SOURCE "pending"
+    {"e":"settle","a":ID,"c":USD,"s":"generation"}
+        an abandoned attempt priced from GET /api/v1/generation?id= (its record's total_cost)
+    {"e":"carry","ds":DATASET,"c":USD}
+        spend already in responses.jsonl when the directory got its ledger (older runs)
+
+Money is then three sums over all runs: settled (known costs), pending (abandoned attempts not yet
+priced, and attempts a killed run left open, each at its worst case) and reserved (the worst case
+of the attempts in flight in this process). The ceiling holds because an attempt is on disk as
+"sent" before it leaves and counts at its worst case until its real cost is known:
+settled + pending + reserved + the next reservation <= max_usd, whatever crashed when.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from draftgen.core.errors import DiskError
+from draftgen.core.rundir import JsonlAppender, iter_jsonl
+
+
+class Source(str, Enum):
+    """Where an attempt's cost came from."""
+    USAGE = "usage.cost"
+    NOT_BILLED = "not billed"
+    GENERATION = "generation"
+    PENDING = "pending"
+
+
+class AttemptEnd(str, Enum):
+    ANSWERED = "answered"
+    REFUSED = "refused"
+    ABANDONED = "abandoned"
+
+
+class Ticket:
+    """One attempt's reservation; `sent` once its line is on disk."""
+    __slots__ = ("id", "ds", "prompt_id", "worst", "gen", "sent", "open")
+
+    def __init__(self, id: str, ds: str, prompt_id: str, worst: float) -> None:
+        self.id = id
+        self.ds = ds
+        self.prompt_id = prompt_id
+        self.worst = worst
+        self.gen: str | None = None
+        self.sent = False
+        self.open = True
+
+
+@dataclass
+class Pending:
+    """An attempt whose cost is not known yet, counted at its worst case."""
+    id: str
+    ds: str
+    prompt_id: str
+    worst: float
+    gen: str | None     # None: the run died before the id came back; it cannot be looked up
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    answered: int
+    answered_usd: float
+    refused: int
+    abandoned_settled: int
+    abandoned_settled_usd: float
+    pending: int            # abandoned or left open, with a generation id: can still be looked up
+    pending_worst_usd: float
+    unknown: int            # left without a generation id: counted at worst case for good
+    unknown_worst_usd: float
+    carried_usd: float
+    total_usd: float        # every known cost (settled)
+
+    @property
+    def committed_usd(self) -> float:
+        return self.total_usd + self.pending_worst_usd + self.unknown_worst_usd
+
+
+class SpendLedger:
+    """The sums behind the ceiling, and the writer of spend.jsonl."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._run = f"{os.getpid():x}{int(time.time() * 1000) % 0xFFFFFF:x}"
+        self._n = 0
+        self._file: JsonlAppender | None = None
+        self.settled_usd = 0.0
+        self.spent_run = 0.0           # settled by this process
+        self.reserved_usd = 0.0        # worst case of attempts in flight here
+        self.pending: dict[str, Pending] = {}
+        self.pending_usd = 0.0
+        self.by_dataset: dict[str, float] = {}
+        self.existed = False
+        self.write_error: str = ""     # the last refused write (the ledger errs on the side of more spend)
+        self._unwritten: list[dict[str, Any]] = []
+        # For `reconcile()`.
+        self._answered = [0, 0.0]
+        self._refused = 0
+        self._settled_abandoned = [0, 0.0]
+        self._carried = 0.0
+
+    # -- opening ----------------------------------------------------------------------------
+
+    @classmethod
+    def read(cls, path: Path) -> SpendLedger:
+        """The sums of an existing ledger, read only (smoke, `draftgen ledger` before it settles)."""
+        ledger = cls(path)
+        ledger._load()
+        return ledger
+
+    def open(self) -> int:
+        """Read what earlier runs left and open the file for appending; returns the bytes cut from
+        a torn last line."""
+        self._file = JsonlAppender(self.path)  # cuts a torn last line first
+        self._load()
+        return self._file.cut_bytes
+
+    def _load(self) -> None:
+        self.existed = self.path.exists() and self.path.stat().st_size > 0
+        opened: dict[str, dict[str, Any]] = {}
+        for _, line in iter_jsonl(self.path):
+            self._replay(line, opened)
+        for aid, rec in opened.items():  # sent by a run that died before the end line
+            self._add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g")))
+
+    def _replay(self, line: dict[str, Any], opened: dict[str, dict[str, Any]]) -> None:
+        kind, aid = line.get("e"), str(line.get("a"))
+        try:
+            if kind == "sent":
+                opened[aid] = {"ds": str(line["ds"]), "p": str(line["p"]), "w": float(line["w"])}
+            elif kind == "gen":
+                if aid in opened:
+                    opened[aid]["g"] = str(line["g"])
+                elif aid in self.pending and self.pending[aid].gen is None:
+                    self.pending[aid].gen = str(line["g"])
+            elif kind == "end":
+                rec = opened.pop(aid, None)
+                if rec is None:
+                    return
+                outcome = line.get("o")
+                if outcome == AttemptEnd.ABANDONED:
+                    self._add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g") or line.get("g")))
+                else:
+                    self._book(rec["ds"], float(line.get("c") or 0.0), outcome == AttemptEnd.ANSWERED, run=False)
+            elif kind == "settle":
+                rec = opened.pop(aid, None)  # left open by a killed run, priced by a later one
+                p = self._drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
+                if p is not None:
+                    self._book_abandoned(p.ds, float(line["c"]), run=False)
+            elif kind == "carry":
+                cost = float(line["c"])
+                self._carried += cost
+                self.settled_usd += cost
+                self.by_dataset[str(line["ds"])] = self.by_dataset.get(str(line["ds"]), 0.0) + cost
+        except (KeyError, TypeError, ValueError):
+            return  # a hand-edited line of the wrong shape counts as nothing
+
+    def carry(self, ds: str, cost: float) -> None:
+        """Spend found in responses.jsonl of a directory that had no ledger yet."""
+        if cost > 0:
+            self._write({"e": "carry", "ds": ds, "c": round(cost, 10)})
+            self._carried += cost
+            self.settled_usd += cost
+            self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
+
+    def close(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(DiskError, OSError):
+                while self._unwritten:
+                    self._file.append(self._unwritten[0])
+                    self._unwritten.pop(0)
+            self._file.close()
+            self._file = None
+
+    # -- sums ------------------------------------------------------------------------------
+
+    @property
+    def committed_usd(self) -> float:
+        """What the ceiling counts: known costs, pending ones at worst, and the reservations."""
+        return self.settled_usd + self.pending_usd + self.reserved_usd
+
+    @property
+    def spent_usd(self) -> float:
+        """Known costs plus pending ones at worst: the most the provider may have billed so far."""
+        return self.settled_usd + self.pending_usd
+
+    # -- one attempt -----------------------------------------------------------------------
+
+    def reserve(self, ds: str, prompt_id: str, worst: float) -> Ticket:
+        self._n += 1
+        self.reserved_usd += worst
+        return Ticket(f"{self._run}-{self._n:x}", ds, prompt_id, worst)
+
+    def send(self, t: Ticket) -> None:
+        """On disk before the request leaves (raises DiskError when the disk refuses: do not send)."""
+        assert self._file is not None, "SpendLedger.open() first"
+        while self._unwritten:
+            self._file.append(self._unwritten[0])
+            self._unwritten.pop(0)
+        self._file.append({"e": "sent", "a": t.id, "ds": t.ds, "p": t.prompt_id, "w": t.worst,
+                           "t": round(time.time(), 3)})
+        t.sent = True
+
+    def generation(self, t: Ticket, gen_id: str) -> None:
+        if t.gen is None and t.open:
+            t.gen = gen_id
+            self._write({"e": "gen", "a": t.id, "g": gen_id})
+
+    def answered(self, t: Ticket, cost: float) -> None:
+        if self._close(t):
+            self._write({"e": "end", "a": t.id, "o": "answered", "c": cost, "s": "usage.cost"})
+            self._book(t.ds, cost, True, run=True)
+
+    def refused(self, t: Ticket) -> None:
+        """An HTTP error status, or nothing could be sent: no generation ran, nothing is billed."""
+        if self._close(t):
+            self._write({"e": "end", "a": t.id, "o": "refused", "c": 0, "s": "not billed"})
+            self._refused += 1
+
+    def abandoned(self, t: Ticket) -> Pending | None:
+        """The client gave up (timeout, drop, stop-now) or the answer was unusable: the cost stays at
+        the worst case until the generation record says otherwise. Returns what to look up."""
+        if not self._close(t):
+            return None
+        self._write({"e": "end", "a": t.id, "o": "abandoned", "c": None, "s": "pending"})
+        p = Pending(t.id, t.ds, t.prompt_id, t.worst, t.gen)
+        self._add_pending(p)
+        return p
+
+    def release(self, t: Ticket) -> None:
+        """A reservation never sent (cancelled before it left, or the disk refused its line)."""
+        if t.open and not t.sent:
+            t.open = False
+            self.reserved_usd = max(0.0, self.reserved_usd - t.worst)
+
+    def settle(self, p: Pending, cost: float) -> None:
+        """An abandoned attempt priced from its generation record."""
+        if self._drop_pending(p.id) is not None:
+            self._write({"e": "settle", "a": p.id, "c": cost, "s": "generation"})
+            self._book_abandoned(p.ds, cost, run=True)
+
+    def lookups(self) -> list[Pending]:
+        """Pending attempts that can still be priced (they have a generation id)."""
+        return [p for p in self.pending.values() if p.gen]
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _close(self, t: Ticket) -> bool:
+        if not t.open:
+            return False
+        t.open = False
+        self.reserved_usd -= t.worst
+        if self.reserved_usd < 1e-12:
+            self.reserved_usd = 0.0  # no float crumbs once nothing is in flight
+        return True
+
+    def _book(self, ds: str, cost: float, answer: bool, *, run: bool) -> None:
+        self.settled_usd += cost
+        self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
+        if run:
+            self.spent_run += cost
+        if answer:
+            self._answered[0] += 1
+            self._answered[1] += cost
+        else:
+            self._refused += 1
+
+    def _book_abandoned(self, ds: str, cost: float, *, run: bool) -> None:
+        self.settled_usd += cost
+        self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
+        if run:
+            self.spent_run += cost
+        self._settled_abandoned[0] += 1
+        self._settled_abandoned[1] += cost
+
+    def _add_pending(self, p: Pending) -> None:
+        self.pending[p.id] = p
+        self.pending_usd += p.worst
+
+    def _drop_pending(self, aid: str) -> Pending | None:
+        p = self.pending.pop(aid, None)
+        if p is not None:
+            self.pending_usd = max(0.0, self.pending_usd - p.worst) if self.pending else 0.0
+        return p
+
+    def _write(self, line: dict[str, Any]) -> None:
+        """A line after the attempt left. A refused write is kept and written before the next line that
+        goes through; lost with the process, it only makes the next run count the attempt at its
+        worst case (its `sent` line is on disk)."""
+        if self._file is None:
+            return
+        try:
+            while self._unwritten:
+                self._file.append(self._unwritten[0])
+                self._unwritten.pop(0)
+            self._file.append(line)
+        except (DiskError, OSError) as e:
+            self.write_error = str(e)
+            self._unwritten.append(line)
+
+    def reconcile(self) -> Reconciliation:
+        known = [p for p in self.pending.values() if p.gen]
+        unknown = [p for p in self.pending.values() if not p.gen]
+        return Reconciliation(
+            answered=self._answered[0], answered_usd=self._answered[1], refused=self._refused,
+            abandoned_settled=self._settled_abandoned[0], abandoned_settled_usd=self._settled_abandoned[1],
+            pending=len(known), pending_worst_usd=sum(p.worst for p in known),
+            unknown=len(unknown), unknown_worst_usd=sum(p.worst for p in unknown),
+            carried_usd=self._carried, total_usd=self.settled_usd)
