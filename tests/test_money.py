@@ -1,0 +1,313 @@
+"""Money you can trust: max_usd as a hard ceiling (billed by the simulator, not as the engine thinks),
+every billed cent on the spend ledger, the balance with an ordinary key, the whole-run projection."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from draftgen.core.errors import ConfigError
+from draftgen.core.generate.engine import Engine
+from draftgen.core.generate.forecast import DatasetFigures, SmokeFigures, forecast
+from draftgen.core.generate.prices import Endpoint, Prices, allowed, dataset_prices, prompt_token_bound
+from draftgen.core.generate.reconcile import reconcile
+from draftgen.core.generate.smoke import run_smoke
+from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.rundir import RunDir
+from draftgen.core.simulator import FAULT_KINDS, SimConfig, SimServer
+
+from tests.helpers import TEST_KEY, make_config
+
+ROUTING = {"ignore": ["fireworks", "baseten"], "sort": "price", "allow_fallbacks": True, "quantizations": ["int4"]}
+
+
+@pytest.fixture(autouse=True)
+def _key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DG_TEST_KEY", TEST_KEY)
+
+
+async def _run(cfg, **kw) -> Engine:
+    engine = Engine(cfg, TEST_KEY, seed=1, **kw)
+    await engine.run()
+    return engine
+
+
+# -- prices --------------------------------------------------------------------------------------
+
+
+def test_routing_filters_the_listing_and_the_worst_price_wins(tmp_path):
+    eps = [Endpoint("DeepInfra", "deepinfra/int4", "int4", 0.45e-6, 2.25e-6),
+           Endpoint("Together", "together/int4", "int4", 0.60e-6, 3.00e-6),
+           Endpoint("Fireworks", "fireworks/fp4", "fp4", 0.90e-6, 9.00e-6),
+           Endpoint("Baseten", "baseten", "int4", 0.95e-6, 9.50e-6)]
+    assert {e.provider for e in allowed(eps, ROUTING)} == {"DeepInfra", "Together"}
+    assert {e.provider for e in allowed(eps, {"only": ["deepinfra"]})} == {"DeepInfra"}
+    assert {e.provider for e in allowed(eps, {"quantizations": ["fp4"]})} == {"Fireworks"}
+    cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "a", "n": 1, "max_tokens": 1000}],
+                      request={"provider": ROUTING})
+    p = dataset_prices(cfg, cfg.datasets[0], eps)
+    assert p is not None and p.completion == pytest.approx(3.0e-6) and p.prompt == pytest.approx(0.6e-6)
+    assert p.worst_case(100, 1000) == pytest.approx(100 * 0.6e-6 + 1000 * 3e-6)
+    # The bound never undercounts: every token of a byte-level BPE covers at least one byte.
+    assert prompt_token_bound([{"role": "user", "content": "héllo wörld"}]) >= len("héllo wörld".encode())
+
+
+async def test_max_usd_without_any_price_refuses_to_start(tmp_path):
+    async with SimServer(SimConfig(seed=1, models=("someone/else",)), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 5}], tables={"budget": {"max_usd": 1.0}})
+        with pytest.raises(ConfigError, match="prompt_price_per_mtok"):
+            await _run(cfg)
+        assert sim.stats.requests_total == 0
+    # Prices from the config (for servers without the listing) win over the listing when set.
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 5}],
+                          tables={"budget": {"max_usd": 1.0},
+                                  "api": {"prompt_price_per_mtok": 1.0, "completion_price_per_mtok": 4.0}})
+        engine = await _run(cfg)
+    assert engine.datasets["a"].done == 5
+    prices = engine.admission.prices["a"]
+    assert prices is not None and prices.source.startswith("config") and prices.completion == pytest.approx(4e-6)
+
+
+# -- the ceiling -------------------------------------------------------------------------------
+
+
+async def test_ceiling_holds_with_2000_in_flight_long_answers_and_every_fault(tmp_path):
+    # Answers near max_tokens (some cut at it), 2,000 in flight, every fault kind.
+    # 429s rare enough that AIMD (three within 2 s) does not cut the 2,000 while they ramp up.
+    faults = {kind: 0.0005 if kind == "429" else 0.004 for kind in FAULT_KINDS}
+    sim_cfg = SimConfig(seed=7, latency_scale=0.4, mean_completion_tokens=900, length_sigma=0.3, faults=faults,
+                        hang_s=5.0, retry_after_s=0.05)
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 4000, "concurrency": 2000, "max_tokens": 1024}],
+                          tables={"budget": {"max_usd": 7.0},
+                                  "api": {"stream": True, "request_timeout_s": 30, "generation_lookup_s": 5}},
+                          request={"temperature": 0.6, "include_reasoning": True, "provider": ROUTING})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        peak = 0
+        while not task.done():
+            peak = max(peak, engine.in_flight)
+            await asyncio.sleep(0.05)
+        await task
+        report = await reconcile(cfg, TEST_KEY, lookup_s=10)
+        stats = sim.stats
+    billed = stats.billed_usd
+    r = report.reconciliation
+    print(f"billed ${billed:.4f}, ledger ${r.total_usd:.4f}, peak in flight {peak} (simulator {stats.peak_in_flight}), "
+          f"faults {stats.faults}, pending {r.pending}, unknown {r.unknown} (<= ${r.unknown_worst_usd:.4f})")
+    assert billed <= 7.0
+    assert billed >= 0.8 * 7.0                  # the ceiling is used, not stopped early by a pessimistic guess
+    assert peak >= 1900
+    assert all(stats.faults.get(k, 0) for k in FAULT_KINDS), stats.faults
+    # Every attempt whose generation was billed and whose id came back is priced exactly from its record;
+    # the ones still pending are errors inside a 200 that the provider never billed (no record appears).
+    # A drop or hang before any header leaves no id: those count at their worst case (the ceiling stays
+    # safe) and are all the difference.
+    assert r.total_usd <= billed + 1e-4
+    assert billed <= r.total_usd + r.unknown_worst_usd + 1e-4
+    assert r.unknown_worst_usd < 0.05 * billed
+    assert r.pending <= sum(stats.faults[k] for k in ("error200", "empty_choices", "finish_error"))
+    assert engine.datasets["a"].skipped > 0
+
+
+async def test_abandoned_plain_requests_are_billed_in_full_and_held_at_their_worst_case(tmp_path):
+    # Not streamed: the headers (and the generation id) come with the whole answer, so a request the
+    # client gives up on has no id to look up, runs on at the provider and is billed in full. The ledger
+    # keeps it at its worst case for good: the ceiling holds, at the price of using less of it (which is
+    # why streaming is the default against OpenRouter).
+    sim_cfg = SimConfig(seed=3, latency_scale=0.05, mean_completion_tokens=300, faults={"drop": 0.05, "hang": 0.05},
+                        hang_s=1.0)
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 300, "concurrency": 64, "max_tokens": 1024}],
+                          tables={"budget": {"max_usd": 0.5},
+                                  "api": {"stream": False, "request_timeout_s": 0.6, "generation_lookup_s": 2}})
+        engine = await _run(cfg)
+        report = await reconcile(cfg, TEST_KEY, lookup_s=2)
+        await asyncio.sleep(1.5)  # the abandoned generations run to their end and are billed
+        billed = sim.stats.billed_usd
+    r = report.reconciliation
+    assert r.unknown > 0
+    assert billed <= 0.5 and r.committed_usd <= 0.5
+    assert r.total_usd <= billed <= r.total_usd + r.unknown_worst_usd
+    assert engine.spend.reserved_usd == 0.0
+
+
+def test_a_killed_run_leaves_its_attempts_pending_at_their_worst_case(tmp_path):
+    path = tmp_path / "spend.jsonl"
+    lines = [{"e": "sent", "a": "r1-1", "ds": "a", "p": "q1", "w": 0.01, "t": 1},
+             {"e": "gen", "a": "r1-1", "g": "gen-1"},
+             {"e": "end", "a": "r1-1", "o": "answered", "c": 0.004, "s": "usage.cost"},
+             {"e": "sent", "a": "r1-2", "ds": "a", "p": "q2", "w": 0.01, "t": 1},
+             {"e": "gen", "a": "r1-2", "g": "gen-2"},
+             {"e": "sent", "a": "r1-3", "ds": "a", "p": "q3", "w": 0.02, "t": 1}]
+    path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines) + b'{"e":"sent","a":"r1-4"')
+    ledger = SpendLedger(path)
+    assert ledger.open() > 0  # the torn line is cut
+    assert ledger.settled_usd == pytest.approx(0.004)
+    assert ledger.pending_usd == pytest.approx(0.03) and ledger.committed_usd == pytest.approx(0.034)
+    assert [p.gen for p in ledger.lookups()] == ["gen-2"]
+    ledger.settle(ledger.lookups()[0], 0.002)
+    ledger.close()
+    again = SpendLedger.read(path)
+    r = again.reconcile()
+    assert (r.answered, r.abandoned_settled, r.unknown) == (1, 1, 1)
+    assert again.spent_usd == pytest.approx(0.004 + 0.002 + 0.02)
+
+
+# -- balance and smoke -------------------------------------------------------------------------
+
+
+async def test_smoke_passes_with_an_ordinary_key_and_no_key_cap(tmp_path, monkeypatch):
+    sim_cfg = SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=60, management_keys=("sk-or-v1-management",),
+                        key_limit_usd=None)
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 30, "max_tokens": 800},
+                                                   {"name": "b", "n": 20, "max_tokens": 400}],
+                          tables={"budget": {"max_usd": 5.0}, "tokenizer": {"path": str(_tokenizer())}},
+                          request={"temperature": 0.6, "include_reasoning": True, "provider": ROUTING})
+        result = await run_smoke(cfg, TEST_KEY)
+        rows = {r.check: r for r in result.rows}
+        assert result.passed, result.rows
+        assert rows["balance"].warning and "unknown" in rows["balance"].detail
+        assert "not a management key" in rows["balance"].detail
+        assert "worst of 4 of 6 providers" in rows["a: prices"].detail
+        assert result.projection is not None and 0 < result.projection.total_usd <= 5.0
+        # With the management key, /credits gives the balance.
+        monkeypatch.setenv("DG_MGMT", "sk-or-v1-management")
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 30, "max_tokens": 800}],
+                          tables={"api": {"management_key_env": "DG_MGMT"},
+                                  "tokenizer": {"path": str(_tokenizer())}})
+        result = await run_smoke(cfg, TEST_KEY)
+        rows = {r.check: r for r in result.rows}
+        assert rows["balance"].passed and not rows["balance"].warning and "(credits)" in rows["balance"].detail
+        # A key with a cap: /key's limit_remaining is the balance.
+        sim.update(key_limit_usd=20.0)
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 30, "max_tokens": 800}],
+                          tables={"tokenizer": {"path": str(_tokenizer())}})
+        result = await run_smoke(cfg, TEST_KEY)
+        assert result.balance_usd is not None and 19.0 < result.balance_usd <= 20.0
+
+
+def _tokenizer():
+    from draftgen.core.tokens.tokenizer import bundled_kimi_path
+    return bundled_kimi_path()
+
+
+# -- projection --------------------------------------------------------------------------------
+
+
+def test_projection_covers_datasets_not_started():
+    prices = Prices(0.6e-6, 3e-6, 0.0, "test")
+    started = DatasetFigures("a", remaining=1800, max_tokens=4096, concurrency=100, token_budget_left=None,
+                             answers=200, completion_tokens=200 * 1000, cost_usd=200 * 0.003, prices=prices)
+    unstarted = DatasetFigures("b", remaining=2000, max_tokens=8192, concurrency=100, token_budget_left=None,
+                               prices=prices)
+    plan = forecast([started, unstarted], spent_usd=0.6, max_usd=None, tokens_per_s=10_000, running_concurrency=100)
+    a, b = plan.datasets
+    assert a.basis == "observed" and a.cost_usd == pytest.approx(1800 * 0.003)
+    assert b.basis == "other datasets" and b.tokens_per_answer == pytest.approx(1000)
+    assert b.low_usd <= b.cost_usd <= b.high_usd and b.high_usd >= 2000 * 8192 * 3e-6 * 0.99
+    assert plan.total_usd == pytest.approx(0.6 + a.cost_usd + b.cost_usd)
+    assert plan.time_s == pytest.approx((1800 * 1000 + 2000 * 1000) / 10_000)
+    capped = forecast([started, unstarted], spent_usd=0.6, max_usd=5.0, smoke=SmokeFigures(200, 0.0006, 2.0))
+    assert capped.total_usd == 5.0 and capped.capped
+
+
+async def test_snapshot_and_headless_line_show_spend_reserved_and_ceiling(tmp_path):
+    from draftgen.core.live.headless import status_line
+    async with SimServer(SimConfig(seed=5, latency_scale=0.3, mean_completion_tokens=300), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 200, "concurrency": 50, "max_tokens": 512},
+                                                   {"name": "b", "n": 100, "concurrency": 20, "max_tokens": 512}],
+                          tables={"budget": {"max_usd": 0.05}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        seen = []
+        while not task.done():
+            await asyncio.sleep(0.1)
+            seen.append(engine.snapshot())
+        await task
+    assert any(s.credits.in_flight_usd > 0 for s in seen)
+    assert any(s.credits.ceiling_limited for s in seen)
+    mid = next(s for s in seen if s.credits.projected_total_usd is not None and s.datasets[1].done == 0)
+    assert mid.datasets[1].total == 100  # counted before it starts, so the projection covers it
+    line = status_line(seen[-1])
+    assert "(all runs) / reserved $" in line and "ceiling $0.05" in line
+    assert RunDir(cfg.run_dir).spend.exists()
+
+
+# -- kill -9 -----------------------------------------------------------------------------------
+
+
+async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path):
+    """A headless run killed with SIGKILL three times mid-run, then run to the end: the attempts each
+    killed run left open count at their worst case in the next, and are priced from their records."""
+    import os
+    import signal
+    import sys
+
+    sim_cfg = SimConfig(seed=11, latency_scale=0.1, mean_completion_tokens=700, length_sigma=0.4,
+                        faults={"502": 0.01, "truncated": 0.01})
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3000, "concurrency": 400, "max_tokens": 1024}],
+                          tables={"budget": {"max_usd": 2.0},
+                                  "api": {"stream": True, "request_timeout_s": 30, "generation_lookup_s": 5},
+                                  "engine": {"reconstruct": False}},
+                          request={"temperature": 0.6, "include_reasoning": True, "provider": ROUTING})
+
+        async def start() -> asyncio.subprocess.Process:
+            return await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
+                "--interval", "0.5", env={**os.environ, "DG_TEST_KEY": TEST_KEY},
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+
+        kills = 0
+        for step in range(3):
+            proc = await start()
+            target = sim.stats.billed_usd + 0.25
+            while sim.stats.billed_usd < target and proc.returncode is None:
+                await asyncio.sleep(0.05)
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                kills += 1
+            await proc.wait()
+        proc = await start()
+        assert await asyncio.wait_for(proc.wait(), 240) == 0
+        report = await reconcile(cfg, TEST_KEY, lookup_s=5)
+        await asyncio.sleep(0.5)
+        billed = sim.stats.billed_usd
+    r = report.reconciliation
+    print(f"kills {kills}: billed ${billed:.4f}, ledger ${r.total_usd:.4f}, unknown {r.unknown} "
+          f"(<= ${r.unknown_worst_usd:.4f}), pending {r.pending}")
+    assert kills == 3
+    assert billed <= 2.0
+    assert r.total_usd <= billed + 1e-4 <= r.total_usd + r.unknown_worst_usd + 2e-4
+    if r.unknown == 0:
+        assert r.total_usd == pytest.approx(billed, abs=1e-4)
+
+
+async def test_smoke_projection_and_the_running_engine_agree(tmp_path):
+    async with SimServer(SimConfig(seed=6, fixed_latency_s=1.5, mean_completion_tokens=300), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 400, "concurrency": 20, "max_tokens": 2048},
+                                                   {"name": "b", "n": 300, "concurrency": 10, "max_tokens": 4096}],
+                          tables={"budget": {"max_usd": 50.0}, "tokenizer": {"path": str(_tokenizer())}},
+                          request={"temperature": 0.6, "include_reasoning": True, "provider": ROUTING})
+        result = await run_smoke(cfg, TEST_KEY)
+        assert result.projection is not None
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        first = None
+        while first is None:
+            await asyncio.sleep(0.02)
+            s = engine.snapshot()
+            if all(d.total for d in s.datasets) and s.credits.projected_total_usd is not None:
+                first = s
+        engine.stop()
+        await task
+    assert sum(d.done for d in first.datasets) == 0  # before any answer: the same figures on both sides
+    assert first.credits.projected_total_usd == pytest.approx(result.projection.total_usd, rel=1e-9)
+    assert first.throughput.eta_s == pytest.approx(result.projection.time_s, rel=1e-9)
+    assert (first.credits.projected_low_usd, first.credits.projected_high_usd) == pytest.approx(
+        result.projection.range_usd, rel=1e-9)
