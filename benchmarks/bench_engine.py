@@ -7,7 +7,10 @@ peak RSS is their own:
 - bare:   a bare aiohttp loop (one session, connector sized to the concurrency, orjson) doing the
           same POSTs and parsing the bodies, nothing else;
 - engine: draftgen's Engine (prompt file streamed, retries armed, every answer written and flushed
-          to responses.jsonl, snapshots taken 4 times a second), reconstruction off;
+          to responses.jsonl, every attempt on the spend ledger (3 flushed lines: sent, generation id,
+          settled) with its worst case reserved from the simulator's endpoints listing, snapshots
+          taken 4 times a second), reconstruction off;
+- engine + max_usd: the same with a `max_usd` ceiling set (every admission checked against it);
 - openai: openai-python's AsyncOpenAI (httpx) at the same concurrency (with --openai; slow).
 Then the simulator is restarted with a fixed latency (2 s, or 1 s per 1,000 in flight above 2,000,
 so that one simulator process can keep that many answers open) to measure the concurrency reached.
@@ -113,7 +116,7 @@ async def run_openai(url: str, n: int, concurrency: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-async def run_engine(url: str, n: int, concurrency: int) -> tuple[float, int]:
+async def run_engine(url: str, n: int, concurrency: int, max_usd: float | None = None) -> tuple[float, int]:
     from draftgen.core.config import load_config
     from draftgen.core.generate.engine import Engine
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,6 +133,7 @@ temperature = 0.6
 include_reasoning = true
 [engine]
 reconstruct = false
+{f"[budget]{chr(10)}max_usd = {max_usd}" if max_usd is not None else ""}
 [output]
 dir = "run"
 [[datasets]]
@@ -153,6 +157,7 @@ max_tokens = 1024
         elapsed = time.perf_counter() - start
         watcher.cancel()
         assert engine.datasets["bench"].done == n, engine.datasets["bench"].done
+        assert engine.spend.reserved_usd == 0.0 and engine.spend.settled_usd > 0
         return n / elapsed, peak_in_flight
 
 
@@ -169,7 +174,8 @@ def child_main(args: argparse.Namespace) -> None:
     elif args.child == "openai":
         rate = asyncio.run(run_openai(url, args.n, args.concurrency))
     else:
-        rate, peak = asyncio.run(run_engine(url, args.n, args.concurrency))
+        rate, peak = asyncio.run(run_engine(url, args.n, args.concurrency,
+                                            1e6 if args.child == "engine_max_usd" else None))
         extra["peak_in_flight"] = peak
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"rate": rate, "rss_mb": rss_mb, **extra}))
@@ -198,9 +204,11 @@ def main() -> None:
         bare = child("bare", port, args.n, args.concurrency, args.pin)
         engine = child("engine", port, args.n, args.concurrency, args.pin)
         bare_gc = child("bare_gc", port, args.n, args.concurrency, args.pin)
+        capped = child("engine_max_usd", port, args.n, args.concurrency, args.pin)
         rows.append(("bare aiohttp loop", bare["rate"], 1.0, bare["rss_mb"]))
         rows.append(("draftgen engine", engine["rate"], engine["rate"] / bare["rate"], engine["rss_mb"]))
         rows.append(("bare loop + engine's GC", bare_gc["rate"], bare_gc["rate"] / bare["rate"], bare_gc["rss_mb"]))
+        rows.append(("engine + max_usd ceiling", capped["rate"], capped["rate"] / bare["rate"], capped["rss_mb"]))
         if args.openai:
             oa = child("openai", port, min(args.n, 2000), args.concurrency)
             rows.append(("AsyncOpenAI (httpx)", oa["rate"], oa["rate"] / bare["rate"], oa["rss_mb"]))
@@ -228,10 +236,11 @@ def main() -> None:
         print(f"| {name:24} | {rate:8.0f} | {ratio:7.2f}x | {rss:11.0f} |")
     engine_rate = rows[1][1]
     if args.openai:
-        print(f"\nengine / AsyncOpenAI: {engine_rate / rows[3][1]:.1f}x (target >= 20x)")
+        print(f"\nengine / AsyncOpenAI: {engine_rate / rows[4][1]:.1f}x (target >= 20x)")
     print(f"engine / bare: {rows[1][2]:.2f}x (target >= 0.9x); engine / bare with the same GC settings: "
           f"{engine_rate / rows[2][1]:.2f}x; engine peak RSS {rows[1][3]:.0f} MB "
           "(target <= 300 MB, no tokenizer loaded)")
+    print(f"engine + max_usd (spend ledger and reservations, ceiling checked) / bare: {rows[3][2]:.2f}x (target >= 0.9x)")
     print(f"concurrency reached at {hold_s:g} s latency: simulator peak {peak} / configured {args.concurrency} = "
           f"{peak / args.concurrency:.3f} (target >= 0.98); engine's own peak in flight {conc['peak_in_flight']}")
 
