@@ -217,7 +217,7 @@ def test_projection_covers_datasets_not_started():
 
 
 async def test_snapshot_and_headless_line_show_spend_reserved_and_ceiling(tmp_path):
-    from draftgen.core.live.headless import status_line
+    from draftgen.core.live.headless import detail_lines, status_line
     async with SimServer(SimConfig(seed=5, latency_scale=0.3, mean_completion_tokens=300), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 200, "concurrency": 50, "max_tokens": 512},
                                                    {"name": "b", "n": 100, "concurrency": 20, "max_tokens": 512}],
@@ -234,7 +234,8 @@ async def test_snapshot_and_headless_line_show_spend_reserved_and_ceiling(tmp_pa
     mid = next(s for s in seen if s.credits.projected_total_usd is not None and s.datasets[1].done == 0)
     assert mid.datasets[1].total == 100  # counted before it starts, so the projection covers it
     line = status_line(seen[-1])
-    assert "(all runs) / reserved $" in line and "ceiling $0.05" in line
+    assert "spent $" in line and " rsv/$0.05" in line
+    assert any("/ reserved $" in d and "/ ceiling $0.05" in d for d in detail_lines(seen[-1]))
     assert RunDir(cfg.run_dir).spend.exists()
 
 

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 
 from draftgen.core.live import snapshot as snap
 from draftgen.core.generate.account import AccountStatus, read_account

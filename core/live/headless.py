@@ -45,9 +45,10 @@ def status_line(s: snap.RunSnapshot, now: float | None = None) -> str:
     total = sum(d.total for d in s.datasets)
     pct = f" {100 * (done + sum(d.failed + d.skipped for d in s.datasets)) / total:.0f}%" if total else ""
     errors = sum(n for k, n in s.errors if k not in ("length", "empty_content"))
-    # Spend is the spend ledger over all runs; reserved is the worst case of the requests in flight.
-    spent = f"spent {usd(c.spent_total_usd)} all / reserved {usd(c.in_flight_usd)} / ceiling " + (
-        usd(c.max_usd) if c.max_usd is not None else "none")
+    # Spend is the spend ledger over all runs, + the worst case reserved for the requests in flight, / the
+    # max_usd ceiling (short: the status line holds 120 columns; the detail lines spell it out).
+    ceiling = "none" if c.max_usd is None else f"${c.max_usd:,.0f}" if c.max_usd == int(c.max_usd) else usd(c.max_usd)
+    spent = f"spent {usd(c.spent_total_usd)}+{usd(c.in_flight_usd)} rsv/{ceiling}"
     # Most important first: what does not fit in 120 columns is left to the detail lines.
     # A run that makes no progress says so on every line; the details say why (held, unreachable, backing off).
     state = f"WAITING ({s.state})" if s.waiting and s.state != snap.RunState.WAITING else s.state
@@ -79,7 +80,8 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
         f"limit {t.effective_concurrency:,}/{t.configured_concurrency:,}",
         f"avg completion {t.avg_completion_tokens_window:,.0f} tok (30s) {t.avg_completion_tokens_total:,.0f} (all)",
         f"{t.req_s_total:.2f} req/s (all)", f"errors {errors:,} retries {s.retries:,}"])))
-    more = []
+    more = [f"spent {usd(c.spent_total_usd)} (all runs, {usd(c.spent_usd)} this run) / reserved {usd(c.in_flight_usd)} / "
+            f"ceiling {usd(c.max_usd) if c.max_usd is not None else 'none'}"]
     if t.eta_s is not None:
         more.append(f"ETA {compact_duration(t.eta_s)}")
     more.append(f"balance {usd(c.balance_usd)} ({compact_duration(c.balance_age_s)} old)" if c.balance_usd is not None
