@@ -176,7 +176,10 @@ async def test_credit_floor_holds_the_run_until_a_top_up(tmp_path):
 
 
 async def test_402_pauses_the_run_and_resume_finishes_it(tmp_path):
-    async with SimServer(SimConfig(seed=4, latency_scale=0.0, mean_completion_tokens=200, credits=0.01), port=0) as sim:
+    # An ordinary key with no cap: the balance is unknown, so no credit-floor hold comes first and
+    # the service's own 402 is what pauses the run.
+    async with SimServer(SimConfig(seed=4, latency_scale=0.0, mean_completion_tokens=200, credits=0.01,
+                                   credits_forbidden=True), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 4}])
         events = []
         engine = Engine(cfg, TEST_KEY, on_event=lambda *e: events.append(e), seed=1)

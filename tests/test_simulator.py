@@ -320,7 +320,10 @@ async def _outcome(session: aiohttp.ClientSession, sim: SimServer, stream: bool)
     try:
         async with session.post(f"{sim.base_url}/chat/completions", json=body(stream=stream), headers=AUTH,
                                 timeout=aiohttp.ClientTimeout(total=1.0)) as r:
-            return r.status, r.headers, await r.read()
+            try:
+                return r.status, r.headers, await r.read()
+            except (TimeoutError, aiohttp.ClientPayloadError) as exc:  # cut after the headers
+                return "cut", r.headers, type(exc)
     except (TimeoutError, aiohttp.ClientConnectionError) as exc:
         return "error", type(exc), None
 
@@ -336,6 +339,10 @@ async def test_each_fault_at_rate_one(session, kind, stream):
                 assert headers["Retry-After"] == "7"
         elif kind == "524":
             assert status == 524 and raw == b"error code: 524"  # Cloudflare's page, not JSON
+        elif kind in ("drop", "hang") and stream:
+            # A stream's 200 and generation id are out first, as OpenRouter sends them; then it is cut.
+            assert status == "cut" and headers["X-Generation-Id"].startswith("gen-")
+            assert issubclass(raw, aiohttp.ClientPayloadError if kind == "drop" else asyncio.TimeoutError)
         elif kind == "drop":
             assert status == "error" and issubclass(headers, aiohttp.ServerDisconnectedError)
         elif kind == "hang":

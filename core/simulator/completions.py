@@ -227,6 +227,7 @@ class Completions:
             await responses.wait_with_comments(resp, ttft, cfg.processing_comment_s)
             await resp.write(wire.error_frame(reply, code, message, meta))
             await resp.write_eof()
+            self._ledger.failed(gen)
             return resp
         answer_200 = sc.first(scenarios.ANSWER_200, draws[3], prompt_draw, text) if sc else None
         fault = _AS_FAULT[answer_200.scenario.name] if answer_200 is not None else pick_fault(cfg.faults, draws[2])
@@ -235,8 +236,11 @@ class Completions:
         elif fault is not None:
             st.faults[fault] = st.faults.get(fault, 0) + 1
         if fault is not None:
-            return await serve_fault(request, cfg, fault, reply, ttft, latency, stream, self.fragments,
+            resp = await serve_fault(request, cfg, fault, reply, ttft, latency, stream, self.fragments,
                                      lambda: self._start(request, gen), self._ledger.finish)
+            if resp.status == 200:  # an error inside a 200 (a billed generation keeps its bill)
+                self._ledger.failed(gen)
+            return resp
         self._start(request, gen)
         if stream:
             return await self._stream(request, cfg, reply, gen)

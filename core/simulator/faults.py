@@ -5,10 +5,13 @@ Billing, as OpenRouter bills (see generations.py):
 - drop: the connection is closed at the first token. The generation goes on: a plain request is
   billed in full when it would have finished; a stream is aborted there, so billed for the
   prompt and the tokens produced by then.
-- hang: no response for hang_s, then the connection is closed. The generation runs to its end
+- hang: nothing for hang_s, then the connection is closed. The generation runs to its end
   upstream and is billed in full, once the connection is gone (a stream: up to the abort).
+  A stream's headers (with X-Generation-Id) are sent first, as OpenRouter sends them at once; a
+  plain request's come with its body, so a dropped or hung plain request leaves no id.
 - truncated: the answer is generated and billed in full; its body is cut on the way.
-- error200, finish_error, empty_choices: the provider failed; free (usage.cost 0).
+- error200, finish_error, empty_choices: the provider failed; free (usage.cost 0), and the
+  generation's record says so (total_cost 0) once the response has ended.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
         request[responses.NO_RESPONSE] = fault  # recorded even if the client gives up first
         # When the connection closes, the ledger hears the generation was abandoned (completions.py).
         start()
+        if stream:  # a stream's 200 and X-Generation-Id are out before anything goes wrong
+            await responses.open_stream(request)
         await responses.sleep(ttft if fault == "drop" else cfg.hang_s)
         return await responses.drop(request, fault)
     g = start() if fault == "truncated" else None

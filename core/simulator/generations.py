@@ -9,7 +9,8 @@
   tokens produced until the cancel (produced at the provider's pace from the first token, so
   never fewer than the client received), and its record says `cancelled: true`.
 - A record appears `generation_delay_s` (as set now) after the generation ends; before that the
-  id is a 404, as an unknown id is.
+  id is a 404, as an unknown id is. A generation that failed at the provider (an error inside a
+  200) gets one too, with total_cost 0: every generation id has a record.
 
 Every charge goes to `SimStats.billed_usd` and, per prompt, to `prompt_answers` (generations
 billed) and `prompt_cost`, so a test can compare a client's ledger with what was billed.
@@ -122,12 +123,21 @@ class Ledger:
         st.prompt_answers[g.key] = st.prompt_answers.get(g.key, 0) + 1
         st.prompt_cost[g.key] = st.prompt_cost.get(g.key, 0.0) + cost
         self._on_finish(g)
-        # Compact: up to generation_log_size of these are kept; the record is built when asked for.
-        self._records[g.gen_id] = (now, g, tokens, cancelled)
-        cfg = self._config()
-        while len(self._records) > cfg.generation_log_size:
-            self._records.popitem(last=False)
+        self._keep(g.gen_id, (now, g, tokens, cancelled))
         return cost
+
+    def _keep(self, gen_id: str, entry: tuple[float, Generation, int, bool]) -> None:
+        # Compact: up to generation_log_size of these are kept; the record is built when asked for.
+        self._records[gen_id] = entry
+        while len(self._records) > self._config().generation_log_size:
+            self._records.popitem(last=False)
+
+    def failed(self, g: Generation) -> None:
+        """`g` failed at the provider before any billing (an error inside a 200): its record says
+        total_cost 0, so a client that abandoned it can price it."""
+        if g.cost is None and g.gen_id not in self._records:
+            g.cost = 0.0
+            self._keep(g.gen_id, (time.monotonic(), g, 0, False))
 
     def record(self, gen_id: str) -> dict[str, Any] | None:
         found = self._records.get(gen_id)
