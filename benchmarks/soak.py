@@ -33,7 +33,8 @@ core/simulator/faults.py) and answers a SIGKILL left (at most one per request in
 kill; the simulator bills an abandoned plain request in full, as OpenRouter does).
 
 The figures print as a table; exit status 0 only if no check failed. The short form runs in the
-suite (tests/test_soak.py).
+suite (tests/test_soak.py). Over 400 lines on purpose: one script to copy to a machine and run, with
+its audit next to the plan it checks.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -84,7 +86,8 @@ DEFAULT_SCENARIOS = {"context_length": {"rate": 0.005}, "invalid_prompt": {"rate
 MAX_TOKENS = 400
 MEAN_TOKENS = 80
 EPS_USD = 1e-9
-_LIMIT = re.compile(rb"in flight (\d+) \(limit (\d+)/(\d+)\)")
+# The headless detail line of the run's limits: "limit E/C | avg completion ..." (effective/configured).
+_LIMIT = re.compile(rb"\n +limit ([\d,]+)/([\d,]+) \|")
 
 # Faults whose generation ran and is billed though no client could read it (core/simulator/faults.py).
 BILLED_FAULTS = ("drop", "hang", "truncated")
@@ -567,14 +570,6 @@ class Soak:
                 start_new_session=True)
         return proc, log_path
 
-    async def _until_answering(self, proc: asyncio.subprocess.Process, served0: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while self.sim.stats.answers_total == served0 and proc.returncode is None:
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.02)
-        return proc.returncode is None
-
     async def _wait(self, proc: asyncio.subprocess.Process, timeout: float) -> int | None:
         try:
             return await asyncio.wait_for(proc.wait(), timeout)
@@ -603,7 +598,7 @@ class Soak:
         served0 = self.sim.stats.answers_total
         t0 = time.monotonic()
         if how == "storm":
-            self._storm_config(True)
+            storm_config(self.config_path, self.o, on=True)
             # No background 429s in this run: the limit starts at the configured value and must get back there.
             self.sim.update(faults={k: v for k, v in self.o.faults.items() if k != "429"})
         proc, log_path = await self._start()
@@ -619,7 +614,7 @@ class Soak:
                 await asyncio.sleep(self.rng.uniform(0.0, 2.0))
             else:
                 step.phase = "running"
-                if await self._until_answering(proc, served0, 60.0):
+                if await until_answering(self.sim, proc, served0, 60.0):
                     await asyncio.sleep(self.rng.uniform(0.0, self.o.running_window_s))
             if proc.returncode is None:
                 step.in_flight_bound = self._in_flight_bound()
@@ -629,7 +624,7 @@ class Soak:
             step.returncode = await proc.wait()
         elif how in ("SIGTERM", "SIGHUP"):
             step.phase = "running"
-            await self._until_answering(proc, served0, 60.0)
+            await until_answering(self.sim, proc, served0, 60.0)
             await asyncio.sleep(self.rng.uniform(0.0, 1.0))
             if proc.returncode is None:
                 # The whole process group, as a closing terminal or `kill -TERM -PGID` does.
@@ -651,9 +646,9 @@ class Soak:
         elif how == "storm":
             step.phase = "running"
             try:
-                await self._storm(proc, log_path)
+                self.storm = await run_storm(self.sim, proc, log_path, self.o, self.say, self.problems)
             finally:
-                self._storm_config(False)
+                storm_config(self.config_path, self.o, on=False)
                 self.sim.update(faults=self.o.faults, retry_after_s=0.05)
             step.in_flight_bound = self._in_flight_bound()
             if proc.returncode is None:
@@ -701,69 +696,6 @@ class Soak:
                 return False
         return True
 
-    def _storm_config(self, on: bool) -> None:
-        """The storm's run may retry for the whole storm (Retry-After spaces the retries)."""
-        normal = (f"max_attempts = {self.o.max_attempts}", "backoff_max_s = 0.5")
-        storm = (f"max_attempts = {int(self.o.storm_s) + 20}", "backoff_max_s = 2.0")
-        old, new = (normal, storm) if on else (storm, normal)
-        text = self.config_path.read_text()
-        for a, b in zip(old, new):
-            text = text.replace(a, b)
-        self.config_path.write_text(text)
-
-    async def _storm(self, proc: asyncio.subprocess.Process, log_path: Path) -> None:
-        """A 429 storm of storm_s seconds on a live run. The limit is read from the run's own status
-        lines ("limit E/C": effective and configured, over the datasets running); the load from the
-        simulator's request counter."""
-        o = self.o
-        served0 = self.sim.stats.answers_total
-        await self._until_answering(proc, served0, 60.0)
-        await asyncio.sleep(3.0)
-        t0 = time.monotonic()
-        limits: list[tuple[float, int, int]] = []   # (seconds since the storm began, effective, configured)
-        load: list[tuple[float, int]] = []          # (seconds, simulator requests so far)
-
-        def sample() -> tuple[int, int] | None:
-            load.append((time.monotonic() - t0, self.sim.stats.requests_total))
-            found = _LIMIT.findall(log_path.read_bytes()[-4000:])
-            if not found:
-                return None
-            effective, configured = int(found[-1][1]), int(found[-1][2])
-            limits.append((round(time.monotonic() - t0, 2), effective, configured))
-            return effective, configured
-
-        before = sample() or (0, 0)
-        self.sim.update(faults={"429": 1.0}, retry_after_s=1.0)
-        self.say(f"  429 storm for {o.storm_s:.0f} s (limit {before[0]}/{before[1]} before)")
-        while time.monotonic() - t0 < o.storm_s and proc.returncode is None:
-            await asyncio.sleep(0.5)
-            sample()
-        self.sim.update(faults={k: v for k, v in o.faults.items() if k != "429"}, retry_after_s=0.05)
-        end = time.monotonic() - t0
-        recovered: float | None = None
-        while proc.returncode is None and time.monotonic() - t0 - end < 180:
-            await asyncio.sleep(0.5)
-            now = sample()
-            if now is not None and now[0] >= now[1]:
-                recovered = time.monotonic() - t0 - end
-                break
-        during = [e for t, e, _ in limits if 0 < t <= end]
-        window = min(10.0, end / 3)
-        first = [r for t, r in load if t <= window]
-        last = [r for t, r in load if end - window <= t <= end]
-        self.storm = StormReport(
-            o.storm_s, before[1], before[0], min(during, default=before[0]), max(during, default=before[0]),
-            limits[-1][1] if limits else 0, recovered,
-            (first[-1] - first[0]) / window if len(first) > 1 else 0.0,
-            (last[-1] - last[0]) / window if len(last) > 1 else 0.0, limits)
-        if not during or min(during) >= before[0]:
-            self.problems.append(f"429 storm: the limit did not drop (before {before[0]}, during {during[:5]}...)")
-        if self.storm.last_req_s >= self.storm.first_req_s:
-            self.problems.append(f"429 storm: the load did not drop ({self.storm.first_req_s:.0f} requests/s in its "
-                                 f"first {window:.0f} s, {self.storm.last_req_s:.0f} in its last)")
-        if recovered is None:
-            self.problems.append("429 storm: the limit did not climb back to the configured value within 180 s")
-
     async def _tokens_command(self) -> None:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "draftgen.cli.main", "tokens", str(self.config_path), env=self.env,
@@ -777,6 +709,80 @@ class Soak:
             return
         if proc.returncode != 0:
             self.problems.append(f"draftgen tokens exited {proc.returncode}: {out.decode(errors='replace')[-600:]}")
+
+
+async def until_answering(sim: SimServer, proc: asyncio.subprocess.Process, served0: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while sim.stats.answers_total == served0 and proc.returncode is None:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return proc.returncode is None
+
+
+def storm_config(path: Path, o: SoakOptions, *, on: bool) -> None:
+    """The storm's run may retry for the whole storm (Retry-After spaces the retries)."""
+    normal = (f"max_attempts = {o.max_attempts}", "backoff_max_s = 0.5")
+    storm = (f"max_attempts = {int(o.storm_s) + 20}", "backoff_max_s = 2.0")
+    old, new = (normal, storm) if on else (storm, normal)
+    text = path.read_text()
+    for a, b in zip(old, new):
+        text = text.replace(a, b)
+    path.write_text(text)
+
+async def run_storm(sim: SimServer, proc: asyncio.subprocess.Process, log_path: Path, o: SoakOptions,
+                    say: Callable[[str], None], problems: list[str]) -> StormReport:
+    """A 429 storm of storm_s seconds on a live run. The limit is read from the run's own status
+    lines ("limit E/C": effective and configured, over the datasets running); the load from the
+    simulator's request counter. What went wrong goes to `problems`."""
+    served0 = sim.stats.answers_total
+    await until_answering(sim, proc, served0, 60.0)
+    await asyncio.sleep(3.0)
+    t0 = time.monotonic()
+    limits: list[tuple[float, int, int]] = []   # (seconds since the storm began, effective, configured)
+    load: list[tuple[float, int]] = []          # (seconds, simulator requests so far)
+
+    def sample() -> tuple[int, int] | None:
+        load.append((time.monotonic() - t0, sim.stats.requests_total))
+        found = _LIMIT.findall(log_path.read_bytes()[-4000:])
+        if not found:
+            return None
+        effective, configured = (int(x.replace(b",", b"")) for x in found[-1])
+        limits.append((round(time.monotonic() - t0, 2), effective, configured))
+        return effective, configured
+
+    before = sample() or (0, 0)
+    sim.update(faults={"429": 1.0}, retry_after_s=1.0)
+    say(f"  429 storm for {o.storm_s:.0f} s (limit {before[0]}/{before[1]} before)")
+    while time.monotonic() - t0 < o.storm_s and proc.returncode is None:
+        await asyncio.sleep(0.5)
+        sample()
+    sim.update(faults={k: v for k, v in o.faults.items() if k != "429"}, retry_after_s=0.05)
+    end = time.monotonic() - t0
+    recovered: float | None = None
+    while proc.returncode is None and time.monotonic() - t0 - end < 180:
+        await asyncio.sleep(0.5)
+        now = sample()
+        if now is not None and now[0] >= now[1]:
+            recovered = time.monotonic() - t0 - end
+            break
+    during = [e for t, e, _ in limits if 0 < t <= end]
+    window = min(10.0, end / 3)
+    first = [r for t, r in load if t <= window]
+    last = [r for t, r in load if end - window <= t <= end]
+    storm = StormReport(
+        o.storm_s, before[1], before[0], min(during, default=before[0]), max(during, default=before[0]),
+        limits[-1][1] if limits else 0, recovered,
+        (first[-1] - first[0]) / window if len(first) > 1 else 0.0,
+        (last[-1] - last[0]) / window if len(last) > 1 else 0.0, limits)
+    if not during or min(during) >= before[0]:
+        problems.append(f"429 storm: the limit did not drop (before {before[0]}, during {during[:5]}...)")
+    if storm.last_req_s >= storm.first_req_s:
+        problems.append(f"429 storm: the load did not drop ({storm.first_req_s:.0f} requests/s in its "
+                             f"first {window:.0f} s, {storm.last_req_s:.0f} in its last)")
+    if recovered is None:
+        problems.append("429 storm: the limit did not climb back to the configured value within 180 s")
+    return storm
 
 
 async def soak(options: SoakOptions, root: Path, *, log: TextIO | None = None) -> SoakReport:

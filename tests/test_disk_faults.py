@@ -1,5 +1,6 @@
 """Full and read-only disks: a write that fails pauses the run with a message naming the path,
-nothing torn, nothing acknowledged lost, and the run goes on when space is back.
+nothing torn, nothing acknowledged lost, and the run goes on when space is back. One module
+(over 400 lines) for every command that writes, so the two ways of failing a write are set up once.
 
 Two real ways to make a write fail are used:
 - in this process, `os.write` on the run's .jsonl files raises ENOSPC / EROFS / EFBIG (or writes

@@ -2,6 +2,7 @@
 
 The files are read back the way SpecForge's offline trainer reads them (`_specforge_read` below
 mirrors specforge/data/preprocessing.py), and compared with what transformers itself computes.
+Over 400 lines: the reader, the tiny model and every extraction mode share those fixtures.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Each bad input gets a clear message naming the file (and the key or line where there is one),
 through the real `draftgen` command: exit code 2, `draftgen: error: ...` on stderr, no traceback;
-and nothing already written in the run directory is touched.
+and nothing already written in the run directory is touched. Over 400 lines: one table of bad
+inputs per file kind, all checked through the same command runner.
 """
 
 from __future__ import annotations

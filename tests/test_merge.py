@@ -1,4 +1,7 @@
-"""Merge: clean samples of every dataset → merged/train.jsonl + merged/tokens/ + merged/stats.json."""
+"""Merge: clean samples of every dataset → merged/train.jsonl + merged/tokens/ + merged/stats.json.
+
+Over 400 lines: the output format, the crash safety and the lock share one run-directory builder.
+"""
 
 from __future__ import annotations
 

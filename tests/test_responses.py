@@ -1,7 +1,8 @@
 """Every row of OpenRouter's response table (../shared/OPENROUTER.md), plain and SSE, against the
 simulator's scenarios over loopback: no prompt fails for a cause that is not its own, and once the
 condition clears (by itself, on `r` / SIGUSR1, or by running the same command again) every prompt
-is answered exactly once. A headless run that waits says so in its status line."""
+is answered exactly once. A headless run that waits says so in its status line. Over 400 lines:
+the table's rows are one parametrized set, with the harness that drives them."""
 
 from __future__ import annotations
 

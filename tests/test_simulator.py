@@ -1,4 +1,7 @@
-"""The simulator over loopback: a raw aiohttp client against the real SimServer."""
+"""The simulator over loopback: a raw aiohttp client against the real SimServer.
+
+Over 400 lines: the wire format, faults, shaping and control endpoints, each against the same server.
+"""
 
 from __future__ import annotations
 

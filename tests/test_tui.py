@@ -1,4 +1,7 @@
-"""The TUI driven by its keys through `App.run_test()`, on the deterministic fake control surface."""
+"""The TUI driven by its keys through `App.run_test()`, on the deterministic fake control surface.
+
+Over 400 lines: every key and screen of the app, on one fake control surface and its fixtures.
+"""
 
 from __future__ import annotations
 

@@ -182,6 +182,20 @@ class Attempts:
             self._note_reachable()
             return Attempted(Outcome.ANSWERED, tries, answer=answer)
 
+    def stalled(self, in_flight: int) -> str:
+        """Why no answer comes while the run goes, in a sentence (empty when answers come)."""
+        since = self._unreachable_since
+        if since is not None:
+            return (f"{self.unreachable_cause or 'cannot reach ' + self._config.api.base_url} for "
+                    f"{self._clock() - since:.0f} s; retrying until it answers (check [api] base_url), no prompt "
+                    "is failed meanwhile")
+        last = self.last_transient
+        if self.backing_off and self.backing_off >= in_flight and last is not None:
+            wait = f", Retry-After {last.retry_after:g} s" if last.retry_after is not None else ""
+            return (f"all {self.backing_off} requests in flight are backing off a transient error "
+                    f"({last.kind}{wait}): {self._redact(last.message)[:120]}")
+        return ""
+
     def _failed(self, ds: DatasetRun, prompt_id: str, tries: int, e: RequestFailed) -> Attempted:
         if self._recent is not None:
             self._recent.mark_final(ds.config.name, prompt_id)

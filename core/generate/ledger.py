@@ -63,6 +63,21 @@ class DatasetRun:
     responses: JsonlAppender | None = None
     failures: JsonlAppender | None = None
 
+    def stop_for(self, e: RequestFailed, redact: Redactor) -> bool:
+        """The dataset's routing or settings refuse every prompt: it admits nothing more, its prompts
+        stay eligible, the message says what to change. False when it was stopped already."""
+        if self.stopped:
+            return False
+        self.stopped = True
+        why = redact(e.message)[:300]
+        todo = {ErrorKind.MAX_TOKENS_EXCEEDED: f"lower max_tokens (now {self.config.max_tokens}) for this dataset",
+                ErrorKind.WEIGHT_EXCEEDS_BUDGET: f"lower max_tokens (now {self.config.max_tokens}) or add credits",
+                ErrorKind.NOT_FOUND: "check [api] model",
+                }.get(e.kind, "check the provider routing ([request] provider, the account's privacy settings)")
+        self.message = f"stopped: {why}; {todo}, then run again (its prompts stay eligible)"
+        self.wake.set()
+        return True
+
 
 @dataclass
 class _Held:

@@ -12,6 +12,8 @@ Security: the socket is created owner-only (0600) and the server never interpret
 sends (it reads and discards them), so a viewer cannot change the run. Each client has its own
 bounded hub subscription: a client that stops reading loses old snapshots, and is dropped when
 its socket stays full for `stall_timeout_s`; the engine is never made to wait.
+
+Just over 400 lines: the server and the client speak this one wire format, kept in one place.
 """
 
 from __future__ import annotations

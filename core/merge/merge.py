@@ -18,6 +18,8 @@ Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed i
 The record's shape and why: core/merge/specforge.py. Safe while generation runs (core/merge/inputs.py),
 and a crash never leaves a half-built merged/ (core/merge/swap.py). A lock file (`merged.lock`)
 keeps two merges from racing.
+
+Just over 400 lines: the selection, the writing and stats.json share the per-dataset tallies.
 """
 
 from __future__ import annotations

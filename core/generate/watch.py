@@ -1,0 +1,143 @@
+"""The account while a run goes: the balance read every `api.credits_interval_s`, and the holds.
+
+An account condition (a 402, a key cap, a budget, the credit floor) stops admission run-wide:
+requests in flight finish, nothing is failed, and the run is held until a re-read of GET /key and
+GET /credits shows room for what is reserved plus the next request's worst case (then it resumes
+by itself), or the user resumes it. A refused key (401) is not held: it drains the run.
+
+The engine owns the run's state; this watch tells it, through the hooks it is given, when to hold,
+when to drain and when the hold has cleared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from draftgen.core.config import Config
+from draftgen.core.generate.account import AccountStatus, AccountStop, read_account
+from draftgen.core.generate.admission import Admission, Gate
+from draftgen.core.generate.budget import MoneyBudget
+from draftgen.core.generate.classify import AccountCondition, RequestFailed
+from draftgen.core.generate.client import ChatClient
+from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.secrets import Redactor
+
+# What the account reads tell the engine.
+Hooks = tuple[Callable[[AccountStop], None],  # hold the run for this condition
+              Callable[[AccountStop], None],  # the key is refused: drain the run
+              Callable[[], None],             # the condition cleared: resume the run
+              Callable[[], bool]]             # is the run paused?
+
+
+class AccountWatch:
+    def __init__(self, config: Config, money: MoneyBudget, spend: SpendLedger, admission: Admission, gate: Gate,
+                 redact: Redactor, event: Callable[[str, str, str], None], hooks: Hooks) -> None:
+        self._config = config
+        self._money = money
+        self._spend = spend
+        self._admission = admission
+        self._gate = gate
+        self._redact = redact
+        self._event = event
+        self._on_hold, self._on_key_refused, self._on_cleared, self._paused = hooks
+        self.client: ChatClient | None = None
+        self.stop: AccountStop | None = None         # the account condition holding the run, while it does
+        self.key_refused: AccountStop | None = None  # a 401 drained the run
+        self.status: AccountStatus | None = None     # the last read of GET /key and GET /credits
+        self._recheck: asyncio.Task[None] | None = None
+
+    @property
+    def balance_bound(self) -> bool:
+        """The hold is one that only a fresh balance read can lift (a 402, the credit floor)."""
+        return self.stop is not None and self.stop.condition in (AccountCondition.OUT_OF_CREDITS,
+                                                                 AccountCondition.CREDIT_FLOOR)
+
+    def floor_reached(self, reason: str) -> None:
+        """The live balance reached credit_floor_usd: an account condition like a 402, met before it."""
+        source = self.status.balance_detail if self.status is not None else "unknown"
+        self.hold(AccountStop(AccountCondition.CREDIT_FLOOR, f"{reason}; balance from {source}"))
+
+    def refused(self, e: RequestFailed) -> None:
+        """A response said the account cannot go on (Whose.ACCOUNT): hold, or drain for a refused key."""
+        condition = e.account or AccountCondition.FORBIDDEN
+        self.hold(AccountStop.of(condition, self._redact(e.message)[:300], e.metadata))
+
+    def hold(self, stop: AccountStop) -> None:
+        if stop.condition is AccountCondition.KEY_REFUSED:
+            if self.key_refused is None:
+                self.key_refused = stop
+                self._on_key_refused(stop)
+            return
+        if self._gate.closed:
+            return
+        if self.stop is not None and self._paused():
+            return  # already held (an answer in flight when it began)
+        self.stop = stop
+        self._on_hold(stop)
+        if stop.recheck and (self._recheck is None or self._recheck.done()):
+            self._recheck = asyncio.get_running_loop().create_task(self._recheck_until_clear())
+
+    def cancel(self) -> None:
+        if self._recheck is not None:
+            self._recheck.cancel()
+
+    async def _recheck_until_clear(self) -> None:
+        """While a condition holds the run: read the account every credits interval, resume when it
+        shows room again."""
+        while self.stop is not None and self._paused() and not self._gate.closed:
+            await asyncio.sleep(self._config.api.credits_interval_s)
+            stop = self.stop
+            if stop is None or not self._paused() or self._gate.closed:
+                return
+            try:
+                status = await self.read()
+            except RequestFailed as e:
+                if e.account is AccountCondition.KEY_REFUSED:
+                    self.refused(e)
+                    return
+                continue  # the account cannot be read now: try again next interval
+            except Exception:  # noqa: BLE001 - a re-check must never take the run down
+                continue
+            # Room for what is still reserved plus the worst case of the next request, as admission asks.
+            need = self._spend.reserved_usd + self._admission.last_worst
+            if stop.cleared_by(status, need_usd=need, floor_usd=self._money.floor_usd, now=time.time()):
+                self._event("info", "account", f"{stop.condition.value} cleared ({status.balance_detail}): "
+                            "resuming")
+                self._on_cleared()
+                return
+
+    async def read(self) -> AccountStatus:
+        assert self.client is not None
+        status = await read_account(self.client, management_key=self._config.api.management_key())
+        first_unknown = status.balance is None and (self.status is None or self.status.balance is not None)
+        self.status = status
+        self._money.set_balance(status.balance, status.balance_source)
+        if status.balance is not None:
+            self._admission.wake_all()
+        elif first_unknown:
+            self._event("warn", "credits", f"balance {self._redact(status.balance_detail)}; the run keeps going "
+                        "under max_usd")
+        return status
+
+    async def read_then(self, resume: Callable[[], None]) -> None:
+        """The user resumed a balance hold: read the balance first, then resume whatever it says (the
+        next 402 holds the run again)."""
+        try:
+            await self.read()
+        except Exception as e:  # noqa: BLE001 - resume anyway
+            self._event("warn", "credits", f"could not read the balance: {type(e).__name__}")
+        if self._paused():
+            resume()
+
+    async def watch(self) -> None:
+        """The balance, read every credits interval for the whole run."""
+        while True:
+            try:
+                await self.read()
+            except RequestFailed as e:
+                self._event("warn", "credits", f"could not read the balance: {self._redact(e.message)}")
+            except Exception as e:  # a balance check must never take the run down
+                self._event("warn", "credits", f"could not read the balance: {type(e).__name__}")
+            await asyncio.sleep(self._config.api.credits_interval_s)
