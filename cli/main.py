@@ -111,7 +111,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_ledger(args: argparse.Namespace) -> int:
     from draftgen.core.generate.reconcile import ledger_command
     config = _config(args.config)
-    return ledger_command(config, config.api_key())
+    return ledger_command(config, config.api_key(), unknown_from_key=args.unknown_from_key)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", help="only failures of these error kinds, comma-separated (e.g. 401,404_no_endpoints)")
     p = add("ledger", cmd_ledger, "price pending generations and print the spend ledger's reconciliation")
     p.add_argument("config")
+    p.add_argument("--unknown-from-key", action="store_true",
+                   help="price attempts that have no generation id (a killed run) from GET /key usage; only "
+                        "for a key that ran nothing but this run directory since its first run")
     p = add("attach", cmd_attach, "watch a run started elsewhere, read-only")
     p.add_argument("run_dir")
     p = add("report", cmd_report, "how a run went: counts per dataset, spend and its history charts")

@@ -250,11 +250,13 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
     import signal
     import sys
 
+    # 2,000 in flight (the ceiling leaves room for them), every fault kind, drops and hangs included.
+    faults = {kind: 0.0005 if kind == "429" else 0.003 for kind in FAULT_KINDS}
     sim_cfg = SimConfig(seed=11, latency_scale=0.1, mean_completion_tokens=700, length_sigma=0.4,
-                        faults={"502": 0.01, "truncated": 0.01})
+                        faults=faults, hang_s=5.0, retry_after_s=0.05, stream_chunk_tokens=64)
     async with SimServer(sim_cfg, port=0) as sim:
-        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3000, "concurrency": 400, "max_tokens": 1024}],
-                          tables={"budget": {"max_usd": 2.0},
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 6000, "concurrency": 2000, "max_tokens": 1024}],
+                          tables={"budget": {"max_usd": 8.0},
                                   "api": {"stream": True, "request_timeout_s": 30, "generation_lookup_s": 5},
                                   "engine": {"reconstruct": False}},
                           request={"temperature": 0.6, "include_reasoning": True, "provider": ROUTING})
@@ -268,9 +270,10 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
         kills = 0
         for step in range(3):
             proc = await start()
-            target = sim.stats.billed_usd + 0.25
+            target = sim.stats.billed_usd + 1.0
             while sim.stats.billed_usd < target and proc.returncode is None:
                 await asyncio.sleep(0.05)
+            killed_at_in_flight = sim.stats.in_flight
             if proc.returncode is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 kills += 1
@@ -280,14 +283,52 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
         report = await reconcile(cfg, TEST_KEY, lookup_s=5)
         await asyncio.sleep(0.5)
         billed = sim.stats.billed_usd
-    r = report.reconciliation
+        # The attempts a kill caught before their headers were read have no generation id; this key
+        # ran nothing else, so the key's usage prices them.
+        by_key = await reconcile(cfg, TEST_KEY, lookup_s=5, unknown_from_key=True)
+    r, k = report.reconciliation, by_key.reconciliation
     print(f"kills {kills}: billed ${billed:.4f}, ledger ${r.total_usd:.4f}, unknown {r.unknown} "
-          f"(<= ${r.unknown_worst_usd:.4f}), pending {r.pending}")
+          f"(<= ${r.unknown_worst_usd:.4f}), pending {r.pending}, peak in flight {sim.stats.peak_in_flight}, "
+          f"{killed_at_in_flight} in flight at the last kill, faults {sim.stats.faults}; "
+          f"with the key's usage: ledger ${k.total_usd:.4f} ({by_key.from_key_note})")
     assert kills == 3 and r.pending == 0
-    assert billed <= 2.0
+    assert sim.stats.peak_in_flight >= 1900
+    assert all(sim.stats.faults.get(kind, 0) for kind in FAULT_KINDS), sim.stats.faults
+    assert billed <= 8.0
+    # Every attempt whose id came back is priced exactly; the unknown ones count at their worst case.
     assert r.total_usd <= billed + 1e-4 <= r.total_usd + r.unknown_worst_usd + 2e-4
     if r.unknown == 0:
         assert r.total_usd == pytest.approx(billed, abs=1e-4)
+    else:
+        assert by_key.from_key_usd is not None and k.unknown == 0
+    assert k.total_usd == pytest.approx(billed, abs=1e-4)
+
+
+def test_unknown_attempts_are_priced_from_the_key_only_when_its_usage_fits(tmp_path):
+    path = tmp_path / "spend.jsonl"
+    ledger = SpendLedger(path)
+    ledger.open()
+    ledger.set_key_baseline(5.0)   # the key had spent $5 before this directory's first attempt
+    ledger.close()
+    lines = [{"e": "sent", "a": "r1-1", "ds": "a", "p": "q1", "w": 0.01, "t": 1},
+             {"e": "end", "a": "r1-1", "o": "answered", "c": 0.004, "s": "usage.cost"},
+             {"e": "sent", "a": "r1-2", "ds": "a", "p": "q2", "w": 0.01, "t": 1},    # killed: no id
+             {"e": "sent", "a": "r1-3", "ds": "a", "p": "q3", "w": 0.03, "t": 1}]    # killed: no id
+    with open(path, "ab") as f:
+        f.write(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    again = SpendLedger(path)
+    again.open()
+    assert again.key_baseline == 5.0 and again.reconcile().unknown == 2
+    again.set_key_baseline(7.0)    # not the directory's first run: the baseline stays
+    assert again.key_baseline == 5.0
+    # The key shows more than the ledger's known costs plus every unknown attempt's worst case:
+    # it ran other work, so nothing is attributed.
+    assert again.settle_unknown_from_key(5.0 + 0.004 + 0.05) is None
+    assert again.settle_unknown_from_key(5.0 + 0.004 + 0.02) == pytest.approx(0.02)
+    again.close()
+    r = SpendLedger.read(path).reconcile()
+    assert r.unknown == 0 and r.total_usd == pytest.approx(0.024)
+    assert r.abandoned_settled == 2 and r.abandoned_settled_usd == pytest.approx(0.02)
 
 
 async def test_smoke_projection_and_the_running_engine_agree(tmp_path):

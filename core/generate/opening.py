@@ -24,6 +24,7 @@ import orjson
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.files import write_json_atomic
+from draftgen.core.generate.account import read_account
 from draftgen.core.generate.client import ChatClient
 from draftgen.core.generate.duplicates import CrossDatasetDuplicates
 from draftgen.core.generate.forecast import SmokeFigures
@@ -62,6 +63,11 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
     cut = await asyncio.to_thread(spend.open)
     if cut:
         event("warn", "repaired", f"{spend.path}: cut a half-written last line ({cut} bytes)")
+    if not spend.existed:  # the key's usage before the directory's first attempt (`draftgen ledger`)
+        with contextlib.suppress(Exception):
+            usage = (await read_account(client, management_key=config.api.management_key())).key_usage
+            if usage is not None:
+                spend.set_key_baseline(usage)
     prices, listing_error = await fetch_prices(client, config)
     require_prices(config, prices, listing_error)
     for name, p in prices.items():

@@ -4,6 +4,11 @@ Looks up every pending attempt that has a generation id (as a run does at its st
 what was answered, refused, abandoned and priced, what is still pending or unknown (counted at the
 worst case), the ledger's total, and the key's own usage from `GET /key` to hold it against (the
 key's usage covers everything the key ever ran, this directory's runs among them).
+
+An attempt a killed run sent but whose headers it never read has no generation id: it cannot be
+looked up, and counts at its worst case. With `--unknown-from-key` (only for a key that ran nothing
+but this directory since its first run) those are priced together from the key's usage since the
+baseline the first run recorded (`SpendLedger.settle_unknown_from_key`).
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ class LedgerReport:
     key_usage_usd: float | None
     key_note: str
     max_usd: float | None
+    from_key_usd: float | None = None   # what --unknown-from-key settled (None: nothing)
+    from_key_note: str = ""
 
 
-async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = None) -> LedgerReport:
+async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = None,
+                    unknown_from_key: bool = False) -> LedgerReport:
     rd = RunDir(config.run_dir)
     spend = SpendLedger(rd.spend)
     spend.open()
@@ -47,9 +55,16 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
                     else (None, "GET /key shows no usage")
             except (RequestFailed, asyncio.TimeoutError, OSError) as e:
                 key_usage, note = None, f"GET /key: {getattr(e, 'message', type(e).__name__)}"
+            from_key, from_key_note = None, ""
+            if unknown_from_key:
+                from_key = None if key_usage is None else spend.settle_unknown_from_key(key_usage)
+                from_key_note = (f"priced the attempts without a generation id at ${from_key:.6f} "
+                                 "from the key's usage" if from_key is not None else
+                                 "--unknown-from-key: nothing priced (no key usage or baseline, lookups still "
+                                 "pending, or the key's usage does not fit: it ran other work)")
     finally:
         spend.close()
-    return LedgerReport(spend.reconcile(), len(todo), key_usage, note, config.budget.max_usd)
+    return LedgerReport(spend.reconcile(), len(todo), key_usage, note, config.budget.max_usd, from_key, from_key_note)
 
 
 def print_report(report: LedgerReport) -> None:
@@ -73,6 +88,8 @@ def print_report(report: LedgerReport) -> None:
     console = Console()
     console.print(table)
     console.print(f"looked up {report.looked_up} pending generation(s)")
+    if report.from_key_note:
+        console.print(report.from_key_note)
     if report.key_usage_usd is not None:
         console.print(f"key usage ${report.key_usage_usd:.6f} ({report.key_note}); ledger total ${r.total_usd:.6f}, "
                       f"difference ${report.key_usage_usd - r.total_usd:+.6f}")
@@ -80,7 +97,7 @@ def print_report(report: LedgerReport) -> None:
         console.print(f"key usage not shown ({report.key_note})")
 
 
-def ledger_command(config: Config, api_key: str) -> int:
-    report = asyncio.run(reconcile(config, api_key))
+def ledger_command(config: Config, api_key: str, *, unknown_from_key: bool = False) -> int:
+    report = asyncio.run(reconcile(config, api_key, unknown_from_key=unknown_from_key))
     print_report(report)
     return 0

@@ -14,6 +14,11 @@ loses nothing written; `JsonlAppender` cuts a torn last line on the next open):
         OUTCOME abandoned: timed out, dropped, cut short or stopped: c null, SOURCE "pending"
     {"e":"settle","a":ID,"c":USD,"s":"generation"}
         an abandoned attempt priced from GET /api/v1/generation?id= (its record's total_cost)
+    {"e":"settle","a":ID,"c":USD,"s":"key usage"}
+        an attempt without a generation id priced from the key's usage (`draftgen ledger
+        --unknown-from-key`, see `settle_unknown_from_key`)
+    {"e":"key","u":USD,"t":UNIX_TIME}
+        the key's usage (GET /key) before the directory's first attempt: the baseline for that
     {"e":"carry","ds":DATASET,"c":USD}
         spend already in responses.jsonl when the directory got its ledger (older runs)
 
@@ -43,6 +48,7 @@ class Source(str, Enum):
     USAGE = "usage.cost"
     NOT_BILLED = "not billed"
     GENERATION = "generation"
+    KEY_USAGE = "key usage"
     PENDING = "pending"
 
 
@@ -110,6 +116,7 @@ class SpendLedger:
         self.pending_usd = 0.0
         self.by_dataset: dict[str, float] = {}
         self.existed = False
+        self.key_baseline: float | None = None  # GET /key usage before the directory's first attempt
         self.write_error: str = ""     # the last refused write (the ledger errs on the side of more spend)
         self._unwritten: list[dict[str, Any]] = []
         # For `reconcile()`.
@@ -166,6 +173,9 @@ class SpendLedger:
                 p = self._drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
                 if p is not None:
                     self._book_abandoned(p.ds, float(line["c"]), run=False)
+            elif kind == "key":
+                if self.key_baseline is None:
+                    self.key_baseline = float(line["u"])
             elif kind == "carry":
                 cost = float(line["c"])
                 self._carried += cost
@@ -181,6 +191,35 @@ class SpendLedger:
             self._carried += cost
             self.settled_usd += cost
             self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
+
+    def set_key_baseline(self, usage: float) -> None:
+        """The key's usage before this directory's first attempt (only then: later it would count
+        this directory's own spend as someone else's)."""
+        if not self.existed and self.key_baseline is None:
+            self.key_baseline = usage
+            self._write({"e": "key", "u": usage, "t": round(time.time(), 3)})
+
+    def settle_unknown_from_key(self, usage: float, tolerance_usd: float = 1e-6) -> float | None:
+        """Price the attempts that have no generation id (a run killed before their headers were
+        read) from the key's usage: what the key was billed since the baseline, less every cost the
+        ledger knows. Only valid when the key ran nothing but this directory since its first run,
+        which the user vouches for; refused (None) when anything is still pending lookup, or the
+        figure does not fit between 0 and the unknown attempts' worst case (the key ran other work).
+        Shared out in proportion to each attempt's worst case. Returns the amount settled."""
+        unknown = [p for p in self.pending.values() if not p.gen]
+        if self.key_baseline is None or not unknown or len(unknown) != len(self.pending) or self._carried:
+            return None
+        worst = sum(p.worst for p in unknown)
+        cost = usage - self.key_baseline - self.settled_usd
+        if not -tolerance_usd <= cost <= worst + tolerance_usd:
+            return None
+        cost = min(max(cost, 0.0), worst)
+        for p in unknown:
+            share = cost * p.worst / worst if worst > 0 else 0.0
+            self._drop_pending(p.id)
+            self._write({"e": "settle", "a": p.id, "c": share, "s": Source.KEY_USAGE.value})
+            self._book_abandoned(p.ds, share, run=True)
+        return cost
 
     def close(self) -> None:
         if self._file is not None:

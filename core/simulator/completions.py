@@ -36,7 +36,8 @@ from draftgen.core.simulator.scenarios import Active, Scenarios
 from draftgen.core.simulator.stats import SimStats
 
 # The generation a request started, so that a stream the client aborts is billed up to there.
-GENERATION = web.RequestKey("draftgen_sim_generation", Generation)
+GENERATION = web.RequestKey("draftgen_sim_generation", Generation)   # started: billed
+CREATED = web.RequestKey("draftgen_sim_created", Generation)         # its id given out, maybe never started
 # The 200-with-a-problem scenarios as the fault that draws the same response.
 _AS_FAULT = {"error_body": "error200", "finish_error": "finish_error", "empty_choices": "empty_choices",
              "stream_error": "error200"}
@@ -98,10 +99,13 @@ class Completions:
             await asyncio.wait_for(self._held.wait(), cfg.hold_timeout_s)
 
     def _abandoned(self, request: web.Request) -> None:
-        """The client left: a stream stops (billed so far); a plain request runs on to its bill."""
+        """The client left: a stream stops (billed so far); a plain request runs on to its bill. A
+        generation that never started (an error inside a 200 under way) gets its zero-cost record."""
         g = request.get(GENERATION)
         if g is not None:
             self._ledger.abandoned(g)
+        elif (created := request.get(CREATED)) is not None:
+            self._ledger.failed(created)
 
     def _hit(self, a: Active | str) -> None:
         """Count a response a scenario sent (on the scenario and in the stats)."""
@@ -214,6 +218,7 @@ class Completions:
         gen = Generation(self._new_id(key, n), key, provider, model, int(time.time()), n_prompt, completion,
                          billed_tokens, stream, ttft, latency, estimate)
         request[responses.GEN_ID] = gen.gen_id
+        request[CREATED] = gen
         reply = wire.Reply(gen.gen_id, provider.name, model, gen.created, completion, think and show,
                            cfg.reasoning_field, body.get("return_token_ids") is True,
                            wire.usage(n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost),
