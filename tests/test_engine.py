@@ -175,6 +175,35 @@ async def test_credit_floor_holds_the_run_until_a_top_up(tmp_path):
     assert len(set(read_ids(RunDir(cfg.run_dir).responses("a")))) == 100
 
 
+async def test_a_retry_meeting_the_credit_floor_is_held_not_failed(tmp_path):
+    """A prompt retrying a 502 when the balance falls to credit_floor_usd: its next attempt waits for
+    the balance (the run holds), it is neither failed nor skipped, and a top-up lets it finish."""
+    async with SimServer(SimConfig(seed=4, latency_scale=0.0, mean_completion_tokens=100, faults={"502": 1.0},
+                                   credits=10.0), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3, "concurrency": 1}],
+                          tables={"budget": {"credit_floor_usd": 5.0}, "api": {"credits_interval_s": 0.05},
+                                  "engine": {"max_attempts": 1000, "backoff_base_s": 0.01, "backoff_max_s": 0.05}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        while engine.attempts.retries < 3:  # the first prompt is retrying its 502s
+            await asyncio.sleep(0.01)
+        sim.update(credits=1.0)             # the balance drops below the floor meanwhile
+        for _ in range(500):
+            await asyncio.sleep(0.02)
+            if engine.state == snap.RunState.PAUSED:
+                break
+        assert engine.state == snap.RunState.PAUSED and "credit_floor_usd" in engine.alert
+        held_at = sim.stats.requests_total
+        await asyncio.sleep(0.3)
+        assert sim.stats.requests_total == held_at, "the retry went out below the floor"
+        assert engine.in_flight == 1 and engine.datasets["a"].failed == 0 and engine.datasets["a"].skipped == 0
+        sim.update(credits=100.0, faults={})  # a top-up; the provider answers again
+        assert await asyncio.wait_for(task, 30) == snap.RunState.DONE
+    ids = read_ids(RunDir(cfg.run_dir).responses("a"))
+    assert len(ids) == len(set(ids)) == 3
+    assert not RunDir(cfg.run_dir).failures("a").exists() or not RunDir(cfg.run_dir).failures("a").read_bytes()
+
+
 async def test_402_pauses_the_run_and_resume_finishes_it(tmp_path):
     # An ordinary key with no cap: the balance is unknown, so no credit-floor hold comes first and
     # the service's own 402 is what pauses the run.
