@@ -296,9 +296,11 @@ class ChatClient:
                                     f"{self._timeout.sock_connect:g} s", unreachable=True) from None
             raise RequestFailed(ErrorKind.TIMEOUT, f"no complete answer within {self._timeout.total:g} s") from None
         except aiohttp.ClientPayloadError as e:
-            # The connection closed before the body's end (a stream cut after its headers): the
-            # network's doing, like a refused connection, not this prompt's answer.
-            raise RequestFailed(ErrorKind.CONNECTION, f"connection cut mid-answer: {e}") from None
+            # The connection closed before the body's end (a stream cut after its headers): an answer
+            # fault, like a truncated body. It may be this prompt's (a provider that dies on it), so it
+            # counts towards max_attempts, but only while other prompts are answered (classify.py): a
+            # network outage that cuts every stream fails nothing.
+            raise RequestFailed(ErrorKind.BAD_BODY, f"truncated body (connection cut mid-answer): {e}") from None
         except aiohttp.ClientConnectorError as e:
             # A TLS failure is a setup problem, not an outage: it fails like any connection error.
             raise RequestFailed(ErrorKind.CONNECTION, cannot_connect(self.base_url, e),
