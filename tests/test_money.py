@@ -12,7 +12,7 @@ from draftgen.core.errors import ConfigError
 from draftgen.core.generate.engine import Engine
 from draftgen.core.generate.forecast import DatasetFigures, SmokeFigures, forecast
 from draftgen.core.generate.prices import Endpoint, Prices, allowed, dataset_prices, prompt_token_bound
-from draftgen.core.generate.reconcile import reconcile
+from draftgen.core.generate.reconcile import reconcile, settle_unknown_from_key
 from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.rundir import RunDir
@@ -323,8 +323,8 @@ def test_unknown_attempts_are_priced_from_the_key_only_when_its_usage_fits(tmp_p
     assert again.key_baseline == 5.0
     # The key shows more than the ledger's known costs plus every unknown attempt's worst case:
     # it ran other work, so nothing is attributed.
-    assert again.settle_unknown_from_key(5.0 + 0.004 + 0.05) is None
-    assert again.settle_unknown_from_key(5.0 + 0.004 + 0.02) == pytest.approx(0.02)
+    assert settle_unknown_from_key(again, 5.0 + 0.004 + 0.05) is None
+    assert settle_unknown_from_key(again, 5.0 + 0.004 + 0.02) == pytest.approx(0.02)
     again.close()
     r = SpendLedger.read(path).reconcile()
     assert r.unknown == 0 and r.total_usd == pytest.approx(0.024)

@@ -20,8 +20,28 @@ from draftgen.core.config import Config
 from draftgen.core.generate.account import read_account
 from draftgen.core.generate.client import ChatClient, RequestFailed
 from draftgen.core.generate.settle import Settler
-from draftgen.core.generate.spend import Reconciliation, SpendLedger
+from draftgen.core.generate.spend import Reconciliation, Source, SpendLedger
 from draftgen.core.rundir import RunDir
+
+
+def settle_unknown_from_key(spend: SpendLedger, usage: float, tolerance_usd: float = 1e-6) -> float | None:
+    """Price the attempts that have no generation id (a run killed before their headers were read)
+    from the key's usage: what the key was billed since the baseline, less every cost the ledger
+    knows. Only valid when the key ran nothing but this directory since its first run, which the
+    user vouches for; refused (None) when anything is still pending lookup, or the figure does not
+    fit between 0 and the unknown attempts' worst case (the key ran other work). Shared out in
+    proportion to each attempt's worst case. Returns the amount settled."""
+    unknown = [p for p in spend.pending.values() if not p.gen]
+    if spend.key_baseline is None or not unknown or len(unknown) != len(spend.pending) or spend.carried_usd:
+        return None
+    worst = sum(p.worst for p in unknown)
+    cost = usage - spend.key_baseline - spend.settled_usd
+    if not -tolerance_usd <= cost <= worst + tolerance_usd:
+        return None
+    cost = min(max(cost, 0.0), worst)
+    for p in unknown:
+        spend.settle(p, cost * p.worst / worst if worst > 0 else 0.0, Source.KEY_USAGE)
+    return cost
 
 
 @dataclass(frozen=True)
@@ -57,7 +77,7 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
                 key_usage, note = None, f"GET /key: {getattr(e, 'message', type(e).__name__)}"
             from_key, from_key_note = None, ""
             if unknown_from_key:
-                from_key = None if key_usage is None else spend.settle_unknown_from_key(key_usage)
+                from_key = None if key_usage is None else settle_unknown_from_key(spend, key_usage)
                 from_key_note = (f"priced the attempts without a generation id at ${from_key:.6f} "
                                  "from the key's usage" if from_key is not None else
                                  "--unknown-from-key: nothing priced (no key usage or baseline, lookups still "

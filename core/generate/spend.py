@@ -16,7 +16,7 @@ loses nothing written; `JsonlAppender` cuts a torn last line on the next open):
         an abandoned attempt priced from GET /api/v1/generation?id= (its record's total_cost)
     {"e":"settle","a":ID,"c":USD,"s":"key usage"}
         an attempt without a generation id priced from the key's usage (`draftgen ledger
-        --unknown-from-key`, see `settle_unknown_from_key`)
+        --unknown-from-key`, see reconcile.py `settle_unknown_from_key`)
     {"e":"key","u":USD,"t":UNIX_TIME}
         the key's usage (GET /key) before the directory's first attempt: the baseline for that
     {"e":"carry","ds":DATASET,"c":USD}
@@ -199,28 +199,6 @@ class SpendLedger:
             self.key_baseline = usage
             self._write({"e": "key", "u": usage, "t": round(time.time(), 3)})
 
-    def settle_unknown_from_key(self, usage: float, tolerance_usd: float = 1e-6) -> float | None:
-        """Price the attempts that have no generation id (a run killed before their headers were
-        read) from the key's usage: what the key was billed since the baseline, less every cost the
-        ledger knows. Only valid when the key ran nothing but this directory since its first run,
-        which the user vouches for; refused (None) when anything is still pending lookup, or the
-        figure does not fit between 0 and the unknown attempts' worst case (the key ran other work).
-        Shared out in proportion to each attempt's worst case. Returns the amount settled."""
-        unknown = [p for p in self.pending.values() if not p.gen]
-        if self.key_baseline is None or not unknown or len(unknown) != len(self.pending) or self._carried:
-            return None
-        worst = sum(p.worst for p in unknown)
-        cost = usage - self.key_baseline - self.settled_usd
-        if not -tolerance_usd <= cost <= worst + tolerance_usd:
-            return None
-        cost = min(max(cost, 0.0), worst)
-        for p in unknown:
-            share = cost * p.worst / worst if worst > 0 else 0.0
-            self._drop_pending(p.id)
-            self._write({"e": "settle", "a": p.id, "c": share, "s": Source.KEY_USAGE.value})
-            self._book_abandoned(p.ds, share, run=True)
-        return cost
-
     def close(self) -> None:
         if self._file is not None:
             with contextlib.suppress(DiskError, OSError):
@@ -236,6 +214,10 @@ class SpendLedger:
     def committed_usd(self) -> float:
         """What the ceiling counts: known costs, pending ones at worst, and the reservations."""
         return self.settled_usd + self.pending_usd + self.reserved_usd
+
+    @property
+    def carried_usd(self) -> float:
+        return self._carried
 
     @property
     def spent_usd(self) -> float:
@@ -291,10 +273,10 @@ class SpendLedger:
             t.open = False
             self.reserved_usd = max(0.0, self.reserved_usd - t.worst)
 
-    def settle(self, p: Pending, cost: float) -> None:
-        """An abandoned attempt priced from its generation record."""
+    def settle(self, p: Pending, cost: float, source: Source = Source.GENERATION) -> None:
+        """An abandoned attempt priced from its generation record (or, without one, the key's usage)."""
         if self._drop_pending(p.id) is not None:
-            self._write({"e": "settle", "a": p.id, "c": cost, "s": "generation"})
+            self._write({"e": "settle", "a": p.id, "c": cost, "s": source.value})
             self._book_abandoned(p.ds, cost, run=True)
 
     def lookups(self) -> list[Pending]:
