@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import time
 from pathlib import Path
 
 import orjson

@@ -430,7 +430,6 @@ async def test_selected_log_line_shows_its_full_text() -> None:
     async with app.run_test(size=(80, 24)) as pilot:
         controls.event("error", "x", long)
         await pilot.press("l")
-        log = app.screen.events_log
 
         def shown() -> str:
             console = Console(width=80, file=io.StringIO(), color_system=None)

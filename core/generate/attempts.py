@@ -93,10 +93,6 @@ class Attempts:
         self.last_transient: RequestFailed | None = None
         self.unreachable_cause = ""  # e.g. "cannot connect to 127.0.0.1:18799 (connection refused)"
 
-    @property
-    def unreachable_since(self) -> float | None:
-        return self._unreachable_since
-
     async def ask(self, ds: DatasetRun, body: dict[str, Any], ticket: Ticket) -> Attempted:
         """Ask until there is an outcome. Each attempt goes out under its own reservation (`ticket` for
         the first), on the spend ledger before it leaves, and is settled as it ends: answered at its

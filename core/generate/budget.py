@@ -67,10 +67,6 @@ class MoneyBudget:
     def spent_run(self) -> float:
         return self.spend.spent_run
 
-    @property
-    def reserved(self) -> float:
-        return self.spend.reserved_usd
-
     def set_balance(self, balance: float | None, source: str) -> None:
         self.balance_source = source if balance is not None else "unknown"
         self._balance = balance

@@ -105,9 +105,6 @@ class ErrorBody:
         value = meta.get("limit_source")
         return value if isinstance(value, str) else ""
 
-    def meta(self, key: str) -> Any:
-        return (self.metadata or {}).get(key)
-
 
 class RequestFailed(Exception):
     """A request that did not produce an answer, why (`kind`), and whose problem it is (`whose`)."""

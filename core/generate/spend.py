@@ -202,9 +202,7 @@ class SpendLedger:
     def close(self) -> None:
         if self._file is not None:
             with contextlib.suppress(DiskError, OSError):
-                while self._unwritten:
-                    self._file.append(self._unwritten[0])
-                    self._unwritten.pop(0)
+                self._flush_unwritten()
             self._file.close()
             self._file = None
 
@@ -234,9 +232,7 @@ class SpendLedger:
     def send(self, t: Ticket) -> None:
         """On disk before the request leaves (raises DiskError when the disk refuses: do not send)."""
         assert self._file is not None, "SpendLedger.open() first"
-        while self._unwritten:
-            self._file.append(self._unwritten[0])
-            self._unwritten.pop(0)
+        self._flush_unwritten()
         self._file.append({"e": "sent", "a": t.id, "ds": t.ds, "p": t.prompt_id, "w": t.worst,
                            "t": round(time.time(), 3)})
         t.sent = True
@@ -248,13 +244,13 @@ class SpendLedger:
 
     def answered(self, t: Ticket, cost: float) -> None:
         if self._close(t):
-            self._write({"e": "end", "a": t.id, "o": "answered", "c": cost, "s": "usage.cost"})
+            self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": cost, "s": Source.USAGE.value})
             self._book(t.ds, cost, True, run=True)
 
     def refused(self, t: Ticket) -> None:
         """An HTTP error status, or nothing could be sent: no generation ran, nothing is billed."""
         if self._close(t):
-            self._write({"e": "end", "a": t.id, "o": "refused", "c": 0, "s": "not billed"})
+            self._write({"e": "end", "a": t.id, "o": AttemptEnd.REFUSED.value, "c": 0, "s": Source.NOT_BILLED.value})
             self._refused += 1
 
     def abandoned(self, t: Ticket) -> Pending | None:
@@ -262,7 +258,7 @@ class SpendLedger:
         the worst case until the generation record says otherwise. Returns what to look up."""
         if not self._close(t):
             return None
-        self._write({"e": "end", "a": t.id, "o": "abandoned", "c": None, "s": "pending"})
+        self._write({"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value, "c": None, "s": Source.PENDING.value})
         p = Pending(t.id, t.ds, t.prompt_id, t.worst, t.gen)
         self._add_pending(p)
         return p
@@ -330,13 +326,17 @@ class SpendLedger:
         if self._file is None:
             return
         try:
-            while self._unwritten:
-                self._file.append(self._unwritten[0])
-                self._unwritten.pop(0)
+            self._flush_unwritten()
             self._file.append(line)
         except (DiskError, OSError) as e:
             self.write_error = str(e)
             self._unwritten.append(line)
+
+    def _flush_unwritten(self) -> None:
+        assert self._file is not None
+        while self._unwritten:
+            self._file.append(self._unwritten[0])
+            self._unwritten.pop(0)
 
     def reconcile(self) -> Reconciliation:
         known = [p for p in self.pending.values() if p.gen]

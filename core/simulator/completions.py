@@ -241,11 +241,9 @@ class Completions:
         elif fault is not None:
             st.faults[fault] = st.faults.get(fault, 0) + 1
         if fault is not None:
-            resp = await serve_fault(request, cfg, fault, reply, ttft, latency, stream, self.fragments,
-                                     lambda: self._start(request, gen), self._ledger.finish)
-            if resp.status == 200:  # an error inside a 200 (a billed generation keeps its bill)
-                self._ledger.failed(gen)
-            return resp
+            return await serve_fault(request, cfg, fault, reply, ttft, latency, stream, self.fragments,
+                                     lambda: self._start(request, gen), self._ledger.finish,
+                                     lambda: self._ledger.failed(gen))
         self._start(request, gen)
         if stream:
             return await self._stream(request, cfg, reply, gen)

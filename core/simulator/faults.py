@@ -16,6 +16,7 @@ Billing, as OpenRouter bills (see generations.py):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from aiohttp import web
@@ -42,9 +43,11 @@ def pick_fault(faults: dict[str, float], u: float) -> str | None:
 
 async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.Reply, ttft: float,
                       latency: float, stream: bool, fragments: wire.FragmentCache,
-                      start: Callable[[], Generation], finish: Callable[[Generation], object]) -> web.StreamResponse:
+                      start: Callable[[], Generation], finish: Callable[[Generation], object],
+                      failed: Callable[[], None]) -> web.StreamResponse:
     """The response of a request that meets `fault` (see config.FAULT_KINDS); `start()` starts
-    the billed generation of the faults that have one (drop, hang, truncated), `finish()` bills it."""
+    the billed generation of the faults that have one (drop, hang, truncated), `finish()` bills it,
+    `failed()` records the unbilled generation of an error inside a 200 once its response is out."""
     meta = {"provider_name": r.provider}
     if fault == "429":
         return responses.rate_limited(cfg, r.provider)
@@ -81,6 +84,7 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
             body = wire.completion_json(unbilled(r), None, "error", r.completion.content[:200], PROVIDER_ERROR)
         else:
             body = wire.empty_choices_json(r)
+        failed()
         return web.Response(body=body, content_type=responses.JSON)
     # Streamed faults: the 200 and some of the answer are already out when it goes wrong.
     resp = await responses.open_stream(request)
@@ -101,10 +105,11 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
         await responses.paced(resp, half, max(0.0, latency - ttft) / 2)
         await resp.write(wire.final_frame(unbilled(r), "error", PROVIDER_ERROR) + wire.DONE)
     await resp.write_eof()
+    if g is None:  # an error inside a 200 (truncated was billed in full)
+        failed()
     return resp
 
 
 def unbilled(r: wire.Reply) -> wire.Reply:
     """The same reply with a zero cost: a failed generation is not billed."""
-    return wire.Reply(r.gen_id, r.provider, r.model, r.created, r.completion, r.show_reasoning,
-                      r.reasoning_field, r.token_ids, {**r.usage, "cost": 0.0}, r.chunk_tokens)
+    return dataclasses.replace(r, usage={**r.usage, "cost": 0.0})

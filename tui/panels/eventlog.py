@@ -14,7 +14,6 @@ from collections.abc import Iterable
 
 from rich.text import Text
 from textual.binding import Binding
-from textual.message import Message
 from textual.widgets import OptionList
 
 from draftgen.core.live.snapshot import Event
@@ -53,9 +52,6 @@ class EventLogPanel(OptionList):
         Binding("j", "cursor_down", show=False),
         Binding("G", "last", show=False),
     ]
-
-    class FilterChanged(Message):
-        pass
 
     def __init__(self, store: EventStore | None = None, *, id: str | None = None, title: str = "events") -> None:
         super().__init__(id=id, classes="panel")
@@ -131,10 +127,6 @@ class EventLogPanel(OptionList):
             self.highlighted = len(self._shown) - 1
         self._update_title()
 
-    def add(self, events: Iterable[Event]) -> None:
-        self.store.extend(events)
-        self.sync()
-
     def set_datasets(self, names: tuple[str, ...]) -> None:
         self.datasets = names
 
@@ -183,7 +175,6 @@ class EventLogPanel(OptionList):
         self.following = True
         self.sync(force=True)
         self._update_title()
-        self.post_message(self.FilterChanged())
 
     def action_cycle_level(self) -> None:
         self.set_filter(level=self.level + 1)

@@ -17,7 +17,7 @@ from draftgen.tui.charts import CHARTS, Chart
 from draftgen.tui.panels.header import RunHeader
 
 
-def draw_history(timeline: Timeline, rows: int, width: int = 80) -> RenderableType:
+def draw_history(timeline: Timeline, rows: int) -> RenderableType:
     """Every chart, sharing `rows` lines: each takes a title line, its bars and a time axis."""
     charts = CHARTS
     per = max(3, rows // len(charts))
@@ -67,7 +67,7 @@ class HistoryScreen(Screen[None]):
         if key == self._key:
             return
         self._key = key
-        body.update(draw_history(s.timeline, rows, cols))
+        body.update(draw_history(s.timeline, rows))
 
     def action_back(self) -> None:
         self.dismiss(None)
