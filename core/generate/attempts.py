@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 from draftgen.core.config import Config
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.admission import Gate
+from draftgen.core.generate.billing import book_answer, book_failure, look_up
 from draftgen.core.generate.classify import ANSWER_KINDS, SLOW_DOWN_KINDS, Whose
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
+from draftgen.core.generate.prices import Prices
 from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.spend import SpendLedger, Ticket
 from draftgen.core.generate.stats import Tally
@@ -80,6 +82,7 @@ class Attempts:
         self._reserve_retry = reserve_retry
         self._spend = spend
         self.settler: Settler | None = None
+        self.prices: Mapping[str, Prices | None] = {}  # per dataset, set by the engine once it knows them
         self._event = on_event
         self._redact = redact
         self._clock = clock
@@ -95,8 +98,8 @@ class Attempts:
 
     async def ask(self, ds: DatasetRun, body: dict[str, Any], ticket: Ticket) -> Attempted:
         """Ask until there is an outcome. Each attempt goes out under its own reservation (`ticket` for
-        the first), on the spend ledger before it leaves, and is settled as it ends: answered at its
-        usage.cost, refused (an HTTP error: nothing billed), or abandoned (priced later by the settler)."""
+        the first), on the spend ledger before it leaves, and is booked as it ends (billing.py): answered
+        at its usage.cost, refused (nothing billed), or pending until the settler prices it."""
         assert self.client is not None
         eng = self._config.engine
         spend = self._spend
@@ -123,10 +126,7 @@ class Attempts:
             try:
                 answer = await self.client.chat(body, lambda gen_id: spend.generation(t, gen_id))
             except RequestFailed as e:
-                if e.status is not None or e.unreachable:
-                    spend.refused(ticket)
-                else:
-                    self._abandon(ticket)
+                look_up(self.settler, book_failure(spend, ticket, e))
                 self._errors.add(e.kind)
                 if self._recent is not None:
                     self._recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=prompt_id, attempt=tries,
@@ -172,7 +172,7 @@ class Attempts:
             except BaseException:  # stop-now (a cancel) mid-request: the provider may bill it anyway
                 self._abandon(ticket)
                 raise
-            spend.answered(ticket, answer.usage.cost)
+            look_up(self.settler, book_answer(spend, ticket, answer, self.prices.get(ds.config.name)))
             ds.concurrency.on_response()
             self.answered += 1
             self._note_reachable()
@@ -198,9 +198,7 @@ class Attempts:
         return Attempted(Outcome.FAILED, tries, error=e)
 
     def _abandon(self, ticket: Ticket) -> None:
-        pending = self._spend.abandoned(ticket)
-        if pending is not None and self.settler is not None:
-            self.settler.add((pending,))
+        look_up(self.settler, self._spend.abandoned(ticket))
 
     def _note_unreachable(self, e: RequestFailed) -> None:
         self.unreachable_cause = self._redact(e.message)[:200]

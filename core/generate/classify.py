@@ -222,4 +222,6 @@ def cannot_connect(base_url: str, e: BaseException) -> str:
     cause = getattr(os_error, "strerror", None) or str(os_error or e) or type(e).__name__
     if "Connect call failed" in cause or "refused" in cause.lower():
         cause = "connection refused"
+    elif "SSL" in type(e).__name__ or "ssl" in cause.lower():
+        return f"cannot connect to {parts.hostname}:{port} (TLS handshake failed: {cause}; is the scheme right?)"
     return f"cannot connect to {parts.hostname}:{port} ({cause.lower() if cause[:1].isupper() else cause})"

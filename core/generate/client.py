@@ -36,6 +36,7 @@ class ChatAnswer:
     usage: Usage
     latency_s: float
     token_ids: list[int] | None = None
+    priced: bool = True  # usage.cost was in the answer (false: billing.py estimates or looks it up)
 
 
 def _reasoning_of(message: dict[str, Any]) -> str | None:
@@ -63,6 +64,11 @@ def _usage_of(raw: Any) -> Usage:
         reasoning_tokens=int((details.get("reasoning_tokens") if isinstance(details, dict) else 0) or 0),
         cost=float(raw.get("cost") or 0.0),
     )
+
+
+def _has_cost(raw: Any) -> bool:
+    cost = raw.get("cost") if isinstance(raw, dict) else None
+    return isinstance(cost, (int, float)) and not isinstance(cost, bool)
 
 
 def _token_ids(obj: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
@@ -109,6 +115,7 @@ def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
         usage=_usage_of(obj.get("usage")),
         latency_s=latency_s,
         token_ids=token_ids if isinstance(token_ids, list) else None,
+        priced=_has_cost(obj.get("usage")),
     )
 
 
@@ -302,9 +309,10 @@ class ChatClient:
             # network outage that cuts every stream fails nothing.
             raise RequestFailed(ErrorKind.BAD_BODY, f"truncated body (connection cut mid-answer): {e}") from None
         except aiohttp.ClientConnectorError as e:
-            # A TLS failure is a setup problem, not an outage: it fails like any connection error.
-            raise RequestFailed(ErrorKind.CONNECTION, cannot_connect(self.base_url, e),
-                                unreachable=not isinstance(e, aiohttp.ClientSSLError)) from None
+            # No connection, TLS handshake included: nothing was sent (so nothing is billed), and the
+            # run waits for the address like any outage, saying why ("... (TLS: certificate verify
+            # failed ...)"): check [api] base_url. No prompt is failed for it.
+            raise RequestFailed(ErrorKind.CONNECTION, cannot_connect(self.base_url, e), unreachable=True) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientOSError, ConnectionError) as e:
             raise RequestFailed(ErrorKind.CONNECTION, f"connection error: {type(e).__name__}: {e}") from None
         except aiohttp.ClientResponseError as e:

@@ -7,7 +7,8 @@ is done by its parts, each in its own module:
     duplicates.py  a prompt another dataset of the run directory answered is not sent again
     attempts.py    one prompt asked until it has an outcome: backoff, retries, outages
     ledger.py      per-dataset counts, resume from disk, the record writer, the disk-full hold-back
-    spend.py       the money: every attempt on spend.jsonl, the sums behind the max_usd ceiling
+    spend.py       the money: every attempt on spend.jsonl, the sums behind the max_usd ceiling;
+                   billing.py how each attempt's end is booked (who pays, how sure the figure is)
     prices.py      worst-case prices from the endpoints listing or the config; settle.py prices
                    abandoned generations from their records; account.py reads the balance, and
                    watch.py holds the run on an account condition until it clears
@@ -195,7 +196,7 @@ class Engine:
                 await self._client.close()
             self.spend.close()
             raise
-        self.admission.prices = money.prices
+        self.admission.prices = self.attempts.prices = money.prices
         self._smoke_answer = money.smoke
         self.settler = self.attempts.settler = money.settler
         self.state = RunState.RUNNING if self.state == RunState.IDLE else self.state

@@ -65,10 +65,13 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
                               connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
                               title=config.api.title) as client:
             todo = spend.lookups()
-            settler = Settler(spend, client, config.api.generation_lookup_s if lookup_s is None else lookup_s)
+            look = config.api.generation_lookup_s if lookup_s is None else lookup_s
+            settler = Settler(spend, client, look)
             settler.start()
             settler.add(todo)
-            await settler.drain(config.api.generation_lookup_s if lookup_s is None else lookup_s)
+            # Each lookup gives up after `look`; the slack lets the last ones finish (it returns as soon
+            # as they have), so a 5xx's missing record settles at $0 here rather than next time.
+            await settler.drain(look + 10)
             try:
                 usage = (await read_account(client, management_key=config.api.management_key())).key_usage
                 key_usage, note = (usage, "GET /key usage: everything this key ran") if usage is not None \

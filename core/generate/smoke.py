@@ -15,12 +15,18 @@ The checklist (each row pass/fail with its reason):
   the cost of the request.
 `smoke.json` keeps the result with the run's request fingerprint: `run` starts at full concurrency
 only when the fingerprint matches a passing smoke test.
+
+The smoke requests are paid for like a run's: reserved against `max_usd`, on spend.jsonl before they
+leave, booked as they end (billing.py), in the ledger's "(smoke)" dataset.
+
+Over 400 lines: the checklist is one flow (`run_smoke`), with the row builders it calls beside it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,10 +39,12 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.generate.account import AccountStatus, read_account
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
 from draftgen.core.generate.forecast import DatasetFigures, RunForecast, SmokeFigures, forecast
+from draftgen.core.generate.billing import book_answer, book_failure, look_up, reserve_one
 from draftgen.core.generate.prices import fetch_prices, prompt_token_bound
+from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.config import Config, DatasetConfig
-from draftgen.core.errors import DraftgenError
+from draftgen.core.errors import DiskError, DraftgenError
 from draftgen.core.records import ResponseRecord
 from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.files import write_json_atomic
@@ -203,9 +211,15 @@ def _prompt_row(config: Config, label: str, rec: Any, messages: list[dict[str, A
     return SmokeRow(f"{label} prompt tokens", False, detail)
 
 
-async def run_smoke(config: Config, api_key: str,
-                    progress: Callable[[snap.StageProgress], None] | None = None) -> SmokeResult:
-    """Run the checklist, write smoke.json, return the result (never raises for a failed check)."""
+async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.StageProgress], None] | None = None,
+                    spend: SpendLedger | None = None, settler: Settler | None = None) -> SmokeResult:
+    """Run the checklist, write smoke.json, return the result (never raises for a failed check).
+
+    The smoke requests are billed like any other: each is reserved against `max_usd` at its worst
+    case, on spend.jsonl before it leaves, and booked as it ends (billing.py). `spend` is the ledger of
+    a run open in this process (its reservations count, `settler` prices what is abandoned); without
+    one the directory's ledger is opened here, and what is abandoned is looked up by the next run or
+    `draftgen ledger`."""
     redact = Redactor(api_key)
     result = SmokeResult(fingerprint=config.run_fingerprint())
     shapes: dict[str, DatasetConfig] = {}
@@ -273,20 +287,53 @@ async def run_smoke(config: Config, api_key: str,
                         if need else "; no max_usd, so no ceiling to keep")
                 add(SmokeRow(f"{ds.name}: prices", not need, f"no price known ({why}){hint}", warning=not need))
 
+        rd = RunDir(config.run_dir)
+        on_disk = {ds.name: await asyncio.to_thread(_on_disk, rd, ds) for ds in config.datasets}
+        own_spend = spend is None
+        ledger_error = ""
+        if spend is None:
+            spend = SpendLedger(rd.spend)
+            try:
+                await asyncio.to_thread(_open_spend, spend, rd, on_disk,
+                                        None if account is None else account.key_usage)
+            except (DiskError, OSError) as e:
+                ledger_error = f"not sent: the spend ledger cannot be written ({e})"
+
         async def ask(fp: str, ds: DatasetConfig) -> tuple[str, dict[str, Any], ChatAnswer | SmokeRow, float]:
             body = config.request_body(ds, [{"role": "user", "content": config.smoke.prompt}])
             if config.smoke.max_tokens is not None:
                 body["max_tokens"] = config.smoke.max_tokens
+            fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
+            if ledger_error:
+                return fp, body, fail(ledger_error), 0.0
+            p = prices[ds.name]
+            worst = p.worst_case(prompt_token_bound(body["messages"]), int(body.get("max_tokens") or 0)) if p else 0.0
+            ticket, why = reserve_one(spend, config.budget.max_usd, SMOKE, f"smoke:{ds.name}", worst)
+            if ticket is None:
+                return fp, body, fail(why), 0.0
             start = time.monotonic()
             try:
-                return fp, body, await client.chat(body), time.monotonic() - start
+                answer = await client.chat(body, lambda gen_id: spend.generation(ticket, gen_id))
             except RequestFailed as e:
-                return fp, body, SmokeRow(f"{ds.name}: request", False, f"{e.kind}: {e.message}"), 0.0
+                look_up(settler, book_failure(spend, ticket, e))
+                return fp, body, fail(f"{e.kind}: {e.message}"), 0.0
             except Exception as e:  # noqa: BLE001 - any failure is this row's failure
-                return fp, body, SmokeRow(f"{ds.name}: request", False, f"{type(e).__name__}: {e}"), 0.0
+                look_up(settler, spend.abandoned(ticket))
+                return fp, body, fail(f"{type(e).__name__}: {e}"), 0.0
+            except BaseException:  # cancelled mid-request: the provider may bill it anyway
+                look_up(settler, spend.abandoned(ticket))
+                raise
+            look_up(settler, book_answer(spend, ticket, answer, prices[ds.name]))
+            return fp, body, answer, time.monotonic() - start
 
         # One request per shape, all at once: a run's shapes differ only in their parameters.
-        answers = await asyncio.gather(*(ask(fp, ds) for fp, ds in shapes.items()))
+        try:
+            answers = await asyncio.gather(*(ask(fp, ds) for fp, ds in shapes.items()))
+            # The ledger is the spend (the smoke requests and abandoned attempts included).
+            spent = spend.spent_usd if not ledger_error else sum(cost for _, _, cost in on_disk.values())
+        finally:
+            if own_spend:
+                spend.close()
 
     smoke: SmokeFigures | None = None
     for fp, body, answer, took in answers:
@@ -305,23 +352,18 @@ async def run_smoke(config: Config, api_key: str,
         if answer.usage.completion_tokens and (smoke is None or answer.usage.cost > smoke.cost_usd):
             smoke = SmokeFigures(answer.usage.completion_tokens, answer.usage.cost, took)
 
-    rd = RunDir(config.run_dir)
     figures = []
-    spent = 0.0
     for ds in config.datasets:
         try:
             n = await asyncio.to_thread(_count_prompts, ds)
         except DraftgenError as e:
             add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
             n = 0
-        answers, tokens, cost = await asyncio.to_thread(_on_disk, rd, ds)
-        spent += cost
+        answers, tokens, cost = on_disk[ds.name]
         figures.append(DatasetFigures(
             name=ds.name, remaining=max(0, n - answers), max_tokens=ds.max_tokens, concurrency=ds.concurrency,
             token_budget_left=None if ds.token_budget is None else max(0, ds.token_budget - tokens),
             answers=answers, completion_tokens=tokens, cost_usd=cost, prices=prices[ds.name]))
-    if rd.spend.exists():  # the spend ledger, when there is one, is the spend (abandoned attempts included)
-        spent = (await asyncio.to_thread(SpendLedger.read, rd.spend)).spent_usd
     result.smoke_answer = smoke
     plan = forecast(figures, spent_usd=spent, max_usd=config.budget.max_usd, smoke=smoke,
                     parallel=config.engine.parallel)
@@ -353,6 +395,22 @@ async def run_smoke(config: Config, api_key: str,
                                     total=len(result.rows), message=result.summary(),
                                     checks=tuple((r.check, r.passed, r.detail) for r in result.rows)))
     return result
+
+
+SMOKE = "(smoke)"  # the spend ledger's "dataset" of the smoke requests
+
+
+def _open_spend(spend: SpendLedger, rd: RunDir, on_disk: dict[str, tuple[int, int, float]],
+                key_usage: float | None) -> None:
+    """Open the directory's ledger; the first time, carry the cost of answers already on disk and
+    record the key's usage (as a run's opening does, core/generate/opening.py)."""
+    rd.root.mkdir(parents=True, exist_ok=True)
+    spend.open()
+    if not spend.existed:
+        for name, (_, _, cost) in on_disk.items():
+            spend.carry(name, cost)
+        if key_usage is not None:
+            spend.set_key_baseline(key_usage)
 
 
 def load_smoke_answer(rd: RunDir, fingerprint: str) -> SmokeFigures | None:

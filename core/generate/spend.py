@@ -9,11 +9,16 @@ loses nothing written; `JsonlAppender` cuts a torn last line on the next open):
     {"e":"gen","a":ID,"g":GENERATION_ID}
         the generation id, from the X-Generation-Id header (known with the first bytes)
     {"e":"end","a":ID,"o":OUTCOME,"c":USD|null,"s":SOURCE}
-        OUTCOME answered: c is the answer's usage.cost (SOURCE "usage.cost");
+        OUTCOME answered: c is the answer's usage.cost (SOURCE "usage.cost"), or, for an answer that
+            carried no cost and cannot be looked up, tokens x the worst prices (SOURCE "estimate");
+            an answer without a cost that can be looked up: c null, SOURCE "pending", "w" its estimate;
         OUTCOME refused: an HTTP error status, nothing generated (c 0, SOURCE "not billed");
-        OUTCOME abandoned: timed out, dropped, cut short or stopped: c null, SOURCE "pending"
+        OUTCOME abandoned: timed out, dropped, cut short or stopped: c null, SOURCE "pending"; with
+            "st": the HTTP status of a 408/5xx that carried a generation id (see billing.py)
     {"e":"settle","a":ID,"c":USD,"s":"generation"}
         an abandoned attempt priced from GET /api/v1/generation?id= (its record's total_cost)
+    {"e":"settle","a":ID,"c":0,"s":"no record"}
+        a 408/5xx whose generation id has no record after `generation_lookup_s`: nothing ran
     {"e":"settle","a":ID,"c":USD,"s":"key usage"}
         an attempt without a generation id priced from the key's usage (`draftgen ledger
         --unknown-from-key`, see reconcile.py `settle_unknown_from_key`)
@@ -46,8 +51,10 @@ from draftgen.core.rundir import JsonlAppender, iter_jsonl
 class Source(str, Enum):
     """Where an attempt's cost came from."""
     USAGE = "usage.cost"
+    ESTIMATE = "estimate"      # an answer without usage.cost and no generation id: tokens x worst prices
     NOT_BILLED = "not billed"
     GENERATION = "generation"
+    NO_RECORD = "no record"    # an HTTP error's generation id never got a record: nothing ran
     KEY_USAGE = "key usage"
     PENDING = "pending"
 
@@ -80,6 +87,8 @@ class Pending:
     prompt_id: str
     worst: float
     gen: str | None     # None: the run died before the id came back; it cannot be looked up
+    ended: bool = False   # an HTTP error status ended it: no record after the lookups means not billed
+    answer: bool = False  # an answer that carried no cost: booked as answered once priced
 
 
 @dataclass(frozen=True)
@@ -163,16 +172,20 @@ class SpendLedger:
                 rec = opened.pop(aid, None)
                 if rec is None:
                     return
-                outcome = line.get("o")
+                outcome, cost = line.get("o"), line.get("c")
                 if outcome == AttemptEnd.ABANDONED:
-                    self._add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g") or line.get("g")))
+                    self._add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g") or line.get("g"),
+                                              ended="st" in line))
+                elif outcome == AttemptEnd.ANSWERED and cost is None:
+                    self._add_pending(Pending(aid, rec["ds"], rec["p"], min(rec["w"], float(line.get("w", rec["w"]))),
+                                              rec.get("g"), answer=True))
                 else:
                     self._book(rec["ds"], float(line.get("c") or 0.0), outcome == AttemptEnd.ANSWERED, run=False)
             elif kind == "settle":
                 rec = opened.pop(aid, None)  # left open by a killed run, priced by a later one
                 p = self._drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
                 if p is not None:
-                    self._book_abandoned(p.ds, float(line["c"]), run=False)
+                    self._book_settled(p, float(line["c"]), run=False)
             elif kind == "key":
                 if self.key_baseline is None:
                     self.key_baseline = float(line["u"])
@@ -198,6 +211,10 @@ class SpendLedger:
         if not self.existed and self.key_baseline is None:
             self.key_baseline = usage
             self._write({"e": "key", "u": usage, "t": round(time.time(), 3)})
+
+    @property
+    def is_open(self) -> bool:
+        return self._file is not None
 
     def close(self) -> None:
         if self._file is not None:
@@ -242,10 +259,22 @@ class SpendLedger:
             t.gen = gen_id
             self._write({"e": "gen", "a": t.id, "g": gen_id})
 
-    def answered(self, t: Ticket, cost: float) -> None:
+    def answered(self, t: Ticket, cost: float, source: Source = Source.USAGE) -> None:
         if self._close(t):
-            self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": cost, "s": Source.USAGE.value})
+            self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": cost, "s": source.value})
             self._book(t.ds, cost, True, run=True)
+
+    def answered_unpriced(self, t: Ticket, estimate: float) -> Pending | None:
+        """An answer that carried no usage.cost but has a generation id: pending (at `estimate`, at most
+        the reservation) until its record prices it. Returns what to look up."""
+        if not self._close(t):
+            return None
+        worst = min(t.worst, estimate)
+        self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": None, "s": Source.PENDING.value,
+                     "w": worst})
+        p = Pending(t.id, t.ds, t.prompt_id, worst, t.gen, answer=True)
+        self._add_pending(p)
+        return p
 
     def refused(self, t: Ticket) -> None:
         """An HTTP error status, or nothing could be sent: no generation ran, nothing is billed."""
@@ -253,13 +282,17 @@ class SpendLedger:
             self._write({"e": "end", "a": t.id, "o": AttemptEnd.REFUSED.value, "c": 0, "s": Source.NOT_BILLED.value})
             self._refused += 1
 
-    def abandoned(self, t: Ticket) -> Pending | None:
-        """The client gave up (timeout, drop, stop-now) or the answer was unusable: the cost stays at
-        the worst case until the generation record says otherwise. Returns what to look up."""
+    def abandoned(self, t: Ticket, status: int | None = None) -> Pending | None:
+        """The client gave up (timeout, drop, stop-now), the answer was unusable, or (`status`) a 408/5xx
+        came with a generation id: the cost stays at the worst case until the generation record says
+        otherwise. Returns what to look up."""
         if not self._close(t):
             return None
-        self._write({"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value, "c": None, "s": Source.PENDING.value})
-        p = Pending(t.id, t.ds, t.prompt_id, t.worst, t.gen)
+        line = {"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value, "c": None, "s": Source.PENDING.value}
+        if status is not None:
+            line["st"] = status
+        self._write(line)
+        p = Pending(t.id, t.ds, t.prompt_id, t.worst, t.gen, ended=status is not None)
         self._add_pending(p)
         return p
 
@@ -273,7 +306,7 @@ class SpendLedger:
         """An abandoned attempt priced from its generation record (or, without one, the key's usage)."""
         if self._drop_pending(p.id) is not None:
             self._write({"e": "settle", "a": p.id, "c": cost, "s": source.value})
-            self._book_abandoned(p.ds, cost, run=True)
+            self._book_settled(p, cost, run=True)
 
     def lookups(self) -> list[Pending]:
         """Pending attempts that can still be priced (they have a generation id)."""
@@ -301,9 +334,12 @@ class SpendLedger:
         else:
             self._refused += 1
 
-    def _book_abandoned(self, ds: str, cost: float, *, run: bool) -> None:
+    def _book_settled(self, p: Pending, cost: float, *, run: bool) -> None:
+        if p.answer:
+            self._book(p.ds, cost, True, run=run)
+            return
         self.settled_usd += cost
-        self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
+        self.by_dataset[p.ds] = self.by_dataset.get(p.ds, 0.0) + cost
         if run:
             self.spent_run += cost
         self._settled_abandoned[0] += 1

@@ -64,7 +64,10 @@ class Stages:
         if was_running:
             self.engine.pause("smoke test")
         try:
-            result = await run_smoke(self._config, self._api_key, progress=self._progress("smoke"))
+            # A run open in this process: the smoke requests go on its ledger, under its reservations.
+            spend = self.engine.spend if self.engine.spend.is_open else None
+            result = await run_smoke(self._config, self._api_key, progress=self._progress("smoke"), spend=spend,
+                                     settler=self.engine.settler if spend is not None else None)
         except DraftgenError as e:
             self.progress["smoke"] = snap.StageProgress("smoke", state=snap.StageState.FAILED,
                                                       message=self._redact(str(e)))

@@ -277,7 +277,7 @@ class Completions:
         await responses.paced(resp, frames, max(0.0, gen.latency - gen.ttft))
         self._ledger.finish(gen)
         self._delivered(r)
-        await resp.write(wire.final_frame(r) + wire.DONE)
+        await resp.write(shaping.stream_end(r, cfg) if cfg.misbehave else wire.final_frame(r) + wire.DONE)
         await resp.write_eof()
         return resp
 

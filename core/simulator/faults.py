@@ -1,7 +1,9 @@
 """How each fault looks on the wire, which one (if any) a request meets, and who pays.
 
 Billing, as OpenRouter bills (see generations.py):
-- 429, 500, 502, 503, 524: answered before any generation starts: free.
+- 429, 500, 502, 503, 524: answered before any generation starts: free. Each carries
+  X-Generation-Id, as every completion response does; the 5xx ones (where a provider may have run)
+  get that id's record, with total_cost 0, so a client that looks them up can price them.
 - drop: the connection is closed at the first token. The generation goes on: a plain request is
   billed in full when it would have finished; a stream is aborted there, so billed for the
   prompt and the tokens produced by then.
@@ -51,6 +53,10 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
     meta = {"provider_name": r.provider}
     if fault == "429":
         return responses.rate_limited(cfg, r.provider)
+    if fault in ("500", "502", "503", "524"):
+        # The request carried X-Generation-Id (as every completion does), and the provider or the
+        # gateway failed before billing anything: its record says total_cost 0.
+        failed()
     if fault in ("500", "502", "503"):
         await responses.sleep(ttft)
         if fault == "500":

@@ -3,11 +3,13 @@ prompt's size, the latency, and the deliberate misbehaviours (SimConfig.misbehav
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
 import orjson
 from aiohttp import web
+from draftgen.core.simulator import wire
 from draftgen.core.simulator.config import SimConfig, SimProvider
 
 _U32 = float(1 << 32)
@@ -74,6 +76,16 @@ def latency(cfg: SimConfig, provider: SimProvider, tokens: int, u_jitter: float,
         jitter *= 3.0
     ttft = provider.ttft_s * jitter * cfg.latency_scale
     return ttft + tokens / provider.tokens_per_s * jitter * cfg.latency_scale, ttft
+
+
+def stream_end(r: wire.Reply, cfg: SimConfig) -> bytes:
+    """The last chunk of a streamed answer, with the misbehaviours that touch it: no cost in the usage,
+    or the connection closed after the finish_reason chunk, before the usage chunk and [DONE]."""
+    if "no_usage_chunk" in cfg.misbehave:
+        return wire.final_frame(r, with_usage=False)
+    if "no_cost" in cfg.misbehave:
+        r = dataclasses.replace(r, usage={k: v for k, v in r.usage.items() if k != "cost"})
+    return wire.final_frame(r) + wire.DONE
 
 
 def misbehave(data: bytes, cfg: SimConfig, prefs: Any) -> bytes:

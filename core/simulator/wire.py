@@ -177,13 +177,14 @@ def _frame(r: Reply, choice: bytes, **extra: Any) -> bytes:
     return b"data: " + r.prefix("chat.completion.chunk") + choice + tail + b"\n\n"
 
 
-def final_frame(r: Reply, finish_reason: str | None = None, error: dict[str, Any] | None = None) -> bytes:
+def final_frame(r: Reply, finish_reason: str | None = None, error: dict[str, Any] | None = None,
+                with_usage: bool = True) -> bytes:
     c = r.completion
     ids = ([c.im_end_id] if c.im_end else []) if r.token_ids else None
     choice = _choice({"role": "assistant", "content": ""}, ids, finish_reason or c.finish_reason)
     if error is not None:
         choice = choice[:-1] + b',"error":' + orjson.dumps(error) + b"}"
-    return _frame(r, choice, usage=r.usage)
+    return _frame(r, choice, usage=r.usage) if with_usage else _frame(r, choice)
 
 
 def error_frame(r: Reply, code: int, message: str, metadata: dict[str, Any] | None = None) -> bytes:

@@ -1,0 +1,91 @@
+"""How an attempt's end goes on the spend ledger: who pays for it, and how sure the figure is.
+
+Every path that sends a chat request (the run's attempts, the smoke test) books its end here, so
+the same response is never priced two ways:
+
+- an answer with `usage.cost`: answered at that cost;
+- an answer without it (a stream that closed after its last delta but before the usage chunk, a
+  server that does not report cost): with a generation id, pending at its estimate until the record
+  prices it (the settler); without one, answered at the estimate, tokens x the worst prices the
+  routing allows (or the reservation, when the answer says no token counts either). With no price
+  known at all (no ceiling set), there is nothing to estimate with: $0, as the server said;
+- nothing sent (the address could not be reached, TLS failed): refused, not billed;
+- an HTTP 408 or 5xx that carried a generation id: a provider may have run (a 524 is the gateway
+  giving up on an origin that runs on), so it is abandoned with its status and looked up; if no
+  record appears within `generation_lookup_s`, nothing ran and it settles at $0 ("no record");
+- any other HTTP error status (400-429: the service's checks before a generation): refused;
+- everything else (a timeout, a cut body, an error inside a 200, stop-now): abandoned, and priced
+  from the generation record when it has an id; without one it stays at its worst case.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from draftgen.core.errors import DiskError
+from draftgen.core.generate.classify import RequestFailed
+from draftgen.core.generate.client import ChatAnswer
+from draftgen.core.generate.prices import Prices
+from draftgen.core.generate.spend import Pending, Source, SpendLedger, Ticket
+
+if TYPE_CHECKING:
+    from draftgen.core.generate.settle import Settler
+
+
+def estimate(answer: ChatAnswer, prices: Prices | None, worst: float) -> float:
+    """What an answer without usage.cost can have cost: its token counts at the worst prices, never
+    above the reservation; the reservation itself when there are no counts."""
+    u = answer.usage
+    if prices is None or not (u.prompt_tokens or u.completion_tokens):
+        return worst
+    return min(worst, u.prompt_tokens * prices.prompt + u.completion_tokens * prices.completion + prices.request)
+
+
+def book_answer(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Prices | None) -> Pending | None:
+    """Book an answer; returns what the settler should look up (an answer without a cost)."""
+    if answer.priced:
+        spend.answered(t, answer.usage.cost)
+        return None
+    if t.worst <= 0:  # no price known and no ceiling: nothing to estimate with
+        spend.answered(t, 0.0)
+        return None
+    guess = estimate(answer, prices, t.worst)
+    if t.gen:
+        return spend.answered_unpriced(t, guess)
+    spend.answered(t, guess, Source.ESTIMATE)
+    return None
+
+
+def book_failure(spend: SpendLedger, t: Ticket, e: RequestFailed) -> Pending | None:
+    """Book a request that got no answer; returns what the settler should look up."""
+    if e.unreachable:  # no connection, so nothing was sent
+        spend.refused(t)
+        return None
+    if e.status is not None:
+        if t.gen and (e.status == 408 or e.status >= 500):
+            return spend.abandoned(t, status=e.status)
+        spend.refused(t)
+        return None
+    return spend.abandoned(t)
+
+
+def reserve_one(spend: SpendLedger, max_usd: float | None, ds: str, prompt_id: str,
+                worst: float) -> tuple[Ticket | None, str]:
+    """One request outside a run's admission (the smoke test's): reserved against `max_usd` at its
+    worst case and on disk as sent, or None and why it is not sent."""
+    if max_usd is not None and spend.committed_usd + worst > max_usd + 1e-12:
+        return None, (f"not sent: max_usd ${max_usd:.2f} leaves no room (${spend.committed_usd:.4f} spent or "
+                      f"held in {spend.path}, this request at worst ${worst:.6f})")
+    ticket = spend.reserve(ds, prompt_id, worst)
+    try:
+        spend.send(ticket)
+    except DiskError as e:
+        spend.release(ticket)
+        return None, f"not sent: the spend ledger cannot be written ({e})"
+    return ticket, ""
+
+
+def look_up(settler: Settler | None, pending: Pending | None) -> None:
+    """Hand an attempt to be priced from its generation record to the settler, when there is one."""
+    if settler is not None and pending is not None:
+        settler.add((pending,))

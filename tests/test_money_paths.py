@@ -1,0 +1,275 @@
+"""Who pays for each request, and is it on the ledger: the smoke test's requests, answers that carry
+no cost, an HTTP 408/5xx that carries a generation id, and a request that never left (TLS). Each is
+checked against what the simulator billed, not against what the engine thinks it spent."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from draftgen.core.generate.billing import book_answer, book_failure
+from draftgen.core.generate.classify import RequestFailed
+from draftgen.core.generate.client import ChatAnswer
+from draftgen.core.generate.engine import Engine
+from draftgen.core.generate.prices import Prices
+from draftgen.core.generate.reconcile import reconcile
+from draftgen.core.generate.smoke import SMOKE, run_smoke
+from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.records import ErrorKind, Usage
+from draftgen.core.rundir import RunDir
+from draftgen.core.simulator import SimConfig, SimServer
+
+from tests.helpers import TEST_KEY, make_config
+
+
+@pytest.fixture(autouse=True)
+def _key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DG_TEST_KEY", TEST_KEY)
+
+
+def _tokenizer():
+    from draftgen.core.tokens.tokenizer import bundled_kimi_path
+    return bundled_kimi_path()
+
+
+def _lines(rd: RunDir) -> list[dict]:
+    return [orjson.loads(x) for x in rd.spend.read_bytes().splitlines()]
+
+
+# -- the smoke test's requests ------------------------------------------------------------------
+
+
+async def test_smoke_requests_are_on_the_ledger_and_under_max_usd(tmp_path):
+    sim_cfg = SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=60)
+    async with SimServer(sim_cfg, port=0) as sim:
+        datasets = [{"name": "a", "n": 20, "max_tokens": 800}, {"name": "b", "n": 10, "max_tokens": 400}]
+        cfg = make_config(tmp_path, sim.base_url, datasets,
+                          tables={"budget": {"max_usd": 5.0}, "tokenizer": {"path": str(_tokenizer())}})
+        rd = RunDir(cfg.run_dir)
+        # A directory from before the spend ledger: answers on disk, no spend.jsonl.
+        old = Engine(cfg, TEST_KEY, seed=1)
+        await old.run()
+        old_cost = sum(d.cost for d in old.datasets.values())
+        assert old_cost > 0
+        rd.spend.unlink()
+        billed_before = sim.stats.billed_usd
+
+        result = await run_smoke(cfg, TEST_KEY)
+        assert result.passed, result.summary()
+        smoke_billed = sim.stats.billed_usd - billed_before
+        spend = SpendLedger.read(rd.spend)
+        # Two request shapes (two max_tokens): two smoke requests, each on the ledger at what it was billed.
+        smoke_lines = [x for x in _lines(rd) if x.get("ds") == SMOKE]
+        assert len(smoke_lines) == 2 and all(x["w"] > 0 for x in smoke_lines)
+        assert spend.by_dataset[SMOKE] == pytest.approx(smoke_billed, abs=1e-9)
+        # The smoke test opened the directory's ledger first: the old answers' cost carried in, and the
+        # key's usage recorded as the baseline, as a run's first opening does.
+        assert spend.carried_usd == pytest.approx(old_cost, abs=1e-9)
+        assert spend.key_baseline is not None
+
+        # The run after it carries nothing twice; its ledger is the old answers plus everything billed.
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 40, "max_tokens": 800}, datasets[1]],
+                          tables={"budget": {"max_usd": 5.0}, "tokenizer": {"path": str(_tokenizer())}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        await engine.run()
+        assert engine.datasets["a"].done == 40
+        r = (await reconcile(cfg, TEST_KEY)).reconciliation
+        assert r.carried_usd == pytest.approx(old_cost, abs=1e-9)
+        assert r.pending == r.unknown == 0
+        assert r.total_usd == pytest.approx(old_cost + sim.stats.billed_usd - billed_before, abs=1e-4)
+
+        # max_usd with no room left for a smoke request: it is not sent, and the row says why.
+        requests = sim.stats.requests_total
+        tight = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 40, "max_tokens": 800}, datasets[1]],
+                            tables={"budget": {"max_usd": round(r.total_usd + 1e-5, 6)},
+                                    "tokenizer": {"path": str(_tokenizer())}})
+        result = await run_smoke(tight, TEST_KEY)
+    assert not result.passed and "not sent: max_usd" in result.summary()
+    assert sim.stats.requests_total == requests
+    assert SpendLedger.read(rd.spend).reconcile().total_usd == pytest.approx(r.total_usd, abs=1e-12)
+
+
+async def test_a_smoke_test_beside_a_running_engine_books_on_its_ledger(tmp_path):
+    """Pressing s while a run is open: the smoke requests go on the run's own ledger, under its
+    reservations, so the ceiling sees them at once."""
+    from draftgen.core.live.pipeline import Pipeline
+
+    async with SimServer(SimConfig(seed=4, fixed_latency_s=0.3, mean_completion_tokens=80), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 4, "max_tokens": 400}],
+                          tables={"budget": {"max_usd": 5.0}, "tokenizer": {"path": str(_tokenizer())},
+                                  "engine": {"reconstruct": False}})
+        pipe = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
+        await pipe.start()
+        try:
+            task = asyncio.create_task(pipe.generate())
+            while not (pipe.engine.spend.is_open and pipe.engine.datasets["a"].done):
+                await asyncio.sleep(0.02)
+            assert await pipe.smoke()
+            assert pipe.engine.spend.by_dataset.get(SMOKE, 0) > 0  # on the open ledger, in memory
+            await asyncio.wait_for(task, 60)
+        finally:
+            await pipe.close()
+        r = (await reconcile(cfg, TEST_KEY)).reconciliation
+        billed = sim.stats.billed_usd
+    assert r.total_usd == pytest.approx(billed, abs=1e-4) and r.pending == r.unknown == 0
+    assert sum(1 for x in _lines(RunDir(cfg.run_dir)) if x.get("ds") == SMOKE and x["e"] == "sent") == 1
+
+
+# -- answers without usage.cost ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream, misbehave", [(True, "no_usage_chunk"), (True, "no_cost"), (False, "no_cost")])
+async def test_an_answer_without_a_cost_is_priced_from_its_generation_record(tmp_path, stream, misbehave):
+    """A stream closed after its finish_reason chunk and before the usage chunk, or any answer without
+    usage.cost, was billed all the same: the ledger prices it from the record, never at $0."""
+    sim_cfg = SimConfig(seed=5, latency_scale=0.02, mean_completion_tokens=200, misbehave=(misbehave,))
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 40, "concurrency": 8, "max_tokens": 600}],
+                          tables={"budget": {"max_usd": 5.0}, "api": {"stream": stream, "generation_lookup_s": 5},
+                                  "engine": {"reconstruct": False}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        await engine.run()
+        billed = sim.stats.billed_usd
+    assert engine.datasets["a"].done == 40 and billed > 0
+    r = engine.spend.reconcile()
+    assert r.answered == 40 and r.pending == r.unknown == 0
+    assert r.total_usd == pytest.approx(billed, abs=1e-4)
+    ends = [x for x in _lines(RunDir(cfg.run_dir)) if x["e"] in ("end", "settle")]
+    assert {x["s"] for x in ends} == {"pending", "generation"}  # looked up, never taken as $0
+
+
+def _answer(usage: Usage, priced: bool) -> ChatAnswer:
+    return ChatAnswer("hi", None, None, "stop", "stop", "P", "m", None, usage, 0.1, priced=priced)
+
+
+def test_an_answer_without_a_cost_or_an_id_is_booked_at_tokens_times_the_worst_price(tmp_path):
+    """A server that sends neither usage.cost nor X-Generation-Id: the answer is booked at its token
+    counts times the worst prices the routing allows (never above its reservation), not at $0."""
+    spend = SpendLedger(tmp_path / "spend.jsonl")
+    spend.open()
+    prices = Prices(1e-6, 4e-6, 0.0, "test")
+    t = spend.reserve("a", "p1", 0.01)
+    spend.send(t)
+    assert book_answer(spend, t, _answer(Usage(100, 500), False), prices) is None
+    t2 = spend.reserve("a", "p2", 0.01)
+    spend.send(t2)
+    book_answer(spend, t2, _answer(Usage(), False), prices)       # no counts either: its reservation
+    t3 = spend.reserve("a", "p3", 0.01)
+    spend.send(t3)
+    book_answer(spend, t3, _answer(Usage(100, 500, 0, 0.0), True), prices)  # a free answer says $0
+    spend.close()
+    r = SpendLedger.read(tmp_path / "spend.jsonl").reconcile()
+    assert r.answered == 3 and r.total_usd == pytest.approx(100e-6 + 2000e-6 + 0.01)
+    ends = [orjson.loads(x) for x in (tmp_path / "spend.jsonl").read_bytes().splitlines() if b'"end"' in x]
+    assert [e["s"] for e in ends] == ["estimate", "estimate", "usage.cost"]
+
+
+# -- HTTP errors that carry a generation id -----------------------------------------------------
+
+
+async def test_a_5xx_with_a_generation_id_is_looked_up_and_settles_at_its_record(tmp_path):
+    sim_cfg = SimConfig(seed=6, latency_scale=0.02, mean_completion_tokens=150,
+                        faults={"500": 0.1, "502": 0.1, "503": 0.1, "524": 0.05})
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 8, "max_tokens": 500}],
+                          tables={"budget": {"max_usd": 5.0}, "api": {"generation_lookup_s": 60},
+                                  "engine": {"reconstruct": False}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        await engine.run()
+        billed = sim.stats.billed_usd
+    lines = _lines(RunDir(cfg.run_dir))
+    errors = [x for x in lines if x["e"] == "end" and "st" in x]
+    assert errors and {x["st"] for x in errors} == {500, 502, 503, 524}
+    settled = {x["a"]: x for x in lines if x["e"] == "settle"}
+    assert all(settled[x["a"]]["s"] == "generation" and settled[x["a"]]["c"] == 0 for x in errors)
+    r = engine.spend.reconcile()
+    # Settled by the run itself: with lookups of 60 s and an end-of-run wait of 10 s, a missing record
+    # would have left the attempt pending.
+    assert r.pending == r.unknown == 0 and r.total_usd == pytest.approx(billed, abs=1e-4)
+
+
+async def test_a_5xx_whose_id_never_gets_a_record_settles_at_zero_a_timeout_does_not(tmp_path):
+    """No record after generation_lookup_s of 404s: for a 5xx (the response ended the request) nothing
+    ran; for a request the client gave up on, the generation may still run, so it stays pending."""
+    sim_cfg = SimConfig(seed=8, latency_scale=0.0, fixed_latency_s=0.05, mean_completion_tokens=100,
+                        faults={"502": 0.3, "hang": 0.1}, hang_s=3.0, generation_delay_s=3600)
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 30, "concurrency": 8, "max_tokens": 500}],
+                          tables={"budget": {"max_usd": 5.0},
+                                  "api": {"stream": True, "generation_lookup_s": 0.5, "request_timeout_s": 1},
+                                  "engine": {"reconstruct": False}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        await engine.run()
+        # What the run's own end-of-run wait cut short, `draftgen ledger` finishes (the status is on disk).
+        await reconcile(cfg, TEST_KEY, lookup_s=0.5)
+    lines = _lines(RunDir(cfg.run_dir))
+    by_status = {x["a"] for x in lines if x["e"] == "end" and x.get("st") == 502}
+    timed_out = {x["a"] for x in lines if x["e"] == "end" and x["o"] == "abandoned" and "st" not in x}
+    settled = {x["a"]: x for x in lines if x["e"] == "settle"}
+    assert by_status and timed_out
+    assert all(settled[a]["s"] == "no record" and settled[a]["c"] == 0 for a in by_status)
+    assert not timed_out & set(settled)
+    # After a restart the status is still known: the next run's lookups treat it the same way.
+    again = SpendLedger.read(RunDir(cfg.run_dir).spend)
+    assert {p.id for p in again.pending.values()} == timed_out
+    assert not any(p.ended for p in again.pending.values())
+
+
+def test_which_failures_are_billed(tmp_path):
+    """The booking of each kind of failure (billing.py), read back from the file as a restart would."""
+    spend = SpendLedger(tmp_path / "spend.jsonl")
+    spend.open()
+    cases = [  # (generation id, failure, booked as)
+        ("gen-1", RequestFailed(ErrorKind.SERVER, "HTTP 502", status=502), "pending"),
+        ("gen-2", RequestFailed(ErrorKind.REQUEST_TIMEOUT, "HTTP 408", status=408), "pending"),
+        ("gen-3", RequestFailed(ErrorKind.RATE_LIMITED, "HTTP 429", status=429), "refused"),
+        (None, RequestFailed(ErrorKind.SERVER, "HTTP 502", status=502), "refused"),
+        (None, RequestFailed(ErrorKind.CONNECTION, "TLS handshake failed", unreachable=True), "refused"),
+        ("gen-4", RequestFailed(ErrorKind.CONNECTION, "TLS handshake failed", unreachable=True), "refused"),
+        ("gen-5", RequestFailed(ErrorKind.TIMEOUT, "no complete answer"), "pending"),
+        (None, RequestFailed(ErrorKind.BAD_BODY, "truncated body"), "pending"),
+    ]
+    for i, (gen, e, _) in enumerate(cases):
+        t = spend.reserve("a", f"p{i}", 0.01)
+        spend.send(t)
+        if gen:
+            spend.generation(t, gen)
+        book_failure(spend, t, e)
+    spend.close()
+    ends = [orjson.loads(x) for x in (tmp_path / "spend.jsonl").read_bytes().splitlines() if b'"end"' in x]
+    assert [("refused" if e["o"] == "refused" else e["s"]) for e in ends] == [c[2] for c in cases]
+    r = SpendLedger.read(tmp_path / "spend.jsonl")
+    assert sorted((p.prompt_id, p.ended) for p in r.pending.values()) == [
+        ("p0", True), ("p1", True), ("p6", False), ("p7", False)]
+
+
+# -- a request that never left --------------------------------------------------------------------
+
+
+async def test_a_tls_failure_is_waited_out_not_billed_and_fails_nothing(tmp_path):
+    """https:// to a plain-HTTP server: the handshake fails, so nothing is sent. Each try is refused
+    (not held at its worst case, which would eat max_usd), the run says why it waits, nothing fails."""
+    async with SimServer(SimConfig(seed=1), port=0) as sim:
+        url = sim.base_url.replace("http://", "https://")
+        cfg = make_config(tmp_path, url, [{"name": "a", "n": 20, "concurrency": 4, "max_tokens": 500}],
+                          tables={"budget": {"max_usd": 0.05},
+                                  "api": {"prompt_price_per_mtok": 1.0, "completion_price_per_mtok": 4.0},
+                                  "engine": {"reconstruct": False}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        waiting = ""
+        for _ in range(400):
+            await asyncio.sleep(0.02)
+            waiting = engine.snapshot().waiting
+            if "TLS handshake failed" in waiting and engine.attempts.retries > 40:
+                break
+        engine.stop()
+        await asyncio.wait_for(task, 30)
+        assert sim.stats.requests_total == 0
+    assert "TLS handshake failed" in waiting and "check [api] base_url" in waiting, waiting
+    ds = engine.datasets["a"]
+    assert ds.failed == 0 and ds.skipped == 0
+    r = engine.spend.reconcile()
+    assert r.pending == r.unknown == 0 and r.total_usd == 0 and r.refused > 40
