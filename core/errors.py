@@ -23,6 +23,11 @@ class DiskError(DraftgenError):
     """A write failed (full disk, read-only disk, file too large); names the path."""
 
 
+class LedgerBusyError(DraftgenError):
+    """Another process has the run directory's spend ledger open (a run, a smoke test, `draftgen
+    ledger`): two writers would each keep the ceiling against half the spend."""
+
+
 # Exit status of a run whose API key was refused (401), at start or mid-run: distinct from 2 (bad
 # config or input) and 3 (incomplete) so that a script can tell "fix the key" apart.
 EXIT_KEY_REFUSED = 4

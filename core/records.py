@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -85,6 +86,13 @@ class ErrorKind(StrEnum):
 
 
 ERROR_KINDS = tuple(k.value for k in ErrorKind)
+# Tallied with the errors, but answers that were kept: not counted as errors in a status line.
+KEPT_ANSWER_KINDS = frozenset({ErrorKind.LENGTH.value, ErrorKind.EMPTY_CONTENT.value})
+
+
+def error_count(tally: Iterable[tuple[str, int]]) -> int:
+    """The errors in a tally of (kind, count), leaving out the answers that were kept."""
+    return sum(n for kind, n in tally if kind not in KEPT_ANSWER_KINDS)
 
 
 def count_of(value: Any) -> int:

@@ -5,6 +5,7 @@ checked against what the simulator billed, not against what the engine thinks it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import orjson
 import pytest
@@ -32,6 +33,23 @@ def _key(monkeypatch: pytest.MonkeyPatch) -> None:
 def _tokenizer():
     from draftgen.core.tokens.tokenizer import bundled_kimi_path
     return bundled_kimi_path()
+
+
+def _one_dataset(tmp_path, sim: SimServer, n: int):
+    return make_config(tmp_path, sim.base_url, [{"name": "a", "n": n, "concurrency": 4, "max_tokens": 400}],
+                       tables={"budget": {"max_usd": 5.0}, "tokenizer": {"path": str(_tokenizer())},
+                               "engine": {"reconstruct": False}})
+
+
+@contextlib.asynccontextmanager
+async def _pipeline(cfg):
+    from draftgen.core.live.pipeline import Pipeline
+    pipe = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
+    await pipe.start()
+    try:
+        yield pipe
+    finally:
+        await pipe.close()
 
 
 def _lines(rd: RunDir) -> list[dict]:
@@ -94,27 +112,41 @@ async def test_smoke_requests_are_on_the_ledger_and_under_max_usd(tmp_path):
 async def test_a_smoke_test_beside_a_running_engine_books_on_its_ledger(tmp_path):
     """Pressing s while a run is open: the smoke requests go on the run's own ledger, under its
     reservations, so the ceiling sees them at once."""
-    from draftgen.core.live.pipeline import Pipeline
-
     async with SimServer(SimConfig(seed=4, fixed_latency_s=0.3, mean_completion_tokens=80), port=0) as sim:
-        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 4, "max_tokens": 400}],
-                          tables={"budget": {"max_usd": 5.0}, "tokenizer": {"path": str(_tokenizer())},
-                                  "engine": {"reconstruct": False}})
-        pipe = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
-        await pipe.start()
-        try:
+        cfg = _one_dataset(tmp_path, sim, 100)
+        async with _pipeline(cfg) as pipe:
             task = asyncio.create_task(pipe.generate())
-            while not (pipe.engine.spend.is_open and pipe.engine.datasets["a"].done):
+            for _ in range(1500):
+                if pipe.engine.spend.is_open and pipe.engine.datasets["a"].done:
+                    break
                 await asyncio.sleep(0.02)
+            else:
+                raise AssertionError(f"the run never answered: {pipe.engine.alert or pipe.error}")
             assert await pipe.smoke()
             assert pipe.engine.spend.by_dataset.get(SMOKE, 0) > 0  # on the open ledger, in memory
             await asyncio.wait_for(task, 60)
-        finally:
-            await pipe.close()
         r = (await reconcile(cfg, TEST_KEY)).reconciliation
         billed = sim.stats.billed_usd
     assert r.total_usd == pytest.approx(billed, abs=1e-4) and r.pending == r.unknown == 0
     assert sum(1 for x in _lines(RunDir(cfg.run_dir)) if x.get("ds") == SMOKE and x["e"] == "sent") == 1
+
+
+async def test_a_run_started_during_a_smoke_test_waits_for_its_ledger(tmp_path):
+    """s pressed before the run opened its ledger: the smoke test has the ledger (locked), so the run
+    waits for it instead of failing on the lock, then books on the same file."""
+    async with SimServer(SimConfig(seed=4, fixed_latency_s=1.0, mean_completion_tokens=80), port=0) as sim:
+        cfg = _one_dataset(tmp_path, sim, 10)
+        async with _pipeline(cfg) as pipe:
+            pipe.run_smoke()
+            for _ in range(500):  # the smoke test has the ledger open
+                if sim.stats.in_flight:
+                    break
+                await asyncio.sleep(0.01)
+            assert await asyncio.wait_for(pipe.generate(), 60) == "DONE", pipe.engine.alert
+        billed = sim.stats.billed_usd
+    assert pipe.error is None and pipe.engine.datasets["a"].done == 10
+    r = SpendLedger.read(RunDir(cfg.run_dir).spend).reconcile()
+    assert r.answered == 11 and r.total_usd == pytest.approx(billed, abs=1e-4)
 
 
 # -- answers without usage.cost ------------------------------------------------------------------
@@ -159,11 +191,37 @@ def test_an_answer_without_a_cost_or_an_id_is_booked_at_tokens_times_the_worst_p
     t3 = spend.reserve("a", "p3", 0.01)
     spend.send(t3)
     book_answer(spend, t3, _answer(Usage(100, 500, 0, 0.0), True), prices)  # a free answer says $0
+    # No price known (no ceiling): $0 as an estimate, or, with a generation id, looked up.
+    t4 = spend.reserve("a", "p4", 0.0)
+    spend.send(t4)
+    book_answer(spend, t4, _answer(Usage(100, 500), False), None)
+    t5 = spend.reserve("a", "p5", 0.0)
+    spend.send(t5)
+    spend.generation(t5, "gen-5")
+    assert book_answer(spend, t5, _answer(Usage(100, 500), False), None) is not None
+    # With an id and a price, pending at the estimate (never above the reservation) until looked up.
+    t6 = spend.reserve("a", "p6", 0.01)
+    spend.send(t6)
+    spend.generation(t6, "gen-6")
+    lookup = book_answer(spend, t6, _answer(Usage(100, 500), False), prices)
+    assert lookup is not None and lookup.worst == pytest.approx(2100e-6) and lookup.answer
+    assert spend.pending_usd == pytest.approx(2100e-6) and spend.reserved_usd == 0
     spend.close()
-    r = SpendLedger.read(tmp_path / "spend.jsonl").reconcile()
-    assert r.answered == 3 and r.total_usd == pytest.approx(100e-6 + 2000e-6 + 0.01)
+    # Read back as the next run would (a kill before the record came): the same sums and flags.
+    r = SpendLedger.read(tmp_path / "spend.jsonl")
+    assert r.pending_usd == pytest.approx(2100e-6) and r.pending[lookup.id].answer
+    assert {p.gen for p in r.lookups()} == {"gen-5", "gen-6"}
+    rec = r.reconcile()
+    assert rec.answered == 4 and rec.total_usd == pytest.approx(100e-6 + 2000e-6 + 0.01)
     ends = [orjson.loads(x) for x in (tmp_path / "spend.jsonl").read_bytes().splitlines() if b'"end"' in x]
-    assert [e["s"] for e in ends] == ["estimate", "estimate", "usage.cost"]
+    assert [e["s"] for e in ends] == ["estimate", "estimate", "usage.cost", "estimate", "pending", "pending"]
+    # Priced from its record, it counts as an answer.
+    again = SpendLedger(tmp_path / "spend.jsonl")
+    again.open()
+    again.settle(again.pending[lookup.id], 0.0015)
+    again.close()
+    rec = SpendLedger.read(tmp_path / "spend.jsonl").reconcile()
+    assert rec.answered == 5 and rec.pending == 1 and rec.total_usd == pytest.approx(0.0121 + 0.0015)
 
 
 # -- HTTP errors that carry a generation id -----------------------------------------------------
@@ -224,6 +282,7 @@ def test_which_failures_are_billed(tmp_path):
     cases = [  # (generation id, failure, booked as)
         ("gen-1", RequestFailed(ErrorKind.SERVER, "HTTP 502", status=502), "pending"),
         ("gen-2", RequestFailed(ErrorKind.REQUEST_TIMEOUT, "HTTP 408", status=408), "pending"),
+        ("gen-6", RequestFailed(ErrorKind.SERVER, "HTTP 524", status=524), "pending"),
         ("gen-3", RequestFailed(ErrorKind.RATE_LIMITED, "HTTP 429", status=429), "refused"),
         (None, RequestFailed(ErrorKind.SERVER, "HTTP 502", status=502), "refused"),
         (None, RequestFailed(ErrorKind.CONNECTION, "TLS handshake failed", unreachable=True), "refused"),
@@ -241,8 +300,10 @@ def test_which_failures_are_billed(tmp_path):
     ends = [orjson.loads(x) for x in (tmp_path / "spend.jsonl").read_bytes().splitlines() if b'"end"' in x]
     assert [("refused" if e["o"] == "refused" else e["s"]) for e in ends] == [c[2] for c in cases]
     r = SpendLedger.read(tmp_path / "spend.jsonl")
+    # Only a 500/502/503 can settle at $0 for want of a record: a 408 or 524 is someone giving up on a
+    # generation that may run on, like a timeout.
     assert sorted((p.prompt_id, p.ended) for p in r.pending.values()) == [
-        ("p0", True), ("p1", True), ("p6", False), ("p7", False)]
+        ("p0", True), ("p1", False), ("p2", False), ("p7", False), ("p8", False)]
 
 
 # -- a request that never left --------------------------------------------------------------------
@@ -273,3 +334,29 @@ async def test_a_tls_failure_is_waited_out_not_billed_and_fails_nothing(tmp_path
     assert ds.failed == 0 and ds.skipped == 0
     r = engine.spend.reconcile()
     assert r.pending == r.unknown == 0 and r.total_usd == 0 and r.refused > 40
+
+
+# -- one writer at a time -------------------------------------------------------------------------
+
+
+async def test_one_writer_at_a_time_on_the_spend_ledger(tmp_path):
+    """A second writer (another run, a smoke test, `draftgen ledger` in another process) would hold the
+    ceiling against half the spend: it is refused with the file's name, and a smoke test sends nothing."""
+    from draftgen.core.errors import LedgerBusyError
+
+    async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=60), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 5, "max_tokens": 400}],
+                          tables={"budget": {"max_usd": 5.0}, "tokenizer": {"path": str(_tokenizer())}})
+        rd = RunDir(cfg.run_dir)
+        holder = SpendLedger(rd.spend)
+        holder.open()
+        try:
+            with pytest.raises(LedgerBusyError, match="spend.jsonl is open in another draftgen process"):
+                SpendLedger(rd.spend).open()
+            result = await run_smoke(cfg, TEST_KEY)
+            assert "not sent: " in result.summary() and "open in another draftgen process" in result.summary()
+            assert sim.stats.requests_total == 0
+        finally:
+            holder.close()
+        result = await run_smoke(cfg, TEST_KEY)  # released: the next one opens it
+    assert result.passed, result.summary()

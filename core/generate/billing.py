@@ -8,11 +8,13 @@ the same response is never priced two ways:
   server that does not report cost): with a generation id, pending at its estimate until the record
   prices it (the settler); without one, answered at the estimate, tokens x the worst prices the
   routing allows (or the reservation, when the answer says no token counts either). With no price
-  known at all (no ceiling set), there is nothing to estimate with: $0, as the server said;
+  known at all (no ceiling set), the estimate is $0 ("estimate", not "usage.cost"), and the record,
+  when there is an id, still prices it;
 - nothing sent (the address could not be reached, TLS failed): refused, not billed;
 - an HTTP 408 or 5xx that carried a generation id: a provider may have run (a 524 is the gateway
-  giving up on an origin that runs on), so it is abandoned with its status and looked up; if no
-  record appears within `generation_lookup_s`, nothing ran and it settles at $0 ("no record");
+  giving up on an origin that runs on), so it is abandoned with its status and looked up. A 500,
+  502 or 503 without a record after `generation_lookup_s` settles at $0 ("no record": answered at
+  once, nothing runs on); a 408, 504 or 524 without one stays at its worst case, like a timeout;
 - any other HTTP error status (400-429: the service's checks before a generation): refused;
 - everything else (a timeout, a cut body, an error inside a 200, stop-now): abandoned, and priced
   from the generation record when it has an id; without one it stays at its worst case.
@@ -46,10 +48,8 @@ def book_answer(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Price
     if answer.priced:
         spend.answered(t, answer.usage.cost)
         return None
-    if t.worst <= 0:  # no price known and no ceiling: nothing to estimate with
-        spend.answered(t, 0.0)
-        return None
-    guess = estimate(answer, prices, t.worst)
+    # No price known (and so no ceiling): nothing to estimate with, $0 unless the record says more.
+    guess = estimate(answer, prices, t.worst) if t.worst > 0 else 0.0
     if t.gen:
         return spend.answered_unpriced(t, guess)
     spend.answered(t, guess, Source.ESTIMATE)

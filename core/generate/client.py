@@ -66,6 +66,12 @@ def _usage_of(raw: Any) -> Usage:
     )
 
 
+def _error_message(err: Any) -> str:
+    """The message of an `error` object inside a 200 (its first 300 characters)."""
+    msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+    return str(msg)[:300]
+
+
 def _has_cost(raw: Any) -> bool:
     cost = raw.get("cost") if isinstance(raw, dict) else None
     return isinstance(cost, (int, float)) and not isinstance(cost, bool)
@@ -90,9 +96,7 @@ def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
     if not isinstance(obj, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "response body is not a JSON object")
     if obj.get("error"):
-        err = obj["error"]
-        msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-        raise RequestFailed(ErrorKind.ERROR_IN_200, f"HTTP 200 with an error: {str(msg)[:300]}")
+        raise RequestFailed(ErrorKind.ERROR_IN_200, f"HTTP 200 with an error: {_error_message(obj['error'])}")
     choices = obj.get("choices")
     if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
         raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 with no choices")
@@ -143,9 +147,7 @@ class _StreamState:
         # Runs once per SSE event (hundreds per answer): one lookup per key, no temporaries.
         get = chunk.get
         if get("error"):
-            err = chunk["error"]
-            msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-            raise RequestFailed(ErrorKind.ERROR_IN_200, f"error chunk mid-stream: {str(msg)[:300]}")
+            raise RequestFailed(ErrorKind.ERROR_IN_200, f"error chunk mid-stream: {_error_message(chunk['error'])}")
         value = get("id")
         if value:
             self.meta["id"] = value

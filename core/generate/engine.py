@@ -7,7 +7,8 @@ is done by its parts, each in its own module:
     duplicates.py  a prompt another dataset of the run directory answered is not sent again
     attempts.py    one prompt asked until it has an outcome: backoff, retries, outages
     ledger.py      per-dataset counts, resume from disk, the record writer, the disk-full hold-back
-    spend.py       the money: every attempt on spend.jsonl, the sums behind the max_usd ceiling;
+    spend.py       the money: every attempt on spend.jsonl, the sums behind the max_usd ceiling
+                   (spend_file.py: the file, locked to one writer);
                    billing.py how each attempt's end is booked (who pays, how sure the figure is)
     prices.py      worst-case prices from the endpoints listing or the config; settle.py prices
                    abandoned generations from their records; account.py reads the balance, and

@@ -4,9 +4,10 @@ An attempt the client gave up on (a timeout, a dropped connection, stop-now, a r
 it read the answer) may still be billed: a non-streamed request runs on and is billed in full, an
 aborted stream up to the abort. `GET /api/v1/generation?id=` returns the record (`total_cost`)
 shortly after the generation ends, so a 404 is retried, with backoff, for `lookup_s`; what is still
-not found then stays pending (at its worst case) for the next run or `draftgen ledger`, except an
-HTTP 408/5xx's id (`Pending.ended`): that response ended the request, so a record still missing
-after `lookup_s` of 404s means no generation ran, and it settles at $0 ("no record").
+not found then stays pending (at its worst case) for the next run or `draftgen ledger`, except the
+id of a 500, 502 or 503 (`Pending.ended`): that error was answered at once, so no generation runs on,
+and a record still missing after `lookup_s` of 404s (two at least) means none ran: it settles at $0
+("no record"). A 408, 504 or 524 (someone gave up on a generation that may run on) stays pending.
 """
 
 from __future__ import annotations
@@ -74,14 +75,14 @@ class Settler:
     async def _look_up(self, p: Pending, first: float) -> None:
         delay = 0.25
         assert p.gen is not None
-        not_found = False  # the last lookup said 404 (not a refusal or a network error)
+        not_found = 0  # 404s in a row (not a refusal or a network error)
         while p.id in self._spend.pending:
             try:
                 record = await self._client.generation(p.gen)
-                not_found = record is None
+                not_found = not_found + 1 if record is None else 0
             except (RequestFailed, asyncio.TimeoutError, aiohttp.ClientError, OSError):
                 record = None
-                not_found = False
+                not_found = 0
                 self.failures += 1
             if record is not None:
                 cost = record.get("total_cost", record.get("usage"))
@@ -92,7 +93,7 @@ class Settler:
                 self._on_settled()
                 return
             if time.monotonic() - first + delay > self._lookup_s:
-                if p.ended and not_found:
+                if p.ended and not_found >= 2:
                     self._spend.settle(p, 0.0, Source.NO_RECORD)
                     self._on_settled()
                 return  # still not there: pending for the next run or `draftgen ledger`

@@ -44,7 +44,7 @@ from draftgen.core.generate.prices import fetch_prices, prompt_token_bound
 from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.config import Config, DatasetConfig
-from draftgen.core.errors import DiskError, DraftgenError
+from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.records import ResponseRecord
 from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.files import write_json_atomic
@@ -290,12 +290,16 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
         rd = RunDir(config.run_dir)
         on_disk = {ds.name: await asyncio.to_thread(_on_disk, rd, ds) for ds in config.datasets}
         own_spend = spend is None
-        ledger_error = ""
-        if spend is None:
+        # Without GET /key the key is in doubt (its row says why), and a new ledger could not record
+        # the key's usage before its first attempt (`draftgen ledger --unknown-from-key` needs it).
+        ledger_error = "" if account is not None else "not sent: GET /key failed (see the key row)"
+        if spend is None and not ledger_error:
             spend = SpendLedger(rd.spend)
             try:
                 await asyncio.to_thread(_open_spend, spend, rd, on_disk,
                                         None if account is None else account.key_usage)
+            except LedgerBusyError as e:
+                ledger_error = f"not sent: {e}"
             except (DiskError, OSError) as e:
                 ledger_error = f"not sent: the spend ledger cannot be written ({e})"
 
@@ -306,7 +310,10 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
             fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
             if ledger_error:
                 return fp, body, fail(ledger_error), 0.0
+            assert spend is not None
             p = prices[ds.name]
+            if p is None and config.budget.max_usd is not None:
+                return fp, body, fail("not sent: max_usd is set and no price is known (see the prices row)"), 0.0
             worst = p.worst_case(prompt_token_bound(body["messages"]), int(body.get("max_tokens") or 0)) if p else 0.0
             ticket, why = reserve_one(spend, config.budget.max_usd, SMOKE, f"smoke:{ds.name}", worst)
             if ticket is None:
@@ -330,9 +337,10 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
         try:
             answers = await asyncio.gather(*(ask(fp, ds) for fp, ds in shapes.items()))
             # The ledger is the spend (the smoke requests and abandoned attempts included).
-            spent = spend.spent_usd if not ledger_error else sum(cost for _, _, cost in on_disk.values())
+            spent = spend.spent_usd if spend is not None and spend.is_open else \
+                await asyncio.to_thread(_spent_on_disk, rd, on_disk)
         finally:
-            if own_spend:
+            if own_spend and spend is not None:
                 spend.close()
 
     smoke: SmokeFigures | None = None
@@ -346,6 +354,8 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
         rows = await asyncio.to_thread(_answer_rows, config, ds, body, answer, reconstruct_fn)
         for row in rows:
             add(row)
+        if not answer.priced:  # no usage.cost: its row says so; the projection does not take it as $0
+            continue
         for other in config.datasets:
             if config.fingerprint(other) == fp:
                 result.cost_per_request[other.name] = answer.usage.cost
@@ -398,6 +408,14 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
 
 
 SMOKE = "(smoke)"  # the spend ledger's "dataset" of the smoke requests
+
+
+def _spent_on_disk(rd: RunDir, on_disk: dict[str, tuple[int, int, float]]) -> float:
+    """The spend so far when the smoke test could not open the ledger: the ledger read as it is, else
+    the answers' cost."""
+    if rd.spend.exists():
+        return SpendLedger.read(rd.spend).spent_usd
+    return sum(cost for _, _, cost in on_disk.values())
 
 
 def _open_spend(spend: SpendLedger, rd: RunDir, on_disk: dict[str, tuple[int, int, float]],

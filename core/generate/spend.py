@@ -18,7 +18,7 @@ loses nothing written; `JsonlAppender` cuts a torn last line on the next open):
     {"e":"settle","a":ID,"c":USD,"s":"generation"}
         an abandoned attempt priced from GET /api/v1/generation?id= (its record's total_cost)
     {"e":"settle","a":ID,"c":0,"s":"no record"}
-        a 408/5xx whose generation id has no record after `generation_lookup_s`: nothing ran
+        a 500/502/503 whose generation id has no record after `generation_lookup_s`: nothing ran
     {"e":"settle","a":ID,"c":USD,"s":"key usage"}
         an attempt without a generation id priced from the key's usage (`draftgen ledger
         --unknown-from-key`, see reconcile.py `settle_unknown_from_key`)
@@ -36,7 +36,6 @@ settled + pending + reserved + the next reservation <= max_usd, whatever crashed
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -45,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from draftgen.core.errors import DiskError
-from draftgen.core.rundir import JsonlAppender, iter_jsonl
+from draftgen.core.generate.spend_file import LedgerFile
+from draftgen.core.rundir import iter_jsonl
 
 
 class Source(str, Enum):
@@ -54,9 +54,15 @@ class Source(str, Enum):
     ESTIMATE = "estimate"      # an answer without usage.cost and no generation id: tokens x worst prices
     NOT_BILLED = "not billed"
     GENERATION = "generation"
-    NO_RECORD = "no record"    # an HTTP error's generation id never got a record: nothing ran
+    NO_RECORD = "no record"    # a 500/502/503's generation id never got a record: nothing ran
     KEY_USAGE = "key usage"
     PENDING = "pending"
+
+
+# HTTP errors after which no generation runs on: a provider or OpenRouter answered with the error at
+# once. A 408, 504 or 524 is someone giving up on a generation that may still run (and be billed), so
+# those wait for their record like a timeout does.
+ENDED_STATUSES = frozenset({500, 502, 503})
 
 
 class AttemptEnd(str, Enum):
@@ -87,7 +93,7 @@ class Pending:
     prompt_id: str
     worst: float
     gen: str | None     # None: the run died before the id came back; it cannot be looked up
-    ended: bool = False   # an HTTP error status ended it: no record after the lookups means not billed
+    ended: bool = False   # a 500/502/503 ended it: no record after the lookups means not billed
     answer: bool = False  # an answer that carried no cost: booked as answered once priced
 
 
@@ -117,7 +123,7 @@ class SpendLedger:
         self.path = Path(path)
         self._run = f"{os.getpid():x}{int(time.time() * 1000) % 0xFFFFFF:x}"
         self._n = 0
-        self._file: JsonlAppender | None = None
+        self._file: LedgerFile | None = None
         self.settled_usd = 0.0
         self.spent_run = 0.0           # settled by this process
         self.reserved_usd = 0.0        # worst case of attempts in flight here
@@ -126,8 +132,6 @@ class SpendLedger:
         self.by_dataset: dict[str, float] = {}
         self.existed = False
         self.key_baseline: float | None = None  # GET /key usage before the directory's first attempt
-        self.write_error: str = ""     # the last refused write (the ledger errs on the side of more spend)
-        self._unwritten: list[dict[str, Any]] = []
         # For `reconcile()`.
         self._answered = [0, 0.0]
         self._refused = 0
@@ -144,10 +148,14 @@ class SpendLedger:
         return ledger
 
     def open(self) -> int:
-        """Read what earlier runs left and open the file for appending; returns the bytes cut from
-        a torn last line."""
-        self._file = JsonlAppender(self.path)  # cuts a torn last line first
-        self._load()
+        """Lock the file (LedgerBusyError when another process has it), read what earlier runs left and
+        open it for appending; returns the bytes cut from a torn last line."""
+        self._file = LedgerFile(self.path)
+        try:
+            self._load()
+        except BaseException:
+            self.close()
+            raise
         return self._file.cut_bytes
 
     def _load(self) -> None:
@@ -175,12 +183,13 @@ class SpendLedger:
                 outcome, cost = line.get("o"), line.get("c")
                 if outcome == AttemptEnd.ABANDONED:
                     self._add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g") or line.get("g"),
-                                              ended="st" in line))
+                                              ended=line.get("st") in ENDED_STATUSES))
                 elif outcome == AttemptEnd.ANSWERED and cost is None:
                     self._add_pending(Pending(aid, rec["ds"], rec["p"], min(rec["w"], float(line.get("w", rec["w"]))),
                                               rec.get("g"), answer=True))
                 else:
-                    self._book(rec["ds"], float(line.get("c") or 0.0), outcome == AttemptEnd.ANSWERED, run=False)
+                    self._book(rec["ds"], float(cost or 0.0),
+                               AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED, run=False)
             elif kind == "settle":
                 rec = opened.pop(aid, None)  # left open by a killed run, priced by a later one
                 p = self._drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
@@ -218,8 +227,6 @@ class SpendLedger:
 
     def close(self) -> None:
         if self._file is not None:
-            with contextlib.suppress(DiskError, OSError):
-                self._flush_unwritten()
             self._file.close()
             self._file = None
 
@@ -248,8 +255,8 @@ class SpendLedger:
 
     def send(self, t: Ticket) -> None:
         """On disk before the request leaves (raises DiskError when the disk refuses: do not send)."""
-        assert self._file is not None, "SpendLedger.open() first"
-        self._flush_unwritten()
+        if self._file is None:  # closed: the run that owned it ended (or it was never opened)
+            raise DiskError(f"{self.path}: the spend ledger is closed; nothing more is sent on it")
         self._file.append({"e": "sent", "a": t.id, "ds": t.ds, "p": t.prompt_id, "w": t.worst,
                            "t": round(time.time(), 3)})
         t.sent = True
@@ -262,7 +269,7 @@ class SpendLedger:
     def answered(self, t: Ticket, cost: float, source: Source = Source.USAGE) -> None:
         if self._close(t):
             self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": cost, "s": source.value})
-            self._book(t.ds, cost, True, run=True)
+            self._book(t.ds, cost, AttemptEnd.ANSWERED, run=True)
 
     def answered_unpriced(self, t: Ticket, estimate: float) -> Pending | None:
         """An answer that carried no usage.cost but has a generation id: pending (at `estimate`, at most
@@ -292,7 +299,7 @@ class SpendLedger:
         if status is not None:
             line["st"] = status
         self._write(line)
-        p = Pending(t.id, t.ds, t.prompt_id, t.worst, t.gen, ended=status is not None)
+        p = Pending(t.id, t.ds, t.prompt_id, t.worst, t.gen, ended=status in ENDED_STATUSES)
         self._add_pending(p)
         return p
 
@@ -323,27 +330,22 @@ class SpendLedger:
             self.reserved_usd = 0.0  # no float crumbs once nothing is in flight
         return True
 
-    def _book(self, ds: str, cost: float, answer: bool, *, run: bool) -> None:
+    def _book(self, ds: str, cost: float, end: AttemptEnd, *, run: bool) -> None:
+        """A known cost on the sums, counted by how its attempt ended (for `reconcile()`)."""
         self.settled_usd += cost
         self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
         if run:
             self.spent_run += cost
-        if answer:
-            self._answered[0] += 1
-            self._answered[1] += cost
-        else:
+        tally = self._answered if end is AttemptEnd.ANSWERED else \
+            self._settled_abandoned if end is AttemptEnd.ABANDONED else None
+        if tally is None:
             self._refused += 1
+        else:
+            tally[0] += 1
+            tally[1] += cost
 
     def _book_settled(self, p: Pending, cost: float, *, run: bool) -> None:
-        if p.answer:
-            self._book(p.ds, cost, True, run=run)
-            return
-        self.settled_usd += cost
-        self.by_dataset[p.ds] = self.by_dataset.get(p.ds, 0.0) + cost
-        if run:
-            self.spent_run += cost
-        self._settled_abandoned[0] += 1
-        self._settled_abandoned[1] += cost
+        self._book(p.ds, cost, AttemptEnd.ANSWERED if p.answer else AttemptEnd.ABANDONED, run=run)
 
     def _add_pending(self, p: Pending) -> None:
         self.pending[p.id] = p
@@ -356,23 +358,8 @@ class SpendLedger:
         return p
 
     def _write(self, line: dict[str, Any]) -> None:
-        """A line after the attempt left. A refused write is kept and written before the next line that
-        goes through; lost with the process, it only makes the next run count the attempt at its
-        worst case (its `sent` line is on disk)."""
-        if self._file is None:
-            return
-        try:
-            self._flush_unwritten()
-            self._file.append(line)
-        except (DiskError, OSError) as e:
-            self.write_error = str(e)
-            self._unwritten.append(line)
-
-    def _flush_unwritten(self) -> None:
-        assert self._file is not None
-        while self._unwritten:
-            self._file.append(self._unwritten[0])
-            self._unwritten.pop(0)
+        if self._file is not None:  # closed (the run ended): the next run counts the attempt at worst case
+            self._file.append_or_hold(line)
 
     def reconcile(self) -> Reconciliation:
         known = [p for p in self.pending.values() if p.gen]

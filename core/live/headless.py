@@ -20,6 +20,7 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.config import Config
 from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.live.summary import summary_lines
+from draftgen.core.records import error_count
 from draftgen.core.units import clock, compact_duration, fmt_count, usd
 
 WIDTH = 120          # every line fits a 120-column terminal
@@ -44,7 +45,7 @@ def status_line(s: snap.RunSnapshot, now: float | None = None) -> str:
     done = sum(d.done for d in s.datasets)
     total = sum(d.total for d in s.datasets)
     pct = f" {100 * (done + sum(d.failed + d.skipped for d in s.datasets)) / total:.0f}%" if total else ""
-    errors = sum(n for k, n in s.errors if k not in ("length", "empty_content"))
+    errors = error_count(s.errors)
     # Spend is the spend ledger over all runs, + the worst case reserved for the requests in flight, / the
     # max_usd ceiling (short: the status line holds 120 columns; the detail lines spell it out).
     ceiling = "none" if c.max_usd is None else f"${c.max_usd:,.0f}" if c.max_usd == int(c.max_usd) else usd(c.max_usd)
@@ -75,7 +76,7 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
         out.append(_fit(f"{INDENT}{d.name}: {d.status} {d.done:,}/{d.total:,} answered, {d.failed:,} failed, "
                         f"{d.skipped:,} skipped, {d.in_flight:,} in flight (limit {d.effective_concurrency:,}/"
                         f"{d.concurrency:,}), {usd(d.cost_usd)}"))
-    errors = sum(n for k, n in s.errors if k not in ("length", "empty_content"))
+    errors = error_count(s.errors)
     out.append(_fit(INDENT + " | ".join([
         f"limit {t.effective_concurrency:,}/{t.configured_concurrency:,}",
         f"avg completion {t.avg_completion_tokens_window:,.0f} tok (30s) {t.avg_completion_tokens_total:,.0f} (all)",

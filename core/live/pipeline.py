@@ -22,11 +22,11 @@ from draftgen.core.live.hub import Hub
 from draftgen.core.live.stages import Stages
 from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_INCOMPLETE, INCOMPLETE
 from draftgen.core.live.timeline import TimelineRecorder, Totals
+from draftgen.core.records import error_count
 from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.secrets import Redactor
 
 STAGES = ("smoke", "tokens", "merge", "extract")
-NOT_ERRORS = ("length", "empty_content")  # tallied with the errors, but answers that were kept
 
 
 def smoke_status(config: Config) -> tuple[bool, str]:
@@ -60,6 +60,7 @@ class Pipeline:
         self._api_key = api_key
         self._redact = Redactor(api_key)
         self._skip_smoke = skip_smoke
+        self._opening_ledger = False  # the run is about to open the spend ledger (a smoke test waits)
         self._reconstruct = config.engine.reconstruct if reconstruct is None else reconstruct
         self._serve_attach = serve_attach
         self.engine = Engine(config, api_key, on_event=self.emit, on_answer=self._on_answer, seed=seed)
@@ -145,13 +146,23 @@ class Pipeline:
                         self.engine.state = snap.RunState.STOPPED
                         self.exit_code = 1
                         return snap.RunState.STOPPED
+            # From here the run opens the spend ledger (one writer at a time): a smoke test started with
+            # s before now has it locked, so the run waits for it; s waits until the run has it open,
+            # then books on the run's own ledger.
+            self._opening_ledger = True
+            manual = self.oneshot.task("smoke")
+            if manual is not None and not manual.done():
+                await asyncio.wait({manual})
             if self._reconstruct:
                 from draftgen.core.tokens.live import LiveReconstructor
                 self._reconstructor = LiveReconstructor(self.config, workers=self.config.engine.workers)
                 await self._reconstructor.start()
                 for ds in self.config.datasets:
                     await self._reconstructor.catch_up(ds.name)
-            state = await self.engine.run()
+            try:
+                state = await self.engine.run()
+            finally:
+                self._opening_ledger = False
             if state in INCOMPLETE and self.exit_code == EXIT_COMPLETE:
                 self.exit_code = EXIT_INCOMPLETE  # prompts are left: the shell can tell it from a complete run
             if self.engine.key_refused is not None:
@@ -195,7 +206,7 @@ class Pipeline:
     def _totals(self) -> Totals:
         """This process's running totals for the history (core/live/timeline.py)."""
         e = self.engine
-        errors = sum(n for kind, n in e.errors.items() if kind not in NOT_ERRORS)
+        errors = error_count(e.errors.items())
         return Totals(answers=e.ledger.rates.answers, tokens=e.ledger.rates.tokens, usd=e.money.spent_run, errors=errors,
                       in_flight=e.in_flight)
 
@@ -223,6 +234,8 @@ class Pipeline:
             return None if state == snap.RunState.PAUSED else f"nothing to resume: the run is {state.lower()}"
         if action in ("smoke", "merge", "extract") and self.oneshot.running(action):
             return f"{action} is already running"
+        if action == "smoke" and self._opening_ledger and not self.engine.spend.is_open:
+            return "the run is opening its spend ledger: press s again in a moment"
         if action == "merge":
             if not any(self.rundir.responses(d.name).exists() for d in self.config.datasets):
                 return "nothing to merge yet: no answers on disk"

@@ -1,0 +1,64 @@
+"""spend.jsonl while one process writes it (the spend ledger's file; its lines: spend.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+from typing import Any
+
+from draftgen.core.errors import DiskError, LedgerBusyError
+from draftgen.core.files import lock_file
+from draftgen.core.rundir import JsonlAppender
+
+
+class LedgerFile:
+    """spend.jsonl while one process writes it: locked (one writer at a time: a second would keep the
+    ceiling against only its own half of the spend, and could cut the other's line in flight), lines
+    appended whole, and a line the disk refused after its attempt left held back for the next write."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = lock_file(path)
+        if lock is None:
+            raise LedgerBusyError(f"{path} is open in another draftgen process (a run, a smoke test or "
+                                  "`draftgen ledger` on this run directory): one at a time, so that max_usd "
+                                  "counts every request; wait for it to end, or stop it")
+        try:
+            self._out = JsonlAppender(path)  # cuts a torn last line first
+        except BaseException:
+            os.close(lock)
+            raise
+        self._lock = lock
+        self.cut_bytes = self._out.cut_bytes
+        self.write_error = ""  # the last refused write (the ledger errs on the side of more spend)
+        self._unwritten: list[dict[str, Any]] = []
+
+    def append(self, line: dict[str, Any]) -> None:
+        """Written before it returns, after any held-back lines; raises DiskError (a `sent` line: do not send)."""
+        self._flush()
+        self._out.append(line)
+
+    def _flush(self) -> None:
+        while self._unwritten:
+            self._out.append(self._unwritten[0])
+            self._unwritten.pop(0)
+
+    def append_or_hold(self, line: dict[str, Any]) -> None:
+        """A line after the attempt left. A refused write is kept and written before the next line that
+        goes through; lost with the process, it only makes the next run count the attempt at its
+        worst case (its `sent` line is on disk)."""
+        try:
+            self.append(line)
+        except (DiskError, OSError) as e:
+            self.write_error = str(e)
+            self._unwritten.append(line)
+
+    def close(self) -> None:
+        with contextlib.suppress(DiskError, OSError):
+            self._flush()
+        self._out.close()
+        with contextlib.suppress(OSError):
+            fcntl.flock(self._lock, fcntl.LOCK_UN)  # released even if a child still holds a copy
+        os.close(self._lock)
