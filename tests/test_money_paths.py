@@ -356,6 +356,9 @@ async def test_one_writer_at_a_time_on_the_spend_ledger(tmp_path):
             result = await run_smoke(cfg, TEST_KEY)
             assert "not sent: " in result.summary() and "open in another draftgen process" in result.summary()
             assert sim.stats.requests_total == 0
+            # `draftgen ledger` beside a run: the ledger as it is, nothing written or priced.
+            report = await reconcile(cfg, TEST_KEY, lookup_s=0.5)
+            assert "has " in report.busy_note and "nothing looked up" in report.busy_note and report.looked_up == 0
         finally:
             holder.close()
         result = await run_smoke(cfg, TEST_KEY)  # released: the next one opens it

@@ -17,6 +17,7 @@ import asyncio
 from dataclasses import dataclass
 
 from draftgen.core.config import Config
+from draftgen.core.errors import LedgerBusyError
 from draftgen.core.generate.account import read_account
 from draftgen.core.generate.client import ChatClient, RequestFailed
 from draftgen.core.generate.settle import Settler
@@ -53,18 +54,27 @@ class LedgerReport:
     max_usd: float | None
     from_key_usd: float | None = None   # what --unknown-from-key settled (None: nothing)
     from_key_note: str = ""
+    busy_note: str = ""   # another process had the ledger open: read as it was, nothing priced
 
 
 async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = None,
                     unknown_from_key: bool = False) -> LedgerReport:
     rd = RunDir(config.run_dir)
     spend = SpendLedger(rd.spend)
-    spend.open()
+    busy = ""
+    try:
+        await asyncio.to_thread(spend.open)
+    except LedgerBusyError:
+        # A run (or a smoke test) has the ledger: it prices its own pending attempts. Show the
+        # ledger as it is now, without writing to it.
+        spend = await asyncio.to_thread(SpendLedger.read, rd.spend)
+        busy = (f"another draftgen process (a run?) has {rd.spend} open: shown as it is now, nothing looked up "
+                "or priced here (the run prices its own)")
+    todo = [] if busy else spend.lookups()
     try:
         async with ChatClient(config.api.base_url, api_key, concurrency=16, request_timeout_s=60,
                               connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
                               title=config.api.title) as client:
-            todo = spend.lookups()
             look = config.api.generation_lookup_s if lookup_s is None else lookup_s
             settler = Settler(spend, client, look)
             settler.start()
@@ -80,14 +90,15 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
                 key_usage, note = None, f"GET /key: {getattr(e, 'message', type(e).__name__)}"
             from_key, from_key_note = None, ""
             if unknown_from_key:
-                from_key = None if key_usage is None else settle_unknown_from_key(spend, key_usage)
+                from_key = None if key_usage is None or busy else settle_unknown_from_key(spend, key_usage)
                 from_key_note = (f"priced the attempts without a generation id at ${from_key:.6f} "
                                  "from the key's usage" if from_key is not None else
                                  "--unknown-from-key: nothing priced (no key usage or baseline, lookups still "
                                  "pending, or the key's usage does not fit: it ran other work)")
     finally:
         spend.close()
-    return LedgerReport(spend.reconcile(), len(todo), key_usage, note, config.budget.max_usd, from_key, from_key_note)
+    return LedgerReport(spend.reconcile(), len(todo), key_usage, note, config.budget.max_usd, from_key, from_key_note,
+                        busy)
 
 
 def print_report(report: LedgerReport) -> None:
@@ -98,7 +109,7 @@ def print_report(report: LedgerReport) -> None:
     table.add_column("attempts")
     table.add_column("count", justify="right")
     table.add_column("USD", justify="right")
-    table.add_row("answered (usage.cost)", str(r.answered), f"{r.answered_usd:.6f}")
+    table.add_row("answered (usage.cost, or priced from the record)", str(r.answered), f"{r.answered_usd:.6f}")
     table.add_row("refused (HTTP error, not billed)", str(r.refused), "0")
     table.add_row("abandoned, priced (generation record)", str(r.abandoned_settled), f"{r.abandoned_settled_usd:.6f}")
     table.add_row("abandoned, still pending (worst case)", str(r.pending), f"<= {r.pending_worst_usd:.6f}")
@@ -110,7 +121,7 @@ def print_report(report: LedgerReport) -> None:
                   + (f" of {report.max_usd:.2f}" if report.max_usd is not None else ""))
     console = Console()
     console.print(table)
-    console.print(f"looked up {report.looked_up} pending generation(s)")
+    console.print(report.busy_note or f"looked up {report.looked_up} pending generation(s)")
     if report.from_key_note:
         console.print(report.from_key_note)
     if report.key_usage_usd is not None:
