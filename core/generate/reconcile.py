@@ -69,7 +69,8 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
         # ledger as it is now, without writing to it.
         spend = await asyncio.to_thread(SpendLedger.read, rd.spend)
         busy = (f"another draftgen process (a run?) has {rd.spend} open: shown as it is now, nothing looked up "
-                "or priced here (the run prices its own)")
+                "or priced here (the run prices its own); its requests in flight count as pending or unknown "
+                "here, at their worst case")
     todo = [] if busy else spend.lookups()
     try:
         async with ChatClient(config.api.base_url, api_key, concurrency=16, request_timeout_s=60,
