@@ -36,9 +36,9 @@ TRANSIENT = ("in_flight_budget", "rate_limited", "request_timeout", "no_provider
              "provider_502", "gateway_504", "gateway_524", "error_body", "finish_error", "empty_choices",
              "stream_error")
 PROMPT = {"context_length": "400_context_length", "invalid_prompt": "400_invalid_prompt",
-          "moderation": "moderated", "payload_too_large": "413"}
+          "moderation": "moderated", "payload_too_large": "413", "provider_400": "400"}
 DATASET = ("unknown_model", "data_policy", "no_allowed_providers", "no_endpoints_support", "max_tokens_exceeded",
-           "weight_exceeds_budget")
+           "weight_exceeds_budget", "bad_parameter")
 ACCOUNT_SELF_CLEARING = ("key_limit", "out_of_credits")   # a re-read of /key or /credits shows room again
 ACCOUNT_BY_HAND = ("guardrail_budget", "workspace_budget")  # nothing to re-read: `r` / SIGUSR1
 CLASS_OF = {**{n: Whose.TRANSIENT for n in TRANSIENT}, **{n: Whose.PROMPT for n in PROMPT},
@@ -156,6 +156,38 @@ async def test_prompt_rows_fail_that_prompt_only(tmp_path: Path, name: str, stre
     assert failures(config, "b") == []
     rd = RunDir(config.run_dir)
     assert len(set(read_ids(rd.responses("a")))) == A - 1 and len(read_ids(rd.responses("b"))) == B
+
+
+async def test_a_400_naming_no_cause_on_the_last_prompt_fails_it_at_the_dataset_end(tmp_path: Path) -> None:
+    """The last prompt sent gets a provider's 400 that names no known cause: no later request can show
+    the parameters work, but the dataset answered the others with them, so it is the prompt's own."""
+    async with SimServer(sim_config(), port=0) as sim:
+        config = config_for(tmp_path, sim, False)
+        sim.scenario("provider_400", True, match=f"Question a-{A - 1}:")
+        run = Watch(config)
+        assert await run.result() == snap.RunState.DONE
+    assert [(f["id"], f["error_kind"]) for f in failures(config, "a")] == [(f"a-{A - 1}", "400")]
+    assert run.engine.datasets["a"].status == snap.DatasetStatus.DONE
+
+
+@STREAM
+async def test_a_parameter_refused_mid_run_at_2000_in_flight_fails_no_prompt(tmp_path: Path, stream: bool) -> None:
+    """The provider starts refusing a parameter mid-run with a 400 naming no known cause, while 2,000
+    requests sent before are still being answered: those answers do not make the refusals the prompts'
+    own (they were sent before them); the dataset stops and no prompt is failed (all stay eligible)."""
+    async with SimServer(sim_config(fixed_latency_s=3.0), port=0) as sim:
+        config = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3000, "concurrency": 2000, "max_tokens": 64}],
+                             tables={"api": {"stream": stream}})
+        run = Watch(config)
+        await run.until(lambda: sim.stats.in_flight >= 2000, "2,000 requests in flight", timeout=60)
+        sim.scenario("bad_parameter", True, what="top_k")  # before any of them is answered (3 s each)
+        assert await run.result(timeout=60) == snap.RunState.STOPPED
+        refused = sim.stats.scenarios.get("bad_parameter", 0)
+        peak = sim.stats.peak_in_flight
+    a = run.engine.snapshot().datasets[0]
+    assert peak == 2000 and refused >= 5 and a.done >= 1900
+    assert a.failed == 0 and failures(config, "a") == []
+    assert a.status == snap.DatasetStatus.STOPPED and "request parameters" in a.message and "top_k" in a.message
 
 
 # -- the dataset's routing or settings: the dataset stops, its prompts stay eligible --------------

@@ -60,6 +60,8 @@ ERROR_ROWS: dict[str, tuple[dict[str, Any], int, dict[str, Any]]] = {
     "max_tokens_exceeded": ({"limit": 4096}, 400, {"code": "max_tokens_exceeded"}),
     "context_length": ({}, 400, {"code": "context_length_exceeded"}),
     "invalid_prompt": ({}, 400, {"code": "invalid_prompt"}),
+    "provider_400": ({}, 400, {"provider_name": "DeepInfra", "raw": ...}),
+    "bad_parameter": ({"what": "top_k"}, 400, {"provider_name": "DeepInfra", "raw": ...}),
     "moderation": ({}, 403, {"reasons": ["violence"], "flagged_input": ..., "provider_name": "DeepInfra",
                              "model_slug": "moonshotai/kimi-k2.5"}),
     "key_limit": ({}, 403, {"limit_source": "openrouter_key_limit", "limit_usd": 0.0, "spend_usd": 0.0,

@@ -206,6 +206,8 @@ class Admission:
             if not ds.in_flight:
                 break
             await ds.wake.wait()
+        if not self._gate.closed and self._ledger.settle_doubts(ds):
+            self._event("error", "dataset_stopped", f"{name}: {ds.message}")
         if ds.stopped:
             ds.status = DatasetStatus.STOPPED
         elif budget_reason:

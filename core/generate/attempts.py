@@ -64,6 +64,7 @@ class Attempted:
     answer: ChatAnswer | None = None
     error: RequestFailed | None = None
     disk_error: DiskError | None = None
+    seq: int = 0   # the dataset's count of requests sent when the last one of these left (DatasetRun.sent)
 
 
 class Attempts:
@@ -122,6 +123,8 @@ class Attempts:
                 spend.release(ticket)
                 return Attempted(Outcome.UNSENT, tries, disk_error=e)
             tries += 1
+            ds.sent += 1
+            seq = ds.sent
             t = ticket
             try:
                 answer = await self.client.chat(body, lambda gen_id: spend.generation(t, gen_id))
@@ -142,7 +145,7 @@ class Attempts:
                 if whose is Whose.DATASET:
                     return Attempted(Outcome.DATASET, tries, error=e)
                 if whose is Whose.PROMPT:
-                    return self._failed(ds, prompt_id, tries, e)
+                    return self._failed(ds, prompt_id, tries, e, seq)
                 if e.unreachable:
                     self._note_unreachable(e)
                 if e.kind in ANSWER_KINDS:
@@ -152,7 +155,7 @@ class Attempts:
                 if e.kind in ANSWER_KINDS and self.answered - answered_before > others_faults:
                     spent += 1
                     if spent >= eng.max_attempts:
-                        return self._failed(ds, prompt_id, tries, e)
+                        return self._failed(ds, prompt_id, tries, e, seq)
                 if self._gate.closed:
                     return Attempted(Outcome.GIVEN_UP, tries - 1, error=e)
                 self.retries += 1
@@ -176,7 +179,7 @@ class Attempts:
             ds.concurrency.on_response()
             self.answered += 1
             self._note_reachable()
-            return Attempted(Outcome.ANSWERED, tries, answer=answer)
+            return Attempted(Outcome.ANSWERED, tries, answer=answer, seq=seq)
 
     def stalled(self, in_flight: int) -> str:
         """Why no answer comes while the run goes, in a sentence (empty when answers come)."""
@@ -192,10 +195,10 @@ class Attempts:
                     f"({last.kind}{wait}): {self._redact(last.message)[:120]}")
         return ""
 
-    def _failed(self, ds: DatasetRun, prompt_id: str, tries: int, e: RequestFailed) -> Attempted:
+    def _failed(self, ds: DatasetRun, prompt_id: str, tries: int, e: RequestFailed, seq: int) -> Attempted:
         if self._recent is not None:
             self._recent.mark_final(ds.config.name, prompt_id)
-        return Attempted(Outcome.FAILED, tries, error=e)
+        return Attempted(Outcome.FAILED, tries, error=e, seq=seq)
 
     def _abandon(self, ticket: Ticket) -> None:
         look_up(self.settler, self._spend.abandoned(ticket))

@@ -5,7 +5,8 @@ Every response that is not an answer becomes a `RequestFailed` whose `kind` (an 
 one `Whose`:
 
 - PROMPT: the prompt's own (400 context length or invalid prompt, 403 moderation, 413): that prompt
-  fails, with the reason.
+  fails, with the reason. A 4xx naming no known cause (`UNRECOGNIZED_4XX`) may be the dataset's
+  parameters as well: it fails the prompt only once a request sent after it is answered.
 - TRANSIENT: retried with backoff and full jitter, honouring Retry-After, never pausing. The
   outage kinds (connection, 408, 429, 5xx, the in-flight-budget 402) spend no attempt: an outage
   of any length fails no prompt. The answer kinds (a timeout, a truncated body, a 200 carrying an
@@ -88,6 +89,11 @@ WHOSE: dict[ErrorKind, Whose] = {
 # transient kind is the service's.
 ANSWER_KINDS = frozenset({ErrorKind.TIMEOUT, ErrorKind.BAD_BODY, ErrorKind.ERROR_IN_200,
                           ErrorKind.FINISH_ERROR, ErrorKind.EMPTY_CHOICES})
+# A 4xx that names no cause OpenRouter documents (a provider's own validation message passed on): as
+# likely this prompt's content as a request parameter every prompt of the dataset carries. Set aside
+# unrecorded until a request sent after it is answered (then it was the prompt's: it fails) or several
+# in a row say it is the dataset's (ledger.py `DatasetRun.doubt`).
+UNRECOGNIZED_4XX = frozenset({ErrorKind.BAD_REQUEST, ErrorKind.OTHER_4XX})
 # Kinds that cut the adaptive concurrency (AIMD) like a 429.
 SLOW_DOWN_KINDS = frozenset({ErrorKind.RATE_LIMITED, ErrorKind.IN_FLIGHT_BUDGET})
 

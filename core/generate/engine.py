@@ -240,12 +240,13 @@ class Engine:
             assert done.answer is not None
             self.provider_stats.answer(done.answer.provider or "unknown", done.answer.latency_s,
                                        done.answer.usage.completion_tokens)
-            self.ledger.record_answer(ds, prompt, done.answer, done.attempts)
+            self.ledger.record_answer(ds, prompt, done.answer, done.attempts, done.seq)
             if self.admission.duplicates is not None:
                 self.admission.duplicates.answered(ds.config.name, prompt.id)
         elif done.outcome is Outcome.FAILED:
             assert done.error is not None
-            self.ledger.record_failure(ds, prompt, done.error, done.attempts)
+            if self.ledger.fail_or_doubt(ds, prompt, done.error, done.attempts):
+                self._event("error", "dataset_stopped", f"{ds.config.name}: {ds.message}")
         elif done.outcome is Outcome.ACCOUNT:
             assert done.error is not None
             ds.requeue.append(prompt)

@@ -27,6 +27,7 @@ from draftgen.core.errors import DiskError
 from draftgen.core.files import replacing
 from draftgen.core.generate.admission import AdaptiveConcurrency, Hold
 from draftgen.core.generate.budget import MoneyBudget, TokenBudget
+from draftgen.core.generate.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.client import ChatAnswer, RequestFailed
 from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
 from draftgen.core.generate.stats import RateTracker, Tally
@@ -36,6 +37,9 @@ from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
 
 PROMPT_CHUNK = 512
+# Prompts set aside by a 4xx naming no known cause, with no later request answered, that stop the
+# dataset as its parameters' (fewer, at the dataset's end with no answer this run, stop it too).
+DOUBT_LIMIT = 5
 
 
 @dataclass
@@ -62,6 +66,25 @@ class DatasetRun:
     scanned: bool = False      # total and rejected counted (at the start, for the whole-run projection)
     responses: JsonlAppender | None = None
     failures: JsonlAppender | None = None
+    sent: int = 0              # requests sent this run (attempts.py numbers each one)
+    answered_now: int = 0      # answers this run
+    doubted: list[Doubt] = field(default_factory=list)  # set aside by a 4xx naming no known cause
+
+    def doubt(self, prompt: Prompt, e: RequestFailed, attempts: int) -> bool:
+        """Set the prompt aside, unrecorded, for a 4xx that names no known cause (UNRECOGNIZED_4XX): it may
+        be the prompt's or a parameter every request of the dataset carries. False for any other error."""
+        if e.kind not in UNRECOGNIZED_4XX:
+            return False
+        self.doubted.append(Doubt(prompt, e, attempts, self.sent))
+        return True
+
+    def confirmed(self, seq: int) -> list[Doubt]:
+        """The set-aside prompts an answer to request number `seq` shows were refused for their own
+        reason: that request was sent after their refusal came, with the same parameters."""
+        own = [d for d in self.doubted if d.refused_after < seq]
+        if own:
+            self.doubted = [d for d in self.doubted if d.refused_after >= seq]
+        return own
 
     def stop_for(self, e: RequestFailed, redact: Redactor) -> bool:
         """The dataset's routing or settings refuse every prompt: it admits nothing more, its prompts
@@ -74,9 +97,22 @@ class DatasetRun:
                 ErrorKind.WEIGHT_EXCEEDS_BUDGET: f"lower max_tokens (now {self.config.max_tokens}) or add credits",
                 ErrorKind.NOT_FOUND: "check [api] model",
                 }.get(e.kind, "check the provider routing ([request] provider, the account's privacy settings)")
+        if e.kind in UNRECOGNIZED_4XX:
+            todo = (f"{len(self.doubted)} prompt(s) got it and no request sent after them was answered, so it is "
+                    "likely this dataset's request parameters ([request], the dataset's settings; the message "
+                    "names the one refused): fix them")
         self.message = f"stopped: {why}; {todo}, then run again (its prompts stay eligible)"
         self.wake.set()
         return True
+
+
+@dataclass
+class Doubt:
+    """A prompt set aside by a 4xx naming no known cause, until it is known whose the refusal is."""
+    prompt: Prompt
+    error: RequestFailed
+    attempts: int
+    refused_after: int  # DatasetRun.sent when the refusal came: an answer to a later request confirms it
 
 
 @dataclass
@@ -180,7 +216,11 @@ class Ledger:
 
     # -- records --------------------------------------------------------------------------------
 
-    def record_answer(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int) -> None:
+    def record_answer(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int, seq: int = 0) -> None:
+        """The answer on disk (or held while the disk refuses); and the prompts set aside by a 4xx naming
+        no known cause before request `seq` was sent fail as their own: the same parameters work."""
+        for d in ds.confirmed(seq):
+            self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"
         empty = not a.content.strip()
         record = ResponseRecord(
@@ -193,6 +233,7 @@ class Ledger:
         assert ds.responses is not None
         on_disk = self._write(_Held(ds, ds.responses, line, answer=True))
         ds.done += 1
+        ds.answered_now += 1
         ds.done_ids.add(prompt.id)
         ds.tokens.used += a.usage.completion_tokens
         ds.tokens.answers += 1
@@ -204,6 +245,26 @@ class Ledger:
         self.providers.add(a.provider or "unknown")
         if self._on_answer is not None and on_disk:  # a held record is handed on once it is written
             self._on_answer(ds.config.name, line)
+
+    def fail_or_doubt(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int) -> bool:
+        """Record the prompt's failure, or set it aside (a 4xx naming no known cause, DatasetRun.doubt);
+        True when DOUBT_LIMIT set-aside prompts with no answer since stop the dataset."""
+        if not ds.doubt(prompt, e, attempts):
+            self.record_failure(ds, prompt, e, attempts)
+            return False
+        return len(ds.doubted) >= DOUBT_LIMIT and ds.stop_for(e, self._redact)
+
+    def settle_doubts(self, ds: DatasetRun) -> bool:
+        """The dataset has nothing left to send: set-aside prompts fail as their own if it answered
+        anything this run (its parameters work); else it stops, saying why (True), and they stay eligible."""
+        if not ds.doubted or ds.stopped:
+            return False
+        if not ds.answered_now:
+            return ds.stop_for(ds.doubted[-1].error, self._redact)
+        for d in ds.doubted:
+            self.record_failure(ds, d.prompt, d.error, d.attempts)
+        ds.doubted.clear()
+        return False
 
     def record_failure(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int) -> None:
         record = FailureRecord(id=prompt.id, messages=prompt.messages, error_kind=e.kind, status=e.status,

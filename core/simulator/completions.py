@@ -171,6 +171,8 @@ class Completions:
             self._hit(a)
             if a.scenario.name == "moderation":
                 return responses.moderation(provider.name, model, text)
+            if a.scenario.name in ("provider_400", "bad_parameter"):
+                return responses.provider_400(a.scenario.name, provider.name, a.get("what", "temperature"))
             return responses.prompt_400(a.scenario.name, model, n_prompt, context, max_tokens)
 
         if (capped := self._account.key_limited()) is not None:

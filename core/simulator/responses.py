@@ -167,6 +167,15 @@ def prompt_400(kind: str, model: str, n_tokens: int, context: int, max_tokens: i
                  {"code": "invalid_prompt"})
 
 
+def provider_400(kind: str, provider: str, what: str) -> web.Response:
+    """A provider's own 400, passed on with no code OpenRouter names: the prompt's (`provider_400`) or a
+    request parameter every request carries (`bad_parameter`)."""
+    raw = ("Input validation error: a message could not be processed" if kind == "provider_400" else
+           f"Input validation error: `{what}` is not supported with this model")
+    return error(400, "Provider returned error",
+                 {"provider_name": provider, "raw": orjson.dumps({"error": {"message": raw}}).decode()})
+
+
 def no_endpoints(kind: str, model: str, what: str = "the requested parameters") -> web.Response:
     message = {"unknown_model": f"{model} is not a valid model ID",
                "data_policy": "No endpoints found matching your data policy (Paid model training). "

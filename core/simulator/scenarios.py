@@ -55,6 +55,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("context_length", 400, "prompt",
              "400 `context_length_exceeded` (`metadata.code`) for the prompts hit", True),
     Scenario("invalid_prompt", 400, "prompt", "400 `invalid_prompt` for the prompts hit", True),
+    Scenario("provider_400", 400, "prompt",
+             "400 `Provider returned error` with `metadata.provider_name` and `raw` (the provider's own "
+             "validation message, no known code) for the prompts hit", True),
+    Scenario("bad_parameter", 400, "dataset",
+             "400 `Provider returned error` with `metadata.provider_name` and `raw` rejecting a request "
+             "parameter (param `what`, default `temperature`), no known code, for every request"),
     Scenario("moderation", 403, "prompt",
              "403 `... requires moderation ... flagged` with `metadata.reasons`, `flagged_input`, "
              "`provider_name`, `model_slug`, for the prompts hit", True),
@@ -112,6 +118,7 @@ PARAMS: dict[str, dict[str, type]] = {
     "workspace_budget": {"limit": float},
     "max_tokens_exceeded": {"limit": int},
     "no_endpoints_support": {"what": str},
+    "bad_parameter": {"what": str},
     **{name: {"midstream": bool} for name in MIDSTREAM},
 }
 
@@ -246,7 +253,7 @@ class Scenarios:
 
 # The request-answering scenarios in table order, by where the service meets them.
 BEFORE_ROUTING = ("payload_too_large", "unknown_model", "data_policy", "no_allowed_providers", "no_endpoints_support")
-PROMPT_CHECKS = ("context_length", "invalid_prompt", "moderation")
+PROMPT_CHECKS = ("context_length", "invalid_prompt", "provider_400", "bad_parameter", "moderation")
 ACCOUNT_CHECKS = ("guardrail_budget", "workspace_budget", "weight_exceeds_budget")
 UPSTREAM = ("rate_limited", "request_timeout", "no_provider_503", "provider_500", "provider_502", "gateway_504",
             "gateway_524")
