@@ -170,17 +170,56 @@ async def test_a_400_naming_no_cause_on_the_last_prompt_fails_it_at_the_dataset_
     assert run.engine.datasets["a"].status == snap.DatasetStatus.DONE
 
 
+async def test_a_few_prompts_refusing_at_once_do_not_stop_a_busy_dataset(tmp_path: Path) -> None:
+    """3 % of prompts get their own 400 naming no cause, 200 in flight: more than five come back (at once)
+    before any request sent after them is answered. The dataset waits for its requests in flight, their
+    answers show the parameters work, and those prompts fail as their own; the dataset finishes."""
+    async with SimServer(sim_config(fixed_latency_s=0.5), port=0) as sim:
+        config = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 600, "concurrency": 200, "max_tokens": 64}])
+        sim.scenario("provider_400", True, rate=0.03)
+        run = Watch(config)
+        assert await run.result(timeout=60) == snap.RunState.DONE
+        refused = sim.stats.scenarios.get("provider_400", 0)
+    failed = failures(config, "a")
+    assert refused >= 6 and len(failed) == refused and {f["error_kind"] for f in failed} == {"400"}
+    a = run.engine.snapshot().datasets[0]
+    assert a.status == snap.DatasetStatus.DONE and a.done + a.failed == 600
+
+
+async def test_only_a_refused_prompt_left_stops_until_a_smoke_test_shows_the_parameters_work(tmp_path: Path) -> None:
+    """A rerun whose only prompt left gets a 400 naming no cause answers nothing to tell whose it is: the
+    dataset stops (the prompt stays eligible) and says a smoke test settles it; after one, it fails."""
+    from draftgen.core.generate.smoke import run_smoke
+    from draftgen.core.tokens.tokenizer import bundled_kimi_path
+
+    async with SimServer(sim_config(), port=0) as sim:
+        def config(n: int) -> Config:
+            return make_config(tmp_path, sim.base_url, [{"name": "a", "n": n, "concurrency": 4, "max_tokens": 200}],
+                               tables={"tokenizer": {"path": str(bundled_kimi_path())}})
+        assert await Watch(config(9)).result() == snap.RunState.DONE
+        sim.scenario("provider_400", True, match="Question a-9:")
+        run = Watch(config(10))  # one prompt added: the provider refuses it
+        assert await run.result() == snap.RunState.STOPPED
+        a = run.engine.snapshot().datasets[0]
+        assert a.status == snap.DatasetStatus.STOPPED and "draftgen smoke" in a.message
+        assert failures(config(10), "a") == []
+        assert (await run_smoke(config(10), TEST_KEY)).cost_per_request.get("a")
+        again = Watch(config(10))
+        assert await again.result() == snap.RunState.DONE
+    assert [(f["id"], f["error_kind"]) for f in failures(config(10), "a")] == [("a-9", "400")]
+
+
 @STREAM
 async def test_a_parameter_refused_mid_run_at_2000_in_flight_fails_no_prompt(tmp_path: Path, stream: bool) -> None:
     """The provider starts refusing a parameter mid-run with a 400 naming no known cause, while 2,000
     requests sent before are still being answered: those answers do not make the refusals the prompts'
     own (they were sent before them); the dataset stops and no prompt is failed (all stay eligible)."""
-    async with SimServer(sim_config(fixed_latency_s=3.0), port=0) as sim:
+    async with SimServer(sim_config(fixed_latency_s=8.0), port=0) as sim:
         config = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3000, "concurrency": 2000, "max_tokens": 64}],
                              tables={"api": {"stream": stream}})
         run = Watch(config)
-        await run.until(lambda: sim.stats.in_flight >= 2000, "2,000 requests in flight", timeout=60)
-        sim.scenario("bad_parameter", True, what="top_k")  # before any of them is answered (3 s each)
+        await run.until(lambda: sim.stats.peak_in_flight >= 2000, "2,000 requests in flight", timeout=60)
+        sim.scenario("bad_parameter", True, what="top_k")  # before any of them is answered (8 s each)
         assert await run.result(timeout=60) == snap.RunState.STOPPED
         refused = sim.stats.scenarios.get("bad_parameter", 0)
         peak = sim.stats.peak_in_flight

@@ -206,7 +206,7 @@ class Admission:
             if not ds.in_flight:
                 break
             await ds.wake.wait()
-        if not self._gate.closed and self._ledger.settle_doubts(ds):
+        if not self._gate.closed and not budget_reason and self._ledger.settle_doubts(ds):
             self._event("error", "dataset_stopped", f"{name}: {ds.message}")
         if ds.stopped:
             ds.status = DatasetStatus.STOPPED
@@ -261,6 +261,15 @@ class Admission:
             if not self._gate.resume.is_set():
                 await self._gate.resume.wait()
                 continue
+            if ds.doubts.held:  # set aside by a 4xx naming no cause (doubts.py): one probe at a time
+                if ds.doubts.given_up:
+                    if self._ledger.stop_doubted(ds):
+                        self._event("error", "dataset_stopped", f"{ds.config.name}: {ds.message}")
+                    return HALT
+                if ds.doubts.probe_out:
+                    ds.wake.clear()
+                    await ds.wake.wait()
+                    continue
             expected = ds.tokens.expected()
             if not ds.tokens.fits(expected):
                 # This dataset's answers in flight may come in under their estimate and free room.
@@ -294,6 +303,9 @@ class Admission:
 
     def _start(self, ds: DatasetRun, prompt: Prompt, worst: float) -> None:
         expected_tokens = ds.tokens.expected()
+        probe = ds.doubts.held  # doubts.py: while held, one request at a time
+        if probe:
+            ds.doubts.probe_out = True
         ticket = self._money.spend.reserve(ds.config.name, prompt.id, worst)
         ds.in_flight += 1
         ds.tokens.in_flight += expected_tokens
@@ -306,6 +318,8 @@ class Admission:
             ds.in_flight -= 1
             ds.tokens.in_flight -= expected_tokens
             self._money.spend.release(ticket)  # cancelled before it was sent: nothing to settle
+            if probe:
+                ds.doubts.probe_out = False
             if self.duplicates is not None:
                 self.duplicates.settled(ds.config.name, prompt.id)
             if len(self._datasets) == 1:

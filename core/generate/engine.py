@@ -6,6 +6,7 @@ is done by its parts, each in its own module:
     admission.py   which prompt goes out when: adaptive concurrency, slots, budgets, the requeue
     duplicates.py  a prompt another dataset of the run directory answered is not sent again
     attempts.py    one prompt asked until it has an outcome: backoff, retries, outages
+    doubts.py      prompts set aside by a 4xx naming no known cause, until it is known whose it is
     ledger.py      per-dataset counts, resume from disk, the record writer, the disk-full hold-back
     spend.py       the money: every attempt on spend.jsonl, the sums behind the max_usd ceiling
                    (spend_file.py: the file, locked to one writer);
@@ -245,8 +246,7 @@ class Engine:
                 self.admission.duplicates.answered(ds.config.name, prompt.id)
         elif done.outcome is Outcome.FAILED:
             assert done.error is not None
-            if self.ledger.fail_or_doubt(ds, prompt, done.error, done.attempts):
-                self._event("error", "dataset_stopped", f"{ds.config.name}: {ds.message}")
+            self.ledger.fail_or_doubt(ds, prompt, done.error, done.attempts, done.seq)
         elif done.outcome is Outcome.ACCOUNT:
             assert done.error is not None
             ds.requeue.append(prompt)

@@ -29,6 +29,7 @@ from draftgen.core.generate.admission import AdaptiveConcurrency, Hold
 from draftgen.core.generate.budget import MoneyBudget, TokenBudget
 from draftgen.core.generate.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.client import ChatAnswer, RequestFailed
+from draftgen.core.generate.doubts import Doubts
 from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
 from draftgen.core.generate.stats import RateTracker, Tally
 from draftgen.core.live.snapshot import DatasetStatus
@@ -37,9 +38,6 @@ from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
 
 PROMPT_CHUNK = 512
-# Prompts set aside by a 4xx naming no known cause, with no later request answered, that stop the
-# dataset as its parameters' (fewer, at the dataset's end with no answer this run, stop it too).
-DOUBT_LIMIT = 5
 
 
 @dataclass
@@ -68,23 +66,7 @@ class DatasetRun:
     failures: JsonlAppender | None = None
     sent: int = 0              # requests sent this run (attempts.py numbers each one)
     answered_now: int = 0      # answers this run
-    doubted: list[Doubt] = field(default_factory=list)  # set aside by a 4xx naming no known cause
-
-    def doubt(self, prompt: Prompt, e: RequestFailed, attempts: int) -> bool:
-        """Set the prompt aside, unrecorded, for a 4xx that names no known cause (UNRECOGNIZED_4XX): it may
-        be the prompt's or a parameter every request of the dataset carries. False for any other error."""
-        if e.kind not in UNRECOGNIZED_4XX:
-            return False
-        self.doubted.append(Doubt(prompt, e, attempts, self.sent))
-        return True
-
-    def confirmed(self, seq: int) -> list[Doubt]:
-        """The set-aside prompts an answer to request number `seq` shows were refused for their own
-        reason: that request was sent after their refusal came, with the same parameters."""
-        own = [d for d in self.doubted if d.refused_after < seq]
-        if own:
-            self.doubted = [d for d in self.doubted if d.refused_after >= seq]
-        return own
+    doubts: Doubts = field(default_factory=Doubts)  # set aside by a 4xx naming no known cause (doubts.py)
 
     def stop_for(self, e: RequestFailed, redact: Redactor) -> bool:
         """The dataset's routing or settings refuse every prompt: it admits nothing more, its prompts
@@ -98,21 +80,13 @@ class DatasetRun:
                 ErrorKind.NOT_FOUND: "check [api] model",
                 }.get(e.kind, "check the provider routing ([request] provider, the account's privacy settings)")
         if e.kind in UNRECOGNIZED_4XX:
-            todo = (f"{len(self.doubted)} prompt(s) got it and no request sent after them was answered, so it is "
-                    "likely this dataset's request parameters ([request], the dataset's settings; the message "
-                    "names the one refused): fix them")
+            todo = (f"{len(self.doubts)} prompt(s) got it and no request sent after them was answered, so it is "
+                    "likely this dataset's request parameters ([request], the dataset's settings): fix them; if "
+                    "they are right, run `draftgen smoke` (an answer there shows they work, and the next run "
+                    "fails these prompts as their own)")
         self.message = f"stopped: {why}; {todo}, then run again (its prompts stay eligible)"
         self.wake.set()
         return True
-
-
-@dataclass
-class Doubt:
-    """A prompt set aside by a 4xx naming no known cause, until it is known whose the refusal is."""
-    prompt: Prompt
-    error: RequestFailed
-    attempts: int
-    refused_after: int  # DatasetRun.sent when the refusal came: an answer to a later request confirms it
 
 
 @dataclass
@@ -219,7 +193,7 @@ class Ledger:
     def record_answer(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int, seq: int = 0) -> None:
         """The answer on disk (or held while the disk refuses); and the prompts set aside by a 4xx naming
         no known cause before request `seq` was sent fail as their own: the same parameters work."""
-        for d in ds.confirmed(seq):
+        for d in ds.doubts.confirmed(seq):
             self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"
         empty = not a.content.strip()
@@ -246,24 +220,29 @@ class Ledger:
         if self._on_answer is not None and on_disk:  # a held record is handed on once it is written
             self._on_answer(ds.config.name, line)
 
-    def fail_or_doubt(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int) -> bool:
-        """Record the prompt's failure, or set it aside (a 4xx naming no known cause, DatasetRun.doubt);
-        True when DOUBT_LIMIT set-aside prompts with no answer since stop the dataset."""
-        if not ds.doubt(prompt, e, attempts):
+    def fail_or_doubt(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int, seq: int) -> None:
+        """Record the prompt's failure, or set it aside: a 4xx naming no known cause (doubts.py)."""
+        if e.kind in UNRECOGNIZED_4XX:
+            ds.doubts.add(prompt, e, attempts, seq, ds.sent)
+        else:
             self.record_failure(ds, prompt, e, attempts)
-            return False
-        return len(ds.doubted) >= DOUBT_LIMIT and ds.stop_for(e, self._redact)
+
+    def stop_doubted(self, ds: DatasetRun) -> bool:
+        """The set-aside prompts held the dataset and its probes were refused too, or it has nothing left
+        to send and answered nothing: the dataset's parameters, most likely; it stops (True: just now)."""
+        return bool(ds.doubts) and ds.stop_for(ds.doubts.items[-1].error, self._redact)
 
     def settle_doubts(self, ds: DatasetRun) -> bool:
         """The dataset has nothing left to send: set-aside prompts fail as their own if it answered
-        anything this run (its parameters work); else it stops, saying why (True), and they stay eligible."""
-        if not ds.doubted or ds.stopped:
+        anything this run or in the last smoke test (its parameters work); else it stops (True), and they
+        stay eligible."""
+        if not ds.doubts or ds.stopped:
             return False
-        if not ds.answered_now:
-            return ds.stop_for(ds.doubted[-1].error, self._redact)
-        for d in ds.doubted:
+        if not (ds.answered_now or ds.doubts.smoke_answered):
+            return self.stop_doubted(ds)
+        for d in ds.doubts.items:
             self.record_failure(ds, d.prompt, d.error, d.attempts)
-        ds.doubted.clear()
+        ds.doubts.items.clear()
         return False
 
     def record_failure(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int) -> None:

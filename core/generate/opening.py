@@ -31,7 +31,7 @@ from draftgen.core.generate.forecast import SmokeFigures
 from draftgen.core.generate.ledger import DatasetRun, Ledger
 from draftgen.core.generate.prices import Prices, fetch_prices, require_prices
 from draftgen.core.generate.settle import Settler
-from draftgen.core.generate.smoke import load_smoke_answer
+from draftgen.core.generate.smoke import load_smoke_answer, load_smoke_answered
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 
@@ -90,6 +90,10 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
     # Spend and answers already on disk count against the budgets from the start.
     for ds in datasets.values():
         await asyncio.to_thread(ledger.open, ds)
+    # A smoke test answered with a dataset's request shape shows its parameters work (doubts.py).
+    smoke_answered = await asyncio.to_thread(load_smoke_answered, rundir, config.run_fingerprint())
+    for name, ds in datasets.items():
+        ds.doubts.smoke_answered = name in smoke_answered
     if not spend.existed:  # a directory from before the spend ledger: its answers' cost carries in
         for ds in datasets.values():
             spend.carry(ds.config.name, ds.cost)

@@ -442,6 +442,16 @@ def load_smoke_answer(rd: RunDir, fingerprint: str) -> SmokeFigures | None:
         return None
 
 
+def load_smoke_answered(rd: RunDir, fingerprint: str) -> frozenset[str]:
+    """The datasets whose request shape the last smoke test of these shapes got a priced answer for."""
+    try:
+        data = orjson.loads(rd.smoke_json.read_bytes())
+        answered = data.get("cost_per_request") if data.get("fingerprint") == fingerprint else None
+        return frozenset(str(name) for name in answered) if isinstance(answered, dict) else frozenset()
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        return frozenset()
+
+
 def print_result(result: SmokeResult) -> None:
     from rich.console import Console
     from rich.markup import escape
