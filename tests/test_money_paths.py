@@ -363,3 +363,22 @@ async def test_one_writer_at_a_time_on_the_spend_ledger(tmp_path):
             holder.close()
         result = await run_smoke(cfg, TEST_KEY)  # released: the next one opens it
     assert result.passed, result.summary()
+
+
+async def test_a_run_that_fails_to_open_its_datasets_lets_go_of_the_ledger(tmp_path):
+    """A run that stops before its first request (a dataset's records cannot be opened) closes the
+    spend ledger, lock included: the next run or smoke test in the same process can open it."""
+    from draftgen.core.errors import DraftgenError
+
+    async with SimServer(SimConfig(seed=2, latency_scale=0.0), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 5, "max_tokens": 400}],
+                          tables={"budget": {"max_usd": 5.0}})
+        rd = RunDir(cfg.run_dir)
+        rd.responses("a").mkdir(parents=True)  # a directory where the records file should be
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        with pytest.raises((DraftgenError, OSError)):
+            await engine.run()
+        assert not engine.spend.is_open
+        again = SpendLedger(rd.spend)
+        again.open()  # not LedgerBusyError
+        again.close()

@@ -203,29 +203,31 @@ class Engine:
         self.settler = self.attempts.settler = money.settler
         self.state = RunState.RUNNING if self.state == RunState.IDLE else self.state
         self._started = self._clock()
-        self.admission.duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.ledger, self.spend)
-        tune_gc()
-        ticker = asyncio.create_task(self.admission.grow_limits())
-        credits = asyncio.create_task(self.watch.watch())
-        try:
+        beside: list[asyncio.Task[None]] = []  # the limit growth and the account watch
+        try:  # from here what was opened (the ledger and its lock, the settler, the client) is closed
+            self.admission.duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.ledger, self.spend)
+            tune_gc()
+            beside = [asyncio.create_task(self.admission.grow_limits()), asyncio.create_task(self.watch.watch())]
             if parallel:
                 await asyncio.gather(*(self.admission.run(ds) for ds in self.datasets.values()))
             else:
                 for ds in self.datasets.values():
                     await self.admission.run(ds)
         finally:
-            ticker.cancel()
-            credits.cancel()
+            for task in beside:
+                task.cancel()
             self.watch.cancel()
             assert self.settler is not None
             # Abandoned attempts priced now if their records come quickly; the rest stay pending for
             # the next run (or `draftgen ledger`), counted at their worst case until then.
-            await self.settler.drain(0.0 if self._gate.stopping else min(10.0, self.config.api.generation_lookup_s))
-            if own_client:
-                await self._client.close()
-            self.ledger.settle_held()
-            self.ledger.close()
-            self.spend.close()
+            try:
+                await self.settler.drain(0.0 if self._gate.stopping else min(10.0, self.config.api.generation_lookup_s))
+                if own_client:
+                    await self._client.close()
+                self.ledger.settle_held()
+                self.ledger.close()
+            finally:
+                self.spend.close()  # and its lock: another run or smoke test may open it
         # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
         self.state = final_state(self.datasets.values(), stopping=self._gate.stopping,
                                  draining=self._gate.draining, waiting=self.held is Hold.ACCOUNT)

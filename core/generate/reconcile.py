@@ -94,6 +94,7 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
                 from_key = None if key_usage is None or busy else settle_unknown_from_key(spend, key_usage)
                 from_key_note = (f"priced the attempts without a generation id at ${from_key:.6f} "
                                  "from the key's usage" if from_key is not None else
+                                 "--unknown-from-key: nothing priced (a run has the ledger open)" if busy else
                                  "--unknown-from-key: nothing priced (no key usage or baseline, lookups still "
                                  "pending, or the key's usage does not fit: it ran other work)")
     finally:

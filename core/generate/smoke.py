@@ -25,6 +25,7 @@ Over 400 lines: the checklist is one flow (`run_smoke`), with the row builders i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import time
@@ -295,9 +296,15 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
         ledger_error = "" if account is not None else "not sent: GET /key failed (see the key row)"
         if spend is None and not ledger_error:
             spend = SpendLedger(rd.spend)
+            opening = asyncio.ensure_future(asyncio.to_thread(_open_spend, spend, rd, on_disk,
+                                                              None if account is None else account.key_usage))
             try:
-                await asyncio.to_thread(_open_spend, spend, rd, on_disk,
-                                        None if account is None else account.key_usage)
+                await asyncio.shield(opening)
+            except asyncio.CancelledError:  # quit while the thread opens it: close it (and its lock) once open
+                with contextlib.suppress(Exception):
+                    await opening
+                spend.close()
+                raise
             except LedgerBusyError as e:
                 ledger_error = f"not sent: {e}"
             except (DiskError, OSError) as e:

@@ -60,7 +60,6 @@ class Pipeline:
         self._api_key = api_key
         self._redact = Redactor(api_key)
         self._skip_smoke = skip_smoke
-        self._opening_ledger = False  # the run is about to open the spend ledger (a smoke test waits)
         self._reconstruct = config.engine.reconstruct if reconstruct is None else reconstruct
         self._serve_attach = serve_attach
         self.engine = Engine(config, api_key, on_event=self.emit, on_answer=self._on_answer, seed=seed)
@@ -146,23 +145,13 @@ class Pipeline:
                         self.engine.state = snap.RunState.STOPPED
                         self.exit_code = 1
                         return snap.RunState.STOPPED
-            # From here the run opens the spend ledger (one writer at a time): a smoke test started with
-            # s before now has it locked, so the run waits for it; s waits until the run has it open,
-            # then books on the run's own ledger.
-            self._opening_ledger = True
-            manual = self.oneshot.task("smoke")
-            if manual is not None and not manual.done():
-                await asyncio.wait({manual})
             if self._reconstruct:
                 from draftgen.core.tokens.live import LiveReconstructor
                 self._reconstructor = LiveReconstructor(self.config, workers=self.config.engine.workers)
                 await self._reconstructor.start()
                 for ds in self.config.datasets:
                     await self._reconstructor.catch_up(ds.name)
-            try:
-                state = await self.engine.run()
-            finally:
-                self._opening_ledger = False
+            state = await self._run_engine()
             if state in INCOMPLETE and self.exit_code == EXIT_COMPLETE:
                 self.exit_code = EXIT_INCOMPLETE  # prompts are left: the shell can tell it from a complete run
             if self.engine.key_refused is not None:
@@ -224,6 +213,19 @@ class Pipeline:
         if self._reconstructor is not None:
             self._reconstructor.submit(dataset, record)
 
+    async def _run_engine(self) -> str:
+        """The engine's run, its spend ledger opened while no smoke test runs (one writer at a time: a
+        smoke test started with s first finishes, on its own ledger; one started after books on the
+        run's, core/live/stages.py)."""
+        async with self.oneshot.smoke_lock:
+            if self.quit_requested.is_set():  # quit while a smoke test ran: nothing is started
+                self.engine.state = snap.RunState.STOPPED
+                return snap.RunState.STOPPED
+            run = asyncio.create_task(self.engine.run())
+            while not (self.engine.spend.is_open or run.done()):
+                await asyncio.sleep(0.02)
+        return await run
+
     # -- control surface (core/live/control.py) ------------------------------------------------------
 
     def unavailable(self, action: str) -> str | None:
@@ -234,8 +236,6 @@ class Pipeline:
             return None if state == snap.RunState.PAUSED else f"nothing to resume: the run is {state.lower()}"
         if action in ("smoke", "merge", "extract") and self.oneshot.running(action):
             return f"{action} is already running"
-        if action == "smoke" and self._opening_ledger and not self.engine.spend.is_open:
-            return "the run is opening its spend ledger: press s again in a moment"
         if action == "merge":
             if not any(self.rundir.responses(d.name).exists() for d in self.config.datasets):
                 return "nothing to merge yet: no answers on disk"

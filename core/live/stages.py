@@ -31,6 +31,7 @@ class Stages:
         self.gpus: tuple[snap.GpuStat, ...] | None = None
         self.extract_stop = threading.Event()
         self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self.smoke_lock = asyncio.Lock()
 
     def running(self, name: str) -> bool:
         task = self._tasks.get(name)
@@ -59,6 +60,12 @@ class Stages:
                 task.cancel()
 
     async def smoke(self) -> bool:
+        """The smoke test, one at a time (`smoke_lock`, which the run also holds while it opens its spend
+        ledger): on the run's ledger when it is open, else on its own."""
+        async with self.smoke_lock:
+            return await self._smoke()
+
+    async def _smoke(self) -> bool:
         from draftgen.core.generate.smoke import run_smoke
         was_running = self.engine.state == snap.RunState.RUNNING
         if was_running:
