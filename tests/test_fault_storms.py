@@ -132,12 +132,15 @@ async def test_the_response_table_mixed_with_faults_and_account_episodes(tmp_pat
         await pipeline.start()
         task = asyncio.create_task(pipeline.generate())
         engine = pipeline.engine
+        by_balance = set()  # episodes the balance read held first (the credit floor), before any 402/403 came
         try:
             for episode, answers in (("key_limit", 60), ("out_of_credits", 140)):
                 await until(lambda: sim.stats.answers_total >= answers, f"{answers} answers", 60)
                 sim.scenario(episode, True)
                 await until(lambda: engine.account is not None, f"{episode} to hold the run", 20)
                 assert engine.state == snap.RunState.PAUSED and pipeline.snapshot().waiting
+                if "credit_floor_usd" in engine.alert:
+                    by_balance.add(episode)
                 await asyncio.sleep(0.3)
                 sim.scenario(episode, False)
                 await until(lambda: engine.state == snap.RunState.RUNNING, f"{episode} to clear by itself", 20)
@@ -151,7 +154,8 @@ async def test_the_response_table_mixed_with_faults_and_account_episodes(tmp_pat
             await pipeline.close()
         hits = sim.stats.scenarios
     assert state == snap.RunState.DONE
-    assert set(TABLE_MIX) | {"key_limit", "out_of_credits", "in_flight_budget"} <= set(hits), hits
+    # Either way of holding is right: a 402/403 answered, or a balance read (every 0.1 s) that showed it first.
+    assert set(TABLE_MIX) | {"key_limit", "out_of_credits", "in_flight_budget"} - by_balance <= set(hits), hits
     a = clean_audit(config, sim)
     assert a.answered + a.failed == a.prompts == 300 and a.skipped == 0
     rd = RunDir(config.run_dir)
