@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import StrEnum
 from collections.abc import Iterable
+from enum import StrEnum
 from typing import Any
 
 

@@ -92,7 +92,7 @@ ANSWER_KINDS = frozenset({ErrorKind.TIMEOUT, ErrorKind.BAD_BODY, ErrorKind.ERROR
 # A 4xx that names no cause OpenRouter documents (a provider's own validation message passed on): as
 # likely this prompt's content as a request parameter every prompt of the dataset carries. Set aside
 # unrecorded until a request sent after it is answered (then it was the prompt's: it fails) or several
-# in a row say it is the dataset's (ledger.py `DatasetRun.doubt`).
+# in a row say it is the dataset's (doubts.py).
 UNRECOGNIZED_4XX = frozenset({ErrorKind.BAD_REQUEST, ErrorKind.OTHER_4XX})
 # Kinds that cut the adaptive concurrency (AIMD) like a 429.
 SLOW_DOWN_KINDS = frozenset({ErrorKind.RATE_LIMITED, ErrorKind.IN_FLIGHT_BUDGET})

@@ -312,8 +312,8 @@ class ChatClient:
             raise RequestFailed(ErrorKind.BAD_BODY, f"truncated body (connection cut mid-answer): {e}") from None
         except aiohttp.ClientConnectorError as e:
             # No connection, TLS handshake included: nothing was sent (so nothing is billed), and the
-            # run waits for the address like any outage, saying why ("... (TLS: certificate verify
-            # failed ...)"): check [api] base_url. No prompt is failed for it.
+            # run waits for the address like any outage, saying why ("... (TLS handshake failed: ...)",
+            # classify.cannot_connect). No prompt is failed for it.
             raise RequestFailed(ErrorKind.CONNECTION, cannot_connect(self.base_url, e), unreachable=True) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientOSError, ConnectionError) as e:
             raise RequestFailed(ErrorKind.CONNECTION, f"connection error: {type(e).__name__}: {e}") from None

@@ -37,7 +37,6 @@ class Doubt:
     error: RequestFailed
     attempts: int
     refused_after: int   # requests the dataset had sent when the refusal came: a later one answered confirms it
-    seq: int             # the refused request's own number
 
 
 class Doubts:
@@ -64,7 +63,7 @@ class Doubts:
         """Set aside the prompt whose request number `seq` was refused when `sent` had been sent."""
         if self.held and seq > self.items[-1].refused_after:
             self.refused_probes += 1
-        self.items.append(Doubt(prompt, e, attempts, sent, seq))
+        self.items.append(Doubt(prompt, e, attempts, sent))
 
     def confirmed(self, seq: int) -> list[Doubt]:
         """The set-aside prompts that an answer to request number `seq` shows were refused for their own

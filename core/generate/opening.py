@@ -94,9 +94,8 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
     smoke_answered = await asyncio.to_thread(load_smoke_answered, rundir, config.run_fingerprint())
     for name, ds in datasets.items():
         ds.doubts.smoke_answered = name in smoke_answered
-    if not spend.existed:  # a directory from before the spend ledger: its answers' cost carries in
-        for ds in datasets.values():
-            spend.carry(ds.config.name, ds.cost)
+    for ds in datasets.values():  # a directory from before the spend ledger: its answers' cost carries in
+        spend.carry(ds.config.name, ds.cost)
     # A file that cannot be read fails when its dataset starts, as before.
     for ds in datasets.values():
         with contextlib.suppress(DraftgenError):

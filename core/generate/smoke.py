@@ -337,7 +337,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
             except BaseException:  # cancelled mid-request: the provider may bill it anyway
                 look_up(settler, spend.abandoned(ticket))
                 raise
-            look_up(settler, book_answer(spend, ticket, answer, prices[ds.name]))
+            look_up(settler, book_answer(spend, ticket, answer, p))
             return fp, body, answer, time.monotonic() - start
 
         # One request per shape, all at once: a run's shapes differ only in their parameters.
@@ -431,32 +431,35 @@ def _open_spend(spend: SpendLedger, rd: RunDir, on_disk: dict[str, tuple[int, in
     record the key's usage (as a run's opening does, core/generate/opening.py)."""
     rd.root.mkdir(parents=True, exist_ok=True)
     spend.open()
-    if not spend.existed:
-        for name, (_, _, cost) in on_disk.items():
-            spend.carry(name, cost)
-        if key_usage is not None:
-            spend.set_key_baseline(key_usage)
+    for name, (_, _, cost) in on_disk.items():
+        spend.carry(name, cost)
+    if key_usage is not None:
+        spend.set_key_baseline(key_usage)
+
+
+def _last_smoke(rd: RunDir, fingerprint: str, key: str) -> Any:
+    """`key` of smoke.json when its last smoke test was of these request shapes (else None)."""
+    try:
+        data = orjson.loads(rd.smoke_json.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    return data.get(key) if isinstance(data, dict) and data.get("fingerprint") == fingerprint else None
 
 
 def load_smoke_answer(rd: RunDir, fingerprint: str) -> SmokeFigures | None:
     """The smoke answer of the last passing smoke test of these request shapes, for the projection."""
+    raw = _last_smoke(rd, fingerprint, "smoke_answer")
     try:
-        data = orjson.loads(rd.smoke_json.read_bytes())
-        raw = data.get("smoke_answer") if data.get("fingerprint") == fingerprint else None
         return None if not isinstance(raw, dict) else SmokeFigures(
             int(raw["completion_tokens"]), float(raw["cost_usd"]), float(raw["latency_s"]))
-    except (OSError, orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError):
         return None
 
 
 def load_smoke_answered(rd: RunDir, fingerprint: str) -> frozenset[str]:
     """The datasets whose request shape the last smoke test of these shapes got a priced answer for."""
-    try:
-        data = orjson.loads(rd.smoke_json.read_bytes())
-        answered = data.get("cost_per_request") if data.get("fingerprint") == fingerprint else None
-        return frozenset(str(name) for name in answered) if isinstance(answered, dict) else frozenset()
-    except (OSError, orjson.JSONDecodeError, AttributeError):
-        return frozenset()
+    answered = _last_smoke(rd, fingerprint, "cost_per_request")
+    return frozenset(str(name) for name in answered) if isinstance(answered, dict) else frozenset()
 
 
 def print_result(result: SmokeResult) -> None:

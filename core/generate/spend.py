@@ -207,8 +207,9 @@ class SpendLedger:
             return  # a hand-edited line of the wrong shape counts as nothing
 
     def carry(self, ds: str, cost: float) -> None:
-        """Spend found in responses.jsonl of a directory that had no ledger yet."""
-        if cost > 0:
+        """Spend found in responses.jsonl of a directory that had no ledger yet (only then: later the
+        ledger already counts those answers)."""
+        if cost > 0 and not self.existed:
             self._write({"e": "carry", "ds": ds, "c": round(cost, 10)})
             self._carried += cost
             self.settled_usd += cost

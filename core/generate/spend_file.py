@@ -32,7 +32,6 @@ class LedgerFile:
             raise
         self._lock = lock
         self.cut_bytes = self._out.cut_bytes
-        self.write_error = ""  # the last refused write (the ledger errs on the side of more spend)
         self._unwritten: list[dict[str, Any]] = []
 
     def append(self, line: dict[str, Any]) -> None:
@@ -51,8 +50,7 @@ class LedgerFile:
         worst case (its `sent` line is on disk)."""
         try:
             self.append(line)
-        except (DiskError, OSError) as e:
-            self.write_error = str(e)
+        except (DiskError, OSError):
             self._unwritten.append(line)
 
     def close(self) -> None:
