@@ -81,7 +81,8 @@ async def test_ceiling_holds_with_2000_in_flight_long_answers_and_every_fault(tm
     # Chunks of 64 tokens: the same answers in fewer SSE events, so the suite spends its time on the
     # money, not on parsing.
     sim_cfg = SimConfig(seed=7, latency_scale=0.15, mean_completion_tokens=900, length_sigma=0.3, faults=faults,
-                        hang_s=5.0, retry_after_s=0.05, stream_chunk_tokens=64)
+                        hang_s=5.0, retry_after_s=0.05, stream_chunk_tokens=64,
+                        hold_until_in_flight=2000)  # reach 2,000 in flight however slowly the machine admits
     async with SimServer(sim_cfg, port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 4000, "concurrency": 2000, "max_tokens": 1024}],
                           tables={"budget": {"max_usd": 7.0},
@@ -253,7 +254,8 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
     # 2,000 in flight (the ceiling leaves room for them), every fault kind, drops and hangs included.
     faults = {kind: 0.0005 if kind == "429" else 0.003 for kind in FAULT_KINDS}
     sim_cfg = SimConfig(seed=11, latency_scale=0.1, mean_completion_tokens=700, length_sigma=0.4,
-                        faults=faults, hang_s=5.0, retry_after_s=0.05, stream_chunk_tokens=64)
+                        faults=faults, hang_s=5.0, retry_after_s=0.05, stream_chunk_tokens=64,
+                        hold_until_in_flight=2000)  # the first run reaches 2,000 in flight on a busy machine too
     async with SimServer(sim_cfg, port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 6000, "concurrency": 2000, "max_tokens": 1024}],
                           tables={"budget": {"max_usd": 8.0},
