@@ -4,7 +4,7 @@ Unknown keys and bad values raise ConfigError naming the file and the dotted key
 are resolved against the config file's folder. The API key is never in the file: `api_key_env`
 names the environment variable that holds it, read by `Config.api_key()`.
 
-Longer than most modules (~430 lines) on purpose: every table's defaults, types and checks sit
+Longer than most modules (~520 lines) on purpose: every table's defaults, types and checks sit
 together, next to the README's config reference they mirror; split by table, a key's rule would
 live far from the others it is checked against (budgets against concurrency, paths against the file).
 """

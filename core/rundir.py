@@ -13,6 +13,7 @@
       merged/                     train.jsonl, tokens/, stats.json (core/merge/merge.py)
       hidden_states/              SpecForge offline format (core/extract/)
 
+Files are created 0600 and folders 0700 (owner-only, core/files.py FILE_MODE and DIR_MODE).
 A JSONL line is written whole with one write() and flushed before the answer counts as
 acknowledged. On reopening, a torn last line (a crash mid-write) is cut off and reported.
 """

@@ -17,7 +17,7 @@ or an accept that fails (EMFILE: out of file descriptors), is said at most once 
 `NOTE_INTERVAL_S` with a count, and a failed accept waits `ACCEPT_RETRY_S` before the next: the
 server accepts in its own loop, not asyncio's (which, out of descriptors, logs in a tight loop).
 
-Just over 400 lines: the server and the client speak this one wire format, kept in one place.
+About 470 lines: the server and the client speak this one wire format, kept in one place.
 """
 
 from __future__ import annotations
