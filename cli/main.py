@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()  # `draftgen` alone: the commands, what each does, and the exit codes
         return 0
+    # Everything draftgen writes (run directories: answers, spend, events; prompt files) is owner-only,
+    # whatever the shell's umask: the modes core/ passes explicitly cover only the files it opens itself.
+    os.umask(0o077)
     try:
         return int(args.fn(args) or 0)
     except DraftgenError as e:

@@ -4,7 +4,7 @@ Unknown keys and bad values raise ConfigError naming the file and the dotted key
 are resolved against the config file's folder. The API key is never in the file: `api_key_env`
 names the environment variable that holds it, read by `Config.api_key()`.
 
-Longer than most modules (~430 lines) on purpose: every table's defaults, types and checks sit
+Longer than most modules (~520 lines) on purpose: every table's defaults, types and checks sit
 together, next to the README's config reference they mirror; split by table, a key's rule would
 live far from the others it is checked against (budgets against concurrency, paths against the file).
 """
@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import stat
 import tomllib
 import types
 import typing
@@ -25,6 +26,7 @@ from typing import Any, Literal
 import orjson
 
 from draftgen.core.errors import ConfigError
+from draftgen.core.secrets import key_problem
 
 
 @dataclass(frozen=True)
@@ -199,13 +201,20 @@ class Config:
         return self.output.dir
 
     def api_key(self) -> str:
-        """The key from the environment variable the config names; a clear error when it is unset."""
+        """The key from the environment variable the config names; a clear error when it is unset or
+        unusable (whitespace, a line break, a control character: said without quoting the key)."""
         key = os.environ.get(self.api.api_key_env, "")
         if not key:
             raise ConfigError(
                 f"{self.path}: api.api_key_env names ${self.api.api_key_env}, which is not set "
                 f"(export {self.api.api_key_env}=... before running)"
             )
+        for where, name, value in (("api_key_env", self.api.api_key_env, key),
+                                   ("management_key_env", self.api.management_key_env, self.api.management_key())):
+            problem = key_problem(value) if value else None
+            if problem:
+                raise ConfigError(f"{self.path}: the key in ${name} (api.{where}) {problem}: export it again "
+                                  f"without it (the key itself is not shown)")
         return key
 
     def request_body(self, dataset: DatasetConfig, messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -381,6 +390,22 @@ def _exists(path: Path) -> bool:
         return False
 
 
+def _check_prompts_path(file: Path, where: str, path: Path) -> None:
+    """A prompt file must be a regular file: a FIFO blocks forever, a device never ends, a folder has no lines.
+    A missing one is said when the dataset is read (a config may be written before its prompt files)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a regular file")
+    raise ConfigError(f"{file}: {where} names {path}, which is {kind}: a prompt file must be a regular "
+                      f"JSONL(.gz) file")
+
+
 def load_config(path: str | Path) -> Config:
     file = Path(path)
     try:
@@ -427,6 +452,9 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
         where = f"datasets[{i}] ({ds.name})"
         if not ds.name or "/" in ds.name or ds.name.startswith(".") or ds.name in ("merged", "hidden_states"):
             raise ConfigError(f"{file}: datasets[{i}].name {ds.name!r} cannot be used as a folder name")
+        if not ds.name.isprintable():  # printed in the UI and the log, and a folder name: no control characters
+            raise ConfigError(f"{file}: datasets[{i}].name {ds.name!r} must be printable characters only "
+                              f"(no control characters, tabs or line breaks)")
         if ds.name in names:
             raise ConfigError(f"{file}: datasets[{i}].name {ds.name!r} is used twice")
         names.add(ds.name)
@@ -434,7 +462,9 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
             raise ConfigError(f"{file}: {where}.concurrency must be between 1 and 100000, not {ds.concurrency}")
         _positive(file, f"{where}.max_tokens", ds.max_tokens)
         _positive(file, f"{where}.token_budget", ds.token_budget)
-        datasets.append(dataclasses.replace(ds, prompts=(base / ds.prompts)))
+        prompts = base / ds.prompts
+        _check_prompts_path(file, f"datasets[{i}].prompts", prompts)
+        datasets.append(dataclasses.replace(ds, prompts=prompts))
 
     api: ApiConfig = parts["api"]
     if not api.base_url.startswith(("http://", "https://")):
@@ -484,8 +514,12 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     if extract.model and (extract.model.startswith((".", "/", "~")) or _exists(base / extract.model)):
         extract = dataclasses.replace(extract, model=str(base / Path(extract.model).expanduser()))
     output: OutputConfig = parts["output"]
+    out_dir = base / output.dir
+    if _exists(out_dir) and not out_dir.is_dir():
+        raise ConfigError(f"{file}: output.dir names {out_dir}, which is a file, not a folder: point output.dir "
+                          f"at a folder (it is created if missing)")
     return Config(
         path=file, api=api, request=request, budget=budget, tokenizer=tokenizer,
-        output=OutputConfig(dir=base / output.dir), datasets=tuple(datasets), engine=engine,
+        output=OutputConfig(dir=out_dir), datasets=tuple(datasets), engine=engine,
         merge=parts["merge"], extract=extract, smoke=parts["smoke"], validation=validation,
     )

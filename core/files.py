@@ -6,6 +6,7 @@
   removes the temporary file, leaves the old one as it was and raises `DiskError` naming `path`.
 - `lock_file(path)`: an exclusive `flock` taken without waiting. It goes with the process, so a
   crash never leaves it held.
+- Files are created owner-only (`FILE_MODE`, 0600); folders made here are `DIR_MODE` (0700).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ import orjson
 from draftgen.core.errors import DiskError
 
 TMP_MARK = ".tmp-"
+# Owner-only: run files hold answers, spend and events another local user has no business reading
+# (the umask can only take more away; `draftgen` itself runs under umask 077, cli/main.py).
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 
 
 def disk_error(path: Path, exc: OSError) -> DiskError:
@@ -45,7 +50,7 @@ def replacing(path: Path, *, fsync: bool = False) -> Iterator[BinaryIO]:
     path = Path(path)
     tmp = temp_beside(path)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as f:
             yield f
             if fsync:
                 f.flush()
@@ -73,7 +78,7 @@ def lock_file(path: Path) -> int | None:
     """Open `path` (created if need be) and lock it exclusively without waiting: the descriptor (close
     it to release the lock), or None when another process holds it."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
     except OSError as e:
         raise disk_error(path, e) from e
     try:

@@ -13,6 +13,7 @@
       merged/                     train.jsonl, tokens/, stats.json (core/merge/merge.py)
       hidden_states/              SpecForge offline format (core/extract/)
 
+Files are created 0600 and folders 0700 (owner-only, core/files.py FILE_MODE and DIR_MODE).
 A JSONL line is written whole with one write() and flushed before the answer counts as
 acknowledged. On reopening, a torn last line (a crash mid-write) is cut off and reported.
 """
@@ -29,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from draftgen.core.files import disk_error
+from draftgen.core.files import DIR_MODE, FILE_MODE, disk_error
 
 DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EDQUOT, errno.EIO}
 
@@ -119,10 +120,10 @@ class JsonlAppender:
 
     def __init__(self, path: Path, *, fsync: bool = False) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(DIR_MODE, parents=True, exist_ok=True)
         self.cut_bytes = repair_torn_tail(self.path)
         self._fsync = fsync
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
 
     def append(self, obj: Any) -> None:
         line = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
@@ -177,8 +178,8 @@ class EventLog:
     """events.log: one human-readable line per event, flushed as it happens."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(path, "a", encoding="utf-8")
+        path.parent.mkdir(DIR_MODE, parents=True, exist_ok=True)
+        self._f = open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE), "a", encoding="utf-8")
 
     def write(self, level: str, message: str, ts: float | None = None) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts or time.time()))

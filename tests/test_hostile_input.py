@@ -439,7 +439,6 @@ def break_tokenizer(cfg: Config, how: str) -> None:
 BROKEN = [  # (what, how, command, words the message must hold)
     ("prompts", "truncated-gz", "run", ["prompts/a.jsonl", ": line ", "cannot read the file"]),
     ("prompts", "corrupt-gz", "run", ["prompts/a.jsonl", ": line ", "cannot read the file"]),
-    ("prompts", "folder", "run", ["prompts/a.jsonl", "is a folder"]),
     ("tokenizer", "missing", "run", ["tok", "tokenizer folder not found"]),
     ("tokenizer", "empty", "tokens", ["tok", "no tokenizer here"]),
     ("tokenizer", "garbage-model", "tokens", ["tok/tiktoken.model", "is not a tiktoken BPE entry"]),
@@ -447,6 +446,8 @@ BROKEN = [  # (what, how, command, words the message must hold)
     ("tokenizer", "cut-mid-line", "run", ["tok/tiktoken.model", "is not a tiktoken BPE entry"]),
     ("tokenizer", "bad-table", "tokens", ["tok/special_tokens.json", "not valid JSON"]),
     ("tokenizer", "bad-tokenizer-json", "tokens", ["tok/tokenizer.json", "not a valid tokenizer.json"]),
+    # Last: a folder is refused when the config loads, before the tokenizer cases above could be reached.
+    ("prompts", "folder", "run", ["prompts/a.jsonl", "is a folder"]),
 ]
 
 

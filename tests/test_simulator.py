@@ -512,9 +512,9 @@ def test_cli_serves_until_interrupted(tmp_path):
               "p = argparse.ArgumentParser(); cli.add_arguments(p)\n"
               "sys.exit(cli.run(p.parse_args()))\n")
     proc = subprocess.Popen([sys.executable, "-c", script, "--port", "0", "--latency-scale", "0",
-                             "--mean-tokens", "300", "--faults", "429=0.5", "--key", "sk-cli-secret"],
+                             "--mean-tokens", "300", "--faults", "429=0.5"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "DRAFTGEN_SIM_KEY": "sk-cli-secret"})
     try:
         first = proc.stdout.readline()
         assert "http://127.0.0.1:" in first, first + proc.stderr.read()

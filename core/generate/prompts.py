@@ -13,6 +13,8 @@ A line that cannot be used becomes a `Rejection` (line number and reason); readi
 from __future__ import annotations
 
 import gzip
+import os
+import stat
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +24,9 @@ from typing import Any, BinaryIO
 import orjson
 
 from draftgen.core.errors import PromptFileError
+
+# One prompt line at most (64 MiB: far above any context window's worth of JSON); longer is rejected.
+MAX_LINE_BYTES = 64 << 20
 
 _ROLE_ALIASES = {
     "user": "user", "human": "user", "system": "system",
@@ -45,6 +50,17 @@ class Rejection:
 
 def _open(path: Path) -> BinaryIO:
     try:
+        # O_NONBLOCK: opening a FIFO to read waits for a writer; refused below without waiting.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            mode = os.fstat(fd).st_mode
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(mode):
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError
+            raise PromptFileError(f"{path}: not a regular file (a FIFO, device or socket): a prompt file must "
+                                  f"be a JSONL(.gz) file on disk")
         with open(path, "rb") as probe:
             magic = probe.read(2)
         return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")  # type: ignore[return-value]
@@ -117,12 +133,19 @@ def read_prompts(path: Path) -> Iterator[Prompt | Rejection]:
         line_no = 0
         while True:
             try:
-                line = f.readline()
+                line = f.readline(MAX_LINE_BYTES + 1)
+                too_long = len(line) > MAX_LINE_BYTES and not line.endswith(b"\n")
+                rest = line if too_long else b""
+                while rest and not rest.endswith(b"\n"):
+                    rest = f.readline(1 << 20)  # the rest of a line too long to use, read and dropped by the MiB
             except (OSError, EOFError, zlib.error) as e:  # a corrupt or cut-short .gz (BadGzipFile is an OSError)
                 raise PromptFileError(f"{path}: line {line_no + 1}: cannot read the file ({e})") from None
             if not line:
                 return
             line_no += 1
+            if too_long:
+                yield Rejection(line_no, None, f"line longer than {MAX_LINE_BYTES:,} bytes (not read whole)")
+                continue
             if line_no == 1 and line.startswith(b"\xef\xbb\xbf"):
                 line = line[3:]  # a UTF-8 byte-order mark (some editors and exports write one)
             if not line.strip():

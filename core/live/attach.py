@@ -11,9 +11,13 @@ The stream is one JSON object per line (newline-delimited), server to client onl
 Security: the socket is created owner-only (0600) and the server never interprets a byte a client
 sends (it reads and discards them), so a viewer cannot change the run. Each client has its own
 bounded hub subscription: a client that stops reading loses old snapshots, and is dropped when
-its socket stays full for `stall_timeout_s`; the engine is never made to wait.
+its socket stays full for `stall_timeout_s`; the engine is never made to wait. At most
+`MAX_CLIENTS` viewers are served at once; one more is closed as soon as it is accepted. A refusal,
+or an accept that fails (EMFILE: out of file descriptors), is said at most once per
+`NOTE_INTERVAL_S` with a count, and a failed accept waits `ACCEPT_RETRY_S` before the next: the
+server accepts in its own loop, not asyncio's (which, out of descriptors, logs in a tight loop).
 
-Just over 400 lines: the server and the client speak this one wire format, kept in one place.
+About 470 lines: the server and the client speak this one wire format, kept in one place.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import os
 import socket
 import stat
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +44,9 @@ from draftgen.core.rundir import RunDir
 from draftgen.core.live.snapshot import Event, RunSnapshot, event_from_dict, snapshot_from_dict
 
 PROTOCOL = 1
+MAX_CLIENTS = 128       # viewers served at once (a hundred attached at once must all get in)
+NOTE_INTERVAL_S = 10.0  # a refusal or accept failure is said at most this often, with a count
+ACCEPT_RETRY_S = 1.0    # after a failed accept (out of descriptors): wait, never spin
 MAX_LINE = 16 << 20     # one snapshot line; far above any real one (a few KB)
 SUN_PATH_MAX = 100      # sockaddr_un holds ~108 bytes; longer paths go through /proc/self/fd
 
@@ -88,13 +96,20 @@ class AttachServer:
     """Serves a hub's snapshots and events to any number of read-only viewers."""
 
     def __init__(self, hub: Hub, socket_path: Path, *, client_queue: int = 32,
-                 stall_timeout_s: float = 10.0) -> None:
+                 stall_timeout_s: float = 10.0, on_warning: Callable[[str], None] | None = None,
+                 max_clients: int | None = None) -> None:
         self.hub = hub
         self.path = Path(socket_path)
         self.client_queue = client_queue
         self.stall_timeout_s = stall_timeout_s
+        self.max_clients = MAX_CLIENTS if max_clients is None else max_clients
         self.dropped_clients = 0     # clients cut off for not reading
-        self._server: asyncio.AbstractServer | None = None
+        self.refused_clients = 0     # clients closed at once: `max_clients` were being served
+        self.accept_failures = 0     # accepts the system refused (out of descriptors, memory)
+        self._on_warning = on_warning or self._warn_on_hub
+        self._notes: dict[str, tuple[float, int]] = {}   # kind -> (when last said, how many since)
+        self._listener: socket.socket | None = None
+        self._accepter: asyncio.Task[None] | None = None
         self._clients: set[asyncio.Task[None]] = set()
         self._writers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._inode: int | None = None
@@ -108,8 +123,50 @@ class AttachServer:
         return len(self._clients)
 
     async def start(self) -> None:
-        sock = self._bind()
-        self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=MAX_LINE)
+        self._listener = self._bind()
+        self._accepter = asyncio.create_task(self._accept_loop(self._listener))
+
+    def _warn_on_hub(self, message: str) -> None:
+        self.hub.publish_event(Event(ts=time.time(), level="warn", kind="attach", message=message))
+
+    def _note(self, kind: str, message: str) -> None:
+        """Say `message` unless this kind was said less than NOTE_INTERVAL_S ago (then count it)."""
+        now = time.monotonic()
+        last, count = self._notes.get(kind, (-math.inf, 0))
+        if now - last < NOTE_INTERVAL_S:
+            self._notes[kind] = (last, count + 1)
+            return
+        self._notes[kind] = (now, 0)
+        more = f" ({count} more since the last such message)" if count else ""
+        self._on_warning(message + more)
+
+    async def _accept_loop(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as e:
+                # EMFILE, ENFILE, ENOBUFS, ENOMEM: the viewer stays queued; wait for descriptors to free up.
+                self.accept_failures += 1
+                self._note("accept", f"attach: cannot accept a viewer ({e.strerror or e}); retrying every "
+                                     f"{ACCEPT_RETRY_S:g} s")
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
+            if len(self._clients) >= self.max_clients:
+                conn.close()
+                self.refused_clients += 1
+                self._note("refused", f"attach: viewer refused, {self.max_clients} already attached (the most "
+                                      f"served at once)")
+                continue
+            try:
+                reader, writer = await asyncio.open_unix_connection(sock=conn, limit=MAX_LINE)
+            except OSError:
+                conn.close()
+                continue
+            task = asyncio.create_task(self._serve(reader, writer))
+            # Counted from now, not when it first runs, so a burst of connections cannot overshoot the cap.
+            self._clients.add(task)
+            task.add_done_callback(self._clients.discard)
 
     def _bind(self) -> socket.socket:
         parent = self.path.parent
@@ -156,7 +213,6 @@ class AttachServer:
         if self._closing:
             writer.close()
             return
-        self._clients.add(task)
         self._writers[task] = writer
         sub = self.hub.subscribe(maxsize=self.client_queue)
         discard = asyncio.create_task(self._discard(reader))
@@ -210,8 +266,12 @@ class AttachServer:
             return
         self._closing = True
         self._reason = reason
-        if self._server is not None:
-            self._server.close()
+        if self._accepter is not None:
+            self._accepter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepter
+        if self._listener is not None:
+            self._listener.close()
         for task in tuple(self._clients):
             task.cancel()
         if self._clients:

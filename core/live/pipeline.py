@@ -86,7 +86,8 @@ class Pipeline:
         self.timeline.start(self._totals())
         if self._serve_attach:
             from draftgen.core.live.attach import AttachServer
-            self._attach = AttachServer(self.hub, self.rundir.socket)
+            self._attach = AttachServer(self.hub, self.rundir.socket,
+                                        on_warning=lambda message: self.emit("warn", "attach", message))
             await self._attach.start()
         self._ticker = asyncio.create_task(self._publish_loop())
         self.publish()

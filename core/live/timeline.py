@@ -13,13 +13,16 @@ history.jsonl, one object per interval (appended and flushed; a torn last line i
      "usd": 0.1343, "errors": 2, "in_flight": 460}
 
 `ts` is the wall clock at the interval's start, `run` the wall-clock start of the run (process)
-that wrote it, `dt` the interval in seconds; `answers`, `tokens` (completion tokens), `usd`
+that wrote it, `dt` the interval in seconds. Durations come from the monotonic clock: `ts` is the
+run's wall-clock start plus monotonic time since, so a clock stepped back or forth (NTP, a VM
+resumed) never makes an interval negative or a day long; `answers`, `tokens` (completion tokens), `usd`
 (billed spend) and `errors` (failed attempts, retried or not; truncated answers excluded) count
 what happened during it; `in_flight` is the number in flight at its end.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ from typing import IO
 
 import orjson
 
+from draftgen.core.files import FILE_MODE
 from draftgen.core.live.snapshot import Timeline
 
 
@@ -112,7 +116,7 @@ class Series:
 
 class TimelineRecorder:
     def __init__(self, path: Path | None, *, interval_s: float = 5.0, capacity: int = 360,
-                 clock: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] | None = None,
                  on_write_error: Callable[[str], None] | None = None) -> None:
         self.path = path
         self.base_interval_s = interval_s
@@ -120,6 +124,9 @@ class TimelineRecorder:
         self.runs: list[float] = []
         self.started_at = 0.0
         self._clock = clock
+        # A test's own wall clock, given alone, is its monotonic clock too.
+        self._monotonic = monotonic or (time.monotonic if clock is time.time else clock)
+        self._mono_start = 0.0
         self._on_write_error = on_write_error
         self._last: tuple[float, Totals] | None = None
         self._file: IO[bytes] | None = None
@@ -145,21 +152,22 @@ class TimelineRecorder:
         """This run begins now, from these totals."""
         now = self._clock()
         self.started_at = now
+        self._mono_start = self._monotonic()
         self.runs.append(now)
-        self._last = (now, totals)
+        self._last = (self._mono_start, totals)
         self._built = None
 
     def observe(self, totals: Totals) -> bool:
         """Close an interval when one has passed since the last; True when the timeline changed."""
-        now = self._clock()
         if self._last is None:
             self.start(totals)
             return False
+        now = self._monotonic()
         since, before = self._last
         if now - since < self.base_interval_s:
             return False
         self._last = (now, totals)
-        iv = Interval(ts=since, run=self.started_at, dt=now - since, answers=max(0, totals.answers - before.answers),
+        iv = Interval(ts=self.started_at + (since - self._mono_start), run=self.started_at, dt=now - since, answers=max(0, totals.answers - before.answers),
                       tokens=max(0, totals.tokens - before.tokens), usd=max(0.0, totals.usd - before.usd),
                       errors=max(0, totals.errors - before.errors), in_flight=totals.in_flight)
         self._write(iv)
@@ -173,7 +181,7 @@ class TimelineRecorder:
             return
         try:
             if self._file is None:
-                self._file = open(self.path, "ab")
+                self._file = open(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE), "ab")
             self._file.write(orjson.dumps({"ts": round(iv.ts, 3), "run": round(iv.run, 3), "dt": round(iv.dt, 3),
                                            "answers": iv.answers, "tokens": iv.tokens, "usd": round(iv.usd, 6),
                                            "errors": iv.errors, "in_flight": iv.in_flight}) + b"\n")

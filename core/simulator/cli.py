@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import os
 import signal
 import sys
 import time
@@ -12,6 +13,9 @@ import time
 from draftgen.core.simulator.config import SimConfig, SimulatorError, parse_faults
 from draftgen.core.simulator.scenarios import BY_NAME, parse_scenarios
 from draftgen.core.simulator.server import SimServer
+
+# The variable the simulator reads the key it requires from (never a flag: argv is public in `ps`).
+KEY_ENV = "DRAFTGEN_SIM_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,8 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--credits", type=float, default=100.0, help="credit balance in USD (default 100)")
     p.add_argument("--mean-tokens", type=int, default=1200,
                    help="mean completion tokens of an answer, reasoning included (default 1200)")
-    p.add_argument("--key", default=None,
-                   help="require this API key (default: any non-empty bearer key); never printed")
+    p.add_argument("--key-env", default=KEY_ENV, metavar="NAME",
+                   help=f"require the API key held in this environment variable (default {KEY_ENV}; unset or "
+                        "empty: any non-empty bearer key is accepted); never printed")
+    # Gone: a key in argv is in `ps` for every local user. Kept only to say so.
+    p.add_argument("--key", default=None, help=argparse.SUPPRESS)
     p.add_argument("--retry-after", type=float, default=1.0, help="Retry-After seconds sent with 429s")
     p.add_argument("--hang", type=float, default=600.0, metavar="SECONDS",
                    help="how long a 'hang' fault holds the connection (default 600)")
@@ -57,10 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
+    if args.key is not None:
+        raise SimulatorError(f"draftgen simulate: --key is no longer accepted (a key on the command line is "
+                             f"visible to every local user in `ps`): export {args.key_env}=... instead "
+                             f"(or name another variable with --key-env)")
+    key = os.environ.get(args.key_env, "") or None
     return SimConfig(
         seed=args.seed, faults=parse_faults(args.faults), latency_scale=args.latency_scale,
         fixed_latency_s=args.fixed_latency, credits=args.credits, mean_completion_tokens=args.mean_tokens,
-        api_key=args.key, retry_after_s=args.retry_after, hang_s=args.hang, max_in_flight=args.max_in_flight,
+        api_key=key, retry_after_s=args.retry_after, hang_s=args.hang, max_in_flight=args.max_in_flight,
         tokens_drift=args.tokens_drift, key_limit_usd=args.key_limit,
         management_keys=tuple(args.management_key) if args.management_key else None,
         generation_delay_s=args.generation_delay, stream_chunk_tokens=args.chunk_tokens,
@@ -92,7 +104,8 @@ async def _serve(cfg: SimConfig, host: str, port: int, status_every: float) -> i
     scenarios = ", ".join(cfg.scenarios) or "none"
     print(f"  seed {cfg.seed}, faults {faults}, scenarios {scenarios}, latency {latency}, credits ${cfg.credits:g}, "
           f"mean answer {cfg.mean_completion_tokens} tokens, key {'required' if cfg.api_key else 'any'}", flush=True)
-    print(f'  use it: [api] base_url = "{sim.base_url}" (any non-empty key unless --key); Ctrl-C stops',
+    print(f'  use it: [api] base_url = "{sim.base_url}" (any non-empty key unless ${KEY_ENV} or --key-env '
+          'names one); Ctrl-C stops',
           flush=True)
     print(f"  switch scenarios at run time: POST http://{host}:{sim.port}/_sim/scenario "
           '{"name": "key_limit", "on": true}', flush=True)

@@ -21,7 +21,10 @@ def echo_key(request: web.Request, resp: web.StreamResponse) -> None:
     if not isinstance(body, bytes) or (resp.status < 400 and b'"error"' not in body):
         return
     key = request.headers.get("Authorization", "").partition(" ")[2].strip()
-    note = f" (request made with key {key})"
+    unprefixed = key.split("-")[-1]
+    # Every form a careless upstream quotes a key in: as sent, re-cased, without its prefix, a fragment.
+    note = (f" (request made with key {key}; KEY={key.upper()}; key={key.lower()}; token {unprefixed}; "
+            f"fragment {key[len(key) // 2:len(key) // 2 + 12]}...)")
     try:
         obj = orjson.loads(body)
         err = obj.get("error") if isinstance(obj, dict) else None
