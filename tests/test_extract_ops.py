@@ -65,13 +65,24 @@ def test_shard_auto_reads_slurm_arrays_and_multi_node_torchrun() -> None:
                                 "SLURM_ARRAY_TASK_MIN": "1"}) == (0, 4)
     assert parse_shard("auto", {"SLURM_ARRAY_TASK_ID": "14", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "10",
                                 "SLURM_ARRAY_TASK_STEP": "2"}) == (2, 3)
-    torchrun = {"GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1"}
+    # One Slurm job over 3 nodes, one task each (srun --ntasks-per-node 1 torchrun --standalone ...).
+    assert parse_shard("auto", {"SLURM_NODEID": "2", "SLURM_NNODES": "3", "SLURM_JOB_ID": "7"}) == (2, 3)
+    torchrun = {"GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     assert parse_shard("auto", torchrun) == (1, 2)
     assert parse_shard("2/5", {}) == (2, 5)
     with pytest.raises(DraftgenError, match="is not one of 0..3"):
         parse_shard("auto", {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4"})
     with pytest.raises(DraftgenError, match="found no launcher.*pass --shard I/N"):
-        parse_shard("auto", {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0"})  # one --standalone torchrun
+        parse_shard("auto", {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0"})
+    with pytest.raises(DraftgenError, match="a --standalone torchrun knows no other machines"):  # node 0 of 1
+        parse_shard("auto", {"GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "SLURM_NODEID": "0", "SLURM_NNODES": "1"})
+
+
+def test_one_torchrun_over_several_nodes_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from draftgen.core.extract.specforge_backend import TorchrunGroup
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    with pytest.raises(ConfigError, match=r"data parallel inside one job \(2 x TP 8\).*one torchrun --standalone"):
+        TorchrunGroup(8, "k.toml")
 
 
 def test_cli_shard_auto_without_a_launcher_says_so(tmp_path: Path, capsys: pytest.CaptureFixture,
@@ -260,3 +271,40 @@ def test_self_check_runs_under_torchrun_with_two_ranks(tmp_path: Path, specforge
     assert len(failed) == 1 and "NVIDIA driver and CUDA" in failed[0] and "no GPU" in failed[0], out
     assert proc.returncode == 1
     assert not list(tmp_path.glob("draftgen-selfcheck-*"))  # rank 0's scratch folder, shared and removed
+
+
+class FakeNvml:
+    """A driver NVML would report on a GPU box (none exists here)."""
+
+    def __init__(self, driver: str, cuda: int) -> None:
+        self.driver, self.cuda = driver, cuda
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlSystemGetDriverVersion(self) -> str: return self.driver
+    def nvmlSystemGetCudaDriverVersion(self) -> int: return self.cuda
+    def nvmlDeviceGetCount(self) -> int: return 8
+
+
+def test_prerequisite_rows_judge_the_driver_glibc_shm_and_disk(tmp_path: Path, model_dir: Path) -> None:
+    from draftgen.core.config import ExtractConfig
+    from draftgen.core.extract.selfcheck import SelfCheckResult, add_prerequisites, glibc_version
+
+    def rows(base: ExtractConfig, nvml: object, config: Config | None = None) -> dict[str, tuple[bool, str]]:
+        result = SelfCheckResult()
+        add_prerequisites(result, base, config, nvml)
+        return {r.check: (r.passed, r.detail) for r in result.rows}
+
+    sf = ExtractConfig(backend="specforge", min_shm_gb=0)
+    old = rows(sf, FakeNvml("575.57.08", 12090))["NVIDIA driver and CUDA"]
+    assert not old[0] and "driver 575.57.08 (CUDA 12.9), 8 GPU(s)" in old[1] and "R580+" in old[1]
+    assert rows(sf, FakeNvml("580.65.06", 13000))["NVIDIA driver and CUDA"][0]
+    none = rows(sf, object())["NVIDIA driver and CUDA"]  # NVML that cannot start: no driver
+    assert not none[0] and none[1].startswith("no GPU")
+    assert rows(ExtractConfig(backend="hf"), object())["NVIDIA driver and CUDA"][0]  # hf runs on a CPU
+    libc = glibc_version()
+    assert libc and rows(sf, object())["glibc"] == (True, f"glibc {libc}; sglang 0.5.14 ships wheels for glibc 2.34+ only")
+    assert not rows(ExtractConfig(backend="specforge", min_shm_gb=1e9), object())["/dev/shm"][0]
+    config = make_run(tmp_path, str(model_dir), n=3)
+    disk = rows(ExtractConfig(backend="hf"), object(), config)["free disk for the whole extraction"]
+    assert disk[0] and "for 3 samples" in disk[1] and "(bf16)" in disk[1]

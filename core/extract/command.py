@@ -26,10 +26,12 @@ def _env_int(env: Mapping[str, str], name: str) -> int:
 
 
 def shard_from_env(env: Mapping[str, str]) -> tuple[tuple[int, int], str]:
-    """This machine's (i, N) from its launcher: a Slurm job array, or the node rank of a multi-node torchrun.
+    """This machine's (i, N) and where it came from: a Slurm job array, a multi-node Slurm job, or a multi-node torchrun.
 
-    Slurm: i = (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP, N =
-    SLURM_ARRAY_TASK_COUNT. torchrun (its elastic agent sets them): i = GROUP_RANK, N = GROUP_WORLD_SIZE.
+    Slurm array: i = (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP, N =
+    SLURM_ARRAY_TASK_COUNT. Slurm job over several nodes (one task per node): i = SLURM_NODEID, N =
+    SLURM_NNODES. torchrun (its elastic agent sets them): i = GROUP_RANK, N = GROUP_WORLD_SIZE, when
+    more than one node joined (a --standalone torchrun is node 0 of 1 and says nothing of the others).
     """
     if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
         task, count = _env_int(env, "SLURM_ARRAY_TASK_ID"), _env_int(env, "SLURM_ARRAY_TASK_COUNT")
@@ -40,15 +42,22 @@ def shard_from_env(env: Mapping[str, str]) -> tuple[tuple[int, int], str]:
             raise DraftgenError(f"--shard auto: the Slurm array gives task {task} (min {low}, step {step}) of "
                                 f"{count}, which is not one of 0..{count - 1}; pass --shard I/N instead")
         return (i, count), f"Slurm array task {task} of {count} (SLURM_ARRAY_TASK_ID/COUNT/MIN)"
-    if "GROUP_RANK" in env and "GROUP_WORLD_SIZE" in env:
+    if "SLURM_NODEID" in env and "SLURM_NNODES" in env and _env_int(env, "SLURM_NNODES") > 1:
+        i, count = _env_int(env, "SLURM_NODEID"), _env_int(env, "SLURM_NNODES")
+        if not 0 <= i < count:
+            raise DraftgenError(f"--shard auto: Slurm gives SLURM_NODEID={i} of SLURM_NNODES={count}")
+        return (i, count), f"Slurm node {i} of {count} (SLURM_NODEID/SLURM_NNODES)"
+    if "GROUP_RANK" in env and "GROUP_WORLD_SIZE" in env and _env_int(env, "GROUP_WORLD_SIZE") > 1:
         i, count = _env_int(env, "GROUP_RANK"), _env_int(env, "GROUP_WORLD_SIZE")
         if count < 1 or not 0 <= i < count:
             raise DraftgenError(f"--shard auto: torchrun gives GROUP_RANK={i} of GROUP_WORLD_SIZE={count}")
         return (i, count), f"torchrun node {i} of {count} (GROUP_RANK/GROUP_WORLD_SIZE)"
     raise DraftgenError(
         "--shard auto: found no launcher to ask: neither a Slurm job array (SLURM_ARRAY_TASK_ID and "
-        "SLURM_ARRAY_TASK_COUNT, from sbatch --array) nor a multi-node torchrun (GROUP_RANK and GROUP_WORLD_SIZE) "
-        "set this process's environment; pass --shard I/N (e.g. 0/2 on the first of two machines)")
+        "SLURM_ARRAY_TASK_COUNT, from sbatch --array), nor a Slurm job over several nodes (SLURM_NODEID and "
+        "SLURM_NNODES > 1), nor a multi-node torchrun (GROUP_RANK and GROUP_WORLD_SIZE > 1) set this process's "
+        "environment (a --standalone torchrun knows no other machines); pass --shard I/N (e.g. 0/2 on the first "
+        "of two machines)")
 
 
 def parse_shard(text: str, env: Mapping[str, str] | None = None) -> tuple[int, int]:

@@ -112,6 +112,12 @@ class TorchrunGroup:
             raise ConfigError(
                 f"{config_path}: extract.tp_size = {tp_size} needs one process per GPU: start it as "
                 f"torchrun --nproc_per_node {tp_size} --no-python draftgen extract {config_path} (see README)")
+        if world is not None and int(world) > tp_size and int(world) % tp_size == 0:
+            raise ConfigError(
+                f"{config_path}: torchrun started {world} processes for extract.tp_size = {tp_size}: that is data "
+                f"parallel inside one job ({int(world) // tp_size} x TP {tp_size}), which draftgen does not run. Start "
+                f"one torchrun --standalone --nproc_per_node {tp_size} per machine and split the work with --shard "
+                f"i/N, or --shard auto under Slurm (see README, GPU extraction)")
         if world is not None and int(world) != tp_size:
             raise ConfigError(
                 f"{config_path}: extract.tp_size = {tp_size} but torchrun started {world} processes; use "
