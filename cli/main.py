@@ -76,7 +76,10 @@ def cmd_extract(args: argparse.Namespace) -> int:
     if not args.config:
         raise DraftgenError("draftgen extract: give the config file (or --self-check)")
     if args.shard:
-        parse_shard(args.shard)  # a bad --shard fails before the config is read
+        parse_shard(args.shard)  # a bad --shard (or auto with no launcher) fails before the config is read
+    if args.plan:
+        from draftgen.core.extract.command import plan_command
+        return plan_command(_config(args.config), args.shard)
     return extract_command(_config(args.config), args.shard)
 
 
@@ -156,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p = add("extract", cmd_extract, "run the target model over the merged set and save hidden states")
     p.add_argument("config", nargs="?")
-    p.add_argument("--shard", help="i/N: this machine's share of the samples")
+    p.add_argument("--shard", help="i/N: this machine's share of the samples; auto: from the Slurm array or "
+                   "the multi-node torchrun that started it")
+    p.add_argument("--plan", action="store_true",
+                   help="print what would be done (per shard: samples, tokens, bytes, free space, time) and exit")
     p.add_argument("--self-check", action="store_true",
                    help="check the configured backend end to end on tiny random models first (minutes)")
     p.add_argument("--long-tokens", type=int, default=16384, metavar="N",

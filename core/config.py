@@ -172,6 +172,12 @@ class ExtractConfig:
     mem_fraction_static: float = 0.8
     attention_backend: str = ""
     min_shm_gb: float = 1.0
+    # [extract.sglang]: more SGLang ServerArgs, passed through as keyword arguments (specforge backend).
+    sglang: dict[str, Any] = field(default_factory=dict)
+    # The plan's time estimate when no earlier run of this directory measured one (0: unknown).
+    tokens_per_s: float = 0.0
+    # The run pauses before a batch while free disk is below its bytes plus this margin.
+    min_free_gb: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -489,6 +495,8 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
         raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1, not {extract.mem_fraction_static!r}")
     _positive(file, "extract.min_shm_gb", extract.min_shm_gb, allow_zero=True)
     _positive(file, "extract.tp_size", extract.tp_size)
+    _positive(file, "extract.tokens_per_s", extract.tokens_per_s, allow_zero=True)
+    _positive(file, "extract.min_free_gb", extract.min_free_gb, allow_zero=True)
     if isinstance(extract.aux_layers, str) and extract.aux_layers != "eagle3":
         raise ConfigError(f"{file}: extract.aux_layers must be \"eagle3\" or a list of 3 layer ids, "
                           f"not {extract.aux_layers!r}")

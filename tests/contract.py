@@ -16,6 +16,7 @@ of check, each a list of problems (empty: the contract holds):
 from __future__ import annotations
 
 import ast
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -277,6 +278,83 @@ def server_args_collisions(src: Sources, ours: set[str]) -> list[str]:
     return problems
 
 
+def signature_from_ast(node: ast.FunctionDef | ast.AsyncFunctionDef, *, method: bool = False) -> inspect.Signature:
+    """The def's signature as inspect would give it (defaults stand in as None); `method` drops self."""
+    a = node.args
+    params: list[inspect.Parameter] = []
+    positional = a.posonlyargs + a.args
+    first_default = len(positional) - len(a.defaults)
+    for i, x in enumerate(positional):
+        kind = inspect.Parameter.POSITIONAL_ONLY if i < len(a.posonlyargs) else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        params.append(inspect.Parameter(x.arg, kind, default=None if i >= first_default else inspect.Parameter.empty))
+    if a.vararg:
+        params.append(inspect.Parameter(a.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
+    for x, d in zip(a.kwonlyargs, a.kw_defaults, strict=True):
+        params.append(inspect.Parameter(x.arg, inspect.Parameter.KEYWORD_ONLY,
+                                        default=inspect.Parameter.empty if d is None else None))
+    if a.kwarg:
+        params.append(inspect.Parameter(a.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
+    if method:
+        params = params[1:]
+    return inspect.Signature(params)
+
+
+@dataclass(frozen=True)
+class CallSite:
+    callee: str            # the name called in the backend (a function, or the method's attribute name)
+    line: int
+    positional: int
+    keywords: tuple[str, ...]
+    splat: bool            # passes **something
+
+
+def call_sites(tree: ast.Module, names: set[str]) -> list[CallSite]:
+    """Every call in `tree` of a function or method named in `names` (`f(...)`, `x.y.f(...)`)."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+        if name in names:
+            out.append(CallSite(name, node.lineno, len(node.args), tuple(k.arg for k in node.keywords if k.arg),
+                                any(k.arg is None for k in node.keywords)))
+    return out
+
+
+def check_call_sites(src: Sources, tree: ast.Module, sites: dict[str, tuple[str, str]],
+                     splat_keys: set[str]) -> list[str]:
+    """Bind each of the backend's calls to the pinned release's signature of what it calls.
+
+    `sites` maps the called name to (module, qualname) in the release; a `**` argument is bound as
+    `splat_keys` (the ServerArgs our backend passes). A renamed, dropped or newly required
+    parameter is a TypeError from inspect's bind, reported with the line of our call.
+    """
+    problems = []
+    found = call_sites(tree, set(sites))
+    for name in sorted(set(sites) - {c.callee for c in found}):
+        problems.append(f"the backend no longer calls {name}: update CALL_SITES in tests/contract.py")
+    for call in found:
+        module, qualname = sites[call.callee]
+        rel = src.module_path(module)
+        mod = src.tree(rel) if rel else None
+        node = _find(mod, qualname) if mod is not None else None
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            problems.append(f"specforge_backend.py:{call.line}: {call.callee}(...) calls {module}.{qualname}, "
+                            f"which the pinned release does not define")
+            continue
+        sig = signature_from_ast(node, method="." in qualname)
+        kwargs = dict.fromkeys(call.keywords, None)
+        if call.splat:
+            kwargs.update(dict.fromkeys(splat_keys - set(kwargs), None))
+        try:
+            sig.bind(*([None] * call.positional), **kwargs)
+        except TypeError as e:
+            problems.append(f"specforge_backend.py:{call.line}: {call.callee}(...) does not bind to "
+                            f"{module}.{qualname}{sig}: {e}")
+    return problems
+
+
 SF_CAPTURE = "specforge.offline_capture.sglang"
 SF_BACKEND = "specforge.offline_capture.sglang_backend.capture"
 
@@ -311,6 +389,12 @@ CONTRACT: list[Expect] = [
     Expect("sglang.srt.models.deepseek_v2", "DeepseekV3ForCausalLM.set_eagle3_layers_to_capture"),
     Expect("sglang.srt.models.kimi_k25", "KimiK25ForConditionalGeneration.set_eagle3_layers_to_capture",
            source=("self.language_model.set_eagle3_layers_to_capture(layer_ids)",)),
+    # Serving: SGLang hands the draft config's eagle_aux_hidden_state_layer_ids to the same setter
+    # (stats.json's draft_layer_ids are those ids).
+    Expect("sglang.srt.model_executor.model_runner", "ModelRunner.__init__",
+           source=("self.eagle_aux_hidden_state_layer_ids = eagle_config['eagle_aux_hidden_state_layer_ids']",)),
+    Expect("sglang.srt.model_executor.model_runner", "ModelRunner.init_aux_hidden_state_capture",
+           source=("self.model.set_eagle3_layers_to_capture(self.eagle_aux_hidden_state_layer_ids)",)),
     # SGLang calls SpecForge's capture makes (beyond the imports, which check_imports covers).
     Expect("sglang.srt.model_executor.model_runner", "ModelRunner.__init__",
            params=("model_config", "mem_fraction_static", "gpu_id", "tp_rank", "tp_size", "moe_ep_rank",
@@ -339,6 +423,15 @@ CONTRACT: list[Expect] = [
     Expect("sglang.srt.layers.logits_processor", "LogitsProcessor._get_hidden_states_to_store"),
     Expect("sglang.srt.layers.logits_processor", "LogitsMetadata.from_forward_batch"),
 ]
+
+# Every call the specforge backend makes into SpecForge: the name it calls -> what that is in the release.
+CALL_SITES = {
+    "init_distributed": ("specforge.distributed", "init_distributed"),
+    "destroy_distributed": ("specforge.distributed", "destroy_distributed"),
+    "load_offline_eagle3_capture": (SF_CAPTURE, "load_offline_eagle3_capture"),
+    "set_capture_layers": (SF_CAPTURE, "OfflineSGLangCapture.set_capture_layers"),
+    "capture": (SF_CAPTURE, "OfflineSGLangCapture.capture"),
+}
 
 # What our backend touches on SpecForge's objects (tests check the backend's source uses no others).
 CAPTURE_METHODS = {"set_capture_layers", "capture"}

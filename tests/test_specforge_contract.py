@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.contract import (BATCH_FIELDS, CAPTURE_METHODS, CONTRACT, Sources, check_expectations, check_imports,
+from tests.contract import (BATCH_FIELDS, CALL_SITES, CAPTURE_METHODS, CONTRACT, Sources, _class_fields, _find,
+                            call_keywords, call_sites, check_call_sites, check_expectations, check_imports,
                             imports_of, server_args_collisions)
 from tests.pinned import ROOT, gpu_pins
 
@@ -120,3 +121,63 @@ def test_a_changed_capture_rule_or_server_arg_fails_the_contract(releases: Sourc
     assert "ServerArgs has no field 'max_total_tokens' (the specforge backend passes it)" in \
         server_args_collisions(broken, our_server_args())
     assert any("duplicate keyword" in p for p in server_args_collisions(releases, our_server_args() | {"tp_size"}))
+
+
+# The calls themselves (issue 24, item 7): every keyword the backend passes binds to the pinned signature.
+
+def _backend_tree(text: str | None = None) -> ast.Module:
+    return ast.parse(text if text is not None else BACKEND.read_text())
+
+
+def test_every_backend_call_binds_to_the_pinned_signature(releases: Sources) -> None:
+    calls = call_sites(_backend_tree(), set(CALL_SITES))
+    assert {c.callee for c in calls} == set(CALL_SITES)
+    assert check_call_sites(releases, _backend_tree(), CALL_SITES, our_server_args()) == []
+
+
+def test_a_keyword_renamed_upstream_fails_at_the_call_site(releases: Sources) -> None:
+    sf = "specforge/offline_capture/sglang.py"
+    for rel, old, new, called in [
+        (sf, "capture_method: str = \"eagle3\",\n    ) -> None:\n        self.capture_layers",
+         "method: str = \"eagle3\",\n    ) -> None:\n        self.capture_layers", "set_capture_layers"),
+        (sf, "        loss_mask: torch.Tensor,\n    ) -> OfflineCaptureBatch:",
+         "        target_mask: torch.Tensor,\n    ) -> OfflineCaptureBatch:", "capture"),
+        ("specforge/distributed.py", "timeout: int = 10, tp_size: int = 1,", "timeout: int = 10, tp_degree: int = 1,",
+         "init_distributed"),
+    ]:
+        broken = _broken(releases, rel, old, new)
+        problems = check_call_sites(broken, _backend_tree(), CALL_SITES, our_server_args())
+        assert any(f"{called}(...) does not bind" in p for p in problems), (called, problems)
+
+
+def test_a_dropped_or_misspelt_keyword_in_the_backend_fails(releases: Sources) -> None:
+    text = BACKEND.read_text()
+    for old, new in [("loss_mask=attention_mask.to(device))", ")"),
+                     ("init_distributed(timeout=DIST_TIMEOUT_MIN, tp_size=tp_size)",
+                      "init_distributed(timeout=DIST_TIMEOUT_MIN, tp=tp_size)"),
+                     ('capture_method="eagle3"', 'capture_mode="eagle3"')]:
+        assert old in text, old
+        problems = check_call_sites(releases, _backend_tree(text.replace(old, new)), CALL_SITES, our_server_args())
+        assert problems and "does not bind" in problems[0], (new, problems)
+
+
+def test_reserved_server_args_are_what_specforges_build_passes(releases: Sources) -> None:
+    from draftgen.core.extract.specforge_backend import SPECFORGE_SETS
+    passed, forwards = call_keywords(releases, "specforge.offline_capture.sglang_backend.capture",
+                                     "OfflineSGLangCaptureBackend.build", "ServerArgs")
+    assert forwards and set(SPECFORGE_SETS) == passed
+
+
+def test_sglang_table_is_checked_against_the_pinned_server_args(releases: Sources) -> None:
+    from draftgen.core.errors import ConfigError
+    from draftgen.core.extract.specforge_backend import check_sglang_table, server_args
+    fields = _class_fields(_find(releases.tree("sglang/srt/server_args.py"), "ServerArgs"))  # type: ignore[arg-type]
+    table = {"context_length": 32768, "kv_cache_dtype": "fp8_e4m3", "enable_dp_attention": False}
+    check_sglang_table(table, "k.toml", fields)
+    merged = server_args(max_forward_tokens=1, max_samples=1, mem_fraction_static=0.5, attention_backend="",
+                         extra=table)
+    assert server_args_collisions(releases, set(merged)) == []
+    for bad, says in [({"tp_size": 8}, "SpecForge's capture sets it"), ({"max_total_tokens": 1}, "set by draftgen"),
+                      ({"context_lenght": 1}, "not a field of SGLang's ServerArgs")]:
+        with pytest.raises(ConfigError, match=says):
+            check_sglang_table(bad, "k.toml", fields)

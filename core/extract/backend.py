@@ -63,5 +63,6 @@ def make_backend(cfg: ExtractConfig, dims: ModelDims, layers: tuple[int, int, in
         return SpecForgeBackend(cfg.model, sglang_capture_ids(layers, dims, str(config_path)), group=group,  # type: ignore[arg-type]
                                 dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                 max_forward_tokens=max_forward_tokens, max_samples=max_samples,
-                                mem_fraction_static=cfg.mem_fraction_static, attention_backend=cfg.attention_backend)
+                                mem_fraction_static=cfg.mem_fraction_static, attention_backend=cfg.attention_backend,
+                                sglang_args=cfg.sglang, config_path=config_path)
     raise ConfigError(f"{config_path}: extract.backend must be \"hf\" or \"specforge\", not {cfg.backend!r}")

@@ -1,4 +1,4 @@
-"""`draftgen extract CONFIG [--shard I/N]`: extraction with plain progress lines, for nohup and CI,
+"""`draftgen extract CONFIG [--shard I/N|auto] [--plan]`: extraction with plain progress lines, for nohup and CI,
 served to `draftgen attach RUN_DIR` (the extract stage and the GPU panel) from rank 0."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from draftgen.core.config import Config
@@ -17,8 +18,52 @@ from draftgen.core.units import compact_duration, fmt_bytes, fmt_count
 PRINT_INTERVAL_S = 5.0
 
 
-def parse_shard(text: str) -> tuple[int, int]:
-    """`"i/N"` -> (i, N) with 0 <= i < N."""
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise DraftgenError(f"--shard auto: {name}={env[name]!r} is not an integer") from None
+
+
+def shard_from_env(env: Mapping[str, str]) -> tuple[tuple[int, int], str]:
+    """This machine's (i, N) and where it came from: a Slurm job array, a multi-node Slurm job, or a multi-node torchrun.
+
+    Slurm array: i = (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP, N =
+    SLURM_ARRAY_TASK_COUNT. Slurm job over several nodes (one task per node): i = SLURM_NODEID, N =
+    SLURM_NNODES. torchrun (its elastic agent sets them): i = GROUP_RANK, N = GROUP_WORLD_SIZE, when
+    more than one node joined (a --standalone torchrun is node 0 of 1 and says nothing of the others).
+    """
+    if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
+        task, count = _env_int(env, "SLURM_ARRAY_TASK_ID"), _env_int(env, "SLURM_ARRAY_TASK_COUNT")
+        low = _env_int(env, "SLURM_ARRAY_TASK_MIN") if "SLURM_ARRAY_TASK_MIN" in env else 0
+        step = _env_int(env, "SLURM_ARRAY_TASK_STEP") if "SLURM_ARRAY_TASK_STEP" in env else 1
+        i = (task - low) // max(step, 1)
+        if count < 1 or not 0 <= i < count or (task - low) % max(step, 1):
+            raise DraftgenError(f"--shard auto: the Slurm array gives task {task} (min {low}, step {step}) of "
+                                f"{count}, which is not one of 0..{count - 1}; pass --shard I/N instead")
+        return (i, count), f"Slurm array task {task} of {count} (SLURM_ARRAY_TASK_ID/COUNT/MIN)"
+    if "SLURM_NODEID" in env and "SLURM_NNODES" in env and _env_int(env, "SLURM_NNODES") > 1:
+        i, count = _env_int(env, "SLURM_NODEID"), _env_int(env, "SLURM_NNODES")
+        if not 0 <= i < count:
+            raise DraftgenError(f"--shard auto: Slurm gives SLURM_NODEID={i} of SLURM_NNODES={count}")
+        return (i, count), f"Slurm node {i} of {count} (SLURM_NODEID/SLURM_NNODES)"
+    if "GROUP_RANK" in env and "GROUP_WORLD_SIZE" in env and _env_int(env, "GROUP_WORLD_SIZE") > 1:
+        i, count = _env_int(env, "GROUP_RANK"), _env_int(env, "GROUP_WORLD_SIZE")
+        if count < 1 or not 0 <= i < count:
+            raise DraftgenError(f"--shard auto: torchrun gives GROUP_RANK={i} of GROUP_WORLD_SIZE={count}")
+        return (i, count), f"torchrun node {i} of {count} (GROUP_RANK/GROUP_WORLD_SIZE)"
+    raise DraftgenError(
+        "--shard auto: found no launcher to ask: neither a Slurm job array (SLURM_ARRAY_TASK_ID and "
+        "SLURM_ARRAY_TASK_COUNT, from sbatch --array), nor a Slurm job over several nodes (SLURM_NODEID and "
+        "SLURM_NNODES > 1), nor a multi-node torchrun (GROUP_RANK and GROUP_WORLD_SIZE > 1) set this process's "
+        "environment (a --standalone torchrun knows no other machines); pass --shard I/N (e.g. 0/2 on the first "
+        "of two machines)")
+
+
+def parse_shard(text: str, env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """`"i/N"` -> (i, N) with 0 <= i < N; `"auto"` -> the launcher's (see shard_from_env)."""
+    if text == "auto":
+        return shard_from_env(os.environ if env is None else env)[0]
     try:
         i_text, n_text = text.split("/")
         i, n = int(i_text), int(n_text)
@@ -36,14 +81,37 @@ def progress_line(p: StageProgress) -> str:
             f"ETA {compact_duration(p.eta_s)}")
 
 
-def extract_command(config: Config, shard: str | None, *, out: TextIO | None = None, nvml: Any = None) -> int:
-    """Run extraction, print a progress line every few seconds and a summary; 0 when it finished.
+def plan_command(config: Config, shard: str | None, *, out: TextIO | None = None) -> int:
+    """`draftgen extract CONFIG --plan`: print what the extraction would do and exit; no model is loaded."""
+    from draftgen.core.extract.plan import format_plan, make_plan
+    stream = out or sys.stdout
+    parsed = parse_shard(shard) if shard else (0, 1)
+    for line in format_plan(make_plan(config, parsed)):
+        print(line, file=stream, flush=True)
+    return 0
 
+
+def extract_command(config: Config, shard: str | None, *, out: TextIO | None = None, nvml: Any = None,
+                    disk_watch: Any = None) -> int:
+    """Print the plan, run extraction, print a progress line every few seconds and a summary; 0 when it finished.
+
+    Nothing left to do: says so and returns 0 without importing torch or reading the model.
     DraftgenError (bad config, no merged tokens, not enough disk, backend missing) propagates to
     the CLI boundary, which prints it without a traceback.
     """
+    from draftgen.core.extract.plan import DiskWatch, format_plan, make_plan
     stream = out or sys.stdout
     parsed = parse_shard(shard) if shard else (0, 1)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    plan = make_plan(config, parsed)
+    if rank0:
+        for line in format_plan(plan):
+            print(line, file=stream, flush=True)
+    if plan.nothing_to_do:
+        return 0
+    if disk_watch is None:
+        disk_watch = DiskWatch(margin_bytes=int(config.extract.min_free_gb * 2**30),
+                               say=lambda m: print(m, file=stream, flush=True))
     try:
         from draftgen.core.extract.runner import extract
     except ModuleNotFoundError as e:
@@ -51,7 +119,6 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
             raise
         raise DraftgenError("draftgen extract needs PyTorch, which is not installed: "
                             "pip install 'draftgen[extract]' (or torch itself, see README)") from None
-    rank0 = int(os.environ.get("RANK", "0")) == 0
     publisher = None
     if rank0 and config.run_dir.is_dir():  # `draftgen attach RUN_DIR` shows the stage and the GPU panel
         from draftgen.core.extract.live import ExtractPublisher
@@ -68,7 +135,7 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
         if publisher is not None and not publisher.serving:
             print(f"warning: not serving attach: {publisher.error}", file=stream, flush=True)
         try:
-            stats = extract(config, shard=parsed, progress=show)
+            stats = extract(config, shard=parsed, progress=show, disk_watch=disk_watch)
         except BaseException as e:
             if publisher is not None:
                 publisher.finish("error", f"extraction failed: {e}")
@@ -85,6 +152,9 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
           f"{stats.nan_samples:,} with NaN not written; model {stats.model} (N={stats.num_layers}, "
           f"H={stats.hidden_size}), aux layers {list(stats.layers)}, {stats.backend}, "
           f"shard {parsed[0]}/{parsed[1]}", file=stream, flush=True)
+    if stats.draft_layer_ids is not None:
+        print(f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids = {stats.draft_layer_ids} "
+              f"(SGLang's numbering of layers {list(stats.layers)}; also in stats.json)", file=stream, flush=True)
     if stats.nan_samples:
         shown = ", ".join(str(x["index"]) for x in stats.nan[:10])
         more = f" and {stats.nan_samples - 10} more" if stats.nan_samples > 10 else ""
@@ -118,7 +188,7 @@ def self_check_command(config: Config | None, *, long_tokens: int, out: TextIO |
         # On a CPU the reference is float32 too: nearly flat random logits compared across bf16
         # rounding would test the rounding, not the extraction.
         base = dataclasses.replace(base, dtype="float32")
-    result = run_self_check(base, long_tokens=long_tokens, config_path=path)
+    result = run_self_check(base, long_tokens=long_tokens, config_path=path, config=config)
     if result.rows:  # only rank 0 of a torchrun job has rows to print
         print_result(result, out)
     return 0 if result.passed or not result.rows else 1

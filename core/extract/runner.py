@@ -55,6 +55,9 @@ class ExtractStats:
     stopped: bool = False
     elapsed_s: float = 0.0
     tokens_per_s: float = 0.0
+    # The draft config's eagle_config.eagle_aux_hidden_state_layer_ids: SGLang's numbering of `layers`.
+    draft_layer_ids: list[int] | None = None
+    nothing_to_do: bool = False   # every file of the shard was there: no model was loaded
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -211,7 +214,7 @@ def make_group(cfg: Any, config_path: object = "config") -> Any:
 def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
             progress: Callable[[StageProgress], None] | None = None,
             backend: ExtractBackend | None = None, stop: threading.Event | None = None,
-            group: Any = None) -> ExtractStats:
+            group: Any = None, disk_watch: Any = None) -> ExtractStats:
     """Write `hidden_states/` for every sample of `shard` not already there; return the run's stats.
 
     `backend` replaces the one `config.extract` describes (a test's, or a model already loaded);
@@ -232,11 +235,16 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     if not (tokens_dir / INDEX_FILE).exists():
         raise DraftgenError(f"{tokens_dir / INDEX_FILE}: not found; run `draftgen merge` first")
     reader = TokenReader(tokens_dir)
+    if backend is None and all(layout.existing_sample(rundir.hidden_states, k) is not None
+                               for k in _shard_indices(len(reader), shard)):
+        return _nothing_to_do(config, shard, len(_shard_indices(len(reader), shard)), progress)
     dims = read_model_dims(cfg.model, trust_remote_code=cfg.trust_remote_code)
     layers = resolve_aux_layers(cfg.aux_layers, dims, config.path)
     if cfg.backend == "specforge" and backend is None:
         from draftgen.core.extract.model_info import sglang_capture_ids
         sglang_capture_ids(layers, dims, config.path)  # refuse what SGLang cannot capture before anything loads
+        from draftgen.core.extract.specforge_backend import check_sglang_table
+        check_sglang_table(cfg.sglang, config.path)
     root = rundir.hidden_states
     owned_group = group is None
     if group is None:
@@ -251,7 +259,8 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
             backend = make_backend(cfg, dims, layers, group=group, max_forward_tokens=plan.max_forward_tokens,
                                    max_samples=plan.max_samples, config_path=config.path)
         if group.writer:
-            return _run_writer(config, shard, dims, layers, reader, root, plan, backend, progress, stop, rundir)
+            return _run_writer(config, shard, dims, layers, reader, root, plan, backend, progress, stop, rundir,
+                               disk_watch)
         for batch, ids, _masks in _batches_of_arrays(reader, plan.batches):
             backend.run(ids)
         return ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
@@ -266,7 +275,7 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
 def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers: tuple[int, int, int],
                 reader: TokenReader, root: Path, plan: _Plan, backend: ExtractBackend,
                 progress: Callable[[StageProgress], None] | None, stop: threading.Event | None,
-                rundir: RunDir) -> ExtractStats:
+                rundir: RunDir, disk_watch: Any = None) -> ExtractStats:
     cfg = config.extract
     i, n = shard
     entries: list[TokenEntry] = reader.entries
@@ -274,7 +283,10 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
     stats = ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
                          hidden_size=dims.hidden_size, layers=layers, shard=shard, compress=cfg.compress,
                          samples=len(indices), tokens=sum(entries[k].length for k in indices),
-                         skipped_existing=plan.skipped_existing)
+                         skipped_existing=plan.skipped_existing, draft_layer_ids=_draft_layer_ids(layers, dims))
+    if disk_watch is None:
+        from draftgen.core.extract.plan import DiskWatch
+        disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
     events = EventLog(rundir.events_log)
     events.write("info", f"extract: {len(plan.todo):,} samples ({plan.tokens_todo:,} tokens) to do in shard {i}/{n}, "
                          f"{stats.skipped_existing:,} already written; layers {list(layers)}, H={dims.hidden_size}")
@@ -284,6 +296,11 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         reporter.emit(force=True)
         for batch, ids, masks in _batches_of_arrays(reader, plan.batches):
             if stop is not None and stop.is_set():
+                stats.stopped = True
+                break
+            need = bytes_needed(sum(len(x) for x in ids), len(ids), dims.hidden_size)
+            if not disk_watch.wait_for(root, need, stop, log=lambda m: (events.write("warn", m),
+                                                                         reporter.emit(message=m, force=True))):
                 stats.stopped = True
                 break
             outputs = backend.run(ids)
@@ -309,6 +326,27 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
     if reporter is not None:
         reporter.emit(StageState.DONE, force=True, message=("stopped: " if stats.stopped else "") + summary)
     return stats
+
+
+def _draft_layer_ids(layers: tuple[int, int, int], dims: ModelDims) -> list[int] | None:
+    """The ids SGLang serves the draft with; None where SGLang cannot capture these layers."""
+    from draftgen.core.extract.model_info import sglang_capture_ids
+    try:
+        return sglang_capture_ids(layers, dims)
+    except ConfigError:
+        return None
+
+
+def _nothing_to_do(config: Config, shard: tuple[int, int], samples: int,
+                   progress: Callable[[StageProgress], None] | None) -> ExtractStats:
+    """Every file of the shard exists: report it without reading the model or making a process group."""
+    cfg = config.extract
+    if progress is not None:
+        progress(StageProgress(name="extract", state=StageState.DONE, done=samples, total=samples,
+                               rate_unit="tok/s", eta_s=0.0, message=f"nothing to do: {samples:,} files already there"))
+    return ExtractStats(model=cfg.model, backend="none (nothing to do)", num_layers=0, hidden_size=0,
+                        layers=(0, 0, 0), shard=shard, compress=cfg.compress, samples=samples,
+                        skipped_existing=samples, nothing_to_do=True)
 
 
 def _store(root: Path, index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,

@@ -18,12 +18,20 @@ family only, since SGLang sets up its model-parallel state once per process):
    same extrapolated to the configured model's H;
 8. a rerun skips every file, and the backend leaves no process or process group behind.
 
-Under torchrun every rank runs the same forwards; rank 0 compares and prints.
+Before them, the prerequisites this machine shows: the NVIDIA driver and CUDA (the pinned set is
+CUDA 13: driver R580 or newer), glibc (SGLang 0.5.14's wheels need 2.34+), /dev/shm, and free disk
+for the whole configured extraction.
+
+Under torchrun every rank runs the same forwards; rank 0 makes the scratch folder and the tiny
+models in it (shared with the other ranks by path: the ranks of one job share a machine), compares
+and prints.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import platform
 import shutil
 import tempfile
 import threading
@@ -51,6 +59,8 @@ COSINE_MIN, ARGMAX_MIN = 0.99, 0.98
 AUX_MARGIN = 2.0      # the right layer must be this many times closer than its neighbours
 ALONE_COSINE_MIN = 0.999  # per-row cosine of sample-alone vs sample-in-batch (bf16 kernels differ a little by shape)
 KIMI_HIDDEN = 7168    # extrapolation target when no model is configured
+MIN_DRIVER = 580      # CUDA 13 (torch 2.11.0's default wheels, the gpu extra's) needs driver R580+
+MIN_GLIBC = (2, 34)   # sglang 0.5.14 ships manylinux_2_34 wheels only
 
 
 def tiny_configs(max_positions: int, tp_size: int = 1) -> dict[str, Any]:
@@ -220,7 +230,8 @@ def _check_model(result: SelfCheckResult, name: str, hf_config: Any, work: Path,
         ref.save_pretrained(model_dir)
     group.share(lambda: None)  # every rank waits for the weights on disk
     samples = _samples(long_tokens, seed=1)
-    config = _make_run(work, name, model_dir, samples, base, config_path)
+    # One rank writes the run's tokens; the others get its config (a folder they all see).
+    config = group.share(lambda: _make_run(work, name, model_dir, samples, base, config_path))
     cfg = config.extract
     dims = read_model_dims(str(model_dir))
     layers = resolve_aux_layers("eagle3", dims)
@@ -229,7 +240,8 @@ def _check_model(result: SelfCheckResult, name: str, hf_config: Any, work: Path,
     started = time.monotonic()
     backend = make_backend(cfg, dims, layers, group=group, max_forward_tokens=len(samples) * long_tokens,
                            max_samples=len(samples), config_path=config_path)
-    result.add(f"{label} backend starts", True, f"{backend.description} in {time.monotonic() - started:.1f}s")
+    if group.writer:  # one checklist, rank 0's
+        result.add(f"{label} backend starts", True, f"{backend.description} in {time.monotonic() - started:.1f}s")
     device = "cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"
     try:
         peak = _Peak(device)
@@ -343,10 +355,100 @@ def families_for(backend: str, target: ModelDims | None) -> tuple[str, ...]:
     return (FAMILIES[1] if target is None or target.deepseek_family else FAMILIES[0],)
 
 
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for p in text.split("."):
+        digits = "".join(c for c in p if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def gpu_prerequisites(nvml: Any = None) -> tuple[str | None, str | None, int]:
+    """(driver version, CUDA version the driver supports, GPU count) from NVML; (None, None, 0) without one."""
+    try:
+        if nvml is None:
+            import pynvml as nvml
+        nvml.nvmlInit()
+    except Exception:  # no nvidia-ml-py, no driver, no device
+        return None, None, 0
+    try:
+        driver = nvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else str(driver)
+        cuda = int(nvml.nvmlSystemGetCudaDriverVersion())
+        return driver, f"{cuda // 1000}.{cuda % 1000 // 10}", int(nvml.nvmlDeviceGetCount())
+    except Exception:
+        return None, None, 0
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def glibc_version() -> str | None:
+    try:
+        text = os.confstr("CS_GNU_LIBC_VERSION") or ""  # "glibc 2.35"
+    except (ValueError, OSError, AttributeError):
+        text = ""
+    if text.startswith("glibc "):
+        return text.split()[1]
+    lib, version = platform.libc_ver()
+    return version if lib == "glibc" and version else None
+
+
+def add_prerequisites(result: SelfCheckResult, base: ExtractConfig, config: Config | None, nvml: Any = None) -> None:
+    """Rows for what this machine shows before anything runs; for `hf` they inform, for `specforge` they must hold."""
+    needs_gpu = base.backend == "specforge"
+    driver, cuda, gpus = gpu_prerequisites(nvml)
+    torch_cuda = torch.version.cuda or "none (CPU build)"
+    if driver is None:
+        result.add("NVIDIA driver and CUDA", not needs_gpu,
+                   f"no GPU (NVML finds no driver or device); torch {torch.__version__} built for CUDA {torch_cuda}"
+                   + ("; the specforge backend needs CUDA GPUs" if needs_gpu else ""))
+    else:
+        major = _version(driver)[:1] or (0,)
+        ok = major[0] >= MIN_DRIVER or not needs_gpu
+        result.add("NVIDIA driver and CUDA", ok,
+                   f"driver {driver} (CUDA {cuda}), {gpus} GPU(s); torch built for CUDA {torch_cuda}; the gpu extra's "
+                   f"torch needs CUDA 13: driver R{MIN_DRIVER}+")
+    libc = glibc_version()
+    libc_ok = libc is not None and _version(libc)[:2] >= MIN_GLIBC
+    result.add("glibc", libc_ok or not needs_gpu,
+               f"glibc {libc or 'not found (musl?)'}; sglang 0.5.14 ships wheels for glibc "
+               f"{'.'.join(map(str, MIN_GLIBC))}+ only")
+    try:
+        shm = shutil.disk_usage("/dev/shm")
+        shm_text = f"{fmt_bytes(shm.free)} free of {fmt_bytes(shm.total)}"
+        shm_ok = shm.free >= base.min_shm_gb * 2**30
+    except OSError as e:
+        shm_text, shm_ok = f"cannot read /dev/shm: {e.strerror}", base.min_shm_gb <= 0
+    result.add("/dev/shm", shm_ok or not needs_gpu,
+               f"{shm_text}; extract.min_shm_gb = {base.min_shm_gb:g} (NCCL; Docker: --shm-size=32g or --ipc=host)")
+    if config is None:
+        return
+    from draftgen.core.errors import DraftgenError
+    from draftgen.core.extract.plan import make_plan
+    try:
+        plan = make_plan(config, (0, 1))
+    except DraftgenError as e:
+        result.add("free disk for the whole extraction", True, f"no plan yet: {e}")
+        return
+    need = sum(s.bytes_gz if plan.compress else s.bytes_bf16 for s in plan.shards)
+    result.add("free disk for the whole extraction", need <= plan.free_bytes,
+               f"{fmt_bytes(need)} for {plan.this.todo:,} samples ({plan.this.tokens_todo:,} tokens) still to do "
+               f"({'gz estimate' if plan.compress else 'bf16'}); {fmt_bytes(plan.free_bytes)} free in {plan.root}")
+
+
 def run_self_check(base: ExtractConfig, *, long_tokens: int = DEFAULT_LONG_TOKENS, target_hidden: int | None = None,
                    config_path: Path = Path("selfcheck.toml"), work_dir: Path | None = None,
-                   families: tuple[str, ...] | None = None) -> SelfCheckResult:
-    """Run the checklist with `base`'s backend settings (its model only sizes the extrapolation)."""
+                   families: tuple[str, ...] | None = None, config: Config | None = None,
+                   nvml: Any = None) -> SelfCheckResult:
+    """Run the checklist with `base`'s backend settings (its model only sizes the extrapolation).
+
+    `config`, when given, is the configured run: the prerequisite rows check free disk for it.
+    """
     from draftgen.core.extract.runner import make_group
     result = SelfCheckResult()
     started = time.monotonic()
@@ -363,19 +465,23 @@ def run_self_check(base: ExtractConfig, *, long_tokens: int = DEFAULT_LONG_TOKEN
     import psutil
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     group = make_group(base, config_path)
+    if group.writer:
+        add_prerequisites(result, base, config, nvml)
     tmp = None
     try:
         work = work_dir
         if work is None:
-            tmp = tempfile.mkdtemp(prefix="draftgen-selfcheck-")
+            # Rank 0 makes it and tells the others: a folder per rank would leave them without the models.
+            tmp = group.share(lambda: tempfile.mkdtemp(prefix="draftgen-selfcheck-"))
             work = Path(tmp)
         for name, hf_config in tiny_configs(max(2 * long_tokens, 4096), base.tp_size).items():
             if families is not None and name not in families:
                 continue
             _check_model(result, name, hf_config, work, base, config_path, long_tokens, target_hidden, group)
+        group.share(lambda: None)  # nobody reads the scratch folder any more
     finally:
         group.close()
-        if tmp is not None:
+        if tmp is not None and group.writer:
             shutil.rmtree(tmp, ignore_errors=True)
     if group.writer:
         children = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]

@@ -112,6 +112,12 @@ class TorchrunGroup:
             raise ConfigError(
                 f"{config_path}: extract.tp_size = {tp_size} needs one process per GPU: start it as "
                 f"torchrun --nproc_per_node {tp_size} --no-python draftgen extract {config_path} (see README)")
+        if world is not None and int(world) > tp_size and int(world) % tp_size == 0:
+            raise ConfigError(
+                f"{config_path}: torchrun started {world} processes for extract.tp_size = {tp_size}: that is data "
+                f"parallel inside one job ({int(world) // tp_size} x TP {tp_size}), which draftgen does not run. Start "
+                f"one torchrun --standalone --nproc_per_node {tp_size} per machine and split the work with --shard "
+                f"i/N, or --shard auto under Slurm (see README, GPU extraction)")
         if world is not None and int(world) != tp_size:
             raise ConfigError(
                 f"{config_path}: extract.tp_size = {tp_size} but torchrun started {world} processes; use "
@@ -149,13 +155,54 @@ class TorchrunGroup:
         destroy_distributed()
 
 
+# ServerArgs SpecForge's OfflineSGLangCaptureBackend.build sets itself: passing one again is a
+# duplicate keyword (a TypeError after the job started). The contract test checks this set.
+SPECFORGE_SETS = frozenset({"model_path", "trust_remote_code", "dtype", "enable_return_hidden_states",
+                            "disable_cuda_graph", "chunked_prefill_size", "tp_size", "pp_size"})
+# ServerArgs draftgen sets from [extract] or from the plan, and where to change them instead.
+DRAFTGEN_SETS = {"mem_fraction_static": "extract.mem_fraction_static",
+                 "attention_backend": "extract.attention_backend",
+                 "max_running_requests": "the plan (extract.batch_tokens)",
+                 "max_total_tokens": "the plan (extract.batch_tokens)"}
+
+
+def check_sglang_table(table: dict[str, Any], config_path: object = "config",
+                       fields: set[str] | None = None) -> None:
+    """Refuse [extract.sglang] keys SpecForge or draftgen already set, and (given `fields`) unknown ones."""
+    for key in sorted(table):
+        if key in SPECFORGE_SETS:
+            raise ConfigError(f"{config_path}: extract.sglang.{key} cannot be set: SpecForge's capture sets it "
+                              f"itself (remove it from [extract.sglang])")
+        if key in DRAFTGEN_SETS:
+            raise ConfigError(f"{config_path}: extract.sglang.{key} is set by draftgen from {DRAFTGEN_SETS[key]}; "
+                              f"remove it from [extract.sglang]")
+        if fields is not None and key not in fields:
+            close = sorted(f for f in fields if key.replace("-", "_") == f or key in f)[:3]
+            raise ConfigError(f"{config_path}: extract.sglang.{key} is not a field of SGLang's ServerArgs"
+                              + (f" (did you mean {', '.join(close)}?)" if close else "")
+                              + "; see python -m sglang.launch_server --help")
+
+
+def server_arg_fields() -> set[str] | None:
+    """ServerArgs' field names from the installed SGLang; None where it is not installed."""
+    try:
+        import dataclasses
+
+        from sglang.srt.server_args import ServerArgs
+    except Exception:  # not installed, or its GPU kernels fail to import: the load reports that
+        return None
+    return {f.name for f in dataclasses.fields(ServerArgs)}
+
+
 def server_args(*, max_forward_tokens: int, max_samples: int, mem_fraction_static: float,
-                attention_backend: str) -> dict[str, Any]:
+                attention_backend: str, extra: dict[str, Any] | None = None,
+                config_path: object = "config") -> dict[str, Any]:
     """SGLang ServerArgs that SpecForge passes through: memory for exactly the largest planned forward.
 
     `max_total_tokens` sizes the KV pool (one forward's tokens, with room for page rounding) and
     `max_running_requests` the request pool; everything else of `mem_fraction_static` is weights,
-    and the rest of the GPU is left to activations and the captured states.
+    and the rest of the GPU is left to activations and the captured states. `extra` is
+    [extract.sglang], checked by check_sglang_table.
     """
     args: dict[str, Any] = {
         "mem_fraction_static": mem_fraction_static,
@@ -164,13 +211,17 @@ def server_args(*, max_forward_tokens: int, max_samples: int, mem_fraction_stati
     }
     if attention_backend:
         args["attention_backend"] = attention_backend
+    if extra:
+        check_sglang_table(extra, config_path)
+        args.update(extra)
     return args
 
 
 class SpecForgeBackend:
     def __init__(self, model: str, capture_ids: list[int], *, group: TorchrunGroup | LocalGroup,
                  dtype: str = "bfloat16", trust_remote_code: bool = False, max_forward_tokens: int,
-                 max_samples: int, mem_fraction_static: float = 0.8, attention_backend: str = "") -> None:
+                 max_samples: int, mem_fraction_static: float = 0.8, attention_backend: str = "",
+                 sglang_args: dict[str, Any] | None = None, config_path: object = "config") -> None:
         if not torch.cuda.is_available():
             raise DraftgenError('extract.backend = "specforge" needs a CUDA GPU and none is visible here; '
                                 'on a CPU use extract.backend = "hf"')
@@ -179,10 +230,12 @@ class SpecForgeBackend:
         except ModuleNotFoundError as e:
             raise _missing(e) from None
         self.group = group
+        check_sglang_table(sglang_args or {}, config_path, server_arg_fields())  # before the weights load
         self.capture = load_offline_eagle3_capture(
             model, torch_dtype=dtype, trust_remote_code=trust_remote_code,
             **server_args(max_forward_tokens=max_forward_tokens, max_samples=max_samples,
-                          mem_fraction_static=mem_fraction_static, attention_backend=attention_backend))
+                          mem_fraction_static=mem_fraction_static, attention_backend=attention_backend,
+                          extra=sglang_args, config_path=config_path))
         self.capture.set_capture_layers(capture_ids, capture_method="eagle3")
         self.description = f"specforge/sglang tp{group.size} {dtype}"
         self.max_batch_tokens: int | None = max_forward_tokens
