@@ -144,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("--unknown-from-key", action="store_true",
                    help="price attempts that have no generation id (a killed run) from GET /key usage; only "
-                        "for a key that ran nothing but this run directory since its first run")
+                        "for a key that ran nothing but this run directory since its first run, and once "
+                        "api.request_timeout_s has passed since the last of them was sent (before: exit 1 "
+                        "with the time left)")
     p = add("attach", cmd_attach, "watch a run started elsewhere, read-only")
     p.add_argument("run_dir")
     p = add("report", cmd_report, "how a run went: counts per dataset, spend and its history charts")
