@@ -196,10 +196,10 @@ def test_one_prompt_too_costly_for_max_usd_is_skipped_and_the_run_is_not_complet
     assert billed <= 0.05
     assert rc == 3, out
     assert "LIMITED by max_usd" in out and "1 skipped" in out and "exit 3 (incomplete" in out, out
-    assert "prompt 'huge' skipped" in out, out
+    assert "prompt 'huge' skipped" in out and "raise [budget] max_usd" in out, out
 
 
-async def test_limited_is_a_final_incomplete_state(tmp_path):
+def test_limited_is_a_final_incomplete_state():
     from draftgen.core.live.summary import INCOMPLETE, final_state
 
     class D:

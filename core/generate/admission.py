@@ -3,7 +3,9 @@
 Per dataset an admission loop streams the prompt file (ids already on disk skipped), puts the
 prompts handed back (an account condition) in front, and admits a request when the run is not paused, a
 concurrency slot is free under the adaptive limit and the budgets allow it; right before a request
-starts, a prompt another dataset answered or is answering is skipped instead (duplicates.py). The
+starts, a prompt another dataset answered or is answering is skipped instead (duplicates.py). Each
+request reserves the worst case of the very body it sends; a prompt whose worst case would not fit
+under max_usd even with nothing in flight is skipped (counted, eligible later) and the next go on. The
 limit adapts (AIMD) to sustained 429s; a retry over a lowered limit waits for a slot holding none.
 """
 
@@ -208,11 +210,11 @@ class Admission:
                 # Prompts handed back by an account condition, waiting for the run to resume.
                 async for prompt in self._with_requeue(ds, _nothing()):
                     body, worst = self.request_for(ds, prompt)
-                    verdict = (await self.admit(ds, worst)).verdict
-                    if verdict is Verdict.SKIP:
-                        self.skip_for_money(ds, prompt.id, "")
+                    decision = await self.admit(ds, worst)
+                    if decision.verdict is Verdict.SKIP:
+                        self.skip_for_money(ds, prompt.id, decision.reason)
                         continue
-                    if verdict is not Verdict.GO:
+                    if decision.verdict is not Verdict.GO:
                         ds.requeue.insert(0, prompt)
                         break
                     if self._taken_elsewhere(ds, prompt):
@@ -287,7 +289,8 @@ class Admission:
         ds.skipped += 1
         n = self.money_skipped[name] = self.money_skipped.get(name, 0) + 1
         if n == 1:
-            self._event("warn", "budget", f"{name}: prompt {prompt_id!r} skipped: {reason or 'max_usd leaves no room'}; "
+            why = reason or "max_usd leaves no room"
+            self._event("warn", "budget", f"{name}: prompt {prompt_id!r} skipped: {why}; "
                         "it stays eligible for a later run, and the next prompts go on (each one that does not "
                         "fit is skipped and counted)")
 

@@ -107,5 +107,9 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     if exit_code == EXIT_INCOMPLETE and rest:
         out += textwrap.wrap(f"{rest:,} prompts not asked yet: `draftgen run {config_hint}` again resumes them",
                              WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
+    if s.state == RunState.LIMITED:
+        out += textwrap.wrap(f"max_usd left prompts unasked (counted skipped, not failed): raise [budget] max_usd and "
+                             f"`draftgen run {config_hint}` again asks them", WIDTH, initial_indent="  ",
+                             subsequent_indent="    ", break_on_hyphens=False)
     out.append(f"  exit {exit_code} ({EXIT_MEANING.get(exit_code, 'see README')})")
     return out
