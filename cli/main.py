@@ -12,10 +12,11 @@ from pathlib import Path
 from draftgen.core.errors import DraftgenError
 
 EXIT_CODES = """exit codes:
-  0  complete: every prompt answered, failed for a reason of its own, or skipped by a budget
+  0  complete: every prompt answered, failed for a reason of its own, or skipped by a token budget
   1  the smoke test failed (smoke, or run without a passing smoke test)
   2  error: bad config or input, a stage that failed, an internal error
-  3  incomplete: the run was drained, stopped, or waiting on the account; run again to resume
+  3  incomplete: the run was drained, stopped, waiting on the account, or limited by max_usd;
+     run again to resume
   4  the API key was refused (401, at start or mid-run): set a valid key, run again
   130  interrupted before the run started
 

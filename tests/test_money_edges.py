@@ -105,7 +105,7 @@ async def test_the_smoke_test_reserves_and_says_the_cap_the_body_carries(tmp_pat
 @pytest.mark.slow
 async def test_unknown_from_key_waits_until_the_killed_generations_cannot_still_run(tmp_path):
     # Not streamed: a generation whose client was killed runs on and is billed in full when it ends.
-    timeout_s = 4.0
+    timeout_s = 10.0
     async with SimServer(SimConfig(seed=5, fixed_latency_s=2.5, mean_completion_tokens=200), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 200, "concurrency": 30}],
                           tables={"budget": {"max_usd": 5.0}, "engine": {"reconstruct": False},
@@ -119,6 +119,12 @@ async def test_unknown_from_key_waits_until_the_killed_generations_cannot_still_
             await asyncio.sleep(0.02)
         os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "draftgen.cli.main", "ledger", str(cfg.path), "--unknown-from-key",
+            env={**os.environ, "DG_TEST_KEY": TEST_KEY, "COLUMNS": "400"}, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT)
+        cli_out = (await cli.communicate())[0].decode()
+        assert cli.returncode == 1 and "may still be generating" in cli_out and "again in" in cli_out, cli_out
         early = await reconcile(cfg, TEST_KEY, lookup_s=0, unknown_from_key=True)
         # The generations the kill left running are billed as they end; the ledger still has them at worst.
         r = early.reconciliation

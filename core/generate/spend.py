@@ -5,7 +5,8 @@ line is one JSON object, written whole with one `write` before the call returns 
 loses nothing written; `JsonlAppender` cuts a torn last line on the next open):
 
     {"e":"sent","a":ID,"ds":DATASET,"p":PROMPT_ID,"w":WORST_USD,"t":UNIX_TIME}
-        written before the request leaves; w is the reservation (worst-case cost, see prices.py)
+        written before the request leaves; w is the reservation (worst-case cost, see prices.py);
+        t bounds how long it may run on (`--unknown-from-key` waits api.request_timeout_s past it)
     {"e":"gen","a":ID,"g":GENERATION_ID}
         the generation id, from the X-Generation-Id header (known with the first bytes)
     {"e":"end","a":ID,"o":OUTCOME,"c":USD|null,"s":SOURCE}
