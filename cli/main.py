@@ -13,10 +13,11 @@ from pathlib import Path
 from draftgen.core.errors import DraftgenError
 
 EXIT_CODES = """exit codes:
-  0  complete: every prompt answered, failed for a reason of its own, or skipped by a budget
+  0  complete: every prompt answered, failed for a reason of its own, or skipped by a token budget
   1  the smoke test failed (smoke, or run without a passing smoke test)
   2  error: bad config or input, a stage that failed, an internal error
-  3  incomplete: the run was drained, stopped, or waiting on the account; run again to resume
+  3  incomplete: the run was drained, stopped, waiting on the account, or limited by max_usd;
+     run again to resume
   4  the API key was refused (401, at start or mid-run): set a valid key, run again
   130  interrupted before the run started
 
@@ -148,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("--unknown-from-key", action="store_true",
                    help="price attempts that have no generation id (a killed run) from GET /key usage; only "
-                        "for a key that ran nothing but this run directory since its first run")
+                        "for a key that ran nothing but this run directory since its first run, and once "
+                        "api.request_timeout_s has passed since the last of them was sent (before: exit 1 "
+                        "with the time left)")
     p = add("attach", cmd_attach, "watch a run started elsewhere, read-only")
     p.add_argument("run_dir")
     p = add("report", cmd_report, "how a run went: counts per dataset, spend and its history charts")

@@ -412,6 +412,41 @@ def _check_prompts_path(file: Path, where: str, path: Path) -> None:
                       f"JSONL(.gz) file")
 
 
+# The request keys that cap the answer: the server sees them, so the reservation must be theirs.
+COMPLETION_LIMIT_KEYS = ("max_tokens", "max_completion_tokens")
+
+
+def _completion_limit(file: Path, i: int, ds: DatasetConfig, explicit: bool, request: dict[str, Any]) -> DatasetConfig:
+    """The dataset with the one answer cap its requests carry. A `max_tokens`/`max_completion_tokens` in
+    [request] or the dataset's `request` must equal the dataset's `max_tokens` when that is set (the
+    reservation and the token budget use it); set only in a request table, it is the dataset's."""
+    found: dict[str, tuple[str, int]] = {}  # key -> (where, value), the dataset's table over [request] as in the body
+    for where, table in (("request", request), (f"datasets[{i}].request", ds.request)):
+        for key in COMPLETION_LIMIT_KEYS:
+            if key not in table:
+                continue
+            value = table[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{file}: {where}.{key} must be a positive integer, not {value!r}")
+            found[key] = (f"{where}.{key}", value)
+    if not found:
+        return ds
+    caps = list(found.values())
+    if explicit:
+        for name, value in caps:
+            if value != ds.max_tokens:
+                raise ConfigError(f"{file}: {name} = {value} differs from datasets[{i}].max_tokens = {ds.max_tokens} "
+                                  f"({ds.name}): the server would get {value} while the budgets reserve "
+                                  f"{ds.max_tokens}; set one of them, or both to the same value")
+        return ds
+    (first, cap), *others = caps
+    for name, value in others:
+        if value != cap:
+            raise ConfigError(f"{file}: {name} = {value} differs from {first} = {cap} ({ds.name}): the answer "
+                              f"cap must be one number; set datasets[{i}].max_tokens instead")
+    return dataclasses.replace(ds, max_tokens=cap)
+
+
 def load_config(path: str | Path) -> Config:
     file = Path(path)
     try:
@@ -468,6 +503,7 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
             raise ConfigError(f"{file}: {where}.concurrency must be between 1 and 100000, not {ds.concurrency}")
         _positive(file, f"{where}.max_tokens", ds.max_tokens)
         _positive(file, f"{where}.token_budget", ds.token_budget)
+        ds = _completion_limit(file, i, ds, "max_tokens" in table, request)
         prompts = base / ds.prompts
         _check_prompts_path(file, f"datasets[{i}].prompts", prompts)
         datasets.append(dataclasses.replace(ds, prompts=prompts))

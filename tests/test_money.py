@@ -12,7 +12,7 @@ from draftgen.core.errors import ConfigError
 from draftgen.core.generate.engine import Engine
 from draftgen.core.generate.forecast import DatasetFigures, SmokeFigures, forecast
 from draftgen.core.generate.prices import Endpoint, Prices, allowed, dataset_prices, prompt_token_bound
-from draftgen.core.generate.reconcile import reconcile, settle_unknown_from_key
+from draftgen.core.generate.reconcile import reconcile, running_left_s, settle_unknown_from_key
 from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.rundir import RunDir
@@ -281,12 +281,14 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
                 kills += 1
             await proc.wait()
         proc = await start()
-        assert await asyncio.wait_for(proc.wait(), 240) == 0
+        # max_usd leaves prompts unasked: the run ends LIMITED, exit 3 (incomplete), not 0.
+        assert await asyncio.wait_for(proc.wait(), 240) == 3
         report = await reconcile(cfg, TEST_KEY, lookup_s=5)
         await asyncio.sleep(0.5)
         billed = sim.stats.billed_usd
         # The attempts a kill caught before their headers were read have no generation id; this key
-        # ran nothing else, so the key's usage prices them.
+        # ran nothing else, so the key's usage prices them, once none can still be running.
+        await asyncio.sleep(running_left_s(SpendLedger.read(RunDir(cfg.run_dir).spend), 30) + 0.1)
         by_key = await reconcile(cfg, TEST_KEY, lookup_s=5, unknown_from_key=True)
     r, k = report.reconciliation, by_key.reconciliation
     print(f"kills {kills}: billed ${billed:.4f}, ledger ${r.total_usd:.4f}, unknown {r.unknown} "

@@ -42,7 +42,8 @@ from draftgen.tui.panels.throughput import ThroughputPanel
 CONTROL_ACTIONS = frozenset({"pause", "resume", "smoke", "merge", "extract"})
 VIEW_ACTIONS = frozenset({"log", "search", "history"})
 APP_ACTIONS = CONTROL_ACTIONS | VIEW_ACTIONS | {"quit_run", "help", "read_only"}
-FINAL_STATES = (snap.RunState.DONE, snap.RunState.STOPPED, snap.RunState.DRAINED, snap.RunState.WAITING)
+FINAL_STATES = (snap.RunState.DONE, snap.RunState.STOPPED, snap.RunState.DRAINED, snap.RunState.WAITING,
+                snap.RunState.LIMITED)
 VIEW_SCREENS = (LogScreen, HistoryScreen, DrillScreen)
 MIN_SIZE = (80, 24)  # below it a one-line notice replaces the panels
 

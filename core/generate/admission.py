@@ -3,7 +3,9 @@
 Per dataset an admission loop streams the prompt file (ids already on disk skipped), puts the
 prompts handed back (an account condition) in front, and admits a request when the run is not paused, a
 concurrency slot is free under the adaptive limit and the budgets allow it; right before a request
-starts, a prompt another dataset answered or is answering is skipped instead (duplicates.py). The
+starts, a prompt another dataset answered or is answering is skipped instead (duplicates.py). Each
+request reserves the worst case of the very body it sends; a prompt whose worst case would not fit
+under max_usd even with nothing in flight is skipped (counted, eligible later) and the next go on. The
 limit adapts (AIMD) to sustained 429s; a retry over a lowered limit waits for a slot holding none.
 """
 
@@ -19,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from draftgen.core.generate.budget import MoneyBudget
 from draftgen.core.generate.duplicates import CrossDatasetDuplicates
-from draftgen.core.generate.prices import Prices, prompt_token_bound
+from draftgen.core.config import DatasetConfig
+from draftgen.core.generate.prices import Prices, body_worst_case
 from draftgen.core.generate.prompts import Prompt
 from draftgen.core.generate.spend import Ticket
 from draftgen.core.live.snapshot import DatasetStatus
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 ADMIT_BURST = 64  # admissions between yields to the event loop (2,000 at once would stall it)
 
 EventSink = Callable[[str, str, str], None]
+BodyFor = Callable[[DatasetConfig, list[dict[str, Any]]], dict[str, Any]]
 
 
 class AdaptiveConcurrency:
@@ -110,12 +114,14 @@ class Verdict(Enum):
     GO = "go"            # admit now
     HALT = "halt"        # drain, stop, or the dataset has no endpoints: keep the prompt, admit nothing
     BUDGET = "budget"    # a budget ran out for this dataset: the rest is skipped
+    SKIP = "skip"        # this prompt's worst case never fits what max_usd leaves: skip it, go on
 
 
 @dataclass(frozen=True)
 class Decision:
     verdict: Verdict
     reason: str = ""     # for BUDGET: which budget and how far it got
+    money: bool = False  # the budget is max_usd (the run ends LIMITED, not DONE)
 
 
 GO = Decision(Verdict.GO)
@@ -126,9 +132,14 @@ class Admission:
     """Admits the prompts of every dataset and keeps track of the requests it started."""
 
     def __init__(self, datasets: dict[str, DatasetRun], money: MoneyBudget, gate: Gate, ledger: Ledger,
-                 request: Callable[[DatasetRun, Prompt, Ticket], Coroutine[Any, Any, None]], on_event: EventSink,
-                 on_floor: Callable[[str], None], settling: Callable[[], int] = lambda: 0) -> None:
+                 request: Callable[[DatasetRun, Prompt, Ticket, dict[str, Any]], Coroutine[Any, Any, None]],
+                 on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int] = lambda: 0,
+                 *, body: BodyFor) -> None:
         self._datasets = datasets
+        self._body = body  # the exact request body (Config.request_body): the reservation is its worst case
+        # Prompts skipped because their worst case did not fit what max_usd left, per dataset.
+        self.money_skipped: dict[str, int] = {}
+        self._money_stopped: set[str] = set()  # datasets whose rest max_usd skipped
         self._money = money
         self._settling = settling  # abandoned attempts being priced: settling them may free room
         self.prices: dict[str, Prices | None] = {}
@@ -171,21 +182,25 @@ class Admission:
             if budget_reason:
                 ds.skipped += 1
                 continue
-            worst = self.worst_case(ds, prompt)
+            body, worst = self.request_for(ds, prompt)
             decision = await self.admit(ds, worst)
             if decision.verdict is Verdict.GO:
                 if self._taken_elsewhere(ds, prompt):
                     continue
-                self._start(ds, prompt, worst)
+                self._start(ds, prompt, body, worst)
                 admitted += 1
                 if admitted % ADMIT_BURST == 0:
                     await asyncio.sleep(0)  # let answers and the UI run between bursts of admissions
             elif decision.verdict is Verdict.HALT:
                 ds.requeue.insert(0, prompt)
                 break
+            elif decision.verdict is Verdict.SKIP:
+                self.skip_for_money(ds, prompt.id, decision.reason)
             else:
                 budget_reason = decision.reason
                 ds.skipped += 1
+                if decision.money:
+                    self._money_stopped.add(name)
                 ds.status = DatasetStatus.BUDGET
                 ds.message = budget_reason
                 self._event("warn", "budget", f"{name}: {budget_reason}; the rest is skipped "
@@ -194,13 +209,17 @@ class Admission:
             if ds.requeue and not self._gate.draining and not ds.stopped and not budget_reason:
                 # Prompts handed back by an account condition, waiting for the run to resume.
                 async for prompt in self._with_requeue(ds, _nothing()):
-                    worst = self.worst_case(ds, prompt)
-                    if (await self.admit(ds, worst)).verdict is not Verdict.GO:
+                    body, worst = self.request_for(ds, prompt)
+                    decision = await self.admit(ds, worst)
+                    if decision.verdict is Verdict.SKIP:
+                        self.skip_for_money(ds, prompt.id, decision.reason)
+                        continue
+                    if decision.verdict is not Verdict.GO:
                         ds.requeue.insert(0, prompt)
                         break
                     if self._taken_elsewhere(ds, prompt):
                         continue
-                    self._start(ds, prompt, worst)
+                    self._start(ds, prompt, body, worst)
                 continue
             ds.wake.clear()
             if not ds.in_flight:
@@ -215,11 +234,17 @@ class Admission:
         elif self._gate.closed:
             ds.status = DatasetStatus.STOPPED
             ds.message = ds.message or "stopped before the end; the next run resumes"
+        elif self.money_skipped.get(name):
+            ds.status = DatasetStatus.BUDGET
+            ds.message = (f"max_usd: {self.money_skipped[name]} prompts skipped, their worst case above what "
+                          "max_usd leaves (they stay eligible for a later run)")
         else:
             ds.status = DatasetStatus.DONE
         duplicates = self.duplicates.skipped.get(name, 0) if self.duplicates is not None else 0
+        costly = self.money_skipped.get(name, 0)
         self._event("info", "dataset_done", f"{name}: {ds.status}: {ds.done}/{ds.total} answered, "
                     f"{ds.failed} failed, {ds.skipped} skipped"
+                    f"{f' ({costly} by max_usd)' if costly else ''}"
                     f"{f' ({duplicates} already answered in another dataset)' if duplicates else ''}, ${ds.cost:.4f}")
 
     def _taken_elsewhere(self, ds: DatasetRun, prompt: Prompt) -> bool:
@@ -245,12 +270,29 @@ class Admission:
         while ds.requeue:
             yield ds.requeue.pop(0)
 
-    def worst_case(self, ds: DatasetRun, prompt: Prompt) -> float:
-        """What this prompt's request can cost at most (0 when no price is known and no ceiling is set)."""
+    def request_for(self, ds: DatasetRun, prompt: Prompt) -> tuple[dict[str, Any], float]:
+        """The body this prompt's request sends, and what sending it can cost at most (0 when no price
+        is known and no ceiling is set): the worst case of that very body, its own max_tokens."""
+        body = self._body(ds.config, prompt.messages)
         prices = self.prices.get(ds.config.name)
-        if prices is None:
-            return 0.0
-        return prices.worst_case(prompt_token_bound(prompt.messages), ds.config.max_tokens)
+        return body, 0.0 if prices is None else body_worst_case(prices, body, ds.config.max_tokens)
+
+    @property
+    def money_limited(self) -> bool:
+        """max_usd left some prompt unasked this run (skipped, eligible for a later run)."""
+        return bool(self._money_stopped) or any(self.money_skipped.values())
+
+    def skip_for_money(self, ds: DatasetRun, prompt_id: str, reason: str) -> None:
+        """Skip one prompt max_usd has no room for (counted, not failed: it stays eligible); said for
+        the first of each dataset, counted in its dataset_done line."""
+        name = ds.config.name
+        ds.skipped += 1
+        n = self.money_skipped[name] = self.money_skipped.get(name, 0) + 1
+        if n == 1:
+            why = reason or "max_usd leaves no room"
+            self._event("warn", "budget", f"{name}: prompt {prompt_id!r} skipped: {why}; "
+                        "it stays eligible for a later run, and the next prompts go on (each one that does not "
+                        "fit is skipped and counted)")
 
     async def admit(self, ds: DatasetRun, worst: float) -> Decision:
         """Wait until the dataset may send one more request costing at most `worst`; GO, HALT, or the
@@ -283,6 +325,12 @@ class Admission:
             reason = self._money.blocked(worst)
             if reason:
                 # Answers settling below their reservation free room; near the end fewer go out, not none.
+                if not self._settling():
+                    # Even with every request in flight settled at $0 it would not fit: skip it, go on.
+                    beyond = self._money.beyond_reach(worst)
+                    if beyond is not None:
+                        self._money.note_limited()
+                        return Decision(Verdict.SKIP, beyond)
                 if self.in_flight or self._settling():
                     self._money.note_limited()
                     ds.wake.clear()
@@ -294,14 +342,14 @@ class Admission:
                     if self._gate.resume.is_set():  # the hold was refused (draining): admit nothing
                         return HALT
                     continue
-                return Decision(Verdict.BUDGET, reason)
+                return Decision(Verdict.BUDGET, reason, money=True)
             if ds.in_flight >= ds.concurrency.limit:
                 ds.wake.clear()
                 await ds.wake.wait()
                 continue
             return GO
 
-    def _start(self, ds: DatasetRun, prompt: Prompt, worst: float) -> None:
+    def _start(self, ds: DatasetRun, prompt: Prompt, body: dict[str, Any], worst: float) -> None:
         expected_tokens = ds.tokens.expected()
         probe = ds.doubts.held  # doubts.py: while held, one request at a time
         if probe:
@@ -309,7 +357,7 @@ class Admission:
         ticket = self._money.spend.reserve(ds.config.name, prompt.id, worst)
         ds.in_flight += 1
         ds.tokens.in_flight += expected_tokens
-        task = asyncio.create_task(self._request(ds, prompt, ticket))
+        task = asyncio.create_task(self._request(ds, prompt, ticket, body))
         self.tasks.add(task)
 
         # A done-callback, not a `finally`: a task cancelled before its first step never runs its body.

@@ -96,6 +96,16 @@ class MoneyBudget:
                     f"${sp.reserved_usd:.4f} reserved + ${worst:.4f} for the next request > ${self.max_usd:.2f}")
         return None
 
+    def beyond_reach(self, worst: float) -> str | None:
+        """Why `max_usd` can never allow a request whose worst case is `worst` in this run, even with
+        every reservation in flight released (spent and pending only count), or None."""
+        sp = self.spend
+        if self.max_usd is not None and sp.spent_usd + worst > self.max_usd:
+            left = max(0.0, self.max_usd - sp.spent_usd)
+            return (f"its worst case ${worst:.4f} is more than max_usd leaves: ${self.max_usd:.2f} - "
+                    f"${sp.spent_usd:.4f} spent (${sp.pending_usd:.4f} of it pending) = ${left:.4f}")
+        return None
+
     def below_floor(self, worst: float) -> str | None:
         """Why the live balance minus what is reserved allows no request whose worst case is `worst`
         (an account condition: the run holds until the balance shows room again), or None."""

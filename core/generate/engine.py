@@ -91,7 +91,8 @@ class Engine:
                              on_event=self._event, on_hold=self._hold, on_answer=on_answer, clock=clock)
         self.admission = Admission(self.datasets, self.money, self._gate, self.ledger, self._request, self._event,
                                    on_floor=lambda reason: self.watch.floor_reached(reason),
-                                   settling=lambda: self.settler.waiting if self.settler is not None else 0)
+                                   settling=lambda: self.settler.waiting if self.settler is not None else 0,
+                                   body=config.request_body)
         self.attempts = Attempts(config, self._gate, self.errors, random.Random(seed),
                                  retry_slot=self.admission.retry_slot, reserve_retry=self.admission.reserve_retry,
                                  spend=self.spend, on_event=self._event, redact=self._redact, clock=clock,
@@ -230,15 +231,16 @@ class Engine:
                 self.spend.close()  # and its lock: another run or smoke test may open it
         # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
         self.state = final_state(self.datasets.values(), stopping=self._gate.stopping,
-                                 draining=self._gate.draining, waiting=self.held is Hold.ACCOUNT)
+                                 draining=self._gate.draining, waiting=self.held is Hold.ACCOUNT,
+                                 money_limited=self.admission.money_limited)
         self.ended = ended_line(self.state, self.datasets.values())
         self._event("info" if self.state == RunState.DONE else "warn", "run_done",
                     f"run {self.ended}; ${self.money.spent_run:.4f} spent this run, ${self.spend.spent_usd:.4f} all runs"
                     + (f" (${self.spend.pending_usd:.4f} of it pending, at worst case)" if self.spend.pending else ""))
         return self.state
 
-    async def _request(self, ds: DatasetRun, prompt: Prompt, ticket: Ticket) -> None:
-        done = await self.attempts.ask(ds, self.config.request_body(ds.config, prompt.messages), ticket)
+    async def _request(self, ds: DatasetRun, prompt: Prompt, ticket: Ticket, body: dict[str, Any]) -> None:
+        done = await self.attempts.ask(ds, body, ticket)  # the body the ticket reserved for
         if done.outcome is Outcome.ANSWERED:
             assert done.answer is not None
             self.provider_stats.answer(done.answer.provider or "unknown", done.answer.latency_s,
@@ -253,8 +255,8 @@ class Engine:
             assert done.error is not None
             ds.requeue.append(prompt)
             self.watch.refused(done.error)
-        elif done.outcome is Outcome.OVER_BUDGET:
-            ds.skipped += 1  # stays eligible: the next run (with a higher max_usd) asks it again
+        elif done.outcome is Outcome.OVER_BUDGET:  # stays eligible: the next run (a higher max_usd) asks it again
+            self.admission.skip_for_money(ds, prompt.id, "max_usd leaves no room for its retry")
         elif done.outcome is Outcome.UNSENT:
             ds.requeue.append(prompt)
             self._hold(Hold.DISK, f"{done.disk_error}. The run is paused: a request is only sent once the spend "

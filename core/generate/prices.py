@@ -75,6 +75,28 @@ def prompt_token_bound(messages: Sequence[Mapping[str, Any]]) -> int:
     return n
 
 
+def body_max_tokens(body: Mapping[str, Any], default: int) -> int:
+    """The most completion tokens `body` lets the server produce: the larger of `max_tokens` and
+    `max_completion_tokens` (OpenAI's newer name; a server may honour either), `default` without them."""
+    caps = [v for k in ("max_tokens", "max_completion_tokens")
+            if isinstance(v := body.get(k), int) and not isinstance(v, bool)]
+    return max(caps) if caps else default
+
+
+def body_prompt_bound(body: Mapping[str, Any]) -> int:
+    """An upper bound on the prompt tokens of the request `body`: its messages, and the tool
+    declarations the chat template renders into the prompt."""
+    n = prompt_token_bound(body.get("messages") or ())
+    if body.get("tools"):
+        n += len(repr(body["tools"]).encode("utf-8", "surrogatepass"))
+    return n
+
+
+def body_worst_case(prices: Prices, body: Mapping[str, Any], default_max_tokens: int) -> float:
+    """The worst-case cost of sending exactly `body`: what every reservation is made of."""
+    return prices.worst_case(body_prompt_bound(body), body_max_tokens(body, default_max_tokens))
+
+
 def _price(raw: Any) -> float:
     try:
         value = float(raw)

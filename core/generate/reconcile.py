@@ -8,16 +8,19 @@ key's usage covers everything the key ever ran, this directory's runs among them
 An attempt a killed run sent but whose headers it never read has no generation id: it cannot be
 looked up, and counts at its worst case. With `--unknown-from-key` (only for a key that ran nothing
 but this directory since its first run) those are priced together from the key's usage since the
-baseline the first run recorded (`SpendLedger.settle_unknown_from_key`).
+baseline the first run recorded (`settle_unknown_from_key`), and only once none of them can still be
+running: a non-streamed generation runs on (and is billed in full) after its client died, for up to
+`api.request_timeout_s` after it was sent; priced before that, the key's usage would not yet show it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 from draftgen.core.config import Config
-from draftgen.core.errors import LedgerBusyError
+from draftgen.core.errors import DraftgenError, LedgerBusyError
 from draftgen.core.generate.account import read_account
 from draftgen.core.generate.client import ChatClient, RequestFailed
 from draftgen.core.generate.settle import Settler
@@ -25,16 +28,42 @@ from draftgen.core.generate.spend import Reconciliation, Source, SpendLedger
 from draftgen.core.rundir import RunDir
 
 
-def settle_unknown_from_key(spend: SpendLedger, usage: float, tolerance_usd: float = 1e-6) -> float | None:
+class UnknownStillRunning(DraftgenError):
+    """Attempts without a generation id may still be generating (and be billed): not priced yet."""
+
+    def __init__(self, message: str, left_s: float) -> None:
+        super().__init__(message)
+        self.left_s = left_s
+
+
+def running_left_s(spend: SpendLedger, request_timeout_s: float, now: float | None = None) -> float:
+    """Seconds until no attempt without a generation id can still be running (0: none can)."""
+    unknown = [p for p in spend.pending.values() if not p.gen]
+    if not unknown:
+        return 0.0
+    last = max(p.sent_at for p in unknown)
+    return max(0.0, last + request_timeout_s - (time.time() if now is None else now))
+
+
+def settle_unknown_from_key(spend: SpendLedger, usage: float, tolerance_usd: float = 1e-6, *,
+                            request_timeout_s: float | None = None, now: float | None = None) -> float | None:
     """Price the attempts that have no generation id (a run killed before their headers were read)
     from the key's usage: what the key was billed since the baseline, less every cost the ledger
     knows. Only valid when the key ran nothing but this directory since its first run, which the
     user vouches for; refused (None) when anything is still pending lookup, or the figure does not
-    fit between 0 and the unknown attempts' worst case (the key ran other work). Shared out in
-    proportion to each attempt's worst case. Returns the amount settled."""
+    fit between 0 and the unknown attempts' worst case (the key ran other work). With
+    `request_timeout_s`, raises UnknownStillRunning while the last of them may still be generating.
+    Shared out in proportion to each attempt's worst case. Returns the amount settled."""
     unknown = [p for p in spend.pending.values() if not p.gen]
     if spend.key_baseline is None or not unknown or len(unknown) != len(spend.pending) or spend.carried_usd:
         return None
+    left = 0.0 if request_timeout_s is None else running_left_s(spend, request_timeout_s, now)
+    if left > 0:
+        raise UnknownStillRunning(
+            f"--unknown-from-key: nothing priced: {len(unknown)} attempts without a generation id may still be "
+            f"generating (the last was sent less than api.request_timeout_s = {request_timeout_s:g} s ago), and the "
+            f"key's usage does not show them yet; run `draftgen ledger --unknown-from-key` again in {left:.0f} s",
+            left)
     worst = sum(p.worst for p in unknown)
     cost = usage - spend.key_baseline - spend.settled_usd
     if not -tolerance_usd <= cost <= worst + tolerance_usd:
@@ -55,6 +84,7 @@ class LedgerReport:
     from_key_usd: float | None = None   # what --unknown-from-key settled (None: nothing)
     from_key_note: str = ""
     busy_note: str = ""   # another process had the ledger open: read as it was, nothing priced
+    from_key_wait_s: float = 0.0   # --unknown-from-key refused: the unknown attempts may run this long yet
 
 
 async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = None,
@@ -89,10 +119,14 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
                     else (None, "GET /key shows no usage")
             except (RequestFailed, asyncio.TimeoutError, OSError) as e:
                 key_usage, note = None, f"GET /key: {getattr(e, 'message', type(e).__name__)}"
-            from_key, from_key_note = None, ""
+            from_key, from_key_note, wait_s, running = None, "", 0.0, ""
             if unknown_from_key:
-                from_key = None if key_usage is None or busy else settle_unknown_from_key(spend, key_usage)
-                from_key_note = (f"priced the attempts without a generation id at ${from_key:.6f} "
+                try:
+                    from_key = None if key_usage is None or busy else settle_unknown_from_key(
+                        spend, key_usage, request_timeout_s=config.api.request_timeout_s)
+                except UnknownStillRunning as e:
+                    wait_s, running = e.left_s, str(e)
+                from_key_note = running or (f"priced the attempts without a generation id at ${from_key:.6f} "
                                  "from the key's usage" if from_key is not None else
                                  "--unknown-from-key: nothing priced (a run has the ledger open)" if busy else
                                  "--unknown-from-key: nothing priced (no key usage or baseline, lookups still "
@@ -100,7 +134,7 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
     finally:
         spend.close()
     return LedgerReport(spend.reconcile(), len(todo), key_usage, note, config.budget.max_usd, from_key, from_key_note,
-                        busy)
+                        busy, wait_s)
 
 
 def print_report(report: LedgerReport) -> None:
@@ -136,4 +170,4 @@ def print_report(report: LedgerReport) -> None:
 def ledger_command(config: Config, api_key: str, *, unknown_from_key: bool = False) -> int:
     report = asyncio.run(reconcile(config, api_key, unknown_from_key=unknown_from_key))
     print_report(report)
-    return 0
+    return 1 if report.from_key_wait_s else 0  # refused for now: a script must not take it as priced

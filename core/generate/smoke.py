@@ -16,8 +16,11 @@ The checklist (each row pass/fail with its reason):
 `smoke.json` keeps the result with the run's request fingerprint: `run` starts at full concurrency
 only when the fingerprint matches a passing smoke test.
 
-The smoke requests are paid for like a run's: reserved against `max_usd`, on spend.jsonl before they
-leave, booked as they end (billing.py), in the ledger's "(smoke)" dataset.
+The smoke requests are paid for like a run's: reserved against `max_usd` at the worst case of the body
+sent, on spend.jsonl before they leave, booked as they end (billing.py), in the ledger's "(smoke)"
+dataset. An outage answer (429, 5xx, 408, no connection: classify.py) is retried with the run's
+backoff, honouring Retry-After, up to `SMOKE_TRIES` tries within `SMOKE_RETRY_S`; each retry is a
+request of its own on the ledger, with its own reservation.
 
 Over 400 lines: the checklist is one flow (`run_smoke`), with the row builders it calls beside it.
 """
@@ -28,6 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,10 +45,12 @@ from draftgen.core.generate.account import AccountStatus, read_account
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
 from draftgen.core.generate.forecast import DatasetFigures, RunForecast, SmokeFigures, forecast
 from draftgen.core.generate.billing import book_answer, book_failure, look_up, reserve_one
-from draftgen.core.generate.prices import fetch_prices, prompt_token_bound
+from draftgen.core.generate.attempts import backoff_delay
+from draftgen.core.generate.classify import ANSWER_KINDS, Whose
+from draftgen.core.generate.prices import body_max_tokens, body_worst_case, fetch_prices
 from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.spend import SpendLedger
-from draftgen.core.config import Config, DatasetConfig
+from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.records import ResponseRecord
 from draftgen.core.generate.prompts import Prompt, read_prompts
@@ -90,6 +96,28 @@ class SmokeResult:
                 "cost_per_request": self.cost_per_request, "projected_cost_usd": self.projected_cost_usd,
                 "balance_usd": self.balance_usd,
                 "smoke_answer": None if self.smoke_answer is None else dataclasses.asdict(self.smoke_answer)}
+
+
+# How long (and how often) the smoke test retries an outage (429, 5xx, 408, unreachable) before its
+# row fails: a momentary rate limit must not end a nohup job before it starts, a real outage must.
+SMOKE_RETRY_S = 120.0
+SMOKE_TRIES = 8
+
+
+def _outage(e: RequestFailed) -> bool:
+    """A transient error of the service's (not an answer fault, which says something about the request)."""
+    return e.whose is Whose.TRANSIENT and e.kind not in ANSWER_KINDS
+
+
+def smoke_body(config: Config, ds: DatasetConfig) -> dict[str, Any]:
+    """The body the smoke test sends for `ds`: the run's, with the smoke prompt (and `[smoke] max_tokens`
+    in every answer-cap key the body carries, so the server and the reservation see the same cap)."""
+    body = config.request_body(ds, [{"role": "user", "content": config.smoke.prompt}])
+    if config.smoke.max_tokens is not None:
+        for key in COMPLETION_LIMIT_KEYS:
+            if key in body or key == "max_tokens":
+                body[key] = config.smoke.max_tokens
+    return body
 
 
 def _norm(name: str) -> str:
@@ -266,21 +294,36 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                           connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
                           title=config.api.title) as client:
         account: AccountStatus | None = None
+        eng = config.engine
+        rng = random.Random()
+        deadline = time.monotonic() + SMOKE_RETRY_S  # one window for the whole smoke test's retries
+        tries = 0
         try:
-            account = await read_account(client, management_key=config.api.management_key())
+            while True:
+                tries += 1
+                try:
+                    account = await read_account(client, management_key=config.api.management_key())
+                    break
+                except RequestFailed as e:
+                    delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, rng)
+                    if not _outage(e) or tries >= SMOKE_TRIES or time.monotonic() + delay > deadline:
+                        raise
+                    await asyncio.sleep(delay)
             add(SmokeRow("key", True, f"accepted (label {redact(str(account.label or 'unlabelled'))!r})"))
             result.balance_usd = account.balance
         except RequestFailed as e:
-            add(SmokeRow("key", False, e.message if e.unreachable else f"GET /key: {e.message}"))
+            add(SmokeRow("key", False, (e.message if e.unreachable else f"GET /key: {e.message}")
+                         + (f" (after {tries} tries)" if tries > 1 else "")))
         except Exception as e:  # noqa: BLE001 - any network failure is this row's failure
             add(SmokeRow("key", False, f"GET /key failed: {type(e).__name__}: {e}"))
         prices, listing_error = await fetch_prices(client, config)
         for ds in config.datasets:
             p = prices[ds.name]
             if p is not None:
+                body = smoke_body(config, ds)  # the reservation is the worst case of the body sent
                 add(SmokeRow(f"{ds.name}: prices", True, f"worst case {p.describe()}; at most "
-                             f"${p.worst_case(prompt_token_bound([{'content': config.smoke.prompt}]), ds.max_tokens):.6f}"
-                             f" for a short prompt at max_tokens {ds.max_tokens}"))
+                             f"${body_worst_case(p, body, ds.max_tokens):.6f} for the smoke request at "
+                             f"max_tokens {body_max_tokens(body, ds.max_tokens)}"))
             else:
                 need = config.budget.max_usd is not None
                 why = listing_error or "the routing allows no listed provider"
@@ -311,9 +354,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                 ledger_error = f"not sent: the spend ledger cannot be written ({e})"
 
         async def ask(fp: str, ds: DatasetConfig) -> tuple[str, dict[str, Any], ChatAnswer | SmokeRow, float]:
-            body = config.request_body(ds, [{"role": "user", "content": config.smoke.prompt}])
-            if config.smoke.max_tokens is not None:
-                body["max_tokens"] = config.smoke.max_tokens
+            body = smoke_body(config, ds)
             fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
             if ledger_error:
                 return fp, body, fail(ledger_error), 0.0
@@ -321,22 +362,32 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
             p = prices[ds.name]
             if p is None and config.budget.max_usd is not None:
                 return fp, body, fail("not sent: max_usd is set and no price is known (see the prices row)"), 0.0
-            worst = p.worst_case(prompt_token_bound(body["messages"]), int(body.get("max_tokens") or 0)) if p else 0.0
-            ticket, why = reserve_one(spend, config.budget.max_usd, SMOKE, f"smoke:{ds.name}", worst)
-            if ticket is None:
-                return fp, body, fail(why), 0.0
-            start = time.monotonic()
-            try:
-                answer = await client.chat(body, lambda gen_id: spend.generation(ticket, gen_id))
-            except RequestFailed as e:
-                look_up(settler, book_failure(spend, ticket, e))
-                return fp, body, fail(f"{e.kind}: {e.message}"), 0.0
-            except Exception as e:  # noqa: BLE001 - any failure is this row's failure
-                look_up(settler, spend.abandoned(ticket))
-                return fp, body, fail(f"{type(e).__name__}: {e}"), 0.0
-            except BaseException:  # cancelled mid-request: the provider may bill it anyway
-                look_up(settler, spend.abandoned(ticket))
-                raise
+            worst = body_worst_case(p, body, ds.max_tokens) if p else 0.0
+            tries = 0
+            while True:
+                tries += 1
+                after = f" (retry {tries - 1} after an outage)" if tries > 1 else ""
+                ticket, why = reserve_one(spend, config.budget.max_usd, SMOKE, f"smoke:{ds.name}", worst)
+                if ticket is None:
+                    return fp, body, fail(why + after), 0.0
+                start = time.monotonic()
+                try:
+                    answer = await client.chat(body, functools.partial(spend.generation, ticket))
+                    break
+                except RequestFailed as e:
+                    look_up(settler, book_failure(spend, ticket, e))
+                    delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, rng)
+                    if _outage(e) and tries < SMOKE_TRIES and time.monotonic() + delay <= deadline:
+                        await asyncio.sleep(delay)  # each retry goes on the ledger with its own reservation
+                        continue
+                    return fp, body, fail(f"{e.kind}: {e.message}"
+                                          + (f" (after {tries} tries)" if tries > 1 else "")), 0.0
+                except Exception as e:  # noqa: BLE001 - any failure is this row's failure
+                    look_up(settler, spend.abandoned(ticket))
+                    return fp, body, fail(f"{type(e).__name__}: {e}"), 0.0
+                except BaseException:  # cancelled mid-request: the provider may bill it anyway
+                    look_up(settler, spend.abandoned(ticket))
+                    raise
             look_up(settler, book_answer(spend, ticket, answer, p))
             return fp, body, answer, time.monotonic() - start
 

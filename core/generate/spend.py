@@ -5,7 +5,8 @@ line is one JSON object, written whole with one `write` before the call returns 
 loses nothing written; `JsonlAppender` cuts a torn last line on the next open):
 
     {"e":"sent","a":ID,"ds":DATASET,"p":PROMPT_ID,"w":WORST_USD,"t":UNIX_TIME}
-        written before the request leaves; w is the reservation (worst-case cost, see prices.py)
+        written before the request leaves; w is the reservation (worst-case cost, see prices.py);
+        t bounds how long it may run on (`--unknown-from-key` waits api.request_timeout_s past it)
     {"e":"gen","a":ID,"g":GENERATION_ID}
         the generation id, from the X-Generation-Id header (known with the first bytes)
     {"e":"end","a":ID,"o":OUTCOME,"c":USD|null,"s":SOURCE}
@@ -73,7 +74,7 @@ class AttemptEnd(str, Enum):
 
 class Ticket:
     """One attempt's reservation; `sent` once its line is on disk."""
-    __slots__ = ("id", "ds", "prompt_id", "worst", "gen", "sent", "open")
+    __slots__ = ("id", "ds", "prompt_id", "worst", "gen", "sent", "open", "sent_at")
 
     def __init__(self, id: str, ds: str, prompt_id: str, worst: float) -> None:
         self.id = id
@@ -83,6 +84,7 @@ class Ticket:
         self.gen: str | None = None
         self.sent = False
         self.open = True
+        self.sent_at = 0.0  # unix time its "sent" line was written
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Pending:
     gen: str | None     # None: the run died before the id came back; it cannot be looked up
     ended: bool = False   # a 500/502/503 ended it: no record after the lookups means not billed
     answer: bool = False  # an answer that carried no cost: booked as answered once priced
+    sent_at: float = 0.0  # its "sent" line's "t": a generation may run on until request_timeout_s after it
 
 
 @dataclass(frozen=True)
@@ -164,13 +167,14 @@ class SpendLedger:
         for _, line in iter_jsonl(self.path):
             self._replay(line, opened)
         for aid, rec in opened.items():  # sent by a run that died before the end line
-            self._add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g")))
+            self._add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g"), sent_at=rec["t"]))
 
     def _replay(self, line: dict[str, Any], opened: dict[str, dict[str, Any]]) -> None:
         kind, aid = line.get("e"), str(line.get("a"))
         try:
             if kind == "sent":
-                opened[aid] = {"ds": str(line["ds"]), "p": str(line["p"]), "w": float(line["w"])}
+                opened[aid] = {"ds": str(line["ds"]), "p": str(line["p"]), "w": float(line["w"]),
+                               "t": float(line.get("t") or 0.0)}
             elif kind == "gen":
                 if aid in opened:
                     opened[aid]["g"] = str(line["g"])
@@ -183,7 +187,7 @@ class SpendLedger:
                 outcome, cost = line.get("o"), line.get("c")
                 if outcome == AttemptEnd.ABANDONED:
                     self._add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g") or line.get("g"),
-                                              ended=line.get("st") in ENDED_STATUSES))
+                                              ended=line.get("st") in ENDED_STATUSES, sent_at=rec["t"]))
                 elif outcome == AttemptEnd.ANSWERED and cost is None:
                     self._add_pending(Pending(aid, rec["ds"], rec["p"], min(rec["w"], float(line.get("w", rec["w"]))),
                                               rec.get("g"), answer=True))
@@ -258,8 +262,8 @@ class SpendLedger:
         """On disk before the request leaves (raises DiskError when the disk refuses: do not send)."""
         if self._file is None:  # closed: the run that owned it ended (or it was never opened)
             raise DiskError(f"{self.path}: the spend ledger is closed; nothing more is sent on it")
-        self._file.append({"e": "sent", "a": t.id, "ds": t.ds, "p": t.prompt_id, "w": t.worst,
-                           "t": round(time.time(), 3)})
+        t.sent_at = round(time.time(), 3)
+        self._file.append({"e": "sent", "a": t.id, "ds": t.ds, "p": t.prompt_id, "w": t.worst, "t": t.sent_at})
         t.sent = True
 
     def generation(self, t: Ticket, gen_id: str) -> None:
@@ -300,7 +304,7 @@ class SpendLedger:
         if status is not None:
             line["st"] = status
         self._write(line)
-        p = Pending(t.id, t.ds, t.prompt_id, t.worst, t.gen, ended=status in ENDED_STATUSES)
+        p = Pending(t.id, t.ds, t.prompt_id, t.worst, t.gen, ended=status in ENDED_STATUSES, sent_at=t.sent_at)
         self._add_pending(p)
         return p
 

@@ -29,6 +29,7 @@ class RunState(StrEnum):
     STOPPED = "STOPPED"    # ended by stop now (or a dataset's routing) with prompts not asked
     DRAINED = "DRAINED"    # ended by a drain with prompts not asked
     WAITING = "WAITING"    # ended while an account condition (402) held admission
+    LIMITED = "LIMITED"    # ended with prompts skipped by max_usd (they stay eligible)
 
 
 class DatasetStatus(StrEnum):

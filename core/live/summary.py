@@ -1,7 +1,8 @@
 """How a run ends, and the few lines that say so in the shell.
 
 A run is DONE only when every usable prompt of every dataset is answered, failed for a reason of
-its own, or skipped because a budget ran out. Otherwise it ended DRAINED (a drain let the requests
+its own, or skipped because a token budget ran out; LIMITED when `max_usd` skipped some (they stay
+eligible: a higher ceiling asks them). Otherwise it ended DRAINED (a drain let the requests
 in flight finish), STOPPED (stop now, or a dataset stopped by its routing) or WAITING (an account
 condition held admission when it ended); the prompts not asked stay eligible and the next `run`
 resumes them. The exit code tells these apart (README "Exit codes").
@@ -36,7 +37,7 @@ EXIT_MEANING = {EXIT_COMPLETE: "complete", EXIT_SMOKE_FAILED: "smoke test failed
 WIDTH = 120
 
 
-INCOMPLETE = (RunState.DRAINED, RunState.STOPPED, RunState.WAITING)
+INCOMPLETE = (RunState.DRAINED, RunState.STOPPED, RunState.WAITING, RunState.LIMITED)
 
 
 def left(d: Counted) -> int:
@@ -48,10 +49,11 @@ def prompts_left(datasets: Iterable[Counted]) -> int:
     return sum(left(d) for d in datasets)
 
 
-def final_state(datasets: Iterable[Counted], *, stopping: bool, draining: bool, waiting: bool) -> RunState:
-    """How a finished run ended: DONE only when no prompt is left to ask."""
+def final_state(datasets: Iterable[Counted], *, stopping: bool, draining: bool, waiting: bool,
+                money_limited: bool = False) -> RunState:
+    """How a finished run ended: DONE only when no prompt is left to ask and max_usd skipped none."""
     if prompts_left(datasets) == 0:
-        return RunState.DONE
+        return RunState.LIMITED if money_limited else RunState.DONE
     if waiting:
         return RunState.WAITING
     if stopping:
@@ -65,7 +67,8 @@ def ended_line(state: str, datasets: Iterable[Counted]) -> str:
     """One line for the header and the log: the end state with its counts."""
     ds = tuple(datasets)
     total = sum(d.total for d in ds)
-    return (f"{state}: {sum(d.done for d in ds):,} of {total:,} answered, {sum(d.failed for d in ds):,} failed, "
+    head = f"{state} by max_usd" if state == RunState.LIMITED else state
+    return (f"{head}: {sum(d.done for d in ds):,} of {total:,} answered, {sum(d.failed for d in ds):,} failed, "
             f"{sum(d.skipped for d in ds):,} skipped, {prompts_left(ds):,} not asked yet")
 
 
@@ -104,5 +107,9 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     if exit_code == EXIT_INCOMPLETE and rest:
         out += textwrap.wrap(f"{rest:,} prompts not asked yet: `draftgen run {config_hint}` again resumes them",
                              WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
+    if s.state == RunState.LIMITED:
+        out += textwrap.wrap(f"max_usd left prompts unasked (counted skipped, not failed): raise [budget] max_usd and "
+                             f"`draftgen run {config_hint}` again asks them", WIDTH, initial_indent="  ",
+                             subsequent_indent="    ", break_on_hyphens=False)
     out.append(f"  exit {exit_code} ({EXIT_MEANING.get(exit_code, 'see README')})")
     return out

@@ -21,6 +21,7 @@ STATE_STYLES = {
     snap.RunState.STOPPED: "bold white on red",
     snap.RunState.DRAINED: "bold black on yellow",
     snap.RunState.WAITING: "bold black on magenta",
+    snap.RunState.LIMITED: "bold black on yellow",
     snap.RunState.IDLE: "bold reverse",
 }
 
