@@ -56,6 +56,7 @@ class Source(str, Enum):
     GENERATION = "generation"
     NO_RECORD = "no record"    # a 500/502/503's generation id never got a record: nothing ran
     KEY_USAGE = "key usage"
+    SELF_HOSTED = "self-hosted"  # an attempt lost on an openai-compatible server: it bills nothing
     PENDING = "pending"
 
 
