@@ -263,8 +263,10 @@ class Config:
                       key=OPENROUTER_ONLY_KEYS.index)
         if not keys:
             return ""
-        return (f"{self.path}: [request] {', '.join(keys)} {'is' if len(keys) == 1 else 'are'} OpenRouter-only, "
-                f"not sent to the openai-compatible server at {self.api.base_url} (remove them to silence this)")
+        one = len(keys) == 1
+        return (f"{self.path}: [request] {', '.join(keys)} {'is' if one else 'are'} OpenRouter-only, not sent to "
+                f"the openai-compatible server at {self.api.base_url} (remove {'it' if one else 'them'} to "
+                "silence this)")
 
     def request_shape(self, dataset: DatasetConfig) -> dict[str, Any]:
         """Everything about a request except its messages: what the smoke test must have checked."""
