@@ -29,11 +29,6 @@ from draftgen.core.rundir import RunDir
 
 from .helpers import TEST_KEY, cli_env, read_ids, until, write_prompts
 
-pytest.importorskip("fastapi", reason="`transformers serve` needs transformers' serving extra: pip install -e '.[selfhosted]'")
-pytest.importorskip("uvicorn", reason="`transformers serve` needs transformers' serving extra: pip install -e '.[selfhosted]'")
-
-pytestmark = pytest.mark.slow
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -77,6 +72,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    for module in ("fastapi", "uvicorn", "openai"):  # what `transformers serve` imports first
+        pytest.importorskip(module, reason="`transformers serve` needs transformers' serving extra: "
+                                           "pip install -e '.[selfhosted]'")
     from .selfhosted_model import build_tiny_model
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -91,14 +89,14 @@ def server(tmp_path_factory: pytest.TempPathFactory, model: Path):
         srv.kill()
 
 
-def _config(tmp_path: Path, server: Server, model: Path, n: int, concurrency: int) -> Path:
+def _config(tmp_path: Path, server: Server, model: Path, n: int, concurrency: int, **api: str) -> Path:
     """The README's self-hosted config: no kind (detected), an OpenRouter-only key that must be left
     out, prices for max_usd, the tokenizer's own chat template."""
     write_prompts(tmp_path / "prompts" / "a.jsonl", n, prefix="a-")
     tables = {
         "api": {"base_url": server.base_url, "api_key_env": "DG_TEST_KEY", "model": str(model),
                 "request_timeout_s": 60, "connect_timeout_s": 5, "prompt_price_per_mtok": 1.0,
-                "completion_price_per_mtok": 2.5},
+                "completion_price_per_mtok": 2.5, **api},
         "request": {"temperature": 0.6, "include_reasoning": True},
         "budget": {"max_usd": 1.0},
         "tokenizer": {"path": str(model), "template": "auto"},
@@ -120,6 +118,7 @@ def _draftgen(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[s
                           capture_output=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_readme_workflow_against_transformers_serve(tmp_path: Path, server: Server, model: Path) -> None:
     path = _config(tmp_path, server, model, n=24, concurrency=4)
     smoke = _draftgen("smoke", str(path))
@@ -153,6 +152,7 @@ def test_readme_workflow_against_transformers_serve(tmp_path: Path, server: Serv
     assert TEST_KEY not in (rd.root / "events.log").read_text()
 
 
+@pytest.mark.slow
 async def test_server_killed_mid_run_leaves_no_phantom_spend(tmp_path: Path, server: Server, model: Path) -> None:
     n = 60
     path = _config(tmp_path, server, model, n=n, concurrency=8)
@@ -182,6 +182,19 @@ async def test_server_killed_mid_run_leaves_no_phantom_spend(tmp_path: Path, ser
     answered = sum(x["c"] for x in lines if x.get("e") == "end" and x.get("o") == "answered")
     assert spend.committed_usd == pytest.approx(answered, rel=1e-6)
     assert spend.committed_usd < 0.01
+
+
+@pytest.mark.slow
+def test_a_server_refusing_a_key_stops_the_dataset_naming_it(tmp_path: Path, server: Server, model: Path) -> None:
+    """Told it is OpenRouter, draftgen sends include_reasoning; transformers serve answers 422: the
+    dataset stops, no prompt fails, and the message says which key to drop and where."""
+    path = _config(tmp_path, server, model, n=4, concurrency=2, kind="openrouter")
+    run = _draftgen("run", str(path), "--headless", "--skip-smoke", "--interval", "0.5")
+    assert run.returncode == 3, run.stdout[-4000:] + run.stderr[-2000:]
+    out = " ".join(run.stdout.split())
+    assert "does not accept the request field(s) include_reasoning" in out, out[-3000:]
+    assert "remove [request] include_reasoning" in out and 'kind = "openai-compatible"' in out, out[-3000:]
+    assert read_ids(RunDir(tmp_path / "run").failures("a")) == []
 
 
 def test_a_refused_field_names_the_config_key() -> None:
