@@ -220,3 +220,24 @@ def test_kind_shapes_the_request(tmp_path: Path) -> None:
     cfg = load_config(path)
     body = cfg.request_body(cfg.datasets[0], [])
     assert body["include_reasoning"] is True and "stream_options" not in body and not cfg.kind_warning()
+
+
+def test_a_killed_runs_open_attempts_settle_at_zero_on_a_self_hosted_server(tmp_path: Path) -> None:
+    """`kill -9` of draftgen mid-request leaves `sent` lines without an end (no generation id): on an
+    openai-compatible server the next run settles them at $0 instead of their worst case for good."""
+    from draftgen.core.generate.client import ChatClient
+    from draftgen.core.generate.settle import Settler
+    path = tmp_path / "spend.jsonl"
+    path.write_bytes(b"".join(orjson.dumps({"e": "sent", "a": f"x-{i}", "ds": "a", "p": f"a-{i}", "w": 0.0256,
+                                            "t": 1.0}) + b"\n" for i in range(3)))
+    spend = SpendLedger(path)
+    spend.open()
+    assert spend.pending_usd == pytest.approx(3 * 0.0256)
+    try:
+        Settler(spend, ChatClient("http://127.0.0.1:9/v1", TEST_KEY, concurrency=1), 1.0, self_hosted=True).start()
+    finally:
+        spend.close()
+    again = SpendLedger.read(path)
+    assert not again.pending and again.committed_usd == 0
+    assert [x["s"] for x in map(orjson.loads, path.read_bytes().splitlines()) if x["e"] == "settle"] == \
+        ["self-hosted"] * 3
