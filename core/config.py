@@ -29,9 +29,24 @@ from draftgen.core.errors import ConfigError
 from draftgen.core.secrets import key_problem
 
 
+ServerKind = Literal["openrouter", "openai-compatible"]
+# Request keys only OpenRouter takes: a strict OpenAI-compatible server answers them with a 422.
+OPENROUTER_ONLY_KEYS = ("include_reasoning", "provider", "reasoning", "usage", "transforms", "models", "route")
+# What the server behind a base_url said it is (GET /key answered or 404), once per process, for
+# `kind = "auto"` off openrouter.ai: set by note_server_kind before the first request.
+_DETECTED: dict[str, ServerKind] = {}
+
+
+def note_server_kind(base_url: str, kind: ServerKind) -> None:
+    _DETECTED[base_url] = kind
+
+
 @dataclass(frozen=True)
 class ApiConfig:
     base_url: str = "https://openrouter.ai/api/v1"
+    # "openrouter" (account endpoints, usage.cost, routing, generation records), "openai-compatible"
+    # (SGLang, vLLM, transformers serve: none of those), or "auto" (see `server_kind`).
+    kind: Literal["auto", "openrouter", "openai-compatible"] = "auto"
     api_key_env: str = "OPENROUTER_API_KEY"
     model: str = "moonshotai/kimi-k2.5"
     request_timeout_s: float = 1800.0
@@ -55,12 +70,24 @@ class ApiConfig:
     generation_lookup_s: float = 120.0
 
     @property
-    def is_openrouter(self) -> bool:
-        return "openrouter.ai" in self.base_url
+    def server_kind(self) -> ServerKind:
+        """The kind set, else openrouter.ai's, else what the server answered (GET /key 404: openai-compatible);
+        before it answered, openrouter (its checks are the stricter ones)."""
+        if self.kind != "auto":
+            return self.kind
+        if "openrouter.ai" in self.base_url:
+            return "openrouter"
+        return _DETECTED.get(self.base_url, "openrouter")
+
+    @property
+    def self_hosted(self) -> bool:
+        return self.server_kind == "openai-compatible"
 
     @property
     def streams(self) -> bool:
-        return self.is_openrouter if self.stream is None else self.stream
+        if self.stream is not None:
+            return self.stream
+        return "openrouter.ai" in self.base_url and not self.self_hosted
 
     def management_key(self) -> str:
         """The management key from `management_key_env`, or "" when none is configured or set."""
@@ -230,9 +257,31 @@ class Config:
         body.update(dataset.request)
         if self.api.return_token_ids:
             body["return_token_ids"] = True
+        if self.api.self_hosted:
+            for key in self.dropped_keys(dataset):
+                del body[key]
         if self.api.streams:
             body["stream"] = True
+            if self.api.self_hosted:  # vLLM and SGLang put usage in a stream only when asked
+                body["stream_options"] = {"include_usage": True}
         return body
+
+    def dropped_keys(self, dataset: DatasetConfig) -> list[str]:
+        """The OpenRouter-only request keys of `dataset` left out for an openai-compatible server."""
+        if not self.api.self_hosted:
+            return []
+        return [k for k in OPENROUTER_ONLY_KEYS if k in self.request or k in dataset.request]
+
+    def kind_warning(self) -> str:
+        """One warning naming the OpenRouter-only keys dropped for an openai-compatible server ("" if none)."""
+        keys = sorted({k for d in self.datasets for k in self.dropped_keys(d)},
+                      key=OPENROUTER_ONLY_KEYS.index)
+        if not keys:
+            return ""
+        one = len(keys) == 1
+        return (f"{self.path}: [request] {', '.join(keys)} {'is' if one else 'are'} OpenRouter-only, not sent to "
+                f"the openai-compatible server at {self.api.base_url} (remove {'it' if one else 'them'} to "
+                "silence this)")
 
     def request_shape(self, dataset: DatasetConfig) -> dict[str, Any]:
         """Everything about a request except its messages: what the smoke test must have checked."""

@@ -79,6 +79,7 @@ class ErrorKind(StrEnum):
     NOT_FOUND = "404"
     PAYLOAD_TOO_LARGE = "413"
     OTHER_4XX = "other_4xx"
+    UNEXPECTED_FIELD = "4xx_unexpected_field"  # the server refuses a request key (a strict server's 422)
     MODERATED = "moderated"
     # Answers that count as done but are tallied as errors:
     LENGTH = "length"

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from draftgen.core.config import Config
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.admission import Gate
-from draftgen.core.generate.billing import book_answer, book_failure, look_up
+from draftgen.core.generate.billing import as_booked, book_answer, book_failure, look_up
 from draftgen.core.generate.classify import ANSWER_KINDS, SLOW_DOWN_KINDS, Whose
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
 from draftgen.core.generate.prices import Prices
@@ -175,7 +175,9 @@ class Attempts:
             except BaseException:  # stop-now (a cancel) mid-request: the provider may bill it anyway
                 self._abandon(ticket)
                 raise
-            look_up(self.settler, book_answer(spend, ticket, answer, self.prices.get(ds.config.name)))
+            prices = self.prices.get(ds.config.name)
+            look_up(self.settler, book_answer(spend, ticket, answer, prices))
+            answer = as_booked(answer, ticket, prices)  # the record's cost is what the ledger booked
             ds.concurrency.on_response()
             self.answered += 1
             self._note_reachable()

@@ -22,6 +22,7 @@ the same response is never priced two ways:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from draftgen.core.errors import DiskError
@@ -43,13 +44,25 @@ def estimate(answer: ChatAnswer, prices: Prices | None, worst: float) -> float:
     return min(worst, u.prompt_tokens * prices.prompt + u.completion_tokens * prices.completion + prices.request)
 
 
+def _guess(answer: ChatAnswer, prices: Prices | None, worst: float) -> float:
+    # No price known (and so no ceiling): nothing to estimate with, $0 unless the record says more.
+    return estimate(answer, prices, worst) if worst > 0 else 0.0
+
+
+def as_booked(answer: ChatAnswer, t: Ticket, prices: Prices | None) -> ChatAnswer:
+    """The answer with the cost the ledger booked for it, when that is final (an estimate without a
+    generation id to look up), so its record and the cost columns say what the ledger holds."""
+    if answer.priced or t.gen:
+        return answer
+    return dataclasses.replace(answer, usage=dataclasses.replace(answer.usage, cost=_guess(answer, prices, t.worst)))
+
+
 def book_answer(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Prices | None) -> Pending | None:
     """Book an answer; returns what the settler should look up (an answer without a cost)."""
     if answer.priced:
         spend.answered(t, answer.usage.cost)
         return None
-    # No price known (and so no ceiling): nothing to estimate with, $0 unless the record says more.
-    guess = estimate(answer, prices, t.worst) if t.worst > 0 else 0.0
+    guess = _guess(answer, prices, t.worst)
     if t.gen:
         return spend.answered_unpriced(t, guess)
     spend.answered(t, guess, Source.ESTIMATE)

@@ -24,6 +24,7 @@ text is only a hint, since messages change.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -77,6 +78,7 @@ WHOSE: dict[ErrorKind, Whose] = {
     ErrorKind.WEIGHT_EXCEEDS_BUDGET: Whose.DATASET,
     ErrorKind.NO_ENDPOINTS: Whose.DATASET,
     ErrorKind.NOT_FOUND: Whose.DATASET,
+    ErrorKind.UNEXPECTED_FIELD: Whose.DATASET,
     ErrorKind.UNAUTHORIZED: Whose.ACCOUNT,
     ErrorKind.PAYMENT_REQUIRED: Whose.ACCOUNT,
     ErrorKind.BUDGET_LIMIT: Whose.ACCOUNT,
@@ -169,8 +171,58 @@ def _hinted(err: ErrorBody, *words: str) -> bool:
     return any(w in text for w in words)
 
 
+# How strict servers say a request key is not theirs: Pydantic's extra_forbidden (vLLM, SGLang),
+# transformers serve's "Unexpected fields in the request: {...}", OpenAI's "Unrecognized request argument".
+_EXTRA_WORDS = ("extra_forbidden", "extra inputs are not permitted", "unrecognized request argument",
+                "unexpected keyword", "unexpected field")
+_LOC = re.compile(r"""['"]loc['"]\s*:\s*[\[(]\s*['"]body['"]\s*,\s*['"]([A-Za-z_][\w.-]*)['"]""")
+_QUOTED = re.compile(r"""['"`]([A-Za-z_][\w.-]*)['"`]""")
+_AFTER_COLON = re.compile(r":\s*([A-Za-z_][\w.-]*)")
+
+
+def unexpected_fields(status: int, body: bytes) -> list[str]:
+    """The request keys a 400/422 says the server does not take, else []."""
+    if status not in (400, 422):
+        return []
+    text = body[:20000].decode("utf-8", "replace")
+    lower = text.lower()
+    at = min((i for i in (lower.find(w) for w in _EXTRA_WORDS) if i >= 0), default=-1)
+    if at < 0:
+        return []
+    fields: list[str] = []
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        obj = None
+    detail = obj.get("detail") if isinstance(obj, dict) else None
+    for item in detail if isinstance(detail, list) else []:  # FastAPI's own 422 body
+        loc = item.get("loc") if isinstance(item, dict) else None
+        if isinstance(loc, list) and len(loc) >= 2 and loc[0] == "body" and isinstance(loc[1], str):
+            fields.append(loc[1])
+    # Else the names inside the message: Pydantic's error list quoted (vLLM), a set after the words.
+    fields = fields or _LOC.findall(text) or _QUOTED.findall(text[at:at + 600]) \
+        or _AFTER_COLON.findall(text[at:at + 200])[:1]
+    skip = {"body", "type", "loc", "msg", "input", "detail", "message", "messages", "model", "extra_forbidden"}
+    return sorted(dict.fromkeys(f for f in fields if f not in skip))
+
+
+def config_key_for(field: str) -> str:
+    """What to change in the config so that a request no longer carries `field`."""
+    if field == "return_token_ids":
+        return "set [api] return_token_ids = false"
+    if field in ("stream", "stream_options"):
+        return "set [api] stream = false"
+    return f"remove [request] {field} (or the dataset's request.{field})"
+
+
 def classify_status(status: int, body: bytes, headers: Any) -> RequestFailed:
     """The RequestFailed for a non-200 response (chat completions, /key, /credits)."""
+    extra = unexpected_fields(status, body)
+    if extra:  # a strict server refusing a key every request of the dataset carries
+        where = "; ".join(f"{f}: {config_key_for(f)}" for f in extra)
+        return RequestFailed(ErrorKind.UNEXPECTED_FIELD, f"HTTP {status}: the server does not accept the request "
+                             f"field(s) {', '.join(extra)} ({where})", status=status,
+                             metadata={"unexpected_fields": extra})
     err = parse_error_body(body)
     msg = err.message
     wait = retry_after_of(headers)

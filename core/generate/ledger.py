@@ -78,6 +78,9 @@ class DatasetRun:
         todo = {ErrorKind.MAX_TOKENS_EXCEEDED: f"lower max_tokens (now {self.config.max_tokens}) for this dataset",
                 ErrorKind.WEIGHT_EXCEEDS_BUDGET: f"lower max_tokens (now {self.config.max_tokens}) or add credits",
                 ErrorKind.NOT_FOUND: "check [api] model",
+                # The message names each field and its config key; OpenRouter-only keys are dropped by the kind.
+                ErrorKind.UNEXPECTED_FIELD: "change the config as said (OpenRouter-only keys: [api] kind = "
+                                            "\"openai-compatible\" leaves them out)",
                 }.get(e.kind, "check the provider routing ([request] provider, the account's privacy settings)")
         if e.kind in UNRECOGNIZED_4XX:
             todo = (f"{len(self.doubts)} prompt(s) got it and no request sent after them was answered, so it is "

@@ -63,7 +63,7 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
     cut = await asyncio.to_thread(spend.open)
     if cut:
         event("warn", "repaired", f"{spend.path}: cut a half-written last line ({cut} bytes)")
-    if not spend.existed:  # the key's usage before the directory's first attempt (`draftgen ledger`)
+    if not spend.existed and not config.api.self_hosted:  # the key's usage before the directory's first attempt (`draftgen ledger`)
         with contextlib.suppress(Exception):
             usage = (await read_account(client, management_key=config.api.management_key())).key_usage
             if usage is not None:
@@ -74,7 +74,8 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
         event("info", "prices", f"{name}: worst case {p.describe()}" if p is not None else
               f"{name}: no price known ({listing_error or 'no provider allowed'}); no ceiling is set")
     smoke = await asyncio.to_thread(load_smoke_answer, rundir, config.run_fingerprint())
-    settler = Settler(spend, client, config.api.generation_lookup_s, on_settled=on_settled)
+    settler = Settler(spend, client, config.api.generation_lookup_s, on_settled=on_settled,
+                      self_hosted=config.api.self_hosted)
     settler.start()
     left = spend.lookups()
     if spend.pending:

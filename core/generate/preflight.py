@@ -2,11 +2,14 @@
 the run's key. A refused key stops the run ("the API key … was refused (401 …)", exit 4); an
 address that does not answer ("cannot connect to 127.0.0.1:18799 (connection refused)") is said at
 once, and the run waits for it like any outage (its status line says WAITING and why). A missing
-or broken prompt file is named when its dataset starts ("PATH: prompt file not found")."""
+or broken prompt file is named when its dataset starts ("PATH: prompt file not found").
+
+The same answer tells the server's kind (`[api] kind = "auto"` off openrouter.ai): GET /key answered
+is OpenRouter (or the simulator); a 404 or 405 is a self-hosted OpenAI-compatible server."""
 
 from __future__ import annotations
 
-from draftgen.core.config import Config
+from draftgen.core.config import Config, note_server_kind
 from draftgen.core.errors import KeyRefusedError, UnreachableError
 from draftgen.core.generate.account import AccountStatus, read_account
 from draftgen.core.generate.classify import AccountCondition, RequestFailed
@@ -20,8 +23,11 @@ async def check_api(config: Config, api_key: str) -> AccountStatus:
     async with ChatClient(config.api.base_url, api_key, concurrency=1,
                           connect_timeout_s=config.api.connect_timeout_s) as client:
         try:
-            return await read_account(client, management_key=config.api.management_key(), timeout_s=max(10.0, config.api.connect_timeout_s))
+            status = await read_account(client, management_key=config.api.management_key(), timeout_s=max(10.0, config.api.connect_timeout_s))
+            note_key_answer(config, None)
+            return status
         except RequestFailed as e:
+            note_key_answer(config, e)
             if e.unreachable:
                 raise UnreachableError(f"{redact(e.message.removeprefix('GET /key: '))}: check [api] base_url "
                                        f"({config.api.base_url}) in {config.path} and that the server is up") from None
@@ -33,3 +39,18 @@ async def check_api(config: Config, api_key: str) -> AccountStatus:
         except TimeoutError:
             raise UnreachableError(f"{config.api.base_url}/key did not answer: check [api] base_url in "
                                    f"{config.path}") from None
+
+
+# GET /key's statuses from a server that has no such endpoint (FastAPI, vLLM, SGLang, llama.cpp).
+NO_KEY_ENDPOINT = frozenset({404, 405})
+
+
+def note_key_answer(config: Config, e: RequestFailed | None) -> None:
+    """Record what GET /key said about the server's kind (`e` None: it answered), for kind "auto"."""
+    api = config.api
+    if api.kind != "auto" or "openrouter.ai" in api.base_url:
+        return
+    if e is None:
+        note_server_kind(api.base_url, "openrouter")
+    elif e.status in NO_KEY_ENDPOINT:
+        note_server_kind(api.base_url, "openai-compatible")

@@ -107,7 +107,7 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
                               connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
                               title=config.api.title) as client:
             look = config.api.generation_lookup_s if lookup_s is None else lookup_s
-            settler = Settler(spend, client, look)
+            settler = Settler(spend, client, look, self_hosted=config.api.self_hosted and not busy)
             settler.start()
             settler.add(todo)
             # Each lookup gives up after `look`; the slack lets the last ones finish (it returns as soon

@@ -8,6 +8,11 @@ not found then stays pending (at its worst case) for the next run or `draftgen l
 id of a 500, 502 or 503 (`Pending.ended`): that error was answered at once, so no generation runs on,
 and a record still missing after `lookup_s` of 404s (two at least) means none ran: it settles at $0
 ("no record"). A 408, 504 or 524 (someone gave up on a generation that may run on) stays pending.
+
+An openai-compatible server (`[api] kind`) has no generation records and bills nothing: what is
+pending there (a request lost when the server died, a run killed mid-request) is settled at once,
+an answer without a cost at its token estimate, anything else at $0 ("self-hosted"), so no phantom
+worst case holds `max_usd`.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ WORKERS = 8
 
 class Settler:
     def __init__(self, spend: SpendLedger, client: ChatClient, lookup_s: float,
-                 on_settled: Callable[[], None] = lambda: None) -> None:
+                 on_settled: Callable[[], None] = lambda: None, *, self_hosted: bool = False) -> None:
         self._spend = spend
+        self._self_hosted = self_hosted
         self._client = client
         self._lookup_s = lookup_s
         self._on_settled = on_settled
@@ -37,10 +43,24 @@ class Settler:
         self.failures = 0     # lookups refused for another reason than "not there yet"
 
     def start(self) -> None:
+        if self._self_hosted:  # what earlier runs left pending: nothing to look up, nothing billed
+            self.add(list(self._spend.pending.values()))
+            return
         if not self._workers:
             self._workers = [asyncio.create_task(self._work()) for _ in range(WORKERS)]
 
     def add(self, items: Iterable[Pending]) -> None:
+        if self._self_hosted:
+            settled = False
+            for p in items:
+                if p.id in self._spend.pending:
+                    # An answer keeps its token estimate (what max_usd prices); a lost attempt bills nothing.
+                    self._spend.settle(p, p.worst if p.answer else 0.0,
+                                       Source.ESTIMATE if p.answer else Source.SELF_HOSTED)
+                    settled = True
+            if settled:
+                self._on_settled()
+            return
         now = time.monotonic()
         for p in items:
             if p.gen:

@@ -1,7 +1,8 @@
 """`draftgen smoke CONFIG`: check everything a run depends on with one request per request shape.
 
 The checklist (each row pass/fail with its reason):
-- key: GET /key answers (the key is valid);
+- key: GET /key answers (the key is valid); for an openai-compatible server (`[api] kind`, or GET /key
+  404) this row, balance, provider and usage's cost say "n/a (self-hosted)" and pass;
 - prices: the worst-case prices each dataset's routing allows (the endpoints listing or the config);
 - balance: the live balance (account.py) against the projected cost of the run (and `max_usd`, the
   floor); an unknown balance (an ordinary key without a cap) is a warning, not a failure;
@@ -47,7 +48,8 @@ from draftgen.core.generate.forecast import DatasetFigures, RunForecast, SmokeFi
 from draftgen.core.generate.billing import book_answer, book_failure, look_up, reserve_one
 from draftgen.core.generate.attempts import backoff_delay
 from draftgen.core.generate.classify import ANSWER_KINDS, Whose
-from draftgen.core.generate.prices import body_max_tokens, body_worst_case, fetch_prices
+from draftgen.core.generate.preflight import note_key_answer
+from draftgen.core.generate.prices import body_max_tokens, body_worst_case, fetch_prices, prompt_token_bound
 from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig
@@ -171,14 +173,20 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
     model_ok = bool(a.model) and (_norm(a.model).startswith(_norm(want)) or _norm(want).startswith(_norm(a.model)))
     rows.append(SmokeRow(f"{label} model", model_ok, f"{a.model!r} (asked for {want!r})"))
     u = a.usage
-    rows.append(SmokeRow(f"{label} usage", u.completion_tokens > 0 and u.cost > 0,
-                         f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens "
-                         f"({u.reasoning_tokens} reasoning), cost ${u.cost:.6f}"
-                         + ("" if u.cost > 0 else ": no cost in usage (budgets need it)")))
-    provider_ok = bool(a.provider) and _norm(a.provider) not in ignore
-    rows.append(SmokeRow(f"{label} provider", provider_ok,
-                         f"{a.provider!r}" + (" is in provider.ignore" if a.provider and not provider_ok else
-                                               "" if a.provider else "no provider in the response")))
+    tokens = f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens ({u.reasoning_tokens} reasoning)"
+    if config.api.self_hosted:  # no usage.cost, no provider: the ledger prices tokens at [api] prices
+        rows.append(SmokeRow(f"{label} usage", u.completion_tokens > 0,
+                             f"{tokens}; cost n/a (self-hosted)" if u.completion_tokens > 0 else
+                             f"no completion_tokens in usage ({tokens}): token budgets and prices need them"))
+        rows.append(SmokeRow(f"{label} provider", True, "n/a (self-hosted)"))
+    else:
+        rows.append(SmokeRow(f"{label} usage", u.completion_tokens > 0 and u.cost > 0,
+                             f"{tokens}, cost ${u.cost:.6f}"
+                             + ("" if u.cost > 0 else ": no cost in usage (budgets need it)")))
+        provider_ok = bool(a.provider) and _norm(a.provider) not in ignore
+        rows.append(SmokeRow(f"{label} provider", provider_ok,
+                             f"{a.provider!r}" + (" is in provider.ignore" if a.provider and not provider_ok else
+                                                   "" if a.provider else "no provider in the response")))
     rows.append(SmokeRow(f"{label} finish", a.finish_reason == "stop",
                          f"finish_reason {a.finish_reason!r}, native {a.native_finish_reason!r}"))
     rec = reconstruct_fn(body["messages"], a)
@@ -250,10 +258,8 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
     one the directory's ledger is opened here, and what is abandoned is looked up by the next run or
     `draftgen ledger`."""
     redact = Redactor(api_key)
-    result = SmokeResult(fingerprint=config.run_fingerprint())
+    result = SmokeResult(fingerprint="")
     shapes: dict[str, DatasetConfig] = {}
-    for ds in config.datasets:
-        shapes.setdefault(config.fingerprint(ds), ds)
 
     def add(row: SmokeRow) -> None:
         result.rows.append(SmokeRow(row.check, row.passed, redact(row.detail), row.warning))
@@ -298,24 +304,40 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
         rng = random.Random()
         deadline = time.monotonic() + SMOKE_RETRY_S  # one window for the whole smoke test's retries
         tries = 0
-        try:
-            while True:
-                tries += 1
-                try:
-                    account = await read_account(client, management_key=config.api.management_key())
-                    break
-                except RequestFailed as e:
-                    delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, rng)
-                    if not _outage(e) or tries >= SMOKE_TRIES or time.monotonic() + delay > deadline:
-                        raise
-                    await asyncio.sleep(delay)
-            add(SmokeRow("key", True, f"accepted (label {redact(str(account.label or 'unlabelled'))!r})"))
-            result.balance_usd = account.balance
-        except RequestFailed as e:
-            add(SmokeRow("key", False, (e.message if e.unreachable else f"GET /key: {e.message}")
-                         + (f" (after {tries} tries)" if tries > 1 else "")))
-        except Exception as e:  # noqa: BLE001 - any network failure is this row's failure
-            add(SmokeRow("key", False, f"GET /key failed: {type(e).__name__}: {e}"))
+        if config.api.self_hosted:
+            add(SmokeRow("key", True, "n/a (self-hosted: [api] kind = \"openai-compatible\")"))
+        else:
+            try:
+                while True:
+                    tries += 1
+                    try:
+                        account = await read_account(client, management_key=config.api.management_key())
+                        break
+                    except RequestFailed as e:
+                        delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after,
+                                              rng)
+                        if not _outage(e) or tries >= SMOKE_TRIES or time.monotonic() + delay > deadline:
+                            raise
+                        await asyncio.sleep(delay)
+                note_key_answer(config, None)
+                add(SmokeRow("key", True, f"accepted (label {redact(str(account.label or 'unlabelled'))!r})"))
+                result.balance_usd = account.balance
+            except RequestFailed as e:
+                note_key_answer(config, e)
+                if config.api.self_hosted:
+                    add(SmokeRow("key", True, f"n/a (self-hosted: GET /key answered {e.status}, so "
+                                 f"{config.api.base_url} is an openai-compatible server)"))
+                else:
+                    add(SmokeRow("key", False, (e.message if e.unreachable else f"GET /key: {e.message}")
+                                 + (f" (after {tries} tries)" if tries > 1 else "")))
+            except Exception as e:  # noqa: BLE001 - any network failure is this row's failure
+                add(SmokeRow("key", False, f"GET /key failed: {type(e).__name__}: {e}"))
+        # The request shapes are the kind's (an openai-compatible server gets no OpenRouter-only keys).
+        result.fingerprint = config.run_fingerprint()
+        for ds in config.datasets:
+            shapes.setdefault(config.fingerprint(ds), ds)
+        if warning := config.kind_warning():
+            add(SmokeRow("request keys", True, warning, warning=True))
         prices, listing_error = await fetch_prices(client, config)
         for ds in config.datasets:
             p = prices[ds.name]
@@ -336,7 +358,8 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
         own_spend = spend is None
         # Without GET /key the key is in doubt (its row says why), and a new ledger could not record
         # the key's usage before its first attempt (`draftgen ledger --unknown-from-key` needs it).
-        ledger_error = "" if account is not None else "not sent: GET /key failed (see the key row)"
+        ledger_error = "" if account is not None or config.api.self_hosted else \
+            "not sent: GET /key failed (see the key row)"
         if spend is None and not ledger_error:
             spend = SpendLedger(rd.spend)
             opening = asyncio.ensure_future(asyncio.to_thread(_open_spend, spend, rd, on_disk,
@@ -441,7 +464,10 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
         result.projection = plan
     cap = config.budget.max_usd
     need = plan.total_usd - spent if known else None
-    if account is None:
+    if config.api.self_hosted:
+        add(SmokeRow("balance", True, "n/a (self-hosted): no account; the run keeps going under max_usd"
+                     + (f" (${cap:.2f}, tokens at [api] prices)" if cap is not None else " (none set)")))
+    elif account is None:
         add(SmokeRow("balance", False, "could not read the balance (GET /key failed)"))
     elif result.balance_usd is None:
         add(SmokeRow("balance", True, f"{redact(account.balance_detail)}. A warning, not a failure: the run keeps "

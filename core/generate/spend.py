@@ -20,6 +20,9 @@ loses nothing written; `JsonlAppender` cuts a torn last line on the next open):
         an abandoned attempt priced from GET /api/v1/generation?id= (its record's total_cost)
     {"e":"settle","a":ID,"c":0,"s":"no record"}
         a 500/502/503 whose generation id has no record after `generation_lookup_s`: nothing ran
+    {"e":"settle","a":ID,"c":0|USD,"s":"self-hosted"|"estimate"}
+        an openai-compatible server's pending attempt (settle.py): lost ones bill nothing, an answer
+        without a cost keeps its token estimate
     {"e":"settle","a":ID,"c":USD,"s":"key usage"}
         an attempt without a generation id priced from the key's usage (`draftgen ledger
         --unknown-from-key`, see reconcile.py `settle_unknown_from_key`)
@@ -57,6 +60,7 @@ class Source(str, Enum):
     GENERATION = "generation"
     NO_RECORD = "no record"    # a 500/502/503's generation id never got a record: nothing ran
     KEY_USAGE = "key usage"
+    SELF_HOSTED = "self-hosted"  # an attempt lost on an openai-compatible server: it bills nothing
     PENDING = "pending"
 
 

@@ -110,6 +110,9 @@ class AccountWatch:
 
     async def read(self) -> AccountStatus:
         assert self.client is not None
+        if self._config.api.self_hosted:  # no account behind an openai-compatible server
+            self.status = AccountStatus()
+            return self.status
         status = await read_account(self.client, management_key=self._config.api.management_key())
         first_unknown = status.balance is None and (self.status is None or self.status.balance is not None)
         self.status = status
@@ -132,7 +135,9 @@ class AccountWatch:
             resume()
 
     async def watch(self) -> None:
-        """The balance, read every credits interval for the whole run."""
+        """The balance, read every credits interval for the whole run (none on a self-hosted server)."""
+        if self._config.api.self_hosted:
+            return
         while True:
             try:
                 await self.read()

@@ -136,6 +136,8 @@ class Pipeline:
                 await check_api(self.config, self._api_key)
             except UnreachableError as e:
                 self.emit("warn", "unreachable", f"{e}; the run waits for it (no prompt is failed meanwhile)")
+            if warning := self.config.kind_warning():  # the server's kind is known from here
+                self.emit("warn", "request_keys", warning)
             if not self._skip_smoke:
                 ok, why = smoke_status(self.config)
                 if not ok:

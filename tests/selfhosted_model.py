@@ -1,0 +1,54 @@
+"""A tiny Llama that `transformers serve` can load from a folder, built here (no hub access).
+
+Its attention and MLP write nothing, so each next token depends only on the last one (a bigram
+table in the embeddings and the head): after the chat template's "<|im_start|>assistant\\n" it says
+"4", then "<|im_end|>". So every answer is the same short, finished one, and a CPU answers it at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tiny_model(folder: Path) -> Path:
+    """Tokenizer (byte-level BPE, ChatML template) and random-free Llama weights in `folder`."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["What is 2+2? Answer in one word.", "Question: explain item 4.", "user assistant system"] * 20
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = CHATML
+    tok.save_pretrained(folder)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    newline = bpe.token_to_id("Ċ")  # ByteLevel's "\n": the last token of the generation prompt
+    four = bpe.token_to_id("4")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
+                         eos_token_id=eos, pad_token_id=tok.pad_token_id, bos_token_id=None,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for norm in (model.model.norm, *(m for layer in model.model.layers
+                                         for m in (layer.input_layernorm, layer.post_attention_layernorm))):
+            norm.weight.fill_(1.0)
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb[:, 0] = 1.0            # every token: "then end the turn"
+        emb[newline] = 0.0
+        emb[newline, 1] = 1.0      # "\n": "then say 4"
+        head[eos, 0] = 8.0
+        head[four, 1] = 8.0        # RMSNorm scales a one-hot by 8: logits 64 against 0
+    model.save_pretrained(folder)
+    GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id, do_sample=False).save_pretrained(folder)
+    return folder
