@@ -100,12 +100,14 @@ def _init_pool_worker(spec: WorkerSpec) -> None:
     tokenizer: it exits as soon as its parent is gone."""
     parent = multiprocessing.parent_process()
     if parent is not None:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)  # also drops a group signal pending since the fork
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         os.setpgid(0, 0)
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a warning written to the terminal must not stop it
+        # The forkserver passed on the run's blocked mask; a SIGTERM pending since the fork (the pool's,
+        # or rarely the group's) is delivered now, not dropped: a dead worker is replaced, a hang is not.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # the forkserver passed on a blocked mask
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
         def exit_with_parent() -> None:
             parent.join()  # returns when the parent's end of the pipe closes: it has exited
