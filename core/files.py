@@ -6,7 +6,6 @@
   removes the temporary file, leaves the old one as it was and raises `DiskError` naming `path`.
 - `lock_file(path)`: an exclusive `flock` taken without waiting. It goes with the process, so a
   crash never leaves it held.
-- `exclusive(root, what)`: the run lock, the one test of whether a run directory is live (see there).
 """
 
 from __future__ import annotations
