@@ -205,25 +205,24 @@ class LiveReconstructor:
     async def _replace(self, broken: concurrent.futures.ProcessPoolExecutor) -> None:
         self._pool = None
         self.restarts += 1
-        await asyncio.to_thread(broken.shutdown, wait=True)  # the pool has already stopped its other workers
-        await asyncio.sleep(0)  # the other batches of the broken pool come back first, to be held too
-        held = sum(len(b) for _, b in self._held)
         hint = f"finish with `draftgen tokens {self.config.path}`"
-        if self.restarts > self.MAX_RESTARTS:
-            self._give_up(f"token reconstruction stopped: its worker processes died {self.restarts} times "
-                          f"(killed, or out of memory); the answers without tokens stay in responses.jsonl: {hint}")
-            return
-        self._event("warn", "tokens_worker_died", f"a token reconstruction worker process died (killed, or out of "
-                    f"memory): starting new workers ({self.restarts} of at most {self.MAX_RESTARTS}); {held:,} "
-                    "answers in flight are sent again")
         try:
+            await asyncio.to_thread(broken.shutdown, wait=True)  # the pool has already stopped its other workers
+            await asyncio.sleep(0)  # the other batches of the broken pool come back first, to be held too
+            held = sum(len(b) for _, b in self._held)
+            if self.restarts > self.MAX_RESTARTS:
+                self._give_up(f"token reconstruction stopped: its worker processes died {self.restarts} times "
+                              f"(killed, or out of memory); the answers without tokens stay in responses.jsonl: {hint}")
+                return
+            self._event("warn", "tokens_worker_died", f"a token reconstruction worker process died (killed, or out "
+                        f"of memory): starting new workers ({self.restarts} of at most {self.MAX_RESTARTS}); {held:,} "
+                        "answers in flight are sent again")
             pool = await asyncio.to_thread(self._new_pool)
-        except Exception as e:  # noqa: BLE001 - no pool: said once, the run goes on without tokens
+        except BaseException as e:  # no new pool (or cancelled): said once, the run goes on without tokens
             self._give_up(f"token reconstruction stopped: new worker processes could not start ({type(e).__name__}: "
                           f"{e}); {hint}")
-            return
-        if self._closed:
-            pool.shutdown(wait=False)
+            if not isinstance(e, Exception):
+                raise
             return
         self._pool = pool
         self._restart = None
