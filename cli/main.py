@@ -49,9 +49,12 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
+    from draftgen.core.files import exclusive
     from draftgen.core.generate.smoke import smoke_command
     config = _config(args.config)
-    return smoke_command(config, config.api_key())
+    key = config.api_key()
+    with exclusive(config.run_dir, "draftgen smoke"):  # the liveness rule: not beside a live run
+        return smoke_command(config, key)
 
 
 def cmd_retry_failed(args: argparse.Namespace) -> int:

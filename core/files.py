@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from draftgen.core.errors import DiskError
+from draftgen.core.errors import DiskError, DraftgenError
 
 TMP_MARK = ".tmp-"
 # Owner-only: run files hold answers, spend and events another local user has no business reading
@@ -90,3 +90,83 @@ def lock_file(path: Path) -> int | None:
         os.close(fd)
         raise
     return fd
+
+
+# ---------------------------------------------------------------------------------------------
+# Liveness: one rule for "a run is live in this directory"
+
+RUN_LOCK = "run.lock"
+
+
+class RunDirBusyError(DraftgenError):
+    """Another process holds the run directory's run lock (`exclusive`)."""
+
+
+class RunLock:
+    """The run lock of one run directory, while held. Made by `exclusive`; see there."""
+
+    def __init__(self, root: Path, what: str) -> None:
+        self.root = Path(root)
+        self.path = self.root / RUN_LOCK
+        self.what = what
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        """Take the lock, or raise RunDirBusyError naming the directory, the holder and what to do."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise disk_error(self.path, e) from e
+        fd = lock_file(self.path)
+        if fd is None:
+            try:
+                holder = self.path.read_text(errors="replace").strip()
+            except OSError:
+                holder = ""
+            raise RunDirBusyError(
+                f"{self.root}: a run is already live in this run directory, or another draftgen command that "
+                f"writes its files ({holder or 'see ' + str(self.path)}); {self.what} cannot work beside it. Wait "
+                f"for it to end or quit it (q in its window, SIGINT or SIGTERM to its process), then run "
+                f"{self.what} again")
+        try:  # who holds it, for the message above (best effort: the lock is the flock, not this text)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"process {os.getpid()}: {self.what}\n".encode(), 0)
+        except OSError:
+            pass
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)  # released even if a forked child still holds a copy
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def exclusive(root: Path, what: str) -> RunLock:
+    """The run lock of run directory `root`: an exclusive `flock` on `<root>/run.lock`, taken without
+    waiting (`with exclusive(root, "draftgen tokens"): ...`, or `.acquire()` / `.release()`).
+
+    The liveness rule: a run directory is live while a process holds this lock, and only then (the
+    attach socket is no test: it can be deleted under a live run, or left behind by a killed one).
+    `draftgen run` (TUI, headless, demo: core/live/pipeline.py) holds it from its start until it has
+    closed, live reconstruction and the merge/extract stages it runs included; the commands that
+    rewrite files a run writes hold it while they work: `retry-failed` (failures.jsonl), `tokens`
+    (<dataset>/tokens) and `smoke` (smoke.json, spend.jsonl). So each refuses while a run is live,
+    and a run refuses to start while one of them works. The run's own stages (the `s`, `m`, `x`
+    keys) run in its process under its lock and take nothing. `merge` and `extract` do not take it:
+    merge reads a live run's files safely and builds merged/ under its own lock (core/merge/swap.py),
+    and extraction writes only hidden_states/, which a run never touches. `draftgen ledger` beside a
+    live run reads spend.jsonl without writing (the spend file's own lock, core/generate/spend_file.py).
+
+    A flock goes with its process: a crash never leaves a directory looking live. It is taken on
+    an open file, so a second take in the same process is refused too.
+    """
+    return RunLock(root, what)

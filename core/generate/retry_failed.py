@@ -9,8 +9,9 @@ and renamed over the old one, so a crash leaves the old file or the new one, nev
 between the two steps leaves a line in both files: the prompt stays failed, and running the
 command again moves it (its history then has it twice, which is harmless).
 
-It refuses while a run is live in the run directory (its attach socket answers): that run's
-ledger holds the failed ids in memory and would not ask them again.
+It refuses while a run is live in the run directory (core/files.py `exclusive`: the run lock, not
+the attach socket): that run appends to the failures.jsonl this would replace (its lines would go to
+the unlinked old file), and its ledger holds the failed ids in memory and would not ask them again.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import orjson
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
-from draftgen.core.files import write_atomic
+from draftgen.core.files import exclusive, write_atomic
 from draftgen.core.rundir import JsonlAppender, RunDir
 
 
@@ -83,15 +84,12 @@ def retry_dataset(rundir: RunDir, dataset: str, kinds: frozenset[str] | None) ->
 
 
 def retry_failed(config: Config, *, dataset: str | None = None, kinds: frozenset[str] | None = None) -> list[Retried]:
-    from draftgen.core.live.attach import run_is_live
     rundir = RunDir(config.run_dir)
     names = [d.name for d in config.datasets]
     if dataset is not None and dataset not in names:
         raise DraftgenError(f"--dataset {dataset!r}: no such dataset in {config.path} (datasets: {', '.join(names)})")
-    if run_is_live(rundir.socket):
-        raise DraftgenError(f"a run is live in {rundir.root}: quit it first (q), then run retry-failed; the "
-                            "next run asks the prompts made eligible again")
-    return [retry_dataset(rundir, name, kinds) for name in names if dataset in (None, name)]
+    with exclusive(rundir.root, "draftgen retry-failed"):
+        return [retry_dataset(rundir, name, kinds) for name in names if dataset in (None, name)]
 
 
 def retry_failed_command(config: Config, dataset: str | None, kind: str | None) -> int:

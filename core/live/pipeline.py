@@ -18,9 +18,10 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.config import Config
 from draftgen.core.generate.engine import Engine
 from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError, UnreachableError
+from draftgen.core.files import RunLock, exclusive
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.stages import Stages
-from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_INCOMPLETE, INCOMPLETE
+from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_ERROR, EXIT_INCOMPLETE, INCOMPLETE
 from draftgen.core.live.timeline import TimelineRecorder, Totals
 from draftgen.core.records import error_count
 from draftgen.core.rundir import EventLog, RunDir
@@ -65,6 +66,7 @@ class Pipeline:
         self.engine = Engine(config, api_key, on_event=self.emit, on_answer=self._on_answer, seed=seed)
         self._log: EventLog | None = None
         self._attach: Any = None
+        self._run_lock: RunLock | None = None
         self._reconstructor: Any = None
         self._fidelity: tuple[snap.ProviderFidelity, ...] = ()  # the last figures, kept after the workers stop
         self._ticker: asyncio.Task[None] | None = None
@@ -81,6 +83,16 @@ class Pipeline:
 
     async def start(self) -> None:
         self.rundir.root.mkdir(parents=True, exist_ok=True)
+        # The run directory is live from here until close() (core/files.py `exclusive`).
+        self._run_lock = exclusive(self.rundir.root, "draftgen run").acquire()
+        try:
+            await self._start()
+        except BaseException:
+            self._run_lock.release()  # not started: another run or command may use the directory
+            self._run_lock = None
+            raise
+
+    async def _start(self) -> None:
         self._log = EventLog(self.rundir.events_log)
         await asyncio.to_thread(self.timeline.load)
         self.timeline.start(self._totals())
@@ -106,6 +118,9 @@ class Pipeline:
         if self._log is not None:
             self._log.close()
         self.timeline.close()
+        if self._run_lock is not None:
+            self._run_lock.release()
+            self._run_lock = None
 
     async def generate(self) -> str:
         """Smoke gate, then the run. Returns the engine's final state. A user-facing error (a missing
@@ -150,7 +165,8 @@ class Pipeline:
                         return snap.RunState.STOPPED
             if self._reconstruct:
                 from draftgen.core.tokens.live import LiveReconstructor
-                self._reconstructor = LiveReconstructor(self.config, workers=self.config.engine.workers)
+                self._reconstructor = LiveReconstructor(self.config, workers=self.config.engine.workers,
+                                                        on_event=self.emit)
                 await self._reconstructor.start()
                 for ds in self.config.datasets:
                     await self._reconstructor.catch_up(ds.name)
@@ -161,9 +177,14 @@ class Pipeline:
                 self.exit_code = EXIT_KEY_REFUSED
             if self._reconstructor is not None:
                 await self._reconstructor.close()
-                self.stages["tokens"] = self._reconstructor.progress()
+                tokens = self.stages["tokens"] = self._reconstructor.progress()
                 self._fidelity = self._reconstructor.fidelity()
                 self.emit("info", "tokens_done", self._reconstructor.report(None).summary_line())
+                if tokens.done < tokens.total:  # the tokens stage failed: not a complete run, merge would drop them
+                    self.emit("error", "tokens_failed", f"tokens: {tokens.done:,} of {tokens.total:,} answers have "
+                              f"token ids ({tokens.message}); finish with `draftgen tokens {self.config.path}`")
+                    if self.exit_code == EXIT_COMPLETE:
+                        self.exit_code = EXIT_ERROR
                 for row in self._fidelity:
                     if row.flagged:
                         self.emit("warn", "provider_flagged", f"provider {row.name}: {row.flagged} "

@@ -101,6 +101,10 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     if c.max_usd is not None:
         spend += f" (max_usd {usd(c.max_usd)})"
     out.append(spend)
+    tokens = next((p for p in s.stages if p.name == "tokens"), None)
+    if tokens is not None:  # live reconstruction: how many answers have token ids, and how to finish
+        out.append(f"  tokens: {tokens.done:,} of {tokens.total:,} answers" + ("" if tokens.done >= tokens.total
+                   else f"; finish with `draftgen tokens {config_hint}`"))
     if s.alert:
         out += textwrap.wrap(f"alert: {s.alert}", WIDTH, initial_indent="  ", subsequent_indent="    ")
     rest = prompts_left(s.datasets)

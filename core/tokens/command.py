@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from draftgen.core.config import Config
+from draftgen.core.files import exclusive
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.reconstruct import CHECKS
@@ -14,7 +15,13 @@ from draftgen.core.tokens.workers import REPORT_FILE, cores, provider_flags, rec
 
 
 def tokens_command(config: Config) -> int:
-    """`draftgen tokens CONFIG`: reconstruct every dataset, print the validation report."""
+    """`draftgen tokens CONFIG`: reconstruct every dataset, print the validation report. Refused while
+    a run is live in the run directory (its live reconstruction writes the same token folders)."""
+    with exclusive(config.run_dir, "draftgen tokens"):
+        return _tokens(config)
+
+
+def _tokens(config: Config) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
     from rich.markup import escape

@@ -2,14 +2,20 @@
 
 `LiveReconstructor.submit` never blocks: answers are batched (briefly) and handed to the worker
 pool (core/tokens/workers.py); results are appended to the dataset's token folder from the event
-loop thread as they come back. A batch lost to a dead worker is not retried here: those answers
-stay in responses.jsonl and the next `catch_up` or `draftgen tokens` picks them up.
+loop thread as they come back.
+
+A worker that dies (kill -9, the OOM killer) breaks the whole pool: every batch in flight fails at
+once. They are held, a new pool is started and they are sent again. After `MAX_RESTARTS` new pools
+reconstruction stops for the rest of the run and says so (`progress()` FAILED, with the command
+that finishes it, `draftgen tokens CONFIG`): the answers stay in responses.jsonl.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import concurrent.futures.process
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -53,9 +59,12 @@ class LiveReconstructor:
     """Reconstructs answers as the engine lands them, in worker processes."""
 
     FLUSH_AFTER_S = 0.05
+    MAX_RESTARTS = 3   # new pools after dead workers before reconstruction gives up for the run
 
-    def __init__(self, config: Config, workers: int = 0) -> None:
+    def __init__(self, config: Config, workers: int = 0,
+                 on_event: Callable[[str, str, str], None] | None = None) -> None:
         self.config = config
+        self._event = on_event or (lambda level, kind, message: None)
         # Leave a core to the event loop unless told otherwise.
         self.workers = workers or max(1, cores() - 1)
         self._spec = WorkerSpec.from_config(config)
@@ -71,6 +80,10 @@ class LiveReconstructor:
         self._lost = 0
         self._error = ""
         self._closed = False
+        self._held: list[tuple[_Dataset, list[dict[str, Any]]]] = []  # batches waiting for a new pool
+        self._restart: asyncio.Task[None] | None = None
+        self.restarts = 0
+        self._gave_up = False
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -80,11 +93,18 @@ class LiveReconstructor:
         self._spec.load()  # a missing or broken tokenizer is a clear error here
         for ds in self.config.datasets:
             self._open(ds.name)
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         pool = new_pool(self._spec, self.workers)
-        # Start every worker (and load its tokenizer) now, off the event loop.
-        for fut in [pool.submit(ping) for _ in range(self.workers)]:
-            fut.result()
-        self._pool = pool
+        try:
+            # Start every worker (and load its tokenizer) now, off the event loop.
+            for fut in [pool.submit(ping) for _ in range(self.workers)]:
+                fut.result()
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        return pool
 
     def _open(self, name: str) -> _Dataset:
         ds = self._datasets.get(name)
@@ -96,7 +116,7 @@ class LiveReconstructor:
 
     def submit(self, dataset_name: str, record: dict[str, Any]) -> None:
         """Queue one answered record for reconstruction; returns at once."""
-        if self._pool is None or self._loop is None or self._closed:
+        if self._loop is None or self._closed:
             raise RuntimeError("LiveReconstructor.submit before start() or after close()")
         ds = self._open(dataset_name)
         rid = str(record.get("id"))
@@ -118,30 +138,46 @@ class LiveReconstructor:
             self._flush(ds)
 
     def _flush(self, ds: _Dataset) -> None:
-        if not ds.buffer:
+        if ds.buffer:
+            self._send(ds, ds.take())
+
+    def _send(self, ds: _Dataset, batch: list[dict[str, Any]]) -> None:
+        if self._gave_up:
+            self._lose(ds, batch, RuntimeError(self._error))
             return
-        batch = ds.take()
-        assert self._loop is not None and self._pool is not None
+        pool = self._pool
+        if pool is None or self._restart is not None:
+            self._held.append((ds, batch))  # sent when the new pool is up
+            return
+        assert self._loop is not None
         try:
-            fut = self._loop.run_in_executor(self._pool, reconstruct_batch, batch)
-        except RuntimeError as e:  # the pool broke earlier (BrokenProcessPool is a RuntimeError)
+            fut = self._loop.run_in_executor(pool, reconstruct_batch, batch)
+        except concurrent.futures.process.BrokenProcessPool:  # broke before its first failed future came back
+            self._broken(ds, batch, pool)
+            return
+        except RuntimeError as e:  # shut down
             self._lose(ds, batch, e)
             return
         self._inflight.add(fut)
-        fut.add_done_callback(partial(self._landed, ds, batch))
+        fut.add_done_callback(partial(self._landed, ds, batch, pool))
 
     def _lose(self, ds: _Dataset, batch: list[dict[str, Any]], exc: BaseException) -> None:
-        self._error = f"token reconstruction stopped: {exc}"
+        if not self._error:
+            self._error = f"token reconstruction stopped: {exc}"
         self._lost += len(batch)
         for rec in batch:
             ds.known.discard(str(rec.get("id")))
 
-    def _landed(self, ds: _Dataset, batch: list[dict[str, Any]], fut: asyncio.Future[list[Result]]) -> None:
+    def _landed(self, ds: _Dataset, batch: list[dict[str, Any]], pool: concurrent.futures.ProcessPoolExecutor,
+                fut: asyncio.Future[list[Result]]) -> None:
         self._inflight.discard(fut)
         if fut.cancelled():
             self._lose(ds, batch, RuntimeError("cancelled"))
             return
         exc = fut.exception()
+        if isinstance(exc, concurrent.futures.process.BrokenProcessPool):
+            self._broken(ds, batch, pool)
+            return
         if exc is not None:
             self._lose(ds, batch, exc)
             return
@@ -153,6 +189,58 @@ class LiveReconstructor:
                 continue
             ds.report.add_meta(meta)
             self._rate.add(int(ids.shape[0]))
+
+    # -- dead workers -------------------------------------------------------------------------------
+
+    def _broken(self, ds: _Dataset, batch: list[dict[str, Any]], pool: concurrent.futures.ProcessPoolExecutor) -> None:
+        """A batch of a pool whose worker died: held for the next pool (one restart per broken pool)."""
+        self._held.append((ds, batch))
+        if self._restart is not None:
+            return
+        if pool is self._pool:
+            self._restart = asyncio.ensure_future(self._replace(pool))
+        else:  # a late failure of a pool already replaced: straight to the new one
+            self._release_held()
+
+    async def _replace(self, broken: concurrent.futures.ProcessPoolExecutor) -> None:
+        self._pool = None
+        self.restarts += 1
+        hint = f"finish with `draftgen tokens {self.config.path}`"
+        try:
+            await asyncio.to_thread(broken.shutdown, wait=True)  # the pool has already stopped its other workers
+            await asyncio.sleep(0)  # the other batches of the broken pool come back first, to be held too
+            held = sum(len(b) for _, b in self._held)
+            if self.restarts > self.MAX_RESTARTS:
+                self._give_up(f"token reconstruction stopped: its worker processes died {self.restarts} times "
+                              f"(killed, or out of memory); the answers without tokens stay in responses.jsonl: {hint}")
+                return
+            self._event("warn", "tokens_worker_died", f"a token reconstruction worker process died (killed, or out "
+                        f"of memory): starting new workers ({self.restarts} of at most {self.MAX_RESTARTS}); {held:,} "
+                        "answers in flight are sent again")
+            pool = await asyncio.to_thread(self._new_pool)
+        except BaseException as e:  # no new pool (or cancelled): said once, the run goes on without tokens
+            self._give_up(f"token reconstruction stopped: new worker processes could not start ({type(e).__name__}: "
+                          f"{e}); {hint}")
+            if not isinstance(e, Exception):
+                raise
+            return
+        self._pool = pool
+        self._restart = None
+        self._release_held()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        for ds, batch in held:
+            self._send(ds, batch)
+
+    def _give_up(self, message: str) -> None:
+        self._gave_up = True
+        self._error = message
+        self._restart = None
+        self._event("error", "tokens_failed", message)
+        held, self._held = self._held, []
+        for ds, batch in held:
+            self._lose(ds, batch, RuntimeError(message))
 
     # -- catching up with what is on disk -----------------------------------------------------------
 
@@ -181,20 +269,30 @@ class LiveReconstructor:
                         return
                     self.submit(name, rec)
                 self._flush_all()
-                # Bounded memory: keep about two batches per worker queued.
-                while len(self._inflight) > 2 * self.workers:
-                    await asyncio.wait(set(self._inflight), return_when=asyncio.FIRST_COMPLETED)
+                # Bounded memory: keep about two batches per worker queued (or held for a new pool).
+                while len(self._inflight) + len(self._held) > 2 * self.workers:
+                    if self._restart is not None:
+                        await asyncio.wait({self._restart})
+                    elif self._inflight:
+                        await asyncio.wait(set(self._inflight), return_when=asyncio.FIRST_COMPLETED)
+                    else:
+                        break
         except (OSError, ValueError) as e:  # responses.jsonl unreadable: say so, the run goes on
             self._error = f"token reconstruction could not read {responses}: {e}"
 
     async def wait_idle(self) -> None:
-        """Wait until everything submitted or queued by `catch_up` is written."""
-        while self._tasks or self._inflight or any(ds.buffer for ds in self._datasets.values()):
+        """Wait until everything submitted or queued by `catch_up` is written (or lost, and said so)."""
+        while (self._tasks or self._inflight or self._restart is not None or self._held
+               or any(ds.buffer for ds in self._datasets.values())):
             if self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
             self._flush_all()
-            if self._inflight:
-                await asyncio.wait(set(self._inflight))
+            if self._restart is not None:
+                await asyncio.wait({self._restart})
+            elif self._inflight:
+                await asyncio.wait(set(self._inflight), return_when=asyncio.FIRST_COMPLETED)
+            elif self._held:
+                self._release_held()
 
     # -- views ----------------------------------------------------------------------------------------
 
@@ -218,16 +316,19 @@ class LiveReconstructor:
         return tuple(rows)
 
     def progress(self) -> StageProgress:
-        done = self._rate.answers
+        """`done` of `total`: the answers with token ids, of every answer known (earlier runs' included)."""
+        landed = self._rate.answers
         per_s, tok_s = self._rate.per_s()
-        waiting = self._submitted - done - self._lost
+        waiting = self._submitted - landed - self._lost
         state = StageState.FAILED if self._error else (StageState.DONE if self._closed else StageState.RUNNING)
         total = self.report(None)
+        detail = (("valid", f"{total.valid:,}/{total.checked:,}"), ("waiting", f"{waiting:,}"),
+                  ("tokens/s", f"{tok_s:,.0f}" if landed else "0"))
+        if self.restarts:
+            detail += (("worker restarts", str(self.restarts)),)
         return StageProgress(
-            name="tokens", state=state, done=done, total=self._submitted, rate=per_s if done else 0.0,
-            rate_unit="answers/s",
-            detail=(("valid", f"{total.valid:,}/{total.checked:,}"), ("waiting", f"{waiting:,}"),
-                    ("tokens/s", f"{tok_s:,.0f}" if done else "0")),
+            name="tokens", state=state, done=total.checked, total=total.checked + waiting + self._lost,
+            rate=per_s if landed else 0.0, rate_unit="answers/s", detail=detail,
             message=self._error or total.summary_line())
 
     # -- shutdown -------------------------------------------------------------------------------------
@@ -236,7 +337,7 @@ class LiveReconstructor:
         """Finish everything queued, write each dataset's report.json, stop the workers."""
         if self._closed:
             return
-        if self._pool is not None:
+        if self._loop is not None:
             await self.wait_idle()
         self._closed = True
         if self._flush_handle is not None:

@@ -14,6 +14,7 @@ batches of answers, so all cores work and the event loop of a live run never wai
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.process
 import multiprocessing
 import os
 import signal
@@ -91,13 +92,22 @@ def _init_pool_worker(spec: WorkerSpec) -> None:
 
     Ctrl-C, a closed tmux pane and `kill -TERM -PGID` signal the whole process group: the main
     process drains and then stops its workers itself, so a worker must not die first (its batch
-    would be lost and the pool broken). And when the main process dies (kill -9, the OOM killer) a
-    worker blocked on the pool's queue would wait forever, keeping the forkserver and the resource
-    tracker alive with it, each holding a tokenizer: it exits as soon as its parent is gone."""
+    would be lost and the pool broken). So a worker leaves that group for one of its own. SIGTERM
+    still ends it: it is how the pool stops the other workers when one dies (a worker left blocked
+    on the queue lock the dead one held would never exit, and the run would hang at its end). And
+    when the main process dies (kill -9, the OOM killer) a worker blocked on the pool's queue would
+    wait forever, keeping the forkserver and the resource tracker alive with it, each holding a
+    tokenizer: it exits as soon as its parent is gone."""
     parent = multiprocessing.parent_process()
     if parent is not None:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
+        os.setpgid(0, 0)
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a warning written to the terminal must not stop it
+        # The forkserver passed on the run's blocked mask; a SIGTERM pending since the fork (the pool's,
+        # or rarely the group's) is delivered now, not dropped: a dead worker is replaced, a hang is not.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
         def exit_with_parent() -> None:
             parent.join()  # returns when the parent's end of the pipe closes: it has exited
@@ -212,6 +222,10 @@ def cores() -> int:
 
 class TokensBusy(DraftgenError):
     """Another process is writing the tokens folder."""
+
+
+class WorkerDied(DraftgenError):
+    """A reconstruction worker process died under `draftgen tokens`."""
 
 
 class LockedWriter(TokenWriter):
@@ -379,6 +393,10 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: ProgressCal
                         land(inflight.popleft().result())
                 while inflight:
                     land(inflight.popleft().result())
+            except concurrent.futures.process.BrokenProcessPool:
+                raise WorkerDied(f"{dataset_name}: a token reconstruction worker process died (killed, or out of "
+                                 f"memory); {rate.answers:,} of {total:,} answers were reconstructed and are kept. "
+                                 f"Run `draftgen tokens {config.path}` again to finish") from None
             finally:
                 for fut in inflight:
                     fut.cancel()
