@@ -214,7 +214,9 @@ async def test_a_parameter_refused_mid_run_at_2000_in_flight_fails_no_prompt(tmp
     """The provider starts refusing a parameter mid-run with a 400 naming no known cause, while 2,000
     requests sent before are still being answered: those answers do not make the refusals the prompts'
     own (they were sent before them); the dataset stops and no prompt is failed (all stay eligible)."""
-    async with SimServer(sim_config(fixed_latency_s=8.0), port=0) as sim:
+    # Held until 2,000 are in flight, then 8 s each: however slowly a busy machine admits, none is
+    # answered before the scenario starts.
+    async with SimServer(sim_config(fixed_latency_s=8.0, hold_until_in_flight=2000), port=0) as sim:
         config = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3000, "concurrency": 2000, "max_tokens": 64}],
                              tables={"api": {"stream": stream}})
         run = Watch(config)
