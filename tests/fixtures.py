@@ -319,6 +319,9 @@ class FakeControls:
         self.calls.append("quit:drain" if drain else "quit:stop")
         self._next(state=snap.RunState.DRAINING if drain else snap.RunState.STOPPED)
 
+    def spool_held(self) -> None:
+        self.calls.append("spool")
+
 
 @dataclass(frozen=True)
 class View:

@@ -32,7 +32,7 @@ from draftgen.tui.screens.history import HistoryScreen
 from draftgen.tui.screens.logview import LogScreen
 from draftgen.tui.panels.panel import Panel, SelectablePanel
 from draftgen.tui.panels.providers import ProvidersPanel
-from draftgen.tui.screens.quitdialog import DRAIN, QuitScreen
+from draftgen.tui.screens.quitdialog import SPOOL, STOP, QuitScreen
 from draftgen.tui.screens.smoke import SmokeScreen
 from draftgen.tui.panels.stages import StagesPanel, active_stages
 from draftgen.tui.panels.throughput import ThroughputPanel
@@ -279,14 +279,17 @@ class DraftgenApp(App[None]):
             self.controls.quit(drain=True)  # nothing in flight: nothing to choose between
             self.exit()
             return
-        self.push_screen(QuitScreen(s.throughput.in_flight if s else 0), self._quit_chosen)
+        self.push_screen(QuitScreen(s.throughput.in_flight if s else 0, s.held_answers if s else 0),
+                         self._quit_chosen)
 
     def _quit_chosen(self, choice: str | None) -> None:
         if choice is None:
             return
         self.quit_requested = True
-        drain = choice == DRAIN
+        drain = choice != STOP  # wait and spool both let the requests in flight finish
         self.controls.quit(drain=drain)
+        if choice == SPOOL:
+            self.controls.spool_held()
         # Stop now means now: the engine winds down after the screen is gone. A drain keeps the
         # screen up until the engine reports the run stopped (q again offers stop now).
         if not drain or (self.latest is not None and self.latest.state in FINAL_STATES):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -11,7 +13,7 @@ from draftgen.core.config import Config
 from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.live.summary import EXIT_ERROR, summary_lines
 
-from draftgen.tui.app import DraftgenApp
+from draftgen.tui.app import FINAL_STATES, DraftgenApp
 
 
 async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, after_run: list[str] | None = None,
@@ -30,9 +32,41 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
             await (pipeline.merge() if stage == "merge" else pipeline.extract())
 
     work = asyncio.create_task(generate_then())
+    loop = asyncio.get_running_loop()
+    signalled: list[str] = []
+
+    def on_signal(name: str) -> None:
+        """SIGHUP (the pane closed), SIGTERM, SIGINT from outside: drain like the headless run; a later
+        SIGINT stops now. The held answers are waited for or spooled, never dropped (engine.py)."""
+        again = bool(signalled)
+        signalled.append(name)
+        if again and name == "SIGINT":
+            pipeline.quit(drain=False)
+            pipeline.emit("warn", "signal", "SIGINT again: stopping now (held answers are spooled)")
+        else:
+            pipeline.quit(drain=True)
+            n = pipeline.engine.ledger.held_answers
+            pipeline.emit("warn", "signal", f"{name}: draining (requests in flight finish)" + (
+                f"; {n} paid answer(s) held in memory wait for the disk (SIGINT spools them)" if n else ""))
+        if name == "SIGHUP":
+            _silence_terminal()  # nothing to draw on any more: every later write goes to /dev/null
+            if app.is_running:
+                app.exit()
+        else:
+            app.quit_requested = True  # the screen stays until the run has ended, as after d in the dialog
+            if pipeline.engine.state in FINAL_STATES and app.is_running:
+                app.exit()
+
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
     try:
         await app.run_async()
     finally:
+        if not work.done() and signalled:
+            try:
+                await work  # the drain goes on without a screen; a second SIGINT stops it
+            except Exception:  # noqa: BLE001 - the pipeline keeps its own error; the summary says it
+                pass
         if not work.done():
             pipeline.quit(drain=False)
             try:
@@ -40,12 +74,29 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 work.cancel()
         await pipeline.close()
+        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
         # The screen is gone: say in the shell how the run ended (also after a failed smoke or an error).
         code = EXIT_ERROR if pipeline.error is not None else pipeline.exit_code
         print("\n".join(summary_lines(pipeline.snapshot(), code, config_hint=str(config.path))), file=out, flush=True)
     if pipeline.error is not None:
         raise pipeline.error  # shown in the UI's alert bar; printed again once the screen is gone
     return pipeline.exit_code
+
+
+def _silence_terminal() -> None:
+    """The terminal hung up: point stdin, stdout and stderr at /dev/null so that Textual's last writes
+    and the summary neither fail (EIO) nor turn the exit status into 120."""
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+    except OSError:
+        return
+    for fd in (0, 1, 2):
+        try:
+            os.dup2(devnull, fd)
+        except OSError:
+            pass
+    os.close(devnull)
 
 
 async def attach_tui(run_dir: Path) -> int:

@@ -26,6 +26,10 @@ Account conditions stop admission run-wide (requests in flight finish): a refuse
 the run, which ends with `key_refused` set; the others hold the run and re-read the account
 (GET /key, GET /credits) every `api.credits_interval_s`, resuming when it shows room again; `r` or
 SIGUSR1 resumes at once.
+
+Answers the disk refused are held in memory (ledger.py) and never dropped: a drain waits for the disk,
+retrying the write every HELD_RETRY_S (r / SIGUSR1 retry at once); stop now, or `spool_held()`, ends
+the wait and the ledger spools them to a fallback place (spool.py) that the next run imports.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from draftgen.core.live.snapshot import RunState
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
 
+HELD_RETRY_S = 3.0  # how often a run ending with answers held retries writing them
 
 class Engine:
     def __init__(self, config: Config, api_key: str, *, on_event: Callable[[str, str, str], None] | None = None,
@@ -102,6 +107,8 @@ class Engine:
                                    lambda: self.state == RunState.PAUSED))
         self._client: ChatClient | None = None
         self._seq = 0
+        self._spool_now = False                # end the wait for the disk: spool what is held
+        self._held_wake = asyncio.Event()      # retry writing the held records now
 
     @property
     def in_flight(self) -> int:
@@ -131,6 +138,7 @@ class Engine:
                         "(requests in flight finish and are recorded)")
 
     def resume(self) -> None:
+        self._held_wake.set()  # a drain waiting for the disk retries at once
         if self.state != RunState.PAUSED:
             return
         if self.ledger.holding and not self.ledger.flush_held():
@@ -161,8 +169,15 @@ class Engine:
         self.admission.wake_all()
         self._event("info", "draining", f"draining: waiting for {self.in_flight} requests in flight")
 
+    def spool_held(self) -> None:
+        """Stop waiting for the disk: the records held in memory go to the spool (spool.py) at the end."""
+        self._spool_now = True
+        self._held_wake.set()
+
     def stop(self) -> None:
-        """Stop now: requests in flight are abandoned (not recorded; the next run asks them again)."""
+        """Stop now: requests in flight are abandoned (not recorded; the next run asks them again); the
+        records held in memory are spooled, never dropped."""
+        self._held_wake.set()
         if self._gate.stopping:
             return
         self._gate.stopping = True
@@ -206,7 +221,10 @@ class Engine:
         self._started = self._clock()
         beside: list[asyncio.Task[None]] = []  # the limit growth and the account watch
         try:  # from here what was opened (the ledger and its lock, the settler, the client) is closed
+            # Answers an earlier run spooled are imported (as each dataset opens) before anything is sent.
+            await asyncio.to_thread(self.ledger.load_spools)
             self.admission.duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.ledger, self.spend)
+            self.ledger.finish_import()
             tune_gc()
             beside = [asyncio.create_task(self.admission.grow_limits()), asyncio.create_task(self.watch.watch())]
             if parallel:
@@ -214,6 +232,7 @@ class Engine:
             else:
                 for ds in self.datasets.values():
                     await self.admission.run(ds)
+            await self._wait_for_disk()
         finally:
             for task in beside:
                 task.cancel()
@@ -238,6 +257,25 @@ class Engine:
                     f"run {self.ended}; ${self.money.spent_run:.4f} spent this run, ${self.spend.spent_usd:.4f} all runs"
                     + (f" (${self.spend.pending_usd:.4f} of it pending, at worst case)" if self.spend.pending else ""))
         return self.state
+
+    async def _wait_for_disk(self) -> None:
+        """The run is over but answers are held in memory: retry writing them every HELD_RETRY_S until
+        the disk takes them, stop now or `spool_held()` (then settle_held spools them)."""
+        said = False
+        while self.ledger.holding and not (self._spool_now or self._gate.stopping):
+            if self.ledger.flush_held():
+                self._event("info", "held_written", "the disk took the held records: every answer is on disk")
+                return
+            if not said:
+                said = True
+                self._event("warn", "held_wait", f"{self.ledger.held_answers} paid answer(s) are held in memory, not "
+                            f"on disk: the run waits for the disk, retrying every {HELD_RETRY_S:g} s (free space; r "
+                            "or SIGUSR1 retries now); quit again (a second SIGINT) to spool them to a fallback file")
+            self._held_wake.clear()
+            try:
+                await asyncio.wait_for(self._held_wake.wait(), HELD_RETRY_S)
+            except asyncio.TimeoutError:
+                pass
 
     async def _request(self, ds: DatasetRun, prompt: Prompt, ticket: Ticket, body: dict[str, Any]) -> None:
         done = await self.attempts.ask(ds, body, ticket)  # the body the ticket reserved for
@@ -297,6 +335,9 @@ class Engine:
 
     def waiting(self) -> str:
         """Why the run is making no progress right now, in a sentence (empty while it is)."""
+        if self.ledger.holding and self._gate.draining and not self.in_flight:
+            return (f"{self.ledger.held_answers} paid answer(s) held in memory, not on disk: waiting for the disk "
+                    f"(retried every {HELD_RETRY_S:g} s; r or kill -USR1 retries now; a second SIGINT spools them)")
         if self.state == RunState.PAUSED:
             return self.alert or "paused by the user: r resumes (headless: kill -USR1 <pid>)"
         if self.state not in (RunState.RUNNING, RunState.DRAINING):

@@ -7,14 +7,16 @@ responses.jsonl (formats in core/records.py) or a failure in failures.jsonl; an 
 acknowledged once its line is written and flushed.
 
 A write the disk refuses (full, read-only) is held in memory, in order, and the run pauses; every
-later record queues behind it, so the files never get a gap. Resuming writes the held records first;
-at the end of the run what still cannot be written is not counted as done (the next run asks those
-prompts again).
+later record queues behind it, so the files never get a gap. Resuming writes the held records first.
+Held records are paid for and never dropped: at the end of the run the engine waits for the disk
+(engine.py), and what it still cannot write is spooled to a fallback place (spool.py), which the
+next run imports before it sends anything; only if no place takes them are they lost, and said so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from draftgen.core.generate.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.client import ChatAnswer, RequestFailed
 from draftgen.core.generate.doubts import Doubts
 from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
+from draftgen.core.generate.spool import Spool, SpoolRecord, find_spools, write_spool
 from draftgen.core.generate.stats import RateTracker, Tally
 from draftgen.core.live.snapshot import DatasetStatus
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
@@ -101,6 +104,17 @@ class _Held:
     answer: bool               # a responses.jsonl line (else failures.jsonl)
 
 
+@dataclass
+class HeldOutcome:
+    """What became of the records the disk refused, this run (the end summary says it)."""
+    written: int = 0           # answers written after being held (the disk took them later)
+    spooled: int = 0           # answers spooled (spool.py), at `spool_path`
+    spooled_failures: int = 0
+    spool_path: str = ""
+    lost: int = 0              # answers no place would take (only if the spool failed too)
+    imported: int = 0          # spooled answers of an earlier run imported at the start
+
+
 class Ledger:
     def __init__(self, rundir: RunDir, datasets: dict[str, DatasetRun], money: MoneyBudget, errors: Tally,
                  redact: Redactor, *, on_event: Callable[[str, str, str], None],
@@ -118,10 +132,17 @@ class Ledger:
         self._on_answer = on_answer
         self._held: list[_Held] = []
         self._disk_error: DiskError | None = None   # why the records are held
+        self.held_outcome = HeldOutcome()
+        self._spools: list[Spool] = []              # earlier runs' spools, imported as datasets open
 
     @property
     def holding(self) -> int:
         return len(self._held)
+
+    @property
+    def held_answers(self) -> int:
+        """Paid answers held in memory, not on disk."""
+        return sum(1 for item in self._held if item.answer)
 
     # -- resume ---------------------------------------------------------------------------------
 
@@ -134,6 +155,7 @@ class Ledger:
             if f.cut_bytes:
                 self._event("warn", "repaired", f"{f.path}: cut a half-written last line "
                             f"({f.cut_bytes} bytes) left by a crash")
+        self._import_spooled(ds)
         for _, raw in iter_jsonl(rd.responses(ds.config.name)):
             rec = ResponseRecord.from_dict(raw)  # odd values in a hand-edited line count as nothing
             if rec.id in ds.done_ids:
@@ -150,6 +172,62 @@ class Ledger:
             if rid not in ds.done_ids:
                 ds.done_ids.add(rid)
                 ds.failed += 1
+
+    # -- spools of earlier runs (spool.py) ----------------------------------------------------------
+
+    def load_spools(self) -> None:
+        """Read this run directory's spool files; each dataset imports its records as it opens."""
+        self._spools = find_spools(self.rundir.root)
+
+    def _import_spooled(self, ds: DatasetRun) -> None:
+        """Append the dataset's spooled records that are not on disk yet (by prompt id), then fsync."""
+        mine = [(spool, r) for spool in self._spools if not spool.problem for r in spool.records
+                if r.dataset == ds.config.name]
+        if not mine:
+            return
+        on_disk = {str(raw.get("id")) for path in (self.rundir.responses(ds.config.name),
+                                                   self.rundir.failures(ds.config.name))
+                   for _, raw in iter_jsonl(path)}
+        assert ds.responses is not None and ds.failures is not None
+        for spool, r in mine:
+            rid = str(r.record.get("id"))
+            if rid in on_disk:
+                continue
+            try:
+                (ds.responses if r.file == "responses" else ds.failures).append(r.record)
+            except DiskError as e:
+                raise DiskError(f"{e}; the records spooled in {spool.path} stay there and the next run imports "
+                                "them once there is room") from e
+            on_disk.add(rid)
+            if r.file == "responses":
+                self.held_outcome.imported += 1
+        for f in (ds.responses, ds.failures):
+            fd = os.open(f.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # on disk for good before the spool file goes
+            finally:
+                os.close(fd)
+
+    def finish_import(self) -> None:
+        """Every dataset is open: remove the spools imported whole; say which stay, and why."""
+        names = set(self._datasets)
+        for spool in self._spools:
+            others = sorted({r.dataset for r in spool.records} - names)
+            if spool.problem or others:
+                why = spool.problem or f"its dataset(s) {', '.join(others)} are not in this config"
+                self._event("error", "spool", f"{spool.path} was not imported: {why}; it stays (run again with "
+                            "those datasets, or move its records by hand)")
+                continue
+            try:
+                spool.path.unlink()
+            except OSError as e:
+                self._event("warn", "spool", f"{spool.path}: imported, but cannot remove it ({e.strerror}); "
+                            "a later run skips what is already on disk")
+                continue
+            n = sum(1 for r in spool.records if r.file == "responses")
+            self._event("info", "spool", f"imported {len(spool.records)} spooled record(s) ({n} answers) from "
+                        f"{spool.path} into {self.rundir.root}; the spool file is removed")
+        self._spools = []
 
     def close(self) -> None:
         for ds in self._datasets.values():
@@ -282,15 +360,33 @@ class Ledger:
                 self._hold(Hold.DISK, f"{e}. Still paused: {len(self._held)} record(s) held in memory.")
                 return False
             self._held.pop(0)
-            if self._on_answer is not None and item.answer:
-                self._on_answer(item.ds.config.name, item.line)
+            if item.answer:
+                self.held_outcome.written += 1
+                if self._on_answer is not None:
+                    self._on_answer(item.ds.config.name, item.line)
         return True
 
     def settle_held(self) -> None:
-        """At the end of a run: write what is still held (space may be back); what cannot be written is
-        not counted as done (those prompts stay eligible for the next run) and the log says so."""
+        """At the end of a run: write what is still held (space may be back); else spool it (spool.py),
+        still counted as done (the next run imports it); only what no place takes is not counted as done
+        (those prompts stay eligible for the next run), and the log says so."""
         if not self._held or self.flush_held():
             return
+        answers = self.held_answers
+        path, refused = write_spool(self.rundir.root, [
+            SpoolRecord(item.ds.config.name, "responses" if item.answer else "failures", item.line)
+            for item in self._held])
+        if path is not None:
+            out = self.held_outcome
+            out.spooled += answers
+            out.spooled_failures += len(self._held) - answers
+            out.spool_path = str(path)
+            self._held.clear()
+            self._event("warn", "spooled", f"{answers} answer(s) held in memory (the disk refused them: "
+                        f"{self._disk_error}) are spooled to {path}; the next `draftgen run` of {self.rundir.root} "
+                        "imports them before it sends anything")
+            return
+        self.held_outcome.lost += answers
         lost: dict[str, int] = {}
         for item in self._held:
             if item.answer:
@@ -302,4 +398,5 @@ class Ledger:
         self._held.clear()
         where = ", ".join(f"{n} for {path}" for path, n in lost.items())
         self._event("error", "unsaved", f"{sum(lost.values())} record(s) could not be written and are not saved "
-                    f"({where}): {self._disk_error}; the next run asks those prompts again")
+                    f"({where}): {self._disk_error}; no spool place took them either ({'; '.join(refused)}); "
+                    "the next run asks those prompts again")

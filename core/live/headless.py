@@ -3,7 +3,9 @@
 Made for `nohup ... &` and `tail -f`: each line stands alone and labels its averages. SIGINT drains
 (a second SIGINT stops now); SIGTERM and SIGHUP (a closed tmux pane, a dropped SSH session) drain.
 SIGUSR1 resumes a run held by the account (402, a spending limit) or a full disk; while the run
-waits, each status line says WAITING and the detail lines say why.
+waits, each status line says WAITING and the detail lines say why. Answers the disk refused are never
+dropped: a drain waits for the disk (retrying the write every few seconds) and a second SIGINT spools
+them to a fallback file (core/generate/spool.py) that the next run imports.
 """
 
 from __future__ import annotations
@@ -149,20 +151,27 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
     interrupts = 0
     say = _Output(out).say
 
+    def held() -> str:
+        n = pipeline.engine.ledger.held_answers
+        return (f"; {n} paid answer(s) are held in memory, not on disk: the run waits for the disk (the write is "
+                "retried every few seconds; SIGUSR1 retries now); a second SIGINT spools them to a fallback file"
+                if n else "")
+
     def on_sigint() -> None:
         nonlocal interrupts
         interrupts += 1
         # Act first, then say so: the saying may fail.
         if interrupts == 1:
             pipeline.quit(drain=True)
-            say("SIGINT: draining (requests in flight finish); press Ctrl-C again to stop now")
+            say("SIGINT: draining (requests in flight finish); press Ctrl-C again to stop now" + held())
         else:
-            pipeline.quit(drain=False)
-            say("SIGINT again: stopping now")
+            n = pipeline.engine.ledger.held_answers
+            pipeline.quit(drain=False)  # stop now spools what is held: never dropped
+            say("SIGINT again: stopping now" + (f"; the {n} held answer(s) are spooled" if n else ""))
 
     def on_term(name: str) -> None:
         pipeline.quit(drain=True)
-        say(f"{name}: draining")
+        say(f"{name}: draining" + held())
 
     loop.add_signal_handler(signal.SIGINT, on_sigint)
     loop.add_signal_handler(signal.SIGTERM, on_term, "SIGTERM")

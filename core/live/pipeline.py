@@ -214,7 +214,24 @@ class Pipeline:
                                    recent_errors=self.engine.recent.records(),
                                    provider_stats=self.engine.provider_stats.stats(),
                                    started_at=self.timeline.started_at,
-                                   first_started_at=self.timeline.first_started_at)
+                                   first_started_at=self.timeline.first_started_at,
+                                   held_answers=self.engine.ledger.held_answers, held=self.held_line())
+
+    def held_line(self) -> str:
+        """What became of the answers the disk refused this run (and those an earlier run spooled)."""
+        out = self.engine.ledger.held_outcome
+        parts = []
+        if out.imported:
+            parts.append(f"{out.imported:,} spooled answer(s) of an earlier run imported")
+        if out.written:
+            parts.append(f"{out.written:,} held answer(s) written once the disk took them")
+        if out.spooled or out.spooled_failures:
+            parts.append(f"{out.spooled:,} held answer(s) spooled to {out.spool_path} (the next `draftgen run` "
+                         "imports them)")
+        if out.lost:
+            parts.append(f"{out.lost:,} held answer(s) LOST: neither the disk nor a spool place took them "
+                         "(the next run asks them again)")
+        return "; ".join(parts)
 
     def _totals(self) -> Totals:
         """This process's running totals for the history (core/live/timeline.py)."""
@@ -295,6 +312,10 @@ class Pipeline:
 
     def start_extract(self) -> None:
         self.oneshot.spawn("extract", self.oneshot.extract())
+
+    def spool_held(self) -> None:
+        """Do not wait for the disk: the answers held in memory are spooled (spool.py) as the run ends."""
+        self.engine.spool_held()
 
     def quit(self, drain: bool) -> None:
         self.quit_requested.set()

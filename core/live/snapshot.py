@@ -210,6 +210,8 @@ class RunSnapshot:
     recent_errors: tuple[ErrorRecord, ...] = ()   # newest last; bounded per kind, dataset and provider
     provider_stats: tuple[ProviderStat, ...] = ()
     ended: str = ""                               # why the run ended (final states only), with counts
+    held_answers: int = 0                         # paid answers held in memory, not on disk (the disk refused)
+    held: str = ""                                # what became of the held answers (written, spooled to, lost)
 
     def stage(self, name: str) -> StageProgress | None:
         return next((s for s in self.stages if s.name == name), None)

@@ -107,6 +107,13 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
                    else f"; finish with `draftgen tokens {config_hint}`"))
     if s.alert:
         out += textwrap.wrap(f"alert: {s.alert}", WIDTH, initial_indent="  ", subsequent_indent="    ")
+    # Answers the disk refused: written late, spooled (and where) or lost; never left unsaid.
+    if s.held:
+        out += textwrap.wrap(f"held answers: {s.held}", WIDTH, initial_indent="  ", subsequent_indent="    ",
+                             break_long_words=False, break_on_hyphens=False)
+    if s.held_answers:
+        out += textwrap.wrap(f"{s.held_answers:,} paid answer(s) still held in memory, not on disk", WIDTH,
+                             initial_indent="  ", subsequent_indent="    ")
     rest = prompts_left(s.datasets)
     if exit_code == EXIT_INCOMPLETE and rest:
         out += textwrap.wrap(f"{rest:,} prompts not asked yet: `draftgen run {config_hint}` again resumes them",
