@@ -96,6 +96,7 @@ async def test_quit_with_held_answers_spools_them_and_the_next_run_imports_them(
         assert f"spooled to {spools[0]}" in summary, summary
         answered = len(saved) + held
         assert pipeline.engine.datasets["a"].done == answered
+        assert pipeline.exit_code == 3, "spooled answers wait for the next run: incomplete"
 
         # As if an import wrote one record and crashed before removing the spool: it is not written twice.
         disk.full = False
@@ -229,6 +230,7 @@ async def test_headless_second_sigint_spools_the_held_answers(tmp_path):
         assert len(spools) == 1, text_out[-3000:]
         joined = " ".join(x.strip() for x in text_out.splitlines())
         assert f"spooled to {spools[0]}" in joined and "not saved" not in joined, text_out[-3000:]
+        assert proc.returncode == 3, text_out[-2000:]
         spooled = len(spools[0].read_bytes().splitlines()) - 1
         saved = len(parsed_ids(run.responses("a")) + parsed_ids(run.failures("a")))
         requests = sim.stats.requests_total

@@ -59,6 +59,7 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
 
     for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
+    loop.add_signal_handler(signal.SIGUSR1, pipeline.resume)  # as in headless: also after the pane closed
     try:
         await app.run_async()
     finally:
@@ -74,7 +75,7 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 work.cancel()
         await pipeline.close()
-        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
         # The screen is gone: say in the shell how the run ended (also after a failed smoke or an error).
         code = EXIT_ERROR if pipeline.error is not None else pipeline.exit_code

@@ -171,8 +171,10 @@ class Pipeline:
                 for ds in self.config.datasets:
                     await self._reconstructor.catch_up(ds.name)
             state = await self._run_engine()
-            if state in INCOMPLETE and self.exit_code == EXIT_COMPLETE:
-                self.exit_code = EXIT_INCOMPLETE  # prompts are left: the shell can tell it from a complete run
+            held = self.engine.ledger.held_outcome
+            if (state in INCOMPLETE or held.spooled or held.spooled_failures) and self.exit_code == EXIT_COMPLETE:
+                # Prompts are left, or records wait in a spool for the next run: the shell can tell it apart.
+                self.exit_code = EXIT_INCOMPLETE
             if self.engine.key_refused is not None:
                 self.exit_code = EXIT_KEY_REFUSED
             if self._reconstructor is not None:

@@ -47,8 +47,7 @@ class QuitScreen(ModalScreen[str | None]):
                 ("d  drain", "bold"), "     stop admitting, let the requests in flight finish, then exit\n",
                 ("s  stop now", "bold"), "  exit now; the requests in flight are asked again by the next run\n",
                 ("esc  cancel", "bold"), "  keep running\n\n",
-                ("Either way every answer already on disk is kept, an answer the disk refuses is written or "
-                 "spooled (never dropped), and `draftgen run` resumes.", "dim"))
+                ("Either way every answer already on disk is kept and `draftgen run` resumes.", "dim"))
         return Text.assemble(
             ("Quit this run? ", "bold"),
             (f"{fmt.count(self.held_answers)} paid answers are held in memory, not on disk", "bold red"),
