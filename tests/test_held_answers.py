@@ -270,9 +270,11 @@ async def test_the_quit_dialog_says_how_many_answers_are_held_and_offers_wait_or
 
 
 @pytest.mark.slow
-async def test_closing_the_pane_drains_the_tui_run(tmp_path):
+@pytest.mark.parametrize("how", ["SIGHUP", "SIGTERM"])
+async def test_closing_the_pane_drains_the_tui_run(tmp_path, how):
     """The TUI run in a pty; the pty's master closes (a tmux pane closed): the kernel hangs the
-    terminal up and sends SIGHUP. The run drains, events.log gets the end event, exit code 3."""
+    terminal up and sends SIGHUP. Or SIGTERM, the screen still there. The run drains, events.log gets
+    the end event, exit code 3."""
     async with SimServer(SimConfig(seed=3, fixed_latency_s=0.4, mean_completion_tokens=40), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 400, "concurrency": 4}],
                           tables={"engine": {"reconstruct": False}})
@@ -292,17 +294,28 @@ async def test_closing_the_pane_drains_the_tui_run(tmp_path):
             stop = threading.Event()
             reader = asyncio.ensure_future(asyncio.to_thread(_drain_pty, master, stop))
             await until(lambda: len(parsed_ids(run.responses("a"))) >= 4, "answers land", timeout=60)
-            stop.set()
-            await reader  # no thread still reads the master, so closing it hangs the terminal up
-            os.close(master)  # the pane is gone
-            code = await asyncio.wait_for(asyncio.to_thread(proc.wait), 60)
+            if how == "SIGTERM":
+                proc.send_signal(signal.SIGTERM)  # the reader goes on: the screen is still drawn
+            else:
+                stop.set()
+                await reader  # no thread still reads the master, so closing it hangs the terminal up
+                await asyncio.sleep(1.0)  # unread, the pty fills: Textual's writer blocks, as in a frozen pane
+                os.close(master)  # the pane is gone: the blocked write fails (EIO)
+            try:
+                code = await asyncio.wait_for(asyncio.to_thread(proc.wait), 60)
+            except asyncio.TimeoutError:
+                raise AssertionError("the run did not end: " + run.events_log.read_text()[-3000:]) from None
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            if how == "SIGTERM":
+                stop.set()
+                await reader
+                os.close(master)
         log = run.events_log.read_text()
         assert code == 3, (code, log[-2000:])
-        assert "SIGHUP: draining" in log, log[-2000:]
+        assert f"{how}: draining" in log, log[-2000:]
         assert "run DRAINED:" in log, log[-2000:]
         assert "Traceback" not in log
         # The requests in flight finished and were recorded: nothing torn, every id once.

@@ -8,12 +8,15 @@ Rendering is pulled on a one-shot timer re-armed after each pass (never two pass
 
 from __future__ import annotations
 
+from typing import Any
+
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.control import Controls
 from draftgen.core.live.hub import Subscription
 from draftgen.core.live.snapshot import Event, RunSnapshot
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.driver import Driver
 from textual.containers import Horizontal, Vertical
 from textual.timer import Timer
 from rich.text import Text
@@ -46,6 +49,30 @@ FINAL_STATES = (snap.RunState.DONE, snap.RunState.STOPPED, snap.RunState.DRAINED
                 snap.RunState.LIMITED)
 VIEW_SCREENS = (LogScreen, HistoryScreen, DrillScreen)
 MIN_SIZE = (80, 24)  # below it a one-line notice replaces the panels
+
+
+class _HangupSafeFile:
+    """Textual's output file, made safe for a terminal that hung up (a closed tmux pane): a failed write
+    (EIO) is dropped instead of raised. Textual's writer thread dies on the first error, and the app's
+    next writes then block the event loop, and with it the drain, on the writer's full queue."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._file.write(text))
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._file.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
 
 
 class DraftgenApp(App[None]):
@@ -87,6 +114,17 @@ class DraftgenApp(App[None]):
         self._timer: Timer | None = None
         self._shape: object = None
         self.events = EventStore()
+
+    def get_driver_class(self) -> type[Driver]:
+        base = super().get_driver_class()
+
+        class HangupSafeDriver(base):  # type: ignore[valid-type, misc]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                if getattr(self, "_file", None) is not None:
+                    self._file = _HangupSafeFile(self._file)
+
+        return HangupSafeDriver
 
     def compose(self) -> ComposeResult:
         yield RunHeader(self.title, id="header")

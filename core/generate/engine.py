@@ -241,11 +241,14 @@ class Engine:
             # Abandoned attempts priced now if their records come quickly; the rest stay pending for
             # the next run (or `draftgen ledger`), counted at their worst case until then.
             try:
-                await self.settler.drain(0.0 if self._gate.stopping else min(10.0, self.config.api.generation_lookup_s))
-                if own_client:
-                    await self._client.close()
-                self.ledger.settle_held()
-                self.ledger.close()
+                try:
+                    await self.settler.drain(0.0 if self._gate.stopping else
+                                             min(10.0, self.config.api.generation_lookup_s))
+                    if own_client:
+                        await self._client.close()
+                finally:  # held records written, spooled or said lost, even when the run is cancelled
+                    self.ledger.settle_held()
+                    self.ledger.close()
             finally:
                 self.spend.close()  # and its lock: another run or smoke test may open it
         # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
