@@ -226,7 +226,10 @@ async def test_space_back_before_quitting_writes_what_was_held(tmp_path, monkeyp
         monkeypatch.setattr(os, "write", disk)
         engine = Engine(cfg, TEST_KEY, seed=1)
         task = asyncio.create_task(engine.run())
-        await until(lambda: engine.datasets["a"].done >= 10, "10 answers")
+        # The disk fills while all 8 are in the air (their lines are already on the spend ledger), so
+        # their answers are the ones held; filled between two requests, the next `sent` line would be
+        # refused first and nothing would be held.
+        await until(lambda: engine.datasets["a"].done >= 10 and engine.in_flight == 8, "10 answers, 8 in flight")
         disk.full = True
         await until(lambda: engine.state == snap.RunState.PAUSED and engine.in_flight == 0, "paused and idle")
         answered = engine.datasets["a"].done
