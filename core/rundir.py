@@ -14,12 +14,14 @@
       hidden_states/              SpecForge offline format (core/extract/)
 
 Files are created 0600 and folders 0700 (owner-only, core/files.py FILE_MODE and DIR_MODE).
-A JSONL line is written whole with one write() and flushed before the answer counts as
-acknowledged. On reopening, a torn last line (a crash mid-write) is cut off and reported.
+A JSONL line is written whole with one write() and fsynced (group commit, `JsonlAppender.synced`)
+before the answer counts as acknowledged. On reopening, a torn last line (a crash mid-write) is cut
+off and reported.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
@@ -116,7 +118,10 @@ def repair_torn_tail(path: Path) -> int:
 
 
 class JsonlAppender:
-    """Appends whole JSON lines, flushed (and optionally fsynced) before `append` returns."""
+    """Appends whole JSON lines with one write each (a `kill -9` loses nothing written), and makes them
+    durable against an OS crash on demand: `sync()` (fsync now) or `await synced()` (group commit: the
+    lines of every caller that asked while the previous fsync ran share the next one, run in a thread so
+    the event loop keeps serving). `fsync=True` fsyncs each append before it returns."""
 
     def __init__(self, path: Path, *, fsync: bool = False) -> None:
         self.path = Path(path)
@@ -124,6 +129,10 @@ class JsonlAppender:
         self.cut_bytes = repair_torn_tail(self.path)
         self._fsync = fsync
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+        self._written = 0    # appends written so far
+        self._synced = 0     # of those, the ones an fsync has covered
+        self._running = False
+        self._batch: list[asyncio.Future[None]] = []  # callers waiting for the next fsync
 
     def append(self, obj: Any) -> None:
         line = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
@@ -136,8 +145,10 @@ class JsonlAppender:
                 if n <= 0:
                     raise OSError(errno.ENOSPC, "no bytes written")
                 written += n
+            self._written += 1
             if self._fsync:
                 os.fsync(self._fd)
+                self._synced = self._written
         except OSError as e:
             if 0 < written < len(line):
                 # Take the partial line back out: a record is on disk whole or not at all.
@@ -145,10 +156,81 @@ class JsonlAppender:
                     os.ftruncate(self._fd, os.lseek(self._fd, 0, os.SEEK_END) - written)
             raise disk_error(self.path, e) from e
 
+    @property
+    def unsynced(self) -> bool:
+        return self._synced < self._written
+
+    def sync(self) -> None:
+        """Every line written so far durable before it returns (raises DiskError)."""
+        target = self._written
+        try:
+            os.fsync(self._fd)
+        except OSError as e:
+            raise disk_error(self.path, e) from e
+        self._synced = max(self._synced, target)
+
+    def synced(self) -> asyncio.Future[None]:
+        """Resolves once an fsync begun after every line written so far has completed (DiskError when it
+        failed). Each caller gets its own future, so cancelling one waiter cancels no other."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not self.unsynced:
+            fut.set_result(None)
+            return fut
+        self._batch.append(fut)
+        if not self._running:
+            self._running = True
+            # One tick's worth of callers share the first fsync.
+            asyncio.get_running_loop().call_soon(self._start)
+        return fut
+
+    def _start(self) -> None:
+        batch, self._batch = self._batch, []
+        target = self._written
+        loop = asyncio.get_running_loop()
+        if self._fd < 0:  # closed meanwhile: close() synced what was written
+            self._finish(batch, target, None)
+            return
+        try:
+            fd = os.dup(self._fd)  # the thread's own descriptor: close() may run before its fsync ends
+        except OSError as e:
+            self._finish(batch, target, e)
+            return
+        job = loop.run_in_executor(None, _fsync_and_close, fd)
+        job.add_done_callback(lambda f: self._finish(
+            batch, target, asyncio.CancelledError() if f.cancelled() else f.exception()))
+
+    def _finish(self, batch: list[asyncio.Future[None]], target: int, error: BaseException | None) -> None:
+        if error is None:
+            self._synced = max(self._synced, target)
+        for fut in batch:
+            if fut.done():  # its waiter was cancelled
+                continue
+            if error is None:
+                fut.set_result(None)
+            elif isinstance(error, asyncio.CancelledError):  # the loop is shutting its executor down
+                fut.cancel()
+            else:
+                fut.set_exception(disk_error(self.path, error) if isinstance(error, OSError) else error)
+        if self._batch:  # callers that came while this fsync ran: the next one covers them
+            self._start()
+        else:
+            self._running = False
+
     def close(self) -> None:
         if self._fd >= 0:
+            if self.unsynced:  # a clean end leaves every line durable (gen, end, settle included)
+                with contextlib.suppress(OSError):
+                    os.fsync(self._fd)
+                    self._synced = self._written
             os.close(self._fd)
             self._fd = -1
+
+
+def _fsync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:

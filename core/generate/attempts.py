@@ -118,7 +118,7 @@ class Attempts:
                     return Attempted(Outcome.GIVEN_UP if self._gate.closed else Outcome.OVER_BUDGET, tries)
                 ticket = renewed
             try:
-                spend.send(ticket)
+                await spend.send_grouped(ticket)  # durable (one fsync per batch) before the request leaves
             except DiskError as e:
                 spend.release(ticket)
                 return Attempted(Outcome.UNSENT, tries, disk_error=e)

@@ -223,7 +223,8 @@ class Engine:
         try:  # from here what was opened (the ledger and its lock, the settler, the client) is closed
             # Answers an earlier run spooled are imported (as each dataset opens) before anything is sent.
             await asyncio.to_thread(self.ledger.load_spools)
-            self.admission.duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.ledger, self.spend)
+            self.admission.duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.ledger, self.spend,
+                                                             money.prices, self._event)
             self.ledger.finish_import()
             tune_gc()
             beside = [asyncio.create_task(self.admission.grow_limits()), asyncio.create_task(self.watch.watch())]
@@ -289,9 +290,11 @@ class Engine:
             self.ledger.record_answer(ds, prompt, done.answer, done.attempts, done.seq)
             if self.admission.duplicates is not None:
                 self.admission.duplicates.answered(ds.config.name, prompt.id)
+            await self.ledger.synced(ds)  # durable (group fsync) before the request finishes
         elif done.outcome is Outcome.FAILED:
             assert done.error is not None
             self.ledger.fail_or_doubt(ds, prompt, done.error, done.attempts, done.seq)
+            await self.ledger.synced(ds)
         elif done.outcome is Outcome.ACCOUNT:
             assert done.error is not None
             ds.requeue.append(prompt)

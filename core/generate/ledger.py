@@ -3,8 +3,8 @@
 On start (and on resume after a crash) a dataset's responses.jsonl and failures.jsonl are opened
 (a torn last line cut) and counted: every id on disk is done, and the spend and tokens of the
 answers already there count against the budgets. Then each request ends in one line: an answer in
-responses.jsonl (formats in core/records.py) or a failure in failures.jsonl; an answer counts as
-acknowledged once its line is written and flushed.
+responses.jsonl (formats in core/records.py) or a failure in failures.jsonl; its request finishes
+once the line is written and fsynced (`synced`: group commit, one fsync for the moment's records).
 
 A write the disk refuses (full, read-only) is held in memory, in order, and the run pauses; every
 later record queues behind it, so the files never get a gap. Resuming writes the held records first.
@@ -348,6 +348,18 @@ class Ledger:
                        "free space and press r to resume (headless: kill -USR1 <pid>).")
             return False
         return True
+
+    async def synced(self, ds: DatasetRun) -> None:
+        """The dataset's records written so far durable against an OS crash (one fsync shared by every
+        request of the moment, in a thread) before its request counts as finished. An fsync that fails
+        pauses the run, as a write the disk refuses does."""
+        for f in (ds.responses, ds.failures):
+            if f is not None and f.unsynced:
+                try:
+                    await f.synced()
+                except DiskError as e:
+                    self._hold(Hold.DISK, f"{e}. The run is paused: answers are only counted once they are "
+                               "on disk for good; press r to resume (headless: kill -USR1 <pid>).")
 
     def flush_held(self) -> bool:
         """Write the held records in order; False (and still paused) when the disk refuses again."""

@@ -15,8 +15,9 @@ import asyncio
 import contextlib
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
@@ -33,7 +34,63 @@ from draftgen.core.generate.prices import Prices, fetch_prices, require_prices
 from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.smoke import load_smoke_answer, load_smoke_answered
 from draftgen.core.generate.spend import SpendLedger
-from draftgen.core.rundir import RunDir
+from draftgen.core.records import cost_of, count_of
+from draftgen.core.rundir import RunDir, iter_jsonl
+
+
+def _no_event(level: str, kind: str, message: str) -> None:
+    pass
+
+
+def _estimate(usage: Any, p: Prices | None) -> float:
+    """An answer without usage.cost: its tokens at the worst prices ($0 with none known: no ceiling)."""
+    if p is None or not isinstance(usage, dict):
+        return 0.0
+    return count_of(usage.get("prompt_tokens")) * p.prompt + count_of(usage.get("completion_tokens")) * p.completion \
+        + p.request
+
+
+def count_unledgered(rundir: RunDir, datasets: Mapping[str, DatasetRun], spend: SpendLedger,
+                     prices: Mapping[str, Prices | None], event: Callable[[str, str, str], None]) -> None:
+    """Compare each dataset's answers with the spend ledger's `sent` lines. Answers it has no line for
+    (and that no carry/found line covers) add their recorded cost to the settled spend, on a `found` line
+    (counted once); ledger answers missing from responses.jsonl stay counted, and are asked again."""
+    for name, ds in datasets.items():
+        sent = spend.sent_prompts(name)
+        lost = sum(1 for pid, answered in sent.items() if answered and pid not in ds.done_ids)
+        if lost:
+            event("warn", "answers_lost", f"{name}: {lost} prompt(s) answered on the spend ledger have no "
+                  f"answer in {rundir.responses(name)} (lost in a crash?): their cost stays counted and they "
+                  "are asked again")
+        covered = spend.covered.get(name, 0)
+        by_cost = spend.carried_by_cost.get(name, 0.0)
+        unmatched = sum(1 for i in ds.done_ids if i not in sent)  # answers and failures: an upper bound
+        if unmatched <= covered and not by_cost:
+            continue
+        seen: set[str] = set()
+        new_n, new_usd = 0, 0.0
+        for _, raw in iter_jsonl(rundir.responses(name)):
+            rid = str(raw.get("id"))
+            if rid in sent or rid in seen:
+                continue
+            seen.add(rid)
+            usage = raw.get("usage")
+            cost = usage.get("cost") if isinstance(usage, dict) else None
+            usd = cost_of(cost) if cost is not None else _estimate(usage, prices.get(name))
+            if covered > 0:  # carried or found by an earlier opening: counted already
+                covered -= 1
+                continue
+            if by_cost > 1e-9 and usd <= by_cost + 1e-9:  # an old carry line without its count
+                by_cost -= usd
+                continue
+            by_cost = 0.0
+            new_n += 1
+            new_usd += usd
+        if new_n:
+            spend.found(name, new_n, new_usd)
+            event("warn", "unledgered", f"{name}: {new_n} answer(s) in {rundir.responses(name)} have no line on "
+                  f"{spend.path} (its tail lost in a crash?): their ${new_usd:.4f} now counts as spent")
+    spend.forget_prompts()
 
 
 def write_run_json(rundir: RunDir, config: Config) -> None:
@@ -86,7 +143,8 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
 
 
 async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, DatasetRun], ledger: Ledger,
-                        spend: SpendLedger) -> CrossDatasetDuplicates | None:
+                        spend: SpendLedger, prices: Mapping[str, Prices | None] | None = None,
+                        event: Callable[[str, str, str], None] | None = None) -> CrossDatasetDuplicates | None:
     """Returns the duplicates check, or None when there is nothing to compare."""
     # Spend and answers already on disk count against the budgets from the start.
     for ds in datasets.values():
@@ -96,7 +154,9 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
     for name, ds in datasets.items():
         ds.doubts.smoke_answered = name in smoke_answered
     for ds in datasets.values():  # a directory from before the spend ledger: its answers' cost carries in
-        spend.carry(ds.config.name, ds.cost)
+        spend.carry(ds.config.name, ds.cost, ds.done)
+    # A ledger behind its answers (or the reverse), e.g. after an OS crash of a version without fsync.
+    await asyncio.to_thread(count_unledgered, rundir, datasets, spend, prices or {}, event or _no_event)
     # A file that cannot be read fails when its dataset starts, as before.
     for ds in datasets.values():
         with contextlib.suppress(DraftgenError):

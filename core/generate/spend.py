@@ -28,8 +28,21 @@ loses nothing written; `JsonlAppender` cuts a torn last line on the next open):
         --unknown-from-key`, see reconcile.py `settle_unknown_from_key`)
     {"e":"key","u":USD,"t":UNIX_TIME}
         the key's usage (GET /key) before the directory's first attempt: the baseline for that
-    {"e":"carry","ds":DATASET,"c":USD}
-        spend already in responses.jsonl when the directory got its ledger (older runs)
+    {"e":"carry","ds":DATASET,"c":USD,"n":ANSWERS}
+        spend already in responses.jsonl when the directory got its ledger (older runs): the cost of
+        its first n answers (n absent in lines from before it was written: then the answers carried
+        are the first ones without a `sent` line whose costs add up to c)
+    {"e":"found","ds":DATASET,"c":USD,"n":ANSWERS}
+        answers in responses.jsonl with no `sent` line (the ledger lost their lines, e.g. a crash of
+        a version that did not fsync, or a ledger restored from an older copy), found when a run
+        opened the directory: c is their recorded usage.cost (an answer without one: its tokens x
+        the worst prices), counted once; n is how many, taken in file order after those carried or
+        found before (opening.py `count_unledgered`)
+
+A `sent` line is fsynced before its request leaves (group commit: one fsync for every request of
+the moment, `send_grouped`), so an OS crash or a power cut loses no attempt that may be billed; the
+lines after it (gen, end, settle) go in the next fsync, and one lost only makes the next run count
+its attempt at worst case (or look it up).
 
 Money is then three sums over all runs: settled (known costs), pending (abandoned attempts not yet
 priced, and attempts a killed run left open, each at its worst case) and reserved (the worst case
@@ -144,6 +157,12 @@ class SpendLedger:
         self._refused = 0
         self._settled_abandoned = [0, 0.0]
         self._carried = 0.0
+        self.found_usd = 0.0
+        # For `count_unledgered` (opening.py), while a run opens the directory: per dataset, each prompt
+        # with a `sent` line (True: answered on the ledger), and the answers carry/found lines cover.
+        self._ids: dict[str, dict[str, bool]] | None = None
+        self.covered: dict[str, int] = {}
+        self.carried_by_cost: dict[str, float] = {}  # carry lines without "n"
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -158,6 +177,7 @@ class SpendLedger:
         """Lock the file (LedgerBusyError when another process has it), read what earlier runs left and
         open it for appending; returns the bytes cut from a torn last line."""
         self._file = LedgerFile(self.path)
+        self._ids = {}
         try:
             self._load()
         except BaseException:
@@ -179,6 +199,8 @@ class SpendLedger:
             if kind == "sent":
                 opened[aid] = {"ds": str(line["ds"]), "p": str(line["p"]), "w": float(line["w"]),
                                "t": float(line.get("t") or 0.0)}
+                if self._ids is not None:
+                    self._ids.setdefault(opened[aid]["ds"], {}).setdefault(opened[aid]["p"], False)
             elif kind == "gen":
                 if aid in opened:
                     opened[aid]["g"] = str(line["g"])
@@ -198,6 +220,8 @@ class SpendLedger:
                 else:
                     self._book(rec["ds"], float(cost or 0.0),
                                AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED, run=False)
+                if outcome == AttemptEnd.ANSWERED and self._ids is not None:
+                    self._ids.setdefault(rec["ds"], {})[rec["p"]] = True
             elif kind == "settle":
                 rec = opened.pop(aid, None)  # left open by a killed run, priced by a later one
                 p = self._drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
@@ -206,22 +230,51 @@ class SpendLedger:
             elif kind == "key":
                 if self.key_baseline is None:
                     self.key_baseline = float(line["u"])
-            elif kind == "carry":
-                cost = float(line["c"])
-                self._carried += cost
+            elif kind in ("carry", "found"):
+                cost, ds = float(line["c"]), str(line["ds"])
+                if "n" in line:
+                    self.covered[ds] = self.covered.get(ds, 0) + int(line["n"])
+                else:
+                    self.carried_by_cost[ds] = self.carried_by_cost.get(ds, 0.0) + cost
+                if kind == "carry":
+                    self._carried += cost
+                else:
+                    self.found_usd += cost
                 self.settled_usd += cost
-                self.by_dataset[str(line["ds"])] = self.by_dataset.get(str(line["ds"]), 0.0) + cost
+                self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
         except (KeyError, TypeError, ValueError):
             return  # a hand-edited line of the wrong shape counts as nothing
 
-    def carry(self, ds: str, cost: float) -> None:
+    def carry(self, ds: str, cost: float, answers: int | None = None) -> None:
         """Spend found in responses.jsonl of a directory that had no ledger yet (only then: later the
-        ledger already counts those answers)."""
-        if cost > 0 and not self.existed:
-            self._write({"e": "carry", "ds": ds, "c": round(cost, 10)})
+        ledger already counts those answers); `answers`: how many answers it covers."""
+        if (cost > 0 or answers) and not self.existed:
+            line: dict[str, Any] = {"e": "carry", "ds": ds, "c": round(cost, 10)}
+            if answers is not None:
+                line["n"] = answers
+                self.covered[ds] = self.covered.get(ds, 0) + answers
+            self._write(line)
             self._carried += cost
             self.settled_usd += cost
             self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
+
+    def found(self, ds: str, answers: int, cost: float) -> None:
+        """Answers in responses.jsonl that the ledger has no `sent` line for: their cost on the ledger,
+        once (the next run counts them as covered)."""
+        if answers:
+            self._write({"e": "found", "ds": ds, "c": round(cost, 10), "n": answers})
+            self.covered[ds] = self.covered.get(ds, 0) + answers
+            self.found_usd += cost
+            self.settled_usd += cost
+            self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
+
+    def sent_prompts(self, ds: str) -> dict[str, bool]:
+        """The dataset's prompts with a `sent` line (True: one answered on the ledger), read by `open`."""
+        return (self._ids or {}).get(ds, {})
+
+    def forget_prompts(self) -> None:
+        """Frees what `sent_prompts` reads, once the opening compared it with the answers."""
+        self._ids = None
 
     def set_key_baseline(self, usage: float) -> None:
         """The key's usage before this directory's first attempt (only then: later it would count
@@ -263,12 +316,34 @@ class SpendLedger:
         return Ticket(f"{self._run}-{self._n:x}", ds, prompt_id, worst)
 
     def send(self, t: Ticket) -> None:
-        """On disk before the request leaves (raises DiskError when the disk refuses: do not send)."""
+        """Durable (fsynced) before it returns, so before the request leaves (raises DiskError when the
+        disk refuses: do not send). For a few requests (the smoke test); a run uses `send_grouped`."""
+        file = self._append_sent(t)
+        try:
+            file.sync()
+        except DiskError:
+            self.refused(t)  # written but maybe not durable: not sent, and the ledger says so
+            raise
+        t.sent = True
+
+    async def send_grouped(self, t: Ticket) -> None:
+        """`send` with group commit: the line is written now and the call returns once an fsync covering
+        it has completed, one fsync shared by every request of the moment (raises DiskError: do not send;
+        a cancel while it waits: not sent either)."""
+        file = self._append_sent(t)
+        try:
+            await file.synced()
+        except BaseException:
+            self.refused(t)
+            raise
+        t.sent = True
+
+    def _append_sent(self, t: Ticket) -> LedgerFile:
         if self._file is None:  # closed: the run that owned it ended (or it was never opened)
             raise DiskError(f"{self.path}: the spend ledger is closed; nothing more is sent on it")
         t.sent_at = round(time.time(), 3)
         self._file.append({"e": "sent", "a": t.id, "ds": t.ds, "p": t.prompt_id, "w": t.worst, "t": t.sent_at})
-        t.sent = True
+        return self._file
 
     def generation(self, t: Ticket, gen_id: str) -> None:
         if t.gen is None and t.open:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -38,6 +39,15 @@ class LedgerFile:
         """Written before it returns, after any held-back lines; raises DiskError (a `sent` line: do not send)."""
         self._flush()
         self._out.append(line)
+
+    def sync(self) -> None:
+        """Every line written so far durable against an OS crash before it returns (raises DiskError)."""
+        self._out.sync()
+
+    def synced(self) -> asyncio.Future[None]:
+        """Resolves once every line written so far is durable (group commit: one fsync for all the
+        callers of a tick, or of the time the previous fsync ran, in a thread); DiskError when not."""
+        return self._out.synced()
 
     def _flush(self) -> None:
         while self._unwritten:
