@@ -1,16 +1,21 @@
 """Engine throughput, memory and concurrency against the simulator, next to the references.
 
-    python benchmarks/bench_engine.py [--n 20000] [--concurrency 2000] [--openai] [--pin]
+    python benchmarks/bench_engine.py [--n 20000] [--concurrency 2000] [--openai] [--pin] [--fsync-ab]
 
 Each contender runs in its own process against the same simulator process (latency 0), so their
 peak RSS is their own:
 - bare:   a bare aiohttp loop (one session, connector sized to the concurrency, orjson) doing the
           same POSTs and parsing the bodies, nothing else;
-- engine: draftgen's Engine (prompt file streamed, retries armed, every answer written and flushed
-          to responses.jsonl, every attempt on the spend ledger (3 flushed lines: sent, generation id,
-          settled) with its worst case reserved from the simulator's endpoints listing, snapshots
-          taken 4 times a second), reconstruction off;
+- engine: draftgen's Engine (prompt file streamed, retries armed, every answer written to
+          responses.jsonl and fsynced before its request finishes, every attempt on the spend ledger
+          (3 lines: sent, generation id, settled; the sent line fsynced before the request leaves,
+          group commit: one fsync in a thread for all the requests of the moment) with its worst case
+          reserved from the simulator's endpoints listing, snapshots taken 4 times a second),
+          reconstruction off; the run's files are in a temporary directory, so the fsyncs hit the
+          disk of $TMPDIR (not tmpfs, or they cost nothing);
 - engine + max_usd: the same with a `max_usd` ceiling set (every admission checked against it);
+- engine, fsync a no-op (with --fsync-ab): the engine with os.fsync stubbed out in its process, run
+  right after the engine row, so the two rows show what the fsyncs themselves cost on this disk;
 - openai: openai-python's AsyncOpenAI (httpx) at the same concurrency (with --openai; slow).
 Then the simulator is restarted with a fixed latency (2 s, or 1 s per 1,000 in flight above 2,000,
 so that one simulator process can keep that many answers open) to measure the concurrency reached.
@@ -174,6 +179,8 @@ def child_main(args: argparse.Namespace) -> None:
     elif args.child == "openai":
         rate = asyncio.run(run_openai(url, args.n, args.concurrency))
     else:
+        if args.child == "engine_nofsync":
+            os.fsync = lambda fd: None  # the group commit as it is, minus the disk's part
         rate, peak = asyncio.run(run_engine(url, args.n, args.concurrency,
                                             1e6 if args.child == "engine_max_usd" else None))
         extra["peak_in_flight"] = peak
@@ -187,6 +194,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=2000)
     p.add_argument("--openai", action="store_true", help="also measure AsyncOpenAI (needs `pip install openai`)")
     p.add_argument("--pin", action="store_true", help="clients on CPU 0, the simulator on CPU 1")
+    p.add_argument("--fsync-ab", action="store_true", help="also the engine with os.fsync a no-op")
     p.add_argument("--child")
     p.add_argument("--port", type=int)
     args = p.parse_args()
@@ -203,12 +211,15 @@ def main() -> None:
         child("bare", port, 2000, args.concurrency)  # warm the simulator's pool and caches
         bare = child("bare", port, args.n, args.concurrency, args.pin)
         engine = child("engine", port, args.n, args.concurrency, args.pin)
+        nofsync = child("engine_nofsync", port, args.n, args.concurrency, args.pin) if args.fsync_ab else None
         bare_gc = child("bare_gc", port, args.n, args.concurrency, args.pin)
         capped = child("engine_max_usd", port, args.n, args.concurrency, args.pin)
         rows.append(("bare aiohttp loop", bare["rate"], 1.0, bare["rss_mb"]))
         rows.append(("draftgen engine", engine["rate"], engine["rate"] / bare["rate"], engine["rss_mb"]))
         rows.append(("bare loop + engine's GC", bare_gc["rate"], bare_gc["rate"] / bare["rate"], bare_gc["rss_mb"]))
         rows.append(("engine + max_usd ceiling", capped["rate"], capped["rate"] / bare["rate"], capped["rss_mb"]))
+        if nofsync is not None:
+            rows.append(("engine, fsync a no-op", nofsync["rate"], nofsync["rate"] / bare["rate"], nofsync["rss_mb"]))
         if args.openai:
             oa = child("openai", port, min(args.n, 2000), args.concurrency)
             rows.append(("AsyncOpenAI (httpx)", oa["rate"], oa["rate"] / bare["rate"], oa["rss_mb"]))
@@ -236,11 +247,13 @@ def main() -> None:
         print(f"| {name:24} | {rate:8.0f} | {ratio:7.2f}x | {rss:11.0f} |")
     engine_rate = rows[1][1]
     if args.openai:
-        print(f"\nengine / AsyncOpenAI: {engine_rate / rows[4][1]:.1f}x (target >= 20x)")
+        print(f"\nengine / AsyncOpenAI: {engine_rate / rows[-1][1]:.1f}x (target >= 20x)")
     print(f"engine / bare: {rows[1][2]:.2f}x (target >= 0.9x); engine / bare with the same GC settings: "
           f"{engine_rate / rows[2][1]:.2f}x; engine peak RSS {rows[1][3]:.0f} MB "
           "(target <= 300 MB, no tokenizer loaded)")
     print(f"engine + max_usd (spend ledger and reservations, ceiling checked) / bare: {rows[3][2]:.2f}x (target >= 0.9x)")
+    if nofsync is not None:
+        print(f"engine (fsyncs) / engine with fsync a no-op: {engine_rate / nofsync['rate']:.2f}x")
     print(f"concurrency reached at {hold_s:g} s latency: simulator peak {peak} / configured {args.concurrency} = "
           f"{peak / args.concurrency:.3f} (target >= 0.98); engine's own peak in flight {conc['peak_in_flight']}")
 

@@ -6,7 +6,9 @@
   prices (a run with a ceiling and no price refuses to start), the last smoke answer for the
   projection, and the settler, handed what earlier runs left pending to look up.
 - The datasets: answers, failures and spend already on disk, every prompt file counted (so the
-  projection covers datasets not started yet), and the cross-dataset duplicates.
+  projection covers datasets not started yet), and the cross-dataset duplicates. The answers are
+  held against the spend ledger: those it has no `sent` line for (it lost lines in a crash) count at
+  their recorded cost, once (`count_unledgered`).
 """
 
 from __future__ import annotations
@@ -50,25 +52,30 @@ def _estimate(usage: Any, p: Prices | None) -> float:
         + p.request
 
 
+@dataclass
+class Unledgered:
+    """One dataset's answers against the spend ledger (`count_unledgered`)."""
+    answers: int = 0    # in responses.jsonl with no `sent` line, not covered by a carry/found line
+    usd: float = 0.0    # their recorded cost (an estimate for those without one)
+    lost: int = 0       # answered on the ledger, with no answer in responses.jsonl
+
+
 def count_unledgered(rundir: RunDir, datasets: Mapping[str, DatasetRun], spend: SpendLedger,
-                     prices: Mapping[str, Prices | None], event: Callable[[str, str, str], None]) -> None:
-    """Compare each dataset's answers with the spend ledger's `sent` lines. Answers it has no line for
-    (and that no carry/found line covers) add their recorded cost to the settled spend, on a `found` line
-    (counted once); ledger answers missing from responses.jsonl stay counted, and are asked again."""
+                     prices: Mapping[str, Prices | None]) -> dict[str, Unledgered]:
+    """Compare each dataset's answers with the spend ledger's `sent` lines (read by `spend.open`): the
+    answers it has no line for and no carry/found line covers (booked by the caller on a `found` line,
+    so counted once), and the ledger's answers missing from responses.jsonl (they stay counted)."""
+    out: dict[str, Unledgered] = {}
     for name, ds in datasets.items():
         sent = spend.sent_prompts(name)
-        lost = sum(1 for pid, answered in sent.items() if answered and pid not in ds.done_ids)
-        if lost:
-            event("warn", "answers_lost", f"{name}: {lost} prompt(s) answered on the spend ledger have no "
-                  f"answer in {rundir.responses(name)} (lost in a crash?): their cost stays counted and they "
-                  "are asked again")
+        found = out[name] = Unledgered(lost=sum(1 for pid, answered in sent.items()
+                                                if answered and pid not in ds.done_ids))
         covered = spend.covered.get(name, 0)
         by_cost = spend.carried_by_cost.get(name, 0.0)
         unmatched = sum(1 for i in ds.done_ids if i not in sent)  # answers and failures: an upper bound
         if unmatched <= covered and not by_cost:
             continue
         seen: set[str] = set()
-        new_n, new_usd = 0, 0.0
         for _, raw in iter_jsonl(rundir.responses(name)):
             rid = str(raw.get("id"))
             if rid in sent or rid in seen:
@@ -84,13 +91,10 @@ def count_unledgered(rundir: RunDir, datasets: Mapping[str, DatasetRun], spend: 
                 by_cost -= usd
                 continue
             by_cost = 0.0
-            new_n += 1
-            new_usd += usd
-        if new_n:
-            spend.found(name, new_n, new_usd)
-            event("warn", "unledgered", f"{name}: {new_n} answer(s) in {rundir.responses(name)} have no line on "
-                  f"{spend.path} (its tail lost in a crash?): their ${new_usd:.4f} now counts as spent")
+            found.answers += 1
+            found.usd += usd
     spend.forget_prompts()
+    return out
 
 
 def write_run_json(rundir: RunDir, config: Config) -> None:
@@ -156,7 +160,15 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
     for ds in datasets.values():  # a directory from before the spend ledger: its answers' cost carries in
         spend.carry(ds.config.name, ds.cost, ds.done)
     # A ledger behind its answers (or the reverse), e.g. after an OS crash of a version without fsync.
-    await asyncio.to_thread(count_unledgered, rundir, datasets, spend, prices or {}, event or _no_event)
+    say = event or _no_event
+    for name, found in (await asyncio.to_thread(count_unledgered, rundir, datasets, spend, prices or {})).items():
+        if found.lost:
+            say("warn", "answers_lost", f"{name}: {found.lost} prompt(s) answered on the spend ledger have no answer "
+                f"in {rundir.responses(name)} (lost in a crash?): their cost stays counted and they are asked again")
+        if found.answers:
+            spend.found(name, found.answers, found.usd)  # on the loop: the settler writes the ledger too
+            say("warn", "unledgered", f"{name}: {found.answers} answer(s) in {rundir.responses(name)} have no "
+                f"line on {spend.path} (its tail lost in a crash?): their ${found.usd:.4f} now counts as spent")
     # A file that cannot be read fails when its dataset starts, as before.
     for ds in datasets.values():
         with contextlib.suppress(DraftgenError):
