@@ -358,8 +358,8 @@ class Ledger:
                 try:
                     await f.synced()
                 except DiskError as e:
-                    self._hold(Hold.DISK, f"{e}. The run is paused: answers are only counted once they are "
-                               "on disk for good; press r to resume (headless: kill -USR1 <pid>).")
+                    self._hold(Hold.DISK, f"{e}. The run is paused: the last records may not survive an OS "
+                               "crash; check the disk and press r to resume (headless: kill -USR1 <pid>).")
 
     def flush_held(self) -> bool:
         """Write the held records in order; False (and still paused) when the disk refuses again."""

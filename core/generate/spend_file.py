@@ -17,7 +17,8 @@ from draftgen.core.rundir import JsonlAppender
 class LedgerFile:
     """spend.jsonl while one process writes it: locked (one writer at a time: a second would keep the
     ceiling against only its own half of the spend, and could cut the other's line in flight), lines
-    appended whole, and a line the disk refused after its attempt left held back for the next write."""
+    appended whole, and a line the disk refused after its attempt left held back for the next write.
+    `sync`/`synced` make what was written durable against an OS crash (a `sent` line, before its request)."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
