@@ -62,8 +62,9 @@ def assert_no_traceback(proc: subprocess.CompletedProcess[str]) -> None:
     assert "Traceback" not in proc.stderr + proc.stdout, (proc.stdout + proc.stderr)[-3000:]
 
 
-def digests(root: Path, skip: tuple[str, ...] = ("run.json", "events.log")) -> dict[str, str]:
-    """What is already written in a run directory (run.json is rewritten at each start, events.log grows)."""
+def digests(root: Path, skip: tuple[str, ...] = ("run.json", "events.log", "run.lock")) -> dict[str, str]:
+    """What is already written in a run directory (run.json is rewritten at each start, events.log grows,
+    run.lock names the process that last held it)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file() and p.name not in skip}
 
