@@ -11,13 +11,27 @@ skips lm_head, and the embedding is a lookup), plus 2·T·d per layer for causal
 - a bare torch matmul of the model's shapes, measured in the same run: what this device really
   sustains, the practical ceiling for the forward pass.
 Rows: the hf backend's forward alone, and the whole `extract()` (forward + checks + bf16 files).
+
+    python benchmarks/bench_extract.py --writer [--dir DIR]   # the hidden-state writer alone
+
+`--writer` measures the file writer (core/extract/writer.py) against the disk: Kimi-size rows
+(H 7168, aux 3x7168, 4,096-token samples, bf16; ids and mask int64) and 8B-size rows (H 4096),
+written to DIR (default: a temporary folder under benchmarks/, the filesystem the run writes to)
+by the pooled writer, by the released serial path (isfinite, clone, torch.save into a BytesIO,
+write + fsync, one file after the other), and with compress; each against a plain sequential
+write + fsync of the same number of bytes in files of the same size, measured before and after.
+Rows arrive on the CPU with storage of their own, as a GPU backend's `.cpu()` gives them. Files
+are deleted after each row, so the disk holds one row at a time (at most ~4 GB).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import io
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -31,7 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftgen.core.config import config_from_dict  # noqa: E402
 from draftgen.core.extract import extract  # noqa: E402
 from draftgen.core.extract.hf_backend import HFBackend  # noqa: E402
+from draftgen.core.extract import layout  # noqa: E402
 from draftgen.core.extract.model_info import eagle3_layers  # noqa: E402
+from draftgen.core.extract import writer  # noqa: E402
+from draftgen.core.extract.writer import Item, PooledWriter  # noqa: E402
+from draftgen.core.files import write_atomic  # noqa: E402
 from draftgen.core.tokens.store import TokenWriter  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0
@@ -81,18 +99,154 @@ def matmul_tflops(hidden: int, dtype: torch.dtype, device: str, seconds: float =
     return 2 * 4096 * hidden * 3 * hidden * n / (time.perf_counter() - start) / 1e12
 
 
+def synthetic_batch(hidden: int, tokens: int, count: int) -> list[layout.SampleTensors]:
+    """`count` distinct samples of activation-like bf16 rows, each tensor owning its storage."""
+    g = torch.Generator().manual_seed(hidden)
+    out = []
+    for k in range(count):
+        ids = torch.randint(0, 160_000, (tokens,), generator=g)
+        mask = (torch.rand(tokens, generator=g) < 0.7).to(torch.int64)
+        out.append(layout.SampleTensors(ids, mask, torch.randn(tokens, hidden, generator=g).to(torch.bfloat16),
+                                        torch.randn(tokens, 3 * hidden, generator=g).to(torch.bfloat16)))
+    return out
+
+
+def raw_write(folder: Path, file_bytes: int, files: int) -> float:
+    """Seconds for a plain sequential write + fsync of `files` files of `file_bytes` each."""
+    data = memoryview(os.urandom(1 << 24) * (file_bytes // (1 << 24) + 1))[:file_bytes]
+    start = time.perf_counter()
+    for k in range(files):
+        path = folder / f"raw_{k}.bin"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        view = data
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        os.close(fd)
+    elapsed = time.perf_counter() - start
+    for k in range(files):
+        (folder / f"raw_{k}.bin").unlink()
+    return elapsed
+
+
+def serial_write(folder: Path, batch: list[layout.SampleTensors], files: int, compress: bool) -> tuple[float, int]:
+    """The released path, one file after the other in the caller: isfinite, clones, BytesIO, write + fsync."""
+    start, nbytes = time.perf_counter(), 0
+    for k in range(files):
+        s = batch[k % len(batch)]
+        assert bool(torch.isfinite(s.hidden).all()) and bool(torch.isfinite(s.aux).all())
+        buf = io.BytesIO()
+        torch.save({"input_ids": s.input_ids.to(torch.int64).reshape(-1).clone(),
+                    "loss_mask": s.loss_mask.to(torch.int64).reshape(-1).clone(),
+                    "hidden_state": s.hidden.to(torch.bfloat16).unsqueeze(0).clone(),
+                    "aux_hidden_state": s.aux.to(torch.bfloat16).unsqueeze(0).clone()}, buf)
+        data = buf.getvalue()
+        if compress:
+            data = gzip.compress(data, compresslevel=layout.GZ_LEVEL)
+        path = layout.sample_path(folder, k, compress=compress)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, data, fsync=True)
+        nbytes += len(data)
+    return time.perf_counter() - start, nbytes
+
+
+def pooled_write(folder: Path, batch: list[layout.SampleTensors], files: int, compress: bool) -> tuple[float, int]:
+    """The pooled writer fed batch after batch, as the runner does; until the last file is renamed."""
+    pool = PooledWriter(folder, compress=compress)
+    start, nbytes, k = time.perf_counter(), 0, 0
+    try:
+        while k < files:
+            items = [Item(k + j, f"s{k + j}", s) for j, s in enumerate(batch[: files - k])]
+            pool.submit(items)
+            k += len(items)
+            nbytes += sum(done.nbytes for done in pool.completed())
+        nbytes += sum(done.nbytes for done in pool.drain())
+    finally:
+        pool.close()
+    return time.perf_counter() - start, nbytes
+
+
+def writer_main(args: argparse.Namespace) -> None:
+    base = Path(args.dir) if args.dir else Path(__file__).resolve().parent
+    base.mkdir(parents=True, exist_ok=True)
+    tokens, per_batch = 4096, 4  # extract.batch_tokens 16,384 = four 4,096-token samples per forward
+    sizes = [("Kimi-K2.5", 7168), ("8B", 4096)]
+    need = args.samples * tokens * (4 * 7168 * 2 + 16)
+    free = shutil.disk_usage(base).free
+    print(f"writing under {base}: {free / 1e9:.1f} GB free, at most {need / 1e9:.1f} GB held at once")
+    if free < 2 * need:
+        sys.exit(f"{base}: not enough free space for the benchmark ({free / 1e9:.1f} GB free, want {2 * need / 1e9:.1f})")
+    rows = []
+    with tempfile.TemporaryDirectory(dir=base, prefix="bench-writer-") as tmp:
+        folder = Path(tmp)
+        for name, hidden in sizes:
+            start = time.perf_counter()
+            batch = synthetic_batch(hidden, tokens, per_batch)
+            print(f"  {name}: {per_batch} synthetic samples made in {time.perf_counter() - start:.1f} s", flush=True)
+            n_new, n_slow = args.samples, max(per_batch, args.samples // 4)  # the slow rows write fewer files
+            file_bytes = layout.write_sample(folder, 0, batch[0], compress=False)
+            layout.sample_path(folder, 0).unlink()
+            results = {}
+            # Raw and pooled alternate, half the files each time: on a shared machine the load drifts.
+            half = max(per_batch, n_new // 2)
+            raw_secs = [raw_write(folder, file_bytes, half)]
+            pooled_secs, pooled_bytes = 0.0, 0
+            for _ in range(2):
+                secs, nbytes = pooled_write(folder, batch, half, False)
+                shutil.rmtree(folder / "rows_0-2000")
+                pooled_secs, pooled_bytes = pooled_secs + secs, pooled_bytes + nbytes
+                raw_secs.append(raw_write(folder, file_bytes, half))
+            results["pooled writer"] = (2 * half, pooled_bytes, pooled_secs, tokens)
+            print(f"  {name}: raw {[round(half * file_bytes / t / 1e9, 3) for t in raw_secs]} GB/s, pooled "
+                  f"{pooled_bytes / pooled_secs / 1e9:.3f} GB/s", flush=True)
+            # gzip runs at ~10-20 MB/s a core on bf16 activations: its row writes 1,024-token samples.
+            short = [layout.SampleTensors(*(t[:1024].clone() for t in (s.input_ids, s.loss_mask, s.hidden, s.aux)))
+                     for s in batch]
+            for what, fn, rows_in, files, compress in (
+                    ("released serial path", serial_write, batch, n_slow, False),
+                    ("pooled writer, compress", pooled_write, short, per_batch, True)):
+                secs, nbytes = fn(folder, rows_in, files, compress)
+                results[what] = (files, nbytes, secs, int(rows_in[0].input_ids.shape[0]))
+                print(f"  {name}: {what}: {files} files, {nbytes / secs / 1e9:.3f} GB/s", flush=True)
+                shutil.rmtree(folder / "rows_0-2000")
+            raw_time = sum(raw_secs) * 2 * half / (len(raw_secs) * half)  # seconds for 2*half files
+            raw_rate = 2 * half * file_bytes / raw_time
+            rows.append((name, hidden, "plain sequential write + fsync", 2 * half, 2 * half * file_bytes,
+                         raw_time, raw_rate, tokens))
+            for what, (files, nbytes, secs, toks) in results.items():
+                rows.append((name, hidden, what, files, nbytes, secs, raw_rate, toks))
+            del batch, short
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs at the end; torch threads "
+          f"{torch.get_num_threads()}; pool: {writer.THREADS} threads, {writer.DEPTH} batches of {per_batch} held")
+    print(f"{'size':10} {'what':32} {'files':>5} {'GB':>6} {'s':>6} {'GB/s':>6} {'tok/s':>8} {'x raw':>6}")
+    for name, hidden, what, files, nbytes, secs, raw_rate, toks in rows:
+        rate = nbytes / secs
+        print(f"{name + ' H' + str(hidden):10} {what:32} {files:5d} {nbytes / 1e9:6.2f} {secs:6.2f} "
+              f"{rate / 1e9:6.3f} {files * toks / secs:8,.0f} {rate / raw_rate:6.2f}")
+    for name, hidden, what, files, nbytes, secs, raw_rate, _ in rows:
+        if what == "pooled writer":
+            print(f"{name} (H {hidden}) writer / raw write: {nbytes / secs / raw_rate:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--writer", action="store_true", help="measure the hidden-state writer against the disk")
+    ap.add_argument("--dir", default=None, help="--writer: the folder to write in (default: under benchmarks/)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--samples", type=int, default=24)
+    ap.add_argument("--samples", type=int, default=None, help="default 24; --writer: files per row, 16")
     ap.add_argument("--min-len", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=768)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak; estimated if omitted")
     args = ap.parse_args()
+    if args.writer:
+        args.samples = args.samples or 16
+        writer_main(args)
+        return
+    args.samples = args.samples or 24
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.peak_tflops is not None:

@@ -27,29 +27,32 @@ Checked against SpecForge's reader (specforge/data/preprocessing.py, `list_local
   `data_{global_index}.ckpt`, stores `hidden_state`/`aux_hidden_state` as `[1, T, ...]`
   (`.unsqueeze(0)`) and skips a sample with NaN rather than writing it.
 
-Files are written to a temporary name in the same folder and renamed, so a file that exists
-is whole; a restart skips it. Tensors are copied before saving because `torch.save` stores a
-view's whole storage: a slice of a padded batch would carry the padding (and the other samples)
-to disk.
+Files are written to a temporary name in the same folder, fsynced and renamed, so a file that
+exists is whole; a restart skips it. `torch.save` streams straight into the temporary file (through
+gzip with `compress`): no in-memory copy of the file. A tensor that is a view (a slice of a padded
+batch) is copied first because `torch.save` stores a view's whole storage: it would carry the
+padding (and the other samples) to disk; a tensor that owns exactly its storage goes as it is.
 """
 
 from __future__ import annotations
 
 import gzip
 import io
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftgen.core.files import write_atomic
+from draftgen.core.files import disk_error, temp_beside
 
 ROWS_PER_DIR = 2000
 SUFFIX, GZ_SUFFIX = ".ckpt", ".ckpt.gz"
 KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
 # Level 1: bf16 activations compress little, and level 6 would make gzip the bottleneck.
 GZ_LEVEL = 1
+SMALL_WRITE = 1 << 16  # torch.save's headers come in small pieces: gathered into one write
 
 
 def rows_dir(root: Path, index: int) -> Path:
@@ -79,31 +82,102 @@ class SampleTensors:
     aux: torch.Tensor
 
     def is_finite(self) -> bool:
-        return bool(torch.isfinite(self.hidden).all()) and bool(torch.isfinite(self.aux).all())
+        return bool(finite_flags([self])[0])
+
+
+def finite_flags(samples: list[SampleTensors]) -> torch.Tensor:
+    """One bool per sample (no NaN/Inf in hidden or aux), reduced where the tensors live and
+    fetched as one small CPU tensor: one sync for a batch on a GPU, no full-size temporaries."""
+    if not samples:
+        return torch.zeros(0, dtype=torch.bool)
+    # aminmax propagates NaN and shows ±Inf, so min and max are finite iff every element is.
+    extremes = [torch.stack(torch.aminmax(t.reshape(-1))).float() if t.numel() else
+                torch.zeros(2, device=t.device) for s in samples for t in (s.hidden, s.aux)]
+    return torch.isfinite(torch.stack(extremes).reshape(len(samples), 4)).all(dim=1).cpu()
+
+
+def _owned(tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """`tensor` as `dtype` and `shape`, copied only when it does not own exactly its storage."""
+    t = tensor.to(dtype).reshape(shape)
+    if (t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size()):
+        return t
+    return t.clone(memory_format=torch.contiguous_format) if t.device.type == "cpu" else t.cpu()
 
 
 def sample_dict(sample: SampleTensors) -> dict[str, torch.Tensor]:
-    """The dict SpecForge loads, with fresh storage of exactly the right size."""
+    """The dict SpecForge loads, each tensor with storage of exactly its size."""
+    length = int(sample.input_ids.reshape(-1).shape[0])
     return {
-        "input_ids": sample.input_ids.to(torch.int64).reshape(-1).clone(),
-        "loss_mask": sample.loss_mask.to(torch.int64).reshape(-1).clone(),
-        "hidden_state": sample.hidden.to(torch.bfloat16).unsqueeze(0).clone(),
-        "aux_hidden_state": sample.aux.to(torch.bfloat16).unsqueeze(0).clone(),
+        "input_ids": _owned(sample.input_ids, torch.int64, (length,)),
+        "loss_mask": _owned(sample.loss_mask, torch.int64, (length,)),
+        "hidden_state": _owned(sample.hidden, torch.bfloat16, (1, *sample.hidden.shape)),
+        "aux_hidden_state": _owned(sample.aux, torch.bfloat16, (1, *sample.aux.shape)),
     }
 
 
+class _FdSink:
+    """torch.save's stream onto a file descriptor: large writes go straight from the tensor's
+    memory (partial writes retried), small ones are gathered; `size` counts what was written."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = 0
+        self._small = bytearray()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if n < SMALL_WRITE:
+            self._small += view
+            if len(self._small) >= SMALL_WRITE:
+                self.flush()
+        else:
+            self.flush()
+            self._write_all(view)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        if self._small:
+            self._write_all(memoryview(self._small))
+            self._small = bytearray()
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            view = view[os.write(self.fd, view):]
+
+
 def write_sample(root: Path, index: int, sample: SampleTensors, *, compress: bool) -> int:
-    """Write one file atomically (temporary name, then rename); return its size in bytes."""
+    """Write one file atomically (temporary name, fsync, rename); return its size in bytes.
+
+    Raises DiskError naming the file when it cannot be written; no temporary file is left then."""
     path = sample_path(root, index, compress=compress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save(sample_dict(sample), buf)
-    data = buf.getvalue()
-    if compress:
-        data = gzip.compress(data, compresslevel=GZ_LEVEL)
-    # fsync: without it a power cut after the rename can leave an empty file that looks done.
-    write_atomic(path, data, fsync=True)
-    return len(data)
+    tmp = temp_beside(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            sink = _FdSink(fd)
+            if compress:
+                # No name or time in the header: the same sample gives the same bytes.
+                with gzip.GzipFile(filename="", mode="wb", compresslevel=GZ_LEVEL, fileobj=sink, mtime=0) as gz:
+                    torch.save(sample_dict(sample), gz)
+            else:
+                torch.save(sample_dict(sample), sink)
+            sink.flush()
+            # fsync: without it a power cut after the rename can leave an empty file that looks done.
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise disk_error(path, e) from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return sink.size
 
 
 def load_sample(path: Path) -> dict[str, Any]:

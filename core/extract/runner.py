@@ -27,6 +27,7 @@ from draftgen.core.tokens.store import INDEX_FILE, TokenEntry, TokenReader
 from draftgen.core.extract import layout
 from draftgen.core.extract.backend import ExtractBackend, make_backend
 from draftgen.core.extract.model_info import ModelDims, read_model_dims, resolve_aux_layers
+from draftgen.core.extract.writer import Item, PooledWriter, Written
 from draftgen.core.units import fmt_bytes, fmt_count
 
 # torch.save's zip container, pickled dict and 64-byte alignment per file, rounded up generously.
@@ -292,6 +293,7 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                          f"{stats.skipped_existing:,} already written; layers {list(layers)}, H={dims.hidden_size}")
     reporter = _Reporter(progress, stats, backend.description, plan.tokens_todo)
     started = reporter.started
+    pool = PooledWriter(root, compress=cfg.compress)
     try:
         reporter.emit(force=True)
         for batch, ids, masks in _batches_of_arrays(reader, plan.batches):
@@ -304,17 +306,27 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                 stats.stopped = True
                 break
             outputs = backend.run(ids)
-            for index, sample_ids, mask, (hidden, aux) in zip(batch, ids, masks, outputs, strict=True):
-                _store(root, index, entries[index].id, torch.from_numpy(sample_ids), torch.from_numpy(mask),
-                       hidden, aux, dims, stats, events, cfg.compress, backend.description)
+            items = [_checked(index, entries[index].id, torch.from_numpy(sample_ids), torch.from_numpy(mask),
+                              hidden, aux, dims, backend.description)
+                     for index, sample_ids, mask, (hidden, aux) in zip(batch, ids, masks, outputs, strict=True)]
+            del outputs  # the writer holds the batch now: its memory goes when its files are written
+            pool.submit(items)  # the next forward overlaps these files; blocks while the writer is behind
+            del items
+            for done in pool.completed():
+                _account(done, stats, events)
+            reporter.emit()
+        for done in pool.drain():
+            _account(done, stats, events)
             reporter.emit()
     except BaseException as e:
+        pool.close()  # files being written finish whole or are removed; the rest are redone on restart
         if reporter is not None:
             reporter.emit(StageState.FAILED, message=str(e) or type(e).__name__, force=True)
         events.write("error", f"extract: stopped by an error: {e}")
         events.close()
         raise
     finally:
+        pool.close()
         elapsed = time.monotonic() - started
         stats.elapsed_s = round(elapsed, 3)
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
@@ -349,22 +361,25 @@ def _nothing_to_do(config: Config, shard: tuple[int, int], samples: int,
                         skipped_existing=samples, nothing_to_do=True)
 
 
-def _store(root: Path, index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-           hidden: torch.Tensor, aux: torch.Tensor, dims: ModelDims, stats: ExtractStats, events: EventLog,
-           compress: bool, source: str) -> None:
-    """Check one sample's outputs and write them, or count it as NaN."""
+def _checked(index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor,
+             aux: torch.Tensor, dims: ModelDims, source: str) -> Item:
+    """One sample's outputs for the writer, once their shapes are right."""
     length = int(input_ids.shape[0])
     h = dims.hidden_size
     if tuple(hidden.shape) != (length, h) or tuple(aux.shape) != (length, 3 * h):
         raise DraftgenError(f"{source}: sample {index} gave hidden {tuple(hidden.shape)} and aux "
                             f"{tuple(aux.shape)}, expected ({length}, {h}) and ({length}, {3 * h})")
-    sample = layout.SampleTensors(input_ids, loss_mask, hidden, aux)
-    if not sample.is_finite():
+    return Item(index, sample_id, layout.SampleTensors(input_ids, loss_mask, hidden, aux))
+
+
+def _account(done: Written, stats: ExtractStats, events: EventLog) -> None:
+    """Count one sample the writer finished: written, or NaN/Inf (reported, not written)."""
+    if not done.finite:
         stats.nan_samples += 1
-        stats.nan.append({"index": index, "id": sample_id})
-        events.write("warn", f"extract: sample {index} (id {sample_id}) has NaN/Inf in its hidden states; "
+        stats.nan.append({"index": done.index, "id": done.sample_id})
+        events.write("warn", f"extract: sample {done.index} (id {done.sample_id}) has NaN/Inf in its hidden states; "
                              f"not written")
         return
-    stats.bytes_written += layout.write_sample(root, index, sample, compress=compress)
+    stats.bytes_written += done.nbytes
     stats.written += 1
-    stats.tokens_written += length
+    stats.tokens_written += done.tokens

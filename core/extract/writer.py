@@ -1,0 +1,159 @@
+"""The pooled writer: hidden-state files written by a few threads while the next forward runs.
+
+For each batch the main thread (rank 0 of a torchrun job) does only what needs the batch's tensors
+where they live: on a GPU it reduces one finite flag per sample there (one small tensor fetched)
+and starts the copy of the finite rows into pinned host memory without waiting; CPU tensors go as
+they are. The threads then check CPU rows for NaN/Inf, serialise each file straight into its
+temporary file (gzip-compressed with `compress`), fsync it and rename it (layout.write_sample).
+
+At most `depth` batches are held: `submit` blocks while the writer is that far behind, so the host
+memory it holds stays under depth x one batch. A failed write (a full disk) is raised in the main
+thread, as the DiskError naming the file, by the next `submit`, `completed` or `drain`; its
+temporary file is removed and no final file is left for it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftgen.core.extract import layout
+
+# Files in flight at once: each thread's CRC and copy run at ~1-2 GB/s, so a GPU node's ~3.5 GB/s
+# disk needs several; at least 4 so that one file's fsync overlaps the others' work.
+THREADS = max(4, min(8, os.cpu_count() or 4))
+DEPTH = 2    # batches held: the one being written while the next is staged
+
+
+@dataclass(frozen=True)
+class Item:
+    """One sample of a batch, as the runner hands it over."""
+    index: int
+    sample_id: str
+    sample: layout.SampleTensors
+
+
+@dataclass(frozen=True)
+class Written:
+    """What became of one sample: written (`nbytes` on disk) or not finite (nothing written)."""
+    index: int
+    sample_id: str
+    tokens: int
+    finite: bool
+    nbytes: int = 0
+
+
+class _Slot:
+    """One held batch: released back to the producer when the last of its files is done."""
+
+    def __init__(self, owner: PooledWriter, count: int) -> None:
+        self._owner = owner
+        self._left = count
+        self._lock = threading.Lock()
+
+    def done(self, _future: Future[Written]) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._owner._slots.release()
+
+
+def _stage(items: Sequence[Item]) -> tuple[list[bool | None], list[layout.SampleTensors | None], Any]:
+    """Flags, host tensors to save and the CUDA event they are ready at (None for CPU tensors)."""
+    if not items or items[0].sample.hidden.device.type != "cuda":
+        return [None] * len(items), [item.sample for item in items], None
+    flags = layout.finite_flags([item.sample for item in items]).tolist()
+    staged: list[layout.SampleTensors | None] = []
+    for item, finite in zip(items, flags, strict=True):
+        if not finite:
+            staged.append(None)  # never copied: nothing of it is written
+            continue
+        s = item.sample
+        # Pinned, so the copy runs without blocking; torch's caching host allocator reuses the blocks.
+        hidden = torch.empty(s.hidden.shape, dtype=torch.bfloat16, pin_memory=True)
+        aux = torch.empty(s.aux.shape, dtype=torch.bfloat16, pin_memory=True)
+        hidden.copy_(s.hidden.to(torch.bfloat16), non_blocking=True)
+        aux.copy_(s.aux.to(torch.bfloat16), non_blocking=True)
+        staged.append(layout.SampleTensors(s.input_ids.cpu(), s.loss_mask.cpu(), hidden, aux))
+    event = torch.cuda.Event()
+    event.record()
+    return flags, staged, event
+
+
+class PooledWriter:
+    """Writes `layout` files for batches of samples on `threads` threads, holding at most `depth` batches."""
+
+    def __init__(self, root: Path, *, compress: bool, threads: int = THREADS, depth: int = DEPTH) -> None:
+        self.root = Path(root)
+        self.compress = compress
+        self.depth = depth
+        self._slots = threading.Semaphore(depth)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="draftgen-writer")
+        self._pending: deque[Future[Written]] = deque()
+
+    def submit(self, items: Sequence[Item]) -> None:
+        """Queue one batch; blocks while `depth` batches are still being written."""
+        self.raise_failed()
+        if not items:
+            return
+        self._slots.acquire()
+        try:
+            flags, staged, event = _stage(items)
+        except BaseException:
+            self._slots.release()
+            raise
+        slot = _Slot(self, len(items))
+        for item, finite, sample in zip(items, flags, staged, strict=True):
+            future = self._pool.submit(self._write, item.index, item.sample_id, int(item.sample.input_ids.shape[0]),
+                                       finite, sample, event)
+            future.add_done_callback(slot.done)
+            self._pending.append(future)
+
+    def _write(self, index: int, sample_id: str, tokens: int, finite: bool | None,
+               sample: layout.SampleTensors | None, event: Any) -> Written:
+        if finite is None:
+            assert sample is not None
+            finite = sample.is_finite()
+        if not finite or sample is None:
+            return Written(index, sample_id, tokens, finite=False)
+        if event is not None:
+            event.synchronize()  # the pinned copy has landed
+        return Written(index, sample_id, tokens, finite=True,
+                       nbytes=layout.write_sample(self.root, index, sample, compress=self.compress))
+
+    def raise_failed(self) -> None:
+        """Raise the first failure among the files in flight (a DiskError naming the file)."""
+        for future in self._pending:
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+
+    def completed(self) -> list[Written]:
+        """The samples done so far, in the order they were submitted; raises a failed write."""
+        self.raise_failed()
+        done = []
+        while self._pending and self._pending[0].done():
+            done.append(self._pending.popleft().result())
+        return done
+
+    def drain(self) -> list[Written]:
+        """Wait for every sample submitted; return them in order (raises a failed write)."""
+        done = []
+        while self._pending:
+            self._pending[0].exception()  # wait for it
+            self.raise_failed()
+            done.append(self._pending.popleft().result())
+        return done
+
+    def close(self) -> None:
+        """Stop: files not started are dropped, files being written finish (each whole or removed)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
