@@ -482,6 +482,22 @@ def test_server_args_size_the_pools_for_the_largest_forward() -> None:
                        attention_backend="fa3")["attention_backend"] == "fa3"
 
 
+def test_the_kv_margin_follows_the_attention_backends_page_size() -> None:
+    # Each sample's tokens are rounded up to whole KV pages: a page-128 backend needs a page a sample.
+    from draftgen.core.extract.specforge_backend import LARGEST_PAGE, kv_page_size, server_args
+
+    def total(backend: str, **extra: int) -> int:
+        return server_args(max_forward_tokens=10_000, max_samples=8, mem_fraction_static=0.8,
+                           attention_backend=backend, extra=extra or None)["max_total_tokens"]
+
+    assert kv_page_size("cutlass_mla") == 128 and kv_page_size("flashmla") == 64 and kv_page_size("fa3") == 1
+    assert kv_page_size("") == LARGEST_PAGE == 128      # SGLang picks the backend: assume the largest page
+    assert kv_page_size("fa3", {"page_size": 16}) == 16 and kv_page_size("", {"page_size": 16}) == 128
+    assert total("cutlass_mla") == 10_000 + 128 * 8 + 1024
+    assert total("fa3") == 10_000 + 8 + 1024
+    assert total("fa3", page_size=32) == 10_000 + 32 * 8 + 1024
+
+
 def test_specforge_plan_is_made_before_the_model_loads(tmp_path: Path, model_dir: Path) -> None:
     # Rank 0's plan sizes SGLang's pools: the widest forward and the most samples of any batch.
     config = make_run(tmp_path, model_dir, batch_tokens=64)

@@ -181,3 +181,16 @@ def test_sglang_table_is_checked_against_the_pinned_server_args(releases: Source
                       ({"context_lenght": 1}, "not a field of SGLang's ServerArgs")]:
         with pytest.raises(ConfigError, match=says):
             check_sglang_table(bad, "k.toml", fields)
+
+
+def test_the_page_sizes_sglang_forces_are_the_ones_the_kv_margin_knows(releases: Sources) -> None:
+    # A backend added upstream with a larger forced page would make the KV pool too small for a batch.
+    import re as _re
+
+    from draftgen.core.extract.specforge_backend import FORCED_PAGE_SIZES, LARGEST_PAGE
+    text = next(r / "sglang/srt/server_args.py" for r in releases.roots
+                if (r / "sglang/srt/server_args.py").is_file()).read_text()
+    forced = {int(n) for n in _re.findall(r"self\.page_size = (\d+)", text)}
+    assert forced and max(forced) <= LARGEST_PAGE, forced
+    for backend in FORCED_PAGE_SIZES:
+        assert f'"{backend}"' in text, f"{backend}: no longer an attention backend SGLang names"

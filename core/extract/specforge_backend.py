@@ -194,20 +194,41 @@ def server_arg_fields() -> set[str] | None:
     return {f.name for f in dataclasses.fields(ServerArgs)}
 
 
+# The KV page size SGLang 0.5.14 forces for an attention backend (server_args.py
+# `_handle_attention_backend_compatibility` and friends); others keep `page_size` (default 1). With
+# no backend named SGLang picks one per GPU and model, so the margin assumes the largest it forces.
+FORCED_PAGE_SIZES = {"flashmla": 64, "cutlass_mla": 128, "trtllm_mla": 64, "trtllm_mha": 64,
+                     "tokenspeed_mla": 64, "cutedsl_mla": 64, "fa4": 128, "intel_xpu": 128}
+LARGEST_PAGE = max(FORCED_PAGE_SIZES.values())
+
+
+def kv_page_size(attention_backend: str, extra: dict[str, Any] | None = None) -> int:
+    """The page size the KV pool is rounded to: the backend's forced one, else an explicit
+    [extract.sglang] page_size, else 1 for a named backend and the largest forced one when SGLang chooses."""
+    if attention_backend in FORCED_PAGE_SIZES:
+        return FORCED_PAGE_SIZES[attention_backend]
+    explicit = (extra or {}).get("page_size")
+    if isinstance(explicit, int) and not isinstance(explicit, bool) and explicit > 0:
+        return max(explicit, LARGEST_PAGE) if not attention_backend else explicit
+    return 1 if attention_backend else LARGEST_PAGE
+
+
 def server_args(*, max_forward_tokens: int, max_samples: int, mem_fraction_static: float,
                 attention_backend: str, extra: dict[str, Any] | None = None,
                 config_path: object = "config") -> dict[str, Any]:
     """SGLang ServerArgs that SpecForge passes through: memory for exactly the largest planned forward.
 
-    `max_total_tokens` sizes the KV pool (one forward's tokens, with room for page rounding) and
-    `max_running_requests` the request pool; everything else of `mem_fraction_static` is weights,
-    and the rest of the GPU is left to activations and the captured states. `extra` is
-    [extract.sglang], checked by check_sglang_table.
+    `max_total_tokens` sizes the KV pool: one forward's tokens, plus a page per sample (each sample's
+    tokens are rounded up to whole pages of `kv_page_size`), plus a little slack; `max_running_requests`
+    sizes the request pool; everything else of `mem_fraction_static` is weights, and the rest of the GPU
+    is left to activations and the captured states. `extra` is [extract.sglang], checked by
+    check_sglang_table.
     """
+    page = kv_page_size(attention_backend, extra)
     args: dict[str, Any] = {
         "mem_fraction_static": mem_fraction_static,
         "max_running_requests": max(1, max_samples),
-        "max_total_tokens": max_forward_tokens + 64 * max(1, max_samples) + 1024,
+        "max_total_tokens": max_forward_tokens + page * max(1, max_samples) + 1024,
     }
     if attention_backend:
         args["attention_backend"] = attention_backend
