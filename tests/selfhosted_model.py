@@ -14,8 +14,15 @@ CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ me
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def build_tiny_model(folder: Path) -> Path:
-    """Tokenizer (byte-level BPE, ChatML template) and random-free Llama weights in `folder`."""
+# A generation prompt that drops ChatML's newline: the server and draftgen render the same prompt, but
+# draftgen's answer span ("\n4<|im_end|>") is one token longer than what the model generated.
+CHATML_NO_NEWLINE = CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant{% endif %}")
+
+
+def build_tiny_model(folder: Path, template: str = CHATML) -> Path:
+    """Tokenizer (byte-level BPE, ChatML template) and random-free Llama weights in `folder`.
+
+    With another `template` the last token of its generation prompt also leads to "4"."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -27,7 +34,7 @@ def build_tiny_model(folder: Path) -> Path:
     bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.chat_template = CHATML
+    tok.chat_template = template
     tok.save_pretrained(folder)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     newline = bpe.token_to_id("Ċ")  # ByteLevel's "\n": the last token of the generation prompt
@@ -47,6 +54,10 @@ def build_tiny_model(folder: Path) -> Path:
         emb[:, 0] = 1.0            # every token: "then end the turn"
         emb[newline] = 0.0
         emb[newline, 1] = 1.0      # "\n": "then say 4"
+        last = tok.encode("<|im_start|>assistant", add_special_tokens=False)[-1]
+        if template != CHATML and last != newline:
+            emb[last] = 0.0
+            emb[last, 1] = 1.0     # the generation prompt's own last token: "then say 4"
         head[eos, 0] = 8.0
         head[four, 1] = 8.0        # RMSNorm scales a one-hot by 8: logits 64 against 0
     model.save_pretrained(folder)

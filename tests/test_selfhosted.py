@@ -89,6 +89,13 @@ def server(tmp_path_factory: pytest.TempPathFactory, model: Path):
         srv.kill()
 
 
+@pytest.fixture(scope="module")
+def offset_model(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:
+    """The same tiny Llama with a chat template whose generation prompt drops ChatML's newline."""
+    from .selfhosted_model import CHATML_NO_NEWLINE, build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-offset"), CHATML_NO_NEWLINE)
+
+
 def _config(tmp_path: Path, server: Server, model: Path, n: int, concurrency: int, **api: str) -> Path:
     """The README's self-hosted config: no kind (detected), an OpenRouter-only key that must be left
     out, prices for max_usd, the tokenizer's own chat template."""
@@ -150,6 +157,34 @@ def test_readme_workflow_against_transformers_serve(tmp_path: Path, server: Serv
     assert merge.returncode == 0, merge.stdout[-3000:] + merge.stderr[-2000:]
     assert len((rd.root / "merged" / "train.jsonl").read_bytes().splitlines()) == 24
     assert TEST_KEY not in (rd.root / "events.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_one_token_template_offset_is_flagged(tmp_path: Path, server: Server, offset_model: Path) -> None:
+    """Every answer one token longer than the server generated (the generation prompt drops a newline
+    the answer turn renders): within count_tolerance, so each sample alone is "valid"; the smoke test's
+    tokens row, the tokens report and merge catch it on one server with no other to compare with."""
+    path = _config(tmp_path, server, offset_model, n=24, concurrency=4)
+    smoke = _draftgen("smoke", str(path))
+    assert smoke.returncode != 0 and (tmp_path / "run" / "smoke.json").exists(), smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    rows = {r["check"]: r for r in orjson.loads((tmp_path / "run" / "smoke.json").read_bytes())["rows"]}
+    assert not rows["a: tokens"]["passed"] and "(diff 1)" in rows["a: tokens"]["detail"], rows["a: tokens"]
+    assert "chat template" in rows["a: tokens"]["detail"], rows["a: tokens"]
+    run = _draftgen("run", str(path), "--headless", "--skip-smoke", "--interval", "0.5")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    tokens = _draftgen("tokens", str(path))
+    assert tokens.returncode == 0, tokens.stdout[-3000:] + tokens.stderr[-2000:]
+    assert "FLAGGED" in tokens.stdout and "constant offset" in " ".join(tokens.stdout.split()), tokens.stdout[-3000:]
+    report = orjson.loads((tmp_path / "run" / "a" / "tokens" / "report.json").read_bytes())
+    assert report["valid"] == 24 and report["token_count_diff"]["histogram"] == {"1": 24}, report
+    [flag] = report["provider_flags"]
+    assert flag["absolute"] and "+1 token off" in flag["reason"] and "template" in flag["fix"], flag
+    merge = _draftgen("merge", str(path))
+    assert merge.returncode == 0, merge.stdout[-3000:] + merge.stderr[-2000:]
+    assert "constant offset" in " ".join(merge.stdout.split()), merge.stdout[-3000:]
+    stats = orjson.loads((tmp_path / "run" / "merged" / "stats.json").read_bytes())
+    assert stats["dropped"]["source_flagged"] == 24 and stats["samples"] == 0, stats
+    assert stats["datasets"][0]["flagged_sources"][0]["dropped"] is True
 
 
 @pytest.mark.slow

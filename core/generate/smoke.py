@@ -217,6 +217,14 @@ def _tokens_row(config: Config, label: str, rec: Any, provider: str | None) -> S
                    f"off: another tokenizer or quantization? To route around it, in [request.provider]: "
                    f"{toml_list('ignore', names)}")
     passed = verdict.keep and not rec.truncated
+    if config.api.self_hosted and passed and rec.count_diff:
+        # One server, one tokenizer: a finished answer's ids are exact or not the model's (no BPE split
+        # between providers to excuse a difference, and no other provider to compare with).
+        passed = False
+        detail += (f"; a self-hosted answer that ended must count exactly: {rec.count_diff:+d} is the chat "
+                   f"template (a generation prompt or end of turn a token off the server's: [tokenizer] "
+                   f"template = \"auto\" with the served model's tokenizer), or a reasoning parser rewriting the "
+                   f"text (see the stream row: [api] stream = true), or another tokenizer ([tokenizer] path)")
     return SmokeRow(f"{label} tokens", passed, detail)
 
 
