@@ -180,6 +180,11 @@ class ValidationConfig:
     # prompt) counts is this far below the other providers' together.
     provider_min_answers: int = 20
     provider_exact_gap: float = 0.25
+    # One server (or provider) judged on its own: flagged when under this share of its answers' counts
+    # are exact, or when its differences have a constant non-zero mode (a template or parser offset).
+    min_exact_share: float = 0.75
+    # true: merge drops the samples of a source flagged on its own (false: keeps them, reported).
+    drop_flagged_sources: bool = True
 
 
 @dataclass(frozen=True)
@@ -597,7 +602,7 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     _positive(file, "validation.count_tolerance", validation.count_tolerance, allow_zero=True)
     _positive(file, "validation.prompt_tolerance", validation.prompt_tolerance, allow_zero=True)
     _positive(file, "validation.provider_min_answers", validation.provider_min_answers)
-    for key in ("split_share", "provider_exact_gap"):
+    for key in ("split_share", "provider_exact_gap", "min_exact_share"):
         if not 0 <= getattr(validation, key) <= 1:
             raise ConfigError(f"{file}: validation.{key} must be between 0 and 1, not {getattr(validation, key)!r}")
     # A local tokenizer folder is resolved against the config; an HF id (org/name) stays as written.

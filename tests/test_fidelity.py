@@ -270,3 +270,20 @@ def test_the_readme_example_report_is_the_report_format():
     assert header[0] in block and header[1] in block  # the caption, as format() prints it
     assert "    provider    answers   exact  mean|Δ|  p99|Δ|  prompt  mean|Δ|  p99|Δ|  ids=" in block
     assert "prompt_token_count" in block and "sample policy: keeps" in block and "FLAGGED" in block
+
+
+def test_one_source_is_judged_on_its_own() -> None:
+    """A self-hosted server has no other provider to compare with: a constant offset, or few exact
+    counts, flags it with the likely cause and what to change; exact counts do not."""
+    from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, flag_providers
+    offset, rewritten, good = Agreement(), Agreement(), Agreement()
+    for i in range(30):
+        offset.add(1 if i else 0, 10, 0)
+        rewritten.add((0, -1, 1)[i % 3], 10, 0)
+        good.add(0 if i else 1, 10, 0)
+    assert flag_providers({UNKNOWN: offset}) == []  # the relative rule alone: nothing to compare with
+    [f] = flag_providers({UNKNOWN: offset}, min_exact_share=0.75)
+    assert f.absolute and "+1 token off" in f.reason and "constant offset" in f.reason and "template" in f.fix
+    [f] = flag_providers({UNKNOWN: rewritten}, min_exact_share=0.75)
+    assert "exact in 33%" in f.reason and "stream = true" in f.fix and "return_token_ids" in f.fix
+    assert flag_providers({UNKNOWN: good}, min_exact_share=0.75) == []

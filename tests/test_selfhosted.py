@@ -18,6 +18,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from typing import Any
+
 import orjson
 import pytest
 
@@ -89,7 +91,21 @@ def server(tmp_path_factory: pytest.TempPathFactory, model: Path):
         srv.kill()
 
 
-def _config(tmp_path: Path, server: Server, model: Path, n: int, concurrency: int, **api: str) -> Path:
+@pytest.fixture(scope="module")
+def offset_model(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:
+    """The same tiny Llama with a chat template whose generation prompt drops ChatML's newline."""
+    from .selfhosted_model import CHATML_NO_NEWLINE, build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-offset"), CHATML_NO_NEWLINE)
+
+
+@pytest.fixture(scope="module")
+def reasoning_model(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:
+    """A tiny Qwen2: transformers serve parses its `<think>` (serving/utils.py's qwen2 response template)."""
+    from .selfhosted_model import build_tiny_reasoning_model
+    return build_tiny_reasoning_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+def _config(tmp_path: Path, server: Server, model: Path, n: int, concurrency: int, **api: Any) -> Path:
     """The README's self-hosted config: no kind (detected), an OpenRouter-only key that must be left
     out, prices for max_usd, the tokenizer's own chat template."""
     write_prompts(tmp_path / "prompts" / "a.jsonl", n, prefix="a-")
@@ -150,6 +166,72 @@ def test_readme_workflow_against_transformers_serve(tmp_path: Path, server: Serv
     assert merge.returncode == 0, merge.stdout[-3000:] + merge.stderr[-2000:]
     assert len((rd.root / "merged" / "train.jsonl").read_bytes().splitlines()) == 24
     assert TEST_KEY not in (rd.root / "events.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_one_token_template_offset_is_flagged(tmp_path: Path, server: Server, offset_model: Path) -> None:
+    """Every answer one token longer than the server generated (the generation prompt drops a newline
+    the answer turn renders): within count_tolerance, so each sample alone is "valid"; the smoke test's
+    tokens row, the tokens report and merge catch it on one server with no other to compare with."""
+    path = _config(tmp_path, server, offset_model, n=24, concurrency=4)
+    smoke = _draftgen("smoke", str(path))
+    assert smoke.returncode != 0 and (tmp_path / "run" / "smoke.json").exists(), smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    rows = {r["check"]: r for r in orjson.loads((tmp_path / "run" / "smoke.json").read_bytes())["rows"]}
+    assert not rows["a: tokens"]["passed"] and "(diff 1)" in rows["a: tokens"]["detail"], rows["a: tokens"]
+    assert "chat template" in rows["a: tokens"]["detail"], rows["a: tokens"]
+    run = _draftgen("run", str(path), "--headless", "--skip-smoke", "--interval", "0.5")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    tokens = _draftgen("tokens", str(path))
+    assert tokens.returncode == 0, tokens.stdout[-3000:] + tokens.stderr[-2000:]
+    assert "FLAGGED" in tokens.stdout and "constant offset" in " ".join(tokens.stdout.split()), tokens.stdout[-3000:]
+    report = orjson.loads((tmp_path / "run" / "a" / "tokens" / "report.json").read_bytes())
+    assert report["valid"] == 24 and report["token_count_diff"]["histogram"] == {"1": 24}, report
+    [flag] = report["provider_flags"]
+    assert flag["absolute"] and "+1 token off" in flag["reason"] and "template" in flag["fix"], flag
+    merge = _draftgen("merge", str(path))
+    assert merge.returncode == 0, merge.stdout[-3000:] + merge.stderr[-2000:]
+    assert "constant offset" in " ".join(merge.stdout.split()), merge.stdout[-3000:]
+    stats = orjson.loads((tmp_path / "run" / "merged" / "stats.json").read_bytes())
+    assert stats["dropped"]["source_flagged"] == 24 and stats["samples"] == 0, stats
+    assert stats["datasets"][0]["flagged_sources"][0]["dropped"] is True
+
+
+@pytest.mark.slow
+def test_a_parser_rewriting_non_streamed_text_fails_the_smoke_test(tmp_path: Path, server: Server,
+                                                                    reasoning_model: Path) -> None:
+    """transformers serve's Qwen reasoning parser strips the leading space of reasoning and content in
+    a non-streamed answer (streamed, it keeps it): the smoke test sends the request both ways and fails
+    with the fix; streamed, smoke passes and every merged sample has the ids the model generated."""
+    from transformers import AutoTokenizer
+    path = _config(tmp_path, server, reasoning_model, n=24, concurrency=4)
+    smoke = _draftgen("smoke", str(path))
+    rows = {r["check"]: r for r in orjson.loads((tmp_path / "run" / "smoke.json").read_bytes())["rows"]}
+    assert smoke.returncode != 0 and not rows["stream"]["passed"], smoke.stdout[-3000:]
+    assert "'is'" in rows["stream"]["detail"] and "' is'" in rows["stream"]["detail"], rows["stream"]
+    assert "set [api] stream = true" in rows["stream"]["detail"], rows["stream"]
+
+    path = _config(tmp_path, server, reasoning_model, n=24, concurrency=4, stream=True)
+    _draftgen("smoke", str(path))
+    rows = {r["check"]: r for r in orjson.loads((tmp_path / "run" / "smoke.json").read_bytes())["rows"]}
+    assert rows["stream"]["passed"] and rows["a: tokens"]["passed"], rows
+    # Open (issue 23, item 5): transformers 5 serves a qwen2 model with its own Qwen2Tokenizer, whose
+    # pre-tokenizer splits digits, not the tokenizer.json draftgen reads: prompts with digits count 1 more.
+    assert [c for c, r in rows.items() if not r["passed"]] == ["a: prompt tokens"], rows
+    run = _draftgen("run", str(path), "--headless", "--skip-smoke", "--interval", "0.5")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert _draftgen("tokens", str(path)).returncode == 0
+    report = orjson.loads((tmp_path / "run" / "a" / "tokens" / "report.json").read_bytes())
+    assert report["valid"] == 24 and report["token_count_diff"]["histogram"] == {"0": 24}, report
+    assert report["provider_flags"] == [], report["provider_flags"]
+    assert _draftgen("merge", str(path)).returncode == 0
+    tok = AutoTokenizer.from_pretrained(reasoning_model)
+    generated = tok.convert_tokens_to_ids(["<think>", "Ġis", "</think>", "Ġ4", "<|im_end|>"])
+    merged = tmp_path / "run" / "merged" / "tokens"
+    from draftgen.core.tokens.store import TokenReader
+    samples = list(TokenReader(merged))
+    assert len(samples) == 24
+    for _entry, ids, mask in samples:  # the trained span (mask 1) is exactly what the model generated
+        assert [int(i) for i, m in zip(ids, mask) if m] == generated
 
 
 @pytest.mark.slow

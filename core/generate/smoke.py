@@ -217,7 +217,40 @@ def _tokens_row(config: Config, label: str, rec: Any, provider: str | None) -> S
                    f"off: another tokenizer or quantization? To route around it, in [request.provider]: "
                    f"{toml_list('ignore', names)}")
     passed = verdict.keep and not rec.truncated
+    if config.api.self_hosted and passed and rec.count_diff:
+        # One server, one tokenizer: a finished answer's ids are exact or not the model's (no BPE split
+        # between providers to excuse a difference, and no other provider to compare with).
+        passed = False
+        detail += (f"; a self-hosted answer that ended must count exactly: {rec.count_diff:+d} is the chat "
+                   f"template (a generation prompt or end of turn a token off the server's: [tokenizer] "
+                   f"template = \"auto\" with the served model's tokenizer), or a reasoning parser rewriting the "
+                   f"text (see the stream row: [api] stream = true), or another tokenizer ([tokenizer] path)")
     return SmokeRow(f"{label} tokens", passed, detail)
+
+
+def stream_pair(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`body` streamed and not, greedy and seeded, so a server answers both with the same ids."""
+    base = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    base.update(temperature=0, seed=0)
+    return {**base, "stream": True, "stream_options": {"include_usage": True}}, base
+
+
+def _stream_row(config: Config, streamed: Any, plain: Any) -> SmokeRow:
+    """Streamed and non-streamed text of one greedy request: they differ where a server's reasoning
+    parser rewrites the whole answer (transformers serve strips the leading space of both parts)."""
+    for what, a in (("streamed", streamed), ("non-streamed", plain)):
+        if isinstance(a, SmokeRow):
+            return SmokeRow("stream", False, f"the {what} comparison request failed: {a.detail}")
+    same = (streamed.reasoning or "", streamed.content) == (plain.reasoning or "", plain.content)
+    detail = (f"greedy request streamed vs not: reasoning {streamed.reasoning or ''!r} vs {plain.reasoning or ''!r}, "
+              f"content {streamed.content[:40]!r} vs {plain.content[:40]!r}")
+    if same:
+        return SmokeRow("stream", True, "streamed and non-streamed text equal (" + detail + ")")
+    if config.api.streams:
+        return SmokeRow("stream", True, detail + ": the server rewrites non-streamed text; this run streams, "
+                        "so it keeps the text as generated", warning=True)
+    return SmokeRow("stream", False, detail + ": the server rewrites the text of non-streamed answers (a "
+                    "reasoning parser), so their ids would not be the model's: set [api] stream = true")
 
 
 def _prompt_row(config: Config, label: str, rec: Any, messages: list[dict[str, Any]],
@@ -376,8 +409,11 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
             except (DiskError, OSError) as e:
                 ledger_error = f"not sent: the spend ledger cannot be written ({e})"
 
-        async def ask(fp: str, ds: DatasetConfig) -> tuple[str, dict[str, Any], ChatAnswer | SmokeRow, float]:
-            body = smoke_body(config, ds)
+        stream_row: SmokeRow | None = None
+
+        async def ask(fp: str, ds: DatasetConfig, body: dict[str, Any] | None = None,
+                      ) -> tuple[str, dict[str, Any], ChatAnswer | SmokeRow, float]:
+            body = smoke_body(config, ds) if body is None else body
             fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
             if ledger_error:
                 return fp, body, fail(ledger_error), 0.0
@@ -417,6 +453,11 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
         # One request per shape, all at once: a run's shapes differ only in their parameters.
         try:
             answers = await asyncio.gather(*(ask(fp, ds) for fp, ds in shapes.items()))
+            if config.api.self_hosted and shapes and not ledger_error:
+                # The same greedy request streamed and not: a parser that rewrites non-streamed text shows.
+                fp, ds = next(iter(shapes.items()))
+                pair = await asyncio.gather(*(ask(fp, ds, b) for b in stream_pair(smoke_body(config, ds))))
+                stream_row = _stream_row(config, pair[0][2], pair[1][2])
             # The ledger is the spend (the smoke requests and abandoned attempts included).
             spent = spend.spent_usd if spend is not None and spend.is_open else \
                 await asyncio.to_thread(_spent_on_disk, rd, on_disk)
@@ -425,6 +466,8 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                 spend.close()
 
     smoke: SmokeFigures | None = None
+    if stream_row is not None:
+        add(stream_row)
     for fp, body, answer, took in answers:
         ds = shapes[fp]
         if isinstance(answer, SmokeRow):

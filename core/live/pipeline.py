@@ -190,7 +190,7 @@ class Pipeline:
                 for row in self._fidelity:
                     if row.flagged:
                         self.emit("warn", "provider_flagged", f"provider {row.name}: {row.flagged} "
-                                  f"(`draftgen tokens` prints the ignore line to add)")
+                                  f"(`draftgen tokens` prints what to change)")
                 self._reconstructor = None
             return state
         finally:

@@ -64,6 +64,7 @@ class TokenRef:
     count_diff: int | None = None
     billed: int | None = None
     prompt_diff: int | None = None
+    provider: str | None = None
 
 
 class DatasetInput:
@@ -111,7 +112,8 @@ class DatasetInput:
                 ref = TokenRef(int(obj["offset"]), int(obj["length"]), obj.get("valid") is True,
                                 tuple(obj.get("failed_checks") or ()), bool(obj.get("truncated")),
                                 _int_or_none(obj.get("count_diff")), _int_or_none(obj.get("billed_tokens")),
-                                _int_or_none(obj.get("prompt_diff")))
+                                _int_or_none(obj.get("prompt_diff")),
+                                obj.get("provider") if isinstance(obj.get("provider"), str) else None)
                 refs[str(obj["id"])] = ref
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
                 break  # same rule as TokenReader: the index ends at its first unreadable line

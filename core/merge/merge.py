@@ -30,7 +30,7 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,8 @@ from draftgen.core.errors import DraftgenError
 from draftgen.core.files import disk_error
 from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef, complete_lines
-from draftgen.core.merge.policy import NOTES, SamplePolicy
+from draftgen.core.merge.policy import NOTES, SamplePolicy, source_key
+from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, flag_sources
 from draftgen.core.dedupe import message_text, prompt_key
 from draftgen.core.merge.specforge import has_tool_calls, specforge_record
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
@@ -55,7 +56,7 @@ from draftgen.core.tokens.store import TokenWriter
 # The token-level causes (provider_excluded, invalid, count_mismatch, prompt_mismatch) are the sample
 # policy's, core/merge/policy.py: a structural failure drops a sample, a BPE split keeps it.
 DROP_REASONS = ("failed", "truncated", "empty", "not_reconstructed", "provider_excluded", "invalid",
-                "count_mismatch", "prompt_mismatch", "duplicate", "bad_line")
+                "source_flagged", "count_mismatch", "prompt_mismatch", "duplicate", "bad_line")
 
 TRAIN_FILE, TOKENS_DIR, STATS_FILE = "train.jsonl", "tokens", "stats.json"
 
@@ -73,6 +74,7 @@ class DatasetMergeStats:
     cost_usd: float = 0.0               # usage.cost of kept samples
     cost_all_usd: float = 0.0           # usage.cost of every answer read (what the dataset cost)
     kept_noted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NOTES, 0))  # kept, but differed
+    flagged_sources: list[dict[str, Any]] = field(default_factory=list)  # sources judged on their own, and why
 
     @property
     def dropped_total(self) -> int:
@@ -268,11 +270,12 @@ def _scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats],
         if inp.responses is None:
             continue
         refs = inp.read_token_index()
+        ds_policy = _flag_sources(refs, st, policy)
         kept_ids: set[str] = set()  # ids are unique per dataset by contract; a repeat must not give two rows one id
         for offset, line in complete_lines(inp.responses, inp.size(inp.responses)):
             st.read += 1
             reporter.read += 1
-            reason, ref, key, sample_tools = _classify(line, refs, seen, kept_ids, st, policy)
+            reason, ref, key, sample_tools = _classify(line, refs, seen, kept_ids, st, ds_policy)
             if reason is None:
                 tools = tools or sample_tools
                 seen.add(key)
@@ -289,6 +292,22 @@ def _scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats],
         del refs, kept_ids  # one dataset's token index in memory at a time
     reporter.send(StageState.RUNNING, total_bytes, total_bytes, "read", unit="MB/s", scale=1e6, force=True)
     return kept, tools
+
+
+def _flag_sources(refs: dict[str, TokenRef], st: DatasetMergeStats, policy: SamplePolicy) -> SamplePolicy:
+    """The policy for one dataset: its sources (providers, or the self-hosted server) whose answer counts
+    are off on their own (core/tokens/fidelity.py flag_sources) noted in `st`, and flagged in the policy."""
+    per: dict[str, Agreement] = {}
+    for ref in refs.values():
+        if not ref.truncated and ref.count_diff is not None:
+            per.setdefault(ref.provider or UNKNOWN, Agreement()).add(ref.count_diff, ref.billed, None)
+    v = policy.limits
+    flags = flag_sources(per, min_answers=v.provider_min_answers, min_exact_share=v.min_exact_share)
+    st.flagged_sources = [{"provider": f.provider, "reason": f.reason, "fix": f.fix,
+                           "dropped": v.drop_flagged_sources} for f in flags]
+    if not flags:
+        return policy
+    return replace(policy, flagged_sources=frozenset(source_key(f.provider) for f in flags))
 
 
 def _classify(line: bytes, refs: dict[str, TokenRef], seen: set[bytes], kept_ids: set[str],
@@ -403,6 +422,11 @@ def merge_command(config: Config) -> int:
     if any(noted.values()):
         console.print("kept although they differed: " + ", ".join(f"{n} {c:,}" for n, c in noted.items() if c)
                       + " (see [validation] in the README)", highlight=False)
+    for d in stats.datasets:
+        for f in d.flagged_sources:
+            what = "dropped" if f["dropped"] else "kept ([validation] drop_flagged_sources = false)"
+            console.print(f"[bold red]FLAGGED[/] {escape(d.name)} {escape(f['provider'])}: {escape(f['reason'])}; "
+                          f"its samples {what}. To change: {escape(f['fix'])}", soft_wrap=True, highlight=False)
     console.print(f"{stats.samples:,} samples written in {stats.elapsed_s:.1f} s", highlight=False)
     sys.stdout.flush()
     return 0

@@ -19,6 +19,10 @@ the provider. This policy turns them into keep or drop, with the cause:
     backend      the server's own ids differ from the reconstruction: the server's ids are the sample
                  (they are what the model generated), the disagreement is reported, never a drop.
     provider     answers of a provider in [merge] exclude_providers are dropped as "provider_excluded".
+    source       answers of a source flagged on its own (core/tokens/fidelity.py flag_sources: a
+                 self-hosted server or provider with few exact counts or a constant offset, so its
+                 text or template is not what the model saw) are dropped as "source_flagged" while
+                 drop_flagged_sources is set (else kept, noted "source_flagged"); merge says why.
 
 Thresholds are `[validation]` in the config (core/config.py ValidationConfig); the defaults keep the
 reference run's splits (mean 1.0 token on ~2,300-token answers, at most a few tokens) and drop a
@@ -32,17 +36,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftgen.core.config import Config, ValidationConfig
+from draftgen.core.tokens.fidelity import UNKNOWN
 
 STRUCTURAL = ("renders", "one_think_close", "no_think_open", "ends_with_eot", "round_trip")
 # Checks that measure a difference rather than a broken structure: judged by size, never dropped as invalid.
 MEASURES = frozenset({"token_count", "matches_backend"})
 # Kept samples noted by what differed (stats.json "kept_noted").
-NOTES = ("count_split", "prompt_mismatch", "backend_mismatch")
+NOTES = ("count_split", "prompt_mismatch", "backend_mismatch", "source_flagged")
 
 
 def provider_key(name: Any) -> str:
     """A provider name as routing compares it: lower case, letters and digits only."""
     return "".join(ch for ch in str(name or "").lower() if ch.isalnum())
+
+
+def source_key(name: Any) -> str:
+    """provider_key, with no provider (a self-hosted server) as the report names it, "(unknown)"."""
+    return provider_key(name) or provider_key(UNKNOWN)
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,7 @@ class Verdict:
 class SamplePolicy:
     limits: ValidationConfig = field(default_factory=ValidationConfig)  # the config's [validation]
     exclude_providers: frozenset[str] = field(default_factory=frozenset)  # provider_key()s
+    flagged_sources: frozenset[str] = field(default_factory=frozenset)    # source_key()s flagged on their own
 
     @classmethod
     def from_config(cls, config: Config) -> "SamplePolicy":
@@ -93,6 +104,11 @@ class SamplePolicy:
             notes.append("prompt_mismatch")
         if "matches_backend" in failed:
             notes.append("backend_mismatch")
+        # Last: a sample the other rules drop keeps their cause; the ones they keep are its source's.
+        if self.flagged_sources and source_key(provider) in self.flagged_sources:
+            if self.limits.drop_flagged_sources:
+                return Verdict(False, "source_flagged")
+            notes.append("source_flagged")
         return Verdict(True, "", tuple(notes))
 
     def judge_meta(self, meta: dict[str, Any], provider: Any = None) -> Verdict:
@@ -106,4 +122,5 @@ class SamplePolicy:
         v = self.limits
         return {"count_tolerance": v.count_tolerance, "split_share": v.split_share,
                 "prompt_tolerance": v.prompt_tolerance, "drop_prompt_mismatch": v.drop_prompt_mismatch,
-                "exclude_providers": sorted(self.exclude_providers), "structural_checks": list(STRUCTURAL)}
+                "exclude_providers": sorted(self.exclude_providers), "structural_checks": list(STRUCTURAL),
+                "min_exact_share": v.min_exact_share, "drop_flagged_sources": v.drop_flagged_sources}

@@ -81,6 +81,11 @@ def _tokens(config: Config) -> int:
     for flag in provider_flags(config, total):
         # soft_wrap: the lines to paste stay whole however narrow the terminal.
         console.print(f"[bold red]FLAGGED[/] {escape(flag.provider)}: {escape(flag.reason)}")
+        if flag.absolute:
+            console.print(f"  to change: {escape(flag.fix)}", soft_wrap=True)
+            console.print("  merge drops its samples (" + escape("[validation] drop_flagged_sources = false")
+                          + " keeps them)", soft_wrap=True)
+            continue
         console.print(f"  to stop sending it requests, in {escape('[request.provider]')}: {escape(flag.ignore_line)}",
                       soft_wrap=True)
         console.print(f"  to leave its answers out of merge, in {escape('[merge]')}: {escape(flag.exclude_line)}",

@@ -129,9 +129,17 @@ class ProviderFlag:
     ignore_line: str     # the [request.provider] ignore line with this provider added
     exclude_line: str    # the [merge] exclude_providers line with it added
 
-    def to_dict(self) -> dict[str, str]:
+    fix: str = ""        # for a source judged on its own: what to change (the ignore lines do not apply)
+    absolute: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
         return {"provider": self.provider, "reason": self.reason, "ignore_line": self.ignore_line,
-                "exclude_line": self.exclude_line}
+                "exclude_line": self.exclude_line, "fix": self.fix, "absolute": self.absolute}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ProviderFlag":
+        return cls(str(data.get("provider", "")), str(data.get("reason", "")), str(data.get("ignore_line", "")),
+                   str(data.get("exclude_line", "")), str(data.get("fix", "")), bool(data.get("absolute")))
 
 
 def routing_name(provider: str) -> str:
@@ -147,12 +155,75 @@ def toml_list(key: str, names: Iterable[str]) -> str:
     return f"{key} = [{quoted}]"
 
 
+def count_mode(h: Mapping[int, int]) -> tuple[int, float] | None:
+    """The most common difference of a histogram and its share (ties: the smallest |difference|)."""
+    n = sum(h.values())
+    if not n:
+        return None
+    d = min(h, key=lambda k: (-h[k], abs(k), k))
+    return d, h[d] / n
+
+
+def absolute_cause(h: Mapping[int, int], min_exact_share: float) -> tuple[str, str] | None:
+    """Why one source's answer counts are off on their own, and what to change; None when they agree.
+
+    A constant offset (the same non-zero difference for most answers) is a template disagreement: the
+    generation prompt or the end of turn renders a token more or less than the server's. Scattered small
+    differences on short answers are text the server rewrote after generating it (a reasoning parser
+    stripping whitespace in non-streamed answers), or another tokenizer when they are large."""
+    mode = count_mode(h)
+    if mode is None:
+        return None
+    n = sum(h.values())
+    exact = h.get(0, 0) / n
+    d, share = mode
+    if d != 0 and share >= 0.5:
+        return (f"{share:.0%} of {n:,} answers are {d:+d} token{'s' if abs(d) != 1 else ''} off the billed count "
+                f"(exact {exact:.0%}): a constant offset, so the chat template differs from the server's "
+                f"(its generation prompt or end of turn)",
+                "render the server's own template: [tokenizer] template = \"auto\" with the served model's "
+                "tokenizer (or fix the template the server was started with), then `draftgen tokens` again")
+    if d != 0 or exact < min_exact_share:
+        mean = sum(abs(k) * c for k, c in h.items()) / n
+        if mean <= 3:
+            return (f"answer token counts exact in {exact:.0%} of {n:,} answers (mean |diff| {mean:.1f}): the "
+                    f"answer text is not what the model generated (a reasoning parser rewriting whitespace, "
+                    f"typically in non-streamed answers)",
+                    "[api] stream = true (the streamed text is the generated text), or on vLLM/SGLang "
+                    "[api] return_token_ids = true (the server's own ids)")
+        return (f"answer token counts exact in {exact:.0%} of {n:,} answers (mean |diff| {mean:.1f}): another "
+                f"tokenizer or model than [tokenizer] path",
+                "point [tokenizer] path at the served model's own tokenizer")
+    return None
+
+
+def flag_sources(providers: Mapping[str, Agreement], *, min_answers: int = 20,
+                 min_exact_share: float = 0.75, exclude: Iterable[str] = ()) -> list[ProviderFlag]:
+    """Each source (a provider, or a self-hosted server: "(unknown)") judged on its own, with no
+    other to compare with: few exact answer counts, or a constant non-zero difference."""
+    flags = []
+    exclude = list(exclude)
+    for name, mine in sorted(providers.items()):
+        if mine.answer.n < min_answers:
+            continue
+        cause = absolute_cause(mine.diffs, min_exact_share)
+        if cause is None:
+            continue
+        reason, fix = cause
+        flags.append(ProviderFlag(name, reason, "", toml_list("exclude_providers",
+                                                            [*exclude, name] if name not in exclude else exclude)
+                                  if name != UNKNOWN else "", fix, True))
+    return flags
+
+
 def flag_providers(providers: Mapping[str, Agreement], *, min_answers: int = 20, exact_gap: float = 0.25,
-                   ignore: Iterable[str] = (), exclude: Iterable[str] = ()) -> list[ProviderFlag]:
+                   ignore: Iterable[str] = (), exclude: Iterable[str] = (),
+                   min_exact_share: float | None = None) -> list[ProviderFlag]:
     """Providers whose counts depart from the others': a share of exact answer (or prompt) counts more
     than `exact_gap` below the other providers' pooled share, on at least `min_answers` answers each.
 
-    With one provider there is nothing to compare with; its figures still show in the report."""
+    With `min_exact_share`, a source not flagged that way is also judged on its own (`flag_sources`):
+    with one provider, or a self-hosted server, there is nothing else to compare with."""
     named = {p: a for p, a in providers.items() if p != UNKNOWN}
     ignore, exclude = list(ignore), list(exclude)
     flags = []
@@ -175,4 +246,8 @@ def flag_providers(providers: Mapping[str, Agreement], *, min_answers: int = 20,
                 name, "; ".join(reasons) + ": another quantization or tokenizer?",
                 toml_list("ignore", [*ignore, slug] if slug not in ignore else ignore),
                 toml_list("exclude_providers", [*exclude, name] if name not in exclude else exclude)))
+    if min_exact_share is not None:
+        relative = {f.provider for f in flags}
+        flags += [f for f in flag_sources(providers, min_answers=min_answers, min_exact_share=min_exact_share,
+                                          exclude=exclude) if f.provider not in relative]
     return flags

@@ -307,7 +307,8 @@ class LiveReconstructor:
     def fidelity(self) -> tuple[ProviderFidelity, ...]:
         """Each provider's token-count agreement over every dataset so far, flagged where it departs."""
         total = self.report(None)
-        flags = {f.provider: f.reason for f in provider_flags(self.config, total)}
+        flags = {f.provider: f.reason + (f"; to change: {f.fix}" if f.absolute else "")
+                 for f in provider_flags(self.config, total)}
         rows = []
         for name, a in sorted(total.providers.items(), key=lambda kv: -kv[1].answers):
             if a.answers:

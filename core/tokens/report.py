@@ -148,9 +148,9 @@ class ValidationReport:
         return sum(c for d, c in self.prompt_diffs.items() if abs(d) > tol)
 
     def flags(self, min_answers: int = 20, exact_gap: float = 0.25, ignore: Iterable[str] = (),
-              exclude: Iterable[str] = ()) -> list[ProviderFlag]:
+              exclude: Iterable[str] = (), min_exact_share: float | None = None) -> list[ProviderFlag]:
         return flag_providers(self.providers, min_answers=min_answers, exact_gap=exact_gap, ignore=ignore,
-                              exclude=exclude)
+                              exclude=exclude, min_exact_share=min_exact_share)
 
     # -- output -----------------------------------------------------------------------------------
 
@@ -231,6 +231,9 @@ class ValidationReport:
             lines.append(format_providers(named))
         for f in flags:
             lines.append(f"  FLAGGED {f.provider}: {f.reason}")
+            if f.absolute:
+                lines.append(f"    to change: {f.fix}")
+                continue
             lines.append(f"    [request.provider] {f.ignore_line}")
             lines.append(f"    [merge] {f.exclude_line}")
         return "\n".join(lines)

@@ -285,7 +285,8 @@ def provider_flags(config: Config, report: ValidationReport) -> list[ProviderFla
     routing = config.request.get("provider")
     ignore = routing.get("ignore") if isinstance(routing, dict) else None
     ignore = [str(x) for x in ignore] if isinstance(ignore, list) else ([ignore] if isinstance(ignore, str) else [])
-    return report.flags(v.provider_min_answers, v.provider_exact_gap, ignore, config.merge.exclude_providers)
+    return report.flags(v.provider_min_answers, v.provider_exact_gap, ignore, config.merge.exclude_providers,
+                        v.min_exact_share)
 
 
 def write_report(folder: Path, report: ValidationReport, flags: Iterable[ProviderFlag] = ()) -> Path:

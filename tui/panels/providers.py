@@ -11,6 +11,7 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from draftgen.core.tokens.fidelity import UNKNOWN
 from draftgen.tui import fmt
 from draftgen.tui.panels.panel import SelectablePanel
 
@@ -48,10 +49,12 @@ class ProvidersPanel(SelectablePanel):
         room = max(1, self.rows)
         shown = s.providers if len(s.providers) <= room else s.providers[:room - 1]
         for name, n in shown:
-            label = Text(name) if not (narrow and name in flagged) else Text.assemble(("! ", "bold red"), name)
+            unflagged = name not in flagged and not (name == "unknown" and UNKNOWN in flagged)
+            label = Text(name) if not (narrow and not unflagged) else Text.assemble(("! ", "bold red"), name)
             cells: list[Any] = [label, fmt.percent(n, total)]
             if fidelity:
-                f = fidelity.get(name)
+                # The run names a server's answers without a provider "unknown", the report "(unknown)".
+                f = fidelity.get(name) or (fidelity.get(UNKNOWN) if name == "unknown" else None)
                 exact = "" if f is None or f.answer_exact is None else f"exact {f.answer_exact:.0%}"
                 cells.append(Text(f"! {exact}", style="bold red") if f is not None and f.flagged else exact)
             table.add_row(*cells, style="reverse" if name == self.selected else None)
