@@ -38,6 +38,7 @@ from draftgen.core.simulator.stats import SimStats
 # The generation a request started, so that a stream the client aborts is billed up to there.
 GENERATION = web.RequestKey("draftgen_sim_generation", Generation)   # started: billed
 CREATED = web.RequestKey("draftgen_sim_created", Generation)         # its id given out, maybe never started
+SEQ = web.RequestKey("draftgen_sim_seq", int)                         # the chat request's number, from 1
 # The 200-with-a-problem scenarios as the fault that draws the same response.
 _AS_FAULT = {"error_body": "error200", "finish_error": "finish_error", "empty_choices": "empty_choices",
              "stream_error": "error200"}
@@ -64,6 +65,7 @@ class Completions:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         st = self._stats
         st.requests_total += 1
+        request[SEQ] = st.requests_total
         st.in_flight += 1
         st.peak_in_flight = max(st.peak_in_flight, st.in_flight)
         status = "?"
@@ -142,7 +144,7 @@ class Completions:
         prompt_draw = shaping.draws(cfg.seed, key, 0)[3] if sc else 1.0
         text = shaping.last_user_text(messages) if sc else ""
 
-        if sc and (a := sc.first(scenarios.BEFORE_ROUTING, draws[3], prompt_draw, text)):
+        if sc and (a := sc.first(scenarios.BEFORE_ROUTING, draws[3], prompt_draw, text, request.get(SEQ, 0))):
             self._hit(a)
             if a.scenario.name == "payload_too_large":
                 return responses.error(413, "Payload Too Large: the request body is larger than this endpoint "
@@ -167,7 +169,7 @@ class Completions:
         context = max(p.context_length for p in routes)
         if n_prompt + (max_tokens or 0) > context:
             return responses.prompt_400("context_length", model, n_prompt, context, max_tokens)
-        if sc and (a := sc.first(scenarios.PROMPT_CHECKS, draws[3], prompt_draw, text)):
+        if sc and (a := sc.first(scenarios.PROMPT_CHECKS, draws[3], prompt_draw, text, request.get(SEQ, 0))):
             self._hit(a)
             if a.scenario.name == "moderation":
                 return responses.moderation(provider.name, model, text)
@@ -180,7 +182,7 @@ class Completions:
             return capped
         est_tokens = min(max_tokens or limit, limit)
         estimate = (n_prompt * provider.usd_per_m_in + est_tokens * provider.usd_per_m_out) / 1e6
-        if sc and (a := sc.first(scenarios.ACCOUNT_CHECKS, draws[3], prompt_draw, text)):
+        if sc and (a := sc.first(scenarios.ACCOUNT_CHECKS, draws[3], prompt_draw, text, request.get(SEQ, 0))):
             self._hit(a)
             if a.scenario.name == "weight_exceeds_budget":
                 return responses.weight_exceeds(estimate / 2, estimate)
@@ -200,7 +202,7 @@ class Completions:
         if cfg.max_in_flight is not None and st.in_flight > cfg.max_in_flight:
             st.faults["max_in_flight"] = st.faults.get("max_in_flight", 0) + 1
             return responses.rate_limited(cfg, provider.name)
-        upstream = sc.first(scenarios.UPSTREAM, draws[3], prompt_draw, text) if sc else None
+        upstream = sc.first(scenarios.UPSTREAM, draws[3], prompt_draw, text, request.get(SEQ, 0)) if sc else None
         if upstream is not None and not (stream and upstream.get("midstream")):
             self._hit(upstream)
             return upstream_error(upstream, provider, draws[5], cfg)
@@ -236,7 +238,7 @@ class Completions:
             await resp.write_eof()
             self._ledger.failed(gen)
             return resp
-        answer_200 = sc.first(scenarios.ANSWER_200, draws[3], prompt_draw, text) if sc else None
+        answer_200 = sc.first(scenarios.ANSWER_200, draws[3], prompt_draw, text, request.get(SEQ, 0)) if sc else None
         fault = _AS_FAULT[answer_200.scenario.name] if answer_200 is not None else pick_fault(cfg.faults, draws[2])
         if answer_200 is not None:
             self._hit(answer_200)

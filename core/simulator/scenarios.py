@@ -8,6 +8,8 @@ Parameters every scenario takes:
 - `after`: seconds after switching on before it takes effect; default 0.
 - `duration`: seconds it lasts once in effect, then it clears by itself; default: until off.
 - `match`: only prompts whose last user message contains this text (all scenarios).
+- `after_requests`: only chat requests after the first N the server received (a test's "from the
+  N+1th request on", whatever the machine's speed); default 0.
 Some take more (see `PARAMS`): `retry_after`, `limit`, `ratio`, `provider`, `midstream`, `what`.
 
 A prompt's own problems (`per_prompt`) are drawn once per prompt, not per request: a retry of a
@@ -109,7 +111,7 @@ STATEFUL = frozenset({"revoked_key", "key_limit", "out_of_credits", "in_flight_b
 MIDSTREAM = frozenset({"request_timeout", "no_provider_503", "provider_500", "provider_502", "gateway_504",
                        "gateway_524"})
 
-COMMON = {"rate": float, "after": float, "duration": float, "match": str}
+COMMON = {"rate": float, "after": float, "duration": float, "match": str, "after_requests": int}
 PARAMS: dict[str, dict[str, type]] = {
     "rate_limited": {"retry_after": float, "provider": float},
     "in_flight_budget": {"ratio": float, "window": float, "retry_after": float},
@@ -139,7 +141,9 @@ class Active:
     def get(self, name: str, default: Any = None) -> Any:
         return self.params.get(name, default)
 
-    def applies(self, draw: float, text: str) -> bool:
+    def applies(self, draw: float, text: str, seq: int = 0) -> bool:
+        if seq and seq <= self.params.get("after_requests", 0):
+            return False
         match = self.params.get("match")
         if match is not None and match not in text:
             return False
@@ -230,14 +234,15 @@ class Scenarios:
             return None
         return a if a.live(now) else None
 
-    def first(self, names: tuple[str, ...], request_draw: float, prompt_draw: float, text: str) -> Active | None:
-        """The first of `names` in effect that hits this request."""
+    def first(self, names: tuple[str, ...], request_draw: float, prompt_draw: float, text: str,
+              seq: int = 0) -> Active | None:
+        """The first of `names` in effect that hits this request (`seq`: its number, from 1)."""
         if not self._on:
             return None
         now = time.monotonic()
         for name in names:
             a = self.live(name, now)
-            if a is not None and a.applies(prompt_draw if a.scenario.per_prompt else request_draw, text):
+            if a is not None and a.applies(prompt_draw if a.scenario.per_prompt else request_draw, text, seq):
                 return a
         return None
 
