@@ -274,11 +274,22 @@ def _prompt_row(config: Config, label: str, rec: Any, messages: list[dict[str, A
         detail += (f"; the provider's count matches the prompt rendered with "
                    f"{'no default system turn' if other is None else 'the Kimi default system turn'}: "
                    f"set [tokenizer] default_system = {setting}")
+    elif rec.count_diff == 0:
+        # The answer counts exactly, so the template's turns agree with the server's: the text encodes otherwise.
+        detail += (f"; the answer counts exactly, so the chat template is not the cause: possible tokenizer "
+                   f"mismatch: draftgen encodes with {_origin(reconstruct_fn, config)}, the server loads its own "
+                   f"tokenizer for the model (set [tokenizer] path to the folder the server serves)")
     else:
         detail += ("; the provider ran another prompt than the one reconstructed (a different chat template, "
                    "system turn or tool declarations), so every row's prompt would differ from what produced "
-                   "its answer")
+                   f"its answer; or a possible tokenizer mismatch (draftgen encodes with "
+                   f"{_origin(reconstruct_fn, config)})")
     return SmokeRow(f"{label} prompt tokens", False, detail)
+
+
+def _origin(reconstruct_fn: Callable[..., Any], config: Config) -> str:
+    """The tokenizer file the smoke test encoded with (set once the tokenizer loaded)."""
+    return str(getattr(reconstruct_fn, "origin", None) or config.tokenizer.path)
 
 
 async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.StageProgress], None] | None = None,
@@ -312,6 +323,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
         if not tok_and_template:
             try:
                 tok = load_tokenizer(config.tokenizer.path, config.tokenizer.trust_remote_code)
+                reconstruct_fn.origin = getattr(tok, "origin", tok.name)  # type: ignore[attr-defined]
                 tok_and_template.append((tok, load_template(config.tokenizer.template, tok,
                                                             default_system=config.tokenizer.system_turn())))
             except DraftgenError as e:
