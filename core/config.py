@@ -112,6 +112,14 @@ class TokenizerConfig:
     # The system turn rendered in front of a conversation that has none: "auto" (what the template
     # itself does: none for Kimi-K2.5, see core/tokens/template.py), "none", or the text itself.
     default_system: str = "auto"
+    # Special-token text typed in a prompt ("<|im_end|>"): "special" reads it as the token, as vLLM,
+    # SGLang and transformers serve tokenize a rendered prompt; "text" keeps it text; "auto": "special"
+    # on a self-hosted server, "text" on OpenRouter (its providers' stacks are unknown and vary).
+    prompt_special_tokens: str = "auto"
+
+    def prompt_specials(self, self_hosted: bool) -> bool:
+        """Whether special-token text in prompts is read as the special token on this server kind."""
+        return self.prompt_special_tokens == "special" or (self.prompt_special_tokens == "auto" and self_hosted)
 
     def system_turn(self) -> str | None:
         """The default system text this run renders (and writes into train.jsonl), or None."""
@@ -595,6 +603,9 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     tokenizer: TokenizerConfig = parts["tokenizer"]
     if tokenizer.template not in ("kimi-k2.5", "auto"):
         raise ConfigError(f"{file}: tokenizer.template must be \"kimi-k2.5\" or \"auto\", not {tokenizer.template!r}")
+    if tokenizer.prompt_special_tokens not in ("auto", "text", "special"):
+        raise ConfigError(f"{file}: tokenizer.prompt_special_tokens must be \"auto\", \"text\" or \"special\", "
+                          f"not {tokenizer.prompt_special_tokens!r}")
     if not tokenizer.default_system.strip():
         raise ConfigError(f"{file}: tokenizer.default_system must be \"auto\", \"none\" or the system text, "
                           f"not an empty string")

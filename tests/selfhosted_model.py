@@ -74,7 +74,9 @@ CHATML_THINK = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\
 
 def build_tiny_reasoning_model(folder: Path) -> Path:
     """A tiny Qwen2 (so `transformers serve` runs its Qwen reasoning parser on it) that answers every
-    prompt "<think> is</think> 4<|im_end|>": reasoning and content that begin with a space."""
+    prompt "<think> is</think> 4<|im_end|>": reasoning and content that begin with a space. " 4" comes as
+    "Ġ" then "4", the ids transformers' Qwen2Tokenizer (digits split off) gives that text: a model only
+    generates what its serving tokenizer produces."""
     import torch
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -89,15 +91,15 @@ def build_tiny_reasoning_model(folder: Path) -> Path:
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = CHATML_THINK
     tok.save_pretrained(folder)
-    ids = {t: bpe.token_to_id(t) for t in ("Ċ", "<think>", "Ġis", "</think>", "Ġ4", "<|im_end|>")}
+    ids = {t: bpe.token_to_id(t) for t in ("Ċ", "<think>", "Ġis", "</think>", "Ġ", "4", "<|im_end|>")}
     assert all(i is not None for i in ids.values()), ids
     config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
                          eos_token_id=ids["<|im_end|>"], pad_token_id=tok.pad_token_id, bos_token_id=None,
                          tie_word_embeddings=False)
     model = Qwen2ForCausalLM(config)
-    chain = ["<|im_end|>", "<think>", "Ġis", "</think>", "Ġ4"]  # dimension k: "then say chain[k]"
-    after = {"Ċ": 1, "<think>": 2, "Ġis": 3, "</think>": 4}       # each token's next, as a dimension
+    chain = ["<|im_end|>", "<think>", "Ġis", "</think>", "Ġ", "4"]  # dimension k: "then say chain[k]"
+    after = {"Ċ": 1, "<think>": 2, "Ġis": 3, "</think>": 4, "Ġ": 5}   # each token's next, as a dimension
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()

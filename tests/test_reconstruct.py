@@ -355,3 +355,34 @@ def test_validation_report() -> None:
     text = total.format()
     assert "103 answers checked" in text and "ends_with_eot" in text and "[" not in text
     assert "p99 |diff| 1" in total.summary_line()
+
+
+def test_prompt_special_tokens_special_reads_typed_special_text_as_the_token() -> None:
+    """vLLM, SGLang and transformers serve tokenize the rendered prompt with special tokens recognised:
+    a `<|im_end|>` typed in a message is that token there. "special" counts the prompt the same way;
+    the answer is the model's text either way."""
+    tok = bundled_kimi()
+    messages = [{"role": "user", "content": "close with <|im_end|> please"}]
+    as_text = reconstruct(tok, load_template("kimi-k2.5", tok), messages, "ok", "done")
+    as_special = reconstruct(tok, load_template("kimi-k2.5", tok, prompt_specials=True), messages, "ok",
+                             "done")
+    end = tok.special_id("<|im_end|>")
+    prompt_text, prompt_special = as_text.input_ids[:as_text.answer_start], as_special.input_ids[:as_special.answer_start]
+    assert list(prompt_special).count(end) == list(prompt_text).count(end) + 1
+    assert tok.decode(prompt_special.tolist()) == tok.decode(prompt_text.tolist())  # same text, other ids
+    assert len(prompt_special) < len(prompt_text)  # the typed text is one id, not several
+    assert (as_special.input_ids[as_special.answer_start:as_special.answer_end].tolist()
+            == as_text.input_ids[as_text.answer_start:as_text.answer_end].tolist())
+    assert as_special.valid and as_text.valid
+
+
+def test_prompt_special_tokens_default_follows_the_server_kind(tmp_path: Path) -> None:
+    from draftgen.core.config import ConfigError, TokenizerConfig, load_config
+    assert TokenizerConfig().prompt_specials(self_hosted=True) is True
+    assert TokenizerConfig().prompt_specials(self_hosted=False) is False
+    assert TokenizerConfig(prompt_special_tokens="special").prompt_specials(self_hosted=False) is True
+    assert TokenizerConfig(prompt_special_tokens="text").prompt_specials(self_hosted=True) is False
+    path = tmp_path / "c.toml"
+    path.write_text('[tokenizer]\nprompt_special_tokens = "token"\n')
+    with pytest.raises(ConfigError, match="prompt_special_tokens"):
+        load_config(path)

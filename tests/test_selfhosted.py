@@ -211,13 +211,12 @@ def test_a_parser_rewriting_non_streamed_text_fails_the_smoke_test(tmp_path: Pat
     assert "set [api] stream = true" in rows["stream"]["detail"], rows["stream"]
 
     path = _config(tmp_path, server, reasoning_model, n=24, concurrency=4, stream=True)
-    _draftgen("smoke", str(path))
+    smoke = _draftgen("smoke", str(path))
     rows = {r["check"]: r for r in orjson.loads((tmp_path / "run" / "smoke.json").read_bytes())["rows"]}
-    assert rows["stream"]["passed"] and rows["a: tokens"]["passed"], rows
-    # Open (issue 23, item 5): transformers 5 serves a qwen2 model with its own Qwen2Tokenizer, whose
-    # pre-tokenizer splits digits, not the tokenizer.json draftgen reads: prompts with digits count 1 more.
-    assert [c for c, r in rows.items() if not r["passed"]] == ["a: prompt tokens"], rows
-    run = _draftgen("run", str(path), "--headless", "--skip-smoke", "--interval", "0.5")
+    # transformers serves a qwen2 folder with its Qwen2Tokenizer (digits split), not tokenizer.json's
+    # pre-tokenizer: draftgen encodes as transformers loads the folder, so the prompts count as served.
+    assert smoke.returncode == 0 and all(r["passed"] for r in rows.values()), rows
+    run = _draftgen("run", str(path), "--headless", "--interval", "0.5")  # no --skip-smoke
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert _draftgen("tokens", str(path)).returncode == 0
     report = orjson.loads((tmp_path / "run" / "a" / "tokens" / "report.json").read_bytes())
@@ -225,7 +224,7 @@ def test_a_parser_rewriting_non_streamed_text_fails_the_smoke_test(tmp_path: Pat
     assert report["provider_flags"] == [], report["provider_flags"]
     assert _draftgen("merge", str(path)).returncode == 0
     tok = AutoTokenizer.from_pretrained(reasoning_model)
-    generated = tok.convert_tokens_to_ids(["<think>", "Ġis", "</think>", "Ġ4", "<|im_end|>"])
+    generated = tok.convert_tokens_to_ids(["<think>", "Ġis", "</think>", "Ġ", "4", "<|im_end|>"])
     merged = tmp_path / "run" / "merged" / "tokens"
     from draftgen.core.tokens.store import TokenReader
     samples = list(TokenReader(merged))

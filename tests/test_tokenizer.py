@@ -250,3 +250,24 @@ def test_corrupt_json_files_are_named(tmp_path: Path) -> None:
     (kimi / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"5": {"content": "<x>"}}}))
     with pytest.raises(TokenizerError, match="inside the BPE vocabulary"):
         load_tokenizer(str(kimi))
+
+
+def test_a_tokenizer_json_folder_encodes_as_transformers_loads_it(tmp_path: Path) -> None:
+    """transformers 5 loads a qwen2 folder with Qwen2Tokenizer, which splits digits whatever the
+    folder's tokenizer.json pre-tokenizer says; the serving stack counts with it, so draftgen must too."""
+    import tokenizers
+    from transformers import AutoTokenizer
+
+    from draftgen.core.tokens.tokenizer import load_tokenizer
+
+    from .selfhosted_model import build_tiny_reasoning_model
+    folder = build_tiny_reasoning_model(tmp_path / "qwen2")
+    text = "What is 22+2? Answer 4."
+    served = AutoTokenizer.from_pretrained(str(folder), local_files_only=True).encode(text, add_special_tokens=False)
+    raw = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert served != raw  # the case this is about: the file alone counts otherwise
+    tok = load_tokenizer(str(folder))
+    assert tok.encode_text(text) == served
+    assert str(folder / "tokenizer.json") in tok.origin and "Qwen2Tokenizer" in tok.origin
+    assert "pre_tokenizer" in tok.origin
+    assert tok.special_id("<|im_end|>") == AutoTokenizer.from_pretrained(str(folder)).convert_tokens_to_ids("<|im_end|>")

@@ -135,8 +135,34 @@ def _asks_reasoning(body: dict[str, Any]) -> bool:
     return bool(body.get("include_reasoning"))
 
 
-def _count_prompts(ds: DatasetConfig) -> int:
-    return sum(isinstance(item, Prompt) for item in read_prompts(ds.prompts))
+def _count_prompts(ds: DatasetConfig, specials: Any = ()) -> tuple[int, int, str]:
+    """Prompts in the file, those holding special-token text, and the first such token seen."""
+    from draftgen.core.tokens.template import special_text_pattern
+    pattern = special_text_pattern(specials)
+    n = flagged = 0
+    first = ""
+    for item in read_prompts(ds.prompts):
+        if not isinstance(item, Prompt):
+            continue
+        n += 1
+        if pattern is not None:
+            found = next((m for msg in item.messages if isinstance(msg.get("content"), str)
+                          for m in [pattern.search(msg["content"])] if m), None)
+            if found:
+                flagged += 1
+                first = first or found.group(0)
+    return n, flagged, first
+
+
+def special_text_row(config: Config, name: str, flagged: int, first: str) -> SmokeRow:
+    """A warning counting the prompts with special-token text, and how this run reads it."""
+    reads = config.tokenizer.prompt_specials(config.api.self_hosted)
+    how = ("read as the special token, as vLLM, SGLang and transformers serve tokenize the rendered prompt"
+           if reads else "kept as text")
+    return SmokeRow(f"{name}: special-token text", True,
+                    f"{flagged} prompt(s) hold special-token text (e.g. {first!r}): {how} ([tokenizer] "
+                    f"prompt_special_tokens = \"{'special' if reads else 'text'}\"; check the prompt tokens row)",
+                    warning=True)
 
 
 def _on_disk(rd: RunDir, ds: DatasetConfig) -> tuple[int, int, float]:
@@ -274,11 +300,22 @@ def _prompt_row(config: Config, label: str, rec: Any, messages: list[dict[str, A
         detail += (f"; the provider's count matches the prompt rendered with "
                    f"{'no default system turn' if other is None else 'the Kimi default system turn'}: "
                    f"set [tokenizer] default_system = {setting}")
+    elif rec.count_diff == 0:
+        # The answer counts exactly, so the template's turns agree with the server's: the text encodes otherwise.
+        detail += (f"; the answer counts exactly, so the chat template is not the cause: possible tokenizer "
+                   f"mismatch: draftgen encodes with {_origin(reconstruct_fn, config)}, the server loads its own "
+                   f"tokenizer for the model (set [tokenizer] path to the folder the server serves)")
     else:
         detail += ("; the provider ran another prompt than the one reconstructed (a different chat template, "
                    "system turn or tool declarations), so every row's prompt would differ from what produced "
-                   "its answer")
+                   f"its answer; or a possible tokenizer mismatch (draftgen encodes with "
+                   f"{_origin(reconstruct_fn, config)})")
     return SmokeRow(f"{label} prompt tokens", False, detail)
+
+
+def _origin(reconstruct_fn: Callable[..., Any], config: Config) -> str:
+    """The tokenizer file the smoke test encoded with (set once the tokenizer loaded)."""
+    return str(getattr(reconstruct_fn, "origin", None) or config.tokenizer.path)
 
 
 async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.StageProgress], None] | None = None,
@@ -309,11 +346,14 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
         from draftgen.core.tokens.reconstruct import reconstruct
         from draftgen.core.tokens.template import load_template
         from draftgen.core.tokens.tokenizer import load_tokenizer
+        specials = config.tokenizer.prompt_specials(config.api.self_hosted)
         if not tok_and_template:
             try:
                 tok = load_tokenizer(config.tokenizer.path, config.tokenizer.trust_remote_code)
+                reconstruct_fn.origin = getattr(tok, "origin", tok.name)  # type: ignore[attr-defined]
                 tok_and_template.append((tok, load_template(config.tokenizer.template, tok,
-                                                            default_system=config.tokenizer.system_turn())))
+                                                            default_system=config.tokenizer.system_turn(),
+                                                            prompt_specials=specials)))
             except DraftgenError as e:
                 add(SmokeRow("tokenizer", False, str(e)))
                 tok_and_template.append(None)
@@ -321,8 +361,8 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
             return None
         tok, template = tok_and_template[0]
         if a is None:
-            return reconstruct(tok, load_template(config.tokenizer.template, tok, default_system=system),
-                               messages, "", "")
+            return reconstruct(tok, load_template(config.tokenizer.template, tok, default_system=system,
+                                                  prompt_specials=specials), messages, "", "")
         return reconstruct(tok, template, messages, a.reasoning, a.content, billed_tokens=a.usage.completion_tokens,
                            backend_ids=a.token_ids, truncated=a.finish_reason == "length", tool_calls=a.tool_calls,
                            count_tolerance=config.validation.count_tolerance,
@@ -489,7 +529,11 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
     figures = []
     for ds in config.datasets:
         try:
-            n = await asyncio.to_thread(_count_prompts, ds)
+            loaded = tok_and_template[0] if tok_and_template else None
+            n, flagged, first = await asyncio.to_thread(_count_prompts, ds,
+                                                        loaded[0].special_tokens() if loaded else ())
+            if flagged:
+                add(special_text_row(config, ds.name, flagged, first))
         except DraftgenError as e:
             add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
             n = 0

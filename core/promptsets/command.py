@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from rich.console import Console
 from rich.table import Table
@@ -95,6 +95,19 @@ def _source_table(stats: Sequence[SourceStats]) -> Table:
     return table
 
 
+def _warn_special_text(console: Console, datasets: Any, tok: Any) -> None:
+    """Count the prompts holding special-token text: servers read it as the token, OpenRouter may not."""
+    from draftgen.core.tokens.template import count_special_text
+    for out in datasets:
+        with open(out.path, "rb") as f:
+            flagged = count_special_text(f, tok.special_tokens())
+        if flagged:
+            console.print(f"[yellow]{out.name}: {flagged:,} prompt(s) hold special-token text (e.g. a typed "
+                          f"<|im_end|>)[/]: vLLM, SGLang and transformers serve read it as the special token "
+                          f"([tokenizer] prompt_special_tokens, default \"special\" self-hosted, \"text\" on "
+                          f"OpenRouter); the prompt tokens above count it as text", markup=True)
+
+
 def build_command(req: BuildRequest, console: Console | None = None) -> int:
     from draftgen.core.tokens.template import load_template
     from draftgen.core.tokens.tokenizer import load_tokenizer
@@ -155,6 +168,7 @@ def build_command(req: BuildRequest, console: Console | None = None) -> int:
                       f"{out.settings.concurrency:,}", f"{out.settings.max_tokens:,}",
                       f"${cost.expected_usd:,.2f}" if cost else "—", f"${cost.max_usd:,.2f}" if cost else "—")
     console.print(table)
+    _warn_special_text(console, result.datasets, tok)
     if prices is None:
         console.print("  no cost estimate: pass --price-in and --price-out (USD per million tokens, from the "
                       "provider's price listing)")

@@ -33,6 +33,7 @@ class Tokenizer(Protocol):
 
     name: str
     vocab_size: int
+    origin: str  # what was read (a file, or a file as transformers rebuilds it), for mismatch hints
 
     def encode_text(self, text: str) -> list[int]:
         """Ids of ordinary text; special-token look-alikes stay text."""
@@ -136,6 +137,7 @@ class TiktokenTokenizer(_SpecialTable, _ChatTemplateText):
         _SpecialTable.__init__(self, name, specials)
         _ChatTemplateText.__init__(self, name, chat_template, template_variables or {})
         self.name = name
+        self.origin = name  # the file or folder the ids come from, named in mismatch hints
         self.encoding = encoding
         # Byte-level BPE over UTF-8 with every single byte in the vocabulary: decode(encode_text(t)) == t
         # for every valid Unicode text (reconstruction relies on it to skip decoding its own ids).
@@ -168,6 +170,7 @@ class TokenizersTokenizer(_SpecialTable, _ChatTemplateText):
         _SpecialTable.__init__(self, name, specials)
         _ChatTemplateText.__init__(self, name, chat_template, template_variables or {})
         self.name = name
+        self.origin = name  # the file or folder the ids come from, named in mismatch hints
         self.vocab_size = int(full.get_vocab_size(with_added_tokens=True))
         self._full = full
         self._plain = _plain_tokenizers_copy(full)
@@ -185,6 +188,7 @@ class TransformersTokenizer(_SpecialTable):
     def __init__(self, name: str, tok: Any) -> None:
         _SpecialTable.__init__(self, name, {str(k): int(v) for k, v in tok.get_added_vocab().items()})
         self.name = name
+        self.origin = name  # the file or folder the ids come from, named in mismatch hints
         self.vocab_size = int(len(tok))
         self._tok = tok
         backend = getattr(tok, "backend_tokenizer", None)

@@ -310,8 +310,59 @@ class AutoTemplate:
                             self.think_open, self.think_close, opens)
 
 
-def load_template(name: str, tok: Tokenizer, *, default_system: str | None = None) -> ChatTemplate:
-    """The template `name` ("kimi-k2.5" or "auto") for `tok`."""
+class _PromptSpecials:
+    """A template whose prompt reads special-token text as the special token, as a serving stack does:
+    vLLM, SGLang and transformers serve render the chat template to a string and tokenize it with
+    special tokens recognised, so a `<|im_end|>` typed in a message becomes that token. Answers stay text."""
+
+    def __init__(self, inner: ChatTemplate, names: Any) -> None:
+        self._inner = inner
+        self._split = special_text_pattern(names)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._inner, attr)
+
+    def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
+               truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> RenderedChat:
+        import dataclasses
+        rendered = self._inner.render(messages, reasoning, content, truncated=truncated, tool_calls=tool_calls)
+        if self._split is None:
+            return rendered
+        prompt: list[Segment] = []
+        for seg in rendered.prompt:
+            if seg.special:
+                prompt.append(seg)
+                continue
+            for k, piece in enumerate(self._split.split(seg.text)):
+                if piece:
+                    prompt.append(Segment(piece, k % 2 == 1))
+        return dataclasses.replace(rendered, prompt=tuple(prompt))
+
+
+def special_text_pattern(names: Any) -> re.Pattern[str] | None:
+    """A regex matching any of the special-token `names` (longest first), None when there are none."""
+    names = sorted((n for n in names if n), key=len, reverse=True)
+    return re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
+
+
+def count_special_text(lines: Any, names: Any) -> int:
+    """How many of `lines` (prompt-file lines, str or bytes) hold a special token's text."""
+    pattern = special_text_pattern(names)
+    if pattern is None:
+        return 0
+    raw = re.compile(pattern.pattern.encode())
+    return sum(1 for line in lines if (raw if isinstance(line, bytes) else pattern).search(line))
+
+
+def load_template(name: str, tok: Tokenizer, *, default_system: str | None = None,
+                  prompt_specials: bool = False) -> ChatTemplate:
+    """The template `name` ("kimi-k2.5" or "auto") for `tok`; `prompt_specials`: special-token text
+    in the prompt becomes the special token (`[tokenizer] prompt_special_tokens = "special"`)."""
+    template = _load_template(name, tok, default_system=default_system)
+    return _PromptSpecials(template, tok.special_tokens()) if prompt_specials else template  # type: ignore[return-value]
+
+
+def _load_template(name: str, tok: Tokenizer, *, default_system: str | None = None) -> ChatTemplate:
     if name == "kimi-k2.5":
         for special in ("<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>",
                         "<think>", "</think>"):

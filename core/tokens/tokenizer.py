@@ -7,7 +7,10 @@ Three ways in, chosen by what `tokenizer.path` holds:
   from `special_tokens.json` beside it, else from the bundled Kimi table; every id of the reserved
   range left unnamed is `<|reserved_token_{id}|>`. The split pattern comes from `special_tokens.json`
   beside it, else the bundled Kimi pattern.
-- a folder with `tokenizer.json`: loaded with the `tokenizers` library.
+- a folder with `tokenizer.json`: loaded with the `tokenizers` library, as transformers'
+  `AutoTokenizer` builds it for that folder when it can (offline, `trust_remote_code` as configured):
+  the serving stack's class may rebuild the file's pre-tokenizer (transformers 5's `Qwen2Tokenizer`
+  splits digits one by one), and ids must be the server's. `origin` says which was read.
 - anything else: a Hugging Face id, resolved in the local cache only (never downloaded). A cached
   snapshot with `tiktoken.model` or `tokenizer.json` loads as a folder above; otherwise through
   transformers `AutoTokenizer` (`trust_remote_code` as configured).
@@ -173,7 +176,25 @@ def _load_tiktoken_folder(folder: Path) -> TiktokenTokenizer:
                              _template_variables(tok_config), lossless)
 
 
-def _load_tokenizers_folder(folder: Path) -> TokenizersTokenizer:
+def _served_backend(folder: Path, trust_remote_code: bool) -> tuple[Any, str] | None:
+    """The fast tokenizer transformers builds for `folder` (what transformers serve, vLLM and SGLang
+    load), with its class name; None when transformers cannot load it offline."""
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception:  # missing config, remote code refused, no transformers: the file alone then
+        return None
+    backend = getattr(tok, "backend_tokenizer", None)
+    return (backend, type(tok).__name__) if backend is not None else None
+
+
+def _differing_parts(a: Any, b: Any) -> list[str]:
+    """The top-level tokenizer.json sections (normalizer, pre_tokenizer, model...) that differ."""
+    da, db = json.loads(a.to_str()), json.loads(b.to_str())
+    return [k for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k)]
+
+
+def _load_tokenizers_folder(folder: Path, trust_remote_code: bool = False) -> TokenizersTokenizer:
     import tokenizers
 
     path = folder / "tokenizer.json"
@@ -185,8 +206,22 @@ def _load_tokenizers_folder(folder: Path) -> TokenizersTokenizer:
     tok_config = _read_json(config_path) if config_path.exists() else {}
     if not isinstance(tok_config, dict):
         raise TokenizerError(f"{config_path}: must hold a JSON object")
-    return TokenizersTokenizer(str(folder), full, _chat_template_from(folder, tok_config),
-                               _template_variables(tok_config))
+    origin = str(path)
+    # The serving stack loads the folder with AutoTokenizer, whose class may rebuild parts of the file
+    # (transformers 5's Qwen2Tokenizer splits digits whatever tokenizer.json says): encode as it does.
+    served = _served_backend(folder, trust_remote_code) if (folder / "config.json").exists() or \
+        "tokenizer_class" in tok_config else None
+    if served is not None:
+        backend, cls = served
+        parts = _differing_parts(full, backend)
+        if parts:
+            full = backend
+            origin = (f"{path} as transformers loads it ({cls}, whose {', '.join(parts)} differ from the "
+                      f"file's; the serving stack encodes with {cls} too)")
+    tok = TokenizersTokenizer(str(folder), full, _chat_template_from(folder, tok_config),
+                              _template_variables(tok_config))
+    tok.origin = origin
+    return tok
 
 
 _TRANSFORMERS_FILES = ("tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
@@ -206,7 +241,7 @@ def _load_folder(folder: Path, trust_remote_code: bool) -> Tokenizer:
     if (folder / "tiktoken.model").exists():
         return _load_tiktoken_folder(folder)
     if (folder / "tokenizer.json").exists():
-        return _load_tokenizers_folder(folder)
+        return _load_tokenizers_folder(folder, trust_remote_code)
     if any((folder / f).exists() for f in _TRANSFORMERS_FILES):
         return _load_transformers(str(folder), str(folder), trust_remote_code)
     raise TokenizerError(f"{folder}: no tokenizer here (expected tiktoken.model, tokenizer.json or "

@@ -67,15 +67,18 @@ class WorkerSpec:
     template: str
     count_tolerance: int = DEFAULT_COUNT_TOLERANCE
     default_system: str | None = None
+    prompt_specials: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> "WorkerSpec":
         t = config.tokenizer
-        return cls(t.path, t.trust_remote_code, t.template, config.validation.count_tolerance, t.system_turn())
+        return cls(t.path, t.trust_remote_code, t.template, config.validation.count_tolerance, t.system_turn(),
+                   t.prompt_specials(config.api.self_hosted))
 
     def load(self) -> tuple[Tokenizer, ChatTemplate]:
         tok = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
-        return tok, load_template(self.template, tok, default_system=self.default_system)
+        return tok, load_template(self.template, tok, default_system=self.default_system,
+                                  prompt_specials=self.prompt_specials)
 
 
 _worker: tuple[Tokenizer, ChatTemplate, int] | None = None
