@@ -18,6 +18,9 @@
     truncated             bool, finish_reason == "length"
     empty_content         bool, no content (e.g. reasoning used up max_tokens)
     token_ids             list[int] | absent, completion token ids when the backend returned them
+    prompt_token_ids      list[int] | absent, the prompt ids the backend ran, when it returned them
+                          (vLLM, SGLang with `[api] return_token_ids`); reconstruction compares them
+                          with the rendered prompt (`matches_backend_prompt`)
     ts                    float, unix time it was written
 
 `<dataset>/failures.jsonl` — one prompt that failed for good per line:
@@ -43,6 +46,8 @@
     billed_prompt_tokens      int | null, usage.prompt_tokens (the provider's count of what it ran)
     prompt_diff               int | null, prompt_tokens - billed_prompt_tokens
     provider                  str | null, copied from the response
+    prompt_source             "rendered" (the chat template's prompt) or "backend" (the server's
+                              prompt_token_ids, which the sample then holds); absent in older stores
 """
 
 from __future__ import annotations
@@ -149,6 +154,7 @@ class ResponseRecord:
     empty_content: bool
     ts: float
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         u = self.usage
@@ -163,6 +169,8 @@ class ResponseRecord:
             "empty_content": self.empty_content, "ts": self.ts}
         if self.token_ids is not None:
             line["token_ids"] = self.token_ids
+        if self.prompt_token_ids is not None:
+            line["prompt_token_ids"] = self.prompt_token_ids
         return line
 
     @classmethod
@@ -175,6 +183,7 @@ class ResponseRecord:
 
         messages, tool_calls, token_ids = raw.get("messages"), raw.get("tool_calls"), raw.get("token_ids")
         latency, attempts, ts = raw.get("latency_s"), raw.get("attempts"), raw.get("ts")
+        prompt_ids = raw.get("prompt_token_ids")
         return cls(
             id=str(raw.get("id")), messages=messages if isinstance(messages, list) else [],
             reasoning=text("reasoning"), content=text("content") or "",
@@ -184,7 +193,8 @@ class ResponseRecord:
             usage=Usage.from_dict(raw.get("usage")),
             latency_s=_finite(latency), attempts=count_of(attempts),
             truncated=bool(raw.get("truncated")), empty_content=bool(raw.get("empty_content")), ts=_finite(ts),
-            token_ids=token_ids if isinstance(token_ids, list) else None)
+            token_ids=token_ids if isinstance(token_ids, list) else None,
+            prompt_token_ids=prompt_ids if isinstance(prompt_ids, list) else None)
 
     @property
     def short(self) -> bool:

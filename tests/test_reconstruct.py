@@ -76,7 +76,7 @@ def test_chat_vector_through_the_template() -> None:
     assert (r.answer_start, r.answer_end) == (9, 13)
     assert r.loss_mask.tolist() == [0] * 8 + [1] * 5  # from the <think> through <|im_end|>
     assert r.valid and r.count_diff == 0 and r.source == "reconstructed"
-    assert set(r.checks) == set(CHECKS) - {"matches_backend"}
+    assert set(r.checks) == set(CHECKS) - {"matches_backend", "matches_backend_prompt"}  # no server ids given
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -217,7 +217,7 @@ def test_reconstruct_record_reads_a_response_line() -> None:
                               "failed_checks": ["ends_with_eot"], "span_tokens": 3, "billed_tokens": 3,
                               "count_diff": 0, "truncated": True, "source": "reconstructed",
                               "prompt_tokens": 9, "billed_prompt_tokens": 10, "prompt_diff": -1,
-                              "provider": "Together"}
+                              "provider": "Together", "prompt_source": "rendered"}
 
 
 PIECES = st.lists(st.one_of(st.text(max_size=40), st.sampled_from(

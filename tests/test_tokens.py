@@ -22,7 +22,8 @@ from draftgen.core.tokens.workers import INLINE_MAX, REPORT_FILE, reconstruct_da
 from draftgen.core.tokens.store import INDEX_FILE, TokenReader
 
 META_KEYS = {"answer_start", "answer_end", "valid", "failed_checks", "span_tokens", "billed_tokens", "count_diff",
-             "truncated", "source", "prompt_tokens", "billed_prompt_tokens", "prompt_diff", "provider"}
+             "truncated", "source", "prompt_tokens", "billed_prompt_tokens", "prompt_diff", "provider",
+             "prompt_source"}
 
 
 def make_config(tmp_path: Path, *, tokenizer: str | None = None, datasets: tuple[str, ...] = ("A",)) -> Config:

@@ -37,6 +37,7 @@ class ChatAnswer:
     latency_s: float
     token_ids: list[int] | None = None
     priced: bool = True  # usage.cost was in the answer (false: billing.py estimates or looks it up)
+    prompt_token_ids: list[int] | None = None  # the prompt ids the server ran (return_token_ids)
 
 
 def _reasoning_of(message: dict[str, Any]) -> str | None:
@@ -77,18 +78,36 @@ def _has_cost(raw: Any) -> bool:
     return isinstance(cost, (int, float)) and not isinstance(cost, bool)
 
 
+def _int_list(ids: Any) -> list[int] | None:
+    if isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return ids
+    return None
+
+
+# Where the servers put the ids when `return_token_ids` is set (chat completions):
+#   vLLM >= 0.10.2 (vllm/entrypoints/openai/chat_completion/protocol.py, earlier openai/protocol.py):
+#     `token_ids` on the choice (ChatCompletionResponseChoice; each stream chunk's choice carries its
+#     delta), `prompt_token_ids` at the top level (ChatCompletionResponse; only the first stream chunk).
+#   SGLang (python/sglang/srt/entrypoints/openai/protocol.py, main 2025): `prompt_token_ids` and
+#     `token_ids` both on the non-streamed choice (ChatCompletionResponseChoice); its stream choices
+#     carry neither. Older builds put the generated ids in the response-level `sglext.output_ids`.
 def _token_ids(obj: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
-    """The generated ids a vLLM or SGLang server returns when asked (`return_token_ids`): on the choice
-    (`token_ids`: vLLM, SGLang >= PR 30917), or SGLang's response-level `sglext.output_ids` (one list per
-    choice). None when absent or not a list of integers."""
+    """The generated ids a vLLM or SGLang server returns when asked (`return_token_ids`): the choice's
+    `token_ids`, else SGLang's `sglext.output_ids` (one list per choice). None when absent or not a
+    list of integers."""
     ids = choice.get("token_ids")
     if ids is None:
         ext = obj.get("sglext")
         out = ext.get("output_ids") if isinstance(ext, dict) else None
         ids = out[0] if isinstance(out, list) and out and isinstance(out[0], list) else None
-    if isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        return ids
-    return None
+    return _int_list(ids)
+
+
+def _prompt_token_ids(obj: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
+    """The prompt ids the server ran: the choice's `prompt_token_ids` (SGLang), else the response's
+    (vLLM). None when absent or not a list of integers."""
+    ids = choice.get("prompt_token_ids")
+    return _int_list(obj.get("prompt_token_ids") if ids is None else ids)
 
 
 def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
@@ -120,6 +139,7 @@ def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
         latency_s=latency_s,
         token_ids=token_ids if isinstance(token_ids, list) else None,
         priced=_has_cost(obj.get("usage")),
+        prompt_token_ids=_prompt_token_ids(obj, choice),
     )
 
 
@@ -142,6 +162,7 @@ class _StreamState:
         self.choices = 0  # choice deltas seen: a stream of `choices: []` only carries no answer
         self.token_ids: list[int] | None = None  # vLLM's per-chunk `token_ids` deltas, joined
         self.sglext: Any = None
+        self.prompt_token_ids: Any = None  # vLLM: top level, first chunk only
 
     def feed(self, chunk: dict[str, Any]) -> None:
         # Runs once per SSE event (hundreds per answer): one lookup per key, no temporaries.
@@ -163,6 +184,9 @@ class _StreamState:
         value = get("sglext")
         if isinstance(value, dict):
             self.sglext = value
+        value = get("prompt_token_ids")
+        if value is not None and self.prompt_token_ids is None:
+            self.prompt_token_ids = value
         choices = get("choices")
         if not choices:
             return
@@ -174,6 +198,9 @@ class _StreamState:
                 if self.token_ids is None:
                     self.token_ids = []
                 self.token_ids.extend(ids)
+            ids = cget("prompt_token_ids")  # a server that puts them on the choice, as SGLang does unstreamed
+            if ids is not None and self.prompt_token_ids is None:
+                self.prompt_token_ids = ids
             delta = cget("delta")
             if delta:
                 dget = delta.get
@@ -216,6 +243,8 @@ class _StreamState:
         body = {**self.meta, "usage": self.usage, "choices": [choice]}
         if self.sglext is not None:
             body["sglext"] = self.sglext
+        if self.prompt_token_ids is not None:
+            body["prompt_token_ids"] = self.prompt_token_ids
         return body
 
 

@@ -283,7 +283,8 @@ class Ledger:
             tool_calls=a.tool_calls, finish_reason=a.finish_reason, native_finish_reason=a.native_finish_reason,
             provider=a.provider, model=a.model, generation_id=a.generation_id, usage=a.usage,
             latency_s=round(a.latency_s, 3), attempts=attempts, truncated=truncated, empty_content=empty,
-            ts=round(time.time(), 3), token_ids=a.token_ids)
+            ts=round(time.time(), 3), token_ids=a.token_ids,
+            prompt_token_ids=a.prompt_token_ids)
         line = record.to_dict()
         assert ds.responses is not None
         on_disk = self._write(_Held(ds, ds.responses, line, answer=True))

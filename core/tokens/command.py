@@ -66,6 +66,8 @@ def _tokens(config: Config) -> int:
         if prompt.n:
             console.print(f"{escape(r.name)}: prompt tokens equal to usage.prompt_tokens in {prompt.share_exact:.1%} "
                           f"of {prompt.n:,} ({r.prompt_mismatches:,} differ)")
+        if r.prompt_from_backend:
+            console.print(f"{escape(r.name)}: {r.prompt_ids_line()}")
         dropped = ", ".join(f"{k} {n:,}" for k, n in sorted(r.dropped.items()) if n) or "nothing"
         noted = ", ".join(f"{k} {n:,}" for k, n in sorted(r.noted.items()) if n)
         console.print(f"{escape(r.name)}: the sample policy keeps {r.kept:,}" + (f" ({noted})" if noted else "")

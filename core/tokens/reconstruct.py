@@ -15,6 +15,8 @@ segment as ordinary text and insert each special token by id, then check the ans
                      which is the same thing; backend ids are always decoded)
     token_count      |span tokens - billed completion_tokens| <= tolerance (the exact diff is kept)
     matches_backend  the server's own completion ids equal the reconstruction, id for id
+    matches_backend_prompt  the server's own prompt ids (`prompt_token_ids`) equal the rendered prompt
+                     (the template's render through the generation prompt), id for id
 
 Beside the checks, the prompt: its token count (everything before the answer span, the generation
 prompt's `<think>` included) against the provider's `usage.prompt_tokens`, kept as `prompt_diff`.
@@ -27,6 +29,13 @@ The loss mask is 1 from the `<think>` after the last assistant header through it
 end-of-turn token in reality, so none is rendered: they fail `ends_with_eot` by design and are never
 clean. Where the backend returned completion ids, those ids are the span and the reconstruction is
 only compared with them.
+
+Where the backend returned its prompt ids and they differ, the sample's prompt is the server's (the
+model was conditioned on those, so the hidden states must be too), and `prompt_tokens` counts them.
+That is safe for the loss mask: it covers the answer span only, which starts where the prompt ends
+whatever its length; the prompt's masked tail (the generation prompt's `<think>`) stays masked only
+when the server's prompt ends with the same ids, else the mask starts at the answer. Ids outside the
+tokenizer's vocabulary keep the rendered prompt, and the check fails.
 """
 
 from __future__ import annotations
@@ -43,9 +52,10 @@ from draftgen.core.tokens.template import ChatTemplate, Segment
 from draftgen.core.tokens.tokenizer import Tokenizer
 
 CHECKS = ("renders", "one_think_close", "no_think_open", "ends_with_eot", "round_trip", "token_count",
-          "matches_backend")
+          "matches_backend", "matches_backend_prompt")
 DEFAULT_COUNT_TOLERANCE = 2
 SOURCES = ("reconstructed", "backend")
+PROMPT_SOURCES = ("rendered", "backend")
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,6 +75,7 @@ class Reconstruction:
     prompt_tokens: int | None = None         # tokens before the answer span (None: not rendered)
     billed_prompt_tokens: int | None = None  # usage.prompt_tokens
     provider: str | None = None
+    prompt_source: str = "rendered"          # "backend": the prompt ids are the server's (PROMPT_SOURCES)
 
     @property
     def valid(self) -> bool:
@@ -77,7 +88,7 @@ class Reconstruction:
                 "billed_tokens": self.billed_tokens, "count_diff": self.count_diff,
                 "truncated": self.truncated, "source": self.source, "prompt_tokens": self.prompt_tokens,
                 "billed_prompt_tokens": self.billed_prompt_tokens, "prompt_diff": self.prompt_diff,
-                "provider": self.provider}
+                "provider": self.provider, "prompt_source": self.prompt_source}
 
     @property
     def prompt_diff(self) -> int | None:
@@ -123,11 +134,13 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
                 content: str | None, *, billed_tokens: int | None = None, backend_ids: Sequence[int] | None = None,
                 truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None,
                 count_tolerance: int = DEFAULT_COUNT_TOLERANCE, verify_decode: bool = False,
-                billed_prompt_tokens: int | None = None, provider: str | None = None) -> Reconstruction:
+                billed_prompt_tokens: int | None = None, provider: str | None = None,
+                backend_prompt_ids: Sequence[int] | None = None) -> Reconstruction:
     """Token ids, loss mask and validation of one answer to `messages`.
 
     `verify_decode`: decode the span for `round_trip` even where the tokenizer is known lossless.
     `billed_prompt_tokens`: the provider's `usage.prompt_tokens`, compared with the rendered prompt.
+    `backend_prompt_ids`: the server's own prompt ids, compared with the rendered prompt (and used).
     """
     source = "backend" if backend_ids is not None else "reconstructed"
     billed = int(billed_tokens) if billed_tokens is not None else None
@@ -140,10 +153,23 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
     except DraftgenError as e:
         return unrenderable(str(e), billed_tokens=billed, truncated=truncated, source=source, provider=provider)
 
+    vocab = tok.vocab_size
+    mask_tail = rendered.mask_prompt_tail
+    prompt_source, prompt_match = "rendered", None
+    if backend_prompt_ids is not None:
+        server_prompt = [int(i) for i in backend_prompt_ids]
+        prompt_match = server_prompt == prompt_ids
+        if prompt_match:
+            prompt_source = "backend"
+        elif all(0 <= i < vocab for i in server_prompt):
+            # The tail keeps its mask only where the server ran the same generation prompt.
+            if mask_tail and server_prompt[-mask_tail:] != prompt_ids[-mask_tail:]:
+                mask_tail = 0
+            prompt_ids, prompt_source = server_prompt, "backend"
+
     span = answer_ids
     backend_usable = False
     if backend_ids is not None:
-        vocab = tok.vocab_size
         backend = [int(i) for i in backend_ids]
         # Ids the tokenizer does not have cannot be trained on: keep the reconstruction, flag the mismatch.
         backend_usable = all(0 <= i < vocab for i in backend)
@@ -191,13 +217,15 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
     if backend_ids is not None:
         checks["matches_backend"] = backend_usable and span == answer_ids
         source = "backend" if backend_usable else "reconstructed"
+    if prompt_match is not None:
+        checks["matches_backend_prompt"] = prompt_match
 
     loss_mask = np.zeros(input_ids.shape[0], dtype=np.uint8)
-    loss_mask[start - rendered.mask_prompt_tail:end] = 1
+    loss_mask[start - mask_tail:end] = 1
     billed_prompt = int(billed_prompt_tokens) if billed_prompt_tokens else None  # 0: not reported
     return Reconstruction(input_ids, loss_mask, start, end, checks, _finish(checks), len(span), count_diff,
                           source, billed, truncated, prompt_tokens=start, billed_prompt_tokens=billed_prompt,
-                          provider=provider)
+                          provider=provider, prompt_source=prompt_source)
 
 
 def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[str, Any], *,
@@ -212,6 +240,7 @@ def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[s
     provider = record.get("provider")
     provider = provider if isinstance(provider, str) else None
     backend = record.get("token_ids")
+    backend_prompt = record.get("prompt_token_ids")
     messages = record.get("messages")
     reasoning, content = record.get("reasoning"), record.get("content")
     for name, value in (("reasoning", reasoning), ("content", content)):
@@ -221,7 +250,11 @@ def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[s
     if backend is not None and not (isinstance(backend, list) and all(isinstance(i, int) for i in backend)):
         return unrenderable("token_ids must be a list of integers", billed_tokens=billed, truncated=truncated,
                             source="backend", provider=provider)
+    if backend_prompt is not None and not (isinstance(backend_prompt, list)
+                                           and all(isinstance(i, int) for i in backend_prompt)):
+        return unrenderable("prompt_token_ids must be a list of integers", billed_tokens=billed,
+                            truncated=truncated, provider=provider)
     return reconstruct(tok, template, messages if isinstance(messages, list) else [], reasoning, content or "",
                        billed_tokens=billed, backend_ids=backend, truncated=truncated,
                        tool_calls=record.get("tool_calls") or None, count_tolerance=count_tolerance,
-                       billed_prompt_tokens=billed_prompt, provider=provider)
+                       billed_prompt_tokens=billed_prompt, provider=provider, backend_prompt_ids=backend_prompt)

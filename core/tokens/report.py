@@ -34,12 +34,18 @@ class ValidationReport:
     noted: dict[str, int] = field(default_factory=dict)    # kept samples that differed, by what
     providers: dict[str, Agreement] = field(default_factory=dict)
     policy: SamplePolicy = field(default_factory=SamplePolicy, repr=False, compare=False)
+    prompt_from_backend: int = 0                           # answers with the server's prompt ids
+    prompt_backend_match: int = 0                          # ... equal to the rendered prompt
 
     def add_outcome(self, failed_checks: Iterable[str], count_diff: int | None, billed_tokens: int | None,
                     truncated: bool, source: str, *, prompt_diff: int | None = None,
-                    provider: str | None = None) -> None:
+                    provider: str | None = None, prompt_source: str | None = None) -> None:
         failed = list(failed_checks)
         self.checked += 1
+        # Given: used as the sample's prompt, or refused (ids outside the vocabulary) and so failed.
+        if prompt_source == "backend" or "matches_backend_prompt" in failed:
+            self.prompt_from_backend += 1
+            self.prompt_backend_match += "matches_backend_prompt" not in failed
         self.valid += not failed
         self.truncated += bool(truncated)
         self.from_backend += source == "backend"
@@ -66,7 +72,7 @@ class ValidationReport:
 
     def add(self, r: Reconstruction) -> None:
         self.add_outcome(r.failed_checks, r.count_diff, r.billed_tokens, r.truncated, r.source,
-                         prompt_diff=r.prompt_diff, provider=r.provider)
+                         prompt_diff=r.prompt_diff, provider=r.provider, prompt_source=r.prompt_source)
 
     def add_meta(self, meta: Mapping[str, Any]) -> None:
         """Count one `tokens/index.jsonl` entry (its metadata fields)."""
@@ -74,13 +80,16 @@ class ValidationReport:
         self.add_outcome(meta.get("failed_checks") or (), diff if isinstance(diff, int) else None,
                          meta.get("billed_tokens"), bool(meta.get("truncated")), str(meta.get("source")),
                          prompt_diff=pdiff if isinstance(pdiff, int) else None,
-                         provider=provider if isinstance(provider, str) else None)
+                         provider=provider if isinstance(provider, str) else None,
+                         prompt_source=str(meta.get("prompt_source")))
 
     def merge(self, other: "ValidationReport") -> None:
         self.checked += other.checked
         self.valid += other.valid
         self.truncated += other.truncated
         self.from_backend += other.from_backend
+        self.prompt_from_backend += other.prompt_from_backend
+        self.prompt_backend_match += other.prompt_backend_match
         for name, n in other.failures.items():
             self.failures[name] = self.failures.get(name, 0) + n
         for diff, n in other.diffs.items():
@@ -159,6 +168,7 @@ class ValidationReport:
         return {
             "name": self.name, "checked": self.checked, "valid": self.valid, "invalid": self.checked - self.valid,
             "truncated": self.truncated, "from_backend": self.from_backend,
+            "prompt_from_backend": self.prompt_from_backend, "prompt_backend_match": self.prompt_backend_match,
             "failures": {name: self.failures.get(name, 0) for name in CHECKS},
             "token_count_diff": {
                 "answers": self.counted, "billed_total": self.billed_total, "mean": self.diff_mean, "mean_abs": self.diff_abs_mean,
@@ -190,7 +200,14 @@ class ValidationReport:
                    {int(k): int(v) for k, v in (prompt.get("histogram") or {}).items()},
                    int(policy.get("kept") or 0), {k: int(v) for k, v in (policy.get("dropped") or {}).items()},
                    {k: int(v) for k, v in (policy.get("kept_noted") or {}).items()},
-                   {p: Agreement.from_dict(a) for p, a in (data.get("providers") or {}).items()})
+                   {p: Agreement.from_dict(a) for p, a in (data.get("providers") or {}).items()},
+                   prompt_from_backend=int(data.get("prompt_from_backend") or 0),
+                   prompt_backend_match=int(data.get("prompt_backend_match") or 0))
+
+    def prompt_ids_line(self) -> str:
+        """How the server's own prompt ids agree with the rendered prompts."""
+        return (f"prompt ids from the server: {self.prompt_from_backend:,}, "
+                f"agreeing {self.prompt_backend_match:,}")
 
     def summary_line(self) -> str:
         parts = [f"{self.name}: {self.checked:,} answers checked, {self.valid:,} valid"]
@@ -215,6 +232,8 @@ class ValidationReport:
         prompt = self.prompt
         lines.append(f"  {'prompt_token_count':<{width}}  {self.prompt_mismatches:>8,} differ"
                      + (f" (of {prompt.n:,} with usage.prompt_tokens)" if prompt.n else " (no usage.prompt_tokens)"))
+        if self.prompt_from_backend:
+            lines.append(f"  {self.prompt_ids_line()}")
         if self.counted:
             share = self.diff_share_of_billed
             lines.append(f"  token count - billed: mean {self.diff_mean:+.2f} (|diff| {self.diff_abs_mean:.2f}"
