@@ -328,6 +328,7 @@ def _check_files(result: SelfCheckResult, label: str, config: Config, samples: l
     ok = stats.written == len(samples) and sorted(by_index) == list(range(len(samples)))
     worst = 1.0
     for k, ((ids, mask), (hid, aux)) in enumerate(zip(samples, batch_out, strict=True)):
+        hid, aux = hid.cpu(), aux.cpu()  # the specforge backend leaves them on the GPU; the files are read on the CPU
         s = by_index.get(k)
         if s is None:
             ok = False

@@ -263,7 +263,9 @@ class SpecForgeBackend:
         self.max_batch_samples: int | None = max_samples
 
     def run(self, batch: Sequence[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every rank runs the forward; only the writer copies the states to the CPU (others get [])."""
+        """Every rank runs the forward; only the writer gets the states (others get []), left on the GPU:
+        the pooled writer reduces their finite flags there and copies them into pinned host memory
+        without blocking (core/extract/writer.py), so the next forward is not held up by the copy."""
         from draftgen.core.extract.backend import right_pad
         input_ids, attention_mask, lengths = right_pad(batch)
         width = input_ids.shape[1]
@@ -276,7 +278,7 @@ class SpecForgeBackend:
                                 f"{tuple(hidden.shape)} for a [{len(batch)}, {width}] batch")
         if not self.group.writer:
             return []
-        return [(hidden[row, :n].cpu(), aux[row, :n].cpu()) for row, n in enumerate(lengths)]
+        return [(hidden[row, :n], aux[row, :n]) for row, n in enumerate(lengths)]
 
     def close(self) -> None:
         self.capture = None
