@@ -53,6 +53,7 @@ from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.records import ResponseRecord
+from draftgen.core.generate.precheck import check_tokenizer
 from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.files import write_json_atomic
 from draftgen.core.rundir import RunDir, iter_jsonl
@@ -264,6 +265,23 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
 
     tok_and_template: list[Any] = []
     _unset = object()
+    # The free checks first (precheck.py): nothing is paid for while a local input is unusable.
+    local_error = ""
+    try:
+        await asyncio.to_thread(check_tokenizer, config)
+    except DraftgenError as e:
+        add(SmokeRow("tokenizer", False, str(e)))
+        tok_and_template.append(None)
+        local_error = "not sent: the tokenizer could not be loaded (see the tokenizer row)"
+    counts: dict[str, int] = {}
+    for ds in config.datasets:
+        try:
+            counts[ds.name] = await asyncio.to_thread(_count_prompts, ds)
+        except DraftgenError as e:
+            add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
+            counts[ds.name] = 0
+            local_error = local_error or f"not sent: {ds.name}'s prompt file cannot be used (see its prompts row)"
+    sent: list[bool] = []  # a request left: the smoke test ran (a passing smoke.json is replaced)
 
     def reconstruct_fn(messages: list[dict[str, Any]], a: ChatAnswer | None, system: Any = _unset) -> Any:
         """The answer `a` reconstructed; with `a` None, only the prompt (rendered with `system`)."""
@@ -356,8 +374,8 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
         async def ask(fp: str, ds: DatasetConfig) -> tuple[str, dict[str, Any], ChatAnswer | SmokeRow, float]:
             body = smoke_body(config, ds)
             fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
-            if ledger_error:
-                return fp, body, fail(ledger_error), 0.0
+            if local_error or ledger_error:
+                return fp, body, fail(local_error or ledger_error), 0.0
             assert spend is not None
             p = prices[ds.name]
             if p is None and config.budget.max_usd is not None:
@@ -371,6 +389,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                 if ticket is None:
                     return fp, body, fail(why + after), 0.0
                 start = time.monotonic()
+                sent.append(True)
                 try:
                     answer = await client.chat(body, functools.partial(spend.generation, ticket))
                     break
@@ -422,11 +441,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
 
     figures = []
     for ds in config.datasets:
-        try:
-            n = await asyncio.to_thread(_count_prompts, ds)
-        except DraftgenError as e:
-            add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
-            n = 0
+        n = counts[ds.name]
         answers, tokens, cost = on_disk[ds.name]
         figures.append(DatasetFigures(
             name=ds.name, remaining=max(0, n - answers), max_tokens=ds.max_tokens, concurrency=ds.concurrency,
@@ -456,7 +471,12 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                      + ("" if ok else ": the run would stop at the credit floor before finishing")))
 
     rd.root.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(rd.smoke_json, result.to_dict())  # a full disk: the last smoke.json stays as it was
+    if not sent and _last_smoke(rd, result.fingerprint, "passed") is True:
+        # Refused before any request (a run holds the ledger, a local input): the test did not run.
+        add(SmokeRow("smoke.json", True, f"kept the last passing smoke test in {rd.smoke_json}: this one "
+                     "sent no request", warning=True))
+    else:
+        write_json_atomic(rd.smoke_json, result.to_dict())  # a full disk: the last smoke.json stays as it was
     if progress is not None:
         final = snap.StageState.DONE if result.passed else snap.StageState.FAILED
         progress(snap.StageProgress("smoke", state=final, done=len(result.rows),

@@ -131,7 +131,10 @@ class Pipeline:
 
     async def _generate(self) -> str:
         try:
+            from draftgen.core.generate.precheck import check_inputs
             from draftgen.core.generate.preflight import check_api
+            # Prompt files and the tokenizer before anything is paid for (the smoke test included).
+            await asyncio.to_thread(check_inputs, self.config, tokenizer=self._reconstruct)
             try:
                 await check_api(self.config, self._api_key)
             except UnreachableError as e:
