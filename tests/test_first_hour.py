@@ -107,3 +107,25 @@ async def test_a_smoke_test_refused_beside_a_run_keeps_the_passing_smoke_json(tm
     assert rd.smoke_json.read_bytes() == before
     assert any(r.check == "smoke.json" and "kept the last passing" in r.detail for r in refused.rows)
 
+
+# -- 6. commands that meet the user -------------------------------------------------------------
+
+def test_report_and_attach_take_the_config_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from draftgen.cli.main import main
+    cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "a", "n": 2}])
+    assert main(["report", str(cfg.path)]) == 2
+    err = capsys.readouterr().err
+    assert f"its run directory {cfg.run_dir} does not exist yet" in err and f"draftgen run {cfg.path}" in err
+    assert main(["attach", str(cfg.path)]) == 2 and "does not exist yet" in capsys.readouterr().err
+    Path(cfg.run_dir).mkdir(parents=True)
+    assert main(["report", str(cfg.path)]) == 0
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "no such run directory or config file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["smoke", "run", "report", "attach", "tokens", "merge", "ledger"])
+def test_positional_arguments_have_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from draftgen.cli.main import main
+    with pytest.raises(SystemExit):
+        main([command, "-h"])
+    assert "config file" in capsys.readouterr().out
