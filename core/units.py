@@ -55,3 +55,15 @@ def usd(x: float | None) -> str:
     if x != 0 and abs(x) < 0.01:
         return f"${x:.5f}"
     return f"${x:,.2f}"
+
+
+def clip(text: str, width: int) -> str:
+    """`text` whole if it fits, else cut at the last word boundary before `width` with "..." (never
+    mid-word: "(name or service not)" reads as a different message)."""
+    if len(text) <= width:
+        return text
+    cut = text[: max(0, width - 3)]
+    space = cut.rfind(" ")
+    if space > width // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:(") + "..."

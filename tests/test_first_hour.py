@@ -129,3 +129,102 @@ def test_positional_arguments_have_help(command: str, capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         main([command, "-h"])
     assert "config file" in capsys.readouterr().out
+
+
+# -- 2. one voice for messages ------------------------------------------------------------------
+
+def test_clip_cuts_at_a_word_and_says_so() -> None:
+    from draftgen.core.units import clip
+    text = "GET /key: cannot connect to openrouter.ai:443 (name or service not known)"
+    assert clip(text, 200) == text
+    cut = clip(text, 66)
+    assert cut.endswith("...") and len(cut) <= 66 and text.startswith(cut[:-3]) and "not)" not in cut
+    assert text[len(cut) - 3] == " " or cut[:-3].endswith(("service", "known"))
+
+
+async def test_an_unreachable_address_says_its_cause_once_with_network_advice(tmp_path: Path) -> None:
+    async with SimServer(SimConfig(seed=1), port=0) as sim:
+        port = sim.port
+    cfg = make_config(tmp_path, f"http://127.0.0.1:{port}/api/v1", [{"name": "a", "n": 2}],
+                      tables={"tokenizer": {"path": str(bundled_kimi_path())}, "budget": {"max_usd": 1.0},
+                              "engine": {"backoff_base_s": 0.001, "backoff_max_s": 0.002}})
+    result = await run_smoke(cfg, TEST_KEY)
+    prices = next(r for r in result.rows if r.check == "a: prices")
+    assert prices.detail.count("GET /models/") == 1, prices.detail
+    assert "the address does not answer" in prices.detail and "prompt_price_per_mtok" not in prices.detail
+
+
+def _answer(**kw: object):  # noqa: ANN202 - a ChatAnswer
+    from draftgen.core.generate.client import ChatAnswer
+    from draftgen.core.records import Usage
+    base = dict(content="4", reasoning=None, tool_calls=None, finish_reason="stop", native_finish_reason="stop",
+                provider="Moonshot", model="moonshotai/kimi-k2.5", generation_id="g", latency_s=0.1,
+                usage=Usage(prompt_tokens=5, completion_tokens=3, cost=0.001))
+    return ChatAnswer(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_smoke_rows_say_what_came_back(tmp_path: Path) -> None:
+    from draftgen.core.generate.smoke import _answer_rows
+    cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "a", "n": 1}])
+    body = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 10}
+    rows = {r.check: r for r in _answer_rows(cfg, cfg.datasets[0], body, _answer(provider=None, reasoning="hmm"),
+                                             lambda *a: None)}
+    assert rows["a: provider"].detail == "no provider in the response"
+    assert rows["a: reasoning"].detail == "not requested, yet 3 chars of reasoning came back"
+
+
+async def test_a_failed_smoke_gate_gives_a_command_not_a_key(tmp_path: Path) -> None:
+    from draftgen.core.live.pipeline import Pipeline
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0, misbehave=("wrong_model",)), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 2}],
+                          tables={"tokenizer": {"path": str(bundled_kimi_path())}, "engine": {"reconstruct": False}})
+        pipeline = Pipeline(cfg, TEST_KEY, serve_attach=False)
+        await pipeline.start()
+        try:
+            await pipeline.generate()
+        finally:
+            await pipeline.close()
+    alert = pipeline.engine.alert or ""
+    assert pipeline.exit_code == 1 and alert.startswith("the smoke test failed")
+    assert "press s" not in alert and f"`draftgen smoke {cfg.path}`" in alert
+
+
+async def test_a_warning_repeated_during_an_outage_is_said_once_with_a_count(tmp_path: Path) -> None:
+    from draftgen.core.live.pipeline import Pipeline
+    cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "a", "n": 2}])
+    pipeline = Pipeline(cfg, TEST_KEY, serve_attach=False)
+    seen: list[str] = []
+    pipeline.hub.publish_event = lambda e: seen.append(e.message)  # type: ignore[method-assign]
+    for _ in range(30):
+        pipeline.emit("warn", "unreachable", "cannot reach http://127.0.0.1:9 (connection refused)")
+    pipeline.emit("info", "x", "an info line is never held back")
+    pipeline.emit("info", "x", "an info line is never held back")
+    assert seen == ["cannot reach http://127.0.0.1:9 (connection refused)"] + ["an info line is never held back"] * 2
+    pipeline._flush_repeats()
+    assert seen[-1] == "cannot reach http://127.0.0.1:9 (connection refused) (and 29 more like it within 30 s)"
+
+
+# -- 5. screens that fit ------------------------------------------------------------------------
+
+async def test_refused_keys_in_attach_show_one_toast_not_a_stack() -> None:
+    from tests import fixtures as fx
+    from draftgen.tui.app import DraftgenApp
+    controls = fx.FakeControls(fx.attached(), fx.events(), read_only=True)  # type: ignore[arg-type]
+    app = DraftgenApp(controls, title="draftgen", refresh_s=0.05)
+    async with app.run_test() as pilot:
+        await pilot.press("p", "r", "s", "m", "x")
+        await pilot.pause(0.05)
+        assert len(app._notifications) == 1
+
+
+async def test_an_unavailable_reason_keeps_its_brackets() -> None:
+    from tests import fixtures as fx
+    from draftgen.tui.app import DraftgenApp
+    reason = "no model to extract with: set [extract] model in sim.toml"
+    controls = fx.FakeControls(fx.running(), fx.events(), unavailable={"extract": reason})  # type: ignore[arg-type]
+    app = DraftgenApp(controls, title="draftgen", refresh_s=0.05)
+    async with app.run_test() as pilot:
+        await pilot.press("x")
+        await pilot.pause(0.05)
+        (note,) = list(app._notifications)
+        assert note.message == reason and not note.markup

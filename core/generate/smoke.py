@@ -58,6 +58,7 @@ from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.files import write_json_atomic
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
+from draftgen.core.units import clip
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class SmokeResult:
         head = f"{len(self.rows) - len(failed)}/{len(self.rows)} checks passed"
         if not failed:
             return head
-        return head + "; failed: " + ", ".join(f"{r.check} ({r.detail[:160]})" for r in failed)
+        # Cut at a word: the whole detail is in the checklist table and smoke.json.
+        return head + "; failed: " + ", ".join(f"{r.check} ({clip(r.detail, 160)})" for r in failed)
 
     def to_dict(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "passed": self.passed, "checked_at": time.time(),
@@ -163,7 +165,8 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
                              "the request asks for reasoning but none came back (checked `reasoning`, "
                              "`reasoning_content`, `reasoning_details`)"))
     else:
-        rows.append(SmokeRow(f"{label} reasoning", True, "not requested"))
+        rows.append(SmokeRow(f"{label} reasoning", True, "not requested" if not a.reasoning else
+                             f"not requested, yet {len(a.reasoning)} chars of reasoning came back"))
     tools_sent = bool(body.get("tools"))
     rows.append(SmokeRow(f"{label} tool calls", tools_sent or not a.tool_calls,
                          f"{len(a.tool_calls or [])} tool call(s)" + ("" if tools_sent or not a.tool_calls
@@ -178,8 +181,8 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
                          + ("" if u.cost > 0 else ": no cost in usage (budgets need it)")))
     provider_ok = bool(a.provider) and _norm(a.provider) not in ignore
     rows.append(SmokeRow(f"{label} provider", provider_ok,
-                         f"{a.provider!r}" + (" is in provider.ignore" if a.provider and not provider_ok else
-                                               "" if a.provider else "no provider in the response")))
+                         f"{a.provider!r}" + (" is in provider.ignore" if not provider_ok else "")
+                         if a.provider else "no provider in the response"))
     rows.append(SmokeRow(f"{label} finish", a.finish_reason == "stop",
                          f"finish_reason {a.finish_reason!r}, native {a.native_finish_reason!r}"))
     rec = reconstruct_fn(body["messages"], a)
@@ -312,6 +315,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                           connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
                           title=config.api.title) as client:
         account: AccountStatus | None = None
+        unreachable = False  # the address does not answer: advice is about the network, not the config
         eng = config.engine
         rng = random.Random()
         deadline = time.monotonic() + SMOKE_RETRY_S  # one window for the whole smoke test's retries
@@ -330,6 +334,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
             add(SmokeRow("key", True, f"accepted (label {redact(str(account.label or 'unlabelled'))!r})"))
             result.balance_usd = account.balance
         except RequestFailed as e:
+            unreachable = e.unreachable
             add(SmokeRow("key", False, (e.message if e.unreachable else f"GET /key: {e.message}")
                          + (f" (after {tries} tries)" if tries > 1 else "")))
         except Exception as e:  # noqa: BLE001 - any network failure is this row's failure
@@ -345,7 +350,9 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
             else:
                 need = config.budget.max_usd is not None
                 why = listing_error or "the routing allows no listed provider"
-                hint = ("; max_usd needs one: set [api] prompt_price_per_mtok and completion_price_per_mtok"
+                hint = ("; the address does not answer (see the key row): the prices are read from its listing "
+                        "once it does" if unreachable else
+                        "; max_usd needs one: set [api] prompt_price_per_mtok and completion_price_per_mtok"
                         if need else "; no max_usd, so no ceiling to keep")
                 add(SmokeRow(f"{ds.name}: prices", not need, f"no price known ({why}){hint}", warning=not need))
 

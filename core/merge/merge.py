@@ -402,7 +402,7 @@ def merge_command(config: Config) -> int:
     noted = {n: sum(d.kept_noted.get(n, 0) for d in stats.datasets) for n in NOTES}
     if any(noted.values()):
         console.print("kept although they differed: " + ", ".join(f"{n} {c:,}" for n, c in noted.items() if c)
-                      + " (see [validation] in the README)", highlight=False)
+                      + " (see \\[validation] in the README)", highlight=False)
     console.print(f"{stats.samples:,} samples written in {stats.elapsed_s:.1f} s", highlight=False)
     sys.stdout.flush()
     return 0
