@@ -47,6 +47,11 @@ def duration(seconds: float | None) -> str:
     return f"{s // 3600} h {s // 60 % 60:02d} min"
 
 
+def usd_shown(x: float) -> float:
+    """`x` rounded as usd() shows it: a total of shown rows is the sum of these, so it adds up on screen."""
+    return round(x, 5) if x != 0 and abs(x) < 0.01 else round(x, 2)
+
+
 def usd(x: float | None) -> str:
     """Dollars as every view shows them: cents, or five decimals below a cent (a single request
     costs fractions of a cent)."""

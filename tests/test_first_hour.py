@@ -228,3 +228,35 @@ async def test_an_unavailable_reason_keeps_its_brackets() -> None:
         await pilot.pause(0.05)
         (note,) = list(app._notifications)
         assert note.message == reason and not note.markup
+
+
+# -- 4. one set of figures ----------------------------------------------------------------------
+
+def _ended_with(costs: tuple[float, ...], this_run: float, all_runs: float, runs: int = 1):  # noqa: ANN202
+    import dataclasses
+
+    from draftgen.core.live import snapshot as snap
+    from tests import fixtures as fx
+    s = fx.ended(snap.RunState.DONE)
+    datasets = tuple(dataclasses.replace(d, cost_usd=c) for d, c in zip(s.datasets, costs))
+    timeline = dataclasses.replace(s.timeline, runs=tuple(range(runs)))
+    credits = dataclasses.replace(s.credits, spent_usd=this_run, spent_total_usd=all_runs)
+    return dataclasses.replace(s, datasets=datasets[:len(costs)], credits=credits, timeline=timeline)
+
+
+def test_the_total_row_is_the_sum_of_its_rows_and_the_rest_is_named() -> None:
+    from draftgen.core.live.summary import summary_lines
+    block = summary_lines(_ended_with((0.204, 0.204), 0.408, 0.43), 0)
+    rows = [x for x in block if x.startswith("  ") and " answered " in x]
+    assert " $0.20" in rows[0] and " $0.20" in rows[1]
+    assert rows[-1].startswith("  total") and rows[-1].rstrip().endswith("$0.40")
+    text = "\n".join(block)
+    assert "(answers $0.40, smoke tests and unanswered attempts $0.03)" in text and all(len(x) <= 120 for x in block)
+
+
+def test_a_first_run_does_not_say_all_runs() -> None:
+    from draftgen.core.live.summary import summary_lines
+    text = "\n".join(summary_lines(_ended_with((0.00163,), 0.00163, 0.11), 0))
+    assert "all runs" not in text and "spent $0.00163 this run, $0.11 in all" in text
+    again = "\n".join(summary_lines(_ended_with((0.00163,), 0.00163, 0.11, runs=3), 0))
+    assert "$0.11 all runs of the directory" in again
