@@ -260,3 +260,13 @@ def test_a_first_run_does_not_say_all_runs() -> None:
     assert "all runs" not in text and "spent $0.00163 this run, $0.11 in all" in text
     again = "\n".join(summary_lines(_ended_with((0.00163,), 0.00163, 0.11, runs=3), 0))
     assert "$0.11 all runs of the directory" in again
+
+
+def test_the_eta_waits_until_it_is_stable_and_is_never_0_while_work_remains() -> None:
+    from draftgen.core.generate.projection import stable_eta
+    kw = {"elapsed_s": 60.0, "window_s": 30.0, "work_left": True}
+    assert stable_eta(44_340.0, answers=3, **kw) is None  # "12 h 19 min" from the first three answers
+    assert stable_eta(44_340.0, answers=500, elapsed_s=10.0, window_s=30.0, work_left=True) is None
+    assert stable_eta(0.0, answers=500, **kw) is None  # "ETA 0 s" with a dataset at 47 %
+    assert stable_eta(120.0, answers=500, **kw) == 120.0
+    assert stable_eta(0.0, answers=500, elapsed_s=60.0, window_s=30.0, work_left=False) == 0.0
