@@ -270,3 +270,42 @@ def test_the_eta_waits_until_it_is_stable_and_is_never_0_while_work_remains() ->
     assert stable_eta(0.0, answers=500, **kw) is None  # "ETA 0 s" with a dataset at 47 %
     assert stable_eta(120.0, answers=500, **kw) == 120.0
     assert stable_eta(0.0, answers=500, elapsed_s=60.0, window_s=30.0, work_left=False) == 0.0
+
+
+def _panel_text(app, selector: str) -> str:  # noqa: ANN001 - what a Static panel shows, as plain text
+    from rich.console import Console
+    widget = app.screen.query_one(selector)
+    console = Console(width=widget.content_region.width, file=io.StringIO(), color_system=None)
+    with console.capture() as cap:
+        console.print(widget.content)
+    return cap.get()
+
+
+async def test_pending_spend_is_not_clipped_at_120x40() -> None:
+    import dataclasses
+
+    from tests import fixtures as fx
+    from draftgen.tui.app import DraftgenApp
+    s = fx.running()
+    s = dataclasses.replace(s, credits=dataclasses.replace(s.credits, pending_usd=0.02))
+    app = DraftgenApp(fx.FakeControls(s, fx.events()), title="draftgen", refresh_s=0.05)  # type: ignore[arg-type]
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause(0.1)
+        shown = _panel_text(app, "#credits")
+    assert "$0.02 pending" in shown and "…" not in shown
+
+
+@pytest.mark.parametrize("runs", [1, 3])
+async def test_the_attach_header_keeps_the_run_name_at_80x24(runs: int) -> None:
+    import dataclasses
+
+    from tests import fixtures as fx
+    from draftgen.tui.app import DraftgenApp
+    s = fx.attached()
+    s = dataclasses.replace(s, timeline=dataclasses.replace(s.timeline, runs=tuple(range(runs))),
+                            first_started_at=s.first_started_at or 1.0)
+    app = DraftgenApp(fx.FakeControls(s, fx.events(), read_only=True), title="draftgen", refresh_s=0.05)  # type: ignore[arg-type]
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.1)
+        header = _panel_text(app, "#header")
+    assert "ATTACHED" in header and s.run_name in header, header
