@@ -44,9 +44,9 @@ class RunHeader(Panel):
     def draw(self, s: RunSnapshot) -> RenderableType:
         # State first: on a narrow terminal the model name is what gets cut, never the state.
         left = Text.assemble((f" {s.state} ", STATE_STYLES.get(s.state, "bold reverse")), " ")
-        narrow = self.cols < 100  # 80x24: the run name must stay, so the badges and the clock get short
+        narrow = self.cols < 100  # 80x24: the run name must stay, so the clock gets short
         if s.attached:
-            left.append(" ATTACHED " if narrow else " ATTACHED read-only ", "bold black on cyan")
+            left.append(" ATTACHED read-only ", "bold black on cyan")
             left.append(" ")
         left.append(s.run_name, "bold")
         left.append(f" · {s.model}")
