@@ -309,3 +309,16 @@ async def test_the_attach_header_keeps_the_run_name_at_80x24(runs: int) -> None:
         await pilot.pause(0.1)
         header = _panel_text(app, "#header")
     assert "ATTACHED" in header and s.run_name in header, header
+
+
+async def test_a_dataset_done_line_shows_the_ledger_cost_in_the_one_money_format(tmp_path: Path) -> None:
+    from draftgen.core.generate.engine import Engine
+    from draftgen.core.units import usd
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3, "max_tokens": 200}],
+                          tables={"engine": {"reconstruct": False}})
+        events: list[tuple[str, str, str]] = []
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e))
+        await engine.run()
+    (done,) = [m for _, kind, m in events if kind == "dataset_done"]
+    assert done.endswith(", " + usd(engine.spend.by_dataset["a"])), done
