@@ -322,3 +322,13 @@ async def test_a_dataset_done_line_shows_the_ledger_cost_in_the_one_money_format
         await engine.run()
     (done,) = [m for _, kind, m in events if kind == "dataset_done"]
     assert done.endswith(", " + usd(engine.spend.by_dataset["a"])), done
+
+
+def test_a_token_budget_overshoot_is_said_in_the_summary() -> None:
+    import dataclasses
+
+    from draftgen.core.live.summary import summary_lines
+    s = _ended_with((0.2,), 0.2, 0.2)
+    d = dataclasses.replace(s.datasets[0], token_budget=100_000, tokens_used=105_700)
+    text = "\n".join(summary_lines(dataclasses.replace(s, datasets=(d,)), 0))
+    assert f"{d.name}: 5,700 completion tokens past its token budget of 100,000 (5.7%): answers already" in text

@@ -97,6 +97,13 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
         rows_usd = sum(usd_shown(d.cost_usd) for d in ds)  # the total row is the sum of the rows above it
         out.append(row("total", sum(d.done for d in ds), sum(d.total for d in ds), sum(d.failed for d in ds),
                        sum(d.skipped for d in ds), prompts_left(ds), usd(rows_usd)))
+        for d in ds:  # a budget is checked at admission: answers already asked finish past it
+            if d.token_budget and d.tokens_used > d.token_budget:
+                over = d.tokens_used - d.token_budget
+                out += textwrap.wrap(f"{d.name}: {over:,} completion tokens past its token budget of "
+                                     f"{d.token_budget:,} ({100 * over / d.token_budget:.1f}%): answers already "
+                                     "in flight when it was reached, kept", WIDTH, initial_indent="  ",
+                                     subsequent_indent="    ")
     c = s.credits
     # "All runs" on a first run is this run plus its smoke test: "in all" says it without a second run.
     every = "all runs of the directory" if runs > 1 else "in all"
