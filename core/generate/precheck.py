@@ -25,6 +25,6 @@ def check_tokenizer(config: Config) -> None:
 
 def check_inputs(config: Config, *, tokenizer: bool) -> None:
     """Every local input a run needs, before anything is paid for."""
-    count_prompts(config)
-    if tokenizer:
+    if tokenizer:  # one file to load: said before a prompt file is read through
         check_tokenizer(config)
+    count_prompts(config)
