@@ -312,6 +312,7 @@ def test_hostile_prompt_lines_are_rejected_with_line_and_reason(tmp_path):
     assert all(item.id is None or len(item.id) <= 200 for item in items.values() if isinstance(item, Rejection))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(lines=st.lists(st.one_of(
     st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")),
