@@ -40,12 +40,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return asyncio.run(run_tui(config, key, skip_smoke=args.skip_smoke))
 
 
+def _run_dir(where: str) -> Path:
+    """The run directory named by `where`: the directory itself, or a config (its [output] dir)."""
+    path = Path(where)
+    if path.is_file():
+        run_dir = Path(_config(where).run_dir)
+        if not run_dir.is_dir():
+            raise DraftgenError(f"{path}: its run directory {run_dir} does not exist yet: "
+                                f"`draftgen run {where}` makes it")
+        return run_dir
+    if not path.is_dir():
+        raise DraftgenError(f"{path}: no such run directory or config file (give the config, e.g. kimi.toml, "
+                            "or its [output] dir)")
+    return path
+
+
 def cmd_attach(args: argparse.Namespace) -> int:
     from draftgen.tui.launch import attach_tui
-    run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
-        raise DraftgenError(f"{run_dir}: no such run directory")
-    return asyncio.run(attach_tui(run_dir))
+    return asyncio.run(attach_tui(_run_dir(args.run_dir)))
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
@@ -105,10 +117,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from draftgen.tui.report import report_command
-    run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
-        raise DraftgenError(f"{run_dir}: no such run directory")
-    return report_command(run_dir)
+    return report_command(_run_dir(args.run_dir))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -135,9 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("smoke", cmd_smoke, "check key, credits and one request per dataset shape; exit 0 only if all pass")
-    p.add_argument("config")
+    p.add_argument("config", help="the config file (e.g. kimi.toml)")
     p = add("run", cmd_run, "generate answers (the TUI; --headless for nohup/CI)")
-    p.add_argument("config")
+    p.add_argument("config", help="the config file (e.g. kimi.toml)")
     p.add_argument("--headless", action="store_true", help="no TUI: a status line every few seconds")
     p.add_argument("--skip-smoke", action="store_true", help="start without a passing smoke test")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between headless status lines")
@@ -145,26 +154,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extract", action="store_true", help="headless: extract after merging")
     p = add("retry-failed", cmd_retry_failed, "make failed prompts eligible again (their lines move to "
             "failures.history.jsonl); the next run answers them")
-    p.add_argument("config")
+    p.add_argument("config", help="the config file (e.g. kimi.toml)")
     p.add_argument("--dataset", help="only this dataset (default: all)")
     p.add_argument("--kind", help="only failures of these error kinds, comma-separated (e.g. 401,404_no_endpoints)")
     p = add("ledger", cmd_ledger, "price pending generations and print the spend ledger's reconciliation")
-    p.add_argument("config")
+    p.add_argument("config", help="the config file (e.g. kimi.toml)")
     p.add_argument("--unknown-from-key", action="store_true",
                    help="price attempts that have no generation id (a killed run) from GET /key usage; only "
                         "for a key that ran nothing but this run directory since its first run, and once "
                         "api.request_timeout_s has passed since the last of them was sent (before: exit 1 "
                         "with the time left)")
     p = add("attach", cmd_attach, "watch a run started elsewhere, read-only")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", metavar="CONFIG_OR_RUN_DIR",
+                   help="the run's config file, or its run directory ([output] dir)")
     p = add("report", cmd_report, "how a run went: counts per dataset, spend and its history charts")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", metavar="CONFIG_OR_RUN_DIR",
+                   help="the run's config file, or its run directory ([output] dir)")
     p = add("tokens", cmd_tokens, "reconstruct token ids of the answers on disk and validate them")
-    p.add_argument("config")
+    p.add_argument("config", help="the config file (e.g. kimi.toml)")
     p = add("merge", cmd_merge, "merge all datasets into one deduplicated, shuffled training set")
-    p.add_argument("config")
+    p.add_argument("config", help="the config file (e.g. kimi.toml)")
     p = add("extract", cmd_extract, "run the target model over the merged set and save hidden states")
-    p.add_argument("config", nargs="?")
+    p.add_argument("config", nargs="?", help="the config file (e.g. kimi.toml); optional with --self-check")
     p.add_argument("--shard", help="i/N: this machine's share of the samples; auto: from the Slurm array or "
                    "the multi-node torchrun that started it")
     p.add_argument("--plan", action="store_true",
@@ -180,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "SOURCE is [NAME=]PATH_OR_HUB_ID[:SPLIT] (a save_to_disk folder, a .parquet/.arrow/"
                          ".json/.jsonl file, a folder of data files, or a dataset in the local Hugging Face cache).")
     b.set_defaults(fn=cmd_prompts_build)
-    b.add_argument("sources", nargs="+", metavar="SOURCE")
+    b.add_argument("sources", nargs="+", metavar="SOURCE", help="[NAME=]WHERE[:SPLIT]: a save_to_disk folder, a data file "
+                   "or folder of them, or a Hub id in the local cache")
     b.add_argument("--out", default="prompts", help="folder for the prompt files (default ./prompts)")
     b.add_argument("--config", default="draftgen.toml", help="config to add [[datasets]] to; started if absent "
                    "(default ./draftgen.toml)")

@@ -15,6 +15,10 @@ class PromptFileError(DraftgenError):
     pass
 
 
+class NoPromptError(PromptFileError):
+    """A prompt file read to its end without one usable prompt (empty, a JSON array, ...)."""
+
+
 class TokenizerError(DraftgenError):
     pass
 

@@ -47,6 +47,11 @@ def duration(seconds: float | None) -> str:
     return f"{s // 3600} h {s // 60 % 60:02d} min"
 
 
+def usd_shown(x: float) -> float:
+    """`x` rounded as usd() shows it: a total of shown rows is the sum of these, so it adds up on screen."""
+    return round(x, 5) if x != 0 and abs(x) < 0.01 else round(x, 2)
+
+
 def usd(x: float | None) -> str:
     """Dollars as every view shows them: cents, or five decimals below a cent (a single request
     costs fractions of a cent)."""
@@ -55,3 +60,15 @@ def usd(x: float | None) -> str:
     if x != 0 and abs(x) < 0.01:
         return f"${x:.5f}"
     return f"${x:,.2f}"
+
+
+def clip(text: str, width: int) -> str:
+    """`text` whole if it fits, else cut at the last word boundary before `width` with "..." (never
+    mid-word: "(name or service not)" reads as a different message)."""
+    if len(text) <= width:
+        return text
+    cut = text[: max(0, width - 3)]
+    space = cut.rfind(" ")
+    if space > width // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:(") + "..."

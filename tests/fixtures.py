@@ -235,6 +235,13 @@ def attached() -> RunSnapshot:
     return dataclasses.replace(running(), attached=True)
 
 
+def attached_resumed() -> RunSnapshot:
+    """Attached to the third run of a directory, with spend still pending a price (issue 25)."""
+    s = attached()
+    return dataclasses.replace(s, timeline=dataclasses.replace(s.timeline, runs=(T0 - 7200.0, T0 - 3600.0, T0)),
+                               credits=dataclasses.replace(s.credits, pending_usd=0.02))
+
+
 def events() -> tuple[Event, ...]:
     rows = (
         (0, "info", "run_start", f"run {RUN}: 8 datasets, 83,012 prompts, model {MODEL}"),
@@ -381,4 +388,8 @@ VIEWS = (
     View("done", "A finished run: DONE only when every prompt has an outcome", lambda: ended(snap.RunState.DONE)),
     View("too_small", "Below 80x24: one line says so", running, size=(70, 20)),
     View("extract_80x24", "Extraction in an 80x24 terminal", extracting, size=(80, 24)),
+    View("attach_80x24", "Attached to a resumed run at 80x24: the run name stays", attached_resumed,
+         size=(80, 24), read_only=True),
+    View("attach_pending", "Attached at 120x40 with spend pending a price: nothing clipped", attached_resumed,
+         read_only=True),
 )

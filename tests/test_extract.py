@@ -224,6 +224,7 @@ def test_aux_slices_are_the_hf_layer_outputs(tmp_path: Path, model_dir: Path, hf
                                        expected.to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.slow
 def test_batching_mixed_lengths_equals_one_by_one(tmp_path: Path, model_dir: Path) -> None:
     samples = make_samples(seed=3, n=8)
     lengths = [len(ids) for ids, _ in samples]

@@ -232,6 +232,7 @@ async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
     assert a.answered == 4000 and a.failed == 0  # Retry-After spaced the retries: none ran out of attempts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_hung_requests_are_cut_by_their_timeout(tmp_path: Path, stream: bool) -> None:
     async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=40, faults={"hang": 0.5},

@@ -74,6 +74,7 @@ async def test_max_usd_without_any_price_refuses_to_start(tmp_path):
 # -- the ceiling -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_ceiling_holds_with_2000_in_flight_long_answers_and_every_fault(tmp_path):
     # Answers near max_tokens (some cut at it), 2,000 in flight, every fault kind.
     # 429s rare enough that AIMD (three within 2 s) does not cut the 2,000 while they ramp up.
@@ -115,6 +116,7 @@ async def test_ceiling_holds_with_2000_in_flight_long_answers_and_every_fault(tm
     assert engine.datasets["a"].skipped > 0
 
 
+@pytest.mark.slow
 async def test_abandoned_plain_requests_are_billed_in_full_and_held_at_their_worst_case(tmp_path):
     # Not streamed: the headers (and the generation id) come with the whole answer, so a request the
     # client gives up on has no id to look up, runs on at the provider and is billed in full. The ledger
@@ -244,6 +246,7 @@ async def test_snapshot_and_headless_line_show_spend_reserved_and_ceiling(tmp_pa
 # -- kill -9 -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path):
     """A headless run killed with SIGKILL three times mid-run, then run to the end: the attempts each
     killed run left open count at their worst case in the next, and are priced from their records."""
@@ -355,6 +358,6 @@ async def test_smoke_projection_and_the_running_engine_agree(tmp_path):
         await task
     assert sum(d.done for d in first.datasets) == 0  # before any answer: the same figures on both sides
     assert first.credits.projected_total_usd == pytest.approx(result.projection.total_usd, rel=1e-9)
-    assert first.throughput.eta_s == pytest.approx(result.projection.time_s, rel=1e-9)
+    assert first.throughput.eta_s is None  # no ETA from the smoke pace alone: "—" until it is stable (issue 25)
     assert (first.credits.projected_low_usd, first.credits.projected_high_usd) == pytest.approx(
         result.projection.range_usd, rel=1e-9)

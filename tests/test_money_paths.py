@@ -109,6 +109,7 @@ async def test_smoke_requests_are_on_the_ledger_and_under_max_usd(tmp_path):
     assert SpendLedger.read(rd.spend).reconcile().total_usd == pytest.approx(r.total_usd, abs=1e-12)
 
 
+@pytest.mark.slow
 async def test_a_smoke_test_beside_a_running_engine_books_on_its_ledger(tmp_path):
     """Pressing s while a run is open: the smoke requests go on the run's own ledger, under its
     reservations, so the ceiling sees them at once."""
@@ -131,6 +132,7 @@ async def test_a_smoke_test_beside_a_running_engine_books_on_its_ledger(tmp_path
     assert sum(1 for x in _lines(RunDir(cfg.run_dir)) if x.get("ds") == SMOKE and x["e"] == "sent") == 1
 
 
+@pytest.mark.slow
 async def test_a_run_started_during_a_smoke_test_waits_for_its_ledger(tmp_path):
     """s pressed before the run opened its ledger: the smoke test has the ledger (locked), so the run
     waits for it instead of failing on the lock, then books on the same file."""

@@ -210,6 +210,7 @@ async def test_only_a_refused_prompt_left_stops_until_a_smoke_test_shows_the_par
 
 
 @STREAM
+@pytest.mark.slow
 async def test_a_parameter_refused_mid_run_at_2000_in_flight_fails_no_prompt(tmp_path: Path, stream: bool) -> None:
     """The provider starts refusing a parameter mid-run with a 400 naming no known cause, while 2,000
     requests sent before are still being answered: those answers do not make the refusals the prompts'

@@ -41,6 +41,7 @@ def our_server_args() -> set[str]:
     return set(server_args(max_forward_tokens=1, max_samples=1, mem_fraction_static=0.5, attention_backend="fa3"))
 
 
+@pytest.mark.slow
 def test_extra_pins_are_specforges_own(releases: Sources) -> None:
     # The extra pins SpecForge and exactly the sglang/torch/transformers its release requires.
     pins = gpu_pins()

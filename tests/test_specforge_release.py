@@ -102,6 +102,7 @@ def make_run(tmp_path: Path, model_dir: Path, *, compress: bool = False) -> Path
     return run
 
 
+@pytest.mark.slow
 def test_specforge_release_reads_merged_and_compressed_hidden_states(tmp_path: Path, model_dir: Path,
                                                                      specforge_tree: Path) -> None:
     # Plain .ckpt files go through the same reader in tests/test_demo.py; here the gzip form.
@@ -110,6 +111,7 @@ def test_specforge_release_reads_merged_and_compressed_hidden_states(tmp_path: P
     assert all(s["path"].endswith(".ckpt.gz") for s in got["samples"])
 
 
+@pytest.mark.slow
 def test_specforge_release_refuses_a_file_without_its_keys(tmp_path: Path, model_dir: Path,
                                                            specforge_tree: Path) -> None:
     # The reader is not a rubber stamp: a file missing loss_mask is refused by SpecForge itself.

@@ -171,6 +171,7 @@ def test_tokenizer_json_folder(tmp_path: Path) -> None:
     assert tok.decode([end]) == "<|im_end|>"
 
 
+@pytest.mark.slow
 def test_other_folders_load_through_transformers(tmp_path: Path) -> None:
     """No tiktoken.model, no tokenizer.json: transformers' AutoTokenizer (offline) reads the folder."""
     from tokenizers import Tokenizer

@@ -244,6 +244,7 @@ class DraftgenApp(App[None]):
         return True
 
     def action_read_only(self) -> None:
+        self.clear_notifications()  # one toast that is replaced, not a stack that covers the screen
         self.notify("read-only: attached viewer (control keys work in the terminal that runs it)",
                     title="attached", severity="warning")
 
@@ -273,7 +274,9 @@ class DraftgenApp(App[None]):
         """Ask the controls first; a stage that cannot start yet says why instead."""
         reason = self.controls.unavailable(action)
         if reason:
-            self.notify(reason, title=f"{action}: not available", severity="warning")
+            self.clear_notifications()
+            # The reason quotes config keys ("[extract] model"): text, not Textual markup.
+            self.notify(reason, title=f"{action}: not available", severity="warning", markup=False)
             return False
         return True
 

@@ -25,6 +25,7 @@ from draftgen.core.config import DatasetConfig
 from draftgen.core.generate.prices import Prices, body_worst_case
 from draftgen.core.generate.prompts import Prompt
 from draftgen.core.generate.spend import Ticket
+from draftgen.core.units import usd
 from draftgen.core.live.snapshot import DatasetStatus
 
 if TYPE_CHECKING:
@@ -245,7 +246,8 @@ class Admission:
         self._event("info", "dataset_done", f"{name}: {ds.status}: {ds.done}/{ds.total} answered, "
                     f"{ds.failed} failed, {ds.skipped} skipped"
                     f"{f' ({costly} by max_usd)' if costly else ''}"
-                    f"{f' ({duplicates} already answered in another dataset)' if duplicates else ''}, ${ds.cost:.4f}")
+                    f"{f' ({duplicates} already answered in another dataset)' if duplicates else ''}, "
+                    f"{usd(self._money.spend.by_dataset.get(name, ds.cost))}")  # the ledger's, as in the panel
 
     def _taken_elsewhere(self, ds: DatasetRun, prompt: Prompt) -> bool:
         """Skip (counted, and said once per dataset) a prompt another dataset answered or is answering;

@@ -199,8 +199,8 @@ async def fetch_prices(client: ChatClient, config: Config) -> tuple[dict[str, Pr
             endpoints = parse_endpoints(await client.get_json(path))
             if not endpoints:
                 error = f"GET {path} lists no endpoints"
-        except RequestFailed as e:
-            error = f"GET {path}: {e.message}"
+        except RequestFailed as e:  # an unreachable address's message already names the request
+            error = e.message if e.message.startswith(f"GET {path}") else f"GET {path}: {e.message}"
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
             error = f"GET {path}: {type(e).__name__}: {e}"
     return {ds.name: dataset_prices(config, ds, endpoints) for ds in config.datasets}, error

@@ -29,6 +29,21 @@ def remaining(ds: DatasetRun) -> int:
     return left
 
 
+# An ETA from fewer answers, or from less than one rate window, swings by hours (the first answers
+# land after the longest latency): "—" until both are there.
+ETA_MIN_ANSWERS = 20
+
+
+def stable_eta(time_s: float | None, *, answers: int, elapsed_s: float, window_s: float, work_left: bool) -> float | None:
+    """The ETA to show, or None ("—"): not before ETA_MIN_ANSWERS answers and one rate window of this
+    run, and never 0 while prompts are left."""
+    if time_s is None or answers < ETA_MIN_ANSWERS or elapsed_s < window_s:
+        return None
+    if work_left and time_s < 1.0:
+        return None
+    return time_s
+
+
 def figures(ds: DatasetRun, spend: SpendLedger, prices: Prices | None) -> DatasetFigures:
     return DatasetFigures(
         name=ds.config.name, remaining=remaining(ds), max_tokens=ds.config.max_tokens,
@@ -65,7 +80,8 @@ def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: 
         history=rates.history(), in_flight=sum(d.in_flight for d in all_ds),
         effective_concurrency=sum(d.concurrency.limit for d in active),
         configured_concurrency=sum(d.config.concurrency for d in active),
-        eta_s=plan.time_s if running else None)
+        eta_s=stable_eta(plan.time_s, answers=rates.answers, elapsed_s=elapsed_s, window_s=rates.window_s,
+                         work_left=any(f.answers_left for f in plan.datasets)) if running else None)
     known = plan.left_usd > 0 or not any(f.answers_left for f in plan.datasets)
     low, high = plan.range_usd
     credits = snap.Credits(

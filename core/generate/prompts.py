@@ -7,7 +7,10 @@ kept as their decimal string) and one of:
 - `conversations`: ShareGPT/SpecForge style (`role`/`content` or `from`/`value`); the turns up to the
   last user turn are the prompt, later assistant turns are dropped (they are regenerated).
 
-A line that cannot be used becomes a `Rejection` (line number and reason); reading goes on.
+A line that cannot be used becomes a `Rejection` (line number and reason); reading goes on. A file
+with no usable line at all (empty, a JSON array, a pretty-printed object) is a PromptFileError at
+its end: a run over it would otherwise end "complete" having asked nothing. A JSON array is refused,
+not read: prompt files are streamed, and an array would have to be held whole in memory.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from draftgen.core.errors import PromptFileError
+from draftgen.core.errors import NoPromptError, PromptFileError
 
 # One prompt line at most (64 MiB: far above any context window's worth of JSON); longer is rejected.
 MAX_LINE_BYTES = 64 << 20
@@ -126,11 +129,46 @@ def parse_prompt(obj: Any) -> tuple[str, list[dict[str, str]]]:
     raise ValueError("no `prompt`, `messages` or `conversations`")
 
 
+_LINE_SHAPE = "one JSON object per line with an `id` and a `prompt`, `messages` or `conversations`"
+
+
+def _no_prompt(path: Path, first: bytes | None, first_rejection: Rejection | None) -> NoPromptError:
+    """The error for a file without one usable line, saying what the file looks like and what to do."""
+    if first is None:
+        return NoPromptError(f"{path}: no prompt in it (the file is empty): a prompt file is JSONL, {_LINE_SHAPE}")
+    if first.lstrip().startswith(b"["):
+        return NoPromptError(
+            f"{path}: a JSON array, not JSONL: a prompt file holds {_LINE_SHAPE} (arrays are not read: "
+            f"prompt files are streamed). Convert it: jq -c '.[]' {path} > {path.with_suffix('.jsonl')} "
+            "and point the dataset's `prompts` at the new file")
+    assert first_rejection is not None
+    return NoPromptError(
+        f"{path}: no usable prompt in it (line {first_rejection.line}: {first_rejection.reason}): a prompt "
+        f"file holds {_LINE_SHAPE} (a pretty-printed file must be rewritten one object a line: jq -c)")
+
+
 def read_prompts(path: Path) -> Iterator[Prompt | Rejection]:
-    """Every line of the file as a Prompt or a Rejection, streamed; duplicate ids are rejected."""
+    """Every line of the file as a Prompt or a Rejection, streamed; duplicate ids are rejected. A file
+    with no usable prompt raises PromptFileError once read to its end."""
     seen: set[str] = set()
+    first: bytes | None = None  # the first non-blank line, to say what a file without a prompt is
+    first_rejection: Rejection | None = None
+    for item in _read_lines(path, seen):
+        if isinstance(item, bytes):
+            first = item
+            continue
+        if isinstance(item, Rejection) and first_rejection is None:
+            first_rejection = item
+        yield item
+    if not seen:
+        raise _no_prompt(path, first, first_rejection)
+
+
+def _read_lines(path: Path, seen: set[str]) -> Iterator[Prompt | Rejection | bytes]:
+    """read_prompts' items, and the first non-blank line (as bytes, before its item)."""
     with _open(path) as f:
         line_no = 0
+        first = True
         while True:
             try:
                 line = f.readline(MAX_LINE_BYTES + 1)
@@ -144,12 +182,18 @@ def read_prompts(path: Path) -> Iterator[Prompt | Rejection]:
                 return
             line_no += 1
             if too_long:
+                if first:
+                    first = False
+                    yield line[:64]
                 yield Rejection(line_no, None, f"line longer than {MAX_LINE_BYTES:,} bytes (not read whole)")
                 continue
             if line_no == 1 and line.startswith(b"\xef\xbb\xbf"):
                 line = line[3:]  # a UTF-8 byte-order mark (some editors and exports write one)
             if not line.strip():
                 continue
+            if first:
+                first = False
+                yield line[:64]
             try:
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError as e:

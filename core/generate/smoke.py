@@ -55,10 +55,12 @@ from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.records import ResponseRecord
+from draftgen.core.generate.precheck import check_tokenizer
 from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.files import write_json_atomic
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
+from draftgen.core.units import clip
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ class SmokeResult:
         head = f"{len(self.rows) - len(failed)}/{len(self.rows)} checks passed"
         if not failed:
             return head
-        return head + "; failed: " + ", ".join(f"{r.check} ({r.detail[:160]})" for r in failed)
+        # Cut at a word: the whole detail is in the checklist table and smoke.json.
+        return head + "; failed: " + ", ".join(f"{r.check} ({clip(r.detail, 160)})" for r in failed)
 
     def to_dict(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "passed": self.passed, "checked_at": time.time(),
@@ -190,7 +193,8 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
                              "the request asks for reasoning but none came back (checked `reasoning`, "
                              "`reasoning_content`, `reasoning_details`)"))
     else:
-        rows.append(SmokeRow(f"{label} reasoning", True, "not requested"))
+        rows.append(SmokeRow(f"{label} reasoning", True, "not requested" if not a.reasoning else
+                             f"not requested, yet {len(a.reasoning)} chars of reasoning came back"))
     tools_sent = bool(body.get("tools"))
     rows.append(SmokeRow(f"{label} tool calls", tools_sent or not a.tool_calls,
                          f"{len(a.tool_calls or [])} tool call(s)" + ("" if tools_sent or not a.tool_calls
@@ -211,8 +215,8 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
                              + ("" if u.cost > 0 else ": no cost in usage (budgets need it)")))
         provider_ok = bool(a.provider) and _norm(a.provider) not in ignore
         rows.append(SmokeRow(f"{label} provider", provider_ok,
-                             f"{a.provider!r}" + (" is in provider.ignore" if a.provider and not provider_ok else
-                                                   "" if a.provider else "no provider in the response")))
+                             f"{a.provider!r}" + (" is in provider.ignore" if not provider_ok else "")
+                             if a.provider else "no provider in the response"))
     rows.append(SmokeRow(f"{label} finish", a.finish_reason == "stop",
                          f"finish_reason {a.finish_reason!r}, native {a.native_finish_reason!r}"))
     rec = reconstruct_fn(body["messages"], a)
@@ -340,6 +344,23 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
 
     tok_and_template: list[Any] = []
     _unset = object()
+    # The free checks first (precheck.py): nothing is paid for while a local input is unusable.
+    local_error = ""
+    try:
+        await asyncio.to_thread(check_tokenizer, config)
+    except DraftgenError as e:
+        add(SmokeRow("tokenizer", False, str(e)))
+        tok_and_template.append(None)
+        local_error = "not sent: the tokenizer could not be loaded (see the tokenizer row)"
+    counts: dict[str, int] = {}
+    for ds in config.datasets:
+        try:
+            counts[ds.name] = (await asyncio.to_thread(_count_prompts, ds))[0]
+        except DraftgenError as e:
+            add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
+            counts[ds.name] = 0
+            local_error = local_error or f"not sent: {ds.name}'s prompt file cannot be used (see its prompts row)"
+    sent: list[bool] = []  # a request left: the smoke test ran (a passing smoke.json is replaced)
 
     def reconstruct_fn(messages: list[dict[str, Any]], a: ChatAnswer | None, system: Any = _unset) -> Any:
         """The answer `a` reconstructed; with `a` None, only the prompt (rendered with `system`)."""
@@ -373,6 +394,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                           connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
                           title=config.api.title) as client:
         account: AccountStatus | None = None
+        unreachable = False  # the address does not answer: advice is about the network, not the config
         eng = config.engine
         rng = random.Random()
         deadline = time.monotonic() + SMOKE_RETRY_S  # one window for the whole smoke test's retries
@@ -396,6 +418,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                 add(SmokeRow("key", True, f"accepted (label {redact(str(account.label or 'unlabelled'))!r})"))
                 result.balance_usd = account.balance
             except RequestFailed as e:
+                unreachable = e.unreachable
                 note_key_answer(config, e)
                 if config.api.self_hosted:
                     add(SmokeRow("key", True, f"n/a (self-hosted: GET /key answered {e.status}, so "
@@ -422,7 +445,9 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
             else:
                 need = config.budget.max_usd is not None
                 why = listing_error or "the routing allows no listed provider"
-                hint = ("; max_usd needs one: set [api] prompt_price_per_mtok and completion_price_per_mtok"
+                hint = ("; the address does not answer (see the key row): the prices are read from its listing "
+                        "once it does" if unreachable else
+                        "; max_usd needs one: set [api] prompt_price_per_mtok and completion_price_per_mtok"
                         if need else "; no max_usd, so no ceiling to keep")
                 add(SmokeRow(f"{ds.name}: prices", not need, f"no price known ({why}){hint}", warning=not need))
 
@@ -455,8 +480,8 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                       ) -> tuple[str, dict[str, Any], ChatAnswer | SmokeRow, float]:
             body = smoke_body(config, ds) if body is None else body
             fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
-            if ledger_error:
-                return fp, body, fail(ledger_error), 0.0
+            if local_error or ledger_error:
+                return fp, body, fail(local_error or ledger_error), 0.0
             assert spend is not None
             p = prices[ds.name]
             if p is None and config.budget.max_usd is not None:
@@ -470,6 +495,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                 if ticket is None:
                     return fp, body, fail(why + after), 0.0
                 start = time.monotonic()
+                sent.append(True)
                 try:
                     answer = await client.chat(body, functools.partial(spend.generation, ticket))
                     break
@@ -528,15 +554,15 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
 
     figures = []
     for ds in config.datasets:
-        try:
-            loaded = tok_and_template[0] if tok_and_template else None
-            n, flagged, first = await asyncio.to_thread(_count_prompts, ds,
-                                                        loaded[0].special_tokens() if loaded else ())
-            if flagged:
-                add(special_text_row(config, ds.name, flagged, first))
-        except DraftgenError as e:
-            add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
-            n = 0
+        n = counts[ds.name]
+        loaded = tok_and_template[0] if tok_and_template else None
+        if loaded and n:
+            try:
+                _, flagged, first = await asyncio.to_thread(_count_prompts, ds, loaded[0].special_tokens())
+                if flagged:
+                    add(special_text_row(config, ds.name, flagged, first))
+            except DraftgenError as e:
+                add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
         answers, tokens, cost = on_disk[ds.name]
         figures.append(DatasetFigures(
             name=ds.name, remaining=max(0, n - answers), max_tokens=ds.max_tokens, concurrency=ds.concurrency,
@@ -569,7 +595,12 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                      + ("" if ok else ": the run would stop at the credit floor before finishing")))
 
     rd.root.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(rd.smoke_json, result.to_dict())  # a full disk: the last smoke.json stays as it was
+    if not sent and _last_smoke(rd, result.fingerprint, "passed") is True:
+        # Refused before any request (a run holds the ledger, a local input): the test did not run.
+        add(SmokeRow("smoke.json", True, f"kept the last passing smoke test in {rd.smoke_json}: this one "
+                     "sent no request", warning=True))
+    else:
+        write_json_atomic(rd.smoke_json, result.to_dict())  # a full disk: the last smoke.json stays as it was
     if progress is not None:
         final = snap.StageState.DONE if result.passed else snap.StageState.FAILED
         progress(snap.StageProgress("smoke", state=final, done=len(result.rows),

@@ -17,6 +17,7 @@ import orjson
 from draftgen.core.live import snapshot as snap
 from draftgen.core.config import Config
 from draftgen.core.generate.engine import Engine
+from draftgen.core.generate.smoke import SMOKE_RETRY_S
 from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError, UnreachableError
 from draftgen.core.files import RunLock, exclusive
 from draftgen.core.live.hub import Hub
@@ -28,6 +29,8 @@ from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.secrets import Redactor
 
 STAGES = ("smoke", "tokens", "merge", "extract")
+# The same warning again within this many seconds is counted, not logged (an outage that flaps says so once).
+REPEAT_WINDOW_S = 30.0
 
 
 def smoke_status(config: Config) -> tuple[bool, str]:
@@ -74,6 +77,7 @@ class Pipeline:
         self.exit_code = 0
         self.error: DraftgenError | None = None
         self._crash: BaseException | None = None
+        self._repeats: dict[tuple[str, str], list[float]] = {}  # (kind, message) -> [first seen, times held back]
         self.oneshot = Stages(config, api_key, self.engine, emit=self.emit)
         self.stages = self.oneshot.progress  # the stages panel's rows (one dict, shared)
         self.timeline = TimelineRecorder(self.rundir.history,
@@ -105,6 +109,7 @@ class Pipeline:
         self.publish()
 
     async def close(self) -> None:
+        self._flush_repeats()
         self.oneshot.cancel()
         if self._reconstructor is not None:
             await self._reconstructor.close()
@@ -146,20 +151,28 @@ class Pipeline:
 
     async def _generate(self) -> str:
         try:
+            from draftgen.core.generate.precheck import check_inputs
             from draftgen.core.generate.preflight import check_api
+            # Prompt files and the tokenizer before anything is paid for (the smoke test included).
+            await asyncio.to_thread(check_inputs, self.config, tokenizer=self._reconstruct)
+            ok, why = (True, "") if self._skip_smoke else smoke_status(self.config)
             try:
                 await check_api(self.config, self._api_key)
             except UnreachableError as e:
-                self.emit("warn", "unreachable", f"{e}; the run waits for it (no prompt is failed meanwhile)")
+                # What happens next depends on the smoke gate: say that, not a wait that never comes.
+                self.emit("warn", "unreachable", f"{e}; the run waits for it (no prompt is failed meanwhile)" if ok
+                          else f"{e}; the smoke test needed first retries it for up to "
+                               f"{SMOKE_RETRY_S / 60:.0f} min, then the run stops")
             if warning := self.config.kind_warning():  # the server's kind is known from here
                 self.emit("warn", "request_keys", warning)
             if not self._skip_smoke:
-                ok, why = smoke_status(self.config)
                 if not ok:
                     self.emit("info", "smoke", f"running the smoke test first: {why}")
                     if not await self.oneshot.smoke():
-                        self.engine.alert = ("the smoke test failed: the run will not start at full "
-                                             "concurrency (fix the config, press s to rerun, or --skip-smoke)")
+                        # Read in the TUI, the headless log and the shell after the TUI closes: a command, not a key.
+                        self.engine.alert = ("the smoke test failed: the run will not start at full concurrency "
+                                             f"(fix what it names, then `draftgen smoke {self.config.path}`; "
+                                             "or --skip-smoke)")
                         self.engine.state = snap.RunState.STOPPED
                         self.exit_code = 1
                         return snap.RunState.STOPPED
@@ -200,6 +213,28 @@ class Pipeline:
 
     def emit(self, level: str, kind: str, message: str) -> None:
         message = self._redact(message)
+        if level == "warn":
+            now = time.monotonic()
+            seen = self._repeats.get((kind, message))
+            if seen is not None and now - seen[0] < REPEAT_WINDOW_S:
+                seen[1] += 1  # held back: counted, said when the window ends or the run closes
+                return
+            if len(self._repeats) > 256:
+                self._flush_repeats()
+            self._repeats[(kind, message)] = [now, 0]
+            if seen is not None and seen[1]:
+                message += f" (and {seen[1]:.0f} more like it in the {REPEAT_WINDOW_S:.0f} s before)"
+        self._publish_event(level, kind, message)
+
+    def _flush_repeats(self) -> None:
+        """Say how many times each held-back warning came, and forget them."""
+        held, self._repeats = self._repeats, {}
+        for (kind, message), (_, times) in held.items():
+            if times:
+                self._publish_event("warn", kind, f"{message} (and {times:.0f} more like it within "
+                                    f"{REPEAT_WINDOW_S:.0f} s)")
+
+    def _publish_event(self, level: str, kind: str, message: str) -> None:
         event = snap.Event(time.time(), level, kind, message)
         if self._log is not None:
             self._log.write(level, message, event.ts)

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from draftgen.core.errors import EXIT_KEY_REFUSED
 from draftgen.core.live.snapshot import RunSnapshot, RunState
-from draftgen.core.units import clock, usd
+from draftgen.core.units import clock, usd, usd_shown
 
 
 class Counted(Protocol):
@@ -94,13 +94,28 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
             out.append(row(d.name, d.done, d.total, d.failed, d.skipped, left(d), usd(d.cost_usd))
                        + (f"  {d.status}" if d.status else ""))
         ds = s.datasets
+        rows_usd = sum(usd_shown(d.cost_usd) for d in ds)  # the total row is the sum of the rows above it
         out.append(row("total", sum(d.done for d in ds), sum(d.total for d in ds), sum(d.failed for d in ds),
-                       sum(d.skipped for d in ds), prompts_left(ds), usd(s.credits.spent_total_usd)))
+                       sum(d.skipped for d in ds), prompts_left(ds), usd(rows_usd)))
+        for d in ds:  # a budget is checked at admission: answers already asked finish past it
+            if d.token_budget and d.tokens_used > d.token_budget:
+                over = d.tokens_used - d.token_budget
+                out += textwrap.wrap(f"{d.name}: {over:,} completion tokens past its token budget of "
+                                     f"{d.token_budget:,} ({100 * over / d.token_budget:.1f}%): answers already "
+                                     "in flight when it was reached, kept", WIDTH, initial_indent="  ",
+                                     subsequent_indent="    ")
     c = s.credits
-    spend = f"  spent {usd(c.spent_usd)} this run, {usd(c.spent_total_usd)} all runs"
+    # "All runs" on a first run is this run plus its smoke test: "in all" says it without a second run.
+    every = "all runs of the directory" if runs > 1 else "in all"
+    spend = (f"spent {usd(c.spent_usd)} this run" if usd(c.spent_usd) == usd(c.spent_total_usd) and runs <= 1
+             else f"spent {usd(c.spent_usd)} this run, {usd(c.spent_total_usd)} {every}")
+    rows_usd = sum(usd_shown(d.cost_usd) for d in s.datasets)
+    other = usd_shown(c.spent_total_usd) - rows_usd
+    if s.datasets and abs(other) >= 0.005:
+        spend += f" (answers {usd(rows_usd)}, smoke tests and unanswered attempts {usd(other)})"
     if c.max_usd is not None:
         spend += f" (max_usd {usd(c.max_usd)})"
-    out.append(spend)
+    out += textwrap.wrap(spend, WIDTH, initial_indent="  ", subsequent_indent="    ")
     tokens = next((p for p in s.stages if p.name == "tokens"), None)
     if tokens is not None:  # live reconstruction: how many answers have token ids, and how to finish
         out.append(f"  tokens: {tokens.done:,} of {tokens.total:,} answers" + ("" if tokens.done >= tokens.total

@@ -421,12 +421,12 @@ def merge_command(config: Config) -> int:
     noted = {n: sum(d.kept_noted.get(n, 0) for d in stats.datasets) for n in NOTES}
     if any(noted.values()):
         console.print("kept although they differed: " + ", ".join(f"{n} {c:,}" for n, c in noted.items() if c)
-                      + " (see [validation] in the README)", highlight=False)
+                      + " (see \\[validation] in the README)", highlight=False)
     for d in stats.datasets:
         for f in d.flagged_sources:
             what = "dropped" if f["dropped"] else "kept ([validation] drop_flagged_sources = false)"
             console.print(f"[bold red]FLAGGED[/] {escape(d.name)} {escape(f['provider'])}: {escape(f['reason'])}; "
-                          f"its samples {what}. To change: {escape(f['fix'])}", soft_wrap=True, highlight=False)
+                          f"its samples {escape(what)}. To change: {escape(f['fix'])}", soft_wrap=True, highlight=False)
     console.print(f"{stats.samples:,} samples written in {stats.elapsed_s:.1f} s", highlight=False)
     sys.stdout.flush()
     return 0

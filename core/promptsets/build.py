@@ -12,6 +12,7 @@ every build, whatever N or the seed, so a rebuilt file resumes a run instead of 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections import Counter
@@ -23,7 +24,7 @@ from typing import Any, Literal
 import orjson
 
 from draftgen.core import dedupe
-from draftgen.core.errors import DraftgenError
+from draftgen.core.errors import DraftgenError, NoPromptError
 from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.promptsets import language, presets
 from draftgen.core.promptsets.sources import Source, SourceSpec, open_source
@@ -113,10 +114,11 @@ def seen_keys(paths: Iterable[Path]) -> tuple[set[bytes], set[bytes]]:
     for path in paths:
         if not path.exists():
             continue
-        for item in read_prompts(path):
-            if isinstance(item, Prompt):
-                exact.add(dedupe.exact_key(item.messages))
-                norm.add(dedupe.prompt_key(item.messages))
+        with contextlib.suppress(NoPromptError):  # nothing in it to dedupe against
+            for item in read_prompts(path):
+                if isinstance(item, Prompt):
+                    exact.add(dedupe.exact_key(item.messages))
+                    norm.add(dedupe.prompt_key(item.messages))
     return exact, norm
 
 

@@ -283,8 +283,24 @@ def _load_cached(path: str, trust_remote_code: bool) -> Tokenizer:
         return _load_transformers(str(snapshot), path, trust_remote_code)
     raise TokenizerError(
         f"tokenizer {path!r}: not a local folder and not in the Hugging Face cache; draftgen never downloads "
-        f"it. Download it where there is internet (`huggingface-cli download {path} --include '*.json' "
-        f"'*.model' '*.jinja' '*.py' '*.txt'`) or set tokenizer.path to a local folder")
+        f"it. Download it first (nothing is paid for until it loads): `{download_command(path)}`, "
+        f"or set tokenizer.path to a local folder")
+
+
+def hf_cli() -> str:
+    """The download command of the installed huggingface_hub: `hf` from 0.34 on (1.0 dropped
+    `huggingface-cli`), `huggingface-cli` before."""
+    try:
+        import huggingface_hub
+        major, minor = (int(x) for x in huggingface_hub.__version__.split(".")[:2])
+    except (ImportError, ValueError):
+        return "hf"  # not installed: `pip install huggingface_hub` brings `hf`
+    return "hf" if (major, minor) >= (0, 34) else "huggingface-cli"
+
+
+def download_command(repo: str) -> str:
+    """The shell command that puts a tokenizer's files (not the weights) in the Hugging Face cache."""
+    return f"{hf_cli()} download {repo} --include '*.json' '*.model' '*.jinja' '*.py' '*.txt'"
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Tokenizer:

@@ -38,9 +38,13 @@ class RunHeader(Panel):
         eta = fmt.duration(s.throughput.eta_s) if s.throughput.eta_s is not None else ""
         return (s.run_name, s.model, s.state, int(s.elapsed_s), s.attached, eta, len(s.timeline.runs))
 
+    def fit(self) -> Any:
+        return self.cols < 100
+
     def draw(self, s: RunSnapshot) -> RenderableType:
         # State first: on a narrow terminal the model name is what gets cut, never the state.
         left = Text.assemble((f" {s.state} ", STATE_STYLES.get(s.state, "bold reverse")), " ")
+        narrow = self.cols < 100  # 80x24: the run name must stay, so the clock gets short
         if s.attached:
             left.append(" ATTACHED read-only ", "bold black on cyan")
             left.append(" ")
@@ -52,9 +56,11 @@ class RunHeader(Panel):
         right = Text()
         if s.throughput.eta_s is not None:
             right.append(f"ETA {fmt.duration(s.throughput.eta_s)}  ")
-        right.append(f"elapsed {fmt.clock(s.elapsed_s)} ", style="bold")
+        right.append(f"{'' if narrow and s.attached else 'elapsed '}{fmt.clock(s.elapsed_s)} ", style="bold")
         runs = len(s.timeline.runs)
-        if runs > 1:
+        if runs > 1 and narrow:
+            right.append(f"(run {runs}) ", style="dim")
+        elif runs > 1:
             # A resumed run's clock starts again: say so, and when the directory's first run began.
             right.append(f"(run {runs}, first {fmt.wall_time(s.first_started_at)[:5]}) ", style="dim")
         grid.add_row(left, right)

@@ -1,0 +1,30 @@
+"""The checks that cost nothing, run before the first billed request (a smoke test's or a run's):
+every prompt file read through (a missing file, a JSON array, a file with no usable line), and the
+tokenizer and chat template loaded when the run or smoke test will need them. The key and the
+prices are free too: they are read (GET /key, GET /models) before any completion is asked, in
+preflight.py and smoke.py."""
+
+from __future__ import annotations
+
+from draftgen.core.config import Config
+from draftgen.core.generate.prompts import Prompt, read_prompts
+
+
+def count_prompts(config: Config) -> dict[str, int]:
+    """Usable prompts per dataset; raises PromptFileError naming the first file that cannot be used."""
+    return {ds.name: sum(isinstance(item, Prompt) for item in read_prompts(ds.prompts)) for ds in config.datasets}
+
+
+def check_tokenizer(config: Config) -> None:
+    """Load the tokenizer and the chat template; raises TokenizerError (or ConfigError) saying how to fix it."""
+    from draftgen.core.tokens.template import load_template
+    from draftgen.core.tokens.tokenizer import load_tokenizer
+    tok = load_tokenizer(config.tokenizer.path, config.tokenizer.trust_remote_code)
+    load_template(config.tokenizer.template, tok, default_system=config.tokenizer.system_turn())
+
+
+def check_inputs(config: Config, *, tokenizer: bool) -> None:
+    """Every local input a run needs, before anything is paid for."""
+    if tokenizer:  # one file to load: said before a prompt file is read through
+        check_tokenizer(config)
+    count_prompts(config)
