@@ -117,6 +117,11 @@ def repair_torn_tail(path: Path) -> int:
     return size - keep
 
 
+# Group commit's cadence: fsyncs of one file begin at most this often (a few ms beside requests that
+# take seconds; at thousands of answers a second it turns hundreds of small fsyncs into a few large).
+SYNC_INTERVAL_S = 0.01
+
+
 class JsonlAppender:
     """Appends whole JSON lines with one write each (a `kill -9` loses nothing written), and makes them
     durable against an OS crash on demand: `sync()` (fsync now) or `await synced()` (group commit: the
@@ -133,6 +138,7 @@ class JsonlAppender:
         self._synced = 0     # of those, the ones an fsync has covered
         self._running = False
         self._batch: list[asyncio.Future[None]] = []  # callers waiting for the next fsync
+        self._last_start = -SYNC_INTERVAL_S          # loop time the last fsync began
 
     def append(self, obj: Any) -> None:
         line = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
@@ -179,14 +185,24 @@ class JsonlAppender:
         self._batch.append(fut)
         if not self._running:
             self._running = True
-            # One tick's worth of callers share the first fsync.
-            asyncio.get_running_loop().call_soon(self._start)
+            self._start_soon()
         return fut
+
+    def _start_soon(self) -> None:
+        """The next fsync at most every SYNC_INTERVAL_S: at a high rate of answers each fsync then covers
+        many of them (one journal commit, not one per handful), for at most that much added latency."""
+        loop = asyncio.get_running_loop()
+        wait = self._last_start + SYNC_INTERVAL_S - loop.time()
+        if wait > 0:
+            loop.call_later(wait, self._start)
+        else:
+            loop.call_soon(self._start)  # one tick's worth of callers share it
 
     def _start(self) -> None:
         batch, self._batch = self._batch, []
         target = self._written
         loop = asyncio.get_running_loop()
+        self._last_start = loop.time()
         if self._fd < 0:  # closed meanwhile: close() synced what was written
             self._finish(batch, target, None)
             return
@@ -212,7 +228,7 @@ class JsonlAppender:
             else:
                 fut.set_exception(disk_error(self.path, error) if isinstance(error, OSError) else error)
         if self._batch:  # callers that came while this fsync ran: the next one covers them
-            self._start()
+            self._start_soon()
         else:
             self._running = False
 
