@@ -44,7 +44,9 @@ def key_problem(key: str) -> str | None:
 
 
 class Redactor:
-    def __init__(self, secret: str) -> None:
+    def __init__(self, secret: str, *others: str) -> None:
+        # Other keys of the run (the management key) are cut the same way, each in all its forms.
+        self._others = [Redactor(o) for o in others if o and o.strip() and o.strip() != secret.strip()]
         secret = secret.strip()
         body = key_body(secret)
         width = min(PREFIX, len(body)) if len(body) >= MIN_NEEDLE else len(secret)
@@ -61,6 +63,8 @@ class Redactor:
         self._runs = re.compile("[" + re.escape("".join(sorted(chars))) + "]{%d,}" % self._width)
 
     def __call__(self, text: str) -> str:
+        for other in self._others:
+            text = other(text)
         if self._runs is None:
             return text
         spans: list[list[int]] = []

@@ -91,6 +91,19 @@ def test_redactor_cuts_every_form_of_the_key(form):
         assert out.count("[redacted]") == 2 and "invalid key " in out and "; see docs" in out
 
 
+def test_the_management_key_is_cut_too(monkeypatch, tmp_path):
+    # GET /credits takes the management key: an error that quotes it is cut like the run's key.
+    mgmt = "sk-or-v1-" + "9f8e7d6c5b4a" * 5
+    monkeypatch.setenv("DG_MGMT_KEY", mgmt)
+    from draftgen.core.config import load_config
+    cfg = load_config(offline_config(tmp_path))
+    import dataclasses
+    api = dataclasses.replace(cfg.api, management_key_env="DG_MGMT_KEY")
+    redact = Redactor(KEY, api.management_key())
+    out = redact(f"403 for {mgmt} and {mgmt[9:].upper()} and {KEY}")
+    assert mgmt[9:21].lower() not in out.lower() and KEY[9:21] not in out and out.count("[redacted]") == 3
+
+
 def test_redactor_leaves_other_text_alone():
     redact = Redactor(KEY)
     text = "429 rate limited by provider novita; retry after 1 s; id gen-0123456789abcdefabcdef; sk-or-v1-"

@@ -72,7 +72,7 @@ class Engine:
         self.config = config
         self.rundir = RunDir(config.run_dir)
         self._api_key = api_key
-        self._redact = Redactor(api_key)
+        self._redact = Redactor(api_key, config.api.management_key())
         self._on_event = on_event or (lambda level, kind, message: None)
         self._clock = clock
         self.datasets = {d.name: DatasetRun(d, TokenBudget(d.token_budget, d.max_tokens),

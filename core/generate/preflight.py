@@ -19,7 +19,7 @@ from draftgen.core.secrets import Redactor
 
 async def check_api(config: Config, api_key: str) -> AccountStatus:
     """GET /key with the run's key: the address answers and the key is accepted."""
-    redact = Redactor(api_key)
+    redact = Redactor(api_key, config.api.management_key())
     async with ChatClient(config.api.base_url, api_key, concurrency=1,
                           connect_timeout_s=config.api.connect_timeout_s) as client:
         try:

@@ -331,7 +331,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
     a run open in this process (its reservations count, `settler` prices what is abandoned); without
     one the directory's ledger is opened here, and what is abandoned is looked up by the next run or
     `draftgen ledger`."""
-    redact = Redactor(api_key)
+    redact = Redactor(api_key, config.api.management_key())
     result = SmokeResult(fingerprint="")
     shapes: dict[str, DatasetConfig] = {}
 

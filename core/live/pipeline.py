@@ -62,7 +62,7 @@ class Pipeline:
         self.rundir = RunDir(config.run_dir)
         self.hub = Hub()
         self._api_key = api_key
-        self._redact = Redactor(api_key)
+        self._redact = Redactor(api_key, config.api.management_key())
         self._skip_smoke = skip_smoke
         self._reconstruct = config.engine.reconstruct if reconstruct is None else reconstruct
         self._serve_attach = serve_attach

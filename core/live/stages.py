@@ -24,7 +24,7 @@ class Stages:
         self._config = config
         self._api_key = api_key
         self._rundir = RunDir(config.run_dir)
-        self._redact = Redactor(api_key)
+        self._redact = Redactor(api_key, config.api.management_key())
         self._emit = emit
         self.engine = engine
         self.progress: dict[str, snap.StageProgress] = {}
