@@ -328,7 +328,9 @@ async def test_a_tls_failure_is_waited_out_not_billed_and_fails_nothing(tmp_path
             waiting = engine.snapshot().waiting
             if "TLS handshake failed" in waiting and engine.attempts.retries > 40:
                 break
-        engine.stop()
+        # A drain, not stop-now: a stop landing mid-handshake abandons that attempt at its worst case
+        # (the client cannot tell a handshake from a request on the wire), which is stop-now's rule.
+        engine.drain()
         await asyncio.wait_for(task, 30)
         assert sim.stats.requests_total == 0
     assert "TLS handshake failed" in waiting and "check [api] base_url" in waiting, waiting
