@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from draftgen.core.files import disk_error, temp_beside
+from draftgen.core.files import disk_error, replacing
 
 ROWS_PER_DIR = 2000
 SUFFIX, GZ_SUFFIX = ".ckpt", ".ckpt.gz"
@@ -153,30 +153,20 @@ def write_sample(root: Path, index: int, sample: SampleTensors, *, compress: boo
 
     Raises DiskError naming the file when it cannot be written; no temporary file is left then."""
     path = sample_path(root, index, compress=compress)
-    tmp = temp_beside(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            sink = _FdSink(fd)
-            if compress:
-                # No name or time in the header: the same sample gives the same bytes.
-                with gzip.GzipFile(filename="", mode="wb", compresslevel=GZ_LEVEL, fileobj=sink, mtime=0) as gz:
-                    torch.save(sample_dict(sample), gz)
-            else:
-                torch.save(sample_dict(sample), sink)
-            sink.flush()
-            # fsync: without it a power cut after the rename can leave an empty file that looks done.
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise disk_error(path, e) from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # fsync: without it a power cut after the rename can leave an empty file that looks done.
+    with replacing(path, fsync=True) as f:
+        sink = _FdSink(f.fileno())  # past the file object's buffer: large writes go straight from the tensors
+        if compress:
+            # No name or time in the header: the same sample gives the same bytes.
+            with gzip.GzipFile(filename="", mode="wb", compresslevel=GZ_LEVEL, fileobj=sink, mtime=0) as gz:
+                torch.save(sample_dict(sample), gz)
+        else:
+            torch.save(sample_dict(sample), sink)
+        sink.flush()
     return sink.size
 
 

@@ -83,11 +83,6 @@ def _connect_blocking(path: Path) -> bool:
         return True
 
 
-def run_is_live(path: Path) -> bool:
-    """True when a draftgen run is serving the attach socket at `path` now."""
-    return path.exists() and _connect_blocking(path)
-
-
 def _encode(kind: str, payload: bytes) -> bytes:
     return b'{"type":"' + kind.encode() + b'","data":' + payload + b"}\n"
 
