@@ -29,7 +29,7 @@ or an answer fault repeated after others were answered); one token entry per ans
 ids and loss mask; the spend recorded (sum of usage.cost) matches what the simulator billed: every
 prompt's billing is explained by its written answer, plus generations billed but never written:
 those of faults nobody could read (drop, hang, truncated: the service bills them, see
-core/simulator/faults.py) and answers a SIGKILL left (at most one per request in flight at the
+simulator/faults.py) and answers a SIGKILL left (at most one per request in flight at the
 kill; the simulator bills an abandoned plain request in full, as OpenRouter does).
 
 The figures print as a table; exit status 0 only if no check failed. The short form runs in the
@@ -65,8 +65,8 @@ from draftgen.core.tokens.reconstruct import reconstruct_record
 from draftgen.core.rundir import RunDir
 from draftgen.core.generate.classify import ANSWER_KINDS, WHOSE, Whose
 from draftgen.core.records import ErrorKind
-from draftgen.core.simulator import FAULT_KINDS, SimConfig, SimServer, SimStats, parse_faults, prompt_key
-from draftgen.core.simulator.scenarios import parse_scenarios
+from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer, SimStats, parse_faults, prompt_key
+from draftgen.simulator.scenarios import parse_scenarios
 from draftgen.core.tokens.template import load_template
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
 from draftgen.core.tokens.store import TokenReader
@@ -76,7 +76,7 @@ SOAK_KEY = "sk-or-v1-soak-not-a-real-key-5f0e1d2c3b4a"
 # Every fault kind of the simulator, about 35% of requests in all.
 DEFAULT_FAULTS = {"429": 0.05, "500": 0.04, "502": 0.03, "503": 0.03, "524": 0.03, "drop": 0.03,
                   "hang": 0.02, "truncated": 0.03, "error200": 0.03, "finish_error": 0.03, "empty_choices": 0.03}
-# Rows of OpenRouter's table mixed in (simulator scenarios; see core/simulator/scenarios.py).
+# Rows of OpenRouter's table mixed in (simulator scenarios; see simulator/scenarios.py).
 # Scenarios share their draws (one per prompt for a prompt's own problems, one per request for the
 # rest) and the first in the order the service meets them answers, so the rates climb.
 DEFAULT_SCENARIOS = {"context_length": {"rate": 0.005}, "invalid_prompt": {"rate": 0.01},
@@ -89,7 +89,7 @@ EPS_USD = 1e-9
 # The headless detail line of the run's limits: "limit E/C | avg completion ..." (effective/configured).
 _LIMIT = re.compile(rb"\n +limit ([\d,]+)/([\d,]+) \|")
 
-# Faults whose generation ran and is billed though no client could read it (core/simulator/faults.py).
+# Faults whose generation ran and is billed though no client could read it (simulator/faults.py).
 BILLED_FAULTS = ("drop", "hang", "truncated")
 
 

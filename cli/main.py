@@ -111,7 +111,7 @@ def cmd_prompts_build(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from draftgen.core.simulator.cli import run
+    from draftgen.simulator.cli import run
     return run(args)
 
 
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help="overwrite prompt files already in --out")
     p = add("simulate", cmd_simulate, "serve a local OpenRouter-compatible API to rehearse against")
     try:
-        from draftgen.core.simulator.cli import add_arguments
+        from draftgen.simulator.cli import add_arguments
         add_arguments(p)
     except ImportError:
         pass

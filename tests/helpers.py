@@ -14,7 +14,7 @@ from draftgen.core.config import Config, load_config, toml_value
 
 if TYPE_CHECKING:
     import aiohttp
-    from draftgen.core.simulator import SimServer
+    from draftgen.simulator import SimServer
 
 TEST_KEY = "sk-or-v1-draftgen-test-key-0123456789abcdef"
 SIM_AUTH = {"Authorization": "Bearer sk-test"}

@@ -12,7 +12,7 @@ import pytest
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 
 from .helpers import TEST_KEY, make_config, read_ids
 

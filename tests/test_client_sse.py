@@ -13,7 +13,7 @@ from aiohttp.base_protocol import BaseProtocol
 import pytest
 from draftgen.core.generate.client import ChatClient, RequestFailed, parse_completion
 from draftgen.core.records import ErrorKind
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 
 BODY = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Say something long."}],
         "max_tokens": 10240, "include_reasoning": True, "return_token_ids": True}

@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.simulator import SimConfig, SimServer, prompt_key
+from draftgen.simulator import SimConfig, SimServer, prompt_key
 
 from .helpers import make_config, read_ids
 from .test_engine import FAST, accounted, run_engine

@@ -32,7 +32,7 @@ from draftgen.core.config import load_config
 from draftgen.core.generate.engine import Engine
 from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.core.tokens.workers import reconstruct_dataset
 from draftgen.core.tokens.store import INDEX_FILE, TokenReader

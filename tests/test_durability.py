@@ -17,7 +17,7 @@ import pytest
 from draftgen.core.generate.engine import Engine
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 
 from tests.helpers import TEST_KEY, make_config
 

@@ -14,7 +14,7 @@ from draftgen.core.generate.attempts import backoff_delay
 from draftgen.core.generate.classify import ANSWER_KINDS
 from draftgen.core.generate.engine import Engine
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 
 from .helpers import TEST_KEY, make_config, read_ids
 

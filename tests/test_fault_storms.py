@@ -25,7 +25,7 @@ from draftgen.core.generate.classify import ANSWER_KINDS
 from draftgen.core.config import Config
 from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import FAULT_KINDS, SimConfig, SimServer
+from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
 from .helpers import TEST_KEY, cli_env, make_config, read_ids, until
@@ -331,7 +331,7 @@ async def test_402_headless_pauses_and_sigusr1_resumes(tmp_path: Path) -> None:
 
 def _combined(*stats: Any) -> Any:
     """The counters of several simulator lives as one (the audit reads one SimStats)."""
-    from draftgen.core.simulator import SimStats
+    from draftgen.simulator import SimStats
     out = SimStats()
     for st in stats:
         out.requests_total += st.requests_total

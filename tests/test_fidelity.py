@@ -16,7 +16,7 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.merge.merge import merge
 from draftgen.core.merge.policy import SamplePolicy
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import DEFAULT_PROVIDERS, SimConfig, SimProvider, SimServer
+from draftgen.simulator import DEFAULT_PROVIDERS, SimConfig, SimProvider, SimServer
 from draftgen.core.tokens.reconstruct import reconstruct_record
 from draftgen.core.tokens.store import TokenReader
 from draftgen.core.tokens.template import load_template

@@ -16,7 +16,7 @@ from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.live.headless import run_headless
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
 from .helpers import TEST_KEY, make_config

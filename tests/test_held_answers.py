@@ -32,7 +32,7 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.live.summary import summary_lines
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 from draftgen.tui.screens.quitdialog import QuitScreen
 from tests import fixtures as fx
 

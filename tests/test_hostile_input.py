@@ -33,7 +33,7 @@ from draftgen.core.generate.engine import Engine
 from draftgen.core.errors import ConfigError, NoPromptError, PromptFileError
 from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
 from draftgen.core.tokens.workers import reconstruct_dataset
 from draftgen.core.tokens.store import TokenReader

@@ -34,7 +34,7 @@ from draftgen.core.live.hub import Hub
 from draftgen.core.live.timeline import TimelineRecorder, Totals, read_history
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
 from .helpers import cli_env, make_config, until, write_prompts

@@ -18,7 +18,7 @@ from draftgen.core.files import RunDirBusyError, exclusive
 from draftgen.core.generate.retry_failed import history_path, retry_failed
 from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.command import tokens_command
 from draftgen.core.tokens.live import LiveReconstructor
 from draftgen.core.tokens.store import TokenReader

@@ -16,7 +16,7 @@ from draftgen.core.generate.reconcile import reconcile, running_left_s, settle_u
 from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import FAULT_KINDS, SimConfig, SimServer
+from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
 
 from tests.helpers import TEST_KEY, make_config
 

@@ -21,7 +21,7 @@ from draftgen.core.generate.smoke import SMOKE, run_smoke
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.rundir import RunDir, iter_jsonl
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
 from tests.helpers import TEST_KEY, make_config

@@ -20,7 +20,7 @@ from draftgen.core.generate.smoke import SMOKE, run_smoke
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.records import ErrorKind, Usage
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 
 from tests.helpers import TEST_KEY, make_config
 

@@ -18,7 +18,7 @@ from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.summary import EXIT_INCOMPLETE, final_state, summary_lines
 from draftgen.core.live.timeline import TimelineRecorder, Totals, read_history
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 from draftgen.tui.report import report
 from tests import fixtures as fx
 

@@ -9,7 +9,7 @@ import orjson
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.pipeline import Pipeline, smoke_status
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.core.tokens.store import TokenReader
 

@@ -26,8 +26,8 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.live.headless import run_headless
 from draftgen.core.live.summary import EXIT_INCOMPLETE
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
-from draftgen.core.simulator.scenarios import BY_NAME
+from draftgen.simulator import SimConfig, SimServer
+from draftgen.simulator.scenarios import BY_NAME
 
 from .helpers import TEST_KEY, make_config, read_ids
 

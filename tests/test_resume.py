@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 
 from .helpers import TEST_KEY, cli_env, make_config, read_ids
 

@@ -25,7 +25,7 @@ from draftgen.core.errors import EXIT_KEY_REFUSED
 from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import PREFIX
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
 from .helpers import cli_env, make_config

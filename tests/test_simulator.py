@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 import tiktoken
 from draftgen.core.errors import DraftgenError
-from draftgen.core.simulator import (
+from draftgen.simulator import (
     FAULT_KINDS,
     SimConfig,
     SimServer,
@@ -27,7 +27,7 @@ from draftgen.core.simulator import (
     parse_faults,
     prompt_key,
 )
-from draftgen.core.simulator.answers import build_pool
+from draftgen.simulator.answers import build_pool
 from tiktoken.load import load_tiktoken_bpe
 
 from .helpers import SIM_AUTH as AUTH
@@ -508,7 +508,7 @@ def test_parse_faults():
 
 def test_cli_serves_until_interrupted(tmp_path):
     script = ("import argparse, sys\n"
-              "from draftgen.core.simulator import cli\n"
+              "from draftgen.simulator import cli\n"
               "p = argparse.ArgumentParser(); cli.add_arguments(p)\n"
               "sys.exit(cli.run(p.parse_args()))\n")
     proc = subprocess.Popen([sys.executable, "-c", script, "--port", "0", "--latency-scale", "0",

@@ -11,9 +11,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from draftgen.core.simulator import SimConfig, SimServer, SimulatorError, prompt_key
-from draftgen.core.simulator.models import per_token
-from draftgen.core.simulator.scenarios import SCENARIOS, parse_scenarios
+from draftgen.simulator import SimConfig, SimServer, SimulatorError, prompt_key
+from draftgen.simulator.models import per_token
+from draftgen.simulator.scenarios import SCENARIOS, parse_scenarios
 
 from .helpers import SIM_AUTH as AUTH
 from .helpers import chat_body as body
@@ -418,7 +418,7 @@ async def test_models_and_endpoints_listing(session):
 def test_cli_scenario_flag_reaches_the_config():
     import argparse
 
-    from draftgen.core.simulator import cli
+    from draftgen.simulator import cli
 
     p = argparse.ArgumentParser()
     cli.add_arguments(p)

@@ -7,7 +7,7 @@ import pytest
 
 from draftgen.core.live.pipeline import smoke_status
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import SimConfig, SimServer
+from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 

@@ -17,7 +17,7 @@ import pytest
 from draftgen.core.live.summary import EXIT_INCOMPLETE
 from draftgen.core.config import load_config
 from draftgen.core.rundir import RunDir
-from draftgen.core.simulator import FAULT_KINDS, SimConfig, SimServer
+from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
 from draftgen.core.tokens.store import TokenReader
 
 

@@ -122,7 +122,7 @@ def prepare(root: Path, base_url: str) -> Config:
 
 
 async def run_demo(root: Path, *, headless: bool, out: TextIO = sys.stdout, latency_scale: float = 0.3) -> int:
-    from draftgen.core.simulator import SimConfig, SimServer
+    from draftgen.simulator import SimConfig, SimServer
     run_dir = root / "run"
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a demo starts from scratch; a real run resumes instead

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from draftgen.core.simulator import responses
-from draftgen.core.simulator.config import SimConfig
-from draftgen.core.simulator.generations import Generation
-from draftgen.core.simulator.scenarios import Active, Scenarios
-from draftgen.core.simulator.stats import SimStats
+from draftgen.simulator import responses
+from draftgen.simulator.config import SimConfig
+from draftgen.simulator.generations import Generation
+from draftgen.simulator.scenarios import Active, Scenarios
+from draftgen.simulator.stats import SimStats
 
 _RESETS = {"daily": 86_400, "weekly": 7 * 86_400, "monthly": 30 * 86_400}
 

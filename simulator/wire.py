@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from draftgen.core.simulator.answers import Completion
+from draftgen.simulator.answers import Completion
 
 PROCESSING = b": OPENROUTER PROCESSING\n\n"
 DONE = b"data: [DONE]\n\n"

@@ -2,7 +2,7 @@
 credits, faults and every documented response as a scenario, for tests, the demo, benchmarks
 and rehearsals (see server.py)."""
 
-from draftgen.core.simulator.config import (
+from draftgen.simulator.config import (
     DEFAULT_PROVIDERS,
     FAULT_KINDS,
     SimConfig,
@@ -10,9 +10,9 @@ from draftgen.core.simulator.config import (
     SimulatorError,
     parse_faults,
 )
-from draftgen.core.simulator.scenarios import SCENARIOS, parse_scenarios
-from draftgen.core.simulator.server import SimServer
-from draftgen.core.simulator.stats import SimStats, prompt_key
+from draftgen.simulator.scenarios import SCENARIOS, parse_scenarios
+from draftgen.simulator.server import SimServer
+from draftgen.simulator.stats import SimStats, prompt_key
 
 __all__ = [
     "DEFAULT_PROVIDERS", "FAULT_KINDS", "SCENARIOS", "SimConfig", "SimProvider", "SimServer", "SimStats",

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from draftgen.core.simulator import responses
-from draftgen.core.simulator.answers import Completion
-from draftgen.core.simulator.config import SimConfig, SimProvider
-from draftgen.core.simulator.stats import SimStats
+from draftgen.simulator import responses
+from draftgen.simulator.answers import Completion
+from draftgen.simulator.config import SimConfig, SimProvider
+from draftgen.simulator.stats import SimStats
 
 
 @dataclass(eq=False, slots=True)

@@ -10,8 +10,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from draftgen.core.simulator import wire
-from draftgen.core.simulator.config import SimConfig
+from draftgen.simulator import wire
+from draftgen.simulator.config import SimConfig
 
 JSON = "application/json"
 _DROP_GRACE_S = 5.0  # how long a dropped request waits to be cancelled before giving up

@@ -194,7 +194,7 @@ class SimConfig:
                "must be > 0 or null")
         _check(self.in_flight_window_s >= 0, "in_flight_window_s", "must be >= 0")
         _check(self.generation_delay_s >= 0, "generation_delay_s", "must be >= 0")
-        from draftgen.core.simulator.scenarios import (
+        from draftgen.simulator.scenarios import (
             check_params,  # scenarios imports this module
         )
 

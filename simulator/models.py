@@ -8,9 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from draftgen.core.simulator import responses
-from draftgen.core.simulator.config import SimConfig, SimProvider
-from draftgen.core.simulator.scenarios import Scenarios
+from draftgen.simulator import responses
+from draftgen.simulator.config import SimConfig, SimProvider
+from draftgen.simulator.scenarios import Scenarios
 
 DEFAULT_MODEL = "moonshotai/kimi-k2.5"
 SUPPORTED_PARAMETERS = ["max_tokens", "temperature", "top_p", "stop", "seed", "reasoning", "include_reasoning",

@@ -10,9 +10,9 @@ import signal
 import sys
 import time
 
-from draftgen.core.simulator.config import SimConfig, SimulatorError, parse_faults
-from draftgen.core.simulator.scenarios import BY_NAME, parse_scenarios
-from draftgen.core.simulator.server import SimServer
+from draftgen.simulator.config import SimConfig, SimulatorError, parse_faults
+from draftgen.simulator.scenarios import BY_NAME, parse_scenarios
+from draftgen.simulator.server import SimServer
 
 # The variable the simulator reads the key it requires from (never a flag: argv is public in `ps`).
 KEY_ENV = "DRAFTGEN_SIM_KEY"

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
-from draftgen.core.simulator import responses
-from draftgen.core.simulator.config import SimulatorError
-from draftgen.core.simulator.scenarios import SCENARIOS
+from draftgen.simulator import responses
+from draftgen.simulator.config import SimulatorError
+from draftgen.simulator.scenarios import SCENARIOS
 
 if TYPE_CHECKING:
-    from draftgen.core.simulator.server import SimServer
+    from draftgen.simulator.server import SimServer
 
 
 def add_routes(app: web.Application, sim: SimServer) -> None:

@@ -22,18 +22,18 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from draftgen.core.simulator import responses, scenarios, shaping, wire
-from draftgen.core.simulator.account import Account, auth_error
-from draftgen.core.simulator.answer_text import style_of_prompt
-from draftgen.core.simulator.answers import AnswerPool, answer_tokenizer
-from draftgen.core.simulator.config import SimConfig, SimProvider
-from draftgen.core.simulator.faults import pick_fault, serve_fault
-from draftgen.core.simulator.generations import Generation, Ledger
-from draftgen.core.simulator.models import Models, completion_limit
-from draftgen.core.simulator.prompt import prompt_token_count
-from draftgen.core.simulator.routing import NoEndpoints, candidates, choose
-from draftgen.core.simulator.scenarios import Active, Scenarios
-from draftgen.core.simulator.stats import SimStats
+from draftgen.simulator import responses, scenarios, shaping, wire
+from draftgen.simulator.account import Account, auth_error
+from draftgen.simulator.answer_text import style_of_prompt
+from draftgen.simulator.answers import AnswerPool, answer_tokenizer
+from draftgen.simulator.config import SimConfig, SimProvider
+from draftgen.simulator.faults import pick_fault, serve_fault
+from draftgen.simulator.generations import Generation, Ledger
+from draftgen.simulator.models import Models, completion_limit
+from draftgen.simulator.prompt import prompt_token_count
+from draftgen.simulator.routing import NoEndpoints, candidates, choose
+from draftgen.simulator.scenarios import Active, Scenarios
+from draftgen.simulator.stats import SimStats
 
 # The generation a request started, so that a stream the client aborts is billed up to there.
 GENERATION = web.RequestKey("draftgen_sim_generation", Generation)   # started: billed

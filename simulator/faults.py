@@ -22,9 +22,9 @@ import dataclasses
 from collections.abc import Callable
 
 from aiohttp import web
-from draftgen.core.simulator import responses, wire
-from draftgen.core.simulator.config import FAULT_KINDS, SimConfig
-from draftgen.core.simulator.generations import Generation
+from draftgen.simulator import responses, wire
+from draftgen.simulator.config import FAULT_KINDS, SimConfig
+from draftgen.simulator.generations import Generation
 
 # `choices[0].error` of an answer that ended with finish_reason "error".
 PROVIDER_ERROR = {"code": 502, "message": "Provider returned error: generation stopped"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from draftgen.core.simulator.answers import AnswerTokenizer
+from draftgen.simulator.answers import AnswerTokenizer
 
 _OPENERS = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from draftgen.core.simulator.config import SimProvider
+from draftgen.simulator.config import SimProvider
 
 
 class NoEndpoints(Exception):

@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from draftgen.core.simulator import wire
-from draftgen.core.simulator.config import SimConfig, SimProvider
+from draftgen.simulator import wire
+from draftgen.simulator.config import SimConfig, SimProvider
 
 _U32 = float(1 << 32)
 

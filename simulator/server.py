@@ -22,15 +22,15 @@ import asyncio
 from typing import Any
 
 from aiohttp import web
-from draftgen.core.simulator import control
-from draftgen.core.simulator.account import Account, auth_error
-from draftgen.core.simulator.answers import AnswerPool, build_pool
-from draftgen.core.simulator.completions import Completions
-from draftgen.core.simulator.config import FIXED_AT_START, SimConfig, SimulatorError
-from draftgen.core.simulator.generations import Ledger
-from draftgen.core.simulator.models import Models
-from draftgen.core.simulator.scenarios import Scenarios
-from draftgen.core.simulator.stats import SimStats
+from draftgen.simulator import control
+from draftgen.simulator.account import Account, auth_error
+from draftgen.simulator.answers import AnswerPool, build_pool
+from draftgen.simulator.completions import Completions
+from draftgen.simulator.config import FIXED_AT_START, SimConfig, SimulatorError
+from draftgen.simulator.generations import Ledger
+from draftgen.simulator.models import Models
+from draftgen.simulator.scenarios import Scenarios
+from draftgen.simulator.stats import SimStats
 
 API = "/api/v1"
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import resources
 from itertools import accumulate
 
-from draftgen.core.simulator.answer_text import STYLES, content_text, reasoning_text
+from draftgen.simulator.answer_text import STYLES, content_text, reasoning_text
 
 # Characters per token of the canned text under the Kimi tokenizer (measured), used only to aim
 # the generated length near the drawn token count; the real count comes from tokenizing.
