@@ -1,6 +1,7 @@
 """`draftgen report RUN_DIR`: how a run went, from its files alone (it may be running, finished, or
 copied elsewhere): answered, failed and rejected per dataset, the spend on disk, and the history
-charts from history.jsonl (core/live/timeline.py)."""
+charts from history.jsonl (core/live/timeline.py). Costs are the spend ledger's (spend.jsonl), the
+figures the run's views show; a directory without one falls back to its answers' usage.cost."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.live.timeline import timeline_from_file
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.tui import fmt
+from draftgen.core.units import usd_shown
 from draftgen.tui.charts import CHARTS, Chart
 
 
@@ -42,6 +45,8 @@ def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) ->
     for col, justify in (("dataset", "left"), ("answered", "right"), ("failed", "right"), ("rejected", "right"),
                          ("truncated", "right"), ("tokens", "right"), ("cost", "right")):
         table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    # Read only: a run may be writing it.
+    ledger = SpendLedger.read(rd.spend) if rd.spend.exists() else None
     totals = [0, 0, 0, 0, 0, 0.0]
     for name in _datasets(rd):
         answered = truncated = tokens = 0
@@ -54,14 +59,24 @@ def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) ->
             c = usage.get("cost")
             cost += c if isinstance(c, (int, float)) and not isinstance(c, bool) else 0.0
             truncated += bool(rec.get("truncated") or rec.get("empty_content"))
+        if ledger is not None:  # the dataset's figure in the run's views (projection.py: by_dataset, else usage)
+            cost = ledger.by_dataset.get(name, cost)
         row = [answered, _count(rd.failures(name)), _count(rd.rejected(name)), truncated, tokens, cost]
-        totals = [a + b for a, b in zip(totals, row)]
+        # The total row is the sum of the rows as shown.
+        totals = [a + b for a, b in zip(totals, row[:5] + [usd_shown(cost)])]
         table.add_row(name, fmt.count(row[0]), fmt.count(row[1]), fmt.count(row[2]), fmt.count(row[3]),
                       fmt.tokens(row[4]), fmt.usd(row[5]))
     table.add_row(Text("total", style="bold"), *(fmt.count(x) for x in totals[:4]), fmt.tokens(totals[4]),
                   fmt.usd(totals[5]))
     console.print(Text(f"draftgen report: {rd.root.resolve()}", style="bold"))
     console.print(table)
+    if ledger is not None:
+        other = usd_shown(ledger.spent_usd) - totals[5]
+        console.print(Text(f"spent {fmt.usd(ledger.spent_usd)} in all (spend.jsonl)"
+                           + (f": answers {fmt.usd(totals[5])}, smoke tests and unanswered attempts {fmt.usd(other)}"
+                              if abs(other) >= 0.005 else "")
+                           + (f"; {fmt.usd(ledger.pending_usd)} of it pending a price, at its worst case"
+                              if ledger.pending_usd else "")))
     timeline = timeline_from_file(rd.history)
     if not timeline.points:
         console.print(Text(f"\nno history: {rd.history} is missing or empty (written by runs since this version)",

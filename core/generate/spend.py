@@ -163,13 +163,18 @@ class SpendLedger:
         self._ids: dict[str, dict[str, bool]] | None = None
         self.covered: dict[str, int] = {}
         self.carried_by_cost: dict[str, float] = {}  # carry lines without "n"
+        # Per dataset, each prompt's answered cost (read(answer_costs=True)): merge's kept-sample cost.
+        self.answer_costs: dict[str, dict[str, float]] | None = None
 
     # -- opening ----------------------------------------------------------------------------
 
     @classmethod
-    def read(cls, path: Path) -> SpendLedger:
-        """The sums of an existing ledger, read only (smoke, `draftgen ledger` before it settles)."""
+    def read(cls, path: Path, *, answer_costs: bool = False) -> SpendLedger:
+        """The sums of an existing ledger, read only (smoke, `draftgen ledger` before it settles, report,
+        merge); with `answer_costs`, also each answered prompt's cost."""
         ledger = cls(path)
+        if answer_costs:
+            ledger.answer_costs = {}
         ledger._load()
         return ledger
 
@@ -220,6 +225,8 @@ class SpendLedger:
                 else:
                     self._book(rec["ds"], float(cost or 0.0),
                                AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED, run=False)
+                    if outcome == AttemptEnd.ANSWERED:
+                        self._note_answer(rec["ds"], rec["p"], float(cost or 0.0))
                 if outcome == AttemptEnd.ANSWERED and self._ids is not None:
                     self._ids.setdefault(rec["ds"], {})[rec["p"]] = True
             elif kind == "settle":
@@ -227,6 +234,8 @@ class SpendLedger:
                 p = self._drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
                 if p is not None:
                     self._book_settled(p, float(line["c"]), run=False)
+                    if p.answer:
+                        self._note_answer(p.ds, p.prompt_id, float(line["c"]))
             elif kind == "key":
                 if self.key_baseline is None:
                     self.key_baseline = float(line["u"])
@@ -430,6 +439,11 @@ class SpendLedger:
 
     def _book_settled(self, p: Pending, cost: float, *, run: bool) -> None:
         self._book(p.ds, cost, AttemptEnd.ANSWERED if p.answer else AttemptEnd.ABANDONED, run=run)
+
+    def _note_answer(self, ds: str, prompt_id: str, cost: float) -> None:
+        if self.answer_costs is not None:  # a prompt answered twice (its line lost, asked again) cost both
+            per = self.answer_costs.setdefault(ds, {})
+            per[prompt_id] = per.get(prompt_id, 0.0) + cost
 
     def _add_pending(self, p: Pending) -> None:
         self.pending[p.id] = p

@@ -14,6 +14,7 @@ Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed i
     tokens/       core/tokens/store.py format; entry k is line k of train.jsonl (same id), its
                   input_ids and loss_mask copied byte for byte from the dataset's token store
     stats.json    kept and dropped (by reason) per dataset, tokens, cost, seed, input fingerprints
+                  (costs from the spend ledger, spend.jsonl: the figures the run's views show)
 
 The record's shape and why: core/merge/specforge.py. Safe while generation runs (core/merge/inputs.py),
 and a crash never leaves a half-built merged/ (core/merge/swap.py). A lock file (`merged.lock`)
@@ -48,8 +49,11 @@ from draftgen.core.dedupe import message_text, prompt_key
 from draftgen.core.merge.specforge import has_tool_calls, specforge_record
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
 from draftgen.core.progress import ProgressCallback, Throttle, every
+from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.records import Usage
+from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.store import TokenWriter
+from draftgen.core.units import usd, usd_shown
 
 # Each dropped sample is counted under the first reason that applies, in this order ("failed" are
 # failures.jsonl lines; "bad_line" a responses.jsonl line that is not a JSON object with an id).
@@ -71,8 +75,8 @@ class DatasetMergeStats:
     invalid_checks: dict[str, int] = field(default_factory=dict)  # failed check -> samples dropped as invalid
     tokens: int = 0                     # input_ids of kept samples
     masked_tokens: int = 0              # loss_mask == 1 of kept samples
-    cost_usd: float = 0.0               # usage.cost of kept samples
-    cost_all_usd: float = 0.0           # usage.cost of every answer read (what the dataset cost)
+    cost_usd: float = 0.0               # the ledger's cost of the kept samples' answers
+    cost_all_usd: float = 0.0           # the ledger's cost of the dataset (what the run's views show)
     kept_noted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NOTES, 0))  # kept, but differed
     flagged_sources: list[dict[str, Any]] = field(default_factory=list)  # sources judged on their own, and why
 
@@ -224,7 +228,10 @@ def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> M
         per_ds = [DatasetMergeStats(ds.name) for ds in config.datasets]
         fingerprints = [fp for inp in inputs for fp in inp.fingerprints(root)]
         policy = SamplePolicy.from_config(config)
-        kept, tool_calls_key = _scan(inputs, per_ds, reporter, policy)
+        # Read only (a run may be writing it); a directory without one (before the ledger) has usage.cost alone.
+        spend = RunDir(root).spend
+        ledger = SpendLedger.read(spend, answer_costs=True) if spend.exists() else None
+        kept, tool_calls_key = _scan(inputs, per_ds, reporter, policy, ledger)
         random.Random(config.merge.seed).shuffle(kept)
         stats = MergeStats(seed=config.merge.seed, datasets=per_ds, inputs=fingerprints, policy=policy.to_dict(),
                            system_turn=config.tokenizer.system_turn())
@@ -249,7 +256,7 @@ _Kept = tuple[int, int, int, int, int]
 
 
 def _scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats],
-          reporter: _Reporter, policy: SamplePolicy) -> tuple[list[_Kept], bool]:
+          reporter: _Reporter, policy: SamplePolicy, ledger: SpendLedger | None = None) -> tuple[list[_Kept], bool]:
     """Pass 1: classify every answer, keep the clean first-seen ones as small tuples.
 
     Also says whether any kept prompt has tool calls (then every row gets the key, see top).
@@ -271,11 +278,13 @@ def _scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats],
             continue
         refs = inp.read_token_index()
         ds_policy = _flag_sources(refs, st, policy)
+        # An answer the ledger has no line for (carried or found from an older run) cost its usage.cost there too.
+        costs = (ledger.answer_costs or {}).get(inp.name, {}) if ledger is not None else {}
         kept_ids: set[str] = set()  # ids are unique per dataset by contract; a repeat must not give two rows one id
         for offset, line in complete_lines(inp.responses, inp.size(inp.responses)):
             st.read += 1
             reporter.read += 1
-            reason, ref, key, sample_tools = _classify(line, refs, seen, kept_ids, st, ds_policy)
+            reason, ref, key, sample_tools = _classify(line, refs, seen, kept_ids, st, ds_policy, costs)
             if reason is None:
                 tools = tools or sample_tools
                 seen.add(key)
@@ -290,6 +299,9 @@ def _scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats],
                               unit="MB/s", scale=1e6)
         done_bytes += inp.size(inp.responses)
         del refs, kept_ids  # one dataset's token index in memory at a time
+    for st in per_ds:  # what the dataset cost: the ledger's figure, attempts without an answer included
+        if ledger is not None and st.name in ledger.by_dataset:
+            st.cost_all_usd = ledger.by_dataset[st.name]
     reporter.send(StageState.RUNNING, total_bytes, total_bytes, "read", unit="MB/s", scale=1e6, force=True)
     return kept, tools
 
@@ -311,7 +323,8 @@ def _flag_sources(refs: dict[str, TokenRef], st: DatasetMergeStats, policy: Samp
 
 
 def _classify(line: bytes, refs: dict[str, TokenRef], seen: set[bytes], kept_ids: set[str],
-              st: DatasetMergeStats, policy: SamplePolicy) -> tuple[str | None, Any, bytes, bool]:
+              st: DatasetMergeStats, policy: SamplePolicy,
+              costs: dict[str, float] | None = None) -> tuple[str | None, Any, bytes, bool]:
     try:
         record = orjson.loads(line)
         sample_id = str(record["id"])
@@ -332,7 +345,8 @@ def _classify(line: bytes, refs: dict[str, TokenRef], seen: set[bytes], kept_ids
     if key in seen or sample_id in kept_ids:
         return "duplicate", ref, key, False
     kept_ids.add(sample_id)
-    st.cost_usd += Usage.from_dict(record.get("usage")).cost
+    cost = (costs or {}).get(sample_id)
+    st.cost_usd += Usage.from_dict(record.get("usage")).cost if cost is None else cost
     for note in notes:
         st.kept_noted[note] = st.kept_noted.get(note, 0) + 1
     return None, ref, key, has_tool_calls(record)
@@ -392,16 +406,19 @@ def merge_command(config: Config) -> int:
         print(f"merge {p.state:8} {pct}  {p.message:<24}  {counts}", flush=True)
 
     stats = merge(config, every(1.0, show))
+    # The total row is the sum of the rows as shown (units.usd_shown), as in the run's summary.
     totals = DatasetMergeStats("total", stats.read, stats.samples, stats.dropped, {}, stats.tokens,
-                               stats.masked_tokens, stats.cost_usd)
+                               stats.masked_tokens, sum(usd_shown(d.cost_usd) for d in stats.datasets),
+                               sum(usd_shown(d.cost_all_usd) for d in stats.datasets))
     rows = [*stats.datasets, totals]
     # Names and paths are the user's text, not rich markup ("B[/x]" must print, not raise).
     table = Table(title=f"merged → {escape(stats.output_dir)} (seed {stats.seed})")
-    for col in ("dataset", "read", "kept", "dropped", "tokens", "masked", "cost $"):
+    # Costs from the spend ledger: "spent" is the dataset's figure in the run's views and report.
+    for col in ("dataset", "read", "kept", "dropped", "tokens", "masked", "kept cost", "spent"):
         table.add_column(col, justify="left" if col == "dataset" else "right")
     for d in rows:
         table.add_row(escape(d.name), f"{d.read:,}", f"{d.kept:,}", f"{d.dropped_total:,}", f"{d.tokens:,}",
-                      f"{d.masked_tokens:,}", f"{d.cost_usd:.4f}", end_section=d is stats.datasets[-1])
+                      f"{d.masked_tokens:,}", usd(d.cost_usd), usd(d.cost_all_usd), end_section=d is stats.datasets[-1])
     console.print(table)
     reasons = [r for r in DROP_REASONS if totals.dropped[r]]
     if reasons:
