@@ -62,6 +62,7 @@ from draftgen.core.live.summary import ended_line, final_state
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
+from draftgen.core.units import usd
 
 HELD_RETRY_S = 3.0  # how often a run ending with answers held retries writing them
 
@@ -258,8 +259,8 @@ class Engine:
                                  money_limited=self.admission.money_limited)
         self.ended = ended_line(self.state, self.datasets.values())
         self._event("info" if self.state == RunState.DONE else "warn", "run_done",
-                    f"run {self.ended}; ${self.money.spent_run:.4f} spent this run, ${self.spend.spent_usd:.4f} all runs"
-                    + (f" (${self.spend.pending_usd:.4f} of it pending, at worst case)" if self.spend.pending else ""))
+                    f"run {self.ended}; {usd(self.money.spent_run)} spent this run, {usd(self.spend.spent_usd)} all runs"
+                    + (f" ({usd(self.spend.pending_usd)} of it pending, at worst case)" if self.spend.pending else ""))
         return self.state
 
     async def _wait_for_disk(self) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from draftgen.core.generate.prices import Prices
+from draftgen.core.units import usd
 
 MIN_SAMPLES = 20  # answers of a dataset before its own mean is trusted (short answers land first)
 
@@ -86,9 +87,9 @@ class RunForecast:
 
     def describe(self) -> str:
         low, high = self.range_usd
-        text = f"${self.total_usd:.2f} (range ${low:.2f}-${high:.2f})"
+        text = f"{usd(self.total_usd)} (range {usd(low)}-{usd(high)})"
         if self.capped:
-            text += f", stopped by max_usd ${self.max_usd:.2f} before every dataset is done"
+            text += f", stopped by max_usd {usd(self.max_usd)} before every dataset is done"
         return text
 
 

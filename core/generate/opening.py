@@ -38,6 +38,7 @@ from draftgen.core.generate.smoke import load_smoke_answer, load_smoke_answered
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.records import cost_of, count_of
 from draftgen.core.rundir import RunDir, iter_jsonl
+from draftgen.core.units import usd
 
 
 def _no_event(level: str, kind: str, message: str) -> None:
@@ -141,7 +142,7 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
     left = spend.lookups()
     if spend.pending:
         event("warn", "pending", f"{len(spend.pending)} attempt(s) of earlier runs not priced yet "
-              f"count at their worst case (${spend.pending_usd:.4f}); {len(left)} looked up now")
+              f"count at their worst case ({usd(spend.pending_usd)}); {len(left)} looked up now")
     settler.add(left)
     return Money(prices, smoke, settler)
 
@@ -168,7 +169,7 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
         if found.answers:
             spend.found(name, found.answers, found.usd)  # on the loop: the settler writes the ledger too
             say("warn", "unledgered", f"{name}: {found.answers} answer(s) in {rundir.responses(name)} have no "
-                f"line on {spend.path} (its tail lost in a crash?): their ${found.usd:.4f} now counts as spent")
+                f"line on {spend.path} (its tail lost in a crash?): their {usd(found.usd)} now counts as spent")
     # A file that cannot be read fails when its dataset starts, as before.
     for ds in datasets.values():
         with contextlib.suppress(DraftgenError):

@@ -60,7 +60,7 @@ from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.files import write_json_atomic
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
-from draftgen.core.units import clip
+from draftgen.core.units import clip, usd
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
         rows.append(SmokeRow(f"{label} provider", True, "n/a (self-hosted)"))
     else:
         rows.append(SmokeRow(f"{label} usage", u.completion_tokens > 0 and u.cost > 0,
-                             f"{tokens}, cost ${u.cost:.6f}"
+                             f"{tokens}, cost {usd(u.cost)}"
                              + ("" if u.cost > 0 else ": no cost in usage (budgets need it)")))
         provider_ok = bool(a.provider) and _norm(a.provider) not in ignore
         rows.append(SmokeRow(f"{label} provider", provider_ok,
@@ -579,19 +579,19 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
     need = plan.total_usd - spent if known else None
     if config.api.self_hosted:
         add(SmokeRow("balance", True, "n/a (self-hosted): no account; the run keeps going under max_usd"
-                     + (f" (${cap:.2f}, tokens at [api] prices)" if cap is not None else " (none set)")))
+                     + (f" ({usd(cap)}, tokens at [api] prices)" if cap is not None else " (none set)")))
     elif account is None:
         add(SmokeRow("balance", False, "could not read the balance (GET /key failed)"))
     elif result.balance_usd is None:
         add(SmokeRow("balance", True, f"{redact(account.balance_detail)}. A warning, not a failure: the run keeps "
-                     "going under max_usd" + (f" (${cap:.2f})" if cap is not None else " (none set)"), warning=True))
+                     "going under max_usd" + (f" ({usd(cap)})" if cap is not None else " (none set)"), warning=True))
     elif need is None:
         add(SmokeRow("balance", result.balance_usd > config.budget.credit_floor_usd,
-                     f"${result.balance_usd:.2f} ({account.balance_source}); no projection (no answer came back)"))
+                     f"{usd(result.balance_usd)} ({account.balance_source}); no projection (no answer came back)"))
     else:
         ok = result.balance_usd - config.budget.credit_floor_usd >= need
-        add(SmokeRow("balance", ok, f"${result.balance_usd:.2f} ({account.balance_source}) against ${need:.2f} to finish "
-                     f"(projected {plan.describe()}) + floor ${config.budget.credit_floor_usd:.2f}"
+        add(SmokeRow("balance", ok, f"{usd(result.balance_usd)} ({account.balance_source}) against {usd(need)} "
+                     f"to finish (projected {plan.describe()}) + floor {usd(config.budget.credit_floor_usd)}"
                      + ("" if ok else ": the run would stop at the credit floor before finishing")))
 
     rd.root.mkdir(parents=True, exist_ok=True)
@@ -667,12 +667,12 @@ def print_result(result: SmokeResult) -> None:
     console.print(checklist_table("draftgen smoke test", ((r.check, r.passed, r.detail, r.warning)
                                                           for r in result.rows)))
     for name, cost in result.cost_per_request.items():
-        console.print(f"cost per request ({escape(name)}): ${cost:.6f}")
+        console.print(f"cost per request ({escape(name)}): {usd(cost)}")
     if result.projection is not None:
         console.print(f"projected run cost, every dataset: {escape(result.projection.describe())}")
         for d in result.projection.datasets:
             console.print(f"  {escape(d.name)}: {d.answers_left} answers of ~{d.tokens_per_answer:.0f} tokens "
-                          f"({d.basis}): ${d.cost_usd:.2f} (${d.low_usd:.2f}-${d.high_usd:.2f})"
+                          f"({d.basis}): {usd(d.cost_usd)} ({usd(d.low_usd)}-{usd(d.high_usd)})"
                           + (f", ~{d.time_s / 60:.0f} min" if d.time_s is not None else ""))
     console.print(("[green]PASSED[/]: " if result.passed else "[bold red]FAILED[/]: ") + escape(result.summary()))
 

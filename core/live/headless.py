@@ -21,7 +21,7 @@ from typing import TextIO
 from draftgen.core.live import snapshot as snap
 from draftgen.core.config import Config
 from draftgen.core.live.pipeline import Pipeline
-from draftgen.core.live.summary import summary_lines
+from draftgen.core.live.summary import prompts_left, summary_lines
 from draftgen.core.records import error_count
 from draftgen.core.units import clock, compact_duration, fmt_count, usd
 
@@ -32,6 +32,26 @@ DETAILS_EVERY = 6    # status lines between two detail blocks (and at every chan
 
 def _fit(line: str) -> str:
     return line if len(line) <= WIDTH else line[:WIDTH - 1] + "…"
+
+
+def _eta(s: snap.RunSnapshot) -> str:
+    """"ETA —" until the projection is stable (projection.stable_eta); never 0 while work remains."""
+    eta = s.throughput.eta_s
+    left = s.throughput.in_flight or prompts_left(s.datasets)
+    return f"ETA {compact_duration(None if eta is not None and eta < 1 and left else eta, unknown='—')}"
+
+
+def _carried(parts: list[str]) -> list[str]:
+    """Detail parts joined by " | ", carried to a next line at a " | " rather than cut ("balance $64.15
+    (0m4…" hid how old the balance is)."""
+    lines: list[str] = []
+    line = ""
+    for part in parts:
+        if line and len(f"{line} | {part}") > WIDTH:
+            lines.append(_fit(line))
+            line = ""
+        line = f"{line} | {part}" if line else INDENT + part
+    return lines + [_fit(line)] if line else lines
 
 
 def _active(s: snap.RunSnapshot) -> list[snap.DatasetSnapshot]:
@@ -50,7 +70,7 @@ def status_line(s: snap.RunSnapshot, now: float | None = None) -> str:
     errors = error_count(s.errors)
     # Spend is the spend ledger over all runs, + the worst case reserved for the requests in flight, / the
     # max_usd ceiling (short: the status line holds 120 columns; the detail lines spell it out).
-    ceiling = "none" if c.max_usd is None else f"${c.max_usd:,.0f}" if c.max_usd == int(c.max_usd) else usd(c.max_usd)
+    ceiling = "none" if c.max_usd is None else usd(c.max_usd)
     spent = f"spent {usd(c.spent_total_usd)}+{usd(c.in_flight_usd)} rsv/{ceiling}"
     # Most important first: what does not fit in 120 columns is left to the detail lines.
     # A run that makes no progress says so on every line; the details say why (held, unreachable, backing off).
@@ -60,9 +80,8 @@ def status_line(s: snap.RunSnapshot, now: float | None = None) -> str:
              spent,
              f"{t.in_flight:,} in flight",
              f"30s: {t.req_s_window:.2f} req/s {fmt_count(t.tok_s_window)} tok/s",
-             f"err {errors:,}"]
-    if t.eta_s is not None:
-        parts.append(f"ETA {compact_duration(t.eta_s)}")
+             f"err {errors:,}",
+             _eta(s)]
     kept: list[str] = []
     for p in parts:
         if len(" | ".join(kept + [p])) <= WIDTH:
@@ -79,14 +98,15 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
                         f"{d.skipped:,} skipped, {d.in_flight:,} in flight (limit {d.effective_concurrency:,}/"
                         f"{d.concurrency:,}), {usd(d.cost_usd)}"))
     errors = error_count(s.errors)
-    out.append(_fit(INDENT + " | ".join([
+    # The recent rates too: the status line leaves them out when the money figures are wide.
+    out += _carried([
         f"limit {t.effective_concurrency:,}/{t.configured_concurrency:,}",
+        f"30s: {t.req_s_window:.2f} req/s {fmt_count(t.tok_s_window)} tok/s",
         f"avg completion {t.avg_completion_tokens_window:,.0f} tok (30s) {t.avg_completion_tokens_total:,.0f} (all)",
-        f"{t.req_s_total:.2f} req/s (all)", f"errors {errors:,} retries {s.retries:,}"])))
+        f"{t.req_s_total:.2f} req/s (all)", f"errors {errors:,} retries {s.retries:,}"])
     more = [f"spent {usd(c.spent_total_usd)} (all runs, {usd(c.spent_usd)} this run) / reserved {usd(c.in_flight_usd)} / "
             f"ceiling {usd(c.max_usd) if c.max_usd is not None else 'none'}"]
-    if t.eta_s is not None:
-        more.append(f"ETA {compact_duration(t.eta_s)}")
+    more.append(_eta(s))
     more.append(f"balance {usd(c.balance_usd)} ({compact_duration(c.balance_age_s)} old)" if c.balance_usd is not None
                 else "balance unknown")
     if c.projected_total_usd is not None:
@@ -100,8 +120,7 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
         runs = len(s.timeline.runs)
         more.append(f"first started {time.strftime('%Y-%m-%d %H:%M', time.localtime(s.first_started_at))}"
                     + (f" ({runs} runs)" if runs > 1 else ""))
-    if more:
-        out.append(_fit(INDENT + " | ".join(more)))
+    out += _carried(more)
     if s.alert:
         # Wrapped, never cut: it names the path or the account condition to act on.
         out += textwrap.wrap(f"ALERT: {s.alert}", WIDTH, initial_indent=INDENT, subsequent_indent=INDENT + "  ",
