@@ -3,8 +3,9 @@
 It follows the tail until you move the cursor up; `end` follows again. `v` cycles the level shown
 (all, warnings and errors, errors), `d` the dataset (an event belongs to a dataset when its message
 starts with the dataset's name), and the log view's `/` searches (case-insensitive, in the
-message). The highlighted line is shown whole, wrapped; the others are cut to one line. The full
-history is in the run's events.log as well.
+message). One rule for an event that does not fit: its row is cut at a word with "…", and the
+highlighted row is shown whole, wrapped at words under its message (a hanging indent past the time
+and level). The full history is in the run's events.log as well.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from rich.cells import get_character_cell_size
 from rich.text import Text
 from textual.binding import Binding
 from textual.widgets import OptionList
@@ -21,6 +23,59 @@ from draftgen.tui import fmt
 
 LEVEL_STYLES = {"info": "", "warn": "bold yellow", "error": "bold red"}
 LEVELS = (("all", ("info", "warn", "error")), ("warn+", ("warn", "error")), ("error", ("error",)))
+
+
+def _fits(text: str, start: int, cells: int) -> int:
+    """The end of the longest run of `text` from `start` that takes at most `cells` columns."""
+    end, used = start, 0
+    while end < len(text) and used + get_character_cell_size(text[end]) <= cells:
+        used += get_character_cell_size(text[end])
+        end += 1
+    return end
+
+
+def cut_at_word(message: Text, cells: int) -> Text:
+    """`message` in `cells` columns: whole if it fits, else cut at the last word before the edge with "…"
+    (a word longer than half the width is cut where the edge falls)."""
+    plain = message.plain
+    if _fits(plain, 0, cells) == len(plain):
+        return message
+    end = _fits(plain, 0, max(1, cells - 1))
+    space = plain.rfind(" ", 0, end + 1)
+    if space > cells // 2:
+        end = space
+    while end > 0 and plain[end - 1] in " ,;:(":
+        end -= 1
+    cut = message[:end]
+    cut.append("…", style="dim")
+    return cut
+
+
+def wrap_at_words(message: Text, cells: int, indent: int) -> Text:
+    """`message` wrapped at words to `cells` columns, each line after the first indented by `indent`."""
+    plain = message.plain
+    breaks: list[int] = []
+    start = 0
+    while True:
+        while start < len(plain) and plain[start] == " ":
+            start += 1
+        end = _fits(plain, start, cells)
+        if end >= len(plain):
+            break
+        space = plain.rfind(" ", start, end + 1)
+        end = space if space > start else max(end, start + 1)  # a word longer than a line: cut where it must
+        breaks.append(end)
+        start = end
+    if not breaks:
+        return message
+    out = Text()
+    for k, line in enumerate(message.divide(breaks)):
+        line.rstrip()
+        if k:
+            line = line[len(line.plain) - len(line.plain.lstrip(" ")):]
+            out.append("\n" + " " * indent)
+        out.append_text(line)
+    return out
 
 
 class EventStore:
@@ -85,14 +140,14 @@ class EventLogPanel(OptionList):
     def _prompt(self, e: Event, whole: bool = False) -> Text:
         text = Text.assemble((fmt.wall_time(e.ts), "dim"), " ", (f"{e.level:<5}", LEVEL_STYLES.get(e.level, "")),
                              " ")
-        message = Text(e.message, style="red" if e.level == "error" else "")
+        message = Text(" ".join(e.message.split("\n")), style="red" if e.level == "error" else "")
         if self.search:
             message.highlight_words([self.search], style="reverse", case_sensitive=False)
-        text.append_text(message)
         width = self.scrollable_content_region.width
-        if not whole and width and text.cell_len > width:
-            text.truncate(width - 1)
-            text.append("…", style="dim")
+        if width:
+            room = max(12, width - text.cell_len)
+            message = wrap_at_words(message, room, text.cell_len) if whole else cut_at_word(message, room)
+        text.append_text(message)
         return text
 
     def on_resize(self) -> None:
