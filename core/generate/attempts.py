@@ -25,7 +25,7 @@ from draftgen.core.config import Config
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.admission import Gate
 from draftgen.core.generate.billing import as_booked, book_answer, book_failure, look_up
-from draftgen.core.generate.classify import ANSWER_KINDS, SLOW_DOWN_KINDS, Whose
+from draftgen.core.generate.classify import ANSWER_KINDS, SLOW_DOWN_KINDS, Whose, unreachable_advice
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
 from draftgen.core.generate.prices import Prices
 from draftgen.core.generate.settle import Settler
@@ -187,9 +187,9 @@ class Attempts:
         """Why no answer comes while the run goes, in a sentence (empty when answers come)."""
         since = self._unreachable_since
         if since is not None:
-            return (f"{self.unreachable_cause or 'cannot reach ' + self._config.api.base_url} for "
-                    f"{self._clock() - since:.0f} s; retrying until it answers (check [api] base_url), no prompt "
-                    "is failed meanwhile")
+            cause = self.unreachable_cause or f"{self._config.api.base_url} does not answer"
+            return (f"{cause} for {self._clock() - since:.0f} s; retrying until it answers "
+                    f"({unreachable_advice(self._config.api.base_url, cause)}), no prompt is failed meanwhile")
         last = self.last_transient
         if self.backing_off and self.backing_off >= in_flight and last is not None:
             wait = f", Retry-After {last.retry_after:g} s" if last.retry_after is not None else ""
@@ -209,9 +209,11 @@ class Attempts:
         self.unreachable_cause = self._redact(e.message)[:200]
         if self._unreachable_since is None:
             self._unreachable_since = self._clock()
-            self._event("warn", "unreachable", f"cannot reach {self._config.api.base_url} "
-                        f"({self._redact(e.message)[:200]}): retrying until it answers; no prompt is failed "
-                        "while it cannot be reached")
+            # The cause once (it names the address), the advice that matches it, then what the run does.
+            cause = self.unreachable_cause
+            advice = unreachable_advice(self._config.api.base_url, cause, self._config.path)
+            self._event("warn", "unreachable", f"{cause}: {advice}; retrying until it answers, no prompt is failed "
+                        "meanwhile")
 
     def _note_reachable(self) -> None:
         if self._unreachable_since is not None:

@@ -281,5 +281,34 @@ def cannot_connect(base_url: str, e: BaseException) -> str:
     if "Connect call failed" in cause or "refused" in cause.lower():
         cause = "connection refused"
     elif "SSL" in type(e).__name__ or "ssl" in cause.lower():
-        return f"cannot connect to {parts.hostname}:{port} (TLS handshake failed: {cause}; is the scheme right?)"
+        return f"cannot connect to {parts.hostname}:{port} (TLS handshake failed: {cause})"
     return f"cannot connect to {parts.hostname}:{port} ({cause.lower() if cause[:1].isupper() else cause})"
+
+
+# Hosts whose name is not the user's to mistype: a failure to reach them is the network's.
+WELL_KNOWN_HOSTS = ("openrouter.ai",)
+_DNS = ("name or service not known", "nodename nor servname", "name resolution", "no address associated",
+        "getaddrinfo", "name does not resolve")
+_NETWORK = ("no answer within", "timed out", "timeout", "network is unreachable", "no route to host",
+            "did not answer")
+
+
+def unreachable_advice(base_url: str, cause: str, config_path: object = None) -> str:
+    """What to do about an address that does not answer, matched to `cause` (cannot_connect's text):
+    the network for a name that does not resolve or a connection that times out, the config and the
+    server for a refused port or a TLS mismatch. Read in the TUI, the headless log and at the shell:
+    it names no key."""
+    low = cause.lower()
+    host = (urlsplit(base_url).hostname or "").lower()
+    known = any(host == h or host.endswith("." + h) for h in WELL_KNOWN_HOSTS)
+    where = f"[api] base_url ({base_url})" + (f" in {config_path}" if config_path else "")
+    if "tls handshake" in low:
+        return f"check {where}: https:// for a TLS server, http:// for a plain one"
+    if "refused" in low:
+        return f"check {where} and that the server is up"
+    if any(k in low for k in _DNS):
+        return ("check this machine's network and DNS: the host name does not resolve" if known else
+                f"check this machine's network and DNS, and the host name in {where}")
+    if any(k in low for k in _NETWORK) or known:
+        return "check this machine's network (a proxy or a firewall?)" + ("" if known else f", and {where}")
+    return f"check {where}, and this machine's network"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from draftgen.core.config import Config, note_server_kind
 from draftgen.core.errors import KeyRefusedError, UnreachableError
 from draftgen.core.generate.account import AccountStatus, read_account
-from draftgen.core.generate.classify import AccountCondition, RequestFailed
+from draftgen.core.generate.classify import AccountCondition, RequestFailed, unreachable_advice
 from draftgen.core.generate.client import ChatClient
 from draftgen.core.secrets import Redactor
 
@@ -29,16 +29,17 @@ async def check_api(config: Config, api_key: str) -> AccountStatus:
         except RequestFailed as e:
             note_key_answer(config, e)
             if e.unreachable:
-                raise UnreachableError(f"{redact(e.message.removeprefix('GET /key: '))}: check [api] base_url "
-                                       f"({config.api.base_url}) in {config.path} and that the server is up") from None
+                cause = redact(e.message.removeprefix("GET /key: "))
+                advice = unreachable_advice(config.api.base_url, cause, config.path)
+                raise UnreachableError(f"{cause}: {advice}") from None
             if e.account is AccountCondition.KEY_REFUSED:
                 raise KeyRefusedError(f"the API key in ${config.api.api_key_env} was refused by "
                                       f"{config.api.base_url}/key ({redact(e.message)}): set a valid key "
                                       "(revoked or mistyped?) and run again") from None
             return AccountStatus()  # /key is odd here, but the key may still run completions
         except TimeoutError:
-            raise UnreachableError(f"{config.api.base_url}/key did not answer: check [api] base_url in "
-                                   f"{config.path}") from None
+            cause = f"{config.api.base_url}/key did not answer"
+            raise UnreachableError(f"{cause}: {unreachable_advice(config.api.base_url, cause, config.path)}") from None
 
 
 # GET /key's statuses from a server that has no such endpoint (FastAPI, vLLM, SGLang, llama.cpp).
