@@ -59,12 +59,10 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
         failed()
     if fault in ("500", "502", "503"):
         await responses.sleep(ttft)
-        if fault == "500":
-            return responses.error(500, "Internal Server Error")
-        if fault == "502":
-            return responses.error(502, "Provider returned error",
-                                   {**meta, "raw": "upstream connect error or disconnect/reset before headers"})
-        return responses.error(503, f"No instances available for {r.model}. Please retry shortly.", meta)
+        if fault in ("500", "502"):  # a provider's error: OPENROUTER.md, `metadata.provider_name` and `raw`
+            return responses.error(int(fault), *responses.upstream(int(fault), r.provider))
+        # All allowed providers down or full: OpenRouter's own 503 of routing names no provider.
+        return responses.error(503, *responses.upstream(503, r.provider))
     if fault == "524":
         await responses.sleep(latency)
         # Cloudflare answers an origin timeout with its own plain-text page, not JSON.
@@ -106,7 +104,7 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
         finish(g)
     elif fault == "error200":
         await responses.paced(resp, half, max(0.0, latency - ttft) / 2)
-        await resp.write(wire.error_frame(r, 502, "Provider returned error: upstream disconnected"))
+        await resp.write(wire.error_frame(r, 502, "Provider returned error: upstream disconnected", meta))
     else:  # finish_error
         await responses.paced(resp, half, max(0.0, latency - ttft) / 2)
         await resp.write(wire.final_frame(unbilled(r), "error", PROVIDER_ERROR) + wire.DONE)

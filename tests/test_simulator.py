@@ -337,9 +337,13 @@ async def test_each_fault_at_rate_one(session, kind, stream):
     async with SimServer(cfg(faults={kind: 1.0}, retry_after_s=7, hang_s=30), port=0) as sim:
         status, headers, raw = await _outcome(session, sim, stream)
         if kind in ("429", "500", "502", "503"):
-            assert status == int(kind) and json.loads(raw)["error"]["code"] == int(kind)
+            err = json.loads(raw)["error"]
+            assert status == int(kind) and err["code"] == int(kind)
             if kind == "429":
                 assert headers["Retry-After"] == "7"
+            # OPENROUTER.md: a provider's error names it in metadata.provider_name; the 503 of routing
+            # (every allowed provider down or full) is OpenRouter's own and names none.
+            assert ("provider_name" in err.get("metadata", {})) is (kind != "503"), err
         elif kind == "524":
             assert status == 524 and raw == b"error code: 524"  # Cloudflare's page, not JSON
         elif kind in ("drop", "hang") and stream:
@@ -357,7 +361,7 @@ async def test_each_fault_at_rate_one(session, kind, stream):
                     json.loads(raw)
             elif kind == "error200":
                 d = json.loads(raw)
-                assert "choices" not in d and d["error"]["message"]
+                assert "choices" not in d and d["error"]["message"] and d["error"]["metadata"]["provider_name"]
             elif kind == "finish_error":
                 assert json.loads(raw)["choices"][0]["finish_reason"] == "error"
             else:
@@ -373,6 +377,7 @@ async def test_each_fault_at_rate_one(session, kind, stream):
                 chunks, _, _ = parse_sse(raw)
                 if kind == "error200":
                     assert chunks[-1]["error"]["message"] and chunks[-1]["choices"][0]["finish_reason"] == "error"
+                    assert chunks[-1]["error"]["metadata"]["provider_name"] == chunks[-1]["provider"]
                 elif kind == "finish_error":
                     assert chunks[-1]["choices"][0]["finish_reason"] == "error"
                 else:

@@ -134,7 +134,7 @@ class Attempts:
                 if self._recent is not None:
                     self._recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=prompt_id, attempt=tries,
                                      message=self._redact(e.message), status=e.status,
-                                     provider=getattr(e, "provider", None) or "")
+                                     provider=e.provider)
                 if e.kind in SLOW_DOWN_KINDS:
                     ds.concurrency.on_429()
                 elif not e.unreachable:

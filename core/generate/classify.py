@@ -135,6 +135,13 @@ class RequestFailed(Exception):
     def whose(self) -> Whose:
         return WHOSE.get(self.kind, Whose.PROMPT)
 
+    @property
+    def provider(self) -> str:
+        """The provider that failed, as OpenRouter names it (`error.metadata.provider_name`); "" when the
+        error is OpenRouter's own (a 503 of routing, its rate limit) or the server names none."""
+        name = self.metadata.get("provider_name")
+        return name if isinstance(name, str) else ""
+
 
 def parse_error_body(body: bytes) -> ErrorBody:
     try:

@@ -73,6 +73,16 @@ def _error_message(err: Any) -> str:
     return str(msg)[:300]
 
 
+def _failure_meta(err: Any, provider: Any) -> dict[str, Any]:
+    """The metadata of an error inside a 200: the error's own, naming the provider of the body (its
+    `provider`) when it names none, as OpenRouter's error statuses do in `metadata.provider_name`."""
+    meta = err.get("metadata") if isinstance(err, dict) else None
+    meta = dict(meta) if isinstance(meta, dict) else {}
+    if provider and isinstance(provider, str) and not meta.get("provider_name"):
+        meta["provider_name"] = provider
+    return meta
+
+
 def _has_cost(raw: Any) -> bool:
     cost = raw.get("cost") if isinstance(raw, dict) else None
     return isinstance(cost, (int, float)) and not isinstance(cost, bool)
@@ -115,13 +125,15 @@ def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
     if not isinstance(obj, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "response body is not a JSON object")
     if obj.get("error"):
-        raise RequestFailed(ErrorKind.ERROR_IN_200, f"HTTP 200 with an error: {_error_message(obj['error'])}")
+        raise RequestFailed(ErrorKind.ERROR_IN_200, f"HTTP 200 with an error: {_error_message(obj['error'])}",
+                            metadata=_failure_meta(obj["error"], obj.get("provider")))
     choices = obj.get("choices")
     if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
         raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 with no choices")
     choice = choices[0]
     if choice.get("finish_reason") == "error":
-        raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason \"error\" ({choice.get('native_finish_reason')})")
+        raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason \"error\" ({choice.get('native_finish_reason')})",
+                            metadata=_failure_meta(choice.get("error"), obj.get("provider")))
     message = choice.get("message") or {}
     if not isinstance(message, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "choices[0].message is not an object")
@@ -168,7 +180,8 @@ class _StreamState:
         # Runs once per SSE event (hundreds per answer): one lookup per key, no temporaries.
         get = chunk.get
         if get("error"):
-            raise RequestFailed(ErrorKind.ERROR_IN_200, f"error chunk mid-stream: {_error_message(chunk['error'])}")
+            raise RequestFailed(ErrorKind.ERROR_IN_200, f"error chunk mid-stream: {_error_message(chunk['error'])}",
+                                metadata=_failure_meta(chunk["error"], get("provider") or self.meta.get("provider")))
         value = get("id")
         if value:
             self.meta["id"] = value
