@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from draftgen.core.errors import DraftgenError
+from draftgen.core.errors import DraftgenError, ExitCode
 
 EXIT_CODES = """exit codes:
   0  complete: every prompt answered, failed for a reason of its own, or skipped by a token budget
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"draftgen: error: {e}", file=sys.stderr)
-        return int(getattr(e, "exit_code", 2))
+        return int(e.exit_code)
     except OSError as e:
         # The filesystem said no where no DraftgenError names it (a run folder that cannot be made: a
         # name too long, a file in the way, no permission): the path and the reason, no traceback.
@@ -257,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         where = f"{e.filename}: " if e.filename else ""
         print(f"draftgen: error: {where}{e.strerror or e}", file=sys.stderr)
-        return 2
+        return ExitCode.ERROR
     except KeyboardInterrupt:
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import enum
+from typing import ClassVar
+
+
+class ExitCode(enum.IntEnum):
+    """What `draftgen` exits with: the README's "How a run ends" table (and `draftgen` alone lists them)."""
+    COMPLETE = 0        # every prompt answered, failed for a reason of its own, or skipped by a token budget
+    SMOKE_FAILED = 1    # the smoke test failed (`smoke`, or `run` without a passing smoke test)
+    ERROR = 2           # a bad config or input file, a stage that failed, an internal error
+    INCOMPLETE = 3      # DRAINED, STOPPED, WAITING or LIMITED, or answers spooled: run again to resume
+    KEY_REFUSED = 4     # the API key was refused (401): distinct so that a script can tell "fix the key" apart
+    INTERRUPTED = 130   # interrupted before the run started
+
 
 class DraftgenError(Exception):
     """An error with a message a user can act on (names the file, key or line and what is wrong)."""
+    exit_code: ClassVar[ExitCode] = ExitCode.ERROR
 
 
 class ConfigError(DraftgenError):
@@ -32,14 +46,12 @@ class LedgerBusyError(DraftgenError):
     ledger`): two writers would each keep the ceiling against half the spend."""
 
 
-# Exit status of a run whose API key was refused (401), at start or mid-run: distinct from 2 (bad
-# config or input) and 3 (incomplete) so that a script can tell "fix the key" apart.
-EXIT_KEY_REFUSED = 4
+EXIT_KEY_REFUSED = ExitCode.KEY_REFUSED  # the older name, kept for callers
 
 
 class KeyRefusedError(DraftgenError):
     """The service refused the API key (401): missing, invalid or revoked."""
-    exit_code = EXIT_KEY_REFUSED
+    exit_code = ExitCode.KEY_REFUSED
 
 
 class UnreachableError(DraftgenError):

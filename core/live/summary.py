@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from draftgen.core.errors import EXIT_KEY_REFUSED
+from draftgen.core.errors import EXIT_KEY_REFUSED, ExitCode
 from draftgen.core.live.snapshot import RunSnapshot, RunState
 from draftgen.core.units import clock, usd, usd_shown
 
@@ -29,11 +29,12 @@ class Counted(Protocol):
     skipped: int
 
 # Exit codes of `draftgen run` (and `demo`): README "Exit codes".
-EXIT_COMPLETE, EXIT_SMOKE_FAILED, EXIT_ERROR, EXIT_INCOMPLETE = 0, 1, 2, 3
-# EXIT_KEY_REFUSED (4) lives in core/errors.py with the KeyRefusedError that carries it.
+EXIT_COMPLETE, EXIT_SMOKE_FAILED, EXIT_ERROR, EXIT_INCOMPLETE = (ExitCode.COMPLETE, ExitCode.SMOKE_FAILED,
+                                                               ExitCode.ERROR, ExitCode.INCOMPLETE)
 EXIT_MEANING = {EXIT_COMPLETE: "complete", EXIT_SMOKE_FAILED: "smoke test failed", EXIT_ERROR: "error",
                 EXIT_INCOMPLETE: "incomplete: run again to resume",
-                EXIT_KEY_REFUSED: "the API key was refused: set a valid one, run again", 130: "interrupted"}
+                EXIT_KEY_REFUSED: "the API key was refused: set a valid one, run again",
+                ExitCode.INTERRUPTED: "interrupted"}
 WIDTH = 120
 
 
