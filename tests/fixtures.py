@@ -257,7 +257,10 @@ def events() -> tuple[Event, ...]:
         (2_290, "warn", "backoff", "B5: sustained 429s, effective concurrency 500 → 460"),
         (2_326, "info", "credits", "balance $64.15"),
     )
-    return tuple(Event(ts=T0 + dt, level=level, kind=kind, message=msg) for dt, level, kind, msg in rows)
+    # The dataset an event is about is in its `dataset` field, as the engine sends it (the message names it too).
+    return tuple(Event(ts=T0 + dt, level=level, kind=kind, message=msg,  # type: ignore[arg-type]
+                       dataset=msg.partition(":")[0] if msg[:1] == "B" and ":" in msg else "")
+                 for dt, level, kind, msg in rows)
 
 
 class FakeControls:
@@ -283,9 +286,10 @@ class FakeControls:
     def publish(self, s: RunSnapshot) -> None:
         self.hub.publish_snapshot(s)
 
-    def event(self, level: str, kind: str, message: str) -> None:
+    def event(self, level: str, kind: str, message: str, dataset: str = "") -> None:
         last = self.hub.recent[-1].ts if self.hub.recent else T0
-        self.hub.publish_event(Event(ts=last + 1, level=level, kind=kind, message=message))
+        self.hub.publish_event(Event(ts=last + 1, level=level, kind=kind, message=message,  # type: ignore[arg-type]
+                                     dataset=dataset))
 
     def _next(self, **changes: object) -> None:
         s = self.latest

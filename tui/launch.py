@@ -11,6 +11,7 @@ from typing import TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.live.pipeline import Pipeline
+from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.live.summary import EXIT_ERROR, summary_lines
 
 from draftgen.tui.app import FINAL_STATES, DraftgenApp
@@ -42,11 +43,11 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
         signalled.append(name)
         if again and name == "SIGINT":
             pipeline.quit(drain=False)
-            pipeline.emit("warn", "signal", "SIGINT again: stopping now (held answers are spooled)")
+            pipeline.emit(Level.WARN, EventKind.SIGNAL, "SIGINT again: stopping now (held answers are spooled)")
         else:
             pipeline.quit(drain=True)
             n = pipeline.engine.ledger.held_answers
-            pipeline.emit("warn", "signal", f"{name}: draining (requests in flight finish)" + (
+            pipeline.emit(Level.WARN, EventKind.SIGNAL, f"{name}: draining (requests in flight finish)" + (
                 f"; {n} paid answer(s) held in memory wait for the disk (SIGINT spools them)" if n else ""))
         if name == "SIGHUP":
             _silence_terminal()  # nothing to draw on any more: every later write goes to /dev/null

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
-from draftgen.core.live.snapshot import StageProgress
+from draftgen.core.live.snapshot import Level, StageProgress
 from draftgen.core.progress import every
 from draftgen.core.units import compact_duration, fmt_bytes, fmt_count
 
@@ -138,11 +138,12 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
             stats = extract(config, shard=parsed, progress=show, disk_watch=disk_watch)
         except BaseException as e:
             if publisher is not None:
-                publisher.finish("error", f"extraction failed: {e}")
+                publisher.finish(Level.ERROR, f"extraction failed: {e}")
             raise
         if publisher is not None:
-            publisher.finish("info", f"extraction {'stopped' if stats.stopped else 'done'}: {stats.written:,} files "
-                                     f"written ({stats.skipped_existing:,} already there, {stats.nan_samples:,} NaN)")
+            publisher.finish(Level.INFO, f"extraction {'stopped' if stats.stopped else 'done'}: {stats.written:,} "
+                                         f"files written ({stats.skipped_existing:,} already there, "
+                                         f"{stats.nan_samples:,} NaN)")
     if not rank0:
         return 0  # under torchrun rank 0 planned, wrote and reports; the others only ran forwards
     where = config.run_dir / "hidden_states"

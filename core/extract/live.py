@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.live.snapshot import Event, RunSnapshot, RunState, StageProgress
+from draftgen.core.live.snapshot import Event, EventKind, Level, RunSnapshot, RunState, StageProgress
 
 
 class ExtractPublisher:
@@ -27,13 +27,13 @@ class ExtractPublisher:
         self._latest = StageProgress("extract", state="running")
         self._stop = threading.Event()
         self._started = threading.Event()
-        self._final: tuple[str, str] | None = None  # (level, message) of the closing event
+        self._final: tuple[Level, str] | None = None  # (level, message) of the closing event
         self._thread: threading.Thread | None = None
 
     def progress(self, p: StageProgress) -> None:
         self._latest = p
 
-    def finish(self, level: str, message: str) -> None:
+    def finish(self, level: Level, message: str) -> None:
         self._final = (level, message)
 
     def __enter__(self) -> ExtractPublisher:
@@ -81,7 +81,7 @@ class ExtractPublisher:
             done = self._latest.state == "done"
             hub.publish_snapshot(self._snapshot(seq, started, gpus, RunState.DONE if done else RunState.STOPPED))
             if self._final is not None:
-                hub.publish_event(Event(ts=time.time(), level=self._final[0], kind="extract_done",
+                hub.publish_event(Event(ts=time.time(), level=self._final[0], kind=EventKind.EXTRACT_DONE,
                                         message=self._final[1]))
             await asyncio.sleep(0.05)  # let the viewers' pumps take the last items
         finally:

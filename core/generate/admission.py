@@ -26,14 +26,13 @@ from draftgen.core.generate.prices import Prices, body_worst_case
 from draftgen.core.generate.prompts import Prompt
 from draftgen.core.generate.spend import Ticket
 from draftgen.core.units import usd
-from draftgen.core.live.snapshot import DatasetStatus
+from draftgen.core.live.snapshot import DatasetStatus, EventKind, EventSink, Level
 
 if TYPE_CHECKING:
     from draftgen.core.generate.ledger import DatasetRun, Ledger
 
 ADMIT_BURST = 64  # admissions between yields to the event loop (2,000 at once would stall it)
 
-EventSink = Callable[[str, str, str], None]
 BodyFor = Callable[[DatasetConfig, list[dict[str, Any]]], dict[str, Any]]
 
 
@@ -173,10 +172,10 @@ class Admission:
             await asyncio.to_thread(self._ledger.scan_prompts, ds)
         ds.status = DatasetStatus.RUNNING
         if ds.rejected:
-            self._event("warn", "rejected", f"{name}: {ds.rejected} prompt lines rejected "
-                        f"(see {self._ledger.rundir.rejected(name)})")
-        self._event("info", "dataset_start", f"{name}: {ds.total} prompts, {ds.done} already answered, "
-                    f"{ds.failed} already failed; concurrency {ds.config.concurrency}")
+            self._event(Level.WARN, EventKind.REJECTED, f"{name}: {ds.rejected} prompt lines rejected "
+                        f"(see {self._ledger.rundir.rejected(name)})", dataset=name)
+        self._event(Level.INFO, EventKind.DATASET_START, f"{name}: {ds.total} prompts, {ds.done} already answered, "
+                    f"{ds.failed} already failed; concurrency {ds.config.concurrency}", dataset=name)
         budget_reason = ""
         admitted = 0
         async for prompt in self._with_requeue(ds, self._ledger.prompts(ds)):
@@ -204,8 +203,8 @@ class Admission:
                     self._money_stopped.add(name)
                 ds.status = DatasetStatus.BUDGET
                 ds.message = budget_reason
-                self._event("warn", "budget", f"{name}: {budget_reason}; the rest is skipped "
-                            "(stays eligible for a later run)")
+                self._event(Level.WARN, EventKind.BUDGET, f"{name}: {budget_reason}; the rest is skipped "
+                            "(stays eligible for a later run)", dataset=name)
         while ds.in_flight or ds.requeue:
             if ds.requeue and not self._gate.draining and not ds.stopped and not budget_reason:
                 # Prompts handed back by an account condition, waiting for the run to resume.
@@ -227,7 +226,7 @@ class Admission:
                 break
             await ds.wake.wait()
         if not self._gate.closed and not budget_reason and self._ledger.settle_doubts(ds):
-            self._event("error", "dataset_stopped", f"{name}: {ds.message}")
+            self._event(Level.ERROR, EventKind.DATASET_STOPPED, f"{name}: {ds.message}", dataset=name)
         if ds.stopped:
             ds.status = DatasetStatus.STOPPED
         elif budget_reason:
@@ -243,11 +242,12 @@ class Admission:
             ds.status = DatasetStatus.DONE
         duplicates = self.duplicates.skipped.get(name, 0) if self.duplicates is not None else 0
         costly = self.money_skipped.get(name, 0)
-        self._event("info", "dataset_done", f"{name}: {ds.status}: {ds.done}/{ds.total} answered, "
+        self._event(Level.INFO, EventKind.DATASET_DONE, f"{name}: {ds.status}: {ds.done}/{ds.total} answered, "
                     f"{ds.failed} failed, {ds.skipped} skipped"
                     f"{f' ({costly} by max_usd)' if costly else ''}"
                     f"{f' ({duplicates} already answered in another dataset)' if duplicates else ''}, "
-                    f"{usd(self._money.spend.by_dataset.get(name, ds.cost))}")  # the ledger's, as in the panel
+                    f"{usd(self._money.spend.by_dataset.get(name, ds.cost))}",  # the ledger's, as in the panel
+                    dataset=name)
 
     def _taken_elsewhere(self, ds: DatasetRun, prompt: Prompt) -> bool:
         """Skip (counted, and said once per dataset) a prompt another dataset answered or is answering;
@@ -259,9 +259,10 @@ class Admission:
             return False
         ds.skipped += 1
         if self.duplicates.skip(ds.config.name) == 1:
-            self._event("warn", "duplicate", f"{ds.config.name}: prompt {prompt.id!r} skipped: the same prompt "
+            self._event(Level.WARN, EventKind.DUPLICATE,
+                        f"{ds.config.name}: prompt {prompt.id!r} skipped: the same prompt "
                         f"(normalised text) is already answered in {other}; every such prompt is skipped and "
-                        f"counted ([engine] skip_cross_dataset_duplicates = false sends them)")
+                        f"counted ([engine] skip_cross_dataset_duplicates = false sends them)", dataset=ds.config.name)
         return True
 
     async def _with_requeue(self, ds: DatasetRun, source: AsyncIterator[Prompt]) -> AsyncIterator[Prompt]:
@@ -292,9 +293,9 @@ class Admission:
         n = self.money_skipped[name] = self.money_skipped.get(name, 0) + 1
         if n == 1:
             why = reason or "max_usd leaves no room"
-            self._event("warn", "budget", f"{name}: prompt {prompt_id!r} skipped: {why}; "
+            self._event(Level.WARN, EventKind.BUDGET, f"{name}: prompt {prompt_id!r} skipped: {why}; "
                         "it stays eligible for a later run, and the next prompts go on (each one that does not "
-                        "fit is skipped and counted)")
+                        "fit is skipped and counted)", dataset=name)
 
     async def admit(self, ds: DatasetRun, worst: float) -> Decision:
         """Wait until the dataset may send one more request costing at most `worst`; GO, HALT, or the
@@ -308,7 +309,8 @@ class Admission:
             if ds.doubts.held:  # set aside by a 4xx naming no cause (doubts.py): one probe at a time
                 if ds.doubts.given_up:
                     if self._ledger.stop_doubted(ds):
-                        self._event("error", "dataset_stopped", f"{ds.config.name}: {ds.message}")
+                        self._event(Level.ERROR, EventKind.DATASET_STOPPED, f"{ds.config.name}: {ds.message}",
+                                    dataset=ds.config.name)
                     return HALT
                 if ds.doubts.probe_out:
                     ds.wake.clear()

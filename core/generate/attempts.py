@@ -32,6 +32,7 @@ from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.spend import SpendLedger, Ticket
 from draftgen.core.generate.stats import Tally
 from draftgen.core.live.recent import RecentErrors
+from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.secrets import Redactor
 
 if TYPE_CHECKING:
@@ -212,11 +213,11 @@ class Attempts:
             # The cause once (it names the address), the advice that matches it, then what the run does.
             cause = self.unreachable_cause
             advice = unreachable_advice(self._config.api.base_url, cause, self._config.path)
-            self._event("warn", "unreachable", f"{cause}: {advice}; retrying until it answers, no prompt is failed "
-                        "meanwhile")
+            self._event(Level.WARN, EventKind.UNREACHABLE, f"{cause}: {advice}; retrying until it answers, no prompt "
+                        "is failed meanwhile")
 
     def _note_reachable(self) -> None:
         if self._unreachable_since is not None:
-            self._event("info", "reachable", f"{self._config.api.base_url} answers again after "
+            self._event(Level.INFO, EventKind.REACHABLE, f"{self._config.api.base_url} answers again after "
                         f"{self._clock() - self._unreachable_since:.0f} s out of reach")
             self._unreachable_since = None

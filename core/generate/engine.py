@@ -67,14 +67,14 @@ from draftgen.core.units import usd
 HELD_RETRY_S = 3.0  # how often a run ending with answers held retries writing them
 
 class Engine:
-    def __init__(self, config: Config, api_key: str, *, on_event: Callable[[str, str, str], None] | None = None,
+    def __init__(self, config: Config, api_key: str, *, on_event: snap.EventSink | None = None,
                  on_answer: Callable[[str, dict[str, Any]], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
         self.config = config
         self.rundir = RunDir(config.run_dir)
         self._api_key = api_key
         self._redact = Redactor(api_key, config.api.management_key())
-        self._on_event = on_event or (lambda level, kind, message: None)
+        self._on_event = snap.event_sink(on_event)
         self._clock = clock
         self.datasets = {d.name: DatasetRun(d, TokenBudget(d.token_budget, d.max_tokens),
                                             AdaptiveConcurrency(d.concurrency, clock))
@@ -135,7 +135,7 @@ class Engine:
         if self.state == RunState.RUNNING:
             self.state = RunState.PAUSED
             self._gate.resume.clear()
-            self._event("info", "paused", f"paused{': ' + reason if reason else ''} "
+            self._event(snap.Level.INFO, snap.EventKind.PAUSED, f"paused{': ' + reason if reason else ''} "
                         "(requests in flight finish and are recorded)")
 
     def resume(self) -> None:
@@ -158,7 +158,7 @@ class Engine:
         self.watch.stop = None
         self._gate.resume.set()
         self.admission.wake_all()
-        self._event("info", "resumed", "resumed")
+        self._event(snap.Level.INFO, snap.EventKind.RESUMED, "resumed")
 
     def drain(self) -> None:
         """Admit nothing more; requests in flight finish and are recorded."""
@@ -168,7 +168,8 @@ class Engine:
         self.state = RunState.DRAINING
         self._gate.resume.set()
         self.admission.wake_all()
-        self._event("info", "draining", f"draining: waiting for {self.in_flight} requests in flight")
+        self._event(snap.Level.INFO, snap.EventKind.DRAINING,
+                    f"draining: waiting for {self.in_flight} requests in flight")
 
     def spool_held(self) -> None:
         """Stop waiting for the disk: the records held in memory go to the spool (spool.py) at the end."""
@@ -188,7 +189,8 @@ class Engine:
         tasks = tuple(self.admission.tasks)
         for task in tasks:
             task.cancel()
-        self._event("warn", "stopping", f"stopping now: {len(tasks)} requests in flight abandoned "
+        self._event(snap.Level.WARN, snap.EventKind.STOPPING,
+                    f"stopping now: {len(tasks)} requests in flight abandoned "
                     "(they stay eligible for the next run)")
 
     # -- the run --------------------------------------------------------------------------------
@@ -258,7 +260,7 @@ class Engine:
                                  draining=self._gate.draining, waiting=self.held is Hold.ACCOUNT,
                                  money_limited=self.admission.money_limited)
         self.ended = ended_line(self.state, self.datasets.values())
-        self._event("info" if self.state == RunState.DONE else "warn", "run_done",
+        self._event(snap.Level.INFO if self.state == RunState.DONE else snap.Level.WARN, snap.EventKind.RUN_DONE,
                     f"run {self.ended}; {usd(self.money.spent_run)} spent this run, {usd(self.spend.spent_usd)} all runs"
                     + (f" ({usd(self.spend.pending_usd)} of it pending, at worst case)" if self.spend.pending else ""))
         return self.state
@@ -269,11 +271,13 @@ class Engine:
         said = False
         while self.ledger.holding and not (self._spool_now or self._gate.stopping):
             if self.ledger.flush_held():
-                self._event("info", "held_written", "the disk took the held records: every answer is on disk")
+                self._event(snap.Level.INFO, snap.EventKind.HELD_WRITTEN,
+                            "the disk took the held records: every answer is on disk")
                 return
             if not said:
                 said = True
-                self._event("warn", "held_wait", f"{self.ledger.held_answers} paid answer(s) are held in memory, not "
+                self._event(snap.Level.WARN, snap.EventKind.HELD_WAIT,
+                            f"{self.ledger.held_answers} paid answer(s) are held in memory, not "
                             f"on disk: the run waits for the disk, retrying every {HELD_RETRY_S:g} s (free space; r "
                             "or SIGUSR1 retries now); quit again (a second SIGINT) to spool them to a fallback file")
             self._held_wake.clear()
@@ -309,7 +313,9 @@ class Engine:
         elif done.outcome is Outcome.DATASET:
             assert done.error is not None
             if ds.stop_for(done.error, self._redact):
-                self._event("error", "dataset_stopped", f"{ds.config.name}: {ds.message}")
+                self._event(snap.Level.ERROR, snap.EventKind.DATASET_STOPPED,
+                            f"{ds.config.name}: {ds.message}",
+                            dataset=ds.config.name)
 
     # -- what the account watch tells the engine --------------------------------------------------
 
@@ -318,7 +324,7 @@ class Engine:
 
     def _key_refused(self, stop: AccountStop) -> None:
         self.alert = stop.alert(paused=False)
-        self._event("error", "account", self.alert)
+        self._event(snap.Level.ERROR, snap.EventKind.ACCOUNT, self.alert)
         self.drain()
 
     def _account_cleared(self) -> None:
@@ -335,10 +341,10 @@ class Engine:
             self.state = RunState.PAUSED
             self._gate.resume.clear()
         if first:
-            self._event("error", "alert", message)
+            self._event(snap.Level.ERROR, snap.EventKind.ALERT, message)
 
-    def _event(self, level: str, kind: str, message: str) -> None:
-        self._on_event(level, kind, self._redact(message))
+    def _event(self, level: snap.Level, kind: snap.EventKind, message: str, dataset: str = "") -> None:
+        self._on_event(level, kind, self._redact(message), dataset=dataset)
 
     def waiting(self) -> str:
         """Why the run is making no progress right now, in a sentence (empty while it is)."""

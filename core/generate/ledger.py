@@ -35,7 +35,7 @@ from draftgen.core.generate.doubts import Doubts
 from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
 from draftgen.core.generate.spool import Spool, SpoolRecord, find_spools, write_spool
 from draftgen.core.generate.stats import RateTracker, Tally
-from draftgen.core.live.snapshot import DatasetStatus
+from draftgen.core.live.snapshot import DatasetStatus, EventKind, Level
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
@@ -153,7 +153,7 @@ class Ledger:
         ds.failures = JsonlAppender(rd.failures(ds.config.name))
         for f in (ds.responses, ds.failures):
             if f.cut_bytes:
-                self._event("warn", "repaired", f"{f.path}: cut a half-written last line "
+                self._event(Level.WARN, EventKind.REPAIRED, f"{f.path}: cut a half-written last line "
                             f"({f.cut_bytes} bytes) left by a crash")
         self._import_spooled(ds)
         for _, raw in iter_jsonl(rd.responses(ds.config.name)):
@@ -215,17 +215,20 @@ class Ledger:
             others = sorted({r.dataset for r in spool.records} - names)
             if spool.problem or others:
                 why = spool.problem or f"its dataset(s) {', '.join(others)} are not in this config"
-                self._event("error", "spool", f"{spool.path} was not imported: {why}; it stays (run again with "
+                self._event(Level.ERROR, EventKind.SPOOL,
+                            f"{spool.path} was not imported: {why}; it stays (run again with "
                             "those datasets, or move its records by hand)")
                 continue
             try:
                 spool.path.unlink()
             except OSError as e:
-                self._event("warn", "spool", f"{spool.path}: imported, but cannot remove it ({e.strerror}); "
+                self._event(Level.WARN, EventKind.SPOOL,
+                            f"{spool.path}: imported, but cannot remove it ({e.strerror}); "
                             "a later run skips what is already on disk")
                 continue
             n = sum(1 for r in spool.records if r.file == "responses")
-            self._event("info", "spool", f"imported {len(spool.records)} spooled record(s) ({n} answers) from "
+            self._event(Level.INFO, EventKind.SPOOL,
+                        f"imported {len(spool.records)} spooled record(s) ({n} answers) from "
                         f"{spool.path} into {self.rundir.root}; the spool file is removed")
         self._spools = []
 
@@ -395,7 +398,7 @@ class Ledger:
             out.spooled_failures += len(self._held) - answers
             out.spool_path = str(path)
             self._held.clear()
-            self._event("warn", "spooled", f"{answers} answer(s) held in memory (the disk refused them: "
+            self._event(Level.WARN, EventKind.SPOOLED, f"{answers} answer(s) held in memory (the disk refused them: "
                         f"{self._disk_error}) are spooled to {path}; the next `draftgen run` of {self.rundir.root} "
                         "imports them before it sends anything")
             return
@@ -410,6 +413,7 @@ class Ledger:
             lost[str(item.appender.path)] = lost.get(str(item.appender.path), 0) + 1
         self._held.clear()
         where = ", ".join(f"{n} for {path}" for path, n in lost.items())
-        self._event("error", "unsaved", f"{sum(lost.values())} record(s) could not be written and are not saved "
+        self._event(Level.ERROR, EventKind.UNSAVED,
+                    f"{sum(lost.values())} record(s) could not be written and are not saved "
                     f"({where}): {self._disk_error}; no spool place took them either ({'; '.join(refused)}); "
                     "the next run asks those prompts again")

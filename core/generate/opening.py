@@ -36,12 +36,13 @@ from draftgen.core.generate.prices import Prices, fetch_prices, require_prices
 from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.smoke import load_smoke_answer, load_smoke_answered
 from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.live.snapshot import EventKind, EventSink, Level
 from draftgen.core.records import cost_of, count_of
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.units import usd
 
 
-def _no_event(level: str, kind: str, message: str) -> None:
+def _no_event(level: str, kind: str, message: str, dataset: str = "") -> None:
     pass
 
 
@@ -121,10 +122,10 @@ class Money:
 
 
 async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client: ChatClient,
-                     event: Callable[[str, str, str], None], on_settled: Callable[[], None]) -> Money:
+                     event: EventSink, on_settled: Callable[[], None]) -> Money:
     cut = await asyncio.to_thread(spend.open)
     if cut:
-        event("warn", "repaired", f"{spend.path}: cut a half-written last line ({cut} bytes)")
+        event(Level.WARN, EventKind.REPAIRED, f"{spend.path}: cut a half-written last line ({cut} bytes)")
     if not spend.existed and not config.api.self_hosted:  # the key's usage before the directory's first attempt (`draftgen ledger`)
         with contextlib.suppress(Exception):
             usage = (await read_account(client, management_key=config.api.management_key())).key_usage
@@ -133,15 +134,15 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
     prices, listing_error = await fetch_prices(client, config)
     require_prices(config, prices, listing_error)
     for name, p in prices.items():
-        event("info", "prices", f"{name}: worst case {p.describe()}" if p is not None else
-              f"{name}: no price known ({listing_error or 'no provider allowed'}); no ceiling is set")
+        event(Level.INFO, EventKind.PRICES, f"{name}: worst case {p.describe()}" if p is not None else
+              f"{name}: no price known ({listing_error or 'no provider allowed'}); no ceiling is set", dataset=name)
     smoke = await asyncio.to_thread(load_smoke_answer, rundir, config.run_fingerprint())
     settler = Settler(spend, client, config.api.generation_lookup_s, on_settled=on_settled,
                       self_hosted=config.api.self_hosted)
     settler.start()
     left = spend.lookups()
     if spend.pending:
-        event("warn", "pending", f"{len(spend.pending)} attempt(s) of earlier runs not priced yet "
+        event(Level.WARN, EventKind.PENDING, f"{len(spend.pending)} attempt(s) of earlier runs not priced yet "
               f"count at their worst case ({usd(spend.pending_usd)}); {len(left)} looked up now")
     settler.add(left)
     return Money(prices, smoke, settler)
@@ -149,7 +150,7 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
 
 async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, DatasetRun], ledger: Ledger,
                         spend: SpendLedger, prices: Mapping[str, Prices | None] | None = None,
-                        event: Callable[[str, str, str], None] | None = None) -> CrossDatasetDuplicates | None:
+                        event: EventSink | None = None) -> CrossDatasetDuplicates | None:
     """Returns the duplicates check, or None when there is nothing to compare."""
     # Spend and answers already on disk count against the budgets from the start.
     for ds in datasets.values():
@@ -164,12 +165,16 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
     say = event or _no_event
     for name, found in (await asyncio.to_thread(count_unledgered, rundir, datasets, spend, prices or {})).items():
         if found.lost:
-            say("warn", "answers_lost", f"{name}: {found.lost} prompt(s) answered on the spend ledger have no answer "
-                f"in {rundir.responses(name)} (lost in a crash?): their cost stays counted and they are asked again")
+            say(Level.WARN, EventKind.ANSWERS_LOST,
+                f"{name}: {found.lost} prompt(s) answered on the spend ledger have no answer "
+                f"in {rundir.responses(name)} (lost in a crash?): their cost stays counted and they are asked again",
+                dataset=name)
         if found.answers:
             spend.found(name, found.answers, found.usd)  # on the loop: the settler writes the ledger too
-            say("warn", "unledgered", f"{name}: {found.answers} answer(s) in {rundir.responses(name)} have no "
-                f"line on {spend.path} (its tail lost in a crash?): their {usd(found.usd)} now counts as spent")
+            say(Level.WARN, EventKind.UNLEDGERED,
+                f"{name}: {found.answers} answer(s) in {rundir.responses(name)} have no "
+                f"line on {spend.path} (its tail lost in a crash?): their {usd(found.usd)} now counts as spent",
+                dataset=name)
     # A file that cannot be read fails when its dataset starts, as before.
     for ds in datasets.values():
         with contextlib.suppress(DraftgenError):

@@ -22,6 +22,7 @@ from draftgen.core.generate.budget import MoneyBudget
 from draftgen.core.generate.classify import AccountCondition, RequestFailed
 from draftgen.core.generate.client import ChatClient
 from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.secrets import Redactor
 
 # What the account reads tell the engine.
@@ -103,7 +104,7 @@ class AccountWatch:
             # Room for what is still reserved plus the worst case of the next request, as admission asks.
             need = self._spend.reserved_usd + self._admission.last_worst
             if stop.cleared_by(status, need_usd=need, floor_usd=self._money.floor_usd, now=time.time()):
-                self._event("info", "account", f"{stop.condition.value} cleared ({status.balance_detail}): "
+                self._event(Level.INFO, EventKind.ACCOUNT, f"{stop.condition.value} cleared ({status.balance_detail}): "
                             "resuming")
                 self._on_cleared()
                 return
@@ -120,7 +121,8 @@ class AccountWatch:
         if status.balance is not None:
             self._admission.wake_all()
         elif first_unknown:
-            self._event("warn", "credits", f"balance {self._redact(status.balance_detail)}; the run keeps going "
+            self._event(Level.WARN, EventKind.CREDITS,
+                        f"balance {self._redact(status.balance_detail)}; the run keeps going "
                         "under max_usd")
         return status
 
@@ -130,7 +132,7 @@ class AccountWatch:
         try:
             await self.read()
         except Exception as e:  # noqa: BLE001 - resume anyway
-            self._event("warn", "credits", f"could not read the balance: {type(e).__name__}")
+            self._event(Level.WARN, EventKind.CREDITS, f"could not read the balance: {type(e).__name__}")
         if self._paused():
             resume()
 
@@ -142,7 +144,7 @@ class AccountWatch:
             try:
                 await self.read()
             except RequestFailed as e:
-                self._event("warn", "credits", f"could not read the balance: {self._redact(e.message)}")
+                self._event(Level.WARN, EventKind.CREDITS, f"could not read the balance: {self._redact(e.message)}")
             except Exception as e:  # a balance check must never take the run down
-                self._event("warn", "credits", f"could not read the balance: {type(e).__name__}")
+                self._event(Level.WARN, EventKind.CREDITS, f"could not read the balance: {type(e).__name__}")
             await asyncio.sleep(self._config.api.credits_interval_s)

@@ -41,7 +41,7 @@ import orjson
 from draftgen.core.errors import DraftgenError
 from draftgen.core.live.hub import Hub, Subscription
 from draftgen.core.rundir import RunDir
-from draftgen.core.live.snapshot import Event, RunSnapshot, event_from_dict, snapshot_from_dict
+from draftgen.core.live.snapshot import Event, EventKind, Level, RunSnapshot, event_from_dict, snapshot_from_dict
 
 PROTOCOL = 1
 MAX_CLIENTS = 128       # viewers served at once (a hundred attached at once must all get in)
@@ -122,7 +122,7 @@ class AttachServer:
         self._accepter = asyncio.create_task(self._accept_loop(self._listener))
 
     def _warn_on_hub(self, message: str) -> None:
-        self.hub.publish_event(Event(ts=time.time(), level="warn", kind="attach", message=message))
+        self.hub.publish_event(Event(ts=time.time(), level=Level.WARN, kind=EventKind.ATTACH, message=message))
 
     def _note(self, kind: str, message: str) -> None:
         """Say `message` unless this kind was said less than NOTE_INTERVAL_S ago (then count it)."""
@@ -445,8 +445,8 @@ class AttachControls:
                 self.hub.publish_event(item)
             else:
                 self.status = item
-                event = Event(ts=time.time(), level="info" if item.state == LIVE else "warn", kind="attach",
-                              message=item.message)
+                event = Event(ts=time.time(), level=Level.INFO if item.state == LIVE else Level.WARN,
+                              kind=EventKind.ATTACH, message=item.message)
                 if item.state == LIVE:
                     note = event
                 else:

@@ -77,11 +77,11 @@ class Pipeline:
         self.exit_code = 0
         self.error: DraftgenError | None = None
         self._crash: BaseException | None = None
-        self._repeats: dict[tuple[str, str], list[float]] = {}  # (kind, message) -> [first seen, times held back]
+        self._repeats: dict[tuple[str, str, str], list[float]] = {}  # (kind, message, dataset) -> [first seen, times]
         self.oneshot = Stages(config, api_key, self.engine, emit=self.emit)
         self.stages = self.oneshot.progress  # the stages panel's rows (one dict, shared)
-        self.timeline = TimelineRecorder(self.rundir.history,
-                                         on_write_error=lambda message: self.emit("warn", "history", message))
+        self.timeline = TimelineRecorder(self.rundir.history, on_write_error=lambda message: self.emit(
+            snap.Level.WARN, snap.EventKind.HISTORY, message))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -102,8 +102,8 @@ class Pipeline:
         self.timeline.start(self._totals())
         if self._serve_attach:
             from draftgen.core.live.attach import AttachServer
-            self._attach = AttachServer(self.hub, self.rundir.socket,
-                                        on_warning=lambda message: self.emit("warn", "attach", message))
+            self._attach = AttachServer(self.hub, self.rundir.socket, on_warning=lambda message: self.emit(
+                snap.Level.WARN, snap.EventKind.ATTACH, message))
             await self._attach.start()
         self._ticker = asyncio.create_task(self._publish_loop())
         self.publish()
@@ -146,7 +146,7 @@ class Pipeline:
                                                             message=self._redact(str(e)))
             self.engine.alert = self._redact(str(e))
             self.engine.state = snap.RunState.STOPPED
-            self.emit("error", "run_failed", f"the run cannot go on: {e}")
+            self.emit(snap.Level.ERROR, snap.EventKind.RUN_FAILED, f"the run cannot go on: {e}")
             return snap.RunState.STOPPED
 
     async def _generate(self) -> str:
@@ -160,14 +160,15 @@ class Pipeline:
                 await check_api(self.config, self._api_key)
             except UnreachableError as e:
                 # What happens next depends on the smoke gate: say that, not a wait that never comes.
-                self.emit("warn", "unreachable", f"{e}; the run waits for it (no prompt is failed meanwhile)" if ok
+                self.emit(snap.Level.WARN, snap.EventKind.UNREACHABLE,
+                          f"{e}; the run waits for it (no prompt is failed meanwhile)" if ok
                           else f"{e}; the smoke test needed first retries it for up to "
                                f"{SMOKE_RETRY_S / 60:.0f} min, then the run stops")
             if warning := self.config.kind_warning():  # the server's kind is known from here
-                self.emit("warn", "request_keys", warning)
+                self.emit(snap.Level.WARN, snap.EventKind.REQUEST_KEYS, warning)
             if not self._skip_smoke:
                 if not ok:
-                    self.emit("info", "smoke", f"running the smoke test first: {why}")
+                    self.emit(snap.Level.INFO, snap.EventKind.SMOKE, f"running the smoke test first: {why}")
                     if not await self.oneshot.smoke():
                         # Read in the TUI, the headless log and the shell after the TUI closes: a command, not a key.
                         self.engine.alert = ("the smoke test failed: the run will not start at full concurrency "
@@ -194,15 +195,17 @@ class Pipeline:
                 await self._reconstructor.close()
                 tokens = self.stages["tokens"] = self._reconstructor.progress()
                 self._fidelity = self._reconstructor.fidelity()
-                self.emit("info", "tokens_done", self._reconstructor.report(None).summary_line())
+                self.emit(snap.Level.INFO, snap.EventKind.TOKENS_DONE, self._reconstructor.report(None).summary_line())
                 if tokens.done < tokens.total:  # the tokens stage failed: not a complete run, merge would drop them
-                    self.emit("error", "tokens_failed", f"tokens: {tokens.done:,} of {tokens.total:,} answers have "
+                    self.emit(snap.Level.ERROR, snap.EventKind.TOKENS_FAILED,
+                              f"tokens: {tokens.done:,} of {tokens.total:,} answers have "
                               f"token ids ({tokens.message}); finish with `draftgen tokens {self.config.path}`")
                     if self.exit_code == EXIT_COMPLETE:
                         self.exit_code = EXIT_ERROR
                 for row in self._fidelity:
                     if row.flagged:
-                        self.emit("warn", "provider_flagged", f"provider {row.name}: {row.flagged} "
+                        self.emit(snap.Level.WARN, snap.EventKind.PROVIDER_FLAGGED,
+                                  f"provider {row.name}: {row.flagged} "
                                   f"(`draftgen tokens` prints what to change)")
                 self._reconstructor = None
             return state
@@ -211,31 +214,32 @@ class Pipeline:
 
     # -- events and snapshots -------------------------------------------------------------------
 
-    def emit(self, level: str, kind: str, message: str) -> None:
+    def emit(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "") -> None:
         message = self._redact(message)
-        if level == "warn":
+        if level == snap.Level.WARN:
             now = time.monotonic()
-            seen = self._repeats.get((kind, message))
+            seen = self._repeats.get((kind, message, dataset))
             if seen is not None and now - seen[0] < REPEAT_WINDOW_S:
                 seen[1] += 1  # held back: counted, said when the window ends or the run closes
                 return
             if len(self._repeats) > 256:
                 self._flush_repeats()
-            self._repeats[(kind, message)] = [now, 0]
+            self._repeats[(kind, message, dataset)] = [now, 0]
             if seen is not None and seen[1]:
                 message += f" (and {seen[1]:.0f} more like it in the {REPEAT_WINDOW_S:.0f} s before)"
-        self._publish_event(level, kind, message)
+        self._publish_event(level, kind, message, dataset)
 
     def _flush_repeats(self) -> None:
         """Say how many times each held-back warning came, and forget them."""
         held, self._repeats = self._repeats, {}
-        for (kind, message), (_, times) in held.items():
+        for (kind, message, dataset), (_, times) in held.items():
             if times:
-                self._publish_event("warn", kind, f"{message} (and {times:.0f} more like it within "
-                                    f"{REPEAT_WINDOW_S:.0f} s)")
+                self._publish_event(snap.Level.WARN, kind, f"{message} (and {times:.0f} more like it within "
+                                    f"{REPEAT_WINDOW_S:.0f} s)", dataset)
 
-    def _publish_event(self, level: str, kind: str, message: str) -> None:
-        event = snap.Event(time.time(), level, kind, message)
+    def _publish_event(self, level: snap.Level | str, kind: snap.EventKind | str, message: str,
+                       dataset: str = "") -> None:
+        event = snap.Event(time.time(), level, kind, message, dataset)  # type: ignore[arg-type]  # coerced to the enums
         if self._log is not None:
             self._log.write(level, message, event.ts)
         self.hub.publish_event(event)

@@ -7,9 +7,11 @@ JSON (`to_json` / `snapshot_from_dict`), so every field is plain data.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
+import inspect
 import time
 import types
 import typing
@@ -220,12 +222,92 @@ class RunSnapshot:
         return orjson.dumps(self)
 
 
+class Level(StrEnum):
+    """How much an event matters: the log's level filter and the headless printer read it."""
+    INFO = "info"
+    WARN = "warn"
+    ERROR = "error"
+
+
+class EventKind(StrEnum):
+    """What an event is about (the values travel in the attach stream as they are)."""
+    ACCOUNT = "account"                      # an account condition stopped admission, or cleared
+    ALERT = "alert"                          # the run's alert bar changed (a full disk, ...)
+    ANSWERS_LOST = "answers_lost"            # the spend ledger has answers the responses file lacks
+    ATTACH = "attach"                        # the attach server or viewer (connected, lost, refused)
+    BUDGET = "budget"                        # a token or money budget skipped prompts
+    CREDITS = "credits"                      # the balance, or why it could not be read
+    DATASET_DONE = "dataset_done"
+    DATASET_START = "dataset_start"
+    DATASET_STOPPED = "dataset_stopped"      # stopped by its routing or settings
+    DRAINING = "draining"
+    DUPLICATE = "duplicate"                  # a prompt skipped: already answered in another dataset
+    EXTRACT_DONE = "extract_done"
+    HELD_WAIT = "held_wait"                  # paid answers held in memory, waiting for the disk
+    HELD_WRITTEN = "held_written"
+    HISTORY = "history"                      # history.jsonl could not be written
+    MERGE_DONE = "merge_done"
+    PAUSED = "paused"
+    PENDING = "pending"                      # attempts of earlier runs not priced yet
+    PRICES = "prices"
+    PROVIDER_FLAGGED = "provider_flagged"    # a provider's token counts depart from the others'
+    REACHABLE = "reachable"
+    REJECTED = "rejected"                    # prompt lines rejected when a dataset opened
+    REPAIRED = "repaired"                    # a half-written last line cut
+    REQUEST_KEYS = "request_keys"
+    RESUMED = "resumed"
+    RUN_DONE = "run_done"
+    RUN_FAILED = "run_failed"
+    SIGNAL = "signal"
+    SMOKE = "smoke"                          # the smoke test runs first
+    SMOKE_DONE = "smoke_done"
+    SPOOL = "spool"                          # spooled records imported (or not)
+    SPOOLED = "spooled"
+    STOPPING = "stopping"
+    TOKENS_DONE = "tokens_done"
+    TOKENS_FAILED = "tokens_failed"
+    TOKENS_WORKER_DIED = "tokens_worker_died"
+    UNLEDGERED = "unledgered"                # answers without a spend-ledger line
+    UNREACHABLE = "unreachable"
+    UNSAVED = "unsaved"                      # records the disk never took
+
+
+class EventSink(typing.Protocol):
+    """Where the engine's parts send their events (`Pipeline.emit`); `dataset` names the one it is about."""
+
+    def __call__(self, level: Level, kind: EventKind, message: str, dataset: str = "") -> None: ...
+
+
+def event_sink(fn: typing.Callable[..., None] | None) -> EventSink:
+    """`fn` as an EventSink. A callback of the older shape, `(level, kind, message)`, still works: it
+    is called without the dataset (so callers written before the field need no change)."""
+    if fn is None:
+        return lambda level, kind, message, dataset="": None
+    try:
+        inspect.signature(fn).bind("info", "kind", "message", dataset="")
+    except TypeError:
+        older = fn
+        return lambda level, kind, message, dataset="": older(level, kind, message)
+    except ValueError:  # no signature to read (a builtin): taken as it is
+        pass
+    return typing.cast(EventSink, fn)
+
+
 @dataclass(frozen=True)
 class Event:
     ts: float
-    level: str       # info | warn | error
-    kind: str        # e.g. dataset_done, smoke_passed, error, alert, run_done, merge_done
+    level: Level
+    kind: EventKind
     message: str
+    dataset: str = ""   # the dataset it is about ("": the run's); the message still names it for the log
+
+    def __post_init__(self) -> None:
+        # Callers may pass the plain strings (older call sites, attach streams): stored as the enums.
+        for name, kind in (("level", Level), ("kind", EventKind)):
+            value = getattr(self, name)
+            if type(value) is not kind:
+                with contextlib.suppress(ValueError):  # a newer engine's value: shown as it is, not refused
+                    object.__setattr__(self, name, kind(value))
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)
@@ -272,4 +354,5 @@ def snapshot_from_dict(data: dict[str, Any]) -> RunSnapshot:
 
 
 def event_from_dict(data: dict[str, Any]) -> Event:
-    return Event(**{f.name: data[f.name] for f in dataclasses.fields(Event)})
+    """An event from its JSON dict; one from an engine without `dataset` gets "" there."""
+    return Event(**{f.name: data[f.name] for f in dataclasses.fields(Event) if f.name in data})

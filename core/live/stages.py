@@ -47,7 +47,8 @@ class Stages:
             except Exception as e:  # a stage crash must not take the run down
                 self.progress[name] = snap.StageProgress(name, state=snap.StageState.FAILED,
                                                          message=f"{type(e).__name__}: {e}")
-                self._emit("error", f"{name}_done", f"{name} crashed: {type(e).__name__}: {self._redact(str(e))}")
+                self._emit(snap.Level.ERROR, snap.EventKind(f"{name}_done"),
+                           f"{name} crashed: {type(e).__name__}: {self._redact(str(e))}")
         self._tasks[name] = asyncio.create_task(guarded())
 
     def task(self, name: str) -> asyncio.Task[Any] | None:
@@ -78,13 +79,13 @@ class Stages:
         except DraftgenError as e:
             self.progress["smoke"] = snap.StageProgress("smoke", state=snap.StageState.FAILED,
                                                       message=self._redact(str(e)))
-            self._emit("error", "smoke_done", f"smoke test could not run: {e}")
+            self._emit(snap.Level.ERROR, snap.EventKind.SMOKE_DONE, f"smoke test could not run: {e}")
             return False
         finally:
             if was_running:
                 self.engine.resume()
         passed = bool(result.passed)
-        self._emit("info" if passed else "error", "smoke_done",
+        self._emit(snap.Level.INFO if passed else snap.Level.ERROR, snap.EventKind.SMOKE_DONE,
                   f"smoke test {'passed' if passed else 'FAILED'}: {result.summary()}")
         return passed
 
@@ -95,10 +96,11 @@ class Stages:
             stats = await asyncio.to_thread(merge, self._config, self._progress("merge"))
         except DraftgenError as e:
             self.progress["merge"] = snap.StageProgress("merge", state=snap.StageState.FAILED, message=str(e))
-            self._emit("error", "merge_done", f"merge failed: {e}")
+            self._emit(snap.Level.ERROR, snap.EventKind.MERGE_DONE, f"merge failed: {e}")
             raise
         dropped = ", ".join(f"{n} {why}" for why, n in stats.dropped.items() if n) or "none"
-        self._emit("info", "merge_done", f"merge done: {stats.samples} of {stats.read} answers kept "
+        self._emit(snap.Level.INFO, snap.EventKind.MERGE_DONE,
+                   f"merge done: {stats.samples} of {stats.read} answers kept "
                   f"({stats.tokens:,} tokens), dropped: {dropped}; {self._rundir.merged}/train.jsonl")
         return stats
 
@@ -114,11 +116,11 @@ class Stages:
                                             stop=self.extract_stop)
         except DraftgenError as e:
             self.progress["extract"] = snap.StageProgress("extract", state=snap.StageState.FAILED, message=str(e))
-            self._emit("error", "extract_done", f"extraction failed: {e}")
+            self._emit(snap.Level.ERROR, snap.EventKind.EXTRACT_DONE, f"extraction failed: {e}")
             raise
         finally:
             sampler.cancel()
-        self._emit("info", "extract_done", f"extraction done: {stats.written} files written "
+        self._emit(snap.Level.INFO, snap.EventKind.EXTRACT_DONE, f"extraction done: {stats.written} files written "
                   f"({stats.skipped_existing} already there, {stats.nan_samples} NaN), "
                   f"{stats.tokens_written:,} tokens at {stats.tokens_per_s:,.0f} tok/s in {self._rundir.hidden_states}")
         return stats

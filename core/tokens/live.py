@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.live.snapshot import ProviderFidelity, StageProgress, StageState
+from draftgen.core.live.snapshot import EventKind, Level, ProviderFidelity, StageProgress, StageState
 from draftgen.core.merge.policy import SamplePolicy
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.report import ValidationReport
@@ -214,7 +214,8 @@ class LiveReconstructor:
                 self._give_up(f"token reconstruction stopped: its worker processes died {self.restarts} times "
                               f"(killed, or out of memory); the answers without tokens stay in responses.jsonl: {hint}")
                 return
-            self._event("warn", "tokens_worker_died", f"a token reconstruction worker process died (killed, or out "
+            self._event(Level.WARN, EventKind.TOKENS_WORKER_DIED,
+                        f"a token reconstruction worker process died (killed, or out "
                         f"of memory): starting new workers ({self.restarts} of at most {self.MAX_RESTARTS}); {held:,} "
                         "answers in flight are sent again")
             pool = await asyncio.to_thread(self._new_pool)
@@ -237,7 +238,7 @@ class LiveReconstructor:
         self._gave_up = True
         self._error = message
         self._restart = None
-        self._event("error", "tokens_failed", message)
+        self._event(Level.ERROR, EventKind.TOKENS_FAILED, message)
         held, self._held = self._held, []
         for ds, batch in held:
             self._lose(ds, batch, RuntimeError(message))

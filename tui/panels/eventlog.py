@@ -1,8 +1,8 @@
 """The events log: every event of the run (the newest `keep`), scrollable, filterable and searchable.
 
 It follows the tail until you move the cursor up; `end` follows again. `v` cycles the level shown
-(all, warnings and errors, errors), `d` the dataset (an event belongs to a dataset when its message
-starts with the dataset's name), and the log view's `/` searches (case-insensitive, in the
+(all, warnings and errors, errors), `d` the dataset (the one the event names in its `dataset`
+field; run-wide events belong to none), and the log view's `/` searches (case-insensitive, in the
 message). One rule for an event that does not fit: its row is cut at a word with "…", and the
 highlighted row is shown whole, wrapped at words under its message (a hanging indent past the time
 and level). The full history is in the run's events.log as well.
@@ -18,11 +18,12 @@ from rich.text import Text
 from textual.binding import Binding
 from textual.widgets import OptionList
 
-from draftgen.core.live.snapshot import Event
+from draftgen.core.live.snapshot import Event, Level
 from draftgen.tui import fmt
 
-LEVEL_STYLES = {"info": "", "warn": "bold yellow", "error": "bold red"}
-LEVELS = (("all", ("info", "warn", "error")), ("warn+", ("warn", "error")), ("error", ("error",)))
+LEVEL_STYLES = {Level.INFO: "", Level.WARN: "bold yellow", Level.ERROR: "bold red"}
+LEVELS = (("all", (Level.INFO, Level.WARN, Level.ERROR)), ("warn+", (Level.WARN, Level.ERROR)),
+          ("error", (Level.ERROR,)))
 
 
 def _fits(text: str, start: int, cells: int) -> int:
@@ -90,12 +91,6 @@ class EventStore:
         self.version += 1
 
 
-def dataset_of(event: Event, datasets: Iterable[str]) -> str:
-    """The dataset an event is about: its message starts with "NAME:" (the engine's convention)."""
-    head, sep, _ = event.message.partition(":")
-    return head if sep and head in datasets else ""
-
-
 class EventLogPanel(OptionList):
     """One row per event; the highlighted row whole."""
 
@@ -133,14 +128,14 @@ class EventLogPanel(OptionList):
     def wanted(self, e: Event) -> bool:
         if e.level not in LEVELS[self.level][1]:
             return False
-        if self.dataset and dataset_of(e, self.datasets) != self.dataset:
+        if self.dataset and e.dataset != self.dataset:
             return False
         return not self.search or self.search.lower() in e.message.lower()
 
     def _prompt(self, e: Event, whole: bool = False) -> Text:
         text = Text.assemble((fmt.wall_time(e.ts), "dim"), " ", (f"{e.level:<5}", LEVEL_STYLES.get(e.level, "")),
                              " ")
-        message = Text(" ".join(e.message.split("\n")), style="red" if e.level == "error" else "")
+        message = Text(" ".join(e.message.split("\n")), style="red" if e.level == Level.ERROR else "")
         if self.search:
             message.highlight_words([self.search], style="reverse", case_sensitive=False)
         width = self.scrollable_content_region.width
