@@ -285,9 +285,13 @@ async def test_only_the_newest_snapshot_is_drawn() -> None:
         await pilot.pause()
         app.refresh_s = 3600  # hold the timer back while the engine outruns the screen
         await pilot.pause(0.1)
+        drawn: list[int] = []
+        draw = app.render_snapshot
+        app.render_snapshot = lambda s: (drawn.append(s.seq), draw(s))[-1]  # type: ignore[method-assign]
         for i in range(500):
             controls.publish(dataclasses.replace(fx.running(), seq=1000 + i, elapsed_s=3_000.0 + i))
         app.pull()
+        assert drawn == [1499], f"{len(drawn)} snapshots drawn, not only the newest"
         assert app.latest is not None and app.latest.seq == 1499
         assert "elapsed 0:58:19" in text(app, "#header")
 
