@@ -1,7 +1,8 @@
 """The draftgen app: panels fed from the engine's snapshots, keys wired to the control surface.
 
 It reads only `controls.hub` (snapshots and events) and calls only the `Controls` methods, so the
-same app shows a run embedded in this process or one attached over the socket (read-only).
+same app shows a run embedded in this process or one attached over the socket (read-only). What
+each key does (and which keys an attached viewer gets) is tui/keys.py's.
 Rendering is pulled on a one-shot timer re-armed after each pass (never two passes at once, at most
 `refresh_s` apart), so an engine publishing faster than the screen only costs dropped snapshots.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftgen.core.live import snapshot as snap
 from draftgen.core.live.control import Controls
 from draftgen.core.live.hub import Subscription
 from draftgen.core.live.snapshot import Event, RunSnapshot
@@ -29,25 +29,12 @@ from draftgen.tui.panels.eventlog import EventLogPanel, EventStore
 from draftgen.tui.panels.gpu import GpuPanel
 from draftgen.tui.panels.header import AlertBar, RunHeader
 from draftgen.tui.panels.history import HistoryPanel
-from draftgen.tui.screens.drill import DrillScreen, Target
-from draftgen.tui.screens.help import HelpScreen
-from draftgen.tui.screens.history import HistoryScreen
-from draftgen.tui.screens.logview import LogScreen
-from draftgen.tui.panels.panel import Panel, SelectablePanel
+from draftgen.tui.keys import FINAL_STATES, RunKeys
+from draftgen.tui.panels.panel import Panel
 from draftgen.tui.panels.providers import ProvidersPanel
-from draftgen.tui.screens.quitdialog import SPOOL, STOP, QuitScreen
-from draftgen.tui.screens.smoke import SmokeScreen
-from draftgen.tui.panels.stages import StagesPanel, active_stages
+from draftgen.tui.panels.stages import StagesPanel
 from draftgen.tui.panels.throughput import ThroughputPanel
 
-# Actions that change the run: hidden from the footer when attached read-only, where their keys
-# answer that the viewer is read-only.
-CONTROL_ACTIONS = frozenset({"pause", "resume", "smoke", "merge", "extract"})
-VIEW_ACTIONS = frozenset({"log", "search", "history"})
-APP_ACTIONS = CONTROL_ACTIONS | VIEW_ACTIONS | {"quit_run", "help", "read_only"}
-FINAL_STATES = (snap.RunState.DONE, snap.RunState.STOPPED, snap.RunState.DRAINED, snap.RunState.WAITING,
-                snap.RunState.LIMITED)
-VIEW_SCREENS = (LogScreen, HistoryScreen, DrillScreen)
 MIN_SIZE = (80, 24)  # below it a one-line notice replaces the panels
 
 
@@ -75,7 +62,9 @@ class _HangupSafeFile:
         return getattr(self._file, name)
 
 
-class DraftgenApp(App[None]):
+class DraftgenApp(RunKeys, App[None]):
+    """The run's screen: its layout, and each pass that renders the newest snapshot."""
+
     CSS_PATH = "draftgen.tcss"
     ENABLE_COMMAND_PALETTE = False
     # Screen classes the stylesheet keys on: borders only where there are rows to spare.
@@ -228,114 +217,3 @@ class DraftgenApp(App[None]):
             self.refresh_bindings()
         if self.quit_requested and s.state in FINAL_STATES:
             self.exit()
-
-    # -- keys -------------------------------------------------------------------------------------
-
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action not in APP_ACTIONS:
-            return True
-        if len(self.screen_stack) > 1:
-            # A view (log, history, drill-down) still quits like the main screen; a dialog has its own keys.
-            return action == "quit_run" and isinstance(self.screen, VIEW_SCREENS)
-        if action == "read_only":
-            return self.controls.read_only
-        if self.controls.read_only and action in CONTROL_ACTIONS:
-            return False  # hidden from the footer; the key answers through action_read_only
-        return True
-
-    def action_read_only(self) -> None:
-        self.clear_notifications()  # one toast that is replaced, not a stack that covers the screen
-        self.notify("read-only: attached viewer (control keys work in the terminal that runs it)",
-                    title="attached", severity="warning")
-
-    # -- views ------------------------------------------------------------------------------------
-
-    def on_selectable_panel_open(self, message: SelectablePanel.Open) -> None:
-        if self.latest is not None:
-            self.push_screen(DrillScreen(Target(message.what, message.name), self.latest))
-
-    def action_log(self) -> None:
-        self.push_screen(LogScreen(self.events, self._dataset_names()))
-
-    def action_search(self) -> None:
-        self.push_screen(LogScreen(self.events, self._dataset_names(), search=True))
-
-    def action_history(self) -> None:
-        self.push_screen(HistoryScreen(self.latest))
-
-    def action_scroll_log(self, how: str) -> None:
-        log = self.screen_stack[0].query_one(EventLogPanel)
-        getattr(log, f"action_{how}")()
-
-    def _dataset_names(self) -> tuple[str, ...]:
-        return tuple(d.name for d in self.latest.datasets) if self.latest else ()
-
-    def _allowed(self, action: str) -> bool:
-        """Ask the controls first; a stage that cannot start yet says why instead."""
-        reason = self.controls.unavailable(action)
-        if reason:
-            self.clear_notifications()
-            # The reason quotes config keys ("[extract] model"): text, not Textual markup.
-            self.notify(reason, title=f"{action}: not available", severity="warning", markup=False)
-            return False
-        return True
-
-    def action_pause(self) -> None:
-        if self._allowed("pause"):
-            self.controls.pause()
-
-    def action_resume(self) -> None:
-        if self._allowed("resume"):
-            self.controls.resume()
-
-    def action_smoke(self) -> None:
-        if self._allowed("smoke"):
-            self.controls.run_smoke()
-            self.push_screen(SmokeScreen(self.latest))
-
-    def action_merge(self) -> None:
-        if self._allowed("merge"):
-            self.controls.start_merge()
-            self.notify("merge started: progress in the stages panel", title="merge")
-
-    def action_extract(self) -> None:
-        if self._allowed("extract"):
-            self.controls.start_extract()
-            self.notify("extraction started: progress in the stages and GPU panels", title="extract")
-
-    def action_quit_run(self) -> None:
-        if self.controls.read_only:
-            self.exit()  # a viewer closes itself only; the run goes on
-            return
-        while len(self.screen_stack) > 1 and isinstance(self.screen, VIEW_SCREENS):
-            self.pop_screen()
-        if len(self.screen_stack) > 1:
-            return
-        if not self._allowed("quit"):
-            return
-        s = self.latest
-        busy = s is None or s.state not in (*FINAL_STATES, snap.RunState.IDLE) or any(
-            st.state == "running" for st in active_stages(s))
-        if not busy:
-            self.controls.quit(drain=True)  # nothing in flight: nothing to choose between
-            self.exit()
-            return
-        self.push_screen(QuitScreen(s.throughput.in_flight if s else 0, s.held_answers if s else 0),
-                         self._quit_chosen)
-
-    def _quit_chosen(self, choice: str | None) -> None:
-        if choice is None:
-            return
-        self.quit_requested = True
-        drain = choice != STOP  # wait and spool both let the requests in flight finish
-        self.controls.quit(drain=drain)
-        if choice == SPOOL:
-            self.controls.spool_held()
-        # Stop now means now: the engine winds down after the screen is gone. A drain keeps the
-        # screen up until the engine reports the run stopped (q again offers stop now).
-        if not drain or (self.latest is not None and self.latest.state in FINAL_STATES):
-            self.exit()
-
-    def action_help(self) -> None:
-        if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(self.controls.read_only))

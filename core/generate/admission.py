@@ -7,6 +7,7 @@ starts, a prompt another dataset answered or is answering is skipped instead (du
 request reserves the worst case of the very body it sends; a prompt whose worst case would not fit
 under max_usd even with nothing in flight is skipped (counted, eligible later) and the next go on. The
 limit adapts (AIMD) to sustained 429s; a retry over a lowered limit waits for a slot holding none.
+Whether one more request (or retry) fits now is room.py's to say; this module decides which prompt.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from draftgen.core.generate.budget import MoneyBudget
 from draftgen.core.generate.duplicates import CrossDatasetDuplicates
-from draftgen.core.config import DatasetConfig
-from draftgen.core.generate.prices import Prices, body_worst_case
+from draftgen.core.generate.prices import Prices
 from draftgen.core.generate.prompts import Prompt
+from draftgen.core.generate.room import BodyFor, Decision, Room, Verdict
 from draftgen.core.generate.spend import Ticket
 from draftgen.core.units import usd
 from draftgen.core.live.snapshot import DatasetStatus, EventKind, EventSink, Level
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
     from draftgen.core.generate.ledger import DatasetRun, Ledger
 
 ADMIT_BURST = 64  # admissions between yields to the event loop (2,000 at once would stall it)
-
-BodyFor = Callable[[DatasetConfig, list[dict[str, Any]]], dict[str, Any]]
 
 
 class AdaptiveConcurrency:
@@ -110,24 +109,6 @@ class Gate:
         return self.draining or self.stopping
 
 
-class Verdict(Enum):
-    GO = "go"            # admit now
-    HALT = "halt"        # drain, stop, or the dataset has no endpoints: keep the prompt, admit nothing
-    BUDGET = "budget"    # a budget ran out for this dataset: the rest is skipped
-    SKIP = "skip"        # this prompt's worst case never fits what max_usd leaves: skip it, go on
-
-
-@dataclass(frozen=True)
-class Decision:
-    verdict: Verdict
-    reason: str = ""     # for BUDGET: which budget and how far it got
-    money: bool = False  # the budget is max_usd (the run ends LIMITED, not DONE)
-
-
-GO = Decision(Verdict.GO)
-HALT = Decision(Verdict.HALT)
-
-
 class Admission:
     """Admits the prompts of every dataset and keeps track of the requests it started."""
 
@@ -136,20 +117,13 @@ class Admission:
                  on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int] = lambda: 0,
                  *, body: BodyFor) -> None:
         self._datasets = datasets
-        self._body = body  # the exact request body (Config.request_body): the reservation is its worst case
-        # Prompts skipped because their worst case did not fit what max_usd left, per dataset.
-        self.money_skipped: dict[str, int] = {}
-        self._money_stopped: set[str] = set()  # datasets whose rest max_usd skipped
+        self._room = Room(money, gate, ledger, in_flight=lambda: self.in_flight, on_event=on_event,
+                          on_floor=on_floor, settling=settling, body=body)
         self._money = money
-        self._settling = settling  # abandoned attempts being priced: settling them may free room
-        self.prices: dict[str, Prices | None] = {}
-        self.last_worst = 0.0  # the worst case of the last request asked for: what a re-check must find room for
-        self._retries_waiting = 0
         self._gate = gate
         self._ledger = ledger
         self._request = request
         self._event = on_event
-        self._on_floor = on_floor  # the balance reached credit_floor_usd: the engine holds the run
         self.tasks: set[asyncio.Task[None]] = set()
         # Set by the engine once it has read the run directory (None: off, or only one dataset).
         self.duplicates: CrossDatasetDuplicates | None = None
@@ -200,7 +174,7 @@ class Admission:
                 budget_reason = decision.reason
                 ds.skipped += 1
                 if decision.money:
-                    self._money_stopped.add(name)
+                    self._room.stop_for_money(name)
                 ds.status = DatasetStatus.BUDGET
                 ds.message = budget_reason
                 self._event(Level.WARN, EventKind.BUDGET, f"{name}: {budget_reason}; the rest is skipped "
@@ -273,85 +247,55 @@ class Admission:
         while ds.requeue:
             yield ds.requeue.pop(0)
 
-    def request_for(self, ds: DatasetRun, prompt: Prompt) -> tuple[dict[str, Any], float]:
-        """The body this prompt's request sends, and what sending it can cost at most (0 when no price
-        is known and no ceiling is set): the worst case of that very body, its own max_tokens."""
-        body = self._body(ds.config, prompt.messages)
-        prices = self.prices.get(ds.config.name)
-        return body, 0.0 if prices is None else body_worst_case(prices, body, ds.config.max_tokens)
+    # -- room for one more request (room.py), under the names the engine and the watch use ------
+
+    @property
+    def prices(self) -> dict[str, Prices | None]:
+        """Each dataset's prices (None: unknown): what a request's worst case is reckoned from."""
+        return self._room.prices
+
+    @prices.setter
+    def prices(self, prices: dict[str, Prices | None]) -> None:
+        self._room.prices = prices
+
+    @property
+    def last_worst(self) -> float:
+        """The worst case of the last request asked for: what a re-check must find room for."""
+        return self._room.last_worst
+
+    @last_worst.setter
+    def last_worst(self, worst: float) -> None:
+        self._room.last_worst = worst
+
+    @property
+    def money_skipped(self) -> dict[str, int]:
+        """Prompts skipped because their worst case did not fit what max_usd left, per dataset."""
+        return self._room.money_skipped
 
     @property
     def money_limited(self) -> bool:
         """max_usd left some prompt unasked this run (skipped, eligible for a later run)."""
-        return bool(self._money_stopped) or any(self.money_skipped.values())
+        return self._room.money_limited
+
+    def request_for(self, ds: DatasetRun, prompt: Prompt) -> tuple[dict[str, Any], float]:
+        """The body this prompt's request sends, and the worst case of sending it (Room.request_for)."""
+        return self._room.request_for(ds, prompt)
 
     def skip_for_money(self, ds: DatasetRun, prompt_id: str, reason: str) -> None:
-        """Skip one prompt max_usd has no room for (counted, not failed: it stays eligible); said for
-        the first of each dataset, counted in its dataset_done line."""
-        name = ds.config.name
-        ds.skipped += 1
-        n = self.money_skipped[name] = self.money_skipped.get(name, 0) + 1
-        if n == 1:
-            why = reason or "max_usd leaves no room"
-            self._event(Level.WARN, EventKind.BUDGET, f"{name}: prompt {prompt_id!r} skipped: {why}; "
-                        "it stays eligible for a later run, and the next prompts go on (each one that does not "
-                        "fit is skipped and counted)", dataset=name)
+        """Skip one prompt max_usd has no room for: counted, eligible later (Room.skip_for_money)."""
+        self._room.skip_for_money(ds, prompt_id, reason)
 
     async def admit(self, ds: DatasetRun, worst: float) -> Decision:
-        """Wait until the dataset may send one more request costing at most `worst`; GO, HALT, or the
-        budget that stops it."""
-        while True:
-            if self._gate.closed or ds.stopped:
-                return HALT
-            if not self._gate.resume.is_set():
-                await self._gate.resume.wait()
-                continue
-            if ds.doubts.held:  # set aside by a 4xx naming no cause (doubts.py): one probe at a time
-                if ds.doubts.given_up:
-                    if self._ledger.stop_doubted(ds):
-                        self._event(Level.ERROR, EventKind.DATASET_STOPPED, f"{ds.config.name}: {ds.message}",
-                                    dataset=ds.config.name)
-                    return HALT
-                if ds.doubts.probe_out:
-                    ds.wake.clear()
-                    await ds.wake.wait()
-                    continue
-            expected = ds.tokens.expected()
-            if not ds.tokens.fits(expected):
-                # This dataset's answers in flight may come in under their estimate and free room.
-                if ds.in_flight:
-                    ds.wake.clear()
-                    await ds.wake.wait()
-                    continue
-                return Decision(Verdict.BUDGET, f"token budget reached: {ds.tokens.used:,} used + "
-                                f"{ds.tokens.in_flight:,} in flight of {ds.tokens.limit:,}")
-            self.last_worst = worst
-            reason = self._money.blocked(worst)
-            if reason:
-                # Answers settling below their reservation free room; near the end fewer go out, not none.
-                if not self._settling():
-                    # Even with every request in flight settled at $0 it would not fit: skip it, go on.
-                    beyond = self._money.beyond_reach(worst)
-                    if beyond is not None:
-                        self._money.note_limited()
-                        return Decision(Verdict.SKIP, beyond)
-                if self.in_flight or self._settling():
-                    self._money.note_limited()
-                    ds.wake.clear()
-                    await ds.wake.wait()
-                    continue
-                if self._money.over_max(worst) is None:
-                    # The balance, not a budget: hold the run (nothing skipped) until it shows room again.
-                    self._on_floor(reason)
-                    if self._gate.resume.is_set():  # the hold was refused (draining): admit nothing
-                        return HALT
-                    continue
-                return Decision(Verdict.BUDGET, reason, money=True)
-            if ds.in_flight >= ds.concurrency.limit:
-                ds.wake.clear()
-                await ds.wake.wait()
-                continue
-            return GO
+        """Wait until the dataset may send one more request costing at most `worst` (Room.admit)."""
+        return await self._room.admit(ds, worst)
+
+    async def reserve_retry(self, ds: DatasetRun, prompt_id: str, worst: float) -> Ticket | None:
+        """A new reservation for a retry, or None when nothing can free room (Room.reserve_retry)."""
+        return await self._room.reserve_retry(ds, prompt_id, worst)
+
+    async def retry_slot(self, ds: DatasetRun) -> None:
+        """Wait, holding no slot, while the dataset is over its concurrency limit (Room.retry_slot)."""
+        await self._room.retry_slot(ds)
 
     def _start(self, ds: DatasetRun, prompt: Prompt, body: dict[str, Any], worst: float) -> None:
         expected_tokens = ds.tokens.expected()
@@ -379,47 +323,6 @@ class Admission:
             else:
                 self.wake_all()
         task.add_done_callback(finished)
-
-    async def reserve_retry(self, ds: DatasetRun, prompt_id: str, worst: float) -> Ticket | None:
-        """A new reservation for a retry (the last attempt's may be pending at its worst case); None when
-        the ceiling leaves no room and nothing in flight or being priced can free any."""
-        while True:
-            if self._gate.stopping:
-                return None
-            reason = self._money.blocked(worst)
-            if reason is None:
-                return self._money.spend.reserve(ds.config.name, prompt_id, worst)
-            if self.in_flight - self._retries_waiting - 1 <= 0 and not self._settling():
-                if self._money.over_max(worst) is not None or self._gate.draining:
-                    return None
-                # The balance, not the ceiling: hold the run (nothing skipped) until it shows room again.
-                self.last_worst = worst
-                self._on_floor(reason)
-                if self._gate.resume.is_set():  # the hold was refused (draining)
-                    return None
-                await self._gate.resume.wait()
-                continue
-            self._money.note_limited()
-            self._retries_waiting += 1
-            try:
-                ds.wake.clear()
-                await ds.wake.wait()
-            finally:
-                self._retries_waiting -= 1
-
-    async def retry_slot(self, ds: DatasetRun) -> None:
-        """A retry goes out only within the current limit. After sustained 429s cut it, the requests
-        over it wait here holding no slot, so what the provider receives drops with the limit; without
-        this only new admissions stopped, and every request already in flight kept retrying."""
-        if ds.in_flight - ds.parked <= ds.concurrency.limit:
-            return
-        ds.parked += 1
-        try:
-            while ds.in_flight - ds.parked >= ds.concurrency.limit:
-                ds.wake.clear()
-                await ds.wake.wait()  # set when a request ends and when the limit grows
-        finally:
-            ds.parked -= 1
 
     async def grow_limits(self) -> None:
         """Every second: let the limits cut by 429s grow back (runs for the life of the run)."""

@@ -5,32 +5,30 @@ pool (core/tokens/workers.py); results are appended to the dataset's token folde
 loop thread as they come back.
 
 A worker that dies (kill -9, the OOM killer) breaks the whole pool: every batch in flight fails at
-once. They are held, a new pool is started and they are sent again. After `MAX_RESTARTS` new pools
-reconstruction stops for the rest of the run and says so (`progress()` FAILED, with the command
-that finishes it, `draftgen tokens CONFIG`): the answers stay in responses.jsonl.
+once. They are held, a new pool is started and they are sent again (core/tokens/respawn.py). After
+`MAX_RESTARTS` new pools reconstruction stops for the rest of the run and says so (`progress()`
+FAILED, with the command that finishes it, `draftgen tokens CONFIG`): the answers stay in
+responses.jsonl.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import concurrent.futures.process
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.live.snapshot import EventKind, Level, ProviderFidelity, StageProgress, StageState
+from draftgen.core.live.snapshot import ProviderFidelity, StageProgress, StageState
 from draftgen.core.merge.policy import SamplePolicy
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.report import ValidationReport
+from draftgen.core.tokens.respawn import RespawningPool
 from draftgen.core.tokens.store import TokenWriter
 from draftgen.core.tokens.workers import (
     BATCH_ANSWERS, BATCH_CHARS, LockedWriter, Result, TokenRate, WorkerSpec, check_dataset, cores, index_report,
-    new_pool, pending_offsets, ping, provider_flags, read_records, reconstruct_batch, record_chars, slim_record,
-    write_report)
+    pending_offsets, provider_flags, read_records, record_chars, slim_record, write_report)
 
 
 @dataclass
@@ -70,20 +68,27 @@ class LiveReconstructor:
         self._spec = WorkerSpec.from_config(config)
         self._run = RunDir(config.run_dir)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._pool: RespawningPool[_Dataset] = RespawningPool(
+            self._spec, self.workers, hint=f"finish with `draftgen tokens {config.path}`",
+            max_restarts=lambda: self.MAX_RESTARTS, on_landed=self._landed, on_lost=self._lose,
+            on_give_up=self._gave_up, on_event=self._event)
         self._datasets: dict[str, _Dataset] = {}
         self._flush_handle: asyncio.TimerHandle | None = None
-        self._inflight: set[asyncio.Future[Any]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._rate = TokenRate()
         self._submitted = 0
         self._lost = 0
         self._error = ""
         self._closed = False
-        self._held: list[tuple[_Dataset, list[dict[str, Any]]]] = []  # batches waiting for a new pool
-        self._restart: asyncio.Task[None] | None = None
-        self.restarts = 0
-        self._gave_up = False
+
+    @property
+    def restarts(self) -> int:
+        """New pools started after dead workers so far."""
+        return self._pool.restarts
+
+    @property
+    def _restart(self) -> asyncio.Task[None] | None:  # a new pool starting (tests wait for it)
+        return self._pool.restart
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -93,18 +98,8 @@ class LiveReconstructor:
         self._spec.load()  # a missing or broken tokenizer is a clear error here
         for ds in self.config.datasets:
             self._open(ds.name)
-        self._pool = self._new_pool()
-
-    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
-        pool = new_pool(self._spec, self.workers)
-        try:
-            # Start every worker (and load its tokenizer) now, off the event loop.
-            for fut in [pool.submit(ping) for _ in range(self.workers)]:
-                fut.result()
-        except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        return pool
+        assert self._loop is not None
+        self._pool.open(self._loop)
 
     def _open(self, name: str) -> _Dataset:
         ds = self._datasets.get(name)
@@ -139,49 +134,12 @@ class LiveReconstructor:
 
     def _flush(self, ds: _Dataset) -> None:
         if ds.buffer:
-            self._send(ds, ds.take())
+            self._pool.send(ds, ds.take())
 
-    def _send(self, ds: _Dataset, batch: list[dict[str, Any]]) -> None:
-        if self._gave_up:
-            self._lose(ds, batch, RuntimeError(self._error))
-            return
-        pool = self._pool
-        if pool is None or self._restart is not None:
-            self._held.append((ds, batch))  # sent when the new pool is up
-            return
-        assert self._loop is not None
-        try:
-            fut = self._loop.run_in_executor(pool, reconstruct_batch, batch)
-        except concurrent.futures.process.BrokenProcessPool:  # broke before its first failed future came back
-            self._broken(ds, batch, pool)
-            return
-        except RuntimeError as e:  # shut down
-            self._lose(ds, batch, e)
-            return
-        self._inflight.add(fut)
-        fut.add_done_callback(partial(self._landed, ds, batch, pool))
+    # -- what comes back from the workers -------------------------------------------------------
 
-    def _lose(self, ds: _Dataset, batch: list[dict[str, Any]], exc: BaseException) -> None:
-        if not self._error:
-            self._error = f"token reconstruction stopped: {exc}"
-        self._lost += len(batch)
-        for rec in batch:
-            ds.known.discard(str(rec.get("id")))
-
-    def _landed(self, ds: _Dataset, batch: list[dict[str, Any]], pool: concurrent.futures.ProcessPoolExecutor,
-                fut: asyncio.Future[list[Result]]) -> None:
-        self._inflight.discard(fut)
-        if fut.cancelled():
-            self._lose(ds, batch, RuntimeError("cancelled"))
-            return
-        exc = fut.exception()
-        if isinstance(exc, concurrent.futures.process.BrokenProcessPool):
-            self._broken(ds, batch, pool)
-            return
-        if exc is not None:
-            self._lose(ds, batch, exc)
-            return
-        for rid, ids, mask, meta in fut.result():
+    def _landed(self, ds: _Dataset, batch: list[dict[str, Any]], results: list[Result]) -> None:
+        for rid, ids, mask, meta in results:
             try:
                 ds.writer.append(rid, ids, mask, meta)
             except Exception as e:  # a full disk: stop counting it as done, say so
@@ -190,58 +148,15 @@ class LiveReconstructor:
             ds.report.add_meta(meta)
             self._rate.add(int(ids.shape[0]))
 
-    # -- dead workers -------------------------------------------------------------------------------
+    def _lose(self, ds: _Dataset, batch: list[dict[str, Any]], exc: BaseException) -> None:
+        if not self._error:
+            self._error = f"token reconstruction stopped: {exc}"
+        self._lost += len(batch)
+        for rec in batch:
+            ds.known.discard(str(rec.get("id")))
 
-    def _broken(self, ds: _Dataset, batch: list[dict[str, Any]], pool: concurrent.futures.ProcessPoolExecutor) -> None:
-        """A batch of a pool whose worker died: held for the next pool (one restart per broken pool)."""
-        self._held.append((ds, batch))
-        if self._restart is not None:
-            return
-        if pool is self._pool:
-            self._restart = asyncio.ensure_future(self._replace(pool))
-        else:  # a late failure of a pool already replaced: straight to the new one
-            self._release_held()
-
-    async def _replace(self, broken: concurrent.futures.ProcessPoolExecutor) -> None:
-        self._pool = None
-        self.restarts += 1
-        hint = f"finish with `draftgen tokens {self.config.path}`"
-        try:
-            await asyncio.to_thread(broken.shutdown, wait=True)  # the pool has already stopped its other workers
-            await asyncio.sleep(0)  # the other batches of the broken pool come back first, to be held too
-            held = sum(len(b) for _, b in self._held)
-            if self.restarts > self.MAX_RESTARTS:
-                self._give_up(f"token reconstruction stopped: its worker processes died {self.restarts} times "
-                              f"(killed, or out of memory); the answers without tokens stay in responses.jsonl: {hint}")
-                return
-            self._event(Level.WARN, EventKind.TOKENS_WORKER_DIED,
-                        f"a token reconstruction worker process died (killed, or out "
-                        f"of memory): starting new workers ({self.restarts} of at most {self.MAX_RESTARTS}); {held:,} "
-                        "answers in flight are sent again")
-            pool = await asyncio.to_thread(self._new_pool)
-        except BaseException as e:  # no new pool (or cancelled): said once, the run goes on without tokens
-            self._give_up(f"token reconstruction stopped: new worker processes could not start ({type(e).__name__}: "
-                          f"{e}); {hint}")
-            if not isinstance(e, Exception):
-                raise
-            return
-        self._pool = pool
-        self._restart = None
-        self._release_held()
-
-    def _release_held(self) -> None:
-        held, self._held = self._held, []
-        for ds, batch in held:
-            self._send(ds, batch)
-
-    def _give_up(self, message: str) -> None:
-        self._gave_up = True
-        self._error = message
-        self._restart = None
-        self._event(Level.ERROR, EventKind.TOKENS_FAILED, message)
-        held, self._held = self._held, []
-        for ds, batch in held:
-            self._lose(ds, batch, RuntimeError(message))
+    def _gave_up(self, message: str) -> None:
+        self._error = message  # the workers kept dying: this says why and how to finish, over any earlier error
 
     # -- catching up with what is on disk -----------------------------------------------------------
 
@@ -271,29 +186,20 @@ class LiveReconstructor:
                     self.submit(name, rec)
                 self._flush_all()
                 # Bounded memory: keep about two batches per worker queued (or held for a new pool).
-                while len(self._inflight) + len(self._held) > 2 * self.workers:
-                    if self._restart is not None:
-                        await asyncio.wait({self._restart})
-                    elif self._inflight:
-                        await asyncio.wait(set(self._inflight), return_when=asyncio.FIRST_COMPLETED)
-                    else:
+                while self._pool.backlog > 2 * self.workers:
+                    if not await self._pool.wait_one():
                         break
         except (OSError, ValueError) as e:  # responses.jsonl unreadable: say so, the run goes on
             self._error = f"token reconstruction could not read {responses}: {e}"
 
     async def wait_idle(self) -> None:
         """Wait until everything submitted or queued by `catch_up` is written (or lost, and said so)."""
-        while (self._tasks or self._inflight or self._restart is not None or self._held
-               or any(ds.buffer for ds in self._datasets.values())):
+        while self._tasks or self._pool.busy or any(ds.buffer for ds in self._datasets.values()):
             if self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
             self._flush_all()
-            if self._restart is not None:
-                await asyncio.wait({self._restart})
-            elif self._inflight:
-                await asyncio.wait(set(self._inflight), return_when=asyncio.FIRST_COMPLETED)
-            elif self._held:
-                self._release_held()
+            if not await self._pool.wait_one():  # nothing in flight, no new pool starting: send what is held
+                self._pool.release_held()
 
     # -- views ----------------------------------------------------------------------------------------
 
@@ -345,7 +251,7 @@ class LiveReconstructor:
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
-        pool, self._pool = self._pool, None
+        pool = self._pool.detach()
 
         def finish() -> None:
             for ds in self._datasets.values():

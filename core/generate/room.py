@@ -1,0 +1,194 @@
+"""Room for one more request: what admission (admission.py) asks before a request or a retry starts.
+
+A request waits while the run is paused, while a doubted dataset's one probe is out (doubts.py), while
+its dataset's answers in flight may still free token budget, while settling money in flight may free
+room under max_usd, and while its dataset is at its concurrency limit. Each request reserves the worst
+case of the very body it sends; a prompt whose worst case would not fit under max_usd even with nothing
+in flight is skipped (counted, eligible later). The balance reaching credit_floor_usd holds the run
+instead of skipping anything. A retry over a limit lowered by 429s waits for a slot holding none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from draftgen.core.config import DatasetConfig
+from draftgen.core.generate.budget import MoneyBudget
+from draftgen.core.generate.prices import Prices, body_worst_case
+from draftgen.core.generate.prompts import Prompt
+from draftgen.core.generate.spend import Ticket
+from draftgen.core.live.snapshot import EventKind, EventSink, Level
+
+if TYPE_CHECKING:
+    from draftgen.core.generate.admission import Gate
+    from draftgen.core.generate.ledger import DatasetRun, Ledger
+
+BodyFor = Callable[[DatasetConfig, list[dict[str, Any]]], dict[str, Any]]
+
+
+class Verdict(Enum):
+    GO = "go"            # admit now
+    HALT = "halt"        # drain, stop, or the dataset has no endpoints: keep the prompt, admit nothing
+    BUDGET = "budget"    # a budget ran out for this dataset: the rest is skipped
+    SKIP = "skip"        # this prompt's worst case never fits what max_usd leaves: skip it, go on
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    reason: str = ""     # for BUDGET: which budget and how far it got
+    money: bool = False  # the budget is max_usd (the run ends LIMITED, not DONE)
+
+
+GO = Decision(Verdict.GO)
+HALT = Decision(Verdict.HALT)
+
+
+class Room:
+    """Whether one more request (or retry) of a dataset may go out now, and what max_usd left unasked."""
+
+    def __init__(self, money: MoneyBudget, gate: Gate, ledger: Ledger, *, in_flight: Callable[[], int],
+                 on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int],
+                 body: BodyFor) -> None:
+        self._money = money
+        self._gate = gate
+        self._ledger = ledger
+        self._in_flight = in_flight  # requests in flight over every dataset
+        self._event = on_event
+        self._on_floor = on_floor  # the balance reached credit_floor_usd: the engine holds the run
+        self._settling = settling  # abandoned attempts being priced: settling them may free room
+        self._body = body  # the exact request body (Config.request_body): the reservation is its worst case
+        self.prices: dict[str, Prices | None] = {}
+        self.last_worst = 0.0  # the worst case of the last request asked for: what a re-check must find room for
+        # Prompts skipped because their worst case did not fit what max_usd left, per dataset.
+        self.money_skipped: dict[str, int] = {}
+        self._money_stopped: set[str] = set()  # datasets whose rest max_usd skipped
+        self._retries_waiting = 0
+
+    def request_for(self, ds: DatasetRun, prompt: Prompt) -> tuple[dict[str, Any], float]:
+        """The body this prompt's request sends, and what sending it can cost at most (0 when no price
+        is known and no ceiling is set): the worst case of that very body, its own max_tokens."""
+        body = self._body(ds.config, prompt.messages)
+        prices = self.prices.get(ds.config.name)
+        return body, 0.0 if prices is None else body_worst_case(prices, body, ds.config.max_tokens)
+
+    @property
+    def money_limited(self) -> bool:
+        """max_usd left some prompt unasked this run (skipped, eligible for a later run)."""
+        return bool(self._money_stopped) or any(self.money_skipped.values())
+
+    def stop_for_money(self, name: str) -> None:
+        """max_usd ended the dataset: the rest of its prompts is skipped."""
+        self._money_stopped.add(name)
+
+    def skip_for_money(self, ds: DatasetRun, prompt_id: str, reason: str) -> None:
+        """Skip one prompt max_usd has no room for (counted, not failed: it stays eligible); said for
+        the first of each dataset, counted in its dataset_done line."""
+        name = ds.config.name
+        ds.skipped += 1
+        n = self.money_skipped[name] = self.money_skipped.get(name, 0) + 1
+        if n == 1:
+            why = reason or "max_usd leaves no room"
+            self._event(Level.WARN, EventKind.BUDGET, f"{name}: prompt {prompt_id!r} skipped: {why}; "
+                        "it stays eligible for a later run, and the next prompts go on (each one that does not "
+                        "fit is skipped and counted)", dataset=name)
+
+    async def admit(self, ds: DatasetRun, worst: float) -> Decision:
+        """Wait until the dataset may send one more request costing at most `worst`; GO, HALT, or the
+        budget that stops it."""
+        while True:
+            if self._gate.closed or ds.stopped:
+                return HALT
+            if not self._gate.resume.is_set():
+                await self._gate.resume.wait()
+                continue
+            if ds.doubts.held:  # set aside by a 4xx naming no cause (doubts.py): one probe at a time
+                if ds.doubts.given_up:
+                    if self._ledger.stop_doubted(ds):
+                        self._event(Level.ERROR, EventKind.DATASET_STOPPED, f"{ds.config.name}: {ds.message}",
+                                    dataset=ds.config.name)
+                    return HALT
+                if ds.doubts.probe_out:
+                    ds.wake.clear()
+                    await ds.wake.wait()
+                    continue
+            expected = ds.tokens.expected()
+            if not ds.tokens.fits(expected):
+                # This dataset's answers in flight may come in under their estimate and free room.
+                if ds.in_flight:
+                    ds.wake.clear()
+                    await ds.wake.wait()
+                    continue
+                return Decision(Verdict.BUDGET, f"token budget reached: {ds.tokens.used:,} used + "
+                                f"{ds.tokens.in_flight:,} in flight of {ds.tokens.limit:,}")
+            self.last_worst = worst
+            reason = self._money.blocked(worst)
+            if reason:
+                # Answers settling below their reservation free room; near the end fewer go out, not none.
+                if not self._settling():
+                    # Even with every request in flight settled at $0 it would not fit: skip it, go on.
+                    beyond = self._money.beyond_reach(worst)
+                    if beyond is not None:
+                        self._money.note_limited()
+                        return Decision(Verdict.SKIP, beyond)
+                if self._in_flight() or self._settling():
+                    self._money.note_limited()
+                    ds.wake.clear()
+                    await ds.wake.wait()
+                    continue
+                if self._money.over_max(worst) is None:
+                    # The balance, not a budget: hold the run (nothing skipped) until it shows room again.
+                    self._on_floor(reason)
+                    if self._gate.resume.is_set():  # the hold was refused (draining): admit nothing
+                        return HALT
+                    continue
+                return Decision(Verdict.BUDGET, reason, money=True)
+            if ds.in_flight >= ds.concurrency.limit:
+                ds.wake.clear()
+                await ds.wake.wait()
+                continue
+            return GO
+
+    async def reserve_retry(self, ds: DatasetRun, prompt_id: str, worst: float) -> Ticket | None:
+        """A new reservation for a retry (the last attempt's may be pending at its worst case); None when
+        the ceiling leaves no room and nothing in flight or being priced can free any."""
+        while True:
+            if self._gate.stopping:
+                return None
+            reason = self._money.blocked(worst)
+            if reason is None:
+                return self._money.spend.reserve(ds.config.name, prompt_id, worst)
+            if self._in_flight() - self._retries_waiting - 1 <= 0 and not self._settling():
+                if self._money.over_max(worst) is not None or self._gate.draining:
+                    return None
+                # The balance, not the ceiling: hold the run (nothing skipped) until it shows room again.
+                self.last_worst = worst
+                self._on_floor(reason)
+                if self._gate.resume.is_set():  # the hold was refused (draining)
+                    return None
+                await self._gate.resume.wait()
+                continue
+            self._money.note_limited()
+            self._retries_waiting += 1
+            try:
+                ds.wake.clear()
+                await ds.wake.wait()
+            finally:
+                self._retries_waiting -= 1
+
+    async def retry_slot(self, ds: DatasetRun) -> None:
+        """A retry goes out only within the current limit. After sustained 429s cut it, the requests
+        over it wait here holding no slot, so what the provider receives drops with the limit; without
+        this only new admissions stopped, and every request already in flight kept retrying."""
+        if ds.in_flight - ds.parked <= ds.concurrency.limit:
+            return
+        ds.parked += 1
+        try:
+            while ds.in_flight - ds.parked >= ds.concurrency.limit:
+                ds.wake.clear()
+                await ds.wake.wait()  # set when a request ends and when the limit grows
+        finally:
+            ds.parked -= 1
