@@ -57,7 +57,7 @@ VIEW_KEYS = {"main": (), "history": ("h",), "drill": ("enter",)}
 
 async def measure(mode: str, config_path: Path) -> dict:
     from draftgen.core.config import load_config
-    from draftgen.core.live.pipeline import Pipeline
+    from draftgen.core.run.pipeline import Pipeline
     config = load_config(config_path)
     pipeline = Pipeline(config, KEY, skip_smoke=True)
     await pipeline.start()

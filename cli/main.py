@@ -33,7 +33,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args.config)
     key = config.api_key()
     if args.headless:
-        from draftgen.core.live.headless import run_headless
+        from draftgen.headless.printer import run_headless
         return asyncio.run(run_headless(config, key, skip_smoke=args.skip_smoke,
                                         interval_s=args.interval, merge=args.merge, extract=args.extract))
     from draftgen.tui.launch import run_tui

@@ -174,7 +174,7 @@ class MergeConfig:
 
 @dataclass(frozen=True)
 class ValidationConfig:
-    """What makes a sample clean and when a provider is flagged (core/merge/policy.py)."""
+    """What makes a sample clean and when a provider is flagged (core/tokens/policy.py)."""
     # |answer tokens - billed completion_tokens| up to this: the count agrees.
     count_tolerance: int = 2
     # Beyond that but within this share of the billed answer: a BPE split (kept, reported). More: the

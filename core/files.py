@@ -156,7 +156,7 @@ def exclusive(root: Path, what: str) -> RunLock:
 
     The liveness rule: a run directory is live while a process holds this lock, and only then (the
     attach socket is no test: it can be deleted under a live run, or left behind by a killed one).
-    `draftgen run` (TUI, headless, demo: core/live/pipeline.py) holds it from its start until it has
+    `draftgen run` (TUI, headless, demo: core/run/pipeline.py) holds it from its start until it has
     closed, live reconstruction and the merge/extract stages it runs included; the commands that
     rewrite files a run writes hold it while they work: `retry-failed` (failures.jsonl), `tokens`
     (<dataset>/tokens) and `smoke` (smoke.json, spend.jsonl). So each refuses while a run is live,

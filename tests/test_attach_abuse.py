@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.pipeline import Pipeline
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 

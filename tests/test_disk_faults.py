@@ -30,7 +30,7 @@ import pytest
 from draftgen.core.live import snapshot as snap
 from draftgen.core.config import load_config
 from draftgen.core.generate.engine import Engine
-from draftgen.core.live.pipeline import Pipeline
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path

@@ -14,7 +14,7 @@ from draftgen.core.generate.engine import Engine
 from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.live import snapshot as snap
 from draftgen.core.merge.merge import merge
-from draftgen.core.merge.policy import SamplePolicy
+from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import DEFAULT_PROVIDERS, SimConfig, SimProvider, SimServer
 from draftgen.core.tokens.reconstruct import reconstruct_record
@@ -220,7 +220,7 @@ async def test_a_provider_serving_another_tokenizer_is_flagged_in_smoke(tmp_path
 
 
 async def test_the_live_run_shows_provider_fidelity_in_the_snapshot(tmp_path):
-    from draftgen.core.live.pipeline import Pipeline
+    from draftgen.core.run.pipeline import Pipeline
     import asyncio
     async with SimServer(SimConfig(**{**FAST, "providers": PROVIDERS, "fallback_rate": 0.0}), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 8, "max_tokens": 4096}],

@@ -89,7 +89,7 @@ def _running(**throughput: object):  # noqa: ANN202 - a RunSnapshot
 def test_the_headless_line_shows_money_in_the_one_format() -> None:
     import dataclasses
 
-    from draftgen.core.live.headless import detail_lines, status_line
+    from draftgen.headless.printer import detail_lines, status_line
     from draftgen.core.units import usd
     s = _running()
     s = dataclasses.replace(s, credits=dataclasses.replace(s.credits, max_usd=130.0))
@@ -124,7 +124,7 @@ def test_the_projection_reads_in_the_one_format() -> None:
 # -- the headless ETA ----------------------------------------------------------------------------
 
 def test_the_headless_eta_is_a_dash_until_stable_and_never_0_while_work_remains() -> None:
-    from draftgen.core.live.headless import detail_lines, status_line
+    from draftgen.headless.printer import detail_lines, status_line
     for s in (_running(eta_s=None), _running(eta_s=0.0), _running(eta_s=0.4)):
         line = status_line(s, now=0.0)
         assert line.endswith("| ETA —"), line

@@ -14,7 +14,7 @@ from draftgen.core.errors import DraftgenError, NoPromptError
 from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.generate.spend import SpendLedger
-from draftgen.core.live.headless import run_headless
+from draftgen.headless.printer import run_headless
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
@@ -174,7 +174,7 @@ def test_smoke_rows_say_what_came_back(tmp_path: Path) -> None:
 
 
 async def test_a_failed_smoke_gate_gives_a_command_not_a_key(tmp_path: Path) -> None:
-    from draftgen.core.live.pipeline import Pipeline
+    from draftgen.core.run.pipeline import Pipeline
     async with SimServer(SimConfig(seed=1, latency_scale=0.0, misbehave=("wrong_model",)), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 2}],
                           tables={"tokenizer": {"path": str(bundled_kimi_path())}, "engine": {"reconstruct": False}})
@@ -190,7 +190,7 @@ async def test_a_failed_smoke_gate_gives_a_command_not_a_key(tmp_path: Path) -> 
 
 
 async def test_a_warning_repeated_during_an_outage_is_said_once_with_a_count(tmp_path: Path) -> None:
-    from draftgen.core.live.pipeline import Pipeline
+    from draftgen.core.run.pipeline import Pipeline
     cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "a", "n": 2}])
     pipeline = Pipeline(cfg, TEST_KEY, serve_attach=False)
     seen: list[str] = []

@@ -29,7 +29,7 @@ import pytest
 
 from draftgen.core.generate.spool import SpoolRecord, find_spools, write_spool
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.pipeline import Pipeline
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.live.summary import summary_lines
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer

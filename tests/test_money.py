@@ -221,7 +221,7 @@ def test_projection_covers_datasets_not_started():
 
 
 async def test_snapshot_and_headless_line_show_spend_reserved_and_ceiling(tmp_path):
-    from draftgen.core.live.headless import detail_lines, status_line
+    from draftgen.headless.printer import detail_lines, status_line
     async with SimServer(SimConfig(seed=5, latency_scale=0.05, mean_completion_tokens=300), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 200, "concurrency": 50, "max_tokens": 512},
                                                    {"name": "b", "n": 100, "concurrency": 20, "max_tokens": 512}],

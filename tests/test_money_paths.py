@@ -43,7 +43,7 @@ def _one_dataset(tmp_path, sim: SimServer, n: int):
 
 @contextlib.asynccontextmanager
 async def _pipeline(cfg):
-    from draftgen.core.live.pipeline import Pipeline
+    from draftgen.core.run.pipeline import Pipeline
     pipe = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
     await pipe.start()
     try:

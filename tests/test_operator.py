@@ -12,8 +12,8 @@ import pytest
 
 from draftgen.cli.main import main
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.headless import WIDTH, detail_lines, status_line
-from draftgen.core.live.pipeline import Pipeline
+from draftgen.headless.printer import WIDTH, detail_lines, status_line
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.summary import EXIT_INCOMPLETE, final_state, summary_lines
 from draftgen.core.live.timeline import TimelineRecorder, Totals, read_history

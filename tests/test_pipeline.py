@@ -7,7 +7,7 @@ import asyncio
 import orjson
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.pipeline import Pipeline, smoke_status
+from draftgen.core.run.pipeline import Pipeline, smoke_status
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path

@@ -24,7 +24,7 @@ from draftgen.cli.main import EXIT_CODES
 from draftgen.core.errors import DraftgenError, ExitCode, KeyRefusedError
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.hub import Hub
-from draftgen.core.live.pipeline import Pipeline
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.tui import fmt

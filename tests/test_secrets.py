@@ -22,7 +22,7 @@ import orjson
 
 from draftgen.core.config import load_config
 from draftgen.core.errors import EXIT_KEY_REFUSED
-from draftgen.core.live.pipeline import Pipeline
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import PREFIX
 from draftgen.simulator import SimConfig, SimServer

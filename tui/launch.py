@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TextIO
 
 from draftgen.core.config import Config
-from draftgen.core.live.pipeline import Pipeline
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.live.summary import EXIT_ERROR, summary_lines
 

@@ -22,7 +22,7 @@ from draftgen.core.errors import ConfigError, DiskError, DraftgenError
 from draftgen.core.files import TMP_MARK, disk_error, write_json_atomic
 from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.live.snapshot import StageProgress, StageState
-from draftgen.core.progress import Throttle
+from draftgen.core.live.progress import Throttle
 from draftgen.core.tokens.store import INDEX_FILE, TokenEntry, TokenReader
 from draftgen.core.extract import layout
 from draftgen.core.extract.backend import ExtractBackend, make_backend

@@ -10,7 +10,7 @@ The checklist (each row pass/fail with its reason):
   the request answers; content; reasoning present where the request asks for it (and which field
   carried it); tool calls; the model that answered; usage with cost; the provider is not one the
   routing ignores; finish_reason; the answer reconstructed with the target tokenizer and validated
-  (its count judged by the sample policy, core/merge/policy.py: a provider whose count is off by more
+  (its count judged by the sample policy, core/tokens/policy.py: a provider whose count is off by more
   than a BPE split is named, with the `ignore` line to add); the prompt's token count against
   `usage.prompt_tokens` (a mismatch says which `[tokenizer] default_system` would match the provider);
   the cost of the request.
@@ -230,7 +230,7 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
 
 def _tokens_row(config: Config, label: str, rec: Any, provider: str | None) -> SmokeRow:
     """The answer's ids: structure checked, count judged by the sample policy (a BPE split passes)."""
-    from draftgen.core.merge.policy import SamplePolicy
+    from draftgen.core.tokens.policy import SamplePolicy
     from draftgen.core.tokens.fidelity import routing_name, toml_list
     verdict = SamplePolicy.from_config(config).judge(rec.failed_checks, rec.count_diff, rec.billed_tokens)
     detail = (f"{rec.span_tokens} answer tokens vs {rec.billed_tokens} billed (diff {rec.count_diff})"

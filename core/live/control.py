@@ -1,6 +1,6 @@
 """The control surface: the only way a view changes a run.
 
-The TUI holds an object with this shape: the live `Pipeline` (core/live/pipeline.py) when it embeds
+The TUI holds an object with this shape: the live `Pipeline` (core/run/pipeline.py) when it embeds
 the engine, or a read-only viewer when attached, whose methods do nothing and whose
 `unavailable()` says why. Stage progress and results arrive through snapshots and events only.
 """

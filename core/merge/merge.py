@@ -43,12 +43,12 @@ from draftgen.core.errors import DraftgenError
 from draftgen.core.files import disk_error
 from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef, complete_lines
-from draftgen.core.merge.policy import NOTES, SamplePolicy, source_key
+from draftgen.core.tokens.policy import NOTES, SamplePolicy, source_key
 from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, flag_sources
 from draftgen.core.dedupe import message_text, prompt_key
 from draftgen.core.merge.specforge import has_tool_calls, specforge_record
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
-from draftgen.core.progress import ProgressCallback, Throttle, every
+from draftgen.core.live.progress import ProgressCallback, Throttle, every
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.records import Usage
 from draftgen.core.rundir import RunDir
@@ -58,7 +58,7 @@ from draftgen.core.units import usd, usd_shown
 # Each dropped sample is counted under the first reason that applies, in this order ("failed" are
 # failures.jsonl lines; "bad_line" a responses.jsonl line that is not a JSON object with an id).
 # The token-level causes (provider_excluded, invalid, count_mismatch, prompt_mismatch) are the sample
-# policy's, core/merge/policy.py: a structural failure drops a sample, a BPE split keeps it.
+# policy's, core/tokens/policy.py: a structural failure drops a sample, a BPE split keeps it.
 DROP_REASONS = ("failed", "truncated", "empty", "not_reconstructed", "provider_excluded", "invalid",
                 "source_flagged", "count_mismatch", "prompt_mismatch", "duplicate", "bad_line")
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from draftgen.core.config import Config
 from draftgen.core.live.snapshot import ProviderFidelity, StageProgress, StageState
-from draftgen.core.merge.policy import SamplePolicy
+from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.report import ValidationReport
 from draftgen.core.tokens.respawn import RespawningPool

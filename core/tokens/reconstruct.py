@@ -21,7 +21,7 @@ segment as ordinary text and insert each special token by id, then check the ans
 Beside the checks, the prompt: its token count (everything before the answer span, the generation
 prompt's `<think>` included) against the provider's `usage.prompt_tokens`, kept as `prompt_diff`.
 It is not a check of the answer, so it does not make a sample invalid; the report counts the
-disagreements (`prompt_token_count`) per provider, and core/merge/policy.py decides what a sample's
+disagreements (`prompt_token_count`) per provider, and core/tokens/policy.py decides what a sample's
 checks and differences mean for merge (a BPE split keeps it, a leaked `<think>` drops it).
 
 The loss mask is 1 from the `<think>` after the last assistant header through its `<|im_end|>`

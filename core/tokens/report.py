@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftgen.core.merge.policy import SamplePolicy
+from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, Figures, ProviderFlag, flag_providers, percentile
 from draftgen.core.tokens.reconstruct import CHECKS, Reconstruction
 
@@ -17,7 +17,7 @@ from draftgen.core.tokens.reconstruct import CHECKS, Reconstruction
 class ValidationReport:
     """Validation outcomes of one dataset (or of all, `name="all"`).
 
-    Beside the checks: what `policy` (core/merge/policy.py) would keep and drop, and, per provider,
+    Beside the checks: what `policy` (core/tokens/policy.py) would keep and drop, and, per provider,
     how the answer and prompt token counts agree (core/tokens/fidelity.py)."""
 
     name: str = "all"

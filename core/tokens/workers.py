@@ -33,8 +33,8 @@ from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.files import disk_error, lock_file, write_json_atomic
 from draftgen.core.live.snapshot import StageProgress, StageState
-from draftgen.core.merge.policy import SamplePolicy
-from draftgen.core.progress import ProgressCallback, Throttle
+from draftgen.core.tokens.policy import SamplePolicy
+from draftgen.core.live.progress import ProgressCallback, Throttle
 from draftgen.core.rundir import RunDir, iter_jsonl, read_line_at
 from draftgen.core.tokens.fidelity import ProviderFlag
 from draftgen.core.tokens.reconstruct import DEFAULT_COUNT_TOLERANCE, reconstruct_record, unrenderable

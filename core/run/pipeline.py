@@ -21,7 +21,7 @@ from draftgen.core.generate.smoke import SMOKE_RETRY_S
 from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError, UnreachableError
 from draftgen.core.files import RunLock, exclusive
 from draftgen.core.live.hub import Hub
-from draftgen.core.live.stages import Stages
+from draftgen.core.run.stages import Stages
 from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_ERROR, EXIT_INCOMPLETE, INCOMPLETE
 from draftgen.core.live.timeline import TimelineRecorder, Totals
 from draftgen.core.records import error_count
@@ -52,7 +52,7 @@ def smoke_status(config: Config) -> tuple[bool, str]:
 class Pipeline:
     """The run as the views see it: every stage (smoke, generation, tokens, merge, extract) driven from
     one place, the snapshot they read, and the control surface they call; the one-shot stages
-    (smoke, merge, extract) run in core/live/stages.py."""
+    (smoke, merge, extract) run in core/run/stages.py."""
 
     read_only = False
 
@@ -298,7 +298,7 @@ class Pipeline:
     async def _run_engine(self) -> str:
         """The engine's run, its spend ledger opened while no smoke test runs (one writer at a time: a
         smoke test started with s first finishes, on its own ledger; one started after books on the
-        run's, core/live/stages.py)."""
+        run's, core/run/stages.py)."""
         async with self.oneshot.smoke_lock:
             if self.quit_requested.is_set():  # quit while a smoke test ran: nothing is started
                 self.engine.state = snap.RunState.STOPPED

@@ -1,6 +1,6 @@
 """The one-shot stages beside generation: the smoke test, merge and extraction, each run on demand
 (a key, a command) with its progress kept for the stages panel, and extraction's GPU samples for
-the GPU panel. The Pipeline (core/live/pipeline.py) owns one and calls it from its control surface.
+the GPU panel. The Pipeline (core/run/pipeline.py) owns one and calls it from its control surface.
 """
 
 from __future__ import annotations
