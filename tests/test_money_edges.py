@@ -117,6 +117,7 @@ async def test_unknown_from_key_waits_until_the_killed_generations_cannot_still_
             stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
         while sim.stats.in_flight < 20 and proc.returncode is None:
             await asyncio.sleep(0.02)
+        assert proc.returncode is None, f"the run ended (exit {proc.returncode}) before 20 requests were in flight"
         os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
         cli = await asyncio.create_subprocess_exec(
