@@ -132,6 +132,19 @@ def test_the_headless_eta_is_a_dash_until_stable_and_never_0_while_work_remains(
     assert status_line(_running(eta_s=125.0), now=0.0).endswith("| ETA 2m05s")
 
 
+async def test_the_tui_header_shows_a_dash_for_an_eta_not_yet_stable() -> None:
+    from draftgen.tui.app import DraftgenApp
+    from tests import fixtures as fx
+    from tests.test_seam import text
+    for eta, shown in ((None, "ETA —"), (125.0, "ETA 2 min")):
+        app = DraftgenApp(fx.FakeControls(_running(eta_s=eta), fx.events()), title="draftgen",  # type: ignore[arg-type]
+                          refresh_s=0.05)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause(0.2)
+            header = text(app, "#header")
+            assert shown in header, header
+
+
 # -- events that do not fit ----------------------------------------------------------------------
 
 LONG = ("B5: 412 answers in runs/B5/responses.jsonl have no line on the spend ledger of this directory "

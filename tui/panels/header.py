@@ -56,6 +56,8 @@ class RunHeader(Panel):
         right = Text()
         if s.throughput.eta_s is not None:
             right.append(f"ETA {fmt.duration(s.throughput.eta_s)}  ")
+        elif s.state == snap.RunState.RUNNING:
+            right.append("ETA —  ", style="dim")  # not stable yet: said so, never a guess or 0
         right.append(f"{'' if narrow and s.attached else 'elapsed '}{fmt.clock(s.elapsed_s)} ", style="bold")
         runs = len(s.timeline.runs)
         if runs > 1 and narrow:
