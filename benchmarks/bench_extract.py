@@ -103,7 +103,7 @@ def synthetic_batch(hidden: int, tokens: int, count: int) -> list[layout.SampleT
     """`count` distinct samples of activation-like bf16 rows, each tensor owning its storage."""
     g = torch.Generator().manual_seed(hidden)
     out = []
-    for k in range(count):
+    for _ in range(count):
         ids = torch.randint(0, 160_000, (tokens,), generator=g)
         mask = (torch.rand(tokens, generator=g) < 0.7).to(torch.int64)
         out.append(layout.SampleTensors(ids, mask, torch.randn(tokens, hidden, generator=g).to(torch.bfloat16),
@@ -223,7 +223,7 @@ def writer_main(args: argparse.Namespace) -> None:
         rate = nbytes / secs
         print(f"{name + ' H' + str(hidden):10} {what:32} {files:5d} {nbytes / 1e9:6.2f} {secs:6.2f} "
               f"{rate / 1e9:6.3f} {files * toks / secs:8,.0f} {rate / raw_rate:6.2f}")
-    for name, hidden, what, files, nbytes, secs, raw_rate, _ in rows:
+    for name, hidden, what, _files, nbytes, secs, raw_rate, _ in rows:
         if what == "pooled writer":
             print(f"{name} (H {hidden}) writer / raw write: {nbytes / secs / raw_rate:.2f}")
 

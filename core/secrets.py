@@ -60,7 +60,7 @@ class Redactor:
         self._fold = {ord(c): c.lower() for c in chars if len(c.lower()) == 1}
         folded = secret.translate(self._fold)
         self._windows = frozenset(folded[i:i + self._width] for i in range(len(folded) - self._width + 1))
-        self._runs = re.compile("[" + re.escape("".join(sorted(chars))) + "]{%d,}" % self._width)
+        self._runs = re.compile("[" + re.escape("".join(sorted(chars))) + f"]{{{self._width},}}")
 
     def __call__(self, text: str) -> str:
         for other in self._others:

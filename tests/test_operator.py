@@ -22,9 +22,9 @@ from draftgen.simulator import SimConfig, SimServer
 from draftgen.tui.report import report
 from tests import fixtures as fx
 
-pytestmark = pytest.mark.usefixtures("utc")  # conftest.py: times render in UTC
-
 from .helpers import TEST_KEY, make_config
+
+pytestmark = pytest.mark.usefixtures("utc")  # conftest.py: times render in UTC
 
 
 class Clock:

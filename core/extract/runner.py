@@ -262,7 +262,7 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
         if group.writer:
             return _run_writer(config, shard, dims, layers, reader, root, plan, backend, progress, stop, rundir,
                                disk_watch)
-        for batch, ids, _masks in _batches_of_arrays(reader, plan.batches):
+        for _batch, ids, _masks in _batches_of_arrays(reader, plan.batches):
             backend.run(ids)
         return ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
                             hidden_size=dims.hidden_size, layers=layers, shard=shard, compress=cfg.compress)

@@ -128,7 +128,7 @@ class Attempts:
             seq = ds.sent
             t = ticket
             try:
-                answer = await self.client.chat(body, lambda gen_id: spend.generation(t, gen_id))
+                answer = await self.client.chat(body, lambda gen_id, t=t: spend.generation(t, gen_id))
             except RequestFailed as e:
                 look_up(self.settler, book_failure(spend, ticket, e))
                 self._errors.add(e.kind)

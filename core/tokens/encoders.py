@@ -22,7 +22,7 @@ TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 MAX_NO_WHITESPACES_CHARS = 25_000
 # A run start followed by more than the limit of the same class: matched in linear time because
 # the look-behind fails at once inside a run.
-_LONG_RUN = re.compile(r"(?<!\S)\S{%d}|(?<!\s)\s{%d}" % (MAX_NO_WHITESPACES_CHARS + 1, MAX_NO_WHITESPACES_CHARS + 1))
+_LONG_RUN = re.compile(rf"(?<!\S)\S{{{MAX_NO_WHITESPACES_CHARS + 1}}}|(?<!\s)\s{{{MAX_NO_WHITESPACES_CHARS + 1}}}")
 
 KIMI_RESERVED_SPECIAL_TOKENS = 256
 

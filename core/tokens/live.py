@@ -179,7 +179,7 @@ class LiveReconstructor:
         try:
             for i in range(0, len(offsets), chunk):
                 part = offsets[i:i + chunk]
-                records = await asyncio.to_thread(lambda: list(read_records(responses, part)))
+                records = await asyncio.to_thread(lambda part=part: list(read_records(responses, part)))
                 for rec in records:
                     if self._closed:
                         return

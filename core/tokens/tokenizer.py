@@ -72,7 +72,7 @@ def _read_bpe_ranks(path: Path) -> dict[bytes, int]:
     a2b = binascii.a2b_base64
     lineno = 0
     try:
-        for lineno, line in enumerate(raw.splitlines(), 1):
+        for lineno, line in enumerate(raw.splitlines(), 1):  # noqa: B007 - the except names the line
             token, sep, rank = line.partition(b" ")
             if not sep:
                 if not line.strip():
