@@ -14,7 +14,7 @@ from draftgen.core.config import Config
 from draftgen.core.live.pipeline import Pipeline
 from draftgen.core.live.summary import EXIT_ERROR, summary_lines
 
-from draftgen.tui.app import FINAL_STATES, DraftgenApp
+from draftgen.tui.app import DraftgenApp
 
 
 async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, after_run: list[str] | None = None,
