@@ -74,7 +74,7 @@ def status_line(s: snap.RunSnapshot, now: float | None = None) -> str:
     spent = f"spent {usd(c.spent_total_usd)}+{usd(c.in_flight_usd)} rsv/{ceiling}"
     # Most important first: what does not fit in 120 columns is left to the detail lines.
     # A run that makes no progress says so on every line; the details say why (held, unreachable, backing off).
-    state = f"WAITING ({s.state})" if s.waiting and s.state != snap.RunState.WAITING else s.state
+    state = f"WAITING ({s.label()})" if s.waiting and s.state != snap.RunState.WAITING else s.label()
     parts = [f"{wall} {state} +{clock(s.elapsed_s)}",
              f"{done:,}/{total:,}{pct}",
              spent,
@@ -170,6 +170,11 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
     interrupts = 0
     say = _Output(out).say
 
+    def tell(text: str) -> None:
+        # Wrapped, not cut: a signal's line ends with what the next one does.
+        for line in textwrap.wrap(text, WIDTH, subsequent_indent=INDENT, break_on_hyphens=False):
+            say(line)
+
     def held() -> str:
         n = pipeline.engine.ledger.held_answers
         return (f"; {n} paid answer(s) are held in memory, not on disk: the run waits for the disk (the write is "
@@ -180,17 +185,20 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
         nonlocal interrupts
         interrupts += 1
         # Act first, then say so: the saying may fail.
+        effects = pipeline.quit_effects()  # what a quit does to the stage running now (smoke, merge, ...)
         if interrupts == 1:
             pipeline.quit(drain=True)
-            say("SIGINT: draining (requests in flight finish); press Ctrl-C again to stop now" + held())
+            tell(f"SIGINT: draining ({effects.running}: {effects.drain}); press Ctrl-C again to stop now "
+                 f"({effects.stop})" + held())
         else:
             n = pipeline.engine.ledger.held_answers
             pipeline.quit(drain=False)  # stop now spools what is held: never dropped
-            say("SIGINT again: stopping now" + (f"; the {n} held answer(s) are spooled" if n else ""))
+            tell(f"SIGINT again: stopping now ({effects.running}: {effects.stop})"
+                 + (f"; the {n} held answer(s) are spooled" if n else ""))
 
     def on_term(name: str) -> None:
         pipeline.quit(drain=True)
-        say(f"{name}: draining" + held())
+        tell(f"{name}: draining" + held())
 
     loop.add_signal_handler(signal.SIGINT, on_sigint)
     loop.add_signal_handler(signal.SIGTERM, on_term, "SIGTERM")
@@ -207,7 +215,7 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
             item = await sub.get()
             if item[0] == "event":
                 ev = item[1]
-                if ev.level != "info" or ev.kind in ("dataset_start", "dataset_done", "run_done", "smoke_done",
+                if ev.level != "info" or ev.kind in ("smoke", "dataset_start", "dataset_done", "run_done", "smoke_done",
                                                       "merge_done", "extract_done", "budget", "tokens_done"):
                     wall = time.strftime("%H:%M:%S", time.localtime(ev.ts))
                     # Wrapped, not cut: an event's end is often what matters (a path, the figures).
@@ -229,11 +237,11 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
         state = await pipeline.generate()
         if pipeline.error is not None:
             raise pipeline.error  # printed once, at the command boundary
-        code = pipeline.exit_code
-        if code == 0 and state == snap.RunState.DONE and merge:
+        if pipeline.exit_code == 0 and state == snap.RunState.DONE and merge and not pipeline.quit_requested.is_set():
             await pipeline.merge()
-        if code == 0 and state == snap.RunState.DONE and extract:
+        if pipeline.exit_code == 0 and state == snap.RunState.DONE and extract and not pipeline.quit_requested.is_set():
             await pipeline.extract()
+        code = pipeline.exit_code  # read last: a stage stopped by a quit makes it incomplete
         await asyncio.sleep(0)  # let the printer flush the last events
         final = pipeline.snapshot()
         say(status_line(final))

@@ -333,6 +333,9 @@ class FakeControls:
     def spool_held(self) -> None:
         self.calls.append("spool")
 
+    def quit_asked(self, asking: bool) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class View:

@@ -29,7 +29,7 @@ from draftgen.tui.panels.eventlog import EventLogPanel, EventStore
 from draftgen.tui.panels.gpu import GpuPanel
 from draftgen.tui.panels.header import AlertBar, RunHeader
 from draftgen.tui.panels.history import HistoryPanel
-from draftgen.tui.keys import FINAL_STATES, RunKeys
+from draftgen.tui.keys import RunKeys
 from draftgen.tui.panels.panel import Panel
 from draftgen.tui.panels.providers import ProvidersPanel
 from draftgen.tui.panels.stages import StagesPanel
@@ -215,5 +215,5 @@ class DraftgenApp(RunKeys, App[None]):
             self.screen.show(s)
         if previous is None or previous.attached != s.attached or previous.state != s.state:
             self.refresh_bindings()
-        if self.quit_requested and s.state in FINAL_STATES:
+        if self.quit_requested and s.finished():  # a drain waits for the stage running (merge, extract) too
             self.exit()

@@ -135,20 +135,23 @@ class RunKeys(_App):
             self.controls.quit(drain=True)  # nothing in flight: nothing to choose between
             self.exit()
             return
-        self.push_screen(QuitScreen(s.throughput.in_flight if s else 0, s.held_answers if s else 0),
+        self.controls.quit_asked(True)  # a run not started yet (the smoke test runs) waits for the answer
+        self.push_screen(QuitScreen(s.throughput.in_flight if s else 0, s.held_answers if s else 0, snapshot=s),
                          self._quit_chosen)
 
     def _quit_chosen(self, choice: str | None) -> None:
         if choice is None:
+            self.controls.quit_asked(False)
             return
         self.quit_requested = True
         drain = choice != STOP  # wait and spool both let the requests in flight finish
         self.controls.quit(drain=drain)
+        self.controls.quit_asked(False)
         if choice == SPOOL:
             self.controls.spool_held()
         # Stop now means now: the engine winds down after the screen is gone. A drain keeps the
         # screen up until the engine reports the run stopped (q again offers stop now).
-        if not drain or (self.latest is not None and self.latest.state in FINAL_STATES):
+        if not drain or (self.latest is not None and self.latest.finished()):
             self.exit()
 
     def action_help(self) -> None:

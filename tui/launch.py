@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -14,12 +15,13 @@ from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.live.summary import EXIT_ERROR, summary_lines
 
-from draftgen.tui.app import FINAL_STATES, DraftgenApp
+from draftgen.tui.app import DraftgenApp
 
 
 async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, after_run: list[str] | None = None,
-                  out: TextIO = sys.stdout) -> int:
-    """The app and the engine share one event loop; every panel reads the pipeline's snapshots."""
+                  out: TextIO = sys.stdout, run_app: Callable[[DraftgenApp], Awaitable[object]] | None = None) -> int:
+    """The app and the engine share one event loop; every panel reads the pipeline's snapshots.
+    `run_app` runs the app (default: on this terminal; a test passes Textual's headless pilot)."""
     pipeline = Pipeline(config, api_key, skip_smoke=skip_smoke)
     await pipeline.start()
     app = DraftgenApp(pipeline, title=f"draftgen · {config.run_dir.name}")
@@ -55,14 +57,14 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
                 app.exit()
         else:
             app.quit_requested = True  # the screen stays until the run has ended, as after d in the dialog
-            if pipeline.engine.state in FINAL_STATES and app.is_running:
+            if pipeline.snapshot().finished() and app.is_running:
                 app.exit()
 
     for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
     loop.add_signal_handler(signal.SIGUSR1, pipeline.resume)  # as in headless: also after the pane closed
     try:
-        await app.run_async()
+        await (app.run_async() if run_app is None else run_app(app))
     finally:
         if not work.done() and signalled:
             try:

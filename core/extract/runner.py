@@ -336,7 +336,8 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
     events.write("info", f"extract: {'stopped' if stats.stopped else 'done'}: {summary}")
     events.close()
     if reporter is not None:
-        reporter.emit(StageState.DONE, force=True, message=("stopped: " if stats.stopped else "") + summary)
+        reporter.emit(StageState.STOPPED if stats.stopped else StageState.DONE, force=True,
+                      message=("stopped: " if stats.stopped else "") + summary)
     return stats
 
 

@@ -49,7 +49,7 @@ from draftgen.core.generate.billing import book_answer, book_failure, look_up, r
 from draftgen.core.generate.attempts import backoff_delay
 from draftgen.core.generate.classify import ANSWER_KINDS, Whose
 from draftgen.core.generate.preflight import note_key_answer
-from draftgen.core.generate.prices import body_max_tokens, body_worst_case, fetch_prices, prompt_token_bound
+from draftgen.core.generate.prices import body_max_tokens, body_worst_case, fetch_prices
 from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig

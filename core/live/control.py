@@ -24,4 +24,5 @@ class Controls(Protocol):
     def start_merge(self) -> None: ...    # stage "merge", event "merge_done"
     def start_extract(self) -> None: ...  # stage "extract" (+ RunSnapshot.gpus), event "extract_done"
     def quit(self, drain: bool) -> None: ...  # drain: finish in-flight requests; else stop now
+    def quit_asked(self, asking: bool) -> None: ...  # the quit dialog is open: a run not started waits
     def spool_held(self) -> None: ...     # answers the disk refused go to the spool (spool.py), no wait

@@ -46,11 +46,21 @@ class DatasetStatus(StrEnum):
 
 
 class StageState(StrEnum):
-    """The state of a one-shot stage (smoke, tokens, merge, extract)."""
-    IDLE = "idle"
+    """The state of a stage of the run (smoke, generation, tokens, merge, extract)."""
+    IDLE = "idle"          # pending: not started (yet)
     RUNNING = "running"
     DONE = "done"
+    STOPPED = "stopped"    # stopped before its end (a quit): its counts say how far it got
     FAILED = "failed"
+    SKIPPED = "skipped"    # never started: a stage before it stopped or failed
+
+
+# Every stage of a run, in the order a run goes through them.
+STAGE_NAMES = ("smoke", "generation", "tokens", "merge", "extract")
+# The header's word for a run whose generation has ended while a later stage still runs.
+STAGE_RUNNING_LABEL = {"smoke": "SMOKE TEST", "tokens": "TOKENS", "merge": "MERGING", "extract": "EXTRACTING"}
+_GENERATION = {"IDLE": StageState.IDLE, "RUNNING": StageState.RUNNING, "PAUSED": StageState.RUNNING,
+               "DRAINING": StageState.RUNNING, "DONE": StageState.DONE, "LIMITED": StageState.DONE}
 
 
 @dataclass(frozen=True)
@@ -214,9 +224,41 @@ class RunSnapshot:
     ended: str = ""                               # why the run ended (final states only), with counts
     held_answers: int = 0                         # paid answers held in memory, not on disk (the disk refused)
     held: str = ""                                # what became of the held answers (written, spooled to, lost)
+    generation: StageState | None = None          # the generation stage; None: read from `state`
 
     def stage(self, name: str) -> StageProgress | None:
         return next((s for s in self.stages if s.name == name), None)
+
+    def stage_state(self, name: str) -> StageState:
+        """The typed state of any stage of STAGE_NAMES (generation's from `state` unless set)."""
+        if name == "generation":
+            return self.generation or _GENERATION.get(self.state, StageState.STOPPED)
+        st = self.stage(name)
+        try:
+            return StageState.IDLE if st is None else StageState(st.state)
+        except ValueError:  # a newer engine's state (attached): counted as running, never as done
+            return StageState.RUNNING
+
+    def running_stage(self) -> str | None:
+        """The stage running now (the first in run order), None when none is."""
+        return next((n for n in STAGE_NAMES if self.stage_state(n) == StageState.RUNNING), None)
+
+    def finished(self) -> bool:
+        """Generation has ended and no other stage still runs: nothing is left to wait for."""
+        return self.stage_state("generation") != StageState.RUNNING and self.running_stage() is None and (
+            self.state not in (RunState.IDLE, RunState.RUNNING, RunState.PAUSED, RunState.DRAINING))
+
+    def label(self) -> str:
+        """The state the header shows: DONE only when every stage that was started has finished."""
+        running = self.running_stage()
+        if running is not None and running != "generation" and self.stage_state("generation") != StageState.RUNNING:
+            return STAGE_RUNNING_LABEL.get(running, str(self.state))
+        if self.state == RunState.DONE and any(self.stage_state(n) == StageState.STOPPED for n in STAGE_NAMES):
+            return "STOPPED"
+        if self.state == RunState.DONE and any(self.stage_state(n) == StageState.FAILED
+                                               for n in STAGE_NAMES if n != "smoke"):
+            return "FAILED"
+        return str(self.state)
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)
@@ -250,6 +292,7 @@ class EventKind(StrEnum):
     PAUSED = "paused"
     PENDING = "pending"                      # attempts of earlier runs not priced yet
     PRICES = "prices"
+    QUIT_DIALOG = "quit_dialog"              # the run waits for the quit dialog's answer before it starts
     PROVIDER_FLAGGED = "provider_flagged"    # a provider's token counts depart from the others'
     REACHABLE = "reachable"
     REJECTED = "rejected"                    # prompt lines rejected when a dataset opened

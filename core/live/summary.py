@@ -13,10 +13,11 @@ from __future__ import annotations
 import textwrap
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 from draftgen.core.errors import EXIT_KEY_REFUSED, ExitCode
-from draftgen.core.live.snapshot import RunSnapshot, RunState
+from draftgen.core.live.snapshot import STAGE_NAMES, RunSnapshot, RunState, StageState
 from draftgen.core.units import clock, usd, usd_shown
 
 
@@ -31,14 +32,74 @@ class Counted(Protocol):
 # Exit codes of `draftgen run` (and `demo`): README "Exit codes".
 EXIT_COMPLETE, EXIT_SMOKE_FAILED, EXIT_ERROR, EXIT_INCOMPLETE = (ExitCode.COMPLETE, ExitCode.SMOKE_FAILED,
                                                                ExitCode.ERROR, ExitCode.INCOMPLETE)
+EXIT_INTERRUPTED = ExitCode.INTERRUPTED  # quit (or Ctrl-C) before the run started
 EXIT_MEANING = {EXIT_COMPLETE: "complete", EXIT_SMOKE_FAILED: "smoke test failed", EXIT_ERROR: "error",
                 EXIT_INCOMPLETE: "incomplete: run again to resume",
                 EXIT_KEY_REFUSED: "the API key was refused: set a valid one, run again",
-                ExitCode.INTERRUPTED: "interrupted"}
+                EXIT_INTERRUPTED: "interrupted before the run started"}
 WIDTH = 120
 
 
 INCOMPLETE = (RunState.DRAINED, RunState.STOPPED, RunState.WAITING, RunState.LIMITED)
+
+
+# The command that finishes a stage stopped before its end.
+FINISH = {"smoke": "draftgen run {config}", "generation": "draftgen run {config}",
+          "tokens": "draftgen tokens {config}", "merge": "draftgen merge {config}",
+          "extract": "draftgen extract {config}"}
+
+
+@dataclass(frozen=True)
+class QuitEffects:
+    """What a quit does now: the stage running, and what drain and stop now do to it."""
+    stage: str | None
+    running: str
+    drain: str
+    stop: str
+
+
+def quit_effects(s: RunSnapshot | None) -> QuitEffects:
+    """The quit dialog's and the headless SIGINT lines' words, from the stage that runs now."""
+    stage = None if s is None else s.running_stage()
+    n = 0 if s is None else s.throughput.in_flight
+    if stage == "smoke" and s is not None and s.stage_state("generation") == StageState.IDLE:
+        return QuitEffects(stage, "the start-up smoke test is running; no run request has been sent",
+                           "its request finishes and is recorded, the run does not start, then exit",
+                           "its request is abandoned (it stays on the spend ledger), the run does not start; exit now")
+    if stage == "merge":
+        return QuitEffects(stage, "merge is running", "let merge finish, then exit",
+                           "merge cannot be cut midway (merged/ is replaced whole): it finishes, then exit")
+    if stage == "extract":
+        st = s.stage("extract") if s is not None else None
+        of = f" ({st.done:,} of {st.total:,} files)" if st is not None and st.total else ""
+        return QuitEffects(stage, f"extraction is running{of}", "let extraction finish every file, then exit",
+                           "stop after the current batch (the files written stay valid; `draftgen extract` "
+                           "finishes the rest); exit")
+    if stage == "tokens" and s is not None and s.stage_state("generation") != StageState.RUNNING:
+        return QuitEffects(stage, "token ids are being reconstructed", "let reconstruction finish, then exit",
+                           "stop reconstruction (`draftgen tokens` finishes it); exit now")
+    return QuitEffects(stage, f"generation is running: {n:,} requests are in flight",
+                       "stop admitting, let the requests in flight finish, then exit",
+                       "exit now; the requests in flight are asked again by the next run")
+
+
+def stopped_lines(s: RunSnapshot, config_hint: str) -> list[str]:
+    """One line per stage stopped before its end (or never started): its counts, and what finishes it."""
+    out = []
+    for name in STAGE_NAMES:
+        state = s.stage_state(name)
+        if state not in (StageState.STOPPED, StageState.SKIPPED) or name == "generation" and state == StageState.STOPPED:
+            continue  # a stopped generation says so in its own lines (prompts not asked yet)
+        st = s.stage(name)
+        counts = f" at {st.done:,} of {st.total:,}" if st is not None and st.total and not st.checks else ""
+        what = {"smoke": "the smoke test", "generation": "the run"}.get(name, name)
+        command = f"`{FINISH[name].format(config=config_hint)}`"
+        if state == StageState.SKIPPED:
+            out.append(f"{name}: skipped: {what} did not start; {command} starts it")
+        else:
+            out.append(f"{name}: stopped{counts}: {what} did not finish; {command} "
+                       + ("runs it again" if name == "smoke" else "finishes it"))
+    return out
 
 
 def left(d: Counted) -> int:
@@ -77,7 +138,7 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     """The block printed when the TUI closes or a headless run ends: each line fits 120 columns."""
     started = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.first_started_at)) if s.first_started_at else "?"
     runs = len(s.timeline.runs)
-    out = [f"draftgen: {s.run_name}: {s.state} after {clock(s.elapsed_s)} this run"
+    out = [f"draftgen: {s.run_name}: {s.label()} after {clock(s.elapsed_s)} this run"
            + (f" (first started {started}, {runs} runs)" if runs > 1 else "")]
     if not sum(d.total for d in s.datasets):
         out.append("  no prompt was read: the run did not start")
@@ -121,6 +182,8 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     if tokens is not None:  # live reconstruction: how many answers have token ids, and how to finish
         out.append(f"  tokens: {tokens.done:,} of {tokens.total:,} answers" + ("" if tokens.done >= tokens.total
                    else f"; finish with `draftgen tokens {config_hint}`"))
+    for line in stopped_lines(s, config_hint):
+        out += textwrap.wrap(line, WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
     if s.alert:
         out += textwrap.wrap(f"alert: {s.alert}", WIDTH, initial_indent="  ", subsequent_indent="    ")
     # Answers the disk refused: written late, spooled (and where) or lost; never left unsaid.

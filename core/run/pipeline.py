@@ -21,14 +21,16 @@ from draftgen.core.generate.smoke import SMOKE_RETRY_S
 from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError, UnreachableError
 from draftgen.core.files import RunLock, exclusive
 from draftgen.core.live.hub import Hub
+from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.live.summary import (EXIT_COMPLETE, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED, INCOMPLETE,
+                                        QuitEffects, quit_effects)
 from draftgen.core.run.stages import Stages
-from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_ERROR, EXIT_INCOMPLETE, INCOMPLETE
 from draftgen.core.live.timeline import TimelineRecorder, Totals
 from draftgen.core.records import error_count
 from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.secrets import Redactor
 
-STAGES = ("smoke", "tokens", "merge", "extract")
+STAGES = ("smoke", "tokens", "merge", "extract")  # the stages panel's rows (generation is the datasets panel)
 # The same warning again within this many seconds is counted, not logged (an outage that flaps says so once).
 REPEAT_WINDOW_S = 30.0
 
@@ -74,9 +76,14 @@ class Pipeline:
         self._fidelity: tuple[snap.ProviderFidelity, ...] = ()  # the last figures, kept after the workers stop
         self._ticker: asyncio.Task[None] | None = None
         self.quit_requested = asyncio.Event()
-        self.exit_code = 0
+        self._exit_code = 0
         self.error: DraftgenError | None = None
-        self._crash: BaseException | None = None
+        self._run_started = False   # the engine's run was started: run requests may have been sent
+        self._generation = snap.StageState.IDLE
+        self._startup: asyncio.Future[bool] | None = None  # the start-up smoke test (stop now cancels it)
+        self._no_dialog = asyncio.Event()  # cleared while the quit dialog is open: the run does not start
+        self._no_dialog.set()
+        self._ledger_spent: tuple[float, float] | None = None  # (before, after) the smoke test, from spend.jsonl
         self._repeats: dict[tuple[str, str, str], list[float]] = {}  # (kind, message, dataset) -> [first seen, times]
         self.oneshot = Stages(config, api_key, self.engine, emit=self.emit)
         self.stages = self.oneshot.progress  # the stages panel's rows (one dict, shared)
@@ -127,6 +134,23 @@ class Pipeline:
             self._run_lock.release()
             self._run_lock = None
 
+    @property
+    def exit_code(self) -> int:
+        """The run's exit code (README "exit codes"): a stage stopped before its end is incomplete (3),
+        a stage that failed an error (2), never complete."""
+        code = self._exit_code
+        if code == EXIT_COMPLETE:
+            states = {self.stages[n].state for n in self.stages if n != "smoke"}
+            if snap.StageState.FAILED in states:
+                return EXIT_ERROR
+            if snap.StageState.STOPPED in states:
+                return EXIT_INCOMPLETE
+        return code
+
+    @exit_code.setter
+    def exit_code(self, code: int) -> None:
+        self._exit_code = code
+
     async def generate(self) -> str:
         """Smoke gate, then the run. Returns the engine's final state. A user-facing error (a missing
         tokenizer or prompt file, the open-file limit) stops the run with an alert and is kept in
@@ -135,10 +159,13 @@ class Pipeline:
             return await self._generate()
         except Exception as e:  # noqa: BLE001 - the run must never sit silent: every failure shows
             if not isinstance(e, DraftgenError):
-                self._crash = e  # a bug, not a user error: re-raised with its traceback at the boundary
-                e = DraftgenError(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the "
-                                  "traceback, and please report it)")
+                # A bug, not a user error: its traceback travels as the cause (--debug prints it).
+                wrapper = DraftgenError(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the "
+                                        "traceback, and please report it)")
+                wrapper.__cause__ = e
+                e = wrapper
             self.error = e
+            self._generation = snap.StageState.FAILED if self._run_started else snap.StageState.SKIPPED
             self.exit_code = getattr(e, "exit_code", 2)
             for name, stage in list(self.stages.items()):
                 if stage.state == snap.StageState.RUNNING:
@@ -167,16 +194,31 @@ class Pipeline:
             if warning := self.config.kind_warning():  # the server's kind is known from here
                 self.emit(snap.Level.WARN, snap.EventKind.REQUEST_KEYS, warning)
             if not self._skip_smoke:
-                if not ok:
-                    self.emit(snap.Level.INFO, snap.EventKind.SMOKE, f"running the smoke test first: {why}")
-                    if not await self.oneshot.smoke():
+                if not ok and not self.quit_requested.is_set():
+                    self.emit(snap.Level.INFO, snap.EventKind.SMOKE, f"running the smoke test first: {why}; no run request is sent "
+                              "before it passes (a quit now stops it and the run does not start)")
+                    before = await asyncio.to_thread(self._spent_on_disk)
+                    self._startup = asyncio.ensure_future(self.oneshot.smoke())
+                    await asyncio.wait({self._startup})
+                    # The run's ledger is not open: the summary's spend is read from the file (the smoke request in it).
+                    self._ledger_spent = (before, await asyncio.to_thread(self._spent_on_disk))
+                    if self._startup.cancelled():
+                        return self._not_started("the smoke test was stopped before it finished")
+                    if not self._startup.result():
                         # Read in the TUI, the headless log and the shell after the TUI closes: a command, not a key.
                         self.engine.alert = ("the smoke test failed: the run will not start at full concurrency "
                                              f"(fix what it names, then `draftgen smoke {self.config.path}`; "
                                              "or --skip-smoke)")
                         self.engine.state = snap.RunState.STOPPED
+                        self._generation = snap.StageState.SKIPPED
                         self.exit_code = 1
                         return snap.RunState.STOPPED
+            if self.quit_requested.is_set() or not self._no_dialog.is_set():
+                if not self._no_dialog.is_set():
+                    self.emit(snap.Level.INFO, snap.EventKind.QUIT_DIALOG, "the run starts once the quit dialog is answered")
+                    await self._no_dialog.wait()
+                if self.quit_requested.is_set():
+                    return self._not_started("quit before the run started")
             if self._reconstruct:
                 from draftgen.core.tokens.live import LiveReconstructor
                 self._reconstructor = LiveReconstructor(self.config, workers=self.config.engine.workers,
@@ -185,6 +227,10 @@ class Pipeline:
                 for ds in self.config.datasets:
                     await self._reconstructor.catch_up(ds.name)
             state = await self._run_engine()
+            if not self._run_started:
+                return self._not_started("quit before the run started")
+            self._generation = (snap.StageState.DONE if state in (snap.RunState.DONE, snap.RunState.LIMITED)
+                                else snap.StageState.STOPPED)
             held = self.engine.ledger.held_outcome
             if (state in INCOMPLETE or held.spooled or held.spooled_failures) and self.exit_code == EXIT_COMPLETE:
                 # Prompts are left, or records wait in a spool for the next run: the shell can tell it apart.
@@ -211,6 +257,19 @@ class Pipeline:
             return state
         finally:
             self.publish()
+
+    def _not_started(self, why: str) -> str:
+        """Quit before the run started: no run request was sent; exit 130 (README "exit codes")."""
+        self.engine.state = snap.RunState.STOPPED
+        self._generation = snap.StageState.SKIPPED
+        self.exit_code = EXIT_INTERRUPTED
+        self.emit(snap.Level.WARN, snap.EventKind.RUN_DONE, f"{why}: no run request was sent; `draftgen run {self.config.path}` "
+                  "starts it")
+        return snap.RunState.STOPPED
+
+    def _spent_on_disk(self) -> float:
+        path = self.rundir.spend
+        return SpendLedger.read(path).spent_usd if path.exists() else 0.0
 
     # -- events and snapshots -------------------------------------------------------------------
 
@@ -250,7 +309,12 @@ class Pipeline:
             self.stages["tokens"] = self._reconstructor.progress()
             self._fidelity = self._reconstructor.fidelity()
         fidelity = self._fidelity
-        return dataclasses.replace(s, stages=tuple(self.stages[n] for n in STAGES if n in self.stages),
+        if self._ledger_spent is not None and not self._run_started:
+            # The run never opened its ledger: what was spent (the smoke test's requests) is on spend.jsonl.
+            before, after = self._ledger_spent
+            s = dataclasses.replace(s, credits=dataclasses.replace(s.credits, spent_usd=max(0.0, after - before),
+                                                                   spent_total_usd=after))
+        return dataclasses.replace(s, generation=self._generation, stages=tuple(self.stages[n] for n in STAGES if n in self.stages),
                                    gpus=self.oneshot.gpus, fidelity=fidelity, timeline=self.timeline.timeline(), ended=self.engine.ended,
                                    recent_errors=self.engine.recent.records(),
                                    provider_stats=self.engine.provider_stats.stats(),
@@ -301,8 +365,9 @@ class Pipeline:
         run's, core/run/stages.py)."""
         async with self.oneshot.smoke_lock:
             if self.quit_requested.is_set():  # quit while a smoke test ran: nothing is started
-                self.engine.state = snap.RunState.STOPPED
                 return snap.RunState.STOPPED
+            self._run_started = True
+            self._generation = snap.StageState.RUNNING
             run = asyncio.create_task(self.engine.run())
             while not (self.engine.spend.is_open or run.done()):
                 await asyncio.sleep(0.02)
@@ -340,10 +405,12 @@ class Pipeline:
         return await self.oneshot.smoke()
 
     async def merge(self) -> Any:
-        return await self.oneshot.merge()
+        """Merge in the foreground (stop now cancels it: None)."""
+        return await self.oneshot.run("merge", self.oneshot.merge())
 
     async def extract(self, shard: tuple[int, int] = (0, 1)) -> Any:
-        return await self.oneshot.extract(shard)
+        """Extract in the foreground (stop now ends it after its batch, stopped)."""
+        return await self.oneshot.run("extract", self.oneshot.extract(shard))
 
     def run_smoke(self) -> None:
         self.oneshot.spawn("smoke", self.oneshot.smoke())
@@ -358,10 +425,27 @@ class Pipeline:
         """Do not wait for the disk: the answers held in memory are spooled (spool.py) as the run ends."""
         self.engine.spool_held()
 
+    def quit_effects(self) -> QuitEffects:
+        """What drain and stop now do to the stage running now (the quit dialog, headless SIGINT)."""
+        return quit_effects(self.snapshot())
+
+    def quit_asked(self, asking: bool) -> None:
+        """The quit dialog is open (or closed again): a run not started yet waits for its answer."""
+        if asking:
+            self._no_dialog.clear()
+        else:
+            self._no_dialog.set()
+
     def quit(self, drain: bool) -> None:
         self.quit_requested.set()
+        self._no_dialog.set()
+        if not drain:
+            if self._startup is not None:
+                self._startup.cancel()  # the start-up smoke test: its request is abandoned, on the ledger
+            self.oneshot.cancel()  # the extraction thread stops after its current batch
+        if not self._run_started:
+            return  # nothing to drain or stop yet: the run will not start (core/run/pipeline.py _generate)
         if drain:
             self.engine.drain()
         else:
             self.engine.stop()
-            self.oneshot.cancel()  # the extraction thread stops after its current batch

@@ -6,6 +6,7 @@ the GPU panel. The Pipeline (core/run/pipeline.py) owns one and calls it from it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -51,13 +52,20 @@ class Stages:
                            f"{name} crashed: {type(e).__name__}: {self._redact(str(e))}")
         self._tasks[name] = asyncio.create_task(guarded())
 
+    async def run(self, name: str, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run a stage in the foreground, cancellable like a spawned one (stop now): None when stopped."""
+        task = self._tasks[name] = asyncio.ensure_future(coro)
+        await asyncio.wait({task})
+        return None if task.cancelled() else task.result()
+
     def task(self, name: str) -> asyncio.Task[Any] | None:
         return self._tasks.get(name)
 
     def cancel(self) -> None:
-        self.extract_stop.set()  # the extraction thread stops after its current batch
-        for task in self._tasks.values():
-            if not task.done():
+        self.extract_stop.set()  # the extraction thread stops after its current batch, and says so
+        for name, task in self._tasks.items():
+            # Merge's thread cannot be cut midway (merged/ is replaced whole): it is let finish.
+            if not task.done() and name not in ("extract", "merge"):
                 task.cancel()
 
     async def smoke(self) -> bool:
@@ -66,8 +74,15 @@ class Stages:
         async with self.smoke_lock:
             return await self._smoke()
 
+    def _stopped(self, name: str, why: str) -> None:
+        """A stage cancelled by stop now: stopped where it got to, never left running."""
+        current = self.progress.get(name) or snap.StageProgress(name)
+        self.progress[name] = dataclasses.replace(current, state=snap.StageState.STOPPED, rate=0.0, eta_s=None,
+                                                  message=why)
+
     async def _smoke(self) -> bool:
         from draftgen.core.generate.smoke import run_smoke
+        self.progress["smoke"] = snap.StageProgress("smoke", state=snap.StageState.RUNNING)
         was_running = self.engine.state == snap.RunState.RUNNING
         if was_running:
             self.engine.pause("smoke test")
@@ -81,6 +96,11 @@ class Stages:
                                                       message=self._redact(str(e)))
             self._emit(snap.Level.ERROR, snap.EventKind.SMOKE_DONE, f"smoke test could not run: {e}")
             return False
+        except asyncio.CancelledError:
+            self._stopped("smoke", "stopped before it finished (its requests stay on the spend ledger)")
+            self._emit(snap.Level.WARN, snap.EventKind.SMOKE_DONE, "smoke test stopped before it finished: its request was abandoned "
+                       "(it stays on the spend ledger)")
+            raise
         finally:
             if was_running:
                 self.engine.resume()
@@ -94,6 +114,12 @@ class Stages:
         self.progress["merge"] = snap.StageProgress("merge", state=snap.StageState.RUNNING)
         try:
             stats = await asyncio.to_thread(merge, self._config, self._progress("merge"))
+        except asyncio.CancelledError:
+            self._stopped("merge", f"not waited for: merged/ is replaced whole or not at all; "
+                          f"`draftgen merge {self._config.path}` redoes it")
+            self._emit(snap.Level.WARN, snap.EventKind.MERGE_DONE, f"merge was not waited for: merged/ is replaced whole or not at all "
+                       f"(`draftgen merge {self._config.path}` redoes it)")
+            raise
         except DraftgenError as e:
             self.progress["merge"] = snap.StageProgress("merge", state=snap.StageState.FAILED, message=str(e))
             self._emit(snap.Level.ERROR, snap.EventKind.MERGE_DONE, f"merge failed: {e}")
@@ -114,12 +140,23 @@ class Stages:
             self.extract_stop.clear()
             stats = await asyncio.to_thread(extract, self._config, shard=shard, progress=self._progress("extract"),
                                             stop=self.extract_stop)
+        except asyncio.CancelledError:
+            self._stopped("extract", f"stopped: `draftgen extract {self._config.path}` finishes the rest")
+            raise
         except DraftgenError as e:
             self.progress["extract"] = snap.StageProgress("extract", state=snap.StageState.FAILED, message=str(e))
             self._emit(snap.Level.ERROR, snap.EventKind.EXTRACT_DONE, f"extraction failed: {e}")
             raise
         finally:
             sampler.cancel()
+        if stats.stopped:  # stopped after a batch (stop now, a full disk): said as stopped, with what finishes it
+            done = stats.skipped_existing + stats.written + stats.nan_samples
+            self._stopped("extract", f"stopped at {done:,} of {stats.samples:,} files: "
+                          f"`draftgen extract {self._config.path}` finishes the rest")
+            self._emit(snap.Level.WARN, snap.EventKind.EXTRACT_DONE, f"extraction STOPPED at {done:,} of {stats.samples:,} files "
+                       f"({stats.written} written this time) in {self._rundir.hidden_states}; "
+                       f"`draftgen extract {self._config.path}` finishes the rest")
+            return stats
         self._emit(snap.Level.INFO, snap.EventKind.EXTRACT_DONE, f"extraction done: {stats.written} files written "
                   f"({stats.skipped_existing} already there, {stats.nan_samples} NaN), "
                   f"{stats.tokens_written:,} tokens at {stats.tokens_per_s:,.0f} tok/s in {self._rundir.hidden_states}")
@@ -127,6 +164,9 @@ class Stages:
 
     def _progress(self, name: str) -> Callable[[snap.StageProgress], None]:
         def update(progress: snap.StageProgress) -> None:
+            current = self.progress.get(name)
+            if current is not None and current.state == snap.StageState.STOPPED:
+                return  # cancelled while its thread finishes a step: it stays stopped
             self.progress[name] = progress  # may be called from a worker thread: one atomic assignment
         return update
 

@@ -23,6 +23,11 @@ STATE_STYLES = {
     snap.RunState.WAITING: "bold black on magenta",
     snap.RunState.LIMITED: "bold black on yellow",
     snap.RunState.IDLE: "bold reverse",
+    "SMOKE TEST": "bold black on cyan",
+    "TOKENS": "bold black on cyan",
+    "MERGING": "bold black on cyan",
+    "EXTRACTING": "bold black on cyan",
+    "FAILED": "bold white on red",
 }
 
 
@@ -36,14 +41,15 @@ class RunHeader(Panel):
 
     def key(self, s: RunSnapshot) -> Any:
         eta = fmt.duration(s.throughput.eta_s) if s.throughput.eta_s is not None else ""
-        return (s.run_name, s.model, s.state, int(s.elapsed_s), s.attached, eta, len(s.timeline.runs))
+        return (s.run_name, s.model, s.label(), int(s.elapsed_s), s.attached, eta, len(s.timeline.runs))
 
     def fit(self) -> Any:
         return self.cols < 100
 
     def draw(self, s: RunSnapshot) -> RenderableType:
         # State first: on a narrow terminal the model name is what gets cut, never the state.
-        left = Text.assemble((f" {s.state} ", STATE_STYLES.get(s.state, "bold reverse")), " ")
+        label = s.label()  # DONE only when every stage started has finished (core/live/snapshot.py)
+        left = Text.assemble((f" {label} ", STATE_STYLES.get(label, "bold reverse")), " ")
         narrow = self.cols < 100  # 80x24: the run name must stay, so the clock gets short
         if s.attached:
             left.append(" ATTACHED read-only ", "bold black on cyan")

@@ -12,7 +12,8 @@ from rich.text import Text
 from draftgen.tui import fmt
 from draftgen.tui.panels.panel import Panel
 
-STATE_STYLES = {StageState.RUNNING: "bold green", StageState.DONE: "bold blue", StageState.FAILED: "bold red"}
+STATE_STYLES = {StageState.RUNNING: "bold green", StageState.DONE: "bold blue", StageState.FAILED: "bold red",
+                StageState.STOPPED: "bold yellow"}
 
 
 def active_stages(s: RunSnapshot) -> tuple[StageProgress, ...]:
@@ -68,7 +69,7 @@ class StagesPanel(Panel):
 
     @staticmethod
     def _notes(st: StageProgress) -> str:
-        if st.state not in (StageState.RUNNING, StageState.FAILED):
+        if st.state not in (StageState.RUNNING, StageState.FAILED, StageState.STOPPED):
             return ""
         return " · ".join([f"{k} {v}" for k, v in st.detail] + ([st.message] if st.message else []))
 

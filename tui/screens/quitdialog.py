@@ -12,6 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Footer, Static
 
 from draftgen.core.live.snapshot import RunSnapshot
+from draftgen.core.live.summary import quit_effects
 from draftgen.tui import fmt
 
 DRAIN, STOP, WAIT, SPOOL = "drain", "stop", "wait", "spool"
@@ -20,10 +21,11 @@ DRAIN, STOP, WAIT, SPOOL = "drain", "stop", "wait", "spool"
 class QuitScreen(ModalScreen[str | None]):
     """Dismisses with "drain", "stop" or None (cancel); with answers held: "wait", "spool" or None."""
 
-    def __init__(self, in_flight: int, held_answers: int = 0) -> None:
+    def __init__(self, in_flight: int, held_answers: int = 0, snapshot: RunSnapshot | None = None) -> None:
         super().__init__(classes="dialog-screen")
         self.in_flight = in_flight
         self.held_answers = held_answers
+        self.snapshot = snapshot  # the stage running (smoke, generation, merge, extract) says what d and s do
         self.holding = held_answers > 0  # the choices are fixed when it opens; the counts follow the run
 
     BINDINGS = [
@@ -42,10 +44,12 @@ class QuitScreen(ModalScreen[str | None]):
 
     def _text(self) -> Text:
         if not self.holding:
+            effects = quit_effects(self.snapshot)
+            running = effects.running
             return Text.assemble(
-                ("Quit this run? ", "bold"), f"{fmt.count(self.in_flight)} requests are in flight.\n\n",
-                ("d  drain", "bold"), "     stop admitting, let the requests in flight finish, then exit\n",
-                ("s  stop now", "bold"), "  exit now; the requests in flight are asked again by the next run\n",
+                ("Quit this run? ", "bold"), f"{running[:1].upper()}{running[1:]}.\n\n",
+                ("d  drain", "bold"), f"     {effects.drain}\n",
+                ("s  stop now", "bold"), f"  {effects.stop}\n",
                 ("esc  cancel", "bold"), "  keep running\n\n",
                 ("Either way every answer already on disk is kept and `draftgen run` resumes.", "dim"))
         return Text.assemble(
@@ -77,7 +81,10 @@ class QuitScreen(ModalScreen[str | None]):
 
     def show(self, s: RunSnapshot) -> None:
         """The app passes each new snapshot: the counts stay true while the dialog is open."""
-        if (s.throughput.in_flight, s.held_answers) != (self.in_flight, self.held_answers):
+        before = quit_effects(self.snapshot)
+        self.snapshot = s
+        if (s.throughput.in_flight, s.held_answers) != (self.in_flight, self.held_answers) or \
+                quit_effects(s) != before:
             self.in_flight, self.held_answers = s.throughput.in_flight, s.held_answers
             if self.holding and not self.held_answers:
                 self.held_answers = 0  # written meanwhile: the text says 0 held
