@@ -28,8 +28,9 @@ process's, not counted. "CPU vs bare" is the bare loop's CPU per request over th
 row spends less CPU per request than the bare loop). On a shared machine req/s follows the load more
 than CPU per request does. --rounds R runs the rows R times, one of each in turn (bare, engine, ...:
 alternating, so a change of load hits them alike), and gives each figure's median over the rounds;
---rows picks the rows (bare, engine, engine_nofsync, bare_gc, engine_max_usd); --no-concurrency skips
-the concurrency check.
+--rows picks the rows (bare, engine, engine_nofsync, bare_gc, engine_max_usd, engine_ab); --no-concurrency
+skips the concurrency check. With --ab-code DIR the engine_ab row is the engine of another checkout (DIR
+holds a `draftgen` link to it), measured in the same rounds as this one's.
 """
 
 from __future__ import annotations
@@ -79,11 +80,14 @@ def sim_stats(port: int) -> dict:
     return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/_sim/stats", timeout=5).read())
 
 
-def child(mode: str, port: int, n: int, concurrency: int, pin: bool = False) -> dict:
-    """Run one contender in a fresh interpreter; it prints one JSON line with its figures."""
-    out = subprocess.run([sys.executable, __file__, "--child", mode, "--port", str(port), "--n", str(n),
+def child(mode: str, port: int, n: int, concurrency: int, pin: bool = False, code: str | None = None) -> dict:
+    """Run one contender in a fresh interpreter; it prints one JSON line with its figures. `code`: a folder
+    holding another `draftgen` package, imported instead of this checkout's (the "engine_ab" row)."""
+    env = {**os.environ, "PYTHONPATH": code} if code else None
+    out = subprocess.run([sys.executable, __file__, "--child", "engine" if mode == "engine_ab" else mode,
+                          "--port", str(port), "--n", str(n),
                           "--concurrency", str(concurrency), *(["--pin"] if pin else [])],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -195,6 +199,8 @@ def child_main(args: argparse.Namespace) -> None:
         rate, cpu, peak = asyncio.run(run_engine(url, args.n, args.concurrency,
                                                  1e6 if args.child == "engine_max_usd" else None))
         extra["peak_in_flight"] = peak
+        import draftgen.core
+        extra["code"] = str(Path(draftgen.core.__file__).resolve().parents[1])  # which checkout's engine ran
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"rate": rate, "rss_mb": rss_mb, "cpu_us": cpu / args.n * 1e6, **extra}))
 
@@ -209,6 +215,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="run the rows this many times in turn; medians")
     p.add_argument("--rows", help="comma-separated rows, bare first (default: all)")
     p.add_argument("--no-concurrency", action="store_true", help="skip the concurrency check")
+    p.add_argument("--ab-code", help="the engine_ab row imports draftgen from this folder (PYTHONPATH): "
+                   "e.g. a folder with a `draftgen` symlink to an old checkout")
     p.add_argument("--child")
     p.add_argument("--port", type=int)
     args = p.parse_args()
@@ -221,21 +229,26 @@ def main() -> None:
     if args.pin:
         os.sched_setaffinity(sim.pid, {1})
     names = {"bare": "bare aiohttp loop", "engine": "draftgen engine", "bare_gc": "bare loop + engine's GC",
-             "engine_max_usd": "engine + max_usd ceiling", "engine_nofsync": "engine, fsync a no-op"}
+             "engine_max_usd": "engine + max_usd ceiling", "engine_nofsync": "engine, fsync a no-op",
+             "engine_ab": "engine, --ab-code"}
     order = args.rows.split(",") if args.rows else \
         ["bare", "engine", *(["engine_nofsync"] if args.fsync_ab else []), "bare_gc", "engine_max_usd"]
-    if order[0] != "bare" or any(m not in names for m in order):
-        raise SystemExit(f"--rows: a comma-separated list starting with bare, of {', '.join(names)}")
+    if order[0] != "bare" or any(m not in names for m in order) or ("engine_ab" in order) != bool(args.ab_code):
+        raise SystemExit(f"--rows: a comma-separated list starting with bare, of {', '.join(names)} "
+                         "(engine_ab with --ab-code, and only then)")
     runs: dict[str, list[dict]] = {m: [] for m in order}
     try:
         child("bare", port, 2000, args.concurrency)  # warm the simulator's pool and caches
         for r in range(args.rounds):
             for m in order:
-                runs[m].append(child(m, port, args.n, args.concurrency, args.pin))
+                runs[m].append(child(m, port, args.n, args.concurrency, args.pin,
+                                     args.ab_code if m == "engine_ab" else None))
             if args.rounds > 1:
                 print(f"round {r + 1}: " + ", ".join(f"{m} {runs[m][-1]['rate']:.0f} req/s "
                                                       f"{runs[m][-1]['cpu_us']:.0f} us/req" for m in order),
                       flush=True)
+        if args.ab_code:
+            print(f"engine: {runs['engine'][0]['code']}; engine_ab: {runs['engine_ab'][0]['code']}")
         oa = child("openai", port, min(args.n, 2000), args.concurrency) if args.openai else None
     # The engine tunes the garbage collector (core/generate/engine.py tune_gc); the bare_gc row gives the bare
     # loop the same settings, so the engine's own overhead shows as engine / that row.
