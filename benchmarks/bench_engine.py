@@ -1,6 +1,7 @@
 """Engine throughput, memory and concurrency against the simulator, next to the references.
 
     python benchmarks/bench_engine.py [--n 20000] [--concurrency 2000] [--openai] [--pin] [--fsync-ab]
+                                      [--rounds R] [--rows bare,engine] [--no-concurrency]
 
 Each contender runs in its own process against the same simulator process (latency 0), so their
 peak RSS is their own:
@@ -20,6 +21,16 @@ peak RSS is their own:
 Then the simulator is restarted with a fixed latency (2 s, or 1 s per 1,000 in flight above 2,000,
 so that one simulator process can keep that many answers open) to measure the concurrency reached.
 With --pin every client runs on CPU 0 only and the simulator on CPU 1 (the "one core" figure).
+
+Besides req/s each row gives the client's CPU per request: its process CPU time (user + system, every
+thread: `time.process_time`) over the run, divided by the requests; the simulator's CPU is its own
+process's, not counted. "CPU vs bare" is the bare loop's CPU per request over the row's (above 1: the
+row spends less CPU per request than the bare loop). On a shared machine req/s follows the load more
+than CPU per request does. --rounds R runs the rows R times, one of each in turn (bare, engine, ...:
+alternating, so a change of load hits them alike), and gives each figure's median over the rounds;
+--rows picks the rows (bare, engine, engine_nofsync, bare_gc, engine_max_usd, engine_ab); --no-concurrency
+skips the concurrency check. With --ab-code DIR the engine_ab row is the engine of another checkout (DIR
+holds a `draftgen` link to it), measured in the same rounds as this one's.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import json
 import os
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,15 +80,18 @@ def sim_stats(port: int) -> dict:
     return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/_sim/stats", timeout=5).read())
 
 
-def child(mode: str, port: int, n: int, concurrency: int, pin: bool = False) -> dict:
-    """Run one contender in a fresh interpreter; it prints one JSON line with its figures."""
-    out = subprocess.run([sys.executable, __file__, "--child", mode, "--port", str(port), "--n", str(n),
+def child(mode: str, port: int, n: int, concurrency: int, pin: bool = False, code: str | None = None) -> dict:
+    """Run one contender in a fresh interpreter; it prints one JSON line with its figures. `code`: a folder
+    holding another `draftgen` package, imported instead of this checkout's (the "engine_ab" row)."""
+    env = {**os.environ, "PYTHONPATH": code} if code else None
+    out = subprocess.run([sys.executable, __file__, "--child", "engine" if mode == "engine_ab" else mode,
+                          "--port", str(port), "--n", str(n),
                           "--concurrency", str(concurrency), *(["--pin"] if pin else [])],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-async def run_bare(url: str, n: int, concurrency: int) -> float:
+async def run_bare(url: str, n: int, concurrency: int) -> tuple[float, float]:
     import aiohttp
     remaining = n
     connector = aiohttp.TCPConnector(limit=concurrency)
@@ -90,12 +105,12 @@ async def run_bare(url: str, n: int, concurrency: int) -> float:
                 async with session.post(f"{url}/chat/completions", data=orjson.dumps(body)) as resp:
                     obj = orjson.loads(await resp.read())
                     assert obj["choices"][0]["message"]["content"] is not None
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
-        return n / (time.perf_counter() - start)
+        return n / (time.perf_counter() - start), time.process_time() - cpu
 
 
-async def run_openai(url: str, n: int, concurrency: int) -> float:
+async def run_openai(url: str, n: int, concurrency: int) -> tuple[float, float]:
     import openai
     try:
         import httpx
@@ -116,12 +131,12 @@ async def run_openai(url: str, n: int, concurrency: int) -> float:
                 model=BODY["model"], max_tokens=1024, temperature=0.6,
                 messages=[{"role": "user", "content": f"Question {remaining}"}],
                 extra_body={"include_reasoning": True})
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return n / (time.perf_counter() - start)
+    return n / (time.perf_counter() - start), time.process_time() - cpu
 
 
-async def run_engine(url: str, n: int, concurrency: int, max_usd: float | None = None) -> tuple[float, int]:
+async def run_engine(url: str, n: int, concurrency: int, max_usd: float | None = None) -> tuple[float, float, int]:
     from draftgen.core.config import load_config
     from draftgen.core.generate.engine import Engine
     with tempfile.TemporaryDirectory() as tmp:
@@ -157,13 +172,13 @@ max_tokens = 1024
                 await asyncio.sleep(0.25)
                 peak_in_flight = max(peak_in_flight, engine.snapshot().throughput.in_flight)
         watcher = asyncio.create_task(watch())
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         await engine.run()
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         watcher.cancel()
         assert engine.datasets["bench"].done == n, engine.datasets["bench"].done
         assert engine.spend.reserved_usd == 0.0 and engine.spend.settled_usd > 0
-        return n / elapsed, peak_in_flight
+        return n / elapsed, cpu, peak_in_flight
 
 
 def child_main(args: argparse.Namespace) -> None:
@@ -175,17 +190,19 @@ def child_main(args: argparse.Namespace) -> None:
         if args.child == "bare_gc":
             from draftgen.core.generate.engine import tune_gc
             tune_gc()
-        rate = asyncio.run(run_bare(url, args.n, args.concurrency))
+        rate, cpu = asyncio.run(run_bare(url, args.n, args.concurrency))
     elif args.child == "openai":
-        rate = asyncio.run(run_openai(url, args.n, args.concurrency))
+        rate, cpu = asyncio.run(run_openai(url, args.n, args.concurrency))
     else:
         if args.child == "engine_nofsync":
             os.fsync = lambda fd: None  # the group commit as it is, minus the disk's part
-        rate, peak = asyncio.run(run_engine(url, args.n, args.concurrency,
-                                            1e6 if args.child == "engine_max_usd" else None))
+        rate, cpu, peak = asyncio.run(run_engine(url, args.n, args.concurrency,
+                                                 1e6 if args.child == "engine_max_usd" else None))
         extra["peak_in_flight"] = peak
+        import draftgen.core
+        extra["code"] = str(Path(draftgen.core.__file__).resolve().parents[1])  # which checkout's engine ran
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"rate": rate, "rss_mb": rss_mb, **extra}))
+    print(json.dumps({"rate": rate, "rss_mb": rss_mb, "cpu_us": cpu / args.n * 1e6, **extra}))
 
 
 def main() -> None:
@@ -195,6 +212,11 @@ def main() -> None:
     p.add_argument("--openai", action="store_true", help="also measure AsyncOpenAI (needs `pip install openai`)")
     p.add_argument("--pin", action="store_true", help="clients on CPU 0, the simulator on CPU 1")
     p.add_argument("--fsync-ab", action="store_true", help="also the engine with os.fsync a no-op")
+    p.add_argument("--rounds", type=int, default=1, help="run the rows this many times in turn; medians")
+    p.add_argument("--rows", help="comma-separated rows, bare first (default: all)")
+    p.add_argument("--no-concurrency", action="store_true", help="skip the concurrency check")
+    p.add_argument("--ab-code", help="the engine_ab row imports draftgen from this folder (PYTHONPATH): "
+                   "e.g. a folder with a `draftgen` symlink to an old checkout")
     p.add_argument("--child")
     p.add_argument("--port", type=int)
     args = p.parse_args()
@@ -206,28 +228,47 @@ def main() -> None:
     sim = start_sim(port, "--latency-scale", "0")
     if args.pin:
         os.sched_setaffinity(sim.pid, {1})
-    rows = []
+    names = {"bare": "bare aiohttp loop", "engine": "draftgen engine", "bare_gc": "bare loop + engine's GC",
+             "engine_max_usd": "engine + max_usd ceiling", "engine_nofsync": "engine, fsync a no-op",
+             "engine_ab": "engine, --ab-code"}
+    order = args.rows.split(",") if args.rows else \
+        ["bare", "engine", *(["engine_nofsync"] if args.fsync_ab else []), "bare_gc", "engine_max_usd"]
+    if order[0] != "bare" or any(m not in names for m in order) or ("engine_ab" in order) != bool(args.ab_code):
+        raise SystemExit(f"--rows: a comma-separated list starting with bare, of {', '.join(names)} "
+                         "(engine_ab with --ab-code, and only then)")
+    runs: dict[str, list[dict]] = {m: [] for m in order}
     try:
         child("bare", port, 2000, args.concurrency)  # warm the simulator's pool and caches
-        bare = child("bare", port, args.n, args.concurrency, args.pin)
-        engine = child("engine", port, args.n, args.concurrency, args.pin)
-        nofsync = child("engine_nofsync", port, args.n, args.concurrency, args.pin) if args.fsync_ab else None
-        bare_gc = child("bare_gc", port, args.n, args.concurrency, args.pin)
-        capped = child("engine_max_usd", port, args.n, args.concurrency, args.pin)
-        rows.append(("bare aiohttp loop", bare["rate"], 1.0, bare["rss_mb"]))
-        rows.append(("draftgen engine", engine["rate"], engine["rate"] / bare["rate"], engine["rss_mb"]))
-        rows.append(("bare loop + engine's GC", bare_gc["rate"], bare_gc["rate"] / bare["rate"], bare_gc["rss_mb"]))
-        rows.append(("engine + max_usd ceiling", capped["rate"], capped["rate"] / bare["rate"], capped["rss_mb"]))
-        if nofsync is not None:
-            rows.append(("engine, fsync a no-op", nofsync["rate"], nofsync["rate"] / bare["rate"], nofsync["rss_mb"]))
-        if args.openai:
-            oa = child("openai", port, min(args.n, 2000), args.concurrency)
-            rows.append(("AsyncOpenAI (httpx)", oa["rate"], oa["rate"] / bare["rate"], oa["rss_mb"]))
-    # The engine tunes the garbage collector (core/generate/engine.py tune_gc); the third row gives the bare
+        for r in range(args.rounds):
+            for m in order:
+                runs[m].append(child(m, port, args.n, args.concurrency, args.pin,
+                                     args.ab_code if m == "engine_ab" else None))
+            if args.rounds > 1:
+                print(f"round {r + 1}: " + ", ".join(f"{m} {runs[m][-1]['rate']:.0f} req/s "
+                                                      f"{runs[m][-1]['cpu_us']:.0f} us/req" for m in order),
+                      flush=True)
+        if args.ab_code:
+            print(f"engine: {runs['engine'][0]['code']}; engine_ab: {runs['engine_ab'][0]['code']}")
+        oa = child("openai", port, min(args.n, 2000), args.concurrency) if args.openai else None
+    # The engine tunes the garbage collector (core/generate/engine.py tune_gc); the bare_gc row gives the bare
     # loop the same settings, so the engine's own overhead shows as engine / that row.
     finally:
         sim.terminate()
         sim.wait()
+    med = {m: {k: statistics.median(x[k] for x in runs[m]) for k in ("rate", "rss_mb", "cpu_us")} for m in order}
+    # Ratios per round (the two rows of a round ran back to back), then their median.
+    cpu_ratio = {m: statistics.median(b["cpu_us"] / x["cpu_us"] for b, x in zip(runs["bare"], runs[m]))
+                 for m in order}
+    rate_ratio = {m: statistics.median(x["rate"] / b["rate"] for b, x in zip(runs["bare"], runs[m])) for m in order}
+    rows = [(names[m], med[m]["rate"], rate_ratio[m], med[m]["rss_mb"], med[m]["cpu_us"], cpu_ratio[m])
+            for m in order]
+    if oa is not None:
+        rows.append(("AsyncOpenAI (httpx)", oa["rate"], oa["rate"] / med["bare"]["rate"], oa["rss_mb"],
+                     oa["cpu_us"], med["bare"]["cpu_us"] / oa["cpu_us"]))
+    nofsync = med.get("engine_nofsync")
+    if args.no_concurrency:
+        print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, None, None, None)
+        return
     port = free_port()
     hold_s = max(2.0, args.concurrency / 1000)
     sim = start_sim(port, "--fixed-latency", f"{hold_s:g}")
@@ -240,22 +281,37 @@ def main() -> None:
         sim.terminate()
         sim.wait()
 
-    print(f"\nengine vs references, {args.concurrency} in flight, simulator latency 0, {args.n} requests\n")
-    print(f"| {'client':24} | {'req/s':>8} | {'vs bare':>8} | {'peak RSS MB':>11} |")
-    print(f"|{'-' * 26}|{'-' * 10}|{'-' * 10}|{'-' * 13}|")
-    for name, rate, ratio, rss in rows:
-        print(f"| {name:24} | {rate:8.0f} | {ratio:7.2f}x | {rss:11.0f} |")
-    engine_rate = rows[1][1]
-    if args.openai:
-        print(f"\nengine / AsyncOpenAI: {engine_rate / rows[-1][1]:.1f}x (target >= 20x)")
-    print(f"engine / bare: {rows[1][2]:.2f}x (target >= 0.9x); engine / bare with the same GC settings: "
-          f"{engine_rate / rows[2][1]:.2f}x; engine peak RSS {rows[1][3]:.0f} MB "
-          "(target <= 300 MB, no tokenizer loaded)")
-    print(f"engine + max_usd (spend ledger and reservations, ceiling checked) / bare: {rows[3][2]:.2f}x (target >= 0.9x)")
-    if nofsync is not None:
-        print(f"engine (fsyncs) / engine with fsync a no-op: {engine_rate / nofsync['rate']:.2f}x")
-    print(f"concurrency reached at {hold_s:g} s latency: simulator peak {peak} / configured {args.concurrency} = "
-          f"{peak / args.concurrency:.3f} (target >= 0.98); engine's own peak in flight {conc['peak_in_flight']}")
+    print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, hold_s, peak, conc)
+
+
+def print_table(args: argparse.Namespace, rows: list, cpu_ratio: dict, rate_ratio: dict, nofsync: dict | None,
+                med: dict, hold_s: float | None, peak: int | None, conc: dict | None) -> None:
+    rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"\nengine vs references, {args.concurrency} in flight, simulator latency 0, {args.n} requests{rounds}\n")
+    print(f"| {'client':24} | {'req/s':>8} | {'vs bare':>8} | {'CPU us/req':>10} | {'CPU vs bare':>11} | "
+          f"{'peak RSS MB':>11} |")
+    print(f"|{'-' * 26}|{'-' * 10}|{'-' * 10}|{'-' * 12}|{'-' * 13}|{'-' * 13}|")
+    for name, rate, ratio, rss, cpu_us, cratio in rows:
+        print(f"| {name:24} | {rate:8.0f} | {ratio:7.2f}x | {cpu_us:10.0f} | {cratio:10.2f}x | {rss:11.0f} |")
+    if "engine" in med:
+        e = med["engine"]
+        print(f"\nengine / bare: {rate_ratio['engine']:.2f}x req/s (target >= 0.9x); client CPU per request, bare / "
+              f"engine: {cpu_ratio['engine']:.2f}x (target >= 1.1x); engine peak RSS {e['rss_mb']:.0f} MB "
+              "(target <= 300 MB, no tokenizer loaded)")
+        if "bare_gc" in med:
+            print(f"engine / bare with the same GC settings: {e['rate'] / med['bare_gc']['rate']:.2f}x req/s, "
+                  f"CPU per request {med['bare_gc']['cpu_us'] / e['cpu_us']:.2f}x")
+        if nofsync is not None:
+            print(f"engine (fsyncs) / engine with fsync a no-op: {e['rate'] / nofsync['rate']:.2f}x req/s, "
+                  f"CPU per request {nofsync['cpu_us'] / e['cpu_us']:.2f}x")
+    if "engine_max_usd" in med:
+        print(f"engine + max_usd (spend ledger and reservations, ceiling checked) / bare: "
+              f"{rate_ratio['engine_max_usd']:.2f}x req/s, CPU {cpu_ratio['engine_max_usd']:.2f}x (target >= 0.9x)")
+    if args.openai and "engine" in med:
+        print(f"engine / AsyncOpenAI: {med['engine']['rate'] / rows[-1][1]:.1f}x (target >= 20x)")
+    if conc is not None:
+        print(f"concurrency reached at {hold_s:g} s latency: simulator peak {peak} / configured {args.concurrency} = "
+              f"{peak / args.concurrency:.3f} (target >= 0.98); engine's own peak in flight {conc['peak_in_flight']}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from draftgen.core.errors import DiskError
 from draftgen.core.files import DIR_MODE, FILE_MODE, disk_error
 
 DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EDQUOT, errno.EIO}
@@ -126,22 +127,42 @@ class JsonlAppender:
     """Appends whole JSON lines with one write each (a `kill -9` loses nothing written), and makes them
     durable against an OS crash on demand: `sync()` (fsync now) or `await synced()` (group commit: the
     lines of every caller that asked while the previous fsync ran share the next one, run in a thread so
-    the event loop keeps serving). `fsync=True` fsyncs each append before it returns."""
+    the event loop keeps serving). `fsync=True` fsyncs each append before it returns.
 
-    def __init__(self, path: Path, *, fsync: bool = False) -> None:
+    `coalesce=True` (the spend ledger): an append inside a running event loop is buffered and the
+    lines of one loop tick go out in one write at the tick's end, or sooner when an fsync begins
+    (`sync`, `synced`: a fsync covers only what was written, so what is awaited is written first);
+    outside a loop an append is written at once. A failed write keeps the lines buffered, in order,
+    for the next one (`flush` raises it)."""
+
+    def __init__(self, path: Path, *, fsync: bool = False, coalesce: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(DIR_MODE, parents=True, exist_ok=True)
         self.cut_bytes = repair_torn_tail(self.path)
         self._fsync = fsync
+        self._coalesce = coalesce and not fsync
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
         self._written = 0    # appends written so far
         self._synced = 0     # of those, the ones an fsync has covered
+        self._buf: list[bytes] = []    # coalesced lines not written yet (they follow the written ones)
+        self._flush_due = False        # a tick-end flush is scheduled
         self._running = False
         self._batch: list[asyncio.Future[None]] = []  # callers waiting for the next fsync
         self._last_start = -SYNC_INTERVAL_S          # loop time the last fsync began
 
     def append(self, obj: Any) -> None:
         line = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        if self._coalesce:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a thread, a command): written at once, behind any buffered
+                self.flush()
+            else:
+                self._buf.append(line)
+                if not self._flush_due:
+                    self._flush_due = True
+                    loop.call_soon(self._flush_tick)
+                return
         written = 0
         try:
             while written < len(line):
@@ -162,12 +183,43 @@ class JsonlAppender:
                     os.ftruncate(self._fd, os.lseek(self._fd, 0, os.SEEK_END) - written)
             raise disk_error(self.path, e) from e
 
+    def _flush_tick(self) -> None:
+        self._flush_due = False
+        with contextlib.suppress(DiskError):  # kept buffered: the next write, sync or close says it
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered lines now, in one write (raises DiskError; what did not go out stays buffered)."""
+        if not self._buf or self._fd < 0:
+            return
+        data = b"".join(self._buf) if len(self._buf) > 1 else self._buf[0]
+        written = 0
+        try:
+            while written < len(data):
+                n = os.write(self._fd, data[written:])
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, "no bytes written")
+                written += n
+        except OSError as e:
+            # The whole lines that went out are written; a torn last one is taken back out.
+            keep = data.rfind(b"\n", 0, written) + 1
+            if written > keep:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, os.lseek(self._fd, 0, os.SEEK_END) - (written - keep))
+            done = data.count(b"\n", 0, keep)
+            del self._buf[:done]
+            self._written += done
+            raise disk_error(self.path, e) from e
+        self._written += len(self._buf)
+        self._buf.clear()
+
     @property
     def unsynced(self) -> bool:
-        return self._synced < self._written
+        return bool(self._buf) or self._synced < self._written
 
     def sync(self) -> None:
-        """Every line written so far durable before it returns (raises DiskError)."""
+        """Every line appended so far durable before it returns (raises DiskError)."""
+        self.flush()
         target = self._written
         try:
             os.fsync(self._fd)
@@ -200,12 +252,18 @@ class JsonlAppender:
 
     def _start(self) -> None:
         batch, self._batch = self._batch, []
-        target = self._written
         loop = asyncio.get_running_loop()
         self._last_start = loop.time()
-        if self._fd < 0:  # closed meanwhile: close() synced what was written
-            self._finish(batch, target, None)
+        if self._fd < 0:  # closed meanwhile: close() synced what it could write; the rest is not on disk
+            self._finish(batch, self._written, DiskError(f"{self.path}: closed before {len(self._buf)} line(s) "
+                                                         "could be written") if self._buf else None)
             return
+        try:
+            self.flush()  # what the waiters appended is written before the fsync that covers it begins
+        except DiskError as e:
+            self._finish(batch, self._written, e)
+            return
+        target = self._written
         try:
             fd = os.dup(self._fd)  # the thread's own descriptor: close() may run before its fsync ends
         except OSError as e:
@@ -234,7 +292,9 @@ class JsonlAppender:
 
     def close(self) -> None:
         if self._fd >= 0:
-            if self.unsynced:  # a clean end leaves every line durable (gen, end, settle included)
+            with contextlib.suppress(DiskError):  # lines a full disk still refuses are given up
+                self.flush()
+            if self._synced < self._written:  # a clean end leaves every line durable (gen, end, settle included)
                 with contextlib.suppress(OSError):
                     os.fsync(self._fd)
                     self._synced = self._written

@@ -229,7 +229,10 @@ async def test_space_back_before_quitting_writes_what_was_held(tmp_path, monkeyp
         # The disk fills while all 8 are in the air (their lines are already on the spend ledger), so
         # their answers are the ones held; filled between two requests, the next `sent` line would be
         # refused first and nothing would be held.
-        await until(lambda: engine.datasets["a"].done >= 10 and engine.in_flight == 8, "10 answers, 8 in flight")
+        # (The ledger writes a tick's lines at its end: wait until the 8 `sent` lines are in the file.)
+        await until(lambda: engine.datasets["a"].done >= 10 and engine.in_flight == 8 and
+                    run.spend.read_bytes().count(b'"e":"sent"') == engine.datasets["a"].done + 8,
+                    "10 answers, 8 in flight, their lines on the ledger")
         disk.full = True
         await until(lambda: engine.state == snap.RunState.PAUSED and engine.in_flight == 0, "paused and idle")
         answered = engine.datasets["a"].done

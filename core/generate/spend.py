@@ -1,8 +1,10 @@
 """The spend ledger: every request attempt's cost, on one append-only file per run directory.
 
 `<run dir>/spend.jsonl` holds every attempt sent to the API, by every run of the directory. Each
-line is one JSON object, written whole with one `write` before the call returns (so a `kill -9`
-loses nothing written; `JsonlAppender` cuts a torn last line on the next open):
+line is one JSON object, written whole (the lines of one event-loop tick in one `write`, at the tick's
+end or before an fsync begins, whichever is first; outside a loop before the call returns), so a
+`kill -9` loses at most the last tick's gen/end/settle lines, never a `sent` line of a request that
+left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the next open:
 
     {"e":"sent","a":ID,"ds":DATASET,"p":PROMPT_ID,"w":WORST_USD,"t":UNIX_TIME}
         written before the request leaves; w is the reservation (worst-case cost, see prices.py);
@@ -336,9 +338,10 @@ class SpendLedger:
         t.sent = True
 
     async def send_grouped(self, t: Ticket) -> None:
-        """`send` with group commit: the line is written now and the call returns once an fsync covering
-        it has completed, one fsync shared by every request of the moment (raises DiskError: do not send;
-        a cancel while it waits: not sent either)."""
+        """`send` with group commit: the line is appended now (written with the tick's other lines, at the
+        latest just before the fsync that covers it begins) and the call returns once that fsync has
+        completed, one fsync shared by every request of the moment (raises DiskError: do not send; a
+        cancel while it waits: not sent either)."""
         file = self._append_sent(t)
         try:
             await file.synced()

@@ -18,7 +18,9 @@ class LedgerFile:
     """spend.jsonl while one process writes it: locked (one writer at a time: a second would keep the
     ceiling against only its own half of the spend, and could cut the other's line in flight), lines
     appended whole, and a line the disk refused after its attempt left held back for the next write.
-    `sync`/`synced` make what was written durable against an OS crash (a `sent` line, before its request)."""
+    Inside the event loop the lines of one tick go out in one write (`JsonlAppender(coalesce=True)`);
+    `sync`/`synced` write what is buffered and make it durable against an OS crash (a `sent` line,
+    before its request)."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -28,7 +30,7 @@ class LedgerFile:
                                   "`draftgen ledger` on this run directory): one at a time, so that max_usd "
                                   "counts every request; wait for it to end, or stop it")
         try:
-            self._out = JsonlAppender(path)  # cuts a torn last line first
+            self._out = JsonlAppender(path, coalesce=True)  # cuts a torn last line first; a tick's lines, one write
         except BaseException:
             os.close(lock)
             raise
@@ -37,16 +39,17 @@ class LedgerFile:
         self._unwritten: list[dict[str, Any]] = []
 
     def append(self, line: dict[str, Any]) -> None:
-        """Written before it returns, after any held-back lines; raises DiskError (a `sent` line: do not send)."""
+        """Written after any held-back lines: at once outside the event loop (raises DiskError: for a `sent`
+        line, do not send), at the tick's end or the next fsync inside it (`sync`/`synced` raise then)."""
         self._flush()
         self._out.append(line)
 
     def sync(self) -> None:
-        """Every line written so far durable against an OS crash before it returns (raises DiskError)."""
+        """Every line appended so far written and durable against an OS crash before it returns (raises DiskError)."""
         self._out.sync()
 
     def synced(self) -> asyncio.Future[None]:
-        """Resolves once every line written so far is durable (group commit: one fsync for all the
+        """Resolves once every line appended so far is written and durable (group commit: one fsync for all the
         callers of a tick, or of the time the previous fsync ran, in a thread); DiskError when not."""
         return self._out.synced()
 

@@ -1,0 +1,106 @@
+"""The spend ledger writes the lines of one event-loop tick with one write, and a `sent` line is still
+written (and fsynced) before its request may leave."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+
+import orjson
+import pytest
+
+from draftgen.core.errors import DiskError
+from draftgen.core.generate.spend import SpendLedger
+
+REAL_WRITE = os.write
+
+
+class WriteSpy:
+    """os.write, passed through, counting the writes to one file (and failing them while `full`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.writes: list[bytes] = []
+        self.full = False
+
+    def __call__(self, fd: int, data: bytes) -> int:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if target == self.path:
+            if self.full:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.writes.append(bytes(data))
+        return REAL_WRITE(fd, data)
+
+
+def lines(path) -> list[dict]:
+    data = path.read_bytes()
+    assert not data or data.endswith(b"\n")
+    return [orjson.loads(x) for x in data.splitlines()]
+
+
+async def test_the_lines_of_one_tick_go_out_in_one_write(tmp_path, monkeypatch):
+    path = tmp_path / "spend.jsonl"
+    spend = SpendLedger(path)
+    spend.open()
+    spy = WriteSpy(str(path))
+    monkeypatch.setattr(os, "write", spy)
+    tickets = [spend.reserve("a", f"p{i}", 0.01) for i in range(20)]
+    for i, t in enumerate(tickets):  # what 20 answers landing in one tick book: gen and end lines
+        spend.generation(t, f"gen-{i}")
+        spend.answered(t, 0.001)
+    await asyncio.sleep(0)
+    assert len(spy.writes) == 1 and len(lines(path)) == 40
+    assert [x["e"] for x in lines(path)[:2]] == ["gen", "end"]
+    spend.close()
+
+
+async def test_a_sent_line_is_written_before_its_fsync_begins(tmp_path, monkeypatch):
+    path = tmp_path / "spend.jsonl"
+    spend = SpendLedger(path)
+    spend.open()
+    spy = WriteSpy(str(path))
+    monkeypatch.setattr(os, "write", spy)
+    real_fsync = os.fsync
+    seen_at_fsync: list[int] = []
+
+    def fsync(fd: int) -> None:
+        seen_at_fsync.append(os.fstat(fd).st_size)
+        real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    tickets = [spend.reserve("a", f"p{i}", 0.01) for i in range(30)]
+    await asyncio.gather(*(spend.send_grouped(t) for t in tickets))
+    assert all(t.sent for t in tickets)
+    # Every sent line was in the file when the fsync that let its request go began.
+    assert seen_at_fsync and seen_at_fsync[-1] == path.stat().st_size
+    assert sorted(x["a"] for x in lines(path)) == sorted(t.id for t in tickets)
+    assert len(spy.writes) <= 2  # the tick's 30 lines, not one write each
+    spend.close()
+
+
+async def test_a_refused_tick_write_sends_nothing_and_keeps_every_line_in_order(tmp_path, monkeypatch):
+    path = tmp_path / "spend.jsonl"
+    spend = SpendLedger(path)
+    spend.open()
+    spy = WriteSpy(str(path))
+    monkeypatch.setattr(os, "write", spy)
+    first = spend.reserve("a", "p0", 0.01)
+    await spend.send_grouped(first)
+    spy.full = True
+    spend.answered(first, 0.002)           # after its attempt: held for the next write
+    late = spend.reserve("a", "p1", 0.01)
+    with pytest.raises(DiskError, match="spend.jsonl"):
+        await spend.send_grouped(late)     # its line could not be written: it must not leave
+    spend.release(late)                    # as attempts.py does
+    assert not late.sent and spend.reserved_usd == 0
+    spy.full = False
+    spend.close()                          # space back: every line, in order, none torn
+    kinds = [(x["e"], x["a"]) for x in lines(path)]
+    # `late` is on the ledger as sent and refused, or not at all: either way it counts nothing.
+    assert kinds[:2] == [("sent", first.id), ("end", first.id)]
+    assert kinds[2:] in ([], [("sent", late.id), ("end", late.id)])
+    again = SpendLedger.read(path)
+    assert again.committed_usd == pytest.approx(0.002) and not again.pending
