@@ -19,7 +19,7 @@ from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 
-from tests.helpers import TEST_KEY, make_config
+from tests.helpers import TEST_KEY, make_config, until
 
 
 @pytest.fixture(autouse=True)
@@ -173,7 +173,8 @@ async def test_an_os_crash_mid_run_loses_no_spend_and_the_next_run_keeps_the_cei
         disk.freeze()        # the kernel panics: nothing written from now on reaches the disk
         engine.stop()
         await task
-        await asyncio.sleep(0.5)   # the requests cut off run on at the provider and are billed
+        # The requests cut off run on at the provider and are billed.
+        await until(lambda: sim.stats.in_flight == 0 and sim.stats.generations_running == 0, "the billing to end")
         billed_1 = sim.stats.billed_usd
         lost = disk.crash()
         print(f"run 1 billed ${billed_1:.4f}; bytes lost in the crash: {lost}")

@@ -16,7 +16,7 @@ from draftgen.core.generate.engine import Engine
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 
-from .helpers import TEST_KEY, make_config, read_ids
+from .helpers import TEST_KEY, make_config, read_ids, until
 
 FAST = dict(latency_scale=0.0, mean_completion_tokens=60)
 
@@ -234,8 +234,7 @@ async def test_pause_stops_admission_and_resume_readmits(tmp_path):
         while engine.datasets["a"].done < 10:
             await asyncio.sleep(0.02)
         engine.pause()
-        await asyncio.sleep(0.5)  # in-flight requests finish and are recorded
-        assert engine.in_flight == 0
+        await until(lambda: engine.in_flight == 0, "the requests in flight to finish and be recorded")
         requests = sim.stats.requests_total
         await asyncio.sleep(0.4)
         assert sim.stats.requests_total == requests, "no request admitted while paused"

@@ -167,69 +167,65 @@ async def test_the_response_table_mixed_with_faults_and_account_episodes(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
-    configured = 40
+    """A storm of 429s cuts the effective limit, the retries over it park instead of hitting the
+    provider, only the requests already out are answered during it, and after it the limit climbs
+    back and every prompt is answered. Each point is a state waited for, then asserted (no rates)."""
+    configured, n = 40, 1000
     async with SimServer(SimConfig(seed=5, fixed_latency_s=0.1, mean_completion_tokens=40, retry_after_s=0.3),
                          port=0) as sim:
-        config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": 4000, "concurrency": configured}],
+        config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": n, "concurrency": configured}],
                             engine={"max_attempts": 80})
         pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
         await pipeline.start()
         task = asyncio.create_task(pipeline.generate())
-        # (phase, effective limit shown, requests taking part: in flight and not parked, simulator requests)
-        samples: list[tuple[str, int, int, int]] = []
-        phase = "before"
         run = pipeline.engine.datasets["a"]
 
-        async def watch() -> None:
+        def limit() -> int:
+            return pipeline.snapshot().datasets[0].effective_concurrency
+
+        lowest = configured
+
+        async def watch() -> None:  # the lowest limit shown, so the climb is measured from the real bottom
+            nonlocal lowest
             while True:
-                d = pipeline.snapshot().datasets[0]
-                samples.append((phase, d.effective_concurrency, run.in_flight - run.parked, sim.stats.requests_total))
-                await asyncio.sleep(0.1)
+                lowest = min(lowest, limit())
+                await asyncio.sleep(0.02)
 
         watcher = asyncio.create_task(watch())
         try:
             await until(lambda: sim.stats.answers_total >= 100, "the run to get going", 60)
-            await asyncio.sleep(1.0)
+            limit_before = limit()
             sim.update(faults={"429": 1.0})  # every request rate-limited, with Retry-After
-            phase = "storm"
             answered_at_storm = sim.stats.answers_total
-            await asyncio.sleep(9.0)
-            lowest = min(e for p, e, _, _ in samples if p == "storm")
-            sim.update(faults={})
-            phase = "after"
+            await until(lambda: limit() <= configured // 2 and sim.stats.faults.get("429", 0) > 2 * configured,
+                        "the storm to cut the limit to half", 60)
+            # The cut is met at each retry's next attempt: the requests over the limit park, holding no slot.
+            await until(lambda: 0 < run.parked and run.in_flight - run.parked <= limit(),
+                        "the retries over the lowered limit to park", 30)
+            parked, taking_part, lowered = run.parked, run.in_flight - run.parked, limit()
+            # Slow answers while the limit climbs back, so the run cannot end before it has.
+            sim.update(faults={}, fixed_latency_s=0.5)
             after_storm = sim.stats.answers_total
             # Additive increase: 5 s without a 429, then a step a second.
-            await until(lambda: pipeline.snapshot().datasets[0].effective_concurrency >= lowest + 2,
-                        "the limit to climb back", 30)
+            await until(lambda: limit() >= lowest + 2, "the limit to climb back", 60)
+            climbed = limit()
             sim.update(fixed_latency_s=0.0)  # finish the rest quickly
-            state = await asyncio.wait_for(task, 90)
+            state = await asyncio.wait_for(task, 120)
         finally:
             watcher.cancel()
             if not task.done():
                 pipeline.quit(drain=False)
             await pipeline.close()
-        storm_429s = sim.stats.faults.get("429", 0)
     assert state == snap.RunState.DONE
-    before = [e for p, e, _, _ in samples if p == "before"]
-    assert before and min(before) == configured
-    assert lowest <= configured // 2, f"the limit only dropped to {lowest}"
-    storm = [(e, n, r) for p, e, n, r in samples if p == "storm"]
-    # The load drops with the limit: in the second half of the storm the requests taking part keep
-    # within it (a cut is met at each one's next retry), so the provider gets fewer requests a round.
-    late = storm[len(storm) // 2:]
-    assert sum(n for _, n, _ in late) <= sum(e for e, _, _ in late) + len(late), late
-    third = len(storm) // 3
-    first_rate = (storm[third][2] - storm[0][2]) / third
-    last_rate = (storm[-1][2] - storm[-third][2]) / (third - 1)
-    assert last_rate < first_rate, (first_rate, last_rate)
+    assert limit_before == configured
+    assert lowered <= configured // 2 and parked > 0 and taking_part <= lowered, (lowered, parked, taking_part)
     # Only the requests already in flight when it started could still be answered.
     assert after_storm - answered_at_storm <= configured, "answers kept landing through a total storm"
-    assert max(e for p, e, _, _ in samples if p == "after") >= lowest + 2
-    assert storm_429s > 2 * configured
+    assert climbed >= lowest + 2 and lowest <= configured // 2
     a = clean_audit(config, sim)
-    assert a.answered == 4000 and a.failed == 0  # Retry-After spaced the retries: none ran out of attempts
+    assert a.answered == n and a.failed == 0  # Retry-After spaced the retries: none ran out of attempts
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
 
-from tests.helpers import TEST_KEY, make_config
+from tests.helpers import TEST_KEY, make_config, until
 
 ROUTING = {"ignore": ["fireworks", "baseten"], "sort": "price", "allow_fallbacks": True, "quantizations": ["int4"]}
 
@@ -130,7 +130,8 @@ async def test_abandoned_plain_requests_are_billed_in_full_and_held_at_their_wor
                                   "api": {"stream": False, "request_timeout_s": 0.6, "generation_lookup_s": 2}})
         engine = await _run(cfg)
         report = await reconcile(cfg, TEST_KEY, lookup_s=2)
-        await asyncio.sleep(1.5)  # the abandoned generations run to their end and are billed
+        # The abandoned generations run to their end and are billed.
+        await until(lambda: sim.stats.in_flight == 0 and sim.stats.generations_running == 0, "the billing to end")
         billed = sim.stats.billed_usd
     r = report.reconciliation
     assert r.unknown > 0
@@ -287,7 +288,7 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
         # max_usd leaves prompts unasked: the run ends LIMITED, exit 3 (incomplete), not 0.
         assert await asyncio.wait_for(proc.wait(), 240) == 3
         report = await reconcile(cfg, TEST_KEY, lookup_s=5)
-        await asyncio.sleep(0.5)
+        await until(lambda: sim.stats.in_flight == 0 and sim.stats.generations_running == 0, "the billing to end")
         billed = sim.stats.billed_usd
         # The attempts a kill caught before their headers were read have no generation id; this key
         # ran nothing else, so the key's usage prices them, once none can still be running.

@@ -283,7 +283,8 @@ async def test_account_rows_hold_the_run_and_resume_by_themselves(tmp_path: Path
             assert ("limit" in e.alert) if name == "key_limit" else ("credits" in e.alert)
         assert "r resumes now" in e.alert and e.snapshot().waiting == e.alert
         await asyncio.sleep(0.3)  # three re-checks: the condition is still there
-        assert e.state == snap.RunState.PAUSED and e.in_flight == 0
+        await run.until(lambda: e.in_flight == 0, "the requests in flight to finish")
+        assert e.state == snap.RunState.PAUSED
         asked = sim.stats.requests_total
         await asyncio.sleep(0.2)
         assert sim.stats.requests_total == asked, "nothing is admitted while the account holds the run"
