@@ -5,6 +5,7 @@ in tests/pinned.py."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -14,6 +15,10 @@ import pytest
 
 from draftgen.core.tokens import tokenizer as tokmod
 from tests.pinned import pinned_source
+
+# Torch's CPU threads spin against each other on a busy 2-core machine (the CPU self-check took 22 s
+# instead of 12): one each, here and in every subprocess; an OMP_NUM_THREADS set by hand wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ CHECKS = ("backend starts", "mixed batch: shapes, dtypes, finite", "each sample 
           "files read back through SpecForge's reader", "rerun skips every file")
 
 
+@pytest.mark.slow
 def test_self_check_passes_end_to_end_on_cpu(tmp_path: Path, specforge_tree: Path, capsys: pytest.CaptureFixture,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     from draftgen.cli.main import main

@@ -255,6 +255,7 @@ async def test_hung_requests_are_cut_by_their_timeout(tmp_path: Path, stream: bo
     assert a.answered + a.failed == 40
 
 
+@pytest.mark.slow
 async def test_402_mid_run_pauses_with_an_alert_and_resumes_when_told(tmp_path: Path) -> None:
     async with SimServer(SimConfig(seed=6, fixed_latency_s=0.05, mean_completion_tokens=60), port=0) as sim:
         config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": 150, "concurrency": 8},
@@ -340,6 +341,7 @@ def _combined(*stats: Any) -> Any:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["finish", "drain"])
 async def test_an_outage_fails_no_prompt(tmp_path: Path, how: str) -> None:
     """The API goes away mid-run (network down, a local server restarting): connections are refused.
