@@ -160,6 +160,7 @@ async def test_a_failing_write_pauses_the_run_and_resume_loses_nothing(tmp_path,
     assert disk.refused >= 2
 
 
+@pytest.mark.slow
 async def test_quitting_on_a_full_disk_says_what_was_not_saved_and_tokens_follow_the_disk(tmp_path, monkeypatch):
     """Drain while the disk is still full and no spool place takes them either (spool.py), then stop:
     the run ends saying how many answers were not saved; the token store holds only answers that are in
@@ -409,6 +410,7 @@ async def test_tokens_command_on_a_full_disk_fails_clearly_and_a_rerun_completes
     assert (run.tokens("a") / INDEX_FILE).read_bytes().endswith(b"\n")
 
 
+@pytest.mark.slow
 async def test_merge_on_a_full_disk_leaves_the_old_merged_set_intact(tmp_path):
     config, run = await answered_run(tmp_path)
     reconstruct_dataset(load_config(config), "a", workers=1)
