@@ -55,19 +55,20 @@ settled + pending + reserved + the next reservation <= max_usd, whatever crashed
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.spend_file import LedgerFile
+
+# Reconciliation, Pending and Ticket are imported from here by the rest of the engine.
+from draftgen.core.generate.spend_sums import AttemptEnd, Pending, Reconciliation, SpendSums, Ticket
 from draftgen.core.rundir import iter_jsonl
 
 
-class Source(str, Enum):
+class Source(StrEnum):
     """Where an attempt's cost came from."""
     USAGE = "usage.cost"
     ESTIMATE = "estimate"      # an answer without usage.cost and no generation id: tokens x worst prices
@@ -85,88 +86,122 @@ class Source(str, Enum):
 ENDED_STATUSES = frozenset({500, 502, 503})
 
 
-class AttemptEnd(str, Enum):
-    ANSWERED = "answered"
-    REFUSED = "refused"
-    ABANDONED = "abandoned"
+class SpendReplay:
+    """spend.jsonl read back into a `SpendSums`: attempts ended, settled, or left open by a run that died
+    (pending at worst case); with `sent_prompts`, also each dataset's prompts with a `sent` line."""
+
+    def __init__(self, sums: SpendSums, sent_prompts: dict[str, dict[str, bool]] | None = None) -> None:
+        self.sums = sums
+        self.sent_prompts = sent_prompts  # per dataset, prompt id -> answered on the ledger
+        self._opened: dict[str, dict[str, Any]] = {}  # sent, with no end line yet
+
+    def read(self, path: Path) -> None:
+        for _, line in iter_jsonl(path):
+            self.line(line)
+        for aid, rec in self._opened.items():  # sent by a run that died before the end line
+            self.sums.add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g"), sent_at=rec["t"]))
+        self._opened = {}
+
+    def line(self, line: dict[str, Any]) -> None:
+        kind, aid = line.get("e"), str(line.get("a"))
+        sums, opened = self.sums, self._opened
+        try:
+            if kind == "sent":
+                opened[aid] = {"ds": str(line["ds"]), "p": str(line["p"]), "w": float(line["w"]),
+                               "t": float(line.get("t") or 0.0)}
+                if self.sent_prompts is not None:
+                    self.sent_prompts.setdefault(opened[aid]["ds"], {}).setdefault(opened[aid]["p"], False)
+            elif kind == "gen":
+                if aid in opened:
+                    opened[aid]["g"] = str(line["g"])
+                elif aid in sums.pending and sums.pending[aid].gen is None:
+                    sums.pending[aid].gen = str(line["g"])
+            elif kind == "end":
+                self._end(aid, line)
+            elif kind == "settle":
+                rec = opened.pop(aid, None)  # left open by a killed run, priced by a later one
+                p = sums.drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
+                if p is not None:
+                    sums.book_settled(p, float(line["c"]), run=False)
+                    if p.answer:
+                        sums.note_answer(p.ds, p.prompt_id, float(line["c"]))
+            elif kind == "key":
+                if sums.key_baseline is None:
+                    sums.key_baseline = float(line["u"])
+            elif kind in ("carry", "found"):
+                cost, ds = float(line["c"]), str(line["ds"])
+                answers = int(line["n"]) if "n" in line else None
+                if answers is None:
+                    sums.carried_by_cost[ds] = sums.carried_by_cost.get(ds, 0.0) + cost
+                (sums.book_carried if kind == "carry" else sums.book_found)(ds, cost, answers)
+        except (KeyError, TypeError, ValueError):
+            return  # a hand-edited line of the wrong shape counts as nothing
+
+    def _end(self, aid: str, line: dict[str, Any]) -> None:
+        rec = self._opened.pop(aid, None)
+        if rec is None:
+            return
+        sums = self.sums
+        outcome, cost = line.get("o"), line.get("c")
+        if outcome == AttemptEnd.ABANDONED:
+            sums.add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g") or line.get("g"),
+                                     ended=line.get("st") in ENDED_STATUSES, sent_at=rec["t"]))
+        elif outcome == AttemptEnd.ANSWERED and cost is None:
+            sums.add_pending(Pending(aid, rec["ds"], rec["p"], min(rec["w"], float(line.get("w", rec["w"]))),
+                                     rec.get("g"), answer=True))
+        else:
+            sums.book(rec["ds"], float(cost or 0.0),
+                      AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED, run=False)
+            if outcome == AttemptEnd.ANSWERED:
+                sums.note_answer(rec["ds"], rec["p"], float(cost or 0.0))
+        if outcome == AttemptEnd.ANSWERED and self.sent_prompts is not None:
+            self.sent_prompts.setdefault(rec["ds"], {})[rec["p"]] = True
 
 
-class Ticket:
-    """One attempt's reservation; `sent` once its line is on disk."""
-    __slots__ = ("id", "ds", "prompt_id", "worst", "gen", "sent", "open", "sent_at")
-
-    def __init__(self, id: str, ds: str, prompt_id: str, worst: float) -> None:
-        self.id = id
-        self.ds = ds
-        self.prompt_id = prompt_id
-        self.worst = worst
-        self.gen: str | None = None
-        self.sent = False
-        self.open = True
-        self.sent_at = 0.0  # unix time its "sent" line was written
+T = TypeVar("T")
 
 
-@dataclass
-class Pending:
-    """An attempt whose cost is not known yet, counted at its worst case."""
-    id: str
-    ds: str
-    prompt_id: str
-    worst: float
-    gen: str | None     # None: the run died before the id came back; it cannot be looked up
-    ended: bool = False   # a 500/502/503 ended it: no record after the lookups means not billed
-    answer: bool = False  # an answer that carried no cost: booked as answered once priced
-    sent_at: float = 0.0  # its "sent" line's "t": a generation may run on until request_timeout_s after it
+class _OnSums(Generic[T]):
+    """A SpendLedger attribute that lives on its `sums` (read and written there)."""
 
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
 
-@dataclass(frozen=True)
-class Reconciliation:
-    answered: int
-    answered_usd: float
-    refused: int
-    abandoned_settled: int
-    abandoned_settled_usd: float
-    pending: int            # abandoned or left open, with a generation id: can still be looked up
-    pending_worst_usd: float
-    unknown: int            # left without a generation id: counted at worst case for good
-    unknown_worst_usd: float
-    carried_usd: float
-    total_usd: float        # every known cost (settled)
+    def __get__(self, ledger: SpendLedger | None, owner: type | None = None) -> T:
+        if ledger is None:
+            return self  # type: ignore[return-value]  # the descriptor itself, on the class
+        return getattr(ledger.sums, self._name)  # type: ignore[no-any-return]
 
-    @property
-    def committed_usd(self) -> float:
-        return self.total_usd + self.pending_worst_usd + self.unknown_worst_usd
+    def __set__(self, ledger: SpendLedger, value: T) -> None:
+        setattr(ledger.sums, self._name, value)
 
 
 class SpendLedger:
-    """The sums behind the ceiling, and the writer of spend.jsonl."""
+    """The writer of spend.jsonl: each line on disk, then on its `sums` (which the ceiling reads)."""
+
+    settled_usd: _OnSums[float] = _OnSums()
+    spent_run: _OnSums[float] = _OnSums()
+    reserved_usd: _OnSums[float] = _OnSums()
+    pending: _OnSums[dict[str, Pending]] = _OnSums()
+    pending_usd: _OnSums[float] = _OnSums()
+    by_dataset: _OnSums[dict[str, float]] = _OnSums()
+    key_baseline: _OnSums[float | None] = _OnSums()
+    found_usd: _OnSums[float] = _OnSums()
+    covered: _OnSums[dict[str, int]] = _OnSums()
+    carried_by_cost: _OnSums[dict[str, float]] = _OnSums()
+    answer_costs: _OnSums[dict[str, dict[str, float]] | None] = _OnSums()
+    committed_usd: _OnSums[float] = _OnSums()  # read only, like the next two
+    carried_usd: _OnSums[float] = _OnSums()
+    spent_usd: _OnSums[float] = _OnSums()
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._run = f"{os.getpid():x}{int(time.time() * 1000) % 0xFFFFFF:x}"
-        self._n = 0
+        self.sums = SpendSums()
         self._file: LedgerFile | None = None
-        self.settled_usd = 0.0
-        self.spent_run = 0.0           # settled by this process
-        self.reserved_usd = 0.0        # worst case of attempts in flight here
-        self.pending: dict[str, Pending] = {}
-        self.pending_usd = 0.0
-        self.by_dataset: dict[str, float] = {}
         self.existed = False
-        self.key_baseline: float | None = None  # GET /key usage before the directory's first attempt
-        # For `reconcile()`.
-        self._answered = [0, 0.0]
-        self._refused = 0
-        self._settled_abandoned = [0, 0.0]
-        self._carried = 0.0
-        self.found_usd = 0.0
         # For `count_unledgered` (opening.py), while a run opens the directory: per dataset, each prompt
-        # with a `sent` line (True: answered on the ledger), and the answers carry/found lines cover.
+        # with a `sent` line (True: answered on the ledger).
         self._ids: dict[str, dict[str, bool]] | None = None
-        self.covered: dict[str, int] = {}
-        self.carried_by_cost: dict[str, float] = {}  # carry lines without "n"
-        # Per dataset, each prompt's answered cost (read(answer_costs=True)): merge's kept-sample cost.
-        self.answer_costs: dict[str, dict[str, float]] | None = None
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -176,7 +211,7 @@ class SpendLedger:
         merge); with `answer_costs`, also each answered prompt's cost."""
         ledger = cls(path)
         if answer_costs:
-            ledger.answer_costs = {}
+            ledger.sums.answer_costs = {}
         ledger._load()
         return ledger
 
@@ -194,67 +229,7 @@ class SpendLedger:
 
     def _load(self) -> None:
         self.existed = self.path.exists() and self.path.stat().st_size > 0
-        opened: dict[str, dict[str, Any]] = {}
-        for _, line in iter_jsonl(self.path):
-            self._replay(line, opened)
-        for aid, rec in opened.items():  # sent by a run that died before the end line
-            self._add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g"), sent_at=rec["t"]))
-
-    def _replay(self, line: dict[str, Any], opened: dict[str, dict[str, Any]]) -> None:
-        kind, aid = line.get("e"), str(line.get("a"))
-        try:
-            if kind == "sent":
-                opened[aid] = {"ds": str(line["ds"]), "p": str(line["p"]), "w": float(line["w"]),
-                               "t": float(line.get("t") or 0.0)}
-                if self._ids is not None:
-                    self._ids.setdefault(opened[aid]["ds"], {}).setdefault(opened[aid]["p"], False)
-            elif kind == "gen":
-                if aid in opened:
-                    opened[aid]["g"] = str(line["g"])
-                elif aid in self.pending and self.pending[aid].gen is None:
-                    self.pending[aid].gen = str(line["g"])
-            elif kind == "end":
-                rec = opened.pop(aid, None)
-                if rec is None:
-                    return
-                outcome, cost = line.get("o"), line.get("c")
-                if outcome == AttemptEnd.ABANDONED:
-                    self._add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g") or line.get("g"),
-                                              ended=line.get("st") in ENDED_STATUSES, sent_at=rec["t"]))
-                elif outcome == AttemptEnd.ANSWERED and cost is None:
-                    self._add_pending(Pending(aid, rec["ds"], rec["p"], min(rec["w"], float(line.get("w", rec["w"]))),
-                                              rec.get("g"), answer=True))
-                else:
-                    self._book(rec["ds"], float(cost or 0.0),
-                               AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED, run=False)
-                    if outcome == AttemptEnd.ANSWERED:
-                        self._note_answer(rec["ds"], rec["p"], float(cost or 0.0))
-                if outcome == AttemptEnd.ANSWERED and self._ids is not None:
-                    self._ids.setdefault(rec["ds"], {})[rec["p"]] = True
-            elif kind == "settle":
-                rec = opened.pop(aid, None)  # left open by a killed run, priced by a later one
-                p = self._drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
-                if p is not None:
-                    self._book_settled(p, float(line["c"]), run=False)
-                    if p.answer:
-                        self._note_answer(p.ds, p.prompt_id, float(line["c"]))
-            elif kind == "key":
-                if self.key_baseline is None:
-                    self.key_baseline = float(line["u"])
-            elif kind in ("carry", "found"):
-                cost, ds = float(line["c"]), str(line["ds"])
-                if "n" in line:
-                    self.covered[ds] = self.covered.get(ds, 0) + int(line["n"])
-                else:
-                    self.carried_by_cost[ds] = self.carried_by_cost.get(ds, 0.0) + cost
-                if kind == "carry":
-                    self._carried += cost
-                else:
-                    self.found_usd += cost
-                self.settled_usd += cost
-                self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
-        except (KeyError, TypeError, ValueError):
-            return  # a hand-edited line of the wrong shape counts as nothing
+        SpendReplay(self.sums, self._ids).read(self.path)
 
     def carry(self, ds: str, cost: float, answers: int | None = None) -> None:
         """Spend found in responses.jsonl of a directory that had no ledger yet (only then: later the
@@ -263,21 +238,15 @@ class SpendLedger:
             line: dict[str, Any] = {"e": "carry", "ds": ds, "c": round(cost, 10)}
             if answers is not None:
                 line["n"] = answers
-                self.covered[ds] = self.covered.get(ds, 0) + answers
             self._write(line)
-            self._carried += cost
-            self.settled_usd += cost
-            self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
+            self.sums.book_carried(ds, cost, answers)
 
     def found(self, ds: str, answers: int, cost: float) -> None:
         """Answers in responses.jsonl that the ledger has no `sent` line for: their cost on the ledger,
         once (the next run counts them as covered)."""
         if answers:
             self._write({"e": "found", "ds": ds, "c": round(cost, 10), "n": answers})
-            self.covered[ds] = self.covered.get(ds, 0) + answers
-            self.found_usd += cost
-            self.settled_usd += cost
-            self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
+            self.sums.book_found(ds, cost, answers)
 
     def sent_prompts(self, ds: str) -> dict[str, bool]:
         """The dataset's prompts with a `sent` line (True: one answered on the ledger), read by `open`."""
@@ -290,8 +259,8 @@ class SpendLedger:
     def set_key_baseline(self, usage: float) -> None:
         """The key's usage before this directory's first attempt (only then: later it would count
         this directory's own spend as someone else's)."""
-        if not self.existed and self.key_baseline is None:
-            self.key_baseline = usage
+        if not self.existed and self.sums.key_baseline is None:
+            self.sums.key_baseline = usage
             self._write({"e": "key", "u": usage, "t": round(time.time(), 3)})
 
     @property
@@ -303,28 +272,10 @@ class SpendLedger:
             self._file.close()
             self._file = None
 
-    # -- sums ------------------------------------------------------------------------------
-
-    @property
-    def committed_usd(self) -> float:
-        """What the ceiling counts: known costs, pending ones at worst, and the reservations."""
-        return self.settled_usd + self.pending_usd + self.reserved_usd
-
-    @property
-    def carried_usd(self) -> float:
-        return self._carried
-
-    @property
-    def spent_usd(self) -> float:
-        """Known costs plus pending ones at worst: the most the provider may have billed so far."""
-        return self.settled_usd + self.pending_usd
-
     # -- one attempt -----------------------------------------------------------------------
 
     def reserve(self, ds: str, prompt_id: str, worst: float) -> Ticket:
-        self._n += 1
-        self.reserved_usd += worst
-        return Ticket(f"{self._run}-{self._n:x}", ds, prompt_id, worst)
+        return self.sums.reserve(ds, prompt_id, worst)
 
     def send(self, t: Ticket) -> None:
         """Durable (fsynced) before it returns, so before the request leaves (raises DiskError when the
@@ -363,111 +314,59 @@ class SpendLedger:
             self._write({"e": "gen", "a": t.id, "g": gen_id})
 
     def answered(self, t: Ticket, cost: float, source: Source = Source.USAGE) -> None:
-        if self._close(t):
+        if self.sums.close(t):
             self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": cost, "s": source.value})
-            self._book(t.ds, cost, AttemptEnd.ANSWERED, run=True)
+            self.sums.book(t.ds, cost, AttemptEnd.ANSWERED, run=True)
 
     def answered_unpriced(self, t: Ticket, estimate: float) -> Pending | None:
         """An answer that carried no usage.cost but has a generation id: pending (at `estimate`, at most
         the reservation) until its record prices it. Returns what to look up."""
-        if not self._close(t):
+        if not self.sums.close(t):
             return None
         worst = min(t.worst, estimate)
         self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": None, "s": Source.PENDING.value,
                      "w": worst})
         p = Pending(t.id, t.ds, t.prompt_id, worst, t.gen, answer=True)
-        self._add_pending(p)
+        self.sums.add_pending(p)
         return p
 
     def refused(self, t: Ticket) -> None:
         """An HTTP error status, or nothing could be sent: no generation ran, nothing is billed."""
-        if self._close(t):
+        if self.sums.close(t):
             self._write({"e": "end", "a": t.id, "o": AttemptEnd.REFUSED.value, "c": 0, "s": Source.NOT_BILLED.value})
-            self._refused += 1
+            self.sums.book_refused()
 
     def abandoned(self, t: Ticket, status: int | None = None) -> Pending | None:
         """The client gave up (timeout, drop, stop-now), the answer was unusable, or (`status`) a 408/5xx
         came with a generation id: the cost stays at the worst case until the generation record says
         otherwise. Returns what to look up."""
-        if not self._close(t):
+        if not self.sums.close(t):
             return None
         line = {"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value, "c": None, "s": Source.PENDING.value}
         if status is not None:
             line["st"] = status
         self._write(line)
         p = Pending(t.id, t.ds, t.prompt_id, t.worst, t.gen, ended=status in ENDED_STATUSES, sent_at=t.sent_at)
-        self._add_pending(p)
+        self.sums.add_pending(p)
         return p
 
     def release(self, t: Ticket) -> None:
         """A reservation never sent (cancelled before it left, or the disk refused its line)."""
-        if t.open and not t.sent:
-            t.open = False
-            self.reserved_usd = max(0.0, self.reserved_usd - t.worst)
+        self.sums.release(t)
 
     def settle(self, p: Pending, cost: float, source: Source = Source.GENERATION) -> None:
         """An abandoned attempt priced from its generation record (or, without one, the key's usage)."""
-        if self._drop_pending(p.id) is not None:
+        if self.sums.drop_pending(p.id) is not None:
             self._write({"e": "settle", "a": p.id, "c": cost, "s": source.value})
-            self._book_settled(p, cost, run=True)
+            self.sums.book_settled(p, cost, run=True)
 
     def lookups(self) -> list[Pending]:
         """Pending attempts that can still be priced (they have a generation id)."""
-        return [p for p in self.pending.values() if p.gen]
+        return self.sums.lookups()
 
-    # -- internals -------------------------------------------------------------------------
-
-    def _close(self, t: Ticket) -> bool:
-        if not t.open:
-            return False
-        t.open = False
-        self.reserved_usd -= t.worst
-        if self.reserved_usd < 1e-12:
-            self.reserved_usd = 0.0  # no float crumbs once nothing is in flight
-        return True
-
-    def _book(self, ds: str, cost: float, end: AttemptEnd, *, run: bool) -> None:
-        """A known cost on the sums, counted by how its attempt ended (for `reconcile()`)."""
-        self.settled_usd += cost
-        self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
-        if run:
-            self.spent_run += cost
-        tally = self._answered if end is AttemptEnd.ANSWERED else \
-            self._settled_abandoned if end is AttemptEnd.ABANDONED else None
-        if tally is None:
-            self._refused += 1
-        else:
-            tally[0] += 1
-            tally[1] += cost
-
-    def _book_settled(self, p: Pending, cost: float, *, run: bool) -> None:
-        self._book(p.ds, cost, AttemptEnd.ANSWERED if p.answer else AttemptEnd.ABANDONED, run=run)
-
-    def _note_answer(self, ds: str, prompt_id: str, cost: float) -> None:
-        if self.answer_costs is not None:  # a prompt answered twice (its line lost, asked again) cost both
-            per = self.answer_costs.setdefault(ds, {})
-            per[prompt_id] = per.get(prompt_id, 0.0) + cost
-
-    def _add_pending(self, p: Pending) -> None:
-        self.pending[p.id] = p
-        self.pending_usd += p.worst
-
-    def _drop_pending(self, aid: str) -> Pending | None:
-        p = self.pending.pop(aid, None)
-        if p is not None:
-            self.pending_usd = max(0.0, self.pending_usd - p.worst) if self.pending else 0.0
-        return p
+    def reconcile(self) -> Reconciliation:
+        return self.sums.reconcile()
 
     def _write(self, line: dict[str, Any]) -> None:
         if self._file is not None:  # closed (the run ended): the next run counts the attempt at worst case
             self._file.append_or_hold(line)
-
-    def reconcile(self) -> Reconciliation:
-        known = [p for p in self.pending.values() if p.gen]
-        unknown = [p for p in self.pending.values() if not p.gen]
-        return Reconciliation(
-            answered=self._answered[0], answered_usd=self._answered[1], refused=self._refused,
-            abandoned_settled=self._settled_abandoned[0], abandoned_settled_usd=self._settled_abandoned[1],
-            pending=len(known), pending_worst_usd=sum(p.worst for p in known),
-            unknown=len(unknown), unknown_worst_usd=sum(p.worst for p in unknown),
-            carried_usd=self._carried, total_usd=self.settled_usd)

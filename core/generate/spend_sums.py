@@ -1,0 +1,198 @@
+"""The sums behind the spend ceiling: reservations in flight, known costs, pending ones at worst case.
+
+`SpendSums` holds what spend.jsonl's lines add up to (spend.py's `SpendReplay` reads them into it,
+`SpendLedger` writes a line and then books it here); it touches no file.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class AttemptEnd(StrEnum):
+    ANSWERED = "answered"
+    REFUSED = "refused"
+    ABANDONED = "abandoned"
+
+
+class Ticket:
+    """One attempt's reservation; `sent` once its line is on disk."""
+    __slots__ = ("id", "ds", "prompt_id", "worst", "gen", "sent", "open", "sent_at")
+
+    def __init__(self, id: str, ds: str, prompt_id: str, worst: float) -> None:
+        self.id = id
+        self.ds = ds
+        self.prompt_id = prompt_id
+        self.worst = worst
+        self.gen: str | None = None
+        self.sent = False
+        self.open = True
+        self.sent_at = 0.0  # unix time its "sent" line was written
+
+
+@dataclass
+class Pending:
+    """An attempt whose cost is not known yet, counted at its worst case."""
+    id: str
+    ds: str
+    prompt_id: str
+    worst: float
+    gen: str | None     # None: the run died before the id came back; it cannot be looked up
+    ended: bool = False   # a 500/502/503 ended it: no record after the lookups means not billed
+    answer: bool = False  # an answer that carried no cost: booked as answered once priced
+    sent_at: float = 0.0  # its "sent" line's "t": a generation may run on until request_timeout_s after it
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    answered: int
+    answered_usd: float
+    refused: int
+    abandoned_settled: int
+    abandoned_settled_usd: float
+    pending: int            # abandoned or left open, with a generation id: can still be looked up
+    pending_worst_usd: float
+    unknown: int            # left without a generation id: counted at worst case for good
+    unknown_worst_usd: float
+    carried_usd: float
+    total_usd: float        # every known cost (settled)
+
+    @property
+    def committed_usd(self) -> float:
+        return self.total_usd + self.pending_worst_usd + self.unknown_worst_usd
+
+
+class SpendSums:
+    """Settled + pending + reserved, per dataset and by how each attempt ended (for `reconcile()`)."""
+
+    def __init__(self) -> None:
+        self._run = f"{os.getpid():x}{int(time.time() * 1000) % 0xFFFFFF:x}"
+        self._n = 0
+        self.settled_usd = 0.0
+        self.spent_run = 0.0           # settled by this process
+        self.reserved_usd = 0.0        # worst case of attempts in flight here
+        self.pending: dict[str, Pending] = {}
+        self.pending_usd = 0.0
+        self.by_dataset: dict[str, float] = {}
+        self.key_baseline: float | None = None  # GET /key usage before the directory's first attempt
+        # For `reconcile()`.
+        self._answered = [0, 0.0]
+        self._refused = 0
+        self._settled_abandoned = [0, 0.0]
+        self._carried = 0.0
+        self.found_usd = 0.0
+        # For `count_unledgered` (opening.py): per dataset, the answers carry/found lines cover.
+        self.covered: dict[str, int] = {}
+        self.carried_by_cost: dict[str, float] = {}  # carry lines without "n"
+        # Per dataset, each prompt's answered cost (read(answer_costs=True)): merge's kept-sample cost.
+        self.answer_costs: dict[str, dict[str, float]] | None = None
+
+    @property
+    def committed_usd(self) -> float:
+        """What the ceiling counts: known costs, pending ones at worst, and the reservations."""
+        return self.settled_usd + self.pending_usd + self.reserved_usd
+
+    @property
+    def carried_usd(self) -> float:
+        return self._carried
+
+    @property
+    def spent_usd(self) -> float:
+        """Known costs plus pending ones at worst: the most the provider may have billed so far."""
+        return self.settled_usd + self.pending_usd
+
+    # -- reservations ----------------------------------------------------------------------
+
+    def reserve(self, ds: str, prompt_id: str, worst: float) -> Ticket:
+        self._n += 1
+        self.reserved_usd += worst
+        return Ticket(f"{self._run}-{self._n:x}", ds, prompt_id, worst)
+
+    def release(self, t: Ticket) -> None:
+        """A reservation never sent (cancelled before it left, or the disk refused its line)."""
+        if t.open and not t.sent:
+            t.open = False
+            self.reserved_usd = max(0.0, self.reserved_usd - t.worst)
+
+    def close(self, t: Ticket) -> bool:
+        """Ends a ticket's reservation; False when it had ended already (its end is booked once)."""
+        if not t.open:
+            return False
+        t.open = False
+        self.reserved_usd -= t.worst
+        if self.reserved_usd < 1e-12:
+            self.reserved_usd = 0.0  # no float crumbs once nothing is in flight
+        return True
+
+    # -- known costs -----------------------------------------------------------------------
+
+    def book(self, ds: str, cost: float, end: AttemptEnd, *, run: bool) -> None:
+        """A known cost on the sums, counted by how its attempt ended (for `reconcile()`)."""
+        self.settled_usd += cost
+        self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
+        if run:
+            self.spent_run += cost
+        tally = self._answered if end is AttemptEnd.ANSWERED else \
+            self._settled_abandoned if end is AttemptEnd.ABANDONED else None
+        if tally is None:
+            self._refused += 1
+        else:
+            tally[0] += 1
+            tally[1] += cost
+
+    def book_settled(self, p: Pending, cost: float, *, run: bool) -> None:
+        self.book(p.ds, cost, AttemptEnd.ANSWERED if p.answer else AttemptEnd.ABANDONED, run=run)
+
+    def book_refused(self) -> None:
+        """A refusal written by this process: nothing billed, only counted."""
+        self._refused += 1
+
+    def note_answer(self, ds: str, prompt_id: str, cost: float) -> None:
+        if self.answer_costs is not None:  # a prompt answered twice (its line lost, asked again) cost both
+            per = self.answer_costs.setdefault(ds, {})
+            per[prompt_id] = per.get(prompt_id, 0.0) + cost
+
+    def book_carried(self, ds: str, cost: float, answers: int | None) -> None:
+        """A carry line: spend responses.jsonl held before the directory had a ledger."""
+        self._book_earlier(ds, cost, answers)
+        self._carried += cost
+
+    def book_found(self, ds: str, cost: float, answers: int | None) -> None:
+        """A found line: answers in responses.jsonl the ledger had no `sent` line for."""
+        self._book_earlier(ds, cost, answers)
+        self.found_usd += cost
+
+    def _book_earlier(self, ds: str, cost: float, answers: int | None) -> None:
+        if answers is not None:
+            self.covered[ds] = self.covered.get(ds, 0) + answers
+        self.settled_usd += cost
+        self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
+
+    # -- pending ---------------------------------------------------------------------------
+
+    def add_pending(self, p: Pending) -> None:
+        self.pending[p.id] = p
+        self.pending_usd += p.worst
+
+    def drop_pending(self, aid: str) -> Pending | None:
+        p = self.pending.pop(aid, None)
+        if p is not None:
+            self.pending_usd = max(0.0, self.pending_usd - p.worst) if self.pending else 0.0
+        return p
+
+    def lookups(self) -> list[Pending]:
+        """Pending attempts that can still be priced (they have a generation id)."""
+        return [p for p in self.pending.values() if p.gen]
+
+    def reconcile(self) -> Reconciliation:
+        known = [p for p in self.pending.values() if p.gen]
+        unknown = [p for p in self.pending.values() if not p.gen]
+        return Reconciliation(
+            answered=self._answered[0], answered_usd=self._answered[1], refused=self._refused,
+            abandoned_settled=self._settled_abandoned[0], abandoned_settled_usd=self._settled_abandoned[1],
+            pending=len(known), pending_worst_usd=sum(p.worst for p in known),
+            unknown=len(unknown), unknown_worst_usd=sum(p.worst for p in unknown),
+            carried_usd=self._carried, total_usd=self.settled_usd)
