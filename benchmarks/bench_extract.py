@@ -43,11 +43,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftgen.core.config import config_from_dict  # noqa: E402
-from draftgen.core.extract import extract  # noqa: E402
+from draftgen.core.extract import (
+    extract,  # noqa: E402
+    layout,  # noqa: E402
+    writer,  # noqa: E402
+)
 from draftgen.core.extract.hf_backend import HFBackend  # noqa: E402
-from draftgen.core.extract import layout  # noqa: E402
 from draftgen.core.extract.model_info import eagle3_layers  # noqa: E402
-from draftgen.core.extract import writer  # noqa: E402
 from draftgen.core.extract.writer import Item, PooledWriter  # noqa: E402
 from draftgen.core.files import write_atomic  # noqa: E402
 from draftgen.core.tokens.store import TokenWriter  # noqa: E402

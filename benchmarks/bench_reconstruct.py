@@ -30,8 +30,15 @@ from draftgen.core.config import config_from_dict
 from draftgen.core.tokens.reconstruct import reconstruct_record
 from draftgen.core.tokens.template import load_template
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
-from draftgen.core.tokens.workers import (WorkerSpec, _batches, _init_worker, _ping, reconstruct_batch, reconstruct_dataset,
-                                  worker_pool)
+from draftgen.core.tokens.workers import (
+    WorkerSpec,
+    _batches,
+    _init_worker,
+    _ping,
+    reconstruct_batch,
+    reconstruct_dataset,
+    worker_pool,
+)
 
 PASSAGES = {
     "reasoning": [

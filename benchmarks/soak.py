@@ -58,18 +58,18 @@ from typing import Any, TextIO
 import orjson
 import psutil
 
-from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_INCOMPLETE
 from draftgen.core.config import Config, load_config
-from draftgen.core.generate.prompts import Prompt, read_prompts
-from draftgen.core.tokens.reconstruct import reconstruct_record
-from draftgen.core.rundir import RunDir
 from draftgen.core.generate.classify import ANSWER_KINDS, WHOSE, Whose
+from draftgen.core.generate.prompts import Prompt, read_prompts
+from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_INCOMPLETE
 from draftgen.core.records import ErrorKind
-from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer, SimStats, parse_faults, prompt_key
-from draftgen.simulator.scenarios import parse_scenarios
+from draftgen.core.rundir import RunDir
+from draftgen.core.tokens.reconstruct import reconstruct_record
+from draftgen.core.tokens.store import TokenReader
 from draftgen.core.tokens.template import load_template
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
-from draftgen.core.tokens.store import TokenReader
+from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer, SimStats, parse_faults, prompt_key
+from draftgen.simulator.scenarios import parse_scenarios
 
 KEY_ENV = "DG_SOAK_KEY"
 SOAK_KEY = "sk-or-v1-soak-not-a-real-key-5f0e1d2c3b4a"
@@ -573,7 +573,7 @@ class Soak:
     async def _wait(self, proc: asyncio.subprocess.Process, timeout: float) -> int | None:
         try:
             return await asyncio.wait_for(proc.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
 
     async def _settle_sim(self) -> None:
@@ -702,7 +702,7 @@ class Soak:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), 300)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await proc.wait()
             self.problems.append("draftgen tokens did not finish within 300 s")

@@ -28,7 +28,6 @@ import orjson
 from draftgen.core.errors import ConfigError
 from draftgen.core.secrets import key_problem
 
-
 ServerKind = Literal["openrouter", "openai-compatible"]
 # Request keys only OpenRouter takes: a strict OpenAI-compatible server answers them with a 422.
 OPENROUTER_ONLY_KEYS = ("include_reasoning", "provider", "reasoning", "usage", "transforms", "models", "route")
@@ -619,7 +618,7 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     # A local tokenizer folder is resolved against the config; an HF id (org/name) stays as written.
     tok_path = tokenizer.path
     if tok_path.startswith((".", "/", "~")) or _exists(base / tok_path):
-        tokenizer = dataclasses.replace(tokenizer, path=str((base / Path(tok_path).expanduser())))
+        tokenizer = dataclasses.replace(tokenizer, path=str(base / Path(tok_path).expanduser()))
     if extract.model and (extract.model.startswith((".", "/", "~")) or _exists(base / extract.model)):
         extract = dataclasses.replace(extract, model=str(base / Path(extract.model).expanduser()))
     output: OutputConfig = parts["output"]

@@ -18,11 +18,11 @@ import textwrap
 import time
 from typing import TextIO
 
-from draftgen.core.live import snapshot as snap
 from draftgen.core.config import Config
-from draftgen.core.run.pipeline import Pipeline
+from draftgen.core.live import snapshot as snap
 from draftgen.core.live.summary import prompts_left, summary_lines
 from draftgen.core.records import error_count
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.units import clock, compact_duration, fmt_count, usd
 
 WIDTH = 120          # every line fits a 120-column terminal

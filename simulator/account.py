@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+
 from draftgen.simulator import responses
 from draftgen.simulator.config import SimConfig
 from draftgen.simulator.generations import Generation

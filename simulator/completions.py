@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+
 from draftgen.simulator import responses, scenarios, shaping, wire
 from draftgen.simulator.account import Account, auth_error
 from draftgen.simulator.answer_text import style_of_prompt

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
+
 from draftgen.simulator import responses
 from draftgen.simulator.config import SimulatorError
 from draftgen.simulator.scenarios import SCENARIOS

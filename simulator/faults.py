@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 
 from aiohttp import web
+
 from draftgen.simulator import responses, wire
 from draftgen.simulator.config import FAULT_KINDS, SimConfig
 from draftgen.simulator.generations import Generation

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
 from draftgen.simulator import responses
 from draftgen.simulator.answers import Completion
 from draftgen.simulator.config import SimConfig, SimProvider

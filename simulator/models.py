@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+
 from draftgen.simulator import responses
 from draftgen.simulator.config import SimConfig, SimProvider
 from draftgen.simulator.scenarios import Scenarios

@@ -22,6 +22,7 @@ import asyncio
 from typing import Any
 
 from aiohttp import web
+
 from draftgen.simulator import control
 from draftgen.simulator.account import Account, auth_error
 from draftgen.simulator.answers import AnswerPool, build_pool

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+
 from draftgen.simulator import wire
 from draftgen.simulator.config import SimConfig, SimProvider
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
 from draftgen.simulator.answers import Completion
 
 PROCESSING = b": OPENROUTER PROCESSING\n\n"

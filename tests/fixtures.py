@@ -16,8 +16,19 @@ from typing import TYPE_CHECKING
 
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.hub import Hub
-from draftgen.core.live.snapshot import (Credits, DatasetSnapshot, ErrorRecord, Event, GpuStat, ProviderFidelity,
-                                          ProviderStat, RunSnapshot, StageProgress, Throughput, Timeline)
+from draftgen.core.live.snapshot import (
+    Credits,
+    DatasetSnapshot,
+    ErrorRecord,
+    Event,
+    GpuStat,
+    ProviderFidelity,
+    ProviderStat,
+    RunSnapshot,
+    StageProgress,
+    Throughput,
+    Timeline,
+)
 
 if TYPE_CHECKING:
     from textual.pilot import Pilot

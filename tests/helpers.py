@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
+
 from draftgen.core.config import Config, load_config, toml_value
 
 if TYPE_CHECKING:
     import aiohttp
+
     from draftgen.simulator import SimServer
 
 TEST_KEY = "sk-or-v1-draftgen-test-key-0123456789abcdef"
@@ -109,5 +111,5 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 30.0, ever
             await asyncio.sleep(every)
     try:
         await asyncio.wait_for(poll(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise AssertionError(f"never happened within {timeout:.0f} s: {what}") from None

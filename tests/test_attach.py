@@ -14,10 +14,11 @@ from pathlib import Path
 
 import orjson
 import pytest
+
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.snapshot import event_from_dict, snapshot_from_dict
 from draftgen.core.live.attach import ENDED, LIVE, AttachClient, AttachControls, AttachError, AttachServer, AttachState
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.snapshot import event_from_dict, snapshot_from_dict
 from draftgen.core.rundir import RunDir
 from tests import fixtures as fx
 from tests.helpers import until

@@ -9,8 +9,9 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp.base_protocol import BaseProtocol
 import pytest
+from aiohttp.base_protocol import BaseProtocol
+
 from draftgen.core.generate.client import ChatClient, RequestFailed, parse_completion
 from draftgen.core.records import ErrorKind
 from draftgen.simulator import SimConfig, SimServer

@@ -27,15 +27,15 @@ from pathlib import Path
 import orjson
 import pytest
 
-from draftgen.core.live import snapshot as snap
 from draftgen.core.config import load_config
 from draftgen.core.generate.engine import Engine
+from draftgen.core.live import snapshot as snap
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
-from draftgen.simulator import SimConfig, SimServer
+from draftgen.core.tokens.store import INDEX_FILE, TokenReader
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.core.tokens.workers import reconstruct_dataset
-from draftgen.core.tokens.store import INDEX_FILE, TokenReader
+from draftgen.simulator import SimConfig, SimServer
 
 from .helpers import TEST_KEY, cli_env, make_config, until
 

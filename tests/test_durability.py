@@ -18,7 +18,6 @@ from draftgen.core.generate.engine import Engine
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
-
 from tests.helpers import TEST_KEY, make_config, until
 
 

@@ -8,11 +8,11 @@ import random
 import orjson
 import pytest
 
-from draftgen.core.live import snapshot as snap
 from draftgen.core.generate.admission import AdaptiveConcurrency
 from draftgen.core.generate.attempts import backoff_delay
 from draftgen.core.generate.classify import ANSWER_KINDS
 from draftgen.core.generate.engine import Engine
+from draftgen.core.live import snapshot as snap
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 

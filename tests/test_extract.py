@@ -19,11 +19,15 @@ import torch
 
 from draftgen.core.config import Config, config_from_dict
 from draftgen.core.errors import ConfigError, DiskError, DraftgenError
-from draftgen.core.extract import extract, extract_command, parse_shard
-from draftgen.core.extract import layout, runner
+from draftgen.core.extract import extract, extract_command, layout, parse_shard, runner
 from draftgen.core.extract.hf_backend import HFBackend
-from draftgen.core.extract.model_info import (ModelDims, dims_from_config_dict, eagle3_layers, read_model_dims,
-                                              resolve_aux_layers)
+from draftgen.core.extract.model_info import (
+    ModelDims,
+    dims_from_config_dict,
+    eagle3_layers,
+    read_model_dims,
+    resolve_aux_layers,
+)
 from draftgen.core.extract.runner import plan_batches
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.tokens.store import TokenWriter
@@ -51,6 +55,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def hf_model(model_dir: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
+
     from draftgen.core.extract.hf_backend import _dtype_kwarg  # `torch_dtype` before transformers 4.56
     return AutoModelForCausalLM.from_pretrained(model_dir, **{_dtype_kwarg(): torch.float32}).eval()
 

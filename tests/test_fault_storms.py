@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 
-from draftgen.core.live import snapshot as snap
-from draftgen.core.generate.classify import ANSWER_KINDS
 from draftgen.core.config import Config
+from draftgen.core.generate.classify import ANSWER_KINDS
+from draftgen.core.live import snapshot as snap
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
-from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
 
 from .helpers import TEST_KEY, cli_env, make_config, read_ids, until
 

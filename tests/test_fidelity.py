@@ -14,15 +14,15 @@ from draftgen.core.generate.engine import Engine
 from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.live import snapshot as snap
 from draftgen.core.merge.merge import merge
-from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.rundir import RunDir
-from draftgen.simulator import DEFAULT_PROVIDERS, SimConfig, SimProvider, SimServer
+from draftgen.core.tokens.command import tokens_command
+from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.reconstruct import reconstruct_record
 from draftgen.core.tokens.store import TokenReader
 from draftgen.core.tokens.template import load_template
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
-from draftgen.core.tokens.command import tokens_command
 from draftgen.core.tokens.workers import provider_flags, reconstruct_dataset
+from draftgen.simulator import DEFAULT_PROVIDERS, SimConfig, SimProvider, SimServer
 
 from .helpers import TEST_KEY, make_config
 
@@ -220,8 +220,9 @@ async def test_a_provider_serving_another_tokenizer_is_flagged_in_smoke(tmp_path
 
 
 async def test_the_live_run_shows_provider_fidelity_in_the_snapshot(tmp_path):
-    from draftgen.core.run.pipeline import Pipeline
     import asyncio
+
+    from draftgen.core.run.pipeline import Pipeline
     async with SimServer(SimConfig(**{**FAST, "providers": PROVIDERS, "fallback_rate": 0.0}), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 8, "max_tokens": 4096}],
                           tables={"tokenizer": TOKENIZER, "engine": {"reconstruct": True, "workers": 1},

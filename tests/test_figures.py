@@ -13,8 +13,8 @@ import pytest
 
 from draftgen.core.merge.merge import merge, merge_command
 
-from .test_merge import Sample, make_config as merge_config, user, write_dataset
-
+from .test_merge import Sample, user, write_dataset
+from .test_merge import make_config as merge_config
 
 # -- cost columns from the ledger ---------------------------------------------------------------
 
@@ -89,8 +89,8 @@ def _running(**throughput: object):  # noqa: ANN202 - a RunSnapshot
 def test_the_headless_line_shows_money_in_the_one_format() -> None:
     import dataclasses
 
-    from draftgen.headless.printer import detail_lines, status_line
     from draftgen.core.units import usd
+    from draftgen.headless.printer import detail_lines, status_line
     s = _running()
     s = dataclasses.replace(s, credits=dataclasses.replace(s.credits, max_usd=130.0))
     line = status_line(s, now=0.0)

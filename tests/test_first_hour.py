@@ -14,10 +14,10 @@ from draftgen.core.errors import DraftgenError, NoPromptError
 from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.generate.spend import SpendLedger
-from draftgen.headless.printer import run_headless
 from draftgen.core.rundir import RunDir
-from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.headless.printer import run_headless
+from draftgen.simulator import SimConfig, SimServer
 
 from .helpers import TEST_KEY, make_config
 
@@ -207,8 +207,8 @@ async def test_a_warning_repeated_during_an_outage_is_said_once_with_a_count(tmp
 # -- 5. screens that fit ------------------------------------------------------------------------
 
 async def test_refused_keys_in_attach_show_one_toast_not_a_stack() -> None:
-    from tests import fixtures as fx
     from draftgen.tui.app import DraftgenApp
+    from tests import fixtures as fx
     controls = fx.FakeControls(fx.attached(), fx.events(), read_only=True)  # type: ignore[arg-type]
     app = DraftgenApp(controls, title="draftgen", refresh_s=0.05)
     async with app.run_test() as pilot:
@@ -218,8 +218,8 @@ async def test_refused_keys_in_attach_show_one_toast_not_a_stack() -> None:
 
 
 async def test_an_unavailable_reason_keeps_its_brackets() -> None:
-    from tests import fixtures as fx
     from draftgen.tui.app import DraftgenApp
+    from tests import fixtures as fx
     reason = "no model to extract with: set [extract] model in sim.toml"
     controls = fx.FakeControls(fx.running(), fx.events(), unavailable={"extract": reason})  # type: ignore[arg-type]
     app = DraftgenApp(controls, title="draftgen", refresh_s=0.05)
@@ -284,8 +284,8 @@ def _panel_text(app, selector: str) -> str:  # noqa: ANN001 - what a Static pane
 async def test_pending_spend_is_not_clipped_at_120x40() -> None:
     import dataclasses
 
-    from tests import fixtures as fx
     from draftgen.tui.app import DraftgenApp
+    from tests import fixtures as fx
     s = fx.running()
     s = dataclasses.replace(s, credits=dataclasses.replace(s.credits, pending_usd=0.02))
     app = DraftgenApp(fx.FakeControls(s, fx.events()), title="draftgen", refresh_s=0.05)  # type: ignore[arg-type]
@@ -299,8 +299,8 @@ async def test_pending_spend_is_not_clipped_at_120x40() -> None:
 async def test_the_attach_header_keeps_the_run_name_at_80x24(runs: int) -> None:
     import dataclasses
 
-    from tests import fixtures as fx
     from draftgen.tui.app import DraftgenApp
+    from tests import fixtures as fx
     s = fx.attached()
     s = dataclasses.replace(s, timeline=dataclasses.replace(s.timeline, runs=tuple(range(runs))),
                             first_started_at=s.first_started_at or 1.0)

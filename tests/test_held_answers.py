@@ -29,8 +29,8 @@ import pytest
 
 from draftgen.core.generate.spool import SpoolRecord, find_spools, write_spool
 from draftgen.core.live import snapshot as snap
-from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.live.summary import summary_lines
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.tui.screens.quitdialog import QuitScreen
@@ -303,7 +303,7 @@ async def test_closing_the_pane_drains_the_tui_run(tmp_path, how):
                 os.close(master)  # the pane is gone: the blocked write fails (EIO)
             try:
                 code = await asyncio.wait_for(asyncio.to_thread(proc.wait), 60)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise AssertionError("the run did not end: " + run.events_log.read_text()[-3000:]) from None
         finally:
             if proc.poll() is None:

@@ -29,14 +29,14 @@ from hypothesis import strategies as st
 
 from draftgen.core import config as cfgmod
 from draftgen.core.config import Config, load_config
-from draftgen.core.generate.engine import Engine
 from draftgen.core.errors import ConfigError, NoPromptError, PromptFileError
+from draftgen.core.generate.engine import Engine
 from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
 from draftgen.core.rundir import RunDir
-from draftgen.simulator import SimConfig, SimServer
+from draftgen.core.tokens.store import TokenReader
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
 from draftgen.core.tokens.workers import reconstruct_dataset
-from draftgen.core.tokens.store import TokenReader
+from draftgen.simulator import SimConfig, SimServer
 
 from .helpers import TEST_KEY, cli_env, make_config
 
@@ -518,7 +518,7 @@ class HostileUpstream:
         self._runner: web.AppRunner | None = None
         self.base_url = ""
 
-    async def __aenter__(self) -> "HostileUpstream":
+    async def __aenter__(self) -> HostileUpstream:
         app = web.Application(client_max_size=64 * MB)
         app.router.add_post("/api/v1/chat/completions", self._chat)
         app.router.add_get("/api/v1/credits", self._credits)

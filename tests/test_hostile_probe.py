@@ -34,8 +34,8 @@ from draftgen.core.live.hub import Hub
 from draftgen.core.live.timeline import TimelineRecorder, Totals, read_history
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
-from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.simulator import SimConfig, SimServer
 
 from .helpers import cli_env, make_config, until, write_prompts
 

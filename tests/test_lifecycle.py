@@ -118,7 +118,7 @@ async def test_headless_ctrl_c_twice_during_the_smoke_test_ends_at_once_with_130
                     lines.append(line)
             try:
                 await asyncio.wait_for(read(), 60)  # a hang guard, not a timing check
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise AssertionError(f"never printed {needle!r}: " + "".join(lines)[-3000:]) from None
 
         try:

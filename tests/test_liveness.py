@@ -18,13 +18,14 @@ from draftgen.core.files import RunDirBusyError, exclusive
 from draftgen.core.generate.retry_failed import history_path, retry_failed
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
-from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.command import tokens_command
 from draftgen.core.tokens.live import LiveReconstructor
 from draftgen.core.tokens.store import TokenReader
+from draftgen.simulator import SimConfig, SimServer
 from tests.helpers import TEST_KEY, make_config, until
 from tests.test_soak import _start, soak
-from tests.test_tokens import make_config as tokens_config, response, write_responses
+from tests.test_tokens import make_config as tokens_config
+from tests.test_tokens import response, write_responses
 
 
 def _lines(path: Path) -> int:

@@ -17,12 +17,13 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
-from draftgen.core.merge import merge as merge_mod
+
 from draftgen.core.config import Config, config_from_dict
 from draftgen.core.errors import DraftgenError
+from draftgen.core.live.snapshot import StageProgress
+from draftgen.core.merge import merge as merge_mod
 from draftgen.core.merge.merge import DROP_REASONS, merge, merge_command
 from draftgen.core.merge.swap import recover
-from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.tokens.store import TokenReader, TokenWriter
 
 

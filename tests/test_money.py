@@ -17,7 +17,6 @@ from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
-
 from tests.helpers import TEST_KEY, make_config, until
 
 ROUTING = {"ignore": ["fireworks", "baseten"], "sort": "price", "allow_fallbacks": True, "quantizations": ["int4"]}

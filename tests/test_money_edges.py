@@ -21,9 +21,8 @@ from draftgen.core.generate.smoke import SMOKE, run_smoke
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.rundir import RunDir, iter_jsonl
-from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
-
+from draftgen.simulator import SimConfig, SimServer
 from tests.helpers import TEST_KEY, make_config
 
 ROUTING = {"ignore": ["fireworks", "baseten"], "allow_fallbacks": True, "quantizations": ["int4"]}

@@ -21,7 +21,6 @@ from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.records import ErrorKind, Usage
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
-
 from tests.helpers import TEST_KEY, make_config
 
 

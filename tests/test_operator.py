@@ -12,12 +12,12 @@ import pytest
 
 from draftgen.cli.main import main
 from draftgen.core.live import snapshot as snap
-from draftgen.headless.printer import WIDTH, detail_lines, status_line
-from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.summary import EXIT_INCOMPLETE, final_state, summary_lines
 from draftgen.core.live.timeline import TimelineRecorder, Totals, read_history
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
+from draftgen.headless.printer import WIDTH, detail_lines, status_line
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.tui.report import report
 from tests import fixtures as fx

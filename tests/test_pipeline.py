@@ -9,9 +9,9 @@ import orjson
 from draftgen.core.live import snapshot as snap
 from draftgen.core.run.pipeline import Pipeline, smoke_status
 from draftgen.core.rundir import RunDir
-from draftgen.simulator import SimConfig, SimServer
-from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.core.tokens.store import TokenReader
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.simulator import SimConfig, SimServer
 
 from .helpers import TEST_KEY, make_config, read_ids
 

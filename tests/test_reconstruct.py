@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 
 from draftgen.core.tokens.reconstruct import CHECKS, reconstruct, reconstruct_record
 from draftgen.core.tokens.report import ValidationReport
-from draftgen.core.tokens.template import KIMI_DEFAULT_SYSTEM, AutoTemplate, KimiK25Template, TemplateError, load_template
+from draftgen.core.tokens.template import (
+    KIMI_DEFAULT_SYSTEM,
+    AutoTemplate,
+    KimiK25Template,
+    TemplateError,
+    load_template,
+)
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path, load_tokenizer
 
 from .test_tokenizer import ROUND_TRIPS, build_tokenizer_json

@@ -23,9 +23,9 @@ from draftgen.core.generate.engine import Engine
 from draftgen.core.generate.retry_failed import history_path, retry_failed
 from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.live import snapshot as snap
-from draftgen.headless.printer import run_headless
 from draftgen.core.live.summary import EXIT_INCOMPLETE
 from draftgen.core.rundir import RunDir
+from draftgen.headless.printer import run_headless
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.simulator.scenarios import BY_NAME
 

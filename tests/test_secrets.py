@@ -17,16 +17,16 @@ import sys
 from pathlib import Path
 
 import aiohttp
-import pytest
 import orjson
+import pytest
 
 from draftgen.core.config import load_config
 from draftgen.core.errors import EXIT_KEY_REFUSED
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import PREFIX
-from draftgen.simulator import SimConfig, SimServer
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.simulator import SimConfig, SimServer
 
 from .helpers import cli_env, make_config
 

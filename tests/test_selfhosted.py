@@ -17,7 +17,6 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-
 from typing import Any
 
 import orjson

@@ -54,7 +54,7 @@ class CannedServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    async def __aenter__(self) -> "CannedServer":
+    async def __aenter__(self) -> CannedServer:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.chat)
         self.runner = web.AppRunner(app)

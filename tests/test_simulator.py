@@ -18,6 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
 from draftgen.core.errors import DraftgenError
 from draftgen.simulator import (
     FAULT_KINDS,
@@ -28,7 +30,6 @@ from draftgen.simulator import (
     prompt_key,
 )
 from draftgen.simulator.answers import build_pool
-from tiktoken.load import load_tiktoken_bpe
 
 from .helpers import SIM_AUTH as AUTH
 from .helpers import chat_body as body

@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+
 from draftgen.simulator import SimConfig, SimServer, SimulatorError, prompt_key
 from draftgen.simulator.models import per_token
 from draftgen.simulator.scenarios import SCENARIOS, parse_scenarios

@@ -5,11 +5,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.run.pipeline import smoke_status
 from draftgen.core.rundir import RunDir
-from draftgen.simulator import SimConfig, SimServer
-from draftgen.core.generate.smoke import run_smoke
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.simulator import SimConfig, SimServer
 
 from .helpers import TEST_KEY, make_config
 

@@ -14,11 +14,11 @@ from types import ModuleType
 
 import pytest
 
-from draftgen.core.live.summary import EXIT_INCOMPLETE
 from draftgen.core.config import load_config
+from draftgen.core.live.summary import EXIT_INCOMPLETE
 from draftgen.core.rundir import RunDir
-from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
 from draftgen.core.tokens.store import TokenReader
+from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
 
 
 def _load_soak() -> ModuleType:

@@ -14,9 +14,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.contract import (BATCH_FIELDS, CALL_SITES, CAPTURE_METHODS, CONTRACT, Sources, _class_fields, _find,
-                            call_keywords, call_sites, check_call_sites, check_expectations, check_imports,
-                            imports_of, server_args_collisions)
+from tests.contract import (
+    BATCH_FIELDS,
+    CALL_SITES,
+    CAPTURE_METHODS,
+    CONTRACT,
+    Sources,
+    _class_fields,
+    _find,
+    call_keywords,
+    call_sites,
+    check_call_sites,
+    check_expectations,
+    check_imports,
+    imports_of,
+    server_args_collisions,
+)
 from tests.pinned import ROOT, gpu_pins
 
 BACKEND = ROOT / "core" / "extract" / "specforge_backend.py"

@@ -9,10 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from draftgen.core.tokens import tokenizer as tokmod
 from draftgen.core.errors import TokenizerError
-from draftgen.core.tokens.tokenizer import (MAX_NO_WHITESPACES_CHARS, TiktokenTokenizer, TokenizersTokenizer, bundled_kimi,
-                                     bundled_kimi_path, load_tokenizer, split_long_runs)
+from draftgen.core.tokens import tokenizer as tokmod
+from draftgen.core.tokens.tokenizer import (
+    MAX_NO_WHITESPACES_CHARS,
+    TiktokenTokenizer,
+    TokenizersTokenizer,
+    bundled_kimi,
+    bundled_kimi_path,
+    load_tokenizer,
+    split_long_runs,
+)
 
 TABLE = json.loads((bundled_kimi_path() / "special_tokens.json").read_text())
 VECTORS = TABLE["test_vectors"]

@@ -11,15 +11,15 @@ import pytest
 
 from draftgen.core.config import Config, config_from_dict
 from draftgen.core.errors import ConfigError, TokenizerError
-from draftgen.core.tokens.reconstruct import reconstruct_record
-from draftgen.core.rundir import RunDir, repair_torn_tail
 from draftgen.core.live.snapshot import StageProgress
+from draftgen.core.rundir import RunDir, repair_torn_tail
+from draftgen.core.tokens.command import tokens_command
+from draftgen.core.tokens.live import LiveReconstructor
+from draftgen.core.tokens.reconstruct import reconstruct_record
+from draftgen.core.tokens.store import INDEX_FILE, TokenReader
 from draftgen.core.tokens.template import load_template
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
-from draftgen.core.tokens.live import LiveReconstructor
-from draftgen.core.tokens.command import tokens_command
 from draftgen.core.tokens.workers import INLINE_MAX, REPORT_FILE, reconstruct_dataset
-from draftgen.core.tokens.store import INDEX_FILE, TokenReader
 
 META_KEYS = {"answer_start", "answer_end", "valid", "failed_checks", "span_tokens", "billed_tokens", "count_diff",
              "truncated", "source", "prompt_tokens", "billed_prompt_tokens", "prompt_diff", "provider",

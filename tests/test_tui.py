@@ -10,8 +10,9 @@ import io
 from collections.abc import Callable
 
 import pytest
+from rich.console import Console
+
 from draftgen.core.live import snapshot as snap
-from tests import fixtures as fx
 from draftgen.tui import fmt
 from draftgen.tui.app import DraftgenApp
 from draftgen.tui.screens.drill import DrillScreen
@@ -20,8 +21,7 @@ from draftgen.tui.screens.history import HistoryScreen
 from draftgen.tui.screens.logview import LogScreen
 from draftgen.tui.screens.quitdialog import QuitScreen
 from draftgen.tui.screens.smoke import SmokeScreen
-from rich.console import Console
-
+from tests import fixtures as fx
 
 pytestmark = pytest.mark.usefixtures("utc")
 

@@ -4,8 +4,8 @@ with the SVGs accepted in tests/__snapshots__/ (update with `pytest --snapshot-u
 from __future__ import annotations
 
 import pytest
-from tests.fixtures import VIEWS, View
 
+from tests.fixtures import VIEWS, View
 
 pytestmark = pytest.mark.usefixtures("utc")
 

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.driver import Driver
+from textual.timer import Timer
+from textual.widgets import Footer, Static
+
 from draftgen.core.live.control import Controls
 from draftgen.core.live.hub import Subscription
 from draftgen.core.live.snapshot import Event, RunSnapshot
-from textual.app import App, ComposeResult
-from textual.binding import Binding
-from textual.driver import Driver
-from textual.containers import Horizontal, Vertical
-from textual.timer import Timer
-from rich.text import Text
-from textual.widgets import Footer, Static
-
+from draftgen.tui.keys import RunKeys
 from draftgen.tui.panels.credits import CreditsPanel
 from draftgen.tui.panels.datasets import DatasetsPanel
 from draftgen.tui.panels.errors import ErrorsPanel
@@ -29,7 +30,6 @@ from draftgen.tui.panels.eventlog import EventLogPanel, EventStore
 from draftgen.tui.panels.gpu import GpuPanel
 from draftgen.tui.panels.header import AlertBar, RunHeader
 from draftgen.tui.panels.history import HistoryPanel
-from draftgen.tui.keys import RunKeys
 from draftgen.tui.panels.panel import Panel
 from draftgen.tui.panels.providers import ProvidersPanel
 from draftgen.tui.panels.stages import StagesPanel

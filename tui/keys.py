@@ -6,20 +6,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from textual.app import App
+
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.control import Controls
 from draftgen.core.live.snapshot import RunSnapshot
-from textual.app import App
-
 from draftgen.tui.panels.eventlog import EventLogPanel, EventStore
+from draftgen.tui.panels.panel import SelectablePanel
+from draftgen.tui.panels.stages import active_stages
 from draftgen.tui.screens.drill import DrillScreen, Target
 from draftgen.tui.screens.help import HelpScreen
 from draftgen.tui.screens.history import HistoryScreen
 from draftgen.tui.screens.logview import LogScreen
-from draftgen.tui.panels.panel import SelectablePanel
 from draftgen.tui.screens.quitdialog import SPOOL, STOP, QuitScreen
 from draftgen.tui.screens.smoke import SmokeScreen
-from draftgen.tui.panels.stages import active_stages
 
 # Actions that change the run: hidden from the footer when attached read-only, where their keys
 # answer that the viewer is read-only.

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import TextIO
 
 from draftgen.core.config import Config
-from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.live.summary import EXIT_ERROR, summary_lines
-
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.tui.app import DraftgenApp
 
 
@@ -75,7 +74,7 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
             pipeline.quit(drain=False)
             try:
                 await asyncio.wait_for(work, 30)
-            except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+            except (TimeoutError, asyncio.CancelledError, Exception):
                 work.cancel()
         await pipeline.close()
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):

@@ -17,8 +17,8 @@ from rich.text import Text
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.live.timeline import timeline_from_file
 from draftgen.core.rundir import RunDir, iter_jsonl
-from draftgen.tui import fmt
 from draftgen.core.units import usd_shown
+from draftgen.tui import fmt
 from draftgen.tui.charts import CHARTS, Chart
 
 

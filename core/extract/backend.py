@@ -12,7 +12,6 @@ from draftgen.core.config import ExtractConfig
 from draftgen.core.errors import ConfigError
 from draftgen.core.extract.model_info import ModelDims
 
-
 PAD_ID = 0  # any valid id: padded positions are masked or cut off
 
 

@@ -11,8 +11,8 @@ from typing import Any, TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
-from draftgen.core.live.snapshot import Level, StageProgress
 from draftgen.core.live.progress import every
+from draftgen.core.live.snapshot import Level, StageProgress
 from draftgen.core.units import compact_duration, fmt_bytes, fmt_count
 
 PRINT_INTERVAL_S = 5.0

@@ -9,7 +9,6 @@ from typing import Any
 
 from draftgen.core.errors import ConfigError, DraftgenError
 
-
 # SGLang's DeepSeek-family models (DeepseekV2/V3ForCausalLM, and Kimi-K2.5, whose language model is a
 # DeepseekV3ForCausalLM) add 1 to the capture ids only when the first id is 1 (see
 # `sglang_capture_ids`); the contract test checks that rule in the pinned SGLang source.

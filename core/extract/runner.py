@@ -19,15 +19,15 @@ import torch
 
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DiskError, DraftgenError
-from draftgen.core.files import TMP_MARK, disk_error, write_json_atomic
-from draftgen.core.rundir import EventLog, RunDir
-from draftgen.core.live.snapshot import StageProgress, StageState
-from draftgen.core.live.progress import Throttle
-from draftgen.core.tokens.store import INDEX_FILE, TokenEntry, TokenReader
 from draftgen.core.extract import layout
 from draftgen.core.extract.backend import ExtractBackend, make_backend
 from draftgen.core.extract.model_info import ModelDims, read_model_dims, resolve_aux_layers
 from draftgen.core.extract.writer import Item, PooledWriter, Written
+from draftgen.core.files import TMP_MARK, disk_error, write_json_atomic
+from draftgen.core.live.progress import Throttle
+from draftgen.core.live.snapshot import StageProgress, StageState
+from draftgen.core.rundir import EventLog, RunDir
+from draftgen.core.tokens.store import INDEX_FILE, TokenEntry, TokenReader
 from draftgen.core.units import fmt_bytes, fmt_count
 
 # torch.save's zip container, pickled dict and 64-byte alignment per file, rounded up generously.

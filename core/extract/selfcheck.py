@@ -220,6 +220,7 @@ def _specforge_reader() -> tuple[Callable[[Path], list[dict[str, torch.Tensor]]]
 def _check_model(result: SelfCheckResult, name: str, hf_config: Any, work: Path, base: ExtractConfig,
                  config_path: Path, long_tokens: int, target_hidden: int, group: Any) -> None:
     from transformers import AutoModelForCausalLM
+
     from draftgen.core.extract.runner import extract
     label = f"[{name}]"
     model_dir = work / name.split()[0]

@@ -125,7 +125,7 @@ async def read_account(client: ChatClient, *, management_key: str = "", timeout_
         refused = e.status in (401, 403) and not management_key
         note = (f"GET /credits refused {which} ({e.status}: not a management key; set [api] management_key_env)"
                 if refused else f"GET /credits with {which}: {e.message}")
-    except (asyncio.TimeoutError, aiohttp.ClientError, ValueError, TypeError) as e:
+    except (TimeoutError, aiohttp.ClientError, ValueError, TypeError) as e:
         note = f"GET /credits: {type(e).__name__}"
     return status_from(key if isinstance(key, dict) else {}, credits, note)
 

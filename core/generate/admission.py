@@ -26,8 +26,8 @@ from draftgen.core.generate.prices import Prices
 from draftgen.core.generate.prompts import Prompt
 from draftgen.core.generate.room import BodyFor, Decision, Room, Verdict
 from draftgen.core.generate.spend import Ticket
-from draftgen.core.units import usd
 from draftgen.core.live.snapshot import DatasetStatus, EventKind, EventSink, Level
+from draftgen.core.units import usd
 
 if TYPE_CHECKING:
     from draftgen.core.generate.ledger import DatasetRun, Ledger

@@ -7,12 +7,11 @@ whose `kind` says whose problem it is and so how the engine treats it (core/gene
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import quote
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import orjson
@@ -294,7 +293,7 @@ class ChatClient:
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "ChatClient":
+    async def __aenter__(self) -> ChatClient:
         self.open()
         return self
 
@@ -341,7 +340,7 @@ class ChatClient:
                                             f"({len(raw)} bytes, truncated?)") from None
         except RequestFailed:
             raise
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             if isinstance(e, aiohttp.ConnectionTimeoutError):
                 raise RequestFailed(ErrorKind.CONNECTION, f"cannot connect to {self.base_url}: no answer within "
                                     f"{self._timeout.sock_connect:g} s", unreachable=True) from None

@@ -41,10 +41,10 @@ from collections.abc import Callable
 from typing import Any
 
 from draftgen.core.config import Config
+from draftgen.core.generate.account import AccountStop
 from draftgen.core.generate.admission import AdaptiveConcurrency, Admission, Gate, Hold
 from draftgen.core.generate.attempts import Attempts, Outcome
 from draftgen.core.generate.budget import MoneyBudget, TokenBudget
-from draftgen.core.generate.account import AccountStop
 from draftgen.core.generate.client import ChatClient
 from draftgen.core.generate.forecast import SmokeFigures
 from draftgen.core.generate.ledger import DatasetRun, Ledger
@@ -58,8 +58,8 @@ from draftgen.core.generate.stats import Tally
 from draftgen.core.generate.watch import AccountWatch
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.recent import ProviderStats, RecentErrors
-from draftgen.core.live.summary import ended_line, final_state
 from draftgen.core.live.snapshot import RunState
+from draftgen.core.live.summary import ended_line, final_state
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
 from draftgen.core.units import usd
@@ -283,7 +283,7 @@ class Engine:
             self._held_wake.clear()
             try:
                 await asyncio.wait_for(self._held_wake.wait(), HELD_RETRY_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _request(self, ds: DatasetRun, prompt: Prompt, ticket: Ticket, body: dict[str, Any]) -> None:

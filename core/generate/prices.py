@@ -16,7 +16,6 @@ of the messages plus a few tokens per message for the chat template never underc
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -201,6 +200,6 @@ async def fetch_prices(client: ChatClient, config: Config) -> tuple[dict[str, Pr
                 error = f"GET {path} lists no endpoints"
         except RequestFailed as e:  # an unreachable address's message already names the request
             error = e.message if e.message.startswith(f"GET {path}") else f"GET {path}: {e.message}"
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             error = f"GET {path}: {type(e).__name__}: {e}"
     return {ds.name: dataset_prices(config, ds, endpoints) for ds in config.datasets}, error

@@ -117,7 +117,7 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
                 usage = (await read_account(client, management_key=config.api.management_key())).key_usage
                 key_usage, note = (usage, "GET /key usage: everything this key ran") if usage is not None \
                     else (None, "GET /key shows no usage")
-            except (RequestFailed, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, RequestFailed, OSError) as e:
                 key_usage, note = None, f"GET /key: {getattr(e, 'message', type(e).__name__)}"
             from_key, from_key_note, wait_s, running = None, "", 0.0, ""
             if unknown_from_key:

@@ -100,7 +100,7 @@ class Settler:
             try:
                 record = await self._client.generation(p.gen)
                 not_found = not_found + 1 if record is None else 0
-            except (RequestFailed, asyncio.TimeoutError, aiohttp.ClientError, OSError):
+            except (TimeoutError, RequestFailed, aiohttp.ClientError, OSError):
                 record = None
                 not_found = 0
                 self.failures += 1

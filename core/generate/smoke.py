@@ -40,24 +40,23 @@ from typing import Any
 
 import orjson
 
-
-from draftgen.core.live import snapshot as snap
-from draftgen.core.generate.account import AccountStatus, read_account
-from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
-from draftgen.core.generate.forecast import DatasetFigures, RunForecast, SmokeFigures, forecast
-from draftgen.core.generate.billing import book_answer, book_failure, look_up, reserve_one
-from draftgen.core.generate.attempts import backoff_delay
-from draftgen.core.generate.classify import ANSWER_KINDS, Whose
-from draftgen.core.generate.preflight import note_key_answer
-from draftgen.core.generate.prices import body_max_tokens, body_worst_case, fetch_prices
-from draftgen.core.generate.settle import Settler
-from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
-from draftgen.core.records import ResponseRecord
-from draftgen.core.generate.precheck import check_tokenizer
-from draftgen.core.generate.prompts import Prompt, read_prompts
 from draftgen.core.files import write_json_atomic
+from draftgen.core.generate.account import AccountStatus, read_account
+from draftgen.core.generate.attempts import backoff_delay
+from draftgen.core.generate.billing import book_answer, book_failure, look_up, reserve_one
+from draftgen.core.generate.classify import ANSWER_KINDS, Whose
+from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
+from draftgen.core.generate.forecast import DatasetFigures, RunForecast, SmokeFigures, forecast
+from draftgen.core.generate.precheck import check_tokenizer
+from draftgen.core.generate.preflight import note_key_answer
+from draftgen.core.generate.prices import body_max_tokens, body_worst_case, fetch_prices
+from draftgen.core.generate.prompts import Prompt, read_prompts
+from draftgen.core.generate.settle import Settler
+from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.live import snapshot as snap
+from draftgen.core.records import ResponseRecord
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
 from draftgen.core.units import clip, usd
@@ -230,8 +229,8 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
 
 def _tokens_row(config: Config, label: str, rec: Any, provider: str | None) -> SmokeRow:
     """The answer's ids: structure checked, count judged by the sample policy (a BPE split passes)."""
-    from draftgen.core.tokens.policy import SamplePolicy
     from draftgen.core.tokens.fidelity import routing_name, toml_list
+    from draftgen.core.tokens.policy import SamplePolicy
     verdict = SamplePolicy.from_config(config).judge(rec.failed_checks, rec.count_diff, rec.billed_tokens)
     detail = (f"{rec.span_tokens} answer tokens vs {rec.billed_tokens} billed (diff {rec.count_diff})"
               + (f"; failed: {', '.join(rec.failed_checks)}" if rec.failed_checks else "; all checks pass"))

@@ -40,8 +40,8 @@ import orjson
 
 from draftgen.core.errors import DraftgenError
 from draftgen.core.live.hub import Hub, Subscription
-from draftgen.core.rundir import RunDir
 from draftgen.core.live.snapshot import Event, EventKind, Level, RunSnapshot, event_from_dict, snapshot_from_dict
+from draftgen.core.rundir import RunDir
 
 PROTOCOL = 1
 MAX_CLIENTS = 128       # viewers served at once (a hundred attached at once must all get in)

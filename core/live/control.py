@@ -11,6 +11,7 @@ from typing import Protocol
 
 from draftgen.core.live.hub import Hub
 
+
 class Controls(Protocol):
     hub: Hub               # snapshots and events to render
     read_only: bool        # True when attached: every action is disabled

@@ -16,7 +16,7 @@ Item = tuple[Literal["snapshot"], RunSnapshot] | tuple[Literal["event"], Event]
 
 
 class Subscription:
-    def __init__(self, hub: "Hub", maxsize: int) -> None:
+    def __init__(self, hub: Hub, maxsize: int) -> None:
         self._hub = hub
         self._items: deque[Item] = deque()
         self._maxsize = maxsize

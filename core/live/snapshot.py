@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+
 class RunState(StrEnum):
     """The run's state, shown in the header (the values travel in snapshots as they are)."""
     IDLE = "IDLE"

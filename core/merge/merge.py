@@ -39,19 +39,19 @@ import numpy as np
 import orjson
 
 from draftgen.core.config import Config
+from draftgen.core.dedupe import message_text, prompt_key
 from draftgen.core.errors import DraftgenError
 from draftgen.core.files import disk_error
+from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.live.progress import ProgressCallback, Throttle, every
 from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef, complete_lines
-from draftgen.core.tokens.policy import NOTES, SamplePolicy, source_key
-from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, flag_sources
-from draftgen.core.dedupe import message_text, prompt_key
 from draftgen.core.merge.specforge import has_tool_calls, specforge_record
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
-from draftgen.core.live.progress import ProgressCallback, Throttle, every
-from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.records import Usage
 from draftgen.core.rundir import RunDir
+from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, flag_sources
+from draftgen.core.tokens.policy import NOTES, SamplePolicy, source_key
 from draftgen.core.tokens.store import TokenWriter
 from draftgen.core.units import usd, usd_shown
 

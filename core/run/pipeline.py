@@ -14,19 +14,26 @@ from typing import Any
 
 import orjson
 
-from draftgen.core.live import snapshot as snap
 from draftgen.core.config import Config
-from draftgen.core.generate.engine import Engine
-from draftgen.core.generate.smoke import SMOKE_RETRY_S
 from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError, UnreachableError
 from draftgen.core.files import RunLock, exclusive
-from draftgen.core.live.hub import Hub
+from draftgen.core.generate.engine import Engine
+from draftgen.core.generate.smoke import SMOKE_RETRY_S
 from draftgen.core.generate.spend import SpendLedger
-from draftgen.core.live.summary import (EXIT_COMPLETE, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED, INCOMPLETE,
-                                        QuitEffects, quit_effects)
-from draftgen.core.run.stages import Stages
+from draftgen.core.live import snapshot as snap
+from draftgen.core.live.hub import Hub
+from draftgen.core.live.summary import (
+    EXIT_COMPLETE,
+    EXIT_ERROR,
+    EXIT_INCOMPLETE,
+    EXIT_INTERRUPTED,
+    INCOMPLETE,
+    QuitEffects,
+    quit_effects,
+)
 from draftgen.core.live.timeline import TimelineRecorder, Totals
 from draftgen.core.records import error_count
+from draftgen.core.run.stages import Stages
 from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.secrets import Redactor
 

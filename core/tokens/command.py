@@ -23,8 +23,9 @@ def tokens_command(config: Config) -> int:
 
 def _tokens(config: Config) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
     from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+    from rich.progress import Progress as Bar
     from rich.table import Table
 
     console = Console()

@@ -54,7 +54,7 @@ class Figures:
     p99_abs: int | None
 
     @classmethod
-    def of(cls, h: Mapping[int, int]) -> "Figures":
+    def of(cls, h: Mapping[int, int]) -> Figures:
         n = sum(h.values())
         if not n:
             return cls(0, None, None, None)
@@ -83,7 +83,7 @@ class Agreement:
         self.backend += backend
         self.backend_match += backend and backend_match
 
-    def merge(self, other: "Agreement") -> None:
+    def merge(self, other: Agreement) -> None:
         _add(self.diffs, other.diffs)
         _add(self.prompt_diffs, other.prompt_diffs)
         self.billed += other.billed
@@ -114,7 +114,7 @@ class Agreement:
                 "billed": self.billed, "backend_ids": self.backend, "backend_match": self.backend_match}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Agreement":
+    def from_dict(cls, data: Mapping[str, Any]) -> Agreement:
         def hist(part: Any) -> dict[int, int]:
             h = (part or {}).get("histogram") or {} if isinstance(part, Mapping) else {}
             return {int(k): int(v) for k, v in h.items()}
@@ -137,7 +137,7 @@ class ProviderFlag:
                 "exclude_line": self.exclude_line, "fix": self.fix, "absolute": self.absolute}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ProviderFlag":
+    def from_dict(cls, data: Mapping[str, Any]) -> ProviderFlag:
         return cls(str(data.get("provider", "")), str(data.get("reason", "")), str(data.get("ignore_line", "")),
                    str(data.get("exclude_line", "")), str(data.get("fix", "")), bool(data.get("absolute")))
 

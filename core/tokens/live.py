@@ -21,14 +21,28 @@ from typing import Any
 
 from draftgen.core.config import Config
 from draftgen.core.live.snapshot import ProviderFidelity, StageProgress, StageState
-from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.rundir import RunDir
+from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.report import ValidationReport
 from draftgen.core.tokens.respawn import RespawningPool
 from draftgen.core.tokens.store import TokenWriter
 from draftgen.core.tokens.workers import (
-    BATCH_ANSWERS, BATCH_CHARS, LockedWriter, Result, TokenRate, WorkerSpec, check_dataset, cores, index_report,
-    pending_offsets, provider_flags, read_records, record_chars, slim_record, write_report)
+    BATCH_ANSWERS,
+    BATCH_CHARS,
+    LockedWriter,
+    Result,
+    TokenRate,
+    WorkerSpec,
+    check_dataset,
+    cores,
+    index_report,
+    pending_offsets,
+    provider_flags,
+    read_records,
+    record_chars,
+    slim_record,
+    write_report,
+)
 
 
 @dataclass

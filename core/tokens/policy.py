@@ -70,7 +70,7 @@ class SamplePolicy:
     flagged_sources: frozenset[str] = field(default_factory=frozenset)    # source_key()s flagged on their own
 
     @classmethod
-    def from_config(cls, config: Config) -> "SamplePolicy":
+    def from_config(cls, config: Config) -> SamplePolicy:
         return cls(config.validation, frozenset(provider_key(p) for p in config.merge.exclude_providers))
 
     @property

@@ -8,8 +8,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, Figures, ProviderFlag, flag_providers, percentile
+from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.reconstruct import CHECKS, Reconstruction
 
 
@@ -83,7 +83,7 @@ class ValidationReport:
                          provider=provider if isinstance(provider, str) else None,
                          prompt_source=str(meta.get("prompt_source")))
 
-    def merge(self, other: "ValidationReport") -> None:
+    def merge(self, other: ValidationReport) -> None:
         self.checked += other.checked
         self.valid += other.valid
         self.truncated += other.truncated
@@ -105,7 +105,7 @@ class ValidationReport:
             self.providers.setdefault(provider, Agreement()).merge(agreement)
 
     @classmethod
-    def combine(cls, reports: Iterable["ValidationReport"], name: str = "all") -> "ValidationReport":
+    def combine(cls, reports: Iterable[ValidationReport], name: str = "all") -> ValidationReport:
         reports = list(reports)
         total = cls(name, policy=reports[0].policy if reports else SamplePolicy())
         for r in reports:
@@ -188,7 +188,7 @@ class ValidationReport:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ValidationReport":
+    def from_dict(cls, data: Mapping[str, Any]) -> ValidationReport:
         diff = data.get("token_count_diff") or {}
         prompt = data.get("prompt_token_count") or {}
         policy = data.get("policy") or {}

@@ -153,7 +153,7 @@ class TokenWriter:
         if failed is not None:
             raise disk_error(*failed) from failed[1]
 
-    def __enter__(self) -> "TokenWriter":
+    def __enter__(self) -> TokenWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -31,8 +31,14 @@ from typing import Any
 
 from draftgen.core.errors import TokenizerError
 from draftgen.core.tokens.encoders import (
-    KIMI_RESERVED_SPECIAL_TOKENS, MAX_NO_WHITESPACES_CHARS, TiktokenTokenizer, Tokenizer, TokenizersTokenizer,
-    TransformersTokenizer, split_long_runs)
+    KIMI_RESERVED_SPECIAL_TOKENS,
+    MAX_NO_WHITESPACES_CHARS,
+    TiktokenTokenizer,
+    Tokenizer,
+    TokenizersTokenizer,
+    TransformersTokenizer,
+    split_long_runs,
+)
 
 __all__ = ["MAX_NO_WHITESPACES_CHARS", "TiktokenTokenizer", "Tokenizer", "TokenizersTokenizer", "TransformersTokenizer",
            "bundled_kimi", "bundled_kimi_path", "load_tokenizer", "split_long_runs"]

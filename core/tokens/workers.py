@@ -32,16 +32,16 @@ import numpy as np
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.files import disk_error, lock_file, write_json_atomic
-from draftgen.core.live.snapshot import StageProgress, StageState
-from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.live.progress import ProgressCallback, Throttle
+from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.rundir import RunDir, iter_jsonl, read_line_at
 from draftgen.core.tokens.fidelity import ProviderFlag
+from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.reconstruct import DEFAULT_COUNT_TOLERANCE, reconstruct_record, unrenderable
 from draftgen.core.tokens.report import ValidationReport
+from draftgen.core.tokens.store import INDEX_FILE, TokenWriter
 from draftgen.core.tokens.template import ChatTemplate, load_template
 from draftgen.core.tokens.tokenizer import Tokenizer, load_tokenizer
-from draftgen.core.tokens.store import INDEX_FILE, TokenWriter
 
 REPORT_FILE = "report.json"
 LOCK_FILE = "writer.lock"     # flock'ed by the one process writing the folder
@@ -70,7 +70,7 @@ class WorkerSpec:
     prompt_specials: bool = False
 
     @classmethod
-    def from_config(cls, config: Config) -> "WorkerSpec":
+    def from_config(cls, config: Config) -> WorkerSpec:
         t = config.tokenizer
         return cls(t.path, t.trust_remote_code, t.template, config.validation.count_tolerance, t.system_turn(),
                    t.prompt_specials(config.api.self_hosted))

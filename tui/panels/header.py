@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftgen.core.live import snapshot as snap
-from draftgen.core.live.snapshot import RunSnapshot
 from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from draftgen.core.live import snapshot as snap
+from draftgen.core.live.snapshot import RunSnapshot
 from draftgen.tui import fmt
 from draftgen.tui.panels.panel import Panel
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from draftgen.core.live.snapshot import RunSnapshot
 from rich.console import RenderableType
 from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import Static
+
+from draftgen.core.live.snapshot import RunSnapshot
 
 _NEVER = object()
 

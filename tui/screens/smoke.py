@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from draftgen.core.live.snapshot import RunSnapshot, StageProgress
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -11,6 +10,8 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
+
+from draftgen.core.live.snapshot import RunSnapshot, StageProgress
 
 VERDICTS = {"running": ("running…", "bold yellow"), "done": ("PASSED", "bold black on green"),
             "failed": ("FAILED", "bold white on red"), "idle": ("starting…", "bold")}
