@@ -5,7 +5,7 @@ Order: key (401) -> body (400) -> model and routing (404) -> max_tokens against 
 (400 max_tokens_exceeded) -> the prompt's own problems (400 context length / invalid prompt,
 403 moderation) -> the account (403 key cap and budgets, 402 balance and in-flight budget) ->
 upstream (429, 408, 5xx) -> the generation. Everything before the generation is free; the
-generation is billed by the ledger (generations.py), whoever is still listening.
+generation is billed by `Generations` (generations.py), whoever is still listening.
 
 Every response to a completion carries `X-Generation-Id` (sent with the headers, so a stream's
 id is known at once), the same id as the body's `id`.
@@ -29,7 +29,7 @@ from draftgen.simulator.answer_text import style_of_prompt
 from draftgen.simulator.answers import AnswerPool, answer_tokenizer
 from draftgen.simulator.config import SimConfig, SimProvider
 from draftgen.simulator.faults import pick_fault, serve_fault
-from draftgen.simulator.generations import Generation, Ledger
+from draftgen.simulator.generations import Generation, Generations
 from draftgen.simulator.models import Models, completion_limit
 from draftgen.simulator.prompt import prompt_token_count
 from draftgen.simulator.routing import NoEndpoints, candidates, choose
@@ -47,13 +47,13 @@ _AS_FAULT = {"error_body": "error200", "finish_error": "finish_error", "empty_ch
 
 class Completions:
     def __init__(self, stats: SimStats, config: Callable[[], SimConfig], pool: Callable[[], AnswerPool],
-                 scenarios: Scenarios, account: Account, ledger: Ledger, models: Models) -> None:
+                 scenarios: Scenarios, account: Account, generations: Generations, models: Models) -> None:
         self._stats = stats
         self._config = config
         self._pool = pool
         self._scenarios = scenarios
         self._account = account
-        self._ledger = ledger
+        self._generations = generations
         self._models = models
         self._gen_counter = 0
         self.fragments: wire.FragmentCache = {}
@@ -106,9 +106,9 @@ class Completions:
         generation that never started (an error inside a 200 under way) gets its zero-cost record."""
         g = request.get(GENERATION)
         if g is not None:
-            self._ledger.abandoned(g)
+            self._generations.abandoned(g)
         elif (created := request.get(CREATED)) is not None:
-            self._ledger.failed(created)
+            self._generations.failed(created)
 
     def _hit(self, a: Active | str) -> None:
         """Count a response a scenario sent (on the scenario and in the stats)."""
@@ -237,7 +237,7 @@ class Completions:
             await responses.wait_with_comments(resp, ttft, cfg.processing_comment_s)
             await resp.write(wire.error_frame(reply, code, message, meta))
             await resp.write_eof()
-            self._ledger.failed(gen)
+            self._generations.failed(gen)
             return resp
         answer_200 = sc.first(scenarios.ANSWER_200, draws[3], prompt_draw, text, request.get(SEQ, 0)) if sc else None
         fault = _AS_FAULT[answer_200.scenario.name] if answer_200 is not None else pick_fault(cfg.faults, draws[2])
@@ -247,14 +247,14 @@ class Completions:
             st.faults[fault] = st.faults.get(fault, 0) + 1
         if fault is not None:
             return await serve_fault(request, cfg, fault, reply, ttft, latency, stream, self.fragments,
-                                     lambda: self._start(request, gen), self._ledger.finish,
-                                     lambda: self._ledger.failed(gen))
+                                     lambda: self._start(request, gen), self._generations.finish,
+                                     lambda: self._generations.failed(gen))
         self._start(request, gen)
         if stream:
             return await self._stream(request, cfg, reply, gen)
         if latency > 0:
             await asyncio.sleep(latency)
-        self._ledger.finish(gen)
+        self._generations.finish(gen)
         self._delivered(reply)
         data = wire.completion_json(reply, self.fragments)
         if cfg.misbehave:
@@ -264,7 +264,7 @@ class Completions:
     def _start(self, request: web.Request, gen: Generation) -> Generation:
         request[GENERATION] = gen
         self._account.started(gen)
-        self._ledger.start(gen)
+        self._generations.start(gen)
         return gen
 
     def _delivered(self, r: wire.Reply) -> None:
@@ -280,7 +280,7 @@ class Completions:
         await responses.wait_with_comments(resp, gen.ttft, cfg.processing_comment_s)
         frames = wire.delta_frames(r, self.fragments)
         await responses.paced(resp, frames, max(0.0, gen.latency - gen.ttft))
-        self._ledger.finish(gen)
+        self._generations.finish(gen)
         self._delivered(r)
         await resp.write(shaping.stream_end(r, cfg) if cfg.misbehave else wire.final_frame(r) + wire.DONE)
         await resp.write_eof()

@@ -70,7 +70,7 @@ class Generation:
         return int(self.billed_tokens * share)
 
 
-class Ledger:
+class Generations:
     """Generations running, what they were billed, and their records."""
 
     def __init__(self, stats: SimStats, config: Callable[[], SimConfig],

@@ -28,7 +28,7 @@ from draftgen.simulator.account import Account, auth_error
 from draftgen.simulator.answers import AnswerPool, build_pool
 from draftgen.simulator.completions import Completions
 from draftgen.simulator.config import FIXED_AT_START, SimConfig, SimulatorError
-from draftgen.simulator.generations import Ledger
+from draftgen.simulator.generations import Generations
 from draftgen.simulator.models import Models
 from draftgen.simulator.scenarios import Scenarios
 from draftgen.simulator.stats import SimStats
@@ -48,10 +48,10 @@ class SimServer:
         self._runner: web.AppRunner | None = None
         self.scenarios = Scenarios()
         self.account = Account(self._stats, lambda: self._cfg, self.scenarios)
-        self.ledger = Ledger(self._stats, lambda: self._cfg, self.account.finished)
+        self.generations = Generations(self._stats, lambda: self._cfg, self.account.finished)
         self.models = Models(lambda: self._cfg, self.scenarios)
         self._completions = Completions(self._stats, lambda: self._cfg, self._answer_pool, self.scenarios,
-                                        self.account, self.ledger, self.models)
+                                        self.account, self.generations, self.models)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -66,7 +66,7 @@ class SimServer:
         app.router.add_get(f"{API}/credits", self.account.credits)
         app.router.add_get(f"{API}/key", self.account.key)
         app.router.add_get(f"{API}/auth/key", self.account.key)
-        app.router.add_get(f"{API}/generation", self._authed(self.ledger.handle))
+        app.router.add_get(f"{API}/generation", self._authed(self.generations.handle))
         app.router.add_get(f"{API}/models", self.models.list_models)
         app.router.add_get(API + "/models/{author}/{slug}/endpoints", self._authed(self.models.endpoints))
         control.add_routes(app, self)
@@ -83,7 +83,7 @@ class SimServer:
         self._port = self._runner.addresses[0][1]
 
     async def close(self) -> None:
-        self.ledger.close()
+        self.generations.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
