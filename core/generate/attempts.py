@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DiskError
-from draftgen.core.generate.admission import Gate
 from draftgen.core.generate.billing import as_booked, book_answer, book_failure, look_up
 from draftgen.core.generate.classify import ANSWER_KINDS, SLOW_DOWN_KINDS, Whose, unreachable_advice
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
 from draftgen.core.generate.prices import Prices
+from draftgen.core.generate.run_state import RunControl
 from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.spend import SpendLedger, Ticket
 from draftgen.core.generate.stats import Tally
@@ -36,7 +36,7 @@ from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.secrets import Redactor
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.ledger import DatasetRun
+    from draftgen.core.generate.dataset_run import DatasetRun
 
 
 def backoff_delay(attempt: int, base: float, cap: float, retry_after: float | None,
@@ -71,7 +71,7 @@ class Attempted:
 class Attempts:
     """Asks prompts with retries; counts retries and the kinds of error seen; notices outages."""
 
-    def __init__(self, config: Config, gate: Gate, errors: Tally, rng: random.Random, *,
+    def __init__(self, config: Config, gate: RunControl, errors: Tally, rng: random.Random, *,
                  retry_slot: Callable[[DatasetRun], Awaitable[None]],
                  reserve_retry: Callable[[DatasetRun, str, float], Awaitable[Ticket | None]], spend: SpendLedger,
                  on_event: Callable[[str, str, str], None], redact: Redactor, clock: Callable[[], float],

@@ -41,17 +41,19 @@ from collections.abc import Callable
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.generate.admission import AdaptiveConcurrency, Admission, Gate, Hold
+from draftgen.core.generate.admission import AdaptiveConcurrency, Admission
 from draftgen.core.generate.attempts import Attempts, Outcome
 from draftgen.core.generate.budget import MoneyBudget, TokenBudget
 from draftgen.core.generate.account import AccountStop
 from draftgen.core.generate.client import ChatClient
 from draftgen.core.generate.forecast import SmokeFigures
-from draftgen.core.generate.ledger import DatasetRun, Ledger
+from draftgen.core.generate.dataset_run import DatasetRun
+from draftgen.core.generate.ledger import Ledger
 from draftgen.core.generate.limits import ensure_open_files, tune_gc
 from draftgen.core.generate.opening import open_datasets, open_money, write_run_json
 from draftgen.core.generate.projection import project
 from draftgen.core.generate.prompts import Prompt
+from draftgen.core.generate.run_state import Hold, RunControl
 from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.spend import SpendLedger, Ticket
 from draftgen.core.generate.stats import Tally
@@ -86,26 +88,21 @@ class Engine:
         self.errors = Tally()
         self.provider_stats = ProviderStats()
         self.recent = RecentErrors(providers=self.provider_stats)
-        self.state = RunState.IDLE
-        self.alert = ""
+        self.control = RunControl(self._event)  # the run's state, holds and gate: changed only through it
         self.ended = ""  # how the run ended, with counts (final states only)
-        self.held: Hold | None = None  # why the engine paused the run by itself, while it is paused
         self._started = clock()
-        self._gate = Gate(asyncio.Event())
-        self._gate.resume.set()
         self.ledger = Ledger(self.rundir, self.datasets, self.money, self.errors, self._redact,
-                             on_event=self._event, on_hold=self._hold, on_answer=on_answer, clock=clock)
-        self.admission = Admission(self.datasets, self.money, self._gate, self.ledger, self._request, self._event,
+                             on_event=self._event, on_hold=self.control.hold, on_answer=on_answer, clock=clock)
+        self.admission = Admission(self.datasets, self.money, self.control, self.ledger, self._request, self._event,
                                    on_floor=lambda reason: self.watch.floor_reached(reason),
                                    settling=lambda: self.settler.waiting if self.settler is not None else 0,
                                    body=config.request_body)
-        self.attempts = Attempts(config, self._gate, self.errors, random.Random(seed),
+        self.attempts = Attempts(config, self.control, self.errors, random.Random(seed),
                                  retry_slot=self.admission.retry_slot, reserve_retry=self.admission.reserve_retry,
                                  spend=self.spend, on_event=self._event, redact=self._redact, clock=clock,
                                  recent=self.recent)
-        self.watch = AccountWatch(config, self.money, self.spend, self.admission, self._gate, self._redact, self._event,
-                                  (self._hold_account, self._key_refused, self._account_cleared,
-                                   lambda: self.state == RunState.PAUSED))
+        self.watch = AccountWatch(config, self.money, self.spend, self.admission, self.control, self._redact, self._event,
+                                  on_key_refused=self._key_refused, on_cleared=self._account_cleared)
         self._client: ChatClient | None = None
         self._seq = 0
         self._spool_now = False                # end the wait for the disk: spool what is held
@@ -120,9 +117,22 @@ class Engine:
         return self.attempts.retries
 
     @property
+    def state(self) -> RunState:
+        return self.control.state
+
+    @property
+    def alert(self) -> str:
+        return self.control.alert
+
+    @property
+    def held(self) -> Hold | None:
+        """Why the engine paused the run by itself, while it is paused."""
+        return self.control.held
+
+    @property
     def account(self) -> AccountStop | None:
         """The account condition holding the run, while it does."""
-        return self.watch.stop
+        return self.control.account
 
     @property
     def key_refused(self) -> AccountStop | None:
@@ -131,12 +141,8 @@ class Engine:
 
     # -- control surface ------------------------------------------------------------------------
 
-    def pause(self, reason: str = "") -> None:
-        if self.state == RunState.RUNNING:
-            self.state = RunState.PAUSED
-            self._gate.resume.clear()
-            self._event(snap.Level.INFO, snap.EventKind.PAUSED, f"paused{': ' + reason if reason else ''} "
-                        "(requests in flight finish and are recorded)")
+    def pause(self, by: str = "") -> None:
+        self.control.pause(by)
 
     def resume(self) -> None:
         self._held_wake.set()  # a drain waiting for the disk retries at once
@@ -146,27 +152,19 @@ class Engine:
             return
         if self.watch.balance_bound and self._client is not None:
             # The balance we hold is from before the top-up: read it again before admitting.
-            self.alert = "402: checking the balance before resuming"
+            self.control.say("402: checking the balance before resuming")
             asyncio.get_running_loop().create_task(self.watch.read_then(self._set_running))
             return
         self._set_running()
 
     def _set_running(self) -> None:
-        self.state = RunState.RUNNING
-        self.alert = ""
-        self.held = None
-        self.watch.stop = None
-        self._gate.resume.set()
+        self.control.resume()
         self.admission.wake_all()
-        self._event(snap.Level.INFO, snap.EventKind.RESUMED, "resumed")
 
     def drain(self) -> None:
         """Admit nothing more; requests in flight finish and are recorded."""
-        if self.state in (RunState.DONE, RunState.STOPPED) or self._gate.draining:
+        if not self.control.drain():
             return
-        self._gate.draining = True
-        self.state = RunState.DRAINING
-        self._gate.resume.set()
         self.admission.wake_all()
         self._event(snap.Level.INFO, snap.EventKind.DRAINING,
                     f"draining: waiting for {self.in_flight} requests in flight")
@@ -180,11 +178,8 @@ class Engine:
         """Stop now: requests in flight are abandoned (not recorded; the next run asks them again); the
         records held in memory are spooled, never dropped."""
         self._held_wake.set()
-        if self._gate.stopping:
+        if not self.control.stop():
             return
-        self._gate.stopping = True
-        self._gate.draining = True
-        self._gate.resume.set()
         self.admission.wake_all()
         tasks = tuple(self.admission.tasks)
         for task in tasks:
@@ -220,7 +215,7 @@ class Engine:
         self.admission.prices = self.attempts.prices = money.prices
         self._smoke_answer = money.smoke
         self.settler = self.attempts.settler = money.settler
-        self.state = RunState.RUNNING if self.state == RunState.IDLE else self.state
+        self.control.start()
         self._started = self._clock()
         beside: list[asyncio.Task[None]] = []  # the limit growth and the account watch
         try:  # from here what was opened (the ledger and its lock, the settler, the client) is closed
@@ -246,7 +241,7 @@ class Engine:
             # the next run (or `draftgen ledger`), counted at their worst case until then.
             try:
                 try:
-                    await self.settler.drain(0.0 if self._gate.stopping else
+                    await self.settler.drain(0.0 if self.control.stopping else
                                              min(10.0, self.config.api.generation_lookup_s))
                     if own_client:
                         await self._client.close()
@@ -256,9 +251,9 @@ class Engine:
             finally:
                 self.spend.close()  # and its lock: another run or smoke test may open it
         # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
-        self.state = final_state(self.datasets.values(), stopping=self._gate.stopping,
-                                 draining=self._gate.draining, waiting=self.held is Hold.ACCOUNT,
-                                 money_limited=self.admission.money_limited)
+        self.control.end(final_state(self.datasets.values(), stopping=self.control.stopping,
+                                     draining=self.control.draining, waiting=self.held is Hold.ACCOUNT,
+                                     money_limited=self.admission.money_limited))
         self.ended = ended_line(self.state, self.datasets.values())
         self._event(snap.Level.INFO if self.state == RunState.DONE else snap.Level.WARN, snap.EventKind.RUN_DONE,
                     f"run {self.ended}; {usd(self.money.spent_run)} spent this run, {usd(self.spend.spent_usd)} all runs"
@@ -269,7 +264,7 @@ class Engine:
         """The run is over but answers are held in memory: retry writing them every HELD_RETRY_S until
         the disk takes them, stop now or `spool_held()` (then settle_held spools them)."""
         said = False
-        while self.ledger.holding and not (self._spool_now or self._gate.stopping):
+        while self.ledger.holding and not (self._spool_now or self.control.stopping):
             if self.ledger.flush_held():
                 self._event(snap.Level.INFO, snap.EventKind.HELD_WRITTEN,
                             "the disk took the held records: every answer is on disk")
@@ -302,13 +297,13 @@ class Engine:
             await self.ledger.synced(ds)
         elif done.outcome is Outcome.ACCOUNT:
             assert done.error is not None
-            ds.requeue.append(prompt)
+            ds.requeued(prompt)
             self.watch.refused(done.error)
         elif done.outcome is Outcome.OVER_BUDGET:  # stays eligible: the next run (a higher max_usd) asks it again
             self.admission.skip_for_money(ds, prompt.id, "max_usd leaves no room for its retry")
         elif done.outcome is Outcome.UNSENT:
-            ds.requeue.append(prompt)
-            self._hold(Hold.DISK, f"{done.disk_error}. The run is paused: a request is only sent once the spend "
+            ds.requeued(prompt)
+            self.control.hold(Hold.DISK, f"{done.disk_error}. The run is paused: a request is only sent once the spend "
                        "ledger has it on disk; free space and press r to resume (headless: kill -USR1 <pid>).")
         elif done.outcome is Outcome.DATASET:
             assert done.error is not None
@@ -319,11 +314,8 @@ class Engine:
 
     # -- what the account watch tells the engine --------------------------------------------------
 
-    def _hold_account(self, stop: AccountStop) -> None:
-        self._hold(Hold.ACCOUNT, stop.alert())
-
     def _key_refused(self, stop: AccountStop) -> None:
-        self.alert = stop.alert(paused=False)
+        self.control.say(stop.alert(paused=False))
         self._event(snap.Level.ERROR, snap.EventKind.ACCOUNT, self.alert)
         self.drain()
 
@@ -332,23 +324,12 @@ class Engine:
             return
         self._set_running()
 
-    def _hold(self, why: Hold, message: str) -> None:
-        """The engine pauses the run by itself (out of credits, a write the disk refused)."""
-        first = self.alert != message
-        self.alert = message
-        self.held = why
-        if self.state == RunState.RUNNING:
-            self.state = RunState.PAUSED
-            self._gate.resume.clear()
-        if first:
-            self._event(snap.Level.ERROR, snap.EventKind.ALERT, message)
-
     def _event(self, level: snap.Level, kind: snap.EventKind, message: str, dataset: str = "") -> None:
         self._on_event(level, kind, self._redact(message), dataset=dataset)
 
     def waiting(self) -> str:
         """Why the run is making no progress right now, in a sentence (empty while it is)."""
-        if self.ledger.holding and self._gate.draining and not self.in_flight:
+        if self.ledger.holding and self.control.draining and not self.in_flight:
             return (f"{self.ledger.held_answers} paid answer(s) held in memory, not on disk: waiting for the disk "
                     f"(retried every {HELD_RETRY_S:g} s; r or kill -USR1 retries now; a second SIGINT spools them)")
         if self.state == RunState.PAUSED:

@@ -171,8 +171,7 @@ class Pipeline:
                 if stage.state == snap.StageState.RUNNING:
                     self.stages[name] = dataclasses.replace(stage, state=snap.StageState.FAILED,
                                                             message=self._redact(str(e)))
-            self.engine.alert = self._redact(str(e))
-            self.engine.state = snap.RunState.STOPPED
+            self.engine.control.fail(self._redact(str(e)))
             self.emit(snap.Level.ERROR, snap.EventKind.RUN_FAILED, f"the run cannot go on: {e}")
             return snap.RunState.STOPPED
 
@@ -206,10 +205,9 @@ class Pipeline:
                         return self._not_started("the smoke test was stopped before it finished")
                     if not self._startup.result():
                         # Read in the TUI, the headless log and the shell after the TUI closes: a command, not a key.
-                        self.engine.alert = ("the smoke test failed: the run will not start at full concurrency "
-                                             f"(fix what it names, then `draftgen smoke {self.config.path}`; "
-                                             "or --skip-smoke)")
-                        self.engine.state = snap.RunState.STOPPED
+                        self.engine.control.fail("the smoke test failed: the run will not start at full concurrency "
+                                                 f"(fix what it names, then `draftgen smoke {self.config.path}`; "
+                                                 "or --skip-smoke)")
                         self._generation = snap.StageState.SKIPPED
                         self.exit_code = 1
                         return snap.RunState.STOPPED
@@ -260,7 +258,7 @@ class Pipeline:
 
     def _not_started(self, why: str) -> str:
         """Quit before the run started: no run request was sent; exit 130 (README "exit codes")."""
-        self.engine.state = snap.RunState.STOPPED
+        self.engine.control.end(snap.RunState.STOPPED)
         self._generation = snap.StageState.SKIPPED
         self.exit_code = EXIT_INTERRUPTED
         self.emit(snap.Level.WARN, snap.EventKind.RUN_DONE, f"{why}: no run request was sent; `draftgen run {self.config.path}` "
