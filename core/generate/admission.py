@@ -97,18 +97,18 @@ class Admission:
     def __init__(self, datasets: dict[str, DatasetRun], money: MoneyBudget, gate: RunControl, ledger: Ledger,
                  request: Callable[[DatasetRun, Prompt, Ticket, dict[str, Any]], Coroutine[Any, Any, None]],
                  on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int] = lambda: 0,
-                 *, body: BodyFor) -> None:
+                 *, body: BodyFor, prices: dict[str, Prices | None],
+                 duplicates: CrossDatasetDuplicates | None) -> None:
         self._datasets = datasets
         self._room = Room(money, gate, ledger, in_flight=lambda: self.in_flight, on_event=on_event,
-                          on_floor=on_floor, settling=settling, body=body)
+                          on_floor=on_floor, settling=settling, body=body, prices=prices)
         self._money = money
         self._gate = gate
         self._ledger = ledger
         self._request = request
         self._event = on_event
         self.tasks: set[asyncio.Task[None]] = set()
-        # Set by the engine once it has read the run directory (None: off, or only one dataset).
-        self.duplicates: CrossDatasetDuplicates | None = None
+        self.duplicates = duplicates  # None: off, or only one dataset
 
     @property
     def in_flight(self) -> int:
@@ -236,18 +236,10 @@ class Admission:
         """Each dataset's prices (None: unknown): what a request's worst case is reckoned from."""
         return self._room.prices
 
-    @prices.setter
-    def prices(self, prices: dict[str, Prices | None]) -> None:
-        self._room.prices = prices
-
     @property
     def last_worst(self) -> float:
         """The worst case of the last request asked for: what a re-check must find room for."""
         return self._room.last_worst
-
-    @last_worst.setter
-    def last_worst(self, worst: float) -> None:
-        self._room.last_worst = worst
 
     @property
     def money_skipped(self) -> dict[str, int]:

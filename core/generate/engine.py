@@ -41,23 +41,21 @@ from collections.abc import Callable
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.generate.admission import AdaptiveConcurrency, Admission
-from draftgen.core.generate.attempts import Attempts, Outcome
-from draftgen.core.generate.budget import MoneyBudget, TokenBudget
 from draftgen.core.generate.account import AccountStop
+from draftgen.core.generate.admission import AdaptiveConcurrency
+from draftgen.core.generate.budget import MoneyBudget, TokenBudget
 from draftgen.core.generate.client import ChatClient
-from draftgen.core.generate.forecast import SmokeFigures
 from draftgen.core.generate.dataset_run import DatasetRun
 from draftgen.core.generate.ledger import Ledger
 from draftgen.core.generate.limits import ensure_open_files, tune_gc
 from draftgen.core.generate.opening import open_datasets, open_money, write_run_json
 from draftgen.core.generate.projection import project
-from draftgen.core.generate.prompts import Prompt
+from draftgen.core.generate.prices import Prices
+from draftgen.core.generate.run_loop import Opened, Parts, RunLoop
 from draftgen.core.generate.run_state import Hold, RunControl
 from draftgen.core.generate.settle import Settler
-from draftgen.core.generate.spend import SpendLedger, Ticket
+from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.generate.stats import Tally
-from draftgen.core.generate.watch import AccountWatch
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.summary import ended_line, final_state
@@ -83,8 +81,6 @@ class Engine:
                          for d in config.datasets}
         self.spend = SpendLedger(self.rundir.spend)
         self.money = MoneyBudget(config.budget.max_usd, config.budget.credit_floor_usd, self.spend, clock)
-        self.settler: Settler | None = None
-        self._smoke_answer: SmokeFigures | None = None
         self.errors = Tally()
         self.provider_stats = ProviderStats()
         self.recent = RecentErrors(providers=self.provider_stats)
@@ -93,28 +89,30 @@ class Engine:
         self._started = clock()
         self.ledger = Ledger(self.rundir, self.datasets, self.money, self.errors, self._redact,
                              on_event=self._event, on_hold=self.control.hold, on_answer=on_answer, clock=clock)
-        self.admission = Admission(self.datasets, self.money, self.control, self.ledger, self._request, self._event,
-                                   on_floor=lambda reason: self.watch.floor_reached(reason),
-                                   settling=lambda: self.settler.waiting if self.settler is not None else 0,
-                                   body=config.request_body)
-        self.attempts = Attempts(config, self.control, self.errors, random.Random(seed),
-                                 retry_slot=self.admission.retry_slot, reserve_retry=self.admission.reserve_retry,
-                                 spend=self.spend, on_event=self._event, redact=self._redact, clock=clock,
-                                 recent=self.recent)
-        self.watch = AccountWatch(config, self.money, self.spend, self.admission, self.control, self._redact, self._event,
-                                  on_key_refused=self._key_refused, on_cleared=self._account_cleared)
-        self._client: ChatClient | None = None
+        self._rng = random.Random(seed)
+        self._opened: Opened | None = None  # what the run opened (the client, the money, the duplicates)
+        self._loop: RunLoop | None = None   # built, whole, once the run has opened what it needs
         self._seq = 0
         self._spool_now = False                # end the wait for the disk: spool what is held
         self._held_wake = asyncio.Event()      # retry writing the held records now
 
     @property
     def in_flight(self) -> int:
-        return self.admission.in_flight
+        return sum(d.in_flight for d in self.datasets.values())
 
     @property
     def retries(self) -> int:
-        return self.attempts.retries
+        return self._loop.attempts.retries if self._loop is not None else 0
+
+    @property
+    def prices(self) -> dict[str, Prices | None]:
+        """Each dataset's worst-case prices, once the run has read them (None: unknown)."""
+        return self._opened.money.prices if self._opened is not None else {}
+
+    @property
+    def settler(self) -> Settler | None:
+        """Prices abandoned attempts, from when the run has opened its money."""
+        return self._opened.money.settler if self._opened is not None else None
 
     @property
     def state(self) -> RunState:
@@ -137,7 +135,7 @@ class Engine:
     @property
     def key_refused(self) -> AccountStop | None:
         """A 401 drained the run."""
-        return self.watch.key_refused
+        return self._loop.watch.key_refused if self._loop is not None else None
 
     # -- control surface ------------------------------------------------------------------------
 
@@ -150,22 +148,22 @@ class Engine:
             return
         if self.ledger.holding and not self.ledger.flush_held():
             return
-        if self.watch.balance_bound and self._client is not None:
+        if self._loop is not None and self._loop.watch.balance_bound:
             # The balance we hold is from before the top-up: read it again before admitting.
             self.control.say("402: checking the balance before resuming")
-            asyncio.get_running_loop().create_task(self.watch.read_then(self._set_running))
+            asyncio.get_running_loop().create_task(self._loop.watch.read_then(self._set_running))
             return
         self._set_running()
 
     def _set_running(self) -> None:
         self.control.resume()
-        self.admission.wake_all()
+        self._wake_all()
 
     def drain(self) -> None:
         """Admit nothing more; requests in flight finish and are recorded."""
         if not self.control.drain():
             return
-        self.admission.wake_all()
+        self._wake_all()
         self._event(snap.Level.INFO, snap.EventKind.DRAINING,
                     f"draining: waiting for {self.in_flight} requests in flight")
 
@@ -180,8 +178,8 @@ class Engine:
         self._held_wake.set()
         if not self.control.stop():
             return
-        self.admission.wake_all()
-        tasks = tuple(self.admission.tasks)
+        self._wake_all()
+        tasks = tuple(self._loop.admission.tasks) if self._loop is not None else ()
         for task in tasks:
             task.cancel()
         self._event(snap.Level.WARN, snap.EventKind.STOPPING,
@@ -199,52 +197,42 @@ class Engine:
         self.rundir.root.mkdir(parents=True, exist_ok=True)
         write_run_json(self.rundir, cfg)
         own_client = client is None
-        self._client = client or ChatClient(
+        client = client or ChatClient(
             cfg.api.base_url, self._api_key, concurrency=need, request_timeout_s=cfg.api.request_timeout_s,
             connect_timeout_s=cfg.api.connect_timeout_s, referer=cfg.api.referer, title=cfg.api.title)
-        self._client.open()
-        self.attempts.client = self.watch.client = self._client
+        client.open()
         try:
-            money = await open_money(cfg, self.rundir, self.spend, self._client, self._event,
-                                     on_settled=self.admission.wake_all)
+            money = await open_money(cfg, self.rundir, self.spend, client, self._event, on_settled=self._wake_all)
         except BaseException:
             if own_client:
-                await self._client.close()
+                await client.close()
             self.spend.close()
             raise
-        self.admission.prices = self.attempts.prices = money.prices
-        self._smoke_answer = money.smoke
-        self.settler = self.attempts.settler = money.settler
         self.control.start()
         self._started = self._clock()
-        beside: list[asyncio.Task[None]] = []  # the limit growth and the account watch
         try:  # from here what was opened (the ledger and its lock, the settler, the client) is closed
             # Answers an earlier run spooled are imported (as each dataset opens) before anything is sent.
             await asyncio.to_thread(self.ledger.load_spools)
-            self.admission.duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.ledger, self.spend,
-                                                             money.prices, self._event)
+            duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.ledger, self.spend, money.prices,
+                                             self._event)
             self.ledger.finish_import()
+            self._opened = Opened(client, money, duplicates)
+            self._loop = RunLoop(Parts(cfg, self.datasets, self.money, self.spend, self.control, self.ledger,
+                                       self.errors, self.recent, self.provider_stats, self._redact, self._event,
+                                       self._clock), self._opened, self._rng, drain=self.drain,
+                                 resume=self._set_running)
             tune_gc()
-            beside = [asyncio.create_task(self.admission.grow_limits()), asyncio.create_task(self.watch.watch())]
-            if parallel:
-                await asyncio.gather(*(self.admission.run(ds) for ds in self.datasets.values()))
-            else:
-                for ds in self.datasets.values():
-                    await self.admission.run(ds)
+            await self._loop.run()
             await self._wait_for_disk()
         finally:
-            for task in beside:
-                task.cancel()
-            self.watch.cancel()
-            assert self.settler is not None
             # Abandoned attempts priced now if their records come quickly; the rest stay pending for
             # the next run (or `draftgen ledger`), counted at their worst case until then.
             try:
                 try:
-                    await self.settler.drain(0.0 if self.control.stopping else
-                                             min(10.0, self.config.api.generation_lookup_s))
+                    await money.settler.drain(0.0 if self.control.stopping else
+                                              min(10.0, self.config.api.generation_lookup_s))
                     if own_client:
-                        await self._client.close()
+                        await client.close()
                 finally:  # held records written, spooled or said lost, even when the run is cancelled
                     self.ledger.settle_held()
                     self.ledger.close()
@@ -253,7 +241,7 @@ class Engine:
         # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
         self.control.end(final_state(self.datasets.values(), stopping=self.control.stopping,
                                      draining=self.control.draining, waiting=self.held is Hold.ACCOUNT,
-                                     money_limited=self.admission.money_limited))
+                                     money_limited=self._loop is not None and self._loop.admission.money_limited))
         self.ended = ended_line(self.state, self.datasets.values())
         self._event(snap.Level.INFO if self.state == RunState.DONE else snap.Level.WARN, snap.EventKind.RUN_DONE,
                     f"run {self.ended}; {usd(self.money.spent_run)} spent this run, {usd(self.spend.spent_usd)} all runs"
@@ -281,48 +269,9 @@ class Engine:
             except asyncio.TimeoutError:
                 pass
 
-    async def _request(self, ds: DatasetRun, prompt: Prompt, ticket: Ticket, body: dict[str, Any]) -> None:
-        done = await self.attempts.ask(ds, body, ticket)  # the body the ticket reserved for
-        if done.outcome is Outcome.ANSWERED:
-            assert done.answer is not None
-            self.provider_stats.answer(done.answer.provider or "unknown", done.answer.latency_s,
-                                       done.answer.usage.completion_tokens)
-            self.ledger.record_answer(ds, prompt, done.answer, done.attempts, done.seq)
-            if self.admission.duplicates is not None:
-                self.admission.duplicates.answered(ds.config.name, prompt.id)
-            await self.ledger.synced(ds)  # durable (group fsync) before the request finishes
-        elif done.outcome is Outcome.FAILED:
-            assert done.error is not None
-            self.ledger.fail_or_doubt(ds, prompt, done.error, done.attempts, done.seq)
-            await self.ledger.synced(ds)
-        elif done.outcome is Outcome.ACCOUNT:
-            assert done.error is not None
-            ds.requeued(prompt)
-            self.watch.refused(done.error)
-        elif done.outcome is Outcome.OVER_BUDGET:  # stays eligible: the next run (a higher max_usd) asks it again
-            self.admission.skip_for_money(ds, prompt.id, "max_usd leaves no room for its retry")
-        elif done.outcome is Outcome.UNSENT:
-            ds.requeued(prompt)
-            self.control.hold(Hold.DISK, f"{done.disk_error}. The run is paused: a request is only sent once the spend "
-                       "ledger has it on disk; free space and press r to resume (headless: kill -USR1 <pid>).")
-        elif done.outcome is Outcome.DATASET:
-            assert done.error is not None
-            if ds.stop_for(done.error, self._redact):
-                self._event(snap.Level.ERROR, snap.EventKind.DATASET_STOPPED,
-                            f"{ds.config.name}: {ds.message}",
-                            dataset=ds.config.name)
-
-    # -- what the account watch tells the engine --------------------------------------------------
-
-    def _key_refused(self, stop: AccountStop) -> None:
-        self.control.say(stop.alert(paused=False))
-        self._event(snap.Level.ERROR, snap.EventKind.ACCOUNT, self.alert)
-        self.drain()
-
-    def _account_cleared(self) -> None:
-        if self.ledger.holding and not self.ledger.flush_held():
-            return
-        self._set_running()
+    def _wake_all(self) -> None:
+        for ds in self.datasets.values():
+            ds.wake.set()
 
     def _event(self, level: snap.Level, kind: snap.EventKind, message: str, dataset: str = "") -> None:
         self._on_event(level, kind, self._redact(message), dataset=dataset)
@@ -336,7 +285,7 @@ class Engine:
             return self.alert or "paused by the user: r resumes (headless: kill -USR1 <pid>)"
         if self.state not in (RunState.RUNNING, RunState.DRAINING):
             return ""
-        return self.attempts.stalled(self.in_flight)
+        return self._loop.attempts.stalled(self.in_flight) if self._loop is not None else ""
 
     # -- the picture ----------------------------------------------------------------------------
 
@@ -344,6 +293,6 @@ class Engine:
         self._seq += 1
         return project(run_name=self.rundir.root.name, model=self.config.api.model, state=self.state,
                        alert=self.alert, waiting=self.waiting(), elapsed_s=self._clock() - self._started, seq=self._seq,
-                       datasets=self.datasets.values(), ledger=self.ledger, retries=self.attempts.retries,
-                       money=self.money, prices=self.admission.prices, parallel=self.config.engine.parallel,
-                       smoke=self._smoke_answer)
+                       datasets=self.datasets.values(), ledger=self.ledger, retries=self.retries,
+                       money=self.money, prices=self.prices, parallel=self.config.engine.parallel,
+                       smoke=self._opened.money.smoke if self._opened is not None else None)

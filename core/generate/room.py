@@ -53,7 +53,7 @@ class Room:
 
     def __init__(self, money: MoneyBudget, gate: RunControl, ledger: Ledger, *, in_flight: Callable[[], int],
                  on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int],
-                 body: BodyFor) -> None:
+                 body: BodyFor, prices: dict[str, Prices | None]) -> None:
         self._money = money
         self._gate = gate
         self._ledger = ledger
@@ -62,7 +62,7 @@ class Room:
         self._on_floor = on_floor  # the balance reached credit_floor_usd: the engine holds the run
         self._settling = settling  # abandoned attempts being priced: settling them may free room
         self._body = body  # the exact request body (Config.request_body): the reservation is its worst case
-        self.prices: dict[str, Prices | None] = {}
+        self.prices = prices
         self.last_worst = 0.0  # the worst case of the last request asked for: what a re-check must find room for
         # Prompts skipped because their worst case did not fit what max_usd left, per dataset.
         self.money_skipped: dict[str, int] = {}

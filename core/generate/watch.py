@@ -28,7 +28,7 @@ from draftgen.core.secrets import Redactor
 
 class AccountWatch:
     def __init__(self, config: Config, money: MoneyBudget, spend: SpendLedger, admission: Admission,
-                 control: RunControl, redact: Redactor, event: Callable[..., None], *,
+                 control: RunControl, redact: Redactor, event: Callable[..., None], *, client: ChatClient,
                  on_key_refused: Callable[[AccountStop], None], on_cleared: Callable[[], None]) -> None:
         self._config = config
         self._money = money
@@ -39,7 +39,7 @@ class AccountWatch:
         self._event = event
         self._on_key_refused = on_key_refused  # the engine drains the run
         self._on_cleared = on_cleared          # the engine resumes the run (once the disk holds nothing)
-        self.client: ChatClient | None = None
+        self.client = client
         self.key_refused: AccountStop | None = None  # a 401 drained the run
         self.status: AccountStatus | None = None     # the last read of GET /key and GET /credits
         self._recheck: asyncio.Task[None] | None = None
@@ -105,7 +105,6 @@ class AccountWatch:
                 return
 
     async def read(self) -> AccountStatus:
-        assert self.client is not None
         if self._config.api.self_hosted:  # no account behind an openai-compatible server
             self.status = AccountStatus()
             return self.status
