@@ -16,7 +16,6 @@ next run imports before it sends anything; only if no place takes them are they 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -32,7 +31,8 @@ from draftgen.core.generate.client import ChatAnswer, RequestFailed
 from draftgen.core.generate.dataset_run import DatasetRun
 from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
 from draftgen.core.generate.run_state import Hold
-from draftgen.core.generate.spool import Spool, SpoolRecord, find_spools, write_spool
+from draftgen.core.generate.spool import SpoolRecord, write_spool
+from draftgen.core.generate.spool_import import HeldOutcome, SpoolImport
 from draftgen.core.generate.stats import RateTracker, Tally
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
@@ -49,17 +49,6 @@ class _Held:
     appender: JsonlAppender
     line: dict[str, Any]
     answer: bool               # a responses.jsonl line (else failures.jsonl)
-
-
-@dataclass
-class HeldOutcome:
-    """What became of the records the disk refused, this run (the end summary says it)."""
-    written: int = 0           # answers written after being held (the disk took them later)
-    spooled: int = 0           # answers spooled (spool.py), at `spool_path`
-    spooled_failures: int = 0
-    spool_path: str = ""
-    lost: int = 0              # answers no place would take (only if the spool failed too)
-    imported: int = 0          # spooled answers of an earlier run imported at the start
 
 
 class Ledger:
@@ -80,7 +69,7 @@ class Ledger:
         self._held: list[_Held] = []
         self._disk_error: DiskError | None = None   # why the records are held
         self.held_outcome = HeldOutcome()
-        self._spools: list[Spool] = []              # earlier runs' spools, imported as datasets open
+        self._spools = SpoolImport(rundir, self.held_outcome, on_event)  # earlier runs', imported as datasets open
 
     @property
     def holding(self) -> int:
@@ -102,7 +91,7 @@ class Ledger:
             if f.cut_bytes:
                 self._event(Level.WARN, EventKind.REPAIRED, f"{f.path}: cut a half-written last line "
                             f"({f.cut_bytes} bytes) left by a crash")
-        self._import_spooled(ds)
+        self._spools.import_into(ds)
         for _, raw in iter_jsonl(rd.responses(ds.config.name)):
             rec = ResponseRecord.from_dict(raw)  # odd values in a hand-edited line count as nothing
             if rec.id in ds.done_ids:
@@ -117,60 +106,11 @@ class Ledger:
 
     def load_spools(self) -> None:
         """Read this run directory's spool files; each dataset imports its records as it opens."""
-        self._spools = find_spools(self.rundir.root)
-
-    def _import_spooled(self, ds: DatasetRun) -> None:
-        """Append the dataset's spooled records that are not on disk yet (by prompt id), then fsync."""
-        mine = [(spool, r) for spool in self._spools if not spool.problem for r in spool.records
-                if r.dataset == ds.config.name]
-        if not mine:
-            return
-        on_disk = {str(raw.get("id")) for path in (self.rundir.responses(ds.config.name),
-                                                   self.rundir.failures(ds.config.name))
-                   for _, raw in iter_jsonl(path)}
-        assert ds.responses is not None and ds.failures is not None
-        for spool, r in mine:
-            rid = str(r.record.get("id"))
-            if rid in on_disk:
-                continue
-            try:
-                (ds.responses if r.file == "responses" else ds.failures).append(r.record)
-            except DiskError as e:
-                raise DiskError(f"{e}; the records spooled in {spool.path} stay there and the next run imports "
-                                "them once there is room") from e
-            on_disk.add(rid)
-            if r.file == "responses":
-                self.held_outcome.imported += 1
-        for f in (ds.responses, ds.failures):
-            fd = os.open(f.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # on disk for good before the spool file goes
-            finally:
-                os.close(fd)
+        self._spools.load()
 
     def finish_import(self) -> None:
         """Every dataset is open: remove the spools imported whole; say which stay, and why."""
-        names = set(self._datasets)
-        for spool in self._spools:
-            others = sorted({r.dataset for r in spool.records} - names)
-            if spool.problem or others:
-                why = spool.problem or f"its dataset(s) {', '.join(others)} are not in this config"
-                self._event(Level.ERROR, EventKind.SPOOL,
-                            f"{spool.path} was not imported: {why}; it stays (run again with "
-                            "those datasets, or move its records by hand)")
-                continue
-            try:
-                spool.path.unlink()
-            except OSError as e:
-                self._event(Level.WARN, EventKind.SPOOL,
-                            f"{spool.path}: imported, but cannot remove it ({e.strerror}); "
-                            "a later run skips what is already on disk")
-                continue
-            n = sum(1 for r in spool.records if r.file == "responses")
-            self._event(Level.INFO, EventKind.SPOOL,
-                        f"imported {len(spool.records)} spooled record(s) ({n} answers) from "
-                        f"{spool.path} into {self.rundir.root}; the spool file is removed")
-        self._spools = []
+        self._spools.finish(set(self._datasets))
 
     def close(self) -> None:
         for ds in self._datasets.values():
