@@ -1,13 +1,17 @@
 """The generation engine: prompts in, answers on disk, at the configured concurrency, within budget.
 
-The engine owns the run's lifecycle and its control surface (pause, resume, drain, stop); the work
+The engine drives the run's lifecycle and its control surface (pause, resume, drain, stop); the work
 is done by its parts, each in its own module:
 
+    run_state.py   RunControl: the run's state, its holds and their reasons, the gate (changed only there)
+    dataset_run.py a dataset's counts (answered + failed + skipped + left = total, asserted) and its files
+    run_loop.py    admission, attempts and the account watch, built once the run has opened what they need
     admission.py   which prompt goes out when: adaptive concurrency, slots, budgets, the requeue
     duplicates.py  a prompt another dataset of the run directory answered is not sent again
     attempts.py    one prompt asked until it has an outcome: backoff, retries, outages
     doubts.py      prompts set aside by a 4xx naming no known cause, until it is known whose it is
-    ledger.py      per-dataset counts, resume from disk, the record writer, the disk-full hold-back
+    ledger.py      resume from disk, the record writer, the disk-full hold-back (spool_import.py:
+                   what earlier runs spooled)
     spend.py       the money: every attempt on spend.jsonl, the sums behind the max_usd ceiling
                    (spend_file.py: the file, locked to one writer);
                    billing.py how each attempt's end is booked (who pays, how sure the figure is)
