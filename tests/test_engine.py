@@ -185,7 +185,7 @@ async def test_a_retry_meeting_the_credit_floor_is_held_not_failed(tmp_path):
                                   "engine": {"max_attempts": 1000, "backoff_base_s": 0.01, "backoff_max_s": 0.05}})
         engine = Engine(cfg, TEST_KEY, seed=1)
         task = asyncio.create_task(engine.run())
-        while engine.attempts.retries < 3:  # the first prompt is retrying its 502s
+        while engine.retries < 3:  # the first prompt is retrying its 502s
             await asyncio.sleep(0.01)
         sim.update(credits=1.0)             # the balance drops below the floor meanwhile
         for _ in range(500):

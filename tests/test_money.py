@@ -66,7 +66,7 @@ async def test_max_usd_without_any_price_refuses_to_start(tmp_path):
                                   "api": {"prompt_price_per_mtok": 1.0, "completion_price_per_mtok": 4.0}})
         engine = await _run(cfg)
     assert engine.datasets["a"].done == 5
-    prices = engine.admission.prices["a"]
+    prices = engine.prices["a"]
     assert prices is not None and prices.source.startswith("config") and prices.completion == pytest.approx(4e-6)
 
 

@@ -73,7 +73,7 @@ async def test_the_reservation_is_the_worst_case_of_the_body_sent(tmp_path):
         engine = Engine(cfg, TEST_KEY, seed=1)
         await engine.run()
         billed = sim.stats.billed_usd
-    prices = engine.admission.prices["a"]
+    prices = engine.prices["a"]
     assert prices is not None
     sent = [line for line in _ledger_lines(cfg) if line.get("e") == "sent"]
     assert sent

@@ -325,7 +325,7 @@ async def test_a_tls_failure_is_waited_out_not_billed_and_fails_nothing(tmp_path
         for _ in range(400):
             await asyncio.sleep(0.02)
             waiting = engine.snapshot().waiting
-            if "TLS handshake failed" in waiting and engine.attempts.retries > 40:
+            if "TLS handshake failed" in waiting and engine.retries > 40:
                 break
         # A drain, not stop-now: a stop landing mid-handshake abandons that attempt at its worst case
         # (the client cannot tell a handshake from a request on the wire), which is stop-now's rule.

@@ -16,8 +16,6 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from draftgen.core.generate.budget import MoneyBudget
@@ -30,7 +28,9 @@ from draftgen.core.live.snapshot import DatasetStatus, EventKind, EventSink, Lev
 from draftgen.core.units import usd
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.ledger import DatasetRun, Ledger
+    from draftgen.core.generate.dataset_run import DatasetRun
+    from draftgen.core.generate.ledger import Ledger
+    from draftgen.core.generate.run_state import RunControl
 
 ADMIT_BURST = 64  # admissions between yields to the event loop (2,000 at once would stall it)
 
@@ -91,42 +91,24 @@ class AdaptiveConcurrency:
         return False
 
 
-class Hold(Enum):
-    """Why the engine paused the run by itself (a pause by the user holds nothing)."""
-    ACCOUNT = "account"    # the key or the account (401, 402 out of credits, 403 a spending limit)
-    DISK = "disk"
-
-
-@dataclass
-class Gate:
-    """The run-wide switches every admission and every retry consults."""
-    resume: asyncio.Event      # clear while paused
-    draining: bool = False     # admit nothing more; requests in flight finish
-    stopping: bool = False     # requests in flight are abandoned
-
-    @property
-    def closed(self) -> bool:
-        return self.draining or self.stopping
-
-
 class Admission:
     """Admits the prompts of every dataset and keeps track of the requests it started."""
 
-    def __init__(self, datasets: dict[str, DatasetRun], money: MoneyBudget, gate: Gate, ledger: Ledger,
+    def __init__(self, datasets: dict[str, DatasetRun], money: MoneyBudget, gate: RunControl, ledger: Ledger,
                  request: Callable[[DatasetRun, Prompt, Ticket, dict[str, Any]], Coroutine[Any, Any, None]],
                  on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int] = lambda: 0,
-                 *, body: BodyFor) -> None:
+                 *, body: BodyFor, prices: dict[str, Prices | None],
+                 duplicates: CrossDatasetDuplicates | None) -> None:
         self._datasets = datasets
         self._room = Room(money, gate, ledger, in_flight=lambda: self.in_flight, on_event=on_event,
-                          on_floor=on_floor, settling=settling, body=body)
+                          on_floor=on_floor, settling=settling, body=body, prices=prices)
         self._money = money
         self._gate = gate
         self._ledger = ledger
         self._request = request
         self._event = on_event
         self.tasks: set[asyncio.Task[None]] = set()
-        # Set by the engine once it has read the run directory (None: off, or only one dataset).
-        self.duplicates: CrossDatasetDuplicates | None = None
+        self.duplicates = duplicates  # None: off, or only one dataset
 
     @property
     def in_flight(self) -> int:
@@ -154,7 +136,7 @@ class Admission:
         admitted = 0
         async for prompt in self._with_requeue(ds, self._ledger.prompts(ds)):
             if budget_reason:
-                ds.skipped += 1
+                ds.skipped_some()
                 continue
             body, worst = self.request_for(ds, prompt)
             decision = await self.admit(ds, worst)
@@ -166,13 +148,13 @@ class Admission:
                 if admitted % ADMIT_BURST == 0:
                     await asyncio.sleep(0)  # let answers and the UI run between bursts of admissions
             elif decision.verdict is Verdict.HALT:
-                ds.requeue.insert(0, prompt)
+                ds.requeued(prompt, front=True)
                 break
             elif decision.verdict is Verdict.SKIP:
                 self.skip_for_money(ds, prompt.id, decision.reason)
             else:
                 budget_reason = decision.reason
-                ds.skipped += 1
+                ds.skipped_some()
                 if decision.money:
                     self._room.stop_for_money(name)
                 ds.status = DatasetStatus.BUDGET
@@ -189,7 +171,7 @@ class Admission:
                         self.skip_for_money(ds, prompt.id, decision.reason)
                         continue
                     if decision.verdict is not Verdict.GO:
-                        ds.requeue.insert(0, prompt)
+                        ds.requeued(prompt, front=True)
                         break
                     if self._taken_elsewhere(ds, prompt):
                         continue
@@ -231,7 +213,7 @@ class Admission:
         other = self.duplicates.claim(ds.config.name, prompt.id, prompt.messages)
         if other is None:
             return False
-        ds.skipped += 1
+        ds.skipped_some()
         if self.duplicates.skip(ds.config.name) == 1:
             self._event(Level.WARN, EventKind.DUPLICATE,
                         f"{ds.config.name}: prompt {prompt.id!r} skipped: the same prompt "
@@ -242,10 +224,10 @@ class Admission:
     async def _with_requeue(self, ds: DatasetRun, source: AsyncIterator[Prompt]) -> AsyncIterator[Prompt]:
         async for prompt in source:
             while ds.requeue:
-                yield ds.requeue.pop(0)
+                yield ds.next_requeued()
             yield prompt
         while ds.requeue:
-            yield ds.requeue.pop(0)
+            yield ds.next_requeued()
 
     # -- room for one more request (room.py), under the names the engine and the watch use ------
 
@@ -254,18 +236,10 @@ class Admission:
         """Each dataset's prices (None: unknown): what a request's worst case is reckoned from."""
         return self._room.prices
 
-    @prices.setter
-    def prices(self, prices: dict[str, Prices | None]) -> None:
-        self._room.prices = prices
-
     @property
     def last_worst(self) -> float:
         """The worst case of the last request asked for: what a re-check must find room for."""
         return self._room.last_worst
-
-    @last_worst.setter
-    def last_worst(self, worst: float) -> None:
-        self._room.last_worst = worst
 
     @property
     def money_skipped(self) -> dict[str, int]:

@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DiskError
-from draftgen.core.generate.admission import Gate
 from draftgen.core.generate.billing import as_booked, book_answer, book_failure, look_up
 from draftgen.core.generate.classify import ANSWER_KINDS, SLOW_DOWN_KINDS, Whose, unreachable_advice
 from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
 from draftgen.core.generate.prices import Prices
+from draftgen.core.generate.run_state import RunControl
 from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.spend import SpendLedger, Ticket
 from draftgen.core.generate.stats import Tally
@@ -36,7 +36,8 @@ from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.secrets import Redactor
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.ledger import DatasetRun
+    from draftgen.core.generate.admission import Admission
+    from draftgen.core.generate.dataset_run import DatasetRun
 
 
 def backoff_delay(attempt: int, base: float, cap: float, retry_after: float | None,
@@ -71,25 +72,23 @@ class Attempted:
 class Attempts:
     """Asks prompts with retries; counts retries and the kinds of error seen; notices outages."""
 
-    def __init__(self, config: Config, gate: Gate, errors: Tally, rng: random.Random, *,
-                 retry_slot: Callable[[DatasetRun], Awaitable[None]],
-                 reserve_retry: Callable[[DatasetRun, str, float], Awaitable[Ticket | None]], spend: SpendLedger,
-                 on_event: Callable[[str, str, str], None], redact: Redactor, clock: Callable[[], float],
+    def __init__(self, config: Config, gate: RunControl, errors: Tally, rng: random.Random, *, room: Admission,
+                 spend: SpendLedger, client: ChatClient, settler: Settler, prices: Mapping[str, Prices | None],
+                 on_event: Callable[..., None], redact: Redactor, clock: Callable[[], float],
                  recent: RecentErrors | None = None) -> None:
         self._config = config
         self._gate = gate
         self._errors = errors
         self._rng = rng
-        self._retry_slot = retry_slot
-        self._reserve_retry = reserve_retry
+        self._room = room  # a retry's slot and reservation (admission.py)
         self._spend = spend
-        self.settler: Settler | None = None
-        self.prices: Mapping[str, Prices | None] = {}  # per dataset, set by the engine once it knows them
+        self.settler = settler
+        self.prices = prices  # per dataset (None: unknown)
         self._event = on_event
         self._redact = redact
         self._clock = clock
         self._recent = recent   # the drill-down's rings of recent errors
-        self.client: ChatClient | None = None
+        self.client = client
         self.retries = 0
         self._unreachable_since: float | None = None  # the API could not be reached; reset by an answer
         self.answered = 0        # answers this run: a prompt that fails while others are answered is suspect
@@ -102,7 +101,6 @@ class Attempts:
         """Ask until there is an outcome. Each attempt goes out under its own reservation (`ticket` for
         the first), on the spend ledger before it leaves, and is booked as it ends (billing.py): answered
         at its usage.cost, refused (nothing billed), or pending until the settler prices it."""
-        assert self.client is not None
         eng = self._config.engine
         spend = self._spend
         prompt_id = ticket.prompt_id
@@ -114,7 +112,7 @@ class Attempts:
         own_faults = 0
         while True:
             if not ticket.open:  # a retry: the last reservation is settled or pending
-                renewed = await self._reserve_retry(ds, prompt_id, ticket.worst)
+                renewed = await self._room.reserve_retry(ds, prompt_id, ticket.worst)
                 if renewed is None:
                     return Attempted(Outcome.GIVEN_UP if self._gate.closed else Outcome.OVER_BUDGET, tries)
                 ticket = renewed
@@ -171,7 +169,7 @@ class Attempts:
                     self.last_transient = e
                 if self._gate.closed:
                     return Attempted(Outcome.GIVEN_UP, tries, error=e)
-                await self._retry_slot(ds)
+                await self._room.retry_slot(ds)
                 continue
             except BaseException:  # stop-now (a cancel) mid-request: the provider may bill it anyway
                 self._abandon(ticket)

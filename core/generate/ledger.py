@@ -16,83 +16,30 @@ next run imports before it sends anything; only if no place takes them are they 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from draftgen.core.config import DatasetConfig
 from draftgen.core.errors import DiskError
 from draftgen.core.files import replacing
-from draftgen.core.generate.admission import AdaptiveConcurrency, Hold
-from draftgen.core.generate.budget import MoneyBudget, TokenBudget
+from draftgen.core.generate.budget import MoneyBudget
 from draftgen.core.generate.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.client import ChatAnswer, RequestFailed
-from draftgen.core.generate.doubts import Doubts
+from draftgen.core.generate.dataset_run import DatasetRun
 from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
-from draftgen.core.generate.spool import Spool, SpoolRecord, find_spools, write_spool
+from draftgen.core.generate.run_state import Hold
+from draftgen.core.generate.spool import SpoolRecord, write_spool
+from draftgen.core.generate.spool_import import HeldOutcome, SpoolImport
 from draftgen.core.generate.stats import RateTracker, Tally
-from draftgen.core.live.snapshot import DatasetStatus, EventKind, Level
+from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
 
 PROMPT_CHUNK = 512
-
-
-@dataclass
-class DatasetRun:
-    """One dataset's live state: counts, budgets, the requests in flight and its two record files."""
-    config: DatasetConfig
-    tokens: TokenBudget
-    concurrency: AdaptiveConcurrency
-    status: DatasetStatus = DatasetStatus.PENDING
-    total: int = 0
-    done: int = 0
-    failed: int = 0
-    skipped: int = 0
-    rejected: int = 0
-    truncated: int = 0
-    in_flight: int = 0
-    parked: int = 0            # of those, retries waiting for a slot under a lowered limit
-    cost: float = 0.0
-    message: str = ""
-    done_ids: set[str] = field(default_factory=set)
-    requeue: list[Prompt] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    stopped: bool = False      # 404 "no endpoints": admit nothing more
-    scanned: bool = False      # total and rejected counted (at the start, for the whole-run projection)
-    responses: JsonlAppender | None = None
-    failures: JsonlAppender | None = None
-    sent: int = 0              # requests sent this run (attempts.py numbers each one)
-    answered_now: int = 0      # answers this run
-    doubts: Doubts = field(default_factory=Doubts)  # set aside by a 4xx naming no known cause (doubts.py)
-
-    def stop_for(self, e: RequestFailed, redact: Redactor) -> bool:
-        """The dataset's routing or settings refuse every prompt: it admits nothing more, its prompts
-        stay eligible, the message says what to change. False when it was stopped already."""
-        if self.stopped:
-            return False
-        self.stopped = True
-        why = redact(e.message)[:300]
-        todo = {ErrorKind.MAX_TOKENS_EXCEEDED: f"lower max_tokens (now {self.config.max_tokens}) for this dataset",
-                ErrorKind.WEIGHT_EXCEEDS_BUDGET: f"lower max_tokens (now {self.config.max_tokens}) or add credits",
-                ErrorKind.NOT_FOUND: "check [api] model",
-                # The message names each field and its config key; OpenRouter-only keys are dropped by the kind.
-                ErrorKind.UNEXPECTED_FIELD: "change the config as said (OpenRouter-only keys: [api] kind = "
-                                            "\"openai-compatible\" leaves them out)",
-                }.get(e.kind, "check the provider routing ([request] provider, the account's privacy settings)")
-        if e.kind in UNRECOGNIZED_4XX:
-            todo = (f"{len(self.doubts)} prompt(s) got it and no request sent after them was answered, so it is "
-                    "likely this dataset's request parameters ([request], the dataset's settings): fix them; if "
-                    "they are right, run `draftgen smoke` (an answer there shows they work, and the next run "
-                    "fails these prompts as their own)")
-        self.message = f"stopped: {why}; {todo}, then run again (its prompts stay eligible)"
-        self.wake.set()
-        return True
 
 
 @dataclass
@@ -102,17 +49,6 @@ class _Held:
     appender: JsonlAppender
     line: dict[str, Any]
     answer: bool               # a responses.jsonl line (else failures.jsonl)
-
-
-@dataclass
-class HeldOutcome:
-    """What became of the records the disk refused, this run (the end summary says it)."""
-    written: int = 0           # answers written after being held (the disk took them later)
-    spooled: int = 0           # answers spooled (spool.py), at `spool_path`
-    spooled_failures: int = 0
-    spool_path: str = ""
-    lost: int = 0              # answers no place would take (only if the spool failed too)
-    imported: int = 0          # spooled answers of an earlier run imported at the start
 
 
 class Ledger:
@@ -133,7 +69,7 @@ class Ledger:
         self._held: list[_Held] = []
         self._disk_error: DiskError | None = None   # why the records are held
         self.held_outcome = HeldOutcome()
-        self._spools: list[Spool] = []              # earlier runs' spools, imported as datasets open
+        self._spools = SpoolImport(rundir, self.held_outcome, on_event)  # earlier runs', imported as datasets open
 
     @property
     def holding(self) -> int:
@@ -155,82 +91,26 @@ class Ledger:
             if f.cut_bytes:
                 self._event(Level.WARN, EventKind.REPAIRED, f"{f.path}: cut a half-written last line "
                             f"({f.cut_bytes} bytes) left by a crash")
-        self._import_spooled(ds)
+        self._spools.import_into(ds)
         for _, raw in iter_jsonl(rd.responses(ds.config.name)):
             rec = ResponseRecord.from_dict(raw)  # odd values in a hand-edited line count as nothing
             if rec.id in ds.done_ids:
                 continue
-            ds.done_ids.add(rec.id)
-            ds.done += 1
-            ds.tokens.used += rec.usage.completion_tokens
-            ds.tokens.answers += 1
-            ds.cost += rec.usage.cost
-            if rec.short:
-                ds.truncated += 1
+            ds.answered(rec.id, rec.usage.completion_tokens, rec.usage.cost, short=rec.short, now=False)
         for _, raw in iter_jsonl(rd.failures(ds.config.name)):
             rid = str(raw.get("id"))
             if rid not in ds.done_ids:
-                ds.done_ids.add(rid)
-                ds.failed += 1
+                ds.failed_one(rid, now=False)
 
     # -- spools of earlier runs (spool.py) ----------------------------------------------------------
 
     def load_spools(self) -> None:
         """Read this run directory's spool files; each dataset imports its records as it opens."""
-        self._spools = find_spools(self.rundir.root)
-
-    def _import_spooled(self, ds: DatasetRun) -> None:
-        """Append the dataset's spooled records that are not on disk yet (by prompt id), then fsync."""
-        mine = [(spool, r) for spool in self._spools if not spool.problem for r in spool.records
-                if r.dataset == ds.config.name]
-        if not mine:
-            return
-        on_disk = {str(raw.get("id")) for path in (self.rundir.responses(ds.config.name),
-                                                   self.rundir.failures(ds.config.name))
-                   for _, raw in iter_jsonl(path)}
-        assert ds.responses is not None and ds.failures is not None
-        for spool, r in mine:
-            rid = str(r.record.get("id"))
-            if rid in on_disk:
-                continue
-            try:
-                (ds.responses if r.file == "responses" else ds.failures).append(r.record)
-            except DiskError as e:
-                raise DiskError(f"{e}; the records spooled in {spool.path} stay there and the next run imports "
-                                "them once there is room") from e
-            on_disk.add(rid)
-            if r.file == "responses":
-                self.held_outcome.imported += 1
-        for f in (ds.responses, ds.failures):
-            fd = os.open(f.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # on disk for good before the spool file goes
-            finally:
-                os.close(fd)
+        self._spools.load()
 
     def finish_import(self) -> None:
         """Every dataset is open: remove the spools imported whole; say which stay, and why."""
-        names = set(self._datasets)
-        for spool in self._spools:
-            others = sorted({r.dataset for r in spool.records} - names)
-            if spool.problem or others:
-                why = spool.problem or f"its dataset(s) {', '.join(others)} are not in this config"
-                self._event(Level.ERROR, EventKind.SPOOL,
-                            f"{spool.path} was not imported: {why}; it stays (run again with "
-                            "those datasets, or move its records by hand)")
-                continue
-            try:
-                spool.path.unlink()
-            except OSError as e:
-                self._event(Level.WARN, EventKind.SPOOL,
-                            f"{spool.path}: imported, but cannot remove it ({e.strerror}); "
-                            "a later run skips what is already on disk")
-                continue
-            n = sum(1 for r in spool.records if r.file == "responses")
-            self._event(Level.INFO, EventKind.SPOOL,
-                        f"imported {len(spool.records)} spooled record(s) ({n} answers) from "
-                        f"{spool.path} into {self.rundir.root}; the spool file is removed")
-        self._spools = []
+        self._spools.finish(set(self._datasets))
 
     def close(self) -> None:
         for ds in self._datasets.values():
@@ -240,7 +120,7 @@ class Ledger:
 
     def scan_prompts(self, ds: DatasetRun) -> None:
         """Count usable prompts and rewrite rejected.jsonl (derived from the input, so rewritten whole)."""
-        total = rejected = 0
+        total = rejected = fresh = 0
         with replacing(self.rundir.rejected(ds.config.name)) as out:  # on an error the old one stays
             for item in read_prompts(ds.config.prompts):
                 if isinstance(item, Rejection):
@@ -249,8 +129,8 @@ class Ledger:
                                             "file": str(ds.config.prompts), "ts": time.time()}) + b"\n")
                 else:
                     total += 1
-        ds.total, ds.rejected = total, rejected
-        ds.scanned = True
+                    fresh += item.id not in ds.done_ids
+        ds.counted(total, rejected, fresh)
 
     async def prompts(self, ds: DatasetRun) -> AsyncIterator[Prompt]:
         """The dataset's prompts not yet on disk, read in a thread a chunk at a time."""
@@ -291,14 +171,8 @@ class Ledger:
         line = record.to_dict()
         assert ds.responses is not None
         on_disk = self._write(_Held(ds, ds.responses, line, answer=True))
-        ds.done += 1
-        ds.answered_now += 1
-        ds.done_ids.add(prompt.id)
-        ds.tokens.used += a.usage.completion_tokens
-        ds.tokens.answers += 1
-        ds.cost += a.usage.cost
+        ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty)
         if truncated or empty:
-            ds.truncated += 1
             self.errors.add(ErrorKind.LENGTH if truncated else ErrorKind.EMPTY_CONTENT)
         self.rates.record(a.usage.completion_tokens)
         self.providers.add(a.provider or "unknown")
@@ -335,8 +209,7 @@ class Ledger:
                                message=self._redact(e.message), attempts=attempts, ts=round(time.time(), 3))
         assert ds.failures is not None
         self._write(_Held(ds, ds.failures, record.to_dict(), answer=False))
-        ds.failed += 1
-        ds.done_ids.add(prompt.id)
+        ds.failed_one(prompt.id)
 
     def _write(self, item: _Held) -> bool:
         """True when the record is on disk now; False when it is held in memory (a failed write)."""
@@ -405,11 +278,7 @@ class Ledger:
         self.held_outcome.lost += answers
         lost: dict[str, int] = {}
         for item in self._held:
-            if item.answer:
-                item.ds.done -= 1
-            else:
-                item.ds.failed -= 1
-            item.ds.done_ids.discard(str(item.line.get("id")))
+            item.ds.unrecorded(str(item.line.get("id")), answer=item.answer)
             lost[str(item.appender.path)] = lost.get(str(item.appender.path), 0) + 1
         self._held.clear()
         where = ", ".join(f"{n} for {path}" for path, n in lost.items())

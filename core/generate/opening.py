@@ -29,9 +29,10 @@ from draftgen.core.errors import DraftgenError
 from draftgen.core.files import write_json_atomic
 from draftgen.core.generate.account import read_account
 from draftgen.core.generate.client import ChatClient
+from draftgen.core.generate.dataset_run import DatasetRun
 from draftgen.core.generate.duplicates import CrossDatasetDuplicates
 from draftgen.core.generate.forecast import SmokeFigures
-from draftgen.core.generate.ledger import DatasetRun, Ledger
+from draftgen.core.generate.ledger import Ledger
 from draftgen.core.generate.prices import Prices, fetch_prices, require_prices
 from draftgen.core.generate.settle import Settler
 from draftgen.core.generate.smoke import load_smoke_answer, load_smoke_answered

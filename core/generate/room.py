@@ -23,8 +23,9 @@ from draftgen.core.generate.spend import Ticket
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.admission import Gate
-    from draftgen.core.generate.ledger import DatasetRun, Ledger
+    from draftgen.core.generate.dataset_run import DatasetRun
+    from draftgen.core.generate.ledger import Ledger
+    from draftgen.core.generate.run_state import RunControl
 
 BodyFor = Callable[[DatasetConfig, list[dict[str, Any]]], dict[str, Any]]
 
@@ -50,9 +51,9 @@ HALT = Decision(Verdict.HALT)
 class Room:
     """Whether one more request (or retry) of a dataset may go out now, and what max_usd left unasked."""
 
-    def __init__(self, money: MoneyBudget, gate: Gate, ledger: Ledger, *, in_flight: Callable[[], int],
+    def __init__(self, money: MoneyBudget, gate: RunControl, ledger: Ledger, *, in_flight: Callable[[], int],
                  on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int],
-                 body: BodyFor) -> None:
+                 body: BodyFor, prices: dict[str, Prices | None]) -> None:
         self._money = money
         self._gate = gate
         self._ledger = ledger
@@ -61,7 +62,7 @@ class Room:
         self._on_floor = on_floor  # the balance reached credit_floor_usd: the engine holds the run
         self._settling = settling  # abandoned attempts being priced: settling them may free room
         self._body = body  # the exact request body (Config.request_body): the reservation is its worst case
-        self.prices: dict[str, Prices | None] = {}
+        self.prices = prices
         self.last_worst = 0.0  # the worst case of the last request asked for: what a re-check must find room for
         # Prompts skipped because their worst case did not fit what max_usd left, per dataset.
         self.money_skipped: dict[str, int] = {}
@@ -88,7 +89,7 @@ class Room:
         """Skip one prompt max_usd has no room for (counted, not failed: it stays eligible); said for
         the first of each dataset, counted in its dataset_done line."""
         name = ds.config.name
-        ds.skipped += 1
+        ds.skipped_some()
         n = self.money_skipped[name] = self.money_skipped.get(name, 0) + 1
         if n == 1:
             why = reason or "max_usd leaves no room"
@@ -102,8 +103,8 @@ class Room:
         while True:
             if self._gate.closed or ds.stopped:
                 return HALT
-            if not self._gate.resume.is_set():
-                await self._gate.resume.wait()
+            if not self._gate.is_open:
+                await self._gate.wait_open()
                 continue
             if ds.doubts.held:  # set aside by a 4xx naming no cause (doubts.py): one probe at a time
                 if ds.doubts.given_up:
@@ -142,7 +143,7 @@ class Room:
                 if self._money.over_max(worst) is None:
                     # The balance, not a budget: hold the run (nothing skipped) until it shows room again.
                     self._on_floor(reason)
-                    if self._gate.resume.is_set():  # the hold was refused (draining): admit nothing
+                    if self._gate.is_open:  # the hold was refused (draining): admit nothing
                         return HALT
                     continue
                 return Decision(Verdict.BUDGET, reason, money=True)
@@ -167,9 +168,9 @@ class Room:
                 # The balance, not the ceiling: hold the run (nothing skipped) until it shows room again.
                 self.last_worst = worst
                 self._on_floor(reason)
-                if self._gate.resume.is_set():  # the hold was refused (draining)
+                if self._gate.is_open:  # the hold was refused (draining)
                     return None
-                await self._gate.resume.wait()
+                await self._gate.wait_open()
                 continue
             self._money.note_limited()
             self._retries_waiting += 1

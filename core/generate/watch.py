@@ -5,8 +5,8 @@ requests in flight finish, nothing is failed, and the run is held until a re-rea
 GET /credits shows room for what is reserved plus the next request's worst case (then it resumes
 by itself), or the user resumes it. A refused key (401) is not held: it drains the run.
 
-The engine owns the run's state; this watch tells it, through the hooks it is given, when to hold,
-when to drain and when the hold has cleared.
+The run's state is RunControl's (run_state.py): this watch holds the run through it, and tells the
+engine when the key is refused (it drains) and when the hold has cleared (it resumes).
 """
 
 from __future__ import annotations
@@ -17,34 +17,30 @@ from collections.abc import Callable
 
 from draftgen.core.config import Config
 from draftgen.core.generate.account import AccountStatus, AccountStop, read_account
-from draftgen.core.generate.admission import Admission, Gate
+from draftgen.core.generate.admission import Admission
 from draftgen.core.generate.budget import MoneyBudget
 from draftgen.core.generate.classify import AccountCondition, RequestFailed
 from draftgen.core.generate.client import ChatClient
+from draftgen.core.generate.run_state import Hold, RunControl
 from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.secrets import Redactor
 
-# What the account reads tell the engine.
-Hooks = tuple[Callable[[AccountStop], None],  # hold the run for this condition
-              Callable[[AccountStop], None],  # the key is refused: drain the run
-              Callable[[], None],             # the condition cleared: resume the run
-              Callable[[], bool]]             # is the run paused?
-
 
 class AccountWatch:
-    def __init__(self, config: Config, money: MoneyBudget, spend: SpendLedger, admission: Admission, gate: Gate,
-                 redact: Redactor, event: Callable[[str, str, str], None], hooks: Hooks) -> None:
+    def __init__(self, config: Config, money: MoneyBudget, spend: SpendLedger, admission: Admission,
+                 control: RunControl, redact: Redactor, event: Callable[..., None], *, client: ChatClient,
+                 on_key_refused: Callable[[AccountStop], None], on_cleared: Callable[[], None]) -> None:
         self._config = config
         self._money = money
         self._spend = spend
         self._admission = admission
-        self._gate = gate
+        self._run = control
         self._redact = redact
         self._event = event
-        self._on_hold, self._on_key_refused, self._on_cleared, self._paused = hooks
-        self.client: ChatClient | None = None
-        self.stop: AccountStop | None = None         # the account condition holding the run, while it does
+        self._on_key_refused = on_key_refused  # the engine drains the run
+        self._on_cleared = on_cleared          # the engine resumes the run (once the disk holds nothing)
+        self.client = client
         self.key_refused: AccountStop | None = None  # a 401 drained the run
         self.status: AccountStatus | None = None     # the last read of GET /key and GET /credits
         self._recheck: asyncio.Task[None] | None = None
@@ -52,7 +48,8 @@ class AccountWatch:
     @property
     def balance_bound(self) -> bool:
         """The hold is one that only a fresh balance read can lift (a 402, the credit floor)."""
-        return self.stop is not None and self.stop.condition in (AccountCondition.OUT_OF_CREDITS,
+        stop = self._run.account
+        return stop is not None and stop.condition in (AccountCondition.OUT_OF_CREDITS,
                                                                  AccountCondition.CREDIT_FLOOR)
 
     def floor_reached(self, reason: str) -> None:
@@ -71,12 +68,11 @@ class AccountWatch:
                 self.key_refused = stop
                 self._on_key_refused(stop)
             return
-        if self._gate.closed:
+        if self._run.closed:
             return
-        if self.stop is not None and self._paused():
+        if self._run.account is not None and self._run.paused:
             return  # already held (an answer in flight when it began)
-        self.stop = stop
-        self._on_hold(stop)
+        self._run.hold(Hold.ACCOUNT, stop.alert(), account=stop)
         if stop.recheck and (self._recheck is None or self._recheck.done()):
             self._recheck = asyncio.get_running_loop().create_task(self._recheck_until_clear())
 
@@ -87,10 +83,10 @@ class AccountWatch:
     async def _recheck_until_clear(self) -> None:
         """While a condition holds the run: read the account every credits interval, resume when it
         shows room again."""
-        while self.stop is not None and self._paused() and not self._gate.closed:
+        while self._run.account is not None and self._run.paused and not self._run.closed:
             await asyncio.sleep(self._config.api.credits_interval_s)
-            stop = self.stop
-            if stop is None or not self._paused() or self._gate.closed:
+            stop = self._run.account
+            if stop is None or not self._run.paused or self._run.closed:
                 return
             try:
                 status = await self.read()
@@ -110,7 +106,6 @@ class AccountWatch:
                 return
 
     async def read(self) -> AccountStatus:
-        assert self.client is not None
         if self._config.api.self_hosted:  # no account behind an openai-compatible server
             self.status = AccountStatus()
             return self.status
@@ -133,7 +128,7 @@ class AccountWatch:
             await self.read()
         except Exception as e:  # noqa: BLE001 - resume anyway
             self._event(Level.WARN, EventKind.CREDITS, f"could not read the balance: {type(e).__name__}")
-        if self._paused():
+        if self._run.paused:
             resume()
 
     async def watch(self) -> None:

@@ -9,53 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from typing import Any
 
-import orjson
-
 from draftgen.core.config import Config
-from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError, UnreachableError
+from draftgen.core.errors import DraftgenError
 from draftgen.core.files import RunLock, exclusive
 from draftgen.core.generate.engine import Engine
-from draftgen.core.generate.smoke import SMOKE_RETRY_S
-from draftgen.core.generate.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.hub import Hub
-from draftgen.core.live.summary import (
-    EXIT_COMPLETE,
-    EXIT_ERROR,
-    EXIT_INCOMPLETE,
-    EXIT_INTERRUPTED,
-    INCOMPLETE,
-    QuitEffects,
-    quit_effects,
-)
+from draftgen.core.live.summary import QuitEffects, quit_effects
 from draftgen.core.live.timeline import TimelineRecorder, Totals
 from draftgen.core.records import error_count
+from draftgen.core.run.events import EventPublisher
+from draftgen.core.run.generation import Generation
+from draftgen.core.run.live_tokens import LiveTokens
 from draftgen.core.run.stages import Stages
+from draftgen.core.run.startup import (
+    Startup,
+    smoke_status,  # noqa: F401 - its old home: tests and the CLI import it here
+)
 from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.secrets import Redactor
 
 STAGES = ("smoke", "tokens", "merge", "extract")  # the stages panel's rows (generation is the datasets panel)
-# The same warning again within this many seconds is counted, not logged (an outage that flaps says so once).
-REPEAT_WINDOW_S = 30.0
-
-
-def smoke_status(config: Config) -> tuple[bool, str]:
-    """(passed for this config's request shapes, why not) from smoke.json."""
-    path = RunDir(config.run_dir).smoke_json
-    if not path.exists():
-        return False, "no smoke test has run for this run directory"
-    try:
-        data = orjson.loads(path.read_bytes())
-    except (OSError, orjson.JSONDecodeError):
-        return False, f"{path} cannot be read"
-    if data.get("fingerprint") != config.run_fingerprint():
-        return False, "the request parameters changed since the last smoke test"
-    if not data.get("passed"):
-        return False, "the last smoke test failed"
-    return True, ""
 
 
 class Pipeline:
@@ -72,30 +48,27 @@ class Pipeline:
         self.hub = Hub()
         self._api_key = api_key
         self._redact = Redactor(api_key, config.api.management_key())
-        self._skip_smoke = skip_smoke
+        self.events = EventPublisher(self.hub, self._redact)
         self._reconstruct = config.engine.reconstruct if reconstruct is None else reconstruct
         self._serve_attach = serve_attach
         self.engine = Engine(config, api_key, on_event=self.emit, on_answer=self._on_answer, seed=seed)
-        self._log: EventLog | None = None
         self._attach: Any = None
         self._run_lock: RunLock | None = None
-        self._reconstructor: Any = None
-        self._fidelity: tuple[snap.ProviderFidelity, ...] = ()  # the last figures, kept after the workers stop
         self._ticker: asyncio.Task[None] | None = None
-        self.quit_requested = asyncio.Event()
-        self._exit_code = 0
-        self.error: DraftgenError | None = None
-        self._run_started = False   # the engine's run was started: run requests may have been sent
-        self._generation = snap.StageState.IDLE
-        self._startup: asyncio.Future[bool] | None = None  # the start-up smoke test (stop now cancels it)
-        self._no_dialog = asyncio.Event()  # cleared while the quit dialog is open: the run does not start
-        self._no_dialog.set()
-        self._ledger_spent: tuple[float, float] | None = None  # (before, after) the smoke test, from spend.jsonl
-        self._repeats: dict[tuple[str, str, str], list[float]] = {}  # (kind, message, dataset) -> [first seen, times]
         self.oneshot = Stages(config, api_key, self.engine, emit=self.emit)
         self.stages = self.oneshot.progress  # the stages panel's rows (one dict, shared)
+        self.tokens = LiveTokens(config, self.emit, self.stages)
+        self.startup = Startup(config, api_key, self.oneshot, self.emit, skip_smoke=skip_smoke,
+                               reconstruct=self._reconstruct)
+        self.generation = Generation(config, self.engine, self.startup, self.tokens, self.oneshot, self.emit,
+                                     self._redact, publish=self.publish, reconstruct=self._reconstruct)
         self.timeline = TimelineRecorder(self.rundir.history, on_write_error=lambda message: self.emit(
             snap.Level.WARN, snap.EventKind.HISTORY, message))
+
+    @property
+    def quit_requested(self) -> asyncio.Event:
+        """Set once a quit is asked for (drain or stop now)."""
+        return self.startup.quit_requested
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -111,7 +84,7 @@ class Pipeline:
             raise
 
     async def _start(self) -> None:
-        self._log = EventLog(self.rundir.events_log)
+        self.events.open_log(EventLog(self.rundir.events_log))
         await asyncio.to_thread(self.timeline.load)
         self.timeline.start(self._totals())
         if self._serve_attach:
@@ -123,19 +96,16 @@ class Pipeline:
         self.publish()
 
     async def close(self) -> None:
-        self._flush_repeats()
+        self.events.flush_repeats()
         self.oneshot.cancel()
-        if self._reconstructor is not None:
-            await self._reconstructor.close()
-            self._reconstructor = None
+        await self.tokens.close()
         if self._ticker is not None:
             self._ticker.cancel()
         self.publish()
         if self._attach is not None:
             await self._attach.close()
             self._attach = None
-        if self._log is not None:
-            self._log.close()
+        self.events.close()
         self.timeline.close()
         if self._run_lock is not None:
             self._run_lock.release()
@@ -143,185 +113,36 @@ class Pipeline:
 
     @property
     def exit_code(self) -> int:
-        """The run's exit code (README "exit codes"): a stage stopped before its end is incomplete (3),
-        a stage that failed an error (2), never complete."""
-        code = self._exit_code
-        if code == EXIT_COMPLETE:
-            states = {self.stages[n].state for n in self.stages if n != "smoke"}
-            if snap.StageState.FAILED in states:
-                return EXIT_ERROR
-            if snap.StageState.STOPPED in states:
-                return EXIT_INCOMPLETE
-        return code
+        """The run's exit code (README "exit codes"): see Generation.exit_code."""
+        return self.generation.exit_code
 
-    @exit_code.setter
-    def exit_code(self, code: int) -> None:
-        self._exit_code = code
+    @property
+    def error(self) -> DraftgenError | None:
+        """The user-facing error that stopped the run, for the command boundary to print."""
+        return self.generation.error
 
     async def generate(self) -> str:
-        """Smoke gate, then the run. Returns the engine's final state. A user-facing error (a missing
-        tokenizer or prompt file, the open-file limit) stops the run with an alert and is kept in
-        `self.error` for the command boundary to print."""
-        try:
-            return await self._generate()
-        except Exception as e:  # noqa: BLE001 - the run must never sit silent: every failure shows
-            if not isinstance(e, DraftgenError):
-                # A bug, not a user error: its traceback travels as the cause (--debug prints it).
-                wrapper = DraftgenError(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the "
-                                        "traceback, and please report it)")
-                wrapper.__cause__ = e
-                e = wrapper
-            self.error = e
-            self._generation = snap.StageState.FAILED if self._run_started else snap.StageState.SKIPPED
-            self.exit_code = getattr(e, "exit_code", 2)
-            for name, stage in list(self.stages.items()):
-                if stage.state == snap.StageState.RUNNING:
-                    self.stages[name] = dataclasses.replace(stage, state=snap.StageState.FAILED,
-                                                            message=self._redact(str(e)))
-            self.engine.alert = self._redact(str(e))
-            self.engine.state = snap.RunState.STOPPED
-            self.emit(snap.Level.ERROR, snap.EventKind.RUN_FAILED, f"the run cannot go on: {e}")
-            return snap.RunState.STOPPED
-
-    async def _generate(self) -> str:
-        try:
-            from draftgen.core.generate.precheck import check_inputs
-            from draftgen.core.generate.preflight import check_api
-            # Prompt files and the tokenizer before anything is paid for (the smoke test included).
-            await asyncio.to_thread(check_inputs, self.config, tokenizer=self._reconstruct)
-            ok, why = (True, "") if self._skip_smoke else smoke_status(self.config)
-            try:
-                await check_api(self.config, self._api_key)
-            except UnreachableError as e:
-                # What happens next depends on the smoke gate: say that, not a wait that never comes.
-                self.emit(snap.Level.WARN, snap.EventKind.UNREACHABLE,
-                          f"{e}; the run waits for it (no prompt is failed meanwhile)" if ok
-                          else f"{e}; the smoke test needed first retries it for up to "
-                               f"{SMOKE_RETRY_S / 60:.0f} min, then the run stops")
-            if warning := self.config.kind_warning():  # the server's kind is known from here
-                self.emit(snap.Level.WARN, snap.EventKind.REQUEST_KEYS, warning)
-            if not self._skip_smoke:
-                if not ok and not self.quit_requested.is_set():
-                    self.emit(snap.Level.INFO, snap.EventKind.SMOKE, f"running the smoke test first: {why}; no run request is sent "
-                              "before it passes (a quit now stops it and the run does not start)")
-                    before = await asyncio.to_thread(self._spent_on_disk)
-                    self._startup = asyncio.ensure_future(self.oneshot.smoke())
-                    await asyncio.wait({self._startup})
-                    # The run's ledger is not open: the summary's spend is read from the file (the smoke request in it).
-                    self._ledger_spent = (before, await asyncio.to_thread(self._spent_on_disk))
-                    if self._startup.cancelled():
-                        return self._not_started("the smoke test was stopped before it finished")
-                    if not self._startup.result():
-                        # Read in the TUI, the headless log and the shell after the TUI closes: a command, not a key.
-                        self.engine.alert = ("the smoke test failed: the run will not start at full concurrency "
-                                             f"(fix what it names, then `draftgen smoke {self.config.path}`; "
-                                             "or --skip-smoke)")
-                        self.engine.state = snap.RunState.STOPPED
-                        self._generation = snap.StageState.SKIPPED
-                        self.exit_code = 1
-                        return snap.RunState.STOPPED
-            if self.quit_requested.is_set() or not self._no_dialog.is_set():
-                if not self._no_dialog.is_set():
-                    self.emit(snap.Level.INFO, snap.EventKind.QUIT_DIALOG, "the run starts once the quit dialog is answered")
-                    await self._no_dialog.wait()
-                if self.quit_requested.is_set():
-                    return self._not_started("quit before the run started")
-            if self._reconstruct:
-                from draftgen.core.tokens.live import LiveReconstructor
-                self._reconstructor = LiveReconstructor(self.config, workers=self.config.engine.workers,
-                                                        on_event=self.emit)
-                await self._reconstructor.start()
-                for ds in self.config.datasets:
-                    await self._reconstructor.catch_up(ds.name)
-            state = await self._run_engine()
-            if not self._run_started:
-                return self._not_started("quit before the run started")
-            self._generation = (snap.StageState.DONE if state in (snap.RunState.DONE, snap.RunState.LIMITED)
-                                else snap.StageState.STOPPED)
-            held = self.engine.ledger.held_outcome
-            if (state in INCOMPLETE or held.spooled or held.spooled_failures) and self.exit_code == EXIT_COMPLETE:
-                # Prompts are left, or records wait in a spool for the next run: the shell can tell it apart.
-                self.exit_code = EXIT_INCOMPLETE
-            if self.engine.key_refused is not None:
-                self.exit_code = EXIT_KEY_REFUSED
-            if self._reconstructor is not None:
-                await self._reconstructor.close()
-                tokens = self.stages["tokens"] = self._reconstructor.progress()
-                self._fidelity = self._reconstructor.fidelity()
-                self.emit(snap.Level.INFO, snap.EventKind.TOKENS_DONE, self._reconstructor.report(None).summary_line())
-                if tokens.done < tokens.total:  # the tokens stage failed: not a complete run, merge would drop them
-                    self.emit(snap.Level.ERROR, snap.EventKind.TOKENS_FAILED,
-                              f"tokens: {tokens.done:,} of {tokens.total:,} answers have "
-                              f"token ids ({tokens.message}); finish with `draftgen tokens {self.config.path}`")
-                    if self.exit_code == EXIT_COMPLETE:
-                        self.exit_code = EXIT_ERROR
-                for row in self._fidelity:
-                    if row.flagged:
-                        self.emit(snap.Level.WARN, snap.EventKind.PROVIDER_FLAGGED,
-                                  f"provider {row.name}: {row.flagged} "
-                                  f"(`draftgen tokens` prints what to change)")
-                self._reconstructor = None
-            return state
-        finally:
-            self.publish()
-
-    def _not_started(self, why: str) -> str:
-        """Quit before the run started: no run request was sent; exit 130 (README "exit codes")."""
-        self.engine.state = snap.RunState.STOPPED
-        self._generation = snap.StageState.SKIPPED
-        self.exit_code = EXIT_INTERRUPTED
-        self.emit(snap.Level.WARN, snap.EventKind.RUN_DONE, f"{why}: no run request was sent; `draftgen run {self.config.path}` "
-                  "starts it")
-        return snap.RunState.STOPPED
-
-    def _spent_on_disk(self) -> float:
-        path = self.rundir.spend
-        return SpendLedger.read(path).spent_usd if path.exists() else 0.0
+        """Smoke gate, then the run (core/run/generation.py). Returns the engine's final state."""
+        return await self.generation.run()
 
     # -- events and snapshots -------------------------------------------------------------------
 
     def emit(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "") -> None:
-        message = self._redact(message)
-        if level == snap.Level.WARN:
-            now = time.monotonic()
-            seen = self._repeats.get((kind, message, dataset))
-            if seen is not None and now - seen[0] < REPEAT_WINDOW_S:
-                seen[1] += 1  # held back: counted, said when the window ends or the run closes
-                return
-            if len(self._repeats) > 256:
-                self._flush_repeats()
-            self._repeats[(kind, message, dataset)] = [now, 0]
-            if seen is not None and seen[1]:
-                message += f" (and {seen[1]:.0f} more like it in the {REPEAT_WINDOW_S:.0f} s before)"
-        self._publish_event(level, kind, message, dataset)
+        self.events.emit(level, kind, message, dataset)
 
     def _flush_repeats(self) -> None:
-        """Say how many times each held-back warning came, and forget them."""
-        held, self._repeats = self._repeats, {}
-        for (kind, message, dataset), (_, times) in held.items():
-            if times:
-                self._publish_event(snap.Level.WARN, kind, f"{message} (and {times:.0f} more like it within "
-                                    f"{REPEAT_WINDOW_S:.0f} s)", dataset)
-
-    def _publish_event(self, level: snap.Level | str, kind: snap.EventKind | str, message: str,
-                       dataset: str = "") -> None:
-        event = snap.Event(time.time(), level, kind, message, dataset)  # type: ignore[arg-type]  # coerced to the enums
-        if self._log is not None:
-            self._log.write(level, message, event.ts)
-        self.hub.publish_event(event)
+        self.events.flush_repeats()
 
     def snapshot(self) -> snap.RunSnapshot:
         s = self.engine.snapshot()
-        if self._reconstructor is not None:
-            self.stages["tokens"] = self._reconstructor.progress()
-            self._fidelity = self._reconstructor.fidelity()
-        fidelity = self._fidelity
-        if self._ledger_spent is not None and not self._run_started:
+        self.tokens.refresh()
+        fidelity = self.tokens.fidelity
+        if self.startup.spent is not None and not self.generation.started:
             # The run never opened its ledger: what was spent (the smoke test's requests) is on spend.jsonl.
-            before, after = self._ledger_spent
+            before, after = self.startup.spent
             s = dataclasses.replace(s, credits=dataclasses.replace(s.credits, spent_usd=max(0.0, after - before),
                                                                    spent_total_usd=after))
-        return dataclasses.replace(s, generation=self._generation, stages=tuple(self.stages[n] for n in STAGES if n in self.stages),
+        return dataclasses.replace(s, generation=self.generation.state, stages=tuple(self.stages[n] for n in STAGES if n in self.stages),
                                    gpus=self.oneshot.gpus, fidelity=fidelity, timeline=self.timeline.timeline(), ended=self.engine.ended,
                                    recent_errors=self.engine.recent.records(),
                                    provider_stats=self.engine.provider_stats.stats(),
@@ -331,19 +152,7 @@ class Pipeline:
 
     def held_line(self) -> str:
         """What became of the answers the disk refused this run (and those an earlier run spooled)."""
-        out = self.engine.ledger.held_outcome
-        parts = []
-        if out.imported:
-            parts.append(f"{out.imported:,} spooled answer(s) of an earlier run imported")
-        if out.written:
-            parts.append(f"{out.written:,} held answer(s) written once the disk took them")
-        if out.spooled or out.spooled_failures:
-            parts.append(f"{out.spooled:,} held answer(s) spooled to {out.spool_path} (the next `draftgen run` "
-                         "imports them)")
-        if out.lost:
-            parts.append(f"{out.lost:,} held answer(s) LOST: neither the disk nor a spool place took them "
-                         "(the next run asks them again)")
-        return "; ".join(parts)
+        return self.engine.ledger.held_outcome.line()
 
     def _totals(self) -> Totals:
         """This process's running totals for the history (core/live/timeline.py)."""
@@ -363,22 +172,7 @@ class Pipeline:
             self.publish()
 
     def _on_answer(self, dataset: str, record: dict[str, Any]) -> None:
-        if self._reconstructor is not None:
-            self._reconstructor.submit(dataset, record)
-
-    async def _run_engine(self) -> str:
-        """The engine's run, its spend ledger opened while no smoke test runs (one writer at a time: a
-        smoke test started with s first finishes, on its own ledger; one started after books on the
-        run's, core/run/stages.py)."""
-        async with self.oneshot.smoke_lock:
-            if self.quit_requested.is_set():  # quit while a smoke test ran: nothing is started
-                return snap.RunState.STOPPED
-            self._run_started = True
-            self._generation = snap.StageState.RUNNING
-            run = asyncio.create_task(self.engine.run())
-            while not (self.engine.spend.is_open or run.done()):
-                await asyncio.sleep(0.02)
-        return await run
+        self.tokens.submit(dataset, record)
 
     # -- control surface (core/live/control.py) ------------------------------------------------------
 
@@ -438,19 +232,13 @@ class Pipeline:
 
     def quit_asked(self, asking: bool) -> None:
         """The quit dialog is open (or closed again): a run not started yet waits for its answer."""
-        if asking:
-            self._no_dialog.clear()
-        else:
-            self._no_dialog.set()
+        self.startup.dialog(asking)
 
     def quit(self, drain: bool) -> None:
-        self.quit_requested.set()
-        self._no_dialog.set()
+        self.startup.quit(drain)
         if not drain:
-            if self._startup is not None:
-                self._startup.cancel()  # the start-up smoke test: its request is abandoned, on the ledger
             self.oneshot.cancel()  # the extraction thread stops after its current batch
-        if not self._run_started:
+        if not self.generation.started:
             return  # nothing to drain or stop yet: the run will not start (core/run/pipeline.py _generate)
         if drain:
             self.engine.drain()

@@ -1,0 +1,203 @@
+"""One dataset's live state in a run, and its counts, changed only through its methods.
+
+Every usable prompt of the dataset's file is, at each moment, exactly one of: answered, failed,
+skipped (a budget, max_usd, a duplicate of another dataset's), or left (not asked yet, in flight,
+handed back, set aside). Once the file is counted (`counted`),
+
+    answered + failed + skipped + left = total + stale
+
+is asserted after every change, where `stale` is the outcomes on disk whose id the file no longer
+has (0 unless the prompt file was edited between runs). Outcomes read from disk before the file is
+counted are only added up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from draftgen.core.config import DatasetConfig
+from draftgen.core.generate.admission import AdaptiveConcurrency
+from draftgen.core.generate.budget import TokenBudget
+from draftgen.core.generate.classify import UNRECOGNIZED_4XX
+from draftgen.core.generate.client import RequestFailed
+from draftgen.core.generate.doubts import Doubts
+from draftgen.core.generate.prompts import Prompt
+from draftgen.core.live.snapshot import DatasetStatus
+from draftgen.core.records import ErrorKind
+from draftgen.core.rundir import JsonlAppender
+from draftgen.core.secrets import Redactor
+
+
+@dataclass(eq=False)
+class DatasetRun:
+    """One dataset's live state: counts, budgets, the requests in flight and its two record files."""
+    config: DatasetConfig
+    tokens: TokenBudget
+    concurrency: AdaptiveConcurrency
+    status: DatasetStatus = DatasetStatus.PENDING
+    in_flight: int = 0
+    parked: int = 0            # of those, retries waiting for a slot under a lowered limit
+    message: str = ""
+    done_ids: set[str] = field(default_factory=set)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    stopped: bool = False      # 404 "no endpoints": admit nothing more
+    responses: JsonlAppender | None = None
+    failures: JsonlAppender | None = None
+    sent: int = 0              # requests sent this run (attempts.py numbers each one)
+    doubts: Doubts = field(default_factory=Doubts)  # set aside by a 4xx naming no known cause (doubts.py)
+    # The counts: read through the properties below, changed through the methods.
+    _total: int = field(default=0, init=False)
+    _done: int = field(default=0, init=False)
+    _failed: int = field(default=0, init=False)
+    _skipped: int = field(default=0, init=False)
+    _left: int = field(default=0, init=False)
+    _stale: int = field(default=0, init=False)
+    _rejected: int = field(default=0, init=False)
+    _truncated: int = field(default=0, init=False)
+    _cost: float = field(default=0.0, init=False)
+    _answered_now: int = field(default=0, init=False)
+    _scanned: bool = field(default=False, init=False)
+    _requeue: list[Prompt] = field(default_factory=list, init=False)
+
+    # -- the counts -----------------------------------------------------------------------------
+
+    @property
+    def total(self) -> int:
+        """Usable prompts in the file."""
+        return self._total
+
+    @property
+    def done(self) -> int:
+        """Answered (on disk, this run's included)."""
+        return self._done
+
+    @property
+    def failed(self) -> int:
+        return self._failed
+
+    @property
+    def skipped(self) -> int:
+        return self._skipped
+
+    @property
+    def left(self) -> int:
+        """The file's prompts with no outcome yet (not asked, in flight, handed back, set aside)."""
+        return self._left
+
+    @property
+    def rejected(self) -> int:
+        return self._rejected
+
+    @property
+    def truncated(self) -> int:
+        return self._truncated
+
+    @property
+    def cost(self) -> float:
+        return self._cost
+
+    @property
+    def answered_now(self) -> int:
+        """Answers this run."""
+        return self._answered_now
+
+    @property
+    def scanned(self) -> bool:
+        """Total and rejected counted (at the start, for the whole-run projection)."""
+        return self._scanned
+
+    @property
+    def requeue(self) -> list[Prompt]:
+        """Prompts handed back, asked again before the file's next ones (read-only: `requeued`)."""
+        return self._requeue
+
+    def counted(self, total: int, rejected: int, fresh: int) -> None:
+        """The prompt file is counted: `total` usable prompts, `fresh` of them with no outcome on disk."""
+        self._total, self._rejected, self._left = total, rejected, fresh
+        # Outcomes on disk for ids the file no longer has: counted, but not the file's.
+        self._stale = self._done + self._failed - (total - fresh)
+        self._scanned = True
+        self._check()
+
+    def answered(self, prompt_id: str, tokens: int, cost: float, *, short: bool, now: bool = True) -> None:
+        """An answer on disk (`now`: this run's; else one read back from disk)."""
+        self._done += 1
+        self.done_ids.add(prompt_id)
+        self.tokens.used += tokens
+        self.tokens.answers += 1
+        self._cost += cost
+        if short:
+            self._truncated += 1
+        if now:
+            self._answered_now += 1
+            self._leaves()
+
+    def failed_one(self, prompt_id: str, *, now: bool = True) -> None:
+        """A failure on disk (`now`: this run's; else one read back from disk)."""
+        self._failed += 1
+        self.done_ids.add(prompt_id)
+        if now:
+            self._leaves()
+
+    def skipped_some(self, n: int = 1) -> None:
+        """Prompts skipped this run (a budget, max_usd, a duplicate): they stay eligible for a later run."""
+        self._skipped += n
+        self._leaves(n)
+
+    def requeued(self, prompt: Prompt, *, front: bool = False) -> None:
+        """A prompt handed back unrecorded (an account condition, the disk, a halt): asked again first."""
+        if front:
+            self._requeue.insert(0, prompt)
+        else:
+            self._requeue.append(prompt)
+
+    def next_requeued(self) -> Prompt:
+        return self._requeue.pop(0)
+
+    def unrecorded(self, prompt_id: str, *, answer: bool) -> None:
+        """A held record no place took (ledger.py settle_held): not done after all, asked again next run."""
+        if answer:
+            self._done -= 1
+        else:
+            self._failed -= 1
+        self.done_ids.discard(prompt_id)
+        if self._scanned:
+            self._left += 1
+            self._check()
+
+    def _leaves(self, n: int = 1) -> None:
+        if self._scanned:
+            self._left -= n
+            self._check()
+
+    def _check(self) -> None:
+        assert self._left >= 0 and (self._done + self._failed + self._skipped + self._left
+                                    == self._total + self._stale), (
+            f"{self.config.name}: {self._done} answered + {self._failed} failed + {self._skipped} skipped + "
+            f"{self._left} left != {self._total} prompts (+ {self._stale} on disk not in the file)")
+
+    # -- stopping the dataset -------------------------------------------------------------------
+
+    def stop_for(self, e: RequestFailed, redact: Redactor) -> bool:
+        """The dataset's routing or settings refuse every prompt: it admits nothing more, its prompts
+        stay eligible, the message says what to change. False when it was stopped already."""
+        if self.stopped:
+            return False
+        self.stopped = True
+        why = redact(e.message)[:300]
+        todo = {ErrorKind.MAX_TOKENS_EXCEEDED: f"lower max_tokens (now {self.config.max_tokens}) for this dataset",
+                ErrorKind.WEIGHT_EXCEEDS_BUDGET: f"lower max_tokens (now {self.config.max_tokens}) or add credits",
+                ErrorKind.NOT_FOUND: "check [api] model",
+                # The message names each field and its config key; OpenRouter-only keys are dropped by the kind.
+                ErrorKind.UNEXPECTED_FIELD: "change the config as said (OpenRouter-only keys: [api] kind = "
+                                            "\"openai-compatible\" leaves them out)",
+                }.get(e.kind, "check the provider routing ([request] provider, the account's privacy settings)")
+        if e.kind in UNRECOGNIZED_4XX:
+            todo = (f"{len(self.doubts)} prompt(s) got it and no request sent after them was answered, so it is "
+                    "likely this dataset's request parameters ([request], the dataset's settings): fix them; if "
+                    "they are right, run `draftgen smoke` (an answer there shows they work, and the next run "
+                    "fails these prompts as their own)")
+        self.message = f"stopped: {why}; {todo}, then run again (its prompts stay eligible)"
+        self.wake.set()
+        return True

@@ -1,0 +1,143 @@
+"""The run loop's parts, built once the run has opened what they need.
+
+`Engine.run` opens the client, the money (prices, the settler, the last smoke answer) and the
+datasets (what is on disk, the cross-dataset duplicates); only then is a `RunLoop` built, whole:
+admission, attempts and the account watch get the client, prices, settler and duplicates in their
+constructors, so none of them is half-built while the run goes. The loop also books each request's
+outcome (`request`): an answer or failure through the ledger, a prompt handed back to its dataset,
+an account condition to the watch, a dataset stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from draftgen.core.config import Config
+from draftgen.core.generate.account import AccountStop
+from draftgen.core.generate.admission import Admission
+from draftgen.core.generate.attempts import Attempts, Outcome
+from draftgen.core.generate.budget import MoneyBudget
+from draftgen.core.generate.client import ChatClient
+from draftgen.core.generate.dataset_run import DatasetRun
+from draftgen.core.generate.duplicates import CrossDatasetDuplicates
+from draftgen.core.generate.ledger import Ledger
+from draftgen.core.generate.opening import Money
+from draftgen.core.generate.prompts import Prompt
+from draftgen.core.generate.run_state import Hold, RunControl
+from draftgen.core.generate.spend import SpendLedger, Ticket
+from draftgen.core.generate.stats import Tally
+from draftgen.core.generate.watch import AccountWatch
+from draftgen.core.live import snapshot as snap
+from draftgen.core.live.recent import ProviderStats, RecentErrors
+from draftgen.core.secrets import Redactor
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What the run opened before its first request."""
+    client: ChatClient
+    money: Money
+    duplicates: CrossDatasetDuplicates | None
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What the engine owns from its construction, that the loop works with."""
+    config: Config
+    datasets: dict[str, DatasetRun]
+    money: MoneyBudget
+    spend: SpendLedger
+    control: RunControl
+    ledger: Ledger
+    errors: Tally
+    recent: RecentErrors
+    provider_stats: ProviderStats
+    redact: Redactor
+    event: snap.EventSink
+    clock: Callable[[], float]
+
+
+class RunLoop:
+    """Admission, attempts and the account watch of one run, and the booking of each outcome."""
+
+    def __init__(self, parts: Parts, opened: Opened, rng: random.Random, *, drain: Callable[[], None],
+                 resume: Callable[[], None]) -> None:
+        self._p = parts
+        self._drain = drain    # the engine's drain (a refused key)
+        self._resume = resume  # the engine's resume (an account condition cleared)
+        settler = opened.money.settler
+        cfg = parts.config
+        self.admission = Admission(parts.datasets, parts.money, parts.control, parts.ledger, self.request, parts.event,
+                                   on_floor=lambda reason: self.watch.floor_reached(reason),
+                                   settling=lambda: settler.waiting, body=cfg.request_body,
+                                   prices=opened.money.prices, duplicates=opened.duplicates)
+        self.attempts = Attempts(cfg, parts.control, parts.errors, rng, room=self.admission, spend=parts.spend,
+                                 client=opened.client, settler=settler, prices=opened.money.prices,
+                                 on_event=parts.event, redact=parts.redact, clock=parts.clock, recent=parts.recent)
+        self.watch = AccountWatch(cfg, parts.money, parts.spend, self.admission, parts.control, parts.redact,
+                                  parts.event, client=opened.client, on_key_refused=self._key_refused,
+                                  on_cleared=self._account_cleared)
+
+    async def run(self) -> None:
+        """Every dataset admitted until it has nothing left (or a budget, drain or stop ends it)."""
+        beside = [asyncio.create_task(self.admission.grow_limits()), asyncio.create_task(self.watch.watch())]
+        try:
+            datasets = self._p.datasets.values()
+            if self._p.config.engine.parallel:
+                await asyncio.gather(*(self.admission.run(ds) for ds in datasets))
+            else:
+                for ds in datasets:
+                    await self.admission.run(ds)
+        finally:
+            for task in beside:
+                task.cancel()
+            self.watch.cancel()
+
+    async def request(self, ds: DatasetRun, prompt: Prompt, ticket: Ticket, body: dict[str, Any]) -> None:
+        """One admitted prompt asked until it has an outcome, and the outcome booked."""
+        p = self._p
+        done = await self.attempts.ask(ds, body, ticket)  # the body the ticket reserved for
+        if done.outcome is Outcome.ANSWERED:
+            assert done.answer is not None
+            p.provider_stats.answer(done.answer.provider or "unknown", done.answer.latency_s,
+                                    done.answer.usage.completion_tokens)
+            p.ledger.record_answer(ds, prompt, done.answer, done.attempts, done.seq)
+            if self.admission.duplicates is not None:
+                self.admission.duplicates.answered(ds.config.name, prompt.id)
+            await p.ledger.synced(ds)  # durable (group fsync) before the request finishes
+        elif done.outcome is Outcome.FAILED:
+            assert done.error is not None
+            p.ledger.fail_or_doubt(ds, prompt, done.error, done.attempts, done.seq)
+            await p.ledger.synced(ds)
+        elif done.outcome is Outcome.ACCOUNT:
+            assert done.error is not None
+            ds.requeued(prompt)
+            self.watch.refused(done.error)
+        elif done.outcome is Outcome.OVER_BUDGET:  # stays eligible: the next run (a higher max_usd) asks it again
+            self.admission.skip_for_money(ds, prompt.id, "max_usd leaves no room for its retry")
+        elif done.outcome is Outcome.UNSENT:
+            ds.requeued(prompt)
+            p.control.hold(Hold.DISK, f"{done.disk_error}. The run is paused: a request is only sent once the spend "
+                           "ledger has it on disk; free space and press r to resume (headless: kill -USR1 <pid>).")
+        elif done.outcome is Outcome.DATASET:
+            assert done.error is not None
+            if ds.stop_for(done.error, p.redact):
+                p.event(snap.Level.ERROR, snap.EventKind.DATASET_STOPPED, f"{ds.config.name}: {ds.message}",
+                        dataset=ds.config.name)
+
+    # -- what the account watch tells the run ----------------------------------------------------
+
+    def _key_refused(self, stop: AccountStop) -> None:
+        alert = stop.alert(paused=False)
+        self._p.control.say(alert)
+        self._p.event(snap.Level.ERROR, snap.EventKind.ACCOUNT, alert)
+        self._drain()
+
+    def _account_cleared(self) -> None:
+        if self._p.ledger.holding and not self._p.ledger.flush_held():
+            return
+        self._resume()

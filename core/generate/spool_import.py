@@ -1,0 +1,110 @@
+"""Importing what earlier runs spooled (spool.py), before this run sends anything.
+
+Each dataset, as it opens, appends its spooled records that are not on disk yet (by prompt id) and
+fsyncs them; once every dataset is open, the spools imported whole are removed and those that stay
+are named, with why. `HeldOutcome` is what became of held records this run (the end summary says it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from draftgen.core.errors import DiskError
+from draftgen.core.generate.dataset_run import DatasetRun
+from draftgen.core.generate.spool import Spool, find_spools
+from draftgen.core.live.snapshot import EventKind, Level
+from draftgen.core.rundir import RunDir, iter_jsonl
+
+
+@dataclass
+class HeldOutcome:
+    """What became of the records the disk refused, this run (the end summary says it)."""
+    written: int = 0           # answers written after being held (the disk took them later)
+    spooled: int = 0           # answers spooled (spool.py), at `spool_path`
+    spooled_failures: int = 0
+    spool_path: str = ""
+    lost: int = 0              # answers no place would take (only if the spool failed too)
+    imported: int = 0          # spooled answers of an earlier run imported at the start
+
+    def line(self) -> str:
+        """What became of the answers the disk refused this run (and those an earlier run spooled)."""
+        parts = []
+        if self.imported:
+            parts.append(f"{self.imported:,} spooled answer(s) of an earlier run imported")
+        if self.written:
+            parts.append(f"{self.written:,} held answer(s) written once the disk took them")
+        if self.spooled or self.spooled_failures:
+            parts.append(f"{self.spooled:,} held answer(s) spooled to {self.spool_path} (the next `draftgen run` "
+                         "imports them)")
+        if self.lost:
+            parts.append(f"{self.lost:,} held answer(s) LOST: neither the disk nor a spool place took them "
+                         "(the next run asks them again)")
+        return "; ".join(parts)
+
+
+class SpoolImport:
+    """The spools of earlier runs in one run directory, imported as each dataset opens."""
+
+    def __init__(self, rundir: RunDir, outcome: HeldOutcome, on_event: Callable[..., None]) -> None:
+        self.rundir = rundir
+        self._outcome = outcome
+        self._event = on_event
+        self._spools: list[Spool] = []
+
+    def load(self) -> None:
+        """Read this run directory's spool files."""
+        self._spools = find_spools(self.rundir.root)
+
+    def import_into(self, ds: DatasetRun) -> None:
+        """Append the dataset's spooled records that are not on disk yet (by prompt id), then fsync."""
+        mine = [(spool, r) for spool in self._spools if not spool.problem for r in spool.records
+                if r.dataset == ds.config.name]
+        if not mine:
+            return
+        on_disk = {str(raw.get("id")) for path in (self.rundir.responses(ds.config.name),
+                                                   self.rundir.failures(ds.config.name))
+                   for _, raw in iter_jsonl(path)}
+        assert ds.responses is not None and ds.failures is not None  # opened by Ledger.open just before
+        for spool, r in mine:
+            rid = str(r.record.get("id"))
+            if rid in on_disk:
+                continue
+            try:
+                (ds.responses if r.file == "responses" else ds.failures).append(r.record)
+            except DiskError as e:
+                raise DiskError(f"{e}; the records spooled in {spool.path} stay there and the next run imports "
+                                "them once there is room") from e
+            on_disk.add(rid)
+            if r.file == "responses":
+                self._outcome.imported += 1
+        for f in (ds.responses, ds.failures):
+            fd = os.open(f.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # on disk for good before the spool file goes
+            finally:
+                os.close(fd)
+
+    def finish(self, names: set[str]) -> None:
+        """Every dataset (`names`) is open: remove the spools imported whole; say which stay, and why."""
+        for spool in self._spools:
+            others = sorted({r.dataset for r in spool.records} - names)
+            if spool.problem or others:
+                why = spool.problem or f"its dataset(s) {', '.join(others)} are not in this config"
+                self._event(Level.ERROR, EventKind.SPOOL,
+                            f"{spool.path} was not imported: {why}; it stays (run again with "
+                            "those datasets, or move its records by hand)")
+                continue
+            try:
+                spool.path.unlink()
+            except OSError as e:
+                self._event(Level.WARN, EventKind.SPOOL,
+                            f"{spool.path}: imported, but cannot remove it ({e.strerror}); "
+                            "a later run skips what is already on disk")
+                continue
+            n = sum(1 for r in spool.records if r.file == "responses")
+            self._event(Level.INFO, EventKind.SPOOL,
+                        f"imported {len(spool.records)} spooled record(s) ({n} answers) from "
+                        f"{spool.path} into {self.rundir.root}; the spool file is removed")
+        self._spools = []

@@ -1,0 +1,63 @@
+"""The tokens stage while the run goes: each answer turned into token ids as it lands
+(core/tokens/live.py), its progress on the stages panel, and its report when the run ends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftgen.core.config import Config
+from draftgen.core.live import snapshot as snap
+
+
+class LiveTokens:
+    """The live reconstructor of one run, from its start to its report."""
+
+    def __init__(self, config: Config, emit: snap.EventSink, stages: dict[str, snap.StageProgress]) -> None:
+        self._config = config
+        self._emit = emit
+        self._stages = stages  # the stages panel's rows (Pipeline's dict, shared)
+        self._reconstructor: Any = None
+        self.fidelity: tuple[snap.ProviderFidelity, ...] = ()  # the last figures, kept after the workers stop
+
+    async def start(self) -> None:
+        from draftgen.core.tokens.live import LiveReconstructor
+        self._reconstructor = LiveReconstructor(self._config, workers=self._config.engine.workers, on_event=self._emit)
+        await self._reconstructor.start()
+        for ds in self._config.datasets:
+            await self._reconstructor.catch_up(ds.name)
+
+    def submit(self, dataset: str, record: dict[str, Any]) -> None:
+        if self._reconstructor is not None:
+            self._reconstructor.submit(dataset, record)
+
+    def refresh(self) -> None:
+        """The stage's row and the fidelity figures, while it runs."""
+        if self._reconstructor is not None:
+            self._stages["tokens"] = self._reconstructor.progress()
+            self.fidelity = self._reconstructor.fidelity()
+
+    async def finish(self) -> bool:
+        """The run is over: wait for the last answers, say the report; False when some answer has no token ids."""
+        r = self._reconstructor
+        if r is None:
+            return True
+        await r.close()
+        tokens = self._stages["tokens"] = r.progress()
+        self.fidelity = r.fidelity()
+        self._emit(snap.Level.INFO, snap.EventKind.TOKENS_DONE, r.report(None).summary_line())
+        complete = tokens.done >= tokens.total
+        if not complete:  # the tokens stage failed: not a complete run, merge would drop them
+            self._emit(snap.Level.ERROR, snap.EventKind.TOKENS_FAILED,
+                       f"tokens: {tokens.done:,} of {tokens.total:,} answers have "
+                       f"token ids ({tokens.message}); finish with `draftgen tokens {self._config.path}`")
+        for row in self.fidelity:
+            if row.flagged:
+                self._emit(snap.Level.WARN, snap.EventKind.PROVIDER_FLAGGED,
+                           f"provider {row.name}: {row.flagged} (`draftgen tokens` prints what to change)")
+        self._reconstructor = None
+        return complete
+
+    async def close(self) -> None:
+        if self._reconstructor is not None:
+            await self._reconstructor.close()
+            self._reconstructor = None

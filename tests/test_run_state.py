@@ -1,0 +1,160 @@
+"""The run's one owner (core/generate/run_state.py) and a dataset's counts (core/generate/dataset_run.py):
+each change a method, its effect, and the invariant answered + failed + skipped + left = total."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from draftgen.core.generate.account import AccountStop
+from draftgen.core.generate.admission import AdaptiveConcurrency
+from draftgen.core.generate.budget import TokenBudget
+from draftgen.core.generate.classify import AccountCondition
+from draftgen.core.generate.dataset_run import DatasetRun
+from draftgen.core.generate.engine import Engine
+from draftgen.core.generate.prompts import Prompt
+from draftgen.core.generate.run_state import Hold, RunControl
+from draftgen.core.live import snapshot as snap
+from draftgen.core.live.snapshot import EventKind, RunState
+from draftgen.core.rundir import RunDir
+from draftgen.simulator import SimConfig, SimServer
+
+from .helpers import TEST_KEY, make_config
+
+
+def control() -> tuple[RunControl, list[tuple[str, str, str]]]:
+    events: list[tuple[str, str, str]] = []
+    return RunControl(lambda level, kind, message, dataset="": events.append((level, kind, message))), events
+
+
+def kinds(events: list[tuple[str, str, str]]) -> list[str]:
+    return [kind for _, kind, _ in events]
+
+
+async def test_start_pause_resume_and_who_paused() -> None:
+    run, events = control()
+    assert run.state == RunState.IDLE and not run.pause("by the user"), "nothing to pause before the start"
+    run.start()
+    assert run.state == RunState.RUNNING and run.is_open
+    assert run.pause("smoke test")
+    view = run.view()
+    assert view.state == RunState.PAUSED and view.paused_by == "smoke test" and view.held is None
+    assert not run.is_open and run.paused
+    assert not run.pause("by the user"), "a second pause changes nothing"
+    assert run.view().paused_by == "smoke test"
+    run.resume()
+    view = run.view()
+    assert view.state == RunState.RUNNING and view.paused_by == "" and view.alert == "" and run.is_open
+    assert kinds(events) == [EventKind.PAUSED, EventKind.RESUMED]
+    assert "smoke test" in events[0][2]
+
+
+async def test_hold_keeps_its_reason_until_resumed_and_says_it_once() -> None:
+    run, events = control()
+    run.start()
+    stop = AccountStop(AccountCondition.OUT_OF_CREDITS, "402 out of credits")
+    run.hold(Hold.ACCOUNT, "402: add credits", account=stop)
+    run.hold(Hold.ACCOUNT, "402: add credits")  # an answer in flight when it began: said once
+    view = run.view()
+    assert view.state == RunState.PAUSED and view.held is Hold.ACCOUNT and view.alert == "402: add credits"
+    assert view.account is stop and not run.is_open
+    assert kinds(events) == [EventKind.ALERT]
+    run.hold(Hold.DISK, "disk full")  # a new reason is said, and replaces the last
+    assert run.view().held is Hold.DISK and run.alert == "disk full" and kinds(events).count(EventKind.ALERT) == 2
+    run.resume()
+    view = run.view()
+    assert view.held is None and view.account is None and view.alert == "" and run.is_open
+
+
+async def test_a_hold_while_paused_by_the_user_records_the_reason_and_stays_paused() -> None:
+    run, _ = control()
+    run.start()
+    run.pause("by the user")
+    run.hold(Hold.DISK, "disk full")
+    assert run.state == RunState.PAUSED and run.held is Hold.DISK and run.alert == "disk full"
+
+
+async def test_drain_then_stop_close_the_gate_and_wake_what_waits() -> None:
+    run, _ = control()
+    run.start()
+    run.pause("by the user")
+    waiter = asyncio.ensure_future(run.wait_open())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    assert run.drain() and not run.drain(), "the second drain changes nothing"
+    await asyncio.wait_for(waiter, 1)  # what waited for a resume sees the drain
+    assert run.state == RunState.DRAINING and run.draining and run.closed and not run.stopping
+    assert run.stop() and not run.stop()
+    assert run.stopping and run.draining
+    run.end(RunState.STOPPED)
+    assert run.state == RunState.STOPPED and not run.drain(), "a finished run does not drain"
+
+
+async def test_stop_before_the_start_and_fail_and_end() -> None:
+    run, _ = control()
+    assert run.stop() and run.closed
+    run.start()
+    assert run.state == RunState.RUNNING, "a stop is the gate's; the state is set when the run ends"
+    run.fail("the prompt file is missing")
+    assert run.state == RunState.STOPPED and run.alert == "the prompt file is missing"
+    with pytest.raises(AssertionError):
+        run.end(RunState.RUNNING)  # not a final state
+
+
+def dataset(tmp_path) -> DatasetRun:
+    cfg = make_config(tmp_path, "http://127.0.0.1:9", [{"name": "a", "n": 5}]).datasets[0]
+    return DatasetRun(cfg, TokenBudget(cfg.token_budget, cfg.max_tokens), AdaptiveConcurrency(cfg.concurrency))
+
+
+def test_dataset_counts_change_through_methods_and_keep_the_invariant(tmp_path) -> None:
+    ds = dataset(tmp_path)
+    ds.answered("a-0", 10, 0.5, short=True, now=False)  # read back from disk before the file is counted
+    ds.failed_one("a-1", now=False)
+    ds.counted(total=5, rejected=1, fresh=3)
+    assert (ds.total, ds.done, ds.failed, ds.skipped, ds.left, ds.rejected) == (5, 1, 1, 0, 3, 1)
+    ds.answered("a-2", 20, 0.25, short=False)
+    assert (ds.done, ds.left, ds.answered_now, ds.truncated, ds.cost, ds.tokens.used) == (2, 2, 1, 1, 0.75, 30)
+    ds.failed_one("a-3")
+    ds.skipped_some()
+    assert (ds.failed, ds.skipped, ds.left) == (2, 1, 0)
+    assert ds.done + ds.failed + ds.skipped + ds.left == ds.total
+    assert ds.done_ids == {"a-0", "a-1", "a-2", "a-3"}
+    ds.unrecorded("a-2", answer=True)  # a held answer no place took: asked again next run
+    assert (ds.done, ds.left) == (1, 1) and "a-2" not in ds.done_ids
+
+
+def test_requeued_prompts_come_back_in_order(tmp_path) -> None:
+    ds = dataset(tmp_path)
+    p1, p2, p3 = (Prompt(f"a-{i}", [{"role": "user", "content": str(i)}], i + 1) for i in range(3))
+    ds.requeued(p1)
+    ds.requeued(p2)
+    ds.requeued(p3, front=True)
+    assert [ds.next_requeued().id for _ in range(3)] == ["a-2", "a-0", "a-1"] and not ds.requeue
+
+
+def test_the_invariant_fires_on_a_count_past_the_prompts(tmp_path) -> None:
+    ds = dataset(tmp_path)
+    ds.counted(total=2, rejected=0, fresh=2)
+    ds.answered("a-0", 1, 0.0, short=False)
+    ds.skipped_some()
+    with pytest.raises(AssertionError, match="answered"):
+        ds.skipped_some()  # a third outcome for two prompts: counted twice somewhere
+
+
+async def test_a_real_run_ends_with_nothing_left_and_outcomes_of_an_edited_file_kept(tmp_path) -> None:
+    """An answer on disk whose id the prompt file no longer has counts as done, and the run still accounts
+    for every prompt of the file."""
+    async with SimServer(SimConfig(seed=5, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 12, "concurrency": 4}])
+        rd = RunDir(cfg.run_dir)
+        rd.responses("a").parent.mkdir(parents=True, exist_ok=True)
+        rd.responses("a").write_bytes(orjson.dumps({"id": "gone-1", "messages": [], "content": "x",
+                                                    "usage": {"completion_tokens": 3}}) + b"\n")
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        assert await engine.run() == snap.RunState.DONE
+    ds = engine.datasets["a"]
+    assert (ds.total, ds.done, ds.failed, ds.skipped, ds.left) == (12, 13, 0, 0, 0)
+    row = engine.snapshot().datasets[0]
+    assert (row.total, row.done) == (12, 13)
