@@ -1,5 +1,6 @@
 """The packages form layers: no two subpackages of core/ import each other (lazily or not), core never
-imports a view, Textual or the simulator (Rich tables for a command's printout are allowed)."""
+imports a view, Textual or the simulator (Rich tables for a command's printout are allowed), and no
+class grows past what one reader holds at once."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "core"
+MAX_CLASS_LINES = 260  # "no class over ~250 lines"
 
 
 def _imports(path: Path) -> list[str]:
@@ -61,3 +63,14 @@ def test_core_imports_no_view_and_no_simulator():
                                             ["draftgen", "headless"])
                  or name.split(".")[0] == "textual"]
     assert not offenders, "core must stay a plain library:\n" + "\n".join(offenders)
+
+
+def test_no_class_is_longer_than_one_reader_can_hold():
+    long = []
+    for folder in ("core", "tui", "cli", "simulator", "headless"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                                f"({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, "classes over the limit:\n" + "\n".join(long)
