@@ -138,7 +138,7 @@ async def run_openai(url: str, n: int, concurrency: int) -> tuple[float, float]:
 
 async def run_engine(url: str, n: int, concurrency: int, max_usd: float | None = None) -> tuple[float, float, int]:
     from draftgen.core.config import load_config
-    from draftgen.core.generate.engine import Engine
+    from draftgen.core.generate.loop.engine import Engine
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         with open(root / "p.jsonl", "wb") as f:
@@ -188,7 +188,7 @@ def child_main(args: argparse.Namespace) -> None:
     extra = {}
     if args.child in ("bare", "bare_gc"):
         if args.child == "bare_gc":
-            from draftgen.core.generate.engine import tune_gc
+            from draftgen.core.generate.loop.engine import tune_gc
             tune_gc()
         rate, cpu = asyncio.run(run_bare(url, args.n, args.concurrency))
     elif args.child == "openai":
@@ -250,7 +250,7 @@ def main() -> None:
         if args.ab_code:
             print(f"engine: {runs['engine'][0]['code']}; engine_ab: {runs['engine_ab'][0]['code']}")
         oa = child("openai", port, min(args.n, 2000), args.concurrency) if args.openai else None
-    # The engine tunes the garbage collector (core/generate/engine.py tune_gc); the bare_gc row gives the bare
+    # The engine tunes the garbage collector (core/generate/loop/engine.py tune_gc); the bare_gc row gives the bare
     # loop the same settings, so the engine's own overhead shows as engine / that row.
     finally:
         sim.terminate()

@@ -7,7 +7,7 @@ The simulator (its own process, latency 0) answers ~2,300-token reasoning answer
 OpenRouter does: non-streamed as one JSON body; streamed as one SSE event per `--chunk-tokens`
 tokens (each event a whole `chat.completion.chunk` with `reasoning` and `reasoning_details`),
 `: OPENROUTER PROCESSING` comments before and inside the stream, and a final chunk with `usage`.
-draftgen's ChatClient (core/generate/client.py) sends the same requests with and without
+draftgen's ChatClient (core/generate/api/client.py) sends the same requests with and without
 `stream: true`, each phase in a fresh process; what is measured is that process's CPU time
 (user + system, `time.process_time`) over the requests, divided by the answers. The modes
 alternate (plain, stream, plain, stream, ...) so load on the shared machine falls on both.
@@ -32,8 +32,8 @@ BODY = {"model": "moonshotai/kimi-k2.5", "max_tokens": 16384, "temperature": 0.6
 
 
 async def run_client(url: str, n: int, concurrency: int, stream: bool) -> dict:
-    from draftgen.core.generate.client import ChatClient
-    from draftgen.core.generate.engine import tune_gc
+    from draftgen.core.generate.api.client import ChatClient
+    from draftgen.core.generate.loop.engine import tune_gc
     tune_gc()  # as the engine runs it
     remaining = n
     chars = tokens = 0

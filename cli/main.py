@@ -62,7 +62,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 def cmd_smoke(args: argparse.Namespace) -> int:
     from draftgen.core.files import exclusive
-    from draftgen.core.generate.smoke import smoke_command
+    from draftgen.core.generate.commands.smoke import smoke_command
     config = _config(args.config)
     key = config.api_key()
     with exclusive(config.run_dir, "draftgen smoke"):  # the liveness rule: not beside a live run
@@ -70,7 +70,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 
 
 def cmd_retry_failed(args: argparse.Namespace) -> int:
-    from draftgen.core.generate.retry_failed import retry_failed_command
+    from draftgen.core.generate.commands.retry_failed import retry_failed_command
     return retry_failed_command(_config(args.config), args.dataset, args.kind)
 
 
@@ -126,7 +126,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
-    from draftgen.core.generate.reconcile import ledger_command
+    from draftgen.core.generate.money.reconcile import ledger_command
     config = _config(args.config)
     return ledger_command(config, config.api_key(), unknown_from_key=args.unknown_from_key)
 

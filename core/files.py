@@ -164,7 +164,7 @@ def exclusive(root: Path, what: str) -> RunLock:
     keys) run in its process under its lock and take nothing. `merge` and `extract` do not take it:
     merge reads a live run's files safely and builds merged/ under its own lock (core/merge/swap.py),
     and extraction writes only hidden_states/, which a run never touches. `draftgen ledger` beside a
-    live run reads spend.jsonl without writing (the spend file's own lock, core/generate/spend_file.py).
+    live run reads spend.jsonl without writing (the spend file's own lock, core/generate/money/spend_file.py).
 
     A flock goes with its process: a crash never leaves a directory looking live. It is taken on
     an open file, so a second take in the same process is refused too.

@@ -5,7 +5,7 @@ Made for `nohup ... &` and `tail -f`: each line stands alone and labels its aver
 SIGUSR1 resumes a run held by the account (402, a spending limit) or a full disk; while the run
 waits, each status line says WAITING and the detail lines say why. Answers the disk refused are never
 dropped: a drain waits for the disk (retrying the write every few seconds) and a second SIGINT spools
-them to a fallback file (core/generate/spool.py) that the next run imports.
+them to a fallback file (core/generate/loop/spool.py) that the next run imports.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import orjson
 import pytest
 
 from draftgen.core.config import load_config
-from draftgen.core.generate.engine import Engine
+from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir

@@ -14,8 +14,8 @@ from typing import Any
 import orjson
 import pytest
 
-from draftgen.core.generate.engine import Engine
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.loop.engine import Engine
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 from tests.helpers import TEST_KEY, make_config, until

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from draftgen.core.config import Config
-from draftgen.core.generate.classify import ANSWER_KINDS
+from draftgen.core.generate.api.classify import ANSWER_KINDS
 from draftgen.core.live import snapshot as snap
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir

@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from draftgen.core.config import KIMI_DEFAULT_SYSTEM
-from draftgen.core.generate.engine import Engine
-from draftgen.core.generate.smoke import run_smoke
+from draftgen.core.generate.commands.smoke import run_smoke
+from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
 from draftgen.core.merge.merge import merge
 from draftgen.core.rundir import RunDir

@@ -99,7 +99,7 @@ def test_the_headless_line_shows_money_in_the_one_format() -> None:
 
 
 async def test_the_run_done_line_uses_the_one_formatter(tmp_path: Path) -> None:
-    from draftgen.core.generate.engine import Engine
+    from draftgen.core.generate.loop.engine import Engine
     from draftgen.core.units import usd
     from draftgen.simulator import SimConfig, SimServer
 
@@ -115,7 +115,7 @@ async def test_the_run_done_line_uses_the_one_formatter(tmp_path: Path) -> None:
 
 
 def test_the_projection_reads_in_the_one_format() -> None:
-    from draftgen.core.generate.forecast import RunForecast
+    from draftgen.core.generate.money.forecast import RunForecast
     plan = RunForecast(datasets=(), spent_usd=0.004, left_usd=0.002, low_usd=0.001, high_usd=0.003, max_usd=0.0055,
                        time_s=None)  # the figures of a smoke test: fractions of a cent, shown as such
     assert plan.describe() == "$0.00550 (range $0.00500-$0.00550), stopped by max_usd $0.00550 before every dataset is done"
@@ -193,7 +193,7 @@ async def test_an_event_that_does_not_fit_is_cut_at_a_word_and_shown_whole_wrapp
      "https:// for a TLS server, http:// for a plain one", "network"),
 ])
 def test_unreachable_advice_matches_the_cause(base_url: str, cause: str, says: str, not_says: str) -> None:
-    from draftgen.core.generate.classify import unreachable_advice
+    from draftgen.core.generate.api.classify import unreachable_advice
     advice = unreachable_advice(base_url, cause)
     assert says in advice and not_says not in advice and "press" not in advice, advice
 
@@ -201,7 +201,7 @@ def test_unreachable_advice_matches_the_cause(base_url: str, cause: str, says: s
 async def test_the_unreachable_warning_says_its_cause_once_with_advice_that_fits_headless(tmp_path: Path) -> None:
     import asyncio
 
-    from draftgen.core.generate.engine import Engine
+    from draftgen.core.generate.loop.engine import Engine
     from draftgen.simulator import SimConfig, SimServer
 
     from .helpers import TEST_KEY, make_config

@@ -11,9 +11,9 @@ import orjson
 import pytest
 
 from draftgen.core.errors import DraftgenError, NoPromptError
-from draftgen.core.generate.prompts import Prompt, read_prompts
-from draftgen.core.generate.smoke import run_smoke
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.commands.smoke import run_smoke
+from draftgen.core.generate.loop.prompts import Prompt, read_prompts
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.headless.printer import run_headless
@@ -155,7 +155,7 @@ async def test_an_unreachable_address_says_its_cause_once_with_network_advice(tm
 
 
 def _answer(**kw: object):  # noqa: ANN202 - a ChatAnswer
-    from draftgen.core.generate.client import ChatAnswer
+    from draftgen.core.generate.api.client import ChatAnswer
     from draftgen.core.records import Usage
     base = dict(content="4", reasoning=None, tool_calls=None, finish_reason="stop", native_finish_reason="stop",
                 provider="Moonshot", model="moonshotai/kimi-k2.5", generation_id="g", latency_s=0.1,
@@ -164,7 +164,7 @@ def _answer(**kw: object):  # noqa: ANN202 - a ChatAnswer
 
 
 def test_smoke_rows_say_what_came_back(tmp_path: Path) -> None:
-    from draftgen.core.generate.smoke import _answer_rows
+    from draftgen.core.generate.commands.smoke import _answer_rows
     cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "a", "n": 1}])
     body = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 10}
     rows = {r.check: r for r in _answer_rows(cfg, cfg.datasets[0], body, _answer(provider=None, reasoning="hmm"),
@@ -263,7 +263,7 @@ def test_a_first_run_does_not_say_all_runs() -> None:
 
 
 def test_the_eta_waits_until_it_is_stable_and_is_never_0_while_work_remains() -> None:
-    from draftgen.core.generate.projection import stable_eta
+    from draftgen.core.generate.loop.projection import stable_eta
     kw = {"elapsed_s": 60.0, "window_s": 30.0, "work_left": True}
     assert stable_eta(44_340.0, answers=3, **kw) is None  # "12 h 19 min" from the first three answers
     assert stable_eta(44_340.0, answers=500, elapsed_s=10.0, window_s=30.0, work_left=True) is None
@@ -312,7 +312,7 @@ async def test_the_attach_header_keeps_the_run_name_at_80x24(runs: int) -> None:
 
 
 async def test_a_dataset_done_line_shows_the_ledger_cost_in_the_one_money_format(tmp_path: Path) -> None:
-    from draftgen.core.generate.engine import Engine
+    from draftgen.core.generate.loop.engine import Engine
     from draftgen.core.units import usd
     async with SimServer(SimConfig(seed=1, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3, "max_tokens": 200}],

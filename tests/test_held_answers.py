@@ -1,5 +1,5 @@
 """Answers the disk refused (held in memory by the ledger) are paid for and never thrown away when the
-run is quit: written once the disk takes them, or spooled (core/generate/spool.py) and imported by the
+run is quit: written once the disk takes them, or spooled (core/generate/loop/spool.py) and imported by the
 next run, which does not ask those prompts again. And the TUI run drains on SIGHUP (a closed pane).
 
 The full disk is the same stand-in as tests/test_disk_faults.py: os.write on the run's .jsonl files
@@ -27,7 +27,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from draftgen.core.generate.spool import SpoolRecord, find_spools, write_spool
+from draftgen.core.generate.loop.spool import SpoolRecord, find_spools, write_spool
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.summary import summary_lines
 from draftgen.core.run.pipeline import Pipeline

@@ -26,8 +26,8 @@ import pytest
 
 from draftgen.core.config import load_config
 from draftgen.core.errors import ConfigError
-from draftgen.core.generate import prompts as prompts_mod
-from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
+from draftgen.core.generate.loop import prompts as prompts_mod
+from draftgen.core.generate.loop.prompts import Prompt, Rejection, read_prompts
 from draftgen.core.live import attach as attach_mod
 from draftgen.core.live.attach import AttachServer
 from draftgen.core.live.hub import Hub

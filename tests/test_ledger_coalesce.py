@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from draftgen.core.errors import DiskError
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.money.spend import SpendLedger
 
 REAL_WRITE = os.write
 

@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from draftgen.core.extract import runner
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.store import TokenReader
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
@@ -230,7 +230,7 @@ async def test_tui_quit_during_extraction_drains_it_whole_or_says_it_stopped(tmp
 
 SITECUSTOMIZE = '''
 # Written by tests/test_lifecycle.py: a bug inside the run (not a user error), raised from a named frame.
-import draftgen.core.generate.precheck as precheck
+import draftgen.core.generate.commands.precheck as precheck
 
 def broken_check_inputs(*args, **kwargs):
     raise RuntimeError("a bug the test put here")

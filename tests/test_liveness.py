@@ -15,7 +15,7 @@ import pytest
 
 from draftgen.core.config import load_config
 from draftgen.core.files import RunDirBusyError, exclusive
-from draftgen.core.generate.retry_failed import history_path, retry_failed
+from draftgen.core.generate.commands.retry_failed import history_path, retry_failed
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.command import tokens_command

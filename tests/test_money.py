@@ -9,12 +9,12 @@ import orjson
 import pytest
 
 from draftgen.core.errors import ConfigError
-from draftgen.core.generate.engine import Engine
-from draftgen.core.generate.forecast import DatasetFigures, SmokeFigures, forecast
-from draftgen.core.generate.prices import Endpoint, Prices, allowed, dataset_prices, prompt_token_bound
-from draftgen.core.generate.reconcile import reconcile, running_left_s, settle_unknown_from_key
-from draftgen.core.generate.smoke import run_smoke
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.api.prices import Endpoint, Prices, allowed, dataset_prices, prompt_token_bound
+from draftgen.core.generate.commands.smoke import run_smoke
+from draftgen.core.generate.loop.engine import Engine
+from draftgen.core.generate.money.forecast import DatasetFigures, SmokeFigures, forecast
+from draftgen.core.generate.money.reconcile import reconcile, running_left_s, settle_unknown_from_key
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
 from tests.helpers import TEST_KEY, make_config, until

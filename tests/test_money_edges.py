@@ -14,11 +14,11 @@ import orjson
 import pytest
 
 from draftgen.core.errors import ConfigError
-from draftgen.core.generate.engine import Engine
-from draftgen.core.generate.prices import body_worst_case
-from draftgen.core.generate.reconcile import reconcile, running_left_s
-from draftgen.core.generate.smoke import SMOKE, run_smoke
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.api.prices import body_worst_case
+from draftgen.core.generate.commands.smoke import SMOKE, run_smoke
+from draftgen.core.generate.loop.engine import Engine
+from draftgen.core.generate.money.reconcile import reconcile, running_left_s
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.tokens.tokenizer import bundled_kimi_path

@@ -10,14 +10,14 @@ import contextlib
 import orjson
 import pytest
 
-from draftgen.core.generate.billing import book_answer, book_failure
-from draftgen.core.generate.classify import RequestFailed
-from draftgen.core.generate.client import ChatAnswer
-from draftgen.core.generate.engine import Engine
-from draftgen.core.generate.prices import Prices
-from draftgen.core.generate.reconcile import reconcile
-from draftgen.core.generate.smoke import SMOKE, run_smoke
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.api.classify import RequestFailed
+from draftgen.core.generate.api.client import ChatAnswer
+from draftgen.core.generate.api.prices import Prices
+from draftgen.core.generate.commands.smoke import SMOKE, run_smoke
+from draftgen.core.generate.loop.engine import Engine
+from draftgen.core.generate.money.billing import book_answer, book_failure
+from draftgen.core.generate.money.reconcile import reconcile
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.records import ErrorKind, Usage
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer

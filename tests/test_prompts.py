@@ -4,7 +4,7 @@ import orjson
 import pytest
 
 from draftgen.core.errors import PromptFileError
-from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
+from draftgen.core.generate.loop.prompts import Prompt, Rejection, read_prompts
 
 
 def lines(*objs):

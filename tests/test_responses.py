@@ -18,10 +18,10 @@ import pytest
 
 from draftgen.core.config import Config
 from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError, KeyRefusedError
-from draftgen.core.generate.classify import Whose
-from draftgen.core.generate.engine import Engine
-from draftgen.core.generate.retry_failed import history_path, retry_failed
-from draftgen.core.generate.smoke import run_smoke
+from draftgen.core.generate.api.classify import Whose
+from draftgen.core.generate.commands.retry_failed import history_path, retry_failed
+from draftgen.core.generate.commands.smoke import run_smoke
+from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.summary import EXIT_INCOMPLETE
 from draftgen.core.rundir import RunDir
@@ -189,7 +189,7 @@ async def test_a_few_prompts_refusing_at_once_do_not_stop_a_busy_dataset(tmp_pat
 async def test_only_a_refused_prompt_left_stops_until_a_smoke_test_shows_the_parameters_work(tmp_path: Path) -> None:
     """A rerun whose only prompt left gets a 400 naming no cause answers nothing to tell whose it is: the
     dataset stops (the prompt stays eligible) and says a smoke test settles it; after one, it fails."""
-    from draftgen.core.generate.smoke import run_smoke
+    from draftgen.core.generate.commands.smoke import run_smoke
     from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
     async with SimServer(sim_config(), port=0) as sim:
@@ -478,7 +478,7 @@ def _body(code: int, message: str, metadata: dict[str, Any] | None = None) -> by
     (429, _body(429, "Rate limit exceeded"), "429", Whose.TRANSIENT),
 ])
 def test_classification_by_status_and_metadata(status: int, body: bytes, kind: str, whose: Whose) -> None:
-    from draftgen.core.generate.classify import classify_status
+    from draftgen.core.generate.api.classify import classify_status
     e = classify_status(status, body, {"Retry-After": "3"})
     assert (e.kind, e.whose, e.retry_after) == (kind, whose, 3.0)
     assert (e.account is not None) == (whose is Whose.ACCOUNT)

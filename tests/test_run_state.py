@@ -1,4 +1,4 @@
-"""The run's one owner (core/generate/run_state.py) and a dataset's counts (core/generate/dataset_run.py):
+"""The run's one owner (core/generate/loop/run_state.py) and a dataset's counts (core/generate/loop/dataset_run.py):
 each change a method, its effect, and the invariant answered + failed + skipped + left = total."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import asyncio
 import orjson
 import pytest
 
-from draftgen.core.generate.account import AccountStop
-from draftgen.core.generate.admission import AdaptiveConcurrency
-from draftgen.core.generate.budget import TokenBudget
-from draftgen.core.generate.classify import AccountCondition
-from draftgen.core.generate.dataset_run import DatasetRun
-from draftgen.core.generate.engine import Engine
-from draftgen.core.generate.prompts import Prompt
-from draftgen.core.generate.run_state import Hold, RunControl
+from draftgen.core.generate.api.account import AccountStop
+from draftgen.core.generate.api.classify import AccountCondition
+from draftgen.core.generate.loop.admission import AdaptiveConcurrency
+from draftgen.core.generate.loop.dataset_run import DatasetRun
+from draftgen.core.generate.loop.engine import Engine
+from draftgen.core.generate.loop.prompts import Prompt
+from draftgen.core.generate.loop.run_state import Hold, RunControl
+from draftgen.core.generate.money.budget import TokenBudget
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.snapshot import EventKind, RunState
 from draftgen.core.rundir import RunDir

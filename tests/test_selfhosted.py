@@ -23,8 +23,8 @@ import orjson
 import pytest
 
 from draftgen.core.config import load_config, toml_value
-from draftgen.core.generate.classify import classify_status
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.api.classify import classify_status
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.records import ErrorKind
 from draftgen.core.rundir import RunDir
 
@@ -305,8 +305,8 @@ def test_kind_shapes_the_request(tmp_path: Path) -> None:
 def test_a_killed_runs_open_attempts_settle_at_zero_on_a_self_hosted_server(tmp_path: Path) -> None:
     """`kill -9` of draftgen mid-request leaves `sent` lines without an end (no generation id): on an
     openai-compatible server the next run settles them at $0 instead of their worst case for good."""
-    from draftgen.core.generate.client import ChatClient
-    from draftgen.core.generate.settle import Settler
+    from draftgen.core.generate.api.client import ChatClient
+    from draftgen.core.generate.money.settle import Settler
     path = tmp_path / "spend.jsonl"
     path.write_bytes(b"".join(orjson.dumps({"e": "sent", "a": f"x-{i}", "ds": "a", "p": f"a-{i}", "w": 0.0256,
                                             "t": 1.0}) + b"\n" for i in range(3)))

@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 
 from draftgen.core.config import Config
-from draftgen.core.generate.engine import Engine
+from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.command import tokens_command

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from draftgen.core.generate.smoke import run_smoke
+from draftgen.core.generate.commands.smoke import run_smoke
 from draftgen.core.run.pipeline import smoke_status
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.tokenizer import bundled_kimi_path

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.timeline import timeline_from_file
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.units import usd_shown

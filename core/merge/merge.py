@@ -42,7 +42,7 @@ from draftgen.core.config import Config
 from draftgen.core.dedupe import message_text, prompt_key
 from draftgen.core.errors import DraftgenError
 from draftgen.core.files import disk_error
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.progress import ProgressCallback, Throttle, every
 from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef, complete_lines

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from draftgen.core.errors import DraftgenError
-from draftgen.core.generate.prompts import parse_turns
+from draftgen.core.generate.loop.prompts import parse_turns
 
 PRESETS = ("sharegpt", "openai", "instruction", "text")
 # Column names a `text` preset looks for, in this order, when no column is named.

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from draftgen.core.config import Config
 from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError
-from draftgen.core.generate.engine import Engine
+from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED, INCOMPLETE
 from draftgen.core.run.live_tokens import LiveTokens

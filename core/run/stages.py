@@ -13,7 +13,7 @@ from typing import Any
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
-from draftgen.core.generate.engine import Engine
+from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
@@ -81,7 +81,7 @@ class Stages:
                                                   message=why)
 
     async def _smoke(self) -> bool:
-        from draftgen.core.generate.smoke import run_smoke
+        from draftgen.core.generate.commands.smoke import run_smoke
         self.progress["smoke"] = snap.StageProgress("smoke", state=snap.StageState.RUNNING)
         was_running = self.engine.state == snap.RunState.RUNNING
         if was_running:

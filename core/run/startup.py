@@ -15,8 +15,8 @@ import orjson
 
 from draftgen.core.config import Config
 from draftgen.core.errors import UnreachableError
-from draftgen.core.generate.smoke import SMOKE_RETRY_S
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.commands.smoke import SMOKE_RETRY_S
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
 from draftgen.core.run.stages import Stages
 from draftgen.core.rundir import RunDir
@@ -70,8 +70,8 @@ class Startup:
     async def gate(self) -> Gated:
         """Check what can be checked for free, run the smoke test if one is needed, wait for the quit
         dialog; say whether the run may start."""
-        from draftgen.core.generate.precheck import check_inputs
-        from draftgen.core.generate.preflight import check_api
+        from draftgen.core.generate.api.preflight import check_api
+        from draftgen.core.generate.commands.precheck import check_inputs
         cfg = self._config
         # Prompt files and the tokenizer before anything is paid for (the smoke test included).
         await asyncio.to_thread(check_inputs, cfg, tokenizer=self._reconstruct)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftgen.core.generate.client import RequestFailed
-from draftgen.core.generate.prompts import Prompt
+from draftgen.core.generate.api.client import RequestFailed
+from draftgen.core.generate.loop.prompts import Prompt
 
 DOUBT_LIMIT = 5
 PROBES = 3

@@ -7,7 +7,7 @@ preflight.py and smoke.py."""
 from __future__ import annotations
 
 from draftgen.core.config import Config
-from draftgen.core.generate.prompts import Prompt, read_prompts
+from draftgen.core.generate.loop.prompts import Prompt, read_prompts
 
 
 def count_prompts(config: Config) -> dict[str, int]:

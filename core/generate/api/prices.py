@@ -24,7 +24,7 @@ import aiohttp
 
 from draftgen.core.config import Config, DatasetConfig
 from draftgen.core.errors import ConfigError
-from draftgen.core.generate.client import ChatClient, RequestFailed
+from draftgen.core.generate.api.client import ChatClient, RequestFailed
 
 TEMPLATE_TOKENS_PER_MESSAGE = 8   # role header, separators and end marker of the chat template
 TEMPLATE_TOKENS = 8               # the generation prompt (assistant header, <think>)

@@ -25,15 +25,15 @@ import orjson
 
 from draftgen.core.errors import DiskError
 from draftgen.core.files import replacing
-from draftgen.core.generate.budget import MoneyBudget
-from draftgen.core.generate.classify import UNRECOGNIZED_4XX
-from draftgen.core.generate.client import ChatAnswer, RequestFailed
-from draftgen.core.generate.dataset_run import DatasetRun
-from draftgen.core.generate.prompts import Prompt, Rejection, read_prompts
-from draftgen.core.generate.run_state import Hold
-from draftgen.core.generate.spool import SpoolRecord, write_spool
-from draftgen.core.generate.spool_import import HeldOutcome, SpoolImport
-from draftgen.core.generate.stats import RateTracker, Tally
+from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
+from draftgen.core.generate.api.client import ChatAnswer, RequestFailed
+from draftgen.core.generate.loop.dataset_run import DatasetRun
+from draftgen.core.generate.loop.prompts import Prompt, Rejection, read_prompts
+from draftgen.core.generate.loop.run_state import Hold
+from draftgen.core.generate.loop.spool import SpoolRecord, write_spool
+from draftgen.core.generate.loop.spool_import import HeldOutcome, SpoolImport
+from draftgen.core.generate.loop.stats import RateTracker, Tally
+from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl

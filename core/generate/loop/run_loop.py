@@ -17,20 +17,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.generate.account import AccountStop
-from draftgen.core.generate.admission import Admission
-from draftgen.core.generate.attempts import Attempts, Outcome
-from draftgen.core.generate.budget import MoneyBudget
-from draftgen.core.generate.client import ChatClient
-from draftgen.core.generate.dataset_run import DatasetRun
-from draftgen.core.generate.duplicates import CrossDatasetDuplicates
-from draftgen.core.generate.ledger import Ledger
-from draftgen.core.generate.opening import Money
-from draftgen.core.generate.prompts import Prompt
-from draftgen.core.generate.run_state import Hold, RunControl
-from draftgen.core.generate.spend import SpendLedger, Ticket
-from draftgen.core.generate.stats import Tally
-from draftgen.core.generate.watch import AccountWatch
+from draftgen.core.generate.api.account import AccountStop
+from draftgen.core.generate.api.client import ChatClient
+from draftgen.core.generate.loop.admission import Admission
+from draftgen.core.generate.loop.attempts import Attempts, Outcome
+from draftgen.core.generate.loop.dataset_run import DatasetRun
+from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
+from draftgen.core.generate.loop.ledger import Ledger
+from draftgen.core.generate.loop.opening import Money
+from draftgen.core.generate.loop.prompts import Prompt
+from draftgen.core.generate.loop.run_state import Hold, RunControl
+from draftgen.core.generate.loop.stats import Tally
+from draftgen.core.generate.loop.watch import AccountWatch
+from draftgen.core.generate.money.budget import MoneyBudget
+from draftgen.core.generate.money.spend import SpendLedger, Ticket
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.secrets import Redactor

@@ -38,23 +38,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.files import write_json_atomic
-from draftgen.core.generate.account import AccountStatus, read_account
-from draftgen.core.generate.attempts import backoff_delay
-from draftgen.core.generate.billing import book_answer, book_failure, look_up, reserve_one
-from draftgen.core.generate.classify import ANSWER_KINDS, Whose
-from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
-from draftgen.core.generate.forecast import DatasetFigures, RunForecast, SmokeFigures, forecast
-from draftgen.core.generate.precheck import check_tokenizer
-from draftgen.core.generate.preflight import note_key_answer
-from draftgen.core.generate.prices import body_max_tokens, body_worst_case, fetch_prices
-from draftgen.core.generate.prompts import Prompt, read_prompts
-from draftgen.core.generate.settle import Settler
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.api.account import AccountStatus, read_account
+from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose
+from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFailed
+from draftgen.core.generate.api.preflight import note_key_answer
+from draftgen.core.generate.api.prices import body_max_tokens, body_worst_case, fetch_prices
+from draftgen.core.generate.commands.precheck import check_tokenizer
+from draftgen.core.generate.loop.attempts import backoff_delay
+from draftgen.core.generate.loop.prompts import Prompt, read_prompts
+from draftgen.core.generate.loop.smoke_record import last_smoke
+from draftgen.core.generate.money.billing import book_answer, book_failure, look_up, reserve_one
+from draftgen.core.generate.money.forecast import DatasetFigures, RunForecast, SmokeFigures, forecast
+from draftgen.core.generate.money.settle import Settler
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
 from draftgen.core.records import ResponseRecord
 from draftgen.core.rundir import RunDir, iter_jsonl
@@ -594,7 +593,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                      + ("" if ok else ": the run would stop at the credit floor before finishing")))
 
     rd.root.mkdir(parents=True, exist_ok=True)
-    if not sent and _last_smoke(rd, result.fingerprint, "passed") is True:
+    if not sent and last_smoke(rd, result.fingerprint, "passed") is True:
         # Refused before any request (a run holds the ledger, a local input): the test did not run.
         add(SmokeRow("smoke.json", True, f"kept the last passing smoke test in {rd.smoke_json}: this one "
                      "sent no request", warning=True))
@@ -622,38 +621,13 @@ def _spent_on_disk(rd: RunDir, on_disk: dict[str, tuple[int, int, float]]) -> fl
 def _open_spend(spend: SpendLedger, rd: RunDir, on_disk: dict[str, tuple[int, int, float]],
                 key_usage: float | None) -> None:
     """Open the directory's ledger; the first time, carry the cost of answers already on disk and
-    record the key's usage (as a run's opening does, core/generate/opening.py)."""
+    record the key's usage (as a run's opening does, core/generate/loop/opening.py)."""
     rd.root.mkdir(parents=True, exist_ok=True)
     spend.open()
     for name, (_, _, cost) in on_disk.items():
         spend.carry(name, cost)
     if key_usage is not None:
         spend.set_key_baseline(key_usage)
-
-
-def _last_smoke(rd: RunDir, fingerprint: str, key: str) -> Any:
-    """`key` of smoke.json when its last smoke test was of these request shapes (else None)."""
-    try:
-        data = orjson.loads(rd.smoke_json.read_bytes())
-    except (OSError, orjson.JSONDecodeError):
-        return None
-    return data.get(key) if isinstance(data, dict) and data.get("fingerprint") == fingerprint else None
-
-
-def load_smoke_answer(rd: RunDir, fingerprint: str) -> SmokeFigures | None:
-    """The smoke answer of the last passing smoke test of these request shapes, for the projection."""
-    raw = _last_smoke(rd, fingerprint, "smoke_answer")
-    try:
-        return None if not isinstance(raw, dict) else SmokeFigures(
-            int(raw["completion_tokens"]), float(raw["cost_usd"]), float(raw["latency_s"]))
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def load_smoke_answered(rd: RunDir, fingerprint: str) -> frozenset[str]:
-    """The datasets whose request shape the last smoke test of these shapes got a priced answer for."""
-    answered = _last_smoke(rd, fingerprint, "cost_per_request")
-    return frozenset(str(name) for name in answered) if isinstance(answered, dict) else frozenset()
 
 
 def print_result(result: SmokeResult) -> None:

@@ -18,19 +18,19 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from draftgen.core.generate.budget import MoneyBudget
-from draftgen.core.generate.duplicates import CrossDatasetDuplicates
-from draftgen.core.generate.prices import Prices
-from draftgen.core.generate.prompts import Prompt
-from draftgen.core.generate.room import BodyFor, Decision, Room, Verdict
-from draftgen.core.generate.spend import Ticket
+from draftgen.core.generate.api.prices import Prices
+from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
+from draftgen.core.generate.loop.prompts import Prompt
+from draftgen.core.generate.loop.room import BodyFor, Decision, Room, Verdict
+from draftgen.core.generate.money.budget import MoneyBudget
+from draftgen.core.generate.money.spend import Ticket
 from draftgen.core.live.snapshot import DatasetStatus, EventKind, EventSink, Level
 from draftgen.core.units import usd
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.dataset_run import DatasetRun
-    from draftgen.core.generate.ledger import Ledger
-    from draftgen.core.generate.run_state import RunControl
+    from draftgen.core.generate.loop.dataset_run import DatasetRun
+    from draftgen.core.generate.loop.ledger import Ledger
+    from draftgen.core.generate.loop.run_state import RunControl
 
 ADMIT_BURST = 64  # admissions between yields to the event loop (2,000 at once would stall it)
 
@@ -207,7 +207,7 @@ class Admission:
 
     def _taken_elsewhere(self, ds: DatasetRun, prompt: Prompt) -> bool:
         """Skip (counted, and said once per dataset) a prompt another dataset answered or is answering;
-        otherwise the prompt is this dataset's while it is in flight (core/generate/duplicates.py)."""
+        otherwise the prompt is this dataset's while it is in flight (core/generate/loop/duplicates.py)."""
         if self.duplicates is None:
             return False
         other = self.duplicates.claim(ds.config.name, prompt.id, prompt.messages)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.money.spend import SpendLedger
 
 # Until this many answers have landed, the estimate of a request's tokens is half its max_tokens.
 MIN_SAMPLES = 20

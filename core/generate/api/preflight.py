@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from draftgen.core.config import Config, note_server_kind
 from draftgen.core.errors import KeyRefusedError, UnreachableError
-from draftgen.core.generate.account import AccountStatus, read_account
-from draftgen.core.generate.classify import AccountCondition, RequestFailed, unreachable_advice
-from draftgen.core.generate.client import ChatClient
+from draftgen.core.generate.api.account import AccountStatus, read_account
+from draftgen.core.generate.api.classify import AccountCondition, RequestFailed, unreachable_advice
+from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.secrets import Redactor
 
 

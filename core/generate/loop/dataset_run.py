@@ -17,12 +17,12 @@ import asyncio
 from dataclasses import dataclass, field
 
 from draftgen.core.config import DatasetConfig
-from draftgen.core.generate.admission import AdaptiveConcurrency
-from draftgen.core.generate.budget import TokenBudget
-from draftgen.core.generate.classify import UNRECOGNIZED_4XX
-from draftgen.core.generate.client import RequestFailed
-from draftgen.core.generate.doubts import Doubts
-from draftgen.core.generate.prompts import Prompt
+from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
+from draftgen.core.generate.api.client import RequestFailed
+from draftgen.core.generate.loop.admission import AdaptiveConcurrency
+from draftgen.core.generate.loop.doubts import Doubts
+from draftgen.core.generate.loop.prompts import Prompt
+from draftgen.core.generate.money.budget import TokenBudget
 from draftgen.core.live.snapshot import DatasetStatus
 from draftgen.core.records import ErrorKind
 from draftgen.core.rundir import JsonlAppender

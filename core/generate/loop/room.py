@@ -16,16 +16,16 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import DatasetConfig
-from draftgen.core.generate.budget import MoneyBudget
-from draftgen.core.generate.prices import Prices, body_worst_case
-from draftgen.core.generate.prompts import Prompt
-from draftgen.core.generate.spend import Ticket
+from draftgen.core.generate.api.prices import Prices, body_worst_case
+from draftgen.core.generate.loop.prompts import Prompt
+from draftgen.core.generate.money.budget import MoneyBudget
+from draftgen.core.generate.money.spend import Ticket
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.dataset_run import DatasetRun
-    from draftgen.core.generate.ledger import Ledger
-    from draftgen.core.generate.run_state import RunControl
+    from draftgen.core.generate.loop.dataset_run import DatasetRun
+    from draftgen.core.generate.loop.ledger import Ledger
+    from draftgen.core.generate.loop.run_state import RunControl
 
 BodyFor = Callable[[DatasetConfig, list[dict[str, Any]]], dict[str, Any]]
 

@@ -27,16 +27,16 @@ import orjson
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.files import write_json_atomic
-from draftgen.core.generate.account import read_account
-from draftgen.core.generate.client import ChatClient
-from draftgen.core.generate.dataset_run import DatasetRun
-from draftgen.core.generate.duplicates import CrossDatasetDuplicates
-from draftgen.core.generate.forecast import SmokeFigures
-from draftgen.core.generate.ledger import Ledger
-from draftgen.core.generate.prices import Prices, fetch_prices, require_prices
-from draftgen.core.generate.settle import Settler
-from draftgen.core.generate.smoke import load_smoke_answer, load_smoke_answered
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.api.account import read_account
+from draftgen.core.generate.api.client import ChatClient
+from draftgen.core.generate.api.prices import Prices, fetch_prices, require_prices
+from draftgen.core.generate.loop.dataset_run import DatasetRun
+from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
+from draftgen.core.generate.loop.ledger import Ledger
+from draftgen.core.generate.loop.smoke_record import load_smoke_answer, load_smoke_answered
+from draftgen.core.generate.money.forecast import SmokeFigures
+from draftgen.core.generate.money.settle import Settler
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
 from draftgen.core.records import cost_of, count_of
 from draftgen.core.rundir import RunDir, iter_jsonl

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError, LedgerBusyError
-from draftgen.core.generate.account import read_account
-from draftgen.core.generate.client import ChatClient, RequestFailed
-from draftgen.core.generate.settle import Settler
-from draftgen.core.generate.spend import Reconciliation, Source, SpendLedger
+from draftgen.core.generate.api.account import read_account
+from draftgen.core.generate.api.client import ChatClient, RequestFailed
+from draftgen.core.generate.money.settle import Settler
+from draftgen.core.generate.money.spend import Reconciliation, Source, SpendLedger
 from draftgen.core.rundir import RunDir
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from draftgen.core.generate.budget import MoneyBudget
-from draftgen.core.generate.dataset_run import DatasetRun
-from draftgen.core.generate.forecast import DatasetFigures, SmokeFigures, forecast
-from draftgen.core.generate.ledger import Ledger
-from draftgen.core.generate.prices import Prices
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.api.prices import Prices
+from draftgen.core.generate.loop.dataset_run import DatasetRun
+from draftgen.core.generate.loop.ledger import Ledger
+from draftgen.core.generate.money.budget import MoneyBudget
+from draftgen.core.generate.money.forecast import DatasetFigures, SmokeFigures, forecast
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.snapshot import DatasetStatus, RunState
 

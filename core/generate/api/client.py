@@ -2,7 +2,7 @@
 
 One `ClientSession` for the life of a run; its connector is sized to the run's concurrency (the
 default pool of 100 would silently cap a run at 100). Every failure becomes a `RequestFailed`
-whose `kind` says whose problem it is and so how the engine treats it (core/generate/classify.py).
+whose `kind` says whose problem it is and so how the engine treats it (core/generate/api/classify.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 
-from draftgen.core.generate.classify import RequestFailed, cannot_connect, classify_status
+from draftgen.core.generate.api.classify import RequestFailed, cannot_connect, classify_status
 from draftgen.core.records import ErrorKind, Usage
 
 __all__ = ["ChatAnswer", "ChatClient", "RequestFailed", "classify_status", "parse_completion"]

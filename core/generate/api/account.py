@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from draftgen.core.generate.classify import AccountCondition
+from draftgen.core.generate.api.classify import AccountCondition
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.client import ChatClient
+    from draftgen.core.generate.api.client import ChatClient
 
 
 def _num(value: Any) -> float | None:
@@ -110,7 +110,7 @@ async def read_account(client: ChatClient, *, management_key: str = "", timeout_
     """GET /key with the run's key, then GET /credits with `management_key` (else the run's key).
     Raises the client's RequestFailed when /key refuses the key (401) or cannot be reached; a /credits
     that refuses the key only leaves the credits unknown (`credits_note` says why)."""
-    from draftgen.core.generate.client import RequestFailed
+    from draftgen.core.generate.api.client import RequestFailed
 
     key = (await asyncio.wait_for(client.get_json("/key"), timeout_s)).get("data")
     which = "the management key" if management_key else "the run's key"

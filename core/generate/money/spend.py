@@ -61,10 +61,10 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from draftgen.core.errors import DiskError
-from draftgen.core.generate.spend_file import LedgerFile
+from draftgen.core.generate.money.spend_file import LedgerFile
 
 # Reconciliation, Pending and Ticket are imported from here by the rest of the engine.
-from draftgen.core.generate.spend_sums import AttemptEnd, Pending, Reconciliation, SpendSums, Ticket
+from draftgen.core.generate.money.spend_sums import AttemptEnd, Pending, Reconciliation, SpendSums, Ticket
 from draftgen.core.rundir import iter_jsonl
 
 

@@ -1,6 +1,6 @@
 """Attempts: one prompt asked until it has an outcome.
 
-Each response is classified by whose problem it is (core/generate/classify.py). The prompt's own
+Each response is classified by whose problem it is (core/generate/api/classify.py). The prompt's own
 fails it; the dataset's and the account's hand it back unrecorded (it stays eligible) for the
 engine to stop the dataset or the run's admission. Transient ones are retried with exponential
 backoff and full jitter, honouring Retry-After, for as long as they last: the outage kinds
@@ -23,21 +23,21 @@ from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DiskError
-from draftgen.core.generate.billing import as_booked, book_answer, book_failure, look_up
-from draftgen.core.generate.classify import ANSWER_KINDS, SLOW_DOWN_KINDS, Whose, unreachable_advice
-from draftgen.core.generate.client import ChatAnswer, ChatClient, RequestFailed
-from draftgen.core.generate.prices import Prices
-from draftgen.core.generate.run_state import RunControl
-from draftgen.core.generate.settle import Settler
-from draftgen.core.generate.spend import SpendLedger, Ticket
-from draftgen.core.generate.stats import Tally
+from draftgen.core.generate.api.classify import ANSWER_KINDS, SLOW_DOWN_KINDS, Whose, unreachable_advice
+from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFailed
+from draftgen.core.generate.api.prices import Prices
+from draftgen.core.generate.loop.run_state import RunControl
+from draftgen.core.generate.loop.stats import Tally
+from draftgen.core.generate.money.billing import as_booked, book_answer, book_failure, look_up
+from draftgen.core.generate.money.settle import Settler
+from draftgen.core.generate.money.spend import SpendLedger, Ticket
 from draftgen.core.live.recent import RecentErrors
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.secrets import Redactor
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.admission import Admission
-    from draftgen.core.generate.dataset_run import DatasetRun
+    from draftgen.core.generate.loop.admission import Admission
+    from draftgen.core.generate.loop.dataset_run import DatasetRun
 
 
 def backoff_delay(attempt: int, base: float, cap: float, retry_after: float | None,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from draftgen.core.live.snapshot import EventKind, EventSink, Level, RunState
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.account import AccountStop
+    from draftgen.core.generate.api.account import AccountStop
 
 LIVE = (RunState.IDLE, RunState.RUNNING, RunState.PAUSED, RunState.DRAINING)
 

@@ -45,21 +45,21 @@ from collections.abc import Callable
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.generate.account import AccountStop
-from draftgen.core.generate.admission import AdaptiveConcurrency
-from draftgen.core.generate.budget import MoneyBudget, TokenBudget
-from draftgen.core.generate.client import ChatClient
-from draftgen.core.generate.dataset_run import DatasetRun
-from draftgen.core.generate.ledger import Ledger
-from draftgen.core.generate.limits import ensure_open_files, tune_gc
-from draftgen.core.generate.opening import open_datasets, open_money, write_run_json
-from draftgen.core.generate.prices import Prices
-from draftgen.core.generate.projection import project
-from draftgen.core.generate.run_loop import Opened, Parts, RunLoop
-from draftgen.core.generate.run_state import Hold, RunControl
-from draftgen.core.generate.settle import Settler
-from draftgen.core.generate.spend import SpendLedger
-from draftgen.core.generate.stats import Tally
+from draftgen.core.generate.api.account import AccountStop
+from draftgen.core.generate.api.client import ChatClient
+from draftgen.core.generate.api.limits import ensure_open_files, tune_gc
+from draftgen.core.generate.api.prices import Prices
+from draftgen.core.generate.loop.admission import AdaptiveConcurrency
+from draftgen.core.generate.loop.dataset_run import DatasetRun
+from draftgen.core.generate.loop.ledger import Ledger
+from draftgen.core.generate.loop.opening import open_datasets, open_money, write_run_json
+from draftgen.core.generate.loop.projection import project
+from draftgen.core.generate.loop.run_loop import Opened, Parts, RunLoop
+from draftgen.core.generate.loop.run_state import Hold, RunControl
+from draftgen.core.generate.loop.stats import Tally
+from draftgen.core.generate.money.budget import MoneyBudget, TokenBudget
+from draftgen.core.generate.money.settle import Settler
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.snapshot import RunState

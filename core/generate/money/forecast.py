@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from draftgen.core.generate.prices import Prices
+from draftgen.core.generate.api.prices import Prices
 from draftgen.core.units import usd
 
 MIN_SAMPLES = 20  # answers of a dataset before its own mean is trusted (short answers land first)

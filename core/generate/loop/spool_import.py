@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from draftgen.core.errors import DiskError
-from draftgen.core.generate.dataset_run import DatasetRun
-from draftgen.core.generate.spool import Spool, find_spools
+from draftgen.core.generate.loop.dataset_run import DatasetRun
+from draftgen.core.generate.loop.spool import Spool, find_spools
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.rundir import RunDir, iter_jsonl
 

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable
 
 import aiohttp
 
-from draftgen.core.generate.client import ChatClient, RequestFailed
-from draftgen.core.generate.spend import Pending, Source, SpendLedger
+from draftgen.core.generate.api.client import ChatClient, RequestFailed
+from draftgen.core.generate.money.spend import Pending, Source, SpendLedger
 
 WORKERS = 8
 

@@ -16,13 +16,13 @@ import time
 from collections.abc import Callable
 
 from draftgen.core.config import Config
-from draftgen.core.generate.account import AccountStatus, AccountStop, read_account
-from draftgen.core.generate.admission import Admission
-from draftgen.core.generate.budget import MoneyBudget
-from draftgen.core.generate.classify import AccountCondition, RequestFailed
-from draftgen.core.generate.client import ChatClient
-from draftgen.core.generate.run_state import Hold, RunControl
-from draftgen.core.generate.spend import SpendLedger
+from draftgen.core.generate.api.account import AccountStatus, AccountStop, read_account
+from draftgen.core.generate.api.classify import AccountCondition, RequestFailed
+from draftgen.core.generate.api.client import ChatClient
+from draftgen.core.generate.loop.admission import Admission
+from draftgen.core.generate.loop.run_state import Hold, RunControl
+from draftgen.core.generate.money.budget import MoneyBudget
+from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.secrets import Redactor
 

@@ -26,13 +26,13 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from draftgen.core.errors import DiskError
-from draftgen.core.generate.classify import RequestFailed
-from draftgen.core.generate.client import ChatAnswer
-from draftgen.core.generate.prices import Prices
-from draftgen.core.generate.spend import Pending, Source, SpendLedger, Ticket
+from draftgen.core.generate.api.classify import RequestFailed
+from draftgen.core.generate.api.client import ChatAnswer
+from draftgen.core.generate.api.prices import Prices
+from draftgen.core.generate.money.spend import Pending, Source, SpendLedger, Ticket
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.settle import Settler
+    from draftgen.core.generate.money.settle import Settler
 
 
 def estimate(answer: ChatAnswer, prices: Prices | None, worst: float) -> float:
