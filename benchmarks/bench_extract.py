@@ -177,7 +177,8 @@ def writer_main(args: argparse.Namespace) -> None:
     free = shutil.disk_usage(base).free
     print(f"writing under {base}: {free / 1e9:.1f} GB free, at most {need / 1e9:.1f} GB held at once")
     if free < 2 * need:
-        sys.exit(f"{base}: not enough free space for the benchmark ({free / 1e9:.1f} GB free, want {2 * need / 1e9:.1f})")
+        sys.exit(f"{base}: not enough free space for the benchmark ({free / 1e9:.1f} GB free, "
+                 f"want {2 * need / 1e9:.1f})")
     rows = []
     with tempfile.TemporaryDirectory(dir=base, prefix="bench-writer-") as tmp:
         folder = Path(tmp)

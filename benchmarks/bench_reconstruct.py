@@ -192,7 +192,8 @@ def main() -> None:
     raw_n = raw_tokens / best["raw"]
     rows += [
         (f"raw encode_ordinary, {workers} processes", raw_n, 1.0),
-        (f"reconstruct batches, {workers} processes", recon_tokens / best["recon"], recon_tokens / best["recon"] / raw_n),
+        (f"reconstruct batches, {workers} processes", recon_tokens / best["recon"],
+         recon_tokens / best["recon"] / raw_n),
         (f"draftgen tokens end to end (read, {workers} processes, write)", recon_tokens / best["e2e"],
          recon_tokens / best["e2e"] / raw_n),
     ]

@@ -129,11 +129,13 @@ def main() -> None:
         sim.wait()
     how = f"fixed {args.latency} s" if args.latency else "realistic, varied"
     print(f"\nevent-loop lag, {args.concurrency} in flight (simulator latency {how}), {args.n} requests\n")
-    print(f"| {'mode':26} | {'req/s':>7} | {'lag p50 ms':>10} | {'lag p99 ms':>10} | {'lag max ms':>10} | {'peak in flight':>14} |")
+    print(f"| {'mode':26} | {'req/s':>7} | {'lag p50 ms':>10} | {'lag p99 ms':>10} | {'lag max ms':>10} "
+          f"| {'peak in flight':>14} |")
     print(f"|{'-' * 28}|{'-' * 9}|{'-' * 12}|{'-' * 12}|{'-' * 12}|{'-' * 16}|")
     for mode, r in rows.items():
         name = mode if mode == "headless" else f"tui {mode} ({r['screen']})"
-        print(f"| {name:26} | {r['req_s']:7.0f} | {r['p50']:10.1f} | {r['p99']:10.1f} | {r['max']:10.1f} | {r['peak_in_flight']:14} |")
+        print(f"| {name:26} | {r['req_s']:7.0f} | {r['p50']:10.1f} | {r['p99']:10.1f} | {r['max']:10.1f} "
+              f"| {r['peak_in_flight']:14} |")
     for mode in rows:
         if mode != "headless":
             ratio = rows[mode]["req_s"] / rows["headless"]["req_s"]

@@ -25,7 +25,8 @@ default DEFAULT_SCENARIOS): prompts of their own that fail (moderation, context 
 prompt) and transient answers (a provider's 429, 503 routing, 200 carrying an error).
 At the end (`audit`): every prompt id answered, failed or skipped exactly once (skipped only where
 a token budget ran out), failed only for a reason of its own (classify.py: the prompt's own kinds,
-or an answer fault repeated after others were answered); one token entry per answer, and a sample re-reconstructed gives identical
+or an answer fault repeated after others were answered); one token entry per answer, and a sample
+re-reconstructed gives identical
 ids and loss mask; the spend recorded (sum of usage.cost) matches what the simulator billed: every
 prompt's billing is explained by its written answer, plus generations billed but never written:
 those of faults nobody could read (drop, hang, truncated: the service bills them, see
@@ -113,7 +114,8 @@ def write_prompt_file(path: Path, prefix: str, n: int) -> None:
             pid = f"{prefix}{i}"
             if i % 7 == 3:
                 line = {"id": pid, "messages": [{"role": "system", "content": "Be brief."},
-                                                {"role": "user", "content": f"Implement function f{i} in Python ({pid})."}]}
+                                                {"role": "user",
+                                                 "content": f"Implement function f{i} in Python ({pid})."}]}
             elif i % 11 == 5:
                 line = {"id": pid, "conversations": [
                     {"from": "human", "value": f"What is {i} + {i}?"}, {"from": "gpt", "value": f"{2 * i}."},
@@ -636,7 +638,8 @@ class Soak:
                     step.returncode = await proc.wait()
                 text = log_path.read_bytes()
                 # A drain exits 0 when nothing was left to ask, 3 (incomplete) when prompts were left.
-                step.drained = step.returncode in (EXIT_COMPLETE, EXIT_INCOMPLETE) and f"{how}: draining".encode() in text
+                step.drained = (step.returncode in (EXIT_COMPLETE, EXIT_INCOMPLETE)
+                                and f"{how}: draining".encode() in text)
                 if not step.drained:
                     self.problems.append(f"{how}: exit {step.returncode}, not a clean drain: "
                                          f"{text[-600:].decode(errors='replace')}")

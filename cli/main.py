@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "SOURCE is [NAME=]PATH_OR_HUB_ID[:SPLIT] (a save_to_disk folder, a .parquet/.arrow/"
                          ".json/.jsonl file, a folder of data files, or a dataset in the local Hugging Face cache).")
     b.set_defaults(fn=cmd_prompts_build)
-    b.add_argument("sources", nargs="+", metavar="SOURCE", help="[NAME=]WHERE[:SPLIT]: a save_to_disk folder, a data file "
+    b.add_argument("sources", nargs="+", metavar="SOURCE",
+                   help="[NAME=]WHERE[:SPLIT]: a save_to_disk folder, a data file "
                    "or folder of them, or a Hub id in the local cache")
     b.add_argument("--out", default="prompts", help="folder for the prompt files (default ./prompts)")
     b.add_argument("--config", default="draftgen.toml", help="config to add [[datasets]] to; started if absent "

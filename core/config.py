@@ -589,7 +589,8 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
         raise ConfigError(f"{file}: engine.workers must be at most {MAX_WORKERS}, not {engine.workers}")
     extract: ExtractConfig = parts["extract"]
     if not 0 < extract.mem_fraction_static < 1:
-        raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1, not {extract.mem_fraction_static!r}")
+        raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1, "
+                          f"not {extract.mem_fraction_static!r}")
     _positive(file, "extract.min_shm_gb", extract.min_shm_gb, allow_zero=True)
     _positive(file, "extract.tp_size", extract.tp_size)
     _positive(file, "extract.tokens_per_s", extract.tokens_per_s, allow_zero=True)

@@ -4,7 +4,8 @@
       run.json                    config snapshot (no secrets), request fingerprint, versions
       smoke.json                  last smoke result with its fingerprint
       events.log                  human-readable log
-      history.jsonl               one line per interval: answers, tokens, spend, errors, in flight (core/live/timeline.py)
+      history.jsonl               one line per interval: answers, tokens, spend, errors, in flight
+                                  (core/live/timeline.py)
       attach.sock                 Unix socket for `draftgen attach` (owner-only), while a run is live
       <dataset>/responses.jsonl   one line per answered prompt (record fields: see core/records.py)
       <dataset>/failures.jsonl    one line per prompt that failed for good, with the last error

@@ -104,7 +104,8 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
         f"30s: {t.req_s_window:.2f} req/s {fmt_count(t.tok_s_window)} tok/s",
         f"avg completion {t.avg_completion_tokens_window:,.0f} tok (30s) {t.avg_completion_tokens_total:,.0f} (all)",
         f"{t.req_s_total:.2f} req/s (all)", f"errors {errors:,} retries {s.retries:,}"])
-    more = [f"spent {usd(c.spent_total_usd)} (all runs, {usd(c.spent_usd)} this run) / reserved {usd(c.in_flight_usd)} / "
+    more = [f"spent {usd(c.spent_total_usd)} (all runs, {usd(c.spent_usd)} this run) / "
+            f"reserved {usd(c.in_flight_usd)} / "
             f"ceiling {usd(c.max_usd) if c.max_usd is not None else 'none'}"]
     more.append(_eta(s))
     more.append(f"balance {usd(c.balance_usd)} ({compact_duration(c.balance_age_s)} old)" if c.balance_usd is not None

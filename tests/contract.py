@@ -384,7 +384,8 @@ CONTRACT: list[Expect] = [
            source=("if i in self.layers_to_capture:\n    aux_hidden_states.append(hidden_states + residual)",),
            why="an id names the input of that layer: the output of the one before"),
     Expect("sglang.srt.models.deepseek_v2", "DeepseekV2ForCausalLM.set_eagle3_layers_to_capture",
-           source=("if layer_ids and layer_ids[0] == 1:\n    self.model.layers_to_capture = [val + 1 for val in layer_ids]\n"
+           source=("if layer_ids and layer_ids[0] == 1:\n"
+                   "    self.model.layers_to_capture = [val + 1 for val in layer_ids]\n"
                    "else:\n    self.model.layers_to_capture = list(layer_ids)",)),
     Expect("sglang.srt.models.deepseek_v2", "DeepseekV3ForCausalLM.set_eagle3_layers_to_capture"),
     Expect("sglang.srt.models.kimi_k25", "KimiK25ForConditionalGeneration.set_eagle3_layers_to_capture",

@@ -152,7 +152,8 @@ def running(**changes: object) -> RunSnapshot:
 
 def paused() -> RunSnapshot:
     s = running()
-    return dataclasses.replace(s, state=snap.RunState.PAUSED, seq=s.seq + 1, datasets=_datasets(snap.DatasetStatus.PAUSED),
+    return dataclasses.replace(s, state=snap.RunState.PAUSED, seq=s.seq + 1,
+                               datasets=_datasets(snap.DatasetStatus.PAUSED),
                                throughput=dataclasses.replace(s.throughput, eta_s=None))
 
 
@@ -178,7 +179,8 @@ def smoke(state: str = "done", checks: int = len(SMOKE_CHECKS)) -> RunSnapshot:
         if state == "done" else (),
         message="All checks passed: the run resumes." if state == "done" else "")
     s = running()
-    return dataclasses.replace(s, state=snap.RunState.PAUSED, seq=s.seq + 2, datasets=_datasets(snap.DatasetStatus.PAUSED),
+    return dataclasses.replace(s, state=snap.RunState.PAUSED, seq=s.seq + 2,
+                               datasets=_datasets(snap.DatasetStatus.PAUSED),
                                stages=(stage, StageProgress(name="merge"), StageProgress(name="extract")))
 
 

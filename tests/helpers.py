@@ -25,7 +25,8 @@ SIM_AUTH = {"Authorization": "Bearer sk-test"}
 def write_prompts(path: Path, n: int, prefix: str = "q", start: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
-        f.writelines(orjson.dumps({"id": f"{prefix}{i}", "prompt": f"Question {prefix}{i}: explain item {i}."}) + b"\n" for i in range(start, start + n))
+        f.writelines(orjson.dumps({"id": f"{prefix}{i}", "prompt": f"Question {prefix}{i}: explain item {i}."}) + b"\n"
+                     for i in range(start, start + n))
     return path
 
 

@@ -273,7 +273,8 @@ def test_a_snapshot_comes_back_from_json_equal_and_typed(make) -> None:
     sent = make()
     back = snapshot_from_dict(orjson.loads(sent.to_json()))
     assert back == sent
-    assert isinstance(back.state, snap.RunState) and all(isinstance(d.status, snap.DatasetStatus) for d in back.datasets)
+    assert isinstance(back.state, snap.RunState) and all(isinstance(d.status, snap.DatasetStatus)
+                                                         for d in back.datasets)
     assert all(isinstance(st.state, snap.StageState) for st in back.stages)
     for event in fx.events():
         assert event_from_dict(orjson.loads(event.to_json())) == event

@@ -340,7 +340,7 @@ def test_token_writer_rolls_back_a_failed_sample_and_goes_on(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = orjson.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["failures"]) == 3
-    for sid, kind, message in result["failures"]:
+    for _sid, kind, message in result["failures"]:
         assert kind == "DiskError" and str(folder) in message and "too large" in message, (kind, message)
     reader = TokenReader(folder)
     expected = np.load(tmp_path / "expected.npz")

@@ -63,7 +63,8 @@ def test_shard_auto_reads_slurm_arrays_and_multi_node_torchrun() -> None:
     # `sbatch --array=1-4`: ids start at 1.
     assert parse_shard("auto", {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "4",
                                 "SLURM_ARRAY_TASK_MIN": "1"}) == (0, 4)
-    assert parse_shard("auto", {"SLURM_ARRAY_TASK_ID": "14", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "10",
+    assert parse_shard("auto", {"SLURM_ARRAY_TASK_ID": "14", "SLURM_ARRAY_TASK_COUNT": "3",
+                                "SLURM_ARRAY_TASK_MIN": "10",
                                 "SLURM_ARRAY_TASK_STEP": "2"}) == (2, 3)
     # One Slurm job over 3 nodes, one task each (srun --ntasks-per-node 1 torchrun --standalone ...).
     assert parse_shard("auto", {"SLURM_NODEID": "2", "SLURM_NNODES": "3", "SLURM_JOB_ID": "7"}) == (2, 3)
@@ -303,7 +304,8 @@ def test_prerequisite_rows_judge_the_driver_glibc_shm_and_disk(tmp_path: Path, m
     assert not none[0] and none[1].startswith("no GPU")
     assert rows(ExtractConfig(backend="hf"), object())["NVIDIA driver and CUDA"][0]  # hf runs on a CPU
     libc = glibc_version()
-    assert libc and rows(sf, object())["glibc"] == (True, f"glibc {libc}; sglang 0.5.14 ships wheels for glibc 2.34+ only")
+    assert libc and rows(sf, object())["glibc"] == (True, f"glibc {libc}; sglang 0.5.14 ships wheels "
+                                                          "for glibc 2.34+ only")
     assert not rows(ExtractConfig(backend="specforge", min_shm_gb=1e9), object())["/dev/shm"][0]
     config = make_run(tmp_path, str(model_dir), n=3)
     disk = rows(ExtractConfig(backend="hf"), object(), config)["free disk for the whole extraction"]

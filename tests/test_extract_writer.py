@@ -67,7 +67,8 @@ def rows(seed: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(length, HIDDEN, generator=g), torch.randn(length, 3 * HIDDEN, generator=g)
 
 
-def make_run(tmp_path: Path, n: int = 12, **extract_table: object) -> tuple[Config, list[tuple[np.ndarray, np.ndarray]]]:
+def make_run(tmp_path: Path, n: int = 12,
+             **extract_table: object) -> tuple[Config, list[tuple[np.ndarray, np.ndarray]]]:
     model = tmp_path / "model"
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"hidden_size": HIDDEN, "num_hidden_layers": N_LAYERS}))

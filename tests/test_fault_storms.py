@@ -135,7 +135,7 @@ async def test_the_response_table_mixed_with_faults_and_account_episodes(tmp_pat
         by_balance = set()  # episodes the balance read held first (the credit floor), before any 402/403 came
         try:
             for episode, answers in (("key_limit", 60), ("out_of_credits", 140)):
-                await until(lambda: sim.stats.answers_total >= answers, f"{answers} answers", 60)
+                await until(lambda n=answers: sim.stats.answers_total >= n, f"{answers} answers", 60)
                 sim.scenario(episode, True)
                 await until(lambda: engine.account is not None, f"{episode} to hold the run", 20)
                 assert engine.state == snap.RunState.PAUSED and pipeline.snapshot().waiting

@@ -259,7 +259,8 @@ async def test_returned_token_ids_are_used_and_compared(tmp_path, stream):
     # Without the opt-in nothing is asked for, nothing comes back.
     cfg2, plain = await generate(tmp_path / "plain", None, None, n=4)
     assert plain.from_backend == 0
-    assert all("token_ids" not in orjson.loads(x) for x in RunDir(cfg2.run_dir).responses("a").read_bytes().splitlines())
+    assert all("token_ids" not in orjson.loads(x)
+               for x in RunDir(cfg2.run_dir).responses("a").read_bytes().splitlines())
 
 
 def test_the_readme_example_report_is_the_report_format():

@@ -54,7 +54,8 @@ def test_merge_costs_are_the_ledgers(ledgered, capsys: pytest.CaptureFixture[str
     by = {d.name: d for d in stats.datasets}
     assert by["A"].cost_usd == pytest.approx(0.2) and by["A"].cost_all_usd == pytest.approx(0.204)
     assert by["B"].cost_all_usd == pytest.approx(0.204) and by["C"].cost_all_usd == pytest.approx(0.002)
-    on_disk = {d["name"]: d for d in orjson.loads((ledgered.run_dir / "merged" / "stats.json").read_bytes())["datasets"]}
+    on_disk = {d["name"]: d
+               for d in orjson.loads((ledgered.run_dir / "merged" / "stats.json").read_bytes())["datasets"]}
     assert on_disk["A"]["cost_all_usd"] == pytest.approx(0.204)
     merge_command(ledgered)
     out = capsys.readouterr().out
@@ -70,7 +71,8 @@ def test_report_costs_are_the_ledgers_and_add_up(ledgered) -> None:
     out = io.StringIO()
     report(ledgered.run_dir, out=out, width=120)
     text = out.getvalue()
-    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in (["A"], ["B"], ["total"])}
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.split()[:1] in (["A"], ["B"], ["total"])}
     assert rows["A"][-1] == "$0.20" and rows["B"][-1] == "$0.20", text
     assert rows["total"][-1] == "$0.40", text  # the rows as shown (0.204 + 0.204 would round to $0.41)
     assert "spent $0.44 in all" in text and "smoke tests and unanswered attempts $0.04" in text, text
@@ -118,7 +120,8 @@ def test_the_projection_reads_in_the_one_format() -> None:
     from draftgen.core.generate.money.forecast import RunForecast
     plan = RunForecast(datasets=(), spent_usd=0.004, left_usd=0.002, low_usd=0.001, high_usd=0.003, max_usd=0.0055,
                        time_s=None)  # the figures of a smoke test: fractions of a cent, shown as such
-    assert plan.describe() == "$0.00550 (range $0.00500-$0.00550), stopped by max_usd $0.00550 before every dataset is done"
+    assert plan.describe() == ("$0.00550 (range $0.00500-$0.00550), stopped by max_usd $0.00550 "
+                               "before every dataset is done")
 
 
 # -- the headless ETA ----------------------------------------------------------------------------

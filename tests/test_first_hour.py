@@ -68,8 +68,8 @@ async def test_a_run_over_an_array_file_stops_before_asking_and_is_not_complete(
 MISSING_TOKENIZER = {"tokenizer": {"path": "nobody-has/this-tokenizer-xyz"}}
 
 
-async def test_smoke_loads_the_tokenizer_before_paying_and_names_the_installed_cli(tmp_path: Path,
-                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_smoke_loads_the_tokenizer_before_paying_and_names_the_installed_cli(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     async with SimServer(SimConfig(seed=1, latency_scale=0.0), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3}], tables=MISSING_TOKENIZER)
@@ -81,7 +81,8 @@ async def test_smoke_loads_the_tokenizer_before_paying_and_names_the_installed_c
     assert "not sent: the tokenizer could not be loaded" in rows["a: request"].detail
 
 
-async def test_a_run_checks_the_tokenizer_before_its_smoke_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_run_checks_the_tokenizer_before_its_smoke_test(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     async with SimServer(SimConfig(seed=1, latency_scale=0.0), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3}], tables=MISSING_TOKENIZER)

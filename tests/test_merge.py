@@ -95,7 +95,8 @@ def run_config(tmp_path: Path) -> Config:
         Sample("b2", user("only in B")),
         Sample("b3", user("cut short")),             # A/a4 was dropped, so this one is kept
         Sample("b4", user("bad eot"), valid=False, failed_checks=["ends_with_eot"]),
-        Sample("7", [{"role": "user", "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "joined"}]}]),
+        Sample("7", [{"role": "user", "content": [{"type": "text", "text": "parts "},
+                                                  {"type": "text", "text": "joined"}]}]),
     ], torn_tail=True, seed=2)
     write_dataset(run, "C", [Sample(f"c{i}", user(f"prompt {i}"), cost=0.002) for i in range(30)], failures=1, seed=3)
     return make_config(tmp_path, seed=42)
@@ -331,7 +332,8 @@ def test_killed_merge_leaves_old_or_new_merged_never_half(run_config: Config, tm
     merge(run_config)
     assert not list(run.glob("merged.tmp-*")) and not list(run.glob("merged.old-*"))
     after = snapshot_outputs(run)
-    assert after["train.jsonl"] == before["train.jsonl"] and after["tokens/input_ids.bin"] == before["tokens/input_ids.bin"]
+    assert (after["train.jsonl"] == before["train.jsonl"]
+            and after["tokens/input_ids.bin"] == before["tokens/input_ids.bin"])
 
 
 def test_stale_temp_folders_are_cleaned(run_config: Config) -> None:

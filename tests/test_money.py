@@ -273,7 +273,7 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
 
         kills = 0
-        for step in range(3):
+        for _step in range(3):
             proc = await start()
             target = sim.stats.billed_usd + 1.0
             while sim.stats.billed_usd < target and proc.returncode is None:

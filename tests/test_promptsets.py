@@ -111,7 +111,8 @@ def test_each_preset_keeps_only_the_prompt_side(tmp_path: Path) -> None:
     # sharegpt: the system turn and the first human turn; every gpt turn (the dataset's answers) dropped
     assert chat[2].messages == [{"role": "system", "content": "Be brief."},
                                 {"role": "user", "content": "What is 2 squared?"}]
-    assert [p.messages for p in by_name["msgs"]][3] == [{"role": "user", "content": "Write a haiku about the number 3."}]
+    assert [p.messages for p in by_name["msgs"]][3] == [{"role": "user",
+                                                         "content": "Write a haiku about the number 3."}]
     alpaca = {p.id: p.messages[0]["content"] for p in by_name["alpaca"]}
     assert alpaca["alpaca:train:0"] == "Translate sentence 0 to French.\n\nThe cat 0."
     assert alpaca["alpaca:train:1"] == "Translate sentence 1 to French."  # empty input: no blank line

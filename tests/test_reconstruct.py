@@ -373,7 +373,8 @@ def test_prompt_special_tokens_special_reads_typed_special_text_as_the_token() -
     as_special = reconstruct(tok, load_template("kimi-k2.5", tok, prompt_specials=True), messages, "ok",
                              "done")
     end = tok.special_id("<|im_end|>")
-    prompt_text, prompt_special = as_text.input_ids[:as_text.answer_start], as_special.input_ids[:as_special.answer_start]
+    prompt_text, prompt_special = (as_text.input_ids[:as_text.answer_start],
+                                   as_special.input_ids[:as_special.answer_start])
     assert list(prompt_special).count(end) == list(prompt_text).count(end) + 1
     assert tok.decode(prompt_special.tolist()) == tok.decode(prompt_text.tolist())  # same text, other ids
     assert len(prompt_special) < len(prompt_text)  # the typed text is one id, not several

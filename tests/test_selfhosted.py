@@ -174,7 +174,8 @@ def test_a_one_token_template_offset_is_flagged(tmp_path: Path, server: Server, 
     tokens row, the tokens report and merge catch it on one server with no other to compare with."""
     path = _config(tmp_path, server, offset_model, n=24, concurrency=4)
     smoke = _draftgen("smoke", str(path))
-    assert smoke.returncode != 0 and (tmp_path / "run" / "smoke.json").exists(), smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    assert smoke.returncode != 0 and (tmp_path / "run" / "smoke.json").exists(), (
+        smoke.stdout[-3000:] + smoke.stderr[-3000:])
     rows = {r["check"]: r for r in orjson.loads((tmp_path / "run" / "smoke.json").read_bytes())["rows"]}
     assert not rows["a: tokens"]["passed"] and "(diff 1)" in rows["a: tokens"]["detail"], rows["a: tokens"]
     assert "chat template" in rows["a: tokens"]["detail"], rows["a: tokens"]

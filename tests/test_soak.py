@@ -52,7 +52,8 @@ async def test_crash_and_resume_soak(tmp_path: Path) -> None:
     a = report.audit
     assert a.answered + a.failed + a.skipped == a.prompts == 1000
     # Failures are the prompts' own (the audit checks each kind): the moderated, too long, invalid ones.
-    assert a.answered and a.failed and a.token_entries == a.answered and a.sampled == 80 and not a.sample_mismatch  # 40 per dataset
+    assert (a.answered and a.failed and a.token_entries == a.answered
+            and a.sampled == 80 and not a.sample_mismatch)  # 40 per dataset
     assert a.recorded_usd <= a.billed_usd and a.billed_usd - a.recorded_usd == pytest.approx(a.served_unwritten_usd)
 
 

@@ -127,6 +127,7 @@ def test_specforge_release_refuses_a_file_without_its_keys(tmp_path: Path, model
 
 
 def test_conversation_rules_catch_a_bad_row() -> None:
-    assert conversation_problem([{"role": "assistant", "content": "a"}]) == "message 0 expected role 'user', got 'assistant'"
+    assert (conversation_problem([{"role": "assistant", "content": "a"}])
+            == "message 0 expected role 'user', got 'assistant'")
     assert conversation_problem([{"role": "user", "content": " "}]) == "message 0 content must be a non-empty string"
     assert conversation_problem([{"role": "system", "content": "s"}]) == "conversation has no user message"

@@ -25,7 +25,8 @@ TABLE = json.loads((bundled_kimi_path() / "special_tokens.json").read_text())
 VECTORS = TABLE["test_vectors"]
 
 ROUND_TRIPS = {
-    "code": 'def f(x: int) -> int:\n\tif x <= 0:\n\t\treturn 0  # base\n    return x * f(x - 1)\n\nprint(f"{f(5)!r}")\n',
+    "code": 'def f(x: int) -> int:\n\tif x <= 0:\n\t\treturn 0  # base\n    return x * f(x - 1)\n\n'
+            'print(f"{f(5)!r}")\n',
     "cjk": "你好，世界！これは日本語の文です。한국어 문장입니다。",
     "emoji": "Ship it 🚀🚀 — 👩‍👩‍👧‍👦 family, flags 🇫🇷🇯🇵, skin 👍🏽.",
     "whitespace": "a  b   c\t\t\td\n\n\n\ne \r\n f" + " " * 37 + "\n" + "\t" * 9 + "end   ",
@@ -278,4 +279,5 @@ def test_a_tokenizer_json_folder_encodes_as_transformers_loads_it(tmp_path: Path
     assert tok.encode_text(text) == served
     assert str(folder / "tokenizer.json") in tok.origin and "Qwen2Tokenizer" in tok.origin
     assert "pre_tokenizer" in tok.origin
-    assert tok.special_id("<|im_end|>") == AutoTokenizer.from_pretrained(str(folder)).convert_tokens_to_ids("<|im_end|>")
+    assert tok.special_id("<|im_end|>") == (AutoTokenizer.from_pretrained(str(folder))
+                                            .convert_tokens_to_ids("<|im_end|>"))

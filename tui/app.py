@@ -154,7 +154,8 @@ class DraftgenApp(RunKeys, App[None]):
             return
         base.set_class(small, "-too-small")
         if small:
-            notice = Text(f"{width}×{height} is too small: draftgen needs {MIN_SIZE[0]}×{MIN_SIZE[1]} (the run goes on)",
+            notice = Text(f"{width}×{height} is too small: draftgen needs {MIN_SIZE[0]}×{MIN_SIZE[1]} "
+                          "(the run goes on)",
                           no_wrap=True, overflow="ellipsis")
             self.query_one("#too-small", Static).update(notice)
 

@@ -82,7 +82,8 @@ def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) ->
         console.print(Text(f"\nno history: {rd.history} is missing or empty (written by runs since this version)",
                            style="dim"))
         return
-    console.print(Text(f"\nhistory: {len(timeline.runs)} run(s), {fmt.duration(len(timeline.points) * timeline.interval_s)}"
+    console.print(Text(f"\nhistory: {len(timeline.runs)} run(s), "
+                       f"{fmt.duration(len(timeline.points) * timeline.interval_s)}"
                        f" in points of {fmt.duration(timeline.interval_s)}", style="bold"))
     for series, title, value, style in CHARTS:
         console.print(Chart(timeline, series, title, value, style, height=4))

@@ -26,7 +26,8 @@ def _env_int(env: Mapping[str, str], name: str) -> int:
 
 
 def shard_from_env(env: Mapping[str, str]) -> tuple[tuple[int, int], str]:
-    """This machine's (i, N) and where it came from: a Slurm job array, a multi-node Slurm job, or a multi-node torchrun.
+    """This machine's (i, N) and where it came from: a Slurm job array, a multi-node Slurm job, or a
+    multi-node torchrun.
 
     Slurm array: i = (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP, N =
     SLURM_ARRAY_TASK_COUNT. Slurm job over several nodes (one task per node): i = SLURM_NODEID, N =

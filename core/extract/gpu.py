@@ -66,7 +66,8 @@ class GpuMonitor:
                         util_pct=float(nv.nvmlDeviceGetUtilizationRates(handle).gpu),
                         mem_used_mb=memory.used / 2**20, mem_total_mb=memory.total / 2**20,
                         power_w=self._optional(lambda h=handle: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
-                        temp_c=self._optional(lambda h=handle, kind=temp_kind: float(nv.nvmlDeviceGetTemperature(h, kind))),
+                        temp_c=self._optional(
+                            lambda h=handle, kind=temp_kind: float(nv.nvmlDeviceGetTemperature(h, kind))),
                     ))
             except Exception as e:  # a GPU fell off the bus, the driver went away mid-run
                 log.debug("NVML query failed: %s", e)

@@ -82,7 +82,8 @@ def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
-def resolve_aux_layers(aux_layers: str | list[int], dims: ModelDims, config_path: Path | str = "config") -> tuple[int, int, int]:
+def resolve_aux_layers(aux_layers: str | list[int], dims: ModelDims,
+                       config_path: Path | str = "config") -> tuple[int, int, int]:
     """The three aux layers as 0-based layer outputs: layer k's output is HF `hidden_states[k + 1]`.
 
     The same convention for every backend. They must be strictly ascending: SGLang concatenates

@@ -147,7 +147,8 @@ def format_plan(plan: Plan) -> list[str]:
     h = f"H={plan.hidden_size}" if plan.hidden_size else "H not read (nothing to do here)"
     lines = [f"extract plan for {plan.root} ({h}; bytes are bf16 states + ids + mask; gz ratio "
              f"{plan.gz_ratio:.2f}, {plan.gz_source}; rate "
-             + (f"{fmt_count(plan.rate)} tok/s, {plan.rate_source})" if plan.rate else "unknown: set extract.tokens_per_s)")]
+             + (f"{fmt_count(plan.rate)} tok/s, {plan.rate_source})" if plan.rate
+                else "unknown: set extract.tokens_per_s)")]
     lines.append(f"  {'shard':>9}  {'samples':>9}  {'done':>9}  {'to do':>9}  {'tokens':>8}  {'bf16':>9}  "
                  f"{'gz est.':>9}  {'time':>7}")
     for s in plan.shards:

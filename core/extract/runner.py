@@ -145,7 +145,8 @@ class _Reporter:
         rate = s.tokens_written / elapsed
         done_tokens = s.tokens_written
         remaining = max(self.tokens_todo - done_tokens, 0)
-        eta = remaining / rate if rate > 0 and state == StageState.RUNNING else (0.0 if state == StageState.DONE else None)
+        eta = (remaining / rate if rate > 0 and state == StageState.RUNNING
+               else (0.0 if state == StageState.DONE else None))
         self.progress(StageProgress(
             name="extract", state=state, done=s.skipped_existing + s.written + s.nan_samples, total=s.samples,
             rate=rate, rate_unit="tok/s", eta_s=eta, message=message,
@@ -162,7 +163,8 @@ class _Reporter:
         ))
 
 
-def _batches_of_arrays(reader: TokenReader, batches: list[list[int]]) -> Iterator[tuple[list[int], list[Any], list[Any]]]:
+def _batches_of_arrays(reader: TokenReader,
+                       batches: list[list[int]]) -> Iterator[tuple[list[int], list[Any], list[Any]]]:
     for batch in batches:
         ids, masks = [], []
         for index in batch:

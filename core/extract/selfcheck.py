@@ -338,7 +338,8 @@ def _check_files(result: SelfCheckResult, label: str, config: Config, samples: l
         ok &= torch.equal(s["input_ids"].reshape(-1), torch.from_numpy(ids))
         ok &= torch.equal(s["loss_mask"].reshape(-1)[:-1], expect_mask[:-1])  # the normaliser zeroes the last one
         ok &= s["target"].dtype == torch.bfloat16 and s["hidden_state"].dtype == torch.bfloat16
-        ok &= tuple(s["target"].shape[-2:]) == tuple(hid.shape) and tuple(s["hidden_state"].shape[-2:]) == tuple(aux.shape)
+        ok &= (tuple(s["target"].shape[-2:]) == tuple(hid.shape)
+               and tuple(s["hidden_state"].shape[-2:]) == tuple(aux.shape))
         if ok:
             # The runner made its own forward of the same batch; on a GPU kernels may round differently.
             worst = min(worst, float(_cos_rows(s["target"].reshape(hid.shape), hid).min()),
@@ -499,7 +500,8 @@ def print_result(result: SelfCheckResult, out: TextIO | None = None) -> None:
 
     from draftgen.core.checklist import checklist_table
     console = Console(file=out, width=160) if out is not None else Console()
-    console.print(checklist_table("draftgen extract --self-check", ((r.check, r.passed, r.detail) for r in result.rows)))
+    console.print(checklist_table("draftgen extract --self-check",
+                                  ((r.check, r.passed, r.detail) for r in result.rows)))
     failed = sum(not r.passed for r in result.rows)
     console.print(("[green]PASSED[/]" if result.passed else f"[bold red]FAILED[/] ({failed} checks)")
                   + f" in {result.elapsed_s:.1f}s")

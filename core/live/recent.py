@@ -108,7 +108,8 @@ class ProviderStats:
             recent = sorted(self._latency.get(name, ()))
             p90 = recent[min(len(recent) - 1, int(len(recent) * 0.9))] if recent else 0.0
             out.append(ProviderStat(name=name, answers=answers, errors=self._errors.get(name, 0),
-                                    latency_mean_s=round(self._latency_sum.get(name, 0.0) / answers, 3) if answers else 0.0,
+                                    latency_mean_s=(round(self._latency_sum.get(name, 0.0) / answers, 3)
+                                                    if answers else 0.0),
                                     latency_p90_s=round(p90, 3), completion_tokens=self._tokens.get(name, 0)))
         built = tuple(out)
         self._built = (self._version, built)

@@ -88,7 +88,8 @@ def stopped_lines(s: RunSnapshot, config_hint: str) -> list[str]:
     out = []
     for name in STAGE_NAMES:
         state = s.stage_state(name)
-        if state not in (StageState.STOPPED, StageState.SKIPPED) or name == "generation" and state == StageState.STOPPED:
+        if (state not in (StageState.STOPPED, StageState.SKIPPED)
+                or name == "generation" and state == StageState.STOPPED):
             continue  # a stopped generation says so in its own lines (prompts not asked yet)
         st = s.stage(name)
         counts = f" at {st.done:,} of {st.total:,}" if st is not None and st.total and not st.checks else ""

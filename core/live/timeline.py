@@ -167,7 +167,8 @@ class TimelineRecorder:
         if now - since < self.base_interval_s:
             return False
         self._last = (now, totals)
-        iv = Interval(ts=self.started_at + (since - self._mono_start), run=self.started_at, dt=now - since, answers=max(0, totals.answers - before.answers),
+        iv = Interval(ts=self.started_at + (since - self._mono_start), run=self.started_at, dt=now - since,
+                      answers=max(0, totals.answers - before.answers),
                       tokens=max(0, totals.tokens - before.tokens), usd=max(0.0, totals.usd - before.usd),
                       errors=max(0, totals.errors - before.errors), in_flight=totals.in_flight)
         self._write(iv)

@@ -171,7 +171,8 @@ class ValidationReport:
             "prompt_from_backend": self.prompt_from_backend, "prompt_backend_match": self.prompt_backend_match,
             "failures": {name: self.failures.get(name, 0) for name in CHECKS},
             "token_count_diff": {
-                "answers": self.counted, "billed_total": self.billed_total, "mean": self.diff_mean, "mean_abs": self.diff_abs_mean,
+                "answers": self.counted, "billed_total": self.billed_total, "mean": self.diff_mean,
+                "mean_abs": self.diff_abs_mean,
                 "p50_abs": self.diff_abs_percentile(50), "p99_abs": self.diff_abs_percentile(99),
                 "share_exact": self.share_exact, "share_of_billed": self.diff_share_of_billed,
                 "min": min(self.diffs) if self.diffs else None, "max": max(self.diffs) if self.diffs else None,

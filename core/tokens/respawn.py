@@ -153,7 +153,8 @@ class RespawningPool(Generic[K]):
                 self._give_up(f"token reconstruction stopped: its worker processes died {self.restarts} times "
                               f"(killed, or out of memory); the answers without tokens stay in responses.jsonl: {hint}")
                 return
-            self._event(Level.WARN, EventKind.TOKENS_WORKER_DIED, f"a token reconstruction worker process died (killed, or out "
+            self._event(Level.WARN, EventKind.TOKENS_WORKER_DIED,
+                        f"a token reconstruction worker process died (killed, or out "
                         f"of memory): starting new workers ({self.restarts} of at most {limit}); {held:,} "
                         "answers in flight are sent again")
             pool = await asyncio.to_thread(self._new_pool)

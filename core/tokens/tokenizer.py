@@ -238,7 +238,8 @@ def _load_transformers(source: str, label: str, trust_remote_code: bool) -> Tran
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError, ImportError... all mean "cannot load"
-        hint = "" if trust_remote_code else " (if the model ships its own tokenizer code, set tokenizer.trust_remote_code = true)"
+        hint = "" if trust_remote_code else (" (if the model ships its own tokenizer code, "
+                                             "set tokenizer.trust_remote_code = true)")
         raise TokenizerError(f"tokenizer {label}: transformers cannot load it offline: {e}{hint}") from None
     return TransformersTokenizer(label, tok)
 

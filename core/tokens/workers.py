@@ -141,7 +141,8 @@ def slim_record(record: dict[str, Any]) -> dict[str, Any]:
     slim = {k: record[k] for k in _FIELDS if k in record}
     usage = record.get("usage")
     if isinstance(usage, dict):
-        slim["usage"] = {"completion_tokens": usage.get("completion_tokens"), "prompt_tokens": usage.get("prompt_tokens")}
+        slim["usage"] = {"completion_tokens": usage.get("completion_tokens"),
+                         "prompt_tokens": usage.get("prompt_tokens")}
     return slim
 
 

@@ -49,7 +49,8 @@ class CreditsPanel(Panel):
         table.add_row("spent", Text(f"{fmt.usd(c.spent_usd)} {run}"))
         table.add_row("", Text(f"{fmt.usd(c.spent_total_usd)} {every}"))
         if c.pending_usd:
-            table.add_row("", Text(f"{fmt.usd(c.pending_usd)} pending", style="dim"))  # "of it pending" was cut at 120x40
+            # "of it pending" was cut at 120x40
+            table.add_row("", Text(f"{fmt.usd(c.pending_usd)} pending", style="dim"))
         table.add_row("reserved", Text(fmt.usd(c.in_flight_usd), style="bold yellow" if c.ceiling_limited else ""))
         table.add_row("max_usd", fmt.usd(c.max_usd) if c.max_usd is not None else Text("none", style="dim"))
         if c.ceiling_limited:

@@ -66,8 +66,10 @@ class DatasetsPanel(SelectablePanel):
         table.add_column("done/total", justify="right", no_wrap=True, min_width=2 * count_w + 1)
         table.add_column("progress", ratio=1, no_wrap=True, min_width=8)
         table.add_column("tokens/budget" if wide else "tok/budget", justify="right", no_wrap=True, min_width=11)
-        table.add_column("skipped" if wide else "skip", justify="right", no_wrap=True, min_width=min(count_w, 6) if wide else 4)
-        table.add_column("failed" if wide else "fail", justify="right", no_wrap=True, min_width=min(count_w, 6) if wide else 4)
+        table.add_column("skipped" if wide else "skip", justify="right", no_wrap=True,
+                         min_width=min(count_w, 6) if wide else 4)
+        table.add_column("failed" if wide else "fail", justify="right", no_wrap=True,
+                         min_width=min(count_w, 6) if wide else 4)
         table.add_column("cost", justify="right", no_wrap=True, min_width=money_w)
         table.add_column("proj. total" if wide else "proj.", justify="right", no_wrap=True, min_width=money_w)
         notes = []

@@ -44,10 +44,12 @@ def _dataset_facts(s: RunSnapshot, name: str) -> list[tuple[str, str | Text]]:
     d = next((d for d in s.datasets if d.name == name), None)
     if d is None:
         return [("dataset", Text("not in this run", style="dim"))]
-    budget = f"{fmt.tokens(d.tokens_used)} of {fmt.tokens(d.token_budget)}" if d.token_budget else fmt.tokens(d.tokens_used)
+    budget = (f"{fmt.tokens(d.tokens_used)} of {fmt.tokens(d.token_budget)}" if d.token_budget
+              else fmt.tokens(d.tokens_used))
     rows: list[tuple[str, str | Text]] = [
         ("status", d.status),
-        ("answered", f"{fmt.count(d.done)} of {fmt.count(d.total)} ({fmt.percent(d.done + d.failed, d.total)} finished)"),
+        ("answered", f"{fmt.count(d.done)} of {fmt.count(d.total)} "
+                     f"({fmt.percent(d.done + d.failed, d.total)} finished)"),
         ("failed for good", fmt.count(d.failed)),
         ("skipped (budget)", fmt.count(d.skipped)),
         ("truncated", fmt.count(d.truncated)),

@@ -23,7 +23,8 @@ async def check_api(config: Config, api_key: str) -> AccountStatus:
     async with ChatClient(config.api.base_url, api_key, concurrency=1,
                           connect_timeout_s=config.api.connect_timeout_s) as client:
         try:
-            status = await read_account(client, management_key=config.api.management_key(), timeout_s=max(10.0, config.api.connect_timeout_s))
+            status = await read_account(client, management_key=config.api.management_key(),
+                                        timeout_s=max(10.0, config.api.connect_timeout_s))
             note_key_answer(config, None)
             return status
         except RequestFailed as e:

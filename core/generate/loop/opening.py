@@ -127,7 +127,8 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
     cut = await asyncio.to_thread(spend.open)
     if cut:
         event(Level.WARN, EventKind.REPAIRED, f"{spend.path}: cut a half-written last line ({cut} bytes)")
-    if not spend.existed and not config.api.self_hosted:  # the key's usage before the directory's first attempt (`draftgen ledger`)
+    # the key's usage before the directory's first attempt (`draftgen ledger`)
+    if not spend.existed and not config.api.self_hosted:
         with contextlib.suppress(Exception):
             usage = (await read_account(client, management_key=config.api.management_key())).key_usage
             if usage is not None:

@@ -35,7 +35,8 @@ def remaining(ds: DatasetRun) -> int:
 ETA_MIN_ANSWERS = 20
 
 
-def stable_eta(time_s: float | None, *, answers: int, elapsed_s: float, window_s: float, work_left: bool) -> float | None:
+def stable_eta(time_s: float | None, *, answers: int, elapsed_s: float, window_s: float,
+               work_left: bool) -> float | None:
     """The ETA to show, or None ("—"): not before ETA_MIN_ANSWERS answers and one rate window of this
     run, and never 0 while prompts are left."""
     if time_s is None or answers < ETA_MIN_ANSWERS or elapsed_s < window_s:
