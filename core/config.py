@@ -149,7 +149,8 @@ class EngineConfig:
     # Reconstruct token ids as answers land (worker processes); `draftgen tokens` does it later otherwise.
     reconstruct: bool = True
     workers: int = 0  # 0 = one per core
-    # Skip a prompt whose normalised text another dataset of the run directory answered (core/generate/loop/duplicates.py).
+    # Skip a prompt whose normalised text another dataset of the run directory answered
+    # (core/generate/loop/duplicates.py).
     skip_cross_dataset_duplicates: bool = True
 
 

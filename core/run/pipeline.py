@@ -142,8 +142,10 @@ class Pipeline:
             before, after = self.startup.spent
             s = dataclasses.replace(s, credits=dataclasses.replace(s.credits, spent_usd=max(0.0, after - before),
                                                                    spent_total_usd=after))
-        return dataclasses.replace(s, generation=self.generation.state, stages=tuple(self.stages[n] for n in STAGES if n in self.stages),
-                                   gpus=self.oneshot.gpus, fidelity=fidelity, timeline=self.timeline.timeline(), ended=self.engine.ended,
+        return dataclasses.replace(s, generation=self.generation.state,
+                                   stages=tuple(self.stages[n] for n in STAGES if n in self.stages),
+                                   gpus=self.oneshot.gpus, fidelity=fidelity, timeline=self.timeline.timeline(),
+                                   ended=self.engine.ended,
                                    recent_errors=self.engine.recent.records(),
                                    provider_stats=self.engine.provider_stats.stats(),
                                    started_at=self.timeline.started_at,
@@ -158,8 +160,8 @@ class Pipeline:
         """This process's running totals for the history (core/live/timeline.py)."""
         e = self.engine
         errors = error_count(e.errors.items())
-        return Totals(answers=e.ledger.rates.answers, tokens=e.ledger.rates.tokens, usd=e.money.spent_run, errors=errors,
-                      in_flight=e.in_flight)
+        return Totals(answers=e.ledger.rates.answers, tokens=e.ledger.rates.tokens, usd=e.money.spent_run,
+                      errors=errors, in_flight=e.in_flight)
 
     def publish(self) -> None:
         self.hub.publish_snapshot(self.snapshot())

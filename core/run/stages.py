@@ -98,8 +98,8 @@ class Stages:
             return False
         except asyncio.CancelledError:
             self._stopped("smoke", "stopped before it finished (its requests stay on the spend ledger)")
-            self._emit(snap.Level.WARN, snap.EventKind.SMOKE_DONE, "smoke test stopped before it finished: its request was abandoned "
-                       "(it stays on the spend ledger)")
+            self._emit(snap.Level.WARN, snap.EventKind.SMOKE_DONE, "smoke test stopped before it finished: its "
+                       "request was abandoned (it stays on the spend ledger)")
             raise
         finally:
             if was_running:
@@ -117,8 +117,8 @@ class Stages:
         except asyncio.CancelledError:
             self._stopped("merge", f"not waited for: merged/ is replaced whole or not at all; "
                           f"`draftgen merge {self._config.path}` redoes it")
-            self._emit(snap.Level.WARN, snap.EventKind.MERGE_DONE, f"merge was not waited for: merged/ is replaced whole or not at all "
-                       f"(`draftgen merge {self._config.path}` redoes it)")
+            self._emit(snap.Level.WARN, snap.EventKind.MERGE_DONE, "merge was not waited for: merged/ is replaced "
+                       f"whole or not at all (`draftgen merge {self._config.path}` redoes it)")
             raise
         except DraftgenError as e:
             self.progress["merge"] = snap.StageProgress("merge", state=snap.StageState.FAILED, message=str(e))
@@ -153,7 +153,8 @@ class Stages:
             done = stats.skipped_existing + stats.written + stats.nan_samples
             self._stopped("extract", f"stopped at {done:,} of {stats.samples:,} files: "
                           f"`draftgen extract {self._config.path}` finishes the rest")
-            self._emit(snap.Level.WARN, snap.EventKind.EXTRACT_DONE, f"extraction STOPPED at {done:,} of {stats.samples:,} files "
+            self._emit(snap.Level.WARN, snap.EventKind.EXTRACT_DONE,
+                       f"extraction STOPPED at {done:,} of {stats.samples:,} files "
                        f"({stats.written} written this time) in {self._rundir.hidden_states}; "
                        f"`draftgen extract {self._config.path}` finishes the rest")
             return stats

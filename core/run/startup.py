@@ -101,7 +101,8 @@ class Startup:
                 return Gated(Verdict.SMOKE_FAILED)
         if self.quit_requested.is_set() or not self._no_dialog.is_set():
             if not self._no_dialog.is_set():
-                self._emit(snap.Level.INFO, snap.EventKind.QUIT_DIALOG, "the run starts once the quit dialog is answered")
+                self._emit(snap.Level.INFO, snap.EventKind.QUIT_DIALOG,
+                           "the run starts once the quit dialog is answered")
                 await self._no_dialog.wait()
             if self.quit_requested.is_set():
                 return Gated(Verdict.NOT_STARTED, "quit before the run started")

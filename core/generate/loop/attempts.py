@@ -8,8 +8,8 @@ backoff and full jitter, honouring Retry-After, for as long as they last: the ou
 fails no prompt; the answer kinds (a timeout, a cut-off body, a 200 carrying an error) spend one of
 `engine.max_attempts` only while, since this prompt was first sent, the service has given the other
 prompts more answers than answer faults: then the trouble is this prompt's, not the service's (in
-an outage of such answers the others' faults outnumber the answers, and nothing fails). A 429 and the in-flight-budget 402 feed the
-dataset's adaptive limit (AIMD). A drain gives a retrying prompt up unrecorded.
+an outage of such answers the others' faults outnumber the answers, and nothing fails). A 429 and
+the in-flight-budget 402 feed the dataset's adaptive limit (AIMD). A drain gives a retrying prompt up unrecorded.
 """
 
 from __future__ import annotations

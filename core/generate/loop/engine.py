@@ -248,7 +248,8 @@ class Engine:
                                      money_limited=self._loop is not None and self._loop.admission.money_limited))
         self.ended = ended_line(self.state, self.datasets.values())
         self._event(snap.Level.INFO if self.state == RunState.DONE else snap.Level.WARN, snap.EventKind.RUN_DONE,
-                    f"run {self.ended}; {usd(self.money.spent_run)} spent this run, {usd(self.spend.spent_usd)} all runs"
+                    f"run {self.ended}; {usd(self.money.spent_run)} spent this run, "
+                    f"{usd(self.spend.spent_usd)} all runs"
                     + (f" ({usd(self.spend.pending_usd)} of it pending, at worst case)" if self.spend.pending else ""))
         return self.state
 
