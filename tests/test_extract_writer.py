@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import gc
 import gzip
+import importlib.util
 import io
 import json
 import os
@@ -17,6 +18,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -219,3 +221,49 @@ def test_the_queue_bound_holds_and_the_producer_waits(tmp_path, monkeypatch):
     assert max(count for count, _ in seen) <= depth * per_batch
     assert seen[depth] == (depth * per_batch, False), "the writer held `depth` full batches"
     assert all(opened for _, opened in seen[depth + 1:]), "a forward ran while the writer was full"
+
+
+def _load_bench() -> Any:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_extract.py"
+    spec = importlib.util.spec_from_file_location("draftgen_bench_extract", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmarks_gpu_hand_over_runs_the_pools_production_path(tmp_path, monkeypatch):
+    """bench_extract's DeviceHandOver stands in only for the device (flags given, as the CUDA branch
+    of `_stage` returns them): the pool makes no host finite pass, writes the CPU path's bytes, and
+    writes nothing for a row flagged non-finite."""
+    bench = _load_bench()
+    batch = [layout.SampleTensors(torch.arange(n), torch.ones(n, dtype=torch.int64), *rows(n, n))
+             for n in (5, 9, 7)]
+    batch = [layout.SampleTensors(s.input_ids, s.loss_mask, s.hidden.to(torch.bfloat16), s.aux.to(torch.bfloat16))
+             for s in batch]
+    host_checks: list[str] = []
+    real_flags = layout.finite_flags
+
+    def finite_flags(samples):
+        host_checks.append(threading.current_thread().name)
+        return real_flags(samples)
+
+    monkeypatch.setattr(layout, "finite_flags", finite_flags)
+    _, cpu_bytes = bench.pooled_write(tmp_path / "cpu", batch, 6, False, on_device=False)
+    assert [name for name in host_checks if name.startswith("draftgen-writer")], "CPU rows: checked in the pool"
+    host_checks.clear()
+    _, dev_bytes = bench.pooled_write(tmp_path / "dev", batch, 6, False)
+    assert not [name for name in host_checks if name.startswith("draftgen-writer")], "a host pass in the pool"
+    assert dev_bytes == cpu_bytes
+    for k in range(6):
+        assert (layout.sample_path(tmp_path / "dev", k).read_bytes()
+                == layout.sample_path(tmp_path / "cpu", k).read_bytes())
+    flags = bench.device_flags(batch)
+    flags[id(batch[1])] = False
+    pool = bench.DeviceHandOver(tmp_path / "flagged", compress=False, flags=flags)
+    pool.submit([writer_mod.Item(k, f"s{k}", s) for k, s in enumerate(batch)])
+    done = pool.drain()
+    pool.close()
+    assert [d.finite for d in done] == [True, False, True]
+    assert not layout.sample_path(tmp_path / "flagged", 1).exists()
+    assert layout.sample_path(tmp_path / "flagged", 2).exists()

@@ -100,6 +100,10 @@ class PooledWriter:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="draftgen-writer")
         self._pending: deque[Future[Written]] = deque()
 
+    # Flags, host tensors and ready event for a batch; a class attribute so that
+    # benchmarks/bench_extract.py can hand over host rows the way the CUDA branch does.
+    _stage = staticmethod(_stage)
+
     def submit(self, items: Sequence[Item]) -> None:
         """Queue one batch; blocks while `depth` batches are still being written."""
         self.raise_failed()
@@ -107,7 +111,7 @@ class PooledWriter:
             return
         self._slots.acquire()
         try:
-            flags, staged, event = _stage(items)
+            flags, staged, event = self._stage(items)
         except BaseException:
             self._slots.release()
             raise
