@@ -100,8 +100,7 @@ class PooledWriter:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="draftgen-writer")
         self._pending: deque[Future[Written]] = deque()
 
-    # Flags, host tensors and ready event for a batch; a class attribute so that
-    # benchmarks/bench_extract.py can hand over host rows the way the CUDA branch does.
+    # A class attribute: bench_extract.py's DeviceHandOver replaces it to hand rows over as a GPU does.
     _stage = staticmethod(_stage)
 
     def submit(self, items: Sequence[Item]) -> None:
