@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from textual.app import App
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.control import Controls
+from draftgen.core.live.control import Action, Controls
 from draftgen.core.live.snapshot import RunSnapshot
 from draftgen.tui.panels.eventlog import EventLogPanel, EventStore
 from draftgen.tui.panels.panel import SelectablePanel
@@ -23,7 +23,7 @@ from draftgen.tui.screens.smoke import SmokeScreen
 
 # Actions that change the run: hidden from the footer when attached read-only, where their keys
 # answer that the viewer is read-only.
-CONTROL_ACTIONS = frozenset({"pause", "resume", "smoke", "merge", "extract"})
+CONTROL_ACTIONS = frozenset(Action)  # the keys p, r, s, m, e: named like the actions they ask for
 VIEW_ACTIONS = frozenset({"log", "search", "history"})
 APP_ACTIONS = CONTROL_ACTIONS | VIEW_ACTIONS | {"quit_run", "help", "read_only"}
 FINAL_STATES = (snap.RunState.DONE, snap.RunState.STOPPED, snap.RunState.DRAINED, snap.RunState.WAITING,
@@ -85,7 +85,7 @@ class RunKeys(_App):
     def _dataset_names(self) -> tuple[str, ...]:
         return tuple(d.name for d in self.latest.datasets) if self.latest else ()
 
-    def _allowed(self, action: str) -> bool:
+    def _allowed(self, action: Action) -> bool:
         """Ask the controls first; a stage that cannot start yet says why instead."""
         reason = self.controls.unavailable(action)
         if reason:
@@ -96,25 +96,25 @@ class RunKeys(_App):
         return True
 
     def action_pause(self) -> None:
-        if self._allowed("pause"):
+        if self._allowed(Action.PAUSE):
             self.controls.pause()
 
     def action_resume(self) -> None:
-        if self._allowed("resume"):
+        if self._allowed(Action.RESUME):
             self.controls.resume()
 
     def action_smoke(self) -> None:
-        if self._allowed("smoke"):
+        if self._allowed(Action.SMOKE):
             self.controls.run_smoke()
             self.push_screen(SmokeScreen(self.latest))
 
     def action_merge(self) -> None:
-        if self._allowed("merge"):
+        if self._allowed(Action.MERGE):
             self.controls.start_merge()
             self.notify("merge started: progress in the stages panel", title="merge")
 
     def action_extract(self) -> None:
-        if self._allowed("extract"):
+        if self._allowed(Action.EXTRACT):
             self.controls.start_extract()
             self.notify("extraction started: progress in the stages and GPU panels", title="extract")
 

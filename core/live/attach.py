@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 
 from draftgen.core.errors import DraftgenError
+from draftgen.core.live.control import Action
 from draftgen.core.live.hub import Hub, Subscription
 from draftgen.core.live.snapshot import Event, EventKind, Level, RunSnapshot, event_from_dict, snapshot_from_dict
 from draftgen.core.rundir import RunDir
@@ -396,7 +397,7 @@ class AttachControls:
         self._seen: deque[tuple[float, str, str]] = deque(maxlen=2000)
         self._task: asyncio.Task[None] | None = None
 
-    def unavailable(self, action: str) -> str | None:
+    def unavailable(self, action: Action) -> str | None:
         return "attached read-only: this viewer cannot change the run"
 
     def pause(self) -> None: ...

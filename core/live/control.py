@@ -7,16 +7,26 @@ the engine, or a read-only viewer when attached, whose methods do nothing and wh
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Protocol
 
 from draftgen.core.live.hub import Hub
+
+
+class Action(StrEnum):
+    """What a view may ask of a run through `Controls` (quit and spooling have their own methods)."""
+    PAUSE = "pause"
+    RESUME = "resume"
+    SMOKE = "smoke"
+    MERGE = "merge"
+    EXTRACT = "extract"
 
 
 class Controls(Protocol):
     hub: Hub               # snapshots and events to render
     read_only: bool        # True when attached: every action is disabled
 
-    def unavailable(self, action: str) -> str | None:
+    def unavailable(self, action: Action) -> str | None:
         """None when `action` can run now, else a sentence saying why not (shown to the user)."""
 
     def pause(self) -> None: ...

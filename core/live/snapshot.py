@@ -56,8 +56,16 @@ class StageState(StrEnum):
     SKIPPED = "skipped"    # never started: a stage before it stopped or failed
 
 
-# Every stage of a run, in the order a run goes through them.
-STAGE_NAMES = ("smoke", "generation", "tokens", "merge", "extract")
+class Stage(StrEnum):
+    """Every stage of a run, in the order a run goes through them (values travel in snapshots)."""
+    SMOKE = "smoke"
+    GENERATION = "generation"
+    TOKENS = "tokens"
+    MERGE = "merge"
+    EXTRACT = "extract"
+
+
+STAGE_NAMES = tuple(Stage)
 # The header's word for a run whose generation has ended while a later stage still runs.
 STAGE_RUNNING_LABEL = {"smoke": "SMOKE TEST", "tokens": "TOKENS", "merge": "MERGING", "extract": "EXTRACTING"}
 _GENERATION = {"IDLE": StageState.IDLE, "RUNNING": StageState.RUNNING, "PAUSED": StageState.RUNNING,

@@ -16,6 +16,7 @@ from draftgen.core.errors import DraftgenError
 from draftgen.core.files import RunLock, exclusive
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.control import Action
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import QuitEffects, quit_effects
 from draftgen.core.live.timeline import TimelineRecorder, Totals
@@ -178,18 +179,18 @@ class Pipeline:
 
     # -- control surface (core/live/control.py) ------------------------------------------------------
 
-    def unavailable(self, action: str) -> str | None:
+    def unavailable(self, action: Action) -> str | None:
         state = self.engine.state
-        if action == "pause":
+        if action == Action.PAUSE:
             return None if state == snap.RunState.RUNNING else f"nothing to pause: the run is {state.lower()}"
-        if action == "resume":
+        if action == Action.RESUME:
             return None if state == snap.RunState.PAUSED else f"nothing to resume: the run is {state.lower()}"
-        if action in ("smoke", "merge", "extract") and self.oneshot.running(action):
+        if action in (Action.SMOKE, Action.MERGE, Action.EXTRACT) and self.oneshot.running(action):
             return f"{action} is already running"
-        if action == "merge":
+        if action == Action.MERGE:
             if not any(self.rundir.responses(d.name).exists() for d in self.config.datasets):
                 return "nothing to merge yet: no answers on disk"
-        if action == "extract":
+        if action == Action.EXTRACT:
             if not self.config.extract.model:
                 return f"no model to extract with: set [extract] model in {self.config.path}"
             if not (self.rundir.merged / "tokens" / "index.jsonl").exists():

@@ -11,7 +11,7 @@ from rich.text import Text
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.snapshot import DatasetSnapshot, RunSnapshot
 from draftgen.tui import fmt
-from draftgen.tui.panels.panel import SelectablePanel
+from draftgen.tui.panels.panel import DrillKind, SelectablePanel
 
 STATUS_STYLES = {
     snap.DatasetStatus.PENDING: "dim",
@@ -38,7 +38,7 @@ WIDE = 100
 
 class DatasetsPanel(SelectablePanel):
     TITLE = "datasets"
-    WHAT = "dataset"
+    WHAT = DrillKind.DATASET
 
     def items(self, s: RunSnapshot) -> tuple[str, ...]:
         return tuple(d.name for d in s.datasets)

@@ -10,12 +10,12 @@ from rich.text import Text
 
 from draftgen.core.live.snapshot import RunSnapshot
 from draftgen.tui import fmt
-from draftgen.tui.panels.panel import SelectablePanel
+from draftgen.tui.panels.panel import DrillKind, SelectablePanel
 
 
 class ErrorsPanel(SelectablePanel):
     TITLE = "errors"
-    WHAT = "error kind"
+    WHAT = DrillKind.KIND
 
     def items(self, s: RunSnapshot) -> tuple[str, ...]:
         return tuple(kind for kind, _ in self._shown(s)[0])

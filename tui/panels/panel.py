@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, ClassVar
 
 from rich.console import RenderableType
@@ -88,11 +89,18 @@ class Panel(Static):
         return self.content_region.width or 80
 
 
+class DrillKind(StrEnum):
+    """What a selectable panel's rows are, and so what enter drills into (the words show in titles)."""
+    DATASET = "dataset"
+    KIND = "error kind"
+    PROVIDER = "provider"
+
+
 class SelectablePanel(Panel):
     """A panel with a row cursor (arrows or j/k) once focused (tab); enter drills into the row."""
 
     can_focus = True
-    WHAT: ClassVar[str] = ""   # what a row is: "dataset", "error kind", "provider"
+    WHAT: ClassVar[DrillKind]  # what a row is
     BINDINGS = [
         Binding("up,k", "move(-1)", "up", show=False),
         Binding("down,j", "move(1)", "down", show=False),
@@ -100,7 +108,7 @@ class SelectablePanel(Panel):
     ]
 
     class Open(Message):
-        def __init__(self, what: str, name: str) -> None:
+        def __init__(self, what: DrillKind, name: str) -> None:
             super().__init__()
             self.what = what
             self.name = name

@@ -13,12 +13,12 @@ from rich.text import Text
 from draftgen.core.live.snapshot import RunSnapshot
 from draftgen.core.tokens.fidelity import UNKNOWN
 from draftgen.tui import fmt
-from draftgen.tui.panels.panel import SelectablePanel
+from draftgen.tui.panels.panel import DrillKind, SelectablePanel
 
 
 class ProvidersPanel(SelectablePanel):
     TITLE = "providers"
-    WHAT = "provider"
+    WHAT = DrillKind.PROVIDER
 
     def items(self, s: RunSnapshot) -> tuple[str, ...]:
         room = max(1, self.rows)

@@ -17,13 +17,14 @@ from textual.widgets import Footer, Static
 from draftgen.core.live.snapshot import ErrorRecord, RunSnapshot
 from draftgen.tui import fmt
 from draftgen.tui.panels.header import RunHeader
+from draftgen.tui.panels.panel import DrillKind
 
-DATASET, KIND, PROVIDER = "dataset", "error kind", "provider"
+DATASET, KIND, PROVIDER = DrillKind.DATASET, DrillKind.KIND, DrillKind.PROVIDER
 
 
 @dataclass(frozen=True)
 class Target:
-    what: str    # DATASET | KIND | PROVIDER
+    what: DrillKind
     name: str
 
     def matches(self, r: ErrorRecord) -> bool:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from draftgen.core.config import DatasetConfig
 from draftgen.core.generate.api.prices import Prices, body_worst_case
 from draftgen.core.generate.loop.prompts import Prompt
-from draftgen.core.generate.money.budget import MoneyBudget
+from draftgen.core.generate.money.budget import BlockReason, MoneyBudget
 from draftgen.core.generate.money.spend import Ticket
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
 
@@ -126,8 +126,8 @@ class Room:
                 return Decision(Verdict.BUDGET, f"token budget reached: {ds.tokens.used:,} used + "
                                 f"{ds.tokens.in_flight:,} in flight of {ds.tokens.limit:,}")
             self.last_worst = worst
-            reason = self._money.blocked(worst)
-            if reason:
+            block = self._money.blocked(worst)
+            if block is not None:
                 # Answers settling below their reservation free room; near the end fewer go out, not none.
                 if not self._settling():
                     # Even with every request in flight settled at $0 it would not fit: skip it, go on.
@@ -140,13 +140,13 @@ class Room:
                     ds.wake.clear()
                     await ds.wake.wait()
                     continue
-                if self._money.over_max(worst) is None:
+                if block.reason == BlockReason.CREDIT_FLOOR:
                     # The balance, not a budget: hold the run (nothing skipped) until it shows room again.
-                    self._on_floor(reason)
+                    self._on_floor(block.message)
                     if self._gate.is_open:  # the hold was refused (draining): admit nothing
                         return HALT
                     continue
-                return Decision(Verdict.BUDGET, reason, money=True)
+                return Decision(Verdict.BUDGET, block.message, money=True)
             if ds.in_flight >= ds.concurrency.limit:
                 ds.wake.clear()
                 await ds.wake.wait()
@@ -159,15 +159,15 @@ class Room:
         while True:
             if self._gate.stopping:
                 return None
-            reason = self._money.blocked(worst)
-            if reason is None:
+            block = self._money.blocked(worst)
+            if block is None:
                 return self._money.spend.reserve(ds.config.name, prompt_id, worst)
             if self._in_flight() - self._retries_waiting - 1 <= 0 and not self._settling():
-                if self._money.over_max(worst) is not None or self._gate.draining:
+                if block.reason == BlockReason.MAX_USD or self._gate.draining:
                     return None
                 # The balance, not the ceiling: hold the run (nothing skipped) until it shows room again.
                 self.last_worst = worst
-                self._on_floor(reason)
+                self._on_floor(block.message)
                 if self._gate.is_open:  # the hold was refused (draining)
                     return None
                 await self._gate.wait_open()

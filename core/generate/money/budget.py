@@ -13,11 +13,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from draftgen.core.generate.money.spend import SpendLedger
 
 # Until this many answers have landed, the estimate of a request's tokens is half its max_tokens.
 MIN_SAMPLES = 20
+
+
+class BlockReason(StrEnum):
+    """What stops the next request: the two answers call for different handling (README "Money")."""
+    MAX_USD = "max_usd"          # the run's ceiling: the rest is skipped, eligible for a later run
+    CREDIT_FLOOR = "credit_floor"  # the balance: the run holds (nothing skipped) until it shows room
+
+
+@dataclass(frozen=True)
+class Block:
+    """Why a request may not go out now: which limit, and the sentence the user reads."""
+    reason: BlockReason
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
 
 
 @dataclass
@@ -116,6 +133,10 @@ class MoneyBudget:
                     f"<= floor ${self.floor_usd:.2f}")
         return None
 
-    def blocked(self, worst: float) -> str | None:
-        """Why a request whose worst case is `worst` may not go out now, or None."""
-        return self.over_max(worst) or self.below_floor(worst)
+    def blocked(self, worst: float) -> Block | None:
+        """Why a request whose worst case is `worst` may not go out now (the ceiling first), or None."""
+        if (why := self.over_max(worst)) is not None:
+            return Block(BlockReason.MAX_USD, why)
+        if (why := self.below_floor(worst)) is not None:
+            return Block(BlockReason.CREDIT_FLOOR, why)
+        return None
