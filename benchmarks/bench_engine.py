@@ -189,7 +189,7 @@ def child_main(args: argparse.Namespace) -> None:
     if args.child in ("bare", "bare_gc"):
         if args.child == "bare_gc":
             from draftgen.core.generate.loop.engine import tune_gc
-            tune_gc()
+            tune_gc(args.concurrency)  # as the engine runs it
         rate, cpu = asyncio.run(run_bare(url, args.n, args.concurrency))
     elif args.child == "openai":
         rate, cpu = asyncio.run(run_openai(url, args.n, args.concurrency))

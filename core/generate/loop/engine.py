@@ -225,7 +225,7 @@ class Engine:
                                        self.errors, self.recent, self.provider_stats, self._redact, self._event,
                                        self._clock), self._opened, self._rng, drain=self.drain,
                                  resume=self._set_running)
-            tune_gc()
+            tune_gc(need)
             await self._loop.run()
             await self._wait_for_disk()
         finally:

@@ -170,7 +170,7 @@ class Ledger:
             prompt_token_ids=a.prompt_token_ids)
         line = record.to_dict()
         assert ds.responses is not None
-        on_disk = self._write(_Held(ds, ds.responses, line, answer=True))
+        on_disk = self._write(ds, ds.responses, line, True)
         ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty)
         if truncated or empty:
             self.errors.add(ErrorKind.LENGTH if truncated else ErrorKind.EMPTY_CONTENT)
@@ -208,18 +208,18 @@ class Ledger:
         record = FailureRecord(id=prompt.id, messages=prompt.messages, error_kind=e.kind, status=e.status,
                                message=self._redact(e.message), attempts=attempts, ts=round(time.time(), 3))
         assert ds.failures is not None
-        self._write(_Held(ds, ds.failures, record.to_dict(), answer=False))
+        self._write(ds, ds.failures, record.to_dict(), False)
         ds.failed_one(prompt.id)
 
-    def _write(self, item: _Held) -> bool:
+    def _write(self, ds: DatasetRun, appender: JsonlAppender, line: dict[str, Any], answer: bool) -> bool:
         """True when the record is on disk now; False when it is held in memory (a failed write)."""
         if self._held:
-            self._held.append(item)
+            self._held.append(_Held(ds, appender, line, answer))
             return False
         try:
-            item.appender.append(item.line)
+            appender.append(line)
         except DiskError as e:
-            self._held.append(item)
+            self._held.append(_Held(ds, appender, line, answer))
             self._disk_error = e
             self._hold(Hold.DISK, f"{e}. The run is paused with {len(self._held)} record(s) held in memory; "
                        "free space and press r to resume (headless: kill -USR1 <pid>).")
