@@ -13,7 +13,8 @@ peak RSS is their own:
           group commit: one fsync in a thread for all the requests of the moment) with its worst case
           reserved from the simulator's endpoints listing, snapshots taken 4 times a second),
           reconstruction off; the run's files are in a temporary directory, so the fsyncs hit the
-          disk of $TMPDIR (not tmpfs, or they cost nothing);
+          disk of $TMPDIR (not tmpfs, or they cost nothing); on the event loop `draftgen run` runs on
+          (core/runtime.py: uvloop where installed);
 - engine + max_usd: the same with a `max_usd` ceiling set (every admission checked against it);
 - engine, fsync a no-op (with --fsync-ab): the engine with os.fsync stubbed out in its process, run
   right after the engine row, so the two rows show what the fsyncs themselves cost on this disk;
@@ -28,7 +29,9 @@ process's, not counted. "CPU vs bare" is the bare loop's CPU per request over th
 row spends less CPU per request than the bare loop). On a shared machine req/s follows the load more
 than CPU per request does. --rounds R runs the rows R times, one of each in turn (bare, engine, ...:
 alternating, so a change of load hits them alike), and gives each figure's median over the rounds;
---rows picks the rows (bare, engine, engine_nofsync, bare_gc, engine_max_usd, engine_ab); --no-concurrency
+--rows picks the rows (bare, engine, engine_nofsync, bare_gc, engine_max_usd, engine_ab, bare_uv,
+engine_asyncio: the bare loop on uvloop, the engine on asyncio's own loop, so what the event loop
+and what the engine's code each save is seen apart); --no-concurrency
 skips the concurrency check. With --ab-code DIR the engine_ab row is the engine of another checkout (DIR
 holds a `draftgen` link to it), measured in the same rounds as this one's.
 """
@@ -84,6 +87,8 @@ def child(mode: str, port: int, n: int, concurrency: int, pin: bool = False, cod
     """Run one contender in a fresh interpreter; it prints one JSON line with its figures. `code`: a folder
     holding another `draftgen` package, imported instead of this checkout's (the "engine_ab" row)."""
     env = {**os.environ, "PYTHONPATH": code} if code else None
+    if mode == "engine_asyncio":  # the engine on the standard library's loop (core/runtime.py LOOP_ENV)
+        env, mode = {**os.environ, "DRAFTGEN_EVENT_LOOP": "asyncio"}, "engine"
     out = subprocess.run([sys.executable, __file__, "--child", "engine" if mode == "engine_ab" else mode,
                           "--port", str(port), "--n", str(n),
                           "--concurrency", str(concurrency), *(["--pin"] if pin else [])],
@@ -186,18 +191,24 @@ def child_main(args: argparse.Namespace) -> None:
     if args.pin:
         os.sched_setaffinity(0, {0})
     extra = {}
-    if args.child in ("bare", "bare_gc"):
+    if args.child in ("bare", "bare_gc", "bare_uv"):
         if args.child == "bare_gc":
             from draftgen.core.generate.loop.engine import tune_gc
             tune_gc(args.concurrency)  # as the engine runs it
-        rate, cpu = asyncio.run(run_bare(url, args.n, args.concurrency))
+        if args.child == "bare_uv":  # the bare loop on the engine's event loop (core/runtime.py)
+            from draftgen.core import runtime
+            rate, cpu = runtime.run(run_bare(url, args.n, args.concurrency))
+        else:
+            rate, cpu = asyncio.run(run_bare(url, args.n, args.concurrency))
     elif args.child == "openai":
         rate, cpu = asyncio.run(run_openai(url, args.n, args.concurrency))
     else:
         if args.child == "engine_nofsync":
             os.fsync = lambda fd: None  # the group commit as it is, minus the disk's part
-        rate, cpu, peak = asyncio.run(run_engine(url, args.n, args.concurrency,
+        from draftgen.core import runtime  # the loop `draftgen run` runs on
+        rate, cpu, peak = runtime.run(run_engine(url, args.n, args.concurrency,
                                                  1e6 if args.child == "engine_max_usd" else None))
+        extra["loop"] = runtime.loop_name()
         extra["peak_in_flight"] = peak
         import draftgen.core
         extra["code"] = str(Path(draftgen.core.__file__).resolve().parents[1])  # which checkout's engine ran
@@ -229,6 +240,7 @@ def main() -> None:
     if args.pin:
         os.sched_setaffinity(sim.pid, {1})
     names = {"bare": "bare aiohttp loop", "engine": "draftgen engine", "bare_gc": "bare loop + engine's GC",
+             "bare_uv": "bare loop on uvloop", "engine_asyncio": "engine on asyncio's loop",
              "engine_max_usd": "engine + max_usd ceiling", "engine_nofsync": "engine, fsync a no-op",
              "engine_ab": "engine, --ab-code"}
     order = args.rows.split(",") if args.rows else \

@@ -4,12 +4,12 @@ where user-facing errors are caught and printed without a traceback (`--debug` s
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from draftgen.core import runtime
 from draftgen.core.errors import DraftgenError, ExitCode
 
 EXIT_CODES = """exit codes:
@@ -34,10 +34,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     key = config.api_key()
     if args.headless:
         from draftgen.headless.printer import run_headless
-        return asyncio.run(run_headless(config, key, skip_smoke=args.skip_smoke,
+        return runtime.run(run_headless(config, key, skip_smoke=args.skip_smoke,
                                         interval_s=args.interval, merge=args.merge, extract=args.extract))
     from draftgen.tui.launch import run_tui
-    return asyncio.run(run_tui(config, key, skip_smoke=args.skip_smoke))
+    return runtime.run(run_tui(config, key, skip_smoke=args.skip_smoke))
 
 
 def _run_dir(where: str) -> Path:
@@ -57,7 +57,7 @@ def _run_dir(where: str) -> Path:
 
 def cmd_attach(args: argparse.Namespace) -> int:
     from draftgen.tui.launch import attach_tui
-    return asyncio.run(attach_tui(_run_dir(args.run_dir)))
+    return runtime.run(attach_tui(_run_dir(args.run_dir)))
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:

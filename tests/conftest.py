@@ -5,6 +5,7 @@ in tests/pinned.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import time
@@ -13,12 +14,19 @@ from pathlib import Path
 
 import pytest
 
+from draftgen.core import runtime
 from draftgen.core.tokens import tokenizer as tokmod
 from tests.pinned import pinned_source
 
 # Torch's CPU threads spin against each other on a busy 2-core machine (the CPU self-check took 22 s
 # instead of 12): one each, here and in every subprocess; an OMP_NUM_THREADS set by hand wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The async tests run on the loop the commands run on (core/runtime.py: uvloop where installed); the
+# policy is how pytest-asyncio is told which loop to make without renaming every test.
+if runtime.loop_factory() is not None:
+    import uvloop
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ for the user to look at.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import sys
@@ -18,6 +17,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import TextIO
 
+from draftgen.core import runtime
 from draftgen.core.config import Config, load_config
 from draftgen.core.errors import DraftgenError
 
@@ -172,4 +172,4 @@ def what_exists(run_dir: Path) -> list[tuple[str, str]]:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    return asyncio.run(run_demo(Path(args.dir).resolve(), headless=args.headless))
+    return runtime.run(run_demo(Path(args.dir).resolve(), headless=args.headless))

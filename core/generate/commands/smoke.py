@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from draftgen.core import runtime
 from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.files import write_json_atomic
@@ -651,6 +652,6 @@ def print_result(result: SmokeResult) -> None:
 
 
 def smoke_command(config: Config, api_key: str) -> int:
-    result = asyncio.run(run_smoke(config, api_key))
+    result = runtime.run(run_smoke(config, api_key))
     print_result(result)
     return 0 if result.passed else 1

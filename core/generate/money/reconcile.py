@@ -19,6 +19,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from draftgen.core import runtime
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError, LedgerBusyError
 from draftgen.core.generate.api.account import read_account
@@ -168,6 +169,6 @@ def print_report(report: LedgerReport) -> None:
 
 
 def ledger_command(config: Config, api_key: str, *, unknown_from_key: bool = False) -> int:
-    report = asyncio.run(reconcile(config, api_key, unknown_from_key=unknown_from_key))
+    report = runtime.run(reconcile(config, api_key, unknown_from_key=unknown_from_key))
     print_report(report)
     return 1 if report.from_key_wait_s else 0  # refused for now: a script must not take it as priced
