@@ -21,6 +21,7 @@ import pytest
 
 from draftgen.core.extract import runner
 from draftgen.core.generate.money.spend import SpendLedger
+from draftgen.core.live.snapshot import RunState
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.store import TokenReader
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
@@ -94,6 +95,43 @@ async def test_tui_quit_during_the_smoke_test_sends_no_run_request(tmp_path: Pat
     assert code == 130, summary
     assert "exit 130 (interrupted before the run started)" in summary
     assert "generation: skipped: the run did not start" in summary, summary
+
+
+@pytest.mark.slow
+async def test_tui_smoke_test_mid_run_says_who_paused_and_resumes(tmp_path: Path) -> None:
+    """s while the run sends: the run pauses for the smoke test and the snapshot says so (who paused,
+    and a waiting line that does not offer r, which would send behind the smoke test); it resumes at
+    its end, and the pause is gone from the snapshot."""
+    async with SimServer(SimConfig(seed=4, fixed_latency_s=1.0, mean_completion_tokens=60), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 400, "concurrency": 4}],
+                          tables={"tokenizer": TOKENIZER, "engine": {"reconstruct": False}})
+        seen: dict[str, str] = {}
+
+        def paused_for_smoke(app: DraftgenApp) -> bool:
+            s = app.latest
+            return s is not None and s.state == RunState.PAUSED and s.paused_by == "for the smoke test"
+
+        async def drive(app: DraftgenApp) -> None:
+            async with app.run_test(size=(120, 40)) as pilot:
+                await until(lambda: app.latest is not None and app.latest.state == RunState.RUNNING
+                            and sim.stats.requests_total > 1, "the run sending", timeout=60)
+                await pilot.press("s")
+                await until(lambda: paused_for_smoke(app), "paused for the smoke test in a snapshot")
+                seen["waiting"] = app.latest.waiting
+                await pilot.press("escape")  # the smoke screen closed: the alert bar under the header
+                await until(lambda: paused_for_smoke(app) and "smoke" in text(app, "#alert"), "the alert bar")
+                seen["alert"] = " ".join(text(app, "#alert").split())
+                await until(lambda: stage_is(app, "smoke", "done") and app.latest.state == RunState.RUNNING,
+                            "the run resumed after the smoke test", timeout=60)
+                seen["after"] = app.latest.paused_by
+                await pilot.press("q")
+                await pilot.press("s")
+                await until(lambda: not app.is_running, "the app exited", timeout=60)
+
+        await asyncio.wait_for(run_tui(cfg, TEST_KEY, out=io.StringIO(), run_app=drive, skip_smoke=True), 120)
+    assert seen["waiting"] == "paused for the smoke test: the run resumes when it ends", seen["waiting"]
+    assert "paused for the smoke test" in seen["alert"] and "r resumes" not in seen["alert"], seen["alert"]
+    assert seen["after"] == ""
 
 
 @pytest.mark.slow

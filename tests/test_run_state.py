@@ -14,7 +14,7 @@ from draftgen.core.generate.loop.admission import AdaptiveConcurrency
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.prompts import Prompt
-from draftgen.core.generate.loop.run_state import Hold, RunControl
+from draftgen.core.generate.loop.run_state import Hold, PausedBy, RunControl
 from draftgen.core.generate.money.budget import TokenBudget
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.snapshot import EventKind, RunState
@@ -35,18 +35,18 @@ def kinds(events: list[tuple[str, str, str]]) -> list[str]:
 
 async def test_start_pause_resume_and_who_paused() -> None:
     run, events = control()
-    assert run.state == RunState.IDLE and not run.pause("by the user"), "nothing to pause before the start"
+    assert run.state == RunState.IDLE and not run.pause(PausedBy.USER), "nothing to pause before the start"
     run.start()
     assert run.state == RunState.RUNNING and run.is_open
-    assert run.pause("smoke test")
+    assert run.pause(PausedBy.SMOKE)
     view = run.view()
-    assert view.state == RunState.PAUSED and view.paused_by == "smoke test" and view.held is None
+    assert view.state == RunState.PAUSED and view.paused_by is PausedBy.SMOKE and view.held is None
     assert not run.is_open and run.paused
-    assert not run.pause("by the user"), "a second pause changes nothing"
-    assert run.view().paused_by == "smoke test"
+    assert not run.pause(PausedBy.USER), "a second pause changes nothing"
+    assert run.view().paused_by is PausedBy.SMOKE
     run.resume()
     view = run.view()
-    assert view.state == RunState.RUNNING and view.paused_by == "" and view.alert == "" and run.is_open
+    assert view.state == RunState.RUNNING and view.paused_by is None and view.alert == "" and run.is_open
     assert kinds(events) == [EventKind.PAUSED, EventKind.RESUMED]
     assert "smoke test" in events[0][2]
 
@@ -71,7 +71,7 @@ async def test_hold_keeps_its_reason_until_resumed_and_says_it_once() -> None:
 async def test_a_hold_while_paused_by_the_user_records_the_reason_and_stays_paused() -> None:
     run, _ = control()
     run.start()
-    run.pause("by the user")
+    run.pause(PausedBy.USER)
     run.hold(Hold.DISK, "disk full")
     assert run.state == RunState.PAUSED and run.held is Hold.DISK and run.alert == "disk full"
 
@@ -79,7 +79,7 @@ async def test_a_hold_while_paused_by_the_user_records_the_reason_and_stays_paus
 async def test_drain_then_stop_close_the_gate_and_wake_what_waits() -> None:
     run, _ = control()
     run.start()
-    run.pause("by the user")
+    run.pause(PausedBy.USER)
     waiter = asyncio.ensure_future(run.wait_open())
     await asyncio.sleep(0)
     assert not waiter.done()

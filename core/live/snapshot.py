@@ -224,6 +224,7 @@ class RunSnapshot:
     stages: tuple[StageProgress, ...] = ()        # smoke, tokens, merge, extract
     alert: str = ""                               # e.g. 402: out of credits, run paused
     waiting: str = ""                             # why no progress is made now (held, unreachable, backing off)
+    paused_by: str = ""                           # who paused the run: "by the user", "for the smoke test"; "" else
     attached: bool = False                        # set by the attach viewer, never by the engine
     started_at: float = 0.0                       # wall clock this run (process) started
     first_started_at: float = 0.0                 # wall clock the first run of this directory started

@@ -15,6 +15,7 @@ from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.files import RunLock, exclusive
 from draftgen.core.generate.loop.engine import Engine
+from draftgen.core.generate.loop.run_state import PausedBy
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.control import Action
 from draftgen.core.live.hub import Hub
@@ -200,7 +201,7 @@ class Pipeline:
         return None
 
     def pause(self) -> None:
-        self.engine.pause("by the user")
+        self.engine.pause(PausedBy.USER)
 
     def resume(self) -> None:
         self.engine.resume()

@@ -14,6 +14,7 @@ from typing import Any
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.generate.loop.engine import Engine
+from draftgen.core.generate.loop.run_state import PausedBy
 from draftgen.core.live import snapshot as snap
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
@@ -85,7 +86,7 @@ class Stages:
         self.progress["smoke"] = snap.StageProgress("smoke", state=snap.StageState.RUNNING)
         was_running = self.engine.state == snap.RunState.RUNNING
         if was_running:
-            self.engine.pause("smoke test")
+            self.engine.pause(PausedBy.SMOKE)
         try:
             # A run open in this process: the smoke requests go on its ledger, under its reservations.
             spend = self.engine.spend if self.engine.spend.is_open else None

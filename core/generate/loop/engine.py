@@ -55,7 +55,7 @@ from draftgen.core.generate.loop.ledger import Ledger
 from draftgen.core.generate.loop.opening import open_datasets, open_money, write_run_json
 from draftgen.core.generate.loop.projection import project
 from draftgen.core.generate.loop.run_loop import Opened, Parts, RunLoop
-from draftgen.core.generate.loop.run_state import Hold, RunControl
+from draftgen.core.generate.loop.run_state import Hold, PausedBy, RunControl
 from draftgen.core.generate.loop.stats import Tally
 from draftgen.core.generate.money.budget import MoneyBudget, TokenBudget
 from draftgen.core.generate.money.settle import Settler
@@ -143,7 +143,7 @@ class Engine:
 
     # -- control surface ------------------------------------------------------------------------
 
-    def pause(self, by: str = "") -> None:
+    def pause(self, by: PausedBy = PausedBy.USER) -> None:
         self.control.pause(by)
 
     def resume(self) -> None:
@@ -287,7 +287,11 @@ class Engine:
             return (f"{self.ledger.held_answers} paid answer(s) held in memory, not on disk: waiting for the disk "
                     f"(retried every {HELD_RETRY_S:g} s; r or kill -USR1 retries now; a second SIGINT spools them)")
         if self.state == RunState.PAUSED:
-            return self.alert or "paused by the user: r resumes (headless: kill -USR1 <pid>)"
+            if self.alert:
+                return self.alert
+            if self.control.view().paused_by is PausedBy.SMOKE:
+                return "paused for the smoke test: the run resumes when it ends"
+            return "paused by the user: r resumes (headless: kill -USR1 <pid>)"
         if self.state not in (RunState.RUNNING, RunState.DRAINING):
             return ""
         return self._loop.attempts.stalled(self.in_flight) if self._loop is not None else ""
@@ -297,7 +301,8 @@ class Engine:
     def snapshot(self) -> snap.RunSnapshot:
         self._seq += 1
         return project(run_name=self.rundir.root.name, model=self.config.api.model, state=self.state,
-                       alert=self.alert, waiting=self.waiting(), elapsed_s=self._clock() - self._started, seq=self._seq,
+                       alert=self.alert, waiting=self.waiting(), paused_by=self.control.view().paused_by,
+                       elapsed_s=self._clock() - self._started, seq=self._seq,
                        datasets=self.datasets.values(), ledger=self.ledger, retries=self.retries,
                        money=self.money, prices=self.prices, parallel=self.config.engine.parallel,
                        smoke=self._opened.money.smoke if self._opened is not None else None)

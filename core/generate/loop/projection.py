@@ -53,7 +53,8 @@ def figures(ds: DatasetRun, spend: SpendLedger, prices: Prices | None) -> Datase
         completion_tokens=ds.tokens.used, cost_usd=spend.by_dataset.get(ds.config.name, ds.cost), prices=prices)
 
 
-def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: str = "", elapsed_s: float, seq: int,
+def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: str = "", paused_by: str | None = None,
+            elapsed_s: float, seq: int,
             datasets: Iterable[DatasetRun], ledger: Ledger, retries: int, money: MoneyBudget,
             prices: Mapping[str, Prices | None], parallel: bool, smoke: SmokeFigures | None = None) -> snap.RunSnapshot:
     rates, spend = ledger.rates, money.spend
@@ -97,4 +98,5 @@ def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: 
     return snap.RunSnapshot(
         run_name=run_name, model=model, state=state, elapsed_s=elapsed_s, seq=seq, datasets=tuple(shots),
         throughput=throughput, errors=ledger.errors.items(), retries=retries,
-        providers=ledger.providers.items(), credits=credits, alert=alert, waiting=waiting)
+        providers=ledger.providers.items(), credits=credits, alert=alert, waiting=waiting,
+        paused_by=str(paused_by or ""))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
 from draftgen.core.live.snapshot import EventKind, EventSink, Level, RunState
@@ -33,13 +33,19 @@ class Hold(Enum):
     DISK = "disk"
 
 
+class PausedBy(StrEnum):
+    """Who paused the run (a hold is the engine's own, with its reason in the alert)."""
+    USER = "by the user"          # p, the control socket, SIGUSR1's counterpart
+    SMOKE = "for the smoke test"  # a smoke test asked for mid-run; the run resumes when it ends
+
+
 @dataclass(frozen=True)
 class ControlView:
     """The run's state as one value (what RunControl.view() returns)."""
     state: RunState
     alert: str
     held: Hold | None
-    paused_by: str          # who paused the run ("by the user", "smoke test"; "" for a hold)
+    paused_by: PausedBy | None  # who paused the run (None: not paused, or held by the engine itself)
     draining: bool
     stopping: bool
     account: AccountStop | None
@@ -54,7 +60,7 @@ class RunControl:
         self._alert = ""
         self._held: Hold | None = None
         self._account: AccountStop | None = None
-        self._paused_by = ""
+        self._paused_by: PausedBy | None = None
         self._draining = False
         self._stopping = False
         self._open = asyncio.Event()  # clear while paused or held
@@ -117,14 +123,14 @@ class RunControl:
         if self._state == RunState.IDLE:
             self._state = RunState.RUNNING
 
-    def pause(self, by: str) -> bool:
+    def pause(self, by: PausedBy) -> bool:
         """Pause a running run; True when it was running."""
         if self._state != RunState.RUNNING:
             return False
         self._state = RunState.PAUSED
         self._paused_by = by
         self._open.clear()
-        self._event(Level.INFO, EventKind.PAUSED, f"paused{': ' + by if by else ''} "
+        self._event(Level.INFO, EventKind.PAUSED, f"paused {by} "
                     "(requests in flight finish and are recorded)")
         return True
 
@@ -152,7 +158,7 @@ class RunControl:
         self._alert = ""
         self._held = None
         self._account = None
-        self._paused_by = ""
+        self._paused_by = None
         self._open.set()
         self._event(Level.INFO, EventKind.RESUMED, "resumed")
 
