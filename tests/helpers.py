@@ -16,6 +16,8 @@ from draftgen.core.config import Config, load_config, toml_value
 if TYPE_CHECKING:
     import aiohttp
 
+    from draftgen.core.generate.loop.engine import Engine
+    from draftgen.core.live.snapshot import DatasetSnapshot
     from draftgen.simulator import SimServer
 
 TEST_KEY = "sk-or-v1-draftgen-test-key-0123456789abcdef"
@@ -58,6 +60,11 @@ def make_config(tmp_path: Path, base_url: str, datasets: list[dict[str, Any]], *
     path = tmp_path / "draftgen.toml"
     path.write_text("\n".join(lines) + "\n")
     return load_config(path)
+
+
+def dataset_row(engine: Engine, name: str) -> DatasetSnapshot:
+    """Dataset `name` as the views see it: its entry of the engine's snapshot, not the engine's own state."""
+    return next(d for d in engine.snapshot().datasets if d.name == name)
 
 
 def read_ids(path: Path) -> list[str]:

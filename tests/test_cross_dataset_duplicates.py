@@ -11,7 +11,7 @@ import orjson
 from draftgen.core.live import snapshot as snap
 from draftgen.simulator import SimConfig, SimServer, prompt_key
 
-from .helpers import make_config, read_ids
+from .helpers import dataset_row, make_config, read_ids
 from .test_engine import FAST, accounted, run_engine
 
 
@@ -41,7 +41,7 @@ async def test_a_prompt_answered_in_an_earlier_dataset_is_skipped_and_never_sent
     assert sent(stats, SHARED) == 1 and sent(stats, TWIN) == 0
     assert stats.requests_total == 4
     assert read_ids(cfg.run_dir / "b" / "responses.jsonl") == ["b2", "b3"]
-    assert engine.datasets["b"].skipped == 1 and engine.datasets["a"].skipped == 0
+    assert dataset_row(engine, "b").skipped == 1 and dataset_row(engine, "a").skipped == 0
     accounted(cfg, engine)
     warn = [m for lvl, kind, m in events if kind == "duplicate"]
     assert len(warn) == 1 and "'b1'" in warn[0] and "already answered in a" in warn[0]
@@ -54,7 +54,7 @@ async def test_a_prompt_answered_in_an_earlier_dataset_is_skipped_and_never_sent
                                                    {"name": "b", "prompts": "prompts/b.jsonl"}])
         engine, state, _ = await run_engine(cfg)
         assert sim.stats.requests_total == 0
-    assert engine.datasets["b"].skipped == 1
+    assert dataset_row(engine, "b").skipped == 1
 
 
 async def test_answers_of_a_dataset_no_longer_in_the_config_count(tmp_path: Path) -> None:
@@ -68,7 +68,7 @@ async def test_answers_of_a_dataset_no_longer_in_the_config_count(tmp_path: Path
         engine, state, _ = await run_engine(cfg)
         stats = sim.stats.copy()
     assert sent(stats, TWIN) == 0 and stats.requests_total == 1
-    assert engine.datasets["b"].skipped == 1
+    assert dataset_row(engine, "b").skipped == 1
 
 
 async def test_parallel_datasets_never_both_send_a_shared_prompt(tmp_path: Path) -> None:
@@ -85,7 +85,7 @@ async def test_parallel_datasets_never_both_send_a_shared_prompt(tmp_path: Path)
     for t in texts:
         assert sent(stats, t) + sent(stats, t.upper()) == 1, t
     assert sent(stats, "Mine?") == 1
-    a, b = engine.datasets["a"], engine.datasets["b"]
+    a, b = dataset_row(engine, "a"), dataset_row(engine, "b")
     assert a.done + b.done == 41 and a.skipped + b.skipped == 40
     accounted(cfg, engine)
 
@@ -100,4 +100,4 @@ async def test_the_switch_turns_it_off(tmp_path: Path) -> None:
         engine, _, _ = await run_engine(cfg)
         stats = sim.stats.copy()
     assert sent(stats, SHARED) == 1 and sent(stats, TWIN) == 1
-    assert engine.datasets["b"].skipped == 0
+    assert dataset_row(engine, "b").skipped == 0

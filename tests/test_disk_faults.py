@@ -37,7 +37,7 @@ from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.core.tokens.workers import reconstruct_dataset
 from draftgen.simulator import SimConfig, SimServer
 
-from .helpers import TEST_KEY, cli_env, make_config, until
+from .helpers import TEST_KEY, cli_env, dataset_row, make_config, until
 
 REAL_WRITE = os.write
 REASONS = {errno.ENOSPC: "the disk is full", errno.EROFS: "the disk is read-only",
@@ -127,7 +127,7 @@ async def test_a_failing_write_pauses_the_run_and_resume_loses_nothing(tmp_path,
         events: list[tuple[str, str, str]] = []
         engine = Engine(cfg, TEST_KEY, on_event=lambda *e: events.append(e), seed=1)
         task = asyncio.create_task(engine.run())
-        await until(lambda: engine.datasets["a"].done >= 25, "25 answers")
+        await until(lambda: dataset_row(engine, "a").done >= 25, "25 answers")
         disk.full = True
         await until(lambda: engine.state == snap.RunState.PAUSED, "the run pauses on the failed write")
         # The path that refused: an answer's file, or the spend ledger (a request leaves only once its
@@ -138,7 +138,7 @@ async def test_a_failing_write_pauses_the_run_and_resume_loses_nothing(tmp_path,
         await until(lambda: engine.in_flight == 0, "requests in flight finish")
         acknowledged = on_disk(run, "a")
         assert len(acknowledged) == len(set(acknowledged))
-        ds = engine.datasets["a"]
+        ds = dataset_row(engine, "a")
         held = ds.done + ds.failed - len(acknowledged)
         assert held >= 1, "the answers that could not be written are held, not dropped"
         before = run.responses("a").read_bytes(), run.failures("a").read_bytes()
@@ -181,7 +181,7 @@ async def test_quitting_on_a_full_disk_says_what_was_not_saved_and_tokens_follow
         await pipeline.start()
         task = asyncio.create_task(pipeline.generate())
         try:
-            await until(lambda: pipeline.engine.datasets["a"].done >= 20, "20 answers")
+            await until(lambda: dataset_row(pipeline.engine, "a").done >= 20, "20 answers")
             disk.full = True
             await until(lambda: pipeline.engine.state == snap.RunState.PAUSED, "paused on the full disk")
             await until(lambda: pipeline.engine.in_flight == 0, "requests in flight finish")
@@ -199,7 +199,7 @@ async def test_quitting_on_a_full_disk_says_what_was_not_saved_and_tokens_follow
                 events.append(item[1])
         assert "LOST" in pipeline.snapshot().held
         saved = parsed_ids(run.responses("a"))
-        assert pipeline.engine.datasets["a"].done == len(saved), "the answered count is what is on disk"
+        assert dataset_row(pipeline.engine, "a").done == len(saved), "the answered count is what is on disk"
         unsaved = [e for e in events if e.kind == "unsaved"]
         assert unsaved and str(run.responses("a")) in unsaved[0].message, [e.message for e in events][-5:]
         tokens = [e.id for e in TokenReader(run.tokens("a")).entries]
@@ -231,17 +231,17 @@ async def test_space_back_before_quitting_writes_what_was_held(tmp_path, monkeyp
         # their answers are the ones held; filled between two requests, the next `sent` line would be
         # refused first and nothing would be held.
         # (The ledger writes a tick's lines at its end: wait until the 8 `sent` lines are in the file.)
-        await until(lambda: engine.datasets["a"].done >= 10 and engine.in_flight == 8 and
-                    run.spend.read_bytes().count(b'"e":"sent"') == engine.datasets["a"].done + 8,
+        await until(lambda: dataset_row(engine, "a").done >= 10 and engine.in_flight == 8 and
+                    run.spend.read_bytes().count(b'"e":"sent"') == dataset_row(engine, "a").done + 8,
                     "10 answers, 8 in flight, their lines on the ledger")
         disk.full = True
         await until(lambda: engine.state == snap.RunState.PAUSED and engine.in_flight == 0, "paused and idle")
-        answered = engine.datasets["a"].done
+        answered = dataset_row(engine, "a").done
         assert len(parsed_ids(run.responses("a"))) < answered
         disk.full = False
         engine.drain()
         await asyncio.wait_for(task, 30)
-    assert len(parsed_ids(run.responses("a"))) == answered == engine.datasets["a"].done
+    assert len(parsed_ids(run.responses("a"))) == answered == dataset_row(engine, "a").done
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
-from tests.helpers import TEST_KEY, make_config, until
+from tests.helpers import TEST_KEY, dataset_row, make_config, until
 
 
 @pytest.fixture(autouse=True)
@@ -166,7 +166,7 @@ async def test_an_os_crash_mid_run_loses_no_spend_and_the_next_run_keeps_the_cei
         disk = CrashableDisk(monkeypatch, cfg.run_dir)
         engine = Engine(cfg, TEST_KEY, seed=1)
         task = asyncio.create_task(engine.run())
-        while engine.datasets["a"].done < 80 and not task.done():
+        while dataset_row(engine, "a").done < 80 and not task.done():
             await asyncio.sleep(0.01)
         assert not task.done()
         disk.freeze()        # the kernel panics: nothing written from now on reaches the disk
@@ -242,4 +242,4 @@ async def test_answers_the_ledger_has_but_responses_lost_are_reported_and_stay_c
         await engine.run()
     lost = [e for e in events if e[1] == "answers_lost"]
     assert len(lost) == 1 and "5 prompt(s)" in lost[0][2]
-    assert engine.datasets["a"].done == 30 and engine.spend.settled_usd > spent  # asked again, both counted
+    assert dataset_row(engine, "a").done == 30 and engine.spend.settled_usd > spent  # asked again, both counted

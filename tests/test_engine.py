@@ -16,7 +16,7 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 
-from .helpers import TEST_KEY, make_config, read_ids, until
+from .helpers import TEST_KEY, dataset_row, make_config, read_ids, until
 
 FAST = dict(latency_scale=0.0, mean_completion_tokens=60)
 
@@ -40,7 +40,7 @@ def accounted(config, engine):
         failed = read_ids(rd.failures(ds.name))
         assert len(answered) == len(set(answered)), "an id answered twice"
         assert not set(answered) & set(failed), "an id both answered and failed"
-        run = engine.datasets[ds.name]
+        run = dataset_row(engine, ds.name)
         assert len(answered) + len(failed) + run.skipped == run.total, (ds.name, len(answered), len(failed),
                                                                           run.skipped, run.total)
 
@@ -131,11 +131,11 @@ async def test_token_budget_stops_admission_and_counts_skipped(tmp_path):
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 200, "concurrency": 10, "max_tokens": 1000,
                                                     "token_budget": 20_000}])
         engine, state, events = await run_engine(cfg)
-    run = engine.datasets["a"]
+    run = dataset_row(engine, "a")
     assert run.skipped > 0 and run.done > 0
     assert run.done + run.failed + run.skipped == 200
     # Admission counts in-flight expectations: the overshoot is bounded by the requests in flight.
-    assert run.tokens.used <= 20_000 + 10 * 1000
+    assert run.tokens_used <= 20_000 + 10 * 1000
     assert engine.snapshot().datasets[0].status == "budget"
     assert any(kind == "budget" for _, kind, _ in events)
     accounted(cfg, engine)
@@ -150,7 +150,7 @@ async def test_max_usd_stops_the_run(tmp_path):
         billed = sim.stats.billed_usd
     # A hard ceiling: the worst case of every request is reserved before it leaves.
     assert billed <= 0.05 and engine.money.spent_total == pytest.approx(billed, abs=1e-6)
-    assert engine.datasets["a"].skipped > 0 and engine.datasets["b"].skipped == 50
+    assert dataset_row(engine, "a").skipped > 0 and dataset_row(engine, "b").skipped == 50
     accounted(cfg, engine)
 
 
@@ -169,7 +169,7 @@ async def test_credit_floor_holds_the_run_until_a_top_up(tmp_path):
         assert engine.state == snap.RunState.PAUSED and "credit_floor_usd" in engine.alert
         s = engine.snapshot()
         assert s.credits.balance_usd is not None and s.credits.balance_age_s is not None
-        assert engine.datasets["a"].skipped == 0 and s.waiting
+        assert dataset_row(engine, "a").skipped == 0 and s.waiting
         sim.update(credits=100.0)  # a top-up
         assert await asyncio.wait_for(task, 60) == snap.RunState.DONE
     assert len(set(read_ids(RunDir(cfg.run_dir).responses("a")))) == 100
@@ -196,7 +196,7 @@ async def test_a_retry_meeting_the_credit_floor_is_held_not_failed(tmp_path):
         held_at = sim.stats.requests_total
         await asyncio.sleep(0.3)
         assert sim.stats.requests_total == held_at, "the retry went out below the floor"
-        assert engine.in_flight == 1 and engine.datasets["a"].failed == 0 and engine.datasets["a"].skipped == 0
+        assert engine.in_flight == 1 and dataset_row(engine, "a").failed == 0 and dataset_row(engine, "a").skipped == 0
         sim.update(credits=100.0, faults={})  # a top-up; the provider answers again
         assert await asyncio.wait_for(task, 30) == snap.RunState.DONE
     ids = read_ids(RunDir(cfg.run_dir).responses("a"))
@@ -231,7 +231,7 @@ async def test_pause_stops_admission_and_resume_readmits(tmp_path):
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 80, "concurrency": 10}])
         engine = Engine(cfg, TEST_KEY, seed=1)
         task = asyncio.create_task(engine.run())
-        while engine.datasets["a"].done < 10:
+        while dataset_row(engine, "a").done < 10:
             await asyncio.sleep(0.02)
         engine.pause()
         await until(lambda: engine.in_flight == 0, "the requests in flight to finish and be recorded")
@@ -253,7 +253,7 @@ async def test_drain_and_stop(tmp_path):
         engine.drain()
         # DRAINED, not DONE: 90 prompts were never asked.
         assert await asyncio.wait_for(task, 10) == snap.RunState.DRAINED
-        assert engine.datasets["a"].done == 10  # the ten in flight finished and were recorded
+        assert dataset_row(engine, "a").done == 10  # the ten in flight finished and were recorded
         assert engine.ended.startswith("DRAINED: 10 of 100 answered") and "90 not asked yet" in engine.ended
         # A second run resumes; stop-now abandons what is in flight without recording it.
         engine2 = Engine(cfg, TEST_KEY, seed=2)

@@ -28,7 +28,7 @@ from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
 
-from .helpers import TEST_KEY, cli_env, make_config, read_ids, until
+from .helpers import TEST_KEY, cli_env, dataset_row, make_config, read_ids, until
 
 
 def _load_soak() -> ModuleType:
@@ -180,7 +180,11 @@ async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
         pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
         await pipeline.start()
         task = asyncio.create_task(pipeline.generate())
+        # `parked` (retries waiting for a slot under the lowered limit) is the room's own count: no snapshot field.
         run = pipeline.engine.datasets["a"]
+
+        def in_flight() -> int:
+            return dataset_row(pipeline.engine, "a").in_flight
 
         def limit() -> int:
             return pipeline.snapshot().datasets[0].effective_concurrency
@@ -202,9 +206,9 @@ async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
             await until(lambda: limit() <= configured // 2 and sim.stats.faults.get("429", 0) > 2 * configured,
                         "the storm to cut the limit to half", 60)
             # The cut is met at each retry's next attempt: the requests over the limit park, holding no slot.
-            await until(lambda: 0 < run.parked and run.in_flight - run.parked <= limit(),
+            await until(lambda: 0 < run.parked and in_flight() - run.parked <= limit(),
                         "the retries over the lowered limit to park", 30)
-            parked, taking_part, lowered = run.parked, run.in_flight - run.parked, limit()
+            parked, taking_part, lowered = run.parked, in_flight() - run.parked, limit()
             # Slow answers while the limit climbs back, so the run cannot end before it has.
             sim.update(faults={}, fixed_latency_s=0.5)
             after_storm = sim.stats.answers_total

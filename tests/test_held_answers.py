@@ -36,7 +36,7 @@ from draftgen.simulator import SimConfig, SimServer
 from draftgen.tui.screens.quitdialog import QuitScreen
 from tests import fixtures as fx
 
-from .helpers import TEST_KEY, cli_env, make_config, until
+from .helpers import TEST_KEY, cli_env, dataset_row, make_config, until
 from .test_disk_faults import FullDisk, fsize_limit, parsed_ids
 from .test_tui import make, text
 
@@ -66,7 +66,7 @@ async def test_quit_with_held_answers_spools_them_and_the_next_run_imports_them(
         await pipeline.start()
         task = asyncio.create_task(pipeline.generate())
         try:
-            await until(lambda: pipeline.engine.datasets["a"].done >= 20, "20 answers")
+            await until(lambda: dataset_row(pipeline.engine, "a").done >= 20, "20 answers")
             disk.full = True
             await until(lambda: pipeline.engine.state == snap.RunState.PAUSED and pipeline.engine.in_flight == 0,
                         "paused on the read-only disk, nothing in flight")
@@ -95,7 +95,7 @@ async def test_quit_with_held_answers_spools_them_and_the_next_run_imports_them(
         summary = " ".join(line.strip() for line in summary_lines(final, 3))
         assert f"spooled to {spools[0]}" in summary, summary
         answered = len(saved) + held
-        assert pipeline.engine.datasets["a"].done == answered
+        assert dataset_row(pipeline.engine, "a").done == answered
         assert pipeline.exit_code == 3, "spooled answers wait for the next run: incomplete"
 
         # As if an import wrote one record and crashed before removing the spool: it is not written twice.

@@ -17,7 +17,7 @@ from draftgen.core.generate.money.reconcile import reconcile, running_left_s, se
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
-from tests.helpers import TEST_KEY, make_config, until
+from tests.helpers import TEST_KEY, dataset_row, make_config, until
 
 ROUTING = {"ignore": ["fireworks", "baseten"], "sort": "price", "allow_fallbacks": True, "quantizations": ["int4"]}
 
@@ -65,7 +65,7 @@ async def test_max_usd_without_any_price_refuses_to_start(tmp_path):
                           tables={"budget": {"max_usd": 1.0},
                                   "api": {"prompt_price_per_mtok": 1.0, "completion_price_per_mtok": 4.0}})
         engine = await _run(cfg)
-    assert engine.datasets["a"].done == 5
+    assert dataset_row(engine, "a").done == 5
     prices = engine.prices["a"]
     assert prices is not None and prices.source.startswith("config") and prices.completion == pytest.approx(4e-6)
 
@@ -112,7 +112,7 @@ async def test_ceiling_holds_with_2000_in_flight_long_answers_and_every_fault(tm
     assert r.total_usd <= billed + 1e-4
     assert billed <= r.total_usd + r.unknown_worst_usd + 1e-4
     assert r.unknown_worst_usd < 0.01 * billed
-    assert engine.datasets["a"].skipped > 0
+    assert dataset_row(engine, "a").skipped > 0
 
 
 @pytest.mark.slow

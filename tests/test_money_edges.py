@@ -23,7 +23,7 @@ from draftgen.core.live.snapshot import RunState
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
-from tests.helpers import TEST_KEY, make_config
+from tests.helpers import TEST_KEY, dataset_row, make_config
 
 ROUTING = {"ignore": ["fireworks", "baseten"], "allow_fallbacks": True, "quantizations": ["int4"]}
 
@@ -81,7 +81,7 @@ async def test_the_reservation_is_the_worst_case_of_the_body_sent(tmp_path):
     assert all(line["w"] >= at_8192 for line in sent), (sent[0]["w"], at_8192)
     body = cfg.request_body(ds, [{"role": "user", "content": "Question a-0: explain item 0."}])
     assert sent[0]["w"] == pytest.approx(body_worst_case(prices, body, 64))
-    print(f"billed ${billed:.4f} of $0.04, {engine.datasets['a'].done} answered, {len(sent)} sent")
+    print(f"billed ${billed:.4f} of $0.04, {dataset_row(engine, 'a').done} answered, {len(sent)} sent")
     assert 0 < billed <= 0.04
 
 

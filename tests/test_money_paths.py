@@ -21,7 +21,7 @@ from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.records import ErrorKind, Usage
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
-from tests.helpers import TEST_KEY, make_config
+from tests.helpers import TEST_KEY, dataset_row, make_config
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +68,9 @@ async def test_smoke_requests_are_on_the_ledger_and_under_max_usd(tmp_path):
         # A directory from before the spend ledger: answers on disk, no spend.jsonl.
         old = Engine(cfg, TEST_KEY, seed=1)
         await old.run()
-        old_cost = sum(d.cost for d in old.datasets.values())
+        # The old answers' cost as on disk (each answer's usage.cost, what the engine summed).
+        old_cost = sum(orjson.loads(x)["usage"]["cost"] for name in ("a", "b")
+                       for x in rd.responses(name).read_bytes().splitlines())
         assert old_cost > 0
         rd.spend.unlink()
         billed_before = sim.stats.billed_usd
@@ -91,7 +93,7 @@ async def test_smoke_requests_are_on_the_ledger_and_under_max_usd(tmp_path):
                           tables={"budget": {"max_usd": 5.0}, "tokenizer": {"path": str(_tokenizer())}})
         engine = Engine(cfg, TEST_KEY, seed=1)
         await engine.run()
-        assert engine.datasets["a"].done == 40
+        assert dataset_row(engine, "a").done == 40
         r = (await reconcile(cfg, TEST_KEY)).reconciliation
         assert r.carried_usd == pytest.approx(old_cost, abs=1e-9)
         assert r.pending == r.unknown == 0
@@ -117,7 +119,7 @@ async def test_a_smoke_test_beside_a_running_engine_books_on_its_ledger(tmp_path
         async with _pipeline(cfg) as pipe:
             task = asyncio.create_task(pipe.generate())
             for _ in range(1500):
-                if pipe.engine.spend.is_open and pipe.engine.datasets["a"].done:
+                if pipe.engine.spend.is_open and dataset_row(pipe.engine, "a").done:
                     break
                 await asyncio.sleep(0.02)
             else:
@@ -145,7 +147,7 @@ async def test_a_run_started_during_a_smoke_test_waits_for_its_ledger(tmp_path):
                 await asyncio.sleep(0.01)
             assert await asyncio.wait_for(pipe.generate(), 60) == "DONE", pipe.engine.alert
         billed = sim.stats.billed_usd
-    assert pipe.error is None and pipe.engine.datasets["a"].done == 10
+    assert pipe.error is None and dataset_row(pipe.engine, "a").done == 10
     r = SpendLedger.read(RunDir(cfg.run_dir).spend).reconcile()
     assert r.answered == 11 and r.total_usd == pytest.approx(billed, abs=1e-4)
 
@@ -165,7 +167,7 @@ async def test_an_answer_without_a_cost_is_priced_from_its_generation_record(tmp
         engine = Engine(cfg, TEST_KEY, seed=1)
         await engine.run()
         billed = sim.stats.billed_usd
-    assert engine.datasets["a"].done == 40 and billed > 0
+    assert dataset_row(engine, "a").done == 40 and billed > 0
     r = engine.spend.reconcile()
     assert r.answered == 40 and r.pending == r.unknown == 0
     assert r.total_usd == pytest.approx(billed, abs=1e-4)
@@ -333,7 +335,7 @@ async def test_a_tls_failure_is_waited_out_not_billed_and_fails_nothing(tmp_path
         await asyncio.wait_for(task, 30)
         assert sim.stats.requests_total == 0
     assert "TLS handshake failed" in waiting and "check [api] base_url" in waiting, waiting
-    ds = engine.datasets["a"]
+    ds = dataset_row(engine, "a")
     assert ds.failed == 0 and ds.skipped == 0
     r = engine.spend.reconcile()
     assert r.pending == r.unknown == 0 and r.total_usd == 0 and r.refused > 40

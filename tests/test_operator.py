@@ -22,7 +22,7 @@ from draftgen.simulator import SimConfig, SimServer
 from draftgen.tui.report import report
 from tests import fixtures as fx
 
-from .helpers import TEST_KEY, make_config
+from .helpers import TEST_KEY, dataset_row, make_config
 
 pytestmark = pytest.mark.usefixtures("utc")  # conftest.py: times render in UTC
 
@@ -126,7 +126,7 @@ async def test_a_drained_run_ends_drained_exits_3_and_leaves_its_history(tmp_pat
         await pipeline.start()
         try:
             work = asyncio.create_task(pipeline.generate())
-            while pipeline.engine.datasets["a"].done < 20 or not pipeline.timeline.timeline().points:
+            while dataset_row(pipeline.engine, "a").done < 20 or not pipeline.timeline.timeline().points:
                 await asyncio.sleep(0.05)
             pipeline.quit(drain=True)
             state = await asyncio.wait_for(work, 60)

@@ -29,7 +29,7 @@ from draftgen.headless.printer import run_headless
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.simulator.scenarios import BY_NAME
 
-from .helpers import TEST_KEY, make_config, read_ids
+from .helpers import TEST_KEY, dataset_row, make_config, read_ids
 
 # Each documented response, by whose problem OpenRouter's table says it is.
 TRANSIENT = ("in_flight_budget", "rate_limited", "request_timeout", "no_provider_503", "provider_500",
@@ -81,7 +81,7 @@ class Watch:
     async def _watch(self) -> None:
         while True:
             self.states.add(self.engine.state)
-            limit = sum(d.concurrency.limit for d in self.engine.datasets.values())
+            limit = sum(d.effective_concurrency for d in self.engine.snapshot().datasets)
             self.lowest_limit = min(self.lowest_limit, limit)
             await asyncio.sleep(0.005)
 
@@ -167,7 +167,7 @@ async def test_a_400_naming_no_cause_on_the_last_prompt_fails_it_at_the_dataset_
         run = Watch(config)
         assert await run.result() == snap.RunState.DONE
     assert [(f["id"], f["error_kind"]) for f in failures(config, "a")] == [(f"a-{A - 1}", "400")]
-    assert run.engine.datasets["a"].status == snap.DatasetStatus.DONE
+    assert dataset_row(run.engine, "a").status == snap.DatasetStatus.DONE
 
 
 async def test_a_few_prompts_refusing_at_once_do_not_stop_a_busy_dataset(tmp_path: Path) -> None:
