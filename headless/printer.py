@@ -177,7 +177,7 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
             say(line)
 
     def held() -> str:
-        n = pipeline.engine.ledger.held_answers
+        n = pipeline.engine.book.held_answers
         return (f"; {n} paid answer(s) are held in memory, not on disk: the run waits for the disk (the write is "
                 "retried every few seconds; SIGUSR1 retries now); a second SIGINT spools them to a fallback file"
                 if n else "")
@@ -192,7 +192,7 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
             tell(f"SIGINT: draining ({effects.running}: {effects.drain}); press Ctrl-C again to stop now "
                  f"({effects.stop})" + held())
         else:
-            n = pipeline.engine.ledger.held_answers
+            n = pipeline.engine.book.held_answers
             pipeline.quit(drain=False)  # stop now spools what is held: never dropped
             tell(f"SIGINT again: stopping now ({effects.running}: {effects.stop})"
                  + (f"; the {n} held answer(s) are spooled" if n else ""))

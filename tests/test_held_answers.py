@@ -70,7 +70,7 @@ async def test_quit_with_held_answers_spools_them_and_the_next_run_imports_them(
             disk.full = True
             await until(lambda: pipeline.engine.state == snap.RunState.PAUSED and pipeline.engine.in_flight == 0,
                         "paused on the read-only disk, nothing in flight")
-            held = pipeline.engine.ledger.held_answers
+            held = pipeline.engine.book.held_answers
             assert held >= 1 and pipeline.snapshot().held_answers == held
             pipeline.quit(drain=True)
             await until(lambda: "waiting for the disk" in pipeline.engine.waiting(), "the drain waits for the disk")

@@ -47,7 +47,7 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
             pipeline.emit(Level.WARN, EventKind.SIGNAL, "SIGINT again: stopping now (held answers are spooled)")
         else:
             pipeline.quit(drain=True)
-            n = pipeline.engine.ledger.held_answers
+            n = pipeline.engine.book.held_answers
             pipeline.emit(Level.WARN, EventKind.SIGNAL, f"{name}: draining (requests in flight finish)" + (
                 f"; {n} paid answer(s) held in memory wait for the disk (SIGINT spools them)" if n else ""))
         if name == "SIGHUP":

@@ -12,7 +12,7 @@ loop/      the run loop: `engine` (lifecycle and controls), `run_state` (`RunCon
            owner), `run_loop` (its parts, built once the run has opened), `opening` (what a run reads
            before its first request), `admission` and `room` (which prompt goes out, and whether it
            fits), `attempts` (one prompt until its outcome), `dataset_run` (a dataset's counts),
-           `ledger` (each dataset's records on disk), `prompts`, `duplicates`, `doubts`, `watch`
+           `record_book` (each dataset's records on disk), `prompts`, `duplicates`, `doubts`, `watch`
            (the account while a run goes), `spool` and `spool_import`, `projection`, `stats`,
            `smoke_record` (what the last smoke test left for a run).
 commands/  the one-shot commands around a run: `smoke`, `precheck` (the free checks before any paid

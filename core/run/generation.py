@@ -97,7 +97,7 @@ class Generation:
                 return self._not_started("quit before the run started")
             self.state = (snap.StageState.DONE if state in (snap.RunState.DONE, snap.RunState.LIMITED)
                           else snap.StageState.STOPPED)
-            held = self._engine.ledger.held_outcome
+            held = self._engine.book.held_outcome
             if (state in INCOMPLETE or held.spooled or held.spooled_failures) and self._code == EXIT_COMPLETE:
                 # Prompts are left, or records wait in a spool for the next run: the shell can tell it apart.
                 self._code = EXIT_INCOMPLETE

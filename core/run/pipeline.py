@@ -152,17 +152,17 @@ class Pipeline:
                                    provider_stats=self.engine.provider_stats.stats(),
                                    started_at=self.timeline.started_at,
                                    first_started_at=self.timeline.first_started_at,
-                                   held_answers=self.engine.ledger.held_answers, held=self.held_line())
+                                   held_answers=self.engine.book.held_answers, held=self.held_line())
 
     def held_line(self) -> str:
         """What became of the answers the disk refused this run (and those an earlier run spooled)."""
-        return self.engine.ledger.held_outcome.line()
+        return self.engine.book.held_outcome.line()
 
     def _totals(self) -> Totals:
         """This process's running totals for the history (core/live/timeline.py)."""
         e = self.engine
         errors = error_count(e.errors.items())
-        return Totals(answers=e.ledger.rates.answers, tokens=e.ledger.rates.tokens, usd=e.money.spent_run,
+        return Totals(answers=e.book.rates.answers, tokens=e.book.rates.tokens, usd=e.money.spent_run,
                       errors=errors, in_flight=e.in_flight)
 
     def publish(self) -> None:

@@ -29,7 +29,7 @@ from draftgen.core.units import usd
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.dataset_run import DatasetRun
-    from draftgen.core.generate.loop.ledger import Ledger
+    from draftgen.core.generate.loop.record_book import RecordBook
     from draftgen.core.generate.loop.run_state import RunControl
 
 ADMIT_BURST = 64  # admissions between yields to the event loop (2,000 at once would stall it)
@@ -94,17 +94,17 @@ class AdaptiveConcurrency:
 class Admission:
     """Admits the prompts of every dataset and keeps track of the requests it started."""
 
-    def __init__(self, datasets: dict[str, DatasetRun], money: MoneyBudget, gate: RunControl, ledger: Ledger,
+    def __init__(self, datasets: dict[str, DatasetRun], money: MoneyBudget, gate: RunControl, book: RecordBook,
                  request: Callable[[DatasetRun, Prompt, Ticket, dict[str, Any]], Coroutine[Any, Any, None]],
                  on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int] = lambda: 0,
                  *, body: BodyFor, prices: dict[str, Prices | None],
                  duplicates: CrossDatasetDuplicates | None) -> None:
         self._datasets = datasets
-        self._room = Room(money, gate, ledger, in_flight=lambda: self.in_flight, on_event=on_event,
+        self._room = Room(money, gate, book, in_flight=lambda: self.in_flight, on_event=on_event,
                           on_floor=on_floor, settling=settling, body=body, prices=prices)
         self._money = money
         self._gate = gate
-        self._ledger = ledger
+        self._book = book
         self._request = request
         self._event = on_event
         self.tasks: set[asyncio.Task[None]] = set()
@@ -125,16 +125,16 @@ class Admission:
         if self._gate.closed:
             return
         if not ds.scanned:
-            await asyncio.to_thread(self._ledger.scan_prompts, ds)
+            await asyncio.to_thread(self._book.scan_prompts, ds)
         ds.status = DatasetStatus.RUNNING
         if ds.rejected:
             self._event(Level.WARN, EventKind.REJECTED, f"{name}: {ds.rejected} prompt lines rejected "
-                        f"(see {self._ledger.rundir.rejected(name)})", dataset=name)
+                        f"(see {self._book.rundir.rejected(name)})", dataset=name)
         self._event(Level.INFO, EventKind.DATASET_START, f"{name}: {ds.total} prompts, {ds.done} already answered, "
                     f"{ds.failed} already failed; concurrency {ds.config.concurrency}", dataset=name)
         budget_reason = ""
         admitted = 0
-        async for prompt in self._with_requeue(ds, self._ledger.prompts(ds)):
+        async for prompt in self._with_requeue(ds, self._book.prompts(ds)):
             if budget_reason:
                 ds.skipped_some()
                 continue
@@ -181,7 +181,7 @@ class Admission:
             if not ds.in_flight:
                 break
             await ds.wake.wait()
-        if not self._gate.closed and not budget_reason and self._ledger.settle_doubts(ds):
+        if not self._gate.closed and not budget_reason and self._book.settle_doubts(ds):
             self._event(Level.ERROR, EventKind.DATASET_STOPPED, f"{name}: {ds.message}", dataset=name)
         if ds.stopped:
             ds.status = DatasetStatus.STOPPED

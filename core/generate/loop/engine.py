@@ -10,7 +10,7 @@ is done by its parts, each in its own module:
     duplicates.py  a prompt another dataset of the run directory answered is not sent again
     attempts.py    one prompt asked until it has an outcome: backoff, retries, outages
     doubts.py      prompts set aside by a 4xx naming no known cause, until it is known whose it is
-    ledger.py      resume from disk, the record writer, the disk-full hold-back (spool_import.py:
+    record_book.py resume from disk, the record writer, the disk-full hold-back (spool_import.py:
                    what earlier runs spooled)
     spend.py       the money: every attempt on spend.jsonl, the sums behind the max_usd ceiling
                    (spend_file.py: the file, locked to one writer);
@@ -31,9 +31,9 @@ the run, which ends with `key_refused` set; the others hold the run and re-read 
 (GET /key, GET /credits) every `api.credits_interval_s`, resuming when it shows room again; `r` or
 SIGUSR1 resumes at once.
 
-Answers the disk refused are held in memory (ledger.py) and never dropped: a drain waits for the disk,
+Answers the disk refused are held in memory (record_book.py) and never dropped: a drain waits for the disk,
 retrying the write every HELD_RETRY_S (r / SIGUSR1 retry at once); stop now, or `spool_held()`, ends
-the wait and the ledger spools them to a fallback place (spool.py) that the next run imports.
+the wait and the record book spools them to a fallback place (spool.py) that the next run imports.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from draftgen.core.generate.api.limits import ensure_open_files, tune_gc
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.admission import AdaptiveConcurrency
 from draftgen.core.generate.loop.dataset_run import DatasetRun
-from draftgen.core.generate.loop.ledger import Ledger
 from draftgen.core.generate.loop.opening import open_datasets, open_money, write_run_json
 from draftgen.core.generate.loop.projection import project
+from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.run_loop import Opened, Parts, RunLoop
 from draftgen.core.generate.loop.run_state import Hold, PausedBy, RunControl
 from draftgen.core.generate.loop.stats import Tally
@@ -91,7 +91,7 @@ class Engine:
         self.control = RunControl(self._event)  # the run's state, holds and gate: changed only through it
         self.ended = ""  # how the run ended, with counts (final states only)
         self._started = clock()
-        self.ledger = Ledger(self.rundir, self.datasets, self.money, self.errors, self._redact,
+        self.book = RecordBook(self.rundir, self.datasets, self.money, self.errors, self._redact,
                              on_event=self._event, on_hold=self.control.hold, on_answer=on_answer, clock=clock)
         self._rng = random.Random(seed)
         self._opened: Opened | None = None  # what the run opened (the client, the money, the duplicates)
@@ -150,7 +150,7 @@ class Engine:
         self._held_wake.set()  # a drain waiting for the disk retries at once
         if self.state != RunState.PAUSED:
             return
-        if self.ledger.holding and not self.ledger.flush_held():
+        if self.book.holding and not self.book.flush_held():
             return
         if self._loop is not None and self._loop.watch.balance_bound:
             # The balance we hold is from before the top-up: read it again before admitting.
@@ -216,12 +216,12 @@ class Engine:
         self._started = self._clock()
         try:  # from here what was opened (the ledger and its lock, the settler, the client) is closed
             # Answers an earlier run spooled are imported (as each dataset opens) before anything is sent.
-            await asyncio.to_thread(self.ledger.load_spools)
-            duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.ledger, self.spend, money.prices,
+            await asyncio.to_thread(self.book.load_spools)
+            duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.book, self.spend, money.prices,
                                              self._event)
-            self.ledger.finish_import()
+            self.book.finish_import()
             self._opened = Opened(client, money, duplicates)
-            self._loop = RunLoop(Parts(cfg, self.datasets, self.money, self.spend, self.control, self.ledger,
+            self._loop = RunLoop(Parts(cfg, self.datasets, self.money, self.spend, self.control, self.book,
                                        self.errors, self.recent, self.provider_stats, self._redact, self._event,
                                        self._clock), self._opened, self._rng, drain=self.drain,
                                  resume=self._set_running)
@@ -238,8 +238,8 @@ class Engine:
                     if own_client:
                         await client.close()
                 finally:  # held records written, spooled or said lost, even when the run is cancelled
-                    self.ledger.settle_held()
-                    self.ledger.close()
+                    self.book.settle_held()
+                    self.book.close()
             finally:
                 self.spend.close()  # and its lock: another run or smoke test may open it
         # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
@@ -257,15 +257,15 @@ class Engine:
         """The run is over but answers are held in memory: retry writing them every HELD_RETRY_S until
         the disk takes them, stop now or `spool_held()` (then settle_held spools them)."""
         said = False
-        while self.ledger.holding and not (self._spool_now or self.control.stopping):
-            if self.ledger.flush_held():
+        while self.book.holding and not (self._spool_now or self.control.stopping):
+            if self.book.flush_held():
                 self._event(snap.Level.INFO, snap.EventKind.HELD_WRITTEN,
                             "the disk took the held records: every answer is on disk")
                 return
             if not said:
                 said = True
                 self._event(snap.Level.WARN, snap.EventKind.HELD_WAIT,
-                            f"{self.ledger.held_answers} paid answer(s) are held in memory, not "
+                            f"{self.book.held_answers} paid answer(s) are held in memory, not "
                             f"on disk: the run waits for the disk, retrying every {HELD_RETRY_S:g} s (free space; r "
                             "or SIGUSR1 retries now); quit again (a second SIGINT) to spool them to a fallback file")
             self._held_wake.clear()
@@ -283,8 +283,8 @@ class Engine:
 
     def waiting(self) -> str:
         """Why the run is making no progress right now, in a sentence (empty while it is)."""
-        if self.ledger.holding and self.control.draining and not self.in_flight:
-            return (f"{self.ledger.held_answers} paid answer(s) held in memory, not on disk: waiting for the disk "
+        if self.book.holding and self.control.draining and not self.in_flight:
+            return (f"{self.book.held_answers} paid answer(s) held in memory, not on disk: waiting for the disk "
                     f"(retried every {HELD_RETRY_S:g} s; r or kill -USR1 retries now; a second SIGINT spools them)")
         if self.state == RunState.PAUSED:
             if self.alert:
@@ -303,6 +303,6 @@ class Engine:
         return project(run_name=self.rundir.root.name, model=self.config.api.model, state=self.state,
                        alert=self.alert, waiting=self.waiting(), paused_by=self.control.view().paused_by,
                        elapsed_s=self._clock() - self._started, seq=self._seq,
-                       datasets=self.datasets.values(), ledger=self.ledger, retries=self.retries,
+                       datasets=self.datasets.values(), book=self.book, retries=self.retries,
                        money=self.money, prices=self.prices, parallel=self.config.engine.parallel,
                        smoke=self._opened.money.smoke if self._opened is not None else None)

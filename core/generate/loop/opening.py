@@ -32,7 +32,7 @@ from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.api.prices import Prices, fetch_prices, require_prices
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
-from draftgen.core.generate.loop.ledger import Ledger
+from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.smoke_record import load_smoke_answer, load_smoke_answered
 from draftgen.core.generate.money.forecast import SmokeFigures
 from draftgen.core.generate.money.settle import Settler
@@ -150,13 +150,13 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
     return Money(prices, smoke, settler)
 
 
-async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, DatasetRun], ledger: Ledger,
+async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, DatasetRun], book: RecordBook,
                         spend: SpendLedger, prices: Mapping[str, Prices | None] | None = None,
                         event: EventSink | None = None) -> CrossDatasetDuplicates | None:
     """Returns the duplicates check, or None when there is nothing to compare."""
     # Spend and answers already on disk count against the budgets from the start.
     for ds in datasets.values():
-        await asyncio.to_thread(ledger.open, ds)
+        await asyncio.to_thread(book.open, ds)
     # A smoke test answered with a dataset's request shape shows its parameters work (doubts.py).
     smoke_answered = await asyncio.to_thread(load_smoke_answered, rundir, config.run_fingerprint())
     for name, ds in datasets.items():
@@ -180,7 +180,7 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
     # A file that cannot be read fails when its dataset starts, as before.
     for ds in datasets.values():
         with contextlib.suppress(DraftgenError):
-            await asyncio.to_thread(ledger.scan_prompts, ds)
+            await asyncio.to_thread(book.scan_prompts, ds)
     if not config.engine.skip_cross_dataset_duplicates:
         return None
     duplicates = CrossDatasetDuplicates()

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.dataset_run import DatasetRun
-from draftgen.core.generate.loop.ledger import Ledger
+from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.generate.money.forecast import DatasetFigures, SmokeFigures, forecast
 from draftgen.core.generate.money.spend import SpendLedger
@@ -55,9 +55,9 @@ def figures(ds: DatasetRun, spend: SpendLedger, prices: Prices | None) -> Datase
 
 def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: str = "", paused_by: str | None = None,
             elapsed_s: float, seq: int,
-            datasets: Iterable[DatasetRun], ledger: Ledger, retries: int, money: MoneyBudget,
+            datasets: Iterable[DatasetRun], book: RecordBook, retries: int, money: MoneyBudget,
             prices: Mapping[str, Prices | None], parallel: bool, smoke: SmokeFigures | None = None) -> snap.RunSnapshot:
-    rates, spend = ledger.rates, money.spend
+    rates, spend = book.rates, money.spend
     all_ds = list(datasets)
     win_req, win_tok, win_avg = rates.window()
     tot_req, tot_tok, tot_avg = rates.total()
@@ -97,6 +97,6 @@ def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: 
         projected_capped=plan.capped)
     return snap.RunSnapshot(
         run_name=run_name, model=model, state=state, elapsed_s=elapsed_s, seq=seq, datasets=tuple(shots),
-        throughput=throughput, errors=ledger.errors.items(), retries=retries,
-        providers=ledger.providers.items(), credits=credits, alert=alert, waiting=waiting,
+        throughput=throughput, errors=book.errors.items(), retries=retries,
+        providers=book.providers.items(), credits=credits, alert=alert, waiting=waiting,
         paused_by=str(paused_by or ""))

@@ -24,7 +24,7 @@ from draftgen.core.live.snapshot import EventKind, EventSink, Level
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.dataset_run import DatasetRun
-    from draftgen.core.generate.loop.ledger import Ledger
+    from draftgen.core.generate.loop.record_book import RecordBook
     from draftgen.core.generate.loop.run_state import RunControl
 
 BodyFor = Callable[[DatasetConfig, list[dict[str, Any]]], dict[str, Any]]
@@ -51,12 +51,12 @@ HALT = Decision(Verdict.HALT)
 class Room:
     """Whether one more request (or retry) of a dataset may go out now, and what max_usd left unasked."""
 
-    def __init__(self, money: MoneyBudget, gate: RunControl, ledger: Ledger, *, in_flight: Callable[[], int],
+    def __init__(self, money: MoneyBudget, gate: RunControl, book: RecordBook, *, in_flight: Callable[[], int],
                  on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int],
                  body: BodyFor, prices: dict[str, Prices | None]) -> None:
         self._money = money
         self._gate = gate
-        self._ledger = ledger
+        self._book = book
         self._in_flight = in_flight  # requests in flight over every dataset
         self._event = on_event
         self._on_floor = on_floor  # the balance reached credit_floor_usd: the engine holds the run
@@ -108,7 +108,7 @@ class Room:
                 continue
             if ds.doubts.held:  # set aside by a 4xx naming no cause (doubts.py): one probe at a time
                 if ds.doubts.given_up:
-                    if self._ledger.stop_doubted(ds):
+                    if self._book.stop_doubted(ds):
                         self._event(Level.ERROR, EventKind.DATASET_STOPPED, f"{ds.config.name}: {ds.message}",
                                     dataset=ds.config.name)
                     return HALT

@@ -4,7 +4,7 @@
 datasets (what is on disk, the cross-dataset duplicates); only then is a `RunLoop` built, whole:
 admission, attempts and the account watch get the client, prices, settler and duplicates in their
 constructors, so none of them is half-built while the run goes. The loop also books each request's
-outcome (`request`): an answer or failure through the ledger, a prompt handed back to its dataset,
+outcome (`request`): an answer or failure through the record book, a prompt handed back to its dataset,
 an account condition to the watch, a dataset stopped.
 """
 
@@ -23,9 +23,9 @@ from draftgen.core.generate.loop.admission import Admission
 from draftgen.core.generate.loop.attempts import Attempts, Outcome
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
-from draftgen.core.generate.loop.ledger import Ledger
 from draftgen.core.generate.loop.opening import Money
 from draftgen.core.generate.loop.prompts import Prompt
+from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.run_state import Hold, RunControl
 from draftgen.core.generate.loop.stats import Tally
 from draftgen.core.generate.loop.watch import AccountWatch
@@ -52,7 +52,7 @@ class Parts:
     money: MoneyBudget
     spend: SpendLedger
     control: RunControl
-    ledger: Ledger
+    book: RecordBook
     errors: Tally
     recent: RecentErrors
     provider_stats: ProviderStats
@@ -71,7 +71,7 @@ class RunLoop:
         self._resume = resume  # the engine's resume (an account condition cleared)
         settler = opened.money.settler
         cfg = parts.config
-        self.admission = Admission(parts.datasets, parts.money, parts.control, parts.ledger, self.request, parts.event,
+        self.admission = Admission(parts.datasets, parts.money, parts.control, parts.book, self.request, parts.event,
                                    on_floor=lambda reason: self.watch.floor_reached(reason),
                                    settling=lambda: settler.waiting, body=cfg.request_body,
                                    prices=opened.money.prices, duplicates=opened.duplicates)
@@ -105,14 +105,14 @@ class RunLoop:
             assert done.answer is not None
             p.provider_stats.answer(done.answer.provider or "unknown", done.answer.latency_s,
                                     done.answer.usage.completion_tokens)
-            p.ledger.record_answer(ds, prompt, done.answer, done.attempts, done.seq)
+            p.book.record_answer(ds, prompt, done.answer, done.attempts, done.seq)
             if self.admission.duplicates is not None:
                 self.admission.duplicates.answered(ds.config.name, prompt.id)
-            await p.ledger.synced(ds)  # durable (group fsync) before the request finishes
+            await p.book.synced(ds)  # durable (group fsync) before the request finishes
         elif done.outcome is Outcome.FAILED:
             assert done.error is not None
-            p.ledger.fail_or_doubt(ds, prompt, done.error, done.attempts, done.seq)
-            await p.ledger.synced(ds)
+            p.book.fail_or_doubt(ds, prompt, done.error, done.attempts, done.seq)
+            await p.book.synced(ds)
         elif done.outcome is Outcome.ACCOUNT:
             assert done.error is not None
             ds.requeued(prompt)
@@ -138,6 +138,6 @@ class RunLoop:
         self._drain()
 
     def _account_cleared(self) -> None:
-        if self._p.ledger.holding and not self._p.ledger.flush_held():
+        if self._p.book.holding and not self._p.book.flush_held():
             return
         self._resume()

@@ -66,7 +66,7 @@ class SpoolImport:
         on_disk = {str(raw.get("id")) for path in (self.rundir.responses(ds.config.name),
                                                    self.rundir.failures(ds.config.name))
                    for _, raw in iter_jsonl(path)}
-        assert ds.responses is not None and ds.failures is not None  # opened by Ledger.open just before
+        assert ds.responses is not None and ds.failures is not None  # opened by RecordBook.open just before
         for spool, r in mine:
             rid = str(r.record.get("id"))
             if rid in on_disk:

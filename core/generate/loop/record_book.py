@@ -1,4 +1,4 @@
-"""The ledger: what each dataset has on disk, what it cost, and the writer of its records.
+"""The record book: what each dataset has on disk, what it cost, and the writer of its records.
 
 On start (and on resume after a crash) a dataset's responses.jsonl and failures.jsonl are opened
 (a torn last line cut) and counted: every id on disk is done, and the spend and tokens of the
@@ -51,7 +51,7 @@ class _Held:
     answer: bool               # a responses.jsonl line (else failures.jsonl)
 
 
-class Ledger:
+class RecordBook:
     def __init__(self, rundir: RunDir, datasets: dict[str, DatasetRun], money: MoneyBudget, errors: Tally,
                  redact: Redactor, *, on_event: Callable[[str, str, str], None],
                  on_hold: Callable[[Hold, str], None], on_answer: Callable[[str, dict[str, Any]], None] | None,
