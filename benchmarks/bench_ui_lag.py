@@ -109,7 +109,8 @@ def main() -> None:
     p.add_argument("--config")
     args = p.parse_args()
     if args.child:
-        print(json.dumps(asyncio.run(measure(args.child, Path(args.config)))))
+        from draftgen.core import runtime  # the loop `draftgen run` runs on
+        print(json.dumps(runtime.run(measure(args.child, Path(args.config)))))
         return
     os.environ["BENCH_KEY"] = KEY
     port = free_port()
@@ -141,7 +142,9 @@ def main() -> None:
             ratio = rows[mode]["req_s"] / rows["headless"]["req_s"]
             print(f"tui {mode}: req/s / headless {ratio:.2f} (target >= 0.90); lag p99 {rows[mode]['p99']:.1f} ms "
                   f"(target <= 50 ms)")
-    print(f"load average {os.getloadavg()[0]:.1f}; simulator peak in flight {sim_peak}")
+    from draftgen.core import runtime
+    print(f"load average {os.getloadavg()[0]:.1f}; simulator peak in flight {sim_peak}; "
+          f"event loop {runtime.loop_name()}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.loop.run_state import Hold, PausedBy, RunControl
 from draftgen.core.generate.money.budget import TokenBudget
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.snapshot import EventKind, RunState
+from draftgen.core.live.snapshot import DatasetStatus, EventKind, RunState
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 
@@ -158,3 +158,23 @@ async def test_a_real_run_ends_with_nothing_left_and_outcomes_of_an_edited_file_
     assert (row.total, row.done, row.failed, row.skipped) == (12, 13, 0, 0)
     # `left` (the file's prompts with no outcome yet) is the engine's own count: no snapshot field carries it.
     assert engine.datasets["a"].left == 0
+
+
+def test_a_datasets_state_changes_only_through_its_methods(tmp_path) -> None:
+    """Status, message, requests in flight, parked and sent are read-only: admission, room and
+    attempts change them through a method, so one place says what each change means."""
+    ds = dataset(tmp_path)
+    for name in ("status", "message", "in_flight", "parked", "sent"):
+        with pytest.raises(AttributeError):
+            setattr(ds, name, getattr(ds, name))
+    ds.running()
+    ds.request_started()
+    ds.request_started()
+    ds.park()
+    assert (ds.status, ds.in_flight, ds.parked, ds.note_sent(), ds.note_sent()) == (DatasetStatus.RUNNING, 2, 1, 1, 2)
+    ds.unpark()
+    ds.request_ended()
+    ds.end(DatasetStatus.BUDGET, "token_budget reached")
+    ds.end(DatasetStatus.BUDGET)  # None keeps the message a stop or a budget gave
+    assert (ds.status, ds.message, ds.in_flight, ds.parked, ds.sent) == (DatasetStatus.BUDGET, "token_budget reached",
+                                                                         1, 0, 2)

@@ -126,7 +126,7 @@ class Admission:
             return
         if not ds.scanned:
             await asyncio.to_thread(self._book.scan_prompts, ds)
-        ds.status = DatasetStatus.RUNNING
+        ds.running()
         if ds.rejected:
             self._event(Level.WARN, EventKind.REJECTED, f"{name}: {ds.rejected} prompt lines rejected "
                         f"(see {self._book.rundir.rejected(name)})", dataset=name)
@@ -157,8 +157,7 @@ class Admission:
                 ds.skipped_some()
                 if decision.money:
                     self._room.stop_for_money(name)
-                ds.status = DatasetStatus.BUDGET
-                ds.message = budget_reason
+                ds.end(DatasetStatus.BUDGET, budget_reason)
                 self._event(Level.WARN, EventKind.BUDGET, f"{name}: {budget_reason}; the rest is skipped "
                             "(stays eligible for a later run)", dataset=name)
         while ds.in_flight or ds.requeue:
@@ -184,18 +183,16 @@ class Admission:
         if not self._gate.closed and not budget_reason and self._book.settle_doubts(ds):
             self._event(Level.ERROR, EventKind.DATASET_STOPPED, f"{name}: {ds.message}", dataset=name)
         if ds.stopped:
-            ds.status = DatasetStatus.STOPPED
+            ds.end(DatasetStatus.STOPPED)
         elif budget_reason:
-            ds.status = DatasetStatus.BUDGET
+            ds.end(DatasetStatus.BUDGET)
         elif self._gate.closed:
-            ds.status = DatasetStatus.STOPPED
-            ds.message = ds.message or "stopped before the end; the next run resumes"
+            ds.end(DatasetStatus.STOPPED, ds.message or "stopped before the end; the next run resumes")
         elif self.money_skipped.get(name):
-            ds.status = DatasetStatus.BUDGET
-            ds.message = (f"max_usd: {self.money_skipped[name]} prompts skipped, their worst case above what "
-                          "max_usd leaves (they stay eligible for a later run)")
+            ds.end(DatasetStatus.BUDGET, f"max_usd: {self.money_skipped[name]} prompts skipped, their worst case "
+                   "above what max_usd leaves (they stay eligible for a later run)")
         else:
-            ds.status = DatasetStatus.DONE
+            ds.end(DatasetStatus.DONE)
         duplicates = self.duplicates.skipped.get(name, 0) if self.duplicates is not None else 0
         costly = self.money_skipped.get(name, 0)
         self._event(Level.INFO, EventKind.DATASET_DONE, f"{name}: {ds.status}: {ds.done}/{ds.total} answered, "
@@ -277,7 +274,7 @@ class Admission:
         if probe:
             ds.doubts.probe_out = True
         ticket = self._money.spend.reserve(ds.config.name, prompt.id, worst)
-        ds.in_flight += 1
+        ds.request_started()
         ds.tokens.in_flight += expected_tokens
         task = asyncio.create_task(self._request(ds, prompt, ticket, body))
         self.tasks.add(task)
@@ -285,7 +282,7 @@ class Admission:
         # A done-callback, not a `finally`: a task cancelled before its first step never runs its body.
         def finished(t: asyncio.Task[None]) -> None:
             self.tasks.discard(t)
-            ds.in_flight -= 1
+            ds.request_ended()
             ds.tokens.in_flight -= expected_tokens
             self._money.spend.release(ticket)  # cancelled before it was sent: nothing to settle
             if probe:

@@ -122,8 +122,7 @@ class Attempts:
                 spend.release(ticket)
                 return Attempted(Outcome.UNSENT, tries, disk_error=e)
             tries += 1
-            ds.sent += 1
-            seq = ds.sent
+            seq = ds.note_sent()
             t = ticket
             try:
                 answer = await self.client.chat(body, lambda gen_id, t=t: spend.generation(t, gen_id))

@@ -35,18 +35,18 @@ class DatasetRun:
     config: DatasetConfig
     tokens: TokenBudget
     concurrency: AdaptiveConcurrency
-    status: DatasetStatus = DatasetStatus.PENDING
-    in_flight: int = 0
-    parked: int = 0            # of those, retries waiting for a slot under a lowered limit
-    message: str = ""
     done_ids: set[str] = field(default_factory=set)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     stopped: bool = False      # 404 "no endpoints": admit nothing more
     responses: JsonlAppender | None = None
     failures: JsonlAppender | None = None
-    sent: int = 0              # requests sent this run (attempts.py numbers each one)
     doubts: Doubts = field(default_factory=Doubts)  # set aside by a 4xx naming no known cause (doubts.py)
-    # The counts: read through the properties below, changed through the methods.
+    # The state and the counts: read through the properties below, changed through the methods.
+    _status: DatasetStatus = field(default=DatasetStatus.PENDING, init=False)
+    _message: str = field(default="", init=False)
+    _in_flight: int = field(default=0, init=False)
+    _parked: int = field(default=0, init=False)   # of those, retries waiting for a slot under a lowered limit
+    _sent: int = field(default=0, init=False)     # requests sent this run (attempts.py numbers each one)
     _total: int = field(default=0, init=False)
     _done: int = field(default=0, init=False)
     _failed: int = field(default=0, init=False)
@@ -59,6 +59,57 @@ class DatasetRun:
     _answered_now: int = field(default=0, init=False)
     _scanned: bool = field(default=False, init=False)
     _requeue: list[Prompt] = field(default_factory=list, init=False)
+
+    # -- the state ------------------------------------------------------------------------------
+
+    @property
+    def status(self) -> DatasetStatus:
+        return self._status
+
+    @property
+    def message(self) -> str:
+        """Why the dataset stopped or ended early (empty while it runs)."""
+        return self._message
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def parked(self) -> int:
+        return self._parked
+
+    @property
+    def sent(self) -> int:
+        return self._sent
+
+    def running(self) -> None:
+        self._status = DatasetStatus.RUNNING
+
+    def end(self, status: DatasetStatus, why: str | None = None) -> None:
+        """The dataset's status from now on (BUDGET as soon as a budget skips its rest); `why` replaces
+        the message, None keeps the one a stop already gave."""
+        self._status = status
+        if why is not None:
+            self._message = why
+
+    def request_started(self) -> None:
+        self._in_flight += 1
+
+    def request_ended(self) -> None:
+        self._in_flight -= 1
+
+    def park(self) -> None:
+        """A retry waits for a slot under a lowered limit (it stays in flight)."""
+        self._parked += 1
+
+    def unpark(self) -> None:
+        self._parked -= 1
+
+    def note_sent(self) -> int:
+        """One more request sent this run; returns its number (what doubts.py compares)."""
+        self._sent += 1
+        return self._sent
 
     # -- the counts -----------------------------------------------------------------------------
 
@@ -198,6 +249,6 @@ class DatasetRun:
                     "likely this dataset's request parameters ([request], the dataset's settings): fix them; if "
                     "they are right, run `draftgen smoke` (an answer there shows they work, and the next run "
                     "fails these prompts as their own)")
-        self.message = f"stopped: {why}; {todo}, then run again (its prompts stay eligible)"
+        self._message = f"stopped: {why}; {todo}, then run again (its prompts stay eligible)"
         self.wake.set()
         return True

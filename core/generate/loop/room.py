@@ -186,10 +186,10 @@ class Room:
         this only new admissions stopped, and every request already in flight kept retrying."""
         if ds.in_flight - ds.parked <= ds.concurrency.limit:
             return
-        ds.parked += 1
+        ds.park()
         try:
             while ds.in_flight - ds.parked >= ds.concurrency.limit:
                 ds.wake.clear()
                 await ds.wake.wait()  # set when a request ends and when the limit grows
         finally:
-            ds.parked -= 1
+            ds.unpark()
