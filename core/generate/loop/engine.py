@@ -92,7 +92,7 @@ class Engine:
         self.ended = ""  # how the run ended, with counts (final states only)
         self._started = clock()
         self.book = RecordBook(self.rundir, self.datasets, self.money, self.errors, self._redact,
-                             on_event=self._event, on_hold=self.control.hold, on_answer=on_answer, clock=clock)
+                               on_event=self._event, control=self.control, on_answer=on_answer, clock=clock)
         self._rng = random.Random(seed)
         self._opened: Opened | None = None  # what the run opened (the client, the money, the duplicates)
         self._loop: RunLoop | None = None   # built, whole, once the run has opened what it needs

@@ -29,7 +29,7 @@ from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.api.client import ChatAnswer, RequestFailed
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.prompts import Prompt, Rejection, read_prompts
-from draftgen.core.generate.loop.run_state import Hold
+from draftgen.core.generate.loop.run_state import Hold, RunControl
 from draftgen.core.generate.loop.spool import SpoolRecord, write_spool
 from draftgen.core.generate.loop.spool_import import HeldOutcome, SpoolImport
 from draftgen.core.generate.loop.stats import RateTracker, Tally
@@ -54,7 +54,7 @@ class _Held:
 class RecordBook:
     def __init__(self, rundir: RunDir, datasets: dict[str, DatasetRun], money: MoneyBudget, errors: Tally,
                  redact: Redactor, *, on_event: Callable[[str, str, str], None],
-                 on_hold: Callable[[Hold, str], None], on_answer: Callable[[str, dict[str, Any]], None] | None,
+                 control: RunControl, on_answer: Callable[[str, dict[str, Any]], None] | None,
                  clock: Callable[[], float]) -> None:
         self.rundir = rundir
         self._datasets = datasets
@@ -64,7 +64,7 @@ class RecordBook:
         self.providers = Tally()
         self._redact = redact
         self._event = on_event
-        self._hold = on_hold
+        self._control = control  # the run's owner: a write the disk refuses holds the run through it
         self._on_answer = on_answer
         self._held: list[_Held] = []
         self._disk_error: DiskError | None = None   # why the records are held
@@ -221,7 +221,7 @@ class RecordBook:
         except DiskError as e:
             self._held.append(_Held(ds, appender, line, answer))
             self._disk_error = e
-            self._hold(Hold.DISK, f"{e}. The run is paused with {len(self._held)} record(s) held in memory; "
+            self._control.hold(Hold.DISK, f"{e}. The run is paused with {len(self._held)} record(s) held in memory; "
                        "free space and press r to resume (headless: kill -USR1 <pid>).")
             return False
         return True
@@ -235,7 +235,7 @@ class RecordBook:
                 try:
                     await f.synced()
                 except DiskError as e:
-                    self._hold(Hold.DISK, f"{e}. The run is paused: the last records may not survive an OS "
+                    self._control.hold(Hold.DISK, f"{e}. The run is paused: the last records may not survive an OS "
                                "crash; check the disk and press r to resume (headless: kill -USR1 <pid>).")
 
     def flush_held(self) -> bool:
@@ -246,7 +246,7 @@ class RecordBook:
                 item.appender.append(item.line)
             except DiskError as e:
                 self._disk_error = e
-                self._hold(Hold.DISK, f"{e}. Still paused: {len(self._held)} record(s) held in memory.")
+                self._control.hold(Hold.DISK, f"{e}. Still paused: {len(self._held)} record(s) held in memory.")
                 return False
             self._held.pop(0)
             if item.answer:
