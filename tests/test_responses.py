@@ -18,12 +18,13 @@ import pytest
 
 from draftgen.core.config import Config
 from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError, KeyRefusedError
-from draftgen.core.generate.api.classify import Whose
+from draftgen.core.generate.api.classify import RequestFailed, Whose
 from draftgen.core.generate.commands.retry_failed import history_path, retry_failed
 from draftgen.core.generate.commands.smoke import run_smoke
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.summary import EXIT_INCOMPLETE
+from draftgen.core.records import ErrorKind
 from draftgen.core.rundir import RunDir
 from draftgen.headless.printer import run_headless
 from draftgen.simulator import SimConfig, SimServer
@@ -137,6 +138,38 @@ async def test_transient_rows_fail_nothing_and_never_pause(tmp_path: Path, name:
         assert run.lowest_limit < 6, "a 429 or a full in-flight budget lowers the effective concurrency (AIMD)"
     assert failures(config, "a") == failures(config, "b") == []
     answered_once(config)
+
+
+@pytest.mark.parametrize("name", ["no_provider_503", "provider_502", "request_timeout"])
+async def test_an_outage_coded_error_chunk_spends_no_attempt_while_the_others_are_answered(
+        tmp_path: Path, name: str) -> None:
+    """An error chunk mid-stream carries the status it stands for in `error.code` (503 no provider,
+    502, 408): the service's outage, as that HTTP status is. One prompt meets it on every try for
+    1.5 s while every other prompt is answered: it spends no attempt and is answered once it clears.
+    (Before, the others' answers made its third error chunk its own fault: failed after 3 attempts;
+    under load the 0.6 s scenario window above did that to whichever prompt it caught.)"""
+    async with SimServer(sim_config(), port=0) as sim:
+        config = config_for(tmp_path, sim, True)
+        sim.scenario(name, True, duration=1.5, match="Question a-7:", midstream=True)
+        run = Watch(config)
+        state = await run.result()
+        hits = sim.stats.scenarios.get(name, 0)
+    assert state == snap.RunState.DONE
+    assert hits > 3, f"{name} met {hits} times: fewer than max_attempts (3) + 1, the case is not shown"
+    assert failures(config, "a") == failures(config, "b") == []
+    answered_once(config)
+
+
+def test_an_error_in_a_200_is_an_outage_by_its_code_only() -> None:
+    """`error.code` as OpenRouter sends it (a number, the status it stands for); a word or nothing
+    leaves it an answer fault (counted against max_attempts while others are answered)."""
+    def failed(code: object) -> RequestFailed:
+        return RequestFailed(ErrorKind.ERROR_IN_200, "error chunk mid-stream", code=code)
+    assert failed(503).outage and failed("502").outage and failed(408).outage
+    assert failed(429).outage and failed(429).slow_down  # a rate limit met mid-stream lowers the limit too
+    assert not failed("server_error").outage and not failed(None).outage and not failed(True).outage
+    assert not failed(400).outage and not failed(503).slow_down
+    assert not RequestFailed(ErrorKind.BAD_BODY, "cut", code=503).outage  # only errors inside a 200 carry one
 
 
 # -- the prompt's own: that prompt fails, with its reason; nothing else does ---------------------

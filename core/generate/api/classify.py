@@ -98,6 +98,8 @@ ANSWER_KINDS = frozenset({ErrorKind.TIMEOUT, ErrorKind.BAD_BODY, ErrorKind.ERROR
 UNRECOGNIZED_4XX = frozenset({ErrorKind.BAD_REQUEST, ErrorKind.OTHER_4XX})
 # Kinds that cut the adaptive concurrency (AIMD) like a 429.
 SLOW_DOWN_KINDS = frozenset({ErrorKind.RATE_LIMITED, ErrorKind.IN_FLIGHT_BUDGET})
+# Errors that come inside an HTTP 200: their `error.code` says which status they stand for.
+IN_200_KINDS = frozenset({ErrorKind.ERROR_IN_200, ErrorKind.FINISH_ERROR})
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ class RequestFailed(Exception):
 
     def __init__(self, kind: ErrorKind, message: str, *, status: int | None = None, retry_after: float | None = None,
                  unreachable: bool = False, account: AccountCondition | None = None,
-                 metadata: dict[str, Any] | None = None):
+                 metadata: dict[str, Any] | None = None, code: Any = None):
         super().__init__(message)
         self.kind = kind
         self.status = status
@@ -130,10 +132,26 @@ class RequestFailed(Exception):
         self.unreachable = unreachable
         self.account = account          # for Whose.ACCOUNT: which condition
         self.metadata = metadata or {}  # error.metadata as sent (limit_usd, spend_usd, resets_at, ...)
+        # An error inside a 200 (a body's `error`, a stream's error chunk) carries the status it stands
+        # for in `error.code` (OpenRouter: "the same status code as error.code"): 503, 429, ...
+        self.code = code if isinstance(code, int) and not isinstance(code, bool) else (
+            int(code) if isinstance(code, str) and code.isdigit() else None)
 
     @property
     def whose(self) -> Whose:
         return WHOSE.get(self.kind, Whose.PROMPT)
+
+    @property
+    def outage(self) -> bool:
+        """An error inside a 200 whose own code is one the service answers an outage with (408, 429,
+        5xx): the service's trouble, as that HTTP status would be, so it spends no attempt."""
+        return self.kind in IN_200_KINDS and self.code is not None and (self.code in (408, 429)
+                                                                        or 500 <= self.code < 600)
+
+    @property
+    def slow_down(self) -> bool:
+        """A 429 or a full in-flight budget, or a rate limit met mid-stream (an error chunk coded 429)."""
+        return self.kind in SLOW_DOWN_KINDS or (self.kind in IN_200_KINDS and self.code == 429)
 
     @property
     def provider(self) -> str:

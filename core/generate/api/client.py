@@ -82,6 +82,11 @@ def _failure_meta(err: Any, provider: Any) -> dict[str, Any]:
     return meta
 
 
+def _error_code(err: Any) -> Any:
+    """The `code` of an error inside a 200 (RequestFailed keeps it when it is a status)."""
+    return err.get("code") if isinstance(err, dict) else None
+
+
 def _has_cost(raw: Any) -> bool:
     cost = raw.get("cost") if isinstance(raw, dict) else None
     return isinstance(cost, (int, float)) and not isinstance(cost, bool)
@@ -125,14 +130,15 @@ def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
         raise RequestFailed(ErrorKind.BAD_BODY, "response body is not a JSON object")
     if obj.get("error"):
         raise RequestFailed(ErrorKind.ERROR_IN_200, f"HTTP 200 with an error: {_error_message(obj['error'])}",
-                            metadata=_failure_meta(obj["error"], obj.get("provider")))
+                            metadata=_failure_meta(obj["error"], obj.get("provider")), code=_error_code(obj["error"]))
     choices = obj.get("choices")
     if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
         raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 with no choices")
     choice = choices[0]
     if choice.get("finish_reason") == "error":
         raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason \"error\" ({choice.get('native_finish_reason')})",
-                            metadata=_failure_meta(choice.get("error"), obj.get("provider")))
+                            metadata=_failure_meta(choice.get("error"), obj.get("provider")),
+                            code=_error_code(choice.get("error")))
     message = choice.get("message") or {}
     if not isinstance(message, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "choices[0].message is not an object")
@@ -180,7 +186,8 @@ class _StreamState:
         get = chunk.get
         if get("error"):
             raise RequestFailed(ErrorKind.ERROR_IN_200, f"error chunk mid-stream: {_error_message(chunk['error'])}",
-                                metadata=_failure_meta(chunk["error"], get("provider") or self.meta.get("provider")))
+                                metadata=_failure_meta(chunk["error"], get("provider") or self.meta.get("provider")),
+                                code=_error_code(chunk["error"]))
         value = get("id")
         if value:
             self.meta["id"] = value

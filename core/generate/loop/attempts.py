@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DiskError
-from draftgen.core.generate.api.classify import ANSWER_KINDS, SLOW_DOWN_KINDS, Whose, unreachable_advice
+from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose, unreachable_advice
 from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFailed
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.run_state import RunControl
@@ -133,7 +133,7 @@ class Attempts:
                     self._recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=prompt_id, attempt=tries,
                                      message=self._redact(e.message), status=e.status,
                                      provider=e.provider)
-                if e.kind in SLOW_DOWN_KINDS:
+                if e.slow_down:
                     ds.concurrency.on_429()
                 elif not e.unreachable:
                     ds.concurrency.on_response()
@@ -146,11 +146,13 @@ class Attempts:
                     return self._failed(ds, prompt_id, tries, e, seq)
                 if e.unreachable:
                     self._note_unreachable(e)
-                if e.kind in ANSWER_KINDS:
+                # An answer fault may be this prompt's; one coded as an outage (a 503 mid-stream) is not.
+                answer_fault = e.kind in ANSWER_KINDS and not e.outage
+                if answer_fault:
                     self.answer_faults += 1
                     own_faults += 1
                 others_faults = self.answer_faults - faults_before - own_faults
-                if e.kind in ANSWER_KINDS and self.answered - answered_before > others_faults:
+                if answer_fault and self.answered - answered_before > others_faults:
                     spent += 1
                     if spent >= eng.max_attempts:
                         return self._failed(ds, prompt_id, tries, e, seq)
