@@ -143,10 +143,11 @@ class RequestFailed(Exception):
 
     @property
     def outage(self) -> bool:
-        """An error inside a 200 whose own code is one the service answers an outage with (408, 429,
-        5xx): the service's trouble, as that HTTP status would be, so it spends no attempt."""
-        return self.kind in IN_200_KINDS and self.code is not None and (self.code in (408, 429)
-                                                                        or 500 <= self.code < 600)
+        """An error inside a 200 coded 503 (no provider meets the routing: all down or full) or 429 (a
+        rate limit met mid-stream): the service's, whatever the prompt, so it spends no attempt. Other
+        codes (500, 502, 408...) stay answer faults: a provider that dies on this very prompt fails it
+        after max_attempts, while the others are answered (a billed stream is not retried forever)."""
+        return self.kind in IN_200_KINDS and self.code in (429, 503)
 
     @property
     def slow_down(self) -> bool:

@@ -110,7 +110,7 @@ SMOKE_TRIES = 8
 
 def _outage(e: RequestFailed) -> bool:
     """A transient error of the service's (not an answer fault, which says something about the request;
-    an error chunk coded 503 or 429 is the service's, as that status is)."""
+    an error chunk coded 503 or 429 is the service's, RequestFailed.outage)."""
     return e.whose is Whose.TRANSIENT and (e.kind not in ANSWER_KINDS or e.outage)
 
 
