@@ -289,7 +289,7 @@ class Engine:
         if self.state == RunState.PAUSED:
             if self.alert:
                 return self.alert
-            if self.control.view().paused_by is PausedBy.SMOKE:
+            if self.control.paused_by is PausedBy.SMOKE:
                 return "paused for the smoke test: the run resumes when it ends"
             return "paused by the user: r resumes (headless: kill -USR1 <pid>)"
         if self.state not in (RunState.RUNNING, RunState.DRAINING):
@@ -301,7 +301,7 @@ class Engine:
     def snapshot(self) -> snap.RunSnapshot:
         self._seq += 1
         return project(run_name=self.rundir.root.name, model=self.config.api.model, state=self.state,
-                       alert=self.alert, waiting=self.waiting(), paused_by=self.control.view().paused_by,
+                       alert=self.alert, waiting=self.waiting(), paused_by=self.control.paused_by,
                        elapsed_s=self._clock() - self._started, seq=self._seq,
                        datasets=self.datasets.values(), book=self.book, retries=self.retries,
                        money=self.money, prices=self.prices, parallel=self.config.engine.parallel,

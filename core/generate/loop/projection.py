@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.record_book import RecordBook
+from draftgen.core.generate.loop.run_state import PausedBy
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.generate.money.forecast import DatasetFigures, SmokeFigures, forecast
 from draftgen.core.generate.money.spend import SpendLedger
@@ -53,8 +54,8 @@ def figures(ds: DatasetRun, spend: SpendLedger, prices: Prices | None) -> Datase
         completion_tokens=ds.tokens.used, cost_usd=spend.by_dataset.get(ds.config.name, ds.cost), prices=prices)
 
 
-def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: str = "", paused_by: str | None = None,
-            elapsed_s: float, seq: int,
+def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: str = "",
+            paused_by: PausedBy | None = None, elapsed_s: float, seq: int,
             datasets: Iterable[DatasetRun], book: RecordBook, retries: int, money: MoneyBudget,
             prices: Mapping[str, Prices | None], parallel: bool, smoke: SmokeFigures | None = None) -> snap.RunSnapshot:
     rates, spend = book.rates, money.spend
@@ -99,4 +100,4 @@ def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: 
         run_name=run_name, model=model, state=state, elapsed_s=elapsed_s, seq=seq, datasets=tuple(shots),
         throughput=throughput, errors=book.errors.items(), retries=retries,
         providers=book.providers.items(), credits=credits, alert=alert, waiting=waiting,
-        paused_by=str(paused_by or ""))
+        paused_by=paused_by.value if paused_by is not None else "")

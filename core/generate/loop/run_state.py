@@ -82,6 +82,11 @@ class RunControl:
         return self._held
 
     @property
+    def paused_by(self) -> PausedBy | None:
+        """Who paused the run, while it is paused by someone (a hold is in `held`)."""
+        return self._paused_by
+
+    @property
     def account(self) -> AccountStop | None:
         """The account condition holding the run, while it does."""
         return self._account
