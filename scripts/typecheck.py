@@ -10,6 +10,7 @@ pyproject.toml. Errors name the real files. Exit status: mypy's (0 clean, 1 erro
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ FOLDERS = ("core", "tui", "cli", "simulator", "headless")  # each is draftgen.<f
 
 
 def main(argv: list[str]) -> int:
+    os.chdir(ROOT)  # folders, error paths and .mypy_cache/ are the repository's, wherever it is run from
     folders = argv or ["core"]
     unknown = [f for f in folders if f.split("/")[0] not in FOLDERS]
     if unknown:
