@@ -1,4 +1,5 @@
-"""Type-check draftgen with mypy, as CI does: `python scripts/typecheck.py [folder ...]` (default: core).
+"""Type-check draftgen with mypy, as CI does: `python scripts/typecheck.py [folder ...]` (default: every
+installed folder, core/ tui/ cli/ simulator/ headless/; a folder alone needs core/ with it, as it imports it).
 
 The packages are mapped by setuptools' `package-dir` (`draftgen.core` is the folder `core/`), which an
 editable install serves through an import hook mypy cannot follow, and there is no `draftgen/` folder
@@ -25,7 +26,7 @@ FOLDERS = ("core", "tui", "cli", "simulator", "headless")  # each is draftgen.<f
 
 def main(argv: list[str]) -> int:
     os.chdir(ROOT)  # folders, error paths and .mypy_cache/ are the repository's, wherever it is run from
-    folders = argv or ["core"]
+    folders = argv or list(FOLDERS)
     unknown = [f for f in folders if f.split("/")[0] not in FOLDERS]
     if unknown:
         print(f"typecheck: {unknown} is not one of {FOLDERS} (or a folder under one)", file=sys.stderr)

@@ -120,7 +120,8 @@ class Completions:
             st.by_status[status] = st.by_status.get(status, 0) + 1
 
     async def _hold(self, cfg: SimConfig) -> None:
-        if self._stats.in_flight >= cfg.hold_until_in_flight:
+        until = cfg.hold_until_in_flight
+        if until is not None and self._stats.in_flight >= until:
             self._held.set()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._held.wait(), cfg.hold_timeout_s)
@@ -136,12 +137,11 @@ class Completions:
 
     def _hit(self, a: Active | str) -> None:
         """Count a response a scenario sent (on the scenario and in the stats)."""
-        if isinstance(a, str):
-            a = self._scenarios.live(a)
-            if a is None:
-                return
-        a.hits += 1
-        name = a.scenario.name
+        active = self._scenarios.live(a) if isinstance(a, str) else a
+        if active is None:
+            return
+        active.hits += 1
+        name = active.scenario.name
         self._stats.scenarios[name] = self._stats.scenarios.get(name, 0) + 1
 
     def _new_id(self, key: str, n: int) -> str:

@@ -19,7 +19,7 @@ Billing, as OpenRouter bills (see generations.py):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from aiohttp import web
 
@@ -31,7 +31,7 @@ from draftgen.simulator.generations import Generation
 PROVIDER_ERROR = {"code": 502, "message": "Provider returned error: generation stopped"}
 
 
-def pick_fault(faults: dict[str, float], u: float) -> str | None:
+def pick_fault(faults: Mapping[str, float], u: float) -> str | None:
     """The fault a request with uniform draw `u` meets, walking the kinds in a fixed order."""
     if not faults:
         return None
