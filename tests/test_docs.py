@@ -1,7 +1,8 @@
 """The documentation holds together: every relative link in README.md, BENCHMARKS.md and docs/*.md
 names a file that exists (and a heading that exists, when it has an anchor), docs/README.md lists
-every page, README.md stays a front page (at most 300 lines), and the repository stands alone: no
-file in it points outside it at the folder of notes it was built from."""
+every page, README.md stays a front page (at most 300 lines) whose test command is the one CI runs,
+and the repository stands alone: no file in it points outside it at the folder of notes it was
+built from."""
 
 from __future__ import annotations
 
@@ -76,6 +77,14 @@ def test_the_front_page_is_short_and_the_index_lists_every_page() -> None:
     pages = {p.resolve() for p in (ROOT / "docs").glob("*.md") if p != index}
     assert not pages - listed, f"docs/README.md does not list {sorted(p.name for p in pages - listed)}"
     assert index.resolve() in {(ROOT / t.partition('#')[0]).resolve() for t in links(ROOT / "README.md")}
+
+
+def test_the_front_pages_test_command_is_what_ci_runs() -> None:
+    readme = (ROOT / "README.md").read_text().splitlines()
+    command = readme[readme.index("# 2. Install and run the tests (this is exactly what CI runs: .ci/run)") + 1]
+    steps = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+             if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert " && ".join(steps) == command
 
 
 def test_no_file_points_outside_the_repository_at_the_notes_it_was_built_from() -> None:
