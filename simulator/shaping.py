@@ -18,7 +18,9 @@ _U32 = float(1 << 32)
 
 def echo_key(request: web.Request, resp: web.StreamResponse) -> None:
     """SimConfig.echo_key: put the caller's bearer key into an error body (not into answers)."""
-    body = getattr(resp, "body", None)
+    if not isinstance(resp, web.Response):  # a stream: nothing to rewrite
+        return
+    body = resp.body
     if not isinstance(body, bytes) or (resp.status < 400 and b'"error"' not in body):
         return
     key = request.headers.get("Authorization", "").partition(" ")[2].strip()
