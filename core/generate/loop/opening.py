@@ -142,7 +142,7 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
     smoke = await asyncio.to_thread(load_smoke_answer, rundir, config.run_fingerprint())
     await asyncio.to_thread(apply_smoke_stream, config, rundir)
     if config.api.stream_decided:
-        event(Level.INFO, EventKind.SMOKE, f"requests stream: the smoke test found the non-streamed answers of "
+        event(Level.INFO, EventKind.REQUEST_KEYS, f"requests stream: the smoke test found the non-streamed answers of "
               f"{config.api.base_url} rewritten by its parser ({rundir.smoke_json}; [api] stream overrides it)")
     settler = Settler(spend, client, config.api.generation_lookup_s, on_settled=on_settled,
                       self_hosted=config.api.self_hosted)
