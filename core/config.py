@@ -40,6 +40,21 @@ def note_server_kind(base_url: str, kind: ServerKind) -> None:
     _DETECTED[base_url] = kind
 
 
+# The mode that keeps a self-hosted server's text as generated (streamed where its non-streamed
+# reasoning parser rewrites text), per (base_url, model), for `[api] stream` unset: decided by the
+# smoke test (commands/smoke.py) and recorded in smoke.json, noted again by a run that reads it
+# (loop/smoke_record.py). Not part of the request fingerprint: the smoke test that decided it checked both.
+_STREAM_DECIDED: dict[tuple[str, str], bool] = {}
+
+
+def note_stream_mode(base_url: str, model: str, streams: bool | None) -> None:
+    """Record (or, with None, forget) the streaming mode a smoke test decided for this server and model."""
+    if streams is None:
+        _STREAM_DECIDED.pop((base_url, model), None)
+    else:
+        _STREAM_DECIDED[(base_url, model)] = streams
+
+
 @dataclass(frozen=True)
 class ApiConfig:
     base_url: str = "https://openrouter.ai/api/v1"
@@ -84,9 +99,23 @@ class ApiConfig:
 
     @property
     def streams(self) -> bool:
+        """Whether requests stream: `stream` when set; else on OpenRouter; else on a self-hosted server
+        the mode its smoke test decided keeps text as generated (`note_stream_mode`), else not."""
+        if self.configured_streams or self.stream is not None:
+            return self.configured_streams
+        return self.self_hosted and _STREAM_DECIDED.get((self.base_url, self.model), False)
+
+    @property
+    def configured_streams(self) -> bool:
+        """The mode from the config alone (no smoke test's decision): what the request fingerprint holds."""
         if self.stream is not None:
             return self.stream
         return "openrouter.ai" in self.base_url and not self.self_hosted
+
+    @property
+    def stream_decided(self) -> bool:
+        """Streaming because a smoke test decided it (not the config)."""
+        return self.streams and not self.configured_streams
 
     def management_key(self) -> str:
         """The management key from `management_key_env`, or "" when none is configured or set."""
@@ -263,8 +292,10 @@ class Config:
                                   f"without it (the key itself is not shown)")
         return key
 
-    def request_body(self, dataset: DatasetConfig, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        """The exact body sent for a prompt of `dataset`: the [request] table as-is, then the dataset's."""
+    def request_body(self, dataset: DatasetConfig, messages: list[dict[str, Any]], *,
+                     decided: bool = True) -> dict[str, Any]:
+        """The exact body sent for a prompt of `dataset`: the [request] table as-is, then the dataset's
+        (streamed as the smoke test decided, `ApiConfig.streams`; `decided` False: as configured)."""
         body: dict[str, Any] = {"model": self.api.model, "messages": messages, "max_tokens": dataset.max_tokens}
         body.update(self.request)
         body.update(dataset.request)
@@ -273,7 +304,7 @@ class Config:
         if self.api.self_hosted:
             for key in self.dropped_keys(dataset):
                 del body[key]
-        if self.api.streams:
+        if self.api.streams if decided else self.api.configured_streams:
             body["stream"] = True
             if self.api.self_hosted:  # vLLM and SGLang put usage in a stream only when asked
                 body["stream_options"] = {"include_usage": True}
@@ -297,8 +328,9 @@ class Config:
                 "silence this)")
 
     def request_shape(self, dataset: DatasetConfig) -> dict[str, Any]:
-        """Everything about a request except its messages: what the smoke test must have checked."""
-        body = self.request_body(dataset, [])
+        """Everything about a request except its messages: what the smoke test must have checked (the
+        configured mode: the smoke test that decided a self-hosted server's mode checked both)."""
+        body = self.request_body(dataset, [], decided=False)
         body.pop("messages")
         return {"base_url": self.api.base_url, **body}
 
