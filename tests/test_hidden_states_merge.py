@@ -180,3 +180,28 @@ def test_merge_and_extract_commands_refuse_and_name_their_flags(tmp_path: Path, 
     assert check_files_match_merged(run) == 5
     stats = orjson.loads((run / "hidden_states" / "stats.json").read_bytes())
     assert stats["merge_id"] == recorded(run, "merged").merge_id
+
+
+def test_report_says_which_merge_the_hidden_states_belong_to(tmp_path: Path, model_dir: Path) -> None:
+    import io
+
+    from draftgen.tui.report import report
+    config = make_config(tmp_path, model_dir, seed=1)
+    run = config.run_dir
+    answers(run, 6)
+    merge(config)
+    first = recorded(run, "merged")
+    extract(config, stop=None)
+    out = io.StringIO()
+    report(run, out, width=400)
+    assert f"hidden states: 6 of 6 samples of merge {first.merge_id}" in out.getvalue()
+    assert "the merge in merged/" in out.getvalue()
+    os.rename(run / "hidden_states", tmp_path / "kept")
+    answers(run, 9)
+    merge(config)
+    os.rename(tmp_path / "kept", run / "hidden_states")
+    out = io.StringIO()
+    report(run, out, width=400)
+    text = out.getvalue()
+    assert f"merged/: merge {recorded(run, 'merged').merge_id} (9 samples" in text
+    assert f"6 of 6 samples of merge {first.merge_id}" in text and "ANOTHER merge" in text and "samples 6 -> 9" in text
