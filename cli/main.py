@@ -100,6 +100,11 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return extract_command(_config(args.config), args.shard, on_other_merge=on_other)
 
 
+def cmd_train_command(args: argparse.Namespace) -> int:
+    from draftgen.core.extract.handoff import train_command
+    return train_command(_config(args.config), max_length=args.max_length)
+
+
 def cmd_prompts_build(args: argparse.Namespace) -> int:
     from draftgen.core.promptsets.command import BuildRequest, build_command
     return build_command(BuildRequest(
@@ -195,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check the configured backend end to end on tiny random models first (minutes)")
     p.add_argument("--long-tokens", type=int, default=16384, metavar="N",
                    help="--self-check: length of its long sample (default 16384)")
+    p = add("train-command", cmd_train_command, "SpecForge's training config and command for this run's merged "
+            "set and hidden states (max_length fits the longest sample); written to hidden_states/")
+    p.add_argument("config", help="the config file (e.g. kimi.toml)")
+    p.add_argument("--max-length", type=int, metavar="N",
+                   help="data.max_length (default: the longest merged sample; a smaller one cuts samples, "
+                   "and the printout says how many)")
     p = add("prompts", lambda a: 0, "prompt files from datasets on disk (parquet, arrow, JSON, saved or cached)")
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     b = verbs.add_parser("build", help="sample, dedupe, measure and split datasets into prompt files and "

@@ -176,6 +176,9 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
           f"shard {parsed[0]}/{parsed[1]}", file=stream, flush=True)
     if stats.claim_note:
         print(stats.claim_note, file=stream, flush=True)
+    if (where / "train-command.sh").exists():
+        print(f"training: {where / 'train-command.sh'} (SpecForge's command and config, data.max_length = the "
+              f"longest sample; `draftgen train-command {config.path}` explains it)", file=stream, flush=True)
     if stats.draft_layer_ids is not None:
         print(f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids = {stats.draft_layer_ids} "
               f"(SGLang's numbering of layers {list(stats.layers)}; also in stats.json)", file=stream, flush=True)

@@ -352,6 +352,7 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         stats.elapsed_s = round(elapsed, 3)
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
     write_json_atomic(stats_path(root, shard), stats.to_dict())
+    _leave_handoff(config, events)
     summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
                f"{stats.skipped_existing:,} already there")
     events.write("info", f"extract: {'stopped' if stats.stopped else 'done'}: {summary}")
@@ -360,6 +361,16 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         reporter.emit(StageState.STOPPED if stats.stopped else StageState.DONE, force=True,
                       message=("stopped: " if stats.stopped else "") + summary)
     return stats
+
+
+def _leave_handoff(config: Config, events: EventLog) -> None:
+    """hidden_states/specforge.json and train-command.sh (handoff.py); a failure is said, never fatal."""
+    from draftgen.core.extract.handoff import make_handoff, write_handoff
+    try:
+        write_handoff(make_handoff(config))
+    except (DraftgenError, OSError, ValueError) as e:
+        events.write("warn", f"extract: the training hand-off (`draftgen train-command {config.path}`) was not "
+                             f"written: {e}")
 
 
 def _draft_layer_ids(layers: tuple[int, int, int], dims: ModelDims) -> list[int] | None:
