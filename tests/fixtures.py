@@ -331,12 +331,22 @@ class FakeControls:
         self.calls.append("smoke")
         self.publish(smoke(state="running", checks=3))
 
-    def start_merge(self) -> None:
-        self.calls.append("merge")
+    # What the `m` and `x` keys would ask first (hidden states at stake): None asks nothing.
+    merge_asks: str | None = None
+    extract_asks: str | None = None
+
+    def merge_question(self) -> str | None:
+        return self.merge_asks
+
+    def extract_question(self) -> str | None:
+        return self.extract_asks
+
+    def start_merge(self, replace_hidden_states: bool = False) -> None:
+        self.calls.append("merge:replace" if replace_hidden_states else "merge")
         self.publish(merging())
 
-    def start_extract(self) -> None:
-        self.calls.append("extract")
+    def start_extract(self, on_other_merge: str = "refuse") -> None:
+        self.calls.append("extract" if on_other_merge == "refuse" else f"extract:{on_other_merge}")
         self.publish(extracting())
 
     def quit(self, drain: bool) -> None:

@@ -205,3 +205,22 @@ def test_report_says_which_merge_the_hidden_states_belong_to(tmp_path: Path, mod
     text = out.getvalue()
     assert f"merged/: merge {recorded(run, 'merged').merge_id} (9 samples" in text
     assert f"6 of 6 samples of merge {first.merge_id}" in text and "ANOTHER merge" in text and "samples 6 -> 9" in text
+
+
+def test_the_tui_questions_come_from_the_recorded_merges(tmp_path: Path, model_dir: Path) -> None:
+    # What the `m` and `x` keys ask (tui/keys.py through Pipeline.merge_question / extract_question).
+    run = tmp_path / "run"
+    first = make_config(tmp_path, model_dir, seed=1)
+    answers(run, 5)
+    merge(first)
+    assert claim.merge_question(run) is None and claim.extract_question(run) is None  # nothing extracted yet
+    extract(first)
+    old = recorded(run, "hidden_states")
+    asked = claim.merge_question(run)
+    assert asked is not None and old.merge_id in asked and f"hidden_states.merge-{old.merge_id}/" in asked
+    assert claim.extract_question(run) is None  # they are merged/'s
+    merge(make_config(tmp_path, model_dir, seed=2), replace_hidden_states=True)
+    assert claim.extract_question(run) is None  # set aside: a fresh folder
+    os.rename(run / f"hidden_states.merge-{old.merge_id}", run / "hidden_states")
+    asked = claim.extract_question(run)
+    assert asked is not None and "5 files of merge" in asked and "seed 1 -> 2" in asked

@@ -141,6 +141,38 @@ def settle(root: Path, merged: Path, choice: str, config_path: object,
     return note
 
 
+def merge_question(run: Path) -> str | None:
+    """What to ask before a merge (the TUI's `m`) when hidden_states/ holds files; None when it holds none.
+
+    From the recorded fingerprints only (cheap enough for a key press); the merge itself decides."""
+    hidden = run / "hidden_states"
+    if not hidden.is_dir() or not identity.stored_samples(hidden, stop_at=1):
+        return None
+    stored = identity.read_fingerprint(hidden / identity.HIDDEN_MERGE_FILE)
+    came = stored.describe() if stored is not None else "an unrecorded merge"
+    return (f"hidden_states/ holds the hidden states of {came}. A merge that comes out different (new "
+            f"answers, another seed) moves them aside to {identity.aside_path(hidden, stored).name}/ (nothing "
+            f"deleted) and the next extraction starts afresh; a merge that comes out the same keeps them.")
+
+
+def extract_question(run: Path) -> str | None:
+    """What to ask before extracting (the TUI's `x`) when hidden_states/ records another merge than merged/.
+
+    From the recorded fingerprints only; anything they cannot tell, extraction checks (and refuses)."""
+    hidden = run / "hidden_states"
+    stored = identity.read_fingerprint(hidden / identity.HIDDEN_MERGE_FILE)
+    merged = identity.read_fingerprint(run / "merged" / identity.FINGERPRINT_FILE)
+    if stored is None or merged is None or stored.same_merge(merged) or not hidden.is_dir():
+        return None
+    files = identity.stored_samples(hidden)
+    if not files:
+        return None
+    return (f"hidden_states/ holds {files:,} files of {stored.describe()}, but merged/ is {merged.describe()} "
+            f"({'; '.join(identity.differences(stored, merged))}). Nothing is added to hidden states of another "
+            f"merge: start over (delete them) or set them aside (move them to "
+            f"{identity.aside_path(hidden, stored).name}/, nothing deleted), then extract this merge.")
+
+
 def _start_over(root: Path) -> None:
     """Delete what extraction wrote (files, their folders, stats, merge.json); anything else stays."""
     for _index, path in _files(root):
