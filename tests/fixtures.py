@@ -372,11 +372,13 @@ class View:
     then: Callable[[], RunSnapshot] | None = None
     size: tuple[int, int] = (120, 40)
     read_only: bool = False
+    extract_asks: str | None = None  # what `x` asks first (hidden states of another merge)
 
     def app(self) -> tuple[DraftgenApp, FakeControls]:
         from draftgen.tui.app import DraftgenApp
 
         controls = FakeControls(self.snapshot(), events(), read_only=self.read_only)
+        controls.extract_asks = self.extract_asks
         return DraftgenApp(controls, title="draftgen"), controls
 
     async def settle(self, pilot: Pilot[None]) -> None:
@@ -404,6 +406,13 @@ VIEWS = (
     View("alert", "Out of credits (402): the run pauses and says why", out_of_credits),
     View("merge", "Merge (m) in progress after the run", merging),
     View("extract", "Hidden-state extraction (x) with the GPU panel", extracting),
+    View("extract_other_merge", "Extraction (x) over hidden states of another merge: start over or set them aside",
+         lambda: ended(snap.RunState.DONE), ("x",), extract_asks=(
+             "hidden_states/ holds 338 files of merge b63c80272c43b1c5 (338 samples, 183,360 tokens, seed 42), but "
+             "merged/ is merge a48fbffc52b86056 (338 samples, 183,360 tokens, seed 7) ([merge] seed 42 -> 7 (the "
+             "samples are in another order)). Nothing is added to hidden states of another merge: start over "
+             "(delete them) or set them aside (move them to hidden_states.merge-b63c80272c43b1c5/, nothing "
+             "deleted), then extract this merge.")),
     View("running_80x24", "The same run in an 80x24 terminal", running, size=(80, 24)),
     View("running_200x50", "A wide terminal (200x50): the history beside the tables, more events", running,
          size=(200, 50)),
