@@ -580,7 +580,7 @@ class Soak:
 
     async def _settle_sim(self) -> None:
         # Handlers of a dead client are cancelled when its sockets close, and the generations it
-        # left run on to their bill (OPENROUTER.md, "Billing"); give them a moment.
+        # left run on to their bill (docs/openrouter.md, "Billing"); give them a moment.
         deadline = time.monotonic() + 30.0
         while (self.sim.stats.in_flight or self.sim.stats.generations_running) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -5,7 +5,7 @@ are resolved against the config file's folder. The API key is never in the file:
 names the environment variable that holds it, read by `Config.api_key()`.
 
 Longer than most modules (~520 lines) on purpose: every table's defaults, types and checks sit
-together, next to the README's config reference they mirror; split by table, a key's rule would
+together, next to the config reference they mirror (docs/config.md); split by table, a key's rule would
 live far from the others it is checked against (budgets against concurrency, paths against the file).
 """
 
@@ -533,7 +533,7 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     extract_table = raw.get("extract")
     if isinstance(extract_table, dict) and extract_table.get("backend") == "sglang":
         raise ConfigError(f"{file}: extract.backend = \"sglang\" was replaced by \"specforge\" (SpecForge's maintained "
-                          f"SGLang capture, pinned; see README, GPU extraction)")
+                          f"SGLang capture, pinned; see docs/gpu-extraction.md)")
     parts = {name: _build(cls, raw.get(name, {}), name, file) for name, cls in _TABLES.items()}
     request = raw.get("request", {})
     if not isinstance(request, dict):

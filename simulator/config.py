@@ -78,7 +78,7 @@ class SimProvider:
 
 # Kimi-K2.5 endpoints as the reference run met them: int4 providers serve the model's tokens,
 # Fireworks and Baseten serve FP4 variants (which the reference config ignores).
-# DeepInfra's price reproduces the smoke check of SPEC.md: 205 completion tokens cost ~$0.00047.
+# DeepInfra's price reproduces the product's reference smoke check: 205 completion tokens cost ~$0.00047.
 DEFAULT_PROVIDERS: tuple[SimProvider, ...] = (
     SimProvider("DeepInfra", "deepinfra", "int4", 0.45, 2.25, 3.0, 0.9, 38.0),
     SimProvider("Together", "together", "int4", 0.60, 3.00, 3.0, 0.6, 55.0),

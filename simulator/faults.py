@@ -60,7 +60,7 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
         failed()
     if fault in ("500", "502", "503"):
         await responses.sleep(ttft)
-        if fault in ("500", "502"):  # a provider's error: OPENROUTER.md, `metadata.provider_name` and `raw`
+        if fault in ("500", "502"):  # a provider's error (docs/openrouter.md): `metadata.provider_name` and `raw`
             return responses.error(int(fault), *responses.upstream(int(fault), r.provider))
         # All allowed providers down or full: OpenRouter's own 503 of routing names no provider.
         return responses.error(503, *responses.upstream(503, r.provider))

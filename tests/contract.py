@@ -376,7 +376,7 @@ CONTRACT: list[Expect] = [
            source=("origin_input_ids=input_row.view(-1).tolist()",),
            why="each whole row is one request: padding goes in, so we cut each sample back to its length"),
     Expect(SF_BACKEND, "OfflineSGLangCaptureBackend.build", source=("chunked_prefill_size=-1",),
-           why="a sample is one forward: README's memory advice depends on it"),
+           why="a sample is one forward: docs/gpu-extraction.md's memory advice depends on it"),
     # SGLang's capture-id rules our layer convention depends on (model_info.sglang_capture_ids).
     Expect("sglang.srt.models.llama", "LlamaForCausalLM.set_eagle3_layers_to_capture",
            source=("self.model.layers_to_capture = [val + 1 for val in layer_ids]",)),

@@ -249,7 +249,7 @@ def attached() -> RunSnapshot:
 
 
 def attached_resumed() -> RunSnapshot:
-    """Attached to the third run of a directory, with spend still pending a price (issue 25)."""
+    """Attached to the third run of a directory, with spend still pending a price."""
     s = attached()
     return dataclasses.replace(s, timeline=dataclasses.replace(s.timeline, runs=(T0 - 7200.0, T0 - 3600.0, T0)),
                                credits=dataclasses.replace(s.credits, pending_usd=0.02))

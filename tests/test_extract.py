@@ -357,7 +357,7 @@ def test_nested_text_config_gives_n_and_h(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(kimi))
     dims = read_model_dims(str(tmp_path))
     assert (dims.num_layers, dims.hidden_size) == (61, 7168)
-    assert resolve_aux_layers("eagle3", dims) == (1, 29, 57)  # SPEC.md's Kimi-K2.5 layers
+    assert resolve_aux_layers("eagle3", dims) == (1, 29, 57)  # Kimi-K2.5's EAGLE-3 layers (docs/files.md)
 
 
 def test_top_level_config_and_missing_numbers() -> None:

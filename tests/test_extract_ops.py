@@ -1,4 +1,4 @@
-"""Running extraction on real machines (issue 24): the plan before any weights load, nothing to do
+"""Running extraction on real machines: the plan before any weights load, nothing to do
 without a model, the free-space watch, `--shard auto`, the draft layer ids in stats.json,
 [extract.sglang], and the self-check under a real 2-process torchrun on the CPU."""
 

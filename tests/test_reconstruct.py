@@ -35,7 +35,7 @@ def user(text: str) -> list[dict[str, Any]]:
 
 def by_hand(messages: list[dict[str, Any]], reasoning: str | None, content: str,
             *, truncated: bool = False) -> tuple[list[int], int, int]:
-    """An independent reconstruction: the SPEC.md rendering written out as one string and encoded by
+    """An independent reconstruction: the Kimi-K2.5 rendering of docs/files.md written out as one string and encoded by
     tiktoken with every special allowed (valid when the texts hold no special look-alikes)."""
     last_plain = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     text = ""

@@ -1,5 +1,5 @@
 """A real third-party OpenAI-compatible server: Hugging Face's `transformers serve` on loopback,
-serving a tiny Llama built here (tests/selfhosted_model.py), driven through the README workflow.
+serving a tiny Llama built here (tests/selfhosted_model.py), driven through the workflow of docs/self-hosted-servers.md.
 
 It has no GET /key (404), no usage.cost, no provider, no generation records, and it refuses keys it
 does not know with a 422: the server kind ("openai-compatible") must make all of that work, and a
@@ -105,7 +105,7 @@ def reasoning_model(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Pa
 
 
 def _config(tmp_path: Path, server: Server, model: Path, n: int, concurrency: int, **api: Any) -> Path:
-    """The README's self-hosted config: no kind (detected), an OpenRouter-only key that must be left
+    """The documented self-hosted config: no kind (detected), an OpenRouter-only key that must be left
     out, prices for max_usd, the tokenizer's own chat template."""
     write_prompts(tmp_path / "prompts" / "a.jsonl", n, prefix="a-")
     tables = {

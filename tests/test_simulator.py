@@ -269,7 +269,7 @@ async def test_credits_fall_with_spend_and_402_when_they_run_out(session):
         assert data["total_usage"] == pytest.approx(spent) and data["total_credits"] - spent < 0.01
         async with session.get(f"{sim.base_url}/key", headers=AUTH) as r:
             key = (await r.json())["data"]
-        # No per-key cap: limit and limit_remaining are null, whatever the balance (OPENROUTER.md).
+        # No per-key cap: limit and limit_remaining are null, whatever the balance (docs/openrouter.md).
         assert key["limit"] is None and key["limit_remaining"] is None and key["is_free_tier"] is False
         assert key["usage"] == pytest.approx(spent)
         assert "sk-test" not in json.dumps(key)
@@ -342,7 +342,7 @@ async def test_each_fault_at_rate_one(session, kind, stream):
             assert status == int(kind) and err["code"] == int(kind)
             if kind == "429":
                 assert headers["Retry-After"] == "7"
-            # OPENROUTER.md: a provider's error names it in metadata.provider_name; the 503 of routing
+            # docs/openrouter.md: a provider's error names it in metadata.provider_name; the 503 of routing
             # (every allowed provider down or full) is OpenRouter's own and names none.
             assert ("provider_name" in err.get("metadata", {})) is (kind != "503"), err
         elif kind == "524":
@@ -390,7 +390,7 @@ async def test_each_fault_at_rate_one(session, kind, stream):
         st = sim.stats
         assert st.faults == {kind: 1} and st.answers_total == 0
         assert st.in_flight == 0 and st.requests_total == 1
-        # A generation that ran is billed though nobody read it (OPENROUTER.md, "Billing"); one
+        # A generation that ran is billed though nobody read it (docs/openrouter.md, "Billing"); one
         # that failed or never started is free (faults.py says which is which).
         if kind in ("drop", "hang", "truncated"):
             assert st.generations_billed == 1 and st.billed_usd > 0
@@ -481,7 +481,7 @@ async def test_control_endpoints_drive_a_running_server(session):
 
 
 async def test_a_client_that_leaves_is_not_counted_in_flight_but_is_billed(session, caplog):
-    # OPENROUTER.md, "Billing": a plain request runs on and is billed in full; an aborted stream
+    # docs/openrouter.md, "Billing": a plain request runs on and is billed in full; an aborted stream
     # is billed up to the abort (tests/test_simulator_scenarios.py checks the amounts).
     async with SimServer(cfg(fixed_latency_s=0.6), port=0) as sim:
         with pytest.raises(TimeoutError):  # gives up before the answer: the handler is cancelled

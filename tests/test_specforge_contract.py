@@ -143,7 +143,7 @@ def test_a_changed_capture_rule_or_server_arg_fails_the_contract(releases: Sourc
     assert any("duplicate keyword" in p for p in server_args_collisions(releases, our_server_args() | {"tp_size"}))
 
 
-# The calls themselves (issue 24, item 7): every keyword the backend passes binds to the pinned signature.
+# The calls themselves: every keyword the backend passes binds to the pinned signature.
 
 def _backend_tree(text: str | None = None) -> ast.Module:
     return ast.parse(text if text is not None else BACKEND.read_text())

@@ -361,7 +361,7 @@ async def test_providers_panel_shows_token_agreement_and_the_flag() -> None:
         assert "together/int4" in shown  # no figures yet: listed without them
 
 
-# -- drill-down, log, history, end states, sizes (issue 14) --------------------------------------------
+# -- the operator's views: drill-down, log, history, end states, terminal sizes ------------------------
 
 
 async def test_drill_into_a_dataset_shows_its_recent_errors() -> None:

@@ -52,7 +52,7 @@ T = TypeVar("T")
 def _missing(e: ModuleNotFoundError) -> DraftgenError:
     return DraftgenError(
         f'extract.backend = "specforge" needs SpecForge and SGLang ({e.name} is not installed here). On the GPU '
-        f"machine: pip install -e '.[gpu]' (pins specforge, sglang, torch; see README, GPU extraction); for a "
+        f"machine: pip install -e '.[gpu]' (pins specforge, sglang, torch; see docs/gpu-extraction.md); for a "
         f'small model on CPU set extract.backend = "hf"')
 
 
@@ -111,13 +111,14 @@ class TorchrunGroup:
         if world is None and tp_size != 1:
             raise ConfigError(
                 f"{config_path}: extract.tp_size = {tp_size} needs one process per GPU: start it as "
-                f"torchrun --nproc_per_node {tp_size} --no-python draftgen extract {config_path} (see README)")
+                f"torchrun --nproc_per_node {tp_size} --no-python draftgen extract {config_path} "
+                f"(see docs/gpu-extraction.md)")
         if world is not None and int(world) > tp_size and int(world) % tp_size == 0:
             raise ConfigError(
                 f"{config_path}: torchrun started {world} processes for extract.tp_size = {tp_size}: that is data "
                 f"parallel inside one job ({int(world) // tp_size} x TP {tp_size}), which draftgen does not run. Start "
                 f"one torchrun --standalone --nproc_per_node {tp_size} per machine and split the work with --shard "
-                f"i/N, or --shard auto under Slurm (see README, GPU extraction)")
+                f"i/N, or --shard auto under Slurm (see docs/gpu-extraction.md)")
         if world is not None and int(world) != tp_size:
             raise ConfigError(
                 f"{config_path}: extract.tp_size = {tp_size} but torchrun started {world} processes; use "

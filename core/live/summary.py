@@ -5,7 +5,7 @@ its own, or skipped because a token budget ran out; LIMITED when `max_usd` skipp
 eligible: a higher ceiling asks them). Otherwise it ended DRAINED (a drain let the requests
 in flight finish), STOPPED (stop now, or a dataset stopped by its routing) or WAITING (an account
 condition held admission when it ended); the prompts not asked stay eligible and the next `run`
-resumes them. The exit code tells these apart (README "Exit codes").
+resumes them. The exit code tells these apart (docs/run-end.md, the exit code table).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Counted(Protocol):
     failed: int
     skipped: int
 
-# Exit codes of `draftgen run` (and `demo`): README "Exit codes".
+# Exit codes of `draftgen run` (and `demo`): docs/run-end.md, the exit code table.
 EXIT_COMPLETE, EXIT_SMOKE_FAILED, EXIT_ERROR, EXIT_INCOMPLETE = (ExitCode.COMPLETE, ExitCode.SMOKE_FAILED,
                                                                ExitCode.ERROR, ExitCode.INCOMPLETE)
 EXIT_INTERRUPTED = ExitCode.INTERRUPTED  # quit (or Ctrl-C) before the run started
@@ -202,5 +202,5 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
         out += textwrap.wrap(f"max_usd left prompts unasked (counted skipped, not failed): raise [budget] max_usd and "
                              f"`draftgen run {config_hint}` again asks them", WIDTH, initial_indent="  ",
                              subsequent_indent="    ", break_on_hyphens=False)
-    out.append(f"  exit {exit_code} ({EXIT_MEANING.get(exit_code, 'see README')})")
+    out.append(f"  exit {exit_code} ({EXIT_MEANING.get(exit_code, 'see docs/run-end.md')})")
     return out

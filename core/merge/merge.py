@@ -489,7 +489,7 @@ def merge_command(config: Config, *, replace_hidden_states: bool = False) -> int
     noted = {n: sum(d.kept_noted.get(n, 0) for d in stats.datasets) for n in NOTES}
     if any(noted.values()):
         console.print("kept although they differed: " + ", ".join(f"{n} {c:,}" for n, c in noted.items() if c)
-                      + " (see \\[validation] in the README)", highlight=False)
+                      + " (see \\[validation] in docs/config.md)", highlight=False)
     for d in stats.datasets:
         for f in d.flagged_sources:
             what = "dropped" if f["dropped"] else "kept ([validation] drop_flagged_sources = false)"

@@ -1,6 +1,6 @@
 """The generation stage as the pipeline runs it: the start-up gate (startup.py), the engine's run, the
 tokens stage after it (live_tokens.py), and how it ended: its stage state, the error that stopped it,
-and the exit code (README "exit codes").
+and the exit code (docs/run-end.md).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Generation:
 
     @property
     def exit_code(self) -> int:
-        """The run's exit code (README "exit codes"): a stage stopped before its end is incomplete (3),
+        """The run's exit code (docs/run-end.md): a stage stopped before its end is incomplete (3),
         a stage that failed an error (2), never complete."""
         code = self._code
         if code == EXIT_COMPLETE:
@@ -110,7 +110,7 @@ class Generation:
             self._publish()
 
     def _not_started(self, why: str) -> str:
-        """Quit before the run started: no run request was sent; exit 130 (README "exit codes")."""
+        """Quit before the run started: no run request was sent; exit 130 (docs/run-end.md)."""
         self._engine.control.end(snap.RunState.STOPPED)
         self.state = snap.StageState.SKIPPED
         self._code = EXIT_INTERRUPTED

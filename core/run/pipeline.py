@@ -115,7 +115,7 @@ class Pipeline:
 
     @property
     def exit_code(self) -> int:
-        """The run's exit code (README "exit codes"): see Generation.exit_code."""
+        """The run's exit code (docs/run-end.md): see Generation.exit_code."""
         return self.generation.exit_code
 
     @property

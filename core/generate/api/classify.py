@@ -1,5 +1,5 @@
-"""Whose problem a response is, as OpenRouter's table says (../shared/OPENROUTER.md; README
-"OpenRouter responses").
+"""Whose problem a response is, as OpenRouter documents its responses (docs/openrouter.md, "What each
+OpenRouter response does").
 
 Every response that is not an answer becomes a `RequestFailed` whose `kind` (an ErrorKind) maps to
 one `Whose`:
