@@ -133,6 +133,9 @@ def test_nothing_to_do_exits_without_reading_the_model(tmp_path: Path, capsys: p
         path = layout.sample_path(root, k, compress=k % 2 == 1)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"done")
+    from draftgen.core.tokens import identity  # the files are this merge's (a fresh folder records it first)
+    merged = identity.merged_fingerprint(config.run_dir / "merged")
+    identity.write_fingerprint(root / identity.HIDDEN_MERGE_FILE, merged)
 
     def no_model(*_a: object, **_k: object) -> None:
         raise AssertionError("the model was read although nothing is left to do")

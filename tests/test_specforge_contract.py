@@ -3,17 +3,21 @@
 SpecForge 0.2.0 and SGLang 0.5.14 are downloaded once per pytest cache (`pip download --no-deps`,
 tests/pinned.py) and read with `ast` (tests/contract.py): nothing of them is imported or installed.
 A renamed function, a dropped parameter, a changed capture-id rule or a clashing ServerArgs key
-fails here, in CI, instead of after an 8-GPU job has loaded its weights.
+fails here, in CI, instead of after an 8-GPU job has loaded its weights. The training hand-off
+(`draftgen train-command`) is the exception, at the end: its config is parsed by the release's own
+`load_config` and `specforge train --plan`, run in a subprocess.
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import re
 from pathlib import Path
 
 import pytest
 
+from tests import test_extract
 from tests.contract import (
     BATCH_FIELDS,
     CALL_SITES,
@@ -31,6 +35,8 @@ from tests.contract import (
     server_args_collisions,
 )
 from tests.pinned import ROOT, gpu_pins
+
+model_dir = test_extract.model_dir  # the tiny Llama fixture, for the hand-off test
 
 BACKEND = ROOT / "core" / "extract" / "specforge_backend.py"
 BACKEND_REL = "draftgen/core/extract/specforge_backend.py"
@@ -208,3 +214,75 @@ def test_the_page_sizes_sglang_forces_are_the_ones_the_kv_margin_knows(releases:
     assert forced and max(forced) <= LARGEST_PAGE, forced
     for backend in FORCED_PAGE_SIZES:
         assert f'"{backend}"' in text, f"{backend}: no longer an attention backend SGLang names"
+
+
+# ---------------------------------------------------------------------------------------------
+# The training hand-off (core/extract/handoff.py), parsed by SpecForge's own config loader and CLI.
+# Unlike the checks above this one runs the release's code (pure python + pydantic) in a
+# subprocess, as tests/test_specforge_release.py does: its schema is a pydantic model, checked best
+# by itself.
+
+
+def specforge_parse(config_json: Path, specforge_tree: Path) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(specforge_tree), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "specforge_train_config.py"), str(config_json)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"SpecForge refused {config_json}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_train_command_output_is_accepted_by_the_pinned_specforge(specforge_tree: Path, tmp_path: Path,
+                                                                  model_dir: Path) -> None:
+    import json
+    import zipfile
+
+    from draftgen.core.extract import extract
+    from draftgen.core.extract.handoff import (
+        SPECFORGE_DEFAULT_MAX_LENGTH,
+        SPECFORGE_DRAFT_VOCAB,
+        SPECFORGE_VERSION,
+        train_command,
+    )
+    from draftgen.core.merge.merge import merge
+    from draftgen.core.tokens.store import TokenReader
+    from tests.test_hidden_states_merge import answers, make_config
+    config = make_config(tmp_path, model_dir, seed=4)
+    answers(config.run_dir, 9)
+    merge(config)
+    stats = extract(config)
+    hidden = config.run_dir / "hidden_states"
+    left = json.loads((hidden / "specforge.json").read_text())  # what extraction left beside its files
+    assert train_command(config, out=io.StringIO()) == 0
+    assert json.loads((hidden / "specforge.json").read_text()) == left
+
+    got = specforge_parse(hidden / "specforge.json", specforge_tree)
+    longest = max(e.length for e in TokenReader(config.run_dir / "merged" / "tokens").entries)
+    assert got["plan_rc"] == 0 and '"role": "all"' in got["plan"]
+    assert got["mode"] == "offline" and got["strategy"] == "eagle3" and got["train_data_path"] == ""
+    assert got["max_length"] == longest  # nothing sliced off by SpecForge's normaliser
+    assert got["hidden_states_path"] == str(hidden.resolve())
+    assert got["target_model_path"] == str(model_dir)
+    assert got["aux_hidden_state_layer_ids"] == stats.draft_layer_ids
+    # What the hand-off says of SpecForge is SpecForge's: its default, its draft vocabulary, its version.
+    assert got["default_max_length"] == SPECFORGE_DEFAULT_MAX_LENGTH
+    assert got["draft_vocab_size"] == SPECFORGE_DRAFT_VOCAB
+    assert gpu_pins()["specforge"] == SPECFORGE_VERSION
+    wheel = next((specforge_tree.parent / "wheels").glob(f"specforge-{SPECFORGE_VERSION}-*.whl"))
+    with zipfile.ZipFile(wheel) as z:  # `specforge train` is the release's console script
+        entry = z.read(f"specforge-{SPECFORGE_VERSION}.dist-info/entry_points.txt").decode()
+    assert re.search(r"^specforge\s*=\s*specforge\.cli:main$", entry, re.M)
+    assert (hidden / "train-command.sh").read_text().rstrip().endswith(
+        f"exec specforge train --config {hidden.resolve() / 'specforge.json'} \"$@\"")
+
+    # A config SpecForge would refuse fails here (the check can fail): two aux ids.
+    bad = json.loads((hidden / "specforge.json").read_text())
+    bad["model"]["aux_hidden_state_layer_ids"] = bad["model"]["aux_hidden_state_layer_ids"][:2]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(AssertionError, match="exactly three"):
+        specforge_parse(tmp_path / "bad.json", specforge_tree)

@@ -193,6 +193,38 @@ async def test_merge_and_extract_start_their_stages() -> None:
         assert "0 H200" in gpu and "1 H200" in gpu and "97%" in gpu and "612 W" in gpu and "64°C" in gpu
 
 
+async def test_merge_over_hidden_states_asks_first_and_cancel_changes_nothing() -> None:
+    from draftgen.tui.screens.choice import ChoiceScreen
+    app, controls = make()
+    controls.merge_asks = "hidden_states/ holds the hidden states of merge 0123456789abcdef (338 samples)."
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("m")
+        assert isinstance(app.screen, ChoiceScreen) and controls.calls == []
+        assert "merge 0123456789abcdef" in text(app, "#choice-text") and "set aside" in text(app, "#choice-text")
+        await pilot.press("escape")
+        assert not isinstance(app.screen, ChoiceScreen) and controls.calls == []
+        await pilot.press("m", "m")  # merge anyway: hidden states of another merge are set aside
+        assert controls.calls == ["merge:replace"]
+
+
+async def test_extract_over_another_merge_offers_start_over_or_set_aside() -> None:
+    from draftgen.tui.screens.choice import ChoiceScreen
+    app, controls = make()
+    controls.extract_asks = "hidden_states/ holds 338 files of merge aaaa, but merged/ is merge bbbb (seed 1 -> 2)."
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("x")
+        assert isinstance(app.screen, ChoiceScreen) and controls.calls == []
+        body = text(app, "#choice-text")
+        assert "seed 1 -> 2" in body and "start over" in body and "set aside" in body
+        await pilot.press("escape")
+        assert controls.calls == []
+        await pilot.press("x", "a")
+        assert controls.calls == ["extract:set_aside"]
+        await pilot.press("x")
+        await pilot.click("#choice-start_over")
+        assert controls.calls == ["extract:set_aside", "extract:start_over"]
+
+
 async def test_extraction_without_nvml_says_no_gpu() -> None:
     app, _ = make(dataclasses.replace(fx.extracting(), gpus=None))
     async with app.run_test(size=(120, 40)) as pilot:

@@ -19,7 +19,7 @@ import torch
 
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DiskError, DraftgenError
-from draftgen.core.extract import layout
+from draftgen.core.extract import claim, layout
 from draftgen.core.extract.backend import ExtractBackend, make_backend
 from draftgen.core.extract.model_info import ModelDims, read_model_dims, resolve_aux_layers
 from draftgen.core.extract.writer import Item, PooledWriter, Written
@@ -59,6 +59,8 @@ class ExtractStats:
     # The draft config's eagle_config.eagle_aux_hidden_state_layer_ids: SGLang's numbering of `layers`.
     draft_layer_ids: list[int] | None = None
     nothing_to_do: bool = False   # every file of the shard was there: no model was loaded
+    merge_id: str = ""            # the merge these hidden states belong to (hidden_states/merge.json)
+    claim_note: str = ""          # what was done to hidden states of another merge (start over, set aside)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -183,10 +185,14 @@ class _Plan:
     tokens_todo: int
     max_forward_tokens: int  # padded tokens of the largest planned batch
     max_samples: int
+    note: str = ""           # what claim.settle did to hidden states of another merge
 
 
 def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: ModelDims, limit: int,
-               cfg: Any, max_samples: int | None) -> _Plan:
+               cfg: Any, max_samples: int | None, on_other_merge: str = claim.REFUSE,
+               config_path: object = "config") -> _Plan:
+    # Rank 0, every rank joined: the folder is made this merge's (or refused) before a file is added.
+    note = claim.settle(root, root.parent / "merged", on_other_merge, config_path, reader)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -203,7 +209,7 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
     batches = plan_batches([(k, entries[k].length) for k in todo], limit, max_samples)
     widest = max((len(b) * max(entries[k].length for k in b) for b in batches), default=0)
     return _Plan(todo=todo, batches=batches, skipped_existing=len(indices) - len(todo), tokens_todo=tokens_todo,
-                 max_forward_tokens=widest, max_samples=max((len(b) for b in batches), default=0))
+                 max_forward_tokens=widest, max_samples=max((len(b) for b in batches), default=0), note=note)
 
 
 def make_group(cfg: Any, config_path: object = "config") -> Any:
@@ -217,8 +223,12 @@ def make_group(cfg: Any, config_path: object = "config") -> Any:
 def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
             progress: Callable[[StageProgress], None] | None = None,
             backend: ExtractBackend | None = None, stop: threading.Event | None = None,
-            group: Any = None, disk_watch: Any = None) -> ExtractStats:
+            group: Any = None, disk_watch: Any = None, on_other_merge: str = claim.REFUSE) -> ExtractStats:
     """Write `hidden_states/` for every sample of `shard` not already there; return the run's stats.
+
+    Hidden states of another merge than merged/ (claim.py) are never added to: refused (a
+    claim.HiddenStatesOfAnotherMerge naming what differs) unless `on_other_merge` is claim.START_OVER
+    or claim.SET_ASIDE.
 
     `backend` replaces the one `config.extract` describes (a test's, or a model already loaded);
     `stop`, when set, ends the run after the batch in progress (everything written stays valid).
@@ -238,9 +248,14 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     if not (tokens_dir / INDEX_FILE).exists():
         raise DraftgenError(f"{tokens_dir / INDEX_FILE}: not found; run `draftgen merge` first")
     reader = TokenReader(tokens_dir)
-    if backend is None and all(layout.existing_sample(rundir.hidden_states, k) is not None
-                               for k in _shard_indices(len(reader), shard)):
-        return _nothing_to_do(config, shard, len(_shard_indices(len(reader), shard)), progress)
+    standing = claim.standing(rundir.hidden_states, rundir.merged, reader)  # read only: every rank sees the same
+    if not standing.usable and on_other_merge == claim.REFUSE:
+        raise claim.refusal(standing, rundir.hidden_states, config.path)
+    if backend is None and standing.state in (claim.SAME, claim.ADOPTED) and all(
+            layout.existing_sample(rundir.hidden_states, k) is not None for k in _shard_indices(len(reader), shard)):
+        if standing.state == claim.ADOPTED:  # every file checked to be this merge's: recorded (same bytes on each rank)
+            claim.settle(rundir.hidden_states, rundir.merged, claim.REFUSE, config.path, reader)
+        return _nothing_to_do(config, shard, len(_shard_indices(len(reader), shard)), progress, standing)
     dims = read_model_dims(cfg.model, trust_remote_code=cfg.trust_remote_code)
     layers = resolve_aux_layers(cfg.aux_layers, dims, config.path)
     if cfg.backend == "specforge" and backend is None:
@@ -257,7 +272,8 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     try:
         limit = min(cfg.batch_tokens, (backend.max_batch_tokens if backend else None) or cfg.batch_tokens)
         plan: _Plan = group.share(lambda: _make_plan(root, reader, shard, dims, limit, cfg,
-                                                     backend.max_batch_samples if backend else None))
+                                                     backend.max_batch_samples if backend else None,
+                                                     on_other_merge, config.path))
         if backend is None:
             backend = make_backend(cfg, dims, layers, group=group, max_forward_tokens=plan.max_forward_tokens,
                                    max_samples=plan.max_samples, config_path=config.path)
@@ -286,11 +302,14 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
     stats = ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
                          hidden_size=dims.hidden_size, layers=layers, shard=shard, compress=cfg.compress,
                          samples=len(indices), tokens=sum(entries[k].length for k in indices),
-                         skipped_existing=plan.skipped_existing, draft_layer_ids=_draft_layer_ids(layers, dims))
+                         skipped_existing=plan.skipped_existing, draft_layer_ids=_draft_layer_ids(layers, dims),
+                         merge_id=_merge_id(root), claim_note=plan.note)
     if disk_watch is None:
         from draftgen.core.extract.plan import DiskWatch
         disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
     events = EventLog(rundir.events_log)
+    if plan.note:
+        events.write("warn", f"extract: {plan.note}")
     events.write("info", f"extract: {len(plan.todo):,} samples ({plan.tokens_todo:,} tokens) to do in shard {i}/{n}, "
                          f"{stats.skipped_existing:,} already written; layers {list(layers)}, H={dims.hidden_size}")
     reporter = _Reporter(progress, stats, backend.description, plan.tokens_todo)
@@ -337,6 +356,7 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         stats.elapsed_s = round(elapsed, 3)
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
     write_json_atomic(stats_path(root, shard), stats.to_dict())
+    _leave_handoff(config, events)
     summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
                f"{stats.skipped_existing:,} already there")
     events.write("info", f"extract: {'stopped' if stats.stopped else 'done'}: {summary}")
@@ -345,6 +365,16 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         reporter.emit(StageState.STOPPED if stats.stopped else StageState.DONE, force=True,
                       message=("stopped: " if stats.stopped else "") + summary)
     return stats
+
+
+def _leave_handoff(config: Config, events: EventLog) -> None:
+    """hidden_states/specforge.json and train-command.sh (handoff.py); a failure is said, never fatal."""
+    from draftgen.core.extract.handoff import make_handoff, write_handoff
+    try:
+        write_handoff(make_handoff(config))
+    except (DraftgenError, OSError, ValueError) as e:
+        events.write("warn", f"extract: the training hand-off (`draftgen train-command {config.path}`) was not "
+                             f"written: {e}")
 
 
 def _draft_layer_ids(layers: tuple[int, int, int], dims: ModelDims) -> list[int] | None:
@@ -356,8 +386,14 @@ def _draft_layer_ids(layers: tuple[int, int, int], dims: ModelDims) -> list[int]
         return None
 
 
+def _merge_id(root: Path) -> str:
+    from draftgen.core.tokens import identity
+    fp = identity.read_fingerprint(root / identity.HIDDEN_MERGE_FILE)
+    return fp.merge_id if fp is not None else ""
+
+
 def _nothing_to_do(config: Config, shard: tuple[int, int], samples: int,
-                   progress: Callable[[StageProgress], None] | None) -> ExtractStats:
+                   progress: Callable[[StageProgress], None] | None, standing: claim.Standing) -> ExtractStats:
     """Every file of the shard exists: report it without reading the model or making a process group."""
     cfg = config.extract
     if progress is not None:
@@ -365,7 +401,7 @@ def _nothing_to_do(config: Config, shard: tuple[int, int], samples: int,
                                rate_unit="tok/s", eta_s=0.0, message=f"nothing to do: {samples:,} files already there"))
     return ExtractStats(model=cfg.model, backend="none (nothing to do)", num_layers=0, hidden_size=0,
                         layers=(0, 0, 0), shard=shard, compress=cfg.compress, samples=samples,
-                        skipped_existing=samples, nothing_to_do=True)
+                        skipped_existing=samples, nothing_to_do=True, merge_id=standing.current.merge_id)
 
 
 def _checked(index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor,
