@@ -13,6 +13,8 @@ request asks for the ids the way that release takes them (core/servers.py)."""
 
 from __future__ import annotations
 
+import aiohttp
+
 from draftgen.core.config import Config, note_server_kind
 from draftgen.core.errors import KeyRefusedError, UnreachableError
 from draftgen.core.generate.api.account import AccountStatus, read_account
@@ -82,7 +84,7 @@ async def detect_server(config: Config, client: ChatClient) -> Server | None:
     for what, path in VERSION_PATHS:
         try:
             answer = await client.get_json(path, at_root=True)
-        except (RequestFailed, TimeoutError):
+        except (RequestFailed, TimeoutError, aiohttp.ClientError):  # a probe never takes the run down
             continue
         found = server_from_answers(**{what: answer})
         if found is not None:
