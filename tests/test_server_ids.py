@@ -266,6 +266,7 @@ async def test_true_server_ids_are_kept_when_its_parser_rewrote_the_text(tmp_pat
     assert report.noted["text_rewritten"] == N
     text = report.format()
     assert f"the server's parser rewrote the text of {N} answer(s)" in text and "stream = true" in text
+    assert f"the server's parser rewrote the text of {N} answer(s)" in report.summary_line()  # the run's event
     tokens = TokenReader(RunDir(cfg.run_dir).tokens("a"))
     for line in lines:
         entry = tokens.entry(line["id"])
@@ -325,3 +326,16 @@ async def test_an_aborted_request_is_retried_never_stored(tmp_path):
     assert len(lines) == N and {line["finish_reason"] for line in lines} == {"stop"}
     assert engine.errors["finish_error"] == 2
     assert not RunDir(cfg.run_dir).failures("a").exists() or not RunDir(cfg.run_dir).failures("a").read_bytes()
+
+
+def test_a_key_refused_on_streams_names_the_config_keys() -> None:
+    """SGLang 0.5.17+ answers `return_token_ids` on a stream with a 400 (a server whose release was not
+    found at start is asked the vLLM way): the dataset stops naming the key, not as a prompt's fault."""
+    from draftgen.core.generate.api.classify import Whose, classify_status
+    from draftgen.core.records import ErrorKind
+    body = orjson.dumps({"object": "error", "message": "return_token_ids is not supported with streaming on "
+                         "/v1/chat/completions. Please set stream=false when using return_token_ids=true.",
+                         "type": "BadRequestError", "param": None, "code": 400})
+    e = classify_status(400, body, {})
+    assert e.kind is ErrorKind.UNEXPECTED_FIELD and e.whose is Whose.DATASET
+    assert e.metadata["unexpected_fields"] == ["return_token_ids"] and "return_token_ids = false" in e.message

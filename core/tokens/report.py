@@ -221,6 +221,8 @@ class ValidationReport:
         prompt = self.prompt
         if prompt.n:
             parts.append(f"prompt tokens exact {prompt.share_exact:.1%}")
+        if rewritten := self.failures.get("text_matches_ids", 0):
+            parts.append(rewritten_line(rewritten))
         return "; ".join(parts)
 
     def format(self, flags: Iterable[ProviderFlag] = ()) -> str:

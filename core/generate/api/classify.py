@@ -212,11 +212,17 @@ _QUOTED = re.compile(r"""['"`]([A-Za-z_][\w.-]*)['"`]""")
 _AFTER_COLON = re.compile(r":\s*([A-Za-z_][\w.-]*)")
 
 
+# SGLang 0.5.17+ refuses some keys on a stream only: "return_token_ids is not supported with streaming".
+_NOT_ON_STREAMS = re.compile(r"\b([A-Za-z_]\w*) is not supported with streaming")
+
+
 def unexpected_fields(status: int, body: bytes) -> list[str]:
     """The request keys a 400/422 says the server does not take, else []."""
     if status not in (400, 422):
         return []
     text = body[:20000].decode("utf-8", "replace")
+    if streamed := _NOT_ON_STREAMS.findall(text):
+        return sorted(set(streamed))
     lower = text.lower()
     at = min((i for i in (lower.find(w) for w in _EXTRA_WORDS) if i >= 0), default=-1)
     if at < 0:
