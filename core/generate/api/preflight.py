@@ -84,7 +84,11 @@ async def detect_server(config: Config, client: ChatClient) -> Server | None:
     for what, path in VERSION_PATHS:
         try:
             answer = await client.get_json(path, at_root=True)
-        except (RequestFailed, TimeoutError, aiohttp.ClientError):  # a probe never takes the run down
+        except RequestFailed as e:
+            if e.unreachable:  # nothing said: asked again by the next start (the run's, the smoke test's)
+                return None
+            continue
+        except (TimeoutError, aiohttp.ClientError):  # a probe never takes the run down
             continue
         found = server_from_answers(**{what: answer})
         if found is not None:
