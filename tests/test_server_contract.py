@@ -3,10 +3,15 @@
 The wheels of vLLM 0.12, 0.13 and 0.33 (the latest when written) and SGLang 0.5.14 (the `gpu` extra's
 pin), 0.5.17 and 0.5.23 (the latest) are downloaded once per pytest cache (`pip download --no-deps`,
 tests/pinned.py; vLLM's wheel is dropped once its `vllm/entrypoints` sources are unpacked) and skipped
-when PyPI cannot be reached. Both protocol modules import more than pydantic (vLLM: torch and its own
-engine; SGLang: `sglang.utils`, `openai`, xgrammar), so they are read with `ast`, not imported: each
-pydantic class's field names (its bases' included) and `Literal` finish reasons. Responses and stream
-chunks are built from exactly those names and run through draftgen's parser (core/generate/api/client.py);
+when PyPI cannot be reached.
+
+vLLM's protocol modules import torch and vLLM's own engine, so they are read with `ast`: each pydantic
+class's field names (its bases' included) and the engine's finish reasons; responses and stream
+chunks are built from exactly those names. SGLang's protocol module needs only pydantic and `openai`
+beside two names of its own package (`sglang.utils.convert_json_schema_to_str`, and `msgspec.Struct`
+from 0.5.23), which are stubbed for the import: its own classes build the responses and stream
+chunks, serialized as the server serializes them (ast is used for its request fields and the stream
+refusals in serving_chat.py). Everything is run through draftgen's parser (core/generate/api/client.py);
 the request keys draftgen sends each release (core/servers.py) must be fields of its request class,
 and a stream must never carry a key the release refuses on streams.
 """
@@ -14,7 +19,12 @@ and a stream must never carry a key the release refuses on streams.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -244,3 +254,111 @@ def test_unknown_request_keys_are_taken_not_refused(release: Protocol) -> None:
     assert "extra='forbid'" not in config + request and 'extra="forbid"' not in config + request
     if p.name == VLLM:
         assert "extra='allow'" in config or 'extra="allow"' in config
+
+
+# -- SGLang's own classes ----------------------------------------------------------------------------
+
+SGLANG_RELEASES = [v for n, v in RELEASES if n == SGLANG]
+
+
+@contextmanager
+def _stubbed(names: dict[str, types.ModuleType]) -> Iterator[None]:
+    """`names` in sys.modules for the length of an import, whatever was there put back after."""
+    saved = {n: sys.modules.get(n) for n in names}
+    sys.modules.update({n: m for n, m in names.items() if saved[n] is None})
+    try:
+        yield
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+
+
+def _sglang_protocol(p: Protocol) -> types.ModuleType:
+    """SGLang's protocol.py of release `p`, imported under a name of its own with its two package
+    imports stubbed (needs pydantic and openai, skipped without them)."""
+    pytest.importorskip("pydantic")
+    pytest.importorskip("openai")
+    package = types.ModuleType("sglang")
+    package.__path__ = []
+    utils = types.ModuleType("sglang.utils")
+    utils.convert_json_schema_to_str = str  # type: ignore[attr-defined]
+    stubs = {"sglang": package, "sglang.utils": utils}
+    if importlib.util.find_spec("msgspec") is None:
+        msgspec = types.ModuleType("msgspec")
+
+        class Struct:
+            def __init_subclass__(cls, **_: Any) -> None: ...
+        msgspec.Struct = Struct  # type: ignore[attr-defined]
+        stubs["msgspec"] = msgspec
+    name = f"_sglang_protocol_{p.version.replace('.', '_')}"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = p.root / UNDER[SGLANG][0] / "openai" / "protocol.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with _stubbed(stubs):
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception:
+            sys.modules.pop(name, None)
+            raise
+    assert sys.modules.get("sglang") is not package  # the stubs never outlive the import
+    return module
+
+
+@pytest.fixture(params=SGLANG_RELEASES, ids=[f"sglang-{v}" for v in SGLANG_RELEASES])
+def sglang(request: pytest.FixtureRequest) -> tuple[Protocol, types.ModuleType]:
+    from tests.conftest import _cache
+    found = _protocol(SGLANG, request.param, str(_cache(request)))
+    if isinstance(found, str):
+        pytest.skip(found)
+    return found, _sglang_protocol(found)
+
+
+def _sglang_answer(m: types.ModuleType, finish: str) -> dict[str, Any]:
+    fields = m.ChatCompletionResponseChoice.model_fields
+    ids = {f: IDS for f in ("token_ids", "response_token_ids") if f in fields}
+    if ids:
+        ids["prompt_token_ids"] = PROMPT_IDS
+    choice = m.ChatCompletionResponseChoice(
+        index=0, message=m.ChatMessage(role="assistant", content="the answer", reasoning_content="the reasoning"),
+        finish_reason=finish, **ids)
+    usage = m.UsageInfo(prompt_tokens=2, completion_tokens=3, total_tokens=5)
+    return orjson.loads(m.ChatCompletionResponse(id="x", model="m", choices=[choice], usage=usage).model_dump_json())
+
+
+def test_sglang_answers_built_by_its_own_classes_are_read(sglang: tuple[Protocol, types.ModuleType]) -> None:
+    p, m = sglang
+    answer = parse_completion(_sglang_answer(m, "stop"), 0.1)
+    assert (answer.content, answer.reasoning) == ("the answer", "the reasoning")
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (2, 3)
+    gives = p.server.ids_request(streamed=False)
+    assert (answer.token_ids, answer.prompt_token_ids) == ((IDS, PROMPT_IDS) if gives else (None, None))
+    with pytest.raises(RequestFailed) as e:  # an aborted request, as SGLang returns it: a 200 with a body
+        parse_completion(_sglang_answer(m, "abort"), 0.1)
+    assert e.value.kind is ErrorKind.FINISH_ERROR
+
+
+def test_sglang_streams_built_by_its_own_classes_are_read(sglang: tuple[Protocol, types.ModuleType]) -> None:
+    p, m = sglang
+    asked = p.server.ids_request(streamed=True)
+
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None, **top: Any) -> bytes:
+        choices = [] if delta is None else [m.ChatCompletionResponseStreamChoice(
+            index=0, delta=m.DeltaMessage(**delta), finish_reason=finish)]
+        return b"data: " + m.ChatCompletionStreamResponse(id="x", model="m", choices=choices, **top
+                                                          ).model_dump_json().encode()
+    lines = [chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "the reasoning"}),
+             chunk({"content": "the answer"}), chunk({}, "stop")]
+    if asked:  # 0.5.20+: both id lists at the response level, in the stream's last chunks
+        lines.append(chunk(None, sglext=m.SglExt(input_ids=PROMPT_IDS, output_ids=[IDS])))
+    lines += [chunk(None, usage=m.UsageInfo(prompt_tokens=2, completion_tokens=3, total_tokens=5)),
+              b"data: [DONE]"]
+    state = _StreamState()
+    assert _feed_lines(lines, state)
+    answer = parse_completion(state.body(), 0.1)
+    assert (answer.content, answer.reasoning, answer.usage.completion_tokens) == ("the answer", "the reasoning", 3)
+    assert (answer.token_ids, answer.prompt_token_ids) == ((IDS, PROMPT_IDS) if asked else (None, None))
