@@ -27,6 +27,7 @@ import orjson
 
 from draftgen.core.errors import ConfigError
 from draftgen.core.secrets import key_problem
+from draftgen.core.servers import IDS_KEYS, ids_request, server_at
 
 ServerKind = Literal["openrouter", "openai-compatible"]
 # Request keys only OpenRouter takes: a strict OpenAI-compatible server answers them with a 422.
@@ -71,8 +72,8 @@ class ApiConfig:
     referer: str = "https://github.com/draftgen/draftgen"
     title: str = "draftgen"
     credits_interval_s: float = 60.0
-    # Ask the server for the generated token ids (`return_token_ids`: vLLM, SGLang >= 0.5.x); they
-    # become the sample's ids and the reconstruction is compared with them. OpenRouter ignores it.
+    # Ask the server for the generated token ids (vLLM, SGLang: each release its own way, found at run
+    # start, core/servers.py); they become the sample's ids and the text is checked against them.
     return_token_ids: bool = False
     # A management key's variable: the only key GET /credits answers (else GET /key's limit_remaining).
     management_key_env: str = ""
@@ -293,14 +294,22 @@ class Config:
         return key
 
     def request_body(self, dataset: DatasetConfig, messages: list[dict[str, Any]], *,
-                     decided: bool = True) -> dict[str, Any]:
+                     decided: bool = True, server_ids: bool = True) -> dict[str, Any]:
         """The exact body sent for a prompt of `dataset`: the [request] table as-is, then the dataset's
-        (streamed as the smoke test decided, `ApiConfig.streams`; `decided` False: as configured)."""
+        (streamed as the smoke test decided, `ApiConfig.streams`; `decided` False: as configured).
+        With `[api] return_token_ids`, the keys that ask the server found at run start for its ids in
+        this mode (core/servers.py; `server_ids` False: the plain `return_token_ids` switch)."""
         body: dict[str, Any] = {"model": self.api.model, "messages": messages, "max_tokens": dataset.max_tokens}
         body.update(self.request)
         body.update(dataset.request)
         if self.api.return_token_ids:
-            body["return_token_ids"] = True
+            if server_ids and self.api.self_hosted:
+                for key in IDS_KEYS:
+                    body.pop(key, None)
+                streams = self.api.streams if decided else self.api.configured_streams
+                body.update(ids_request(server_at(self.api.base_url), streams))
+            else:
+                body["return_token_ids"] = True
         if self.api.self_hosted:
             for key in self.dropped_keys(dataset):
                 del body[key]
@@ -330,7 +339,7 @@ class Config:
     def request_shape(self, dataset: DatasetConfig) -> dict[str, Any]:
         """Everything about a request except its messages: what the smoke test must have checked (the
         configured mode: the smoke test that decided a self-hosted server's mode checked both)."""
-        body = self.request_body(dataset, [], decided=False)
+        body = self.request_body(dataset, [], decided=False, server_ids=False)
         body.pop("messages")
         return {"base_url": self.api.base_url, **body}
 

@@ -309,7 +309,7 @@ class Completions:
         request[responses.GEN_ID] = gen.gen_id
         request[CREATED] = gen
         reply = wire.Reply(gen.gen_id, provider.name, ask.model, gen.created, completion, think and show,
-                           cfg.reasoning_field, ask.body.get("return_token_ids") is True,
+                           cfg.reasoning_field, ask.body.get("return_token_ids") is True and not cfg.ignore_token_ids,
                            wire.usage(ask.n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost),
                            cfg.stream_chunk_tokens)
         return gen, reply

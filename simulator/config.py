@@ -139,6 +139,8 @@ class SimConfig:
     # in usage.prompt_tokens: None as Kimi-K2.5's chat template does; a text to play a server that
     # renders another prompt than the run reconstructs (the prompt check then fails).
     default_system: str | None = None
+    # Play a server without ids (SGLang 0.5.16 and earlier): `return_token_ids` is ignored without a word.
+    ignore_token_ids: bool = False
     # Where the reasoning goes: OpenRouter uses `reasoning`; vLLM/SGLang use `reasoning_content`.
     reasoning_field: Literal["reasoning", "reasoning_content"] = "reasoning"
     # SSE keep-alive comment while the first token is awaited.

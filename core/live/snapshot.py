@@ -311,6 +311,7 @@ class EventKind(StrEnum):
     RESUMED = "resumed"
     RUN_DONE = "run_done"
     RUN_FAILED = "run_failed"
+    SERVER_IDS = "server_ids"                # the self-hosted server's token ids: how asked, or missing
     SIGNAL = "signal"
     SMOKE = "smoke"                          # the smoke test runs first
     SMOKE_DONE = "smoke_done"

@@ -12,7 +12,10 @@ segment as ordinary text and insert each special token by id, then check the ans
     ends_with_eot    the span ends with the end-of-turn token (never true for a truncated answer)
     round_trip       decoding the span's ids gives back the rendered text exactly (for our own ids
                      from a lossless byte-level BPE such as Kimi's: every text is valid Unicode,
-                     which is the same thing; backend ids are always decoded)
+                     which is the same thing); for the server's own ids: they decode at all
+    text_matches_ids the server's ids decode to the stored text: else its reasoning or tool parser
+                     rewrote the text after generating it (kimi_k2's stripped reasoning whitespace).
+                     The ids are what the model generated: a measure, never a reason to drop them
     token_count      |span tokens - billed completion_tokens| <= tolerance (the exact diff is kept)
     matches_backend  the server's own completion ids equal the reconstruction, id for id
     matches_backend_prompt  the server's own prompt ids (`prompt_token_ids`) equal the rendered prompt
@@ -52,7 +55,7 @@ from draftgen.core.tokens.template import ChatTemplate, RenderedChat, Segment
 from draftgen.core.tokens.tokenizer import Tokenizer
 
 CHECKS = ("renders", "one_think_close", "no_think_open", "ends_with_eot", "round_trip", "token_count",
-          "matches_backend", "matches_backend_prompt")
+          "matches_backend", "matches_backend_prompt", "text_matches_ids")
 DEFAULT_COUNT_TOLERANCE = 2
 SOURCES = ("reconstructed", "backend")
 PROMPT_SOURCES = ("rendered", "backend")
@@ -211,7 +214,9 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
     else:
         decoded = _decoded(tok, span)
         text = decoded or ""
-        round_trip = decoded is not None and decoded == answer_text
+        # The server's ids are the sample: their text is checked against them (text_matches_ids), and
+        # only ids that do not decode at all fail the round trip.
+        round_trip = decoded is not None and (span is not answer_ids or decoded == answer_text)
     # One uint32 buffer for the whole sample; the checks count ids on it at C speed.
     input_ids = np.frombuffer(array("I", prompt_ids + span + suffix_ids), dtype=np.uint32)
     start = len(prompt_ids)
@@ -229,6 +234,8 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
     if backend_ids is not None:
         checks["matches_backend"] = backend_usable and span == answer_ids
         source = "backend" if backend_usable else "reconstructed"
+        if backend_usable and round_trip:
+            checks["text_matches_ids"] = text == answer_text
     if prompt_match is not None:
         checks["matches_backend_prompt"] = prompt_match
 

@@ -98,18 +98,21 @@ def _int_list(ids: Any) -> list[int] | None:
     return None
 
 
-# Where the servers put the ids when `return_token_ids` is set (chat completions):
-#   vLLM >= 0.10.2 (vllm/entrypoints/openai/chat_completion/protocol.py, earlier openai/protocol.py):
-#     `token_ids` on the choice (ChatCompletionResponseChoice; each stream chunk's choice carries its
-#     delta), `prompt_token_ids` at the top level (ChatCompletionResponse; only the first stream chunk).
-#   SGLang (python/sglang/srt/entrypoints/openai/protocol.py, main 2025): `prompt_token_ids` and
-#     `token_ids` both on the non-streamed choice (ChatCompletionResponseChoice); its stream choices
-#     carry neither. Older builds put the generated ids in the response-level `sglext.output_ids`.
+# Where the servers put the ids (chat completions; core/servers.py says how each release is asked):
+#   vLLM >= 0.10.2 (vllm/entrypoints/openai/protocol.py, later chat_completion/protocol.py): `token_ids`
+#     on the choice (each stream chunk's choice carries its delta), `prompt_token_ids` at the top level
+#     (ChatCompletionResponse; only the first stream chunk).
+#   SGLang 0.5.17 (python/sglang/srt/entrypoints/openai/protocol.py): `prompt_token_ids` and `token_ids`
+#     on the non-streamed choice; 0.5.18+ renamed the latter `response_token_ids`. From 0.5.20 the
+#     `*_in_sglext` keys put them at the response level, streamed too: `sglext.input_ids` and
+#     `sglext.output_ids` (one list per choice), in the stream's last chunks.
 def _token_ids(obj: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
-    """The generated ids a vLLM or SGLang server returns when asked (`return_token_ids`): the choice's
-    `token_ids`, else SGLang's `sglext.output_ids` (one list per choice). None when absent or not a
-    list of integers."""
+    """The generated ids a vLLM or SGLang server returns when asked: the choice's `token_ids` or
+    `response_token_ids`, else SGLang's `sglext.output_ids` (one list per choice). None when absent or
+    not a list of integers."""
     ids = choice.get("token_ids")
+    if ids is None:
+        ids = choice.get("response_token_ids")
     if ids is None:
         ext = obj.get("sglext")
         out = ext.get("output_ids") if isinstance(ext, dict) else None
@@ -119,9 +122,33 @@ def _token_ids(obj: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
 
 def _prompt_token_ids(obj: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
     """The prompt ids the server ran: the choice's `prompt_token_ids` (SGLang), else the response's
-    (vLLM). None when absent or not a list of integers."""
+    (vLLM), else SGLang's `sglext.input_ids`. None when absent or not a list of integers."""
     ids = choice.get("prompt_token_ids")
-    return _int_list(obj.get("prompt_token_ids") if ids is None else ids)
+    if ids is None:
+        ids = obj.get("prompt_token_ids")
+    if ids is None:
+        ext = obj.get("sglext")
+        ids = ext.get("input_ids") if isinstance(ext, dict) else None
+    return _int_list(ids)
+
+
+# The finish reasons of an answer (OpenAI's, which vLLM, SGLang and OpenRouter's normalised field
+# use). Any other is no answer: SGLang's `abort` (an aborted request returned as a normal body),
+# OpenRouter's `error` (with its error object). A missing one is taken as it comes.
+ANSWER_FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter"})
+
+
+def _check_finish(obj: dict[str, Any], choice: dict[str, Any]) -> None:
+    """RequestFailed for a finish reason that ends no answer (an attempt that failed, retried)."""
+    reason = choice.get("finish_reason")
+    if reason is None or reason in ANSWER_FINISH_REASONS:
+        return
+    if reason == "error":
+        raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason \"error\" ({choice.get('native_finish_reason')})",
+                            metadata=_failure_meta(choice.get("error"), obj.get("provider")),
+                            code=_error_code(choice.get("error")))
+    raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason {str(reason)[:40]!r}: the server ended the request "
+                        "without an answer (SGLang: \"abort\"); retried, never stored")
 
 
 def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
@@ -135,10 +162,7 @@ def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
     if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
         raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 with no choices")
     choice = choices[0]
-    if choice.get("finish_reason") == "error":
-        raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason \"error\" ({choice.get('native_finish_reason')})",
-                            metadata=_failure_meta(choice.get("error"), obj.get("provider")),
-                            code=_error_code(choice.get("error")))
+    _check_finish(obj, choice)
     message = choice.get("message") or {}
     if not isinstance(message, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "choices[0].message is not an object")
@@ -178,7 +202,7 @@ class _StreamState:
         self.done = False
         self.choices = 0  # choice deltas seen: a stream of `choices: []` only carries no answer
         self.token_ids: list[int] | None = None  # vLLM's per-chunk `token_ids` deltas, joined
-        self.sglext: Any = None
+        self.sglext: dict[str, Any] | None = None
         self.prompt_token_ids: Any = None  # vLLM: top level, first chunk only
 
     def feed(self, chunk: dict[str, Any]) -> None:
@@ -201,8 +225,8 @@ class _StreamState:
         if value:
             self.usage = value
         value = get("sglext")
-        if isinstance(value, dict):
-            self.sglext = value
+        if isinstance(value, dict):  # SGLang may split it over two chunks (its ids in a named event)
+            self.sglext = value if self.sglext is None else {**self.sglext, **value}
         value = get("prompt_token_ids")
         if value is not None and self.prompt_token_ids is None:
             self.prompt_token_ids = value
@@ -403,13 +427,15 @@ class ChatClient:
             raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 stream with no choices")
         return state.body()
 
-    async def get_json(self, path: str, *, key: str | None = None) -> dict[str, Any]:
+    async def get_json(self, path: str, *, key: str | None = None, at_root: bool = False) -> dict[str, Any]:
         """GET `path` under base_url (e.g. "/key"), with another key when `key` is given (a management
-        key for /credits); RequestFailed for any status but 200."""
+        key for /credits); `at_root`: under the server's root instead (base_url without its "/v1", where
+        vLLM's /version and SGLang's /server_info are). RequestFailed for any status but 200."""
         assert self._session is not None
         headers = {"Authorization": f"Bearer {key}"} if key else None
+        base = self.base_url.removesuffix("/v1") if at_root else self.base_url
         try:
-            async with self._session.get(f"{self.base_url}{path}", headers=headers,
+            async with self._session.get(f"{base}{path}", headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=30, sock_connect=10)) as resp:
                 raw = await resp.read()
                 if resp.status != 200:

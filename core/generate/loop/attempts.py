@@ -9,7 +9,8 @@ fails no prompt; the answer kinds (a timeout, a cut-off body, a 200 carrying an 
 `engine.max_attempts` only while, since this prompt was first sent, the service has given the other
 prompts more answers than answer faults: then the trouble is this prompt's, not the service's (in
 an outage of such answers the others' faults outnumber the answers, and nothing fails). A 429 and
-the in-flight-budget 402 feed the dataset's adaptive limit (AIMD). A drain gives a retrying prompt up unrecorded.
+the in-flight-budget 402 feed the dataset's adaptive limit (AIMD), and so does a self-hosted server's
+503 (vLLM's and SGLang's full queue). A drain gives a retrying prompt up unrecorded.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ class Attempts:
         if self._recent is not None:
             self._recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=ticket.prompt_id, attempt=tries,
                              message=self._redact(e.message), status=e.status, provider=e.provider)
-        if e.slow_down:
+        if e.slows_down(self._config.api.self_hosted):
             ds.concurrency.on_429()
         elif not e.unreachable:
             ds.concurrency.on_response()
