@@ -20,7 +20,7 @@ from typing import TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.summary import prompts_left, summary_lines
+from draftgen.core.live.summary import prompts_left, signal_line, summary_lines
 from draftgen.core.records import error_count
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.units import clock, compact_duration, fmt_count, usd
@@ -198,8 +198,9 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
                  + (f"; the {n} held answer(s) are spooled" if n else ""))
 
     def on_term(name: str) -> None:
+        line = signal_line(name, pipeline.snapshot(), again=pipeline.quit_requested.is_set())
         pipeline.quit(drain=True)
-        tell(f"{name}: draining" + held())
+        tell(line + held())
 
     loop.add_signal_handler(signal.SIGINT, on_sigint)
     loop.add_signal_handler(signal.SIGTERM, on_term, "SIGTERM")

@@ -37,16 +37,25 @@ class LiveTokens:
             self.fidelity = self._reconstructor.fidelity()
 
     async def finish(self) -> bool:
-        """The run is over: wait for the last answers, say the report; False when some answer has no token ids."""
+        """The run is over: give token ids to every answer on disk that has none yet (answers an earlier
+        run spooled, imported as the datasets opened after `start`, included), wait for the last ones,
+        say the report; False when some answer has no token ids for a reason other than a full disk
+        (the stage then stops, saying what could not be written and what finishes it)."""
         r = self._reconstructor
         if r is None:
             return True
+        for ds in self._config.datasets:
+            await r.catch_up(ds.name)
         await r.close()
         tokens = self._stages["tokens"] = r.progress()
         self.fidelity = r.fidelity()
         self._emit(snap.Level.INFO, snap.EventKind.TOKENS_DONE, r.report(None).summary_line())
         complete = tokens.done >= tokens.total
-        if not complete:  # the tokens stage failed: not a complete run, merge would drop them
+        if tokens.state == snap.StageState.STOPPED:  # the disk refused: nothing is wrong, it did not finish
+            self._emit(snap.Level.WARN, snap.EventKind.TOKENS_FAILED,
+                       f"tokens: stopped at {tokens.done:,} of {tokens.total:,} answers: {tokens.message}")
+            complete = True  # the stage's STOPPED state makes the run incomplete (exit 3), not an error
+        elif not complete:  # the tokens stage failed: not a complete run, merge would drop them
             self._emit(snap.Level.ERROR, snap.EventKind.TOKENS_FAILED,
                        f"tokens: {tokens.done:,} of {tokens.total:,} answers have "
                        f"token ids ({tokens.message}); finish with `draftgen tokens {self._config.path}`")
