@@ -24,6 +24,7 @@ PREFIX = 12
 # Shorter than this, a "key" (a test or demo placeholder) is too common a string to cut out of text.
 MIN_NEEDLE = 6
 MARK = "[redacted]"
+MEMO_CHARS, MEMO_SIZE = 200, 4096  # texts this short are remembered, this many at most
 B64_WIDTH = 16  # base64 characters of the key (12 of its bytes) that are enough to leak it
 _ESCAPE = re.compile(r"\\+u([0-9a-fA-F]{4})|%([0-9a-fA-F]{2})")  # `\\u0073`: a JSON text escaped once more
 _B64_RUNS = re.compile(rf"[A-Za-z0-9+/_-]{{{B64_WIDTH},}}")
@@ -92,6 +93,8 @@ class Redactor:
         self._width = width if width >= MIN_NEEDLE else 0
         self._windows: frozenset[str] = frozenset()
         self._runs: re.Pattern[str] | None = None
+        # Upstream fields repeat (a provider's name, the model, "stop"): each short text is cut once.
+        self._memo: dict[str, str] = {}
         if not self._width:
             return
         chars = set(secret.lower()) | set(secret.upper())
@@ -103,6 +106,17 @@ class Redactor:
         self._b64 = _b64_windows(secret)
 
     def __call__(self, text: str) -> str:
+        short = len(text) <= MEMO_CHARS
+        if short and (done := self._memo.get(text)) is not None:
+            return done
+        out = self._cut(text)
+        if short:
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            self._memo[text] = out
+        return out
+
+    def _cut(self, text: str) -> str:
         for other in self._others:
             text = other(text)
         if self._runs is None:
