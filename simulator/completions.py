@@ -232,7 +232,7 @@ class Completions:
                            f"{model}:{echo}" if echo else model, gen.created, completion, think and show,
                            cfg.reasoning_field, body.get("return_token_ids") is True,
                            wire.usage(n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost),
-                           cfg.stream_chunk_tokens)
+                           cfg.stream_chunk_tokens, echo)
 
         if upstream is not None:  # a 5xx of a stream already under way: an error chunk, nothing billed
             self._hit(upstream)

@@ -3,7 +3,6 @@ prompt's size, the latency, and the deliberate misbehaviours (SimConfig.misbehav
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import hashlib
 from typing import Any
@@ -22,20 +21,6 @@ def bearer_key(request: web.Request) -> str:
     return request.headers.get("Authorization", "").partition(" ")[2].strip()
 
 
-def encoded_forms(key: str) -> str:
-    """The key as careless upstreams quote it encoded (SimConfig.echo_key_fields): JSON-escaped
-    (`\\u0073...`, every character, and every other one), percent-encoded in both cases, base64."""
-    lower = "".join(f"\\u{ord(c):04x}" for c in key)
-    upper = "".join(f"\\u{ord(c):04X}" for c in key)
-    some = "".join(f"\\u{ord(c):04X}" if i % 2 else c for i, c in enumerate(key))
-    url = "".join(f"%{ord(c):02x}" for c in key)
-    url_upper = "".join(f"%{ord(c):02X}" for c in key)
-    url_some = "".join(f"%{ord(c):02X}" if c in "-_" or i % 3 == 0 else c for i, c in enumerate(key))
-    basic = base64.b64encode(f"user:{key}".encode()).decode()
-    return (f"; json {lower}; JSON {upper}; mixed {some}; url {url}; URL {url_upper}; quoted {url_some}; "
-            f"auth Basic {basic}")
-
-
 def echo_key(request: web.Request, resp: web.StreamResponse, encoded: bool = False) -> None:
     """SimConfig.echo_key: put the caller's bearer key into an error body (not into answers); with
     `encoded` (echo_key_fields), its encoded forms as well."""
@@ -46,7 +31,8 @@ def echo_key(request: web.Request, resp: web.StreamResponse, encoded: bool = Fal
     unprefixed = key.split("-")[-1]
     # Every form a careless upstream quotes a key in: as sent, re-cased, without its prefix, a fragment.
     note = (f" (request made with key {key}; KEY={key.upper()}; key={key.lower()}; token {unprefixed}; "
-            f"fragment {key[len(key) // 2:len(key) // 2 + 12]}..." + (encoded_forms(key) if encoded else "") + ")")
+            f"fragment {key[len(key) // 2:len(key) // 2 + 12]}..."
+            + (f"; {wire.echo_note(key)}" if encoded else "") + ")")
     try:
         obj = orjson.loads(body)
         err = obj.get("error") if isinstance(obj, dict) else None

@@ -221,13 +221,14 @@ def key_forms(key: str) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["unstreamed", "streamed"])
 async def test_no_form_of_the_key_an_upstream_echoes_in_any_field_reaches_a_file_or_the_attach_stream(
-        tmp_path: Path) -> None:
+        tmp_path: Path, stream: bool) -> None:
     """The upstream echoes the key in X-Generation-Id, `id`, `provider`, `model`, error messages and
     error metadata, plain, JSON-escaped, percent-encoded and in base64 (SimConfig.echo_key_fields). A
-    headless run (the real client; unstreamed, so that the errors inside a 200 carry the echo too) with
-    a viewer on the attach socket: no form of the key is in any file of the run directory, the attach
-    stream (its snapshots: the providers panel) or the output."""
+    headless run (the real client, streamed or not) with a viewer on the attach socket: no form of the
+    key is in any file of the run directory, the attach stream (its snapshots: the providers panel) or
+    the output."""
     forms = key_forms(CANARY)
     faults = {"error200": 0.25, "500": 0.1, "429": 0.05, "524": 0.05}
     sim_cfg = SimConfig(seed=21, latency_scale=0.0, fixed_latency_s=0.02, mean_completion_tokens=60,
@@ -247,7 +248,7 @@ async def test_no_form_of_the_key_an_upstream_echoes_in_any_field_reaches_a_file
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 6}],
                           tables={"tokenizer": {"path": str(bundled_kimi_path())},
                                   "engine": {"max_attempts": 1, "workers": 1},
-                                  "api": {"credits_interval_s": 0.2, "stream": False}},
+                                  "api": {"credits_interval_s": 0.2, "stream": stream}},
                           request=REQUEST)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
