@@ -36,16 +36,18 @@ class LiveTokens:
             self._stages["tokens"] = self._reconstructor.progress()
             self.fidelity = self._reconstructor.fidelity()
 
-    async def finish(self) -> bool:
-        """The run is over: give token ids to every answer on disk that has none yet (answers an earlier
-        run spooled, imported as the datasets opened after `start`, included), wait for the last ones,
-        say the report; False when some answer has no token ids for a reason other than a full disk
-        (the stage then stops, saying what could not be written and what finishes it)."""
+    async def finish(self, imported: bool = False) -> bool:
+        """The run is over: wait for the last answers, say the report; False when some answer has no
+        token ids for a reason other than a full disk (the stage then stops, saying what could not be
+        written and what finishes it). `imported`: answers an earlier run spooled were written as the
+        datasets opened, after `start` caught up with the disk: they are caught up with now (every
+        other answer of the run comes through `submit`)."""
         r = self._reconstructor
         if r is None:
             return True
-        for ds in self._config.datasets:
-            await r.catch_up(ds.name)
+        if imported:
+            for ds in self._config.datasets:
+                await r.catch_up(ds.name)
         await r.close()
         tokens = self._stages["tokens"] = r.progress()
         self.fidelity = r.fidelity()
