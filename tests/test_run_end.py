@@ -152,3 +152,14 @@ async def test_stop_now_on_a_full_disk_exits_3_with_the_summary_saying_what_was_
     assert "exit 3 (incomplete" in joined, summary
     assert f"cannot write {run.tokens('a') / 'report.json'}" in joined, summary
     assert f"draftgen tokens {cfg.path}" in joined, summary
+
+
+def test_a_drain_signal_after_the_run_ended_is_not_said_to_drain() -> None:
+    from draftgen.core.live.summary import signal_line
+    from tests import fixtures as fx
+
+    assert signal_line("SIGHUP", fx.ended("DRAINED"), again=False) == \
+        "SIGHUP: the run has already ended (DRAINED); closing"
+    assert signal_line("SIGTERM", fx.running(), again=False).startswith("SIGTERM: draining (generation is running")
+    assert signal_line("SIGHUP", fx.running(), again=True) == "SIGHUP: already draining; the drain goes on"
+    assert "merge is running" in signal_line("SIGTERM", fx.merging(), again=False)
