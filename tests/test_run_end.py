@@ -24,11 +24,13 @@ import orjson
 import pytest
 
 from draftgen.core.generate.loop.spool import SpoolRecord, find_spools, write_spool
+from draftgen.core.live.summary import signal_line
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.store import TokenReader
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
+from tests import fixtures as fx
 
 from .helpers import TEST_KEY, cli_env, make_config, until
 from .test_disk_faults import fsize_limit, parsed_ids
@@ -155,9 +157,6 @@ async def test_stop_now_on_a_full_disk_exits_3_with_the_summary_saying_what_was_
 
 
 def test_a_drain_signal_after_the_run_ended_is_not_said_to_drain() -> None:
-    from draftgen.core.live.summary import signal_line
-    from tests import fixtures as fx
-
     assert signal_line("SIGHUP", fx.ended("DRAINED"), again=False) == \
         "SIGHUP: the run has already ended (DRAINED); closing"
     assert signal_line("SIGTERM", fx.running(), again=False).startswith("SIGTERM: draining (generation is running")
