@@ -12,12 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from draftgen.core.errors import DraftgenError
-
-
-class SimulatorError(DraftgenError):
-    """A bad simulator setting (CLI flag or control-endpoint patch); the message names it."""
-
+from draftgen.simulator.errors import SimulatorError
+from draftgen.simulator.scenarios import check_params
 
 # Order matters: one uniform draw per request walks these cumulatively, so a given seed and
 # prompt always meets the same fault whatever the other rates are set to.
@@ -198,10 +194,6 @@ class SimConfig:
                "must be > 0 or null")
         _check(self.in_flight_window_s >= 0, "in_flight_window_s", "must be >= 0")
         _check(self.generation_delay_s >= 0, "generation_delay_s", "must be >= 0")
-        from draftgen.simulator.scenarios import (
-            check_params,  # scenarios imports this module
-        )
-
         object.__setattr__(self, "scenarios", {str(k).lower(): check_params(str(k).lower(), v)
                                                for k, v in (self.scenarios or {}).items()})
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftgen.simulator.config import SimulatorError
+from draftgen.simulator.errors import SimulatorError
 
 
 @dataclass(frozen=True)

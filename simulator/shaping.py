@@ -23,8 +23,10 @@ def bearer_key(request: web.Request) -> str:
 
 def echo_key(request: web.Request, resp: web.StreamResponse, encoded: bool = False) -> None:
     """SimConfig.echo_key: put the caller's bearer key into an error body (not into answers); with
-    `encoded` (echo_key_fields), its encoded forms as well."""
-    body = getattr(resp, "body", None)
+    `encoded` (echo_key_fields), its encoded forms as well (a stream's error frames: wire.error_frame)."""
+    if not isinstance(resp, web.Response):  # a stream: nothing to rewrite
+        return
+    body = resp.body
     if not isinstance(body, bytes) or (resp.status < 400 and b'"error"' not in body):
         return
     key = bearer_key(request)
@@ -42,11 +44,10 @@ def echo_key(request: web.Request, resp: web.StreamResponse, encoded: bool = Fal
         meta = err.get("metadata")
         if isinstance(meta, dict):
             meta["raw"] = f"{meta.get('raw', '')}{note}"
-        elif encoded:
-            err["metadata"] = meta = {"raw": note}
-        if encoded:
-            meta["provider_name"] = f"{meta.get('provider_name') or 'Echo'} [{key}]"
-            meta["echo"] = {"forms": [note], key: "as a key"}
+        if encoded:  # the metadata too: a provider's name, a nested object, a key used as a key
+            meta = meta if isinstance(meta, dict) else {"raw": note}
+            err["metadata"] = {**meta, "provider_name": f"{meta.get('provider_name') or 'Echo'} [{key}]",
+                               "echo": {"forms": [note], key: "as a key"}}
         resp.body = orjson.dumps(obj)
     except ValueError:  # orjson.JSONDecodeError included: a plain-text body (524)
         resp.body = body + note.encode()

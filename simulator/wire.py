@@ -105,10 +105,10 @@ def completion_json(r: Reply, cache: FragmentCache | None = None, finish_reason:
     """The plain (non-streamed) body; `finish_reason`/`content`/`error` (the choice's) for faults."""
     c = r.completion
     key = r.cache_key("message") if cache is not None and content is None else None
-    message = cache.get(key) if key is not None else None
+    message = cache.get(key) if cache is not None and key is not None else None
     if message is None:
         message = _message(r, c.content if content is None else content)
-        if key is not None:
+        if cache is not None and key is not None:
             cache[key] = message
     fr = orjson.dumps(finish_reason or c.finish_reason)
     parts = [r.prefix("chat.completion"), b'{"index":0,"finish_reason":', fr, b',"native_finish_reason":', fr,
@@ -166,10 +166,10 @@ def _delta_choices(r: Reply) -> list[bytes]:
 def delta_frames(r: Reply, cache: FragmentCache | None = None) -> list[bytes]:
     """The SSE frames of the answer's text, reasoning first, without the final chunk."""
     key = r.cache_key("deltas") if cache is not None else None
-    choices = cache.get(key) if key is not None else None
+    choices = cache.get(key) if cache is not None and key is not None else None
     if choices is None:
         choices = _delta_choices(r)
-        if key is not None:
+        if cache is not None and key is not None:
             cache[key] = choices
     head = b"data: " + r.prefix("chat.completion.chunk")
     return [head + ch + b"]}\n\n" for ch in choices]

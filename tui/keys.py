@@ -126,8 +126,7 @@ class RunKeys(_App):
             self.pop_screen()
         if len(self.screen_stack) > 1:
             return
-        if not self._allowed("quit"):
-            return
+        # Quit is never refused (it is not an Action: the dialog below asks drain or stop).
         s = self.latest
         busy = s is None or s.state not in (*FINAL_STATES, snap.RunState.IDLE) or any(
             st.state == "running" for st in active_stages(s))

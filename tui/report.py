@@ -53,7 +53,9 @@ def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) ->
         cost = 0.0
         for _, rec in iter_jsonl(rd.responses(name)):
             answered += 1
-            usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
+            usage = rec.get("usage")
+            if not isinstance(usage, dict):
+                usage = {}
             n = usage.get("completion_tokens")
             tokens += n if isinstance(n, int) and not isinstance(n, bool) else 0
             c = usage.get("cost")

@@ -40,10 +40,10 @@ class GpuMonitor:
                 self._initialised = False
         return self._initialised
 
-    def _optional(self, fn: Callable[[], float]) -> float | None:
+    def _optional(self, fn: Callable[..., float], *args: Any) -> float | None:
         """Power and temperature are unsupported on some boards: show them as unknown, not the GPU as gone."""
         try:
-            return fn()
+            return float(fn(*args))
         except Exception:
             return None
 
@@ -61,13 +61,13 @@ class GpuMonitor:
                         name = name.decode("utf-8", "replace")
                     memory = nv.nvmlDeviceGetMemoryInfo(handle)
                     temp_kind = getattr(nv, "NVML_TEMPERATURE_GPU", 0)
+                    power_mw = self._optional(nv.nvmlDeviceGetPowerUsage, handle)
                     stats.append(GpuStat(
                         index=index, name=str(name),
                         util_pct=float(nv.nvmlDeviceGetUtilizationRates(handle).gpu),
                         mem_used_mb=memory.used / 2**20, mem_total_mb=memory.total / 2**20,
-                        power_w=self._optional(lambda h=handle: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
-                        temp_c=self._optional(
-                            lambda h=handle, kind=temp_kind: float(nv.nvmlDeviceGetTemperature(h, kind))),
+                        power_w=None if power_mw is None else power_mw / 1000.0,
+                        temp_c=self._optional(nv.nvmlDeviceGetTemperature, handle, temp_kind),
                     ))
             except Exception as e:  # a GPU fell off the bus, the driver went away mid-run
                 log.debug("NVML query failed: %s", e)

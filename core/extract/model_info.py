@@ -90,11 +90,12 @@ def resolve_aux_layers(aux_layers: str | list[int], dims: ModelDims,
     the captured layers in model order whatever order it is given, so a list in another order
     would silently label the slices wrong.
     """
+    layers: tuple[int, ...]
     if aux_layers == "eagle3":
         layers = eagle3_layers(dims.num_layers)
         where = f"the EAGLE-3 default for N={dims.num_layers}"
     else:
-        layers = tuple(int(k) for k in aux_layers)  # type: ignore[assignment]
+        layers = tuple(int(k) for k in aux_layers)
         where = "extract.aux_layers"
     if len(layers) != 3:
         raise ConfigError(f"{config_path}: extract.aux_layers must list exactly 3 layer ids, not {list(layers)}")
@@ -106,7 +107,7 @@ def resolve_aux_layers(aux_layers: str | list[int], dims: ModelDims,
     if list(layers) != sorted(set(layers)):
         raise ConfigError(f"{config_path}: {where} gives layers {list(layers)}; they must be strictly ascending "
                           f"(SGLang concatenates captured layers in model order), e.g. {sorted(set(layers))}")
-    return layers  # type: ignore[return-value]
+    return layers[0], layers[1], layers[2]
 
 
 def sglang_capture_ids(layers: tuple[int, int, int], dims: ModelDims, config_path: Path | str = "config") -> list[int]:

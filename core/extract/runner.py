@@ -295,6 +295,11 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                          f"{stats.skipped_existing:,} already written; layers {list(layers)}, H={dims.hidden_size}")
     reporter = _Reporter(progress, stats, backend.description, plan.tokens_todo)
     started = reporter.started
+
+    def warn(message: str) -> None:
+        events.write("warn", message)
+        reporter.emit(message=message, force=True)
+
     pool = PooledWriter(root, compress=cfg.compress)
     try:
         reporter.emit(force=True)
@@ -303,8 +308,7 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                 stats.stopped = True
                 break
             need = bytes_needed(sum(len(x) for x in ids), len(ids), dims.hidden_size)
-            if not disk_watch.wait_for(root, need, stop, log=lambda m: (events.write("warn", m),
-                                                                         reporter.emit(message=m, force=True))):
+            if not disk_watch.wait_for(root, need, stop, log=warn):
                 stats.stopped = True
                 break
             outputs = backend.run(ids)

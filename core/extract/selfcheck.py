@@ -30,6 +30,7 @@ and prints.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import platform
 import shutil
@@ -372,7 +373,7 @@ def gpu_prerequisites(nvml: Any = None) -> tuple[str | None, str | None, int]:
     """(driver version, CUDA version the driver supports, GPU count) from NVML; (None, None, 0) without one."""
     try:
         if nvml is None:
-            import pynvml as nvml
+            nvml = importlib.import_module("pynvml")
         nvml.nvmlInit()
     except Exception:  # no nvidia-ml-py, no driver, no device
         return None, None, 0

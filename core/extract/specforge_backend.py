@@ -22,7 +22,7 @@ How the library is driven (specforge/offline_capture/sglang.py and sglang_backen
   `hidden_states` [B, W, 3H] (aux, ascending layer order) and `last_hidden_states` [B, W, H]
   (after the final norm; SpecForge's logits processor skips lm_head). It makes one request per
   row from the whole row (the attention mask is not used to trim it) and concatenates the rows
-  on a new batch dim, so rows must have one width: we right-pad (backend.right_pad) and cut each sample
+  on a new batch dim, so rows must have one width: we right-pad (padding.right_pad) and cut each sample
   back to its own length. Padding comes after a sample's tokens, so under causal attention it
   changes none of that sample's rows (the self-check verifies sample-alone == sample-in-batch).
 """
@@ -267,7 +267,7 @@ class SpecForgeBackend:
         """Every rank runs the forward; only the writer gets the states (others get []), left on the GPU:
         the pooled writer reduces their finite flags there and copies them into pinned host memory
         without blocking (core/extract/writer.py), so the next forward is not held up by the copy."""
-        from draftgen.core.extract.backend import right_pad
+        from draftgen.core.extract.padding import right_pad
         input_ids, attention_mask, lengths = right_pad(batch)
         width = input_ids.shape[1]
         device = torch.device("cuda", torch.cuda.current_device())

@@ -380,7 +380,7 @@ def _decode(tp: Any, value: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
         return _decode(inner[0], value) if len(inner) == 1 else value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _from(tp, value)
     if origin is tuple:
         args = typing.get_args(tp)
@@ -403,7 +403,8 @@ def _from(cls: type, data: dict[str, Any]) -> Any:
 
 
 def snapshot_from_dict(data: dict[str, Any]) -> RunSnapshot:
-    return _from(RunSnapshot, data)
+    snapshot: RunSnapshot = _from(RunSnapshot, data)
+    return snapshot
 
 
 def event_from_dict(data: dict[str, Any]) -> Event:

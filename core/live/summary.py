@@ -23,17 +23,21 @@ from draftgen.core.units import clock, usd, usd_shown
 
 class Counted(Protocol):
     """A dataset's counts: its snapshot, or the engine's live record of it."""
-    name: str
-    total: int
-    done: int
-    failed: int
-    skipped: int
+    @property
+    def total(self) -> int: ...
+    @property
+    def done(self) -> int: ...
+    @property
+    def failed(self) -> int: ...
+    @property
+    def skipped(self) -> int: ...
+
 
 # Exit codes of `draftgen run` (and `demo`): docs/run-end.md, the exit code table.
 EXIT_COMPLETE, EXIT_SMOKE_FAILED, EXIT_ERROR, EXIT_INCOMPLETE = (ExitCode.COMPLETE, ExitCode.SMOKE_FAILED,
                                                                ExitCode.ERROR, ExitCode.INCOMPLETE)
 EXIT_INTERRUPTED = ExitCode.INTERRUPTED  # quit (or Ctrl-C) before the run started
-EXIT_MEANING = {EXIT_COMPLETE: "complete", EXIT_SMOKE_FAILED: "smoke test failed", EXIT_ERROR: "error",
+EXIT_MEANING: dict[int, str] = {EXIT_COMPLETE: "complete", EXIT_SMOKE_FAILED: "smoke test failed", EXIT_ERROR: "error",
                 EXIT_INCOMPLETE: "incomplete: run again to resume",
                 EXIT_KEY_REFUSED: "the API key was refused: set a valid one, run again",
                 EXIT_INTERRUPTED: "interrupted before the run started"}

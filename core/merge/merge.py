@@ -336,7 +336,7 @@ def _classify(line: bytes, refs: dict[str, TokenRef], seen: set[bytes], kept_ids
     ref = refs.get(sample_id)
     reason, notes = _drop_reason(record, ref, policy)
     if reason == "invalid":
-        for check in ref.failed_checks or ("unvalidated",):
+        for check in (ref.failed_checks if ref is not None else ()) or ("unvalidated",):
             st.invalid_checks[check] = st.invalid_checks.get(check, 0) + 1
     if reason is not None:
         return reason, ref, b"", False
@@ -358,13 +358,15 @@ def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: Merg
     reporter.phase()
     total = len(kept)
     train_bytes = 0
+    # A dataset has a kept line only if its responses file opened (pass 1 read it): -1 is never read.
+    responses = [inp.responses.fileno() if inp.responses is not None else -1 for inp in inputs]
     # Buffered token files: the temporary folder is thrown away on any error, so no write needs to
     # be its own commit (three system calls a sample were a tenth of the merge).
     with open(tmp / TRAIN_FILE, "wb", buffering=1 << 20) as train, \
             TokenWriter(tmp / TOKENS_DIR, buffered=True) as tokens:
         for k, (ds_index, offset, line_length, tok_offset, tok_length) in enumerate(kept):
             inp, st = inputs[ds_index], stats.datasets[ds_index]
-            record = orjson.loads(os.pread(inp.responses.fileno(), line_length, offset))
+            record = orjson.loads(os.pread(responses[ds_index], line_length, offset))
             sample_id = f"{inp.name}/{record['id']}"
             line = orjson.dumps(specforge_record(sample_id, record, tool_calls_key=tool_calls_key,
                                                  system=stats.system_turn)) + b"\n"

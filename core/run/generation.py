@@ -13,7 +13,14 @@ from draftgen.core.config import Config
 from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED, INCOMPLETE
+from draftgen.core.live.summary import (
+    EXIT_COMPLETE,
+    EXIT_ERROR,
+    EXIT_INCOMPLETE,
+    EXIT_INTERRUPTED,
+    EXIT_SMOKE_FAILED,
+    INCOMPLETE,
+)
 from draftgen.core.run.live_tokens import LiveTokens
 from draftgen.core.run.stages import Stages
 from draftgen.core.run.startup import Startup, Verdict
@@ -68,7 +75,7 @@ class Generation:
                 e = wrapper
             self.error = e
             self.state = snap.StageState.FAILED if self.started else snap.StageState.SKIPPED
-            self._code = getattr(e, "exit_code", 2)
+            self._code = e.exit_code
             for name, stage in list(self._stages.items()):
                 if stage.state == snap.StageState.RUNNING:
                     self._stages[name] = dataclasses.replace(stage, state=snap.StageState.FAILED,
@@ -88,7 +95,7 @@ class Generation:
                                           f"(fix what it names, then `draftgen smoke {self._config.path}`; "
                                           "or --skip-smoke)")
                 self.state = snap.StageState.SKIPPED
-                self._code = 1
+                self._code = EXIT_SMOKE_FAILED
                 return snap.RunState.STOPPED
             if self._reconstruct:
                 await self._tokens.start()

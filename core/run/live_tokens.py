@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
 from draftgen.core.live import snapshot as snap
+
+if TYPE_CHECKING:  # imported when the stage starts: a run without reconstruction never loads it
+    from draftgen.core.tokens.live import LiveReconstructor
 
 
 class LiveTokens:
@@ -16,7 +19,7 @@ class LiveTokens:
         self._config = config
         self._emit = emit
         self._stages = stages  # the stages panel's rows (Pipeline's dict, shared)
-        self._reconstructor: Any = None
+        self._reconstructor: LiveReconstructor | None = None
         self.fidelity: tuple[snap.ProviderFidelity, ...] = ()  # the last figures, kept after the workers stop
 
     async def start(self) -> None:

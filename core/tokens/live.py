@@ -14,14 +14,13 @@ responses.jsonl.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DiskError
-from draftgen.core.live.snapshot import ProviderFidelity, StageProgress, StageState
+from draftgen.core.live.snapshot import EventSink, ProviderFidelity, StageProgress, StageState, event_sink
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.report import ValidationReport
@@ -69,6 +68,11 @@ class _Dataset:
         return batch
 
 
+def _read_list(responses: Path, offsets: list[int]) -> list[dict[str, Any]]:
+    """The records at `offsets`, read in one go (in a worker thread)."""
+    return list(read_records(responses, offsets))
+
+
 class LiveReconstructor:
     """Reconstructs answers as the engine lands them, in worker processes."""
 
@@ -76,9 +80,9 @@ class LiveReconstructor:
     MAX_RESTARTS = 3   # new pools after dead workers before reconstruction gives up for the run
 
     def __init__(self, config: Config, workers: int = 0,
-                 on_event: Callable[[str, str, str], None] | None = None) -> None:
+                 on_event: EventSink | None = None) -> None:
         self.config = config
-        self._event = on_event or (lambda level, kind, message: None)
+        self._event = on_event if on_event is not None else event_sink(None)
         # Leave a core to the event loop unless told otherwise.
         self.workers = workers or max(1, cores() - 1)
         self._spec = WorkerSpec.from_config(config)
@@ -200,7 +204,7 @@ class LiveReconstructor:
         try:
             for i in range(0, len(offsets), chunk):
                 part = offsets[i:i + chunk]
-                records = await asyncio.to_thread(lambda part=part: list(read_records(responses, part)))
+                records = await asyncio.to_thread(_read_list, responses, part)
                 for rec in records:
                     if self._closed:
                         return
@@ -254,8 +258,9 @@ class LiveReconstructor:
         state = (StageState.FAILED if self._error else StageState.STOPPED if self._unwritten
                  else StageState.DONE if self._closed else StageState.RUNNING)
         total = self.report(None)
-        detail = (("valid", f"{total.valid:,}/{total.checked:,}"), ("waiting", f"{waiting:,}"),
-                  ("tokens/s", f"{tok_s:,.0f}" if landed else "0"))
+        detail: tuple[tuple[str, str], ...] = (
+            ("valid", f"{total.valid:,}/{total.checked:,}"), ("waiting", f"{waiting:,}"),
+            ("tokens/s", f"{tok_s:,.0f}" if landed else "0"))
         if self.restarts:
             detail += (("worker restarts", str(self.restarts)),)
         return StageProgress(

@@ -274,7 +274,7 @@ PROVIDER_CAPTION = ("exact: answer tokens equal to the billed completion_tokens;
 
 def provider_rows(providers: Mapping[str, Agreement]) -> list[tuple[str, ...]]:
     """One row of PROVIDER_COLUMNS per provider, most answers first."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for name, a in sorted(providers.items(), key=lambda kv: (-kv[1].answers, kv[0])):
         ans, pr = a.answer, a.prompt
         rows.append((name, f"{a.answers:,}", _pct(ans.share_exact), _num(ans.mean_abs, ".2f"), _num(ans.p99_abs),

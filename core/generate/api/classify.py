@@ -171,7 +171,8 @@ def parse_error_body(body: bytes) -> ErrorBody:
     if isinstance(err, dict):
         msg = str(err.get("message") or err)
         meta = err.get("metadata") if isinstance(err.get("metadata"), dict) else None
-        code = err.get("code") if isinstance(err.get("code"), str) else ""
+        raw_code = err.get("code")
+        code = raw_code if isinstance(raw_code, str) else ""
         if not code and meta is not None and isinstance(meta.get("code"), str):
             code = meta["code"]
         if meta is not None and meta.get("raw"):

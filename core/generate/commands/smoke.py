@@ -200,7 +200,8 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
                          f"{len(a.tool_calls or [])} tool call(s)" + ("" if tools_sent or not a.tool_calls
                                                                       else " without tools in the request")))
     want = config.api.model
-    model_ok = bool(a.model) and (_norm(a.model).startswith(_norm(want)) or _norm(want).startswith(_norm(a.model)))
+    model = a.model or ""
+    model_ok = bool(model) and (_norm(model).startswith(_norm(want)) or _norm(want).startswith(_norm(model)))
     rows.append(SmokeRow(f"{label} model", model_ok, f"{a.model!r} (asked for {want!r})"))
     u = a.usage
     tokens = f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens ({u.reasoning_tokens} reasoning)"
@@ -213,7 +214,7 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
         rows.append(SmokeRow(f"{label} usage", u.completion_tokens > 0 and u.cost > 0,
                              f"{tokens}, cost {usd(u.cost)}"
                              + ("" if u.cost > 0 else ": no cost in usage (budgets need it)")))
-        provider_ok = bool(a.provider) and _norm(a.provider) not in ignore
+        provider_ok = bool(a.provider) and _norm(a.provider or "") not in ignore
         rows.append(SmokeRow(f"{label} provider", provider_ok,
                              f"{a.provider!r}" + (" is in provider.ignore" if not provider_ok else "")
                              if a.provider else "no provider in the response"))
@@ -443,13 +444,13 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                              f"${body_worst_case(p, body, ds.max_tokens):.6f} for the smoke request at "
                              f"max_tokens {body_max_tokens(body, ds.max_tokens)}"))
             else:
-                need = config.budget.max_usd is not None
+                capped = config.budget.max_usd is not None
                 why = listing_error or "the routing allows no listed provider"
                 hint = ("; the address does not answer (see the key row): the prices are read from its listing "
                         "once it does" if unreachable else
                         "; max_usd needs one: set [api] prompt_price_per_mtok and completion_price_per_mtok"
-                        if need else "; no max_usd, so no ceiling to keep")
-                add(SmokeRow(f"{ds.name}: prices", not need, f"no price known ({why}){hint}", warning=not need))
+                        if capped else "; no max_usd, so no ceiling to keep")
+                add(SmokeRow(f"{ds.name}: prices", not capped, f"no price known ({why}){hint}", warning=not capped))
 
         rd = RunDir(config.run_dir)
         on_disk = {ds.name: await asyncio.to_thread(_on_disk, rd, ds) for ds in config.datasets}
@@ -563,11 +564,11 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                     add(special_text_row(config, ds.name, flagged, first))
             except DraftgenError as e:
                 add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
-        answers, tokens, cost = on_disk[ds.name]
+        answered, tokens, cost = on_disk[ds.name]
         figures.append(DatasetFigures(
-            name=ds.name, remaining=max(0, n - answers), max_tokens=ds.max_tokens, concurrency=ds.concurrency,
+            name=ds.name, remaining=max(0, n - answered), max_tokens=ds.max_tokens, concurrency=ds.concurrency,
             token_budget_left=None if ds.token_budget is None else max(0, ds.token_budget - tokens),
-            answers=answers, completion_tokens=tokens, cost_usd=cost, prices=prices[ds.name]))
+            answers=answered, completion_tokens=tokens, cost_usd=cost, prices=prices[ds.name]))
     result.smoke_answer = smoke
     plan = forecast(figures, spent_usd=spent, max_usd=config.budget.max_usd, smoke=smoke,
                     parallel=config.engine.parallel)

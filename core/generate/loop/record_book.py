@@ -34,7 +34,7 @@ from draftgen.core.generate.loop.spool import SpoolRecord, write_spool
 from draftgen.core.generate.loop.spool_import import HeldOutcome, SpoolImport
 from draftgen.core.generate.loop.stats import RateTracker, Tally
 from draftgen.core.generate.money.budget import MoneyBudget
-from draftgen.core.live.snapshot import EventKind, Level
+from draftgen.core.live.snapshot import EventKind, EventSink, Level
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
@@ -53,7 +53,7 @@ class _Held:
 
 class RecordBook:
     def __init__(self, rundir: RunDir, datasets: dict[str, DatasetRun], money: MoneyBudget, errors: Tally,
-                 redact: Redactor, *, on_event: Callable[[str, str, str], None],
+                 redact: Redactor, *, on_event: EventSink,
                  control: RunControl, on_answer: Callable[[str, dict[str, Any]], None] | None,
                  clock: Callable[[], float]) -> None:
         self.rundir = rundir

@@ -170,7 +170,7 @@ class _OnSums(Generic[T]):
     def __get__(self, ledger: SpendLedger | None, owner: type | None = None) -> T:
         if ledger is None:
             return self  # type: ignore[return-value]  # the descriptor itself, on the class
-        return getattr(ledger.sums, self._name)  # type: ignore[no-any-return]
+        return getattr(ledger.sums, self._name)
 
     def __set__(self, ledger: SpendLedger, value: T) -> None:
         setattr(ledger.sums, self._name, value)
@@ -342,7 +342,8 @@ class SpendLedger:
         otherwise. Returns what to look up."""
         if not self.sums.close(t):
             return None
-        line = {"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value, "c": None, "s": Source.PENDING.value}
+        line: dict[str, str | int | None] = {"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value, "c": None,
+                                             "s": Source.PENDING.value}
         if status is not None:
             line["st"] = status
         self._write(line)
