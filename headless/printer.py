@@ -22,7 +22,7 @@ from typing import TextIO
 from draftgen.core.config import Config
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.hub import Subscription
-from draftgen.core.live.summary import prompts_left, summary_lines
+from draftgen.core.live.summary import prompts_left, signal_line, summary_lines
 from draftgen.core.records import error_count
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.units import clock, compact_duration, fmt_count, usd
@@ -252,8 +252,9 @@ class _Signals:
                        + (f"; the {n} held answer(s) are spooled" if n else ""))
 
     def _on_term(self, name: str) -> None:
+        line = signal_line(name, self._pipeline.snapshot(), again=self._pipeline.quit_requested.is_set())
         self._pipeline.quit(drain=True)
-        self._tell(f"{name}: draining" + self._held())
+        self._tell(line + self._held())
 
 
 async def _print_updates(sub: Subscription, say: Callable[[str], None], interval_s: float) -> None:

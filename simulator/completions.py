@@ -103,7 +103,7 @@ class Completions:
             if responses.GEN_ID in request and not resp.prepared:
                 resp.headers["X-Generation-Id"] = request[responses.GEN_ID]
             if cfg.echo_key:
-                shaping.echo_key(request, resp)
+                shaping.echo_key(request, resp, encoded=cfg.echo_key_fields)
             return resp
         except asyncio.CancelledError:
             status = request.get(responses.NO_RESPONSE, "cancelled")
@@ -144,9 +144,10 @@ class Completions:
         name = active.scenario.name
         self._stats.scenarios[name] = self._stats.scenarios.get(name, 0) + 1
 
-    def _new_id(self, key: str, n: int) -> str:
+    def _new_id(self, key: str, n: int, echo: str = "") -> str:
+        """A generation id; `echo` (SimConfig.echo_key_fields: the caller's key) is put in it."""
         self._gen_counter += 1
-        return f"gen-{int(time.time())}-{key[:8]}{n:x}{self._gen_counter:x}"
+        return f"gen-{int(time.time())}-{key[:8]}{n:x}{self._gen_counter:x}" + (f"-{echo}" if echo else "")
 
     async def _serve(self, request: web.Request, cfg: SimConfig) -> web.StreamResponse:
         """One chat completion, checked as OpenRouter checks it: the key, the body, routing and the
@@ -304,14 +305,18 @@ class Completions:
         if provider.token_skew:
             billed_tokens = max(1, round(billed_tokens * (1 + provider.token_skew)))
         latency, ttft = shaping.latency(cfg, provider, completion.completion_tokens, draws[6], draws[7])
-        gen = Generation(self._new_id(ask.key, ask.n), ask.key, provider, ask.model, int(time.time()), ask.n_prompt,
-                         completion, billed_tokens, ask.stream, ttft, latency, ask.estimate)
+        echo = shaping.bearer_key(request) if cfg.echo_key_fields else ""
+        gen = Generation(self._new_id(ask.key, ask.n, echo), ask.key, provider, ask.model, int(time.time()),
+                         ask.n_prompt, completion, billed_tokens, ask.stream, ttft, latency, ask.estimate)
         request[responses.GEN_ID] = gen.gen_id
         request[CREATED] = gen
-        reply = wire.Reply(gen.gen_id, provider.name, ask.model, gen.created, completion, think and show,
+        # echo_key_fields: the key in the answer's `provider` and `model` too (the model still starts with
+        # the one asked for, as a provider's variant name does).
+        reply = wire.Reply(gen.gen_id, f"{provider.name} [{echo}]" if echo else provider.name,
+                           f"{ask.model}:{echo}" if echo else ask.model, gen.created, completion, think and show,
                            cfg.reasoning_field, ask.body.get("return_token_ids") is True and not cfg.ignore_token_ids,
                            wire.usage(ask.n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost),
-                           cfg.stream_chunk_tokens)
+                           cfg.stream_chunk_tokens, echo)
         return gen, reply
 
     async def _midstream_error(self, request: web.Request, cfg: SimConfig, upstream: Active, gen: Generation,

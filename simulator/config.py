@@ -155,6 +155,10 @@ class SimConfig:
     # A careless upstream: error bodies (4xx/5xx, and 200s carrying an error) quote the bearer key
     # the request came with, so tests can show draftgen never writes or prints what it is sent.
     echo_key: bool = False
+    # A careless upstream that echoes the key beyond its error text: in every answer's X-Generation-Id
+    # header and `id`, its `provider` and `model` fields (plain), and, with echo_key, in error messages
+    # and metadata JSON-\u-escaped, percent-encoded (both cases) and in base64 (a Basic credential).
+    echo_key_fields: bool = False
     # How many generations `/generation?id=` remembers (oldest forgotten first).
     generation_log_size: int = 100_000
 

@@ -12,7 +12,7 @@ from typing import TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.live.snapshot import EventKind, Level
-from draftgen.core.live.summary import EXIT_ERROR, summary_lines
+from draftgen.core.live.summary import EXIT_ERROR, signal_line, summary_lines
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.tui.app import DraftgenApp
 
@@ -56,17 +56,19 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
 
 def _on_signal(pipeline: Pipeline, app: DraftgenApp, signalled: list[str], name: str) -> None:
     """SIGHUP (the pane closed), SIGTERM, SIGINT from outside: drain like the headless run; a later
-    SIGINT stops now. The held answers are waited for or spooled, never dropped (engine.py)."""
+    SIGINT stops now. The held answers are waited for or spooled, never dropped (engine.py). The line
+    is logged before the quit acts, and says what this signal does now (a run already ended or already
+    draining is not said to start draining again)."""
     again = bool(signalled)
     signalled.append(name)
     if again and name == "SIGINT":
-        pipeline.quit(drain=False)
         pipeline.emit(Level.WARN, EventKind.SIGNAL, "SIGINT again: stopping now (held answers are spooled)")
+        pipeline.quit(drain=False)
     else:
-        pipeline.quit(drain=True)
         n = pipeline.engine.book.held_answers
-        pipeline.emit(Level.WARN, EventKind.SIGNAL, f"{name}: draining (requests in flight finish)" + (
+        pipeline.emit(Level.WARN, EventKind.SIGNAL, signal_line(name, pipeline.snapshot(), again=again) + (
             f"; {n} paid answer(s) held in memory wait for the disk (SIGINT spools them)" if n else ""))
+        pipeline.quit(drain=True)
     if name == "SIGHUP":
         _silence_terminal()  # nothing to draw on any more: every later write goes to /dev/null
         if app.is_running:

@@ -87,6 +87,17 @@ def quit_effects(s: RunSnapshot | None) -> QuitEffects:
                        "exit now; the requests in flight are asked again by the next run")
 
 
+def signal_line(name: str, s: RunSnapshot, *, again: bool) -> str:
+    """What a drain signal (SIGTERM, SIGHUP, a first SIGINT from outside) does now, for the log and the
+    shell: said before the quit acts, and never "draining" once the run has ended or already drains."""
+    if s.finished():
+        return f"{name}: the run has already ended ({s.label()}); closing"
+    if again:
+        return f"{name}: already draining; the drain goes on"
+    effects = quit_effects(s)
+    return f"{name}: draining ({effects.running}: {effects.drain})"
+
+
 def stopped_lines(s: RunSnapshot, config_hint: str) -> list[str]:
     """One line per stage stopped before its end (or never started): its counts, and what finishes it."""
     out = []
@@ -185,8 +196,14 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     out += textwrap.wrap(spend, WIDTH, initial_indent="  ", subsequent_indent="    ")
     tokens = next((p for p in s.stages if p.name == "tokens"), None)
     if tokens is not None:  # live reconstruction: how many answers have token ids, and how to finish
-        out.append(f"  tokens: {tokens.done:,} of {tokens.total:,} answers" + ("" if tokens.done >= tokens.total
-                   else f"; finish with `draftgen tokens {config_hint}`"))
+        line = f"tokens: {tokens.done:,} of {tokens.total:,} answers"
+        broke = tokens.state in (StageState.FAILED, StageState.STOPPED) and tokens.message
+        if broke:
+            line += f": {tokens.message}"  # what broke or could not be written
+        if (broke or tokens.done < tokens.total) and "`draftgen tokens " not in line:
+            line += f"; finish with `draftgen tokens {config_hint}`"
+        out += textwrap.wrap(line, WIDTH, initial_indent="  ", subsequent_indent="    ", break_long_words=False,
+                             break_on_hyphens=False)
     for line in stopped_lines(s, config_hint):
         out += textwrap.wrap(line, WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
     if s.alert:

@@ -110,7 +110,7 @@ class Generation:
                 self._code = EXIT_INCOMPLETE
             if self._engine.key_refused is not None:
                 self._code = EXIT_KEY_REFUSED
-            if not await self._tokens.finish() and self._code == EXIT_COMPLETE:
+            if not await self._tokens.finish(imported=held.imported > 0) and self._code == EXIT_COMPLETE:
                 self._code = EXIT_ERROR
             return state
         finally:

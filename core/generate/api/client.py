@@ -3,6 +3,11 @@
 One `ClientSession` for the life of a run; its connector is sized to the run's concurrency (the
 default pool of 100 would silently cap a run at 100). Every failure becomes a `RequestFailed`
 whose `kind` says whose problem it is and so how the engine treats it (core/generate/api/classify.py).
+
+Everything upstream says besides the answer's text is redacted here, where it enters (core/secrets.py):
+the X-Generation-Id header, `provider`, `model`, `id`, the finish reasons, every error's message and
+metadata, a generation record. An upstream that echoes the key in any of them (plain, JSON-escaped,
+percent-encoded, base64) gets it into no ledger, record, event, attach stream or panel.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import orjson
 
 from draftgen.core.generate.api.classify import RequestFailed, cannot_connect, classify_status
 from draftgen.core.records import ErrorKind, Usage
+from draftgen.core.secrets import Redactor
 
 __all__ = ["ChatAnswer", "ChatClient", "RequestFailed", "classify_status", "parse_completion"]
 
@@ -184,6 +190,28 @@ def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
     )
 
 
+def _clean(value: Any, redact: Redactor) -> Any:
+    return redact(value) if isinstance(value, str) else value
+
+
+def redacted_answer(a: ChatAnswer, redact: Redactor) -> ChatAnswer:
+    """The answer with every field upstream names (not its text) redacted, in place."""
+    a.provider = _clean(a.provider, redact)
+    a.model = _clean(a.model, redact)
+    a.generation_id = _clean(a.generation_id, redact)
+    a.finish_reason = _clean(a.finish_reason, redact)
+    a.native_finish_reason = _clean(a.native_finish_reason, redact)
+    return a
+
+
+def redacted(e: RequestFailed, redact: Redactor) -> RequestFailed:
+    """The failure with its message and metadata (every string in it) redacted, in place."""
+    e.message = redact(e.message)
+    e.args = (e.message,)
+    e.metadata = redact.deep(e.metadata)
+    return e
+
+
 # One SSE line may carry a whole answer (a server that sends it in one event): room for a few MB.
 MAX_SSE_LINE = 1 << 24
 
@@ -313,8 +341,11 @@ class ChatClient:
     """One session, a connector sized to `concurrency`, timeouts per phase, OpenRouter headers."""
 
     def __init__(self, base_url: str, api_key: str, *, concurrency: int, request_timeout_s: float = 1800.0,
-                 connect_timeout_s: float = 30.0, referer: str = "", title: str = "draftgen") -> None:
+                 connect_timeout_s: float = 30.0, referer: str = "", title: str = "draftgen",
+                 redact: Redactor | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self._api_key = api_key
+        self._redact = redact or Redactor(api_key)  # what comes from upstream, as it enters
         self._headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
         if referer:
             self._headers["HTTP-Referer"] = referer
@@ -357,7 +388,7 @@ class ChatClient:
                 if on_generation is not None:
                     gen_id = resp.headers.get("X-Generation-Id")
                     if gen_id:
-                        on_generation(gen_id)
+                        on_generation(self._redact(gen_id))
                 if resp.status != 200:
                     raise classify_status(resp.status, await resp.read(), resp.headers)
                 if body.get("stream"):
@@ -369,8 +400,8 @@ class ChatClient:
                     except orjson.JSONDecodeError:
                         raise RequestFailed(ErrorKind.BAD_BODY, f"HTTP 200 with a body that is not JSON "
                                             f"({len(raw)} bytes, truncated?)") from None
-        except RequestFailed:
-            raise
+        except RequestFailed as e:
+            raise redacted(e, self._redact) from None
         except TimeoutError as e:
             if isinstance(e, aiohttp.ConnectionTimeoutError):
                 raise RequestFailed(ErrorKind.CONNECTION, f"cannot connect to {self.base_url}: no answer within "
@@ -391,7 +422,11 @@ class ChatClient:
             raise RequestFailed(ErrorKind.CONNECTION, f"connection error: {type(e).__name__}: {e}") from None
         except aiohttp.ClientResponseError as e:
             raise RequestFailed(ErrorKind.BAD_BODY, f"bad response: {e.message}") from None
-        return parse_completion(obj, time.monotonic() - start)
+        try:
+            answer = parse_completion(obj, time.monotonic() - start)
+        except RequestFailed as e:
+            raise redacted(e, self._redact) from None
+        return redacted_answer(answer, self._redact)
 
     async def _read_sse(self, resp: aiohttp.ClientResponse) -> dict[str, Any]:
         """The answer of an SSE stream. Whatever has arrived is taken at once (`iter_any`) and split into
@@ -434,12 +469,13 @@ class ChatClient:
         assert self._session is not None
         headers = {"Authorization": f"Bearer {key}"} if key else None
         base = self.base_url.removesuffix("/v1") if at_root else self.base_url
+        redact = Redactor(self._api_key, key) if key else self._redact  # another key: cut out as well
         try:
             async with self._session.get(f"{base}{path}", headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=30, sock_connect=10)) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
-                    raise classify_status(resp.status, raw, resp.headers)
+                    raise redacted(classify_status(resp.status, raw, resp.headers), redact)
         except aiohttp.ClientConnectorError as e:
             raise RequestFailed(ErrorKind.CONNECTION, f"GET {path}: {cannot_connect(self.base_url, e)}",
                                 unreachable=True) from None
@@ -447,7 +483,7 @@ class ChatClient:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:
             raise RequestFailed(ErrorKind.BAD_BODY, f"GET {path}: body is not JSON") from None
-        return obj if isinstance(obj, dict) else {}
+        return redact.deep(obj) if isinstance(obj, dict) else {}
 
     async def generation(self, gen_id: str) -> dict[str, Any] | None:
         """GET /generation?id=: the generation's record, or None while it is not there yet (404)."""
