@@ -136,7 +136,7 @@ def test_nothing_to_do_exits_without_reading_the_model(tmp_path: Path, capsys: p
 
     def no_model(*_a: object, **_k: object) -> None:
         raise AssertionError("the model was read although nothing is left to do")
-    monkeypatch.setattr(runner, "read_model_dims", no_model)
+    monkeypatch.setattr(runner, "read_model_config", no_model)
     monkeypatch.setattr(runner, "make_backend", no_model)
     cfg_path = write_config(tmp_path, config, missing)
     assert main(["extract", str(cfg_path)]) == 0

@@ -10,7 +10,7 @@ import dataclasses
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,13 @@ from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DiskError, DraftgenError
 from draftgen.core.extract import layout
 from draftgen.core.extract.backend import ExtractBackend, make_backend
-from draftgen.core.extract.model_info import ModelDims, read_model_dims, resolve_aux_layers
+from draftgen.core.extract.model_info import (
+    ModelDims,
+    dims_from_config_dict,
+    read_model_config,
+    resolve_aux_layers,
+)
+from draftgen.core.extract.plan import context_limit, plan_batches
 from draftgen.core.extract.writer import Item, PooledWriter, Written
 from draftgen.core.files import TMP_MARK, disk_error, write_json_atomic
 from draftgen.core.live.progress import Throttle
@@ -53,6 +59,8 @@ class ExtractStats:
     bytes_written: int = 0
     nan_samples: int = 0          # outputs held NaN or Inf: reported, not written
     nan: list[dict[str, Any]] = field(default_factory=list)  # {"index", "id"} of each
+    too_long_samples: int = 0     # longer than the model's context: skipped before the forward, not written
+    too_long: list[dict[str, Any]] = field(default_factory=list)  # {"index", "id", "tokens"} of each
     stopped: bool = False
     elapsed_s: float = 0.0
     tokens_per_s: float = 0.0
@@ -67,30 +75,6 @@ class ExtractStats:
 def bytes_needed(tokens: int, files: int, hidden_size: int) -> int:
     """(3H + H)·2 bytes of bf16 states per token, plus the ids, the mask and each file's container."""
     return tokens * (4 * hidden_size * 2 + IDS_MASK_BYTES_PER_TOKEN) + files * FILE_OVERHEAD_BYTES
-
-
-def plan_batches(items: Sequence[tuple[int, int]], batch_tokens: int, max_samples: int | None = None,
-                 ) -> list[list[int]]:
-    """Group (index, length) items of similar length into batches of at most `batch_tokens` padded tokens.
-
-    Longest first: a batch that does not fit in memory fails in the first minute, not hours in.
-    A sample longer than `batch_tokens` gets a batch of its own.
-    """
-    ordered = sorted(items, key=lambda item: (-item[1], item[0]))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    width = 0
-    for index, length in ordered:
-        too_many = max_samples is not None and len(current) >= max_samples
-        if current and (too_many or (len(current) + 1) * width > batch_tokens):
-            batches.append(current)
-            current = []
-        if not current:
-            width = length  # the first of a batch is its longest
-        current.append(index)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def _shard_indices(count: int, shard: tuple[int, int]) -> range:
@@ -148,7 +132,8 @@ class _Reporter:
         eta = (remaining / rate if rate > 0 and state == StageState.RUNNING
                else (0.0 if state == StageState.DONE else None))
         self.progress(StageProgress(
-            name="extract", state=state, done=s.skipped_existing + s.written + s.nan_samples, total=s.samples,
+            name="extract", state=state, done=s.skipped_existing + s.written + s.nan_samples + s.too_long_samples,
+            total=s.samples,
             rate=rate, rate_unit="tok/s", eta_s=eta, message=message,
             detail=(
                 ("tokens", f"{fmt_count(done_tokens)} / {fmt_count(self.tokens_todo)}"),
@@ -183,10 +168,14 @@ class _Plan:
     tokens_todo: int
     max_forward_tokens: int  # padded tokens of the largest planned batch
     max_samples: int
+    mem_fraction: float = 0.0  # SGLang's mem_fraction_static from the GPU plan (0: the backend's default)
+    too_long: list[dict[str, Any]] = field(default_factory=list)  # longer than the context: skipped
+    context: int | None = None
 
 
 def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: ModelDims, limit: int,
-               cfg: Any, max_samples: int | None) -> _Plan:
+               cfg: Any, max_samples: int | None, *, model: tuple[dict[str, Any], str] | None = None,
+               gpu_plan: bool = False, config_path: object = "config") -> _Plan:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -195,6 +184,10 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
     entries: list[TokenEntry] = reader.entries
     indices = _shard_indices(len(reader), shard)
     todo = [k for k in indices if layout.existing_sample(root, k) is None]
+    context = context_limit(cfg, model[0]) if model is not None else None
+    too_long = [k for k in todo if context is not None and entries[k].length > context]
+    if too_long:  # the forward would fail on it (SGLang refuses it; a RoPE model past its length gives junk)
+        todo = [k for k in todo if entries[k].length <= context]
     tokens_todo = sum(entries[k].length for k in todo)
     _check_disk(root, tokens_todo, len(todo), dims)
     if cfg.backend == "specforge" and todo:
@@ -202,8 +195,31 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
         check_shm(cfg.min_shm_gb)
     batches = plan_batches([(k, entries[k].length) for k in todo], limit, max_samples)
     widest = max((len(b) * max(entries[k].length for k in b) for b in batches), default=0)
-    return _Plan(todo=todo, batches=batches, skipped_existing=len(indices) - len(todo), tokens_todo=tokens_todo,
-                 max_forward_tokens=widest, max_samples=max((len(b) for b in batches), default=0))
+    most = max((len(b) for b in batches), default=0)
+    fraction = 0.0
+    if gpu_plan and cfg.backend == "specforge" and todo and model is not None:
+        from draftgen.core.extract.plan import make_gpu_plan
+        gpu = make_gpu_plan(cfg, model[0], model[1], widest, most, config_path=config_path)
+        if gpu.refusal:
+            raise DraftgenError(gpu.refusal)
+        fraction = gpu.fraction
+    return _Plan(todo=todo, batches=batches, skipped_existing=len(indices) - len(todo) - len(too_long),
+                 tokens_todo=tokens_todo, max_forward_tokens=widest, max_samples=most, mem_fraction=fraction,
+                 too_long=[{"index": k, "id": entries[k].id, "tokens": entries[k].length} for k in too_long],
+                 context=context)
+
+
+class _Idle:
+    """The backend of a run with nothing to run (every missing sample is too long): no model is loaded."""
+    description = "none (no sample fits the context)"
+    max_batch_tokens = None
+    max_batch_samples = None
+
+    def run(self, batch: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return []
+
+    def close(self) -> None:
+        pass
 
 
 def make_group(cfg: Any, config_path: object = "config") -> Any:
@@ -241,7 +257,8 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     if backend is None and all(layout.existing_sample(rundir.hidden_states, k) is not None
                                for k in _shard_indices(len(reader), shard)):
         return _nothing_to_do(config, shard, len(_shard_indices(len(reader), shard)), progress)
-    dims = read_model_dims(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    model_cfg, source = read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    dims = dims_from_config_dict(model_cfg, source)
     layers = resolve_aux_layers(cfg.aux_layers, dims, config.path)
     if cfg.backend == "specforge" and backend is None:
         from draftgen.core.extract.model_info import sglang_capture_ids
@@ -256,11 +273,15 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     owned = backend is None
     try:
         limit = min(cfg.batch_tokens, (backend.max_batch_tokens if backend else None) or cfg.batch_tokens)
-        plan: _Plan = group.share(lambda: _make_plan(root, reader, shard, dims, limit, cfg,
-                                                     backend.max_batch_samples if backend else None))
+        plan: _Plan = group.share(lambda: _make_plan(
+            root, reader, shard, dims, limit, cfg, backend.max_batch_samples if backend else None,
+            model=(model_cfg, source), gpu_plan=backend is None, config_path=config.path))
+        if backend is None and not plan.todo:  # every sample left is longer than the context: nothing to load
+            backend = _Idle()
         if backend is None:
             backend = make_backend(cfg, dims, layers, group=group, max_forward_tokens=plan.max_forward_tokens,
-                                   max_samples=plan.max_samples, config_path=config.path)
+                                   max_samples=plan.max_samples, config_path=config.path,
+                                   mem_fraction_static=plan.mem_fraction)
         if group.writer:
             return _run_writer(config, shard, dims, layers, reader, root, plan, backend, progress, stop, rundir,
                                disk_watch)
@@ -286,13 +307,18 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
     stats = ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
                          hidden_size=dims.hidden_size, layers=layers, shard=shard, compress=cfg.compress,
                          samples=len(indices), tokens=sum(entries[k].length for k in indices),
-                         skipped_existing=plan.skipped_existing, draft_layer_ids=_draft_layer_ids(layers, dims))
+                         skipped_existing=plan.skipped_existing, draft_layer_ids=_draft_layer_ids(layers, dims),
+                         too_long_samples=len(plan.too_long), too_long=plan.too_long)
     if disk_watch is None:
         from draftgen.core.extract.plan import DiskWatch
         disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
     events = EventLog(rundir.events_log)
     events.write("info", f"extract: {len(plan.todo):,} samples ({plan.tokens_todo:,} tokens) to do in shard {i}/{n}, "
                          f"{stats.skipped_existing:,} already written; layers {list(layers)}, H={dims.hidden_size}")
+    for skip in plan.too_long:
+        events.write("warn", f"extract: sample {skip['index']} (id {skip['id']}) has {skip['tokens']:,} tokens, more "
+                             f"than the model's context of {plan.context:,} (max_position_embeddings, or "
+                             f"extract.sglang.context_length): skipped, not written")
     reporter = _Reporter(progress, stats, backend.description, plan.tokens_todo)
     started = reporter.started
     pool = PooledWriter(root, compress=cfg.compress)
@@ -334,7 +360,8 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
     write_json_atomic(stats_path(root, shard), stats.to_dict())
     summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
-               f"{stats.skipped_existing:,} already there")
+               f"{stats.skipped_existing:,} already there"
+               + (f", {stats.too_long_samples:,} longer than the context (skipped)" if stats.too_long_samples else ""))
     events.write("info", f"extract: {'stopped' if stats.stopped else 'done'}: {summary}")
     events.close()
     if reporter is not None:
