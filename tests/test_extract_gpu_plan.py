@@ -282,3 +282,32 @@ def test_compress_warns_with_the_rate_it_will_reach(tmp_path: Path) -> None:
     assert said[0].startswith("compress = true") and "enough for 100 tok/s" in said[0]
     assert compress_warning(make_plan(kimi_run(tmp_path / "plain", [10]), (0, 1), nvml=FakeCards(H200))) == []
     assert any("compress = true" in line for line in format_plan(plan))
+
+
+def test_extract_skips_and_counts_a_sample_longer_than_the_context(tmp_path: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftgen.core.extract import layout
+    from draftgen.core.extract.runner import extract
+    torch.manual_seed(0)
+    model = tmp_path / "tiny"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=2,
+                                 num_key_value_heads=2, vocab_size=200, max_position_embeddings=64,
+                                 pad_token_id=0)).eval().save_pretrained(model)
+    rng = np.random.default_rng(1)
+    run = tmp_path / "run"
+    with TokenWriter(run / "merged" / "tokens") as writer:
+        for k, n in enumerate([30, 65, 64]):
+            writer.append(f"s{k}", rng.integers(1, 200, size=n), np.ones(n, dtype=np.uint8))
+    raw = {"output": {"dir": str(run)}, "datasets": [{"name": "B1", "prompts": "p.jsonl"}],
+           "extract": {"model": str(model), "backend": "hf", "device": "cpu", "dtype": "float32"}}
+    config = config_from_dict(raw, tmp_path / "draftgen.toml")
+    stats = extract(config)
+    assert stats.written == 2 and stats.too_long_samples == 1
+    assert stats.too_long == [{"index": 1, "id": "s1", "tokens": 65}]
+    root = run / "hidden_states"
+    assert layout.existing_sample(root, 1) is None and layout.existing_sample(root, 2) is not None
+    assert "sample 1 (id s1) has 65 tokens, more than the model's context of 64" in (run / "events.log").read_text()
+    again = extract(config)  # nothing left that fits: no model loaded, the skip counted again
+    assert again.written == 0 and again.too_long_samples == 1 and again.backend.startswith("none")
