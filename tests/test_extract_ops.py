@@ -310,3 +310,28 @@ def test_prerequisite_rows_judge_the_driver_glibc_shm_and_disk(tmp_path: Path, m
     config = make_run(tmp_path, str(model_dir), n=3)
     disk = rows(ExtractConfig(backend="hf"), object(), config)["free disk for the whole extraction"]
     assert disk[0] and "for 3 samples" in disk[1] and "(bf16)" in disk[1]
+
+
+# extract.group_readable: training as another user of the group
+
+@pytest.mark.parametrize("group_readable", [False, True])
+def test_group_readable_output_is_0640_in_0750_folders_else_owner_only(tmp_path: Path, model_dir: Path,
+                                                                         group_readable: bool) -> None:
+    from draftgen.core.extract.runner import extract
+    config = make_run(tmp_path, str(model_dir), n=3, group_readable=group_readable)
+    old = os.umask(0o077)  # as `draftgen` itself runs (cli/main.py)
+    try:
+        stats = extract(config)
+    finally:
+        os.umask(old)
+    assert stats.written == 3
+    root = config.run_dir / "hidden_states"
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    folders = [root, *sorted(p for p in root.rglob("*") if p.is_dir())]
+    assert len(files) == 4  # 3 samples + stats.json
+    modes = {p.stat().st_mode & 0o777 for p in files}, {p.stat().st_mode & 0o777 for p in folders}
+    if group_readable:
+        assert modes == ({0o640}, {0o750})
+        assert config.run_dir.stat().st_mode & 0o050 == 0o050  # the group can pass through the run folder
+    else:
+        assert modes == ({0o600}, {0o700})

@@ -7,6 +7,7 @@ Synchronous on purpose: the model forward is the whole cost, and the caller (the
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import threading
 import time
@@ -29,7 +30,7 @@ from draftgen.core.extract.model_info import (
 )
 from draftgen.core.extract.plan import context_limit, plan_batches
 from draftgen.core.extract.writer import Item, PooledWriter, Written
-from draftgen.core.files import TMP_MARK, disk_error, write_json_atomic
+from draftgen.core.files import GROUP_FILE_MODE, TMP_MARK, disk_error, write_json_atomic
 from draftgen.core.live.progress import Throttle
 from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.rundir import EventLog, RunDir
@@ -177,7 +178,11 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
                cfg: Any, max_samples: int | None, *, model: tuple[dict[str, Any], str] | None = None,
                gpu_plan: bool = False, config_path: object = "config") -> _Plan:
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        layout.make_dir(root, group_readable=cfg.group_readable)
+        if cfg.group_readable:  # the group must pass through the run folder to reach hidden_states/
+            mode = root.parent.stat().st_mode & 0o777
+            if mode & 0o050 != 0o050:
+                os.chmod(root.parent, mode | 0o050)
     except OSError as e:
         raise disk_error(root, e) from e
     _remove_stale_tmp(root, shard)
@@ -321,7 +326,7 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                              f"extract.sglang.context_length): skipped, not written")
     reporter = _Reporter(progress, stats, backend.description, plan.tokens_todo)
     started = reporter.started
-    pool = PooledWriter(root, compress=cfg.compress)
+    pool = PooledWriter(root, compress=cfg.compress, group_readable=cfg.group_readable)
     try:
         reporter.emit(force=True)
         for batch, ids, masks in _batches_of_arrays(reader, plan.batches):
@@ -359,6 +364,8 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         stats.elapsed_s = round(elapsed, 3)
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
     write_json_atomic(stats_path(root, shard), stats.to_dict())
+    if cfg.group_readable:
+        os.chmod(stats_path(root, shard), GROUP_FILE_MODE)
     summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
                f"{stats.skipped_existing:,} already there"
                + (f", {stats.too_long_samples:,} longer than the context (skipped)" if stats.too_long_samples else ""))

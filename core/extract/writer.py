@@ -92,9 +92,11 @@ def _stage(items: Sequence[Item]) -> tuple[list[bool | None], list[layout.Sample
 class PooledWriter:
     """Writes `layout` files for batches of samples on `threads` threads, holding at most `depth` batches."""
 
-    def __init__(self, root: Path, *, compress: bool, threads: int = THREADS, depth: int = DEPTH) -> None:
+    def __init__(self, root: Path, *, compress: bool, threads: int = THREADS, depth: int = DEPTH,
+                 group_readable: bool = False) -> None:
         self.root = Path(root)
         self.compress = compress
+        self.group_readable = group_readable
         self.depth = depth
         self._slots = threading.Semaphore(depth)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="draftgen-writer")
@@ -131,7 +133,8 @@ class PooledWriter:
         if event is not None:
             event.synchronize()  # the pinned copy has landed
         return Written(index, sample_id, tokens, finite=True,
-                       nbytes=layout.write_sample(self.root, index, sample, compress=self.compress))
+                       nbytes=layout.write_sample(self.root, index, sample, compress=self.compress,
+                                                  group_readable=self.group_readable))
 
     def raise_failed(self) -> None:
         """Raise the first failure among the files in flight (a DiskError naming the file)."""
