@@ -238,8 +238,11 @@ def make_group(cfg: Any, config_path: object = "config") -> Any:
 def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
             progress: Callable[[StageProgress], None] | None = None,
             backend: ExtractBackend | None = None, stop: threading.Event | None = None,
-            group: Any = None, disk_watch: Any = None) -> ExtractStats:
+            group: Any = None, disk_watch: Any = None, in_child: bool = False) -> ExtractStats:
     """Write `hidden_states/` for every sample of `shard` not already there; return the run's stats.
+
+    The specforge backend outside torchrun runs in a child process (child.py: SGLang's parallel state
+    allows one capture per process); `disk_watch` then is the child's own (its pauses come as progress).
 
     `backend` replaces the one `config.extract` describes (a test's, or a model already loaded);
     `stop`, when set, ends the run after the batch in progress (everything written stays valid).
@@ -262,6 +265,9 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     if backend is None and all(layout.existing_sample(rundir.hidden_states, k) is not None
                                for k in _shard_indices(len(reader), shard)):
         return _nothing_to_do(config, shard, len(_shard_indices(len(reader), shard)), progress)
+    from draftgen.core.extract.child import extract_in_child, needs_child
+    if not in_child and needs_child(cfg.backend, backend, group):
+        return extract_in_child(config, shard=shard, progress=progress, stop=stop)  # type: ignore[no-any-return]
     model_cfg, source = read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
     dims = dims_from_config_dict(model_cfg, source)
     layers = resolve_aux_layers(cfg.aux_layers, dims, config.path)
