@@ -273,12 +273,14 @@ def test_plan_counts_samples_longer_than_the_context(tmp_path: Path) -> None:
 def test_compress_warns_with_the_rate_it_will_reach(tmp_path: Path) -> None:
     config = kimi_run(tmp_path, [1000, 500], compress=True, tokens_per_s=40_000)
     plan = make_plan(config, (0, 1), nvml=FakeCards(H200))
-    lines = compress_warning(plan, threads=8)
-    assert len(lines) == 1 and lines[0].startswith("warning: compress = true: gzip (level 1, 8 writer threads)")
+    lines = compress_warning(plan, threads=8, rate_per_thread=30e6)  # 240 MB/s: the figure
+    assert len(lines) == 1
+    assert lines[0].startswith("warning: compress = true: gzip (level 1, 8 writer threads, timed here) reaches "
+                               "~240.0 MB/s")
     assert "40.0k tok/s (extract.tokens_per_s)" in lines[0]
     assert "the writer, not the GPUs, would set the pace" in lines[0]
     slow = make_plan(kimi_run(tmp_path / "slow", [10], compress=True, tokens_per_s=100), (0, 1), nvml=FakeCards(H200))
-    said = compress_warning(slow, threads=8)
+    said = compress_warning(slow, threads=8, rate_per_thread=30e6)
     assert said[0].startswith("compress = true") and "enough for 100 tok/s" in said[0]
     assert compress_warning(make_plan(kimi_run(tmp_path / "plain", [10]), (0, 1), nvml=FakeCards(H200))) == []
     assert any("compress = true" in line for line in format_plan(plan))

@@ -41,9 +41,10 @@ FILE_OVERHEAD_BYTES = 4096
 IDS_MASK_BYTES_PER_TOKEN = 16
 # gzip level 1 on bf16 activations, when no .gz file of this run is on disk to measure: a guess.
 ASSUMED_GZ_RATIO = 0.85
-# gzip level 1 on a Kimi-size row (bf16, H=7168), one thread; benchmarks/bench_extract.py's
-# "gzip" table measures it on the machine at hand (docs/extraction.md has the figure it gave).
-GZ_BYTES_PER_S_PER_THREAD = 60e6
+# compress = true: the plan times gzip (level 1, as the writer) on this many bytes of bf16
+# activation-like data, one thread, on the machine that will write (bench_extract.py --gzip: the same
+# on a whole Kimi-size sample, 1 and several threads).
+GZ_PROBE_BYTES = 4 << 20
 DISK_RECHECK_S = 5.0
 
 # The GPU plan's margins (estimates; docs/extraction.md):
@@ -278,7 +279,20 @@ def format_plan(plan: Plan) -> list[str]:
     return lines + plan.notes + compress_warning(plan)
 
 
-def compress_warning(plan: Plan, threads: int | None = None) -> list[str]:
+def gzip_rate(nbytes: int = GZ_PROBE_BYTES) -> float:
+    """Bytes/s gzip level 1 (the writer's) reaches on one thread here, on bf16 activation-like data."""
+    import gzip
+
+    import numpy as np
+    # bf16 of N(0, 1): the top half of each float32 (little-endian), as the writer stores hidden states.
+    floats = np.random.default_rng(0).standard_normal(nbytes // 2, dtype=np.float32)
+    data = floats.view(np.uint16)[1::2].tobytes()
+    start = time.perf_counter()
+    gzip.compress(data, compresslevel=1, mtime=0)
+    return len(data) / max(time.perf_counter() - start, 1e-9)
+
+
+def compress_warning(plan: Plan, threads: int | None = None, rate_per_thread: float | None = None) -> list[str]:
     """With `compress`: the rate gzip reaches in the writer's threads; a warning when the plan's rate needs more."""
     if not plan.compress or plan.hidden_size is None or plan.nothing_to_do:
         return []
@@ -286,8 +300,8 @@ def compress_warning(plan: Plan, threads: int | None = None) -> list[str]:
         import os
         threads = max(4, min(8, os.cpu_count() or 4))  # writer.THREADS, without importing torch
     per_token = 4 * plan.hidden_size * 2 + IDS_MASK_BYTES_PER_TOKEN
-    reach = GZ_BYTES_PER_S_PER_THREAD * threads
-    line = (f"compress = true: gzip (level 1, {threads} writer threads) reaches ~{fmt_bytes(reach)}/s, "
+    reach = (rate_per_thread or gzip_rate()) * threads  # zlib lets go of the GIL: the threads add up
+    line = (f"compress = true: gzip (level 1, {threads} writer threads, timed here) reaches ~{fmt_bytes(reach)}/s, "
             f"~{fmt_count(reach / per_token)} tok/s at H={plan.hidden_size}")
     if plan.rate is None:
         return [f"{line}; the extraction's own rate is unknown (set extract.tokens_per_s to compare)"]

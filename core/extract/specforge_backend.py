@@ -246,14 +246,14 @@ class SpecForgeBackend:
 
     def run(self, batch: Sequence[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every rank runs the forward; only the writer gets the states (others get []), left on the GPU:
-        the pooled writer reduces their finite flags there and copies them into pinned host memory
-        without blocking (core/extract/writer.py), so the next forward is not held up by the copy."""
+        the pooled writer reduces their finite flags there and copies them into pinned host memory on
+        its own stream (core/extract/writer.py), so the next forward is not held up by the copy."""
         from draftgen.core.extract.backend import right_pad
         input_ids, attention_mask, lengths = right_pad(batch)
         width = input_ids.shape[1]
-        device = torch.device("cuda", torch.cuda.current_device())
-        out = self.capture.capture(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                   loss_mask=attention_mask.to(device))
+        # CPU tensors: SpecForge only takes `.tolist()` of the ids (SGLang builds its own device input) and
+        # hands the rows back; on the GPU that `.tolist()` would wait for the previous batch's copies.
+        out = self.capture.capture(input_ids=input_ids, attention_mask=attention_mask, loss_mask=attention_mask)
         aux, hidden = out.hidden_states, out.last_hidden_states
         if tuple(aux.shape[:2]) != (len(batch), width) or tuple(hidden.shape[:2]) != (len(batch), width):
             raise DraftgenError(f"{self.description}: SpecForge returned aux {tuple(aux.shape)} and hidden "
