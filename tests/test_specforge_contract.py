@@ -208,3 +208,27 @@ def test_the_page_sizes_sglang_forces_are_the_ones_the_kv_margin_knows(releases:
     assert forced and max(forced) <= LARGEST_PAGE, forced
     for backend in FORCED_PAGE_SIZES:
         assert f'"{backend}"' in text, f"{backend}: no longer an attention backend SGLang names"
+
+
+def test_the_self_checks_kimi_form_is_what_the_pinned_sglang_loads_for_kimi_k25(sglang_tree: Path) -> None:
+    """The class the released SGLang registers for Kimi-K2.5, the config it reads, and the weight names its
+    load_weights takes: the self-check's tiny Kimi (selfcheck.kimi_form) must be built for exactly these."""
+    from draftgen.core.extract.model_info import DEEPSEEK_FAMILY_ARCHS
+    from draftgen.core.extract.selfcheck import KIMI_ARCH, TINY_VISION
+    model = (sglang_tree / "sglang/srt/models/kimi_k25.py").read_text()
+    config = (sglang_tree / "sglang/srt/configs/kimi_k25.py").read_text()
+    assert f"EntryClass = [{KIMI_ARCH}]" in model and KIMI_ARCH in DEEPSEEK_FAMILY_ARCHS
+    assert "self.language_model = DeepseekV3ForCausalLM(\n                config.text_config," in model
+    assert 'yield name.replace("language_model.", ""), loaded_weight' in model  # our prefix, stripped
+    assert 'if "vision_tower" in name or "mm_projector" in name:' in model      # vision weights: by name only
+    assert 'model_type = "kimi_k25"' in config
+    assert "text_config = DeepseekV3Config(**text_config)" in config
+    assert "vision_config = KimiK25VisionConfig(**vision_config)" in config
+    # Every vision setting SGLang reads from vision_config: given by TINY_VISION, or a parameter of
+    # KimiK25VisionConfig with a default (the text_hidden_size kimi_form adds is one).
+    start = model.index("class MoonViT3dPretrainedModel")
+    read = set(re.findall(r"config\.(\w+)", model[start:model.index("class KimiK25ForConditionalGeneration")]))
+    vision_init = config[config.index("class KimiK25VisionConfig"):config.index("class KimiK25Config")]
+    defaults = set(re.findall(r"^\s{8}(\w+): [^=\n]+ = ", vision_init, re.M))
+    assert read and read <= set(TINY_VISION) | defaults | {"text_hidden_size"}, read - set(TINY_VISION) - defaults
+    assert {"vt_hidden_size"} <= read and "vt_hidden_size" in TINY_VISION  # the projector's name, not a parameter
