@@ -235,6 +235,7 @@ def test_extract_refuses_before_any_weight_loads(tmp_path: Path, monkeypatch: py
     real = gpu.card_memory
     monkeypatch.setattr(gpu, "card_memory", lambda nvml=None, env=None: real(fake, {}))
     monkeypatch.setattr(runner, "make_group", lambda cfg, path: LocalGroup())
+    monkeypatch.setenv("WORLD_SIZE", "8")  # as rank 0 of the torchrun job (no child process; its group a stand-in)
 
     def no_load(*_a: object, **_k: object) -> None:
         raise AssertionError("a backend was made although the plan refuses the job")

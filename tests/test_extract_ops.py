@@ -233,8 +233,10 @@ from draftgen.core.extract.hf_backend import HFBackend
 
 def make(cfg, dims, layers, **kw):
     # No GPU can exist here: transformers on the CPU stands in for SGLang's engine, nothing else changes.
-    assert cfg.backend == "specforge"
-    return HFBackend(cfg.model, layers, dtype="float32", device="cpu")
+    # SGLang would load Kimi-K2.5's own form; transformers has no such class: it loads the same weights
+    # in their DeepseekV3 form, which the self-check keeps beside it as its reference.
+    assert cfg.backend == "specforge" and cfg.model.endswith("kimi-k2.5-form")
+    return HFBackend(cfg.model.removesuffix("-form"), layers, dtype="float32", device="cpu")
 
 be.make_backend = selfcheck.make_backend = make
 torch.set_num_threads(1)
@@ -259,7 +261,7 @@ def test_self_check_runs_under_torchrun_with_two_ranks(tmp_path: Path, specforge
     out = proc.stdout
     rows = out.splitlines()
     assert out.count("draftgen extract --self-check") == 1, out + proc.stderr  # one checklist: rank 0's
-    family = "[deepseek-v3 MoE + MLA]"
+    family = "[kimi-k2.5 (KimiK25ForConditionalGeneration)]"  # no model configured: Kimi-K2.5's own form
     for check in ("backend starts", "mixed batch: shapes, dtypes, finite", "each sample alone == in the batch",
                   "lm_head(hidden_state) vs HF logits", "aux slices are HF hidden_states[k+1]",
                   "files read back through SpecForge's reader", "rerun skips every file"):
