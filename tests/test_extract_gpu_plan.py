@@ -29,9 +29,11 @@ GIB = 2**30
 RTX_PRO_6000 = ("NVIDIA RTX PRO 6000 Blackwell Server Edition", 97_887 * 2**20)   # nvidia-smi: 97887MiB
 H200 = ("NVIDIA H200", 143_771 * 2**20)                                              # nvidia-smi: 143771MiB
 
-# Kimi-K2.5's config.json as released (moonshotai/Kimi-K2.5): a KimiK25ForConditionalGeneration whose
-# text_config is Kimi-K2's DeepseekV3 language model, INT4 (compressed-tensors, group 32, symmetric) on the
-# routed experts only: attention, shared experts, the dense layer 0 MLP, lm_head and the vision tower stay bf16.
+# Kimi-K2.5's config.json (moonshotai/Kimi-K2.5), its numbers as public code that pins them repeats: a
+# KimiK25ForConditionalGeneration whose text_config is Kimi-K2's DeepseekV3 language model and holds the
+# quantization_config (SGLang's KimiK25Config propagates it from there), INT4 (compressed-tensors, group 32,
+# symmetric) on the routed experts only: attention, shared experts, the dense layer 0 MLP, lm_head and the
+# vision tower stay bf16.
 KIMI_TEXT = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "hidden_size": 7168,
     "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
@@ -49,8 +51,9 @@ KIMI_QUANT = {
                "re:.*vision_tower.*", "re:.*mm_projector.*"],
 }
 KIMI = {
-    "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": KIMI_TEXT,
-    "quantization_config": KIMI_QUANT,
+    "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+    "text_config": dict(KIMI_TEXT, quantization_config=KIMI_QUANT, routed_scaling_factor=2.827, n_group=1,
+                        topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True),
     "vision_config": {"vt_hidden_size": 1152, "vt_intermediate_size": 4304, "vt_num_hidden_layers": 27,
                       "merge_kernel_size": [2, 2], "text_hidden_size": 7168},
 }
@@ -114,8 +117,11 @@ def test_kimi_int4_weights_per_gpu_at_tp8_come_from_the_config() -> None:
     assert 76e9 < est.per_gpu_bytes < 78e9                                 # ~75 GB per GPU (the issue's figure)
     assert est.kv_bytes_per_token == 61 * (512 + 64) * 2                   # MLA latent, every rank
     assert est.quantization == "compressed-tensors int4 group 32"
+    # The quantisation at the top level instead (as vLLM mirrors it) reads the same.
+    top = dict(KIMI, quantization_config=KIMI_QUANT, text_config=KIMI_TEXT)
+    assert estimate_weights(top, 8).per_gpu_bytes == est.per_gpu_bytes
     # The same model unquantised: every weight bf16, ~2 TB over 8 GPUs.
-    plain = estimate_weights({k: v for k, v in KIMI.items() if k != "quantization_config"}, 8)
+    plain = estimate_weights(dict(KIMI, text_config=KIMI_TEXT), 8)
     assert plain.per_gpu_bytes > 3.3 * est.per_gpu_bytes
 
 
