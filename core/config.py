@@ -237,9 +237,10 @@ class ExtractConfig:
     batch_tokens: int = 16384      # padded tokens per forward (the longest sample alone may exceed it)
     compress: bool = False
     trust_remote_code: bool = False
-    # specforge backend: SGLang's static share of each GPU (weights + KV pool), its attention
-    # backend ("" = SGLang's choice) and the /dev/shm NCCL needs, checked at start.
-    mem_fraction_static: float = 0.8
+    # specforge backend: SGLang's static share of each GPU (weights + KV pool; 0 = chosen by the GPU
+    # plan from the model and the cards, docs/extraction.md), its attention backend ("" = SGLang's
+    # choice) and the /dev/shm NCCL needs, checked at start.
+    mem_fraction_static: float = 0.0
     attention_backend: str = ""
     min_shm_gb: float = 1.0
     # [extract.sglang]: more SGLang ServerArgs, passed through as keyword arguments (specforge backend).
@@ -248,6 +249,9 @@ class ExtractConfig:
     tokens_per_s: float = 0.0
     # The run pauses before a batch while free disk is below its bytes plus this margin.
     min_free_gb: float = 1.0
+    # true: hidden_states/ files 0640 and folders 0750 (readable by the group, e.g. a training job
+    # running as another user); false: 0600/0700, this user only.
+    group_readable: bool = False
 
 
 @dataclass(frozen=True)
@@ -630,8 +634,8 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     if engine.workers > MAX_WORKERS:  # each is a process holding the tokenizer: a typo must not fork thousands
         raise ConfigError(f"{file}: engine.workers must be at most {MAX_WORKERS}, not {engine.workers}")
     extract: ExtractConfig = parts["extract"]
-    if not 0 < extract.mem_fraction_static < 1:
-        raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1, "
+    if not 0 <= extract.mem_fraction_static < 1:
+        raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1 (0: the GPU plan chooses), "
                           f"not {extract.mem_fraction_static!r}")
     _positive(file, "extract.min_shm_gb", extract.min_shm_gb, allow_zero=True)
     _positive(file, "extract.tp_size", extract.tp_size)

@@ -172,7 +172,7 @@ def test_a_keyword_renamed_upstream_fails_at_the_call_site(releases: Sources) ->
 
 def test_a_dropped_or_misspelt_keyword_in_the_backend_fails(releases: Sources) -> None:
     text = BACKEND.read_text()
-    for old, new in [("loss_mask=attention_mask.to(device))", ")"),
+    for old, new in [("loss_mask=attention_mask)", ")"),
                      ("init_distributed(timeout=DIST_TIMEOUT_MIN, tp_size=tp_size)",
                       "init_distributed(timeout=DIST_TIMEOUT_MIN, tp=tp_size)"),
                      ('capture_method="eagle3"', 'capture_mode="eagle3"')]:
@@ -207,7 +207,7 @@ def test_the_page_sizes_sglang_forces_are_the_ones_the_kv_margin_knows(releases:
     # A backend added upstream with a larger forced page would make the KV pool too small for a batch.
     import re as _re
 
-    from draftgen.core.extract.specforge_backend import FORCED_PAGE_SIZES, LARGEST_PAGE
+    from draftgen.core.extract.plan import FORCED_PAGE_SIZES, LARGEST_PAGE
     text = next(r / "sglang/srt/server_args.py" for r in releases.roots
                 if (r / "sglang/srt/server_args.py").is_file()).read_text()
     forced = {int(n) for n in _re.findall(r"self\.page_size = (\d+)", text)}
@@ -286,3 +286,27 @@ def test_train_command_output_is_accepted_by_the_pinned_specforge(specforge_tree
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(AssertionError, match="exactly three"):
         specforge_parse(tmp_path / "bad.json", specforge_tree)
+
+
+def test_the_self_checks_kimi_form_is_what_the_pinned_sglang_loads_for_kimi_k25(sglang_tree: Path) -> None:
+    """The class the released SGLang registers for Kimi-K2.5, the config it reads, and the weight names its
+    load_weights takes: the self-check's tiny Kimi (selfcheck.kimi_form) must be built for exactly these."""
+    from draftgen.core.extract.model_info import DEEPSEEK_FAMILY_ARCHS
+    from draftgen.core.extract.selfcheck import KIMI_ARCH, TINY_VISION
+    model = (sglang_tree / "sglang/srt/models/kimi_k25.py").read_text()
+    config = (sglang_tree / "sglang/srt/configs/kimi_k25.py").read_text()
+    assert f"EntryClass = [{KIMI_ARCH}]" in model and KIMI_ARCH in DEEPSEEK_FAMILY_ARCHS
+    assert "self.language_model = DeepseekV3ForCausalLM(\n                config.text_config," in model
+    assert 'yield name.replace("language_model.", ""), loaded_weight' in model  # our prefix, stripped
+    assert 'if "vision_tower" in name or "mm_projector" in name:' in model      # vision weights: by name only
+    assert 'model_type = "kimi_k25"' in config
+    assert "text_config = DeepseekV3Config(**text_config)" in config
+    assert "vision_config = KimiK25VisionConfig(**vision_config)" in config
+    # Every vision setting SGLang reads from vision_config: given by TINY_VISION, or a parameter of
+    # KimiK25VisionConfig with a default (the text_hidden_size kimi_form adds is one).
+    start = model.index("class MoonViT3dPretrainedModel")
+    read = set(re.findall(r"config\.(\w+)", model[start:model.index("class KimiK25ForConditionalGeneration")]))
+    vision_init = config[config.index("class KimiK25VisionConfig"):config.index("class KimiK25Config")]
+    defaults = set(re.findall(r"^\s{8}(\w+): [^=\n]+ = ", vision_init, re.M))
+    assert read and read <= set(TINY_VISION) | defaults | {"text_hidden_size"}, read - set(TINY_VISION) - defaults
+    assert {"vt_hidden_size"} <= read and "vt_hidden_size" in TINY_VISION  # the projector's name, not a parameter

@@ -225,6 +225,19 @@ async def test_extract_over_another_merge_offers_start_over_or_set_aside() -> No
         assert controls.calls == ["extract:set_aside", "extract:start_over"]
 
 
+async def test_gpu_panel_shows_one_devices_error_on_its_row_and_cuda_numbering() -> None:
+    gpus = (snap.GpuStat(index=0, name="NVIDIA H200", util_pct=88.0, mem_used_mb=100_000.0, mem_total_mb=143_771.0,
+                    power_w=600.0, temp_c=60.0, physical=3),
+            snap.GpuStat(index=1, name="NVIDIA H200", util_pct=0.0, mem_used_mb=0.0, mem_total_mb=0.0,
+                    power_w=None, temp_c=None, physical=5, error="GPU is lost"))
+    app, _ = make(dataclasses.replace(fx.extracting(), gpus=gpus))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.query_one("#gpu").display, "GPU panel shown")
+        gpu = text(app, "#gpu")
+        assert "0→3 H200" in gpu and "88%" in gpu and "600 W" in gpu
+        assert "1→5 H200" in gpu and "NVML error" in gpu and "GPU 1→5: NVML: GPU is lost" in gpu
+
+
 async def test_extraction_without_nvml_says_no_gpu() -> None:
     app, _ = make(dataclasses.replace(fx.extracting(), gpus=None))
     async with app.run_test(size=(120, 40)) as pilot:

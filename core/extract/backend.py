@@ -33,18 +33,22 @@ class ExtractBackend(Protocol):
 
 
 def make_backend(cfg: ExtractConfig, dims: ModelDims, layers: tuple[int, int, int], *, group: object = None,
-                 max_forward_tokens: int = 0, max_samples: int = 0, config_path: object = "config") -> ExtractBackend:
-    """The backend `cfg` names; for "specforge", `group` is the TorchrunGroup and the two maxima size SGLang's pools."""
+                 max_forward_tokens: int = 0, max_samples: int = 0, config_path: object = "config",
+                 mem_fraction_static: float = 0.0) -> ExtractBackend:
+    """The backend `cfg` names; for "specforge", `group` is the TorchrunGroup, the two maxima size SGLang's pools and
+    `mem_fraction_static` is the GPU plan's (0: extract.mem_fraction_static, or plan.DEFAULT_FRACTION when unset)."""
     if cfg.backend == "hf":
         from draftgen.core.extract.hf_backend import HFBackend
         return HFBackend(cfg.model, layers, dtype=cfg.dtype, device=cfg.device,
                          trust_remote_code=cfg.trust_remote_code)
     if cfg.backend == "specforge":
         from draftgen.core.extract.model_info import sglang_capture_ids
+        from draftgen.core.extract.plan import DEFAULT_FRACTION
         from draftgen.core.extract.specforge_backend import SpecForgeBackend
         return SpecForgeBackend(cfg.model, sglang_capture_ids(layers, dims, str(config_path)), group=group,  # type: ignore[arg-type]
                                 dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                 max_forward_tokens=max_forward_tokens, max_samples=max_samples,
-                                mem_fraction_static=cfg.mem_fraction_static, attention_backend=cfg.attention_backend,
+                                mem_fraction_static=mem_fraction_static or cfg.mem_fraction_static or DEFAULT_FRACTION,
+                                attention_backend=cfg.attention_backend,
                                 sglang_args=cfg.sglang, config_path=config_path)
     raise ConfigError(f"{config_path}: extract.backend must be \"hf\" or \"specforge\", not {cfg.backend!r}")

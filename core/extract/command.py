@@ -82,14 +82,17 @@ def progress_line(p: StageProgress) -> str:
             f"ETA {compact_duration(p.eta_s)}")
 
 
-def plan_command(config: Config, shard: str | None, *, out: TextIO | None = None) -> int:
-    """`draftgen extract CONFIG --plan`: print what the extraction would do and exit; no model is loaded."""
+def plan_command(config: Config, shard: str | None, *, out: TextIO | None = None, nvml: Any = None) -> int:
+    """`draftgen extract CONFIG --plan`: print what the extraction would do and exit; no model is loaded.
+
+    1 when the GPU plan says the job cannot fit (the lines say why, with the numbers)."""
     from draftgen.core.extract.plan import format_plan, make_plan
     stream = out or sys.stdout
     parsed = parse_shard(shard) if shard else (0, 1)
-    for line in format_plan(make_plan(config, parsed)):
+    plan = make_plan(config, parsed, nvml=nvml)
+    for line in format_plan(plan):
         print(line, file=stream, flush=True)
-    return 0
+    return 1 if plan.gpu is not None and plan.gpu.refusal else 0
 
 
 def extract_command(config: Config, shard: str | None, *, out: TextIO | None = None, nvml: Any = None,
@@ -107,7 +110,7 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
     parsed = parse_shard(shard) if shard else (0, 1)
     from draftgen.core.extract import claim
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    plan = make_plan(config, parsed)
+    plan = make_plan(config, parsed, nvml=nvml)
     hidden = config.run_dir / "hidden_states"
     # Read only, the same on every rank: each rank decides alike; rank 0 acts once all have joined.
     standing = claim.standing(hidden, config.run_dir / "merged")
@@ -129,6 +132,8 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
         if standing.state == claim.ADOPTED and rank0:
             claim.settle(hidden, config.run_dir / "merged", claim.REFUSE, config.path)
         return 0
+    if plan.gpu is not None and plan.gpu.refusal:  # before any weight loads
+        raise DraftgenError(plan.gpu.refusal)
     if disk_watch is None:
         disk_watch = DiskWatch(margin_bytes=int(config.extract.min_free_gb * 2**30),
                                say=lambda m: print(m, file=stream, flush=True))
@@ -182,6 +187,11 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
     if stats.draft_layer_ids is not None:
         print(f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids = {stats.draft_layer_ids} "
               f"(SGLang's numbering of layers {list(stats.layers)}; also in stats.json)", file=stream, flush=True)
+    if stats.too_long_samples:
+        shown = ", ".join(f"{x['index']} ({x['tokens']:,} tokens)" for x in stats.too_long[:10])
+        more = f" and {stats.too_long_samples - 10} more" if stats.too_long_samples > 10 else ""
+        print(f"warning: samples longer than the model's context (skipped, not written): {shown}{more}; "
+              f"see stats.json", file=stream, flush=True)
     if stats.nan_samples:
         shown = ", ".join(str(x["index"]) for x in stats.nan[:10])
         more = f" and {stats.nan_samples - 10} more" if stats.nan_samples > 10 else ""

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from draftgen.core.errors import ConfigError, DraftgenError
+from draftgen.core.extract.plan import kv_page_size, kv_pool_tokens  # the GPU plan sizes the same KV pool
 from draftgen.core.units import fmt_bytes
 
 DIST_TIMEOUT_MIN = 120  # loading a 1T-parameter checkpoint can keep some ranks waiting a long time
@@ -195,25 +196,6 @@ def server_arg_fields() -> set[str] | None:
     return {f.name for f in dataclasses.fields(ServerArgs)}
 
 
-# The KV page size SGLang 0.5.14 forces for an attention backend (server_args.py
-# `_handle_attention_backend_compatibility` and friends); others keep `page_size` (default 1). With
-# no backend named SGLang picks one per GPU and model, so the margin assumes the largest it forces.
-FORCED_PAGE_SIZES = {"flashmla": 64, "cutlass_mla": 128, "trtllm_mla": 64, "trtllm_mha": 64,
-                     "tokenspeed_mla": 64, "cutedsl_mla": 64, "fa4": 128, "intel_xpu": 128}
-LARGEST_PAGE = max(FORCED_PAGE_SIZES.values())
-
-
-def kv_page_size(attention_backend: str, extra: dict[str, Any] | None = None) -> int:
-    """The page size the KV pool is rounded to: the backend's forced one, else an explicit
-    [extract.sglang] page_size, else 1 for a named backend and the largest forced one when SGLang chooses."""
-    if attention_backend in FORCED_PAGE_SIZES:
-        return FORCED_PAGE_SIZES[attention_backend]
-    explicit = (extra or {}).get("page_size")
-    if isinstance(explicit, int) and not isinstance(explicit, bool) and explicit > 0:
-        return max(explicit, LARGEST_PAGE) if not attention_backend else explicit
-    return 1 if attention_backend else LARGEST_PAGE
-
-
 def server_args(*, max_forward_tokens: int, max_samples: int, mem_fraction_static: float,
                 attention_backend: str, extra: dict[str, Any] | None = None,
                 config_path: object = "config") -> dict[str, Any]:
@@ -229,7 +211,7 @@ def server_args(*, max_forward_tokens: int, max_samples: int, mem_fraction_stati
     args: dict[str, Any] = {
         "mem_fraction_static": mem_fraction_static,
         "max_running_requests": max(1, max_samples),
-        "max_total_tokens": max_forward_tokens + page * max(1, max_samples) + 1024,
+        "max_total_tokens": kv_pool_tokens(max_forward_tokens, max_samples, page),
     }
     if attention_backend:
         args["attention_backend"] = attention_backend
@@ -265,14 +247,14 @@ class SpecForgeBackend:
 
     def run(self, batch: Sequence[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every rank runs the forward; only the writer gets the states (others get []), left on the GPU:
-        the pooled writer reduces their finite flags there and copies them into pinned host memory
-        without blocking (core/extract/writer.py), so the next forward is not held up by the copy."""
+        the pooled writer reduces their finite flags there and copies them into pinned host memory on
+        its own stream (core/extract/writer.py), so the next forward is not held up by the copy."""
         from draftgen.core.extract.padding import right_pad
         input_ids, attention_mask, lengths = right_pad(batch)
         width = input_ids.shape[1]
-        device = torch.device("cuda", torch.cuda.current_device())
-        out = self.capture.capture(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                   loss_mask=attention_mask.to(device))
+        # CPU tensors: SpecForge only takes `.tolist()` of the ids (SGLang builds its own device input) and
+        # hands the rows back; on the GPU that `.tolist()` would wait for the previous batch's copies.
+        out = self.capture.capture(input_ids=input_ids, attention_mask=attention_mask, loss_mask=attention_mask)
         aux, hidden = out.hidden_states, out.last_hidden_states
         if tuple(aux.shape[:2]) != (len(batch), width) or tuple(hidden.shape[:2]) != (len(batch), width):
             raise DraftgenError(f"{self.description}: SpecForge returned aux {tuple(aux.shape)} and hidden "

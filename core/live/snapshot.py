@@ -136,6 +136,8 @@ class GpuStat:
     mem_total_mb: float
     power_w: float | None
     temp_c: float | None
+    physical: int | None = None   # NVML's index when CUDA_VISIBLE_DEVICES renumbers (index is cuda:N)
+    error: str | None = None      # this device's NVML query failed: the other fields are empty
 
 
 @dataclass(frozen=True)
