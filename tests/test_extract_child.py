@@ -12,7 +12,7 @@ import pytest
 
 from draftgen.core.config import Config, config_from_dict
 from draftgen.core.errors import ConfigError, DraftgenError
-from draftgen.core.extract import layout
+from draftgen.core.extract import layout, runner
 from draftgen.core.extract.child import extract_in_child, needs_child
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.tokens.store import TokenWriter
@@ -54,7 +54,7 @@ def test_two_extractions_in_one_process_each_run_in_their_own_child(tmp_path: Pa
     for name in ("first", "second"):
         seen: list[StageProgress] = []
         config = make_run(tmp_path / name, model_dir)
-        stats = extract_in_child(config, progress=seen.append)
+        stats = extract_in_child(config, progress=seen.append, target=runner.extract)
         assert stats.written == 4 and not stats.stopped
         assert seen and seen[-1].state == "done" and seen[-1].done == 4
         root = config.run_dir / "hidden_states"
@@ -64,10 +64,10 @@ def test_two_extractions_in_one_process_each_run_in_their_own_child(tmp_path: Pa
 def test_stop_reaches_the_child_and_its_errors_come_back_as_themselves(tmp_path: Path, model_dir: Path) -> None:
     stop = threading.Event()
     stop.set()
-    stats = extract_in_child(make_run(tmp_path / "stopped", model_dir), stop=stop)
+    stats = extract_in_child(make_run(tmp_path / "stopped", model_dir), stop=stop, target=runner.extract)
     assert stats.stopped and stats.written == 0
     with pytest.raises(ConfigError, match="must be strictly ascending"):
-        extract_in_child(make_run(tmp_path / "bad", model_dir, aux_layers=[5, 3, 1]))
+        extract_in_child(make_run(tmp_path / "bad", model_dir, aux_layers=[5, 3, 1]), target=runner.extract)
 
 
 def test_the_specforge_backend_runs_in_a_child_every_time(tmp_path: Path, model_dir: Path,

@@ -39,12 +39,13 @@ def needs_child(backend_name: str, backend: object, group: object, env: Mapping[
     return backend_name == "specforge" and backend is None and group is None and "WORLD_SIZE" not in env
 
 
-def _child(config: Config, shard: tuple[int, int], out: Any, stop: Any, on_other_merge: str) -> None:
-    """The child's side: the whole extraction, its progress and its end sent on `out`."""
-    from draftgen.core.extract.runner import extract
+def _child(target: Callable[..., Any], config: Config, shard: tuple[int, int], out: Any, stop: Any,
+           on_other_merge: str) -> None:
+    """The child's side: the whole extraction (`target`, runner.extract: passed in, so that this module and
+    the runner do not import each other), its progress and its end sent on `out`."""
     try:
-        stats = extract(config, shard=shard, progress=lambda p: out.put(("progress", p)), stop=stop, in_child=True,
-                        on_other_merge=on_other_merge)
+        stats = target(config, shard=shard, progress=lambda p: out.put(("progress", p)), stop=stop, in_child=True,
+                       on_other_merge=on_other_merge)
         out.put(("done", stats))
     except DraftgenError as e:
         out.put(("error", type(e).__name__, str(e)))
@@ -63,13 +64,15 @@ def _raise(kind: str, message: str) -> None:
 
 def extract_in_child(config: Config, *, shard: tuple[int, int] = (0, 1),
                      progress: Callable[[StageProgress], None] | None = None,
-                     stop: threading.Event | None = None, on_other_merge: str = "refuse") -> Any:
-    """`runner.extract(config, ...)` in a spawned process; its ExtractStats, or its DraftgenError raised here."""
+                     stop: threading.Event | None = None, on_other_merge: str = "refuse",
+                     target: Callable[..., Any]) -> Any:
+    """`target(config, ...)` (runner.extract, which passes itself) in a spawned process; its ExtractStats, or
+    its DraftgenError raised here."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     child_stop = ctx.Event()
-    proc = ctx.Process(target=_child, args=(config, shard, out, child_stop, on_other_merge), name="draftgen-extract",
-                       daemon=True)
+    proc = ctx.Process(target=_child, args=(target, config, shard, out, child_stop, on_other_merge),
+                       name="draftgen-extract", daemon=True)
     proc.start()
     try:
         while True:

@@ -296,7 +296,7 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     from draftgen.core.extract.child import extract_in_child, needs_child
     if not in_child and needs_child(cfg.backend, backend, group):
         stats: ExtractStats = extract_in_child(config, shard=shard, progress=progress, stop=stop,
-                                               on_other_merge=on_other_merge)
+                                               on_other_merge=on_other_merge, target=extract)
         return stats
     model_cfg, source = read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
     dims = dims_from_config_dict(model_cfg, source)
