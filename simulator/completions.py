@@ -213,7 +213,10 @@ class Completions:
         pool = self._pool()
         answer = pool.pick(style_of_prompt(shaping.last_user_text(messages)),
                            int(key[:15], 16) + cfg.seed * 0x9E3779B97F4A7C15)
-        completion = pool.complete(answer, max_tokens, think)
+        over = cfg.past_max_tokens if max_tokens is not None and (
+            not cfg.past_max_tokens_providers or provider.name in cfg.past_max_tokens_providers) else 0
+        # A provider past max_tokens generates (and bills) more than the request allows.
+        completion = pool.complete(answer, max_tokens + over if over else max_tokens, think)
         billed_tokens = completion.completion_tokens
         if draws[4] < cfg.tokens_drift:
             billed_tokens = max(1, billed_tokens + (1 if draws[5] < 0.5 else -1))

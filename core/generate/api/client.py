@@ -3,6 +3,10 @@
 One `ClientSession` for the life of a run; its connector is sized to the run's concurrency (the
 default pool of 100 would silently cap a run at 100). Every failure becomes a `RequestFailed`
 whose `kind` says whose problem it is and so how the engine treats it (core/generate/api/classify.py).
+
+An answer a provider runs past the body's answer cap (core/request_keys.py `past_cap_limits`) is not
+returned: a stream is cut (closed by the client) as soon as its usage counts, or its text length, pass
+the cap by the margin, and a finished answer whose usage does is refused the same way (PAST_CAP).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 
-from draftgen.core.generate.api.classify import RequestFailed, cannot_connect, classify_status
+from draftgen.core.generate.api.classify import PastCap, RequestFailed, cannot_connect, classify_status
 from draftgen.core.records import ErrorKind, Usage
+from draftgen.core.request_keys import TEXT_CHARS_PER_TOKEN, body_max_tokens, past_cap_limits
 
 __all__ = ["ChatAnswer", "ChatClient", "RequestFailed", "classify_status", "parse_completion"]
 
@@ -167,7 +172,10 @@ MAX_SSE_LINE = 1 << 24
 class _StreamState:
     """Accumulates SSE chunks into the same shape as a non-streamed body."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int = 0) -> None:
+        self.cap = cap  # the body's answer cap (0: none)
+        self.token_limit, self.char_limit = past_cap_limits(cap)
+        self.chars = 0  # answer text streamed (content, reasoning, tool arguments): the estimate without counts
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
@@ -200,6 +208,11 @@ class _StreamState:
         value = get("usage")
         if value:
             self.usage = value
+            if self.token_limit and type(value) is dict:
+                done = value.get("completion_tokens")
+                if type(done) is int and done > self.token_limit:  # counts mid-stream (vLLM's continuous usage)
+                    raise RequestFailed.ran_past_cap(PastCap(self.cap, done, True, _usage_of(value),
+                                                             _has_cost(value)), self.meta.get("provider"))
         value = get("sglext")
         if isinstance(value, dict):
             self.sglext = value
@@ -226,9 +239,11 @@ class _StreamState:
                 text = dget("content")
                 if text:
                     self.content.append(text)
+                    self.chars += len(text)
                 text = dget("reasoning") or dget("reasoning_content")
                 if text and isinstance(text, str):
                     self.reasoning.append(text)
+                    self.chars += len(text)
                 calls = dget("tool_calls")
                 if calls:
                     self._tool_call_deltas(calls)
@@ -238,6 +253,9 @@ class _StreamState:
             value = cget("native_finish_reason")
             if value:
                 self.native_finish_reason = value
+        if self.char_limit and self.chars > self.char_limit:
+            raise RequestFailed.ran_past_cap(PastCap(self.cap, self.chars // TEXT_CHARS_PER_TOKEN, False),
+                                             self.meta.get("provider"))
 
     def _tool_call_deltas(self, calls: list[dict[str, Any]]) -> None:
         for tc in calls:
@@ -248,7 +266,9 @@ class _StreamState:
             fn = tc.get("function") or {}
             if fn.get("name"):
                 slot["function"]["name"] = fn["name"]
-            slot["function"]["arguments"] += fn.get("arguments") or ""
+            args = fn.get("arguments") or ""
+            slot["function"]["arguments"] += args
+            self.chars += len(args)
 
     def body(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content),
@@ -336,8 +356,9 @@ class ChatClient:
                         on_generation(gen_id)
                 if resp.status != 200:
                     raise classify_status(resp.status, await resp.read(), resp.headers)
+                cap = body_max_tokens(body, 0)
                 if body.get("stream"):
-                    obj = await self._read_sse(resp)
+                    obj = await self._read_sse(resp, cap)
                 else:
                     raw = await resp.read()
                     try:
@@ -367,15 +388,19 @@ class ChatClient:
             raise RequestFailed(ErrorKind.CONNECTION, f"connection error: {type(e).__name__}: {e}") from None
         except aiohttp.ClientResponseError as e:
             raise RequestFailed(ErrorKind.BAD_BODY, f"bad response: {e.message}") from None
-        return parse_completion(obj, time.monotonic() - start)
+        answer = parse_completion(obj, time.monotonic() - start)
+        if cap and answer.usage.completion_tokens > past_cap_limits(cap)[0]:
+            u = answer.usage
+            raise RequestFailed.ran_past_cap(PastCap(cap, u.completion_tokens, True, u, answer.priced), answer.provider)
+        return answer
 
-    async def _read_sse(self, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    async def _read_sse(self, resp: aiohttp.ClientResponse, cap: int = 0) -> dict[str, Any]:
         """The answer of an SSE stream. Whatever has arrived is taken at once (`iter_any`) and split into
         lines here: aiohttp's line iterator costs a buffer round trip per line, more than the JSON
         decode of the event. Lines that are not `data:` (`: OPENROUTER PROCESSING` keep-alives, blank
         separators, `event:`/`id:` fields) are skipped; each event is decoded once (orjson skips the
         space after `data:` and a `\r` before the newline), and its deltas are joined once at the end."""
-        state = _StreamState()
+        state = _StreamState(cap)
         partial: list[bytes] = []  # a line still arriving, in pieces
         size = 0
         async for data in resp.content.iter_any():

@@ -500,7 +500,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
                     answer = await client.chat(body, functools.partial(spend.generation, ticket))
                     break
                 except RequestFailed as e:
-                    look_up(settler, book_failure(spend, ticket, e))
+                    look_up(settler, book_failure(spend, ticket, e, p, self_hosted=config.api.self_hosted))
                     delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, rng)
                     if _outage(e) and tries < SMOKE_TRIES and time.monotonic() + delay <= deadline:
                         await asyncio.sleep(delay)  # each retry goes on the ledger with its own reservation

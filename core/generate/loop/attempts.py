@@ -28,7 +28,7 @@ from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFai
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.run_state import RunControl
 from draftgen.core.generate.loop.stats import Tally
-from draftgen.core.generate.money.billing import as_booked, book_answer, book_failure, look_up
+from draftgen.core.generate.money.billing import as_booked, book_answer, book_failure, look_up, over_reservation
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
 from draftgen.core.live.recent import RecentErrors
@@ -96,6 +96,7 @@ class Attempts:
         self.backing_off = 0     # requests waiting to retry a transient error right now
         self.last_transient: RequestFailed | None = None
         self.unreachable_cause = ""  # e.g. "cannot connect to 127.0.0.1:18799 (connection refused)"
+        self._said: dict[tuple[EventKind, str], int] = {}  # (event kind, provider) -> times seen
 
     async def ask(self, ds: DatasetRun, body: dict[str, Any], ticket: Ticket) -> Attempted:
         """Ask until there is an outcome. Each attempt goes out under its own reservation (`ticket` for
@@ -127,7 +128,11 @@ class Attempts:
             try:
                 answer = await self.client.chat(body, lambda gen_id, t=t: spend.generation(t, gen_id))
             except RequestFailed as e:
-                look_up(self.settler, book_failure(spend, ticket, e))
+                look_up(self.settler, book_failure(spend, ticket, e, self.prices.get(ds.config.name),
+                                                   self_hosted=self._config.api.self_hosted))
+                if e.past_cap is not None:
+                    self._say(EventKind.PAST_CAP, ds, e.provider, f"prompt {prompt_id!r}: {self._redact(e.message)}; "
+                              "booked at what it billed, the prompt is asked again (docs/money.md)")
                 self._errors.add(e.kind)
                 if self._recent is not None:
                     self._recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=prompt_id, attempt=tries,
@@ -178,10 +183,23 @@ class Attempts:
             prices = self.prices.get(ds.config.name)
             look_up(self.settler, book_answer(spend, ticket, answer, prices))
             answer = as_booked(answer, ticket, prices)  # the record's cost is what the ledger booked
+            over = over_reservation(answer, ticket, prices)
+            if over:
+                self._say(EventKind.OVER_RESERVATION, ds, answer.provider or "",
+                          f"prompt {prompt_id!r} billed ${ticket.worst + over:.6f}, ${over:.6f} past its reservation "
+                          f"of ${ticket.worst:.6f}: booked at what it billed, so max_usd counts it")
             ds.concurrency.on_response()
             self.answered += 1
             self._note_reachable()
             return Attempted(Outcome.ANSWERED, tries, answer=answer, seq=seq)
+
+    def _say(self, kind: EventKind, ds: DatasetRun, provider: str, what: str) -> None:
+        """A provider's billing past what was asked: said the 1st, 10th, 100th... time per provider."""
+        name = self._redact(provider) or "(unnamed provider)"
+        n = self._said[kind, name] = self._said.get((kind, name), 0) + 1
+        if n == 1 or (n % 10 == 0 and str(n).rstrip("0") == "1"):
+            again = f" ({n} times so far)" if n > 1 else ""
+            self._event(Level.WARN, kind, f"{ds.config.name}: provider {name}{again}: {what}", dataset=ds.config.name)
 
     def stalled(self, in_flight: int) -> str:
         """Why no answer comes while the run goes, in a sentence (empty when answers come)."""
