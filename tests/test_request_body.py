@@ -195,6 +195,9 @@ async def test_a_provider_past_max_tokens_is_cut_named_and_on_the_ledger(tmp_pat
     assert served.get("Solo", 0) > 0 or not stream, served  # Solo answered (its streams reached the client)
     past = [msg for _, kind, msg in events if kind == "past_cap"]
     assert past and "Solo" in past[0] and "max_tokens 100" in past[0], events
+    if stream:  # the cut stream ran on to its end upstream: its record bills past what it was counted at
+        over = [msg for _, kind, msg in events if kind == "over_reservation"]
+        assert over and "Solo" in over[0] and "generation record" in over[0], events
     r = SpendLedger.read(rd.spend).reconcile()
     assert r.pending == r.unknown == 0
     assert r.total_usd == pytest.approx(billed, rel=1e-6) and billed > 0

@@ -36,7 +36,7 @@ from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.smoke_record import load_smoke_answer, load_smoke_answered
 from draftgen.core.generate.money.forecast import SmokeFigures
 from draftgen.core.generate.money.settle import Settler
-from draftgen.core.generate.money.spend import SpendLedger
+from draftgen.core.generate.money.spend import Pending, SpendLedger
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
 from draftgen.core.records import cost_of, count_of
 from draftgen.core.rundir import RunDir, iter_jsonl
@@ -139,8 +139,13 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
         event(Level.INFO, EventKind.PRICES, f"{name}: worst case {p.describe()}" if p is not None else
               f"{name}: no price known ({listing_error or 'no provider allowed'}); no ceiling is set", dataset=name)
     smoke = await asyncio.to_thread(load_smoke_answer, rundir, config.run_fingerprint())
+    def over(p: Pending, cost: float, provider: str) -> None:
+        event(Level.WARN, EventKind.OVER_RESERVATION, f"{p.ds}: provider {provider or '(unnamed)'}: prompt "
+              f"{p.prompt_id!r} billed ${cost:.6f} by its generation record, ${cost - p.worst:.6f} past the "
+              f"${p.worst:.6f} it was counted at: booked at what it billed, so max_usd counts it", dataset=p.ds)
+
     settler = Settler(spend, client, config.api.generation_lookup_s, on_settled=on_settled,
-                      self_hosted=config.api.self_hosted)
+                      self_hosted=config.api.self_hosted, on_over=over)
     settler.start()
     left = spend.lookups()
     if spend.pending:
