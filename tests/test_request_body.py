@@ -201,3 +201,24 @@ async def test_a_provider_past_max_tokens_is_cut_named_and_on_the_ledger(tmp_pat
     r = SpendLedger.read(rd.spend).reconcile()
     assert r.pending == r.unknown == 0
     assert r.total_usd == pytest.approx(billed, rel=1e-6) and billed > 0
+
+
+async def test_a_prompt_a_provider_keeps_running_past_max_tokens_fails_after_max_attempts(tmp_path):
+    """Every attempt past the cap was billed, so each spends one of max_attempts even with no other
+    prompt answered (an outage of other answer faults spends none): the prompt fails naming past_cap,
+    after exactly max_attempts paid requests, all on the ledger."""
+    sim_cfg = SimConfig(seed=5, latency_scale=0.0, mean_completion_tokens=4000, length_sigma=0.05,
+                        providers=(SOLO,), past_max_tokens=3000)
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 1, "max_tokens": 100}],
+                          tables={"api": {"stream": False}, "budget": {"max_usd": 1.0},
+                                  "tokenizer": {"path": str(_tokenizer())},
+                                  "engine": {"reconstruct": False, "max_attempts": 3}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        await engine.run()
+        billed, requests = sim.stats.billed_usd, sim.stats.requests_total
+    import orjson
+    rd = RunDir(cfg.run_dir)
+    failed = [orjson.loads(x) for x in rd.failures("a").read_bytes().splitlines()]
+    assert [f["error_kind"] for f in failed] == ["past_cap"] and requests == 3
+    assert SpendLedger.read(rd.spend).reconcile().total_usd == pytest.approx(billed, rel=1e-9)

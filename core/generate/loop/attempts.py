@@ -157,7 +157,8 @@ class Attempts:
                     self.answer_faults += 1
                     own_faults += 1
                 others_faults = self.answer_faults - faults_before - own_faults
-                if answer_fault and self.answered - answered_before > others_faults:
+                # An answer run past max_tokens was billed: it always spends one (paid retries stay bounded).
+                if answer_fault and (self.answered - answered_before > others_faults or e.past_cap is not None):
                     spent += 1
                     if spent >= eng.max_attempts:
                         return self._failed(ds, prompt_id, tries, e, seq)
