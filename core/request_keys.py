@@ -193,11 +193,12 @@ def body_answers(body: Mapping[str, Any]) -> int:
 
 
 # A provider that runs past the body's answer cap (docs/money.md). Counted tokens (a usage object,
-# mid-stream or final) may pass the cap by PAST_CAP_COUNTED_MARGIN (and 1/50 of the cap) for counting
-# differences; streamed text without counts is measured at TEXT_CHARS_PER_TOKEN characters a token
-# (Kimi's tokenizer averages ~4 on code and prose, 2 on Chinese, far more on runs of one symbol, so this
-# undercounts ordinary text) and may pass the cap by a quarter of it plus PAST_CAP_TEXT_MARGIN tokens:
-# an honest answer is cut only if its text averages over 6 characters a token.
+# mid-stream or final) may pass the cap by PAST_CAP_COUNTED_MARGIN or a tenth of the cap, whichever is
+# more, for counting differences (a provider's native tokens against the cap it applied). Streamed text
+# without counts is measured at TEXT_CHARS_PER_TOKEN characters a token (Kimi's tokenizer averages ~4
+# on code and prose, 2 on Chinese, far more on runs of one symbol, so this undercounts ordinary text)
+# and may pass the cap by a quarter of it plus PAST_CAP_TEXT_MARGIN tokens: an honest answer is cut
+# only if its text averages over 6 characters a token.
 PAST_CAP_COUNTED_MARGIN = 16
 PAST_CAP_TEXT_MARGIN = 64
 TEXT_CHARS_PER_TOKEN = 5
@@ -208,4 +209,4 @@ def past_cap_limits(cap: int) -> tuple[int, int]:
     run past it; (0, 0) when the body carries no cap."""
     if cap <= 0:
         return 0, 0
-    return cap + max(PAST_CAP_COUNTED_MARGIN, cap // 50), (cap + cap // 4 + PAST_CAP_TEXT_MARGIN) * TEXT_CHARS_PER_TOKEN
+    return cap + max(PAST_CAP_COUNTED_MARGIN, cap // 10), (cap + cap // 4 + PAST_CAP_TEXT_MARGIN) * TEXT_CHARS_PER_TOKEN
