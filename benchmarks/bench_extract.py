@@ -32,6 +32,19 @@ size, one thread, the bytes already in memory (measured before, between and afte
   the other in the caller; "pooled writer, compress": 1,024-token samples through gzip, as from a GPU.
 
 Files are deleted after each row, so the disk holds one row at a time (at most ~4 GB).
+
+    python benchmarks/bench_extract.py --gzip          # gzip level 1 on a Kimi-size row, per thread
+
+`--gzip` times the writer's compression (layout.GZ_LEVEL) of a Kimi-size sample (4,096 tokens, bf16,
+H 7168) on 1 and on writer.THREADS threads against a plain copy of the same bytes: the rate
+`compress = true` reaches (plan.GZ_BYTES_PER_S_PER_THREAD is this figure; docs/extraction.md).
+
+    python benchmarks/bench_extract.py --handover      # GPU only: the D2H copy on its own stream
+
+`--handover` runs batches of a stand-in forward (bf16 matmuls giving Kimi-size rows on the GPU) and
+hands each to the writer's staging (writer._stage: finite flags, pinned copies) with the copies on
+the compute stream and on the writer's own stream, against the forward alone, measured in the same
+run: the share of GPU time the hand-over costs each way. Without a GPU it says so and measures nothing.
 """
 
 from __future__ import annotations
@@ -175,7 +188,7 @@ class DeviceHandOver(PooledWriter):
         super().__init__(root, compress=compress)
         self._flags = flags
 
-    def _stage(self, items):  # type: ignore[override]
+    def _stage(self, items, stream=None):  # type: ignore[override]
         return [self._flags[id(item.sample)] for item in items], [item.sample for item in items], None
 
 
@@ -269,9 +282,90 @@ def writer_main(args: argparse.Namespace) -> None:
             print(f"{name} (H {hidden}) writer / raw write: {nbytes / secs / raw_rate:.2f}")
 
 
+def gzip_main(args: argparse.Namespace) -> None:
+    """gzip level 1 (the writer's) on a Kimi-size sample, 1 and writer.THREADS threads, against a plain copy."""
+    import concurrent.futures
+    rng = np.random.default_rng(0)
+    tokens, hidden = 4096, 7168
+    sample = layout.SampleTensors(torch.from_numpy(rng.integers(0, 160_000, tokens)),
+                                  torch.ones(tokens, dtype=torch.long),
+                                  torch.randn(tokens, hidden).to(torch.bfloat16),
+                                  torch.randn(tokens, 3 * hidden).to(torch.bfloat16))
+    buf = io.BytesIO()
+    torch.save(layout.sample_dict(sample), buf)
+    data = buf.getvalue()
+
+    def one() -> int:
+        return len(gzip.compress(data, compresslevel=layout.GZ_LEVEL, mtime=0))
+
+    def copy() -> int:
+        return len(bytes(bytearray(data)))
+
+    print(f"one Kimi-size sample: {tokens:,} tokens x (H + 3H) bf16 = {len(data) / 1e6:.0f} MB; gzip level "
+          f"{layout.GZ_LEVEL}\n")
+    print(f"{'':<28}{'threads':>8}{'MB/s':>10}{'tok/s':>10}{'ratio':>8}")
+    for name, fn in (("plain copy (reference)", copy), ("gzip", one)):
+        for threads in (1, writer.THREADS):
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                start = time.perf_counter()
+                sizes = list(pool.map(lambda _k, f=fn: f(), range(threads * 2)))
+                elapsed = time.perf_counter() - start
+            rate = len(data) * len(sizes) / elapsed
+            print(f"{name:<28}{threads:>8}{rate / 1e6:>10.0f}{rate * tokens / len(data):>10,.0f}"
+                  f"{sizes[0] / len(data):>8.3f}")
+
+
+def handover_main(args: argparse.Namespace) -> None:
+    """The D2H hand-over on the compute stream vs the writer's own stream, against the forward alone (GPU only)."""
+    if not torch.cuda.is_available():
+        print("--handover needs a CUDA GPU (none here): the copy stream's overlap was not measured")
+        return
+    dev, hidden, rows, width, batches = torch.device("cuda"), 7168, 4, 2048, 12
+    weight = torch.randn(hidden, hidden, device=dev, dtype=torch.bfloat16) / hidden ** 0.5
+
+    def forward() -> torch.Tensor:
+        x = torch.randn(rows * width, hidden, device=dev, dtype=torch.bfloat16)
+        outs = []
+        for _layer in range(16):  # a stand-in for the model: enough matmul time per batch to hide a copy
+            x = torch.tanh(x @ weight)
+            outs.append(x)
+        return torch.cat([outs[-1], outs[1], outs[7], outs[12]], dim=-1).reshape(rows, width, 4 * hidden)
+
+    def run(mode: str) -> float:
+        pool = PooledWriter(Path(tempfile.gettempdir()), compress=False)
+        pool.copy_on_own_stream = mode == "own stream"
+        held: list[object] = []
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(batches):
+            out = forward()
+            if mode == "forward alone":
+                continue
+            items = [Item(r, f"s{r}", layout.SampleTensors(torch.zeros(width, dtype=torch.long),
+                                                            torch.ones(width, dtype=torch.long),
+                                                            out[r, :, :hidden], out[r, :, hidden:]))
+                     for r in range(rows)]
+            held.append(writer._stage(items, pool._stream_for(items)))
+            if len(held) > 2:  # the writer's depth: the oldest batch's copies must have landed
+                held.pop(0)[2].synchronize()  # type: ignore[index]
+        torch.cuda.synchronize()
+        pool.close()
+        return time.perf_counter() - start
+
+    run("own stream")  # warm-up: kernels, pinned-memory pool
+    results = {mode: run(mode) for mode in ("forward alone", "compute stream", "own stream")}
+    base = results["forward alone"]
+    print(f"{batches} batches of {rows} x {width} tokens, rows [T, 4 x {hidden}] bf16 "
+          f"({rows * width * 4 * hidden * 2 / 1e9:.2f} GB per batch) on {torch.cuda.get_device_name()}\n")
+    for mode, elapsed in results.items():
+        print(f"{mode:<16}{elapsed:>8.3f} s{'' if mode == 'forward alone' else f'  +{elapsed / base - 1:.1%}':>10}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--writer", action="store_true", help="measure the hidden-state writer against the disk")
+    ap.add_argument("--gzip", action="store_true", help="gzip's rate on a Kimi-size sample (compress = true)")
+    ap.add_argument("--handover", action="store_true", help="GPU: the D2H copy on its own stream vs the compute one")
     ap.add_argument("--dir", default=None, help="--writer: the folder to write in (default: under benchmarks/)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -283,6 +377,12 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak; estimated if omitted")
     args = ap.parse_args()
+    if args.gzip:
+        gzip_main(args)
+        return
+    if args.handover:
+        handover_main(args)
+        return
     if args.writer:
         args.samples = args.samples or 16
         writer_main(args)

@@ -59,7 +59,7 @@ from typing import Any, TextIO
 import orjson
 import psutil
 
-from draftgen.core.config import Config, load_config
+from draftgen.core.config import Config, DatasetConfig, load_config
 from draftgen.core.generate.api.classify import ANSWER_KINDS, WHOSE, Whose
 from draftgen.core.generate.loop.prompts import Prompt, read_prompts
 from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_INCOMPLETE
@@ -252,34 +252,7 @@ def audit(config: Config, stats: SimStats, *, tokens: bool = True, sample: int =
         fails, torn_f = whole_lines(rd.failures(ds.name))
         if torn_r or torn_f:
             a.problems.append(f"{ds.name}: a half-written last line after a clean finish")
-        answered = [str(r["id"]) for r in recs]
-        failed = [str(r["id"]) for r in fails]
-        dup = len(answered) - len(set(answered)) + len(failed) - len(set(failed)) + len(set(answered) & set(failed))
-        a.duplicates += dup
-        if dup:
-            a.problems.append(f"{ds.name}: {dup} prompt id(s) written twice")
-        unknown = (set(answered) | set(failed)) - set(prompts)
-        if unknown:
-            a.problems.append(f"{ds.name}: {len(unknown)} id(s) on disk that no prompt has, e.g. {sorted(unknown)[:3]}")
-        skipped = set(prompts) - set(answered) - set(failed)
-        a.prompts += len(prompts)
-        a.answered += len(set(answered))
-        a.failed += len(set(failed))
-        a.skipped += len(skipped)
-        if skipped:
-            used = sum(int((r.get("usage") or {}).get("completion_tokens") or 0) for r in recs)
-            limit = ds.token_budget
-            if ds.name not in budgeted or limit is None or used <= limit - ds.max_tokens:
-                a.problems.append(f"{ds.name}: {len(skipped)} prompt(s) neither answered nor failed, and no "
-                                  f"budget ran out (used {used:,} of {limit}), e.g. {sorted(skipped)[:3]}")
-        for f in fails:
-            if not f.get("error_kind") or not f.get("message") or not f.get("attempts"):
-                a.problems.append(f"{ds.name}: failure line without a reason: {str(f)[:200]}")
-                break
-            if not _own_reason(str(f["error_kind"])):
-                a.problems.append(f"{ds.name}: prompt {f.get('id')} failed for a cause not its own: "
-                                  f"{f['error_kind']} ({str(f.get('message'))[:120]})")
-                break
+        answered = _audit_outcomes(a, ds, prompts, recs, fails, budgeted)
         for p in prompts.values():
             prompt_keys.add(prompt_key(p.messages))
         for r in recs:
@@ -289,32 +262,82 @@ def audit(config: Config, stats: SimStats, *, tokens: bool = True, sample: int =
             recorded_by_key[k] = recorded_by_key.get(k, 0.0) + cost
             a.recorded_usd += cost
         if tokens:
-            reader = TokenReader(rd.tokens(ds.name))
-            counts = collections.Counter(e.id for e in reader.entries)
-            a.token_entries += len(reader.entries)
-            a.token_duplicates += sum(n - 1 for n in counts.values() if n > 1)
-            a.token_missing += sum(1 for i in set(answered) if counts.get(i, 0) == 0)
-            a.token_extra += sum(1 for i in counts if i not in set(answered))
-            by_id = {str(r["id"]): r for r in recs}
-            picked = rng.sample(sorted(set(answered) & set(counts)), min(sample, len(set(answered) & set(counts))))
-            samples += [{"reader": reader, "rec": by_id[i]} for i in picked]
+            samples += _audit_token_files(a, TokenReader(rd.tokens(ds.name)), recs, answered, rng, sample)
     if tokens:
-        if a.token_missing or a.token_extra or a.token_duplicates:
-            a.problems.append(f"token files disagree with the answers: {a.token_missing} answer(s) without tokens, "
-                              f"{a.token_extra} token entr(y/ies) without an answer, {a.token_duplicates} twice")
-        tok = bundled_kimi()
-        template = load_template(config.tokenizer.template, tok)
-        for s in samples:
-            rec, reader = s["rec"], s["reader"]
-            want = reconstruct_record(tok, template, rec)
-            ids, mask = reader.arrays(reader.entry(str(rec["id"])))
-            a.sampled += 1
-            if ids.tolist() != want.input_ids.tolist() or mask.tolist() != want.loss_mask.tolist():
-                a.sample_mismatch += 1
-        if a.sample_mismatch:
-            a.problems.append(f"{a.sample_mismatch} of {a.sampled} sampled answers re-reconstruct differently")
+        _audit_samples(a, config, samples)
+    _audit_spend(a, stats, prompt_keys, written_by_key, recorded_by_key)
+    return a
 
-    # Spend: every prompt's billing is its written answer's cost, plus answers served and never written.
+
+def _audit_outcomes(a: Audit, ds: DatasetConfig, prompts: dict[str, Prompt], recs: list[dict[str, Any]],
+                    fails: list[dict[str, Any]], budgeted: tuple[str, ...]) -> set[str]:
+    """Each prompt answered or failed once (skipped only where its token budget ran out), each failure
+    with a reason of the prompt's own; the ids answered."""
+    answered = [str(r["id"]) for r in recs]
+    failed = [str(r["id"]) for r in fails]
+    dup = len(answered) - len(set(answered)) + len(failed) - len(set(failed)) + len(set(answered) & set(failed))
+    a.duplicates += dup
+    if dup:
+        a.problems.append(f"{ds.name}: {dup} prompt id(s) written twice")
+    unknown = (set(answered) | set(failed)) - set(prompts)
+    if unknown:
+        a.problems.append(f"{ds.name}: {len(unknown)} id(s) on disk that no prompt has, e.g. {sorted(unknown)[:3]}")
+    skipped = set(prompts) - set(answered) - set(failed)
+    a.prompts += len(prompts)
+    a.answered += len(set(answered))
+    a.failed += len(set(failed))
+    a.skipped += len(skipped)
+    if skipped:
+        used = sum(int((r.get("usage") or {}).get("completion_tokens") or 0) for r in recs)
+        limit = ds.token_budget
+        if ds.name not in budgeted or limit is None or used <= limit - ds.max_tokens:
+            a.problems.append(f"{ds.name}: {len(skipped)} prompt(s) neither answered nor failed, and no "
+                              f"budget ran out (used {used:,} of {limit}), e.g. {sorted(skipped)[:3]}")
+    for f in fails:
+        if not f.get("error_kind") or not f.get("message") or not f.get("attempts"):
+            a.problems.append(f"{ds.name}: failure line without a reason: {str(f)[:200]}")
+            break
+        if not _own_reason(str(f["error_kind"])):
+            a.problems.append(f"{ds.name}: prompt {f.get('id')} failed for a cause not its own: "
+                              f"{f['error_kind']} ({str(f.get('message'))[:120]})")
+            break
+    return set(answered)
+
+
+def _audit_token_files(a: Audit, reader: TokenReader, recs: list[dict[str, Any]], answered: set[str],
+                       rng: random.Random, sample: int) -> list[dict[str, Any]]:
+    """One token entry per answer (counted into `a`); up to `sample` answers picked to re-reconstruct."""
+    counts = collections.Counter(e.id for e in reader.entries)
+    a.token_entries += len(reader.entries)
+    a.token_duplicates += sum(n - 1 for n in counts.values() if n > 1)
+    a.token_missing += sum(1 for i in answered if counts.get(i, 0) == 0)
+    a.token_extra += sum(1 for i in counts if i not in answered)
+    by_id = {str(r["id"]): r for r in recs}
+    picked = rng.sample(sorted(answered & set(counts)), min(sample, len(answered & set(counts))))
+    return [{"reader": reader, "rec": by_id[i]} for i in picked]
+
+
+def _audit_samples(a: Audit, config: Config, samples: list[dict[str, Any]]) -> None:
+    """The token files agree with the answers, and the sampled answers re-reconstruct to the same ids."""
+    if a.token_missing or a.token_extra or a.token_duplicates:
+        a.problems.append(f"token files disagree with the answers: {a.token_missing} answer(s) without tokens, "
+                          f"{a.token_extra} token entr(y/ies) without an answer, {a.token_duplicates} twice")
+    tok = bundled_kimi()
+    template = load_template(config.tokenizer.template, tok)
+    for s in samples:
+        rec, reader = s["rec"], s["reader"]
+        want = reconstruct_record(tok, template, rec)
+        ids, mask = reader.arrays(reader.entry(str(rec["id"])))
+        a.sampled += 1
+        if ids.tolist() != want.input_ids.tolist() or mask.tolist() != want.loss_mask.tolist():
+            a.sample_mismatch += 1
+    if a.sample_mismatch:
+        a.problems.append(f"{a.sample_mismatch} of {a.sampled} sampled answers re-reconstruct differently")
+
+
+def _audit_spend(a: Audit, stats: SimStats, prompt_keys: set[str], written_by_key: collections.Counter[str],
+                 recorded_by_key: dict[str, float]) -> None:
+    """Every prompt's billing is its written answer's cost, plus answers served and never written."""
     a.billed_usd = stats.billed_usd
     strangers = set(stats.prompt_answers) - prompt_keys
     if strangers:
@@ -336,7 +359,6 @@ def audit(config: Config, stats: SimStats, *, tokens: bool = True, sample: int =
     if abs((a.billed_usd - a.recorded_usd) - a.served_unwritten_usd) > 1e-6:
         a.problems.append(f"billed - recorded = ${a.billed_usd - a.recorded_usd:.6f}, but unwritten answers cost "
                           f"${a.served_unwritten_usd:.6f}")
-    return a
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,7 +602,7 @@ class Soak:
 
     async def _settle_sim(self) -> None:
         # Handlers of a dead client are cancelled when its sockets close, and the generations it
-        # left run on to their bill (OPENROUTER.md, "Billing"); give them a moment.
+        # left run on to their bill (docs/openrouter.md, "Billing"); give them a moment.
         deadline = time.monotonic() + 30.0
         while (self.sim.stats.in_flight or self.sim.stats.generations_running) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -605,77 +627,19 @@ class Soak:
             self.sim.update(faults={k: v for k, v in self.o.faults.items() if k != "429"})
         proc, log_path = await self._start()
         if how == "final":
-            step.returncode = await self._wait(proc, self.o.final_timeout_s)
-            if step.returncode is None:
-                self.problems.append(f"the last run did not finish within {self.o.final_timeout_s:.0f} s")
-                os.killpg(proc.pid, signal.SIGKILL)
-                step.returncode = await proc.wait()
+            await self._to_the_end(step, proc)
         elif how == "SIGKILL":
-            if self.rng.random() < self.o.startup_share:
-                step.phase = "start-up"
-                await asyncio.sleep(self.rng.uniform(0.0, 2.0))
-            else:
-                step.phase = "running"
-                if await until_answering(self.sim, proc, served0, 60.0):
-                    await asyncio.sleep(self.rng.uniform(0.0, self.o.running_window_s))
-            if proc.returncode is None:
-                step.in_flight_bound = self._in_flight_bound()
-                proc.send_signal(signal.SIGKILL)  # the main process only, as `kill -9 PID` does
-            else:
-                step.finished_early = True
-            step.returncode = await proc.wait()
+            await self._kill(step, proc, served0)
         elif how in ("SIGTERM", "SIGHUP"):
-            step.phase = "running"
-            await until_answering(self.sim, proc, served0, 60.0)
-            await asyncio.sleep(self.rng.uniform(0.0, 1.0))
-            if proc.returncode is None:
-                # The whole process group, as a closing terminal or `kill -TERM -PGID` does.
-                os.killpg(proc.pid, getattr(signal, how))
-                step.returncode = await self._wait(proc, 60.0)
-                if step.returncode is None:
-                    self.problems.append(f"{how}: the run did not exit within 60 s of the signal")
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    step.returncode = await proc.wait()
-                text = log_path.read_bytes()
-                # A drain exits 0 when nothing was left to ask, 3 (incomplete) when prompts were left.
-                step.drained = (step.returncode in (EXIT_COMPLETE, EXIT_INCOMPLETE)
-                                and f"{how}: draining".encode() in text)
-                if not step.drained:
-                    self.problems.append(f"{how}: exit {step.returncode}, not a clean drain: "
-                                         f"{text[-600:].decode(errors='replace')}")
-            else:
-                step.finished_early = True
-                step.returncode = proc.returncode
+            await self._drain_by_signal(step, proc, log_path, served0)
         elif how == "storm":
-            step.phase = "running"
-            try:
-                self.storm = await run_storm(self.sim, proc, log_path, self.o, self.say, self.problems)
-            finally:
-                storm_config(self.config_path, self.o, on=False)
-                self.sim.update(faults=self.o.faults, retry_after_s=0.05)
-            step.in_flight_bound = self._in_flight_bound()
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGKILL)
-            else:
-                step.finished_early = True
-            step.returncode = await proc.wait()
+            await self._storm(step, proc, log_path)
         step.seconds = time.monotonic() - t0
         step.orphans = await reap_session(proc.pid, 3.0)
         if step.orphans:
             self.problems.append(f"{how}: {step.orphans} process(es) of the run still alive 3 s after it ended")
         await self._settle_sim()
-        disk = read_disk(self.config)
-        self.torn += disk.torn
-        now = disk.ids()
-        lost = self.acknowledged - now
-        step.lost = len(lost)
-        if lost:
-            self.problems.append(f"{how}: {len(lost)} acknowledged record(s) gone, e.g. {sorted(lost)[:3]}")
-        self.acknowledged |= now
-        step.duplicates = disk.duplicates()
-        if step.duplicates:
-            self.problems.append(f"{how}: {step.duplicates} id(s) on disk twice")
-        step.answers = disk.written() - disk0.written()
+        self._check_disk(step, disk0)
         billed, faulted = self._billed_unreadable()
         step.faulted = faulted - faulted0
         step.unwritten = (billed - billed0) - step.faulted - step.answers
@@ -689,6 +653,87 @@ class Soak:
             self.problems.append(f"{how}: the run exited {step.returncode} by itself: "
                                  f"{log_path.read_bytes()[-600:].decode(errors='replace')}")
         return step
+
+    async def _to_the_end(self, step: Step, proc: asyncio.subprocess.Process) -> None:
+        """The last run: left to finish on its own (killed past final_timeout_s)."""
+        step.returncode = await self._wait(proc, self.o.final_timeout_s)
+        if step.returncode is None:
+            self.problems.append(f"the last run did not finish within {self.o.final_timeout_s:.0f} s")
+            os.killpg(proc.pid, signal.SIGKILL)
+            step.returncode = await proc.wait()
+
+    async def _kill(self, step: Step, proc: asyncio.subprocess.Process, served0: int) -> None:
+        """SIGKILL at a random moment: during start-up (startup_share of the kills) or while answering."""
+        if self.rng.random() < self.o.startup_share:
+            step.phase = "start-up"
+            await asyncio.sleep(self.rng.uniform(0.0, 2.0))
+        else:
+            step.phase = "running"
+            if await until_answering(self.sim, proc, served0, 60.0):
+                await asyncio.sleep(self.rng.uniform(0.0, self.o.running_window_s))
+        if proc.returncode is None:
+            step.in_flight_bound = self._in_flight_bound()
+            proc.send_signal(signal.SIGKILL)  # the main process only, as `kill -9 PID` does
+        else:
+            step.finished_early = True
+        step.returncode = await proc.wait()
+
+    async def _drain_by_signal(self, step: Step, proc: asyncio.subprocess.Process, log_path: Path,
+                               served0: int) -> None:
+        """SIGTERM or SIGHUP while answering: the run must drain and exit 0 or 3 within 60 s."""
+        how = step.how
+        step.phase = "running"
+        await until_answering(self.sim, proc, served0, 60.0)
+        await asyncio.sleep(self.rng.uniform(0.0, 1.0))
+        if proc.returncode is not None:
+            step.finished_early = True
+            step.returncode = proc.returncode
+            return
+        # The whole process group, as a closing terminal or `kill -TERM -PGID` does.
+        os.killpg(proc.pid, getattr(signal, how))
+        step.returncode = await self._wait(proc, 60.0)
+        if step.returncode is None:
+            self.problems.append(f"{how}: the run did not exit within 60 s of the signal")
+            os.killpg(proc.pid, signal.SIGKILL)
+            step.returncode = await proc.wait()
+        text = log_path.read_bytes()
+        # A drain exits 0 when nothing was left to ask, 3 (incomplete) when prompts were left.
+        step.drained = (step.returncode in (EXIT_COMPLETE, EXIT_INCOMPLETE)
+                        and f"{how}: draining".encode() in text)
+        if not step.drained:
+            self.problems.append(f"{how}: exit {step.returncode}, not a clean drain: "
+                                 f"{text[-600:].decode(errors='replace')}")
+
+    async def _storm(self, step: Step, proc: asyncio.subprocess.Process, log_path: Path) -> None:
+        """A 429 storm while answering (storm.py), then SIGKILL; the faults are put back after it."""
+        step.phase = "running"
+        try:
+            self.storm = await run_storm(self.sim, proc, log_path, self.o, self.say, self.problems)
+        finally:
+            storm_config(self.config_path, self.o, on=False)
+            self.sim.update(faults=self.o.faults, retry_after_s=0.05)
+        step.in_flight_bound = self._in_flight_bound()
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGKILL)
+        else:
+            step.finished_early = True
+        step.returncode = await proc.wait()
+
+    def _check_disk(self, step: Step, disk0: DiskState) -> None:
+        """No acknowledged record lost, no id twice; the answers this step wrote."""
+        how = step.how
+        disk = read_disk(self.config)
+        self.torn += disk.torn
+        now = disk.ids()
+        lost = self.acknowledged - now
+        step.lost = len(lost)
+        if lost:
+            self.problems.append(f"{how}: {len(lost)} acknowledged record(s) gone, e.g. {sorted(lost)[:3]}")
+        self.acknowledged |= now
+        step.duplicates = disk.duplicates()
+        if step.duplicates:
+            self.problems.append(f"{how}: {step.duplicates} id(s) on disk twice")
+        step.answers = disk.written() - disk0.written()
 
     def _tokens_in_step(self) -> bool:
         rd = RunDir(self.config.run_dir)

@@ -81,7 +81,7 @@ def cmd_tokens(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     from draftgen.core.merge.merge import merge_command
-    return merge_command(_config(args.config))
+    return merge_command(_config(args.config), replace_hidden_states=args.replace_hidden_states)
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
@@ -96,7 +96,13 @@ def cmd_extract(args: argparse.Namespace) -> int:
     if args.plan:
         from draftgen.core.extract.command import plan_command
         return plan_command(_config(args.config), args.shard)
-    return extract_command(_config(args.config), args.shard)
+    on_other = "start_over" if args.start_over else "set_aside" if args.set_aside else "refuse"
+    return extract_command(_config(args.config), args.shard, on_other_merge=on_other)
+
+
+def cmd_train_command(args: argparse.Namespace) -> int:
+    from draftgen.core.extract.handoff import train_command
+    return train_command(_config(args.config), max_length=args.max_length)
 
 
 def cmd_prompts_build(args: argparse.Namespace) -> int:
@@ -174,16 +180,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="the config file (e.g. kimi.toml)")
     p = add("merge", cmd_merge, "merge all datasets into one deduplicated, shuffled training set")
     p.add_argument("config", help="the config file (e.g. kimi.toml)")
+    p.add_argument("--replace-hidden-states", action="store_true",
+                   help="merge even when hidden_states/ holds files of the current merge: if the new merge "
+                   "differs, they are moved aside to hidden_states.merge-<id>/ (nothing deleted) and `extract` "
+                   "starts afresh; without it such a merge is refused")
     p = add("extract", cmd_extract, "run the target model over the merged set and save hidden states")
     p.add_argument("config", nargs="?", help="the config file (e.g. kimi.toml); optional with --self-check")
     p.add_argument("--shard", help="i/N: this machine's share of the samples; auto: from the Slurm array or "
                    "the multi-node torchrun that started it")
     p.add_argument("--plan", action="store_true",
                    help="print what would be done (per shard: samples, tokens, bytes, free space, time) and exit")
+    other = p.add_mutually_exclusive_group()
+    other.add_argument("--start-over", action="store_true",
+                       help="when hidden_states/ holds files of another merge than merged/ (another seed, more "
+                       "answers): delete them and extract this merge (without a choice such a run is refused)")
+    other.add_argument("--set-aside", action="store_true",
+                       help="the same, but move the old folder to hidden_states.merge-<id>/ instead of deleting it")
     p.add_argument("--self-check", action="store_true",
                    help="check the configured backend end to end on tiny random models first (minutes)")
     p.add_argument("--long-tokens", type=int, default=16384, metavar="N",
                    help="--self-check: length of its long sample (default 16384)")
+    p = add("train-command", cmd_train_command, "SpecForge's training config and command for this run's merged "
+            "set and hidden states (max_length fits the longest sample); written to hidden_states/")
+    p.add_argument("config", help="the config file (e.g. kimi.toml)")
+    p.add_argument("--max-length", type=int, metavar="N",
+                   help="data.max_length (default: the longest merged sample; a smaller one cuts samples, "
+                   "and the printout says how many)")
     p = add("prompts", lambda a: 0, "prompt files from datasets on disk (parquet, arrow, JSON, saved or cached)")
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     b = verbs.add_parser("build", help="sample, dedupe, measure and split datasets into prompt files and "

@@ -5,7 +5,7 @@ are resolved against the config file's folder. The API key is never in the file:
 names the environment variable that holds it, read by `Config.api_key()`.
 
 Longer than most modules (~520 lines) on purpose: every table's defaults, types and checks sit
-together, next to the README's config reference they mirror; split by table, a key's rule would
+together, next to the config reference they mirror (docs/config.md); split by table, a key's rule would
 live far from the others it is checked against (budgets against concurrency, paths against the file).
 """
 
@@ -34,6 +34,7 @@ from draftgen.core.request_keys import (
     known_key,
 )
 from draftgen.core.secrets import key_problem
+from draftgen.core.servers import IDS_KEYS, ids_request, server_at
 
 __all__ = ["COMPLETION_LIMIT_KEYS", "OPENROUTER_ONLY_KEYS"]  # re-exported: smoke.py and others read them here
 
@@ -45,6 +46,21 @@ _DETECTED: dict[str, ServerKind] = {}
 
 def note_server_kind(base_url: str, kind: ServerKind) -> None:
     _DETECTED[base_url] = kind
+
+
+# The mode that keeps a self-hosted server's text as generated (streamed where its non-streamed
+# reasoning parser rewrites text), per (base_url, model), for `[api] stream` unset: decided by the
+# smoke test (commands/smoke.py) and recorded in smoke.json, noted again by a run that reads it
+# (loop/smoke_record.py). Not part of the request fingerprint: the smoke test that decided it checked both.
+_STREAM_DECIDED: dict[tuple[str, str], bool] = {}
+
+
+def note_stream_mode(base_url: str, model: str, streams: bool | None) -> None:
+    """Record (or, with None, forget) the streaming mode a smoke test decided for this server and model."""
+    if streams is None:
+        _STREAM_DECIDED.pop((base_url, model), None)
+    else:
+        _STREAM_DECIDED[(base_url, model)] = streams
 
 
 @dataclass(frozen=True)
@@ -63,8 +79,8 @@ class ApiConfig:
     referer: str = "https://github.com/draftgen/draftgen"
     title: str = "draftgen"
     credits_interval_s: float = 60.0
-    # Ask the server for the generated token ids (`return_token_ids`: vLLM, SGLang >= 0.5.x); they
-    # become the sample's ids and the reconstruction is compared with them. OpenRouter ignores it.
+    # Ask the server for the generated token ids (vLLM, SGLang: each release its own way, found at run
+    # start, core/servers.py); they become the sample's ids and the text is checked against them.
     return_token_ids: bool = False
     # A management key's variable: the only key GET /credits answers (else GET /key's limit_remaining).
     management_key_env: str = ""
@@ -99,9 +115,23 @@ class ApiConfig:
 
     @property
     def streams(self) -> bool:
+        """Whether requests stream: `stream` when set; else on OpenRouter; else on a self-hosted server
+        the mode its smoke test decided keeps text as generated (`note_stream_mode`), else not."""
+        if self.configured_streams or self.stream is not None:
+            return self.configured_streams
+        return self.self_hosted and _STREAM_DECIDED.get((self.base_url, self.model), False)
+
+    @property
+    def configured_streams(self) -> bool:
+        """The mode from the config alone (no smoke test's decision): what the request fingerprint holds."""
         if self.stream is not None:
             return self.stream
         return "openrouter.ai" in self.base_url and not self.self_hosted
+
+    @property
+    def stream_decided(self) -> bool:
+        """Streaming because a smoke test decided it (not the config)."""
+        return self.streams and not self.configured_streams
 
     def management_key(self) -> str:
         """The management key from `management_key_env`, or "" when none is configured or set."""
@@ -222,9 +252,10 @@ class ExtractConfig:
     batch_tokens: int = 16384      # padded tokens per forward (the longest sample alone may exceed it)
     compress: bool = False
     trust_remote_code: bool = False
-    # specforge backend: SGLang's static share of each GPU (weights + KV pool), its attention
-    # backend ("" = SGLang's choice) and the /dev/shm NCCL needs, checked at start.
-    mem_fraction_static: float = 0.8
+    # specforge backend: SGLang's static share of each GPU (weights + KV pool; 0 = chosen by the GPU
+    # plan from the model and the cards, docs/extraction.md), its attention backend ("" = SGLang's
+    # choice) and the /dev/shm NCCL needs, checked at start.
+    mem_fraction_static: float = 0.0
     attention_backend: str = ""
     min_shm_gb: float = 1.0
     # [extract.sglang]: more SGLang ServerArgs, passed through as keyword arguments (specforge backend).
@@ -233,6 +264,9 @@ class ExtractConfig:
     tokens_per_s: float = 0.0
     # The run pauses before a batch while free disk is below its bytes plus this margin.
     min_free_gb: float = 1.0
+    # true: hidden_states/ files 0640 and folders 0750 (readable by the group, e.g. a training job
+    # running as another user); false: 0600/0700, this user only.
+    group_readable: bool = False
 
 
 @dataclass(frozen=True)
@@ -278,17 +312,27 @@ class Config:
                                   f"without it (the key itself is not shown)")
         return key
 
-    def request_body(self, dataset: DatasetConfig, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        """The exact body sent for a prompt of `dataset`: the [request] table as-is, then the dataset's."""
+    def request_body(self, dataset: DatasetConfig, messages: list[dict[str, Any]], *,
+                     decided: bool = True, server_ids: bool = True) -> dict[str, Any]:
+        """The exact body sent for a prompt of `dataset`: the [request] table as-is, then the dataset's
+        (streamed as the smoke test decided, `ApiConfig.streams`; `decided` False: as configured).
+        With `[api] return_token_ids`, the keys that ask the server found at run start for its ids in
+        this mode (core/servers.py; `server_ids` False: the plain `return_token_ids` switch)."""
         body: dict[str, Any] = {"model": self.api.model, "messages": messages, "max_tokens": dataset.max_tokens}
         body.update(self.request)
         body.update(dataset.request)
         if self.api.return_token_ids:
-            body["return_token_ids"] = True
+            if server_ids and self.api.self_hosted:
+                for key in IDS_KEYS:
+                    body.pop(key, None)
+                streams = self.api.streams if decided else self.api.configured_streams
+                body.update(ids_request(server_at(self.api.base_url), streams))
+            else:
+                body["return_token_ids"] = True
         if self.api.self_hosted:
             for key in self.dropped_keys(dataset):
                 del body[key]
-        if self.api.streams:
+        if self.api.streams if decided else self.api.configured_streams:
             body["stream"] = True
             if self.api.self_hosted:  # vLLM and SGLang put usage in a stream only when asked
                 body["stream_options"] = {"include_usage": True}
@@ -312,8 +356,9 @@ class Config:
                 "silence this)")
 
     def request_shape(self, dataset: DatasetConfig) -> dict[str, Any]:
-        """Everything about a request except its messages: what the smoke test must have checked."""
-        body = self.request_body(dataset, [])
+        """Everything about a request except its messages: what the smoke test must have checked (the
+        configured mode: the smoke test that decided a self-hosted server's mode checked both)."""
+        body = self.request_body(dataset, [], decided=False, server_ids=False)
         body.pop("messages")
         return {"base_url": self.api.base_url, **body}
 
@@ -546,7 +591,7 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     extract_table = raw.get("extract")
     if isinstance(extract_table, dict) and extract_table.get("backend") == "sglang":
         raise ConfigError(f"{file}: extract.backend = \"sglang\" was replaced by \"specforge\" (SpecForge's maintained "
-                          f"SGLang capture, pinned; see README, GPU extraction)")
+                          f"SGLang capture, pinned; see docs/gpu-extraction.md)")
     parts = {name: _build(cls, raw.get(name, {}), name, file) for name, cls in _TABLES.items()}
     request = raw.get("request", {})
     if not isinstance(request, dict):
@@ -609,8 +654,8 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     if engine.workers > MAX_WORKERS:  # each is a process holding the tokenizer: a typo must not fork thousands
         raise ConfigError(f"{file}: engine.workers must be at most {MAX_WORKERS}, not {engine.workers}")
     extract: ExtractConfig = parts["extract"]
-    if not 0 < extract.mem_fraction_static < 1:
-        raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1, "
+    if not 0 <= extract.mem_fraction_static < 1:
+        raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1 (0: the GPU plan chooses), "
                           f"not {extract.mem_fraction_static!r}")
     _positive(file, "extract.min_shm_gb", extract.min_shm_gb, allow_zero=True)
     _positive(file, "extract.tp_size", extract.tp_size)

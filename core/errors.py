@@ -7,7 +7,7 @@ from typing import ClassVar
 
 
 class ExitCode(enum.IntEnum):
-    """What `draftgen` exits with: the README's "How a run ends" table (and `draftgen` alone lists them)."""
+    """What `draftgen` exits with: the exit code table of docs/run-end.md (and `draftgen` alone lists them)."""
     COMPLETE = 0        # every prompt answered, failed for a reason of its own, or skipped by a token budget
     SMOKE_FAILED = 1    # the smoke test failed (`smoke`, or `run` without a passing smoke test)
     ERROR = 2           # a bad config or input file, a stage that failed, an internal error

@@ -28,6 +28,9 @@ TMP_MARK = ".tmp-"
 # (the umask can only take more away; `draftgen` itself runs under umask 077, cli/main.py).
 FILE_MODE = 0o600
 DIR_MODE = 0o700
+# extract.group_readable: hidden states a training job running as another user of the group must read.
+GROUP_FILE_MODE = 0o640
+GROUP_DIR_MODE = 0o750
 
 
 def disk_error(path: Path, exc: OSError) -> DiskError:
@@ -43,14 +46,17 @@ def temp_beside(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def replacing(path: Path, *, fsync: bool = False) -> Iterator[BinaryIO]:
+def replacing(path: Path, *, fsync: bool = False, mode: int = FILE_MODE) -> Iterator[BinaryIO]:
     """Write the new content of `path` to the file yielded; it replaces `path` when the block ends
     without an exception. `fsync`: on disk before the rename (a power cut then never leaves an empty
-    file that looks complete)."""
+    file that looks complete). `mode` other than FILE_MODE is set on the file itself (the umask
+    would take the group's bits away at creation)."""
     path = Path(path)
     tmp = temp_beside(path)
     try:
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as f:
+            if mode != FILE_MODE:
+                os.fchmod(f.fileno(), mode)
             yield f
             if fsync:
                 f.flush()

@@ -90,11 +90,12 @@ class ErrorKind(StrEnum):
     # Answers that count as done but are tallied as errors:
     LENGTH = "length"
     EMPTY_CONTENT = "empty_content"
+    NO_IDS = "no_ids"  # a self-hosted server asked for its token ids answered without them
 
 
 ERROR_KINDS = tuple(k.value for k in ErrorKind)
 # Tallied with the errors, but answers that were kept: not counted as errors in a status line.
-KEPT_ANSWER_KINDS = frozenset({ErrorKind.LENGTH.value, ErrorKind.EMPTY_CONTENT.value})
+KEPT_ANSWER_KINDS = frozenset({ErrorKind.LENGTH.value, ErrorKind.EMPTY_CONTENT.value, ErrorKind.NO_IDS.value})
 
 
 def error_count(tally: Iterable[tuple[str, int]]) -> int:

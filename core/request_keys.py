@@ -151,7 +151,7 @@ def check_reasoning_budget(file: Path, table: str, request: Mapping[str, Any], m
     past the reservation by a provider that raises the cap to fit it, so the load refuses it."""
     reasoning = request.get("reasoning")
     budget = reasoning.get("max_tokens") if isinstance(reasoning, dict) else None
-    if _is_int(budget) and budget > max_tokens:
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > max_tokens:
         raise ConfigError(f"{file}: {table}.reasoning.max_tokens = {budget} is more than the answer cap "
                           f"max_tokens = {max_tokens} of dataset {dataset}: reasoning tokens are completion tokens, "
                           f"billed within max_tokens; lower it to at most {max_tokens}, or raise the dataset's "

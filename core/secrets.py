@@ -3,19 +3,59 @@
 Providers quote keys back in every shape: whole, without the `sk-or-v1-` prefix, upper- or
 lower-cased, or a fragment. `Redactor` cuts out any stretch of text that contains a 12-character
 window of the key (compared without case), so every such form is caught, as one `[redacted]` per
-stretch. It runs on error messages and events, not on answers; a compiled regex finds the runs of
-the key's own characters first, so text without a long run of them costs one C-speed scan.
+stretch. It runs on error messages and events, and on every field that comes from upstream (the
+client, core/generate/api/client.py), not on answers; a compiled regex finds the runs of the key's
+own characters first, so text without a long run of them costs one C-speed scan.
+
+Upstreams also quote a key encoded: JSON-escaped (`\\u0073k-or-...`, any of its characters), percent-
+encoded (`%73k%2Dor...`, either case) or in base64 (a Basic credential, a token echoed in a header).
+Text holding a `\\u` or `%` escape is matched on its decoded form (the cut covers the escapes); base64
+is matched on the key's encodings at each of the three byte alignments (16 characters: 12 bytes).
 """
 
 from __future__ import annotations
 
+import base64
 import re
+from typing import Any
 
 # Providers sometimes echo part of a key in an error; 12 of its characters are enough to leak it.
 PREFIX = 12
 # Shorter than this, a "key" (a test or demo placeholder) is too common a string to cut out of text.
 MIN_NEEDLE = 6
 MARK = "[redacted]"
+MEMO_CHARS, MEMO_SIZE = 200, 4096  # texts this short are remembered, this many at most
+B64_WIDTH = 16  # base64 characters of the key (12 of its bytes) that are enough to leak it
+_ESCAPE = re.compile(r"\\+u([0-9a-fA-F]{4})|%([0-9a-fA-F]{2})")  # `\\u0073`: a JSON text escaped once more
+_B64_RUNS = re.compile(rf"[A-Za-z0-9+/_-]{{{B64_WIDTH},}}")
+_B64_STANDARD = str.maketrans("-_", "+/")  # the URL-safe alphabet compared as the standard one
+
+
+def _decoded(text: str) -> tuple[str, list[int]]:
+    """`text` with its `\\uXXXX` and `%XX` escapes decoded, and where each decoded character starts in
+    `text` (one more entry: `len(text)`), so a span of the decoded text maps back to the escapes."""
+    parts: list[str] = []
+    starts: list[int] = []
+    pos = 0
+    for m in _ESCAPE.finditer(text):
+        parts.append(text[pos:m.start()])
+        starts.extend(range(pos, m.start()))
+        parts.append(chr(int(m.group(1) or m.group(2), 16)))
+        starts.append(m.start())
+        pos = m.end()
+    parts.append(text[pos:])
+    starts.extend(range(pos, len(text) + 1))
+    return "".join(parts), starts
+
+
+def _b64_windows(secret: str) -> frozenset[str]:
+    """Every B64_WIDTH-character window of the key's base64, at the three alignments a key inside
+    longer encoded text can have (the last 4 characters of each depend on what follows: left out)."""
+    out: set[str] = set()
+    for k in range(3):
+        enc = base64.b64encode(secret[k:].encode()).decode()[:-4]
+        out.update(enc[i:i + B64_WIDTH] for i in range(len(enc) - B64_WIDTH + 1))
+    return frozenset(out)
 # `sk-or-v1-`, `sk-proj-`, `sk-`: the non-secret prefix a key's body follows.
 _KEY_PREFIX = re.compile(r"^sk-(?:[A-Za-z0-9]{1,8}-){0,2}")
 
@@ -53,6 +93,8 @@ class Redactor:
         self._width = width if width >= MIN_NEEDLE else 0
         self._windows: frozenset[str] = frozenset()
         self._runs: re.Pattern[str] | None = None
+        # Upstream fields repeat (a provider's name, the model, "stop"): each short text is cut once.
+        self._memo: dict[str, str] = {}
         if not self._width:
             return
         chars = set(secret.lower()) | set(secret.upper())
@@ -61,12 +103,43 @@ class Redactor:
         folded = secret.translate(self._fold)
         self._windows = frozenset(folded[i:i + self._width] for i in range(len(folded) - self._width + 1))
         self._runs = re.compile("[" + re.escape("".join(sorted(chars))) + f"]{{{self._width},}}")
+        self._b64 = _b64_windows(secret)
 
     def __call__(self, text: str) -> str:
+        short = len(text) <= MEMO_CHARS
+        if short and (done := self._memo.get(text)) is not None:
+            return done
+        out = self._cut(text)
+        if short:
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            self._memo[text] = out
+        return out
+
+    def _cut(self, text: str) -> str:
         for other in self._others:
             text = other(text)
         if self._runs is None:
             return text
+        if "\\" in text or "%" in text:  # escapes: matched on the decoded text, cut in the original
+            decoded, starts = _decoded(text)
+            spans = [[starts[a], starts[b]] for a, b in self._spans(decoded)]
+        else:
+            spans = self._spans(text)
+        spans = _merged(spans + self._b64_spans(text))
+        if not spans:
+            return text
+        out, pos = [], 0
+        for a, b in spans:
+            out.append(text[pos:a])
+            out.append(MARK)
+            pos = b
+        out.append(text[pos:])
+        return "".join(out)
+
+    def _spans(self, text: str) -> list[list[int]]:
+        """The stretches of `text` that hold a window of the key (case folded), in order, merged."""
+        assert self._runs is not None
         spans: list[list[int]] = []
         w = self._width
         for run in self._runs.finditer(text):
@@ -79,12 +152,37 @@ class Redactor:
                         spans[-1][1] = b
                     else:
                         spans.append([a, b])
-        if not spans:
-            return text
-        out, pos = [], 0
-        for a, b in spans:
-            out.append(text[pos:a])
-            out.append(MARK)
-            pos = b
-        out.append(text[pos:])
-        return "".join(out)
+        return spans
+
+    def _b64_spans(self, text: str) -> list[list[int]]:
+        """The stretches of `text` that hold a window of the key's base64 (standard or URL-safe)."""
+        spans: list[list[int]] = []
+        w = B64_WIDTH
+        for run in _B64_RUNS.finditer(text):
+            start, chunk = run.start(), run.group().translate(_B64_STANDARD)
+            for i in range(len(chunk) - w + 1):
+                if chunk[i:i + w] in self._b64:
+                    spans.append([start + i, start + i + w])
+        return spans
+
+    def deep(self, value: Any) -> Any:
+        """`value` with every string in it redacted (dict keys included), through lists and dicts: an
+        error's metadata, a generation record."""
+        if isinstance(value, str):
+            return self(value)
+        if isinstance(value, dict):
+            return {self(k) if isinstance(k, str) else k: self.deep(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.deep(v) for v in value]
+        return value
+
+
+def _merged(spans: list[list[int]]) -> list[list[int]]:
+    """Spans sorted, overlapping or touching ones joined."""
+    out: list[list[int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out

@@ -16,11 +16,13 @@ import signal
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.summary import prompts_left, summary_lines
+from draftgen.core.live.hub import Subscription
+from draftgen.core.live.summary import prompts_left, signal_line, summary_lines
 from draftgen.core.records import error_count
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.units import clock, compact_duration, fmt_count, usd
@@ -168,72 +170,11 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
     pipeline = Pipeline(config, api_key, skip_smoke=skip_smoke, reconstruct=reconstruct)
     await pipeline.start()
     loop = asyncio.get_running_loop()
-    interrupts = 0
     say = _Output(out).say
-
-    def tell(text: str) -> None:
-        # Wrapped, not cut: a signal's line ends with what the next one does.
-        for line in textwrap.wrap(text, WIDTH, subsequent_indent=INDENT, break_on_hyphens=False):
-            say(line)
-
-    def held() -> str:
-        n = pipeline.engine.book.held_answers
-        return (f"; {n} paid answer(s) are held in memory, not on disk: the run waits for the disk (the write is "
-                "retried every few seconds; SIGUSR1 retries now); a second SIGINT spools them to a fallback file"
-                if n else "")
-
-    def on_sigint() -> None:
-        nonlocal interrupts
-        interrupts += 1
-        # Act first, then say so: the saying may fail.
-        effects = pipeline.quit_effects()  # what a quit does to the stage running now (smoke, merge, ...)
-        if interrupts == 1:
-            pipeline.quit(drain=True)
-            tell(f"SIGINT: draining ({effects.running}: {effects.drain}); press Ctrl-C again to stop now "
-                 f"({effects.stop})" + held())
-        else:
-            n = pipeline.engine.book.held_answers
-            pipeline.quit(drain=False)  # stop now spools what is held: never dropped
-            tell(f"SIGINT again: stopping now ({effects.running}: {effects.stop})"
-                 + (f"; the {n} held answer(s) are spooled" if n else ""))
-
-    def on_term(name: str) -> None:
-        pipeline.quit(drain=True)
-        tell(f"{name}: draining" + held())
-
-    loop.add_signal_handler(signal.SIGINT, on_sigint)
-    loop.add_signal_handler(signal.SIGTERM, on_term, "SIGTERM")
-    loop.add_signal_handler(signal.SIGHUP, on_term, "SIGHUP")
-    # Headless has no `r` key: SIGUSR1 resumes a run held by the account or a full disk.
-    loop.add_signal_handler(signal.SIGUSR1, pipeline.resume)
+    signals = _Signals(pipeline, say)
+    signals.install(loop)
     sub = pipeline.hub.subscribe(maxsize=256)
-
-    async def printer() -> None:
-        next_line = loop.time()
-        lines = 0
-        shape: object = None
-        while True:
-            item = await sub.get()
-            if item[0] == "event":
-                ev = item[1]
-                if ev.level != "info" or ev.kind in ("smoke", "dataset_start", "dataset_done", "run_done", "smoke_done",
-                                                      "merge_done", "extract_done", "budget", "tokens_done"):
-                    wall = time.strftime("%H:%M:%S", time.localtime(ev.ts))
-                    # Wrapped, not cut: an event's end is often what matters (a path, the figures).
-                    for line in textwrap.wrap(f"{wall} {ev.level:<8} {ev.message}", WIDTH,
-                                              subsequent_indent=" " * 18, break_on_hyphens=False):
-                        say(line)
-            elif loop.time() >= next_line:
-                next_line = loop.time() + interval_s
-                s = item[1]
-                say(status_line(s))
-                if lines % DETAILS_EVERY == 0 or _shape(s) != shape:
-                    shape = _shape(s)
-                    for line in detail_lines(s):
-                        say(line)
-                lines += 1
-
-    printing = asyncio.create_task(printer())
+    printing = asyncio.create_task(_print_updates(sub, say, interval_s))
     try:
         state = await pipeline.generate()
         if pipeline.error is not None:
@@ -259,5 +200,87 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
             # not with Python's KeyboardInterrupt in the middle of writing them (and a traceback, exit 1).
             await pipeline.close()
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
-                loop.remove_signal_handler(sig)
+            signals.remove(loop)
+
+
+class _Signals:
+    """What a signal does to a headless run, and the line that says so: SIGINT drains (a second one
+    stops now), SIGTERM and SIGHUP drain, SIGUSR1 resumes a run held by the account or a full disk."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
+    def __init__(self, pipeline: Pipeline, say: Callable[[str], None]) -> None:
+        self._pipeline = pipeline
+        self._say = say
+        self._interrupts = 0
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.add_signal_handler(signal.SIGINT, self._on_sigint)
+        loop.add_signal_handler(signal.SIGTERM, self._on_term, "SIGTERM")
+        loop.add_signal_handler(signal.SIGHUP, self._on_term, "SIGHUP")
+        # Headless has no `r` key: SIGUSR1 resumes a run held by the account or a full disk.
+        loop.add_signal_handler(signal.SIGUSR1, self._pipeline.resume)
+
+    def remove(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sig in self.SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    def _tell(self, text: str) -> None:
+        # Wrapped, not cut: a signal's line ends with what the next one does.
+        for line in textwrap.wrap(text, WIDTH, subsequent_indent=INDENT, break_on_hyphens=False):
+            self._say(line)
+
+    def _held(self) -> str:
+        n = self._pipeline.engine.book.held_answers
+        return (f"; {n} paid answer(s) are held in memory, not on disk: the run waits for the disk (the write is "
+                "retried every few seconds; SIGUSR1 retries now); a second SIGINT spools them to a fallback file"
+                if n else "")
+
+    def _on_sigint(self) -> None:
+        pipeline = self._pipeline
+        self._interrupts += 1
+        # Act first, then say so: the saying may fail.
+        effects = pipeline.quit_effects()  # what a quit does to the stage running now (smoke, merge, ...)
+        if self._interrupts == 1:
+            pipeline.quit(drain=True)
+            self._tell(f"SIGINT: draining ({effects.running}: {effects.drain}); press Ctrl-C again to stop now "
+                       f"({effects.stop})" + self._held())
+        else:
+            n = pipeline.engine.book.held_answers
+            pipeline.quit(drain=False)  # stop now spools what is held: never dropped
+            self._tell(f"SIGINT again: stopping now ({effects.running}: {effects.stop})"
+                       + (f"; the {n} held answer(s) are spooled" if n else ""))
+
+    def _on_term(self, name: str) -> None:
+        line = signal_line(name, self._pipeline.snapshot(), again=self._pipeline.quit_requested.is_set())
+        self._pipeline.quit(drain=True)
+        self._tell(line + self._held())
+
+
+async def _print_updates(sub: Subscription, say: Callable[[str], None], interval_s: float) -> None:
+    """Events as they come (info ones only for the milestones), and a status line every `interval_s`
+    with the detail lines every DETAILS_EVERY lines or when the run's shape changes."""
+    loop = asyncio.get_running_loop()
+    next_line = loop.time()
+    lines = 0
+    shape: object = None
+    while True:
+        item = await sub.get()
+        if item[0] == "event":
+            ev = item[1]
+            if ev.level != "info" or ev.kind in ("smoke", "dataset_start", "dataset_done", "run_done", "smoke_done",
+                                                  "merge_done", "extract_done", "budget", "tokens_done"):
+                wall = time.strftime("%H:%M:%S", time.localtime(ev.ts))
+                # Wrapped, not cut: an event's end is often what matters (a path, the figures).
+                for line in textwrap.wrap(f"{wall} {ev.level:<8} {ev.message}", WIDTH,
+                                          subsequent_indent=" " * 18, break_on_hyphens=False):
+                    say(line)
+        elif loop.time() >= next_line:
+            next_line = loop.time() + interval_s
+            s = item[1]
+            say(status_line(s))
+            if lines % DETAILS_EVERY == 0 or _shape(s) != shape:
+                shape = _shape(s)
+                for line in detail_lines(s):
+                    say(line)
+            lines += 1

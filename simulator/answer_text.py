@@ -90,7 +90,7 @@ def _code(rng: random.Random, target_chars: int) -> str:
                 f"        result.append(value * {n} + i)\n"
                 f"    return result\n\n")
         if literal_marker:
-            # A literal special-token string inside an answer is ordinary text (SPEC.md).
+            # A literal special-token string inside an answer is ordinary text (docs/files.md, "Token reconstruction").
             body += 'END_OF_TURN = "<|im_end|>"  # the chat template\'s end marker, as plain text\n\n'
             literal_marker = False
         out.append(body)

@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", action="append", default=[], metavar="NAME[:KEY=VALUE...][,NAME...]",
                    help="switch scenarios on at start (repeatable), e.g. key_limit:after=30 or "
                         "rate_limited:rate=0.2:duration=60; params rate, after, duration, match and "
-                        "per scenario more (README, 'Rehearse for free'); at run time: POST /_sim/scenario. "
+                        "per scenario more (docs/simulate.md); at run time: POST /_sim/scenario. "
                         f"Names: {' '.join(BY_NAME)}")
     p.add_argument("--key-limit", type=float, default=None, metavar="USD",
                    help="the key's own spending cap (GET /key data.limit); 403 once reached")

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -43,6 +44,29 @@ SEQ = web.RequestKey("draftgen_sim_seq", int)                         # the chat
 # The 200-with-a-problem scenarios as the fault that draws the same response.
 _AS_FAULT = {"error_body": "error200", "finish_error": "finish_error", "empty_choices": "empty_choices",
              "stream_error": "error200"}
+
+
+
+@dataclass(slots=True)
+class _Ask:
+    """One chat request as the checks read it, filled in as it passes them (provider once routed)."""
+    body: dict[str, Any]
+    messages: Any
+    model: Any
+    max_tokens: int | None
+    stream: bool
+    prefs: Any
+    key: str        # the prompt's key: its messages' hash
+    n: int          # how many times this prompt was asked, this try included
+    draws: list[float]
+    prompt_draw: float
+    text: str       # the last user message (what scenarios match on)
+    seq: int        # the chat request's number, from 1
+    provider: SimProvider = field(init=False)  # set by _route, before any later check reads it
+    limit: int = 0
+    n_prompt: int = 0
+    context: int = 0
+    estimate: float = 0.0
 
 
 class Completions:
@@ -79,7 +103,7 @@ class Completions:
             if responses.GEN_ID in request and not resp.prepared:
                 resp.headers["X-Generation-Id"] = request[responses.GEN_ID]
             if cfg.echo_key:
-                shaping.echo_key(request, resp)
+                shaping.echo_key(request, resp, encoded=cfg.echo_key_fields)
             return resp
         except asyncio.CancelledError:
             status = request.get(responses.NO_RESPONSE, "cancelled")
@@ -96,7 +120,8 @@ class Completions:
             st.by_status[status] = st.by_status.get(status, 0) + 1
 
     async def _hold(self, cfg: SimConfig) -> None:
-        if self._stats.in_flight >= cfg.hold_until_in_flight:
+        until = cfg.hold_until_in_flight
+        if until is not None and self._stats.in_flight >= until:
             self._held.set()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._held.wait(), cfg.hold_timeout_s)
@@ -112,40 +137,89 @@ class Completions:
 
     def _hit(self, a: Active | str) -> None:
         """Count a response a scenario sent (on the scenario and in the stats)."""
-        if isinstance(a, str):
-            a = self._scenarios.live(a)
-            if a is None:
-                return
-        a.hits += 1
-        name = a.scenario.name
+        active = self._scenarios.live(a) if isinstance(a, str) else a
+        if active is None:
+            return
+        active.hits += 1
+        name = active.scenario.name
         self._stats.scenarios[name] = self._stats.scenarios.get(name, 0) + 1
 
-    def _new_id(self, key: str, n: int) -> str:
+    def _new_id(self, key: str, n: int, echo: str = "") -> str:
+        """A generation id; `echo` (SimConfig.echo_key_fields: the caller's key) is put in it."""
         self._gen_counter += 1
-        return f"gen-{int(time.time())}-{key[:8]}{n:x}{self._gen_counter:x}"
+        return f"gen-{int(time.time())}-{key[:8]}{n:x}{self._gen_counter:x}" + (f"-{echo}" if echo else "")
 
     async def _serve(self, request: web.Request, cfg: SimConfig) -> web.StreamResponse:
-        sc, st = self._scenarios, self._stats
-        if (denied := auth_error(request, cfg, sc)) is not None:
+        """One chat completion, checked as OpenRouter checks it: the key, the body, routing and the
+        prompt, the account; then an upstream error, a fault, or the answer (streamed or whole)."""
+        if (denied := auth_error(request, cfg, self._scenarios)) is not None:
             self._hit("revoked_key")
             return denied
         body = await read_body(request)
         if isinstance(body, web.Response):
             return body
-        messages, model = body["messages"], body["model"]
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-        stream = bool(body.get("stream"))
+        ask = self._ask(body, cfg, request.get(SEQ, 0))
+        # (A response is a mapping, falsy when empty: each refusal is told by `is not None`.)
+        if (refused := self._route(ask, cfg)) is not None:
+            return refused
+        if (refused := self._check_prompt(ask)) is not None:
+            return refused
+        if (refused := self._check_account(ask, cfg)) is not None:
+            return refused
+        upstream = self._first(ask, scenarios.UPSTREAM)
+        if upstream is not None and not (ask.stream and upstream.get("midstream")):
+            self._hit(upstream)
+            return upstream_error(upstream, ask.provider, ask.draws[5], cfg)
+        gen, reply = self._generate(request, ask, cfg)
+        if upstream is not None:  # a 5xx of a stream already under way: an error chunk, nothing billed
+            return await self._midstream_error(request, cfg, upstream, gen, reply)
+        answer_200 = self._first(ask, scenarios.ANSWER_200)
+        fault = _AS_FAULT[answer_200.scenario.name] if answer_200 is not None else pick_fault(cfg.faults, ask.draws[2])
+        if answer_200 is not None:
+            self._hit(answer_200)
+        elif fault is not None:
+            self._stats.faults[fault] = self._stats.faults.get(fault, 0) + 1
+        if fault is not None:
+            return await serve_fault(request, cfg, fault, reply, gen.ttft, gen.latency, ask.stream, self.fragments,
+                                     lambda: self._start(request, gen), self._generations.finish,
+                                     lambda: self._generations.failed(gen))
+        self._start(request, gen)
+        if ask.stream:
+            return await self._stream(request, cfg, reply, gen)
+        if gen.latency > 0:
+            await asyncio.sleep(gen.latency)
+        self._generations.finish(gen)
+        self._delivered(reply)
+        data = wire.completion_json(reply, self.fragments)
+        if cfg.misbehave:
+            data = shaping.misbehave(data, cfg, ask.prefs)
+        return web.Response(body=data, content_type=responses.JSON)
 
-        key_json = orjson.dumps(messages)
-        key = hashlib.sha1(key_json).hexdigest()
+    def _ask(self, body: dict[str, Any], cfg: SimConfig, seq: int) -> _Ask:
+        """The request's fields, its prompt's key and how many times that prompt was asked, and the
+        random draws of this try (a prompt's own problems draw the same for every retry of it)."""
+        sc, st = self._scenarios, self._stats
+        messages = body["messages"]
+        key = hashlib.sha1(orjson.dumps(messages)).hexdigest()
         n = st.prompt_requests.get(key, 0) + 1
         st.prompt_requests[key] = n
-        draws = shaping.draws(cfg.seed, key, n)
-        # A prompt's own problems draw the same for every retry of the prompt.
-        prompt_draw = shaping.draws(cfg.seed, key, 0)[3] if sc else 1.0
-        text = shaping.last_user_text(messages) if sc else ""
+        return _Ask(body=body, messages=messages, model=body["model"],
+                    max_tokens=body.get("max_tokens", body.get("max_completion_tokens")),
+                    stream=bool(body.get("stream")), prefs=body.get("provider"), key=key, n=n,
+                    draws=shaping.draws(cfg.seed, key, n),
+                    prompt_draw=shaping.draws(cfg.seed, key, 0)[3] if sc else 1.0,
+                    text=shaping.last_user_text(messages) if sc else "", seq=seq)
 
-        if sc and (a := sc.first(scenarios.BEFORE_ROUTING, draws[3], prompt_draw, text, request.get(SEQ, 0))):
+    def _first(self, ask: _Ask, stage: tuple[str, ...]) -> Active | None:
+        """The first scenario of `stage` this try draws (None without scenarios)."""
+        sc = self._scenarios
+        return sc.first(stage, ask.draws[3], ask.prompt_draw, ask.text, ask.seq) if sc else None
+
+    def _route(self, ask: _Ask, cfg: SimConfig) -> web.Response | None:
+        """Pick the provider, or refuse: no endpoint for the model or the preferences, max_tokens over
+        every endpoint's limit, a prompt over the context."""
+        sc, model = self._scenarios, ask.model
+        if (a := self._first(ask, scenarios.BEFORE_ROUTING)) is not None:
             self._hit(a)
             if a.scenario.name == "payload_too_large":
                 return responses.error(413, "Payload Too Large: the request body is larger than this endpoint "
@@ -153,37 +227,47 @@ class Completions:
             return responses.no_endpoints(a.scenario.name, model, a.get("what", "the requested parameters"))
         if not self._models.known(model):
             return responses.no_endpoints("unknown_model", model)
-        prefs = body.get("provider")
-        routes = self._memo.routes(cfg, prefs, model)
+        routes = self._memo.routes(cfg, ask.prefs, model)
         if isinstance(routes, NoEndpoints):
             return responses.error(404, routes.message)
-        provider = choose(routes, prefs, draws[0], draws[1], cfg.fallback_rate)
-
-        limit = max(completion_limit(p, sc) if sc else p.max_completion_tokens for p in routes)
+        provider = ask.provider = choose(routes, ask.prefs, ask.draws[0], ask.draws[1], cfg.fallback_rate)
+        limit = ask.limit = max(completion_limit(p, sc) if sc else p.max_completion_tokens for p in routes)
+        max_tokens = ask.max_tokens
         if max_tokens is not None and max_tokens > limit:
             self._hit("max_tokens_exceeded")
             return responses.error(400, f"max_tokens_exceeded: max_tokens ({max_tokens}) is more than any "
                                         f"allowed endpoint accepts ({limit})", {"code": "max_tokens_exceeded"})
-        n_prompt = self._memo.prompt_tokens(key, messages, cfg.default_system)
+        n_prompt = self._memo.prompt_tokens(ask.key, ask.messages, cfg.default_system)
         if provider.token_skew:  # another tokenizer behind this endpoint: it bills other counts
             n_prompt = max(1, round(n_prompt * (1 + provider.token_skew)))
-        context = max(p.context_length for p in routes)
-        if n_prompt + (max_tokens or 0) > context:
-            return responses.prompt_400("context_length", model, n_prompt, context, max_tokens)
-        if sc and (a := sc.first(scenarios.PROMPT_CHECKS, draws[3], prompt_draw, text, request.get(SEQ, 0))):
-            self._hit(a)
-            if a.scenario.name == "moderation":
-                return responses.moderation(provider.name, model, text)
-            if a.scenario.name in ("provider_400", "bad_parameter"):
-                return responses.provider_400(a.scenario.name, provider.name, a.get("what", "temperature"))
-            return responses.prompt_400(a.scenario.name, model, n_prompt, context, max_tokens)
+        ask.n_prompt = n_prompt
+        ask.context = max(p.context_length for p in routes)
+        if n_prompt + (max_tokens or 0) > ask.context:
+            return responses.prompt_400("context_length", model, n_prompt, ask.context, max_tokens)
+        return None
 
+    def _check_prompt(self, ask: _Ask) -> web.Response | None:
+        """A prompt the provider refuses: moderation, a parameter it rejects, a prompt-shaped 400."""
+        a = self._first(ask, scenarios.PROMPT_CHECKS)
+        if a is None:
+            return None
+        self._hit(a)
+        if a.scenario.name == "moderation":
+            return responses.moderation(ask.provider.name, ask.model, ask.text)
+        if a.scenario.name in ("provider_400", "bad_parameter"):
+            return responses.provider_400(a.scenario.name, ask.provider.name, a.get("what", "temperature"))
+        return responses.prompt_400(a.scenario.name, ask.model, ask.n_prompt, ask.context, ask.max_tokens)
+
+    def _check_account(self, ask: _Ask, cfg: SimConfig) -> web.Response | None:
+        """What the account refuses: the key's limit, a budget, no credits, credits short of max_tokens,
+        the in-flight budget, too many requests at once."""
         if (capped := self._account.key_limited()) is not None:
             self._hit("key_limit")
             return capped
-        est_tokens = min(max_tokens or limit, limit)
-        estimate = (n_prompt * provider.usd_per_m_in + est_tokens * provider.usd_per_m_out) / 1e6
-        if sc and (a := sc.first(scenarios.ACCOUNT_CHECKS, draws[3], prompt_draw, text, request.get(SEQ, 0))):
+        provider, max_tokens = ask.provider, ask.max_tokens
+        est_tokens = min(max_tokens or ask.limit, ask.limit)
+        estimate = ask.estimate = (ask.n_prompt * provider.usd_per_m_in + est_tokens * provider.usd_per_m_out) / 1e6
+        if (a := self._first(ask, scenarios.ACCOUNT_CHECKS)) is not None:
             self._hit(a)
             if a.scenario.name == "weight_exceeds_budget":
                 return responses.weight_exceeds(estimate / 2, estimate)
@@ -200,69 +284,57 @@ class Completions:
         if (full := self._account.admit(estimate)) is not None:
             self._hit("in_flight_budget")
             return full
+        st = self._stats
         if cfg.max_in_flight is not None and st.in_flight > cfg.max_in_flight:
             st.faults["max_in_flight"] = st.faults.get("max_in_flight", 0) + 1
-            return responses.rate_limited(cfg, provider.name)
-        upstream = sc.first(scenarios.UPSTREAM, draws[3], prompt_draw, text, request.get(SEQ, 0)) if sc else None
-        if upstream is not None and not (stream and upstream.get("midstream")):
-            self._hit(upstream)
-            return upstream_error(upstream, provider, draws[5], cfg)
+            return responses.rate_limited(cfg, ask.provider.name)
+        return None
 
-        think, show = shaping.reasoning_mode(body)
-        # The answer depends on the seed and the prompt only: a retry gets the same text.
+    def _generate(self, request: web.Request, ask: _Ask, cfg: SimConfig) -> tuple[Generation, wire.Reply]:
+        """The answer (it depends on the seed and the prompt only: a retry gets the same text), what it
+        bills, its timing and its generation id, given out on the request."""
+        provider, draws = ask.provider, ask.draws
+        think, show = shaping.reasoning_mode(ask.body)
         pool = self._pool()
-        answer = pool.pick(style_of_prompt(shaping.last_user_text(messages)),
-                           int(key[:15], 16) + cfg.seed * 0x9E3779B97F4A7C15)
-        over = cfg.past_max_tokens if max_tokens is not None and (
+        answer = pool.pick(style_of_prompt(shaping.last_user_text(ask.messages)),
+                           int(ask.key[:15], 16) + cfg.seed * 0x9E3779B97F4A7C15)
+        cap = ask.max_tokens
+        over = cfg.past_max_tokens if cap is not None and (
             not cfg.past_max_tokens_providers or provider.name in cfg.past_max_tokens_providers) else 0
         # A provider past max_tokens generates (and bills) more than the request allows.
-        completion = pool.complete(answer, max_tokens + over if over else max_tokens, think)
+        completion = pool.complete(answer, cap + over if cap is not None and over else cap, think)
         billed_tokens = completion.completion_tokens
         if draws[4] < cfg.tokens_drift:
             billed_tokens = max(1, billed_tokens + (1 if draws[5] < 0.5 else -1))
         if provider.token_skew:
             billed_tokens = max(1, round(billed_tokens * (1 + provider.token_skew)))
         latency, ttft = shaping.latency(cfg, provider, completion.completion_tokens, draws[6], draws[7])
-        gen = Generation(self._new_id(key, n), key, provider, model, int(time.time()), n_prompt, completion,
-                         billed_tokens, stream, ttft, latency, estimate)
+        echo = shaping.bearer_key(request) if cfg.echo_key_fields else ""
+        gen = Generation(self._new_id(ask.key, ask.n, echo), ask.key, provider, ask.model, int(time.time()),
+                         ask.n_prompt, completion, billed_tokens, ask.stream, ttft, latency, ask.estimate)
         request[responses.GEN_ID] = gen.gen_id
         request[CREATED] = gen
-        reply = wire.Reply(gen.gen_id, provider.name, model, gen.created, completion, think and show,
-                           cfg.reasoning_field, body.get("return_token_ids") is True,
-                           wire.usage(n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost),
-                           cfg.stream_chunk_tokens)
+        # echo_key_fields: the key in the answer's `provider` and `model` too (the model still starts with
+        # the one asked for, as a provider's variant name does).
+        reply = wire.Reply(gen.gen_id, f"{provider.name} [{echo}]" if echo else provider.name,
+                           f"{ask.model}:{echo}" if echo else ask.model, gen.created, completion, think and show,
+                           cfg.reasoning_field, ask.body.get("return_token_ids") is True and not cfg.ignore_token_ids,
+                           wire.usage(ask.n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost),
+                           cfg.stream_chunk_tokens, echo)
+        return gen, reply
 
-        if upstream is not None:  # a 5xx of a stream already under way: an error chunk, nothing billed
-            self._hit(upstream)
-            code = upstream.scenario.status
-            message, meta = responses.upstream(code, provider.name)
-            resp = await responses.open_stream(request)
-            await responses.wait_with_comments(resp, ttft, cfg.processing_comment_s)
-            await resp.write(wire.error_frame(reply, code, message, meta))
-            await resp.write_eof()
-            self._generations.failed(gen)
-            return resp
-        answer_200 = sc.first(scenarios.ANSWER_200, draws[3], prompt_draw, text, request.get(SEQ, 0)) if sc else None
-        fault = _AS_FAULT[answer_200.scenario.name] if answer_200 is not None else pick_fault(cfg.faults, draws[2])
-        if answer_200 is not None:
-            self._hit(answer_200)
-        elif fault is not None:
-            st.faults[fault] = st.faults.get(fault, 0) + 1
-        if fault is not None:
-            return await serve_fault(request, cfg, fault, reply, ttft, latency, stream, self.fragments,
-                                     lambda: self._start(request, gen), self._generations.finish,
-                                     lambda: self._generations.failed(gen))
-        self._start(request, gen)
-        if stream:
-            return await self._stream(request, cfg, reply, gen)
-        if latency > 0:
-            await asyncio.sleep(latency)
-        self._generations.finish(gen)
-        self._delivered(reply)
-        data = wire.completion_json(reply, self.fragments)
-        if cfg.misbehave:
-            data = shaping.misbehave(data, cfg, prefs)
-        return web.Response(body=data, content_type=responses.JSON)
+    async def _midstream_error(self, request: web.Request, cfg: SimConfig, upstream: Active, gen: Generation,
+                               reply: wire.Reply) -> web.StreamResponse:
+        """A 5xx of a stream already under way: an error chunk after the first wait, nothing billed."""
+        self._hit(upstream)
+        code = upstream.scenario.status
+        message, meta = responses.upstream(code, gen.provider.name)
+        resp = await responses.open_stream(request)
+        await responses.wait_with_comments(resp, gen.ttft, cfg.processing_comment_s)
+        await resp.write(wire.error_frame(reply, code, message, meta))
+        await resp.write_eof()
+        self._generations.failed(gen)
+        return resp
 
     def _start(self, request: web.Request, gen: Generation) -> Generation:
         request[GENERATION] = gen

@@ -12,12 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from draftgen.core.errors import DraftgenError
-
-
-class SimulatorError(DraftgenError):
-    """A bad simulator setting (CLI flag or control-endpoint patch); the message names it."""
-
+from draftgen.simulator.errors import SimulatorError
+from draftgen.simulator.scenarios import check_params
 
 # Order matters: one uniform draw per request walks these cumulatively, so a given seed and
 # prompt always meets the same fault whatever the other rates are set to.
@@ -78,7 +74,7 @@ class SimProvider:
 
 # Kimi-K2.5 endpoints as the reference run met them: int4 providers serve the model's tokens,
 # Fireworks and Baseten serve FP4 variants (which the reference config ignores).
-# DeepInfra's price reproduces the smoke check of SPEC.md: 205 completion tokens cost ~$0.00047.
+# DeepInfra's price reproduces the product's reference smoke check: 205 completion tokens cost ~$0.00047.
 DEFAULT_PROVIDERS: tuple[SimProvider, ...] = (
     SimProvider("DeepInfra", "deepinfra", "int4", 0.45, 2.25, 3.0, 0.9, 38.0),
     SimProvider("Together", "together", "int4", 0.60, 3.00, 3.0, 0.6, 55.0),
@@ -150,6 +146,8 @@ class SimConfig:
     # in usage.prompt_tokens: None as Kimi-K2.5's chat template does; a text to play a server that
     # renders another prompt than the run reconstructs (the prompt check then fails).
     default_system: str | None = None
+    # Play a server without ids (SGLang 0.5.16 and earlier): `return_token_ids` is ignored without a word.
+    ignore_token_ids: bool = False
     # Where the reasoning goes: OpenRouter uses `reasoning`; vLLM/SGLang use `reasoning_content`.
     reasoning_field: Literal["reasoning", "reasoning_content"] = "reasoning"
     # SSE keep-alive comment while the first token is awaited.
@@ -164,6 +162,10 @@ class SimConfig:
     # A careless upstream: error bodies (4xx/5xx, and 200s carrying an error) quote the bearer key
     # the request came with, so tests can show draftgen never writes or prints what it is sent.
     echo_key: bool = False
+    # A careless upstream that echoes the key beyond its error text: in every answer's X-Generation-Id
+    # header and `id`, its `provider` and `model` fields (plain), and, with echo_key, in error messages
+    # and metadata JSON-\u-escaped, percent-encoded (both cases) and in base64 (a Basic credential).
+    echo_key_fields: bool = False
     # How many generations `/generation?id=` remembers (oldest forgotten first).
     generation_log_size: int = 100_000
 
@@ -205,10 +207,6 @@ class SimConfig:
                "must be > 0 or null")
         _check(self.in_flight_window_s >= 0, "in_flight_window_s", "must be >= 0")
         _check(self.generation_delay_s >= 0, "generation_delay_s", "must be >= 0")
-        from draftgen.simulator.scenarios import (
-            check_params,  # scenarios imports this module
-        )
-
         object.__setattr__(self, "scenarios", {str(k).lower(): check_params(str(k).lower(), v)
                                                for k, v in (self.scenarios or {}).items()})
 

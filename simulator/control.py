@@ -25,7 +25,22 @@ if TYPE_CHECKING:
 
 
 def add_routes(app: web.Application, sim: SimServer) -> None:
-    async def stats(request: web.Request) -> web.Response:
+    control = _Control(sim)
+    app.router.add_get("/_sim/stats", control.stats)
+    app.router.add_get("/_sim/config", control.get_config)
+    app.router.add_post("/_sim/config", control.post_config)
+    app.router.add_get("/_sim/scenario", control.get_scenario)
+    app.router.add_post("/_sim/scenario", control.post_scenario)
+
+
+class _Control:
+    """The handlers of the control endpoints, on one simulator."""
+
+    def __init__(self, sim: SimServer) -> None:
+        self.sim = sim
+
+    async def stats(self, request: web.Request) -> web.Response:
+        sim = self.sim
         prompts = request.query.get("prompts", "1") not in ("0", "false", "no")
         data = sim.stats.to_json(prompts=prompts)
         data["balance"] = sim.balance
@@ -33,10 +48,11 @@ def add_routes(app: web.Application, sim: SimServer) -> None:
         data["scenarios_on"] = sim.scenarios.to_json()
         return responses.json_response(data)
 
-    async def get_config(request: web.Request) -> web.Response:
-        return responses.json_response(sim.config.to_json())
+    async def get_config(self, request: web.Request) -> web.Response:
+        return responses.json_response(self.sim.config.to_json())
 
-    async def post_config(request: web.Request) -> web.Response:
+    async def post_config(self, request: web.Request) -> web.Response:
+        sim = self.sim
         patch = await _json_object(request, "POST /_sim/config", "SimConfig fields")
         if isinstance(patch, web.Response):
             return patch
@@ -55,13 +71,14 @@ def add_routes(app: web.Application, sim: SimServer) -> None:
             return responses.error(400, str(exc))
         return responses.json_response(sim.config.to_json())
 
-    async def get_scenario(request: web.Request) -> web.Response:
+    async def get_scenario(self, request: web.Request) -> web.Response:
         return responses.json_response({
-            "on": sim.scenarios.to_json(),
+            "on": self.sim.scenarios.to_json(),
             "known": [{"name": s.name, "status": s.status, "class": s.klass, "sends": s.sends} for s in SCENARIOS],
         })
 
-    async def post_scenario(request: web.Request) -> web.Response:
+    async def post_scenario(self, request: web.Request) -> web.Response:
+        sim = self.sim
         cmd = await _json_object(request, "POST /_sim/scenario", '{"name": ..., "on": true, "params": {...}}')
         if isinstance(cmd, web.Response):
             return cmd
@@ -78,12 +95,6 @@ def add_routes(app: web.Application, sim: SimServer) -> None:
         except SimulatorError as exc:
             return responses.error(400, str(exc))
         return responses.json_response({"on": sim.scenarios.to_json()})
-
-    app.router.add_get("/_sim/stats", stats)
-    app.router.add_get("/_sim/config", get_config)
-    app.router.add_post("/_sim/config", post_config)
-    app.router.add_get("/_sim/scenario", get_scenario)
-    app.router.add_post("/_sim/scenario", post_scenario)
 
 
 async def _json_object(request: web.Request, what: str, shape: str) -> dict[str, Any] | web.Response:

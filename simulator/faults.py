@@ -19,7 +19,7 @@ Billing, as OpenRouter bills (see generations.py):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from aiohttp import web
 
@@ -31,7 +31,7 @@ from draftgen.simulator.generations import Generation
 PROVIDER_ERROR = {"code": 502, "message": "Provider returned error: generation stopped"}
 
 
-def pick_fault(faults: dict[str, float], u: float) -> str | None:
+def pick_fault(faults: Mapping[str, float], u: float) -> str | None:
     """The fault a request with uniform draw `u` meets, walking the kinds in a fixed order."""
     if not faults:
         return None
@@ -51,7 +51,6 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
     """The response of a request that meets `fault` (see config.FAULT_KINDS); `start()` starts
     the billed generation of the faults that have one (drop, hang, truncated), `finish()` bills it,
     `failed()` records the unbilled generation of an error inside a 200 once its response is out."""
-    meta = {"provider_name": r.provider}
     if fault == "429":
         return responses.rate_limited(cfg, r.provider)
     if fault in ("500", "502", "503", "524"):
@@ -60,7 +59,7 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
         failed()
     if fault in ("500", "502", "503"):
         await responses.sleep(ttft)
-        if fault in ("500", "502"):  # a provider's error: OPENROUTER.md, `metadata.provider_name` and `raw`
+        if fault in ("500", "502"):  # a provider's error (docs/openrouter.md): `metadata.provider_name` and `raw`
             return responses.error(int(fault), *responses.upstream(int(fault), r.provider))
         # All allowed providers down or full: OpenRouter's own 503 of routing names no provider.
         return responses.error(503, *responses.upstream(503, r.provider))
@@ -79,19 +78,32 @@ async def serve_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.
     g = start() if fault == "truncated" else None
     if not stream:
         await responses.sleep(latency)
-        if g is not None:
-            finish(g)
-            full = wire.completion_json(r, fragments)
-            return web.Response(body=full[: len(full) // 2], content_type=responses.JSON)
-        if fault == "error200":
-            body = wire.error_json(502, "Provider returned error", meta)
-        elif fault == "finish_error":
-            body = wire.completion_json(unbilled(r), None, "error", r.completion.content[:200], PROVIDER_ERROR)
-        else:
-            body = wire.empty_choices_json(r)
-        failed()
-        return web.Response(body=body, content_type=responses.JSON)
-    # Streamed faults: the 200 and some of the answer are already out when it goes wrong.
+        return _whole_fault(fault, r, g, fragments, finish, failed)
+    return await _streamed_fault(request, cfg, fault, r, g, ttft, latency, fragments, finish, failed)
+
+
+def _whole_fault(fault: str, r: wire.Reply, g: Generation | None, fragments: wire.FragmentCache,
+                 finish: Callable[[Generation], object], failed: Callable[[], None]) -> web.Response:
+    """A plain (not streamed) 200 that goes wrong: half a body (truncated, billed) or an error inside it."""
+    if g is not None:
+        finish(g)
+        full = wire.completion_json(r, fragments)
+        return web.Response(body=full[: len(full) // 2], content_type=responses.JSON)
+    if fault == "error200":
+        body = wire.error_json(502, "Provider returned error", {"provider_name": r.provider})
+    elif fault == "finish_error":
+        body = wire.completion_json(unbilled(r), None, "error", r.completion.content[:200], PROVIDER_ERROR)
+    else:
+        body = wire.empty_choices_json(r)
+    failed()
+    return web.Response(body=body, content_type=responses.JSON)
+
+
+async def _streamed_fault(request: web.Request, cfg: SimConfig, fault: str, r: wire.Reply, g: Generation | None,
+                          ttft: float, latency: float, fragments: wire.FragmentCache,
+                          finish: Callable[[Generation], object], failed: Callable[[], None]) -> web.StreamResponse:
+    """A stream whose 200 and some of the answer are already out when it goes wrong."""
+    meta = {"provider_name": r.provider}
     resp = await responses.open_stream(request)
     await responses.wait_with_comments(resp, ttft, cfg.processing_comment_s)
     frames = wire.delta_frames(r, fragments)

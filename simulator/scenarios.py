@@ -1,4 +1,4 @@
-"""Scenarios: every row of OpenRouter's chat-completions table (../shared/OPENROUTER.md) as a
+"""Scenarios: every row of OpenRouter's chat-completions table (docs/openrouter.md) as a
 named condition the simulator can be switched into, at start (`draftgen simulate --scenario
 key_limit:after=30,rate_limited:rate=0.2` or `SimConfig(scenarios={...})`) and at run time
 (`POST /_sim/scenario {"name": ..., "on": true, "params": {...}}` or `SimServer.scenario()`).
@@ -28,15 +28,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftgen.simulator.config import SimulatorError
+from draftgen.simulator.errors import SimulatorError
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
     status: int  # HTTP status of the response (200 for the answers that carry an error)
-    klass: str  # whose problem, as OPENROUTER.md classes it: prompt, transient, dataset, account
-    sends: str  # what the simulator sends: the README table is made of these
+    klass: str  # whose problem, as docs/openrouter.md classes it: prompt, transient, dataset, account
+    sends: str  # what the simulator sends: the scenario table of docs/simulate.md is made of these
     per_prompt: bool = False
 
 

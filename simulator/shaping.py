@@ -16,16 +16,25 @@ from draftgen.simulator.config import SimConfig, SimProvider
 _U32 = float(1 << 32)
 
 
-def echo_key(request: web.Request, resp: web.StreamResponse) -> None:
-    """SimConfig.echo_key: put the caller's bearer key into an error body (not into answers)."""
-    body = getattr(resp, "body", None)
+def bearer_key(request: web.Request) -> str:
+    """The key the request was made with (its Authorization header)."""
+    return request.headers.get("Authorization", "").partition(" ")[2].strip()
+
+
+def echo_key(request: web.Request, resp: web.StreamResponse, encoded: bool = False) -> None:
+    """SimConfig.echo_key: put the caller's bearer key into an error body (not into answers); with
+    `encoded` (echo_key_fields), its encoded forms as well (a stream's error frames: wire.error_frame)."""
+    if not isinstance(resp, web.Response):  # a stream: nothing to rewrite
+        return
+    body = resp.body
     if not isinstance(body, bytes) or (resp.status < 400 and b'"error"' not in body):
         return
-    key = request.headers.get("Authorization", "").partition(" ")[2].strip()
+    key = bearer_key(request)
     unprefixed = key.split("-")[-1]
     # Every form a careless upstream quotes a key in: as sent, re-cased, without its prefix, a fragment.
     note = (f" (request made with key {key}; KEY={key.upper()}; key={key.lower()}; token {unprefixed}; "
-            f"fragment {key[len(key) // 2:len(key) // 2 + 12]}...)")
+            f"fragment {key[len(key) // 2:len(key) // 2 + 12]}..."
+            + (f"; {wire.echo_note(key)}" if encoded else "") + ")")
     try:
         obj = orjson.loads(body)
         err = obj.get("error") if isinstance(obj, dict) else None
@@ -35,6 +44,10 @@ def echo_key(request: web.Request, resp: web.StreamResponse) -> None:
         meta = err.get("metadata")
         if isinstance(meta, dict):
             meta["raw"] = f"{meta.get('raw', '')}{note}"
+        if encoded:  # the metadata too: a provider's name, a nested object, a key used as a key
+            meta = meta if isinstance(meta, dict) else {"raw": note}
+            err["metadata"] = {**meta, "provider_name": f"{meta.get('provider_name') or 'Echo'} [{key}]",
+                               "echo": {"forms": [note], key: "as a key"}}
         resp.body = orjson.dumps(obj)
     except ValueError:  # orjson.JSONDecodeError included: a plain-text body (524)
         resp.body = body + note.encode()

@@ -7,6 +7,7 @@ prompt it sent and look up how often it was asked, answered and billed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
@@ -48,8 +49,11 @@ class SimStats:
     prompt_cost: dict[str, float] = field(default_factory=dict)
 
     def copy(self) -> SimStats:
-        return SimStats(**{f.name: (dict(v) if isinstance(v := getattr(self, f.name), dict) else v)
-                           for f in dataclasses.fields(self)})
+        out = copy.copy(self)
+        for f in dataclasses.fields(self):
+            if isinstance(v := getattr(self, f.name), dict):
+                setattr(out, f.name, dict(v))
+        return out
 
     def to_json(self, *, prompts: bool = True) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

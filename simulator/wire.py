@@ -14,6 +14,7 @@ few byte joins rather than serialising kilobytes of text again.
 
 from __future__ import annotations
 
+import base64
 import codecs
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ class Reply:
     token_ids: bool  # add `token_ids` to the choice, as vLLM's return_token_ids does
     usage: dict[str, Any]
     chunk_tokens: int = TOKENS_PER_CHUNK  # tokens per SSE delta of a streamed answer
+    echo: str = ""  # SimConfig.echo_key_fields: the caller's key, quoted in a mid-stream error too
 
     def prefix(self, obj: str) -> bytes:
         """`{"id":..,"provider":..,"model":..,"object":..,"created":..,"choices":[` """
@@ -103,10 +105,10 @@ def completion_json(r: Reply, cache: FragmentCache | None = None, finish_reason:
     """The plain (non-streamed) body; `finish_reason`/`content`/`error` (the choice's) for faults."""
     c = r.completion
     key = r.cache_key("message") if cache is not None and content is None else None
-    message = cache.get(key) if key is not None else None
+    message = cache.get(key) if cache is not None and key is not None else None
     if message is None:
         message = _message(r, c.content if content is None else content)
-        if key is not None:
+        if cache is not None and key is not None:
             cache[key] = message
     fr = orjson.dumps(finish_reason or c.finish_reason)
     parts = [r.prefix("chat.completion"), b'{"index":0,"finish_reason":', fr, b',"native_finish_reason":', fr,
@@ -164,10 +166,10 @@ def _delta_choices(r: Reply) -> list[bytes]:
 def delta_frames(r: Reply, cache: FragmentCache | None = None) -> list[bytes]:
     """The SSE frames of the answer's text, reasoning first, without the final chunk."""
     key = r.cache_key("deltas") if cache is not None else None
-    choices = cache.get(key) if key is not None else None
+    choices = cache.get(key) if cache is not None and key is not None else None
     if choices is None:
         choices = _delta_choices(r)
-        if key is not None:
+        if cache is not None and key is not None:
             cache[key] = choices
     head = b"data: " + r.prefix("chat.completion.chunk")
     return [head + ch + b"]}\n\n" for ch in choices]
@@ -188,9 +190,27 @@ def final_frame(r: Reply, finish_reason: str | None = None, error: dict[str, Any
     return _frame(r, choice, usage=r.usage) if with_usage else _frame(r, choice)
 
 
+def echo_note(key: str) -> str:
+    """The key as careless upstreams quote it (SimConfig.echo_key_fields): plain, JSON-escaped
+    (`\\u0073...`: lower and upper hex, every other character), percent-encoded (both cases, and some
+    characters only), base64 (a Basic credential)."""
+    lower = "".join(f"\\u{ord(c):04x}" for c in key)
+    upper = "".join(f"\\u{ord(c):04X}" for c in key)
+    some = "".join(f"\\u{ord(c):04X}" if i % 2 else c for i, c in enumerate(key))
+    url = "".join(f"%{ord(c):02x}" for c in key)
+    url_upper = "".join(f"%{ord(c):02X}" for c in key)
+    url_some = "".join(f"%{ord(c):02X}" if c in "-_" or i % 3 == 0 else c for i, c in enumerate(key))
+    basic = base64.b64encode(f"user:{key}".encode()).decode()
+    return (f"key {key}; json {lower}; JSON {upper}; mixed {some}; url {url}; URL {url_upper}; quoted {url_some}; "
+            f"auth Basic {basic}")
+
+
 def error_frame(r: Reply, code: int, message: str, metadata: dict[str, Any] | None = None) -> bytes:
     """A mid-stream error, as OpenRouter sends it once the HTTP 200 is already out: a top-level
     `error` and `finish_reason: "error"`."""
+    if r.echo:
+        message = f"{message} ({echo_note(r.echo)})"
+        metadata = {**(metadata or {}), "raw": echo_note(r.echo), "provider_name": r.provider}
     err: dict[str, Any] = {"code": code, "message": message}
     if metadata:
         err["metadata"] = metadata

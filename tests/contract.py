@@ -74,33 +74,30 @@ def defines(src: Sources, module: str, name: str, _seen: set[str] | None = None)
         return False
     lazy = False
     for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+        if _binds(node, name):
             return True
         if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
             lazy = True
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, ast.AnnAssign):
-            targets = [node.target]
-        for t in targets:
-            if isinstance(t, ast.Name) and t.id == name:
-                return True
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                if (alias.asname or alias.name.split(".")[0]) == name:
-                    return True
-                if alias.name == "*" and isinstance(node, ast.ImportFrom):
-                    if defines(src, _absolute(rel, node), name, seen):
-                        return True
-        if isinstance(node, ast.Try):  # optional imports
-            for sub in ast.walk(node):
-                if isinstance(sub, (ast.Import, ast.ImportFrom)) and any(
-                        (a.asname or a.name.split(".")[0]) == name for a in sub.names):
-                    return True
-    if lazy:
-        exported = _all_names(tree)
-        return name in exported
+        if isinstance(node, ast.ImportFrom) and any(alias.name == "*" for alias in node.names) \
+                and defines(src, _absolute(rel, node), name, seen):
+            return True
+    return lazy and name in _all_names(tree)
+
+
+def _binds(node: ast.stmt, name: str) -> bool:
+    """Whether a module's top-level statement binds `name`: a def or class, an assignment, an import
+    (an optional one inside try included)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    if isinstance(node, ast.Assign):
+        return any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+    if isinstance(node, ast.AnnAssign):
+        return isinstance(node.target, ast.Name) and node.target.id == name
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any((alias.asname or alias.name.split(".")[0]) == name for alias in node.names)
+    if isinstance(node, ast.Try):  # optional imports
+        return any(isinstance(sub, (ast.Import, ast.ImportFrom))
+                   and any((a.asname or a.name.split(".")[0]) == name for a in sub.names) for sub in ast.walk(node))
     return False
 
 
@@ -376,7 +373,7 @@ CONTRACT: list[Expect] = [
            source=("origin_input_ids=input_row.view(-1).tolist()",),
            why="each whole row is one request: padding goes in, so we cut each sample back to its length"),
     Expect(SF_BACKEND, "OfflineSGLangCaptureBackend.build", source=("chunked_prefill_size=-1",),
-           why="a sample is one forward: README's memory advice depends on it"),
+           why="a sample is one forward: docs/gpu-extraction.md's memory advice depends on it"),
     # SGLang's capture-id rules our layer convention depends on (model_info.sglang_capture_ids).
     Expect("sglang.srt.models.llama", "LlamaForCausalLM.set_eagle3_layers_to_capture",
            source=("self.model.layers_to_capture = [val + 1 for val in layer_ids]",)),

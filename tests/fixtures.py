@@ -249,7 +249,7 @@ def attached() -> RunSnapshot:
 
 
 def attached_resumed() -> RunSnapshot:
-    """Attached to the third run of a directory, with spend still pending a price (issue 25)."""
+    """Attached to the third run of a directory, with spend still pending a price."""
     s = attached()
     return dataclasses.replace(s, timeline=dataclasses.replace(s.timeline, runs=(T0 - 7200.0, T0 - 3600.0, T0)),
                                credits=dataclasses.replace(s.credits, pending_usd=0.02))
@@ -331,12 +331,22 @@ class FakeControls:
         self.calls.append("smoke")
         self.publish(smoke(state="running", checks=3))
 
-    def start_merge(self) -> None:
-        self.calls.append("merge")
+    # What the `m` and `x` keys would ask first (hidden states at stake): None asks nothing.
+    merge_asks: str | None = None
+    extract_asks: str | None = None
+
+    def merge_question(self) -> str | None:
+        return self.merge_asks
+
+    def extract_question(self) -> str | None:
+        return self.extract_asks
+
+    def start_merge(self, replace_hidden_states: bool = False) -> None:
+        self.calls.append("merge:replace" if replace_hidden_states else "merge")
         self.publish(merging())
 
-    def start_extract(self) -> None:
-        self.calls.append("extract")
+    def start_extract(self, on_other_merge: str = "refuse") -> None:
+        self.calls.append("extract" if on_other_merge == "refuse" else f"extract:{on_other_merge}")
         self.publish(extracting())
 
     def quit(self, drain: bool) -> None:
@@ -362,11 +372,13 @@ class View:
     then: Callable[[], RunSnapshot] | None = None
     size: tuple[int, int] = (120, 40)
     read_only: bool = False
+    extract_asks: str | None = None  # what `x` asks first (hidden states of another merge)
 
     def app(self) -> tuple[DraftgenApp, FakeControls]:
         from draftgen.tui.app import DraftgenApp
 
         controls = FakeControls(self.snapshot(), events(), read_only=self.read_only)
+        controls.extract_asks = self.extract_asks
         return DraftgenApp(controls, title="draftgen"), controls
 
     async def settle(self, pilot: Pilot[None]) -> None:
@@ -394,6 +406,13 @@ VIEWS = (
     View("alert", "Out of credits (402): the run pauses and says why", out_of_credits),
     View("merge", "Merge (m) in progress after the run", merging),
     View("extract", "Hidden-state extraction (x) with the GPU panel", extracting),
+    View("extract_other_merge", "Extraction (x) over hidden states of another merge: start over or set them aside",
+         lambda: ended(snap.RunState.DONE), ("x",), extract_asks=(
+             "hidden_states/ holds 338 files of merge b63c80272c43b1c5 (338 samples, 183,360 tokens, seed 42), but "
+             "merged/ is merge a48fbffc52b86056 (338 samples, 183,360 tokens, seed 7) ([merge] seed 42 -> 7 (the "
+             "samples are in another order)). Nothing is added to hidden states of another merge: start over "
+             "(delete them) or set them aside (move them to hidden_states.merge-b63c80272c43b1c5/, nothing "
+             "deleted), then extract this merge.")),
     View("running_80x24", "The same run in an 80x24 terminal", running, size=(80, 24)),
     View("running_200x50", "A wide terminal (200x50): the history beside the tables, more events", running,
          size=(200, 50)),

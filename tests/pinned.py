@@ -18,6 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PLATFORM_ARGS = ["--only-binary=:all:", "--platform", "manylinux_2_34_x86_64", "--python-version", "3.11"]
+# Wheels with a platform tag: asked for the same platform whatever machine runs the tests. vLLM's are
+# manylinux_2_31 (0.12, 0.13) or later; pip takes a platform only as named, so the older tags are named too.
+PLATFORM_TAGGED = {
+    "sglang": PLATFORM_ARGS,
+    "vllm": ["--only-binary=:all:", "--platform", "manylinux_2_34_x86_64", "--platform", "manylinux_2_31_x86_64",
+             "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64", "--python-version", "3.11"],
+}
 
 
 def gpu_pins() -> dict[str, str]:
@@ -33,10 +40,23 @@ def gpu_pins() -> dict[str, str]:
 
 def pinned_source(name: str, cache: Path) -> Path:
     """The unpacked wheel of the pinned `name`; safe when several test runs share `cache` at once."""
+    return release_source(name, gpu_pins()[name], cache)
+
+
+class Offline(Exception):
+    """pip could not download a release (no network, no index): the tests reading it are skipped."""
+
+
+def release_source(name: str, version: str, cache: Path, *, under: tuple[str, ...] = (),
+                   drop_wheel: bool = False) -> Path:
+    """The unpacked `.py` files (and METADATA) of the wheel of `name==version`, downloaded once per
+    cache; `under`: only those whose path starts with one of these; `drop_wheel`: the wheel itself is not
+    kept once unpacked (vLLM's are ~470 MB; the unpacked tree is the cache). Safe when several test
+    runs share `cache` at once. Offline (pip cannot download it) when the index cannot be reached."""
     import os
     import shutil
-    version = gpu_pins()[name]
-    dest = cache / f"{name}-{version}"
+    part = "-" + re.sub(r"[^A-Za-z0-9]+", "_", "+".join(under)).strip("_") if under else ""
+    dest = cache / f"{name}-{version}{part}"  # a part of a wheel never stands for the whole of it
     if (dest / ".complete").exists():
         return dest
     wheels = cache / "wheels"
@@ -46,20 +66,22 @@ def pinned_source(name: str, cache: Path) -> Path:
         mine = cache / f".download-{os.getpid()}"
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
                f"{name}=={version}", "-d", str(mine)]
-        if name == "sglang":
-            cmd[4:4] = PLATFORM_ARGS
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if name in PLATFORM_TAGGED:
+            cmd[4:4] = PLATFORM_TAGGED[name]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         got = sorted(mine.glob(f"{name}-{version}-*.whl"))
-        assert proc.returncode == 0 and got, (
-            f"could not download the pinned {name}=={version} from PyPI (the contract and reader tests read "
-            f"the released source):\n{proc.stderr[-2000:]}")
+        if proc.returncode != 0 or not got:
+            shutil.rmtree(mine, ignore_errors=True)
+            raise Offline(f"could not download {name}=={version} from PyPI (the contract tests read the released "
+                          f"source):\n{proc.stderr[-2000:]}")
         os.replace(got[0], wheels / got[0].name)  # whole files only: another run may be reading wheels/
         shutil.rmtree(mine, ignore_errors=True)
         found = [wheels / got[0].name]
-    tmp = cache / f".{name}-{version}.partial-{os.getpid()}"
+    tmp = cache / f".{name}-{version}{part}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     with zipfile.ZipFile(found[0]) as z:
-        z.extractall(tmp, members=[m for m in z.namelist() if m.endswith(".py") or m.endswith("METADATA")])
+        z.extractall(tmp, members=[m for m in z.namelist() if m.startswith(under or "")
+                                   and (m.endswith(".py") or m.endswith("METADATA"))])
     (tmp / ".complete").write_text(found[0].name)
     try:
         tmp.rename(dest)
@@ -69,6 +91,8 @@ def pinned_source(name: str, cache: Path) -> Path:
             tmp.rename(dest)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+    if drop_wheel:
+        found[0].unlink(missing_ok=True)
     return dest
 
 

@@ -33,5 +33,5 @@ async def test_demo_headless_end_to_end(tmp_path, specforge_tree):
     sample = load_sample(files[0])
     assert set(sample) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
     assert DEMO_KEY not in (run / "events.log").read_text()
-    # SpecForge's released reader, loader and EAGLE-3 normaliser accept every file and row (issue 15.5).
+    # SpecForge's released reader, loader and EAGLE-3 normaliser accept every file and row the demo wrote.
     check_run_with_specforge(run, specforge_tree)

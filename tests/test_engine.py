@@ -313,6 +313,25 @@ async def test_429_storm_lowers_effective_concurrency(tmp_path):
     accounted(cfg, engine)
 
 
+@pytest.mark.parametrize("kind,lowered", [("openai-compatible", True), ("openrouter", False)])
+async def test_a_self_hosted_503_lowers_the_concurrency_as_a_429_does(tmp_path, kind, lowered):
+    """vLLM and SGLang answer a full queue with 503: from a self-hosted server it cuts the concurrency
+    like a 429; OpenRouter's 503 (its routing found no provider) keeps it."""
+    async with SimServer(SimConfig(seed=4, faults={"503": 0.6}, retry_after_s=0.05, fixed_latency_s=0.05,
+                                   mean_completion_tokens=50), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 150, "concurrency": 40}],
+                          tables={"api": {"kind": kind}, "engine": {"max_attempts": 30}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        lowest = 40
+        while not task.done():
+            await asyncio.sleep(0.05)
+            lowest = min(lowest, engine.snapshot().datasets[0].effective_concurrency)
+        assert await task == snap.RunState.DONE
+    assert (lowest < 40) == lowered
+    assert len(RunDir(cfg.run_dir).responses("a").read_bytes().splitlines()) == 150
+
+
 def test_backoff_is_full_jitter_and_honours_retry_after():
     rng = random.Random(0)
     delays = [backoff_delay(3, 1.0, 60.0, None, rng) for _ in range(500)]

@@ -357,7 +357,7 @@ def test_nested_text_config_gives_n_and_h(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(kimi))
     dims = read_model_dims(str(tmp_path))
     assert (dims.num_layers, dims.hidden_size) == (61, 7168)
-    assert resolve_aux_layers("eagle3", dims) == (1, 29, 57)  # SPEC.md's Kimi-K2.5 layers
+    assert resolve_aux_layers("eagle3", dims) == (1, 29, 57)  # Kimi-K2.5's EAGLE-3 layers (docs/files.md)
 
 
 def test_top_level_config_and_missing_numbers() -> None:
@@ -490,7 +490,8 @@ def test_server_args_size_the_pools_for_the_largest_forward() -> None:
 
 def test_the_kv_margin_follows_the_attention_backends_page_size() -> None:
     # Each sample's tokens are rounded up to whole KV pages: a page-128 backend needs a page a sample.
-    from draftgen.core.extract.specforge_backend import LARGEST_PAGE, kv_page_size, server_args
+    from draftgen.core.extract.plan import LARGEST_PAGE, kv_page_size
+    from draftgen.core.extract.specforge_backend import server_args
 
     def total(backend: str, **extra: int) -> int:
         return server_args(max_forward_tokens=10_000, max_samples=8, mem_fraction_static=0.8,

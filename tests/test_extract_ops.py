@@ -1,4 +1,4 @@
-"""Running extraction on real machines (issue 24): the plan before any weights load, nothing to do
+"""Running extraction on real machines: the plan before any weights load, nothing to do
 without a model, the free-space watch, `--shard auto`, the draft layer ids in stats.json,
 [extract.sglang], and the self-check under a real 2-process torchrun on the CPU."""
 
@@ -133,10 +133,13 @@ def test_nothing_to_do_exits_without_reading_the_model(tmp_path: Path, capsys: p
         path = layout.sample_path(root, k, compress=k % 2 == 1)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"done")
+    from draftgen.core.tokens import identity  # the files are this merge's (a fresh folder records it first)
+    merged = identity.merged_fingerprint(config.run_dir / "merged")
+    identity.write_fingerprint(root / identity.HIDDEN_MERGE_FILE, merged)
 
     def no_model(*_a: object, **_k: object) -> None:
         raise AssertionError("the model was read although nothing is left to do")
-    monkeypatch.setattr(runner, "read_model_dims", no_model)
+    monkeypatch.setattr(runner, "read_model_config", no_model)
     monkeypatch.setattr(runner, "make_backend", no_model)
     cfg_path = write_config(tmp_path, config, missing)
     assert main(["extract", str(cfg_path)]) == 0
@@ -233,8 +236,10 @@ from draftgen.core.extract.hf_backend import HFBackend
 
 def make(cfg, dims, layers, **kw):
     # No GPU can exist here: transformers on the CPU stands in for SGLang's engine, nothing else changes.
-    assert cfg.backend == "specforge"
-    return HFBackend(cfg.model, layers, dtype="float32", device="cpu")
+    # SGLang would load Kimi-K2.5's own form; transformers has no such class: it loads the same weights
+    # in their DeepseekV3 form, which the self-check keeps beside it as its reference.
+    assert cfg.backend == "specforge" and cfg.model.endswith("kimi-k2.5-form")
+    return HFBackend(cfg.model.removesuffix("-form"), layers, dtype="float32", device="cpu")
 
 be.make_backend = selfcheck.make_backend = make
 torch.set_num_threads(1)
@@ -259,7 +264,7 @@ def test_self_check_runs_under_torchrun_with_two_ranks(tmp_path: Path, specforge
     out = proc.stdout
     rows = out.splitlines()
     assert out.count("draftgen extract --self-check") == 1, out + proc.stderr  # one checklist: rank 0's
-    family = "[deepseek-v3 MoE + MLA]"
+    family = "[kimi-k2.5 (KimiK25ForConditionalGeneration)]"  # no model configured: Kimi-K2.5's own form
     for check in ("backend starts", "mixed batch: shapes, dtypes, finite", "each sample alone == in the batch",
                   "lm_head(hidden_state) vs HF logits", "aux slices are HF hidden_states[k+1]",
                   "files read back through SpecForge's reader", "rerun skips every file"):
@@ -310,3 +315,28 @@ def test_prerequisite_rows_judge_the_driver_glibc_shm_and_disk(tmp_path: Path, m
     config = make_run(tmp_path, str(model_dir), n=3)
     disk = rows(ExtractConfig(backend="hf"), object(), config)["free disk for the whole extraction"]
     assert disk[0] and "for 3 samples" in disk[1] and "(bf16)" in disk[1]
+
+
+# extract.group_readable: training as another user of the group
+
+@pytest.mark.parametrize("group_readable", [False, True])
+def test_group_readable_output_is_0640_in_0750_folders_else_owner_only(tmp_path: Path, model_dir: Path,
+                                                                         group_readable: bool) -> None:
+    from draftgen.core.extract.runner import extract
+    config = make_run(tmp_path, str(model_dir), n=3, group_readable=group_readable)
+    old = os.umask(0o077)  # as `draftgen` itself runs (cli/main.py)
+    try:
+        stats = extract(config)
+    finally:
+        os.umask(old)
+    assert stats.written == 3
+    root = config.run_dir / "hidden_states"
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    folders = [root, *sorted(p for p in root.rglob("*") if p.is_dir())]
+    assert len(files) == 4  # 3 samples + stats.json
+    modes = {p.stat().st_mode & 0o777 for p in files}, {p.stat().st_mode & 0o777 for p in folders}
+    if group_readable:
+        assert modes == ({0o640}, {0o750})
+        assert config.run_dir.stat().st_mode & 0o050 == 0o050  # the group can pass through the run folder
+    else:
+        assert modes == ({0o600}, {0o700})

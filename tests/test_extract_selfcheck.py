@@ -37,7 +37,7 @@ def test_self_check_passes_end_to_end_on_cpu(tmp_path: Path, specforge_tree: Pat
             del sys.modules[name]
     out = capsys.readouterr().out
     assert code == 0, out
-    for family in FAMILIES:
+    for family in FAMILIES[:2]:  # the hf backend's (transformers has no Kimi-K2.5 class)
         for check in CHECKS:
             line = next((x for x in out.splitlines() if f"[{family}] {check}" in x), None)
             assert line is not None and "PASS" in line, f"{family} / {check} missing or failed:\n{out}"
@@ -105,6 +105,84 @@ def test_specforge_checks_the_targets_family_only() -> None:
     # SGLang's parallel state is set up once per process: one tiny model, the target's family.
     kimi = ModelDims(61, 7168, "k", architectures=("KimiK25ForConditionalGeneration",))
     llama = ModelDims(32, 4096, "l", architectures=("LlamaForCausalLM",))
-    assert families_for("specforge", kimi) == families_for("specforge", None) == (FAMILIES[1],)
+    deepseek = ModelDims(61, 7168, "d", architectures=("DeepseekV3ForCausalLM",))
+    assert families_for("specforge", kimi) == families_for("specforge", None) == (FAMILIES[2],)  # Kimi's own class
+    assert families_for("specforge", deepseek) == (FAMILIES[1],)
     assert families_for("specforge", llama) == (FAMILIES[0],)
-    assert families_for("hf", kimi) == FAMILIES
+    assert families_for("hf", kimi) == FAMILIES[:2]
+
+
+def test_the_kimi_form_is_kimi_k25s_config_with_the_language_weights_under_language_model(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from draftgen.core.extract.selfcheck import KIMI_ARCH, TINY_VISION, VOCAB, kimi_form, tiny_configs
+    text_cfg = tiny_configs(256)[FAMILIES[2]]
+    assert (text_cfg.scoring_func, text_cfg.topk_method, text_cfg.n_group, text_cfg.first_k_dense_replace,
+            text_cfg.n_shared_experts, text_cfg.kv_lora_rank) == ("sigmoid", "noaux_tc", 1, 1, 1, 512)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(text_cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    form = kimi_form(tmp_path / "hf", tmp_path / "kimi")
+    config = json.loads((form / "config.json").read_text())
+    assert config["architectures"] == [KIMI_ARCH] and config["model_type"] == "kimi_k25"
+    assert config["text_config"]["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert config["vision_config"]["text_hidden_size"] == text_cfg.hidden_size
+    assert {k: v for k, v in config["vision_config"].items() if k != "text_hidden_size"} == TINY_VISION
+    assert config["media_placeholder_token_id"] == VOCAB - 1  # never drawn by the samples
+    dims = read_model_dims(str(form))
+    assert (dims.num_layers, dims.hidden_size) == (text_cfg.num_hidden_layers, text_cfg.hidden_size)
+    assert dims.deepseek_family and "text_config" in dims.source
+    weights = {}
+    for part in form.glob("*.safetensors"):
+        weights.update(load_file(str(part)))
+    saved = {}  # transformers saves the checkpoint form SGLang reads (experts one by one: experts.E.gate_proj)
+    for part in (tmp_path / "hf").glob("*.safetensors"):
+        saved.update(load_file(str(part)))
+    assert any(".mlp.experts.7.gate_proj.weight" in k for k in saved)
+    assert {k.removeprefix("language_model.") for k in weights} == set(saved)  # as load_weights strips it
+    assert all(k.startswith("language_model.") for k in weights)
+    assert all(torch.equal(weights[f"language_model.{k}"], v) for k, v in saved.items())
+
+
+def test_thresholds_are_chosen_by_dtype() -> None:
+    from draftgen.core.extract.selfcheck import thresholds
+    f32, bf16 = thresholds(torch.float32), thresholds(torch.bfloat16)
+    assert thresholds(torch.float16) == bf16 and thresholds(torch.float64) == f32
+    assert (f32.cosine_min, f32.argmax_min, f32.aux_margin, f32.alone_cosine_min) == (0.99, 0.98, 2.0, 0.999)
+    assert bf16.cosine_min < f32.cosine_min and bf16.argmax_min < f32.argmax_min
+    assert 1 < bf16.aux_margin < f32.aux_margin and bf16.alone_cosine_min < f32.alone_cosine_min
+
+
+def test_bf16_rounding_passes_at_bf16_thresholds_and_a_wrong_layer_still_fails(
+        tiny: tuple[Path, torch.nn.Module]) -> None:
+    path, model = tiny
+    samples = _samples(40, seed=3)
+    layers = eagle3_layers(8)
+    dims = read_model_dims(str(path))
+
+    def rows(batch: list, dtype: torch.dtype) -> dict[str, bool]:
+        result = SelfCheckResult()
+        _compare(result, "[t]", samples, batch, batch, dims, layers, model, "cpu", dtype)
+        return {r.check.removeprefix("[t] "): r.passed for r in result.rows}
+
+    right = [(h.to(torch.bfloat16), a.to(torch.bfloat16)) for h, a in _outputs(model, samples, layers)]
+    assert all(rows(right, torch.bfloat16).values())
+    early = [(h.to(torch.bfloat16), a.to(torch.bfloat16)) for h, a in _outputs(model, samples, layers, shift=0)]
+    assert not rows(early, torch.bfloat16)["aux slices are HF hidden_states[k+1]"]
+    model.float()  # _compare moved the reference to bf16
+
+
+def test_the_memory_row_is_judged_on_a_gpu_against_the_plans_allowance() -> None:
+    from draftgen.core.extract.selfcheck import memory_verdict
+    gib = 2**30
+    # 1 GiB for 16,384 tokens at H=256 -> ~28 GiB for the same at H=7168.
+    ok, detail = memory_verdict(gib, 16_384, 256, 7168, 16_384, "cuda", 40 * gib)
+    assert ok and "~30.1 GB for 16,384 tokens at H=7168" in detail and "within the 42.9 GB" in detail
+    bad, detail = memory_verdict(gib, 16_384, 256, 7168, 16_384, "cuda", 10 * gib)
+    assert not bad and "MORE THAN the 10.7 GB the GPU plan leaves" in detail
+    assert memory_verdict(gib, 16_384, 256, 7168, 16_384, "cuda", None)[0]        # no plan: shown, not judged
+    cpu_ok, cpu_detail = memory_verdict(gib, 16_384, 256, 7168, 16_384, "cpu", 1)
+    assert cpu_ok and "not judged on a CPU" in cpu_detail and "process memory (RSS)" in cpu_detail

@@ -267,3 +267,38 @@ def test_the_benchmarks_gpu_hand_over_runs_the_pools_production_path(tmp_path, m
     assert [d.finite for d in done] == [True, False, True]
     assert not layout.sample_path(tmp_path / "flagged", 1).exists()
     assert layout.sample_path(tmp_path / "flagged", 2).exists()
+
+
+def test_specforge_gets_the_ids_and_masks_on_the_cpu_and_gives_back_each_samples_rows() -> None:
+    """SpecForge's capture only takes `.tolist()` of the ids (SGLang builds its own device input): handed CPU
+    tensors, that waits for nothing on the GPU. The capture itself (the GPU) is a stand-in here."""
+    from types import SimpleNamespace
+
+    from draftgen.core.extract.specforge_backend import LocalGroup, SpecForgeBackend
+
+    class Capture:
+        def __init__(self) -> None:
+            self.seen: dict[str, torch.Tensor] = {}
+
+        def capture(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    loss_mask: torch.Tensor) -> SimpleNamespace:
+            self.seen = dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+            b, w = input_ids.shape
+            return SimpleNamespace(hidden_states=torch.arange(b * w * 6.0).reshape(b, w, 6),
+                                   last_hidden_states=torch.arange(b * w * 2.0).reshape(b, w, 2))
+
+    backend = object.__new__(SpecForgeBackend)  # its __init__ loads SGLang on a GPU
+    backend.capture, backend.group, backend.description = Capture(), LocalGroup(), "specforge test"
+    rows = backend.run([np.array([5, 6, 7]), np.array([8])])
+    assert all(t.device.type == "cpu" for t in backend.capture.seen.values())
+    assert backend.capture.seen["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert [tuple(h.shape) for h, _ in rows] == [(3, 2), (1, 2)]
+    assert [tuple(a.shape) for _, a in rows] == [(3, 6), (1, 6)]
+
+
+def test_cpu_rows_need_no_copy_stream(tmp_path: Path) -> None:
+    pool = writer_mod.PooledWriter(tmp_path, compress=False)
+    sample = layout.SampleTensors(torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.long),
+                                  torch.zeros(2, 4), torch.zeros(2, 12))
+    assert pool._stream_for([writer_mod.Item(0, "s0", sample)]) is None
+    pool.close()

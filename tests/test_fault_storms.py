@@ -58,7 +58,7 @@ def config_for(tmp_path: Path, base_url: str, datasets: list[dict[str, Any]], *,
 def clean_audit(config: Config, sim: SimServer, **kw: Any) -> Any:
     """The soak's audit of a run that was never killed: every answer delivered is written; the
     only generations billed and unwritten are those nobody could read (drops, hangs, truncated
-    bodies, which the service bills: OPENROUTER.md, "Billing")."""
+    bodies, which the service bills: docs/openrouter.md, "Billing")."""
     st = sim.stats
     a = soak.audit(config, st, sample=20, **kw)
     assert a.problems == []

@@ -1,4 +1,4 @@
-"""One set of figures (issue 25, item 4), one voice for messages (item 2): cost columns from the spend
+"""One set of figures, one voice for messages: every cost column from the spend
 ledger in merge and report, one money formatter, the headless ETA, events that do not fit, and the
 "cannot reach" warning."""
 

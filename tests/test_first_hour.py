@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 25): inputs refused at the door, free checks before the first
+"""A new user's first hour: inputs refused at the door, free checks before the first
 billed request, a smoke test that could not run keeps the passing smoke.json, commands that take
 the config, messages that say their cause once."""
 

@@ -94,6 +94,7 @@ async def test_quit_with_held_answers_spools_them_and_the_next_run_imports_them(
         assert str(spools[0]) in final.held and f"{held} held answer(s) spooled" in final.held
         summary = " ".join(line.strip() for line in summary_lines(final, 3))
         assert f"spooled to {spools[0]}" in summary, summary
+        assert "held in memory" not in summary and not final.alert, "nothing is held any more"
         answered = len(saved) + held
         assert dataset_row(pipeline.engine, "a").done == answered
         assert pipeline.exit_code == 3, "spooled answers wait for the next run: incomplete"
@@ -195,6 +196,8 @@ async def test_headless_sigterm_with_held_answers_waits_for_the_disk_then_writes
         text_out = "".join(out) + rest.decode()
         assert "Traceback" not in text_out and "not saved" not in text_out, text_out[-3000:]
         assert "written once the disk took them" in text_out, text_out[-3000:]
+        summary = " ".join(x.strip() for x in text_out[text_out.rindex("draftgen: "):].splitlines())
+        assert "held in memory" not in summary, "the summary says answers are held after they were written"
         assert proc.returncode == 3, text_out[-2000:]  # drained with prompts left
         saved = parsed_ids(run.responses("a")) + parsed_ids(run.failures("a"))
         assert len(saved) > held_before and len(saved) == len(set(saved))
@@ -230,6 +233,8 @@ async def test_headless_second_sigint_spools_the_held_answers(tmp_path):
         assert len(spools) == 1, text_out[-3000:]
         joined = " ".join(x.strip() for x in text_out.splitlines())
         assert f"spooled to {spools[0]}" in joined and "not saved" not in joined, text_out[-3000:]
+        summary = joined[joined.rindex("draftgen: "):]
+        assert "held in memory" not in summary, "the summary says answers are held after they were spooled"
         assert proc.returncode == 3, text_out[-2000:]
         spooled = len(spools[0].read_bytes().splitlines()) - 1
         saved = len(parsed_ids(run.responses("a")) + parsed_ids(run.failures("a")))

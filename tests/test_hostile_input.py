@@ -334,7 +334,7 @@ def test_any_prompt_file_reads_to_prompts_and_rejections(tmp_path_factory, lines
     items: list = []
     try:
         items.extend(read_prompts(path))
-    except NoPromptError:  # no usable line at all: an error at the end (issue 25), the lines read as before
+    except NoPromptError:  # no usable line at all: an error at the end, the lines read as before
         assert not any(isinstance(i, Prompt) for i in items)
     numbers = [i.line for i in items]
     assert numbers == sorted(set(numbers))
@@ -348,7 +348,7 @@ def test_empty_and_blank_prompt_files(tmp_path):
     for name, data in (("empty.jsonl", b""), ("blank.jsonl", b"\n\n  \n\t\n"), ("empty.jsonl.gz", gzip.compress(b""))):
         path = tmp_path / name
         path.write_bytes(data)
-        with pytest.raises(NoPromptError, match="no prompt in it"):  # issue 25: not an empty "complete" run
+        with pytest.raises(NoPromptError, match="no prompt in it"):  # an error, not an empty "complete" run
             list(read_prompts(path))
 
 

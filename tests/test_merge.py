@@ -45,9 +45,9 @@ def user(text: str) -> list[dict[str, Any]]:
 
 
 def write_dataset(run: Path, name: str, samples: list[Sample], *, failures: int = 0, torn_tail: bool = False,
-                  seed: int = 0) -> None:
+                  seed: int = 0, vocab: int = 163_000) -> None:
     folder = run / name
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     lines = [orjson.dumps({
         "id": s.id, "messages": s.messages, "reasoning": s.reasoning, "content": s.content,
@@ -66,7 +66,7 @@ def write_dataset(run: Path, name: str, samples: list[Sample], *, failures: int 
             if not s.tokens:
                 continue
             n = int(rng.integers(5, 40))
-            ids = rng.integers(0, 163_000, n, dtype=np.uint32)
+            ids = rng.integers(0, vocab, n, dtype=np.uint32)
             mask = (np.arange(n) >= n // 2).astype(np.uint8)
             writer.append(s.id, ids, mask, {"answer_start": n // 2, "answer_end": n, "valid": s.valid,
                                             "failed_checks": s.failed_checks, "truncated": s.truncated})
@@ -123,7 +123,7 @@ def snapshot_outputs(run: Path) -> dict[str, bytes]:
 def stats_without_times(raw: bytes) -> dict[str, Any]:
     stats = orjson.loads(raw)
     stats.pop("created_at")
-    stats.pop("elapsed_s")
+    stats.pop("elapsed_s", None)  # fingerprint.json has created_at only
     return stats
 
 
@@ -176,10 +176,10 @@ def test_same_inputs_and_seed_give_byte_identical_outputs(run_config: Config, tm
     first = snapshot_outputs(run_config.run_dir)
     merge(run_config)
     second = snapshot_outputs(run_config.run_dir)
-    assert first.keys() == second.keys() == {"train.jsonl", "stats.json", "tokens/input_ids.bin",
+    assert first.keys() == second.keys() == {"train.jsonl", "stats.json", "fingerprint.json", "tokens/input_ids.bin",
                                              "tokens/loss_mask.bin", "tokens/index.jsonl"}
     for name in first:
-        if name == "stats.json":
+        if name in ("stats.json", "fingerprint.json"):
             assert stats_without_times(first[name]) == stats_without_times(second[name])
         else:
             assert first[name] == second[name], name

@@ -358,6 +358,6 @@ async def test_smoke_projection_and_the_running_engine_agree(tmp_path):
         await task
     assert sum(d.done for d in first.datasets) == 0  # before any answer: the same figures on both sides
     assert first.credits.projected_total_usd == pytest.approx(result.projection.total_usd, rel=1e-9)
-    assert first.throughput.eta_s is None  # no ETA from the smoke pace alone: "—" until it is stable (issue 25)
+    assert first.throughput.eta_s is None  # no ETA from the smoke pace alone: "—" until it is stable
     assert (first.credits.projected_low_usd, first.credits.projected_high_usd) == pytest.approx(
         result.projection.range_usd, rel=1e-9)

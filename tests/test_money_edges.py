@@ -1,4 +1,4 @@
-"""Money at its edges (issue 26): the reservation is the body sent, unknown attempts are priced from the
+"""Money at its edges: the reservation is the body sent, unknown attempts are priced from the
 key only once they cannot still run, the smoke test rides out a momentary 429, and one prompt too
 costly for what max_usd leaves is skipped while the rest go on."""
 

@@ -93,7 +93,7 @@ def test_headless_lines_fit_120_columns_with_wall_clock_and_both_totals() -> Non
     line = status_line(s, now=fx.T0 + 2_368)
     assert len(line) <= WIDTH and line.startswith("10:39:28 RUNNING +0:39:28 | 8,288/83,012")
     assert "spent $65.85+$3.63 rsv/$130.00" in line and "460 in flight" in line
-    # Left out of a full status line, the recent rates are in the detail lines (issue 25: $130 is $130.00).
+    # Left out of a full status line, the recent rates are in the detail lines; money has two decimals.
     assert any("30s: 3.62 req/s 19.2k tok/s" in x for x in [line, *detail_lines(s)])
     assert any("spent $65.85 (all runs, $65.85 this run) / reserved $3.63 / ceiling $130.00" in d
                for d in detail_lines(s))

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.reconstruct import CHECKS, reconstruct, reconstruct_record
 from draftgen.core.tokens.report import ValidationReport
 from draftgen.core.tokens.template import (
@@ -35,7 +36,7 @@ def user(text: str) -> list[dict[str, Any]]:
 
 def by_hand(messages: list[dict[str, Any]], reasoning: str | None, content: str,
             *, truncated: bool = False) -> tuple[list[int], int, int]:
-    """An independent reconstruction: the SPEC.md rendering written out as one string and encoded by
+    """An independent reconstruction: the Kimi-K2.5 rendering of docs/files.md written out as one string and encoded by
     tiktoken with every special allowed (valid when the texts hold no special look-alikes)."""
     last_plain = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     text = ""
@@ -82,7 +83,8 @@ def test_chat_vector_through_the_template() -> None:
     assert (r.answer_start, r.answer_end) == (9, 13)
     assert r.loss_mask.tolist() == [0] * 8 + [1] * 5  # from the <think> through <|im_end|>
     assert r.valid and r.count_diff == 0 and r.source == "reconstructed"
-    assert set(r.checks) == set(CHECKS) - {"matches_backend", "matches_backend_prompt"}  # no server ids given
+    # No server ids given: nothing to compare them with, no text to check against them.
+    assert set(r.checks) == set(CHECKS) - {"matches_backend", "matches_backend_prompt", "text_matches_ids"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -207,6 +209,15 @@ def test_backend_ids_are_used_and_compared() -> None:
     r = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello", backend_ids=other)
     assert r.failed_checks == ("matches_backend",) and r.checks["round_trip"]
     assert r.input_ids[r.answer_start:r.answer_end].tolist() == other
+    # The server's ids of a text its parser rewrote afterwards ("Hello" sent, "Hello " generated): the
+    # ids stay the sample, the text is measured against them, and the sample is kept.
+    spaced = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello ")
+    true_ids = spaced.input_ids[spaced.answer_start:spaced.answer_end].tolist()
+    r = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello", backend_ids=true_ids)
+    assert r.failed_checks == ("matches_backend", "text_matches_ids") and r.checks["round_trip"]
+    assert r.input_ids[r.answer_start:r.answer_end].tolist() == true_ids
+    verdict = SamplePolicy().judge(r.failed_checks, r.count_diff, r.billed_tokens)
+    assert verdict.keep and verdict.notes == ("backend_mismatch", "text_rewritten")
     # Ids the tokenizer does not have: the reconstruction is kept, the mismatch flagged.
     bad = reconstruct(TOK, KIMI, user("Hi"), "ok", "Hello", backend_ids=span[:-1] + [TOK.vocab_size + 5])
     assert bad.source == "reconstructed" and bad.failed_checks == ("matches_backend",)

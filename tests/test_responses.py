@@ -1,4 +1,4 @@
-"""Every row of OpenRouter's response table (../shared/OPENROUTER.md), plain and SSE, against the
+"""Every row of OpenRouter's response table (docs/openrouter.md), plain and SSE, against the
 simulator's scenarios over loopback: no prompt fails for a cause that is not its own, and once the
 condition clears (by itself, on `r` / SIGUSR1, or by running the same command again) every prompt
 is answered exactly once. A headless run that waits says so in its status line. Over 400 lines:

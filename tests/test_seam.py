@@ -122,7 +122,7 @@ async def test_each_provider_fault_names_its_provider(tmp_path: Path, fault: str
     s = pipeline.snapshot()
     assert s.recent_errors
     providers = {r.provider for r in s.recent_errors}
-    if fault == "503":  # all providers down or full: OpenRouter's own error names none (OPENROUTER.md)
+    if fault == "503":  # all providers down or full: OpenRouter's own error names none (docs/openrouter.md)
         assert providers == {""} and not any(p.errors for p in s.provider_stats)
     else:
         assert providers <= PROVIDERS, providers
@@ -322,8 +322,8 @@ def test_a_subscriber_full_of_events_loses_the_oldest() -> None:
 # -- exit codes -----------------------------------------------------------------------------------
 
 
-def test_exit_codes_are_one_enum_matching_the_readme() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_exit_codes_are_one_enum_matching_the_documented_table() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "run-end.md").read_text()
     table = readme.split("| exit code | meaning |", 1)[1].split("\n\n", 1)[0]
     assert sorted(int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)) == sorted(ExitCode)
     assert sorted(int(m) for m in re.findall(r"^  (\d+)  ", EXIT_CODES, re.M)) == sorted(ExitCode)

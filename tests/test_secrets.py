@@ -10,6 +10,7 @@ quotes it. Then everything written and printed is searched for the key and its f
 from __future__ import annotations
 
 import asyncio
+import base64
 import html
 import os
 import re
@@ -24,7 +25,7 @@ from draftgen.core.config import load_config
 from draftgen.core.errors import EXIT_KEY_REFUSED
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
-from draftgen.core.secrets import PREFIX
+from draftgen.core.secrets import MARK, PREFIX, Redactor
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
 
@@ -195,3 +196,95 @@ async def pipeline_in_tui(folder: Path, base_url: str) -> dict[str, str]:
     finally:
         await pipeline.close()
     return shots
+
+
+def key_forms(key: str) -> dict[str, bytes]:
+    """Needles for every form an upstream may quote `key` in: plain (as is, re-cased), JSON-\\u-escaped
+    (lower and upper hex), percent-encoded (both cases) and base64 (behind "user:", a Basic credential),
+    each for 12-character windows at the key's start, middle and end; and each as it reads inside a
+    JSON string (its backslashes escaped), as records, ledgers and the attach stream hold them."""
+    mid = len(key) // 2 - 6
+    forms: dict[str, bytes] = {}
+    for at in (0, mid, len(key) - PREFIX):
+        w = key[at:at + PREFIX]
+        for name, text in (("plain", w), ("upper", w.upper()), ("lower", w.lower()),
+                           ("json", "".join(f"\\u{ord(c):04x}" for c in w)),
+                           ("JSON", "".join(f"\\u{ord(c):04X}" for c in w)),
+                           ("url", "".join(f"%{ord(c):02x}" for c in w)),
+                           ("URL", "".join(f"%{ord(c):02X}" for c in w))):
+            forms[f"{name}@{at}"] = text.encode()
+            forms[f"{name}@{at} in JSON"] = text.replace("\\", "\\\\").encode()
+    basic = base64.b64encode(f"user:{key}".encode()).decode()
+    for at in (8, len(basic) // 2, len(basic) - 24):
+        forms[f"base64@{at}"] = basic[at:at + 16].encode()
+    return forms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["unstreamed", "streamed"])
+async def test_no_form_of_the_key_an_upstream_echoes_in_any_field_reaches_a_file_or_the_attach_stream(
+        tmp_path: Path, stream: bool) -> None:
+    """The upstream echoes the key in X-Generation-Id, `id`, `provider`, `model`, error messages and
+    error metadata, plain, JSON-escaped, percent-encoded and in base64 (SimConfig.echo_key_fields). A
+    headless run (the real client, streamed or not) with a viewer on the attach socket: no form of the
+    key is in any file of the run directory, the attach stream (its snapshots: the providers panel) or
+    the output."""
+    forms = key_forms(CANARY)
+    faults = {"error200": 0.25, "500": 0.1, "429": 0.05, "524": 0.05}
+    sim_cfg = SimConfig(seed=21, latency_scale=0.0, fixed_latency_s=0.02, mean_completion_tokens=60,
+                        faults=faults, retry_after_s=0.01, echo_key=True, echo_key_fields=True)
+    async with SimServer(sim_cfg, port=0) as sim:
+        # The simulator really quotes every form: otherwise this test would prove nothing.
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {CANARY}"}) as http:
+            seen = b""
+            for i in range(40):
+                async with http.post(f"{sim.base_url}/chat/completions", json={
+                        "model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": f"q{i}"}]}) as resp:
+                    seen += (await resp.read()) + resp.headers.get("X-Generation-Id", "").encode()
+        missing = [name for name, needle in forms.items()
+                   if (" in JSON" in name or name.startswith("base64")) and needle not in seen]
+        assert not missing, f"the simulator did not echo {missing}"
+
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 6}],
+                          tables={"tokenizer": {"path": str(bundled_kimi_path())},
+                                  "engine": {"max_attempts": 1, "workers": 1},
+                                  "api": {"credits_interval_s": 0.2, "stream": stream}},
+                          request=REQUEST)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
+            "--interval", "0.2", env=cli_env(CANARY), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stream_task = asyncio.create_task(read_attach_stream(cfg.run_dir, proc))
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        stream = await asyncio.wait_for(stream_task, 30)
+        assert proc.returncode in (0, 3), (out + err).decode()[-3000:]
+    run = RunDir(cfg.run_dir)
+    # The fields really came through, redacted: answers and failures recorded, providers named.
+    assert run.failures("a").exists() and b"[redacted]" in run.failures("a").read_bytes()
+    records = [orjson.loads(line) for line in run.responses("a").read_bytes().splitlines()]
+    assert records and all(MARK in r["provider"] and MARK in r["generation_id"] and MARK in r["model"]
+                           for r in records)
+    assert b"providers" in stream or b"provider_stats" in stream
+    outputs = {"stdout": out, "stderr": err, "attach stream": stream}
+    for dirpath, _, filenames in os.walk(tmp_path):
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.is_file() and not path.is_symlink():
+                outputs[str(path)] = path.read_bytes()
+    assert len(outputs) > 10
+    found = {where: [f for f, needle in forms.items() if needle in data]
+             for where, data in outputs.items()}
+    found = {where: names for where, names in found.items() if names}
+    assert not found, f"a form of the key was written: {found}"
+
+
+def test_the_redactor_cuts_the_key_json_escaped_percent_encoded_and_in_base64() -> None:
+    cut = Redactor(CANARY, "sk-or-v1-management-0123456789abcdef0123")
+    for name, needle in key_forms(CANARY).items():
+        text = f"upstream said: {needle.decode()} (and more)"
+        assert PREFIX <= len(needle) and not [n for n, x in key_forms(CANARY).items() if x in cut(text).encode()], name
+        assert cut(text).startswith("upstream said: ") and cut(text).endswith(" (and more)"), (name, cut(text))
+    whole = base64.b64encode(f"user:{CANARY}".encode()).decode()
+    assert MARK in cut(f"Authorization: Basic {whole}")
+    # Escapes and encodings of other text are left alone.
+    for text in ("%20 100% \\u00e9 gen-1733-abcdef012345", "dXNlcjpwYXNzd29yZA== a Basic credential of another"):
+        assert cut(text) == text

@@ -1,5 +1,5 @@
 """A real third-party OpenAI-compatible server: Hugging Face's `transformers serve` on loopback,
-serving a tiny Llama built here (tests/selfhosted_model.py), driven through the README workflow.
+serving a tiny Llama built here (tests/selfhosted_model.py), driven through the workflow of docs/self-hosted-servers.md.
 
 It has no GET /key (404), no usage.cost, no provider, no generation records, and it refuses keys it
 does not know with a 422: the server kind ("openai-compatible") must make all of that work, and a
@@ -105,7 +105,7 @@ def reasoning_model(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Pa
 
 
 def _config(tmp_path: Path, server: Server, model: Path, n: int, concurrency: int, **api: Any) -> Path:
-    """The README's self-hosted config: no kind (detected), an OpenRouter-only key that must be left
+    """The documented self-hosted config: no kind (detected), an OpenRouter-only key that must be left
     out, prices for max_usd, the tokenizer's own chat template."""
     write_prompts(tmp_path / "prompts" / "a.jsonl", n, prefix="a-")
     tables = {
@@ -197,27 +197,34 @@ def test_a_one_token_template_offset_is_flagged(tmp_path: Path, server: Server, 
 
 
 @pytest.mark.slow
-def test_a_parser_rewriting_non_streamed_text_fails_the_smoke_test(tmp_path: Path, server: Server,
+def test_a_parser_rewriting_non_streamed_text_makes_the_run_stream(tmp_path: Path, server: Server,
                                                                     reasoning_model: Path) -> None:
     """transformers serve's Qwen reasoning parser strips the leading space of reasoning and content in
-    a non-streamed answer (streamed, it keeps it): the smoke test sends the request both ways and fails
-    with the fix; streamed, smoke passes and every merged sample has the ids the model generated."""
+    a non-streamed answer (streamed, it keeps it): with `[api] stream = false` the smoke test fails with
+    the fix, naming the parser; with `stream` unset the smoke test picks streaming, records it, and the
+    run streams: every merged sample has the ids the model generated."""
     from transformers import AutoTokenizer
-    path = _config(tmp_path, server, reasoning_model, n=24, concurrency=4)
+    path = _config(tmp_path, server, reasoning_model, n=24, concurrency=4, stream=False)
     smoke = _draftgen("smoke", str(path))
     rows = {r["check"]: r for r in orjson.loads((tmp_path / "run" / "smoke.json").read_bytes())["rows"]}
     assert smoke.returncode != 0 and not rows["stream"]["passed"], smoke.stdout[-3000:]
     assert "'is'" in rows["stream"]["detail"] and "' is'" in rows["stream"]["detail"], rows["stream"]
     assert "set [api] stream = true" in rows["stream"]["detail"], rows["stream"]
+    assert "reasoning parser strips leading whitespace of the reasoning and the content in non-streamed" \
+        in rows["stream"]["detail"], rows["stream"]
 
-    path = _config(tmp_path, server, reasoning_model, n=24, concurrency=4, stream=True)
+    path = _config(tmp_path, server, reasoning_model, n=24, concurrency=4)  # `stream` left unset
     smoke = _draftgen("smoke", str(path))
-    rows = {r["check"]: r for r in orjson.loads((tmp_path / "run" / "smoke.json").read_bytes())["rows"]}
+    report = orjson.loads((tmp_path / "run" / "smoke.json").read_bytes())
+    rows = {r["check"]: r for r in report["rows"]}
     # transformers serves a qwen2 folder with its Qwen2Tokenizer (digits split), not tokenizer.json's
     # pre-tokenizer: draftgen encodes as transformers loads the folder, so the prompts count as served.
     assert smoke.returncode == 0 and all(r["passed"] for r in rows.values()), rows
+    assert "greedy request" in rows["stream"]["detail"] and "this run streams" in rows["stream"]["detail"]
+    assert report["stream"] is True
     run = _draftgen("run", str(path), "--headless", "--interval", "0.5")  # no --skip-smoke
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "requests stream" in (tmp_path / "run" / "events.log").read_text()
     assert _draftgen("tokens", str(path)).returncode == 0
     report = orjson.loads((tmp_path / "run" / "a" / "tokens" / "report.json").read_bytes())
     assert report["valid"] == 24 and report["token_count_diff"]["histogram"] == {"0": 24}, report
@@ -231,6 +238,45 @@ def test_a_parser_rewriting_non_streamed_text_fails_the_smoke_test(tmp_path: Pat
     assert len(samples) == 24
     for _entry, ids, mask in samples:  # the trained span (mask 1) is exactly what the model generated
         assert [int(i) for i, m in zip(ids, mask) if m] == generated
+
+
+@pytest.fixture(scope="module")
+def sampling_model(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:
+    """A tiny Qwen2 whose greedy answer is empty and whose sampled ones begin with a space."""
+    from .selfhosted_model import build_tiny_sampling_reasoning_model
+    return build_tiny_sampling_reasoning_model(tmp_path_factory.mktemp("tiny-qwen2-sampling"))
+
+
+@pytest.mark.slow
+def test_the_readme_config_keeps_the_text_as_generated(tmp_path: Path, server: Server, sampling_model: Path) -> None:
+    """README's self-hosted config, `stream` unset, against a reasoning model whose greedy answer is empty
+    on both sides: the smoke test compares a sampled, seeded answer instead, sees the parser strip the
+    non-streamed text, and the run it lets start (no --skip-smoke) streams: the stored reasoning and
+    content keep their leading space, as the model generated them."""
+    from .selfhosted_model import WORDS
+    n = 24
+    path = _config(tmp_path, server, sampling_model, n=n, concurrency=4)
+    smoke = _draftgen("smoke", str(path))
+    report = orjson.loads((tmp_path / "run" / "smoke.json").read_bytes())
+    rows = {r["check"]: r for r in report["rows"]}
+    assert smoke.returncode == 0 and all(r["passed"] for r in rows.values()), rows
+    stream = rows["stream"]
+    assert "sampled request" in stream["detail"] and "greedy one came back empty" in stream["detail"], stream
+    assert "reasoning parser strips leading whitespace" in stream["detail"], stream
+    assert "this run streams" in stream["detail"] and not stream["warning"], stream
+    assert report["stream"] is True
+
+    run = _draftgen("run", str(path), "--headless", "--interval", "0.5")  # no --skip-smoke
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    answers = [orjson.loads(x) for x in RunDir(tmp_path / "run").responses("a").read_bytes().splitlines()]
+    assert sorted(a["id"] for a in answers) == sorted(f"a-{i}" for i in range(n))
+    # What the model generates: one word with its space in the reasoning, another in the content.
+    said = {" " + w for w in WORDS}
+    kept = [a for a in answers if a["reasoning"] in said and a["content"] in said]
+    assert len(kept) >= 0.9 * n, [(a["reasoning"], a["content"]) for a in answers]
+    assert _draftgen("tokens", str(path)).returncode == 0
+    checked = orjson.loads((tmp_path / "run" / "a" / "tokens" / "report.json").read_bytes())
+    assert checked["token_count_diff"]["histogram"].get("0", 0) >= 0.9 * n, checked
 
 
 @pytest.mark.slow

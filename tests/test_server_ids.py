@@ -1,15 +1,18 @@
 """A self-hosted server that returns its own token ids (`[api] return_token_ids = true`): the prompt's
-and the answer's, in the shapes vLLM and SGLang document, served by a canned aiohttp handler on
-loopback (no model). The run stores them; `draftgen tokens` trains on them and says where they
-differ from the reconstruction.
+and the answer's, in the shapes vLLM and SGLang releases use, served by a canned aiohttp handler on
+loopback (no model). The run asks each release the way it takes the request, stores the ids; `draftgen
+tokens` trains on them, says where they differ from the reconstruction, and never drops a sample
+whose ids the server gave because its text was rewritten.
 
-The shapes, from the servers' sources:
-  vLLM >= 0.10.2, vllm/entrypoints/openai/chat_completion/protocol.py: ChatCompletionResponseChoice
-    and ChatCompletionResponseStreamChoice `token_ids` (a stream chunk's are its delta tokens);
-    ChatCompletionResponse and ChatCompletionStreamResponse `prompt_token_ids` at the top level (the
-    `return_token_ids` doc: "In streaming mode, prompt_token_ids is included only in the first chunk").
-  SGLang, python/sglang/srt/entrypoints/openai/protocol.py: ChatCompletionResponseChoice
-    `prompt_token_ids` and `token_ids`, both on the (non-streamed) choice.
+The shapes, from the servers' released sources (tests/test_server_contract.py reads the wheels):
+  vLLM >= 0.10.2: ChatCompletionResponseChoice and ChatCompletionResponseStreamChoice `token_ids` (a
+    stream chunk's are its delta tokens); ChatCompletionResponse and ChatCompletionStreamResponse
+    `prompt_token_ids` at the top level ("In streaming mode, prompt_token_ids is included only in the
+    first chunk"); GET /version {"version": ...}.
+  SGLang: ChatCompletionResponseChoice `prompt_token_ids` and `token_ids` (0.5.17) or
+    `response_token_ids` (0.5.18+), non-streamed only (`return_token_ids` on a stream is a 400); from
+    0.5.20 `return_{input,output}_ids_in_sglext` put `sglext.input_ids` / `sglext.output_ids` in the
+    stream's last chunk; 0.5.16 and earlier ignore `return_token_ids`. GET /server_info {"version": ...}.
 """
 
 from __future__ import annotations
@@ -41,22 +44,37 @@ BAD_PROMPT = "a-2"   # its prompt_token_ids differ from the rendered prompt (one
 
 class CannedServer:
     """POST /v1/chat/completions answers every prompt with a fixed reasoning and answer, and the ids the
-    run's own tokenizer and template give for them, shaped as `shape` says ("vllm" or "sglang")."""
+    run's own tokenizer and template give for them, shaped as release `version` of `shape` ("vllm" or
+    "sglang") does. `rewrite`: the server's parser strips the reasoning's trailing whitespace from the
+    text it sends (vLLM's kimi_k2), the ids staying the generated ones. `abort`: prompt ids answered
+    once with SGLang's `finish_reason: "abort"` first."""
 
-    def __init__(self, shape: str) -> None:
+    def __init__(self, shape: str, version: str = "", *, rewrite: bool = False,
+                 abort: frozenset[str] = frozenset()) -> None:
         self.shape = shape
+        self.version = version or ("0.13.0" if shape == "vllm" else "0.5.17")
+        self.rewrite = rewrite
+        self.abort = set(abort)
         self.spec: WorkerSpec | None = None
         self.runner: web.AppRunner | None = None
         self.port = 0
         self.sent: dict[str, tuple[list[int], list[int]]] = {}  # prompt id -> (prompt ids, answer ids) served
+        self.bodies: list[dict[str, Any]] = []  # every request body, as received
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
+    @property
+    def release(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.version.split("."))
+
     async def __aenter__(self) -> CannedServer:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.chat)
+        async def info(_: web.Request) -> web.Response:
+            return web.json_response({"version": self.version})
+        app.router.add_get("/version" if self.shape == "vllm" else "/server_info", info)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -77,40 +95,73 @@ class CannedServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.bodies.append(body)
+        stream = bool(body.get("stream"))
+        sglang = self.shape == "sglang"
+        if sglang and stream and body.get("return_token_ids") and self.release >= (0, 5, 17):
+            return web.json_response({"object": "error", "message": "return_token_ids is not supported with "
+                                      "streaming on /v1/chat/completions.", "code": 400}, status=400)
         messages = body["messages"]
         pid = messages[-1]["content"].split(":")[0].removeprefix("Question ")
-        reasoning, content = f"The user asks about {pid}. Think.", f"Here is {pid}: an answer."
+        reasoning, content = f"The user asks about {pid}. Think.\n\n", f"Here is {pid}: an answer."
         prompt_ids, answer_ids = self.ids(messages, reasoning, content)
+        if self.rewrite:
+            reasoning = reasoning.rstrip()
         if pid == BAD_ANSWER:
             answer_ids = [answer_ids[0] + 1, *answer_ids[1:]]  # another valid id: not what the text encodes
         if pid == BAD_PROMPT:
             prompt_ids = [prompt_ids[0], prompt_ids[1] + 1, *prompt_ids[2:]]
-        self.sent[pid] = (prompt_ids, answer_ids)
+        finish = "stop"
+        if pid in self.abort:
+            self.abort.discard(pid)
+            finish = "abort"
+        else:
+            self.sent[pid] = (prompt_ids, answer_ids)
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(answer_ids),
                  "total_tokens": len(prompt_ids) + len(answer_ids)}
         head = {"id": f"chatcmpl-{pid}", "created": int(time.time()), "model": body["model"]}
-        if not body.get("stream"):
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "stop", "token_ids": answer_ids,
+        if not stream:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
                                       "message": {"role": "assistant", "content": content, "reasoning": reasoning}}
             out: dict[str, Any] = {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
-            if self.shape == "sglang":
+            if not body.get("return_token_ids") or (sglang and self.release < (0, 5, 17)):
+                pass  # not asked, or a release that ignores the key
+            elif sglang:
                 choice["prompt_token_ids"] = prompt_ids
+                choice["token_ids" if self.release < (0, 5, 18) else "response_token_ids"] = answer_ids
             else:
+                choice["token_ids"] = answer_ids
                 out["prompt_token_ids"] = prompt_ids
             return web.json_response(out, dumps=lambda o: orjson.dumps(o).decode())
-        # vLLM's stream: the role first with the prompt ids, then deltas, each with its own token ids.
+        # vLLM's stream: the role first with the prompt ids, then deltas, each with its own token ids;
+        # SGLang's: no ids on the choices, both lists in an `sglext` chunk at the end when asked.
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         chunk = {**head, "object": "chat.completion.chunk"}
         n_think = len(self.ids(messages, reasoning, "")[1]) - 2  # up to </think>, before ""<|im_end|>
+        vllm_ids = not sglang and body.get("return_token_ids")
+
+        def choice_of(delta: dict[str, Any], ids: list[int], finish: str | None = None) -> dict[str, Any]:
+            c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            if vllm_ids:
+                c["token_ids"] = ids
+            return c
+        first: dict[str, Any] = {**chunk, "choices": [choice_of({"role": "assistant", "content": ""}, [])]}
+        if vllm_ids:
+            first["prompt_token_ids"] = prompt_ids
         events = [
-            {**chunk, "prompt_token_ids": prompt_ids,
-             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}]},
-            {**chunk, "choices": [{"index": 0, "delta": {"reasoning": reasoning}, "token_ids": answer_ids[:n_think]}]},
-            {**chunk, "choices": [{"index": 0, "delta": {"content": content}, "token_ids": answer_ids[n_think:-1]}]},
-            {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "token_ids": answer_ids[-1:]}]},
-            {**chunk, "choices": [], "usage": usage},
+            first,
+            {**chunk, "choices": [choice_of({"reasoning_content" if sglang else "reasoning": reasoning},
+                                            answer_ids[:n_think])]},
+            {**chunk, "choices": [choice_of({"content": content}, answer_ids[n_think:-1])]},
+            {**chunk, "choices": [choice_of({}, answer_ids[-1:], finish)]},
         ]
+        if sglang and body.get("return_output_ids_in_sglext") and self.release >= (0, 5, 20):
+            ext = {"output_ids": [answer_ids]}
+            if body.get("return_input_ids_in_sglext"):
+                ext["input_ids"] = prompt_ids
+            events.append({**chunk, "choices": [], "sglext": ext})
+        events.append({**chunk, "choices": [], "usage": usage})
         for e in events:
             await resp.write(b"data: " + orjson.dumps(e) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
@@ -125,13 +176,21 @@ def server_config(tmp_path, base_url: str, stream: bool) -> Config:
                        request={"temperature": 0.6})
 
 
-@pytest.mark.parametrize("shape,stream", [("vllm", False), ("vllm", True), ("sglang", False)])
-async def test_the_servers_ids_are_stored_used_and_compared(tmp_path, capsys, shape, stream):
-    async with CannedServer(shape) as server:
+@pytest.mark.parametrize("shape,version,stream", [("vllm", "0.13.0", False), ("vllm", "0.13.0", True),
+                                                  ("sglang", "0.5.17", False), ("sglang", "0.5.18", False),
+                                                  ("sglang", "0.5.23", True)])
+async def test_the_servers_ids_are_stored_used_and_compared(tmp_path, capsys, shape, version, stream):
+    async with CannedServer(shape, version) as server:
         cfg = server_config(tmp_path, server.base_url, stream)
         server.spec = WorkerSpec.from_config(cfg)
-        assert await Engine(cfg, TEST_KEY, seed=1).run() == snap.RunState.DONE
-    assert len(server.sent) == N
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        assert await engine.run() == snap.RunState.DONE
+    assert len(server.sent) == N and engine.errors["no_ids"] == 0
+    # Each release asked its own way; a stream never carries a key the release refuses on streams.
+    asked = {k for k in ("return_token_ids", "return_output_ids_in_sglext", "return_input_ids_in_sglext")
+             if server.bodies[0].get(k)}
+    assert asked == ({"return_output_ids_in_sglext", "return_input_ids_in_sglext"} if shape == "sglang" and stream
+                     else {"return_token_ids"})
 
     # The run stored the server's ids, prompt and answer, as they came.
     lines = [orjson.loads(x) for x in RunDir(cfg.run_dir).responses("a").read_bytes().splitlines()]
@@ -162,10 +221,11 @@ async def test_the_servers_ids_are_stored_used_and_compared(tmp_path, capsys, sh
     assert report.failures["matches_backend"] == 1 and report.failures["matches_backend_prompt"] == 1
     assert f"prompt ids from the server: {N}, agreeing {N - 1}" in report.format()
     assert sum(p.backend_match for p in report.providers.values()) == N - 1
-    # The changed answer id decodes to another text than the answer's (round_trip): that sample is
-    # dropped; the other prompt, the one the model saw, is kept and noted.
-    assert report.failures["round_trip"] == 1 and report.dropped == {"invalid": 1}
-    assert report.kept == N - 1 and report.noted == {"backend_prompt_mismatch": 1}
+    # The changed answer id decodes to another text than the answer's: the server's ids are the sample,
+    # kept and noted as a rewritten text; the other prompt, the one the model saw, is kept and noted.
+    assert report.failures["round_trip"] == 0 and report.failures["text_matches_ids"] == 1
+    assert report.dropped == {} and report.kept == N
+    assert report.noted == {"backend_prompt_mismatch": 1, "backend_mismatch": 1, "text_rewritten": 1}
 
 
 def test_a_server_prompt_with_another_generation_prompt_or_foreign_ids(tmp_path):
@@ -188,3 +248,94 @@ def test_a_server_prompt_with_another_generation_prompt_or_foreign_ids(tmp_path)
     r = reconstruct(tok, template, messages, "Because.", "So.", backend_prompt_ids=foreign)
     assert r.prompt_source == "rendered" and "matches_backend_prompt" in r.failed_checks
     assert r.input_ids.tolist() == plain.input_ids.tolist() and r.loss_mask.tolist() == plain.loss_mask.tolist()
+
+
+async def test_true_server_ids_are_kept_when_its_parser_rewrote_the_text(tmp_path, capsys):
+    """vLLM's kimi_k2 parser strips the reasoning's trailing whitespace from the text it sends, in both
+    modes; its ids are what the model generated. Every sample is kept with the server's ids, and the
+    rewrite is counted and named with the fix."""
+    async with CannedServer("vllm", "0.33.0", rewrite=True) as server:
+        cfg = server_config(tmp_path, server.base_url, False)
+        server.spec = WorkerSpec.from_config(cfg)
+        assert await Engine(cfg, TEST_KEY, seed=1).run() == snap.RunState.DONE
+    lines = [orjson.loads(x) for x in RunDir(cfg.run_dir).responses("a").read_bytes().splitlines()]
+    assert all(not line["reasoning"].endswith("\n") for line in lines)  # the text as the server sent it
+    report = reconstruct_dataset(cfg, "a", workers=1)
+    assert report.from_backend == N and report.dropped == {} and report.kept == N
+    assert report.failures["text_matches_ids"] == N and report.failures["round_trip"] == 0
+    assert report.noted["text_rewritten"] == N
+    text = report.format()
+    assert f"the server's parser rewrote the text of {N} answer(s)" in text and "stream = true" in text
+    assert f"the server's parser rewrote the text of {N} answer(s)" in report.summary_line()  # the run's event
+    tokens = TokenReader(RunDir(cfg.run_dir).tokens("a"))
+    for line in lines:
+        entry = tokens.entry(line["id"])
+        input_ids, _ = tokens.arrays(entry)
+        assert input_ids[entry.meta["answer_start"]:entry.meta["answer_end"]].tolist() == server.sent[line["id"]][1]
+
+
+@pytest.mark.parametrize("shape,version,stream", [("sglang", "0.5.14", False), ("sglang", "0.5.17", True),
+                                                  ("vllm", "0.12.0", True)])
+async def test_ids_a_release_cannot_give_are_said_and_counted(tmp_path, shape, version, stream):
+    """SGLang 0.5.14 ignores `return_token_ids`; 0.5.17 refuses it on a stream and has no streamed ids;
+    vLLM 0.12's streamed ids miss the parser's steps: the run says so at start and counts every answer
+    without ids; it never sends a key the stream refuses."""
+    events: list[tuple[Any, ...]] = []
+    async with CannedServer(shape, version) as server:
+        cfg = server_config(tmp_path, server.base_url, stream)
+        server.spec = WorkerSpec.from_config(cfg)
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e))
+        assert await engine.run() == snap.RunState.DONE
+    assert len(server.sent) == N and engine.errors["no_ids"] == N
+    said = [e[2] for e in events if e[1] == snap.EventKind.SERVER_IDS]
+    assert said and version in said[0] and ("stream = false" in said[0]) == stream
+    if stream:
+        assert not any(b.get("return_token_ids") for b in server.bodies)
+    lines = [orjson.loads(x) for x in RunDir(cfg.run_dir).responses("a").read_bytes().splitlines()]
+    assert len(lines) == N and all("token_ids" not in line for line in lines)
+
+
+async def test_ids_asked_of_a_server_that_ignores_the_key_are_counted_never_silently_missing(tmp_path):
+    """The simulator playing a server that names no release and ignores `return_token_ids`: every
+    answer is kept, counted as no_ids, and the event says why and what to change."""
+    from draftgen.simulator import SimConfig, SimServer
+    events: list[tuple[Any, ...]] = []
+    async with SimServer(SimConfig(seed=3, latency_scale=0.0, mean_completion_tokens=60, ignore_token_ids=True,
+                                   reasoning_field="reasoning_content"), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": N, "concurrency": 3, "max_tokens": 512}],
+                          tables={"api": {"kind": "openai-compatible", "return_token_ids": True, "stream": False}})
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e))
+        assert await engine.run() == snap.RunState.DONE
+    assert engine.errors["no_ids"] == N
+    assert ("no_ids", N) in engine.snapshot().errors
+    said = [e[2] for e in events if e[1] == snap.EventKind.SERVER_IDS]
+    assert any("without the token ids asked for" in m and "return_token_ids = false" in m for m in said)
+    assert len(RunDir(cfg.run_dir).responses("a").read_bytes().splitlines()) == N
+
+
+async def test_an_aborted_request_is_retried_never_stored(tmp_path):
+    """SGLang returns an aborted request as a normal body with `finish_reason: "abort"`: a failed
+    attempt, retried; the stored answer is the one that finished."""
+    async with CannedServer("sglang", "0.5.18", abort=frozenset({"a-0", "a-3"})) as server:
+        cfg = server_config(tmp_path, server.base_url, False)
+        server.spec = WorkerSpec.from_config(cfg)
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        assert await engine.run() == snap.RunState.DONE
+    assert len(server.bodies) == N + 2 and not server.abort
+    lines = [orjson.loads(x) for x in RunDir(cfg.run_dir).responses("a").read_bytes().splitlines()]
+    assert len(lines) == N and {line["finish_reason"] for line in lines} == {"stop"}
+    assert engine.errors["finish_error"] == 2
+    assert not RunDir(cfg.run_dir).failures("a").exists() or not RunDir(cfg.run_dir).failures("a").read_bytes()
+
+
+def test_a_key_refused_on_streams_names_the_config_keys() -> None:
+    """SGLang 0.5.17+ answers `return_token_ids` on a stream with a 400 (a server whose release was not
+    found at start is asked the vLLM way): the dataset stops naming the key, not as a prompt's fault."""
+    from draftgen.core.generate.api.classify import Whose, classify_status
+    from draftgen.core.records import ErrorKind
+    body = orjson.dumps({"object": "error", "message": "return_token_ids is not supported with streaming on "
+                         "/v1/chat/completions. Please set stream=false when using return_token_ids=true.",
+                         "type": "BadRequestError", "param": None, "code": 400})
+    e = classify_status(400, body, {})
+    assert e.kind is ErrorKind.UNEXPECTED_FIELD and e.whose is Whose.DATASET
+    assert e.metadata["unexpected_fields"] == ["return_token_ids"] and "return_token_ids = false" in e.message

@@ -269,7 +269,7 @@ async def test_credits_fall_with_spend_and_402_when_they_run_out(session):
         assert data["total_usage"] == pytest.approx(spent) and data["total_credits"] - spent < 0.01
         async with session.get(f"{sim.base_url}/key", headers=AUTH) as r:
             key = (await r.json())["data"]
-        # No per-key cap: limit and limit_remaining are null, whatever the balance (OPENROUTER.md).
+        # No per-key cap: limit and limit_remaining are null, whatever the balance (docs/openrouter.md).
         assert key["limit"] is None and key["limit_remaining"] is None and key["is_free_tier"] is False
         assert key["usage"] == pytest.approx(spent)
         assert "sk-test" not in json.dumps(key)
@@ -337,52 +337,14 @@ async def _outcome(session: aiohttp.ClientSession, sim: SimServer, stream: bool)
 async def test_each_fault_at_rate_one(session, kind, stream):
     async with SimServer(cfg(faults={kind: 1.0}, retry_after_s=7, hang_s=30), port=0) as sim:
         status, headers, raw = await _outcome(session, sim, stream)
-        if kind in ("429", "500", "502", "503"):
-            err = json.loads(raw)["error"]
-            assert status == int(kind) and err["code"] == int(kind)
-            if kind == "429":
-                assert headers["Retry-After"] == "7"
-            # OPENROUTER.md: a provider's error names it in metadata.provider_name; the 503 of routing
-            # (every allowed provider down or full) is OpenRouter's own and names none.
-            assert ("provider_name" in err.get("metadata", {})) is (kind != "503"), err
-        elif kind == "524":
-            assert status == 524 and raw == b"error code: 524"  # Cloudflare's page, not JSON
-        elif kind in ("drop", "hang") and stream:
-            # A stream's 200 and generation id are out first, as OpenRouter sends them; then it is cut.
-            assert status == "cut" and headers["X-Generation-Id"].startswith("gen-")
-            assert issubclass(raw, aiohttp.ClientPayloadError if kind == "drop" else asyncio.TimeoutError)
-        elif kind == "drop":
-            assert status == "error" and issubclass(headers, aiohttp.ServerDisconnectedError)
-        elif kind == "hang":
-            assert status == "error" and issubclass(headers, asyncio.TimeoutError)
-        elif not stream:
-            assert status == 200
-            if kind == "truncated":
-                with pytest.raises(json.JSONDecodeError):
-                    json.loads(raw)
-            elif kind == "error200":
-                d = json.loads(raw)
-                assert "choices" not in d and d["error"]["message"] and d["error"]["metadata"]["provider_name"]
-            elif kind == "finish_error":
-                assert json.loads(raw)["choices"][0]["finish_reason"] == "error"
-            else:
-                assert json.loads(raw)["choices"] == []
+        if kind in ("429", "500", "502", "503", "524"):
+            _assert_error_status(kind, status, headers, raw)
+        elif kind in ("drop", "hang"):
+            _assert_cut(kind, stream, status, headers, raw)
+        elif stream:
+            _assert_broken_stream(kind, status, raw)
         else:
-            assert status == 200
-            if kind == "truncated":
-                lines = raw.decode().rstrip("\n").split("\n")
-                assert "data: [DONE]" not in lines
-                with pytest.raises(json.JSONDecodeError):
-                    json.loads(lines[-1][len("data: "):])
-            else:
-                chunks, _, _ = parse_sse(raw)
-                if kind == "error200":
-                    assert chunks[-1]["error"]["message"] and chunks[-1]["choices"][0]["finish_reason"] == "error"
-                    assert chunks[-1]["error"]["metadata"]["provider_name"] == chunks[-1]["provider"]
-                elif kind == "finish_error":
-                    assert chunks[-1]["choices"][0]["finish_reason"] == "error"
-                else:
-                    assert chunks[-1]["choices"] == []
+            _assert_broken_body(kind, status, raw)
         for _ in range(100):  # a dropped or abandoned handler is cancelled a moment later
             if sim.stats.in_flight == 0:
                 break
@@ -390,12 +352,71 @@ async def test_each_fault_at_rate_one(session, kind, stream):
         st = sim.stats
         assert st.faults == {kind: 1} and st.answers_total == 0
         assert st.in_flight == 0 and st.requests_total == 1
-        # A generation that ran is billed though nobody read it (OPENROUTER.md, "Billing"); one
+        # A generation that ran is billed though nobody read it (docs/openrouter.md, "Billing"); one
         # that failed or never started is free (faults.py says which is which).
         if kind in ("drop", "hang", "truncated"):
             assert st.generations_billed == 1 and st.billed_usd > 0
         else:
             assert st.generations_billed == 0 and st.billed_usd == 0
+
+
+def _assert_error_status(kind: str, status: Any, headers: Any, raw: bytes) -> None:
+    """An error status: OpenRouter's JSON error (Retry-After on a 429), or Cloudflare's 524 page."""
+    if kind == "524":
+        assert status == 524 and raw == b"error code: 524"  # Cloudflare's page, not JSON
+        return
+    err = json.loads(raw)["error"]
+    assert status == int(kind) and err["code"] == int(kind)
+    if kind == "429":
+        assert headers["Retry-After"] == "7"
+    # docs/openrouter.md: a provider's error names it in metadata.provider_name; the 503 of routing
+    # (every allowed provider down or full) is OpenRouter's own and names none.
+    assert ("provider_name" in err.get("metadata", {})) is (kind != "503"), err
+
+
+def _assert_cut(kind: str, stream: bool, status: Any, headers: Any, raw: Any) -> None:
+    """A dropped or hung connection: a stream's 200 and generation id are out first, then it is cut."""
+    if stream:  # as OpenRouter sends them
+        assert status == "cut" and headers["X-Generation-Id"].startswith("gen-")
+        assert issubclass(raw, aiohttp.ClientPayloadError if kind == "drop" else asyncio.TimeoutError)
+    elif kind == "drop":
+        assert status == "error" and issubclass(headers, aiohttp.ServerDisconnectedError)
+    else:
+        assert status == "error" and issubclass(headers, asyncio.TimeoutError)
+
+
+def _assert_broken_body(kind: str, status: Any, raw: bytes) -> None:
+    """A plain 200 that goes wrong: half a body, an error inside it, finish_reason "error", no choices."""
+    assert status == 200
+    if kind == "truncated":
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(raw)
+    elif kind == "error200":
+        d = json.loads(raw)
+        assert "choices" not in d and d["error"]["message"] and d["error"]["metadata"]["provider_name"]
+    elif kind == "finish_error":
+        assert json.loads(raw)["choices"][0]["finish_reason"] == "error"
+    else:
+        assert json.loads(raw)["choices"] == []
+
+
+def _assert_broken_stream(kind: str, status: Any, raw: bytes) -> None:
+    """A stream that goes wrong after its 200: cut mid-chunk, an error chunk, finish_reason "error", no choices."""
+    assert status == 200
+    if kind == "truncated":
+        lines = raw.decode().rstrip("\n").split("\n")
+        assert "data: [DONE]" not in lines
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(lines[-1][len("data: "):])
+        return
+    chunks, _, _ = parse_sse(raw)
+    if kind == "error200":
+        assert chunks[-1]["error"]["message"] and chunks[-1]["choices"][0]["finish_reason"] == "error"
+        assert chunks[-1]["error"]["metadata"]["provider_name"] == chunks[-1]["provider"]
+    elif kind == "finish_error":
+        assert chunks[-1]["choices"][0]["finish_reason"] == "error"
+    else:
+        assert chunks[-1]["choices"] == []
 
 
 async def test_fault_rates_and_max_in_flight(session):
@@ -481,7 +502,7 @@ async def test_control_endpoints_drive_a_running_server(session):
 
 
 async def test_a_client_that_leaves_is_not_counted_in_flight_but_is_billed(session, caplog):
-    # OPENROUTER.md, "Billing": a plain request runs on and is billed in full; an aborted stream
+    # docs/openrouter.md, "Billing": a plain request runs on and is billed in full; an aborted stream
     # is billed up to the abort (tests/test_simulator_scenarios.py checks the amounts).
     async with SimServer(cfg(fixed_latency_s=0.6), port=0) as sim:
         with pytest.raises(TimeoutError):  # gives up before the answer: the handler is cancelled

@@ -70,3 +70,97 @@ async def test_changed_parameters_need_a_new_smoke(tmp_path):
     from draftgen.core.config import load_config
     ok, why = smoke_status(load_config(cfg.path))
     assert not ok and "changed" in why
+
+
+def _answer(reasoning, content, token_ids=None):
+    from draftgen.core.generate.api.client import ChatAnswer
+    from draftgen.core.records import Usage
+    return ChatAnswer(content=content, reasoning=reasoning, tool_calls=None, finish_reason="stop",
+                      native_finish_reason="stop", provider=None, model="m", generation_id=None, latency_s=0.1,
+                      usage=Usage(prompt_tokens=5, completion_tokens=3), token_ids=token_ids)
+
+
+def test_the_streamed_copy_never_carries_a_key_streaming_refuses():
+    from draftgen.core.generate.commands.stream_check import stream_pair
+    body = {"model": "m", "messages": [], "return_token_ids": True, "temperature": 0.6, "stream": True}
+    streamed, plain = stream_pair(body, temperature=1.0, seed=3)
+    assert "return_token_ids" not in streamed and plain["return_token_ids"] is True
+    assert streamed["stream"] is True and "stream" not in plain
+    assert (streamed["temperature"], streamed["seed"]) == (plain["temperature"], plain["seed"]) == (1.0, 3)
+
+
+@pytest.mark.parametrize("stream, streamed, plain, passed, warning, decided, says", [
+    # The parser strips the non-streamed text's edges: unset, the run streams; false fails with the fix.
+    (None, (" is", " 4"), ("is", "4"), True, False, True, "reasoning parser strips leading whitespace of the "
+     "reasoning and the content in non-streamed answers, so this run streams"),
+    (False, (" is", " 4"), ("is", "4"), False, False, True, "set [api] stream = true"),
+    (True, (" is", " 4"), ("is", "4"), True, True, True, "this run streams, so it keeps the text"),
+    (None, (None, " 4\n"), (None, "4"), True, False, True, "the server's parser strips leading and trailing "
+     "whitespace of the content"),
+    # A parser that strips the streamed text instead: the non-streamed mode keeps it.
+    (True, ("is", "4"), (" is", "4"), False, False, False, "set [api] stream = false"),
+    (None, ("x", "4"), ("x", "4"), True, False, False, "streamed and non-streamed text equal"),
+])
+def test_the_stream_row_names_the_parser_and_the_mode_that_keeps_the_text(stream, streamed, plain, passed, warning,
+                                                                          decided, says):
+    from draftgen.core.generate.commands.stream_check import mode_verdict
+    v = mode_verdict(stream, _answer(*streamed), _answer(*plain), "greedy request")
+    assert (v.passed, v.warning, v.decided) == (passed, warning, decided), v
+    assert says in v.detail, v.detail
+    assert ("use stream = " in v.parser) == (not passed), v.parser
+
+
+def test_what_cannot_be_compared_is_a_warning_never_a_pass():
+    from draftgen.core.generate.commands.stream_check import mode_verdict, not_compared
+    v = not_compared(3)
+    assert v.passed and v.warning and v.decided is None and "could not compare" in v.detail
+    # Sampled answers that differ beyond whitespace: the server did not draw the same (seed ignored).
+    v = mode_verdict(None, _answer(" bako", " deli"), _answer("tiro", "mesa"), "sampled request", sampled=True)
+    assert v.warning and v.decided is None and "could not compare" in v.detail and "seed" in v.detail
+    # Non-streamed ids are the sample's: the row warns, the mode is not switched for the text alone.
+    v = mode_verdict(None, _answer(" is", " 4"), _answer("is", "4", token_ids=[1, 2, 3]), "greedy request")
+    assert v.warning and v.decided is None and "token ids" in v.detail
+
+
+def test_a_tokens_row_that_counts_off_names_the_parser_the_stream_row_saw(tmp_path):
+    from types import SimpleNamespace
+
+    from draftgen.core.generate.commands.smoke import _tokens_row
+    cfg = make_config(tmp_path, "http://127.0.0.1:9/v1", [{"name": "a", "n": 1}],
+                      tables={"api": {"kind": "openai-compatible"}})
+    rec = SimpleNamespace(failed_checks=[], count_diff=1, billed_tokens=5, span_tokens=6, source="reconstructed",
+                          truncated=False)
+    row = _tokens_row(cfg, "a:", rec, None)
+    assert not row.passed and "is the chat template" in row.detail
+    row = _tokens_row(cfg, "a:", rec, None, parser="the server's reasoning parser strips leading whitespace of the "
+                      "reasoning in non-streamed answers: use stream = true")
+    assert not row.passed and "the server's parser, not the chat template" in row.detail
+    assert row.detail.endswith("use stream = true")
+
+
+def test_the_run_streams_as_smoke_json_records_without_a_new_fingerprint(tmp_path):
+    """The mode a smoke test decided is read by the run (same shapes), leaves the fingerprint as it
+    was, and never overrides an explicit `[api] stream`."""
+    import dataclasses
+
+    from draftgen.core.config import note_stream_mode
+    from draftgen.core.files import write_json_atomic
+    from draftgen.core.generate.loop.smoke_record import apply_smoke_stream
+    cfg = make_config(tmp_path, "http://127.0.0.1:9/v1", [{"name": "a", "n": 1}],
+                      tables={"api": {"kind": "openai-compatible"}})
+    rd = RunDir(cfg.run_dir)
+    rd.root.mkdir(parents=True, exist_ok=True)
+    fingerprint = cfg.run_fingerprint()
+    try:
+        assert "stream" not in cfg.request_body(cfg.datasets[0], [])
+        write_json_atomic(rd.smoke_json, {"fingerprint": "other", "passed": True, "stream": True})
+        assert apply_smoke_stream(cfg, rd) is None and not cfg.api.streams  # another shape's decision
+        write_json_atomic(rd.smoke_json, {"fingerprint": fingerprint, "passed": True, "stream": True})
+        assert apply_smoke_stream(cfg, rd) is True and cfg.api.stream_decided
+        body = cfg.request_body(cfg.datasets[0], [])
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert cfg.run_fingerprint() == fingerprint and smoke_status(cfg)[0]
+        explicit = dataclasses.replace(cfg, api=dataclasses.replace(cfg.api, stream=False))
+        assert "stream" not in explicit.request_body(cfg.datasets[0], []) and not explicit.api.stream_decided
+    finally:
+        note_stream_mode(cfg.api.base_url, cfg.api.model, None)

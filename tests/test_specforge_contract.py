@@ -3,17 +3,21 @@
 SpecForge 0.2.0 and SGLang 0.5.14 are downloaded once per pytest cache (`pip download --no-deps`,
 tests/pinned.py) and read with `ast` (tests/contract.py): nothing of them is imported or installed.
 A renamed function, a dropped parameter, a changed capture-id rule or a clashing ServerArgs key
-fails here, in CI, instead of after an 8-GPU job has loaded its weights.
+fails here, in CI, instead of after an 8-GPU job has loaded its weights. The training hand-off
+(`draftgen train-command`) is the exception, at the end: its config is parsed by the release's own
+`load_config` and `specforge train --plan`, run in a subprocess.
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import re
 from pathlib import Path
 
 import pytest
 
+from tests import test_extract
 from tests.contract import (
     BATCH_FIELDS,
     CALL_SITES,
@@ -31,6 +35,8 @@ from tests.contract import (
     server_args_collisions,
 )
 from tests.pinned import ROOT, gpu_pins
+
+model_dir = test_extract.model_dir  # the tiny Llama fixture, for the hand-off test
 
 BACKEND = ROOT / "core" / "extract" / "specforge_backend.py"
 BACKEND_REL = "draftgen/core/extract/specforge_backend.py"
@@ -137,7 +143,7 @@ def test_a_changed_capture_rule_or_server_arg_fails_the_contract(releases: Sourc
     assert any("duplicate keyword" in p for p in server_args_collisions(releases, our_server_args() | {"tp_size"}))
 
 
-# The calls themselves (issue 24, item 7): every keyword the backend passes binds to the pinned signature.
+# The calls themselves: every keyword the backend passes binds to the pinned signature.
 
 def _backend_tree(text: str | None = None) -> ast.Module:
     return ast.parse(text if text is not None else BACKEND.read_text())
@@ -166,7 +172,7 @@ def test_a_keyword_renamed_upstream_fails_at_the_call_site(releases: Sources) ->
 
 def test_a_dropped_or_misspelt_keyword_in_the_backend_fails(releases: Sources) -> None:
     text = BACKEND.read_text()
-    for old, new in [("loss_mask=attention_mask.to(device))", ")"),
+    for old, new in [("loss_mask=attention_mask)", ")"),
                      ("init_distributed(timeout=DIST_TIMEOUT_MIN, tp_size=tp_size)",
                       "init_distributed(timeout=DIST_TIMEOUT_MIN, tp=tp_size)"),
                      ('capture_method="eagle3"', 'capture_mode="eagle3"')]:
@@ -201,10 +207,106 @@ def test_the_page_sizes_sglang_forces_are_the_ones_the_kv_margin_knows(releases:
     # A backend added upstream with a larger forced page would make the KV pool too small for a batch.
     import re as _re
 
-    from draftgen.core.extract.specforge_backend import FORCED_PAGE_SIZES, LARGEST_PAGE
+    from draftgen.core.extract.plan import FORCED_PAGE_SIZES, LARGEST_PAGE
     text = next(r / "sglang/srt/server_args.py" for r in releases.roots
                 if (r / "sglang/srt/server_args.py").is_file()).read_text()
     forced = {int(n) for n in _re.findall(r"self\.page_size = (\d+)", text)}
     assert forced and max(forced) <= LARGEST_PAGE, forced
     for backend in FORCED_PAGE_SIZES:
         assert f'"{backend}"' in text, f"{backend}: no longer an attention backend SGLang names"
+
+
+# ---------------------------------------------------------------------------------------------
+# The training hand-off (core/extract/handoff.py), parsed by SpecForge's own config loader and CLI.
+# Unlike the checks above this one runs the release's code (pure python + pydantic) in a
+# subprocess, as tests/test_specforge_release.py does: its schema is a pydantic model, checked best
+# by itself.
+
+
+def specforge_parse(config_json: Path, specforge_tree: Path) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(specforge_tree), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "specforge_train_config.py"), str(config_json)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"SpecForge refused {config_json}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_train_command_output_is_accepted_by_the_pinned_specforge(specforge_tree: Path, tmp_path: Path,
+                                                                  model_dir: Path) -> None:
+    import json
+    import zipfile
+
+    from draftgen.core.extract import extract
+    from draftgen.core.extract.handoff import (
+        SPECFORGE_DEFAULT_MAX_LENGTH,
+        SPECFORGE_DRAFT_VOCAB,
+        SPECFORGE_VERSION,
+        train_command,
+    )
+    from draftgen.core.merge.merge import merge
+    from draftgen.core.tokens.store import TokenReader
+    from tests.test_hidden_states_merge import answers, make_config
+    config = make_config(tmp_path, model_dir, seed=4)
+    answers(config.run_dir, 9)
+    merge(config)
+    stats = extract(config)
+    hidden = config.run_dir / "hidden_states"
+    left = json.loads((hidden / "specforge.json").read_text())  # what extraction left beside its files
+    assert train_command(config, out=io.StringIO()) == 0
+    assert json.loads((hidden / "specforge.json").read_text()) == left
+
+    got = specforge_parse(hidden / "specforge.json", specforge_tree)
+    longest = max(e.length for e in TokenReader(config.run_dir / "merged" / "tokens").entries)
+    assert got["plan_rc"] == 0 and '"role": "all"' in got["plan"]
+    assert got["mode"] == "offline" and got["strategy"] == "eagle3" and got["train_data_path"] == ""
+    assert got["max_length"] == longest  # nothing sliced off by SpecForge's normaliser
+    assert got["hidden_states_path"] == str(hidden.resolve())
+    assert got["target_model_path"] == str(model_dir)
+    assert got["aux_hidden_state_layer_ids"] == stats.draft_layer_ids
+    # What the hand-off says of SpecForge is SpecForge's: its default, its draft vocabulary, its version.
+    assert got["default_max_length"] == SPECFORGE_DEFAULT_MAX_LENGTH
+    assert got["draft_vocab_size"] == SPECFORGE_DRAFT_VOCAB
+    assert gpu_pins()["specforge"] == SPECFORGE_VERSION
+    wheel = next((specforge_tree.parent / "wheels").glob(f"specforge-{SPECFORGE_VERSION}-*.whl"))
+    with zipfile.ZipFile(wheel) as z:  # `specforge train` is the release's console script
+        entry = z.read(f"specforge-{SPECFORGE_VERSION}.dist-info/entry_points.txt").decode()
+    assert re.search(r"^specforge\s*=\s*specforge\.cli:main$", entry, re.M)
+    assert (hidden / "train-command.sh").read_text().rstrip().endswith(
+        f"exec specforge train --config {hidden.resolve() / 'specforge.json'} \"$@\"")
+
+    # A config SpecForge would refuse fails here (the check can fail): two aux ids.
+    bad = json.loads((hidden / "specforge.json").read_text())
+    bad["model"]["aux_hidden_state_layer_ids"] = bad["model"]["aux_hidden_state_layer_ids"][:2]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(AssertionError, match="exactly three"):
+        specforge_parse(tmp_path / "bad.json", specforge_tree)
+
+
+def test_the_self_checks_kimi_form_is_what_the_pinned_sglang_loads_for_kimi_k25(sglang_tree: Path) -> None:
+    """The class the released SGLang registers for Kimi-K2.5, the config it reads, and the weight names its
+    load_weights takes: the self-check's tiny Kimi (selfcheck.kimi_form) must be built for exactly these."""
+    from draftgen.core.extract.model_info import DEEPSEEK_FAMILY_ARCHS
+    from draftgen.core.extract.selfcheck import KIMI_ARCH, TINY_VISION
+    model = (sglang_tree / "sglang/srt/models/kimi_k25.py").read_text()
+    config = (sglang_tree / "sglang/srt/configs/kimi_k25.py").read_text()
+    assert f"EntryClass = [{KIMI_ARCH}]" in model and KIMI_ARCH in DEEPSEEK_FAMILY_ARCHS
+    assert "self.language_model = DeepseekV3ForCausalLM(\n                config.text_config," in model
+    assert 'yield name.replace("language_model.", ""), loaded_weight' in model  # our prefix, stripped
+    assert 'if "vision_tower" in name or "mm_projector" in name:' in model      # vision weights: by name only
+    assert 'model_type = "kimi_k25"' in config
+    assert "text_config = DeepseekV3Config(**text_config)" in config
+    assert "vision_config = KimiK25VisionConfig(**vision_config)" in config
+    # Every vision setting SGLang reads from vision_config: given by TINY_VISION, or a parameter of
+    # KimiK25VisionConfig with a default (the text_hidden_size kimi_form adds is one).
+    start = model.index("class MoonViT3dPretrainedModel")
+    read = set(re.findall(r"config\.(\w+)", model[start:model.index("class KimiK25ForConditionalGeneration")]))
+    vision_init = config[config.index("class KimiK25VisionConfig"):config.index("class KimiK25Config")]
+    defaults = set(re.findall(r"^\s{8}(\w+): [^=\n]+ = ", vision_init, re.M))
+    assert read and read <= set(TINY_VISION) | defaults | {"text_hidden_size"}, read - set(TINY_VISION) - defaults
+    assert {"vt_hidden_size"} <= read and "vt_hidden_size" in TINY_VISION  # the projector's name, not a parameter

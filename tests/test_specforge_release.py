@@ -1,4 +1,5 @@
-"""draftgen's merged/ and hidden_states/ read by SpecForge's released code (issue 15, item 5).
+"""draftgen's merged/ and hidden_states/ read by SpecForge's released code: every file and row
+the extraction writes is one SpecForge's own reader, loader and EAGLE-3 normaliser accept.
 
 The SpecForge wheel the `gpu` extra pins is unpacked, not installed (its requirements pin a CUDA
 torch and SGLang); its reader, feature store, training loader and EAGLE-3 normaliser are pure

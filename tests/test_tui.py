@@ -193,6 +193,51 @@ async def test_merge_and_extract_start_their_stages() -> None:
         assert "0 H200" in gpu and "1 H200" in gpu and "97%" in gpu and "612 W" in gpu and "64°C" in gpu
 
 
+async def test_merge_over_hidden_states_asks_first_and_cancel_changes_nothing() -> None:
+    from draftgen.tui.screens.choice import ChoiceScreen
+    app, controls = make()
+    controls.merge_asks = "hidden_states/ holds the hidden states of merge 0123456789abcdef (338 samples)."
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("m")
+        assert isinstance(app.screen, ChoiceScreen) and controls.calls == []
+        assert "merge 0123456789abcdef" in text(app, "#choice-text") and "set aside" in text(app, "#choice-text")
+        await pilot.press("escape")
+        assert not isinstance(app.screen, ChoiceScreen) and controls.calls == []
+        await pilot.press("m", "m")  # merge anyway: hidden states of another merge are set aside
+        assert controls.calls == ["merge:replace"]
+
+
+async def test_extract_over_another_merge_offers_start_over_or_set_aside() -> None:
+    from draftgen.tui.screens.choice import ChoiceScreen
+    app, controls = make()
+    controls.extract_asks = "hidden_states/ holds 338 files of merge aaaa, but merged/ is merge bbbb (seed 1 -> 2)."
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("x")
+        assert isinstance(app.screen, ChoiceScreen) and controls.calls == []
+        body = text(app, "#choice-text")
+        assert "seed 1 -> 2" in body and "start over" in body and "set aside" in body
+        await pilot.press("escape")
+        assert controls.calls == []
+        await pilot.press("x", "a")
+        assert controls.calls == ["extract:set_aside"]
+        await pilot.press("x")
+        await pilot.click("#choice-start_over")
+        assert controls.calls == ["extract:set_aside", "extract:start_over"]
+
+
+async def test_gpu_panel_shows_one_devices_error_on_its_row_and_cuda_numbering() -> None:
+    gpus = (snap.GpuStat(index=0, name="NVIDIA H200", util_pct=88.0, mem_used_mb=100_000.0, mem_total_mb=143_771.0,
+                    power_w=600.0, temp_c=60.0, physical=3),
+            snap.GpuStat(index=1, name="NVIDIA H200", util_pct=0.0, mem_used_mb=0.0, mem_total_mb=0.0,
+                    power_w=None, temp_c=None, physical=5, error="GPU is lost"))
+    app, _ = make(dataclasses.replace(fx.extracting(), gpus=gpus))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.query_one("#gpu").display, "GPU panel shown")
+        gpu = text(app, "#gpu")
+        assert "0→3 H200" in gpu and "88%" in gpu and "600 W" in gpu
+        assert "1→5 H200" in gpu and "NVML error" in gpu and "GPU 1→5: NVML: GPU is lost" in gpu
+
+
 async def test_extraction_without_nvml_says_no_gpu() -> None:
     app, _ = make(dataclasses.replace(fx.extracting(), gpus=None))
     async with app.run_test(size=(120, 40)) as pilot:
@@ -329,7 +374,7 @@ async def test_providers_panel_shows_token_agreement_and_the_flag() -> None:
         assert "together/int4" in shown  # no figures yet: listed without them
 
 
-# -- drill-down, log, history, end states, sizes (issue 14) --------------------------------------------
+# -- the operator's views: drill-down, log, history, end states, terminal sizes ------------------------
 
 
 async def test_drill_into_a_dataset_shows_its_recent_errors() -> None:

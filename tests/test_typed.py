@@ -1,4 +1,4 @@
-"""The typed control surface (issue 22, item 3): actions, stages, drill targets and the reason a
+"""The typed control surface: actions, stages, drill targets and the reason a
 request may not go out are enums, not strings whose meaning a second call has to find out."""
 
 from __future__ import annotations

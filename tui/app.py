@@ -110,8 +110,9 @@ class DraftgenApp(RunKeys, App[None]):
         class HangupSafeDriver(base):  # type: ignore[valid-type, misc]
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
-                if getattr(self, "_file", None) is not None:
-                    self._file = _HangupSafeFile(self._file)
+                file = getattr(self, "_file", None)
+                if file is not None:
+                    self._file = _HangupSafeFile(file)
 
         return HangupSafeDriver
 

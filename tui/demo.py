@@ -25,7 +25,7 @@ DEMO_KEY_ENV = "DRAFTGEN_DEMO_KEY"
 DEMO_KEY = "sk-demo-local-simulator-not-a-secret"
 
 CONFIG = """\
-# The demo's config: the same file format a real run uses (see README "Config reference").
+# The demo's config: the same file format a real run uses (see docs/config.md).
 [api]
 base_url = "{base_url}"          # the simulator started by `draftgen demo`
 api_key_env = "{key_env}"

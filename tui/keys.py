@@ -14,6 +14,7 @@ from draftgen.core.live.snapshot import RunSnapshot
 from draftgen.tui.panels.eventlog import EventLogPanel, EventStore
 from draftgen.tui.panels.panel import SelectablePanel
 from draftgen.tui.panels.stages import active_stages
+from draftgen.tui.screens.choice import MERGE_ANYWAY, OTHER_MERGE, ChoiceScreen
 from draftgen.tui.screens.drill import DrillScreen, Target
 from draftgen.tui.screens.help import HelpScreen
 from draftgen.tui.screens.history import HistoryScreen
@@ -109,14 +110,34 @@ class RunKeys(_App):
             self.push_screen(SmokeScreen(self.latest))
 
     def action_merge(self) -> None:
-        if self._allowed(Action.MERGE):
-            self.controls.start_merge()
-            self.notify("merge started: progress in the stages panel", title="merge")
+        if not self._allowed(Action.MERGE):
+            return
+        question = self.controls.merge_question()  # hidden states exist: they belong to the merge now in merged/
+        if question is None:
+            self._start_merge(replace_hidden_states=False)
+        else:
+            self.push_screen(ChoiceScreen("merge", "Merge again?", question, MERGE_ANYWAY),
+                             lambda choice: None if choice is None else self._start_merge(replace_hidden_states=True))
+
+    def _start_merge(self, *, replace_hidden_states: bool) -> None:
+        self.controls.start_merge(replace_hidden_states=replace_hidden_states)
+        self.notify("merge started: progress in the stages panel", title="merge")
 
     def action_extract(self) -> None:
-        if self._allowed(Action.EXTRACT):
-            self.controls.start_extract()
-            self.notify("extraction started: progress in the stages and GPU panels", title="extract")
+        if not self._allowed(Action.EXTRACT):
+            return
+        question = self.controls.extract_question()  # hidden states of another merge: never added to
+        if question is None:
+            self._start_extract("refuse")
+        else:
+            self.push_screen(ChoiceScreen("extract", "Hidden states of another merge.", question, OTHER_MERGE),
+                             self._start_extract)
+
+    def _start_extract(self, choice: str | None) -> None:
+        if choice is None:
+            return  # cancelled
+        self.controls.start_extract(on_other_merge=choice)
+        self.notify("extraction started: progress in the stages and GPU panels", title="extract")
 
     def action_quit_run(self) -> None:
         if self.controls.read_only:
@@ -126,8 +147,7 @@ class RunKeys(_App):
             self.pop_screen()
         if len(self.screen_stack) > 1:
             return
-        if not self._allowed("quit"):
-            return
+        # Quit is never refused (it is not an Action: the dialog below asks drain or stop).
         s = self.latest
         busy = s is None or s.state not in (*FINAL_STATES, snap.RunState.IDLE) or any(
             st.state == "running" for st in active_stages(s))

@@ -12,7 +12,7 @@ from typing import TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.live.snapshot import EventKind, Level
-from draftgen.core.live.summary import EXIT_ERROR, summary_lines
+from draftgen.core.live.summary import EXIT_ERROR, signal_line, summary_lines
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.tui.app import DraftgenApp
 
@@ -36,46 +36,13 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
     work = asyncio.create_task(generate_then())
     loop = asyncio.get_running_loop()
     signalled: list[str] = []
-
-    def on_signal(name: str) -> None:
-        """SIGHUP (the pane closed), SIGTERM, SIGINT from outside: drain like the headless run; a later
-        SIGINT stops now. The held answers are waited for or spooled, never dropped (engine.py)."""
-        again = bool(signalled)
-        signalled.append(name)
-        if again and name == "SIGINT":
-            pipeline.quit(drain=False)
-            pipeline.emit(Level.WARN, EventKind.SIGNAL, "SIGINT again: stopping now (held answers are spooled)")
-        else:
-            pipeline.quit(drain=True)
-            n = pipeline.engine.book.held_answers
-            pipeline.emit(Level.WARN, EventKind.SIGNAL, f"{name}: draining (requests in flight finish)" + (
-                f"; {n} paid answer(s) held in memory wait for the disk (SIGINT spools them)" if n else ""))
-        if name == "SIGHUP":
-            _silence_terminal()  # nothing to draw on any more: every later write goes to /dev/null
-            if app.is_running:
-                app.exit()
-        else:
-            app.quit_requested = True  # the screen stays until the run has ended, as after d in the dialog
-            if pipeline.snapshot().finished() and app.is_running:
-                app.exit()
-
     for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig.name)
+        loop.add_signal_handler(sig, _on_signal, pipeline, app, signalled, sig.name)
     loop.add_signal_handler(signal.SIGUSR1, pipeline.resume)  # as in headless: also after the pane closed
     try:
         await (app.run_async() if run_app is None else run_app(app))
     finally:
-        if not work.done() and signalled:
-            try:
-                await work  # the drain goes on without a screen; a second SIGINT stops it
-            except Exception:  # noqa: BLE001 - the pipeline keeps its own error; the summary says it
-                pass
-        if not work.done():
-            pipeline.quit(drain=False)
-            try:
-                await asyncio.wait_for(work, 30)
-            except (TimeoutError, asyncio.CancelledError, Exception):
-                work.cancel()
+        await _end_work(pipeline, work, signalled=bool(signalled))
         await pipeline.close()
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
@@ -85,6 +52,47 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
     if pipeline.error is not None:
         raise pipeline.error  # shown in the UI's alert bar; printed again once the screen is gone
     return pipeline.exit_code
+
+
+def _on_signal(pipeline: Pipeline, app: DraftgenApp, signalled: list[str], name: str) -> None:
+    """SIGHUP (the pane closed), SIGTERM, SIGINT from outside: drain like the headless run; a later
+    SIGINT stops now. The held answers are waited for or spooled, never dropped (engine.py). The line
+    is logged before the quit acts, and says what this signal does now (a run already ended or already
+    draining is not said to start draining again)."""
+    again = bool(signalled)
+    signalled.append(name)
+    if again and name == "SIGINT":
+        pipeline.emit(Level.WARN, EventKind.SIGNAL, "SIGINT again: stopping now (held answers are spooled)")
+        pipeline.quit(drain=False)
+    else:
+        n = pipeline.engine.book.held_answers
+        pipeline.emit(Level.WARN, EventKind.SIGNAL, signal_line(name, pipeline.snapshot(), again=again) + (
+            f"; {n} paid answer(s) held in memory wait for the disk (SIGINT spools them)" if n else ""))
+        pipeline.quit(drain=True)
+    if name == "SIGHUP":
+        _silence_terminal()  # nothing to draw on any more: every later write goes to /dev/null
+        if app.is_running:
+            app.exit()
+    else:
+        app.quit_requested = True  # the screen stays until the run has ended, as after d in the dialog
+        if pipeline.snapshot().finished() and app.is_running:
+            app.exit()
+
+
+async def _end_work(pipeline: Pipeline, work: asyncio.Task[None], *, signalled: bool) -> None:
+    """The app has closed: after a signal the drain goes on without a screen (a second SIGINT stops
+    it); otherwise, or if it is still going, the run stops now (given 30 s, then cancelled)."""
+    if not work.done() and signalled:
+        try:
+            await work
+        except Exception:  # noqa: BLE001 - the pipeline keeps its own error; the summary says it
+            pass
+    if not work.done():
+        pipeline.quit(drain=False)
+        try:
+            await asyncio.wait_for(work, 30)
+        except (TimeoutError, asyncio.CancelledError, Exception):
+            work.cancel()
 
 
 def _silence_terminal() -> None:

@@ -1,7 +1,9 @@
 """`draftgen report RUN_DIR`: how a run went, from its files alone (it may be running, finished, or
 copied elsewhere): answered, failed and rejected per dataset, the spend on disk, and the history
 charts from history.jsonl (core/live/timeline.py). Costs are the spend ledger's (spend.jsonl), the
-figures the run's views show; a directory without one falls back to its answers' usage.cost."""
+figures the run's views show; a directory without one falls back to its answers' usage.cost.
+Then which merge merged/ is and which merge the hidden states belong to, with how many samples they
+cover (core/tokens/identity.py: merged/fingerprint.json, hidden_states/merge.json)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from rich.text import Text
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.timeline import timeline_from_file
 from draftgen.core.rundir import RunDir, iter_jsonl
+from draftgen.core.tokens import identity
 from draftgen.core.units import usd_shown
 from draftgen.tui import fmt
 from draftgen.tui.charts import CHARTS, Chart
@@ -53,7 +56,9 @@ def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) ->
         cost = 0.0
         for _, rec in iter_jsonl(rd.responses(name)):
             answered += 1
-            usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
+            usage = rec.get("usage")
+            if not isinstance(usage, dict):
+                usage = {}
             n = usage.get("completion_tokens")
             tokens += n if isinstance(n, int) and not isinstance(n, bool) else 0
             c = usage.get("cost")
@@ -77,6 +82,8 @@ def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) ->
                               if abs(other) >= 0.005 else "")
                            + (f"; {fmt.usd(ledger.pending_usd)} of it pending a price, at its worst case"
                               if ledger.pending_usd else "")))
+    for line, style in merge_lines(rd):
+        console.print(Text(line, style=style))
     timeline = timeline_from_file(rd.history)
     if not timeline.points:
         console.print(Text(f"\nno history: {rd.history} is missing or empty (written by runs since this version)",
@@ -87,6 +94,31 @@ def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) ->
                        f" in points of {fmt.duration(timeline.interval_s)}", style="bold"))
     for series, title, value, style in CHARTS:
         console.print(Chart(timeline, series, title, value, style, height=4))
+
+
+def merge_lines(rd: RunDir) -> list[tuple[str, str]]:
+    """(line, style): which merge merged/ is, and which the hidden states belong to and how many samples
+    they cover. From the recorded fingerprints alone (`draftgen extract` checks the samples themselves)."""
+    merged = identity.read_fingerprint(rd.merged / identity.FINGERPRINT_FILE)
+    lines: list[tuple[str, str]] = []
+    if merged is not None:
+        lines.append((f"merged/: {merged.describe()}", ""))
+    elif (rd.merged / "tokens").is_dir():
+        lines.append(("merged/: merged by an older draftgen (no fingerprint.json; merge again to record one)", "dim"))
+    files = identity.stored_samples(rd.hidden_states) if rd.hidden_states.is_dir() else 0
+    if not files:
+        return lines
+    stored = identity.read_fingerprint(rd.hidden_states / identity.HIDDEN_MERGE_FILE)
+    if stored is None:
+        return [*lines, (f"hidden states: {files:,} files, from an unrecorded merge (`draftgen extract` checks each "
+                         f"file against merged/ and records it)", "yellow")]
+    cover = f"{files:,} of {stored.samples:,} samples"
+    if merged is not None and not stored.same_merge(merged):
+        why = "; ".join(identity.differences(stored, merged))
+        return [*lines, (f"hidden states: {cover} of {stored.describe()}, ANOTHER merge than merged/ ({why}); "
+                         f"`draftgen extract --start-over` or `--set-aside` extracts this one", "bold red")]
+    return [*lines, (f"hidden states: {cover} of {stored.describe()}"
+                     + (", the merge in merged/" if merged is not None else ""), "")]
 
 
 def report_command(run_dir: Path) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 _EXPORTS = {
     "extract_command": "command", "parse_shard": "command",
-    "extract": "runner", "ExtractStats": "runner", "plan_batches": "runner", "bytes_needed": "runner",
+    "extract": "runner", "ExtractStats": "runner", "plan_batches": "plan", "bytes_needed": "runner",
     "stats_path": "runner",
     "ExtractBackend": "backend", "make_backend": "backend",
     "KEYS": "layout", "ROWS_PER_DIR": "layout", "load_sample": "layout", "sample_path": "layout",

@@ -82,34 +82,58 @@ def progress_line(p: StageProgress) -> str:
             f"ETA {compact_duration(p.eta_s)}")
 
 
-def plan_command(config: Config, shard: str | None, *, out: TextIO | None = None) -> int:
-    """`draftgen extract CONFIG --plan`: print what the extraction would do and exit; no model is loaded."""
+def plan_command(config: Config, shard: str | None, *, out: TextIO | None = None, nvml: Any = None) -> int:
+    """`draftgen extract CONFIG --plan`: print what the extraction would do and exit; no model is loaded.
+
+    1 when the GPU plan says the job cannot fit (the lines say why, with the numbers)."""
     from draftgen.core.extract.plan import format_plan, make_plan
     stream = out or sys.stdout
     parsed = parse_shard(shard) if shard else (0, 1)
-    for line in format_plan(make_plan(config, parsed)):
+    plan = make_plan(config, parsed, nvml=nvml)
+    for line in format_plan(plan):
         print(line, file=stream, flush=True)
-    return 0
+    return 1 if plan.gpu is not None and plan.gpu.refusal else 0
 
 
 def extract_command(config: Config, shard: str | None, *, out: TextIO | None = None, nvml: Any = None,
-                    disk_watch: Any = None) -> int:
+                    disk_watch: Any = None, on_other_merge: str = "refuse") -> int:
     """Print the plan, run extraction, print a progress line every few seconds and a summary; 0 when it finished.
 
     Nothing left to do: says so and returns 0 without importing torch or reading the model.
+    hidden_states/ of another merge than merged/ (core/extract/claim.py): refused before anything is
+    planned, unless `on_other_merge` is "start_over" (`--start-over`) or "set_aside" (`--set-aside`).
     DraftgenError (bad config, no merged tokens, not enough disk, backend missing) propagates to
     the CLI boundary, which prints it without a traceback.
     """
     from draftgen.core.extract.plan import DiskWatch, format_plan, make_plan
     stream = out or sys.stdout
     parsed = parse_shard(shard) if shard else (0, 1)
+    from draftgen.core.extract import claim
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    plan = make_plan(config, parsed)
+    plan = make_plan(config, parsed, nvml=nvml)
+    hidden = config.run_dir / "hidden_states"
+    # Read only, the same on every rank: each rank decides alike; rank 0 acts once all have joined.
+    standing = claim.standing(hidden, config.run_dir / "merged")
+    if not standing.usable and on_other_merge == claim.REFUSE:
+        raise claim.refusal(standing, hidden, config.path)
     if rank0:
         for line in format_plan(plan):
             print(line, file=stream, flush=True)
-    if plan.nothing_to_do:
+        if not standing.usable:
+            what = ("deleted (--start-over)" if on_other_merge == claim.START_OVER else
+                    f"moved to {claim.identity.aside_path(hidden, standing.stored)}/ (--set-aside)")
+            why = "; ".join(standing.differences())
+            print(f"hidden_states/ holds {standing.files:,} files of another merge ({why}): they are {what}"
+                  f" and every sample of {standing.current.describe()} is extracted (the plan "
+                  f"above counted them as done)", file=stream, flush=True)
+        else:
+            print(f"hidden states belong to {standing.current.describe()}", file=stream, flush=True)
+    if plan.nothing_to_do and standing.usable:
+        if standing.state == claim.ADOPTED and rank0:
+            claim.settle(hidden, config.run_dir / "merged", claim.REFUSE, config.path)
         return 0
+    if plan.gpu is not None and plan.gpu.refusal:  # before any weight loads
+        raise DraftgenError(plan.gpu.refusal)
     if disk_watch is None:
         disk_watch = DiskWatch(margin_bytes=int(config.extract.min_free_gb * 2**30),
                                say=lambda m: print(m, file=stream, flush=True))
@@ -136,7 +160,8 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
         if publisher is not None and not publisher.serving:
             print(f"warning: not serving attach: {publisher.error}", file=stream, flush=True)
         try:
-            stats = extract(config, shard=parsed, progress=show, disk_watch=disk_watch)
+            stats = extract(config, shard=parsed, progress=show, disk_watch=disk_watch,
+                            on_other_merge=on_other_merge)
         except BaseException as e:
             if publisher is not None:
                 publisher.finish(Level.ERROR, f"extraction failed: {e}")
@@ -154,9 +179,19 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
           f"{stats.nan_samples:,} with NaN not written; model {stats.model} (N={stats.num_layers}, "
           f"H={stats.hidden_size}), aux layers {list(stats.layers)}, {stats.backend}, "
           f"shard {parsed[0]}/{parsed[1]}", file=stream, flush=True)
+    if stats.claim_note:
+        print(stats.claim_note, file=stream, flush=True)
+    if (where / "train-command.sh").exists():
+        print(f"training: {where / 'train-command.sh'} (SpecForge's command and config, data.max_length = the "
+              f"longest sample; `draftgen train-command {config.path}` explains it)", file=stream, flush=True)
     if stats.draft_layer_ids is not None:
         print(f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids = {stats.draft_layer_ids} "
               f"(SGLang's numbering of layers {list(stats.layers)}; also in stats.json)", file=stream, flush=True)
+    if stats.too_long_samples:
+        shown = ", ".join(f"{x['index']} ({x['tokens']:,} tokens)" for x in stats.too_long[:10])
+        more = f" and {stats.too_long_samples - 10} more" if stats.too_long_samples > 10 else ""
+        print(f"warning: samples longer than the model's context (skipped, not written): {shown}{more}; "
+              f"see stats.json", file=stream, flush=True)
     if stats.nan_samples:
         shown = ", ".join(str(x["index"]) for x in stats.nan[:10])
         more = f" and {stats.nan_samples - 10} more" if stats.nan_samples > 10 else ""

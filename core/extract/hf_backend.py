@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from draftgen.core.errors import DraftgenError
-from draftgen.core.extract.backend import right_pad
+from draftgen.core.extract.padding import right_pad
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from draftgen.core.files import disk_error, replacing
+from draftgen.core.files import FILE_MODE, GROUP_DIR_MODE, GROUP_FILE_MODE, disk_error, replacing
 
 ROWS_PER_DIR = 2000
 SUFFIX, GZ_SUFFIX = ".ckpt", ".ckpt.gz"
@@ -148,17 +148,25 @@ class _FdSink:
             view = view[os.write(self.fd, view):]
 
 
-def write_sample(root: Path, index: int, sample: SampleTensors, *, compress: bool) -> int:
+def make_dir(folder: Path, *, group_readable: bool = False) -> None:
+    """`folder` (and its parents); with `group_readable` it is 0750 (the umask would leave 0700)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if group_readable and folder.stat().st_mode & 0o777 != GROUP_DIR_MODE:
+        os.chmod(folder, GROUP_DIR_MODE)
+
+
+def write_sample(root: Path, index: int, sample: SampleTensors, *, compress: bool, group_readable: bool = False) -> int:
     """Write one file atomically (temporary name, fsync, rename); return its size in bytes.
 
+    `group_readable`: the file 0640 and its folder 0750 (extract.group_readable), else 0600/0700.
     Raises DiskError naming the file when it cannot be written; no temporary file is left then."""
     path = sample_path(root, index, compress=compress)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(path.parent, group_readable=group_readable)
     except OSError as e:
         raise disk_error(path, e) from e
     # fsync: without it a power cut after the rename can leave an empty file that looks done.
-    with replacing(path, fsync=True) as f:
+    with replacing(path, fsync=True, mode=GROUP_FILE_MODE if group_readable else FILE_MODE) as f:
         sink = _FdSink(f.fileno())  # past the file object's buffer: large writes go straight from the tensors
         if compress:
             # No name or time in the header: the same sample gives the same bytes.

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.live.snapshot import Event, EventKind, Level, RunSnapshot, RunState, StageProgress
+from draftgen.core.live.snapshot import Event, EventKind, Level, RunSnapshot, RunState, StageProgress, StageState
 
 
 class ExtractPublisher:
@@ -24,7 +24,7 @@ class ExtractPublisher:
         self.nvml = nvml
         self.serving = False
         self.error = ""                     # why it is not serving, for one line of output
-        self._latest = StageProgress("extract", state="running")
+        self._latest = StageProgress("extract", state=StageState.RUNNING)
         self._stop = threading.Event()
         self._started = threading.Event()
         self._final: tuple[Level, str] | None = None  # (level, message) of the closing event

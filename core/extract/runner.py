@@ -7,10 +7,11 @@ Synchronous on purpose: the model forward is the whole cost, and the caller (the
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,17 @@ import torch
 
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DiskError, DraftgenError
-from draftgen.core.extract import layout
+from draftgen.core.extract import claim, layout
 from draftgen.core.extract.backend import ExtractBackend, make_backend
-from draftgen.core.extract.model_info import ModelDims, read_model_dims, resolve_aux_layers
+from draftgen.core.extract.model_info import (
+    ModelDims,
+    dims_from_config_dict,
+    read_model_config,
+    resolve_aux_layers,
+)
+from draftgen.core.extract.plan import context_limit, plan_batches
 from draftgen.core.extract.writer import Item, PooledWriter, Written
-from draftgen.core.files import TMP_MARK, disk_error, write_json_atomic
+from draftgen.core.files import GROUP_FILE_MODE, TMP_MARK, disk_error, write_json_atomic
 from draftgen.core.live.progress import Throttle
 from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.rundir import EventLog, RunDir
@@ -53,12 +60,16 @@ class ExtractStats:
     bytes_written: int = 0
     nan_samples: int = 0          # outputs held NaN or Inf: reported, not written
     nan: list[dict[str, Any]] = field(default_factory=list)  # {"index", "id"} of each
+    too_long_samples: int = 0     # longer than the model's context: skipped before the forward, not written
+    too_long: list[dict[str, Any]] = field(default_factory=list)  # {"index", "id", "tokens"} of each
     stopped: bool = False
     elapsed_s: float = 0.0
     tokens_per_s: float = 0.0
     # The draft config's eagle_config.eagle_aux_hidden_state_layer_ids: SGLang's numbering of `layers`.
     draft_layer_ids: list[int] | None = None
     nothing_to_do: bool = False   # every file of the shard was there: no model was loaded
+    merge_id: str = ""            # the merge these hidden states belong to (hidden_states/merge.json)
+    claim_note: str = ""          # what was done to hidden states of another merge (start over, set aside)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -67,30 +78,6 @@ class ExtractStats:
 def bytes_needed(tokens: int, files: int, hidden_size: int) -> int:
     """(3H + H)·2 bytes of bf16 states per token, plus the ids, the mask and each file's container."""
     return tokens * (4 * hidden_size * 2 + IDS_MASK_BYTES_PER_TOKEN) + files * FILE_OVERHEAD_BYTES
-
-
-def plan_batches(items: Sequence[tuple[int, int]], batch_tokens: int, max_samples: int | None = None,
-                 ) -> list[list[int]]:
-    """Group (index, length) items of similar length into batches of at most `batch_tokens` padded tokens.
-
-    Longest first: a batch that does not fit in memory fails in the first minute, not hours in.
-    A sample longer than `batch_tokens` gets a batch of its own.
-    """
-    ordered = sorted(items, key=lambda item: (-item[1], item[0]))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    width = 0
-    for index, length in ordered:
-        too_many = max_samples is not None and len(current) >= max_samples
-        if current and (too_many or (len(current) + 1) * width > batch_tokens):
-            batches.append(current)
-            current = []
-        if not current:
-            width = length  # the first of a batch is its longest
-        current.append(index)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def _shard_indices(count: int, shard: tuple[int, int]) -> range:
@@ -148,7 +135,8 @@ class _Reporter:
         eta = (remaining / rate if rate > 0 and state == StageState.RUNNING
                else (0.0 if state == StageState.DONE else None))
         self.progress(StageProgress(
-            name="extract", state=state, done=s.skipped_existing + s.written + s.nan_samples, total=s.samples,
+            name="extract", state=state, done=s.skipped_existing + s.written + s.nan_samples + s.too_long_samples,
+            total=s.samples,
             rate=rate, rate_unit="tok/s", eta_s=eta, message=message,
             detail=(
                 ("tokens", f"{fmt_count(done_tokens)} / {fmt_count(self.tokens_todo)}"),
@@ -183,18 +171,35 @@ class _Plan:
     tokens_todo: int
     max_forward_tokens: int  # padded tokens of the largest planned batch
     max_samples: int
+    note: str = ""           # what claim.settle did to hidden states of another merge
+    mem_fraction: float = 0.0  # SGLang's mem_fraction_static from the GPU plan (0: the backend's default)
+    too_long: list[dict[str, Any]] = field(default_factory=list)  # longer than the context: skipped
+    context: int | None = None
 
 
 def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: ModelDims, limit: int,
-               cfg: Any, max_samples: int | None) -> _Plan:
+               cfg: Any, max_samples: int | None, on_other_merge: str = claim.REFUSE, *,
+               model: tuple[dict[str, Any], str] | None = None, gpu_plan: bool = False,
+               config_path: object = "config") -> _Plan:
+    # Rank 0, every rank joined: the folder is made this merge's (or refused) before a file is added.
+    note = claim.settle(root, root.parent / "merged", on_other_merge, config_path, reader)
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        layout.make_dir(root, group_readable=cfg.group_readable)
+        if cfg.group_readable:  # the group must pass through the run folder to reach hidden_states/
+            mode = root.parent.stat().st_mode & 0o777
+            if mode & 0o050 != 0o050:
+                os.chmod(root.parent, mode | 0o050)
     except OSError as e:
         raise disk_error(root, e) from e
     _remove_stale_tmp(root, shard)
     entries: list[TokenEntry] = reader.entries
     indices = _shard_indices(len(reader), shard)
     todo = [k for k in indices if layout.existing_sample(root, k) is None]
+    context = context_limit(cfg, model[0]) if model is not None else None
+    too_long = [k for k in todo if context is not None and entries[k].length > context]
+    if too_long:  # the forward would fail on it (SGLang refuses it; a RoPE model past its length gives junk)
+        skip = set(too_long)
+        todo = [k for k in todo if k not in skip]
     tokens_todo = sum(entries[k].length for k in todo)
     _check_disk(root, tokens_todo, len(todo), dims)
     if cfg.backend == "specforge" and todo:
@@ -202,8 +207,31 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
         check_shm(cfg.min_shm_gb)
     batches = plan_batches([(k, entries[k].length) for k in todo], limit, max_samples)
     widest = max((len(b) * max(entries[k].length for k in b) for b in batches), default=0)
-    return _Plan(todo=todo, batches=batches, skipped_existing=len(indices) - len(todo), tokens_todo=tokens_todo,
-                 max_forward_tokens=widest, max_samples=max((len(b) for b in batches), default=0))
+    most = max((len(b) for b in batches), default=0)
+    fraction = 0.0
+    if gpu_plan and cfg.backend == "specforge" and todo and model is not None:
+        from draftgen.core.extract.plan import make_gpu_plan
+        gpu = make_gpu_plan(cfg, model[0], model[1], widest, most, config_path=config_path)
+        if gpu.refusal:
+            raise DraftgenError(gpu.refusal)
+        fraction = gpu.fraction
+    return _Plan(todo=todo, note=note, batches=batches, skipped_existing=len(indices) - len(todo) - len(too_long),
+                 tokens_todo=tokens_todo, max_forward_tokens=widest, max_samples=most, mem_fraction=fraction,
+                 too_long=[{"index": k, "id": entries[k].id, "tokens": entries[k].length} for k in too_long],
+                 context=context)
+
+
+class _Idle:
+    """The backend of a run with nothing to run (every missing sample is too long): no model is loaded."""
+    description = "none (no sample fits the context)"
+    max_batch_tokens: int | None = None
+    max_batch_samples: int | None = None
+
+    def run(self, batch: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return []
+
+    def close(self) -> None:
+        pass
 
 
 def make_group(cfg: Any, config_path: object = "config") -> Any:
@@ -214,11 +242,35 @@ def make_group(cfg: Any, config_path: object = "config") -> Any:
     return LocalGroup()
 
 
+def _already_done(config: Config, rundir: RunDir, reader: TokenReader, shard: tuple[int, int],
+                  progress: Callable[[StageProgress], None] | None, on_other_merge: str) -> ExtractStats | None:
+    """The stats of a shard whose every sample is already written for this merge (no model loaded), else
+    None; hidden states of another merge are refused here unless `on_other_merge` says what to do."""
+    standing = claim.standing(rundir.hidden_states, rundir.merged, reader)  # read only: every rank sees the same
+    if not standing.usable and on_other_merge == claim.REFUSE:
+        raise claim.refusal(standing, rundir.hidden_states, config.path)
+    indices = _shard_indices(len(reader), shard)
+    if standing.state not in (claim.SAME, claim.ADOPTED) or any(
+            layout.existing_sample(rundir.hidden_states, k) is None for k in indices):
+        return None
+    if standing.state == claim.ADOPTED:  # every file checked to be this merge's: recorded (same bytes on each rank)
+        claim.settle(rundir.hidden_states, rundir.merged, claim.REFUSE, config.path, reader)
+    return _nothing_to_do(config, shard, len(indices), progress, standing)
+
+
 def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
             progress: Callable[[StageProgress], None] | None = None,
             backend: ExtractBackend | None = None, stop: threading.Event | None = None,
-            group: Any = None, disk_watch: Any = None) -> ExtractStats:
+            group: Any = None, disk_watch: Any = None, on_other_merge: str = claim.REFUSE,
+            in_child: bool = False) -> ExtractStats:
     """Write `hidden_states/` for every sample of `shard` not already there; return the run's stats.
+
+    Hidden states of another merge than merged/ (claim.py) are never added to: refused (a
+    claim.HiddenStatesOfAnotherMerge naming what differs) unless `on_other_merge` is claim.START_OVER
+    or claim.SET_ASIDE.
+
+    The specforge backend outside torchrun runs in a child process (child.py: SGLang's parallel state
+    allows one capture per process); `disk_watch` then is the child's own (its pauses come as progress).
 
     `backend` replaces the one `config.extract` describes (a test's, or a model already loaded);
     `stop`, when set, ends the run after the batch in progress (everything written stays valid).
@@ -238,10 +290,16 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     if not (tokens_dir / INDEX_FILE).exists():
         raise DraftgenError(f"{tokens_dir / INDEX_FILE}: not found; run `draftgen merge` first")
     reader = TokenReader(tokens_dir)
-    if backend is None and all(layout.existing_sample(rundir.hidden_states, k) is not None
-                               for k in _shard_indices(len(reader), shard)):
-        return _nothing_to_do(config, shard, len(_shard_indices(len(reader), shard)), progress)
-    dims = read_model_dims(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    done = _already_done(config, rundir, reader, shard, progress, on_other_merge) if backend is None else None
+    if done is not None:
+        return done
+    from draftgen.core.extract.child import extract_in_child, needs_child
+    if not in_child and needs_child(cfg.backend, backend, group):
+        stats: ExtractStats = extract_in_child(config, shard=shard, progress=progress, stop=stop,
+                                               on_other_merge=on_other_merge)
+        return stats
+    model_cfg, source = read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    dims = dims_from_config_dict(model_cfg, source)
     layers = resolve_aux_layers(cfg.aux_layers, dims, config.path)
     if cfg.backend == "specforge" and backend is None:
         from draftgen.core.extract.model_info import sglang_capture_ids
@@ -256,11 +314,15 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     owned = backend is None
     try:
         limit = min(cfg.batch_tokens, (backend.max_batch_tokens if backend else None) or cfg.batch_tokens)
-        plan: _Plan = group.share(lambda: _make_plan(root, reader, shard, dims, limit, cfg,
-                                                     backend.max_batch_samples if backend else None))
+        plan: _Plan = group.share(lambda: _make_plan(
+            root, reader, shard, dims, limit, cfg, backend.max_batch_samples if backend else None, on_other_merge,
+            model=(model_cfg, source), gpu_plan=backend is None, config_path=config.path))
+        if backend is None and not plan.todo:  # every sample left is longer than the context: nothing to load
+            backend = _Idle()
         if backend is None:
             backend = make_backend(cfg, dims, layers, group=group, max_forward_tokens=plan.max_forward_tokens,
-                                   max_samples=plan.max_samples, config_path=config.path)
+                                   max_samples=plan.max_samples, config_path=config.path,
+                                   mem_fraction_static=plan.mem_fraction)
         if group.writer:
             return _run_writer(config, shard, dims, layers, reader, root, plan, backend, progress, stop, rundir,
                                disk_watch)
@@ -286,16 +348,29 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
     stats = ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
                          hidden_size=dims.hidden_size, layers=layers, shard=shard, compress=cfg.compress,
                          samples=len(indices), tokens=sum(entries[k].length for k in indices),
-                         skipped_existing=plan.skipped_existing, draft_layer_ids=_draft_layer_ids(layers, dims))
+                         skipped_existing=plan.skipped_existing, draft_layer_ids=_draft_layer_ids(layers, dims),
+                         merge_id=_merge_id(root), claim_note=plan.note,
+                         too_long_samples=len(plan.too_long), too_long=plan.too_long)
     if disk_watch is None:
         from draftgen.core.extract.plan import DiskWatch
         disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
     events = EventLog(rundir.events_log)
+    if plan.note:
+        events.write("warn", f"extract: {plan.note}")
     events.write("info", f"extract: {len(plan.todo):,} samples ({plan.tokens_todo:,} tokens) to do in shard {i}/{n}, "
                          f"{stats.skipped_existing:,} already written; layers {list(layers)}, H={dims.hidden_size}")
+    for skip in plan.too_long:
+        events.write("warn", f"extract: sample {skip['index']} (id {skip['id']}) has {skip['tokens']:,} tokens, more "
+                             f"than the model's context of {plan.context:,} (max_position_embeddings, or "
+                             f"extract.sglang.context_length): skipped, not written")
     reporter = _Reporter(progress, stats, backend.description, plan.tokens_todo)
     started = reporter.started
-    pool = PooledWriter(root, compress=cfg.compress)
+
+    def warn(message: str) -> None:
+        events.write("warn", message)
+        reporter.emit(message=message, force=True)
+
+    pool = PooledWriter(root, compress=cfg.compress, group_readable=cfg.group_readable)
     try:
         reporter.emit(force=True)
         for batch, ids, masks in _batches_of_arrays(reader, plan.batches):
@@ -303,8 +378,7 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                 stats.stopped = True
                 break
             need = bytes_needed(sum(len(x) for x in ids), len(ids), dims.hidden_size)
-            if not disk_watch.wait_for(root, need, stop, log=lambda m: (events.write("warn", m),
-                                                                         reporter.emit(message=m, force=True))):
+            if not disk_watch.wait_for(root, need, stop, log=warn):
                 stats.stopped = True
                 break
             outputs = backend.run(ids)
@@ -333,14 +407,28 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         stats.elapsed_s = round(elapsed, 3)
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
     write_json_atomic(stats_path(root, shard), stats.to_dict())
+    if cfg.group_readable:
+        os.chmod(stats_path(root, shard), GROUP_FILE_MODE)
+    _leave_handoff(config, events)
     summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
-               f"{stats.skipped_existing:,} already there")
+               f"{stats.skipped_existing:,} already there"
+               + (f", {stats.too_long_samples:,} longer than the context (skipped)" if stats.too_long_samples else ""))
     events.write("info", f"extract: {'stopped' if stats.stopped else 'done'}: {summary}")
     events.close()
     if reporter is not None:
         reporter.emit(StageState.STOPPED if stats.stopped else StageState.DONE, force=True,
                       message=("stopped: " if stats.stopped else "") + summary)
     return stats
+
+
+def _leave_handoff(config: Config, events: EventLog) -> None:
+    """hidden_states/specforge.json and train-command.sh (handoff.py); a failure is said, never fatal."""
+    from draftgen.core.extract.handoff import make_handoff, write_handoff
+    try:
+        write_handoff(make_handoff(config))
+    except (DraftgenError, OSError, ValueError) as e:
+        events.write("warn", f"extract: the training hand-off (`draftgen train-command {config.path}`) was not "
+                             f"written: {e}")
 
 
 def _draft_layer_ids(layers: tuple[int, int, int], dims: ModelDims) -> list[int] | None:
@@ -352,8 +440,14 @@ def _draft_layer_ids(layers: tuple[int, int, int], dims: ModelDims) -> list[int]
         return None
 
 
+def _merge_id(root: Path) -> str:
+    from draftgen.core.tokens import identity
+    fp = identity.read_fingerprint(root / identity.HIDDEN_MERGE_FILE)
+    return fp.merge_id if fp is not None else ""
+
+
 def _nothing_to_do(config: Config, shard: tuple[int, int], samples: int,
-                   progress: Callable[[StageProgress], None] | None) -> ExtractStats:
+                   progress: Callable[[StageProgress], None] | None, standing: claim.Standing) -> ExtractStats:
     """Every file of the shard exists: report it without reading the model or making a process group."""
     cfg = config.extract
     if progress is not None:
@@ -361,7 +455,7 @@ def _nothing_to_do(config: Config, shard: tuple[int, int], samples: int,
                                rate_unit="tok/s", eta_s=0.0, message=f"nothing to do: {samples:,} files already there"))
     return ExtractStats(model=cfg.model, backend="none (nothing to do)", num_layers=0, hidden_size=0,
                         layers=(0, 0, 0), shard=shard, compress=cfg.compress, samples=samples,
-                        skipped_existing=samples, nothing_to_do=True)
+                        skipped_existing=samples, nothing_to_do=True, merge_id=standing.current.merge_id)
 
 
 def _checked(index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor,

@@ -22,7 +22,7 @@ How the library is driven (specforge/offline_capture/sglang.py and sglang_backen
   `hidden_states` [B, W, 3H] (aux, ascending layer order) and `last_hidden_states` [B, W, H]
   (after the final norm; SpecForge's logits processor skips lm_head). It makes one request per
   row from the whole row (the attention mask is not used to trim it) and concatenates the rows
-  on a new batch dim, so rows must have one width: we right-pad (backend.right_pad) and cut each sample
+  on a new batch dim, so rows must have one width: we right-pad (padding.right_pad) and cut each sample
   back to its own length. Padding comes after a sample's tokens, so under causal attention it
   changes none of that sample's rows (the self-check verifies sample-alone == sample-in-batch).
 """
@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from draftgen.core.errors import ConfigError, DraftgenError
+from draftgen.core.extract.plan import kv_page_size, kv_pool_tokens  # the GPU plan sizes the same KV pool
 from draftgen.core.units import fmt_bytes
 
 DIST_TIMEOUT_MIN = 120  # loading a 1T-parameter checkpoint can keep some ranks waiting a long time
@@ -52,7 +53,7 @@ T = TypeVar("T")
 def _missing(e: ModuleNotFoundError) -> DraftgenError:
     return DraftgenError(
         f'extract.backend = "specforge" needs SpecForge and SGLang ({e.name} is not installed here). On the GPU '
-        f"machine: pip install -e '.[gpu]' (pins specforge, sglang, torch; see README, GPU extraction); for a "
+        f"machine: pip install -e '.[gpu]' (pins specforge, sglang, torch; see docs/gpu-extraction.md); for a "
         f'small model on CPU set extract.backend = "hf"')
 
 
@@ -111,13 +112,14 @@ class TorchrunGroup:
         if world is None and tp_size != 1:
             raise ConfigError(
                 f"{config_path}: extract.tp_size = {tp_size} needs one process per GPU: start it as "
-                f"torchrun --nproc_per_node {tp_size} --no-python draftgen extract {config_path} (see README)")
+                f"torchrun --nproc_per_node {tp_size} --no-python draftgen extract {config_path} "
+                f"(see docs/gpu-extraction.md)")
         if world is not None and int(world) > tp_size and int(world) % tp_size == 0:
             raise ConfigError(
                 f"{config_path}: torchrun started {world} processes for extract.tp_size = {tp_size}: that is data "
                 f"parallel inside one job ({int(world) // tp_size} x TP {tp_size}), which draftgen does not run. Start "
                 f"one torchrun --standalone --nproc_per_node {tp_size} per machine and split the work with --shard "
-                f"i/N, or --shard auto under Slurm (see README, GPU extraction)")
+                f"i/N, or --shard auto under Slurm (see docs/gpu-extraction.md)")
         if world is not None and int(world) != tp_size:
             raise ConfigError(
                 f"{config_path}: extract.tp_size = {tp_size} but torchrun started {world} processes; use "
@@ -194,25 +196,6 @@ def server_arg_fields() -> set[str] | None:
     return {f.name for f in dataclasses.fields(ServerArgs)}
 
 
-# The KV page size SGLang 0.5.14 forces for an attention backend (server_args.py
-# `_handle_attention_backend_compatibility` and friends); others keep `page_size` (default 1). With
-# no backend named SGLang picks one per GPU and model, so the margin assumes the largest it forces.
-FORCED_PAGE_SIZES = {"flashmla": 64, "cutlass_mla": 128, "trtllm_mla": 64, "trtllm_mha": 64,
-                     "tokenspeed_mla": 64, "cutedsl_mla": 64, "fa4": 128, "intel_xpu": 128}
-LARGEST_PAGE = max(FORCED_PAGE_SIZES.values())
-
-
-def kv_page_size(attention_backend: str, extra: dict[str, Any] | None = None) -> int:
-    """The page size the KV pool is rounded to: the backend's forced one, else an explicit
-    [extract.sglang] page_size, else 1 for a named backend and the largest forced one when SGLang chooses."""
-    if attention_backend in FORCED_PAGE_SIZES:
-        return FORCED_PAGE_SIZES[attention_backend]
-    explicit = (extra or {}).get("page_size")
-    if isinstance(explicit, int) and not isinstance(explicit, bool) and explicit > 0:
-        return max(explicit, LARGEST_PAGE) if not attention_backend else explicit
-    return 1 if attention_backend else LARGEST_PAGE
-
-
 def server_args(*, max_forward_tokens: int, max_samples: int, mem_fraction_static: float,
                 attention_backend: str, extra: dict[str, Any] | None = None,
                 config_path: object = "config") -> dict[str, Any]:
@@ -228,7 +211,7 @@ def server_args(*, max_forward_tokens: int, max_samples: int, mem_fraction_stati
     args: dict[str, Any] = {
         "mem_fraction_static": mem_fraction_static,
         "max_running_requests": max(1, max_samples),
-        "max_total_tokens": max_forward_tokens + page * max(1, max_samples) + 1024,
+        "max_total_tokens": kv_pool_tokens(max_forward_tokens, max_samples, page),
     }
     if attention_backend:
         args["attention_backend"] = attention_backend
@@ -264,14 +247,14 @@ class SpecForgeBackend:
 
     def run(self, batch: Sequence[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every rank runs the forward; only the writer gets the states (others get []), left on the GPU:
-        the pooled writer reduces their finite flags there and copies them into pinned host memory
-        without blocking (core/extract/writer.py), so the next forward is not held up by the copy."""
-        from draftgen.core.extract.backend import right_pad
+        the pooled writer reduces their finite flags there and copies them into pinned host memory on
+        its own stream (core/extract/writer.py), so the next forward is not held up by the copy."""
+        from draftgen.core.extract.padding import right_pad
         input_ids, attention_mask, lengths = right_pad(batch)
         width = input_ids.shape[1]
-        device = torch.device("cuda", torch.cuda.current_device())
-        out = self.capture.capture(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                   loss_mask=attention_mask.to(device))
+        # CPU tensors: SpecForge only takes `.tolist()` of the ids (SGLang builds its own device input) and
+        # hands the rows back; on the GPU that `.tolist()` would wait for the previous batch's copies.
+        out = self.capture.capture(input_ids=input_ids, attention_mask=attention_mask, loss_mask=attention_mask)
         aux, hidden = out.hidden_states, out.last_hidden_states
         if tuple(aux.shape[:2]) != (len(batch), width) or tuple(hidden.shape[:2]) != (len(batch), width):
             raise DraftgenError(f"{self.description}: SpecForge returned aux {tuple(aux.shape)} and hidden "

@@ -2,9 +2,13 @@
 
 For each batch the main thread (rank 0 of a torchrun job) does only what needs the batch's tensors
 where they live: on a GPU it reduces one finite flag per sample there (one small tensor fetched)
-and starts the copy of the finite rows into pinned host memory without waiting; CPU tensors go as
-they are. The threads then check CPU rows for NaN/Inf, serialise each file straight into its
-temporary file (gzip-compressed with `compress`), fsync it and rename it (layout.write_sample).
+and starts the copy of the finite rows into pinned host memory on the writer's own CUDA stream,
+without waiting, so the next batch's forward on the compute stream runs while the copies do (the
+rows' memory is kept from reuse until its copy is done: `record_stream`); CPU tensors go as they
+are. The ids and masks stay on the CPU all along (the specforge backend hands SpecForge CPU
+tensors: its `.tolist()` then waits for nothing on the GPU). The threads then check CPU rows
+for NaN/Inf, serialise each file straight into its temporary file (gzip-compressed with
+`compress`), fsync it and rename it (layout.write_sample).
 
 At most `depth` batches are held: `submit` blocks while the writer is that far behind, so the host
 memory it holds stays under depth x one batch. A failed write (a full disk) is raised in the main
@@ -67,38 +71,54 @@ class _Slot:
             self._owner._slots.release()
 
 
-def _stage(items: Sequence[Item]) -> tuple[list[bool | None], list[layout.SampleTensors | None], Any]:
-    """Flags, host tensors to save and the CUDA event they are ready at (None for CPU tensors)."""
+def _stage(items: Sequence[Item], stream: Any = None,
+           ) -> tuple[list[bool | None], list[layout.SampleTensors | None], Any]:
+    """Flags, host tensors to save and the CUDA event they are ready at (None for CPU tensors).
+
+    On a GPU the copies run on `stream` (the writer's copy stream; None: the current one), after
+    the work already queued on the current stream (the forward that made the rows)."""
     if not items or items[0].sample.hidden.device.type != "cuda":
         return [None] * len(items), [item.sample for item in items], None
     flags = layout.finite_flags([item.sample for item in items]).tolist()
+    compute = torch.cuda.current_stream()
+    copy = stream if stream is not None else compute
+    if copy is not compute:
+        copy.wait_stream(compute)
     staged: list[layout.SampleTensors | None] = []
-    for item, finite in zip(items, flags, strict=True):
-        if not finite:
-            staged.append(None)  # never copied: nothing of it is written
-            continue
-        s = item.sample
-        # Pinned, so the copy runs without blocking; torch's caching host allocator reuses the blocks.
-        hidden = torch.empty(s.hidden.shape, dtype=torch.bfloat16, pin_memory=True)
-        aux = torch.empty(s.aux.shape, dtype=torch.bfloat16, pin_memory=True)
-        hidden.copy_(s.hidden.to(torch.bfloat16), non_blocking=True)
-        aux.copy_(s.aux.to(torch.bfloat16), non_blocking=True)
-        staged.append(layout.SampleTensors(s.input_ids.cpu(), s.loss_mask.cpu(), hidden, aux))
-    event = torch.cuda.Event()
-    event.record()
+    with torch.cuda.stream(copy):
+        for item, finite in zip(items, flags, strict=True):
+            if not finite:
+                staged.append(None)  # never copied: nothing of it is written
+                continue
+            s = item.sample
+            # Pinned, so the copy runs without blocking; torch's caching host allocator reuses the blocks.
+            hidden = torch.empty(s.hidden.shape, dtype=torch.bfloat16, pin_memory=True)
+            aux = torch.empty(s.aux.shape, dtype=torch.bfloat16, pin_memory=True)
+            hidden.copy_(s.hidden.to(torch.bfloat16), non_blocking=True)
+            aux.copy_(s.aux.to(torch.bfloat16), non_blocking=True)
+            if copy is not compute:  # the rows were made on the compute stream: not reused before the copy ran
+                s.hidden.record_stream(copy)
+                s.aux.record_stream(copy)
+            staged.append(layout.SampleTensors(s.input_ids.cpu(), s.loss_mask.cpu(), hidden, aux))
+        event = torch.cuda.Event()
+        event.record(copy)
     return flags, staged, event
 
 
 class PooledWriter:
     """Writes `layout` files for batches of samples on `threads` threads, holding at most `depth` batches."""
 
-    def __init__(self, root: Path, *, compress: bool, threads: int = THREADS, depth: int = DEPTH) -> None:
+    def __init__(self, root: Path, *, compress: bool, threads: int = THREADS, depth: int = DEPTH,
+                 group_readable: bool = False) -> None:
         self.root = Path(root)
         self.compress = compress
+        self.group_readable = group_readable
         self.depth = depth
         self._slots = threading.Semaphore(depth)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="draftgen-writer")
         self._pending: deque[Future[Written]] = deque()
+        self._copy_stream: Any = None  # made with the first batch from a GPU
+        self.copy_on_own_stream = True  # False: on the compute stream (bench_extract.py --handover compares)
 
     # A class attribute: bench_extract.py's DeviceHandOver replaces it to hand rows over as a GPU does.
     _stage = staticmethod(_stage)
@@ -110,7 +130,7 @@ class PooledWriter:
             return
         self._slots.acquire()
         try:
-            flags, staged, event = self._stage(items)
+            flags, staged, event = self._stage(items, self._stream_for(items))
         except BaseException:
             self._slots.release()
             raise
@@ -120,6 +140,15 @@ class PooledWriter:
                                        finite, sample, event)
             future.add_done_callback(slot.done)
             self._pending.append(future)
+
+    def _stream_for(self, items: Sequence[Item]) -> Any:
+        """The writer's own CUDA stream for rows on a GPU (on their device); None for CPU rows."""
+        device = items[0].sample.hidden.device
+        if device.type != "cuda" or not self.copy_on_own_stream:
+            return None
+        if self._copy_stream is None or self._copy_stream.device != device:
+            self._copy_stream = torch.cuda.Stream(device=device)
+        return self._copy_stream
 
     def _write(self, index: int, sample_id: str, tokens: int, finite: bool | None,
                sample: layout.SampleTensors | None, event: Any) -> Written:
@@ -131,7 +160,8 @@ class PooledWriter:
         if event is not None:
             event.synchronize()  # the pinned copy has landed
         return Written(index, sample_id, tokens, finite=True,
-                       nbytes=layout.write_sample(self.root, index, sample, compress=self.compress))
+                       nbytes=layout.write_sample(self.root, index, sample, compress=self.compress,
+                                                  group_readable=self.group_readable))
 
     def raise_failed(self) -> None:
         """Raise the first failure among the files in flight (a DiskError naming the file)."""

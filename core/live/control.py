@@ -32,8 +32,13 @@ class Controls(Protocol):
     def pause(self) -> None: ...
     def resume(self) -> None: ...
     def run_smoke(self) -> None: ...      # progress/result: snapshot stage "smoke" (checks), event "smoke_done"
-    def start_merge(self) -> None: ...    # stage "merge", event "merge_done"
-    def start_extract(self) -> None: ...  # stage "extract" (+ RunSnapshot.gpus), event "extract_done"
+    # stage "merge", event "merge_done"; replace_hidden_states: hidden states of another merge set aside
+    def start_merge(self, replace_hidden_states: bool = False) -> None: ...
+    # stage "extract" (+ RunSnapshot.gpus), event "extract_done"; on_other_merge: "refuse", "start_over"
+    # or "set_aside" for hidden states of another merge (core/extract/claim.py)
+    def start_extract(self, on_other_merge: str = "refuse") -> None: ...
+    def merge_question(self) -> str | None: ...    # hidden states exist: what to ask before merging, else None
+    def extract_question(self) -> str | None: ...  # they belong to another merge: what to ask, else None
     def quit(self, drain: bool) -> None: ...  # drain: finish in-flight requests; else stop now
     def quit_asked(self, asking: bool) -> None: ...  # the quit dialog is open: a run not started waits
     def spool_held(self) -> None: ...     # answers the disk refused go to the spool (spool.py), no wait

@@ -136,6 +136,8 @@ class GpuStat:
     mem_total_mb: float
     power_w: float | None
     temp_c: float | None
+    physical: int | None = None   # NVML's index when CUDA_VISIBLE_DEVICES renumbers (index is cuda:N)
+    error: str | None = None      # this device's NVML query failed: the other fields are empty
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,7 @@ class EventKind(StrEnum):
     RESUMED = "resumed"
     RUN_DONE = "run_done"
     RUN_FAILED = "run_failed"
+    SERVER_IDS = "server_ids"                # the self-hosted server's token ids: how asked, or missing
     SIGNAL = "signal"
     SMOKE = "smoke"                          # the smoke test runs first
     SMOKE_DONE = "smoke_done"
@@ -382,7 +385,7 @@ def _decode(tp: Any, value: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
         return _decode(inner[0], value) if len(inner) == 1 else value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _from(tp, value)
     if origin is tuple:
         args = typing.get_args(tp)
@@ -405,7 +408,8 @@ def _from(cls: type, data: dict[str, Any]) -> Any:
 
 
 def snapshot_from_dict(data: dict[str, Any]) -> RunSnapshot:
-    return _from(RunSnapshot, data)
+    snapshot: RunSnapshot = _from(RunSnapshot, data)
+    return snapshot
 
 
 def event_from_dict(data: dict[str, Any]) -> Event:

@@ -5,7 +5,7 @@ its own, or skipped because a token budget ran out; LIMITED when `max_usd` skipp
 eligible: a higher ceiling asks them). Otherwise it ended DRAINED (a drain let the requests
 in flight finish), STOPPED (stop now, or a dataset stopped by its routing) or WAITING (an account
 condition held admission when it ended); the prompts not asked stay eligible and the next `run`
-resumes them. The exit code tells these apart (README "Exit codes").
+resumes them. The exit code tells these apart (docs/run-end.md, the exit code table).
 """
 
 from __future__ import annotations
@@ -23,17 +23,21 @@ from draftgen.core.units import clock, usd, usd_shown
 
 class Counted(Protocol):
     """A dataset's counts: its snapshot, or the engine's live record of it."""
-    name: str
-    total: int
-    done: int
-    failed: int
-    skipped: int
+    @property
+    def total(self) -> int: ...
+    @property
+    def done(self) -> int: ...
+    @property
+    def failed(self) -> int: ...
+    @property
+    def skipped(self) -> int: ...
 
-# Exit codes of `draftgen run` (and `demo`): README "Exit codes".
+
+# Exit codes of `draftgen run` (and `demo`): docs/run-end.md, the exit code table.
 EXIT_COMPLETE, EXIT_SMOKE_FAILED, EXIT_ERROR, EXIT_INCOMPLETE = (ExitCode.COMPLETE, ExitCode.SMOKE_FAILED,
                                                                ExitCode.ERROR, ExitCode.INCOMPLETE)
 EXIT_INTERRUPTED = ExitCode.INTERRUPTED  # quit (or Ctrl-C) before the run started
-EXIT_MEANING = {EXIT_COMPLETE: "complete", EXIT_SMOKE_FAILED: "smoke test failed", EXIT_ERROR: "error",
+EXIT_MEANING: dict[int, str] = {EXIT_COMPLETE: "complete", EXIT_SMOKE_FAILED: "smoke test failed", EXIT_ERROR: "error",
                 EXIT_INCOMPLETE: "incomplete: run again to resume",
                 EXIT_KEY_REFUSED: "the API key was refused: set a valid one, run again",
                 EXIT_INTERRUPTED: "interrupted before the run started"}
@@ -81,6 +85,17 @@ def quit_effects(s: RunSnapshot | None) -> QuitEffects:
     return QuitEffects(stage, f"generation is running: {n:,} requests are in flight",
                        "stop admitting, let the requests in flight finish, then exit",
                        "exit now; the requests in flight are asked again by the next run")
+
+
+def signal_line(name: str, s: RunSnapshot, *, again: bool) -> str:
+    """What a drain signal (SIGTERM, SIGHUP, a first SIGINT from outside) does now, for the log and the
+    shell: said before the quit acts, and never "draining" once the run has ended or already drains."""
+    if s.finished():
+        return f"{name}: the run has already ended ({s.label()}); closing"
+    if again:
+        return f"{name}: already draining; the drain goes on"
+    effects = quit_effects(s)
+    return f"{name}: draining ({effects.running}: {effects.drain})"
 
 
 def stopped_lines(s: RunSnapshot, config_hint: str) -> list[str]:
@@ -181,8 +196,14 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     out += textwrap.wrap(spend, WIDTH, initial_indent="  ", subsequent_indent="    ")
     tokens = next((p for p in s.stages if p.name == "tokens"), None)
     if tokens is not None:  # live reconstruction: how many answers have token ids, and how to finish
-        out.append(f"  tokens: {tokens.done:,} of {tokens.total:,} answers" + ("" if tokens.done >= tokens.total
-                   else f"; finish with `draftgen tokens {config_hint}`"))
+        line = f"tokens: {tokens.done:,} of {tokens.total:,} answers"
+        broke = tokens.state in (StageState.FAILED, StageState.STOPPED) and tokens.message
+        if broke:
+            line += f": {tokens.message}"  # what broke or could not be written
+        if (broke or tokens.done < tokens.total) and "`draftgen tokens " not in line:
+            line += f"; finish with `draftgen tokens {config_hint}`"
+        out += textwrap.wrap(line, WIDTH, initial_indent="  ", subsequent_indent="    ", break_long_words=False,
+                             break_on_hyphens=False)
     for line in stopped_lines(s, config_hint):
         out += textwrap.wrap(line, WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
     if s.alert:
@@ -202,5 +223,5 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
         out += textwrap.wrap(f"max_usd left prompts unasked (counted skipped, not failed): raise [budget] max_usd and "
                              f"`draftgen run {config_hint}` again asks them", WIDTH, initial_indent="  ",
                              subsequent_indent="    ", break_on_hyphens=False)
-    out.append(f"  exit {exit_code} ({EXIT_MEANING.get(exit_code, 'see README')})")
+    out.append(f"  exit {exit_code} ({EXIT_MEANING.get(exit_code, 'see docs/run-end.md')})")
     return out

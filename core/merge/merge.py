@@ -15,6 +15,14 @@ Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed i
                   input_ids and loss_mask copied byte for byte from the dataset's token store
     stats.json    kept and dropped (by reason) per dataset, tokens, cost, seed, input fingerprints
                   (costs from the spend ledger, spend.jsonl: the figures the run's views show)
+    fingerprint.json  which merge this is (core/tokens/identity.py): the seed, the inputs and a
+                  digest of the samples in order; extraction copies it beside the hidden states
+
+Hidden states belong to one merge: when `<run>/hidden_states/` holds files and the new merge is not
+the one they came from (another seed, more answers), the merge refuses before it replaces merged/,
+saying what differs, unless `replace_hidden_states` (`draftgen merge --replace-hidden-states`, the
+TUI's `m` after its question): then the old folder is set aside as `hidden_states.merge-<id>/`
+(one rename, nothing deleted) and extraction starts afresh. A merge that comes out the same keeps them.
 
 The record's shape and why: core/merge/specforge.py. Safe while generation runs (core/merge/inputs.py),
 and a crash never leaves a half-built merged/ (core/merge/swap.py). A lock file (`merged.lock`)
@@ -50,6 +58,7 @@ from draftgen.core.merge.specforge import has_tool_calls, specforge_record
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
 from draftgen.core.records import Usage
 from draftgen.core.rundir import RunDir
+from draftgen.core.tokens import identity
 from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, flag_sources
 from draftgen.core.tokens.policy import NOTES, SamplePolicy, source_key
 from draftgen.core.tokens.store import TokenWriter
@@ -100,6 +109,8 @@ class MergeStats:
     output_dir: str = ""
     created_at: float = 0.0
     elapsed_s: float = 0.0
+    merge_id: str = ""
+    hidden_states: str = ""   # what became of hidden_states/ (kept, set aside), when it held files
 
     @property
     def read(self) -> int:
@@ -130,6 +141,7 @@ class MergeStats:
                         "tokens": {"samples": self.samples, "tokens": self.tokens}},
             "created_at": self.created_at,
             "elapsed_s": self.elapsed_s,
+            "merge_id": self.merge_id,
         }
 
 
@@ -189,12 +201,14 @@ class _Reporter:
 # The merge
 
 
-def merge(config: Config, progress: ProgressCallback | None = None) -> MergeStats:
+def merge(config: Config, progress: ProgressCallback | None = None, *,
+          replace_hidden_states: bool = False) -> MergeStats:
     """Merge every dataset's clean samples into `<run>/merged/` (synchronous; run it in a thread).
 
     Pass 1 streams each responses.jsonl and keeps only (dataset, byte offset, token span) per clean,
     first-seen sample; the list is shuffled with `config.merge.seed`; pass 2 writes in that order.
     Memory grows with the number of samples, never with the length of their text.
+    Hidden states of another merge: refused, or set aside with `replace_hidden_states` (see the top).
     """
     root = Path(config.run_dir)
     if not root.is_dir():
@@ -208,6 +222,7 @@ def merge(config: Config, progress: ProgressCallback | None = None) -> MergeStat
             tmp = root / f"{TMP_PREFIX}{os.getpid()}"
             try:
                 stats = _merge_into(config, root, tmp, reporter)
+                stats.hidden_states = _hidden_states_guard(config, root, tmp, replace_hidden_states)
                 switch(tmp, root / "merged")
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -241,6 +256,13 @@ def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> M
             stats.created_at = time.time()
             stats.elapsed_s = round(time.monotonic() - started, 3)
             stats.output_dir = str(root / "merged")
+            digest, tokens = identity.folder_digest(tmp / TOKENS_DIR)
+            fp = identity.MergeFingerprint(samples_sha256=digest, samples=stats.samples, tokens=tokens,
+                                           seed=config.merge.seed, created_at=stats.created_at, inputs=tuple(
+                                               {"path": f.path, "size": f.size, "sha256": f.head_tail_sha256}
+                                               for f in fingerprints))
+            stats.merge_id = fp.merge_id
+            identity.write_fingerprint(tmp / identity.FINGERPRINT_FILE, fp)
             (tmp / STATS_FILE).write_bytes(orjson.dumps(stats.to_json_dict(), option=orjson.OPT_INDENT_2) + b"\n")
             fsync_tree(tmp)
         except OSError as e:
@@ -249,6 +271,35 @@ def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> M
     finally:
         for inp in inputs:
             inp.close()
+
+
+def _hidden_states_guard(config: Config, root: Path, tmp: Path, replace: bool) -> str:
+    """Before merged/ is replaced: refuse to leave hidden_states/ holding files of another merge, or (with
+    `replace`) set it aside. Returns what became of it ('' when it holds no file)."""
+    hidden = RunDir(root).hidden_states
+    files = identity.stored_samples(hidden)
+    if not files:
+        return ""
+    new = identity.read_fingerprint(tmp / identity.FINGERPRINT_FILE)
+    old = identity.read_fingerprint(hidden / identity.HIDDEN_MERGE_FILE)
+    assert new is not None
+    if new.same_merge(old):
+        return f"hidden_states/ ({files:,} files) belongs to this merge still: kept"
+    what = "; ".join(identity.differences(old, new))
+    came = old.describe() if old is not None else "an unrecorded merge"
+    if not replace:
+        raise DraftgenError(
+            f"{hidden}: holds {files:,} hidden-state files of {came}, and this merge is another "
+            f"({new.describe()}: {what}). Replacing merged/ would leave them holding other samples than "
+            f"merged/ at the same index, so merged/ was left as it was. To merge anyway: `draftgen merge "
+            f"{config.path} --replace-hidden-states` (moves them aside to {identity.aside_path(hidden, old)}/, "
+            f"nothing deleted; then `draftgen extract {config.path}` extracts the new merge)")
+    try:
+        dest = identity.set_aside(hidden, old)
+    except OSError as e:
+        raise disk_error(hidden, e) from e
+    return (f"hidden_states/ ({files:,} files of {came}) set aside as {dest} ({what}); "
+            f"`draftgen extract {config.path}` extracts this merge; delete the old folder when done with it")
 
 
 # One kept sample: (dataset index, responses.jsonl offset and line length, token offset, token length).
@@ -336,7 +387,7 @@ def _classify(line: bytes, refs: dict[str, TokenRef], seen: set[bytes], kept_ids
     ref = refs.get(sample_id)
     reason, notes = _drop_reason(record, ref, policy)
     if reason == "invalid":
-        for check in ref.failed_checks or ("unvalidated",):
+        for check in (ref.failed_checks if ref is not None else ()) or ("unvalidated",):
             st.invalid_checks[check] = st.invalid_checks.get(check, 0) + 1
     if reason is not None:
         return reason, ref, b"", False
@@ -358,13 +409,15 @@ def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: Merg
     reporter.phase()
     total = len(kept)
     train_bytes = 0
+    # A dataset has a kept line only if its responses file opened (pass 1 read it): -1 is never read.
+    responses = [inp.responses.fileno() if inp.responses is not None else -1 for inp in inputs]
     # Buffered token files: the temporary folder is thrown away on any error, so no write needs to
     # be its own commit (three system calls a sample were a tenth of the merge).
     with open(tmp / TRAIN_FILE, "wb", buffering=1 << 20) as train, \
             TokenWriter(tmp / TOKENS_DIR, buffered=True) as tokens:
         for k, (ds_index, offset, line_length, tok_offset, tok_length) in enumerate(kept):
             inp, st = inputs[ds_index], stats.datasets[ds_index]
-            record = orjson.loads(os.pread(inp.responses.fileno(), line_length, offset))
+            record = orjson.loads(os.pread(responses[ds_index], line_length, offset))
             sample_id = f"{inp.name}/{record['id']}"
             line = orjson.dumps(specforge_record(sample_id, record, tool_calls_key=tool_calls_key,
                                                  system=stats.system_turn)) + b"\n"
@@ -393,7 +446,7 @@ def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: Merg
 # `draftgen merge CONFIG`
 
 
-def merge_command(config: Config) -> int:
+def merge_command(config: Config, *, replace_hidden_states: bool = False) -> int:
     """Headless merge: a progress line about once a second, then a summary table. Returns 0."""
     from rich.console import Console
     from rich.markup import escape
@@ -405,7 +458,7 @@ def merge_command(config: Config) -> int:
         pct = f"{100 * p.done / p.total:5.1f}%" if p.total else "     "
         print(f"merge {p.state:8} {pct}  {p.message:<24}  {counts}", flush=True)
 
-    stats = merge(config, every(1.0, show))
+    stats = merge(config, every(1.0, show), replace_hidden_states=replace_hidden_states)
     # The total row is the sum of the rows as shown (units.usd_shown), as in the run's summary.
     totals = DatasetMergeStats("total", stats.read, stats.samples, stats.dropped, {}, stats.tokens,
                                stats.masked_tokens, sum(usd_shown(d.cost_usd) for d in stats.datasets),
@@ -438,12 +491,15 @@ def merge_command(config: Config) -> int:
     noted = {n: sum(d.kept_noted.get(n, 0) for d in stats.datasets) for n in NOTES}
     if any(noted.values()):
         console.print("kept although they differed: " + ", ".join(f"{n} {c:,}" for n, c in noted.items() if c)
-                      + " (see \\[validation] in the README)", highlight=False)
+                      + " (see \\[validation] in docs/config.md)", highlight=False)
     for d in stats.datasets:
         for f in d.flagged_sources:
             what = "dropped" if f["dropped"] else "kept ([validation] drop_flagged_sources = false)"
             console.print(f"[bold red]FLAGGED[/] {escape(d.name)} {escape(f['provider'])}: {escape(f['reason'])}; "
                           f"its samples {escape(what)}. To change: {escape(f['fix'])}", soft_wrap=True, highlight=False)
-    console.print(f"{stats.samples:,} samples written in {stats.elapsed_s:.1f} s", highlight=False)
+    console.print(f"{stats.samples:,} samples written in {stats.elapsed_s:.1f} s (merge {stats.merge_id})",
+                  highlight=False)
+    if stats.hidden_states:
+        console.print(escape(stats.hidden_states), soft_wrap=True, highlight=False)
     sys.stdout.flush()
     return 0

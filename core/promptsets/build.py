@@ -30,6 +30,7 @@ from draftgen.core.promptsets import language, presets
 from draftgen.core.promptsets.sources import Source, SourceSpec, open_source
 from draftgen.core.promptsets.split import LONG, SHORT, ClassSettings, suggest_threshold
 
+LengthClass = Literal["all", "short", "long"]  # which of a source's length classes a dataset file holds
 DROP_REASONS = ("unusable", "language", "duplicate_exact", "duplicate_normalised", "too_short", "too_long")
 
 
@@ -86,7 +87,7 @@ class DatasetOut:
     name: str
     path: Path
     source: str
-    length_class: Literal["all", "short", "long"]
+    length_class: LengthClass
     settings: ClassSettings
     prompts: int
     prompt_tokens: int
@@ -204,6 +205,7 @@ def build(opts: BuildOptions, on_source: Callable[[SourceStats], None] | None = 
 
     plan: list[tuple[DatasetOut, list[Kept]]] = []
     for stats, kept in selected:
+        groups: list[tuple[LengthClass, str, list[Kept], ClassSettings]]
         if threshold is None:
             groups = [("all", stats.name, kept, opts.short)]
         else:

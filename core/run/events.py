@@ -1,7 +1,8 @@
 """The run's events on their way out: redacted, repeats of a warning held back, logged, published.
 
 The same warning again within REPEAT_WINDOW_S is counted, not logged (an outage that flaps says so
-once); the count is said when the window ends or the run closes (`flush_repeats`).
+once); the count is said when the window ends, before the run's end event, or when the run closes
+(`flush_repeats`): the log never says a warning came after the run ended when it came before.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from draftgen.core.rundir import EventLog
 from draftgen.core.secrets import Redactor
 
 REPEAT_WINDOW_S = 30.0
+# Events that close a part of the run: the warnings held back before them are counted first.
+CLOSING = frozenset({snap.EventKind.RUN_DONE, snap.EventKind.RUN_FAILED})
 
 
 class EventPublisher:
@@ -35,6 +38,8 @@ class EventPublisher:
 
     def emit(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "") -> None:
         message = self._redact(message)
+        if kind in CLOSING:
+            self.flush_repeats()
         if level == snap.Level.WARN:
             now = time.monotonic()
             seen = self._repeats.get((kind, message, dataset))

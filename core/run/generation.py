@@ -1,6 +1,6 @@
 """The generation stage as the pipeline runs it: the start-up gate (startup.py), the engine's run, the
 tokens stage after it (live_tokens.py), and how it ended: its stage state, the error that stopped it,
-and the exit code (README "exit codes").
+and the exit code (docs/run-end.md).
 """
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ from draftgen.core.config import Config
 from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED, INCOMPLETE
+from draftgen.core.live.summary import (
+    EXIT_COMPLETE,
+    EXIT_ERROR,
+    EXIT_INCOMPLETE,
+    EXIT_INTERRUPTED,
+    EXIT_SMOKE_FAILED,
+    INCOMPLETE,
+)
 from draftgen.core.run.live_tokens import LiveTokens
 from draftgen.core.run.stages import Stages
 from draftgen.core.run.startup import Startup, Verdict
@@ -42,7 +49,7 @@ class Generation:
 
     @property
     def exit_code(self) -> int:
-        """The run's exit code (README "exit codes"): a stage stopped before its end is incomplete (3),
+        """The run's exit code (docs/run-end.md): a stage stopped before its end is incomplete (3),
         a stage that failed an error (2), never complete."""
         code = self._code
         if code == EXIT_COMPLETE:
@@ -68,7 +75,7 @@ class Generation:
                 e = wrapper
             self.error = e
             self.state = snap.StageState.FAILED if self.started else snap.StageState.SKIPPED
-            self._code = getattr(e, "exit_code", 2)
+            self._code = e.exit_code
             for name, stage in list(self._stages.items()):
                 if stage.state == snap.StageState.RUNNING:
                     self._stages[name] = dataclasses.replace(stage, state=snap.StageState.FAILED,
@@ -88,7 +95,7 @@ class Generation:
                                           f"(fix what it names, then `draftgen smoke {self._config.path}`; "
                                           "or --skip-smoke)")
                 self.state = snap.StageState.SKIPPED
-                self._code = 1
+                self._code = EXIT_SMOKE_FAILED
                 return snap.RunState.STOPPED
             if self._reconstruct:
                 await self._tokens.start()
@@ -103,14 +110,14 @@ class Generation:
                 self._code = EXIT_INCOMPLETE
             if self._engine.key_refused is not None:
                 self._code = EXIT_KEY_REFUSED
-            if not await self._tokens.finish() and self._code == EXIT_COMPLETE:
+            if not await self._tokens.finish(imported=held.imported > 0) and self._code == EXIT_COMPLETE:
                 self._code = EXIT_ERROR
             return state
         finally:
             self._publish()
 
     def _not_started(self, why: str) -> str:
-        """Quit before the run started: no run request was sent; exit 130 (README "exit codes")."""
+        """Quit before the run started: no run request was sent; exit 130 (docs/run-end.md)."""
         self._engine.control.end(snap.RunState.STOPPED)
         self.state = snap.StageState.SKIPPED
         self._code = EXIT_INTERRUPTED

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
 from draftgen.core.live import snapshot as snap
+
+if TYPE_CHECKING:  # imported when the stage starts: a run without reconstruction never loads it
+    from draftgen.core.tokens.live import LiveReconstructor
 
 
 class LiveTokens:
@@ -16,7 +19,7 @@ class LiveTokens:
         self._config = config
         self._emit = emit
         self._stages = stages  # the stages panel's rows (Pipeline's dict, shared)
-        self._reconstructor: Any = None
+        self._reconstructor: LiveReconstructor | None = None
         self.fidelity: tuple[snap.ProviderFidelity, ...] = ()  # the last figures, kept after the workers stop
 
     async def start(self) -> None:
@@ -36,17 +39,28 @@ class LiveTokens:
             self._stages["tokens"] = self._reconstructor.progress()
             self.fidelity = self._reconstructor.fidelity()
 
-    async def finish(self) -> bool:
-        """The run is over: wait for the last answers, say the report; False when some answer has no token ids."""
+    async def finish(self, imported: bool = False) -> bool:
+        """The run is over: wait for the last answers, say the report; False when some answer has no
+        token ids for a reason other than a full disk (the stage then stops, saying what could not be
+        written and what finishes it). `imported`: answers an earlier run spooled were written as the
+        datasets opened, after `start` caught up with the disk: they are caught up with now (every
+        other answer of the run comes through `submit`)."""
         r = self._reconstructor
         if r is None:
             return True
+        if imported:
+            for ds in self._config.datasets:
+                await r.catch_up(ds.name)
         await r.close()
         tokens = self._stages["tokens"] = r.progress()
         self.fidelity = r.fidelity()
         self._emit(snap.Level.INFO, snap.EventKind.TOKENS_DONE, r.report(None).summary_line())
         complete = tokens.done >= tokens.total
-        if not complete:  # the tokens stage failed: not a complete run, merge would drop them
+        if tokens.state == snap.StageState.STOPPED:  # the disk refused: nothing is wrong, it did not finish
+            self._emit(snap.Level.WARN, snap.EventKind.TOKENS_FAILED,
+                       f"tokens: stopped at {tokens.done:,} of {tokens.total:,} answers: {tokens.message}")
+            complete = True  # the stage's STOPPED state makes the run incomplete (exit 3), not an error
+        elif not complete:  # the tokens stage failed: not a complete run, merge would drop them
             self._emit(snap.Level.ERROR, snap.EventKind.TOKENS_FAILED,
                        f"tokens: {tokens.done:,} of {tokens.total:,} answers have "
                        f"token ids ({tokens.message}); finish with `draftgen tokens {self._config.path}`")

@@ -115,7 +115,7 @@ class Pipeline:
 
     @property
     def exit_code(self) -> int:
-        """The run's exit code (README "exit codes"): see Generation.exit_code."""
+        """The run's exit code (docs/run-end.md): see Generation.exit_code."""
         return self.generation.exit_code
 
     @property
@@ -191,6 +191,8 @@ class Pipeline:
         if action == Action.MERGE:
             if not any(self.rundir.responses(d.name).exists() for d in self.config.datasets):
                 return "nothing to merge yet: no answers on disk"
+            if self.oneshot.running("extract"):
+                return "extraction is running: a merge now would change merged/ under it"
         if action == Action.EXTRACT:
             if not self.config.extract.model:
                 return f"no model to extract with: set [extract] model in {self.config.path}"
@@ -220,11 +222,19 @@ class Pipeline:
     def run_smoke(self) -> None:
         self.oneshot.spawn("smoke", self.oneshot.smoke())
 
-    def start_merge(self) -> None:
-        self.oneshot.spawn("merge", self.oneshot.merge())
+    def start_merge(self, replace_hidden_states: bool = False) -> None:
+        self.oneshot.spawn("merge", self.oneshot.merge(replace_hidden_states))
 
-    def start_extract(self) -> None:
-        self.oneshot.spawn("extract", self.oneshot.extract())
+    def start_extract(self, on_other_merge: str = "refuse") -> None:
+        self.oneshot.spawn("extract", self.oneshot.extract(on_other_merge=on_other_merge))
+
+    def merge_question(self) -> str | None:
+        from draftgen.core.extract.claim import merge_question
+        return merge_question(self.rundir.root)
+
+    def extract_question(self) -> str | None:
+        from draftgen.core.extract.claim import extract_question
+        return extract_question(self.rundir.root)
 
     def spool_held(self) -> None:
         """Do not wait for the disk: the answers held in memory are spooled (spool.py) as the run ends."""

@@ -110,11 +110,12 @@ class Stages:
                   f"smoke test {'passed' if passed else 'FAILED'}: {result.summary()}")
         return passed
 
-    async def merge(self) -> Any:
+    async def merge(self, replace_hidden_states: bool = False) -> Any:
         from draftgen.core.merge.merge import merge
         self.progress["merge"] = snap.StageProgress("merge", state=snap.StageState.RUNNING)
         try:
-            stats = await asyncio.to_thread(merge, self._config, self._progress("merge"))
+            stats = await asyncio.to_thread(merge, self._config, self._progress("merge"),
+                                            replace_hidden_states=replace_hidden_states)
         except asyncio.CancelledError:
             self._stopped("merge", f"not waited for: merged/ is replaced whole or not at all; "
                           f"`draftgen merge {self._config.path}` redoes it")
@@ -129,9 +130,12 @@ class Stages:
         self._emit(snap.Level.INFO, snap.EventKind.MERGE_DONE,
                    f"merge done: {stats.samples} of {stats.read} answers kept "
                   f"({stats.tokens:,} tokens), dropped: {dropped}; {self._rundir.merged}/train.jsonl")
+        if stats.hidden_states:
+            self._emit(snap.Level.WARN if "set aside" in stats.hidden_states else snap.Level.INFO,
+                       snap.EventKind.MERGE_DONE, stats.hidden_states)
         return stats
 
-    async def extract(self, shard: tuple[int, int] = (0, 1)) -> Any:
+    async def extract(self, shard: tuple[int, int] = (0, 1), on_other_merge: str = "refuse") -> Any:
         from draftgen.core.extract import extract
         from draftgen.core.extract.gpu import GpuMonitor
         monitor = GpuMonitor()
@@ -140,7 +144,7 @@ class Stages:
         try:
             self.extract_stop.clear()
             stats = await asyncio.to_thread(extract, self._config, shard=shard, progress=self._progress("extract"),
-                                            stop=self.extract_stop)
+                                            stop=self.extract_stop, on_other_merge=on_other_merge)
         except asyncio.CancelledError:
             self._stopped("extract", f"stopped: `draftgen extract {self._config.path}` finishes the rest")
             raise

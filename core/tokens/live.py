@@ -14,13 +14,13 @@ responses.jsonl.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.live.snapshot import ProviderFidelity, StageProgress, StageState
+from draftgen.core.errors import DiskError
+from draftgen.core.live.snapshot import EventSink, ProviderFidelity, StageProgress, StageState, event_sink
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.report import ValidationReport
@@ -53,6 +53,7 @@ class _Dataset:
     writer: TokenWriter
     report: ValidationReport
     known: set[str]                    # ids committed or on their way
+    lost: set[str] = field(default_factory=set)  # ids whose token ids could not be made or written this run
     buffer: list[dict[str, Any]] = field(default_factory=list)
     buffer_chars: int = 0
 
@@ -67,6 +68,11 @@ class _Dataset:
         return batch
 
 
+def _read_list(responses: Path, offsets: list[int]) -> list[dict[str, Any]]:
+    """The records at `offsets`, read in one go (in a worker thread)."""
+    return list(read_records(responses, offsets))
+
+
 class LiveReconstructor:
     """Reconstructs answers as the engine lands them, in worker processes."""
 
@@ -74,9 +80,9 @@ class LiveReconstructor:
     MAX_RESTARTS = 3   # new pools after dead workers before reconstruction gives up for the run
 
     def __init__(self, config: Config, workers: int = 0,
-                 on_event: Callable[[str, str, str], None] | None = None) -> None:
+                 on_event: EventSink | None = None) -> None:
         self.config = config
-        self._event = on_event or (lambda level, kind, message: None)
+        self._event = on_event if on_event is not None else event_sink(None)
         # Leave a core to the event loop unless told otherwise.
         self.workers = workers or max(1, cores() - 1)
         self._spec = WorkerSpec.from_config(config)
@@ -93,6 +99,7 @@ class LiveReconstructor:
         self._submitted = 0
         self._lost = 0
         self._error = ""
+        self._unwritten = ""  # a full disk: what could not be written (the stage stops, `draftgen tokens` finishes)
         self._closed = False
 
     @property
@@ -163,11 +170,15 @@ class LiveReconstructor:
             self._rate.add(int(ids.shape[0]))
 
     def _lose(self, ds: _Dataset, batch: list[dict[str, Any]], exc: BaseException) -> None:
-        if not self._error:
+        if isinstance(exc, DiskError):  # no room: nothing is wrong with the answers, the stage stops
+            self._unwritten = self._unwritten or str(exc)
+        elif not self._error:
             self._error = f"token reconstruction stopped: {exc}"
         self._lost += len(batch)
         for rec in batch:
-            ds.known.discard(str(rec.get("id")))
+            rid = str(rec.get("id"))
+            ds.known.discard(rid)
+            ds.lost.add(rid)  # not sent again this run (a final catch-up would count it twice)
 
     def _gave_up(self, message: str) -> None:
         self._error = message  # the workers kept dying: this says why and how to finish, over any earlier error
@@ -181,7 +192,7 @@ class LiveReconstructor:
         check_dataset(self.config, dataset_name)
         ds = self._open(dataset_name)
         responses = self._run.responses(dataset_name)
-        offsets = await asyncio.to_thread(pending_offsets, responses, set(ds.known))
+        offsets = await asyncio.to_thread(pending_offsets, responses, ds.known | ds.lost)
         if offsets:
             task = asyncio.create_task(self._feed(dataset_name, responses, offsets))
             self._tasks.add(task)
@@ -193,7 +204,7 @@ class LiveReconstructor:
         try:
             for i in range(0, len(offsets), chunk):
                 part = offsets[i:i + chunk]
-                records = await asyncio.to_thread(lambda part=part: list(read_records(responses, part)))
+                records = await asyncio.to_thread(_read_list, responses, part)
                 for rec in records:
                     if self._closed:
                         return
@@ -238,25 +249,31 @@ class LiveReconstructor:
         return tuple(rows)
 
     def progress(self) -> StageProgress:
-        """`done` of `total`: the answers with token ids, of every answer known (earlier runs' included)."""
+        """`done` of `total`: the answers with token ids, of every answer known (earlier runs' included).
+        FAILED when reconstruction broke; STOPPED when the disk refused what it wrote (its message says
+        what could not be written, and `draftgen tokens` finishes it)."""
         landed = self._rate.answers
         per_s, tok_s = self._rate.per_s()
         waiting = self._submitted - landed - self._lost
-        state = StageState.FAILED if self._error else (StageState.DONE if self._closed else StageState.RUNNING)
+        state = (StageState.FAILED if self._error else StageState.STOPPED if self._unwritten
+                 else StageState.DONE if self._closed else StageState.RUNNING)
         total = self.report(None)
-        detail = (("valid", f"{total.valid:,}/{total.checked:,}"), ("waiting", f"{waiting:,}"),
-                  ("tokens/s", f"{tok_s:,.0f}" if landed else "0"))
+        detail: tuple[tuple[str, str], ...] = (
+            ("valid", f"{total.valid:,}/{total.checked:,}"), ("waiting", f"{waiting:,}"),
+            ("tokens/s", f"{tok_s:,.0f}" if landed else "0"))
         if self.restarts:
             detail += (("worker restarts", str(self.restarts)),)
         return StageProgress(
             name="tokens", state=state, done=total.checked, total=total.checked + waiting + self._lost,
             rate=per_s if landed else 0.0, rate_unit="answers/s", detail=detail,
-            message=self._error or total.summary_line())
+            message=self._error or (f"{self._unwritten}; finish with `draftgen tokens {self.config.path}`"
+                                    if self._unwritten else total.summary_line()))
 
     # -- shutdown -------------------------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Finish everything queued, write each dataset's report.json, stop the workers."""
+        """Finish everything queued, write each dataset's report.json, stop the workers. A file the disk
+        refuses is said in `progress()` (the stage stops), never raised: the run's end goes on."""
         if self._closed:
             return
         if self._loop is not None:
@@ -268,9 +285,15 @@ class LiveReconstructor:
         pool = self._pool.detach()
 
         def finish() -> None:
+            unwritten = []
             for ds in self._datasets.values():
-                ds.writer.close()
-                write_report(ds.folder, ds.report, provider_flags(self.config, ds.report))
+                try:
+                    ds.writer.close()
+                    write_report(ds.folder, ds.report, provider_flags(self.config, ds.report))
+                except DiskError as e:
+                    unwritten.append(str(e))
+            if unwritten and not self._unwritten:
+                self._unwritten = "; ".join(unwritten)
             if pool is not None:
                 pool.shutdown(wait=True)
         await asyncio.to_thread(finish)

@@ -18,7 +18,9 @@ the provider. This policy turns them into keep or drop, with the cause:
                  fails on it before a run starts).
     backend      the server's own ids differ from the reconstruction: the server's ids are the sample
                  (they are what the model generated), the disagreement is reported, never a drop;
-                 likewise its prompt ids (`matches_backend_prompt`: they are what the model saw).
+                 likewise its prompt ids (`matches_backend_prompt`: they are what the model saw), and
+                 a stored text its ids do not decode to (`text_matches_ids`: the server's parser
+                 rewrote the text; noted "text_rewritten").
     provider     answers of a provider in [merge] exclude_providers are dropped as "provider_excluded".
     source       answers of a source flagged on its own (core/tokens/fidelity.py flag_sources: a
                  self-hosted server or provider with few exact counts or a constant offset, so its
@@ -41,9 +43,10 @@ from draftgen.core.tokens.fidelity import UNKNOWN
 
 STRUCTURAL = ("renders", "one_think_close", "no_think_open", "ends_with_eot", "round_trip")
 # Checks that measure a difference rather than a broken structure: judged by size, never dropped as invalid.
-MEASURES = frozenset({"token_count", "matches_backend", "matches_backend_prompt"})
+MEASURES = frozenset({"token_count", "matches_backend", "matches_backend_prompt", "text_matches_ids"})
 # Kept samples noted by what differed (stats.json "kept_noted").
-NOTES = ("count_split", "prompt_mismatch", "backend_mismatch", "backend_prompt_mismatch", "source_flagged")
+NOTES = ("count_split", "prompt_mismatch", "backend_mismatch", "backend_prompt_mismatch", "text_rewritten",
+         "source_flagged")
 
 
 def provider_key(name: Any) -> str:
@@ -107,6 +110,8 @@ class SamplePolicy:
             notes.append("backend_mismatch")
         if "matches_backend_prompt" in failed:
             notes.append("backend_prompt_mismatch")
+        if "text_matches_ids" in failed:
+            notes.append("text_rewritten")
         # Last: a sample the other rules drop keeps their cause; the ones they keep are its source's.
         if self.flagged_sources and source_key(provider) in self.flagged_sources:
             if self.limits.drop_flagged_sources:

@@ -12,7 +12,10 @@ segment as ordinary text and insert each special token by id, then check the ans
     ends_with_eot    the span ends with the end-of-turn token (never true for a truncated answer)
     round_trip       decoding the span's ids gives back the rendered text exactly (for our own ids
                      from a lossless byte-level BPE such as Kimi's: every text is valid Unicode,
-                     which is the same thing; backend ids are always decoded)
+                     which is the same thing); for the server's own ids: they decode at all
+    text_matches_ids the server's ids decode to the stored text: else its reasoning or tool parser
+                     rewrote the text after generating it (kimi_k2's stripped reasoning whitespace).
+                     The ids are what the model generated: a measure, never a reason to drop them
     token_count      |span tokens - billed completion_tokens| <= tolerance (the exact diff is kept)
     matches_backend  the server's own completion ids equal the reconstruction, id for id
     matches_backend_prompt  the server's own prompt ids (`prompt_token_ids`) equal the rendered prompt
@@ -48,11 +51,11 @@ from typing import Any
 import numpy as np
 
 from draftgen.core.errors import DraftgenError
-from draftgen.core.tokens.template import ChatTemplate, Segment
+from draftgen.core.tokens.template import ChatTemplate, RenderedChat, Segment
 from draftgen.core.tokens.tokenizer import Tokenizer
 
 CHECKS = ("renders", "one_think_close", "no_think_open", "ends_with_eot", "round_trip", "token_count",
-          "matches_backend", "matches_backend_prompt")
+          "matches_backend", "matches_backend_prompt", "text_matches_ids")
 DEFAULT_COUNT_TOLERANCE = 2
 SOURCES = ("reconstructed", "backend")
 PROMPT_SOURCES = ("rendered", "backend")
@@ -130,6 +133,32 @@ def _finish(checks: dict[str, bool]) -> tuple[str, ...]:
     return tuple(name for name in CHECKS if checks.get(name) is False)
 
 
+def _decoded(tok: Tokenizer, span: list[int]) -> str | None:
+    """The text of `span`, or None for ids that do not decode."""
+    try:
+        return tok.decode(span)
+    except Exception:  # a tokenizer's own error type
+        return None
+
+
+def _check_think_tags(checks: dict[str, bool], tok: Tokenizer, rendered: RenderedChat, span: list[int],
+                      span_ids: np.ndarray, text: str) -> None:
+    """`one_think_close` and `no_think_open`, for templates with thinking tags: the answer closes its
+    thinking exactly once and never opens it (beyond the `<think>` a template leaves to the model)."""
+    if rendered.think_close is not None:
+        close_id = tok.special_id(rendered.think_close)
+        checks["one_think_close"] = (int(np.count_nonzero(span_ids == close_id)) == 1
+                                     and text.count(rendered.think_close) == 1)
+    if rendered.think_open is not None:
+        open_id = tok.special_id(rendered.think_open)
+        body, body_text, opened = span_ids, text, True
+        if rendered.answer_opens_think:  # templates whose generation prompt leaves `<think>` to the model
+            opened = len(span) > 0 and span[0] == open_id
+            body, body_text = span_ids[1:], text.removeprefix(rendered.think_open)
+        checks["no_think_open"] = (opened and not bool(np.any(body == open_id))
+                                   and rendered.think_open not in body_text)
+
+
 def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str, Any]], reasoning: str | None,
                 content: str | None, *, billed_tokens: int | None = None, backend_ids: Sequence[int] | None = None,
                 truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None,
@@ -183,12 +212,11 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
         text = answer_text
         round_trip = _valid_unicode(answer_text)
     else:
-        try:
-            decoded: str | None = tok.decode(span)
-        except Exception:  # ids that do not decode (a tokenizer's own error type)
-            decoded = None
+        decoded = _decoded(tok, span)
         text = decoded or ""
-        round_trip = decoded is not None and decoded == answer_text
+        # The server's ids are the sample: their text is checked against them (text_matches_ids), and
+        # only ids that do not decode at all fail the round trip.
+        round_trip = decoded is not None and (span is not answer_ids or decoded == answer_text)
     # One uint32 buffer for the whole sample; the checks count ids on it at C speed.
     input_ids = np.frombuffer(array("I", prompt_ids + span + suffix_ids), dtype=np.uint32)
     start = len(prompt_ids)
@@ -196,18 +224,7 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
     span_ids = input_ids[start:end]
 
     checks: dict[str, bool] = {"renders": True}
-    if rendered.think_close is not None:
-        close_id = tok.special_id(rendered.think_close)
-        checks["one_think_close"] = (int(np.count_nonzero(span_ids == close_id)) == 1
-                                     and text.count(rendered.think_close) == 1)
-    if rendered.think_open is not None:
-        open_id = tok.special_id(rendered.think_open)
-        body, body_text, opened = span_ids, text, True
-        if rendered.answer_opens_think:  # templates whose generation prompt leaves `<think>` to the model
-            opened = len(span) > 0 and span[0] == open_id
-            body, body_text = span_ids[1:], text.removeprefix(rendered.think_open)
-        checks["no_think_open"] = (opened and not bool(np.any(body == open_id))
-                                   and rendered.think_open not in body_text)
+    _check_think_tags(checks, tok, rendered, span, span_ids, text)
     checks["ends_with_eot"] = len(span) > 0 and span[-1] == eot_id
     checks["round_trip"] = round_trip
     count_diff = None
@@ -217,6 +234,8 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
     if backend_ids is not None:
         checks["matches_backend"] = backend_usable and span == answer_ids
         source = "backend" if backend_usable else "reconstructed"
+        if backend_usable and round_trip:
+            checks["text_matches_ids"] = text == answer_text
     if prompt_match is not None:
         checks["matches_backend_prompt"] = prompt_match
 

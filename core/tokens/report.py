@@ -221,6 +221,8 @@ class ValidationReport:
         prompt = self.prompt
         if prompt.n:
             parts.append(f"prompt tokens exact {prompt.share_exact:.1%}")
+        if rewritten := self.failures.get("text_matches_ids", 0):
+            parts.append(rewritten_line(rewritten))
         return "; ".join(parts)
 
     def format(self, flags: Iterable[ProviderFlag] = ()) -> str:
@@ -235,6 +237,8 @@ class ValidationReport:
                      + (f" (of {prompt.n:,} with usage.prompt_tokens)" if prompt.n else " (no usage.prompt_tokens)"))
         if self.prompt_from_backend:
             lines.append(f"  {self.prompt_ids_line()}")
+        if rewritten := self.failures.get("text_matches_ids", 0):
+            lines.append(f"  {rewritten_line(rewritten)}")
         if self.counted:
             share = self.diff_share_of_billed
             lines.append(f"  token count - billed: mean {self.diff_mean:+.2f} (|diff| {self.diff_abs_mean:.2f}"
@@ -274,13 +278,20 @@ PROVIDER_CAPTION = ("exact: answer tokens equal to the billed completion_tokens;
 
 def provider_rows(providers: Mapping[str, Agreement]) -> list[tuple[str, ...]]:
     """One row of PROVIDER_COLUMNS per provider, most answers first."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for name, a in sorted(providers.items(), key=lambda kv: (-kv[1].answers, kv[0])):
         ans, pr = a.answer, a.prompt
         rows.append((name, f"{a.answers:,}", _pct(ans.share_exact), _num(ans.mean_abs, ".2f"), _num(ans.p99_abs),
                      _pct(pr.share_exact), _num(pr.mean_abs, ".2f"), _num(pr.p99_abs),
                      f"{a.backend_match:,}/{a.backend:,}" if a.backend else "-"))
     return rows
+
+
+def rewritten_line(n: int) -> str:
+    """What answers whose text the server's ids do not decode to mean, and the fix."""
+    return (f"the server's parser rewrote the text of {n:,} answer(s): their stored text is not what the server's "
+            "own ids decode to (kept: the ids are what the model generated); for text as generated, set "
+            "[api] stream = true or start the server without its reasoning/tool parser")
 
 
 def format_providers(providers: Mapping[str, Agreement]) -> str:

@@ -222,6 +222,50 @@ class AutoTemplate:
         self.think_open = "<think>" if "<think>" in names else None
         self.think_close = "</think>" if "</think>" in names else None
 
+    @staticmethod
+    def _hidden(messages: list[dict[str, Any]], reasoning: str | None, content: str,
+                tool_calls: list[dict[str, Any]] | None,
+                texts: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The conversation and the answer turn with every text swapped for a sentinel (its index in
+        `texts`), so the template's own specials can be told from the texts it renders around them."""
+        def hide(text: str) -> str:
+            if not text:
+                return text
+            texts.append(text)
+            return _SENTINEL.format(len(texts) - 1)
+
+        hidden = []
+        for i, m in enumerate(messages):
+            h = dict(m)
+            h["content"] = hide(message_text(m, f"messages[{i}]"))
+            if isinstance(m.get("reasoning_content"), str):
+                h["reasoning_content"] = hide(m["reasoning_content"])
+            hidden.append(h)
+        final: dict[str, Any] = {"role": "assistant", "content": hide(content)}
+        if reasoning is not None:
+            final["reasoning_content"] = hide(reasoning)
+        if tool_calls:
+            final["tool_calls"] = tool_calls
+        return hidden, final
+
+    def _check_continues(self, head: str, full: str) -> None:
+        if not full.startswith(head):
+            raise TemplateError(f"the chat template of {self.tok.name} does not render the answer as a "
+                                f"continuation of its generation prompt; use tokenizer.template = \"kimi-k2.5\"")
+
+    def _sentinel_segments(self, hidden: list[dict[str, Any]], final: dict[str, Any],
+                           texts: list[str]) -> tuple[list[Segment], list[Segment]]:
+        """The prompt's and the answer turn's segments, rendered with sentinels for the texts."""
+        head = self.tok.render_chat(hidden, add_generation_prompt=True)
+        full = self.tok.render_chat(hidden + [final], add_generation_prompt=False)
+        self._check_continues(head, full)
+        tail = full[len(head):]
+        for what, sentinel in (("reasoning", final.get("reasoning_content")), ("content", final["content"])):
+            if sentinel and sentinel not in tail:
+                raise TemplateError(f"the chat template of {self.tok.name} drops the answer's {what} from the "
+                                    f"final turn; use tokenizer.template = \"kimi-k2.5\"")
+        return self._segments(head, texts), self._segments(tail, texts)
+
     def _segments(self, rendered: str, texts: list[str]) -> list[Segment]:
         """Split a sentinel rendering at the template's specials; sentinels become their texts."""
         out: list[Segment] = []
@@ -246,49 +290,18 @@ class AutoTemplate:
                truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> RenderedChat:
         messages = with_system(_check_messages(messages), self.default_system)
         texts: list[str] = []
-
-        def hide(text: str) -> str:
-            if not text:
-                return text
-            texts.append(text)
-            return _SENTINEL.format(len(texts) - 1)
-
-        hidden = []
-        for i, m in enumerate(messages):
-            h = dict(m)
-            h["content"] = hide(message_text(m, f"messages[{i}]"))
-            if isinstance(m.get("reasoning_content"), str):
-                h["reasoning_content"] = hide(m["reasoning_content"])
-            hidden.append(h)
-        final: dict[str, Any] = {"role": "assistant", "content": hide(content)}
-        if reasoning is not None:
-            final["reasoning_content"] = hide(reasoning)
-        if tool_calls:
-            final["tool_calls"] = tool_calls
-        head = self.tok.render_chat(hidden, add_generation_prompt=True)
-        full = self.tok.render_chat(hidden + [final], add_generation_prompt=False)
-        if not full.startswith(head):
-            raise TemplateError(f"the chat template of {self.tok.name} does not render the answer as a "
-                                f"continuation of its generation prompt; use tokenizer.template = \"kimi-k2.5\"")
-        tail = full[len(head):]
-        for what, sentinel in (("reasoning", final.get("reasoning_content")), ("content", final["content"])):
-            if sentinel and sentinel not in tail:
-                raise TemplateError(f"the chat template of {self.tok.name} drops the answer's {what} from the "
-                                    f"final turn; use tokenizer.template = \"kimi-k2.5\"")
-        prompt = self._segments(head, texts)
-        rest = self._segments(tail, texts)
+        hidden, final = self._hidden(messages, reasoning, content, tool_calls, texts)
+        prompt, rest = self._sentinel_segments(hidden, final, texts)
         # A template that rewrites texts (trims, splits on tags) renders something else than the
         # sentinels stand for: then take its real rendering, split at every special it contains.
-        real_head = self.tok.render_chat(messages, add_generation_prompt=True)
         real_final = {k: v for k, v in final.items() if k not in ("content", "reasoning_content")}
         real_final["content"] = content
         if reasoning is not None:
             real_final["reasoning_content"] = reasoning
+        real_head = self.tok.render_chat(messages, add_generation_prompt=True)
         real_full = self.tok.render_chat(messages + [real_final], add_generation_prompt=False)
         if "".join(s.text for s in prompt) != real_head or "".join(s.text for s in prompt + rest) != real_full:
-            if not real_full.startswith(real_head):
-                raise TemplateError(f"the chat template of {self.tok.name} does not render the answer as a "
-                                    f"continuation of its generation prompt; use tokenizer.template = \"kimi-k2.5\"")
+            self._check_continues(real_head, real_full)
             prompt = self._segments(real_head, [])
             rest = self._segments(real_full[len(real_head):], [])
         last_special = max((i for i, s in enumerate(rest) if s.special), default=-1)
@@ -359,7 +372,7 @@ def load_template(name: str, tok: Tokenizer, *, default_system: str | None = Non
     """The template `name` ("kimi-k2.5" or "auto") for `tok`; `prompt_specials`: special-token text
     in the prompt becomes the special token (`[tokenizer] prompt_special_tokens = "special"`)."""
     template = _load_template(name, tok, default_system=default_system)
-    return _PromptSpecials(template, tok.special_tokens()) if prompt_specials else template  # type: ignore[return-value]
+    return _PromptSpecials(template, tok.special_tokens()) if prompt_specials else template
 
 
 def _load_template(name: str, tok: Tokenizer, *, default_system: str | None = None) -> ChatTemplate:

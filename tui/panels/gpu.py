@@ -1,10 +1,13 @@
-"""GPU: utilisation, memory, power and temperature per GPU during extraction, or "no GPU"."""
+"""GPU: utilisation, memory, power and temperature per GPU during extraction, or "no GPU".
+
+Rows are the GPUs this process may use, numbered as CUDA numbers them (`0→3`: cuda:0 is NVML's GPU 3,
+under CUDA_VISIBLE_DEVICES); a device whose NVML query failed shows the error on its own row."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rich.console import RenderableType
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -44,13 +47,20 @@ class GpuPanel(Panel):
         table.add_column("memory", justify="right", no_wrap=True)
         table.add_column("power", justify="right", no_wrap=True)
         table.add_column("temp", justify="right", no_wrap=True)
+        errors: list[Text] = []
         for g in s.gpus:
+            label = f"{g.index}" if g.physical in (None, g.index) else f"{g.index}→{g.physical}"
+            if g.error is not None:  # this device alone: the others keep their rows; the message goes below
+                table.add_row(f"{label} {g.name.removeprefix('NVIDIA ')}", Text("NVML error", style="red"),
+                              "—", "—", "—")
+                errors.append(Text(f"GPU {label}: NVML: {g.error}", style="red"))
+                continue
             mem = f"{g.mem_used_mb / 1024:.0f}/{g.mem_total_mb / 1024:.0f} GiB"
             table.add_row(
-                f"{g.index} {g.name.removeprefix('NVIDIA ')}",
+                f"{label} {g.name.removeprefix('NVIDIA ')}",
                 fmt.Bar(g.util_pct / 100, style="green", label=f"{g.util_pct:.0f}%".rjust(4), max_width=20),
                 mem,
                 "—" if g.power_w is None else f"{g.power_w:.0f} W",
                 "—" if g.temp_c is None else f"{g.temp_c:.0f}°C",
             )
-        return table
+        return Group(table, *errors) if errors else table

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rich.console import Group
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -62,7 +62,7 @@ class HelpScreen(ModalScreen[None]):
         reading.add_column()
         for name, what in READING:
             reading.add_row(name, what)
-        parts = [Text("keys", style="bold underline"), keys, Text(""),
+        parts: list[RenderableType] = [Text("keys", style="bold underline"), keys, Text(""),
                  Text("reading the panels", style="bold underline"), reading]
         if self.read_only:
             parts[:0] = [Text("Attached read-only: this viewer cannot change the run; p r s m x answer"

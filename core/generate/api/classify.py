@@ -1,5 +1,5 @@
-"""Whose problem a response is, as OpenRouter's table says (../shared/OPENROUTER.md; README
-"OpenRouter responses").
+"""Whose problem a response is, as OpenRouter documents its responses (docs/openrouter.md, "What each
+OpenRouter response does").
 
 Every response that is not an answer becomes a `RequestFailed` whose `kind` (an ErrorKind) maps to
 one `Whose`:
@@ -177,6 +177,11 @@ class RequestFailed(Exception):
         """A 429 or a full in-flight budget, or a rate limit met mid-stream (an error chunk coded 429)."""
         return self.kind in SLOW_DOWN_KINDS or (self.kind in IN_200_KINDS and self.code == 429)
 
+    def slows_down(self, self_hosted: bool) -> bool:
+        """`slow_down`, and on a self-hosted server a 503 too: vLLM and SGLang answer a full queue with
+        it (OpenRouter's 503 is its routing finding no provider: the concurrency stays)."""
+        return self.slow_down or (self_hosted and self.status == 503)
+
     @property
     def provider(self) -> str:
         """The provider that failed, as OpenRouter names it (`error.metadata.provider_name`); "" when the
@@ -194,7 +199,8 @@ def parse_error_body(body: bytes) -> ErrorBody:
     if isinstance(err, dict):
         msg = str(err.get("message") or err)
         meta = err.get("metadata") if isinstance(err.get("metadata"), dict) else None
-        code = err.get("code") if isinstance(err.get("code"), str) else ""
+        raw_code = err.get("code")
+        code = raw_code if isinstance(raw_code, str) else ""
         if not code and meta is not None and isinstance(meta.get("code"), str):
             code = meta["code"]
         if meta is not None and meta.get("raw"):
@@ -220,8 +226,9 @@ def _hinted(err: ErrorBody, *words: str) -> bool:
     return any(w in text for w in words)
 
 
-# How strict servers say a request key is not theirs: Pydantic's extra_forbidden (vLLM, SGLang),
-# transformers serve's "Unexpected fields in the request: {...}", OpenAI's "Unrecognized request argument".
+# How strict servers say a request key is not theirs: transformers serve's "Unexpected fields in the
+# request: {...}", OpenAI's "Unrecognized request argument", Pydantic's extra_forbidden where a server
+# forbids extras. vLLM and SGLang take unknown keys: vLLM logs them as ignored, SGLang drops them.
 _EXTRA_WORDS = ("extra_forbidden", "extra inputs are not permitted", "unrecognized request argument",
                 "unexpected keyword", "unexpected field")
 _LOC = re.compile(r"""['"]loc['"]\s*:\s*[\[(]\s*['"]body['"]\s*,\s*['"]([A-Za-z_][\w.-]*)['"]""")
@@ -229,11 +236,17 @@ _QUOTED = re.compile(r"""['"`]([A-Za-z_][\w.-]*)['"`]""")
 _AFTER_COLON = re.compile(r":\s*([A-Za-z_][\w.-]*)")
 
 
+# SGLang 0.5.17+ refuses some keys on a stream only: "return_token_ids is not supported with streaming".
+_NOT_ON_STREAMS = re.compile(r"\b([A-Za-z_]\w*) is not supported with streaming")
+
+
 def unexpected_fields(status: int, body: bytes) -> list[str]:
     """The request keys a 400/422 says the server does not take, else []."""
     if status not in (400, 422):
         return []
     text = body[:20000].decode("utf-8", "replace")
+    if streamed := _NOT_ON_STREAMS.findall(text):
+        return sorted(set(streamed))
     lower = text.lower()
     at = min((i for i in (lower.find(w) for w in _EXTRA_WORDS) if i >= 0), default=-1)
     if at < 0:

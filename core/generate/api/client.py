@@ -4,6 +4,11 @@ One `ClientSession` for the life of a run; its connector is sized to the run's c
 default pool of 100 would silently cap a run at 100). Every failure becomes a `RequestFailed`
 whose `kind` says whose problem it is and so how the engine treats it (core/generate/api/classify.py).
 
+Everything upstream says besides the answer's text is redacted here, where it enters (core/secrets.py):
+the X-Generation-Id header, `provider`, `model`, `id`, the finish reasons, every error's message and
+metadata, a generation record. An upstream that echoes the key in any of them (plain, JSON-escaped,
+percent-encoded, base64) gets it into no ledger, record, event, attach stream or panel.
+
 An answer a provider runs past the body's answer cap (core/request_keys.py `past_cap_limits`) is not
 returned: a stream is cut (closed by the client) as soon as its usage counts, or its text length, pass
 the cap by the margin, and a finished answer whose usage does is refused the same way (PAST_CAP).
@@ -23,6 +28,7 @@ import orjson
 from draftgen.core.generate.api.classify import PastCap, RequestFailed, cannot_connect, classify_status
 from draftgen.core.records import ErrorKind, Usage
 from draftgen.core.request_keys import TEXT_CHARS_PER_TOKEN, body_max_tokens, past_cap_limits
+from draftgen.core.secrets import Redactor
 
 __all__ = ["ChatAnswer", "ChatClient", "RequestFailed", "classify_status", "parse_completion"]
 
@@ -103,18 +109,21 @@ def _int_list(ids: Any) -> list[int] | None:
     return None
 
 
-# Where the servers put the ids when `return_token_ids` is set (chat completions):
-#   vLLM >= 0.10.2 (vllm/entrypoints/openai/chat_completion/protocol.py, earlier openai/protocol.py):
-#     `token_ids` on the choice (ChatCompletionResponseChoice; each stream chunk's choice carries its
-#     delta), `prompt_token_ids` at the top level (ChatCompletionResponse; only the first stream chunk).
-#   SGLang (python/sglang/srt/entrypoints/openai/protocol.py, main 2025): `prompt_token_ids` and
-#     `token_ids` both on the non-streamed choice (ChatCompletionResponseChoice); its stream choices
-#     carry neither. Older builds put the generated ids in the response-level `sglext.output_ids`.
+# Where the servers put the ids (chat completions; core/servers.py says how each release is asked):
+#   vLLM >= 0.10.2 (vllm/entrypoints/openai/protocol.py, later chat_completion/protocol.py): `token_ids`
+#     on the choice (each stream chunk's choice carries its delta), `prompt_token_ids` at the top level
+#     (ChatCompletionResponse; only the first stream chunk).
+#   SGLang 0.5.17 (python/sglang/srt/entrypoints/openai/protocol.py): `prompt_token_ids` and `token_ids`
+#     on the non-streamed choice; 0.5.18+ renamed the latter `response_token_ids`. From 0.5.20 the
+#     `*_in_sglext` keys put them at the response level, streamed too: `sglext.input_ids` and
+#     `sglext.output_ids` (one list per choice), in the stream's last chunks.
 def _token_ids(obj: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
-    """The generated ids a vLLM or SGLang server returns when asked (`return_token_ids`): the choice's
-    `token_ids`, else SGLang's `sglext.output_ids` (one list per choice). None when absent or not a
-    list of integers."""
+    """The generated ids a vLLM or SGLang server returns when asked: the choice's `token_ids` or
+    `response_token_ids`, else SGLang's `sglext.output_ids` (one list per choice). None when absent or
+    not a list of integers."""
     ids = choice.get("token_ids")
+    if ids is None:
+        ids = choice.get("response_token_ids")
     if ids is None:
         ext = obj.get("sglext")
         out = ext.get("output_ids") if isinstance(ext, dict) else None
@@ -124,9 +133,33 @@ def _token_ids(obj: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
 
 def _prompt_token_ids(obj: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
     """The prompt ids the server ran: the choice's `prompt_token_ids` (SGLang), else the response's
-    (vLLM). None when absent or not a list of integers."""
+    (vLLM), else SGLang's `sglext.input_ids`. None when absent or not a list of integers."""
     ids = choice.get("prompt_token_ids")
-    return _int_list(obj.get("prompt_token_ids") if ids is None else ids)
+    if ids is None:
+        ids = obj.get("prompt_token_ids")
+    if ids is None:
+        ext = obj.get("sglext")
+        ids = ext.get("input_ids") if isinstance(ext, dict) else None
+    return _int_list(ids)
+
+
+# The finish reasons of an answer (OpenAI's, which vLLM, SGLang and OpenRouter's normalised field
+# use). Any other is no answer: SGLang's `abort` (an aborted request returned as a normal body),
+# OpenRouter's `error` (with its error object). A missing one is taken as it comes.
+ANSWER_FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter"})
+
+
+def _check_finish(obj: dict[str, Any], choice: dict[str, Any]) -> None:
+    """RequestFailed for a finish reason that ends no answer (an attempt that failed, retried)."""
+    reason = choice.get("finish_reason")
+    if reason is None or reason in ANSWER_FINISH_REASONS:
+        return
+    if reason == "error":
+        raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason \"error\" ({choice.get('native_finish_reason')})",
+                            metadata=_failure_meta(choice.get("error"), obj.get("provider")),
+                            code=_error_code(choice.get("error")))
+    raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason {str(reason)[:40]!r}: the server ended the request "
+                        "without an answer (SGLang: \"abort\"); retried, never stored")
 
 
 def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
@@ -140,10 +173,7 @@ def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
     if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
         raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 with no choices")
     choice = choices[0]
-    if choice.get("finish_reason") == "error":
-        raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason \"error\" ({choice.get('native_finish_reason')})",
-                            metadata=_failure_meta(choice.get("error"), obj.get("provider")),
-                            code=_error_code(choice.get("error")))
+    _check_finish(obj, choice)
     message = choice.get("message") or {}
     if not isinstance(message, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "choices[0].message is not an object")
@@ -163,6 +193,28 @@ def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
         priced=_has_cost(obj.get("usage")),
         prompt_token_ids=_prompt_token_ids(obj, choice),
     )
+
+
+def _clean(value: Any, redact: Redactor) -> Any:
+    return redact(value) if isinstance(value, str) else value
+
+
+def redacted_answer(a: ChatAnswer, redact: Redactor) -> ChatAnswer:
+    """The answer with every field upstream names (not its text) redacted, in place."""
+    a.provider = _clean(a.provider, redact)
+    a.model = _clean(a.model, redact)
+    a.generation_id = _clean(a.generation_id, redact)
+    a.finish_reason = _clean(a.finish_reason, redact)
+    a.native_finish_reason = _clean(a.native_finish_reason, redact)
+    return a
+
+
+def redacted(e: RequestFailed, redact: Redactor) -> RequestFailed:
+    """The failure with its message and metadata (every string in it) redacted, in place."""
+    e.message = redact(e.message)
+    e.args = (e.message,)
+    e.metadata = redact.deep(e.metadata)
+    return e
 
 
 # One SSE line may carry a whole answer (a server that sends it in one event): room for a few MB.
@@ -186,7 +238,7 @@ class _StreamState:
         self.done = False
         self.choices = 0  # choice deltas seen: a stream of `choices: []` only carries no answer
         self.token_ids: list[int] | None = None  # vLLM's per-chunk `token_ids` deltas, joined
-        self.sglext: Any = None
+        self.sglext: dict[str, Any] | None = None
         self.prompt_token_ids: Any = None  # vLLM: top level, first chunk only
 
     def feed(self, chunk: dict[str, Any]) -> None:
@@ -214,8 +266,8 @@ class _StreamState:
                     raise RequestFailed.ran_past_cap(PastCap(self.cap, done, True, _usage_of(value),
                                                              _has_cost(value)), self.meta.get("provider"))
         value = get("sglext")
-        if isinstance(value, dict):
-            self.sglext = value
+        if isinstance(value, dict):  # SGLang may split it over two chunks (its ids in a named event)
+            self.sglext = value if self.sglext is None else {**self.sglext, **value}
         value = get("prompt_token_ids")
         if value is not None and self.prompt_token_ids is None:
             self.prompt_token_ids = value
@@ -309,8 +361,11 @@ class ChatClient:
     """One session, a connector sized to `concurrency`, timeouts per phase, OpenRouter headers."""
 
     def __init__(self, base_url: str, api_key: str, *, concurrency: int, request_timeout_s: float = 1800.0,
-                 connect_timeout_s: float = 30.0, referer: str = "", title: str = "draftgen") -> None:
+                 connect_timeout_s: float = 30.0, referer: str = "", title: str = "draftgen",
+                 redact: Redactor | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self._api_key = api_key
+        self._redact = redact or Redactor(api_key)  # what comes from upstream, as it enters
         self._headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
         if referer:
             self._headers["HTTP-Referer"] = referer
@@ -353,7 +408,7 @@ class ChatClient:
                 if on_generation is not None:
                     gen_id = resp.headers.get("X-Generation-Id")
                     if gen_id:
-                        on_generation(gen_id)
+                        on_generation(self._redact(gen_id))
                 if resp.status != 200:
                     raise classify_status(resp.status, await resp.read(), resp.headers)
                 cap = body_max_tokens(body, 0)
@@ -366,8 +421,8 @@ class ChatClient:
                     except orjson.JSONDecodeError:
                         raise RequestFailed(ErrorKind.BAD_BODY, f"HTTP 200 with a body that is not JSON "
                                             f"({len(raw)} bytes, truncated?)") from None
-        except RequestFailed:
-            raise
+        except RequestFailed as e:
+            raise redacted(e, self._redact) from None
         except TimeoutError as e:
             if isinstance(e, aiohttp.ConnectionTimeoutError):
                 raise RequestFailed(ErrorKind.CONNECTION, f"cannot connect to {self.base_url}: no answer within "
@@ -388,11 +443,15 @@ class ChatClient:
             raise RequestFailed(ErrorKind.CONNECTION, f"connection error: {type(e).__name__}: {e}") from None
         except aiohttp.ClientResponseError as e:
             raise RequestFailed(ErrorKind.BAD_BODY, f"bad response: {e.message}") from None
-        answer = parse_completion(obj, time.monotonic() - start)
-        if cap and answer.usage.completion_tokens > past_cap_limits(cap)[0]:
-            u = answer.usage
-            raise RequestFailed.ran_past_cap(PastCap(cap, u.completion_tokens, True, u, answer.priced), answer.provider)
-        return answer
+        try:
+            answer = parse_completion(obj, time.monotonic() - start)
+            if cap and answer.usage.completion_tokens > past_cap_limits(cap)[0]:
+                u = answer.usage
+                raise RequestFailed.ran_past_cap(PastCap(cap, u.completion_tokens, True, u, answer.priced),
+                                                 answer.provider)
+        except RequestFailed as e:
+            raise redacted(e, self._redact) from None
+        return redacted_answer(answer, self._redact)
 
     async def _read_sse(self, resp: aiohttp.ClientResponse, cap: int = 0) -> dict[str, Any]:
         """The answer of an SSE stream. Whatever has arrived is taken at once (`iter_any`) and split into
@@ -428,17 +487,20 @@ class ChatClient:
             raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 stream with no choices")
         return state.body()
 
-    async def get_json(self, path: str, *, key: str | None = None) -> dict[str, Any]:
+    async def get_json(self, path: str, *, key: str | None = None, at_root: bool = False) -> dict[str, Any]:
         """GET `path` under base_url (e.g. "/key"), with another key when `key` is given (a management
-        key for /credits); RequestFailed for any status but 200."""
+        key for /credits); `at_root`: under the server's root instead (base_url without its "/v1", where
+        vLLM's /version and SGLang's /server_info are). RequestFailed for any status but 200."""
         assert self._session is not None
         headers = {"Authorization": f"Bearer {key}"} if key else None
+        base = self.base_url.removesuffix("/v1") if at_root else self.base_url
+        redact = Redactor(self._api_key, key) if key else self._redact  # another key: cut out as well
         try:
-            async with self._session.get(f"{self.base_url}{path}", headers=headers,
+            async with self._session.get(f"{base}{path}", headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=30, sock_connect=10)) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
-                    raise classify_status(resp.status, raw, resp.headers)
+                    raise redacted(classify_status(resp.status, raw, resp.headers), redact)
         except aiohttp.ClientConnectorError as e:
             raise RequestFailed(ErrorKind.CONNECTION, f"GET {path}: {cannot_connect(self.base_url, e)}",
                                 unreachable=True) from None
@@ -446,7 +508,7 @@ class ChatClient:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:
             raise RequestFailed(ErrorKind.BAD_BODY, f"GET {path}: body is not JSON") from None
-        return obj if isinstance(obj, dict) else {}
+        return redact.deep(obj) if isinstance(obj, dict) else {}
 
     async def generation(self, gen_id: str) -> dict[str, Any] | None:
         """GET /generation?id=: the generation's record, or None while it is not there yet (404)."""

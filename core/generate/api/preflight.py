@@ -5,9 +5,15 @@ once, and the run waits for it like any outage (its status line says WAITING and
 or broken prompt file is named when its dataset starts ("PATH: prompt file not found").
 
 The same answer tells the server's kind (`[api] kind = "auto"` off openrouter.ai): GET /key answered
-is OpenRouter (or the simulator); a 404 or 405 is a self-hosted OpenAI-compatible server."""
+is OpenRouter (or the simulator); a 404 or 405 is a self-hosted OpenAI-compatible server.
+
+A self-hosted server asked for its token ids is then asked which server and release it is
+(`detect_server`: vLLM's GET /version, SGLang's GET /server_info or /get_server_info), so that each
+request asks for the ids the way that release takes them (core/servers.py)."""
 
 from __future__ import annotations
+
+import aiohttp
 
 from draftgen.core.config import Config, note_server_kind
 from draftgen.core.errors import KeyRefusedError, UnreachableError
@@ -15,6 +21,7 @@ from draftgen.core.generate.api.account import AccountStatus, read_account
 from draftgen.core.generate.api.classify import AccountCondition, RequestFailed, unreachable_advice
 from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.secrets import Redactor
+from draftgen.core.servers import Server, note_server, server_from_answers
 
 
 async def check_api(config: Config, api_key: str) -> AccountStatus:
@@ -26,9 +33,12 @@ async def check_api(config: Config, api_key: str) -> AccountStatus:
             status = await read_account(client, management_key=config.api.management_key(),
                                         timeout_s=max(10.0, config.api.connect_timeout_s))
             note_key_answer(config, None)
+            await detect_server(config, client)
             return status
         except RequestFailed as e:
             note_key_answer(config, e)
+            if not e.unreachable:
+                await detect_server(config, client)
             if e.unreachable:
                 cause = redact(e.message.removeprefix("GET /key: "))
                 advice = unreachable_advice(config.api.base_url, cause, config.path)
@@ -56,3 +66,32 @@ def note_key_answer(config: Config, e: RequestFailed | None) -> None:
         note_server_kind(api.base_url, "openrouter")
     elif e.status in NO_KEY_ENDPOINT:
         note_server_kind(api.base_url, "openai-compatible")
+
+
+# Where each server says its release: vLLM's GET /version ({"version": "0.13.0"}); SGLang has no
+# /version, its server info carries "version" (/get_server_info in every release, /server_info from 0.5.x).
+VERSION_PATHS = (("version", "/version"), ("server_info", "/server_info"), ("server_info", "/get_server_info"))
+
+
+async def detect_server(config: Config, client: ChatClient) -> Server | None:
+    """Which self-hosted server answers at [api] base_url and its release, noted for the request
+    bodies (core/servers.py); None, noted too, for a server that says neither (its ids are then asked
+    the vLLM way, and what does not come back is counted). Asked only where ids are wanted."""
+    api = config.api
+    if not api.return_token_ids or not api.self_hosted:
+        return None
+    found: Server | None = None
+    for what, path in VERSION_PATHS:
+        try:
+            answer = await client.get_json(path, at_root=True)
+        except RequestFailed as e:
+            if e.unreachable:  # nothing said: asked again by the next start (the run's, the smoke test's)
+                return None
+            continue
+        except (TimeoutError, aiohttp.ClientError):  # a probe never takes the run down
+            continue
+        found = server_from_answers(**{what: answer})
+        if found is not None:
+            break
+    note_server(api.base_url, found)
+    return found

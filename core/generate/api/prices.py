@@ -115,7 +115,9 @@ def parse_endpoints(body: Any) -> list[Endpoint]:
     for e in raw if isinstance(raw, list) else ():
         if not isinstance(e, dict):
             continue
-        pricing = e.get("pricing") if isinstance(e.get("pricing"), dict) else {}
+        pricing = e.get("pricing")
+        if not isinstance(pricing, dict):
+            pricing = {}
         out.append(Endpoint(provider=str(e.get("provider_name") or ""), tag=str(e.get("tag") or ""),
                             quantization=str(e.get("quantization") or "").lower(),
                             prompt=_price(pricing.get("prompt")), completion=_price(pricing.get("completion")),

@@ -13,7 +13,11 @@ The checklist (each row pass/fail with its reason):
   (its count judged by the sample policy, core/tokens/policy.py: a provider whose count is off by more
   than a BPE split is named, with the `ignore` line to add); the prompt's token count against
   `usage.prompt_tokens` (a mismatch says which `[tokenizer] default_system` would match the provider);
-  the cost of the request.
+  the cost of the request;
+- stream (a self-hosted server): the same request streamed and not, before the shape requests
+  (stream_check.py): the mode that keeps the text as generated is noted for them and, with `[api]
+  stream` unset, recorded in smoke.json for `run`; set to the mode that rewrites text, the row fails
+  with the fix, and a tokens row that counts off names the server's parser, not the template.
 `smoke.json` keeps the result with the run's request fingerprint: `run` starts at full concurrency
 only when the fingerprint matches a passing smoke test.
 
@@ -23,7 +27,8 @@ dataset. An outage answer (429, 5xx, 408, no connection: classify.py) is retried
 backoff, honouring Retry-After, up to `SMOKE_TRIES` tries within `SMOKE_RETRY_S`; each retry is a
 request of its own on the ledger, with its own reservation.
 
-Over 400 lines: the checklist is one flow (`run_smoke`), with the row builders it calls beside it.
+Over 400 lines: the checklist is one flow (`run_smoke`: `_SmokeTest`'s steps in order), with the row
+builders it calls beside it.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftgen.core import runtime
-from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig
+from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig, note_stream_mode
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.files import write_json_atomic
 from draftgen.core.generate.api.account import AccountStatus, read_account
@@ -48,6 +53,15 @@ from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFai
 from draftgen.core.generate.api.preflight import note_key_answer
 from draftgen.core.generate.api.prices import body_max_tokens, body_worst_case, fetch_prices
 from draftgen.core.generate.commands.precheck import check_tokenizer
+from draftgen.core.generate.commands.stream_check import (
+    SAMPLED_SEEDS,
+    SAMPLED_TEMPERATURE,
+    ModeVerdict,
+    has_text,
+    mode_verdict,
+    not_compared,
+    stream_pair,
+)
 from draftgen.core.generate.loop.attempts import backoff_delay
 from draftgen.core.generate.loop.prompts import Prompt, read_prompts
 from draftgen.core.generate.loop.smoke_record import last_smoke
@@ -79,6 +93,7 @@ class SmokeResult:
     balance_usd: float | None = None
     projection: RunForecast | None = None
     smoke_answer: SmokeFigures | None = None  # the projection's pace and price before a run has answers
+    stream: bool | None = None  # the mode that keeps a self-hosted server's text (True: streamed); None: not known
 
     @property
     def passed(self) -> bool:
@@ -98,7 +113,7 @@ class SmokeResult:
                 "rows": [{"check": r.check, "passed": r.passed, "detail": r.detail, "warning": r.warning}
                          for r in self.rows],
                 "cost_per_request": self.cost_per_request, "projected_cost_usd": self.projected_cost_usd,
-                "balance_usd": self.balance_usd,
+                "balance_usd": self.balance_usd, "stream": self.stream,
                 "smoke_answer": None if self.smoke_answer is None else dataclasses.asdict(self.smoke_answer)}
 
 
@@ -181,7 +196,8 @@ def _on_disk(rd: RunDir, ds: DatasetConfig) -> tuple[int, int, float]:
 
 
 def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: ChatAnswer,
-                 reconstruct_fn: Callable[..., Any]) -> list[SmokeRow]:
+                 reconstruct_fn: Callable[..., Any], parser: str = "") -> list[SmokeRow]:
+    """The rows of one shape's answer (`parser`: the stream row's cause when the run's mode rewrites text)."""
     label = f"{ds.name}:"
     ignore = {_norm(p) for p in (body.get("provider") or {}).get("ignore", []) or []}
     rows = [SmokeRow(f"{label} content", bool(a.content.strip()),
@@ -200,7 +216,8 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
                          f"{len(a.tool_calls or [])} tool call(s)" + ("" if tools_sent or not a.tool_calls
                                                                       else " without tools in the request")))
     want = config.api.model
-    model_ok = bool(a.model) and (_norm(a.model).startswith(_norm(want)) or _norm(want).startswith(_norm(a.model)))
+    model = a.model or ""
+    model_ok = bool(model) and (_norm(model).startswith(_norm(want)) or _norm(want).startswith(_norm(model)))
     rows.append(SmokeRow(f"{label} model", model_ok, f"{a.model!r} (asked for {want!r})"))
     u = a.usage
     tokens = f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens ({u.reasoning_tokens} reasoning)"
@@ -213,7 +230,7 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
         rows.append(SmokeRow(f"{label} usage", u.completion_tokens > 0 and u.cost > 0,
                              f"{tokens}, cost {usd(u.cost)}"
                              + ("" if u.cost > 0 else ": no cost in usage (budgets need it)")))
-        provider_ok = bool(a.provider) and _norm(a.provider) not in ignore
+        provider_ok = bool(a.provider) and _norm(a.provider or "") not in ignore
         rows.append(SmokeRow(f"{label} provider", provider_ok,
                              f"{a.provider!r}" + (" is in provider.ignore" if not provider_ok else "")
                              if a.provider else "no provider in the response"))
@@ -223,12 +240,12 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
     if rec is None:
         rows.append(SmokeRow(f"{label} tokens", False, "the tokenizer could not be loaded"))
         return rows
-    rows.append(_tokens_row(config, label, rec, a.provider))
+    rows.append(_tokens_row(config, label, rec, a.provider, parser))
     rows.append(_prompt_row(config, label, rec, body["messages"], reconstruct_fn))
     return rows
 
 
-def _tokens_row(config: Config, label: str, rec: Any, provider: str | None) -> SmokeRow:
+def _tokens_row(config: Config, label: str, rec: Any, provider: str | None, parser: str = "") -> SmokeRow:
     """The answer's ids: structure checked, count judged by the sample policy (a BPE split passes)."""
     from draftgen.core.tokens.fidelity import routing_name, toml_list
     from draftgen.core.tokens.policy import SamplePolicy
@@ -251,36 +268,14 @@ def _tokens_row(config: Config, label: str, rec: Any, provider: str | None) -> S
         # One server, one tokenizer: a finished answer's ids are exact or not the model's (no BPE split
         # between providers to excuse a difference, and no other provider to compare with).
         passed = False
+        if parser:  # the stream row saw the server's parser rewrite this mode's text: that is the cause
+            return SmokeRow(f"{label} tokens", passed, detail + f"; a self-hosted answer that ended must count "
+                            f"exactly: {rec.count_diff:+d} is the server's parser, not the chat template: {parser}")
         detail += (f"; a self-hosted answer that ended must count exactly: {rec.count_diff:+d} is the chat "
                    f"template (a generation prompt or end of turn a token off the server's: [tokenizer] "
                    f"template = \"auto\" with the served model's tokenizer), or a reasoning parser rewriting the "
                    f"text (see the stream row: [api] stream = true), or another tokenizer ([tokenizer] path)")
     return SmokeRow(f"{label} tokens", passed, detail)
-
-
-def stream_pair(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`body` streamed and not, greedy and seeded, so a server answers both with the same ids."""
-    base = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    base.update(temperature=0, seed=0)
-    return {**base, "stream": True, "stream_options": {"include_usage": True}}, base
-
-
-def _stream_row(config: Config, streamed: Any, plain: Any) -> SmokeRow:
-    """Streamed and non-streamed text of one greedy request: they differ where a server's reasoning
-    parser rewrites the whole answer (transformers serve strips the leading space of both parts)."""
-    for what, a in (("streamed", streamed), ("non-streamed", plain)):
-        if isinstance(a, SmokeRow):
-            return SmokeRow("stream", False, f"the {what} comparison request failed: {a.detail}")
-    same = (streamed.reasoning or "", streamed.content) == (plain.reasoning or "", plain.content)
-    detail = (f"greedy request streamed vs not: reasoning {streamed.reasoning or ''!r} vs {plain.reasoning or ''!r}, "
-              f"content {streamed.content[:40]!r} vs {plain.content[:40]!r}")
-    if same:
-        return SmokeRow("stream", True, "streamed and non-streamed text equal (" + detail + ")")
-    if config.api.streams:
-        return SmokeRow("stream", True, detail + ": the server rewrites non-streamed text; this run streams, "
-                        "so it keeps the text as generated", warning=True)
-    return SmokeRow("stream", False, detail + ": the server rewrites the text of non-streamed answers (a "
-                    "reasoning parser), so their ids would not be the model's: set [api] stream = true")
 
 
 def _prompt_row(config: Config, label: str, rec: Any, messages: list[dict[str, Any]],
@@ -322,6 +317,399 @@ def _origin(reconstruct_fn: Callable[..., Any], config: Config) -> str:
     return str(getattr(reconstruct_fn, "origin", None) or config.tokenizer.path)
 
 
+_UNSET = object()  # the reconstruction's own default system turn
+
+
+class _Reconstruct:
+    """The smoke answer reconstructed with the target tokenizer, loaded once (its file kept in `origin`)."""
+
+    def __init__(self, config: Config, on_error: Callable[[SmokeRow], None]) -> None:
+        self.config = config
+        self.on_error = on_error
+        self.loaded: list[Any] = []  # [] not tried, [None] failed, [(tokenizer, template)]
+        self.origin: str | None = None
+
+    def failed(self, row: SmokeRow) -> None:
+        self.on_error(row)
+        self.loaded.append(None)
+
+    def __call__(self, messages: list[dict[str, Any]], a: ChatAnswer | None, system: Any = _UNSET) -> Any:
+        """The answer `a` reconstructed; with `a` None, only the prompt (rendered with `system`)."""
+        from draftgen.core.tokens.reconstruct import reconstruct
+        from draftgen.core.tokens.template import load_template
+        from draftgen.core.tokens.tokenizer import load_tokenizer
+        config = self.config
+        specials = config.tokenizer.prompt_specials(config.api.self_hosted)
+        if not self.loaded:
+            try:
+                tok = load_tokenizer(config.tokenizer.path, config.tokenizer.trust_remote_code)
+                self.origin = getattr(tok, "origin", tok.name)
+                self.loaded.append((tok, load_template(config.tokenizer.template, tok,
+                                                       default_system=config.tokenizer.system_turn(),
+                                                       prompt_specials=specials)))
+            except DraftgenError as e:
+                self.failed(SmokeRow("tokenizer", False, str(e)))
+        if self.loaded[0] is None:
+            return None
+        tok, template = self.loaded[0]
+        if a is None:
+            return reconstruct(tok, load_template(config.tokenizer.template, tok, default_system=system,
+                                                  prompt_specials=specials), messages, "", "")
+        return reconstruct(tok, template, messages, a.reasoning, a.content, billed_tokens=a.usage.completion_tokens,
+                           backend_ids=a.token_ids, truncated=a.finish_reason == "length", tool_calls=a.tool_calls,
+                           count_tolerance=config.validation.count_tolerance,
+                           billed_prompt_tokens=a.usage.prompt_tokens, provider=a.provider)
+
+
+Asked = tuple[str, dict[str, Any], "ChatAnswer | SmokeRow", float]  # (shape, body sent, answer or row, seconds)
+
+
+class _SmokeTest:
+    """One smoke test's state, and its steps in the order `run_smoke` takes them."""
+
+    def __init__(self, config: Config, api_key: str, progress: Callable[[snap.StageProgress], None] | None,
+                 spend: SpendLedger | None, settler: Settler | None) -> None:
+        self.config = config
+        self.api_key = api_key
+        self.progress = progress
+        self.spend = spend
+        self.own_spend = spend is None
+        self.settler = settler
+        self.redact = Redactor(api_key, config.api.management_key())
+        self.result = SmokeResult(fingerprint="")
+        self.shapes: dict[str, DatasetConfig] = {}
+        self.reconstruct = _Reconstruct(config, self.add)
+        self.local_error = ""
+        self.ledger_error = ""
+        self.counts: dict[str, int] = {}
+        self.sent: list[bool] = []  # a request left: the smoke test ran (a passing smoke.json is replaced)
+        self.account: AccountStatus | None = None
+        self.unreachable = False  # the address does not answer: advice is about the network, not the config
+        self.rng = random.Random()
+        self.key_tries = 0
+        self.deadline = 0.0
+        self.prices: dict[str, Any] = {}
+        self.rd = RunDir(config.run_dir)
+        self.on_disk: dict[str, tuple[int, int, float]] = {}
+        self.stream_row: SmokeRow | None = None
+        self.parser = ""  # the stream row's cause when the run's mode rewrites text (for the tokens rows)
+        self.answers: list[Asked] = []
+        self.spent = 0.0
+
+    def add(self, row: SmokeRow) -> None:
+        self.result.rows.append(SmokeRow(row.check, row.passed, self.redact(row.detail), row.warning))
+        if self.progress is not None:
+            self.progress(snap.StageProgress(
+                "smoke", state=snap.StageState.RUNNING, done=len(self.result.rows),
+                total=2 + len(self.config.datasets) + 9 * len(self.shapes),
+                checks=tuple((r.check, r.passed, r.detail) for r in self.result.rows)))
+
+    async def check_local(self) -> None:
+        """The free checks first (precheck.py): nothing is paid for while a local input is unusable."""
+        try:
+            await asyncio.to_thread(check_tokenizer, self.config)
+        except DraftgenError as e:
+            self.reconstruct.failed(SmokeRow("tokenizer", False, str(e)))
+            self.local_error = "not sent: the tokenizer could not be loaded (see the tokenizer row)"
+        for ds in self.config.datasets:
+            try:
+                self.counts[ds.name] = (await asyncio.to_thread(_count_prompts, ds))[0]
+            except DraftgenError as e:
+                self.add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
+                self.counts[ds.name] = 0
+                self.local_error = self.local_error or \
+                    f"not sent: {ds.name}'s prompt file cannot be used (see its prompts row)"
+
+    async def _read_account(self, client: ChatClient) -> AccountStatus:
+        """GET /key, retried on an outage within the smoke test's window (`key_tries` counts the tries)."""
+        eng = self.config.engine
+        while True:
+            self.key_tries += 1
+            try:
+                return await read_account(client, management_key=self.config.api.management_key())
+            except RequestFailed as e:
+                delay = backoff_delay(min(self.key_tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after,
+                                      self.rng)
+                if not _outage(e) or self.key_tries >= SMOKE_TRIES or time.monotonic() + delay > self.deadline:
+                    raise
+                await asyncio.sleep(delay)
+
+    async def check_key(self, client: ChatClient) -> None:
+        config = self.config
+        if config.api.self_hosted:
+            self.add(SmokeRow("key", True, "n/a (self-hosted: [api] kind = \"openai-compatible\")"))
+            return
+        try:
+            self.account = await self._read_account(client)
+            note_key_answer(config, None)
+            label = self.redact(str(self.account.label or "unlabelled"))
+            self.add(SmokeRow("key", True, f"accepted (label {label!r})"))
+            self.result.balance_usd = self.account.balance
+        except RequestFailed as e:
+            self.unreachable = e.unreachable
+            note_key_answer(config, e)
+            tries = self.key_tries
+            if config.api.self_hosted:
+                self.add(SmokeRow("key", True, f"n/a (self-hosted: GET /key answered {e.status}, so "
+                                  f"{config.api.base_url} is an openai-compatible server)"))
+            else:
+                self.add(SmokeRow("key", False, (e.message if e.unreachable else f"GET /key: {e.message}")
+                                  + (f" (after {tries} tries)" if tries > 1 else "")))
+        except Exception as e:  # noqa: BLE001 - any network failure is this row's failure
+            self.add(SmokeRow("key", False, f"GET /key failed: {type(e).__name__}: {e}"))
+
+    async def check_prices(self, client: ChatClient) -> None:
+        """The request shapes (the kind's: an openai-compatible server gets no OpenRouter-only keys) and
+        the worst-case price of each dataset's."""
+        config = self.config
+        self.result.fingerprint = config.run_fingerprint()
+        for ds in config.datasets:
+            self.shapes.setdefault(config.fingerprint(ds), ds)
+        if warning := config.kind_warning():
+            self.add(SmokeRow("request keys", True, warning, warning=True))
+        self.prices, listing_error = await fetch_prices(client, config)
+        for ds in config.datasets:
+            p = self.prices[ds.name]
+            if p is not None:
+                body = smoke_body(config, ds)  # the reservation is the worst case of the body sent
+                self.add(SmokeRow(f"{ds.name}: prices", True, f"worst case {p.describe()}; at most "
+                                  f"${body_worst_case(p, body, ds.max_tokens):.6f} for the smoke request at "
+                                  f"max_tokens {body_max_tokens(body, ds.max_tokens)}"))
+                continue
+            need = config.budget.max_usd is not None
+            why = listing_error or "the routing allows no listed provider"
+            hint = ("; the address does not answer (see the key row): the prices are read from its listing "
+                    "once it does" if self.unreachable else
+                    "; max_usd needs one: set [api] prompt_price_per_mtok and completion_price_per_mtok"
+                    if need else "; no max_usd, so no ceiling to keep")
+            self.add(SmokeRow(f"{ds.name}: prices", not need, f"no price known ({why}){hint}", warning=not need))
+
+    async def open_ledger(self) -> None:
+        """The directory's spend ledger, unless a run's is open in this process (or the key is in doubt)."""
+        rd = self.rd
+        self.on_disk = {ds.name: await asyncio.to_thread(_on_disk, rd, ds) for ds in self.config.datasets}
+        # Without GET /key the key is in doubt (its row says why), and a new ledger could not record
+        # the key's usage before its first attempt (`draftgen ledger --unknown-from-key` needs it).
+        self.ledger_error = "" if self.account is not None or self.config.api.self_hosted else \
+            "not sent: GET /key failed (see the key row)"
+        if self.spend is not None or self.ledger_error:
+            return
+        spend = self.spend = SpendLedger(rd.spend)
+        opening = asyncio.ensure_future(asyncio.to_thread(
+            _open_spend, spend, rd, self.on_disk, None if self.account is None else self.account.key_usage))
+        try:
+            await asyncio.shield(opening)
+        except asyncio.CancelledError:  # quit while the thread opens it: close it (and its lock) once open
+            with contextlib.suppress(Exception):
+                await opening
+            spend.close()
+            raise
+        except LedgerBusyError as e:
+            self.ledger_error = f"not sent: {e}"
+        except (DiskError, OSError) as e:
+            self.ledger_error = f"not sent: the spend ledger cannot be written ({e})"
+
+    async def ask(self, client: ChatClient, fp: str, ds: DatasetConfig, body: dict[str, Any] | None = None) -> Asked:
+        """One smoke request of `ds`'s shape (or `body`), reserved, on the ledger, retried on an outage."""
+        config = self.config
+        body = smoke_body(config, ds) if body is None else body
+        fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
+        if self.local_error or self.ledger_error:
+            return fp, body, fail(self.local_error or self.ledger_error), 0.0
+        p = self.prices[ds.name]
+        if p is None and config.budget.max_usd is not None:
+            return fp, body, fail("not sent: max_usd is set and no price is known (see the prices row)"), 0.0
+        worst = body_worst_case(p, body, ds.max_tokens) if p else 0.0
+        tries = 0
+        while True:
+            tries += 1
+            outcome, took = await self._try(client, ds, body, p, worst, tries)
+            if not isinstance(outcome, float):  # an answer or its failed row
+                return fp, body, outcome, took
+            await asyncio.sleep(outcome)  # each retry goes on the ledger with its own reservation
+
+    async def _try(self, client: ChatClient, ds: DatasetConfig, body: dict[str, Any], p: Any, worst: float,
+                   tries: int) -> tuple[ChatAnswer | SmokeRow | float, float]:
+        """One try: the answer and its seconds, the row that fails the request, or the delay before the
+        next try."""
+        eng = self.config.engine
+        spend = self.spend
+        assert spend is not None
+        fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
+        after = f" (retry {tries - 1} after an outage)" if tries > 1 else ""
+        ticket, why = reserve_one(spend, self.config.budget.max_usd, SMOKE, f"smoke:{ds.name}", worst)
+        if ticket is None:
+            return fail(why + after), 0.0
+        start = time.monotonic()
+        self.sent.append(True)
+        try:
+            answer = await client.chat(body, functools.partial(spend.generation, ticket))
+        except RequestFailed as e:
+            look_up(self.settler, book_failure(spend, ticket, e, p, self_hosted=self.config.api.self_hosted))
+            delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, self.rng)
+            if _outage(e) and tries < SMOKE_TRIES and time.monotonic() + delay <= self.deadline:
+                return float(delay), 0.0
+            return fail(f"{e.kind}: {e.message}" + (f" (after {tries} tries)" if tries > 1 else "")), 0.0
+        except Exception as e:  # noqa: BLE001 - any failure is this row's failure
+            look_up(self.settler, spend.abandoned(ticket))
+            return fail(f"{type(e).__name__}: {e}"), 0.0
+        except BaseException:  # cancelled mid-request: the provider may bill it anyway
+            look_up(self.settler, spend.abandoned(ticket))
+            raise
+        took = time.monotonic() - start
+        look_up(self.settler, book_answer(spend, ticket, answer, p))
+        return answer, took
+
+    async def ask_shapes(self, client: ChatClient) -> None:
+        """The comparison (self-hosted) first, then one request per shape, all at once: a run's shapes
+        differ only in their parameters."""
+        try:
+            if self.config.api.self_hosted and self.shapes and not self.ledger_error:
+                await _compare_modes(self, client)
+            self.answers = await asyncio.gather(*(self.ask(client, fp, ds) for fp, ds in self.shapes.items()))
+            # The ledger is the spend (the smoke requests and abandoned attempts included).
+            spend = self.spend
+            self.spent = spend.spent_usd if spend is not None and spend.is_open else \
+                await asyncio.to_thread(_spent_on_disk, self.rd, self.on_disk)
+        finally:
+            if self.own_spend and self.spend is not None:
+                self.spend.close()
+
+    async def answer_rows(self) -> SmokeFigures | None:
+        """Each shape's rows; the costliest answer's figures for the projection."""
+        smoke: SmokeFigures | None = None
+        if self.stream_row is not None:
+            self.add(self.stream_row)
+        for fp, body, answer, took in self.answers:
+            ds = self.shapes[fp]
+            if isinstance(answer, SmokeRow):
+                self.add(answer)
+                continue
+            self.add(SmokeRow(f"{ds.name}: request", True, f"answered in {took:.2f} s "
+                              f"(shape {fp}, max_tokens {body['max_tokens']})"))
+            for row in await asyncio.to_thread(_answer_rows, self.config, ds, body, answer, self.reconstruct,
+                                               self.parser):
+                self.add(row)
+            if not answer.priced:  # no usage.cost: its row says so; the projection does not take it as $0
+                continue
+            for other in self.config.datasets:
+                if self.config.fingerprint(other) == fp:
+                    self.result.cost_per_request[other.name] = answer.usage.cost
+            if answer.usage.completion_tokens and (smoke is None or answer.usage.cost > smoke.cost_usd):
+                smoke = SmokeFigures(answer.usage.completion_tokens, answer.usage.cost, took)
+        return smoke
+
+    def finish(self) -> None:
+        """smoke.json written (or the last passing one kept when nothing was sent), the stage ended."""
+        rd, result = self.rd, self.result
+        rd.root.mkdir(parents=True, exist_ok=True)
+        if not self.sent and last_smoke(rd, result.fingerprint, "passed") is True:
+            # Refused before any request (a run holds the ledger, a local input): the test did not run.
+            self.add(SmokeRow("smoke.json", True, f"kept the last passing smoke test in {rd.smoke_json}: this one "
+                              "sent no request", warning=True))
+        else:
+            write_json_atomic(rd.smoke_json, result.to_dict())  # a full disk: the last smoke.json stays as it was
+        if self.progress is not None:
+            final = snap.StageState.DONE if result.passed else snap.StageState.FAILED
+            self.progress(snap.StageProgress("smoke", state=final, done=len(result.rows),
+                                             total=len(result.rows), message=result.summary(),
+                                             checks=tuple((r.check, r.passed, r.detail) for r in result.rows)))
+
+
+async def _compare_modes(test: _SmokeTest, client: ChatClient) -> None:
+    """The same request streamed and not (stream_check.py): the row, and the mode that keeps the text
+    noted for the shape requests that follow and recorded for `run`."""
+    config = test.config
+    fp, ds = next(iter(test.shapes.items()))
+    note_stream_mode(config.api.base_url, config.api.model, None)  # not an earlier smoke test's decision
+    body = smoke_body(config, ds)
+    pair = await asyncio.gather(*(test.ask(client, fp, ds, b) for b in stream_pair(body)))
+    streamed, plain = pair[0][2], pair[1][2]
+    how, sampled, tried = "greedy request", False, 0
+    for seed in SAMPLED_SEEDS:
+        if isinstance(streamed, SmokeRow) or isinstance(plain, SmokeRow) or has_text(streamed) or has_text(plain):
+            break
+        # Empty on both sides compares nothing: a sampled, seeded request, one mode after the other.
+        tried += 1
+        how = f"sampled request (temperature {SAMPLED_TEMPERATURE}, seed {seed}; the greedy one came back empty)"
+        sampled = True
+        streamed_body, plain_body = stream_pair(body, temperature=SAMPLED_TEMPERATURE, seed=seed)
+        streamed = (await test.ask(client, fp, ds, streamed_body))[2]
+        plain = (await test.ask(client, fp, ds, plain_body))[2]
+    test.stream_row, verdict = _mode_row(config, streamed, plain, how, sampled, tried)
+    if verdict is not None:
+        test.parser = verdict.parser
+        test.result.stream = verdict.decided
+        note_stream_mode(config.api.base_url, config.api.model, verdict.decided)
+
+
+async def _figures(test: _SmokeTest) -> list[DatasetFigures]:
+    """Each dataset's figures for the projection (and its special-token text warning)."""
+    figures = []
+    loaded = test.reconstruct.loaded[0] if test.reconstruct.loaded else None
+    for ds in test.config.datasets:
+        n = test.counts[ds.name]
+        if loaded and n:
+            try:
+                _, flagged, first = await asyncio.to_thread(_count_prompts, ds, loaded[0].special_tokens())
+                if flagged:
+                    test.add(special_text_row(test.config, ds.name, flagged, first))
+            except DraftgenError as e:
+                test.add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
+        answers, tokens, cost = test.on_disk[ds.name]
+        figures.append(DatasetFigures(
+            name=ds.name, remaining=max(0, n - answers), max_tokens=ds.max_tokens, concurrency=ds.concurrency,
+            token_budget_left=None if ds.token_budget is None else max(0, ds.token_budget - tokens),
+            answers=answers, completion_tokens=tokens, cost_usd=cost, prices=test.prices[ds.name]))
+    return figures
+
+
+def _project(test: _SmokeTest, figures: list[DatasetFigures], smoke: SmokeFigures | None) -> None:
+    """The projection, and the balance row against it."""
+    config, result = test.config, test.result
+    result.smoke_answer = smoke
+    plan = forecast(figures, spent_usd=test.spent, max_usd=config.budget.max_usd, smoke=smoke,
+                    parallel=config.engine.parallel)
+    known = plan.left_usd > 0 or not any(d.answers_left for d in plan.datasets)
+    if known:
+        result.projected_cost_usd = plan.total_usd
+        result.projection = plan
+    test.add(_balance_row(config, test.account, result.balance_usd, plan,
+                          plan.total_usd - test.spent if known else None, test.redact))
+
+
+def _mode_row(config: Config, streamed: Any, plain: Any, how: str, sampled: bool,
+              tried: int) -> tuple[SmokeRow, ModeVerdict | None]:
+    """The stream row from the comparison's answers (or its failed requests)."""
+    for what, a in (("streamed", streamed), ("non-streamed", plain)):
+        if isinstance(a, SmokeRow):
+            return SmokeRow("stream", False, f"the {what} comparison request failed: {a.detail}"), None
+    verdict = mode_verdict(config.api.stream, streamed, plain, how, sampled=sampled) \
+        if has_text(streamed) or has_text(plain) else not_compared(tried)
+    return SmokeRow("stream", verdict.passed, verdict.detail, verdict.warning), verdict
+
+
+def _balance_row(config: Config, account: AccountStatus | None, balance: float | None, plan: RunForecast,
+                 need: float | None, redact: Redactor) -> SmokeRow:
+    cap = config.budget.max_usd
+    if config.api.self_hosted:
+        return SmokeRow("balance", True, "n/a (self-hosted): no account; the run keeps going under max_usd"
+                        + (f" ({usd(cap)}, tokens at [api] prices)" if cap is not None else " (none set)"))
+    if account is None:
+        return SmokeRow("balance", False, "could not read the balance (GET /key failed)")
+    if balance is None:
+        return SmokeRow("balance", True, f"{redact(account.balance_detail)}. A warning, not a failure: the run keeps "
+                        "going under max_usd" + (f" ({usd(cap)})" if cap is not None else " (none set)"), warning=True)
+    floor = config.budget.credit_floor_usd
+    if need is None:
+        return SmokeRow("balance", balance > floor,
+                        f"{usd(balance)} ({account.balance_source}); no projection (no answer came back)")
+    ok = balance - floor >= need
+    return SmokeRow("balance", ok, f"{usd(balance)} ({account.balance_source}) against {usd(need)} "
+                    f"to finish (projected {plan.describe()}) + floor {usd(floor)}"
+                    + ("" if ok else ": the run would stop at the credit floor before finishing"))
+
+
 async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.StageProgress], None] | None = None,
                     spend: SpendLedger | None = None, settler: Settler | None = None) -> SmokeResult:
     """Run the checklist, write smoke.json, return the result (never raises for a failed check).
@@ -331,282 +719,21 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
     a run open in this process (its reservations count, `settler` prices what is abandoned); without
     one the directory's ledger is opened here, and what is abandoned is looked up by the next run or
     `draftgen ledger`."""
-    redact = Redactor(api_key, config.api.management_key())
-    result = SmokeResult(fingerprint="")
-    shapes: dict[str, DatasetConfig] = {}
-
-    def add(row: SmokeRow) -> None:
-        result.rows.append(SmokeRow(row.check, row.passed, redact(row.detail), row.warning))
-        if progress is not None:
-            progress(snap.StageProgress("smoke", state=snap.StageState.RUNNING, done=len(result.rows),
-                                        total=2 + len(config.datasets) + 9 * len(shapes),
-                                        checks=tuple((r.check, r.passed, r.detail) for r in result.rows)))
-
-    tok_and_template: list[Any] = []
-    _unset = object()
-    # The free checks first (precheck.py): nothing is paid for while a local input is unusable.
-    local_error = ""
-    try:
-        await asyncio.to_thread(check_tokenizer, config)
-    except DraftgenError as e:
-        add(SmokeRow("tokenizer", False, str(e)))
-        tok_and_template.append(None)
-        local_error = "not sent: the tokenizer could not be loaded (see the tokenizer row)"
-    counts: dict[str, int] = {}
-    for ds in config.datasets:
-        try:
-            counts[ds.name] = (await asyncio.to_thread(_count_prompts, ds))[0]
-        except DraftgenError as e:
-            add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
-            counts[ds.name] = 0
-            local_error = local_error or f"not sent: {ds.name}'s prompt file cannot be used (see its prompts row)"
-    sent: list[bool] = []  # a request left: the smoke test ran (a passing smoke.json is replaced)
-
-    def reconstruct_fn(messages: list[dict[str, Any]], a: ChatAnswer | None, system: Any = _unset) -> Any:
-        """The answer `a` reconstructed; with `a` None, only the prompt (rendered with `system`)."""
-        from draftgen.core.tokens.reconstruct import reconstruct
-        from draftgen.core.tokens.template import load_template
-        from draftgen.core.tokens.tokenizer import load_tokenizer
-        specials = config.tokenizer.prompt_specials(config.api.self_hosted)
-        if not tok_and_template:
-            try:
-                tok = load_tokenizer(config.tokenizer.path, config.tokenizer.trust_remote_code)
-                reconstruct_fn.origin = getattr(tok, "origin", tok.name)  # type: ignore[attr-defined]
-                tok_and_template.append((tok, load_template(config.tokenizer.template, tok,
-                                                            default_system=config.tokenizer.system_turn(),
-                                                            prompt_specials=specials)))
-            except DraftgenError as e:
-                add(SmokeRow("tokenizer", False, str(e)))
-                tok_and_template.append(None)
-        if tok_and_template[0] is None:
-            return None
-        tok, template = tok_and_template[0]
-        if a is None:
-            return reconstruct(tok, load_template(config.tokenizer.template, tok, default_system=system,
-                                                  prompt_specials=specials), messages, "", "")
-        return reconstruct(tok, template, messages, a.reasoning, a.content, billed_tokens=a.usage.completion_tokens,
-                           backend_ids=a.token_ids, truncated=a.finish_reason == "length", tool_calls=a.tool_calls,
-                           count_tolerance=config.validation.count_tolerance,
-                           billed_prompt_tokens=a.usage.prompt_tokens, provider=a.provider)
-
+    test = _SmokeTest(config, api_key, progress, spend, settler)
+    await test.check_local()
     async with ChatClient(config.api.base_url, api_key, concurrency=4,
                           request_timeout_s=min(config.api.request_timeout_s, 600),
                           connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
                           title=config.api.title) as client:
-        account: AccountStatus | None = None
-        unreachable = False  # the address does not answer: advice is about the network, not the config
-        eng = config.engine
-        rng = random.Random()
-        deadline = time.monotonic() + SMOKE_RETRY_S  # one window for the whole smoke test's retries
-        tries = 0
-        if config.api.self_hosted:
-            add(SmokeRow("key", True, "n/a (self-hosted: [api] kind = \"openai-compatible\")"))
-        else:
-            try:
-                while True:
-                    tries += 1
-                    try:
-                        account = await read_account(client, management_key=config.api.management_key())
-                        break
-                    except RequestFailed as e:
-                        delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after,
-                                              rng)
-                        if not _outage(e) or tries >= SMOKE_TRIES or time.monotonic() + delay > deadline:
-                            raise
-                        await asyncio.sleep(delay)
-                note_key_answer(config, None)
-                add(SmokeRow("key", True, f"accepted (label {redact(str(account.label or 'unlabelled'))!r})"))
-                result.balance_usd = account.balance
-            except RequestFailed as e:
-                unreachable = e.unreachable
-                note_key_answer(config, e)
-                if config.api.self_hosted:
-                    add(SmokeRow("key", True, f"n/a (self-hosted: GET /key answered {e.status}, so "
-                                 f"{config.api.base_url} is an openai-compatible server)"))
-                else:
-                    add(SmokeRow("key", False, (e.message if e.unreachable else f"GET /key: {e.message}")
-                                 + (f" (after {tries} tries)" if tries > 1 else "")))
-            except Exception as e:  # noqa: BLE001 - any network failure is this row's failure
-                add(SmokeRow("key", False, f"GET /key failed: {type(e).__name__}: {e}"))
-        # The request shapes are the kind's (an openai-compatible server gets no OpenRouter-only keys).
-        result.fingerprint = config.run_fingerprint()
-        for ds in config.datasets:
-            shapes.setdefault(config.fingerprint(ds), ds)
-        if warning := config.kind_warning():
-            add(SmokeRow("request keys", True, warning, warning=True))
-        prices, listing_error = await fetch_prices(client, config)
-        for ds in config.datasets:
-            p = prices[ds.name]
-            if p is not None:
-                body = smoke_body(config, ds)  # the reservation is the worst case of the body sent
-                add(SmokeRow(f"{ds.name}: prices", True, f"worst case {p.describe()}; at most "
-                             f"${body_worst_case(p, body, ds.max_tokens):.6f} for the smoke request at "
-                             f"max_tokens {body_max_tokens(body, ds.max_tokens)}"))
-            else:
-                need = config.budget.max_usd is not None
-                why = listing_error or "the routing allows no listed provider"
-                hint = ("; the address does not answer (see the key row): the prices are read from its listing "
-                        "once it does" if unreachable else
-                        "; max_usd needs one: set [api] prompt_price_per_mtok and completion_price_per_mtok"
-                        if need else "; no max_usd, so no ceiling to keep")
-                add(SmokeRow(f"{ds.name}: prices", not need, f"no price known ({why}){hint}", warning=not need))
-
-        rd = RunDir(config.run_dir)
-        on_disk = {ds.name: await asyncio.to_thread(_on_disk, rd, ds) for ds in config.datasets}
-        own_spend = spend is None
-        # Without GET /key the key is in doubt (its row says why), and a new ledger could not record
-        # the key's usage before its first attempt (`draftgen ledger --unknown-from-key` needs it).
-        ledger_error = "" if account is not None or config.api.self_hosted else \
-            "not sent: GET /key failed (see the key row)"
-        if spend is None and not ledger_error:
-            spend = SpendLedger(rd.spend)
-            opening = asyncio.ensure_future(asyncio.to_thread(_open_spend, spend, rd, on_disk,
-                                                              None if account is None else account.key_usage))
-            try:
-                await asyncio.shield(opening)
-            except asyncio.CancelledError:  # quit while the thread opens it: close it (and its lock) once open
-                with contextlib.suppress(Exception):
-                    await opening
-                spend.close()
-                raise
-            except LedgerBusyError as e:
-                ledger_error = f"not sent: {e}"
-            except (DiskError, OSError) as e:
-                ledger_error = f"not sent: the spend ledger cannot be written ({e})"
-
-        stream_row: SmokeRow | None = None
-
-        async def ask(fp: str, ds: DatasetConfig, body: dict[str, Any] | None = None,
-                      ) -> tuple[str, dict[str, Any], ChatAnswer | SmokeRow, float]:
-            body = smoke_body(config, ds) if body is None else body
-            fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
-            if local_error or ledger_error:
-                return fp, body, fail(local_error or ledger_error), 0.0
-            assert spend is not None
-            p = prices[ds.name]
-            if p is None and config.budget.max_usd is not None:
-                return fp, body, fail("not sent: max_usd is set and no price is known (see the prices row)"), 0.0
-            worst = body_worst_case(p, body, ds.max_tokens) if p else 0.0
-            tries = 0
-            while True:
-                tries += 1
-                after = f" (retry {tries - 1} after an outage)" if tries > 1 else ""
-                ticket, why = reserve_one(spend, config.budget.max_usd, SMOKE, f"smoke:{ds.name}", worst)
-                if ticket is None:
-                    return fp, body, fail(why + after), 0.0
-                start = time.monotonic()
-                sent.append(True)
-                try:
-                    answer = await client.chat(body, functools.partial(spend.generation, ticket))
-                    break
-                except RequestFailed as e:
-                    look_up(settler, book_failure(spend, ticket, e, p, self_hosted=config.api.self_hosted))
-                    delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, rng)
-                    if _outage(e) and tries < SMOKE_TRIES and time.monotonic() + delay <= deadline:
-                        await asyncio.sleep(delay)  # each retry goes on the ledger with its own reservation
-                        continue
-                    return fp, body, fail(f"{e.kind}: {e.message}"
-                                          + (f" (after {tries} tries)" if tries > 1 else "")), 0.0
-                except Exception as e:  # noqa: BLE001 - any failure is this row's failure
-                    look_up(settler, spend.abandoned(ticket))
-                    return fp, body, fail(f"{type(e).__name__}: {e}"), 0.0
-                except BaseException:  # cancelled mid-request: the provider may bill it anyway
-                    look_up(settler, spend.abandoned(ticket))
-                    raise
-            look_up(settler, book_answer(spend, ticket, answer, p))
-            return fp, body, answer, time.monotonic() - start
-
-        # One request per shape, all at once: a run's shapes differ only in their parameters.
-        try:
-            answers = await asyncio.gather(*(ask(fp, ds) for fp, ds in shapes.items()))
-            if config.api.self_hosted and shapes and not ledger_error:
-                # The same greedy request streamed and not: a parser that rewrites non-streamed text shows.
-                fp, ds = next(iter(shapes.items()))
-                pair = await asyncio.gather(*(ask(fp, ds, b) for b in stream_pair(smoke_body(config, ds))))
-                stream_row = _stream_row(config, pair[0][2], pair[1][2])
-            # The ledger is the spend (the smoke requests and abandoned attempts included).
-            spent = spend.spent_usd if spend is not None and spend.is_open else \
-                await asyncio.to_thread(_spent_on_disk, rd, on_disk)
-        finally:
-            if own_spend and spend is not None:
-                spend.close()
-
-    smoke: SmokeFigures | None = None
-    if stream_row is not None:
-        add(stream_row)
-    for fp, body, answer, took in answers:
-        ds = shapes[fp]
-        if isinstance(answer, SmokeRow):
-            add(answer)
-            continue
-        add(SmokeRow(f"{ds.name}: request", True, f"answered in {took:.2f} s "
-                     f"(shape {fp}, max_tokens {body['max_tokens']})"))
-        rows = await asyncio.to_thread(_answer_rows, config, ds, body, answer, reconstruct_fn)
-        for row in rows:
-            add(row)
-        if not answer.priced:  # no usage.cost: its row says so; the projection does not take it as $0
-            continue
-        for other in config.datasets:
-            if config.fingerprint(other) == fp:
-                result.cost_per_request[other.name] = answer.usage.cost
-        if answer.usage.completion_tokens and (smoke is None or answer.usage.cost > smoke.cost_usd):
-            smoke = SmokeFigures(answer.usage.completion_tokens, answer.usage.cost, took)
-
-    figures = []
-    for ds in config.datasets:
-        n = counts[ds.name]
-        loaded = tok_and_template[0] if tok_and_template else None
-        if loaded and n:
-            try:
-                _, flagged, first = await asyncio.to_thread(_count_prompts, ds, loaded[0].special_tokens())
-                if flagged:
-                    add(special_text_row(config, ds.name, flagged, first))
-            except DraftgenError as e:
-                add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
-        answers, tokens, cost = on_disk[ds.name]
-        figures.append(DatasetFigures(
-            name=ds.name, remaining=max(0, n - answers), max_tokens=ds.max_tokens, concurrency=ds.concurrency,
-            token_budget_left=None if ds.token_budget is None else max(0, ds.token_budget - tokens),
-            answers=answers, completion_tokens=tokens, cost_usd=cost, prices=prices[ds.name]))
-    result.smoke_answer = smoke
-    plan = forecast(figures, spent_usd=spent, max_usd=config.budget.max_usd, smoke=smoke,
-                    parallel=config.engine.parallel)
-    known = plan.left_usd > 0 or not any(d.answers_left for d in plan.datasets)
-    if known:
-        result.projected_cost_usd = plan.total_usd
-        result.projection = plan
-    cap = config.budget.max_usd
-    need = plan.total_usd - spent if known else None
-    if config.api.self_hosted:
-        add(SmokeRow("balance", True, "n/a (self-hosted): no account; the run keeps going under max_usd"
-                     + (f" ({usd(cap)}, tokens at [api] prices)" if cap is not None else " (none set)")))
-    elif account is None:
-        add(SmokeRow("balance", False, "could not read the balance (GET /key failed)"))
-    elif result.balance_usd is None:
-        add(SmokeRow("balance", True, f"{redact(account.balance_detail)}. A warning, not a failure: the run keeps "
-                     "going under max_usd" + (f" ({usd(cap)})" if cap is not None else " (none set)"), warning=True))
-    elif need is None:
-        add(SmokeRow("balance", result.balance_usd > config.budget.credit_floor_usd,
-                     f"{usd(result.balance_usd)} ({account.balance_source}); no projection (no answer came back)"))
-    else:
-        ok = result.balance_usd - config.budget.credit_floor_usd >= need
-        add(SmokeRow("balance", ok, f"{usd(result.balance_usd)} ({account.balance_source}) against {usd(need)} "
-                     f"to finish (projected {plan.describe()}) + floor {usd(config.budget.credit_floor_usd)}"
-                     + ("" if ok else ": the run would stop at the credit floor before finishing")))
-
-    rd.root.mkdir(parents=True, exist_ok=True)
-    if not sent and last_smoke(rd, result.fingerprint, "passed") is True:
-        # Refused before any request (a run holds the ledger, a local input): the test did not run.
-        add(SmokeRow("smoke.json", True, f"kept the last passing smoke test in {rd.smoke_json}: this one "
-                     "sent no request", warning=True))
-    else:
-        write_json_atomic(rd.smoke_json, result.to_dict())  # a full disk: the last smoke.json stays as it was
-    if progress is not None:
-        final = snap.StageState.DONE if result.passed else snap.StageState.FAILED
-        progress(snap.StageProgress("smoke", state=final, done=len(result.rows),
-                                    total=len(result.rows), message=result.summary(),
-                                    checks=tuple((r.check, r.passed, r.detail) for r in result.rows)))
-    return result
+        test.deadline = time.monotonic() + SMOKE_RETRY_S  # one window for the whole smoke test's retries
+        await test.check_key(client)
+        await test.check_prices(client)
+        await test.open_ledger()
+        await test.ask_shapes(client)
+    smoke = await test.answer_rows()
+    _project(test, await _figures(test), smoke)
+    test.finish()
+    return test.result
 
 
 SMOKE = "(smoke)"  # the spend ledger's "dataset" of the smoke requests

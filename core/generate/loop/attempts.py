@@ -9,12 +9,14 @@ fails no prompt; the answer kinds (a timeout, a cut-off body, a 200 carrying an 
 `engine.max_attempts` only while, since this prompt was first sent, the service has given the other
 prompts more answers than answer faults: then the trouble is this prompt's, not the service's (in
 an outage of such answers the others' faults outnumber the answers, and nothing fails). A 429 and
-the in-flight-budget 402 feed the dataset's adaptive limit (AIMD). A drain gives a retrying prompt up unrecorded.
+the in-flight-budget 402 feed the dataset's adaptive limit (AIMD), and so does a self-hosted server's
+503 (vLLM's and SGLang's full queue). A drain gives a retrying prompt up unrecorded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -124,59 +126,29 @@ class Attempts:
                 return Attempted(Outcome.UNSENT, tries, disk_error=e)
             tries += 1
             seq = ds.note_sent()
-            t = ticket
             try:
-                answer = await self.client.chat(body, lambda gen_id, t=t: spend.generation(t, gen_id))
+                answer = await self.client.chat(body, functools.partial(spend.generation, ticket))
             except RequestFailed as e:
-                look_up(self.settler, book_failure(spend, ticket, e, self.prices.get(ds.config.name),
-                                                   self_hosted=self._config.api.self_hosted))
-                if e.past_cap is not None:
-                    self._say(EventKind.PAST_CAP, ds, e.provider, f"prompt {prompt_id!r}: {self._redact(e.message)}; "
-                              "booked at what it billed, the prompt is asked again (docs/money.md)")
-                self._errors.add(e.kind)
-                if self._recent is not None:
-                    self._recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=prompt_id, attempt=tries,
-                                     message=self._redact(e.message), status=e.status,
-                                     provider=e.provider)
-                if e.slow_down:
-                    ds.concurrency.on_429()
-                elif not e.unreachable:
-                    ds.concurrency.on_response()
-                whose = e.whose
-                if whose is Whose.ACCOUNT:
-                    return Attempted(Outcome.ACCOUNT, tries, error=e)
-                if whose is Whose.DATASET:
-                    return Attempted(Outcome.DATASET, tries, error=e)
-                if whose is Whose.PROMPT:
-                    return self._failed(ds, prompt_id, tries, e, seq)
+                self._note_failure(ds, ticket, tries, e)
+                ended = self._ended_by(ds, prompt_id, tries, e, seq)
+                if ended is not None:
+                    return ended
                 if e.unreachable:
                     self._note_unreachable(e)
                 # An answer fault may be this prompt's; one coded as an outage (a 503 mid-stream) is not.
-                answer_fault = e.kind in ANSWER_KINDS and not e.outage
-                if answer_fault:
+                if e.kind in ANSWER_KINDS and not e.outage:
                     self.answer_faults += 1
                     own_faults += 1
-                others_faults = self.answer_faults - faults_before - own_faults
-                # An answer run past max_tokens was billed: it always spends one (paid retries stay bounded).
-                if answer_fault and (self.answered - answered_before > others_faults or e.past_cap is not None):
-                    spent += 1
-                    if spent >= eng.max_attempts:
-                        return self._failed(ds, prompt_id, tries, e, seq)
-                if self._gate.closed:
-                    return Attempted(Outcome.GIVEN_UP, tries - 1, error=e)
-                self.retries += 1
-                self.backing_off += 1
-                try:
-                    # Retries go on while the run is paused: a request in flight finishes (an account
-                    # condition answers it at once and hands the prompt back).
-                    await asyncio.sleep(backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s,
-                                                      e.retry_after, self._rng))
-                finally:
-                    self.backing_off -= 1
-                    self.last_transient = e
-                if self._gate.closed:
-                    return Attempted(Outcome.GIVEN_UP, tries, error=e)
-                await self._room.retry_slot(ds)
+                    # Counted against the prompt only while the others get more answers than faults; an
+                    # answer run past max_tokens was billed: it always counts (paid retries stay bounded).
+                    others_faults = self.answer_faults - faults_before - own_faults
+                    if self.answered - answered_before > others_faults or e.past_cap is not None:
+                        spent += 1
+                        if spent >= eng.max_attempts:
+                            return self._failed(ds, prompt_id, tries, e, seq)
+                given_up = await self._back_off(ds, tries, e)
+                if given_up is not None:
+                    return given_up
                 continue
             except BaseException:  # stop-now (a cancel) mid-request: the provider may bill it anyway
                 self._abandon(ticket)
@@ -194,6 +166,22 @@ class Attempts:
             self._note_reachable()
             return Attempted(Outcome.ANSWERED, tries, answer=answer, seq=seq)
 
+    def _note_failure(self, ds: DatasetRun, ticket: Ticket, tries: int, e: RequestFailed) -> None:
+        """A failed attempt on the ledger, in the error tallies, and as feedback to the dataset's concurrency."""
+        look_up(self.settler, book_failure(self._spend, ticket, e, self.prices.get(ds.config.name),
+                                           self_hosted=self._config.api.self_hosted))
+        if e.past_cap is not None:
+            self._say(EventKind.PAST_CAP, ds, e.provider, f"prompt {ticket.prompt_id!r}: {self._redact(e.message)}; "
+                      "booked at what it billed, the prompt is asked again (docs/money.md)")
+        self._errors.add(e.kind)
+        if self._recent is not None:
+            self._recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=ticket.prompt_id, attempt=tries,
+                             message=self._redact(e.message), status=e.status, provider=e.provider)
+        if e.slows_down(self._config.api.self_hosted):
+            ds.concurrency.on_429()
+        elif not e.unreachable:
+            ds.concurrency.on_response()
+
     def _say(self, kind: EventKind, ds: DatasetRun, provider: str, what: str) -> None:
         """A provider's billing past what was asked: said the 1st, 10th, 100th... time per provider."""
         name = self._redact(provider) or "(unnamed provider)"
@@ -201,6 +189,36 @@ class Attempts:
         if n == 1 or (n % 10 == 0 and str(n).rstrip("0") == "1"):
             again = f" ({n} times so far)" if n > 1 else ""
             self._event(Level.WARN, kind, f"{ds.config.name}: provider {name}{again}: {what}", dataset=ds.config.name)
+
+    def _ended_by(self, ds: DatasetRun, prompt_id: str, tries: int, e: RequestFailed, seq: int) -> Attempted | None:
+        """The outcome when the error is the account's, the dataset's or the prompt's own (no retry helps)."""
+        whose = e.whose
+        if whose is Whose.ACCOUNT:
+            return Attempted(Outcome.ACCOUNT, tries, error=e)
+        if whose is Whose.DATASET:
+            return Attempted(Outcome.DATASET, tries, error=e)
+        if whose is Whose.PROMPT:
+            return self._failed(ds, prompt_id, tries, e, seq)
+        return None
+
+    async def _back_off(self, ds: DatasetRun, tries: int, e: RequestFailed) -> Attempted | None:
+        """Wait out a transient error and a slot for the retry; GIVEN_UP instead when the run stops meanwhile."""
+        if self._gate.closed:
+            return Attempted(Outcome.GIVEN_UP, tries - 1, error=e)
+        self.retries += 1
+        self.backing_off += 1
+        try:
+            # Retries go on while the run is paused: a request in flight finishes (an account
+            # condition answers it at once and hands the prompt back).
+            await asyncio.sleep(backoff_delay(min(tries, 16), self._config.engine.backoff_base_s,
+                                              self._config.engine.backoff_max_s, e.retry_after, self._rng))
+        finally:
+            self.backing_off -= 1
+            self.last_transient = e
+        if self._gate.closed:
+            return Attempted(Outcome.GIVEN_UP, tries, error=e)
+        await self._room.retry_slot(ds)
+        return None
 
     def stalled(self, in_flight: int) -> str:
         """Why no answer comes while the run goes, in a sentence (empty when answers come)."""

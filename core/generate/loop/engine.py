@@ -203,7 +203,8 @@ class Engine:
         own_client = client is None
         client = client or ChatClient(
             cfg.api.base_url, self._api_key, concurrency=need, request_timeout_s=cfg.api.request_timeout_s,
-            connect_timeout_s=cfg.api.connect_timeout_s, referer=cfg.api.referer, title=cfg.api.title)
+            connect_timeout_s=cfg.api.connect_timeout_s, referer=cfg.api.referer, title=cfg.api.title,
+            redact=self._redact)
         client.open()
         try:
             money = await open_money(cfg, self.rundir, self.spend, client, self._event, on_settled=self._wake_all)

@@ -4,7 +4,8 @@
   so before anything is spent.
 - The money: the spend ledger of every earlier run (a half-written last line cut), the worst-case
   prices (a run with a ceiling and no price refuses to start), the last smoke answer for the
-  projection, and the settler, handed what earlier runs left pending to look up.
+  projection, the streaming mode it decided for a self-hosted server, and the settler, handed what
+  earlier runs left pending to look up.
 - The datasets: answers, failures and spend already on disk, every prompt file counted (so the
   projection covers datasets not started yet), and the cross-dataset duplicates. The answers are
   held against the spend ledger: those it has no `sent` line for (it lost lines in a crash) count at
@@ -33,7 +34,7 @@ from draftgen.core.generate.api.prices import Prices, fetch_prices, require_pric
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
 from draftgen.core.generate.loop.record_book import RecordBook
-from draftgen.core.generate.loop.smoke_record import load_smoke_answer, load_smoke_answered
+from draftgen.core.generate.loop.smoke_record import apply_smoke_stream, load_smoke_answer, load_smoke_answered
 from draftgen.core.generate.money.forecast import SmokeFigures
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import Pending, SpendLedger
@@ -139,6 +140,10 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
         event(Level.INFO, EventKind.PRICES, f"{name}: worst case {p.describe()}" if p is not None else
               f"{name}: no price known ({listing_error or 'no provider allowed'}); no ceiling is set", dataset=name)
     smoke = await asyncio.to_thread(load_smoke_answer, rundir, config.run_fingerprint())
+    await asyncio.to_thread(apply_smoke_stream, config, rundir)
+    if config.api.stream_decided:
+        event(Level.INFO, EventKind.REQUEST_KEYS, f"requests stream: the smoke test found the non-streamed answers of "
+              f"{config.api.base_url} rewritten by its parser ({rundir.smoke_json}; [api] stream overrides it)")
     def over(p: Pending, cost: float, provider: str) -> None:
         event(Level.WARN, EventKind.OVER_RESERVATION, f"{p.ds}: provider {provider or '(unnamed)'}: prompt "
               f"{p.prompt_id!r} billed ${cost:.6f} by its generation record, ${cost - p.worst:.6f} past the "

@@ -34,7 +34,7 @@ from draftgen.core.generate.loop.spool import SpoolRecord, write_spool
 from draftgen.core.generate.loop.spool_import import HeldOutcome, SpoolImport
 from draftgen.core.generate.loop.stats import RateTracker, Tally
 from draftgen.core.generate.money.budget import MoneyBudget
-from draftgen.core.live.snapshot import EventKind, Level
+from draftgen.core.live.snapshot import EventKind, EventSink, Level
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
@@ -53,7 +53,7 @@ class _Held:
 
 class RecordBook:
     def __init__(self, rundir: RunDir, datasets: dict[str, DatasetRun], money: MoneyBudget, errors: Tally,
-                 redact: Redactor, *, on_event: Callable[[str, str, str], None],
+                 redact: Redactor, *, on_event: EventSink,
                  control: RunControl, on_answer: Callable[[str, dict[str, Any]], None] | None,
                  clock: Callable[[], float]) -> None:
         self.rundir = rundir
@@ -253,6 +253,8 @@ class RecordBook:
                 self.held_outcome.written += 1
                 if self._on_answer is not None:
                     self._on_answer(item.ds.config.name, item.line)
+            if not self._held:
+                self._control.release(Hold.DISK)  # "Still paused: N record(s) held" is no longer true
         return True
 
     def settle_held(self) -> None:
@@ -271,6 +273,7 @@ class RecordBook:
             out.spooled_failures += len(self._held) - answers
             out.spool_path = str(path)
             self._held.clear()
+            self._control.release(Hold.DISK)
             self._event(Level.WARN, EventKind.SPOOLED, f"{answers} answer(s) held in memory (the disk refused them: "
                         f"{self._disk_error}) are spooled to {path}; the next `draftgen run` of {self.rundir.root} "
                         "imports them before it sends anything")
@@ -281,6 +284,7 @@ class RecordBook:
             item.ds.unrecorded(str(item.line.get("id")), answer=item.answer)
             lost[str(item.appender.path)] = lost.get(str(item.appender.path), 0) + 1
         self._held.clear()
+        self._control.release(Hold.DISK)
         where = ", ".join(f"{n} for {path}" for path, n in lost.items())
         self._event(Level.ERROR, EventKind.UNSAVED,
                     f"{sum(lost.values())} record(s) could not be written and are not saved "

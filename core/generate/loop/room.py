@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from draftgen.core.config import DatasetConfig
 from draftgen.core.generate.api.prices import Prices, body_worst_case
 from draftgen.core.generate.loop.prompts import Prompt
-from draftgen.core.generate.money.budget import BlockReason, MoneyBudget
+from draftgen.core.generate.money.budget import Block, BlockReason, MoneyBudget
 from draftgen.core.generate.money.spend import Ticket
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
 
@@ -46,6 +46,12 @@ class Decision:
 
 GO = Decision(Verdict.GO)
 HALT = Decision(Verdict.HALT)
+
+
+class _Wait(Enum):
+    """What a request held back waits for before admission looks again."""
+    WAKE = "wake"  # its dataset's wake: an answer in flight came back, or money settled
+    GATE = "gate"  # the run's gate: the run is held at the credit floor
 
 
 class Room:
@@ -106,52 +112,67 @@ class Room:
             if not self._gate.is_open:
                 await self._gate.wait_open()
                 continue
-            if ds.doubts.held:  # set aside by a 4xx naming no cause (doubts.py): one probe at a time
-                if ds.doubts.given_up:
-                    if self._book.stop_doubted(ds):
-                        self._event(Level.ERROR, EventKind.DATASET_STOPPED, f"{ds.config.name}: {ds.message}",
-                                    dataset=ds.config.name)
-                    return HALT
-                if ds.doubts.probe_out:
-                    ds.wake.clear()
-                    await ds.wake.wait()
-                    continue
-            expected = ds.tokens.expected()
-            if not ds.tokens.fits(expected):
-                # This dataset's answers in flight may come in under their estimate and free room.
-                if ds.in_flight:
-                    ds.wake.clear()
-                    await ds.wake.wait()
-                    continue
-                return Decision(Verdict.BUDGET, f"token budget reached: {ds.tokens.used:,} used + "
-                                f"{ds.tokens.in_flight:,} in flight of {ds.tokens.limit:,}")
-            self.last_worst = worst
-            block = self._money.blocked(worst)
-            if block is not None:
-                # Answers settling below their reservation free room; near the end fewer go out, not none.
-                if not self._settling():
-                    # Even with every request in flight settled at $0 it would not fit: skip it, go on.
-                    beyond = self._money.beyond_reach(worst)
-                    if beyond is not None:
-                        self._money.note_limited()
-                        return Decision(Verdict.SKIP, beyond)
-                if self._in_flight() or self._settling():
-                    self._money.note_limited()
-                    ds.wake.clear()
-                    await ds.wake.wait()
-                    continue
-                if block.reason == BlockReason.CREDIT_FLOOR:
-                    # The balance, not a budget: hold the run (nothing skipped) until it shows room again.
-                    self._on_floor(block.message)
-                    if self._gate.is_open:  # the hold was refused (draining): admit nothing
-                        return HALT
-                    continue
-                return Decision(Verdict.BUDGET, block.message, money=True)
-            if ds.in_flight >= ds.concurrency.limit:
+            held = self._held_back(ds, worst)
+            if held is None:
+                return GO
+            if held is _Wait.WAKE:
                 ds.wake.clear()
                 await ds.wake.wait()
-                continue
-            return GO
+            elif held is not _Wait.GATE:
+                return held
+
+    def _held_back(self, ds: DatasetRun, worst: float) -> Decision | _Wait | None:
+        """What keeps one more request of `ds` from going out now, in the order they are checked: its
+        doubts, its token budget, the money, its concurrency limit. None when nothing does."""
+        if ds.doubts.held:  # set aside by a 4xx naming no cause (doubts.py): one probe at a time
+            doubted = self._doubted(ds)
+            if doubted is not None:
+                return doubted
+        if not ds.tokens.fits(ds.tokens.expected()):
+            # This dataset's answers in flight may come in under their estimate and free room.
+            if ds.in_flight:
+                return _Wait.WAKE
+            return Decision(Verdict.BUDGET, f"token budget reached: {ds.tokens.used:,} used + "
+                            f"{ds.tokens.in_flight:,} in flight of {ds.tokens.limit:,}")
+        self.last_worst = worst
+        block = self._money.blocked(worst)
+        if block is not None:
+            return self._money_held(ds, worst, block)
+        if ds.in_flight >= ds.concurrency.limit:
+            return _Wait.WAKE
+        return None
+
+    def _doubted(self, ds: DatasetRun) -> Decision | _Wait | None:
+        """A doubted dataset stops when its doubts are given up, and waits while its one probe is out."""
+        if ds.doubts.given_up:
+            if self._book.stop_doubted(ds):
+                self._event(Level.ERROR, EventKind.DATASET_STOPPED, f"{ds.config.name}: {ds.message}",
+                            dataset=ds.config.name)
+            return HALT
+        if ds.doubts.probe_out:
+            return _Wait.WAKE
+        return None
+
+    def _money_held(self, ds: DatasetRun, worst: float, block: Block) -> Decision | _Wait:
+        """max_usd or the credit floor has no room for `worst` now: skip the prompt, wait for money in
+        flight to settle, hold the run at the floor, or end the dataset at max_usd."""
+        # Answers settling below their reservation free room; near the end fewer go out, not none.
+        if not self._settling():
+            # Even with every request in flight settled at $0 it would not fit: skip it, go on.
+            beyond = self._money.beyond_reach(worst)
+            if beyond is not None:
+                self._money.note_limited()
+                return Decision(Verdict.SKIP, beyond)
+        if self._in_flight() or self._settling():
+            self._money.note_limited()
+            return _Wait.WAKE
+        if block.reason == BlockReason.CREDIT_FLOOR:
+            # The balance, not a budget: hold the run (nothing skipped) until it shows room again.
+            self._on_floor(block.message)
+            if self._gate.is_open:  # the hold was refused (draining): admit nothing
+                return HALT
+            return _Wait.GATE
+        return Decision(Verdict.BUDGET, block.message, money=True)
 
     async def reserve_retry(self, ds: DatasetRun, prompt_id: str, worst: float) -> Ticket | None:
         """A new reservation for a retry (the last attempt's may be pending at its worst case); None when

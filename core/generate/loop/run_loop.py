@@ -19,6 +19,7 @@ from typing import Any
 from draftgen.core.config import Config
 from draftgen.core.generate.api.account import AccountStop
 from draftgen.core.generate.api.client import ChatClient
+from draftgen.core.generate.api.preflight import detect_server
 from draftgen.core.generate.loop.admission import Admission
 from draftgen.core.generate.loop.attempts import Attempts, Outcome
 from draftgen.core.generate.loop.dataset_run import DatasetRun
@@ -33,7 +34,9 @@ from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.recent import ProviderStats, RecentErrors
+from draftgen.core.records import ErrorKind
 from draftgen.core.secrets import Redactor
+from draftgen.core.servers import ids_plan, missing_ids_message, server_noted
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class RunLoop:
         self._p = parts
         self._drain = drain    # the engine's drain (a refused key)
         self._resume = resume  # the engine's resume (an account condition cleared)
+        self._ids_said = False  # why answers come without the server's ids was said
         settler = opened.money.settler
         cfg = parts.config
         self.admission = Admission(parts.datasets, parts.money, parts.control, parts.book, self.request, parts.event,
@@ -84,6 +88,7 @@ class RunLoop:
 
     async def run(self) -> None:
         """Every dataset admitted until it has nothing left (or a budget, drain or stop ends it)."""
+        await self._server_ids()
         beside = [asyncio.create_task(self.admission.grow_limits()), asyncio.create_task(self.watch.watch())]
         try:
             datasets = self._p.datasets.values()
@@ -106,6 +111,8 @@ class RunLoop:
             p.provider_stats.answer(done.answer.provider or "unknown", done.answer.latency_s,
                                     done.answer.usage.completion_tokens)
             p.book.record_answer(ds, prompt, done.answer, done.attempts, done.seq)
+            if done.answer.token_ids is None and self._wants_ids:
+                self._no_ids(ds)
             if self.admission.duplicates is not None:
                 self.admission.duplicates.answered(ds.config.name, prompt.id)
             await p.book.synced(ds)  # durable (group fsync) before the request finishes
@@ -128,6 +135,34 @@ class RunLoop:
             if ds.stop_for(done.error, p.redact):
                 p.event(snap.Level.ERROR, snap.EventKind.DATASET_STOPPED, f"{ds.config.name}: {ds.message}",
                         dataset=ds.config.name)
+
+    # -- the self-hosted server's token ids ---------------------------------------------------------
+
+    @property
+    def _wants_ids(self) -> bool:
+        api = self._p.config.api
+        return api.return_token_ids and api.self_hosted
+
+    async def _server_ids(self) -> None:
+        """Which server and release answer (asked once, if the start-up check did not), and an event
+        saying how its ids are asked in this run's mode, or why they cannot be."""
+        if not self._wants_ids:
+            return
+        api = self._p.config.api
+        if not server_noted(api.base_url):
+            await detect_server(self._p.config, self.attempts.client)
+        asked, text = ids_plan(api.base_url, api.streams)
+        self._ids_said = not asked  # the reason is said once, here: each answer without ids is still counted
+        self._p.event(snap.Level.INFO if asked else snap.Level.WARN, snap.EventKind.SERVER_IDS, text)
+
+    def _no_ids(self, ds: DatasetRun) -> None:
+        """An answer without the ids asked for: counted (no_ids), and said once with the fix."""
+        self._p.errors.add(ErrorKind.NO_IDS)
+        if not self._ids_said:
+            self._ids_said = True
+            api = self._p.config.api
+            self._p.event(snap.Level.WARN, snap.EventKind.SERVER_IDS, missing_ids_message(api.base_url, api.streams),
+                          dataset=ds.config.name)
 
     # -- what the account watch tells the run ----------------------------------------------------
 

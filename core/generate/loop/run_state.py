@@ -157,6 +157,13 @@ class RunControl:
         """An alert with no change of state (a key refused before the drain, a balance re-read)."""
         self._alert = alert
 
+    def release(self, why: Hold) -> None:
+        """The hold `why` no longer applies (the records the disk refused are written, spooled or said
+        lost): its alert goes, so nothing says the run is still held by it; the state is unchanged."""
+        if self._held is why:
+            self._alert = ""
+            self._held = None
+
     def resume(self) -> None:
         """Running again: the holds, their reasons and who paused are cleared, the gate opens."""
         self._state = RunState.RUNNING

@@ -1,6 +1,7 @@
 """What the last smoke test left in smoke.json that a run reads before its first request: its
-answer's figures (for the projection) and which datasets' request shapes got a priced answer. Read
-by the run's opening; written by the smoke test (commands/smoke.py)."""
+answer's figures (for the projection), which datasets' request shapes got a priced answer, and the
+mode (streamed or not) that keeps a self-hosted server's text as generated. Read by the run's
+opening; written by the smoke test (commands/smoke.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from draftgen.core.config import Config, note_stream_mode
 from draftgen.core.generate.money.forecast import SmokeFigures
 from draftgen.core.rundir import RunDir
 
@@ -35,3 +37,19 @@ def load_smoke_answered(rd: RunDir, fingerprint: str) -> frozenset[str]:
     """The datasets whose request shape the last smoke test of these shapes got a priced answer for."""
     answered = last_smoke(rd, fingerprint, "cost_per_request")
     return frozenset(str(name) for name in answered) if isinstance(answered, dict) else frozenset()
+
+
+def load_smoke_stream(rd: RunDir, fingerprint: str) -> bool | None:
+    """The streaming mode the last smoke test of these shapes decided for a self-hosted server whose
+    `[api] stream` is unset (None: it decided nothing, e.g. the comparison could not be made)."""
+    decided = last_smoke(rd, fingerprint, "stream")
+    return decided if isinstance(decided, bool) else None
+
+
+def apply_smoke_stream(config: Config, rd: RunDir) -> bool | None:
+    """Note the mode smoke.json records for this config's shapes, so the run's bodies use it (an explicit
+    `[api] stream` wins: `ApiConfig.streams`); returns it."""
+    decided = load_smoke_stream(rd, config.run_fingerprint())
+    if decided is not None:
+        note_stream_mode(config.api.base_url, config.api.model, decided)
+    return decided

@@ -8,13 +8,12 @@ are named, with why. `HeldOutcome` is what became of held records this run (the 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.spool import Spool, find_spools
-from draftgen.core.live.snapshot import EventKind, Level
+from draftgen.core.live.snapshot import EventKind, EventSink, Level
 from draftgen.core.rundir import RunDir, iter_jsonl
 
 
@@ -47,7 +46,7 @@ class HeldOutcome:
 class SpoolImport:
     """The spools of earlier runs in one run directory, imported as each dataset opens."""
 
-    def __init__(self, rundir: RunDir, outcome: HeldOutcome, on_event: Callable[..., None]) -> None:
+    def __init__(self, rundir: RunDir, outcome: HeldOutcome, on_event: EventSink) -> None:
         self.rundir = rundir
         self._outcome = outcome
         self._event = on_event

@@ -22,7 +22,7 @@ MIN_SAMPLES = 20
 
 
 class BlockReason(StrEnum):
-    """What stops the next request: the two answers call for different handling (README "Money")."""
+    """What stops the next request: the two answers call for different handling (docs/budgets.md)."""
     MAX_USD = "max_usd"          # the run's ceiling: the rest is skipped, eligible for a later run
     CREDIT_FLOOR = "credit_floor"  # the balance: the run holds (nothing skipped) until it shows room
 

@@ -137,7 +137,8 @@ def forecast(figures: Sequence[DatasetFigures], *, spent_usd: float, max_usd: fl
             low_usd=low_answers * low_tokens * per_token if basis != "observed" else answers * per_answer,
             high_usd=max(high_answers * high_answer, answers * per_answer), time_s=time_s, basis=basis))
     times = [d.time_s for d in out if d.answers_left]
-    total_time = None if any(t is None for t in times) else (max(times, default=0.0) if parallel else sum(times))
+    known = [t for t in times if t is not None]
+    total_time = None if len(known) < len(times) else (max(known, default=0.0) if parallel else sum(known))
     return RunForecast(datasets=tuple(out), spent_usd=spent_usd, left_usd=sum(d.cost_usd for d in out),
                        low_usd=sum(d.low_usd for d in out), high_usd=sum(d.high_usd for d in out),
                        max_usd=max_usd, time_s=total_time)

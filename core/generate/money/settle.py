@@ -110,6 +110,8 @@ class Settler:
                 self.failures += 1
             if record is not None:
                 cost = record.get("total_cost", record.get("usage"))
+                if cost is None:
+                    return  # a record without a cost: left pending at its worst case
                 try:
                     cost = float(cost)
                 except (TypeError, ValueError):

@@ -178,7 +178,7 @@ class _OnSums(Generic[T]):
     def __get__(self, ledger: SpendLedger | None, owner: type | None = None) -> T:
         if ledger is None:
             return self  # type: ignore[return-value]  # the descriptor itself, on the class
-        return getattr(ledger.sums, self._name)  # type: ignore[no-any-return]
+        return getattr(ledger.sums, self._name)
 
     def __set__(self, ledger: SpendLedger, value: T) -> None:
         setattr(ledger.sums, self._name, value)
@@ -351,13 +351,14 @@ class SpendLedger:
         Returns what to look up."""
         if not self.sums.close(t):
             return None
-        line: dict[str, Any] = {"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value, "c": None,
-                                "s": Source.PENDING.value}
+        line: dict[str, str | int | float | None] = {"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value,
+                                                     "c": None, "s": Source.PENDING.value}
         if status is not None:
             line["st"] = status
         worst = t.worst
         if at_least > worst:
-            worst = line["w"] = at_least
+            worst = at_least
+            line["w"] = at_least
         self._write(line)
         p = Pending(t.id, t.ds, t.prompt_id, worst, t.gen, ended=status in ENDED_STATUSES, sent_at=t.sent_at)
         self.sums.add_pending(p)

@@ -65,6 +65,13 @@ class Reconciliation:
         return self.total_usd + self.pending_worst_usd + self.unknown_worst_usd
 
 
+@dataclass(slots=True)
+class _Tally:
+    """How many attempts ended one way, and what they cost."""
+    n: int = 0
+    usd: float = 0.0
+
+
 class SpendSums:
     """Settled + pending + reserved, per dataset and by how each attempt ended (for `reconcile()`)."""
 
@@ -79,9 +86,9 @@ class SpendSums:
         self.by_dataset: dict[str, float] = {}
         self.key_baseline: float | None = None  # GET /key usage before the directory's first attempt
         # For `reconcile()`.
-        self._answered = [0, 0.0]
+        self._answered = _Tally()
         self._refused = 0
-        self._settled_abandoned = [0, 0.0]
+        self._settled_abandoned = _Tally()
         self._carried = 0.0
         self.found_usd = 0.0
         # For `count_unledgered` (opening.py): per dataset, the answers carry/found lines cover.
@@ -140,8 +147,8 @@ class SpendSums:
         if tally is None:
             self._refused += 1
         else:
-            tally[0] += 1
-            tally[1] += cost
+            tally.n += 1
+            tally.usd += cost
 
     def book_settled(self, p: Pending, cost: float, *, run: bool) -> None:
         self.book(p.ds, cost, AttemptEnd.ANSWERED if p.answer else AttemptEnd.ABANDONED, run=run)
@@ -191,8 +198,8 @@ class SpendSums:
         known = [p for p in self.pending.values() if p.gen]
         unknown = [p for p in self.pending.values() if not p.gen]
         return Reconciliation(
-            answered=self._answered[0], answered_usd=self._answered[1], refused=self._refused,
-            abandoned_settled=self._settled_abandoned[0], abandoned_settled_usd=self._settled_abandoned[1],
+            answered=self._answered.n, answered_usd=self._answered.usd, refused=self._refused,
+            abandoned_settled=self._settled_abandoned.n, abandoned_settled_usd=self._settled_abandoned.usd,
             pending=len(known), pending_worst_usd=sum(p.worst for p in known),
             unknown=len(unknown), unknown_worst_usd=sum(p.worst for p in unknown),
             carried_usd=self._carried, total_usd=self.settled_usd)

@@ -1,0 +1,219 @@
+"""The training hand-off: SpecForge's config and command for this run's data.
+
+`draftgen train-command CONFIG` prints it and writes it; extraction leaves the same two files beside
+its output when it finishes:
+
+    hidden_states/specforge.json     the config `specforge train --config` reads (its typed schema)
+    hidden_states/train-command.sh   the command, with the figures below as comments
+
+What the pinned specforge 0.2.0 (pyproject's `gpu` extra) takes, read from its released code
+(specforge/cli.py, specforge/config/schema.py, specforge/algorithms/eagle3/; checked by
+tests/test_specforge_contract.py, which parses our file with SpecForge's own `load_config` and
+resolves it with its own `specforge train --plan`):
+- one entry point, `specforge train --config FILE`; the config is strict (unknown keys refused);
+- `data.max_length` defaults to 2,048 and the offline normaliser slices every sample to it
+  (`normalize_offline_sample(max_len)`: ids, mask and both hidden states), without a word. A
+  sample's answer is its end, so what is cut is what the draft learns from: max_length here is
+  the longest merged sample, and the printout says how many samples a smaller one would cut;
+- offline training: `data.hidden_states_path` and exactly one data source, so merged/train.jsonl
+  (the same samples as conversations) is named in the comments, not in the config;
+- `model.target_model_path` ([extract] model) and `model.aux_hidden_state_layer_ids`: SGLang's
+  numbering of the layers extracted (stats.json's draft_layer_ids), three distinct ids;
+- the draft config is derived from the target's when none is given; its draft vocabulary is then
+  32,000 (`TargetDerivedDraftDefaults(draft_vocab_size=32000)` in eagle3/providers.py) and
+  SpecForge builds the target-to-draft vocabulary map from the data, cached under
+  `data.cache_dir` (set here to `<run>/specforge-cache`, not the working directory's ./cache).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from draftgen.core.config import Config
+from draftgen.core.errors import ConfigError, DraftgenError
+from draftgen.core.files import write_atomic, write_json_atomic
+from draftgen.core.tokens import identity
+from draftgen.core.tokens.store import INDEX_FILE, TokenReader
+
+SPECFORGE_VERSION = "0.2.0"              # the gpu extra's pin (tests/test_specforge_contract.py checks)
+SPECFORGE_DEFAULT_MAX_LENGTH = 2048      # DataConfig.max_length's default
+SPECFORGE_DRAFT_VOCAB = 32000            # TargetDerivedDraftDefaults(draft_vocab_size=...) for EAGLE-3
+CONFIG_FILE, SCRIPT_FILE = "specforge.json", "train-command.sh"
+SHOWN_LENGTHS = (2048, 4096, 8192, 16384, 32768, 65536)
+
+
+@dataclass(frozen=True)
+class Cut:
+    max_length: int
+    samples: int        # samples longer than max_length
+    tokens: int         # tokens past it
+    loss_tokens: int    # of those, tokens trained on (loss_mask 1): the answers' ends
+
+
+@dataclass
+class Handoff:
+    config: dict[str, Any]
+    config_path: Path
+    samples: int
+    tokens: int
+    longest: int
+    max_length: int
+    chosen: Cut                              # what max_length itself cuts (nothing unless asked for less)
+    cuts: list[Cut]                          # SpecForge's default and other lengths below the longest
+    aux_layer_ids: list[int] | None
+    merge: str                               # which merge merged/ is
+    hidden: str                              # what hidden_states/ holds
+    train_jsonl: Path
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def command(self) -> str:
+        return f"specforge train --config {shlex.quote(str(self.config_path))}"
+
+
+def cut_at(reader: TokenReader, lengths: np.ndarray, max_length: int) -> Cut:
+    over = np.nonzero(lengths > max_length)[0]
+    loss = 0
+    for k in over:
+        _ids, mask = reader.raw(reader.entries[int(k)])
+        loss += int(np.count_nonzero(mask[max_length:]))
+    return Cut(max_length, int(len(over)), int(np.sum(lengths[over] - max_length)), loss)
+
+
+def _aux_layer_ids(config: Config, notes: list[str]) -> list[int] | None:
+    """SGLang's numbering of the extracted layers: stats.json's, else from the config and the model's config.json."""
+    stats = config.run_dir / "hidden_states" / "stats.json"
+    try:
+        ids = json.loads(stats.read_text(encoding="utf-8")).get("draft_layer_ids")
+        if isinstance(ids, list) and len(ids) == 3:
+            return [int(x) for x in ids]
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
+    from draftgen.core.extract.model_info import read_model_dims, resolve_aux_layers, sglang_capture_ids
+    try:
+        dims = read_model_dims(config.extract.model, trust_remote_code=config.extract.trust_remote_code)
+        return sglang_capture_ids(resolve_aux_layers(config.extract.aux_layers, dims, config.path), dims, config.path)
+    except (ConfigError, DraftgenError) as e:
+        notes.append(f"aux layer ids not set (SpecForge then takes the draft config's or [1, N/2-1, N-4]): {e}")
+        return None
+
+
+def make_handoff(config: Config, *, max_length: int | None = None) -> Handoff:
+    """The SpecForge config and command for `config`'s merged set and hidden states (reads only)."""
+    if not config.extract.model:
+        raise ConfigError(f"{config.path}: extract.model is not set: SpecForge needs the target model "
+                          f"(model.target_model_path), the one the hidden states were extracted with")
+    run = config.run_dir
+    merged, hidden = run / "merged", run / "hidden_states"
+    if not (merged / "tokens" / INDEX_FILE).exists():
+        raise DraftgenError(f"{merged / 'tokens' / INDEX_FILE}: not found; run `draftgen merge {config.path}` "
+                            f"and `draftgen extract {config.path}` first")
+    reader = TokenReader(merged / "tokens")
+    lengths = np.array([e.length for e in reader.entries], dtype=np.int64)
+    longest = int(lengths.max()) if len(lengths) else 0
+    if max_length is not None and max_length < 1:
+        raise DraftgenError(f"--max-length {max_length}: must be at least 1")
+    chosen_length = max_length if max_length is not None else max(longest, 1)
+    notes: list[str] = []
+    fp = identity.read_fingerprint(merged / identity.FINGERPRINT_FILE)
+    merge = fp.describe() if fp is not None else f"merged by an older draftgen ({len(reader):,} samples)"
+    stored = identity.read_fingerprint(hidden / identity.HIDDEN_MERGE_FILE)
+    files = identity.stored_samples(hidden) if hidden.is_dir() else 0
+    if files == 0:
+        hidden_text = "none yet: run `draftgen extract` first"
+        notes.append(f"hidden_states/ holds no file yet: `draftgen extract {config.path}` first")
+    elif fp is not None and stored is not None and not stored.same_merge(fp):
+        hidden_text = f"{files:,} files of ANOTHER merge ({stored.describe()})"
+        notes.append(f"hidden_states/ belongs to another merge than merged/: `draftgen extract {config.path} "
+                     f"--start-over` (or --set-aside) before training")
+    else:
+        hidden_text = f"{files:,} of {len(reader):,} samples" + (f", {stored.describe()}" if stored else "")
+        if files < len(reader):
+            notes.append(f"only {files:,} of {len(reader):,} samples extracted: `draftgen extract {config.path}` "
+                         f"finishes the rest (training now would use those alone)")
+    aux = _aux_layer_ids(config, notes)
+    model: dict[str, Any] = {"target_model_path": config.extract.model, "torch_dtype": "bfloat16"}
+    if config.extract.trust_remote_code:
+        model["trust_remote_code"] = True
+    if aux is not None:
+        model["aux_hidden_state_layer_ids"] = aux
+    spec = {
+        "run_id": f"draftgen-{fp.merge_id}" if fp is not None else "draftgen",
+        "output_dir": str((run / "draft").resolve()),
+        "model": model,
+        "data": {"hidden_states_path": str(hidden.resolve()), "max_length": chosen_length,
+                 "cache_dir": str((run / "specforge-cache").resolve())},
+        "training": {"strategy": "eagle3"},
+    }
+    shown = sorted({SPECFORGE_DEFAULT_MAX_LENGTH, *SHOWN_LENGTHS} - {chosen_length})
+    return Handoff(config=spec, config_path=(hidden / CONFIG_FILE).resolve(), samples=len(reader),
+                   tokens=int(lengths.sum()), longest=longest, max_length=chosen_length,
+                   chosen=cut_at(reader, lengths, chosen_length),
+                   cuts=[cut_at(reader, lengths, n) for n in shown if n < longest],
+                   aux_layer_ids=aux, merge=merge, hidden=hidden_text,
+                   train_jsonl=(merged / "train.jsonl").resolve(), notes=notes)
+
+
+def _cut_text(c: Cut, samples: int, verb: str = "cuts") -> str:
+    if not c.samples:
+        return f"{verb} nothing"
+    return (f"{verb} {c.samples:,} of {samples:,} samples: {c.tokens:,} tokens, {c.loss_tokens:,} of them "
+            f"trained on (answer tokens)")
+
+
+def describe(h: Handoff) -> list[str]:
+    """The figures, one line each (the comments of train-command.sh)."""
+    lines = [f"SpecForge {SPECFORGE_VERSION} (draftgen's gpu extra): offline EAGLE-3 training on these hidden states",
+             f"merged/: {h.merge}; longest sample {h.longest:,} tokens",
+             f"hidden states: {h.hidden}",
+             f"data.max_length = {h.max_length:,}: {_cut_text(h.chosen, h.samples)}"
+             + ("" if h.chosen.samples else " (at least the longest sample)")]
+    for c in h.cuts:
+        default = " (SpecForge's default)" if c.max_length == SPECFORGE_DEFAULT_MAX_LENGTH else ""
+        lines.append(f"  max_length {c.max_length:,}{default} {_cut_text(c, h.samples, 'would cut')}")
+    aux = h.aux_layer_ids
+    lines += [f"target model: {h.config['model']['target_model_path']}",
+              f"aux layer ids (SGLang numbering): {aux if aux is not None else 'not set'}",
+              f"draft vocabulary: {SPECFORGE_DRAFT_VOCAB:,} (the draft config SpecForge derives from the target; "
+              f"the map from target ids is built from this data, cached in {h.config['data']['cache_dir']})",
+              f"data: {h.config['data']['hidden_states_path']} (offline features: ids, mask, states); the same "
+              f"samples as conversations: {h.train_jsonl}",
+              f"output: {h.config['output_dir']}"]
+    return lines + [f"NOTE: {n}" for n in h.notes]
+
+
+def write_handoff(h: Handoff) -> tuple[Path, Path]:
+    """hidden_states/specforge.json and train-command.sh (SpecForge's reader skips both: not .ckpt)."""
+    h.config_path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(h.config_path, h.config)
+    script = h.config_path.with_name(SCRIPT_FILE)
+    body = "#!/bin/sh\n" + "".join(f"# {line}\n" for line in describe(h)) + f"exec {h.command} \"$@\"\n"
+    write_atomic(script, body.encode())
+    script.chmod(script.stat().st_mode | 0o100)
+    return h.config_path, script
+
+
+def train_command(config: Config, *, max_length: int | None = None, out: TextIO | None = None) -> int:
+    """`draftgen train-command CONFIG [--max-length N]`: print and write the hand-off; 0."""
+    stream = out or sys.stdout
+    h = make_handoff(config, max_length=max_length)
+    try:
+        config_path, script = write_handoff(h)
+    except OSError as e:
+        from draftgen.core.files import disk_error
+        raise disk_error(h.config_path, e) from e
+    for line in describe(h):
+        print(f"# {line}", file=stream)
+    print(f"# config ({config_path}):", file=stream)
+    for line in json.dumps(h.config, indent=2).splitlines():
+        print(f"#   {line}", file=stream)
+    print(f"# (also in {script})", file=stream)
+    print(h.command, file=stream, flush=True)
+    return 0
