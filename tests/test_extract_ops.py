@@ -331,12 +331,13 @@ def test_group_readable_output_is_0640_in_0750_folders_else_owner_only(tmp_path:
         os.umask(old)
     assert stats.written == 3
     root = config.run_dir / "hidden_states"
-    files = sorted(p for p in root.rglob("*") if p.is_file())
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "train-command.sh")
     folders = [root, *sorted(p for p in root.rglob("*") if p.is_dir())]
-    assert len(files) == 4  # 3 samples + stats.json
+    assert len(files) == 6  # 3 samples + stats.json, merge.json and the training config
+    script = (root / "train-command.sh").stat().st_mode & 0o777
     modes = {p.stat().st_mode & 0o777 for p in files}, {p.stat().st_mode & 0o777 for p in folders}
     if group_readable:
-        assert modes == ({0o640}, {0o750})
+        assert modes == ({0o640}, {0o750}) and script == 0o750
         assert config.run_dir.stat().st_mode & 0o050 == 0o050  # the group can pass through the run folder
     else:
-        assert modes == ({0o600}, {0o700})
+        assert modes == ({0o600}, {0o700}) and script == 0o700

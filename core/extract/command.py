@@ -119,31 +119,15 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
     if rank0:
         for line in format_plan(plan):
             print(line, file=stream, flush=True)
-        if not standing.usable:
-            what = ("deleted (--start-over)" if on_other_merge == claim.START_OVER else
-                    f"moved to {claim.identity.aside_path(hidden, standing.stored)}/ (--set-aside)")
-            why = "; ".join(standing.differences())
-            print(f"hidden_states/ holds {standing.files:,} files of another merge ({why}): they are {what}"
-                  f" and every sample of {standing.current.describe()} is extracted (the plan "
-                  f"above counted them as done)", file=stream, flush=True)
-        else:
-            print(f"hidden states belong to {standing.current.describe()}", file=stream, flush=True)
-    if plan.nothing_to_do and standing.usable:
-        if standing.state == claim.ADOPTED and rank0:
-            claim.settle(hidden, config.run_dir / "merged", claim.REFUSE, config.path)
+        print(_standing_line(standing, hidden, on_other_merge), file=stream, flush=True)
+    if _nothing_left(config, plan, standing, rank0):
         return 0
     if plan.gpu is not None and plan.gpu.refusal:  # before any weight loads
         raise DraftgenError(plan.gpu.refusal)
     if disk_watch is None:
         disk_watch = DiskWatch(margin_bytes=int(config.extract.min_free_gb * 2**30),
                                say=lambda m: print(m, file=stream, flush=True))
-    try:
-        from draftgen.core.extract.runner import extract
-    except ModuleNotFoundError as e:
-        if e.name != "torch":
-            raise
-        raise DraftgenError("draftgen extract needs PyTorch, which is not installed: "
-                            "pip install 'draftgen[extract]' (or torch itself, see README)") from None
+    extract = _runner_extract()
     publisher = None
     if rank0 and config.run_dir.is_dir():  # `draftgen attach RUN_DIR` shows the stage and the GPU panel
         from draftgen.core.extract.live import ExtractPublisher
@@ -172,6 +156,47 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
                                          f"{stats.nan_samples:,} NaN)")
     if not rank0:
         return 0  # under torchrun rank 0 planned, wrote and reports; the others only ran forwards
+    _print_summary(config, stats, parsed, stream)
+    return 0
+
+def _standing_line(standing: Any, hidden: Any, on_other_merge: str) -> str:
+    """What the plan says of hidden_states/: whose merge they are, or what happens to another merge's."""
+    from draftgen.core.extract import claim
+    if standing.usable:
+        return f"hidden states belong to {standing.current.describe()}"
+    what = ("deleted (--start-over)" if on_other_merge == claim.START_OVER else
+            f"moved to {claim.identity.aside_path(hidden, standing.stored)}/ (--set-aside)")
+    why = "; ".join(standing.differences())
+    return (f"hidden_states/ holds {standing.files:,} files of another merge ({why}): they are {what}"
+            f" and every sample of {standing.current.describe()} is extracted (the plan "
+            f"above counted them as done)")
+
+
+def _nothing_left(config: Config, plan: Any, standing: Any, rank0: bool) -> bool:
+    """Every sample is written, for this merge: nothing to load (an older folder checked file by file is
+    recorded as this merge's on the way)."""
+    from draftgen.core.extract import claim
+    if not (plan.nothing_to_do and standing.usable):
+        return False
+    if standing.state == claim.ADOPTED and rank0:
+        claim.settle(config.run_dir / "hidden_states", config.run_dir / "merged", claim.REFUSE, config.path)
+    return True
+
+
+def _runner_extract() -> Any:
+    """runner.extract, or a DraftgenError saying how to install torch when it is missing."""
+    try:
+        from draftgen.core.extract.runner import extract
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        raise DraftgenError("draftgen extract needs PyTorch, which is not installed: "
+                            "pip install 'draftgen[extract]' (or torch itself, see README)") from None
+    return extract
+
+
+def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: TextIO) -> None:
+    """Rank 0's closing lines: what was written, the hand-off, the draft config, what was skipped."""
     where = config.run_dir / "hidden_states"
     print(f"extract {'stopped' if stats.stopped else 'done'}: {stats.written:,} files written to {where} "
           f"({fmt_count(stats.tokens_written)} tokens, {fmt_bytes(stats.bytes_written)}, "
@@ -196,7 +221,7 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
         shown = ", ".join(str(x["index"]) for x in stats.nan[:10])
         more = f" and {stats.nan_samples - 10} more" if stats.nan_samples > 10 else ""
         print(f"warning: samples with NaN/Inf (not written): {shown}{more}; see stats.json", file=stream, flush=True)
-    return 0
+
 
 
 def self_check_command(config: Config | None, *, long_tokens: int, out: TextIO | None = None) -> int:

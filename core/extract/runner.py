@@ -407,9 +407,9 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         stats.elapsed_s = round(elapsed, 3)
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
     write_json_atomic(stats_path(root, shard), stats.to_dict())
-    if cfg.group_readable:
-        os.chmod(stats_path(root, shard), GROUP_FILE_MODE)
     _leave_handoff(config, events)
+    if cfg.group_readable:
+        _open_to_group(root)
     summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
                f"{stats.skipped_existing:,} already there"
                + (f", {stats.too_long_samples:,} longer than the context (skipped)" if stats.too_long_samples else ""))
@@ -419,6 +419,15 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         reporter.emit(StageState.STOPPED if stats.stopped else StageState.DONE, force=True,
                       message=("stopped: " if stats.stopped else "") + summary)
     return stats
+
+
+def _open_to_group(root: Path) -> None:
+    """The files beside the samples (stats, merge.json, the training hand-off) readable by the group too,
+    as the samples are (extract.group_readable); the hand-off script stays executable."""
+    for path in root.iterdir():
+        if path.is_file() and TMP_MARK not in path.name:
+            mode = path.stat().st_mode & 0o777
+            os.chmod(path, mode | (GROUP_FILE_MODE & 0o070) | (0o010 if mode & 0o100 else 0))
 
 
 def _leave_handoff(config: Config, events: EventLog) -> None:

@@ -156,6 +156,35 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     runs = len(s.timeline.runs)
     out = [f"draftgen: {s.run_name}: {s.label()} after {clock(s.elapsed_s)} this run"
            + (f" (first started {started}, {runs} runs)" if runs > 1 else "")]
+    out += _dataset_rows(s)
+    out += _spend_lines(s, runs)
+    out += _tokens_lines(s, config_hint)
+    for line in stopped_lines(s, config_hint):
+        out += textwrap.wrap(line, WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
+    if s.alert:
+        out += textwrap.wrap(f"alert: {s.alert}", WIDTH, initial_indent="  ", subsequent_indent="    ")
+    # Answers the disk refused: written late, spooled (and where) or lost; never left unsaid.
+    if s.held:
+        out += textwrap.wrap(f"held answers: {s.held}", WIDTH, initial_indent="  ", subsequent_indent="    ",
+                             break_long_words=False, break_on_hyphens=False)
+    if s.held_answers:
+        out += textwrap.wrap(f"{s.held_answers:,} paid answer(s) still held in memory, not on disk", WIDTH,
+                             initial_indent="  ", subsequent_indent="    ")
+    rest = prompts_left(s.datasets)
+    if exit_code == EXIT_INCOMPLETE and rest:
+        out += textwrap.wrap(f"{rest:,} prompts not asked yet: `draftgen run {config_hint}` again resumes them",
+                             WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
+    if s.state == RunState.LIMITED:
+        out += textwrap.wrap(f"max_usd left prompts unasked (counted skipped, not failed): raise [budget] max_usd and "
+                             f"`draftgen run {config_hint}` again asks them", WIDTH, initial_indent="  ",
+                             subsequent_indent="    ", break_on_hyphens=False)
+    out.append(f"  exit {exit_code} ({EXIT_MEANING.get(exit_code, 'see docs/run-end.md')})")
+    return out
+
+
+def _dataset_rows(s: RunSnapshot) -> list[str]:
+    """A row per dataset and the total row, and any dataset past its token budget."""
+    out: list[str] = []
     if not sum(d.total for d in s.datasets):
         out.append("  no prompt was read: the run did not start")
     elif s.datasets:
@@ -182,6 +211,12 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
                                      f"{d.token_budget:,} ({100 * over / d.token_budget:.1f}%): answers already "
                                      "in flight when it was reached, kept", WIDTH, initial_indent="  ",
                                      subsequent_indent="    ")
+    return out
+
+
+def _spend_lines(s: RunSnapshot, runs: int) -> list[str]:
+    """What was spent this run and in all, what of it was not answers, against max_usd."""
+    out: list[str] = []
     c = s.credits
     # "All runs" on a first run is this run plus its smoke test: "in all" says it without a second run.
     every = "all runs of the directory" if runs > 1 else "in all"
@@ -194,6 +229,12 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     if c.max_usd is not None:
         spend += f" (max_usd {usd(c.max_usd)})"
     out += textwrap.wrap(spend, WIDTH, initial_indent="  ", subsequent_indent="    ")
+    return out
+
+
+def _tokens_lines(s: RunSnapshot, config_hint: str) -> list[str]:
+    """How many answers have token ids, what broke, and how to finish (live reconstruction)."""
+    out: list[str] = []
     tokens = next((p for p in s.stages if p.name == "tokens"), None)
     if tokens is not None:  # live reconstruction: how many answers have token ids, and how to finish
         line = f"tokens: {tokens.done:,} of {tokens.total:,} answers"
@@ -204,24 +245,4 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
             line += f"; finish with `draftgen tokens {config_hint}`"
         out += textwrap.wrap(line, WIDTH, initial_indent="  ", subsequent_indent="    ", break_long_words=False,
                              break_on_hyphens=False)
-    for line in stopped_lines(s, config_hint):
-        out += textwrap.wrap(line, WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
-    if s.alert:
-        out += textwrap.wrap(f"alert: {s.alert}", WIDTH, initial_indent="  ", subsequent_indent="    ")
-    # Answers the disk refused: written late, spooled (and where) or lost; never left unsaid.
-    if s.held:
-        out += textwrap.wrap(f"held answers: {s.held}", WIDTH, initial_indent="  ", subsequent_indent="    ",
-                             break_long_words=False, break_on_hyphens=False)
-    if s.held_answers:
-        out += textwrap.wrap(f"{s.held_answers:,} paid answer(s) still held in memory, not on disk", WIDTH,
-                             initial_indent="  ", subsequent_indent="    ")
-    rest = prompts_left(s.datasets)
-    if exit_code == EXIT_INCOMPLETE and rest:
-        out += textwrap.wrap(f"{rest:,} prompts not asked yet: `draftgen run {config_hint}` again resumes them",
-                             WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
-    if s.state == RunState.LIMITED:
-        out += textwrap.wrap(f"max_usd left prompts unasked (counted skipped, not failed): raise [budget] max_usd and "
-                             f"`draftgen run {config_hint}` again asks them", WIDTH, initial_indent="  ",
-                             subsequent_indent="    ", break_on_hyphens=False)
-    out.append(f"  exit {exit_code} ({EXIT_MEANING.get(exit_code, 'see docs/run-end.md')})")
     return out
