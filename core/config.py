@@ -26,12 +26,19 @@ from typing import Any, Literal
 import orjson
 
 from draftgen.core.errors import ConfigError
+from draftgen.core.request_keys import (
+    COMPLETION_LIMIT_KEYS,
+    OPENROUTER_ONLY_KEYS,
+    check_reasoning_budget,
+    check_request_table,
+    known_key,
+)
 from draftgen.core.secrets import key_problem
 from draftgen.core.servers import IDS_KEYS, ids_request, server_at
 
+__all__ = ["COMPLETION_LIMIT_KEYS", "OPENROUTER_ONLY_KEYS"]  # re-exported: smoke.py and others read them here
+
 ServerKind = Literal["openrouter", "openai-compatible"]
-# Request keys only OpenRouter takes: a strict OpenAI-compatible server answers them with a 422.
-OPENROUTER_ONLY_KEYS = ("include_reasoning", "provider", "reasoning", "usage", "transforms", "models", "route")
 # What the server behind a base_url said it is (GET /key answered or 404), once per process, for
 # `kind = "auto"` off openrouter.ai: set by note_server_kind before the first request.
 _DETECTED: dict[str, ServerKind] = {}
@@ -83,6 +90,14 @@ class ApiConfig:
     # How long an abandoned generation is looked up (GET /generation?id=, retried on 404) before it is
     # left pending for the next run or `draftgen ledger`.
     generation_lookup_s: float = 120.0
+    # Request keys draftgen does not know, sent as written (core/request_keys.py): their effect on what is
+    # generated and billed is the user's to know; the reservation counts them as changing nothing.
+    request_pass_through: list[str] = field(default_factory=list)
+
+    @property
+    def openrouter_for_sure(self) -> bool:
+        """The kind is OpenRouter's whatever the server answers (set so, or `auto` on openrouter.ai)."""
+        return self.kind == "openrouter" or (self.kind == "auto" and "openrouter.ai" in self.base_url)
 
     @property
     def server_kind(self) -> ServerKind:
@@ -519,14 +534,12 @@ def _check_prompts_path(file: Path, where: str, path: Path) -> None:
                       f"JSONL(.gz) file")
 
 
-# The request keys that cap the answer: the server sees them, so the reservation must be theirs.
-COMPLETION_LIMIT_KEYS = ("max_tokens", "max_completion_tokens")
-
-
 def _completion_limit(file: Path, i: int, ds: DatasetConfig, explicit: bool, request: dict[str, Any]) -> DatasetConfig:
-    """The dataset with the one answer cap its requests carry. A `max_tokens`/`max_completion_tokens` in
-    [request] or the dataset's `request` must equal the dataset's `max_tokens` when that is set (the
-    reservation and the token budget use it); set only in a request table, it is the dataset's."""
+    """The dataset with the one answer cap its requests carry. An answer cap (`max_tokens`,
+    `max_completion_tokens`, `max_output_tokens`, `max_new_tokens`: servers honour one name or another,
+    so all are one cap) in [request] or the dataset's `request` must equal the dataset's `max_tokens`
+    when that is set (the reservation and the token budget use it); set only in a request table, it is
+    the dataset's."""
     found: dict[str, tuple[str, int]] = {}  # key -> (where, value), the dataset's table over [request] as in the body
     for where, table in (("request", request), (f"datasets[{i}].request", ds.request)):
         for key in COMPLETION_LIMIT_KEYS:
@@ -583,10 +596,13 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     request = raw.get("request", {})
     if not isinstance(request, dict):
         raise ConfigError(f"{file}: [request] must be a table, not {request!r}")
-    for reserved in ("messages", "model"):
-        if reserved in request:
-            raise ConfigError(f"{file}: request.{reserved} cannot be set here (messages come from the prompt "
-                              f"files, the model from api.model)")
+    api: ApiConfig = parts["api"]
+    for i, key in enumerate(api.request_pass_through):
+        if known_key(key):
+            raise ConfigError(f"{file}: api.request_pass_through[{i}] = {key!r} is a request key draftgen knows "
+                              f"(core/request_keys.py decides what it may do): remove it from the list")
+    pass_through = tuple(api.request_pass_through)
+    check_request_table(file, "request", request, openrouter=api.openrouter_for_sure, pass_through=pass_through)
 
     raw_datasets = raw.get("datasets")
     if not raw_datasets:
@@ -598,6 +614,9 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     for i, table in enumerate(raw_datasets):
         ds: DatasetConfig = _build(DatasetConfig, table, f"datasets[{i}]", file)
         where = f"datasets[{i}] ({ds.name})"
+        own = f"datasets[{i}].request"
+        check_request_table(file, own, ds.request, openrouter=api.openrouter_for_sure, pass_through=pass_through,
+                            dataset=ds.name)
         if not ds.name or "/" in ds.name or ds.name.startswith(".") or ds.name in ("merged", "hidden_states"):
             raise ConfigError(f"{file}: datasets[{i}].name {ds.name!r} cannot be used as a folder name")
         if not ds.name.isprintable():  # printed in the UI and the log, and a folder name: no control characters
@@ -611,11 +630,12 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
         _positive(file, f"{where}.max_tokens", ds.max_tokens)
         _positive(file, f"{where}.token_budget", ds.token_budget)
         ds = _completion_limit(file, i, ds, "max_tokens" in table, request)
+        check_reasoning_budget(file, "request", request, ds.max_tokens, ds.name)
+        check_reasoning_budget(file, own, ds.request, ds.max_tokens, ds.name)
         prompts = base / ds.prompts
         _check_prompts_path(file, f"datasets[{i}].prompts", prompts)
         datasets.append(dataclasses.replace(ds, prompts=prompts))
 
-    api: ApiConfig = parts["api"]
     if not api.base_url.startswith(("http://", "https://")):
         raise ConfigError(f"{file}: api.base_url must start with http:// or https://, not {api.base_url!r}")
     _positive(file, "api.request_timeout_s", api.request_timeout_s)

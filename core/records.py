@@ -86,6 +86,7 @@ class ErrorKind(StrEnum):
     OTHER_4XX = "other_4xx"
     UNEXPECTED_FIELD = "4xx_unexpected_field"  # the server refuses a request key (a strict server's 422)
     MODERATED = "moderated"
+    PAST_CAP = "past_cap"                   # a provider ran the answer past max_tokens: cut, not kept
     # Answers that count as done but are tallied as errors:
     LENGTH = "length"
     EMPTY_CONTENT = "empty_content"

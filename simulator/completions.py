@@ -298,7 +298,11 @@ class Completions:
         pool = self._pool()
         answer = pool.pick(style_of_prompt(shaping.last_user_text(ask.messages)),
                            int(ask.key[:15], 16) + cfg.seed * 0x9E3779B97F4A7C15)
-        completion = pool.complete(answer, ask.max_tokens, think)
+        cap = ask.max_tokens
+        over = cfg.past_max_tokens if cap is not None and (
+            not cfg.past_max_tokens_providers or provider.name in cfg.past_max_tokens_providers) else 0
+        # A provider past max_tokens generates (and bills) more than the request allows.
+        completion = pool.complete(answer, cap + over if cap is not None and over else cap, think)
         billed_tokens = completion.completion_tokens
         if draws[4] < cfg.tokens_drift:
             billed_tokens = max(1, billed_tokens + (1 if draws[5] < 0.5 else -1))

@@ -135,6 +135,13 @@ class SimConfig:
     fallback_rate: float = 0.1
     # Chance that the billed completion_tokens is off by one from the answer's real count.
     tokens_drift: float = 0.0
+    # A provider that runs past max_tokens: it generates (and bills) up to this many tokens more than the
+    # request's max_tokens allows (0: every provider honours max_tokens). Only the providers named in
+    # past_max_tokens_providers do (empty: all of them).
+    past_max_tokens: int = 0
+    past_max_tokens_providers: tuple[str, ...] = ()
+    # Per model id, a factor on the prices its endpoints listing shows (fallback models that cost more).
+    model_price_factor: Mapping[str, float] = field(default_factory=dict)
     # The system turn the simulated servers render in front of a conversation that has none, counted
     # in usage.prompt_tokens: None as Kimi-K2.5's chat template does; a text to play a server that
     # renders another prompt than the run reconstructs (the prompt check then fails).
@@ -177,6 +184,10 @@ class SimConfig:
         _check(self.max_in_flight is None or self.max_in_flight >= 1, "max_in_flight", "must be >= 1")
         _check(0 <= self.fallback_rate <= 1, "fallback_rate", "must be in [0, 1]")
         _check(0 <= self.tokens_drift <= 1, "tokens_drift", "must be in [0, 1]")
+        _check(self.past_max_tokens >= 0, "past_max_tokens", "must be >= 0")
+        object.__setattr__(self, "past_max_tokens_providers", tuple(self.past_max_tokens_providers))
+        object.__setattr__(self, "model_price_factor", {str(k): float(v) for k, v in self.model_price_factor.items()})
+        _check(all(v > 0 for v in self.model_price_factor.values()), "model_price_factor", "factors must be > 0")
         _check(self.reasoning_field in ("reasoning", "reasoning_content"), "reasoning_field",
                "must be 'reasoning' or 'reasoning_content'")
         _check(self.processing_comment_s > 0, "processing_comment_s", "must be > 0")
@@ -214,6 +225,7 @@ class SimConfig:
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         out["faults"] = dict(self.faults)
+        out["model_price_factor"] = dict(self.model_price_factor)
         out["providers"] = [dataclasses.asdict(p) for p in self.providers]
         out["api_key"] = None if self.api_key is None else "(set)"  # never echo a key
         out["management_keys"] = None if self.management_keys is None else len(self.management_keys)

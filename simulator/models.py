@@ -39,9 +39,10 @@ class Models:
         return (models is None or model in models) and not self._scenarios.live("unknown_model")
 
     def endpoint(self, p: SimProvider, model: str) -> dict[str, Any]:
+        f = self._config().model_price_factor.get(model, 1.0)
         return {
             "name": f"{p.name} | {model}", "model_name": model, "context_length": p.context_length,
-            "pricing": {"prompt": per_token(p.usd_per_m_in), "completion": per_token(p.usd_per_m_out),
+            "pricing": {"prompt": per_token(p.usd_per_m_in * f), "completion": per_token(p.usd_per_m_out * f),
                         "request": "0", "image": "0"},
             "provider_name": p.name, "tag": f"{p.slug}/{p.quantization}", "quantization": p.quantization,
             "max_completion_tokens": completion_limit(p, self._scenarios), "max_prompt_tokens": p.max_prompt_tokens,

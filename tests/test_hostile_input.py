@@ -586,7 +586,8 @@ async def test_hostile_answers_stay_text_and_are_validated_right(tmp_path):
                                       for i in range(5)))
     async with HostileUpstream() as upstream:
         cfg = make_config(tmp_path, upstream.base_url,
-                          [{"name": "chat[v2]", "prompts": str(prompts), "concurrency": 4},
+                          # max_tokens above the 1 MB answer's count: an answer past it is not kept.
+                          [{"name": "chat[v2]", "prompts": str(prompts), "concurrency": 4, "max_tokens": 1_000_000},
                            {"name": "hand", "prompts": str(hand_prompts), "concurrency": 2}],
                           tables={"tokenizer": {"path": str(bundled_kimi_path())},
                                   "engine": {"workers": 1, "max_attempts": 2}})

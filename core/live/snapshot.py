@@ -301,6 +301,8 @@ class EventKind(StrEnum):
     HELD_WRITTEN = "held_written"
     HISTORY = "history"                      # history.jsonl could not be written
     MERGE_DONE = "merge_done"
+    OVER_RESERVATION = "over_reservation"    # an attempt billed past its reservation (a provider's doing)
+    PAST_CAP = "past_cap"                    # a provider ran an answer past max_tokens: cut, not kept
     PAUSED = "paused"
     PENDING = "pending"                      # attempts of earlier runs not priced yet
     PRICES = "prices"

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from draftgen.core.records import ErrorKind
+from draftgen.core.records import ErrorKind, Usage
 
 
 class Whose(StrEnum):
@@ -68,6 +68,7 @@ WHOSE: dict[ErrorKind, Whose] = {
     ErrorKind.EMPTY_CHOICES: Whose.TRANSIENT,
     ErrorKind.REQUEST_TIMEOUT: Whose.TRANSIENT,
     ErrorKind.IN_FLIGHT_BUDGET: Whose.TRANSIENT,
+    ErrorKind.PAST_CAP: Whose.TRANSIENT,
     ErrorKind.BAD_REQUEST: Whose.PROMPT,
     ErrorKind.CONTEXT_LENGTH: Whose.PROMPT,
     ErrorKind.INVALID_PROMPT: Whose.PROMPT,
@@ -90,7 +91,7 @@ WHOSE: dict[ErrorKind, Whose] = {
 # the other prompts more answers than answer faults since this one was first sent. Every other
 # transient kind is the service's.
 ANSWER_KINDS = frozenset({ErrorKind.TIMEOUT, ErrorKind.BAD_BODY, ErrorKind.ERROR_IN_200,
-                          ErrorKind.FINISH_ERROR, ErrorKind.EMPTY_CHOICES})
+                          ErrorKind.FINISH_ERROR, ErrorKind.EMPTY_CHOICES, ErrorKind.PAST_CAP})
 # A 4xx that names no cause OpenRouter documents (a provider's own validation message passed on): as
 # likely this prompt's content as a request parameter every prompt of the dataset carries. Set aside
 # unrecorded until a request sent after it is answered (then it was the prompt's: it fails) or several
@@ -116,6 +117,16 @@ class ErrorBody:
         return value if isinstance(value, str) else ""
 
 
+@dataclass(frozen=True)
+class PastCap:
+    """An answer a provider ran past the body's answer cap."""
+    cap: int                 # the body's answer cap (max_tokens)
+    tokens: int              # completion tokens: counted (usage) or estimated from the text streamed
+    counted: bool
+    usage: Usage | None = None   # the answer's usage, when it came
+    priced: bool = False         # usage.cost was in it
+
+
 class RequestFailed(Exception):
     """A request that did not produce an answer, why (`kind`), and whose problem it is (`whose`)."""
 
@@ -136,6 +147,18 @@ class RequestFailed(Exception):
         # for in `error.code` (OpenRouter: "the same status code as error.code"): 503, 429, ...
         self.code = code if isinstance(code, int) and not isinstance(code, bool) else (
             int(code) if isinstance(code, str) and code.isdigit() else None)
+        self.past_cap: PastCap | None = None  # kind PAST_CAP: what the provider produced past the cap
+
+    @classmethod
+    def ran_past_cap(cls, cap: PastCap, provider: str | None) -> RequestFailed:
+        """A provider ran the answer past the body's answer cap (client.py cut the stream, or the usage
+        said so): not kept, booked at what it billed (billing.py), retried like an answer fault."""
+        how = (f"{cap.tokens:,} completion tokens billed" if cap.counted else
+               f"~{cap.tokens:,} completion tokens streamed (text length) when the client cut the stream")
+        e = cls(ErrorKind.PAST_CAP, f"provider {provider or '(unnamed)'} ran past max_tokens {cap.cap:,}: {how}; "
+                "the answer is not kept", metadata={"provider_name": provider} if provider else None)
+        e.past_cap = cap
+        return e
 
     @property
     def whose(self) -> Whose:

@@ -8,6 +8,10 @@ Everything upstream says besides the answer's text is redacted here, where it en
 the X-Generation-Id header, `provider`, `model`, `id`, the finish reasons, every error's message and
 metadata, a generation record. An upstream that echoes the key in any of them (plain, JSON-escaped,
 percent-encoded, base64) gets it into no ledger, record, event, attach stream or panel.
+
+An answer a provider runs past the body's answer cap (core/request_keys.py `past_cap_limits`) is not
+returned: a stream is cut (closed by the client) as soon as its usage counts, or its text length, pass
+the cap by the margin, and a finished answer whose usage does is refused the same way (PAST_CAP).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 
-from draftgen.core.generate.api.classify import RequestFailed, cannot_connect, classify_status
+from draftgen.core.generate.api.classify import PastCap, RequestFailed, cannot_connect, classify_status
 from draftgen.core.records import ErrorKind, Usage
+from draftgen.core.request_keys import TEXT_CHARS_PER_TOKEN, body_max_tokens, past_cap_limits
 from draftgen.core.secrets import Redactor
 
 __all__ = ["ChatAnswer", "ChatClient", "RequestFailed", "classify_status", "parse_completion"]
@@ -219,7 +224,10 @@ MAX_SSE_LINE = 1 << 24
 class _StreamState:
     """Accumulates SSE chunks into the same shape as a non-streamed body."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int = 0) -> None:
+        self.cap = cap  # the body's answer cap (0: none)
+        self.token_limit, self.char_limit = past_cap_limits(cap)
+        self.chars = 0  # answer text streamed (content, reasoning, tool arguments): the estimate without counts
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
@@ -252,6 +260,11 @@ class _StreamState:
         value = get("usage")
         if value:
             self.usage = value
+            if self.token_limit and type(value) is dict:
+                done = value.get("completion_tokens")
+                if type(done) is int and done > self.token_limit:  # counts mid-stream (vLLM's continuous usage)
+                    raise RequestFailed.ran_past_cap(PastCap(self.cap, done, True, _usage_of(value),
+                                                             _has_cost(value)), self.meta.get("provider"))
         value = get("sglext")
         if isinstance(value, dict):  # SGLang may split it over two chunks (its ids in a named event)
             self.sglext = value if self.sglext is None else {**self.sglext, **value}
@@ -278,9 +291,11 @@ class _StreamState:
                 text = dget("content")
                 if text:
                     self.content.append(text)
+                    self.chars += len(text)
                 text = dget("reasoning") or dget("reasoning_content")
                 if text and isinstance(text, str):
                     self.reasoning.append(text)
+                    self.chars += len(text)
                 calls = dget("tool_calls")
                 if calls:
                     self._tool_call_deltas(calls)
@@ -290,6 +305,9 @@ class _StreamState:
             value = cget("native_finish_reason")
             if value:
                 self.native_finish_reason = value
+        if self.char_limit and self.chars > self.char_limit:
+            raise RequestFailed.ran_past_cap(PastCap(self.cap, self.chars // TEXT_CHARS_PER_TOKEN, False),
+                                             self.meta.get("provider"))
 
     def _tool_call_deltas(self, calls: list[dict[str, Any]]) -> None:
         for tc in calls:
@@ -300,7 +318,9 @@ class _StreamState:
             fn = tc.get("function") or {}
             if fn.get("name"):
                 slot["function"]["name"] = fn["name"]
-            slot["function"]["arguments"] += fn.get("arguments") or ""
+            args = fn.get("arguments") or ""
+            slot["function"]["arguments"] += args
+            self.chars += len(args)
 
     def body(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content),
@@ -391,8 +411,9 @@ class ChatClient:
                         on_generation(self._redact(gen_id))
                 if resp.status != 200:
                     raise classify_status(resp.status, await resp.read(), resp.headers)
+                cap = body_max_tokens(body, 0)
                 if body.get("stream"):
-                    obj = await self._read_sse(resp)
+                    obj = await self._read_sse(resp, cap)
                 else:
                     raw = await resp.read()
                     try:
@@ -424,17 +445,21 @@ class ChatClient:
             raise RequestFailed(ErrorKind.BAD_BODY, f"bad response: {e.message}") from None
         try:
             answer = parse_completion(obj, time.monotonic() - start)
+            if cap and answer.usage.completion_tokens > past_cap_limits(cap)[0]:
+                u = answer.usage
+                raise RequestFailed.ran_past_cap(PastCap(cap, u.completion_tokens, True, u, answer.priced),
+                                                 answer.provider)
         except RequestFailed as e:
             raise redacted(e, self._redact) from None
         return redacted_answer(answer, self._redact)
 
-    async def _read_sse(self, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    async def _read_sse(self, resp: aiohttp.ClientResponse, cap: int = 0) -> dict[str, Any]:
         """The answer of an SSE stream. Whatever has arrived is taken at once (`iter_any`) and split into
         lines here: aiohttp's line iterator costs a buffer round trip per line, more than the JSON
         decode of the event. Lines that are not `data:` (`: OPENROUTER PROCESSING` keep-alives, blank
         separators, `event:`/`id:` fields) are skipped; each event is decoded once (orjson skips the
         space after `data:` and a `\r` before the newline), and its deltas are joined once at the end."""
-        state = _StreamState()
+        state = _StreamState(cap)
         partial: list[bytes] = []  # a line still arriving, in pieces
         size = 0
         async for data in resp.content.iter_any():

@@ -6,8 +6,14 @@ one per provider: `provider_name`, `tag`, `quantization`, `pricing.prompt` / `pr
 `pricing.request` in USD per token or per request, as strings), filtered by the dataset's
 `provider` routing (`ignore`, `only`, `quantizations`): with `allow_fallbacks` any allowed endpoint
 may serve a request, so the worst case takes the highest prompt and the highest completion price
-among them. `[api] prompt_price_per_mtok` / `completion_price_per_mtok` set the prices for servers
-without that listing (and win over it when set).
+among them. A body with fallback models (`models = [...]`, OpenRouter's `route = "fallback"`) may be
+served by any of them: each one's listing is read and the worst case takes the highest prices over
+every model and endpoint the routing allows. `[api] prompt_price_per_mtok` / `completion_price_per_mtok`
+set the prices for servers without that listing (and win over it when set).
+
+The worst case is read from the body actually sent: its largest answer cap (`max_tokens` and its other
+names, a reasoning budget), times the answers it asks for (`n`, `best_of`; the load refuses more than
+one, the reservation still counts them).
 
 Prompt tokens are bounded without the tokenizer (the engine does not load it; reconstruction runs
 in worker processes): every token of a byte-level BPE covers at least one byte, so the UTF-8 bytes
@@ -25,6 +31,9 @@ import aiohttp
 from draftgen.core.config import Config, DatasetConfig
 from draftgen.core.errors import ConfigError
 from draftgen.core.generate.api.client import ChatClient, RequestFailed
+from draftgen.core.request_keys import body_answers, body_max_tokens, fallback_models
+
+__all__ = ["body_answers", "body_max_tokens"]  # re-exported: where the rest of the engine reads them
 
 TEMPLATE_TOKENS_PER_MESSAGE = 8   # role header, separators and end marker of the chat template
 TEMPLATE_TOKENS = 8               # the generation prompt (assistant header, <think>)
@@ -74,14 +83,6 @@ def prompt_token_bound(messages: Sequence[Mapping[str, Any]]) -> int:
     return n
 
 
-def body_max_tokens(body: Mapping[str, Any], default: int) -> int:
-    """The most completion tokens `body` lets the server produce: the larger of `max_tokens` and
-    `max_completion_tokens` (OpenAI's newer name; a server may honour either), `default` without them."""
-    caps = [v for k in ("max_tokens", "max_completion_tokens")
-            if isinstance(v := body.get(k), int) and not isinstance(v, bool)]
-    return max(caps) if caps else default
-
-
 def body_prompt_bound(body: Mapping[str, Any]) -> int:
     """An upper bound on the prompt tokens of the request `body`: its messages, and the tool
     declarations the chat template renders into the prompt."""
@@ -92,8 +93,10 @@ def body_prompt_bound(body: Mapping[str, Any]) -> int:
 
 
 def body_worst_case(prices: Prices, body: Mapping[str, Any], default_max_tokens: int) -> float:
-    """The worst-case cost of sending exactly `body`: what every reservation is made of."""
-    return prices.worst_case(body_prompt_bound(body), body_max_tokens(body, default_max_tokens))
+    """The worst-case cost of sending exactly `body`: what every reservation is made of (the run's
+    admission, its retries and the smoke test's requests alike)."""
+    worst = prices.worst_case(body_prompt_bound(body), body_max_tokens(body, default_max_tokens))
+    return worst * body_answers(body)
 
 
 def _price(raw: Any) -> float:
@@ -154,21 +157,34 @@ def allowed(endpoints: Sequence[Endpoint], routing: Any) -> list[Endpoint]:
     return out
 
 
-def dataset_prices(config: Config, ds: DatasetConfig, endpoints: Sequence[Endpoint] | None) -> Prices | None:
-    """The worst-case prices for `ds`; None when neither the config nor the listing gives any."""
+def dataset_prices(config: Config, ds: DatasetConfig, endpoints: Sequence[Endpoint] | None,
+                   fallbacks: Mapping[str, Sequence[Endpoint] | None] | None = None) -> Prices | None:
+    """The worst-case prices for `ds`; None when neither the config nor the listing gives any. With
+    fallback models in its body (`models`), `fallbacks` holds each one's listing: a model without one
+    (or whose routing allows no endpoint) leaves the dataset unpriced, since it may serve any request."""
     api = config.api
     if api.prompt_price_per_mtok is not None or api.completion_price_per_mtok is not None:
         return Prices((api.prompt_price_per_mtok or 0.0) / 1e6, (api.completion_price_per_mtok or 0.0) / 1e6, 0.0,
                       "config [api] prompt_price_per_mtok / completion_price_per_mtok")
     if not endpoints:
         return None
-    routing = config.request_body(ds, []).get("provider")
+    body = config.request_body(ds, [])
+    routing = body.get("provider")
     ok = allowed(endpoints, routing)
     if not ok:
         return None
+    listed = len(endpoints)
+    models = [m for m in fallback_models(body) if m != api.model]
+    for model in models:
+        theirs = allowed((fallbacks or {}).get(model) or (), routing)
+        if not theirs:
+            return None
+        ok += theirs
+        listed += len((fallbacks or {}).get(model) or ())
+    also = f" over {1 + len(models)} models (fallbacks {', '.join(models)})" if models else ""
     return Prices(max(e.prompt for e in ok), max(e.completion for e in ok), max(e.request for e in ok),
-                  f"endpoints listing: worst of {len(ok)} of {len(endpoints)} providers the routing allows",
-                  tuple(sorted(e.provider or e.tag for e in ok)))
+                  f"endpoints listing: worst of {len(ok)} of {listed} providers the routing allows{also}",
+                  tuple(sorted({e.provider or e.tag for e in ok})))
 
 
 def require_prices(config: Config, prices: Mapping[str, Prices | None], listing_error: str) -> None:
@@ -189,19 +205,31 @@ def endpoints_path(model: str) -> str:
     return f"/models/{model.strip('/')}/endpoints"
 
 
+async def _listing(client: ChatClient, model: str) -> tuple[list[Endpoint] | None, str]:
+    """One model's endpoints, or None and why not."""
+    path = endpoints_path(model)
+    try:
+        endpoints = parse_endpoints(await client.get_json(path))
+        return endpoints, "" if endpoints else f"GET {path} lists no endpoints"
+    except RequestFailed as e:  # an unreachable address's message already names the request
+        return None, e.message if e.message.startswith(f"GET {path}") else f"GET {path}: {e.message}"
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        return None, f"GET {path}: {type(e).__name__}: {e}"
+
+
 async def fetch_prices(client: ChatClient, config: Config) -> tuple[dict[str, Prices | None], str]:
-    """Every dataset's worst-case prices, and why the listing could not be used ("" when it could)."""
+    """Every dataset's worst-case prices, and why a listing could not be used ("" when all could): the
+    model's, and each fallback model's a dataset's body names."""
     endpoints: list[Endpoint] | None = None
+    fallbacks: dict[str, list[Endpoint] | None] = {}
     error = ""
     api = config.api
     if api.prompt_price_per_mtok is None and api.completion_price_per_mtok is None:
-        path = endpoints_path(api.model)
-        try:
-            endpoints = parse_endpoints(await client.get_json(path))
-            if not endpoints:
-                error = f"GET {path} lists no endpoints"
-        except RequestFailed as e:  # an unreachable address's message already names the request
-            error = e.message if e.message.startswith(f"GET {path}") else f"GET {path}: {e.message}"
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            error = f"GET {path}: {type(e).__name__}: {e}"
-    return {ds.name: dataset_prices(config, ds, endpoints) for ds in config.datasets}, error
+        endpoints, error = await _listing(client, api.model)
+        if not config.api.self_hosted:  # `models` is OpenRouter's (left out of a self-hosted body)
+            for ds in config.datasets:
+                for model in fallback_models(config.request_body(ds, [])):
+                    if model != api.model and model not in fallbacks:
+                        fallbacks[model], why = await _listing(client, model)
+                        error = error or (f"fallback model {model}: {why}" if why else "")
+    return {ds.name: dataset_prices(config, ds, endpoints, fallbacks) for ds in config.datasets}, error

@@ -545,7 +545,7 @@ class _SmokeTest:
         try:
             answer = await client.chat(body, functools.partial(spend.generation, ticket))
         except RequestFailed as e:
-            look_up(self.settler, book_failure(spend, ticket, e))
+            look_up(self.settler, book_failure(spend, ticket, e, p, self_hosted=self.config.api.self_hosted))
             delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, self.rng)
             if _outage(e) and tries < SMOKE_TRIES and time.monotonic() + delay <= self.deadline:
                 return float(delay), 0.0

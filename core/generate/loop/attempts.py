@@ -30,7 +30,7 @@ from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFai
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.run_state import RunControl
 from draftgen.core.generate.loop.stats import Tally
-from draftgen.core.generate.money.billing import as_booked, book_answer, book_failure, look_up
+from draftgen.core.generate.money.billing import as_booked, book_answer, book_failure, look_up, over_reservation
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
 from draftgen.core.live.recent import RecentErrors
@@ -98,6 +98,7 @@ class Attempts:
         self.backing_off = 0     # requests waiting to retry a transient error right now
         self.last_transient: RequestFailed | None = None
         self.unreachable_cause = ""  # e.g. "cannot connect to 127.0.0.1:18799 (connection refused)"
+        self._said: dict[tuple[EventKind, str], int] = {}  # (event kind, provider) -> times seen
 
     async def ask(self, ds: DatasetRun, body: dict[str, Any], ticket: Ticket) -> Attempted:
         """Ask until there is an outcome. Each attempt goes out under its own reservation (`ticket` for
@@ -138,9 +139,10 @@ class Attempts:
                 if e.kind in ANSWER_KINDS and not e.outage:
                     self.answer_faults += 1
                     own_faults += 1
-                    # Counted against the prompt only while the others get more answers than faults.
+                    # Counted against the prompt only while the others get more answers than faults; an
+                    # answer run past max_tokens was billed: it always counts (paid retries stay bounded).
                     others_faults = self.answer_faults - faults_before - own_faults
-                    if self.answered - answered_before > others_faults:
+                    if self.answered - answered_before > others_faults or e.past_cap is not None:
                         spent += 1
                         if spent >= eng.max_attempts:
                             return self._failed(ds, prompt_id, tries, e, seq)
@@ -154,6 +156,11 @@ class Attempts:
             prices = self.prices.get(ds.config.name)
             look_up(self.settler, book_answer(spend, ticket, answer, prices))
             answer = as_booked(answer, ticket, prices)  # the record's cost is what the ledger booked
+            over = over_reservation(answer, ticket, prices)
+            if over:
+                self._say(EventKind.OVER_RESERVATION, ds, answer.provider or "",
+                          f"prompt {prompt_id!r} billed ${ticket.worst + over:.6f}, ${over:.6f} past its reservation "
+                          f"of ${ticket.worst:.6f}: booked at what it billed, so max_usd counts it")
             ds.concurrency.on_response()
             self.answered += 1
             self._note_reachable()
@@ -161,7 +168,11 @@ class Attempts:
 
     def _note_failure(self, ds: DatasetRun, ticket: Ticket, tries: int, e: RequestFailed) -> None:
         """A failed attempt on the ledger, in the error tallies, and as feedback to the dataset's concurrency."""
-        look_up(self.settler, book_failure(self._spend, ticket, e))
+        look_up(self.settler, book_failure(self._spend, ticket, e, self.prices.get(ds.config.name),
+                                           self_hosted=self._config.api.self_hosted))
+        if e.past_cap is not None:
+            self._say(EventKind.PAST_CAP, ds, e.provider, f"prompt {ticket.prompt_id!r}: {self._redact(e.message)}; "
+                      "booked at what it billed, the prompt is asked again (docs/money.md)")
         self._errors.add(e.kind)
         if self._recent is not None:
             self._recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=ticket.prompt_id, attempt=tries,
@@ -170,6 +181,14 @@ class Attempts:
             ds.concurrency.on_429()
         elif not e.unreachable:
             ds.concurrency.on_response()
+
+    def _say(self, kind: EventKind, ds: DatasetRun, provider: str, what: str) -> None:
+        """A provider's billing past what was asked: said the 1st, 10th, 100th... time per provider."""
+        name = self._redact(provider) or "(unnamed provider)"
+        n = self._said[kind, name] = self._said.get((kind, name), 0) + 1
+        if n == 1 or (n % 10 == 0 and str(n).rstrip("0") == "1"):
+            again = f" ({n} times so far)" if n > 1 else ""
+            self._event(Level.WARN, kind, f"{ds.config.name}: provider {name}{again}: {what}", dataset=ds.config.name)
 
     def _ended_by(self, ds: DatasetRun, prompt_id: str, tries: int, e: RequestFailed, seq: int) -> Attempted | None:
         """The outcome when the error is the account's, the dataset's or the prompt's own (no retry helps)."""

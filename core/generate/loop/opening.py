@@ -37,7 +37,7 @@ from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.smoke_record import apply_smoke_stream, load_smoke_answer, load_smoke_answered
 from draftgen.core.generate.money.forecast import SmokeFigures
 from draftgen.core.generate.money.settle import Settler
-from draftgen.core.generate.money.spend import SpendLedger
+from draftgen.core.generate.money.spend import Pending, SpendLedger
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
 from draftgen.core.records import cost_of, count_of
 from draftgen.core.rundir import RunDir, iter_jsonl
@@ -144,8 +144,13 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
     if config.api.stream_decided:
         event(Level.INFO, EventKind.REQUEST_KEYS, f"requests stream: the smoke test found the non-streamed answers of "
               f"{config.api.base_url} rewritten by its parser ({rundir.smoke_json}; [api] stream overrides it)")
+    def over(p: Pending, cost: float, provider: str) -> None:
+        event(Level.WARN, EventKind.OVER_RESERVATION, f"{p.ds}: provider {provider or '(unnamed)'}: prompt "
+              f"{p.prompt_id!r} billed ${cost:.6f} by its generation record, ${cost - p.worst:.6f} past the "
+              f"${p.worst:.6f} it was counted at: booked at what it billed, so max_usd counts it", dataset=p.ds)
+
     settler = Settler(spend, client, config.api.generation_lookup_s, on_settled=on_settled,
-                      self_hosted=config.api.self_hosted)
+                      self_hosted=config.api.self_hosted, on_over=over)
     settler.start()
     left = spend.lookups()
     if spend.pending:

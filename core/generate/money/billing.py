@@ -3,11 +3,14 @@
 Every path that sends a chat request (the run's attempts, the smoke test) books its end here, so
 the same response is never priced two ways:
 
-- an answer with `usage.cost`: answered at that cost;
+- an answer with `usage.cost`: answered at that cost, whatever its reservation was;
 - an answer without it (a stream that closed after its last delta but before the usage chunk, a
   server that does not report cost): with a generation id, pending at its estimate until the record
   prices it (the settler); without one, answered at the estimate, tokens x the worst prices the
-  routing allows (or the reservation, when the answer says no token counts either). With no price
+  routing allows (or the reservation, when the answer says no token counts either).
+  Neither figure is capped at the reservation: a provider that bills past it (more tokens than
+  max_tokens, more answers than asked) is booked at what it billed, so the ceiling sees it
+  (`over_reservation` says by how much, for the run's event). With no price
   known at all (no ceiling set), the estimate is $0 ("estimate", not "usage.cost"), and the record,
   when there is an id, still prices it;
 - nothing sent (the address could not be reached, TLS failed): refused, not billed;
@@ -16,6 +19,11 @@ the same response is never priced two ways:
   502 or 503 without a record after `generation_lookup_s` settles at $0 ("no record": answered at
   once, nothing runs on); a 408, 504 or 524 without one stays at its worst case, like a timeout;
 - any other HTTP error status (400-429: the service's checks before a generation): refused;
+- an answer a provider ran past max_tokens (PAST_CAP: not kept, see client.py): booked at what it
+  billed. With its own usage.cost: abandoned and settled at once at that cost ("usage.cost"). Else,
+  on OpenRouter with a generation id: pending at the larger of its reservation and its tokens at the
+  worst prices until the record prices it; otherwise (a self-hosted server, no id) settled at once at
+  that token estimate ("estimate"), the tokens counted, or estimated from the text streamed;
 - everything else (a timeout, a cut body, an error inside a 200, stop-now): abandoned, and priced
   from the generation record when it has an id; without one it stays at its worst case.
 """
@@ -26,7 +34,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from draftgen.core.errors import DiskError
-from draftgen.core.generate.api.classify import RequestFailed
+from draftgen.core.generate.api.classify import PastCap, RequestFailed
 from draftgen.core.generate.api.client import ChatAnswer
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.money.spend import Pending, Source, SpendLedger, Ticket
@@ -36,12 +44,25 @@ if TYPE_CHECKING:
 
 
 def estimate(answer: ChatAnswer, prices: Prices | None, worst: float) -> float:
-    """What an answer without usage.cost can have cost: its token counts at the worst prices, never
-    above the reservation; the reservation itself when there are no counts."""
+    """What an answer without usage.cost can have cost: its token counts at the worst prices (above the
+    reservation when the counts are: what was billed is booked); the reservation itself when there are
+    no counts."""
     u = answer.usage
     if prices is None or not (u.prompt_tokens or u.completion_tokens):
         return worst
-    return min(worst, u.prompt_tokens * prices.prompt + u.completion_tokens * prices.completion + prices.request)
+    return u.prompt_tokens * prices.prompt + u.completion_tokens * prices.completion + prices.request
+
+
+def booked_cost(answer: ChatAnswer, t: Ticket, prices: Prices | None) -> float:
+    """What the ledger holds for an answer now: its usage.cost, else its token estimate (pending until its
+    record prices it, when it has a generation id)."""
+    return answer.usage.cost if answer.priced else _guess(answer, prices, t.worst)
+
+
+def over_reservation(answer: ChatAnswer, t: Ticket, prices: Prices | None) -> float:
+    """How far the cost booked for `answer` went past its reservation (0 when it did not)."""
+    over = booked_cost(answer, t, prices) - t.worst
+    return over if over > 1e-12 and t.worst > 0 else 0.0
 
 
 def _guess(answer: ChatAnswer, prices: Prices | None, worst: float) -> float:
@@ -69,8 +90,11 @@ def book_answer(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Price
     return None
 
 
-def book_failure(spend: SpendLedger, t: Ticket, e: RequestFailed) -> Pending | None:
+def book_failure(spend: SpendLedger, t: Ticket, e: RequestFailed, prices: Prices | None = None, *,
+                 self_hosted: bool = False) -> Pending | None:
     """Book a request that got no answer; returns what the settler should look up."""
+    if e.past_cap is not None:
+        return _book_past_cap(spend, t, e.past_cap, prices, self_hosted)
     if e.unreachable:  # no connection, so nothing was sent
         spend.refused(t)
         return None
@@ -80,6 +104,33 @@ def book_failure(spend: SpendLedger, t: Ticket, e: RequestFailed) -> Pending | N
         spend.refused(t)
         return None
     return spend.abandoned(t)
+
+
+def past_cap_cost(cap: PastCap, t: Ticket, prices: Prices | None) -> float:
+    """What an answer run past its cap cost at least: its usage at the worst prices, or, with only the
+    tokens streamed, the reservation plus the tokens past the cap at the worst completion price."""
+    if prices is None:
+        return 0.0
+    u = cap.usage
+    if u is not None and (u.prompt_tokens or u.completion_tokens):
+        return u.prompt_tokens * prices.prompt + u.completion_tokens * prices.completion + prices.request
+    return t.worst + max(0, cap.tokens - cap.cap) * prices.completion
+
+
+def _book_past_cap(spend: SpendLedger, t: Ticket, cap: PastCap, prices: Prices | None,
+                   self_hosted: bool) -> Pending | None:
+    if cap.priced and cap.usage is not None:
+        p = spend.abandoned(t)
+        if p is not None:
+            spend.settle(p, cap.usage.cost, Source.USAGE)
+        return None
+    cost = past_cap_cost(cap, t, prices)
+    if t.gen and not self_hosted:
+        return spend.abandoned(t, at_least=cost)
+    p = spend.abandoned(t)
+    if p is not None:
+        spend.settle(p, cost, Source.ESTIMATE)
+    return None
 
 
 def reserve_one(spend: SpendLedger, max_usd: float | None, ds: str, prompt_id: str,

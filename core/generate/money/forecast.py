@@ -69,15 +69,17 @@ class RunForecast:
 
     @property
     def total_usd(self) -> float:
-        """Spent plus the estimate to finish, never past the ceiling (the run stops there)."""
+        """Spent plus the estimate to finish, never past the ceiling (the run stops there) unless the
+        spend already is (a provider billed past its reservations)."""
         total = self.spent_usd + self.left_usd
-        return min(total, self.max_usd) if self.max_usd is not None else total
+        return min(total, max(self.max_usd, self.spent_usd)) if self.max_usd is not None else total
 
     @property
     def range_usd(self) -> tuple[float, float]:
         low, high = self.spent_usd + self.low_usd, self.spent_usd + self.high_usd
         if self.max_usd is not None:
-            low, high = min(low, self.max_usd), min(high, self.max_usd)
+            cap = max(self.max_usd, self.spent_usd)
+            low, high = min(low, cap), min(high, cap)
         return low, high
 
     @property

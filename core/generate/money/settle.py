@@ -31,8 +31,12 @@ WORKERS = 8
 
 class Settler:
     def __init__(self, spend: SpendLedger, client: ChatClient, lookup_s: float,
-                 on_settled: Callable[[], None] = lambda: None, *, self_hosted: bool = False) -> None:
+                 on_settled: Callable[[], None] = lambda: None, *, self_hosted: bool = False,
+                 on_over: Callable[[Pending, float, str], None] | None = None) -> None:
         self._spend = spend
+        # A record billed past what its attempt counted at (its reservation or token estimate): told with
+        # the record's provider, booked at the record's cost all the same.
+        self._on_over = on_over
         self._self_hosted = self_hosted
         self._client = client
         self._lookup_s = lookup_s
@@ -109,9 +113,12 @@ class Settler:
                 if cost is None:
                     return  # a record without a cost: left pending at its worst case
                 try:
-                    self._spend.settle(p, float(cost))
+                    cost = float(cost)
                 except (TypeError, ValueError):
                     return  # a record without a cost: left pending at its worst case
+                self._spend.settle(p, cost)
+                if self._on_over is not None and cost > p.worst + 1e-12 and p.worst > 0:
+                    self._on_over(p, cost, str(record.get("provider_name") or ""))
                 self._on_settled()
                 return
             if time.monotonic() - first + delay > self._lookup_s:

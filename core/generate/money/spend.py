@@ -15,11 +15,18 @@ left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the n
         OUTCOME answered: c is the answer's usage.cost (SOURCE "usage.cost"), or, for an answer that
             carried no cost and cannot be looked up, tokens x the worst prices (SOURCE "estimate");
             an answer without a cost that can be looked up: c null, SOURCE "pending", "w" its estimate;
+            neither c nor "w" is capped at the reservation "w" of its sent line (a provider that bills
+            past it is booked at what it billed);
         OUTCOME refused: an HTTP error status, nothing generated (c 0, SOURCE "not billed");
         OUTCOME abandoned: timed out, dropped, cut short or stopped: c null, SOURCE "pending"; with
-            "st": the HTTP status of a 408/5xx that carried a generation id (see billing.py)
+            "st": the HTTP status of a 408/5xx that carried a generation id (see billing.py); with
+            "w": what it counts at until priced, when that is more than the reservation (an answer a
+            provider ran past max_tokens: its tokens at the worst prices)
     {"e":"settle","a":ID,"c":USD,"s":"generation"}
         an abandoned attempt priced from GET /api/v1/generation?id= (its record's total_cost)
+    {"e":"settle","a":ID,"c":USD,"s":"usage.cost"|"estimate"}
+        right after its abandoned end line: an answer a provider ran past max_tokens (not kept), priced
+        from its own usage.cost, or its tokens x the worst prices (billing.py)
     {"e":"settle","a":ID,"c":0,"s":"no record"}
         a 500/502/503 whose generation id has no record after `generation_lookup_s`: nothing ran
     {"e":"settle","a":ID,"c":0|USD,"s":"self-hosted"|"estimate"}
@@ -144,10 +151,11 @@ class SpendReplay:
         sums = self.sums
         outcome, cost = line.get("o"), line.get("c")
         if outcome == AttemptEnd.ABANDONED:
-            sums.add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g") or line.get("g"),
+            worst = max(rec["w"], float(line.get("w", 0.0)))
+            sums.add_pending(Pending(aid, rec["ds"], rec["p"], worst, rec.get("g") or line.get("g"),
                                      ended=line.get("st") in ENDED_STATUSES, sent_at=rec["t"]))
         elif outcome == AttemptEnd.ANSWERED and cost is None:
-            sums.add_pending(Pending(aid, rec["ds"], rec["p"], min(rec["w"], float(line.get("w", rec["w"]))),
+            sums.add_pending(Pending(aid, rec["ds"], rec["p"], float(line.get("w", rec["w"])),
                                      rec.get("g"), answer=True))
         else:
             sums.book(rec["ds"], float(cost or 0.0),
@@ -319,11 +327,11 @@ class SpendLedger:
             self.sums.book(t.ds, cost, AttemptEnd.ANSWERED, run=True)
 
     def answered_unpriced(self, t: Ticket, estimate: float) -> Pending | None:
-        """An answer that carried no usage.cost but has a generation id: pending (at `estimate`, at most
-        the reservation) until its record prices it. Returns what to look up."""
+        """An answer that carried no usage.cost but has a generation id: pending (at `estimate`, above the
+        reservation when its tokens say so) until its record prices it. Returns what to look up."""
         if not self.sums.close(t):
             return None
-        worst = min(t.worst, estimate)
+        worst = estimate
         self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": None, "s": Source.PENDING.value,
                      "w": worst})
         p = Pending(t.id, t.ds, t.prompt_id, worst, t.gen, answer=True)
@@ -336,18 +344,23 @@ class SpendLedger:
             self._write({"e": "end", "a": t.id, "o": AttemptEnd.REFUSED.value, "c": 0, "s": Source.NOT_BILLED.value})
             self.sums.book_refused()
 
-    def abandoned(self, t: Ticket, status: int | None = None) -> Pending | None:
+    def abandoned(self, t: Ticket, status: int | None = None, at_least: float = 0.0) -> Pending | None:
         """The client gave up (timeout, drop, stop-now), the answer was unusable, or (`status`) a 408/5xx
-        came with a generation id: the cost stays at the worst case until the generation record says
-        otherwise. Returns what to look up."""
+        came with a generation id: the cost stays at the worst case (or `at_least`, when more: what an
+        answer run past its cap has cost by its tokens) until the generation record says otherwise.
+        Returns what to look up."""
         if not self.sums.close(t):
             return None
-        line: dict[str, str | int | None] = {"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value, "c": None,
-                                             "s": Source.PENDING.value}
+        line: dict[str, str | int | float | None] = {"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value,
+                                                     "c": None, "s": Source.PENDING.value}
         if status is not None:
             line["st"] = status
+        worst = t.worst
+        if at_least > worst:
+            worst = at_least
+            line["w"] = at_least
         self._write(line)
-        p = Pending(t.id, t.ds, t.prompt_id, t.worst, t.gen, ended=status in ENDED_STATUSES, sent_at=t.sent_at)
+        p = Pending(t.id, t.ds, t.prompt_id, worst, t.gen, ended=status in ENDED_STATUSES, sent_at=t.sent_at)
         self.sums.add_pending(p)
         return p
 
