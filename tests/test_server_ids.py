@@ -339,3 +339,29 @@ def test_a_key_refused_on_streams_names_the_config_keys() -> None:
     e = classify_status(400, body, {})
     assert e.kind is ErrorKind.UNEXPECTED_FIELD and e.whose is Whose.DATASET
     assert e.metadata["unexpected_fields"] == ["return_token_ids"] and "return_token_ids = false" in e.message
+
+
+@pytest.mark.parametrize("reason", ["end_turn", "repetition"])
+def test_an_unusual_finish_reason_is_a_failed_attempt_only_from_a_self_hosted_server(reason: str) -> None:
+    """OpenRouter passes a provider's own finish reason through on an answer it billed ("end_turn"): kept,
+    never bought again; a self-hosted server's reason other than stop, length, tool_calls or
+    content_filter (vLLM's "repetition") ends no answer: a failed attempt. "abort" is one from either."""
+    from draftgen.core.generate.api.client import RequestFailed, parse_completion
+    from draftgen.core.records import ErrorKind
+
+    def body(finish: str) -> dict:
+        return {"id": "gen-1", "provider": "Moonshot AI", "model": "moonshotai/kimi-k2.5",
+                "choices": [{"message": {"role": "assistant", "content": "4", "reasoning": "2+2"},
+                             "finish_reason": finish}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 500, "cost": 0.01}}
+
+    kept = parse_completion(body(reason), 0.0, lambda: False)
+    assert kept.content == "4" and kept.finish_reason == reason
+    assert parse_completion(body(reason), 0.0).content == "4"  # a caller that does not know the kind: kept
+    for self_hosted in (True, False):
+        with pytest.raises(RequestFailed) as abort:
+            parse_completion(body("abort"), 0.0, lambda self_hosted=self_hosted: self_hosted)
+        assert abort.value.kind is ErrorKind.FINISH_ERROR
+    with pytest.raises(RequestFailed) as failed:
+        parse_completion(body(reason), 0.0, lambda: True)
+    assert failed.value.kind is ErrorKind.FINISH_ERROR and reason in failed.value.message

@@ -149,8 +149,11 @@ def _prompt_token_ids(obj: dict[str, Any], choice: dict[str, Any]) -> list[int] 
 ANSWER_FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter"})
 
 
-def _check_finish(obj: dict[str, Any], choice: dict[str, Any]) -> None:
-    """RequestFailed for a finish reason that ends no answer (an attempt that failed, retried)."""
+def _check_finish(obj: dict[str, Any], choice: dict[str, Any], self_hosted: Callable[[], bool] | None) -> None:
+    """RequestFailed for a finish reason that ends no answer (an attempt that failed, retried): "error", and
+    "abort" (SGLang's aborted request); from a self-hosted server (`self_hosted()`), any reason but the four
+    that end an answer. OpenRouter's other reasons are a provider's own word passed through (e.g. "end_turn")
+    on an answer it billed: kept, as before."""
     reason = choice.get("finish_reason")
     if reason is None or reason in ANSWER_FINISH_REASONS:
         return
@@ -158,12 +161,14 @@ def _check_finish(obj: dict[str, Any], choice: dict[str, Any]) -> None:
         raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason \"error\" ({choice.get('native_finish_reason')})",
                             metadata=_failure_meta(choice.get("error"), obj.get("provider")),
                             code=_error_code(choice.get("error")))
-    raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason {str(reason)[:40]!r}: the server ended the request "
-                        "without an answer (SGLang: \"abort\"); retried, never stored")
+    if reason == "abort" or (self_hosted is not None and self_hosted()):
+        raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason {str(reason)[:40]!r}: the server ended the "
+                            "request without an answer (SGLang: \"abort\"); retried, never stored")
 
 
-def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
-    """An answer from a non-streamed body, or RequestFailed for the 200-with-a-problem cases."""
+def parse_completion(obj: Any, latency_s: float, self_hosted: Callable[[], bool] | None = None) -> ChatAnswer:
+    """An answer from a non-streamed body, or RequestFailed for the 200-with-a-problem cases (`self_hosted`:
+    whether the server is, asked only for a finish reason OpenRouter would keep, see _check_finish)."""
     if not isinstance(obj, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "response body is not a JSON object")
     if obj.get("error"):
@@ -173,7 +178,7 @@ def parse_completion(obj: Any, latency_s: float) -> ChatAnswer:
     if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
         raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 with no choices")
     choice = choices[0]
-    _check_finish(obj, choice)
+    _check_finish(obj, choice, self_hosted)
     message = choice.get("message") or {}
     if not isinstance(message, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "choices[0].message is not an object")
@@ -362,8 +367,9 @@ class ChatClient:
 
     def __init__(self, base_url: str, api_key: str, *, concurrency: int, request_timeout_s: float = 1800.0,
                  connect_timeout_s: float = 30.0, referer: str = "", title: str = "draftgen",
-                 redact: Redactor | None = None) -> None:
+                 redact: Redactor | None = None, self_hosted: Callable[[], bool] | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self._self_hosted = self_hosted  # read only for an unusual finish reason (ApiConfig.self_hosted)
         self._api_key = api_key
         self._redact = redact or Redactor(api_key)  # what comes from upstream, as it enters
         self._headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
@@ -444,7 +450,7 @@ class ChatClient:
         except aiohttp.ClientResponseError as e:
             raise RequestFailed(ErrorKind.BAD_BODY, f"bad response: {e.message}") from None
         try:
-            answer = parse_completion(obj, time.monotonic() - start)
+            answer = parse_completion(obj, time.monotonic() - start, self._self_hosted)
             if cap and answer.usage.completion_tokens > past_cap_limits(cap)[0]:
                 u = answer.usage
                 raise RequestFailed.ran_past_cap(PastCap(cap, u.completion_tokens, True, u, answer.priced),

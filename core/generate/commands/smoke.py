@@ -724,7 +724,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
     async with ChatClient(config.api.base_url, api_key, concurrency=4,
                           request_timeout_s=min(config.api.request_timeout_s, 600),
                           connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
-                          title=config.api.title) as client:
+                          title=config.api.title, self_hosted=lambda: config.api.self_hosted) as client:
         test.deadline = time.monotonic() + SMOKE_RETRY_S  # one window for the whole smoke test's retries
         await test.check_key(client)
         await test.check_prices(client)

@@ -204,7 +204,7 @@ class Engine:
         client = client or ChatClient(
             cfg.api.base_url, self._api_key, concurrency=need, request_timeout_s=cfg.api.request_timeout_s,
             connect_timeout_s=cfg.api.connect_timeout_s, referer=cfg.api.referer, title=cfg.api.title,
-            redact=self._redact)
+            redact=self._redact, self_hosted=lambda: cfg.api.self_hosted)
         client.open()
         try:
             money = await open_money(cfg, self.rundir, self.spend, client, self._event, on_settled=self._wake_all)
