@@ -224,3 +224,25 @@ def test_the_tui_questions_come_from_the_recorded_merges(tmp_path: Path, model_d
     os.rename(run / f"hidden_states.merge-{old.merge_id}", run / "hidden_states")
     asked = claim.extract_question(run)
     assert asked is not None and "5 files of merge" in asked and "seed 1 -> 2" in asked
+
+
+def test_a_merge_while_an_extraction_reads_merged_is_refused(tmp_path: Path, model_dir: Path) -> None:
+    """An extraction holds the run directory's merge lock from before it opens merged/tokens to its end: a
+    merge asked for meanwhile (another shell, another seed, more answers) refuses, so hidden states are never
+    written from one merge while merge.json records another."""
+    config = make_config(tmp_path, model_dir, seed=1)
+    answers(config.run_dir, 6)
+    merge(config)
+    answers(config.run_dir, 9)  # more answers arrived: a merge now would put other samples at old indices
+    refused: list[str] = []
+
+    def mid_extraction(_progress: object) -> None:
+        if not refused:
+            with pytest.raises(DraftgenError, match="an extraction is running") as e:
+                merge(make_config(tmp_path, model_dir, seed=2))
+            refused.append(str(e.value))
+
+    stats = extract(config, progress=mid_extraction)
+    assert refused and stats.written == 6
+    assert check_files_match_merged(config.run_dir) == 6  # every file is the merge merged/ still holds
+    assert merge(make_config(tmp_path, model_dir, seed=2), replace_hidden_states=True).samples == 9  # after: fine

@@ -371,7 +371,7 @@ def test_a_second_merge_at_the_same_time_is_refused(run_config: Config) -> None:
     fd = os.open(run / "merged.lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(DraftgenError, match="another merge is running"):
+        with pytest.raises(DraftgenError, match="another merge or an extraction is running"):
             merge(run_config)
     finally:
         os.close(fd)

@@ -6,6 +6,7 @@ Synchronous on purpose: the model forward is the whole cost, and the caller (the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -33,6 +34,7 @@ from draftgen.core.extract.writer import Item, PooledWriter, Written
 from draftgen.core.files import GROUP_FILE_MODE, TMP_MARK, disk_error, write_json_atomic
 from draftgen.core.live.progress import Throttle
 from draftgen.core.live.snapshot import StageProgress, StageState
+from draftgen.core.merge.swap import merge_lock
 from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.tokens.store import INDEX_FILE, TokenEntry, TokenReader
 from draftgen.core.units import fmt_bytes, fmt_count
@@ -276,7 +278,32 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     `stop`, when set, ends the run after the batch in progress (everything written stays valid).
     Under torchrun (specforge backend) every rank calls this: rank 0 plans, checks and writes,
     and all ranks run the same forwards; `group` is that job (made here when None).
+
+    merged/ is not replaced while this reads it: the run directory's merge lock is held from before
+    merged/tokens is opened to the end (by the job's rank 0, or by the parent of an extraction child),
+    so a `draftgen merge` meanwhile refuses, naming the lock, and hidden states can never be written
+    from one merge while recorded as another's.
     """
+    with _merged_held(Path(config.run_dir), in_child):
+        return _extract(config, shard=shard, progress=progress, backend=backend, stop=stop, group=group,
+                        disk_watch=disk_watch, on_other_merge=on_other_merge, in_child=in_child)
+
+
+@contextlib.contextmanager
+def _merged_held(root: Path, in_child: bool) -> Iterator[None]:
+    """The merge lock, held by one process of the job (not a torchrun rank but 0, not the child of a parent
+    that holds it)."""
+    if in_child or int(os.environ.get("RANK", "0")) != 0 or not root.is_dir():
+        yield
+        return
+    with merge_lock(root):
+        yield
+
+
+def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[StageProgress], None] | None,
+             backend: ExtractBackend | None, stop: threading.Event | None, group: Any, disk_watch: Any,
+             on_other_merge: str, in_child: bool) -> ExtractStats:
+    """extract(), the merge lock held."""
     cfg = config.extract
     if not cfg.model:
         raise ConfigError(f"{config.path}: extract.model is not set (a local model folder or an HF id)")

@@ -25,7 +25,7 @@ def merge_lock(root: Path) -> Iterator[None]:
     path = root / LOCK_FILE
     fd = lock_file(path)
     if fd is None:
-        raise DraftgenError(f"{root}: another merge is running on this run directory "
+        raise DraftgenError(f"{root}: another merge or an extraction is running on this run directory "
                             f"(it holds {path}); wait for it to finish")
     try:
         yield

@@ -618,10 +618,11 @@ class _SmokeTest:
 
 async def _compare_modes(test: _SmokeTest, client: ChatClient) -> None:
     """The same request streamed and not (stream_check.py): the row, and the mode that keeps the text
-    noted for the shape requests that follow and recorded for `run`."""
+    noted for the shape requests that follow and recorded for `run`. A comparison that decides nothing
+    leaves an earlier decision for this server as it was: a smoke test asked for mid-run (the TUI's `s`)
+    never turns a running run back to the mode that rewrites text."""
     config = test.config
     fp, ds = next(iter(test.shapes.items()))
-    note_stream_mode(config.api.base_url, config.api.model, None)  # not an earlier smoke test's decision
     body = smoke_body(config, ds)
     pair = await asyncio.gather(*(test.ask(client, fp, ds, b) for b in stream_pair(body)))
     streamed, plain = pair[0][2], pair[1][2]
