@@ -68,6 +68,14 @@ def test_stop_reaches_the_child_and_its_errors_come_back_as_themselves(tmp_path:
     assert stats.stopped and stats.written == 0
     with pytest.raises(ConfigError, match="must be strictly ascending"):
         extract_in_child(make_run(tmp_path / "bad", model_dir, aux_layers=[5, 3, 1]), target=runner.extract)
+    # A DraftgenError class of another module than core/errors.py comes back as itself too.
+    from draftgen.core.extract.child import _raise
+    from draftgen.core.extract.claim import HiddenStatesOfAnotherMerge
+    with pytest.raises(HiddenStatesOfAnotherMerge, match="another merge"):
+        _raise(f"{HiddenStatesOfAnotherMerge.__module__}:{HiddenStatesOfAnotherMerge.__qualname__}", "another merge")
+    with pytest.raises(DraftgenError) as plain:
+        _raise("os:OSError", "not ours")  # never a class from outside draftgen
+    assert type(plain.value) is DraftgenError
 
 
 def test_the_specforge_backend_runs_in_a_child_every_time(tmp_path: Path, model_dir: Path,

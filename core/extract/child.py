@@ -18,6 +18,7 @@ process and runs once: nothing to do there.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import queue
@@ -48,7 +49,7 @@ def _child(target: Callable[..., Any], config: Config, shard: tuple[int, int], o
                        on_other_merge=on_other_merge)
         out.put(("done", stats))
     except DraftgenError as e:
-        out.put(("error", type(e).__name__, str(e)))
+        out.put(("error", f"{type(e).__module__}:{type(e).__qualname__}", str(e)))
     except BaseException as e:  # a bug or a library's own error: said in words, the traceback on stderr
         import traceback
         traceback.print_exc()
@@ -56,7 +57,17 @@ def _child(target: Callable[..., Any], config: Config, shard: tuple[int, int], o
 
 
 def _raise(kind: str, message: str) -> None:
-    cls = getattr(errors, kind, DraftgenError)
+    """The child's DraftgenError raised here as its own class (`module:name`; only draftgen's own modules are
+    looked in), else as a DraftgenError with the same message."""
+    module, _, name = kind.rpartition(":")
+    cls: Any = DraftgenError
+    if module.startswith("draftgen."):
+        try:
+            cls = getattr(importlib.import_module(module), name, DraftgenError)
+        except ImportError:
+            cls = DraftgenError
+    elif not module:
+        cls = getattr(errors, name, DraftgenError)
     if not (isinstance(cls, type) and issubclass(cls, DraftgenError)):
         cls = DraftgenError
     raise cls(message)
