@@ -247,8 +247,9 @@ def make_group(cfg: Any, config_path: object = "config") -> Any:
 
 def _already_done(config: Config, rundir: RunDir, reader: TokenReader, shard: tuple[int, int],
                   progress: Callable[[StageProgress], None] | None, on_other_merge: str) -> ExtractStats | None:
-    """The stats of a shard whose every sample is already written for this merge (no model loaded), else
-    None; hidden states of another merge are refused here unless `on_other_merge` says what to do."""
+    """The stats of a shard whose every sample is already written for this merge, or was skipped by an earlier
+    run as longer than the same context (no model loaded, no process group), else None; hidden states of
+    another merge are refused here unless `on_other_merge` says what to do."""
     standing = claim.standing(rundir.hidden_states, rundir.merged, reader)  # read only: every rank sees the same
     if not standing.usable and on_other_merge == claim.REFUSE:
         raise claim.refusal(standing, rundir.hidden_states, config.path)
