@@ -5,6 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,3 +126,36 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 30.0, ever
         await asyncio.wait_for(poll(), timeout)
     except TimeoutError:
         raise AssertionError(f"never happened within {timeout:.0f} s: {what}") from None
+
+
+def tui_run_in_pty(config_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """`draftgen run CONFIG --skip-smoke` (the TUI) in a 120x40 pseudo-terminal it has as its controlling
+    terminal (so a hang-up reaches it as SIGHUP); returns the process and the pty's master end."""
+    import fcntl
+    import struct
+    import termios
+    master, slave = os.openpty()
+    fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+
+    def controlling_tty() -> None:
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, "-m", "draftgen.cli.main", "run", str(config_path), "--skip-smoke"],
+                            stdin=slave, stdout=slave, stderr=slave, env=cli_env(TERM="xterm-256color"),
+                            preexec_fn=controlling_tty)
+    os.close(slave)
+    return proc, master
+
+
+def drain_pty(master: int, stop: threading.Event) -> None:
+    """Read what the TUI draws so its writes never block on a full pty buffer."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not stop.is_set():
+        ready, _, _ = select.select([master], [], [], 0.05)
+        if ready:
+            try:
+                if not os.read(master, 65536):
+                    return
+            except OSError:
+                return

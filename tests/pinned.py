@@ -96,16 +96,22 @@ def release_source(name: str, version: str, cache: Path, *, under: tuple[str, ..
     return dest
 
 
-def read_with_specforge(run_dir: Path, specforge_tree: Path) -> dict:
-    """tests/specforge_read.py on `run_dir` with the released SpecForge importable; its JSON answer.
+def run_with_specforge(script: str, arg: Path, specforge_tree: Path, refused: str) -> dict:
+    """tests/`script` on `arg` with the released SpecForge importable; the JSON of its last line, or an
+    AssertionError "`refused` `arg`:" and its stderr when it fails.
 
     A subprocess, so that SpecForge's modules never mix with the test process's imports.
     """
     import json
     import os
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(specforge_tree), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "specforge_read.py"), str(run_dir)],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / script), str(arg)],
                           capture_output=True, text=True, env=env, timeout=300)
     if proc.returncode != 0:
-        raise AssertionError(f"SpecForge's reader refused {run_dir}:\n{proc.stderr[-3000:]}")
+        raise AssertionError(f"{refused} {arg}:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def read_with_specforge(run_dir: Path, specforge_tree: Path) -> dict:
+    """tests/specforge_read.py on `run_dir` with the released SpecForge importable; its JSON answer."""
+    return run_with_specforge("specforge_read.py", run_dir, specforge_tree, "SpecForge's reader refused")

@@ -8,6 +8,7 @@ table in the embeddings and the head): after the chat template's "<|im_start|>as
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -101,22 +102,30 @@ def build_tiny_reasoning_model(folder: Path) -> Path:
     chain = ["<|im_end|>", "<think>", "Ġis", "</think>", "Ġ", "4"]  # dimension k: "then say chain[k]"
     after = {"Ċ": 1, "<think>": 2, "Ġis": 3, "</think>": 4, "Ġ": 5}   # each token's next, as a dimension
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        for norm in (model.model.norm, *(m for layer in model.model.layers
-                                         for m in (layer.input_layernorm, layer.post_attention_layernorm))):
-            norm.weight.fill_(1.0)
-        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
-        emb[:, 0] = 1.0
-        for t, k in after.items():
-            emb[ids[t]] = 0.0
-            emb[ids[t], k] = 1.0
+        head = _routed(model, {ids[t]: k for t, k in after.items()})
         for k, t in enumerate(chain):
             head[ids[t], k] = 8.0
     model.save_pretrained(folder)
     GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=tok.pad_token_id,
                      do_sample=False).save_pretrained(folder)
     return folder
+
+
+def _routed(model: Any, after: dict[int, int]) -> Any:
+    """Zero `model`'s weights (under torch.no_grad), norms at 1, and embed each token of `after` as a one-hot
+    on its dimension (every other token on dimension 0): the hidden state names the next token's dimension,
+    whatever the context. Returns lm_head's weight, for the caller to map dimensions to tokens."""
+    for p in model.parameters():
+        p.zero_()
+    for norm in (model.model.norm, *(m for layer in model.model.layers
+                                     for m in (layer.input_layernorm, layer.post_attention_layernorm))):
+        norm.weight.fill_(1.0)
+    emb = model.model.embed_tokens.weight
+    emb[:, 0] = 1.0
+    for i, k in after.items():
+        emb[i] = 0.0
+        emb[i, k] = 1.0
+    return model.lm_head.weight
 
 
 # The generation prompt opens the reasoning (as QwQ's and Qwen3-Thinking's do): the model's first token
@@ -165,16 +174,7 @@ def build_tiny_sampling_reasoning_model(folder: Path) -> Path:
     # 3 the end of turn or a content word.
     after = {think: 1, **{w: 2 for w in thinking}, close: 3}
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        for norm in (model.model.norm, *(m for layer in model.model.layers
-                                         for m in (layer.input_layernorm, layer.post_attention_layernorm))):
-            norm.weight.fill_(1.0)
-        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
-        emb[:, 0] = 1.0
-        for i, k in after.items():
-            emb[i] = 0.0
-            emb[i, k] = 1.0
+        head = _routed(model, after)
         head[eos, 0] = 8.0                 # RMSNorm scales a one-hot by 8: logit 64 against 0
         head[close, 1] = 1.0               # logit 8 ...
         head[thinking, 1] = 0.999          # ... each word a hair below: greedy closes, a sample thinks

@@ -297,18 +297,24 @@ async def test_sustained_429s_back_off_and_recover():
     assert aimd.limit == 100
 
 
+async def run_watching_concurrency(engine: Engine, start: int) -> tuple[int, snap.RunState]:
+    """Run `engine` to its end, reading its first dataset's effective concurrency every 50 ms; the lowest
+    seen (at most `start`) and how the run ended."""
+    task = asyncio.create_task(engine.run())
+    lowest = start
+    while not task.done():
+        await asyncio.sleep(0.05)
+        lowest = min(lowest, engine.snapshot().datasets[0].effective_concurrency)
+    return lowest, await task
+
+
 async def test_429_storm_lowers_effective_concurrency(tmp_path):
     async with SimServer(SimConfig(seed=4, faults={"429": 0.6}, retry_after_s=0.05, fixed_latency_s=0.05,
                                    mean_completion_tokens=50), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 150, "concurrency": 40}],
                           tables={"engine": {"max_attempts": 30}})
         engine = Engine(cfg, TEST_KEY, seed=1)
-        task = asyncio.create_task(engine.run())
-        lowest = 40
-        while not task.done():
-            await asyncio.sleep(0.05)
-            lowest = min(lowest, engine.snapshot().datasets[0].effective_concurrency)
-        await task
+        lowest, _state = await run_watching_concurrency(engine, 40)
     assert lowest < 40
     accounted(cfg, engine)
 
@@ -322,12 +328,8 @@ async def test_a_self_hosted_503_lowers_the_concurrency_as_a_429_does(tmp_path, 
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 150, "concurrency": 40}],
                           tables={"api": {"kind": kind}, "engine": {"max_attempts": 30}})
         engine = Engine(cfg, TEST_KEY, seed=1)
-        task = asyncio.create_task(engine.run())
-        lowest = 40
-        while not task.done():
-            await asyncio.sleep(0.05)
-            lowest = min(lowest, engine.snapshot().datasets[0].effective_concurrency)
-        assert await task == snap.RunState.DONE
+        lowest, state = await run_watching_concurrency(engine, 40)
+        assert state == snap.RunState.DONE
     assert (lowest < 40) == lowered
     assert len(RunDir(cfg.run_dir).responses("a").read_bytes().splitlines()) == 150
 

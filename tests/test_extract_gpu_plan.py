@@ -293,16 +293,14 @@ def test_compress_warns_with_the_rate_it_will_reach(tmp_path: Path) -> None:
     assert any("compress = true" in line for line in format_plan(plan))
 
 
-def test_extract_skips_and_counts_a_sample_longer_than_the_context(tmp_path: Path) -> None:
+def _tiny_run_with_a_long_sample(tmp_path: Path, context: int = 64) -> Config:
+    """A tiny Llama (context `context`) and a merge of three samples, the second (65 tokens) longer than 64."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from draftgen.core.extract import layout
-    from draftgen.core.extract.runner import extract
     torch.manual_seed(0)
     model = tmp_path / "tiny"
     LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=2,
-                                 num_key_value_heads=2, vocab_size=200, max_position_embeddings=64,
+                                 num_key_value_heads=2, vocab_size=200, max_position_embeddings=context,
                                  pad_token_id=0)).eval().save_pretrained(model)
     rng = np.random.default_rng(1)
     run = tmp_path / "run"
@@ -311,7 +309,14 @@ def test_extract_skips_and_counts_a_sample_longer_than_the_context(tmp_path: Pat
             writer.append(f"s{k}", rng.integers(1, 200, size=n), np.ones(n, dtype=np.uint8))
     raw = {"output": {"dir": str(run)}, "datasets": [{"name": "B1", "prompts": "p.jsonl"}],
            "extract": {"model": str(model), "backend": "hf", "device": "cpu", "dtype": "float32"}}
-    config = config_from_dict(raw, tmp_path / "draftgen.toml")
+    return config_from_dict(raw, tmp_path / "draftgen.toml")
+
+
+def test_extract_skips_and_counts_a_sample_longer_than_the_context(tmp_path: Path) -> None:
+    from draftgen.core.extract import layout
+    from draftgen.core.extract.runner import extract
+    config = _tiny_run_with_a_long_sample(tmp_path)
+    run = config.run_dir
     stats = extract(config)
     assert stats.written == 2 and stats.too_long_samples == 1
     assert stats.too_long == [{"index": 1, "id": "s1", "tokens": 65}]
@@ -320,3 +325,42 @@ def test_extract_skips_and_counts_a_sample_longer_than_the_context(tmp_path: Pat
     assert "sample 1 (id s1) has 65 tokens, more than the model's context of 64" in (run / "events.log").read_text()
     again = extract(config)  # nothing left that fits: no model loaded, the skip counted again
     assert again.written == 0 and again.too_long_samples == 1 and again.backend.startswith("none")
+
+
+def test_a_sample_skipped_as_too_long_is_settled_while_the_context_is_unchanged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from draftgen.core.extract import layout, runner
+    from draftgen.core.extract.handoff import make_handoff
+    config = _tiny_run_with_a_long_sample(tmp_path)
+    root = config.run_dir / "hidden_states"
+    first = runner.extract(config)
+    assert first.written == 2 and first.too_long_samples == 1 and first.context == 64
+    assert json.loads((root / "stats.json").read_text())["context"] == 64
+    handoff = (root / "train-command.sh").read_text()
+    assert ("1 of 3 samples are longer than the model's context (64 tokens) and were skipped, not extracted"
+            in handoff)
+    assert "extract.sglang.context_length" in handoff and "finishes the" not in handoff
+
+    def no_group(*_a: object, **_k: object) -> None:
+        raise AssertionError("a settled shard built a process group")
+    monkeypatch.setattr(runner, "make_group", no_group)
+    again = runner.extract(config)  # the same context: nothing to do, no group, no model, no child
+    assert again.nothing_to_do and again.written == 0 and again.skipped_existing == 2
+    assert again.too_long_samples == 1 and again.too_long == [{"index": 1, "id": "s1", "tokens": 65}]
+    plan = make_plan(config, (0, 1))
+    assert plan.nothing_to_do and plan.this.too_long == 1
+    assert any("nothing to do (2 of 3 files already written, 1 skipped as longer than the context of 64 tokens)"
+               in line for line in format_plan(plan))
+    from draftgen.core.extract import command
+    monkeypatch.setattr(command, "_runner_extract", no_group)  # `draftgen extract` ends at its plan
+    out = io.StringIO()
+    assert command.extract_command(config, None, out=out) == 0
+    assert "1 skipped as longer than the context of 64 tokens); the model is not loaded" in out.getvalue()
+    # A larger context: the sample is work again, and the run writes it.
+    model_json = Path(config.extract.model) / "config.json"
+    model_json.write_text(json.dumps(dict(json.loads(model_json.read_text()), max_position_embeddings=128)))
+    assert not make_plan(config, (0, 1)).nothing_to_do
+    monkeypatch.undo()
+    raised = runner.extract(config)
+    assert raised.written == 1 and raised.too_long_samples == 0 and layout.existing_sample(root, 1) is not None
+    assert not [n for n in make_handoff(config).notes if "longer than" in n or "finishes" in n]

@@ -11,17 +11,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
-import fcntl
 import os
 import resource
-import select
 import signal
-import struct
 import subprocess
 import sys
-import termios
 import threading
-import time
 from pathlib import Path
 
 import orjson
@@ -36,7 +31,7 @@ from draftgen.simulator import SimConfig, SimServer
 from draftgen.tui.screens.quitdialog import QuitScreen
 from tests import fixtures as fx
 
-from .helpers import TEST_KEY, cli_env, dataset_row, make_config, until
+from .helpers import TEST_KEY, cli_env, dataset_row, drain_pty, make_config, tui_run_in_pty, until
 from .test_disk_faults import FullDisk, fsize_limit, parsed_ids
 from .test_tui import make, text
 
@@ -284,20 +279,10 @@ async def test_closing_the_pane_drains_the_tui_run(tmp_path, how):
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 400, "concurrency": 4}],
                           tables={"engine": {"reconstruct": False}})
         run = RunDir(cfg.run_dir)
-        master, slave = os.openpty()
-        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-
-        def controlling_tty() -> None:
-            os.setsid()
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-        proc = subprocess.Popen([sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--skip-smoke"],
-                                stdin=slave, stdout=slave, stderr=slave, env=cli_env(TERM="xterm-256color"),
-                                preexec_fn=controlling_tty)
-        os.close(slave)
+        proc, master = tui_run_in_pty(cfg.path)
         try:
             stop = threading.Event()
-            reader = asyncio.ensure_future(asyncio.to_thread(_drain_pty, master, stop))
+            reader = asyncio.ensure_future(asyncio.to_thread(drain_pty, master, stop))
             await until(lambda: len(parsed_ids(run.responses("a"))) >= 4, "answers land", timeout=60)
             if how == "SIGTERM":
                 proc.send_signal(signal.SIGTERM)  # the reader goes on: the screen is still drawn
@@ -327,15 +312,3 @@ async def test_closing_the_pane_drains_the_tui_run(tmp_path, how):
         ids = parsed_ids(run.responses("a"))
         assert len(ids) == len(set(ids)) and 4 <= len(ids) < 400
 
-
-def _drain_pty(master: int, stop: threading.Event) -> None:
-    """Read what the TUI draws so its writes never block on a full pty buffer."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not stop.is_set():
-        ready, _, _ = select.select([master], [], [], 0.05)
-        if ready:
-            try:
-                if not os.read(master, 65536):
-                    return
-            except OSError:
-                return

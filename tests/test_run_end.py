@@ -10,14 +10,11 @@ lowered from outside with prlimit(2) once the run is paused on it.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
 import resource
 import signal
-import struct
 import subprocess
 import sys
-import termios
 import threading
 
 import orjson
@@ -32,9 +29,8 @@ from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
 from tests import fixtures as fx
 
-from .helpers import TEST_KEY, cli_env, make_config, until
+from .helpers import TEST_KEY, cli_env, drain_pty, make_config, tui_run_in_pty, until
 from .test_disk_faults import fsize_limit, parsed_ids
-from .test_held_answers import _drain_pty
 
 
 async def test_the_run_that_imports_spooled_answers_gives_them_token_ids(tmp_path, monkeypatch):
@@ -82,19 +78,9 @@ async def test_a_signal_after_the_drain_began_is_not_logged_as_a_new_drain(tmp_p
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 400, "concurrency": 4}],
                           tables={"engine": {"reconstruct": False}})
         run = RunDir(cfg.run_dir)
-        master, slave = os.openpty()
-        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-
-        def controlling_tty() -> None:
-            os.setsid()
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-        proc = subprocess.Popen([sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--skip-smoke"],
-                                stdin=slave, stdout=slave, stderr=slave, env=cli_env(TERM="xterm-256color"),
-                                preexec_fn=controlling_tty)
-        os.close(slave)
+        proc, master = tui_run_in_pty(cfg.path)
         stop = threading.Event()
-        reader = asyncio.ensure_future(asyncio.to_thread(_drain_pty, master, stop))
+        reader = asyncio.ensure_future(asyncio.to_thread(drain_pty, master, stop))
         try:
             await until(lambda: len(parsed_ids(run.responses("a"))) >= 4, "answers land", timeout=60)
             proc.send_signal(signal.SIGHUP)

@@ -34,7 +34,7 @@ from tests.contract import (
     imports_of,
     server_args_collisions,
 )
-from tests.pinned import ROOT, gpu_pins
+from tests.pinned import ROOT, gpu_pins, run_with_specforge
 
 model_dir = test_extract.model_dir  # the tiny Llama fixture, for the hand-off test
 
@@ -224,16 +224,7 @@ def test_the_page_sizes_sglang_forces_are_the_ones_the_kv_margin_knows(releases:
 
 
 def specforge_parse(config_json: Path, specforge_tree: Path) -> dict:
-    import json
-    import os
-    import subprocess
-    import sys
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(specforge_tree), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "specforge_train_config.py"), str(config_json)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    if proc.returncode != 0:
-        raise AssertionError(f"SpecForge refused {config_json}:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_with_specforge("specforge_train_config.py", config_json, specforge_tree, "SpecForge refused")
 
 
 @pytest.mark.slow

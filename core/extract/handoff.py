@@ -105,6 +105,29 @@ def _aux_layer_ids(config: Config, notes: list[str]) -> list[int] | None:
         return None
 
 
+def _missing_notes(config: Config, reader: TokenReader, files: int, merge_id: str) -> list[str]:
+    """What the missing samples are: skipped as longer than the context (stats*.json), or left to extract."""
+    from draftgen.core.extract import layout
+    from draftgen.core.extract.plan import recorded_too_long
+    hidden = config.run_dir / "hidden_states"
+    recorded = recorded_too_long(hidden, merge_id, config.extract.model)
+    skipped = {k: contexts for k, contexts in recorded.items()
+               if k < len(reader) and layout.existing_sample(hidden, k) is None}
+    notes = []
+    if skipped:
+        context = max(max(c) for c in skipped.values())
+        notes.append(f"{len(skipped):,} of {len(reader):,} samples are longer than the model's context "
+                     f"({context:,} tokens) and were skipped, not extracted (see stats.json): training leaves "
+                     f"them out; to extract them, give the model a larger context (its max_position_embeddings, "
+                     f"or extract.sglang.context_length for the specforge backend) and run "
+                     f"`draftgen extract {config.path}` again")
+    left = len(reader) - files - len(skipped)
+    if left > 0:
+        notes.append(f"only {files:,} of {len(reader):,} samples extracted: `draftgen extract {config.path}` "
+                     f"finishes the {left:,} left (training now would use those extracted alone)")
+    return notes
+
+
 def make_handoff(config: Config, *, max_length: int | None = None) -> Handoff:
     """The SpecForge config and command for `config`'s merged set and hidden states (reads only)."""
     if not config.extract.model:
@@ -136,8 +159,7 @@ def make_handoff(config: Config, *, max_length: int | None = None) -> Handoff:
     else:
         hidden_text = f"{files:,} of {len(reader):,} samples" + (f", {stored.describe()}" if stored else "")
         if files < len(reader):
-            notes.append(f"only {files:,} of {len(reader):,} samples extracted: `draftgen extract {config.path}` "
-                         f"finishes the rest (training now would use those alone)")
+            notes += _missing_notes(config, reader, files, stored.merge_id if stored is not None else "")
     aux = _aux_layer_ids(config, notes)
     model: dict[str, Any] = {"target_model_path": config.extract.model, "torch_dtype": "bfloat16"}
     if config.extract.trust_remote_code:

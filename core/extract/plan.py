@@ -120,6 +120,7 @@ class ShardPlan:
     done: int = 0           # files already on disk
     todo: int = 0
     tokens_todo: int = 0
+    too_long: int = 0       # skipped as longer than the context by an earlier run at this context: settled
     bytes_bf16: int = 0
     bytes_gz: int = 0
 
@@ -164,6 +165,30 @@ def _earlier_rate(root: Path) -> tuple[float | None, str]:
     return (best[1], f"measured, {best[2]}") if best else (None, "")
 
 
+def recorded_too_long(root: Path, merge_id: str, model: str) -> dict[int, set[int]]:
+    """Each sample an earlier run skipped as longer than the context, with the contexts it was skipped at:
+    from every stats*.json of `root` written for merge `merge_id` and extract.model `model`.
+
+    Such a sample is settled while the context is one of those (a merge with another id, another model or
+    another context makes it eligible again): it never gets a file, yet nothing is left to do for it."""
+    out: dict[int, set[int]] = {}
+    if not merge_id or not root.is_dir():
+        return out
+    for path in root.glob("stats*.json"):
+        try:
+            stats = json.loads(path.read_text(encoding="utf-8"))
+            if stats.get("merge_id") != merge_id or stats.get("model") != model:
+                continue
+            context = stats.get("context")
+            if not isinstance(context, int) or isinstance(context, bool):
+                continue
+            for item in stats.get("too_long") or []:
+                out.setdefault(int(item["index"]), set()).add(context)
+        except (OSError, ValueError, AttributeError, TypeError, KeyError):
+            continue
+    return out
+
+
 def context_limit(cfg: Any, model_cfg: dict[str, Any]) -> int | None:
     """The longest sample the forward may take: [extract.sglang] context_length (specforge), else the model's
     max_position_embeddings."""
@@ -193,6 +218,7 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
     shards = [ShardPlan(j, n) for j in range(n)]
     gz_bytes = gz_tokens = gz_files = 0
     todo_lengths: list[list[int]] = [[] for _ in range(n)]
+    missing: list[int] = []   # this shard's
     for k, entry in enumerate(reader.entries):
         s = shards[k % n]
         s.samples += 1
@@ -201,6 +227,8 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
             s.todo += 1
             s.tokens_todo += entry.length
             todo_lengths[k % n].append(entry.length)
+            if k % n == i:
+                missing.append(k)
         else:
             s.done += 1
             if path.name.endswith(".gz"):
@@ -226,6 +254,7 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
             if too_long:
                 notes.append(f"{too_long:,} samples are longer than the model's context ({context:,} tokens, "
                              f"{source} or extract.sglang.context_length): they are skipped and counted, not written")
+            _settle_too_long(shards[i], missing, reader, root, context, cfg.model)
         if cfg.backend == "specforge" and lengths:
             batches = plan_batches(list(enumerate(lengths)), cfg.batch_tokens)
             widest = max(len(b) * max(lengths[k] for k in b) for b in batches)
@@ -249,6 +278,21 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
                 gpu=gpu, context=context, too_long=too_long)
 
 
+def _settle_too_long(shard: ShardPlan, missing: list[int], reader: Any, root: Path, context: int,
+                     model: str) -> None:
+    """Take out of `shard`'s work the samples an earlier run of this merge skipped at this same context."""
+    from draftgen.core.tokens import identity
+    current = identity.merged_fingerprint(root.parent / "merged")
+    if not current.same_merge(identity.read_fingerprint(root / identity.HIDDEN_MERGE_FILE)):
+        return  # not this merge's folder (yet): every missing sample is work
+    recorded = recorded_too_long(root, current.merge_id, model)
+    for k in missing:
+        if context in recorded.get(k, ()):
+            shard.todo -= 1
+            shard.tokens_todo -= reader.entries[k].length
+            shard.too_long += 1
+
+
 def format_plan(plan: Plan) -> list[str]:
     """The plan as lines: one per shard (this machine's marked), then free space and the verdict."""
     h = f"H={plan.hidden_size}" if plan.hidden_size else "H not read (nothing to do here)"
@@ -268,8 +312,10 @@ def format_plan(plan: Plan) -> list[str]:
     this = plan.this
     need = this.bytes_gz if plan.compress else this.bytes_bf16
     if plan.nothing_to_do:
+        skipped = (f", {this.too_long:,} skipped as longer than the context of {plan.context:,} tokens"
+                   if this.too_long and plan.context else "")
         lines.append(f"shard {this.index}/{this.count}: nothing to do ({this.done:,} of {this.samples:,} files "
-                     f"already written); the model is not loaded")
+                     f"already written{skipped}); the model is not loaded")
     else:
         verdict = "enough" if need <= plan.free_bytes else "NOT ENOUGH"
         lines.append(f"shard {this.index}/{this.count} (*) writes ~{fmt_bytes(need)} "

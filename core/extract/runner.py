@@ -29,7 +29,7 @@ from draftgen.core.extract.model_info import (
     read_model_config,
     resolve_aux_layers,
 )
-from draftgen.core.extract.plan import context_limit, plan_batches
+from draftgen.core.extract.plan import context_limit, plan_batches, recorded_too_long
 from draftgen.core.extract.writer import Item, PooledWriter, Written
 from draftgen.core.files import GROUP_FILE_MODE, TMP_MARK, disk_error, write_json_atomic
 from draftgen.core.live.progress import Throttle
@@ -64,6 +64,7 @@ class ExtractStats:
     nan: list[dict[str, Any]] = field(default_factory=list)  # {"index", "id"} of each
     too_long_samples: int = 0     # longer than the model's context: skipped before the forward, not written
     too_long: list[dict[str, Any]] = field(default_factory=list)  # {"index", "id", "tokens"} of each
+    context: int | None = None    # the context they were skipped at: settled while it is unchanged (plan.py)
     stopped: bool = False
     elapsed_s: float = 0.0
     tokens_per_s: float = 0.0
@@ -246,18 +247,40 @@ def make_group(cfg: Any, config_path: object = "config") -> Any:
 
 def _already_done(config: Config, rundir: RunDir, reader: TokenReader, shard: tuple[int, int],
                   progress: Callable[[StageProgress], None] | None, on_other_merge: str) -> ExtractStats | None:
-    """The stats of a shard whose every sample is already written for this merge (no model loaded), else
-    None; hidden states of another merge are refused here unless `on_other_merge` says what to do."""
+    """The stats of a shard whose every sample is already written for this merge, or was skipped by an earlier
+    run as longer than the same context (no model loaded, no process group), else None; hidden states of
+    another merge are refused here unless `on_other_merge` says what to do."""
     standing = claim.standing(rundir.hidden_states, rundir.merged, reader)  # read only: every rank sees the same
     if not standing.usable and on_other_merge == claim.REFUSE:
         raise claim.refusal(standing, rundir.hidden_states, config.path)
     indices = _shard_indices(len(reader), shard)
-    if standing.state not in (claim.SAME, claim.ADOPTED) or any(
-            layout.existing_sample(rundir.hidden_states, k) is None for k in indices):
+    if standing.state not in (claim.SAME, claim.ADOPTED):
+        return None
+    missing = [k for k in indices if layout.existing_sample(rundir.hidden_states, k) is None]
+    context = _settled_context(config, rundir.hidden_states, standing, missing) if missing else None
+    if missing and context is None:
         return None
     if standing.state == claim.ADOPTED:  # every file checked to be this merge's: recorded (same bytes on each rank)
         claim.settle(rundir.hidden_states, rundir.merged, claim.REFUSE, config.path, reader)
-    return _nothing_to_do(config, shard, len(indices), progress, standing)
+    too_long = [{"index": k, "id": reader.entries[k].id, "tokens": reader.entries[k].length} for k in missing]
+    return _nothing_to_do(config, shard, len(indices), progress, standing, too_long, context)
+
+
+def _settled_context(config: Config, root: Path, standing: claim.Standing, missing: list[int]) -> int | None:
+    """The context when every missing sample was skipped as longer than it by an earlier run of this merge and
+    model, at this same context (only the model's config.json is read, never its weights); else None."""
+    recorded = recorded_too_long(root, standing.current.merge_id, config.extract.model)
+    if any(k not in recorded for k in missing):
+        return None
+    cfg = config.extract
+    try:
+        model_cfg, _source = read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    except DraftgenError:
+        return None  # the run that follows says what is wrong with it
+    context = context_limit(cfg, model_cfg)
+    if context is None or any(context not in recorded[k] for k in missing):
+        return None
+    return context
 
 
 def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
@@ -377,7 +400,7 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                          samples=len(indices), tokens=sum(entries[k].length for k in indices),
                          skipped_existing=plan.skipped_existing, draft_layer_ids=_draft_layer_ids(layers, dims),
                          merge_id=_merge_id(root), claim_note=plan.note,
-                         too_long_samples=len(plan.too_long), too_long=plan.too_long)
+                         too_long_samples=len(plan.too_long), too_long=plan.too_long, context=plan.context)
     if disk_watch is None:
         from draftgen.core.extract.plan import DiskWatch
         disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
@@ -483,15 +506,22 @@ def _merge_id(root: Path) -> str:
 
 
 def _nothing_to_do(config: Config, shard: tuple[int, int], samples: int,
-                   progress: Callable[[StageProgress], None] | None, standing: claim.Standing) -> ExtractStats:
-    """Every file of the shard exists: report it without reading the model or making a process group."""
+                   progress: Callable[[StageProgress], None] | None, standing: claim.Standing,
+                   too_long: list[dict[str, Any]], context: int | None) -> ExtractStats:
+    """Every file of the shard exists, but for samples skipped as longer than this same context: report it
+    without loading the model or making a process group."""
     cfg = config.extract
+    there = samples - len(too_long)
     if progress is not None:
+        skipped = (f", {len(too_long):,} skipped as longer than the context of {context:,} tokens"
+                   if too_long and context else "")
         progress(StageProgress(name="extract", state=StageState.DONE, done=samples, total=samples,
-                               rate_unit="tok/s", eta_s=0.0, message=f"nothing to do: {samples:,} files already there"))
+                               rate_unit="tok/s", eta_s=0.0,
+                               message=f"nothing to do: {there:,} files already there{skipped}"))
     return ExtractStats(model=cfg.model, backend="none (nothing to do)", num_layers=0, hidden_size=0,
                         layers=(0, 0, 0), shard=shard, compress=cfg.compress, samples=samples,
-                        skipped_existing=samples, nothing_to_do=True, merge_id=standing.current.merge_id)
+                        skipped_existing=there, nothing_to_do=True, merge_id=standing.current.merge_id,
+                        too_long_samples=len(too_long), too_long=too_long, context=context)
 
 
 def _checked(index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor,

@@ -164,7 +164,9 @@ class Stages:
                        f"`draftgen extract {self._config.path}` finishes the rest")
             return stats
         self._emit(snap.Level.INFO, snap.EventKind.EXTRACT_DONE, f"extraction done: {stats.written} files written "
-                  f"({stats.skipped_existing} already there, {stats.nan_samples} NaN), "
+                  f"({stats.skipped_existing} already there, {stats.nan_samples} NaN"
+                  + (f", {stats.too_long_samples} longer than the context: skipped" if stats.too_long_samples else "")
+                  + "), "
                   f"{stats.tokens_written:,} tokens at {stats.tokens_per_s:,.0f} tok/s in {self._rundir.hidden_states}")
         return stats
 
