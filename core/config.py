@@ -19,6 +19,7 @@ import stat
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -426,17 +427,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`; return it converted (ints to floats, strs to Paths)."""
     origin = typing.get_origin(tp)
     if origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        arms = [arm for arm in typing.get_args(tp) if arm is not type(None)]
-        if len(arms) == 1:  # `float | None`: the arm's own message ("must be a finite number")
-            return _coerce(value, arms[0], where)
-        for arm in arms:
-            try:
-                return _coerce(value, arm, where)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{where} must be {_describe(tp)}, not {value!r}")
+        return _coerce_union(value, tp, where)
     if origin is Literal:
         if value not in typing.get_args(tp):
             raise ConfigError(f"{where} must be {_describe(tp)}, not {value!r}")
@@ -450,33 +441,69 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a table, not {value!r}")
         return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, not {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} must be an integer, not {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where} must be a number, not {value!r}")
-        if not math.isfinite(value):  # TOML has nan and inf: a nan budget would never stop the run
-            raise ConfigError(f"{where} must be a finite number, not {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where} must be a string, not {value!r}")
-        if "\x00" in value:  # names and paths reach the filesystem, which cannot hold a NUL
-            raise ConfigError(f"{where} must not contain a NUL character (\\u0000), not {value!r}")
-        return value
-    if tp is Path:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where} must be a path string, not {value!r}")
-        if "\x00" in value:
-            raise ConfigError(f"{where} must not contain a NUL character (\\u0000), not {value!r}")
-        return Path(value)
-    raise TypeError(f"unhandled config type {tp!r}")  # a programming error, not a user one
+    coerce = _SCALARS.get(tp)
+    if coerce is None:
+        raise TypeError(f"unhandled config type {tp!r}")  # a programming error, not a user one
+    return coerce(value, where)
+
+
+def _coerce_union(value: Any, tp: Any, where: str) -> Any:
+    """`None` where the union allows it, else the first arm that takes the value."""
+    if value is None and type(None) in typing.get_args(tp):
+        return None
+    arms = [arm for arm in typing.get_args(tp) if arm is not type(None)]
+    if len(arms) == 1:  # `float | None`: the arm's own message ("must be a finite number")
+        return _coerce(value, arms[0], where)
+    for arm in arms:
+        try:
+            return _coerce(value, arm, where)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{where} must be {_describe(tp)}, not {value!r}")
+
+
+def _coerce_bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} must be true or false, not {value!r}")
+    return value
+
+
+def _coerce_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where} must be an integer, not {value!r}")
+    return value
+
+
+def _coerce_float(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where} must be a number, not {value!r}")
+    if not math.isfinite(value):  # TOML has nan and inf: a nan budget would never stop the run
+        raise ConfigError(f"{where} must be a finite number, not {value!r}")
+    return float(value)
+
+
+def _no_nul(value: str, where: str) -> None:
+    if "\x00" in value:  # names and paths reach the filesystem, which cannot hold a NUL
+        raise ConfigError(f"{where} must not contain a NUL character (\\u0000), not {value!r}")
+
+
+def _coerce_str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string, not {value!r}")
+    _no_nul(value, where)
+    return value
+
+
+def _coerce_path(value: Any, where: str) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where} must be a path string, not {value!r}")
+    _no_nul(value, where)
+    return Path(value)
+
+
+# The plain annotations a config field may carry, each with its check.
+_SCALARS: dict[Any, Callable[[Any, str], Any]] = {bool: _coerce_bool, int: _coerce_int, float: _coerce_float,
+                                                 str: _coerce_str, Path: _coerce_path}
 
 
 def _build(cls: type, table: Any, where: str, file: Path) -> Any:
@@ -583,105 +610,24 @@ def load_config(path: str | Path) -> Config:
 
 
 def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
-    known = set(_TABLES) | {"request", "datasets"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"{file}: unknown table or key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    _check_top_level(raw, file)
     base = file.resolve().parent
-    extract_table = raw.get("extract")
-    if isinstance(extract_table, dict) and extract_table.get("backend") == "sglang":
-        raise ConfigError(f"{file}: extract.backend = \"sglang\" was replaced by \"specforge\" (SpecForge's maintained "
-                          f"SGLang capture, pinned; see docs/gpu-extraction.md)")
     parts = {name: _build(cls, raw.get(name, {}), name, file) for name, cls in _TABLES.items()}
-    request = raw.get("request", {})
-    if not isinstance(request, dict):
-        raise ConfigError(f"{file}: [request] must be a table, not {request!r}")
     api: ApiConfig = parts["api"]
-    for i, key in enumerate(api.request_pass_through):
-        if known_key(key):
-            raise ConfigError(f"{file}: api.request_pass_through[{i}] = {key!r} is a request key draftgen knows "
-                              f"(core/request_keys.py decides what it may do): remove it from the list")
-    pass_through = tuple(api.request_pass_through)
-    check_request_table(file, "request", request, openrouter=api.openrouter_for_sure, pass_through=pass_through)
-
-    raw_datasets = raw.get("datasets")
-    if not raw_datasets:
-        raise ConfigError(f"{file}: no [[datasets]] (at least one is needed)")
-    if not isinstance(raw_datasets, list):
-        raise ConfigError(f"{file}: datasets must be an array of tables ([[datasets]])")
-    datasets = []
-    names: set[str] = set()
-    for i, table in enumerate(raw_datasets):
-        ds: DatasetConfig = _build(DatasetConfig, table, f"datasets[{i}]", file)
-        where = f"datasets[{i}] ({ds.name})"
-        own = f"datasets[{i}].request"
-        check_request_table(file, own, ds.request, openrouter=api.openrouter_for_sure, pass_through=pass_through,
-                            dataset=ds.name)
-        if not ds.name or "/" in ds.name or ds.name.startswith(".") or ds.name in ("merged", "hidden_states"):
-            raise ConfigError(f"{file}: datasets[{i}].name {ds.name!r} cannot be used as a folder name")
-        if not ds.name.isprintable():  # printed in the UI and the log, and a folder name: no control characters
-            raise ConfigError(f"{file}: datasets[{i}].name {ds.name!r} must be printable characters only "
-                              f"(no control characters, tabs or line breaks)")
-        if ds.name in names:
-            raise ConfigError(f"{file}: datasets[{i}].name {ds.name!r} is used twice")
-        names.add(ds.name)
-        if ds.concurrency < 1 or ds.concurrency > 100_000:
-            raise ConfigError(f"{file}: {where}.concurrency must be between 1 and 100000, not {ds.concurrency}")
-        _positive(file, f"{where}.max_tokens", ds.max_tokens)
-        _positive(file, f"{where}.token_budget", ds.token_budget)
-        ds = _completion_limit(file, i, ds, "max_tokens" in table, request)
-        check_reasoning_budget(file, "request", request, ds.max_tokens, ds.name)
-        check_reasoning_budget(file, own, ds.request, ds.max_tokens, ds.name)
-        prompts = base / ds.prompts
-        _check_prompts_path(file, f"datasets[{i}].prompts", prompts)
-        datasets.append(dataclasses.replace(ds, prompts=prompts))
-
-    if not api.base_url.startswith(("http://", "https://")):
-        raise ConfigError(f"{file}: api.base_url must start with http:// or https://, not {api.base_url!r}")
-    _positive(file, "api.request_timeout_s", api.request_timeout_s)
-    _positive(file, "api.connect_timeout_s", api.connect_timeout_s)
-    _positive(file, "api.credits_interval_s", api.credits_interval_s)
-    _positive(file, "api.prompt_price_per_mtok", api.prompt_price_per_mtok, allow_zero=True)
-    _positive(file, "api.completion_price_per_mtok", api.completion_price_per_mtok, allow_zero=True)
-    _positive(file, "api.generation_lookup_s", api.generation_lookup_s, allow_zero=True)
+    request, pass_through = _request_table(raw, file, api)
+    datasets = _datasets(raw, file, base, api, request, pass_through)
+    _check_api(file, api)
     budget: BudgetConfig = parts["budget"]
     _positive(file, "budget.max_usd", budget.max_usd)
     _positive(file, "budget.credit_floor_usd", budget.credit_floor_usd, allow_zero=True)
     engine: EngineConfig = parts["engine"]
-    _positive(file, "engine.max_attempts", engine.max_attempts)
-    _positive(file, "engine.snapshot_hz", engine.snapshot_hz)
-    _positive(file, "engine.workers", engine.workers, allow_zero=True)
-    if engine.workers > MAX_WORKERS:  # each is a process holding the tokenizer: a typo must not fork thousands
-        raise ConfigError(f"{file}: engine.workers must be at most {MAX_WORKERS}, not {engine.workers}")
+    _check_engine(file, engine)
     extract: ExtractConfig = parts["extract"]
-    if not 0 <= extract.mem_fraction_static < 1:
-        raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1 (0: the GPU plan chooses), "
-                          f"not {extract.mem_fraction_static!r}")
-    _positive(file, "extract.min_shm_gb", extract.min_shm_gb, allow_zero=True)
-    _positive(file, "extract.tp_size", extract.tp_size)
-    _positive(file, "extract.tokens_per_s", extract.tokens_per_s, allow_zero=True)
-    _positive(file, "extract.min_free_gb", extract.min_free_gb, allow_zero=True)
-    if isinstance(extract.aux_layers, str) and extract.aux_layers != "eagle3":
-        raise ConfigError(f"{file}: extract.aux_layers must be \"eagle3\" or a list of 3 layer ids, "
-                          f"not {extract.aux_layers!r}")
-    if isinstance(extract.aux_layers, list) and len(extract.aux_layers) != 3:
-        raise ConfigError(f"{file}: extract.aux_layers must list exactly 3 layer ids, not {extract.aux_layers!r}")
+    _check_extract(file, extract)
     tokenizer: TokenizerConfig = parts["tokenizer"]
-    if tokenizer.template not in ("kimi-k2.5", "auto"):
-        raise ConfigError(f"{file}: tokenizer.template must be \"kimi-k2.5\" or \"auto\", not {tokenizer.template!r}")
-    if tokenizer.prompt_special_tokens not in ("auto", "text", "special"):
-        raise ConfigError(f"{file}: tokenizer.prompt_special_tokens must be \"auto\", \"text\" or \"special\", "
-                          f"not {tokenizer.prompt_special_tokens!r}")
-    if not tokenizer.default_system.strip():
-        raise ConfigError(f"{file}: tokenizer.default_system must be \"auto\", \"none\" or the system text, "
-                          f"not an empty string")
+    _check_tokenizer(file, tokenizer)
     validation: ValidationConfig = parts["validation"]
-    _positive(file, "validation.count_tolerance", validation.count_tolerance, allow_zero=True)
-    _positive(file, "validation.prompt_tolerance", validation.prompt_tolerance, allow_zero=True)
-    _positive(file, "validation.provider_min_answers", validation.provider_min_answers)
-    for key in ("split_share", "provider_exact_gap", "min_exact_share"):
-        if not 0 <= getattr(validation, key) <= 1:
-            raise ConfigError(f"{file}: validation.{key} must be between 0 and 1, not {getattr(validation, key)!r}")
+    _check_validation(file, validation)
     # A local tokenizer folder is resolved against the config; an HF id (org/name) stays as written.
     tok_path = tokenizer.path
     if tok_path.startswith((".", "/", "~")) or _exists(base / tok_path):
@@ -698,3 +644,125 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
         output=OutputConfig(dir=out_dir), datasets=tuple(datasets), engine=engine,
         merge=parts["merge"], extract=extract, smoke=parts["smoke"], validation=validation,
     )
+
+
+def _check_top_level(raw: dict[str, Any], file: Path) -> None:
+    """Only known tables and keys at the top, and no retired extract backend."""
+    known = set(_TABLES) | {"request", "datasets"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{file}: unknown table or key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    extract_table = raw.get("extract")
+    if isinstance(extract_table, dict) and extract_table.get("backend") == "sglang":
+        raise ConfigError(f"{file}: extract.backend = \"sglang\" was replaced by \"specforge\" (SpecForge's maintained "
+                          f"SGLang capture, pinned; see docs/gpu-extraction.md)")
+
+
+def _request_table(raw: dict[str, Any], file: Path, api: ApiConfig) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The [request] table, checked, and the keys api.request_pass_through lets through unchecked."""
+    request = raw.get("request", {})
+    if not isinstance(request, dict):
+        raise ConfigError(f"{file}: [request] must be a table, not {request!r}")
+    for i, key in enumerate(api.request_pass_through):
+        if known_key(key):
+            raise ConfigError(f"{file}: api.request_pass_through[{i}] = {key!r} is a request key draftgen knows "
+                              f"(core/request_keys.py decides what it may do): remove it from the list")
+    pass_through = tuple(api.request_pass_through)
+    check_request_table(file, "request", request, openrouter=api.openrouter_for_sure, pass_through=pass_through)
+    return request, pass_through
+
+
+def _datasets(raw: dict[str, Any], file: Path, base: Path, api: ApiConfig, request: dict[str, Any],
+              pass_through: tuple[str, ...]) -> list[DatasetConfig]:
+    """Every [[datasets]] entry, checked, with its answer cap settled and its prompts path resolved."""
+    raw_datasets = raw.get("datasets")
+    if not raw_datasets:
+        raise ConfigError(f"{file}: no [[datasets]] (at least one is needed)")
+    if not isinstance(raw_datasets, list):
+        raise ConfigError(f"{file}: datasets must be an array of tables ([[datasets]])")
+    datasets = []
+    names: set[str] = set()
+    for i, table in enumerate(raw_datasets):
+        ds: DatasetConfig = _build(DatasetConfig, table, f"datasets[{i}]", file)
+        where = f"datasets[{i}] ({ds.name})"
+        own = f"datasets[{i}].request"
+        check_request_table(file, own, ds.request, openrouter=api.openrouter_for_sure, pass_through=pass_through,
+                            dataset=ds.name)
+        _check_dataset_name(file, i, ds.name, names)
+        names.add(ds.name)
+        if ds.concurrency < 1 or ds.concurrency > 100_000:
+            raise ConfigError(f"{file}: {where}.concurrency must be between 1 and 100000, not {ds.concurrency}")
+        _positive(file, f"{where}.max_tokens", ds.max_tokens)
+        _positive(file, f"{where}.token_budget", ds.token_budget)
+        ds = _completion_limit(file, i, ds, "max_tokens" in table, request)
+        check_reasoning_budget(file, "request", request, ds.max_tokens, ds.name)
+        check_reasoning_budget(file, own, ds.request, ds.max_tokens, ds.name)
+        prompts = base / ds.prompts
+        _check_prompts_path(file, f"datasets[{i}].prompts", prompts)
+        datasets.append(dataclasses.replace(ds, prompts=prompts))
+    return datasets
+
+
+def _check_dataset_name(file: Path, i: int, name: str, taken: set[str]) -> None:
+    """A dataset's name is a folder name, printed in the UI and the log: usable as one, and unique."""
+    if not name or "/" in name or name.startswith(".") or name in ("merged", "hidden_states"):
+        raise ConfigError(f"{file}: datasets[{i}].name {name!r} cannot be used as a folder name")
+    if not name.isprintable():  # printed in the UI and the log, and a folder name: no control characters
+        raise ConfigError(f"{file}: datasets[{i}].name {name!r} must be printable characters only "
+                          f"(no control characters, tabs or line breaks)")
+    if name in taken:
+        raise ConfigError(f"{file}: datasets[{i}].name {name!r} is used twice")
+
+
+def _check_api(file: Path, api: ApiConfig) -> None:
+    if not api.base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"{file}: api.base_url must start with http:// or https://, not {api.base_url!r}")
+    _positive(file, "api.request_timeout_s", api.request_timeout_s)
+    _positive(file, "api.connect_timeout_s", api.connect_timeout_s)
+    _positive(file, "api.credits_interval_s", api.credits_interval_s)
+    _positive(file, "api.prompt_price_per_mtok", api.prompt_price_per_mtok, allow_zero=True)
+    _positive(file, "api.completion_price_per_mtok", api.completion_price_per_mtok, allow_zero=True)
+    _positive(file, "api.generation_lookup_s", api.generation_lookup_s, allow_zero=True)
+
+
+def _check_engine(file: Path, engine: EngineConfig) -> None:
+    _positive(file, "engine.max_attempts", engine.max_attempts)
+    _positive(file, "engine.snapshot_hz", engine.snapshot_hz)
+    _positive(file, "engine.workers", engine.workers, allow_zero=True)
+    if engine.workers > MAX_WORKERS:  # each is a process holding the tokenizer: a typo must not fork thousands
+        raise ConfigError(f"{file}: engine.workers must be at most {MAX_WORKERS}, not {engine.workers}")
+
+
+def _check_extract(file: Path, extract: ExtractConfig) -> None:
+    if not 0 <= extract.mem_fraction_static < 1:
+        raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1 (0: the GPU plan chooses), "
+                          f"not {extract.mem_fraction_static!r}")
+    _positive(file, "extract.min_shm_gb", extract.min_shm_gb, allow_zero=True)
+    _positive(file, "extract.tp_size", extract.tp_size)
+    _positive(file, "extract.tokens_per_s", extract.tokens_per_s, allow_zero=True)
+    _positive(file, "extract.min_free_gb", extract.min_free_gb, allow_zero=True)
+    if isinstance(extract.aux_layers, str) and extract.aux_layers != "eagle3":
+        raise ConfigError(f"{file}: extract.aux_layers must be \"eagle3\" or a list of 3 layer ids, "
+                          f"not {extract.aux_layers!r}")
+    if isinstance(extract.aux_layers, list) and len(extract.aux_layers) != 3:
+        raise ConfigError(f"{file}: extract.aux_layers must list exactly 3 layer ids, not {extract.aux_layers!r}")
+
+
+def _check_tokenizer(file: Path, tokenizer: TokenizerConfig) -> None:
+    if tokenizer.template not in ("kimi-k2.5", "auto"):
+        raise ConfigError(f"{file}: tokenizer.template must be \"kimi-k2.5\" or \"auto\", not {tokenizer.template!r}")
+    if tokenizer.prompt_special_tokens not in ("auto", "text", "special"):
+        raise ConfigError(f"{file}: tokenizer.prompt_special_tokens must be \"auto\", \"text\" or \"special\", "
+                          f"not {tokenizer.prompt_special_tokens!r}")
+    if not tokenizer.default_system.strip():
+        raise ConfigError(f"{file}: tokenizer.default_system must be \"auto\", \"none\" or the system text, "
+                          f"not an empty string")
+
+
+def _check_validation(file: Path, validation: ValidationConfig) -> None:
+    _positive(file, "validation.count_tolerance", validation.count_tolerance, allow_zero=True)
+    _positive(file, "validation.prompt_tolerance", validation.prompt_tolerance, allow_zero=True)
+    _positive(file, "validation.provider_min_answers", validation.provider_min_answers)
+    for key in ("split_share", "provider_exact_gap", "min_exact_share"):
+        if not 0 <= getattr(validation, key) <= 1:
+            raise ConfigError(f"{file}: validation.{key} must be between 0 and 1, not {getattr(validation, key)!r}")

@@ -286,52 +286,75 @@ def classify_status(status: int, body: bytes, headers: Any) -> RequestFailed:
                              f"field(s) {', '.join(extra)} ({where})", status=status,
                              metadata={"unexpected_fields": extra})
     err = parse_error_body(body)
-    msg = err.message
     wait = retry_after_of(headers)
-    meta = err.metadata
+    kind, text, account = _status_class(status, err)
+    return RequestFailed(kind, text, status=status, retry_after=wait, account=account, metadata=err.metadata)
 
-    def failed(kind: ErrorKind, text: str, account: AccountCondition | None = None) -> RequestFailed:
-        return RequestFailed(kind, text, status=status, retry_after=wait, account=account, metadata=meta)
 
+# What a status and its error body come to: the kind, the message, and for Whose.ACCOUNT the condition.
+_Class = tuple[ErrorKind, str, AccountCondition | None]
+
+
+def _status_class(status: int, err: ErrorBody) -> _Class:
+    """docs/openrouter.md's table: the budget `limit_source` first (it decides whatever the status), then
+    the status, with the body's hints (`_hinted`) where one status has several causes."""
+    msg = err.message
     source = err.limit_source
     if source == IN_FLIGHT_SOURCE or (status == 402 and _hinted(err, "in_flight_budget_exhausted")):
-        return failed(ErrorKind.IN_FLIGHT_BUDGET, f"HTTP {status} in-flight spending budget full: {msg}")
+        return ErrorKind.IN_FLIGHT_BUDGET, f"HTTP {status} in-flight spending budget full: {msg}", None
     if source in BUDGET_SOURCES:  # documented as 403; some pages say 402: the source decides
-        return failed(ErrorKind.BUDGET_LIMIT, f"HTTP {status}: {msg}", AccountCondition(source))
+        return ErrorKind.BUDGET_LIMIT, f"HTTP {status}: {msg}", AccountCondition(source)
     if status == 429:
-        return failed(ErrorKind.RATE_LIMITED, msg or "rate limited")
+        return ErrorKind.RATE_LIMITED, msg or "rate limited", None
     if status == 408:
-        return failed(ErrorKind.REQUEST_TIMEOUT, msg or "request timeout")
+        return ErrorKind.REQUEST_TIMEOUT, msg or "request timeout", None
     if status >= 500:
-        return failed(ErrorKind.SERVER, f"HTTP {status}: {msg}")
+        return ErrorKind.SERVER, f"HTTP {status}: {msg}", None
     if status == 401:
-        return failed(ErrorKind.UNAUTHORIZED, f"HTTP 401: {msg}", AccountCondition.KEY_REFUSED)
+        return ErrorKind.UNAUTHORIZED, f"HTTP 401: {msg}", AccountCondition.KEY_REFUSED
     if status == 402:
-        if _hinted(err, "weight_exceeds_budget"):
-            return failed(ErrorKind.WEIGHT_EXCEEDS_BUDGET, f"HTTP 402: {msg}")
-        return failed(ErrorKind.PAYMENT_REQUIRED, f"HTTP 402: {msg or 'out of credits'}",
-                      AccountCondition.OUT_OF_CREDITS)
+        return _payment_required(err)
     if status == 403:
-        if meta is not None and ("reasons" in meta or "flagged_input" in meta) or _hinted(err, "moderat", "flagged"):
-            return failed(ErrorKind.MODERATED, f"HTTP 403 moderation: {msg}")
-        if _hinted(err, "limit exceeded", "budget"):
-            return failed(ErrorKind.BUDGET_LIMIT, f"HTTP 403: {msg}", AccountCondition.KEY_LIMIT)
-        return failed(ErrorKind.FORBIDDEN, f"HTTP 403: {msg}", AccountCondition.FORBIDDEN)
+        return _forbidden(err)
     if status == 404:
         # Every 404 from chat completions is routing or the model id: the dataset's, never the prompt's.
         kind = ErrorKind.NO_ENDPOINTS if _hinted(err, "endpoint", "provider") else ErrorKind.NOT_FOUND
-        return failed(kind, f"HTTP 404: {msg}")
+        return kind, f"HTTP 404: {msg}", None
     if status == 400:
-        if _hinted(err, "max_tokens_exceeded"):
-            return failed(ErrorKind.MAX_TOKENS_EXCEEDED, f"HTTP 400: {msg}")
-        if _hinted(err, "context_length_exceeded", "context length"):
-            return failed(ErrorKind.CONTEXT_LENGTH, f"HTTP 400: {msg}")
-        if _hinted(err, "invalid_prompt"):
-            return failed(ErrorKind.INVALID_PROMPT, f"HTTP 400: {msg}")
-        return failed(ErrorKind.BAD_REQUEST, f"HTTP 400: {msg}")
+        return _bad_request(err)
     if status == 413:
-        return failed(ErrorKind.PAYLOAD_TOO_LARGE, f"HTTP 413: {msg or 'payload too large'}")
-    return failed(ErrorKind.OTHER_4XX, f"HTTP {status}: {msg}")
+        return ErrorKind.PAYLOAD_TOO_LARGE, f"HTTP 413: {msg or 'payload too large'}", None
+    return ErrorKind.OTHER_4XX, f"HTTP {status}: {msg}", None
+
+
+def _payment_required(err: ErrorBody) -> _Class:
+    """A 402 (not the in-flight budget): a request weighing more than the budget is the dataset's, else
+    the account is out of credits."""
+    if _hinted(err, "weight_exceeds_budget"):
+        return ErrorKind.WEIGHT_EXCEEDS_BUDGET, f"HTTP 402: {err.message}", None
+    return ErrorKind.PAYMENT_REQUIRED, f"HTTP 402: {err.message or 'out of credits'}", AccountCondition.OUT_OF_CREDITS
+
+
+def _forbidden(err: ErrorBody) -> _Class:
+    """A 403 (no budget `limit_source`): moderation is the prompt's; a key limit or any other refusal the
+    account's."""
+    meta = err.metadata
+    if meta is not None and ("reasons" in meta or "flagged_input" in meta) or _hinted(err, "moderat", "flagged"):
+        return ErrorKind.MODERATED, f"HTTP 403 moderation: {err.message}", None
+    if _hinted(err, "limit exceeded", "budget"):
+        return ErrorKind.BUDGET_LIMIT, f"HTTP 403: {err.message}", AccountCondition.KEY_LIMIT
+    return ErrorKind.FORBIDDEN, f"HTTP 403: {err.message}", AccountCondition.FORBIDDEN
+
+
+def _bad_request(err: ErrorBody) -> _Class:
+    """A 400: the dataset's answer cap over the model's, the prompt's length or content, else unrecognized."""
+    if _hinted(err, "max_tokens_exceeded"):
+        return ErrorKind.MAX_TOKENS_EXCEEDED, f"HTTP 400: {err.message}", None
+    if _hinted(err, "context_length_exceeded", "context length"):
+        return ErrorKind.CONTEXT_LENGTH, f"HTTP 400: {err.message}", None
+    if _hinted(err, "invalid_prompt"):
+        return ErrorKind.INVALID_PROMPT, f"HTTP 400: {err.message}", None
+    return ErrorKind.BAD_REQUEST, f"HTTP 400: {err.message}", None
 
 
 def cannot_connect(base_url: str, e: BaseException) -> str:

@@ -247,7 +247,8 @@ class _StreamState:
         self.prompt_token_ids: Any = None  # vLLM: top level, first chunk only
 
     def feed(self, chunk: dict[str, Any]) -> None:
-        # Runs once per SSE event (hundreds per answer): one lookup per key, no temporaries.
+        # Runs once per SSE event (hundreds per answer): one lookup per key, no temporaries. The chunk's
+        # own fields here, each choice in `_choice` (one call per choice: a stream carries one per event).
         get = chunk.get
         if get("error"):
             raise RequestFailed(ErrorKind.ERROR_IN_200, f"error chunk mid-stream: {_error_message(chunk['error'])}",
@@ -280,39 +281,43 @@ class _StreamState:
         if not choices:
             return
         for choice in choices:
-            self.choices += 1
-            cget = choice.get
-            ids = cget("token_ids")
-            if isinstance(ids, list):
-                if self.token_ids is None:
-                    self.token_ids = []
-                self.token_ids.extend(ids)
-            ids = cget("prompt_token_ids")  # a server that puts them on the choice, as SGLang does unstreamed
-            if ids is not None and self.prompt_token_ids is None:
-                self.prompt_token_ids = ids
-            delta = cget("delta")
-            if delta:
-                dget = delta.get
-                text = dget("content")
-                if text:
-                    self.content.append(text)
-                    self.chars += len(text)
-                text = dget("reasoning") or dget("reasoning_content")
-                if text and isinstance(text, str):
-                    self.reasoning.append(text)
-                    self.chars += len(text)
-                calls = dget("tool_calls")
-                if calls:
-                    self._tool_call_deltas(calls)
-            value = cget("finish_reason")
-            if value:
-                self.finish_reason = value
-            value = cget("native_finish_reason")
-            if value:
-                self.native_finish_reason = value
+            self._choice(choice)
         if self.char_limit and self.chars > self.char_limit:
             raise RequestFailed.ran_past_cap(PastCap(self.cap, self.chars // TEXT_CHARS_PER_TOKEN, False),
                                              self.meta.get("provider"))
+
+    def _choice(self, choice: dict[str, Any]) -> None:
+        """One choice of a chunk: its token ids (self-hosted servers), its text delta, its finish reasons."""
+        self.choices += 1
+        cget = choice.get
+        ids = cget("token_ids")
+        if isinstance(ids, list):
+            if self.token_ids is None:
+                self.token_ids = []
+            self.token_ids.extend(ids)
+        ids = cget("prompt_token_ids")  # a server that puts them on the choice, as SGLang does unstreamed
+        if ids is not None and self.prompt_token_ids is None:
+            self.prompt_token_ids = ids
+        delta = cget("delta")
+        if delta:
+            dget = delta.get
+            text = dget("content")
+            if text:
+                self.content.append(text)
+                self.chars += len(text)
+            text = dget("reasoning") or dget("reasoning_content")
+            if text and isinstance(text, str):
+                self.reasoning.append(text)
+                self.chars += len(text)
+            calls = dget("tool_calls")
+            if calls:
+                self._tool_call_deltas(calls)
+        value = cget("finish_reason")
+        if value:
+            self.finish_reason = value
+        value = cget("native_finish_reason")
+        if value:
+            self.native_finish_reason = value
 
     def _tool_call_deltas(self, calls: list[dict[str, Any]]) -> None:
         for tc in calls:
