@@ -136,8 +136,10 @@ class PooledWriter:
             raise
         slot = _Slot(self, len(items))
         for item, finite, sample in zip(items, flags, staged, strict=True):
+            # The rows in a list the write empties: the pool's work item keeps its arguments until after the
+            # slot is released (set_result runs the callbacks first), and must not keep the rows with them.
             future = self._pool.submit(self._write, item.index, item.sample_id, int(item.sample.input_ids.shape[0]),
-                                       finite, sample, event)
+                                       finite, [sample], event)
             future.add_done_callback(slot.done)
             self._pending.append(future)
 
@@ -151,7 +153,8 @@ class PooledWriter:
         return self._copy_stream
 
     def _write(self, index: int, sample_id: str, tokens: int, finite: bool | None,
-               sample: layout.SampleTensors | None, event: Any) -> Written:
+               held: list[layout.SampleTensors | None], event: Any) -> Written:
+        sample = held.pop()
         if finite is None:
             assert sample is not None
             finite = sample.is_finite()
