@@ -4,8 +4,9 @@ Providers quote keys back in every shape: whole, without the `sk-or-v1-` prefix,
 lower-cased, or a fragment. `Redactor` cuts out any stretch of text that contains a 12-character
 window of the key (compared without case), so every such form is caught, as one `[redacted]` per
 stretch. It runs on error messages and events, and on every field that comes from upstream (the
-client, core/generate/api/client.py), not on answers; a compiled regex finds the runs of the key's
-own characters first, so text without a long run of them costs one C-speed scan.
+client, core/generate/api/client.py), not on answers. Most texts are ruled out at C speed first: a
+window of the key holds one of its anchors (blocks at every half window), so a text holding none of
+them (a generation id, a provider's name) skips the per-position scan.
 
 Upstreams also quote a key encoded: JSON-escaped (`\\u0073k-or-...`, any of its characters), percent-
 encoded (`%73k%2Dor...`, either case) or in base64 (a Basic credential, a token echoed in a header).
@@ -48,14 +49,24 @@ def _decoded(text: str) -> tuple[str, list[int]]:
     return "".join(parts), starts
 
 
-def _b64_windows(secret: str) -> frozenset[str]:
+def _b64_windows(secret: str) -> tuple[frozenset[str], tuple[str, ...]]:
     """Every B64_WIDTH-character window of the key's base64, at the three alignments a key inside
-    longer encoded text can have (the last 4 characters of each depend on what follows: left out)."""
+    longer encoded text can have (the last 4 characters of each depend on what follows: left out),
+    and their anchors (_anchors)."""
     out: set[str] = set()
+    anchors: set[str] = set()
     for k in range(3):
         enc = base64.b64encode(secret[k:].encode()).decode()[:-4]
         out.update(enc[i:i + B64_WIDTH] for i in range(len(enc) - B64_WIDTH + 1))
-    return frozenset(out)
+        anchors.update(_anchors(enc, B64_WIDTH))
+    return frozenset(out), tuple(sorted(anchors))
+
+
+def _anchors(s: str, width: int) -> list[str]:
+    """Blocks of `s` at multiples of (width + 1) // 2: every `width`-character window of `s` holds one whole,
+    so a text without any of them holds no window (a C-speed `in` per block rules most texts out)."""
+    step = (width + 1) // 2
+    return [s[i:i + step] for i in range(0, len(s) - step + 1, step)]
 # `sk-or-v1-`, `sk-proj-`, `sk-`: the non-secret prefix a key's body follows.
 _KEY_PREFIX = re.compile(r"^sk-(?:[A-Za-z0-9]{1,8}-){0,2}")
 
@@ -103,7 +114,8 @@ class Redactor:
         folded = secret.translate(self._fold)
         self._windows = frozenset(folded[i:i + self._width] for i in range(len(folded) - self._width + 1))
         self._runs = re.compile("[" + re.escape("".join(sorted(chars))) + f"]{{{self._width},}}")
-        self._b64 = _b64_windows(secret)
+        self._anchors = tuple(_anchors(folded, self._width))
+        self._b64, self._b64_anchors = _b64_windows(secret)
 
     def __call__(self, text: str) -> str:
         short = len(text) <= MEMO_CHARS
@@ -123,10 +135,12 @@ class Redactor:
             return text
         if "\\" in text or "%" in text:  # escapes: matched on the decoded text, cut in the original
             decoded, starts = _decoded(text)
-            spans = [[starts[a], starts[b]] for a, b in self._spans(decoded)]
+            spans = [[starts[a], starts[b]] for a, b in self._spans(decoded)] if self._may_hold(decoded) else []
         else:
-            spans = self._spans(text)
-        spans = _merged(spans + self._b64_spans(text))
+            spans = self._spans(text) if self._may_hold(text) else []
+        if self._may_hold_b64(text):
+            spans += self._b64_spans(text)
+        spans = _merged(spans)
         if not spans:
             return text
         out, pos = [], 0
@@ -136,6 +150,16 @@ class Redactor:
             pos = b
         out.append(text[pos:])
         return "".join(out)
+
+    def _may_hold(self, text: str) -> bool:
+        """False when `text` (case folded) holds none of the key's anchors, so no window of it."""
+        folded = text.translate(self._fold)
+        return any(a in folded for a in self._anchors)
+
+    def _may_hold_b64(self, text: str) -> bool:
+        """False when `text` holds none of the anchors of the key's base64 (either alphabet)."""
+        standard = text.translate(_B64_STANDARD)
+        return any(a in standard for a in self._b64_anchors)
 
     def _spans(self, text: str) -> list[list[int]]:
         """The stretches of `text` that hold a window of the key (case folded), in order, merged."""
