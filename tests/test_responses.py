@@ -524,3 +524,21 @@ def test_classification_by_status_and_metadata(status: int, body: bytes, kind: s
     e = classify_status(status, body, {"Retry-After": "3"})
     assert (e.kind, e.whose, e.retry_after) == (kind, whose, 3.0)
     assert (e.account is not None) == (whose is Whose.ACCOUNT)
+
+
+@STREAM
+async def test_a_prompt_left_alone_with_its_faults_fails_after_max_attempts(tmp_path: Path, stream: bool) -> None:
+    """A prompt whose every answer is faulty, with nothing else of its dataset in flight and nothing else
+    answered since its first try, has no evidence that the fault is the service's: its faults spend
+    attempts, so it fails after max_attempts instead of being asked (and paid for) forever. Here the
+    dataset has that one prompt and the service answers it with errors from the start."""
+    async with SimServer(sim_config(), port=0) as sim:
+        config = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 1, "concurrency": 1, "max_tokens": 64}],
+                             tables={"api": {"stream": stream, "request_timeout_s": 10},
+                                     "engine": {"backoff_base_s": 0.01, "backoff_max_s": 0.05, "max_attempts": 3}})
+        sim.scenario("error_body", True)
+        state = await asyncio.wait_for(Watch(config).result(), 60)
+        hits = sim.stats.scenarios.get("error_body", 0)
+    assert state == snap.RunState.DONE
+    failed = failures(config, "a")
+    assert [f["attempts"] for f in failed] == [3] and hits == 3

@@ -8,7 +8,10 @@ backoff and full jitter, honouring Retry-After, for as long as they last: the ou
 fails no prompt; the answer kinds (a timeout, a cut-off body, a 200 carrying an error) spend one of
 `engine.max_attempts` only while, since this prompt was first sent, the service has given the other
 prompts more answers than answer faults: then the trouble is this prompt's, not the service's (in
-an outage of such answers the others' faults outnumber the answers, and nothing fails). A 429 and
+an outage of such answers the others' faults outnumber the answers, and nothing fails). A prompt left
+alone (nothing else of its dataset in flight, nothing answered or faulted since its first try) has
+no such evidence: its answer faults spend attempts, so a poison prompt at a dataset's end is not
+asked, and paid for, forever. A 429 and
 the in-flight-budget 402 feed the dataset's adaptive limit (AIMD), and so does a self-hosted server's
 503 (vLLM's and SGLang's full queue). A drain gives a retrying prompt up unrecorded.
 """
@@ -142,7 +145,12 @@ class Attempts:
                     # Counted against the prompt only while the others get more answers than faults; an
                     # answer run past max_tokens was billed: it always counts (paid retries stay bounded).
                     others_faults = self.answer_faults - faults_before - own_faults
-                    if self.answered - answered_before > others_faults or e.past_cap is not None:
+                    # Alone (nothing else of its dataset in flight, nothing answered or faulted since its
+                    # first try) there is no other evidence: its own faults count, or a poison prompt at
+                    # a dataset's end would be asked, and paid for, forever.
+                    alone = (ds.in_flight - ds.parked <= 1 and self.answered == answered_before
+                             and not others_faults)
+                    if self.answered - answered_before > others_faults or alone or e.past_cap is not None:
                         spent += 1
                         if spent >= eng.max_attempts:
                             return self._failed(ds, prompt_id, tries, e, seq)
