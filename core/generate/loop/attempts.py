@@ -8,10 +8,12 @@ backoff and full jitter, honouring Retry-After, for as long as they last: the ou
 fails no prompt; the answer kinds (a timeout, a cut-off body, a 200 carrying an error) spend one of
 `engine.max_attempts` only while, since this prompt was first sent, the service has given the other
 prompts more answers than answer faults: then the trouble is this prompt's, not the service's (in
-an outage of such answers the others' faults outnumber the answers, and nothing fails). A prompt left
-alone (nothing else of its dataset in flight, nothing answered or faulted since its first try) has
-no such evidence: its answer faults spend attempts, so a poison prompt at a dataset's end is not
-asked, and paid for, forever. A 429 and
+an outage of such answers the others' faults outnumber the answers, and nothing fails). Only answers
+to requests sent after this prompt's first try count there: requests sent before an outage are still
+answered inside it, and under load they outnumbered its faults (a prompt failed by a 0.6 s outage). A
+prompt left alone (nothing else of its dataset in flight, no other fault since its first try) has no
+such evidence: its answer faults spend attempts, so a poison prompt at a dataset's end is not asked,
+and paid for, forever. A 429 and
 the in-flight-budget 402 feed the dataset's adaptive limit (AIMD), and so does a self-hosted server's
 503 (vLLM's and SGLang's full queue). A drain gives a retrying prompt up unrecorded.
 """
@@ -52,6 +54,9 @@ def backoff_delay(attempt: int, base: float, cap: float, retry_after: float | No
     if retry_after is not None:
         delay = max(delay, min(retry_after, cap * 5))
     return delay
+
+
+ANSWER_BLOCK_BITS = 3  # answers are counted by blocks of 8 sends: a prompt's count starts at the next block
 
 
 class Outcome(Enum):
@@ -97,6 +102,8 @@ class Attempts:
         self.retries = 0
         self._unreachable_since: float | None = None  # the API could not be reached; reset by an answer
         self.answered = 0        # answers this run: a prompt that fails while others are answered is suspect
+        self._sent = 0           # requests sent this run, numbered in the order they left
+        self._answered_blocks: list[int] = []  # answers, by the block of ANSWER_BLOCK_BITS of their send number
         self.answer_faults = 0   # answer faults this run (ANSWER_KINDS)
         self.backing_off = 0     # requests waiting to retry a transient error right now
         self.last_transient: RequestFailed | None = None
@@ -114,7 +121,9 @@ class Attempts:
         tries = 0   # requests sent
         # What the service did for the other prompts since this one's first try: more answers than
         # answer faults says it works, and this prompt's answer fault is its own; more says an outage.
-        answered_before, faults_before = self.answered, self.answer_faults
+        # Only answers to requests sent after that try count: requests sent before an outage still
+        # being answered inside it say nothing of the service now.
+        first_block, faults_before = (self._sent >> ANSWER_BLOCK_BITS) + 1, self.answer_faults
         own_faults = 0
         while True:
             if not ticket.open:  # a retry: the last reservation is settled or pending
@@ -129,6 +138,8 @@ class Attempts:
                 return Attempted(Outcome.UNSENT, tries, disk_error=e)
             tries += 1
             seq = ds.note_sent()
+            sent_no = self._sent
+            self._sent += 1
             try:
                 answer = await self.client.chat(body, functools.partial(spend.generation, ticket))
             except RequestFailed as e:
@@ -145,12 +156,11 @@ class Attempts:
                     # Counted against the prompt only while the others get more answers than faults; an
                     # answer run past max_tokens was billed: it always counts (paid retries stay bounded).
                     others_faults = self.answer_faults - faults_before - own_faults
-                    # Alone (nothing else of its dataset in flight, nothing answered or faulted since its
-                    # first try) there is no other evidence: its own faults count, or a poison prompt at
-                    # a dataset's end would be asked, and paid for, forever.
-                    alone = (ds.in_flight - ds.parked <= 1 and self.answered == answered_before
-                             and not others_faults)
-                    if self.answered - answered_before > others_faults or alone or e.past_cap is not None:
+                    # Alone (nothing else of its dataset in flight, no other fault since its first try)
+                    # there is no other evidence: its own faults count, or a poison prompt at a dataset's
+                    # end would be asked, and paid for, forever.
+                    alone = ds.in_flight - ds.parked <= 1 and not others_faults
+                    if self._answered_since(first_block) > others_faults or alone or e.past_cap is not None:
                         spent += 1
                         if spent >= eng.max_attempts:
                             return self._failed(ds, prompt_id, tries, e, seq)
@@ -171,8 +181,16 @@ class Attempts:
                           f"of ${ticket.worst:.6f}: booked at what it billed, so max_usd counts it")
             ds.concurrency.on_response()
             self.answered += 1
+            blocks, block = self._answered_blocks, sent_no >> ANSWER_BLOCK_BITS
+            while len(blocks) <= block:
+                blocks.append(0)
+            blocks[block] += 1
             self._note_reachable()
             return Attempted(Outcome.ANSWERED, tries, answer=answer, seq=seq)
+
+    def _answered_since(self, first_block: int) -> int:
+        """Answers to requests sent from block `first_block` on (blocks of 2**ANSWER_BLOCK_BITS sends)."""
+        return sum(self._answered_blocks[first_block:])
 
     def _note_failure(self, ds: DatasetRun, ticket: Ticket, tries: int, e: RequestFailed) -> None:
         """A failed attempt on the ledger, in the error tallies, and as feedback to the dataset's concurrency."""
