@@ -65,6 +65,10 @@ class Doubts:
             self.refused_probes += 1
         self.items.append(Doubt(prompt, e, attempts, sent))
 
+    def clear(self) -> None:
+        """Every set-aside prompt has its outcome now (failed as its own at the dataset's end)."""
+        self.items.clear()
+
     def confirmed(self, seq: int) -> list[Doubt]:
         """The set-aside prompts that an answer to request number `seq` shows were refused for their own
         reason: it was sent after their refusal came, with the same parameters."""
