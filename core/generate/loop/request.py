@@ -203,7 +203,7 @@ class Requests:
 
     def _finished(self, req: Request, task: asyncio.Task[None]) -> None:
         """The task ended, its body run or not (a task cancelled before its first step never runs it):
-        what the request held is released, and a prompt whose outcome was never booked handed back."""
+        what the request held is released, and a prompt whose outcome was never booked is booked now."""
         self.tasks.discard(task)
         ds = req.ds
         ds.request_ended(req.expected, probe=req.probe)
