@@ -53,9 +53,10 @@ class Gated:
 class Startup:
     """The gate in front of the run, and the quit asked for while it is closed."""
 
-    def __init__(self, config: Config, api_key: str, oneshot: Stages, emit: snap.EventSink, *,
+    def __init__(self, config: Config, api_key: str, oneshot: Stages, emit: snap.EventSink, *, rundir: RunDir,
                  skip_smoke: bool, reconstruct: bool) -> None:
         self._config = config
+        self._rundir = rundir
         self._api_key = api_key
         self._oneshot = oneshot
         self._emit = emit
@@ -89,7 +90,7 @@ class Startup:
         if not self._skip_smoke and not ok and not self.quit_requested.is_set():
             self._emit(snap.Level.INFO, snap.EventKind.SMOKE, f"running the smoke test first: {why}; no run request is "
                        "sent before it passes (a quit now stops it and the run does not start)")
-            spend = RunDir(cfg.run_dir).spend
+            spend = self._rundir.spend
             before = await asyncio.to_thread(_spent_on_disk, spend)
             self._smoke = asyncio.ensure_future(self._oneshot.smoke())
             await asyncio.wait({self._smoke})
