@@ -22,9 +22,9 @@ from draftgen.core.run.stages import Stages
 from draftgen.core.rundir import RunDir
 
 
-def smoke_status(config: Config) -> tuple[bool, str]:
-    """(passed for this config's request shapes, why not) from smoke.json."""
-    path = RunDir(config.run_dir).smoke_json
+def smoke_status(config: Config, rundir: RunDir | None = None) -> tuple[bool, str]:
+    """(passed for this config's request shapes, why not) from smoke.json (of `rundir`, the run's, if given)."""
+    path = (rundir or RunDir(config.run_dir)).smoke_json
     if not path.exists():
         return False, "no smoke test has run for this run directory"
     try:
@@ -76,7 +76,7 @@ class Startup:
         cfg = self._config
         # Prompt files and the tokenizer before anything is paid for (the smoke test included).
         await asyncio.to_thread(check_inputs, cfg, tokenizer=self._reconstruct)
-        ok, why = (True, "") if self._skip_smoke else smoke_status(cfg)
+        ok, why = (True, "") if self._skip_smoke else smoke_status(cfg, self._rundir)
         try:
             await check_api(cfg, self._api_key)
         except UnreachableError as e:

@@ -3,7 +3,8 @@
 The engine drives the run's lifecycle and its control surface (pause, resume, drain, stop); the work
 is done by its parts, each in its own module:
 
-    run_state.py   RunControl: the run's state, its holds and their reasons, the gate (changed only there)
+    run_state.py   RunControl: the run's state, its holds and their reasons, the gate, how the run ended
+                   (exit code, ended line, held outcome; changed only there)
     dataset_run.py a dataset's counts (answered + failed + skipped + left = total, asserted) and its files
     run_loop.py    admission, attempts and the account watch, built once the run has opened what they need
     admission.py   which prompt goes out when: adaptive concurrency, slots, budgets, the requeue
@@ -19,7 +20,8 @@ is done by its parts, each in its own module:
                    abandoned generations from their records; account.py reads the balance, and
                    watch.py holds the run on an account condition until it clears
     opening.py     what a run reads and writes before its first request (run.json, the money)
-    projection.py  the snapshot: counts, projected cost, ETA (forecast.py: the whole-run projection)
+    projection.py  the snapshot, made in one place: counts, projected cost, ETA (forecast.py: the
+                   whole-run projection), with what the pipeline adds beside it
 
 Each request ends in exactly one of: an answer line in responses.jsonl, a failure line in
 failures.jsonl (a reason of the prompt's own), or nothing at all (stop now, an account or dataset
