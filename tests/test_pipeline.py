@@ -114,7 +114,7 @@ def test_a_stage_stopped_stays_stopped_when_its_worker_thread_reports_after(tmp_
     assert rows.states(but="extract") == {snap.StageState.DONE, snap.StageState.STOPPED}
 
 
-def test_a_run_builds_one_redactor_and_one_run_directory_and_hands_them_on(tmp_path, monkeypatch):
+async def test_a_run_builds_one_redactor_and_one_run_directory_and_hands_them_on(tmp_path, monkeypatch):
     from draftgen.core import rundir, secrets
     built = {"redactor": 0, "rundir": 0}
     redactor_init, rundir_init = secrets.Redactor.__init__, rundir.RunDir.__init__
@@ -129,10 +129,17 @@ def test_a_run_builds_one_redactor_and_one_run_directory_and_hands_them_on(tmp_p
 
     monkeypatch.setattr(secrets.Redactor, "__init__", count_redactor)
     monkeypatch.setattr(rundir.RunDir, "__init__", count_rundir)
-    cfg = make_config(tmp_path, "http://127.0.0.1:9", [{"name": "a", "n": 3}])
-    pipeline = Pipeline(cfg, TEST_KEY, serve_attach=False)
+    async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 5, "concurrency": 2}], tables=TABLES)
+        pipeline = Pipeline(cfg, TEST_KEY, serve_attach=False, reconstruct=False)
+        assert built == {"redactor": 1, "rundir": 1}, built
+        await pipeline.start()
+        try:  # the start-up check, the smoke test and the run: all with the run's own
+            state = await asyncio.wait_for(pipeline.generate(), 120)
+        finally:
+            await pipeline.close()
+    assert state == snap.RunState.DONE and pipeline.exit_code == 0, pipeline.snapshot().alert
     assert built == {"redactor": 1, "rundir": 1}, built
-    assert pipeline.engine.rundir is pipeline.rundir
 
 
 def test_the_snapshot_is_made_once_from_the_owners_views(tmp_path):

@@ -63,8 +63,8 @@ class Pipeline:
         self.oneshot = Stages(config, api_key, self.engine, self.stages, rundir=self.rundir, redact=self._redact,
                               emit=self.emit)
         self.tokens = LiveTokens(config, self.emit, self.stages)
-        self.startup = Startup(config, api_key, self.oneshot, self.emit, rundir=self.rundir, skip_smoke=skip_smoke,
-                               reconstruct=self._reconstruct)
+        self.startup = Startup(config, api_key, self.oneshot, self.emit, rundir=self.rundir, redact=self._redact,
+                               skip_smoke=skip_smoke, reconstruct=self._reconstruct)
         self.generation = Generation(config, self.engine, self.startup, self.tokens, self.oneshot, self.stages,
                                      self.emit, self._redact, publish=self.publish, reconstruct=self._reconstruct)
         self.timeline = TimelineRecorder(self.rundir.history, on_write_error=lambda message: self.emit(

@@ -85,7 +85,8 @@ class Stages:
             # A run open in this process: the smoke requests go on its ledger, under its reservations.
             spend = self.engine.spend if self.engine.spend.is_open else None
             result = await run_smoke(self._config, self._api_key, progress=self._rows.reporter("smoke"), spend=spend,
-                                     settler=self.engine.settler if spend is not None else None)
+                                     settler=self.engine.settler if spend is not None else None,
+                                     rundir=self._rundir, redact=self._redact)
         except DraftgenError as e:
             self._rows.fail("smoke", self._redact(str(e)))
             self._emit(snap.Level.ERROR, snap.EventKind.SMOKE_DONE, f"smoke test could not run: {e}")

@@ -20,6 +20,7 @@ from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
 from draftgen.core.run.stages import Stages
 from draftgen.core.rundir import RunDir
+from draftgen.core.secrets import Redactor
 
 
 def smoke_status(config: Config, rundir: RunDir | None = None) -> tuple[bool, str]:
@@ -54,9 +55,10 @@ class Startup:
     """The gate in front of the run, and the quit asked for while it is closed."""
 
     def __init__(self, config: Config, api_key: str, oneshot: Stages, emit: snap.EventSink, *, rundir: RunDir,
-                 skip_smoke: bool, reconstruct: bool) -> None:
+                 redact: Redactor, skip_smoke: bool, reconstruct: bool) -> None:
         self._config = config
-        self._rundir = rundir
+        self._rundir = rundir  # the run's, and its redactor (one each per run: core/run/pipeline.py)
+        self._redact = redact
         self._api_key = api_key
         self._oneshot = oneshot
         self._emit = emit
@@ -78,7 +80,7 @@ class Startup:
         await asyncio.to_thread(check_inputs, cfg, tokenizer=self._reconstruct)
         ok, why = (True, "") if self._skip_smoke else smoke_status(cfg, self._rundir)
         try:
-            await check_api(cfg, self._api_key)
+            await check_api(cfg, self._api_key, self._redact)
         except UnreachableError as e:
             # What happens next depends on the smoke gate: say that, not a wait that never comes.
             self._emit(snap.Level.WARN, snap.EventKind.UNREACHABLE,
