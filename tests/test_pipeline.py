@@ -85,3 +85,74 @@ async def test_missing_tokenizer_stops_with_a_clear_alert(tmp_path):
     assert state == snap.RunState.STOPPED and pipeline.exit_code == 2
     assert "no-such-tokenizer" in str(pipeline.error)
     assert "no-such-tokenizer" in pipeline.snapshot().alert
+
+
+def test_a_stage_stopped_stays_stopped_when_its_worker_thread_reports_after(tmp_path):
+    import threading
+
+    from draftgen.core.run.stage_rows import StageRows
+    rows = StageRows()
+    rows.start("merge")
+    report = rows.reporter("merge")
+
+    def in_thread(progress: snap.StageProgress) -> None:
+        t = threading.Thread(target=report, args=(progress,))
+        t.start()
+        t.join()
+
+    in_thread(snap.StageProgress("merge", state=snap.StageState.RUNNING, done=3, total=10))
+    assert rows.get("merge").done == 3, "a worker thread's report lands"
+    rows.stop("merge", "stopped by the user")
+    in_thread(snap.StageProgress("merge", state=snap.StageState.RUNNING, done=4, total=10))
+    merge = rows.get("merge")
+    assert merge.state == snap.StageState.STOPPED and merge.done == 3 and merge.message == "stopped by the user"
+    rows.start("extract")
+    rows.set(snap.StageProgress("tokens", state=snap.StageState.DONE))
+    rows.fail_running("disk gone")
+    assert [(r.name, r.state) for r in rows.rows()] == [
+        ("tokens", snap.StageState.DONE), ("merge", snap.StageState.STOPPED), ("extract", snap.StageState.FAILED)]
+    assert rows.states(but="extract") == {snap.StageState.DONE, snap.StageState.STOPPED}
+
+
+async def test_a_run_builds_one_redactor_and_one_run_directory_and_hands_them_on(tmp_path, monkeypatch):
+    from draftgen.core import rundir, secrets
+    built = {"redactor": 0, "rundir": 0}
+    redactor_init, rundir_init = secrets.Redactor.__init__, rundir.RunDir.__init__
+
+    def count_redactor(self, secret, *others):
+        built["redactor"] += secret == TEST_KEY
+        redactor_init(self, secret, *others)
+
+    def count_rundir(self, root):
+        built["rundir"] += 1
+        rundir_init(self, root)
+
+    monkeypatch.setattr(secrets.Redactor, "__init__", count_redactor)
+    monkeypatch.setattr(rundir.RunDir, "__init__", count_rundir)
+    async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 5, "concurrency": 2}], tables=TABLES)
+        pipeline = Pipeline(cfg, TEST_KEY, serve_attach=False, reconstruct=False)
+        assert built == {"redactor": 1, "rundir": 1}, built
+        await pipeline.start()
+        try:  # the start-up check, the smoke test and the run: all with the run's own
+            state = await asyncio.wait_for(pipeline.generate(), 120)
+        finally:
+            await pipeline.close()
+    assert state == snap.RunState.DONE and pipeline.exit_code == 0, pipeline.snapshot().alert
+    assert built == {"redactor": 1, "rundir": 1}, built
+
+
+def test_the_snapshot_is_made_once_from_the_owners_views(tmp_path):
+    from draftgen.core.generate.loop.projection import Beside
+    cfg = make_config(tmp_path, "http://127.0.0.1:9", [{"name": "a", "n": 3}])
+    pipeline = Pipeline(cfg, TEST_KEY, serve_attach=False)
+    alone = pipeline.engine.snapshot()
+    assert alone.generation is None and alone.stages == () and alone.credits.spent_usd == 0.0
+    stage = snap.StageProgress("merge", state=snap.StageState.RUNNING)
+    s = pipeline.engine.snapshot(Beside(generation=snap.StageState.SKIPPED, stages=(stage,), started_at=12.0,
+                                        first_started_at=3.0, smoke_spent=(1.0, 1.25)))
+    assert s.generation == snap.StageState.SKIPPED and s.stages == (stage,) and s.seq == alone.seq + 1
+    assert (s.started_at, s.first_started_at) == (12.0, 3.0)
+    assert (s.credits.spent_usd, s.credits.spent_total_usd) == (0.25, 1.25), "the smoke test's spend, from the file"
+    seen = pipeline.snapshot()
+    assert seen.generation == snap.StageState.IDLE and seen.ended == "" and seen.held == ""

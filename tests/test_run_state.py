@@ -168,3 +168,66 @@ def test_a_datasets_state_changes_only_through_its_methods(tmp_path) -> None:
     ds.end(DatasetStatus.BUDGET)  # None keeps the message a stop or a budget gave
     assert (ds.status, ds.message, ds.in_flight, ds.parked, ds.sent) == (DatasetStatus.BUDGET, "token_budget reached",
                                                                          1, 0, 2)
+
+
+async def test_how_the_run_ended_is_told_to_its_owner_and_gives_the_exit_code() -> None:
+    from draftgen.core.errors import ExitCode
+    run, _ = control()
+    assert run.exit_code() == ExitCode.COMPLETE and run.generation == snap.StageState.IDLE and not run.launched
+    run.launch()
+    run.start()
+    assert run.generation == snap.StageState.RUNNING
+    run.end(RunState.DONE, "DONE: 5 of 5 answered")
+    assert run.ended == "DONE: 5 of 5 answered" and run.generation == snap.StageState.DONE
+    run.finished(RunState.DONE, tokens_complete=True)
+    assert run.exit_code() == ExitCode.COMPLETE
+    assert run.exit_code([snap.StageState.STOPPED]) == ExitCode.INCOMPLETE, "a stage stopped before its end"
+    assert run.exit_code([snap.StageState.FAILED, snap.StageState.STOPPED]) == ExitCode.ERROR
+
+    spooled, _ = control()  # records waiting in a spool for the next run: incomplete, even when DONE
+    spooled.launch()
+    spooled.held_spooled(2, 1, "/tmp/spool.jsonl")
+    spooled.end(RunState.DONE)
+    spooled.finished(RunState.DONE, tokens_complete=False)
+    assert spooled.exit_code() == ExitCode.INCOMPLETE and "2 held answer(s) spooled" in spooled.held_outcome.line()
+
+    refused, _ = control()  # a refused key is 4, whatever else held
+    stop = AccountStop(AccountCondition.KEY_REFUSED, "401 key refused")
+    assert refused.refuse_key(stop) and not refused.refuse_key(stop), "said once"
+    refused.launch()
+    refused.end(RunState.DRAINED)
+    refused.finished(RunState.DRAINED, tokens_complete=True)
+    assert refused.key_refused is stop and refused.exit_code() == ExitCode.KEY_REFUSED
+    assert refused.generation == snap.StageState.STOPPED
+
+    tokens, _ = control()  # answers left without token ids: an error
+    tokens.launch()
+    tokens.end(RunState.DONE)
+    tokens.finished(RunState.DONE, tokens_complete=False)
+    assert tokens.exit_code() == ExitCode.ERROR
+
+    quit_early, _ = control()  # quit before the run started: 130, the stage skipped
+    quit_early.not_started()
+    assert quit_early.exit_code() == ExitCode.INTERRUPTED and quit_early.generation == snap.StageState.SKIPPED
+    assert quit_early.state == RunState.STOPPED and quit_early.ended == ""
+
+    failed, _ = control()  # an error after the start fails the stage; before it, skips it
+    failed.launch()
+    failed.fail("disk gone", ExitCode.ERROR)
+    assert failed.generation == snap.StageState.FAILED and failed.exit_code() == ExitCode.ERROR
+    smoke, _ = control()
+    smoke.fail("the smoke test failed", ExitCode.SMOKE_FAILED)
+    assert smoke.generation == snap.StageState.SKIPPED and smoke.exit_code() == ExitCode.SMOKE_FAILED
+
+
+def test_the_held_outcome_changes_only_through_the_run_owner() -> None:
+    import dataclasses
+    run, _ = control()
+    run.held_written()
+    run.spool_imported()
+    run.held_lost(3)
+    out = run.held_outcome
+    assert (out.written, out.imported, out.lost) == (1, 1, 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.written = 5  # type: ignore[misc]  # a reader cannot change it
+    assert run.view().held_outcome is out

@@ -1,64 +1,49 @@
 """The generation stage as the pipeline runs it: the start-up gate (startup.py), the engine's run, the
-tokens stage after it (live_tokens.py), and how it ended: its stage state, the error that stopped it,
-and the exit code (docs/run-end.md).
+tokens stage after it (live_tokens.py). How it ended (its stage state, whether run requests may have
+been sent, the exit code: docs/run-end.md) is told to the run's owner, the engine's `RunControl`
+(core/generate/loop/run_state.py); the error that stopped it is kept here for the command boundary.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable
 
 from draftgen.core.config import Config
-from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError
+from draftgen.core.errors import DraftgenError, ExitCode
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.summary import (
-    EXIT_COMPLETE,
-    EXIT_ERROR,
-    EXIT_INCOMPLETE,
-    EXIT_INTERRUPTED,
-    EXIT_SMOKE_FAILED,
-    INCOMPLETE,
-)
 from draftgen.core.run.live_tokens import LiveTokens
+from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.run.stages import Stages
 from draftgen.core.run.startup import Startup, Verdict
 from draftgen.core.secrets import Redactor
 
 
 class Generation:
-    """Smoke gate, then the run, then the tokens stage's report; the stage's state and exit code."""
+    """Smoke gate, then the run, then the tokens stage's report; how it ended, told to RunControl."""
 
     def __init__(self, config: Config, engine: Engine, startup: Startup, tokens: LiveTokens, oneshot: Stages,
-                 emit: snap.EventSink, redact: Redactor, *, publish: Callable[[], None], reconstruct: bool) -> None:
+                 rows: StageRows, emit: snap.EventSink, redact: Redactor, *, publish: Callable[[], None],
+                 reconstruct: bool) -> None:
         self._config = config
         self._engine = engine
+        self._control = engine.control  # the run's owner: its state and how it ended
         self._startup = startup
         self._tokens = tokens
         self._oneshot = oneshot
-        self._stages = oneshot.progress
+        self._rows = rows
         self._emit = emit
         self._redact = redact
         self._publish = publish
         self._reconstruct = reconstruct
-        self.state = snap.StageState.IDLE
-        self.started = False   # the engine's run was started: run requests may have been sent
         self.error: DraftgenError | None = None
-        self._code = EXIT_COMPLETE
 
     @property
-    def exit_code(self) -> int:
-        """The run's exit code (docs/run-end.md): a stage stopped before its end is incomplete (3),
-        a stage that failed an error (2), never complete."""
-        code = self._code
-        if code == EXIT_COMPLETE:
-            states = {self._stages[n].state for n in self._stages if n != "smoke"}
-            if snap.StageState.FAILED in states:
-                return EXIT_ERROR
-            if snap.StageState.STOPPED in states:
-                return EXIT_INCOMPLETE
-        return code
+    def exit_code(self) -> ExitCode:
+        """The run's exit code (docs/run-end.md): RunControl's, with the other stages' states weighed
+        (a stage stopped before its end is incomplete (3), a stage that failed an error (2), never complete)."""
+        return self._control.exit_code(self._rows.states(but="smoke"))
 
     async def run(self) -> str:
         """Smoke gate, then the run. Returns the engine's final state. A user-facing error (a missing
@@ -74,13 +59,8 @@ class Generation:
                 wrapper.__cause__ = e
                 e = wrapper
             self.error = e
-            self.state = snap.StageState.FAILED if self.started else snap.StageState.SKIPPED
-            self._code = e.exit_code
-            for name, stage in list(self._stages.items()):
-                if stage.state == snap.StageState.RUNNING:
-                    self._stages[name] = dataclasses.replace(stage, state=snap.StageState.FAILED,
-                                                             message=self._redact(str(e)))
-            self._engine.control.fail(self._redact(str(e)))
+            self._rows.fail_running(self._redact(str(e)))
+            self._control.fail(self._redact(str(e)), e.exit_code)
             self._emit(snap.Level.ERROR, snap.EventKind.RUN_FAILED, f"the run cannot go on: {e}")
             return snap.RunState.STOPPED
 
@@ -91,49 +71,36 @@ class Generation:
                 return self._not_started(gated.why)
             if gated.verdict is Verdict.SMOKE_FAILED:
                 # Read in the TUI, the headless log and the shell after the TUI closes: a command, not a key.
-                self._engine.control.fail("the smoke test failed: the run will not start at full concurrency "
-                                          f"(fix what it names, then `draftgen smoke {self._config.path}`; "
-                                          "or --skip-smoke)")
-                self.state = snap.StageState.SKIPPED
-                self._code = EXIT_SMOKE_FAILED
+                self._control.fail("the smoke test failed: the run will not start at full concurrency "
+                                   f"(fix what it names, then `draftgen smoke {self._config.path}`; "
+                                   "or --skip-smoke)", ExitCode.SMOKE_FAILED)
                 return snap.RunState.STOPPED
             if self._reconstruct:
                 await self._tokens.start()
             state = await self._run_engine()
-            if not self.started:
+            if not self._control.launched:
                 return self._not_started("quit before the run started")
-            self.state = (snap.StageState.DONE if state in (snap.RunState.DONE, snap.RunState.LIMITED)
-                          else snap.StageState.STOPPED)
-            held = self._engine.book.held_outcome
-            if (state in INCOMPLETE or held.spooled or held.spooled_failures) and self._code == EXIT_COMPLETE:
-                # Prompts are left, or records wait in a spool for the next run: the shell can tell it apart.
-                self._code = EXIT_INCOMPLETE
-            if self._engine.key_refused is not None:
-                self._code = EXIT_KEY_REFUSED
-            if not await self._tokens.finish(imported=held.imported > 0) and self._code == EXIT_COMPLETE:
-                self._code = EXIT_ERROR
+            complete = await self._tokens.finish(imported=self._control.held_outcome.imported > 0)
+            self._control.finished(state, tokens_complete=complete)
             return state
         finally:
             self._publish()
 
     def _not_started(self, why: str) -> str:
         """Quit before the run started: no run request was sent; exit 130 (docs/run-end.md)."""
-        self._engine.control.end(snap.RunState.STOPPED)
-        self.state = snap.StageState.SKIPPED
-        self._code = EXIT_INTERRUPTED
+        self._control.not_started()
         self._emit(snap.Level.WARN, snap.EventKind.RUN_DONE, f"{why}: no run request was sent; "
                    f"`draftgen run {self._config.path}` starts it")
         return snap.RunState.STOPPED
 
-    async def _run_engine(self) -> str:
+    async def _run_engine(self) -> snap.RunState:
         """The engine's run, its spend ledger opened while no smoke test runs (one writer at a time: a
         smoke test started with s first finishes, on its own ledger; one started after books on the
         run's, core/run/stages.py)."""
         async with self._oneshot.smoke_lock:
             if self._startup.quit_requested.is_set():  # quit while a smoke test ran: nothing is started
                 return snap.RunState.STOPPED
-            self.started = True
-            self.state = snap.StageState.RUNNING
+            self._control.launch()
             run = asyncio.create_task(self._engine.run())
             while not (self._engine.spend.is_open or run.done()):
                 await asyncio.sleep(0.02)

@@ -1,5 +1,6 @@
 """The tokens stage while the run goes: each answer turned into token ids as it lands
-(core/tokens/live.py), its progress on the stages panel, and its report when the run ends."""
+(core/tokens/live.py), its progress told to the stages panel's rows (stage_rows.py), and its report
+when the run ends."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
 from draftgen.core.live import snapshot as snap
+from draftgen.core.run.stage_rows import StageRows
 
 if TYPE_CHECKING:  # imported when the stage starts: a run without reconstruction never loads it
     from draftgen.core.tokens.live import LiveReconstructor
@@ -15,10 +17,10 @@ if TYPE_CHECKING:  # imported when the stage starts: a run without reconstructio
 class LiveTokens:
     """The live reconstructor of one run, from its start to its report."""
 
-    def __init__(self, config: Config, emit: snap.EventSink, stages: dict[str, snap.StageProgress]) -> None:
+    def __init__(self, config: Config, emit: snap.EventSink, rows: StageRows) -> None:
         self._config = config
         self._emit = emit
-        self._stages = stages  # the stages panel's rows (Pipeline's dict, shared)
+        self._rows = rows  # the stages panel's rows: this class only tells them
         self._reconstructor: LiveReconstructor | None = None
         self.fidelity: tuple[snap.ProviderFidelity, ...] = ()  # the last figures, kept after the workers stop
 
@@ -36,7 +38,7 @@ class LiveTokens:
     def refresh(self) -> None:
         """The stage's row and the fidelity figures, while it runs."""
         if self._reconstructor is not None:
-            self._stages["tokens"] = self._reconstructor.progress()
+            self._rows.set(self._reconstructor.progress())
             self.fidelity = self._reconstructor.fidelity()
 
     async def finish(self, imported: bool = False) -> bool:
@@ -52,7 +54,8 @@ class LiveTokens:
             for ds in self._config.datasets:
                 await r.catch_up(ds.name)
         await r.close()
-        tokens = self._stages["tokens"] = r.progress()
+        tokens = r.progress()
+        self._rows.set(tokens)
         self.fidelity = r.fidelity()
         self._emit(snap.Level.INFO, snap.EventKind.TOKENS_DONE, r.report(None).summary_line())
         complete = tokens.done >= tokens.total

@@ -8,13 +8,13 @@ headless runner drives it with `asyncio.run`. It imports nothing from Textual.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.files import RunLock, exclusive
 from draftgen.core.generate.loop.engine import Engine
+from draftgen.core.generate.loop.projection import Beside
 from draftgen.core.generate.loop.run_state import PausedBy
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.control import Action
@@ -25,6 +25,7 @@ from draftgen.core.records import error_count
 from draftgen.core.run.events import EventPublisher
 from draftgen.core.run.generation import Generation
 from draftgen.core.run.live_tokens import LiveTokens
+from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.run.stages import Stages
 from draftgen.core.run.startup import (
     Startup,
@@ -32,8 +33,6 @@ from draftgen.core.run.startup import (
 )
 from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.secrets import Redactor
-
-STAGES = ("smoke", "tokens", "merge", "extract")  # the stages panel's rows (generation is the datasets panel)
 
 
 class Pipeline:
@@ -46,24 +45,28 @@ class Pipeline:
     def __init__(self, config: Config, api_key: str, *, skip_smoke: bool = False,
                  reconstruct: bool | None = None, serve_attach: bool = True, seed: int | None = None) -> None:
         self.config = config
+        # One of each per run, handed to every part that needs it.
         self.rundir = RunDir(config.run_dir)
+        self._redact = Redactor(api_key, config.api.management_key())
         self.hub = Hub()
         self._api_key = api_key
-        self._redact = Redactor(api_key, config.api.management_key())
         self.events = EventPublisher(self.hub, self._redact)
         self._reconstruct = config.engine.reconstruct if reconstruct is None else reconstruct
         self._serve_attach = serve_attach
-        self.engine = Engine(config, api_key, on_event=self.emit, on_answer=self._on_answer, seed=seed)
+        self.engine = Engine(config, api_key, on_event=self.emit, on_answer=self._on_answer, seed=seed,
+                             rundir=self.rundir, redact=self._redact)
+        self.control = self.engine.control  # the run's state and how it ended (core/generate/loop/run_state.py)
         self._attach: Any = None
         self._run_lock: RunLock | None = None
         self._ticker: asyncio.Task[None] | None = None
-        self.oneshot = Stages(config, api_key, self.engine, emit=self.emit)
-        self.stages = self.oneshot.progress  # the stages panel's rows (one dict, shared)
+        self.stages = StageRows()  # the stages panel's rows: their one owner (core/run/stage_rows.py)
+        self.oneshot = Stages(config, api_key, self.engine, self.stages, rundir=self.rundir, redact=self._redact,
+                              emit=self.emit)
         self.tokens = LiveTokens(config, self.emit, self.stages)
-        self.startup = Startup(config, api_key, self.oneshot, self.emit, skip_smoke=skip_smoke,
-                               reconstruct=self._reconstruct)
-        self.generation = Generation(config, self.engine, self.startup, self.tokens, self.oneshot, self.emit,
-                                     self._redact, publish=self.publish, reconstruct=self._reconstruct)
+        self.startup = Startup(config, api_key, self.oneshot, self.emit, rundir=self.rundir, redact=self._redact,
+                               skip_smoke=skip_smoke, reconstruct=self._reconstruct)
+        self.generation = Generation(config, self.engine, self.startup, self.tokens, self.oneshot, self.stages,
+                                     self.emit, self._redact, publish=self.publish, reconstruct=self._reconstruct)
         self.timeline = TimelineRecorder(self.rundir.history, on_write_error=lambda message: self.emit(
             snap.Level.WARN, snap.EventKind.HISTORY, message))
 
@@ -136,27 +139,15 @@ class Pipeline:
         self.events.flush_repeats()
 
     def snapshot(self) -> snap.RunSnapshot:
-        s = self.engine.snapshot()
+        """The run's picture, made once by the engine's projector (core/generate/loop/projection.py) from
+        its owners' views and what the pipeline's own owners add beside them."""
         self.tokens.refresh()
-        fidelity = self.tokens.fidelity
-        if self.startup.spent is not None and not self.generation.started:
-            # The run never opened its ledger: what was spent (the smoke test's requests) is on spend.jsonl.
-            before, after = self.startup.spent
-            s = dataclasses.replace(s, credits=dataclasses.replace(s.credits, spent_usd=max(0.0, after - before),
-                                                                   spent_total_usd=after))
-        return dataclasses.replace(s, generation=self.generation.state,
-                                   stages=tuple(self.stages[n] for n in STAGES if n in self.stages),
-                                   gpus=self.oneshot.gpus, fidelity=fidelity, timeline=self.timeline.timeline(),
-                                   ended=self.engine.ended,
-                                   recent_errors=self.engine.recent.records(),
-                                   provider_stats=self.engine.provider_stats.stats(),
-                                   started_at=self.timeline.started_at,
-                                   first_started_at=self.timeline.first_started_at,
-                                   held_answers=self.engine.book.held_answers, held=self.held_line())
-
-    def held_line(self) -> str:
-        """What became of the answers the disk refused this run (and those an earlier run spooled)."""
-        return self.engine.book.held_outcome.line()
+        # The run never opened its ledger: what was spent (the smoke test's requests) is on spend.jsonl.
+        smoke_spent = self.startup.spent if not self.control.launched else None
+        return self.engine.snapshot(Beside(
+            generation=self.control.generation, stages=self.stages.rows(), gpus=self.oneshot.gpus,
+            fidelity=self.tokens.fidelity, timeline=self.timeline.timeline(), started_at=self.timeline.started_at,
+            first_started_at=self.timeline.first_started_at, smoke_spent=smoke_spent))
 
     def _totals(self) -> Totals:
         """This process's running totals for the history (core/live/timeline.py)."""
@@ -252,7 +243,7 @@ class Pipeline:
         self.startup.quit(drain)
         if not drain:
             self.oneshot.cancel()  # the extraction thread stops after its current batch
-        if not self.generation.started:
+        if not self.control.launched:
             return  # nothing to drain or stop yet: the run will not start (core/run/pipeline.py _generate)
         if drain:
             self.engine.drain()

@@ -1,12 +1,12 @@
 """The one-shot stages beside generation: the smoke test, merge and extraction, each run on demand
-(a key, a command) with its progress kept for the stages panel, and extraction's GPU samples for
-the GPU panel. The Pipeline (core/run/pipeline.py) owns one and calls it from its control surface.
+(a key, a command) with its progress told to the stages panel's rows (stage_rows.py), and
+extraction's GPU samples for the GPU panel. The Pipeline (core/run/pipeline.py) owns one and calls
+it from its control surface.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -16,20 +16,21 @@ from draftgen.core.errors import DraftgenError
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.run_state import PausedBy
 from draftgen.core.live import snapshot as snap
+from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
 
 
 class Stages:
-    def __init__(self, config: Config, api_key: str, engine: Engine, *,
-                 emit: Callable[[str, str, str], None]) -> None:
+    def __init__(self, config: Config, api_key: str, engine: Engine, rows: StageRows, *, rundir: RunDir,
+                 redact: Redactor, emit: Callable[[str, str, str], None]) -> None:
         self._config = config
         self._api_key = api_key
-        self._rundir = RunDir(config.run_dir)
-        self._redact = Redactor(api_key, config.api.management_key())
+        self._rundir = rundir
+        self._redact = redact
         self._emit = emit
         self.engine = engine
-        self.progress: dict[str, snap.StageProgress] = {}
+        self._rows = rows  # the stages panel's rows: this class only tells them
         self.gpus: tuple[snap.GpuStat, ...] | None = None
         self.extract_stop = threading.Event()
         self._tasks: dict[str, asyncio.Task[Any]] = {}
@@ -47,8 +48,7 @@ class Stages:
             except DraftgenError:
                 pass  # already reported as an event and in the stage panel
             except Exception as e:  # a stage crash must not take the run down
-                self.progress[name] = snap.StageProgress(name, state=snap.StageState.FAILED,
-                                                         message=f"{type(e).__name__}: {e}")
+                self._rows.fail(name, f"{type(e).__name__}: {e}")
                 self._emit(snap.Level.ERROR, snap.EventKind(f"{name}_done"),
                            f"{name} crashed: {type(e).__name__}: {self._redact(str(e))}")
         self._tasks[name] = asyncio.create_task(guarded())
@@ -75,30 +75,24 @@ class Stages:
         async with self.smoke_lock:
             return await self._smoke()
 
-    def _stopped(self, name: str, why: str) -> None:
-        """A stage cancelled by stop now: stopped where it got to, never left running."""
-        current = self.progress.get(name) or snap.StageProgress(name)
-        self.progress[name] = dataclasses.replace(current, state=snap.StageState.STOPPED, rate=0.0, eta_s=None,
-                                                  message=why)
-
     async def _smoke(self) -> bool:
         from draftgen.core.generate.commands.smoke import run_smoke
-        self.progress["smoke"] = snap.StageProgress("smoke", state=snap.StageState.RUNNING)
+        self._rows.start("smoke")
         was_running = self.engine.state == snap.RunState.RUNNING
         if was_running:
             self.engine.pause(PausedBy.SMOKE)
         try:
             # A run open in this process: the smoke requests go on its ledger, under its reservations.
             spend = self.engine.spend if self.engine.spend.is_open else None
-            result = await run_smoke(self._config, self._api_key, progress=self._progress("smoke"), spend=spend,
-                                     settler=self.engine.settler if spend is not None else None)
+            result = await run_smoke(self._config, self._api_key, progress=self._rows.reporter("smoke"), spend=spend,
+                                     settler=self.engine.settler if spend is not None else None,
+                                     rundir=self._rundir, redact=self._redact)
         except DraftgenError as e:
-            self.progress["smoke"] = snap.StageProgress("smoke", state=snap.StageState.FAILED,
-                                                      message=self._redact(str(e)))
+            self._rows.fail("smoke", self._redact(str(e)))
             self._emit(snap.Level.ERROR, snap.EventKind.SMOKE_DONE, f"smoke test could not run: {e}")
             return False
         except asyncio.CancelledError:
-            self._stopped("smoke", "stopped before it finished (its requests stay on the spend ledger)")
+            self._rows.stop("smoke", "stopped before it finished (its requests stay on the spend ledger)")
             self._emit(snap.Level.WARN, snap.EventKind.SMOKE_DONE, "smoke test stopped before it finished: its "
                        "request was abandoned (it stays on the spend ledger)")
             raise
@@ -112,18 +106,18 @@ class Stages:
 
     async def merge(self, replace_hidden_states: bool = False) -> Any:
         from draftgen.core.merge.merge import merge
-        self.progress["merge"] = snap.StageProgress("merge", state=snap.StageState.RUNNING)
+        self._rows.start("merge")
         try:
-            stats = await asyncio.to_thread(merge, self._config, self._progress("merge"),
+            stats = await asyncio.to_thread(merge, self._config, self._rows.reporter("merge"),
                                             replace_hidden_states=replace_hidden_states)
         except asyncio.CancelledError:
-            self._stopped("merge", f"not waited for: merged/ is replaced whole or not at all; "
+            self._rows.stop("merge", f"not waited for: merged/ is replaced whole or not at all; "
                           f"`draftgen merge {self._config.path}` redoes it")
             self._emit(snap.Level.WARN, snap.EventKind.MERGE_DONE, "merge was not waited for: merged/ is replaced "
                        f"whole or not at all (`draftgen merge {self._config.path}` redoes it)")
             raise
         except DraftgenError as e:
-            self.progress["merge"] = snap.StageProgress("merge", state=snap.StageState.FAILED, message=str(e))
+            self._rows.fail("merge", str(e))
             self._emit(snap.Level.ERROR, snap.EventKind.MERGE_DONE, f"merge failed: {e}")
             raise
         dropped = ", ".join(f"{n} {why}" for why, n in stats.dropped.items() if n) or "none"
@@ -140,23 +134,23 @@ class Stages:
         from draftgen.core.extract.gpu import GpuMonitor
         monitor = GpuMonitor()
         sampler = asyncio.create_task(monitor.run(self._set_gpus, interval_s=1.0))
-        self.progress["extract"] = snap.StageProgress("extract", state=snap.StageState.RUNNING)
+        self._rows.start("extract")
         try:
             self.extract_stop.clear()
-            stats = await asyncio.to_thread(extract, self._config, shard=shard, progress=self._progress("extract"),
+            stats = await asyncio.to_thread(extract, self._config, shard=shard, progress=self._rows.reporter("extract"),
                                             stop=self.extract_stop, on_other_merge=on_other_merge)
         except asyncio.CancelledError:
-            self._stopped("extract", f"stopped: `draftgen extract {self._config.path}` finishes the rest")
+            self._rows.stop("extract", f"stopped: `draftgen extract {self._config.path}` finishes the rest")
             raise
         except DraftgenError as e:
-            self.progress["extract"] = snap.StageProgress("extract", state=snap.StageState.FAILED, message=str(e))
+            self._rows.fail("extract", str(e))
             self._emit(snap.Level.ERROR, snap.EventKind.EXTRACT_DONE, f"extraction failed: {e}")
             raise
         finally:
             sampler.cancel()
         if stats.stopped:  # stopped after a batch (stop now, a full disk): said as stopped, with what finishes it
             done = stats.skipped_existing + stats.written + stats.nan_samples
-            self._stopped("extract", f"stopped at {done:,} of {stats.samples:,} files: "
+            self._rows.stop("extract", f"stopped at {done:,} of {stats.samples:,} files: "
                           f"`draftgen extract {self._config.path}` finishes the rest")
             self._emit(snap.Level.WARN, snap.EventKind.EXTRACT_DONE,
                        f"extraction STOPPED at {done:,} of {stats.samples:,} files "
@@ -169,14 +163,6 @@ class Stages:
                   + "), "
                   f"{stats.tokens_written:,} tokens at {stats.tokens_per_s:,.0f} tok/s in {self._rundir.hidden_states}")
         return stats
-
-    def _progress(self, name: str) -> Callable[[snap.StageProgress], None]:
-        def update(progress: snap.StageProgress) -> None:
-            current = self.progress.get(name)
-            if current is not None and current.state == snap.StageState.STOPPED:
-                return  # cancelled while its thread finishes a step: it stays stopped
-            self.progress[name] = progress  # may be called from a worker thread: one atomic assignment
-        return update
 
     def _set_gpus(self, gpus: tuple[snap.GpuStat, ...] | None) -> None:
         self.gpus = gpus

@@ -20,11 +20,12 @@ from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
 from draftgen.core.run.stages import Stages
 from draftgen.core.rundir import RunDir
+from draftgen.core.secrets import Redactor
 
 
-def smoke_status(config: Config) -> tuple[bool, str]:
-    """(passed for this config's request shapes, why not) from smoke.json."""
-    path = RunDir(config.run_dir).smoke_json
+def smoke_status(config: Config, rundir: RunDir | None = None) -> tuple[bool, str]:
+    """(passed for this config's request shapes, why not) from smoke.json (of `rundir`, the run's, if given)."""
+    path = (rundir or RunDir(config.run_dir)).smoke_json
     if not path.exists():
         return False, "no smoke test has run for this run directory"
     try:
@@ -53,9 +54,11 @@ class Gated:
 class Startup:
     """The gate in front of the run, and the quit asked for while it is closed."""
 
-    def __init__(self, config: Config, api_key: str, oneshot: Stages, emit: snap.EventSink, *,
-                 skip_smoke: bool, reconstruct: bool) -> None:
+    def __init__(self, config: Config, api_key: str, oneshot: Stages, emit: snap.EventSink, *, rundir: RunDir,
+                 redact: Redactor, skip_smoke: bool, reconstruct: bool) -> None:
         self._config = config
+        self._rundir = rundir  # the run's, and its redactor (one each per run: core/run/pipeline.py)
+        self._redact = redact
         self._api_key = api_key
         self._oneshot = oneshot
         self._emit = emit
@@ -75,9 +78,9 @@ class Startup:
         cfg = self._config
         # Prompt files and the tokenizer before anything is paid for (the smoke test included).
         await asyncio.to_thread(check_inputs, cfg, tokenizer=self._reconstruct)
-        ok, why = (True, "") if self._skip_smoke else smoke_status(cfg)
+        ok, why = (True, "") if self._skip_smoke else smoke_status(cfg, self._rundir)
         try:
-            await check_api(cfg, self._api_key)
+            await check_api(cfg, self._api_key, self._redact)
         except UnreachableError as e:
             # What happens next depends on the smoke gate: say that, not a wait that never comes.
             self._emit(snap.Level.WARN, snap.EventKind.UNREACHABLE,
@@ -89,7 +92,7 @@ class Startup:
         if not self._skip_smoke and not ok and not self.quit_requested.is_set():
             self._emit(snap.Level.INFO, snap.EventKind.SMOKE, f"running the smoke test first: {why}; no run request is "
                        "sent before it passes (a quit now stops it and the run does not start)")
-            spend = RunDir(cfg.run_dir).spend
+            spend = self._rundir.spend
             before = await asyncio.to_thread(_spent_on_disk, spend)
             self._smoke = asyncio.ensure_future(self._oneshot.smoke())
             await asyncio.wait({self._smoke})

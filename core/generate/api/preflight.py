@@ -24,11 +24,11 @@ from draftgen.core.secrets import Redactor
 from draftgen.core.servers import Server, note_server, server_from_answers
 
 
-async def check_api(config: Config, api_key: str) -> AccountStatus:
-    """GET /key with the run's key: the address answers and the key is accepted."""
-    redact = Redactor(api_key, config.api.management_key())
+async def check_api(config: Config, api_key: str, redact: Redactor | None = None) -> AccountStatus:
+    """GET /key with the run's key: the address answers and the key is accepted (`redact`: the run's)."""
+    redact = redact or Redactor(api_key, config.api.management_key())
     async with ChatClient(config.api.base_url, api_key, concurrency=1,
-                          connect_timeout_s=config.api.connect_timeout_s) as client:
+                          connect_timeout_s=config.api.connect_timeout_s, redact=redact) as client:
         try:
             status = await read_account(client, management_key=config.api.management_key(),
                                         timeout_s=max(10.0, config.api.connect_timeout_s))

@@ -368,14 +368,15 @@ class _SmokeTest:
     """One smoke test's state, and its steps in the order `run_smoke` takes them."""
 
     def __init__(self, config: Config, api_key: str, progress: Callable[[snap.StageProgress], None] | None,
-                 spend: SpendLedger | None, settler: Settler | None) -> None:
+                 spend: SpendLedger | None, settler: Settler | None, *, rundir: RunDir | None = None,
+                 redact: Redactor | None = None) -> None:
         self.config = config
         self.api_key = api_key
         self.progress = progress
         self.spend = spend
         self.own_spend = spend is None
         self.settler = settler
-        self.redact = Redactor(api_key, config.api.management_key())
+        self.redact = redact or Redactor(api_key, config.api.management_key())
         self.result = SmokeResult(fingerprint="")
         self.shapes: dict[str, DatasetConfig] = {}
         self.reconstruct = _Reconstruct(config, self.add)
@@ -389,7 +390,7 @@ class _SmokeTest:
         self.key_tries = 0
         self.deadline = 0.0
         self.prices: dict[str, Any] = {}
-        self.rd = RunDir(config.run_dir)
+        self.rd = rundir or RunDir(config.run_dir)
         self.on_disk: dict[str, tuple[int, int, float]] = {}
         self.stream_row: SmokeRow | None = None
         self.parser = ""  # the stream row's cause when the run's mode rewrites text (for the tokens rows)
@@ -712,20 +713,22 @@ def _balance_row(config: Config, account: AccountStatus | None, balance: float |
 
 
 async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.StageProgress], None] | None = None,
-                    spend: SpendLedger | None = None, settler: Settler | None = None) -> SmokeResult:
+                    spend: SpendLedger | None = None, settler: Settler | None = None, *, rundir: RunDir | None = None,
+                    redact: Redactor | None = None) -> SmokeResult:
     """Run the checklist, write smoke.json, return the result (never raises for a failed check).
 
     The smoke requests are billed like any other: each is reserved against `max_usd` at its worst
     case, on spend.jsonl before it leaves, and booked as it ends (billing.py). `spend` is the ledger of
     a run open in this process (its reservations count, `settler` prices what is abandoned); without
     one the directory's ledger is opened here, and what is abandoned is looked up by the next run or
-    `draftgen ledger`."""
-    test = _SmokeTest(config, api_key, progress, spend, settler)
+    `draftgen ledger`. `rundir` and `redact`: the run's, when a run in this process asks for it."""
+    test = _SmokeTest(config, api_key, progress, spend, settler, rundir=rundir, redact=redact)
     await test.check_local()
     async with ChatClient(config.api.base_url, api_key, concurrency=4,
                           request_timeout_s=min(config.api.request_timeout_s, 600),
                           connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
-                          title=config.api.title, self_hosted=lambda: config.api.self_hosted) as client:
+                          title=config.api.title, self_hosted=lambda: config.api.self_hosted,
+                          redact=test.redact) as client:
         test.deadline = time.monotonic() + SMOKE_RETRY_S  # one window for the whole smoke test's retries
         await test.check_key(client)
         await test.check_prices(client)

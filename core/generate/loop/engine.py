@@ -3,7 +3,8 @@
 The engine drives the run's lifecycle and its control surface (pause, resume, drain, stop); the work
 is done by its parts, each in its own module:
 
-    run_state.py   RunControl: the run's state, its holds and their reasons, the gate (changed only there)
+    run_state.py   RunControl: the run's state, its holds and their reasons, the gate, how the run ended
+                   (exit code, ended line, held outcome; changed only there)
     dataset_run.py a dataset's counts (answered + failed + skipped + left = total, asserted) and its files
     context.py     RunContext: the config, the gate, the event sink, clock and redactor every part reads
     run_loop.py    the account watch, the room, the requests and admission, built once the run has opened
@@ -23,7 +24,8 @@ is done by its parts, each in its own module:
                    abandoned generations from their records; account.py reads the balance, and
                    watch.py holds the run on an account condition until it clears
     opening.py     what a run reads and writes before its first request (run.json, the money)
-    projection.py  the snapshot: counts, projected cost, ETA (forecast.py: the whole-run projection)
+    projection.py  the snapshot, made in one place: counts, projected cost, ETA (forecast.py: the
+                   whole-run projection), with what the pipeline adds beside it
 
 Each request ends in exactly one of: an answer line in responses.jsonl, a failure line in
 failures.jsonl (a reason of the prompt's own), or nothing at all (stop now, an account or dataset
@@ -57,7 +59,7 @@ from draftgen.core.generate.loop.admission import AdaptiveConcurrency
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.opening import Opened, open_datasets, open_money, write_run_json
-from draftgen.core.generate.loop.projection import project
+from draftgen.core.generate.loop.projection import ALONE, Beside, EngineNow, Projector
 from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.run_loop import RunLoop
 from draftgen.core.generate.loop.run_state import Hold, PausedBy, RunControl
@@ -78,11 +80,12 @@ HELD_RETRY_S = 3.0  # how often a run ending with answers held retries writing t
 class Engine:
     def __init__(self, config: Config, api_key: str, *, on_event: snap.EventSink | None = None,
                  on_answer: Callable[[str, dict[str, Any]], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, seed: int | None = None,
+                 rundir: RunDir | None = None, redact: Redactor | None = None) -> None:
         self.config = config
-        self.rundir = RunDir(config.run_dir)
+        self.rundir = rundir or RunDir(config.run_dir)  # the pipeline's (one per run), or the engine's own
         self._api_key = api_key
-        self._redact = Redactor(api_key, config.api.management_key())
+        self._redact = redact or Redactor(api_key, config.api.management_key())
         self._on_event = snap.event_sink(on_event)
         self._clock = clock
         self.datasets = {d.name: DatasetRun(d, TokenBudget(d.token_budget, d.max_tokens),
@@ -93,8 +96,7 @@ class Engine:
         self.errors = Tally()
         self.provider_stats = ProviderStats()
         self.recent = RecentErrors(providers=self.provider_stats)
-        self.control = RunControl(self._event)  # the run's state, holds and gate: changed only through it
-        self.ended = ""  # how the run ended, with counts (final states only)
+        self.control = RunControl(self._event)  # the run's state, holds, gate and end: changed only through it
         self._started = clock()
         self._ctx = RunContext(config, self.control, self._event, clock, self._redact, self.errors, self.recent,
                                self.provider_stats)  # what every part of the loop reads, passed once
@@ -102,7 +104,9 @@ class Engine:
         self._rng = random.Random(seed)
         self._opened: Opened | None = None  # what the run opened (the client, the money, the duplicates)
         self._loop: RunLoop | None = None   # built, whole, once the run has opened what it needs
-        self._seq = 0
+        self._projector = Projector(run_name=self.rundir.root.name, model=config.api.model,
+                                    parallel=config.engine.parallel, datasets=self.datasets.values(), book=self.book,
+                                    money=self.money, recent=self.recent, provider_stats=self.provider_stats)
         self._spool_now = False                # end the wait for the disk: spool what is held
         self._held_wake = asyncio.Event()      # retry writing the held records now
 
@@ -145,7 +149,12 @@ class Engine:
     @property
     def key_refused(self) -> AccountStop | None:
         """A 401 drained the run."""
-        return self._loop.watch.key_refused if self._loop is not None else None
+        return self.control.key_refused
+
+    @property
+    def ended(self) -> str:
+        """How the run ended, with counts (final states only)."""
+        return self.control.ended
 
     # -- control surface ------------------------------------------------------------------------
 
@@ -248,10 +257,10 @@ class Engine:
             finally:
                 self.spend.close()  # and its lock: another run or smoke test may open it
         # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
-        self.control.end(final_state(self.datasets.values(), stopping=self.control.stopping,
-                                     draining=self.control.draining, waiting=self.held is Hold.ACCOUNT,
-                                     money_limited=self._loop is not None and self._loop.room.money_limited))
-        self.ended = ended_line(self.state, self.datasets.values())
+        final = final_state(self.datasets.values(), stopping=self.control.stopping, draining=self.control.draining,
+                            waiting=self.held is Hold.ACCOUNT,
+                            money_limited=self._loop is not None and self._loop.room.money_limited)
+        self.control.end(final, ended_line(final, self.datasets.values()))
         self._event(snap.Level.INFO if self.state == RunState.DONE else snap.Level.WARN, snap.EventKind.RUN_DONE,
                     f"run {self.ended}; {usd(self.money.spent_run)} spent this run, "
                     f"{usd(self.spend.spent_usd)} all runs"
@@ -303,11 +312,8 @@ class Engine:
 
     # -- the picture ----------------------------------------------------------------------------
 
-    def snapshot(self) -> snap.RunSnapshot:
-        self._seq += 1
-        return project(run_name=self.rundir.root.name, model=self.config.api.model, state=self.state,
-                       alert=self.alert, waiting=self.waiting(), paused_by=self.control.paused_by,
-                       elapsed_s=self._clock() - self._started, seq=self._seq,
-                       datasets=self.datasets.values(), book=self.book, retries=self.retries,
-                       money=self.money, prices=self.prices, parallel=self.config.engine.parallel,
-                       smoke=self._opened.money.smoke if self._opened is not None else None)
+    def snapshot(self, beside: Beside = ALONE) -> snap.RunSnapshot:
+        """The run's picture (projection.py), with what the pipeline's owners add `beside` it."""
+        now = EngineNow(self.control.view(), self.waiting(), self._clock() - self._started, self.retries, self.prices,
+                        self._opened.money.smoke if self._opened is not None else None)
+        return self._projector.snapshot(now, beside)

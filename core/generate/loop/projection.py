@@ -1,4 +1,4 @@
-"""The engine's picture of a run: counts as they are, and what finishing will take.
+"""The run's picture, made in one place (`Projector`): counts as they are, and what finishing will take.
 
 What is left of a dataset is its usable prompts not yet done, failed or skipped, capped by what
 its token budget still allows at the average answer length; projected cost and the ETA cover every
@@ -8,16 +8,18 @@ dataset of the config, those not started included, by forecast.py (the function 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.record_book import RecordBook
-from draftgen.core.generate.loop.run_state import PausedBy
+from draftgen.core.generate.loop.run_state import ControlView
 from draftgen.core.generate.money.budget import MoneyBudget
-from draftgen.core.generate.money.forecast import DatasetFigures, SmokeFigures, forecast
+from draftgen.core.generate.money.forecast import DatasetFigures, RunForecast, SmokeFigures, forecast
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.snapshot import DatasetStatus, RunState
+from draftgen.core.live.recent import ProviderStats, RecentErrors
+from draftgen.core.live.snapshot import DatasetStatus, RunState, StageState, Timeline
 
 
 def remaining(ds: DatasetRun) -> int:
@@ -54,31 +56,97 @@ def figures(ds: DatasetRun, spend: SpendLedger, prices: Prices | None) -> Datase
         completion_tokens=ds.tokens.used, cost_usd=spend.by_dataset.get(ds.config.name, ds.cost), prices=prices)
 
 
-def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: str = "",
-            paused_by: PausedBy | None = None, elapsed_s: float, seq: int,
-            datasets: Iterable[DatasetRun], book: RecordBook, retries: int, money: MoneyBudget,
-            prices: Mapping[str, Prices | None], parallel: bool, smoke: SmokeFigures | None = None) -> snap.RunSnapshot:
-    rates, spend = book.rates, money.spend
-    all_ds = list(datasets)
-    win_req, win_tok, win_avg = rates.window()
-    tot_req, tot_tok, tot_avg = rates.total()
-    active = [d for d in all_ds if d.status == DatasetStatus.RUNNING] or all_ds
-    running = state == RunState.RUNNING
-    plan = forecast([figures(d, spend, prices.get(d.config.name)) for d in all_ds], spent_usd=spend.spent_usd,
-                    max_usd=money.max_usd, tokens_per_s=win_tok if running else 0.0,
-                    running_concurrency=sum(d.concurrency.limit for d in active), smoke=smoke, parallel=parallel)
+@dataclass(frozen=True)
+class Beside:
+    """What the run's other owners add to the engine's picture, as the pipeline (core/run/pipeline.py)
+    reads them for a snapshot; the defaults are an engine run alone (its tests, the benchmarks)."""
+    generation: StageState | None = None   # the generation stage (None: read from the run's state)
+    stages: tuple[snap.StageProgress, ...] = ()
+    gpus: tuple[snap.GpuStat, ...] | None = None
+    fidelity: tuple[snap.ProviderFidelity, ...] = ()
+    timeline: Timeline = Timeline()
+    started_at: float = 0.0
+    first_started_at: float = 0.0
+    smoke_spent: tuple[float, float] | None = None  # (before, after) on spend.jsonl: the run never opened its ledger
+
+
+ALONE = Beside()  # an engine run alone: nothing beside it
+
+
+@dataclass(frozen=True)
+class EngineNow:
+    """The engine's figures that change from one snapshot to the next (the rest it owns for good)."""
+    control: ControlView
+    waiting: str
+    elapsed_s: float
+    retries: int
+    prices: Mapping[str, Prices | None]
+    smoke: SmokeFigures | None
+
+
+class Projector:
+    """The one place a run's snapshot is made: from the engine's owners (its datasets, record book,
+    money, recent errors), the run's state and end (`ControlView`) and what the pipeline adds beside
+    them (`Beside`), each field set once."""
+
+    def __init__(self, *, run_name: str, model: str, parallel: bool, datasets: Iterable[DatasetRun],
+                 book: RecordBook, money: MoneyBudget, recent: RecentErrors, provider_stats: ProviderStats) -> None:
+        self._run_name = run_name
+        self._model = model
+        self._parallel = parallel
+        self._datasets = list(datasets)
+        self._book = book
+        self._money = money
+        self._recent = recent
+        self._provider_stats = provider_stats
+        self._seq = 0
+
+    def snapshot(self, now: EngineNow, beside: Beside) -> snap.RunSnapshot:
+        self._seq += 1
+        book, money, all_ds, c = self._book, self._money, self._datasets, now.control
+        rates, spend = book.rates, money.spend
+        win_tok = rates.window()[1]
+        active = [d for d in all_ds if d.status == DatasetStatus.RUNNING] or all_ds
+        running = c.state == RunState.RUNNING
+        plan = forecast([figures(d, spend, now.prices.get(d.config.name)) for d in all_ds],
+                        spent_usd=spend.spent_usd, max_usd=money.max_usd, tokens_per_s=win_tok if running else 0.0,
+                        running_concurrency=sum(d.concurrency.limit for d in active), smoke=now.smoke,
+                        parallel=self._parallel)
+        return snap.RunSnapshot(
+            run_name=self._run_name, model=self._model, state=c.state, elapsed_s=now.elapsed_s, seq=self._seq,
+            datasets=_datasets(all_ds, plan, spend, paused=c.state == RunState.PAUSED),
+            throughput=_throughput(book, all_ds, active, plan, elapsed_s=now.elapsed_s, running=running),
+            errors=book.errors.items(), retries=now.retries, providers=book.providers.items(),
+            fidelity=beside.fidelity, credits=_credits(money, plan, running=running, smoke_spent=beside.smoke_spent),
+            gpus=beside.gpus, stages=beside.stages, alert=c.alert, waiting=now.waiting,
+            paused_by=c.paused_by.value if c.paused_by is not None else "",
+            started_at=beside.started_at, first_started_at=beside.first_started_at, timeline=beside.timeline,
+            recent_errors=self._recent.records(), provider_stats=self._provider_stats.stats(), ended=c.ended,
+            held_answers=book.held_answers, held=c.held_outcome.line(), generation=beside.generation)
+
+
+def _datasets(all_ds: list[DatasetRun], plan: RunForecast, spend: SpendLedger, *,
+              paused: bool) -> tuple[snap.DatasetSnapshot, ...]:
     shots = []
     for ds, fc in zip(all_ds, plan.datasets):
         cost = spend.by_dataset.get(ds.config.name, ds.cost)
-        paused = state == RunState.PAUSED and ds.status == DatasetStatus.RUNNING
         shots.append(snap.DatasetSnapshot(
-            name=ds.config.name, status=DatasetStatus.PAUSED if paused else ds.status,
+            name=ds.config.name,
+            status=DatasetStatus.PAUSED if paused and ds.status == DatasetStatus.RUNNING else ds.status,
             total=ds.total, done=ds.done, failed=ds.failed, skipped=ds.skipped, rejected=ds.rejected,
             truncated=ds.truncated, in_flight=ds.in_flight, concurrency=ds.config.concurrency,
             effective_concurrency=ds.concurrency.limit, tokens_used=ds.tokens.used,
             tokens_in_flight=ds.tokens.in_flight, token_budget=ds.tokens.limit, cost_usd=round(cost, 6),
             projected_cost_usd=round(cost + fc.cost_usd, 4) if fc.cost_usd or cost else None, message=ds.message))
-    throughput = snap.Throughput(
+    return tuple(shots)
+
+
+def _throughput(book: RecordBook, all_ds: list[DatasetRun], active: list[DatasetRun], plan: RunForecast, *,
+                elapsed_s: float, running: bool) -> snap.Throughput:
+    rates = book.rates
+    win_req, win_tok, win_avg = rates.window()
+    tot_req, tot_tok, tot_avg = rates.total()
+    return snap.Throughput(
         window_s=rates.window_s, req_s_window=win_req, req_s_total=tot_req, tok_s_window=win_tok,
         tok_s_total=tot_tok, avg_completion_tokens_window=win_avg, avg_completion_tokens_total=tot_avg,
         history=rates.history(), in_flight=sum(d.in_flight for d in all_ds),
@@ -86,18 +154,22 @@ def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: 
         configured_concurrency=sum(d.config.concurrency for d in active),
         eta_s=stable_eta(plan.time_s, answers=rates.answers, elapsed_s=elapsed_s, window_s=rates.window_s,
                          work_left=any(f.answers_left for f in plan.datasets)) if running else None)
+
+
+def _credits(money: MoneyBudget, plan: RunForecast, *, running: bool,
+             smoke_spent: tuple[float, float] | None) -> snap.Credits:
+    spend = money.spend
+    spent_run, spent_total = spend.spent_run, spend.spent_usd
+    if smoke_spent is not None:  # the run never opened its ledger: what was spent (the smoke test's) is on file
+        before, after = smoke_spent
+        spent_run, spent_total = max(0.0, after - before), after
     known = plan.left_usd > 0 or not any(f.answers_left for f in plan.datasets)
     low, high = plan.range_usd
-    credits = snap.Credits(
+    return snap.Credits(
         balance_usd=money.balance_now(), balance_age_s=money.balance_age(),
-        spent_usd=spend.spent_run, spent_total_usd=spend.spent_usd, in_flight_usd=spend.reserved_usd,
+        spent_usd=spent_run, spent_total_usd=spent_total, in_flight_usd=spend.reserved_usd,
         projected_total_usd=plan.total_usd if known else None, max_usd=money.max_usd, floor_usd=money.floor_usd,
         pending_usd=spend.pending_usd, balance_source=money.balance_source,
         ceiling_limited=running and money.ceiling_limited(),
         projected_low_usd=low if known else None, projected_high_usd=high if known else None,
         projected_capped=plan.capped)
-    return snap.RunSnapshot(
-        run_name=run_name, model=model, state=state, elapsed_s=elapsed_s, seq=seq, datasets=tuple(shots),
-        throughput=throughput, errors=book.errors.items(), retries=retries,
-        providers=book.providers.items(), credits=credits, alert=alert, waiting=waiting,
-        paused_by=paused_by.value if paused_by is not None else "")

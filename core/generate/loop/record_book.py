@@ -32,7 +32,7 @@ from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.prompts import Prompt, Rejection, read_prompts
 from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.loop.spool import SpoolRecord, write_spool
-from draftgen.core.generate.loop.spool_import import HeldOutcome, SpoolImport
+from draftgen.core.generate.loop.spool_import import SpoolImport
 from draftgen.core.generate.loop.stats import RateTracker, Tally
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.live.snapshot import EventKind, Level
@@ -66,8 +66,8 @@ class RecordBook:
         self._on_answer = on_answer  # the answer handed on once on disk (the live token view, core/run)
         self._held: list[_Held] = []
         self._disk_error: DiskError | None = None   # why the records are held
-        self.held_outcome = HeldOutcome()
-        self._spools = SpoolImport(rundir, self.held_outcome, ctx.event)  # earlier runs', imported as datasets open
+        # earlier runs' spools, imported as datasets open
+        self._spools = SpoolImport(rundir, ctx.control.spool_imported, ctx.event)
 
     @property
     def holding(self) -> int:
@@ -248,7 +248,7 @@ class RecordBook:
                 return False
             self._held.pop(0)
             if item.answer:
-                self.held_outcome.written += 1
+                self._control.held_written()
                 if self._on_answer is not None:
                     self._on_answer(item.ds.config.name, item.line)
             if not self._held:
@@ -266,17 +266,14 @@ class RecordBook:
             SpoolRecord(item.ds.config.name, "responses" if item.answer else "failures", item.line)
             for item in self._held])
         if path is not None:
-            out = self.held_outcome
-            out.spooled += answers
-            out.spooled_failures += len(self._held) - answers
-            out.spool_path = str(path)
+            self._control.held_spooled(answers, len(self._held) - answers, str(path))
             self._held.clear()
             self._control.release(Hold.DISK)
             self._event(Level.WARN, EventKind.SPOOLED, f"{answers} answer(s) held in memory (the disk refused them: "
                         f"{self._disk_error}) are spooled to {path}; the next `draftgen run` of {self.rundir.root} "
                         "imports them before it sends anything")
             return
-        self.held_outcome.lost += answers
+        self._control.held_lost(answers)
         lost: dict[str, int] = {}
         for item in self._held:
             item.ds.unrecorded(str(item.line.get("id")), answer=item.answer)

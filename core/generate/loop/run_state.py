@@ -7,19 +7,29 @@ calls them (its control surface, the account watch, the ledger's disk holds); ev
 reads. What each change does to the requests (waking admission, cancelling tasks) stays with the
 engine; this class only says whether the change happened.
 
+How the run ended lives here too, told by those who see it: the generation stage's state and
+whether run requests may have been sent (core/run/generation.py), the line the summary and header
+show (the engine, as the run ends), a refused key (the account watch), what became of the records
+the disk refused (the record book: `HeldOutcome`), and from all of these the exit code
+(docs/run-end.md).
+
     IDLE --start--> RUNNING <--pause/hold, resume--> PAUSED
     any live state --drain--> DRAINING;  stop(): the gate closes for good (requests abandoned)
-    end(final) / fail(message): a final state (DONE, STOPPED, DRAINED, WAITING, LIMITED)
+    end(final) / fail(message) / not_started(): a final state (DONE, STOPPED, DRAINED, WAITING, LIMITED)
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
-from draftgen.core.live.snapshot import EventKind, EventSink, Level, RunState
+from draftgen.core.errors import ExitCode
+from draftgen.core.live.snapshot import EventKind, EventSink, Level, RunState, StageState
+from draftgen.core.live.summary import INCOMPLETE
 
 if TYPE_CHECKING:
     from draftgen.core.generate.api.account import AccountStop
@@ -40,6 +50,34 @@ class PausedBy(StrEnum):
 
 
 @dataclass(frozen=True)
+class HeldOutcome:
+    """What became of the records the disk refused, this run (the end summary says it); RunControl keeps
+    it, the record book tells it."""
+    written: int = 0           # answers written after being held (the disk took them later)
+    spooled: int = 0           # answers spooled (spool.py), at `spool_path`
+    spooled_failures: int = 0
+    spool_path: str = ""
+    lost: int = 0              # answers no place would take (only if the spool failed too)
+    imported: int = 0          # spooled answers of an earlier run imported at the start
+
+    def line(self) -> str:
+        """What became of the answers the disk refused this run (and those an earlier run spooled)."""
+        parts = []
+        if self.imported:
+            parts.append(f"{self.imported:,} spooled answer(s) of an earlier run imported")
+        if self.written:
+            parts.append(f"{self.written:,} held answer(s) written once the disk took them")
+        if self.spooled or self.spooled_failures:
+            parts.append(f"{self.spooled:,} held answer(s) spooled to {self.spool_path} (the next `draftgen run` "
+                         "imports them)")
+        if self.lost:
+            parts.append(f"{self.lost:,} held answer(s) LOST: neither the disk nor a spool place took them "
+                         "(the next run asks them again)")
+        return "; ".join(parts)
+
+
+
+@dataclass(frozen=True)
 class ControlView:
     """The run's state as one value (what RunControl.view() returns)."""
     state: RunState
@@ -49,6 +87,10 @@ class ControlView:
     draining: bool
     stopping: bool
     account: AccountStop | None
+    ended: str                  # how the run ended, with counts (final states only)
+    held_outcome: HeldOutcome   # what became of the records the disk refused
+    generation: StageState      # the generation stage, as the pipeline tells it
+    launched: bool              # the engine's run was started: run requests may have been sent
 
 
 class RunControl:
@@ -65,6 +107,13 @@ class RunControl:
         self._stopping = False
         self._open = asyncio.Event()  # clear while paused or held
         self._open.set()
+        # How the run ended (told by those who see it; read by the snapshot and the command boundary).
+        self._launched = False                   # the engine's run was started: run requests may have been sent
+        self._generation = StageState.IDLE       # the generation stage, as the pipeline runs it
+        self._ended = ""                         # how the run ended, with counts (final states only)
+        self._key_refused: AccountStop | None = None  # a 401 drained the run
+        self._held_outcome = HeldOutcome()
+        self._code = ExitCode.COMPLETE           # before the stages' states are weighed (exit_code)
 
     # -- what everyone reads ----------------------------------------------------------------------
 
@@ -117,9 +166,46 @@ class RunControl:
     async def wait_open(self) -> None:
         await self._open.wait()
 
+    @property
+    def launched(self) -> bool:
+        """The engine's run was started: run requests may have been sent."""
+        return self._launched
+
+    @property
+    def generation(self) -> StageState:
+        """The generation stage's state (the pipeline's view of the run)."""
+        return self._generation
+
+    @property
+    def ended(self) -> str:
+        """How the run ended, with counts (final states only; empty before, and for a run never started)."""
+        return self._ended
+
+    @property
+    def key_refused(self) -> AccountStop | None:
+        """The 401 that drained the run."""
+        return self._key_refused
+
+    @property
+    def held_outcome(self) -> HeldOutcome:
+        """What became of the records the disk refused this run (and those an earlier run spooled)."""
+        return self._held_outcome
+
+    def exit_code(self, stages: Iterable[StageState] = ()) -> ExitCode:
+        """The run's exit code (docs/run-end.md); `stages`: the other stages' states (tokens, merge,
+        extract): one stopped before its end makes a complete run incomplete (3), one failed an error (2)."""
+        code = self._code
+        if code == ExitCode.COMPLETE:
+            states = set(stages)
+            if StageState.FAILED in states:
+                return ExitCode.ERROR
+            if StageState.STOPPED in states:
+                return ExitCode.INCOMPLETE
+        return code
+
     def view(self) -> ControlView:
         return ControlView(self._state, self._alert, self._held, self._paused_by, self._draining, self._stopping,
-                           self._account)
+                           self._account, self._ended, self._held_outcome, self._generation, self._launched)
 
     # -- changes ----------------------------------------------------------------------------------
 
@@ -192,12 +278,70 @@ class RunControl:
         self._open.set()
         return True
 
-    def fail(self, message: str) -> None:
-        """The run cannot go on (or will not start): STOPPED, with why as the alert."""
+    def fail(self, message: str, code: ExitCode = ExitCode.ERROR) -> None:
+        """The run cannot go on (or will not start): STOPPED, with why as the alert, and `code` its exit
+        code; the generation stage failed (skipped when the run was not started)."""
         self._alert = message
         self._state = RunState.STOPPED
+        self._code = code
+        self._generation = StageState.FAILED if self._launched else StageState.SKIPPED
 
-    def end(self, final: RunState) -> None:
-        """The run is over: its final state (summary.py final_state, or STOPPED before it started)."""
+    def end(self, final: RunState, ended: str = "") -> None:
+        """The run is over: its final state (summary.py final_state, or STOPPED before it started) and the
+        line that says how, with counts (summary.py ended_line)."""
         assert final not in LIVE, f"{final} is not a final state"
         self._state = final
+        self._ended = ended
+        if self._launched:
+            self._generation = StageState.DONE if final in (RunState.DONE, RunState.LIMITED) else StageState.STOPPED
+        else:
+            self._generation = StageState.SKIPPED
+
+    # -- how the run ended, as those who see it tell it -------------------------------------------------
+
+    def launch(self) -> None:
+        """The engine's run is started (the pipeline, once the start-up gate let it): run requests may be sent."""
+        self._launched = True
+        self._generation = StageState.RUNNING
+
+    def not_started(self) -> None:
+        """Quit before the run started: no run request was sent; exit 130."""
+        self.end(RunState.STOPPED)
+        self._code = ExitCode.INTERRUPTED
+
+    def finished(self, final: RunState, *, tokens_complete: bool) -> None:
+        """The run that was started is over, its tokens stage reported: prompts left, or records waiting
+        in a spool for the next run, make it incomplete (3); a refused key is 4; answers left without
+        token ids (not for a full disk) an error (2)."""
+        held = self._held_outcome
+        if (final in INCOMPLETE or held.spooled or held.spooled_failures) and self._code == ExitCode.COMPLETE:
+            self._code = ExitCode.INCOMPLETE
+        if self._key_refused is not None:
+            self._code = ExitCode.KEY_REFUSED
+        if not tokens_complete and self._code == ExitCode.COMPLETE:
+            self._code = ExitCode.ERROR
+
+    def refuse_key(self, stop: AccountStop) -> bool:
+        """A 401: True the first time (the engine then drains the run)."""
+        if self._key_refused is not None:
+            return False
+        self._key_refused = stop
+        return True
+
+    def held_written(self) -> None:
+        """A held answer was written once the disk took it."""
+        self._held_outcome = dataclasses.replace(self._held_outcome, written=self._held_outcome.written + 1)
+
+    def held_spooled(self, answers: int, failures: int, path: str) -> None:
+        """The records still held at the end were spooled to `path` (the next run imports them)."""
+        out = self._held_outcome
+        self._held_outcome = dataclasses.replace(out, spooled=out.spooled + answers,
+                                                 spooled_failures=out.spooled_failures + failures, spool_path=path)
+
+    def held_lost(self, answers: int) -> None:
+        """Held answers neither the disk nor a spool place took."""
+        self._held_outcome = dataclasses.replace(self._held_outcome, lost=self._held_outcome.lost + answers)
+
+    def spool_imported(self) -> None:
+        """An answer an earlier run spooled was imported as its dataset opened."""
+        self._held_outcome = dataclasses.replace(self._held_outcome, imported=self._held_outcome.imported + 1)

@@ -2,13 +2,14 @@
 
 Each dataset, as it opens, appends its spooled records that are not on disk yet (by prompt id) and
 fsyncs them; once every dataset is open, the spools imported whole are removed and those that stay
-are named, with why. `HeldOutcome` is what became of held records this run (the end summary says it).
+are named, with why; each answer imported is told to the run's owner (run_state.py `RunControl`,
+whose `HeldOutcome` the end summary says).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.loop.dataset_run import DatasetRun
@@ -17,38 +18,12 @@ from draftgen.core.live.snapshot import EventKind, EventSink, Level
 from draftgen.core.rundir import RunDir, iter_jsonl
 
 
-@dataclass
-class HeldOutcome:
-    """What became of the records the disk refused, this run (the end summary says it)."""
-    written: int = 0           # answers written after being held (the disk took them later)
-    spooled: int = 0           # answers spooled (spool.py), at `spool_path`
-    spooled_failures: int = 0
-    spool_path: str = ""
-    lost: int = 0              # answers no place would take (only if the spool failed too)
-    imported: int = 0          # spooled answers of an earlier run imported at the start
-
-    def line(self) -> str:
-        """What became of the answers the disk refused this run (and those an earlier run spooled)."""
-        parts = []
-        if self.imported:
-            parts.append(f"{self.imported:,} spooled answer(s) of an earlier run imported")
-        if self.written:
-            parts.append(f"{self.written:,} held answer(s) written once the disk took them")
-        if self.spooled or self.spooled_failures:
-            parts.append(f"{self.spooled:,} held answer(s) spooled to {self.spool_path} (the next `draftgen run` "
-                         "imports them)")
-        if self.lost:
-            parts.append(f"{self.lost:,} held answer(s) LOST: neither the disk nor a spool place took them "
-                         "(the next run asks them again)")
-        return "; ".join(parts)
-
-
 class SpoolImport:
     """The spools of earlier runs in one run directory, imported as each dataset opens."""
 
-    def __init__(self, rundir: RunDir, outcome: HeldOutcome, on_event: EventSink) -> None:
+    def __init__(self, rundir: RunDir, on_imported: Callable[[], None], on_event: EventSink) -> None:
         self.rundir = rundir
-        self._outcome = outcome
+        self._on_imported = on_imported  # an answer of an earlier run's spool imported (RunControl counts it)
         self._event = on_event
         self._spools: list[Spool] = []
 
@@ -77,7 +52,7 @@ class SpoolImport:
                                 "them once there is room") from e
             on_disk.add(rid)
             if r.file == "responses":
-                self._outcome.imported += 1
+                self._on_imported()
         for f in (ds.responses, ds.failures):
             fd = os.open(f.path, os.O_RDONLY)
             try:

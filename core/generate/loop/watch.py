@@ -43,7 +43,6 @@ class AccountWatch:
         self._on_key_refused = on_key_refused  # the engine drains the run
         self._on_cleared = on_cleared          # the engine resumes the run (once the disk holds nothing)
         self.client = client
-        self.key_refused: AccountStop | None = None  # a 401 drained the run
         self.status: AccountStatus | None = None     # the last read of GET /key and GET /credits
         self._recheck: asyncio.Task[None] | None = None
         self._next_worst = 0.0  # the worst case of the last request asked room for (room.py)
@@ -71,8 +70,7 @@ class AccountWatch:
 
     def hold(self, stop: AccountStop) -> None:
         if stop.condition is AccountCondition.KEY_REFUSED:
-            if self.key_refused is None:
-                self.key_refused = stop
+            if self._run.refuse_key(stop):  # the run's owner keeps it (RunControl.key_refused)
                 self._on_key_refused(stop)
             return
         if self._run.closed:
