@@ -31,7 +31,9 @@ than CPU per request does. --rounds R runs the rows R times, one of each in turn
 alternating, so a change of load hits them alike), and gives each figure's median over the rounds;
 --rows picks the rows (bare, engine, engine_nofsync, bare_gc, engine_max_usd, engine_ab, bare_uv,
 engine_asyncio: the bare loop on uvloop, the engine on asyncio's own loop, so what the event loop
-and what the engine's code each save is seen apart); --no-concurrency
+and what the engine's code each save is seen apart; bare_tuned: the bare loop on the engine's event
+loop with the engine's GC settings, the reference of "engine CPU per request / tuned bare", given
+per round with its median, min and max); --no-concurrency
 skips the concurrency check. With --ab-code DIR the engine_ab row is the engine of another checkout (DIR
 holds a `draftgen` link to it), measured in the same rounds as this one's.
 """
@@ -191,11 +193,11 @@ def child_main(args: argparse.Namespace) -> None:
     if args.pin:
         os.sched_setaffinity(0, {0})
     extra = {}
-    if args.child in ("bare", "bare_gc", "bare_uv"):
-        if args.child == "bare_gc":
-            from draftgen.core.generate.loop.engine import tune_gc
+    if args.child in ("bare", "bare_gc", "bare_uv", "bare_tuned"):
+        if args.child in ("bare_gc", "bare_tuned"):
+            from draftgen.core.generate.api.limits import tune_gc
             tune_gc(args.concurrency)  # as the engine runs it
-        if args.child == "bare_uv":  # the bare loop on the engine's event loop (core/runtime.py)
+        if args.child in ("bare_uv", "bare_tuned"):  # the bare loop on the engine's event loop (core/runtime.py)
             from draftgen.core import runtime
             rate, cpu = runtime.run(run_bare(url, args.n, args.concurrency))
         else:
@@ -242,7 +244,7 @@ def main() -> None:
     names = {"bare": "bare aiohttp loop", "engine": "draftgen engine", "bare_gc": "bare loop + engine's GC",
              "bare_uv": "bare loop on uvloop", "engine_asyncio": "engine on asyncio's loop",
              "engine_max_usd": "engine + max_usd ceiling", "engine_nofsync": "engine, fsync a no-op",
-             "engine_ab": "engine, --ab-code"}
+             "engine_ab": "engine, --ab-code", "bare_tuned": "bare loop, uvloop + GC"}
     order = args.rows.split(",") if args.rows else \
         ["bare", "engine", *(["engine_nofsync"] if args.fsync_ab else []), "bare_gc", "engine_max_usd"]
     if order[0] != "bare" or any(m not in names for m in order) or ("engine_ab" in order) != bool(args.ab_code):
@@ -262,7 +264,7 @@ def main() -> None:
         if args.ab_code:
             print(f"engine: {runs['engine'][0]['code']}; engine_ab: {runs['engine_ab'][0]['code']}")
         oa = child("openai", port, min(args.n, 2000), args.concurrency) if args.openai else None
-    # The engine tunes the garbage collector (core/generate/loop/engine.py tune_gc); the bare_gc row gives the bare
+    # The engine tunes the garbage collector (core/generate/api/limits.py tune_gc); the bare_gc row gives the bare
     # loop the same settings, so the engine's own overhead shows as engine / that row.
     finally:
         sim.terminate()
@@ -278,8 +280,12 @@ def main() -> None:
         rows.append(("AsyncOpenAI (httpx)", oa["rate"], oa["rate"] / med["bare"]["rate"], oa["rss_mb"],
                      oa["cpu_us"], med["bare"]["cpu_us"] / oa["cpu_us"]))
     nofsync = med.get("engine_nofsync")
+    # The issue's measure: the engine's CPU per request over a bare loop given the same event loop and GC,
+    # per round (the two rows of a round ran in the same minutes).
+    tuned = ([x["cpu_us"] / t["cpu_us"] for t, x in zip(runs["bare_tuned"], runs["engine"])]
+             if "bare_tuned" in runs and "engine" in runs else [])
     if args.no_concurrency:
-        print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, None, None, None)
+        print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, None, None, None, tuned)
         return
     port = free_port()
     hold_s = max(2.0, args.concurrency / 1000)
@@ -293,11 +299,12 @@ def main() -> None:
         sim.terminate()
         sim.wait()
 
-    print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, hold_s, peak, conc)
+    print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, hold_s, peak, conc, tuned)
 
 
 def print_table(args: argparse.Namespace, rows: list, cpu_ratio: dict, rate_ratio: dict, nofsync: dict | None,
-                med: dict, hold_s: float | None, peak: int | None, conc: dict | None) -> None:
+                med: dict, hold_s: float | None, peak: int | None, conc: dict | None,
+                tuned: list[float] | None = None) -> None:
     rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
     print(f"\nengine vs references, {args.concurrency} in flight, simulator latency 0, {args.n} requests{rounds}\n")
     print(f"| {'client':24} | {'req/s':>8} | {'vs bare':>8} | {'CPU us/req':>10} | {'CPU vs bare':>11} | "
@@ -313,6 +320,10 @@ def print_table(args: argparse.Namespace, rows: list, cpu_ratio: dict, rate_rati
         if "bare_gc" in med:
             print(f"engine / bare with the same GC settings: {e['rate'] / med['bare_gc']['rate']:.2f}x req/s, "
                   f"CPU per request {med['bare_gc']['cpu_us'] / e['cpu_us']:.2f}x")
+        if tuned:
+            print(f"engine CPU per request / the tuned bare loop's (same event loop and GC), per round: "
+                  f"{', '.join(f'{r:.2f}' for r in tuned)}; median {statistics.median(tuned):.2f}x "
+                  f"(min {min(tuned):.2f}, max {max(tuned):.2f}; target <= 1.3x)")
         if nofsync is not None:
             print(f"engine (fsyncs) / engine with fsync a no-op: {e['rate'] / nofsync['rate']:.2f}x req/s, "
                   f"CPU per request {nofsync['cpu_us'] / e['cpu_us']:.2f}x")

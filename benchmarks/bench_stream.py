@@ -33,7 +33,7 @@ BODY = {"model": "moonshotai/kimi-k2.5", "max_tokens": 16384, "temperature": 0.6
 
 async def run_client(url: str, n: int, concurrency: int, stream: bool) -> dict:
     from draftgen.core.generate.api.client import ChatClient
-    from draftgen.core.generate.loop.engine import tune_gc
+    from draftgen.core.generate.api.limits import tune_gc
     tune_gc()  # as the engine runs it
     remaining = n
     chars = tokens = 0

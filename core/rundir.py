@@ -152,7 +152,7 @@ class JsonlAppender:
         self._last_start = -SYNC_INTERVAL_S          # loop time the last fsync began
 
     def append(self, obj: Any) -> None:
-        line = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        line = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE)
         if self._coalesce:
             try:
                 loop = asyncio.get_running_loop()

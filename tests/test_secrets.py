@@ -288,3 +288,16 @@ def test_the_redactor_cuts_the_key_json_escaped_percent_encoded_and_in_base64() 
     # Escapes and encodings of other text are left alone.
     for text in ("%20 100% \\u00e9 gen-1733-abcdef012345", "dXNlcjpwYXNzd29yZA== a Basic credential of another"):
         assert cut(text) == text
+
+
+def test_the_redactor_finds_the_key_beside_characters_whose_case_folding_changes_length() -> None:
+    # The prefilter folds a text with str.lower(), which turns "İ" into two characters and the Kelvin
+    # sign into "k": the key's windows around them are still found, and text without them is left alone.
+    cut = Redactor(CANARY)
+    for around in ("İ", "\u212a", "ß", "ǅ"):
+        for piece in (CANARY, CANARY[9:9 + PREFIX], CANARY[20:40].upper()):
+            text = f"{around * 3}{piece}{around}x"
+            out = cut(text)
+            assert MARK in out and out.startswith(around * 3) and out.endswith(f"{around}x"), (around, piece, out)
+        plain = f"{around} gen-1733-{around}abcdef012345 K\u212aK"
+        assert cut(plain) == plain

@@ -323,7 +323,8 @@ class SpendLedger:
 
     def answered(self, t: Ticket, cost: float, source: Source = Source.USAGE) -> None:
         if self.sums.close(t):
-            self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": cost, "s": source.value})
+            # The StrEnums as they are: orjson writes their values (two .value lookups a request saved).
+            self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED, "c": cost, "s": source})
             self.sums.book(t.ds, cost, AttemptEnd.ANSWERED, run=True)
 
     def answered_unpriced(self, t: Ticket, estimate: float) -> Pending | None:
