@@ -101,3 +101,44 @@ def write_records(path: Path, records: list[dict[str, Any]]) -> Path:
         for r in records:
             f.write(orjson.dumps(r) + b"\n")
     return path
+
+
+def failure_record(cid: str, turn: int, turns: int, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """A failures.jsonl line of a turn that failed for good."""
+    return {"id": f"{cid}#t{turn}", "conversation": cid, "turn": turn, "turns": turns, "messages": messages,
+            "error_kind": "400", "status": 400, "message": "bad request", "attempts": 1, "ts": time.time()}
+
+
+def leaked(turns: list[Turn], k: int) -> list[Turn]:
+    """`turns` with turn k's answer holding a `<think>` typed as text: reconstruction marks it invalid."""
+    t = turns[k - 1]
+    return [*turns[:k - 1], Turn(t.user, t.reasoning, "<think>oops " + t.content, t.finish_reason, t.provider),
+            *turns[k:]]
+
+
+def multi_turn_run(tmp_path: Path, *, merge: dict[str, Any] | None = None, style: str = "openrouter",
+                   system: str | None = "Be brief.") -> tuple[Any, dict[str, list[dict[str, Any]]]]:
+    """A run directory with dataset "M" of four 3-turn conversations, reconstructed with the real Kimi
+    tokenizer: c1 all good; c2's turn 2 invalid (a leaked `<think>`), its turn 3 written BEFORE turn 2
+    (order on disk must not matter); c3 all good; c4's turn 2 failed for good (no turn 3).
+    Returns the config and each conversation's records (as written)."""
+    from draftgen.core.config import config_from_dict
+    from draftgen.core.tokens.tokenizer import bundled_kimi_path
+    from draftgen.core.tokens.workers import reconstruct_dataset
+    raw = {"output": {"dir": "run"}, "tokenizer": {"path": str(bundled_kimi_path())},
+           "datasets": [{"name": "M", "prompts": "M.jsonl"}], **({"merge": merge} if merge else {})}
+    config = config_from_dict(raw, tmp_path / "draftgen.toml")
+    convs = {"c1": conversation_records("c1", three_turns(" one"), system=system, style=style),
+             "c2": conversation_records("c2", leaked(three_turns(" two"), 2), system=system, style=style),
+             "c3": conversation_records("c3", three_turns(" three"), system=system, style=style),
+             "c4": conversation_records("c4", three_turns(" four"), system=system, style=style)[:1]}
+    folder = config.run_dir / "M"
+    c2 = convs["c2"]
+    write_records(folder / "responses.jsonl",
+                  [*convs["c1"], c2[0], convs["c3"][0], c2[2], convs["c4"][0], c2[1], *convs["c3"][1:]])
+    four = three_turns(" four")
+    turn2 = [*convs["c4"][0]["messages"], history_message(four[0], style), {"role": "user", "content": four[1].user}]
+    write_records(folder / "failures.jsonl", [failure_record("c4", 2, 3, turn2)])
+    report = reconstruct_dataset(config, "M", workers=1)
+    assert report.checked == 10
+    return config, convs
