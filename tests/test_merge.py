@@ -521,3 +521,11 @@ def test_per_conversation_needs_the_template_that_knows_the_turns(tmp_path: Path
         merge(config_from_dict(raw, tmp_path / "draftgen.toml"))
     with pytest.raises(DraftgenError, match="multi_turn"):
         config_from_dict({**raw, "merge": {"multi_turn": "per_sample"}}, tmp_path / "draftgen.toml")
+
+
+def test_merge_command_prints_the_turns_by_turn_number(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, _ = multi_turn_run(tmp_path)
+    assert merge_command(config) == 0
+    out = capsys.readouterr().out
+    assert 'turns of conversations ([merge] multi_turn = "per_turn")' in out
+    assert "after_invalid_turn" in out

@@ -14,9 +14,17 @@ Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed i
     tokens/       core/tokens/store.py format; entry k is line k of train.jsonl (same id), its
                   input_ids and loss_mask copied byte for byte from the dataset's token store
     stats.json    kept and dropped (by reason) per dataset, tokens, cost, seed, input fingerprints
-                  (costs from the spend ledger, spend.jsonl: the figures the run's views show)
+                  (costs from the spend ledger, spend.jsonl: the figures the run's views show); for
+                  turns of multi-turn conversations, `by_turn` (per turn number: read, kept, dropped
+                  by reason) and `multi_turn`, the mode they were merged in
     fingerprint.json  which merge this is (core/tokens/identity.py): the seed, the inputs and a
                   digest of the samples in order; extraction copies it beside the hidden states
+
+Turns of multi-turn conversations (a turns = "all" dataset): `[merge] multi_turn` "per_turn" keeps
+each turn as a sample of its own (id `<dataset>/<conversation>#t<k>`, its history + its answer, loss on
+that answer); "per_conversation" one sample per conversation (id `<dataset>/<conversation>`, every
+assistant turn in the loss mask). Either way a broken turn drops the rest of its conversation.
+The rules: core/merge/turns.py.
 
 Hidden states belong to one merge: when `<run>/hidden_states/` holds files and the new merge is not
 the one they came from (another seed, more answers), the merge refuses before it replaces merged/,
@@ -552,6 +560,21 @@ def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: Merg
 # `draftgen merge CONFIG`
 
 
+def _turns_table(stats: MergeStats) -> Any:
+    """Turns of multi-turn conversations by turn number: read, kept, dropped by reason."""
+    from rich.markup import escape
+    from rich.table import Table
+    by_turn = stats.by_turn
+    reasons = sorted({r for row in by_turn.values() for r in row["dropped"]}, key=DROP_REASONS.index)
+    table = Table(title=escape(f"turns of conversations ([merge] multi_turn = \"{stats.multi_turn}\")"))
+    for col in ("turn", "read", "kept", *reasons):
+        table.add_column(col, justify="right")
+    for k, row in by_turn.items():
+        table.add_row(k, f"{row['read']:,}", f"{row['kept']:,}", *(f"{row['dropped'].get(r, 0):,}" for r in reasons))
+    return table
+
+
+
 def merge_command(config: Config, *, replace_hidden_states: bool = False) -> int:
     """Headless merge: a progress line about once a second, then a summary table. Returns 0."""
     from rich.console import Console
@@ -588,6 +611,8 @@ def merge_command(config: Config, *, replace_hidden_states: bool = False) -> int
         for d in rows:
             drops.add_row(escape(d.name), *(f"{d.dropped[r]:,}" for r in reasons), end_section=d is stats.datasets[-1])
         console.print(drops)
+    if stats.by_turn:
+        console.print(_turns_table(stats))
     checks: dict[str, int] = {}
     for d in stats.datasets:
         for check, n in d.invalid_checks.items():
