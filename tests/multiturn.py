@@ -117,16 +117,17 @@ def leaked(turns: list[Turn], k: int) -> list[Turn]:
 
 
 def multi_turn_run(tmp_path: Path, *, merge: dict[str, Any] | None = None, style: str = "openrouter",
-                   system: str | None = "Be brief.") -> tuple[Any, dict[str, list[dict[str, Any]]]]:
+                   system: str | None = "Be brief.", tables: dict[str, Any] | None = None
+                   ) -> tuple[Any, dict[str, list[dict[str, Any]]]]:
     """A run directory with dataset "M" of four 3-turn conversations, reconstructed with the real Kimi
     tokenizer: c1 all good; c2's turn 2 invalid (a leaked `<think>`), its turn 3 written BEFORE turn 2
     (order on disk must not matter); c3 all good; c4's turn 2 failed for good (no turn 3).
-    Returns the config and each conversation's records (as written)."""
+    `tables`: more config tables (e.g. [extract]). Returns the config and each conversation's records."""
     from draftgen.core.config import config_from_dict
     from draftgen.core.tokens.tokenizer import bundled_kimi_path
     from draftgen.core.tokens.workers import reconstruct_dataset
     raw = {"output": {"dir": "run"}, "tokenizer": {"path": str(bundled_kimi_path())},
-           "datasets": [{"name": "M", "prompts": "M.jsonl"}], **({"merge": merge} if merge else {})}
+           "datasets": [{"name": "M", "prompts": "M.jsonl"}], **({"merge": merge} if merge else {}), **(tables or {})}
     config = config_from_dict(raw, tmp_path / "draftgen.toml")
     convs = {"c1": conversation_records("c1", three_turns(" one"), system=system, style=style),
              "c2": conversation_records("c2", leaked(three_turns(" two"), 2), system=system, style=style),
