@@ -472,3 +472,20 @@ def test_history_spans_follow_prompt_special_tokens() -> None:
     r = reconstruct_record(TOK, special, rec)
     (s, e), = r.history_spans
     assert TOK.decode(r.input_ids[s:e].tolist()) == "<think></think>An answer.<|im_end|>"
+
+
+def test_auto_template_reads_a_history_turns_reasoning_under_openrouters_keys(tj_tok) -> None:
+    # The served model's own template reads `reasoning_content` (what OpenRouter hands the provider's
+    # server): a history turn that came back with `reasoning_details` or `reasoning` renders the same.
+    template = load_template("auto", tj_tok)
+
+    def history(**reasoning: Any) -> list[dict[str, Any]]:
+        return [*user("Hi"), {"role": "assistant", "content": "Hello!", **reasoning}, *user("And 2+2?")]
+
+    want = reconstruct(tj_tok, template, history(reasoning_content="greet back"), "sum", "4")
+    assert "greet back" in tj_tok.decode(want.input_ids[:want.answer_start].tolist())  # this template keeps it
+    for keys in ({"reasoning": "greet back"},
+                 {"reasoning_details": [{"type": "reasoning.text", "text": "greet back", "index": 0}]}):
+        got = reconstruct(tj_tok, template, history(**keys), "sum", "4")
+        assert got.input_ids.tolist() == want.input_ids.tolist(), keys
+    assert reconstruct(tj_tok, template, history(), "sum", "4").input_ids.tolist() != want.input_ids.tolist()
