@@ -40,9 +40,12 @@ def _kept_reasoning(m: dict[str, Any]) -> str:
                    for t in [d.get("text") or d.get("summary")] if isinstance(t, str))
 
 
-def prompt_token_count(tok: AnswerTokenizer, messages: list[Any], system: str | None = None) -> int:
+def prompt_token_count(tok: AnswerTokenizer, messages: list[Any], system: str | None = None, *,
+                       keep_history_reasoning: bool = False) -> int:
     """Tokens of the rendered prompt, generation prompt (`<|im_assistant|>assistant<|im_middle|><think>`)
-    included; non-dict messages count as nothing (the request was accepted as sent)."""
+    included; non-dict messages count as nothing (the request was accepted as sent).
+    `keep_history_reasoning`: render every earlier assistant turn's reasoning (another template's history
+    rule, the misbehaviour "history_reasoning")."""
     msgs = [m for m in messages if isinstance(m, dict)]
     if system is not None and not (msgs and msgs[0].get("role") == "system"):
         msgs = [{"role": "system", "content": system}, *msgs]
@@ -54,7 +57,7 @@ def prompt_token_count(tok: AnswerTokenizer, messages: list[Any], system: str | 
         n += 2 + len(tok.encode_text(str(m.get("name") or role)))  # opener, name, <|im_middle|>
         body = _text(m.get("content"))
         if role == "assistant":
-            reasoning = "" if i <= last_plain else _kept_reasoning(m)
+            reasoning = "" if i <= last_plain and not keep_history_reasoning else _kept_reasoning(m)
             n += 2 + len(tok.encode_text(reasoning)) + len(tok.encode_text(body))  # <think>...</think>
             calls = m.get("tool_calls") or []
             if calls:
