@@ -529,3 +529,19 @@ def test_merge_command_prints_the_turns_by_turn_number(tmp_path: Path, capsys: p
     out = capsys.readouterr().out
     assert 'turns of conversations ([merge] multi_turn = "per_turn")' in out
     assert "after_invalid_turn" in out
+
+
+def test_a_conversation_whose_sample_is_a_duplicate_drops_all_its_turns(tmp_path: Path) -> None:
+    from draftgen.core.tokens.workers import reconstruct_dataset
+    from tests.multiturn import write_records
+    config, convs = multi_turn_run(tmp_path, merge={"multi_turn": "per_conversation"})
+    # The same conversation again under another name (the same turns and answers): its sample repeats c1's.
+    copy = [{**r, "id": r["id"].replace("c1", "c9"), "conversation": "c9"} for r in convs["c1"]]
+    write_records(config.run_dir / "M" / "responses.jsonl", copy)
+    reconstruct_dataset(config, "M", workers=1)
+    stats = merge(config)
+    ds = stats.datasets[0]
+    assert {r["id"] for r in train_lines(config.run_dir)} == {"M/c1", "M/c2", "M/c3", "M/c4"}
+    assert ds.dropped["duplicate"] == 3 and ds.dropped["in_conversation"] == 4
+    assert ds.cost_usd == pytest.approx(sum(r["usage"]["cost"] for c in ("c1", "c3") for r in convs[c])
+                                        + convs["c2"][0]["usage"]["cost"] + convs["c4"][0]["usage"]["cost"])

@@ -425,19 +425,35 @@ def _scan_dataset(ds_index: int, inp: DatasetInput, st: DatasetMergeStats, repor
             reporter.send(StageState.RUNNING, done_bytes + offset, total_bytes, f"reading {inp.name}",
                           unit="MB/s", scale=1e6)
     if pending:
-        resolve(pending, multi_turn)
-        for p in pending:  # in file order
-            reason = p.reason
-            if reason is None:
-                reason = _take(p.key, p.sample_id, p.cost, p.notes, seen, st)
-            elif reason == "in_conversation":  # its answer is in its conversation's sample: paid for that
-                st.cost_usd += p.cost
-            if reason is None and p.ref is not None:
-                tools = tools or p.tools
-                kept.append((ds_index, p.offset, p.length, p.ref.offset, p.ref.length, p.history))
-            count_turn(st.by_turn, p.turn, reason)
-            _tally(st, reporter, reason)
+        tools = _settle_turns(ds_index, pending, multi_turn, seen, st, reporter, kept) or tools
     st.by_turn = sorted_turns(st.by_turn)
+    return tools
+
+
+def _settle_turns(ds_index: int, pending: list[PendingTurn], multi_turn: str, seen: _Seen, st: DatasetMergeStats,
+                  reporter: _Reporter, kept: list[_Kept]) -> bool:
+    """A dataset's turn lines, resolved per conversation (core/merge/turns.py), kept or dropped in file
+    order. A turn folded into its conversation's sample counts with that sample: its cost is the kept
+    cost, and when the sample itself is a duplicate so is the turn."""
+    tools = False
+    resolve(pending, multi_turn)
+    samples: set[str] = set()  # conversations with a kept sample
+    for p in pending:
+        if p.reason is None:
+            p.reason = _take(p.key, p.sample_id, p.cost, p.notes, seen, st)
+            if p.reason is None:
+                samples.add(p.conversation)
+    for p in pending:  # in file order
+        if p.reason == "in_conversation":
+            if p.conversation in samples:
+                st.cost_usd += p.cost
+            else:
+                p.reason = "duplicate"
+        if p.reason is None and p.ref is not None:
+            tools = tools or p.tools
+            kept.append((ds_index, p.offset, p.length, p.ref.offset, p.ref.length, p.history))
+        count_turn(st.by_turn, p.turn, p.reason)
+        _tally(st, reporter, p.reason)
     return tools
 
 
