@@ -16,7 +16,8 @@ per conversation, whatever order the lines came in:
   `<|im_end|>`) added to the loss mask. Turns 1..m-1 are counted `in_conversation` (their answers
   are in that sample), good turns after a dropped one `after_dropped_turn`. A turn whose history
   positions are unknown (the server's prompt ids differed from the rendering) cannot end a run
-  (counted `prompt_mismatch`).
+  (counted `prompt_mismatch`). A sample that is a duplicate (core/dedupe.py `prompt_key` of its last
+  turn's messages, as for any sample) takes its conversation's turns with it (`duplicate`).
 """
 
 from __future__ import annotations
