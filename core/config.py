@@ -216,6 +216,10 @@ class MergeConfig:
     seed: int = 42
     # Providers whose answers merge leaves out (the `ignore` line for answers already paid for).
     exclude_providers: list[str] = field(default_factory=list)
+    # Turns of a turns = "all" dataset: "per_turn", one sample per generation event (each turn's history
+    # and its answer, loss on that answer); "per_conversation", one per conversation (its longest run of
+    # good turns from turn 1, every assistant turn in the loss mask). docs/merge.md says what each costs.
+    multi_turn: Literal["per_turn", "per_conversation"] = "per_turn"
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,10 @@
     provider                  str | null, copied from the response
     prompt_source             "rendered" (the chat template's prompt) or "backend" (the server's
                               prompt_token_ids, which the sample then holds); absent in older stores
+    turn                      int, the record's `turn` (multi-turn datasets only; absent otherwise)
+    history_spans             list[[start, end]], earlier assistant turns in the prompt, from the <think>
+                              after their header through their <|im_end|> (absent when there are none,
+                              or the prompt is the server's and differs from the rendering)
 """
 
 from __future__ import annotations

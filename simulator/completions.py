@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from draftgen.simulator.models import Models, completion_limit
 from draftgen.simulator.prompt import prompt_token_count
 from draftgen.simulator.routing import NoEndpoints, candidates, choose
 from draftgen.simulator.scenarios import Active, Scenarios
-from draftgen.simulator.stats import SimStats
+from draftgen.simulator.stats import Sent, SimStats
 
 # The generation a request started, so that a stream the client aborts is billed up to there.
 GENERATION = web.RequestKey("draftgen_sim_generation", Generation)   # started: billed
@@ -83,6 +84,7 @@ class Completions:
         self.fragments: wire.FragmentCache = {}
         self._memo = Memo()
         self._held = asyncio.Event()
+        self.sent: deque[Sent] = deque(maxlen=0)  # SimConfig.sent_log_size; see SimServer.sent
 
     def forget_routes(self) -> None:
         self._memo.forget_routes()
@@ -160,7 +162,9 @@ class Completions:
             return body
         ask = self._ask(body, cfg, request.get(SEQ, 0))
         # (A response is a mapping, falsy when empty: each refusal is told by `is not None`.)
-        if (refused := self._route(ask, cfg)) is not None:
+        refused = self._route(ask, cfg)
+        self._log_sent(ask, cfg)
+        if refused is not None:
             return refused
         if (refused := self._check_prompt(ask)) is not None:
             return refused
@@ -210,6 +214,12 @@ class Completions:
                     prompt_draw=shaping.draws(cfg.seed, key, 0)[3] if sc else 1.0,
                     text=shaping.last_user_text(messages) if sc else "", seq=seq)
 
+    def _log_sent(self, ask: _Ask, cfg: SimConfig) -> None:
+        if cfg.sent_log_size:
+            if self.sent.maxlen != cfg.sent_log_size:
+                self.sent = deque(self.sent, maxlen=cfg.sent_log_size)
+            self.sent.append(Sent(ask.seq, ask.messages, ask.n_prompt))
+
     def _first(self, ask: _Ask, stage: tuple[str, ...]) -> Active | None:
         """The first scenario of `stage` this try draws (None without scenarios)."""
         sc = self._scenarios
@@ -237,7 +247,8 @@ class Completions:
             self._hit("max_tokens_exceeded")
             return responses.error(400, f"max_tokens_exceeded: max_tokens ({max_tokens}) is more than any "
                                         f"allowed endpoint accepts ({limit})", {"code": "max_tokens_exceeded"})
-        n_prompt = self._memo.prompt_tokens(ask.key, ask.messages, cfg.default_system)
+        n_prompt = self._memo.prompt_tokens(ask.key, ask.messages, cfg.default_system,
+                                            "history_reasoning" in cfg.misbehave)
         if provider.token_skew:  # another tokenizer behind this endpoint: it bills other counts
             n_prompt = max(1, round(n_prompt * (1 + provider.token_skew)))
         ask.n_prompt = n_prompt
@@ -400,18 +411,19 @@ class Memo:
 
     def __init__(self) -> None:
         self._route_cache: dict[tuple[bytes, str, int], list[SimProvider] | NoEndpoints] = {}
-        self._prompt_cache: dict[tuple[str, str | None], int] = {}
+        self._prompt_cache: dict[tuple[str, str | None, bool], int] = {}
 
     def forget_routes(self) -> None:
         self._route_cache.clear()
 
-    def prompt_tokens(self, key: str, messages: list[Any], system: str | None) -> int:
+    def prompt_tokens(self, key: str, messages: list[Any], system: str | None, history_reasoning: bool = False) -> int:
         # Memoised per prompt: retries and repeated prompts are not tokenized again.
-        found = self._prompt_cache.get((key, system))
+        found = self._prompt_cache.get((key, system, history_reasoning))
         if found is None:
             if len(self._prompt_cache) > 65536:
                 self._prompt_cache.clear()
-            found = self._prompt_cache[(key, system)] = prompt_token_count(answer_tokenizer(), messages, system)
+            found = self._prompt_cache[(key, system, history_reasoning)] = prompt_token_count(
+                answer_tokenizer(), messages, system, keep_history_reasoning=history_reasoning)
         return found
 
     def routes(self, cfg: SimConfig, prefs: Any, model: str) -> list[SimProvider] | NoEndpoints:

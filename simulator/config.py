@@ -44,7 +44,7 @@ _FAULT_ALIASES = {
 
 
 MISBEHAVIOURS = ("no_reasoning", "wrong_model", "no_cost", "ignore_routing", "bad_token_count", "tool_calls",
-                 "no_usage_chunk")
+                 "no_usage_chunk", "history_reasoning")
 
 # These shape the answer pool, which is built once when the server starts.
 FIXED_AT_START: frozenset[str] = frozenset({"seed", "mean_completion_tokens", "length_sigma", "pool_size"})
@@ -157,7 +157,9 @@ class SimConfig:
     providers: tuple[SimProvider, ...] = DEFAULT_PROVIDERS
     # Deliberate wire-level misbehaviour, so the smoke test's checks can be shown to fail
     # (non-streamed answers; on streams, no_cost and no_usage_chunk: a stream closed after its
-    # finish_reason chunk, before the usage chunk and [DONE]): see MISBEHAVIOURS.
+    # finish_reason chunk, before the usage chunk and [DONE]): see MISBEHAVIOURS. history_reasoning:
+    # usage.prompt_tokens counts the reasoning of earlier assistant turns (a server whose template keeps
+    # it in the history), so a multi-turn prompt check agrees at turn 1 and fails from turn 2 on.
     misbehave: tuple[str, ...] = ()
     # A careless upstream: error bodies (4xx/5xx, and 200s carrying an error) quote the bearer key
     # the request came with, so tests can show draftgen never writes or prints what it is sent.
@@ -168,6 +170,11 @@ class SimConfig:
     echo_key_fields: bool = False
     # How many generations `/generation?id=` remembers (oldest forgotten first).
     generation_log_size: int = 100_000
+    # How many of the latest chat requests `SimServer.sent` (and `GET /_sim/sent`) keep, with the
+    # messages each was sent and the prompt tokens it counted: 0 keeps none (a long run's bodies stay
+    # out of memory). Lets a test check what every request carried, e.g. that each multi-turn history
+    # holds the target's own earlier answers.
+    sent_log_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "faults", normalise_faults(self.faults))
@@ -198,6 +205,7 @@ class SimConfig:
         _check(all(m in MISBEHAVIOURS for m in self.misbehave), "misbehave",
                f"must name some of {', '.join(MISBEHAVIOURS)}")
         _check(self.generation_log_size >= 1, "generation_log_size", "must be >= 1")
+        _check(self.sent_log_size >= 0, "sent_log_size", "must be >= 0")
         if self.management_keys is not None:
             object.__setattr__(self, "management_keys", tuple(self.management_keys))
         if self.models is not None:

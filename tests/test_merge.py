@@ -25,6 +25,7 @@ from draftgen.core.merge import merge as merge_mod
 from draftgen.core.merge.merge import DROP_REASONS, merge, merge_command
 from draftgen.core.merge.swap import recover
 from draftgen.core.tokens.store import TokenReader, TokenWriter
+from tests.multiturn import multi_turn_run
 
 
 @dataclass
@@ -432,3 +433,115 @@ def test_a_prompt_differing_only_in_case_spacing_or_unicode_form_is_a_duplicate(
     stats = merge(make_config(tmp_path, seed=1))
     assert {r["id"] for r in train_lines(run)} == {"A/a1", "B/b3"}
     assert {d.name: d.dropped["duplicate"] for d in stats.datasets} == {"A": 0, "B": 2, "C": 0}
+
+
+# -- turns of multi-turn conversations ([merge] multi_turn) ------------------------------------------------
+
+
+def _stored(config: Config) -> dict[str, tuple[list[int], list[int], dict[str, Any]]]:
+    reader = TokenReader(config.run_dir / "M" / "tokens")
+    return {e.id: (ids.tolist(), mask.tolist(), e.meta) for e, (_, ids, mask) in zip(reader.entries, reader)}
+
+
+def test_per_turn_merge_keeps_each_generation_event_and_nothing_after_an_invalid_turn(tmp_path: Path) -> None:
+    config, convs = multi_turn_run(tmp_path)
+    stats = merge(config)
+    merged = TokenReader(config.run_dir / "merged" / "tokens")
+    rows = {r["id"]: r for r in train_lines(config.run_dir)}
+    # c2's turn 2 broke (its own line after its turn 3 on disk): turn 3 went with it; c4 failed at turn 2.
+    assert set(rows) == {"M/c1#t1", "M/c1#t2", "M/c1#t3", "M/c2#t1", "M/c3#t1", "M/c3#t2", "M/c3#t3", "M/c4#t1"}
+    ds = stats.datasets[0]
+    assert ds.read == ds.kept + ds.dropped_total == 11
+    assert {r: n for r, n in ds.dropped.items() if n} == {"invalid": 1, "after_invalid_turn": 1, "failed": 1}
+    assert stats.by_turn == {"1": {"read": 4, "kept": 4, "dropped": {}},
+                             "2": {"read": 4, "kept": 2, "dropped": {"invalid": 1, "failed": 1}},
+                             "3": {"read": 3, "kept": 2, "dropped": {"after_invalid_turn": 1}}}
+    on_disk = orjson.loads((config.run_dir / "merged" / "stats.json").read_bytes())
+    assert on_disk["by_turn"] == stats.by_turn and on_disk["multi_turn"] == "per_turn"
+    assert on_disk["datasets"][0]["by_turn"] == stats.by_turn
+    # One sample per generation event: the turn's own ids and mask, byte for byte (loss on its answer only).
+    stored = _stored(config)
+    for entry, (_, ids, mask) in zip(merged.entries, merged):
+        own_ids, own_mask, _ = stored[entry.id.removeprefix("M/")]
+        assert ids.tolist() == own_ids and mask.tolist() == own_mask
+    # The row: the turn's history (the target's own earlier answers, content only) and its answer.
+    c1 = convs["c1"]
+    assert rows["M/c1#t3"]["conversations"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": c1[0]["messages"][1]["content"]},
+        {"role": "assistant", "content": c1[0]["content"]},
+        {"role": "user", "content": c1[1]["messages"][-1]["content"]},
+        {"role": "assistant", "content": c1[1]["content"]},
+        {"role": "user", "content": c1[2]["messages"][-1]["content"]},
+        {"role": "assistant", "content": c1[2]["content"], "reasoning_content": c1[2]["reasoning"]}]
+
+
+def test_per_conversation_merge_writes_one_sample_with_every_assistant_turn_in_the_loss_mask(tmp_path: Path) -> None:
+    from draftgen.core.tokens.tokenizer import bundled_kimi
+    tok = bundled_kimi()
+    config, convs = multi_turn_run(tmp_path, merge={"multi_turn": "per_conversation"})
+    stats = merge(config)
+    rows = {r["id"]: r for r in train_lines(config.run_dir)}
+    reader = TokenReader(config.run_dir / "merged" / "tokens")
+    merged = {e.id: (ids, mask) for e, (_, ids, mask) in zip(reader.entries, reader)}
+    assert set(rows) == set(merged) == {"M/c1", "M/c2", "M/c3", "M/c4"}
+    ds = stats.datasets[0]
+    assert ds.read == ds.kept + ds.dropped_total == 11 and ds.kept == 4
+    assert {r: n for r, n in ds.dropped.items() if n} == {"in_conversation": 4, "invalid": 1,
+                                                          "after_invalid_turn": 1, "failed": 1}
+    assert stats.by_turn == {"1": {"read": 4, "kept": 2, "dropped": {"in_conversation": 2}},
+                             "2": {"read": 4, "kept": 0, "dropped": {"invalid": 1, "failed": 1, "in_conversation": 2}},
+                             "3": {"read": 3, "kept": 2, "dropped": {"after_invalid_turn": 1}}}
+    stored = _stored(config)
+    c1 = convs["c1"]
+    ids, mask = merged["M/c1"]
+    last_ids, last_mask, meta = stored["c1#t3"]
+    # The last good turn's ids (earlier answers without their reasoning, as served), every answer masked.
+    assert ids.tolist() == last_ids and len(meta["history_spans"]) == 2
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    pieces = [tok.decode(ids[s:e].tolist()) for s, e in zip(runs[::2], runs[1::2])]
+    assert pieces == [f"<think></think>{c1[0]['content']}<|im_end|>", f"<think></think>{c1[1]['content']}<|im_end|>",
+                      f"<think>{c1[2]['reasoning']}</think>{c1[2]['content']}<|im_end|>"]
+    assert int(mask.sum()) > sum(last_mask)
+    assert stats.masked_tokens == sum(int(m.sum()) for _, m in merged.values())
+    # c2 ends at its turn 1 (turn 2 broke); c4 at its turn 1 (turn 2 failed): that turn's sample as stored.
+    assert merged["M/c2"][0].tolist() == stored["c2#t1"][0] and merged["M/c2"][1].tolist() == stored["c2#t1"][1]
+    assert [t["role"] for t in rows["M/c1"]["conversations"]] == [
+        "system", "user", "assistant", "user", "assistant", "user", "assistant"]
+    assert all("reasoning_content" not in t for t in rows["M/c1"]["conversations"][:-1])
+    # The kept cost is every turn in a sample.
+    assert ds.cost_usd == pytest.approx(sum(r["usage"]["cost"] for c in ("c1", "c3") for r in convs[c])
+                                        + convs["c2"][0]["usage"]["cost"] + convs["c4"][0]["usage"]["cost"])
+
+
+def test_per_conversation_needs_the_template_that_knows_the_turns(tmp_path: Path) -> None:
+    raw = {"output": {"dir": "run"}, "tokenizer": {"template": "auto"}, "merge": {"multi_turn": "per_conversation"},
+           "datasets": [{"name": "M", "prompts": "M.jsonl"}]}
+    with pytest.raises(DraftgenError, match='merge.multi_turn = "per_conversation" needs tokenizer.template'):
+        merge(config_from_dict(raw, tmp_path / "draftgen.toml"))
+    with pytest.raises(DraftgenError, match="multi_turn"):
+        config_from_dict({**raw, "merge": {"multi_turn": "per_sample"}}, tmp_path / "draftgen.toml")
+
+
+def test_merge_command_prints_the_turns_by_turn_number(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, _ = multi_turn_run(tmp_path)
+    assert merge_command(config) == 0
+    out = capsys.readouterr().out
+    assert 'turns of conversations ([merge] multi_turn = "per_turn")' in out
+    assert "after_invalid_turn" in out
+
+
+def test_a_conversation_whose_sample_is_a_duplicate_drops_all_its_turns(tmp_path: Path) -> None:
+    from draftgen.core.tokens.workers import reconstruct_dataset
+    from tests.multiturn import write_records
+    config, convs = multi_turn_run(tmp_path, merge={"multi_turn": "per_conversation"})
+    # The same conversation again under another name (the same turns and answers): its sample repeats c1's.
+    copy = [{**r, "id": r["id"].replace("c1", "c9"), "conversation": "c9"} for r in convs["c1"]]
+    write_records(config.run_dir / "M" / "responses.jsonl", copy)
+    reconstruct_dataset(config, "M", workers=1)
+    stats = merge(config)
+    ds = stats.datasets[0]
+    assert {r["id"] for r in train_lines(config.run_dir)} == {"M/c1", "M/c2", "M/c3", "M/c4"}
+    assert ds.dropped["duplicate"] == 3 and ds.dropped["in_conversation"] == 4
+    assert ds.cost_usd == pytest.approx(sum(r["usage"]["cost"] for c in ("c1", "c3") for r in convs[c])
+                                        + convs["c2"][0]["usage"]["cost"] + convs["c4"][0]["usage"]["cost"])

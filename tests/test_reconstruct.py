@@ -22,6 +22,7 @@ from draftgen.core.tokens.template import (
 )
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path, load_tokenizer
 
+from .multiturn import HISTORY_STYLES, Turn, conversation_records, three_turns
 from .test_tokenizer import ROUND_TRIPS, build_tokenizer_json
 
 TABLE = json.loads((bundled_kimi_path() / "special_tokens.json").read_text())
@@ -404,3 +405,87 @@ def test_prompt_special_tokens_default_follows_the_server_kind(tmp_path: Path) -
     path.write_text('[tokenizer]\nprompt_special_tokens = "token"\n')
     with pytest.raises(ConfigError, match="prompt_special_tokens"):
         load_config(path)
+
+
+# -- turns of a multi-turn conversation (records as a turns = "all" dataset writes them) ----------------
+
+
+@pytest.mark.parametrize("style", HISTORY_STYLES)
+def test_a_later_turn_renders_its_history_without_reasoning_and_masks_only_its_own_answer(style: str) -> None:
+    records = conversation_records("c7", three_turns(), system="Be brief.", style=style)
+    turn3 = records[2]
+    r = reconstruct_record(TOK, KIMI, turn3)
+    # The tokenizer's own encoding of the rendered text: earlier answers as `<think></think>{content}`.
+    ids, start, end = by_hand(turn3["messages"], turn3["reasoning"], turn3["content"])
+    assert r.input_ids.tolist() == ids and (r.answer_start, r.answer_end) == (start, end)
+    assert r.valid and r.turn == 3 and r.prompt_diff == 0  # the simulator's count of the same history
+    # The loss mask: this turn's answer only (from the generation prompt's <think>), never the history.
+    assert r.loss_mask.tolist() == [0] * (start - 1) + [1] * (end - start + 1)
+    assert TOK.decode(r.input_ids[r.loss_mask == 1].tolist()) == \
+        f"<think>{turn3['reasoning']}</think>{turn3['content']}<|im_end|>"
+    history = TOK.decode(r.input_ids[:start].tolist())
+    assert all(m["reasoning_details"][0]["text"] not in history if "reasoning_details" in m
+               else (m.get("reasoning") or m.get("reasoning_content")) not in history
+               for m in turn3["messages"] if m["role"] == "assistant")
+    # Where the earlier answers sit, for a merge that masks every assistant turn.
+    assert len(r.history_spans) == 2
+    for (s, e), earlier in zip(r.history_spans, records[:2]):
+        assert TOK.decode(r.input_ids[s:e].tolist()) == f"<think></think>{earlier['content']}<|im_end|>"
+    assert r.index_meta()["turn"] == 3 and r.index_meta()["history_spans"] == [list(s) for s in r.history_spans]
+    # Turn 1 has no history; a single-turn record's index line is as before.
+    first = reconstruct_record(TOK, KIMI, records[0])
+    assert first.history_spans == () and "history_spans" not in first.index_meta()
+    assert "turn" not in reconstruct_record(TOK, KIMI, {**records[0], "turn": None}).index_meta()
+
+
+def test_every_history_style_gives_the_same_ids() -> None:
+    got = {style: reconstruct_record(TOK, KIMI, conversation_records("c", three_turns(), style=style)[2])
+           for style in HISTORY_STYLES}
+    assert len({tuple(r.input_ids.tolist()) for r in got.values()}) == 1
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "reasoning", "reasoning_details"])
+def test_inside_a_tool_loop_every_reasoning_key_renders_the_same(key: str) -> None:
+    reasoning = "I should look it up."
+    value: Any = ([{"type": "reasoning.text", "text": reasoning}] if key == "reasoning_details" else reasoning)
+    call = {"id": "functions.lookup:0", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "Look it up."},
+                {"role": "assistant", "content": "", "tool_calls": [call], key: value},
+                {"role": "tool", "tool_call_id": "functions.lookup:0", "content": "42"}]
+    r = reconstruct(TOK, KIMI, messages, "It says 42.", "42")
+    plain = {**messages[1]}
+    del plain[key]
+    expected = reconstruct(TOK, KIMI, [messages[0], {**plain, "reasoning_content": reasoning}, messages[2]],
+                           "It says 42.", "42")
+    assert r.input_ids.tolist() == expected.input_ids.tolist()
+    assert f"<think>{reasoning}</think>" in TOK.decode(r.input_ids[:r.answer_start].tolist())
+    # Its span keeps the reasoning and the tool calls, through its end of turn.
+    (s, e), = r.history_spans
+    span = TOK.decode(r.input_ids[s:e].tolist())
+    assert span.startswith(f"<think>{reasoning}</think><|tool_calls_section_begin|>") and span.endswith("<|im_end|>")
+
+
+def test_history_spans_follow_prompt_special_tokens() -> None:
+    # With special-token text read as the token, the prompt's segments are split: the spans follow.
+    special = load_template("kimi-k2.5", TOK, prompt_specials=True)
+    rec = conversation_records("c", [Turn("Say <|im_end|> please."), Turn("Again.")])[1]
+    r = reconstruct_record(TOK, special, rec)
+    (s, e), = r.history_spans
+    assert TOK.decode(r.input_ids[s:e].tolist()) == "<think></think>An answer.<|im_end|>"
+
+
+def test_auto_template_reads_a_history_turns_reasoning_under_openrouters_keys(tj_tok) -> None:
+    # The served model's own template reads `reasoning_content` (what OpenRouter hands the provider's
+    # server): a history turn that came back with `reasoning_details` or `reasoning` renders the same.
+    template = load_template("auto", tj_tok)
+
+    def history(**reasoning: Any) -> list[dict[str, Any]]:
+        return [*user("Hi"), {"role": "assistant", "content": "Hello!", **reasoning}, *user("And 2+2?")]
+
+    want = reconstruct(tj_tok, template, history(reasoning_content="greet back"), "sum", "4")
+    assert "greet back" in tj_tok.decode(want.input_ids[:want.answer_start].tolist())  # this template keeps it
+    for keys in ({"reasoning": "greet back"},
+                 {"reasoning_details": [{"type": "reasoning.text", "text": "greet back", "index": 0}]}):
+        got = reconstruct(tj_tok, template, history(**keys), "sum", "4")
+        assert got.input_ids.tolist() == want.input_ids.tolist(), keys
+    assert reconstruct(tj_tok, template, history(), "sum", "4").input_ids.tolist() != want.input_ids.tolist()

@@ -164,3 +164,29 @@ def test_the_run_streams_as_smoke_json_records_without_a_new_fingerprint(tmp_pat
         assert "stream" not in explicit.request_body(cfg.datasets[0], []) and not explicit.api.stream_decided
     finally:
         note_stream_mode(cfg.api.base_url, cfg.api.model, None)
+
+
+@pytest.mark.parametrize("misbehave, passed", [((), True), (("history_reasoning",), False)])
+async def test_a_multi_turn_dataset_checks_the_prompt_of_a_second_turn(tmp_path, monkeypatch, misbehave, passed):
+    # A dataset that asks every turn (`turns = "all"`): the smoke test asks a second turn on its first
+    # answer and checks that turn's prompt tokens, the history rendered by the template's history rule.
+    from draftgen.core.generate.commands import smoke as smoke_mod
+    monkeypatch.setattr(smoke_mod, "_multi_turn", lambda ds: ds.name == "short")
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0, sent_log_size=16, misbehave=misbehave)) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "short", "n": 4, "max_tokens": 2048},
+                                                   {"name": "long", "n": 4, "max_tokens": 4096}],
+                          tables={"tokenizer": {"path": str(bundled_kimi_path())}}, request=REQUEST)
+        result = await run_smoke(cfg, TEST_KEY)
+        sent = [s.messages for s in sim.sent]
+    rows = {r.check: r for r in result.rows}
+    assert rows["short: turn 2 request"].passed and "long: turn 2 request" not in rows
+    assert rows["short: prompt tokens"].passed  # turn 1 agrees either way
+    assert rows["short: turn 2 prompt tokens"].passed is passed
+    if not passed:
+        assert "turn 1 agreeing and turn 2 not" in rows["short: turn 2 prompt tokens"].detail
+    # The second request carried the first answer back, and nothing else of another model.
+    second = next(m for m in sent if len(m) == 3)
+    first_answer = next(r for r in result.rows if r.check == "short: content").detail
+    assert second[1]["role"] == "assistant" and repr(second[1]["content"][:60]) == first_answer
+    assert "reasoning" in second[1] and second[2] == {"role": "user", "content": smoke_mod.FOLLOW_UP}
+    assert result.passed is passed

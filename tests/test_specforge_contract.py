@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import io
+import itertools
 import re
 from pathlib import Path
 
@@ -301,3 +302,66 @@ def test_the_self_checks_kimi_form_is_what_the_pinned_sglang_loads_for_kimi_k25(
     defaults = set(re.findall(r"^\s{8}(\w+): [^=\n]+ = ", vision_init, re.M))
     assert read and read <= set(TINY_VISION) | defaults | {"text_hidden_size"}, read - set(TINY_VISION) - defaults
     assert {"vt_hidden_size"} <= read and "vt_hidden_size" in TINY_VISION  # the projector's name, not a parameter
+
+
+# -- multi-turn merges read by SpecForge's own code ------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["per_turn", "per_conversation"])
+def test_specforges_parser_tokenizes_a_multi_turn_merge_as_we_wrote_it(tmp_path: Path, specforge_tree: Path,
+                                                                       mode: str) -> None:
+    """SpecForge's ThinkingParser with its kimi-k2-thinking template, on each train.jsonl row of a merge of
+    3-turn conversations: the ids and the loss mask it builds are merged/tokens' entry for that row.
+    per_turn rows are parsed with train_only_last_turn (loss on the turn's own answer), per_conversation
+    rows without (every assistant turn)."""
+    from draftgen.core.merge.merge import merge
+    from draftgen.core.tokens.store import TokenReader
+    from tests.multiturn import multi_turn_run
+    config, _ = multi_turn_run(tmp_path, merge={"multi_turn": mode})
+    merge(config)
+    got = run_with_specforge("specforge_parse.py", config.run_dir, specforge_tree, "SpecForge's parser refused")
+    reader = TokenReader(config.run_dir / "merged" / "tokens")
+    ours = [(ids.tolist(), mask.tolist()) for _, ids, mask in reader]
+    assert got["parser"] == "ThinkingParser" and got["mode"] == mode
+    assert len(got["rows"]) == len(ours) == (8 if mode == "per_turn" else 4)
+    for row, (ids, mask) in zip(got["rows"], ours, strict=True):
+        assert row["input_ids"] == ids
+        assert row["loss_mask"] == mask
+    # The per-conversation rows train several turns: SpecForge masks three spans where a turn-3 sample ends.
+    spans = [sum(1 for a, b in itertools.pairwise([0, *m]) if b > a) for _, m in ours]
+    assert max(spans) == (1 if mode == "per_turn" else 3)
+
+
+@pytest.fixture(scope="module")
+def kimi_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny real Llama over the whole Kimi vocabulary, so a merge's real token ids can be extracted."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftgen.core.tokens.tokenizer import bundled_kimi
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=bundled_kimi().vocab_size, max_position_embeddings=512,
+                      tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("tiny-llama-kimi-vocab")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["per_turn", "per_conversation"])
+def test_hidden_states_of_a_multi_turn_merge_are_read_by_specforges_reader(tmp_path: Path, specforge_tree: Path,
+                                                                           kimi_vocab_model: Path, mode: str) -> None:
+    from draftgen.core.extract import extract
+    from draftgen.core.merge.merge import merge
+    from tests.multiturn import multi_turn_run
+    from tests.test_specforge_release import check_run_with_specforge
+    extract_table = {"extract": {"model": str(kimi_vocab_model), "backend": "hf", "device": "cpu",
+                                 "dtype": "float32"}}
+    config, _ = multi_turn_run(tmp_path, merge={"multi_turn": mode}, tables=extract_table)
+    stats = merge(config)
+    assert extract(config).written == stats.samples
+    got = check_run_with_specforge(config.run_dir, specforge_tree)  # ids and masks as merged, rows as written
+    turns = [sum(1 for m in conv if m["role"] == "assistant") for conv in got["conversations"]]
+    assert sorted(turns) == ([1, 1, 1, 1, 2, 2, 3, 3] if mode == "per_turn" else [1, 1, 3, 3])

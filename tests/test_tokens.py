@@ -201,3 +201,50 @@ async def test_live_reconstructor(tmp_path: Path) -> None:
     assert again.report("A").checked == 45
     await again.close()
     assert len(index_lines(config, "A")) == 45
+
+
+async def test_the_prompt_check_is_counted_per_turn_number(tmp_path: Path) -> None:
+    from draftgen.core.tokens.report import ValidationReport
+    from tests.multiturn import conversation_records, three_turns
+    config = make_config(tmp_path, datasets=("M",))
+    tok = bundled_kimi()
+    records = []
+    for c in range(8):
+        conv = conversation_records(f"c{c}", three_turns(f" {c}"))
+        if c >= 4:  # a server that renders the earlier answers WITH their reasoning: its later turns count more
+            for rec in conv:
+                kept = sum(len(tok.encode_text(m["reasoning_details"][0]["text"]))
+                           for m in rec["messages"] if m["role"] == "assistant")
+                rec["usage"] = {**rec["usage"], "prompt_tokens": rec["usage"]["prompt_tokens"] + kept}
+                rec["provider"] = "KeepsReasoning"
+        records += conv
+    write_responses(config, "M", records)
+    live = LiveReconstructor(config, workers=1)
+    await live.start()
+    assert await live.catch_up("M") == 24
+    await live.close()
+    report = live.report("M")
+    by_turn = {t.turn: t for t in report.prompt_by_turn}
+    assert sorted(by_turn) == [1, 2, 3] and all(t.n == 8 for t in by_turn.values())
+    assert by_turn[1].share_exact == 1.0 and by_turn[1].mean_diff == 0
+    assert by_turn[2].share_exact == by_turn[3].share_exact == 0.5
+    assert by_turn[2].mean_diff < 0 and by_turn[3].mean_diff < by_turn[2].mean_diff  # the history grows
+    # Per provider, for the providers panel: the honest one agrees at every turn, the other from turn 2 on not.
+    rows = {f.name: f for f in live.fidelity()}
+    assert [(t.turn, t.answers, t.exact) for t in rows["Together"].prompt_by_turn] == [(1, 4, 1.0), (2, 4, 1.0),
+                                                                                         (3, 4, 1.0)]
+    assert [(t.turn, t.exact) for t in rows["KeepsReasoning"].prompt_by_turn] == [(1, 1.0), (2, 0.0), (3, 0.0)]
+    # report.json keeps them, and reads them back; the text report says them.
+    saved = orjson.loads((RunDir(config.run_dir).tokens("M") / REPORT_FILE).read_bytes())
+    assert saved["prompt_token_count_by_turn"]["2"]["share_exact"] == 0.5
+    assert ValidationReport.from_dict(saved).prompt_turns == report.prompt_turns
+    assert "prompt tokens by turn 1: exact 100.0% (mean diff +0.00) of 8; turn 2: exact 50.0%" in report.format()
+    assert report.providers["KeepsReasoning"].to_dict()["prompt_by_turn"]["3"]["share_exact"] == 0.0
+    # A single-turn dataset's report has none.
+    assert make_report_single(tmp_path).prompt_by_turn == ()
+
+
+def make_report_single(tmp_path: Path) -> Any:
+    config = make_config(tmp_path / "single")
+    write_responses(config, "A", [response(i) for i in range(3)])
+    return reconstruct_dataset(config, "A", workers=1)

@@ -591,3 +591,18 @@ async def test_a_long_newest_event_is_shown_whole_at_the_bottom() -> None:
 
         await until(pilot, bottom_visible, "the whole newest event, its last row included, in view")
         assert log.following  # type: ignore[attr-defined]
+
+
+async def test_a_providers_drill_shows_the_prompt_check_turn_by_turn() -> None:
+    turns = (snap.TurnAgreement(1, 400, 1.0, 0.0), snap.TurnAgreement(2, 390, 0.5, -41.2),
+             snap.TurnAgreement(3, 380, None, None))
+    fidelity = tuple(dataclasses.replace(f, prompt_by_turn=turns) if f.name == "parasail/int4" else f
+                     for f in fx.FIDELITY)
+    app, _ = make(dataclasses.replace(fx.running(), fidelity=fidelity))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("tab", "tab", "j", "enter")  # providers: parasail/int4
+        body = text(app, "#drill-body")
+        assert "provider parasail/int4" in body
+        assert "prompt by turn" in body and "1: 100% exact, 2: 50% exact (-41.2), 3: — exact" in body
+        await pilot.press("escape", "k", "enter")  # novita/int4: single-turn answers only, no such row
+        assert "prompt by turn" not in text(app, "#drill-body")

@@ -156,6 +156,15 @@ class StageProgress:
 
 
 @dataclass(frozen=True)
+class TurnAgreement:
+    """The prompt check of one turn number of multi-turn answers (core/tokens/fidelity.py TurnFigures)."""
+    turn: int
+    answers: int
+    exact: float | None             # share whose rendered prompt (history included) equals usage.prompt_tokens
+    mean_diff: float | None         # mean of rendered - usage.prompt_tokens
+
+
+@dataclass(frozen=True)
 class ProviderFidelity:
     """One provider's token-count agreement so far (core/tokens/fidelity.py), for the providers panel."""
     name: str
@@ -163,6 +172,7 @@ class ProviderFidelity:
     answer_exact: float | None      # share of answers whose token count equals the billed one
     prompt_exact: float | None      # share whose rendered prompt equals usage.prompt_tokens
     flagged: str = ""               # why its counts depart from the other providers' ("" when they do not)
+    prompt_by_turn: tuple[TurnAgreement, ...] = ()  # the prompt check per turn number (multi-turn answers)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,13 @@ class TokenRef:
     billed: int | None = None
     prompt_diff: int | None = None
     provider: str | None = None
+    history: tuple[tuple[int, int], ...] = ()   # earlier assistant turns in the prompt (index `history_spans`)
+
+
+def _spans(value: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list):
+        return ()
+    return tuple((int(s), int(e)) for s, e in value)
 
 
 class DatasetInput:
@@ -113,7 +120,8 @@ class DatasetInput:
                                 tuple(obj.get("failed_checks") or ()), bool(obj.get("truncated")),
                                 _int_or_none(obj.get("count_diff")), _int_or_none(obj.get("billed_tokens")),
                                 _int_or_none(obj.get("prompt_diff")),
-                                obj.get("provider") if isinstance(obj.get("provider"), str) else None)
+                                obj.get("provider") if isinstance(obj.get("provider"), str) else None,
+                                _spans(obj.get("history_spans")))
                 refs[str(obj["id"])] = ref
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
                 break  # same rule as TokenReader: the index ends at its first unreadable line

@@ -14,9 +14,17 @@ Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed i
     tokens/       core/tokens/store.py format; entry k is line k of train.jsonl (same id), its
                   input_ids and loss_mask copied byte for byte from the dataset's token store
     stats.json    kept and dropped (by reason) per dataset, tokens, cost, seed, input fingerprints
-                  (costs from the spend ledger, spend.jsonl: the figures the run's views show)
+                  (costs from the spend ledger, spend.jsonl: the figures the run's views show); for
+                  turns of multi-turn conversations, `by_turn` (per turn number: read, kept, dropped
+                  by reason) and `multi_turn`, the mode they were merged in
     fingerprint.json  which merge this is (core/tokens/identity.py): the seed, the inputs and a
                   digest of the samples in order; extraction copies it beside the hidden states
+
+Turns of multi-turn conversations (a turns = "all" dataset): `[merge] multi_turn` "per_turn" keeps
+each turn as a sample of its own (id `<dataset>/<conversation>#t<k>`, its history + its answer, loss on
+that answer); "per_conversation" one sample per conversation (id `<dataset>/<conversation>`, every
+assistant turn in the loss mask). Either way a broken turn drops the rest of its conversation.
+The rules: core/merge/turns.py.
 
 Hidden states belong to one merge: when `<run>/hidden_states/` holds files and the new merge is not
 the one they came from (another seed, more answers), the merge refuses before it replaces merged/,
@@ -48,7 +56,7 @@ import orjson
 
 from draftgen.core.config import Config
 from draftgen.core.dedupe import message_text, prompt_key
-from draftgen.core.errors import DraftgenError
+from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.files import disk_error
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.progress import ProgressCallback, Throttle, every
@@ -56,6 +64,7 @@ from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef, complete_lines
 from draftgen.core.merge.specforge import has_tool_calls, specforge_record
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
+from draftgen.core.merge.turns import TURN_REASONS, PendingTurn, add_turns, count_turn, resolve, sorted_turns, turn_of
 from draftgen.core.records import Usage
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens import identity
@@ -68,8 +77,11 @@ from draftgen.core.units import usd, usd_shown
 # failures.jsonl lines; "bad_line" a responses.jsonl line that is not a JSON object with an id).
 # The token-level causes (provider_excluded, invalid, count_mismatch, prompt_mismatch) are the sample
 # policy's, core/tokens/policy.py: a structural failure drops a sample, a BPE split keeps it.
+# Turns of multi-turn conversations add theirs (core/merge/turns.py): after_invalid_turn (a later turn
+# of a conversation whose answer broke), and with [merge] multi_turn = "per_conversation",
+# after_dropped_turn and in_conversation (a turn whose answer is in its conversation's sample).
 DROP_REASONS = ("failed", "truncated", "empty", "not_reconstructed", "provider_excluded", "invalid",
-                "source_flagged", "count_mismatch", "prompt_mismatch", "duplicate", "bad_line")
+                "source_flagged", "count_mismatch", "prompt_mismatch", "duplicate", "bad_line", *TURN_REASONS)
 
 TRAIN_FILE, TOKENS_DIR, STATS_FILE = "train.jsonl", "tokens", "stats.json"
 
@@ -88,6 +100,8 @@ class DatasetMergeStats:
     cost_all_usd: float = 0.0           # the ledger's cost of the dataset (what the run's views show)
     kept_noted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NOTES, 0))  # kept, but differed
     flagged_sources: list[dict[str, Any]] = field(default_factory=list)  # sources judged on their own, and why
+    # Turn lines of multi-turn conversations by turn number: {"k": {"read", "kept", "dropped": {reason: n}}}
+    by_turn: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def dropped_total(self) -> int:
@@ -111,6 +125,7 @@ class MergeStats:
     elapsed_s: float = 0.0
     merge_id: str = ""
     hidden_states: str = ""   # what became of hidden_states/ (kept, set aside), when it held files
+    multi_turn: str = "per_turn"  # [merge] multi_turn
 
     @property
     def read(self) -> int:
@@ -119,6 +134,13 @@ class MergeStats:
     @property
     def dropped(self) -> dict[str, int]:
         return {r: sum(d.dropped[r] for d in self.datasets) for r in DROP_REASONS}
+
+    @property
+    def by_turn(self) -> dict[str, dict[str, Any]]:
+        total: dict[str, dict[str, Any]] = {}
+        for d in self.datasets:
+            add_turns(total, d.by_turn)
+        return sorted_turns(total)
 
     def to_json_dict(self) -> dict[str, Any]:
         """stats.json; everything but created_at and elapsed_s is the same for the same inputs and seed."""
@@ -135,6 +157,8 @@ class MergeStats:
             "kept_noted": {n: sum(d.kept_noted.get(n, 0) for d in self.datasets) for n in NOTES},
             "policy": self.policy,
             "system_turn": self.system_turn,
+            "multi_turn": self.multi_turn,
+            "by_turn": self.by_turn,
             "datasets": [{**asdict(d), "dropped_total": d.dropped_total} for d in self.datasets],
             "inputs": [asdict(f) for f in self.inputs],
             "outputs": {"train_jsonl": {"lines": self.samples, "bytes": self.train_bytes},
@@ -211,6 +235,10 @@ def merge(config: Config, progress: ProgressCallback | None = None, *,
     Hidden states of another merge: refused, or set aside with `replace_hidden_states` (see the top).
     """
     root = Path(config.run_dir)
+    if config.merge.multi_turn == "per_conversation" and config.tokenizer.template != "kimi-k2.5":
+        raise ConfigError(f"{config.path}: merge.multi_turn = \"per_conversation\" needs tokenizer.template = "
+                          f"\"kimi-k2.5\" (the template that says where each earlier assistant turn sits, to put "
+                          f"it in the loss mask); with template \"{config.tokenizer.template}\" use \"per_turn\"")
     if not root.is_dir():
         raise DraftgenError(f"{root}: run directory not found (output.dir in {config.path}); "
                             f"generate first with `draftgen run {config.path}`")
@@ -246,10 +274,10 @@ def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> M
         # Read only (a run may be writing it); a directory without one (before the ledger) has usage.cost alone.
         spend = RunDir(root).spend
         ledger = SpendLedger.read(spend, answer_costs=True) if spend.exists() else None
-        kept, tool_calls_key = _scan(inputs, per_ds, reporter, policy, ledger)
+        kept, tool_calls_key = _scan(inputs, per_ds, reporter, policy, ledger, config.merge.multi_turn)
         random.Random(config.merge.seed).shuffle(kept)
         stats = MergeStats(seed=config.merge.seed, datasets=per_ds, inputs=fingerprints, policy=policy.to_dict(),
-                           system_turn=config.tokenizer.system_turn())
+                           system_turn=config.tokenizer.system_turn(), multi_turn=config.merge.multi_turn)
         tmp.mkdir()
         try:
             _write(inputs, kept, tmp, stats, reporter, tool_calls_key)
@@ -302,12 +330,22 @@ def _hidden_states_guard(config: Config, root: Path, tmp: Path, replace: bool) -
             f"`draftgen extract {config.path}` extracts this merge; delete the old folder when done with it")
 
 
-# One kept sample: (dataset index, responses.jsonl offset and line length, token offset, token length).
-_Kept = tuple[int, int, int, int, int]
+# One kept sample: (dataset index, responses.jsonl offset and line length, token offset, token length,
+# the earlier assistant turns its loss mask also covers: None for a sample as stored, the spans for a
+# per-conversation sample).
+_Kept = tuple[int, int, int, int, int, "tuple[tuple[int, int], ...] | None"]
 
 
-def _scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats],
-          reporter: _Reporter, policy: SamplePolicy, ledger: SpendLedger | None = None) -> tuple[list[_Kept], bool]:
+@dataclass
+class _Seen:
+    """What pass 1 has kept so far: prompt keys (across datasets) and one dataset's sample ids."""
+    keys: set[bytes] = field(default_factory=set)
+    # One dataset's kept ids: unique by contract; a repeat must not give two rows one id.
+    ids: set[str] = field(default_factory=set)
+
+
+def _scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats], reporter: _Reporter, policy: SamplePolicy,
+          ledger: SpendLedger | None = None, multi_turn: str = "per_turn") -> tuple[list[_Kept], bool]:
     """Pass 1: classify every answer, keep the clean first-seen ones as small tuples.
 
     Also says whether any kept prompt has tool calls (then every row gets the key, see top).
@@ -315,46 +353,143 @@ def _scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats],
     tools = False
     total_bytes = sum(inp.size(inp.responses) for inp in inputs)
     done_bytes = 0
-    seen: set[bytes] = set()
+    seen = _Seen()
     kept: list[_Kept] = []
     reporter.phase()
     for ds_index, (inp, st) in enumerate(zip(inputs, per_ds)):
         if inp.failures is not None:
-            failed = sum(1 for _ in complete_lines(inp.failures, inp.size(inp.failures)))
-            st.dropped["failed"] += failed
-            st.read += failed
+            failed = _count_failures(inp, st)
             reporter.read += failed
             reporter.dropped += failed
         if inp.responses is None:
             continue
-        refs = inp.read_token_index()
-        ds_policy = _flag_sources(refs, st, policy)
-        # An answer the ledger has no line for (carried or found from an older run) cost its usage.cost there too.
-        costs = (ledger.answer_costs or {}).get(inp.name, {}) if ledger is not None else {}
-        kept_ids: set[str] = set()  # ids are unique per dataset by contract; a repeat must not give two rows one id
-        for offset, line in complete_lines(inp.responses, inp.size(inp.responses)):
-            st.read += 1
-            reporter.read += 1
-            reason, ref, key, sample_tools = _classify(line, refs, seen, kept_ids, st, ds_policy, costs)
-            if reason is None:
-                tools = tools or sample_tools
-                seen.add(key)
-                kept.append((ds_index, offset, len(line), ref.offset, ref.length))
-                st.kept += 1
-                reporter.kept += 1
-            else:
-                st.dropped[reason] += 1
-                reporter.dropped += 1
-            if st.read & 255 == 0:
-                reporter.send(StageState.RUNNING, done_bytes + offset, total_bytes, f"reading {inp.name}",
-                              unit="MB/s", scale=1e6)
+        seen.ids = set()
+        tools = _scan_dataset(ds_index, inp, st, reporter, policy, ledger, multi_turn, seen, kept, done_bytes,
+                              total_bytes) or tools
         done_bytes += inp.size(inp.responses)
-        del refs, kept_ids  # one dataset's token index in memory at a time
     for st in per_ds:  # what the dataset cost: the ledger's figure, attempts without an answer included
         if ledger is not None and st.name in ledger.by_dataset:
             st.cost_all_usd = ledger.by_dataset[st.name]
     reporter.send(StageState.RUNNING, total_bytes, total_bytes, "read", unit="MB/s", scale=1e6, force=True)
     return kept, tools
+
+
+def _count_failures(inp: DatasetInput, st: DatasetMergeStats) -> int:
+    """failures.jsonl lines, counted as dropped ("failed"), by turn number for turns of conversations."""
+    assert inp.failures is not None
+    failed = 0
+    for _, line in complete_lines(inp.failures, inp.size(inp.failures)):
+        failed += 1
+        if b'"turn"' in line:  # only turn lines are parsed: a failures file can be long
+            try:
+                record = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            found = turn_of(record) if isinstance(record, dict) else None
+            if found is not None:
+                count_turn(st.by_turn, found[1], "failed")
+    st.dropped["failed"] += failed
+    st.read += failed
+    return failed
+
+
+def _scan_dataset(ds_index: int, inp: DatasetInput, st: DatasetMergeStats, reporter: _Reporter,
+                  policy: SamplePolicy, ledger: SpendLedger | None, multi_turn: str, seen: _Seen,
+                  kept: list[_Kept], done_bytes: int, total_bytes: int) -> bool:
+    """One dataset's lines: single answers kept or dropped as read; turns of conversations held, then
+    resolved per conversation (core/merge/turns.py). Returns whether a kept sample has tool calls."""
+    assert inp.responses is not None
+    tools = False
+    refs = inp.read_token_index()
+    ds_policy = _flag_sources(refs, st, policy)
+    # An answer the ledger has no line for (carried or found from an older run) cost its usage.cost there too.
+    costs = (ledger.answer_costs or {}).get(inp.name, {}) if ledger is not None else {}
+    pending: list[PendingTurn] = []
+    for offset, line in complete_lines(inp.responses, inp.size(inp.responses)):
+        st.read += 1
+        reporter.read += 1
+        reason, ref, record, notes = _judge(line, refs, st, ds_policy)
+        found = turn_of(record) if record is not None else None
+        if found is not None and record is not None:
+            pending.append(_pending(offset, len(line), found, reason, ref, notes, record, costs))
+        else:
+            key = b""
+            if reason is None and record is not None:
+                key = prompt_key(record.get("messages"))  # the same notion of duplicate as `prompts build` and `run`
+                reason = _take(key, str(record["id"]), _cost(record, costs), notes, seen, st)
+            if reason is None and record is not None and ref is not None:
+                tools = tools or has_tool_calls(record)
+                kept.append((ds_index, offset, len(line), ref.offset, ref.length, None))
+            _tally(st, reporter, reason)
+        if st.read & 255 == 0:
+            reporter.send(StageState.RUNNING, done_bytes + offset, total_bytes, f"reading {inp.name}",
+                          unit="MB/s", scale=1e6)
+    if pending:
+        tools = _settle_turns(ds_index, pending, multi_turn, seen, st, reporter, kept) or tools
+    st.by_turn = sorted_turns(st.by_turn)
+    return tools
+
+
+def _settle_turns(ds_index: int, pending: list[PendingTurn], multi_turn: str, seen: _Seen, st: DatasetMergeStats,
+                  reporter: _Reporter, kept: list[_Kept]) -> bool:
+    """A dataset's turn lines, resolved per conversation (core/merge/turns.py), kept or dropped in file
+    order. A turn folded into its conversation's sample counts with that sample: its cost is the kept
+    cost, and when the sample itself is a duplicate so is the turn."""
+    tools = False
+    resolve(pending, multi_turn)
+    samples: set[str] = set()  # conversations with a kept sample
+    for p in pending:
+        if p.reason is None:
+            p.reason = _take(p.key, p.sample_id, p.cost, p.notes, seen, st)
+            if p.reason is None:
+                samples.add(p.conversation)
+    for p in pending:  # in file order
+        if p.reason == "in_conversation":
+            if p.conversation in samples:
+                st.cost_usd += p.cost
+            else:
+                p.reason = "duplicate"
+        if p.reason is None and p.ref is not None:
+            tools = tools or p.tools
+            kept.append((ds_index, p.offset, p.length, p.ref.offset, p.ref.length, p.history))
+        count_turn(st.by_turn, p.turn, p.reason)
+        _tally(st, reporter, p.reason)
+    return tools
+
+
+def _tally(st: DatasetMergeStats, reporter: _Reporter, reason: str | None) -> None:
+    if reason is None:
+        st.kept += 1
+        reporter.kept += 1
+    else:
+        st.dropped[reason] += 1
+        reporter.dropped += 1
+
+
+def _cost(record: dict[str, Any], costs: dict[str, float]) -> float:
+    """The ledger's cost of an answer, else its usage.cost."""
+    cost = costs.get(str(record.get("id")))
+    return Usage.from_dict(record.get("usage")).cost if cost is None else cost
+
+
+def _pending(offset: int, length: int, found: tuple[str, int], reason: str | None, ref: TokenRef | None,
+             notes: tuple[str, ...], record: dict[str, Any], costs: dict[str, float]) -> PendingTurn:
+    key = prompt_key(record.get("messages")) if reason is None else b""
+    return PendingTurn(offset, length, found[0], found[1], reason, ref, notes, str(record["id"]), key,
+                       _cost(record, costs), has_tool_calls(record))
+
+
+def _take(key: bytes, sample_id: str, cost: float, notes: tuple[str, ...], seen: _Seen,
+          st: DatasetMergeStats) -> str | None:
+    """Keep a clean sample unless its prompt (or its id) was kept before: "duplicate", else None."""
+    if key in seen.keys or sample_id in seen.ids:
+        return "duplicate"
+    seen.keys.add(key)
+    seen.ids.add(sample_id)
+    st.cost_usd += cost
+    for note in notes:
+        st.kept_noted[note] = st.kept_noted.get(note, 0) + 1
+    return None
 
 
 def _flag_sources(refs: dict[str, TokenRef], st: DatasetMergeStats, policy: SamplePolicy) -> SamplePolicy:
@@ -373,34 +508,24 @@ def _flag_sources(refs: dict[str, TokenRef], st: DatasetMergeStats, policy: Samp
     return replace(policy, flagged_sources=frozenset(source_key(f.provider) for f in flags))
 
 
-def _classify(line: bytes, refs: dict[str, TokenRef], seen: set[bytes], kept_ids: set[str],
-              st: DatasetMergeStats, policy: SamplePolicy,
-              costs: dict[str, float] | None = None) -> tuple[str | None, Any, bytes, bool]:
+def _judge(line: bytes, refs: dict[str, TokenRef], st: DatasetMergeStats, policy: SamplePolicy
+           ) -> tuple[str | None, TokenRef | None, dict[str, Any] | None, tuple[str, ...]]:
+    """(the reason the line is dropped or None, its token entry, the record, what a kept one differed in);
+    duplicates are told later (`_take`)."""
     try:
         record = orjson.loads(line)
         sample_id = str(record["id"])
     except (orjson.JSONDecodeError, KeyError, TypeError):
-        return "bad_line", None, b"", False
+        return "bad_line", None, None, ()
     if not isinstance(record, dict):
-        return "bad_line", None, b"", False
+        return "bad_line", None, None, ()
     st.cost_all_usd += Usage.from_dict(record.get("usage")).cost
     ref = refs.get(sample_id)
     reason, notes = _drop_reason(record, ref, policy)
     if reason == "invalid":
         for check in (ref.failed_checks if ref is not None else ()) or ("unvalidated",):
             st.invalid_checks[check] = st.invalid_checks.get(check, 0) + 1
-    if reason is not None:
-        return reason, ref, b"", False
-    messages = record.get("messages")
-    key = prompt_key(messages)  # normalised text: the same notion of duplicate as `prompts build` and `run`
-    if key in seen or sample_id in kept_ids:
-        return "duplicate", ref, key, False
-    kept_ids.add(sample_id)
-    cost = (costs or {}).get(sample_id)
-    st.cost_usd += Usage.from_dict(record.get("usage")).cost if cost is None else cost
-    for note in notes:
-        st.kept_noted[note] = st.kept_noted.get(note, 0) + 1
-    return None, ref, key, has_tool_calls(record)
+    return reason, ref, record, notes
 
 
 def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: MergeStats,
@@ -415,15 +540,20 @@ def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: Merg
     # be its own commit (three system calls a sample were a tenth of the merge).
     with open(tmp / TRAIN_FILE, "wb", buffering=1 << 20) as train, \
             TokenWriter(tmp / TOKENS_DIR, buffered=True) as tokens:
-        for k, (ds_index, offset, line_length, tok_offset, tok_length) in enumerate(kept):
+        for k, (ds_index, offset, line_length, tok_offset, tok_length, history) in enumerate(kept):
             inp, st = inputs[ds_index], stats.datasets[ds_index]
             record = orjson.loads(os.pread(responses[ds_index], line_length, offset))
-            sample_id = f"{inp.name}/{record['id']}"
+            # A per-conversation sample is named by its conversation (its last good turn's line holds it all).
+            sample_id = f"{inp.name}/{record['conversation'] if history is not None else record['id']}"
             line = orjson.dumps(specforge_record(sample_id, record, tool_calls_key=tool_calls_key,
                                                  system=stats.system_turn)) + b"\n"
             train.write(line)
             train_bytes += len(line)
             ids, mask = inp.token_arrays(tok_offset, tok_length)
+            if history:  # every earlier assistant turn in the loss mask too (their reasoning is not in the ids)
+                mask = mask.copy()
+                for start, end in history:
+                    mask[start:end] = 1
             tokens.append(sample_id, ids, mask, {"dataset": inp.name})
             masked = int(np.count_nonzero(mask))
             st.tokens += tok_length
@@ -444,6 +574,21 @@ def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: Merg
 
 # ---------------------------------------------------------------------------------------------
 # `draftgen merge CONFIG`
+
+
+def _turns_table(stats: MergeStats) -> Any:
+    """Turns of multi-turn conversations by turn number: read, kept, dropped by reason."""
+    from rich.markup import escape
+    from rich.table import Table
+    by_turn = stats.by_turn
+    reasons = sorted({r for row in by_turn.values() for r in row["dropped"]}, key=DROP_REASONS.index)
+    table = Table(title=escape(f"turns of conversations ([merge] multi_turn = \"{stats.multi_turn}\")"))
+    for col in ("turn", "read", "kept", *reasons):
+        table.add_column(col, justify="right")
+    for k, row in by_turn.items():
+        table.add_row(k, f"{row['read']:,}", f"{row['kept']:,}", *(f"{row['dropped'].get(r, 0):,}" for r in reasons))
+    return table
+
 
 
 def merge_command(config: Config, *, replace_hidden_states: bool = False) -> int:
@@ -482,6 +627,8 @@ def merge_command(config: Config, *, replace_hidden_states: bool = False) -> int
         for d in rows:
             drops.add_row(escape(d.name), *(f"{d.dropped[r]:,}" for r in reasons), end_section=d is stats.datasets[-1])
         console.print(drops)
+    if stats.by_turn:
+        console.print(_turns_table(stats))
     checks: dict[str, int] = {}
     for d in stats.datasets:
         for check, n in d.invalid_checks.items():

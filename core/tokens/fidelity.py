@@ -3,7 +3,10 @@
 Per provider (as `provider` names it in responses.jsonl), for the answer (span tokens against the
 billed `completion_tokens`) and the prompt (rendered prompt tokens against `usage.prompt_tokens`):
 the share of exact counts, the mean and p99 |difference|, and, where the server returned its own
-ids, how many equal the reconstruction. A provider serving another quantization or tokenizer shows
+ids, how many equal the reconstruction. The prompt's agreement is also kept per turn number of a
+multi-turn dataset (`prompt_turns`, a `TurnFigures` per turn): the history each turn sends back is
+rendered by the template's history rule, and turn k's prompt counts agreeing is what proves that
+rendering is the server's. A provider serving another quantization or tokenizer shows
 up as counts that disagree where the others agree: `flag_providers` names it, with the
 `[request.provider] ignore` line that keeps future requests away from it and the `[merge]
 exclude_providers` line that leaves its answers already paid for out of the training set.
@@ -64,6 +67,63 @@ class Figures:
         return {"n": self.n, "share_exact": self.share_exact, "mean_abs": self.mean_abs, "p99_abs": self.p99_abs}
 
 
+@dataclass(frozen=True)
+class TurnFigures:
+    """The prompt check of one turn number: rendered prompt tokens - usage.prompt_tokens."""
+    turn: int
+    n: int
+    share_exact: float | None
+    mean_diff: float | None     # signed: + the rendering has more tokens than the provider counted
+    mean_abs: float | None
+
+    @classmethod
+    def of(cls, turn: int, h: Mapping[int, int]) -> TurnFigures:
+        n = sum(h.values())
+        if not n:
+            return cls(turn, 0, None, None, None)
+        return cls(turn, n, h.get(0, 0) / n, sum(d * c for d, c in h.items()) / n,
+                   sum(abs(d) * c for d, c in h.items()) / n)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "share_exact": self.share_exact, "mean_diff": self.mean_diff, "mean_abs": self.mean_abs}
+
+
+def turn_figures(turns: Mapping[int, Mapping[int, int]]) -> tuple[TurnFigures, ...]:
+    """Per turn number (ascending), the prompt check's figures."""
+    return tuple(TurnFigures.of(k, turns[k]) for k in sorted(turns))
+
+
+def add_turn(turns: dict[int, dict[int, int]], turn: int | None, diff: int | None) -> None:
+    """Count one prompt difference under its turn number (nothing when either is unknown)."""
+    if turn is not None and diff is not None:
+        h = turns.setdefault(turn, {})
+        h[diff] = h.get(diff, 0) + 1
+
+
+def merge_turns(mine: dict[int, dict[int, int]], theirs: Mapping[int, Mapping[int, int]]) -> None:
+    for turn, h in theirs.items():
+        _add(mine.setdefault(turn, {}), h)
+
+
+def turns_to_dict(turns: Mapping[int, Mapping[int, int]]) -> dict[str, Any]:
+    """{"k": {n, share_exact, mean_diff, mean_abs, histogram}} per turn number."""
+    return {str(f.turn): {**f.to_dict(), "histogram": {str(d): turns[f.turn][d] for d in sorted(turns[f.turn])}}
+            for f in turn_figures(turns)}
+
+
+def turns_from_dict(data: Any) -> dict[int, dict[int, int]]:
+    if not isinstance(data, Mapping):
+        return {}
+    return {int(k): {int(d): int(c) for d, c in ((v or {}).get("histogram") or {}).items()}
+            for k, v in data.items() if isinstance(v, Mapping)}
+
+
+def turns_line(turns: Mapping[int, Mapping[int, int]]) -> str:
+    """"turn 1: exact 100.0% (mean diff +0.00) of 30; turn 2: ..." ("" without multi-turn answers)."""
+    return "; ".join(f"turn {f.turn}: exact {f.share_exact:.1%} (mean diff {f.mean_diff:+.2f}) of {f.n:,}"
+                     for f in turn_figures(turns) if f.n and f.share_exact is not None and f.mean_diff is not None)
+
+
 @dataclass
 class Agreement:
     """Token-count agreement of a set of answers: one provider's, or all of them."""
@@ -72,14 +132,16 @@ class Agreement:
     prompt_diffs: dict[int, int] = field(default_factory=dict)   # rendered prompt - usage.prompt_tokens
     backend: int = 0                                              # answers that came with the server's ids
     backend_match: int = 0                                        # ... equal to the reconstruction
+    prompt_turns: dict[int, dict[int, int]] = field(default_factory=dict)  # turn number -> prompt_diffs
 
     def add(self, count_diff: int | None, billed: int | None, prompt_diff: int | None, *,
-            backend: bool = False, backend_match: bool = False) -> None:
+            backend: bool = False, backend_match: bool = False, turn: int | None = None) -> None:
         if count_diff is not None:
             self.diffs[count_diff] = self.diffs.get(count_diff, 0) + 1
             self.billed += int(billed or 0)
         if prompt_diff is not None:
             self.prompt_diffs[prompt_diff] = self.prompt_diffs.get(prompt_diff, 0) + 1
+        add_turn(self.prompt_turns, turn, prompt_diff)
         self.backend += backend
         self.backend_match += backend and backend_match
 
@@ -89,6 +151,7 @@ class Agreement:
         self.billed += other.billed
         self.backend += other.backend
         self.backend_match += other.backend_match
+        merge_turns(self.prompt_turns, other.prompt_turns)
 
     @property
     def answer(self) -> Figures:
@@ -111,7 +174,8 @@ class Agreement:
                            "histogram": {str(d): self.diffs[d] for d in sorted(self.diffs)}},
                 "prompt": {**self.prompt.to_dict(),
                            "histogram": {str(d): self.prompt_diffs[d] for d in sorted(self.prompt_diffs)}},
-                "billed": self.billed, "backend_ids": self.backend, "backend_match": self.backend_match}
+                "billed": self.billed, "backend_ids": self.backend, "backend_match": self.backend_match,
+                **({"prompt_by_turn": turns_to_dict(self.prompt_turns)} if self.prompt_turns else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Agreement:
@@ -119,7 +183,8 @@ class Agreement:
             h = (part or {}).get("histogram") or {} if isinstance(part, Mapping) else {}
             return {int(k): int(v) for k, v in h.items()}
         return cls(hist(data.get("answer")), int(data.get("billed") or 0), hist(data.get("prompt")),
-                   int(data.get("backend_ids") or 0), int(data.get("backend_match") or 0))
+                   int(data.get("backend_ids") or 0), int(data.get("backend_match") or 0),
+                   turns_from_dict(data.get("prompt_by_turn")))
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,16 @@ from typing import Any
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DiskError
-from draftgen.core.live.snapshot import EventSink, ProviderFidelity, StageProgress, StageState, event_sink
+from draftgen.core.live.snapshot import (
+    EventSink,
+    ProviderFidelity,
+    StageProgress,
+    StageState,
+    TurnAgreement,
+    event_sink,
+)
 from draftgen.core.rundir import RunDir
+from draftgen.core.tokens.fidelity import turn_figures
 from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.report import ValidationReport
 from draftgen.core.tokens.respawn import RespawningPool
@@ -244,8 +252,10 @@ class LiveReconstructor:
         rows = []
         for name, a in sorted(total.providers.items(), key=lambda kv: -kv[1].answers):
             if a.answers:
+                turns = tuple(TurnAgreement(t.turn, t.n, t.share_exact, t.mean_diff)
+                              for t in turn_figures(a.prompt_turns))
                 rows.append(ProviderFidelity(name, a.answers, a.answer.share_exact, a.prompt.share_exact,
-                                             flags.get(name, "")))
+                                             flags.get(name, ""), turns))
         return tuple(rows)
 
     def progress(self) -> StageProgress:

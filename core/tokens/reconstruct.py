@@ -27,6 +27,13 @@ It is not a check of the answer, so it does not make a sample invalid; the repor
 disagreements (`prompt_token_count`) per provider, and core/tokens/policy.py decides what a sample's
 checks and differences mean for merge (a BPE split keeps it, a leaked `<think>` drops it).
 
+A turn of a multi-turn conversation (a record with `turn`, core/records.py) reconstructs the same way:
+its messages hold the target's own earlier answers, which the template renders as history (Kimi-K2.5:
+`<think></think>{content}`, their reasoning dropped; reasoning keys on those messages render only
+inside a tool-call loop), and the loss mask covers this turn's answer only. Where those earlier
+answers sit (`history_spans`) is kept in the index, so a merge writing one sample per conversation
+can mask them too (core/merge/merge.py); the report counts the prompt check per turn number.
+
 The loss mask is 1 from the `<think>` after the last assistant header through its `<|im_end|>`
 (SpecForge's kimi-k2 convention), 0 elsewhere. Truncated answers (finish_reason "length") have no
 end-of-turn token in reality, so none is rendered: they fail `ends_with_eot` by design and are never
@@ -79,6 +86,11 @@ class Reconstruction:
     billed_prompt_tokens: int | None = None  # usage.prompt_tokens
     provider: str | None = None
     prompt_source: str = "rendered"          # "backend": the prompt ids are the server's (PROMPT_SOURCES)
+    turn: int | None = None                  # the turn number of a multi-turn record (`turn`), else None
+    # Earlier assistant turns in the prompt: token ranges [start, end) from the `<think>` after their
+    # header through their end-of-turn token (RenderedChat.history_turns); () when the prompt holds
+    # none, or is the server's and differs from the rendering (the positions are not known then).
+    history_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def valid(self) -> bool:
@@ -91,7 +103,9 @@ class Reconstruction:
                 "billed_tokens": self.billed_tokens, "count_diff": self.count_diff,
                 "truncated": self.truncated, "source": self.source, "prompt_tokens": self.prompt_tokens,
                 "billed_prompt_tokens": self.billed_prompt_tokens, "prompt_diff": self.prompt_diff,
-                "provider": self.provider, "prompt_source": self.prompt_source}
+                "provider": self.provider, "prompt_source": self.prompt_source,
+                **({"turn": self.turn} if self.turn is not None else {}),
+                **({"history_spans": [list(s) for s in self.history_spans]} if self.history_spans else {})}
 
     @property
     def prompt_diff(self) -> int | None:
@@ -101,13 +115,18 @@ class Reconstruction:
         return self.prompt_tokens - self.billed_prompt_tokens
 
 
-def encode_segments(tok: Tokenizer, segments: Iterable[Segment]) -> list[int]:
+def encode_segments(tok: Tokenizer, segments: Iterable[Segment], starts: list[int] | None = None) -> list[int]:
+    """The ids of `segments`; `starts`, when given, gets the position each segment starts at (and the end)."""
     ids: list[int] = []
     for seg in segments:
+        if starts is not None:
+            starts.append(len(ids))
         if seg.special:
             ids.append(tok.special_id(seg.text))
         elif seg.text:
             ids.extend(tok.encode_text(seg.text))
+    if starts is not None:
+        starts.append(len(ids))
     return ids
 
 
@@ -164,18 +183,20 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
                 truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None,
                 count_tolerance: int = DEFAULT_COUNT_TOLERANCE, verify_decode: bool = False,
                 billed_prompt_tokens: int | None = None, provider: str | None = None,
-                backend_prompt_ids: Sequence[int] | None = None) -> Reconstruction:
+                backend_prompt_ids: Sequence[int] | None = None, turn: int | None = None) -> Reconstruction:
     """Token ids, loss mask and validation of one answer to `messages`.
 
     `verify_decode`: decode the span for `round_trip` even where the tokenizer is known lossless.
     `billed_prompt_tokens`: the provider's `usage.prompt_tokens`, compared with the rendered prompt.
     `backend_prompt_ids`: the server's own prompt ids, compared with the rendered prompt (and used).
+    `turn`: the turn number of a multi-turn record, kept for the per-turn figures.
     """
     source = "backend" if backend_ids is not None else "reconstructed"
     billed = int(billed_tokens) if billed_tokens is not None else None
     try:
         rendered = template.render(messages, reasoning, content or "", truncated=truncated, tool_calls=tool_calls)
-        prompt_ids = encode_segments(tok, rendered.prompt)
+        starts: list[int] | None = [] if rendered.history_turns else None
+        prompt_ids = encode_segments(tok, rendered.prompt, starts)
         answer_ids = encode_segments(tok, rendered.answer)
         suffix_ids = encode_segments(tok, rendered.suffix)
         eot_id = tok.special_id(rendered.eot)
@@ -185,6 +206,7 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
     vocab = tok.vocab_size
     mask_tail = rendered.mask_prompt_tail
     prompt_source, prompt_match = "rendered", None
+    history = tuple((starts[a], starts[b]) for a, b in rendered.history_turns) if starts else ()
     if backend_prompt_ids is not None:
         server_prompt = [int(i) for i in backend_prompt_ids]
         prompt_match = server_prompt == prompt_ids
@@ -195,6 +217,7 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
             if mask_tail and server_prompt[-mask_tail:] != prompt_ids[-mask_tail:]:
                 mask_tail = 0
             prompt_ids, prompt_source = server_prompt, "backend"
+            history = ()  # where the server's turns sit is not known
 
     span = answer_ids
     backend_usable = False
@@ -244,7 +267,7 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
     billed_prompt = int(billed_prompt_tokens) if billed_prompt_tokens else None  # 0: not reported
     return Reconstruction(input_ids, loss_mask, start, end, checks, _finish(checks), len(span), count_diff,
                           source, billed, truncated, prompt_tokens=start, billed_prompt_tokens=billed_prompt,
-                          provider=provider, prompt_source=prompt_source)
+                          provider=provider, prompt_source=prompt_source, turn=turn, history_spans=history)
 
 
 def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[str, Any], *,
@@ -258,6 +281,8 @@ def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[s
     billed_prompt = billed_prompt if isinstance(billed_prompt, int) and not isinstance(billed_prompt, bool) else None
     provider = record.get("provider")
     provider = provider if isinstance(provider, str) else None
+    turn = record.get("turn")
+    turn = turn if isinstance(turn, int) and not isinstance(turn, bool) else None
     backend = record.get("token_ids")
     backend_prompt = record.get("prompt_token_ids")
     messages = record.get("messages")
@@ -276,4 +301,5 @@ def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[s
     return reconstruct(tok, template, messages if isinstance(messages, list) else [], reasoning, content or "",
                        billed_tokens=billed, backend_ids=backend, truncated=truncated,
                        tool_calls=record.get("tool_calls") or None, count_tolerance=count_tolerance,
-                       billed_prompt_tokens=billed_prompt, provider=provider, backend_prompt_ids=backend_prompt)
+                       billed_prompt_tokens=billed_prompt, provider=provider, backend_prompt_ids=backend_prompt,
+                       turn=turn)

@@ -8,7 +8,21 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, Figures, ProviderFlag, flag_providers, percentile
+from draftgen.core.tokens.fidelity import (
+    UNKNOWN,
+    Agreement,
+    Figures,
+    ProviderFlag,
+    TurnFigures,
+    add_turn,
+    flag_providers,
+    merge_turns,
+    percentile,
+    turn_figures,
+    turns_from_dict,
+    turns_line,
+    turns_to_dict,
+)
 from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.reconstruct import CHECKS, Reconstruction
 
@@ -36,10 +50,12 @@ class ValidationReport:
     policy: SamplePolicy = field(default_factory=SamplePolicy, repr=False, compare=False)
     prompt_from_backend: int = 0                           # answers with the server's prompt ids
     prompt_backend_match: int = 0                          # ... equal to the rendered prompt
+    prompt_turns: dict[int, dict[int, int]] = field(default_factory=dict)  # turn number -> prompt_diffs
 
     def add_outcome(self, failed_checks: Iterable[str], count_diff: int | None, billed_tokens: int | None,
                     truncated: bool, source: str, *, prompt_diff: int | None = None,
-                    provider: str | None = None, prompt_source: str | None = None) -> None:
+                    provider: str | None = None, prompt_source: str | None = None,
+                    turn: int | None = None) -> None:
         failed = list(failed_checks)
         self.checked += 1
         # Given: used as the sample's prompt, or refused (ids outside the vocabulary) and so failed.
@@ -56,6 +72,7 @@ class ValidationReport:
             self.billed_total += int(billed_tokens or 0)
         if prompt_diff is not None:
             self.prompt_diffs[prompt_diff] = self.prompt_diffs.get(prompt_diff, 0) + 1
+        add_turn(self.prompt_turns, turn, prompt_diff)
         verdict = self.policy.judge(failed, count_diff, billed_tokens, prompt_diff, provider)
         if truncated:
             self.dropped["truncated"] = self.dropped.get("truncated", 0) + 1
@@ -68,20 +85,22 @@ class ValidationReport:
         backend = source == "backend" or "matches_backend" in failed
         agreement = self.providers.setdefault(provider or UNKNOWN, Agreement())
         agreement.add(count_diff, billed_tokens, prompt_diff, backend=backend,
-                      backend_match="matches_backend" not in failed)
+                      backend_match="matches_backend" not in failed, turn=turn)
 
     def add(self, r: Reconstruction) -> None:
         self.add_outcome(r.failed_checks, r.count_diff, r.billed_tokens, r.truncated, r.source,
-                         prompt_diff=r.prompt_diff, provider=r.provider, prompt_source=r.prompt_source)
+                         prompt_diff=r.prompt_diff, provider=r.provider, prompt_source=r.prompt_source, turn=r.turn)
 
     def add_meta(self, meta: Mapping[str, Any]) -> None:
         """Count one `tokens/index.jsonl` entry (its metadata fields)."""
         diff, pdiff, provider = meta.get("count_diff"), meta.get("prompt_diff"), meta.get("provider")
+        turn = meta.get("turn")
         self.add_outcome(meta.get("failed_checks") or (), diff if isinstance(diff, int) else None,
                          meta.get("billed_tokens"), bool(meta.get("truncated")), str(meta.get("source")),
                          prompt_diff=pdiff if isinstance(pdiff, int) else None,
                          provider=provider if isinstance(provider, str) else None,
-                         prompt_source=str(meta.get("prompt_source")))
+                         prompt_source=str(meta.get("prompt_source")),
+                         turn=turn if isinstance(turn, int) and not isinstance(turn, bool) else None)
 
     def merge(self, other: ValidationReport) -> None:
         self.checked += other.checked
@@ -97,6 +116,7 @@ class ValidationReport:
         self.billed_total += other.billed_total
         for diff, n in other.prompt_diffs.items():
             self.prompt_diffs[diff] = self.prompt_diffs.get(diff, 0) + n
+        merge_turns(self.prompt_turns, other.prompt_turns)
         self.kept += other.kept
         for mine, theirs in ((self.dropped, other.dropped), (self.noted, other.noted)):
             for k, n in theirs.items():
@@ -152,6 +172,11 @@ class ValidationReport:
         return Figures.of(self.prompt_diffs)
 
     @property
+    def prompt_by_turn(self) -> tuple[TurnFigures, ...]:
+        """The prompt check per turn number of multi-turn answers (agreement share, mean diff); () without."""
+        return turn_figures(self.prompt_turns)
+
+    @property
     def prompt_mismatches(self) -> int:
         tol = self.policy.prompt_tolerance
         return sum(c for d, c in self.prompt_diffs.items() if abs(d) > tol)
@@ -182,6 +207,7 @@ class ValidationReport:
                 **prompt.to_dict(), "mismatches": self.prompt_mismatches,
                 "histogram": {str(d): self.prompt_diffs[d] for d in sorted(self.prompt_diffs)},
             },
+            "prompt_token_count_by_turn": turns_to_dict(self.prompt_turns),
             "policy": {**self.policy.to_dict(), "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
                        "kept_noted": dict(sorted(self.noted.items()))},
             "providers": {p: self.providers[p].to_dict() for p in sorted(self.providers)},
@@ -203,7 +229,8 @@ class ValidationReport:
                    {k: int(v) for k, v in (policy.get("kept_noted") or {}).items()},
                    {p: Agreement.from_dict(a) for p, a in (data.get("providers") or {}).items()},
                    prompt_from_backend=int(data.get("prompt_from_backend") or 0),
-                   prompt_backend_match=int(data.get("prompt_backend_match") or 0))
+                   prompt_backend_match=int(data.get("prompt_backend_match") or 0),
+                   prompt_turns=turns_from_dict(data.get("prompt_token_count_by_turn")))
 
     def prompt_ids_line(self) -> str:
         """How the server's own prompt ids agree with the rendered prompts."""
@@ -221,6 +248,8 @@ class ValidationReport:
         prompt = self.prompt
         if prompt.n:
             parts.append(f"prompt tokens exact {prompt.share_exact:.1%}")
+        if len(self.prompt_turns) > 1:
+            parts.append("prompt tokens by " + turns_line(self.prompt_turns))
         if rewritten := self.failures.get("text_matches_ids", 0):
             parts.append(rewritten_line(rewritten))
         return "; ".join(parts)
@@ -235,6 +264,8 @@ class ValidationReport:
         prompt = self.prompt
         lines.append(f"  {'prompt_token_count':<{width}}  {self.prompt_mismatches:>8,} differ"
                      + (f" (of {prompt.n:,} with usage.prompt_tokens)" if prompt.n else " (no usage.prompt_tokens)"))
+        if self.prompt_turns:
+            lines.append(f"  prompt tokens by {turns_line(self.prompt_turns)}")
         if self.prompt_from_backend:
             lines.append(f"  {self.prompt_ids_line()}")
         if rewritten := self.failures.get("text_matches_ids", 0):

@@ -17,7 +17,14 @@ history split in ART's and miles' patches of it; tinker-cookbook's K2.5 renderer
 `specforge/data/template.py` and `parse.py`. What that gives:
 - roles render as `message.name or role`; roles other than user/assistant open with `<|im_system|>`;
 - assistant turns up to the last one without tool calls are history, their reasoning dropped
-  (`<think></think>`); later ones (tool-call turns) keep their `reasoning_content`;
+  (`<think></think>`); later ones (tool-call turns) keep their `reasoning_content`. A history message
+  may carry its reasoning under another API's key (`history_reasoning`): OpenRouter takes back
+  `reasoning_details` or `reasoning` and hands the provider's server `reasoning_content`, so inside a
+  tool-call loop any of the three renders the same text; outside one none renders (multi-turn
+  conversations, which are cut before their first tool turn, never have such a loop);
+- `RenderedChat.history_turns`: where each earlier assistant turn sits in the prompt (its `<think>`
+  through its `<|im_end|>`, the span SpecForge masks when it trains every assistant turn), so a
+  per-conversation sample can put them in the loss mask (core/merge; `auto` gives none);
 - tool results render `## Return of {tool_call_id}\n{content}`; tool calls
   `<|tool_calls_section_begin|><|tool_call_begin|>{id}<|tool_call_argument_begin|>{args}<|tool_call_end|>…`;
 - K2.5's generation prompt ends with `<think>` (K2-Thinking's did not), so the answer span starts
@@ -79,6 +86,9 @@ class RenderedChat:
     think_open: str | None           # reasoning delimiters (None: the template has none)
     think_close: str | None
     answer_opens_think: bool = False  # the model generates the opening `<think>` itself (not in the prompt)
+    # Earlier assistant turns: prompt segment ranges [start, end), from the `<think>` after the header
+    # through the end-of-turn token (the span a loss mask over every assistant turn covers).
+    history_turns: tuple[tuple[int, int], ...] = ()
 
     def answer_text(self) -> str:
         return "".join(s.text for s in self.answer)
@@ -110,6 +120,22 @@ def message_text(message: dict[str, Any], where: str) -> str:
                 raise TemplateError(f"{where}: content part of type {kind!r} is not supported (text only)")
         return "".join(parts)
     raise TemplateError(f"{where}: content must be a string or a list of parts, not {type(content).__name__}")
+
+
+def history_reasoning(message: dict[str, Any]) -> str:
+    """The reasoning text a history assistant message carries, under any API's key: `reasoning_content`
+    (vLLM, SGLang and the chat templates), else `reasoning` (OpenRouter), else the text of OpenRouter's
+    `reasoning_details` (`reasoning.text` parts' text, `reasoning.summary` parts' summary; encrypted parts
+    have none). "" when it has none."""
+    for key in ("reasoning_content", "reasoning"):
+        value = message.get(key)
+        if isinstance(value, str) and value:
+            return value
+    details = message.get("reasoning_details")
+    if isinstance(details, list):
+        texts = (d.get("text") or d.get("summary") for d in details if isinstance(d, dict))
+        return "".join(t for t in texts if isinstance(t, str))
+    return ""
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -168,16 +194,19 @@ class KimiK25Template:
         last_plain = max((i for i, m in enumerate(messages)
                           if m["role"] == "assistant" and not m.get("tool_calls")), default=-1)
         pending_ids: list[str] = []
+        history: list[tuple[int, int]] = []
         for i, m in enumerate(messages):
             where = f"messages[{i}]"
             prompt += self._header(m)
             text = message_text(m, where)
             if m["role"] == "assistant":
-                rc = "" if i <= last_plain else (m.get("reasoning_content") or "")
+                opened = len(prompt)
+                rc = "" if i <= last_plain else history_reasoning(m)
                 prompt += [Segment(self.THINK_OPEN, True), Segment(rc), Segment(self.THINK_CLOSE, True), Segment(text)]
                 if m.get("tool_calls"):
                     prompt += _tool_call_parts(m["tool_calls"], where)
                     pending_ids += [str(c.get("id") or "") for c in m["tool_calls"] if isinstance(c, dict)]
+                history.append((opened, len(prompt) + 1))  # through the <|im_end|> appended below
             elif m["role"] == "tool":
                 call_id = m.get("tool_call_id") or (pending_ids[0] if pending_ids else "")
                 if pending_ids:
@@ -197,7 +226,8 @@ class KimiK25Template:
             answer += _tool_call_parts(tool_calls, "answer")
         if not truncated:
             answer.append(Segment(self.EOT, True))
-        return RenderedChat(tuple(prompt), tuple(answer), (), 1, self.EOT, self.THINK_OPEN, self.THINK_CLOSE)
+        return RenderedChat(tuple(prompt), tuple(answer), (), 1, self.EOT, self.THINK_OPEN, self.THINK_CLOSE,
+                            history_turns=tuple(history))
 
 
 # Private-use code points: never produced by a tokenizer's template, cheap to find afterwards.
@@ -288,7 +318,7 @@ class AutoTemplate:
 
     def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
                truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> RenderedChat:
-        messages = with_system(_check_messages(messages), self.default_system)
+        messages = [_reasoning_content(m) for m in with_system(_check_messages(messages), self.default_system)]
         texts: list[str] = []
         hidden, final = self._hidden(messages, reasoning, content, tool_calls, texts)
         prompt, rest = self._sentinel_segments(hidden, final, texts)
@@ -323,6 +353,17 @@ class AutoTemplate:
                             self.think_open, self.think_close, opens)
 
 
+def _reasoning_content(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message whose reasoning came under OpenRouter's keys, as the served model's template
+    reads it (`reasoning_content`, which OpenRouter hands the provider's server); others as they are."""
+    if message.get("role") != "assistant" or not any(k in message for k in ("reasoning", "reasoning_details")):
+        return message
+    out = {k: v for k, v in message.items() if k not in ("reasoning", "reasoning_details")}
+    if not isinstance(out.get("reasoning_content"), str) and (text := history_reasoning(message)):
+        out["reasoning_content"] = text
+    return out
+
+
 class _PromptSpecials:
     """A template whose prompt reads special-token text as the special token, as a serving stack does:
     vLLM, SGLang and transformers serve render the chat template to a string and tokenize it with
@@ -342,14 +383,18 @@ class _PromptSpecials:
         if self._split is None:
             return rendered
         prompt: list[Segment] = []
+        starts: list[int] = []  # where each segment of the inner rendering starts in this one
         for seg in rendered.prompt:
+            starts.append(len(prompt))
             if seg.special:
                 prompt.append(seg)
                 continue
             for k, piece in enumerate(self._split.split(seg.text)):
                 if piece:
                     prompt.append(Segment(piece, k % 2 == 1))
-        return dataclasses.replace(rendered, prompt=tuple(prompt))
+        starts.append(len(prompt))
+        history = tuple((starts[a], starts[b]) for a, b in rendered.history_turns)
+        return dataclasses.replace(rendered, prompt=tuple(prompt), history_turns=history)
 
 
 def special_text_pattern(names: Any) -> re.Pattern[str] | None:

@@ -92,6 +92,10 @@ def _provider_facts(s: RunSnapshot, name: str) -> list[tuple[str, str | Text]]:
         if f.prompt_exact is not None:
             agreement += f", prompt counts in {f.prompt_exact:.0%}"
         rows.append(("token-count agreement", agreement))
+        if f.prompt_by_turn:  # multi-turn answers: the history rendering checked turn by turn
+            rows.append(("prompt by turn", ", ".join(
+                f"{t.turn}: {'—' if t.exact is None else f'{t.exact:.0%}'} exact"
+                + (f" ({t.mean_diff:+.1f})" if t.mean_diff else "") for t in f.prompt_by_turn)))
         if f.flagged:
             rows.append(("flagged", Text(f.flagged, style="bold red")))
     return rows

@@ -14,6 +14,10 @@ The checklist (each row pass/fail with its reason):
   than a BPE split is named, with the `ignore` line to add); the prompt's token count against
   `usage.prompt_tokens` (a mismatch says which `[tokenizer] default_system` would match the provider);
   the cost of the request;
+- turn 2 (a dataset that asks every turn of its conversations, `turns = "all"`): a second request of
+  the shape, its first answer sent back as history the way the API documents (`FOLLOW_UP` as the next
+  user turn), paid for like the first; its prompt tokens against the history rendered with the
+  template's history rule: the per-turn prompt check, before a run conditions every later turn on it;
 - stream (a self-hosted server): the same request streamed and not, before the shape requests
   (stream_check.py): the mode that keeps the text as generated is noted for them and, with `[api]
   stream` unset, recorded in smoke.json for `run`; set to the mode that rewrites text, the row fails
@@ -138,6 +142,55 @@ def smoke_body(config: Config, ds: DatasetConfig) -> dict[str, Any]:
             if key in body or key == "max_tokens":
                 body[key] = config.smoke.max_tokens
     return body
+
+
+# The smoke test's second user turn of a multi-turn dataset: its prompt holds the first answer as history.
+FOLLOW_UP = "Now say that again in one short sentence."
+
+
+def _multi_turn(ds: DatasetConfig) -> bool:
+    """The dataset asks every user turn of its conversations (`[[datasets]] turns = "all"`)."""
+    return getattr(ds, "turns", None) == "all"
+
+
+def history_message(config: Config, a: ChatAnswer) -> dict[str, Any]:
+    """An answer as the next turn's request carries it back: its content, and its reasoning the way the
+    API documents (OpenRouter: `reasoning_details` as returned, else `reasoning`; vLLM and SGLang:
+    `reasoning_content`)."""
+    m: dict[str, Any] = {"role": "assistant", "content": a.content}
+    details = getattr(a, "reasoning_details", None)
+    if config.api.self_hosted:
+        if a.reasoning:
+            m["reasoning_content"] = a.reasoning
+    elif details:
+        m["reasoning_details"] = details
+    elif a.reasoning:
+        m["reasoning"] = a.reasoning
+    return m
+
+
+def turn_two_body(config: Config, body: dict[str, Any], a: ChatAnswer) -> dict[str, Any]:
+    """The smoke body of a multi-turn dataset's second turn: the first turn, its answer, `FOLLOW_UP`."""
+    return {**body, "messages": [*body["messages"], history_message(config, a),
+                                 {"role": "user", "content": FOLLOW_UP}]}
+
+
+def _turn_two_rows(config: Config, ds: DatasetConfig, asked: Asked,
+                   reconstruct_fn: Callable[..., Any]) -> list[SmokeRow]:
+    """The second turn's request and its prompt check (the history rendered by the template's rule)."""
+    _, body, answer, took = asked
+    label = f"{ds.name}: turn 2"
+    if isinstance(answer, SmokeRow):
+        return [SmokeRow(f"{label} request", False, answer.detail)]
+    rows = [SmokeRow(f"{label} request", True, f"answered in {took:.2f} s, the first answer sent back as history")]
+    rec = reconstruct_fn(body["messages"], answer)
+    if rec is not None:
+        row = _prompt_row(config, label, rec, body["messages"], reconstruct_fn)
+        why = "" if row.passed or rec.prompt_diff is None else (
+            "; turn 1 agreeing and turn 2 not: the server renders the earlier answer otherwise than the chat "
+            "template's history rule (e.g. keeps its reasoning), so every later turn's prompt would differ")
+        rows.append(SmokeRow(row.check, row.passed, row.detail + why))
+    return rows
 
 
 def _norm(name: str) -> str:
@@ -395,6 +448,7 @@ class _SmokeTest:
         self.stream_row: SmokeRow | None = None
         self.parser = ""  # the stream row's cause when the run's mode rewrites text (for the tokens rows)
         self.answers: list[Asked] = []
+        self.turn_two: dict[str, Asked] = {}  # per shape of a multi-turn dataset: its second turn
         self.spent = 0.0
 
     def add(self, row: SmokeRow) -> None:
@@ -568,6 +622,7 @@ class _SmokeTest:
             if self.config.api.self_hosted and self.shapes and not self.ledger_error:
                 await _compare_modes(self, client)
             self.answers = await asyncio.gather(*(self.ask(client, fp, ds) for fp, ds in self.shapes.items()))
+            await self.ask_turn_two(client)
             # The ledger is the spend (the smoke requests and abandoned attempts included).
             spend = self.spend
             self.spent = spend.spent_usd if spend is not None and spend.is_open else \
@@ -575,6 +630,14 @@ class _SmokeTest:
         finally:
             if self.own_spend and self.spend is not None:
                 self.spend.close()
+
+    async def ask_turn_two(self, client: ChatClient) -> None:
+        """A second turn for each shape of a multi-turn dataset whose first turn answered with content."""
+        firsts = [(fp, body, a) for fp, body, a, _ in self.answers
+                  if _multi_turn(self.shapes[fp]) and isinstance(a, ChatAnswer) and a.content.strip()]
+        asked = await asyncio.gather(*(self.ask(client, fp, self.shapes[fp], turn_two_body(self.config, body, a))
+                                       for fp, body, a in firsts))
+        self.turn_two = {fp: a for (fp, _, _), a in zip(firsts, asked)}
 
     async def answer_rows(self) -> SmokeFigures | None:
         """Each shape's rows; the costliest answer's figures for the projection."""
@@ -591,6 +654,10 @@ class _SmokeTest:
             for row in await asyncio.to_thread(_answer_rows, self.config, ds, body, answer, self.reconstruct,
                                                self.parser):
                 self.add(row)
+            if fp in self.turn_two:
+                for row in await asyncio.to_thread(_turn_two_rows, self.config, ds, self.turn_two[fp],
+                                                   self.reconstruct):
+                    self.add(row)
             if not answer.priced:  # no usage.cost: its row says so; the projection does not take it as $0
                 continue
             for other in self.config.datasets:
