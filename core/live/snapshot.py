@@ -291,6 +291,7 @@ class EventKind(StrEnum):
     ATTACH = "attach"                        # the attach server or viewer (connected, lost, refused)
     BUDGET = "budget"                        # a token or money budget skipped prompts
     CREDITS = "credits"                      # the balance, or why it could not be read
+    CONVERSATION = "conversation"            # a conversation ended early, or its prompt file was edited
     DATASET_DONE = "dataset_done"
     DATASET_START = "dataset_start"
     DATASET_STOPPED = "dataset_stopped"      # stopped by its routing or settings

@@ -48,6 +48,35 @@ class ChatAnswer:
     token_ids: list[int] | None = None
     priced: bool = True  # usage.cost was in the answer (false: billing.py estimates or looks it up)
     prompt_token_ids: list[int] | None = None  # the prompt ids the server ran (return_token_ids)
+    # OpenRouter's structured reasoning, as returned (a stream's pieces joined, _join_details): what a
+    # later turn of the conversation passes back unmodified (core/generate/loop/conversations.py).
+    reasoning_details: list[Any] | None = None
+
+
+def _details_of(message: dict[str, Any]) -> list[Any] | None:
+    details = message.get("reasoning_details")
+    return details if isinstance(details, list) and details else None
+
+
+# The text-bearing keys of a reasoning detail, joined across stream chunks; others are taken as they come.
+_DETAIL_TEXT = ("text", "summary", "data")
+
+
+def _join_details(into: list[dict[str, Any]], pieces: list[Any]) -> None:
+    """A stream's `reasoning_details` deltas joined into whole details: a piece with the same `index`
+    and `type` as the last detail continues it (its text keys appended, its other keys set)."""
+    for piece in pieces:
+        if not isinstance(piece, dict):
+            continue
+        last = into[-1] if into else None
+        if last is not None and last.get("index") == piece.get("index") and last.get("type") == piece.get("type"):
+            for key, value in piece.items():
+                if key in _DETAIL_TEXT and isinstance(value, str) and isinstance(last.get(key), str):
+                    last[key] += value
+                elif value is not None:
+                    last[key] = value
+        else:
+            into.append(dict(piece))
 
 
 def _reasoning_of(message: dict[str, Any]) -> str | None:
@@ -197,6 +226,7 @@ def parse_completion(obj: Any, latency_s: float, self_hosted: Callable[[], bool]
         token_ids=token_ids if isinstance(token_ids, list) else None,
         priced=_has_cost(obj.get("usage")),
         prompt_token_ids=_prompt_token_ids(obj, choice),
+        reasoning_details=_details_of(message),
     )
 
 
@@ -235,6 +265,7 @@ class _StreamState:
         self.chars = 0  # answer text streamed (content, reasoning, tool arguments): the estimate without counts
         self.content: list[str] = []
         self.reasoning: list[str] = []
+        self.reasoning_details: list[dict[str, Any]] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.finish_reason: str | None = None
         self.native_finish_reason: str | None = None
@@ -309,6 +340,9 @@ class _StreamState:
             if text and isinstance(text, str):
                 self.reasoning.append(text)
                 self.chars += len(text)
+            details = dget("reasoning_details")
+            if details and isinstance(details, list):
+                _join_details(self.reasoning_details, details)
             calls = dget("tool_calls")
             if calls:
                 self._tool_call_deltas(calls)
@@ -337,6 +371,8 @@ class _StreamState:
                                    "reasoning": "".join(self.reasoning) or None}
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        if self.reasoning_details:
+            message["reasoning_details"] = self.reasoning_details
         choice: dict[str, Any] = {"message": message, "finish_reason": self.finish_reason,
                                   "native_finish_reason": self.native_finish_reason}
         if self.token_ids is not None:

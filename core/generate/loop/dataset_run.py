@@ -14,6 +14,7 @@ counted are only added up.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass, field
 
 from draftgen.core.config import DatasetConfig
@@ -29,6 +30,15 @@ from draftgen.core.rundir import JsonlAppender
 from draftgen.core.secrets import Redactor
 
 
+@dataclass
+class ConversationCounts:
+    """A turns = "all" dataset's conversations, beside its turns (DatasetRun's units), for the views."""
+    total: int = 0      # usable conversations in the file
+    done: int = 0       # every turn answered
+    ended: int = 0      # ended early: a broken turn, a skip, an edit of the prompt file
+    reasons: Counter[str] = field(default_factory=Counter)  # why they ended, by kind
+
+
 @dataclass(eq=False)
 class DatasetRun:
     """One dataset's live state: counts, budgets, the requests in flight and its two record files."""
@@ -41,6 +51,8 @@ class DatasetRun:
     responses: JsonlAppender | None = None
     failures: JsonlAppender | None = None
     doubts: Doubts = field(default_factory=Doubts)  # set aside by a 4xx naming no known cause (doubts.py)
+    # turns = "all": the counts are turns; its conversations are counted here (conversations.py).
+    conversations: ConversationCounts = field(default_factory=ConversationCounts)
     # The state and the counts: read through the properties below, changed through the methods.
     _status: DatasetStatus = field(default=DatasetStatus.PENDING, init=False)
     _message: str = field(default="", init=False)
