@@ -185,11 +185,11 @@ def parse_prompt(obj: Any, turns: str = "last") -> tuple[str, list[dict[str, str
             raise ValueError("the last message must be from the user")
         return pid, messages
     if "conversations" in obj:
-        turns = parse_turns(obj["conversations"], "conversations")
-        last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=-1)
+        said = parse_turns(obj["conversations"], "conversations")
+        last_user = max((i for i, t in enumerate(said) if t["role"] == "user"), default=-1)
         if last_user < 0:
             raise ValueError("`conversations` has no user turn")
-        return pid, turns[: last_user + 1]
+        return pid, said[: last_user + 1]
     raise ValueError("no `prompt`, `messages` or `conversations`")
 
 
