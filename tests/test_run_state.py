@@ -13,7 +13,6 @@ from draftgen.core.generate.api.classify import AccountCondition
 from draftgen.core.generate.loop.admission import AdaptiveConcurrency
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.engine import Engine
-from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.loop.run_state import Hold, PausedBy, RunControl
 from draftgen.core.generate.money.budget import TokenBudget
 from draftgen.core.live import snapshot as snap
@@ -123,15 +122,6 @@ def test_dataset_counts_change_through_methods_and_keep_the_invariant(tmp_path) 
     assert ds.done_ids == {"a-0", "a-1", "a-2", "a-3"}
     ds.unrecorded("a-2", answer=True)  # a held answer no place took: asked again next run
     assert (ds.done, ds.left) == (1, 1) and "a-2" not in ds.done_ids
-
-
-def test_requeued_prompts_come_back_in_order(tmp_path) -> None:
-    ds = dataset(tmp_path)
-    p1, p2, p3 = (Prompt(f"a-{i}", [{"role": "user", "content": str(i)}], i + 1) for i in range(3))
-    ds.requeued(p1)
-    ds.requeued(p2)
-    ds.requeued(p3, front=True)
-    assert [ds.next_requeued().id for _ in range(3)] == ["a-2", "a-0", "a-1"] and not ds.requeue
 
 
 def test_the_invariant_fires_on_a_count_past_the_prompts(tmp_path) -> None:

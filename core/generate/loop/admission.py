@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
 from draftgen.core.generate.loop.prompts import Prompt
+from draftgen.core.generate.loop.request import Request
 from draftgen.core.generate.loop.room import BodyFor, Decision, Room, Verdict
+from draftgen.core.generate.loop.source import HANDED_BACK, TAKEN_ELSEWHERE, Booked, PromptSource, open_source
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.generate.money.spend import Ticket
 from draftgen.core.live.snapshot import DatasetStatus, EventKind, EventSink, Level
@@ -95,7 +97,7 @@ class Admission:
     """Admits the prompts of every dataset and keeps track of the requests it started."""
 
     def __init__(self, datasets: dict[str, DatasetRun], money: MoneyBudget, gate: RunControl, book: RecordBook,
-                 request: Callable[[DatasetRun, Prompt, Ticket, dict[str, Any]], Coroutine[Any, Any, None]],
+                 request: Callable[[Request, Ticket, dict[str, Any]], Coroutine[Any, Any, None]],
                  on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int] = lambda: 0,
                  *, body: BodyFor, prices: dict[str, Prices | None],
                  duplicates: CrossDatasetDuplicates | None) -> None:
@@ -119,11 +121,20 @@ class Admission:
             d.wake.set()
 
     async def run(self, ds: DatasetRun) -> None:
-        """Admit the dataset's prompts until none is left (or a budget, drain or stop ends it), then
-        wait for its requests in flight; leaves the dataset's final status."""
-        name = ds.config.name
+        """Admit the dataset's prompts until its source has none left (or a budget, drain or stop ends
+        it), then wait for its requests in flight; leaves the dataset's final status."""
         if self._gate.closed:
             return
+        await self._open(ds)
+        budget_reason = await self._admit_all(ds, open_source(ds, self._book))
+        while ds.in_flight:
+            ds.wake.clear()
+            await ds.wake.wait()
+        self._end(ds, budget_reason)
+
+    async def _open(self, ds: DatasetRun) -> None:
+        """Count the dataset's prompt file (if the run's opening could not), say it starts."""
+        name = ds.config.name
         if not ds.scanned:
             await asyncio.to_thread(self._book.scan_prompts, ds)
         ds.running()
@@ -132,54 +143,53 @@ class Admission:
                         f"(see {self._book.rundir.rejected(name)})", dataset=name)
         self._event(Level.INFO, EventKind.DATASET_START, f"{name}: {ds.total} prompts, {ds.done} already answered, "
                     f"{ds.failed} already failed; concurrency {ds.config.concurrency}", dataset=name)
+
+    async def _admit_all(self, ds: DatasetRun, source: PromptSource) -> str:
+        """Every prompt of the source admitted, skipped or handed back, until it has none left or a drain,
+        stop or stopped dataset halts admission; returns the budget that ended the dataset ('' if none).
+        Once a budget ends it, the source's prompts are counted skipped as they come."""
         budget_reason = ""
         admitted = 0
-        async for prompt in self._with_requeue(ds, self._book.prompts(ds)):
+        while (prompt := await source.next()) is not None:
             if budget_reason:
                 ds.skipped_some()
+                source.booked(prompt, Booked.skipped(budget_reason))
                 continue
             body, worst = self.request_for(ds, prompt)
             decision = await self.admit(ds, worst)
             if decision.verdict is Verdict.GO:
                 if self._taken_elsewhere(ds, prompt):
+                    source.booked(prompt, TAKEN_ELSEWHERE)
                     continue
-                self._start(ds, prompt, body, worst)
+                self._start(ds, prompt, body, worst, source)
                 admitted += 1
                 if admitted % ADMIT_BURST == 0:
                     await asyncio.sleep(0)  # let answers and the UI run between bursts of admissions
             elif decision.verdict is Verdict.HALT:
-                ds.requeued(prompt, front=True)
+                source.booked(prompt, HANDED_BACK)
                 break
             elif decision.verdict is Verdict.SKIP:
                 self.skip_for_money(ds, prompt.id, decision.reason)
+                source.booked(prompt, Booked.skipped(decision.reason))
             else:
                 budget_reason = decision.reason
                 ds.skipped_some()
-                if decision.money:
-                    self._room.stop_for_money(name)
-                ds.end(DatasetStatus.BUDGET, budget_reason)
-                self._event(Level.WARN, EventKind.BUDGET, f"{name}: {budget_reason}; the rest is skipped "
-                            "(stays eligible for a later run)", dataset=name)
-        while ds.in_flight or ds.requeue:
-            if ds.requeue and not self._gate.draining and not ds.stopped and not budget_reason:
-                # Prompts handed back by an account condition, waiting for the run to resume.
-                async for prompt in self._with_requeue(ds, _nothing()):
-                    body, worst = self.request_for(ds, prompt)
-                    decision = await self.admit(ds, worst)
-                    if decision.verdict is Verdict.SKIP:
-                        self.skip_for_money(ds, prompt.id, decision.reason)
-                        continue
-                    if decision.verdict is not Verdict.GO:
-                        ds.requeued(prompt, front=True)
-                        break
-                    if self._taken_elsewhere(ds, prompt):
-                        continue
-                    self._start(ds, prompt, body, worst)
-                continue
-            ds.wake.clear()
-            if not ds.in_flight:
-                break
-            await ds.wake.wait()
+                source.booked(prompt, Booked.skipped(budget_reason))
+                self._budget_ends(ds, decision)
+        return budget_reason
+
+    def _budget_ends(self, ds: DatasetRun, decision: Decision) -> None:
+        """A budget ends the dataset: the rest of its prompts is skipped (eligible for a later run)."""
+        name = ds.config.name
+        if decision.money:
+            self._room.stop_for_money(name)
+        ds.end(DatasetStatus.BUDGET, decision.reason)
+        self._event(Level.WARN, EventKind.BUDGET, f"{name}: {decision.reason}; the rest is skipped "
+                    "(stays eligible for a later run)", dataset=name)
+
+    def _end(self, ds: DatasetRun, budget_reason: str) -> None:
+        """Nothing left in flight: settle the set-aside prompts, leave the dataset's final status, say it."""
+        name = ds.config.name
         if not self._gate.closed and not budget_reason and self._book.settle_doubts(ds):
             self._event(Level.ERROR, EventKind.DATASET_STOPPED, f"{name}: {ds.message}", dataset=name)
         if ds.stopped:
@@ -217,14 +227,6 @@ class Admission:
                         f"(normalised text) is already answered in {other}; every such prompt is skipped and "
                         f"counted ([engine] skip_cross_dataset_duplicates = false sends them)", dataset=ds.config.name)
         return True
-
-    async def _with_requeue(self, ds: DatasetRun, source: AsyncIterator[Prompt]) -> AsyncIterator[Prompt]:
-        async for prompt in source:
-            while ds.requeue:
-                yield ds.next_requeued()
-            yield prompt
-        while ds.requeue:
-            yield ds.next_requeued()
 
     # -- room for one more request (room.py), under the names the engine and the watch use ------
 
@@ -268,7 +270,8 @@ class Admission:
         """Wait, holding no slot, while the dataset is over its concurrency limit (Room.retry_slot)."""
         await self._room.retry_slot(ds)
 
-    def _start(self, ds: DatasetRun, prompt: Prompt, body: dict[str, Any], worst: float) -> None:
+    def _start(self, ds: DatasetRun, prompt: Prompt, body: dict[str, Any], worst: float,
+               source: PromptSource) -> None:
         expected_tokens = ds.tokens.expected()
         probe = ds.doubts.held  # doubts.py: while held, one request at a time
         if probe:
@@ -276,7 +279,8 @@ class Admission:
         ticket = self._money.spend.reserve(ds.config.name, prompt.id, worst)
         ds.request_started()
         ds.tokens.in_flight += expected_tokens
-        task = asyncio.create_task(self._request(ds, prompt, ticket, body))
+        req = Request(ds, prompt, source)
+        task = asyncio.create_task(self._request(req, ticket, body))
         self.tasks.add(task)
 
         # A done-callback, not a `finally`: a task cancelled before its first step never runs its body.
@@ -285,6 +289,7 @@ class Admission:
             ds.request_ended()
             ds.tokens.in_flight -= expected_tokens
             self._money.spend.release(ticket)  # cancelled before it was sent: nothing to settle
+            req.book(HANDED_BACK)  # cancelled (stop now) before its outcome was booked: it stays eligible
             if probe:
                 ds.doubts.probe_out = False
             if self.duplicates is not None:
@@ -303,7 +308,3 @@ class Admission:
                 if ds.concurrency.tick():
                     ds.wake.set()
 
-
-async def _nothing() -> AsyncIterator[Prompt]:
-    return
-    yield  # pragma: no cover - makes this an async generator

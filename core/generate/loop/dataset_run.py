@@ -2,7 +2,7 @@
 
 Every usable prompt of the dataset's file is, at each moment, exactly one of: answered, failed,
 skipped (a budget, max_usd, a duplicate of another dataset's), or left (not asked yet, in flight,
-handed back, set aside). Once the file is counted (`counted`),
+handed back to its source, set aside). Once the file is counted (`counted`),
 
     answered + failed + skipped + left = total + stale
 
@@ -22,7 +22,6 @@ from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.api.client import RequestFailed
 from draftgen.core.generate.loop.admission import AdaptiveConcurrency
 from draftgen.core.generate.loop.doubts import Doubts
-from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.money.budget import TokenBudget
 from draftgen.core.live.snapshot import DatasetStatus
 from draftgen.core.records import ErrorKind
@@ -70,7 +69,6 @@ class DatasetRun:
     _cost: float = field(default=0.0, init=False)
     _answered_now: int = field(default=0, init=False)
     _scanned: bool = field(default=False, init=False)
-    _requeue: list[Prompt] = field(default_factory=list, init=False)
 
     # -- the state ------------------------------------------------------------------------------
 
@@ -170,11 +168,6 @@ class DatasetRun:
         """Total and rejected counted (at the start, for the whole-run projection)."""
         return self._scanned
 
-    @property
-    def requeue(self) -> list[Prompt]:
-        """Prompts handed back, asked again before the file's next ones (read-only: `requeued`)."""
-        return self._requeue
-
     def counted(self, total: int, rejected: int, fresh: int) -> None:
         """The prompt file is counted: `total` usable prompts, `fresh` of them with no outcome on disk."""
         self._total, self._rejected, self._left = total, rejected, fresh
@@ -207,16 +200,6 @@ class DatasetRun:
         """Prompts skipped this run (a budget, max_usd, a duplicate): they stay eligible for a later run."""
         self._skipped += n
         self._leaves(n)
-
-    def requeued(self, prompt: Prompt, *, front: bool = False) -> None:
-        """A prompt handed back unrecorded (an account condition, the disk, a halt): asked again first."""
-        if front:
-            self._requeue.insert(0, prompt)
-        else:
-            self._requeue.append(prompt)
-
-    def next_requeued(self) -> Prompt:
-        return self._requeue.pop(0)
 
     def unrecorded(self, prompt_id: str, *, answer: bool) -> None:
         """A held record no place took (ledger.py settle_held): not done after all, asked again next run."""

@@ -25,9 +25,10 @@ from draftgen.core.generate.loop.attempts import Attempts, Outcome
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
 from draftgen.core.generate.loop.opening import Money
-from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.loop.record_book import RecordBook
+from draftgen.core.generate.loop.request import Request
 from draftgen.core.generate.loop.run_state import Hold, RunControl
+from draftgen.core.generate.loop.source import HANDED_BACK, Booked
 from draftgen.core.generate.loop.stats import Tally
 from draftgen.core.generate.loop.watch import AccountWatch
 from draftgen.core.generate.money.budget import MoneyBudget
@@ -102,9 +103,10 @@ class RunLoop:
                 task.cancel()
             self.watch.cancel()
 
-    async def request(self, ds: DatasetRun, prompt: Prompt, ticket: Ticket, body: dict[str, Any]) -> None:
-        """One admitted prompt asked until it has an outcome, and the outcome booked."""
+    async def request(self, req: Request, ticket: Ticket, body: dict[str, Any]) -> None:
+        """One admitted prompt asked until it has an outcome, the outcome booked, its source told."""
         p = self._p
+        ds, prompt = req.ds, req.prompt
         done = await self.attempts.ask(ds, body, ticket)  # the body the ticket reserved for
         if done.outcome is Outcome.ANSWERED:
             assert done.answer is not None
@@ -115,26 +117,33 @@ class RunLoop:
                 self._no_ids(ds)
             if self.admission.duplicates is not None:
                 self.admission.duplicates.answered(ds.config.name, prompt.id)
+            req.book(Booked.answered(done.answer))
             await p.book.synced(ds)  # durable (group fsync) before the request finishes
         elif done.outcome is Outcome.FAILED:
             assert done.error is not None
             p.book.fail_or_doubt(ds, prompt, done.error, done.attempts, done.seq)
+            req.book(Booked.failed(str(done.error.kind)))
             await p.book.synced(ds)
         elif done.outcome is Outcome.ACCOUNT:
             assert done.error is not None
-            ds.requeued(prompt)
+            req.book(HANDED_BACK)
             self.watch.refused(done.error)
         elif done.outcome is Outcome.OVER_BUDGET:  # stays eligible: the next run (a higher max_usd) asks it again
-            self.admission.skip_for_money(ds, prompt.id, "max_usd leaves no room for its retry")
+            reason = "max_usd leaves no room for its retry"
+            self.admission.skip_for_money(ds, prompt.id, reason)
+            req.book(Booked.skipped(reason))
         elif done.outcome is Outcome.UNSENT:
-            ds.requeued(prompt)
+            req.book(HANDED_BACK)
             p.control.hold(Hold.DISK, f"{done.disk_error}. The run is paused: a request is only sent once the spend "
                            "ledger has it on disk; free space and press r to resume (headless: kill -USR1 <pid>).")
         elif done.outcome is Outcome.DATASET:
             assert done.error is not None
+            req.book(HANDED_BACK)
             if ds.stop_for(done.error, p.redact):
                 p.event(snap.Level.ERROR, snap.EventKind.DATASET_STOPPED, f"{ds.config.name}: {ds.message}",
                         dataset=ds.config.name)
+        else:  # GIVEN_UP: a drain or stop while retrying; it stays eligible
+            req.book(HANDED_BACK)
 
     # -- the self-hosted server's token ids ---------------------------------------------------------
 
