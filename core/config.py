@@ -224,6 +224,11 @@ class DatasetConfig:
         """Sampling cycles are set: the body's temperature or reasoning effort varies by prompt."""
         return bool(self.temperatures or self.reasoning_efforts)
 
+    @property
+    def records_sampling(self) -> bool:
+        """Its responses.jsonl lines carry `sampling` (core/records.py): cycles set, or turns = "all"."""
+        return self.cycles or self.turns == "all"
+
     def sampling_at(self, index: int) -> tuple[float | None, str | None]:
         """(temperature, reasoning effort) the cycles give the prompt at `index` (None: not cycled)."""
         t = self.temperatures[index % len(self.temperatures)] if self.temperatures else None
