@@ -22,6 +22,10 @@
                           (vLLM, SGLang with `[api] return_token_ids`); reconstruction compares them
                           with the rendered prompt (`matches_backend_prompt`)
     ts                    float, unix time it was written
+    sampling              {temperature: float | null, reasoning_effort: str | null} | absent: what the body
+                          sent carried (`reasoning.effort`, or `reasoning_effort` self-hosted), written when
+                          the dataset sets sampling cycles (`temperatures`, `reasoning_efforts`) or turns =
+                          "all" (config.sampling_of; added to the line by record_book.record_answer)
 
   A dataset with `turns = "all"` (one line per turn of a conversation, docs/multi-turn.md) adds:
 

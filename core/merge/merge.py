@@ -1,7 +1,8 @@
 """Merge: every dataset's clean samples into one deduplicated, shuffled training set.
 
-Deduplicated by prompt: the first clean sample of each core/dedupe.py `prompt_key` (roles and
-normalised text of the prompt messages) is kept, in config order.
+Deduplicated by prompt: the first clean sample of each core/dedupe.py `record_key` (roles and
+normalised text of the prompt messages; for a turn of a `turns = "all"` conversation, of its prompt
+side: system and user turns up to it, not the target's earlier answers) is kept, in config order.
 
 Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed into place):
 
@@ -47,7 +48,7 @@ import numpy as np
 import orjson
 
 from draftgen.core.config import Config
-from draftgen.core.dedupe import message_text, prompt_key
+from draftgen.core.dedupe import message_text, record_key
 from draftgen.core.errors import DraftgenError
 from draftgen.core.files import disk_error
 from draftgen.core.generate.money.spend import SpendLedger
@@ -391,8 +392,9 @@ def _classify(line: bytes, refs: dict[str, TokenRef], seen: set[bytes], kept_ids
             st.invalid_checks[check] = st.invalid_checks.get(check, 0) + 1
     if reason is not None:
         return reason, ref, b"", False
-    messages = record.get("messages")
-    key = prompt_key(messages)  # normalised text: the same notion of duplicate as `prompts build` and `run`
+    # Normalised text, a conversation turn on its prompt side: the same notion of duplicate as `prompts
+    # build` and `run` (core/dedupe.py record_key).
+    key = record_key(record)
     if key in seen or sample_id in kept_ids:
         return "duplicate", ref, key, False
     kept_ids.add(sample_id)

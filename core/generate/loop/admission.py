@@ -217,7 +217,8 @@ class Admission:
         otherwise the prompt is this dataset's while it is in flight (core/generate/loop/duplicates.py)."""
         if self.duplicates is None:
             return False
-        other = self.duplicates.claim(ds.config.name, prompt.id, prompt.messages)
+        other = self.duplicates.claim(ds.config.name, prompt.id, prompt.messages,
+                                      turn=ds.config.turns == "all")
         if other is None:
             return False
         ds.skipped_some()

@@ -171,9 +171,11 @@ class RecordBook:
 
     # -- records --------------------------------------------------------------------------------
 
-    def record_answer(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int, seq: int = 0) -> None:
+    def record_answer(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int, seq: int = 0,
+                      sampling: dict[str, Any] | None = None) -> None:
         """The answer on disk (or held while the disk refuses); and the prompts set aside by a 4xx naming
-        no known cause before request `seq` was sent fail as their own: the same parameters work."""
+        no known cause before request `seq` was sent fail as their own: the same parameters work.
+        `sampling`: the line's `sampling` field (config.sampling_of the body sent), when the dataset records it."""
         for d in ds.doubts.confirmed(seq):
             self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"
@@ -186,6 +188,8 @@ class RecordBook:
             ts=round(time.time(), 3), token_ids=a.token_ids,
             prompt_token_ids=a.prompt_token_ids, turn=prompt.turn, reasoning_details=a.reasoning_details)
         line = record.to_dict()
+        if sampling is not None:
+            line["sampling"] = sampling
         assert ds.responses is not None
         on_disk = self._write(ds, ds.responses, line, True)
         ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from draftgen.core.config import DatasetConfig
+from draftgen.core.config import cycle_index
 from draftgen.core.generate.api.prices import Prices, body_worst_case
 from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.money.budget import Block, BlockReason, MoneyBudget
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from draftgen.core.generate.loop.record_book import RecordBook
     from draftgen.core.generate.loop.run_state import RunControl
 
-BodyFor = Callable[[DatasetConfig, list[dict[str, Any]]], dict[str, Any]]
+BodyFor = Callable[..., dict[str, Any]]  # Config.request_body(dataset, messages, index=)
 
 
 class Verdict(Enum):
@@ -77,8 +77,9 @@ class Room:
 
     def request_for(self, ds: DatasetRun, prompt: Prompt) -> tuple[dict[str, Any], float]:
         """The body this prompt's request sends, and what sending it can cost at most (0 when no price
-        is known and no ceiling is set): the worst case of that very body, its own max_tokens."""
-        body = self._body(ds.config, prompt.messages)
+        is known and no ceiling is set): the worst case of that very body, its own max_tokens (with the
+        dataset's sampling cycle at the prompt's line, `cycle_index`)."""
+        body = self._body(ds.config, prompt.messages, index=cycle_index(prompt.line))
         prices = self.prices.get(ds.config.name)
         return body, 0.0 if prices is None else body_worst_case(prices, body, ds.config.max_tokens)
 

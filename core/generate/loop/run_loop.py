@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from draftgen.core.config import Config
+from draftgen.core.config import Config, sampling_of
 from draftgen.core.generate.api.account import AccountStop
 from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.api.preflight import detect_server
@@ -112,7 +112,8 @@ class RunLoop:
             assert done.answer is not None
             p.provider_stats.answer(done.answer.provider or "unknown", done.answer.latency_s,
                                     done.answer.usage.completion_tokens)
-            p.book.record_answer(ds, prompt, done.answer, done.attempts, done.seq)
+            p.book.record_answer(ds, prompt, done.answer, done.attempts, done.seq,
+                                 sampling=sampling_of(body) if ds.config.records_sampling else None)
             if done.answer.token_ids is None and self._wants_ids:
                 self._no_ids(ds)
             if self.admission.duplicates is not None:
