@@ -14,7 +14,7 @@ import pytest
 from draftgen.core.config import DatasetConfig
 from draftgen.core.generate.api.client import ChatAnswer
 from draftgen.core.generate.loop.admission import AdaptiveConcurrency
-from draftgen.core.generate.loop.conversations import Booked, ConversationSource, Outcome, history_message
+from draftgen.core.generate.loop.conversations import ConversationSource, history_message
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.prompts import (
     Conversation,
@@ -24,6 +24,7 @@ from draftgen.core.generate.loop.prompts import (
     read_conversations,
     read_prompts,
 )
+from draftgen.core.generate.loop.source import Booked, BookedAs
 from draftgen.core.generate.money.budget import TokenBudget
 from draftgen.core.records import FailureRecord, ResponseRecord, TurnFields, Usage
 
@@ -53,7 +54,7 @@ def _answer(text: str, *, finish: str = "stop", tool_calls: list[Any] | None = N
 
 
 def _dataset(tmp_path: Path, prompts: Path) -> DatasetRun:
-    cfg = DatasetConfig(name="chat", prompts=prompts)
+    cfg = DatasetConfig(name="chat", prompts=prompts, turns="all")
     ds = DatasetRun(cfg, TokenBudget(None, cfg.max_tokens), AdaptiveConcurrency(cfg.concurrency))
     return ds
 
@@ -100,7 +101,7 @@ async def _drive(src: ConversationSource, ds: DatasetRun, answer: Any, responses
         for p in batch:
             asked.append(p)
             result = answer(p)
-            if result.outcome is Outcome.ANSWERED:
+            if result.kind is BookedAs.ANSWERED:
                 a = result.answer
                 ds.answered(p.id, 5, 0.0, short=a.finish_reason == "length" or not a.content.strip())
                 if responses is not None:
@@ -113,9 +114,9 @@ async def _drive(src: ConversationSource, ds: DatasetRun, answer: Any, responses
                                          reasoning_details=a.reasoning_details)
                     with open(responses, "ab") as f:
                         f.write(orjson.dumps(rec.to_dict()) + b"\n")
-            elif result.outcome is Outcome.FAILED:
+            elif result.kind is BookedAs.FAILED:
                 ds.failed_one(p.id)
-            elif result.outcome is Outcome.SKIPPED:
+            elif result.kind is BookedAs.SKIPPED:
                 ds.skipped_some()
             src.booked(p, result)
             booked += 1
@@ -124,7 +125,7 @@ async def _drive(src: ConversationSource, ds: DatasetRun, answer: Any, responses
 
 
 def _own(p: Prompt) -> Booked:
-    return Booked(Outcome.ANSWERED, _answer(f"OWN answer to {p.id}"))
+    return Booked(BookedAs.ANSWERED, _answer(f"OWN answer to {p.id}"))
 
 
 async def test_every_turn_is_asked_once_in_order_on_the_targets_own_answers(tmp_path):
@@ -162,11 +163,11 @@ def test_history_is_sent_as_each_api_documents_it():
 
 
 @pytest.mark.parametrize(("why", "result"), [
-    ("cut at max_tokens", Booked(Outcome.ANSWERED, _answer("half", finish="length"))),
-    ("empty answer", Booked(Outcome.ANSWERED, _answer("  "))),
-    ("answered with tool calls", Booked(Outcome.ANSWERED, _answer("x", tool_calls=[{"id": "1"}]))),
-    ("failed", Booked(Outcome.FAILED, reason="400_invalid_prompt")),
-    ("skipped", Booked(Outcome.SKIPPED, reason="max_usd")),
+    ("cut at max_tokens", Booked(BookedAs.ANSWERED, _answer("half", finish="length"))),
+    ("empty answer", Booked(BookedAs.ANSWERED, _answer("  "))),
+    ("answered with tool calls", Booked(BookedAs.ANSWERED, _answer("x", tool_calls=[{"id": "1"}]))),
+    ("failed", Booked(BookedAs.FAILED, reason="400_invalid_prompt")),
+    ("skipped", Booked(BookedAs.SKIPPED, reason="max_usd")),
 ])
 async def test_a_broken_turn_ends_its_conversation_and_its_rest_is_counted_skipped(tmp_path, why, result):
     path = _write(tmp_path / "chat.jsonl", [_conv("a", 4), _conv("b", 4)])
@@ -190,7 +191,7 @@ async def test_a_handed_back_turn_is_asked_again(tmp_path):
     src = _source(tmp_path, ds)
     first = await src.next()
     assert first is not None and first.id == "a#t1"
-    src.booked(first, Booked(Outcome.HANDED_BACK))
+    src.booked(first, Booked(BookedAs.HANDED_BACK))
     again = await src.next()
     assert again is first
 
@@ -223,7 +224,7 @@ async def test_a_stored_failure_ends_its_conversation_until_retry_failed_removes
     responses, failures = tmp_path / "responses.jsonl", tmp_path / "failures.jsonl"
     ds = _dataset(tmp_path, path)
     _count(ds, path)
-    asked = await _drive(_source(tmp_path, ds), ds, lambda p: Booked(Outcome.FAILED, reason="400")
+    asked = await _drive(_source(tmp_path, ds), ds, lambda p: Booked(BookedAs.FAILED, reason="400")
                          if p.id == "a#t2" else _own(p), responses)
     assert [p.id for p in asked] == ["a#t1", "a#t2"]
     t2 = asked[1]

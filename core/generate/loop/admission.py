@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from draftgen.core.generate.api.prices import Prices
+from draftgen.core.generate.loop.conversations import ConversationSource
 from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
 from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.loop.request import Request
@@ -100,7 +101,7 @@ class Admission:
                  request: Callable[[Request, Ticket, dict[str, Any]], Coroutine[Any, Any, None]],
                  on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int] = lambda: 0,
                  *, body: BodyFor, prices: dict[str, Prices | None],
-                 duplicates: CrossDatasetDuplicates | None) -> None:
+                 duplicates: CrossDatasetDuplicates | None, self_hosted: bool = False) -> None:
         self._datasets = datasets
         self._room = Room(money, gate, book, in_flight=lambda: self.in_flight, on_event=on_event,
                           on_floor=on_floor, settling=settling, body=body, prices=prices)
@@ -109,6 +110,7 @@ class Admission:
         self._book = book
         self._request = request
         self._event = on_event
+        self._self_hosted = self_hosted  # a conversation's history is sent as the API in use documents it
         self.tasks: set[asyncio.Task[None]] = set()
         self.duplicates = duplicates  # None: off, or only one dataset
 
@@ -126,11 +128,19 @@ class Admission:
         if self._gate.closed:
             return
         await self._open(ds)
-        budget_reason = await self._admit_all(ds, open_source(ds, self._book))
+        budget_reason = await self._admit_all(ds, self._source(ds))
         while ds.in_flight:
             ds.wake.clear()
             await ds.wake.wait()
         self._end(ds, budget_reason)
+
+    def _source(self, ds: DatasetRun) -> PromptSource:
+        """The dataset's prompt source: its conversations turn by turn (turns = "all"), else its file."""
+        if ds.config.turns == "all":
+            rd = self._book.rundir
+            return ConversationSource(ds, self_hosted=self._self_hosted, responses=rd.responses(ds.config.name),
+                                      failures=rd.failures(ds.config.name), on_event=self._event)
+        return open_source(ds, self._book)
 
     async def _open(self, ds: DatasetRun) -> None:
         """Count the dataset's prompt file (if the run's opening could not), say it starts."""

@@ -29,35 +29,19 @@ import asyncio
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.prompts import Conversation, Prompt, Rejection, read_conversations, turn_id
+from draftgen.core.generate.loop.source import Booked, BookedAs
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
 from draftgen.core.records import TurnFields
 from draftgen.core.rundir import iter_jsonl
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.api.client import ChatAnswer
+    from draftgen.core.generate.loop.dataset_run import DatasetRun
 
 CHUNK = 256  # conversations read from the prompt file per thread hop
-
-
-class Outcome(Enum):
-    """What became of a prompt a source yielded (the engine says it through `booked`)."""
-    ANSWERED = "answered"        # its answer is on disk (or held): `answer` is set
-    FAILED = "failed"            # failed for good (on disk): `reason` says why
-    HANDED_BACK = "handed_back"  # not asked after all (an account condition, a halt): yielded again
-    SKIPPED = "skipped"          # a budget, max_usd or a duplicate skipped it: `reason` says which
-
-
-@dataclass(slots=True)
-class Booked:
-    outcome: Outcome
-    answer: ChatAnswer | None = None
-    reason: str = ""
 
 
 def history_message(content: str, reasoning: str | None, reasoning_details: list[Any] | None, *,
@@ -112,7 +96,7 @@ class ConversationSource:
         self._ds = ds
         self._name = ds.config.name
         self._path = ds.config.prompts
-        self._max_turns = max_turns if max_turns is not None else getattr(ds.config, "max_turns", None)
+        self._max_turns = max_turns if max_turns is not None else ds.config.max_turns
         self._self_hosted = self_hosted
         self._responses = responses
         self._failures = failures
@@ -167,13 +151,13 @@ class ConversationSource:
         o = self._open.get(t.conversation)
         if o is None:
             return
-        if result.outcome is Outcome.HANDED_BACK:
+        if result.kind is BookedAs.HANDED_BACK:
             self._ready.appendleft(prompt)
             return
-        if result.outcome is Outcome.FAILED:
+        if result.kind is BookedAs.FAILED:
             self._end(o, t.turn, f"failed ({result.reason})" if result.reason else "failed")
             return
-        if result.outcome is Outcome.SKIPPED:
+        if result.kind is BookedAs.SKIPPED:
             self._end(o, t.turn, f"skipped ({result.reason})" if result.reason else "skipped")
             return
         a = result.answer

@@ -128,9 +128,9 @@ class RecordBook:
     def scan_prompts(self, ds: DatasetRun) -> None:
         """Count usable prompts and rewrite rejected.jsonl (derived from the input, so rewritten whole)."""
         total = rejected = fresh = conversations = 0
-        all_turns = getattr(ds.config, "turns", None) == "all"
+        all_turns = ds.config.turns == "all"
         items: Iterator[Prompt | Conversation | Rejection] = (
-            read_conversations(ds.config.prompts, getattr(ds.config, "max_turns", None)) if all_turns
+            read_conversations(ds.config.prompts, ds.config.max_turns) if all_turns
             else read_prompts(ds.config.prompts))
         with replacing(self.rundir.rejected(ds.config.name)) as out:  # on an error the old one stays
             for item in items:

@@ -79,7 +79,8 @@ class RunLoop:
         self.admission = Admission(parts.datasets, parts.money, parts.control, parts.book, self.request, parts.event,
                                    on_floor=lambda reason: self.watch.floor_reached(reason),
                                    settling=lambda: settler.waiting, body=cfg.request_body,
-                                   prices=opened.money.prices, duplicates=opened.duplicates)
+                                   prices=opened.money.prices, duplicates=opened.duplicates,
+                                   self_hosted=cfg.api.self_hosted)
         self.attempts = Attempts(cfg, parts.control, parts.errors, rng, room=self.admission, spend=parts.spend,
                                  client=opened.client, settler=settler, prices=opened.money.prices,
                                  on_event=parts.event, redact=parts.redact, clock=parts.clock, recent=parts.recent)
