@@ -300,3 +300,31 @@ def test_records_carry_the_turn_fields_and_read_them_back():
     assert back.turn == turn and back.reasoning_details == [{"type": "reasoning.text", "text": "t"}]
     single = ResponseRecord.from_dict({**line, "conversation": None})
     assert single.turn is None and "conversation" not in single.to_dict()
+
+
+def test_a_turns_reservation_bound_counts_its_whole_history_reasoning_included():
+    from draftgen.core.generate.api.prices import prompt_token_bound
+    long = "r" * 5000
+    for msg in (history_message("a", long, [{"type": "reasoning.text", "text": long}], self_hosted=False),
+                history_message("a", long, None, self_hosted=False),
+                history_message("a", long, None, self_hosted=True)):
+        bare = prompt_token_bound([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+        assert prompt_token_bound([{"role": "user", "content": "q"}, msg]) >= bare + 5000
+
+
+def test_the_projection_prices_the_turns_left_by_their_longer_histories(tmp_path):
+    from draftgen.core.generate.money.forecast import DatasetFigures, forecast
+    path = _write(tmp_path / "chat.jsonl", [_conv(f"c{i}", 3) for i in range(10)])
+    ds = _dataset(tmp_path, path)
+    for i in range(10):  # every turn 1 answered: the turns left are turns 2 and 3, with longer histories
+        ds.answered(f"c{i}#t1", 100, 0.001, short=False, now=False)
+    _count(ds, path)
+    ds.conversations.turn_sum = 10 * (1 + 2 + 3)
+    assert ds.conversations.growth(ds.left, ds.done) == pytest.approx(2.5)  # mean turn left 2.5, answered 1
+
+    def plan(growth: float) -> float:
+        figures = DatasetFigures(name="chat", remaining=ds.left, max_tokens=4096, concurrency=8,
+                                 token_budget_left=None, answers=10, completion_tokens=1000, cost_usd=0.01,
+                                 growth=growth)
+        return forecast([figures], spent_usd=0.01, max_usd=None).left_usd
+    assert plan(2.5) == pytest.approx(2.5 * plan(1.0))

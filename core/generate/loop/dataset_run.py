@@ -36,6 +36,17 @@ class ConversationCounts:
     done: int = 0       # every turn answered
     ended: int = 0      # ended early: a broken turn, a skip, an edit of the prompt file
     reasons: Counter[str] = field(default_factory=Counter)  # why they ended, by kind
+    turn_sum: int = 0           # the turn numbers of every turn of the file, added up
+    answered_turn_sum: int = 0  # the turn numbers of the answered turns, added up
+
+    def growth(self, turns_left: int, answered: int) -> float:
+        """How much bigger the prompts of the turns left are than those answered so far: a turn's history
+        grows with its number k (a k-turn conversation sends about k^2 history tokens in all), so the
+        ratio of the mean turn number left to the mean answered (1.0 when either is unknown)."""
+        if turns_left <= 0 or answered <= 0 or not self.answered_turn_sum:
+            return 1.0
+        left_mean = max(1.0, (self.turn_sum - self.answered_turn_sum) / turns_left)
+        return max(1.0, left_mean / (self.answered_turn_sum / answered))
 
 
 @dataclass(eq=False)
@@ -183,6 +194,9 @@ class DatasetRun:
         self.tokens.used += tokens
         self.tokens.answers += 1
         self._cost += cost
+        if self.config.turns == "all":
+            _, _, k = prompt_id.rpartition("#t")
+            self.conversations.answered_turn_sum += int(k) if k.isdigit() else 1
         if short:
             self._truncated += 1
         if now:

@@ -1,8 +1,10 @@
 """The engine's picture of a run: counts as they are, and what finishing will take.
 
 What is left of a dataset is its usable prompts not yet done, failed or skipped, capped by what
-its token budget still allows at the average answer length; projected cost and the ETA cover every
-dataset of the config, those not started included, by forecast.py (the function smoke uses too).
+its token budget still allows at the average answer length (a turns = "all" dataset: its turns, each
+turn left priced up by how much longer its history is than those answered, ConversationCounts.growth);
+projected cost and the ETA cover every dataset of the config, those not started included, by
+forecast.py (the function smoke uses too).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def figures(ds: DatasetRun, spend: SpendLedger, prices: Prices | None) -> Datase
     return DatasetFigures(
         name=ds.config.name, remaining=remaining(ds), max_tokens=ds.config.max_tokens,
         concurrency=ds.config.concurrency, token_budget_left=ds.tokens.remaining(), answers=ds.tokens.answers,
-        completion_tokens=ds.tokens.used, cost_usd=spend.by_dataset.get(ds.config.name, ds.cost), prices=prices)
+        completion_tokens=ds.tokens.used, cost_usd=spend.by_dataset.get(ds.config.name, ds.cost), prices=prices,
+        growth=ds.conversations.growth(ds.left, ds.done) if ds.config.turns == "all" else 1.0)
 
 
 def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: str = "",

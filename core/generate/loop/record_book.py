@@ -127,7 +127,7 @@ class RecordBook:
 
     def scan_prompts(self, ds: DatasetRun) -> None:
         """Count usable prompts and rewrite rejected.jsonl (derived from the input, so rewritten whole)."""
-        total = rejected = fresh = conversations = 0
+        total = rejected = fresh = conversations = turn_sum = 0
         all_turns = ds.config.turns == "all"
         items: Iterator[Prompt | Conversation | Rejection] = (
             read_conversations(ds.config.prompts, ds.config.max_turns) if all_turns
@@ -140,6 +140,7 @@ class RecordBook:
                                             "file": str(ds.config.prompts), "ts": time.time()}) + b"\n")
                 elif isinstance(item, Conversation):  # turns = "all": the units are turns
                     conversations += 1
+                    turn_sum += item.turns * (item.turns + 1) // 2
                     total += item.turns
                     fresh += sum(turn_id(item.id, k) not in ds.done_ids for k in range(1, item.turns + 1))
                 else:
@@ -147,7 +148,7 @@ class RecordBook:
                     fresh += item.id not in ds.done_ids
         ds.counted(total, rejected, fresh)
         if all_turns:
-            ds.conversations.total = conversations
+            ds.conversations.total, ds.conversations.turn_sum = conversations, turn_sum
 
     async def prompts(self, ds: DatasetRun) -> AsyncIterator[Prompt]:
         """The dataset's prompts not yet on disk, read in a thread a chunk at a time."""

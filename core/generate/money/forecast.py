@@ -35,6 +35,9 @@ class DatasetFigures:
     cost_usd: float = 0.0             # their cost
     prices: Prices | None = None      # worst case
     prompt_tokens: float = 0.0        # mean prompt tokens of its requests (a bound), for the price prior
+    # Conversations (turns = "all"): how much more a request left costs than one answered so far, its
+    # history being longer (DatasetRun's ConversationCounts.growth); 1.0 for single-turn prompts.
+    growth: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -132,10 +135,11 @@ def forecast(figures: Sequence[DatasetFigures], *, spent_usd: float, max_usd: fl
             time_s = tok_left / (tokens_per_s * f.concurrency / running_concurrency)
         elif pace_smoke > 0:
             time_s = tok_left / (pace_smoke * f.concurrency)
+        g = f.growth
         out.append(DatasetForecast(
-            name=f.name, answers_left=answers, tokens_per_answer=round(tokens, 1), cost_usd=answers * per_answer,
-            low_usd=low_answers * low_tokens * per_token if basis != "observed" else answers * per_answer,
-            high_usd=max(high_answers * high_answer, answers * per_answer), time_s=time_s, basis=basis))
+            name=f.name, answers_left=answers, tokens_per_answer=round(tokens, 1), cost_usd=answers * per_answer * g,
+            low_usd=(low_answers * low_tokens * per_token if basis != "observed" else answers * per_answer) * g,
+            high_usd=max(high_answers * high_answer, answers * per_answer) * g, time_s=time_s, basis=basis))
     times = [d.time_s for d in out if d.answers_left]
     known = [t for t in times if t is not None]
     total_time = None if len(known) < len(times) else (max(known, default=0.0) if parallel else sum(known))
