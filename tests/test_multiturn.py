@@ -198,3 +198,34 @@ async def test_an_edited_prompt_file_is_said_and_its_conversation_is_not_continu
     assert_own_histories(log)
     row = next(d for d in engine.snapshot().datasets if d.name == "chat")
     assert (row.done, row.skipped, row.total) == (14, 1, 15)
+
+
+async def test_the_views_count_turns_and_show_conversations_turn_by_turn(tmp_path):
+    from rich.console import Console
+
+    from draftgen.core.live.summary import summary_lines
+    from draftgen.headless.printer import detail_lines
+    from draftgen.tui.screens.drill import DATASET, Target, draw_drill
+
+    lines = [conversation(f"c{i}", 3, poison_at=2 if i == 3 else None) for i in range(6)]
+    prompts = write_conversations(tmp_path / "prompts" / "chat.jsonl", lines)
+    async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=40,
+                                   scenarios={"invalid_prompt": {"match": "POISON"}}), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "chat", "prompts": prompts, "turns": "all",
+                                                    "concurrency": 1}])
+        engine, _state, events = await run_engine(cfg)
+    s = engine.snapshot()
+    row = next(d for d in s.datasets if d.name == "chat")
+    assert (row.conversations, row.conversations_done, row.conversations_ended) == (6, 5, 1)
+    assert row.turns_by_number == ((6, 6), (5, 6), (5, 6))
+    assert row.last_conversation[0].startswith("c5 (3 turns, line 6): done") and len(row.last_conversation) == 4
+    assert any("18 turns of 6 conversations" in msg for _, msg in events)
+    assert any("conversations: 5/6 done, 1 ended early: 1 failed" in msg for _, msg in events), events
+    assert any("16/18 turns (5/6 conversations done, 1 ended early) answered" in x for x in detail_lines(s))
+    summary = "\n".join(summary_lines(s, 0))
+    assert "chat: counts are turns; 5/6 conversations done, 1 ended early (answered by turn: t1 6/6, t2 5/6, " \
+           "t3 5/6)" in summary, summary
+    console = Console(width=120, record=True)
+    console.print(draw_drill(s, Target(DATASET, "chat")))
+    text = console.export_text()
+    assert "answered by turn" in text and "t2 5/6" in text and "turn 3: answered" in text, text

@@ -151,7 +151,9 @@ class Admission:
         if ds.rejected:
             self._event(Level.WARN, EventKind.REJECTED, f"{name}: {ds.rejected} prompt lines rejected "
                         f"(see {self._book.rundir.rejected(name)})", dataset=name)
-        self._event(Level.INFO, EventKind.DATASET_START, f"{name}: {ds.total} prompts, {ds.done} already answered, "
+        units = (f"turns of {ds.conversations.total} conversations (turns = \"all\")" if ds.config.turns == "all"
+                 else "prompts")
+        self._event(Level.INFO, EventKind.DATASET_START, f"{name}: {ds.total} {units}, {ds.done} already answered, "
                     f"{ds.failed} already failed; concurrency {ds.config.concurrency}", dataset=name)
 
     async def _admit_all(self, ds: DatasetRun, source: PromptSource) -> str:
@@ -219,8 +221,8 @@ class Admission:
                     f"{ds.failed} failed, {ds.skipped} skipped"
                     f"{f' ({costly} by max_usd)' if costly else ''}"
                     f"{f' ({duplicates} already answered in another dataset)' if duplicates else ''}, "
-                    f"{usd(self._money.spend.by_dataset.get(name, ds.cost))}",  # the ledger's, as in the panel
-                    dataset=name)
+                    f"{usd(self._money.spend.by_dataset.get(name, ds.cost))}"  # the ledger's, as in the panel
+                    f"{_conversations_done(ds)}", dataset=name)
 
     def _taken_elsewhere(self, ds: DatasetRun, prompt: Prompt) -> bool:
         """Skip (counted, and said once per dataset) a prompt another dataset answered or is answering;
@@ -319,3 +321,12 @@ class Admission:
                 if ds.concurrency.tick():
                     ds.wake.set()
 
+
+
+def _conversations_done(ds: DatasetRun) -> str:
+    """A turns = "all" dataset's conversations, for its dataset_done line ("" for a single-turn one)."""
+    if ds.config.turns != "all":
+        return ""
+    c = ds.conversations
+    why = ", ".join(f"{n} {kind}" for kind, n in c.reasons.most_common())
+    return (f" (turns; conversations: {c.done}/{c.total} done, {c.ended} ended early{f': {why}' if why else ''})")

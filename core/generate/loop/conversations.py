@@ -86,6 +86,7 @@ class _Open:
     conv: Conversation
     history: list[dict[str, Any]]   # assistant messages for turns 1..len(history)
     stored: set[int] = field(default_factory=set)  # turns with an outcome on disk when it opened
+    lines: list[str] = field(default_factory=list)  # one a turn so far, for the views (`ConversationCounts.last`)
 
 
 class ConversationSource:
@@ -167,6 +168,8 @@ class ConversationSource:
             self._end(o, t.turn, why)
             return
         o.history.append(history_message(a.content, a.reasoning, a.reasoning_details, self_hosted=self._self_hosted))
+        o.lines.append(f"turn {t.turn}: answered, {a.usage.prompt_tokens:,} prompt + {a.usage.completion_tokens:,} "
+                       "answer tokens")
         self._advance(o)
 
     @property
@@ -191,6 +194,7 @@ class ConversationSource:
         if len(o.history) >= o.conv.turns:
             del self._open[o.conv.id]
             self.counts.done += 1
+            self.counts.last = (f"{o.conv.id} ({o.conv.turns} turns, line {o.conv.line}): done", *o.lines)
             return
         self._ready.append(self._turn(o))
 
@@ -211,6 +215,8 @@ class ConversationSource:
         later turns with no outcome on disk are counted skipped."""
         self._open.pop(o.conv.id, None)
         self._ended(o.conv, k, why, o.stored)
+        self.counts.last = (f"{o.conv.id} ({o.conv.turns} turns, line {o.conv.line}): ended at turn {k}",
+                            *o.lines, f"turn {k}: {why}")
 
     def _ended(self, conv: Conversation, k: int, why: str, stored: set[int]) -> None:
         rest = sum(1 for j in range(k + 1, conv.turns + 1) if j not in stored)
@@ -255,7 +261,8 @@ class ConversationSource:
             if any(j not in history for j in range(1, m + 1)):  # its answers left the file since _load
                 self._ended(conv, m, "stored answers not readable", kept)
                 return None
-        o = _Open(conv, [history[j] for j in range(1, m + 1)], kept)
+        o = _Open(conv, [history[j] for j in range(1, m + 1)], kept, [f"turn {j}: answered in an earlier run"
+                                                                       for j in range(1, m + 1)])
         self._open[conv.id] = o
         return self._turn(o)
 

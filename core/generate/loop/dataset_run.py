@@ -38,6 +38,9 @@ class ConversationCounts:
     reasons: Counter[str] = field(default_factory=Counter)  # why they ended, by kind
     turn_sum: int = 0           # the turn numbers of every turn of the file, added up
     answered_turn_sum: int = 0  # the turn numbers of the answered turns, added up
+    by_turn_total: Counter[int] = field(default_factory=Counter)  # turns of the file, by turn number
+    by_turn_done: Counter[int] = field(default_factory=Counter)   # answered turns, by turn number
+    last: tuple[str, ...] = ()  # the last conversation that finished or ended: its id, then one line a turn
 
     def growth(self, turns_left: int, answered: int) -> float:
         """How much bigger the prompts of the turns left are than those answered so far: a turn's history
@@ -196,7 +199,9 @@ class DatasetRun:
         self._cost += cost
         if self.config.turns == "all":
             _, _, k = prompt_id.rpartition("#t")
-            self.conversations.answered_turn_sum += int(k) if k.isdigit() else 1
+            turn = int(k) if k.isdigit() else 1
+            self.conversations.answered_turn_sum += turn
+            self.conversations.by_turn_done[turn] += 1
         if short:
             self._truncated += 1
         if now:

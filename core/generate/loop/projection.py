@@ -10,6 +10,7 @@ forecast.py (the function smoke uses too).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.dataset_run import DatasetRun
@@ -49,6 +50,16 @@ def stable_eta(time_s: float | None, *, answers: int, elapsed_s: float, window_s
     return time_s
 
 
+def _conversations(ds: DatasetRun) -> dict[str, Any]:
+    """A turns = "all" dataset's conversation fields of its snapshot row (none for a single-turn one)."""
+    if ds.config.turns != "all":
+        return {}
+    c = ds.conversations
+    return {"conversations": c.total, "conversations_done": c.done, "conversations_ended": c.ended,
+            "turns_by_number": tuple((c.by_turn_done[k], c.by_turn_total[k]) for k in sorted(c.by_turn_total)),
+            "last_conversation": c.last}
+
+
 def figures(ds: DatasetRun, spend: SpendLedger, prices: Prices | None) -> DatasetFigures:
     return DatasetFigures(
         name=ds.config.name, remaining=remaining(ds), max_tokens=ds.config.max_tokens,
@@ -80,7 +91,8 @@ def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: 
             truncated=ds.truncated, in_flight=ds.in_flight, concurrency=ds.config.concurrency,
             effective_concurrency=ds.concurrency.limit, tokens_used=ds.tokens.used,
             tokens_in_flight=ds.tokens.in_flight, token_budget=ds.tokens.limit, cost_usd=round(cost, 6),
-            projected_cost_usd=round(cost + fc.cost_usd, 4) if fc.cost_usd or cost else None, message=ds.message))
+            projected_cost_usd=round(cost + fc.cost_usd, 4) if fc.cost_usd or cost else None, message=ds.message,
+            **_conversations(ds)))
     throughput = snap.Throughput(
         window_s=rates.window_s, req_s_window=win_req, req_s_total=tot_req, tok_s_window=win_tok,
         tok_s_total=tot_tok, avg_completion_tokens_window=win_avg, avg_completion_tokens_total=tot_avg,

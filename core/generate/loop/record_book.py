@@ -128,6 +128,7 @@ class RecordBook:
     def scan_prompts(self, ds: DatasetRun) -> None:
         """Count usable prompts and rewrite rejected.jsonl (derived from the input, so rewritten whole)."""
         total = rejected = fresh = conversations = turn_sum = 0
+        ds.conversations.by_turn_total.clear()
         all_turns = ds.config.turns == "all"
         items: Iterator[Prompt | Conversation | Rejection] = (
             read_conversations(ds.config.prompts, ds.config.max_turns) if all_turns
@@ -141,6 +142,7 @@ class RecordBook:
                 elif isinstance(item, Conversation):  # turns = "all": the units are turns
                     conversations += 1
                     turn_sum += item.turns * (item.turns + 1) // 2
+                    ds.conversations.by_turn_total.update(range(1, item.turns + 1))
                     total += item.turns
                     fresh += sum(turn_id(item.id, k) not in ds.done_ids for k in range(1, item.turns + 1))
                 else:
