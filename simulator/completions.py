@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from draftgen.simulator.models import Models, completion_limit
 from draftgen.simulator.prompt import prompt_token_count
 from draftgen.simulator.routing import NoEndpoints, candidates, choose
 from draftgen.simulator.scenarios import Active, Scenarios
-from draftgen.simulator.stats import SimStats
+from draftgen.simulator.stats import Sent, SimStats
 
 # The generation a request started, so that a stream the client aborts is billed up to there.
 GENERATION = web.RequestKey("draftgen_sim_generation", Generation)   # started: billed
@@ -83,6 +84,7 @@ class Completions:
         self.fragments: wire.FragmentCache = {}
         self._memo = Memo()
         self._held = asyncio.Event()
+        self.sent: deque[Sent] = deque(maxlen=0)  # SimConfig.sent_log_size; see SimServer.sent
 
     def forget_routes(self) -> None:
         self._memo.forget_routes()
@@ -160,7 +162,9 @@ class Completions:
             return body
         ask = self._ask(body, cfg, request.get(SEQ, 0))
         # (A response is a mapping, falsy when empty: each refusal is told by `is not None`.)
-        if (refused := self._route(ask, cfg)) is not None:
+        refused = self._route(ask, cfg)
+        self._log_sent(ask, cfg)
+        if refused is not None:
             return refused
         if (refused := self._check_prompt(ask)) is not None:
             return refused
@@ -209,6 +213,12 @@ class Completions:
                     draws=shaping.draws(cfg.seed, key, n),
                     prompt_draw=shaping.draws(cfg.seed, key, 0)[3] if sc else 1.0,
                     text=shaping.last_user_text(messages) if sc else "", seq=seq)
+
+    def _log_sent(self, ask: _Ask, cfg: SimConfig) -> None:
+        if cfg.sent_log_size:
+            if self.sent.maxlen != cfg.sent_log_size:
+                self.sent = deque(self.sent, maxlen=cfg.sent_log_size)
+            self.sent.append(Sent(ask.seq, ask.messages, ask.n_prompt))
 
     def _first(self, ask: _Ask, stage: tuple[str, ...]) -> Active | None:
         """The first scenario of `stage` this try draws (None without scenarios)."""

@@ -171,6 +171,11 @@ class SimConfig:
     echo_key_fields: bool = False
     # How many generations `/generation?id=` remembers (oldest forgotten first).
     generation_log_size: int = 100_000
+    # How many of the latest chat requests `SimServer.sent` (and `GET /_sim/sent`) keep, with the
+    # messages each was sent and the prompt tokens it counted: 0 keeps none (a long run's bodies stay
+    # out of memory). Lets a test check what every request carried, e.g. that each multi-turn history
+    # holds the target's own earlier answers.
+    sent_log_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "faults", normalise_faults(self.faults))
@@ -201,6 +206,7 @@ class SimConfig:
         _check(all(m in MISBEHAVIOURS for m in self.misbehave), "misbehave",
                f"must name some of {', '.join(MISBEHAVIOURS)}")
         _check(self.generation_log_size >= 1, "generation_log_size", "must be >= 1")
+        _check(self.sent_log_size >= 0, "sent_log_size", "must be >= 0")
         if self.management_keys is not None:
             object.__setattr__(self, "management_keys", tuple(self.management_keys))
         if self.models is not None:

@@ -4,6 +4,8 @@
 - `GET /_sim/config`; `POST /_sim/config`: a JSON patch of SimConfig fields, plus `balance` (set
   the remaining credit) and `add_credits` (USD to add), e.g. `{"key_limit_usd": 50}` raises a
   key's cap.
+- `GET /_sim/sent`: the latest chat requests as received (`SimServer.sent`: seq, messages,
+  prompt_tokens), kept with `sent_log_size` > 0.
 - `GET /_sim/scenario`: the scenarios on, and every known one with its status and description.
 - `POST /_sim/scenario`: `{"name": "key_limit", "on": true, "params": {"after": 5}}`;
   `{"name": ..., "on": false}`; `{"clear": true}` switches every scenario off.
@@ -28,6 +30,7 @@ def add_routes(app: web.Application, sim: SimServer) -> None:
     control = _Control(sim)
     app.router.add_get("/_sim/stats", control.stats)
     app.router.add_get("/_sim/config", control.get_config)
+    app.router.add_get("/_sim/sent", control.get_sent)
     app.router.add_post("/_sim/config", control.post_config)
     app.router.add_get("/_sim/scenario", control.get_scenario)
     app.router.add_post("/_sim/scenario", control.post_scenario)
@@ -47,6 +50,9 @@ class _Control:
         data["account"] = sim.account.to_json()
         data["scenarios_on"] = sim.scenarios.to_json()
         return responses.json_response(data)
+
+    async def get_sent(self, request: web.Request) -> web.Response:
+        return responses.json_response([s.to_json() for s in self.sim.sent])
 
     async def get_config(self, request: web.Request) -> web.Response:
         return responses.json_response(self.sim.config.to_json())

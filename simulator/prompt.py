@@ -1,7 +1,8 @@
 """`usage.prompt_tokens` as a provider counts it: the conversation rendered with Kimi-K2.5's chat template.
 
 Written here from the template's structure (roles, `<|im_middle|>`, history turns with empty
-`<think></think>`, tool results as `## Return of {id}`, the generation prompt ending in `<think>`),
+`<think></think>` whatever reasoning keys they carry, so a multi-turn request's count is exact against
+the Kimi-K2.5 rendering of its history, tool results as `## Return of {id}`, the generation prompt ending in `<think>`),
 not taken from draftgen's own renderer, so the prompt check compares two renderings. `system` is the
 system turn the simulated server puts in front of a conversation that has none: None (Kimi-K2.5's
 template adds none), or a text to make a server that renders another prompt than the run does.
@@ -25,6 +26,20 @@ def _text(content: Any) -> str:
     return ""
 
 
+def _kept_reasoning(m: dict[str, Any]) -> str:
+    """An assistant turn's reasoning inside a tool-call loop, under whichever key the request used:
+    `reasoning_content` (vLLM/SGLang), `reasoning` or `reasoning_details` (OpenRouter, which hands it to
+    the provider's server as `reasoning_content`)."""
+    for key in ("reasoning_content", "reasoning"):
+        if isinstance(m.get(key), str) and m[key]:
+            return str(m[key])
+    details = m.get("reasoning_details")
+    if not isinstance(details, list):
+        return ""
+    return "".join(t for d in details if isinstance(d, dict)
+                   for t in [d.get("text") or d.get("summary")] if isinstance(t, str))
+
+
 def prompt_token_count(tok: AnswerTokenizer, messages: list[Any], system: str | None = None) -> int:
     """Tokens of the rendered prompt, generation prompt (`<|im_assistant|>assistant<|im_middle|><think>`)
     included; non-dict messages count as nothing (the request was accepted as sent)."""
@@ -39,7 +54,7 @@ def prompt_token_count(tok: AnswerTokenizer, messages: list[Any], system: str | 
         n += 2 + len(tok.encode_text(str(m.get("name") or role)))  # opener, name, <|im_middle|>
         body = _text(m.get("content"))
         if role == "assistant":
-            reasoning = "" if i <= last_plain else str(m.get("reasoning_content") or "")
+            reasoning = "" if i <= last_plain else _kept_reasoning(m)
             n += 2 + len(tok.encode_text(reasoning)) + len(tok.encode_text(body))  # <think>...</think>
             calls = m.get("tool_calls") or []
             if calls:

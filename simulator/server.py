@@ -4,6 +4,7 @@ credits and faults, for tests, the demo, benchmarks and rehearsals.
     async with SimServer(SimConfig(seed=1, latency_scale=0), port=0) as sim:
         sim.base_url   # "http://127.0.0.1:PORT/api/v1"
         sim.stats      # a SimStats copy: requests, peak in flight, faults, per-prompt counts
+        sim.sent       # with SimConfig(sent_log_size=N): the latest N requests' messages, as received
 
 Endpoints, one module each: POST /api/v1/chat/completions, JSON or SSE (completions.py);
 GET /api/v1/credits and /api/v1/key (account.py); GET /api/v1/generation?id= and the billing
@@ -31,7 +32,7 @@ from draftgen.simulator.config import FIXED_AT_START, SimConfig, SimulatorError
 from draftgen.simulator.generations import Generations
 from draftgen.simulator.models import Models
 from draftgen.simulator.scenarios import Scenarios
-from draftgen.simulator.stats import SimStats
+from draftgen.simulator.stats import Sent, SimStats
 
 API = "/api/v1"
 
@@ -114,6 +115,12 @@ class SimServer:
     def stats(self) -> SimStats:
         """A copy of the counters as they are now."""
         return self._stats.copy()
+
+    @property
+    def sent(self) -> tuple[Sent, ...]:
+        """The latest chat requests as received, oldest first: each one's `messages` and the
+        `usage.prompt_tokens` it counted. Kept only with `SimConfig.sent_log_size` > 0 (that many)."""
+        return tuple(self._completions.sent)
 
     @property
     def balance(self) -> float:

@@ -21,6 +21,17 @@ def prompt_key(messages: Any) -> str:
     return hashlib.sha1(orjson.dumps(messages)).hexdigest()
 
 
+@dataclass(frozen=True)
+class Sent:
+    """One chat request as the simulator received it (kept with `SimConfig.sent_log_size`)."""
+    seq: int              # the chat request's number, from 1
+    messages: Any         # the body's `messages`, as sent
+    prompt_tokens: int    # usage.prompt_tokens it counted (0: refused before the prompt was counted)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "messages": self.messages, "prompt_tokens": self.prompt_tokens}
+
+
 @dataclass
 class SimStats:
     """What the simulator served. `in_flight` counts chat requests whose handler is running: at

@@ -16,6 +16,7 @@ from importlib import resources
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
@@ -567,3 +568,72 @@ def test_cli_serves_until_interrupted(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("style", ["openrouter", "openrouter_text", "self_hosted"])
+async def test_a_multi_turn_prompt_count_is_exact_against_the_rendered_history_and_every_request_is_logged(
+        style: str) -> None:
+    from draftgen.core.tokens.reconstruct import reconstruct
+    from draftgen.core.tokens.template import load_template
+    from draftgen.core.tokens.tokenizer import bundled_kimi
+    tok = bundled_kimi()
+    template = load_template("kimi-k2.5", tok)
+    users = ["Name a prime.", "And the next one?", "Sum them, and say <|im_end|> as text."]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    sent_bodies = []
+    async with SimServer(cfg(sent_log_size=8)) as sim, aiohttp.ClientSession() as s:
+        for k, text in enumerate(users, 1):
+            messages = [*messages, {"role": "user", "content": text}]
+            sent_bodies.append(messages)
+            status, _, raw = await post(s, sim, body(messages=messages))
+            assert status == 200
+            reply = orjson.loads(raw)
+            msg, usage = reply["choices"][0]["message"], reply["usage"]
+            # The provider's count is the Kimi-K2.5 rendering of this history (earlier answers without reasoning).
+            rendered = reconstruct(tok, template, messages, msg.get("reasoning"), msg["content"])
+            assert usage["prompt_tokens"] == rendered.prompt_tokens, f"turn {k}"
+            assert len(rendered.history_spans) == k - 1
+            # The answer goes back as the API documents it (reasoning under the key of `style`).
+            back: dict[str, Any] = {"role": "assistant", "content": msg["content"]}
+            if style == "openrouter":
+                back["reasoning_details"] = msg["reasoning_details"]
+            else:
+                back["reasoning" if style == "openrouter_text" else "reasoning_content"] = msg["reasoning"]
+            messages = [*messages, back]
+        # What the simulator was sent, in order, with what it counted.
+        logged = sim.sent
+        assert [x.messages for x in logged] == sent_bodies and [x.seq for x in logged] == [1, 2, 3]
+        assert logged[2].prompt_tokens > logged[1].prompt_tokens > logged[0].prompt_tokens > 0
+        async with s.get(f"http://127.0.0.1:{sim.port}/_sim/sent") as r:
+            assert [x["messages"] for x in await r.json()] == sent_bodies
+    async with SimServer(cfg()) as quiet, aiohttp.ClientSession() as s:  # kept only when asked for
+        await post(s, quiet, body())
+        assert quiet.sent == ()
+
+
+async def test_the_sent_log_keeps_the_latest_requests() -> None:
+    async with SimServer(cfg(sent_log_size=2)) as sim, aiohttp.ClientSession() as s:
+        for i in range(4):
+            await post(s, sim, body(f"q{i}"))
+        assert [x.messages[0]["content"] for x in sim.sent] == ["q2", "q3"]
+    with pytest.raises(SimulatorError, match="sent_log_size"):
+        SimConfig(sent_log_size=-1)
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "reasoning", "reasoning_details"])
+def test_inside_a_tool_loop_the_count_keeps_the_reasoning_under_any_key(key: str) -> None:
+    from draftgen.core.tokens.reconstruct import reconstruct
+    from draftgen.core.tokens.template import load_template
+    from draftgen.core.tokens.tokenizer import bundled_kimi
+    from draftgen.simulator.answers import answer_tokenizer
+    from draftgen.simulator.prompt import prompt_token_count
+    tok = bundled_kimi()
+    reasoning = "I should look it up first."
+    value: Any = [{"type": "reasoning.text", "text": reasoning}] if key == "reasoning_details" else reasoning
+    call = {"id": "functions.lookup:0", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "Look it up."},
+                {"role": "assistant", "content": "", "tool_calls": [call], key: value},
+                {"role": "tool", "tool_call_id": "functions.lookup:0", "content": "42"}]
+    count = prompt_token_count(answer_tokenizer(), messages)
+    assert count == reconstruct(tok, load_template("kimi-k2.5", tok), messages, "", "").prompt_tokens
+    assert count > prompt_token_count(answer_tokenizer(), [*messages[:1], {**messages[1], key: ""}, messages[2]])
