@@ -324,10 +324,6 @@ class Completions:
                          ask.n_prompt, completion, billed_tokens, ask.stream, ttft, latency, ask.estimate)
         request[responses.GEN_ID] = gen.gen_id
         request[CREATED] = gen
-        if cfg.log_requests:
-            self._stats.request_log.append({"seq": ask.seq, "messages": ask.messages, "content": completion.content,
-                                            "reasoning": completion.reasoning if think else None,
-                                            "finish_reason": completion.finish_reason})
         # echo_key_fields: the key in the answer's `provider` and `model` too (the model still starts with
         # the one asked for, as a provider's variant name does).
         reply = wire.Reply(gen.gen_id, f"{provider.name} [{echo}]" if echo else provider.name,

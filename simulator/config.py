@@ -152,9 +152,6 @@ class SimConfig:
     reasoning_field: Literal["reasoning", "reasoning_content"] = "reasoning"
     # SSE keep-alive comment while the first token is awaited.
     processing_comment_s: float = 2.0
-    # Keep every generation's request messages and answer in SimStats.request_log (a test checks
-    # what each request's history was made of).
-    log_requests: bool = False
     # Tokens per SSE delta of a streamed answer (OpenRouter sends one event per few tokens).
     stream_chunk_tokens: int = 12
     providers: tuple[SimProvider, ...] = DEFAULT_PROVIDERS

@@ -58,23 +58,18 @@ class SimStats:
     prompt_requests: dict[str, int] = field(default_factory=dict)
     prompt_answers: dict[str, int] = field(default_factory=dict)  # generations billed, per prompt
     prompt_cost: dict[str, float] = field(default_factory=dict)
-    # SimConfig.log_requests: one entry per generation, {"seq", "messages", "content", "reasoning",
-    # "finish_reason"} (the request's messages as sent, what it was answered with).
-    request_log: list[dict[str, Any]] = field(default_factory=list)
 
     def copy(self) -> SimStats:
         out = copy.copy(self)
         for f in dataclasses.fields(self):
             if isinstance(v := getattr(self, f.name), dict):
                 setattr(out, f.name, dict(v))
-            elif isinstance(v, list):
-                setattr(out, f.name, list(v))
         return out
 
     def to_json(self, *, prompts: bool = True) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if not prompts:
-            for name in ("prompt_requests", "prompt_answers", "prompt_cost", "request_log"):
+            for name in ("prompt_requests", "prompt_answers", "prompt_cost"):
                 out.pop(name)
         return out
 

@@ -2,7 +2,8 @@
 simulator's counts): every user turn asked once, in order, each request's history made only of the
 target's own earlier answers (the simulator's request log says what it was sent and what it answered);
 kill -9 mid-conversation resumes at the next turn, nothing paid twice or lost; a broken turn ends its
-conversation; a prompt file edited between runs is said and never mixed."""
+conversation; a prompt file edited between runs is said and never mixed. What each request carried is
+the simulator's log of the requests it received (`SimServer.sent`)."""
 
 from __future__ import annotations
 
@@ -45,22 +46,22 @@ def records(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
 
 
-def assert_own_histories(log: list[dict[str, Any]]) -> int:
-    """Every assistant message a request carried is the simulator's own answer to that request's
-    prefix (the earlier turn as it was sent), its reasoning passed back as OpenRouter's details;
-    returns how many requests carried a history."""
-    answers = {prompt_key(e["messages"]): e for e in log}
+def assert_own_histories(sent: Any, answered: list[dict[str, Any]]) -> int:
+    """Every assistant message a request carried is the target's stored answer to the request made of
+    the messages before it (that earlier turn as it was sent), its reasoning_details passed back
+    unmodified; returns how many requests carried a history."""
+    answers = {prompt_key(r["messages"]): r for r in answered}
     with_history = 0
-    for e in log:
-        msgs = e["messages"]
+    for e in sent:
+        msgs = e.messages
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
             earlier = answers.get(prompt_key(msgs[:i]))
-            assert earlier is not None, f"a history answer no request was answered with: {m['content'][:80]!r}"
-            assert m["content"] == earlier["content"] and "DATASET" not in m["content"]
-            assert "".join(d["text"] for d in m["reasoning_details"]) == earlier["reasoning"]
-            assert set(m) == {"role", "content", "reasoning_details"}
+            assert earlier is not None, f"a history answer the target never gave: {m['content'][:80]!r}"
+            assert m == {"role": "assistant", "content": earlier["content"],
+                         "reasoning_details": earlier["reasoning_details"]}
+            assert "DATASET" not in m["content"] and m["reasoning_details"]
         with_history += any(m["role"] == "assistant" for m in msgs)
     return with_history
 
@@ -74,7 +75,7 @@ async def start_run(cfg: Any) -> asyncio.subprocess.Process:
 
 async def test_thirty_conversations_run_headless_each_turn_once_on_the_targets_own_answers(tmp_path):
     prompts = write_conversations(tmp_path / "prompts" / "chat.jsonl", [conversation(f"c{i}", 3) for i in range(30)])
-    async with SimServer(SimConfig(seed=4, latency_scale=0.02, mean_completion_tokens=60, log_requests=True),
+    async with SimServer(SimConfig(seed=4, latency_scale=0.02, mean_completion_tokens=60, sent_log_size=10_000),
                          port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "chat", "prompts": prompts, "turns": "all",
                                                     "concurrency": 8, "max_tokens": 2048}],
@@ -86,13 +87,13 @@ async def test_thirty_conversations_run_headless_each_turn_once_on_the_targets_o
         report = await reconcile(cfg, TEST_KEY, lookup_s=5)
         await until(lambda: sim.stats.generations_running == 0, "the billing to end")
         billed = sim.stats.billed_usd
-        log = list(sim.stats.request_log)
+        log = sim.sent
     rd = RunDir(cfg.run_dir)
     lines = records(rd.responses("chat"))
     expected = {f"c{i}#t{k}" for i in range(30) for k in (1, 2, 3)}
     assert sorted(r["id"] for r in lines) == sorted(expected)  # each turn answered once
-    assert len(log) == 90 and set(Counter(prompt_key(e["messages"]) for e in log).values()) == {1}  # asked once
-    assert assert_own_histories(log) == 60
+    assert len(log) == 90 and set(Counter(prompt_key(e.messages) for e in log).values()) == {1}  # asked once
+    assert assert_own_histories(log, lines) == 60
     for r in lines:  # the record is what was sent, and says which turn it is
         assert (r["conversation"], r["turn"], r["turns"]) == (r["id"].split("#t")[0], int(r["id"].split("#t")[1]), 3)
         assert sum(m["role"] == "user" for m in r["messages"]) == r["turn"]
@@ -106,7 +107,7 @@ async def test_kill_9_mid_conversation_resumes_at_the_next_turn_nothing_paid_twi
     n_conv, n_turns = 30, 4
     prompts = write_conversations(tmp_path / "prompts" / "chat.jsonl",
                                   [conversation(f"c{i}", n_turns) for i in range(n_conv)])
-    async with SimServer(SimConfig(seed=8, latency_scale=0.15, mean_completion_tokens=120, log_requests=True),
+    async with SimServer(SimConfig(seed=8, latency_scale=0.15, mean_completion_tokens=120, sent_log_size=10_000),
                          port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "chat", "prompts": prompts, "turns": "all",
                                                     "concurrency": 10, "max_tokens": 2048}],
@@ -129,14 +130,14 @@ async def test_kill_9_mid_conversation_resumes_at_the_next_turn_nothing_paid_twi
         report = await reconcile(cfg, TEST_KEY, lookup_s=5)
         await until(lambda: sim.stats.in_flight == 0 and sim.stats.generations_running == 0, "the billing to end")
         billed = sim.stats.billed_usd
-        log = list(sim.stats.request_log)
+        log = sim.sent
     lines = records(rd.responses("chat"))
     ids = [r["id"] for r in lines]
     assert len(ids) == len(set(ids)) == n_conv * n_turns  # none twice, none lost
     for seq, stored in kills:  # a turn stored before a kill is never asked again after it
-        again = [e for e in log if e["seq"] > seq and prompt_key(e["messages"]) in stored]
+        again = [e for e in log if e.seq > seq and prompt_key(e.messages) in stored]
         assert not again, f"{len(again)} stored turn(s) asked again after a kill"
-    assert assert_own_histories(log) >= n_conv * (n_turns - 1)
+    assert assert_own_histories(log, lines) >= n_conv * (n_turns - 1)
     for r in lines:  # the stored record's history is the stored answers of its conversation
         earlier = {x["turn"]: x for x in lines if x["conversation"] == r["conversation"] and x["turn"] < r["turn"]}
         sent = [m for m in r["messages"] if m["role"] == "assistant"]
@@ -155,26 +156,26 @@ async def run_engine(cfg: Any) -> tuple[Engine, Any, list[tuple[str, str]]]:
 async def test_a_turn_that_fails_for_good_ends_its_conversation_and_nothing_is_asked_after_it(tmp_path):
     lines = [conversation(f"c{i}", 3, poison_at=2 if i == 3 else None) for i in range(6)]
     prompts = write_conversations(tmp_path / "prompts" / "chat.jsonl", lines)
-    async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=40, log_requests=True,
+    async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=40, sent_log_size=10_000,
                                    scenarios={"invalid_prompt": {"match": "POISON"}}), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "chat", "prompts": prompts, "turns": "all",
                                                     "concurrency": 4}])
         engine, _state, events = await run_engine(cfg)
-        log = list(sim.stats.request_log)
+        log = sim.sent
     rd = RunDir(cfg.run_dir)
     assert [r["id"] for r in records(rd.failures("chat"))] == ["c3#t2"]
     assert records(rd.failures("chat"))[0]["turn"] == 2
-    assert not any(e["messages"][-1]["content"].startswith("c3: question 3") for e in log)
+    assert not any(e.messages[-1]["content"].startswith("c3: question 3") for e in log)
     row = next(d for d in engine.snapshot().datasets if d.name == "chat")
     assert (row.done, row.failed, row.skipped, row.total) == (16, 1, 1, 18)
     assert any("conversation 'c3' ended at turn 2 of 3: failed" in msg for _, msg in events), events
-    assert_own_histories(log)
+    assert_own_histories(log, records(rd.responses("chat")))
 
 
 async def test_an_edited_prompt_file_is_said_and_its_conversation_is_not_continued(tmp_path):
     path = tmp_path / "prompts" / "chat.jsonl"
     prompts = write_conversations(path, [conversation(f"c{i}", 3) for i in range(5)])
-    async with SimServer(SimConfig(seed=6, latency_scale=0.0, mean_completion_tokens=40, log_requests=True),
+    async with SimServer(SimConfig(seed=6, latency_scale=0.0, mean_completion_tokens=40, sent_log_size=10_000),
                          port=0) as sim:
         first = make_config(tmp_path, sim.base_url, [{"name": "chat", "prompts": prompts, "turns": "all",
                                                       "max_turns": 2, "concurrency": 4}])
@@ -183,19 +184,19 @@ async def test_an_edited_prompt_file_is_said_and_its_conversation_is_not_continu
         edited = [conversation(f"c{i}", 3) for i in range(5)]
         edited[1]["conversations"][3]["value"] = "c1: a different second question"  # user turn 2 of c1
         write_conversations(path, edited)
-        seen = len(sim.stats.request_log)
+        seen = len(sim.sent)
         # max_turns lifted: every conversation has a third turn to ask on its stored answers
         again = make_config(tmp_path, sim.base_url, [{"name": "chat", "prompts": prompts, "turns": "all",
                                                       "concurrency": 4}])
         engine, _state, events = await run_engine(again)
-        log = list(sim.stats.request_log)
-    asked = [e["messages"][-1]["content"] for e in log[seen:]]
+        log = sim.sent
+    asked = [e.messages[-1]["content"] for e in log[seen:]]
     assert sorted(asked) == sorted(f"c{i}: question 3 on topic c{i}" for i in (0, 2, 3, 4))
     said = [msg for kind, msg in events if kind == "conversation"]
     assert len(said) == 1 and f"{path} line 2: turn 2 of conversation 'c1'" in said[0], events
     lines = records(RunDir(again.run_dir).responses("chat"))
     assert {r["id"] for r in lines if r["conversation"] == "c1"} == {"c1#t1", "c1#t2"}  # its stored turns stay
-    assert_own_histories(log)
+    assert_own_histories(log, lines)
     row = next(d for d in engine.snapshot().datasets if d.name == "chat")
     assert (row.done, row.skipped, row.total) == (14, 1, 15)
 
