@@ -230,3 +230,20 @@ async def test_the_views_count_turns_and_show_conversations_turn_by_turn(tmp_pat
     console.print(draw_drill(s, Target(DATASET, "chat")))
     text = console.export_text()
     assert "answered by turn" in text and "t2 5/6" in text and "turn 3: answered" in text, text
+
+
+async def test_turns_first_and_last_ask_one_request_per_line(tmp_path):
+    prompts = write_conversations(tmp_path / "prompts" / "chat.jsonl", [conversation(f"c{i}", 3) for i in range(3)])
+    async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=40, sent_log_size=100),
+                         port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "first", "prompts": prompts, "turns": "first"},
+                                                   {"name": "last", "prompts": prompts}],
+                          tables={"engine": {"skip_cross_dataset_duplicates": False}})
+        await run_engine(cfg)
+        sent = sim.sent
+    firsts = [e.messages for e in sent if len(e.messages) == 2]
+    lasts = [e.messages for e in sent if len(e.messages) > 2]
+    assert len(firsts) == 3 and all(m[-1]["content"].endswith(" question 1 on topic " + m[-1]["content"][:2])
+                                    for m in firsts)
+    # "last" (the default) keeps today's behaviour: the dataset's turns up to the last user turn
+    assert len(lasts) == 3 and all(len(m) == 6 and "DATASET" in m[2]["content"] for m in lasts)

@@ -132,7 +132,7 @@ class RecordBook:
         all_turns = ds.config.turns == "all"
         items: Iterator[Prompt | Conversation | Rejection] = (
             read_conversations(ds.config.prompts, ds.config.max_turns) if all_turns
-            else read_prompts(ds.config.prompts))
+            else read_prompts(ds.config.prompts, ds.config.turns))
         with replacing(self.rundir.rejected(ds.config.name)) as out:  # on an error the old one stays
             for item in items:
                 if isinstance(item, Rejection):
@@ -154,7 +154,7 @@ class RecordBook:
 
     async def prompts(self, ds: DatasetRun) -> AsyncIterator[Prompt]:
         """The dataset's prompts not yet on disk, read in a thread a chunk at a time."""
-        it: Iterator[Prompt | Rejection] = read_prompts(ds.config.prompts)
+        it: Iterator[Prompt | Rejection] = read_prompts(ds.config.prompts, ds.config.turns)
 
         def chunk() -> list[Prompt]:
             out: list[Prompt] = []
