@@ -35,8 +35,8 @@ class DatasetFigures:
     cost_usd: float = 0.0             # their cost
     prices: Prices | None = None      # worst case
     prompt_tokens: float = 0.0        # mean prompt tokens of its requests (a bound), for the price prior
-    # Conversations (turns = "all"): how much more a request left costs than one answered so far, its
-    # history being longer (DatasetRun's ConversationCounts.growth); 1.0 for single-turn prompts.
+    # turns = "all": how much more a request left costs than one answered so far, its history being
+    # longer (DatasetRun's ConversationCounts.growth), applied to the observed cost; 1.0 for single turns.
     growth: float = 1.0
 
 
@@ -115,7 +115,7 @@ def forecast(figures: Sequence[DatasetFigures], *, spent_usd: float, max_usd: fl
         worst_answer = f.prices.worst_case(round(f.prompt_tokens), f.max_tokens) if f.prices else 0.0
         if f in seen:
             tokens = f.completion_tokens / f.answers
-            per_answer = f.cost_usd / f.answers
+            per_answer = f.cost_usd / f.answers * f.growth  # a turn left carries a longer history than those seen
             low_tokens, basis = tokens, "observed"
             per_token = f.cost_usd / f.completion_tokens
         else:
@@ -135,11 +135,10 @@ def forecast(figures: Sequence[DatasetFigures], *, spent_usd: float, max_usd: fl
             time_s = tok_left / (tokens_per_s * f.concurrency / running_concurrency)
         elif pace_smoke > 0:
             time_s = tok_left / (pace_smoke * f.concurrency)
-        g = f.growth
         out.append(DatasetForecast(
-            name=f.name, answers_left=answers, tokens_per_answer=round(tokens, 1), cost_usd=answers * per_answer * g,
-            low_usd=(low_answers * low_tokens * per_token if basis != "observed" else answers * per_answer) * g,
-            high_usd=max(high_answers * high_answer, answers * per_answer) * g, time_s=time_s, basis=basis))
+            name=f.name, answers_left=answers, tokens_per_answer=round(tokens, 1), cost_usd=answers * per_answer,
+            low_usd=low_answers * low_tokens * per_token if basis != "observed" else answers * per_answer,
+            high_usd=max(high_answers * high_answer, answers * per_answer), time_s=time_s, basis=basis))
     times = [d.time_s for d in out if d.answers_left]
     known = [t for t in times if t is not None]
     total_time = None if len(known) < len(times) else (max(known, default=0.0) if parallel else sum(known))
