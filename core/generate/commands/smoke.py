@@ -137,8 +137,9 @@ def _outage(e: RequestFailed) -> bool:
 
 def smoke_body(config: Config, ds: DatasetConfig) -> dict[str, Any]:
     """The body the smoke test sends for `ds`: the run's, with the smoke prompt (and `[smoke] max_tokens`
-    in every answer-cap key the body carries, so the server and the reservation see the same cap)."""
-    body = config.request_body(ds, [{"role": "user", "content": config.smoke.prompt}])
+    in every answer-cap key the body carries, so the server and the reservation see the same cap); with
+    sampling cycles, the first prompt's values (index 0)."""
+    body = config.request_body(ds, [{"role": "user", "content": config.smoke.prompt}], index=0)
     if config.smoke.max_tokens is not None:
         for key in COMPLETION_LIMIT_KEYS:
             if key in body or key == "max_tokens":
