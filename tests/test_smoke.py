@@ -214,3 +214,11 @@ def test_the_forecast_adds_each_requests_earlier_answers_at_the_prompt_price():
     assert a.cost_usd == pytest.approx(30 * 500 * 4e-6)
     assert b.cost_usd == pytest.approx(30 * 500 * (4e-6 + 1e-6))
     assert b.high_usd == pytest.approx(30 * (1000 * 4e-6 + 1000 * 1e-6))
+
+
+def test_the_smoke_request_of_a_dataset_with_cycles_carries_the_first_prompts_values(tmp_path):
+    from draftgen.core.generate.commands.smoke import smoke_body
+    cfg = make_config(tmp_path, "https://openrouter.ai/api/v1", [
+        {"name": "a", "n": 1, "temperatures": [0.9, 0.2], "reasoning_efforts": ["high", "low"]}], request=REQUEST)
+    body = smoke_body(cfg, cfg.datasets[0])
+    assert body["temperature"] == 0.9 and body["reasoning"] == {"effort": "high"}
