@@ -51,6 +51,13 @@ class ConversationCounts:
         left_mean = max(1.0, (self.turn_sum - self.answered_turn_sum) / turns_left)
         return max(1.0, left_mean / (self.answered_turn_sum / answered))
 
+    def history_answers(self, turns_left: int) -> float:
+        """The mean earlier answers the prompt of a turn left carries (turn k carries k-1): forecast's
+        prior for a dataset with too few answers to price from (forecast.DatasetFigures.history_answers)."""
+        if turns_left <= 0:
+            return 0.0
+        return max(0.0, (self.turn_sum - self.answered_turn_sum) / turns_left - 1.0)
+
 
 @dataclass(eq=False)
 class DatasetRun:

@@ -65,7 +65,8 @@ def figures(ds: DatasetRun, spend: SpendLedger, prices: Prices | None) -> Datase
         name=ds.config.name, remaining=remaining(ds), max_tokens=ds.config.max_tokens,
         concurrency=ds.config.concurrency, token_budget_left=ds.tokens.remaining(), answers=ds.tokens.answers,
         completion_tokens=ds.tokens.used, cost_usd=spend.by_dataset.get(ds.config.name, ds.cost), prices=prices,
-        growth=ds.conversations.growth(ds.left, ds.done) if ds.config.turns == "all" else 1.0)
+        **({"growth": ds.conversations.growth(ds.left, ds.done),
+            "history_answers": ds.conversations.history_answers(ds.left)} if ds.config.turns == "all" else {}))
 
 
 def project(*, run_name: str, model: str, state: RunState, alert: str, waiting: str = "",
