@@ -321,6 +321,7 @@ def test_the_projection_prices_the_turns_left_by_their_longer_histories(tmp_path
     _count(ds, path)
     ds.conversations.turn_sum = 10 * (1 + 2 + 3)
     assert ds.conversations.growth(ds.left, ds.done) == pytest.approx(2.5)  # mean turn left 2.5, answered 1
+    assert ds.conversations.history_answers(ds.left) == pytest.approx(1.5)  # turns 2 and 3 carry 1 and 2 answers
 
     def plan(growth: float) -> float:
         figures = DatasetFigures(name="chat", remaining=ds.left, max_tokens=4096, concurrency=8,
