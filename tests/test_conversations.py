@@ -329,3 +329,16 @@ def test_the_projection_prices_the_turns_left_by_their_longer_histories(tmp_path
                                  growth=growth)
         return forecast([figures], spent_usd=0.01, max_usd=None).left_usd
     assert plan(2.5) == pytest.approx(2.5 * plan(1.0))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_client_keeps_reasoning_details_whole_streamed_or_not(stream):
+    from draftgen.core.generate.api.client import ChatClient
+    from draftgen.simulator import SimConfig, SimServer
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0, mean_completion_tokens=80, stream_chunk_tokens=3),
+                         port=0) as sim, ChatClient(sim.base_url, "sk-test", concurrency=1) as client:
+        body = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Explain tides."}],
+                "max_tokens": 2048, "include_reasoning": True, **({"stream": True} if stream else {})}
+        a = await client.chat(body)
+    assert a.reasoning and a.reasoning_details == [{"type": "reasoning.text", "text": a.reasoning,
+                                                    "format": "unknown", "index": 0}]
