@@ -10,8 +10,8 @@ import pytest
 
 from draftgen.core.generate.api.classify import ANSWER_KINDS
 from draftgen.core.generate.loop.admission import AdaptiveConcurrency
-from draftgen.core.generate.loop.attempts import backoff_delay
 from draftgen.core.generate.loop.engine import Engine
+from draftgen.core.generate.loop.request import backoff_delay
 from draftgen.core.live import snapshot as snap
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer

@@ -62,8 +62,8 @@ from draftgen.core.generate.commands.stream_check import (
     not_compared,
     stream_pair,
 )
-from draftgen.core.generate.loop.attempts import backoff_delay
 from draftgen.core.generate.loop.prompts import Prompt, read_prompts
+from draftgen.core.generate.loop.request import backoff_delay
 from draftgen.core.generate.loop.smoke_record import last_smoke
 from draftgen.core.generate.money.billing import book_answer, book_failure, look_up, reserve_one
 from draftgen.core.generate.money.forecast import (

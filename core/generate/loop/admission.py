@@ -1,13 +1,12 @@
 """Admission: which prompt goes out, and when.
 
-Per dataset an admission loop streams the prompt file (ids already on disk skipped), puts the
-prompts handed back (an account condition) in front, and admits a request when the run is not paused, a
-concurrency slot is free under the adaptive limit and the budgets allow it; right before a request
-starts, a prompt another dataset answered or is answering is skipped instead (duplicates.py). Each
-request reserves the worst case of the very body it sends; a prompt whose worst case would not fit
-under max_usd even with nothing in flight is skipped (counted, eligible later) and the next go on. The
-limit adapts (AIMD) to sustained 429s; a retry over a lowered limit waits for a slot holding none.
-Whether one more request (or retry) fits now is room.py's to say; this module decides which prompt.
+Per dataset an admission loop pulls the dataset's prompt source (source.py: the prompts handed back
+first, then the file's next ones not on disk) and offers each prompt to its request (request.py),
+which starts it when the run is not paused, a concurrency slot is free under the adaptive limit and
+the budgets allow it (room.py), or skips it, or hands it back. A budget that runs out ends the
+dataset: the rest of its prompts is counted skipped (eligible for a later run). Once the source has
+nothing left (or a drain or stop halts it) the loop waits for the dataset's requests in flight and
+leaves its final status. The limit adapts (AIMD) to sustained 429s (`AdaptiveConcurrency`).
 """
 
 from __future__ import annotations
@@ -15,25 +14,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.conversations import ConversationSource
-from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
-from draftgen.core.generate.loop.prompts import Prompt
-from draftgen.core.generate.loop.request import Request
-from draftgen.core.generate.loop.room import BodyFor, Decision, Room, Verdict
-from draftgen.core.generate.loop.source import HANDED_BACK, TAKEN_ELSEWHERE, Booked, PromptSource, open_source
-from draftgen.core.generate.money.budget import MoneyBudget
-from draftgen.core.generate.money.spend import Ticket
-from draftgen.core.live.snapshot import DatasetStatus, EventKind, EventSink, Level
+from draftgen.core.generate.loop.room import Decision, Verdict
+from draftgen.core.generate.loop.source import Booked, PromptSource, open_source
+from draftgen.core.live.snapshot import DatasetStatus, EventKind, Level
 from draftgen.core.units import usd
 
 if TYPE_CHECKING:
+    from draftgen.core.generate.loop.context import RunContext
     from draftgen.core.generate.loop.dataset_run import DatasetRun
     from draftgen.core.generate.loop.record_book import RecordBook
-    from draftgen.core.generate.loop.run_state import RunControl
+    from draftgen.core.generate.loop.request import Requests
+    from draftgen.core.generate.loop.room import Room
+    from draftgen.core.generate.money.budget import MoneyBudget
 
 ADMIT_BURST = 64  # admissions between yields to the event loop (2,000 at once would stall it)
 
@@ -95,32 +91,19 @@ class AdaptiveConcurrency:
 
 
 class Admission:
-    """Admits the prompts of every dataset and keeps track of the requests it started."""
+    """Admits the prompts of every dataset: each dataset's loop pulls its source and offers each prompt
+    to its request (request.py) until nothing is left or a budget, drain or stop ends it."""
 
-    def __init__(self, datasets: dict[str, DatasetRun], money: MoneyBudget, gate: RunControl, book: RecordBook,
-                 request: Callable[[Request, Ticket, dict[str, Any]], Coroutine[Any, Any, None]],
-                 on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int] = lambda: 0,
-                 *, body: BodyFor, prices: dict[str, Prices | None],
-                 duplicates: CrossDatasetDuplicates | None, self_hosted: bool = False) -> None:
+    def __init__(self, ctx: RunContext, datasets: dict[str, DatasetRun], money: MoneyBudget, room: Room,
+                 book: RecordBook, requests: Requests) -> None:
         self._datasets = datasets
-        self._room = Room(money, gate, book, in_flight=lambda: self.in_flight, on_event=on_event,
-                          on_floor=on_floor, settling=settling, body=body, prices=prices)
         self._money = money
-        self._gate = gate
+        self._room = room
         self._book = book
-        self._request = request
-        self._event = on_event
-        self._self_hosted = self_hosted  # a conversation's history is sent as the API in use documents it
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.duplicates = duplicates  # None: off, or only one dataset
-
-    @property
-    def in_flight(self) -> int:
-        return sum(d.in_flight for d in self._datasets.values())
-
-    def wake_all(self) -> None:
-        for d in self._datasets.values():
-            d.wake.set()
+        self._requests = requests
+        self._gate = ctx.control
+        self._event = ctx.event
+        self._self_hosted = ctx.config.api.self_hosted  # a conversation's history is sent as its API documents it
 
     async def run(self, ds: DatasetRun) -> None:
         """Admit the dataset's prompts until its source has none left (or a budget, drain or stop ends
@@ -157,9 +140,9 @@ class Admission:
                     f"{ds.failed} already failed; concurrency {ds.config.concurrency}", dataset=name)
 
     async def _admit_all(self, ds: DatasetRun, source: PromptSource) -> str:
-        """Every prompt of the source admitted, skipped or handed back, until it has none left or a drain,
-        stop or stopped dataset halts admission; returns the budget that ended the dataset ('' if none).
-        Once a budget ends it, the source's prompts are counted skipped as they come."""
+        """Every prompt of the source offered to its request (started, skipped or handed back), until the
+        source has none left or a drain, stop or stopped dataset halts admission; returns the budget that
+        ended the dataset ('' if none). Once a budget ends it, the source's prompts are counted skipped."""
         budget_reason = ""
         admitted = 0
         while (prompt := await source.next()) is not None:
@@ -167,23 +150,14 @@ class Admission:
                 ds.skipped_some()
                 source.booked(prompt, Booked.skipped(budget_reason))
                 continue
-            body, worst = self.request_for(ds, prompt)
-            decision = await self.admit(ds, worst)
+            decision = await self._requests.offer(ds, prompt, source)
             if decision.verdict is Verdict.GO:
-                if self._taken_elsewhere(ds, prompt):
-                    source.booked(prompt, TAKEN_ELSEWHERE)
-                    continue
-                self._start(ds, prompt, body, worst, source)
                 admitted += 1
                 if admitted % ADMIT_BURST == 0:
                     await asyncio.sleep(0)  # let answers and the UI run between bursts of admissions
             elif decision.verdict is Verdict.HALT:
-                source.booked(prompt, HANDED_BACK)
                 break
-            elif decision.verdict is Verdict.SKIP:
-                self.skip_for_money(ds, prompt.id, decision.reason)
-                source.booked(prompt, Booked.skipped(decision.reason))
-            else:
+            elif decision.verdict is Verdict.BUDGET:
                 budget_reason = decision.reason
                 ds.skipped_some()
                 source.booked(prompt, Booked.skipped(budget_reason))
@@ -210,108 +184,19 @@ class Admission:
             ds.end(DatasetStatus.BUDGET)
         elif self._gate.closed:
             ds.end(DatasetStatus.STOPPED, ds.message or "stopped before the end; the next run resumes")
-        elif self.money_skipped.get(name):
-            ds.end(DatasetStatus.BUDGET, f"max_usd: {self.money_skipped[name]} prompts skipped, their worst case "
+        elif self._room.money_skipped.get(name):
+            ds.end(DatasetStatus.BUDGET, f"max_usd: {self._room.money_skipped[name]} prompts skipped, their worst case "
                    "above what max_usd leaves (they stay eligible for a later run)")
         else:
             ds.end(DatasetStatus.DONE)
-        duplicates = self.duplicates.skipped.get(name, 0) if self.duplicates is not None else 0
-        costly = self.money_skipped.get(name, 0)
+        duplicates = self._requests.duplicates.skipped.get(name, 0) if self._requests.duplicates is not None else 0
+        costly = self._room.money_skipped.get(name, 0)
         self._event(Level.INFO, EventKind.DATASET_DONE, f"{name}: {ds.status}: {ds.done}/{ds.total} answered, "
                     f"{ds.failed} failed, {ds.skipped} skipped"
                     f"{f' ({costly} by max_usd)' if costly else ''}"
                     f"{f' ({duplicates} already answered in another dataset)' if duplicates else ''}, "
                     f"{usd(self._money.spend.by_dataset.get(name, ds.cost))}"  # the ledger's, as in the panel
                     f"{_conversations_done(ds)}", dataset=name)
-
-    def _taken_elsewhere(self, ds: DatasetRun, prompt: Prompt) -> bool:
-        """Skip (counted, and said once per dataset) a prompt another dataset answered or is answering;
-        otherwise the prompt is this dataset's while it is in flight (core/generate/loop/duplicates.py)."""
-        if self.duplicates is None:
-            return False
-        other = self.duplicates.claim(ds.config.name, prompt.id, prompt.messages,
-                                      turn=ds.config.turns == "all")
-        if other is None:
-            return False
-        ds.skipped_some()
-        if self.duplicates.skip(ds.config.name) == 1:
-            self._event(Level.WARN, EventKind.DUPLICATE,
-                        f"{ds.config.name}: prompt {prompt.id!r} skipped: the same prompt "
-                        f"(normalised text) is already answered in {other}; every such prompt is skipped and "
-                        f"counted ([engine] skip_cross_dataset_duplicates = false sends them)", dataset=ds.config.name)
-        return True
-
-    # -- room for one more request (room.py), under the names the engine and the watch use ------
-
-    @property
-    def prices(self) -> dict[str, Prices | None]:
-        """Each dataset's prices (None: unknown): what a request's worst case is reckoned from."""
-        return self._room.prices
-
-    @property
-    def last_worst(self) -> float:
-        """The worst case of the last request asked for: what a re-check must find room for."""
-        return self._room.last_worst
-
-    @property
-    def money_skipped(self) -> dict[str, int]:
-        """Prompts skipped because their worst case did not fit what max_usd left, per dataset."""
-        return self._room.money_skipped
-
-    @property
-    def money_limited(self) -> bool:
-        """max_usd left some prompt unasked this run (skipped, eligible for a later run)."""
-        return self._room.money_limited
-
-    def request_for(self, ds: DatasetRun, prompt: Prompt) -> tuple[dict[str, Any], float]:
-        """The body this prompt's request sends, and the worst case of sending it (Room.request_for)."""
-        return self._room.request_for(ds, prompt)
-
-    def skip_for_money(self, ds: DatasetRun, prompt_id: str, reason: str) -> None:
-        """Skip one prompt max_usd has no room for: counted, eligible later (Room.skip_for_money)."""
-        self._room.skip_for_money(ds, prompt_id, reason)
-
-    async def admit(self, ds: DatasetRun, worst: float) -> Decision:
-        """Wait until the dataset may send one more request costing at most `worst` (Room.admit)."""
-        return await self._room.admit(ds, worst)
-
-    async def reserve_retry(self, ds: DatasetRun, prompt_id: str, worst: float) -> Ticket | None:
-        """A new reservation for a retry, or None when nothing can free room (Room.reserve_retry)."""
-        return await self._room.reserve_retry(ds, prompt_id, worst)
-
-    async def retry_slot(self, ds: DatasetRun) -> None:
-        """Wait, holding no slot, while the dataset is over its concurrency limit (Room.retry_slot)."""
-        await self._room.retry_slot(ds)
-
-    def _start(self, ds: DatasetRun, prompt: Prompt, body: dict[str, Any], worst: float,
-               source: PromptSource) -> None:
-        expected_tokens = ds.tokens.expected()
-        probe = ds.doubts.held  # doubts.py: while held, one request at a time
-        if probe:
-            ds.doubts.probe_out = True
-        ticket = self._money.spend.reserve(ds.config.name, prompt.id, worst)
-        ds.request_started()
-        ds.tokens.in_flight += expected_tokens
-        req = Request(ds, prompt, source)
-        task = asyncio.create_task(self._request(req, ticket, body))
-        self.tasks.add(task)
-
-        # A done-callback, not a `finally`: a task cancelled before its first step never runs its body.
-        def finished(t: asyncio.Task[None]) -> None:
-            self.tasks.discard(t)
-            ds.request_ended()
-            ds.tokens.in_flight -= expected_tokens
-            self._money.spend.release(ticket)  # cancelled before it was sent: nothing to settle
-            req.book(HANDED_BACK)  # cancelled (stop now) before its outcome was booked: it stays eligible
-            if probe:
-                ds.doubts.probe_out = False
-            if self.duplicates is not None:
-                self.duplicates.settled(ds.config.name, prompt.id)
-            if len(self._datasets) == 1:
-                ds.wake.set()
-            else:
-                self.wake_all()
-        task.add_done_callback(finished)
 
     async def grow_limits(self) -> None:
         """Every second: let the limits cut by 429s grow back (runs for the life of the run)."""

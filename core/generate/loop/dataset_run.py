@@ -68,9 +68,9 @@ class DatasetRun:
     done_ids: set[str] = field(default_factory=set)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     stopped: bool = False      # 404 "no endpoints": admit nothing more
-    responses: JsonlAppender | None = None
-    failures: JsonlAppender | None = None
     doubts: Doubts = field(default_factory=Doubts)  # set aside by a 4xx naming no known cause (doubts.py)
+    _responses: JsonlAppender | None = field(default=None, init=False)
+    _failures: JsonlAppender | None = field(default=None, init=False)
     # turns = "all": the counts are turns; its conversations are counted here (conversations.py).
     conversations: ConversationCounts = field(default_factory=ConversationCounts)
     # The state and the counts: read through the properties below, changed through the methods.
@@ -114,6 +114,24 @@ class DatasetRun:
     def sent(self) -> int:
         return self._sent
 
+    @property
+    def responses(self) -> JsonlAppender | None:
+        """responses.jsonl, once the record book opened it (record_book.py)."""
+        return self._responses
+
+    @property
+    def failures(self) -> JsonlAppender | None:
+        """failures.jsonl, once the record book opened it."""
+        return self._failures
+
+    def open_files(self, responses: JsonlAppender, failures: JsonlAppender) -> None:
+        """The dataset's two record files, opened (a torn last line cut) by the record book."""
+        self._responses, self._failures = responses, failures
+
+    def smoke_answered(self, answered: bool) -> None:
+        """Whether the last smoke test got an answer with this dataset's request shape (doubts.py)."""
+        self.doubts.smoke_answered = answered
+
     def running(self) -> None:
         self._status = DatasetStatus.RUNNING
 
@@ -124,11 +142,20 @@ class DatasetRun:
         if why is not None:
             self._message = why
 
-    def request_started(self) -> None:
+    def request_started(self, tokens: int = 0, *, probe: bool = False) -> None:
+        """A request starts: in flight, its expected `tokens` counted against the token budget, and
+        (`probe`) the one request its doubts let out (doubts.py)."""
         self._in_flight += 1
+        self.tokens.in_flight += tokens
+        if probe:
+            self.doubts.probe_out = True
 
-    def request_ended(self) -> None:
+    def request_ended(self, tokens: int = 0, *, probe: bool = False) -> None:
+        """The request `request_started` counted ended (answered, failed, handed back or cancelled)."""
         self._in_flight -= 1
+        self.tokens.in_flight -= tokens
+        if probe:
+            self.doubts.probe_out = False
 
     def park(self) -> None:
         """A retry waits for a slot under a lowered limit (it stays in flight)."""

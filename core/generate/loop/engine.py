@@ -5,10 +5,14 @@ is done by its parts, each in its own module:
 
     run_state.py   RunControl: the run's state, its holds and their reasons, the gate (changed only there)
     dataset_run.py a dataset's counts (answered + failed + skipped + left = total, asserted) and its files
-    run_loop.py    admission, attempts and the account watch, built once the run has opened what they need
-    admission.py   which prompt goes out when: adaptive concurrency, slots, budgets, the requeue
+    context.py     RunContext: the config, the gate, the event sink, clock and redactor every part reads
+    run_loop.py    the account watch, the room, the requests and admission, built once the run has opened
+    admission.py   which prompt goes out when: each dataset's loop over its prompt source (source.py:
+                   the file's prompts and those handed back), adaptive concurrency
+    request.py     one request from its admission to its record, in one place: room for it (room.py:
+                   slots, budgets), its reservation, attempts and retries (backoff, outages), its
+                   outcome booked, recorded and told to its source
     duplicates.py  a prompt another dataset of the run directory answered is not sent again
-    attempts.py    one prompt asked until it has an outcome: backoff, retries, outages
     doubts.py      prompts set aside by a 4xx naming no known cause, until it is known whose it is
     record_book.py resume from disk, the record writer, the disk-full hold-back (spool_import.py:
                    what earlier runs spooled)
@@ -50,11 +54,12 @@ from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.api.limits import ensure_open_files, tune_gc
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.admission import AdaptiveConcurrency
+from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.dataset_run import DatasetRun
-from draftgen.core.generate.loop.opening import open_datasets, open_money, write_run_json
+from draftgen.core.generate.loop.opening import Opened, open_datasets, open_money, write_run_json
 from draftgen.core.generate.loop.projection import project
 from draftgen.core.generate.loop.record_book import RecordBook
-from draftgen.core.generate.loop.run_loop import Opened, Parts, RunLoop
+from draftgen.core.generate.loop.run_loop import RunLoop
 from draftgen.core.generate.loop.run_state import Hold, PausedBy, RunControl
 from draftgen.core.generate.loop.stats import Tally
 from draftgen.core.generate.money.budget import MoneyBudget, TokenBudget
@@ -91,8 +96,9 @@ class Engine:
         self.control = RunControl(self._event)  # the run's state, holds and gate: changed only through it
         self.ended = ""  # how the run ended, with counts (final states only)
         self._started = clock()
-        self.book = RecordBook(self.rundir, self.datasets, self.money, self.errors, self._redact,
-                               on_event=self._event, control=self.control, on_answer=on_answer, clock=clock)
+        self._ctx = RunContext(config, self.control, self._event, clock, self._redact, self.errors, self.recent,
+                               self.provider_stats)  # what every part of the loop reads, passed once
+        self.book = RecordBook(self._ctx, self.rundir, self.datasets, self.money, on_answer=on_answer)
         self._rng = random.Random(seed)
         self._opened: Opened | None = None  # what the run opened (the client, the money, the duplicates)
         self._loop: RunLoop | None = None   # built, whole, once the run has opened what it needs
@@ -106,7 +112,7 @@ class Engine:
 
     @property
     def retries(self) -> int:
-        return self._loop.attempts.retries if self._loop is not None else 0
+        return self._loop.requests.retries if self._loop is not None else 0
 
     @property
     def prices(self) -> dict[str, Prices | None]:
@@ -183,7 +189,7 @@ class Engine:
         if not self.control.stop():
             return
         self._wake_all()
-        tasks = tuple(self._loop.admission.tasks) if self._loop is not None else ()
+        tasks = tuple(self._loop.requests.tasks) if self._loop is not None else ()
         for task in tasks:
             task.cancel()
         self._event(snap.Level.WARN, snap.EventKind.STOPPING,
@@ -222,10 +228,8 @@ class Engine:
                                              self._event)
             self.book.finish_import()
             self._opened = Opened(client, money, duplicates)
-            self._loop = RunLoop(Parts(cfg, self.datasets, self.money, self.spend, self.control, self.book,
-                                       self.errors, self.recent, self.provider_stats, self._redact, self._event,
-                                       self._clock), self._opened, self._rng, drain=self.drain,
-                                 resume=self._set_running)
+            self._loop = RunLoop(self._ctx, self._opened, datasets=self.datasets, money=self.money, spend=self.spend,
+                                 book=self.book, rng=self._rng, drain=self.drain, resume=self._set_running)
             tune_gc(need)
             await self._loop.run()
             await self._wait_for_disk()
@@ -246,7 +250,7 @@ class Engine:
         # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
         self.control.end(final_state(self.datasets.values(), stopping=self.control.stopping,
                                      draining=self.control.draining, waiting=self.held is Hold.ACCOUNT,
-                                     money_limited=self._loop is not None and self._loop.admission.money_limited))
+                                     money_limited=self._loop is not None and self._loop.room.money_limited))
         self.ended = ended_line(self.state, self.datasets.values())
         self._event(snap.Level.INFO if self.state == RunState.DONE else snap.Level.WARN, snap.EventKind.RUN_DONE,
                     f"run {self.ended}; {usd(self.money.spent_run)} spent this run, "
@@ -295,7 +299,7 @@ class Engine:
             return "paused by the user: r resumes (headless: kill -USR1 <pid>)"
         if self.state not in (RunState.RUNNING, RunState.DRAINING):
             return ""
-        return self._loop.attempts.stalled(self.in_flight) if self._loop is not None else ""
+        return self._loop.requests.stalled(self.in_flight) if self._loop is not None else ""
 
     # -- the picture ----------------------------------------------------------------------------
 

@@ -123,6 +123,14 @@ class Money:
     settler: Settler
 
 
+@dataclass(frozen=True)
+class Opened:
+    """What the run opened before its first request."""
+    client: ChatClient
+    money: Money
+    duplicates: CrossDatasetDuplicates | None
+
+
 async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client: ChatClient,
                      event: EventSink, on_settled: Callable[[], None]) -> Money:
     cut = await asyncio.to_thread(spend.open)
@@ -170,7 +178,7 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
     # A smoke test answered with a dataset's request shape shows its parameters work (doubts.py).
     smoke_answered = await asyncio.to_thread(load_smoke_answered, rundir, config.run_fingerprint())
     for name, ds in datasets.items():
-        ds.doubts.smoke_answered = name in smoke_answered
+        ds.smoke_answered(name in smoke_answered)
     for ds in datasets.values():  # a directory from before the spend ledger: its answers' cost carries in
         spend.carry(ds.config.name, ds.cost, ds.done)
     # A ledger behind its answers (or the reverse), e.g. after an OS crash of a version without fsync.

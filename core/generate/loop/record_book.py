@@ -27,6 +27,7 @@ from draftgen.core.errors import DiskError
 from draftgen.core.files import replacing
 from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.api.client import ChatAnswer, RequestFailed
+from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.prompts import (
     Conversation,
@@ -36,15 +37,14 @@ from draftgen.core.generate.loop.prompts import (
     read_prompts,
     turn_id,
 )
-from draftgen.core.generate.loop.run_state import Hold, RunControl
+from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.loop.spool import SpoolRecord, write_spool
 from draftgen.core.generate.loop.spool_import import HeldOutcome, SpoolImport
 from draftgen.core.generate.loop.stats import RateTracker, Tally
 from draftgen.core.generate.money.budget import MoneyBudget
-from draftgen.core.live.snapshot import EventKind, EventSink, Level
+from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
-from draftgen.core.secrets import Redactor
 
 PROMPT_CHUNK = 512
 
@@ -59,24 +59,22 @@ class _Held:
 
 
 class RecordBook:
-    def __init__(self, rundir: RunDir, datasets: dict[str, DatasetRun], money: MoneyBudget, errors: Tally,
-                 redact: Redactor, *, on_event: EventSink,
-                 control: RunControl, on_answer: Callable[[str, dict[str, Any]], None] | None,
-                 clock: Callable[[], float]) -> None:
+    def __init__(self, ctx: RunContext, rundir: RunDir, datasets: dict[str, DatasetRun], money: MoneyBudget, *,
+                 on_answer: Callable[[str, dict[str, Any]], None] | None) -> None:
         self.rundir = rundir
         self._datasets = datasets
         self.money = money
-        self.errors = errors
-        self.rates = RateTracker(clock=clock)
+        self.errors = ctx.errors
+        self.rates = RateTracker(clock=ctx.clock)
         self.providers = Tally()
-        self._redact = redact
-        self._event = on_event
-        self._control = control  # the run's owner: a write the disk refuses holds the run through it
-        self._on_answer = on_answer
+        self._redact = ctx.redact
+        self._event = ctx.event
+        self._control = ctx.control  # the run's owner: a write the disk refuses holds the run through it
+        self._on_answer = on_answer  # the answer handed on once on disk (the live token view, core/run)
         self._held: list[_Held] = []
         self._disk_error: DiskError | None = None   # why the records are held
         self.held_outcome = HeldOutcome()
-        self._spools = SpoolImport(rundir, self.held_outcome, on_event)  # earlier runs', imported as datasets open
+        self._spools = SpoolImport(rundir, self.held_outcome, ctx.event)  # earlier runs', imported as datasets open
 
     @property
     def holding(self) -> int:
@@ -92,9 +90,9 @@ class RecordBook:
     def open(self, ds: DatasetRun) -> None:
         """Open the dataset's files (cutting a torn last line) and count what is already on disk."""
         rd = self.rundir
-        ds.responses = JsonlAppender(rd.responses(ds.config.name))
-        ds.failures = JsonlAppender(rd.failures(ds.config.name))
-        for f in (ds.responses, ds.failures):
+        responses, failures = JsonlAppender(rd.responses(ds.config.name)), JsonlAppender(rd.failures(ds.config.name))
+        ds.open_files(responses, failures)
+        for f in (responses, failures):
             if f.cut_bytes:
                 self._event(Level.WARN, EventKind.REPAIRED, f"{f.path}: cut a half-written last line "
                             f"({f.cut_bytes} bytes) left by a crash")

@@ -1,4 +1,4 @@
-"""Room for one more request: what admission (admission.py) asks before a request or a retry starts.
+"""Room for one more request: what a request (request.py) asks before it or its retry starts.
 
 A request waits while the run is paused, while a doubted dataset's one probe is out (doubts.py), while
 its dataset's answers in flight may still free token budget, while settling money in flight may free
@@ -10,25 +10,23 @@ instead of skipping anything. A retry over a limit lowered by 429s waits for a s
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import cycle_index
-from draftgen.core.generate.api.prices import Prices, body_worst_case
+from draftgen.core.generate.api.prices import body_worst_case
+from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.money.budget import Block, BlockReason, MoneyBudget
 from draftgen.core.generate.money.spend import Ticket
-from draftgen.core.live.snapshot import EventKind, EventSink, Level
+from draftgen.core.live.snapshot import EventKind, Level
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.dataset_run import DatasetRun
+    from draftgen.core.generate.loop.opening import Opened
     from draftgen.core.generate.loop.record_book import RecordBook
-    from draftgen.core.generate.loop.run_state import RunControl
-
-BodyFor = Callable[..., dict[str, Any]]  # Config.request_body(dataset, messages, index=)
-
+    from draftgen.core.generate.loop.watch import AccountWatch
 
 class Verdict(Enum):
     GO = "go"            # admit now
@@ -57,23 +55,25 @@ class _Wait(Enum):
 class Room:
     """Whether one more request (or retry) of a dataset may go out now, and what max_usd left unasked."""
 
-    def __init__(self, money: MoneyBudget, gate: RunControl, book: RecordBook, *, in_flight: Callable[[], int],
-                 on_event: EventSink, on_floor: Callable[[str], None], settling: Callable[[], int],
-                 body: BodyFor, prices: dict[str, Prices | None]) -> None:
+    def __init__(self, ctx: RunContext, money: MoneyBudget, book: RecordBook, watch: AccountWatch,
+                 datasets: dict[str, DatasetRun], opened: Opened) -> None:
         self._money = money
-        self._gate = gate
+        self._gate = ctx.control
         self._book = book
-        self._in_flight = in_flight  # requests in flight over every dataset
-        self._event = on_event
-        self._on_floor = on_floor  # the balance reached credit_floor_usd: the engine holds the run
-        self._settling = settling  # abandoned attempts being priced: settling them may free room
-        self._body = body  # the exact request body (Config.request_body): the reservation is its worst case
-        self.prices = prices
-        self.last_worst = 0.0  # the worst case of the last request asked for: what a re-check must find room for
+        self._watch = watch  # the balance reached credit_floor_usd: the watch holds the run
+        self._datasets = datasets
+        self._event = ctx.event
+        self._settler = opened.money.settler  # abandoned attempts being priced: settling them may free room
+        self._body = ctx.config.request_body  # the exact request body: the reservation is its worst case
+        self.prices = opened.money.prices
         # Prompts skipped because their worst case did not fit what max_usd left, per dataset.
         self.money_skipped: dict[str, int] = {}
         self._money_stopped: set[str] = set()  # datasets whose rest max_usd skipped
         self._retries_waiting = 0
+
+    def _in_flight(self) -> int:
+        """Requests in flight over every dataset."""
+        return sum(d.in_flight for d in self._datasets.values())
 
     def request_for(self, ds: DatasetRun, prompt: Prompt) -> tuple[dict[str, Any], float]:
         """The body this prompt's request sends, and what sending it can cost at most (0 when no price
@@ -135,7 +135,7 @@ class Room:
                 return _Wait.WAKE
             return Decision(Verdict.BUDGET, f"token budget reached: {ds.tokens.used:,} used + "
                             f"{ds.tokens.in_flight:,} in flight of {ds.tokens.limit:,}")
-        self.last_worst = worst
+        self._watch.asking(worst)  # what a re-check of the account must find room for
         block = self._money.blocked(worst)
         if block is not None:
             return self._money_held(ds, worst, block)
@@ -158,18 +158,18 @@ class Room:
         """max_usd or the credit floor has no room for `worst` now: skip the prompt, wait for money in
         flight to settle, hold the run at the floor, or end the dataset at max_usd."""
         # Answers settling below their reservation free room; near the end fewer go out, not none.
-        if not self._settling():
+        if not self._settler.waiting:
             # Even with every request in flight settled at $0 it would not fit: skip it, go on.
             beyond = self._money.beyond_reach(worst)
             if beyond is not None:
                 self._money.note_limited()
                 return Decision(Verdict.SKIP, beyond)
-        if self._in_flight() or self._settling():
+        if self._in_flight() or self._settler.waiting:
             self._money.note_limited()
             return _Wait.WAKE
         if block.reason == BlockReason.CREDIT_FLOOR:
             # The balance, not a budget: hold the run (nothing skipped) until it shows room again.
-            self._on_floor(block.message)
+            self._watch.floor_reached(block.message)
             if self._gate.is_open:  # the hold was refused (draining): admit nothing
                 return HALT
             return _Wait.GATE
@@ -184,12 +184,12 @@ class Room:
             block = self._money.blocked(worst)
             if block is None:
                 return self._money.spend.reserve(ds.config.name, prompt_id, worst)
-            if self._in_flight() - self._retries_waiting - 1 <= 0 and not self._settling():
+            if self._in_flight() - self._retries_waiting - 1 <= 0 and not self._settler.waiting:
                 if block.reason == BlockReason.MAX_USD or self._gate.draining:
                     return None
                 # The balance, not the ceiling: hold the run (nothing skipped) until it shows room again.
-                self.last_worst = worst
-                self._on_floor(block.message)
+                self._watch.asking(worst)
+                self._watch.floor_reached(block.message)
                 if self._gate.is_open:  # the hold was refused (draining)
                     return None
                 await self._gate.wait_open()

@@ -14,36 +14,43 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from draftgen.core.config import Config
 from draftgen.core.generate.api.account import AccountStatus, AccountStop, read_account
 from draftgen.core.generate.api.classify import AccountCondition, RequestFailed
 from draftgen.core.generate.api.client import ChatClient
-from draftgen.core.generate.loop.admission import Admission
-from draftgen.core.generate.loop.run_state import Hold, RunControl
+from draftgen.core.generate.loop.context import RunContext
+from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.snapshot import EventKind, Level
-from draftgen.core.secrets import Redactor
+
+if TYPE_CHECKING:
+    from draftgen.core.generate.loop.dataset_run import DatasetRun
 
 
 class AccountWatch:
-    def __init__(self, config: Config, money: MoneyBudget, spend: SpendLedger, admission: Admission,
-                 control: RunControl, redact: Redactor, event: Callable[..., None], *, client: ChatClient,
-                 on_key_refused: Callable[[AccountStop], None], on_cleared: Callable[[], None]) -> None:
-        self._config = config
+    def __init__(self, ctx: RunContext, money: MoneyBudget, spend: SpendLedger, datasets: dict[str, DatasetRun],
+                 client: ChatClient, *, on_key_refused: Callable[[AccountStop], None],
+                 on_cleared: Callable[[], None]) -> None:
+        self._config = ctx.config
         self._money = money
         self._spend = spend
-        self._admission = admission
-        self._run = control
-        self._redact = redact
-        self._event = event
+        self._datasets = datasets
+        self._run = ctx.control
+        self._redact = ctx.redact
+        self._event = ctx.event
         self._on_key_refused = on_key_refused  # the engine drains the run
         self._on_cleared = on_cleared          # the engine resumes the run (once the disk holds nothing)
         self.client = client
         self.key_refused: AccountStop | None = None  # a 401 drained the run
         self.status: AccountStatus | None = None     # the last read of GET /key and GET /credits
         self._recheck: asyncio.Task[None] | None = None
+        self._next_worst = 0.0  # the worst case of the last request asked room for (room.py)
+
+    def asking(self, worst: float) -> None:
+        """A request asks room for `worst` now: a re-check must find room for it beside what is reserved."""
+        self._next_worst = worst
 
     @property
     def balance_bound(self) -> bool:
@@ -98,7 +105,7 @@ class AccountWatch:
             except Exception:  # noqa: BLE001 - a re-check must never take the run down
                 continue
             # Room for what is still reserved plus the worst case of the next request, as admission asks.
-            need = self._spend.reserved_usd + self._admission.last_worst
+            need = self._spend.reserved_usd + self._next_worst
             if stop.cleared_by(status, need_usd=need, floor_usd=self._money.floor_usd, now=time.time()):
                 self._event(Level.INFO, EventKind.ACCOUNT, f"{stop.condition.value} cleared ({status.balance_detail}): "
                             "resuming")
@@ -114,7 +121,8 @@ class AccountWatch:
         self.status = status
         self._money.set_balance(status.balance, status.balance_source)
         if status.balance is not None:
-            self._admission.wake_all()
+            for ds in self._datasets.values():
+                ds.wake.set()
         elif first_unknown:
             self._event(Level.WARN, EventKind.CREDITS,
                         f"balance {self._redact(status.balance_detail)}; the run keeps going "
