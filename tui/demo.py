@@ -1,8 +1,8 @@
 """`draftgen demo`: the whole pipeline offline in about a minute.
 
 The built-in simulator serves on a free loopback port (realistic latency, a provider mix, a little
-fault injection); three small bundled datasets (one runs out of its token budget, one has two bad
-lines; a fourth, multi-turn, waits behind MULTI_TURN_DEMO) go through smoke, generation with the
+fault injection); four small bundled datasets (one runs out of its token budget, one has two bad
+lines, one is multi-turn: turns = "all", behind MULTI_TURN_DEMO) go through smoke, generation with the
 bundled Kimi tokenizer reconstructing as answers land, merge, and extraction with a tiny
 random-weight Llama on the CPU. The run directory stays for the user to look at.
 """
@@ -87,7 +87,7 @@ device = "cpu"
 
 # The multi-turn demo: 6 conversations x 3 user turns, each turn asked in order on the target's own earlier
 # answers (turns = "all"; the file's own assistant turns are dropped). Off: the entry is written commented.
-MULTI_TURN_DEMO = False  # multi-turn demo: True once the engine reads turns = "all"
+MULTI_TURN_DEMO = True  # multi-turn demo: the engine reads turns = "all" (conversations.py)
 MULTI_TURN_ENTRY = """\
 [[datasets]]
 name = "dialogue"                # multi-turn demo: every user turn asked on the target's own answers
