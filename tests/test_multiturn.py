@@ -143,6 +143,8 @@ async def test_kill_9_mid_conversation_resumes_at_the_next_turn_nothing_paid_twi
         sent = [m for m in r["messages"] if m["role"] == "assistant"]
         assert [m["content"] for m in sent] == [earlier[k]["content"] for k in sorted(earlier)]
     r = report.reconciliation
+    print(f"kills at {[len(stored) for _, stored in kills]} turns stored; {len(log)} requests for {len(ids)} turns; "
+          f"billed ${billed:.4f}, ledger ${r.total_usd:.4f}, unknown {r.unknown} (<= ${r.unknown_worst_usd:.4f})")
     assert r.pending == 0 and r.total_usd <= billed + 1e-4 <= r.total_usd + r.unknown_worst_usd + 2e-4
 
 
