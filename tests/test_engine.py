@@ -366,3 +366,22 @@ def test_a_trickle_of_429s_at_a_high_rate_is_not_a_storm():
         clock[0] += 0.01
         aimd.on_429()
     assert aimd.limit == 70
+
+
+async def test_a_stop_now_releases_what_each_abandoned_request_held(tmp_path):
+    """Each request's slot, token estimate and reservation go back when its task ends, also when stop
+    now cancels it (before its first step or mid-request): the request's done callback, not its body."""
+    async with SimServer(SimConfig(seed=5, fixed_latency_s=0.5, mean_completion_tokens=50), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 12,
+                                                    "token_budget": 1_000_000}])
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        ds = engine.datasets["a"]
+        while engine.in_flight < 12:
+            await asyncio.sleep(0.01)
+        assert ds.tokens.in_flight > 0 and engine.spend.reserved_usd > 0
+        engine.stop()
+        assert await asyncio.wait_for(task, 10) == snap.RunState.STOPPED
+    assert (ds.in_flight, ds.parked, ds.tokens.in_flight, ds.doubts.probe_out) == (0, 0, 0, False)
+    assert engine.spend.reserved_usd == 0
+    assert ds.done + ds.left == 60 and ds.left >= 12, "the abandoned prompts stay eligible"

@@ -94,7 +94,7 @@ async def test_a_refused_tick_write_sends_nothing_and_keeps_every_line_in_order(
     late = spend.reserve("a", "p1", 0.01)
     with pytest.raises(DiskError, match="spend.jsonl"):
         await spend.send_grouped(late)     # its line could not be written: it must not leave
-    spend.release(late)                    # as attempts.py does
+    spend.release(late)                    # as a request (request.py) does
     assert not late.sent and spend.reserved_usd == 0
     spy.full = False
     spend.close()                          # space back: every line, in order, none torn

@@ -9,9 +9,11 @@ money/     what it costs: `spend` (the spend ledger, spend.jsonl), `spend_file` 
            attempt), `settle` (pricing abandoned generations), `budget` (token and money budgets),
            `forecast` (the whole-run projection), `reconcile` (`draftgen ledger`).
 loop/      the run loop: `engine` (lifecycle and controls), `run_state` (`RunControl`, the run's one
-           owner), `run_loop` (its parts, built once the run has opened), `opening` (what a run reads
-           before its first request), `admission` and `room` (which prompt goes out, and whether it
-           fits), `attempts` (one prompt until its outcome), `dataset_run` (a dataset's counts),
+           owner), `run_loop` (its parts, built once the run has opened), `context` (what every part
+           reads, passed once), `opening` (what a run reads before its first request), `source` (where
+           a dataset's prompts come from), `admission` (each dataset's loop over its source), `request`
+           (one request from its admission to its record), `room` (whether one more request fits),
+           `dataset_run` (a dataset's counts),
            `record_book` (each dataset's records on disk), `prompts`, `duplicates`, `doubts`, `watch`
            (the account while a run goes), `spool` and `spool_import`, `projection`, `stats`,
            `smoke_record` (what the last smoke test left for a run).

@@ -11,7 +11,7 @@ one `Whose`:
   outage kinds (connection, 408, 429, 5xx, the in-flight-budget 402) spend no attempt: an outage
   of any length fails no prompt. The answer kinds (a timeout, a truncated body, a 200 carrying an
   error) spend an attempt only while the service, since this prompt was first sent, has given the
-  other prompts more answers than answer faults (attempts.py).
+  other prompts more answers than answer faults (core/generate/loop/request.py).
 - DATASET: the dataset's routing or settings (404 no endpoints or unknown model, 400
   max_tokens_exceeded, 402 weight_exceeds_budget): the dataset stops with the message; its prompts
   stay eligible.

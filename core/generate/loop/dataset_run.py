@@ -78,7 +78,7 @@ class DatasetRun:
     _message: str = field(default="", init=False)
     _in_flight: int = field(default=0, init=False)
     _parked: int = field(default=0, init=False)   # of those, retries waiting for a slot under a lowered limit
-    _sent: int = field(default=0, init=False)     # requests sent this run (attempts.py numbers each one)
+    _sent: int = field(default=0, init=False)     # requests sent this run (request.py numbers each one)
     _total: int = field(default=0, init=False)
     _done: int = field(default=0, init=False)
     _failed: int = field(default=0, init=False)

@@ -13,7 +13,7 @@ aside, unrecorded, and:
 - at `DOUBT_LIMIT` set aside with no such answer (`held`), the dataset sends one request at a time (a
   probe: requests already in flight were sent before the refusals, so their answers prove nothing):
   a probe answered confirms them all and sending resumes in full; `PROBES` probes in a row refused
-  too and the dataset stops, its prompts eligible (admission.py);
+  too and the dataset stops, its prompts eligible (room.py);
 - at the dataset's end, what is still set aside fails as its own if the dataset answered anything
   this run or its request shape was answered by the last smoke test; otherwise the dataset stops,
   saying that an answered smoke test lets the next run fail them (ledger.py `settle_doubts`).
@@ -64,6 +64,10 @@ class Doubts:
         if self.held and seq > self.items[-1].refused_after:
             self.refused_probes += 1
         self.items.append(Doubt(prompt, e, attempts, sent))
+
+    def clear(self) -> None:
+        """Every set-aside prompt has its outcome now (failed as its own at the dataset's end)."""
+        self.items.clear()
 
     def confirmed(self, seq: int) -> list[Doubt]:
         """The set-aside prompts that an answer to request number `seq` shows were refused for their own

@@ -223,7 +223,7 @@ class RecordBook:
             return self.stop_doubted(ds)
         for d in ds.doubts.items:
             self.record_failure(ds, d.prompt, d.error, d.attempts)
-        ds.doubts.items.clear()
+        ds.doubts.clear()
         return False
 
     def record_failure(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int) -> None:

@@ -31,8 +31,10 @@ so does a self-hosted server's 503. A drain gives a retrying prompt up unrecorde
 Each request runs as a task. What it holds (its slot, its reservation, its tokens in flight, its
 dataset's probe, its claim on the prompt against other datasets) is released by the task's done
 callback (`_finished`), not a `finally`: a task cancelled (stop now) before its first step never
-runs its body. For the same reason a request whose outcome was never booked is booked HANDED_BACK
-there (it stays eligible for the next run).
+runs its body. For the same reason a request whose outcome was never booked is booked there: HANDED_BACK when
+it was cancelled (stop now), FAILED (for its source only: nothing is written) when it ended on an
+error of the engine's own, which asking it again would only repeat; either way it stays eligible for
+the next run.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def backoff_delay(attempt: int, base: float, cap: float, retry_after: float | No
     return delay
 
 
+ENDED_ON_ERROR = Booked.failed("its request ended on an error of the engine's own")
 ANSWER_BLOCK_BITS = 3  # answers are counted by blocks of 8 sends: a prompt's count starts at the next block
 
 
@@ -201,12 +204,14 @@ class Requests:
 
     def _finished(self, req: Request, task: asyncio.Task[None]) -> None:
         """The task ended, its body run or not (a task cancelled before its first step never runs it):
-        what the request held is released, and a prompt whose outcome was never booked handed back."""
+        what the request held is released, and a prompt whose outcome was never booked is booked now."""
         self.tasks.discard(task)
         ds = req.ds
         ds.request_ended(req.expected, probe=req.probe)
         self._spend.release(req.ticket)  # cancelled before it was sent: nothing to settle
-        req.book(HANDED_BACK)  # stop now before its outcome was decided: it stays eligible
+        if not req.booked:  # its outcome never decided: stays eligible for the next run
+            # Cancelled (stop now): handed back. An error of the engine's own is not asked again this run.
+            req.book(HANDED_BACK if task.cancelled() else ENDED_ON_ERROR)
         if self.duplicates is not None:
             self.duplicates.settled(ds.config.name, req.prompt.id)
         if len(self._datasets) == 1:
