@@ -339,6 +339,8 @@ async def test_the_client_keeps_reasoning_details_whole_streamed_or_not(stream):
                          port=0) as sim, ChatClient(sim.base_url, "sk-test", concurrency=1) as client:
         body = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Explain tides."}],
                 "max_tokens": 2048, "include_reasoning": True, **({"stream": True} if stream else {})}
-        a = await client.chat(body)
+        a = await client.chat(body, details=True)
+        plain = await client.chat(body)  # a single-turn request: a stream's details are not joined
     assert a.reasoning and a.reasoning_details == [{"type": "reasoning.text", "text": a.reasoning,
                                                     "format": "unknown", "index": 0}]
+    assert plain.reasoning == a.reasoning and (plain.reasoning_details is None) == stream

@@ -255,7 +255,8 @@ class Requests:
             sent_no = self._sent
             self._sent += 1
             try:
-                answer = await self.client.chat(body, functools.partial(spend.generation, ticket))
+                answer = await self.client.chat(body, functools.partial(spend.generation, ticket),
+                                                details=ds.config.turns == "all")  # passed back next turn
             except RequestFailed as e:
                 self._note_failure(ds, ticket, tries, e)
                 ended = self._ended_by(ds, prompt_id, tries, e, seq)
