@@ -109,7 +109,8 @@ def cmd_prompts_build(args: argparse.Namespace) -> int:
     from draftgen.core.promptsets.command import BuildRequest, build_command
     return build_command(BuildRequest(
         sources=args.sources, out_dir=Path(args.out), config=None if args.no_config else Path(args.config),
-        preset=args.preset, mapping=args.map, turns=args.turns, n=args.n, seed=args.seed, languages=args.language,
+        preset=args.preset, mapping=args.map, turns=args.turns, max_turns=args.max_turns, n=args.n, seed=args.seed,
+        languages=args.language,
         min_tokens=args.min_tokens, max_tokens=args.max_tokens, split=args.split, short=args.short,
         long=args.long, tokenizer=args.tokenizer, template=args.template, price_in=args.price_in,
         price_out=args.price_out, model=args.model, output_dir=args.output_dir, download=args.download,
@@ -224,8 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="row layout (default: detected from the columns)")
     b.add_argument("--map", help="explicit columns: prompt=COL[,input=COL][,system=COL] or messages=COL or "
                    "conversations=COL")
-    b.add_argument("--turns", choices=("first", "last"), default="first",
-                   help="conversations: the first user turn (default) or everything up to the last one")
+    b.add_argument("--turns", choices=("first", "last", "all"), default="first",
+                   help="conversations: the first user turn (default), everything up to the last one (one "
+                   "request), or all: every user turn asked in order on the target's own answers (turns = \"all\")")
+    b.add_argument("--max-turns", type=int, help="with --turns all: user turns kept per conversation at most")
     b.add_argument("-n", type=int, help="prompts per source (default: all usable rows)")
     b.add_argument("--seed", type=int, default=42, help="sampling seed (default 42)")
     b.add_argument("--language", help="keep these languages, e.g. en or en,zh (a language column, else the script)")

@@ -209,6 +209,46 @@ class DatasetConfig:
     token_budget: int | None = None
     # Merged over the top-level [request] table for this dataset only.
     request: dict[str, Any] = field(default_factory=dict)
+    # Which user turns of a conversation are asked: "last" (the turns up to the last user turn, as the file
+    # has them, one request: today's default), "first" (a leading system turn and the first user turn),
+    # "all" (every user turn in order, each asked on the target's own earlier answers; docs/config.md).
+    turns: Literal["first", "last", "all"] = "last"
+    max_turns: int | None = None  # turns = "all": the user turns asked per conversation at most
+    # Sampling cycles: the i-th prompt of the file (0-based line index, `cycle_index`) is asked with
+    # temperatures[i % n] and reasoning effort reasoning_efforts[i % m]; every turn of a conversation alike.
+    temperatures: list[float] = field(default_factory=list)
+    reasoning_efforts: list[str] = field(default_factory=list)
+
+    @property
+    def cycles(self) -> bool:
+        """Sampling cycles are set: the body's temperature or reasoning effort varies by prompt."""
+        return bool(self.temperatures or self.reasoning_efforts)
+
+    @property
+    def records_sampling(self) -> bool:
+        """Its responses.jsonl lines carry `sampling` (core/records.py): cycles set, or turns = "all"."""
+        return self.cycles or self.turns == "all"
+
+    def sampling_at(self, index: int) -> tuple[float | None, str | None]:
+        """(temperature, reasoning effort) the cycles give the prompt at `index` (None: not cycled)."""
+        t = self.temperatures[index % len(self.temperatures)] if self.temperatures else None
+        e = self.reasoning_efforts[index % len(self.reasoning_efforts)] if self.reasoning_efforts else None
+        return t, e
+
+
+def cycle_index(line: int) -> int:
+    """The sampling-cycle index of the prompt on 1-based `line` of its file: the 0-based line index. Stable
+    across runs and resumes (it depends on the file alone, not on what is answered), and shared by every
+    turn of a conversation; blank or rejected lines take an index too (a clean file: the prompt's rank)."""
+    return max(0, line - 1)
+
+
+def sampling_of(body: dict[str, Any]) -> dict[str, Any]:
+    """The record's `sampling` field from the body actually sent: its temperature and reasoning effort
+    (`reasoning.effort` on OpenRouter, `reasoning_effort` on a self-hosted server), null when absent."""
+    reasoning = body.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    return {"temperature": body.get("temperature"), "reasoning_effort": effort or body.get("reasoning_effort")}
 
 
 @dataclass(frozen=True)
@@ -318,14 +358,17 @@ class Config:
         return key
 
     def request_body(self, dataset: DatasetConfig, messages: list[dict[str, Any]], *,
-                     decided: bool = True, server_ids: bool = True) -> dict[str, Any]:
+                     decided: bool = True, server_ids: bool = True, index: int | None = None) -> dict[str, Any]:
         """The exact body sent for a prompt of `dataset`: the [request] table as-is, then the dataset's
-        (streamed as the smoke test decided, `ApiConfig.streams`; `decided` False: as configured).
+        (streamed as the smoke test decided, `ApiConfig.streams`; `decided` False: as configured), then
+        the dataset's sampling cycles at the prompt's `index` (`cycle_index`; None: no cycle applied).
         With `[api] return_token_ids`, the keys that ask the server found at run start for its ids in
         this mode (core/servers.py; `server_ids` False: the plain `return_token_ids` switch)."""
         body: dict[str, Any] = {"model": self.api.model, "messages": messages, "max_tokens": dataset.max_tokens}
         body.update(self.request)
         body.update(dataset.request)
+        if index is not None and dataset.cycles:
+            self._cycle(body, dataset, index)
         if self.api.return_token_ids:
             if server_ids and self.api.self_hosted:
                 for key in IDS_KEYS:
@@ -342,6 +385,20 @@ class Config:
             if self.api.self_hosted:  # vLLM and SGLang put usage in a stream only when asked
                 body["stream_options"] = {"include_usage": True}
         return body
+
+    def _cycle(self, body: dict[str, Any], dataset: DatasetConfig, index: int) -> None:
+        """The cycles' temperature and reasoning effort for the prompt at `index`, into `body`: the effort
+        as OpenRouter's `reasoning.effort` (beside the table's other reasoning keys), or as the top-level
+        `reasoning_effort` vLLM and SGLang read on a self-hosted server (`reasoning` is OpenRouter-only)."""
+        temperature, effort = dataset.sampling_at(index)
+        if temperature is not None:
+            body["temperature"] = temperature
+        if effort is not None:
+            if self.api.self_hosted:
+                body["reasoning_effort"] = effort
+            else:
+                reasoning = body.get("reasoning")
+                body["reasoning"] = {**(reasoning if isinstance(reasoning, dict) else {}), "effort": effort}
 
     def dropped_keys(self, dataset: DatasetConfig) -> list[str]:
         """The OpenRouter-only request keys of `dataset` left out for an openai-compatible server."""
@@ -365,7 +422,10 @@ class Config:
         configured mode: the smoke test that decided a self-hosted server's mode checked both)."""
         body = self.request_body(dataset, [], decided=False, server_ids=False)
         body.pop("messages")
-        return {"base_url": self.api.base_url, **body}
+        shape = {"base_url": self.api.base_url, **body}
+        if dataset.cycles:  # only when set: a config without cycles keeps its fingerprint
+            shape["cycles"] = {"temperatures": dataset.temperatures, "reasoning_efforts": dataset.reasoning_efforts}
+        return shape
 
     def fingerprint(self, dataset: DatasetConfig) -> str:
         return hashlib.sha256(orjson.dumps(self.request_shape(dataset), option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
@@ -701,10 +761,68 @@ def _datasets(raw: dict[str, Any], file: Path, base: Path, api: ApiConfig, reque
         ds = _completion_limit(file, i, ds, "max_tokens" in table, request)
         check_reasoning_budget(file, "request", request, ds.max_tokens, ds.name)
         check_reasoning_budget(file, own, ds.request, ds.max_tokens, ds.name)
+        _check_turns(file, i, ds, table)
+        _check_cycles(file, i, ds, table, request)
         prompts = base / ds.prompts
         _check_prompts_path(file, f"datasets[{i}].prompts", prompts)
         datasets.append(dataclasses.replace(ds, prompts=prompts))
     return datasets
+
+
+# Temperatures the API takes (OpenRouter's parameters: 0.0 to 2.0; OpenAI's the same range).
+TEMPERATURE_RANGE = (0.0, 2.0)
+# Reasoning efforts OpenRouter's reasoning-tokens guide names (`reasoning.effort`).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _check_turns(file: Path, i: int, ds: DatasetConfig, table: dict[str, Any]) -> None:
+    """`max_turns` is a positive integer, for `turns = "all"` only (the other modes ask one request)."""
+    if ds.max_turns is None:
+        return
+    name = f"{file}: datasets[{i}].max_turns = {ds.max_turns!r} (dataset {ds.name})"
+    if ds.max_turns < 1:
+        raise ConfigError(f"{name}: must be an integer >= 1 (the user turns asked per conversation at most)")
+    if ds.turns != "all":
+        how = "set" if "turns" in table else "the default"
+        raise ConfigError(f"{name}: caps the turns asked with turns = \"all\", but datasets[{i}].turns is "
+                          f"{ds.turns!r} ({how}); set turns = \"all\" or remove max_turns")
+
+
+def _check_cycles(file: Path, i: int, ds: DatasetConfig, table: dict[str, Any], request: dict[str, Any]) -> None:
+    """Cycle lists are non-empty, in the API's range, and not set beside the key they cycle in the dataset's
+    own request table (one of the two would silently lose); [request]'s value is what a cycle overrides,
+    except a reasoning budget, which OpenRouter does not take beside an effort."""
+    for key in ("temperatures", "reasoning_efforts"):
+        if key in table and not getattr(ds, key):
+            raise ConfigError(f"{file}: datasets[{i}].{key} = [] (dataset {ds.name}): list at least one value, "
+                              f"or remove the key")
+    for k, t in enumerate(ds.temperatures):
+        if not TEMPERATURE_RANGE[0] <= t <= TEMPERATURE_RANGE[1]:
+            raise ConfigError(f"{file}: datasets[{i}].temperatures[{k}] = {t!r} (dataset {ds.name}): must be between "
+                              f"{TEMPERATURE_RANGE[0]:g} and {TEMPERATURE_RANGE[1]:g} (the API's range)")
+    for k, e in enumerate(ds.reasoning_efforts):
+        if e not in REASONING_EFFORTS:
+            raise ConfigError(f"{file}: datasets[{i}].reasoning_efforts[{k}] = {e!r} (dataset {ds.name}): must be one "
+                              f"of {', '.join(REASONING_EFFORTS)} (OpenRouter's reasoning.effort values)")
+    own = f"datasets[{i}].request"
+    clashes = {"temperatures": ((own, "temperature"),),
+               "reasoning_efforts": ((own, "reasoning_effort"), (own, "reasoning.effort"),
+                                     (own, "reasoning.max_tokens"), ("request", "reasoning.max_tokens"))}
+    tables = {own: ds.request, "request": request}
+    for key, others in clashes.items():
+        if not getattr(ds, key):
+            continue
+        for where, other in others:
+            head, _, sub = other.partition(".")
+            value = tables[where].get(head)
+            if sub:
+                value = value.get(sub) if isinstance(value, dict) else None
+            if value is None:
+                continue
+            why = ("OpenRouter takes a reasoning effort or a reasoning budget, not both" if sub == "max_tokens"
+                   else "the cycle would replace it in every body")
+            raise ConfigError(f"{file}: datasets[{i}].{key} and {where}.{other} are both set (dataset {ds.name}): "
+                              f"{why}; keep one")
 
 
 def _check_dataset_name(file: Path, i: int, name: str, taken: set[str]) -> None:

@@ -12,6 +12,12 @@ answer):
 The builder (`draftgen prompts build`) drops both kinds before writing prompt files, `run` skips a
 prompt whose `prompt_key` was already answered in another dataset of the run directory, and merge
 keeps the first sample of each `prompt_key`.
+
+A turn of a `turns = "all"` conversation (a record with a `turn`) is keyed on the conversation's
+prompt side up to that turn, `turn_key`: its system turn and user turns 1..k, never the target's
+earlier answers in its history (they differ from run to run, so they would make every turn unique).
+Two conversations that open alike share their first turns' keys; a single-turn prompt equal to a
+conversation's first user turn shares that turn's key.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -65,3 +72,28 @@ def prompt_key(messages: Any) -> bytes:
             part.append(m["tool_calls"])
         parts.append(part)
     return _digest(orjson.dumps(parts, option=orjson.OPT_SORT_KEYS))
+
+
+def prompt_side(messages: Any) -> Any:
+    """A conversation turn's prompt side: its messages without the assistant turns (system and user turns
+    in order). Only for a `turns = "all"` turn, whose assistant turns are all the target's own answers."""
+    if not isinstance(messages, list):
+        return messages
+    return [m for m in messages if not (isinstance(m, dict) and m.get("role") == "assistant")]
+
+
+def turn_key(messages: Any) -> bytes:
+    """The dedupe key of a `turns = "all"` turn: `prompt_key` of its prompt side (`prompt_side`)."""
+    return prompt_key(prompt_side(messages))
+
+
+def is_turn(record: Mapping[str, Any]) -> bool:
+    """A record (responses.jsonl line, merged sample) of one turn of a `turns = "all"` conversation."""
+    turn = record.get("turn")
+    return isinstance(turn, int) and not isinstance(turn, bool)
+
+
+def record_key(record: Mapping[str, Any]) -> bytes:
+    """A record's dedupe key: `turn_key` for a conversation turn (`is_turn`), else `prompt_key` of its messages."""
+    messages = record.get("messages")
+    return turn_key(messages) if is_turn(record) else prompt_key(messages)

@@ -22,10 +22,26 @@
                           (vLLM, SGLang with `[api] return_token_ids`); reconstruction compares them
                           with the rendered prompt (`matches_backend_prompt`)
     ts                    float, unix time it was written
+    sampling              {temperature: float | null, reasoning_effort: str | null} | absent: what the body
+                          sent carried (`reasoning.effort`, or `reasoning_effort` self-hosted), written when
+                          the dataset sets sampling cycles (`temperatures`, `reasoning_efforts`) or turns =
+                          "all" (config.sampling_of; added to the line by record_book.record_answer)
+
+  A dataset with `turns = "all"` (one line per turn of a conversation, docs/multi-turn.md) adds:
+
+    conversation          str, the conversation's id in the prompt file; `id` is the turn's, "<conversation>#t<k>"
+    turn                  int, k (1-based): `messages` holds the system turn, user turns 1..k and the
+                          target's own stored answers to turns 1..k-1 as they were sent
+    turns                 int, the conversation's user turns (after max_turns)
+    prompt_hash           str, the fingerprint of the system and user turns 1..k (16 hex): a stored
+                          turn whose hash the prompt file no longer has is an edit between runs
+    reasoning_details     list | null, OpenRouter's structured reasoning as returned (a stream's pieces
+                          joined): what the next turn passes back unmodified
 
 `<dataset>/failures.jsonl` — one prompt that failed for good per line:
 
     id, messages, error_kind (an ErrorKind value), status (HTTP status or null), message, attempts, ts
+    (+ conversation, turn, turns, prompt_hash for a turn of a conversation, as above)
 
 `<dataset>/rejected.jsonl` — one unusable input line per line:
 
@@ -140,6 +156,27 @@ class Usage:
                    count_of(raw.get("reasoning_tokens")), cost_of(raw.get("cost")))
 
 
+@dataclass(slots=True)
+class TurnFields:
+    """Which turn of which conversation a record is (the fields documented above)."""
+    conversation: str
+    turn: int
+    turns: int
+    prompt_hash: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"conversation": self.conversation, "turn": self.turn, "turns": self.turns,
+                "prompt_hash": self.prompt_hash}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TurnFields | None:
+        """The turn fields of a line, None when it has no sane `conversation` and `turn`."""
+        conv, turn, ph = raw.get("conversation"), count_of(raw.get("turn")), raw.get("prompt_hash")
+        if not isinstance(conv, str) or turn < 1:
+            return None
+        return cls(conv, turn, count_of(raw.get("turns")), ph if isinstance(ph, str) else "")
+
+
 @dataclass(slots=True)  # one per request: a frozen __init__ costs 3x (setattr per field)
 class ResponseRecord:
     """One line of responses.jsonl (fields as documented above, in the order they are written)."""
@@ -161,6 +198,8 @@ class ResponseRecord:
     ts: float
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    turn: TurnFields | None = None                # a turn of a conversation (turns = "all")
+    reasoning_details: list[Any] | None = None    # written with `turn` only
 
     def to_dict(self) -> dict[str, Any]:
         u = self.usage
@@ -177,6 +216,9 @@ class ResponseRecord:
             line["token_ids"] = self.token_ids
         if self.prompt_token_ids is not None:
             line["prompt_token_ids"] = self.prompt_token_ids
+        if self.turn is not None:
+            line.update(self.turn.to_dict())
+            line["reasoning_details"] = self.reasoning_details
         return line
 
     @classmethod
@@ -200,7 +242,9 @@ class ResponseRecord:
             latency_s=_finite(latency), attempts=count_of(attempts),
             truncated=bool(raw.get("truncated")), empty_content=bool(raw.get("empty_content")), ts=_finite(ts),
             token_ids=token_ids if isinstance(token_ids, list) else None,
-            prompt_token_ids=prompt_ids if isinstance(prompt_ids, list) else None)
+            prompt_token_ids=prompt_ids if isinstance(prompt_ids, list) else None,
+            turn=TurnFields.from_dict(raw),
+            reasoning_details=details if isinstance(details := raw.get("reasoning_details"), list) else None)
 
     @property
     def short(self) -> bool:
@@ -218,7 +262,11 @@ class FailureRecord:
     message: str
     attempts: int
     ts: float
+    turn: TurnFields | None = None  # a turn of a conversation (turns = "all")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "messages": self.messages, "error_kind": self.error_kind, "status": self.status,
+        line = {"id": self.id, "messages": self.messages, "error_kind": self.error_kind, "status": self.status,
                 "message": self.message, "attempts": self.attempts, "ts": self.ts}
+        if self.turn is not None:
+            line.update(self.turn.to_dict())
+        return line

@@ -96,7 +96,9 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
     t, c = s.throughput, s.credits
     out = []
     for d in _active(s):
-        out.append(_fit(f"{INDENT}{d.name}: {d.status} {d.done:,}/{d.total:,} answered, {d.failed:,} failed, "
+        turns = (f" turns ({d.conversations_done:,}/{d.conversations:,} conversations done, "
+                 f"{d.conversations_ended:,} ended early)") if d.conversations else ""
+        out.append(_fit(f"{INDENT}{d.name}: {d.status} {d.done:,}/{d.total:,}{turns} answered, {d.failed:,} failed, "
                         f"{d.skipped:,} skipped, {d.in_flight:,} in flight (limit {d.effective_concurrency:,}/"
                         f"{d.concurrency:,}), {usd(d.cost_usd)}"))
     errors = error_count(s.errors)

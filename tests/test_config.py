@@ -117,3 +117,88 @@ def test_api_key_from_env_and_never_in_public_dict(tmp_path, monkeypatch):
     monkeypatch.setenv("DG_TEST_KEY", "sk-or-v1-secretsecret")
     assert cfg.api_key() == "sk-or-v1-secretsecret"
     assert "secretsecret" not in str(cfg.public_dict())
+
+
+MT = 'name = "B8_sweagent"'
+
+
+def test_turns_and_cycles_load_with_defaults_unchanged(tmp_path):
+    cfg = load_config(write(tmp_path, GOOD))
+    plain = cfg.datasets[0]
+    assert plain.turns == "last" and plain.max_turns is None and not plain.cycles  # today's engine behaviour
+    fp = cfg.fingerprint(cfg.datasets[1])
+    extra = '\nturns = "all"\nmax_turns = 4\ntemperatures = [0.6, 1]\nreasoning_efforts = ["low", "high", "xhigh"]'
+    cfg = load_config(write(tmp_path, GOOD.replace(MT, MT + extra)))
+    ds = cfg.datasets[1]
+    assert (ds.turns, ds.max_turns, ds.temperatures, ds.reasoning_efforts) == ("all", 4, [0.6, 1.0],
+                                                                               ["low", "high", "xhigh"])
+    assert cfg.fingerprint(ds) != fp  # the smoke test that checked the old shape does not cover the cycles
+
+
+def test_cycles_give_the_ith_prompt_its_values_in_the_body(tmp_path):
+    cfg = load_config(write(tmp_path, GOOD.replace("[request]", "[request]\nreasoning = { exclude = false }").replace(
+        MT, MT + '\ntemperatures = [0.6, 1.0]\nreasoning_efforts = ["low", "medium", "high"]')))
+    ds = cfg.datasets[1]
+    msgs = [{"role": "user", "content": "hi"}]
+    got = [(b["temperature"], b["reasoning"]) for b in (cfg.request_body(ds, msgs, index=i) for i in range(4))]
+    assert got == [(0.6, {"exclude": False, "effort": "low"}), (1.0, {"exclude": False, "effort": "medium"}),
+                   (0.6, {"exclude": False, "effort": "high"}), (1.0, {"exclude": False, "effort": "low"})]
+    # No index (the fingerprint's shape, the prices' routing): the tables as written; no cycle, no change.
+    assert cfg.request_body(ds, msgs)["temperature"] == 0.6 and cfg.request_body(ds, msgs)["reasoning"] == {
+        "exclude": False}
+    assert cfg.request_body(cfg.datasets[0], msgs, index=1) == cfg.request_body(cfg.datasets[0], msgs)
+
+
+def test_cycle_index_is_the_prompt_line_and_sampling_reads_the_body_sent(tmp_path):
+    from draftgen.core.config import cycle_index, sampling_of
+    assert [cycle_index(line) for line in (1, 2, 7)] == [0, 1, 6]
+    assert sampling_of({"temperature": 0.6, "reasoning": {"effort": "high"}}) == {
+        "temperature": 0.6, "reasoning_effort": "high"}
+    assert sampling_of({"reasoning_effort": "low"}) == {"temperature": None, "reasoning_effort": "low"}
+
+
+def test_a_self_hosted_body_carries_the_effort_as_reasoning_effort(tmp_path):
+    text = GOOD.replace('base_url = "https://openrouter.ai/api/v1"', 'base_url = "http://127.0.0.1:9/v1"\n'
+                        'kind = "openai-compatible"').replace("include_reasoning = true\n", "").replace(
+        "[request.provider]\nignore = [\"fireworks\", \"baseten\"]\nsort = \"price\"\nallow_fallbacks = true\n"
+        "quantizations = [\"int4\"]\n", "")
+    cfg = load_config(write(tmp_path, text.replace(MT, MT + '\nreasoning_efforts = ["low", "high"]')))
+    body = cfg.request_body(cfg.datasets[1], [], index=1)
+    assert body["reasoning_effort"] == "high" and "reasoning" not in body
+
+
+@pytest.mark.parametrize("extra, message", [
+    ('max_turns = 0\nturns = "all"', "datasets[1].max_turns = 0 (dataset B8_sweagent): must be an integer >= 1"),
+    ("max_turns = 3", "datasets[1].max_turns = 3 (dataset B8_sweagent): caps the turns asked with turns = \"all\""),
+    ('turns = "every"', "datasets[1].turns must be one of 'first', 'last', 'all'"),
+    ("max_turns = 2.5", "datasets[1].max_turns must be an integer"),
+    ("temperatures = [0.6, 2.5]", "datasets[1].temperatures[1] = 2.5 (dataset B8_sweagent): must be between 0 and 2"),
+    ("temperatures = []", "datasets[1].temperatures = [] (dataset B8_sweagent): list at least one value"),
+    ('temperatures = ["hot"]', "datasets[1].temperatures[0] must be a number"),
+    ('reasoning_efforts = ["high", "max!"]', "datasets[1].reasoning_efforts[1] = 'max!' (dataset B8_sweagent): must "
+                                             "be one of none, minimal, low, medium, high, xhigh"),
+    ("temperatures = [0.2]\nrequest = { temperature = 0.7 }",
+     "datasets[1].temperatures and datasets[1].request.temperature are both set (dataset B8_sweagent)"),
+    ('reasoning_efforts = ["low"]\nrequest = { reasoning = { effort = "high" } }',
+     "datasets[1].reasoning_efforts and datasets[1].request.reasoning.effort are both set"),
+    ('reasoning_efforts = ["low"]\nrequest = { reasoning_effort = "high" }',
+     "datasets[1].reasoning_efforts and datasets[1].request.reasoning_effort are both set"),
+    ('reasoning_efforts = ["low"]\nrequest = { reasoning = { max_tokens = 100 } }',
+     "datasets[1].reasoning_efforts and datasets[1].request.reasoning.max_tokens are both set (dataset B8_sweagent): "
+     "OpenRouter takes a reasoning effort or a reasoning budget, not both"),
+])
+def test_bad_turns_and_cycles_name_the_file_and_dotted_key(tmp_path, extra, message):
+    path = write(tmp_path, GOOD.replace(MT, MT + "\n" + extra))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert message in str(e.value)
+    assert str(e.value).startswith(f"{path}: ")
+
+
+def test_a_cycle_overrides_the_top_level_request_but_not_beside_a_reasoning_budget(tmp_path):
+    cfg = load_config(write(tmp_path, GOOD.replace(MT, MT + "\ntemperatures = [1.0]")))
+    assert cfg.request_body(cfg.datasets[1], [], index=0)["temperature"] == 1.0  # [request] temperature = 0.6
+    path = write(tmp_path, GOOD.replace("[request]", "[request]\nreasoning = { max_tokens = 100 }").replace(
+        MT, MT + '\nreasoning_efforts = ["low"]'))
+    with pytest.raises(ConfigError, match=r"datasets\[1\]\.reasoning_efforts and request\.reasoning\.max_tokens"):
+        load_config(path)

@@ -101,3 +101,20 @@ async def test_the_switch_turns_it_off(tmp_path: Path) -> None:
         stats = sim.stats.copy()
     assert sent(stats, SHARED) == 1 and sent(stats, TWIN) == 1
     assert dataset_row(engine, "b").skipped == 0
+
+
+def test_a_conversation_turn_is_claimed_on_its_prompt_side_not_on_the_targets_earlier_answers(tmp_path: Path) -> None:
+    """Turn 2 of a conversation answered in dataset a (its history holds a's own answer to turn 1) takes the
+    same turn of the same conversation in b, whose history holds another answer; a single-turn prompt whose
+    history is the file's own assistant turn stays another prompt."""
+    from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
+    u1, u2 = {"role": "user", "content": "Hi"}, {"role": "user", "content": "And 2+2?"}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a/responses.jsonl").write_bytes(orjson.dumps({
+        "id": "c#t2", "conversation": "c", "turn": 2, "turns": 2,
+        "messages": [u1, {"role": "assistant", "content": "Hey."}, u2]}) + b"\n")
+    dup = CrossDatasetDuplicates()
+    dup.load(tmp_path, ["a", "b"])
+    assert dup.claim("b", "d#t2", [u1, {"role": "assistant", "content": "Hello!"}, u2], turn=True) == "a"
+    assert dup.claim("b", "x", [u1, {"role": "assistant", "content": "Hello!"}, u2]) is None
+    assert dup.claim("b", "d#t1", [u1], turn=True) is None  # turn 1 (user turn 1 alone) was not answered in a

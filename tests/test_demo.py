@@ -35,3 +35,21 @@ async def test_demo_headless_end_to_end(tmp_path, specforge_tree):
     assert DEMO_KEY not in (run / "events.log").read_text()
     # SpecForge's released reader, loader and EAGLE-3 normaliser accept every file and row the demo wrote.
     check_run_with_specforge(run, specforge_tree)
+
+
+@pytest.mark.parametrize("enabled", [False, True], ids=["off", "on"])
+def test_the_multi_turn_demo_dataset_is_bundled_and_its_entry_loads_when_switched_on(tmp_path, monkeypatch, enabled):
+    """dialogue.jsonl: 6 conversations of 3 user turns; the demo's config lists it (turns = "all") only with
+    MULTI_TURN_DEMO on, and carries it commented out otherwise, so the demo runs either way."""
+    from draftgen.tui import demo
+    monkeypatch.setattr(demo, "MULTI_TURN_DEMO", enabled)
+    monkeypatch.setattr(demo, "build_tiny_model", lambda folder: None)  # not needed to read the config
+    cfg = demo.prepare(tmp_path, "http://127.0.0.1:9/api/v1")
+    names = {d.name: d for d in cfg.datasets}
+    assert ("dialogue" in names) is enabled
+    assert "# multi-turn demo" in (tmp_path / "draftgen.toml").read_text() or enabled
+    lines = [orjson.loads(x) for x in (tmp_path / "prompts" / "dialogue.jsonl").read_bytes().splitlines()]
+    users = [sum(t["from"] == "human" for t in line["conversations"]) for line in lines]
+    assert users == [3] * 6
+    if enabled:
+        assert (names["dialogue"].turns, names["dialogue"].prompts) == ("all", tmp_path / "prompts/dialogue.jsonl")

@@ -39,6 +39,7 @@ class Sample:
     valid: bool = True
     failed_checks: list[str] = field(default_factory=list)
     cost: float = 0.001
+    extra: dict[str, Any] = field(default_factory=dict)  # more keys of the line (a conversation turn's `turn`)
 
 
 def user(text: str) -> list[dict[str, Any]]:
@@ -54,7 +55,7 @@ def write_dataset(run: Path, name: str, samples: list[Sample], *, failures: int 
         "id": s.id, "messages": s.messages, "reasoning": s.reasoning, "content": s.content,
         "tool_calls": None, "finish_reason": "length" if s.truncated else "stop",
         "usage": {"prompt_tokens": 10, "completion_tokens": 20, "reasoning_tokens": 5, "cost": s.cost},
-        "truncated": s.truncated, "empty_content": not s.content, "ts": 1.0,
+        "truncated": s.truncated, "empty_content": not s.content, "ts": 1.0, **s.extra,
     }) + b"\n" for s in samples]
     if torn_tail:
         lines.append(b'{"id": "torn", "messages": [{"role": "user", "content": "half')
@@ -545,3 +546,25 @@ def test_a_conversation_whose_sample_is_a_duplicate_drops_all_its_turns(tmp_path
     assert ds.dropped["duplicate"] == 3 and ds.dropped["in_conversation"] == 4
     assert ds.cost_usd == pytest.approx(sum(r["usage"]["cost"] for c in ("c1", "c3") for r in convs[c])
                                         + convs["c2"][0]["usage"]["cost"] + convs["c4"][0]["usage"]["cost"])
+
+
+def _turn(conversation: str, k: int, messages: list[dict[str, Any]]) -> Sample:
+    return Sample(f"{conversation}#t{k}", messages, extra={"conversation": conversation, "turn": k, "turns": 2})
+
+
+def test_a_conversation_turn_is_deduplicated_on_its_prompt_side_never_on_earlier_answers(tmp_path: Path) -> None:
+    """The same conversation regenerated in two datasets: its turns differ only in the target's earlier answers
+    (which differ per run), so they are duplicates; a single-turn prompt carrying the dataset's own answer as
+    history is another prompt (that answer is part of what it sends)."""
+    run = tmp_path / "run"
+    u1, u2 = {"role": "user", "content": "Hi"}, {"role": "user", "content": "And 2+2?"}
+    write_dataset(run, "A", [_turn("c", 1, [u1]), _turn("c", 2, [u1, {"role": "assistant", "content": "Hey."}, u2])],
+                  seed=1)
+    write_dataset(run, "B", [_turn("d", 1, [u1]), _turn("d", 2, [u1, {"role": "assistant", "content": "Hello!"}, u2]),
+                             _turn("e", 2, [u1, {"role": "assistant", "content": "Yo"},
+                                            {**u2, "content": "And 3+3?"}])],
+                  seed=2)
+    write_dataset(run, "C", [Sample("c1", MULTI_TURN)], seed=3)
+    stats = merge(make_config(tmp_path, seed=1))
+    assert {r["id"] for r in train_lines(run)} == {"A/c#t1", "A/c#t2", "B/e#t2", "C/c1"}
+    assert {d.name: d.dropped["duplicate"] for d in stats.datasets} == {"A": 0, "B": 2, "C": 0}

@@ -354,3 +354,59 @@ def test_lengths_count_the_default_system_turn_of_the_config(tmp_path: Path) -> 
                                                    .tokenizer.system_turn()), messages)
     assert with_system > prompt_tokens(tok, load_template("kimi-k2.5", tok), messages)
     assert f"# 1 prompts (all) from sums, {with_system:,} prompt tokens" in config.read_text()
+
+
+def _three_turns(i: int) -> dict:
+    return {"conversations": [{"from": "system", "value": "Be brief."},
+                              {"from": "human", "value": f"What is {i} squared?"},
+                              {"from": "gpt", "value": "the dataset's answer"},
+                              {"from": "human", "value": "And cubed?"},
+                              {"from": "gpt", "value": "another answer"},
+                              {"from": "human", "value": f"And {i} to the fourth, with the steps shown?"},
+                              {"from": "gpt", "value": "a third answer"}]}
+
+
+def test_turns_all_keeps_every_user_turn_and_its_cost_grows_with_the_history(tmp_path: Path) -> None:
+    """--turns all --max-turns 2: each conversation kept up to its 2nd user turn, as the source has it (the
+    dataset's answers stay in the file; turns = "all" drops them when the run reads it); the entry says
+    turns = "all" and its cost counts every turn's prompt side plus the earlier answers each history carries."""
+    rows = [_three_turns(i) for i in range(4)]
+    rows.append({"conversations": [{"from": "human", "value": "List the files."},
+                                   {"from": "gpt", "value": "", "tool_calls": [{"id": "c1", "type": "function"}]},
+                                   {"from": "tool", "value": "a.txt"}, {"from": "human", "value": "Open it."}]})
+    rows.append({"conversations": [{"from": "tool", "value": "orphan result"}, {"from": "human", "value": "Hm?"}]})
+    src = make_jsonl(tmp_path, rows, "chat.jsonl")
+    config = tmp_path / "job.toml"
+    rc = main(["prompts", "build", str(src), "--out", str(tmp_path / "prompts"), "--config", str(config),
+               "--tokenizer", str(bundled_kimi_path()), "--price-in", "0.6", "--price-out", "2.5", "--split", "off",
+               "--turns", "all", "--max-turns", "2"])
+    assert rc == 0
+    cfg = load_config(config)
+    (ds,) = cfg.datasets
+    assert (ds.turns, ds.max_turns) == ("all", 2)
+    prompts = {p.id: p.messages for p in _read(ds.prompts)}
+    assert len(prompts) == 5  # the orphan tool result leaves no user turn before it: unusable
+    assert [m["role"] for m in prompts["chat:train:0"]] == ["system", "user", "assistant", "user"]
+    assert prompts["chat:train:4"] == [{"role": "user", "content": "List the files."}]  # cut before its tool turn
+    tok = bundled_kimi()
+    template = load_template("kimi-k2.5", tok)
+    sides = [[m for m in msgs if m["role"] != "assistant"] for msgs in prompts.values()]
+    per_turn = [prompt_tokens(tok, template, side[: i + 1]) for side in sides
+                for i, m in enumerate(side) if m["role"] == "user"]
+    assert len(per_turn) == 9  # 4 conversations x 2 turns, and one of 1
+    answer = 10240 / 2
+    expected = (sum(per_turn) + 4 * answer) * 0.6e-6 + 9 * answer * 2.5e-6  # 4 histories carry one answer each
+    at_most = (sum(per_turn) + 4 * 10240) * 0.6e-6 + 9 * 10240 * 2.5e-6
+    text = config.read_text()
+    assert (f"# 5 conversations (all) from chat, 9 turns asked one by one: {sum(per_turn):,} prompt tokens of user "
+            f"turns over them, plus 4 earlier answers carried in their histories; estimated ${expected:,.2f}, at most "
+            f"${at_most:,.2f}") in text
+    assert 'turns = "all"\nmax_turns = 2' in text
+
+
+def test_max_turns_without_turns_all_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = make_jsonl(tmp_path, [_three_turns(1)], "chat.jsonl")
+    assert main(["prompts", "build", str(src), "--out", str(tmp_path / "p"), "--no-config", "--max-turns", "2",
+                 "--tokenizer", str(bundled_kimi_path())]) != 0
+    assert "--max-turns 2: caps the user turns of a conversation with --turns all" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()

@@ -222,3 +222,28 @@ async def test_a_prompt_a_provider_keeps_running_past_max_tokens_fails_after_max
     failed = [orjson.loads(x) for x in rd.failures("a").read_bytes().splitlines()]
     assert [f["error_kind"] for f in failed] == ["past_cap"] and requests == 3
     assert SpendLedger.read(rd.spend).reconcile().total_usd == pytest.approx(billed, rel=1e-9)
+
+
+# -- sampling cycles ---------------------------------------------------------------------------------
+
+async def test_sampling_cycles_go_by_the_prompt_line_and_each_answer_records_what_its_body_carried(tmp_path):
+    """Prompt i of the file (0-based line) is asked with temperatures[i % 2] and reasoning_efforts[i % 3],
+    whatever order the answers land in; the record's `sampling` is read from the body sent. A dataset
+    without cycles writes no `sampling`."""
+    import orjson
+    sim_cfg = SimConfig(seed=2, latency_scale=0.0)
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [
+            {"name": "a", "n": 6, "concurrency": 3, "max_tokens": 200, "temperatures": [0.2, 1.4],
+             "reasoning_efforts": ["low", "medium", "high"]},
+            {"name": "b", "n": 2, "max_tokens": 200}],
+            tables={"engine": {"reconstruct": False}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        await engine.run()
+        assert dataset_row(engine, "a").done == 6
+    rd = RunDir(cfg.run_dir)
+    lines = [orjson.loads(x) for x in rd.responses("a").read_bytes().splitlines()]
+    got = {x["id"]: x["sampling"] for x in lines}
+    assert got == {f"a-{i}": {"temperature": [0.2, 1.4][i % 2], "reasoning_effort": ["low", "medium", "high"][i % 3]}
+                   for i in range(6)}
+    assert all("sampling" not in orjson.loads(x) for x in rd.responses("b").read_bytes().splitlines())

@@ -190,3 +190,61 @@ async def test_a_multi_turn_dataset_checks_the_prompt_of_a_second_turn(tmp_path,
     assert second[1]["role"] == "assistant" and repr(second[1]["content"][:60]) == first_answer
     assert "reasoning" in second[1] and second[2] == {"role": "user", "content": smoke_mod.FOLLOW_UP}
     assert result.passed is passed
+
+
+def _conversations(path, n: int, turns: int):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        conv = []
+        for k in range(turns):
+            conv += [{"from": "human", "value": f"Conversation {i}, question {k + 1}: why?"},
+                     {"from": "gpt", "value": "The dataset's own answer."}]
+        lines.append(orjson.dumps({"id": f"c{i}", "conversations": conv}))
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+async def test_the_estimate_of_a_turns_all_dataset_counts_every_turn_and_the_answers_its_histories_carry(tmp_path):
+    """The same 6 three-turn conversations asked once (turns = "last") and turn by turn (turns = "all"): the
+    second sends 18 requests, and turns 2 and 3 carry 1 and 2 earlier answers, so it costs more than 3x."""
+    _conversations(tmp_path / "prompts/chat.jsonl", 6, 3)
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [
+            {"name": "once", "prompts": "prompts/chat.jsonl", "max_tokens": 2048},
+            {"name": "each", "prompts": "prompts/chat.jsonl", "max_tokens": 2048, "turns": "all"},
+            {"name": "two", "prompts": "prompts/chat.jsonl", "max_tokens": 2048, "turns": "all", "max_turns": 2}],
+            tables={"tokenizer": {"path": str(bundled_kimi_path())}}, request=REQUEST)
+        result = await run_smoke(cfg, TEST_KEY)
+    assert result.passed, [r for r in result.rows if not r.passed]
+    assert result.projection is not None
+    by = {d.name: d for d in result.projection.datasets}
+    assert (by["once"].answers_left, by["each"].answers_left, by["two"].answers_left) == (6, 18, 12)
+    assert by["each"].cost_usd > 3 * by["once"].cost_usd and by["two"].cost_usd > 2 * by["once"].cost_usd
+    # The history's part: 0+1+2 answers per conversation against 0+1, at the same price per answer token.
+    extra_each, extra_two = by["each"].cost_usd - 3 * by["once"].cost_usd, by["two"].cost_usd - 2 * by["once"].cost_usd
+    assert extra_each == pytest.approx(3 * extra_two, rel=1e-9)
+    assert by["each"].high_usd > 3 * by["once"].high_usd
+
+
+def test_the_forecast_adds_each_requests_earlier_answers_at_the_prompt_price():
+    from draftgen.core.generate.api.prices import Prices
+    from draftgen.core.generate.money.forecast import DatasetFigures, forecast, history_per_turn
+    assert history_per_turn([3, 3]) == pytest.approx(1.0) and history_per_turn([1, 1]) == 0.0
+    assert history_per_turn([4]) == pytest.approx(6 / 4)
+    prices = Prices(1e-6, 4e-6, 0.0, "test")
+    plain = DatasetFigures("a", remaining=30, max_tokens=1000, concurrency=1, token_budget_left=None, prices=prices)
+    turns = DatasetFigures("b", remaining=30, max_tokens=1000, concurrency=1, token_budget_left=None, prices=prices,
+                           history_answers=1.0)
+    a, b = forecast([plain, turns], spent_usd=0.0, max_usd=None).datasets
+    # 30 requests of 500 expected answer tokens; each of b's also carries one earlier answer of 500 prompt tokens.
+    assert a.cost_usd == pytest.approx(30 * 500 * 4e-6)
+    assert b.cost_usd == pytest.approx(30 * 500 * (4e-6 + 1e-6))
+    assert b.high_usd == pytest.approx(30 * (1000 * 4e-6 + 1000 * 1e-6))
+
+
+def test_the_smoke_request_of_a_dataset_with_cycles_carries_the_first_prompts_values(tmp_path):
+    from draftgen.core.generate.commands.smoke import smoke_body
+    cfg = make_config(tmp_path, "https://openrouter.ai/api/v1", [
+        {"name": "a", "n": 1, "temperatures": [0.9, 0.2], "reasoning_efforts": ["high", "low"]}], request=REQUEST)
+    body = smoke_body(cfg, cfg.datasets[0])
+    assert body["temperature"] == 0.9 and body["reasoning"] == {"effort": "high"}

@@ -606,3 +606,18 @@ async def test_a_providers_drill_shows_the_prompt_check_turn_by_turn() -> None:
         assert "prompt by turn" in body and "1: 100% exact, 2: 50% exact (-41.2), 3: — exact" in body
         await pilot.press("escape", "k", "enter")  # novita/int4: single-turn answers only, no such row
         assert "prompt by turn" not in text(app, "#drill-body")
+
+
+async def test_a_multi_turn_dataset_counts_turns_and_its_conversations_in_the_datasets_panel() -> None:
+    s = fx.running()
+    chat = dataclasses.replace(s.datasets[0], name="chat", total=90, done=61, conversations=30,
+                               conversations_done=18, conversations_ended=2,
+                               turns_by_number=((30, 30), (20, 30), (11, 30)),
+                               last_conversation=("c7 (3 turns, line 8): done", "turn 1: answered", "turn 2: answered",
+                                                  "turn 3: answered"))
+    app, _ = make(dataclasses.replace(s, datasets=(chat, *s.datasets[1:])))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        datasets = text(app, "#datasets")
+        assert "61/90" in datasets
+        assert "chat: turns 61/90 answered; conversations 18/30 done, 2 ended early" in datasets, datasets

@@ -1,10 +1,10 @@
 """`draftgen demo`: the whole pipeline offline in about a minute.
 
 The built-in simulator serves on a free loopback port (realistic latency, a provider mix, a little
-fault injection); three small bundled datasets (one runs out of its token budget, one has two bad
-lines) go through smoke, generation with the bundled Kimi tokenizer reconstructing as answers
-land, merge, and extraction with a tiny random-weight Llama on the CPU. The run directory stays
-for the user to look at.
+fault injection); four small bundled datasets (one runs out of its token budget, one has two bad
+lines, one is multi-turn: turns = "all", behind MULTI_TURN_DEMO) go through smoke, generation with the
+bundled Kimi tokenizer reconstructing as answers land, merge, and extraction with a tiny
+random-weight Llama on the CPU. The run directory stays for the user to look at.
 """
 
 from __future__ import annotations
@@ -76,13 +76,34 @@ prompts = "prompts/chat.jsonl"
 concurrency = 16
 max_tokens = 2048
 token_budget = 30000
-
+{multi_turn}
 [extract]
 model = "tiny-model"             # a 4-layer random-weight Llama with the Kimi vocabulary
 backend = "hf"
 dtype = "float32"
 device = "cpu"
 """
+
+
+# The multi-turn demo: 6 conversations x 3 user turns, each turn asked in order on the target's own earlier
+# answers (turns = "all"; the file's own assistant turns are dropped). Off: the entry is written commented.
+MULTI_TURN_DEMO = True  # multi-turn demo: the engine reads turns = "all" (conversations.py)
+MULTI_TURN_ENTRY = """\
+[[datasets]]
+name = "dialogue"                # multi-turn demo: every user turn asked on the target's own answers
+prompts = "prompts/dialogue.jsonl"
+concurrency = 6
+max_tokens = 2048
+turns = "all"
+"""
+
+
+def multi_turn_entry(enabled: bool) -> str:
+    """The dialogue dataset's [[datasets]] entry for the demo's config, commented out unless `enabled`."""
+    if enabled:
+        return "\n" + MULTI_TURN_ENTRY
+    return "\n# multi-turn demo (off until the engine reads turns = \"all\"):\n" + "".join(
+        f"# {line}\n" for line in MULTI_TURN_ENTRY.splitlines())
 
 
 def build_tiny_model(folder: Path) -> None:
@@ -110,14 +131,15 @@ def prepare(root: Path, base_url: str) -> Config:
     root.mkdir(parents=True, exist_ok=True)
     prompts = root / "prompts"
     prompts.mkdir(exist_ok=True)
-    for name in ("code", "maths", "chat"):
+    for name in ("code", "maths", "chat", "dialogue"):
         src = files("draftgen.core").joinpath("data", "demo", f"{name}.jsonl")
         (prompts / f"{name}.jsonl").write_bytes(src.read_bytes())
     model = root / "tiny-model"
     if not (model / "config.json").exists():
         build_tiny_model(model)
     path = root / "draftgen.toml"
-    path.write_text(CONFIG.format(base_url=base_url, key_env=DEMO_KEY_ENV, tokenizer=bundled_kimi_path()))
+    path.write_text(CONFIG.format(base_url=base_url, key_env=DEMO_KEY_ENV, tokenizer=bundled_kimi_path(),
+                                  multi_turn=multi_turn_entry(MULTI_TURN_DEMO)))
     return load_config(path)
 
 

@@ -91,6 +91,12 @@ class DatasetSnapshot:
     cost_usd: float = 0.0
     projected_cost_usd: float | None = None  # to finish this dataset, from observed cost per answer
     message: str = ""           # why it stopped, when it did
+    # turns = "all" (docs/multi-turn.md): total/done/... above count turns; its conversations beside them.
+    conversations: int = 0          # usable conversations (0: a single-turn dataset)
+    conversations_done: int = 0     # every turn answered
+    conversations_ended: int = 0    # ended early (a broken turn, a skip, an edited prompt file)
+    turns_by_number: tuple[tuple[int, int], ...] = ()  # (answered, total) of turn 1, 2, ...
+    last_conversation: tuple[str, ...] = ()  # the last one finished or ended: its id, then one line a turn
 
 
 @dataclass(frozen=True)
@@ -301,6 +307,7 @@ class EventKind(StrEnum):
     ATTACH = "attach"                        # the attach server or viewer (connected, lost, refused)
     BUDGET = "budget"                        # a token or money budget skipped prompts
     CREDITS = "credits"                      # the balance, or why it could not be read
+    CONVERSATION = "conversation"            # a conversation ended early, or its prompt file was edited
     DATASET_DONE = "dataset_done"
     DATASET_START = "dataset_start"
     DATASET_STOPPED = "dataset_stopped"      # stopped by its routing or settings

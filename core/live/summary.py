@@ -157,6 +157,7 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     out = [f"draftgen: {s.run_name}: {s.label()} after {clock(s.elapsed_s)} this run"
            + (f" (first started {started}, {runs} runs)" if runs > 1 else "")]
     out += _dataset_rows(s)
+    out += _conversation_lines(s)
     out += _spend_lines(s, runs)
     out += _tokens_lines(s, config_hint)
     for line in stopped_lines(s, config_hint):
@@ -179,6 +180,19 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
                              f"`draftgen run {config_hint}` again asks them", WIDTH, initial_indent="  ",
                              subsequent_indent="    ", break_on_hyphens=False)
     out.append(f"  exit {exit_code} ({EXIT_MEANING.get(exit_code, 'see docs/run-end.md')})")
+    return out
+
+
+def _conversation_lines(s: RunSnapshot) -> list[str]:
+    """Under the rows: each turns = "all" dataset's counts are turns; its conversations beside them."""
+    out = []
+    for d in s.datasets:
+        if d.conversations:
+            by_turn = ", ".join(f"t{k} {done:,}/{total:,}" for k, (done, total) in enumerate(d.turns_by_number[:8], 1))
+            out += textwrap.wrap(f"{d.name}: counts are turns; {d.conversations_done:,}/{d.conversations:,} "
+                                 f"conversations done, {d.conversations_ended:,} ended early"
+                                 + (f" (answered by turn: {by_turn})" if by_turn else ""),
+                                 WIDTH, initial_indent="  ", subsequent_indent="    ")
     return out
 
 

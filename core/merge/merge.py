@@ -1,7 +1,8 @@
 """Merge: every dataset's clean samples into one deduplicated, shuffled training set.
 
-Deduplicated by prompt: the first clean sample of each core/dedupe.py `prompt_key` (roles and
-normalised text of the prompt messages) is kept, in config order.
+Deduplicated by prompt: the first clean sample of each core/dedupe.py `record_key` (roles and
+normalised text of the prompt messages; for a turn of a `turns = "all"` conversation, of its prompt
+side: system and user turns up to it, not the target's earlier answers) is kept, in config order.
 
 Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed into place):
 
@@ -55,7 +56,7 @@ import numpy as np
 import orjson
 
 from draftgen.core.config import Config
-from draftgen.core.dedupe import message_text, prompt_key
+from draftgen.core.dedupe import message_text, record_key
 from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.files import disk_error
 from draftgen.core.generate.money.spend import SpendLedger
@@ -415,7 +416,7 @@ def _scan_dataset(ds_index: int, inp: DatasetInput, st: DatasetMergeStats, repor
         else:
             key = b""
             if reason is None and record is not None:
-                key = prompt_key(record.get("messages"))  # the same notion of duplicate as `prompts build` and `run`
+                key = record_key(record)  # as `prompts build` and `run` see a duplicate (a turn: its prompt side)
                 reason = _take(key, str(record["id"]), _cost(record, costs), notes, seen, st)
             if reason is None and record is not None and ref is not None:
                 tools = tools or has_tool_calls(record)
@@ -474,7 +475,7 @@ def _cost(record: dict[str, Any], costs: dict[str, float]) -> float:
 
 def _pending(offset: int, length: int, found: tuple[str, int], reason: str | None, ref: TokenRef | None,
              notes: tuple[str, ...], record: dict[str, Any], costs: dict[str, float]) -> PendingTurn:
-    key = prompt_key(record.get("messages")) if reason is None else b""
+    key = record_key(record) if reason is None else b""
     return PendingTurn(offset, length, found[0], found[1], reason, ref, notes, str(record["id"]), key,
                        _cost(record, costs), has_tool_calls(record))
 

@@ -8,6 +8,11 @@ the prompt files already listed in the target config (core/dedupe.py: exact, the
 
 Ids are `NAME:SPLIT:ROW` (ROW the row's index in the split): the same source gives the same ids on
 every build, whatever N or the seed, so a rebuilt file resumes a run instead of redoing it.
+
+With `turns="all"` a prompt is a conversation whose user turns are each asked (presets.py): its length
+(filters, split) is its last turn's prompt side (system and every user turn, without the answers),
+it is deduplicated on that prompt side (dedupe.turn_key), and each turn's prompt side is measured for
+the cost estimate (configfile.py), to which the target's earlier answers in each history are added.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ class BuildOptions:
     template: Any                                # core.tokens.template.ChatTemplate
     preset: str | None = None                    # None/"auto": detected from the columns
     mapping: dict[str, str] | None = None
-    turns: Literal["first", "last"] = "first"
+    turns: Literal["first", "last", "all"] = "first"
+    max_turns: int | None = None                 # turns="all": user turns kept per conversation at most
     n: int | None = None                         # per source; None: every usable row
     seed: int = 42
     languages: frozenset[str] | None = None
@@ -78,6 +84,12 @@ class Kept:
     id: str
     messages: list[dict[str, str]]
     tokens: int
+    # turns="all": each turn's prompt side (system + user turns 1..k) in tokens; else (tokens,): one request.
+    turn_tokens: tuple[int, ...] = ()
+
+    @property
+    def requests(self) -> int:
+        return len(self.turn_tokens) or 1
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,15 @@ class DatasetOut:
     settings: ClassSettings
     prompts: int
     prompt_tokens: int
+    turns: Literal["first", "last", "all"] = "first"
+    max_turns: int | None = None
+    requests: int = 0                 # requests the dataset sends: prompts, or every conversation's turns
+    request_prompt_tokens: int = 0    # their prompt sides summed (turns="all": turn k's system + user turns 1..k)
+    history_answers: int = 0          # the target's earlier answers their histories carry, all together
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.turns == "all"
 
 
 @dataclass
@@ -108,8 +129,21 @@ def prompt_tokens(tok: Any, template: Any, messages: list[dict[str, Any]]) -> in
     return len(encode_segments(tok, template.render(messages, None, "").prompt))
 
 
-def seen_keys(paths: Iterable[Path]) -> tuple[set[bytes], set[bytes]]:
-    """Exact and normalised keys of the prompts in existing prompt files."""
+def turn_prompt_tokens(tok: Any, template: Any, messages: list[dict[str, Any]]) -> tuple[int, ...]:
+    """Each turn's prompt side of a conversation asked turn by turn: system and user turns 1..k rendered
+    through the generation prompt, for k = 1..K (the target's own answers in between come on top)."""
+    side = dedupe.prompt_side(messages)
+    users = [i for i, m in enumerate(side) if m["role"] == "user"]
+    return tuple(prompt_tokens(tok, template, side[: i + 1]) for i in users)
+
+
+def _key(messages: list[dict[str, str]], turns: str) -> bytes:
+    """The normalised dedupe key: a conversation asked turn by turn on its prompt side (dedupe.turn_key)."""
+    return dedupe.turn_key(messages) if turns == "all" else dedupe.prompt_key(messages)
+
+
+def seen_keys(paths: Iterable[Path], turns: str = "first") -> tuple[set[bytes], set[bytes]]:
+    """Exact and normalised keys of the prompts in existing prompt files (normalised as `turns` keys them)."""
     exact: set[bytes] = set()
     norm: set[bytes] = set()
     for path in paths:
@@ -119,14 +153,14 @@ def seen_keys(paths: Iterable[Path]) -> tuple[set[bytes], set[bytes]]:
             for item in read_prompts(path):
                 if isinstance(item, Prompt):
                     exact.add(dedupe.exact_key(item.messages))
-                    norm.add(dedupe.prompt_key(item.messages))
+                    norm.add(_key(item.messages, turns))
     return exact, norm
 
 
 def _select(source: Source, opts: BuildOptions, stats: SourceStats, exact: set[bytes],
             norm: set[bytes]) -> list[Kept]:
     mapping = presets.resolve(source.columns, preset=opts.preset, mapping=opts.mapping, turns=opts.turns,
-                              label=source.spec.where)
+                              label=source.spec.where, max_turns=opts.max_turns)
     stats.mapping = mapping.describe()
     order = list(range(len(source)))
     random.Random(f"{opts.seed}:{source.name}").shuffle(order)
@@ -144,7 +178,7 @@ def _select(source: Source, opts: BuildOptions, stats: SourceStats, exact: set[b
                 row, "\n".join(m["content"] for m in messages), opts.languages):
             stats.dropped["language"] += 1
             continue
-        ek, nk = dedupe.exact_key(messages), dedupe.prompt_key(messages)
+        ek, nk = dedupe.exact_key(messages), _key(messages, opts.turns)
         if ek in exact:
             stats.dropped["duplicate_exact"] += 1
             continue
@@ -152,7 +186,8 @@ def _select(source: Source, opts: BuildOptions, stats: SourceStats, exact: set[b
             stats.dropped["duplicate_normalised"] += 1
             continue
         try:
-            tokens = prompt_tokens(opts.tokenizer, opts.template, messages)
+            per_turn = turn_prompt_tokens(opts.tokenizer, opts.template, messages) if opts.turns == "all" else ()
+            tokens = per_turn[-1] if per_turn else prompt_tokens(opts.tokenizer, opts.template, messages)
         except DraftgenError as e:  # a prompt the template cannot render would fail at run time too
             stats.dropped["unusable"] += 1
             stats.example_unusable = stats.example_unusable or f"row {index}: {e}"
@@ -165,10 +200,21 @@ def _select(source: Source, opts: BuildOptions, stats: SourceStats, exact: set[b
             continue
         exact.add(ek)
         norm.add(nk)
-        kept.append(Kept(f"{source.name}:{source.split}:{index}", messages, tokens))
+        kept.append(Kept(f"{source.name}:{source.split}:{index}", messages, tokens, per_turn))
     kept.sort(key=lambda k: int(k.id.rsplit(":", 1)[1]))  # file order follows the dataset, not the draw
     stats.kept = len(kept)
     return kept
+
+
+def _dataset_out(name: str, path: Path, source: str, cls: LengthClass, settings: ClassSettings,
+                 group: Sequence[Kept], opts: BuildOptions) -> DatasetOut:
+    """A prompt file's entry, with what its requests send: a conversation of K turns asks K requests, the
+    k-th carrying k-1 earlier answers (K(K-1)/2 in all)."""
+    turns = [k.turn_tokens or (k.tokens,) for k in group]
+    return DatasetOut(name, path, source, cls, settings, len(group), sum(k.tokens for k in group),
+                      turns=opts.turns, max_turns=opts.max_turns if opts.turns == "all" else None,
+                      requests=sum(len(t) for t in turns), request_prompt_tokens=sum(sum(t) for t in turns),
+                      history_answers=sum(len(t) * (len(t) - 1) // 2 for t in turns))
 
 
 def _write_jsonl(path: Path, prompts: Sequence[Kept]) -> None:
@@ -191,7 +237,7 @@ def build(opts: BuildOptions, on_source: Callable[[SourceStats], None] | None = 
     if len(set(names)) != len(names):
         twice = next(n for n in names if names.count(n) > 1)
         raise BuildError(f"two sources are named {twice!r}: name them with NAME=PATH")
-    exact, norm = seen_keys(opts.existing)
+    exact, norm = seen_keys(opts.existing, opts.turns)
     selected: list[tuple[SourceStats, list[Kept]]] = []
     for spec in opts.sources:
         source = open_source(spec, download=opts.download, subset=opts.subset)
@@ -215,8 +261,7 @@ def build(opts: BuildOptions, on_source: Callable[[SourceStats], None] | None = 
             if not group:
                 continue
             path = opts.out_dir / f"{name}.jsonl"
-            plan.append((DatasetOut(name, path, stats.name, cls, settings, len(group),
-                                    sum(k.tokens for k in group)), group))
+            plan.append((_dataset_out(name, path, stats.name, cls, settings, group, opts), group))
     in_the_way = [out.path for out, _ in plan if out.path.exists()]
     if in_the_way and not opts.force:
         raise BuildError(f"{in_the_way[0]}: already exists (pass --force to overwrite"

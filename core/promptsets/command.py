@@ -54,7 +54,8 @@ class BuildRequest:
     config: Path | None
     preset: str | None = None
     mapping: str | None = None
-    turns: Literal["first", "last"] = "first"
+    turns: Literal["first", "last", "all"] = "first"
+    max_turns: int | None = None
     n: int | None = None
     seed: int = 42
     languages: str | None = None
@@ -108,6 +109,16 @@ def _warn_special_text(console: Console, datasets: Any, tok: Any) -> None:
                           f"OpenRouter); the prompt tokens above count it as text", markup=True)
 
 
+def _checked_prices(req: BuildRequest) -> Prices | None:
+    """The prices given (both or neither), after checking --max-turns goes with --turns all."""
+    if req.max_turns is not None and (req.max_turns < 1 or req.turns != "all"):
+        raise DraftgenError(f"--max-turns {req.max_turns}: caps the user turns of a conversation with --turns all; "
+                            "give a number >= 1 with --turns all")
+    if (req.price_in is None) != (req.price_out is None):
+        raise DraftgenError("give both --price-in and --price-out (USD per million tokens), or neither")
+    return Prices(req.price_in, req.price_out) if req.price_in is not None and req.price_out is not None else None
+
+
 def build_command(req: BuildRequest, console: Console | None = None) -> int:
     from draftgen.core.tokens.template import load_template
     from draftgen.core.tokens.tokenizer import load_tokenizer
@@ -132,14 +143,12 @@ def build_command(req: BuildRequest, console: Console | None = None) -> int:
                              default_system=existing.tokenizer.system_turn() if existing else None)
     mapping = presets.parse_mapping(req.mapping) if req.mapping else None
     languages = frozenset(x.strip().lower() for x in req.languages.split(",") if x.strip()) if req.languages else None
-    if (req.price_in is None) != (req.price_out is None):
-        raise DraftgenError("give both --price-in and --price-out (USD per million tokens), or neither")
-    prices = Prices(req.price_in, req.price_out) if req.price_in is not None and req.price_out is not None else None
+    prices = _checked_prices(req)
 
     opts = BuildOptions(
         sources=specs, out_dir=req.out_dir, tokenizer=tok, template=template, preset=req.preset, mapping=mapping,
-        turns=req.turns, n=req.n, seed=req.seed, languages=languages, min_tokens=req.min_tokens,
-        max_tokens=req.max_tokens, split=parse_split(req.split),
+        turns=req.turns, max_turns=req.max_turns, n=req.n, seed=req.seed, languages=languages,
+        min_tokens=req.min_tokens, max_tokens=req.max_tokens, split=parse_split(req.split),
         short=parse_class(req.short, "--short") if req.short else SHORT,
         long=parse_class(req.long, "--long") if req.long else LONG,
         download=req.download, subset=req.subset, force=req.force,
@@ -158,13 +167,16 @@ def build_command(req: BuildRequest, console: Console | None = None) -> int:
         console.print(f"  (suggested split: {result.suggested:,} tokens)")
     console.print()
 
-    table = Table(title="prompt files (tokens: prompt tokens; est. $: answers at half max_tokens, max $: all of it)",
-                  title_justify="left", box=None, pad_edge=False)
+    title = "prompt files (tokens: prompt tokens; est. $: answers at half max_tokens, max $: all of it"
+    if req.turns == "all":
+        title += "; prompts: conversations (turns asked); each turn's prompt also carries the earlier answers"
+    table = Table(title=title + ")", title_justify="left", box=None, pad_edge=False)
     for col in ("dataset", "class", "prompts", "tokens", "concurrency", "max_tokens", "est. $", "max $"):
         table.add_column(col, justify="left" if col in ("dataset", "class") else "right", no_wrap=True)
     for out in result.datasets:
         cost = estimate(out, prices) if prices else None
-        table.add_row(out.name, out.length_class, f"{out.prompts:,}", f"{out.prompt_tokens:,}",
+        prompts = f"{out.prompts:,} ({out.requests:,})" if out.multi_turn else f"{out.prompts:,}"
+        table.add_row(out.name, out.length_class, prompts, f"{out.prompt_tokens:,}",
                       f"{out.settings.concurrency:,}", f"{out.settings.max_tokens:,}",
                       f"${cost.expected_usd:,.2f}" if cost else "—", f"${cost.max_usd:,.2f}" if cost else "—")
     console.print(table)

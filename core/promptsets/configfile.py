@@ -8,7 +8,10 @@ whole text is loaded with draftgen's own config loader before it replaces the fi
 Estimated cost per dataset, with prices in USD per million tokens (the provider's listing):
 prompt tokens × input price + prompts × expected answer tokens × output price, where the expected
 answer is half of max_tokens (what the engine assumes before answers land); the upper bound takes
-every answer at max_tokens.
+every answer at max_tokens. A `turns = "all"` dataset sends one request per user turn, and turn k's
+prompt carries the target's k-1 earlier answers: its prompt tokens are every turn's prompt side plus
+K(K-1)/2 answers per K-turn conversation (at the same expected or maximal length), so its cost grows
+about with K² — the entry's comment says how many turns and earlier answers it counted.
 """
 
 from __future__ import annotations
@@ -41,9 +44,13 @@ class CostEstimate:
 
 
 def estimate(out: DatasetOut, prices: Prices) -> CostEstimate:
-    prompt = out.prompt_tokens * prices.prompt / 1e6
-    per_answer = out.settings.max_tokens * prices.completion / 1e6
-    return CostEstimate(prompt + out.prompts * per_answer / 2, prompt + out.prompts * per_answer)
+    requests = out.requests or out.prompts
+    prompt_tokens = out.request_prompt_tokens or out.prompt_tokens
+
+    def at(answer: float) -> float:  # every answer `answer` tokens long, in its own turn and in later histories
+        return ((prompt_tokens + out.history_answers * answer) * prices.prompt
+                + requests * answer * prices.completion) / 1e6
+    return CostEstimate(at(out.settings.max_tokens / 2), at(out.settings.max_tokens))
 
 
 def config_relative(path: Path, config_dir: Path) -> str:
@@ -59,7 +66,15 @@ def _entry(out: DatasetOut, config_dir: Path, prices: Prices | None) -> list[str
              f"prompts = {toml_value(rel)}",
              f"concurrency = {out.settings.concurrency}",
              f"max_tokens = {out.settings.max_tokens}"]
-    note = f"# {out.prompts:,} prompts ({out.length_class}) from {out.source}, {out.prompt_tokens:,} prompt tokens"
+    if out.multi_turn:
+        lines.append('turns = "all"')
+        if out.max_turns is not None:
+            lines.append(f"max_turns = {out.max_turns}")
+        note = (f"# {out.prompts:,} conversations ({out.length_class}) from {out.source}, {out.requests:,} turns asked "
+                f"one by one: {out.request_prompt_tokens:,} prompt tokens of user turns over them, plus "
+                f"{out.history_answers:,} earlier answers carried in their histories")
+    else:
+        note = f"# {out.prompts:,} prompts ({out.length_class}) from {out.source}, {out.prompt_tokens:,} prompt tokens"
     if prices is not None:
         cost = estimate(out, prices)
         note += f"; estimated ${cost.expected_usd:,.2f}, at most ${cost.max_usd:,.2f}"

@@ -9,7 +9,12 @@ Only the prompt side is kept; the dataset's own answers are dropped (the target 
 
 For conversations, `turns="first"` keeps a leading system turn and the first user turn (the
 dataset's later turns were answered by another model); `turns="last"` keeps everything up to the
-last user turn as history, as the engine does for a `conversations` prompt file.
+last user turn as history, as the engine does for a `conversations` prompt file. `turns="all"` keeps
+the conversation as the source has it up to its last user turn (at most `max_turns` user turns), cut
+before its first tool turn (a `tool`/`function` message or an assistant turn with `tool_calls`: the
+engine regenerates the user turns before it only); the dataset's assistant turns stay in the file,
+so it reads the same under any `turns`, and a `turns = "all"` dataset drops them when it reads it
+(every user turn is then asked on the target's own earlier answers).
 
 An explicit mapping names the columns: `prompt=COL` (with `system=COL` and `input=COL` optional),
 or `messages=COL` / `conversations=COL`.
@@ -17,6 +22,7 @@ or `messages=COL` / `conversations=COL`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,7 +46,8 @@ class FieldMapping:
     column: str                 # conversations/messages list, instruction, or text column
     input: str | None = None    # instruction: the optional input column; text: an optional second part
     system: str | None = None   # an optional system-prompt column
-    turns: Literal["first", "last"] = "first"
+    turns: Literal["first", "last", "all"] = "first"
+    max_turns: int | None = None  # turns="all": user turns kept per conversation at most
 
     def describe(self) -> str:
         extra = "".join(f", {k}={v}" for k, v in (("input", self.input), ("system", self.system)) if v)
@@ -69,8 +76,15 @@ def _need(columns: Sequence[str], column: str, what: str) -> str:
 
 
 def resolve(columns: Sequence[str], *, preset: str | None, mapping: Mapping[str, str] | None,
-            turns: Literal["first", "last"] = "first", label: str = "dataset") -> FieldMapping:
+            turns: Literal["first", "last", "all"] = "first", label: str = "dataset",
+            max_turns: int | None = None) -> FieldMapping:
     """The FieldMapping for a dataset with `columns`: explicit mapping, named preset, or detected."""
+    m = _resolve(columns, preset=preset, mapping=mapping, turns=turns, label=label)
+    return dataclasses.replace(m, max_turns=max_turns) if m.kind == "conversations" else m
+
+
+def _resolve(columns: Sequence[str], *, preset: str | None, mapping: Mapping[str, str] | None,
+             turns: Literal["first", "last", "all"], label: str) -> FieldMapping:
     cols = list(columns)
     if mapping:
         lists = [k for k in ("messages", "conversations") if k in mapping]
@@ -120,7 +134,28 @@ def detect(columns: Sequence[str], label: str = "dataset") -> str:
                        f"--preset or name the columns with --map prompt=COLUMN")
 
 
-def _turns(raw: Any, column: str, turns: str) -> list[dict[str, str]]:
+# Roles of a tool result turn in the layouts seen (OpenAI `tool`/`function`, ShareGPT agent traces).
+TOOL_ROLES = ("tool", "function", "observation", "ipython")
+
+
+def before_tools(raw: Any) -> Any:
+    """A conversation list cut before its first tool turn: a tool result message, or an assistant turn
+    with `tool_calls` (regenerating past it would send a half-formed tool loop)."""
+    if not isinstance(raw, list):
+        return raw
+    for i, turn in enumerate(raw):
+        if isinstance(turn, dict) and (turn.get("tool_calls") or
+                                       (turn.get("role") if turn.get("role") is not None else turn.get("from"))
+                                       in TOOL_ROLES):
+            return raw[:i]
+    return raw
+
+
+def _turns(raw: Any, column: str, turns: str, max_turns: int | None = None) -> list[dict[str, str]]:
+    if turns == "all":
+        raw = before_tools(raw)
+        if isinstance(raw, list) and not raw:
+            raise ValueError(f"`{column}` has no user turn before its first tool turn")
     out = parse_turns(raw, column)
     users = [i for i, t in enumerate(out) if t["role"] == "user"]
     if not users:
@@ -128,13 +163,15 @@ def _turns(raw: Any, column: str, turns: str) -> list[dict[str, str]]:
     if turns == "first":
         # A leading system turn stays; the first user turn is the prompt.
         return [t for t in out[:users[0]] if t["role"] == "system"] + [out[users[0]]]
+    if turns == "all" and max_turns is not None:
+        users = users[:max_turns]
     return out[: users[-1] + 1]
 
 
 def to_messages(row: Mapping[str, Any], m: FieldMapping) -> list[dict[str, str]]:
     """The prompt messages of one row (prompt side only), or ValueError saying what is wrong."""
     if m.kind == "conversations":
-        messages = _turns(row.get(m.column), m.column, m.turns)
+        messages = _turns(row.get(m.column), m.column, m.turns, m.max_turns)
     else:
         text = row.get(m.column)
         if not isinstance(text, str) or not text.strip():

@@ -1,4 +1,5 @@
-"""Datasets: one row each with status, progress, token budget, skipped/failed counts and cost."""
+"""Datasets: one row each with status, progress, token budget, skipped/failed counts and cost; a
+turns = "all" dataset counts turns, and a line under the table counts its conversations."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class DatasetsPanel(SelectablePanel):
         return self.cols >= WIDE
 
     def shape(self, s: RunSnapshot) -> Any:
-        return tuple(bool(d.message) for d in s.datasets)
+        return tuple((bool(d.message), bool(d.conversations)) for d in s.datasets)
 
     def draw(self, s: RunSnapshot) -> RenderableType:
         if not s.datasets:
@@ -88,6 +89,12 @@ class DatasetsPanel(SelectablePanel):
                 fmt.usd(d.projected_cost_usd),
                 style="reverse" if d.name == self.selected else None,
             )
+            if d.conversations:  # turns = "all": done/total above are turns
+                notes.append(Text.assemble((f"{d.name}: ", "bold"), f"turns {fmt.count(d.done)}/{fmt.count(d.total)}"
+                                           f" answered; conversations {fmt.count(d.conversations_done)}/"
+                                           f"{fmt.count(d.conversations)} done, ",
+                                           (f"{fmt.count(d.conversations_ended)} ended early",
+                                            "magenta" if d.conversations_ended else "dim")))
             if d.message:
                 notes.append(Text.assemble((f"{d.name}: ", "bold"), d.message))
         if not notes:

@@ -60,6 +60,15 @@ def _dataset_facts(s: RunSnapshot, name: str) -> list[tuple[str, str | Text]]:
         ("tokens", budget),
         ("cost", f"{fmt.usd(d.cost_usd)}, projected {fmt.usd(d.projected_cost_usd)}"),
     ]
+    if d.conversations:  # turns = "all": the counts above are turns
+        rows.append(("conversations", f"{fmt.count(d.conversations_done)} of {fmt.count(d.conversations)} done, "
+                                      f"{fmt.count(d.conversations_ended)} ended early"))
+        if d.turns_by_number:
+            rows.append(("answered by turn", "  ".join(f"t{k} {fmt.count(done)}/{fmt.count(total)}"
+                                                      for k, (done, total) in enumerate(d.turns_by_number, 1))))
+        if d.last_conversation:
+            head, *turns = d.last_conversation
+            rows.append(("last conversation", "\n".join([head, *(f"  {t}" for t in turns)])))
     if d.message:
         rows.append(("note", d.message))
     return rows

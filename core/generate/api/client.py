@@ -48,6 +48,58 @@ class ChatAnswer:
     token_ids: list[int] | None = None
     priced: bool = True  # usage.cost was in the answer (false: billing.py estimates or looks it up)
     prompt_token_ids: list[int] | None = None  # the prompt ids the server ran (return_token_ids)
+    # OpenRouter's structured reasoning, as returned (a stream's pieces joined, _Details): what a
+    # later turn of the conversation passes back unmodified (core/generate/loop/conversations.py).
+    reasoning_details: list[Any] | None = None
+
+
+def _details_of(message: dict[str, Any]) -> list[Any] | None:
+    details = message.get("reasoning_details")
+    return details if isinstance(details, list) and details else None
+
+
+# The text-bearing keys of a reasoning detail, joined across stream chunks; others are taken as they come.
+_DETAIL_TEXT = frozenset({"text", "summary", "data"})
+
+
+class _Details:
+    """A stream's `reasoning_details` deltas joined into whole details: a piece with the same `index` and
+    `type` as the last detail continues it (its text keys' pieces kept in lists, joined once at the end;
+    its other keys set). Runs once per reasoning chunk: no string is rebuilt per piece."""
+
+    __slots__ = ("items", "texts", "key")
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.texts: list[dict[str, list[str]]] = []
+        self.key: tuple[Any, Any] | None = None
+
+    def feed(self, pieces: list[Any]) -> None:
+        for piece in pieces:
+            if type(piece) is not dict:
+                continue
+            key = (piece.get("index"), piece.get("type"))
+            if key != self.key:
+                self.key = key
+                self.items.append(dict(piece))
+                self.texts.append({k: [v] for k, v in piece.items() if k in _DETAIL_TEXT and type(v) is str})
+                continue
+            last, texts = self.items[-1], self.texts[-1]
+            for k, v in piece.items():
+                if k in _DETAIL_TEXT and type(v) is str:
+                    if k in texts:
+                        texts[k].append(v)
+                    else:
+                        texts[k] = [v]
+                        last[k] = v
+                elif v is not None:
+                    last[k] = v
+
+    def joined(self) -> list[dict[str, Any]]:
+        for item, texts in zip(self.items, self.texts, strict=True):
+            for k, parts in texts.items():
+                item[k] = parts[0] if len(parts) == 1 else "".join(parts)
+        return self.items
 
 
 def _reasoning_of(message: dict[str, Any]) -> str | None:
@@ -197,6 +249,7 @@ def parse_completion(obj: Any, latency_s: float, self_hosted: Callable[[], bool]
         token_ids=token_ids if isinstance(token_ids, list) else None,
         priced=_has_cost(obj.get("usage")),
         prompt_token_ids=_prompt_token_ids(obj, choice),
+        reasoning_details=_details_of(message),
     )
 
 
@@ -229,12 +282,15 @@ MAX_SSE_LINE = 1 << 24
 class _StreamState:
     """Accumulates SSE chunks into the same shape as a non-streamed body."""
 
-    def __init__(self, cap: int = 0) -> None:
+    def __init__(self, cap: int = 0, details: bool = False) -> None:
         self.cap = cap  # the body's answer cap (0: none)
         self.token_limit, self.char_limit = past_cap_limits(cap)
         self.chars = 0  # answer text streamed (content, reasoning, tool arguments): the estimate without counts
         self.content: list[str] = []
         self.reasoning: list[str] = []
+        # OpenRouter's structured reasoning, joined only when asked (`details`: a conversation's turn, whose
+        # next turn passes it back); a single-turn request spends nothing on it.
+        self.reasoning_details: _Details | None = _Details() if details else None
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.finish_reason: str | None = None
         self.native_finish_reason: str | None = None
@@ -309,6 +365,10 @@ class _StreamState:
             if text and isinstance(text, str):
                 self.reasoning.append(text)
                 self.chars += len(text)
+            if self.reasoning_details is not None:
+                details = dget("reasoning_details")
+                if details and type(details) is list:
+                    self.reasoning_details.feed(details)
             calls = dget("tool_calls")
             if calls:
                 self._tool_call_deltas(calls)
@@ -337,6 +397,8 @@ class _StreamState:
                                    "reasoning": "".join(self.reasoning) or None}
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        if self.reasoning_details is not None and self.reasoning_details.items:
+            message["reasoning_details"] = self.reasoning_details.joined()
         choice: dict[str, Any] = {"message": message, "finish_reason": self.finish_reason,
                                   "native_finish_reason": self.native_finish_reason}
         if self.token_ids is not None:
@@ -409,9 +471,12 @@ class ChatClient:
             await self._session.close()
             self._session = None
 
-    async def chat(self, body: dict[str, Any], on_generation: Callable[[str], None] | None = None) -> ChatAnswer:
+    async def chat(self, body: dict[str, Any], on_generation: Callable[[str], None] | None = None, *,
+                   details: bool = False) -> ChatAnswer:
         """One completion. `on_generation` hears the generation id as soon as the headers carry it
-        (X-Generation-Id), before the body: what prices the request if it is abandoned."""
+        (X-Generation-Id), before the body: what prices the request if it is abandoned. `details`: a
+        stream's `reasoning_details` pieces are joined into the answer's (a non-streamed body's are kept
+        as they come either way)."""
         assert self._session is not None, "ChatClient.open() first"
         start = time.monotonic()
         try:
@@ -424,7 +489,7 @@ class ChatClient:
                     raise classify_status(resp.status, await resp.read(), resp.headers)
                 cap = body_max_tokens(body, 0)
                 if body.get("stream"):
-                    obj = await self._read_sse(resp, cap)
+                    obj = await self._read_sse(resp, cap, details)
                 else:
                     raw = await resp.read()
                     try:
@@ -464,13 +529,13 @@ class ChatClient:
             raise redacted(e, self._redact) from None
         return redacted_answer(answer, self._redact)
 
-    async def _read_sse(self, resp: aiohttp.ClientResponse, cap: int = 0) -> dict[str, Any]:
+    async def _read_sse(self, resp: aiohttp.ClientResponse, cap: int = 0, details: bool = False) -> dict[str, Any]:
         """The answer of an SSE stream. Whatever has arrived is taken at once (`iter_any`) and split into
         lines here: aiohttp's line iterator costs a buffer round trip per line, more than the JSON
         decode of the event. Lines that are not `data:` (`: OPENROUTER PROCESSING` keep-alives, blank
         separators, `event:`/`id:` fields) are skipped; each event is decoded once (orjson skips the
         space after `data:` and a `\r` before the newline), and its deltas are joined once at the end."""
-        state = _StreamState(cap)
+        state = _StreamState(cap, details)
         partial: list[bytes] = []  # a line still arriving, in pieces
         size = 0
         async for data in resp.content.iter_any():

@@ -77,7 +77,9 @@ def prompt_token_bound(messages: Sequence[Mapping[str, Any]]) -> int:
             n += len(content.encode("utf-8", "surrogatepass"))
         elif content is not None:  # parts, tool calls: their JSON is longer than their text
             n += len(repr(content).encode("utf-8", "surrogatepass"))
-        for key in ("tool_calls", "name", "reasoning"):
+        # An earlier turn's reasoning sent back (a conversation's history, core/generate/loop/conversations.py):
+        # whether the template renders it is the provider's rule, so the bound counts it.
+        for key in ("tool_calls", "name", "reasoning", "reasoning_details", "reasoning_content"):
             if m.get(key):
                 n += len(repr(m[key]).encode("utf-8", "surrogatepass"))
     return n

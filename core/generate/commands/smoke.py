@@ -70,7 +70,13 @@ from draftgen.core.generate.loop.prompts import Prompt, read_prompts
 from draftgen.core.generate.loop.request import backoff_delay
 from draftgen.core.generate.loop.smoke_record import last_smoke
 from draftgen.core.generate.money.billing import book_answer, book_failure, look_up, reserve_one
-from draftgen.core.generate.money.forecast import DatasetFigures, RunForecast, SmokeFigures, forecast
+from draftgen.core.generate.money.forecast import (
+    DatasetFigures,
+    RunForecast,
+    SmokeFigures,
+    forecast,
+    history_per_turn,
+)
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
@@ -135,8 +141,9 @@ def _outage(e: RequestFailed) -> bool:
 
 def smoke_body(config: Config, ds: DatasetConfig) -> dict[str, Any]:
     """The body the smoke test sends for `ds`: the run's, with the smoke prompt (and `[smoke] max_tokens`
-    in every answer-cap key the body carries, so the server and the reservation see the same cap)."""
-    body = config.request_body(ds, [{"role": "user", "content": config.smoke.prompt}])
+    in every answer-cap key the body carries, so the server and the reservation see the same cap); with
+    sampling cycles, the first prompt's values (index 0)."""
+    body = config.request_body(ds, [{"role": "user", "content": config.smoke.prompt}], index=0)
     if config.smoke.max_tokens is not None:
         for key in COMPLETION_LIMIT_KEYS:
             if key in body or key == "max_tokens":
@@ -223,6 +230,17 @@ def _count_prompts(ds: DatasetConfig, specials: Any = ()) -> tuple[int, int, str
                 flagged += 1
                 first = first or found.group(0)
     return n, flagged, first
+
+
+def _count_turns(ds: DatasetConfig) -> tuple[int, float]:
+    """A `turns = "all"` dataset's requests: the user turns of its conversations (at most max_turns each),
+    and the mean earlier answers each request's history carries (forecast.history_per_turn)."""
+    turns = []
+    for item in read_prompts(ds.prompts):
+        if isinstance(item, Prompt):
+            k = sum(1 for m in item.messages if m.get("role") == "user")
+            turns.append(min(k, ds.max_turns) if ds.max_turns is not None else k)
+    return sum(turns), history_per_turn(turns)
 
 
 def special_text_row(config: Config, name: str, flagged: int, first: str) -> SmokeRow:
@@ -435,7 +453,8 @@ class _SmokeTest:
         self.reconstruct = _Reconstruct(config, self.add)
         self.local_error = ""
         self.ledger_error = ""
-        self.counts: dict[str, int] = {}
+        self.counts: dict[str, int] = {}   # requests each dataset sends: its prompts, or turns (turns = "all")
+        self.history: dict[str, float] = {}  # turns = "all": mean earlier answers a request carries
         self.sent: list[bool] = []  # a request left: the smoke test ran (a passing smoke.json is replaced)
         self.account: AccountStatus | None = None
         self.unreachable = False  # the address does not answer: advice is about the network, not the config
@@ -468,7 +487,10 @@ class _SmokeTest:
             self.local_error = "not sent: the tokenizer could not be loaded (see the tokenizer row)"
         for ds in self.config.datasets:
             try:
-                self.counts[ds.name] = (await asyncio.to_thread(_count_prompts, ds))[0]
+                if ds.turns == "all":
+                    self.counts[ds.name], self.history[ds.name] = await asyncio.to_thread(_count_turns, ds)
+                else:
+                    self.counts[ds.name] = (await asyncio.to_thread(_count_prompts, ds))[0]
             except DraftgenError as e:
                 self.add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
                 self.counts[ds.name] = 0
@@ -729,7 +751,8 @@ async def _figures(test: _SmokeTest) -> list[DatasetFigures]:
         figures.append(DatasetFigures(
             name=ds.name, remaining=max(0, n - answers), max_tokens=ds.max_tokens, concurrency=ds.concurrency,
             token_budget_left=None if ds.token_budget is None else max(0, ds.token_budget - tokens),
-            answers=answers, completion_tokens=tokens, cost_usd=cost, prices=test.prices[ds.name]))
+            answers=answers, completion_tokens=tokens, cost_usd=cost, prices=test.prices[ds.name],
+            history_answers=test.history.get(ds.name, 0.0)))
     return figures
 
 

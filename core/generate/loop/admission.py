@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from draftgen.core.generate.loop.conversations import ConversationSource
 from draftgen.core.generate.loop.room import Decision, Verdict
 from draftgen.core.generate.loop.source import Booked, PromptSource, open_source
 from draftgen.core.live.snapshot import DatasetStatus, EventKind, Level
@@ -102,6 +103,7 @@ class Admission:
         self._requests = requests
         self._gate = ctx.control
         self._event = ctx.event
+        self._self_hosted = ctx.config.api.self_hosted  # a conversation's history is sent as its API documents it
 
     async def run(self, ds: DatasetRun) -> None:
         """Admit the dataset's prompts until its source has none left (or a budget, drain or stop ends
@@ -109,11 +111,19 @@ class Admission:
         if self._gate.closed:
             return
         await self._open(ds)
-        budget_reason = await self._admit_all(ds, open_source(ds, self._book))
+        budget_reason = await self._admit_all(ds, self._source(ds))
         while ds.in_flight:
             ds.wake.clear()
             await ds.wake.wait()
         self._end(ds, budget_reason)
+
+    def _source(self, ds: DatasetRun) -> PromptSource:
+        """The dataset's prompt source: its conversations turn by turn (turns = "all"), else its file."""
+        if ds.config.turns == "all":
+            rd = self._book.rundir
+            return ConversationSource(ds, self_hosted=self._self_hosted, responses=rd.responses(ds.config.name),
+                                      failures=rd.failures(ds.config.name), on_event=self._event)
+        return open_source(ds, self._book)
 
     async def _open(self, ds: DatasetRun) -> None:
         """Count the dataset's prompt file (if the run's opening could not), say it starts."""
@@ -124,7 +134,9 @@ class Admission:
         if ds.rejected:
             self._event(Level.WARN, EventKind.REJECTED, f"{name}: {ds.rejected} prompt lines rejected "
                         f"(see {self._book.rundir.rejected(name)})", dataset=name)
-        self._event(Level.INFO, EventKind.DATASET_START, f"{name}: {ds.total} prompts, {ds.done} already answered, "
+        units = (f"turns of {ds.conversations.total} conversations (turns = \"all\")" if ds.config.turns == "all"
+                 else "prompts")
+        self._event(Level.INFO, EventKind.DATASET_START, f"{name}: {ds.total} {units}, {ds.done} already answered, "
                     f"{ds.failed} already failed; concurrency {ds.config.concurrency}", dataset=name)
 
     async def _admit_all(self, ds: DatasetRun, source: PromptSource) -> str:
@@ -183,8 +195,8 @@ class Admission:
                     f"{ds.failed} failed, {ds.skipped} skipped"
                     f"{f' ({costly} by max_usd)' if costly else ''}"
                     f"{f' ({duplicates} already answered in another dataset)' if duplicates else ''}, "
-                    f"{usd(self._money.spend.by_dataset.get(name, ds.cost))}",  # the ledger's, as in the panel
-                    dataset=name)
+                    f"{usd(self._money.spend.by_dataset.get(name, ds.cost))}"  # the ledger's, as in the panel
+                    f"{_conversations_done(ds)}", dataset=name)
 
     async def grow_limits(self) -> None:
         """Every second: let the limits cut by 429s grow back (runs for the life of the run)."""
@@ -194,3 +206,12 @@ class Admission:
                 if ds.concurrency.tick():
                     ds.wake.set()
 
+
+
+def _conversations_done(ds: DatasetRun) -> str:
+    """A turns = "all" dataset's conversations, for its dataset_done line ("" for a single-turn one)."""
+    if ds.config.turns != "all":
+        return ""
+    c = ds.conversations
+    why = ", ".join(f"{n} {kind}" for kind, n in c.reasons.most_common())
+    return (f" (turns; conversations: {c.done}/{c.total} done, {c.ended} ended early{f': {why}' if why else ''})")

@@ -14,6 +14,7 @@ counted are only added up.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass, field
 
 from draftgen.core.config import DatasetConfig
@@ -28,6 +29,36 @@ from draftgen.core.rundir import JsonlAppender
 from draftgen.core.secrets import Redactor
 
 
+@dataclass
+class ConversationCounts:
+    """A turns = "all" dataset's conversations, beside its turns (DatasetRun's units), for the views."""
+    total: int = 0      # usable conversations in the file
+    done: int = 0       # every turn answered
+    ended: int = 0      # ended early: a broken turn, a skip, an edit of the prompt file
+    reasons: Counter[str] = field(default_factory=Counter)  # why they ended, by kind
+    turn_sum: int = 0           # the turn numbers of every turn of the file, added up
+    answered_turn_sum: int = 0  # the turn numbers of the answered turns, added up
+    by_turn_total: Counter[int] = field(default_factory=Counter)  # turns of the file, by turn number
+    by_turn_done: Counter[int] = field(default_factory=Counter)   # answered turns, by turn number
+    last: tuple[str, ...] = ()  # the last conversation that finished or ended: its id, then one line a turn
+
+    def growth(self, turns_left: int, answered: int) -> float:
+        """How much bigger the prompts of the turns left are than those answered so far: a turn's history
+        grows with its number k (a k-turn conversation sends about k^2 history tokens in all), so the
+        ratio of the mean turn number left to the mean answered (1.0 when either is unknown)."""
+        if turns_left <= 0 or answered <= 0 or not self.answered_turn_sum:
+            return 1.0
+        left_mean = max(1.0, (self.turn_sum - self.answered_turn_sum) / turns_left)
+        return max(1.0, left_mean / (self.answered_turn_sum / answered))
+
+    def history_answers(self, turns_left: int) -> float:
+        """The mean earlier answers the prompt of a turn left carries (turn k carries k-1): forecast's
+        prior for a dataset with too few answers to price from (forecast.DatasetFigures.history_answers)."""
+        if turns_left <= 0:
+            return 0.0
+        return max(0.0, (self.turn_sum - self.answered_turn_sum) / turns_left - 1.0)
+
+
 @dataclass(eq=False)
 class DatasetRun:
     """One dataset's live state: counts, budgets, the requests in flight and its two record files."""
@@ -40,6 +71,8 @@ class DatasetRun:
     doubts: Doubts = field(default_factory=Doubts)  # set aside by a 4xx naming no known cause (doubts.py)
     _responses: JsonlAppender | None = field(default=None, init=False)
     _failures: JsonlAppender | None = field(default=None, init=False)
+    # turns = "all": the counts are turns; its conversations are counted here (conversations.py).
+    conversations: ConversationCounts = field(default_factory=ConversationCounts)
     # The state and the counts: read through the properties below, changed through the methods.
     _status: DatasetStatus = field(default=DatasetStatus.PENDING, init=False)
     _message: str = field(default="", init=False)
@@ -198,6 +231,11 @@ class DatasetRun:
         self.tokens.used += tokens
         self.tokens.answers += 1
         self._cost += cost
+        if self.config.turns == "all":
+            _, _, k = prompt_id.rpartition("#t")
+            turn = int(k) if k.isdigit() else 1
+            self.conversations.answered_turn_sum += turn
+            self.conversations.by_turn_done[turn] += 1
         if short:
             self._truncated += 1
         if now:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from draftgen.core.dedupe import prompt_key
+from draftgen.core.dedupe import prompt_key, record_key, turn_key
 from draftgen.core.rundir import iter_jsonl
 
 
@@ -26,9 +26,8 @@ def answered_keys(folders: Iterable[tuple[str, Path]]) -> dict[bytes, str]:
     owners: dict[bytes, str] = {}
     for name, path in folders:
         for _, record in iter_jsonl(path):
-            messages = record.get("messages")
-            if isinstance(messages, list):
-                owners.setdefault(prompt_key(messages), name)
+            if isinstance(record.get("messages"), list):
+                owners.setdefault(record_key(record), name)  # a conversation turn: its prompt side (dedupe.py)
     return owners
 
 
@@ -50,10 +49,11 @@ class CrossDatasetDuplicates:
         if self.needed:
             self._answered = answered_keys((n, root / n / "responses.jsonl") for n in [*names, *others])
 
-    def claim(self, dataset: str, prompt_id: str, messages: Any) -> str | None:
+    def claim(self, dataset: str, prompt_id: str, messages: Any, *, turn: bool = False) -> str | None:
         """The other dataset that answered or is sending this prompt (then it must not go out), or None:
-        then it is `dataset`'s, in flight, until `settled`."""
-        key = prompt_key(messages)
+        then it is `dataset`'s, in flight, until `settled`. `turn`: a turn of a `turns = "all"` conversation,
+        keyed on its prompt side (dedupe.turn_key), not on the target's earlier answers in its history."""
+        key = turn_key(messages) if turn else prompt_key(messages)
         owner = self._answered.get(key) or self._sending.get(key)
         if owner is not None and owner != dataset:
             return owner

@@ -1,14 +1,17 @@
 """The run's picture, made in one place (`Projector`): counts as they are, and what finishing will take.
 
 What is left of a dataset is its usable prompts not yet done, failed or skipped, capped by what
-its token budget still allows at the average answer length; projected cost and the ETA cover every
-dataset of the config, those not started included, by forecast.py (the function smoke uses too).
+its token budget still allows at the average answer length (a turns = "all" dataset: its turns, each
+turn left priced up by how much longer its history is than those answered, ConversationCounts.growth);
+projected cost and the ETA cover every dataset of the config, those not started included, by
+forecast.py (the function smoke uses too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.dataset_run import DatasetRun
@@ -49,11 +52,23 @@ def stable_eta(time_s: float | None, *, answers: int, elapsed_s: float, window_s
     return time_s
 
 
+def _conversations(ds: DatasetRun) -> dict[str, Any]:
+    """A turns = "all" dataset's conversation fields of its snapshot row (none for a single-turn one)."""
+    if ds.config.turns != "all":
+        return {}
+    c = ds.conversations
+    return {"conversations": c.total, "conversations_done": c.done, "conversations_ended": c.ended,
+            "turns_by_number": tuple((c.by_turn_done[k], c.by_turn_total[k]) for k in sorted(c.by_turn_total)),
+            "last_conversation": c.last}
+
+
 def figures(ds: DatasetRun, spend: SpendLedger, prices: Prices | None) -> DatasetFigures:
     return DatasetFigures(
         name=ds.config.name, remaining=remaining(ds), max_tokens=ds.config.max_tokens,
         concurrency=ds.config.concurrency, token_budget_left=ds.tokens.remaining(), answers=ds.tokens.answers,
-        completion_tokens=ds.tokens.used, cost_usd=spend.by_dataset.get(ds.config.name, ds.cost), prices=prices)
+        completion_tokens=ds.tokens.used, cost_usd=spend.by_dataset.get(ds.config.name, ds.cost), prices=prices,
+        **({"growth": ds.conversations.growth(ds.left, ds.done),
+            "history_answers": ds.conversations.history_answers(ds.left)} if ds.config.turns == "all" else {}))
 
 
 @dataclass(frozen=True)
@@ -137,7 +152,8 @@ def _datasets(all_ds: list[DatasetRun], plan: RunForecast, spend: SpendLedger, *
             truncated=ds.truncated, in_flight=ds.in_flight, concurrency=ds.config.concurrency,
             effective_concurrency=ds.concurrency.limit, tokens_used=ds.tokens.used,
             tokens_in_flight=ds.tokens.in_flight, token_budget=ds.tokens.limit, cost_usd=round(cost, 6),
-            projected_cost_usd=round(cost + fc.cost_usd, 4) if fc.cost_usd or cost else None, message=ds.message))
+            projected_cost_usd=round(cost + fc.cost_usd, 4) if fc.cost_usd or cost else None, message=ds.message,
+            **_conversations(ds)))
     return tuple(shots)
 
 

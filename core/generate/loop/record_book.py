@@ -29,7 +29,14 @@ from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.api.client import ChatAnswer, RequestFailed
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.dataset_run import DatasetRun
-from draftgen.core.generate.loop.prompts import Prompt, Rejection, read_prompts
+from draftgen.core.generate.loop.prompts import (
+    Conversation,
+    Prompt,
+    Rejection,
+    read_conversations,
+    read_prompts,
+    turn_id,
+)
 from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.loop.spool import SpoolRecord, write_spool
 from draftgen.core.generate.loop.spool_import import SpoolImport
@@ -118,21 +125,34 @@ class RecordBook:
 
     def scan_prompts(self, ds: DatasetRun) -> None:
         """Count usable prompts and rewrite rejected.jsonl (derived from the input, so rewritten whole)."""
-        total = rejected = fresh = 0
+        total = rejected = fresh = conversations = turn_sum = 0
+        ds.conversations.by_turn_total.clear()
+        all_turns = ds.config.turns == "all"
+        items: Iterator[Prompt | Conversation | Rejection] = (
+            read_conversations(ds.config.prompts, ds.config.max_turns) if all_turns
+            else read_prompts(ds.config.prompts, ds.config.turns))
         with replacing(self.rundir.rejected(ds.config.name)) as out:  # on an error the old one stays
-            for item in read_prompts(ds.config.prompts):
+            for item in items:
                 if isinstance(item, Rejection):
                     rejected += 1
                     out.write(orjson.dumps({"line": item.line, "id": item.id, "reason": item.reason,
                                             "file": str(ds.config.prompts), "ts": time.time()}) + b"\n")
+                elif isinstance(item, Conversation):  # turns = "all": the units are turns
+                    conversations += 1
+                    turn_sum += item.turns * (item.turns + 1) // 2
+                    ds.conversations.by_turn_total.update(range(1, item.turns + 1))
+                    total += item.turns
+                    fresh += sum(turn_id(item.id, k) not in ds.done_ids for k in range(1, item.turns + 1))
                 else:
                     total += 1
                     fresh += item.id not in ds.done_ids
         ds.counted(total, rejected, fresh)
+        if all_turns:
+            ds.conversations.total, ds.conversations.turn_sum = conversations, turn_sum
 
     async def prompts(self, ds: DatasetRun) -> AsyncIterator[Prompt]:
         """The dataset's prompts not yet on disk, read in a thread a chunk at a time."""
-        it: Iterator[Prompt | Rejection] = read_prompts(ds.config.prompts)
+        it: Iterator[Prompt | Rejection] = read_prompts(ds.config.prompts, ds.config.turns)
 
         def chunk() -> list[Prompt]:
             out: list[Prompt] = []
@@ -152,9 +172,11 @@ class RecordBook:
 
     # -- records --------------------------------------------------------------------------------
 
-    def record_answer(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int, seq: int = 0) -> None:
+    def record_answer(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int, seq: int = 0,
+                      sampling: dict[str, Any] | None = None) -> None:
         """The answer on disk (or held while the disk refuses); and the prompts set aside by a 4xx naming
-        no known cause before request `seq` was sent fail as their own: the same parameters work."""
+        no known cause before request `seq` was sent fail as their own: the same parameters work.
+        `sampling`: the line's `sampling` field (config.sampling_of the body sent), when the dataset records it."""
         for d in ds.doubts.confirmed(seq):
             self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"
@@ -165,8 +187,10 @@ class RecordBook:
             provider=a.provider, model=a.model, generation_id=a.generation_id, usage=a.usage,
             latency_s=round(a.latency_s, 3), attempts=attempts, truncated=truncated, empty_content=empty,
             ts=round(time.time(), 3), token_ids=a.token_ids,
-            prompt_token_ids=a.prompt_token_ids)
+            prompt_token_ids=a.prompt_token_ids, turn=prompt.turn, reasoning_details=a.reasoning_details)
         line = record.to_dict()
+        if sampling is not None:
+            line["sampling"] = sampling
         assert ds.responses is not None
         on_disk = self._write(ds, ds.responses, line, True)
         ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty)
@@ -204,7 +228,8 @@ class RecordBook:
 
     def record_failure(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int) -> None:
         record = FailureRecord(id=prompt.id, messages=prompt.messages, error_kind=e.kind, status=e.status,
-                               message=self._redact(e.message), attempts=attempts, ts=round(time.time(), 3))
+                               message=self._redact(e.message), attempts=attempts, ts=round(time.time(), 3),
+                               turn=prompt.turn)
         assert ds.failures is not None
         self._write(ds, ds.failures, record.to_dict(), False)
         ds.failed_one(prompt.id)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from draftgen.core.config import sampling_of
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose, unreachable_advice
 from draftgen.core.generate.api.client import ChatAnswer, RequestFailed
@@ -180,7 +181,7 @@ class Requests:
         otherwise the prompt is this dataset's while it is in flight (core/generate/loop/duplicates.py)."""
         if self.duplicates is None:
             return False
-        other = self.duplicates.claim(ds.config.name, prompt.id, prompt.messages)
+        other = self.duplicates.claim(ds.config.name, prompt.id, prompt.messages, turn=ds.config.turns == "all")
         if other is None:
             return False
         ds.skipped_some()
@@ -222,7 +223,7 @@ class Requests:
     async def _run(self, req: Request, body: dict[str, Any]) -> None:
         """The request's body: asked until it has an outcome (under the body its ticket reserved for),
         the outcome booked and recorded, durable (group fsync) before the request finishes."""
-        if await self._book_outcome(req, await self._ask(req.ds, body, req.ticket)):
+        if await self._book_outcome(req, await self._ask(req.ds, body, req.ticket), body):
             await self._book.synced(req.ds)
 
     # -- 3. attempt and retry ------------------------------------------------------------------------
@@ -254,7 +255,8 @@ class Requests:
             sent_no = self._sent
             self._sent += 1
             try:
-                answer = await self.client.chat(body, functools.partial(spend.generation, ticket))
+                answer = await self.client.chat(body, functools.partial(spend.generation, ticket),
+                                                details=ds.config.turns == "all")  # passed back next turn
             except RequestFailed as e:
                 self._note_failure(ds, ticket, tries, e)
                 ended = self._ended_by(ds, prompt_id, tries, e, seq)
@@ -373,7 +375,7 @@ class Requests:
 
     # -- 4. book, 5. record --------------------------------------------------------------------------
 
-    async def _book_outcome(self, req: Request, done: Attempted) -> bool:
+    async def _book_outcome(self, req: Request, done: Attempted, body: dict[str, Any]) -> bool:
         """The outcome recorded (or the prompt handed back, skipped, its dataset stopped) and its source
         told; True when a record was written (it is fsynced before the request ends)."""
         ctx, ds, prompt = self._ctx, req.ds, req.prompt
@@ -382,7 +384,8 @@ class Requests:
             answer = done.answer
             assert answer is not None
             ctx.provider_stats.answer(answer.provider or "unknown", answer.latency_s, answer.usage.completion_tokens)
-            self._book.record_answer(ds, prompt, answer, done.attempts, done.seq)
+            self._book.record_answer(ds, prompt, answer, done.attempts, done.seq,
+                                     sampling=sampling_of(body) if ds.config.records_sampling else None)
             if answer.token_ids is None and self._wants_ids:
                 self._no_ids(ds)
             if self.duplicates is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from draftgen.core.config import cycle_index
 from draftgen.core.generate.api.prices import body_worst_case
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.prompts import Prompt
@@ -76,8 +77,9 @@ class Room:
 
     def request_for(self, ds: DatasetRun, prompt: Prompt) -> tuple[dict[str, Any], float]:
         """The body this prompt's request sends, and what sending it can cost at most (0 when no price
-        is known and no ceiling is set): the worst case of that very body, its own max_tokens."""
-        body = self._body(ds.config, prompt.messages)
+        is known and no ceiling is set): the worst case of that very body, its own max_tokens (with the
+        dataset's sampling cycle at the prompt's line, `cycle_index`)."""
+        body = self._body(ds.config, prompt.messages, index=cycle_index(prompt.line))
         prices = self.prices.get(ds.config.name)
         return body, 0.0 if prices is None else body_worst_case(prices, body, ds.config.max_tokens)
 

@@ -9,11 +9,18 @@ Each dataset gets a range: low (the shortest plausible answers) to high (every a
 and the worst-case price), both capped by its token budget; the run's total is capped by max_usd.
 Time: the tokens left over the observed token rate, scaled by each dataset's concurrency, else the
 smoke request's own pace times the concurrency; datasets add up unless they run in parallel.
+
+A `turns = "all"` dataset counts turns (one request each), and turn k's prompt carries the target's
+k-1 earlier answers: `history_answers` (their mean per request, `history_per_turn`) adds that many
+answers' tokens at the prompt price to each request's cost, expected and worst case alike, so a
+K-turn conversation costs about K² answers of prompt tokens beside its K answers. Observed costs
+already hold the histories of the turns answered so far; `growth` scales them by how much longer
+the histories of the turns left are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from draftgen.core.generate.api.prices import Prices
@@ -35,6 +42,10 @@ class DatasetFigures:
     cost_usd: float = 0.0             # their cost
     prices: Prices | None = None      # worst case
     prompt_tokens: float = 0.0        # mean prompt tokens of its requests (a bound), for the price prior
+    history_answers: float = 0.0      # turns = "all": earlier answers a remaining request's prompt carries, mean
+    # turns = "all": how much more a request left costs than one answered so far, its history being
+    # longer (DatasetRun's ConversationCounts.growth), applied to the observed cost; 1.0 for single turns.
+    growth: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -109,10 +120,13 @@ def forecast(figures: Sequence[DatasetFigures], *, spent_usd: float, max_usd: fl
     pace_smoke = smoke.completion_tokens / smoke.latency_s if smoke and smoke.latency_s > 0 else 0.0
     out = []
     for f in figures:
-        worst_answer = f.prices.worst_case(round(f.prompt_tokens), f.max_tokens) if f.prices else 0.0
+        # What one answer of t tokens costs again as history: t x the earlier answers a request carries.
+        history = f.history_answers * (f.prices.prompt if f.prices else 0.0)
+        worst_answer = f.prices.worst_case(round(f.prompt_tokens + f.history_answers * f.max_tokens),
+                                           f.max_tokens) if f.prices else 0.0
         if f in seen:
             tokens = f.completion_tokens / f.answers
-            per_answer = f.cost_usd / f.answers
+            per_answer = f.cost_usd / f.answers * f.growth  # a turn left carries a longer history than those seen
             low_tokens, basis = tokens, "observed"
             per_token = f.cost_usd / f.completion_tokens
         else:
@@ -120,9 +134,9 @@ def forecast(figures: Sequence[DatasetFigures], *, spent_usd: float, max_usd: fl
             basis = "other datasets" if mean_seen else "max_tokens prior"
             per_token = per_token_seen or per_token_smoke or (
                 (f.prices.completion + f.prices.prompt * f.prompt_tokens / max(1.0, tokens)) if f.prices else 0.0)
-            per_answer = tokens * per_token
+            per_answer = tokens * (per_token + history)
             low_tokens = min(tokens, smoke.completion_tokens) if smoke and smoke.completion_tokens else tokens / 4
-        high_answer = max(worst_answer, f.max_tokens * per_token, per_answer)
+        high_answer = max(worst_answer, f.max_tokens * (per_token + history), per_answer)
         answers = _answers_within(f, tokens)
         low_answers = _answers_within(f, max(1.0, low_tokens))
         high_answers = _answers_within(f, f.max_tokens)
@@ -134,7 +148,7 @@ def forecast(figures: Sequence[DatasetFigures], *, spent_usd: float, max_usd: fl
             time_s = tok_left / (pace_smoke * f.concurrency)
         out.append(DatasetForecast(
             name=f.name, answers_left=answers, tokens_per_answer=round(tokens, 1), cost_usd=answers * per_answer,
-            low_usd=low_answers * low_tokens * per_token if basis != "observed" else answers * per_answer,
+            low_usd=low_answers * low_tokens * (per_token + history) if basis != "observed" else answers * per_answer,
             high_usd=max(high_answers * high_answer, answers * per_answer), time_s=time_s, basis=basis))
     times = [d.time_s for d in out if d.answers_left]
     known = [t for t in times if t is not None]
@@ -149,3 +163,13 @@ def _answers_within(f: DatasetFigures, tokens_per_answer: float) -> int:
     if f.token_budget_left is None:
         return f.remaining
     return min(f.remaining, int(f.token_budget_left / max(1.0, tokens_per_answer)))
+
+
+def history_per_turn(turns: Iterable[int]) -> float:
+    """The mean earlier answers a request of a `turns = "all"` dataset carries, over conversations of these
+    user-turn counts: a K-turn conversation asks K requests carrying 0, 1, ..., K-1 answers (K(K-1)/2)."""
+    requests = histories = 0
+    for k in turns:
+        requests += k
+        histories += k * (k - 1) // 2
+    return histories / requests if requests else 0.0

@@ -1,0 +1,378 @@
+"""The prompt source of a turns = "all" dataset: each conversation's user turns asked in order, every
+request's history made of the target's own earlier answers.
+
+Turn k of conversation C goes out as a Prompt with id `C#tk` and messages = the system turn, user
+turns 1..k and, between them, the target's stored answers to turns 1..k-1 (never the dataset's),
+sent back the way the API documents it (`history_message`): OpenRouter gets the answer's
+`reasoning_details` unmodified (else its `reasoning` text), a self-hosted vLLM/SGLang server its
+`reasoning_content`. A conversation has at most one turn in flight: turn k+1 is ready only once turn k
+is booked answered; turns of different conversations interleave under the dataset's concurrency
+(ready turns go before new conversations, so few conversations are open at once).
+
+A broken turn ends its conversation there: failed for good, cut at max_tokens, an empty answer, an
+answer with tool calls, or skipped (a budget, max_usd, a duplicate). Its later turns are counted
+skipped ("conversation ended at turn k: why"), never written, and recomputed from the records on the
+next run. Nothing is ever conditioned on a broken answer.
+
+Resume is at turn level: the records of the dataset (responses.jsonl, failures.jsonl: `conversation`,
+`turn`, `prompt_hash`) say where each conversation stands; its next turn is 1 + its highest answered
+turn, its history rebuilt from the stored answers. A stored turn whose `prompt_hash` is not the
+file's fingerprint at that turn means the prompt file was edited between runs: that conversation is
+not continued (its stored turns stay; its rest is counted skipped) and the first one is said, naming
+the file, the line and the turn. `retry-failed` removing a failed turn's line resumes the
+conversation at that turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from draftgen.core.generate.loop.prompts import Conversation, Prompt, Rejection, read_conversations, turn_id
+from draftgen.core.generate.loop.source import Booked, BookedAs
+from draftgen.core.live.snapshot import EventKind, EventSink, Level
+from draftgen.core.records import TurnFields
+from draftgen.core.rundir import iter_jsonl
+
+if TYPE_CHECKING:
+    from draftgen.core.generate.loop.dataset_run import DatasetRun
+
+CHUNK = 256  # conversations read from the prompt file per thread hop
+
+
+def history_message(content: str, reasoning: str | None, reasoning_details: list[Any] | None, *,
+                    self_hosted: bool) -> dict[str, Any]:
+    """The target's answer as the assistant message of a later turn's request, as each API documents
+    it: OpenRouter, its `reasoning_details` passed back unmodified (else the `reasoning` text, when
+    it had one); vLLM and SGLang, `reasoning_content`. Rendering is the chat template's rule (Kimi-K2.5
+    renders earlier turns without their reasoning, core/tokens/template.py)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if self_hosted:
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+    elif reasoning_details:
+        msg["reasoning_details"] = reasoning_details
+    elif reasoning:
+        msg["reasoning"] = reasoning
+    return msg
+
+
+def broken_answer(content: str, finish_reason: str | None, tool_calls: Any) -> str:
+    """Why an answer cannot be the history of a later turn ("" when it can)."""
+    if finish_reason == "length":
+        return "cut at max_tokens"
+    if tool_calls:
+        return "answered with tool calls"
+    if not content.strip():
+        return "empty answer"
+    return ""
+
+
+@dataclass(slots=True)
+class _Stored:
+    """One turn's outcome on disk."""
+    answered: bool
+    prompt_hash: str | None
+    broken: str          # why it ends its conversation ("" for a good answer)
+
+
+@dataclass(slots=True)
+class _Open:
+    """A conversation being asked: its turns, the target's answers so far."""
+    conv: Conversation
+    history: list[dict[str, Any]]   # assistant messages for turns 1..len(history)
+    stored: set[int] = field(default_factory=set)  # turns with an outcome on disk when it opened
+    lines: list[str] = field(default_factory=list)  # one a turn so far, for the views (`ConversationCounts.last`)
+
+
+class ConversationSource:
+    """The prompts of a turns = "all" dataset: next() the next ready turn, booked() each outcome."""
+
+    def __init__(self, ds: DatasetRun, *, self_hosted: bool, responses: Path, failures: Path,
+                 on_event: EventSink, max_turns: int | None = None) -> None:
+        self._ds = ds
+        self._name = ds.config.name
+        self._path = ds.config.prompts
+        self._max_turns = max_turns if max_turns is not None else ds.config.max_turns
+        self._self_hosted = self_hosted
+        self._responses = responses
+        self._failures = failures
+        self._event = on_event
+        self._stored: dict[str, dict[int, _Stored]] | None = None  # loaded on the first next()
+        self._history: dict[str, dict[int, dict[str, Any]]] = {}   # stored answers of unfinished conversations
+        self._open: dict[str, _Open] = {}
+        self._ready: deque[Prompt] = deque()
+        self._out = 0                     # turns yielded, not booked yet
+        self._changed = asyncio.Event()
+        self._file: Iterator[Conversation | Rejection] | None = None
+        self._batch: deque[Conversation] = deque()
+        self._exhausted = False
+        self._reading: asyncio.Future[list[Conversation]] | None = None
+        self.counts = ds.conversations
+        self._edited = 0
+        self._said_ended = False
+
+    # -- the PromptSource protocol ------------------------------------------------------------------
+
+    async def next(self) -> Prompt | None:
+        """The next turn ready to ask; waits while every open conversation has its turn out; None once
+        every conversation has ended (or the file has no more and nothing is out)."""
+        if self._stored is None:
+            await asyncio.to_thread(self._load)
+        while True:
+            if self._ready:
+                prompt = self._ready.popleft()
+                self._out += 1
+                return prompt
+            if not self._exhausted:
+                conv = await self._next_conversation()
+                if conv is None:
+                    self._exhausted = True
+                    continue
+                first = self._begin(conv)
+                if first is not None:
+                    self._out += 1
+                    return first
+                continue
+            if not self._out:
+                return None
+            self._changed.clear()
+            await self._changed.wait()
+
+    def booked(self, prompt: Prompt, result: Booked) -> None:
+        """A yielded turn's outcome: the next turn made ready, or its conversation ended."""
+        assert prompt.turn is not None, f"{prompt.id}: not a conversation's turn"
+        self._out -= 1
+        self._changed.set()
+        t = prompt.turn
+        o = self._open.get(t.conversation)
+        if o is None:
+            return
+        if result.kind is BookedAs.HANDED_BACK:
+            self._ready.appendleft(prompt)
+            return
+        if result.kind is BookedAs.FAILED:
+            self._end(o, t.turn, f"failed ({result.reason})" if result.reason else "failed")
+            return
+        if result.kind is BookedAs.SKIPPED:
+            self._end(o, t.turn, f"skipped ({result.reason})" if result.reason else "skipped")
+            return
+        a = result.answer
+        assert a is not None
+        why = broken_answer(a.content, a.finish_reason, a.tool_calls)
+        if why:
+            self._end(o, t.turn, why)
+            return
+        o.history.append(history_message(a.content, a.reasoning, a.reasoning_details, self_hosted=self._self_hosted))
+        o.lines.append(f"turn {t.turn}: answered, {a.usage.prompt_tokens:,} prompt + {a.usage.completion_tokens:,} "
+                       "answer tokens")
+        self._advance(o)
+
+    @property
+    def in_flight(self) -> int:
+        """Turns yielded and not booked yet."""
+        return self._out
+
+    @property
+    def open(self) -> int:
+        """Conversations being asked (a turn out or ready)."""
+        return len(self._open)
+
+    @property
+    def would_wait(self) -> bool:
+        """next() has nothing to give until a turn out is booked."""
+        return not self._ready and self._exhausted and self._out > 0
+
+    # -- the conversations ------------------------------------------------------------------------
+
+    def _advance(self, o: _Open) -> None:
+        """After turn len(history) was answered: the next turn ready, or the conversation done."""
+        if len(o.history) >= o.conv.turns:
+            del self._open[o.conv.id]
+            self.counts.done += 1
+            self.counts.last = (f"{o.conv.id} ({o.conv.turns} turns, line {o.conv.line}): done", *o.lines)
+            return
+        self._ready.append(self._turn(o))
+
+    def _turn(self, o: _Open) -> Prompt:
+        """The request of the conversation's next turn: its history is the target's own answers."""
+        conv = o.conv
+        k = len(o.history) + 1
+        messages: list[dict[str, Any]] = list(conv.system)
+        for user, answer in zip(conv.user_turns, o.history, strict=False):
+            messages.append(user)
+            messages.append(answer)
+        messages.append(conv.user_turns[k - 1])
+        return Prompt(turn_id(conv.id, k), messages, conv.line,
+                      TurnFields(conv.id, k, conv.turns, conv.fingerprint[k - 1]))
+
+    def _end(self, o: _Open, k: int, why: str) -> None:
+        """Turn k broke (its own outcome is counted by whoever booked it): the conversation ends; its
+        later turns with no outcome on disk are counted skipped."""
+        self._open.pop(o.conv.id, None)
+        self._ended(o.conv, k, why, o.stored)
+        self.counts.last = (f"{o.conv.id} ({o.conv.turns} turns, line {o.conv.line}): ended at turn {k}",
+                            *o.lines, f"turn {k}: {why}")
+
+    def _ended(self, conv: Conversation, k: int, why: str, stored: set[int]) -> None:
+        rest = sum(1 for j in range(k + 1, conv.turns + 1) if j not in stored)
+        if rest:
+            self._ds.skipped_some(rest)
+        self.counts.ended += 1
+        kind = why.split(" (")[0]
+        self.counts.reasons[kind] += 1
+        if not self._said_ended and rest:
+            self._said_ended = True
+            self._event(Level.INFO, EventKind.BUDGET if kind == "skipped" else EventKind.CONVERSATION,
+                        f"{self._name}: conversation {conv.id!r} ended at turn {k} of {conv.turns}: {why}; its "
+                        f"{rest} later turn(s) are skipped (nothing is asked on a broken answer); every conversation "
+                        "that ends early is counted", dataset=self._name)
+
+    def _begin(self, conv: Conversation) -> Prompt | None:
+        """A conversation read from the file: its first turn with no outcome on disk, or None when it
+        is done, ended, or edited since its stored turns were asked."""
+        assert self._stored is not None
+        stored = self._stored.pop(conv.id, None)
+        if not stored:
+            o = _Open(conv, [])
+            self._open[conv.id] = o
+            return self._turn(o)
+        kept = set(stored)
+        for k in sorted(stored):
+            if k <= conv.turns and stored[k].prompt_hash != conv.fingerprint[k - 1]:
+                self._edited_at(conv, k, kept)
+                self._history.pop(conv.id, None)
+                return None
+        m = _answered_prefix(stored, conv.turns)
+        history = self._history.pop(conv.id, {})
+        if m >= conv.turns:
+            self.counts.done += 1
+            return None
+        nxt = stored.get(m + 1)
+        if nxt is not None:  # a failure, or a broken answer: the conversation ended there
+            self._ended(conv, m + 1, nxt.broken or "failed", kept)
+            return None
+        if any(j not in history for j in range(1, m + 1)):
+            history = self._reread(conv.id)
+            if any(j not in history for j in range(1, m + 1)):  # its answers left the file since _load
+                self._ended(conv, m, "stored answers not readable", kept)
+                return None
+        o = _Open(conv, [history[j] for j in range(1, m + 1)], kept, [f"turn {j}: answered in an earlier run"
+                                                                       for j in range(1, m + 1)])
+        self._open[conv.id] = o
+        return self._turn(o)
+
+    def _edited_at(self, conv: Conversation, k: int, stored: set[int]) -> None:
+        self._edited += 1
+        rest = sum(1 for j in range(1, conv.turns + 1) if j not in stored)
+        if rest:
+            self._ds.skipped_some(rest)
+        self.counts.ended += 1
+        self.counts.reasons["prompt file edited"] += 1
+        if self._edited == 1:
+            self._event(Level.WARN, EventKind.CONVERSATION,
+                        f"{self._name}: {self._path} line {conv.line}: turn {k} of conversation {conv.id!r} is not "
+                        "the one its stored answer was asked with (the prompt file was edited since): the "
+                        "conversation is not continued (its stored turns stay, its rest is counted skipped); "
+                        "every such conversation is counted", dataset=self._name)
+
+    @property
+    def edited(self) -> int:
+        """Conversations not continued because the prompt file changed under their stored turns."""
+        return self._edited
+
+    # -- reading --------------------------------------------------------------------------------------
+
+    async def _next_conversation(self) -> Conversation | None:
+        if not self._batch:
+            # A next() cancelled while a chunk is read leaves the read to the next call: nothing is lost.
+            if self._reading is None:
+                self._reading = asyncio.ensure_future(asyncio.to_thread(self._read_chunk))
+            batch = await asyncio.shield(self._reading)
+            self._reading = None
+            if not batch:
+                return None
+            self._batch.extend(batch)
+        return self._batch.popleft()
+
+    def _read_chunk(self) -> list[Conversation]:
+        if self._file is None:
+            self._file = read_conversations(self._path, self._max_turns)
+        out: list[Conversation] = []
+        for item in self._file:
+            if isinstance(item, Conversation):
+                out.append(item)
+                if len(out) >= CHUNK:
+                    break
+        return out
+
+    def _load(self) -> None:
+        """Where each conversation stands on disk: every stored turn's outcome, and the stored answers
+        of the conversations not finished by their records (the history their next turn sends)."""
+        stored: dict[str, dict[int, _Stored]] = {}
+        recorded_turns: dict[str, int] = {}
+        for path, answered in ((self._failures, False), (self._responses, True)):  # an answer wins
+            for _, raw in iter_jsonl(path):
+                where = _where(raw)
+                if where is None:
+                    continue
+                conv, k, turns = where
+                ph = raw.get("prompt_hash")
+                broken = broken_answer(_str(raw.get("content")), raw.get("finish_reason"), raw.get("tool_calls")) \
+                    if answered else "failed" + (f" ({raw['error_kind']})" if isinstance(raw.get("error_kind"), str)
+                                                 else "")
+                if answered and (raw.get("truncated") or raw.get("empty_content")) and not broken:
+                    broken = "cut at max_tokens" if raw.get("truncated") else "empty answer"
+                stored.setdefault(conv, {})[k] = _Stored(answered, ph if isinstance(ph, str) else None, broken)
+                if turns:
+                    recorded_turns[conv] = turns
+        # History is kept for the conversations whose records say a turn is still to ask.
+        unfinished = {c for c, turns in stored.items()
+                      if (m := _answered_prefix(turns, 1 << 30)) < recorded_turns.get(c, 1 << 30)
+                      and m + 1 not in turns}
+        self._stored = stored
+        self._history = self._answers(unfinished)
+
+    def _answers(self, convs: set[str]) -> dict[str, dict[int, dict[str, Any]]]:
+        out: dict[str, dict[int, dict[str, Any]]] = {}
+        if not convs:
+            return out
+        for _, raw in iter_jsonl(self._responses):
+            where = _where(raw)
+            if where is None or where[0] not in convs:
+                continue
+            rd = raw.get("reasoning_details")
+            reasoning = raw.get("reasoning")
+            out.setdefault(where[0], {})[where[1]] = history_message(
+                _str(raw.get("content")), reasoning if isinstance(reasoning, str) else None,
+                rd if isinstance(rd, list) else None, self_hosted=self._self_hosted)
+        return out
+
+    def _reread(self, conv: str) -> dict[int, dict[str, Any]]:
+        """The stored answers of one conversation its records said was finished, when the file now
+        has more turns (max_turns raised, a turn added at its end): read again (rare)."""
+        return self._answers({conv}).get(conv, {})
+
+
+def _answered_prefix(stored: dict[int, _Stored], turns: int) -> int:
+    """The last turn m such that turns 1..m are stored answered and unbroken (at most `turns`)."""
+    m = 0
+    while m < turns and (s := stored.get(m + 1)) is not None and s.answered and not s.broken:
+        m += 1
+    return m
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _where(raw: dict[str, Any]) -> tuple[str, int, int] | None:
+    """(conversation, turn, turns) of a record, None for a line that is no conversation's turn."""
+    conv, k, turns = raw.get("conversation"), raw.get("turn"), raw.get("turns")
+    if not isinstance(conv, str) or not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        return None
+    return conv, k, turns if isinstance(turns, int) and not isinstance(turns, bool) and turns > 0 else 0
