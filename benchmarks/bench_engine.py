@@ -292,6 +292,11 @@ def main() -> None:
     # per round (the two rows of a round ran in the same minutes).
     tuned = ([x["cpu_us"] / t["cpu_us"] for t, x in zip(runs["bare_tuned"], runs["engine"])]
              if "bare_tuned" in runs and "engine" in runs else [])
+    if "bare_tuned" in runs and "engine_ab" in runs:  # the other checkout's engine against the same reference
+        ab = [x["cpu_us"] / t["cpu_us"] for t, x in zip(runs["bare_tuned"], runs["engine_ab"])]
+        print(f"engine_ab CPU per request / the tuned bare loop's, per round: {', '.join(f'{r:.2f}' for r in ab)}; "
+              f"median {statistics.median(ab):.2f}x; engine / engine_ab per round: "
+              + ", ".join(f"{e['cpu_us'] / a['cpu_us']:.2f}" for e, a in zip(runs["engine"], runs["engine_ab"])))
     if args.no_concurrency:
         print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, None, None, None, tuned)
         return
