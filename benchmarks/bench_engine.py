@@ -6,7 +6,8 @@
 Each contender runs in its own process against the same simulator process (latency 0), so their
 peak RSS is their own:
 - bare:   a bare aiohttp loop (one session, connector sized to the concurrency, orjson) doing the
-          same POSTs and parsing the bodies, nothing else;
+          same POSTs, parsing the bodies and writing each answer's line (id, text, reasoning, usage)
+          to a file with one unbuffered write, nothing else (no fsync, no retry, no money);
 - engine: draftgen's Engine (prompt file streamed, retries armed, every answer written to
           responses.jsonl and fsynced before its request finishes, every attempt on the spend ledger
           (3 lines: sent, generation id, settled; the sent line fsynced before the request leaves,
@@ -103,18 +104,25 @@ async def run_bare(url: str, n: int, concurrency: int) -> tuple[float, float]:
     remaining = n
     connector = aiohttp.TCPConnector(limit=concurrency)
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
-        async def worker(w: int) -> None:
-            nonlocal remaining
-            while remaining > 0:
-                remaining -= 1
-                body = {**BODY, "messages": [{"role": "user", "content": f"Question {remaining}"}]}
-                async with session.post(f"{url}/chat/completions", data=orjson.dumps(body)) as resp:
-                    obj = orjson.loads(await resp.read())
-                    assert obj["choices"][0]["message"]["content"] is not None
-        start, cpu = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(worker(w) for w in range(concurrency)))
-        return n / (time.perf_counter() - start), time.process_time() - cpu
+    # What a minimal correct client does: send, read the JSON, write the answer's line to a file (one
+    # write per answer, no fsync: the engine's durability is its own cost, measured in its row).
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "answers.jsonl", "ab", buffering=0) as out:
+        async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+            async def worker(w: int) -> None:
+                nonlocal remaining
+                while remaining > 0:
+                    remaining -= 1
+                    prompt_id = remaining
+                    body = {**BODY, "messages": [{"role": "user", "content": f"Question {prompt_id}"}]}
+                    async with session.post(f"{url}/chat/completions", data=orjson.dumps(body)) as resp:
+                        obj = orjson.loads(await resp.read())
+                    message = obj["choices"][0]["message"]
+                    out.write(orjson.dumps({"id": prompt_id, "content": message["content"],
+                                            "reasoning": message.get("reasoning"), "usage": obj.get("usage")},
+                                           option=orjson.OPT_APPEND_NEWLINE))
+            start, cpu = time.perf_counter(), time.process_time()
+            await asyncio.gather(*(worker(w) for w in range(concurrency)))
+            return n / (time.perf_counter() - start), time.process_time() - cpu
 
 
 async def run_openai(url: str, n: int, concurrency: int) -> tuple[float, float]:
@@ -284,6 +292,11 @@ def main() -> None:
     # per round (the two rows of a round ran in the same minutes).
     tuned = ([x["cpu_us"] / t["cpu_us"] for t, x in zip(runs["bare_tuned"], runs["engine"])]
              if "bare_tuned" in runs and "engine" in runs else [])
+    if "bare_tuned" in runs and "engine_ab" in runs:  # the other checkout's engine against the same reference
+        ab = [x["cpu_us"] / t["cpu_us"] for t, x in zip(runs["bare_tuned"], runs["engine_ab"])]
+        print(f"engine_ab CPU per request / the tuned bare loop's, per round: {', '.join(f'{r:.2f}' for r in ab)}; "
+              f"median {statistics.median(ab):.2f}x; engine / engine_ab per round: "
+              + ", ".join(f"{e['cpu_us'] / a['cpu_us']:.2f}" for e, a in zip(runs["engine"], runs["engine_ab"])))
     if args.no_concurrency:
         print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, None, None, None, tuned)
         return

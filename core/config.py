@@ -35,7 +35,7 @@ from draftgen.core.request_keys import (
     known_key,
 )
 from draftgen.core.secrets import key_problem
-from draftgen.core.servers import IDS_KEYS, ids_request, server_at
+from draftgen.core.servers import IDS_KEYS, ids_request, server_at, servers_noted
 
 __all__ = ["COMPLETION_LIMIT_KEYS", "OPENROUTER_ONLY_KEYS"]  # re-exported: smoke.py and others read them here
 
@@ -45,8 +45,20 @@ ServerKind = Literal["openrouter", "openai-compatible"]
 _DETECTED: dict[str, ServerKind] = {}
 
 
+_NOTED = 0  # how many times a server's kind or stream mode was noted (`body_epoch`)
+
+
 def note_server_kind(base_url: str, kind: ServerKind) -> None:
+    global _NOTED
     _DETECTED[base_url] = kind
+    _NOTED += 1
+
+
+def body_epoch() -> int:
+    """A count that changes whenever what a request body is made of beside the config may have: a server's
+    kind, its release (servers.py) or its stream mode noted. A body kept from the same epoch is still exact
+    (loop/room.py keeps one per dataset rather than rebuilding it per prompt)."""
+    return _NOTED + servers_noted()
 
 
 # The mode that keeps a self-hosted server's text as generated (streamed where its non-streamed
@@ -58,6 +70,8 @@ _STREAM_DECIDED: dict[tuple[str, str], bool] = {}
 
 def note_stream_mode(base_url: str, model: str, streams: bool | None) -> None:
     """Record (or, with None, forget) the streaming mode a smoke test decided for this server and model."""
+    global _NOTED
+    _NOTED += 1
     if streams is None:
         _STREAM_DECIDED.pop((base_url, model), None)
     else:

@@ -110,8 +110,18 @@ def ids_request(server: Server | None, streamed: bool) -> dict[str, Any]:
 _SERVERS: dict[str, Server | None] = {}
 
 
+_NOTED = 0  # how many times a server was noted: a request body built before may be out of date
+
+
 def note_server(base_url: str, server: Server | None) -> None:
+    global _NOTED
     _SERVERS[base_url] = server
+    _NOTED += 1
+
+
+def servers_noted() -> int:
+    """A count that changes each time a server is noted (config.py `body_epoch`)."""
+    return _NOTED
 
 
 def server_at(base_url: str) -> Server | None:

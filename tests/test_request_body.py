@@ -247,3 +247,48 @@ async def test_sampling_cycles_go_by_the_prompt_line_and_each_answer_records_wha
     assert got == {f"a-{i}": {"temperature": [0.2, 1.4][i % 2], "reasoning_effort": ["low", "medium", "high"][i % 3]}
                    for i in range(6)}
     assert all("sampling" not in orjson.loads(x) for x in rd.responses("b").read_bytes().splitlines())
+
+
+# -- the body a run sends, built once per dataset ---------------------------------------------------
+
+def test_each_prompt_sends_the_configs_exact_body_and_reserves_its_worst_case_after_a_mode_is_noted(tmp_path):
+    """The run keeps each dataset's body without its messages (loop/room.py): every prompt's body is byte for
+    byte what Config.request_body makes, its reservation body_worst_case of it, and a server's kind, release
+    or stream mode noted mid-run (the smoke test's decision) is in the very next body."""
+    from types import SimpleNamespace
+
+    import orjson
+
+    from draftgen.core.config import note_server_kind, note_stream_mode
+    from draftgen.core.generate.api.prices import Prices
+    from draftgen.core.generate.loop.prompts import Prompt
+    from draftgen.core.generate.loop.room import Room
+    from draftgen.core.servers import Server, note_server
+
+    base = "http://127.0.0.1:9/v1"
+    cfg = make_config(tmp_path, base, [
+        {"name": "plain", "n": 1, "max_tokens": 1000},
+        {"name": "tools", "n": 1, "max_tokens": 500, "request": {"temperature": 0.2, "tools": [
+            {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]}}],
+        tables={"api": {"return_token_ids": True, "prompt_price_per_mtok": 0.5, "completion_price_per_mtok": 2.0}})
+    prices = {d.name: Prices(5e-7, 2e-6, 0.0, "config") for d in cfg.datasets}
+    room = Room(SimpleNamespace(config=cfg, control=None, event=None), None, None, None, {},  # type: ignore[arg-type]
+                SimpleNamespace(money=SimpleNamespace(settler=None, prices=prices)))  # type: ignore[arg-type]
+
+    def check(message: str) -> dict:
+        for d in cfg.datasets:
+            messages = [{"role": "user", "content": message}]
+            body, worst = room.request_for(SimpleNamespace(config=d), Prompt("1", messages, 1))  # type: ignore[arg-type]
+            expected = cfg.request_body(d, messages)
+            assert orjson.dumps(body) == orjson.dumps(expected) and body["messages"] is messages
+            assert worst == body_worst_case(prices[d.name], expected, d.max_tokens) > 0
+        return body
+
+    assert "stream" not in check("first") and check("a longer prompt, ünïcode")["return_token_ids"] is True
+    note_server_kind(base, "openai-compatible")  # GET /key said 404: a self-hosted server
+    note_server(base, Server("vllm", (0, 13, 0)))
+    note_stream_mode(base, cfg.api.model, True)  # its smoke test decided: streamed
+    body = check("after the server was noted")
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    note_stream_mode(base, cfg.api.model, False)
+    assert "stream" not in check("and once more")

@@ -13,6 +13,7 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
+from operator import itemgetter
 
 from draftgen.core.live.snapshot import ErrorRecord, ProviderStat
 
@@ -92,6 +93,10 @@ class ProviderStats:
             ring = self._latency[provider] = deque(maxlen=LATENCY_SAMPLES)
         ring.append(latency_s)
         self._version += 1
+
+    def answer_counts(self) -> tuple[tuple[str, int], ...]:
+        """Answers per provider, most first (ties in the order first seen): RunSnapshot.providers."""
+        return tuple(sorted(self._answers.items(), key=itemgetter(1), reverse=True))
 
     def error(self, provider: str) -> None:
         self._errors[provider] = self._errors.get(provider, 0) + 1

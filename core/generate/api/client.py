@@ -120,13 +120,11 @@ def _reasoning_of(message: dict[str, Any]) -> str | None:
 def _usage_of(raw: Any) -> Usage:
     if not isinstance(raw, dict):
         return Usage()
-    details = raw.get("completion_tokens_details") or {}
-    return Usage(
-        prompt_tokens=int(raw.get("prompt_tokens") or 0),
-        completion_tokens=int(raw.get("completion_tokens") or 0),
-        reasoning_tokens=int((details.get("reasoning_tokens") if isinstance(details, dict) else 0) or 0),
-        cost=float(raw.get("cost") or 0.0),
-    )
+    get = raw.get  # once per answer: positional fields (prompt, completion, reasoning tokens, cost)
+    details = get("completion_tokens_details")
+    return Usage(int(get("prompt_tokens") or 0), int(get("completion_tokens") or 0),
+                 int((details.get("reasoning_tokens") if isinstance(details, dict) else 0) or 0),
+                 float(get("cost") or 0.0))
 
 
 def _error_message(err: Any) -> str:
@@ -221,36 +219,30 @@ def _check_finish(obj: dict[str, Any], choice: dict[str, Any], self_hosted: Call
 def parse_completion(obj: Any, latency_s: float, self_hosted: Callable[[], bool] | None = None) -> ChatAnswer:
     """An answer from a non-streamed body, or RequestFailed for the 200-with-a-problem cases (`self_hosted`:
     whether the server is, asked only for a finish reason OpenRouter would keep, see _check_finish)."""
+    # Once per answer: one lookup per key, the checks of the rare cases only when they apply.
     if not isinstance(obj, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "response body is not a JSON object")
-    if obj.get("error"):
+    get = obj.get
+    if get("error"):
         raise RequestFailed(ErrorKind.ERROR_IN_200, f"HTTP 200 with an error: {_error_message(obj['error'])}",
-                            metadata=_failure_meta(obj["error"], obj.get("provider")), code=_error_code(obj["error"]))
-    choices = obj.get("choices")
+                            metadata=_failure_meta(obj["error"], get("provider")), code=_error_code(obj["error"]))
+    choices = get("choices")
     if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
         raise RequestFailed(ErrorKind.EMPTY_CHOICES, "HTTP 200 with no choices")
     choice = choices[0]
-    _check_finish(obj, choice, self_hosted)
-    message = choice.get("message") or {}
+    cget = choice.get
+    reason = cget("finish_reason")
+    if reason is not None and reason not in ANSWER_FINISH_REASONS:
+        _check_finish(obj, choice, self_hosted)
+    message = cget("message") or {}
     if not isinstance(message, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "choices[0].message is not an object")
-    token_ids = _token_ids(obj, choice)
+    usage = get("usage")
     return ChatAnswer(
-        content=message.get("content") or "",
-        reasoning=_reasoning_of(message),
-        tool_calls=message.get("tool_calls") or None,
-        finish_reason=choice.get("finish_reason"),
-        native_finish_reason=choice.get("native_finish_reason"),
-        provider=obj.get("provider"),
-        model=obj.get("model"),
-        generation_id=obj.get("id"),
-        usage=_usage_of(obj.get("usage")),
-        latency_s=latency_s,
-        token_ids=token_ids if isinstance(token_ids, list) else None,
-        priced=_has_cost(obj.get("usage")),
-        prompt_token_ids=_prompt_token_ids(obj, choice),
-        reasoning_details=_details_of(message),
-    )
+        message.get("content") or "", _reasoning_of(message), message.get("tool_calls") or None, reason,
+        cget("native_finish_reason"), get("provider"), get("model"), get("id"), _usage_of(usage), latency_s,
+        _token_ids(obj, choice), _has_cost(usage), _prompt_token_ids(obj, choice),
+        reasoning_details=_details_of(message))
 
 
 def _clean(value: Any, redact: Redactor) -> Any:

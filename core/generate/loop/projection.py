@@ -131,7 +131,7 @@ class Projector:
             run_name=self._run_name, model=self._model, state=c.state, elapsed_s=now.elapsed_s, seq=self._seq,
             datasets=_datasets(all_ds, plan, spend, paused=c.state == RunState.PAUSED),
             throughput=_throughput(book, all_ds, active, plan, elapsed_s=now.elapsed_s, running=running),
-            errors=book.errors.items(), retries=now.retries, providers=book.providers.items(),
+            errors=book.errors.items(), retries=now.retries, providers=self._provider_stats.answer_counts(),
             fidelity=beside.fidelity, credits=_credits(money, plan, running=running, smoke_spent=beside.smoke_spent),
             gpus=beside.gpus, stages=beside.stages, alert=c.alert, waiting=now.waiting,
             paused_by=c.paused_by.value if c.paused_by is not None else "",

@@ -40,7 +40,7 @@ from draftgen.core.generate.loop.prompts import (
 from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.loop.spool import SpoolRecord, write_spool
 from draftgen.core.generate.loop.spool_import import SpoolImport
-from draftgen.core.generate.loop.stats import RateTracker, Tally
+from draftgen.core.generate.loop.stats import RateTracker
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
@@ -66,7 +66,6 @@ class RecordBook:
         self.money = money
         self.errors = ctx.errors
         self.rates = RateTracker(clock=ctx.clock)
-        self.providers = Tally()
         self._redact = ctx.redact
         self._event = ctx.event
         self._control = ctx.control  # the run's owner: a write the disk refuses holds the run through it
@@ -197,7 +196,6 @@ class RecordBook:
         if truncated or empty:
             self.errors.add(ErrorKind.LENGTH if truncated else ErrorKind.EMPTY_CONTENT)
         self.rates.record(a.usage.completion_tokens)
-        self.providers.add(a.provider or "unknown")
         if self._on_answer is not None and on_disk:  # a held record is handed on once it is written
             self._on_answer(ds.config.name, line)
 

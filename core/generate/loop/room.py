@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from draftgen.core.config import cycle_index
-from draftgen.core.generate.api.prices import body_worst_case
+from draftgen.core.config import DatasetConfig, body_epoch, cycle_index
+from draftgen.core.generate.api.prices import body_prompt_bound, prompt_token_bound
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.money.budget import Block, BlockReason, MoneyBudget
 from draftgen.core.generate.money.spend import Ticket
 from draftgen.core.live.snapshot import EventKind, Level
+from draftgen.core.request_keys import body_answers, body_max_tokens
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.dataset_run import DatasetRun
@@ -52,6 +53,26 @@ class _Wait(Enum):
     GATE = "gate"  # the run's gate: the run is held at the credit floor
 
 
+class _Made:
+    """A dataset's request body without its messages, and the parts of its worst case that are the
+    dataset's (prices.py body_worst_case), as of one `body_epoch`."""
+    __slots__ = ("epoch", "body", "cap", "answers", "tools_bound")
+
+    def __init__(self, epoch: int, body: dict[str, Any], max_tokens: int) -> None:
+        self.epoch = epoch
+        self.body = body
+        self.cap = body_max_tokens(body, max_tokens)
+        self.answers = body_answers(body)
+        self.tools_bound = body_prompt_bound(body) - prompt_token_bound(())  # what the tools add
+
+
+def _cycle_place(config: DatasetConfig, index: int) -> tuple[int, int]:
+    """Where prompt `index` sits in the dataset's sampling cycles: prompts at the same place send the same
+    body but for their messages (Config.request_body's `index`)."""
+    temps, efforts = config.temperatures, config.reasoning_efforts
+    return (index % len(temps) if temps else 0, index % len(efforts) if efforts else 0)
+
+
 class Room:
     """Whether one more request (or retry) of a dataset may go out now, and what max_usd left unasked."""
 
@@ -65,6 +86,8 @@ class Room:
         self._event = ctx.event
         self._settler = opened.money.settler  # abandoned attempts being priced: settling them may free room
         self._body = ctx.config.request_body  # the exact request body: the reservation is its worst case
+        # per dataset and place in its sampling cycles: the body without its messages
+        self._bodies: dict[tuple[str, tuple[int, int]], _Made] = {}
         self.prices = opened.money.prices
         # Prompts skipped because their worst case did not fit what max_usd left, per dataset.
         self.money_skipped: dict[str, int] = {}
@@ -79,9 +102,19 @@ class Room:
         """The body this prompt's request sends, and what sending it can cost at most (0 when no price
         is known and no ceiling is set): the worst case of that very body, its own max_tokens (with the
         dataset's sampling cycle at the prompt's line, `cycle_index`)."""
-        body = self._body(ds.config, prompt.messages, index=cycle_index(prompt.line))
-        prices = self.prices.get(ds.config.name)
-        return body, 0.0 if prices is None else body_worst_case(prices, body, ds.config.max_tokens)
+        config = ds.config
+        epoch = body_epoch()
+        index = cycle_index(prompt.line)
+        key = (config.name, _cycle_place(config, index))
+        made = self._bodies.get(key)
+        if made is None or made.epoch != epoch:  # the dataset's first prompt, or a server's kind or mode noted since
+            made = self._bodies[key] = _Made(epoch, self._body(config, [], index=index), config.max_tokens)
+        body = made.body.copy()  # the config's part, built once per dataset: only `messages` is the prompt's
+        body["messages"] = prompt.messages
+        prices = self.prices.get(config.name)
+        # body_worst_case(prices, body, max_tokens), its parts that are the dataset's computed once.
+        return body, 0.0 if prices is None else (
+            prices.worst_case(prompt_token_bound(prompt.messages) + made.tools_bound, made.cap) * made.answers)
 
     @property
     def money_limited(self) -> bool:
