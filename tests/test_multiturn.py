@@ -43,7 +43,10 @@ def write_conversations(path: Path, lines: list[dict[str, Any]]) -> str:
 
 
 def records(path: Path) -> list[dict[str, Any]]:
-    return [orjson.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
+    """The file's complete lines: a line still being written by a running (or killed) engine is not one."""
+    if not path.exists():
+        return []
+    return [orjson.loads(x) for x in path.read_bytes().split(b"\n")[:-1] if x]
 
 
 def assert_own_histories(sent: Any, answered: list[dict[str, Any]]) -> int:
