@@ -17,6 +17,10 @@ peak RSS is their own:
           disk of $TMPDIR (not tmpfs, or they cost nothing); on the event loop `draftgen run` runs on
           (core/runtime.py: uvloop where installed);
 - engine + max_usd: the same with a `max_usd` ceiling set (every admission checked against it);
+- engine, 3-turn convs (engine_mt): the engine on n / 3 ShareGPT conversations of 3 user turns with
+  `turns = "all"` (core/generate/loop/conversations.py): the same n requests, each turn asked once its
+  previous turn's answer is on disk, its request carrying the target's earlier answers (history of up
+  to 2 answers), so its CPU per request is per turn; the simulator counts each history's prompt tokens;
 - engine, fsync a no-op (with --fsync-ab): the engine with os.fsync stubbed out in its process, run
   right after the engine row, so the two rows show what the fsyncs themselves cost on this disk;
 - openai: openai-python's AsyncOpenAI (httpx) at the same concurrency (with --openai; slow).
@@ -30,7 +34,7 @@ process's, not counted. "CPU vs bare" is the bare loop's CPU per request over th
 row spends less CPU per request than the bare loop). On a shared machine req/s follows the load more
 than CPU per request does. --rounds R runs the rows R times, one of each in turn (bare, engine, ...:
 alternating, so a change of load hits them alike), and gives each figure's median over the rounds;
---rows picks the rows (bare, engine, engine_nofsync, bare_gc, engine_max_usd, engine_ab, bare_uv,
+--rows picks the rows (bare, engine, engine_nofsync, bare_gc, engine_max_usd, engine_mt, engine_ab, bare_uv,
 engine_asyncio: the bare loop on uvloop, the engine on asyncio's own loop, so what the event loop
 and what the engine's code each save is seen apart; bare_tuned: the bare loop on the engine's event
 loop with the engine's GC settings, the reference of "engine CPU per request / tuned bare", given
@@ -56,6 +60,7 @@ from pathlib import Path
 
 import orjson
 
+MT_TURNS = 3  # the engine_mt row: conversations of this many user turns
 BODY = {"model": "moonshotai/kimi-k2.5", "max_tokens": 1024, "temperature": 0.6, "include_reasoning": True}
 KEY = "sk-bench-not-a-real-key"
 
@@ -151,14 +156,33 @@ async def run_openai(url: str, n: int, concurrency: int) -> tuple[float, float]:
     return n / (time.perf_counter() - start), time.process_time() - cpu
 
 
-async def run_engine(url: str, n: int, concurrency: int, max_usd: float | None = None) -> tuple[float, float, int]:
+def write_conversations(path: Path, n: int, turns: int) -> None:
+    """n requests as conversations of `turns` user turns (ShareGPT lines with the dataset's own answers,
+    which a turns = "all" dataset drops): n / turns conversations."""
+    with open(path, "wb") as f:
+        for i in range(n // turns):
+            conv = []
+            for k in range(1, turns + 1):
+                conv += [{"from": "human", "value": f"Question {k} of conversation {i}"},
+                         {"from": "gpt", "value": f"The dataset's answer {k}"}]
+            f.write(orjson.dumps({"id": f"c{i}", "conversations": conv}) + b"\n")
+
+
+async def run_engine(url: str, n: int, concurrency: int, max_usd: float | None = None,
+                     turns: int = 1) -> tuple[float, float, int]:
+    """The engine on n single-turn prompts, or (turns > 1) on n / turns conversations of `turns` user turns
+    asked turn by turn (`turns = "all"`: each turn's request carries the target's earlier answers)."""
     from draftgen.core.config import load_config
     from draftgen.core.generate.loop.engine import Engine
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        with open(root / "p.jsonl", "wb") as f:
-            for i in range(n):
-                f.write(orjson.dumps({"id": i, "prompt": f"Question {i}"}) + b"\n")
+        if turns > 1:
+            n -= n % turns
+            write_conversations(root / "p.jsonl", n, turns)
+        else:
+            with open(root / "p.jsonl", "wb") as f:
+                for i in range(n):
+                    f.write(orjson.dumps({"id": i, "prompt": f"Question {i}"}) + b"\n")
         (root / "c.toml").write_text(f"""
 [api]
 base_url = "{url}"
@@ -176,6 +200,7 @@ name = "bench"
 prompts = "p.jsonl"
 concurrency = {concurrency}
 max_tokens = 1024
+{'turns = "all"' if turns > 1 else ""}
 """)
         config = load_config(root / "c.toml")
         engine = Engine(config, KEY)
@@ -217,7 +242,9 @@ def child_main(args: argparse.Namespace) -> None:
             os.fsync = lambda fd: None  # the group commit as it is, minus the disk's part
         from draftgen.core import runtime  # the loop `draftgen run` runs on
         rate, cpu, peak = runtime.run(run_engine(url, args.n, args.concurrency,
-                                                 1e6 if args.child == "engine_max_usd" else None))
+                                                 1e6 if args.child == "engine_max_usd" else None,
+                                                 MT_TURNS if args.child == "engine_mt" else 1))
+        args.n -= args.n % MT_TURNS if args.child == "engine_mt" else 0  # the requests it sent
         extra["loop"] = runtime.loop_name()
         extra["peak_in_flight"] = peak
         import draftgen.core
@@ -252,9 +279,10 @@ def main() -> None:
     names = {"bare": "bare aiohttp loop", "engine": "draftgen engine", "bare_gc": "bare loop + engine's GC",
              "bare_uv": "bare loop on uvloop", "engine_asyncio": "engine on asyncio's loop",
              "engine_max_usd": "engine + max_usd ceiling", "engine_nofsync": "engine, fsync a no-op",
-             "engine_ab": "engine, --ab-code", "bare_tuned": "bare loop, uvloop + GC"}
+             "engine_ab": "engine, --ab-code", "bare_tuned": "bare loop, uvloop + GC",
+             "engine_mt": f"engine, {MT_TURNS}-turn convs"}
     order = args.rows.split(",") if args.rows else \
-        ["bare", "engine", *(["engine_nofsync"] if args.fsync_ab else []), "bare_gc", "engine_max_usd"]
+        ["bare", "engine", *(["engine_nofsync"] if args.fsync_ab else []), "bare_gc", "engine_max_usd", "engine_mt"]
     if order[0] != "bare" or any(m not in names for m in order) or ("engine_ab" in order) != bool(args.ab_code):
         raise SystemExit(f"--rows: a comma-separated list starting with bare, of {', '.join(names)} "
                          "(engine_ab with --ab-code, and only then)")
@@ -297,6 +325,7 @@ def main() -> None:
         print(f"engine_ab CPU per request / the tuned bare loop's, per round: {', '.join(f'{r:.2f}' for r in ab)}; "
               f"median {statistics.median(ab):.2f}x; engine / engine_ab per round: "
               + ", ".join(f"{e['cpu_us'] / a['cpu_us']:.2f}" for e, a in zip(runs["engine"], runs["engine_ab"])))
+    per_round(runs, "engine_mt", "engine", f"engine CPU per request, {MT_TURNS}-turn conversations / single-turn")
     if args.no_concurrency:
         print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, None, None, None, tuned)
         return
@@ -313,6 +342,14 @@ def main() -> None:
         sim.wait()
 
     print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, hold_s, peak, conc, tuned)
+
+
+def per_round(runs: dict[str, list[dict]], row: str, ref: str, what: str) -> None:
+    """`row`'s CPU per request over `ref`'s, per round (the two ran in the same minutes), and their median."""
+    if row in runs and ref in runs:
+        r = [x["cpu_us"] / y["cpu_us"] for x, y in zip(runs[row], runs[ref])]
+        print(f"{what}, per round: {', '.join(f'{v:.3f}' for v in r)}; median {statistics.median(r):.3f} "
+              f"(min {min(r):.3f}, max {max(r):.3f})", flush=True)
 
 
 def print_table(args: argparse.Namespace, rows: list, cpu_ratio: dict, rate_ratio: dict, nofsync: dict | None,

@@ -33,13 +33,47 @@ async def test_demo_headless_end_to_end(tmp_path, specforge_tree):
     sample = load_sample(files[0])
     assert set(sample) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
     assert DEMO_KEY not in (run / "events.log").read_text()
-    # SpecForge's released reader, loader and EAGLE-3 normaliser accept every file and row the demo wrote.
-    check_run_with_specforge(run, specforge_tree)
+    # SpecForge's released reader, loader and EAGLE-3 normaliser accept every file and row the demo wrote
+    # (the multi-turn dataset's samples, one per turn, with their hidden states, among them).
+    got = check_run_with_specforge(run, specforge_tree)
+    rows = [orjson.loads(line) for line in train]
+    dialogue = check_multi_turn_demo(run, rows, tokens)
+    read = {n for n, row in enumerate(rows) if row["id"].startswith("dialogue/")}
+    assert len(read) == len(dialogue) and all(got["conversations"][n] == rows[n]["conversations"] for n in read)
+
+
+def check_multi_turn_demo(run, train, tokens) -> set[str]:
+    """The dialogue dataset (30 conversations x 3 user turns, turns = "all"): each turn answered once on
+    the target's own earlier answers, and one merged sample per answered turn whose ids are the prompt
+    the server counted plus the answer, the loss on that answer only; returns the merged turn ids."""
+    answered = [orjson.loads(x) for x in (run / "dialogue" / "responses.jsonl").read_bytes().splitlines()]
+    by_id = {r["id"]: r for r in answered}
+    assert len(by_id) == len(answered) > 80  # each turn once; a turn cut at max_tokens ends its conversation
+    for r in answered:
+        earlier = [by_id[f"{r['conversation']}#t{j}"]["content"] for j in range(1, r["turn"])]
+        assert [m["content"] for m in r["messages"] if m["role"] == "assistant"] == earlier  # the target's own
+        assert sum(m["role"] == "user" for m in r["messages"]) == r["turn"]
+    report = orjson.loads((run / "dialogue" / "tokens" / "report.json").read_bytes())
+    per_turn = report["prompt_token_count_by_turn"]
+    assert {k: (v["n"], v["share_exact"]) for k, v in per_turn.items()} == {
+        str(k): (sum(r["turn"] == k for r in answered), 1.0) for k in (1, 2, 3)}  # every prompt count exact
+    samples = {row["id"].removeprefix("dialogue/"): (row, *tokens.arrays(tokens.entry(row["id"])))
+               for row in train if row["id"].startswith("dialogue/")}
+    stats = orjson.loads((run / "merged" / "stats.json").read_bytes())
+    assert sum(t["read"] for t in stats["by_turn"].values()) == len(answered)
+    assert len(samples) == sum(t["kept"] for t in stats["by_turn"].values()) > 80
+    for turn_id, (row, ids, mask) in samples.items():
+        r = by_id[turn_id]
+        assert len(ids) == r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"]
+        starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
+        assert len(starts) == 1 and mask[-1] and int(mask.sum()) == r["usage"]["completion_tokens"] + 1
+        assert sum(m["role"] == "user" for m in row["conversations"]) == r["turn"]
+    return set(samples)
 
 
 @pytest.mark.parametrize("enabled", [False, True], ids=["off", "on"])
 def test_the_multi_turn_demo_dataset_is_bundled_and_its_entry_loads_when_switched_on(tmp_path, monkeypatch, enabled):
-    """dialogue.jsonl: 6 conversations of 3 user turns; the demo's config lists it (turns = "all") only with
+    """dialogue.jsonl: 30 conversations of 3 user turns; the demo's config lists it (turns = "all") only with
     MULTI_TURN_DEMO on, and carries it commented out otherwise, so the demo runs either way."""
     from draftgen.tui import demo
     monkeypatch.setattr(demo, "MULTI_TURN_DEMO", enabled)
@@ -50,6 +84,8 @@ def test_the_multi_turn_demo_dataset_is_bundled_and_its_entry_loads_when_switche
     assert "# multi-turn demo" in (tmp_path / "draftgen.toml").read_text() or enabled
     lines = [orjson.loads(x) for x in (tmp_path / "prompts" / "dialogue.jsonl").read_bytes().splitlines()]
     users = [sum(t["from"] == "human" for t in line["conversations"]) for line in lines]
-    assert users == [3] * 6
+    assert users == [3] * 30
+    asked = [tuple(t["value"] for t in line["conversations"] if t["from"] in ("system", "human")) for line in lines]
+    assert len(set(asked)) == len({line["id"] for line in lines}) == 30  # no conversation a duplicate of another
     if enabled:
         assert (names["dialogue"].turns, names["dialogue"].prompts) == ("all", tmp_path / "prompts/dialogue.jsonl")

@@ -43,7 +43,10 @@ def write_conversations(path: Path, lines: list[dict[str, Any]]) -> str:
 
 
 def records(path: Path) -> list[dict[str, Any]]:
-    return [orjson.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
+    """The file's complete lines: a line still being written by a running (or killed) engine is not one."""
+    if not path.exists():
+        return []
+    return [orjson.loads(x) for x in path.read_bytes().split(b"\n")[:-1] if x]
 
 
 def assert_own_histories(sent: Any, answered: list[dict[str, Any]]) -> int:
@@ -249,3 +252,80 @@ async def test_turns_first_and_last_ask_one_request_per_line(tmp_path):
                                     for m in firsts)
     # "last" (the default) keeps today's behaviour: the dataset's turns up to the last user turn
     assert len(lasts) == 3 and all(len(m) == 6 and "DATASET" in m[2]["content"] for m in lasts)
+
+
+async def test_retry_failed_resumes_a_conversation_at_its_failed_turn_on_the_stored_answers(tmp_path):
+    # Headless, as a user runs it: turn 2 of c3 fails for good (the simulator refuses it as the prompt's
+    # own fault), `draftgen retry-failed` makes it eligible again, and the next run asks c3 from turn 2
+    # on its stored turn-1 answer: the same request as the failed one, nothing answered twice.
+    prompts = write_conversations(tmp_path / "prompts" / "chat.jsonl", [conversation(f"c{i}", 3) for i in range(6)])
+    async with SimServer(SimConfig(seed=3, latency_scale=0.0, mean_completion_tokens=40, sent_log_size=10_000,
+                                   scenarios={"invalid_prompt": {"match": "c3: question 2 "}}), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "chat", "prompts": prompts, "turns": "all",
+                                                    "concurrency": 4}], tables={"engine": {"reconstruct": False}})
+        rd = RunDir(cfg.run_dir)
+        first = await start_run(cfg)
+        out, _ = await asyncio.wait_for(first.communicate(), 120)
+        assert [r["id"] for r in records(rd.failures("chat"))] == ["c3#t2"], out.decode()[-3000:]
+        assert "16/18" in out.decode(), out.decode()[-3000:]  # c3's turn 3 never asked: skipped
+        failed_request = records(rd.failures("chat"))[0]["messages"]
+        before = len(sim.sent)
+        sim.scenario("invalid_prompt", on=False)  # the fault is gone
+        retry = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "draftgen.cli.main", "retry-failed", str(cfg.path), env=cli_env(),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        said, _ = await asyncio.wait_for(retry.communicate(), 60)
+        assert retry.returncode == 0 and "1 failed prompt(s) eligible again" in said.decode(), said.decode()
+        second = await start_run(cfg)
+        out, _ = await asyncio.wait_for(second.communicate(), 120)
+        assert second.returncode == 0, out.decode()[-3000:]
+        await until(lambda: sim.stats.generations_running == 0, "the billing to end")
+        log, stats = sim.sent, sim.stats
+    again = [e.messages for e in log[before:]]
+    assert [m[-1]["content"] for m in again] == ["c3: question 2 on topic c3", "c3: question 3 on topic c3"]
+    assert again[0] == failed_request  # the failed turn asked again as it was: on the stored turn-1 answer
+    lines = records(rd.responses("chat"))
+    assert sorted(r["id"] for r in lines) == sorted(f"c{i}#t{k}" for i in range(6) for k in (1, 2, 3))
+    assert not records(rd.failures("chat"))
+    assert_own_histories(log, lines)
+    # No turn paid twice: one billed generation per answered turn (the refusal cost nothing).
+    assert sorted(stats.prompt_answers.values()) == [1] * 18
+    assert set(stats.prompt_answers) == {prompt_key(r["messages"]) for r in lines}
+
+
+@pytest.mark.parametrize("budget", [{"token_budget": 300}, {"max_usd": 0.0075}])
+async def test_a_turn_that_would_pass_a_budget_ends_its_conversation_there(tmp_path, budget):
+    # One conversation at a time goes further than the others (concurrency 1: c0 and c1 interleave), so the
+    # budget is met mid-conversation: that turn is not asked, its conversation ends there (nothing later
+    # asked on it), and every turn not asked is counted skipped with the budget as the reason.
+    prompts = write_conversations(tmp_path / "prompts" / "chat.jsonl", [conversation(f"c{i}", 3) for i in range(6)])
+    token_budget = budget.get("token_budget")
+    async with SimServer(SimConfig(seed=5, latency_scale=0.0, mean_completion_tokens=40, length_sigma=0.0,
+                                   sent_log_size=10_000), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "chat", "prompts": prompts, "turns": "all",
+                                                    "concurrency": 1, "max_tokens": 200 if token_budget else 2048,
+                                                    **({"token_budget": token_budget} if token_budget else {})}],
+                          tables={"engine": {"reconstruct": False},
+                                  **({} if token_budget else {"budget": {"max_usd": budget["max_usd"]}})})
+        engine, _state, events = await run_engine(cfg)
+        log = sim.sent
+    lines = records(RunDir(cfg.run_dir).responses("chat"))
+    answered: dict[str, set[int]] = {}
+    for r in lines:
+        answered.setdefault(r["conversation"], set()).add(r["turn"])
+    asked: dict[str, set[int]] = {}
+    for e in log:
+        cid, k = e.messages[-1]["content"].split(": question ")
+        asked.setdefault(cid, set()).add(int(k.split()[0]))
+    assert asked == answered  # every turn asked was answered: none sent past the budget, none failed
+    assert all(ks == set(range(1, len(ks) + 1)) for ks in answered.values())  # each conversation: turns 1..j
+    assert any(0 < len(ks) < 3 for ks in answered.values()), answered  # one ended mid-conversation
+    row = next(d for d in engine.snapshot().datasets if d.name == "chat")
+    assert (row.done, row.failed, row.skipped, row.total) == (len(lines), 0, 18 - len(lines), 18)
+    assert 0 < len(lines) < 18 and row.conversations_done == sum(len(ks) == 3 for ks in answered.values())
+    assert row.conversations_ended == 6 - row.conversations_done
+    reason = "the token budget" if token_budget else "max_usd"
+    said = [msg for kind, msg in events if "ended at turn" in msg]
+    assert said and reason.removeprefix("the ") in said[0], events
+    done_line = next(msg for kind, msg in events if "conversations:" in msg and "ended early" in msg)
+    assert f"{row.conversations_ended} skipped for {reason}" in done_line, done_line

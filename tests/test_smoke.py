@@ -167,13 +167,12 @@ def test_the_run_streams_as_smoke_json_records_without_a_new_fingerprint(tmp_pat
 
 
 @pytest.mark.parametrize("misbehave, passed", [((), True), (("history_reasoning",), False)])
-async def test_a_multi_turn_dataset_checks_the_prompt_of_a_second_turn(tmp_path, monkeypatch, misbehave, passed):
+async def test_a_multi_turn_dataset_checks_the_prompt_of_a_second_turn(tmp_path, misbehave, passed):
     # A dataset that asks every turn (`turns = "all"`): the smoke test asks a second turn on its first
     # answer and checks that turn's prompt tokens, the history rendered by the template's history rule.
     from draftgen.core.generate.commands import smoke as smoke_mod
-    monkeypatch.setattr(smoke_mod, "_multi_turn", lambda ds: ds.name == "short")
     async with SimServer(SimConfig(seed=1, latency_scale=0.0, sent_log_size=16, misbehave=misbehave)) as sim:
-        cfg = make_config(tmp_path, sim.base_url, [{"name": "short", "n": 4, "max_tokens": 2048},
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "short", "n": 4, "max_tokens": 2048, "turns": "all"},
                                                    {"name": "long", "n": 4, "max_tokens": 4096}],
                           tables={"tokenizer": {"path": str(bundled_kimi_path())}}, request=REQUEST)
         result = await run_smoke(cfg, TEST_KEY)
@@ -188,7 +187,11 @@ async def test_a_multi_turn_dataset_checks_the_prompt_of_a_second_turn(tmp_path,
     second = next(m for m in sent if len(m) == 3)
     first_answer = next(r for r in result.rows if r.check == "short: content").detail
     assert second[1]["role"] == "assistant" and repr(second[1]["content"][:60]) == first_answer
-    assert "reasoning" in second[1] and second[2] == {"role": "user", "content": smoke_mod.FOLLOW_UP}
+    # Its reasoning as OpenRouter documents it (the engine's rule, conversations.history_message): the
+    # answer's reasoning_details passed back whole, not its text as well.
+    assert second[1]["reasoning_details"] and "".join(d["text"] for d in second[1]["reasoning_details"])
+    assert set(second[1]) == {"role", "content", "reasoning_details"}
+    assert second[2] == {"role": "user", "content": smoke_mod.FOLLOW_UP}
     assert result.passed is passed
 
 

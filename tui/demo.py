@@ -2,9 +2,10 @@
 
 The built-in simulator serves on a free loopback port (realistic latency, a provider mix, a little
 fault injection); four small bundled datasets (one runs out of its token budget, one has two bad
-lines, one is multi-turn: turns = "all", behind MULTI_TURN_DEMO) go through smoke, generation with the
-bundled Kimi tokenizer reconstructing as answers land, merge, and extraction with a tiny
-random-weight Llama on the CPU. The run directory stays for the user to look at.
+lines, one is 30 conversations of 3 user turns asked turn by turn: turns = "all", behind
+MULTI_TURN_DEMO) go through smoke, generation with the bundled Kimi tokenizer reconstructing as
+answers land, merge, and extraction with a tiny random-weight Llama on the CPU. The run directory
+stays for the user to look at.
 """
 
 from __future__ import annotations
@@ -85,14 +86,15 @@ device = "cpu"
 """
 
 
-# The multi-turn demo: 6 conversations x 3 user turns, each turn asked in order on the target's own earlier
+# The multi-turn demo: 30 conversations x 3 user turns, each turn asked in order on the target's own earlier
 # answers (turns = "all"; the file's own assistant turns are dropped). Off: the entry is written commented.
+# Concurrency 30: every conversation open at once, so its 90 turns take three answers' time, not fifteen.
 MULTI_TURN_DEMO = True  # multi-turn demo: the engine reads turns = "all" (conversations.py)
 MULTI_TURN_ENTRY = """\
 [[datasets]]
 name = "dialogue"                # multi-turn demo: every user turn asked on the target's own answers
 prompts = "prompts/dialogue.jsonl"
-concurrency = 6
+concurrency = 30
 max_tokens = 2048
 turns = "all"
 """

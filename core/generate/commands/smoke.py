@@ -66,6 +66,7 @@ from draftgen.core.generate.commands.stream_check import (
     not_compared,
     stream_pair,
 )
+from draftgen.core.generate.loop.conversations import history_message
 from draftgen.core.generate.loop.prompts import Prompt, read_prompts
 from draftgen.core.generate.loop.request import backoff_delay
 from draftgen.core.generate.loop.smoke_record import last_smoke
@@ -155,30 +156,11 @@ def smoke_body(config: Config, ds: DatasetConfig) -> dict[str, Any]:
 FOLLOW_UP = "Now say that again in one short sentence."
 
 
-def _multi_turn(ds: DatasetConfig) -> bool:
-    """The dataset asks every user turn of its conversations (`[[datasets]] turns = "all"`)."""
-    return getattr(ds, "turns", None) == "all"
-
-
-def history_message(config: Config, a: ChatAnswer) -> dict[str, Any]:
-    """An answer as the next turn's request carries it back: its content, and its reasoning the way the
-    API documents (OpenRouter: `reasoning_details` as returned, else `reasoning`; vLLM and SGLang:
-    `reasoning_content`)."""
-    m: dict[str, Any] = {"role": "assistant", "content": a.content}
-    details = getattr(a, "reasoning_details", None)
-    if config.api.self_hosted:
-        if a.reasoning:
-            m["reasoning_content"] = a.reasoning
-    elif details:
-        m["reasoning_details"] = details
-    elif a.reasoning:
-        m["reasoning"] = a.reasoning
-    return m
-
-
 def turn_two_body(config: Config, body: dict[str, Any], a: ChatAnswer) -> dict[str, Any]:
-    """The smoke body of a multi-turn dataset's second turn: the first turn, its answer, `FOLLOW_UP`."""
-    return {**body, "messages": [*body["messages"], history_message(config, a),
+    """The smoke body of a multi-turn dataset's second turn: the first turn, its answer sent back by the
+    engine's own rule (`conversations.history_message`, as each API documents it), `FOLLOW_UP`."""
+    earlier = history_message(a.content, a.reasoning, a.reasoning_details, self_hosted=config.api.self_hosted)
+    return {**body, "messages": [*body["messages"], earlier,
                                  {"role": "user", "content": FOLLOW_UP}]}
 
 
@@ -654,9 +636,11 @@ class _SmokeTest:
                 self.spend.close()
 
     async def ask_turn_two(self, client: ChatClient) -> None:
-        """A second turn for each shape of a multi-turn dataset whose first turn answered with content."""
+        """A second turn for each shape of a multi-turn dataset (`turns = "all"`, whichever dataset of the
+        shape says it) whose first turn answered with content."""
+        multi = {self.config.fingerprint(ds) for ds in self.config.datasets if ds.turns == "all"}
         firsts = [(fp, body, a) for fp, body, a, _ in self.answers
-                  if _multi_turn(self.shapes[fp]) and isinstance(a, ChatAnswer) and a.content.strip()]
+                  if fp in multi and isinstance(a, ChatAnswer) and a.content.strip()]
         asked = await asyncio.gather(*(self.ask(client, fp, self.shapes[fp], turn_two_body(self.config, body, a))
                                        for fp, body, a in firsts))
         self.turn_two = {fp: a for (fp, _, _), a in zip(firsts, asked)}

@@ -72,6 +72,19 @@ def broken_answer(content: str, finish_reason: str | None, tool_calls: Any) -> s
     return ""
 
 
+def skip_kind(reason: str) -> str:
+    """What a skipped turn's conversation ended for, as its dataset's end line counts it: the token
+    budget, max_usd (room.py, budget.py, request.py word every such skip with the key's name) or a
+    duplicate of another dataset's turn (source.py TAKEN_ELSEWHERE)."""
+    if reason.startswith("token budget"):
+        return "skipped for the token budget"
+    if "max_usd" in reason:
+        return "skipped for max_usd"
+    if "another dataset" in reason:
+        return "skipped as a duplicate"
+    return "skipped"
+
+
 @dataclass(slots=True)
 class _Stored:
     """One turn's outcome on disk."""
@@ -159,7 +172,8 @@ class ConversationSource:
             self._end(o, t.turn, f"failed ({result.reason})" if result.reason else "failed")
             return
         if result.kind is BookedAs.SKIPPED:
-            self._end(o, t.turn, f"skipped ({result.reason})" if result.reason else "skipped")
+            kind = skip_kind(result.reason)
+            self._end(o, t.turn, f"{kind} ({result.reason})" if result.reason else kind)
             return
         a = result.answer
         assert a is not None
@@ -227,7 +241,7 @@ class ConversationSource:
         self.counts.reasons[kind] += 1
         if not self._said_ended and rest:
             self._said_ended = True
-            self._event(Level.INFO, EventKind.BUDGET if kind == "skipped" else EventKind.CONVERSATION,
+            self._event(Level.INFO, EventKind.BUDGET if kind.startswith("skipped") else EventKind.CONVERSATION,
                         f"{self._name}: conversation {conv.id!r} ended at turn {k} of {conv.turns}: {why}; its "
                         f"{rest} later turn(s) are skipped (nothing is asked on a broken answer); every conversation "
                         "that ends early is counted", dataset=self._name)
