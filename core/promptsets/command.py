@@ -14,7 +14,7 @@ from draftgen.core.config import load_config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.promptsets import presets
 from draftgen.core.promptsets.build import DROP_REASONS, BuildError, BuildOptions, SourceStats, build
-from draftgen.core.promptsets.configfile import Prices, config_relative, estimate, header_line, write_config
+from draftgen.core.promptsets.configfile import PricePerMtok, config_relative, estimate, header_line, write_config
 from draftgen.core.promptsets.sources import parse_source, stay_offline
 from draftgen.core.promptsets.split import LONG, SHORT, ClassSettings, render_histogram
 
@@ -109,14 +109,14 @@ def _warn_special_text(console: Console, datasets: Any, tok: Any) -> None:
                           f"OpenRouter); the prompt tokens above count it as text", markup=True)
 
 
-def _checked_prices(req: BuildRequest) -> Prices | None:
+def _checked_prices(req: BuildRequest) -> PricePerMtok | None:
     """The prices given (both or neither), after checking --max-turns goes with --turns all."""
     if req.max_turns is not None and (req.max_turns < 1 or req.turns != "all"):
         raise DraftgenError(f"--max-turns {req.max_turns}: caps the user turns of a conversation with --turns all; "
                             "give a number >= 1 with --turns all")
     if (req.price_in is None) != (req.price_out is None):
         raise DraftgenError("give both --price-in and --price-out (USD per million tokens), or neither")
-    return Prices(req.price_in, req.price_out) if req.price_in is not None and req.price_out is not None else None
+    return PricePerMtok(req.price_in, req.price_out) if req.price_in is not None and req.price_out is not None else None
 
 
 def build_command(req: BuildRequest, console: Console | None = None) -> int:

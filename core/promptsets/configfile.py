@@ -30,7 +30,7 @@ from draftgen.core.promptsets.build import DatasetOut
 
 
 @dataclass(frozen=True)
-class Prices:
+class PricePerMtok:
     """USD per million tokens."""
 
     prompt: float
@@ -43,7 +43,7 @@ class CostEstimate:
     max_usd: float
 
 
-def estimate(out: DatasetOut, prices: Prices) -> CostEstimate:
+def estimate(out: DatasetOut, prices: PricePerMtok) -> CostEstimate:
     requests = out.requests or out.prompts
     prompt_tokens = out.request_prompt_tokens or out.prompt_tokens
 
@@ -59,7 +59,7 @@ def config_relative(path: Path, config_dir: Path) -> str:
     return full.relative_to(base).as_posix() if full.is_relative_to(base) else full.as_posix()
 
 
-def _entry(out: DatasetOut, config_dir: Path, prices: Prices | None) -> list[str]:
+def _entry(out: DatasetOut, config_dir: Path, prices: PricePerMtok | None) -> list[str]:
     rel = config_relative(out.path, config_dir)
     lines = ["[[datasets]]",
              f"name = {toml_value(out.name)}",
@@ -101,7 +101,7 @@ def _starter(model: str, tokenizer: str, template: str, output_dir: str, max_usd
     return lines
 
 
-def write_config(path: Path, outs: Sequence[DatasetOut], *, prices: Prices | None, header: str,
+def write_config(path: Path, outs: Sequence[DatasetOut], *, prices: PricePerMtok | None, header: str,
                  model: str, tokenizer: str, template: str, output_dir: str) -> Config:
     """Append the entries to `path` (or start it); the result, loaded, or ConfigError and no change."""
     existing = path.read_text(encoding="utf-8") if path.exists() else None

@@ -16,11 +16,11 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.run.live_tokens import LiveTokens
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.run.stages import Stages
-from draftgen.core.run.startup import Startup, Verdict
+from draftgen.core.run.startup import Startup, StartVerdict
 from draftgen.core.secrets import Redactor
 
 
-class Generation:
+class GenerationStage:
     """Smoke gate, then the run, then the tokens stage's report; how it ended, told to RunControl."""
 
     def __init__(self, config: Config, engine: Engine, startup: Startup, tokens: LiveTokens, oneshot: Stages,
@@ -67,9 +67,9 @@ class Generation:
     async def _generate(self) -> str:
         try:
             gated = await self._startup.gate()
-            if gated.verdict is Verdict.NOT_STARTED:
+            if gated.verdict is StartVerdict.NOT_STARTED:
                 return self._not_started(gated.why)
-            if gated.verdict is Verdict.SMOKE_FAILED:
+            if gated.verdict is StartVerdict.SMOKE_FAILED:
                 # Read in the TUI, the headless log and the shell after the TUI closes: a command, not a key.
                 self._control.fail("the smoke test failed: the run will not start at full concurrency "
                                    f"(fix what it names, then `draftgen smoke {self._config.path}`; "

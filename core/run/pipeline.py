@@ -23,7 +23,7 @@ from draftgen.core.live.summary import QuitEffects, quit_effects
 from draftgen.core.live.timeline import TimelineRecorder, Totals
 from draftgen.core.records import error_count
 from draftgen.core.run.events import EventPublisher
-from draftgen.core.run.generation import Generation
+from draftgen.core.run.generation import GenerationStage
 from draftgen.core.run.live_tokens import LiveTokens
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.run.stages import Stages
@@ -65,7 +65,7 @@ class Pipeline:
         self.tokens = LiveTokens(config, self.emit, self.stages)
         self.startup = Startup(config, api_key, self.oneshot, self.emit, rundir=self.rundir, redact=self._redact,
                                skip_smoke=skip_smoke, reconstruct=self._reconstruct)
-        self.generation = Generation(config, self.engine, self.startup, self.tokens, self.oneshot, self.stages,
+        self.generation = GenerationStage(config, self.engine, self.startup, self.tokens, self.oneshot, self.stages,
                                      self.emit, self._redact, publish=self.publish, reconstruct=self._reconstruct)
         self.timeline = TimelineRecorder(self.rundir.history, on_write_error=lambda message: self.emit(
             snap.Level.WARN, snap.EventKind.HISTORY, message))
@@ -118,7 +118,7 @@ class Pipeline:
 
     @property
     def exit_code(self) -> int:
-        """The run's exit code (docs/run-end.md): see Generation.exit_code."""
+        """The run's exit code (docs/run-end.md): see GenerationStage.exit_code."""
         return self.generation.exit_code
 
     @property

@@ -39,7 +39,7 @@ def smoke_status(config: Config, rundir: RunDir | None = None) -> tuple[bool, st
     return True, ""
 
 
-class Verdict(Enum):
+class StartVerdict(Enum):
     START = "start"               # the run may start
     SMOKE_FAILED = "smoke_failed"  # the start-up smoke test failed: the run does not start
     NOT_STARTED = "not_started"    # quit (or the smoke test stopped) before the run started
@@ -47,7 +47,7 @@ class Verdict(Enum):
 
 @dataclass(frozen=True)
 class Gated:
-    verdict: Verdict
+    verdict: StartVerdict
     why: str = ""
 
 
@@ -99,17 +99,17 @@ class Startup:
             # The run's ledger is not open: the summary's spend is read from the file (the smoke request in it).
             self.spent = (before, await asyncio.to_thread(_spent_on_disk, spend))
             if self._smoke.cancelled():
-                return Gated(Verdict.NOT_STARTED, "the smoke test was stopped before it finished")
+                return Gated(StartVerdict.NOT_STARTED, "the smoke test was stopped before it finished")
             if not self._smoke.result():
-                return Gated(Verdict.SMOKE_FAILED)
+                return Gated(StartVerdict.SMOKE_FAILED)
         if self.quit_requested.is_set() or not self._no_dialog.is_set():
             if not self._no_dialog.is_set():
                 self._emit(snap.Level.INFO, snap.EventKind.QUIT_DIALOG,
                            "the run starts once the quit dialog is answered")
                 await self._no_dialog.wait()
             if self.quit_requested.is_set():
-                return Gated(Verdict.NOT_STARTED, "quit before the run started")
-        return Gated(Verdict.START)
+                return Gated(StartVerdict.NOT_STARTED, "quit before the run started")
+        return Gated(StartVerdict.START)
 
     def dialog(self, asking: bool) -> None:
         """The quit dialog is open (or closed again): a run not started yet waits for its answer."""

@@ -60,7 +60,7 @@ def source_key(name: Any) -> str:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class SampleVerdict:
     keep: bool
     cause: str                               # drop reason, or "" when kept
     notes: tuple[str, ...] = ()              # what a kept sample differed in (NOTES)
@@ -89,22 +89,22 @@ class SamplePolicy:
         return max(self.count_tolerance, self.limits.split_share * (billed or 0))
 
     def judge(self, failed_checks: Iterable[str], count_diff: int | None, billed: int | None,
-              prompt_diff: int | None = None, provider: Any = None) -> Verdict:
+              prompt_diff: int | None = None, provider: Any = None) -> SampleVerdict:
         failed = set(failed_checks)
         if self.exclude_providers and provider_key(provider) in self.exclude_providers:
-            return Verdict(False, "provider_excluded")
+            return SampleVerdict(False, "provider_excluded")
         if failed - MEASURES:  # the structural checks, and any check this policy does not know
-            return Verdict(False, "invalid")
+            return SampleVerdict(False, "invalid")
         notes = []
         if count_diff is not None and abs(count_diff) > self.count_tolerance:
             if abs(count_diff) > self.count_limit(billed):
-                return Verdict(False, "count_mismatch")
+                return SampleVerdict(False, "count_mismatch")
             notes.append("count_split")
         elif count_diff is None and "token_count" in failed:  # an old store without the diff
-            return Verdict(False, "count_mismatch")
+            return SampleVerdict(False, "count_mismatch")
         if prompt_diff is not None and abs(prompt_diff) > self.prompt_tolerance:
             if self.limits.drop_prompt_mismatch:
-                return Verdict(False, "prompt_mismatch")
+                return SampleVerdict(False, "prompt_mismatch")
             notes.append("prompt_mismatch")
         if "matches_backend" in failed:
             notes.append("backend_mismatch")
@@ -115,11 +115,11 @@ class SamplePolicy:
         # Last: a sample the other rules drop keeps their cause; the ones they keep are its source's.
         if self.flagged_sources and source_key(provider) in self.flagged_sources:
             if self.limits.drop_flagged_sources:
-                return Verdict(False, "source_flagged")
+                return SampleVerdict(False, "source_flagged")
             notes.append("source_flagged")
-        return Verdict(True, "", tuple(notes))
+        return SampleVerdict(True, "", tuple(notes))
 
-    def judge_meta(self, meta: dict[str, Any], provider: Any = None) -> Verdict:
+    def judge_meta(self, meta: dict[str, Any], provider: Any = None) -> SampleVerdict:
         """`judge` of one tokens/index.jsonl entry (fields documented in core/records.py)."""
         diff, billed, pdiff = meta.get("count_diff"), meta.get("billed_tokens"), meta.get("prompt_diff")
         return self.judge(meta.get("failed_checks") or (), diff if isinstance(diff, int) else None,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from draftgen.core.generate.loop.conversations import ConversationSource
-from draftgen.core.generate.loop.room import Decision, Verdict
+from draftgen.core.generate.loop.room import Admit, Decision
 from draftgen.core.generate.loop.source import Booked, PromptSource, open_source
 from draftgen.core.live.snapshot import DatasetStatus, EventKind, Level
 from draftgen.core.units import usd
@@ -151,13 +151,13 @@ class Admission:
                 source.booked(prompt, Booked.skipped(budget_reason))
                 continue
             decision = await self._requests.offer(ds, prompt, source)
-            if decision.verdict is Verdict.GO:
+            if decision.verdict is Admit.GO:
                 admitted += 1
                 if admitted % ADMIT_BURST == 0:
                     await asyncio.sleep(0)  # let answers and the UI run between bursts of admissions
-            elif decision.verdict is Verdict.HALT:
+            elif decision.verdict is Admit.HALT:
                 break
-            elif decision.verdict is Verdict.BUDGET:
+            elif decision.verdict is Admit.BUDGET:
                 budget_reason = decision.reason
                 ds.skipped_some()
                 source.booked(prompt, Booked.skipped(budget_reason))

@@ -53,7 +53,7 @@ from draftgen.core.generate.api.client import ChatAnswer, RequestFailed
 from draftgen.core.generate.api.preflight import detect_server
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.prompts import Prompt
-from draftgen.core.generate.loop.room import Decision, Room, Verdict
+from draftgen.core.generate.loop.room import Admit, Decision, Room
 from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.loop.source import HANDED_BACK, TAKEN_ELSEWHERE, Booked, PromptSource
 from draftgen.core.generate.money.billing import as_booked, book_answer, book_failure, look_up, over_reservation
@@ -164,14 +164,14 @@ class Requests:
         body, worst = self._room.request_for(ds, prompt)
         decision = await self._room.admit(ds, worst)
         verdict = decision.verdict
-        if verdict is Verdict.GO:
+        if verdict is Admit.GO:
             if self._taken_elsewhere(ds, prompt):
                 source.booked(prompt, TAKEN_ELSEWHERE)
             else:
                 self._start(ds, prompt, source, body, worst)
-        elif verdict is Verdict.HALT:
+        elif verdict is Admit.HALT:
             source.booked(prompt, HANDED_BACK)
-        elif verdict is Verdict.SKIP:
+        elif verdict is Admit.SKIP:
             self._room.skip_for_money(ds, prompt.id, decision.reason)
             source.booked(prompt, Booked.skipped(decision.reason))
         return decision

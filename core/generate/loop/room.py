@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from draftgen.core.generate.loop.record_book import RecordBook
     from draftgen.core.generate.loop.watch import AccountWatch
 
-class Verdict(Enum):
+class Admit(Enum):
     GO = "go"            # admit now
     HALT = "halt"        # drain, stop, or the dataset has no endpoints: keep the prompt, admit nothing
     BUDGET = "budget"    # a budget ran out for this dataset: the rest is skipped
@@ -38,13 +38,13 @@ class Verdict(Enum):
 
 @dataclass(frozen=True)
 class Decision:
-    verdict: Verdict
+    verdict: Admit
     reason: str = ""     # for BUDGET: which budget and how far it got
     money: bool = False  # the budget is max_usd (the run ends LIMITED, not DONE)
 
 
-GO = Decision(Verdict.GO)
-HALT = Decision(Verdict.HALT)
+GO = Decision(Admit.GO)
+HALT = Decision(Admit.HALT)
 
 
 class _Wait(Enum):
@@ -166,7 +166,7 @@ class Room:
             # This dataset's answers in flight may come in under their estimate and free room.
             if ds.in_flight:
                 return _Wait.WAKE
-            return Decision(Verdict.BUDGET, f"token budget reached: {ds.tokens.used:,} used + "
+            return Decision(Admit.BUDGET, f"token budget reached: {ds.tokens.used:,} used + "
                             f"{ds.tokens.in_flight:,} in flight of {ds.tokens.limit:,}")
         self._watch.asking(worst)  # what a re-check of the account must find room for
         block = self._money.blocked(worst)
@@ -196,7 +196,7 @@ class Room:
             beyond = self._money.beyond_reach(worst)
             if beyond is not None:
                 self._money.note_limited()
-                return Decision(Verdict.SKIP, beyond)
+                return Decision(Admit.SKIP, beyond)
         if self._in_flight() or self._settler.waiting:
             self._money.note_limited()
             return _Wait.WAKE
@@ -206,7 +206,7 @@ class Room:
             if self._gate.is_open:  # the hold was refused (draining): admit nothing
                 return HALT
             return _Wait.GATE
-        return Decision(Verdict.BUDGET, block.message, money=True)
+        return Decision(Admit.BUDGET, block.message, money=True)
 
     async def reserve_retry(self, ds: DatasetRun, prompt_id: str, worst: float) -> Ticket | None:
         """A new reservation for a retry (the last attempt's may be pending at its worst case); None when

@@ -37,7 +37,7 @@ from draftgen.core.errors import DiskError
 from draftgen.core.generate.api.classify import PastCap, RequestFailed
 from draftgen.core.generate.api.client import ChatAnswer
 from draftgen.core.generate.api.prices import Prices
-from draftgen.core.generate.money.spend import Pending, Source, SpendLedger, Ticket
+from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger, Ticket
 
 if TYPE_CHECKING:
     from draftgen.core.generate.money.settle import Settler
@@ -86,7 +86,7 @@ def book_answer(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Price
     guess = _guess(answer, prices, t.worst)
     if t.gen:
         return spend.answered_unpriced(t, guess)
-    spend.answered(t, guess, Source.ESTIMATE)
+    spend.answered(t, guess, CostSource.ESTIMATE)
     return None
 
 
@@ -122,14 +122,14 @@ def _book_past_cap(spend: SpendLedger, t: Ticket, cap: PastCap, prices: Prices |
     if cap.priced and cap.usage is not None:
         p = spend.abandoned(t)
         if p is not None:
-            spend.settle(p, cap.usage.cost, Source.USAGE)
+            spend.settle(p, cap.usage.cost, CostSource.USAGE)
         return None
     cost = past_cap_cost(cap, t, prices)
     if t.gen and not self_hosted:
         return spend.abandoned(t, at_least=cost)
     p = spend.abandoned(t)
     if p is not None:
-        spend.settle(p, cost, Source.ESTIMATE)
+        spend.settle(p, cost, CostSource.ESTIMATE)
     return None
 
 

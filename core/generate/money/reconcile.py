@@ -25,7 +25,7 @@ from draftgen.core.errors import DraftgenError, LedgerBusyError
 from draftgen.core.generate.api.account import read_account
 from draftgen.core.generate.api.client import ChatClient, RequestFailed
 from draftgen.core.generate.money.settle import Settler
-from draftgen.core.generate.money.spend import Reconciliation, Source, SpendLedger
+from draftgen.core.generate.money.spend import CostSource, Reconciliation, SpendLedger
 from draftgen.core.rundir import RunDir
 
 
@@ -71,7 +71,7 @@ def settle_unknown_from_key(spend: SpendLedger, usage: float, tolerance_usd: flo
         return None
     cost = min(max(cost, 0.0), worst)
     for p in unknown:
-        spend.settle(p, cost * p.worst / worst if worst > 0 else 0.0, Source.KEY_USAGE)
+        spend.settle(p, cost * p.worst / worst if worst > 0 else 0.0, CostSource.KEY_USAGE)
     return cost
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 import aiohttp
 
 from draftgen.core.generate.api.client import ChatClient, RequestFailed
-from draftgen.core.generate.money.spend import Pending, Source, SpendLedger
+from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger
 
 WORKERS = 8
 
@@ -60,7 +60,7 @@ class Settler:
                 if p.id in self._spend.pending:
                     # An answer keeps its token estimate (what max_usd prices); a lost attempt bills nothing.
                     self._spend.settle(p, p.worst if p.answer else 0.0,
-                                       Source.ESTIMATE if p.answer else Source.SELF_HOSTED)
+                                       CostSource.ESTIMATE if p.answer else CostSource.SELF_HOSTED)
                     settled = True
             if settled:
                 self._on_settled()
@@ -123,7 +123,7 @@ class Settler:
                 return
             if time.monotonic() - first + delay > self._lookup_s:
                 if p.ended and not_found >= 2:
-                    self._spend.settle(p, 0.0, Source.NO_RECORD)
+                    self._spend.settle(p, 0.0, CostSource.NO_RECORD)
                     self._on_settled()
                 return  # still not there: pending for the next run or `draftgen ledger`
             await asyncio.sleep(delay)

@@ -75,7 +75,7 @@ from draftgen.core.generate.money.spend_sums import AttemptEnd, Pending, Reconci
 from draftgen.core.rundir import iter_jsonl
 
 
-class Source(StrEnum):
+class CostSource(StrEnum):
     """Where an attempt's cost came from."""
     USAGE = "usage.cost"
     ESTIMATE = "estimate"      # an answer without usage.cost and no generation id: tokens x worst prices
@@ -321,7 +321,7 @@ class SpendLedger:
             t.gen = gen_id
             self._write({"e": "gen", "a": t.id, "g": gen_id})
 
-    def answered(self, t: Ticket, cost: float, source: Source = Source.USAGE) -> None:
+    def answered(self, t: Ticket, cost: float, source: CostSource = CostSource.USAGE) -> None:
         if self.sums.close(t):
             # The StrEnums as they are: orjson writes their values (two .value lookups a request saved).
             self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED, "c": cost, "s": source})
@@ -333,7 +333,7 @@ class SpendLedger:
         if not self.sums.close(t):
             return None
         worst = estimate
-        self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": None, "s": Source.PENDING.value,
+        self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": None, "s": CostSource.PENDING.value,
                      "w": worst})
         p = Pending(t.id, t.ds, t.prompt_id, worst, t.gen, answer=True)
         self.sums.add_pending(p)
@@ -342,7 +342,8 @@ class SpendLedger:
     def refused(self, t: Ticket) -> None:
         """An HTTP error status, or nothing could be sent: no generation ran, nothing is billed."""
         if self.sums.close(t):
-            self._write({"e": "end", "a": t.id, "o": AttemptEnd.REFUSED.value, "c": 0, "s": Source.NOT_BILLED.value})
+            self._write({"e": "end", "a": t.id, "o": AttemptEnd.REFUSED.value, "c": 0,
+                        "s": CostSource.NOT_BILLED.value})
             self.sums.book_refused()
 
     def abandoned(self, t: Ticket, status: int | None = None, at_least: float = 0.0) -> Pending | None:
@@ -353,7 +354,7 @@ class SpendLedger:
         if not self.sums.close(t):
             return None
         line: dict[str, str | int | float | None] = {"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value,
-                                                     "c": None, "s": Source.PENDING.value}
+                                                     "c": None, "s": CostSource.PENDING.value}
         if status is not None:
             line["st"] = status
         worst = t.worst
@@ -369,7 +370,7 @@ class SpendLedger:
         """A reservation never sent (cancelled before it left, or the disk refused its line)."""
         self.sums.release(t)
 
-    def settle(self, p: Pending, cost: float, source: Source = Source.GENERATION) -> None:
+    def settle(self, p: Pending, cost: float, source: CostSource = CostSource.GENERATION) -> None:
         """An abandoned attempt priced from its generation record (or, without one, the key's usage)."""
         if self.sums.drop_pending(p.id) is not None:
             self._write({"e": "settle", "a": p.id, "c": cost, "s": source.value})
