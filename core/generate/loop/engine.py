@@ -58,7 +58,7 @@ from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.admission import AdaptiveConcurrency
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.dataset_run import DatasetRun
-from draftgen.core.generate.loop.opening import Opened, open_datasets, open_money, write_run_json
+from draftgen.core.generate.loop.opening import Opened, open_costs, open_datasets, write_run_json
 from draftgen.core.generate.loop.projection import ALONE, Beside, EngineNow, Projector
 from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.run_loop import RunLoop
@@ -102,7 +102,7 @@ class Engine:
                                self.provider_stats)  # what every part of the loop reads, passed once
         self.book = RecordBook(self._ctx, self.rundir, self.datasets, self.money, on_answer=on_answer)
         self._rng = random.Random(seed)
-        self._opened: Opened | None = None  # what the run opened (the client, the money, the duplicates)
+        self._opened: Opened | None = None  # what the run opened (the client, the costs, the duplicates)
         self._loop: RunLoop | None = None   # built, whole, once the run has opened what it needs
         self._projector = Projector(run_name=self.rundir.root.name, model=config.api.model,
                                     parallel=config.engine.parallel, datasets=self.datasets.values(), book=self.book,
@@ -121,12 +121,12 @@ class Engine:
     @property
     def prices(self) -> dict[str, Prices | None]:
         """Each dataset's worst-case prices, once the run has read them (None: unknown)."""
-        return self._opened.money.prices if self._opened is not None else {}
+        return self._opened.costs.prices if self._opened is not None else {}
 
     @property
     def settler(self) -> Settler | None:
-        """Prices abandoned attempts, from when the run has opened its money."""
-        return self._opened.money.settler if self._opened is not None else None
+        """Prices abandoned attempts, from when the run has opened its costs."""
+        return self._opened.costs.settler if self._opened is not None else None
 
     @property
     def state(self) -> RunState:
@@ -222,7 +222,7 @@ class Engine:
             redact=self._redact, self_hosted=lambda: cfg.api.self_hosted)
         client.open()
         try:
-            money = await open_money(cfg, self.rundir, self.spend, client, self._event, on_settled=self._wake_all)
+            costs = await open_costs(cfg, self.rundir, self.spend, client, self._event, on_settled=self._wake_all)
         except BaseException:
             if own_client:
                 await client.close()
@@ -233,10 +233,10 @@ class Engine:
         try:  # from here what was opened (the ledger and its lock, the settler, the client) is closed
             # Answers an earlier run spooled are imported (as each dataset opens) before anything is sent.
             await asyncio.to_thread(self.book.load_spools)
-            duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.book, self.spend, money.prices,
+            duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.book, self.spend, costs.prices,
                                              self._event)
             self.book.finish_import()
-            self._opened = Opened(client, money, duplicates)
+            self._opened = Opened(client, costs, duplicates)
             self._loop = RunLoop(self._ctx, self._opened, datasets=self.datasets, money=self.money, spend=self.spend,
                                  book=self.book, rng=self._rng, drain=self.drain, resume=self._set_running)
             tune_gc(need)
@@ -247,7 +247,7 @@ class Engine:
             # the next run (or `draftgen ledger`), counted at their worst case until then.
             try:
                 try:
-                    await money.settler.drain(0.0 if self.control.stopping else
+                    await costs.settler.drain(0.0 if self.control.stopping else
                                               min(10.0, self.config.api.generation_lookup_s))
                     if own_client:
                         await client.close()
@@ -315,5 +315,5 @@ class Engine:
     def snapshot(self, beside: Beside = ALONE) -> snap.RunSnapshot:
         """The run's picture (projection.py), with what the pipeline's owners add `beside` it."""
         now = EngineNow(self.control.view(), self.waiting(), self._clock() - self._started, self.retries, self.prices,
-                        self._opened.money.smoke if self._opened is not None else None)
+                        self._opened.costs.smoke if self._opened is not None else None)
         return self._projector.snapshot(now, beside)

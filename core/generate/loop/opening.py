@@ -2,7 +2,7 @@
 
 - `run.json`: the config (no key), fingerprints and versions, written first, so a full disk says
   so before anything is spent.
-- The money: the spend ledger of every earlier run (a half-written last line cut), the worst-case
+- The costs (`OpenedMoney`): the spend ledger of every earlier run (a half-written last line cut), the worst-case
   prices (a run with a ceiling and no price refuses to start), the last smoke answer for the
   projection, the streaming mode it decided for a self-hosted server, and the settler, handed what
   earlier runs left pending to look up.
@@ -117,7 +117,7 @@ def write_run_json(rundir: RunDir, config: Config) -> None:
 
 
 @dataclass
-class Money:
+class OpenedMoney:
     prices: dict[str, Prices | None]
     smoke: SmokeFigures | None
     settler: Settler
@@ -127,12 +127,12 @@ class Money:
 class Opened:
     """What the run opened before its first request."""
     client: ChatClient
-    money: Money
+    costs: OpenedMoney
     duplicates: CrossDatasetDuplicates | None
 
 
-async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client: ChatClient,
-                     event: EventSink, on_settled: Callable[[], None]) -> Money:
+async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client: ChatClient,
+                     event: EventSink, on_settled: Callable[[], None]) -> OpenedMoney:
     cut = await asyncio.to_thread(spend.open)
     if cut:
         event(Level.WARN, EventKind.REPAIRED, f"{spend.path}: cut a half-written last line ({cut} bytes)")
@@ -165,7 +165,7 @@ async def open_money(config: Config, rundir: RunDir, spend: SpendLedger, client:
         event(Level.WARN, EventKind.PENDING, f"{len(spend.pending)} attempt(s) of earlier runs not priced yet "
               f"count at their worst case ({usd(spend.pending_usd)}); {len(left)} looked up now")
     settler.add(left)
-    return Money(prices, smoke, settler)
+    return OpenedMoney(prices, smoke, settler)
 
 
 async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, DatasetRun], book: RecordBook,

@@ -137,8 +137,8 @@ class Requests:
         self._datasets = datasets
         self._rng = rng
         self.client = opened.client
-        self.settler = opened.money.settler
-        self.prices = opened.money.prices  # per dataset (None: unknown)
+        self.settler = opened.costs.settler
+        self.prices = opened.costs.prices  # per dataset (None: unknown)
         self.duplicates = opened.duplicates  # None: off, or only one dataset
         self.tasks: set[asyncio.Task[None]] = set()
         self.retries = 0

@@ -84,11 +84,11 @@ class Room:
         self._watch = watch  # the balance reached credit_floor_usd: the watch holds the run
         self._datasets = datasets
         self._event = ctx.event
-        self._settler = opened.money.settler  # abandoned attempts being priced: settling them may free room
+        self._settler = opened.costs.settler  # abandoned attempts being priced: settling them may free room
         self._body = ctx.config.request_body  # the exact request body: the reservation is its worst case
         # per dataset and place in its sampling cycles: the body without its messages
         self._bodies: dict[tuple[str, tuple[int, int]], _Made] = {}
-        self.prices = opened.money.prices
+        self.prices = opened.costs.prices
         # Prompts skipped because their worst case did not fit what max_usd left, per dataset.
         self.money_skipped: dict[str, int] = {}
         self._money_stopped: set[str] = set()  # datasets whose rest max_usd skipped
