@@ -101,14 +101,14 @@ class Admission:
         self._room = room
         self._book = book
         self._requests = requests
-        self._gate = ctx.control
+        self._control = ctx.control
         self._event = ctx.event
         self._self_hosted = ctx.config.api.self_hosted  # a conversation's history is sent as its API documents it
 
     async def run(self, ds: DatasetRun) -> None:
         """Admit the dataset's prompts until its source has none left (or a budget, drain or stop ends
         it), then wait for its requests in flight; leaves the dataset's final status."""
-        if self._gate.closed:
+        if self._control.closed:
             return
         await self._open(ds)
         budget_reason = await self._admit_all(ds, self._source(ds))
@@ -176,13 +176,13 @@ class Admission:
     def _end(self, ds: DatasetRun, budget_reason: str) -> None:
         """Nothing left in flight: settle the set-aside prompts, leave the dataset's final status, say it."""
         name = ds.config.name
-        if not self._gate.closed and not budget_reason and self._book.settle_doubts(ds):
+        if not self._control.closed and not budget_reason and self._book.settle_doubts(ds):
             self._event(Level.ERROR, EventKind.DATASET_STOPPED, f"{name}: {ds.message}", dataset=name)
         if ds.stopped:
             ds.end(DatasetStatus.STOPPED)
         elif budget_reason:
             ds.end(DatasetStatus.BUDGET)
-        elif self._gate.closed:
+        elif self._control.closed:
             ds.end(DatasetStatus.STOPPED, ds.message or "stopped before the end; the next run resumes")
         elif self._room.money_skipped.get(name):
             ds.end(DatasetStatus.BUDGET, f"max_usd: {self._room.money_skipped[name]} prompts skipped, their worst case "

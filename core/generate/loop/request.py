@@ -354,8 +354,8 @@ class Requests:
 
     async def _back_off(self, ds: DatasetRun, tries: int, e: RequestFailed) -> Attempted | None:
         """Wait out a transient error and a slot for the retry; GIVEN_UP instead when the run stops meanwhile."""
-        gate = self._ctx.control
-        if gate.closed:
+        control = self._ctx.control
+        if control.closed:
             return Attempted(Outcome.GIVEN_UP, tries - 1, error=e)
         self.retries += 1
         self.backing_off += 1
@@ -368,7 +368,7 @@ class Requests:
         finally:
             self.backing_off -= 1
             self.last_transient = e
-        if gate.closed:
+        if control.closed:
             return Attempted(Outcome.GIVEN_UP, tries, error=e)
         await self._room.retry_slot(ds)
         return None

@@ -79,7 +79,7 @@ class Room:
     def __init__(self, ctx: RunContext, money: MoneyBudget, book: RecordBook, watch: AccountWatch,
                  datasets: dict[str, DatasetRun], opened: Opened) -> None:
         self._money = money
-        self._gate = ctx.control
+        self._control = ctx.control
         self._book = book
         self._watch = watch  # the balance reached credit_floor_usd: the watch holds the run
         self._datasets = datasets
@@ -141,10 +141,10 @@ class Room:
         """Wait until the dataset may send one more request costing at most `worst`; GO, HALT, or the
         budget that stops it."""
         while True:
-            if self._gate.closed or ds.stopped:
+            if self._control.closed or ds.stopped:
                 return HALT
-            if not self._gate.is_open:
-                await self._gate.wait_open()
+            if not self._control.is_open:
+                await self._control.wait_open()
                 continue
             held = self._held_back(ds, worst)
             if held is None:
@@ -203,7 +203,7 @@ class Room:
         if block.reason == BlockReason.CREDIT_FLOOR:
             # The balance, not a budget: hold the run (nothing skipped) until it shows room again.
             self._watch.floor_reached(block.message)
-            if self._gate.is_open:  # the hold was refused (draining): admit nothing
+            if self._control.is_open:  # the hold was refused (draining): admit nothing
                 return HALT
             return _Wait.GATE
         return Decision(Admit.BUDGET, block.message, money=True)
@@ -212,20 +212,20 @@ class Room:
         """A new reservation for a retry (the last attempt's may be pending at its worst case); None when
         the ceiling leaves no room and nothing in flight or being priced can free any."""
         while True:
-            if self._gate.stopping:
+            if self._control.stopping:
                 return None
             block = self._money.blocked(worst)
             if block is None:
                 return self._money.spend.reserve(ds.config.name, prompt_id, worst)
             if self._in_flight() - self._retries_waiting - 1 <= 0 and not self._settler.waiting:
-                if block.reason == BlockReason.MAX_USD or self._gate.draining:
+                if block.reason == BlockReason.MAX_USD or self._control.draining:
                     return None
                 # The balance, not the ceiling: hold the run (nothing skipped) until it shows room again.
                 self._watch.asking(worst)
                 self._watch.floor_reached(block.message)
-                if self._gate.is_open:  # the hold was refused (draining)
+                if self._control.is_open:  # the hold was refused (draining)
                     return None
-                await self._gate.wait_open()
+                await self._control.wait_open()
                 continue
             self._money.note_limited()
             self._retries_waiting += 1
