@@ -39,7 +39,7 @@ async def test_start_pause_resume_and_who_paused() -> None:
     assert run.state == RunState.RUNNING and run.is_open
     assert run.pause(PausedBy.SMOKE)
     view = run.view()
-    assert view.state == RunState.PAUSED and view.paused_by is PausedBy.SMOKE and view.held is None
+    assert view.state == RunState.PAUSED and view.paused_by is PausedBy.SMOKE and view.hold is None
     assert not run.is_open and run.paused
     assert not run.pause(PausedBy.USER), "a second pause changes nothing"
     assert run.view().paused_by is PausedBy.SMOKE
@@ -57,14 +57,14 @@ async def test_hold_keeps_its_reason_until_resumed_and_says_it_once() -> None:
     run.hold(Hold.ACCOUNT, "402: add credits", account=stop)
     run.hold(Hold.ACCOUNT, "402: add credits")  # an answer in flight when it began: said once
     view = run.view()
-    assert view.state == RunState.PAUSED and view.held is Hold.ACCOUNT and view.alert == "402: add credits"
+    assert view.state == RunState.PAUSED and view.hold is Hold.ACCOUNT and view.alert == "402: add credits"
     assert view.account is stop and not run.is_open
     assert kinds(events) == [EventKind.ALERT]
     run.hold(Hold.DISK, "disk full")  # a new reason is said, and replaces the last
-    assert run.view().held is Hold.DISK and run.alert == "disk full" and kinds(events).count(EventKind.ALERT) == 2
+    assert run.view().hold is Hold.DISK and run.alert == "disk full" and kinds(events).count(EventKind.ALERT) == 2
     run.resume()
     view = run.view()
-    assert view.held is None and view.account is None and view.alert == "" and run.is_open
+    assert view.hold is None and view.account is None and view.alert == "" and run.is_open
 
 
 async def test_a_hold_while_paused_by_the_user_records_the_reason_and_stays_paused() -> None:
@@ -72,7 +72,7 @@ async def test_a_hold_while_paused_by_the_user_records_the_reason_and_stays_paus
     run.start()
     run.pause(PausedBy.USER)
     run.hold(Hold.DISK, "disk full")
-    assert run.state == RunState.PAUSED and run.held is Hold.DISK and run.alert == "disk full"
+    assert run.state == RunState.PAUSED and run.current_hold is Hold.DISK and run.alert == "disk full"
 
 
 async def test_drain_then_stop_close_the_gate_and_wake_what_waits() -> None:

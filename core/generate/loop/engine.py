@@ -137,9 +137,9 @@ class Engine:
         return self.control.alert
 
     @property
-    def held(self) -> Hold | None:
+    def current_hold(self) -> Hold | None:
         """Why the engine paused the run by itself, while it is paused."""
-        return self.control.held
+        return self.control.current_hold
 
     @property
     def account(self) -> AccountStop | None:
@@ -258,7 +258,7 @@ class Engine:
                 self.spend.close()  # and its lock: another run or smoke test may open it
         # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
         final = final_state(self.datasets.values(), stopping=self.control.stopping, draining=self.control.draining,
-                            waiting=self.held is Hold.ACCOUNT,
+                            waiting=self.current_hold is Hold.ACCOUNT,
                             money_limited=self._loop is not None and self._loop.room.money_limited)
         self.control.end(final, ended_line(final, self.datasets.values()))
         self._event(snap.Level.INFO if self.state == RunState.DONE else snap.Level.WARN, snap.EventKind.RUN_DONE,

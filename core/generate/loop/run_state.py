@@ -82,7 +82,7 @@ class ControlView:
     """The run's state as one value (what RunControl.view() returns)."""
     state: RunState
     alert: str
-    held: Hold | None
+    hold: Hold | None
     paused_by: PausedBy | None  # who paused the run (None: not paused, or held by the engine itself)
     draining: bool
     stopping: bool
@@ -100,7 +100,7 @@ class RunControl:
         self._event = on_event
         self._state = RunState.IDLE
         self._alert = ""
-        self._held: Hold | None = None
+        self._hold: Hold | None = None
         self._account: AccountStop | None = None
         self._paused_by: PausedBy | None = None
         self._draining = False
@@ -126,13 +126,13 @@ class RunControl:
         return self._alert
 
     @property
-    def held(self) -> Hold | None:
+    def current_hold(self) -> Hold | None:
         """Why the engine paused the run by itself, while it is paused."""
-        return self._held
+        return self._hold
 
     @property
     def paused_by(self) -> PausedBy | None:
-        """Who paused the run, while it is paused by someone (a hold is in `held`)."""
+        """Who paused the run, while it is paused by someone (a hold is in `current_hold`)."""
         return self._paused_by
 
     @property
@@ -204,7 +204,7 @@ class RunControl:
         return code
 
     def view(self) -> ControlView:
-        return ControlView(self._state, self._alert, self._held, self._paused_by, self._draining, self._stopping,
+        return ControlView(self._state, self._alert, self._hold, self._paused_by, self._draining, self._stopping,
                            self._account, self._ended, self._held_outcome, self._generation, self._launched)
 
     # -- changes ----------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ class RunControl:
         is the alert, said once while it stays the same."""
         first = self._alert != reason
         self._alert = reason
-        self._held = why
+        self._hold = why
         if account is not None:
             self._account = account
         if self._state == RunState.RUNNING:
@@ -246,15 +246,15 @@ class RunControl:
     def release(self, why: Hold) -> None:
         """The hold `why` no longer applies (the records the disk refused are written, spooled or said
         lost): its alert goes, so nothing says the run is still held by it; the state is unchanged."""
-        if self._held is why:
+        if self._hold is why:
             self._alert = ""
-            self._held = None
+            self._hold = None
 
     def resume(self) -> None:
         """Running again: the holds, their reasons and who paused are cleared, the gate opens."""
         self._state = RunState.RUNNING
         self._alert = ""
-        self._held = None
+        self._hold = None
         self._account = None
         self._paused_by = None
         self._open.set()
