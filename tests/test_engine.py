@@ -379,9 +379,9 @@ async def test_a_stop_now_releases_what_each_abandoned_request_held(tmp_path):
         ds = engine.datasets["a"]
         while engine.in_flight < 12:
             await asyncio.sleep(0.01)
-        assert ds.tokens.in_flight > 0 and engine.spend.reserved_usd > 0
+        assert ds.token_budget.in_flight > 0 and engine.spend.reserved_usd > 0
         engine.stop()
         assert await asyncio.wait_for(task, 10) == snap.RunState.STOPPED
-    assert (ds.in_flight, ds.parked, ds.tokens.in_flight, ds.doubts.probe_out) == (0, 0, 0, False)
+    assert (ds.in_flight, ds.parked, ds.token_budget.in_flight, ds.doubts.probe_out) == (0, 0, 0, False)
     assert engine.spend.reserved_usd == 0
     assert ds.done + ds.left == 60 and ds.left >= 12, "the abandoned prompts stay eligible"

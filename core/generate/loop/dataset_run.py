@@ -63,7 +63,7 @@ class ConversationCounts:
 class DatasetRun:
     """One dataset's live state: counts, budgets, the requests in flight and its two record files."""
     config: DatasetConfig
-    tokens: TokenBudget
+    token_budget: TokenBudget
     concurrency: AdaptiveConcurrency
     done_ids: set[str] = field(default_factory=set)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -146,14 +146,14 @@ class DatasetRun:
         """A request starts: in flight, its expected `tokens` counted against the token budget, and
         (`probe`) the one request its doubts let out (doubts.py)."""
         self._in_flight += 1
-        self.tokens.in_flight += tokens
+        self.token_budget.in_flight += tokens
         if probe:
             self.doubts.probe_out = True
 
     def request_ended(self, tokens: int = 0, *, probe: bool = False) -> None:
         """The request `request_started` counted ended (answered, failed, handed back or cancelled)."""
         self._in_flight -= 1
-        self.tokens.in_flight -= tokens
+        self.token_budget.in_flight -= tokens
         if probe:
             self.doubts.probe_out = False
 
@@ -228,8 +228,8 @@ class DatasetRun:
         """An answer on disk (`now`: this run's; else one read back from disk)."""
         self._done += 1
         self.done_ids.add(prompt_id)
-        self.tokens.used += tokens
-        self.tokens.answers += 1
+        self.token_budget.used += tokens
+        self.token_budget.answers += 1
         self._cost += cost
         if self.config.turns == "all":
             _, _, k = prompt_id.rpartition("#t")

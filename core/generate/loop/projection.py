@@ -28,8 +28,8 @@ from draftgen.core.live.snapshot import DatasetStatus, RunState, StageState, Tim
 def remaining(ds: DatasetRun) -> int:
     """Answers this dataset may still ask for."""
     left = max(0, ds.total - ds.done - ds.failed - ds.skipped)
-    if ds.tokens.limit is not None and ds.tokens.answers:
-        by_budget = (ds.tokens.remaining() or 0) / max(1.0, ds.tokens.used / ds.tokens.answers)
+    if ds.token_budget.limit is not None and ds.token_budget.answers:
+        by_budget = (ds.token_budget.remaining() or 0) / max(1.0, ds.token_budget.used / ds.token_budget.answers)
         left = min(left, int(by_budget) + ds.in_flight)
     if ds.status in (DatasetStatus.BUDGET, DatasetStatus.STOPPED, DatasetStatus.DONE):
         left = ds.in_flight
@@ -65,8 +65,9 @@ def _conversations(ds: DatasetRun) -> dict[str, Any]:
 def figures(ds: DatasetRun, spend: SpendLedger, prices: Prices | None) -> DatasetFigures:
     return DatasetFigures(
         name=ds.config.name, remaining=remaining(ds), max_tokens=ds.config.max_tokens,
-        concurrency=ds.config.concurrency, token_budget_left=ds.tokens.remaining(), answers=ds.tokens.answers,
-        completion_tokens=ds.tokens.used, cost_usd=spend.by_dataset.get(ds.config.name, ds.cost), prices=prices,
+        concurrency=ds.config.concurrency, token_budget_left=ds.token_budget.remaining(),
+        answers=ds.token_budget.answers,
+        completion_tokens=ds.token_budget.used, cost_usd=spend.by_dataset.get(ds.config.name, ds.cost), prices=prices,
         **({"growth": ds.conversations.growth(ds.left, ds.done),
             "history_answers": ds.conversations.history_answers(ds.left)} if ds.config.turns == "all" else {}))
 
@@ -150,8 +151,8 @@ def _datasets(all_ds: list[DatasetRun], plan: RunForecast, spend: SpendLedger, *
             status=DatasetStatus.PAUSED if paused and ds.status == DatasetStatus.RUNNING else ds.status,
             total=ds.total, done=ds.done, failed=ds.failed, skipped=ds.skipped, rejected=ds.rejected,
             truncated=ds.truncated, in_flight=ds.in_flight, concurrency=ds.config.concurrency,
-            effective_concurrency=ds.concurrency.limit, tokens_used=ds.tokens.used,
-            tokens_in_flight=ds.tokens.in_flight, token_budget=ds.tokens.limit, cost_usd=round(cost, 6),
+            effective_concurrency=ds.concurrency.limit, tokens_used=ds.token_budget.used,
+            tokens_in_flight=ds.token_budget.in_flight, token_budget=ds.token_budget.limit, cost_usd=round(cost, 6),
             projected_cost_usd=round(cost + fc.cost_usd, 4) if fc.cost_usd or cost else None, message=ds.message,
             **_conversations(ds)))
     return tuple(shots)

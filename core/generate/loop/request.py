@@ -196,7 +196,7 @@ class Requests:
                worst: float) -> None:
         """Reserve the worst case of the body it sends, count it in flight, and ask it in a task."""
         req = Request(ds, prompt, source, self._spend.reserve(ds.config.name, prompt.id, worst),
-                      ds.tokens.expected(), ds.doubts.held)  # doubts.py: while held, one request at a time
+                      ds.token_budget.expected(), ds.doubts.held)  # doubts.py: while held, one request at a time
         ds.request_started(req.expected, probe=req.probe)
         task = asyncio.create_task(self._run(req, body))
         self.tasks.add(task)

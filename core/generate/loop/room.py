@@ -162,12 +162,12 @@ class Room:
             doubted = self._doubted(ds)
             if doubted is not None:
                 return doubted
-        if not ds.tokens.fits(ds.tokens.expected()):
+        if not ds.token_budget.fits(ds.token_budget.expected()):
             # This dataset's answers in flight may come in under their estimate and free room.
             if ds.in_flight:
                 return _Wait.WAKE
-            return Decision(Admit.BUDGET, f"token budget reached: {ds.tokens.used:,} used + "
-                            f"{ds.tokens.in_flight:,} in flight of {ds.tokens.limit:,}")
+            return Decision(Admit.BUDGET, f"token budget reached: {ds.token_budget.used:,} used + "
+                            f"{ds.token_budget.in_flight:,} in flight of {ds.token_budget.limit:,}")
         self._watch.asking(worst)  # what a re-check of the account must find room for
         block = self._money.blocked(worst)
         if block is not None:
