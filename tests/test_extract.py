@@ -524,7 +524,7 @@ async def test_extract_is_served_to_attach_with_the_gpu_panel(tmp_path: Path, mo
     # What `draftgen attach RUN_DIR` sees from another pane while `draftgen extract` runs (rank 0).
     import asyncio
 
-    from draftgen.core.extract.live import ExtractPublisher
+    from draftgen.core.extract.publish import ExtractPublisher
     from draftgen.core.live.attach import AttachClient
     from draftgen.core.live.snapshot import RunSnapshot
     from tests.test_gpu import FakeNvml

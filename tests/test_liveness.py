@@ -19,7 +19,7 @@ from draftgen.core.generate.commands.retry_failed import history_path, retry_fai
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.command import tokens_command
-from draftgen.core.tokens.live import LiveReconstructor
+from draftgen.core.tokens.during_run import RunReconstructor
 from draftgen.core.tokens.store import TokenReader
 from draftgen.simulator import SimConfig, SimServer
 from tests.helpers import TEST_KEY, make_config, until
@@ -186,7 +186,7 @@ async def test_workers_that_keep_dying_stop_reconstruction_loudly(tmp_path: Path
     """Past MAX_RESTARTS new pools the tokens stage fails and says how to finish; nothing hangs."""
     config = tokens_config(tmp_path)
     events: list[tuple[str, str, str]] = []
-    live = LiveReconstructor(config, workers=1, on_event=lambda *e: events.append(e))
+    live = RunReconstructor(config, workers=1, on_event=lambda *e: events.append(e))
     live.MAX_RESTARTS = 1
     await live.start()
     records = [response(i) for i in range(40)]

@@ -14,7 +14,7 @@ from draftgen.core.errors import ConfigError, TokenizerError
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.rundir import RunDir, repair_torn_tail
 from draftgen.core.tokens.command import tokens_command
-from draftgen.core.tokens.live import LiveReconstructor
+from draftgen.core.tokens.during_run import RunReconstructor
 from draftgen.core.tokens.reconstruct import reconstruct_record
 from draftgen.core.tokens.store import INDEX_FILE, TokenReader
 from draftgen.core.tokens.template import load_template
@@ -157,7 +157,7 @@ async def test_live_reconstructor(tmp_path: Path) -> None:
     config = make_config(tmp_path, datasets=("A", "B"))
     # Answers a crashed run left on disk without tokens.
     write_responses(config, "A", [response(i) for i in range(5)])
-    live = LiveReconstructor(config, workers=1)
+    live = RunReconstructor(config, workers=1)
     await live.start()
     assert await live.catch_up("A") == 5
     assert await live.catch_up("B") == 0
@@ -195,7 +195,7 @@ async def test_live_reconstructor(tmp_path: Path) -> None:
     assert orjson.loads((RunDir(config.run_dir).tokens("A") / REPORT_FILE).read_bytes())["checked"] == 45
 
     # A restart: what is on disk is known, nothing is redone.
-    again = LiveReconstructor(config, workers=1)
+    again = RunReconstructor(config, workers=1)
     await again.start()
     assert await again.catch_up("A") == 0
     assert again.report("A").checked == 45
@@ -219,7 +219,7 @@ async def test_the_prompt_check_is_counted_per_turn_number(tmp_path: Path) -> No
                 rec["provider"] = "KeepsReasoning"
         records += conv
     write_responses(config, "M", records)
-    live = LiveReconstructor(config, workers=1)
+    live = RunReconstructor(config, workers=1)
     await live.start()
     assert await live.catch_up("M") == 24
     await live.close()

@@ -130,7 +130,7 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
     extract = _runner_extract()
     publisher = None
     if rank0 and config.run_dir.is_dir():  # `draftgen attach RUN_DIR` shows the stage and the GPU panel
-        from draftgen.core.extract.live import ExtractPublisher
+        from draftgen.core.extract.publish import ExtractPublisher
         publisher = ExtractPublisher(config, nvml=nvml)
 
     printer = every(PRINT_INTERVAL_S, lambda p: print(progress_line(p), file=stream, flush=True))

@@ -1,5 +1,5 @@
 """The generation stage as the pipeline runs it: the start-up gate (startup.py), the engine's run, the
-tokens stage after it (live_tokens.py). How it ended (its stage state, whether run requests may have
+tokens stage after it (tokens_stage.py). How it ended (its stage state, whether run requests may have
 been sent, the exit code: docs/run-end.md) is told to the run's owner, the engine's `RunControl`
 (core/generate/loop/run_state.py); the error that stopped it is kept here for the command boundary.
 """
@@ -13,24 +13,24 @@ from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError, ExitCode
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
-from draftgen.core.run.live_tokens import LiveTokens
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.run.stages import Stages
 from draftgen.core.run.startup import Startup, StartVerdict
+from draftgen.core.run.tokens_stage import TokensStage
 from draftgen.core.secrets import Redactor
 
 
 class GenerationStage:
     """Smoke gate, then the run, then the tokens stage's report; how it ended, told to RunControl."""
 
-    def __init__(self, config: Config, engine: Engine, startup: Startup, tokens: LiveTokens, oneshot: Stages,
+    def __init__(self, config: Config, engine: Engine, startup: Startup, tokens_stage: TokensStage, oneshot: Stages,
                  rows: StageRows, emit: snap.EventSink, redact: Redactor, *, publish: Callable[[], None],
                  reconstruct: bool) -> None:
         self._config = config
         self._engine = engine
         self._control = engine.control  # the run's owner: its state and how it ended
         self._startup = startup
-        self._tokens = tokens
+        self._tokens_stage = tokens_stage
         self._oneshot = oneshot
         self._rows = rows
         self._emit = emit
@@ -76,11 +76,11 @@ class GenerationStage:
                                    "or --skip-smoke)", ExitCode.SMOKE_FAILED)
                 return snap.RunState.STOPPED
             if self._reconstruct:
-                await self._tokens.start()
+                await self._tokens_stage.start()
             state = await self._run_engine()
             if not self._control.launched:
                 return self._not_started("quit before the run started")
-            complete = await self._tokens.finish(imported=self._control.held_outcome.imported > 0)
+            complete = await self._tokens_stage.finish(imported=self._control.held_outcome.imported > 0)
             self._control.finished(state, tokens_complete=complete)
             return state
         finally:

@@ -24,13 +24,13 @@ from draftgen.core.live.timeline import TimelineRecorder, Totals
 from draftgen.core.records import error_count
 from draftgen.core.run.events import EventPublisher
 from draftgen.core.run.generation import GenerationStage
-from draftgen.core.run.live_tokens import LiveTokens
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.run.stages import Stages
 from draftgen.core.run.startup import (
     Startup,
     smoke_status,  # noqa: F401 - its old home: tests and the CLI import it here
 )
+from draftgen.core.run.tokens_stage import TokensStage
 from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.secrets import Redactor
 
@@ -62,11 +62,12 @@ class Pipeline:
         self.stages = StageRows()  # the stages panel's rows: their one owner (core/run/stage_rows.py)
         self.oneshot = Stages(config, api_key, self.engine, self.stages, rundir=self.rundir, redact=self._redact,
                               emit=self.emit)
-        self.tokens = LiveTokens(config, self.emit, self.stages)
+        self.tokens_stage = TokensStage(config, self.emit, self.stages)
         self.startup = Startup(config, api_key, self.oneshot, self.emit, rundir=self.rundir, redact=self._redact,
                                skip_smoke=skip_smoke, reconstruct=self._reconstruct)
-        self.generation = GenerationStage(config, self.engine, self.startup, self.tokens, self.oneshot, self.stages,
-                                     self.emit, self._redact, publish=self.publish, reconstruct=self._reconstruct)
+        self.generation = GenerationStage(
+            config, self.engine, self.startup, self.tokens_stage, self.oneshot, self.stages, self.emit, self._redact,
+            publish=self.publish, reconstruct=self._reconstruct)
         self.timeline = TimelineRecorder(self.rundir.history, on_write_error=lambda message: self.emit(
             snap.Level.WARN, snap.EventKind.HISTORY, message))
 
@@ -103,7 +104,7 @@ class Pipeline:
     async def close(self) -> None:
         self.events.flush_repeats()
         self.oneshot.cancel()
-        await self.tokens.close()
+        await self.tokens_stage.close()
         if self._ticker is not None:
             self._ticker.cancel()
         self.publish()
@@ -141,12 +142,12 @@ class Pipeline:
     def snapshot(self) -> snap.RunSnapshot:
         """The run's picture, made once by the engine's projector (core/generate/loop/projection.py) from
         its owners' views and what the pipeline's own owners add beside them."""
-        self.tokens.refresh()
+        self.tokens_stage.refresh()
         # The run never opened its ledger: what was spent (the smoke test's requests) is on spend.jsonl.
         smoke_spent = self.startup.spent if not self.control.launched else None
         return self.engine.snapshot(Beside(
             generation=self.control.generation, stages=self.stages.rows(), gpus=self.oneshot.gpus,
-            fidelity=self.tokens.fidelity, timeline=self.timeline.timeline(), started_at=self.timeline.started_at,
+            fidelity=self.tokens_stage.fidelity, timeline=self.timeline.timeline(), started_at=self.timeline.started_at,
             first_started_at=self.timeline.first_started_at, smoke_spent=smoke_spent))
 
     def _totals(self) -> Totals:
@@ -167,7 +168,7 @@ class Pipeline:
             self.publish()
 
     def _on_answer(self, dataset: str, record: dict[str, Any]) -> None:
-        self.tokens.submit(dataset, record)
+        self.tokens_stage.submit(dataset, record)
 
     # -- control surface (core/live/control.py) ------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 Every stage's progress is written here and only through its methods: the one-shot stages
 (stages.py, whose merge and extraction report from a worker thread), the tokens stage
-(live_tokens.py) and the generation stage's failure (generation.py). A lock makes each change one
+(tokens_stage.py) and the generation stage's failure (generation.py). A lock makes each change one
 step, so a worker thread's report never undoes a stop said on the event loop; the snapshot reads
 the rows as one tuple.
 """

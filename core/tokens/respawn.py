@@ -1,4 +1,4 @@
-"""The worker pool of a live reconstruction (core/tokens/live.py), which outlives its workers.
+"""The worker pool of a live reconstruction (core/tokens/during_run.py), which outlives its workers.
 
 A worker that dies (kill -9, the OOM killer) breaks the whole pool: every batch in flight fails at
 once. They are held, a new pool is started and they are sent again. After `max_restarts()` new pools

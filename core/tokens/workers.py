@@ -1,5 +1,5 @@
 """Reconstruction of whole datasets (`draftgen tokens`), and the worker pool it shares with the live
-reconstruction of a run (core/tokens/live.py).
+reconstruction of a run (core/tokens/during_run.py).
 
 Both read `<run>/<dataset>/responses.jsonl`, skip every id already committed to
 `<dataset>/tokens/index.jsonl`, and append the rest with `TokenWriter` (core/tokens/store.py; index

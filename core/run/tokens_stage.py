@@ -1,5 +1,5 @@
 """The tokens stage while the run goes: each answer turned into token ids as it lands
-(core/tokens/live.py), its progress told to the stages panel's rows (stage_rows.py), and its report
+(core/tokens/during_run.py), its progress told to the stages panel's rows (stage_rows.py), and its report
 when the run ends."""
 
 from __future__ import annotations
@@ -11,22 +11,22 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.run.stage_rows import StageRows
 
 if TYPE_CHECKING:  # imported when the stage starts: a run without reconstruction never loads it
-    from draftgen.core.tokens.live import LiveReconstructor
+    from draftgen.core.tokens.during_run import RunReconstructor
 
 
-class LiveTokens:
+class TokensStage:
     """The live reconstructor of one run, from its start to its report."""
 
     def __init__(self, config: Config, emit: snap.EventSink, rows: StageRows) -> None:
         self._config = config
         self._emit = emit
         self._rows = rows  # the stages panel's rows: this class only tells them
-        self._reconstructor: LiveReconstructor | None = None
+        self._reconstructor: RunReconstructor | None = None
         self.fidelity: tuple[snap.ProviderFidelity, ...] = ()  # the last figures, kept after the workers stop
 
     async def start(self) -> None:
-        from draftgen.core.tokens.live import LiveReconstructor
-        self._reconstructor = LiveReconstructor(self._config, workers=self._config.engine.workers, on_event=self._emit)
+        from draftgen.core.tokens.during_run import RunReconstructor
+        self._reconstructor = RunReconstructor(self._config, workers=self._config.engine.workers, on_event=self._emit)
         await self._reconstructor.start()
         for ds in self._config.datasets:
             await self._reconstructor.catch_up(ds.name)

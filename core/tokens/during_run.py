@@ -1,6 +1,6 @@
 """Reconstruction during a run: answers are tokenized as the engine lands them.
 
-`LiveReconstructor.submit` never blocks: answers are batched (briefly) and handed to the worker
+`RunReconstructor.submit` never blocks: answers are batched (briefly) and handed to the worker
 pool (core/tokens/workers.py); results are appended to the dataset's token folder from the event
 loop thread as they come back.
 
@@ -81,7 +81,7 @@ def _read_list(responses: Path, offsets: list[int]) -> list[dict[str, Any]]:
     return list(read_records(responses, offsets))
 
 
-class LiveReconstructor:
+class RunReconstructor:
     """Reconstructs answers as the engine lands them, in worker processes."""
 
     FLUSH_AFTER_S = 0.05
@@ -141,7 +141,7 @@ class LiveReconstructor:
     def submit(self, dataset_name: str, record: dict[str, Any]) -> None:
         """Queue one answered record for reconstruction; returns at once."""
         if self._loop is None or self._closed:
-            raise RuntimeError("LiveReconstructor.submit before start() or after close()")
+            raise RuntimeError("RunReconstructor.submit before start() or after close()")
         ds = self._open(dataset_name)
         rid = str(record.get("id"))
         if rid in ds.known:
