@@ -259,6 +259,12 @@ class _Signals:
         self._tell(line + self._held())
 
 
+# The info events the printer shows (every warning and error is shown).
+MILESTONES = frozenset({snap.EventKind.SMOKE, snap.EventKind.DATASET_START, snap.EventKind.DATASET_DONE,
+                        snap.EventKind.RUN_DONE, snap.EventKind.SMOKE_DONE, snap.EventKind.MERGE_DONE,
+                        snap.EventKind.EXTRACT_DONE, snap.EventKind.BUDGET, snap.EventKind.TOKENS_DONE})
+
+
 async def _print_updates(sub: Subscription, say: Callable[[str], None], interval_s: float) -> None:
     """Events as they come (info ones only for the milestones), and a status line every `interval_s`
     with the detail lines every DETAILS_EVERY lines or when the run's shape changes."""
@@ -270,8 +276,7 @@ async def _print_updates(sub: Subscription, say: Callable[[str], None], interval
         item = await sub.get()
         if item[0] == "event":
             ev = item[1]
-            if ev.level != "info" or ev.kind in ("smoke", "dataset_start", "dataset_done", "run_done", "smoke_done",
-                                                  "merge_done", "extract_done", "budget", "tokens_done"):
+            if ev.level != snap.Level.INFO or ev.kind in MILESTONES:
                 wall = time.strftime("%H:%M:%S", time.localtime(ev.ts))
                 # Wrapped, not cut: an event's end is often what matters (a path, the figures).
                 for line in textwrap.wrap(f"{wall} {ev.level:<8} {ev.message}", WIDTH,
