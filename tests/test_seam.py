@@ -264,7 +264,7 @@ def test_events_travel_as_json_and_older_ones_still_read() -> None:
     e = snap.Event(1.0, snap.Level.WARN, snap.EventKind.BUDGET, "alpha: token budget reached", "alpha")
     data = orjson.loads(e.to_json())
     assert data == {"ts": 1.0, "level": "warn", "kind": "budget", "message": "alpha: token budget reached",
-                    "dataset": "alpha"}
+                    "dataset": "alpha", "data": None}  # `data`: a kind's figures (snapshot.EVENT_DATA)
     assert snap.event_from_dict(data) == e
     # An engine from before the field, and a newer engine's kind: read, not refused.
     older = snap.event_from_dict({"ts": 2.0, "level": "info", "kind": "a_kind_from_later", "message": "m"})

@@ -347,25 +347,73 @@ class EventKind(StrEnum):
     UNSAVED = "unsaved"                      # records the disk never took
 
 
-class EventSink(typing.Protocol):
-    """Where the engine's parts send their events (`Pipeline.emit`); `dataset` names the one it is about."""
+# -- typed payloads: the figures an event carries beside its message (one class per kind) -----------
+# The message stays what the log and the views show; a consumer that needs a figure reads `Event.data`
+# (the payload of its kind, or None: an event without figures, or from an engine that sends none).
 
-    def __call__(self, level: Level, kind: EventKind, message: str, dataset: str = "") -> None: ...
+@dataclass(frozen=True)
+class DatasetDone:
+    """DATASET_DONE: how the dataset ended and its figures."""
+    status: str
+    answered: int
+    total: int
+    failed: int
+    skipped: int
+    cost_usd: float
+
+
+@dataclass(frozen=True)
+class OverReservation:
+    """OVER_RESERVATION: an attempt billed past the reservation taken for it."""
+    provider: str
+    reserved_usd: float
+    billed_usd: float
+
+
+@dataclass(frozen=True)
+class ProviderPastCap:
+    """PAST_CAP: a provider ran an answer past max_tokens (cut, booked at what it billed)."""
+    provider: str
+
+
+EventData = DatasetDone | OverReservation | ProviderPastCap
+# The payload class of each kind that carries one (what the attach side decodes `data` as).
+EVENT_DATA: dict[EventKind, type] = {EventKind.DATASET_DONE: DatasetDone, EventKind.OVER_RESERVATION: OverReservation,
+                                     EventKind.PAST_CAP: ProviderPastCap}
+
+
+class EventSink(typing.Protocol):
+    """Where the engine's parts send their events (`Pipeline.emit`); `dataset` names the one it is about,
+    `data` carries the figures of a kind listed in EVENT_DATA."""
+
+    def __call__(self, level: Level, kind: EventKind, message: str, dataset: str = "",
+                 data: EventData | None = None) -> None: ...
+
+
+def _no_event(level: Level, kind: EventKind, message: str, dataset: str = "", data: EventData | None = None) -> None:
+    return None
 
 
 def event_sink(fn: typing.Callable[..., None] | None) -> EventSink:
-    """`fn` as an EventSink. A callback of the older shape, `(level, kind, message)`, still works: it
-    is called without the dataset (so callers written before the field need no change)."""
+    """`fn` as an EventSink. Callbacks of the older shapes still work: `(level, kind, message, dataset=)`
+    is called without the data, `(level, kind, message)` without the dataset either."""
     if fn is None:
-        return lambda level, kind, message, dataset="": None
+        return _no_event
     try:
-        inspect.signature(fn).bind("info", "kind", "message", dataset="")
-    except TypeError:
-        older = fn
-        return lambda level, kind, message, dataset="": older(level, kind, message)
+        sig = inspect.signature(fn)
     except ValueError:  # no signature to read (a builtin): taken as it is
+        return typing.cast(EventSink, fn)
+    try:
+        sig.bind("info", "kind", "message", dataset="", data=None)
+        return typing.cast(EventSink, fn)
+    except TypeError:
         pass
-    return typing.cast(EventSink, fn)
+    older = fn
+    try:
+        sig.bind("info", "kind", "message", dataset="")
+    except TypeError:
+        return lambda level, kind, message, dataset="", data=None: older(level, kind, message)
+    return lambda level, kind, message, dataset="", data=None: older(level, kind, message, dataset=dataset)
 
 
 @dataclass(frozen=True)
@@ -375,6 +423,7 @@ class Event:
     kind: EventKind
     message: str
     dataset: str = ""   # the dataset it is about ("": the run's); the message still names it for the log
+    data: EventData | None = None  # the figures of a kind in EVENT_DATA (the message says them too)
 
     def __post_init__(self) -> None:
         # Callers may pass the plain strings (older call sites, attach streams): stored as the enums.
@@ -430,5 +479,12 @@ def snapshot_from_dict(data: dict[str, Any]) -> RunSnapshot:
 
 
 def event_from_dict(data: dict[str, Any]) -> Event:
-    """An event from its JSON dict; one from an engine without `dataset` gets "" there."""
-    return Event(**{f.name: data[f.name] for f in dataclasses.fields(Event) if f.name in data})
+    """An event from its JSON dict; one from an engine without `dataset` gets "" there, and `data` is
+    rebuilt as its kind's payload class (left None for a kind this side does not know)."""
+    fields = {f.name: data[f.name] for f in dataclasses.fields(Event) if f.name in data}
+    payload = fields.pop("data", None)
+    event = Event(**fields)
+    cls = EVENT_DATA.get(event.kind) if isinstance(event.kind, EventKind) else None
+    if cls is not None and isinstance(payload, dict):
+        event = dataclasses.replace(event, data=_from(cls, payload))
+    return event

@@ -36,7 +36,8 @@ class EventPublisher:
         if self._log is not None:
             self._log.close()
 
-    def emit(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "") -> None:
+    def emit(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "",
+             data: snap.EventData | None = None) -> None:
         message = self._redact(message)
         if kind in CLOSING:
             self.flush_repeats()
@@ -51,7 +52,7 @@ class EventPublisher:
             self._repeats[(kind, message, dataset)] = [now, 0]
             if seen is not None and seen[1]:
                 message += f" (and {seen[1]:.0f} more like it in the {REPEAT_WINDOW_S:.0f} s before)"
-        self._publish(level, kind, message, dataset)
+        self._publish(level, kind, message, dataset, data)
 
     def flush_repeats(self) -> None:
         """Say how many times each held-back warning came, and forget them."""
@@ -61,8 +62,9 @@ class EventPublisher:
                 self._publish(snap.Level.WARN, kind, f"{message} (and {times:.0f} more like it within "
                               f"{REPEAT_WINDOW_S:.0f} s)", dataset)
 
-    def _publish(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "") -> None:
-        event = snap.Event(time.time(), level, kind, message, dataset)  # type: ignore[arg-type]  # coerced to the enums
+    def _publish(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "",
+                 data: snap.EventData | None = None) -> None:
+        event = snap.Event(time.time(), level, kind, message, dataset, data)  # type: ignore[arg-type]  # coerced to the enums
         if self._log is not None:
             self._log.write(level, message, event.ts)
         self._hub.publish_event(event)

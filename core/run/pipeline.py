@@ -133,8 +133,9 @@ class Pipeline:
 
     # -- events and snapshots -------------------------------------------------------------------
 
-    def emit(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "") -> None:
-        self.events.emit(level, kind, message, dataset)
+    def emit(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "",
+             data: snap.EventData | None = None) -> None:
+        self.events.emit(level, kind, message, dataset, data)
 
     def _flush_repeats(self) -> None:
         self.events.flush_repeats()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from draftgen.core.generate.loop.conversations import ConversationSource
 from draftgen.core.generate.loop.room import Admit, Decision
 from draftgen.core.generate.loop.source import Booked, PromptSource, open_source
-from draftgen.core.live.snapshot import DatasetStatus, EventKind, Level
+from draftgen.core.live.snapshot import DatasetDone, DatasetStatus, EventKind, Level
 from draftgen.core.units import usd
 
 if TYPE_CHECKING:
@@ -191,12 +191,13 @@ class Admission:
             ds.end(DatasetStatus.DONE)
         duplicates = self._requests.duplicates.skipped.get(name, 0) if self._requests.duplicates is not None else 0
         costly = self._room.money_skipped.get(name, 0)
+        cost = self._money.spend.by_dataset.get(name, ds.cost)  # the ledger's, as in the panel
         self._event(Level.INFO, EventKind.DATASET_DONE, f"{name}: {ds.status}: {ds.done}/{ds.total} answered, "
                     f"{ds.failed} failed, {ds.skipped} skipped"
                     f"{f' ({costly} by max_usd)' if costly else ''}"
-                    f"{f' ({duplicates} already answered in another dataset)' if duplicates else ''}, "
-                    f"{usd(self._money.spend.by_dataset.get(name, ds.cost))}"  # the ledger's, as in the panel
-                    f"{_conversations_done(ds)}", dataset=name)
+                    f"{f' ({duplicates} already answered in another dataset)' if duplicates else ''}, {usd(cost)}"
+                    f"{_conversations_done(ds)}",
+                    dataset=name, data=DatasetDone(str(ds.status), ds.done, ds.total, ds.failed, ds.skipped, cost))
 
     async def grow_limits(self) -> None:
         """Every second: let the limits cut by 429s grow back (runs for the life of the run)."""

@@ -292,8 +292,9 @@ class Engine:
         for ds in self.datasets.values():
             ds.wake.set()
 
-    def _event(self, level: snap.Level, kind: snap.EventKind, message: str, dataset: str = "") -> None:
-        self._on_event(level, kind, self._redact(message), dataset=dataset)
+    def _event(self, level: snap.Level, kind: snap.EventKind, message: str, dataset: str = "",
+               data: snap.EventData | None = None) -> None:
+        self._on_event(level, kind, self._redact(message), dataset=dataset, data=data)
 
     def waiting(self) -> str:
         """Why the run is making no progress right now, in a sentence (empty while it is)."""

@@ -38,7 +38,7 @@ from draftgen.core.generate.loop.smoke_record import apply_smoke_stream, load_sm
 from draftgen.core.generate.money.forecast import SmokeFigures
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import Pending, SpendLedger
-from draftgen.core.live.snapshot import EventKind, EventSink, Level
+from draftgen.core.live.snapshot import EventKind, EventSink, Level, OverReservation
 from draftgen.core.records import cost_of, count_of
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.units import usd
@@ -155,7 +155,8 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
     def over(p: Pending, cost: float, provider: str) -> None:
         event(Level.WARN, EventKind.OVER_RESERVATION, f"{p.ds}: provider {provider or '(unnamed)'}: prompt "
               f"{p.prompt_id!r} billed ${cost:.6f} by its generation record, ${cost - p.worst:.6f} past the "
-              f"${p.worst:.6f} it was counted at: booked at what it billed, so max_usd counts it", dataset=p.ds)
+              f"${p.worst:.6f} it was counted at: booked at what it billed, so max_usd counts it", dataset=p.ds,
+              data=OverReservation(provider or "(unnamed)", p.worst, cost))
 
     settler = Settler(spend, client, config.api.generation_lookup_s, on_settled=on_settled,
                       self_hosted=config.api.self_hosted, on_over=over)

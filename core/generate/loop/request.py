@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,7 @@ from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.loop.source import HANDED_BACK, TAKEN_ELSEWHERE, Booked, PromptSource
 from draftgen.core.generate.money.billing import as_booked, book_answer, book_failure, look_up, over_reservation
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
-from draftgen.core.live.snapshot import EventKind, Level
+from draftgen.core.live.snapshot import EventData, EventKind, Level, OverReservation, ProviderPastCap
 from draftgen.core.records import ErrorKind
 from draftgen.core.servers import ids_plan, missing_ids_message, server_noted
 
@@ -301,7 +302,8 @@ class Requests:
         if over:
             self._say(EventKind.OVER_RESERVATION, ds, answer.provider or "",
                       f"prompt {ticket.prompt_id!r} billed ${ticket.worst + over:.6f}, ${over:.6f} past its "
-                      f"reservation of ${ticket.worst:.6f}: booked at what it billed, so max_usd counts it")
+                      f"reservation of ${ticket.worst:.6f}: booked at what it billed, so max_usd counts it",
+                      lambda name: OverReservation(name, ticket.worst, ticket.worst + over))
         ds.concurrency.on_response()
         self.answered += 1
         blocks, block = self._answered_blocks, sent_no >> ANSWER_BLOCK_BITS
@@ -319,7 +321,7 @@ class Requests:
                                            self_hosted=self_hosted))
         if e.past_cap is not None:
             self._say(EventKind.PAST_CAP, ds, e.provider, f"prompt {ticket.prompt_id!r}: {ctx.redact(e.message)}; "
-                      "booked at what it billed, the prompt is asked again (docs/money.md)")
+                      "booked at what it billed, the prompt is asked again (docs/money.md)", ProviderPastCap)
         ctx.errors.add(e.kind)
         ctx.recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=ticket.prompt_id, attempt=tries,
                        message=ctx.redact(e.message), status=e.status, provider=e.provider)
@@ -328,14 +330,16 @@ class Requests:
         elif not e.unreachable:
             ds.concurrency.on_response()
 
-    def _say(self, kind: EventKind, ds: DatasetRun, provider: str, what: str) -> None:
-        """A provider's billing past what was asked: said the 1st, 10th, 100th... time per provider."""
+    def _say(self, kind: EventKind, ds: DatasetRun, provider: str, what: str,
+             data: Callable[[str], EventData]) -> None:
+        """A provider's billing past what was asked: said the 1st, 10th, 100th... time per provider, with
+        its payload made by `data` from the provider's (redacted) name."""
         name = self._ctx.redact(provider) or "(unnamed provider)"
         n = self._said[kind, name] = self._said.get((kind, name), 0) + 1
         if n == 1 or (n % 10 == 0 and str(n).rstrip("0") == "1"):
             again = f" ({n} times so far)" if n > 1 else ""
             self._ctx.event(Level.WARN, kind, f"{ds.config.name}: provider {name}{again}: {what}",
-                            dataset=ds.config.name)
+                            dataset=ds.config.name, data=data(name))
 
     def _ended_by(self, ds: DatasetRun, prompt_id: str, tries: int, e: RequestFailed, seq: int) -> Attempted | None:
         """The outcome when the error is the account's, the dataset's or the prompt's own (no retry helps)."""
