@@ -155,3 +155,23 @@ def test_no_module_imports_itself_back_through_others():
 def test_the_cycle_finder_sees_a_cycle_through_three_modules():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_one_public_class_per_name_across_the_packages() -> None:
+    """One name, one idea: no two modules define a public top-level class of the same name (three
+    `Verdict`s and two `Prices` once meant different things and read alike at a call site)."""
+    where: dict[str, list[str]] = defaultdict(list)
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.parse(path.read_text(), str(path)).body:
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    where[node.name].append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not shared, shared
+
+
+def test_live_names_the_package_only() -> None:
+    """`live` is core/live (what every stage publishes); no other module is named for being live."""
+    named = [str(p.relative_to(ROOT)) for folder in FOLDERS for p in (ROOT / folder).rglob("*live*.py")
+             if p.parent != CORE / "live"]
+    assert not named, named
