@@ -122,7 +122,9 @@ async def test_a_failing_write_pauses_the_run_and_resume_loses_nothing(tmp_path,
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 150, "concurrency": 8}],
                           tables={"engine": {"max_attempts": 2}})
         run = RunDir(cfg.run_dir)
-        disk = FullDisk(run.root, err, short)
+        # The spend ledger is spared: filled between two requests, the next request's ledger line would
+        # be refused first, nothing sent and nothing held (test_ledger_coalesce.py pins that case).
+        disk = FullDisk(run.root, err, short, spare=run.spend.name)
         monkeypatch.setattr(os, "write", disk)
         events: list[tuple[str, str, str]] = []
         engine = Engine(cfg, TEST_KEY, on_event=lambda *e: events.append(e), seed=1)
@@ -130,10 +132,8 @@ async def test_a_failing_write_pauses_the_run_and_resume_loses_nothing(tmp_path,
         await until(lambda: dataset_row(engine, "a").done >= 25, "25 answers")
         disk.full = True
         await until(lambda: engine.state == snap.RunState.PAUSED, "the run pauses on the failed write")
-        # The path that refused: an answer's file, or the spend ledger (a request leaves only once its
-        # line is there).
-        assert (str(run.root / "a") in engine.alert or str(run.spend) in engine.alert) and \
-            REASONS[err] in engine.alert, engine.alert
+        # The path that refused: an answer's file.
+        assert str(run.root / "a") in engine.alert and REASONS[err] in engine.alert, engine.alert
         assert any(kind == "alert" and REASONS[err] in msg for _, kind, msg in events)
         await until(lambda: engine.in_flight == 0, "requests in flight finish")
         acknowledged = on_disk(run, "a")
@@ -158,6 +158,33 @@ async def test_a_failing_write_pauses_the_run_and_resume_loses_nothing(tmp_path,
     assert sorted(final) == sorted(f"a-{i}" for i in range(150)), "every prompt answered or failed, once"
     assert set(acknowledged) <= set(final)
     assert disk.refused >= 2
+
+
+async def test_a_refused_spend_ledger_line_sends_nothing_holds_nothing_and_resume_asks_it(tmp_path, monkeypatch):
+    """Only the spend ledger refuses: a request leaves only once its line is there, so the run pauses
+    naming the ledger with no record held (answers already in the air are written); with space back,
+    resume asks every prompt, once."""
+    async with SimServer(SimConfig(seed=3, fixed_latency_s=0.03, mean_completion_tokens=60), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 8}],
+                          tables={"engine": {"reconstruct": False}})
+        run = RunDir(cfg.run_dir)
+        disk = FullDisk(run.spend)  # the ledger file alone
+        monkeypatch.setattr(os, "write", disk)
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        await until(lambda: dataset_row(engine, "a").done >= 10, "10 answers")
+        disk.full = True
+        await until(lambda: engine.state == snap.RunState.PAUSED and engine.in_flight == 0, "paused and idle")
+        assert f"cannot write {run.spend}: the disk is full" in engine.alert, engine.alert
+        assert "only sent once the spend ledger has it on disk" in engine.alert, engine.alert
+        assert engine.book.holding == 0
+        written = on_disk(run, "a")
+        assert len(written) == len(set(written)) == dataset_row(engine, "a").done
+        disk.full = False
+        engine.resume()
+        assert await asyncio.wait_for(task, 60) == snap.RunState.DONE
+    assert sorted(on_disk(run, "a")) == sorted(f"a-{i}" for i in range(60)), "every prompt answered, once"
+    assert disk.refused >= 1
 
 
 @pytest.mark.slow

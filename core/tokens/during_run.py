@@ -107,7 +107,8 @@ class RunReconstructor:
         self._submitted = 0
         self._lost = 0
         self._error = ""
-        self._unwritten = ""  # a full disk: what could not be written (the stage stops, `draftgen tokens` finishes)
+        # A full disk: each file it refused, once, in order (the stage stops, `draftgen tokens` finishes).
+        self._unwritten: list[str] = []
         self._closed = False
 
     @property
@@ -179,7 +180,7 @@ class RunReconstructor:
 
     def _lose(self, ds: _Dataset, batch: list[dict[str, Any]], exc: BaseException) -> None:
         if isinstance(exc, DiskError):  # no room: nothing is wrong with the answers, the stage stops
-            self._unwritten = self._unwritten or str(exc)
+            self._refused(exc)
         elif not self._error:
             self._error = f"token reconstruction stopped: {exc}"
         self._lost += len(batch)
@@ -187,6 +188,12 @@ class RunReconstructor:
             rid = str(rec.get("id"))
             ds.known.discard(rid)
             ds.lost.add(rid)  # not sent again this run (a final catch-up would count it twice)
+
+    def _refused(self, exc: DiskError) -> None:
+        """Said in `progress()`: every file refused, not only the first (token ids refused while the
+        run stops do not hide the report.json refused after them)."""
+        if str(exc) not in self._unwritten:
+            self._unwritten.append(str(exc))
 
     def _gave_up(self, message: str) -> None:
         self._error = message  # the workers kept dying: this says why and how to finish, over any earlier error
@@ -276,7 +283,7 @@ class RunReconstructor:
         return StageProgress(
             name="tokens", state=state, done=total.checked, total=total.checked + waiting + self._lost,
             rate=per_s if landed else 0.0, rate_unit="answers/s", detail=detail,
-            message=self._error or (f"{self._unwritten}; finish with `draftgen tokens {self.config.path}`"
+            message=self._error or (f"{'; '.join(self._unwritten)}; finish with `draftgen tokens {self.config.path}`"
                                     if self._unwritten else total.summary_line()))
 
     # -- shutdown -------------------------------------------------------------------------------------
@@ -295,15 +302,12 @@ class RunReconstructor:
         pool = self._pool.detach()
 
         def finish() -> None:
-            unwritten = []
             for ds in self._datasets.values():
                 try:
                     ds.writer.close()
                     write_report(ds.folder, ds.report, provider_flags(self.config, ds.report))
                 except DiskError as e:
-                    unwritten.append(str(e))
-            if unwritten and not self._unwritten:
-                self._unwritten = "; ".join(unwritten)
+                    self._refused(e)
             if pool is not None:
                 pool.shutdown(wait=True)
         await asyncio.to_thread(finish)
