@@ -34,7 +34,7 @@ simulator/faults.py) and answers a SIGKILL left (at most one per request in flig
 kill; the simulator bills an abandoned plain request in full, as OpenRouter does).
 
 The figures print as a table; exit status 0 only if no check failed. The short form runs in the
-suite (tests/test_soak.py). Over 400 lines on purpose: one script to copy to a machine and run, with
+suite (tests/run/test_soak.py). Over 400 lines on purpose: one script to copy to a machine and run, with
 its audit next to the plan it checks.
 """
 

@@ -1,7 +1,7 @@
 """Which self-hosted server answers, and how each of its releases takes a request for token ids.
 
 A vLLM or SGLang server returns the token ids it generated when asked, but each release asks and
-answers differently (read from the released wheels; tests/test_server_contract.py checks them):
+answers differently (read from the released wheels; tests/servers/test_server_contract.py checks them):
 
     vLLM >= 0.10.2   `return_token_ids`: the choice's `token_ids`, the response's `prompt_token_ids`
                      (streamed: each chunk's `token_ids` delta, the prompt ids in the first chunk).

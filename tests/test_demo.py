@@ -10,7 +10,7 @@ import pytest
 from draftgen.core.extract import load_sample
 from draftgen.core.tokens.store import TokenReader
 from draftgen.tui.demo import DEMO_KEY, run_demo
-from tests.test_specforge_release import check_run_with_specforge
+from tests.extract.test_specforge_release import check_run_with_specforge
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ its output when it finishes:
 
 What the pinned specforge 0.2.0 (pyproject's `gpu` extra) takes, read from its released code
 (specforge/cli.py, specforge/config/schema.py, specforge/algorithms/eagle3/; checked by
-tests/test_specforge_contract.py, which parses our file with SpecForge's own `load_config` and
+tests/extract/test_specforge_contract.py, which parses our file with SpecForge's own `load_config` and
 resolves it with its own `specforge train --plan`):
 - one entry point, `specforge train --config FILE`; the config is strict (unknown keys refused);
 - `data.max_length` defaults to 2,048 and the offline normaliser slices every sample to it
@@ -42,7 +42,7 @@ from draftgen.core.files import write_atomic, write_json_atomic
 from draftgen.core.tokens import identity
 from draftgen.core.tokens.store import INDEX_FILE, TokenReader
 
-SPECFORGE_VERSION = "0.2.0"              # the gpu extra's pin (tests/test_specforge_contract.py checks)
+SPECFORGE_VERSION = "0.2.0"              # the gpu extra's pin (tests/extract/test_specforge_contract.py checks)
 SPECFORGE_DEFAULT_MAX_LENGTH = 2048      # DataConfig.max_length's default
 SPECFORGE_DRAFT_VOCAB = 32000            # TargetDerivedDraftDefaults(draft_vocab_size=...) for EAGLE-3
 CONFIG_FILE, SCRIPT_FILE = "specforge.json", "train-command.sh"

@@ -2,7 +2,7 @@
 
 The decoder (the model without its lm_head) is run, not the whole causal LM: its
 `last_hidden_state` is the final-norm output that feeds lm_head, and skipping lm_head saves a
-[B, T, vocab] logits tensor. Verified on transformers 5.24 with a tiny Llama (tests/test_extract.py
+[B, T, vocab] logits tensor. Verified on transformers 5.24 with a tiny Llama (tests/extract/test_extract.py
 checks it on every run): `lm_head(last_hidden_state)` equals the causal LM's logits exactly, and
 `hidden_states[-1]` of `output_hidden_states=True` is that same post-norm tensor. The aux layers
 are taken with forward hooks on the decoder layers, so only three [B, T, H] tensors are kept

@@ -7,7 +7,7 @@ sharding, atomic files, NaN/Inf handling, disk and /dev/shm checks and progress 
 
 Pinned in the `gpu` extra (pyproject.toml): specforge 0.2.0, which pins sglang 0.5.14,
 torch 2.11.0 and transformers 5.8.1. Every SpecForge and SGLang name used here is checked
-against those releases' source by tests/test_specforge_contract.py, without a GPU.
+against those releases' source by tests/extract/test_specforge_contract.py, without a GPU.
 
 How the library is driven (specforge/offline_capture/sglang.py and sglang_backend/capture.py):
 - `specforge.distributed.init_distributed(timeout=, tp_size=)` makes the TP group from torchrun's

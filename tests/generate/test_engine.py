@@ -1,0 +1,386 @@
+"""The engine against the simulator's real HTTP server on 127.0.0.1, through the real aiohttp client."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import orjson
+import pytest
+
+from draftgen.core.generate.api.classify import ANSWER_KINDS
+from draftgen.core.generate.loop.admission import AdaptiveConcurrency
+from draftgen.core.generate.loop.engine import Engine
+from draftgen.core.generate.loop.request import backoff_delay
+from draftgen.core.live import snapshot as snap
+from draftgen.core.rundir import RunDir
+from draftgen.simulator import SimConfig, SimServer
+from tests.helpers import TEST_KEY, dataset_row, make_config, read_ids, until
+
+FAST = dict(latency_scale=0.0, mean_completion_tokens=60)
+
+
+def lines(path):
+    return [orjson.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
+
+
+async def run_engine(config, **kw):
+    events = []
+    engine = Engine(config, TEST_KEY, on_event=lambda lvl, kind, msg: events.append((lvl, kind, msg)), seed=1, **kw)
+    state = await engine.run()
+    return engine, state, events
+
+
+def accounted(config, engine):
+    """Every prompt id ends answered, failed or skipped exactly once."""
+    rd = RunDir(config.run_dir)
+    for ds in config.datasets:
+        answered = read_ids(rd.responses(ds.name))
+        failed = read_ids(rd.failures(ds.name))
+        assert len(answered) == len(set(answered)), "an id answered twice"
+        assert not set(answered) & set(failed), "an id both answered and failed"
+        run = dataset_row(engine, ds.name)
+        assert len(answered) + len(failed) + run.skipped == run.total, (ds.name, len(answered), len(failed),
+                                                                          run.skipped, run.total)
+
+
+async def test_answers_land_with_every_field(tmp_path):
+    async with SimServer(SimConfig(seed=3, **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 30, "concurrency": 8},
+                                                   {"name": "b", "n": 20, "concurrency": 4, "max_tokens": 2048}],
+                          request={"temperature": 0.6, "include_reasoning": True,
+                                   "provider": {"ignore": ["fireworks", "baseten"], "quantizations": ["int4"]}})
+        engine, state, events = await run_engine(cfg)
+    assert state == snap.RunState.DONE
+    rd = RunDir(cfg.run_dir)
+    recs = lines(rd.responses("a"))
+    assert len(recs) == 30
+    for key in ("id", "messages", "reasoning", "content", "finish_reason", "native_finish_reason", "provider",
+                "model", "generation_id", "usage", "latency_s", "attempts"):
+        assert key in recs[0], key
+    assert set(recs[0]["usage"]) >= {"prompt_tokens", "completion_tokens", "reasoning_tokens", "cost"}
+    assert all(r["provider"] not in ("Fireworks", "Baseten") for r in recs)
+    assert recs[0]["reasoning"] and recs[0]["usage"]["cost"] > 0
+    s = engine.snapshot()
+    assert [d.status for d in s.datasets] == ["done", "done"]
+    assert s.throughput.req_s_total > 0 and s.credits.spent_usd > 0
+    assert sum(n for _, n in s.providers) == 50
+    run_json = orjson.loads(rd.run_json.read_bytes())
+    assert run_json["fingerprint"] == cfg.run_fingerprint()
+    assert TEST_KEY not in rd.run_json.read_text()
+
+
+@pytest.mark.parametrize("fault", ["429", "500", "502", "503", "524", "drop", "truncated", "error200",
+                                   "finish_error", "empty_choices"])
+async def test_every_prompt_accounted_for_under_faults(tmp_path, fault):
+    async with SimServer(SimConfig(seed=5, faults={fault: 0.5}, retry_after_s=0.01, **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 16}],
+                          tables={"engine": {"max_attempts": 4}})
+        engine, state, _ = await run_engine(cfg)
+        stats = sim.stats
+    assert state == snap.RunState.DONE
+    accounted(cfg, engine)
+    rd = RunDir(cfg.run_dir)
+    answered, failed = lines(rd.responses("a")), lines(rd.failures("a"))
+    assert answered, "some prompts must get through at a 50% fault rate"
+    assert engine.retries > 0
+    for f in failed:  # only an answer fault, after max_attempts spent while others were answered
+        assert f["attempts"] >= 4 and f["error_kind"] in ANSWER_KINDS and f["message"]
+    if fault in ("429", "500", "502", "503", "524", "drop"):
+        assert failed == [], "an outage kind never fails a prompt, however often it comes"
+    assert sum(stats.faults.values()) > 0
+
+
+async def test_hung_request_is_cut_by_its_timeout(tmp_path):
+    async with SimServer(SimConfig(seed=2, faults={"hang": 0.3}, hang_s=30, **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 12, "concurrency": 12}],
+                          tables={"api": {"request_timeout_s": 0.5}, "engine": {"max_attempts": 6}})
+        engine, state, _ = await run_engine(cfg)
+    accounted(cfg, engine)
+    assert dict(engine.errors.items()).get("timeout", 0) > 0
+
+
+async def test_a_refused_key_drains_the_run_and_fails_nothing(tmp_path):
+    async with SimServer(SimConfig(seed=1, api_key="the-right-key", **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 50, "concurrency": 5}])
+        engine, state, events = await run_engine(cfg)  # TEST_KEY is the wrong key: 401
+        requests = sim.stats.requests_total
+    assert lines(RunDir(cfg.run_dir).failures("a")) == []  # the key's problem, not the prompts'
+    assert state == snap.RunState.DRAINED and engine.key_refused is not None
+    assert requests == 5  # the ones in flight when it began; no retry, nothing more admitted
+    assert "401" in engine.alert and "key" in engine.alert and TEST_KEY not in engine.alert
+    assert any(kind == "account" and "refused" in msg for _, kind, msg in events)
+
+
+async def test_no_endpoints_stops_the_dataset_without_failing_prompts(tmp_path):
+    async with SimServer(SimConfig(seed=1, **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 20, "concurrency": 4},
+                                                   {"name": "b", "n": 5, "concurrency": 2}],
+                          request={"provider": {"only": ["nobody"]}})
+        engine, state, events = await run_engine(cfg)
+    s = engine.snapshot()
+    assert s.datasets[0].status == "stopped" and "no endpoints" in s.datasets[0].message.lower()
+    assert not RunDir(cfg.run_dir).failures("a").exists() or not lines(RunDir(cfg.run_dir).failures("a"))
+    assert any(kind == "dataset_stopped" for _, kind, _ in events)
+
+
+async def test_token_budget_stops_admission_and_counts_skipped(tmp_path):
+    async with SimServer(SimConfig(seed=4, latency_scale=0.0, mean_completion_tokens=400, length_sigma=0.2),
+                         port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 200, "concurrency": 10, "max_tokens": 1000,
+                                                    "token_budget": 20_000}])
+        engine, state, events = await run_engine(cfg)
+    run = dataset_row(engine, "a")
+    assert run.skipped > 0 and run.done > 0
+    assert run.done + run.failed + run.skipped == 200
+    # Admission counts in-flight expectations: the overshoot is bounded by the requests in flight.
+    assert run.tokens_used <= 20_000 + 10 * 1000
+    assert engine.snapshot().datasets[0].status == "budget"
+    assert any(kind == "budget" for _, kind, _ in events)
+    accounted(cfg, engine)
+
+
+async def test_max_usd_stops_the_run(tmp_path):
+    async with SimServer(SimConfig(seed=4, latency_scale=0.0, mean_completion_tokens=400), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 300, "concurrency": 8},
+                                                   {"name": "b", "n": 50, "concurrency": 8}],
+                          tables={"budget": {"max_usd": 0.05}})
+        engine, state, _ = await run_engine(cfg)
+        billed = sim.stats.billed_usd
+    # A hard ceiling: the worst case of every request is reserved before it leaves.
+    assert billed <= 0.05 and engine.money.spent_total == pytest.approx(billed, abs=1e-6)
+    assert dataset_row(engine, "a").skipped > 0 and dataset_row(engine, "b").skipped == 50
+    accounted(cfg, engine)
+
+
+async def test_credit_floor_holds_the_run_until_a_top_up(tmp_path):
+    """The balance reaching credit_floor_usd is the account's condition, not a budget: the run holds
+    (nothing skipped, nothing failed) and resumes by itself once a re-read shows credit again."""
+    async with SimServer(SimConfig(seed=4, latency_scale=0.0, mean_completion_tokens=400, credits=1.0), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 100, "concurrency": 4}],
+                          tables={"budget": {"credit_floor_usd": 0.97}, "api": {"credits_interval_s": 0.1}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        for _ in range(1000):
+            await asyncio.sleep(0.02)
+            if engine.account is not None:
+                break
+        assert engine.state == snap.RunState.PAUSED and "credit_floor_usd" in engine.alert
+        s = engine.snapshot()
+        assert s.credits.balance_usd is not None and s.credits.balance_age_s is not None
+        assert dataset_row(engine, "a").skipped == 0 and s.waiting
+        sim.update(credits=100.0)  # a top-up
+        assert await asyncio.wait_for(task, 60) == snap.RunState.DONE
+    assert len(set(read_ids(RunDir(cfg.run_dir).responses("a")))) == 100
+
+
+async def test_a_retry_meeting_the_credit_floor_is_held_not_failed(tmp_path):
+    """A prompt retrying a 502 when the balance falls to credit_floor_usd: its next attempt waits for
+    the balance (the run holds), it is neither failed nor skipped, and a top-up lets it finish."""
+    async with SimServer(SimConfig(seed=4, latency_scale=0.0, mean_completion_tokens=100, faults={"502": 1.0},
+                                   credits=10.0), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3, "concurrency": 1}],
+                          tables={"budget": {"credit_floor_usd": 5.0}, "api": {"credits_interval_s": 0.05},
+                                  "engine": {"max_attempts": 1000, "backoff_base_s": 0.01, "backoff_max_s": 0.05}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        while engine.retries < 3:  # the first prompt is retrying its 502s
+            await asyncio.sleep(0.01)
+        sim.update(credits=1.0)             # the balance drops below the floor meanwhile
+        for _ in range(500):
+            await asyncio.sleep(0.02)
+            if engine.state == snap.RunState.PAUSED:
+                break
+        assert engine.state == snap.RunState.PAUSED and "credit_floor_usd" in engine.alert
+        held_at = sim.stats.requests_total
+        await asyncio.sleep(0.3)
+        assert sim.stats.requests_total == held_at, "the retry went out below the floor"
+        assert engine.in_flight == 1 and dataset_row(engine, "a").failed == 0 and dataset_row(engine, "a").skipped == 0
+        sim.update(credits=100.0, faults={})  # a top-up; the provider answers again
+        assert await asyncio.wait_for(task, 30) == snap.RunState.DONE
+    ids = read_ids(RunDir(cfg.run_dir).responses("a"))
+    assert len(ids) == len(set(ids)) == 3
+    assert not RunDir(cfg.run_dir).failures("a").exists() or not RunDir(cfg.run_dir).failures("a").read_bytes()
+
+
+async def test_402_pauses_the_run_and_resume_finishes_it(tmp_path):
+    # An ordinary key with no cap: the balance is unknown, so no credit-floor hold comes first and
+    # the service's own 402 is what pauses the run.
+    async with SimServer(SimConfig(seed=4, latency_scale=0.0, mean_completion_tokens=200, credits=0.01,
+                                   credits_forbidden=True), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 4}])
+        events = []
+        engine = Engine(cfg, TEST_KEY, on_event=lambda *e: events.append(e), seed=1)
+        task = asyncio.create_task(engine.run())
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if engine.state == snap.RunState.PAUSED:
+                break
+        assert engine.state == snap.RunState.PAUSED and "402" in engine.alert
+        sim.update(credits=100.0)
+        engine.resume()
+        state = await asyncio.wait_for(task, 30)
+    assert state == snap.RunState.DONE
+    assert len(read_ids(RunDir(cfg.run_dir).responses("a"))) == 60
+    accounted(cfg, engine)
+
+
+async def test_pause_stops_admission_and_resume_readmits(tmp_path):
+    async with SimServer(SimConfig(seed=4, fixed_latency_s=0.2, mean_completion_tokens=50), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 80, "concurrency": 10}])
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        while dataset_row(engine, "a").done < 10:
+            await asyncio.sleep(0.02)
+        engine.pause()
+        await until(lambda: engine.in_flight == 0, "the requests in flight to finish and be recorded")
+        requests = sim.stats.requests_total
+        await asyncio.sleep(0.4)
+        assert sim.stats.requests_total == requests, "no request admitted while paused"
+        engine.resume()
+        assert await asyncio.wait_for(task, 30) == snap.RunState.DONE
+    assert len(read_ids(RunDir(cfg.run_dir).responses("a"))) == 80
+
+
+async def test_drain_and_stop(tmp_path):
+    async with SimServer(SimConfig(seed=4, fixed_latency_s=0.3, mean_completion_tokens=50), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 100, "concurrency": 10}])
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        while engine.in_flight < 10:
+            await asyncio.sleep(0.01)
+        engine.drain()
+        # DRAINED, not DONE: 90 prompts were never asked.
+        assert await asyncio.wait_for(task, 10) == snap.RunState.DRAINED
+        assert dataset_row(engine, "a").done == 10  # the ten in flight finished and were recorded
+        assert engine.ended.startswith("DRAINED: 10 of 100 answered") and "90 not asked yet" in engine.ended
+        # A second run resumes; stop-now abandons what is in flight without recording it.
+        engine2 = Engine(cfg, TEST_KEY, seed=2)
+        task = asyncio.create_task(engine2.run())
+        while engine2.in_flight < 10:
+            await asyncio.sleep(0.01)
+        engine2.stop()
+        assert await asyncio.wait_for(task, 10) == snap.RunState.STOPPED
+        engine3 = Engine(cfg, TEST_KEY, seed=3)
+        assert await engine3.run() == snap.RunState.DONE
+    ids = read_ids(RunDir(cfg.run_dir).responses("a"))
+    assert len(ids) == len(set(ids)) == 100
+
+
+async def test_sse_streaming(tmp_path):
+    async with SimServer(SimConfig(seed=8, **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 10, "concurrency": 5}],
+                          tables={"api": {"stream": True}})
+        engine, state, _ = await run_engine(cfg)
+    recs = lines(RunDir(cfg.run_dir).responses("a"))
+    assert len(recs) == 10 and all(r["content"] and r["reasoning"] for r in recs)
+    assert all(r["usage"]["completion_tokens"] > 0 for r in recs)
+
+
+async def test_sustained_429s_back_off_and_recover():
+    clock = [0.0]
+    aimd = AdaptiveConcurrency(100, clock=lambda: clock[0])
+    aimd.on_429()
+    assert aimd.limit == 100  # one 429 is not sustained
+    for _ in range(3):
+        clock[0] += 0.1
+        aimd.on_429()
+    assert aimd.limit == 70
+    clock[0] += 0.1
+    for _ in range(3):
+        aimd.on_429()
+    assert aimd.limit == 70  # at most one cut every 2 s
+    clock[0] += 10
+    while aimd.tick():
+        clock[0] += 1
+    assert aimd.limit == 100
+
+
+async def run_watching_concurrency(engine: Engine, start: int) -> tuple[int, snap.RunState]:
+    """Run `engine` to its end, reading its first dataset's effective concurrency every 50 ms; the lowest
+    seen (at most `start`) and how the run ended."""
+    task = asyncio.create_task(engine.run())
+    lowest = start
+    while not task.done():
+        await asyncio.sleep(0.05)
+        lowest = min(lowest, engine.snapshot().datasets[0].effective_concurrency)
+    return lowest, await task
+
+
+async def test_429_storm_lowers_effective_concurrency(tmp_path):
+    async with SimServer(SimConfig(seed=4, faults={"429": 0.6}, retry_after_s=0.05, fixed_latency_s=0.05,
+                                   mean_completion_tokens=50), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 150, "concurrency": 40}],
+                          tables={"engine": {"max_attempts": 30}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        lowest, _state = await run_watching_concurrency(engine, 40)
+    assert lowest < 40
+    accounted(cfg, engine)
+
+
+@pytest.mark.parametrize("kind,lowered", [("openai-compatible", True), ("openrouter", False)])
+async def test_a_self_hosted_503_lowers_the_concurrency_as_a_429_does(tmp_path, kind, lowered):
+    """vLLM and SGLang answer a full queue with 503: from a self-hosted server it cuts the concurrency
+    like a 429; OpenRouter's 503 (its routing found no provider) keeps it."""
+    async with SimServer(SimConfig(seed=4, faults={"503": 0.6}, retry_after_s=0.05, fixed_latency_s=0.05,
+                                   mean_completion_tokens=50), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 150, "concurrency": 40}],
+                          tables={"api": {"kind": kind}, "engine": {"max_attempts": 30}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        lowest, state = await run_watching_concurrency(engine, 40)
+        assert state == snap.RunState.DONE
+    assert (lowest < 40) == lowered
+    assert len(RunDir(cfg.run_dir).responses("a").read_bytes().splitlines()) == 150
+
+
+def test_backoff_is_full_jitter_and_honours_retry_after():
+    rng = random.Random(0)
+    delays = [backoff_delay(3, 1.0, 60.0, None, rng) for _ in range(500)]
+    assert 0 <= min(delays) < 0.5 and 3.5 < max(delays) <= 4.0
+    assert all(backoff_delay(1, 1.0, 60.0, 7.0, rng) >= 7.0 for _ in range(50))
+    assert max(backoff_delay(30, 1.0, 60.0, None, rng) for _ in range(200)) <= 60.0
+
+
+@pytest.mark.slow
+async def test_two_thousand_really_in_flight(tmp_path):
+    # Answers are held until 2,000 are in flight (60 s at most), so a loaded machine admitting
+    # slowly cannot make this fail, while a pool capped below 2,000 still does.
+    sim_cfg = SimConfig(seed=1, fixed_latency_s=0.2, mean_completion_tokens=20, hold_until_in_flight=2000)
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 2000, "concurrency": 2000}])
+        engine, state, _ = await run_engine(cfg)
+        peak = sim.stats.peak_in_flight
+    assert state == snap.RunState.DONE
+    assert peak >= 0.98 * 2000, peak
+
+
+def test_a_trickle_of_429s_at_a_high_rate_is_not_a_storm():
+    clock = [0.0]
+    aimd = AdaptiveConcurrency(100, clock=lambda: clock[0])
+    for i in range(2000):  # 1,000 responses/s, 1% of them 429s
+        clock[0] += 0.001
+        aimd.on_429() if i % 100 == 0 else aimd.on_response()
+    assert aimd.limit == 100
+    for _ in range(100):  # then every response is a 429 for a second: a storm
+        clock[0] += 0.01
+        aimd.on_429()
+    assert aimd.limit == 70
+
+
+async def test_a_stop_now_releases_what_each_abandoned_request_held(tmp_path):
+    """Each request's slot, token estimate and reservation go back when its task ends, also when stop
+    now cancels it (before its first step or mid-request): the request's done callback, not its body."""
+    async with SimServer(SimConfig(seed=5, fixed_latency_s=0.5, mean_completion_tokens=50), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 12,
+                                                    "token_budget": 1_000_000}])
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        ds = engine.datasets["a"]
+        while engine.in_flight < 12:
+            await asyncio.sleep(0.01)
+        assert ds.token_budget.in_flight > 0 and engine.spend.reserved_usd > 0
+        engine.stop()
+        assert await asyncio.wait_for(task, 10) == snap.RunState.STOPPED
+    assert (ds.in_flight, ds.parked, ds.token_budget.in_flight, ds.doubts.probe_out) == (0, 0, 0, False)
+    assert engine.spend.reserved_usd == 0
+    assert ds.done + ds.left == 60 and ds.left >= 12, "the abandoned prompts stay eligible"
