@@ -103,8 +103,7 @@ async def test_the_run_done_line_uses_the_one_formatter(tmp_path: Path) -> None:
     from draftgen.core.generate.loop.engine import Engine
     from draftgen.core.units import usd
     from draftgen.simulator import SimConfig, SimServer
-
-    from .helpers import TEST_KEY, make_config
+    from tests.helpers import TEST_KEY, make_config
     async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3, "max_tokens": 200}],
                           tables={"engine": {"reconstruct": False}})
@@ -205,8 +204,7 @@ async def test_the_unreachable_warning_says_its_cause_once_with_advice_that_fits
 
     from draftgen.core.generate.loop.engine import Engine
     from draftgen.simulator import SimConfig, SimServer
-
-    from .helpers import TEST_KEY, make_config
+    from tests.helpers import TEST_KEY, make_config
     async with SimServer(SimConfig(seed=1), port=0) as sim:
         port = sim.port  # closed again: nothing listens there
     cfg = make_config(tmp_path, f"http://127.0.0.1:{port}/api/v1", [{"name": "a", "n": 2}],

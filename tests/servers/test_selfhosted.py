@@ -75,7 +75,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for module in ("fastapi", "uvicorn", "openai"):  # what `transformers serve` imports first
         pytest.importorskip(module, reason="`transformers serve` needs transformers' serving extra: "
                                            "pip install -e '.[selfhosted]'")
-    from .selfhosted_model import build_tiny_model
+    from tests.selfhosted_model import build_tiny_model
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
@@ -92,14 +92,14 @@ def server(tmp_path_factory: pytest.TempPathFactory, model: Path):
 @pytest.fixture(scope="module")
 def offset_model(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:
     """The same tiny Llama with a chat template whose generation prompt drops ChatML's newline."""
-    from .selfhosted_model import CHATML_NO_NEWLINE, build_tiny_model
+    from tests.selfhosted_model import CHATML_NO_NEWLINE, build_tiny_model
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-offset"), CHATML_NO_NEWLINE)
 
 
 @pytest.fixture(scope="module")
 def reasoning_model(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:
     """A tiny Qwen2: transformers serve parses its `<think>` (serving/utils.py's qwen2 response template)."""
-    from .selfhosted_model import build_tiny_reasoning_model
+    from tests.selfhosted_model import build_tiny_reasoning_model
     return build_tiny_reasoning_model(tmp_path_factory.mktemp("tiny-qwen2"))
 
 
@@ -242,7 +242,7 @@ def test_a_parser_rewriting_non_streamed_text_makes_the_run_stream(tmp_path: Pat
 @pytest.fixture(scope="module")
 def sampling_model(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:
     """A tiny Qwen2 whose greedy answer is empty and whose sampled ones begin with a space."""
-    from .selfhosted_model import build_tiny_sampling_reasoning_model
+    from tests.selfhosted_model import build_tiny_sampling_reasoning_model
     return build_tiny_sampling_reasoning_model(tmp_path_factory.mktemp("tiny-qwen2-sampling"))
 
 
@@ -252,7 +252,7 @@ def test_the_readme_config_keeps_the_text_as_generated(tmp_path: Path, server: S
     on both sides: the smoke test compares a sampled, seeded answer instead, sees the parser strip the
     non-streamed text, and the run it lets start (no --skip-smoke) streams: the stored reasoning and
     content keep their leading space, as the model generated them."""
-    from .selfhosted_model import WORDS
+    from tests.selfhosted_model import WORDS
     n = 24
     path = _config(tmp_path, server, sampling_model, n=n, concurrency=4)
     smoke = _draftgen("smoke", str(path))

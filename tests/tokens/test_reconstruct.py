@@ -21,9 +21,8 @@ from draftgen.core.tokens.template import (
     load_template,
 )
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path, load_tokenizer
+from tests.multiturn import HISTORY_STYLES, Turn, conversation_records, three_turns
 from tests.tokens.test_tokenizer import ROUND_TRIPS, build_tokenizer_json
-
-from .multiturn import HISTORY_STYLES, Turn, conversation_records, three_turns
 
 TABLE = json.loads((bundled_kimi_path() / "special_tokens.json").read_text())
 TOK = bundled_kimi()

@@ -268,8 +268,7 @@ def test_a_tokenizer_json_folder_encodes_as_transformers_loads_it(tmp_path: Path
     from transformers import AutoTokenizer
 
     from draftgen.core.tokens.tokenizer import load_tokenizer
-
-    from .selfhosted_model import build_tiny_reasoning_model
+    from tests.selfhosted_model import build_tiny_reasoning_model
     folder = build_tiny_reasoning_model(tmp_path / "qwen2")
     text = "What is 22+2? Answer 4."
     served = AutoTokenizer.from_pretrained(str(folder), local_files_only=True).encode(text, add_special_tokens=False)
