@@ -73,7 +73,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -133,6 +133,22 @@ def cost_of(value: Any) -> float:
     counts as 0, so a line edited by hand or written by another tool never inflates the spend."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
         and math.isfinite(value) and 0 <= value < 1e9 else 0.0
+
+
+def reasoning_text(message: Mapping[str, Any], keys: tuple[str, ...] = ("reasoning", "reasoning_content")) -> str:
+    """A message's reasoning text: the first of `keys` holding a non-empty string (an answer from
+    OpenRouter says `reasoning`; vLLM, SGLang and the chat templates `reasoning_content`), else the text
+    of OpenRouter's `reasoning_details` (`reasoning.text` parts' text, `reasoning.summary` parts'
+    summary; encrypted parts have none); "" when it has none."""
+    for key in keys:
+        value = message.get(key)
+        if isinstance(value, str) and value:
+            return value
+    details = message.get("reasoning_details")
+    if not isinstance(details, list):
+        return ""
+    return "".join(t for d in details if isinstance(d, dict) for t in [d.get("text") or d.get("summary")]
+                   if isinstance(t, str))
 
 
 def _finite(value: Any) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from draftgen.core.records import reasoning_text
 from draftgen.simulator.answers import AnswerTokenizer
 
 _OPENERS = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}
@@ -30,14 +31,7 @@ def _kept_reasoning(m: dict[str, Any]) -> str:
     """An assistant turn's reasoning inside a tool-call loop, under whichever key the request used:
     `reasoning_content` (vLLM/SGLang), `reasoning` or `reasoning_details` (OpenRouter, which hands it to
     the provider's server as `reasoning_content`)."""
-    for key in ("reasoning_content", "reasoning"):
-        if isinstance(m.get(key), str) and m[key]:
-            return str(m[key])
-    details = m.get("reasoning_details")
-    if not isinstance(details, list):
-        return ""
-    return "".join(t for d in details if isinstance(d, dict)
-                   for t in [d.get("text") or d.get("summary")] if isinstance(t, str))
+    return reasoning_text(m, ("reasoning_content", "reasoning"))
 
 
 def prompt_token_count(tok: AnswerTokenizer, messages: list[Any], system: str | None = None, *,

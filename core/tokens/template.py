@@ -61,6 +61,7 @@ from typing import Any, Protocol
 
 from draftgen.core.config import KIMI_DEFAULT_SYSTEM  # noqa: F401 - re-exported for callers of this module
 from draftgen.core.errors import DraftgenError
+from draftgen.core.records import reasoning_text
 from draftgen.core.tokens.tokenizer import Tokenizer
 
 TEMPLATES = ("kimi-k2.5", "auto")
@@ -127,15 +128,7 @@ def history_reasoning(message: dict[str, Any]) -> str:
     (vLLM, SGLang and the chat templates), else `reasoning` (OpenRouter), else the text of OpenRouter's
     `reasoning_details` (`reasoning.text` parts' text, `reasoning.summary` parts' summary; encrypted parts
     have none). "" when it has none."""
-    for key in ("reasoning_content", "reasoning"):
-        value = message.get(key)
-        if isinstance(value, str) and value:
-            return value
-    details = message.get("reasoning_details")
-    if isinstance(details, list):
-        texts = (d.get("text") or d.get("summary") for d in details if isinstance(d, dict))
-        return "".join(t for t in texts if isinstance(t, str))
-    return ""
+    return reasoning_text(message, ("reasoning_content", "reasoning"))
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:

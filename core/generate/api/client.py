@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 
 from draftgen.core.generate.api.classify import PastCap, RequestFailed, cannot_connect, classify_status
-from draftgen.core.records import ErrorKind, Usage
+from draftgen.core.records import ErrorKind, Usage, reasoning_text
 from draftgen.core.request_keys import TEXT_CHARS_PER_TOKEN, body_max_tokens, past_cap_limits
 from draftgen.core.secrets import Redactor
 
@@ -104,17 +104,7 @@ class _Details:
 
 def _reasoning_of(message: dict[str, Any]) -> str | None:
     """Reasoning text: `reasoning`, else `reasoning_content`, else the text of `reasoning_details`."""
-    for key in ("reasoning", "reasoning_content"):
-        value = message.get(key)
-        if isinstance(value, str) and value:
-            return value
-    details = message.get("reasoning_details")
-    if isinstance(details, list):
-        texts = [d.get("text") or d.get("summary") or "" for d in details if isinstance(d, dict)]
-        joined = "".join(t for t in texts if isinstance(t, str))
-        if joined:
-            return joined
-    return None
+    return reasoning_text(message) or None
 
 
 def _usage_of(raw: Any) -> Usage:
