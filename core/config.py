@@ -821,7 +821,8 @@ def _check_cycles(file: Path, i: int, ds: DatasetConfig, table: dict[str, Any], 
     own = f"datasets[{i}].request"
     clashes = {"temperatures": ((own, "temperature"),),
                "reasoning_efforts": ((own, "reasoning_effort"), (own, "reasoning.effort"),
-                                     (own, "reasoning.max_tokens"), ("request", "reasoning.max_tokens"))}
+                                     (own, "reasoning.max_tokens"), ("request", "reasoning.max_tokens"),
+                                     ("request", "reasoning_effort"))}  # on OpenRouter both would be sent
     tables = {own: ds.request, "request": request}
     for key, others in clashes.items():
         if not getattr(ds, key):
@@ -834,6 +835,8 @@ def _check_cycles(file: Path, i: int, ds: DatasetConfig, table: dict[str, Any], 
             if value is None:
                 continue
             why = ("OpenRouter takes a reasoning effort or a reasoning budget, not both" if sub == "max_tokens"
+                   else "the body would carry two efforts, and the record only the cycle's"
+                   if (where, other) == ("request", "reasoning_effort")
                    else "the cycle would replace it in every body")
             raise ConfigError(f"{file}: datasets[{i}].{key} and {where}.{other} are both set (dataset {ds.name}): "
                               f"{why}; keep one")

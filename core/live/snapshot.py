@@ -328,6 +328,7 @@ class EventKind(StrEnum):
     REACHABLE = "reachable"
     REJECTED = "rejected"                    # prompt lines rejected when a dataset opened
     REPAIRED = "repaired"                    # a half-written last line cut
+    REQUEST_ERROR = "request_error"          # a request ended on an error of the engine's own (a bug), with its cause
     REQUEST_KEYS = "request_keys"
     RESUMED = "resumed"
     RUN_DONE = "run_done"

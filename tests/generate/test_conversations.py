@@ -344,3 +344,30 @@ async def test_the_client_keeps_reasoning_details_whole_streamed_or_not(stream):
     assert a.reasoning and a.reasoning_details == [{"type": "reasoning.text", "text": a.reasoning,
                                                     "format": "unknown", "index": 0}]
     assert plain.reasoning == a.reasoning and (plain.reasoning_details is None) == stream
+
+
+def test_an_answer_a_filter_or_an_error_ended_is_never_the_history_of_a_later_turn() -> None:
+    from draftgen.core.generate.loop.conversations import broken_answer
+    assert broken_answer("a partial answer", "content_filter", None) == "ended by content_filter"
+    assert broken_answer("a partial answer", "error", None) == "ended by error"
+    assert broken_answer("a whole answer", "stop", None) == ""
+
+
+def test_the_free_checks_and_the_smoke_estimate_read_a_conversation_file_as_the_run_does(tmp_path: Path) -> None:
+    """`messages` lines that end with the dataset's own answer (the usual shape of a recorded chat): the
+    run drops that answer; the free checks and the smoke test's count of requests read them the same."""
+    from types import SimpleNamespace
+
+    from draftgen.core.generate.commands.precheck import count_prompts
+    from draftgen.core.generate.commands.smoke import _count_turns
+    path = tmp_path / "chat.jsonl"
+    lines = [{"id": f"c{i}", "messages": [m for k in range(3) for m in (
+        {"role": "user", "content": f"question {k + 1} of {i}"}, {"role": "assistant", "content": "theirs"})]}
+             for i in range(4)]
+    path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    ds = SimpleNamespace(name="chat", prompts=path, turns="all", max_turns=None)
+    assert count_prompts(SimpleNamespace(datasets=[ds])) == {"chat": 12}  # type: ignore[arg-type]
+    assert _count_turns(ds)[0] == 12  # type: ignore[arg-type]
+    capped = SimpleNamespace(name="chat", prompts=path, turns="all", max_turns=2)
+    assert count_prompts(SimpleNamespace(datasets=[capped])) == {"chat": 8}  # type: ignore[arg-type]
+    assert _count_turns(capped)[0] == 8  # type: ignore[arg-type]

@@ -384,3 +384,25 @@ async def test_a_stop_now_releases_what_each_abandoned_request_held(tmp_path):
     assert (ds.in_flight, ds.parked, ds.token_budget.in_flight, ds.doubts.probe_out) == (0, 0, 0, False)
     assert engine.spend.reserved_usd == 0
     assert ds.done + ds.left == 60 and ds.left >= 12, "the abandoned prompts stay eligible"
+
+
+async def test_a_request_that_ends_on_the_engines_own_error_is_said_with_its_cause(tmp_path, monkeypatch):
+    """A bug in the request path (here: the attempt raising for one prompt) fails nothing on disk, the
+    prompt is not asked again this run, and an error event names the prompt and the cause."""
+    from draftgen.core.generate.loop.request import Requests
+    ask = Requests._ask
+
+    async def broken(self, ds, body, ticket):  # type: ignore[no-untyped-def]
+        if ticket.prompt_id == "a-3":
+            raise RuntimeError("a bug of the engine's own")
+        return await ask(self, ds, body, ticket)
+    monkeypatch.setattr(Requests, "_ask", broken)
+    events: list[tuple[str, str, str]] = []
+    async with SimServer(SimConfig(seed=5, latency_scale=0.0), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 6}])
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda level, kind, msg, **_: events.append((level, kind, msg)))
+        await asyncio.wait_for(engine.run(), 30)
+    said = [msg for level, kind, msg in events if kind == snap.EventKind.REQUEST_ERROR]
+    assert said == ["a: prompt 'a-3' not asked again this run: the engine's own error RuntimeError: "
+                    "a bug of the engine's own"]
+    assert engine.datasets["a"].done == 5

@@ -202,3 +202,8 @@ def test_a_cycle_overrides_the_top_level_request_but_not_beside_a_reasoning_budg
         MT, MT + '\nreasoning_efforts = ["low"]'))
     with pytest.raises(ConfigError, match=r"datasets\[1\]\.reasoning_efforts and request\.reasoning\.max_tokens"):
         load_config(path)
+    path = write(tmp_path, GOOD.replace("[request]", '[request]\nreasoning_effort = "low"').replace(
+        MT, MT + '\nreasoning_efforts = ["high"]'))
+    with pytest.raises(ConfigError, match=r"datasets\[1\]\.reasoning_efforts and request\.reasoning_effort are "
+                                          r"both set .*two efforts"):
+        load_config(path)

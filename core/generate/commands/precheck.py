@@ -7,12 +7,13 @@ preflight.py and smoke.py."""
 from __future__ import annotations
 
 from draftgen.core.config import Config
-from draftgen.core.generate.loop.prompts import Prompt, read_prompts
+from draftgen.core.generate.loop.prompts import Conversation, Prompt, read_dataset
 
 
 def count_prompts(config: Config) -> dict[str, int]:
     """Usable prompts per dataset; raises PromptFileError naming the first file that cannot be used."""
-    return {ds.name: sum(isinstance(item, Prompt) for item in read_prompts(ds.prompts)) for ds in config.datasets}
+    return {ds.name: sum(item.turns if isinstance(item, Conversation) else isinstance(item, Prompt)
+                         for item in read_dataset(ds.prompts, ds.turns, ds.max_turns)) for ds in config.datasets}
 
 
 def check_tokenizer(config: Config) -> None:

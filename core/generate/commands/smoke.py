@@ -67,7 +67,7 @@ from draftgen.core.generate.commands.stream_check import (
     stream_pair,
 )
 from draftgen.core.generate.loop.conversations import history_message
-from draftgen.core.generate.loop.prompts import Prompt, read_prompts
+from draftgen.core.generate.loop.prompts import Conversation, Prompt, read_conversations, read_dataset
 from draftgen.core.generate.loop.request import backoff_delay
 from draftgen.core.generate.loop.smoke_record import last_smoke
 from draftgen.core.generate.money.billing import book_answer, book_failure, look_up, reserve_one
@@ -201,12 +201,16 @@ def _count_prompts(ds: DatasetConfig, specials: Any = ()) -> tuple[int, int, str
     pattern = special_text_pattern(specials)
     n = flagged = 0
     first = ""
-    for item in read_prompts(ds.prompts):
-        if not isinstance(item, Prompt):
+    for item in read_dataset(ds.prompts, ds.turns, ds.max_turns):
+        if isinstance(item, Conversation):  # its prompt side: the system and user turns it sends
+            messages = [*item.system, *item.user_turns]
+        elif isinstance(item, Prompt):
+            messages = item.messages
+        else:
             continue
         n += 1
         if pattern is not None:
-            found = next((m for msg in item.messages if isinstance(msg.get("content"), str)
+            found = next((m for msg in messages if isinstance(msg.get("content"), str)
                           for m in [pattern.search(msg["content"])] if m), None)
             if found:
                 flagged += 1
@@ -217,11 +221,8 @@ def _count_prompts(ds: DatasetConfig, specials: Any = ()) -> tuple[int, int, str
 def _count_turns(ds: DatasetConfig) -> tuple[int, float]:
     """A `turns = "all"` dataset's requests: the user turns of its conversations (at most max_turns each),
     and the mean earlier answers each request's history carries (forecast.history_per_turn)."""
-    turns = []
-    for item in read_prompts(ds.prompts):
-        if isinstance(item, Prompt):
-            k = sum(1 for m in item.messages if m.get("role") == "user")
-            turns.append(min(k, ds.max_turns) if ds.max_turns is not None else k)
+    # The run's reader (max_turns, the cut before a tool turn, the dataset's answers dropped).
+    turns = [item.turns for item in read_conversations(ds.prompts, ds.max_turns) if isinstance(item, Conversation)]
     return sum(turns), history_per_turn(turns)
 
 
@@ -602,7 +603,8 @@ class _SmokeTest:
         start = time.monotonic()
         self.sent.append(True)
         try:
-            answer = await client.chat(body, functools.partial(spend.generation, ticket))
+            # details: a stream's reasoning_details kept, so a second turn sends back what a run's would
+            answer = await client.chat(body, functools.partial(spend.generation, ticket), details=True)
         except RequestFailed as e:
             look_up(self.settler, book_failure(spend, ticket, e, p, self_hosted=self.config.api.self_hosted))
             delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, self.rng)

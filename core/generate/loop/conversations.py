@@ -65,6 +65,8 @@ def broken_answer(content: str, finish_reason: str | None, tool_calls: Any) -> s
     """Why an answer cannot be the history of a later turn ("" when it can)."""
     if finish_reason == "length":
         return "cut at max_tokens"
+    if finish_reason in ("content_filter", "error"):  # a partial answer: nothing is asked on it
+        return f"ended by {finish_reason}"
     if tool_calls:
         return "answered with tool calls"
     if not content.strip():

@@ -282,6 +282,15 @@ def read_conversations(path: Path, max_turns: int | None = None) -> Iterator[Con
     return _read_items(path, parse)  # type: ignore[return-value]
 
 
+def read_dataset(path: Path, turns: str = "last", max_turns: int | None = None
+                 ) -> Iterator[Prompt | Conversation | Rejection]:
+    """A dataset's file as its run reads it: Conversations for turns = "all" (a line may end with the
+    dataset's own answer, dropped), else Prompts (read_prompts)."""
+    if turns == "all":
+        return read_conversations(path, max_turns)
+    return read_prompts(path, turns)
+
+
 def _read_items(path: Path, parse: Callable[[Any, int], Prompt | Conversation]
                 ) -> Iterator[Prompt | Conversation | Rejection]:
     seen: set[str] = set()

@@ -211,8 +211,13 @@ class Requests:
         ds.request_ended(req.expected, probe=req.probe)
         self._spend.release(req.ticket)  # cancelled before it was sent: nothing to settle
         if not req.booked:  # its outcome never decided: stays eligible for the next run
-            # Cancelled (stop now): handed back. An error of the engine's own is not asked again this run.
+            # Cancelled (stop now): handed back. An error of the engine's own is not asked again this run,
+            # and is said with its cause (redacted): a prompt left unasked for no reason given is a mystery.
             req.book(HANDED_BACK if task.cancelled() else ENDED_ON_ERROR)
+            if not task.cancelled() and (exc := task.exception()) is not None:
+                said = (f"{ds.config.name}: prompt {req.prompt.id!r} not asked again this run: the engine's own "
+                        f"error {type(exc).__name__}: {exc}")
+                self._ctx.event(Level.ERROR, EventKind.REQUEST_ERROR, self._ctx.redact(said), dataset=ds.config.name)
         if self.duplicates is not None:
             self.duplicates.settled(ds.config.name, req.prompt.id)
         if len(self._datasets) == 1:
