@@ -33,7 +33,7 @@ from draftgen.core.generate.loop.prompts import (
     Conversation,
     Prompt,
     Rejection,
-    read_conversations,
+    read_dataset,
     read_prompts,
     turn_id,
 )
@@ -127,9 +127,7 @@ class RecordBook:
         total = rejected = fresh = conversations = turn_sum = 0
         ds.conversations.by_turn_total.clear()
         all_turns = ds.config.turns == "all"
-        items: Iterator[Prompt | Conversation | Rejection] = (
-            read_conversations(ds.config.prompts, ds.config.max_turns) if all_turns
-            else read_prompts(ds.config.prompts, ds.config.turns))
+        items = read_dataset(ds.config.prompts, ds.config.turns, ds.config.max_turns)
         with replacing(self.rundir.rejected(ds.config.name)) as out:  # on an error the old one stays
             for item in items:
                 if isinstance(item, Rejection):
