@@ -39,6 +39,7 @@ from draftgen.core.generate.api.client import (
     _StreamState,
     parse_completion,
 )
+from draftgen.core.generate.loop.conversations import history_message
 from draftgen.core.records import ErrorKind
 from draftgen.core.servers import SGLANG, VLLM, Server, parse_version, server_from_answers
 from tests.pinned import Offline, release_source
@@ -256,6 +257,28 @@ def test_unknown_request_keys_are_taken_not_refused(release: Protocol) -> None:
         assert "extra='allow'" in config or 'extra="allow"' in config
 
 
+# A later turn's request carries the target's earlier answer as an assistant message with its reasoning
+# under `reasoning_content` (core/generate/loop/conversations.py history_message): a release that did
+# not read that key would render the history without it, and the turn's ids would be built on a
+# prompt the server never saw.
+VLLM_READS_HISTORY_REASONING = (
+    re.compile(r"""message\.get\(\s*["']reasoning_content["']\s*\)"""),    # 0.12, 0.13: chat_utils.py
+    re.compile(r"""msg\.pop\(\s*["']reasoning_content["']"""),  # 0.33: renamed to `reasoning` by the request
+)
+
+
+def test_vllm_reads_the_reasoning_of_a_later_turns_history(release: Protocol) -> None:
+    """vLLM takes an assistant message's `reasoning_content` (0.12 and 0.13 read it beside `reasoning` in
+    chat_utils.py; 0.33's request renames it to `reasoning` before validation)."""
+    p = release
+    if p.name != VLLM:
+        pytest.skip("SGLang's own request class is checked below")
+    history = history_message("the answer", "the reasoning", None, self_hosted=True)
+    assert history["reasoning_content"] == "the reasoning"
+    assert any(rule.search(text) for text in p.sources.values() for rule in VLLM_READS_HISTORY_REASONING), \
+        f"vLLM {p.version} reads no `reasoning_content` of a history message"
+
+
 # -- SGLang's own classes ----------------------------------------------------------------------------
 
 SGLANG_RELEASES = [v for n, v in RELEASES if n == SGLANG]
@@ -362,3 +385,16 @@ def test_sglang_streams_built_by_its_own_classes_are_read(sglang: tuple[Protocol
     answer = parse_completion(state.body(), 0.1)
     assert (answer.content, answer.reasoning, answer.usage.completion_tokens) == ("the answer", "the reasoning", 3)
     assert (answer.token_ids, answer.prompt_token_ids) == ((IDS, PROMPT_IDS) if asked else (None, None))
+
+
+def test_sglang_takes_a_later_turns_history_reasoning_and_all(sglang: tuple[Protocol, types.ModuleType]) -> None:
+    """SGLang's own request class, given a later turn's messages as draftgen sends them to a self-hosted
+    server, keeps the earlier answer's text and reasoning on its assistant message (what its template
+    renders the history from)."""
+    _, m = sglang
+    history = history_message("the answer", "the reasoning", None, self_hosted=True)
+    request = m.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "first"}, history,
+                                                            {"role": "user", "content": "second"}])
+    assistant = request.messages[1]
+    assert (assistant.role, assistant.content, assistant.reasoning_content) == \
+        ("assistant", "the answer", "the reasoning")
