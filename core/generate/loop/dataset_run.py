@@ -216,8 +216,13 @@ class DatasetRun:
         """Total and rejected counted (at the start, for the whole-run projection)."""
         return self._scanned
 
-    def counted(self, total: int, rejected: int, fresh: int) -> None:
-        """The prompt file is counted: `total` usable prompts, `fresh` of them with no outcome on disk."""
+    def counted(self, total: int, rejected: int, fresh: int,
+                conversations: tuple[int, int, Counter[int]] | None = None) -> None:
+        """The prompt file is counted: `total` usable prompts, `fresh` of them with no outcome on disk;
+        a turns = "all" file's `conversations`: how many, their turn numbers added up, their turns by number."""
+        if conversations is not None:
+            c = self.conversations
+            c.total, c.turn_sum, c.by_turn_total = conversations[0], conversations[1], conversations[2]
         self._total, self._rejected, self._left = total, rejected, fresh
         # Outcomes on disk for ids the file no longer has: counted, but not the file's.
         self._stale = self._done + self._failed - (total - fresh)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -125,7 +126,7 @@ class RecordBook:
     def scan_prompts(self, ds: DatasetRun) -> None:
         """Count usable prompts and rewrite rejected.jsonl (derived from the input, so rewritten whole)."""
         total = rejected = fresh = conversations = turn_sum = 0
-        ds.conversations.by_turn_total.clear()
+        by_turn: Counter[int] = Counter()
         all_turns = ds.config.turns == "all"
         items = read_dataset(ds.config.prompts, ds.config.turns, ds.config.max_turns)
         with replacing(self.rundir.rejected(ds.config.name)) as out:  # on an error the old one stays
@@ -137,15 +138,13 @@ class RecordBook:
                 elif isinstance(item, Conversation):  # turns = "all": the units are turns
                     conversations += 1
                     turn_sum += item.turns * (item.turns + 1) // 2
-                    ds.conversations.by_turn_total.update(range(1, item.turns + 1))
+                    by_turn.update(range(1, item.turns + 1))
                     total += item.turns
                     fresh += sum(turn_id(item.id, k) not in ds.done_ids for k in range(1, item.turns + 1))
                 else:
                     total += 1
                     fresh += item.id not in ds.done_ids
-        ds.counted(total, rejected, fresh)
-        if all_turns:
-            ds.conversations.total, ds.conversations.turn_sum = conversations, turn_sum
+        ds.counted(total, rejected, fresh, conversations=(conversations, turn_sum, by_turn) if all_turns else None)
 
     async def prompts(self, ds: DatasetRun) -> AsyncIterator[Prompt]:
         """The dataset's prompts not yet on disk, read in a thread a chunk at a time."""
