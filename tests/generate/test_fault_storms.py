@@ -231,6 +231,39 @@ async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
     assert a.answered == n and a.failed == 0  # Retry-After spaced the retries: none ran out of attempts
 
 
+async def test_a_drain_sends_no_further_attempt_of_a_retry_waiting_for_a_slot(tmp_path: Path) -> None:
+    """Retries parked under a limit a 429 storm lowered are given up by a drain, unrecorded and eligible:
+    when the requests still out end and free their slots, none of the parked ones is sent again (only
+    the requests out at the drain, at most, reach the server after it)."""
+    configured = 40
+    async with SimServer(SimConfig(seed=5, fixed_latency_s=0.1, mean_completion_tokens=40, retry_after_s=0.3),
+                         port=0) as sim:
+        config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": 400, "concurrency": configured}],
+                            engine={"max_attempts": 80})
+        pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
+        await pipeline.start()
+        task = asyncio.create_task(pipeline.generate())
+        run = pipeline.engine.datasets["a"]
+        try:
+            await until(lambda: sim.stats.answers_total >= 40, "the run to get going", 60)
+            sim.update(faults={"429": 1.0})  # every request rate-limited, with Retry-After
+            await until(lambda: run.parked >= 3, "retries to park under the lowered limit", 60)
+            # The requests out (not parked) that may still reach the server: neither backing off (a drain
+            # gives those up when their wait ends) nor already there.
+            parked, received = run.parked, sim.stats.requests_total
+            on_the_way = run.in_flight - parked - pipeline.engine.backing_off - sim.stats.in_flight
+            pipeline.quit(drain=True)
+            state = await asyncio.wait_for(task, 60)
+        finally:
+            if not task.done():
+                pipeline.quit(drain=False)
+            await pipeline.close()
+    assert state == snap.RunState.DRAINED, state
+    sent_after = sim.stats.requests_total - received
+    assert sent_after <= max(0, on_the_way), f"{sent_after} reached the server after the drain ({parked} parked)"
+    assert run.in_flight == 0 and run.parked == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_hung_requests_are_cut_by_their_timeout(tmp_path: Path, stream: bool) -> None:

@@ -119,6 +119,11 @@ class Engine:
         return self._loop.requests.retries if self._loop is not None else 0
 
     @property
+    def backing_off(self) -> int:
+        """Requests waiting out a transient error before their retry, now."""
+        return self._loop.requests.backing_off if self._loop is not None else 0
+
+    @property
     def prices(self) -> dict[str, Prices | None]:
         """Each dataset's worst-case prices, once the run has read them (None: unknown)."""
         return self._opened.costs.prices if self._opened is not None else {}

@@ -380,6 +380,8 @@ class Requests:
         if control.closed:
             return Attempted(Outcome.GIVEN_UP, tries, error=e)
         await self._room.retry_slot(ds)
+        if control.closed:  # a drain or stop while it waited for a slot: no further attempt goes out
+            return Attempted(Outcome.GIVEN_UP, tries, error=e)
         return None
 
     # -- 4. book, 5. record --------------------------------------------------------------------------
