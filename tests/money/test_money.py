@@ -264,15 +264,16 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
     # never cuts the concurrency (AdaptiveConcurrency waits for 429s to be 5% of the responses).
     faults = dict.fromkeys(FAULT_KINDS, 0.003)
     # The wait before the key's usage may price the unknown attempts is api.request_timeout_s past the last
-    # one sent (running_left_s): 15 s, and answers of at most ~7 s (latency_scale 0.05, the slowest replica
-    # at 1,024 tokens) that it never cuts, so no attempt ends by the client's timeout instead of its fault.
+    # one sent (running_left_s): 20 s, and answers of at most ~7 s (latency_scale 0.05, the slowest replica
+    # at 1,024 tokens), so the timeout keeps the ~13 s margin it had at 30 s and latency_scale 0.1 for the
+    # first run's hold until 2,000 are in flight and a busy machine: no attempt ends by the client's timeout.
     sim_cfg = SimConfig(seed=11, latency_scale=0.05, mean_completion_tokens=700, length_sigma=0.4,
                         faults=faults, hang_s=5.0, retry_after_s=0.05, stream_chunk_tokens=64,
                         hold_until_in_flight=2000)  # the first run reaches 2,000 in flight on a busy machine too
     async with SimServer(sim_cfg, port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 6000, "concurrency": 2000, "max_tokens": 1024}],
                           tables={"budget": {"max_usd": 8.0},
-                                  "api": {"stream": True, "request_timeout_s": 15, "generation_lookup_s": 5},
+                                  "api": {"stream": True, "request_timeout_s": 20, "generation_lookup_s": 5},
                                   "engine": {"reconstruct": False}},
                           request={"temperature": 0.6, "include_reasoning": True, "provider": ROUTING})
 
@@ -307,7 +308,7 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
         billed = sim.stats.billed_usd
         # The attempts a kill caught before their headers were read have no generation id; this key
         # ran nothing else, so the key's usage prices them, once none can still be running.
-        await asyncio.sleep(running_left_s(SpendLedger.read(RunDir(cfg.run_dir).spend), 15) + 0.1)
+        await asyncio.sleep(running_left_s(SpendLedger.read(RunDir(cfg.run_dir).spend), 20) + 0.1)
         by_key = await reconcile(cfg, TEST_KEY, lookup_s=5, unknown_from_key=True)
     r, k = report.reconciliation, by_key.reconciliation
     print(f"kills {kills}: billed ${billed:.4f}, ledger ${r.total_usd:.4f}, unknown {r.unknown} "
