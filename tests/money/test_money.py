@@ -79,8 +79,10 @@ async def test_ceiling_holds_with_2000_in_flight_long_answers_and_every_fault(tm
     # 429s rare enough that AIMD (three within 2 s) does not cut the 2,000 while they ramp up.
     faults = {kind: 0.0005 if kind == "429" else 0.004 for kind in FAULT_KINDS}
     # Chunks of 64 tokens: the same answers in fewer SSE events, so the suite spends its time on the
-    # money, not on parsing.
-    sim_cfg = SimConfig(seed=7, latency_scale=0.15, mean_completion_tokens=900, length_sigma=0.3, faults=faults,
+    # money, not on parsing. The answers' length in tokens is what the ceiling is about, not how long they
+    # take: at latency_scale 0.075 (up to ~10 s an answer, the slow replicas) the run's tail of answers
+    # admitted as the room frees up ends in half the wall time, with the same 2,000 in flight (held).
+    sim_cfg = SimConfig(seed=7, latency_scale=0.075, mean_completion_tokens=900, length_sigma=0.3, faults=faults,
                         hang_s=5.0, retry_after_s=0.05, stream_chunk_tokens=64,
                         hold_until_in_flight=2000)  # reach 2,000 in flight however slowly the machine admits
     async with SimServer(sim_cfg, port=0) as sim:
@@ -261,13 +263,17 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
     # ~15 of each over the ~5,000 requests (at 0.0005 a loaded run drew no 429 at all), a trickle that
     # never cuts the concurrency (AdaptiveConcurrency waits for 429s to be 5% of the responses).
     faults = dict.fromkeys(FAULT_KINDS, 0.003)
-    sim_cfg = SimConfig(seed=11, latency_scale=0.1, mean_completion_tokens=700, length_sigma=0.4,
+    # The wait before the key's usage may price the unknown attempts is api.request_timeout_s past the last
+    # one sent (running_left_s): 20 s, and answers of at most ~7 s (latency_scale 0.05, the slowest replica
+    # at 1,024 tokens), so the timeout keeps the ~13 s margin it had at 30 s and latency_scale 0.1 for the
+    # first run's hold until 2,000 are in flight and a busy machine: no attempt ends by the client's timeout.
+    sim_cfg = SimConfig(seed=11, latency_scale=0.05, mean_completion_tokens=700, length_sigma=0.4,
                         faults=faults, hang_s=5.0, retry_after_s=0.05, stream_chunk_tokens=64,
                         hold_until_in_flight=2000)  # the first run reaches 2,000 in flight on a busy machine too
     async with SimServer(sim_cfg, port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 6000, "concurrency": 2000, "max_tokens": 1024}],
                           tables={"budget": {"max_usd": 8.0},
-                                  "api": {"stream": True, "request_timeout_s": 30, "generation_lookup_s": 5},
+                                  "api": {"stream": True, "request_timeout_s": 20, "generation_lookup_s": 5},
                                   "engine": {"reconstruct": False}},
                           request={"temperature": 0.6, "include_reasoning": True, "provider": ROUTING})
 
@@ -302,7 +308,7 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
         billed = sim.stats.billed_usd
         # The attempts a kill caught before their headers were read have no generation id; this key
         # ran nothing else, so the key's usage prices them, once none can still be running.
-        await asyncio.sleep(running_left_s(SpendLedger.read(RunDir(cfg.run_dir).spend), 30) + 0.1)
+        await asyncio.sleep(running_left_s(SpendLedger.read(RunDir(cfg.run_dir).spend), 20) + 0.1)
         by_key = await reconcile(cfg, TEST_KEY, lookup_s=5, unknown_from_key=True)
     r, k = report.reconciliation, by_key.reconciliation
     print(f"kills {kills}: billed ${billed:.4f}, ledger ${r.total_usd:.4f}, unknown {r.unknown} "

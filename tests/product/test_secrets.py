@@ -34,6 +34,10 @@ CANARY = "sk-or-v1-LEAKCANARY-7f3a9c1e5b2d4f6a8c0e1b3d5f7a9c2e4b6d8f0a1c3e5b7d9f
 NEEDLES = (CANARY.encode(), CANARY[:PREFIX].encode())
 FAULTS = {"429": 0.1, "500": 0.1, "524": 0.1, "error200": 0.1, "truncated": 0.05}
 REQUEST = {"temperature": 0.6, "include_reasoning": True, "provider": {"ignore": ["fireworks", "baseten"]}}
+# The 500s and 524s leave attempts whose generation record never comes: each is still looked up, its 404s
+# retried and written down (where the key could leak), but a run ends after 2 s of them, not 10
+# (min(10, generation_lookup_s) at the end of a run).
+LOOKUP_S = 2.0
 
 
 def leaks(data: bytes) -> list[bytes]:
@@ -106,7 +110,7 @@ async def test_the_key_appears_nowhere(tmp_path: Path) -> None:
                                                    {"name": "b", "n": 40, "concurrency": 4, "max_tokens": 2048}],
                           tables={"tokenizer": {"path": str(bundled_kimi_path())},
                                   "engine": {"max_attempts": 2, "workers": 1},
-                                  "api": {"credits_interval_s": 0.2}},
+                                  "api": {"credits_interval_s": 0.2, "generation_lookup_s": LOOKUP_S}},
                           request=REQUEST)
         denied_dir = tmp_path / "denied"
         denied_dir.mkdir()
@@ -247,7 +251,8 @@ async def test_no_form_of_the_key_an_upstream_echoes_in_any_field_reaches_a_file
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 6}],
                           tables={"tokenizer": {"path": str(bundled_kimi_path())},
                                   "engine": {"max_attempts": 1, "workers": 1},
-                                  "api": {"credits_interval_s": 0.2, "stream": stream}},
+                                  "api": {"credits_interval_s": 0.2, "stream": stream,
+                                          "generation_lookup_s": LOOKUP_S}},
                           request=REQUEST)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
