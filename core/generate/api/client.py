@@ -235,17 +235,19 @@ def parse_completion(obj: Any, latency_s: float, self_hosted: Callable[[], bool]
         reasoning_details=_details_of(message))
 
 
-def _clean(value: Any, redact: Redactor) -> Any:
-    return redact(value) if isinstance(value, str) else value
-
-
 def redacted_answer(a: ChatAnswer, redact: Redactor) -> ChatAnswer:
-    """The answer with every field upstream names (not its text) redacted, in place."""
-    a.provider = _clean(a.provider, redact)
-    a.model = _clean(a.model, redact)
-    a.generation_id = _clean(a.generation_id, redact)
-    a.finish_reason = _clean(a.finish_reason, redact)
-    a.native_finish_reason = _clean(a.native_finish_reason, redact)
+    """The answer with every field upstream names (not its text) redacted, in place (a field that is not
+    a string, as a hostile upstream may send, is left as it is)."""
+    if type(v := a.provider) is str:
+        a.provider = redact(v)
+    if type(v := a.model) is str:
+        a.model = redact(v)
+    if type(v := a.generation_id) is str:
+        a.generation_id = redact(v)
+    if type(v := a.finish_reason) is str:
+        a.finish_reason = redact(v)
+    if type(v := a.native_finish_reason) is str:
+        a.native_finish_reason = redact(v)
     return a
 
 
