@@ -81,6 +81,7 @@ class SpendSums:
         self.settled_usd = 0.0
         self.spent_run = 0.0           # settled by this process
         self.reserved_usd = 0.0        # worst case of attempts in flight here
+        self._reserved = 0             # open reservations: none left, reserved_usd is exactly 0
         self.pending: dict[str, Pending] = {}
         self.pending_usd = 0.0
         self.by_dataset: dict[str, float] = {}
@@ -115,24 +116,28 @@ class SpendSums:
 
     def reserve(self, ds: str, prompt_id: str, worst: float) -> Ticket:
         self._n += 1
+        self._reserved += 1
         self.reserved_usd += worst
         return Ticket(f"{self._run}-{self._n:x}", ds, prompt_id, worst)
 
     def release(self, t: Ticket) -> None:
         """A reservation never sent (cancelled before it left, or the disk refused its line)."""
         if t.open and not t.sent:
-            t.open = False
-            self.reserved_usd = max(0.0, self.reserved_usd - t.worst)
+            self._end(t)
 
     def close(self, t: Ticket) -> bool:
         """Ends a ticket's reservation; False when it had ended already (its end is booked once)."""
         if not t.open:
             return False
-        t.open = False
-        self.reserved_usd -= t.worst
-        if self.reserved_usd < 1e-12:
-            self.reserved_usd = 0.0  # no float crumbs once nothing is in flight
+        self._end(t)
         return True
+
+    def _end(self, t: Ticket) -> None:
+        t.open = False
+        self._reserved -= 1
+        # Added and taken away in another order, the worst cases leave float crumbs (2e-17): with no
+        # reservation open the sum is exactly 0.
+        self.reserved_usd = max(0.0, self.reserved_usd - t.worst) if self._reserved else 0.0
 
     # -- known costs -----------------------------------------------------------------------
 
