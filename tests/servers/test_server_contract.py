@@ -267,12 +267,19 @@ VLLM_READS_HISTORY_REASONING = (
 )
 
 
-def test_vllm_reads_the_reasoning_of_a_later_turns_history(release: Protocol) -> None:
+@pytest.fixture(params=[v for n, v in RELEASES if n == VLLM], ids=lambda v: f"vllm-{v}")
+def vllm(request: pytest.FixtureRequest) -> Protocol:
+    from tests.conftest import _cache
+    found = _protocol(VLLM, request.param, str(_cache(request)))
+    if isinstance(found, str):
+        pytest.skip(found)
+    return found
+
+
+def test_vllm_reads_the_reasoning_of_a_later_turns_history(vllm: Protocol) -> None:
     """vLLM takes an assistant message's `reasoning_content` (0.12 and 0.13 read it beside `reasoning` in
     chat_utils.py; 0.33's request renames it to `reasoning` before validation)."""
-    p = release
-    if p.name != VLLM:
-        pytest.skip("SGLang's own request class is checked below")
+    p = vllm
     history = history_message("the answer", "the reasoning", None, self_hosted=True)
     assert history["reasoning_content"] == "the reasoning"
     assert any(rule.search(text) for text in p.sources.values() for rule in VLLM_READS_HISTORY_REASONING), \
