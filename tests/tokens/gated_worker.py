@@ -28,3 +28,17 @@ class GatedSpec(WorkerSpec):
             while not Path(self.gate).exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
         return super().load()
+
+
+@dataclass(frozen=True)
+class BrokenWorkerSpec(WorkerSpec):
+    """Loads in the main process, never in a worker: a worker that cannot start at all."""
+
+    @classmethod
+    def of(cls, spec: WorkerSpec) -> BrokenWorkerSpec:
+        return cls(**spec.__dict__)
+
+    def load(self):  # type: ignore[no-untyped-def]
+        if multiprocessing.parent_process() is not None:
+            raise RuntimeError("this worker cannot start")
+        return super().load()

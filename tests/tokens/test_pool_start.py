@@ -18,7 +18,7 @@ import pytest
 from draftgen.core.errors import TokenizerError
 from draftgen.core.tokens.during_run import RunReconstructor
 from tests.helpers import until
-from tests.tokens.gated_worker import GatedSpec
+from tests.tokens.gated_worker import BrokenWorkerSpec, GatedSpec
 from tests.tokens.test_tokens import index_lines, make_config, response, write_responses
 
 
@@ -89,6 +89,24 @@ async def test_closing_while_the_workers_start_leaves_no_worker_behind(tmp_path:
     await asyncio.wait_for(closing, 120)
     await until(lambda: not _workers(), "the worker gone")
     assert live.progress().state == "done"
+
+
+async def test_workers_that_cannot_start_at_all_stop_reconstruction_loudly_and_lose_no_count(tmp_path: Path) -> None:
+    """Known only after the run's first requests went out: reconstruction stops for the run and says how
+    to finish (docs/workflow.md), as when the workers keep dying; the answers stay in responses.jsonl."""
+    config = make_config(tmp_path)
+    events: list[tuple[str, str, str]] = []
+    live = RunReconstructor(config, workers=1, on_event=lambda *e: events.append(e))
+    live._pool._spec = BrokenWorkerSpec.of(live._spec)
+    await asyncio.wait_for(live.start(), 60)
+    for i in range(10):
+        live.submit("A", response(i))
+    await asyncio.wait_for(live.close(), 120)
+    p = live.progress()
+    assert p.state == "failed" and p.done == 0 and p.total == 10, p
+    assert "new worker processes could not start" in p.message and f"draftgen tokens {config.path}" in p.message, p
+    assert [e[1] for e in events] == ["tokens_worker_died", "tokens_failed"], events
+    assert not _workers()
 
 
 async def test_a_tokenizer_that_cannot_load_fails_start_before_any_worker_starts(tmp_path: Path) -> None:
