@@ -4,6 +4,10 @@ A worker that dies (kill -9, the OOM killer) breaks the whole pool: every batch 
 once. They are held, a new pool is started and they are sent again. After `max_restarts()` new pools
 it gives up for the rest of the run and says so once; every batch sent after that is lost at once.
 Each batch comes back to its owner through `on_landed` or `on_lost`, with the key it was sent with.
+
+The first pool starts beside the run (`open` returns before its workers have loaded the tokenizer):
+batches sent until they are ready are held like those waiting for a new pool, and a first pool whose
+worker dies (or cannot start) before it is ready is replaced the same way.
 """
 
 from __future__ import annotations
