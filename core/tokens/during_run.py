@@ -123,13 +123,12 @@ class RunReconstructor:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self._start_blocking)
+        await self._pool.open()  # returns before its workers are ready: what is submitted meanwhile waits
 
     def _start_blocking(self) -> None:
-        self._spec.load()  # a missing or broken tokenizer is a clear error here
+        self._spec.load()  # a missing or broken tokenizer is a clear error here, before any request is sent
         for ds in self.config.datasets:
             self._open(ds.name)
-        assert self._loop is not None
-        self._pool.open(self._loop)
 
     def _open(self, name: str) -> _Dataset:
         ds = self._datasets.get(name)

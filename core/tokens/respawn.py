@@ -4,6 +4,10 @@ A worker that dies (kill -9, the OOM killer) breaks the whole pool: every batch 
 once. They are held, a new pool is started and they are sent again. After `max_restarts()` new pools
 it gives up for the rest of the run and says so once; every batch sent after that is lost at once.
 Each batch comes back to its owner through `on_landed` or `on_lost`, with the key it was sent with.
+
+The first pool starts beside the run (`open` returns before its workers have loaded the tokenizer):
+batches sent until they are ready are held like those waiting for a new pool, and a first pool whose
+worker dies (or cannot start) before it is ready is replaced the same way.
 """
 
 from __future__ import annotations
@@ -46,16 +50,40 @@ class RespawningPool(Generic[K]):
         self.restarts = 0
         self._gave_up = ""  # why, once it gave up
 
-    def open(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the first pool (blocking: call it off the event loop)."""
-        self._loop = loop
-        self._pool = self._new_pool()
+    async def open(self) -> None:
+        """Start the first pool without waiting for its workers: their processes are started (off the
+        event loop) and load the tokenizer while the run's first requests go out. Batches sent until
+        every worker is ready are held and sent then; a worker that dies before it is ready is replaced
+        like one that dies later (`_replace`). The caller loaded the tokenizer itself first: one that
+        cannot load is its clear error before anything is sent."""
+        self._loop = asyncio.get_running_loop()
+        pool, pings = await asyncio.to_thread(self._spawn)
+        self._pool = pool  # shut down by the owner (`detach`) even if it never becomes ready
+        self.restart = asyncio.ensure_future(self._until_ready(pool, pings))
 
-    def _new_pool(self) -> Pool:
+    async def _until_ready(self, pool: Pool, pings: list[concurrent.futures.Future[bool]]) -> None:
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in pings), return_exceptions=True)
+        if any(isinstance(r, BaseException) for r in results):  # a worker died (or could not start) first
+            await self._replace(pool)
+            return
+        self.restart = None
+        self.release_held()
+
+    def _spawn(self) -> tuple[Pool, list[concurrent.futures.Future[bool]]]:
+        """A new pool whose worker processes are started, each loading the tokenizer (blocking: call it off
+        the event loop); with one ping per worker, answered once that worker is ready."""
         pool = new_pool(self._spec, self.workers)
         try:
-            # Start every worker (and load its tokenizer) now, off the event loop.
-            for fut in [pool.submit(ping) for _ in range(self.workers)]:
+            return pool, [pool.submit(ping) for _ in range(self.workers)]
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+    def _new_pool(self) -> Pool:
+        """A new pool whose every worker is ready (blocking: call it off the event loop)."""
+        pool, pings = self._spawn()
+        try:
+            for fut in pings:
                 fut.result()
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -69,7 +97,7 @@ class RespawningPool(Generic[K]):
 
     @property
     def busy(self) -> bool:
-        """Some batch is in flight, held for a new pool, or a new pool is starting."""
+        """Some batch is in flight, held for a new pool, or a pool is starting (the first one included)."""
         return bool(self.inflight or self.restart is not None or self.held)
 
     @property
@@ -78,7 +106,7 @@ class RespawningPool(Generic[K]):
         return len(self.inflight) + len(self.held)
 
     async def wait_one(self) -> bool:
-        """Wait for a new pool to start or for one batch in flight to come back; False when neither is."""
+        """Wait for a pool to start or for one batch in flight to come back; False when neither is."""
         if self.restart is not None:
             await asyncio.wait({self.restart})
         elif self.inflight:

@@ -1,0 +1,117 @@
+"""The live reconstruction's workers start beside the run, not before it: `RunReconstructor.start`
+returns while they still load the tokenizer (the main process loaded it first: a tokenizer that
+cannot load is still an error before anything is sent). What is submitted meanwhile is held and
+reconstructed once they are ready, each answer once; a worker that dies before it is ready is
+replaced; closing while they start leaves no process behind. Real worker processes, held back by a
+gate file (tests/tokens/gated_worker.py), the real Kimi tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+
+from draftgen.core.errors import TokenizerError
+from draftgen.core.tokens.during_run import RunReconstructor
+from tests.helpers import until
+from tests.tokens.gated_worker import BrokenWorkerSpec, GatedSpec
+from tests.tokens.test_tokens import index_lines, make_config, response, write_responses
+
+
+def _workers() -> list[psutil.Process]:
+    """This process's reconstruction workers: the children of its forkserver."""
+    return [p for child in psutil.Process().children() if any("forkserver" in c for c in child.cmdline())
+            for p in child.children()]
+
+
+def _gated(tmp_path: Path, workers: int = 1) -> tuple[RunReconstructor, Path]:
+    config = make_config(tmp_path)
+    live = RunReconstructor(config, workers=workers)
+    gate = tmp_path / "gate"
+    live._pool._spec = GatedSpec.of(live._spec, gate)  # the workers wait for the gate; the main process does not
+    return live, gate
+
+
+async def test_start_returns_before_the_workers_are_ready_and_what_came_meanwhile_is_reconstructed_once(
+        tmp_path: Path) -> None:
+    live, gate = _gated(tmp_path, workers=2)
+    # The workers cannot be ready before the gate opens: a start that waited for them would hang here.
+    await asyncio.wait_for(live.start(), 60)
+    records = [response(i) for i in range(30)]
+    write_responses(live.config, "A", records)
+    for rec in records:
+        live.submit("A", rec)
+    live.submit("A", records[3])  # a duplicate: ignored
+    await asyncio.sleep(0.2)  # past the batching delay: the batches are held, not lost
+    waiting = live.progress()
+    assert waiting.state == "running" and waiting.done == 0 and waiting.total == 30, waiting
+    assert dict(waiting.detail)["waiting"] == "30"
+    gate.touch()
+    await asyncio.wait_for(live.close(), 120)
+    ids = [e["id"] for e in index_lines(live.config, "A")]
+    assert sorted(ids) == sorted(r["id"] for r in records) and len(ids) == 30
+    done = live.progress()
+    assert done.state == "done" and done.done == done.total == 30 and live.restarts == 0, done
+
+
+async def test_a_worker_that_dies_before_it_is_ready_is_replaced_and_its_answers_wait_for_the_new_one(
+        tmp_path: Path) -> None:
+    live, gate = _gated(tmp_path)
+    events: list[tuple[str, str, str]] = []
+    live._pool._event = lambda *e: events.append(e)
+    await asyncio.wait_for(live.start(), 60)
+    records = [response(i) for i in range(12)]
+    for rec in records:
+        live.submit("A", rec)
+    await until(lambda: len(_workers()) == 1, "the worker process")
+    os.kill(_workers()[0].pid, signal.SIGKILL)
+    await until(lambda: live.restarts == 1, "the dead worker noticed")
+    gate.touch()
+    await asyncio.wait_for(live.close(), 120)
+    assert sorted(e["id"] for e in index_lines(live.config, "A")) == sorted(r["id"] for r in records)
+    done = live.progress()
+    assert done.state == "done" and done.done == done.total == 12, done
+    assert [e[1] for e in events] == ["tokens_worker_died"], events
+
+
+async def test_closing_while_the_workers_start_leaves_no_worker_behind(tmp_path: Path) -> None:
+    live, gate = _gated(tmp_path)
+    await asyncio.wait_for(live.start(), 60)
+    await until(lambda: len(_workers()) == 1, "the worker process")
+    closing = asyncio.ensure_future(live.close())
+    await asyncio.sleep(0.2)
+    assert not closing.done()  # it waits for the worker that is starting, it does not abandon it
+    gate.touch()
+    await asyncio.wait_for(closing, 120)
+    await until(lambda: not _workers(), "the worker gone")
+    assert live.progress().state == "done"
+
+
+async def test_workers_that_cannot_start_at_all_stop_reconstruction_loudly_and_lose_no_count(tmp_path: Path) -> None:
+    """Known only after the run's first requests went out: reconstruction stops for the run and says how
+    to finish (docs/workflow.md), as when the workers keep dying; the answers stay in responses.jsonl."""
+    config = make_config(tmp_path)
+    events: list[tuple[str, str, str]] = []
+    live = RunReconstructor(config, workers=1, on_event=lambda *e: events.append(e))
+    live._pool._spec = BrokenWorkerSpec.of(live._spec)
+    await asyncio.wait_for(live.start(), 60)
+    for i in range(10):
+        live.submit("A", response(i))
+    await asyncio.wait_for(live.close(), 120)
+    p = live.progress()
+    assert p.state == "failed" and p.done == 0 and p.total == 10, p
+    assert "new worker processes could not start" in p.message and f"draftgen tokens {config.path}" in p.message, p
+    assert [e[1] for e in events] == ["tokens_worker_died", "tokens_failed"], events
+    assert not _workers()
+
+
+async def test_a_tokenizer_that_cannot_load_fails_start_before_any_worker_starts(tmp_path: Path) -> None:
+    live = RunReconstructor(make_config(tmp_path, tokenizer=str(tmp_path / "missing-tokenizer")), workers=1)
+    with pytest.raises(TokenizerError, match="missing-tokenizer"):
+        await live.start()
+    assert live._pool.detach() is None and not _workers()
+    await live.close()
