@@ -62,7 +62,7 @@ class Pipeline:
         self.stages = StageRows()  # the stages panel's rows: their one owner (core/run/stage_rows.py)
         self.oneshot = Stages(config, api_key, self.engine, self.stages, rundir=self.rundir, redact=self._redact,
                               emit=self.emit)
-        self.tokens_stage = TokensStage(config, self.emit, self.stages)
+        self.tokens_stage = TokensStage(config, self.emit, self.stages, self.rundir)
         self.startup = Startup(config, api_key, self.oneshot, self.emit, rundir=self.rundir, redact=self._redact,
                                skip_smoke=skip_smoke, reconstruct=self._reconstruct)
         self.generation = GenerationStage(

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from draftgen.core.config import Config
 from draftgen.core.live import snapshot as snap
 from draftgen.core.run.stage_rows import StageRows
+from draftgen.core.rundir import RunDir
 
 if TYPE_CHECKING:  # imported when the stage starts: a run without reconstruction never loads it
     from draftgen.core.tokens.during_run import RunReconstructor
@@ -17,8 +18,9 @@ if TYPE_CHECKING:  # imported when the stage starts: a run without reconstructio
 class TokensStage:
     """The live reconstructor of one run, from its start to its report."""
 
-    def __init__(self, config: Config, emit: snap.EventSink, rows: StageRows) -> None:
+    def __init__(self, config: Config, emit: snap.EventSink, rows: StageRows, rundir: RunDir) -> None:
         self._config = config
+        self._rundir = rundir  # the run's one RunDir, handed to the reconstructor
         self._emit = emit
         self._rows = rows  # the stages panel's rows: this class only tells them
         self._reconstructor: RunReconstructor | None = None
@@ -26,7 +28,8 @@ class TokensStage:
 
     async def start(self) -> None:
         from draftgen.core.tokens.during_run import RunReconstructor
-        self._reconstructor = RunReconstructor(self._config, workers=self._config.engine.workers, on_event=self._emit)
+        self._reconstructor = RunReconstructor(self._config, workers=self._config.engine.workers, on_event=self._emit,
+                                               rundir=self._rundir)
         await self._reconstructor.start()
         for ds in self._config.datasets:
             await self._reconstructor.catch_up(ds.name)

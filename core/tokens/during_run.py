@@ -88,13 +88,13 @@ class RunReconstructor:
     MAX_RESTARTS = 3   # new pools after dead workers before reconstruction gives up for the run
 
     def __init__(self, config: Config, workers: int = 0,
-                 on_event: EventSink | None = None) -> None:
+                 on_event: EventSink | None = None, rundir: RunDir | None = None) -> None:
         self.config = config
         self._event = on_event if on_event is not None else event_sink(None)
         # Leave a core to the event loop unless told otherwise.
         self.workers = workers or max(1, cores() - 1)
         self._spec = WorkerSpec.from_config(config)
-        self._run = RunDir(config.run_dir)
+        self._run = rundir or RunDir(config.run_dir)  # the pipeline's (one per run), or its own
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: RespawningPool[_Dataset] = RespawningPool(
             self._spec, self.workers, hint=f"finish with `draftgen tokens {config.path}`",

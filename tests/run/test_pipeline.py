@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+import pytest
 
 from draftgen.core.live import snapshot as snap
 from draftgen.core.run.pipeline import Pipeline, smoke_status
@@ -113,7 +114,8 @@ def test_a_stage_stopped_stays_stopped_when_its_worker_thread_reports_after(tmp_
     assert rows.states(but="extract") == {snap.StageState.DONE, snap.StageState.STOPPED}
 
 
-async def test_a_run_builds_one_redactor_and_one_run_directory_and_hands_them_on(tmp_path, monkeypatch):
+@pytest.mark.parametrize("reconstruct", [False, True], ids=["no-tokens", "tokens"])
+async def test_a_run_builds_one_redactor_and_one_run_directory_and_hands_them_on(tmp_path, monkeypatch, reconstruct):
     from draftgen.core import rundir, secrets
     built = {"redactor": 0, "rundir": 0}
     redactor_init, rundir_init = secrets.Redactor.__init__, rundir.RunDir.__init__
@@ -130,7 +132,7 @@ async def test_a_run_builds_one_redactor_and_one_run_directory_and_hands_them_on
     monkeypatch.setattr(rundir.RunDir, "__init__", count_rundir)
     async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 5, "concurrency": 2}], tables=TABLES)
-        pipeline = Pipeline(cfg, TEST_KEY, serve_attach=False, reconstruct=False)
+        pipeline = Pipeline(cfg, TEST_KEY, serve_attach=False, reconstruct=reconstruct)
         assert built == {"redactor": 1, "rundir": 1}, built
         await pipeline.start()
         try:  # the start-up check, the smoke test and the run: all with the run's own
