@@ -21,7 +21,7 @@ from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.records import ErrorKind, Usage
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
-from tests.helpers import TEST_KEY, dataset_row, make_config
+from tests.helpers import TEST_KEY, dataset_row, make_config, until
 
 
 @pytest.fixture(autouse=True)
@@ -406,3 +406,38 @@ def test_reservations_ended_in_another_order_leave_exactly_nothing_reserved(ends
         assert sums.reserved_usd >= 0.0
     assert sums.reserved_usd == 0.0
     assert not sums.close(tickets[0])  # an ended ticket ends once
+
+
+async def test_a_drain_sends_no_further_attempt_of_a_retry_waiting_for_room_under_max_usd(tmp_path):
+    """Retries waiting for max_usd room (every attempt a 502 whose generation is pending at its worst case
+    until looked up) are given up by a drain: when the lookups settle the pending attempts at $0 and free
+    the room, none of them is sent again."""
+    async with SimServer(SimConfig(seed=8, fixed_latency_s=0.05, mean_completion_tokens=100,
+                                   generation_delay_s=3600), port=0) as sim:
+        # One prompt's reservation, read from its `sent` line, so that max_usd holds three of them.
+        probe = make_config(tmp_path / "probe", sim.base_url, [{"name": "a", "n": 1, "max_tokens": 500}],
+                            tables={"engine": {"reconstruct": False}})
+        await Engine(probe, TEST_KEY, seed=1).run()
+        worst = next(x["w"] for x in _lines(RunDir(probe.run_dir)) if x["e"] == "sent")
+        sim.update(faults={"502": 1.0})
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 10, "concurrency": 2, "max_tokens": 500}],
+                          tables={"budget": {"max_usd": round(worst * 3.5, 6)},
+                                  "api": {"generation_lookup_s": 3}, "engine": {"reconstruct": False}})
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        run = engine.datasets["a"]
+
+        def waiting_for_room() -> bool:  # both requests out, neither at the server, backing off or parked
+            return run.in_flight == 2 and not (sim.stats.in_flight or engine.backing_off or run.parked)
+        try:
+            await until(lambda: engine.spend.pending_usd > 2 * worst and waiting_for_room(),
+                        "both retries to wait for max_usd room", 30)
+            received = sim.stats.requests_total
+            engine.drain()
+            await asyncio.wait_for(task, 60)
+        finally:
+            if not task.done():
+                engine.stop()
+                await task
+    assert sim.stats.requests_total == received, "a retry waiting for room was sent after the drain"
+    assert run.in_flight == 0 and engine.spend.reserved_usd == 0

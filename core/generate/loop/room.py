@@ -212,7 +212,7 @@ class Room:
         """A new reservation for a retry (the last attempt's may be pending at its worst case); None when
         the ceiling leaves no room and nothing in flight or being priced can free any."""
         while True:
-            if self._control.stopping:
+            if self._control.closed:  # a drain or stop, also one that came while it waited for room
                 return None
             block = self._money.blocked(worst)
             if block is None:
