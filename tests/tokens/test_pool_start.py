@@ -115,3 +115,29 @@ async def test_a_tokenizer_that_cannot_load_fails_start_before_any_worker_starts
         await live.start()
     assert live._pool.detach() is None and not _workers()
     await live.close()
+
+
+async def test_a_start_cancelled_while_the_workers_are_spawned_leaves_no_worker_behind(tmp_path: Path) -> None:
+    """The run stopped while the first pool's processes were being started (in a thread): the pool the
+    thread still makes is held by nothing, and goes with its workers (ProcessPoolExecutor's manager
+    shuts them down once the executor is gone), not left running to the interpreter's exit."""
+    import threading
+    live, gate = _gated(tmp_path)
+    pool = live._pool
+    spawn, spawning, go_on = pool._spawn, threading.Event(), threading.Event()
+
+    def held_spawn():  # type: ignore[no-untyped-def]  # the real spawn, once the start has been cancelled
+        spawning.set()
+        go_on.wait(30)
+        return spawn()
+    pool._spawn = held_spawn  # type: ignore[method-assign]
+    opening = asyncio.ensure_future(pool.open())
+    await until(spawning.is_set, "the spawn to begin")
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    go_on.set()
+    await until(lambda: len(_workers()) == 1, "the worker the thread still started")
+    gate.touch()  # the worker finishes its start-up and sees the shutdown
+    await until(lambda: not _workers(), "the worker gone", 60)
+    assert pool.detach() is None  # the cancelled start never became the run's pool
