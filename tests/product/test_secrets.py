@@ -234,8 +234,11 @@ async def test_no_form_of_the_key_an_upstream_echoes_in_any_field_reaches_a_file
     the output."""
     forms = key_forms(CANARY)
     faults = {"error200": 0.25, "500": 0.1, "429": 0.05, "524": 0.05}
+    # A prompt's own 400 (provider_400, with the provider's metadata) fails it at once, echoed key and all:
+    # failures are recorded whatever the answer faults' evidence rule decides for the other faults.
     sim_cfg = SimConfig(seed=21, latency_scale=0.0, fixed_latency_s=0.02, mean_completion_tokens=60,
-                        faults=faults, retry_after_s=0.01, echo_key=True, echo_key_fields=True)
+                        faults=faults, retry_after_s=0.01, echo_key=True, echo_key_fields=True,
+                        scenarios={"provider_400": {"rate": 0.1}})
     async with SimServer(sim_cfg, port=0) as sim:
         # The simulator really quotes every form: otherwise this test would prove nothing.
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {CANARY}"}) as http:
