@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import select
@@ -15,8 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from rich.console import Console
 
 from draftgen.core.config import Config, load_config, toml_value
+from draftgen.core.rundir import RunDir
 
 if TYPE_CHECKING:
     import aiohttp
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
     from draftgen.core.generate.loop.engine import Engine
     from draftgen.core.live.snapshot import DatasetSnapshot
     from draftgen.simulator import SimServer
+    from draftgen.tui.app import DraftgenApp
 
 TEST_KEY = "sk-or-v1-draftgen-test-key-0123456789abcdef"
 SIM_AUTH = {"Authorization": "Bearer sk-test"}
@@ -159,3 +163,33 @@ def drain_pty(master: int, stop: threading.Event) -> None:
                     return
             except OSError:
                 return
+
+
+async def read_attach_stream(run_dir: Path, proc: asyncio.subprocess.Process) -> bytes:
+    """Every byte the run's attach socket sends to a viewer, from as early as it can connect to the bye."""
+    sock = RunDir(run_dir).socket
+    for _ in range(3000):  # a hang guard: the run serves the socket before its first request
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(sock), limit=1 << 24)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            assert proc.returncode is None, "the run ended before a viewer could attach"
+            await asyncio.sleep(0.01)
+    else:
+        raise AssertionError(f"nothing served {sock}")
+    chunks = []
+    try:
+        while chunk := await asyncio.wait_for(reader.read(1 << 16), 60):
+            chunks.append(chunk)
+    finally:
+        writer.close()
+    return b"".join(chunks)
+
+
+def text(app: DraftgenApp, selector: str) -> str:
+    """What a Static panel shows, as plain text at its current width."""
+    widget = app.screen.query_one(selector)
+    console = Console(width=max(widget.content_region.width, 40), file=io.StringIO(), color_system=None)
+    with console.capture() as cap:
+        console.print(widget.content)  # type: ignore[attr-defined]
+    return cap.get()

@@ -30,9 +30,9 @@ from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.tui.screens.quitdialog import QuitScreen
 from tests import fixtures as fx
-from tests.helpers import TEST_KEY, cli_env, dataset_row, drain_pty, make_config, tui_run_in_pty, until
+from tests.helpers import TEST_KEY, cli_env, dataset_row, drain_pty, make_config, text, tui_run_in_pty, until
 from tests.run.test_disk_faults import FullDisk, fsize_limit, parsed_ids
-from tests.tui.test_tui import make, text
+from tests.tui.test_tui import make
 
 
 def events_of(sub) -> list[snap.Event]:  # noqa: ANN001 - a hub Subscription

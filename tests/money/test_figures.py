@@ -136,7 +136,7 @@ def test_the_headless_eta_is_a_dash_until_stable_and_never_0_while_work_remains(
 async def test_the_tui_header_shows_a_dash_for_an_eta_not_yet_stable() -> None:
     from draftgen.tui.app import DraftgenApp
     from tests import fixtures as fx
-    from tests.run.test_seam import text
+    from tests.helpers import text
     for eta, shown in ((None, "ETA —"), (125.0, "ETA 2 min")):
         app = DraftgenApp(fx.FakeControls(_running(eta_s=eta), fx.events()), title="draftgen",  # type: ignore[arg-type]
                           refresh_s=0.05)

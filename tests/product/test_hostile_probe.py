@@ -36,7 +36,7 @@ from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
-from tests.helpers import cli_env, make_config, until, write_prompts
+from tests.helpers import cli_env, make_config, read_attach_stream, until, write_prompts
 
 KEY = "sk-or-v1-PROBE7f3a9c1e5b2d4f6a8c0e1b3d5f7a9c2e4b6d8f0a1c3e5b7d9f2a4c6e8b0d1f3a"
 BODY = KEY.removeprefix("sk-or-v1-")
@@ -109,26 +109,6 @@ def test_redactor_leaves_other_text_alone():
     assert redact(text) == text
     assert redact("") == ""
     assert Redactor("short")("a short key is no needle") == "a short key is no needle"
-
-
-async def read_attach_stream(run_dir: Path, proc: asyncio.subprocess.Process) -> bytes:
-    sock = RunDir(run_dir).socket
-    for _ in range(3000):  # a hang guard: the run serves the socket before its first request
-        try:
-            reader, writer = await asyncio.open_unix_connection(str(sock), limit=1 << 24)
-            break
-        except (FileNotFoundError, ConnectionRefusedError):
-            assert proc.returncode is None, "the run ended before a viewer could attach"
-            await asyncio.sleep(0.01)
-    else:
-        raise AssertionError(f"nothing served {sock}")
-    chunks = []
-    try:
-        while chunk := await asyncio.wait_for(reader.read(1 << 16), 60):
-            chunks.append(chunk)
-    finally:
-        writer.close()
-    return b"".join(chunks)
 
 
 @pytest.fixture(scope="module")

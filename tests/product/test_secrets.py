@@ -28,7 +28,7 @@ from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import MARK, PREFIX, Redactor
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
-from tests.helpers import cli_env, make_config
+from tests.helpers import cli_env, make_config, read_attach_stream
 
 CANARY = "sk-or-v1-LEAKCANARY-7f3a9c1e5b2d4f6a8c0e1b3d5f7a9c2e4b6d8f0a1c3e5b7d9f2a4c6e8b0d1f3a"
 NEEDLES = (CANARY.encode(), CANARY[:PREFIX].encode())
@@ -71,27 +71,6 @@ async def cli(*args: str, env_key: str = CANARY, timeout: float = 90) -> tuple[i
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), timeout)
     return proc.returncode, out, err
-
-
-async def read_attach_stream(run_dir: Path, proc: asyncio.subprocess.Process) -> bytes:
-    """Every byte the run's attach socket sends to a viewer, from as early as it can connect to the bye."""
-    sock = RunDir(run_dir).socket
-    for _ in range(3000):  # a hang guard: the run serves the socket before its first request
-        try:
-            reader, writer = await asyncio.open_unix_connection(str(sock), limit=1 << 24)
-            break
-        except (FileNotFoundError, ConnectionRefusedError):
-            assert proc.returncode is None, "the run ended before a viewer could attach"
-            await asyncio.sleep(0.01)
-    else:
-        raise AssertionError(f"nothing served {sock}")
-    chunks = []
-    try:
-        while chunk := await asyncio.wait_for(reader.read(1 << 16), 60):
-            chunks.append(chunk)
-    finally:
-        writer.close()
-    return b"".join(chunks)
 
 
 @pytest.mark.slow

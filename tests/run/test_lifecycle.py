@@ -31,8 +31,7 @@ from draftgen.tui.app import DraftgenApp
 from draftgen.tui.launch import run_tui
 from draftgen.tui.screens.quitdialog import QuitScreen
 from tests.extract.test_extract_writer import HIDDEN, N_LAYERS, FakeBackend
-from tests.helpers import TEST_KEY, cli_env, make_config, until
-from tests.tui.test_tui import text
+from tests.helpers import TEST_KEY, cli_env, make_config, text, until
 
 TOKENIZER = {"path": str(bundled_kimi_path())}
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import io
 import os
 import re
 from collections.abc import Iterator
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-from rich.console import Console
 
 from draftgen.cli.main import EXIT_CODES
 from draftgen.core.errors import DraftgenError, ExitCode, KeyRefusedError
@@ -31,7 +29,7 @@ from draftgen.tui import fmt
 from draftgen.tui.app import DraftgenApp
 from draftgen.tui.screens.drill import DrillScreen
 from tests import fixtures as fx
-from tests.helpers import TEST_KEY, make_config
+from tests.helpers import TEST_KEY, make_config, text
 
 # Transient provider errors (502 with metadata.provider_name) on a third of the requests: retried, so
 # every prompt is answered in the end, and the errors carry the provider that failed.
@@ -72,15 +70,6 @@ async def _run(folder: Path) -> Finished:
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Finished]:
     yield asyncio.run(_run(tmp_path_factory.mktemp("seam")))
-
-
-def text(app: DraftgenApp, selector: str) -> str:
-    """What a panel shows, as plain text at its current width."""
-    widget = app.screen.query_one(selector)
-    console = Console(width=max(widget.content_region.width, 40), file=io.StringIO(), color_system=None)
-    with console.capture() as cap:
-        console.print(widget.content)  # type: ignore[attr-defined]
-    return cap.get()
 
 
 def app_on(run: Finished) -> DraftgenApp:

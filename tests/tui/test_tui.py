@@ -22,17 +22,9 @@ from draftgen.tui.screens.logview import LogScreen
 from draftgen.tui.screens.quitdialog import QuitScreen
 from draftgen.tui.screens.smoke import SmokeScreen
 from tests import fixtures as fx
+from tests.helpers import text
 
 pytestmark = pytest.mark.usefixtures("utc")
-
-
-def text(app: DraftgenApp, selector: str) -> str:
-    """What a Static panel shows, as plain text at its current width."""
-    widget = app.screen.query_one(selector)
-    console = Console(width=max(widget.content_region.width, 40), file=io.StringIO(), color_system=None)
-    with console.capture() as cap:
-        console.print(widget.content)  # type: ignore[attr-defined]
-    return cap.get()
 
 
 def make(snapshot: snap.RunSnapshot | None = None, **kw: object) -> tuple[DraftgenApp, fx.FakeControls]:
