@@ -218,23 +218,36 @@ class ResponseRecord:
     reasoning_details: list[Any] | None = None    # written with `turn` only
 
     def to_dict(self) -> dict[str, Any]:
-        u = self.usage
+        return ResponseRecord.line(
+            self.id, self.messages, self.reasoning, self.content, self.tool_calls, self.finish_reason,
+            self.native_finish_reason, self.provider, self.model, self.generation_id, self.usage, self.latency_s,
+            self.attempts, self.truncated, self.empty_content, self.ts, self.token_ids, self.prompt_token_ids,
+            self.turn, self.reasoning_details)
+
+    @staticmethod
+    def line(id: str, messages: list[Any], reasoning: str | None, content: str, tool_calls: list[Any] | None,
+             finish_reason: str | None, native_finish_reason: str | None, provider: str | None, model: str | None,
+             generation_id: str | None, u: Usage, latency_s: float, attempts: int, truncated: bool,
+             empty_content: bool, ts: float, token_ids: list[int] | None, prompt_token_ids: list[int] | None,
+             turn: TurnFields | None, reasoning_details: list[Any] | None) -> dict[str, Any]:
+        """The line of these fields, in the class's order: what the run writes for each answer, built
+        straight from the answer (no record object in between: this runs once per request)."""
         line: dict[str, Any] = {
-            "id": self.id, "messages": self.messages, "reasoning": self.reasoning, "content": self.content,
-            "tool_calls": self.tool_calls, "finish_reason": self.finish_reason,
-            "native_finish_reason": self.native_finish_reason, "provider": self.provider, "model": self.model,
-            "generation_id": self.generation_id,
+            "id": id, "messages": messages, "reasoning": reasoning, "content": content,
+            "tool_calls": tool_calls, "finish_reason": finish_reason,
+            "native_finish_reason": native_finish_reason, "provider": provider, "model": model,
+            "generation_id": generation_id,
             "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                       "reasoning_tokens": u.reasoning_tokens, "cost": u.cost},
-            "latency_s": self.latency_s, "attempts": self.attempts, "truncated": self.truncated,
-            "empty_content": self.empty_content, "ts": self.ts}
-        if self.token_ids is not None:
-            line["token_ids"] = self.token_ids
-        if self.prompt_token_ids is not None:
-            line["prompt_token_ids"] = self.prompt_token_ids
-        if self.turn is not None:
-            line.update(self.turn.to_dict())
-            line["reasoning_details"] = self.reasoning_details
+            "latency_s": latency_s, "attempts": attempts, "truncated": truncated,
+            "empty_content": empty_content, "ts": ts}
+        if token_ids is not None:
+            line["token_ids"] = token_ids
+        if prompt_token_ids is not None:
+            line["prompt_token_ids"] = prompt_token_ids
+        if turn is not None:
+            line.update(turn.to_dict())
+            line["reasoning_details"] = reasoning_details
         return line
 
     @classmethod

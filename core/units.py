@@ -72,3 +72,10 @@ def clip(text: str, width: int) -> str:
     if space > width // 2:
         cut = cut[:space]
     return cut.rstrip(" ,;:(") + "..."
+
+
+def to_ms(seconds: float) -> float:
+    """Seconds kept to the millisecond, as the files write times and latencies (a timestamp, a latency:
+    never negative). round(x, 3) gives the same value at ten times the cost, and this runs a few times
+    per request."""
+    return int(seconds * 1000.0 + 0.5) / 1000.0

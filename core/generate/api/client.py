@@ -107,14 +107,15 @@ def _reasoning_of(message: dict[str, Any]) -> str | None:
     return reasoning_text(message) or None
 
 
-def _usage_of(raw: Any) -> Usage:
+def _usage_of(raw: Any) -> tuple[Usage, bool]:
+    """The answer's usage, and whether it carried its cost (`usage.cost`, a number): priced."""
     if not isinstance(raw, dict):
-        return Usage()
+        return Usage(), False
     get = raw.get  # once per answer: positional fields (prompt, completion, reasoning tokens, cost)
-    details = get("completion_tokens_details")
+    cost, details = get("cost"), get("completion_tokens_details")
     return Usage(int(get("prompt_tokens") or 0), int(get("completion_tokens") or 0),
                  int((details.get("reasoning_tokens") if isinstance(details, dict) else 0) or 0),
-                 float(get("cost") or 0.0))
+                 float(cost or 0.0)), isinstance(cost, (int, float)) and not isinstance(cost, bool)
 
 
 def _error_message(err: Any) -> str:
@@ -136,11 +137,6 @@ def _failure_meta(err: Any, provider: Any) -> dict[str, Any]:
 def _error_code(err: Any) -> Any:
     """The `code` of an error inside a 200 (RequestFailed keeps it when it is a status)."""
     return err.get("code") if isinstance(err, dict) else None
-
-
-def _has_cost(raw: Any) -> bool:
-    cost = raw.get("cost") if isinstance(raw, dict) else None
-    return isinstance(cost, (int, float)) and not isinstance(cost, bool)
 
 
 def _int_list(ids: Any) -> list[int] | None:
@@ -227,12 +223,25 @@ def parse_completion(obj: Any, latency_s: float, self_hosted: Callable[[], bool]
     message = cget("message") or {}
     if not isinstance(message, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "choices[0].message is not an object")
-    usage = get("usage")
+    # Once per request: OpenRouter's `reasoning` read here, the other forms through the helper; the
+    # server ids looked for only when a key that holds them is there.
+    mget = message.get
+    reasoning = mget("reasoning")
+    if not (type(reasoning) is str and reasoning):
+        reasoning = _reasoning_of(message)
+    used, priced = _usage_of(get("usage"))
+    token_ids = prompt_ids = None
+    if not _ID_KEYS.isdisjoint(choice) or not _TOP_ID_KEYS.isdisjoint(obj):  # a self-hosted server's ids
+        token_ids, prompt_ids = _token_ids(obj, choice), _prompt_token_ids(obj, choice)
     return ChatAnswer(
-        message.get("content") or "", _reasoning_of(message), message.get("tool_calls") or None, reason,
-        cget("native_finish_reason"), get("provider"), get("model"), get("id"), _usage_of(usage), latency_s,
-        _token_ids(obj, choice), _has_cost(usage), _prompt_token_ids(obj, choice),
+        mget("content") or "", reasoning, mget("tool_calls") or None, reason, cget("native_finish_reason"),
+        get("provider"), get("model"), get("id"), used, latency_s, token_ids, priced, prompt_ids,
         reasoning_details=_details_of(message))
+
+
+# Where a body may carry token ids (_token_ids, _prompt_token_ids): on the choice, at the top level.
+_ID_KEYS = frozenset({"token_ids", "response_token_ids", "prompt_token_ids"})
+_TOP_ID_KEYS = frozenset({"prompt_token_ids", "sglext"})
 
 
 def redacted_answer(a: ChatAnswer, redact: Redactor) -> ChatAnswer:
@@ -309,8 +318,8 @@ class _StreamState:
             if self.token_limit and type(value) is dict:
                 done = value.get("completion_tokens")
                 if type(done) is int and done > self.token_limit:  # counts mid-stream (vLLM's continuous usage)
-                    raise RequestFailed.ran_past_cap(PastCap(self.cap, done, True, _usage_of(value),
-                                                             _has_cost(value)), self.meta.get("provider"))
+                    raise RequestFailed.ran_past_cap(PastCap(self.cap, done, True, *_usage_of(value)),
+                                                     self.meta.get("provider"))
         value = get("sglext")
         if isinstance(value, dict):  # SGLang may split it over two chunks (its ids in a named event)
             self.sglext = value if self.sglext is None else {**self.sglext, **value}

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from draftgen.core import __version__
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.files import write_json_atomic
@@ -102,15 +103,10 @@ def count_unledgered(rundir: RunDir, datasets: Mapping[str, DatasetRun], spend: 
 
 
 def write_run_json(rundir: RunDir, config: Config) -> None:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        dg_version = version("draftgen")
-    except PackageNotFoundError:
-        dg_version = "unknown"
     info = {"config": config.public_dict(), "config_file": str(config.path),
             "fingerprint": config.run_fingerprint(),
             "fingerprints": {d.name: config.fingerprint(d) for d in config.datasets},
-            "versions": {"draftgen": dg_version, "python": platform.python_version(),
+            "versions": {"draftgen": __version__, "python": platform.python_version(),
                          "aiohttp": aiohttp.__version__, "orjson": orjson.__version__},
             "started_at": time.time()}
     write_json_atomic(rundir.run_json, info)  # a full disk at the start: a clear message

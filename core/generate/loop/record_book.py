@@ -46,8 +46,13 @@ from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
+from draftgen.core.units import to_ms
 
 PROMPT_CHUNK = 512
+# A prompt file this small is read once: the prompts its count (scan_prompts) parsed are kept and asked,
+# not parsed a second time. Bounded so that a big file is still streamed (its memory stays flat).
+KEEP_SCANNED_PROMPTS = 20_000
+KEEP_SCANNED_CHARS = 16 << 20
 
 
 @dataclass
@@ -72,6 +77,7 @@ class RecordBook:
         self._control = ctx.control  # the run's owner: a write the disk refuses holds the run through it
         self._on_answer = on_answer  # the answer handed on once on disk (the live token view, core/run)
         self._held: list[_Held] = []
+        self._scanned: dict[str, list[Prompt]] = {}  # per dataset: the prompts its count read (scan_prompts)
         self._disk_error: DiskError | None = None   # why the records are held
         # earlier runs' spools, imported as datasets open
         self._spools = SpoolImport(rundir, ctx.control.spool_imported, ctx.event)
@@ -129,6 +135,8 @@ class RecordBook:
         by_turn: Counter[int] = Counter()
         all_turns = ds.config.turns == "all"
         items = read_dataset(ds.config.prompts, ds.config.turns, ds.config.max_turns)
+        kept: list[Prompt] | None = [] if not all_turns else None
+        chars = 0
         with replacing(self.rundir.rejected(ds.config.name)) as out:  # on an error the old one stays
             for item in items:
                 if isinstance(item, Rejection):
@@ -144,10 +152,25 @@ class RecordBook:
                 else:
                     total += 1
                     fresh += item.id not in ds.done_ids
+                    if kept is not None:
+                        chars += sum(len(m["content"]) for m in item.messages)
+                        if len(kept) < KEEP_SCANNED_PROMPTS and chars <= KEEP_SCANNED_CHARS:
+                            kept.append(item)
+                        else:
+                            kept = None
+        if kept is not None:
+            self._scanned[ds.config.name] = kept
         ds.counted(total, rejected, fresh, conversations=(conversations, turn_sum, by_turn) if all_turns else None)
 
     async def prompts(self, ds: DatasetRun) -> AsyncIterator[Prompt]:
-        """The dataset's prompts not yet on disk, read in a thread a chunk at a time."""
+        """The dataset's prompts not yet on disk: those its count kept (a small file), else read in a
+        thread a chunk at a time."""
+        kept = self._scanned.pop(ds.config.name, None)
+        if kept is not None:
+            for p in kept:
+                if p.id not in ds.done_ids:
+                    yield p
+            return
         it: Iterator[Prompt | Rejection] = read_prompts(ds.config.prompts, ds.config.turns)
 
         def chunk() -> list[Prompt]:
@@ -178,14 +201,10 @@ class RecordBook:
                 self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"
         empty = not a.content.strip()
-        record = ResponseRecord(
-            id=prompt.id, messages=prompt.messages, reasoning=a.reasoning, content=a.content,
-            tool_calls=a.tool_calls, finish_reason=a.finish_reason, native_finish_reason=a.native_finish_reason,
-            provider=a.provider, model=a.model, generation_id=a.generation_id, usage=a.usage,
-            latency_s=round(a.latency_s, 3), attempts=attempts, truncated=truncated, empty_content=empty,
-            ts=round(time.time(), 3), token_ids=a.token_ids,
-            prompt_token_ids=a.prompt_token_ids, turn=prompt.turn, reasoning_details=a.reasoning_details)
-        line = record.to_dict()
+        line = ResponseRecord.line(
+            prompt.id, prompt.messages, a.reasoning, a.content, a.tool_calls, a.finish_reason,
+            a.native_finish_reason, a.provider, a.model, a.generation_id, a.usage, to_ms(a.latency_s), attempts,
+            truncated, empty, to_ms(time.time()), a.token_ids, a.prompt_token_ids, prompt.turn, a.reasoning_details)
         if sampling is not None:
             line["sampling"] = sampling
         assert ds.responses is not None
@@ -224,7 +243,7 @@ class RecordBook:
 
     def record_failure(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int) -> None:
         record = FailureRecord(id=prompt.id, messages=prompt.messages, error_kind=e.kind, status=e.status,
-                               message=self._redact(e.message), attempts=attempts, ts=round(time.time(), 3),
+                               message=self._redact(e.message), attempts=attempts, ts=to_ms(time.time()),
                                turn=prompt.turn)
         assert ds.failures is not None
         self._write(ds, ds.failures, record.to_dict(), False)

@@ -162,12 +162,13 @@ class Room:
             doubted = self._doubted(ds)
             if doubted is not None:
                 return doubted
-        if not ds.token_budget.fits(ds.token_budget.expected()):
+        budget = ds.token_budget
+        if budget.limit is not None and not budget.fits(budget.expected()):
             # This dataset's answers in flight may come in under their estimate and free room.
             if ds.in_flight:
                 return _Wait.WAKE
-            return Decision(Admit.BUDGET, f"token budget reached: {ds.token_budget.used:,} used + "
-                            f"{ds.token_budget.in_flight:,} in flight of {ds.token_budget.limit:,}")
+            return Decision(Admit.BUDGET, f"token budget reached: {budget.used:,} used + "
+                            f"{budget.in_flight:,} in flight of {budget.limit:,}")
         self._watch.asking(worst)  # what a re-check of the account must find room for
         block = self._money.blocked(worst)
         if block is not None:

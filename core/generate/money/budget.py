@@ -135,6 +135,8 @@ class MoneyBudget:
 
     def blocked(self, worst: float) -> Block | None:
         """Why a request whose worst case is `worst` may not go out now (the ceiling first), or None."""
+        if self.max_usd is None and self._balance is None:  # no ceiling, no balance known: nothing to check
+            return None
         if (why := self.over_max(worst)) is not None:
             return Block(BlockReason.MAX_USD, why)
         if (why := self.below_floor(worst)) is not None:

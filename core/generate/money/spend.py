@@ -73,6 +73,7 @@ from draftgen.core.generate.money.spend_file import LedgerFile
 # Reconciliation, Pending and Ticket are imported from here by the rest of the engine.
 from draftgen.core.generate.money.spend_sums import AttemptEnd, Pending, Reconciliation, SpendSums, Ticket
 from draftgen.core.rundir import iter_jsonl
+from draftgen.core.units import to_ms
 
 
 class CostSource(StrEnum):
@@ -312,7 +313,7 @@ class SpendLedger:
     def _append_sent(self, t: Ticket) -> LedgerFile:
         if self._file is None:  # closed: the run that owned it ended (or it was never opened)
             raise DiskError(f"{self.path}: the spend ledger is closed; nothing more is sent on it")
-        t.sent_at = round(time.time(), 3)
+        t.sent_at = to_ms(time.time())
         self._file.append({"e": "sent", "a": t.id, "ds": t.ds, "p": t.prompt_id, "w": t.worst, "t": t.sent_at})
         return self._file
 
