@@ -23,6 +23,12 @@ peak RSS is their own:
   to 2 answers), so its CPU per request is per turn; the simulator counts each history's prompt tokens;
 - engine, fsync a no-op (with --fsync-ab): the engine with os.fsync stubbed out in its process, run
   right after the engine row, so the two rows show what the fsyncs themselves cost on this disk;
+- engine, own work (engine_alone; engine_alone_ab for the --ab-code checkout): the engine with the HTTP
+  exchange replaced by the simulator's first answer, replayed (the client still encodes each body,
+  decodes, parses and redacts each answer, and hears its generation id): what is left is the engine's
+  own work per request, E, without aiohttp's and the kernel's share, whose noise (each round's batching)
+  hides changes of a few per cent in the other rows. The 1.3x target above is E <= 0.3x the tuned bare
+  loop's CPU (less the few us of JSON the bare loop does too);
 - openai: openai-python's AsyncOpenAI (httpx) at the same concurrency (with --openai; slow).
 Then the simulator is restarted with a fixed latency (2 s, or 1 s per 1,000 in flight above 2,000,
 so that one simulator process can keep that many answers open) to measure the concurrency reached.
@@ -97,7 +103,8 @@ def child(mode: str, port: int, n: int, concurrency: int, pin: bool = False, cod
     env = {**os.environ, "PYTHONPATH": code} if code else None
     if mode == "engine_asyncio":  # the engine on the standard library's loop (core/runtime.py LOOP_ENV)
         env, mode = {**os.environ, "DRAFTGEN_EVENT_LOOP": "asyncio"}, "engine"
-    out = subprocess.run([sys.executable, __file__, "--child", "engine" if mode == "engine_ab" else mode,
+    out = subprocess.run([sys.executable, __file__, "--child", {"engine_ab": "engine",
+                                                                 "engine_alone_ab": "engine_alone"}.get(mode, mode),
                           "--port", str(port), "--n", str(n),
                           "--concurrency", str(concurrency), *(["--pin"] if pin else [])],
                          capture_output=True, text=True, check=True, env=env)
@@ -221,6 +228,29 @@ max_tokens = 1024
         return n / elapsed, cpu, peak_in_flight
 
 
+def replay_answers() -> None:
+    """engine_alone: ChatClient.chat answers every request with the simulator's first answer, replayed
+    after one turn of the event loop (the rest of chat's work as it is: the body encoded, the answer
+    decoded, parsed and redacted, its generation id heard)."""
+    from draftgen.core.generate.api import client as cl
+    first: list[tuple[bytes, str]] = []
+
+    async def chat(self: cl.ChatClient, body: dict, on_generation=None, *, details: bool = False) -> cl.ChatAnswer:
+        start = time.monotonic()
+        sent = orjson.dumps(body)
+        if not first:
+            async with self._session.post(f"{self.base_url}/chat/completions", data=sent) as resp:
+                first.append((await resp.read(), resp.headers["X-Generation-Id"]))
+        raw, gen_id = first[0]
+        if on_generation is not None:
+            on_generation(self._redact(gen_id))
+        await asyncio.sleep(0)
+        answer = cl.parse_completion(orjson.loads(raw), time.monotonic() - start, self._self_hosted)
+        assert answer.usage.completion_tokens <= cl.past_cap_limits(cl.body_max_tokens(body, 0))[0]
+        return cl.redacted_answer(answer, self._redact)
+    cl.ChatClient.chat = chat  # type: ignore[method-assign]
+
+
 def child_main(args: argparse.Namespace) -> None:
     url = f"http://127.0.0.1:{args.port}/api/v1"
     if args.pin:
@@ -240,6 +270,8 @@ def child_main(args: argparse.Namespace) -> None:
     else:
         if args.child == "engine_nofsync":
             os.fsync = lambda fd: None  # the group commit as it is, minus the disk's part
+        if args.child == "engine_alone":
+            replay_answers()
         from draftgen.core import runtime  # the loop `draftgen run` runs on
         rate, cpu, peak = runtime.run(run_engine(url, args.n, args.concurrency,
                                                  1e6 if args.child == "engine_max_usd" else None,
@@ -280,25 +312,28 @@ def main() -> None:
              "bare_uv": "bare loop on uvloop", "engine_asyncio": "engine on asyncio's loop",
              "engine_max_usd": "engine + max_usd ceiling", "engine_nofsync": "engine, fsync a no-op",
              "engine_ab": "engine, --ab-code", "bare_tuned": "bare loop, uvloop + GC",
-             "engine_mt": f"engine, {MT_TURNS}-turn convs"}
+             "engine_mt": f"engine, {MT_TURNS}-turn convs", "engine_alone": "engine, own work",
+             "engine_alone_ab": "own work, --ab-code"}
     order = args.rows.split(",") if args.rows else \
         ["bare", "engine", *(["engine_nofsync"] if args.fsync_ab else []), "bare_gc", "engine_max_usd", "engine_mt"]
-    if order[0] != "bare" or any(m not in names for m in order) or ("engine_ab" in order) != bool(args.ab_code):
+    ab_rows = {"engine_ab", "engine_alone_ab"} & set(order)
+    if order[0] != "bare" or any(m not in names for m in order) or bool(ab_rows) != bool(args.ab_code):
         raise SystemExit(f"--rows: a comma-separated list starting with bare, of {', '.join(names)} "
-                         "(engine_ab with --ab-code, and only then)")
+                         "(engine_ab or engine_alone_ab with --ab-code, and only then)")
     runs: dict[str, list[dict]] = {m: [] for m in order}
     try:
         child("bare", port, 2000, args.concurrency)  # warm the simulator's pool and caches
         for r in range(args.rounds):
             for m in order:
                 runs[m].append(child(m, port, args.n, args.concurrency, args.pin,
-                                     args.ab_code if m == "engine_ab" else None))
+                                     args.ab_code if m in ("engine_ab", "engine_alone_ab") else None))
             if args.rounds > 1:
                 print(f"round {r + 1}: " + ", ".join(f"{m} {runs[m][-1]['rate']:.0f} req/s "
                                                       f"{runs[m][-1]['cpu_us']:.0f} us/req" for m in order),
                       flush=True)
         if args.ab_code:
-            print(f"engine: {runs['engine'][0]['code']}; engine_ab: {runs['engine_ab'][0]['code']}")
+            mine, other = ("engine", "engine_ab") if "engine_ab" in runs else ("engine_alone", "engine_alone_ab")
+            print(f"{mine}: {runs[mine][0]['code']}; {other}: {runs[other][0]['code']}")
         oa = child("openai", port, min(args.n, 2000), args.concurrency) if args.openai else None
     # The engine tunes the garbage collector (core/generate/api/limits.py tune_gc); the bare_gc row gives the bare
     # loop the same settings, so the engine's own overhead shows as engine / that row.
@@ -326,6 +361,10 @@ def main() -> None:
               f"median {statistics.median(ab):.2f}x; engine / engine_ab per round: "
               + ", ".join(f"{e['cpu_us'] / a['cpu_us']:.2f}" for e, a in zip(runs["engine"], runs["engine_ab"])))
     per_round(runs, "engine_mt", "engine", f"engine CPU per request, {MT_TURNS}-turn conversations / single-turn")
+    per_round(runs, "engine_alone", "bare_tuned", "the engine's own work per request (engine_alone) / the tuned bare "
+              "loop's CPU per request (1.3x the tuned bare loop: <= 0.3)")
+    per_round(runs, "engine_alone_ab", "bare_tuned", "the same for the --ab-code checkout (engine_alone_ab)")
+    per_round(runs, "engine_alone", "engine_alone_ab", "own work per request, this checkout / the --ab-code one")
     if args.no_concurrency:
         print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, None, None, None, tuned)
         return

@@ -70,6 +70,35 @@ async def test_answers_land_with_every_field(tmp_path):
     assert TEST_KEY not in rd.run_json.read_text()
 
 
+@pytest.mark.parametrize("keep", [100, 5])
+async def test_a_small_prompt_file_is_read_once_and_a_big_one_streamed_each_asking_every_prompt_once(
+        tmp_path, monkeypatch, keep):
+    """A file of at most KEEP_SCANNED_PROMPTS prompts is asked from what its count parsed (not read
+    again); a bigger one is streamed in chunks. Either way a second run asks only what is not on disk."""
+    from draftgen.core.generate.loop import record_book
+    monkeypatch.setattr(record_book, "KEEP_SCANNED_PROMPTS", keep)
+    streamed = []
+    real = record_book.read_prompts
+    monkeypatch.setattr(record_book, "read_prompts", lambda *a: streamed.append(a) or real(*a))
+    async with SimServer(SimConfig(seed=5, **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 30, "concurrency": 4,
+                                                    "max_tokens": 64}])
+        _, state, _ = await run_engine(cfg)
+        assert state == snap.RunState.DONE
+        assert len(streamed) == (0 if keep >= 30 else 1)
+        rd = RunDir(cfg.run_dir)
+        first = read_ids(rd.responses("a"))
+        assert sorted(first) == sorted(f"a-{i}" for i in range(30))
+        # Ten more prompts at the end of the file: the next run asks those and nothing else.
+        with open(cfg.datasets[0].prompts, "ab") as f:
+            f.writelines(orjson.dumps({"id": f"a-{i}", "prompt": f"Question {i}"}) + b"\n" for i in range(30, 40))
+        engine, state, _ = await run_engine(cfg)
+    assert state == snap.RunState.DONE
+    assert read_ids(rd.responses("a")) == first + read_ids(rd.responses("a"))[30:]
+    assert sorted(read_ids(rd.responses("a"))[30:]) == sorted(f"a-{i}" for i in range(30, 40))
+    assert dataset_row(engine, "a").done == 40
+
+
 @pytest.mark.parametrize("fault", ["429", "500", "502", "503", "524", "drop", "truncated", "error200",
                                    "finish_error", "empty_choices"])
 async def test_every_prompt_accounted_for_under_faults(tmp_path, fault):

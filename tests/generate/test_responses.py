@@ -29,7 +29,7 @@ from draftgen.core.rundir import RunDir
 from draftgen.headless.printer import run_headless
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.simulator.scenarios import BY_NAME
-from tests.helpers import TEST_KEY, dataset_row, make_config, read_ids
+from tests.helpers import TEST_KEY, dataset_row, make_config, read_ids, until
 
 # Each documented response, by whose problem OpenRouter's table says it is.
 TRANSIENT = ("in_flight_budget", "rate_limited", "request_timeout", "no_provider_503", "provider_500",
@@ -402,9 +402,14 @@ async def test_headless_says_waiting_on_a_key_limit_and_sigusr1_resumes(tmp_path
 async def test_headless_says_waiting_through_an_outage(tmp_path: Path) -> None:
     async with SimServer(sim_config(), port=0) as sim:
         config = config_for(tmp_path, sim, False)
-        sim.scenario("no_provider_503", True, after=0.1, duration=1.0)
+        # From the 5th request on, until the status line has said it (not for a time: a start slowed by
+        # load could begin after a timed outage had ended).
+        sim.scenario("no_provider_503", True, after_requests=4)
         out = io.StringIO()
-        assert await asyncio.wait_for(_headless(config, out), 30) == 0
+        task = asyncio.create_task(_headless(config, out))
+        await until(lambda: "WAITING: all" in out.getvalue() or task.done(), "a WAITING status line")
+        sim.scenario("no_provider_503", False)
+        assert await asyncio.wait_for(task, 30) == 0
     assert "WAITING: all" in out.getvalue() and "backing off" in out.getvalue()
     answered_once(config)
 

@@ -78,10 +78,12 @@ def prompt_token_bound(messages: Sequence[Mapping[str, Any]]) -> int:
         elif content is not None:  # parts, tool calls: their JSON is longer than their text
             n += len(repr(content).encode("utf-8", "surrogatepass"))
         # An earlier turn's reasoning sent back (a conversation's history, core/generate/loop/conversations.py):
-        # whether the template renders it is the provider's rule, so the bound counts it.
-        for key in ("tool_calls", "name", "reasoning", "reasoning_details", "reasoning_content"):
-            if m.get(key):
-                n += len(repr(m[key]).encode("utf-8", "surrogatepass"))
+        # whether the template renders it is the provider's rule, so the bound counts it. (A message of a
+        # role and a content, most of them, has none of these.)
+        if len(m) > 2 or "role" not in m or "content" not in m:
+            for key in ("tool_calls", "name", "reasoning", "reasoning_details", "reasoning_content"):
+                if m.get(key):
+                    n += len(repr(m[key]).encode("utf-8", "surrogatepass"))
     return n
 
 

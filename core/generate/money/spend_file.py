@@ -41,7 +41,8 @@ class LedgerFile:
     def append(self, line: dict[str, Any]) -> None:
         """Written after any held-back lines: at once outside the event loop (raises DiskError: for a `sent`
         line, do not send), at the tick's end or the next fsync inside it (`sync`/`synced` raise then)."""
-        self._flush()
+        if self._unwritten:
+            self._flush()
         self._out.append(line)
 
     def sync(self) -> None:
