@@ -24,8 +24,9 @@ peak RSS is their own:
 - engine, fsync a no-op (with --fsync-ab): the engine with os.fsync stubbed out in its process, run
   right after the engine row, so the two rows show what the fsyncs themselves cost on this disk;
 - engine, own work (engine_alone; engine_alone_ab for the --ab-code checkout): the engine with the HTTP
-  exchange replaced by the simulator's first answer, replayed (the client still encodes each body,
-  decodes, parses and redacts each answer, and hears its generation id): what is left is the engine's
+  exchange replaced by one answer of the simulator's, fetched before the run and replayed (the client
+  still encodes each body, decodes, parses and redacts each answer, and hears a new generation id
+  each time): what is left is the engine's
   own work per request, E, without aiohttp's and the kernel's share, whose noise (each round's batching)
   hides changes of a few per cent in the other rows. The 1.3x target above is E <= 0.3x the tuned bare
   loop's CPU (less the few us of JSON the bare loop does too);
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import resource
@@ -230,22 +232,26 @@ max_tokens = 1024
         return n / elapsed, cpu, peak_in_flight
 
 
-def replay_answers() -> None:
-    """engine_alone: ChatClient.chat answers every request with the simulator's first answer, replayed
-    after one turn of the event loop (the rest of chat's work as it is: the body encoded, the answer
-    decoded, parsed and redacted, its generation id heard)."""
+def replay_answers(url: str) -> None:
+    """engine_alone: ChatClient.chat answers every request with one answer of the simulator's, fetched
+    here before the run, replayed after one turn of the event loop (the rest of chat's work as it is:
+    the body encoded, the answer decoded, parsed and redacted, its generation id heard). No request of
+    the run goes over HTTP."""
+    import urllib.request
+
     from draftgen.core.generate.api import client as cl
-    first: list[tuple[bytes, str]] = []
+    body = {**BODY, "messages": [{"role": "user", "content": "Question 0"}]}
+    ask = urllib.request.Request(f"{url}/chat/completions", data=orjson.dumps(body), method="POST",
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(ask, timeout=30) as resp:
+        raw, gen_id = resp.read(), resp.headers["X-Generation-Id"]
+    sent = itertools.count()
 
     async def chat(self: cl.ChatClient, body: dict, on_generation=None, *, details: bool = False) -> cl.ChatAnswer:
         start = time.monotonic()
-        sent = orjson.dumps(body)
-        if not first:
-            async with self._session.post(f"{self.base_url}/chat/completions", data=sent) as resp:
-                first.append((await resp.read(), resp.headers["X-Generation-Id"]))
-        raw, gen_id = first[0]
-        if on_generation is not None:
-            on_generation(self._redact(gen_id))
+        orjson.dumps(body)
+        if on_generation is not None:  # a new id each time, as in a run (the Redactor checks each once)
+            on_generation(self._redact(f"{gen_id}-{next(sent)}"))
         await asyncio.sleep(0)
         answer = cl.parse_completion(orjson.loads(raw), time.monotonic() - start, self._self_hosted)
         assert answer.usage.completion_tokens <= cl.past_cap_limits(cl.body_max_tokens(body, 0))[0]
@@ -273,7 +279,7 @@ def child_main(args: argparse.Namespace) -> None:
         if args.child == "engine_nofsync":
             os.fsync = lambda fd: None  # the group commit as it is, minus the disk's part
         if args.child == "engine_alone":
-            replay_answers()
+            replay_answers(url)
         from draftgen.core import runtime  # the loop `draftgen run` runs on
         rate, cpu, peak = runtime.run(run_engine(url, args.n, args.concurrency,
                                                  1e6 if args.child == "engine_max_usd" else None,
@@ -333,9 +339,9 @@ def main() -> None:
                 print(f"round {r + 1}: " + ", ".join(f"{m} {runs[m][-1]['rate']:.0f} req/s "
                                                       f"{runs[m][-1]['cpu_us']:.0f} us/req" for m in order),
                       flush=True)
-        if args.ab_code:
-            mine, other = ("engine", "engine_ab") if "engine_ab" in runs else ("engine_alone", "engine_alone_ab")
-            print(f"{mine}: {runs[mine][0]['code']}; {other}: {runs[other][0]['code']}")
+        for mine, other in (("engine", "engine_ab"), ("engine_alone", "engine_alone_ab")):
+            if mine in runs and other in runs:
+                print(f"{mine}: {runs[mine][0]['code']}; {other}: {runs[other][0]['code']}")
         oa = child("openai", port, min(args.n, 2000), args.concurrency) if args.openai else None
     # The engine tunes the garbage collector (core/generate/api/limits.py tune_gc); the bare_gc row gives the bare
     # loop the same settings, so the engine's own overhead shows as engine / that row.
@@ -357,7 +363,7 @@ def main() -> None:
     # per round (the two rows of a round ran in the same minutes).
     tuned = ([x["cpu_us"] / t["cpu_us"] for t, x in zip(runs["bare_tuned"], runs["engine"])]
              if "bare_tuned" in runs and "engine" in runs else [])
-    if "bare_tuned" in runs and "engine_ab" in runs:  # the other checkout's engine against the same reference
+    if {"bare_tuned", "engine", "engine_ab"} <= runs.keys():  # the other checkout's engine against the same reference
         ab = [x["cpu_us"] / t["cpu_us"] for t, x in zip(runs["bare_tuned"], runs["engine_ab"])]
         print(f"engine_ab CPU per request / the tuned bare loop's, per round: {', '.join(f'{r:.2f}' for r in ab)}; "
               f"median {statistics.median(ab):.2f}x; engine / engine_ab per round: "

@@ -75,7 +75,8 @@ def clip(text: str, width: int) -> str:
 
 
 def to_ms(seconds: float) -> float:
-    """Seconds kept to the millisecond, as the files write times and latencies (a timestamp, a latency:
-    never negative). round(x, 3) gives the same value at ten times the cost, and this runs a few times
+    """Seconds kept to the millisecond, as the files write times and latencies: for a timestamp or a
+    latency (finite, never negative) only. Halves round up, on the binary product (one timestamp in
+    ~10,000 ends 1 ms above round(x, 3)'s half-even), at a tenth of round()'s cost: this runs a few times
     per request."""
     return int(seconds * 1000.0 + 0.5) / 1000.0

@@ -99,6 +99,25 @@ async def test_a_small_prompt_file_is_read_once_and_a_big_one_streamed_each_aski
     assert dataset_row(engine, "a").done == 40
 
 
+async def test_prompts_kept_from_the_count_are_bounded_over_all_the_datasets_together(tmp_path, monkeypatch):
+    """Two small files whose prompts together pass KEEP_SCANNED_PROMPTS: the first counted is kept, the
+    second streamed (not both held until their datasets start); both asked whole."""
+    from draftgen.core.generate.loop import record_book
+    monkeypatch.setattr(record_book, "KEEP_SCANNED_PROMPTS", 40)
+    streamed = []
+    real = record_book.read_prompts
+    monkeypatch.setattr(record_book, "read_prompts", lambda path, *a: streamed.append(path.name) or real(path, *a))
+    async with SimServer(SimConfig(seed=5, **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 30, "concurrency": 4, "max_tokens": 64},
+                                                   {"name": "b", "n": 30, "concurrency": 4, "max_tokens": 64}])
+        engine, state, _ = await run_engine(cfg)
+    assert state == snap.RunState.DONE
+    assert streamed == ["b.jsonl"]
+    rd = RunDir(cfg.run_dir)
+    for name in ("a", "b"):
+        assert sorted(read_ids(rd.responses(name))) == sorted(f"{name}-{i}" for i in range(30))
+
+
 @pytest.mark.parametrize("fault", ["429", "500", "502", "503", "524", "drop", "truncated", "error200",
                                    "finish_error", "empty_choices"])
 async def test_every_prompt_accounted_for_under_faults(tmp_path, fault):

@@ -407,7 +407,11 @@ async def test_headless_says_waiting_through_an_outage(tmp_path: Path) -> None:
         sim.scenario("no_provider_503", True, after_requests=4)
         out = io.StringIO()
         task = asyncio.create_task(_headless(config, out))
-        await until(lambda: "WAITING: all" in out.getvalue() or task.done(), "a WAITING status line")
+        try:
+            await until(lambda: "WAITING: all" in out.getvalue() or task.done(), "a WAITING status line")
+        except BaseException:
+            task.cancel()
+            raise
         sim.scenario("no_provider_503", False)
         assert await asyncio.wait_for(task, 30) == 0
     assert "WAITING: all" in out.getvalue() and "backing off" in out.getvalue()

@@ -21,8 +21,9 @@ A line that cannot be used becomes a `Rejection` (line number and reason); readi
 with no usable line at all (empty, a JSON array, a pretty-printed object) is a PromptFileError at
 its end: a run over it would otherwise end "complete" having asked nothing. A JSON array is refused,
 not read: prompt files are streamed, and an array would have to be held whole in memory. (A run counts
-each file before it starts; a file of up to 20,000 prompts is then asked from what that count parsed,
-a bigger one read again as a stream: record_book.py KEEP_SCANNED_PROMPTS.)
+each file before it starts; up to 20,000 prompts over all its datasets are then asked from what that
+count parsed, the rest read again as a stream when their dataset starts: record_book.py
+KEEP_SCANNED_PROMPTS.)
 """
 
 from __future__ import annotations

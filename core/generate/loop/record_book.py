@@ -16,6 +16,7 @@ next run imports before it sends anything; only if no place takes them are they 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -50,9 +51,12 @@ from draftgen.core.units import to_ms
 
 PROMPT_CHUNK = 512
 # A prompt file this small is read once: the prompts its count (scan_prompts) parsed are kept and asked,
-# not parsed a second time. Bounded so that a big file is still streamed (its memory stays flat).
+# not parsed a second time. Bounded over every dataset of the run together, so that a big file is still
+# streamed (its memory stays flat) and many small ones kept at once hold no more: at most this many
+# prompts, of at most this size (their text in characters and MESSAGE_SIZE per message, ~25-70 MB).
 KEEP_SCANNED_PROMPTS = 20_000
-KEEP_SCANNED_CHARS = 16 << 20
+KEEP_SCANNED_SIZE = 16 << 20
+MESSAGE_SIZE = 64
 
 
 @dataclass
@@ -77,7 +81,10 @@ class RecordBook:
         self._control = ctx.control  # the run's owner: a write the disk refuses holds the run through it
         self._on_answer = on_answer  # the answer handed on once on disk (the live token view, core/run)
         self._held: list[_Held] = []
-        self._scanned: dict[str, list[Prompt]] = {}  # per dataset: the prompts its count read (scan_prompts)
+        # Per dataset: the prompts its count read (scan_prompts) and their size, until its source takes them;
+        # counts run in threads.
+        self._scanned: dict[str, tuple[list[Prompt], int]] = {}
+        self._kept_lock = threading.Lock()
         self._disk_error: DiskError | None = None   # why the records are held
         # earlier runs' spools, imported as datasets open
         self._spools = SpoolImport(rundir, ctx.control.spool_imported, ctx.event)
@@ -135,8 +142,9 @@ class RecordBook:
         by_turn: Counter[int] = Counter()
         all_turns = ds.config.turns == "all"
         items = read_dataset(ds.config.prompts, ds.config.turns, ds.config.max_turns)
+        room, room_size = self._keep_room(ds.config.name)
         kept: list[Prompt] | None = [] if not all_turns else None
-        chars = 0
+        size = 0
         with replacing(self.rundir.rejected(ds.config.name)) as out:  # on an error the old one stays
             for item in items:
                 if isinstance(item, Rejection):
@@ -153,19 +161,38 @@ class RecordBook:
                     total += 1
                     fresh += item.id not in ds.done_ids
                     if kept is not None:
-                        chars += sum(len(m["content"]) for m in item.messages)
-                        if len(kept) < KEEP_SCANNED_PROMPTS and chars <= KEEP_SCANNED_CHARS:
+                        size += sum(len(m["content"]) + MESSAGE_SIZE for m in item.messages)
+                        if len(kept) < room and size <= room_size:
                             kept.append(item)
                         else:
                             kept = None
         if kept is not None:
-            self._scanned[ds.config.name] = kept
+            self._keep(ds.config.name, kept, size)
         ds.counted(total, rejected, fresh, conversations=(conversations, turn_sum, by_turn) if all_turns else None)
+
+    def _keep_room(self, name: str) -> tuple[int, int]:
+        """What the kept prompts of the other datasets leave (prompts, size); `name`'s own are dropped
+        first (a count taken again replaces them)."""
+        with self._kept_lock:
+            self._scanned.pop(name, None)
+            return self._room_left()
+
+    def _keep(self, name: str, kept: list[Prompt], size: int) -> None:
+        """Keep a dataset's counted prompts if they still fit beside the others' (counts can run at once)."""
+        with self._kept_lock:
+            room, room_size = self._room_left()
+            if len(kept) <= room and size <= room_size:
+                self._scanned[name] = (kept, size)
+
+    def _room_left(self) -> tuple[int, int]:
+        held = self._scanned.values()
+        return (KEEP_SCANNED_PROMPTS - sum(len(k) for k, _ in held), KEEP_SCANNED_SIZE - sum(n for _, n in held))
 
     async def prompts(self, ds: DatasetRun) -> AsyncIterator[Prompt]:
         """The dataset's prompts not yet on disk: those its count kept (a small file), else read in a
         thread a chunk at a time."""
-        kept = self._scanned.pop(ds.config.name, None)
+        with self._kept_lock:
+            kept, _ = self._scanned.pop(ds.config.name, (None, 0))
         if kept is not None:
             for p in kept:
                 if p.id not in ds.done_ids:
