@@ -164,9 +164,8 @@ class JsonlAppender:
                 self.flush()
             else:
                 self._buf.append(line)
-                if not self._flush_due:
-                    self._flush_due = True
-                    loop.call_soon(self._flush_tick)
+                self._flush_due = True
+                loop.call_soon(self._flush_tick)
                 return
         written = 0
         try:
