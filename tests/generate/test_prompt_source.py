@@ -14,9 +14,10 @@ def prompt(i: int) -> Prompt:
     return Prompt(f"a-{i}", [{"role": "user", "content": str(i)}], i + 1)
 
 
-async def stream(n: int) -> AsyncIterator[Prompt]:
-    for i in range(n):
-        yield prompt(i)
+async def stream(n: int) -> AsyncIterator[list[Prompt]]:
+    """n prompts in chunks of two, as a dataset's file is read a chunk at a time."""
+    for i in range(0, n, 2):
+        yield [prompt(k) for k in range(i, min(n, i + 2))]
 
 
 async def test_prompts_handed_back_come_before_the_files_next_in_the_order_they_came_back() -> None:

@@ -218,6 +218,9 @@ class Engine:
         parallel = cfg.engine.parallel
         need = (sum(d.concurrency for d in cfg.datasets) if parallel else max(d.concurrency for d in cfg.datasets))
         ensure_open_files(need)
+        # The collector tuned before the opening too: with the default thresholds, reading the prompts and
+        # the run's files (tens of thousands of objects kept) ran ~60 collections, a full one among them.
+        tune_gc(need)
         self.rundir.root.mkdir(parents=True, exist_ok=True)
         write_run_json(self.rundir, cfg)
         own_client = client is None
@@ -244,7 +247,7 @@ class Engine:
             self._opened = Opened(client, costs, duplicates)
             self._loop = RunLoop(self._ctx, self._opened, datasets=self.datasets, money=self.money, spend=self.spend,
                                  book=self.book, rng=self._rng, drain=self.drain, resume=self._set_running)
-            tune_gc(need)
+            tune_gc(need)  # again: what the opening built (the prompts kept, the ids on disk) frozen out too
             await self._loop.run()
             await self._wait_for_disk()
         finally:

@@ -162,9 +162,12 @@ def _line_id(obj: Any) -> str:
     if not isinstance(obj, dict):
         raise ValueError("line is not a JSON object")
     raw_id = obj.get("id")
-    if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or raw_id == "":
-        raise ValueError("missing `id` (a string or integer)" if raw_id is None else f"bad id {raw_id!r}")
-    return str(raw_id)
+    kind = type(raw_id)  # as JSON decodes it: a str, an int, or another type (a bool is not an int here)
+    if kind is str and raw_id:
+        return raw_id
+    if kind is int:
+        return str(raw_id)
+    raise ValueError("missing `id` (a string or integer)" if raw_id is None else f"bad id {raw_id!r}")
 
 
 def parse_prompt(obj: Any, turns: str = "last") -> tuple[str, list[dict[str, str]]]:
@@ -336,17 +339,20 @@ def _read_lines(path: Path, seen: set[str], parse: Callable[[Any, int], Prompt |
                 continue
             if line_no == 1 and line.startswith(b"\xef\xbb\xbf"):
                 line = line[3:]  # a UTF-8 byte-order mark (some editors and exports write one)
-            if not line.strip():
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError as e:
+                if not line.strip():  # a blank line (not JSON either): skipped
+                    continue
+                if first:
+                    first = False
+                    yield line[:64]
+                reason = "not valid UTF-8" if "utf-8" in str(e).lower() else f"not valid JSON ({e.msg})"
+                yield Rejection(line_no, None, reason)
                 continue
             if first:
                 first = False
                 yield line[:64]
-            try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError as e:
-                reason = "not valid UTF-8" if "utf-8" in str(e).lower() else f"not valid JSON ({e.msg})"
-                yield Rejection(line_no, None, reason)
-                continue
             try:
                 item = parse(obj, line_no)
             except ValueError as e:

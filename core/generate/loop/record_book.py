@@ -161,7 +161,8 @@ class RecordBook:
                     total += 1
                     fresh += item.id not in ds.done_ids
                     if kept is not None:
-                        size += sum(len(m["content"]) + MESSAGE_SIZE for m in item.messages)
+                        for m in item.messages:
+                            size += len(m["content"]) + MESSAGE_SIZE
                         if len(kept) < room and size <= room_size:
                             kept.append(item)
                         else:
@@ -188,33 +189,28 @@ class RecordBook:
         held = self._scanned.values()
         return (KEEP_SCANNED_PROMPTS - sum(len(k) for k, _ in held), KEEP_SCANNED_SIZE - sum(n for _, n in held))
 
-    async def prompts(self, ds: DatasetRun) -> AsyncIterator[Prompt]:
-        """The dataset's prompts not yet on disk: those its count kept (a small file), else read in a
-        thread a chunk at a time."""
+    async def prompts(self, ds: DatasetRun) -> AsyncIterator[list[Prompt]]:
+        """The dataset's prompts not yet on disk, in chunks: those its count kept (a small file) at once,
+        else read in a thread PROMPT_CHUNK at a time."""
         with self._kept_lock:
             kept, _ = self._scanned.pop(ds.config.name, (None, 0))
+        done = ds.done_ids
         if kept is not None:
-            for p in kept:
-                if p.id not in ds.done_ids:
-                    yield p
+            yield [p for p in kept if p.id not in done]
             return
         it: Iterator[Prompt | Rejection] = read_prompts(ds.config.prompts, ds.config.turns)
 
         def chunk() -> list[Prompt]:
             out: list[Prompt] = []
             for item in it:
-                if isinstance(item, Prompt) and item.id not in ds.done_ids:
+                if isinstance(item, Prompt) and item.id not in done:
                     out.append(item)
                     if len(out) >= PROMPT_CHUNK:
                         break
             return out
 
-        while True:
-            batch = await asyncio.to_thread(chunk)
-            if not batch:
-                return
-            for p in batch:
-                yield p
+        while batch := await asyncio.to_thread(chunk):
+            yield batch
 
     # -- records --------------------------------------------------------------------------------
 

@@ -229,7 +229,7 @@ class Requests:
     async def _run(self, req: Request, body: dict[str, Any]) -> None:
         """The request's body: asked until it has an outcome (under the body its ticket reserved for),
         the outcome booked and recorded, durable (group fsync) before the request finishes."""
-        if await self._book_outcome(req, await self._ask(req.ds, body, req.ticket), body):
+        if self._book_outcome(req, await self._ask(req.ds, body, req.ticket), body):
             await self._book.synced(req.ds)
 
     # -- 3. attempt and retry ------------------------------------------------------------------------
@@ -386,7 +386,7 @@ class Requests:
 
     # -- 4. book, 5. record --------------------------------------------------------------------------
 
-    async def _book_outcome(self, req: Request, done: Attempted, body: dict[str, Any]) -> bool:
+    def _book_outcome(self, req: Request, done: Attempted, body: dict[str, Any]) -> bool:
         """The outcome recorded (or the prompt handed back, skipped, its dataset stopped) and its source
         told; True when a record was written (it is fsynced before the request ends)."""
         ctx, ds, prompt = self._ctx, req.ds, req.prompt

@@ -87,8 +87,9 @@ class FileSource:
     file's next ones not yet on disk. Once the file is read, `next` waits while prompts it yielded are
     not booked (any may come back), and returns None when none is out and none was handed back."""
 
-    def __init__(self, prompts: AsyncIterator[Prompt]) -> None:
-        self._file: AsyncIterator[Prompt] | None = prompts  # None once read to its end
+    def __init__(self, chunks: AsyncIterator[list[Prompt]]) -> None:
+        self._file: AsyncIterator[list[Prompt]] | None = chunks  # the file's prompts by the chunk; None once read
+        self._chunk: deque[Prompt] = deque()  # the rest of the chunk read last
         self._back: deque[Prompt] = deque()
         self._out = 0  # yielded, not booked yet
         self._booked = asyncio.Event()  # set on each booking, for a `next` waiting at the file's end
@@ -108,12 +109,15 @@ class FileSource:
             if self._back:
                 self._out += 1
                 return self._back.popleft()
+            if self._chunk:
+                self._out += 1
+                return self._chunk.popleft()
             if self._file is not None:
-                prompt = await anext(self._file, None)
-                if prompt is not None:
-                    self._out += 1
-                    return prompt
-                self._file = None
+                chunk = await anext(self._file, None)
+                if chunk is None:
+                    self._file = None
+                else:
+                    self._chunk.extend(chunk)
                 continue
             if not self._out:
                 return None
