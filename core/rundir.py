@@ -123,6 +123,7 @@ def repair_torn_tail(path: Path) -> int:
 # seconds; at hundreds of answers a second it turns one fsync, and one thread hand-off, per handful of
 # answers into one per dozens: each costs the event loop's process CPU in the kernel and in the hand-off).
 SYNC_INTERVAL_S = 0.02
+_LINE = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE  # a JSONL line's encoding
 
 
 class JsonlAppender:
@@ -153,7 +154,7 @@ class JsonlAppender:
         self._last_start = -SYNC_INTERVAL_S          # loop time the last fsync began
 
     def append(self, obj: Any) -> None:
-        line = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE)
+        line = orjson.dumps(obj, option=_LINE)
         if self._coalesce:
             if self._flush_due:  # this tick's flush is already scheduled: the line joins it
                 self._buf.append(line)

@@ -163,7 +163,7 @@ class Requests:
         room for it; a GO whose prompt another dataset has is skipped too), or give it back to its
         source (HALT); BUDGET leaves it with the caller, whose dataset the budget ends."""
         body, worst = self._room.request_for(ds, prompt)
-        decision = await self._room.admit(ds, worst)
+        decision = self._room.admit_now(ds, worst) or await self._room.admit(ds, worst)
         verdict = decision.verdict
         if verdict is Admit.GO:
             if self._taken_elsewhere(ds, prompt):
@@ -315,7 +315,8 @@ class Requests:
         while len(blocks) <= block:
             blocks.append(0)
         blocks[block] += 1
-        self._note_reachable()
+        if (since := self._unreachable_since) is not None:
+            self._note_reachable(since)
         return Attempted(Outcome.ANSWERED, tries, answer=answer, seq=seq)
 
     def _note_failure(self, ds: DatasetRun, ticket: Ticket, tries: int, e: RequestFailed) -> None:
@@ -479,10 +480,10 @@ class Requests:
             ctx.event(Level.WARN, EventKind.UNREACHABLE, f"{cause}: {advice}; retrying until it answers, no prompt "
                       "is failed meanwhile")
 
-    def _note_reachable(self) -> None:
-        if self._unreachable_since is not None:
-            ctx = self._ctx
-            ctx.event(Level.INFO, EventKind.REACHABLE, f"{ctx.config.api.base_url} answers again after "
-                      f"{ctx.clock() - self._unreachable_since:.0f} s out of reach")
-            self._unreachable_since = None
+    def _note_reachable(self, since: float) -> None:
+        """The API answers again after it could not be reached since `since`."""
+        ctx = self._ctx
+        ctx.event(Level.INFO, EventKind.REACHABLE, f"{ctx.config.api.base_url} answers again after "
+                  f"{ctx.clock() - since:.0f} s out of reach")
+        self._unreachable_since = None
 

@@ -51,6 +51,7 @@ class _Wait(Enum):
     """What a request held back waits for before admission looks again."""
     WAKE = "wake"  # its dataset's wake: an answer in flight came back, or money settled
     GATE = "gate"  # the run's gate: the run is held at the credit floor
+    OPEN = "open"  # the run's gate opening again (paused, or held)
 
 
 class _Made:
@@ -137,23 +138,33 @@ class Room:
                         "it stays eligible for a later run, and the next prompts go on (each one that does not "
                         "fit is skipped and counted)", dataset=name)
 
+    def admit_now(self, ds: DatasetRun, worst: float) -> Decision | None:
+        """`admit` without waiting: GO, HALT or the budget that stops it when that is decided now, None
+        when the request must wait (then `admit` waits; a prompt goes out here almost always)."""
+        decided = self._now(ds, worst)
+        return None if isinstance(decided, _Wait) else decided
+
     async def admit(self, ds: DatasetRun, worst: float) -> Decision:
         """Wait until the dataset may send one more request costing at most `worst`; GO, HALT, or the
         budget that stops it."""
         while True:
-            if self._control.closed or ds.stopped:
-                return HALT
-            if not self._control.is_open:
+            decided = self._now(ds, worst)
+            if decided is _Wait.OPEN:
                 await self._control.wait_open()
-                continue
-            held = self._held_back(ds, worst)
-            if held is None:
-                return GO
-            if held is _Wait.WAKE:
+            elif decided is _Wait.WAKE:
                 ds.wake.clear()
                 await ds.wake.wait()
-            elif held is not _Wait.GATE:
-                return held
+            elif decided is not _Wait.GATE:
+                return decided
+
+    def _now(self, ds: DatasetRun, worst: float) -> Decision | _Wait:
+        """GO, HALT, the budget that stops the dataset, or what the request waits for."""
+        if self._control.closed or ds.stopped:
+            return HALT
+        if not self._control.is_open:
+            return _Wait.OPEN
+        held = self._held_back(ds, worst)
+        return GO if held is None else held
 
     def _held_back(self, ds: DatasetRun, worst: float) -> Decision | _Wait | None:
         """What keeps one more request of `ds` from going out now, in the order they are checked: its
