@@ -57,6 +57,7 @@ import asyncio
 import itertools
 import json
 import os
+import random
 import resource
 import socket
 import statistics
@@ -366,8 +367,9 @@ def main() -> None:
     if {"bare_tuned", "engine", "engine_ab"} <= runs.keys():  # the other checkout's engine against the same reference
         ab = [x["cpu_us"] / t["cpu_us"] for t, x in zip(runs["bare_tuned"], runs["engine_ab"])]
         print(f"engine_ab CPU per request / the tuned bare loop's, per round: {', '.join(f'{r:.2f}' for r in ab)}; "
-              f"median {statistics.median(ab):.2f}x; engine / engine_ab per round: "
-              + ", ".join(f"{e['cpu_us'] / a['cpu_us']:.2f}" for e, a in zip(runs["engine"], runs["engine_ab"])))
+              f"median {statistics.median(ab):.2f}x{median_interval(ab)}; engine / engine_ab per round: "
+              + ", ".join(f"{e['cpu_us'] / a['cpu_us']:.2f}" for e, a in zip(runs["engine"], runs["engine_ab"]))
+              + median_interval([e["cpu_us"] / a["cpu_us"] for e, a in zip(runs["engine"], runs["engine_ab"])]))
     per_round(runs, "engine_mt", "engine", f"engine CPU per request, {MT_TURNS}-turn conversations / single-turn")
     per_round(runs, "engine_alone", "bare_tuned", "the engine's own work per request (engine_alone) / the tuned bare "
               "loop's CPU per request (1.3x the tuned bare loop: <= 0.3)")
@@ -389,6 +391,18 @@ def main() -> None:
         sim.wait()
 
     print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, hold_s, peak, conc, tuned)
+
+
+def median_interval(values: list[float], level: float = 0.9) -> str:
+    """The median's `level` interval by bootstrap (resampled with replacement, seeded: the same rounds give
+    the same interval), as text; empty under 5 rounds. One round's ratio moves by +-25% on a shared
+    machine: with --rounds 15 or more, one run's interval is narrow enough to tell 1.3x from 1.4x."""
+    if len(values) < 5:
+        return ""
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(2000))
+    cut = int(len(meds) * (1 - level) / 2)
+    return f"; {level:.0%} interval of the median {meds[cut]:.2f}-{meds[-1 - cut]:.2f}"
 
 
 def per_round(runs: dict[str, list[dict]], row: str, ref: str, what: str) -> None:
@@ -420,7 +434,7 @@ def print_table(args: argparse.Namespace, rows: list, cpu_ratio: dict, rate_rati
         if tuned:
             print(f"engine CPU per request / the tuned bare loop's (same event loop and GC), per round: "
                   f"{', '.join(f'{r:.2f}' for r in tuned)}; median {statistics.median(tuned):.2f}x "
-                  f"(min {min(tuned):.2f}, max {max(tuned):.2f}; target <= 1.3x)")
+                  f"(min {min(tuned):.2f}, max {max(tuned):.2f}{median_interval(tuned)}; target <= 1.3x)")
         if nofsync is not None:
             print(f"engine (fsyncs) / engine with fsync a no-op: {e['rate'] / nofsync['rate']:.2f}x req/s, "
                   f"CPU per request {nofsync['cpu_us'] / e['cpu_us']:.2f}x")
