@@ -366,10 +366,10 @@ def main() -> None:
              if "bare_tuned" in runs and "engine" in runs else [])
     if {"bare_tuned", "engine", "engine_ab"} <= runs.keys():  # the other checkout's engine against the same reference
         ab = [x["cpu_us"] / t["cpu_us"] for t, x in zip(runs["bare_tuned"], runs["engine_ab"])]
+        rel = [e["cpu_us"] / a["cpu_us"] for e, a in zip(runs["engine"], runs["engine_ab"])]
         print(f"engine_ab CPU per request / the tuned bare loop's, per round: {', '.join(f'{r:.2f}' for r in ab)}; "
               f"median {statistics.median(ab):.2f}x{median_interval(ab)}; engine / engine_ab per round: "
-              + ", ".join(f"{e['cpu_us'] / a['cpu_us']:.2f}" for e, a in zip(runs["engine"], runs["engine_ab"]))
-              + median_interval([e["cpu_us"] / a["cpu_us"] for e, a in zip(runs["engine"], runs["engine_ab"])]))
+              f"{', '.join(f'{r:.2f}' for r in rel)}{median_interval(rel)}")
     per_round(runs, "engine_mt", "engine", f"engine CPU per request, {MT_TURNS}-turn conversations / single-turn")
     per_round(runs, "engine_alone", "bare_tuned", "the engine's own work per request (engine_alone) / the tuned bare "
               "loop's CPU per request (1.3x the tuned bare loop: <= 0.3)")

@@ -339,20 +339,19 @@ def _read_lines(path: Path, seen: set[str], parse: Callable[[Any, int], Prompt |
                 continue
             if line_no == 1 and line.startswith(b"\xef\xbb\xbf"):
                 line = line[3:]  # a UTF-8 byte-order mark (some editors and exports write one)
+            bad = ""  # why the line is not JSON
             try:
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError as e:
                 if not line.strip():  # a blank line (not JSON either): skipped
                     continue
-                if first:
-                    first = False
-                    yield line[:64]
-                reason = "not valid UTF-8" if "utf-8" in str(e).lower() else f"not valid JSON ({e.msg})"
-                yield Rejection(line_no, None, reason)
-                continue
+                bad = "not valid UTF-8" if "utf-8" in str(e).lower() else f"not valid JSON ({e.msg})"
             if first:
                 first = False
                 yield line[:64]
+            if bad:
+                yield Rejection(line_no, None, bad)
+                continue
             try:
                 item = parse(obj, line_no)
             except ValueError as e:
