@@ -21,7 +21,9 @@ from draftgen.core.errors import EXIT_KEY_REFUSED, DraftgenError, KeyRefusedErro
 from draftgen.core.generate.api.classify import RequestFailed, Whose
 from draftgen.core.generate.commands.retry_failed import history_path, retry_failed
 from draftgen.core.generate.commands.smoke import run_smoke
+from draftgen.core.generate.loop.doubts import DOUBT_LIMIT, Doubts
 from draftgen.core.generate.loop.engine import Engine
+from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.summary import EXIT_INCOMPLETE
 from draftgen.core.records import ErrorKind
@@ -270,6 +272,46 @@ async def test_a_parameter_refused_mid_run_at_2000_in_flight_fails_no_prompt(tmp
     assert peak == 2000 and refused >= 5 and a.done >= 1900
     assert a.failed == 0 and failures(config, "a") == []
     assert a.status == snap.DatasetStatus.STOPPED and "request parameters" in a.message and "top_k" in a.message
+
+
+def test_at_the_end_only_an_answer_sent_after_a_refused_request_makes_its_refusal_its_own() -> None:
+    """However the sends and refusals interleave (every prompt left sent before the first refusal came
+    back, as on a fast machine), at the dataset's end a refused prompt fails as its own only when a request
+    sent after it was answered; `DOUBT_LIMIT` or more with every answer sent before them stay eligible
+    (the dataset stops); fewer fail (the last prompt of a dataset refused alone)."""
+    def refused(doubts: Doubts, seqs: range, sent: int) -> None:
+        for seq in seqs:
+            doubts.add(Prompt(f"p{seq}", [], seq), RequestFailed(ErrorKind.BAD_REQUEST, "400"), 1, seq, sent)
+
+    mid_run = Doubts()  # 2,000 answered, all sent before the 1,000 refused ones
+    mid_run.answered(2000)
+    refused(mid_run, range(2001, 3001), 3000)
+    own, stop = mid_run.settle()
+    assert own == [] and stop and len(mid_run) == 1000
+
+    busy = Doubts()  # refusals among the last requests, some sent after them answered
+    refused(busy, range(590, 597), 600)
+    busy.answered(594)  # 590-593 proven their own; 594-596 unproven, fewer than DOUBT_LIMIT
+    own, stop = busy.settle()
+    assert [d.seq for d in own] == list(range(590, 597)) and not stop and len(busy) == 0
+
+    mixed = Doubts()  # 3 proven their own, DOUBT_LIMIT or more with no answer sent after them
+    refused(mixed, range(590, 600), 600)
+    mixed.answered(593)
+    own, stop = mixed.settle()
+    assert [d.seq for d in own] == [590, 591, 592] and stop and [d.seq for d in mixed.items] == list(range(593, 600))
+    assert 600 - 593 >= DOUBT_LIMIT
+
+    last = Doubts()  # the last prompt refused alone, the others answered before it was sent
+    last.answered(99)
+    refused(last, range(100, 101), 100)
+    assert [d.seq for d in last.settle()[0]] == [100] and len(last) == 0
+
+    smoke = Doubts()  # the last smoke test answered this request shape: the parameters work
+    smoke.smoke_answered = True
+    refused(smoke, range(1, 11), 10)
+    own, stop = smoke.settle()
+    assert len(own) == 10 and not stop
 
 
 # -- the dataset's routing or settings: the dataset stops, its prompts stay eligible --------------

@@ -14,9 +14,14 @@ aside, unrecorded, and:
   probe: requests already in flight were sent before the refusals, so their answers prove nothing):
   a probe answered confirms them all and sending resumes in full; `PROBES` probes in a row refused
   too and the dataset stops, its prompts eligible (room.py);
-- at the dataset's end, what is still set aside fails as its own if the dataset answered anything
-  this run or its request shape was answered by the last smoke test; otherwise the dataset stops,
-  saying that an answered smoke test lets the next run fail them (ledger.py `settle_doubts`).
+- at the dataset's end (record_book.py `settle_doubts`), what is still set aside fails as its own if
+  the last smoke test answered the dataset's request shape; else a prompt whose request was sent
+  before one that was answered fails as its own (the parameters worked after it went out), and so do
+  the rest when they are fewer than `DOUBT_LIMIT` and the dataset answered anything this run (the last
+  prompt of a dataset refused alone). `DOUBT_LIMIT` or more refused with every answer sent before them
+  (a parameter the provider started refusing while the answers in flight were sent before it): the
+  dataset stops, they stay eligible, and so it does when it answered nothing this run; the stop says
+  that an answered smoke test lets the next run fail them.
 A drain or stop-now leaves them eligible.
 """
 
@@ -37,6 +42,7 @@ class Doubt:
     error: RequestFailed
     attempts: int
     refused_after: int   # requests the dataset had sent when the refusal came: a later one answered confirms it
+    seq: int = 0         # the refused request's own number (DatasetRun.sent when it left)
 
 
 class Doubts:
@@ -45,6 +51,7 @@ class Doubts:
         self.smoke_answered = False  # the last smoke test got an answer with this dataset's request shape
         self.probe_out = False       # a probe is in flight (held: one at a time)
         self.refused_probes = 0      # refused while held, sent after the refusal before them
+        self.last_answered = 0       # the number of the latest-sent request answered this run (settle_doubts)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -63,11 +70,23 @@ class Doubts:
         """Set aside the prompt whose request number `seq` was refused when `sent` had been sent."""
         if self.held and seq > self.items[-1].refused_after:
             self.refused_probes += 1
-        self.items.append(Doubt(prompt, e, attempts, sent))
+        self.items.append(Doubt(prompt, e, attempts, sent, seq))
 
-    def clear(self) -> None:
-        """Every set-aside prompt has its outcome now (failed as its own at the dataset's end)."""
-        self.items.clear()
+    def answered(self, seq: int) -> None:
+        """Request number `seq` was answered."""
+        if seq > self.last_answered:
+            self.last_answered = seq
+
+    def settle(self) -> tuple[list[Doubt], bool]:
+        """At the dataset's end (answered this run or in the last smoke test): the set-aside prompts that
+        fail as their own, taken out, and whether the rest, left set aside (eligible), stop the dataset."""
+        own, rest = self.items, []
+        if not self.smoke_answered:
+            unproven = [d for d in own if d.seq >= self.last_answered]
+            if len(unproven) >= DOUBT_LIMIT:
+                own, rest = [d for d in own if d.seq < self.last_answered], unproven
+        self.items = rest
+        return own, bool(rest)
 
     def confirmed(self, seq: int) -> list[Doubt]:
         """The set-aside prompts that an answer to request number `seq` shows were refused for their own

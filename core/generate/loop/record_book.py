@@ -219,8 +219,10 @@ class RecordBook:
         """The answer on disk (or held while the disk refuses); and the prompts set aside by a 4xx naming
         no known cause before request `seq` was sent fail as their own: the same parameters work.
         `sampling`: the line's `sampling` field (config.sampling_of the body sent), when the dataset records it."""
-        if ds.doubts:  # set-aside prompts, rare: none to look through on almost every answer
-            for d in ds.doubts.confirmed(seq):
+        doubts = ds.doubts
+        doubts.answered(seq)
+        if doubts:  # set-aside prompts, rare: none to look through on almost every answer
+            for d in doubts.confirmed(seq):
                 self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"
         empty = not a.content.strip()
@@ -252,17 +254,18 @@ class RecordBook:
         return bool(ds.doubts) and ds.stop_for(ds.doubts.items[-1].error, self._redact)
 
     def settle_doubts(self, ds: DatasetRun) -> bool:
-        """The dataset has nothing left to send: set-aside prompts fail as their own if it answered
-        anything this run or in the last smoke test (its parameters work); else it stops (True), and they
-        stay eligible."""
-        if not ds.doubts or ds.stopped:
+        """The dataset has nothing left to send: set-aside prompts fail as their own when its parameters
+        are shown to work (doubts.py `Doubts.settle`); the others stay eligible and the dataset stops
+        (True: just now)."""
+        doubts = ds.doubts
+        if not doubts or ds.stopped:
             return False
-        if not (ds.answered_now or ds.doubts.smoke_answered):
+        if not (ds.answered_now or doubts.smoke_answered):
             return self.stop_doubted(ds)
-        for d in ds.doubts.items:
+        own, stop = doubts.settle()
+        for d in own:
             self.record_failure(ds, d.prompt, d.error, d.attempts)
-        ds.doubts.clear()
-        return False
+        return stop and self.stop_doubted(ds)
 
     def record_failure(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int) -> None:
         record = FailureRecord(id=prompt.id, messages=prompt.messages, error_kind=e.kind, status=e.status,
