@@ -105,7 +105,9 @@ class Redactor:
         self._windows: frozenset[str] = frozenset()
         self._runs: re.Pattern[str] | None = None
         # Upstream fields repeat (a provider's name, the model, "stop"): each short text is cut once.
-        self._memo: dict[str, str] = {}
+        # `known` is that memo: a caller on a hot path looks a text up itself (`known.get(t) or redact(t)`)
+        # and spends a call only on a text not seen yet.
+        self.known: dict[str, str] = {}
         if not self._width:
             return
         chars = set(secret.lower()) | set(secret.upper())
@@ -125,13 +127,13 @@ class Redactor:
 
     def __call__(self, text: str) -> str:
         short = len(text) <= MEMO_CHARS
-        if short and (done := self._memo.get(text)) is not None:
+        if short and (done := self.known.get(text)) is not None:
             return done
         out = self._cut(text)
         if short:
-            if len(self._memo) >= MEMO_SIZE:
-                self._memo.clear()
-            self._memo[text] = out
+            if len(self.known) >= MEMO_SIZE:
+                self.known.clear()
+            self.known[text] = out
         return out
 
     def _cut(self, text: str) -> str:

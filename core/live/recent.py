@@ -72,34 +72,49 @@ class RecentErrors:
         return built
 
 
+class _Provider:
+    """One provider's tallies (one object per provider: an answer updates it with one lookup)."""
+
+    __slots__ = ("answers", "errors", "tokens", "latency_sum", "latency")
+
+    def __init__(self) -> None:
+        self.answers = 0
+        self.errors = 0
+        self.tokens = 0
+        self.latency_sum = 0.0
+        self.latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # the recent latencies (p90)
+
+
 class ProviderStats:
     """Answers, attributed errors, completion tokens and latency per provider."""
 
     def __init__(self) -> None:
-        self._answers: dict[str, int] = {}
-        self._errors: dict[str, int] = {}
-        self._tokens: dict[str, int] = {}
-        self._latency_sum: dict[str, float] = {}
-        self._latency: dict[str, deque[float]] = {}
+        self._by: dict[str, _Provider] = {}
+        self._answered: list[str] = []  # providers in the order of their first answer (answer_counts' ties)
         self._version = 0
         self._built: tuple[int, tuple[ProviderStat, ...]] = (0, ())
 
+    def _of(self, provider: str) -> _Provider:
+        p = self._by[provider] = _Provider()
+        return p
+
     def answer(self, provider: str, latency_s: float, completion_tokens: int) -> None:
-        self._answers[provider] = self._answers.get(provider, 0) + 1
-        self._tokens[provider] = self._tokens.get(provider, 0) + completion_tokens
-        self._latency_sum[provider] = self._latency_sum.get(provider, 0.0) + latency_s
-        ring = self._latency.get(provider)
-        if ring is None:
-            ring = self._latency[provider] = deque(maxlen=LATENCY_SAMPLES)
-        ring.append(latency_s)
+        p = self._by.get(provider) or self._of(provider)
+        if not p.answers:
+            self._answered.append(provider)
+        p.answers += 1
+        p.tokens += completion_tokens
+        p.latency_sum += latency_s
+        p.latency.append(latency_s)
         self._version += 1
 
     def answer_counts(self) -> tuple[tuple[str, int], ...]:
-        """Answers per provider, most first (ties in the order first seen): RunSnapshot.providers."""
-        return tuple(sorted(self._answers.items(), key=itemgetter(1), reverse=True))
+        """Answers per provider, most first (ties in the order first answered): RunSnapshot.providers."""
+        by = self._by
+        return tuple(sorted(((name, by[name].answers) for name in self._answered), key=itemgetter(1), reverse=True))
 
     def error(self, provider: str) -> None:
-        self._errors[provider] = self._errors.get(provider, 0) + 1
+        (self._by.get(provider) or self._of(provider)).errors += 1
         self._version += 1
 
     def stats(self) -> tuple[ProviderStat, ...]:
@@ -107,15 +122,13 @@ class ProviderStats:
         if version == self._version:
             return built
         out = []
-        for name in sorted(set(self._answers) | set(self._errors),
-                           key=lambda n: (-self._answers.get(n, 0), n)):
-            answers = self._answers.get(name, 0)
-            recent = sorted(self._latency.get(name, ()))
+        for name, p in sorted(self._by.items(), key=lambda item: (-item[1].answers, item[0])):
+            answers = p.answers
+            recent = sorted(p.latency)
             p90 = recent[min(len(recent) - 1, int(len(recent) * 0.9))] if recent else 0.0
-            out.append(ProviderStat(name=name, answers=answers, errors=self._errors.get(name, 0),
-                                    latency_mean_s=(round(self._latency_sum.get(name, 0.0) / answers, 3)
-                                                    if answers else 0.0),
-                                    latency_p90_s=round(p90, 3), completion_tokens=self._tokens.get(name, 0)))
+            out.append(ProviderStat(name=name, answers=answers, errors=p.errors,
+                                    latency_mean_s=round(p.latency_sum / answers, 3) if answers else 0.0,
+                                    latency_p90_s=round(p90, 3), completion_tokens=p.tokens))
         built = tuple(out)
         self._built = (self._version, built)
         return built

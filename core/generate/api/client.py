@@ -246,17 +246,19 @@ _TOP_ID_KEYS = frozenset({"prompt_token_ids", "sglext"})
 
 def redacted_answer(a: ChatAnswer, redact: Redactor) -> ChatAnswer:
     """The answer with every field upstream names (not its text) redacted, in place (a field that is not
-    a string, as a hostile upstream may send, is left as it is)."""
+    a string, as a hostile upstream may send, is left as it is). Runs once per answer: the texts seen
+    before (a provider, the model, "stop") are looked up in the redactor's memo without a call."""
+    known = redact.known
     if type(v := a.provider) is str:
-        a.provider = redact(v)
+        a.provider = known.get(v) or redact(v)
     if type(v := a.model) is str:
-        a.model = redact(v)
+        a.model = known.get(v) or redact(v)
     if type(v := a.generation_id) is str:
-        a.generation_id = redact(v)
+        a.generation_id = known.get(v) or redact(v)
     if type(v := a.finish_reason) is str:
-        a.finish_reason = redact(v)
+        a.finish_reason = known.get(v) or redact(v)
     if type(v := a.native_finish_reason) is str:
-        a.native_finish_reason = redact(v)
+        a.native_finish_reason = known.get(v) or redact(v)
     return a
 
 
@@ -477,7 +479,7 @@ class ChatClient:
                 if on_generation is not None:
                     gen_id = resp.headers.get("X-Generation-Id")
                     if gen_id:
-                        on_generation(self._redact(gen_id))
+                        on_generation(self._redact.known.get(gen_id) or self._redact(gen_id))
                 if resp.status != 200:
                     raise classify_status(resp.status, await resp.read(), resp.headers)
                 cap = body_max_tokens(body, 0)
