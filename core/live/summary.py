@@ -66,6 +66,8 @@ def quit_effects(s: RunSnapshot | None) -> QuitEffects:
     """The quit dialog's and the headless SIGINT lines' words, from the stage that runs now."""
     stage = None if s is None else s.running_stage()
     n = 0 if s is None else s.throughput.in_flight
+    if s is not None and s.finished():  # everything ended while the question was open: nothing to choose
+        return QuitEffects(None, f"the run has ended ({s.label()}) and nothing is running", "exit", "exit")
     if stage == "smoke" and s is not None and s.stage_state("generation") == StageState.IDLE:
         return QuitEffects(stage, "the start-up smoke test is running; no run request has been sent",
                            "its request finishes and is recorded, the run does not start, then exit",

@@ -140,6 +140,26 @@ async def test_quit_drain_waits_for_the_run_to_stop() -> None:
         assert controls.calls == ["quit:drain"]
 
 
+async def test_quit_asked_during_extraction_says_so_and_what_is_left_once_it_ends() -> None:
+    """q while a later stage runs names that stage; if everything ends while the question is open, the
+    question says so (no "generation is running") and either key just exits."""
+    busy = fx.extracting()
+    app, controls = make(busy)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("q")
+        assert isinstance(app.screen, QuitScreen)
+        assert "Extraction is running (6,000 of 15,088 files)" in " ".join(text(app, "#quit-text").split())
+        extract = dataclasses.replace(busy.stages[-1], state="done", done=15_088)
+        controls.publish(dataclasses.replace(busy, seq=busy.seq + 1, state=snap.RunState.DONE,
+                                             stages=(*busy.stages[:-1], extract)))
+        await until(pilot, lambda: "has ended" in text(app, "#quit-text"), "the question follows the run")
+        said = " ".join(text(app, "#quit-text").split())
+        assert "The run has ended (DONE) and nothing is running" in said and "generation" not in said.lower()
+        await pilot.press("d")
+        assert controls.calls == ["quit:drain"]
+        await until(pilot, lambda: not app.is_running, "app exits")
+
+
 async def test_quit_cancel_keeps_running() -> None:
     app, controls = make()
     async with app.run_test() as pilot:
