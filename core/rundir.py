@@ -236,7 +236,7 @@ class JsonlAppender:
         """Resolves once an fsync begun after every line written so far has completed (DiskError when it
         failed). Each caller gets its own future, so cancelling one waiter cancels no other."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if not self._buf and self._synced >= self._written:  # nothing unsynced (once per request: no property)
+        if not self.unsynced:
             fut.set_result(None)
             return fut
         self._batch.append(fut)

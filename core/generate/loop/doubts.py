@@ -72,10 +72,12 @@ class Doubts:
             self.refused_probes += 1
         self.items.append(Doubt(prompt, e, attempts, sent, seq))
 
-    def answered(self, seq: int) -> None:
-        """Request number `seq` was answered."""
+    def answered(self, seq: int) -> list[Doubt] | tuple[()]:
+        """Request number `seq` was answered: the set-aside prompts that shows were refused for their own
+        reason (`confirmed`), taken out; none on almost every answer (nothing set aside)."""
         if seq > self.last_answered:
             self.last_answered = seq
+        return self.confirmed(seq) if self.items else ()
 
     def settle(self) -> tuple[list[Doubt], bool]:
         """At the dataset's end (answered this run or in the last smoke test): the set-aside prompts that

@@ -219,11 +219,8 @@ class RecordBook:
         """The answer on disk (or held while the disk refuses); and the prompts set aside by a 4xx naming
         no known cause before request `seq` was sent fail as their own: the same parameters work.
         `sampling`: the line's `sampling` field (config.sampling_of the body sent), when the dataset records it."""
-        doubts = ds.doubts
-        doubts.answered(seq)
-        if doubts:  # set-aside prompts, rare: none to look through on almost every answer
-            for d in doubts.confirmed(seq):
-                self.record_failure(ds, d.prompt, d.error, d.attempts)
+        for d in ds.doubts.answered(seq):  # set-aside prompts this answer shows were their own (rare)
+            self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"
         empty = not a.content.strip()
         line = ResponseRecord.line(
