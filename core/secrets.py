@@ -104,7 +104,6 @@ class Redactor:
         self._width = width if width >= MIN_NEEDLE else 0
         self._windows: frozenset[str] = frozenset()
         self._runs: re.Pattern[str] | None = None
-        self._quick: re.Pattern[str] | None = None  # set below: _cut's first test
         # Upstream fields repeat (a provider's name, the model, "stop"): each short text is cut once.
         # `known` is that memo: a caller on a hot path looks a text up itself (`known.get(t) or redact(t)`)
         # and spends a call only on a text not seen yet.
@@ -127,11 +126,6 @@ class Redactor:
         self._b64, self._b64_anchors = _b64_windows(secret)
         # (no anchors, a key too short to have a base64 window: a pattern that never matches)
         self._b64_any = re.compile("|".join(map(re.escape, self._b64_anchors)) or r"(?!)")
-        # An ASCII text without escapes (an id, a provider's name: what runs once per request) is ruled
-        # out by one search: the key's anchors without case, its base64 anchors in either alphabet.
-        either = [re.escape(a).replace("\\+", "[+-]").replace("/", "[/_]") for a in self._b64_anchors]
-        self._quick = re.compile("|".join([f"(?i:{'|'.join(map(re.escape, self._anchors))})", *either])) \
-            if self._lower and self._anchors else None
 
     def __call__(self, text: str) -> str:
         short = len(text) <= MEMO_CHARS
@@ -149,10 +143,7 @@ class Redactor:
             text = other(text)
         if self._runs is None:
             return text
-        escaped = "\\" in text or "%" in text
-        if not escaped and self._quick is not None and text.isascii() and self._quick.search(text) is None:
-            return text
-        if escaped:  # escapes: matched on the decoded text, cut in the original
+        if "\\" in text or "%" in text:  # escapes: matched on the decoded text, cut in the original
             decoded, starts = _decoded(text)
             spans = [[starts[a], starts[b]] for a, b in self._spans(decoded)] if self._may_hold(decoded) else []
         else:
