@@ -41,7 +41,6 @@ PLAIN_KEYS = ("temperature", "top_p", "top_k", "min_p", "top_a", "seed", "stop",
               "response_format", "user", "stream_options", "reasoning_effort", "verbosity")
 # Answer caps: each must equal the dataset's max_tokens (config.py `_completion_limit`).
 COMPLETION_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens")
-_LIMIT_KEYS = frozenset(COMPLETION_LIMIT_KEYS)
 # Keys of the OpenRouter `reasoning` table.
 REASONING_KEYS = ("effort", "max_tokens", "exclude", "enabled", "summary")
 # How many answers a body asks for: only 1 is accepted (the client keeps choices[0]).
@@ -173,8 +172,8 @@ def body_max_tokens(body: Mapping[str, Any], default: int) -> int:
     any of them; a reasoning budget `reasoning.max_tokens`, which a provider may raise the cap to fit),
     `default` without any."""
     cap = 0
-    for k in _LIMIT_KEYS.intersection(body):  # once per request: the keys the body has (one, mostly), looked up in C
-        v = body[k]
+    for k in COMPLETION_LIMIT_KEYS:
+        v = body.get(k)
         if type(v) is int and v > cap:
             cap = v
     reasoning = body.get("reasoning")

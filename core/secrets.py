@@ -108,8 +108,6 @@ class Redactor:
         # `known` is that memo: a caller on a hot path looks a text up itself (`known.get(t) or redact(t)`)
         # and spends a call only on a text not seen yet.
         self.known: dict[str, str] = {}
-        # The same for tuples of texts a caller cuts together (an answer's provider, model and finish reasons).
-        self.known_names: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         if not self._width:
             return
         chars = set(secret.lower()) | set(secret.upper())

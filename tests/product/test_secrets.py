@@ -287,4 +287,3 @@ def test_the_redactor_finds_the_key_beside_characters_whose_case_folding_changes
             assert MARK in out and out.startswith(around * 3) and out.endswith(f"{around}x"), (around, piece, out)
         plain = f"{around} gen-1733-{around}abcdef012345 K\u212aK"
         assert cut(plain) == plain
-

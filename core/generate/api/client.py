@@ -28,7 +28,7 @@ import orjson
 from draftgen.core.generate.api.classify import PastCap, RequestFailed, cannot_connect, classify_status
 from draftgen.core.records import ErrorKind, Usage, reasoning_text
 from draftgen.core.request_keys import TEXT_CHARS_PER_TOKEN, body_max_tokens, past_cap_limits
-from draftgen.core.secrets import MEMO_CHARS, MEMO_SIZE, Redactor
+from draftgen.core.secrets import Redactor
 
 __all__ = ["ChatAnswer", "ChatClient", "RequestFailed", "classify_status", "parse_completion"]
 
@@ -246,25 +246,19 @@ _TOP_ID_KEYS = frozenset({"prompt_token_ids", "sglext"})
 
 def redacted_answer(a: ChatAnswer, redact: Redactor) -> ChatAnswer:
     """The answer with every field upstream names (not its text) redacted, in place (a field that is not
-    a string, as a hostile upstream may send, is left as it is). Runs once per answer: the four names that
-    repeat (provider, model, the finish reasons) are looked up together in the redactor's memo of name
-    tuples, the generation id (new each time, cut once already when the headers named it) in its memo."""
-    names = (a.provider, a.model, a.finish_reason, a.native_finish_reason)
-    memo = redact.known_names
-    try:
-        done = memo.get(names)
-        hashable = True
-    except TypeError:  # a field that is not hashable (a list): cut one by one, not remembered
-        done, hashable = None, False
-    if done is None:
-        done = tuple(redact(v) if type(v) is str else v for v in names)
-        if hashable and all(type(v) is not str or len(v) <= MEMO_CHARS for v in names):  # short ones only
-            if len(memo) >= MEMO_SIZE:
-                memo.clear()
-            memo[names] = done
-    a.provider, a.model, a.finish_reason, a.native_finish_reason = done
+    a string, as a hostile upstream may send, is left as it is). Runs once per answer: the texts seen
+    before (a provider, the model, "stop") are looked up in the redactor's memo without a call."""
+    known = redact.known
+    if type(v := a.provider) is str:
+        a.provider = known.get(v) or redact(v)
+    if type(v := a.model) is str:
+        a.model = known.get(v) or redact(v)
     if type(v := a.generation_id) is str:
-        a.generation_id = redact.known.get(v) or redact(v)
+        a.generation_id = known.get(v) or redact(v)
+    if type(v := a.finish_reason) is str:
+        a.finish_reason = known.get(v) or redact(v)
+    if type(v := a.native_finish_reason) is str:
+        a.native_finish_reason = known.get(v) or redact(v)
     return a
 
 
