@@ -22,8 +22,9 @@ def gc_settings() -> Iterator[None]:
 
 
 def test_the_objects_of_the_requests_in_flight_trigger_no_young_collection(gc_settings: None) -> None:
-    # 2,000 requests in flight keep ~50 containers each alive (frames, futures, dicts, records): a young
-    # generation smaller than that traverses all of them again every few hundred answers.
+    # 2,000 requests in flight keep ~88 tracked containers each alive, aiohttp's included (coroutines,
+    # lists, closure cells, bound methods, futures; counted with gc.get_objects(0) against the simulator):
+    # a young generation smaller than that traverses all of them again (35-160 ms) as the run goes.
     tune_gc(2000)
     young: list[int] = []
 
@@ -34,10 +35,10 @@ def test_the_objects_of_the_requests_in_flight_trigger_no_young_collection(gc_se
     gc.collect()
     gc.callbacks.append(seen)
     try:
-        alive = [[] for _ in range(2000 * 50)]
+        alive = [[] for _ in range(2000 * 90)]
     finally:
         gc.callbacks.remove(seen)
-    assert len(alive) == 100_000
+    assert len(alive) == 180_000
     assert young == []
 
 
