@@ -142,7 +142,6 @@ class Requests:
         self.prices = opened.costs.prices  # per dataset (None: unknown)
         self.duplicates = opened.duplicates  # None: off, or only one dataset
         self.tasks: set[asyncio.Task[None]] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None  # the run's, known at its first request
         self.retries = 0
         self._unreachable_since: float | None = None  # the API could not be reached; reset by an answer
         self.answered = 0        # answers this run: a prompt that fails while others are answered is suspect
@@ -200,16 +199,9 @@ class Requests:
         req = Request(ds, prompt, source, self._spend.reserve(ds.config.name, prompt.id, worst),
                       ds.token_budget.expected(), ds.doubts.held)  # doubts.py: while held, one request at a time
         ds.request_started(req.expected, probe=req.probe)
-        loop = self._loop or self._loop_now()
-        task = loop.create_task(self._run(req, body))
+        task = asyncio.create_task(self._run(req, body))
         self.tasks.add(task)
         task.add_done_callback(functools.partial(self._finished, req))
-
-    def _loop_now(self) -> asyncio.AbstractEventLoop:
-        """The running loop, kept: each request's task is made on it directly (asyncio.create_task asks
-        for the running loop each time, a getpid() system call)."""
-        self._loop = asyncio.get_running_loop()
-        return self._loop
 
     def _finished(self, req: Request, task: asyncio.Task[None]) -> None:
         """The task ended, its body run or not (a task cancelled before its first step never runs it):

@@ -23,8 +23,8 @@ class RateTracker:
         self.answers += 1
         self.tokens += completion_tokens
         sec = int(self._clock())
-        buckets = self._buckets
-        if buckets and (bucket := buckets[-1])[0] == sec:
+        if self._buckets and self._buckets[-1][0] == sec:
+            bucket = self._buckets[-1]
             bucket[1] += 1
             bucket[2] += completion_tokens
         else:

@@ -93,7 +93,7 @@ class MoneyBudget:
     def balance_now(self) -> float | None:
         if self._balance is None:
             return None
-        return self._balance - (self.spend.sums.spent_usd - self._spent_at_fetch)
+        return self._balance - (self.spend.spent_usd - self._spent_at_fetch)
 
     def balance_age(self) -> float | None:
         return None if self._balance_at is None else self._clock() - self._balance_at
@@ -107,10 +107,8 @@ class MoneyBudget:
 
     def over_max(self, worst: float) -> str | None:
         """Why `max_usd` allows no request whose worst case is `worst` now, or None."""
-        if self.max_usd is None:
-            return None
         sp = self.spend
-        if sp.sums.committed_usd + worst > self.max_usd:
+        if self.max_usd is not None and sp.committed_usd + worst > self.max_usd:
             return (f"max_usd reached: spent ${sp.settled_usd:.4f} + ${sp.pending_usd:.4f} pending + "
                     f"${sp.reserved_usd:.4f} reserved + ${worst:.4f} for the next request > ${self.max_usd:.2f}")
         return None
@@ -130,7 +128,7 @@ class MoneyBudget:
         (an account condition: the run holds until the balance shows room again), or None."""
         sp = self.spend
         balance = self.balance_now()
-        if balance is not None and balance - sp.sums.reserved_usd - worst <= self.floor_usd:
+        if balance is not None and balance - sp.reserved_usd - worst <= self.floor_usd:
             return (f"credit floor reached: balance ${balance:.2f} - ${sp.reserved_usd:.2f} reserved "
                     f"<= floor ${self.floor_usd:.2f}")
         return None

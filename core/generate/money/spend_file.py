@@ -64,9 +64,7 @@ class LedgerFile:
         goes through; lost with the process, it only makes the next run count the attempt at its
         worst case (its `sent` line is on disk)."""
         try:
-            if self._unwritten:  # `append`, inline: three lines a request come this way
-                self._flush()
-            self._out.append(line)
+            self.append(line)
         except (DiskError, OSError):
             self._unwritten.append(line)
 
