@@ -201,13 +201,14 @@ class GatedBackend(FakeBackend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("choice", ["d", "s"], ids=["drain", "stop-now"])
+@pytest.mark.parametrize("choice", ["d", "s", "end"], ids=["drain", "stop-now", "ends-while-asked"])
 async def test_tui_quit_during_extraction_drains_it_whole_or_says_it_stopped(tmp_path: Path, monkeypatch,
                                                                              choice: str) -> None:
     """Generation done, merge done, extraction running (the demo's chain): the header says EXTRACTING,
     not DONE; the dialog says extraction runs and what d and s do. Drain: every file is written,
     exit 0. Stop now: extraction stops after its batch, said as stopped with its counts and
-    `draftgen extract`, exit 3 (incomplete), never "extraction done"."""
+    `draftgen extract`, exit 3 (incomplete), never "extraction done". Ends while asked: extraction
+    finishes with the question open, which then says the run has ended and nothing is running; d exits 0."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"hidden_size": HIDDEN, "num_hidden_layers": N_LAYERS}))
@@ -231,7 +232,12 @@ async def test_tui_quit_during_extraction_drains_it_whole_or_says_it_stopped(tmp
                 await pilot.press("q")
                 assert isinstance(app.screen, QuitScreen)
                 seen["dialog"] = " ".join(text(app, "#quit-text").split()).lower()
-                await pilot.press(choice)
+                if choice == "end":  # no key yet: the run finishes under the open question
+                    backend.permits.release(1000)
+                    await until(lambda: "has ended" in text(app, "#quit-text"), "the question follows the run",
+                                timeout=60)
+                    seen["ended"] = " ".join(text(app, "#quit-text").split())
+                await pilot.press("d" if choice == "end" else choice)
                 if choice == "d":
                     await pilot.pause(0.3)
                     assert app.is_running, "a drain must wait for the extraction, not cut it short"
@@ -248,7 +254,9 @@ async def test_tui_quit_during_extraction_drains_it_whole_or_says_it_stopped(tmp
     assert "extraction is running" in seen["dialog"] and "draftgen extract" in seen["dialog"], seen["dialog"]
     files = list((RunDir(cfg.run_dir).hidden_states).rglob("data_*.ckpt"))
     events = RunDir(cfg.run_dir).events_log.read_text()
-    if choice == "d":
+    if choice == "end":
+        assert "The run has ended (DONE) and nothing is running" in seen["ended"], seen["ended"]
+    if choice in ("d", "end"):
         assert code == 0, summary
         assert len(files) == n
         assert "extraction done" in events
