@@ -229,3 +229,17 @@ async def test_the_unreachable_warning_says_its_cause_once_with_advice_that_fits
         assert text.count(str(port)) == (text.count("base_url (") + 1) and "cannot reach" not in text, text
         assert "press" not in text, text
     assert waiting.startswith(f"{cause} for ") and "(check [api] base_url" in waiting, waiting
+
+
+async def test_the_ledger_says_once_which_request_could_not_reach_the_server(tmp_path: Path) -> None:
+    """`draftgen ledger` with the server gone (the demo's simulator after the demo): the table is printed and
+    the key's usage line names GET /key and its cause once, not twice."""
+    from draftgen.core.generate.money.reconcile import reconcile
+    from draftgen.simulator import SimConfig, SimServer
+    from tests.helpers import TEST_KEY, make_config
+    async with SimServer(SimConfig(seed=1), port=0) as sim:
+        port = sim.port  # closed again: nothing listens there
+    cfg = make_config(tmp_path, f"http://127.0.0.1:{port}/api/v1", [{"name": "a", "n": 2}])
+    report = await reconcile(cfg, TEST_KEY, lookup_s=0)
+    assert report.key_usage_usd is None
+    assert report.key_note == f"GET /key: cannot connect to 127.0.0.1:{port} (connection refused)", report.key_note

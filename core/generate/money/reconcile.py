@@ -118,8 +118,10 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
                 usage = (await read_account(client, management_key=config.api.management_key())).key_usage
                 key_usage, note = (usage, "GET /key usage: everything this key ran") if usage is not None \
                     else (None, "GET /key shows no usage")
-            except (TimeoutError, RequestFailed, OSError) as e:
-                key_usage, note = None, f"GET /key: {getattr(e, 'message', type(e).__name__)}"
+            except RequestFailed as e:  # an unreachable server's message names the path already
+                key_usage, note = None, e.message if e.unreachable else f"GET /key: {e.message}"
+            except (TimeoutError, OSError) as e:
+                key_usage, note = None, f"GET /key: {type(e).__name__}"
             from_key, from_key_note, wait_s, running = None, "", 0.0, ""
             if unknown_from_key:
                 try:
