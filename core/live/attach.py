@@ -41,7 +41,15 @@ import orjson
 from draftgen.core.errors import DraftgenError
 from draftgen.core.live.control import Action
 from draftgen.core.live.hub import Hub, Subscription
-from draftgen.core.live.snapshot import Event, EventKind, Level, RunSnapshot, event_from_dict, snapshot_from_dict
+from draftgen.core.live.snapshot import (
+    Event,
+    EventKind,
+    Level,
+    RunSnapshot,
+    RunState,
+    event_from_dict,
+    snapshot_from_dict,
+)
 from draftgen.core.rundir import RunDir
 
 PROTOCOL = 1
@@ -299,6 +307,25 @@ class AttachServer:
 # -- the viewer's side ------------------------------------------------------------------------------
 
 WAITING, LIVE, ENDED = "waiting for run", "live", "run ended"
+# The states a run ends in, as its last line in events.log names them ("... INFO  run DONE: 429 of 492 answered, ...;").
+_END_STATES = frozenset({RunState.DONE, RunState.STOPPED, RunState.DRAINED, RunState.WAITING, RunState.LIMITED})
+
+
+def last_run_ended(run_dir: Path, tail_bytes: int = 1 << 16) -> str:
+    """When and how the last run to end in `run_dir` ended, from the end of its events.log ("2026-12-02
+    15:10:07 (DONE: 429 of 492 answered, ...)"); "" when no run has ended there (or there is no log)."""
+    try:
+        with open(RunDir(run_dir).events_log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    for line in reversed(text.splitlines()):
+        stamp, rest = line[:19], line[20:].split(None, 1)  # "YYYY-MM-DD HH:MM:SS LEVEL  message"
+        message = rest[1] if len(rest) == 2 else ""
+        if message.startswith("run ") and message[4:].split(":")[0].split(" ")[0] in _END_STATES:
+            return f"{stamp} ({message[4:].split(';')[0]})"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -336,8 +363,11 @@ class AttachClient:
                     reader, writer = await asyncio.open_unix_connection(name, limit=MAX_LINE)
             except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
                 if self.state not in (WAITING, ENDED):
-                    yield self._enter(WAITING, f"waiting for run: nothing serves {self.path} yet; retrying every"
-                                               f" {self.retry_s:g} s")
+                    # Attached after the run ended: say so, or the wait reads as a run about to start.
+                    ended = await asyncio.to_thread(last_run_ended, self.run_dir) if not self.state else ""
+                    yield self._enter(WAITING, f"waiting for run: nothing serves {self.path} yet; "
+                                      + (f"the last run here ended {ended}; " if ended else "")
+                                      + f"retrying every {self.retry_s:g} s")
                 await asyncio.sleep(self.retry_s)
                 continue
             except PermissionError as e:

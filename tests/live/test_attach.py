@@ -16,7 +16,16 @@ import orjson
 import pytest
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.attach import ENDED, LIVE, AttachClient, AttachControls, AttachError, AttachServer, AttachState
+from draftgen.core.live.attach import (
+    ENDED,
+    LIVE,
+    WAITING,
+    AttachClient,
+    AttachControls,
+    AttachError,
+    AttachServer,
+    AttachState,
+)
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.snapshot import event_from_dict, snapshot_from_dict
 from draftgen.core.rundir import RunDir
@@ -247,6 +256,31 @@ async def test_attach_controls_render_in_the_app_read_only(run_dir: Path) -> Non
         await server.close()
         await until(lambda: "run ended" in _plain(app, "#alert"), "run ended shown")
         assert "PAUSED" in header()  # its last state stays on screen
+
+
+async def test_attached_after_the_run_ended_the_wait_says_how_the_last_run_ended(tmp_path: Path) -> None:
+    """`draftgen attach` on a directory whose run has ended: "waiting for run" alone reads as a run about to
+    start; the first state names when and how the last run ended, from the run's own events.log."""
+    from draftgen.core.run.pipeline import Pipeline
+    from draftgen.simulator import SimConfig, SimServer
+    from tests.helpers import TEST_KEY, make_config
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3}], tables={"engine": {"reconstruct": False}})
+        pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
+        await pipeline.start()
+        try:
+            assert await pipeline.generate() == snap.RunState.DONE
+        finally:
+            await pipeline.close()
+    first = await anext(aiter(AttachClient(cfg.run_dir, retry_s=0.05)))
+    assert isinstance(first, AttachState) and first.state == WAITING
+    assert " yet; the last run here ended 20" in first.message, first.message
+    assert "(DONE: 3 of 3 answered, 0 failed, 0 skipped, 0 not asked yet); retrying every 0.05 s" in first.message
+    # A directory no run has ended in: the wait alone.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    first = await anext(aiter(AttachClient(fresh, retry_s=0.05)))
+    assert isinstance(first, AttachState) and "ended" not in first.message, first.message
 
 
 def test_attach_to_a_missing_directory_says_so(tmp_path: Path) -> None:
