@@ -156,7 +156,7 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     """The block printed when the TUI closes or a headless run ends: each line fits 120 columns."""
     started = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.first_started_at)) if s.first_started_at else "?"
     runs = len(s.timeline.runs)
-    out = [f"draftgen: {s.run_name}: {s.label()} after {clock(s.elapsed_s)} this run"
+    out = [f"draftgen: run {s.run_name}: {s.label()} after {clock(s.elapsed_s)} this run"
            + (f" (first started {started}, {runs} runs)" if runs > 1 else "")]
     out += _dataset_rows(s)
     out += _conversation_lines(s)

@@ -101,7 +101,7 @@ def test_headless_lines_fit_120_columns_with_wall_clock_and_both_totals() -> Non
     assert any("ALERT: 402" in d for d in detail_lines(fx.out_of_credits()))
     block = summary_lines(fx.ended(snap.RunState.DRAINED), EXIT_INCOMPLETE, config_hint="kimi.toml")
     assert all(len(x) <= WIDTH for x in block)
-    assert block[0].startswith("draftgen: kimi-k25-eagle3: DRAINED")
+    assert block[0].startswith("draftgen: run kimi-k25-eagle3: DRAINED")  # "run": a run dir named draftgen reads once
     assert "exit 3 (incomplete: run again to resume)" in block[-1]
     assert any("`draftgen run kimi.toml` again resumes them" in x for x in block)
 
