@@ -167,10 +167,11 @@ async def run_demo(root: Path, *, headless: bool, out: TextIO = sys.stdout, late
         else:
             from draftgen.tui.launch import run_tui
             code = await run_tui(config, DEMO_KEY, after_run=["merge", "extract"])
-    print(f"\ndraftgen demo finished (exit {code}). Look around in {run_dir}:", file=out)
+    # Lines that fit an 80-column pane but for the paths (a tmux split is often that narrow).
+    print(f"\ndraftgen demo finished (exit {code}). Look around in\n  {run_dir}", file=out)
     for path, what in what_exists(run_dir):
         print(f"  {path:<26} {what}", file=out)
-    print(f"The config it used: {root / 'draftgen.toml'}; `draftgen report {run_dir}` for counts and charts.",
+    print(f"The config it used: {root / 'draftgen.toml'}\nCounts and charts: draftgen report {run_dir}",
           file=out, flush=True)
     return code
 
@@ -181,7 +182,7 @@ def what_exists(run_dir: Path) -> list[tuple[str, str]]:
     rows = []
     datasets = sorted(p.parent.name for p in run_dir.glob("*/responses.jsonl"))
     if datasets:
-        rows.append(("<dataset>/responses.jsonl", f"answers as they landed ({', '.join(datasets)})"))
+        rows.append(("<dataset>/responses.jsonl", f"the answers ({', '.join(datasets)})"))
     if any(run_dir.glob("*/tokens/index.jsonl")):
         rows.append(("<dataset>/tokens/", "token ids, loss masks, validation report"))
     if (run_dir / "merged" / "train.jsonl").exists():
