@@ -153,6 +153,8 @@ def before_tools(raw: Any) -> Any:
 
 def _turns(raw: Any, column: str, turns: str, max_turns: int | None = None) -> list[dict[str, str]]:
     if turns == "all":
+        if isinstance(raw, list) and not raw:
+            raise ValueError(f"`{column}` is empty")
         raw = before_tools(raw)
         if isinstance(raw, list) and not raw:
             raise ValueError(f"`{column}` has no user turn before its first tool turn")

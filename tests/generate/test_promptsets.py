@@ -279,6 +279,12 @@ def test_unusable_rows_are_counted_with_a_reason(tmp_path: Path) -> None:
     result = build(_opts(tmp_path, [str(make_parquet(tmp_path, rows, "bad.parquet"))], split="off"))
     assert result.sources[0].dropped["unusable"] == 1
     assert "row 0: `conversations` has no user turn" == result.sources[0].example_unusable
+    # Asked turn by turn, an empty conversation is said to be empty (not to lack a turn before a tool turn).
+    empty = [{"conversations": []}, {"conversations": [{"from": "human", "value": "Fine."}]}]
+    result = build(_opts(tmp_path, [str(make_jsonl(tmp_path, empty, "empty.jsonl"))], split="off", turns="all",
+                         out_dir=tmp_path / "all"))
+    assert result.sources[0].dropped["unusable"] == 1
+    assert result.sources[0].example_unusable == "row 0: `conversations` is empty"
 
 
 def test_hub_cache_is_read_offline_and_a_missing_dataset_is_never_downloaded(
