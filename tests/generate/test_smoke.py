@@ -59,6 +59,10 @@ async def test_each_check_fails_when_broken(tmp_path, sim_kw, tables, request_, 
     assert expect <= failed, (expect, failed)
     ok, why = smoke_status(cfg)
     assert not ok and "failed" in why
+    if "short: finish" in expect:  # an answer cut at its cap: the row says which max_tokens to raise
+        (row,) = [r for r in result.rows if r.check == "short: finish"]
+        assert row.detail.endswith("cut at max_tokens 3; the smoke test checks a whole answer's ids and end of turn: "
+                                   "raise [smoke] max_tokens"), row.detail
 
 
 async def test_changed_parameters_need_a_new_smoke(tmp_path):

@@ -288,8 +288,12 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
         rows.append(SmokeRow(f"{label} provider", provider_ok,
                              f"{a.provider!r}" + (" is in provider.ignore" if not provider_ok else "")
                              if a.provider else "no provider in the response"))
+    raise_it = ("[smoke] max_tokens" if config.smoke.max_tokens is not None else
+                "the dataset's max_tokens (answers of the run cut there are kept, marked truncated)")
+    cut = (f": cut at max_tokens {body_max_tokens(body, 0)}; the smoke test checks a whole answer's ids and end of "
+           f"turn: raise {raise_it}" if a.finish_reason == "length" else "")
     rows.append(SmokeRow(f"{label} finish", a.finish_reason == "stop",
-                         f"finish_reason {a.finish_reason!r}, native {a.native_finish_reason!r}"))
+                         f"finish_reason {a.finish_reason!r}, native {a.native_finish_reason!r}{cut}"))
     rec = reconstruct_fn(body["messages"], a)
     if rec is None:
         rows.append(SmokeRow(f"{label} tokens", False, "the tokenizer could not be loaded"))
