@@ -18,6 +18,7 @@ from typing import Protocol
 
 from draftgen.core.errors import EXIT_KEY_REFUSED, ExitCode
 from draftgen.core.live.snapshot import STAGE_NAMES, RunSnapshot, RunState, StageState
+from draftgen.core.records import ErrorKind
 from draftgen.core.units import clock, usd, usd_shown
 
 
@@ -162,6 +163,7 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     out += _conversation_lines(s)
     out += _spend_lines(s, runs)
     out += _tokens_lines(s, config_hint)
+    out += _flagged_lines(s)
     for line in stopped_lines(s, config_hint):
         out += textwrap.wrap(line, WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
     if s.alert:
@@ -248,12 +250,31 @@ def _spend_lines(s: RunSnapshot, runs: int) -> list[str]:
     return out
 
 
+def _flagged_lines(s: RunSnapshot) -> list[str]:
+    """Answers this run paid for and kept, flagged: cut at max_tokens or empty, which the merge leaves out,
+    and a self-hosted server's answers without the ids asked for. A run of them is a config to fix, not luck."""
+    tally = dict(s.errors)
+    parts = [f"{n:,} {what}" for kind, what in (
+        (ErrorKind.LENGTH, "cut at max_tokens (raise the dataset's max_tokens if they are many)"),
+        (ErrorKind.EMPTY_CONTENT, "with empty content"),
+        (ErrorKind.NO_IDS, "without the server's token ids")) if (n := tally.get(kind, 0))]
+    if not parts:
+        return []
+    merge = " (merge leaves out the cut and empty ones)" if tally.get(ErrorKind.LENGTH) or tally.get(
+        ErrorKind.EMPTY_CONTENT) else ""
+    return textwrap.wrap(f"answers kept but flagged this run{merge}: {'; '.join(parts)}", WIDTH, initial_indent="  ",
+                         subsequent_indent="    ", break_on_hyphens=False)
+
+
 def _tokens_lines(s: RunSnapshot, config_hint: str) -> list[str]:
     """How many answers have token ids, what broke, and how to finish (live reconstruction)."""
     out: list[str] = []
     tokens = next((p for p in s.stages if p.name == "tokens"), None)
     if tokens is not None:  # live reconstruction: how many answers have token ids, and how to finish
         line = f"tokens: {tokens.done:,} of {tokens.total:,} answers"
+        valid, _, checked = dict(tokens.detail).get("valid", "").partition("/")  # "2/30" (during_run.py)
+        if checked and valid != checked:  # answers whose ids failed a check: the merge leaves them out
+            line += f", {valid} valid (each dataset's tokens/report.json says which check failed)"
         broke = tokens.state in (StageState.FAILED, StageState.STOPPED) and tokens.message
         if broke:
             line += f": {tokens.message}"  # what broke or could not be written

@@ -147,3 +147,24 @@ def test_a_drain_signal_after_the_run_ended_is_not_said_to_drain() -> None:
     assert signal_line("SIGTERM", fx.running(), again=False).startswith("SIGTERM: draining (generation is running")
     assert signal_line("SIGHUP", fx.running(), again=True) == "SIGHUP: already draining; the drain goes on"
     assert "merge is running" in signal_line("SIGTERM", fx.merging(), again=False)
+
+
+async def test_the_summary_says_how_many_paid_answers_were_cut_at_max_tokens_and_failed_their_checks(tmp_path):
+    """A max_tokens below the answers' length: the run is DONE (every answer kept) but most were cut, their ids
+    fail ends_with_eot and the merge leaves them out; the exit summary says so rather than '30 of 30 answers'."""
+    async with SimServer(SimConfig(seed=3, latency_scale=0.0, mean_completion_tokens=300), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 12, "concurrency": 4, "max_tokens": 24}],
+                          tables={"tokenizer": {"path": str(bundled_kimi_path())}})
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
+            env=cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+    text = out.decode()
+    assert proc.returncode == 0, (text[-3000:], err.decode()[-2000:])
+    cut = sum(orjson.loads(line)["truncated"] for line in RunDir(cfg.run_dir).responses("a").read_bytes().splitlines())
+    assert cut >= 6, cut  # answers of ~300 tokens against a cap of 24: most are cut
+    summary = " ".join(x.strip() for x in text[text.rindex("draftgen: run "):].splitlines())
+    assert f"tokens: 12 of 12 answers, {12 - cut} valid (each dataset's tokens/report.json says which check " \
+           "failed)" in summary, summary
+    assert (f"answers kept but flagged this run (merge leaves out the cut and empty ones): {cut} cut at max_tokens "
+            "(raise the dataset's max_tokens if they are many)") in summary, summary
