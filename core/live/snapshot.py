@@ -308,6 +308,7 @@ class EventKind(StrEnum):
     BUDGET = "budget"                        # a token or money budget skipped prompts
     CREDITS = "credits"                      # the balance, or why it could not be read
     CONVERSATION = "conversation"            # a conversation ended early, or its prompt file was edited
+    CUT_ANSWERS = "cut_answers"              # most of a dataset's answers this run are cut at max_tokens
     DATASET_DONE = "dataset_done"
     DATASET_START = "dataset_start"
     DATASET_STOPPED = "dataset_stopped"      # stopped by its routing or settings

@@ -163,6 +163,11 @@ async def test_the_summary_says_how_many_paid_answers_were_cut_at_max_tokens_and
     assert proc.returncode == 0, (text[-3000:], err.decode()[-2000:])
     cut = sum(orjson.loads(line)["truncated"] for line in RunDir(cfg.run_dir).responses("a").read_bytes().splitlines())
     assert cut >= 6, cut  # answers of ~300 tokens against a cap of 24: most are cut
+    # Said during the run, once, as soon as 10 answers are in and most of them cut: a drain still saves money.
+    joined = " ".join(x.strip() for x in text.splitlines())  # the headless log wraps its long lines
+    assert joined.count("answers this run were cut at max_tokens: they are paid for and kept (marked truncated), "
+                        "but the merge leaves them out; drain (q then d; headless: Ctrl-C)") == 1, text[-3000:]
+    assert any(" warn " in x and "a: " in x and " of its " in x for x in text.splitlines()), text[-3000:]
     summary = " ".join(x.strip() for x in text[text.rindex("draftgen: run "):].splitlines())
     assert f"tokens: 12 of 12 answers, {12 - cut} valid (each dataset's tokens/report.json says which check " \
            "failed)" in summary, summary
