@@ -595,3 +595,17 @@ async def test_a_prompt_left_alone_with_its_faults_fails_after_max_attempts(tmp_
     assert state == snap.RunState.DONE
     failed = failures(config, "a")
     assert [f["attempts"] for f in failed] == [3] and hits == 3
+
+
+def test_retry_failed_says_a_kind_of_kept_answers_is_not_a_failure(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`--kind length`: a cut answer is in responses.jsonl, not failures.jsonl; the command says so instead of
+    listing it among the failure kinds it found none of."""
+    from draftgen.cli.main import main
+    config = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "a", "n": 2}])
+    assert main(["retry-failed", str(config.path), "--kind", "length,401"]) == 0
+    out = capsys.readouterr().out
+    (listed,) = [x for x in out.splitlines() if x.startswith("no failure of kind 401, length; failure kinds: 429, ")]
+    kinds = listed.partition("failure kinds: ")[2].split(", ")
+    assert "401" in kinds and "400_context_length" in kinds and not {"length", "empty_content", "no_ids"} & set(kinds)
+    assert "length: answers kept in responses.jsonl (marked), not failures; retry-failed does not ask them again" in out

@@ -99,8 +99,13 @@ def retry_failed_command(config: Config, dataset: str | None, kind: str | None) 
     for r in results:
         print(r.line(history_path(rundir, r.dataset)))
     if kinds is not None and not any(r.moved for r in results):
-        from draftgen.core.records import ERROR_KINDS
-        print(f"no failure of kind {', '.join(sorted(kinds))}; kinds: {', '.join(ERROR_KINDS)}")
+        from draftgen.core.records import ERROR_KINDS, KEPT_ANSWER_KINDS
+        print(f"no failure of kind {', '.join(sorted(kinds))}; failure kinds: "
+              f"{', '.join(k for k in ERROR_KINDS if k not in KEPT_ANSWER_KINDS)}")
+        if kept := sorted(kinds & KEPT_ANSWER_KINDS):
+            # Cut, empty or id-less answers are answers: in responses.jsonl, paid for, never re-asked here.
+            print(f"{', '.join(kept)}: answers kept in responses.jsonl (marked), not failures; retry-failed "
+                  "does not ask them again")
     total = sum(sum(r.moved.values()) for r in results)
     print(f"{total} prompt(s) eligible again: run `draftgen run {config.path}` to answer them")
     return 0
