@@ -323,8 +323,9 @@ def last_run_ended(run_dir: Path, tail_bytes: int = 1 << 16) -> str:
     for line in reversed(text.splitlines()):
         stamp, rest = line[:19], line[20:].split(None, 1)  # "YYYY-MM-DD HH:MM:SS LEVEL  message"
         message = rest[1] if len(rest) == 2 else ""
-        if message.startswith("run ") and message[4:].split(":")[0].split(" ")[0] in _END_STATES:
-            return f"{stamp} ({message[4:].split(';')[0]})"
+        ended = message[4:].split(";")[0]  # "DONE: 429 of 492 answered, ...", "LIMITED by max_usd: ..."
+        if message.startswith("run ") and ended.split(" ", 1)[0].rstrip(":") in _END_STATES:
+            return f"{stamp} ({ended})"
     return ""
 
 
