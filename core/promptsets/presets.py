@@ -153,11 +153,11 @@ def before_tools(raw: Any) -> Any:
 
 def _turns(raw: Any, column: str, turns: str, max_turns: int | None = None) -> list[dict[str, str]]:
     if turns == "all":
-        if isinstance(raw, list) and not raw:
-            raise ValueError(f"`{column}` is empty")
-        raw = before_tools(raw)
-        if isinstance(raw, list) and not raw:
-            raise ValueError(f"`{column}` has no user turn before its first tool turn")
+        cut = before_tools(raw)
+        if isinstance(raw, list) and not cut:
+            raise ValueError(f"`{column}` is empty" if not raw else
+                             f"`{column}` has no user turn before its first tool turn")
+        raw = cut
     out = parse_turns(raw, column)
     users = [i for i, t in enumerate(out) if t["role"] == "user"]
     if not users:

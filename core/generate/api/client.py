@@ -262,6 +262,12 @@ def redacted_answer(a: ChatAnswer, redact: Redactor) -> ChatAnswer:
     return a
 
 
+def get_failure(path: str, e: RequestFailed) -> str:
+    """A failed `get_json(path)` said with its path once: its messages for a connection or a body it could
+    not read name the request already, a status's does not."""
+    return e.message if e.message.startswith(f"GET {path}") else f"GET {path}: {e.message}"
+
+
 def redacted(e: RequestFailed, redact: Redactor) -> RequestFailed:
     """The failure with its message and metadata (every string in it) redacted, in place."""
     e.message = redact(e.message)

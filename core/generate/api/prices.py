@@ -30,7 +30,7 @@ import aiohttp
 
 from draftgen.core.config import Config, DatasetConfig
 from draftgen.core.errors import ConfigError
-from draftgen.core.generate.api.client import ChatClient, RequestFailed
+from draftgen.core.generate.api.client import ChatClient, RequestFailed, get_failure
 from draftgen.core.request_keys import body_answers, body_max_tokens, fallback_models
 
 __all__ = ["body_answers", "body_max_tokens"]  # re-exported: where the rest of the engine reads them
@@ -215,8 +215,8 @@ async def _listing(client: ChatClient, model: str) -> tuple[list[Endpoint] | Non
     try:
         endpoints = parse_endpoints(await client.get_json(path))
         return endpoints, "" if endpoints else f"GET {path} lists no endpoints"
-    except RequestFailed as e:  # an unreachable address's message already names the request
-        return None, e.message if e.message.startswith(f"GET {path}") else f"GET {path}: {e.message}"
+    except RequestFailed as e:
+        return None, get_failure(path, e)
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
         return None, f"GET {path}: {type(e).__name__}: {e}"
 

@@ -53,7 +53,7 @@ from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.files import write_json_atomic
 from draftgen.core.generate.api.account import AccountStatus, read_account
 from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose
-from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFailed
+from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFailed, get_failure
 from draftgen.core.generate.api.preflight import note_key_answer
 from draftgen.core.generate.api.prices import body_max_tokens, body_worst_case, fetch_prices
 from draftgen.core.generate.commands.precheck import check_tokenizer
@@ -517,7 +517,7 @@ class _SmokeTest:
                 self.add(SmokeRow("key", True, f"n/a (self-hosted: GET /key answered {e.status}, so "
                                   f"{config.api.base_url} is an openai-compatible server)"))
             else:
-                self.add(SmokeRow("key", False, (e.message if e.unreachable else f"GET /key: {e.message}")
+                self.add(SmokeRow("key", False, get_failure("/key", e)
                                   + (f" (after {tries} tries)" if tries > 1 else "")))
         except Exception as e:  # noqa: BLE001 - any network failure is this row's failure
             self.add(SmokeRow("key", False, f"GET /key failed: {type(e).__name__}: {e}"))

@@ -28,6 +28,8 @@ from draftgen.core.records import ErrorKind
 from draftgen.core.rundir import JsonlAppender
 from draftgen.core.secrets import Redactor
 
+CUT_SAY_AFTER = 10  # answers of a dataset this run before the share of them cut at max_tokens is judged
+
 
 @dataclass
 class ConversationCounts:
@@ -89,6 +91,8 @@ class DatasetRun:
     _truncated: int = field(default=0, init=False)
     _cost: float = field(default=0.0, init=False)
     _answered_now: int = field(default=0, init=False)
+    _cut_now: int = field(default=0, init=False)   # answers this run cut at max_tokens (cut_to_say)
+    _cut_said: bool = field(default=False, init=False)
     _scanned: bool = field(default=False, init=False)
 
     # -- the state ------------------------------------------------------------------------------
@@ -246,6 +250,15 @@ class DatasetRun:
         if now:
             self._answered_now += 1
             self._leaves()
+
+    def cut_to_say(self) -> int:
+        """One more answer this run was cut at max_tokens: the count of them, the first time most of this
+        run's answers are (CUT_SAY_AFTER answers in), else 0 (said once: a drain still saves money)."""
+        self._cut_now += 1
+        if self._cut_said or self._answered_now < CUT_SAY_AFTER or self._cut_now * 2 <= self._answered_now:
+            return 0
+        self._cut_said = True
+        return self._cut_now
 
     def failed_one(self, prompt_id: str, *, now: bool = True) -> None:
         """A failure on disk (`now`: this run's; else one read back from disk)."""

@@ -57,7 +57,6 @@ PROMPT_CHUNK = 512
 KEEP_SCANNED_PROMPTS = 20_000
 KEEP_SCANNED_SIZE = 16 << 20
 MESSAGE_SIZE = 64
-CUT_SAY_AFTER = 10  # answers of a dataset this run before the share of them cut at max_tokens is judged
 
 
 @dataclass
@@ -82,8 +81,6 @@ class RecordBook:
         self._control = ctx.control  # the run's owner: a write the disk refuses holds the run through it
         self._on_answer = on_answer  # the answer handed on once on disk (the live token view, core/run)
         self._held: list[_Held] = []
-        self._cut: dict[str, int] = {}  # per dataset: answers this run cut at max_tokens
-        self._cut_said: set[str] = set()  # datasets whose cut answers were said (_count_cut)
         # Per dataset: the prompts its count read (scan_prompts) and their size, until its source takes them;
         # counts run in threads.
         self._scanned: dict[str, tuple[list[Prompt], int]] = {}
@@ -237,24 +234,15 @@ class RecordBook:
         ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty)
         if truncated or empty:
             self.errors.add(ErrorKind.LENGTH if truncated else ErrorKind.EMPTY_CONTENT)
-            if truncated:
-                self._count_cut(ds)
+            if truncated and (cut := ds.cut_to_say()):
+                name = ds.config.name
+                self._event(Level.WARN, EventKind.CUT_ANSWERS,
+                            f"{name}: {cut} of its {ds.answered_now} answers this run were cut at max_tokens: they "
+                            "are paid for and kept (marked truncated), but the merge leaves them out; drain (q then "
+                            "d; headless: Ctrl-C) and raise the dataset's max_tokens before asking more", dataset=name)
         self.rates.record(a.usage.completion_tokens)
         if self._on_answer is not None and on_disk:  # a held record is handed on once it is written
             self._on_answer(ds.config.name, line)
-
-    def _count_cut(self, ds: DatasetRun) -> None:
-        """An answer cut at max_tokens: paid for, kept, and left out by the merge. Once most of a dataset's
-        answers this run are cut (CUT_SAY_AFTER answers in), it is said, once, while a drain still saves money."""
-        name = ds.config.name
-        cut = self._cut[name] = self._cut.get(name, 0) + 1
-        answered = ds.answered_now
-        if answered >= CUT_SAY_AFTER and cut * 2 > answered and name not in self._cut_said:
-            self._cut_said.add(name)
-            self._event(Level.WARN, EventKind.CUT_ANSWERS,
-                        f"{name}: {cut} of its {answered} answers this run were cut at max_tokens: they are paid "
-                        "for and kept (marked truncated), but the merge leaves them out; drain (q then d; "
-                        "headless: Ctrl-C) and raise the dataset's max_tokens before asking more", dataset=name)
 
     def fail_or_doubt(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int, seq: int) -> None:
         """Record the prompt's failure, or set it aside: a 4xx naming no known cause (doubts.py)."""

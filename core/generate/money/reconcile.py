@@ -23,7 +23,7 @@ from draftgen.core import runtime
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError, LedgerBusyError
 from draftgen.core.generate.api.account import read_account
-from draftgen.core.generate.api.client import ChatClient, RequestFailed
+from draftgen.core.generate.api.client import ChatClient, RequestFailed, get_failure
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import CostSource, Reconciliation, SpendLedger
 from draftgen.core.rundir import RunDir
@@ -118,8 +118,8 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
                 usage = (await read_account(client, management_key=config.api.management_key())).key_usage
                 key_usage, note = (usage, "GET /key usage: everything this key ran") if usage is not None \
                     else (None, "GET /key shows no usage")
-            except RequestFailed as e:  # an unreachable server's message names the path already
-                key_usage, note = None, e.message if e.unreachable else f"GET /key: {e.message}"
+            except RequestFailed as e:
+                key_usage, note = None, get_failure("/key", e)
             except (TimeoutError, OSError) as e:
                 key_usage, note = None, f"GET /key: {type(e).__name__}"
             from_key, from_key_note, wait_s, running = None, "", 0.0, ""
