@@ -70,6 +70,34 @@ async def test_answers_land_with_every_field(tmp_path):
     assert TEST_KEY not in rd.run_json.read_text()
 
 
+async def test_requests_run_in_a_pool_of_coroutines_not_a_task_each(tmp_path):
+    """A dataset's requests are asked by as many coroutines as its concurrency, each admitting its own next
+    prompt: the run makes a few tasks, not one per prompt, and every prompt is still asked once, in order."""
+    loop = asyncio.get_running_loop()
+    made = []
+
+    def factory(loop, coro, **kw):  # the engine's own tasks (not aiohttp's, nor the simulator's in this loop)
+        frame = getattr(coro, "cr_frame", None)
+        if frame is not None and frame.f_globals.get("__name__", "").startswith("draftgen.core."):
+            made.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, **kw)
+
+    async with SimServer(SimConfig(seed=3, **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 300, "concurrency": 4}])
+        previous = loop.get_task_factory()
+        loop.set_task_factory(factory)
+        try:
+            engine, state, _ = await run_engine(cfg)
+        finally:
+            loop.set_task_factory(previous)
+    assert state == snap.RunState.DONE
+    accounted(cfg, engine)
+    assert made.count("Admission._requests_of") == 4
+    assert len(made) < 30, sorted(made)  # 300 prompts: a task each would be 300 more
+    ids = read_ids(RunDir(cfg.run_dir).responses("a"))
+    assert len(ids) == 300
+
+
 @pytest.mark.parametrize("keep", [100, 5])
 async def test_a_small_prompt_file_is_read_once_and_a_big_one_streamed_each_asking_every_prompt_once(
         tmp_path, monkeypatch, keep):

@@ -1,12 +1,15 @@
 """Admission: which prompt goes out, and when.
 
-Per dataset an admission loop pulls the dataset's prompt source (source.py: the prompts handed back
-first, then the file's next ones not on disk) and offers each prompt to its request (request.py),
-which starts it when the run is not paused, a concurrency slot is free under the adaptive limit and
-the budgets allow it (room.py), or skips it, or hands it back. A budget that runs out ends the
-dataset: the rest of its prompts is counted skipped (eligible for a later run). Once the source has
-nothing left (or a drain or stop halts it) the loop waits for the dataset's requests in flight and
-leaves its final status. The limit adapts (AIMD) to sustained 429s (`AdaptiveConcurrency`).
+A dataset's requests are run by a pool of request coroutines, as many as its concurrency. Each one
+admits its own next prompt and asks it (request.py), then the next, until the dataset's prompt source
+(source.py: the prompts handed back first, then the file's next ones not on disk) has none left. One
+coroutine admits at a time (the dataset's admission lock): the prompts go out in the source's order,
+and only one waits for room while the run is paused, the concurrency limit is reached or the budgets
+say wait (room.py); the others wait for the lock, not on the dataset's wake. An admitted prompt is
+started, skipped or handed back. A budget that runs out ends the dataset: the rest of its prompts is
+counted skipped (eligible for a later run). Once the source has nothing left (or a drain or stop
+halts admission) the coroutines end as their requests do, and the dataset's final status is left.
+No task is made per request. The limit adapts (AIMD) to sustained 429s (`AdaptiveConcurrency`).
 """
 
 from __future__ import annotations
@@ -27,11 +30,22 @@ if TYPE_CHECKING:
     from draftgen.core.generate.loop.context import RunContext
     from draftgen.core.generate.loop.dataset_run import DatasetRun
     from draftgen.core.generate.loop.record_book import RecordBook
-    from draftgen.core.generate.loop.request import Requests
+    from draftgen.core.generate.loop.request import Request, Requests
     from draftgen.core.generate.loop.room import Room
     from draftgen.core.generate.money.budget import MoneyBudget
 
-ADMIT_BURST = 64  # admissions between yields to the event loop (2,000 at once would stall it)
+
+
+class _Admitting:
+    """One dataset's admission, shared by its request coroutines: one admits at a time."""
+    __slots__ = ("ds", "source", "lock", "over", "budget_reason")
+
+    def __init__(self, ds: DatasetRun, source: PromptSource) -> None:
+        self.ds = ds
+        self.source = source
+        self.lock = asyncio.Lock()
+        self.over = False        # nothing more is admitted: the source is empty, or a drain, stop or halt
+        self.budget_reason = ""  # the budget that ended the dataset ('' if none): the rest is skipped
 
 
 class AdaptiveConcurrency:
@@ -106,16 +120,58 @@ class Admission:
         self._self_hosted = ctx.config.api.self_hosted  # a conversation's history is sent as its API documents it
 
     async def run(self, ds: DatasetRun) -> None:
-        """Admit the dataset's prompts until its source has none left (or a budget, drain or stop ends
-        it), then wait for its requests in flight; leaves the dataset's final status."""
+        """Admit and ask the dataset's prompts until its source has none left (or a budget, drain or stop
+        ends admission) and its requests have ended; leaves the dataset's final status."""
         if self._control.closed:
             return
         await self._open(ds)
-        budget_reason = await self._admit_all(ds, self._source(ds))
-        while ds.in_flight:
-            ds.wake.clear()
-            await ds.wake.wait()
-        self._end(ds, budget_reason)
+        admitting = _Admitting(ds, self._source(ds))
+        pool = [asyncio.create_task(self._requests_of(admitting)) for _ in range(ds.config.concurrency)]
+        try:
+            await asyncio.wait(pool)
+        finally:
+            for task in pool:  # only when the run itself is cancelled: each hands its prompt back
+                task.cancel()
+        for task in pool:
+            if not task.cancelled() and (error := task.exception()) is not None:
+                raise error
+        self._end(ds, admitting.budget_reason)
+
+    async def _requests_of(self, admitting: _Admitting) -> None:
+        """One request coroutine of a dataset: admits the next prompt, asks it, and again, until nothing
+        more is admitted. A stop now cancels it while it asks (its prompt is handed back)."""
+        while True:
+            async with admitting.lock:
+                req = await self._admit_next(admitting)
+            if req is None:
+                return
+            await self._requests.ask(req)
+
+    async def _admit_next(self, admitting: _Admitting) -> Request | None:
+        """The next prompt admitted (its request, to ask), the ones skipped before it booked as such; None
+        once nothing more is admitted (the source is empty, a drain, stop or stopped dataset halted it).
+        Once a budget ends the dataset, the source's prompts are counted skipped."""
+        ds, source = admitting.ds, admitting.source
+        while not admitting.over:
+            prompt = await source.next()
+            if prompt is None:
+                admitting.over = True
+                return None
+            if admitting.budget_reason:
+                ds.skipped_some()
+                source.booked(prompt, Booked.skipped(admitting.budget_reason))
+                continue
+            decision, req = await self._requests.offer(ds, prompt, source)
+            if req is not None:
+                return req
+            if decision.verdict is Admit.HALT:
+                admitting.over = True
+            elif decision.verdict is Admit.BUDGET:
+                admitting.budget_reason = decision.reason
+                ds.skipped_some()
+                source.booked(prompt, Booked.skipped(decision.reason))
+                self._budget_ends(ds, decision)
+        return None
 
     def _source(self, ds: DatasetRun) -> PromptSource:
         """The dataset's prompt source: its conversations turn by turn (turns = "all"), else its file."""
@@ -138,31 +194,6 @@ class Admission:
                  else "prompts")
         self._event(Level.INFO, EventKind.DATASET_START, f"{name}: {ds.total} {units}, {ds.done} already answered, "
                     f"{ds.failed} already failed; concurrency {ds.config.concurrency}", dataset=name)
-
-    async def _admit_all(self, ds: DatasetRun, source: PromptSource) -> str:
-        """Every prompt of the source offered to its request (started, skipped or handed back), until the
-        source has none left or a drain, stop or stopped dataset halts admission; returns the budget that
-        ended the dataset ('' if none). Once a budget ends it, the source's prompts are counted skipped."""
-        budget_reason = ""
-        admitted = 0
-        while (prompt := await source.next()) is not None:
-            if budget_reason:
-                ds.skipped_some()
-                source.booked(prompt, Booked.skipped(budget_reason))
-                continue
-            decision = await self._requests.offer(ds, prompt, source)
-            if decision.verdict is Admit.GO:
-                admitted += 1
-                if admitted % ADMIT_BURST == 0:
-                    await asyncio.sleep(0)  # let answers and the UI run between bursts of admissions
-            elif decision.verdict is Admit.HALT:
-                break
-            elif decision.verdict is Admit.BUDGET:
-                budget_reason = decision.reason
-                ds.skipped_some()
-                source.booked(prompt, Booked.skipped(budget_reason))
-                self._budget_ends(ds, decision)
-        return budget_reason
 
     def _budget_ends(self, ds: DatasetRun, decision: Decision) -> None:
         """A budget ends the dataset: the rest of its prompts is skipped (eligible for a later run)."""

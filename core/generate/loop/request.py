@@ -1,7 +1,8 @@
 """One request, from its admission to its record, in this one file.
 
-Admission (admission.py) pulls a prompt from its dataset's source (source.py) and offers it here
-(`Requests.offer`); the rest of its life is this module's, in order:
+A request coroutine of its dataset (admission.py) pulls a prompt from the dataset's source (source.py)
+and offers it here (`Requests.offer`), then asks the request it admitted (`Requests.ask`); the rest of
+its life is this module's, in order:
 
 1. admit: the body this prompt's request sends and the worst case of that very body; room for it
    (room.py: the gate, the dataset's doubts, token budget, max_usd and credit floor, its concurrency);
@@ -28,13 +29,13 @@ evidence: its answer faults spend attempts, so a poison prompt at a dataset's en
 paid for, forever. A 429 and the in-flight-budget 402 feed the dataset's adaptive limit (AIMD), and
 so does a self-hosted server's 503. A drain gives a retrying prompt up unrecorded.
 
-Each request runs as a task. What it holds (its slot, its reservation, its tokens in flight, its
-dataset's probe, its claim on the prompt against other datasets) is released by the task's done
-callback (`_finished`), not a `finally`: a task cancelled (stop now) before its first step never
-runs its body. For the same reason a request whose outcome was never booked is booked there: HANDED_BACK when
-it was cancelled (stop now), FAILED (for its source only: nothing is written) when it ended on an
-error of the engine's own, which asking it again would only repeat; either way it stays eligible for
-the next run.
+Each request runs in one of its dataset's request coroutines (admission.py), which admits it and
+then asks it here (`ask`): what it holds (its slot, its reservation, its tokens in flight, its
+dataset's probe, its claim on the prompt against other datasets) is released in a `finally` as it
+ends, however it ends. A request whose outcome was never booked is booked there: HANDED_BACK when it
+was cancelled (stop now), FAILED (for its source only: nothing is written) when it ended on an error
+of the engine's own, which asking it again would only repeat; either way it stays eligible for the
+next run.
 """
 
 from __future__ import annotations
@@ -104,15 +105,17 @@ class Attempted:
 
 
 class Request:
-    """One admitted prompt in flight: what it holds until its task ends, and whether its source was told."""
-    __slots__ = ("ds", "prompt", "source", "ticket", "expected", "probe", "booked")
+    """One admitted prompt in flight: the body it sends, what it holds until it ends, and whether its
+    source was told."""
+    __slots__ = ("ds", "prompt", "source", "body", "ticket", "expected", "probe", "booked")
 
-    def __init__(self, ds: DatasetRun, prompt: Prompt, source: PromptSource, ticket: Ticket, expected: int,
-                 probe: bool) -> None:
+    def __init__(self, ds: DatasetRun, prompt: Prompt, source: PromptSource, body: dict[str, Any], ticket: Ticket,
+                 expected: int, probe: bool) -> None:
         self.ds = ds
         self.prompt = prompt
         self.source = source
-        self.ticket = ticket      # the first attempt's reservation (released when the task ends)
+        self.body = body
+        self.ticket = ticket      # the first attempt's reservation (released when the request ends)
         self.expected = expected  # its tokens counted in flight against the dataset's token budget
         self.probe = probe        # the one request of a dataset held by its doubts (doubts.py)
         self.booked = False
@@ -141,7 +144,7 @@ class Requests:
         self.settler = opened.costs.settler
         self.prices = opened.costs.prices  # per dataset (None: unknown)
         self.duplicates = opened.duplicates  # None: off, or only one dataset
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.tasks: set[asyncio.Task[Any]] = set()  # the coroutines asking a request now (stop now cancels them)
         self.retries = 0
         self._unreachable_since: float | None = None  # the API could not be reached; reset by an answer
         self.answered = 0        # answers this run: a prompt that fails while others are answered is suspect
@@ -158,24 +161,30 @@ class Requests:
 
     # -- 1. admit, 2. reserve ------------------------------------------------------------------------
 
-    async def offer(self, ds: DatasetRun, prompt: Prompt, source: PromptSource) -> Decision:
-        """Wait for room for the prompt's request and start it (GO), or skip it (SKIP: max_usd has no
-        room for it; a GO whose prompt another dataset has is skipped too), or give it back to its
-        source (HALT); BUDGET leaves it with the caller, whose dataset the budget ends."""
+    async def offer(self, ds: DatasetRun, prompt: Prompt, source: PromptSource) -> tuple[Decision, Request | None]:
+        """Wait for room for the prompt's request and admit it (GO, with the request to `ask`), or skip it
+        (SKIP: max_usd has no room for it; a GO whose prompt another dataset has is skipped too, with no
+        request), or give it back to its source (HALT); BUDGET leaves it with the caller, whose dataset
+        the budget ends."""
         body, worst = self._room.request_for(ds, prompt)
-        decision = self._room.admit_now(ds, worst) or await self._room.admit(ds, worst)
+        decision = self._room.admit_now(ds, worst)
+        if decision is None:
+            try:
+                decision = await self._room.admit(ds, worst)
+            except asyncio.CancelledError:  # the run cancelled while it waited: the prompt stays eligible
+                source.booked(prompt, HANDED_BACK)
+                raise
         verdict = decision.verdict
         if verdict is Admit.GO:
-            if self._taken_elsewhere(ds, prompt):
-                source.booked(prompt, TAKEN_ELSEWHERE)
-            else:
-                self._start(ds, prompt, source, body, worst)
+            if not self._taken_elsewhere(ds, prompt):
+                return decision, self._admitted(ds, prompt, source, body, worst)
+            source.booked(prompt, TAKEN_ELSEWHERE)
         elif verdict is Admit.HALT:
             source.booked(prompt, HANDED_BACK)
         elif verdict is Admit.SKIP:
             self._room.skip_for_money(ds, prompt.id, decision.reason)
             source.booked(prompt, Booked.skipped(decision.reason))
-        return decision
+        return decision, None
 
     def _taken_elsewhere(self, ds: DatasetRun, prompt: Prompt) -> bool:
         """Skip (counted, and said once per dataset) a prompt another dataset answered or is answering;
@@ -193,31 +202,45 @@ class Requests:
                             "skip_cross_dataset_duplicates = false sends them)", dataset=ds.config.name)
         return True
 
-    def _start(self, ds: DatasetRun, prompt: Prompt, source: PromptSource, body: dict[str, Any],
-               worst: float) -> None:
-        """Reserve the worst case of the body it sends, count it in flight, and ask it in a task."""
-        req = Request(ds, prompt, source, self._spend.reserve(ds.config.name, prompt.id, worst),
+    def _admitted(self, ds: DatasetRun, prompt: Prompt, source: PromptSource, body: dict[str, Any],
+                  worst: float) -> Request:
+        """The worst case of the body it sends reserved, the request counted in flight: `ask` it next."""
+        req = Request(ds, prompt, source, body, self._spend.reserve(ds.config.name, prompt.id, worst),
                       ds.token_budget.expected(), ds.doubts.held)  # doubts.py: while held, one request at a time
         ds.request_started(req.expected, probe=req.probe)
-        task = asyncio.create_task(self._run(req, body))
-        self.tasks.add(task)
-        task.add_done_callback(functools.partial(self._finished, req))
+        return req
 
-    def _finished(self, req: Request, task: asyncio.Task[None]) -> None:
-        """The task ended, its body run or not (a task cancelled before its first step never runs it):
-        what the request held is released, and a prompt whose outcome was never booked is booked now."""
-        self.tasks.discard(task)
+    async def ask(self, req: Request) -> None:
+        """The admitted request asked until it has an outcome (under the body its ticket reserved for), the
+        outcome booked and recorded, durable (group fsync) before it ends; what it held is released as it
+        ends, however it ends (a stop now cancels it: its prompt is handed back)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        try:
+            if self._book_outcome(req, await self._ask(req.ds, req.body, req.ticket), req.body):
+                await self._book.synced(req.ds)
+        except asyncio.CancelledError:
+            req.book(HANDED_BACK)  # stop now: not recorded, stays eligible for the next run
+            raise
+        except Exception as exc:  # an error of the engine's own: not asked again this run, said with its cause
+            if not req.booked:
+                req.book(ENDED_ON_ERROR)
+                said = (f"{req.ds.config.name}: prompt {req.prompt.id!r} not asked again this run: the engine's own "
+                        f"error {type(exc).__name__}: {exc}")
+                self._ctx.event(Level.ERROR, EventKind.REQUEST_ERROR, self._ctx.redact(said),
+                                dataset=req.ds.config.name)
+        finally:
+            self.tasks.discard(task)
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """What the request held, released; its dataset (or, money being shared, every dataset) woken."""
         ds = req.ds
         ds.request_ended(req.expected, probe=req.probe)
-        self._spend.release(req.ticket)  # cancelled before it was sent: nothing to settle
-        if not req.booked:  # its outcome never decided: stays eligible for the next run
-            # Cancelled (stop now): handed back. An error of the engine's own is not asked again this run,
-            # and is said with its cause (redacted): a prompt left unasked for no reason given is a mystery.
-            req.book(HANDED_BACK if task.cancelled() else ENDED_ON_ERROR)
-            if not task.cancelled() and (exc := task.exception()) is not None:
-                said = (f"{ds.config.name}: prompt {req.prompt.id!r} not asked again this run: the engine's own "
-                        f"error {type(exc).__name__}: {exc}")
-                self._ctx.event(Level.ERROR, EventKind.REQUEST_ERROR, self._ctx.redact(said), dataset=ds.config.name)
+        self._spend.release(req.ticket)  # never sent: nothing to settle
+        if not req.booked:  # its outcome never decided (a BaseException): stays eligible for the next run
+            req.book(HANDED_BACK)
         if self.duplicates is not None:
             self.duplicates.settled(ds.config.name, req.prompt.id)
         if len(self._datasets) == 1:
@@ -225,12 +248,6 @@ class Requests:
         else:
             for d in self._datasets.values():
                 d.wake.set()
-
-    async def _run(self, req: Request, body: dict[str, Any]) -> None:
-        """The request's body: asked until it has an outcome (under the body its ticket reserved for),
-        the outcome booked and recorded, durable (group fsync) before the request finishes."""
-        if self._book_outcome(req, await self._ask(req.ds, body, req.ticket), body):
-            await self._book.synced(req.ds)
 
     # -- 3. attempt and retry ------------------------------------------------------------------------
 
