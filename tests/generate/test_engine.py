@@ -98,6 +98,24 @@ async def test_requests_run_in_a_pool_of_coroutines_not_a_task_each(tmp_path):
     assert len(ids) == 300
 
 
+async def test_the_elapsed_time_stops_when_the_run_ends(tmp_path):
+    """The header's elapsed and the exit summary's "after X" are the run's: they stop when it ends, not
+    when the screen is closed (the pipeline's stages may go on for minutes after it)."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.01  # every read moves time on, so a running clock is seen
+        return now[0]
+
+    async with SimServer(SimConfig(seed=3, **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 5, "concurrency": 2}])
+        engine, state, _ = await run_engine(cfg, clock=clock)
+    assert state == snap.RunState.DONE
+    ended = engine.snapshot().elapsed_s
+    now[0] += 600.0
+    assert engine.snapshot().elapsed_s == ended > 0
+
+
 @pytest.mark.parametrize("keep", [100, 5])
 async def test_a_small_prompt_file_is_read_once_and_a_big_one_streamed_each_asking_every_prompt_once(
         tmp_path, monkeypatch, keep):

@@ -98,6 +98,7 @@ class Engine:
         self.recent = RecentErrors(providers=self.provider_stats)
         self.control = RunControl(self._event)  # the run's state, holds, gate and end: changed only through it
         self._started = clock()
+        self._ended_at: float | None = None  # when the run ended: its elapsed time stops there
         self._ctx = RunContext(config, self.control, self._event, clock, self._redact, self.errors, self.recent,
                                self.provider_stats)  # what every part of the loop reads, passed once
         self.book = RecordBook(self._ctx, self.rundir, self.datasets, self.money, on_answer=on_answer)
@@ -264,6 +265,7 @@ class Engine:
                     self.book.close()
             finally:
                 self.spend.close()  # and its lock: another run or smoke test may open it
+                self._ended_at = self._clock()  # however it ended: its elapsed time stops here
         # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
         final = final_state(self.datasets.values(), stopping=self.control.stopping, draining=self.control.draining,
                             waiting=self.current_hold is Hold.ACCOUNT,
@@ -323,6 +325,7 @@ class Engine:
 
     def snapshot(self, beside: Beside = ALONE) -> snap.RunSnapshot:
         """The run's picture (projection.py), with what the pipeline's owners add `beside` it."""
-        now = EngineNow(self.control.view(), self.waiting(), self._clock() - self._started, self.retries, self.prices,
+        elapsed = (self._clock() if self._ended_at is None else self._ended_at) - self._started
+        now = EngineNow(self.control.view(), self.waiting(), elapsed, self.retries, self.prices,
                         self._opened.costs.smoke if self._opened is not None else None)
         return self._projector.snapshot(now, beside)
