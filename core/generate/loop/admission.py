@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 
 
+START_BURST = 64  # request coroutines started between yields to the event loop (2,000 at once would stall it)
+
+
 class _Admitting:
     """One dataset's admission, shared by its request coroutines: one admits at a time."""
     __slots__ = ("ds", "source", "lock", "over", "budget_reason")
@@ -126,8 +129,12 @@ class Admission:
             return
         await self._open(ds)
         admitting = _Admitting(ds, self._source(ds))
-        pool = [asyncio.create_task(self._requests_of(admitting)) for _ in range(ds.config.concurrency)]
+        pool: list[asyncio.Task[None]] = []
         try:
+            for n in range(1, ds.config.concurrency + 1):
+                pool.append(asyncio.create_task(self._requests_of(admitting)))
+                if n % START_BURST == 0:
+                    await asyncio.sleep(0)  # each asks its first request in its first step: the UI runs between
             await asyncio.wait(pool)
         finally:
             for task in pool:  # only when the run itself is cancelled: each hands its prompt back
