@@ -27,7 +27,7 @@ import contextlib
 import errno
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,14 +136,19 @@ class JsonlAppender:
     lines of one loop tick go out in one write at the tick's end, or sooner when an fsync begins
     (`sync`, `synced`: a fsync covers only what was written, so what is awaited is written first);
     outside a loop an append is written at once. A failed write keeps the lines buffered, in order,
-    for the next one (`flush` raises it)."""
+    for the next one (`flush` raises it). With `on_flush` (the records, record_book.py) each write of
+    the buffer tells its owner how many whole lines went out, and the error that refused the rest; the
+    rest is then the owner's (held in memory), not retried here, and nothing is raised. `append_now`
+    writes one line at once whatever the mode (raises DiskError), after what is buffered."""
 
-    def __init__(self, path: Path, *, fsync: bool = False, coalesce: bool = False) -> None:
+    def __init__(self, path: Path, *, fsync: bool = False, coalesce: bool = False,
+                 on_flush: Callable[[int, DiskError | None], None] | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(DIR_MODE, parents=True, exist_ok=True)
         self.cut_bytes = repair_torn_tail(self.path)
         self._fsync = fsync
         self._coalesce = coalesce and not fsync
+        self._on_flush = on_flush if self._coalesce else None  # lines written, and the error that kept the rest
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
         self._written = 0    # appends written so far
         self._synced = 0     # of those, the ones an fsync has covered
@@ -162,12 +167,24 @@ class JsonlAppender:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop (a thread, a command): written at once, behind any buffered
+                if self._on_flush is not None:  # its owner hears how it went, as for a tick's lines
+                    self._buf.append(line)
+                    self.flush()
+                    return
                 self.flush()
             else:
                 self._buf.append(line)
                 self._flush_due = True
                 loop.call_soon(self._flush_tick)
                 return
+        self._write_line(line)
+
+    def append_now(self, obj: Any) -> None:
+        """One line written before it returns (raises DiskError), after the buffered ones."""
+        self.flush()
+        self._write_line(orjson.dumps(obj, option=_LINE))
+
+    def _write_line(self, line: bytes) -> None:
         written = 0
         try:
             while written < len(line):
@@ -214,9 +231,17 @@ class JsonlAppender:
             done = data.count(b"\n", 0, keep)
             del self._buf[:done]
             self._written += done
-            raise disk_error(self.path, e) from e
-        self._written += len(self._buf)
+            refused = disk_error(self.path, e)
+            if self._on_flush is None:
+                raise refused from e
+            self._buf.clear()  # the rest is its owner's now
+            self._on_flush(done, refused)
+            return
+        done = len(self._buf)
+        self._written += done
         self._buf.clear()
+        if self._on_flush is not None:
+            self._on_flush(done, None)
 
     @property
     def unsynced(self) -> bool:

@@ -1,5 +1,6 @@
 """The spend ledger writes the lines of one event-loop tick with one write, and a `sent` line is still
-written (and fsynced) before its request may leave."""
+written (and fsynced) before its request may leave; so do the records (responses.jsonl, failures.jsonl),
+each record's fate told to the record book."""
 
 from __future__ import annotations
 
@@ -104,3 +105,47 @@ async def test_a_refused_tick_write_sends_nothing_and_keeps_every_line_in_order(
     assert kinds[2:] in ([], [("sent", late.id), ("end", late.id)])
     again = SpendLedger.read(path)
     assert again.committed_usd == pytest.approx(0.002) and not again.pending
+
+
+async def test_a_records_file_tells_its_owner_what_each_write_took_and_keeps_nothing_it_refused(tmp_path, monkeypatch):
+    """The records' appender (record_book.py): the lines of a tick in one write, its owner told how many went
+    out; a refused write hands the rest to the owner (held in memory there) instead of retrying it later."""
+    from draftgen.core.rundir import JsonlAppender
+    path = tmp_path / "responses.jsonl"
+    heard: list[tuple[int, str]] = []
+    f = JsonlAppender(path, coalesce=True, on_flush=lambda n, e: heard.append((n, type(e).__name__)))
+    spy = WriteSpy(str(path))
+    monkeypatch.setattr(os, "write", spy)
+    for i in range(5):
+        f.append({"id": f"p{i}"})
+    await asyncio.sleep(0)
+    assert heard == [(5, "NoneType")] and len(spy.writes) == 1 and len(lines(path)) == 5
+    spy.full = True
+    for i in range(5, 8):
+        f.append({"id": f"p{i}"})
+    await asyncio.sleep(0)  # nothing raised: the owner heard it
+    assert heard[-1] == (0, "DiskError")
+    spy.full = False
+    f.append({"id": "p8"})
+    await f.synced()
+    assert [x["id"] for x in lines(path)] == ["p0", "p1", "p2", "p3", "p4", "p8"]  # p5-p7 are the owner's now
+    f.append_now({"id": "p5"})  # written before it returns, the owner not told (it asked for it)
+    assert lines(path)[-1] == {"id": "p5"} and heard[-1] == (1, "NoneType")
+    f.close()
+
+
+async def test_a_runs_records_go_out_a_tick_at_a_time(tmp_path, monkeypatch):
+    """200 answers at 50 in flight: responses.jsonl gets far fewer writes than records, every record whole."""
+    from draftgen.core.generate.loop.engine import Engine
+    from draftgen.core.live import snapshot as snap
+    from draftgen.core.rundir import RunDir
+    from draftgen.simulator import SimConfig, SimServer
+    from tests.helpers import TEST_KEY, make_config, read_ids
+    async with SimServer(SimConfig(seed=3, latency_scale=0.0, mean_completion_tokens=60), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 200, "concurrency": 50}])
+        spy = WriteSpy(str(RunDir(cfg.run_dir).responses("a")))
+        monkeypatch.setattr(os, "write", spy)
+        assert await Engine(cfg, TEST_KEY, seed=1).run() == snap.RunState.DONE
+    ids = read_ids(RunDir(cfg.run_dir).responses("a"))
+    assert len(ids) == len(set(ids)) == 200
+    assert len(spy.writes) < 100, len(spy.writes)  # one write a record would be 200

@@ -5,6 +5,9 @@ On start (and on resume after a crash) a dataset's responses.jsonl and failures.
 answers already there count against the budgets. Then each request ends in one line: an answer in
 responses.jsonl (formats in core/records.py) or a failure in failures.jsonl; its request finishes
 once the line is written and fsynced (`synced`: group commit, one fsync for the moment's records).
+The lines of one event-loop tick go out in one write, at the tick's end or before the fsync that
+covers them begins (`JsonlAppender(coalesce=True)`); an answer is handed on (the live token view)
+once its line is written.
 
 A write the disk refuses (full, read-only) is held in memory, in order, and the run pauses; every
 later record queues behind it, so the files never get a gap. Resuming writes the held records first.
@@ -18,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -81,6 +85,7 @@ class RecordBook:
         self._control = ctx.control  # the run's owner: a write the disk refuses holds the run through it
         self._on_answer = on_answer  # the answer handed on once on disk (the live token view, core/run)
         self._held: list[_Held] = []
+        self._writing: dict[JsonlAppender, deque[_Held]] = {}  # per file, its records buffered, in order
         # Per dataset: the prompts its count read (scan_prompts) and their size, until its source takes them;
         # counts run in threads.
         self._scanned: dict[str, tuple[list[Prompt], int]] = {}
@@ -103,7 +108,7 @@ class RecordBook:
     def open(self, ds: DatasetRun) -> None:
         """Open the dataset's files (cutting a torn last line) and count what is already on disk."""
         rd = self.rundir
-        responses, failures = JsonlAppender(rd.responses(ds.config.name)), JsonlAppender(rd.failures(ds.config.name))
+        responses, failures = self._appender(rd.responses(ds.config.name)), self._appender(rd.failures(ds.config.name))
         ds.open_files(responses, failures)
         for f in (responses, failures):
             if f.cut_bytes:
@@ -119,6 +124,13 @@ class RecordBook:
             rid = str(raw.get("id"))
             if rid not in ds.done_ids:
                 ds.failed_one(rid, now=False)
+
+    def _appender(self, path: Path) -> JsonlAppender:
+        """A records file whose lines of a tick go out in one write, each record's fate heard (`_written`)."""
+        queue: deque[_Held] = deque()
+        appender = JsonlAppender(path, coalesce=True, on_flush=lambda n, refused: self._written(queue, n, refused))
+        self._writing[appender] = queue
+        return appender
 
     # -- spools of earlier runs (spool.py) ----------------------------------------------------------
 
@@ -230,7 +242,7 @@ class RecordBook:
         if sampling is not None:
             line["sampling"] = sampling
         assert ds.responses is not None
-        on_disk = self._write(ds, ds.responses, line, True)
+        self._write(ds, ds.responses, line, True)
         ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty)
         if truncated or empty:
             self.errors.add(ErrorKind.LENGTH if truncated else ErrorKind.EMPTY_CONTENT)
@@ -241,8 +253,6 @@ class RecordBook:
                             "are paid for and kept (marked truncated), but the merge leaves them out; drain (q then "
                             "d; headless: Ctrl-C) and raise the dataset's max_tokens before asking more", dataset=name)
         self.rates.record(a.usage.completion_tokens)
-        if self._on_answer is not None and on_disk:  # a held record is handed on once it is written
-            self._on_answer(ds.config.name, line)
 
     def fail_or_doubt(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int, seq: int) -> None:
         """Record the prompt's failure, or set it aside: a 4xx naming no known cause (doubts.py)."""
@@ -278,20 +288,29 @@ class RecordBook:
         self._write(ds, ds.failures, record.to_dict(), False)
         ds.failed_one(prompt.id)
 
-    def _write(self, ds: DatasetRun, appender: JsonlAppender, line: dict[str, Any], answer: bool) -> bool:
-        """True when the record is on disk now; False when it is held in memory (a failed write)."""
+    def _write(self, ds: DatasetRun, appender: JsonlAppender, line: dict[str, Any], answer: bool) -> None:
+        """The record buffered for its file's next write (`_written` hears how it went), or held in memory
+        behind the records the disk refused."""
+        item = _Held(ds, appender, line, answer)
         if self._held:
-            self._held.append(_Held(ds, appender, line, answer))
-            return False
-        try:
-            appender.append(line)
-        except DiskError as e:
-            self._held.append(_Held(ds, appender, line, answer))
-            self._disk_error = e
-            self._control.hold(Hold.DISK, f"{e}. The run is paused with {len(self._held)} record(s) held in memory; "
-                       "free space and press r to resume (headless: kill -USR1 <pid>).")
-            return False
-        return True
+            self._held.append(item)
+            return
+        self._writing[appender].append(item)
+        appender.append(line)
+
+    def _written(self, queue: deque[_Held], n: int, refused: DiskError | None) -> None:
+        """A write of a records file: its first `n` buffered records are on disk (an answer is handed on);
+        the rest, when the disk refused them, is held in memory and the run pauses."""
+        for _ in range(n):
+            item = queue.popleft()
+            if item.answer and self._on_answer is not None:
+                self._on_answer(item.ds.config.name, item.line)
+        if refused is not None and queue:
+            self._held.extend(queue)
+            queue.clear()
+            self._disk_error = refused
+            self._control.hold(Hold.DISK, f"{refused}. The run is paused with {len(self._held)} record(s) held in "
+                               "memory; free space and press r to resume (headless: kill -USR1 <pid>).")
 
     async def synced(self, ds: DatasetRun) -> None:
         """The dataset's records written so far durable against an OS crash (one fsync shared by every
@@ -310,7 +329,7 @@ class RecordBook:
         while self._held:
             item = self._held[0]
             try:
-                item.appender.append(item.line)
+                item.appender.append_now(item.line)
             except DiskError as e:
                 self._disk_error = e
                 self._control.hold(Hold.DISK, f"{e}. Still paused: {len(self._held)} record(s) held in memory.")
@@ -328,6 +347,8 @@ class RecordBook:
         """At the end of a run: write what is still held (space may be back); else spool it (spool.py),
         still counted as done (the next run imports it); only what no place takes is not counted as done
         (those prompts stay eligible for the next run), and the log says so."""
+        for appender in self._writing:  # what a tick buffered is written (or held) before the end is decided
+            appender.flush()
         if not self._held or self.flush_held():
             return
         answers = self.held_answers

@@ -46,7 +46,7 @@ class SpoolImport:
             if rid in on_disk:
                 continue
             try:
-                (ds.responses if r.file == "responses" else ds.failures).append(r.record)
+                (ds.responses if r.file == "responses" else ds.failures).append_now(r.record)
             except DiskError as e:
                 raise DiskError(f"{e}; the records spooled in {spool.path} stay there and the next run imports "
                                 "them once there is room") from e
