@@ -98,6 +98,45 @@ async def test_requests_run_in_a_pool_of_coroutines_not_a_task_each(tmp_path):
     assert len(ids) == 300
 
 
+async def test_a_request_whose_sent_line_is_still_being_fsynced_when_the_run_pauses_does_not_leave(
+        tmp_path, monkeypatch):
+    """Admitted, its `sent` line waiting for the group fsync, then the run pauses (the user, or an account's
+    402): it is not sent after the pause; the ledger books it refused (nothing billed), its prompt is handed
+    back and asked once the run resumes."""
+    import threading
+
+    from draftgen.core import rundir
+    gate = threading.Event()
+    gate.set()
+    real = rundir._fsync_and_close
+
+    def slow_fsync(fd: int) -> None:  # the disk slow to fsync (the fsync runs in a thread: the loop goes on)
+        gate.wait(10)
+        real(fd)
+
+    monkeypatch.setattr(rundir, "_fsync_and_close", slow_fsync)
+    async with SimServer(SimConfig(seed=3, **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 20, "concurrency": 4}])
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        await until(lambda: dataset_row(engine, "a").done >= 4, "4 answers")
+        gate.clear()  # the next fsyncs hang: what is admitted now waits with its sent line unsynced
+        await until(lambda: engine.in_flight == 4 and sim.stats.in_flight == 0, "4 requests waiting for the fsync")
+        asked = sim.stats.requests_total
+        engine.pause()
+        gate.set()
+        await until(lambda: engine.in_flight == 0, "the waiting requests handed back")
+        await asyncio.sleep(0.2)
+        assert sim.stats.requests_total == asked, "a request left after the run paused"
+        engine.resume()
+        assert await asyncio.wait_for(task, 30) == snap.RunState.DONE
+    accounted(cfg, engine)
+    assert len(read_ids(RunDir(cfg.run_dir).responses("a"))) == 20
+    ends = [x for x in lines(RunDir(cfg.run_dir).spend) if x["e"] == "end"]
+    assert sum(x["o"] == "refused" and x["c"] == 0 for x in ends) >= 1
+    assert sum(x["o"] == "answered" for x in ends) == 20
+
+
 async def test_the_elapsed_time_stops_when_the_run_ends(tmp_path):
     """The header's elapsed and the exit summary's "after X" are the run's: they stop when it ends, not
     when the screen is closed (the pipeline's stages may go on for minutes after it)."""

@@ -17,7 +17,8 @@ left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the n
             an answer without a cost that can be looked up: c null, SOURCE "pending", "w" its estimate;
             neither c nor "w" is capped at the reservation "w" of its sent line (a provider that bills
             past it is booked at what it billed);
-        OUTCOME refused: an HTTP error status, nothing generated (c 0, SOURCE "not billed");
+        OUTCOME refused: an HTTP error status, nothing generated, or not sent after all (the disk
+            refused the fsync, or the run paused before it left) (c 0, SOURCE "not billed");
         OUTCOME abandoned: timed out, dropped, cut short or stopped: c null, SOURCE "pending"; with
             "st": the HTTP status of a 408/5xx that carried a generation id (see billing.py); with
             "w": what it counts at until priced, when that is more than the reservation (an answer a
