@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import orjson
@@ -98,11 +99,9 @@ async def test_requests_run_in_a_pool_of_coroutines_not_a_task_each(tmp_path):
     assert len(ids) == 300
 
 
-async def test_a_request_whose_sent_line_is_still_being_fsynced_when_the_run_pauses_does_not_leave(
-        tmp_path, monkeypatch):
-    """Admitted, its `sent` line waiting for the group fsync, then the run pauses (the user, or an account's
-    402): it is not sent after the pause; the ledger books it refused (nothing billed), its prompt is handed
-    back and asked once the run resumes."""
+def _hang_fsyncs(monkeypatch):
+    """The spend ledger's fsyncs slow: while the returned gate is clear, each waits in its thread (the loop goes
+    on), so every request admitted meanwhile waits with its `sent` line not yet durable; the records' go on."""
     import threading
 
     from draftgen.core import rundir
@@ -110,11 +109,21 @@ async def test_a_request_whose_sent_line_is_still_being_fsynced_when_the_run_pau
     gate.set()
     real = rundir._fsync_and_close
 
-    def slow_fsync(fd: int) -> None:  # the disk slow to fsync (the fsync runs in a thread: the loop goes on)
-        gate.wait(10)
+    def slow_fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("spend.jsonl"):
+            gate.wait(10)
         real(fd)
 
     monkeypatch.setattr(rundir, "_fsync_and_close", slow_fsync)
+    return gate
+
+
+async def test_a_request_whose_sent_line_is_still_being_fsynced_when_the_run_pauses_does_not_leave(
+        tmp_path, monkeypatch):
+    """Admitted, its `sent` line waiting for the group fsync, then the run pauses (the user, or an account's
+    402): it is not sent after the pause; the ledger books it refused (nothing billed), its prompt is handed
+    back and asked once the run resumes."""
+    gate = _hang_fsyncs(monkeypatch)
     async with SimServer(SimConfig(seed=3, **FAST), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 20, "concurrency": 4}])
         engine = Engine(cfg, TEST_KEY, seed=1)
@@ -122,8 +131,11 @@ async def test_a_request_whose_sent_line_is_still_being_fsynced_when_the_run_pau
         await until(lambda: dataset_row(engine, "a").done >= 4, "4 answers")
         gate.clear()  # the next fsyncs hang: what is admitted now waits with its sent line unsynced
         await until(lambda: engine.in_flight == 4 and sim.stats.in_flight == 0, "4 requests waiting for the fsync")
-        asked = sim.stats.requests_total
         engine.pause()
+        # What passed the gate before the pause (on its way, a connection opening) reaches the simulator;
+        # what waits for its sent line's fsync has not passed it.
+        await asyncio.sleep(0.5)
+        asked = sim.stats.requests_total
         gate.set()
         await until(lambda: engine.in_flight == 0, "the waiting requests handed back")
         await asyncio.sleep(0.2)
@@ -135,6 +147,26 @@ async def test_a_request_whose_sent_line_is_still_being_fsynced_when_the_run_pau
     ends = [x for x in lines(RunDir(cfg.run_dir).spend) if x["e"] == "end"]
     assert sum(x["o"] == "refused" and x["c"] == 0 for x in ends) >= 1
     assert sum(x["o"] == "answered" for x in ends) == 20
+
+
+async def test_a_drain_lets_the_requests_it_admitted_go_out_and_finish(tmp_path, monkeypatch):
+    """A drain admits nothing more; what it admitted, even still waiting for its `sent` line's fsync, goes
+    out and is recorded (unlike a pause, which hands those back)."""
+    gate = _hang_fsyncs(monkeypatch)
+    async with SimServer(SimConfig(seed=3, **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 40, "concurrency": 4}])
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        await until(lambda: dataset_row(engine, "a").done >= 4, "4 answers")
+        gate.clear()
+        await until(lambda: engine.in_flight == 4 and sim.stats.in_flight == 0, "4 requests waiting for the fsync")
+        done = dataset_row(engine, "a").done
+        engine.drain()
+        gate.set()
+        assert await asyncio.wait_for(task, 30) == snap.RunState.DRAINED
+    assert dataset_row(engine, "a").done >= done + 1, "what the drain found admitted was not asked"
+    ids = read_ids(RunDir(cfg.run_dir).responses("a"))
+    assert len(ids) == len(set(ids)) == dataset_row(engine, "a").done
 
 
 async def test_the_elapsed_time_stops_when_the_run_ends(tmp_path):

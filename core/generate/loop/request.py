@@ -28,8 +28,8 @@ left alone (nothing else of its dataset in flight, no other fault since its firs
 evidence: its answer faults spend attempts, so a poison prompt at a dataset's end is not asked, and
 paid for, forever. A 429 and the in-flight-budget 402 feed the dataset's adaptive limit (AIMD), and
 so does a self-hosted server's 503. A drain gives a retrying prompt up unrecorded. A first attempt whose
-run was paused, held or drained while its `sent` line was being made durable does not leave: it is
-booked refused on the ledger (nothing billed) and its prompt handed back.
+run was paused or held while its `sent` line was being made durable does not leave: it is booked
+refused on the ledger (nothing billed) and its prompt handed back.
 
 Each request runs in one of its dataset's request coroutines (admission.py), which admits it and
 then asks it here (`ask`): what it holds (its slot, its reservation, its tokens in flight, its
@@ -275,11 +275,11 @@ class Requests:
             except DiskError as e:
                 spend.release(ticket)
                 return Attempted(Outcome.UNSENT, tries, disk_error=e)
-            control = self._ctx.control
-            if not tries and (control.closed or not control.is_open):
-                # Paused, held (an account's 402), drained or stopped while its sent line was made durable:
-                # it has not left, so it does not (a retry of a request in flight does); the ledger says
-                # so (refused, nothing billed) and the prompt is handed back, asked once the run goes on.
+            if not tries and not self._ctx.control.is_open:
+                # Paused or held (an account's 402) while its sent line was made durable: it has not left,
+                # so it does not (a retry of a request in flight does; a drain lets what it admitted go
+                # out and finish); the ledger says so (refused, nothing billed) and the prompt is handed
+                # back, asked once the run goes on.
                 spend.refused(ticket)
                 return Attempted(Outcome.GIVEN_UP, tries)
             tries += 1

@@ -149,7 +149,7 @@ def print_report(report: LedgerReport) -> None:
     table.add_column("count", justify="right")
     table.add_column("USD", justify="right")
     table.add_row("answered (usage.cost, or priced from the record)", str(r.answered), f"{r.answered_usd:.6f}")
-    table.add_row("refused (HTTP error, not billed)", str(r.refused), "0")
+    table.add_row("refused or not sent (not billed)", str(r.refused), "0")
     table.add_row("abandoned, priced (generation record)", str(r.abandoned_settled), f"{r.abandoned_settled_usd:.6f}")
     table.add_row("abandoned, still pending (worst case)", str(r.pending), f"<= {r.pending_worst_usd:.6f}")
     table.add_row("unknown: no generation id (worst case)", str(r.unknown), f"<= {r.unknown_worst_usd:.6f}")
