@@ -118,6 +118,13 @@ def _hang_fsyncs(monkeypatch):
     return gate
 
 
+async def _all_waiting_for_the_ledger(engine, sim, gate) -> None:
+    """Four answers in, then the ledger's fsyncs hang until the 4 slots all wait with their sent line unsynced."""
+    await until(lambda: dataset_row(engine, "a").done >= 4, "4 answers")
+    gate.clear()
+    await until(lambda: engine.in_flight == 4 and sim.stats.in_flight == 0, "4 requests waiting for the fsync")
+
+
 async def test_a_request_whose_sent_line_is_still_being_fsynced_when_the_run_pauses_does_not_leave(
         tmp_path, monkeypatch):
     """Admitted, its `sent` line waiting for the group fsync, then the run pauses (the user, or an account's
@@ -128,9 +135,7 @@ async def test_a_request_whose_sent_line_is_still_being_fsynced_when_the_run_pau
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 20, "concurrency": 4}])
         engine = Engine(cfg, TEST_KEY, seed=1)
         task = asyncio.create_task(engine.run())
-        await until(lambda: dataset_row(engine, "a").done >= 4, "4 answers")
-        gate.clear()  # the next fsyncs hang: what is admitted now waits with its sent line unsynced
-        await until(lambda: engine.in_flight == 4 and sim.stats.in_flight == 0, "4 requests waiting for the fsync")
+        await _all_waiting_for_the_ledger(engine, sim, gate)
         engine.pause()
         # What passed the gate before the pause (on its way, a connection opening) reaches the simulator;
         # what waits for its sent line's fsync has not passed it.
@@ -157,9 +162,7 @@ async def test_a_drain_lets_the_requests_it_admitted_go_out_and_finish(tmp_path,
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 40, "concurrency": 4}])
         engine = Engine(cfg, TEST_KEY, seed=1)
         task = asyncio.create_task(engine.run())
-        await until(lambda: dataset_row(engine, "a").done >= 4, "4 answers")
-        gate.clear()
-        await until(lambda: engine.in_flight == 4 and sim.stats.in_flight == 0, "4 requests waiting for the fsync")
+        await _all_waiting_for_the_ledger(engine, sim, gate)
         done = dataset_row(engine, "a").done
         engine.drain()
         gate.set()
