@@ -117,10 +117,15 @@ def _hang_fsyncs(monkeypatch):
     return gate
 
 
-async def _all_waiting_for_the_ledger(engine, sim) -> None:
-    """The 4 slots admitted, each waiting for its sent line's fsync: nothing has been sent yet."""
+async def _waiting_for_the_ledger(tmp_path, sim, n: int) -> tuple:
+    """A run of `n` prompts at concurrency 4, started and left once its 4 slots are admitted, each waiting for
+    its sent line's fsync: nothing has been sent yet. Its config, engine and task."""
+    cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": n, "concurrency": 4}])
+    engine = Engine(cfg, TEST_KEY, seed=1)
+    task = asyncio.create_task(engine.run())
     await until(lambda: engine.in_flight == 4, "4 requests waiting for the fsync")
     assert sim.stats.requests_total == 0
+    return cfg, engine, task
 
 
 async def test_a_request_whose_sent_line_is_still_being_fsynced_when_the_run_pauses_does_not_leave(
@@ -130,10 +135,7 @@ async def test_a_request_whose_sent_line_is_still_being_fsynced_when_the_run_pau
     back and asked once the run resumes."""
     gate = _hang_fsyncs(monkeypatch)
     async with SimServer(SimConfig(seed=3, **FAST), port=0) as sim:
-        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 20, "concurrency": 4}])
-        engine = Engine(cfg, TEST_KEY, seed=1)
-        task = asyncio.create_task(engine.run())
-        await _all_waiting_for_the_ledger(engine, sim)
+        cfg, engine, task = await _waiting_for_the_ledger(tmp_path, sim, 20)
         engine.pause()
         gate.set()
         await until(lambda: engine.in_flight == 0, "the waiting requests handed back")
@@ -153,10 +155,7 @@ async def test_a_drain_lets_the_requests_it_admitted_go_out_and_finish(tmp_path,
     out and is recorded (unlike a pause, which hands those back)."""
     gate = _hang_fsyncs(monkeypatch)
     async with SimServer(SimConfig(seed=3, **FAST), port=0) as sim:
-        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 40, "concurrency": 4}])
-        engine = Engine(cfg, TEST_KEY, seed=1)
-        task = asyncio.create_task(engine.run())
-        await _all_waiting_for_the_ledger(engine, sim)
+        cfg, engine, task = await _waiting_for_the_ledger(tmp_path, sim, 40)
         engine.drain()
         gate.set()
         assert await asyncio.wait_for(task, 30) == snap.RunState.DRAINED

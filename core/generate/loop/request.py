@@ -222,9 +222,6 @@ class Requests:
         try:
             if self._book_outcome(req, await self._ask(req.ds, req.body, req.ticket), req.body):
                 await self._book.synced(req.ds)
-        except asyncio.CancelledError:
-            req.book(HANDED_BACK)  # stop now: not recorded, stays eligible for the next run
-            raise
         except Exception as exc:  # an error of the engine's own: not asked again this run, said with its cause
             if not req.booked:
                 req.book(ENDED_ON_ERROR)
@@ -241,8 +238,7 @@ class Requests:
         ds = req.ds
         ds.request_ended(req.expected, probe=req.probe)
         self._spend.release(req.ticket)  # never sent: nothing to settle
-        if not req.booked:  # its outcome never decided (a BaseException): stays eligible for the next run
-            req.book(HANDED_BACK)
+        req.book(HANDED_BACK)  # its outcome never decided (stop now cancelled it): stays eligible for the next run
         if self.duplicates is not None:
             self.duplicates.settled(ds.config.name, req.prompt.id)
         if len(self._datasets) == 1:
