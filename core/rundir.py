@@ -139,16 +139,20 @@ class JsonlAppender:
     for the next one (`flush` raises it). With `on_flush` (the records, record_book.py) each write of
     the buffer tells its owner how many whole lines went out, and the error that refused the rest; the
     rest is then the owner's (held in memory), not retried here, and nothing is raised. `append_now`
-    writes one line at once whatever the mode (raises DiskError), after what is buffered."""
+    writes one line at once whatever the mode (raises DiskError), after what is buffered. With
+    `before_write` (the spend ledger's generation ids, spend_file.py) its owner adds lines (`buffer`)
+    to each write just before it is made; `write_soon` has the tick's write made with nothing buffered."""
 
     def __init__(self, path: Path, *, fsync: bool = False, coalesce: bool = False,
-                 on_flush: Callable[[int, DiskError | None], None] | None = None) -> None:
+                 on_flush: Callable[[int, DiskError | None], None] | None = None,
+                 before_write: Callable[[], None] | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(DIR_MODE, parents=True, exist_ok=True)
         self.cut_bytes = repair_torn_tail(self.path)
         self._fsync = fsync
         self._coalesce = coalesce and not fsync
         self._on_flush = on_flush if self._coalesce else None  # lines written, and the error that kept the rest
+        self._before_write = before_write if self._coalesce else None  # the owner's late lines, buffered
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
         self._written = 0    # appends written so far
         self._synced = 0     # of those, the ones an fsync has covered
@@ -178,6 +182,25 @@ class JsonlAppender:
                 loop.call_soon(self._flush_tick)
                 return
         self._write_line(line)
+
+    def write_soon(self) -> bool:
+        """Inside a running event loop (coalesce mode): the tick's write is made at its end even with
+        nothing buffered, for `before_write` to add to; False outside a loop (or without coalescing)."""
+        if self._flush_due:
+            return True
+        if not self._coalesce:
+            return False
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        self._flush_due = True
+        loop.call_soon(self._flush_tick)
+        return True
+
+    def buffer(self, obj: Any) -> None:
+        """A line added to the write being made (`before_write` only)."""
+        self._buf.append(orjson.dumps(obj, option=_LINE))
 
     def append_now(self, obj: Any) -> None:
         """One line written before it returns (raises DiskError), after the buffered ones."""
@@ -212,6 +235,8 @@ class JsonlAppender:
 
     def flush(self) -> None:
         """Write the buffered lines now, in one write (raises DiskError; what did not go out stays buffered)."""
+        if self._before_write is not None and self._fd >= 0:
+            self._before_write()
         if not self._buf or self._fd < 0:
             return
         data = b"".join(self._buf) if len(self._buf) > 1 else self._buf[0]

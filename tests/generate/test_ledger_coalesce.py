@@ -50,13 +50,41 @@ async def test_the_lines_of_one_tick_go_out_in_one_write(tmp_path, monkeypatch):
     spy = WriteSpy(str(path))
     monkeypatch.setattr(os, "write", spy)
     tickets = [spend.reserve("a", f"p{i}", 0.01) for i in range(20)]
-    for i, t in enumerate(tickets):  # what 20 answers landing in one tick book: gen and end lines
+    for i, t in enumerate(tickets):  # what 20 answers landing in one tick book: their generation ids and ends
         spend.generation(t, f"gen-{i}")
         spend.answered(t, 0.001)
     await asyncio.sleep(0)
-    assert len(spy.writes) == 1 and len(lines(path)) == 40
-    assert [x["e"] for x in lines(path)[:2]] == ["gen", "end"]
+    # One write; each end line carries its attempt's generation id (no gen line of its own).
+    assert len(spy.writes) == 1
+    assert [(x["e"], x["a"], x["g"]) for x in lines(path)] == [("end", t.id, f"gen-{i}") for i, t in enumerate(tickets)]
     spend.close()
+
+
+async def test_a_generation_id_whose_answer_comes_in_a_later_tick_gets_its_own_line(tmp_path, monkeypatch):
+    """A streamed answer: the id is known with the headers, the end comes ticks later. The id goes out in
+    the write of the tick it came in (a crash before the end can still look the attempt up), and the
+    next run reads it back from either line."""
+    path = tmp_path / "spend.jsonl"
+    spend = SpendLedger(path)
+    spend.open()
+    spy = WriteSpy(str(path))
+    monkeypatch.setattr(os, "write", spy)
+    early, late = spend.reserve("a", "p0", 0.01), spend.reserve("a", "p1", 0.01)
+    spend.send(early)
+    spend.send(late)
+    spend.generation(early, "gen-early")
+    spend.generation(late, "gen-late")
+    spend.answered_unpriced(late, 0.002)  # the same tick: the id rides on the end line
+    await asyncio.sleep(0)
+    assert [x["e"] for x in lines(path)] == ["sent", "sent", "end", "gen"]
+    assert lines(path)[2]["g"] == "gen-late" and lines(path)[3] == {"e": "gen", "a": early.id, "g": "gen-early"}
+    writes = len(spy.writes)
+    assert writes == 3  # two sent lines at once (outside a tick's write: send() fsyncs each), then one write
+    spend.close()  # the run dies with `early` still in flight
+    reread = SpendLedger(path)
+    reread.open()
+    assert {p.id: p.gen for p in reread.lookups()} == {early.id: "gen-early", late.id: "gen-late"}
+    reread.close()
 
 
 async def test_a_sent_line_is_written_before_its_fsync_begins(tmp_path, monkeypatch):

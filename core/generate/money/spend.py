@@ -10,8 +10,10 @@ left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the n
         written before the request leaves; w is the reservation (worst-case cost, see prices.py);
         t bounds how long it may run on (`--unknown-from-key` waits api.request_timeout_s past it)
     {"e":"gen","a":ID,"g":GENERATION_ID}
-        the generation id, from the X-Generation-Id header (known with the first bytes)
-    {"e":"end","a":ID,"o":OUTCOME,"c":USD|null,"s":SOURCE}
+        the generation id, from the X-Generation-Id header (known with the first bytes), written with
+        the tick's other lines; when the attempt ended in that same tick (most answers: the header and
+        the body arrive together) there is no gen line: its end line carries "g" instead
+    {"e":"end","a":ID,"o":OUTCOME,"c":USD|null,"s":SOURCE[,"g":GENERATION_ID]}
         OUTCOME answered: c is the answer's usage.cost (SOURCE "usage.cost"), or, for an answer that
             carried no cost and cannot be looked up, tokens x the worst prices (SOURCE "estimate");
             an answer without a cost that can be looked up: c null, SOURCE "pending", "w" its estimate;
@@ -158,7 +160,7 @@ class SpendReplay:
                                      ended=line.get("st") in ENDED_STATUSES, sent_at=rec["t"]))
         elif outcome == AttemptEnd.ANSWERED and cost is None:
             sums.add_pending(Pending(aid, rec["ds"], rec["p"], float(line.get("w", rec["w"])),
-                                     rec.get("g"), answer=True))
+                                     rec.get("g") or line.get("g"), answer=True))
         else:
             sums.book(rec["ds"], float(cost or 0.0),
                       AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED, run=False)
@@ -321,12 +323,13 @@ class SpendLedger:
     def generation(self, t: Ticket, gen_id: str) -> None:
         if t.gen is None and t.open:
             t.gen = gen_id
-            self._write({"e": "gen", "a": t.id, "g": gen_id})
+            if self._file is not None:
+                self._file.generation(t)  # with its end line when that comes in this tick
 
     def answered(self, t: Ticket, cost: float, source: CostSource = CostSource.USAGE) -> None:
         if self.sums.close(t):
             # The StrEnums as they are: orjson writes their values (two .value lookups a request saved).
-            self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED, "c": cost, "s": source})
+            self._end(t, {"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED, "c": cost, "s": source})
             self.sums.book(t.ds, cost, AttemptEnd.ANSWERED, run=True)
 
     def answered_unpriced(self, t: Ticket, estimate: float) -> Pending | None:
@@ -335,8 +338,8 @@ class SpendLedger:
         if not self.sums.close(t):
             return None
         worst = estimate
-        self._write({"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": None, "s": CostSource.PENDING.value,
-                     "w": worst})
+        self._end(t, {"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED.value, "c": None, "s": CostSource.PENDING.value,
+                      "w": worst})
         p = Pending(t.id, t.ds, t.prompt_id, worst, t.gen, answer=True)
         self.sums.add_pending(p)
         return p
@@ -344,8 +347,8 @@ class SpendLedger:
     def refused(self, t: Ticket) -> None:
         """An HTTP error status, or nothing could be sent: no generation ran, nothing is billed."""
         if self.sums.close(t):
-            self._write({"e": "end", "a": t.id, "o": AttemptEnd.REFUSED.value, "c": 0,
-                        "s": CostSource.NOT_BILLED.value})
+            self._end(t, {"e": "end", "a": t.id, "o": AttemptEnd.REFUSED.value, "c": 0,
+                          "s": CostSource.NOT_BILLED.value})
             self.sums.book_refused()
 
     def abandoned(self, t: Ticket, status: int | None = None, at_least: float = 0.0) -> Pending | None:
@@ -363,7 +366,7 @@ class SpendLedger:
         if at_least > worst:
             worst = at_least
             line["w"] = at_least
-        self._write(line)
+        self._end(t, line)
         p = Pending(t.id, t.ds, t.prompt_id, worst, t.gen, ended=status in ENDED_STATUSES, sent_at=t.sent_at)
         self.sums.add_pending(p)
         return p
@@ -388,3 +391,8 @@ class SpendLedger:
     def _write(self, line: dict[str, Any]) -> None:
         if self._file is not None:  # closed (the run ended): the next run counts the attempt at worst case
             self._file.append_or_hold(line)
+
+    def _end(self, t: Ticket, line: dict[str, Any]) -> None:
+        """An attempt's end line, with its generation id when that has no gen line yet (spend_file.py)."""
+        if self._file is not None:
+            self._file.append_or_hold(self._file.gen_of(t, line))

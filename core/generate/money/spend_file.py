@@ -11,6 +11,7 @@ from typing import Any
 
 from draftgen.core.errors import DiskError, LedgerBusyError
 from draftgen.core.files import lock_file
+from draftgen.core.generate.money.spend_sums import Ticket
 from draftgen.core.rundir import JsonlAppender
 
 
@@ -20,7 +21,8 @@ class LedgerFile:
     appended whole, and a line the disk refused after its attempt left held back for the next write.
     Inside the event loop the lines of one tick go out in one write (`JsonlAppender(coalesce=True)`);
     `sync`/`synced` write what is buffered and make it durable against an OS crash (a `sent` line,
-    before its request)."""
+    before its request). An attempt's generation id waits for that write (`generation`): its end line
+    carries it when the answer came in the same tick (`gen_of`), else a gen line of its own goes out."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -30,13 +32,44 @@ class LedgerFile:
                                   "`draftgen ledger` on this run directory): one at a time, so that max_usd "
                                   "counts every request; wait for it to end, or stop it")
         try:
-            self._out = JsonlAppender(path, coalesce=True)  # cuts a torn last line first; a tick's lines, one write
+            # Cuts a torn last line first; a tick's lines, one write, the generation ids still due added to it.
+            self._out = JsonlAppender(path, coalesce=True, before_write=self._gens_due)
         except BaseException:
             os.close(lock)
             raise
         self._lock = lock
         self.cut_bytes = self._out.cut_bytes
         self._unwritten: list[dict[str, Any]] = []
+        self._gens: list[Ticket] = []  # attempts whose generation id waits for the tick's write
+
+    def generation(self, t: Ticket) -> None:
+        """`t.gen` on the ledger: with its end line when that comes before the tick's write (most answers:
+        the id and the body arrive together), else in a gen line of its own in that write; outside the
+        event loop, a gen line now."""
+        if self._out.write_soon():
+            t.gen_due = True
+            self._gens.append(t)
+        else:
+            self.append_or_hold({"e": "gen", "a": t.id, "g": t.gen})
+
+    def gen_of(self, t: Ticket, end: dict[str, Any]) -> dict[str, Any]:
+        """`end`, t's end line, carrying its generation id when no gen line has gone out for it yet."""
+        if t.gen_due:
+            t.gen_due = False
+            end["g"] = t.gen
+        return end
+
+    def _gens_due(self) -> None:
+        """The gen lines of the attempts that did not end since their id came, added to the write being made."""
+        gens, self._gens = self._gens, []
+        for t in gens:
+            if t.gen_due:
+                t.gen_due = False
+                line = {"e": "gen", "a": t.id, "g": t.gen}
+                if self._unwritten:  # behind the lines held back (outside the loop the disk refused)
+                    self._unwritten.append(line)
+                else:
+                    self._out.buffer(line)
 
     def append(self, line: dict[str, Any]) -> None:
         """Written after any held-back lines: at once outside the event loop (raises DiskError: for a `sent`

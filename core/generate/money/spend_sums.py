@@ -20,7 +20,7 @@ class AttemptEnd(StrEnum):
 
 class Ticket:
     """One attempt's reservation; `sent` once its line is on disk."""
-    __slots__ = ("id", "ds", "prompt_id", "worst", "gen", "sent", "open", "sent_at")
+    __slots__ = ("id", "ds", "prompt_id", "worst", "gen", "gen_due", "sent", "open", "sent_at")
 
     def __init__(self, id: str, ds: str, prompt_id: str, worst: float) -> None:
         self.id = id
@@ -28,6 +28,7 @@ class Ticket:
         self.prompt_id = prompt_id
         self.worst = worst
         self.gen: str | None = None
+        self.gen_due = False  # its generation id waits for the ledger's next write (spend_file.py)
         self.sent = False
         self.open = True
         self.sent_at = 0.0  # unix time its "sent" line was written
