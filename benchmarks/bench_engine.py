@@ -251,9 +251,10 @@ def replay_answers(url: str) -> None:
     async def chat(self: cl.ChatClient, body: dict, on_generation=None, *, details: bool = False) -> cl.ChatAnswer:
         start = time.monotonic()
         orjson.dumps(body)
+        with self._deadlines:  # the exchange (under its deadline); headers and body then come in one read
+            await asyncio.sleep(0)
         if on_generation is not None:  # a new id each time, as in a run (the Redactor checks each once)
             on_generation(self._redact(f"{gen_id}-{next(sent)}"))
-        await asyncio.sleep(0)
         answer = cl.parse_completion(orjson.loads(raw), time.monotonic() - start, self._self_hosted)
         assert answer.usage.completion_tokens <= cl.body_max_tokens(body, 0)  # chat's check of the cap, as it runs
         return cl.redacted_answer(answer, self._redact)

@@ -23,6 +23,7 @@ from draftgen.core.rundir import RunDir
 
 if TYPE_CHECKING:
     import aiohttp
+    from aiohttp import web
 
     from draftgen.core.generate.loop.engine import Engine
     from draftgen.core.live.snapshot import DatasetSnapshot
@@ -119,6 +120,15 @@ def parse_sse(raw: bytes) -> tuple[list[dict[str, Any]], int, bool]:
 def cli_env(key: str = TEST_KEY, **extra: str) -> dict[str, str]:
     """The environment for a `draftgen` subprocess: this one's, plus the API key where configs look."""
     return {**os.environ, "DG_TEST_KEY": key, **extra}
+
+
+async def serve_local(app: web.Application) -> tuple[web.AppRunner, int]:
+    """A test's own aiohttp app served on 127.0.0.1 (a free port): its runner (cleanup() at the end) and port."""
+    from aiohttp import web
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
 
 
 async def until(cond: Callable[[], bool], what: str, timeout: float = 30.0, every: float = 0.01) -> None:

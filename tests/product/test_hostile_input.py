@@ -37,7 +37,7 @@ from draftgen.core.tokens.store import TokenReader
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
 from draftgen.core.tokens.workers import reconstruct_dataset
 from draftgen.simulator import SimConfig, SimServer
-from tests.helpers import TEST_KEY, cli_env, make_config
+from tests.helpers import TEST_KEY, cli_env, make_config, serve_local
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 derandomize=True)
@@ -522,11 +522,8 @@ class HostileUpstream:
         app.router.add_post("/api/v1/chat/completions", self._chat)
         app.router.add_get("/api/v1/credits", self._credits)
         app.router.add_get("/api/v1/key", self._key)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.base_url = f"http://127.0.0.1:{self._runner.addresses[0][1]}/api/v1"
+        self._runner, port = await serve_local(app)
+        self.base_url = f"http://127.0.0.1:{port}/api/v1"
         return self
 
     async def __aexit__(self, *exc: object) -> None:

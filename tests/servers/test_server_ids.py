@@ -34,7 +34,7 @@ from draftgen.core.tokens.reconstruct import reconstruct
 from draftgen.core.tokens.store import TokenReader
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.core.tokens.workers import WorkerSpec, reconstruct_dataset
-from tests.helpers import TEST_KEY, make_config
+from tests.helpers import TEST_KEY, make_config, serve_local
 
 N = 6
 BAD_ANSWER = "a-1"   # its token_ids differ from what the reconstruction gives (one id changed)
@@ -74,11 +74,7 @@ class CannedServer:
         async def info(_: web.Request) -> web.Response:
             return web.json_response({"version": self.version})
         app.router.add_get("/version" if self.shape == "vllm" else "/server_info", info)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.runner, self.port = await serve_local(app)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

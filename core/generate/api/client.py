@@ -26,6 +26,7 @@ import aiohttp
 import orjson
 
 from draftgen.core.generate.api.classify import PastCap, RequestFailed, cannot_connect, classify_status
+from draftgen.core.generate.api.deadlines import Deadlines
 from draftgen.core.records import ErrorKind, Usage, reasoning_text
 from draftgen.core.request_keys import TEXT_CHARS_PER_TOKEN, body_max_tokens, past_cap_limits
 from draftgen.core.secrets import Redactor
@@ -446,7 +447,9 @@ class ChatClient:
         if title:
             self._headers["X-Title"] = title
         self._concurrency = concurrency
-        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+        # The connect timeout is aiohttp's (per new connection); the request's own is one timer for all (deadlines.py).
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
+        self._deadlines = Deadlines(request_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> ChatClient:
@@ -481,30 +484,32 @@ class ChatClient:
         assert self._session is not None, "ChatClient.open() first"
         start = time.monotonic()
         try:
-            async with self._session.post(f"{self.base_url}/chat/completions", data=orjson.dumps(body)) as resp:
-                if on_generation is not None:
-                    gen_id = resp.headers.get("X-Generation-Id")
-                    if gen_id:
-                        on_generation(self._redact.known.get(gen_id) or self._redact(gen_id))
-                if resp.status != 200:
-                    raise classify_status(resp.status, await resp.read(), resp.headers)
-                cap = body_max_tokens(body, 0)
-                if body.get("stream"):
-                    obj = await self._read_sse(resp, cap, details)
-                else:
-                    raw = await resp.read()
-                    try:
-                        obj = orjson.loads(raw)
-                    except orjson.JSONDecodeError:
-                        raise RequestFailed(ErrorKind.BAD_BODY, f"HTTP 200 with a body that is not JSON "
-                                            f"({len(raw)} bytes, truncated?)") from None
+            with self._deadlines:  # api.request_timeout_s, one timer for every request (deadlines.py)
+                async with self._session.post(f"{self.base_url}/chat/completions", data=orjson.dumps(body)) as resp:
+                    if on_generation is not None:
+                        gen_id = resp.headers.get("X-Generation-Id")
+                        if gen_id:
+                            on_generation(self._redact.known.get(gen_id) or self._redact(gen_id))
+                    if resp.status != 200:
+                        raise classify_status(resp.status, await resp.read(), resp.headers)
+                    cap = body_max_tokens(body, 0)
+                    if body.get("stream"):
+                        obj = await self._read_sse(resp, cap, details)
+                    else:
+                        raw = await resp.read()
+                        try:
+                            obj = orjson.loads(raw)
+                        except orjson.JSONDecodeError:
+                            raise RequestFailed(ErrorKind.BAD_BODY, f"HTTP 200 with a body that is not JSON "
+                                                f"({len(raw)} bytes, truncated?)") from None
         except RequestFailed as e:
             raise redacted(e, self._redact) from None
         except TimeoutError as e:
             if isinstance(e, aiohttp.ConnectionTimeoutError):
                 raise RequestFailed(ErrorKind.CONNECTION, f"cannot connect to {self.base_url}: no answer within "
                                     f"{self._timeout.sock_connect:g} s", unreachable=True) from None
-            raise RequestFailed(ErrorKind.TIMEOUT, f"no complete answer within {self._timeout.total:g} s") from None
+            raise RequestFailed(ErrorKind.TIMEOUT,
+                                f"no complete answer within {self._deadlines.timeout_s:g} s") from None
         except aiohttp.ClientPayloadError as e:
             # The connection closed before the body's end (a stream cut after its headers): an answer
             # fault, like a truncated body. It may be this prompt's (a provider that dies on it), so it
