@@ -60,16 +60,18 @@ class Deadlines:
         for task, (deadline, _) in self._due.items():  # oldest first: deadlines in the order they come
             if deadline > now:
                 break
-            if task not in self._expired:
+            if task not in self._expired and not task.done():
                 self._expired.add(task)
                 task.cancel()
                 late += 1
         return late
 
     def _swept(self) -> None:
-        self.sweep()
         assert self._loop is not None
-        self._sweep = self._loop.call_later(self._every, self._swept) if self._due else None
+        try:
+            self.sweep()
+        finally:  # the next sweep, whatever this one met
+            self._sweep = self._loop.call_later(self._every, self._swept) if self._due else None
 
     @property
     def armed(self) -> bool:
