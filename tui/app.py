@@ -16,6 +16,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.driver import Driver
+from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Static
 
@@ -102,6 +103,7 @@ class DraftgenApp(RunKeys, App[None]):
         self._sub: Subscription | None = None
         self._timer: Timer | None = None
         self._shape: object = None
+        self._owed: Screen[Any] | None = None  # a view pushed but not composed when a snapshot came
         self.events = EventStore()
 
     def get_driver_class(self) -> type[Driver]:
@@ -194,9 +196,12 @@ class DraftgenApp(RunKeys, App[None]):
         reshaped, self._shape = shape != self._shape, shape
         if reshaped:
             self._fit_screen()
-        if newest is None and reshaped:
+        owed = self._owed is not None and self._owed.is_mounted  # composed since: it gets the newest now
+        if owed:
+            self._owed = None
+        if newest is None and (reshaped or owed):
             newest = self.latest
-        if newest is not None and (newest is not self.latest or reshaped):
+        if newest is not None and (newest is not self.latest or reshaped or owed):
             self.render_snapshot(newest)
 
     def _sync_logs(self) -> None:
@@ -213,8 +218,12 @@ class DraftgenApp(RunKeys, App[None]):
         base.query_one(EventLogPanel).set_datasets(tuple(d.name for d in s.datasets))
         hidden = base.query_one(StagesPanel).has_class("-hidden") and base.query_one(GpuPanel).has_class("-hidden")
         base.query_one("#lower").set_class(hidden, "-hidden")
-        if self.screen is not base and hasattr(self.screen, "show"):
-            self.screen.show(s)
+        view = self.screen
+        if view is not base and hasattr(view, "show"):
+            if view.is_mounted:
+                view.show(s)
+            else:  # pushed by a key in this tick, its widgets not composed yet: shown once they are
+                self._owed = view
         if previous is None or previous.attached != s.attached or previous.state != s.state:
             self.refresh_bindings()
         if self.quit_requested and s.finished():  # a drain waits for the stage running (merge, extract) too

@@ -15,7 +15,7 @@ from rich.console import Console
 from draftgen.core.live import snapshot as snap
 from draftgen.tui import fmt
 from draftgen.tui.app import DraftgenApp
-from draftgen.tui.screens.drill import DrillScreen
+from draftgen.tui.screens.drill import DATASET, DrillScreen, Target
 from draftgen.tui.screens.help import HelpScreen
 from draftgen.tui.screens.history import HistoryScreen
 from draftgen.tui.screens.logview import LogScreen
@@ -472,6 +472,25 @@ async def test_log_view_filters_by_level_and_dataset_and_searches() -> None:
         assert "/balance" in str(log.border_title)
         await pilot.press("escape")
         assert not isinstance(app.screen, LogScreen)
+
+
+@pytest.mark.parametrize("view", ["log", "history", "drill"])
+async def test_a_snapshot_that_comes_while_a_view_is_being_composed_is_shown_once_it_is_up(view: str) -> None:
+    """A key pushes a view; the refresh tick can come before its widgets exist (seen under load). The
+    snapshot is not lost (nor the app crashed on the missing header): the view shows it once composed."""
+    app, controls = make()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        later = dataclasses.replace(controls.latest, elapsed_s=2_400.0, seq=101)
+        pushed = {"log": lambda: LogScreen(app.events, ()), "history": lambda: HistoryScreen(app.latest),
+                  "drill": lambda: DrillScreen(Target(DATASET, "B1"), app.latest)}[view]()
+        app.push_screen(pushed)
+        assert app.screen is pushed and not pushed.is_mounted
+        controls.publish(later)
+        app.pull()  # the tick, in the same turn of the loop as the key
+        await until(pilot, lambda: pushed.is_mounted and "elapsed 0:40:00" in text(app, "#header"),
+                    "the view's header shows it")
+        assert app.screen is pushed
 
 
 async def test_slash_opens_the_log_searching() -> None:
