@@ -165,27 +165,20 @@ class JsonlAppender:
     def append(self, obj: Any) -> None:
         line = orjson.dumps(obj, option=_LINE)
         if self._coalesce:
-            if self._flush_due:  # this tick's flush is already scheduled: the line joins it
+            if self._flush_due or self.write_soon():  # the line joins this tick's write
                 self._buf.append(line)
                 return
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop (a thread, a command): written at once, behind any buffered
-                if self._on_flush is not None:  # its owner hears how it went, as for a tick's lines
-                    self._buf.append(line)
-                    self.flush()
-                    return
+            # No loop (a thread, a command): written at once, behind any buffered.
+            if self._on_flush is not None:  # its owner hears how it went, as for a tick's lines
+                self._buf.append(line)
                 self.flush()
-            else:
-                self._buf.append(line)
-                self._flush_due = True
-                loop.call_soon(self._flush_tick)
                 return
+            self.flush()
         self._write_line(line)
 
     def write_soon(self) -> bool:
-        """Inside a running event loop (coalesce mode): the tick's write is made at its end even with
-        nothing buffered, for `before_write` to add to; False outside a loop (or without coalescing)."""
+        """Inside a running event loop (coalesce mode): the tick's write is scheduled for its end (also
+        with nothing buffered, for `before_write` to add to); False outside a loop (or without coalescing)."""
         if self._flush_due:
             return True
         if not self._coalesce:
