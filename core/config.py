@@ -873,6 +873,9 @@ def _check_engine(file: Path, engine: EngineConfig) -> None:
 
 
 def _check_extract(file: Path, extract: ExtractConfig) -> None:
+    if not extract.model.isprintable():  # a folder or hub id; it goes into SpecForge's config and train-command.sh
+        raise ConfigError(f"{file}: extract.model {extract.model!r} must be printable characters only "
+                          f"(no control characters, tabs or line breaks)")
     if not 0 <= extract.mem_fraction_static < 1:
         raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1 (0: the GPU plan chooses), "
                           f"not {extract.mem_fraction_static!r}")
