@@ -14,16 +14,19 @@ import os
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from draftgen.cli.main import main
-from draftgen.core.config import config_from_dict, toml_value
+from draftgen.core.config import config_from_dict, load_config, toml_value
 from draftgen.core.errors import ConfigError
 from draftgen.core.quoting import visible
 from draftgen.core.tokens.store import TokenWriter
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from tests.generate.test_promptsets import make_jsonl
 
 # Each would create a file named `pwned` in the working directory, if any part of it ran.
 PAYLOAD = "-x 'q' \"d\" ; touch pwned & $(touch pwned) `touch pwned` | touch pwned"
@@ -90,3 +93,35 @@ def test_a_model_with_a_line_break_or_control_character_is_refused_naming_the_ke
         raw = {"datasets": [{"name": "B1", "prompts": "p.jsonl"}], "extract": {"model": model}}
         with pytest.raises(ConfigError, match=r"draftgen.toml: extract.model .* must be printable characters only"):
             config_from_dict(raw, tmp_path / "draftgen.toml")
+
+
+def test_toml_value_reads_back_every_character() -> None:
+    text = "".join(chr(c) for c in range(0x2100)) + "\U0001f600 \u2028\u2029 \ufeff end"
+    for value in (text, "a\x7fb", '"; evil = true', "\\u0041\n[budget]\nmax_usd = 1e9"):
+        assert tomllib.loads(f"k = {toml_value(value)}\nt = {toml_value({value: value})}") == {"k": value,
+                                                                                                "t": {value: value}}
+
+
+def test_prompts_build_writes_a_config_from_any_source_path(tmp_path: Path) -> None:
+    # A source folder with an escape sequence and DEL (its path is in the header comment), prompt files
+    # written into a folder with DEL (their path is a TOML string): the config loads back both.
+    src_dir, out_dir = tmp_path / "da\x1b[2Jta\x7f\nrm -rf x", tmp_path / "prompts\x7f \"q\""
+    src_dir.mkdir()
+    src = make_jsonl(src_dir, [{"prompt": f"Question {i}?"} for i in range(5)], "mix.jsonl")
+    config = tmp_path / "job.toml"
+    assert main(["prompts", "build", str(src), "--out", str(out_dir), "--config", str(config),
+                 "--tokenizer", str(bundled_kimi_path()), "--split", "off"]) == 0
+    cfg = load_config(config)
+    assert [d.prompts for d in cfg.datasets] == [out_dir / "mix.jsonl"]
+    text = config.read_text()
+    assert visible(str(src)) in text and "\x1b" not in text
+    assert [line for line in text.splitlines() if "rm -rf" in line][0].startswith("# Added by")
+
+
+def test_the_demo_config_reads_back_any_install_path(tmp_path: Path) -> None:
+    from draftgen.tui.demo import config_text
+    tokenizer = tmp_path / 'site "packages"\\x\x7f' / "kimi-k2"
+    path = tmp_path / "draftgen.toml"
+    path.write_text(config_text("http://127.0.0.1:8080/api/v1", tokenizer), encoding="utf-8")
+    cfg = load_config(path)
+    assert (cfg.tokenizer.path, cfg.api.base_url) == (str(tokenizer), "http://127.0.0.1:8080/api/v1")
