@@ -467,16 +467,21 @@ class Config:
         return out
 
 
+def _toml_string(text: str) -> str:
+    """A TOML basic string: JSON's escapes are TOML's, and DEL, which JSON leaves bare and TOML refuses, as \\u007f."""
+    return orjson.dumps(text).decode().replace("\x7f", "\\u007f")
+
+
 def toml_value(value: Any) -> str:
-    """One TOML value: strings as basic strings (JSON escapes are TOML escapes), lists, inline tables."""
+    """One TOML value: strings as basic strings, lists, inline tables."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (str, Path)):
-        return orjson.dumps(str(value)).decode()
+        return _toml_string(str(value))
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{orjson.dumps(str(k)).decode()} = {toml_value(x)}" for k, x in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_string(str(k))} = {toml_value(x)}" for k, x in value.items()) + "}"
     if isinstance(value, (int, float)):
         return repr(value)  # TOML spells nan and inf as Python does
     raise TypeError(f"no TOML for {type(value).__name__}")
@@ -873,6 +878,9 @@ def _check_engine(file: Path, engine: EngineConfig) -> None:
 
 
 def _check_extract(file: Path, extract: ExtractConfig) -> None:
+    if not extract.model.isprintable():  # a folder or hub id; it goes into SpecForge's config and train-command.sh
+        raise ConfigError(f"{file}: extract.model {extract.model!r} must be printable characters only "
+                          f"(no control characters, tabs or line breaks)")
     if not 0 <= extract.mem_fraction_static < 1:
         raise ConfigError(f"{file}: extract.mem_fraction_static must be between 0 and 1 (0: the GPU plan chooses), "
                           f"not {extract.mem_fraction_static!r}")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TextIO
 
 from draftgen.core import runtime
-from draftgen.core.config import Config, load_config
+from draftgen.core.config import Config, load_config, toml_value
 from draftgen.core.errors import DraftgenError
 
 DEMO_KEY_ENV = "DRAFTGEN_DEMO_KEY"
@@ -28,8 +28,8 @@ DEMO_KEY = "sk-demo-local-simulator-not-a-secret"
 CONFIG = """\
 # The demo's config: the same file format a real run uses (see docs/config.md).
 [api]
-base_url = "{base_url}"          # the simulator started by `draftgen demo`
-api_key_env = "{key_env}"
+base_url = {base_url}          # the simulator started by `draftgen demo`
+api_key_env = {key_env}
 model = "moonshotai/kimi-k2.5"
 request_timeout_s = 60
 credits_interval_s = 5
@@ -48,7 +48,7 @@ max_usd = 5.0
 credit_floor_usd = 1.0
 
 [tokenizer]
-path = "{tokenizer}"             # the bundled Kimi-K2 tiktoken vocabulary
+path = {tokenizer}             # the bundled Kimi-K2 tiktoken vocabulary
 template = "kimi-k2.5"
 
 [output]
@@ -140,9 +140,14 @@ def prepare(root: Path, base_url: str) -> Config:
     if not (model / "config.json").exists():
         build_tiny_model(model)
     path = root / "draftgen.toml"
-    path.write_text(CONFIG.format(base_url=base_url, key_env=DEMO_KEY_ENV, tokenizer=bundled_kimi_path(),
-                                  multi_turn=multi_turn_entry(MULTI_TURN_DEMO)))
+    path.write_text(config_text(base_url, bundled_kimi_path()), encoding="utf-8")
     return load_config(path)
+
+
+def config_text(base_url: str, tokenizer: str | Path) -> str:
+    """The demo's config for this simulator and tokenizer folder (where draftgen is installed: any path)."""
+    return CONFIG.format(base_url=toml_value(base_url), key_env=toml_value(DEMO_KEY_ENV),
+                         tokenizer=toml_value(tokenizer), multi_turn=multi_turn_entry(MULTI_TURN_DEMO))
 
 
 async def run_demo(root: Path, *, headless: bool, out: TextIO = sys.stdout, latency_scale: float = 0.3) -> int:

@@ -6,6 +6,10 @@ its output when it finishes:
     hidden_states/specforge.json     the config `specforge train --config` reads (its typed schema)
     hidden_states/train-command.sh   the command, with the figures below as comments
 
+No value of the config runs in the script: the config's path is one quoted argument, the caller's
+arguments follow it verbatim ("$@"), and the comments show line breaks and control characters of
+paths, names and messages as escapes (core/quoting.py), so none ends its comment line.
+
 What the pinned specforge 0.2.0 (pyproject's `gpu` extra) takes, read from its released code
 (specforge/cli.py, specforge/config/schema.py, specforge/algorithms/eagle3/; checked by
 tests/extract/test_specforge_contract.py, which parses our file with SpecForge's own `load_config` and
@@ -28,7 +32,6 @@ resolves it with its own `specforge train --plan`):
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +42,7 @@ import numpy as np
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.files import write_atomic, write_json_atomic
+from draftgen.core.quoting import sh_path, visible
 from draftgen.core.tokens import identity
 from draftgen.core.tokens.store import INDEX_FILE, TokenReader
 
@@ -75,7 +79,7 @@ class Handoff:
 
     @property
     def command(self) -> str:
-        return f"specforge train --config {shlex.quote(str(self.config_path))}"
+        return f"specforge train --config {sh_path(self.config_path)}"
 
 
 def cut_at(reader: TokenReader, lengths: np.ndarray, max_length: int) -> Cut:
@@ -120,10 +124,10 @@ def _missing_notes(config: Config, reader: TokenReader, files: int, merge_id: st
                      f"({context:,} tokens) and were skipped, not extracted (see stats.json): training leaves "
                      f"them out; to extract them, give the model a larger context (its max_position_embeddings, "
                      f"or extract.sglang.context_length for the specforge backend) and run "
-                     f"`draftgen extract {config.path}` again")
+                     f"`draftgen extract {sh_path(config.path)}` again")
     left = len(reader) - files - len(skipped)
     if left > 0:
-        notes.append(f"only {files:,} of {len(reader):,} samples extracted: `draftgen extract {config.path}` "
+        notes.append(f"only {files:,} of {len(reader):,} samples extracted: `draftgen extract {sh_path(config.path)}` "
                      f"finishes the {left:,} left (training now would use those extracted alone)")
     return notes
 
@@ -136,8 +140,8 @@ def make_handoff(config: Config, *, max_length: int | None = None) -> Handoff:
     run = config.run_dir
     merged, hidden = run / "merged", run / "hidden_states"
     if not (merged / "tokens" / INDEX_FILE).exists():
-        raise DraftgenError(f"{merged / 'tokens' / INDEX_FILE}: not found; run `draftgen merge {config.path}` "
-                            f"and `draftgen extract {config.path}` first")
+        raise DraftgenError(f"{merged / 'tokens' / INDEX_FILE}: not found; run `draftgen merge {sh_path(config.path)}` "
+                            f"and `draftgen extract {sh_path(config.path)}` first")
     reader = TokenReader(merged / "tokens")
     lengths = np.array([e.length for e in reader.entries], dtype=np.int64)
     longest = int(lengths.max()) if len(lengths) else 0
@@ -151,10 +155,10 @@ def make_handoff(config: Config, *, max_length: int | None = None) -> Handoff:
     files = identity.stored_samples(hidden) if hidden.is_dir() else 0
     if files == 0:
         hidden_text = "none yet: run `draftgen extract` first"
-        notes.append(f"hidden_states/ holds no file yet: `draftgen extract {config.path}` first")
+        notes.append(f"hidden_states/ holds no file yet: `draftgen extract {sh_path(config.path)}` first")
     elif fp is not None and stored is not None and not stored.same_merge(fp):
         hidden_text = f"{files:,} files of ANOTHER merge ({stored.describe()})"
-        notes.append(f"hidden_states/ belongs to another merge than merged/: `draftgen extract {config.path} "
+        notes.append(f"hidden_states/ belongs to another merge than merged/: `draftgen extract {sh_path(config.path)} "
                      f"--start-over` (or --set-aside) before training")
     else:
         hidden_text = f"{files:,} of {len(reader):,} samples" + (f", {stored.describe()}" if stored else "")
@@ -216,7 +220,7 @@ def write_handoff(h: Handoff) -> tuple[Path, Path]:
     h.config_path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(h.config_path, h.config)
     script = h.config_path.with_name(SCRIPT_FILE)
-    body = "#!/bin/sh\n" + "".join(f"# {line}\n" for line in describe(h)) + f"exec {h.command} \"$@\"\n"
+    body = "#!/bin/sh\n" + "".join(f"# {visible(line)}\n" for line in describe(h)) + f"exec {h.command} \"$@\"\n"
     write_atomic(script, body.encode())
     script.chmod(script.stat().st_mode | 0o100)
     return h.config_path, script
@@ -232,10 +236,10 @@ def train_command(config: Config, *, max_length: int | None = None, out: TextIO 
         from draftgen.core.files import disk_error
         raise disk_error(h.config_path, e) from e
     for line in describe(h):
-        print(f"# {line}", file=stream)
-    print(f"# config ({config_path}):", file=stream)
-    for line in json.dumps(h.config, indent=2).splitlines():
+        print(f"# {visible(line)}", file=stream)
+    print(f"# config ({visible(str(config_path))}):", file=stream)
+    for line in json.dumps(h.config, indent=2).splitlines():  # ASCII: JSON escapes the rest
         print(f"#   {line}", file=stream)
-    print(f"# (also in {script})", file=stream)
+    print(f"# (also in {visible(str(script))})", file=stream)
     print(h.command, file=stream, flush=True)
     return 0
