@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import subprocess
 import sys
+import threading
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -154,6 +157,66 @@ async def test_a_gzip_bomb_is_cut_at_the_body_bound_as_past_max_tokens(tmp_path,
     assert not (cfg.run_dir / "bomb" / "responses.jsonl").exists() or \
         not (cfg.run_dir / "bomb" / "responses.jsonl").read_bytes().strip()
     print(f"bounded reads ({'sse' if stream else 'json'}): peak RSS {peak_mb:.0f} MB")
+
+
+def blank_lines_gz(path: Path, gib: int = 1) -> Path:
+    """A gzipped prompt file of `gib` GiB of blank lines (~1 MB): one 64 MiB member, repeated (gzip reads
+    concatenated members as one stream)."""
+    member = gzip_of(b"\n", 64 * MB)
+    with open(path, "wb") as f:
+        for _ in range(gib * 16):
+            f.write(member)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_quit_is_honoured_while_a_prompt_file_of_blank_lines_is_read(tmp_path, sig):
+    prompts = blank_lines_gz(tmp_path / "blank.jsonl.gz")
+    cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "blank", "prompts": str(prompts)}],
+                      tables={"engine": {"reconstruct": False}})
+    proc = subprocess.Popen([sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless",
+                             "--skip-smoke", "--interval", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=cli_env())
+    assert proc.stdout is not None
+    try:
+        out = b""
+        while b"IDLE" not in out:  # its first status line: the prompt file is being read (for minutes)
+            line = proc.stdout.readline()
+            assert line, out.decode()
+            out += line
+        os.kill(proc.pid, sig)
+        # Read through, the file takes minutes: a quit that waits for it does not end in this guard.
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = (out + rest).decode()
+    assert proc.returncode == 130, text[-3000:]
+    assert "quit before the run started" in text and "Traceback" not in text, text[-3000:]
+
+
+async def test_a_cancelled_smoke_count_stops_reading_its_prompt_file(tmp_path):
+    from draftgen.core.generate.commands.smoke import _count_prompts
+    from draftgen.core.generate.loop.prompts import read_stoppable
+    prompts = blank_lines_gz(tmp_path / "blank.jsonl.gz")
+    cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "blank", "prompts": str(prompts)}])
+    started, ended = threading.Event(), threading.Event()
+
+    def count(stop: threading.Event) -> object:
+        started.set()
+        try:
+            return _count_prompts(cfg.datasets[0], (), stop)
+        finally:
+            ended.set()
+    task = asyncio.ensure_future(read_stoppable(count))
+    await asyncio.to_thread(started.wait)
+    task.cancel()
+    # Read through, the file takes minutes: a cancel that waited for that does not end in this guard.
+    done, _ = await asyncio.wait({task}, timeout=60)
+    assert done and task.cancelled()
+    assert ended.is_set(), "the cancelled count's thread is still reading"
 
 
 async def test_a_redirect_to_another_origin_is_an_error_naming_both_and_nothing_is_stored(tmp_path):
