@@ -26,6 +26,7 @@ import pytest
 from aiohttp import web
 
 from draftgen.core.config import Config
+from draftgen.core.errors import ConfigError
 from draftgen.core.generate.api import client as client_module
 from draftgen.core.generate.api.client import ChatClient, RequestFailed
 from draftgen.core.records import ErrorKind
@@ -263,3 +264,21 @@ async def test_a_get_redirect_to_another_origin_is_refused(tmp_path):
     assert f"redirect from {here} to another origin, {there.base_url.removesuffix('/api/v1')}" in e.value.message, \
         e.value.message
 
+
+@pytest.mark.parametrize("request_table, needle", [
+    ({"temperature": float("nan")}, "request.temperature = nan ([request]) must be a finite number"),
+    ({"top_p": float("inf")}, "request.top_p = inf ([request]) must be a finite number"),
+    ({"provider": {"order": ["a"], "max_price": {"prompt": float("-inf")}}},
+     "request.provider.max_price.prompt = -inf ([request]) must be a finite number"),
+], ids=["nan-temperature", "inf-top_p", "nested"])
+def test_a_non_finite_sampling_value_is_a_config_error_naming_the_key(tmp_path, request_table, needle):
+    with pytest.raises(ConfigError) as e:
+        make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "a", "n": 1}], request=request_table)
+    assert needle in str(e.value) and str(tmp_path / "draftgen.toml") in str(e.value), str(e.value)
+
+
+def test_a_non_finite_value_in_a_datasets_request_table_is_named(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        make_config(tmp_path, "http://127.0.0.1:9/api/v1",
+                    [{"name": "a", "n": 1, "request": {"temperature": float("nan")}}])
+    assert "datasets[0].request.temperature = nan (dataset a) must be a finite number" in str(e.value), str(e.value)
