@@ -265,6 +265,28 @@ async def test_a_get_redirect_to_another_origin_is_refused(tmp_path):
         e.value.message
 
 
+async def test_a_same_origin_redirect_is_refused_too_and_a_get_body_is_bounded(tmp_path):
+    app = web.Application()
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPPermanentRedirect("/api/v2/chat/completions")
+
+    async def key_bomb(request: web.Request) -> web.Response:  # 64 MiB of JSON-ish text in a ~64 KB body
+        return web.Response(body=gzip_of(b'{"a": 0}', 64 * MB, b"["), content_type="application/json",
+                            headers={"Content-Encoding": "gzip"})
+    app.router.add_post("/api/v1/chat/completions", moved)
+    app.router.add_get("/api/v1/key", key_bomb)
+    async with served(app) as here, ChatClient(f"{here}/api/v1", TEST_KEY, concurrency=1) as client:
+        with pytest.raises(RequestFailed) as e:
+            await client.chat(chat_body(max_tokens=64))
+        assert e.value.kind is ErrorKind.REDIRECT and e.value.status == 308
+        assert f"redirect to /api/v2/chat/completions on the same origin ({here})" in e.value.message, e.value.message
+        with pytest.raises(RequestFailed) as e:
+            await client.get_json("/key")
+        assert e.value.kind is ErrorKind.BAD_BODY
+        assert e.value.message == f"GET /key: body over {client_module.GET_BODY_LIMIT >> 20} MB: not read"
+
+
 @pytest.mark.parametrize("request_table, needle", [
     ({"temperature": float("nan")}, "request.temperature = nan ([request]) must be a finite number"),
     ({"top_p": float("inf")}, "request.top_p = inf ([request]) must be a finite number"),
