@@ -102,6 +102,7 @@ class ErrorKind(StrEnum):
     WEIGHT_EXCEEDS_BUDGET = "402_weight"    # one request costs more than the whole in-flight budget
     NO_ENDPOINTS = "404_no_endpoints"
     NOT_FOUND = "404"
+    REDIRECT = "3xx"                        # a redirect, never followed: api.base_url is not where the server answers
     PAYLOAD_TOO_LARGE = "413"
     OTHER_4XX = "other_4xx"
     UNEXPECTED_FIELD = "4xx_unexpected_field"  # the server refuses a request key (a strict server's 422)

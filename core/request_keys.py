@@ -24,6 +24,7 @@ config that is OpenRouter's (`kind = "openrouter"`, or `auto` on openrouter.ai).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,7 @@ def check_request_table(file: Path, table: str, request: Mapping[str, Any], *, o
     where = _where(table, dataset)
     for key, value in request.items():
         name = f"{table}.{key}"
+        _check_finite(file, name, where, value)
         if key in pass_through:
             continue
         why = REFUSED_WHY.get(key)
@@ -131,6 +133,28 @@ def check_request_table(file: Path, table: str, request: Mapping[str, Any], *, o
                           f"what it makes the server generate or bill: remove it, or list it in "
                           f"[api] request_pass_through to send it as written (its cost is then reserved as if it "
                           f"changed nothing; see docs/money.md)")
+
+
+def _check_finite(file: Path, name: str, where: str, value: Any) -> None:
+    """TOML has nan and inf, JSON has neither: orjson would send null, and the server's default would
+    apply instead of the value set. Refused wherever it is inside the value, the key named."""
+    inner, bad = _non_finite(value)
+    if inner is not None:
+        raise ConfigError(f"{file}: {name}{inner} = {bad!r} ({where}) must be a finite number: JSON has no nan "
+                          f"or inf, so it would be sent as null (the server's default instead of yours)")
+
+
+def _non_finite(value: Any) -> tuple[str | None, Any]:
+    """Where inside `value` (a table or list, looked through) a float is nan or infinite ("" for `value`
+    itself, ".x" or "[i]" inside it), and that float; (None, None) when there is none."""
+    if isinstance(value, float):
+        return ("", value) if not math.isfinite(value) else (None, None)
+    items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        inner, bad = _non_finite(v)
+        if inner is not None:
+            return (f"[{k}]" if isinstance(k, int) else f".{k}") + inner, bad
+    return None, None
 
 
 def _check_reasoning(file: Path, name: str, value: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +130,16 @@ async def serve_local(app: web.Application) -> tuple[web.AppRunner, int]:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner, runner.addresses[0][1]
+
+
+@contextlib.asynccontextmanager
+async def served(app: web.Application) -> AsyncIterator[str]:
+    """`app` served on 127.0.0.1 (serve_local) for the block: its address, http://127.0.0.1:PORT."""
+    runner, port = await serve_local(app)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 async def until(cond: Callable[[], bool], what: str, timeout: float = 30.0, every: float = 0.01) -> None:

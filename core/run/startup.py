@@ -7,6 +7,7 @@ and the quit dialog answered. A quit here means the run does not start and no ru
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -65,6 +66,7 @@ class Startup:
         self._skip_smoke = skip_smoke
         self._reconstruct = reconstruct
         self.quit_requested = asyncio.Event()
+        self._reading_stop = threading.Event()  # a quit stops the prompt files' count (prompts.py ReadingStopped)
         self._no_dialog = asyncio.Event()  # cleared while the quit dialog is open: the run does not start
         self._no_dialog.set()
         self._smoke: asyncio.Future[bool] | None = None  # the start-up smoke test (stop now cancels it)
@@ -75,9 +77,13 @@ class Startup:
         dialog; say whether the run may start."""
         from draftgen.core.generate.api.preflight import check_api
         from draftgen.core.generate.commands.precheck import check_inputs
+        from draftgen.core.generate.loop.prompts import ReadingStopped
         cfg = self._config
         # Prompt files and the tokenizer before anything is paid for (the smoke test included).
-        await asyncio.to_thread(check_inputs, cfg, tokenizer=self._reconstruct)
+        try:
+            await asyncio.to_thread(check_inputs, cfg, tokenizer=self._reconstruct, stop=self._reading_stop)
+        except ReadingStopped:
+            return Gated(StartVerdict.NOT_STARTED, "quit before the run started")
         ok, why = (True, "") if self._skip_smoke else smoke_status(cfg, self._rundir)
         try:
             await check_api(cfg, self._api_key, self._redact)
@@ -120,6 +126,7 @@ class Startup:
 
     def quit(self, drain: bool) -> None:
         self.quit_requested.set()
+        self._reading_stop.set()
         self._no_dialog.set()
         if not drain and self._smoke is not None:
             self._smoke.cancel()  # the start-up smoke test: its request is abandoned, on the ledger

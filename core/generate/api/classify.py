@@ -13,8 +13,8 @@ one `Whose`:
   error) spend an attempt only while the service, since this prompt was first sent, has given the
   other prompts more answers than answer faults (core/generate/loop/request.py).
 - DATASET: the dataset's routing or settings (404 no endpoints or unknown model, 400
-  max_tokens_exceeded, 402 weight_exceeds_budget): the dataset stops with the message; its prompts
-  stay eligible.
+  max_tokens_exceeded, 402 weight_exceeds_budget, a redirect: api.base_url is not where the server
+  answers, client.py): the dataset stops with the message; its prompts stay eligible.
 - ACCOUNT: the key or the account (401, 402 out of credits, 403 key cap, guardrail or workspace
   budget): admission stops run-wide, nothing is failed, requests in flight finish.
 
@@ -79,6 +79,7 @@ WHOSE: dict[ErrorKind, Whose] = {
     ErrorKind.WEIGHT_EXCEEDS_BUDGET: Whose.DATASET,
     ErrorKind.NO_ENDPOINTS: Whose.DATASET,
     ErrorKind.NOT_FOUND: Whose.DATASET,
+    ErrorKind.REDIRECT: Whose.DATASET,
     ErrorKind.UNEXPECTED_FIELD: Whose.DATASET,
     ErrorKind.UNAUTHORIZED: Whose.ACCOUNT,
     ErrorKind.PAYMENT_REQUIRED: Whose.ACCOUNT,
@@ -125,6 +126,7 @@ class PastCap:
     counted: bool
     usage: Usage | None = None   # the answer's usage, when it came
     priced: bool = False         # usage.cost was in it
+    body_bytes: int = 0          # the client cut the body at this many bytes (client.py answer_body_limit)
 
 
 class RequestFailed(Exception):
@@ -153,7 +155,8 @@ class RequestFailed(Exception):
     def ran_past_cap(cls, cap: PastCap, provider: str | None) -> RequestFailed:
         """A provider ran the answer past the body's answer cap (client.py cut the stream, or the usage
         said so): not kept, booked at what it billed (billing.py), retried like an answer fault."""
-        how = (f"{cap.tokens:,} completion tokens billed" if cap.counted else
+        how = (f"its body ran past {cap.body_bytes:,} bytes, the most max_tokens allows, when the client cut it"
+               if cap.body_bytes else f"{cap.tokens:,} completion tokens billed" if cap.counted else
                f"~{cap.tokens:,} completion tokens streamed (text length) when the client cut the stream")
         e = cls(ErrorKind.PAST_CAP, f"provider {provider or '(unnamed)'} ran past max_tokens {cap.cap:,}: {how}; "
                 "the answer is not kept", metadata={"provider_name": provider} if provider else None)

@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from draftgen.core.generate.api.classify import PastCap, RequestFailed, cannot_connect, classify_status
 from draftgen.core.generate.api.deadlines import Deadlines
@@ -280,6 +281,74 @@ def redacted(e: RequestFailed, redact: Redactor) -> RequestFailed:
 # One SSE line may carry a whole answer (a server that sends it in one event): room for a few MB.
 MAX_SSE_LINE = 1 << 24
 
+# Bounded reads (docs/money.md): no body is read whole. An answer's body, streamed or not, is read
+# as it arrives, decompressed (aiohttp inflates gzip, deflate, br, zstd a bounded piece at a time), and
+# cut once it passes answer_body_limit of the body's answer cap: the attempt has run past max_tokens
+# (PAST_CAP: not kept, booked at its worst case or its generation record, billing.py). A token takes
+# far fewer bytes than BODY_BYTES_PER_TOKEN even as one SSE event of its own (OpenRouter's ~450 bytes
+# with `reasoning_details` beside `reasoning`), or JSON-escaped twice over in a non-streamed body;
+# BODY_BYTES_BASE holds the rest (the envelope, usage, a self-hosted server's prompt token ids: ~7 bytes
+# a prompt token, 2 MB for 256k, keep-alive comments).
+BODY_BYTES_PER_TOKEN = 1024
+BODY_BYTES_BASE = 8 << 20
+UNCAPPED_BODY_LIMIT = 64 << 20  # a body without an answer cap (draftgen always sends one)
+GET_BODY_LIMIT = 16 << 20  # /key, /credits, /generation, /models, /endpoints (OpenRouter's /models: ~1 MB)
+ERROR_BODY_LIMIT = 1 << 20  # an error status's body: its message and metadata, the rest dropped
+
+
+def answer_body_limit(cap: int) -> int:
+    """The most bytes (decompressed) an answer's body may take under answer cap `cap`."""
+    return cap * BODY_BYTES_PER_TOKEN + BODY_BYTES_BASE if cap > 0 else UNCAPPED_BODY_LIMIT
+
+
+async def read_upto(resp: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """The body, read as it arrives up to `limit` bytes (decompressed): (what was read, at most `limit`
+    bytes; whether more was there). The rest is left unread: the connection is closed, not drained."""
+    parts: list[bytes] = []
+    size = 0
+    async for data in resp.content.iter_any():
+        size += len(data)
+        if size > limit:
+            parts.append(data[:len(data) - (size - limit)])
+            return b"".join(parts), True
+        parts.append(data)
+    return parts[0] if len(parts) == 1 else b"".join(parts), False
+
+
+def over_long(cap: int, limit: int, provider: str | None = None) -> RequestFailed:
+    """An answer's body cut at `limit` bytes: past the answer cap `cap` (PAST_CAP, at its worst case), or a
+    bad body when the request carried no cap."""
+    if cap <= 0:
+        return RequestFailed(ErrorKind.BAD_BODY, f"HTTP 200 with a body over {limit:,} bytes: cut, not kept")
+    return RequestFailed.ran_past_cap(PastCap(cap, cap, False, body_bytes=limit), provider)
+
+
+def origin(url: URL) -> str:
+    """scheme://host:port of `url`, the port always written (http://a and http://a:80 are one origin)."""
+    return f"{url.scheme}://{url.raw_host}:{url.port}" if url.raw_host else str(url)
+
+
+def redirect_refused(method: str, resp: aiohttp.ClientResponse) -> RequestFailed:
+    """A 3xx: never followed (aiohttp would send the prompt, and the key to the same origin, wherever it
+    points). Another scheme, host or port names both origins; the same origin names the target."""
+    here = resp.url
+    location = resp.headers.get("Location", "")
+    try:
+        there = here.join(URL(location)) if location else None
+    except ValueError:
+        there = None
+    if there is None or not there.scheme or not there.raw_host:
+        where = f"an unusable Location ({location[:200]!r})" if location else "no Location"
+        return RequestFailed(ErrorKind.REDIRECT, f"{method} {here.path}: HTTP {resp.status} redirect with "
+                             f"{where}: not followed",
+                             status=resp.status)
+    if origin(there) != origin(here):
+        return RequestFailed(ErrorKind.REDIRECT, f"{method} {here.path}: HTTP {resp.status} redirect from "
+                             f"{origin(here)} to another origin, {origin(there)}: not followed (the key and the "
+                             f"prompts go to api.base_url's origin only)", status=resp.status)
+    return RequestFailed(ErrorKind.REDIRECT, f"{method} {here.path}: HTTP {resp.status} redirect to "
+                         f"{there.path} on the same origin ({origin(here)}): not followed", status=resp.status)
+
 
 class _StreamState:
     """Accumulates SSE chunks into the same shape as a non-streamed body."""
@@ -483,25 +552,16 @@ class ChatClient:
         as they come either way)."""
         assert self._session is not None, "ChatClient.open() first"
         start = time.monotonic()
+        cap = body_max_tokens(body, 0)
         try:
             with self._deadlines:  # api.request_timeout_s, one timer for every request (deadlines.py)
-                async with self._session.post(f"{self.base_url}/chat/completions", data=orjson.dumps(body)) as resp:
+                async with self._session.post(f"{self.base_url}/chat/completions", data=orjson.dumps(body),
+                                              allow_redirects=False) as resp:
                     if on_generation is not None:
                         gen_id = resp.headers.get("X-Generation-Id")
                         if gen_id:
                             on_generation(self._redact.known.get(gen_id) or self._redact(gen_id))
-                    if resp.status != 200:
-                        raise classify_status(resp.status, await resp.read(), resp.headers)
-                    cap = body_max_tokens(body, 0)
-                    if body.get("stream"):
-                        obj = await self._read_sse(resp, cap, details)
-                    else:
-                        raw = await resp.read()
-                        try:
-                            obj = orjson.loads(raw)
-                        except orjson.JSONDecodeError:
-                            raise RequestFailed(ErrorKind.BAD_BODY, f"HTTP 200 with a body that is not JSON "
-                                                f"({len(raw)} bytes, truncated?)") from None
+                    obj = await self._answer_body(resp, cap, bool(body.get("stream")), details)
         except RequestFailed as e:
             raise redacted(e, self._redact) from None
         except TimeoutError as e:
@@ -535,6 +595,24 @@ class ChatClient:
             raise redacted(e, self._redact) from None
         return redacted_answer(answer, self._redact)
 
+    async def _answer_body(self, resp: aiohttp.ClientResponse, cap: int, stream: bool, details: bool) -> Any:
+        """The answer's body, decoded (streamed: joined into the shape of a non-streamed one), read up to its
+        bound; RequestFailed for a redirect, another status than 200, a body past its bound or not JSON."""
+        if resp.status != 200:
+            if 300 <= resp.status < 400:
+                raise redirect_refused("POST", resp)
+            raise classify_status(resp.status, (await read_upto(resp, ERROR_BODY_LIMIT))[0], resp.headers)
+        if stream:
+            return await self._read_sse(resp, cap, details)
+        raw, cut = await read_upto(resp, limit := answer_body_limit(cap))
+        if cut:
+            raise over_long(cap, limit)
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise RequestFailed(ErrorKind.BAD_BODY, f"HTTP 200 with a body that is not JSON "
+                                f"({len(raw)} bytes, truncated?)") from None
+
     async def _read_sse(self, resp: aiohttp.ClientResponse, cap: int = 0, details: bool = False) -> dict[str, Any]:
         """The answer of an SSE stream. Whatever has arrived is taken at once (`iter_any`) and split into
         lines here: aiohttp's line iterator costs a buffer round trip per line, more than the JSON
@@ -544,7 +622,11 @@ class ChatClient:
         state = _StreamState(cap, details)
         partial: list[bytes] = []  # a line still arriving, in pieces
         size = 0
+        left = limit = answer_body_limit(cap)  # bytes the body may still take (bounded reads, above)
         async for data in resp.content.iter_any():
+            left -= len(data)
+            if left < 0:
+                raise over_long(cap, limit, state.meta.get("provider"))
             if data.find(b"\n") < 0:
                 partial.append(data)
                 size += len(data)
@@ -578,11 +660,16 @@ class ChatClient:
         base = self.base_url.removesuffix("/v1") if at_root else self.base_url
         redact = Redactor(self._api_key, key) if key else self._redact  # another key: cut out as well
         try:
-            async with self._session.get(f"{base}{path}", headers=headers,
+            async with self._session.get(f"{base}{path}", headers=headers, allow_redirects=False,
                                          timeout=aiohttp.ClientTimeout(total=30, sock_connect=10)) as resp:
-                raw = await resp.read()
+                if 300 <= resp.status < 400:
+                    raise redacted(redirect_refused("GET", resp), redact)
+                raw, cut = await read_upto(resp, GET_BODY_LIMIT if resp.status == 200 else ERROR_BODY_LIMIT)
                 if resp.status != 200:
                     raise redacted(classify_status(resp.status, raw, resp.headers), redact)
+                if cut:
+                    raise RequestFailed(ErrorKind.BAD_BODY, f"GET {path}: body over {GET_BODY_LIMIT >> 20} MB: "
+                                        "not read")
         except aiohttp.ClientConnectorError as e:
             raise RequestFailed(ErrorKind.CONNECTION, f"GET {path}: {cannot_connect(self.base_url, e)}",
                                 unreachable=True) from None

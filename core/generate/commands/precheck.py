@@ -6,14 +6,18 @@ preflight.py and smoke.py."""
 
 from __future__ import annotations
 
+import threading
+
 from draftgen.core.config import Config
 from draftgen.core.generate.loop.prompts import Conversation, Prompt, read_dataset
 
 
-def count_prompts(config: Config) -> dict[str, int]:
-    """Usable prompts per dataset; raises PromptFileError naming the first file that cannot be used."""
+def count_prompts(config: Config, stop: threading.Event | None = None) -> dict[str, int]:
+    """Usable prompts per dataset; raises PromptFileError naming the first file that cannot be used
+    (ReadingStopped once `stop` is set)."""
     return {ds.name: sum(item.turns if isinstance(item, Conversation) else isinstance(item, Prompt)
-                         for item in read_dataset(ds.prompts, ds.turns, ds.max_turns)) for ds in config.datasets}
+                         for item in read_dataset(ds.prompts, ds.turns, ds.max_turns, stop))
+            for ds in config.datasets}
 
 
 def check_tokenizer(config: Config) -> None:
@@ -24,8 +28,8 @@ def check_tokenizer(config: Config) -> None:
     load_template(config.tokenizer.template, tok, default_system=config.tokenizer.system_turn())
 
 
-def check_inputs(config: Config, *, tokenizer: bool) -> None:
-    """Every local input a run needs, before anything is paid for."""
+def check_inputs(config: Config, *, tokenizer: bool, stop: threading.Event | None = None) -> None:
+    """Every local input a run needs, before anything is paid for (a quit sets `stop`: ReadingStopped)."""
     if tokenizer:  # one file to load: said before a prompt file is read through
         check_tokenizer(config)
-    count_prompts(config)
+    count_prompts(config, stop)

@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,7 +68,13 @@ from draftgen.core.generate.commands.stream_check import (
     stream_pair,
 )
 from draftgen.core.generate.loop.conversations import history_message
-from draftgen.core.generate.loop.prompts import Conversation, Prompt, read_conversations, read_dataset
+from draftgen.core.generate.loop.prompts import (
+    Conversation,
+    Prompt,
+    read_conversations,
+    read_dataset,
+    read_stoppable,
+)
 from draftgen.core.generate.loop.request import backoff_delay
 from draftgen.core.generate.loop.smoke_record import last_smoke
 from draftgen.core.generate.money.billing import book_answer, book_failure, look_up, reserve_one
@@ -195,13 +202,14 @@ def _asks_reasoning(body: dict[str, Any]) -> bool:
     return bool(body.get("include_reasoning"))
 
 
-def _count_prompts(ds: DatasetConfig, specials: Any = ()) -> tuple[int, int, str]:
-    """Prompts in the file, those holding special-token text, and the first such token seen."""
+def _count_prompts(ds: DatasetConfig, specials: Any = (), stop: threading.Event | None = None) -> tuple[int, int, str]:
+    """Prompts in the file, those holding special-token text, and the first such token seen (`stop`: see
+    prompts.py read_stoppable)."""
     from draftgen.core.tokens.template import special_text_pattern
     pattern = special_text_pattern(specials)
     n = flagged = 0
     first = ""
-    for item in read_dataset(ds.prompts, ds.turns, ds.max_turns):
+    for item in read_dataset(ds.prompts, ds.turns, ds.max_turns, stop):
         if isinstance(item, Conversation):  # its prompt side: the system and user turns it sends
             messages = [*item.system, *item.user_turns]
         elif isinstance(item, Prompt):
@@ -218,11 +226,12 @@ def _count_prompts(ds: DatasetConfig, specials: Any = ()) -> tuple[int, int, str
     return n, flagged, first
 
 
-def _count_turns(ds: DatasetConfig) -> tuple[int, float]:
+def _count_turns(ds: DatasetConfig, stop: threading.Event | None = None) -> tuple[int, float]:
     """A `turns = "all"` dataset's requests: the user turns of its conversations (at most max_turns each),
     and the mean earlier answers each request's history carries (forecast.history_per_turn)."""
     # The run's reader (max_turns, the cut before a tool turn, the dataset's answers dropped).
-    turns = [item.turns for item in read_conversations(ds.prompts, ds.max_turns) if isinstance(item, Conversation)]
+    turns = [item.turns for item in read_conversations(ds.prompts, ds.max_turns, stop)
+             if isinstance(item, Conversation)]
     return sum(turns), history_per_turn(turns)
 
 
@@ -474,10 +483,12 @@ class _SmokeTest:
             self.local_error = "not sent: the tokenizer could not be loaded (see the tokenizer row)"
         for ds in self.config.datasets:
             try:
+                # A stop now cancels the smoke test: the count stops with it (read_stoppable).
                 if ds.turns == "all":
-                    self.counts[ds.name], self.history[ds.name] = await asyncio.to_thread(_count_turns, ds)
+                    self.counts[ds.name], self.history[ds.name] = await read_stoppable(
+                        functools.partial(_count_turns, ds))
                 else:
-                    self.counts[ds.name] = (await asyncio.to_thread(_count_prompts, ds))[0]
+                    self.counts[ds.name] = (await read_stoppable(functools.partial(_count_prompts, ds, ())))[0]
             except DraftgenError as e:
                 self.add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
                 self.counts[ds.name] = 0
@@ -732,7 +743,8 @@ async def _figures(test: _SmokeTest) -> list[DatasetFigures]:
         n = test.counts[ds.name]
         if loaded and n:
             try:
-                _, flagged, first = await asyncio.to_thread(_count_prompts, ds, loaded[0].special_tokens())
+                _, flagged, first = await read_stoppable(
+                    functools.partial(_count_prompts, ds, loaded[0].special_tokens()))
                 if flagged:
                     test.add(special_text_row(test.config, ds.name, flagged, first))
             except DraftgenError as e:

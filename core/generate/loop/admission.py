@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from draftgen.core.generate.loop.conversations import ConversationSource
+from draftgen.core.generate.loop.prompts import ReadingStopped
 from draftgen.core.generate.loop.room import Admit, Decision
 from draftgen.core.generate.loop.source import Booked, PromptSource, open_source
 from draftgen.core.live.snapshot import DatasetDone, DatasetStatus, EventKind, Level
@@ -127,7 +128,10 @@ class Admission:
         ends admission) and its requests have ended; leaves the dataset's final status."""
         if self._control.closed:
             return
-        await self._open(ds)
+        try:
+            await self._open(ds)
+        except ReadingStopped:
+            return  # a drain or stop now while its file was counted: nothing admitted
         admitting = _Admitting(ds, self._source(ds))
         pool: list[asyncio.Task[None]] = []
         try:
@@ -185,7 +189,8 @@ class Admission:
         if ds.config.turns == "all":
             rd = self._book.rundir
             return ConversationSource(ds, self_hosted=self._self_hosted, responses=rd.responses(ds.config.name),
-                                      failures=rd.failures(ds.config.name), on_event=self._event)
+                                      failures=rd.failures(ds.config.name), on_event=self._event,
+                                      stop=self._book.reading_stop)
         return open_source(ds, self._book)
 
     async def _open(self, ds: DatasetRun) -> None:

@@ -26,13 +26,21 @@ conversation at that turn.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from draftgen.core.generate.loop.prompts import Conversation, Prompt, Rejection, read_conversations, turn_id
+from draftgen.core.generate.loop.prompts import (
+    Conversation,
+    Prompt,
+    ReadingStopped,
+    Rejection,
+    read_conversations,
+    turn_id,
+)
 from draftgen.core.generate.loop.source import Booked, BookedAs
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
 from draftgen.core.records import TurnFields
@@ -108,11 +116,12 @@ class ConversationSource:
     """The prompts of a turns = "all" dataset: next() the next ready turn, booked() each outcome."""
 
     def __init__(self, ds: DatasetRun, *, self_hosted: bool, responses: Path, failures: Path,
-                 on_event: EventSink, max_turns: int | None = None) -> None:
+                 on_event: EventSink, max_turns: int | None = None, stop: threading.Event | None = None) -> None:
         self._ds = ds
         self._name = ds.config.name
         self._path = ds.config.prompts
         self._max_turns = max_turns if max_turns is not None else ds.config.max_turns
+        self._stop = stop  # set by a drain or stop now: the file's reading stops (no more conversations)
         self._self_hosted = self_hosted
         self._responses = responses
         self._failures = failures
@@ -308,7 +317,10 @@ class ConversationSource:
             # A next() cancelled while a chunk is read leaves the read to the next call: nothing is lost.
             if self._reading is None:
                 self._reading = asyncio.ensure_future(asyncio.to_thread(self._read_chunk))
-            batch = await asyncio.shield(self._reading)
+            try:
+                batch = await asyncio.shield(self._reading)
+            except ReadingStopped:
+                batch = []
             self._reading = None
             if not batch:
                 return None
@@ -317,7 +329,7 @@ class ConversationSource:
 
     def _read_chunk(self) -> list[Conversation]:
         if self._file is None:
-            self._file = read_conversations(self._path, self._max_turns)
+            self._file = read_conversations(self._path, self._max_turns, self._stop)
         out: list[Conversation] = []
         for item in self._file:
             if isinstance(item, Conversation):

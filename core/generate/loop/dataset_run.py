@@ -306,6 +306,7 @@ class DatasetRun:
         todo = {ErrorKind.MAX_TOKENS_EXCEEDED: f"lower max_tokens (now {self.config.max_tokens}) for this dataset",
                 ErrorKind.WEIGHT_EXCEEDS_BUDGET: f"lower max_tokens (now {self.config.max_tokens}) or add credits",
                 ErrorKind.NOT_FOUND: "check [api] model",
+                ErrorKind.REDIRECT: "set [api] base_url to the address that answers (no redirect is followed)",
                 # The message names each field and its config key; OpenRouter-only keys are dropped by the kind.
                 ErrorKind.UNEXPECTED_FIELD: "change the config as said (OpenRouter-only keys: [api] kind = "
                                             "\"openai-compatible\" leaves them out)",

@@ -186,6 +186,7 @@ class Engine:
 
     def drain(self) -> None:
         """Admit nothing more; requests in flight finish and are recorded."""
+        self.book.reading_stop.set()  # no prompt file is read further (a count, the next chunk)
         if not self.control.drain():
             return
         self._wake_all()
@@ -201,6 +202,7 @@ class Engine:
         """Stop now: requests in flight are abandoned (not recorded; the next run asks them again); the
         records held in memory are spooled, never dropped."""
         self._held_wake.set()
+        self.book.reading_stop.set()
         if not self.control.stop():
             return
         self._wake_all()

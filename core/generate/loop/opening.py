@@ -34,6 +34,7 @@ from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.api.prices import Prices, fetch_prices, require_prices
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
+from draftgen.core.generate.loop.prompts import ReadingStopped
 from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.smoke_record import apply_smoke_stream, load_smoke_answer, load_smoke_answered
 from draftgen.core.generate.money.forecast import SmokeFigures
@@ -192,9 +193,9 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
                 f"{name}: {found.answers} answer(s) in {rundir.responses(name)} have no "
                 f"line on {spend.path} (its tail lost in a crash?): their {usd(found.usd)} now counts as spent",
                 dataset=name)
-    # A file that cannot be read fails when its dataset starts, as before.
+    # A file that cannot be read fails when its dataset starts, as before; a quit stops the count.
     for ds in datasets.values():
-        with contextlib.suppress(DraftgenError):
+        with contextlib.suppress(DraftgenError, ReadingStopped):
             await asyncio.to_thread(book.scan_prompts, ds)
     if not config.engine.skip_cross_dataset_duplicates:
         return None

@@ -28,15 +28,17 @@ KEEP_SCANNED_PROMPTS.)
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import hashlib
 import os
 import stat
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import orjson
 
@@ -45,6 +47,31 @@ from draftgen.core.records import TurnFields
 
 # One prompt line at most (64 MiB: far above any context window's worth of JSON); longer is rejected.
 MAX_LINE_BYTES = 64 << 20
+
+
+class ReadingStopped(Exception):
+    """A prompt file's read was stopped (its `stop` event set: the run quits). Raised at the next line read,
+    blank lines included: a file of a GiB of them is read for minutes in a thread, and a quit (Ctrl-C,
+    SIGTERM) must not wait for it."""
+
+
+T = TypeVar("T")
+
+
+async def read_stoppable(read: Callable[[threading.Event], T]) -> T:
+    """`read(stop)` in a thread. Cancelled (a stop now), it sets `stop`, so the read ends at its next
+    line (ReadingStopped), waits for the thread to end (a thread left reading would hold the process's
+    exit), and is cancelled."""
+    stop = threading.Event()
+    job = asyncio.ensure_future(asyncio.to_thread(read, stop))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        stop.set()
+        await asyncio.wait({job})
+        if not job.cancelled():
+            job.exception()  # retrieved: ReadingStopped, or what the read met first
+        raise
 
 _ROLE_ALIASES = {
     "user": "user", "human": "user", "system": "system",
@@ -270,39 +297,42 @@ def _no_prompt(path: Path, first: bytes | None, first_rejection: Rejection | Non
         f"file holds {_LINE_SHAPE} (a pretty-printed file must be rewritten one object a line: jq -c)")
 
 
-def read_prompts(path: Path, turns: str = "last") -> Iterator[Prompt | Rejection]:
+def read_prompts(path: Path, turns: str = "last", stop: threading.Event | None = None
+                 ) -> Iterator[Prompt | Rejection]:
     """Every line of the file as a Prompt or a Rejection, streamed; duplicate ids are rejected. A file
-    with no usable prompt raises PromptFileError once read to its end. `turns`: see parse_prompt."""
+    with no usable prompt raises PromptFileError once read to its end. `turns`: see parse_prompt. Once
+    `stop` is set, the next line read raises ReadingStopped."""
     def parse(obj: Any, line_no: int) -> Prompt:
         pid, messages = parse_prompt(obj, turns)
         return Prompt(pid, messages, line_no)
-    return _read_items(path, parse)  # type: ignore[return-value]
+    return _read_items(path, parse, stop)  # type: ignore[return-value]
 
 
-def read_conversations(path: Path, max_turns: int | None = None) -> Iterator[Conversation | Rejection]:
+def read_conversations(path: Path, max_turns: int | None = None, stop: threading.Event | None = None
+                       ) -> Iterator[Conversation | Rejection]:
     """Every line of a turns = "all" file as a Conversation or a Rejection, streamed, as read_prompts."""
     def parse(obj: Any, line_no: int) -> Conversation:
         conv = parse_conversation(obj, max_turns)
         conv.line = line_no
         return conv
-    return _read_items(path, parse)  # type: ignore[return-value]
+    return _read_items(path, parse, stop)  # type: ignore[return-value]
 
 
-def read_dataset(path: Path, turns: str = "last", max_turns: int | None = None
+def read_dataset(path: Path, turns: str = "last", max_turns: int | None = None, stop: threading.Event | None = None
                  ) -> Iterator[Prompt | Conversation | Rejection]:
     """A dataset's file as its run reads it: Conversations for turns = "all" (a line may end with the
     dataset's own answer, dropped), else Prompts (read_prompts)."""
     if turns == "all":
-        return read_conversations(path, max_turns)
-    return read_prompts(path, turns)
+        return read_conversations(path, max_turns, stop)
+    return read_prompts(path, turns, stop)
 
 
-def _read_items(path: Path, parse: Callable[[Any, int], Prompt | Conversation]
+def _read_items(path: Path, parse: Callable[[Any, int], Prompt | Conversation], stop: threading.Event | None
                 ) -> Iterator[Prompt | Conversation | Rejection]:
     seen: set[str] = set()
     first: bytes | None = None  # the first non-blank line, to say what a file without a prompt is
     first_rejection: Rejection | None = None
-    for item in _read_lines(path, seen, parse):
+    for item in _read_lines(path, seen, parse, stop):
         if isinstance(item, bytes):
             first = item
             continue
@@ -313,13 +343,15 @@ def _read_items(path: Path, parse: Callable[[Any, int], Prompt | Conversation]
         raise _no_prompt(path, first, first_rejection)
 
 
-def _read_lines(path: Path, seen: set[str], parse: Callable[[Any, int], Prompt | Conversation]
-                ) -> Iterator[Prompt | Conversation | Rejection | bytes]:
+def _read_lines(path: Path, seen: set[str], parse: Callable[[Any, int], Prompt | Conversation],
+                stop: threading.Event | None) -> Iterator[Prompt | Conversation | Rejection | bytes]:
     """read_prompts' items, and the first non-blank line (as bytes, before its item)."""
     with _open(path) as f:
         line_no = 0
         first = True
         while True:
+            if stop is not None and stop.is_set():
+                raise ReadingStopped(f"{path}: reading stopped at line {line_no + 1}")
             try:
                 line = f.readline(MAX_LINE_BYTES + 1)
                 too_long = len(line) > MAX_LINE_BYTES and not line.endswith(b"\n")

@@ -38,6 +38,7 @@ from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.prompts import (
     Conversation,
     Prompt,
+    ReadingStopped,
     Rejection,
     read_dataset,
     read_prompts,
@@ -90,6 +91,10 @@ class RecordBook:
         # counts run in threads.
         self._scanned: dict[str, tuple[list[Prompt], int]] = {}
         self._kept_lock = threading.Lock()
+        # Set by a drain or stop now: the prompt files being read (in threads) stop at their next line, so a
+        # quit never waits for a file read through (prompts.py ReadingStopped); the prompts not read stay
+        # eligible for the next run.
+        self.reading_stop = threading.Event()
         self._disk_error: DiskError | None = None   # why the records are held
         # earlier runs' spools, imported as datasets open
         self._spools = SpoolImport(rundir, ctx.control.spool_imported, ctx.event)
@@ -153,7 +158,7 @@ class RecordBook:
         total = rejected = fresh = conversations = turn_sum = 0
         by_turn: Counter[int] = Counter()
         all_turns = ds.config.turns == "all"
-        items = read_dataset(ds.config.prompts, ds.config.turns, ds.config.max_turns)
+        items = read_dataset(ds.config.prompts, ds.config.turns, ds.config.max_turns, self.reading_stop)
         room, room_size = self._keep_room(ds.config.name)
         kept: list[Prompt] | None = [] if not all_turns else None
         size = 0
@@ -203,14 +208,14 @@ class RecordBook:
 
     async def prompts(self, ds: DatasetRun) -> AsyncIterator[list[Prompt]]:
         """The dataset's prompts not yet on disk, in chunks: those its count kept (a small file) at once,
-        else read in a thread PROMPT_CHUNK at a time."""
+        else read in a thread PROMPT_CHUNK at a time, until a drain or stop now stops the reading."""
         with self._kept_lock:
             kept, _ = self._scanned.pop(ds.config.name, (None, 0))
         done = ds.done_ids
         if kept is not None:
             yield [p for p in kept if p.id not in done]
             return
-        it: Iterator[Prompt | Rejection] = read_prompts(ds.config.prompts, ds.config.turns)
+        it: Iterator[Prompt | Rejection] = read_prompts(ds.config.prompts, ds.config.turns, self.reading_stop)
 
         def chunk() -> list[Prompt]:
             out: list[Prompt] = []
@@ -221,7 +226,13 @@ class RecordBook:
                         break
             return out
 
-        while batch := await asyncio.to_thread(chunk):
+        while True:
+            try:
+                batch = await asyncio.to_thread(chunk)
+            except ReadingStopped:
+                return
+            if not batch:
+                return
             yield batch
 
     # -- records --------------------------------------------------------------------------------
