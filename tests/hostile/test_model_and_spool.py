@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,7 @@ from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
 from tests.generate.test_held_answers import events_of
 from tests.helpers import TEST_KEY, cli_env, dataset_row, make_config, until
+from tests.multiturn import multi_turn_run
 
 NOBODY = 65534
 OTHER_MODEL = "openai/gpt-3.5-turbo"
@@ -105,6 +107,34 @@ async def test_answers_from_another_model_hold_the_run_and_merge_keeps_none(tmp_
     assert stats.samples == 0 and stats.dropped["other_model"] == 20, stats.dropped
 
 
+async def test_headless_says_why_the_run_is_held_and_a_drain_ends_it(tmp_path: Path) -> None:
+    """`run --headless` against a server answering as another model: the hold's alert in its lines and in
+    events.log, naming both models; Ctrl-C drains (exit 3) and the summary counts them."""
+    sim_cfg = SimConfig(seed=8, fixed_latency_s=0.02, mean_completion_tokens=40, answer_model=OTHER_MODEL)
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 20, "concurrency": 2}],
+                          tables={"engine": {"reconstruct": False}})
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
+            "--interval", "0.2", env=cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True)
+        events_log = RunDir(cfg.run_dir).events_log
+        try:
+            await until(lambda: events_log.exists() and "came from another model" in events_log.read_text(),
+                        "the hold in events.log", 60)
+            os.kill(proc.pid, signal.SIGINT)  # headless: Ctrl-C drains
+            out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+    text = " ".join(line.strip() for line in out.decode().splitlines())
+    assert proc.returncode == 3, text[-3000:]
+    assert f"came from another model than '{ASKED}' (the last: '{OTHER_MODEL}'" in text, text[-3000:]
+    assert f"from another model than {ASKED}" in text[text.rindex("draftgen: run "):], text[-3000:]
+    assert f"'{OTHER_MODEL}'" in events_log.read_text()
+
+
 async def test_merge_leaves_out_another_models_answers_an_earlier_run_wrote(tmp_path: Path) -> None:
     """Records written before the check (or by hand): the merge reads each line's `model`. A date suffix of
     the model asked is the same model; another model, or another release of the slug, is not."""
@@ -121,6 +151,21 @@ async def test_merge_leaves_out_another_models_answers_an_earlier_run_wrote(tmp_
     path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
     stats = merge(cfg)
     assert stats.samples == 4 and stats.dropped["other_model"] == 4, stats.dropped
+
+
+def test_a_later_turn_conditioned_on_another_models_answer_is_left_out_with_it(tmp_path: Path) -> None:
+    """Turn 1 of a conversation answered by another model: turns 2 and 3 carry that answer in their history
+    (not the target's), so they go with it, as after a broken turn."""
+    config, _ = multi_turn_run(tmp_path)
+    path = config.run_dir / "M" / "responses.jsonl"
+    lines = [orjson.loads(x) for x in path.read_bytes().splitlines()]
+    for line in lines:
+        line["model"] = OTHER_MODEL if line["id"] == "c1#t1" else ASKED
+    path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    stats = merge(config)
+    kept = {r["id"] for r in map(orjson.loads, (config.run_dir / "merged" / "train.jsonl").read_bytes().splitlines())}
+    assert not {"M/c1#t1", "M/c1#t2", "M/c1#t3"} & kept and {"M/c3#t1", "M/c3#t2", "M/c3#t3"} <= kept, kept
+    assert stats.datasets[0].dropped["other_model"] == 1 and stats.datasets[0].dropped["after_invalid_turn"] == 3
 
 
 # ---------------------------------------------------------------------------------------------
