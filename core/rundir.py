@@ -34,7 +34,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -112,8 +112,8 @@ def _own_group(gid: int) -> bool:
 
 
 def others_write(st: os.stat_result) -> str:
-    """Who besides the user can write a folder with this stat ("" for no one): "other users", or its group
-    (unless it is the user's own group, `_own_group`)."""
+    """Who besides the user can write a folder with this stat ("" for no one): "every user", or the users of
+    its group (unless it is the user's own group, `_own_group`)."""
     if st.st_mode & stat.S_IWOTH:
         return "every user"
     if st.st_mode & stat.S_IWGRP and not _own_group(st.st_gid):
@@ -428,17 +428,22 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     if not path.exists():
         return
     with open(path, "rb") as f:
-        pos = 0
-        for line in f:
-            start, pos = pos, pos + len(line)
-            if not line.endswith(b"\n"):
-                return
-            try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            if isinstance(obj, dict):
-                yield start, obj
+        yield from jsonl_objects(f)
+
+
+def jsonl_objects(f: BinaryIO) -> Iterator[tuple[int, dict[str, Any]]]:
+    """iter_jsonl of a file already open (binary), from where it stands."""
+    pos = 0
+    for line in f:
+        start, pos = pos, pos + len(line)
+        if not line.endswith(b"\n"):
+            return
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            yield start, obj
 
 
 def read_line_at(f: Any, offset: int) -> dict[str, Any]:

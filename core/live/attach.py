@@ -96,11 +96,8 @@ DENIED = ("permission denied (the run directory and its socket are owner-only: a
           "the run)")
 
 
-def check_access(run_dir: Path) -> None:
-    """AttachError when this user may not attach to the run in `run_dir`: the directory cannot be looked into,
-    or its socket refuses the connection for lack of permission (EACCES); a missing socket or a run not
-    serving yet is no error (the viewer waits for it)."""
-    run_dir = Path(run_dir)
+def _run_directory(run_dir: Path) -> None:
+    """AttachError unless `run_dir` is a folder this user may look at."""
     try:
         st = os.stat(run_dir)
     except PermissionError:
@@ -109,6 +106,13 @@ def check_access(run_dir: Path) -> None:
         raise AttachError(f"cannot attach: {run_dir} is not a run directory (no such directory)") from None
     if not stat.S_ISDIR(st.st_mode):
         raise AttachError(f"cannot attach: {run_dir} is not a run directory (not a folder)")
+
+
+def check_access(run_dir: Path) -> None:
+    """AttachError when this user may not attach to the run in `run_dir`: the directory cannot be looked into,
+    or its socket refuses the connection for lack of permission (EACCES); a missing socket or a run not
+    serving yet is no error (the viewer waits for it)."""
+    _run_directory(run_dir)
     path = RunDir(run_dir).socket
     try:
         _connect_blocking(path)
@@ -443,11 +447,7 @@ class AttachControls:
 
     def __init__(self, run_dir: Path, *, retry_s: float = 1.0) -> None:
         run_dir = Path(run_dir)
-        try:
-            if not run_dir.is_dir():
-                raise AttachError(f"cannot attach: {run_dir} is not a run directory (no such directory)")
-        except PermissionError:
-            raise AttachError(f"cannot attach to {run_dir}: {DENIED}") from None
+        _run_directory(run_dir)
         self.run_dir = run_dir
         self.error: AttachError | None = None  # why the viewer cannot attach (permission denied), once met
         self.hub = Hub()

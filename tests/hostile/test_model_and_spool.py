@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import grp
 import os
 import shutil
 import signal
@@ -32,7 +33,7 @@ from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import summary_lines
 from draftgen.core.merge.merge import merge
 from draftgen.core.run.pipeline import Pipeline
-from draftgen.core.rundir import RunDir
+from draftgen.core.rundir import RunDir, check_private
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
 from tests.generate.test_held_answers import events_of
@@ -298,6 +299,24 @@ async def test_a_run_directory_others_can_write_is_refused_unless_shared(tmp_pat
         run.chmod(0o700)
         await _run_to_the_end(make_config(tmp_path, sim.base_url, [{"name": "a", "n": 2, "concurrency": 2}],
                                           tables={"engine": {"reconstruct": False}, "output": {"dir": "shared/run"}}))
+
+
+def test_a_run_directory_another_group_can_write_or_another_user_owns_is_refused(tmp_path: Path) -> None:
+    """Group write counts when the group is not the user's own (here nogroup, 65534); and a directory another
+    user owns is theirs to empty, whatever its mode."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    os.chown(run, -1, NOBODY)
+    run.chmod(0o770)
+    group = grp.getgrgid(NOBODY).gr_name
+    with pytest.raises(DraftgenError, match=f"can be written by the users of group {group} \\(mode 0770\\)"):
+        check_private(run, "c.toml", shared=False)
+    run.chmod(0o700)
+    check_private(run, "c.toml", shared=False)
+    os.chown(run, NOBODY, -1)
+    with pytest.raises(DraftgenError, match=f"owned by uid {NOBODY}, not by you"):
+        check_private(run, "c.toml", shared=False)
+    check_private(run, "c.toml", shared=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from draftgen.core.files import DIR_MODE
+from draftgen.core.rundir import jsonl_objects
 
 SPOOL_ENV = "DRAFTGEN_SPOOL_DIR"
 VERSION = 1
@@ -184,15 +185,7 @@ def _read_own(path: Path) -> tuple[Spool, list[dict[str, Any]]]:
             spool.refused = f"it is owned by uid {st.st_uid}, not by you (uid {me})"
         else:
             try:
-                data = f.read()
+                lines = [obj for _, obj in jsonl_objects(f)]
             except OSError as e:
                 spool.problem = f"cannot read it: {e.strerror or e}"
-                return spool, lines
-            for line in data.splitlines(keepends=True):
-                if not line.endswith(b"\n"):
-                    break  # a torn last line
-                with contextlib.suppress(orjson.JSONDecodeError):
-                    obj = orjson.loads(line)
-                    if isinstance(obj, dict):
-                        lines.append(obj)
     return spool, lines
