@@ -28,7 +28,7 @@ from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.generate.loop.spool import SpoolRecord, find_spools, run_key, write_spool
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.attach import AttachServer
+from draftgen.core.live.attach import ENDED, AttachControls, AttachServer
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import summary_lines
 from draftgen.core.merge.merge import merge
@@ -347,3 +347,30 @@ async def test_attach_without_permission_says_so_and_exits_non_zero(tmp_path: Pa
         done = await asyncio.to_thread(_attach_without_rights, run)
     assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     assert "permission denied" in done.stderr and "connecting" not in done.stdout + done.stderr, done.stderr
+
+
+async def test_a_viewer_refused_mid_way_shows_why_instead_of_waiting(tmp_path: Path) -> None:
+    """The viewer's own loop (a run restarted by another user after it attached): the refusal is its state
+    and the alert every panel shows, and kept for the command's exit code, not a task that died unseen
+    behind "connecting…". The loop runs with this process's effective uid set to nobody's, so the
+    kernel refuses the connection (EACCES) as it would another user's."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to take nobody's effective uid and back")
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    async with AttachServer(Hub(), RunDir(run).socket):
+        controls = AttachControls(run, retry_s=0.05)
+        sub = controls.hub.subscribe(maxsize=100)
+        os.seteuid(NOBODY)
+        try:
+            await asyncio.wait_for(controls.run(), 30)
+        finally:
+            os.seteuid(0)
+    assert controls.error is not None and "permission denied" in str(controls.error)
+    assert controls.status.state == ENDED and "permission denied" in controls.status.message
+    items = []
+    while (item := sub.get_nowait()) is not None:
+        items.append(item)
+    assert any(kind == "snapshot" and "permission denied" in shot.alert for kind, shot in items), items
+    assert any(kind == "event" and "permission denied" in e.message and e.level == "error" for kind, e in items)
+
