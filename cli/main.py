@@ -43,6 +43,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_dir(where: str) -> Path:
     """The run directory named by `where`: the directory itself, or a config (its [output] dir)."""
     path = Path(where)
+    try:
+        os.stat(path)
+    except PermissionError:
+        raise DraftgenError(f"{path}: permission denied (a run directory is owner-only: use it as the user who "
+                            "started the run)") from None
+    except OSError:
+        pass  # said below
     if path.is_file():
         run_dir = Path(_config(where).run_dir)
         if not run_dir.is_dir():

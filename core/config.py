@@ -197,6 +197,10 @@ class TokenizerConfig:
 @dataclass(frozen=True)
 class OutputConfig:
     dir: Path = Path("runs/draftgen")
+    # The run directory (or a folder above it) may be writable by other users: shared on purpose. Off, a run
+    # refuses such a directory (core/rundir.py check_private): another user could move its records away or
+    # reset its spend ledger.
+    shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -724,7 +728,7 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
                           f"at a folder (it is created if missing)")
     return Config(
         path=file, api=api, request=request, budget=budget, tokenizer=tokenizer,
-        output=OutputConfig(dir=out_dir), datasets=tuple(datasets), engine=engine,
+        output=dataclasses.replace(output, dir=out_dir), datasets=tuple(datasets), engine=engine,
         merge=parts["merge"], extract=extract, smoke=parts["smoke"], validation=validation,
     )
 

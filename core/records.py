@@ -10,7 +10,8 @@
     finish_reason         str | null ("stop", "length", ...)
     native_finish_reason  str | null, the provider's own
     provider              str | null, e.g. "Together"
-    model                 str | null, the model that answered
+    model                 str | null, the model that answered (an answer from another model than the one
+                          asked, `same_model`, is kept here but left out by the merge)
     generation_id         str | null, OpenRouter's id (GET /generation?id=...)
     usage                 {prompt_tokens, completion_tokens, reasoning_tokens, cost}
     latency_s             float, the final attempt's wall time
@@ -73,6 +74,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -112,11 +114,33 @@ class ErrorKind(StrEnum):
     LENGTH = "length"
     EMPTY_CONTENT = "empty_content"
     NO_IDS = "no_ids"  # a self-hosted server asked for its token ids answered without them
+    OTHER_MODEL = "other_model"  # the answer's `model` is not the model asked (same_model): never a sample
 
 
 ERROR_KINDS = tuple(k.value for k in ErrorKind)
 # Tallied with the errors, but answers that were kept: not counted as errors in a status line.
-KEPT_ANSWER_KINDS = frozenset({ErrorKind.LENGTH.value, ErrorKind.EMPTY_CONTENT.value, ErrorKind.NO_IDS.value})
+KEPT_ANSWER_KINDS = frozenset({ErrorKind.LENGTH.value, ErrorKind.EMPTY_CONTENT.value, ErrorKind.NO_IDS.value,
+                               ErrorKind.OTHER_MODEL.value})
+
+# What may follow a model id and still name the same model: a date or a version ("-0127", "-20260127",
+# "-2026-01-27", "-v2", "-v1.1").
+_RELEASE = re.compile(r"-(?:\d{4}|\d{6}|\d{8}|\d{4}-\d{2}(?:-\d{2})?|v\d+(?:\.\d+)*)")
+
+
+def same_model(asked: str, answered: Any) -> bool:
+    """Whether an answer's `model` names the model asked. OpenRouter answers with the slug asked, or that
+    slug with a date or version after it (`moonshotai/kimi-k2.5-0127` for `moonshotai/kimi-k2.5`), and
+    without a routing variant (`:nitro`, `:free`); a self-hosted server with the name it was started with,
+    which is the config's (vLLM refuses another; SGLang echoes it). Case is not compared. One side may carry
+    the date or version the other lacks; anything else (`moonshotai/kimi-k2` for `kimi-k2.5`) is another
+    model. An answer naming no model (null, absent, "") is not judged: True."""
+    if not isinstance(answered, str) or not answered.strip():
+        return answered is None or isinstance(answered, str)
+    a, b = (name.strip().lower().partition(":")[0] for name in (asked, answered))
+    if a == b:
+        return True
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    return long.startswith(short) and _RELEASE.fullmatch(long[len(short):]) is not None
 
 
 def error_count(tally: Iterable[tuple[str, int]]) -> int:

@@ -14,7 +14,9 @@
       merged/                     train.jsonl, tokens/, stats.json (core/merge/merge.py)
       hidden_states/              SpecForge offline format (core/extract/)
 
-Files are created 0600 and folders 0700 (owner-only, core/files.py FILE_MODE and DIR_MODE).
+Files are created 0600 and folders 0700 (owner-only, core/files.py FILE_MODE and DIR_MODE). A run
+refuses a directory other users can write, or one under a folder they can write that has no sticky bit
+(`check_private`), unless `[output] shared = true` says it is shared on purpose.
 A JSONL line is written whole with one write() and fsynced (group commit, `JsonlAppender.synced`)
 before the answer counts as acknowledged. On reopening, a torn last line (a crash mid-write) is cut
 off and reported.
@@ -25,15 +27,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import grp
 import os
+import pwd
+import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
-from draftgen.core.errors import DiskError
+from draftgen.core.errors import DiskError, DraftgenError
 from draftgen.core.files import DIR_MODE, FILE_MODE, disk_error
 
 DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EDQUOT, errno.EIO}
@@ -89,6 +94,67 @@ class RunDir:
 
     def tokens(self, name: str) -> Path:
         return self.root / name / "tokens"
+
+
+def _own_group(gid: int) -> bool:
+    """`gid` is the user's own group (a user private group, as umask 002 systems make): the user's primary
+    group, with no other member and no other user's primary group."""
+    uid = os.geteuid()
+    if gid != os.getegid():
+        return False
+    try:
+        me = pwd.getpwuid(uid).pw_name
+        if any(name != me for name in grp.getgrgid(gid).gr_mem):
+            return False
+        return not any(p.pw_gid == gid and p.pw_uid != uid for p in pwd.getpwall())
+    except KeyError:  # no name for the uid or gid: nothing says the group is the user's alone
+        return False
+
+
+def others_write(st: os.stat_result) -> str:
+    """Who besides the user can write a folder with this stat ("" for no one): "every user", or the users of
+    its group (unless it is the user's own group, `_own_group`)."""
+    if st.st_mode & stat.S_IWOTH:
+        return "every user"
+    if st.st_mode & stat.S_IWGRP and not _own_group(st.st_gid):
+        try:
+            name = grp.getgrgid(st.st_gid).gr_name
+        except KeyError:
+            name = str(st.st_gid)
+        return f"the users of group {name}"
+    return ""
+
+
+def check_private(root: Path, config_path: Path | str, *, shared: bool) -> None:
+    """Refuse a run directory other users can write (DraftgenError naming the folder): the directory
+    itself (or one owned by another user), or a folder above it they can write that has no sticky bit
+    (they could move the directory away). Folders not made yet are not checked (draftgen makes them
+    0700). `shared`: `[output] shared = true`, the directory is shared on purpose: nothing is refused."""
+    if shared:
+        return
+    path = Path(os.path.abspath(root))
+    with contextlib.suppress(OSError):
+        path = path.resolve()
+    fix = f"or set [output] shared = true in {config_path} if it is shared on purpose"
+    for folder in (path, *path.parents):
+        try:
+            st = os.stat(folder)
+        except OSError:
+            continue  # not made yet (or not ours to look at): its parents say more
+        who = others_write(st)
+        mode = f"mode {stat.S_IMODE(st.st_mode):04o}"
+        if folder == path and st.st_uid != os.geteuid():
+            raise DraftgenError(f"{folder}: the run directory is owned by uid {st.st_uid}, not by you (uid "
+                                f"{os.geteuid()}): its owner could replace or remove its records and reset its spend "
+                                f"ledger; use a directory of your own, {fix}")
+        if who and folder == path:
+            raise DraftgenError(f"{folder}: the run directory can be written by {who} ({mode}): they could replace "
+                                f"or remove its records and reset its spend ledger; `chmod go-w {folder}`, {fix}")
+        if who and not st.st_mode & stat.S_ISVTX:
+            raise DraftgenError(f"{folder}, a folder above the run directory {path}, can be written by {who} "
+                                f"without the sticky bit ({mode}): they could move the run directory away and put "
+                                f"another in its place; `chmod go-w {folder}` (or +t), move output.dir elsewhere, "
+                                f"{fix}")
 
 
 def repair_torn_tail(path: Path) -> int:
@@ -362,17 +428,22 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     if not path.exists():
         return
     with open(path, "rb") as f:
-        pos = 0
-        for line in f:
-            start, pos = pos, pos + len(line)
-            if not line.endswith(b"\n"):
-                return
-            try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            if isinstance(obj, dict):
-                yield start, obj
+        yield from jsonl_objects(f)
+
+
+def jsonl_objects(f: BinaryIO) -> Iterator[tuple[int, dict[str, Any]]]:
+    """iter_jsonl of a file already open (binary), from where it stands."""
+    pos = 0
+    for line in f:
+        start, pos = pos, pos + len(line)
+        if not line.endswith(b"\n"):
+            return
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            yield start, obj
 
 
 def read_line_at(f: Any, offset: int) -> dict[str, Any]:

@@ -321,14 +321,15 @@ class Completions:
             billed_tokens = max(1, round(billed_tokens * (1 + provider.token_skew)))
         latency, ttft = shaping.latency(cfg, provider, completion.completion_tokens, draws[6], draws[7])
         echo = shaping.bearer_key(request) if cfg.echo_key_fields else ""
-        gen = Generation(self._new_id(ask.key, ask.n, echo), ask.key, provider, ask.model, int(time.time()),
+        model = cfg.answer_model or ask.model
+        gen = Generation(self._new_id(ask.key, ask.n, echo), ask.key, provider, model, int(time.time()),
                          ask.n_prompt, completion, billed_tokens, ask.stream, ttft, latency, ask.estimate)
         request[responses.GEN_ID] = gen.gen_id
         request[CREATED] = gen
         # echo_key_fields: the key in the answer's `provider` and `model` too (the model still starts with
         # the one asked for, as a provider's variant name does).
         reply = wire.Reply(gen.gen_id, f"{provider.name} [{echo}]" if echo else provider.name,
-                           f"{ask.model}:{echo}" if echo else ask.model, gen.created, completion, think and show,
+                           f"{model}:{echo}" if echo else model, gen.created, completion, think and show,
                            cfg.reasoning_field, ask.body.get("return_token_ids") is True and not cfg.ignore_token_ids,
                            wire.usage(ask.n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost),
                            cfg.stream_chunk_tokens, echo)

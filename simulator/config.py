@@ -161,6 +161,9 @@ class SimConfig:
     # usage.prompt_tokens counts the reasoning of earlier assistant turns (a server whose template keeps
     # it in the history), so a multi-turn prompt check agrees at turn 1 and fails from turn 2 on.
     misbehave: tuple[str, ...] = ()
+    # A router or server that answers as another model: every answer's `model` (streamed or not) and its
+    # generation record name this one ("" answers as the model asked).
+    answer_model: str = ""
     # A careless upstream: error bodies (4xx/5xx, and 200s carrying an error) quote the bearer key
     # the request came with, so tests can show draftgen never writes or prints what it is sent.
     echo_key: bool = False

@@ -111,11 +111,15 @@ def _silence_terminal() -> None:
 
 
 async def attach_tui(run_dir: Path) -> int:
-    from draftgen.core.live.attach import AttachControls
+    """The read-only viewer; AttachError (exit 2, said by the command) when this user may not attach."""
+    from draftgen.core.live.attach import AttachControls, check_access
+    await asyncio.to_thread(check_access, run_dir)  # "permission denied" now, not a viewer that waits for ever
     controls = AttachControls(run_dir)
     await controls.start()
     try:
         await DraftgenApp(controls, title=f"draftgen · {run_dir.resolve().name} (attached)").run_async()
     finally:
         await controls.close()
+    if controls.error is not None:
+        raise controls.error
     return 0

@@ -92,6 +92,36 @@ def _connect_blocking(path: Path) -> bool:
         return True
 
 
+DENIED = ("permission denied (the run directory and its socket are owner-only: attach as the user who started "
+          "the run)")
+
+
+def _run_directory(run_dir: Path) -> None:
+    """AttachError unless `run_dir` is a folder this user may look at."""
+    try:
+        st = os.stat(run_dir)
+    except PermissionError:
+        raise AttachError(f"cannot attach to {run_dir}: {DENIED}") from None
+    except OSError:
+        raise AttachError(f"cannot attach: {run_dir} is not a run directory (no such directory)") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise AttachError(f"cannot attach: {run_dir} is not a run directory (not a folder)")
+
+
+def check_access(run_dir: Path) -> None:
+    """AttachError when this user may not attach to the run in `run_dir`: the directory cannot be looked into,
+    or its socket refuses the connection for lack of permission (EACCES); a missing socket or a run not
+    serving yet is no error (the viewer waits for it)."""
+    _run_directory(run_dir)
+    path = RunDir(run_dir).socket
+    try:
+        _connect_blocking(path)
+    except PermissionError:
+        raise AttachError(f"cannot attach to {path}: {DENIED}") from None
+    except OSError:
+        pass  # not a socket yet, or another failure the viewer's loop meets and says again
+
+
 def _encode(kind: str, payload: bytes) -> bytes:
     return b'{"type":"' + kind.encode() + b'","data":' + payload + b"}\n"
 
@@ -372,8 +402,7 @@ class AttachClient:
                 await asyncio.sleep(self.retry_s)
                 continue
             except PermissionError as e:
-                raise AttachError(f"cannot attach to {self.path}: permission denied (the socket is owner-only;"
-                                  " attach as the user who started the run)") from e
+                raise AttachError(f"cannot attach to {self.path}: {DENIED}") from e
             try:
                 while line := await reader.readline():
                     item = self._parse(line)
@@ -418,9 +447,9 @@ class AttachControls:
 
     def __init__(self, run_dir: Path, *, retry_s: float = 1.0) -> None:
         run_dir = Path(run_dir)
-        if not run_dir.is_dir():
-            raise AttachError(f"cannot attach: {run_dir} is not a run directory (no such directory)")
+        _run_directory(run_dir)
         self.run_dir = run_dir
+        self.error: AttachError | None = None  # why the viewer cannot attach (permission denied), once met
         self.hub = Hub()
         self.client = AttachClient(run_dir, retry_s=retry_s)
         self.status = AttachState(WAITING, "connecting…")
@@ -463,6 +492,17 @@ class AttachControls:
         await self.close()
 
     async def run(self) -> None:
+        """Feed the hub from the socket; a refusal (permission denied) is kept in `error` and shown as the
+        viewer's state, never a "connecting…" that waits for ever."""
+        try:
+            await self._follow()
+        except AttachError as e:
+            self.error = e
+            self.status = AttachState(ENDED, str(e))
+            self.hub.publish_event(Event(ts=time.time(), level=Level.ERROR, kind=EventKind.ATTACH, message=str(e)))
+            self._publish()
+
+    async def _follow(self) -> None:
         note: Event | None = None
         async for item in self.client:
             if isinstance(item, RunSnapshot):

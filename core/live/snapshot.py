@@ -82,6 +82,7 @@ class DatasetSnapshot:
     skipped: int = 0            # not admitted because a budget ran out; eligible for a later run
     rejected: int = 0           # input lines that could not be used
     truncated: int = 0          # answered with finish_reason "length" or empty content
+    other_model: int = 0        # answered by another model than the one asked (kept, never a sample)
     in_flight: int = 0
     concurrency: int = 0        # configured
     effective_concurrency: int = 0  # after 429 back-off

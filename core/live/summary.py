@@ -251,17 +251,21 @@ def _spend_lines(s: RunSnapshot, runs: int) -> list[str]:
 
 
 def _flagged_lines(s: RunSnapshot) -> list[str]:
-    """Answers this run paid for and kept, flagged: cut at max_tokens or empty, which the merge leaves out,
-    and a self-hosted server's answers without the ids asked for. A run of them is a config to fix, not luck."""
+    """Answers this run paid for and kept, flagged: cut at max_tokens, empty or from another model than the one
+    asked, which the merge leaves out, and a self-hosted server's answers without the ids asked for. A run of
+    them is a config to fix, not luck."""
     tally = dict(s.errors)
     parts = [f"{n:,} {what}" for kind, what in (
         (ErrorKind.LENGTH, "cut at max_tokens (raise the dataset's max_tokens if they are many)"),
         (ErrorKind.EMPTY_CONTENT, "with empty content"),
-        (ErrorKind.NO_IDS, "without the server's token ids")) if (n := tally.get(kind, 0))]
+        (ErrorKind.NO_IDS, "without the server's token ids"),
+        (ErrorKind.OTHER_MODEL, f"from another model than {s.model} (check [api] model, [request] provider and "
+                                "the server)")) if (n := tally.get(kind, 0))]
     if not parts:
         return []
-    merge = " (merge leaves out the cut and empty ones)" if tally.get(ErrorKind.LENGTH) or tally.get(
-        ErrorKind.EMPTY_CONTENT) else ""
+    left_out = (["the cut and empty ones"] if tally.get(ErrorKind.LENGTH) or tally.get(ErrorKind.EMPTY_CONTENT)
+                else []) + (["those from another model"] if tally.get(ErrorKind.OTHER_MODEL) else [])
+    merge = f" (merge leaves out {' and '.join(left_out)})" if left_out else ""
     return textwrap.wrap(f"answers kept but flagged this run{merge}: {'; '.join(parts)}", WIDTH, initial_indent="  ",
                          subsequent_indent="    ", break_on_hyphens=False)
 

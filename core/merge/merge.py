@@ -66,7 +66,7 @@ from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef,
 from draftgen.core.merge.specforge import has_tool_calls, specforge_record
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
 from draftgen.core.merge.turns import TURN_REASONS, PendingTurn, add_turns, count_turn, resolve, sorted_turns, turn_of
-from draftgen.core.records import Usage
+from draftgen.core.records import Usage, same_model
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens import identity
 from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, flag_sources
@@ -75,13 +75,14 @@ from draftgen.core.tokens.store import TokenWriter
 from draftgen.core.units import usd, usd_shown
 
 # Each dropped sample is counted under the first reason that applies, in this order ("failed" are
-# failures.jsonl lines; "bad_line" a responses.jsonl line that is not a JSON object with an id).
+# failures.jsonl lines; "bad_line" a responses.jsonl line that is not a JSON object with an id;
+# "other_model" an answer whose `model` is not [api] model, core/records.py same_model).
 # The token-level causes (provider_excluded, invalid, count_mismatch, prompt_mismatch) are the sample
 # policy's, core/tokens/policy.py: a structural failure drops a sample, a BPE split keeps it.
 # Turns of multi-turn conversations add theirs (core/merge/turns.py): after_invalid_turn (a later turn
 # of a conversation whose answer broke), and with [merge] multi_turn = "per_conversation",
 # after_dropped_turn and in_conversation (a turn whose answer is in its conversation's sample).
-DROP_REASONS = ("failed", "truncated", "empty", "not_reconstructed", "provider_excluded", "invalid",
+DROP_REASONS = ("failed", "other_model", "truncated", "empty", "not_reconstructed", "provider_excluded", "invalid",
                 "source_flagged", "count_mismatch", "prompt_mismatch", "duplicate", "bad_line", *TURN_REASONS)
 
 TRAIN_FILE, TOKENS_DIR, STATS_FILE = "train.jsonl", "tokens", "stats.json"
@@ -177,6 +178,8 @@ class MergeStats:
 def _drop_reason(record: dict[str, Any], ref: TokenRef | None,
                  policy: SamplePolicy) -> tuple[str | None, tuple[str, ...]]:
     """(the reason a sample is dropped or None, what a kept one differed in)."""
+    if policy.model and not same_model(policy.model, record.get("model")):  # another model's answer, any run's
+        return "other_model", ()
     if record.get("truncated") or record.get("finish_reason") == "length" or (ref is not None and ref.truncated):
         return "truncated", ()
     if record.get("empty_content") or not message_text(record.get("content")):

@@ -5,8 +5,9 @@ turn k's messages hold the target's own answers to turns 1..k-1. Those lines are
 answer (core/merge/merge.py `_drop_reason`), then held here until the dataset is read, and resolved
 per conversation, whatever order the lines came in:
 
-- a turn dropped for a broken answer (`BREAKING`: truncated, empty, invalid) drops every later turn
-  of its conversation (`after_invalid_turn`): they were conditioned on that answer. Other drops
+- a turn dropped for a broken answer (`BREAKING`: truncated, empty, invalid, or another model's)
+  drops every later turn of its conversation (`after_invalid_turn`): they were conditioned on that
+  answer, which is not the target's. Other drops
   (a count or prompt difference, an excluded provider, a duplicate) are the turn's own;
 - "per_turn" (the default): every other turn is a sample of its own, one per generation event: its
   history and its answer, loss on that answer (the token store's ids and mask as they are);
@@ -29,7 +30,7 @@ from typing import Any
 from draftgen.core.merge.inputs import TokenRef
 
 MODES = ("per_turn", "per_conversation")
-BREAKING = frozenset({"truncated", "empty", "invalid"})
+BREAKING = frozenset({"truncated", "empty", "invalid", "other_model"})
 TURN_REASONS = ("after_invalid_turn", "after_dropped_turn", "in_conversation")
 
 

@@ -31,7 +31,7 @@ from draftgen.core.run.startup import (
     smoke_status,  # noqa: F401 - its old home: tests and the CLI import it here
 )
 from draftgen.core.run.tokens_stage import TokensStage
-from draftgen.core.rundir import EventLog, RunDir
+from draftgen.core.rundir import EventLog, RunDir, check_private
 from draftgen.core.secrets import Redactor
 
 
@@ -79,6 +79,8 @@ class Pipeline:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        # Not a directory other users can write, unless shared on purpose (core/rundir.py check_private).
+        check_private(self.rundir.root, self.config.path, shared=self.config.output.shared)
         self.rundir.root.mkdir(parents=True, exist_ok=True)
         # The run directory is live from here until close() (core/files.py `exclusive`).
         self._run_lock = exclusive(self.rundir.root, "draftgen run").acquire()

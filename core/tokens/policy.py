@@ -22,6 +22,8 @@ the provider. This policy turns them into keep or drop, with the cause:
                  a stored text its ids do not decode to (`text_matches_ids`: the server's parser
                  rewrote the text; noted "text_rewritten").
     provider     answers of a provider in [merge] exclude_providers are dropped as "provider_excluded".
+    model        the merge drops an answer whose `model` is not `[api] model` (core/records.py same_model)
+                 as "other_model", whichever run wrote it (`model`: the model asked, from the config).
     source       answers of a source flagged on its own (core/tokens/fidelity.py flag_sources: a
                  self-hosted server or provider with few exact counts or a constant offset, so its
                  text or template is not what the model saw) are dropped as "source_flagged" while
@@ -71,10 +73,12 @@ class SamplePolicy:
     limits: ValidationConfig = field(default_factory=ValidationConfig)  # the config's [validation]
     exclude_providers: frozenset[str] = field(default_factory=frozenset)  # provider_key()s
     flagged_sources: frozenset[str] = field(default_factory=frozenset)    # source_key()s flagged on their own
+    model: str = ""                                                       # [api] model ("": not judged)
 
     @classmethod
     def from_config(cls, config: Config) -> SamplePolicy:
-        return cls(config.validation, frozenset(provider_key(p) for p in config.merge.exclude_providers))
+        return cls(config.validation, frozenset(provider_key(p) for p in config.merge.exclude_providers),
+                   model=config.api.model)
 
     @property
     def count_tolerance(self) -> int:
@@ -131,4 +135,5 @@ class SamplePolicy:
         return {"count_tolerance": v.count_tolerance, "split_share": v.split_share,
                 "prompt_tolerance": v.prompt_tolerance, "drop_prompt_mismatch": v.drop_prompt_mismatch,
                 "exclude_providers": sorted(self.exclude_providers), "structural_checks": list(STRUCTURAL),
-                "min_exact_share": v.min_exact_share, "drop_flagged_sources": v.drop_flagged_sources}
+                "min_exact_share": v.min_exact_share, "drop_flagged_sources": v.drop_flagged_sources,
+                "model": self.model}

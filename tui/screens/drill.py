@@ -60,6 +60,9 @@ def _dataset_facts(s: RunSnapshot, name: str) -> list[tuple[str, str | Text]]:
         ("tokens", budget),
         ("cost", f"{fmt.usd(d.cost_usd)}, projected {fmt.usd(d.projected_cost_usd)}"),
     ]
+    if d.other_model:
+        rows.insert(5, ("other model", Text(f"{fmt.count(d.other_model)} answered by another model than the one "
+                                            "asked: kept, never a sample", style="bold red")))
     if d.conversations:  # turns = "all": the counts above are turns
         rows.append(("conversations", f"{fmt.count(d.conversations_done)} of {fmt.count(d.conversations)} done, "
                                       f"{fmt.count(d.conversations_ended)} ended early"))

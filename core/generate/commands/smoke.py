@@ -88,7 +88,7 @@ from draftgen.core.generate.money.forecast import (
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
-from draftgen.core.records import ResponseRecord
+from draftgen.core.records import ResponseRecord, same_model
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
 from draftgen.core.units import clip, usd
@@ -280,7 +280,7 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
                                                                       else " without tools in the request")))
     want = config.api.model
     model = a.model or ""
-    model_ok = bool(model) and (_norm(model).startswith(_norm(want)) or _norm(want).startswith(_norm(model)))
+    model_ok = bool(model) and same_model(want, model)  # as the run judges it: else never a sample
     rows.append(SmokeRow(f"{label} model", model_ok, f"{a.model!r} (asked for {want!r})"))
     u = a.usage
     tokens = f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens ({u.reasoning_tokens} reasoning)"

@@ -89,6 +89,7 @@ class DatasetRun:
     _stale: int = field(default=0, init=False)
     _rejected: int = field(default=0, init=False)
     _truncated: int = field(default=0, init=False)
+    _other_model: int = field(default=0, init=False)  # answers from another model than the one asked
     _cost: float = field(default=0.0, init=False)
     _answered_now: int = field(default=0, init=False)
     _cut_now: int = field(default=0, init=False)   # answers this run cut at max_tokens (cut_to_say)
@@ -207,6 +208,11 @@ class DatasetRun:
         return self._truncated
 
     @property
+    def other_model(self) -> int:
+        """Answers from another model than the one asked (records.py same_model): kept, never a sample."""
+        return self._other_model
+
+    @property
     def cost(self) -> float:
         return self._cost
 
@@ -233,8 +239,10 @@ class DatasetRun:
         self._scanned = True
         self._check()
 
-    def answered(self, prompt_id: str, tokens: int, cost: float, *, short: bool, now: bool = True) -> None:
-        """An answer on disk (`now`: this run's; else one read back from disk)."""
+    def answered(self, prompt_id: str, tokens: int, cost: float, *, short: bool, other_model: bool = False,
+                 now: bool = True) -> None:
+        """An answer on disk (`now`: this run's; else one read back from disk); `other_model`: from another
+        model than the one asked."""
         self._done += 1
         self.done_ids.add(prompt_id)
         self.token_budget.used += tokens
@@ -247,6 +255,8 @@ class DatasetRun:
             self.conversations.by_turn_done[turn] += 1
         if short:
             self._truncated += 1
+        if other_model:
+            self._other_model += 1
         if now:
             self._answered_now += 1
             self._leaves()

@@ -71,7 +71,7 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.live.summary import ended_line, final_state
-from draftgen.core.rundir import RunDir
+from draftgen.core.rundir import RunDir, check_private
 from draftgen.core.secrets import Redactor
 from draftgen.core.units import usd
 
@@ -224,6 +224,7 @@ class Engine:
         # The collector tuned before the opening too: with the default thresholds, reading the prompts and
         # the run's files (tens of thousands of objects kept) ran ~60 collections, a full one among them.
         tune_gc(need)
+        check_private(self.rundir.root, cfg.path, shared=cfg.output.shared)
         self.rundir.root.mkdir(parents=True, exist_ok=True)
         write_run_json(self.rundir, cfg)
         own_client = client is None

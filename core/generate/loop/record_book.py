@@ -14,6 +14,12 @@ later record queues behind it, so the files never get a gap. Resuming writes the
 Held records are paid for and never dropped: at the end of the run the engine waits for the disk
 (engine.py), and what it still cannot write is spooled to a fallback place (spool.py), which the
 next run imports before it sends anything; only if no place takes them are they lost, and said so.
+
+An answer whose `model` is not the model asked (records.py same_model) is written like any other (it is
+paid for) but never becomes a sample: counted (`other_model`, by dataset and, in the recent errors, by
+provider), and the merge leaves it out. Once OTHER_MODEL_AFTER answers are in and most of this run's
+came from another model, the run is held (Hold.MODEL), as an account condition holds it: routing or a
+server that answers as another model is not paid on. Said once: a resume goes on.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from draftgen.core.generate.loop.spool_import import SpoolImport
 from draftgen.core.generate.loop.stats import RateTracker
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.live.snapshot import EventKind, Level
-from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord
+from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord, same_model
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.units import to_ms
 
@@ -62,6 +68,7 @@ PROMPT_CHUNK = 512
 KEEP_SCANNED_PROMPTS = 20_000
 KEEP_SCANNED_SIZE = 16 << 20
 MESSAGE_SIZE = 64
+OTHER_MODEL_AFTER = 10  # answers this run before the share of them from another model is judged
 
 
 @dataclass
@@ -80,6 +87,10 @@ class RecordBook:
         self._datasets = datasets
         self.money = money
         self.errors = ctx.errors
+        self._recent = ctx.recent
+        self._model = ctx.config.api.model  # the model asked: an answer from another is never a sample
+        self._answers_now = self._other_now = 0  # this run's answers, and those from another model
+        self._other_said = False
         self.rates = RateTracker(clock=ctx.clock)
         self._redact = ctx.redact
         self._event = ctx.event
@@ -124,7 +135,8 @@ class RecordBook:
             rec = ResponseRecord.from_dict(raw)  # odd values in a hand-edited line count as nothing
             if rec.id in ds.done_ids:
                 continue
-            ds.answered(rec.id, rec.usage.completion_tokens, rec.usage.cost, short=rec.short, now=False)
+            ds.answered(rec.id, rec.usage.completion_tokens, rec.usage.cost, short=rec.short,
+                        other_model=not same_model(self._model, raw.get("model")), now=False)
         for _, raw in iter_jsonl(rd.failures(ds.config.name)):
             rid = str(raw.get("id"))
             if rid not in ds.done_ids:
@@ -246,6 +258,7 @@ class RecordBook:
             self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"
         empty = not a.content.strip()
+        other = not same_model(self._model, a.model)
         line = ResponseRecord.line(
             prompt.id, prompt.messages, a.reasoning, a.content, a.tool_calls, a.finish_reason,
             a.native_finish_reason, a.provider, a.model, a.generation_id, a.usage, to_ms(a.latency_s), attempts,
@@ -254,7 +267,10 @@ class RecordBook:
             line["sampling"] = sampling
         assert ds.responses is not None
         self._write(ds, ds.responses, line, True)
-        ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty)
+        ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty, other_model=other)
+        self._answers_now += 1
+        if other:
+            self._other_model(ds, prompt, a, attempts)
         if truncated or empty:
             self.errors.add(ErrorKind.LENGTH if truncated else ErrorKind.EMPTY_CONTENT)
             if truncated and (cut := ds.cut_to_say()):
@@ -264,6 +280,24 @@ class RecordBook:
                             "are paid for and kept (marked truncated), but the merge leaves them out; drain (q then "
                             "d; headless: Ctrl-C) and raise the dataset's max_tokens before asking more", dataset=name)
         self.rates.record(a.usage.completion_tokens)
+
+    def _other_model(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int) -> None:
+        """An answer from another model: counted (by provider in the recent errors); the run held the first
+        time most of this run's answers are (OTHER_MODEL_AFTER in)."""
+        self._other_now += 1
+        self.errors.add(ErrorKind.OTHER_MODEL)
+        provider = a.provider if isinstance(a.provider, str) else ""
+        self._recent.add(kind=ErrorKind.OTHER_MODEL, dataset=ds.config.name, prompt_id=prompt.id, attempt=attempts,
+                         message=f"answered by model {a.model!r}, not {self._model!r}: kept, never a sample",
+                         provider=provider)
+        if self._other_said or self._answers_now < OTHER_MODEL_AFTER or self._other_now * 2 <= self._answers_now:
+            return
+        self._other_said = True
+        self._control.hold(Hold.MODEL, (
+            f"{self._other_now} of this run's {self._answers_now} answers came from another model than "
+            f"{self._model!r} (the last: {a.model!r}, provider {provider or 'unnamed'!r}): they are paid for and "
+            "kept, but never a sample (the merge leaves them out). The run is held rather than paying on: check "
+            "[api] model, [request] provider and the server; r resumes anyway (headless: kill -USR1 <pid>)"))
 
     def fail_or_doubt(self, ds: DatasetRun, prompt: Prompt, e: RequestFailed, attempts: int, seq: int) -> None:
         """Record the prompt's failure, or set it aside: a 4xx naming no known cause (doubts.py)."""

@@ -41,6 +41,7 @@ class Hold(Enum):
     """Why the engine paused the run by itself (a pause by the user holds nothing)."""
     ACCOUNT = "account"    # the key or the account (401, 402 out of credits, 403 a spending limit)
     DISK = "disk"
+    MODEL = "model"        # most answers came from another model than the one asked (record_book.py)
 
 
 class PausedBy(StrEnum):

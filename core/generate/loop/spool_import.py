@@ -2,8 +2,9 @@
 
 Each dataset, as it opens, appends its spooled records that are not on disk yet (by prompt id) and
 fsyncs them; once every dataset is open, the spools imported whole are removed and those that stay
-are named, with why; each answer imported is told to the run's owner (run_state.py `RunControl`,
-whose `HeldOutcome` the end summary says).
+are named, with why (those refused unread as not the user's alone, spool.py, named as refused); each
+answer imported is told to the run's owner (run_state.py `RunControl`, whose `HeldOutcome` the end
+summary says).
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ class SpoolImport:
     def finish(self, names: set[str]) -> None:
         """Every dataset (`names`) is open: remove the spools imported whole; say which stay, and why."""
         for spool in self._spools:
+            if spool.refused:
+                self._event(Level.ERROR, EventKind.SPOOL,
+                            f"{spool.path} was refused, nothing in it imported: {spool.refused}; a spool is read only "
+                            "from a folder of yours that no other user can write, and only from a file of yours "
+                            "(remove it if you did not write it)")
+                continue
             others = sorted({r.dataset for r in spool.records} - names)
             if spool.problem or others:
                 why = spool.problem or f"its dataset(s) {', '.join(others)} are not in this config"
