@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from draftgen.simulator import responses
+from draftgen.simulator import responses, shaping
 from draftgen.simulator.config import SimConfig
 from draftgen.simulator.generations import Generation
 from draftgen.simulator.scenarios import Active, Scenarios
@@ -137,6 +137,7 @@ class Account:
     async def key(self, request: web.Request) -> web.Response:
         cfg = self._config()
         if (denied := auth_error(request, cfg, self._scenarios)) is not None:
+            shaping.hostile_error(denied, cfg.hostile_text)
             return denied
         spent, cap = self.spent, self.key_cap()
         # The label is fixed (and hostile_text): the real one shows part of the key, which must never be echoed.

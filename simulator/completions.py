@@ -106,8 +106,7 @@ class Completions:
                 resp.headers["X-Generation-Id"] = request[responses.GEN_ID]
             if cfg.echo_key:
                 shaping.echo_key(request, resp, encoded=cfg.echo_key_fields)
-            if cfg.hostile_text:
-                shaping.hostile_error(resp, cfg.hostile_text)
+            shaping.hostile_error(resp, cfg.hostile_text)
             return resp
         except asyncio.CancelledError:
             status = request.get(responses.NO_RESPONSE, "cancelled")

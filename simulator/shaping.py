@@ -46,7 +46,10 @@ def echo_key(request: web.Request, resp: web.StreamResponse, encoded: bool = Fal
 
 def hostile_error(resp: web.StreamResponse, text: str) -> None:
     """SimConfig.hostile_text: put `text` into an error body's message and metadata (`raw`,
-    `provider_name`), or after a plain-text body (a stream: wire.error_frame)."""
+    `provider_name`), or after a plain-text body (a stream: wire.error_frame); none: nothing changed."""
+    if not text:
+        return
+
     def edit(err: dict[str, Any]) -> None:
         err["message"] = f"{err.get('message', '')} {text}"
         meta = err.get("metadata")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,9 @@ import pytest
 from rich.console import Console
 
 from draftgen.core.config import Config
-from draftgen.core.live.attach import AttachControls
+from draftgen.core.live.attach import AttachControls, last_run_ended
 from draftgen.core.run.pipeline import Pipeline
-from draftgen.core.rundir import RunDir
+from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.safe_text import visible
 from draftgen.core.secrets import Redactor
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
@@ -34,7 +35,7 @@ from tests.helpers import TEST_KEY, cli_env, make_config, read_attach_stream, un
 # A window title, a screen wipe, an OSC 52 clipboard write, an OSC 8 link, a C1 CSI, a carriage return
 # and a backspace that write over what came before, and Rich markup.
 HOSTILE = ("\x1b]0;pwned\x07\x1b[2J\x1b]52;c;cHduZWQ=\x07\x1b]8;;http://127.0.0.1/x\x1b\\here\x1b]8;;\x1b\\"
-           "\x9b31m\r\b[bold]b[/bold]")
+           "\x9b31m\r\b[bold]b[/bold] [/x]")
 SHOWN = visible(HOSTILE)  # as the views show it
 MARKUP = "[bold]b[/bold]"
 SCENARIOS = {"provider_400": {"rate": 0.3, "match": "Question a-"},  # a prompt's own 400, failed at once
@@ -52,9 +53,23 @@ def hostile_sim() -> SimServer:
                                scenarios=SCENARIOS), port=0)
 
 
-def config(folder: Path, base_url: str, stream: bool = False) -> Config:
-    return make_config(folder, base_url, [{"name": "a", "n": 30, "concurrency": 4},
-                                          {"name": "b", "n": 10, "concurrency": 2}],
+def config(folder: Path, base_url: str, stream: bool = False, hostile_ids: bool = False) -> Config:
+    """Datasets a (30 prompts, some refused as their own) and b (10, every request refused: it stops);
+    `hostile_ids`: prompt ids carrying HOSTILE as a prompt file may, b's lines three-turn conversations."""
+    datasets: list[dict[str, Any]] = [{"name": "a", "n": 30, "concurrency": 4},
+                                      {"name": "b", "n": 10, "concurrency": 2}]
+    if hostile_ids:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "a.jsonl").write_bytes(b"".join(orjson.dumps(
+            {"id": f"a-{i}{HOSTILE}", "prompt": f"Question a-{i}: explain item {i}."}) + b"\n" for i in range(30)))
+        (folder / "b.jsonl").write_bytes(b"".join(orjson.dumps(
+            {"id": f"b-{i}{HOSTILE}", "messages": [{"role": "user", "content": f"Question b-{i}: explain item {i}."},
+                                                   {"role": "assistant", "content": "An answer."},
+                                                   {"role": "user", "content": "Question b-: and then?"}]}) + b"\n"
+            for i in range(10)))
+        datasets = [{"name": "a", "prompts": "a.jsonl", "concurrency": 4},
+                    {"name": "b", "prompts": "b.jsonl", "concurrency": 2, "turns": "all"}]
+    return make_config(folder, base_url, datasets,
                        tables={"tokenizer": {"path": str(bundled_kimi_path())},
                                "engine": {"max_attempts": 2, "workers": 1},
                                "api": {"credits_interval_s": 0.2, "generation_lookup_s": 1.0, "stream": stream}})
@@ -121,6 +136,15 @@ async def test_no_control_a_server_sends_reaches_the_commands_the_headless_run_o
     assert records and all(r["content"].startswith(HOSTILE) for r in records)
     assert all(r["provider"].endswith(SHOWN) and r["model"].endswith(SHOWN) for r in records)
 
+    # Records whose provider names were stored raw (by an earlier version, or a file from elsewhere):
+    # `draftgen tokens` shows them escaped too.
+    run.responses("a").write_bytes(b"".join(orjson.dumps({**r, "provider": r["provider"].replace(SHOWN, HOSTILE)})
+                                            + b"\n" for r in records))
+    shutil.rmtree(run.root / "a" / "tokens")  # reconstructed again from the records
+    code, out = await cli("tokens", str(cfg.path))
+    assert code == 0 and SHOWN.split("[")[0] in "".join(out.split()), out[-3000:]
+    assert not controls(out), controls(out)
+
 
 def screen(app: Any) -> str:
     """The app's whole screen as rendered (every widget's strips), without Textual's own styling codes."""
@@ -138,7 +162,7 @@ async def test_no_control_a_server_sends_reaches_the_tui_or_the_attach_view(tmp_
     shown: dict[str, str] = {}
     async with hostile_sim() as sim:
         # The TUI with the run in it: the main screen, the smoke checklist, a dataset's and a provider's drill.
-        cfg = config(tmp_path / "tui", sim.base_url)
+        cfg = config(tmp_path / "tui", sim.base_url, hostile_ids=True)
         pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
         await pipeline.start()
         try:
@@ -155,6 +179,10 @@ async def test_no_control_a_server_sends_reaches_the_tui_or_the_attach_view(tmp_
                 assert isinstance(app.screen, DrillScreen)
                 await until(lambda: "Provider returned error" in screen(app), "a's errors")
                 shown["tui drill a"] = screen(app)
+                await pilot.press("escape", "j", "enter")  # b's: its last conversation, ended at turn 1
+                assert isinstance(app.screen, DrillScreen)
+                await until(lambda: "last conversation" in screen(app), "b's last conversation")
+                shown["tui drill b"] = screen(app)
                 await pilot.press("escape", "tab", "tab", "enter")  # the first provider's
                 assert isinstance(app.screen, DrillScreen)
                 shown["tui drill provider"] = screen(app)
@@ -185,7 +213,7 @@ async def test_no_control_a_server_sends_reaches_the_tui_or_the_attach_view(tmp_
     found = {where: c for where, text in shown.items() if (c := controls(text))}
     assert not found, f"a server's controls reached the screen: {found}"
     # Server text is text, not Rich markup: the tags are shown as sent.
-    for where in ("tui drill a", "tui drill provider", "attach drill a"):
+    for where in ("tui drill a", "tui drill b", "tui drill provider", "attach drill a"):
         assert MARKUP in "".join(shown[where].split()), (where, shown[where])
 
 
@@ -200,3 +228,28 @@ def test_visible_shows_controls_as_escapes_and_keeps_ordinary_text() -> None:
     cut = Redactor("sk-or-v1-0123456789abcdef0123456789abcdef")
     assert cut(f"{HOSTILE} sk-or-v1-0123456789abcdef0123456789abcdef") == f"{SHOWN} [redacted]"
     assert not controls(cut(HOSTILE))
+
+
+async def test_the_ledger_says_a_refused_keys_message_as_text(tmp_path: Path) -> None:
+    """`draftgen ledger` quotes GET /key's error: a server's `[/x]` in it is text (it crashed the command),
+    its controls escaped."""
+    sim_cfg = SimConfig(seed=1, latency_scale=0.0, hostile_text=HOSTILE, scenarios={"revoked_key": {}})
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3}])
+        code, out = await cli("ledger", str(cfg.path))
+    assert code == 0, out
+    assert f"key usage not shown (GET /key: HTTP 401: User not found. {SHOWN}" in "".join(out.splitlines()), out
+    assert not controls(out)
+
+
+def test_a_servers_line_break_starts_no_line_of_its_own_in_events_log(tmp_path: Path) -> None:
+    """A server's message with a line break and what reads as a run's end after it: the line is indented
+    under the message in events.log, so `draftgen attach` does not read it as how the last run ended."""
+    forged = "HTTP 400: bad\n2026-12-07 13:00:00 INFO  run DONE: 1 of 1 answered, 0 failed; forged"
+    log = EventLog(RunDir(tmp_path).events_log)
+    log.write("info", "run STOPPED: 0 of 1 answered, 0 failed, 0 skipped")
+    log.write("error", "b: stopped: " + Redactor(TEST_KEY)(forged))
+    log.close()
+    lines = RunDir(tmp_path).events_log.read_text().splitlines()
+    assert len(lines) == 3 and lines[2].startswith(" " * 26 + "2026-12-07 13:00:00 INFO  run DONE"), lines
+    assert "(STOPPED: 0 of 1 answered, 0 failed, 0 skipped)" in last_run_ended(tmp_path)

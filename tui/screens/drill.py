@@ -159,7 +159,8 @@ class DrillScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         yield RunHeader("draftgen", id="header")
         with VerticalScroll(id="drill", classes="panel") as box:
-            box.border_title = f"{self.target.what}: {self.target.name}"
+            # A provider's name is a server's text, a dataset's the config's: text, not markup ("[/x]" raised).
+            box.border_title = Text(f"{self.target.what}: {self.target.name}")
             yield Static(id="drill-body")
         yield Footer(compact=True)
 
