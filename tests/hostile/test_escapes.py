@@ -12,6 +12,7 @@ The stored answers keep their text exactly as generated.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import shutil
 import sys
@@ -30,6 +31,7 @@ from draftgen.core.safe_text import visible
 from draftgen.core.secrets import Redactor
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
+from tests import fixtures as fx
 from tests.helpers import TEST_KEY, cli_env, make_config, read_attach_stream, until
 
 # A window title, a screen wipe, an OSC 52 clipboard write, an OSC 8 link, a C1 CSI, a carriage return
@@ -253,3 +255,16 @@ def test_a_servers_line_break_starts_no_line_of_its_own_in_events_log(tmp_path: 
     lines = RunDir(tmp_path).events_log.read_text().splitlines()
     assert len(lines) == 3 and lines[2].startswith(" " * 26 + "2026-12-07 13:00:00 INFO  run DONE"), lines
     assert "(STOPPED: 0 of 1 answered, 0 failed, 0 skipped)" in last_run_ended(tmp_path)
+
+
+async def test_a_datasets_name_is_text_in_the_tui() -> None:
+    """A dataset may be named `[bold]B1` (printable, no `/`): the datasets panel shows it as named."""
+    from draftgen.tui.app import DraftgenApp
+
+    s = fx.running()
+    name = "[bold]B1"
+    s = dataclasses.replace(s, datasets=(dataclasses.replace(s.datasets[0], name=name), *s.datasets[1:]))
+    app = DraftgenApp(fx.FakeControls(s, fx.events()), title="draftgen", refresh_s=0.05)
+    async with app.run_test(size=(120, 40)):
+        await until(lambda: "B2" in screen(app), "the datasets shown")
+        assert name in screen(app)
