@@ -4,36 +4,24 @@ A path, a model name or a config file's name may hold any character: a user's or
 config, a run directory named after a dataset. Written into a file that `sh` runs or a TOML
 reader parses, each is either an argument, quoted (`sh_path`: read back verbatim, never taken for
 an option), or part of a comment (`# ...` in both), which ends at the line's end: there it is
-`visible`, every line break and control character shown as its escape, so that the comment stays
-one line and nothing after it becomes a command or a key. A backslash is kept as it is (a path
-may hold one): a comment is for reading, the arguments are what runs.
+`one_line` (safe_text's `visible` on one line), every line break and control character shown as
+its escape, so that the comment stays one line and nothing after it becomes a command or a key. A
+backslash is kept as it is (a path may hold one): a comment is for reading, the arguments are what
+runs.
 """
 
 from __future__ import annotations
 
 import shlex
-import unicodedata
 from pathlib import Path
 
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-# Control characters (C0, DEL, C1), line and paragraph separators, and lone surrogates (bytes of a
-# non-UTF-8 file name): the characters that end a line, move the cursor or cannot be written as UTF-8.
-_ESCAPED = frozenset({"Cc", "Zl", "Zp", "Cs"})
+from draftgen.core.safe_text import visible
 
 
-def _escape(ch: str) -> str:
-    if ch in _NAMED:
-        return _NAMED[ch]
-    code = ord(ch)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def visible(text: str) -> str:
+def one_line(text: str) -> str:
     """`text` on one line, for a comment: line breaks and control characters as escapes (`\\n`,
     `\\x1b`, `\\u2028`); everything else, other scripts and emoji included, as it is."""
-    if text.isprintable():
-        return text
-    return "".join(_escape(ch) if unicodedata.category(ch) in _ESCAPED else ch for ch in text)
+    return visible(text, one_line=True)
 
 
 def sh_path(path: str | Path) -> str:

@@ -451,6 +451,9 @@ def read_line_at(f: Any, offset: int) -> dict[str, Any]:
     return orjson.loads(f.readline())
 
 
+CONTINUED = "\n" + " " * 26  # a line of events.log after the first of its message: under the message
+
+
 class EventLog:
     """events.log: one human-readable line per event, flushed as it happens."""
 
@@ -460,6 +463,9 @@ class EventLog:
 
     def write(self, level: str, message: str, ts: float | None = None) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts or time.time()))
+        # A message's further lines are indented under its first: no line of a server's text reads as an
+        # event of its own (`draftgen attach` reads how the last run ended from the log's lines).
+        message = message.replace("\n", CONTINUED)
         try:
             self._f.write(f"{stamp} {level.upper():5} {message}\n")
             self._f.flush()

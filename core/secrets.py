@@ -12,6 +12,10 @@ Upstreams also quote a key encoded: JSON-escaped (`\\u0073k-or-...`, any of its 
 encoded (`%73k%2Dor...`, either case) or in base64 (a Basic credential, a token echoed in a header).
 Text holding a `\\u` or `%` escape is matched on its decoded form (the cut covers the escapes); base64
 is matched on the key's encodings at each of the three byte alignments (16 characters: 12 bytes).
+
+What the Redactor returns has its control characters shown as escapes as well (core/safe_text.py
+`visible`): every text that passes through it on its way to a view or a log is made safe for a
+terminal in the same place, once.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import base64
 import re
 from typing import Any
+
+from draftgen.core.safe_text import visible
 
 # Providers sometimes echo part of a key in an error; 12 of its characters are enough to leak it.
 PREFIX = 12
@@ -129,7 +135,7 @@ class Redactor:
         short = len(text) <= MEMO_CHARS
         if short and (done := self.known.get(text)) is not None:
             return done
-        out = self._cut(text)
+        out = visible(self._cut(text))
         if short:
             if len(self.known) >= MEMO_SIZE:
                 self.known.clear()

@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from draftgen.simulator import responses
+from draftgen.simulator import responses, shaping
 from draftgen.simulator.config import SimConfig
 from draftgen.simulator.generations import Generation
 from draftgen.simulator.scenarios import Active, Scenarios
@@ -137,12 +137,14 @@ class Account:
     async def key(self, request: web.Request) -> web.Response:
         cfg = self._config()
         if (denied := auth_error(request, cfg, self._scenarios)) is not None:
+            shaping.hostile_error(denied, cfg.hostile_text)
             return denied
         spent, cap = self.spent, self.key_cap()
-        # The label is fixed: the real one shows part of the key, which must never be echoed.
+        # The label is fixed (and hostile_text): the real one shows part of the key, which must never be echoed.
         return responses.json_response({"data": {
-            "label": "draftgen-simulator", "usage": spent, "usage_daily": spent, "usage_weekly": spent,
-            "usage_monthly": spent, "limit": cap, "limit_remaining": None if cap is None else max(0.0, cap - spent),
+            "label": f"draftgen-simulator{cfg.hostile_text}", "usage": spent, "usage_daily": spent,
+            "usage_weekly": spent, "usage_monthly": spent, "limit": cap,
+            "limit_remaining": None if cap is None else max(0.0, cap - spent),
             "limit_reset": cfg.key_limit_reset if cap is not None else None, "is_free_tier": False,
             "is_provisioning_key": False, "include_byok_in_limit": False,
         }})

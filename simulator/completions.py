@@ -106,6 +106,7 @@ class Completions:
                 resp.headers["X-Generation-Id"] = request[responses.GEN_ID]
             if cfg.echo_key:
                 shaping.echo_key(request, resp, encoded=cfg.echo_key_fields)
+            shaping.hostile_error(resp, cfg.hostile_text)
             return resp
         except asyncio.CancelledError:
             status = request.get(responses.NO_RESPONSE, "cancelled")
@@ -328,11 +329,15 @@ class Completions:
         request[CREATED] = gen
         # echo_key_fields: the key in the answer's `provider` and `model` too (the model still starts with
         # the one asked for, as a provider's variant name does).
-        reply = wire.Reply(gen.gen_id, f"{provider.name} [{echo}]" if echo else provider.name,
-                           f"{model}:{echo}" if echo else model, gen.created, completion, think and show,
-                           cfg.reasoning_field, ask.body.get("return_token_ids") is True and not cfg.ignore_token_ids,
+        # hostile_text: in the body's `id` (a header carries no control character), `provider` and `model` (as
+        # its variant, after a colon: the model is still the one asked, so the run is not held for another's).
+        hostile = cfg.hostile_text
+        reply = wire.Reply(gen.gen_id + hostile, (f"{provider.name} [{echo}]" if echo else provider.name) + hostile,
+                           f"{model}:{echo}{hostile}" if echo or hostile else model, gen.created, completion,
+                           think and show, cfg.reasoning_field,
+                           ask.body.get("return_token_ids") is True and not cfg.ignore_token_ids,
                            wire.usage(ask.n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost),
-                           cfg.stream_chunk_tokens, echo)
+                           cfg.stream_chunk_tokens, echo, hostile)
         return gen, reply
 
     async def _midstream_error(self, request: web.Request, cfg: SimConfig, upstream: Active, gen: Generation,

@@ -171,6 +171,11 @@ class SimConfig:
     # header and `id`, its `provider` and `model` fields (plain), and, with echo_key, in error messages
     # and metadata JSON-\u-escaped, percent-encoded (both cases) and in base64 (a Basic credential).
     echo_key_fields: bool = False
+    # A hostile upstream: this text (escape sequences, say) in every answer's `provider`, `id` and `model` (as its
+    # `:variant`, so the model is still the one asked),
+    # at the start of its content and reasoning, in every error's message and metadata (mid-stream error
+    # frames included) and in the key's label, so tests can show no view or log passes it on raw.
+    hostile_text: str = ""
     # How many generations `/generation?id=` remembers (oldest forgotten first).
     generation_log_size: int = 100_000
     # How many of the latest chat requests `SimServer.sent` (and `GET /_sim/sent`) keep, with the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -24,22 +25,14 @@ def bearer_key(request: web.Request) -> str:
 def echo_key(request: web.Request, resp: web.StreamResponse, encoded: bool = False) -> None:
     """SimConfig.echo_key: put the caller's bearer key into an error body (not into answers); with
     `encoded` (echo_key_fields), its encoded forms as well (a stream's error frames: wire.error_frame)."""
-    if not isinstance(resp, web.Response):  # a stream: nothing to rewrite
-        return
-    body = resp.body
-    if not isinstance(body, bytes) or (resp.status < 400 and b'"error"' not in body):
-        return
     key = bearer_key(request)
     unprefixed = key.split("-")[-1]
     # Every form a careless upstream quotes a key in: as sent, re-cased, without its prefix, a fragment.
     note = (f" (request made with key {key}; KEY={key.upper()}; key={key.lower()}; token {unprefixed}; "
             f"fragment {key[len(key) // 2:len(key) // 2 + 12]}..."
             + (f"; {wire.echo_note(key)}" if encoded else "") + ")")
-    try:
-        obj = orjson.loads(body)
-        err = obj.get("error") if isinstance(obj, dict) else None
-        if not isinstance(err, dict):
-            raise ValueError("no error object")
+
+    def edit(err: dict[str, Any]) -> None:
         err["message"] = f"{err.get('message', '')}{note}"
         meta = err.get("metadata")
         if isinstance(meta, dict):
@@ -48,9 +41,41 @@ def echo_key(request: web.Request, resp: web.StreamResponse, encoded: bool = Fal
             meta = meta if isinstance(meta, dict) else {"raw": note}
             err["metadata"] = {**meta, "provider_name": f"{meta.get('provider_name') or 'Echo'} [{key}]",
                                "echo": {"forms": [note], key: "as a key"}}
+    _edit_error(resp, edit, note)
+
+
+def hostile_error(resp: web.StreamResponse, text: str) -> None:
+    """SimConfig.hostile_text: put `text` into an error body's message and metadata (`raw`,
+    `provider_name`), or after a plain-text body (a stream: wire.error_frame); none: nothing changed."""
+    if not text:
+        return
+
+    def edit(err: dict[str, Any]) -> None:
+        err["message"] = f"{err.get('message', '')} {text}"
+        meta = err.get("metadata")
+        meta = meta if isinstance(meta, dict) else {}
+        err["metadata"] = {**meta, "raw": f"{meta.get('raw', '')}{text}",
+                           "provider_name": f"{meta.get('provider_name') or 'Hostile'}{text}"}
+    _edit_error(resp, edit, text)
+
+
+def _edit_error(resp: web.StreamResponse, edit: Callable[[dict[str, Any]], None], plain: str) -> None:
+    """An error body's `error` object changed by `edit`, or `plain` put after a plain-text error body; a
+    stream or an answer is left as it is."""
+    if not isinstance(resp, web.Response):  # a stream: nothing to rewrite
+        return
+    body = resp.body
+    if not isinstance(body, bytes) or (resp.status < 400 and b'"error"' not in body):
+        return
+    try:
+        obj = orjson.loads(body)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if not isinstance(err, dict):
+            raise ValueError("no error object")
+        edit(err)
         resp.body = orjson.dumps(obj)
     except ValueError:  # orjson.JSONDecodeError included: a plain-text body (524)
-        resp.body = body + note.encode()
+        resp.body = body + plain.encode()
 
 
 def draws(seed: int, key: str, n: int) -> list[float]:

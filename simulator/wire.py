@@ -69,6 +69,7 @@ class Reply:
     usage: dict[str, Any]
     chunk_tokens: int = TOKENS_PER_CHUNK  # tokens per SSE delta of a streamed answer
     echo: str = ""  # SimConfig.echo_key_fields: the caller's key, quoted in a mid-stream error too
+    hostile: str = ""  # SimConfig.hostile_text: before the content and reasoning, in a mid-stream error too
 
     def prefix(self, obj: str) -> bytes:
         """`{"id":..,"provider":..,"model":..,"object":..,"created":..,"choices":[` """
@@ -81,7 +82,7 @@ class Reply:
         if c.finish_reason != "stop":  # cut answers vary with max_tokens: not cached
             return None
         return (kind, c.answer, c.think, self.show_reasoning, self.reasoning_field, self.token_ids,
-                self.chunk_tokens)
+                self.chunk_tokens, self.hostile)
 
 
 def _reasoning_fields(text: str, field: str) -> dict[str, Any]:
@@ -92,9 +93,9 @@ def _reasoning_fields(text: str, field: str) -> dict[str, Any]:
 
 
 def _message(r: Reply, content: str) -> bytes:
-    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    message: dict[str, Any] = {"role": "assistant", "content": r.hostile + content, "refusal": None}
     if r.show_reasoning:
-        message.update(_reasoning_fields(r.completion.reasoning, r.reasoning_field))
+        message.update(_reasoning_fields(r.hostile + r.completion.reasoning, r.reasoning_field))
     else:
         message["reasoning"] = None
     return orjson.dumps(message)
@@ -148,6 +149,11 @@ def _delta_choices(r: Reply) -> list[bytes]:
     c, a = r.completion, r.completion.answer
     with_ids = r.token_ids
     out = []
+    if r.hostile:  # SimConfig.hostile_text: a first chunk of it, in the content and the reasoning
+        first: dict[str, Any] = {"role": "assistant", "content": r.hostile}
+        if r.show_reasoning:
+            first.update(_reasoning_fields(r.hostile, r.reasoning_field))
+        out.append(_choice(first, [] if with_ids else None))
     for text, ids in _pieces(a.reasoning_bytes, a.reasoning_ends, a.reasoning_ids, c.n_reasoning, r.chunk_tokens):
         delta: dict[str, Any] = {"role": "assistant", "content": ""}
         if r.show_reasoning:
@@ -211,6 +217,10 @@ def error_frame(r: Reply, code: int, message: str, metadata: dict[str, Any] | No
     if r.echo:
         message = f"{message} ({echo_note(r.echo)})"
         metadata = {**(metadata or {}), "raw": echo_note(r.echo), "provider_name": r.provider}
+    if r.hostile:
+        message = f"{message} {r.hostile}"
+        metadata = {**(metadata or {}), "raw": f"{(metadata or {}).get('raw', '')}{r.hostile}",
+                    "provider_name": r.provider}
     err: dict[str, Any] = {"code": code, "message": message}
     if metadata:
         err["metadata"] = metadata

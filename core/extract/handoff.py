@@ -42,7 +42,7 @@ import numpy as np
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.files import write_atomic, write_json_atomic
-from draftgen.core.quoting import sh_path, visible
+from draftgen.core.quoting import one_line, sh_path
 from draftgen.core.tokens import identity
 from draftgen.core.tokens.store import INDEX_FILE, TokenReader
 
@@ -220,7 +220,7 @@ def write_handoff(h: Handoff) -> tuple[Path, Path]:
     h.config_path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(h.config_path, h.config)
     script = h.config_path.with_name(SCRIPT_FILE)
-    body = "#!/bin/sh\n" + "".join(f"# {visible(line)}\n" for line in describe(h)) + f"exec {h.command} \"$@\"\n"
+    body = "#!/bin/sh\n" + "".join(f"# {one_line(line)}\n" for line in describe(h)) + f"exec {h.command} \"$@\"\n"
     write_atomic(script, body.encode())
     script.chmod(script.stat().st_mode | 0o100)
     return h.config_path, script
@@ -236,10 +236,10 @@ def train_command(config: Config, *, max_length: int | None = None, out: TextIO 
         from draftgen.core.files import disk_error
         raise disk_error(h.config_path, e) from e
     for line in describe(h):
-        print(f"# {visible(line)}", file=stream)
-    print(f"# config ({visible(str(config_path))}):", file=stream)
+        print(f"# {one_line(line)}", file=stream)
+    print(f"# config ({one_line(str(config_path))}):", file=stream)
     for line in json.dumps(h.config, indent=2).splitlines():  # ASCII: JSON escapes the rest
         print(f"#   {line}", file=stream)
-    print(f"# (also in {visible(str(script))})", file=stream)
+    print(f"# (also in {one_line(str(script))})", file=stream)
     print(h.command, file=stream, flush=True)
     return 0

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from operator import itemgetter
 
 from draftgen.core.live.snapshot import ErrorRecord, ProviderStat
+from draftgen.core.safe_text import visible
 
 ERROR_MESSAGE_MAX = 300
 LATENCY_SAMPLES = 256   # per provider: the recent answers its percentile is taken over
@@ -35,8 +36,11 @@ class RecentErrors:
             status: int | None = None, provider: str = "", final: bool = False) -> None:
         if len(message) > ERROR_MESSAGE_MAX:
             message = message[:ERROR_MESSAGE_MAX - 1] + "…"
-        record = ErrorRecord(ts=round(self._clock(), 3), kind=kind, dataset=dataset, prompt_id=str(prompt_id),
-                             attempt=attempt, message=message, status=status, provider=provider or "", final=final)
+        # The message and provider come redacted (core/secrets.py: safe for a terminal); the prompt id is
+        # the prompt file's, kept exact in the records, shown with its control characters escaped.
+        record = ErrorRecord(ts=round(self._clock(), 3), kind=kind, dataset=dataset,
+                             prompt_id=visible(str(prompt_id)), attempt=attempt, message=message, status=status,
+                             provider=provider or "", final=final)
         for key in (("kind", kind), ("dataset", dataset), ("provider", provider or "")):
             ring = self._rings.get(key)
             if ring is None:

@@ -27,7 +27,7 @@ from typing import Any
 from draftgen.core.config import Config, config_from_dict, toml_value
 from draftgen.core.errors import ConfigError
 from draftgen.core.promptsets.build import DatasetOut
-from draftgen.core.quoting import visible
+from draftgen.core.quoting import one_line
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def _entry(out: DatasetOut, config_dir: Path, prices: PricePerMtok | None) -> li
     if prices is not None:
         cost = estimate(out, prices)
         note += f"; estimated ${cost.expected_usd:,.2f}, at most ${cost.max_usd:,.2f}"
-    return [visible(note), *lines]
+    return [one_line(note), *lines]
 
 
 def _starter(model: str, tokenizer: str, template: str, output_dir: str, max_usd: float | None) -> list[str]:
@@ -106,7 +106,7 @@ def write_config(path: Path, outs: Sequence[DatasetOut], *, prices: PricePerMtok
                  model: str, tokenizer: str, template: str, output_dir: str) -> Config:
     """Append the entries to `path` (or start it); the result, loaded, or ConfigError and no change."""
     existing = path.read_text(encoding="utf-8") if path.exists() else None
-    blocks = [f"# {visible(header)}"]  # one line, whatever a source's path or name holds
+    blocks = [f"# {one_line(header)}"]  # one line, whatever a source's path or name holds
     for out in outs:
         blocks += ["", *_entry(out, path.parent, prices)]
     if existing is None:

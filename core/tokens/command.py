@@ -9,6 +9,7 @@ from draftgen.core.config import Config
 from draftgen.core.files import exclusive
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.rundir import RunDir
+from draftgen.core.safe_text import visible
 from draftgen.core.tokens.reconstruct import CHECKS
 from draftgen.core.tokens.report import PROVIDER_CAPTION, PROVIDER_COLUMNS, ValidationReport, provider_rows
 from draftgen.core.tokens.workers import REPORT_FILE, cores, provider_flags, reconstruct_dataset, worker_pool
@@ -45,7 +46,8 @@ def _tokens(config: Config) -> int:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    # Names and paths are the user's text, not rich markup ("B[/x]" must print, not raise).
+    # Names and paths are the user's text, not rich markup ("B[/x]" must print, not raise); a provider's
+    # name is read from the records, written by any version: shown with its controls escaped.
     table = Table(title=f"token reconstruction — {escape(str(config.run_dir))}", box=None, header_style="bold")
     table.add_column("dataset", no_wrap=True)
     for col in ("answers", "valid", "invalid", "trunc.", "Δ mean", "p50 |Δ|", "p99 |Δ|", "exact"):
@@ -79,13 +81,13 @@ def _tokens(config: Config) -> int:
         for j, col in enumerate(PROVIDER_COLUMNS):
             per.add_column(col, justify="left" if j == 0 else "right", no_wrap=True)
         for row in provider_rows(named):
-            per.add_row(escape(row[0]), *row[1:])
+            per.add_row(escape(visible(row[0])), *row[1:])
         console.print(per)
     for flag in provider_flags(config, total):
         # soft_wrap: the lines to paste stay whole however narrow the terminal.
-        console.print(f"[bold red]FLAGGED[/] {escape(flag.provider)}: {escape(flag.reason)}")
+        console.print(f"[bold red]FLAGGED[/] {escape(visible(flag.provider))}: {escape(visible(flag.reason))}")
         if flag.absolute:
-            console.print(f"  to change: {escape(flag.fix)}", soft_wrap=True)
+            console.print(f"  to change: {escape(visible(flag.fix))}", soft_wrap=True)
             console.print("  merge drops its samples (" + escape("[validation] drop_flagged_sources = false")
                           + " keeps them)", soft_wrap=True)
             continue

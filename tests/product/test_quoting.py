@@ -23,7 +23,7 @@ import pytest
 from draftgen.cli.main import main
 from draftgen.core.config import config_from_dict, load_config, toml_value
 from draftgen.core.errors import ConfigError
-from draftgen.core.quoting import visible
+from draftgen.core.quoting import one_line
 from draftgen.core.tokens.store import TokenWriter
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from tests.generate.test_promptsets import make_jsonl
@@ -82,8 +82,8 @@ def test_train_command_sh_runs_no_value_and_passes_the_arguments_verbatim(
     assert json.loads(config_json.read_text())["model"]["target_model_path"] == model
     text = script.read_text()
     assert f"# target model: {model}\n" in text
-    assert f"# output: {visible(str(run.resolve() / 'draft'))}\n" in text
-    assert f"`draftgen extract {visible(shlex.quote('./' + name))}` first\n" in text  # quoted, ./ before the -
+    assert f"# output: {one_line(str(run.resolve() / 'draft'))}\n" in text
+    assert f"`draftgen extract {one_line(shlex.quote('./' + name))}` first\n" in text  # quoted, ./ before the -
     comments = text.split("\nexec ", 1)[0]  # the command's quoted path holds the run directory as it is
     assert all(line.startswith("#") and line.isprintable() for line in comments.splitlines())
 
@@ -114,7 +114,7 @@ def test_prompts_build_writes_a_config_from_any_source_path(tmp_path: Path) -> N
     cfg = load_config(config)
     assert [d.prompts for d in cfg.datasets] == [out_dir / "mix.jsonl"]
     text = config.read_text()
-    assert visible(str(src)) in text and "\x1b" not in text
+    assert one_line(str(src)) in text and "\x1b" not in text
     assert [line for line in text.splitlines() if "rm -rf" in line][0].startswith("# Added by")
 
 

@@ -77,7 +77,7 @@ class DatasetsPanel(SelectablePanel):
         for d in s.datasets:
             finished = d.done + d.failed
             table.add_row(
-                d.name,
+                Text(d.name),  # the config's text, not Rich markup
                 Text(d.status, style=STATUS_STYLES.get(d.status, "")),
                 f"{fmt.count(d.done)}/{fmt.count(d.total)}",
                 fmt.Bar(finished / d.total if d.total else 0.0, style="green" if d.status != snap.DatasetStatus.BUDGET

@@ -211,7 +211,7 @@ class EventLogPanel(OptionList):
             parts.append(f"{shown} of {len(self.store.events)}")
         if not self.following and shown:
             parts.append("scrolled: end follows")
-        self.border_title = " · ".join(parts)
+        self.border_title = Text(" · ".join(parts))  # a search typed, a dataset's name: text, not markup
 
     # -- filters ----------------------------------------------------------------------------------
 

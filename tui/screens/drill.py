@@ -37,7 +37,7 @@ def _facts(rows: list[tuple[str, str | Text]]) -> Table:
     table.add_column(style="bold", no_wrap=True)
     table.add_column()
     for k, v in rows:
-        table.add_row(k, v)
+        table.add_row(k, Text(v) if isinstance(v, str) else v)  # a server's text, not Rich markup
     return table
 
 
@@ -138,7 +138,8 @@ def draw_drill(s: RunSnapshot, target: Target) -> RenderableType:
             row.append(r.provider or Text("—", style="dim"))
         row.append(Text(f"{r.attempt}" + (" ✗" if r.final else ""), style="bold red" if r.final else ""))
         row.append(r.message)
-        table.add_row(*row)
+        # The dataset, prompt id, provider and message quote files and servers: text, not Rich markup.
+        table.add_row(*(Text(c) if isinstance(c, str) else c for c in row))
     head = Text.assemble((f"{target.what} ", "dim"), (target.name, "bold"))
     recent = Text("recent errors, newest first (✗: the prompt failed for good)", style="bold underline") \
         if records else Text("no errors recorded for it in this run", style="green")
@@ -161,7 +162,8 @@ class DrillScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         yield RunHeader("draftgen", id="header")
         with VerticalScroll(id="drill", classes="panel") as box:
-            box.border_title = f"{self.target.what}: {self.target.name}"
+            # A provider's name is a server's text, a dataset's the config's: text, not markup ("[/x]" raised).
+            box.border_title = Text(f"{self.target.what}: {self.target.name}")
             yield Static(id="drill-body")
         yield Footer(compact=True)
 

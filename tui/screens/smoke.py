@@ -28,7 +28,7 @@ def draw_smoke(stage: StageProgress | None) -> RenderableType:
     table.add_column(ratio=1, overflow="fold")
     for check, passed, reason in stage.checks:
         mark = Text("✓ pass", style="bold green") if passed else Text("✗ FAIL", style="bold red")
-        table.add_row(mark, check, Text(reason, style="" if passed else "red"))
+        table.add_row(mark, Text(check), Text(reason, style="" if passed else "red"))
     if stage.state == "running":
         table.add_row(Text("… ", style="dim"), Text("checking", style="dim"), "")
     parts: list[RenderableType] = [head, Text(""), table]
@@ -37,7 +37,7 @@ def draw_smoke(stage: StageProgress | None) -> RenderableType:
         details.add_column(style="bold", no_wrap=True)
         details.add_column()
         for k, v in stage.detail:
-            details.add_row(k, v)
+            details.add_row(Text(k), Text(v))  # text, not Rich markup
         parts += [Text(""), details]
     if stage.message:
         parts += [Text(""), Text(stage.message)]

@@ -23,6 +23,7 @@ from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.snapshot import DatasetStatus, RunState, StageState, Timeline
+from draftgen.core.safe_text import visible
 
 
 def remaining(ds: DatasetRun) -> int:
@@ -59,7 +60,8 @@ def _conversations(ds: DatasetRun) -> dict[str, Any]:
     c = ds.conversations
     return {"conversations": c.total, "conversations_done": c.done, "conversations_ended": c.ended,
             "turns_by_number": tuple((c.by_turn_done[k], c.by_turn_total[k]) for k in sorted(c.by_turn_total)),
-            "last_conversation": c.last}
+            # its id is the prompt file's: shown with its control characters escaped
+            "last_conversation": tuple(visible(line) for line in c.last)}
 
 
 def figures(ds: DatasetRun, spend: SpendLedger, prices: Prices | None) -> DatasetFigures:

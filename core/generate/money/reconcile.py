@@ -16,6 +16,7 @@ running: a non-streamed generation runs on (and is billed in full) after its cli
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 
@@ -160,14 +161,16 @@ def print_report(report: LedgerReport) -> None:
                   + (f" of {report.max_usd:.2f}" if report.max_usd is not None else ""))
     console = Console()
     console.print(table)
-    console.print(report.busy_note or f"looked up {report.looked_up} pending generation(s)")
+    # The notes quote the service's error messages: text, not Rich markup ("[/x]" must print, not raise).
+    say = functools.partial(console.print, markup=False, highlight=False)
+    say(report.busy_note or f"looked up {report.looked_up} pending generation(s)")
     if report.from_key_note:
-        console.print(report.from_key_note)
+        say(report.from_key_note)
     if report.key_usage_usd is not None:
-        console.print(f"key usage ${report.key_usage_usd:.6f} ({report.key_note}); ledger total ${r.total_usd:.6f}, "
-                      f"difference ${report.key_usage_usd - r.total_usd:+.6f}")
+        say(f"key usage ${report.key_usage_usd:.6f} ({report.key_note}); ledger total ${r.total_usd:.6f}, "
+            f"difference ${report.key_usage_usd - r.total_usd:+.6f}")
     else:
-        console.print(f"key usage not shown ({report.key_note})")
+        say(f"key usage not shown ({report.key_note})")
 
 
 def ledger_command(config: Config, api_key: str, *, unknown_from_key: bool = False) -> int:

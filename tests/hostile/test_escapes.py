@@ -1,0 +1,270 @@
+"""A server's text never reaches a terminal or a log as a command (issue 50, point 1).
+
+The simulator answers with escape sequences (SimConfig.hostile_text) in every field it sends: the
+answer's `provider`, `model` and `id`, its content and reasoning, every error's message and metadata
+and the key's label. Each view is run against it: `draftgen smoke`, a headless `draftgen run` (its
+output, its raw attach stream, `events.log` and every file a user tails or cats), `draftgen tokens`,
+`report` and `ledger`, the TUI with the run in it and the read-only attach view: none holds an ESC,
+BEL or C1 control of the server's; each shows the server's text with its controls as visible escapes.
+The stored answers keep their text exactly as generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from rich.console import Console
+
+from draftgen.core.config import Config
+from draftgen.core.live.attach import AttachControls, last_run_ended
+from draftgen.core.run.pipeline import Pipeline
+from draftgen.core.rundir import EventLog, RunDir
+from draftgen.core.safe_text import visible
+from draftgen.core.secrets import Redactor
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.simulator import SimConfig, SimServer
+from tests import fixtures as fx
+from tests.helpers import TEST_KEY, cli_env, make_config, read_attach_stream, until
+
+# A window title, a screen wipe, an OSC 52 clipboard write, an OSC 8 link, a C1 CSI, a carriage return
+# and a backspace that write over what came before, and Rich markup.
+HOSTILE = ("\x1b]0;pwned\x07\x1b[2J\x1b]52;c;cHduZWQ=\x07\x1b]8;;http://127.0.0.1/x\x1b\\here\x1b]8;;\x1b\\"
+           "\x9b31m\r\b[bold]b[/bold] [/x]")
+SHOWN = visible(HOSTILE)  # as the views show it
+MARKUP = "[bold]b[/bold]"
+SCENARIOS = {"provider_400": {"rate": 0.3, "match": "Question a-"},  # a prompt's own 400, failed at once
+             "bad_parameter": {"match": "Question b-"}}  # every request of b: the dataset stops
+
+
+def controls(text: str) -> list[str]:
+    """The terminal controls in `text`: ESC, BEL, backspace, carriage return, C1."""
+    return sorted({repr(c) for c in text if c in "\x1b\x07\x08\r" or 0x80 <= ord(c) <= 0x9f})
+
+
+def hostile_sim() -> SimServer:
+    return SimServer(SimConfig(seed=5, latency_scale=0.0, fixed_latency_s=0.02, mean_completion_tokens=40,
+                               faults={"error200": 0.1, "500": 0.1}, retry_after_s=0.01, hostile_text=HOSTILE,
+                               scenarios=SCENARIOS), port=0)
+
+
+def config(folder: Path, base_url: str, stream: bool = False, hostile_ids: bool = False) -> Config:
+    """Datasets a (30 prompts, some refused as their own) and b (10, every request refused: it stops);
+    `hostile_ids`: prompt ids carrying HOSTILE as a prompt file may, b's lines three-turn conversations."""
+    datasets: list[dict[str, Any]] = [{"name": "a", "n": 30, "concurrency": 4},
+                                      {"name": "b", "n": 10, "concurrency": 2}]
+    if hostile_ids:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "a.jsonl").write_bytes(b"".join(orjson.dumps(
+            {"id": f"a-{i}{HOSTILE}", "prompt": f"Question a-{i}: explain item {i}."}) + b"\n" for i in range(30)))
+        (folder / "b.jsonl").write_bytes(b"".join(orjson.dumps(
+            {"id": f"b-{i}{HOSTILE}", "messages": [{"role": "user", "content": f"Question b-{i}: explain item {i}."},
+                                                   {"role": "assistant", "content": "An answer."},
+                                                   {"role": "user", "content": "Question b-: and then?"}]}) + b"\n"
+            for i in range(10)))
+        datasets = [{"name": "a", "prompts": "a.jsonl", "concurrency": 4},
+                    {"name": "b", "prompts": "b.jsonl", "concurrency": 2, "turns": "all"}]
+    return make_config(folder, base_url, datasets,
+                       tables={"tokenizer": {"path": str(bundled_kimi_path())},
+                               "engine": {"max_attempts": 2, "workers": 1},
+                               "api": {"credits_interval_s": 0.2, "generation_lookup_s": 1.0, "stream": stream}})
+
+
+async def cli(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "draftgen.cli.main", *args, env=cli_env(),
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert b"Traceback" not in err, err.decode()[-3000:]
+    return proc.returncode or 0, (out + err).decode()
+
+
+def strings(value: Any) -> list[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (k, *strings(v))]
+    if isinstance(value, list):
+        return [s for v in value for s in strings(v)]
+    return []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["unstreamed", "streamed"])
+async def test_no_control_a_server_sends_reaches_the_commands_the_headless_run_or_its_files(
+        tmp_path: Path, stream: bool) -> None:
+    outputs: dict[str, str] = {}
+    async with hostile_sim() as sim:
+        cfg = config(tmp_path, sim.base_url, stream)
+        # The run first: with no smoke test answered before it, b (every request refused) stops.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
+            "--interval", "0.2", env=cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        attach = asyncio.create_task(read_attach_stream(cfg.run_dir, proc))
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        stream_bytes = await asyncio.wait_for(attach, 30)
+        outputs["run"] = (out + err).decode()
+        assert proc.returncode == 3 and b"Traceback" not in err, outputs["run"][-3000:]  # b stopped
+        code, outputs["smoke"] = await cli("smoke", str(cfg.path))
+        for command in ("tokens", "ledger", "report"):
+            code, outputs[command] = await cli(command, str(cfg.path))
+            assert code == 0, outputs[command][-3000:]
+    run = RunDir(cfg.run_dir)
+    # The attach stream is JSON: what a viewer shows is the strings in it.
+    lines = [orjson.loads(line) for line in stream_bytes.splitlines()]
+    assert any(x["type"] == "snapshot" for x in lines)
+    outputs["attach stream"] = stream_bytes.decode() + "\n".join(s for x in lines for s in strings(x))
+    for path in run.root.rglob("*"):
+        if path.is_file() and path.suffix in (".log", ".jsonl", ".json", ".txt") and path.name != "responses.jsonl":
+            data = path.read_text(encoding="utf-8")
+            outputs[str(path.relative_to(run.root))] = data + "".join(
+                "\n".join(strings(orjson.loads(line))) for line in data.splitlines() if path.suffix == ".jsonl")
+
+    # The server's text really came through each of these (lines wrapped or not), its controls escaped.
+    for where in ("smoke", "run", "events.log", "attach stream", "a/failures.jsonl", "tokens"):
+        assert "\\x1b]0;pwned\\x07" in "".join(outputs[where].split()), (where, outputs[where][-2000:])
+    assert "b:stopped:HTTP400:Providerreturnederror\\x1b]0;pwned" in "".join(outputs["run"].split())
+    found = {where: c for where, text in outputs.items() if (c := controls(text))}
+    assert not found, f"a server's controls were printed or written raw: {found}"
+    # The stored answers keep their text as generated (JSON escapes it).
+    records = [orjson.loads(line) for line in run.responses("a").read_bytes().splitlines()]
+    assert records and all(r["content"].startswith(HOSTILE) for r in records)
+    assert all(r["provider"].endswith(SHOWN) and r["model"].endswith(SHOWN) for r in records)
+
+    # Records whose provider names were stored raw (by an earlier version, or a file from elsewhere):
+    # `draftgen tokens` shows them escaped too.
+    run.responses("a").write_bytes(b"".join(orjson.dumps({**r, "provider": r["provider"].replace(SHOWN, HOSTILE)})
+                                            + b"\n" for r in records))
+    shutil.rmtree(run.root / "a" / "tokens")  # reconstructed again from the records
+    code, out = await cli("tokens", str(cfg.path))
+    assert code == 0 and SHOWN.split("[")[0] in "".join(out.split()), out[-3000:]
+    assert not controls(out), controls(out)
+
+
+def screen(app: Any) -> str:
+    """The app's whole screen as rendered (every widget's strips), without Textual's own styling codes."""
+    console = Console(width=app.size.width, file=io.StringIO(), color_system=None)
+    with console.capture() as cap:
+        console.print(app.screen._compositor.render_update(full=True))
+    return cap.get()
+
+
+@pytest.mark.slow
+async def test_no_control_a_server_sends_reaches_the_tui_or_the_attach_view(tmp_path: Path) -> None:
+    from draftgen.tui.app import DraftgenApp
+    from draftgen.tui.screens.drill import DrillScreen
+
+    shown: dict[str, str] = {}
+    async with hostile_sim() as sim:
+        # The TUI with the run in it: the main screen, the smoke checklist, a dataset's and a provider's drill.
+        cfg = config(tmp_path / "tui", sim.base_url, hostile_ids=True)
+        pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
+        await pipeline.start()
+        try:
+            app = DraftgenApp(pipeline, title="draftgen · hostile")
+            async with app.run_test(size=(160, 50)) as pilot:
+                await pipeline.smoke()
+                await pipeline.generate()
+                await until(lambda: "pwned" in screen(app), "the providers shown")
+                shown["tui"] = screen(app)
+                await pilot.press("s")
+                await until(lambda: "a: provider" in screen(app), "the smoke checklist")
+                shown["tui smoke"] = screen(app)
+                await pilot.press("escape", "enter")  # the first dataset's drill: its recent errors
+                assert isinstance(app.screen, DrillScreen)
+                await until(lambda: "Provider returned error" in screen(app), "a's errors")
+                shown["tui drill a"] = screen(app)
+                await pilot.press("escape", "j", "enter")  # b's: its last conversation, ended at turn 1
+                assert isinstance(app.screen, DrillScreen)
+                await until(lambda: "last conversation" in screen(app), "b's last conversation")
+                shown["tui drill b"] = screen(app)
+                await pilot.press("escape", "tab", "tab", "enter")  # the first provider's
+                assert isinstance(app.screen, DrillScreen)
+                shown["tui drill provider"] = screen(app)
+        finally:
+            await pipeline.close()
+
+        # The read-only attach view of a run in this process, attached before its first request.
+        cfg = config(tmp_path / "attach", sim.base_url)
+        pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True)
+        await pipeline.start()
+        try:
+            viewer = AttachControls(cfg.run_dir, retry_s=0.05)
+            app = DraftgenApp(viewer, title="draftgen attach", refresh_s=0.02)
+            async with viewer, app.run_test(size=(160, 50)) as pilot:
+                await until(lambda: "ATTACHED" in screen(app), "attached")
+                await pipeline.generate()
+                await until(lambda: "pwned" in screen(app) and "b: stopped" in screen(app), "the run shown")
+                shown["attach"] = screen(app)
+                await pilot.press("enter")
+                assert isinstance(app.screen, DrillScreen)
+                await until(lambda: "Provider returned error" in screen(app), "a's errors")
+                shown["attach drill a"] = screen(app)
+        finally:
+            await pipeline.close()
+
+    for where, text in shown.items():
+        assert "\\x1b]0;pwned" in "".join(text.split()), (where, text)
+    found = {where: c for where, text in shown.items() if (c := controls(text))}
+    assert not found, f"a server's controls reached the screen: {found}"
+    # Server text is text, not Rich markup: the tags are shown as sent.
+    for where in ("tui drill a", "tui drill b", "tui drill provider", "attach drill a"):
+        assert MARKUP in "".join(shown[where].split()), (where, shown[where])
+
+
+def test_visible_shows_controls_as_escapes_and_keeps_ordinary_text() -> None:
+    assert visible("\x1b[2J\x07\x9b\x7f\r\b\x00") == "\\x1b[2J\\x07\\x9b\\x7f\\r\\x08\\x00"
+    text = "Kimi 回答 👍 café\n\tindented"
+    assert visible(text) is text
+    assert visible(text, one_line=True) == "Kimi 回答 👍 café\\n\\tindented"
+    # Once is enough: what it returns is returned as is.
+    assert visible(visible(HOSTILE)) == visible(HOSTILE)
+    # The Redactor's output is made safe in the same pass as the key is cut (every upstream field passes it).
+    cut = Redactor("sk-or-v1-0123456789abcdef0123456789abcdef")
+    assert cut(f"{HOSTILE} sk-or-v1-0123456789abcdef0123456789abcdef") == f"{SHOWN} [redacted]"
+    assert not controls(cut(HOSTILE))
+
+
+async def test_the_ledger_says_a_refused_keys_message_as_text(tmp_path: Path) -> None:
+    """`draftgen ledger` quotes GET /key's error: a server's `[/x]` in it is text (it crashed the command),
+    its controls escaped."""
+    sim_cfg = SimConfig(seed=1, latency_scale=0.0, hostile_text=HOSTILE, scenarios={"revoked_key": {}})
+    async with SimServer(sim_cfg, port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3}])
+        code, out = await cli("ledger", str(cfg.path))
+    assert code == 0, out
+    assert f"key usage not shown (GET /key: HTTP 401: User not found. {SHOWN}" in "".join(out.splitlines()), out
+    assert not controls(out)
+
+
+def test_a_servers_line_break_starts_no_line_of_its_own_in_events_log(tmp_path: Path) -> None:
+    """A server's message with a line break and what reads as a run's end after it: the line is indented
+    under the message in events.log, so `draftgen attach` does not read it as how the last run ended."""
+    forged = "HTTP 400: bad\n2026-12-07 13:00:00 INFO  run DONE: 1 of 1 answered, 0 failed; forged"
+    log = EventLog(RunDir(tmp_path).events_log)
+    log.write("info", "run STOPPED: 0 of 1 answered, 0 failed, 0 skipped")
+    log.write("error", "b: stopped: " + Redactor(TEST_KEY)(forged))
+    log.close()
+    lines = RunDir(tmp_path).events_log.read_text().splitlines()
+    assert len(lines) == 3 and lines[2].startswith(" " * 26 + "2026-12-07 13:00:00 INFO  run DONE"), lines
+    assert "(STOPPED: 0 of 1 answered, 0 failed, 0 skipped)" in last_run_ended(tmp_path)
+
+
+async def test_a_datasets_name_is_text_in_the_tui() -> None:
+    """A dataset may be named `[bold]B1` (printable, no `/`): the datasets panel shows it as named."""
+    from draftgen.tui.app import DraftgenApp
+
+    s = fx.running()
+    name = "[bold]B1"
+    s = dataclasses.replace(s, datasets=(dataclasses.replace(s.datasets[0], name=name), *s.datasets[1:]))
+    app = DraftgenApp(fx.FakeControls(s, fx.events()), title="draftgen", refresh_s=0.05)
+    async with app.run_test(size=(120, 40)):
+        await until(lambda: "B2" in screen(app), "the datasets shown")
+        assert name in screen(app)
