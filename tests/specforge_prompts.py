@@ -26,7 +26,7 @@ import sys
 def main(path: str, overrides: list[str]) -> None:
     from specforge.application import resolve_run
     from specforge.cli import main as specforge_main
-    from specforge.config import load_config
+    from specforge.config import SGLANG_CAPTURE_CONTEXT_HEADROOM, load_config
     from specforge.training.assembly import _prepare_prompts
     from specforge_parse import KimiForSpecForge
 
@@ -40,6 +40,7 @@ def main(path: str, overrides: list[str]) -> None:
         "mode": cfg.mode, "plan_rc": rc, "plan": plan_out.getvalue(), "strategy": cfg.training.strategy,
         "prompts_path": cfg.data.prompts_path, "train_data_path": cfg.data.train_data_path,
         "max_length": cfg.data.max_length, "target_model_path": cfg.model.target_model_path,
+        "capture_headroom": SGLANG_CAPTURE_CONTEXT_HEADROOM,
         "prompts": [{"input_ids": list(p["payload"]["input_ids"]), "loss_mask": list(p["payload"]["loss_mask"])}
                     for p in prompts],
     }))

@@ -63,6 +63,7 @@ SPECFORGE_DEFAULT_MAX_LENGTH = 2048      # DataConfig.max_length's default
 SPECFORGE_DRAFT_VOCAB = 32000            # TargetDerivedDraftDefaults(draft_vocab_size=...) for EAGLE-3
 CONFIG_FILE, SCRIPT_FILE = "specforge.json", "train-command.sh"
 ONLINE_CONFIG_FILE = "specforge-online.json"
+SGLANG_CAPTURE_HEADROOM = 7              # SGLANG_CAPTURE_CONTEXT_HEADROOM: capture context >= max_length + 7
 # What an online run needs that only the user's cluster knows: SpecForge 0.2.0's `--plan` refuses without
 # each (key, what to give, what it is), as a dotted override on `specforge train`'s command line.
 ONLINE_SITE_KEYS = (
@@ -279,8 +280,8 @@ def describe_online(h: Handoff, path: Path) -> list[str]:
              f"capture servers): {path}",
              f"  data.prompts_path = {tokens}: draftgen's ids and loss masks, read as they are (not "
              f"merged/train.jsonl: SpecForge's re-rendering of it trains on other ids)",
-             f"  the capture servers must serve at least {h.max_length + 7:,} tokens of context "
-             f"(data.max_length + 7, SpecForge's headroom)",
+             f"  the capture servers must serve at least {h.max_length + SGLANG_CAPTURE_HEADROOM:,} tokens of "
+             f"context (data.max_length + {SGLANG_CAPTURE_HEADROOM}, SpecForge's headroom)",
              "  set for your cluster (SpecForge refuses to start without them):"]
     lines += [f"    {key}: {what}" for key, _, what in ONLINE_SITE_KEYS]
     if not tokens.is_file():

@@ -69,11 +69,13 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.mark.slow
 def test_specforge_trains_online_on_every_demo_sample_as_merged(demo_run: Any, specforge_tree: Path,
                                                                 tmp_path: Path) -> None:
+    from draftgen.core.extract.handoff import SGLANG_CAPTURE_HEADROOM
     got, ours = read_online(demo_run, specforge_tree, tmp_path)
     merged = demo_run.run_dir / "merged"
     assert got["plan_rc"] == 0 and got["mode"] == "online" and got["strategy"] == "eagle3"
     assert got["prompts_path"] == str((merged / "train-tokens.jsonl").resolve()) and got["train_data_path"] == ""
     assert got["max_length"] == max(len(ids) for ids, _ in ours)  # nothing cut
+    assert got["capture_headroom"] == SGLANG_CAPTURE_HEADROOM  # the context the printout asks of the servers
     assert len(ours) > 200 and any(n > 1 for n in (sum(m) for _, m in ours))
     assert len(got["prompts"]) == len(ours)
     assert equal_samples(got, ours) == len(ours)
