@@ -6,7 +6,8 @@ SpecForge 0.2.0 is downloaded once per pytest cache (tests/pinned.py) and run in
 the printout says, its `--plan`, and the prompts its online producer trains on, from its own
 `_prepare_prompts` → `prepare_prompt_tasks`. Every one of them must be merged/tokens' entry at the same
 index, ids and loss mask. Re-rendering merged/train.jsonl instead (what docs/training.md once said an
-online run reads) gives other ids: SpecForge's kimi template adds a default system prompt.
+online run reads) gives other ids: SpecForge's kimi template adds a default system prompt to a row without
+one, Kimi-K2.5's own template drops the answer's reasoning, and SpecForge shuffles the rows it renders.
 """
 
 from __future__ import annotations
