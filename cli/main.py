@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-tokens", type=int, default=16384, metavar="N",
                    help="--self-check: length of its long sample (default 16384)")
     p = add("train-command", cmd_train_command, "SpecForge's training config and command for this run's merged "
-            "set and hidden states (max_length fits the longest sample); written to hidden_states/")
+            "set and hidden states (max_length fits the longest sample), and its online config "
+            "(specforge-online.json: the merged token ids, pre-tokenized); written to hidden_states/")
     p.add_argument("config", help="the config file (e.g. kimi.toml)")
     p.add_argument("--max-length", type=int, metavar="N",
                    help="data.max_length (default: the longest merged sample; a smaller one cuts samples, "

@@ -11,7 +11,7 @@
       <dataset>/failures.jsonl    one line per prompt that failed for good, with the last error
       <dataset>/rejected.jsonl    input lines that could not be used
       <dataset>/tokens/           token ids, loss mask, validation flags (core/tokens/store.py)
-      merged/                     train.jsonl, tokens/, stats.json (core/merge/merge.py)
+      merged/                     train.jsonl, tokens/, train-tokens.jsonl, stats.json (core/merge/merge.py)
       hidden_states/              SpecForge offline format (core/extract/)
 
 Files are created 0600 and folders 0700 (owner-only, core/files.py FILE_MODE and DIR_MODE). A run

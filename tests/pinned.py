@@ -96,16 +96,16 @@ def release_source(name: str, version: str, cache: Path, *, under: tuple[str, ..
     return dest
 
 
-def run_with_specforge(script: str, arg: Path, specforge_tree: Path, refused: str) -> dict:
-    """tests/`script` on `arg` with the released SpecForge importable; the JSON of its last line, or an
-    AssertionError "`refused` `arg`:" and its stderr when it fails.
+def run_with_specforge(script: str, arg: Path, specforge_tree: Path, refused: str, *more: str) -> dict:
+    """tests/`script` on `arg` (and `more` arguments) with the released SpecForge importable; the JSON of
+    its last line, or an AssertionError "`refused` `arg`:" and its stderr when it fails.
 
     A subprocess, so that SpecForge's modules never mix with the test process's imports.
     """
     import json
     import os
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(specforge_tree), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / script), str(arg)],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / script), str(arg), *more],
                           capture_output=True, text=True, env=env, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"{refused} {arg}:\n{proc.stderr[-3000:]}")

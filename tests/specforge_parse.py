@@ -3,20 +3,24 @@ unpacked release on PYTHONPATH.
 
     python tests/specforge_parse.py RUN_DIR
 
-What SpecForge 0.2.0 does with a row when it tokenizes train.jsonl itself (online training, or its
-`prepare_hidden_states` script), from its own modules: `safe_conversations_generator` reads the rows,
-the `kimi-k2-thinking` template of `specforge.data.template` picks the parser (`parser_type` "thinking":
-`ThinkingParser`, chosen the way `preprocessing.preprocess_conversations` chooses it; that module is not
-imported, it needs `datasets`), and the parser renders the conversation, tokenizes it and builds the
-loss mask from the template's assistant header through its end-of-turn token. `train_only_last_turn`
-is what the merge's mode asks (merged/stats.json `multi_turn`): "per_turn" trains the last turn only,
-"per_conversation" every assistant turn.
+What SpecForge 0.2.0 does with a row when it tokenizes train.jsonl itself (its `prepare_hidden_states`
+script, or online training given conversations; draftgen's online hand-off gives it the pre-tokenized
+merged/train-tokens.jsonl instead, tests/specforge_prompts.py), from its own modules:
+`safe_conversations_generator` reads the rows, the `kimi-k2-thinking` template of
+`specforge.data.template` picks the parser (`parser_type` "thinking": `ThinkingParser`, chosen the way
+`preprocessing.preprocess_conversations` chooses it; that module is not imported, it needs `datasets`),
+and the parser renders the conversation, tokenizes it and builds the loss mask from the template's
+assistant header through its end-of-turn token. `train_only_last_turn` is what the merge's mode asks
+(merged/stats.json `multi_turn`): "per_turn" trains the last turn only, "per_conversation" every
+assistant turn.
 
 The tokenizer handed to it is the bundled Kimi tokenizer (tiktoken, special tokens recognised in text,
 as a Hugging Face tokenizer encodes), and its `apply_chat_template` renders Kimi-K2.5's turns
 (`<|im_system|>`/`<|im_user|>`/`<|im_assistant|>`, `<|im_middle|>`, `<|im_end|>`), each assistant turn
 as `<think>{its reasoning_content}</think>{content}`: the rows carry reasoning on the last turn only, so
-the earlier turns render `<think></think>` as served. The checkpoint's own Jinja file is not bundled.
+the earlier turns render `<think></think>` as served. The checkpoint's own Jinja file is not bundled,
+and it differs here: it renders the last answer as `<think></think>{content}` too, dropping the
+reasoning (docs/training.md), so this checks SpecForge's parser and mask, not Kimi's template.
 Prints one JSON object: per row, SpecForge's input_ids and loss_mask.
 """
 

@@ -191,7 +191,9 @@ def what_exists(run_dir: Path) -> list[tuple[str, str]]:
     if any(run_dir.glob("*/tokens/index.jsonl")):
         rows.append(("<dataset>/tokens/", "token ids, loss masks, validation report"))
     if (run_dir / "merged" / "train.jsonl").exists():
-        rows.append(("merged/train.jsonl", "the training set (SpecForge conversation format)"))
+        rows.append(("merged/train.jsonl", "the training set as conversations, to read"))
+    if (run_dir / "merged" / "train-tokens.jsonl").exists():
+        rows.append(("merged/train-tokens.jsonl", "its token ids, loss masks: online training reads it"))
     if any((run_dir / "hidden_states").glob("rows_*/*.ckpt*")):
         rows.append(("hidden_states/", "what EAGLE-3 trains on"))
     if (run_dir / "history.jsonl").exists():

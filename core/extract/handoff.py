@@ -27,10 +27,25 @@ resolves it with its own `specforge train --plan`):
   32,000 (`TargetDerivedDraftDefaults(draft_vocab_size=32000)` in eagle3/providers.py) and
   SpecForge builds the target-to-draft vocabulary map from the data, cached under
   `data.cache_dir` (set here to `<run>/specforge-cache`, not the working directory's ./cache).
+
+The online variant, hidden_states/specforge-online.json (`online_config`): SpecForge computes the
+target's features while it trains, from SGLang capture servers, and reads its samples through
+specforge/data/prompt_builder.py `prepare_prompt_tasks`: a file whose first record has `input_ids`
+and `loss_mask` is taken verbatim (cut to max_length; a sample with no loss token dropped), any
+other file is re-rendered with SpecForge's chat template, which gives other ids than draftgen's
+(the kimi templates add a default system prompt; Kimi-K2.5's own template drops the trained
+answer's reasoning). So the online config names merged/train-tokens.jsonl as `data.prompts_path`
+(the typed config's "already-tokenized JSONL records"; `train_data_path` would read the file the
+same way). Online in 0.2.0 is disaggregated only (`deployment.mode`, Mooncake, external SGLang
+servers) and an EAGLE-3 run there needs `model.vocab_mapping_path`: those describe the user's
+cluster, so they are given on the command line (ONLINE_SITE_KEYS); checked by
+tests/extract/test_specforge_online.py with SpecForge's own `load_config`, `--plan` and
+`prepare_prompt_tasks`.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from dataclasses import dataclass, field
@@ -42,6 +57,7 @@ import numpy as np
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.files import write_atomic, write_json_atomic
+from draftgen.core.merge.merge import TRAIN_TOKENS_FILE
 from draftgen.core.quoting import one_line, sh_path
 from draftgen.core.tokens import identity
 from draftgen.core.tokens.store import INDEX_FILE, TokenReader
@@ -50,6 +66,18 @@ SPECFORGE_VERSION = "0.2.0"              # the gpu extra's pin (tests/extract/te
 SPECFORGE_DEFAULT_MAX_LENGTH = 2048      # DataConfig.max_length's default
 SPECFORGE_DRAFT_VOCAB = 32000            # TargetDerivedDraftDefaults(draft_vocab_size=...) for EAGLE-3
 CONFIG_FILE, SCRIPT_FILE = "specforge.json", "train-command.sh"
+ONLINE_CONFIG_FILE = "specforge-online.json"
+SGLANG_CAPTURE_HEADROOM = 7              # SGLANG_CAPTURE_CONTEXT_HEADROOM: capture context >= max_length + 7
+# What an online run needs that only the user's cluster knows: SpecForge 0.2.0's `--plan` refuses without
+# each (key, what to give, what it is), as a dotted override on `specforge train`'s command line.
+ONLINE_SITE_KEYS = (
+    ("deployment.disaggregated.server_urls", '\'["http://HOST:PORT"]\'',
+     "the SGLang capture servers serving the target model"),
+    ("deployment.disaggregated.mooncake_master_server_addr", "HOST:PORT", "the Mooncake master"),
+    ("deployment.disaggregated.mooncake_metadata_server", "http://HOST:PORT/metadata", "Mooncake's metadata server"),
+    ("model.vocab_mapping_path", "FILE", "the draft's t2d/d2t vocabulary map (disaggregated EAGLE-3 runs "
+     "do not derive one)"),
+)
 SHOWN_LENGTHS = (2048, 4096, 8192, 16384, 32768, 65536)
 
 
@@ -226,16 +254,64 @@ def write_handoff(h: Handoff) -> tuple[Path, Path]:
     return h.config_path, script
 
 
+def online_config(h: Handoff) -> dict[str, Any]:
+    """The online SpecForge config: the offline one with merged/train-tokens.jsonl (draftgen's ids, read
+    verbatim) as its data instead of the hidden states, its own output and control folders, and the
+    disaggregated deployment SpecForge 0.2.0 runs online training with (the cluster's addresses are
+    ONLINE_SITE_KEYS, given on the command line)."""
+    run = h.config_path.parent.parent
+    spec = copy.deepcopy(h.config)
+    spec["run_id"] = f"{spec['run_id']}-online"
+    spec["output_dir"] = str((run / "draft-online").resolve())
+    data = spec["data"]
+    del data["hidden_states_path"]
+    data["prompts_path"] = str(h.train_jsonl.with_name(TRAIN_TOKENS_FILE))
+    spec["deployment"] = {"mode": "disaggregated", "disaggregated": {
+        "control_dir": str((run / "specforge-online" / "control").resolve()), "backend": "mooncake"}}
+    return spec
+
+
+def online_command(path: Path) -> str:
+    """`specforge train` on the online config, with a placeholder for each value only the cluster knows."""
+    return (f"specforge train --config {sh_path(path)} "
+            + " ".join(f"{key}={value}" for key, value, _ in ONLINE_SITE_KEYS))
+
+
+def describe_online(h: Handoff, path: Path) -> list[str]:
+    """What the online config is for and what it still needs, one line each."""
+    tokens = h.train_jsonl.with_name(TRAIN_TOKENS_FILE)
+    lines = [f"online training instead (SpecForge computes the target's features as it trains, from SGLang "
+             f"capture servers): {path}",
+             f"  data.prompts_path = {tokens}: draftgen's ids and loss masks, read as they are (not "
+             f"merged/train.jsonl: SpecForge's re-rendering of it trains on other ids)",
+             f"  the capture servers must serve at least {h.max_length + SGLANG_CAPTURE_HEADROOM:,} tokens of "
+             f"context (data.max_length + {SGLANG_CAPTURE_HEADROOM}, SpecForge's headroom)",
+             "  set for your cluster (SpecForge refuses to start without them):"]
+    lines += [f"    {key}: {what}" for key, _, what in ONLINE_SITE_KEYS]
+    if not tokens.is_file():
+        lines.append(f"  NOTE: {tokens} not found (merged by an older draftgen): `draftgen merge` writes it")
+    return lines + [f"  {online_command(path)}"]
+
+
+def write_online(h: Handoff) -> Path:
+    """hidden_states/specforge-online.json, beside the offline config (SpecForge's reader skips it: not .ckpt)."""
+    path = h.config_path.with_name(ONLINE_CONFIG_FILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, online_config(h))
+    return path
+
+
 def train_command(config: Config, *, max_length: int | None = None, out: TextIO | None = None) -> int:
     """`draftgen train-command CONFIG [--max-length N]`: print and write the hand-off; 0."""
     stream = out or sys.stdout
     h = make_handoff(config, max_length=max_length)
     try:
         config_path, script = write_handoff(h)
+        online_path = write_online(h)
     except OSError as e:
         from draftgen.core.files import disk_error
         raise disk_error(h.config_path, e) from e
-    for line in describe(h):
+    for line in describe(h) + describe_online(h, online_path):
         print(f"# {one_line(line)}", file=stream)
     print(f"# config ({one_line(str(config_path))}):", file=stream)
     for line in json.dumps(h.config, indent=2).splitlines():  # ASCII: JSON escapes the rest

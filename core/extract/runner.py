@@ -481,10 +481,13 @@ def _open_to_group(root: Path) -> None:
 
 
 def _leave_handoff(config: Config, events: EventLog) -> None:
-    """hidden_states/specforge.json and train-command.sh (handoff.py); a failure is said, never fatal."""
-    from draftgen.core.extract.handoff import make_handoff, write_handoff
+    """hidden_states/specforge.json, specforge-online.json and train-command.sh (handoff.py); a failure is
+    said, never fatal."""
+    from draftgen.core.extract.handoff import make_handoff, write_handoff, write_online
     try:
-        write_handoff(make_handoff(config))
+        h = make_handoff(config)
+        write_handoff(h)
+        write_online(h)
     except (DraftgenError, OSError, ValueError) as e:
         events.write("warn", f"extract: the training hand-off (`draftgen train-command {config.path}`) was not "
                              f"written: {e}")

@@ -14,6 +14,10 @@ Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed i
                                      {"role": "assistant", "content": str, "reasoning_content": str}]}
     tokens/       core/tokens/store.py format; entry k is line k of train.jsonl (same id), its
                   input_ids and loss_mask copied byte for byte from the dataset's token store
+    train-tokens.jsonl  the same samples pre-tokenized, for online trainers: line k is
+                  {"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]}, tokens/' entry k as
+                  JSON (SpecForge's `prepare_prompt_tasks` reads a file whose first record has
+                  input_ids and loss_mask verbatim; re-rendering train.jsonl gives other ids)
     stats.json    kept and dropped (by reason) per dataset, tokens, cost, seed, input fingerprints
                   (costs from the spend ledger, spend.jsonl: the figures the run's views show); for
                   turns of multi-turn conversations, `by_turn` (per turn number: read, kept, dropped
@@ -86,6 +90,7 @@ DROP_REASONS = ("failed", "other_model", "truncated", "empty", "not_reconstructe
                 "source_flagged", "count_mismatch", "prompt_mismatch", "duplicate", "bad_line", *TURN_REASONS)
 
 TRAIN_FILE, TOKENS_DIR, STATS_FILE = "train.jsonl", "tokens", "stats.json"
+TRAIN_TOKENS_FILE = "train-tokens.jsonl"  # tokens/ as JSON lines: what an online trainer reads
 
 
 
@@ -122,6 +127,7 @@ class MergeStats:
     masked_tokens: int = 0
     cost_usd: float = 0.0
     train_bytes: int = 0
+    train_tokens_bytes: int = 0
     output_dir: str = ""
     created_at: float = 0.0
     elapsed_s: float = 0.0
@@ -164,6 +170,7 @@ class MergeStats:
             "datasets": [{**asdict(d), "dropped_total": d.dropped_total} for d in self.datasets],
             "inputs": [asdict(f) for f in self.inputs],
             "outputs": {"train_jsonl": {"lines": self.samples, "bytes": self.train_bytes},
+                        "train_tokens_jsonl": {"lines": self.samples, "bytes": self.train_tokens_bytes},
                         "tokens": {"samples": self.samples, "tokens": self.tokens}},
             "created_at": self.created_at,
             "elapsed_s": self.elapsed_s,
@@ -534,15 +541,16 @@ def _judge(line: bytes, refs: dict[str, TokenRef], st: DatasetMergeStats, policy
 
 def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: MergeStats,
            reporter: _Reporter, tool_calls_key: bool) -> None:
-    """Pass 2: train.jsonl and tokens/ in shuffled order, line k ↔ token entry k."""
+    """Pass 2: train.jsonl, tokens/ and train-tokens.jsonl in shuffled order, line k ↔ token entry k."""
     reporter.phase()
     total = len(kept)
-    train_bytes = 0
+    train_bytes = train_tokens_bytes = 0
     # A dataset has a kept line only if its responses file opened (pass 1 read it): -1 is never read.
     responses = [inp.responses.fileno() if inp.responses is not None else -1 for inp in inputs]
     # Buffered token files: the temporary folder is thrown away on any error, so no write needs to
     # be its own commit (three system calls a sample were a tenth of the merge).
     with open(tmp / TRAIN_FILE, "wb", buffering=1 << 20) as train, \
+            open(tmp / TRAIN_TOKENS_FILE, "wb", buffering=1 << 20) as train_tokens, \
             TokenWriter(tmp / TOKENS_DIR, buffered=True) as tokens:
         for k, (ds_index, offset, line_length, tok_offset, tok_length, history) in enumerate(kept):
             inp, st = inputs[ds_index], stats.datasets[ds_index]
@@ -559,6 +567,7 @@ def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: Merg
                 for start, end in history:
                     mask[start:end] = 1
             tokens.append(sample_id, ids, mask, {"dataset": inp.name})
+            train_tokens_bytes += _write_tokens_line(train_tokens, sample_id, ids, mask)
             masked = int(np.count_nonzero(mask))
             st.tokens += tok_length
             st.masked_tokens += masked
@@ -570,10 +579,19 @@ def _write(inputs: list[DatasetInput], kept: list[_Kept], tmp: Path, stats: Merg
     stats.masked_tokens = sum(d.masked_tokens for d in stats.datasets)
     stats.cost_usd = round(math.fsum(d.cost_usd for d in stats.datasets), 9)
     stats.train_bytes = train_bytes
+    stats.train_tokens_bytes = train_tokens_bytes
     for d in stats.datasets:
         d.cost_usd = round(d.cost_usd, 9)
         d.cost_all_usd = round(d.cost_all_usd, 9)
     reporter.send(StageState.RUNNING, total, total, "finishing", force=True)
+
+
+def _write_tokens_line(out: Any, sample_id: str, ids: np.ndarray, mask: np.ndarray) -> int:
+    """One train-tokens.jsonl line: the sample's id, token ids and 0/1 loss mask as written to tokens/."""
+    line = orjson.dumps({"id": sample_id, "input_ids": ids, "loss_mask": mask},
+                        option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+    out.write(line)
+    return len(line)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,8 +21,10 @@ load), so when any kept sample has tool calls (in its prompt or its answer), eve
 turn carries `tool_calls`: the answer's own (reconstruction renders them into the tokens), else
 `[]` (chat templates test it for truth). Other message keys (tool_call_id, name) are left out:
 SpecForge's parsers drop them.
-The token ids in tokens/ are the ground truth for extraction: SpecForge re-tokenizing train.jsonl
-with its own template may differ from them (e.g. it adds a default system prompt).
+The token ids in tokens/ are the ground truth, for extraction and for online training (which reads
+them as train-tokens.jsonl): SpecForge re-tokenizing train.jsonl with its own template gives other
+ids (it adds a default system prompt to a row without one; Kimi-K2.5's own template drops the final
+answer's reasoning), so train.jsonl is for people to read (docs/training.md).
 """
 
 from __future__ import annotations

@@ -178,8 +178,8 @@ def test_same_inputs_and_seed_give_byte_identical_outputs(run_config: Config, tm
     first = snapshot_outputs(run_config.run_dir)
     merge(run_config)
     second = snapshot_outputs(run_config.run_dir)
-    assert first.keys() == second.keys() == {"train.jsonl", "stats.json", "fingerprint.json", "tokens/input_ids.bin",
-                                             "tokens/loss_mask.bin", "tokens/index.jsonl"}
+    assert first.keys() == second.keys() == {"train.jsonl", "train-tokens.jsonl", "stats.json", "fingerprint.json",
+                                             "tokens/input_ids.bin", "tokens/loss_mask.bin", "tokens/index.jsonl"}
     for name in first:
         if name in ("stats.json", "fingerprint.json"):
             assert stats_without_times(first[name]) == stats_without_times(second[name])
@@ -198,8 +198,10 @@ def test_train_jsonl_lines_align_with_merged_tokens(run_config: Config) -> None:
     merged = TokenReader(run / "merged" / "tokens")
     sources = {name: TokenReader(run / name / "tokens") for name in ("A", "B", "C")}
     lines = train_lines(run)
-    assert len(lines) == len(merged)
-    for line, entry in zip(lines, merged.entries):
+    # The pre-tokenized copy online trainers read: line k is entry k, its id, ids and 0/1 mask as plain lists.
+    pretokenized = [orjson.loads(x) for x in (run / "merged" / "train-tokens.jsonl").read_bytes().splitlines()]
+    assert len(lines) == len(merged) == len(pretokenized)
+    for line, entry, tokenized in zip(lines, merged.entries, pretokenized, strict=True):
         assert line["id"] == entry.id
         dataset, source_id = entry.id.split("/", 1)
         assert entry.meta["dataset"] == dataset
@@ -208,6 +210,12 @@ def test_train_jsonl_lines_align_with_merged_tokens(run_config: Config) -> None:
         assert got_ids.dtype == np.dtype("<u4") and got_mask.dtype == np.uint8
         np.testing.assert_array_equal(got_ids, want_ids)
         np.testing.assert_array_equal(got_mask, want_mask)
+        assert list(tokenized) == ["id", "input_ids", "loss_mask"] and tokenized["id"] == entry.id
+        assert tokenized["input_ids"] == got_ids.tolist() and tokenized["loss_mask"] == got_mask.tolist()
+        assert set(tokenized["loss_mask"]) <= {0, 1} and all(type(x) is int for x in tokenized["input_ids"])
+    stats = orjson.loads((run / "merged" / "stats.json").read_bytes())
+    assert stats["outputs"]["train_tokens_jsonl"] == {
+        "lines": len(merged), "bytes": (run / "merged" / "train-tokens.jsonl").stat().st_size}
 
 
 def test_records_follow_specforge_conversation_schema(run_config: Config) -> None:

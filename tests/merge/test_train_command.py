@@ -46,5 +46,14 @@ def test_max_length_is_the_longest_sample_and_smaller_ones_are_counted(tmp_path:
     assert out.rstrip().splitlines()[-1] == f"specforge train --config {where}"
     written = json.loads((config.run_dir / "hidden_states" / "specforge.json").read_text())
     assert written["data"]["max_length"] == 4096
+    # The online variant beside it: the same model and length, the pre-tokenized samples instead of the
+    # hidden states (SpecForge takes exactly one source), and what only the cluster knows left to the user.
+    online = json.loads((config.run_dir / "hidden_states" / "specforge-online.json").read_text())
+    assert online["model"] == written["model"] and online["data"]["max_length"] == 4096
+    assert online["data"] == {**{k: v for k, v in written["data"].items() if k != "hidden_states_path"},
+                              "prompts_path": str(config.run_dir.resolve() / "merged" / "train-tokens.jsonl")}
+    assert online["deployment"]["mode"] == "disaggregated" and online["output_dir"] != written["output_dir"]
+    assert "model.vocab_mapping_path: the draft's t2d/d2t vocabulary map" in out
+    assert "the capture servers must serve at least 4,103 tokens of context" in out
     assert main(["train-command", str(cfg)]) == 0
     assert "data.max_length = 5,000: cuts nothing (at least the longest sample)" in capsys.readouterr().out
