@@ -111,11 +111,13 @@ class ErrorKind(StrEnum):
     LENGTH = "length"
     EMPTY_CONTENT = "empty_content"
     NO_IDS = "no_ids"  # a self-hosted server asked for its token ids answered without them
+    BAD_BILL = "bad_bill"  # its usage (cost, token counts) not believed: booked at its worst case or its record
 
 
 ERROR_KINDS = tuple(k.value for k in ErrorKind)
 # Tallied with the errors, but answers that were kept: not counted as errors in a status line.
-KEPT_ANSWER_KINDS = frozenset({ErrorKind.LENGTH.value, ErrorKind.EMPTY_CONTENT.value, ErrorKind.NO_IDS.value})
+KEPT_ANSWER_KINDS = frozenset({ErrorKind.LENGTH.value, ErrorKind.EMPTY_CONTENT.value, ErrorKind.NO_IDS.value,
+                               ErrorKind.BAD_BILL.value})
 
 
 def error_count(tally: Iterable[tuple[str, int]]) -> int:

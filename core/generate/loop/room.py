@@ -2,7 +2,8 @@
 
 A request waits while the run is paused, while a doubted dataset's one probe is out (doubts.py), while
 its dataset's answers in flight may still free token budget, while settling money in flight may free
-room under max_usd, and while its dataset is at its concurrency limit. Each request reserves the worst
+room under max_usd, and while its dataset is at its concurrency limit (or in its first wave: until an
+answer's bill has checked the listing's prices under max_usd, trust.py). Each request reserves the worst
 case of the very body it sends; a prompt whose worst case would not fit under max_usd even with nothing
 in flight is skipped (counted, eligible later). The balance reaching credit_floor_usd holds the run
 instead of skipping anything. A retry over a limit lowered by 429s waits for a slot holding none.
@@ -20,6 +21,7 @@ from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.money.budget import Block, BlockReason, MoneyBudget
 from draftgen.core.generate.money.spend import Ticket
+from draftgen.core.generate.money.trust import FIRST_WAVE, PriceTrust
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.request_keys import body_answers, body_max_tokens
 
@@ -90,6 +92,14 @@ class Room:
         # per dataset and place in its sampling cycles: the body without its messages
         self._bodies: dict[tuple[str, tuple[int, int]], _Made] = {}
         self.prices = opened.costs.prices
+        api = ctx.config.api
+        # The listing's prices under a ceiling: a first wave until a bill checks them, raised by bills above.
+        first_wave = ctx.config.budget.max_usd is not None and api.prompt_price_per_mtok is None \
+            and api.completion_price_per_mtok is None
+        self.trust = PriceTrust(self.prices, first_wave=first_wave)
+        if waves := [name for name in datasets if self.trust.in_wave(name)]:
+            self._event(Level.INFO, EventKind.PRICES, f"{', '.join(waves)}: at most {FIRST_WAVE} requests in flight "
+                        "until an answer's bill has checked the listed prices (then each dataset's concurrency)")
         # Prompts skipped because their worst case did not fit what max_usd left, per dataset.
         self.money_skipped: dict[str, int] = {}
         self._money_stopped: set[str] = set()  # datasets whose rest max_usd skipped
@@ -184,7 +194,7 @@ class Room:
         block = self._money.blocked(worst)
         if block is not None:
             return self._money_held(ds, worst, block)
-        if ds.in_flight >= ds.concurrency.limit:
+        if ds.in_flight >= ds.concurrency.limit or self.trust.wave_holds(ds.config.name, ds.in_flight):
             return _Wait.WAKE
         return None
 

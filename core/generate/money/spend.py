@@ -30,6 +30,9 @@ left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the n
     {"e":"settle","a":ID,"c":USD,"s":"usage.cost"|"estimate"}
         right after its abandoned end line: an answer a provider ran past max_tokens (not kept), priced
         from its own usage.cost, or its tokens x the worst prices (billing.py)
+    {"e":"settle","a":ID,"c":USD,"s":"worst case"}
+        an abandoned attempt whose generation record's cost was not believed (negative, not a number, or
+        past ten times what it counted at: settle.py): settled at what it counted at
     {"e":"settle","a":ID,"c":0,"s":"no record"}
         a 500/502/503 whose generation id has no record after `generation_lookup_s`: nothing ran
     {"e":"settle","a":ID,"c":0|USD,"s":"self-hosted"|"estimate"}
@@ -56,6 +59,10 @@ the moment, `send_grouped`), so an OS crash or a power cut loses no attempt that
 lines after it (gen, end, settle) go in the next fsync, and one lost only makes the next run count
 its attempt at worst case (or look it up).
 
+A cost read back that no attempt can have been billed (not a finite number, negative, or $1,000 or more:
+`MAX_ATTEMPT_USD`, e.g. a figure a server sent that an older version booked as given) counts as the
+attempt's reservation (its `w`), so no one line can make the directory's ledger unusable.
+
 Money is then three sums over all runs: settled (known costs), pending (abandoned attempts not yet
 priced, and attempts a killed run left open, each at its worst case) and reserved (the worst case
 of the attempts in flight in this process). The ceiling holds because an attempt is on disk as
@@ -78,6 +85,16 @@ from draftgen.core.generate.money.spend_sums import AttemptEnd, Pending, Reconci
 from draftgen.core.rundir import iter_jsonl
 from draftgen.core.units import to_ms
 
+# No attempt of a chat model costs this much (a million tokens at the highest listed price, $600/M, is $600):
+# a figure at or above it read back from the ledger counts as the attempt's reservation instead.
+MAX_ATTEMPT_USD = 1000.0
+
+
+def _sane(cost: object, worst: float) -> float:
+    """A cost read back from the ledger, or `worst` when it is not one an attempt can have been billed."""
+    value = float(cost)  # type: ignore[arg-type]  # TypeError, ValueError: the line counts as nothing
+    return value if 0 <= value < MAX_ATTEMPT_USD else worst  # NaN: worst
+
 
 class CostSource(StrEnum):
     """Where an attempt's cost came from."""
@@ -86,6 +103,7 @@ class CostSource(StrEnum):
     NOT_BILLED = "not billed"
     GENERATION = "generation"
     NO_RECORD = "no record"    # a 500/502/503's generation id never got a record: nothing ran
+    WORST = "worst case"       # a generation record's cost not believed (settle.py): what the attempt counted at
     KEY_USAGE = "key usage"
     SELF_HOSTED = "self-hosted"  # an attempt lost on an openai-compatible server: it bills nothing
     PENDING = "pending"
@@ -133,9 +151,10 @@ class SpendReplay:
                 rec = opened.pop(aid, None)  # left open by a killed run, priced by a later one
                 p = sums.drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
                 if p is not None:
-                    sums.book_settled(p, float(line["c"]), run=False)
+                    cost = _sane(line["c"], p.worst)
+                    sums.book_settled(p, cost, run=False)
                     if p.answer:
-                        sums.note_answer(p.ds, p.prompt_id, float(line["c"]))
+                        sums.note_answer(p.ds, p.prompt_id, cost)
             elif kind == "key":
                 if sums.key_baseline is None:
                     sums.key_baseline = float(line["u"])
@@ -155,17 +174,18 @@ class SpendReplay:
         sums = self.sums
         outcome, cost = line.get("o"), line.get("c")
         if outcome == AttemptEnd.ABANDONED:
-            worst = max(rec["w"], float(line.get("w", 0.0)))
+            worst = max(rec["w"], _sane(line.get("w", 0.0), rec["w"]))
             sums.add_pending(Pending(aid, rec["ds"], rec["p"], worst, rec.get("g") or line.get("g"),
                                      ended=line.get("st") in ENDED_STATUSES, sent_at=rec["t"]))
         elif outcome == AttemptEnd.ANSWERED and cost is None:
-            sums.add_pending(Pending(aid, rec["ds"], rec["p"], float(line.get("w", rec["w"])),
+            sums.add_pending(Pending(aid, rec["ds"], rec["p"], _sane(line.get("w", rec["w"]), rec["w"]),
                                      rec.get("g") or line.get("g"), answer=True))
         else:
-            sums.book(rec["ds"], float(cost or 0.0),
-                      AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED, run=False)
+            usd = _sane(cost or 0.0, rec["w"])
+            sums.book(rec["ds"], usd, AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED,
+                      run=False)
             if outcome == AttemptEnd.ANSWERED:
-                sums.note_answer(rec["ds"], rec["p"], float(cost or 0.0))
+                sums.note_answer(rec["ds"], rec["p"], usd)
         if outcome == AttemptEnd.ANSWERED and self.sent_prompts is not None:
             self.sent_prompts.setdefault(rec["ds"], {})[rec["p"]] = True
 
