@@ -34,10 +34,11 @@ class HostileServer:
 
     def __init__(self, usage: Callable[[int], dict[str, Any]] | None = None,
                  record_cost: Callable[[int], Any] | None = None,
-                 listed: tuple[str, str] = (str(PROMPT_USD), str(COMPLETION_USD))) -> None:
+                 listed: tuple[str, str] = (str(PROMPT_USD), str(COMPLETION_USD)), key_usage: Any = None) -> None:
         self.usage = usage or (lambda n: honest_usage())
         self.record_cost = record_cost or (lambda n: TRUE_COST)
         self.listed = listed
+        self.key_usage = key_usage  # what GET /key says the key spent (None: the truth, `billed`)
         self.billed = 0.0
         self.answers = 0
         self.in_flight = 0
@@ -85,8 +86,10 @@ class HostileServer:
              "pricing": {"prompt": prompt, "completion": completion, "request": "0"}}]}})
 
     async def key(self, request: web.Request) -> web.Response:
-        return web.json_response({"data": {"label": "test", "usage": self.billed, "limit": None,
-                                           "limit_remaining": None, "is_free_tier": False}})
+        usage = self.billed if self.key_usage is None else self.key_usage
+        return web.Response(body=orjson.dumps({"data": {"label": "test", "usage": usage, "limit": None,
+                                                        "limit_remaining": None, "is_free_tier": False}}),
+                            content_type="application/json")
 
     async def credits(self, request: web.Request) -> web.Response:
         return web.json_response({"data": {"total_credits": 100.0, "total_usage": self.billed}})
@@ -148,6 +151,8 @@ async def test_a_negative_cost_then_an_honest_run_bills_at_most_max_usd(tmp_path
         said = run.said(EventKind.BAD_BILL)
         assert any("a negative usage.cost" in m for m in said), said
         assert len([m for m in said if "usage.cost" in m]) == 1  # once per kind, however many came
+        # Their generation records say -5 too: not believed either, settled at the worst case (said once).
+        assert len([m for m in said if "generation record says it cost -5" in m]) == 1, said
         server.usage = lambda n: honest_usage()
         server.record_cost = lambda n: TRUE_COST
         await _run(_config(tmp_path, server.url, 200, max_usd=max_usd))
@@ -219,6 +224,15 @@ async def test_string_and_null_token_counts_are_handled_not_crashed(tmp_path, co
     # Priced from the generation records (honest here), checked like any figure.
     ledger = SpendLedger.read(RunDir(tmp_path / "run").spend)
     assert ledger.committed_usd == pytest.approx(billed)
+
+
+async def test_a_negative_key_usage_is_not_kept_as_the_baseline(tmp_path):
+    # GET /key's usage is the baseline `draftgen ledger --unknown-from-key` prices lost attempts from. Before:
+    # -5 was kept as it, so $5 more of the key's usage than there was looked like this directory's spend.
+    async with HostileServer(key_usage=-5) as server:
+        run = await _run(_config(tmp_path, server.url, 2, max_usd=1.0))
+    assert dataset_row(run.engine, "a").done == 2
+    assert SpendLedger.read(RunDir(tmp_path / "run").spend).key_baseline is None
 
 
 def test_a_ledger_with_bad_costs_read_back_counts_their_reservations(tmp_path):
