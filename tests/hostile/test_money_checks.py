@@ -5,6 +5,7 @@ server's own tally, never draftgen's ledger."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,15 @@ class HostileServer:
 
     def __init__(self, usage: Callable[[int], dict[str, Any]] | None = None,
                  record_cost: Callable[[int], Any] | None = None,
-                 listed: tuple[str, str] = (str(PROMPT_USD), str(COMPLETION_USD)), key_usage: Any = None) -> None:
+                 listed: tuple[str, str] = (str(PROMPT_USD), str(COMPLETION_USD)), key_usage: Any = None,
+                 delay_s: float = 0.0) -> None:
         self.usage = usage or (lambda n: honest_usage())
         self.record_cost = record_cost or (lambda n: TRUE_COST)
         self.listed = listed
         self.key_usage = key_usage  # what GET /key says the key spent (None: the truth, `billed`)
+        self.delay_s = delay_s  # before each answer
+        self.first_sent = False  # an answer went out
+        self.peak_before_first = 0  # the most in flight at once while no answer had gone out
         self.billed = 0.0
         self.answers = 0
         self.in_flight = 0
@@ -66,7 +71,11 @@ class HostileServer:
         assert body["max_tokens"] == MAX_TOKENS
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        if not self.first_sent:
+            self.peak_before_first = max(self.peak_before_first, self.in_flight)
         try:
+            await asyncio.sleep(self.delay_s)
+            self.first_sent = True
             self.answers += 1
             self.billed += TRUE_COST
             n = self.answers
@@ -175,15 +184,23 @@ async def test_a_listing_below_the_bills_is_raised_after_a_small_first_wave(tmp_
     # The listing is a hundred times below what the provider bills. Before: reservations a hundredth of
     # the bills, so 50 went out at once and the whole file (~$0.097) was billed under a $0.01 ceiling.
     max_usd = 0.01
-    async with HostileServer(listed=(str(PROMPT_USD / 100), str(COMPLETION_USD / 100))) as server:
+    low = (str(PROMPT_USD / 100), str(COMPLETION_USD / 100))
+    async with HostileServer(listed=low, delay_s=0.05) as server:
         run = await _run(_config(tmp_path, server.url, 300, max_usd=max_usd, concurrency=50))
         billed = server.billed
+        assert server.peak_before_first <= 4  # the first wave, until a bill checks the listing
+        # The next run of the directory starts from the prices the bills showed: no first wave.
+        again = await _run(_config(tmp_path, server.url, 300, max_usd=1.0, concurrency=50))
+        assert server.peak_in_flight > 4
     assert billed <= max_usd
     assert billed >= 0.5 * max_usd  # the ceiling is used, not stopped by the first bill
     raised = run.said(EventKind.PRICES)
+    assert any("at most 4 requests in flight" in m for m in raised), raised
     assert any("reservations now use the highest bill seen" in m for m in raised), raised
-    prices = run.engine.prices["a"]
-    assert prices is not None and prices.completion >= COMPLETION_USD * 0.99
+    for prices in (run.engine.prices["a"], again.engine.prices["a"]):
+        assert prices is not None and prices.completion >= COMPLETION_USD * 0.99
+    assert not any("at most 4 requests in flight" in m for m in again.said(EventKind.PRICES))
+    assert dataset_row(again.engine, "a").done == 300
 
 
 async def test_an_absurd_cost_leaves_the_next_run_free_to_go_on(tmp_path):

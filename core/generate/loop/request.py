@@ -337,7 +337,7 @@ class Requests:
         answer = believed(answer, ticket, prices, body)
         if answer.doubt:
             self._doubted(ds, ticket, answer)
-        elif (raised := self._room.trust.billed(name, answer)) is not None and name not in self._raised:
+        if (raised := self._room.trust.billed(name, answer)) is not None and name not in self._raised:
             self._raised.add(name)
             was, now = raised
             self._ctx.event(Level.WARN, EventKind.PRICES, f"{name}: prompt {ticket.prompt_id!r} billed "

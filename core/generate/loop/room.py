@@ -2,11 +2,12 @@
 
 A request waits while the run is paused, while a doubted dataset's one probe is out (doubts.py), while
 its dataset's answers in flight may still free token budget, while settling money in flight may free
-room under max_usd, and while its dataset is at its concurrency limit (or in its first wave: until an
-answer's bill has checked the listing's prices under max_usd, trust.py). Each request reserves the worst
-case of the very body it sends; a prompt whose worst case would not fit under max_usd even with nothing
-in flight is skipped (counted, eligible later). The balance reaching credit_floor_usd holds the run
-instead of skipping anything. A retry over a limit lowered by 429s waits for a slot holding none.
+room under max_usd, and while its dataset is at its concurrency limit (or in its first wave: under
+max_usd with the listing's prices, until its first answer's bill has checked them, trust.py). Each
+request reserves the worst case of the very body it sends; a prompt whose worst case would not fit
+under max_usd even with nothing in flight is skipped (counted, eligible later). The balance reaching
+credit_floor_usd holds the run instead of skipping anything. A retry over a limit lowered by 429s waits
+for a slot holding none.
 """
 
 from __future__ import annotations
@@ -93,13 +94,20 @@ class Room:
         self._bodies: dict[tuple[str, tuple[int, int]], _Made] = {}
         self.prices = opened.costs.prices
         api = ctx.config.api
-        # The listing's prices under a ceiling: a first wave until a bill checks them, raised by bills above.
+        # The listing's prices under a ceiling: a first wave until a bill checks them (in this run or, for the
+        # same request shape, an earlier one: the ledger's "prices" lines), raised by bills above (trust.py).
         first_wave = ctx.config.budget.max_usd is not None and api.prompt_price_per_mtok is None \
             and api.completion_price_per_mtok is None
-        self.trust = PriceTrust(self.prices, first_wave=first_wave)
+        shapes = {name: ctx.config.fingerprint(ds.config) for name, ds in datasets.items()}
+        spend = money.spend
+        seen = {name: was for name, f in shapes.items() if (was := spend.sums.prices_seen.get((name, f))) is not None}
+        self.trust = PriceTrust(self.prices, first_wave=first_wave, seen=seen,
+                                record=lambda name, p: spend.prices_checked(name, shapes[name], p.prompt,
+                                                                            p.completion, p.request))
         if waves := [name for name in datasets if self.trust.in_wave(name)]:
             self._event(Level.INFO, EventKind.PRICES, f"{', '.join(waves)}: at most {FIRST_WAVE} requests in flight "
-                        "until an answer's bill has checked the listed prices (then each dataset's concurrency)")
+                        "until the first answer comes back, its bill checking the listed prices (then each dataset's "
+                        "concurrency)")
         # Prompts skipped because their worst case did not fit what max_usd left, per dataset.
         self.money_skipped: dict[str, int] = {}
         self._money_stopped: set[str] = set()  # datasets whose rest max_usd skipped

@@ -43,6 +43,12 @@ left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the n
         --unknown-from-key`, see reconcile.py `settle_unknown_from_key`)
     {"e":"key","u":USD,"t":UNIX_TIME}
         the key's usage (GET /key) before the directory's first attempt: the baseline for that
+    {"e":"prices","ds":DATASET,"f":FINGERPRINT,"p":USD,"c":USD,"r":USD}
+        the worst prices per prompt token, completion token and request that an answer's bill checked for
+        the dataset's request shape (`Config.fingerprint`): the listing's, or the higher ones bills implied
+        (trust.py); the next run of that shape reserves at no less, without a first wave. Each figure must
+        be a finite price from 0 to $100 per million tokens (the request price up to $1), else the line
+        counts as nothing
     {"e":"carry","ds":DATASET,"c":USD,"n":ANSWERS}
         spend already in responses.jsonl when the directory got its ledger (older runs): the cost of
         its first n answers (n absent in lines from before it was written: then the answers carried
@@ -88,6 +94,9 @@ from draftgen.core.units import to_ms
 # No attempt of a chat model costs this much (a million tokens at the highest listed price, $600/M, is $600):
 # a figure at or above it read back from the ledger counts as the attempt's reservation instead.
 MAX_ATTEMPT_USD = 1000.0
+# The most a "prices" line may say per prompt token, completion token and request ($100 per million tokens,
+# billing.py SANE_USD_PER_TOKEN; $1 a request): a line past them counts as nothing.
+PRICE_CAPS = (1e-4, 1e-4, 1.0)
 
 
 def _sane(cost: object, worst: float) -> float:
@@ -148,13 +157,9 @@ class SpendReplay:
             elif kind == "end":
                 self._end(aid, line)
             elif kind == "settle":
-                rec = opened.pop(aid, None)  # left open by a killed run, priced by a later one
-                p = sums.drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
-                if p is not None:
-                    cost = _sane(line["c"], p.worst)
-                    sums.book_settled(p, cost, run=False)
-                    if p.answer:
-                        sums.note_answer(p.ds, p.prompt_id, cost)
+                self._settle(aid, line)
+            elif kind == "prices":
+                self._prices(line)
             elif kind == "key":
                 if sums.key_baseline is None:
                     sums.key_baseline = float(line["u"])
@@ -166,6 +171,21 @@ class SpendReplay:
                 (sums.book_carried if kind == "carry" else sums.book_found)(ds, cost, answers)
         except (KeyError, TypeError, ValueError):
             return  # a hand-edited line of the wrong shape counts as nothing
+
+    def _settle(self, aid: str, line: dict[str, Any]) -> None:
+        sums = self.sums
+        rec = self._opened.pop(aid, None)  # left open by a killed run, priced by a later one
+        p = sums.drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
+        if p is not None:
+            cost = _sane(line["c"], p.worst)
+            sums.book_settled(p, cost, run=False)
+            if p.answer:
+                sums.note_answer(p.ds, p.prompt_id, cost)
+
+    def _prices(self, line: dict[str, Any]) -> None:
+        seen = (float(line["p"]), float(line["c"]), float(line["r"]))
+        if all(0 <= v <= cap for v, cap in zip(seen, PRICE_CAPS, strict=True)):  # NaN: False
+            self.sums.see_prices(str(line["ds"]), str(line["f"]), seen)
 
     def _end(self, aid: str, line: dict[str, Any]) -> None:
         rec = self._opened.pop(aid, None)
@@ -287,6 +307,11 @@ class SpendLedger:
     def forget_prompts(self) -> None:
         """Frees what `sent_prompts` reads, once the opening compared it with the answers."""
         self._ids = None
+
+    def prices_checked(self, ds: str, fingerprint: str, prompt: float, completion: float, request: float) -> None:
+        """The worst prices an answer's bill checked for the dataset's request shape (trust.py), for later runs."""
+        self._write({"e": "prices", "ds": ds, "f": fingerprint, "p": prompt, "c": completion, "r": request})
+        self.sums.see_prices(ds, fingerprint, (prompt, completion, request))
 
     def set_key_baseline(self, usage: float) -> None:
         """The key's usage before this directory's first attempt (only then: later it would count

@@ -4,22 +4,30 @@ A dataset's worst-case prices (prices.py) make every reservation, so a listing b
 bill lets a run pass `max_usd` by what each request in flight is under-reserved. Two checks:
 
 - **The first wave.** With `max_usd` set and prices from the endpoints listing (not `[api]` prices,
-  which are the user's word), a dataset has at most `FIRST_WAVE` requests in flight until an answer's
-  bill (its usage.cost, believed, with its token counts) has checked the listing, and then admits none
-  until the rest of that wave has ended (booked at what it billed), so nothing reserved at the unchecked
-  prices is still in flight when its concurrency opens. What a wrong listing can cost before it is found
-  out is those few requests, not the whole concurrency.
+  which are the user's word), a dataset has at most `FIRST_WAVE` requests in flight until its first
+  answer comes back (its bill, when it carries one, checks the listing: below), and then admits none
+  until the rest of that wave has ended (each booked at what it billed, each bill checked), so nothing
+  reserved at unchecked prices is still in flight when its concurrency opens. What a wrong listing can
+  cost before it is found out is those few requests, not the whole concurrency. (An answer without
+  usage.cost, priced later from its generation record, ends the wave too, or a server that never sends
+  a cost would keep the run at the wave for good: its record's cost is booked as billed, said when it
+  passes what the attempt counted at, but raises no price.)
 - **The highest price seen.** Every believed bill is held against the dataset's prices: a bill above
   its tokens at those prices raises them (each by the ratio, or, for prices of $0, to the bill over its
   counts) for every later reservation of the run, said once per dataset. A raise is capped at $100 per
   million tokens (billing.py `SANE_USD_PER_TOKEN`), so one bill cannot make the rest of the run
-  unaskable. The raised prices last for the run; the next one starts from the listing (and its first
-  wave) again.
+  unaskable.
+
+The prices a bill checked (the listing's, or raised) go on the spend ledger ("prices" line, per dataset
+and request shape: `Config.fingerprint`), so a later run of the same shape in the directory reserves at
+no less than them and has no first wave: only a directory's first run, or a new request shape, waits
+for a bill.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 
 from draftgen.core.generate.api.client import ChatAnswer
 from draftgen.core.generate.api.prices import Prices
@@ -34,10 +42,30 @@ class PriceTrust:
     """Per dataset: whether a bill has checked its prices, and its prices raised to the highest bill seen.
     `prices` is the run's own dict (read by the room and the requests): a raise replaces its entry."""
 
-    def __init__(self, prices: dict[str, Prices | None], *, first_wave: bool) -> None:
+    def __init__(self, prices: dict[str, Prices | None], *, first_wave: bool,
+                 seen: Mapping[str, tuple[float, float, float]],
+                 record: Callable[[str, Prices], None] = lambda name, p: None) -> None:
+        """`seen`: per dataset, the prices bills checked in earlier runs of its request shape (prompt,
+        completion, request); `record` puts the prices a bill checks (or raises) on the ledger."""
         self._prices = prices
-        self._wave = {name for name, p in prices.items() if p is not None} if first_wave else set()
-        self._unchecked = set(self._wave)
+        self._record = record
+        self._wave: set[str] = set()
+        self._recorded: dict[str, tuple[float, float, float]] = {}
+        for name, p in prices.items():
+            if p is None:
+                continue
+            was = seen.get(name)
+            if was is None:
+                if first_wave:
+                    self._wave.add(name)
+                continue
+            if was[0] > p.prompt or was[1] > p.completion or was[2] > p.request:
+                p = prices[name] = dataclasses.replace(
+                    p, prompt=max(p.prompt, was[0]), completion=max(p.completion, was[1]),
+                    request=max(p.request, was[2]), source=p.source + "; raised to the highest bill seen in this "
+                    "directory")
+            self._recorded[name] = (p.prompt, p.completion, p.request)
+        self._unanswered = set(self._wave)
 
     def in_wave(self, name: str) -> bool:
         """The dataset is in its first wave (its concurrency not open yet)."""
@@ -45,10 +73,10 @@ class PriceTrust:
 
     def wave_holds(self, name: str, in_flight: int) -> bool:
         """Whether the first wave holds one more request of the dataset back (with `in_flight` in flight):
-        at FIRST_WAVE until a bill checks its prices, then until the wave has ended (the wave is over then)."""
+        at FIRST_WAVE until its first answer, then until the wave has ended (the wave is over then)."""
         if name not in self._wave:
             return False
-        if name in self._unchecked:
+        if name in self._unanswered:
             return in_flight >= FIRST_WAVE
         if in_flight:
             return True
@@ -56,17 +84,19 @@ class PriceTrust:
         return False
 
     def billed(self, name: str, answer: ChatAnswer) -> tuple[Prices, Prices] | None:
-        """An answer whose bill is believed (priced, billing.py `believed`): the dataset's prices checked
-        against it, and raised when it says more. Returns (before, after) when they were raised."""
+        """An answer (billing.py `believed` has taken out what of its bill is not believed): it ends the
+        dataset's first wave; a bill with its token counts checks the dataset's prices, raised when it
+        says more. Returns (before, after) when they were raised."""
+        self._unanswered.discard(name)
         u = answer.usage
         if not answer.priced or not (u.prompt_tokens or u.completion_tokens):
             return None
-        self._unchecked.discard(name)
         p = self._prices.get(name)
         if p is None:
             return None
         listed = u.prompt_tokens * p.prompt + u.completion_tokens * p.completion + p.request
         if u.cost <= listed * AGREES + 1e-12:
+            self._checked(name, p)
             return None
         if listed > 0:
             ratio = u.cost / listed
@@ -78,6 +108,15 @@ class PriceTrust:
             completion=max(p.completion, min(completion, SANE_USD_PER_TOKEN)), request=max(p.request, request),
             source=p.source.split("; raised", 1)[0] + "; raised to the highest bill seen")
         if raised == p:
+            self._checked(name, p)
             return None
         self._prices[name] = raised
+        self._checked(name, raised)
         return p, raised
+
+    def _checked(self, name: str, p: Prices) -> None:
+        """A bill checked `p`: on the ledger for later runs, unless it is there already."""
+        figures = (p.prompt, p.completion, p.request)
+        if self._recorded.get(name) != figures:
+            self._recorded[name] = figures
+            self._record(name, p)
