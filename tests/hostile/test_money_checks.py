@@ -108,6 +108,8 @@ class HostileServer:
         if not 1 <= n <= self.answers:
             return web.json_response({"error": {"code": 404, "message": "not found"}}, status=404)
         return web.Response(body=orjson.dumps({"data": {"id": f"gen-{n}", "total_cost": self.record_cost(n),
+                                                        "native_tokens_prompt": PROMPT_TOKENS,
+                                                        "native_tokens_completion": COMPLETION_TOKENS,
                                                         "provider_name": "Hostile"}}),
                             content_type="application/json")
 
@@ -201,6 +203,21 @@ async def test_a_listing_below_the_bills_is_raised_after_a_small_first_wave(tmp_
         assert prices is not None and prices.completion >= COMPLETION_USD * 0.99
     assert not any("at most 4 requests in flight" in m for m in again.said(EventKind.PRICES))
     assert dataset_row(again.engine, "a").done == 300
+
+
+async def test_generation_records_above_the_listing_raise_it_too(tmp_path):
+    # Answers without usage.cost are priced from their generation records; a record a hundred times above
+    # the listing raises the reservations as an answer's bill would. Before: the listing was believed.
+    low = (str(PROMPT_USD / 100), str(COMPLETION_USD / 100))
+    no_cost = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS}
+    async with HostileServer(listed=low, usage=lambda n: no_cost) as server:
+        run = await _run(_config(tmp_path, server.url, 6, max_usd=1.0))
+        billed = server.billed
+    raised = run.said(EventKind.PRICES)
+    assert any("(its generation record) billed" in m and "reservations now use" in m for m in raised), raised
+    prices = run.engine.prices["a"]
+    assert prices is not None and prices.completion >= COMPLETION_USD * 0.99
+    assert SpendLedger.read(RunDir(tmp_path / "run").spend).committed_usd == pytest.approx(billed)
 
 
 async def test_an_absurd_cost_leaves_the_next_run_free_to_go_on(tmp_path):

@@ -165,7 +165,6 @@ class Requests:
         self.unreachable_cause = ""  # e.g. "cannot connect to 127.0.0.1:18799 (connection refused)"
         self._said: dict[tuple[EventKind, str], int] = {}  # (event kind, provider) -> times seen
         self._doubts_said: set[str] = set()  # the kinds of bill not believed, said once each
-        self._raised: set[str] = set()  # datasets whose prices a bill raised, said once each
         api = ctx.config.api
         self._wants_ids = api.return_token_ids and api.self_hosted
         self._ids_said = False  # why answers come without the server's ids was said
@@ -337,14 +336,7 @@ class Requests:
         answer = believed(answer, ticket, prices, body)
         if answer.doubt:
             self._doubted(ds, ticket, answer)
-        if (raised := self._room.trust.billed(name, answer)) is not None and name not in self._raised:
-            self._raised.add(name)
-            was, now = raised
-            self._ctx.event(Level.WARN, EventKind.PRICES, f"{name}: prompt {ticket.prompt_id!r} billed "
-                            f"${answer.usage.cost:.6f} for {answer.usage.prompt_tokens:,} prompt and "
-                            f"{answer.usage.completion_tokens:,} completion tokens, more than the worst prices "
-                            f"allow ({was.describe()}): reservations now use the highest bill seen ({now.describe()})",
-                            dataset=name)
+        self._room.trust.billed(name, answer, f"prompt {ticket.prompt_id!r}")
         look_up(self.settler, book_answer(self._spend, ticket, answer, prices))
         answer = as_booked(answer, ticket, prices)  # the record's cost is what the ledger booked
         over = over_reservation(answer, ticket, prices)

@@ -103,7 +103,12 @@ class Room:
         seen = {name: was for name, f in shapes.items() if (was := spend.sums.prices_seen.get((name, f))) is not None}
         self.trust = PriceTrust(self.prices, first_wave=first_wave, seen=seen,
                                 record=lambda name, p: spend.prices_checked(name, shapes[name], p.prompt,
-                                                                            p.completion, p.request))
+                                                                            p.completion, p.request),
+                                raised=lambda name, message: self._event(Level.WARN, EventKind.PRICES,
+                                                                         f"{name}: {message}", dataset=name))
+        # A generation record's bill checks the prices as an answer's does (settle.py `on_bill`).
+        self._settler.on_bill = lambda p, cost, prompt_tokens, completion_tokens: self.trust.bill(
+            p.ds, cost, prompt_tokens, completion_tokens, f"prompt {p.prompt_id!r} (its generation record)")
         if waves := [name for name in datasets if self.trust.in_wave(name)]:
             self._event(Level.INFO, EventKind.PRICES, f"{', '.join(waves)}: at most {FIRST_WAVE} requests in flight "
                         "until the first answer comes back, its bill checking the listed prices (then each dataset's "

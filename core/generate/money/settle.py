@@ -32,6 +32,7 @@ import aiohttp
 from draftgen.core.generate.api.client import ChatClient, RequestFailed
 from draftgen.core.generate.money.billing import ABSURD_FACTOR, RUN_ON_USD
 from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger
+from draftgen.core.records import count_of
 
 WORKERS = 8
 
@@ -62,6 +63,8 @@ class Settler:
         # the record's provider, booked at the record's cost all the same.
         self._on_over = on_over
         self._on_doubt = on_doubt  # a record whose cost is not believed: settled at its worst case
+        # A believed record's bill with its native token counts (the run's price trust checks its prices).
+        self.on_bill: Callable[[Pending, float, int, int], None] | None = None
         self.doubted = 0  # records not believed
         self._self_hosted = self_hosted
         self._client = client
@@ -146,6 +149,9 @@ class Settler:
                     self._on_settled()
                     return
                 self._spend.settle(p, cost)
+                if self.on_bill is not None:
+                    self.on_bill(p, cost, count_of(record.get("native_tokens_prompt")),
+                                 count_of(record.get("native_tokens_completion")))
                 if self._on_over is not None and cost > p.worst + 1e-12 and p.worst > 0:
                     self._on_over(p, cost, str(record.get("provider_name") or ""))
                 self._on_settled()

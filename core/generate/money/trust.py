@@ -10,11 +10,12 @@ bill lets a run pass `max_usd` by what each request in flight is under-reserved.
   reserved at unchecked prices is still in flight when its concurrency opens. What a wrong listing can
   cost before it is found out is those few requests, not the whole concurrency. (An answer without
   usage.cost, priced later from its generation record, ends the wave too, or a server that never sends
-  a cost would keep the run at the wave for good: its record's cost is booked as billed, said when it
-  passes what the attempt counted at, but raises no price.)
+  a cost would keep the run at the wave for good: its bill checks the prices once the record comes.)
 - **The highest price seen.** Every believed bill is held against the dataset's prices: a bill above
   its tokens at those prices raises them (each by the ratio, or, for prices of $0, to the bill over its
-  counts) for every later reservation of the run, said once per dataset. A raise is capped at $100 per
+  counts) for every later reservation of the run, said once per dataset. Generation records count as
+  bills too (their `total_cost` and native token counts, settle.py), so a server that sends no
+  usage.cost is checked as well, once its records come. A raise is capped at $100 per
   million tokens (billing.py `SANE_USD_PER_TOKEN`), so one bill cannot make the rest of the run
   unaskable.
 
@@ -44,11 +45,15 @@ class PriceTrust:
 
     def __init__(self, prices: dict[str, Prices | None], *, first_wave: bool,
                  seen: Mapping[str, tuple[float, float, float]],
-                 record: Callable[[str, Prices], None] = lambda name, p: None) -> None:
+                 record: Callable[[str, Prices], None] = lambda name, p: None,
+                 raised: Callable[[str, str], None] = lambda name, message: None) -> None:
         """`seen`: per dataset, the prices bills checked in earlier runs of its request shape (prompt,
-        completion, request); `record` puts the prices a bill checks (or raises) on the ledger."""
+        completion, request); `record` puts the prices a bill checks (or raises) on the ledger; `raised`
+        says a dataset's first raise (its name, the message)."""
         self._prices = prices
         self._record = record
+        self._raised = raised
+        self._said: set[str] = set()  # datasets whose raise was said
         self._wave: set[str] = set()
         self._recorded: dict[str, tuple[float, float, float]] = {}
         for name, p in prices.items():
@@ -83,36 +88,44 @@ class PriceTrust:
         self._wave.discard(name)
         return False
 
-    def billed(self, name: str, answer: ChatAnswer) -> tuple[Prices, Prices] | None:
+    def billed(self, name: str, answer: ChatAnswer, what: str) -> None:
         """An answer (billing.py `believed` has taken out what of its bill is not believed): it ends the
-        dataset's first wave; a bill with its token counts checks the dataset's prices, raised when it
-        says more. Returns (before, after) when they were raised."""
+        dataset's first wave; a bill with its token counts checks the dataset's prices (`bill`)."""
         self._unanswered.discard(name)
         u = answer.usage
-        if not answer.priced or not (u.prompt_tokens or u.completion_tokens):
-            return None
+        if answer.priced:
+            self.bill(name, u.cost, u.prompt_tokens, u.completion_tokens, what)
+
+    def bill(self, name: str, cost: float, prompt_tokens: int, completion_tokens: int, what: str) -> None:
+        """A believed bill (an answer's usage.cost, a generation record's total_cost) for these token counts,
+        `what` naming it: the dataset's prices checked against it, and raised when it says more (said once
+        per dataset through `raised`)."""
         p = self._prices.get(name)
-        if p is None:
-            return None
-        listed = u.prompt_tokens * p.prompt + u.completion_tokens * p.completion + p.request
-        if u.cost <= listed * AGREES + 1e-12:
+        if p is None or not (prompt_tokens or completion_tokens):
+            return
+        listed = prompt_tokens * p.prompt + completion_tokens * p.completion + p.request
+        if cost <= listed * AGREES + 1e-12:
             self._checked(name, p)
-            return None
+            return
         if listed > 0:
-            ratio = u.cost / listed
+            ratio = cost / listed
             prompt, completion, request = p.prompt * ratio, p.completion * ratio, p.request * ratio
         else:  # prices of $0: each part's price is at most the whole bill over its count
-            prompt, completion, request = u.cost / max(1, u.prompt_tokens), u.cost / max(1, u.completion_tokens), 0.0
-        raised = dataclasses.replace(
+            prompt, completion, request = cost / max(1, prompt_tokens), cost / max(1, completion_tokens), 0.0
+        now = dataclasses.replace(
             p, prompt=max(p.prompt, min(prompt, SANE_USD_PER_TOKEN)),
             completion=max(p.completion, min(completion, SANE_USD_PER_TOKEN)), request=max(p.request, request),
             source=p.source.split("; raised", 1)[0] + "; raised to the highest bill seen")
-        if raised == p:
+        if now == p:
             self._checked(name, p)
-            return None
-        self._prices[name] = raised
-        self._checked(name, raised)
-        return p, raised
+            return
+        self._prices[name] = now
+        self._checked(name, now)
+        if name not in self._said:
+            self._said.add(name)
+            self._raised(name, f"{what} billed ${cost:.6f} for {prompt_tokens:,} prompt and {completion_tokens:,} "
+                         f"completion tokens, more than the worst prices allow ({p.describe()}): reservations now "
+                         f"use the highest bill seen ({now.describe()})")
 
     def _checked(self, name: str, p: Prices) -> None:
         """A bill checked `p`: on the ledger for later runs, unless it is there already."""
