@@ -18,6 +18,7 @@ from draftgen.core.errors import ConfigError
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.snapshot import EventKind
+from draftgen.core.live.summary import summary_lines
 from draftgen.core.rundir import RunDir
 from tests.helpers import TEST_KEY, dataset_row, make_config, serve_local
 
@@ -255,6 +256,8 @@ async def test_string_and_null_token_counts_are_handled_not_crashed(tmp_path, co
     assert len(rows) == 6
     said = run.said(EventKind.BAD_BILL)
     assert len(said) == 1 and "token counts that are not counts" in said[0], said
+    summary = " ".join(summary_lines(run.engine.snapshot(), 0))
+    assert "6 with a bill not believed" in summary, summary
     # Priced from the generation records (honest here), checked like any figure.
     ledger = SpendLedger.read(RunDir(tmp_path / "run").spend)
     assert ledger.committed_usd == pytest.approx(billed)

@@ -96,8 +96,9 @@ class Room:
         api = ctx.config.api
         # The listing's prices under a ceiling: a first wave until a bill checks them (in this run or, for the
         # same request shape, an earlier one: the ledger's "prices" lines), raised by bills above (trust.py).
-        first_wave = ctx.config.budget.max_usd is not None and api.prompt_price_per_mtok is None \
+        listed = ctx.config.budget.max_usd is not None and api.prompt_price_per_mtok is None \
             and api.completion_price_per_mtok is None
+        first_wave = {name for name, ds in datasets.items() if listed and ds.config.concurrency > FIRST_WAVE}
         shapes = {name: ctx.config.fingerprint(ds.config) for name, ds in datasets.items()}
         spend = money.spend
         seen = {name: was for name, f in shapes.items() if (was := spend.sums.prices_seen.get((name, f))) is not None}

@@ -4,13 +4,14 @@ A dataset's worst-case prices (prices.py) make every reservation, so a listing b
 bill lets a run pass `max_usd` by what each request in flight is under-reserved. Two checks:
 
 - **The first wave.** With `max_usd` set and prices from the endpoints listing (not `[api]` prices,
-  which are the user's word), a dataset has at most `FIRST_WAVE` requests in flight until its first
-  answer comes back (its bill, when it carries one, checks the listing: below), and then admits none
-  until the rest of that wave has ended (each booked at what it billed, each bill checked), so nothing
-  reserved at unchecked prices is still in flight when its concurrency opens. What a wrong listing can
-  cost before it is found out is those few requests, not the whole concurrency. (An answer without
-  usage.cost, priced later from its generation record, ends the wave too, or a server that never sends
-  a cost would keep the run at the wave for good: its bill checks the prices once the record comes.)
+  which are the user's word), a dataset of a concurrency above `FIRST_WAVE` has at most `FIRST_WAVE`
+  requests in flight until its first answer comes back (its bill, when it carries one, checks the
+  listing: below), and then admits none until the rest of that wave has ended (each booked at what it
+  billed, each bill checked), so nothing reserved at unchecked prices is still in flight when its
+  concurrency opens. What a wrong listing can cost before it is found out is those few requests, not
+  the whole concurrency. (An answer without usage.cost, priced later from its generation record, ends
+  the wave too, or a server that never sends a cost would keep the run at the wave for good: its bill
+  checks the prices once the record comes.)
 - **The highest price seen.** Every believed bill is held against the dataset's prices: a bill above
   its tokens at those prices raises them (each by the ratio, or, for prices of $0, to the bill over its
   counts) for every later reservation of the run, said once per dataset. Generation records count as
@@ -28,7 +29,7 @@ for a bill.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 
 from draftgen.core.generate.api.client import ChatAnswer
 from draftgen.core.generate.api.prices import Prices
@@ -43,11 +44,12 @@ class PriceTrust:
     """Per dataset: whether a bill has checked its prices, and its prices raised to the highest bill seen.
     `prices` is the run's own dict (read by the room and the requests): a raise replaces its entry."""
 
-    def __init__(self, prices: dict[str, Prices | None], *, first_wave: bool,
+    def __init__(self, prices: dict[str, Prices | None], *, first_wave: Container[str],
                  seen: Mapping[str, tuple[float, float, float]],
                  record: Callable[[str, Prices], None] = lambda name, p: None,
                  raised: Callable[[str, str], None] = lambda name, message: None) -> None:
-        """`seen`: per dataset, the prices bills checked in earlier runs of its request shape (prompt,
+        """`first_wave`: the datasets that start with one (their prices not yet checked in an earlier run);
+        `seen`: per dataset, the prices bills checked in earlier runs of its request shape (prompt,
         completion, request); `record` puts the prices a bill checks (or raises) on the ledger; `raised`
         says a dataset's first raise (its name, the message)."""
         self._prices = prices
@@ -61,7 +63,7 @@ class PriceTrust:
                 continue
             was = seen.get(name)
             if was is None:
-                if first_wave:
+                if name in first_wave:
                     self._wave.add(name)
                 continue
             if was[0] > p.prompt or was[1] > p.completion or was[2] > p.request:
