@@ -169,6 +169,7 @@ async def test_a_negative_cost_then_an_honest_run_bills_at_most_max_usd(tmp_path
         server.record_cost = lambda n: TRUE_COST
         await _run(_config(tmp_path, server.url, 200, max_usd=max_usd))
         billed = server.billed
+    print(f"cost -5 then an honest run: billed ${billed:.6f} of max_usd ${max_usd}, {server.answers} answers")
     assert billed <= max_usd
     assert SpendLedger.read(RunDir(tmp_path / "run").spend).committed_usd <= max_usd + 1e-9
 
@@ -195,6 +196,8 @@ async def test_a_listing_below_the_bills_is_raised_after_a_small_first_wave(tmp_
         # The next run of the directory starts from the prices the bills showed: no first wave.
         again = await _run(_config(tmp_path, server.url, 300, max_usd=1.0, concurrency=50))
         assert server.peak_in_flight > 4
+    print(f"listing 100x low at concurrency 50: billed ${billed:.6f} of max_usd ${max_usd}, "
+          f"{server.peak_before_first} in flight before the first answer")
     assert billed <= max_usd
     assert billed >= 0.5 * max_usd  # the ceiling is used, not stopped by the first bill
     raised = run.said(EventKind.PRICES)
