@@ -6,12 +6,13 @@ bill lets a run pass `max_usd` by what each request in flight is under-reserved.
 - **The first wave.** With `max_usd` set and prices from the endpoints listing (not `[api]` prices,
   which are the user's word), a dataset of a concurrency above `FIRST_WAVE` has at most `FIRST_WAVE`
   requests in flight until its first answer comes back (its bill, when it carries one, checks the
-  listing: below), and then admits none until the rest of that wave has ended (each booked at what it
-  billed, each bill checked), so nothing reserved at unchecked prices is still in flight when its
-  concurrency opens. What a wrong listing can cost before it is found out is those few requests, not
-  the whole concurrency. (An answer without usage.cost, priced later from its generation record, ends
-  the wave too, or a server that never sends a cost would keep the run at the wave for good: its bill
-  checks the prices once the record comes.)
+  listing: below). When a bill of the wave raised the prices, it then admits none until the rest of
+  the wave has ended (each booked at what it billed, each bill checked), so nothing reserved at prices
+  found too low is still in flight when its concurrency opens; when the bills agreed, it opens at once
+  (a slow request of the wave holds nothing back). What a wrong listing can cost before it is found
+  out is those few requests, not the whole concurrency. (An answer without usage.cost, priced later
+  from its generation record, ends the wave too, or a server that never sends a cost would keep the
+  run at the wave for good: its bill checks the prices once the record comes.)
 - **The highest price seen.** Every believed bill is held against the dataset's prices: a bill above
   its tokens at those prices raises them (each by the ratio, or, for prices of $0, to the bill over its
   counts) for every later reservation of the run, said once per dataset. Generation records count as
@@ -73,6 +74,7 @@ class PriceTrust:
                     "directory")
             self._recorded[name] = (p.prompt, p.completion, p.request)
         self._unanswered = set(self._wave)
+        self._drain: set[str] = set()  # in the wave, raised by a bill: the rest of the wave ends first
 
     def in_wave(self, name: str) -> bool:
         """The dataset is in its first wave (its concurrency not open yet)."""
@@ -80,12 +82,13 @@ class PriceTrust:
 
     def wave_holds(self, name: str, in_flight: int) -> bool:
         """Whether the first wave holds one more request of the dataset back (with `in_flight` in flight):
-        at FIRST_WAVE until its first answer, then until the wave has ended (the wave is over then)."""
+        at FIRST_WAVE until its first answer; then, when a bill of the wave raised the prices, until the
+        wave has ended; then never again (the wave is over)."""
         if name not in self._wave:
             return False
         if name in self._unanswered:
             return in_flight >= FIRST_WAVE
-        if in_flight:
+        if in_flight and name in self._drain:
             return True
         self._wave.discard(name)
         return False
@@ -123,6 +126,8 @@ class PriceTrust:
             return
         self._prices[name] = now
         self._checked(name, now)
+        if name in self._wave:  # the wave's other requests were reserved at the prices found too low
+            self._drain.add(name)
         if name not in self._said:
             self._said.add(name)
             self._raised(name, f"{what} billed ${cost:.6f} for {prompt_tokens:,} prompt and {completion_tokens:,} "
