@@ -115,12 +115,13 @@ class ErrorKind(StrEnum):
     EMPTY_CONTENT = "empty_content"
     NO_IDS = "no_ids"  # a self-hosted server asked for its token ids answered without them
     OTHER_MODEL = "other_model"  # the answer's `model` is not the model asked (same_model): never a sample
+    BAD_BILL = "bad_bill"  # its usage (cost, token counts) not believed: booked at its worst case or its record
 
 
 ERROR_KINDS = tuple(k.value for k in ErrorKind)
 # Tallied with the errors, but answers that were kept: not counted as errors in a status line.
 KEPT_ANSWER_KINDS = frozenset({ErrorKind.LENGTH.value, ErrorKind.EMPTY_CONTENT.value, ErrorKind.NO_IDS.value,
-                               ErrorKind.OTHER_MODEL.value})
+                               ErrorKind.OTHER_MODEL.value, ErrorKind.BAD_BILL.value})
 
 # What may follow a model id and still name the same model: a date or a version ("-0127", "-20260127",
 # "-2026-01-27", "-v2", "-v1.1").

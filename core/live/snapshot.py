@@ -306,6 +306,7 @@ class EventKind(StrEnum):
     ALERT = "alert"                          # the run's alert bar changed (a full disk, ...)
     ANSWERS_LOST = "answers_lost"            # the spend ledger has answers the responses file lacks
     ATTACH = "attach"                        # the attach server or viewer (connected, lost, refused)
+    BAD_BILL = "bad_bill"                    # an answer's cost or token counts not believed (billing.py)
     BUDGET = "budget"                        # a token or money budget skipped prompts
     CREDITS = "credits"                      # the balance, or why it could not be read
     CONVERSATION = "conversation"            # a conversation ended early, or its prompt file was edited

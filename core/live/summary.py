@@ -252,15 +252,17 @@ def _spend_lines(s: RunSnapshot, runs: int) -> list[str]:
 
 def _flagged_lines(s: RunSnapshot) -> list[str]:
     """Answers this run paid for and kept, flagged: cut at max_tokens, empty or from another model than the one
-    asked, which the merge leaves out, and a self-hosted server's answers without the ids asked for. A run of
-    them is a config to fix, not luck."""
+    asked, which the merge leaves out, a self-hosted server's answers without the ids asked for, and answers
+    whose bill was not believed. A run of them is a config to fix (or a server to doubt), not luck."""
     tally = dict(s.errors)
     parts = [f"{n:,} {what}" for kind, what in (
         (ErrorKind.LENGTH, "cut at max_tokens (raise the dataset's max_tokens if they are many)"),
         (ErrorKind.EMPTY_CONTENT, "with empty content"),
         (ErrorKind.NO_IDS, "without the server's token ids"),
         (ErrorKind.OTHER_MODEL, f"from another model than {s.model} (check [api] model, [request] provider and "
-                                "the server)")) if (n := tally.get(kind, 0))]
+                                "the server)"),
+        (ErrorKind.BAD_BILL, "with a bill not believed (booked at its worst case or generation record)"))
+        if (n := tally.get(kind, 0))]
     if not parts:
         return []
     left_out = (["the cut and empty ones"] if tally.get(ErrorKind.LENGTH) or tally.get(ErrorKind.EMPTY_CONTENT)

@@ -20,6 +20,10 @@ from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
 from tests.helpers import TEST_KEY, dataset_row, make_config, until
 
 ROUTING = {"ignore": ["fireworks", "baseten"], "sort": "price", "allow_fallbacks": True, "quantizations": ["int4"]}
+# The worst prices of the listing under ROUTING (Together's), set as [api] prices where the simulator holds every
+# answer until 2,000 are in flight: prices from the listing would start the run with a first wave of 4 requests
+# until a bill checks them (core/generate/money/trust.py), which that hold would stall for its 60 s.
+LISTED_WORST = {"prompt_price_per_mtok": 0.60, "completion_price_per_mtok": 3.00}
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +92,8 @@ async def test_ceiling_holds_with_2000_in_flight_long_answers_and_every_fault(tm
     async with SimServer(sim_cfg, port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 4000, "concurrency": 2000, "max_tokens": 1024}],
                           tables={"budget": {"max_usd": 7.0},
-                                  "api": {"stream": True, "request_timeout_s": 30, "generation_lookup_s": 5}},
+                                  "api": {"stream": True, "request_timeout_s": 30, "generation_lookup_s": 5,
+                                          **LISTED_WORST}},
                           request={"temperature": 0.6, "include_reasoning": True, "provider": ROUTING})
         engine = Engine(cfg, TEST_KEY, seed=1)
         task = asyncio.create_task(engine.run())
@@ -273,7 +278,8 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
     async with SimServer(sim_cfg, port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 6000, "concurrency": 2000, "max_tokens": 1024}],
                           tables={"budget": {"max_usd": 8.0},
-                                  "api": {"stream": True, "request_timeout_s": 20, "generation_lookup_s": 5},
+                                  "api": {"stream": True, "request_timeout_s": 20, "generation_lookup_s": 5,
+                                          **LISTED_WORST},
                                   "engine": {"reconstruct": False}},
                           request={"temperature": 0.6, "include_reasoning": True, "provider": ROUTING})
 

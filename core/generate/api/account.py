@@ -17,6 +17,7 @@ these two endpoints for the engine (balance, account re-checks) and smoke.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,12 +30,20 @@ if TYPE_CHECKING:
 
 
 def _num(value: Any) -> float | None:
+    """A figure of GET /key or /credits: a finite number (a numeric string too), else None (not given)."""
     if value is None or isinstance(value, bool):
         return None
     try:
-        return float(value)
+        out = float(value)
     except (TypeError, ValueError):
         return None
+    return out if math.isfinite(out) else None
+
+
+def _usd(value: Any) -> float | None:
+    """A figure that cannot be negative (a cap, a usage, credits bought): `_num`, None when negative."""
+    out = _num(value)
+    return out if out is not None and out >= 0 else None
 
 
 @dataclass(frozen=True)
@@ -99,10 +108,10 @@ def status_from(key: dict[str, Any] | None, credits: dict[str, Any] | None,
     free = k.get("is_free_tier")
     reset = k.get("limit_reset")
     return AccountStatus(
-        label=str(label) if label is not None else None, key_limit=_num(k.get("limit")),
-        key_usage=_num(k.get("usage")), limit_remaining=_num(k.get("limit_remaining")),
+        label=str(label) if label is not None else None, key_limit=_usd(k.get("limit")),
+        key_usage=_usd(k.get("usage")), limit_remaining=_num(k.get("limit_remaining")),
         limit_reset=str(reset) if reset else None, is_free_tier=free if isinstance(free, bool) else None,
-        total_credits=_num(c.get("total_credits")), total_usage=_num(c.get("total_usage")),
+        total_credits=_usd(c.get("total_credits")), total_usage=_usd(c.get("total_usage")),
         key_read=key is not None, credits_note=credits_note)
 
 

@@ -16,6 +16,7 @@ the cap by the margin, and a finished answer whose usage does is refused the sam
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class ChatAnswer:
     # OpenRouter's structured reasoning, as returned (a stream's pieces joined, _Details): what a
     # later turn of the conversation passes back unmodified (core/generate/loop/conversations.py).
     reasoning_details: list[Any] | None = None
+    doubt: str = ""  # what its usage said that is not believed (_usage_of): it is unpriced
 
 
 def _details_of(message: dict[str, Any]) -> list[Any] | None:
@@ -109,15 +111,48 @@ def _reasoning_of(message: dict[str, Any]) -> str | None:
     return reasoning_text(message) or None
 
 
-def _usage_of(raw: Any) -> tuple[Usage, bool]:
-    """The answer's usage, and whether it carried its cost (`usage.cost`, a number): priced."""
+# What an answer's usage said that is not believed (ChatAnswer.doubt): billing.py books such an answer at
+# its worst case or its generation record, and the run counts and says each kind once (request.py).
+NEGATIVE_COST = "a negative usage.cost"
+COST_NOT_A_NUMBER = "a usage.cost that is not a number"
+BAD_COUNT = "token counts that are not counts"
+
+
+def _count(value: Any) -> int | None:
+    """A token count as a server sends it: a non-negative integer, also written as an integral float
+    (`12.0`) or a string of ASCII digits (`"12"`, as some proxies send numbers); None for anything else
+    (negative, fractional, NaN, infinite, a boolean, null, missing, any other string)."""
+    if type(value) is int:
+        return value if 0 <= value < 1 << 62 else None
+    if type(value) is float:
+        return int(value) if value.is_integer() and 0 <= value < 2.0 ** 62 else None  # NaN, inf: not integral
+    if type(value) is str and 0 < len(value) <= 18 and value.isascii() and value.isdigit():
+        return int(value)
+    return None
+
+
+def _usage_of(raw: Any) -> tuple[Usage, bool, str]:
+    """The answer's usage, whether it carried its cost (`usage.cost`, a finite non-negative JSON number):
+    priced, and what in it is not believed ("" when nothing): a negative cost, a cost that is not a number
+    (a string, a boolean, NaN, infinite), token counts that are not counts (`_count`). An answer with a
+    doubt is unpriced, its counts kept only when they are counts (billing.py prices it at its worst case,
+    or from its generation record)."""
     if not isinstance(raw, dict):
-        return Usage(), False
+        return Usage(), False, ""
     get = raw.get  # once per answer: positional fields (prompt, completion, reasoning tokens, cost)
     cost, details = get("cost"), get("completion_tokens_details")
-    return Usage(int(get("prompt_tokens") or 0), int(get("completion_tokens") or 0),
-                 int((details.get("reasoning_tokens") if isinstance(details, dict) else 0) or 0),
-                 float(cost or 0.0)), isinstance(cost, (int, float)) and not isinstance(cost, bool)
+    prompt, completion = _count(get("prompt_tokens")), _count(get("completion_tokens"))
+    reasoning = _count(details.get("reasoning_tokens")) if isinstance(details, dict) else 0
+    doubt = "" if prompt is not None and completion is not None else BAD_COUNT
+    priced = False
+    if cost is None:
+        cost = 0.0
+    elif (type(cost) is float or type(cost) is int) and 0 <= cost < math.inf:  # NaN compares false
+        priced = not doubt
+    else:
+        doubt = NEGATIVE_COST if type(cost) in (int, float) and cost < 0 else COST_NOT_A_NUMBER
+        cost = 0.0
+    return Usage(prompt or 0, completion or 0, reasoning or 0, float(cost) if priced else 0.0), priced, doubt
 
 
 def _error_message(err: Any) -> str:
@@ -231,14 +266,14 @@ def parse_completion(obj: Any, latency_s: float, self_hosted: Callable[[], bool]
     reasoning = mget("reasoning")
     if not (type(reasoning) is str and reasoning):
         reasoning = _reasoning_of(message)
-    used, priced = _usage_of(get("usage"))
+    used, priced, doubt = _usage_of(get("usage"))
     token_ids = prompt_ids = None
     if not _ID_KEYS.isdisjoint(choice) or not _TOP_ID_KEYS.isdisjoint(obj):  # a self-hosted server's ids
         token_ids, prompt_ids = _token_ids(obj, choice), _prompt_token_ids(obj, choice)
     return ChatAnswer(
         mget("content") or "", reasoning, mget("tool_calls") or None, reason, cget("native_finish_reason"),
         get("provider"), get("model"), get("id"), used, latency_s, token_ids, priced, prompt_ids,
-        reasoning_details=_details_of(message))
+        reasoning_details=_details_of(message), doubt=doubt)
 
 
 # Where a body may carry token ids (_token_ids, _prompt_token_ids): on the choice, at the top level.
@@ -396,7 +431,7 @@ class _StreamState:
             if self.token_limit and type(value) is dict:
                 done = value.get("completion_tokens")
                 if type(done) is int and done > self.token_limit:  # counts mid-stream (vLLM's continuous usage)
-                    raise RequestFailed.ran_past_cap(PastCap(self.cap, done, True, *_usage_of(value)),
+                    raise RequestFailed.ran_past_cap(PastCap(self.cap, done, True, *_usage_of(value)[:2]),
                                                      self.meta.get("provider"))
         value = get("sglext")
         if isinstance(value, dict):  # SGLang may split it over two chunks (its ids in a named event)

@@ -11,6 +11,12 @@ served by any of them: each one's listing is read and the worst case takes the h
 every model and endpoint the routing allows. `[api] prompt_price_per_mtok` / `completion_price_per_mtok`
 set the prices for servers without that listing (and win over it when set).
 
+A listing is not trusted when it prices a dataset at $0 (prompt and completion) on OpenRouter for a
+model that is not free (OpenRouter's free variants have ids ending in ":free"): a model that stopped
+being free, or a wrong listing, would make every reservation $0. Such a dataset is unpriced, so with
+`max_usd` the run refuses to start until `[api]` prices are set (`require_prices`). Prices below what
+providers bill are found out by the bills themselves (core/generate/money/trust.py).
+
 The worst case is read from the body actually sent: its largest answer cap (`max_tokens` and its other
 names, a reasoning budget), times the answers it asks for (`n`, `best_of`; the load refuses more than
 one, the reservation still counts them).
@@ -191,6 +197,23 @@ def dataset_prices(config: Config, ds: DatasetConfig, endpoints: Sequence[Endpoi
                   tuple(sorted({e.provider or e.tag for e in ok})))
 
 
+FREE_SUFFIX = ":free"
+
+
+def zero_listing(config: Config, ds: DatasetConfig, prices: Prices | None) -> str:
+    """Why the listing's $0 prices for `ds` are not trusted ("" when they are, or are not $0): on OpenRouter,
+    a model (or fallback model) of the dataset's body that is not a ":free" variant."""
+    if prices is None or prices.prompt or prices.completion or config.api.self_hosted \
+            or prices.source.startswith("config"):
+        return ""
+    models = [config.api.model, *fallback_models(config.request_body(ds, []))]
+    paid = [m for m in dict.fromkeys(models) if not m.endswith(FREE_SUFFIX)]
+    if not paid:
+        return ""
+    return (f"the endpoints listing prices {', '.join(paid)} at $0, which is not a free model (OpenRouter's free "
+            f"models' ids end in \"{FREE_SUFFIX}\"): a listing not trusted")
+
+
 def require_prices(config: Config, prices: Mapping[str, Prices | None], listing_error: str) -> None:
     """With `max_usd` set, every dataset needs a price: refuse to start, saying how to set one."""
     if config.budget.max_usd is None:
@@ -236,4 +259,10 @@ async def fetch_prices(client: ChatClient, config: Config) -> tuple[dict[str, Pr
                     if model != api.model and model not in fallbacks:
                         fallbacks[model], why = await _listing(client, model)
                         error = error or (f"fallback model {model}: {why}" if why else "")
-    return {ds.name: dataset_prices(config, ds, endpoints, fallbacks) for ds in config.datasets}, error
+    out: dict[str, Prices | None] = {}
+    for ds in config.datasets:
+        p = out[ds.name] = dataset_prices(config, ds, endpoints, fallbacks)
+        if why := zero_listing(config, ds, p):
+            out[ds.name] = None
+            error = error or why
+    return out, error

@@ -77,7 +77,7 @@ from draftgen.core.generate.loop.prompts import (
 )
 from draftgen.core.generate.loop.request import backoff_delay
 from draftgen.core.generate.loop.smoke_record import last_smoke
-from draftgen.core.generate.money.billing import book_answer, book_failure, look_up, reserve_one
+from draftgen.core.generate.money.billing import believed, book_answer, book_failure, look_up, reserve_one
 from draftgen.core.generate.money.forecast import (
     DatasetFigures,
     RunForecast,
@@ -621,7 +621,8 @@ class _SmokeTest:
             # details: a stream's reasoning_details kept, so a second turn sends back what a run's would
             answer = await client.chat(body, functools.partial(spend.generation, ticket), details=True)
         except RequestFailed as e:
-            look_up(self.settler, book_failure(spend, ticket, e, p, self_hosted=self.config.api.self_hosted))
+            look_up(self.settler, book_failure(spend, ticket, e, p, self_hosted=self.config.api.self_hosted,
+                                               body=body))
             delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, self.rng)
             if _outage(e) and tries < SMOKE_TRIES and time.monotonic() + delay <= self.deadline:
                 return float(delay), 0.0
@@ -633,6 +634,7 @@ class _SmokeTest:
             look_up(self.settler, spend.abandoned(ticket))
             raise
         took = time.monotonic() - start
+        answer = believed(answer, ticket, p, body)  # a bill not believed: booked as the run's answers are
         look_up(self.settler, book_answer(spend, ticket, answer, p))
         return answer, took
 

@@ -155,8 +155,17 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
               f"${p.worst:.6f} it was counted at: booked at what it billed, so max_usd counts it", dataset=p.ds,
               data=OverReservation(provider or "(unnamed)", p.worst, cost))
 
+    said: list[bool] = []
+
+    def doubt(p: Pending, figure: str) -> None:  # said once a run (the settler counts them all)
+        if not said:
+            said.append(True)
+            event(Level.WARN, EventKind.BAD_BILL, f"{p.ds}: prompt {p.prompt_id!r}: its generation record says it "
+                  f"cost {figure}, which is not believed (settle.py): settled at what it counted at, "
+                  f"${p.worst:.6f}", dataset=p.ds)
+
     settler = Settler(spend, client, config.api.generation_lookup_s, on_settled=on_settled,
-                      self_hosted=config.api.self_hosted, on_over=over)
+                      self_hosted=config.api.self_hosted, on_over=over, on_doubt=doubt)
     settler.start()
     left = spend.lookups()
     if spend.pending:

@@ -60,7 +60,14 @@ from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.loop.room import Admit, Decision, Room
 from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.loop.source import HANDED_BACK, TAKEN_ELSEWHERE, Booked, PromptSource
-from draftgen.core.generate.money.billing import as_booked, book_answer, book_failure, look_up, over_reservation
+from draftgen.core.generate.money.billing import (
+    as_booked,
+    believed,
+    book_answer,
+    book_failure,
+    look_up,
+    over_reservation,
+)
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
 from draftgen.core.live.snapshot import EventData, EventKind, Level, OverReservation, ProviderPastCap
 from draftgen.core.records import ErrorKind
@@ -157,6 +164,7 @@ class Requests:
         self.last_transient: RequestFailed | None = None
         self.unreachable_cause = ""  # e.g. "cannot connect to 127.0.0.1:18799 (connection refused)"
         self._said: dict[tuple[EventKind, str], int] = {}  # (event kind, provider) -> times seen
+        self._doubts_said: set[str] = set()  # the kinds of bill not believed, said once each
         api = ctx.config.api
         self._wants_ids = api.return_token_ids and api.self_hosted
         self._ids_said = False  # why answers come without the server's ids was said
@@ -286,7 +294,7 @@ class Requests:
                 answer = await self.client.chat(body, functools.partial(spend.generation, ticket),
                                                 details=ds.config.turns == "all")  # passed back next turn
             except RequestFailed as e:
-                self._note_failure(ds, ticket, tries, e)
+                self._note_failure(ds, ticket, tries, e, body)
                 ended = self._ended_by(ds, prompt_id, tries, e, seq)
                 if ended is not None:
                     return ended
@@ -307,7 +315,7 @@ class Requests:
             except BaseException:  # stop-now (a cancel) mid-request: the provider may bill it anyway
                 look_up(self.settler, spend.abandoned(ticket))
                 raise
-            return self._answered(ds, ticket, answer, tries, seq, sent_no)
+            return self._answered(ds, ticket, answer, tries, seq, sent_no, body)
 
     def _spends_attempt(self, ds: DatasetRun, e: RequestFailed, first_block: int, others_faults: int) -> bool:
         """An answer fault counts against the prompt only while the other prompts got more answers than
@@ -320,9 +328,15 @@ class Requests:
         return sum(self._answered_blocks[first_block:]) > others_faults or alone or e.past_cap is not None
 
     def _answered(self, ds: DatasetRun, ticket: Ticket, answer: ChatAnswer, tries: int, seq: int,
-                  sent_no: int) -> Attempted:
-        """An answer booked on the ledger at what it billed, and counted as the service's evidence."""
-        prices = self.prices.get(ds.config.name)
+                  sent_no: int, body: dict[str, Any]) -> Attempted:
+        """An answer booked on the ledger at what it billed (what of its bill is believed: billing.py), its
+        bill held against the dataset's prices (trust.py), and counted as the service's evidence."""
+        name = ds.config.name
+        prices = self.prices.get(name)
+        answer = believed(answer, ticket, prices, body)
+        if answer.doubt:
+            self._doubted(ds, ticket, answer)
+        self._room.trust.billed(name, answer, f"prompt {ticket.prompt_id!r}")
         look_up(self.settler, book_answer(self._spend, ticket, answer, prices))
         answer = as_booked(answer, ticket, prices)  # the record's cost is what the ledger booked
         over = over_reservation(answer, ticket, prices)
@@ -341,12 +355,13 @@ class Requests:
             self._note_reachable(since)
         return Attempted(Outcome.ANSWERED, tries, answer=answer, seq=seq)
 
-    def _note_failure(self, ds: DatasetRun, ticket: Ticket, tries: int, e: RequestFailed) -> None:
+    def _note_failure(self, ds: DatasetRun, ticket: Ticket, tries: int, e: RequestFailed,
+                      body: dict[str, Any]) -> None:
         """A failed attempt on the ledger, in the error tallies, and as feedback to the dataset's concurrency."""
         ctx = self._ctx
         self_hosted = ctx.config.api.self_hosted
         look_up(self.settler, book_failure(self._spend, ticket, e, self.prices.get(ds.config.name),
-                                           self_hosted=self_hosted))
+                                           self_hosted=self_hosted, body=body))
         if e.past_cap is not None:
             self._say(EventKind.PAST_CAP, ds, e.provider, f"prompt {ticket.prompt_id!r}: {ctx.redact(e.message)}; "
                       "booked at what it billed, the prompt is asked again (docs/money.md)", ProviderPastCap)
@@ -357,6 +372,22 @@ class Requests:
             ds.concurrency.on_429()
         elif not e.unreachable:
             ds.concurrency.on_response()
+
+    def _doubted(self, ds: DatasetRun, ticket: Ticket, answer: ChatAnswer) -> None:
+        """An answer whose bill is not believed (billing.py `believed`): counted (bad_bill), and said once per
+        kind of doubt with what it is booked at instead."""
+        self._ctx.errors.add(ErrorKind.BAD_BILL)
+        if answer.doubt in self._doubts_said:
+            return
+        self._doubts_said.add(answer.doubt)
+        name = self._ctx.redact(answer.provider or "") or "(unnamed provider)"
+        counts = answer.usage.prompt_tokens or answer.usage.completion_tokens
+        instead = ("its generation record's cost (checked the same way)" if ticket.gen else
+                   "its token counts at the worst prices" if counts else f"its worst case ${ticket.worst:.6f}")
+        self._ctx.event(Level.WARN, EventKind.BAD_BILL, f"{ds.config.name}: provider {name}: prompt "
+                        f"{ticket.prompt_id!r} came with {answer.doubt}: not booked as given but at {instead}; the "
+                        "answer is kept. Said once per kind; each such answer is counted as bad_bill",
+                        dataset=ds.config.name)
 
     def _say(self, kind: EventKind, ds: DatasetRun, provider: str, what: str,
              data: Callable[[str], EventData]) -> None:

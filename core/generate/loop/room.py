@@ -2,10 +2,12 @@
 
 A request waits while the run is paused, while a doubted dataset's one probe is out (doubts.py), while
 its dataset's answers in flight may still free token budget, while settling money in flight may free
-room under max_usd, and while its dataset is at its concurrency limit. Each request reserves the worst
-case of the very body it sends; a prompt whose worst case would not fit under max_usd even with nothing
-in flight is skipped (counted, eligible later). The balance reaching credit_floor_usd holds the run
-instead of skipping anything. A retry over a limit lowered by 429s waits for a slot holding none.
+room under max_usd, and while its dataset is at its concurrency limit (or in its first wave: under
+max_usd with the listing's prices, until its first answer's bill has checked them, trust.py). Each
+request reserves the worst case of the very body it sends; a prompt whose worst case would not fit
+under max_usd even with nothing in flight is skipped (counted, eligible later). The balance reaching
+credit_floor_usd holds the run instead of skipping anything. A retry over a limit lowered by 429s waits
+for a slot holding none.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from draftgen.core.generate.api.prices import body_prompt_bound, prompt_token_bo
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.money.budget import Block, BlockReason, MoneyBudget
-from draftgen.core.generate.money.spend import Ticket
+from draftgen.core.generate.money.spend import SpendLedger, Ticket
+from draftgen.core.generate.money.trust import FIRST_WAVE, PriceTrust
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.request_keys import body_answers, body_max_tokens
 
@@ -74,11 +77,36 @@ def _cycle_place(config: DatasetConfig, index: int) -> tuple[int, int]:
     return (index % len(temps) if temps else 0, index % len(efforts) if efforts else 0)
 
 
+def price_trust(ctx: RunContext, opened: Opened, spend: SpendLedger, datasets: dict[str, DatasetRun]) -> PriceTrust:
+    """The run's price trust (trust.py): under max_usd with the listing's prices, a first wave for each
+    dataset whose concurrency is above it and whose request shape no bill in this directory has checked
+    (the ledger's "prices" lines), said once; raises said once per dataset; generation records' bills
+    checked too (the settler's `on_bill`)."""
+    config = ctx.config
+    api = config.api
+    listed = config.budget.max_usd is not None and api.prompt_price_per_mtok is None \
+        and api.completion_price_per_mtok is None
+    shapes = {name: config.fingerprint(ds.config) for name, ds in datasets.items()}
+    seen = {name: was for name, f in shapes.items() if (was := spend.sums.prices_seen.get((name, f))) is not None}
+    wave = {name for name, ds in datasets.items() if listed and ds.config.concurrency > FIRST_WAVE}
+    trust = PriceTrust(opened.costs.prices, first_wave=wave, seen=seen,
+                       record=lambda name, p: spend.prices_checked(name, shapes[name], p.prompt, p.completion,
+                                                                   p.request),
+                       raised=lambda name, message: ctx.event(Level.WARN, EventKind.PRICES, f"{name}: {message}",
+                                                              dataset=name))
+    opened.costs.settler.on_bill = lambda p, cost, prompt_tokens, completion_tokens: trust.bill(
+        p.ds, cost, prompt_tokens, completion_tokens, f"prompt {p.prompt_id!r} (its generation record)")
+    if waves := [name for name in datasets if trust.in_wave(name)]:
+        ctx.event(Level.INFO, EventKind.PRICES, f"{', '.join(waves)}: at most {FIRST_WAVE} requests in flight until "
+                  "the first answer comes back, its bill checking the listed prices (then each dataset's concurrency)")
+    return trust
+
+
 class Room:
     """Whether one more request (or retry) of a dataset may go out now, and what max_usd left unasked."""
 
     def __init__(self, ctx: RunContext, money: MoneyBudget, book: RecordBook, watch: AccountWatch,
-                 datasets: dict[str, DatasetRun], opened: Opened) -> None:
+                 datasets: dict[str, DatasetRun], opened: Opened, *, trust: PriceTrust | None = None) -> None:
         self._money = money
         self._control = ctx.control
         self._book = book
@@ -90,6 +118,8 @@ class Room:
         # per dataset and place in its sampling cycles: the body without its messages
         self._bodies: dict[tuple[str, tuple[int, int]], _Made] = {}
         self.prices = opened.costs.prices
+        # The prices' first wave and raises (trust.py): the run's, else none (a room built alone).
+        self.trust = trust or PriceTrust(self.prices, first_wave=(), seen={})
         # Prompts skipped because their worst case did not fit what max_usd left, per dataset.
         self.money_skipped: dict[str, int] = {}
         self._money_stopped: set[str] = set()  # datasets whose rest max_usd skipped
@@ -184,7 +214,7 @@ class Room:
         block = self._money.blocked(worst)
         if block is not None:
             return self._money_held(ds, worst, block)
-        if ds.in_flight >= ds.concurrency.limit:
+        if ds.in_flight >= ds.concurrency.limit or self.trust.wave_holds(ds.config.name, ds.in_flight):
             return _Wait.WAKE
         return None
 

@@ -20,7 +20,7 @@ from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.opening import Opened
 from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.request import Requests
-from draftgen.core.generate.loop.room import Room
+from draftgen.core.generate.loop.room import Room, price_trust
 from draftgen.core.generate.loop.watch import AccountWatch
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.generate.money.spend import SpendLedger
@@ -40,7 +40,8 @@ class RunLoop:
         self._resume = resume  # the engine's resume (an account condition cleared)
         self.watch = AccountWatch(ctx, money, spend, datasets, opened.client, on_key_refused=self._key_refused,
                                   on_cleared=self._account_cleared)
-        self.room = Room(ctx, money, book, self.watch, datasets, opened)
+        self.room = Room(ctx, money, book, self.watch, datasets, opened,
+                         trust=price_trust(ctx, opened, spend, datasets))
         self.requests = Requests(ctx, opened, room=self.room, book=book, watch=self.watch, spend=spend,
                                  datasets=datasets, rng=rng)
         self.admission = Admission(ctx, datasets, money, self.room, book, self.requests)

@@ -26,21 +26,69 @@ the same response is never priced two ways:
   that token estimate ("estimate"), the tokens counted, or estimated from the text streamed;
 - everything else (a timeout, a cut body, an error inside a 200, stop-now): abandoned, and priced
   from the generation record when it has an id; without one it stays at its worst case.
+
+What a server says it billed is checked before it is booked (`believed`): a usage.cost that is negative
+or not a finite number, token counts that are not counts (client.py `_usage_of`), or a figure beyond
+what the request could cost (`cost_bound`: ten times its reservation, and never less than its token
+bound at $100 per million tokens, far above any model's listed price; for an answer a provider ran past
+its cap, which bills what it generated, up to `RUN_ON_USD`) is not believed. The answer is
+then booked as one without a cost: its sane counts at the worst prices when they are within the bound,
+else its worst case (its reservation), or its generation record's cost when it has an id (checked the
+same way by the settler). One bad figure costs at most one reservation on the ledger, never more.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.api.classify import PastCap, RequestFailed
 from draftgen.core.generate.api.client import ChatAnswer
-from draftgen.core.generate.api.prices import Prices
+from draftgen.core.generate.api.prices import Prices, body_answers, body_max_tokens, body_prompt_bound
 from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger, Ticket
 
 if TYPE_CHECKING:
     from draftgen.core.generate.money.settle import Settler
+
+
+# A billed figure past both of these is not believed (`cost_bound`): ten times the reservation (a
+# provider past max_tokens is cut at about 1.6x the cap), and never less than the request's token bound at
+# $100 per million tokens (six times Kimi's price; o1-pro's $600/M output is the only listed price above,
+# and its reservation is larger in proportion).
+ABSURD_FACTOR = 10.0
+SANE_USD_PER_TOKEN = 1e-4
+# What one generation run on past its cap (a provider that ignores max_tokens, or keeps generating after the
+# stream is closed) is believed to have cost at most: a million tokens at $100 per million, ~$105. Such a
+# bill (the answer's usage, or its generation record's total_cost) is booked as billed up to this.
+RUN_ON_USD = (1 << 20) * SANE_USD_PER_TOKEN
+ABSURD_COST = "a cost beyond what the request could cost"
+ABSURD_COUNT = "token counts beyond what the request could cost"
+
+
+def cost_bound(worst: float, body: Mapping[str, Any] | None) -> float:
+    """The most an attempt reserved at `worst` for `body` is believed to have been billed."""
+    tokens = 0 if body is None else (body_prompt_bound(body) + body_max_tokens(body, 0)) * body_answers(body)
+    return max(ABSURD_FACTOR * worst, tokens * SANE_USD_PER_TOKEN)
+
+
+def believed(answer: ChatAnswer, t: Ticket, prices: Prices | None, body: Mapping[str, Any] | None) -> ChatAnswer:
+    """The answer with what its usage says that is not believed taken out (`doubt` says what, "" when
+    all is believed): a cost past `cost_bound` leaves it unpriced, counts whose estimate passes it are
+    dropped too (it is then booked at its worst case, or its generation record). Checks the bound only
+    for a figure above the reservation (most answers cost less)."""
+    u = answer.usage
+    if answer.priced and u.cost > t.worst and u.cost > cost_bound(t.worst, body):
+        answer = dataclasses.replace(answer, priced=False, usage=dataclasses.replace(u, cost=0.0), doubt=ABSURD_COST)
+        u = answer.usage
+    if not answer.priced and prices is not None and (u.prompt_tokens or u.completion_tokens):
+        guess = estimate(answer, prices, t.worst)
+        if guess > t.worst and guess > cost_bound(t.worst, body):
+            answer = dataclasses.replace(answer, usage=dataclasses.replace(u, prompt_tokens=0, completion_tokens=0,
+                                                                           reasoning_tokens=0),
+                                         doubt=answer.doubt or ABSURD_COUNT)
+    return answer
 
 
 def estimate(answer: ChatAnswer, prices: Prices | None, worst: float) -> float:
@@ -91,10 +139,11 @@ def book_answer(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Price
 
 
 def book_failure(spend: SpendLedger, t: Ticket, e: RequestFailed, prices: Prices | None = None, *,
-                 self_hosted: bool = False) -> Pending | None:
-    """Book a request that got no answer; returns what the settler should look up."""
+                 self_hosted: bool = False, body: Mapping[str, Any] | None = None) -> Pending | None:
+    """Book a request that got no answer (`body`: what it sent, which bounds what an answer run past its
+    cap is believed to have cost); returns what the settler should look up."""
     if e.past_cap is not None:
-        return _book_past_cap(spend, t, e.past_cap, prices, self_hosted)
+        return _book_past_cap(spend, t, e.past_cap, prices, self_hosted, max(cost_bound(t.worst, body), RUN_ON_USD))
     if e.unreachable:  # no connection, so nothing was sent
         spend.refused(t)
         return None
@@ -118,13 +167,17 @@ def past_cap_cost(cap: PastCap, t: Ticket, prices: Prices | None) -> float:
 
 
 def _book_past_cap(spend: SpendLedger, t: Ticket, cap: PastCap, prices: Prices | None,
-                   self_hosted: bool) -> Pending | None:
-    if cap.priced and cap.usage is not None:
+                   self_hosted: bool, bound: float) -> Pending | None:
+    """Booked at its own cost, or its tokens at the worst prices; a figure past `bound` (what a generation run
+    on is believed to cost at most) is not believed: its worst case instead (or its record's cost)."""
+    if cap.priced and cap.usage is not None and cap.usage.cost <= bound:
         p = spend.abandoned(t)
         if p is not None:
             spend.settle(p, cap.usage.cost, CostSource.USAGE)
         return None
     cost = past_cap_cost(cap, t, prices)
+    if cost > bound:
+        cost = t.worst
     if t.gen and not self_hosted:
         return spend.abandoned(t, at_least=cost)
     p = spend.abandoned(t)

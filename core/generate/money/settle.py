@@ -9,6 +9,12 @@ id of a 500, 502 or 503 (`Pending.ended`): that error was answered at once, so n
 and a record still missing after `lookup_s` of 404s (two at least) means none ran: it settles at $0
 ("no record"). A 408, 504 or 524 (someone gave up on a generation that may run on) stays pending.
 
+A record's cost is checked as an answer's is (billing.py): one that is not a finite non-negative number,
+or is past both ten times what the attempt counted at (its reservation or token estimate) and what a
+generation run on past its cap is believed to cost at most (`RUN_ON_USD`, ~$105), is not believed: the
+attempt settles at what it counted at ("worst case"), once, said by `on_doubt`, so a bad record neither
+books a fortune nor leaves the attempt looked up run after run.
+
 An openai-compatible server (`[api] kind`) has no generation records and bills nothing: what is
 pending there (a request lost when the server died, a run killed mid-request) is settled at once,
 an answer without a cost at its token estimate, anything else at $0 ("self-hosted"), so no phantom
@@ -24,19 +30,42 @@ from collections.abc import Callable, Iterable
 import aiohttp
 
 from draftgen.core.generate.api.client import ChatClient, RequestFailed
+from draftgen.core.generate.money.billing import ABSURD_FACTOR, RUN_ON_USD
 from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger
+from draftgen.core.records import count_of
 
 WORKERS = 8
+
+
+def record_cost(record: dict[str, object], worst: float) -> tuple[float | None, bool]:
+    """A generation record's cost (`total_cost`, else `usage`) and whether it is believed: (None, True) when
+    it has none; (the cost, False) when it is not a finite number from 0 to the larger of ABSURD_FACTOR x
+    `worst` and RUN_ON_USD (a provider that ran on past the cap bills what it generated)."""
+    raw = record.get("total_cost", record.get("usage"))
+    if raw is None:
+        return None, True
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        return 0.0, False
+    try:
+        cost = float(raw)
+    except ValueError:
+        return 0.0, False
+    return cost, 0 <= cost <= max(ABSURD_FACTOR * worst, RUN_ON_USD)  # NaN: False
 
 
 class Settler:
     def __init__(self, spend: SpendLedger, client: ChatClient, lookup_s: float,
                  on_settled: Callable[[], None] = lambda: None, *, self_hosted: bool = False,
-                 on_over: Callable[[Pending, float, str], None] | None = None) -> None:
+                 on_over: Callable[[Pending, float, str], None] | None = None,
+                 on_doubt: Callable[[Pending, str], None] | None = None) -> None:
         self._spend = spend
         # A record billed past what its attempt counted at (its reservation or token estimate): told with
         # the record's provider, booked at the record's cost all the same.
         self._on_over = on_over
+        self._on_doubt = on_doubt  # a record whose cost is not believed: settled at its worst case
+        # A believed record's bill with its native token counts (the run's price trust checks its prices).
+        self.on_bill: Callable[[Pending, float, int, int], None] | None = None
+        self.doubted = 0  # records not believed
         self._self_hosted = self_hosted
         self._client = client
         self._lookup_s = lookup_s
@@ -109,14 +138,20 @@ class Settler:
                 not_found = 0
                 self.failures += 1
             if record is not None:
-                cost = record.get("total_cost", record.get("usage"))
+                cost, sane = record_cost(record, p.worst)
                 if cost is None:
                     return  # a record without a cost: left pending at its worst case
-                try:
-                    cost = float(cost)
-                except (TypeError, ValueError):
-                    return  # a record without a cost: left pending at its worst case
+                if not sane:
+                    self.doubted += 1
+                    self._spend.settle(p, p.worst, CostSource.WORST)
+                    if self._on_doubt is not None:
+                        self._on_doubt(p, repr(record.get("total_cost", record.get("usage")))[:40])
+                    self._on_settled()
+                    return
                 self._spend.settle(p, cost)
+                if self.on_bill is not None:
+                    self.on_bill(p, cost, count_of(record.get("native_tokens_prompt")),
+                                 count_of(record.get("native_tokens_completion")))
                 if self._on_over is not None and cost > p.worst + 1e-12 and p.worst > 0:
                     self._on_over(p, cost, str(record.get("provider_name") or ""))
                 self._on_settled()

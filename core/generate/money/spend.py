@@ -30,6 +30,9 @@ left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the n
     {"e":"settle","a":ID,"c":USD,"s":"usage.cost"|"estimate"}
         right after its abandoned end line: an answer a provider ran past max_tokens (not kept), priced
         from its own usage.cost, or its tokens x the worst prices (billing.py)
+    {"e":"settle","a":ID,"c":USD,"s":"worst case"}
+        an abandoned attempt whose generation record's cost was not believed (negative, not a number, or
+        past ten times what it counted at: settle.py): settled at what it counted at
     {"e":"settle","a":ID,"c":0,"s":"no record"}
         a 500/502/503 whose generation id has no record after `generation_lookup_s`: nothing ran
     {"e":"settle","a":ID,"c":0|USD,"s":"self-hosted"|"estimate"}
@@ -40,6 +43,12 @@ left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the n
         --unknown-from-key`, see reconcile.py `settle_unknown_from_key`)
     {"e":"key","u":USD,"t":UNIX_TIME}
         the key's usage (GET /key) before the directory's first attempt: the baseline for that
+    {"e":"prices","ds":DATASET,"f":FINGERPRINT,"p":USD,"c":USD,"r":USD}
+        the worst prices per prompt token, completion token and request that an answer's bill checked for
+        the dataset's request shape (`Config.fingerprint`): the listing's, or the higher ones bills implied
+        (trust.py); the next run of that shape reserves at no less, without a first wave. Each figure must
+        be a finite price from 0 to $100 per million tokens (the request price up to $1), else the line
+        counts as nothing
     {"e":"carry","ds":DATASET,"c":USD,"n":ANSWERS}
         spend already in responses.jsonl when the directory got its ledger (older runs): the cost of
         its first n answers (n absent in lines from before it was written: then the answers carried
@@ -55,6 +64,10 @@ A `sent` line is fsynced before its request leaves (group commit: one fsync for 
 the moment, `send_grouped`), so an OS crash or a power cut loses no attempt that may be billed; the
 lines after it (gen, end, settle) go in the next fsync, and one lost only makes the next run count
 its attempt at worst case (or look it up).
+
+A cost read back that no attempt can have been billed (not a finite number, negative, or $1,000 or more:
+`MAX_ATTEMPT_USD`, e.g. a figure a server sent that an older version booked as given) counts as the
+attempt's reservation (its `w`), so no one line can make the directory's ledger unusable.
 
 Money is then three sums over all runs: settled (known costs), pending (abandoned attempts not yet
 priced, and attempts a killed run left open, each at its worst case) and reserved (the worst case
@@ -78,6 +91,19 @@ from draftgen.core.generate.money.spend_sums import AttemptEnd, Pending, Reconci
 from draftgen.core.rundir import iter_jsonl
 from draftgen.core.units import to_ms
 
+# No attempt of a chat model costs this much (a million tokens at the highest listed price, $600/M, is $600):
+# a figure at or above it read back from the ledger counts as the attempt's reservation instead.
+MAX_ATTEMPT_USD = 1000.0
+# The most a "prices" line may say per prompt token, completion token and request ($100 per million tokens,
+# billing.py SANE_USD_PER_TOKEN; $1 a request): a line past them counts as nothing.
+PRICE_CAPS = (1e-4, 1e-4, 1.0)
+
+
+def _sane(cost: object, worst: float) -> float:
+    """A cost read back from the ledger, or `worst` when it is not one an attempt can have been billed."""
+    value = float(cost)  # type: ignore[arg-type]  # TypeError, ValueError: the line counts as nothing
+    return value if 0 <= value < MAX_ATTEMPT_USD else worst  # NaN: worst
+
 
 class CostSource(StrEnum):
     """Where an attempt's cost came from."""
@@ -86,6 +112,7 @@ class CostSource(StrEnum):
     NOT_BILLED = "not billed"
     GENERATION = "generation"
     NO_RECORD = "no record"    # a 500/502/503's generation id never got a record: nothing ran
+    WORST = "worst case"       # a generation record's cost not believed (settle.py): what the attempt counted at
     KEY_USAGE = "key usage"
     SELF_HOSTED = "self-hosted"  # an attempt lost on an openai-compatible server: it bills nothing
     PENDING = "pending"
@@ -130,12 +157,9 @@ class SpendReplay:
             elif kind == "end":
                 self._end(aid, line)
             elif kind == "settle":
-                rec = opened.pop(aid, None)  # left open by a killed run, priced by a later one
-                p = sums.drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
-                if p is not None:
-                    sums.book_settled(p, float(line["c"]), run=False)
-                    if p.answer:
-                        sums.note_answer(p.ds, p.prompt_id, float(line["c"]))
+                self._settle(aid, line)
+            elif kind == "prices":
+                self._prices(line)
             elif kind == "key":
                 if sums.key_baseline is None:
                     sums.key_baseline = float(line["u"])
@@ -148,6 +172,21 @@ class SpendReplay:
         except (KeyError, TypeError, ValueError):
             return  # a hand-edited line of the wrong shape counts as nothing
 
+    def _settle(self, aid: str, line: dict[str, Any]) -> None:
+        sums = self.sums
+        rec = self._opened.pop(aid, None)  # left open by a killed run, priced by a later one
+        p = sums.drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
+        if p is not None:
+            cost = _sane(line["c"], p.worst)
+            sums.book_settled(p, cost, run=False)
+            if p.answer:
+                sums.note_answer(p.ds, p.prompt_id, cost)
+
+    def _prices(self, line: dict[str, Any]) -> None:
+        seen = (float(line["p"]), float(line["c"]), float(line["r"]))
+        if all(0 <= v <= cap for v, cap in zip(seen, PRICE_CAPS, strict=True)):  # NaN: False
+            self.sums.see_prices(str(line["ds"]), str(line["f"]), seen)
+
     def _end(self, aid: str, line: dict[str, Any]) -> None:
         rec = self._opened.pop(aid, None)
         if rec is None:
@@ -155,17 +194,18 @@ class SpendReplay:
         sums = self.sums
         outcome, cost = line.get("o"), line.get("c")
         if outcome == AttemptEnd.ABANDONED:
-            worst = max(rec["w"], float(line.get("w", 0.0)))
+            worst = max(rec["w"], _sane(line.get("w", 0.0), rec["w"]))
             sums.add_pending(Pending(aid, rec["ds"], rec["p"], worst, rec.get("g") or line.get("g"),
                                      ended=line.get("st") in ENDED_STATUSES, sent_at=rec["t"]))
         elif outcome == AttemptEnd.ANSWERED and cost is None:
-            sums.add_pending(Pending(aid, rec["ds"], rec["p"], float(line.get("w", rec["w"])),
+            sums.add_pending(Pending(aid, rec["ds"], rec["p"], _sane(line.get("w", rec["w"]), rec["w"]),
                                      rec.get("g") or line.get("g"), answer=True))
         else:
-            sums.book(rec["ds"], float(cost or 0.0),
-                      AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED, run=False)
+            usd = _sane(cost or 0.0, rec["w"])
+            sums.book(rec["ds"], usd, AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED,
+                      run=False)
             if outcome == AttemptEnd.ANSWERED:
-                sums.note_answer(rec["ds"], rec["p"], float(cost or 0.0))
+                sums.note_answer(rec["ds"], rec["p"], usd)
         if outcome == AttemptEnd.ANSWERED and self.sent_prompts is not None:
             self.sent_prompts.setdefault(rec["ds"], {})[rec["p"]] = True
 
@@ -267,6 +307,11 @@ class SpendLedger:
     def forget_prompts(self) -> None:
         """Frees what `sent_prompts` reads, once the opening compared it with the answers."""
         self._ids = None
+
+    def prices_checked(self, ds: str, fingerprint: str, prompt: float, completion: float, request: float) -> None:
+        """The worst prices an answer's bill checked for the dataset's request shape (trust.py), for later runs."""
+        self._write({"e": "prices", "ds": ds, "f": fingerprint, "p": prompt, "c": completion, "r": request})
+        self.sums.see_prices(ds, fingerprint, (prompt, completion, request))
 
     def set_key_baseline(self, usage: float) -> None:
         """The key's usage before this directory's first attempt (only then: later it would count

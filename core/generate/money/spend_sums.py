@@ -98,6 +98,9 @@ class SpendSums:
         self.carried_by_cost: dict[str, float] = {}  # carry lines without "n"
         # Per dataset, each prompt's answered cost (read(answer_costs=True)): merge's kept-sample cost.
         self.answer_costs: dict[str, dict[str, float]] | None = None
+        # Per (dataset, request-shape fingerprint), the highest worst prices (prompt, completion, request) that
+        # answers' bills have checked ("prices" lines: core/generate/money/trust.py).
+        self.prices_seen: dict[tuple[str, str], tuple[float, float, float]] = {}
 
     @property
     def committed_usd(self) -> float:
@@ -185,6 +188,11 @@ class SpendSums:
         self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
 
     # -- pending ---------------------------------------------------------------------------
+
+    def see_prices(self, ds: str, fingerprint: str, seen: tuple[float, float, float]) -> None:
+        """Prices a bill checked for a dataset's request shape: the highest of each kept."""
+        had = self.prices_seen.get((ds, fingerprint), seen)
+        self.prices_seen[ds, fingerprint] = (max(had[0], seen[0]), max(had[1], seen[1]), max(had[2], seen[2]))
 
     def add_pending(self, p: Pending) -> None:
         self.pending[p.id] = p
