@@ -245,6 +245,7 @@ class Engine:
             duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.book, self.spend, costs.prices,
                                              self._event)
             self.book.finish_import()
+            costs.settler.start_unknown()  # after the records on disk priced what they can
             self._opened = Opened(client, costs, duplicates)
             self._loop = RunLoop(self._ctx, self._opened, datasets=self.datasets, money=self.money, spend=self.spend,
                                  book=self.book, rng=self._rng, drain=self.drain, resume=self._set_running)

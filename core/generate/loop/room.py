@@ -22,6 +22,7 @@ from draftgen.core.generate.money.budget import Block, BlockReason, MoneyBudget
 from draftgen.core.generate.money.spend import Ticket
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.request_keys import body_answers, body_max_tokens
+from draftgen.core.units import usd
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.dataset_run import DatasetRun
@@ -94,6 +95,7 @@ class Room:
         self.money_skipped: dict[str, int] = {}
         self._money_stopped: set[str] = set()  # datasets whose rest max_usd skipped
         self._retries_waiting = 0
+        self._unknown_said = 0  # how many attempts without a generation id the last wait for them named
 
     def _in_flight(self) -> int:
         """Requests in flight over every dataset."""
@@ -211,6 +213,8 @@ class Room:
                 return Decision(Admit.SKIP, beyond)
         if self._in_flight() or self._settler.waiting:
             self._money.note_limited()
+            if self._settler.unknown_waiting:
+                self._say_unknown_wait()
             return _Wait.WAKE
         if block.reason == BlockReason.CREDIT_FLOOR:
             # The balance, not a budget: hold the run (nothing skipped) until it shows room again.
@@ -219,6 +223,18 @@ class Room:
                 return HALT
             return _Wait.GATE
         return Decision(Admit.BUDGET, block.message, money=True)
+
+    def _say_unknown_wait(self) -> None:
+        """Say (once for each number of them) that max_usd waits for attempts without a generation id to be
+        priced from the key's usage, rather than ending the run."""
+        unknown = self._money.spend.unknown()
+        if len(unknown) == self._unknown_said:
+            return
+        self._unknown_said = len(unknown)
+        self._event(Level.WARN, EventKind.PENDING, f"max_usd has no room now but for {len(unknown)} attempt(s) "
+                    f"without a generation id (counted at worst case, {usd(sum(p.worst for p in unknown))}): the "
+                    f"run waits for the key's usage to price them, in {self._settler.unknown_due_s():.0f} s at most "
+                    "(api.request_timeout_s after the last was sent), then goes on")
 
     async def reserve_retry(self, ds: DatasetRun, prompt_id: str, worst: float) -> Ticket | None:
         """A new reservation for a retry (the last attempt's may be pending at its worst case); None when

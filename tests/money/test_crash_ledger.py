@@ -1,0 +1,227 @@
+"""After kill -9s the ledger comes back to the bill: the attempts a killed run left without a generation
+id are priced from the key's usage once they cannot still be running (money/unknown.py), by the next
+run itself, and a run that max_usd holds back only by them waits for them instead of ending LIMITED.
+
+The simulator bills as OpenRouter does: a non-streamed generation whose client was killed runs on and
+is billed in full when it ends, and its GET /key usage shows every charge. Not streamed, its
+X-Generation-Id comes with the answer, so every request in flight at a kill is one without an id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from draftgen.core.generate.money.reconcile import reconcile, running_left_s
+from draftgen.core.generate.money.spend import Reconciliation, SpendLedger
+from draftgen.core.generate.money.unknown import due_unknown, key_share, settle_from_key
+from draftgen.core.rundir import RunDir
+from draftgen.simulator import SimConfig, SimProvider, SimServer
+from tests.helpers import TEST_KEY, make_config, until
+
+MAX_USD = 0.25
+TIMEOUT_S = 6.0   # api.request_timeout_s: the unknown attempts of a kill are priced this long after they were sent
+LATENCY_S = 2.0   # every generation's: 300 in flight at ~100 answers a second, well inside the timeout
+# One provider, cheap enough that 300 requests at 2,048 max_tokens fit at their worst case in the last
+# quarter of max_usd (~$0.00017 each: 300 in flight hold $0.05, 20 % of it; a conversation's later turns
+# little more, their prompts' bound at $0.005/M); answers of ~1,000 tokens cost half that.
+CHEAP = SimProvider("Cheap", "cheap", "int4", 0.005, 0.08, 1.0, 0.2, 2000.0)
+
+
+@pytest.fixture(autouse=True)
+def _key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DG_TEST_KEY", TEST_KEY)
+
+
+def _sim_config(**kw: Any) -> SimConfig:
+    return SimConfig(seed=3, providers=(CHEAP,), fixed_latency_s=LATENCY_S, mean_completion_tokens=1000,
+                     length_sigma=0.3, jitter=0.0, fallback_rate=0.0, **kw)
+
+
+async def _start(cfg: Any) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
+        "--interval", "0.5", env={**os.environ, "DG_TEST_KEY": TEST_KEY},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+
+
+async def _kills_then_finish(sim: SimServer, cfg: Any, at: tuple[float, ...]) -> tuple[int, str, list[str]]:
+    """A run killed (kill -9) at each share of max_usd billed in `at`, with ~300 requests in flight, each
+    next run started at once; then a last run to its end. Returns its exit code, its output and what
+    each kill caught."""
+    steps = []
+    for share in at:
+        proc = await _start(cfg)
+        while (sim.stats.billed_usd < share * MAX_USD or sim.stats.in_flight < 250) and proc.returncode is None:
+            await asyncio.sleep(0.02)
+        assert proc.returncode is None, (await proc.communicate())[0].decode()[-3000:]
+        steps.append(f"killed at ${sim.stats.billed_usd:.4f} billed, {sim.stats.in_flight} in flight")
+        os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+    proc = await _start(cfg)
+    out, _ = await asyncio.wait_for(proc.communicate(), 180)
+    return proc.returncode or 0, out.decode(), steps
+
+
+async def _bill_once_every_killed_generation_ended(sim: SimServer) -> float:
+    await until(lambda: sim.stats.in_flight == 0 and sim.stats.generations_running == 0, "the billing to end", 60)
+    return sim.stats.billed_usd
+
+
+async def _crashed(tmp_path: Path, sim: SimServer, dataset: dict[str, Any]) -> tuple[Any, int, str, list[str], float,
+                                                                               Reconciliation]:
+    """`dataset` run not streamed under max_usd, killed at a quarter, a half and three quarters of it billed,
+    then to its end: the config, the last run's exit code and output, the kills, the bill once every
+    killed generation ended, and the ledger then."""
+    cfg = make_config(tmp_path, sim.base_url, [dataset],
+                      tables={"budget": {"max_usd": MAX_USD}, "engine": {"reconstruct": False},
+                              "api": {"stream": False, "request_timeout_s": TIMEOUT_S, "generation_lookup_s": 2}})
+    code, out, steps = await _kills_then_finish(sim, cfg, (0.25, 0.5, 0.75))
+    billed = await _bill_once_every_killed_generation_ended(sim)
+    return cfg, code, out, steps, billed, SpendLedger.read(RunDir(cfg.run_dir).spend).reconcile()
+
+
+def _check(billed: float, ledger: float, unknown: int, what: str) -> None:
+    print(f"{what}: billed ${billed:.4f} = {billed / MAX_USD:.1%} of max_usd; ledger ${ledger:.4f} "
+          f"= {ledger / billed:.2%} of the bill; {unknown} unknown left")
+    assert billed <= MAX_USD + 1e-9  # never more
+    assert billed >= 0.8 * MAX_USD
+    assert billed - 1e-6 <= ledger <= 1.05 * billed  # never below the bill, within 5 % of it
+
+
+@pytest.mark.slow
+async def test_three_kills_at_300_in_flight_the_last_run_spends_max_usd_and_the_ledger_is_the_bill(tmp_path):
+    async with SimServer(_sim_config(), port=0) as sim:
+        cfg, code, out, steps, billed, after = await _crashed(
+            tmp_path, sim, {"name": "a", "n": 6000, "concurrency": 300, "max_tokens": 2048})
+    print(steps)
+    # max_usd leaves prompts unasked: LIMITED (exit 3), once the unknown attempts were priced and spent.
+    assert code == 3, out[-3000:]
+    assert "waits for the key's usage to price them" in out, out[-3000:]
+    assert after.unknown == 0 and after.pending == 0, after
+    _check(billed, after.committed_usd, after.unknown, "3 kills")
+
+
+def _conversation(cid: str, n: int) -> dict[str, Any]:
+    turns: list[dict[str, str]] = [{"from": "system", "value": "You are a careful assistant."}]
+    for k in range(1, n + 1):
+        turns += [{"from": "human", "value": f"{cid}: question {k} on topic {cid}"},
+                  {"from": "gpt", "value": f"answer {k} of {cid}"}]
+    return {"id": cid, "conversations": turns}
+
+
+@pytest.mark.slow
+async def test_a_multi_turn_run_killed_between_turns_spends_max_usd_and_the_ledger_is_the_bill(tmp_path):
+    path = tmp_path / "prompts" / "chat.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"".join(orjson.dumps(_conversation(f"c{i}", 5)) + b"\n" for i in range(1000)))
+    async with SimServer(_sim_config(), port=0) as sim:
+        cfg, code, out, steps, billed, after = await _crashed(
+            tmp_path, sim, {"name": "chat", "prompts": "prompts/chat.jsonl", "turns": "all", "concurrency": 300,
+                            "max_tokens": 2048})
+        turns = [orjson.loads(x) for x in RunDir(cfg.run_dir).responses("chat").read_bytes().splitlines() if x]
+    print(steps, f"{len(turns)} turns stored, up to turn {max(t['turn'] for t in turns)}")
+    assert code == 3, out[-3000:]
+    assert max(t["turn"] for t in turns) >= 3  # the kills came between turns of conversations under way
+    assert after.unknown == 0 and after.pending == 0, after
+    _check(billed, after.committed_usd, after.unknown, "multi-turn, 3 kills")
+
+
+# -- the figure, line by line --------------------------------------------------------------------
+
+
+def _ledger(tmp_path: Path, lines: list[dict[str, Any]], baseline: float = 5.0) -> SpendLedger:
+    path = tmp_path / "spend.jsonl"
+    ledger = SpendLedger(path)
+    ledger.open()
+    ledger.set_key_baseline(baseline)
+    ledger.close()
+    with open(path, "ab") as f:
+        f.write(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    again = SpendLedger(path)
+    again.open()
+    return again
+
+
+def test_unknown_attempts_cost_at_most_the_key_usage_less_what_is_known_exactly_and_their_worst_case(tmp_path):
+    ledger = _ledger(tmp_path, [
+        {"e": "sent", "a": "r-1", "ds": "a", "p": "q1", "w": 0.01, "t": 1},
+        {"e": "end", "a": "r-1", "o": "answered", "c": 0.004, "s": "usage.cost"},   # exact: the key shows it
+        {"e": "sent", "a": "r-2", "ds": "a", "p": "q2", "w": 0.01, "t": 1},
+        {"e": "end", "a": "r-2", "o": "answered", "c": 0.009, "s": "estimate"},     # may be above the bill
+        {"e": "sent", "a": "r-3", "ds": "a", "p": "q3", "w": 0.01, "t": 1},
+        {"e": "end", "a": "r-3", "o": "abandoned", "c": None, "s": "pending", "g": "gen-3"},  # still looked up
+        {"e": "sent", "a": "r-4", "ds": "a", "p": "q4", "w": 0.01, "t": 1},        # killed: no id
+        {"e": "sent", "a": "r-5", "ds": "a", "p": "q5", "w": 0.03, "t": 100}])    # killed: no id, sent later
+    assert ledger.exact_usd == pytest.approx(0.004)
+    # At t=50 (timeout 10) only r-4 can no longer be running; r-5 is due 60 s later.
+    due = due_unknown(ledger, 10.0, now=50.0)
+    assert [p.id for p in due.attempts] == ["r-4"] and due.next_s == pytest.approx(60.0)
+    # The key ran $0.007 since the baseline: r-4 cost at most 0.007 - 0.004 (the estimate and the pending
+    # lookup count $0 there, so the bound only grows)...
+    assert key_share(ledger, due, 5.0 + 0.007) == pytest.approx(0.003)
+    # ... and never more than its worst case, whatever else the key ran.
+    assert key_share(ledger, due, 5.0 + 3.0) == pytest.approx(0.01)
+    assert settle_from_key(ledger, due, 5.0 + 0.007) == pytest.approx(0.003)
+    assert [p.id for p in ledger.unknown()] == ["r-5"]
+    # r-5 next, with r-4 in the group: together at most U - B - exact = 0.02, r-4 holds 0.003 of it.
+    later = due_unknown(ledger, 10.0, now=200.0)
+    assert settle_from_key(ledger, later, 5.0 + 0.004 + 0.02) == pytest.approx(0.017)
+    ledger.close()
+    r = SpendLedger.read(tmp_path / "spend.jsonl")
+    assert r.key_priced_usd == pytest.approx(0.02) and r.key_priced_worst == pytest.approx(0.04)
+    assert r.exact_usd == pytest.approx(0.004) and r.reconcile().unknown == 0
+
+
+def test_a_key_priced_group_never_drops_below_what_it_was_priced_at(tmp_path):
+    # An earlier pricing took $0.008 for r-1 (the key ran other work then); the key now shows less room
+    # for the group than it holds: the new attempt gets $0, the ledger keeps the earlier figure.
+    ledger = _ledger(tmp_path, [
+        {"e": "sent", "a": "r-1", "ds": "a", "p": "q1", "w": 0.01, "t": 1},
+        {"e": "settle", "a": "r-1", "c": 0.008, "s": "key usage"},
+        {"e": "sent", "a": "r-2", "ds": "a", "p": "q2", "w": 0.01, "t": 1}])
+    due = due_unknown(ledger, 10.0, now=50.0)
+    assert settle_from_key(ledger, due, 5.0 + 0.006) == 0.0
+    assert ledger.reconcile().total_usd == pytest.approx(0.008)
+    ledger.close()
+
+
+def test_without_a_baseline_nothing_is_priced_from_the_key(tmp_path):
+    path = tmp_path / "spend.jsonl"
+    path.write_bytes(orjson.dumps({"e": "sent", "a": "r-1", "ds": "a", "p": "q1", "w": 0.01, "t": 1}) + b"\n")
+    ledger = SpendLedger(path)
+    ledger.open()
+    assert ledger.key_baseline is None
+    assert settle_from_key(ledger, due_unknown(ledger, 10.0, now=50.0), 1.0) is None
+    assert ledger.reconcile().unknown == 1
+    ledger.close()
+
+
+async def test_the_ledger_command_prices_unknown_attempts_by_default_once_they_cannot_run(tmp_path):
+    """`draftgen ledger` without the flag: a killed run's attempts without an id, priced from the key."""
+    async with SimServer(_sim_config(), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 400, "concurrency": 40, "max_tokens": 2048}],
+                          tables={"budget": {"max_usd": MAX_USD}, "engine": {"reconstruct": False},
+                                  "api": {"stream": False, "request_timeout_s": 3.0}})
+        proc = await _start(cfg)
+        while sim.stats.in_flight < 30 and proc.returncode is None:
+            await asyncio.sleep(0.02)
+        assert proc.returncode is None
+        os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        early = await reconcile(cfg, TEST_KEY, lookup_s=0)
+        assert early.reconciliation.unknown >= 30 and early.from_key_usd is None
+        assert "again in" in early.from_key_note and early.from_key_wait_s == 0  # not an error without the flag
+        await asyncio.sleep(running_left_s(SpendLedger.read(RunDir(cfg.run_dir).spend), 3.0) + 0.1)
+        late = await reconcile(cfg, TEST_KEY, lookup_s=0)
+        billed = await _bill_once_every_killed_generation_ended(sim)
+    r = late.reconciliation
+    assert late.from_key_usd is not None and r.unknown == 0, late.from_key_note
+    assert r.total_usd == pytest.approx(billed, abs=1e-9)
