@@ -225,3 +225,122 @@ async def test_the_ledger_command_prices_unknown_attempts_by_default_once_they_c
     r = late.reconciliation
     assert late.from_key_usd is not None and r.unknown == 0, late.from_key_note
     assert r.total_usd == pytest.approx(billed, abs=1e-9)
+
+
+# -- answers the ledger missed, a stream's id from its first chunk --------------------------------
+
+
+async def test_answers_spooled_after_a_full_disk_settle_their_attempts_at_their_recorded_cost(tmp_path, monkeypatch):
+    """The disk fills (the ledger's lines refused too) with answers in flight: their answers are held and
+    spooled, their attempts stay open on the ledger. The next run imports the spool and settles those
+    attempts at the answers' usage.cost, rather than at their worst case for good."""
+    import errno
+
+    from draftgen.core.live import snapshot as snap
+    from draftgen.core.run.pipeline import Pipeline
+    from tests.helpers import dataset_row
+    from tests.run.test_disk_faults import FullDisk
+
+    monkeypatch.setenv("DRAFTGEN_SPOOL_DIR", str(tmp_path / "spool"))
+    async with SimServer(SimConfig(seed=4, fixed_latency_s=0.3, mean_completion_tokens=60), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 80, "concurrency": 8}],
+                          tables={"engine": {"reconstruct": False}, "budget": {"max_usd": 5.0}})
+        run = RunDir(cfg.run_dir)
+        disk = FullDisk(run.root, errno.EROFS)
+        monkeypatch.setattr(os, "write", disk)
+        pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
+        await pipeline.start()
+        task = asyncio.create_task(pipeline.generate())
+        try:
+            await until(lambda: dataset_row(pipeline.engine, "a").done >= 20, "20 answers")
+            disk.full = True
+            await until(lambda: pipeline.engine.state == snap.RunState.PAUSED and pipeline.engine.in_flight == 0,
+                        "paused on the read-only disk, nothing in flight")
+            held = pipeline.engine.book.held_answers
+            pipeline.quit(drain=True)
+            await until(lambda: "waiting for the disk" in pipeline.engine.waiting(), "the drain waits for the disk")
+            pipeline.spool_held()
+            await asyncio.wait_for(task, 30)
+        finally:
+            await pipeline.close()
+        disk.full = False
+        left = SpendLedger.read(run.spend).reconcile()
+        assert held >= 1 and left.unknown >= held, left  # their end lines were refused: open at worst case
+        pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
+        await pipeline.start()
+        try:
+            assert await asyncio.wait_for(pipeline.generate(), 60) == snap.RunState.DONE
+        finally:
+            await pipeline.close()
+        await _bill_once_every_killed_generation_ended(sim)
+        billed = sim.stats.billed_usd
+    lines = [orjson.loads(x) for x in run.spend.read_bytes().splitlines()]
+    from_records = [x for x in lines if x.get("e") == "settle" and x.get("s") == "usage.cost"]
+    r = SpendLedger.read(run.spend).reconcile()
+    print(f"{held} answers spooled; {len(from_records)} attempts settled from their records; billed ${billed:.6f}, "
+          f"ledger ${r.total_usd:.6f}, {r.unknown} unknown")
+    assert len(from_records) >= held
+    assert r.unknown == 0 and r.pending == 0
+    assert r.total_usd == pytest.approx(billed, abs=1e-9)
+
+
+async def test_a_stream_without_the_generation_id_header_takes_it_from_its_first_chunk() -> None:
+    """A stream whose headers carry no X-Generation-Id: the first chunk's `id` (OpenRouter's generation
+    id) is heard before the answer ends, so a stream killed after its first bytes can be looked up."""
+    from aiohttp import web
+
+    from draftgen.core.generate.api.client import ChatClient
+
+    first_sent = asyncio.Event()
+    finish = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"id": "gen-123-abc", "model": "m", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}
+        await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        first_sent.set()
+        await finish.wait()
+        last = {"id": "gen-123-abc", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "cost": 0.0001}}
+        await resp.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    heard: list[str] = []
+    try:
+        async with ChatClient(f"http://127.0.0.1:{port}/v1", "k", concurrency=1) as client:
+            ask = asyncio.create_task(client.chat({"model": "m", "messages": [], "stream": True}, heard.append))
+            await first_sent.wait()
+            await until(lambda: bool(heard), "the first chunk's id heard")
+            assert heard == ["gen-123-abc"] and not ask.done()  # before the answer ended
+            finish.set()
+            answer = await ask
+    finally:
+        await runner.cleanup()
+    assert heard == ["gen-123-abc"] and answer.generation_id == "gen-123-abc"
+
+
+def test_an_attempt_given_up_on_without_an_id_is_priced_only_a_timeout_after_it_was_given_up_on(tmp_path):
+    """A request that timed out before its headers may still be generating when it is given up on: the
+    wait for the key's usage runs from then (its end line's "t"), in this process and the next."""
+    path = tmp_path / "spend.jsonl"
+    ledger = SpendLedger(path)
+    ledger.open()
+    ledger.set_key_baseline(0.0)
+    t = ledger.reserve("a", "q1", 0.01)
+    ledger.send(t)
+    t.sent_at -= 100.0  # sent 100 s ago, given up on now (a request_timeout_s of 100 s)
+    p = ledger.abandoned(t)
+    assert p is not None and p.gen is None and p.sent_at >= t.sent_at + 99.0
+    assert due_unknown(ledger, 100.0).attempts == []
+    ledger.close()
+    again = SpendLedger.read(path)
+    assert again.unknown()[0].sent_at == pytest.approx(p.sent_at)
+    assert due_unknown(again, 100.0).attempts == [] and due_unknown(again, 100.0, now=p.sent_at + 100.0).attempts

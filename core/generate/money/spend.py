@@ -25,7 +25,9 @@ left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the n
         OUTCOME abandoned: timed out, dropped, cut short or stopped: c null, SOURCE "pending"; with
             "st": the HTTP status of a 408/5xx that carried a generation id (see billing.py); with
             "w": what it counts at until priced, when that is more than the reservation (an answer a
-            provider ran past max_tokens: its tokens at the worst prices)
+            provider ran past max_tokens: its tokens at the worst prices); with "t" (no generation id):
+            when it was given up on, a generation that may run on for api.request_timeout_s more (so
+            the key's usage prices it only then, unknown.py)
     {"e":"settle","a":ID,"c":USD,"s":"generation"}
         an abandoned attempt priced from GET /api/v1/generation?id= (its record's total_cost)
     {"e":"settle","a":ID,"c":USD,"s":"usage.cost"|"estimate"}
@@ -166,7 +168,7 @@ class SpendReplay:
         if outcome == AttemptEnd.ABANDONED:
             worst = max(rec["w"], float(line.get("w", 0.0)))
             sums.add_pending(Pending(aid, rec["ds"], rec["p"], worst, rec.get("g") or line.get("g"),
-                                     ended=line.get("st") in ENDED_STATUSES, sent_at=rec["t"]))
+                                     ended=line.get("st") in ENDED_STATUSES, sent_at=float(line.get("t") or rec["t"])))
         elif outcome == AttemptEnd.ANSWERED and cost is None:
             sums.add_pending(Pending(aid, rec["ds"], rec["p"], float(line.get("w", rec["w"])),
                                      rec.get("g") or line.get("g"), answer=True))
@@ -379,8 +381,11 @@ class SpendLedger:
         if at_least > worst:
             worst = at_least
             line["w"] = at_least
+        since = t.sent_at
+        if t.gen is None:  # priced from the key's usage once it cannot still be running (unknown.py)
+            since = line["t"] = to_ms(time.time())
         self._end(t, line)
-        p = Pending(t.id, t.ds, t.prompt_id, worst, t.gen, ended=status in ENDED_STATUSES, sent_at=t.sent_at)
+        p = Pending(t.id, t.ds, t.prompt_id, worst, t.gen, ended=status in ENDED_STATUSES, sent_at=since)
         self.sums.add_pending(p)
         return p
 

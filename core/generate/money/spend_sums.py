@@ -44,7 +44,9 @@ class Pending:
     gen: str | None     # None: the run died before the id came back; it cannot be looked up
     ended: bool = False   # a 500/502/503 ended it: no record after the lookups means not billed
     answer: bool = False  # an answer that carried no cost: booked as answered once priced
-    sent_at: float = 0.0  # its "sent" line's "t": a generation may run on until request_timeout_s after it
+    # its "sent" line's "t" (or, given up on without a generation id, its end line's): a generation may run
+    # on until request_timeout_s after it
+    sent_at: float = 0.0
     left_open: bool = False  # no end line: a run died (or its disk refused the line) before the attempt ended
 
 

@@ -4,8 +4,9 @@ An attempt a run sent but whose answer's headers it never read (the run was kill
 timed out before them) has no generation id, so no record to look it up by. What it cost is in the
 key's usage (GET /key `data.usage`, all the key ever spent) once it cannot still be running: a
 non-streamed generation runs on after its client left and is billed when it ends, taken to be at
-most `api.request_timeout_s` after it was sent (the `sent` line's `t`); an aborted stream is billed
-when it stops.
+most `api.request_timeout_s` after it was sent (the `sent` line's `t`; for one given up on in a run,
+a timeout before any header, after it was given up on: its end line's `t`); an aborted stream is
+billed when it stops.
 
 The ledger's first run recorded the key's usage before the directory's first attempt (the `key`
 line, the baseline B). Read again at a moment U, the key's usage since then holds everything billed
