@@ -10,9 +10,11 @@ X-Generation-Id comes with the answer, so every request in flight at a kill is o
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,12 @@ import pytest
 from draftgen.core.generate.money.reconcile import reconcile, running_left_s
 from draftgen.core.generate.money.spend import Reconciliation, SpendLedger
 from draftgen.core.generate.money.unknown import due_unknown, key_share, settle_from_key
+from draftgen.core.live.snapshot import RunState
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimProvider, SimServer
-from tests.helpers import TEST_KEY, make_config, until
+from tests.helpers import TEST_KEY, dataset_row, make_config, until
+from tests.run.test_disk_faults import FullDisk
 
 MAX_USD = 0.25
 TIMEOUT_S = 6.0   # api.request_timeout_s: the unknown attempts of a kill are priced this long after they were sent
@@ -230,17 +235,23 @@ async def test_the_ledger_command_prices_unknown_attempts_by_default_once_they_c
 # -- answers the ledger missed, a stream's id from its first chunk --------------------------------
 
 
+async def _generate(cfg: Any, during: Callable[[Pipeline], Awaitable[None]] | None = None) -> RunState:
+    """One run of `cfg` in this process (a full disk can be stood in for), `during` it what a test does."""
+    pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
+    await pipeline.start()
+    task = asyncio.create_task(pipeline.generate())
+    try:
+        if during is not None:
+            await during(pipeline)
+        return await asyncio.wait_for(task, 60)
+    finally:
+        await pipeline.close()
+
+
 async def test_answers_spooled_after_a_full_disk_settle_their_attempts_at_their_recorded_cost(tmp_path, monkeypatch):
     """The disk fills (the ledger's lines refused too) with answers in flight: their answers are held and
     spooled, their attempts stay open on the ledger. The next run imports the spool and settles those
     attempts at the answers' usage.cost, rather than at their worst case for good."""
-    import errno
-
-    from draftgen.core.live import snapshot as snap
-    from draftgen.core.run.pipeline import Pipeline
-    from tests.helpers import dataset_row
-    from tests.run.test_disk_faults import FullDisk
-
     monkeypatch.setenv("DRAFTGEN_SPOOL_DIR", str(tmp_path / "spool"))
     async with SimServer(SimConfig(seed=4, fixed_latency_s=0.3, mean_completion_tokens=60), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 80, "concurrency": 8}],
@@ -248,38 +259,29 @@ async def test_answers_spooled_after_a_full_disk_settle_their_attempts_at_their_
         run = RunDir(cfg.run_dir)
         disk = FullDisk(run.root, errno.EROFS)
         monkeypatch.setattr(os, "write", disk)
-        pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
-        await pipeline.start()
-        task = asyncio.create_task(pipeline.generate())
-        try:
+        held: list[int] = []
+
+        async def fill_the_disk(pipeline: Pipeline) -> None:
             await until(lambda: dataset_row(pipeline.engine, "a").done >= 20, "20 answers")
             disk.full = True
-            await until(lambda: pipeline.engine.state == snap.RunState.PAUSED and pipeline.engine.in_flight == 0,
-                        "paused on the read-only disk, nothing in flight")
-            held = pipeline.engine.book.held_answers
-            pipeline.quit(drain=True)
-            await until(lambda: "waiting for the disk" in pipeline.engine.waiting(), "the drain waits for the disk")
-            pipeline.spool_held()
-            await asyncio.wait_for(task, 30)
-        finally:
-            await pipeline.close()
+            await until(lambda: pipeline.engine.state == RunState.PAUSED and not pipeline.engine.in_flight,
+                        "paused on the read-only disk, its answers held")
+            held.append(pipeline.engine.book.held_answers)
+            pipeline.quit(drain=False)  # stop now: the held answers go to the spool
+
+        await _generate(cfg, fill_the_disk)
         disk.full = False
         left = SpendLedger.read(run.spend).reconcile()
-        assert held >= 1 and left.unknown >= held, left  # their end lines were refused: open at worst case
-        pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
-        await pipeline.start()
-        try:
-            assert await asyncio.wait_for(pipeline.generate(), 60) == snap.RunState.DONE
-        finally:
-            await pipeline.close()
+        assert left.unknown >= held[0], left  # their end lines were refused: open at worst case
+        assert await _generate(cfg) == RunState.DONE
         await _bill_once_every_killed_generation_ended(sim)
         billed = sim.stats.billed_usd
     lines = [orjson.loads(x) for x in run.spend.read_bytes().splitlines()]
     from_records = [x for x in lines if x.get("e") == "settle" and x.get("s") == "usage.cost"]
     r = SpendLedger.read(run.spend).reconcile()
-    print(f"{held} answers spooled; {len(from_records)} attempts settled from their records; billed ${billed:.6f}, "
+    print(f"{held[0]} answers spooled; {len(from_records)} attempts settled from their records; billed ${billed:.6f}, "
           f"ledger ${r.total_usd:.6f}, {r.unknown} unknown")
-    assert len(from_records) >= held
+    assert len(from_records) >= held[0]
     assert r.unknown == 0 and r.pending == 0
     assert r.total_usd == pytest.approx(billed, abs=1e-9)
 
