@@ -46,8 +46,8 @@ def _key(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _sim_config(**kw: Any) -> SimConfig:
-    return SimConfig(seed=3, providers=(CHEAP,), fixed_latency_s=LATENCY_S, mean_completion_tokens=1000,
-                     length_sigma=0.3, jitter=0.0, fallback_rate=0.0, **kw)
+    return SimConfig(**{"seed": 3, "providers": (CHEAP,), "fixed_latency_s": LATENCY_S, "mean_completion_tokens": 1000,
+                        "length_sigma": 0.3, "jitter": 0.0, "fallback_rate": 0.0, **kw})
 
 
 async def _start(cfg: Any) -> asyncio.subprocess.Process:
@@ -346,3 +346,31 @@ def test_an_attempt_given_up_on_without_an_id_is_priced_only_a_timeout_after_it_
     again = SpendLedger.read(path)
     assert again.unknown()[0].sent_at == pytest.approx(p.sent_at)
     assert due_unknown(again, 100.0).attempts == [] and due_unknown(again, 100.0, now=p.sent_at + 100.0).attempts
+
+
+@pytest.mark.slow
+async def test_a_run_held_back_only_by_unknown_attempts_waits_for_them_and_says_so(tmp_path):
+    """The ledger holds all of max_usd in attempts a killed run sent just now without a generation id
+    (they never reached the server): the next run sends nothing, says what it waits for, and once they
+    cannot still be running prices them from the key's usage ($0 here) and answers every prompt,
+    instead of ending LIMITED at once."""
+    import time
+
+    async with SimServer(_sim_config(fixed_latency_s=None, latency_scale=0.0), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 40, "concurrency": 8, "max_tokens": 2048}],
+                          tables={"budget": {"max_usd": 0.01}, "engine": {"reconstruct": False},
+                                  "api": {"stream": False, "request_timeout_s": 3.0}})
+        run = RunDir(cfg.run_dir)
+        run.root.mkdir(parents=True)
+        now = time.time()
+        lines = [{"e": "key", "u": 0.0, "t": now}] + [
+            {"e": "sent", "a": f"dead-{i}", "ds": "a", "p": f"a-{i}", "w": 0.0005, "t": now} for i in range(20)]
+        run.spend.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+        proc = await _start(cfg)
+        out = (await asyncio.wait_for(proc.communicate(), 60))[0].decode()
+        asked = sim.stats.requests_total
+    assert proc.returncode == 0, out[-3000:]
+    assert "the run waits for the key's usage to price them" in out, out[-3000:]
+    assert "WAITING: max_usd has no room but for 20 attempt(s) without a generation id" in out, out[-3000:]
+    r = SpendLedger.read(run.spend).reconcile()
+    assert asked == 40 and r.unknown == 0 and r.answered == 40

@@ -320,7 +320,9 @@ class Engine:
             return "paused by the user: r resumes (headless: kill -USR1 <pid>)"
         if self.state not in (RunState.RUNNING, RunState.DRAINING):
             return ""
-        return self._loop.requests.stalled(self.in_flight) if self._loop is not None else ""
+        if self._loop is None:
+            return ""
+        return self._loop.requests.stalled(self.in_flight) or self._loop.room.unknown_wait()
 
     # -- the picture ----------------------------------------------------------------------------
 

@@ -96,6 +96,8 @@ class Room:
         self._money_stopped: set[str] = set()  # datasets whose rest max_usd skipped
         self._retries_waiting = 0
         self._unknown_said = 0  # how many attempts without a generation id the last wait for them named
+        # max_usd held the last request back waiting for those to be priced (cleared by the next admitted)
+        self.waits_for_unknown = False
 
     def _in_flight(self) -> int:
         """Requests in flight over every dataset."""
@@ -166,7 +168,10 @@ class Room:
         if not self._control.is_open:
             return _Wait.OPEN
         held = self._held_back(ds, worst)
-        return GO if held is None else held
+        if held is None:
+            self.waits_for_unknown = False
+            return GO
+        return held
 
     def _held_back(self, ds: DatasetRun, worst: float) -> Decision | _Wait | None:
         """What keeps one more request of `ds` from going out now, in the order they are checked: its
@@ -214,6 +219,7 @@ class Room:
         if self._in_flight() or self._settler.waiting:
             self._money.note_limited()
             if self._settler.unknown_waiting:
+                self.waits_for_unknown = True
                 self._say_unknown_wait()
             return _Wait.WAKE
         if block.reason == BlockReason.CREDIT_FLOOR:
@@ -223,6 +229,14 @@ class Room:
                 return HALT
             return _Wait.GATE
         return Decision(Admit.BUDGET, block.message, money=True)
+
+    def unknown_wait(self) -> str:
+        """What the run waits for, when max_usd holds it back only by attempts without a generation id
+        (empty otherwise): the snapshot's `waiting`, for the header and the headless line."""
+        if not self.waits_for_unknown or self._in_flight() or not (n := self._settler.unknown_waiting):
+            return ""
+        return (f"max_usd has no room but for {n} attempt(s) without a generation id (a killed run's, at worst "
+                f"case): priced from the key's usage in {self._settler.unknown_due_s():.0f} s at most")
 
     def _say_unknown_wait(self) -> None:
         """Say (once for each number of them) that max_usd waits for attempts without a generation id to be
