@@ -94,8 +94,8 @@ async def _crashed(tmp_path: Path, sim: SimServer, dataset: dict[str, Any]) -> t
 
 
 def _check(billed: float, ledger: float, unknown: int, what: str) -> None:
-    print(f"{what}: billed ${billed:.4f} = {billed / MAX_USD:.1%} of max_usd; ledger ${ledger:.4f} "
-          f"= {ledger / billed:.2%} of the bill; {unknown} unknown left")
+    print(f"{what}: billed ${billed:.6f} = {billed / MAX_USD:.2%} of max_usd; ledger ${ledger:.6f} "
+          f"= {ledger / billed:.4%} of the bill; {unknown} unknown left")
     assert billed <= MAX_USD + 1e-9  # never more
     assert billed >= 0.8 * MAX_USD
     assert billed - 1e-6 <= ledger <= 1.05 * billed  # never below the bill, within 5 % of it
