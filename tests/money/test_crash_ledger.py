@@ -281,7 +281,8 @@ async def test_answers_spooled_after_a_full_disk_settle_their_attempts_at_their_
     r = SpendLedger.read(run.spend).reconcile()
     print(f"{held[0]} answers spooled; {len(from_records)} attempts settled from their records; billed ${billed:.6f}, "
           f"ledger ${r.total_usd:.6f}, {r.unknown} unknown")
-    assert len(from_records) >= held[0]
+    assert len(from_records) >= held[0] and all(x["o"] == "answered" for x in from_records)
+    assert r.answered == 80  # the spooled answers count as answered when the ledger is read again
     assert r.unknown == 0 and r.pending == 0
     assert r.total_usd == pytest.approx(billed, abs=1e-9)
 

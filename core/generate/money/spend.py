@@ -29,7 +29,13 @@ left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the n
             when it was given up on, a generation that may run on for api.request_timeout_s more (so
             the key's usage prices it only then, unknown.py)
     {"e":"settle","a":ID,"c":USD,"s":"generation"}
-        an abandoned attempt priced from GET /api/v1/generation?id= (its record's total_cost)
+        an abandoned attempt priced from GET /api/v1/generation?id= (its record's total_cost); a settle
+        line of an answer (one without a cost, or one below) also has "o":"answered"
+    {"e":"settle","a":ID,"c":USD,"s":"usage.cost"|"estimate","o":"answered"}
+        an attempt a run left open (killed between writing the answer and this line, or its disk refused
+        the ledger's lines and the answer was spooled) whose answer is in responses.jsonl: priced at its
+        recorded usage.cost when the next run opens the directory ("estimate" for a record without a
+        generation id, whose cost may be the token estimate; opening.py `recorded_answers`)
     {"e":"settle","a":ID,"c":USD,"s":"usage.cost"|"estimate"}
         right after its abandoned end line: an answer a provider ran past max_tokens (not kept), priced
         from its own usage.cost, or its tokens x the worst prices (billing.py)
@@ -142,6 +148,7 @@ class SpendReplay:
                 rec = opened.pop(aid, None)  # left open by a killed run, priced by a later one
                 p = sums.drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
                 if p is not None:
+                    p.answer = p.answer or line.get("o") == AttemptEnd.ANSWERED
                     source = line.get("s")
                     sums.book_settled(p, float(line["c"]), run=False, exact=source in EXACT_SOURCES,
                                       from_key=source == CostSource.KEY_USAGE)
@@ -396,7 +403,10 @@ class SpendLedger:
     def settle(self, p: Pending, cost: float, source: CostSource = CostSource.GENERATION) -> None:
         """An abandoned attempt priced from its generation record (or, without one, the key's usage)."""
         if self.sums.drop_pending(p.id) is not None:
-            self._write({"e": "settle", "a": p.id, "c": cost, "s": source.value})
+            line: dict[str, Any] = {"e": "settle", "a": p.id, "c": cost, "s": source.value}
+            if p.answer:
+                line["o"] = AttemptEnd.ANSWERED.value
+            self._write(line)
             self.sums.book_settled(p, cost, run=True, exact=source in EXACT_SOURCES,
                                    from_key=source is CostSource.KEY_USAGE)
 
