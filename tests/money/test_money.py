@@ -13,8 +13,9 @@ from draftgen.core.generate.api.prices import Endpoint, Prices, allowed, dataset
 from draftgen.core.generate.commands.smoke import run_smoke
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.money.forecast import DatasetFigures, SmokeFigures, forecast
-from draftgen.core.generate.money.reconcile import reconcile, running_left_s, settle_unknown_from_key
+from draftgen.core.generate.money.reconcile import reconcile, running_left_s
 from draftgen.core.generate.money.spend import SpendLedger
+from draftgen.core.generate.money.unknown import due_unknown, settle_from_key
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import FAULT_KINDS, SimConfig, SimServer
 from tests.helpers import TEST_KEY, dataset_row, make_config, until
@@ -347,7 +348,7 @@ def test_unknown_attempts_are_priced_from_the_key_at_most_at_their_worst_case(tm
     assert again.key_baseline == 5.0
     # The key shows more than the ledger's known costs plus every unknown attempt's worst case: it ran
     # other work; the unknown attempts count their worst case, no more.
-    assert settle_unknown_from_key(again, 5.0 + 0.004 + 0.05) == pytest.approx(0.04)
+    assert settle_from_key(again, due_unknown(again, 10.0), 5.0 + 0.004 + 0.05) == pytest.approx(0.04)
     again.close()
     r = SpendLedger.read(path).reconcile()
     assert r.unknown == 0 and r.total_usd == pytest.approx(0.044)

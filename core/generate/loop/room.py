@@ -2,7 +2,9 @@
 
 A request waits while the run is paused, while a doubted dataset's one probe is out (doubts.py), while
 its dataset's answers in flight may still free token budget, while settling money in flight may free
-room under max_usd, and while its dataset is at its concurrency limit. Each request reserves the worst
+room under max_usd (lookups, and attempts without a generation id that the key's usage will price once
+they cannot still be running: the run waits for those and says so, rather than ending LIMITED), and
+while its dataset is at its concurrency limit. Each request reserves the worst
 case of the very body it sends; a prompt whose worst case would not fit under max_usd even with nothing
 in flight is skipped (counted, eligible later). The balance reaching credit_floor_usd holds the run
 instead of skipping anything. A retry over a limit lowered by 429s waits for a slot holding none.
@@ -235,8 +237,8 @@ class Room:
         (empty otherwise): the snapshot's `waiting`, for the header and the headless line."""
         if not self.waits_for_unknown or self._in_flight() or not (n := self._settler.unknown_waiting):
             return ""
-        return (f"max_usd has no room but for {n} attempt(s) without a generation id (a killed run's, at worst "
-                f"case): priced from the key's usage in {self._settler.unknown_due_s():.0f} s at most")
+        return (f"max_usd has no room but for {n} attempt(s) without a generation id (counted at worst case): "
+                f"priced from the key's usage in {self._settler.unknown_due_s():.0f} s at most")
 
     def _say_unknown_wait(self) -> None:
         """Say (once for each number of them) that max_usd waits for attempts without a generation id to be

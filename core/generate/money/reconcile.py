@@ -22,21 +22,13 @@ from dataclasses import dataclass
 
 from draftgen.core import runtime
 from draftgen.core.config import Config
-from draftgen.core.errors import DraftgenError, LedgerBusyError
+from draftgen.core.errors import LedgerBusyError
 from draftgen.core.generate.api.account import read_account
 from draftgen.core.generate.api.client import ChatClient, RequestFailed, get_failure
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import Reconciliation, SpendLedger
 from draftgen.core.generate.money.unknown import due_unknown, settle_from_key
 from draftgen.core.rundir import RunDir
-
-
-class UnknownStillRunning(DraftgenError):
-    """Attempts without a generation id may still be generating (and be billed): not priced yet."""
-
-    def __init__(self, message: str, left_s: float) -> None:
-        super().__init__(message)
-        self.left_s = left_s
 
 
 def running_left_s(spend: SpendLedger, request_timeout_s: float, now: float | None = None) -> float:
@@ -46,21 +38,6 @@ def running_left_s(spend: SpendLedger, request_timeout_s: float, now: float | No
         return 0.0
     last = max(p.sent_at for p in unknown)
     return max(0.0, last + request_timeout_s - (time.time() if now is None else now))
-
-
-def settle_unknown_from_key(spend: SpendLedger, usage: float, *, request_timeout_s: float | None = None,
-                            now: float | None = None) -> float | None:
-    """Price every attempt without a generation id from the key's `usage`, read after this ledger's
-    costs (unknown.py `settle_from_key`); None when there is nothing to price or no baseline. With
-    `request_timeout_s`, raises UnknownStillRunning while the last of them may still be generating."""
-    left = 0.0 if request_timeout_s is None else running_left_s(spend, request_timeout_s, now)
-    if left > 0:
-        raise UnknownStillRunning(
-            f"--unknown-from-key: {len(spend.unknown())} attempts without a generation id may still be generating "
-            f"(the last was sent less than api.request_timeout_s = {request_timeout_s:g} s ago), and the key's usage "
-            f"does not show them yet; they count at their worst case: run `draftgen ledger` again in {left:.0f} s",
-            left)
-    return settle_from_key(spend, due_unknown(spend, request_timeout_s or 0.0, now), usage)
 
 
 @dataclass(frozen=True)
@@ -73,7 +50,7 @@ class LedgerReport:
     from_key_usd: float | None = None   # what --unknown-from-key settled (None: nothing)
     from_key_note: str = ""
     busy_note: str = ""   # another process had the ledger open: read as it was, nothing priced
-    from_key_wait_s: float = 0.0   # --unknown-from-key refused: the unknown attempts may run this long yet
+    from_key_wait_s: float = 0.0   # --unknown-from-key: the unknown attempts may run this long yet (exit 1)
 
 
 async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = None,
