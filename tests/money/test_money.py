@@ -254,8 +254,9 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
     """A headless run killed with SIGKILL three times mid-run, then run to the end: the attempts each
     killed run left open count at their worst case in the next, and are priced from their records.
     Each kill comes once the run billed a third of what the ceiling leaves it (at most $1): the attempts
-    a kill catches without a generation id keep their worst case for good (more of them on a loaded
-    machine), and a run left no room ends LIMITED on its own before any fixed bill (correctly)."""
+    a kill catches without a generation id keep their worst case until the key's usage prices them,
+    api.request_timeout_s after they were sent (more of them on a loaded machine), and a run left no room
+    ends LIMITED on its own before any fixed bill (correctly)."""
     import os
     import signal
     import sys
