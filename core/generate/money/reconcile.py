@@ -83,6 +83,8 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
             # costs as they are before the key's usage is read (unknown.py).
             timeout = config.api.request_timeout_s
             due = None if busy or config.api.self_hosted else due_unknown(spend, timeout)
+            if due is not None and due.attempts:
+                await asyncio.sleep(settler.key_lag_s)  # a charge the key's usage shows late is in it
             try:
                 usage = (await read_account(client, management_key=config.api.management_key())).key_usage
                 key_usage, note = (usage, "GET /key usage: everything this key ran") if usage is not None \

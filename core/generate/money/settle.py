@@ -39,6 +39,9 @@ from draftgen.core.generate.money.unknown import due_unknown, settle_from_key
 WORKERS = 8
 KEY_RETRY_S = 30.0  # a GET /key that failed (or showed no usage) is tried again after this long
 KEY_TRIES = 4       # ... and after this many failures the run leaves its unknown attempts at worst case
+# The ledger's exact costs are taken this long (at most generation_lookup_s) before GET /key is read, so
+# a charge the key's usage shows a little late is in it (unknown.py: they are subtracted from it).
+KEY_LAG_S = 5.0
 
 
 class Settler:
@@ -94,6 +97,11 @@ class Settler:
                 self._queue.put_nowait((p, now))
             else:
                 self._unknown_wake.set()  # one more to price from the key's usage when it is due
+
+    @property
+    def key_lag_s(self) -> float:
+        """How long before reading GET /key the ledger's exact costs are taken (KEY_LAG_S)."""
+        return min(KEY_LAG_S, self._lookup_s)
 
     @property
     def prices_unknown(self) -> bool:
@@ -154,6 +162,7 @@ class Settler:
             if not wait and self._spend.unknown():
                 due = due_unknown(self._spend, self._request_timeout_s)  # the exact costs taken before the read
                 try:
+                    await asyncio.sleep(self.key_lag_s)
                     usage = await self._key_usage()
                 except (TimeoutError, RequestFailed, aiohttp.ClientError, OSError):
                     usage = None

@@ -16,8 +16,9 @@ So once every attempt priced here had ended before U was read,
     what they cost together <= U - B - E
 
 where E is what the ledger knows exactly was billed (`exact_usd`: usage.cost of answers, generation
-records; never an estimate, which may be above what was billed), taken before U is read so that all
-of it is in U. The rest (pending attempts, requests in flight, estimates, spend carried from before
+records; never an estimate, which may be above what was billed), taken before U is read (a few
+seconds before, settle.py KEY_LAG_S, so that a charge the key's usage shows late is in it) so that
+all of it is in U. The rest (pending attempts, requests in flight, estimates, spend carried from before
 the ledger) is counted at $0 there, which only makes the bound larger. A key shared with other work
 makes it larger still, so it is capped at the attempts' worst case: an attempt priced here never
 counts more than it did, and the ceiling (settled + pending + reserved + next <= max_usd) only gains
