@@ -34,10 +34,11 @@ from tests.run.test_disk_faults import FullDisk
 MAX_USD = 0.25
 TIMEOUT_S = 6.0   # api.request_timeout_s: the unknown attempts of a kill are priced this long after they were sent
 LATENCY_S = 2.0   # every generation's: 300 in flight at ~100 answers a second, well inside the timeout
-# One provider, cheap enough that 300 requests at 2,048 max_tokens fit at their worst case in the last
-# quarter of max_usd (~$0.00017 each: 300 in flight hold $0.05, 20 % of it; a conversation's later turns
-# little more, their prompts' bound at $0.005/M); answers of ~1,000 tokens cost half that.
-CHEAP = SimProvider("Cheap", "cheap", "int4", 0.005, 0.08, 1.0, 0.2, 2000.0)
+# One provider, cheap enough that 300 requests at 2,048 max_tokens fit at their worst case in what the
+# last quarter of max_usd leaves, even with the last kill's unknown attempts still held (~$0.00014 each:
+# 300 in flight hold $0.04, 16 % of it; a conversation's later turns little more, their prompts' bound at
+# $0.005/M); answers of ~1,000 tokens cost half that.
+CHEAP = SimProvider("Cheap", "cheap", "int4", 0.005, 0.065, 1.0, 0.2, 2000.0)
 
 
 @pytest.fixture(autouse=True)
