@@ -174,10 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("ledger", cmd_ledger, "price pending generations and print the spend ledger's reconciliation")
     p.add_argument("config", help="the config file (e.g. kimi.toml)")
     p.add_argument("--unknown-from-key", action="store_true",
-                   help="price attempts that have no generation id (a killed run) from GET /key usage; only "
-                        "for a key that ran nothing but this run directory since its first run, and once "
-                        "api.request_timeout_s has passed since the last of them was sent (before: exit 1 "
-                        "with the time left)")
+                   help="exit 1 (with the time left) while attempts that have no generation id (a killed "
+                        "run's) may still be running; those that cannot are priced from GET /key usage with "
+                        "or without it")
     p = add("attach", cmd_attach, "watch a run started elsewhere, read-only")
     p.add_argument("run_dir", metavar="CONFIG_OR_RUN_DIR",
                    help="the run's config file, or its run directory ([output] dir)")

@@ -139,6 +139,12 @@ async def read_account(client: ChatClient, *, management_key: str = "", timeout_
     return status_from(key if isinstance(key, dict) else {}, credits, note)
 
 
+async def read_key_usage(client: ChatClient, timeout_s: float = 30.0) -> float | None:
+    """GET /key's `data.usage` alone (None when it shows none); raises as `read_account` does."""
+    key = (await asyncio.wait_for(client.get_json("/key"), timeout_s)).get("data")
+    return _num(key.get("usage")) if isinstance(key, dict) else None
+
+
 # -- account conditions: what stops admission run-wide, and what clears it -----------------------
 
 _WHAT = {

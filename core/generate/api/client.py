@@ -582,7 +582,9 @@ class ChatClient:
     async def chat(self, body: dict[str, Any], on_generation: Callable[[str], None] | None = None, *,
                    details: bool = False) -> ChatAnswer:
         """One completion. `on_generation` hears the generation id as soon as the headers carry it
-        (X-Generation-Id), before the body: what prices the request if it is abandoned. `details`: a
+        (X-Generation-Id), before the body: what prices the request if it is abandoned; a stream
+        without the header, from its first chunk's `id` (OpenRouter's generation id; not on a
+        self-hosted server, whose ids name no record). `details`: a
         stream's `reasoning_details` pieces are joined into the answer's (a non-streamed body's are kept
         as they come either way)."""
         assert self._session is not None, "ChatClient.open() first"
@@ -592,11 +594,8 @@ class ChatClient:
             with self._deadlines:  # api.request_timeout_s, one timer for every request (deadlines.py)
                 async with self._session.post(f"{self.base_url}/chat/completions", data=orjson.dumps(body),
                                               allow_redirects=False) as resp:
-                    if on_generation is not None:
-                        gen_id = resp.headers.get("X-Generation-Id")
-                        if gen_id:
-                            on_generation(self._redact.known.get(gen_id) or self._redact(gen_id))
-                    obj = await self._answer_body(resp, cap, bool(body.get("stream")), details)
+                    tell = self._header_generation(resp, on_generation)
+                    obj = await self._answer_body(resp, cap, bool(body.get("stream")), details, tell)
         except RequestFailed as e:
             raise redacted(e, self._redact) from None
         except TimeoutError as e:
@@ -630,15 +629,17 @@ class ChatClient:
             raise redacted(e, self._redact) from None
         return redacted_answer(answer, self._redact)
 
-    async def _answer_body(self, resp: aiohttp.ClientResponse, cap: int, stream: bool, details: bool) -> Any:
+    async def _answer_body(self, resp: aiohttp.ClientResponse, cap: int, stream: bool, details: bool,
+                           on_generation: Callable[[str], None] | None) -> Any:
         """The answer's body, decoded (streamed: joined into the shape of a non-streamed one), read up to its
-        bound; RequestFailed for a redirect, another status than 200, a body past its bound or not JSON."""
+        bound (a stream tells `on_generation` its first chunk's id); RequestFailed for a redirect, another
+        status than 200, a body past its bound or not JSON."""
         if resp.status != 200:
             if 300 <= resp.status < 400:
                 raise redirect_refused("POST", resp)
             raise classify_status(resp.status, (await read_upto(resp, ERROR_BODY_LIMIT))[0], resp.headers)
         if stream:
-            return await self._read_sse(resp, cap, details)
+            return await self._read_sse(resp, cap, details, on_generation)
         raw, cut = await read_upto(resp, limit := answer_body_limit(cap))
         if cut:
             raise over_long(cap, limit)
@@ -648,12 +649,26 @@ class ChatClient:
             raise RequestFailed(ErrorKind.BAD_BODY, f"HTTP 200 with a body that is not JSON "
                                 f"({len(raw)} bytes, truncated?)") from None
 
-    async def _read_sse(self, resp: aiohttp.ClientResponse, cap: int = 0, details: bool = False) -> dict[str, Any]:
+    def _header_generation(self, resp: aiohttp.ClientResponse,
+                           on_generation: Callable[[str], None] | None) -> Callable[[str], None] | None:
+        """Tell `on_generation` the X-Generation-Id header's id; returns it when a stream's first chunk
+        should tell it instead (no header; None on a self-hosted server, whose ids name no record)."""
+        if on_generation is None:
+            return None
+        gen_id = resp.headers.get("X-Generation-Id")
+        if gen_id:
+            on_generation(self._redact.known.get(gen_id) or self._redact(gen_id))
+            return None
+        return None if self._self_hosted is not None and self._self_hosted() else on_generation
+
+    async def _read_sse(self, resp: aiohttp.ClientResponse, cap: int = 0, details: bool = False,
+                        on_generation: Callable[[str], None] | None = None) -> dict[str, Any]:
         """The answer of an SSE stream. Whatever has arrived is taken at once (`iter_any`) and split into
         lines here: aiohttp's line iterator costs a buffer round trip per line, more than the JSON
         decode of the event. Lines that are not `data:` (`: OPENROUTER PROCESSING` keep-alives, blank
         separators, `event:`/`id:` fields) are skipped; each event is decoded once (orjson skips the
-        space after `data:` and a `\r` before the newline), and its deltas are joined once at the end."""
+        space after `data:` and a `\r` before the newline), and its deltas are joined once at the end.
+        `on_generation` hears the first chunk's `id` (the headers carried no generation id)."""
         state = _StreamState(cap, details)
         partial: list[bytes] = []  # a line still arriving, in pieces
         size = 0
@@ -674,7 +689,11 @@ class ChatClient:
             lines = data.split(b"\n")
             rest = lines.pop()  # after the last newline: the start of a line still arriving
             partial, size = ([rest], len(rest)) if rest else ([], 0)
-            if _feed_lines(lines, state):
+            done = _feed_lines(lines, state)
+            if on_generation is not None and type(gen_id := state.meta.get("id")) is str:
+                on_generation(self._redact.known.get(gen_id) or self._redact(gen_id))
+                on_generation = None
+            if done:
                 break
         else:
             if partial:  # a last line without a newline

@@ -248,6 +248,7 @@ class Engine:
             duplicates = await open_datasets(cfg, self.rundir, self.datasets, self.book, self.spend, costs.prices,
                                              self._event)
             self.book.finish_import()
+            costs.settler.start_unknown()  # after the records on disk priced what they can
             self._opened = Opened(client, costs, duplicates)
             self._loop = RunLoop(self._ctx, self._opened, datasets=self.datasets, money=self.money, spend=self.spend,
                                  book=self.book, rng=self._rng, drain=self.drain, resume=self._set_running)
@@ -322,7 +323,9 @@ class Engine:
             return "paused by the user: r resumes (headless: kill -USR1 <pid>)"
         if self.state not in (RunState.RUNNING, RunState.DRAINING):
             return ""
-        return self._loop.requests.stalled(self.in_flight) if self._loop is not None else ""
+        if self._loop is None:
+            return ""
+        return self._loop.requests.stalled(self.in_flight) or self._loop.room.unknown_wait()
 
     # -- the picture ----------------------------------------------------------------------------
 

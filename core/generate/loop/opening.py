@@ -29,7 +29,7 @@ from draftgen.core import __version__
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.files import write_json_atomic
-from draftgen.core.generate.api.account import read_account
+from draftgen.core.generate.api.account import read_account, read_key_usage
 from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.api.prices import Prices, fetch_prices, require_prices
 from draftgen.core.generate.loop.dataset_run import DatasetRun
@@ -39,7 +39,7 @@ from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.smoke_record import apply_smoke_stream, load_smoke_answer, load_smoke_answered
 from draftgen.core.generate.money.forecast import SmokeFigures
 from draftgen.core.generate.money.settle import Settler
-from draftgen.core.generate.money.spend import Pending, SpendLedger
+from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger
 from draftgen.core.live.snapshot import EventKind, EventSink, Level, OverReservation
 from draftgen.core.records import cost_of, count_of
 from draftgen.core.rundir import RunDir, iter_jsonl
@@ -100,6 +100,34 @@ def count_unledgered(rundir: RunDir, datasets: Mapping[str, DatasetRun], spend: 
             found.answers += 1
             found.usd += usd
     spend.forget_prompts()
+    return out
+
+
+def recorded_answers(rundir: RunDir, datasets: Mapping[str, DatasetRun],
+                     spend: SpendLedger) -> list[tuple[Pending, float, CostSource]]:
+    """Attempts left open on the ledger (a run killed between writing an answer and its end line, or a full
+    disk that refused the ledger's lines while the answers went to a spool, imported since) whose
+    prompt has an answer in responses.jsonl that the ledger does not have: each such prompt's last
+    attempt left open (the one whose generation id the answer carries, when the ledger has it), with the
+    answer's recorded usage.cost to settle it at, rather than at its worst case for good. A record
+    with a generation id was priced by its own usage.cost ("usage.cost"); one without may hold the
+    token estimate (above the bill), so it stays an "estimate". Reads only (a thread may run it); call
+    before `count_unledgered`, which forgets the `sent` lines."""
+    open_by: dict[str, dict[str, list[Pending]]] = {}
+    for p in list(spend.pending.values()):
+        if p.left_open and p.ds in datasets and not spend.sent_prompts(p.ds).get(p.prompt_id, True):
+            open_by.setdefault(p.ds, {}).setdefault(p.prompt_id, []).append(p)
+    out: list[tuple[Pending, float, CostSource]] = []
+    for name, by_prompt in open_by.items():
+        for _, raw in iter_jsonl(rundir.responses(name)):
+            attempts = by_prompt.pop(str(raw.get("id")), None)
+            usage = raw.get("usage")
+            cost = usage.get("cost") if isinstance(usage, dict) else None
+            if not attempts or cost is None:
+                continue
+            gen = raw.get("generation_id")
+            p = next((a for a in attempts if gen and a.gen == gen), max(attempts, key=lambda a: a.sent_at))
+            out.append((p, cost_of(cost), CostSource.USAGE if isinstance(gen, str) and gen else CostSource.ESTIMATE))
     return out
 
 
@@ -164,13 +192,24 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
                   f"cost {figure}, which is not believed (settle.py): settled at what it counted at, "
                   f"${p.worst:.6f}", dataset=p.ds)
 
+    def key_priced(n: int, cost: float, worst: float) -> None:
+        event(Level.INFO, EventKind.PENDING, f"{n} attempt(s) without a generation id priced from the key's usage "
+              f"since the directory's first run: {usd(cost)} together (they counted {usd(worst)} at worst case)")
+
     settler = Settler(spend, client, config.api.generation_lookup_s, on_settled=on_settled,
-                      self_hosted=config.api.self_hosted, on_over=over, on_doubt=doubt)
+                      self_hosted=config.api.self_hosted, on_over=over, on_doubt=doubt,
+                      key_usage=lambda: read_key_usage(client), request_timeout_s=config.api.request_timeout_s,
+                      on_key_priced=key_priced)
     settler.start()
     left = spend.lookups()
     if spend.pending:
+        unknown = len(spend.unknown())
         event(Level.WARN, EventKind.PENDING, f"{len(spend.pending)} attempt(s) of earlier runs not priced yet "
-              f"count at their worst case ({usd(spend.pending_usd)}); {len(left)} looked up now")
+              f"count at their worst case ({usd(spend.pending_usd)}); {len(left)} looked up now"
+              + (f", {unknown} without a generation id priced from the key's usage once they cannot still be "
+                 f"running (in {settler.unknown_due_s():.0f} s at most)" if unknown and settler.prices_unknown
+                 else f", {unknown} without a generation id stay at worst case (no key usage baseline)"
+                 if unknown and not config.api.self_hosted else ""))
     settler.add(left)
     return OpenedMoney(prices, smoke, settler)
 
@@ -188,8 +227,18 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
         ds.smoke_answered(name in smoke_answered)
     for ds in datasets.values():  # a directory from before the spend ledger: its answers' cost carries in
         spend.carry(ds.config.name, ds.cost, ds.done)
-    # A ledger behind its answers (or the reverse), e.g. after an OS crash of a version without fsync.
     say = event or _no_event
+    settled: dict[str, tuple[int, float]] = {}
+    for p, cost, source in await asyncio.to_thread(recorded_answers, rundir, datasets, spend):
+        p.answer = True  # on the loop: the settler writes the ledger too
+        spend.settle(p, cost, source)
+        n, total = settled.get(p.ds, (0, 0.0))
+        settled[p.ds] = (n + 1, total + cost)
+    for name, (n, total) in settled.items():
+        say(Level.INFO, EventKind.PENDING, f"{name}: {n} attempt(s) an earlier run left open have their answer in "
+            f"{rundir.responses(name)} (written before the ledger's line, or imported from a spool): settled at "
+            f"their recorded cost, {usd(total)}", dataset=name)
+    # A ledger behind its answers (or the reverse), e.g. after an OS crash of a version without fsync.
     for name, found in (await asyncio.to_thread(count_unledgered, rundir, datasets, spend, prices or {})).items():
         if found.lost:
             say(Level.WARN, EventKind.ANSWERS_LOST,

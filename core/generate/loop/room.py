@@ -2,12 +2,13 @@
 
 A request waits while the run is paused, while a doubted dataset's one probe is out (doubts.py), while
 its dataset's answers in flight may still free token budget, while settling money in flight may free
-room under max_usd, and while its dataset is at its concurrency limit (or in its first wave: under
-max_usd with the listing's prices, until its first answer's bill has checked them, trust.py). Each
-request reserves the worst case of the very body it sends; a prompt whose worst case would not fit
-under max_usd even with nothing in flight is skipped (counted, eligible later). The balance reaching
-credit_floor_usd holds the run instead of skipping anything. A retry over a limit lowered by 429s waits
-for a slot holding none.
+room under max_usd (lookups, and attempts without a generation id that the key's usage will price once
+they cannot still be running: the run waits for those and says so, rather than ending LIMITED), and
+while its dataset is at its concurrency limit (or in its first wave: under max_usd with the listing's
+prices, until its first answer's bill has checked them, trust.py). Each request reserves the worst
+case of the very body it sends; a prompt whose worst case would not fit under max_usd even with nothing
+in flight is skipped (counted, eligible later). The balance reaching credit_floor_usd holds the run
+instead of skipping anything. A retry over a limit lowered by 429s waits for a slot holding none.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from draftgen.core.generate.money.spend import SpendLedger, Ticket
 from draftgen.core.generate.money.trust import FIRST_WAVE, PriceTrust
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.request_keys import body_answers, body_max_tokens
+from draftgen.core.units import usd
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.dataset_run import DatasetRun
@@ -124,6 +126,9 @@ class Room:
         self.money_skipped: dict[str, int] = {}
         self._money_stopped: set[str] = set()  # datasets whose rest max_usd skipped
         self._retries_waiting = 0
+        self._unknown_said = 0  # how many attempts without a generation id the last wait for them named
+        # max_usd held the last request back waiting for those to be priced (cleared by the next admitted)
+        self.waits_for_unknown = False
 
     def _in_flight(self) -> int:
         """Requests in flight over every dataset."""
@@ -194,7 +199,10 @@ class Room:
         if not self._control.is_open:
             return _Wait.OPEN
         held = self._held_back(ds, worst)
-        return GO if held is None else held
+        if held is None:
+            self.waits_for_unknown = False
+            return GO
+        return held
 
     def _held_back(self, ds: DatasetRun, worst: float) -> Decision | _Wait | None:
         """What keeps one more request of `ds` from going out now, in the order they are checked: its
@@ -241,6 +249,9 @@ class Room:
                 return Decision(Admit.SKIP, beyond)
         if self._in_flight() or self._settler.waiting:
             self._money.note_limited()
+            if self._settler.unknown_waiting:
+                self.waits_for_unknown = True
+                self._say_unknown_wait()
             return _Wait.WAKE
         if block.reason == BlockReason.CREDIT_FLOOR:
             # The balance, not a budget: hold the run (nothing skipped) until it shows room again.
@@ -249,6 +260,26 @@ class Room:
                 return HALT
             return _Wait.GATE
         return Decision(Admit.BUDGET, block.message, money=True)
+
+    def unknown_wait(self) -> str:
+        """What the run waits for, when max_usd holds it back only by attempts without a generation id
+        (empty otherwise): the snapshot's `waiting`, for the header and the headless line."""
+        if not self.waits_for_unknown or self._in_flight() or not (n := self._settler.unknown_waiting):
+            return ""
+        return (f"max_usd has no room but for {n} attempt(s) without a generation id (counted at worst case): "
+                f"priced from the key's usage in {self._settler.unknown_due_s():.0f} s at most")
+
+    def _say_unknown_wait(self) -> None:
+        """Say (once for each number of them) that max_usd waits for attempts without a generation id to be
+        priced from the key's usage, rather than ending the run."""
+        unknown = self._money.spend.unknown()
+        if len(unknown) == self._unknown_said:
+            return
+        self._unknown_said = len(unknown)
+        self._event(Level.WARN, EventKind.PENDING, f"max_usd has no room now but for {len(unknown)} attempt(s) "
+                    f"without a generation id (counted at worst case, {usd(sum(p.worst for p in unknown))}): the "
+                    f"run waits for the key's usage to price them, in {self._settler.unknown_due_s():.0f} s at most "
+                    "(api.request_timeout_s after the last was sent), then goes on")
 
     async def reserve_retry(self, ds: DatasetRun, prompt_id: str, worst: float) -> Ticket | None:
         """A new reservation for a retry (the last attempt's may be pending at its worst case); None when

@@ -6,11 +6,12 @@ worst case), the ledger's total, and the key's own usage from `GET /key` to hold
 key's usage covers everything the key ever ran, this directory's runs among them).
 
 An attempt a killed run sent but whose headers it never read has no generation id: it cannot be
-looked up, and counts at its worst case. With `--unknown-from-key` (only for a key that ran nothing
-but this directory since its first run) those are priced together from the key's usage since the
-baseline the first run recorded (`settle_unknown_from_key`), and only once none of them can still be
-running: a non-streamed generation runs on (and is billed in full) after its client died, for up to
-`api.request_timeout_s` after it was sent; priced before that, the key's usage would not yet show it.
+looked up. Once none of those can still be running (a non-streamed generation runs on, and is
+billed in full, after its client died, for up to `api.request_timeout_s` after it was sent) they
+are priced together from the key's usage since the baseline the directory's first run recorded
+(unknown.py: never below what they were billed, never above their worst case), as a run does; those
+that may still be running stay at their worst case, and the report says when to look again. With
+`--unknown-from-key` that is an error (exit 1), for a script that must not take them as priced.
 """
 
 from __future__ import annotations
@@ -22,58 +23,22 @@ from dataclasses import dataclass
 
 from draftgen.core import runtime
 from draftgen.core.config import Config
-from draftgen.core.errors import DraftgenError, LedgerBusyError
+from draftgen.core.errors import LedgerBusyError
 from draftgen.core.generate.api.account import read_account
 from draftgen.core.generate.api.client import ChatClient, RequestFailed, get_failure
 from draftgen.core.generate.money.settle import Settler
-from draftgen.core.generate.money.spend import CostSource, Reconciliation, SpendLedger
+from draftgen.core.generate.money.spend import Reconciliation, SpendLedger
+from draftgen.core.generate.money.unknown import due_unknown, settle_from_key
 from draftgen.core.rundir import RunDir
-
-
-class UnknownStillRunning(DraftgenError):
-    """Attempts without a generation id may still be generating (and be billed): not priced yet."""
-
-    def __init__(self, message: str, left_s: float) -> None:
-        super().__init__(message)
-        self.left_s = left_s
 
 
 def running_left_s(spend: SpendLedger, request_timeout_s: float, now: float | None = None) -> float:
     """Seconds until no attempt without a generation id can still be running (0: none can)."""
-    unknown = [p for p in spend.pending.values() if not p.gen]
+    unknown = spend.unknown()
     if not unknown:
         return 0.0
     last = max(p.sent_at for p in unknown)
     return max(0.0, last + request_timeout_s - (time.time() if now is None else now))
-
-
-def settle_unknown_from_key(spend: SpendLedger, usage: float, tolerance_usd: float = 1e-6, *,
-                            request_timeout_s: float | None = None, now: float | None = None) -> float | None:
-    """Price the attempts that have no generation id (a run killed before their headers were read)
-    from the key's usage: what the key was billed since the baseline, less every cost the ledger
-    knows. Only valid when the key ran nothing but this directory since its first run, which the
-    user vouches for; refused (None) when anything is still pending lookup, or the figure does not
-    fit between 0 and the unknown attempts' worst case (the key ran other work). With
-    `request_timeout_s`, raises UnknownStillRunning while the last of them may still be generating.
-    Shared out in proportion to each attempt's worst case. Returns the amount settled."""
-    unknown = [p for p in spend.pending.values() if not p.gen]
-    if spend.key_baseline is None or not unknown or len(unknown) != len(spend.pending) or spend.carried_usd:
-        return None
-    left = 0.0 if request_timeout_s is None else running_left_s(spend, request_timeout_s, now)
-    if left > 0:
-        raise UnknownStillRunning(
-            f"--unknown-from-key: nothing priced: {len(unknown)} attempts without a generation id may still be "
-            f"generating (the last was sent less than api.request_timeout_s = {request_timeout_s:g} s ago), and the "
-            f"key's usage does not show them yet; run `draftgen ledger --unknown-from-key` again in {left:.0f} s",
-            left)
-    worst = sum(p.worst for p in unknown)
-    cost = usage - spend.key_baseline - spend.settled_usd
-    if not -tolerance_usd <= cost <= worst + tolerance_usd:
-        return None
-    cost = min(max(cost, 0.0), worst)
-    for p in unknown:
-        spend.settle(p, cost * p.worst / worst if worst > 0 else 0.0, CostSource.KEY_USAGE)
-    return cost
 
 
 @dataclass(frozen=True)
@@ -86,7 +51,7 @@ class LedgerReport:
     from_key_usd: float | None = None   # what --unknown-from-key settled (None: nothing)
     from_key_note: str = ""
     busy_note: str = ""   # another process had the ledger open: read as it was, nothing priced
-    from_key_wait_s: float = 0.0   # --unknown-from-key refused: the unknown attempts may run this long yet
+    from_key_wait_s: float = 0.0   # --unknown-from-key: the unknown attempts may run this long yet (exit 1)
 
 
 async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = None,
@@ -115,6 +80,12 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
             # Each lookup gives up after `look`; the slack lets the last ones finish (it returns as soon
             # as they have), so a 5xx's missing record settles at $0 here rather than next time.
             await settler.drain(look + 10)
+            # The attempts without a generation id that cannot still be running, with the ledger's exact
+            # costs as they are before the key's usage is read (unknown.py).
+            timeout = config.api.request_timeout_s
+            due = None if busy or config.api.self_hosted else due_unknown(spend, timeout)
+            if due is not None and due.attempts:
+                await asyncio.sleep(settler.key_lag_s)  # a charge the key's usage shows late is in it
             try:
                 usage = (await read_account(client, management_key=config.api.management_key())).key_usage
                 key_usage, note = (usage, "GET /key usage: everything this key ran") if usage is not None \
@@ -123,18 +94,27 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
                 key_usage, note = None, get_failure("/key", e)
             except (TimeoutError, OSError) as e:
                 key_usage, note = None, f"GET /key: {type(e).__name__}"
-            from_key, from_key_note, wait_s, running = None, "", 0.0, ""
-            if unknown_from_key:
-                try:
-                    from_key = None if key_usage is None or busy else settle_unknown_from_key(
-                        spend, key_usage, request_timeout_s=config.api.request_timeout_s)
-                except UnknownStillRunning as e:
-                    wait_s, running = e.left_s, str(e)
-                from_key_note = running or (f"priced the attempts without a generation id at ${from_key:.6f} "
-                                 "from the key's usage" if from_key is not None else
-                                 "--unknown-from-key: nothing priced (a run has the ledger open)" if busy else
-                                 "--unknown-from-key: nothing priced (no key usage or baseline, lookups still "
-                                 "pending, or the key's usage does not fit: it ran other work)")
+            unknown = 0 if due is None else len(spend.unknown())
+            from_key = None if due is None or key_usage is None else settle_from_key(spend, due, key_usage)
+            wait_s = 0.0 if busy else running_left_s(spend, timeout)
+            from_key_note = ""
+            if from_key is not None:
+                from_key_note = (f"priced {len(due.attempts) if due else 0} attempt(s) without a generation id at "
+                                 f"${from_key:.6f} together from the key's usage since the directory's first run")
+            elif busy and unknown_from_key:
+                from_key_note = "--unknown-from-key: nothing priced (a run has the ledger open)"
+            elif unknown and key_usage is None:
+                from_key_note = f"attempts without a generation id not priced: {note}"
+            elif unknown and spend.key_baseline is None:
+                from_key_note = ("attempts without a generation id not priced: the ledger has no key usage "
+                                 "baseline (its first run could not read GET /key)")
+            if wait_s > 0:
+                later = (f"{len(spend.unknown())} attempt(s) without a generation id may still be generating (the "
+                         f"last was sent less than api.request_timeout_s = {timeout:g} s ago): they count at their "
+                         f"worst case; run `draftgen ledger` again in {wait_s:.0f} s to price them")
+                from_key_note = f"{from_key_note}; {later}" if from_key_note else later
+            if not unknown_from_key:
+                wait_s = 0.0  # only the flag makes it an error
     finally:
         spend.close()
     return LedgerReport(spend.reconcile(), len(todo), key_usage, note, config.budget.max_usd, from_key, from_key_note,

@@ -15,6 +15,14 @@ generation run on past its cap is believed to cost at most (`RUN_ON_USD`, ~$105)
 attempt settles at what it counted at ("worst case"), once, said by `on_doubt`, so a bad record neither
 books a fortune nor leaves the attempt looked up run after run.
 
+An attempt without a generation id (a run killed before its answer's headers, a request timed out
+before them) is priced from the key's usage once it cannot still be running (unknown.py): a task
+sleeps until the last of them is due (a killed run's were sent within moments of each other), reads
+GET /key once, and settles them all ("key usage"); a read that fails is tried again a while later
+(after a few failures they are left to the next run). Until they are priced they count at their
+worst case, and `waiting` counts them, so a run that max_usd holds back only by them waits for them
+rather than ending LIMITED (room.py).
+
 An openai-compatible server (`[api] kind`) has no generation records and bills nothing: what is
 pending there (a request lost when the server died, a run killed mid-request) is settled at once,
 an answer without a cost at its token estimate, anything else at $0 ("self-hosted"), so no phantom
@@ -24,17 +32,24 @@ worst case holds `max_usd`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import aiohttp
 
 from draftgen.core.generate.api.client import ChatClient, RequestFailed
 from draftgen.core.generate.money.billing import ABSURD_FACTOR, RUN_ON_USD
 from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger
+from draftgen.core.generate.money.unknown import due_unknown, settle_from_key
 from draftgen.core.records import count_of
 
 WORKERS = 8
+KEY_RETRY_S = 30.0  # a GET /key that failed (or showed no usage) is tried again after this long
+KEY_TRIES = 4       # ... and after this many failures the run leaves its unknown attempts at worst case
+# The ledger's exact costs are taken this long (at most generation_lookup_s) before GET /key is read, so
+# a charge the key's usage shows a little late is in it (unknown.py: they are subtracted from it).
+KEY_LAG_S = 5.0
 
 
 def record_cost(record: dict[str, object], worst: float) -> tuple[float | None, bool]:
@@ -57,8 +72,19 @@ class Settler:
     def __init__(self, spend: SpendLedger, client: ChatClient, lookup_s: float,
                  on_settled: Callable[[], None] = lambda: None, *, self_hosted: bool = False,
                  on_over: Callable[[Pending, float, str], None] | None = None,
-                 on_doubt: Callable[[Pending, str], None] | None = None) -> None:
+                 on_doubt: Callable[[Pending, str], None] | None = None,
+                 key_usage: Callable[[], Awaitable[float | None]] | None = None, request_timeout_s: float = 0.0,
+                 on_key_priced: Callable[[int, float, float], None] | None = None) -> None:
         self._spend = spend
+        # Attempts without a generation id, priced from the key's usage (GET /key, `key_usage`) once
+        # request_timeout_s has passed since they were sent; `on_key_priced` hears how many, what they
+        # were priced at and their worst case.
+        self._key_usage = key_usage
+        self._request_timeout_s = request_timeout_s
+        self._on_key_priced = on_key_priced
+        self._unknown_task: asyncio.Task[None] | None = None
+        self._unknown_wake = asyncio.Event()
+        self.key_failures = 0  # GET /key reads that failed or showed no usage (tried again KEY_RETRY_S later)
         # A record billed past what its attempt counted at (its reservation or token estimate): told with
         # the record's provider, booked at the record's cost all the same.
         self._on_over = on_over
@@ -98,23 +124,93 @@ class Settler:
         for p in items:
             if p.gen:
                 self._queue.put_nowait((p, now))
+            else:
+                self._unknown_wake.set()  # one more to price from the key's usage when it is due
+
+    @property
+    def key_lag_s(self) -> float:
+        """How long before reading GET /key the ledger's exact costs are taken (KEY_LAG_S)."""
+        return min(KEY_LAG_S, self._lookup_s)
+
+    @property
+    def prices_unknown(self) -> bool:
+        """Whether attempts without a generation id are priced from the key's usage (a key reader was given,
+        the ledger has its baseline, the server is OpenRouter)."""
+        return self._key_usage is not None and self._spend.key_baseline is not None and not self._self_hosted
+
+    def start_unknown(self) -> None:
+        """Start pricing attempts without a generation id from the key's usage (once the run has settled
+        what the records on disk price better, opening.py `recorded_answers`)."""
+        if self.prices_unknown and self._unknown_task is None:
+            self._unknown_task = asyncio.create_task(self._price_unknown())
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize() + self._busy
+        """Attempts being priced: lookups queued or under way, and those without a generation id that the
+        key's usage will price (room.py waits for them when nothing else can free room)."""
+        return self._queue.qsize() + self._busy + self.unknown_waiting
+
+    @property
+    def unknown_waiting(self) -> int:
+        """Attempts without a generation id pending until the key's usage prices them (0 when it cannot:
+        no baseline, no key pricing, or the task has stopped)."""
+        task = self._unknown_task
+        if task is None or task.done():
+            return 0
+        return len(self._spend.unknown())
+
+    def unknown_due_s(self, now: float | None = None) -> float:
+        """Seconds until the last attempt without a generation id can no longer be running (0: none)."""
+        now = time.time() if now is None else now
+        return max(0.0, max((p.sent_at + self._request_timeout_s - now for p in self._spend.unknown()), default=0.0))
 
     async def drain(self, timeout_s: float) -> None:
-        """Wait (at most `timeout_s`) for the lookups queued so far, then stop the workers."""
+        """Wait (at most `timeout_s`) for the lookups queued so far, then stop the workers (attempts
+        without a generation id not due yet stay pending, for the next run or `draftgen ledger`)."""
         deadline = time.monotonic() + timeout_s
-        while self.waiting and time.monotonic() < deadline:
+        while self._queue.qsize() + self._busy and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.close()
 
     async def close(self) -> None:
-        for w in self._workers:
+        tasks = [*self._workers, *([self._unknown_task] if self._unknown_task is not None else [])]
+        for w in tasks:
             w.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._workers = []
+        self._unknown_task = None
+
+    async def _price_unknown(self) -> None:
+        """Price the attempts without a generation id from the key's usage, all of them together once the
+        last can no longer be running (one read of GET /key for a killed run's attempts, whose figure is
+        the tightest); sleeps until then, or until another is added."""
+        assert self._key_usage is not None
+        while True:
+            self._unknown_wake.clear()
+            wait = self.unknown_due_s()
+            if not wait and self._spend.unknown():
+                due = due_unknown(self._spend, self._request_timeout_s)  # the exact costs taken before the read
+                try:
+                    await asyncio.sleep(self.key_lag_s)
+                    usage = await self._key_usage()
+                except (TimeoutError, RequestFailed, aiohttp.ClientError, OSError):
+                    usage = None
+                if usage is not None:
+                    settled = settle_from_key(self._spend, due, usage)
+                    if settled is not None:
+                        if self._on_key_priced is not None:
+                            self._on_key_priced(len(due.attempts), settled, due.worst)
+                        self._on_settled()
+                    continue
+                self.key_failures += 1  # failed, or shows no usage
+                if self.key_failures >= KEY_TRIES:  # they stay at their worst case (the next run tries)
+                    return
+                wait = KEY_RETRY_S
+            if wait:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._unknown_wake.wait(), wait + 0.05)
+            else:
+                await self._unknown_wake.wait()
 
     async def _work(self) -> None:
         while True:

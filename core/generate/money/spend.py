@@ -8,7 +8,8 @@ left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the n
 
     {"e":"sent","a":ID,"ds":DATASET,"p":PROMPT_ID,"w":WORST_USD,"t":UNIX_TIME}
         written before the request leaves; w is the reservation (worst-case cost, see prices.py);
-        t bounds how long it may run on (`--unknown-from-key` waits api.request_timeout_s past it)
+        t bounds how long it may run on: one without a generation id is priced from the key's usage
+        once api.request_timeout_s has passed since t (unknown.py)
     {"e":"gen","a":ID,"g":GENERATION_ID}
         the generation id, from the X-Generation-Id header (known with the first bytes), written with
         the tick's other lines; when the attempt ended in that same tick (most answers: the header and
@@ -24,9 +25,17 @@ left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the n
         OUTCOME abandoned: timed out, dropped, cut short or stopped: c null, SOURCE "pending"; with
             "st": the HTTP status of a 408/5xx that carried a generation id (see billing.py); with
             "w": what it counts at until priced, when that is more than the reservation (an answer a
-            provider ran past max_tokens: its tokens at the worst prices)
+            provider ran past max_tokens: its tokens at the worst prices); with "t" (no generation id):
+            when it was given up on, a generation that may run on for api.request_timeout_s more (so
+            the key's usage prices it only then, unknown.py)
     {"e":"settle","a":ID,"c":USD,"s":"generation"}
-        an abandoned attempt priced from GET /api/v1/generation?id= (its record's total_cost)
+        an abandoned attempt priced from GET /api/v1/generation?id= (its record's total_cost); a settle
+        line of an answer (one without a cost, or one below) also has "o":"answered"
+    {"e":"settle","a":ID,"c":USD,"s":"usage.cost"|"estimate","o":"answered"}
+        an attempt a run left open (killed between writing the answer and this line, or its disk refused
+        the ledger's lines and the answer was spooled) whose answer is in responses.jsonl: priced at its
+        recorded usage.cost when the next run opens the directory ("estimate" for a record without a
+        generation id, whose cost may be the token estimate; opening.py `recorded_answers`)
     {"e":"settle","a":ID,"c":USD,"s":"usage.cost"|"estimate"}
         right after its abandoned end line: an answer a provider ran past max_tokens (not kept), priced
         from its own usage.cost, or its tokens x the worst prices (billing.py)
@@ -39,8 +48,8 @@ left (it leaves after its fsync); `JsonlAppender` cuts a torn last line on the n
         an openai-compatible server's pending attempt (settle.py): lost ones bill nothing, an answer
         without a cost keeps its token estimate
     {"e":"settle","a":ID,"c":USD,"s":"key usage"}
-        an attempt without a generation id priced from the key's usage (`draftgen ledger
-        --unknown-from-key`, see reconcile.py `settle_unknown_from_key`)
+        an attempt without a generation id priced from the key's usage since the baseline, once it
+        cannot still be running (by a run or `draftgen ledger`, see unknown.py)
     {"e":"key","u":USD,"t":UNIX_TIME}
         the key's usage (GET /key) before the directory's first attempt: the baseline for that
     {"e":"prices","ds":DATASET,"f":FINGERPRINT,"p":USD,"c":USD,"r":USD}
@@ -118,6 +127,11 @@ class CostSource(StrEnum):
     PENDING = "pending"
 
 
+# What was billed, not an estimate above it: the key's usage since the baseline surely holds these
+# costs (unknown.py subtracts them from it). A $0 "not billed" or "no record" adds nothing either way.
+EXACT_SOURCES = frozenset({CostSource.USAGE, CostSource.GENERATION})
+
+
 # HTTP errors after which no generation runs on: a provider or OpenRouter answered with the error at
 # once. A 408, 504 or 524 is someone giving up on a generation that may still run (and be billed), so
 # those wait for their record like a timeout does.
@@ -137,7 +151,8 @@ class SpendReplay:
         for _, line in iter_jsonl(path):
             self.line(line)
         for aid, rec in self._opened.items():  # sent by a run that died before the end line
-            self.sums.add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g"), sent_at=rec["t"]))
+            self.sums.add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g"), sent_at=rec["t"],
+                                          left_open=True))
         self._opened = {}
 
     def line(self, line: dict[str, Any]) -> None:
@@ -177,8 +192,10 @@ class SpendReplay:
         rec = self._opened.pop(aid, None)  # left open by a killed run, priced by a later one
         p = sums.drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
         if p is not None:
-            cost = _sane(line["c"], p.worst)
-            sums.book_settled(p, cost, run=False)
+            p.answer = p.answer or line.get("o") == AttemptEnd.ANSWERED
+            cost, source = _sane(line["c"], p.worst), line.get("s")
+            sums.book_settled(p, cost, run=False, exact=source in EXACT_SOURCES,
+                              from_key=source == CostSource.KEY_USAGE)
             if p.answer:
                 sums.note_answer(p.ds, p.prompt_id, cost)
 
@@ -196,14 +213,14 @@ class SpendReplay:
         if outcome == AttemptEnd.ABANDONED:
             worst = max(rec["w"], _sane(line.get("w", 0.0), rec["w"]))
             sums.add_pending(Pending(aid, rec["ds"], rec["p"], worst, rec.get("g") or line.get("g"),
-                                     ended=line.get("st") in ENDED_STATUSES, sent_at=rec["t"]))
+                                     ended=line.get("st") in ENDED_STATUSES, sent_at=float(line.get("t") or rec["t"])))
         elif outcome == AttemptEnd.ANSWERED and cost is None:
             sums.add_pending(Pending(aid, rec["ds"], rec["p"], _sane(line.get("w", rec["w"]), rec["w"]),
                                      rec.get("g") or line.get("g"), answer=True))
         else:
             usd = _sane(cost or 0.0, rec["w"])
             sums.book(rec["ds"], usd, AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED,
-                      run=False)
+                      run=False, exact=line.get("s") in EXACT_SOURCES)
             if outcome == AttemptEnd.ANSWERED:
                 sums.note_answer(rec["ds"], rec["p"], usd)
         if outcome == AttemptEnd.ANSWERED and self.sent_prompts is not None:
@@ -238,6 +255,9 @@ class SpendLedger:
     pending_usd: _OnSums[float] = _OnSums()
     by_dataset: _OnSums[dict[str, float]] = _OnSums()
     key_baseline: _OnSums[float | None] = _OnSums()
+    exact_usd: _OnSums[float] = _OnSums()  # read only, like key_priced_*
+    key_priced_usd: _OnSums[float] = _OnSums()
+    key_priced_worst: _OnSums[float] = _OnSums()
     found_usd: _OnSums[float] = _OnSums()
     covered: _OnSums[dict[str, int]] = _OnSums()
     carried_by_cost: _OnSums[dict[str, float]] = _OnSums()
@@ -375,7 +395,7 @@ class SpendLedger:
         if self.sums.close(t):
             # The StrEnums as they are: orjson writes their values (two .value lookups a request saved).
             self._end(t, {"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED, "c": cost, "s": source})
-            self.sums.book(t.ds, cost, AttemptEnd.ANSWERED, run=True)
+            self.sums.book(t.ds, cost, AttemptEnd.ANSWERED, run=True, exact=source in EXACT_SOURCES)
 
     def answered_unpriced(self, t: Ticket, estimate: float) -> Pending | None:
         """An answer that carried no usage.cost but has a generation id: pending (at `estimate`, above the
@@ -411,8 +431,11 @@ class SpendLedger:
         if at_least > worst:
             worst = at_least
             line["w"] = at_least
+        since = t.sent_at
+        if t.gen is None:  # priced from the key's usage once it cannot still be running (unknown.py)
+            since = line["t"] = to_ms(time.time())
         self._end(t, line)
-        p = Pending(t.id, t.ds, t.prompt_id, worst, t.gen, ended=status in ENDED_STATUSES, sent_at=t.sent_at)
+        p = Pending(t.id, t.ds, t.prompt_id, worst, t.gen, ended=status in ENDED_STATUSES, sent_at=since)
         self.sums.add_pending(p)
         return p
 
@@ -423,12 +446,20 @@ class SpendLedger:
     def settle(self, p: Pending, cost: float, source: CostSource = CostSource.GENERATION) -> None:
         """An abandoned attempt priced from its generation record (or, without one, the key's usage)."""
         if self.sums.drop_pending(p.id) is not None:
-            self._write({"e": "settle", "a": p.id, "c": cost, "s": source.value})
-            self.sums.book_settled(p, cost, run=True)
+            line: dict[str, Any] = {"e": "settle", "a": p.id, "c": cost, "s": source.value}
+            if p.answer:
+                line["o"] = AttemptEnd.ANSWERED.value
+            self._write(line)
+            self.sums.book_settled(p, cost, run=True, exact=source in EXACT_SOURCES,
+                                   from_key=source is CostSource.KEY_USAGE)
 
     def lookups(self) -> list[Pending]:
         """Pending attempts that can still be priced (they have a generation id)."""
         return self.sums.lookups()
+
+    def unknown(self) -> list[Pending]:
+        """Pending attempts without a generation id (priced from the key's usage, unknown.py)."""
+        return self.sums.unknown()
 
     def reconcile(self) -> Reconciliation:
         return self.sums.reconcile()

@@ -44,7 +44,10 @@ class Pending:
     gen: str | None     # None: the run died before the id came back; it cannot be looked up
     ended: bool = False   # a 500/502/503 ended it: no record after the lookups means not billed
     answer: bool = False  # an answer that carried no cost: booked as answered once priced
-    sent_at: float = 0.0  # its "sent" line's "t": a generation may run on until request_timeout_s after it
+    # its "sent" line's "t" (or, given up on without a generation id, its end line's): a generation may run
+    # on until request_timeout_s after it
+    sent_at: float = 0.0
+    left_open: bool = False  # no end line: a run died (or its disk refused the line) before the attempt ended
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,12 @@ class SpendSums:
         self.pending_usd = 0.0
         self.by_dataset: dict[str, float] = {}
         self.key_baseline: float | None = None  # GET /key usage before the directory's first attempt
+        # For pricing attempts without a generation id from the key's usage (unknown.py): the costs of
+        # attempts on this ledger known exactly (usage.cost, a generation record), which the key's usage
+        # surely holds since the baseline, and what was priced from that usage so far, with its worst case.
+        self.exact_usd = 0.0
+        self.key_priced_usd = 0.0
+        self.key_priced_worst = 0.0
         # For `reconcile()`.
         self._answered = _Tally()
         self._refused = 0
@@ -145,9 +154,12 @@ class SpendSums:
 
     # -- known costs -----------------------------------------------------------------------
 
-    def book(self, ds: str, cost: float, end: AttemptEnd, *, run: bool) -> None:
-        """A known cost on the sums, counted by how its attempt ended (for `reconcile()`)."""
+    def book(self, ds: str, cost: float, end: AttemptEnd, *, run: bool, exact: bool = False) -> None:
+        """A known cost on the sums, counted by how its attempt ended (for `reconcile()`); `exact`: what
+        was billed (usage.cost, a generation record), not an estimate above it."""
         self.settled_usd += cost
+        if exact:
+            self.exact_usd += cost
         self.by_dataset[ds] = self.by_dataset.get(ds, 0.0) + cost
         if run:
             self.spent_run += cost
@@ -159,8 +171,13 @@ class SpendSums:
             tally.n += 1
             tally.usd += cost
 
-    def book_settled(self, p: Pending, cost: float, *, run: bool) -> None:
-        self.book(p.ds, cost, AttemptEnd.ANSWERED if p.answer else AttemptEnd.ABANDONED, run=run)
+    def book_settled(self, p: Pending, cost: float, *, run: bool, exact: bool = False,
+                     from_key: bool = False) -> None:
+        """A pending attempt priced; `from_key`: from the key's usage (unknown.py)."""
+        self.book(p.ds, cost, AttemptEnd.ANSWERED if p.answer else AttemptEnd.ABANDONED, run=run, exact=exact)
+        if from_key:
+            self.key_priced_usd += cost
+            self.key_priced_worst += p.worst
 
     def book_refused(self) -> None:
         """A refusal written by this process: nothing billed, only counted."""
@@ -207,6 +224,10 @@ class SpendSums:
     def lookups(self) -> list[Pending]:
         """Pending attempts that can still be priced (they have a generation id)."""
         return [p for p in self.pending.values() if p.gen]
+
+    def unknown(self) -> list[Pending]:
+        """Pending attempts without a generation id: priced from the key's usage (unknown.py)."""
+        return [p for p in self.pending.values() if not p.gen]
 
     def reconcile(self) -> Reconciliation:
         known = [p for p in self.pending.values() if p.gen]
