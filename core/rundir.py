@@ -14,9 +14,10 @@
       merged/                     train.jsonl, tokens/, train-tokens.jsonl, stats.json (core/merge/merge.py)
       hidden_states/              SpecForge offline format (core/extract/)
 
-Files are created 0600 and folders 0700 (owner-only, core/files.py FILE_MODE and DIR_MODE). A run
-refuses a directory other users can write, or one under a folder they can write that has no sticky bit
-(`check_private`), unless `[output] shared = true` says it is shared on purpose.
+Files are created 0600 and folders 0700 (owner-only, core/files.py FILE_MODE and DIR_MODE). A run,
+and every command that writes into the directory (cli/main.py `_config_to_write`), refuses a directory
+other users can write, or one under a folder they can write that has no sticky bit (`check_private`),
+unless `[output] shared = true` says it is shared on purpose.
 A JSONL line is written whole with one write() and fsynced (group commit, `JsonlAppender.synced`)
 before the answer counts as acknowledged. On reopening, a torn last line (a crash mid-write) is cut
 off and reported.

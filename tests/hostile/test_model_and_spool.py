@@ -319,6 +319,33 @@ def test_a_run_directory_another_group_can_write_or_another_user_owns_is_refused
     check_private(run, "c.toml", shared=True)
 
 
+async def test_every_command_that_writes_into_a_run_directory_others_can_write_refuses_it(tmp_path: Path) -> None:
+    """Not only `run`: smoke (spend.jsonl, smoke.json), retry-failed, ledger, tokens, merge, extract and
+    train-command write there too. Each is refused before it writes or sends anything, naming the folder;
+    `report` and `attach` only read, and go on."""
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o777)
+    async with SimServer(SimConfig(seed=6, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 2, "concurrency": 2}],
+                          tables={"engine": {"reconstruct": False}})
+        for command in ("smoke", "run --headless --skip-smoke", "retry-failed", "ledger", "tokens", "merge",
+                        "extract", "train-command"):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "draftgen.cli.main", *command.split(), str(cfg.path), env=cli_env(),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            said = (out + err).decode()
+            assert proc.returncode == 2 and f"{run}: the run directory can be written by every user (mode 0777)" \
+                in said, (command, said[-2000:])
+        assert sim.stats.requests_total == 0 and sorted(p.name for p in run.iterdir()) == []
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "draftgen.cli.main", "report", str(cfg.path), env=cli_env(),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        assert b"can be written by" not in out + err, (out + err).decode()[-2000:]
+
+
 # ---------------------------------------------------------------------------------------------
 # attach without permission
 
