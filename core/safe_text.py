@@ -10,8 +10,8 @@ of a script or TOML file draftgen writes: core/quoting.py).
 
 Applied once, where outside text enters: the run's `Redactor` (core/secrets.py) returns its text
 through it, and every field an upstream sends besides the answer's text, every error and every event
-passes through the Redactor. The commands that print what a file holds (`tokens`, `report`, `ledger`)
-apply it to what they read. The stored answers keep their text as generated (JSON escapes it).
+passes through the Redactor. The commands that print what a file holds (`tokens`, `merge`, `report`,
+`ledger`) apply it to what they read. The stored answers keep their text as generated (JSON escapes it).
 """
 
 from __future__ import annotations

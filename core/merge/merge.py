@@ -72,6 +72,7 @@ from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover
 from draftgen.core.merge.turns import TURN_REASONS, PendingTurn, add_turns, count_turn, resolve, sorted_turns, turn_of
 from draftgen.core.records import Usage, same_model
 from draftgen.core.rundir import RunDir
+from draftgen.core.safe_text import visible
 from draftgen.core.tokens import identity
 from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, flag_sources
 from draftgen.core.tokens.policy import NOTES, SamplePolicy, source_key
@@ -664,8 +665,10 @@ def merge_command(config: Config, *, replace_hidden_states: bool = False) -> int
     for d in stats.datasets:
         for f in d.flagged_sources:
             what = "dropped" if f["dropped"] else "kept ([validation] drop_flagged_sources = false)"
-            console.print(f"[bold red]FLAGGED[/] {escape(d.name)} {escape(f['provider'])}: {escape(f['reason'])}; "
-                          f"its samples {escape(what)}. To change: {escape(f['fix'])}", soft_wrap=True, highlight=False)
+            # The provider's name is the records' (an earlier version may have stored it raw): made safe here.
+            console.print(f"[bold red]FLAGGED[/] {escape(d.name)} {escape(visible(f['provider']))}: "
+                          f"{escape(visible(f['reason']))}; its samples {escape(what)}. To change: "
+                          f"{escape(visible(f['fix']))}", soft_wrap=True, highlight=False)
     console.print(f"{stats.samples:,} samples written in {stats.elapsed_s:.1f} s (merge {stats.merge_id})",
                   highlight=False)
     if stats.hidden_states:

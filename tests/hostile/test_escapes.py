@@ -268,3 +268,27 @@ async def test_a_datasets_name_is_text_in_the_tui() -> None:
     async with app.run_test(size=(120, 40)):
         await until(lambda: "B2" in screen(app), "the datasets shown")
         assert name in screen(app)
+
+
+async def test_merge_shows_a_flagged_providers_name_from_the_records_escaped(tmp_path: Path) -> None:
+    """Records whose provider's name was stored raw (an earlier version, a file from elsewhere): the provider
+    flagged on its own (counts 5 % off) is named by `draftgen merge` with its controls escaped."""
+    from draftgen.core.generate.loop.engine import Engine
+    from draftgen.core.live import snapshot as snap
+    from draftgen.simulator import SimProvider
+
+    skewed = SimProvider("Skewed", "skewed", "int4", 0.40, 2.00, 2.0, 0.5, 60.0, token_skew=0.05)
+    async with SimServer(SimConfig(seed=4, latency_scale=0.0, mean_completion_tokens=160, providers=(skewed,),
+                                   fallback_rate=0.0), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 12, "concurrency": 4, "max_tokens": 4096}],
+                          tables={"tokenizer": {"path": str(bundled_kimi_path())}, "engine": {"reconstruct": False},
+                                  "validation": {"provider_min_answers": 8}})
+        assert await Engine(cfg, TEST_KEY, seed=1).run() == snap.RunState.DONE
+    responses = RunDir(cfg.run_dir).responses("a")
+    responses.write_bytes(b"".join(orjson.dumps({**r, "provider": f"Skewed{HOSTILE}"}) + b"\n"
+                                   for r in map(orjson.loads, responses.read_bytes().splitlines())))
+    code, out = await cli("tokens", str(cfg.path))
+    assert code == 0, out[-3000:]
+    code, out = await cli("merge", str(cfg.path))
+    assert code == 0 and "FLAGGEDaSkewed" + SHOWN.split("[")[0] in "".join(out.split()), out[-3000:]
+    assert not controls(out), controls(out)
