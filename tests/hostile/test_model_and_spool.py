@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import grp
+import io
 import os
 import shutil
 import signal
@@ -36,6 +37,7 @@ from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir, check_private
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
+from draftgen.tui.report import report
 from tests.generate.test_held_answers import events_of
 from tests.helpers import TEST_KEY, cli_env, dataset_row, make_config, until
 from tests.multiturn import multi_turn_run
@@ -152,6 +154,11 @@ async def test_merge_leaves_out_another_models_answers_an_earlier_run_wrote(tmp_
     path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
     stats = merge(cfg)
     assert stats.samples == 4 and stats.dropped["other_model"] == 4, stats.dropped
+    # `draftgen report` counts them as the run's summary does.
+    out = io.StringIO()
+    report(cfg.run_dir, out=out, width=200)
+    assert f"4 answers from another model than {ASKED} (a 4): kept, but never a sample (merge leaves them out)" \
+        in out.getvalue(), out.getvalue()
 
 
 def test_a_later_turn_conditioned_on_another_models_answer_is_left_out_with_it(tmp_path: Path) -> None:
