@@ -292,3 +292,23 @@ async def test_merge_shows_a_flagged_providers_name_from_the_records_escaped(tmp
     code, out = await cli("merge", str(cfg.path))
     assert code == 0 and "FLAGGEDaSkewed" + SHOWN.split("[")[0] in "".join(out.split()), out[-3000:]
     assert not controls(out), controls(out)
+
+
+async def test_the_smoke_rows_quote_a_servers_text_escaped_once(tmp_path: Path) -> None:
+    """The rows quote the content, model, provider, finish reason and the key's label with their controls as
+    escapes, once: `\\x1b` as `visible` writes it, not its repr's `\\\\x1b`; the content on one line."""
+    from draftgen.core.generate.commands.smoke import run_smoke
+    from draftgen.core.quoting import one_line
+
+    async with SimServer(SimConfig(seed=5, latency_scale=0.0, mean_completion_tokens=40, hostile_text=HOSTILE),
+                         port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 2}],
+                          tables={"tokenizer": {"path": str(bundled_kimi_path())}})
+        result = await run_smoke(cfg, TEST_KEY)
+    rows = {r.check: r.detail for r in result.rows}
+    assert rows["a: content"] == f"'{one_line(HOSTILE[:60])}'", rows["a: content"]  # its first 60 characters
+    assert rows["a: model"].startswith("'moonshotai/kimi-k2.5") and rows["a: model"].endswith(
+        f"{SHOWN}' (asked for 'moonshotai/kimi-k2.5')"), rows["a: model"]
+    assert rows["a: provider"].endswith(f"{SHOWN}'"), rows["a: provider"]
+    assert f"{SHOWN}'" in rows["key"], rows["key"]
+    assert not [c for c in rows.values() if controls(c)]
