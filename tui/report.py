@@ -98,7 +98,8 @@ def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) ->
                               if ledger.pending_usd else "")))
     if other_model:  # as the run's summary says them (core/live/summary.py)
         by = ", ".join(f"{visible(n)} {fmt.count(c)}" for n, c in other_model.items())
-        console.print(Text(f"{fmt.count(sum(other_model.values()))} answers from another model than {visible(asked)} "
+        n = fmt.count(sum(other_model.values()))
+        console.print(Text(f"{n} answers from another model than {visible(str(asked))} "
                            f"({by}): kept, but never a sample (merge leaves them out); check [api] model, "
                            f"[request] provider and the server", style="yellow"))
     for line, style in merge_lines(rd):
