@@ -224,6 +224,14 @@ def test_visible_shows_controls_as_escapes_and_keeps_ordinary_text() -> None:
     text = "Kimi 回答 👍 café\n\tindented"
     assert visible(text) is text
     assert visible(text, one_line=True) == "Kimi 回答 👍 café\\n\\tindented"
+    # Bidi embeddings, overrides and isolates (Trojan Source): `moonshotai/<RLO>5.2k-imik` shows as kimi-k2.5
+    # on screen. Escaped; zero-width joiners (emoji, Persian) and the plain direction marks kept.
+    spoof = "moonshotai/\u202e5.2k-imik \u202a\u202b\u202c\u202d \u2066\u2067\u2068\u2069"
+    assert visible(spoof) == visible(spoof, one_line=True) == \
+        "moonshotai/\\u202e5.2k-imik \\u202a\\u202b\\u202c\\u202d \\u2066\\u2067\\u2068\\u2069"
+    kept = "👨\u200d👩\u200d👧 می\u200cخواهم \u200b\u200e\u200f\ufeff"
+    assert visible(kept) is kept and visible(kept, one_line=True) == kept
+    assert Redactor(TEST_KEY)(spoof) == visible(spoof)
     # Once is enough: what it returns is returned as is.
     assert visible(visible(HOSTILE)) == visible(HOSTILE)
     # The Redactor's output is made safe in the same pass as the key is cut (every upstream field passes it).
