@@ -11,6 +11,7 @@ from pathlib import Path
 
 from draftgen.core import runtime
 from draftgen.core.errors import DraftgenError, ExitCode
+from draftgen.core.quoting import sh_path
 
 EXIT_CODES = """exit codes:
   0  complete: every prompt answered, failed for a reason of its own, or skipped by a token budget
@@ -65,7 +66,7 @@ def _run_dir(where: str) -> Path:
         run_dir = Path(_config(where).run_dir)
         if not run_dir.is_dir():
             raise DraftgenError(f"{path}: its run directory {run_dir} does not exist yet: "
-                                f"`draftgen run {where}` makes it")
+                                f"`draftgen run {sh_path(where)}` makes it")
         return run_dir
     if not path.is_dir():
         raise DraftgenError(f"{path}: no such run directory or config file (give the config, e.g. kimi.toml, "

@@ -26,6 +26,7 @@ import orjson
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.files import exclusive, write_atomic
+from draftgen.core.quoting import sh_path
 from draftgen.core.rundir import JsonlAppender, RunDir
 
 
@@ -107,5 +108,5 @@ def retry_failed_command(config: Config, dataset: str | None, kind: str | None) 
             print(f"{', '.join(kept)}: answers kept in responses.jsonl (marked), not failures; retry-failed "
                   "does not ask them again")
     total = sum(sum(r.moved.values()) for r in results)
-    print(f"{total} prompt(s) eligible again: run `draftgen run {config.path}` to answer them")
+    print(f"{total} prompt(s) eligible again: run `draftgen run {sh_path(config.path)}` to answer them")
     return 0
