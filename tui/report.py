@@ -48,9 +48,10 @@ def _count(path: Path) -> int:
     return sum(1 for _ in iter_jsonl(path)) if path.exists() else 0
 
 
-def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) -> None:
+def report(run_dir: Path, out: TextIO | None = None, width: int | None = None) -> None:
+    """Print the report of `run_dir` to `out` (sys.stdout as it is at the call: not bound at import)."""
     rd = RunDir(run_dir)
-    console = Console(file=out, width=width or min(120, Console().width), highlight=False)
+    console = Console(file=out or sys.stdout, width=width or min(120, Console().width), highlight=False)
     table = Table(box=None, header_style="bold", pad_edge=False)
     for col, justify in (("dataset", "left"), ("answered", "right"), ("failed", "right"), ("rejected", "right"),
                          ("truncated", "right"), ("tokens", "right"), ("cost", "right")):
