@@ -28,6 +28,7 @@ from draftgen.core.errors import DraftgenError
 from draftgen.core.files import exclusive, write_atomic
 from draftgen.core.quoting import sh_path
 from draftgen.core.rundir import JsonlAppender, RunDir
+from draftgen.core.safe_text import visible
 
 
 @dataclass
@@ -40,7 +41,8 @@ class Retried:
         n = sum(self.moved.values())
         if not n:
             return f"{self.dataset}: nothing to retry ({self.kept} failed prompt(s) kept)"
-        kinds = ", ".join(f"{k}: {v}" for k, v in self.moved.most_common())
+        # The kinds are failures.jsonl's (a file: an older version's, or edited): shown with controls escaped.
+        kinds = ", ".join(f"{visible(k)}: {v}" for k, v in self.moved.most_common())
         return (f"{self.dataset}: {n} failed prompt(s) eligible again ({kinds}); {self.kept} kept; "
                 f"their lines are in {history}")
 
