@@ -263,6 +263,14 @@ def test_a_servers_line_break_starts_no_line_of_its_own_in_events_log(tmp_path: 
     lines = RunDir(tmp_path).events_log.read_text().splitlines()
     assert len(lines) == 3 and lines[2].startswith(" " * 26 + "2026-12-07 13:00:00 INFO  run DONE"), lines
     assert "(STOPPED: 0 of 1 answered, 0 failed, 0 skipped)" in last_run_ended(tmp_path)
+    # A line an older version wrote with a server's text raw: the viewer's "the last run here ended ..." escapes it.
+    with open(RunDir(tmp_path).events_log, "a") as f:
+        f.write(f"2026-12-07 13:01:00 INFO  run STOPPED: 0 of 1 answered; {HOSTILE}\n")
+    assert last_run_ended(tmp_path) == "2026-12-07 13:01:00 (STOPPED: 0 of 1 answered)"
+    raw = "\x1b[2J\x1b]2\x07\x9b31m\b"  # the message ends at its first `;`, the line at a `\r`
+    with open(RunDir(tmp_path).events_log, "a") as f:
+        f.write(f"2026-12-07 13:02:00 INFO  run DONE: 1 of 1 answered {raw}\n")
+    assert last_run_ended(tmp_path) == "2026-12-07 13:02:00 (DONE: 1 of 1 answered \\x1b[2J\\x1b]2\\x07\\x9b31m\\x08)"
 
 
 async def test_a_datasets_name_is_text_in_the_tui() -> None:
