@@ -12,6 +12,7 @@ from pathlib import Path
 from draftgen.core import runtime
 from draftgen.core.errors import DraftgenError, ExitCode
 from draftgen.core.quoting import sh_path
+from draftgen.core.safe_text import visible
 
 EXIT_CODES = """exit codes:
   0  complete: every prompt answered, failed for a reason of its own, or skipped by a token budget
@@ -294,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     except DraftgenError as e:
         if args.debug:
             raise
-        print(f"draftgen: error: {e}", file=sys.stderr)
+        # A message may quote a file's line, a path or a server's words: its controls shown as escapes.
+        print(f"draftgen: error: {visible(str(e))}", file=sys.stderr)
         return int(e.exit_code)
     except OSError as e:
         # The filesystem said no where no DraftgenError names it (a run folder that cannot be made: a
@@ -302,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         where = f"{e.filename}: " if e.filename else ""
-        print(f"draftgen: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"draftgen: error: {visible(f'{where}{e.strerror or e}')}", file=sys.stderr)
         return ExitCode.ERROR
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
