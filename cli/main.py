@@ -11,6 +11,8 @@ from pathlib import Path
 
 from draftgen.core import runtime
 from draftgen.core.errors import DraftgenError, ExitCode
+from draftgen.core.quoting import sh_path
+from draftgen.core.safe_text import visible
 
 EXIT_CODES = """exit codes:
   0  complete: every prompt answered, failed for a reason of its own, or skipped by a token budget
@@ -29,8 +31,19 @@ def _config(path: str):  # noqa: ANN202 - Config; imported lazily to keep `--hel
     return load_config(path)
 
 
+def _config_to_write(path: str):  # noqa: ANN202 - Config
+    """The config of a command that writes into its run directory (run, smoke, retry-failed, ledger,
+    tokens, merge, extract, train-command): the run directory is refused first if other users can write
+    it, or a folder above it without the sticky bit, unless `[output] shared = true` (core/rundir.py
+    check_private). Checked here, once for every such command, before anything is written or sent."""
+    from draftgen.core.rundir import check_private
+    config = _config(path)
+    check_private(config.run_dir, config.path, shared=config.output.shared)
+    return config
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    config = _config(args.config)
+    config = _config_to_write(args.config)
     key = config.api_key()
     if args.headless:
         from draftgen.headless.printer import run_headless
@@ -54,7 +67,7 @@ def _run_dir(where: str) -> Path:
         run_dir = Path(_config(where).run_dir)
         if not run_dir.is_dir():
             raise DraftgenError(f"{path}: its run directory {run_dir} does not exist yet: "
-                                f"`draftgen run {where}` makes it")
+                                f"`draftgen run {sh_path(where)}` makes it")
         return run_dir
     if not path.is_dir():
         raise DraftgenError(f"{path}: no such run directory or config file (give the config, e.g. kimi.toml, "
@@ -70,7 +83,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
 def cmd_smoke(args: argparse.Namespace) -> int:
     from draftgen.core.files import exclusive
     from draftgen.core.generate.commands.smoke import smoke_command
-    config = _config(args.config)
+    config = _config_to_write(args.config)
     key = config.api_key()
     with exclusive(config.run_dir, "draftgen smoke"):  # the liveness rule: not beside a live run
         return smoke_command(config, key)
@@ -78,17 +91,17 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 
 def cmd_retry_failed(args: argparse.Namespace) -> int:
     from draftgen.core.generate.commands.retry_failed import retry_failed_command
-    return retry_failed_command(_config(args.config), args.dataset, args.kind)
+    return retry_failed_command(_config_to_write(args.config), args.dataset, args.kind)
 
 
 def cmd_tokens(args: argparse.Namespace) -> int:
     from draftgen.core.tokens.command import tokens_command
-    return tokens_command(_config(args.config))
+    return tokens_command(_config_to_write(args.config))
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
     from draftgen.core.merge.merge import merge_command
-    return merge_command(_config(args.config), replace_hidden_states=args.replace_hidden_states)
+    return merge_command(_config_to_write(args.config), replace_hidden_states=args.replace_hidden_states)
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
@@ -104,12 +117,12 @@ def cmd_extract(args: argparse.Namespace) -> int:
         from draftgen.core.extract.command import plan_command
         return plan_command(_config(args.config), args.shard)
     on_other = "start_over" if args.start_over else "set_aside" if args.set_aside else "refuse"
-    return extract_command(_config(args.config), args.shard, on_other_merge=on_other)
+    return extract_command(_config_to_write(args.config), args.shard, on_other_merge=on_other)
 
 
 def cmd_train_command(args: argparse.Namespace) -> int:
     from draftgen.core.extract.handoff import train_command
-    return train_command(_config(args.config), max_length=args.max_length)
+    return train_command(_config_to_write(args.config), max_length=args.max_length)
 
 
 def cmd_prompts_build(args: argparse.Namespace) -> int:
@@ -141,7 +154,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_ledger(args: argparse.Namespace) -> int:
     from draftgen.core.generate.money.reconcile import ledger_command
-    config = _config(args.config)
+    config = _config_to_write(args.config)
     return ledger_command(config, config.api_key(), unknown_from_key=args.unknown_from_key)
 
 
@@ -281,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     except DraftgenError as e:
         if args.debug:
             raise
-        print(f"draftgen: error: {e}", file=sys.stderr)
+        # A message may quote a file's line, a path or a server's words: its controls shown as escapes.
+        print(f"draftgen: error: {visible(str(e))}", file=sys.stderr)
         return int(e.exit_code)
     except OSError as e:
         # The filesystem said no where no DraftgenError names it (a run folder that cannot be made: a
@@ -289,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         where = f"{e.filename}: " if e.filename else ""
-        print(f"draftgen: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"draftgen: error: {visible(f'{where}{e.strerror or e}')}", file=sys.stderr)
         return ExitCode.ERROR
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED

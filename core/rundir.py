@@ -14,9 +14,10 @@
       merged/                     train.jsonl, tokens/, train-tokens.jsonl, stats.json (core/merge/merge.py)
       hidden_states/              SpecForge offline format (core/extract/)
 
-Files are created 0600 and folders 0700 (owner-only, core/files.py FILE_MODE and DIR_MODE). A run
-refuses a directory other users can write, or one under a folder they can write that has no sticky bit
-(`check_private`), unless `[output] shared = true` says it is shared on purpose.
+Files are created 0600 and folders 0700 (owner-only, core/files.py FILE_MODE and DIR_MODE). A run,
+and every command that writes into the directory (cli/main.py `_config_to_write`), refuses a directory
+other users can write, or one under a folder they can write that has no sticky bit (`check_private`),
+unless `[output] shared = true` says it is shared on purpose.
 A JSONL line is written whole with one write() and fsynced (group commit, `JsonlAppender.synced`)
 before the answer counts as acknowledged. On reopening, a torn last line (a crash mid-write) is cut
 off and reported.
@@ -40,6 +41,7 @@ import orjson
 
 from draftgen.core.errors import DiskError, DraftgenError
 from draftgen.core.files import DIR_MODE, FILE_MODE, disk_error
+from draftgen.core.quoting import sh_path
 
 DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EDQUOT, errno.EIO}
 
@@ -149,12 +151,13 @@ def check_private(root: Path, config_path: Path | str, *, shared: bool) -> None:
                                 f"ledger; use a directory of your own, {fix}")
         if who and folder == path:
             raise DraftgenError(f"{folder}: the run directory can be written by {who} ({mode}): they could replace "
-                                f"or remove its records and reset its spend ledger; `chmod go-w {folder}`, {fix}")
+                                f"or remove its records and reset its spend ledger; `chmod go-w {sh_path(folder)}`, "
+                                f"{fix}")
         if who and not st.st_mode & stat.S_ISVTX:
             raise DraftgenError(f"{folder}, a folder above the run directory {path}, can be written by {who} "
                                 f"without the sticky bit ({mode}): they could move the run directory away and put "
-                                f"another in its place; `chmod go-w {folder}` (or +t), move output.dir elsewhere, "
-                                f"{fix}")
+                                f"another in its place; `chmod go-w {sh_path(folder)}` (or +t), move output.dir "
+                                f"elsewhere, {fix}")
 
 
 def repair_torn_tail(path: Path) -> int:

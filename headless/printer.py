@@ -23,6 +23,7 @@ from draftgen.core.config import Config
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.hub import Subscription
 from draftgen.core.live.summary import prompts_left, signal_line, summary_lines
+from draftgen.core.quoting import sh_path
 from draftgen.core.records import error_count
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.units import clock, compact_duration, fmt_count, usd
@@ -190,7 +191,7 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
         final = pipeline.snapshot()
         say(status_line(final))
         say("")
-        for line in summary_lines(final, code, config_hint=str(config.path)):
+        for line in summary_lines(final, code, config_hint=sh_path(config.path)):
             say(line)
         return code
     finally:

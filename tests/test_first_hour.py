@@ -337,3 +337,12 @@ def test_a_token_budget_overshoot_is_said_in_the_summary() -> None:
     d = dataclasses.replace(s.datasets[0], token_budget=100_000, tokens_used=105_700)
     text = "\n".join(summary_lines(dataclasses.replace(s, datasets=(d,)), 0))
     assert f"{d.name}: 5,700 completion tokens past its token budget of 100,000 (5.7%): answers already" in text
+
+
+def test_an_error_naming_a_path_shows_its_controls_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The one place errors are printed (cli/main.py): a path, a file's line or a server's words in the message
+    reach the terminal with their controls as visible escapes."""
+    from draftgen.cli.main import main
+    assert main(["report", str(tmp_path / "runs\x1b]0;pwned\x07\u202e")]) == 2
+    err = capsys.readouterr().err
+    assert "runs\\x1b]0;pwned\\x07\\u202e: no such run directory" in err and "\x1b" not in err, err

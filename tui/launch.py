@@ -13,6 +13,7 @@ from typing import TextIO
 from draftgen.core.config import Config
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.live.summary import EXIT_ERROR, signal_line, summary_lines
+from draftgen.core.quoting import sh_path
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.tui.app import DraftgenApp
 
@@ -48,7 +49,8 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
             loop.remove_signal_handler(sig)
         # The screen is gone: say in the shell how the run ended (also after a failed smoke or an error).
         code = EXIT_ERROR if pipeline.error is not None else pipeline.exit_code
-        print("\n".join(summary_lines(pipeline.snapshot(), code, config_hint=str(config.path))), file=out, flush=True)
+        print("\n".join(summary_lines(pipeline.snapshot(), code, config_hint=sh_path(config.path))), file=out,
+              flush=True)
     if pipeline.error is not None:
         raise pipeline.error  # shown in the UI's alert bar; printed again once the screen is gone
     return pipeline.exit_code

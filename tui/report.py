@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import orjson
 from rich.console import Console
@@ -18,32 +18,40 @@ from rich.text import Text
 
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.timeline import timeline_from_file
+from draftgen.core.records import same_model
 from draftgen.core.rundir import RunDir, iter_jsonl
+from draftgen.core.safe_text import visible
 from draftgen.core.tokens import identity
 from draftgen.core.units import usd_shown
 from draftgen.tui import fmt
 from draftgen.tui.charts import CHARTS, Chart
 
 
-def _datasets(rd: RunDir) -> list[str]:
-    """Dataset names from run.json in config order, else the folders holding a responses.jsonl."""
+def _run_config(rd: RunDir) -> dict[str, Any]:
+    """The config the last run recorded in run.json ({} if none, or unreadable)."""
     try:
         config = orjson.loads(rd.run_json.read_bytes()).get("config", {})
-        names = [d["name"] for d in config.get("datasets", []) if isinstance(d, dict) and "name" in d]
-        if names:
-            return names
-    except (OSError, orjson.JSONDecodeError, AttributeError, TypeError):
-        pass
-    return sorted(p.parent.name for p in rd.root.glob("*/responses.jsonl"))
+        return config if isinstance(config, dict) else {}
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        return {}
+
+
+def _datasets(rd: RunDir, config: dict[str, Any]) -> list[str]:
+    """Dataset names from run.json in config order, else the folders holding a responses.jsonl."""
+    datasets = config.get("datasets")
+    names = [str(d["name"]) for d in datasets if isinstance(d, dict) and "name" in d] \
+        if isinstance(datasets, list) else []
+    return names or sorted(p.parent.name for p in rd.root.glob("*/responses.jsonl"))
 
 
 def _count(path: Path) -> int:
     return sum(1 for _ in iter_jsonl(path)) if path.exists() else 0
 
 
-def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) -> None:
+def report(run_dir: Path, out: TextIO | None = None, width: int | None = None) -> None:
+    """Print the report of `run_dir` to `out` (sys.stdout as it is at the call: not bound at import)."""
     rd = RunDir(run_dir)
-    console = Console(file=out, width=width or min(120, Console().width), highlight=False)
+    console = Console(file=out or sys.stdout, width=width or min(120, Console().width), highlight=False)
     table = Table(box=None, header_style="bold", pad_edge=False)
     for col, justify in (("dataset", "left"), ("answered", "right"), ("failed", "right"), ("rejected", "right"),
                          ("truncated", "right"), ("tokens", "right"), ("cost", "right")):
@@ -51,7 +59,11 @@ def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) ->
     # Read only: a run may be writing it.
     ledger = SpendLedger.read(rd.spend) if rd.spend.exists() else None
     totals = [0, 0, 0, 0, 0, 0.0]
-    for name in _datasets(rd):
+    config = _run_config(rd)
+    api = config.get("api")
+    asked = api.get("model") if isinstance(api, dict) else None  # the model asked (run.json), to judge answers by
+    other_model: dict[str, int] = {}  # answers from another model, by dataset: kept, never a sample
+    for name in _datasets(rd, config):
         answered = truncated = tokens = 0
         cost = 0.0
         for _, rec in iter_jsonl(rd.responses(name)):
@@ -64,12 +76,15 @@ def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) ->
             c = usage.get("cost")
             cost += c if isinstance(c, (int, float)) and not isinstance(c, bool) else 0.0
             truncated += bool(rec.get("truncated") or rec.get("empty_content"))
+            if isinstance(asked, str) and not same_model(asked, rec.get("model")):
+                other_model[name] = other_model.get(name, 0) + 1
         if ledger is not None:  # the dataset's figure in the run's views (projection.py: by_dataset, else usage)
             cost = ledger.by_dataset.get(name, cost)
         row = [answered, _count(rd.failures(name)), _count(rd.rejected(name)), truncated, tokens, cost]
         # The total row is the sum of the rows as shown.
         totals = [a + b for a, b in zip(totals, row[:5] + [usd_shown(cost)])]
-        table.add_row(name, fmt.count(row[0]), fmt.count(row[1]), fmt.count(row[2]), fmt.count(row[3]),
+        # Names and the lines below are read from files: shown with their controls escaped.
+        table.add_row(visible(name), fmt.count(row[0]), fmt.count(row[1]), fmt.count(row[2]), fmt.count(row[3]),
                       fmt.tokens(row[4]), fmt.usd(row[5]))
     table.add_row(Text("total", style="bold"), *(fmt.count(x) for x in totals[:4]), fmt.tokens(totals[4]),
                   fmt.usd(totals[5]))
@@ -82,8 +97,14 @@ def report(run_dir: Path, out: TextIO = sys.stdout, width: int | None = None) ->
                               if abs(other) >= 0.005 else "")
                            + (f"; {fmt.usd(ledger.pending_usd)} of it pending a price, at its worst case"
                               if ledger.pending_usd else "")))
+    if other_model:  # as the run's summary says them (core/live/summary.py)
+        by = ", ".join(f"{visible(n)} {fmt.count(c)}" for n, c in other_model.items())
+        n = fmt.count(sum(other_model.values()))
+        console.print(Text(f"{n} answers from another model than {visible(str(asked))} "
+                           f"({by}): kept, but never a sample (merge leaves them out); check [api] model, "
+                           f"[request] provider and the server", style="yellow"))
     for line, style in merge_lines(rd):
-        console.print(Text(line, style=style))
+        console.print(Text(visible(line), style=style))
     timeline = timeline_from_file(rd.history)
     if not timeline.points:
         console.print(Text(f"\nno history: {rd.history} is missing or empty (written by runs since this version)",

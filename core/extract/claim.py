@@ -27,6 +27,7 @@ import numpy as np
 
 from draftgen.core.errors import DraftgenError
 from draftgen.core.files import disk_error
+from draftgen.core.quoting import sh_path
 from draftgen.core.tokens import identity
 from draftgen.core.tokens.store import TokenReader
 
@@ -103,11 +104,12 @@ def standing(root: Path, merged: Path, reader: TokenReader | None = None) -> Sta
 
 def refusal(s: Standing, root: Path, config_path: object) -> HiddenStatesOfAnotherMerge:
     came = s.stored.describe() if s.stored is not None else "an unrecorded merge"
+    config = sh_path(str(config_path))
     return HiddenStatesOfAnotherMerge(
         f"{root}: holds {s.files:,} hidden-state files of {came}, but merged/ is {s.current.describe()} "
         f"({'; '.join(s.differences())}). Nothing is added to hidden states of another merge: "
-        f"`draftgen extract {config_path} --start-over` deletes them and extracts this merge, or "
-        f"`draftgen extract {config_path} --set-aside` moves them to {identity.aside_path(root, s.stored)}/ "
+        f"`draftgen extract {config} --start-over` deletes them and extracts this merge, or "
+        f"`draftgen extract {config} --set-aside` moves them to {identity.aside_path(root, s.stored)}/ "
         f"(nothing deleted) and extracts this merge into a new {root.name}/")
 
 

@@ -13,6 +13,7 @@ from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.live.progress import every
 from draftgen.core.live.snapshot import Level, StageProgress
+from draftgen.core.quoting import sh_path
 from draftgen.core.units import compact_duration, fmt_bytes, fmt_count
 
 PRINT_INTERVAL_S = 5.0
@@ -208,7 +209,7 @@ def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: 
         print(stats.claim_note, file=stream, flush=True)
     if (where / "train-command.sh").exists():
         print(f"training: {where / 'train-command.sh'} (SpecForge's command and config, data.max_length = the "
-              f"longest sample; `draftgen train-command {config.path}` explains it)", file=stream, flush=True)
+              f"longest sample; `draftgen train-command {sh_path(config.path)}` explains it)", file=stream, flush=True)
     if stats.draft_layer_ids is not None:
         print(f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids = {stats.draft_layer_ids} "
               f"(SGLang's numbering of layers {list(stats.layers)}; also in stats.json)", file=stream, flush=True)

@@ -35,6 +35,7 @@ from draftgen.core.files import GROUP_FILE_MODE, TMP_MARK, disk_error, write_jso
 from draftgen.core.live.progress import Throttle
 from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.merge.swap import merge_lock
+from draftgen.core.quoting import sh_path
 from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.tokens.store import INDEX_FILE, TokenEntry, TokenReader
 from draftgen.core.units import fmt_bytes, fmt_count
@@ -489,8 +490,8 @@ def _leave_handoff(config: Config, events: EventLog) -> None:
         write_handoff(h)
         write_online(h)
     except (DraftgenError, OSError, ValueError) as e:
-        events.write("warn", f"extract: the training hand-off (`draftgen train-command {config.path}`) was not "
-                             f"written: {e}")
+        events.write("warn", f"extract: the training hand-off (`draftgen train-command {sh_path(config.path)}`) was "
+                             f"not written: {e}")
 
 
 def _draft_layer_ids(layers: tuple[int, int, int], dims: ModelDims) -> list[int] | None:

@@ -41,6 +41,7 @@ import torch
 
 from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.extract.plan import kv_page_size, kv_pool_tokens  # the GPU plan sizes the same KV pool
+from draftgen.core.quoting import sh_path
 from draftgen.core.units import fmt_bytes
 
 DIST_TIMEOUT_MIN = 120  # loading a 1T-parameter checkpoint can keep some ranks waiting a long time
@@ -112,7 +113,7 @@ class TorchrunGroup:
         if world is None and tp_size != 1:
             raise ConfigError(
                 f"{config_path}: extract.tp_size = {tp_size} needs one process per GPU: start it as "
-                f"torchrun --nproc_per_node {tp_size} --no-python draftgen extract {config_path} "
+                f"`torchrun --nproc_per_node {tp_size} --no-python draftgen extract {sh_path(str(config_path))}` "
                 f"(see docs/gpu-extraction.md)")
         if world is not None and int(world) > tp_size and int(world) % tp_size == 0:
             raise ConfigError(

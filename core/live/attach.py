@@ -51,6 +51,7 @@ from draftgen.core.live.snapshot import (
     snapshot_from_dict,
 )
 from draftgen.core.rundir import RunDir
+from draftgen.core.safe_text import visible
 
 PROTOCOL = 1
 MAX_CLIENTS = 128       # viewers served at once (a hundred attached at once must all get in)
@@ -343,7 +344,8 @@ _END_STATES = frozenset({RunState.DONE, RunState.STOPPED, RunState.DRAINED, RunS
 
 def last_run_ended(run_dir: Path, tail_bytes: int = 1 << 16) -> str:
     """When and how the last run to end in `run_dir` ended, from the end of its events.log ("2026-12-02
-    15:10:07 (DONE: 429 of 492 answered, ...)"); "" when no run has ended there (or there is no log)."""
+    15:10:07 (DONE: 429 of 492 answered, ...)"); "" when no run has ended there (or there is no log). The
+    line is the file's (an older version may have written a server's text raw): its controls escaped."""
     try:
         with open(RunDir(run_dir).events_log, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
@@ -355,7 +357,7 @@ def last_run_ended(run_dir: Path, tail_bytes: int = 1 << 16) -> str:
         message = rest[1] if len(rest) == 2 else ""
         ended = message[4:].split(";")[0]  # "DONE: 429 of 492 answered, ...", "LIMITED by max_usd: ..."
         if message.startswith("run ") and ended.split(" ", 1)[0].rstrip(":") in _END_STATES:
-            return f"{stamp} ({ended})"
+            return visible(f"{stamp} ({ended})")
     return ""
 
 

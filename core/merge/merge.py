@@ -70,8 +70,10 @@ from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef,
 from draftgen.core.merge.specforge import has_tool_calls, specforge_record
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
 from draftgen.core.merge.turns import TURN_REASONS, PendingTurn, add_turns, count_turn, resolve, sorted_turns, turn_of
+from draftgen.core.quoting import sh_path
 from draftgen.core.records import Usage, same_model
 from draftgen.core.rundir import RunDir
+from draftgen.core.safe_text import visible
 from draftgen.core.tokens import identity
 from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, flag_sources
 from draftgen.core.tokens.policy import NOTES, SamplePolicy, source_key
@@ -252,7 +254,7 @@ def merge(config: Config, progress: ProgressCallback | None = None, *,
                           f"it in the loss mask); with template \"{config.tokenizer.template}\" use \"per_turn\"")
     if not root.is_dir():
         raise DraftgenError(f"{root}: run directory not found (output.dir in {config.path}); "
-                            f"generate first with `draftgen run {config.path}`")
+                            f"generate first with `draftgen run {sh_path(config.path)}`")
     reporter = _Reporter(progress)
     reporter.send(StageState.RUNNING, 0, 0, "starting", force=True)
     try:
@@ -330,15 +332,16 @@ def _hidden_states_guard(config: Config, root: Path, tmp: Path, replace: bool) -
         raise DraftgenError(
             f"{hidden}: holds {files:,} hidden-state files of {came}, and this merge is another "
             f"({new.describe()}: {what}). Replacing merged/ would leave them holding other samples than "
-            f"merged/ at the same index, so merged/ was left as it was. To merge anyway: `draftgen merge "
-            f"{config.path} --replace-hidden-states` (moves them aside to {identity.aside_path(hidden, old)}/, "
-            f"nothing deleted; then `draftgen extract {config.path}` extracts the new merge)")
+            f"merged/ at the same index, so merged/ was left as it was. To merge anyway: "
+            f"`draftgen merge {sh_path(config.path)} --replace-hidden-states` (moves them aside to "
+            f"{identity.aside_path(hidden, old)}/, nothing deleted; then `draftgen extract {sh_path(config.path)}` "
+            f"extracts the new merge)")
     try:
         dest = identity.set_aside(hidden, old)
     except OSError as e:
         raise disk_error(hidden, e) from e
     return (f"hidden_states/ ({files:,} files of {came}) set aside as {dest} ({what}); "
-            f"`draftgen extract {config.path}` extracts this merge; delete the old folder when done with it")
+            f"`draftgen extract {sh_path(config.path)}` extracts this merge; delete the old folder when done with it")
 
 
 # One kept sample: (dataset index, responses.jsonl offset and line length, token offset, token length,
@@ -664,8 +667,10 @@ def merge_command(config: Config, *, replace_hidden_states: bool = False) -> int
     for d in stats.datasets:
         for f in d.flagged_sources:
             what = "dropped" if f["dropped"] else "kept ([validation] drop_flagged_sources = false)"
-            console.print(f"[bold red]FLAGGED[/] {escape(d.name)} {escape(f['provider'])}: {escape(f['reason'])}; "
-                          f"its samples {escape(what)}. To change: {escape(f['fix'])}", soft_wrap=True, highlight=False)
+            # The provider's name is the records' (an earlier version may have stored it raw): made safe here.
+            console.print(f"[bold red]FLAGGED[/] {escape(d.name)} {escape(visible(f['provider']))}: "
+                          f"{escape(visible(f['reason']))}; its samples {escape(what)}. To change: "
+                          f"{escape(visible(f['fix']))}", soft_wrap=True, highlight=False)
     console.print(f"{stats.samples:,} samples written in {stats.elapsed_s:.1f} s (merge {stats.merge_id})",
                   highlight=False)
     if stats.hidden_states:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from draftgen.core.config import load_config
@@ -17,6 +18,8 @@ from draftgen.core.promptsets.build import DROP_REASONS, BuildError, BuildOption
 from draftgen.core.promptsets.configfile import PricePerMtok, config_relative, estimate, header_line, write_config
 from draftgen.core.promptsets.sources import parse_source, stay_offline
 from draftgen.core.promptsets.split import LONG, SHORT, ClassSettings, render_histogram
+from draftgen.core.quoting import sh_path
+from draftgen.core.safe_text import visible
 
 DEFAULT_TOKENIZER = "moonshotai/Kimi-K2.5"
 DEFAULT_MODEL = "moonshotai/kimi-k2.5"
@@ -91,9 +94,15 @@ def _source_table(stats: Sequence[SourceStats]) -> Table:
         table.add_column(_SHORT_NAMES.get(col, col), justify="left" if col in ("name", "split", "layout")
                          else "right")
     for s in stats:
-        table.add_row(s.name, s.split, s.mapping, f"{s.rows:,}", f"{s.kept:,}",
+        table.add_row(_text(s.name), _text(s.split), _text(s.mapping), f"{s.rows:,}", f"{s.kept:,}",
                       *(f"{s.dropped[r]:,}" if s.dropped[r] else "·" for r in DROP_REASONS))
     return table
+
+
+def _text(value: object) -> str:
+    """What a source supplies (its path, split, columns, a row's values in an error) or a name made from it,
+    for a Rich string: its controls as visible escapes, `[...]` as text, not markup."""
+    return escape(visible(str(value)))
 
 
 def _warn_special_text(console: Console, datasets: Any, tok: Any) -> None:
@@ -103,7 +112,7 @@ def _warn_special_text(console: Console, datasets: Any, tok: Any) -> None:
         with open(out.path, "rb") as f:
             flagged = count_special_text(f, tok.special_tokens())
         if flagged:
-            console.print(f"[yellow]{out.name}: {flagged:,} prompt(s) hold special-token text (e.g. a typed "
+            console.print(f"[yellow]{_text(out.name)}: {flagged:,} prompt(s) hold special-token text (e.g. a typed "
                           f"<|im_end|>)[/]: vLLM, SGLang and transformers serve read it as the special token "
                           f"([tokenizer] prompt_special_tokens, default \"special\" self-hosted, \"text\" on "
                           f"OpenRouter); the prompt tokens above count it as text", markup=True)
@@ -154,14 +163,14 @@ def build_command(req: BuildRequest, console: Console | None = None) -> int:
         download=req.download, subset=req.subset, force=req.force,
         existing=[d.prompts for d in existing.datasets] if existing else ())
     result = build(opts, on_source=lambda s: console.print(
-        f"[bold]{s.name}[/]: {s.kept:,} kept of {s.rows:,} rows ({s.origin}, {s.mapping})"))
+        f"[bold]{_text(s.name)}[/]: {s.kept:,} kept of {s.rows:,} rows ({_text(s.origin)}, {_text(s.mapping)})"))
     console.print()
     console.print(_source_table(result.sources))
     for s in result.sources:
         if s.example_unusable:
-            console.print(f"  {s.name}: first unusable row — {s.example_unusable}")
+            console.print(f"  {_text(s.name)}: first unusable row — {_text(s.example_unusable)}")
     console.print()
-    console.print(render_histogram(f"prompt length ({tok_path}, template {template_name})", result.lengths,
+    console.print(render_histogram(f"prompt length ({_text(tok_path)}, template {template_name})", result.lengths,
                                    result.threshold))
     if result.suggested is not None and result.threshold != result.suggested:
         console.print(f"  (suggested split: {result.suggested:,} tokens)")
@@ -176,7 +185,7 @@ def build_command(req: BuildRequest, console: Console | None = None) -> int:
     for out in result.datasets:
         cost = estimate(out, prices) if prices else None
         prompts = f"{out.prompts:,} ({out.requests:,})" if out.multi_turn else f"{out.prompts:,}"
-        table.add_row(out.name, out.length_class, prompts, f"{out.prompt_tokens:,}",
+        table.add_row(_text(out.name), out.length_class, prompts, f"{out.prompt_tokens:,}",
                       f"{out.settings.concurrency:,}", f"{out.settings.max_tokens:,}",
                       f"${cost.expected_usd:,.2f}" if cost else "—", f"${cost.max_usd:,.2f}" if cost else "—")
     console.print(table)
@@ -195,6 +204,7 @@ def build_command(req: BuildRequest, console: Console | None = None) -> int:
                      tokenizer=_tokenizer_entry(tok_path, req.config.parent), template=template_name,
                      output_dir=req.output_dir or f"runs/{req.config.stem}")
         verb = "added to" if existing is not None else "written:"
-        console.print(f"\n{len(result.datasets)} [[datasets]] {verb} {req.config}", markup=False)
-        console.print(f"next: [bold]draftgen smoke {req.config}[/] then [bold]draftgen run {req.config}[/]")
+        console.print(f"\n{len(result.datasets)} [[datasets]] {verb} {visible(str(req.config))}", markup=False)
+        config = _text(sh_path(req.config))
+        console.print(f"next: [bold]draftgen smoke {config}[/] then [bold]draftgen run {config}[/]")
     return 0

@@ -13,6 +13,7 @@ from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError, ExitCode
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
+from draftgen.core.quoting import sh_path
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.run.stages import Stages
 from draftgen.core.run.startup import Startup, StartVerdict
@@ -72,7 +73,7 @@ class GenerationStage:
             if gated.verdict is StartVerdict.SMOKE_FAILED:
                 # Read in the TUI, the headless log and the shell after the TUI closes: a command, not a key.
                 self._control.fail("the smoke test failed: the run will not start at full concurrency "
-                                   f"(fix what it names, then `draftgen smoke {self._config.path}`; "
+                                   f"(fix what it names, then `draftgen smoke {sh_path(self._config.path)}`; "
                                    "or --skip-smoke)", ExitCode.SMOKE_FAILED)
                 return snap.RunState.STOPPED
             if self._reconstruct:
@@ -90,7 +91,7 @@ class GenerationStage:
         """Quit before the run started: no run request was sent; exit 130 (docs/run-end.md)."""
         self._control.not_started()
         self._emit(snap.Level.WARN, snap.EventKind.RUN_DONE, f"{why}: no run request was sent; "
-                   f"`draftgen run {self._config.path}` starts it")
+                   f"`draftgen run {sh_path(self._config.path)}` starts it")
         return snap.RunState.STOPPED
 
     async def _run_engine(self) -> snap.RunState:

@@ -16,6 +16,7 @@ from draftgen.core.errors import DraftgenError
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.run_state import PausedBy
 from draftgen.core.live import snapshot as snap
+from draftgen.core.quoting import sh_path
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
@@ -112,9 +113,9 @@ class Stages:
                                             replace_hidden_states=replace_hidden_states)
         except asyncio.CancelledError:
             self._rows.stop("merge", f"not waited for: merged/ is replaced whole or not at all; "
-                          f"`draftgen merge {self._config.path}` redoes it")
+                          f"`draftgen merge {sh_path(self._config.path)}` redoes it")
             self._emit(snap.Level.WARN, snap.EventKind.MERGE_DONE, "merge was not waited for: merged/ is replaced "
-                       f"whole or not at all (`draftgen merge {self._config.path}` redoes it)")
+                       f"whole or not at all (`draftgen merge {sh_path(self._config.path)}` redoes it)")
             raise
         except DraftgenError as e:
             self._rows.fail("merge", str(e))
@@ -140,7 +141,7 @@ class Stages:
             stats = await asyncio.to_thread(extract, self._config, shard=shard, progress=self._rows.reporter("extract"),
                                             stop=self.extract_stop, on_other_merge=on_other_merge)
         except asyncio.CancelledError:
-            self._rows.stop("extract", f"stopped: `draftgen extract {self._config.path}` finishes the rest")
+            self._rows.stop("extract", f"stopped: `draftgen extract {sh_path(self._config.path)}` finishes the rest")
             raise
         except DraftgenError as e:
             self._rows.fail("extract", str(e))
@@ -151,11 +152,11 @@ class Stages:
         if stats.stopped:  # stopped after a batch (stop now, a full disk): said as stopped, with what finishes it
             done = stats.skipped_existing + stats.written + stats.nan_samples
             self._rows.stop("extract", f"stopped at {done:,} of {stats.samples:,} files: "
-                          f"`draftgen extract {self._config.path}` finishes the rest")
+                          f"`draftgen extract {sh_path(self._config.path)}` finishes the rest")
             self._emit(snap.Level.WARN, snap.EventKind.EXTRACT_DONE,
                        f"extraction STOPPED at {done:,} of {stats.samples:,} files "
                        f"({stats.written} written this time) in {self._rundir.hidden_states}; "
-                       f"`draftgen extract {self._config.path}` finishes the rest")
+                       f"`draftgen extract {sh_path(self._config.path)}` finishes the rest")
             return stats
         self._emit(snap.Level.INFO, snap.EventKind.EXTRACT_DONE, f"extraction done: {stats.written} files written "
                   f"({stats.skipped_existing} already there, {stats.nan_samples} NaN"

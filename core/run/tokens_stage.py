@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
 from draftgen.core.live import snapshot as snap
+from draftgen.core.quoting import sh_path
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.rundir import RunDir
 
@@ -69,7 +70,7 @@ class TokensStage:
         elif not complete:  # the tokens stage failed: not a complete run, merge would drop them
             self._emit(snap.Level.ERROR, snap.EventKind.TOKENS_FAILED,
                        f"tokens: {tokens.done:,} of {tokens.total:,} answers have "
-                       f"token ids ({tokens.message}); finish with `draftgen tokens {self._config.path}`")
+                       f"token ids ({tokens.message}); finish with `draftgen tokens {sh_path(self._config.path)}`")
         for row in self.fidelity:
             if row.flagged:
                 self._emit(snap.Level.WARN, snap.EventKind.PROVIDER_FLAGGED,

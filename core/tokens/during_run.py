@@ -28,6 +28,7 @@ from draftgen.core.live.snapshot import (
     TurnAgreement,
     event_sink,
 )
+from draftgen.core.quoting import sh_path
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.fidelity import turn_figures
 from draftgen.core.tokens.policy import SamplePolicy
@@ -97,7 +98,7 @@ class RunReconstructor:
         self._run = rundir or RunDir(config.run_dir)  # the pipeline's (one per run), or its own
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: RespawningPool[_Dataset] = RespawningPool(
-            self._spec, self.workers, hint=f"finish with `draftgen tokens {config.path}`",
+            self._spec, self.workers, hint=f"finish with `draftgen tokens {sh_path(config.path)}`",
             max_restarts=lambda: self.MAX_RESTARTS, on_landed=self._landed, on_lost=self._lose,
             on_give_up=self._gave_up, on_event=self._event)
         self._datasets: dict[str, _Dataset] = {}
@@ -282,7 +283,8 @@ class RunReconstructor:
         return StageProgress(
             name="tokens", state=state, done=total.checked, total=total.checked + waiting + self._lost,
             rate=per_s if landed else 0.0, rate_unit="answers/s", detail=detail,
-            message=self._error or (f"{'; '.join(self._unwritten)}; finish with `draftgen tokens {self.config.path}`"
+            message=self._error or (f"{'; '.join(self._unwritten)}; finish with "
+                                    f"`draftgen tokens {sh_path(self.config.path)}`"
                                     if self._unwritten else total.summary_line()))
 
     # -- shutdown -------------------------------------------------------------------------------------

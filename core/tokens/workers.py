@@ -34,6 +34,7 @@ from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.files import disk_error, lock_file, write_json_atomic
 from draftgen.core.live.progress import ProgressCallback, Throttle
 from draftgen.core.live.snapshot import StageProgress, StageState
+from draftgen.core.quoting import sh_path
 from draftgen.core.rundir import RunDir, iter_jsonl, read_line_at
 from draftgen.core.tokens.fidelity import ProviderFlag
 from draftgen.core.tokens.policy import SamplePolicy
@@ -401,7 +402,7 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: ProgressCal
             except concurrent.futures.process.BrokenProcessPool:
                 raise WorkerDied(f"{dataset_name}: a token reconstruction worker process died (killed, or out of "
                                  f"memory); {rate.answers:,} of {total:,} answers were reconstructed and are kept. "
-                                 f"Run `draftgen tokens {config.path}` again to finish") from None
+                                 f"Run `draftgen tokens {sh_path(config.path)}` again to finish") from None
             finally:
                 for fut in inflight:
                     fut.cancel()

@@ -416,3 +416,23 @@ def test_max_turns_without_turns_all_is_refused(tmp_path: Path, capsys: pytest.C
                  "--tokenizer", str(bundled_kimi_path())]) != 0
     assert "--max-turns 2: caps the user turns of a conversation with --turns all" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
+
+
+def test_build_shows_a_sources_path_and_rows_as_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A source file named with Rich markup and an escape sequence (`[/x]` raised MarkupError: the command
+    stopped), and a row whose role carries them: printed as text, the controls as visible escapes."""
+    hostile = "\x1b]0;pwned\x07[/x]"
+    folder = tmp_path / f"data{hostile}"  # data\x1b]0;pwned\x07[/ holding x]/
+    folder.mkdir(parents=True)
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(5)]
+    rows.append({"messages": [{"role": f"user{hostile}", "content": "Question?"}]})
+    src = make_jsonl(folder, rows, "q.jsonl")
+    rc = main(["prompts", "build", f"q={src}", "--out", str(tmp_path / "prompts"), "--no-config",
+               "--tokenizer", str(bundled_kimi_path())])
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert rc == 0, said
+    assert "\x1b" not in said and "\x07" not in said, said
+    flat = "".join(said.split())
+    assert "data\\x1b]0;pwned\\x07[/x]/q.jsonl" in flat, said
+    assert "firstunusablerow" in flat and "row5:messages[0]hasanunknownrole'user\\x1b]0;pwned\\x07[/x]'" in flat, said

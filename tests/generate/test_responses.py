@@ -609,3 +609,17 @@ def test_retry_failed_says_a_kind_of_kept_answers_is_not_a_failure(tmp_path: Pat
     kinds = listed.partition("failure kinds: ")[2].split(", ")
     assert "401" in kinds and "400_context_length" in kinds and not {"length", "empty_content", "no_ids"} & set(kinds)
     assert "length: answers kept in responses.jsonl (marked), not failures; retry-failed does not ask them again" in out
+
+
+def test_retry_failed_shows_a_failures_kind_from_the_file_escaped(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """failures.jsonl is a file (an older version's, or edited): the kinds it names are printed with their
+    controls as visible escapes."""
+    from draftgen.cli.main import main
+    config = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "a", "n": 2}])
+    path = RunDir(config.run_dir).failures("a")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(orjson.dumps({"id": "a-0", "error_kind": "401\x1b]0;pwned\x07", "error": "x"}) + b"\n")
+    assert main(["retry-failed", str(config.path)]) == 0
+    out = capsys.readouterr().out
+    assert "a: 1 failed prompt(s) eligible again (401\\x1b]0;pwned\\x07: 1)" in out and "\x1b" not in out, out

@@ -224,6 +224,14 @@ def test_visible_shows_controls_as_escapes_and_keeps_ordinary_text() -> None:
     text = "Kimi 回答 👍 café\n\tindented"
     assert visible(text) is text
     assert visible(text, one_line=True) == "Kimi 回答 👍 café\\n\\tindented"
+    # Bidi embeddings, overrides and isolates (Trojan Source): `moonshotai/<RLO>5.2k-imik` shows as kimi-k2.5
+    # on screen. Escaped; zero-width joiners (emoji, Persian) and the plain direction marks kept.
+    spoof = "moonshotai/\u202e5.2k-imik \u202a\u202b\u202c\u202d \u2066\u2067\u2068\u2069"
+    assert visible(spoof) == visible(spoof, one_line=True) == \
+        "moonshotai/\\u202e5.2k-imik \\u202a\\u202b\\u202c\\u202d \\u2066\\u2067\\u2068\\u2069"
+    kept = "👨\u200d👩\u200d👧 می\u200cخواهم \u200b\u200e\u200f\ufeff"
+    assert visible(kept) is kept and visible(kept, one_line=True) == kept
+    assert Redactor(TEST_KEY)(spoof) == visible(spoof)
     # Once is enough: what it returns is returned as is.
     assert visible(visible(HOSTILE)) == visible(HOSTILE)
     # The Redactor's output is made safe in the same pass as the key is cut (every upstream field passes it).
@@ -255,6 +263,14 @@ def test_a_servers_line_break_starts_no_line_of_its_own_in_events_log(tmp_path: 
     lines = RunDir(tmp_path).events_log.read_text().splitlines()
     assert len(lines) == 3 and lines[2].startswith(" " * 26 + "2026-12-07 13:00:00 INFO  run DONE"), lines
     assert "(STOPPED: 0 of 1 answered, 0 failed, 0 skipped)" in last_run_ended(tmp_path)
+    # A line an older version wrote with a server's text raw: the viewer's "the last run here ended ..." escapes it.
+    with open(RunDir(tmp_path).events_log, "a") as f:
+        f.write(f"2026-12-07 13:01:00 INFO  run STOPPED: 0 of 1 answered; {HOSTILE}\n")
+    assert last_run_ended(tmp_path) == "2026-12-07 13:01:00 (STOPPED: 0 of 1 answered)"
+    raw = "\x1b[2J\x1b]2\x07\x9b31m\b"  # the message ends at its first `;`, the line at a `\r`
+    with open(RunDir(tmp_path).events_log, "a") as f:
+        f.write(f"2026-12-07 13:02:00 INFO  run DONE: 1 of 1 answered {raw}\n")
+    assert last_run_ended(tmp_path) == "2026-12-07 13:02:00 (DONE: 1 of 1 answered \\x1b[2J\\x1b]2\\x07\\x9b31m\\x08)"
 
 
 async def test_a_datasets_name_is_text_in_the_tui() -> None:
@@ -268,3 +284,47 @@ async def test_a_datasets_name_is_text_in_the_tui() -> None:
     async with app.run_test(size=(120, 40)):
         await until(lambda: "B2" in screen(app), "the datasets shown")
         assert name in screen(app)
+
+
+async def test_merge_shows_a_flagged_providers_name_from_the_records_escaped(tmp_path: Path) -> None:
+    """Records whose provider's name was stored raw (an earlier version, a file from elsewhere): the provider
+    flagged on its own (counts 5 % off) is named by `draftgen merge` with its controls escaped."""
+    from draftgen.core.generate.loop.engine import Engine
+    from draftgen.core.live import snapshot as snap
+    from draftgen.simulator import SimProvider
+
+    skewed = SimProvider("Skewed", "skewed", "int4", 0.40, 2.00, 2.0, 0.5, 60.0, token_skew=0.05)
+    async with SimServer(SimConfig(seed=4, latency_scale=0.0, mean_completion_tokens=160, providers=(skewed,),
+                                   fallback_rate=0.0), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 12, "concurrency": 4, "max_tokens": 4096}],
+                          tables={"tokenizer": {"path": str(bundled_kimi_path())}, "engine": {"reconstruct": False},
+                                  "validation": {"provider_min_answers": 8}})
+        assert await Engine(cfg, TEST_KEY, seed=1).run() == snap.RunState.DONE
+    responses = RunDir(cfg.run_dir).responses("a")
+    responses.write_bytes(b"".join(orjson.dumps({**r, "provider": f"Skewed{HOSTILE}"}) + b"\n"
+                                   for r in map(orjson.loads, responses.read_bytes().splitlines())))
+    code, out = await cli("tokens", str(cfg.path))
+    assert code == 0, out[-3000:]
+    code, out = await cli("merge", str(cfg.path))
+    assert code == 0 and "FLAGGEDaSkewed" + SHOWN.split("[")[0] in "".join(out.split()), out[-3000:]
+    assert not controls(out), controls(out)
+
+
+async def test_the_smoke_rows_quote_a_servers_text_escaped_once(tmp_path: Path) -> None:
+    """The rows quote the content, model, provider, finish reason and the key's label with their controls as
+    escapes, once: `\\x1b` as `visible` writes it, not its repr's `\\\\x1b`; the content on one line."""
+    from draftgen.core.generate.commands.smoke import run_smoke
+    from draftgen.core.quoting import one_line
+
+    async with SimServer(SimConfig(seed=5, latency_scale=0.0, mean_completion_tokens=40, hostile_text=HOSTILE),
+                         port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 2}],
+                          tables={"tokenizer": {"path": str(bundled_kimi_path())}})
+        result = await run_smoke(cfg, TEST_KEY)
+    rows = {r.check: r.detail for r in result.rows}
+    assert rows["a: content"] == f"'{one_line(HOSTILE[:60])}'", rows["a: content"]  # its first 60 characters
+    assert rows["a: model"].startswith("'moonshotai/kimi-k2.5") and rows["a: model"].endswith(
+        f"{SHOWN}' (asked for 'moonshotai/kimi-k2.5')"), rows["a: model"]
+    assert rows["a: provider"].endswith(f"{SHOWN}'"), rows["a: provider"]
+    assert f"{SHOWN}'" in rows["key"], rows["key"]
+    assert not [c for c in rows.values() if controls(c)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import grp
+import io
 import os
 import shutil
 import signal
@@ -36,6 +37,7 @@ from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir, check_private
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
+from draftgen.tui.report import report
 from tests.generate.test_held_answers import events_of
 from tests.helpers import TEST_KEY, cli_env, dataset_row, make_config, until
 from tests.multiturn import multi_turn_run
@@ -152,6 +154,11 @@ async def test_merge_leaves_out_another_models_answers_an_earlier_run_wrote(tmp_
     path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
     stats = merge(cfg)
     assert stats.samples == 4 and stats.dropped["other_model"] == 4, stats.dropped
+    # `draftgen report` counts them as the run's summary does.
+    out = io.StringIO()
+    report(cfg.run_dir, out=out, width=200)
+    assert f"4 answers from another model than {ASKED} (a 4): kept, but never a sample (merge leaves them out)" \
+        in out.getvalue(), out.getvalue()
 
 
 def test_a_later_turn_conditioned_on_another_models_answer_is_left_out_with_it(tmp_path: Path) -> None:
@@ -317,6 +324,33 @@ def test_a_run_directory_another_group_can_write_or_another_user_owns_is_refused
     with pytest.raises(DraftgenError, match=f"owned by uid {NOBODY}, not by you"):
         check_private(run, "c.toml", shared=False)
     check_private(run, "c.toml", shared=True)
+
+
+async def test_every_command_that_writes_into_a_run_directory_others_can_write_refuses_it(tmp_path: Path) -> None:
+    """Not only `run`: smoke (spend.jsonl, smoke.json), retry-failed, ledger, tokens, merge, extract and
+    train-command write there too. Each is refused before it writes or sends anything, naming the folder;
+    `report` and `attach` only read, and go on."""
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o777)
+    async with SimServer(SimConfig(seed=6, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 2, "concurrency": 2}],
+                          tables={"engine": {"reconstruct": False}})
+        for command in ("smoke", "run --headless --skip-smoke", "retry-failed", "ledger", "tokens", "merge",
+                        "extract", "train-command"):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "draftgen.cli.main", *command.split(), str(cfg.path), env=cli_env(),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            said = (out + err).decode()
+            assert proc.returncode == 2 and f"{run}: the run directory can be written by every user (mode 0777)" \
+                in said, (command, said[-2000:])
+        assert sim.stats.requests_total == 0 and sorted(p.name for p in run.iterdir()) == []
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "draftgen.cli.main", "report", str(cfg.path), env=cli_env(),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        assert b"can be written by" not in out + err, (out + err).decode()[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------

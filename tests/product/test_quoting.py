@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -125,3 +126,29 @@ def test_the_demo_config_reads_back_any_install_path(tmp_path: Path) -> None:
     path.write_text(config_text("http://127.0.0.1:8080/api/v1", tokenizer), encoding="utf-8")
     cfg = load_config(path)
     assert (cfg.tokenizer.path, cfg.api.base_url) == (str(tokenizer), "http://127.0.0.1:8080/api/v1")
+
+
+def test_the_commands_draftgen_suggests_paste_with_any_config_path(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config file whose name holds spaces, quotes, `;` and `$(…)`: each `draftgen …` command a message
+    suggests names it quoted (quoting.sh_path), so that the shell reads it back as the one path it is."""
+    from tests.helpers import make_config
+    folder = tmp_path / "my runs"
+    folder.mkdir()
+    path = folder / "kimi's run; $(touch pwned) & x.toml"
+    make_config(folder, "http://127.0.0.1:9", [{"name": "a", "n": 2}]).path.rename(path)
+
+    def suggested(*args: str) -> list[list[str]]:
+        main([*args])
+        out = capsys.readouterr()
+        said = " ".join((out.out + out.err).split())
+        commands = [shlex.split(c) for c in re.findall(r"`(draftgen [^`]*)`", said)]
+        assert commands, said
+        return commands
+
+    # No run directory yet: report and merge say what makes one; retry-failed (nothing failed) what answers them.
+    assert suggested("report", str(path)) == [["draftgen", "run", str(path)]]
+    assert suggested("merge", str(path)) == [["draftgen", "run", str(path)]]
+    (folder / "run").mkdir(mode=0o700)
+    assert suggested("retry-failed", str(path)) == [["draftgen", "run", str(path)]]
+    assert not list(tmp_path.rglob("pwned"))

@@ -26,7 +26,9 @@ import orjson
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.files import exclusive, write_atomic
+from draftgen.core.quoting import sh_path
 from draftgen.core.rundir import JsonlAppender, RunDir
+from draftgen.core.safe_text import visible
 
 
 @dataclass
@@ -39,7 +41,8 @@ class Retried:
         n = sum(self.moved.values())
         if not n:
             return f"{self.dataset}: nothing to retry ({self.kept} failed prompt(s) kept)"
-        kinds = ", ".join(f"{k}: {v}" for k, v in self.moved.most_common())
+        # The kinds are failures.jsonl's (a file: an older version's, or edited): shown with controls escaped.
+        kinds = ", ".join(f"{visible(k)}: {v}" for k, v in self.moved.most_common())
         return (f"{self.dataset}: {n} failed prompt(s) eligible again ({kinds}); {self.kept} kept; "
                 f"their lines are in {history}")
 
@@ -107,5 +110,5 @@ def retry_failed_command(config: Config, dataset: str | None, kind: str | None) 
             print(f"{', '.join(kept)}: answers kept in responses.jsonl (marked), not failures; retry-failed "
                   "does not ask them again")
     total = sum(sum(r.moved.values()) for r in results)
-    print(f"{total} prompt(s) eligible again: run `draftgen run {config.path}` to answer them")
+    print(f"{total} prompt(s) eligible again: run `draftgen run {sh_path(config.path)}` to answer them")
     return 0

@@ -88,6 +88,7 @@ from draftgen.core.generate.money.forecast import (
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
+from draftgen.core.quoting import one_line
 from draftgen.core.records import ResponseRecord, same_model
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
@@ -235,13 +236,20 @@ def _count_turns(ds: DatasetConfig, stop: threading.Event | None = None) -> tupl
     return sum(turns), history_per_turn(turns)
 
 
+def _quoted(text: str | None) -> str:
+    """`text` in quotes on one line, its controls shown as escapes once (quoting.one_line): a row quotes
+    a server's text so, not by its repr, whose backslashes would be doubled (`\\\\x1b` for the `\\x1b` the
+    Redactor already wrote). None as None."""
+    return "None" if text is None else f"'{one_line(text)}'"
+
+
 def special_text_row(config: Config, name: str, flagged: int, first: str) -> SmokeRow:
     """A warning counting the prompts with special-token text, and how this run reads it."""
     reads = config.tokenizer.prompt_specials(config.api.self_hosted)
     how = ("read as the special token, as vLLM, SGLang and transformers serve tokenize the rendered prompt"
            if reads else "kept as text")
     return SmokeRow(f"{name}: special-token text", True,
-                    f"{flagged} prompt(s) hold special-token text (e.g. {first!r}): {how} ([tokenizer] "
+                    f"{flagged} prompt(s) hold special-token text (e.g. {_quoted(first)}): {how} ([tokenizer] "
                     f"prompt_special_tokens = \"{'special' if reads else 'text'}\"; check the prompt tokens row)",
                     warning=True)
 
@@ -264,7 +272,7 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
     label = f"{ds.name}:"
     ignore = {_norm(p) for p in (body.get("provider") or {}).get("ignore", []) or []}
     rows = [SmokeRow(f"{label} content", bool(a.content.strip()),
-                     repr(a.content[:60]) if a.content.strip() else "empty content (reasoning may have used up "
+                     _quoted(a.content[:60]) if a.content.strip() else "empty content (reasoning may have used up "
                      "max_tokens)")]
     if _asks_reasoning(body):
         rows.append(SmokeRow(f"{label} reasoning", bool(a.reasoning),
@@ -281,7 +289,7 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
     want = config.api.model
     model = a.model or ""
     model_ok = bool(model) and same_model(want, model)  # as the run judges it: else never a sample
-    rows.append(SmokeRow(f"{label} model", model_ok, f"{a.model!r} (asked for {want!r})"))
+    rows.append(SmokeRow(f"{label} model", model_ok, f"{_quoted(a.model)} (asked for {_quoted(want)})"))
     u = a.usage
     tokens = f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens ({u.reasoning_tokens} reasoning)"
     if config.api.self_hosted:  # no usage.cost, no provider: the ledger prices tokens at [api] prices
@@ -295,14 +303,14 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
                              + ("" if u.cost > 0 else ": no cost in usage (budgets need it)")))
         provider_ok = bool(a.provider) and _norm(a.provider or "") not in ignore
         rows.append(SmokeRow(f"{label} provider", provider_ok,
-                             f"{a.provider!r}" + (" is in provider.ignore" if not provider_ok else "")
+                             _quoted(a.provider) + (" is in provider.ignore" if not provider_ok else "")
                              if a.provider else "no provider in the response"))
     raise_it = ("[smoke] max_tokens" if config.smoke.max_tokens is not None else
                 "the dataset's max_tokens (answers of the run cut there are kept, marked truncated)")
     cut = (f": cut at max_tokens {body_max_tokens(body, 0)}; the smoke test checks a whole answer's ids and end of "
            f"turn: raise {raise_it}" if a.finish_reason == "length" else "")
     rows.append(SmokeRow(f"{label} finish", a.finish_reason == "stop",
-                         f"finish_reason {a.finish_reason!r}, native {a.native_finish_reason!r}{cut}"))
+                         f"finish_reason {_quoted(a.finish_reason)}, native {_quoted(a.native_finish_reason)}{cut}"))
     rec = reconstruct_fn(body["messages"], a)
     if rec is None:
         rows.append(SmokeRow(f"{label} tokens", False, "the tokenizer could not be loaded"))
@@ -518,7 +526,7 @@ class _SmokeTest:
             self.account = await self._read_account(client)
             note_key_answer(config, None)
             label = self.redact(str(self.account.label or "unlabelled"))
-            self.add(SmokeRow("key", True, f"accepted (label {label!r})"))
+            self.add(SmokeRow("key", True, f"accepted (label {_quoted(label)})"))
             self.result.balance_usd = self.account.balance
         except RequestFailed as e:
             self.unreachable = e.unreachable
