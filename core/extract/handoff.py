@@ -59,6 +59,7 @@ from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.files import write_atomic, write_json_atomic
 from draftgen.core.merge.merge import TRAIN_TOKENS_FILE
 from draftgen.core.quoting import one_line, sh_path
+from draftgen.core.safe_text import visible
 from draftgen.core.tokens import identity
 from draftgen.core.tokens.store import INDEX_FILE, TokenReader
 
@@ -166,6 +167,13 @@ def make_handoff(config: Config, *, max_length: int | None = None) -> Handoff:
         raise ConfigError(f"{config.path}: extract.model is not set: SpecForge needs the target model "
                           f"(model.target_model_path), the one the hidden states were extracted with")
     run = config.run_dir
+    for path in (run, Path(config.extract.model)):
+        try:
+            str(path).encode()
+        except UnicodeEncodeError:  # a name of bytes that are not UTF-8: JSON cannot hold it
+            raise DraftgenError(f"{visible(str(path))}: not a UTF-8 name (it holds bytes shown as \\udcXX): "
+                                "SpecForge's JSON config cannot name it; rename it, or link it from a UTF-8 "
+                                "name, and set that in the config") from None
     merged, hidden = run / "merged", run / "hidden_states"
     if not (merged / "tokens" / INDEX_FILE).exists():
         raise DraftgenError(f"{merged / 'tokens' / INDEX_FILE}: not found; run `draftgen merge {sh_path(config.path)}` "

@@ -304,3 +304,60 @@ def test_a_non_finite_value_in_a_datasets_request_table_is_named(tmp_path):
         make_config(tmp_path, "http://127.0.0.1:9/api/v1",
                     [{"name": "a", "n": 1, "request": {"temperature": float("nan")}}])
     assert "datasets[0].request.temperature = nan (dataset a) must be a finite number" in str(e.value), str(e.value)
+
+
+def line_bomb() -> bytes:
+    """A stream whose one `data:` line never ends: 24 MiB of text (the line bound, 16 MiB, cuts it; the
+    body bound at 65,536 tokens, 72 MiB, would not)."""
+    return gzip_of(b"a", 24 * MB, b'data: {"id": "gen-line", "choices": [{"index": 0, "delta": {"content": "')
+
+
+@pytest.mark.slow
+async def test_an_sse_line_past_its_bound_is_an_answer_past_max_tokens_and_fails_its_prompt(tmp_path):
+    # A line bound cut was a bad body, which spends no attempt while every prompt fares the same: the
+    # two prompts were asked (and paid) without end. Past max_tokens, each fails after max_attempts.
+    async with upstream(line_bomb(), "text/event-stream", {"Content-Encoding": "gzip"}) as up:
+        cfg = make_config(tmp_path, up.base_url, [{"name": "line", "n": 2, "concurrency": 2, "max_tokens": 65536}],
+                          tables={"api": {"stream": True}, "engine": {"max_attempts": 2, "reconstruct": False}})
+        code, out, _ = await asyncio.to_thread(run_measured, tmp_path, cfg, 300)
+        assert up.chats == 4, (up.chats, out[-3000:])
+    assert code == 0 and "2 failed" in out, out[-3000:]
+    failures = [orjson.loads(line) for line in (cfg.run_dir / "line" / "failures.jsonl").read_bytes().splitlines()]
+    assert {f["error_kind"] for f in failures} == {"past_cap"}, failures
+    assert f"ran past {client_module.MAX_SSE_LINE:,} bytes" in failures[0]["message"], failures[0]
+
+
+@pytest.mark.slow
+async def test_a_dataset_whose_every_answer_is_unreadable_stops_and_says_why(tmp_path):
+    # Every answer a stream that ends before it finishes: no prompt's own fault (they all fare the same),
+    # so none fails; the dataset stops once more than a wave of them came in a row, its prompts eligible.
+    cut = b'data: {"id": "gen-cut", "choices": [{"index": 0, "delta": {"content": "half an ans"}}]}\n\n'
+    async with upstream(cut, "text/event-stream") as up:
+        cfg = make_config(tmp_path, up.base_url, [{"name": "cut", "n": 3, "concurrency": 2, "max_tokens": 64}],
+                          tables={"api": {"stream": True},
+                                  "engine": {"max_attempts": 2, "reconstruct": False, "backoff_base_s": 0.01,
+                                             "backoff_max_s": 0.02}})
+        code, out, _ = await asyncio.to_thread(run_measured, tmp_path, cfg, 300)
+        chats = up.chats
+    assert code == 3, out[-3000:]  # incomplete: the dataset stopped, its prompts not failed
+    assert "cut: stopped: more than 22 answers in a row could not be read" in "".join(out.split("\n")), out[-3000:]
+    assert "the stream ended before the answer finished" in out and "[api] stream = false" in out, out[-3000:]
+    assert 22 < chats <= 22 + 2, chats  # the wave past the limit, no more
+    assert not (cfg.run_dir / "cut" / "failures.jsonl").exists() or not \
+        (cfg.run_dir / "cut" / "failures.jsonl").read_bytes().strip()
+
+
+async def test_a_get_whose_connection_is_dropped_is_a_connection_error_not_an_internal_one():
+    async def drop(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        request.transport.close()  # connected, then closed before any answer
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/api/v1/key", drop)
+    async with served(app) as root:
+        async with ChatClient(f"{root}/api/v1", TEST_KEY, concurrency=1) as client:
+            with pytest.raises(RequestFailed) as caught:
+                await client.get_json("/key")
+    assert caught.value.kind is ErrorKind.CONNECTION and caught.value.message.startswith("GET /key: "), \
+        caught.value.message

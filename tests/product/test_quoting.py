@@ -152,3 +152,21 @@ def test_the_commands_draftgen_suggests_paste_with_any_config_path(
     (folder / "run").mkdir(mode=0o700)
     assert suggested("retry-failed", str(path)) == [["draftgen", "run", str(path)]]
     assert not list(tmp_path.rglob("pwned"))
+
+
+def test_a_run_directory_whose_name_is_not_utf8_is_a_clear_error_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # A config in a folder named by bytes that are not UTF-8 (as a tarball or another system can leave), its
+    # run directory beside it: SpecForge's JSON config cannot name it (orjson refused the lone surrogates
+    # with a traceback, and no script was written).
+    folder = Path(os.fsdecode(bytes(tmp_path) + b"/jobs\xff\x1b[2J"))
+    run = folder / "run"
+    with TokenWriter(run / "merged" / "tokens") as writer:
+        writer.append("s0", np.arange(1, 4, dtype=np.uint32), np.ones(3, dtype=np.uint8))
+    (folder / "c.toml").write_text('[output]\ndir = "run"\n[[datasets]]\nname = "B1"\nprompts = "p.jsonl"\n'
+                                   '[extract]\nmodel = "m"\n')
+    monkeypatch.chdir(folder)
+    assert main(["train-command", "c.toml"]) == 2
+    err = capsys.readouterr().err
+    assert "not a UTF-8 name" in err and "\\udcff" in err and "\x1b" not in err, err
+    assert not (run / "hidden_states" / "train-command.sh").exists()

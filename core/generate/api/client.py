@@ -313,7 +313,8 @@ def redacted(e: RequestFailed, redact: Redactor) -> RequestFailed:
     return e
 
 
-# One SSE line may carry a whole answer (a server that sends it in one event): room for a few MB.
+# One SSE line may carry a whole answer (a server that sends it in one event): room for a few MB. A line
+# past it is an answer past max_tokens (no answer within a cap needs one so long), whatever its body's bound.
 MAX_SSE_LINE = 1 << 24
 
 # Bounded reads (docs/money.md): no body is read whole. An answer's body, streamed or not, is read
@@ -680,8 +681,8 @@ class ChatClient:
             if data.find(b"\n") < 0:
                 partial.append(data)
                 size += len(data)
-                if size > MAX_SSE_LINE:
-                    raise RequestFailed(ErrorKind.BAD_BODY, f"an SSE line over {MAX_SSE_LINE >> 20} MB")
+                if size > MAX_SSE_LINE:  # no answer within its cap needs a line this long: past max_tokens
+                    raise over_long(cap, MAX_SSE_LINE, state.meta.get("provider"))
                 continue
             if partial:
                 partial.append(data)
@@ -727,6 +728,9 @@ class ChatClient:
         except aiohttp.ClientConnectorError as e:
             raise RequestFailed(ErrorKind.CONNECTION, f"GET {path}: {cannot_connect(self.base_url, e)}",
                                 unreachable=True) from None
+        except aiohttp.ClientError as e:  # connected, then the server closed the connection or cut the body
+            raise RequestFailed(ErrorKind.CONNECTION, f"GET {path}: {type(e).__name__}: "
+                                f"{redact(str(e)) or 'the connection closed before the answer'}") from None
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -28,6 +28,8 @@ from draftgen.core.records import ErrorKind
 from draftgen.core.rundir import JsonlAppender
 from draftgen.core.secrets import Redactor
 
+# Unreadable answers in a row past the dataset's concurrency before it stops (DatasetRun.unreadable).
+UNREADABLE_SLACK = 20
 CUT_SAY_AFTER = 10  # answers of a dataset this run before the share of them cut at max_tokens is judged
 
 
@@ -90,6 +92,7 @@ class DatasetRun:
     _rejected: int = field(default=0, init=False)
     _truncated: int = field(default=0, init=False)
     _other_model: int = field(default=0, init=False)  # answers from another model than the one asked
+    _unreadable: int = field(default=0, init=False)   # answers in a row that could not be read (BAD_BODY)
     _cost: float = field(default=0.0, init=False)
     _answered_now: int = field(default=0, init=False)
     _cut_now: int = field(default=0, init=False)   # answers this run cut at max_tokens (cut_to_say)
@@ -244,6 +247,7 @@ class DatasetRun:
         """An answer on disk (`now`: this run's; else one read back from disk); `other_model`: from another
         model than the one asked."""
         self._done += 1
+        self._unreadable = 0
         self.done_ids.add(prompt_id)
         self.token_budget.used += tokens
         self.token_budget.answers += 1
@@ -306,6 +310,20 @@ class DatasetRun:
 
     # -- stopping the dataset -------------------------------------------------------------------
 
+    def unreadable(self, e: RequestFailed) -> RequestFailed | None:
+        """One more answer that could not be read (`e`: a body that is not JSON, a stream that ended before
+        the answer finished) with none answered since: the error that stops the dataset once more than a
+        whole wave of its requests (its concurrency) and UNREADABLE_SLACK more came so in a row. Such faults
+        are the server's while the other prompts fare the same, so no prompt spends an attempt on them
+        (request.py `_spends_attempt`): without this, a server whose every answer is unreadable would be
+        asked, and paid, without end."""
+        self._unreadable += 1
+        limit = self.config.concurrency + UNREADABLE_SLACK
+        if self._unreadable <= limit:
+            return None
+        return RequestFailed(ErrorKind.BAD_BODY, f"more than {limit:,} answers in a row could not be read and none "
+                             f"was answered since (the last: {e.message})")
+
     def stop_for(self, e: RequestFailed, redact: Redactor) -> bool:
         """The dataset's routing or settings refuse every prompt: it admits nothing more, its prompts
         stay eligible, the message says what to change. False when it was stopped already."""
@@ -317,6 +335,8 @@ class DatasetRun:
                 ErrorKind.WEIGHT_EXCEEDS_BUDGET: f"lower max_tokens (now {self.config.max_tokens}) or add credits",
                 ErrorKind.NOT_FOUND: "check [api] model",
                 ErrorKind.REDIRECT: "set [api] base_url to the address that answers (no redirect is followed)",
+                ErrorKind.BAD_BODY: "check the server and what stands between it and draftgen (a proxy that cuts "
+                                    "or rewrites answers; with a stream, [api] stream = false may help)",
                 # The message names each field and its config key; OpenRouter-only keys are dropped by the kind.
                 ErrorKind.UNEXPECTED_FIELD: "change the config as said (OpenRouter-only keys: [api] kind = "
                                             "\"openai-compatible\" leaves them out)",

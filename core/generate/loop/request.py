@@ -308,6 +308,8 @@ class Requests:
                         spent += 1
                         if spent >= self._ctx.config.engine.max_attempts:
                             return self._failed(ds, prompt_id, tries, e, seq)
+                    if e.kind is ErrorKind.BAD_BODY and (broken := ds.unreadable(e)) is not None:
+                        return Attempted(Outcome.DATASET, tries, error=broken)  # the server's: it stops
                 given_up = await self._back_off(ds, tries, e)
                 if given_up is not None:
                     return given_up
