@@ -83,12 +83,13 @@ def report(run_dir: Path, out: TextIO | None = None, width: int | None = None) -
         row = [answered, _count(rd.failures(name)), _count(rd.rejected(name)), truncated, tokens, cost]
         # The total row is the sum of the rows as shown.
         totals = [a + b for a, b in zip(totals, row[:5] + [usd_shown(cost)])]
-        # Names and the lines below are read from files: shown with their controls escaped.
-        table.add_row(visible(name), fmt.count(row[0]), fmt.count(row[1]), fmt.count(row[2]), fmt.count(row[3]),
+        # Names and the lines below are read from files (a name may be a folder's): shown as text, not Rich
+        # markup (`[link=...]` would be a link), with their controls escaped.
+        table.add_row(Text(visible(name)), fmt.count(row[0]), fmt.count(row[1]), fmt.count(row[2]), fmt.count(row[3]),
                       fmt.tokens(row[4]), fmt.usd(row[5]))
     table.add_row(Text("total", style="bold"), *(fmt.count(x) for x in totals[:4]), fmt.tokens(totals[4]),
                   fmt.usd(totals[5]))
-    console.print(Text(f"draftgen report: {rd.root.resolve()}", style="bold"))
+    console.print(Text(f"draftgen report: {visible(str(rd.root.resolve()))}", style="bold"))
     console.print(table)
     if ledger is not None:
         other = usd_shown(ledger.spent_usd) - totals[5]
@@ -107,8 +108,8 @@ def report(run_dir: Path, out: TextIO | None = None, width: int | None = None) -
         console.print(Text(visible(line), style=style))
     timeline = timeline_from_file(rd.history)
     if not timeline.points:
-        console.print(Text(f"\nno history: {rd.history} is missing or empty (written by runs since this version)",
-                           style="dim"))
+        console.print(Text(f"\nno history: {visible(str(rd.history))} is missing or empty (written by runs since "
+                           f"this version)", style="dim"))
         return
     console.print(Text(f"\nhistory: {len(timeline.runs)} run(s), "
                        f"{fmt.duration(len(timeline.points) * timeline.interval_s)}"

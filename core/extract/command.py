@@ -14,6 +14,7 @@ from draftgen.core.errors import DraftgenError
 from draftgen.core.live.progress import every
 from draftgen.core.live.snapshot import Level, StageProgress
 from draftgen.core.quoting import sh_path
+from draftgen.core.safe_text import visible
 from draftgen.core.units import compact_duration, fmt_bytes, fmt_count
 
 PRINT_INTERVAL_S = 5.0
@@ -199,7 +200,7 @@ def _runner_extract() -> Any:
 def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: TextIO) -> None:
     """Rank 0's closing lines: what was written, the hand-off, the draft config, what was skipped."""
     where = config.run_dir / "hidden_states"
-    print(f"extract {'stopped' if stats.stopped else 'done'}: {stats.written:,} files written to {where} "
+    print(f"extract {'stopped' if stats.stopped else 'done'}: {stats.written:,} files written to {visible(str(where))} "
           f"({fmt_count(stats.tokens_written)} tokens, {fmt_bytes(stats.bytes_written)}, "
           f"{stats.tokens_per_s:,.0f} tok/s), {stats.skipped_existing:,} already there, "
           f"{stats.nan_samples:,} with NaN not written; model {stats.model} (N={stats.num_layers}, "
@@ -208,8 +209,9 @@ def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: 
     if stats.claim_note:
         print(stats.claim_note, file=stream, flush=True)
     if (where / "train-command.sh").exists():
-        print(f"training: {where / 'train-command.sh'} (SpecForge's command and config, data.max_length = the "
-              f"longest sample; `draftgen train-command {sh_path(config.path)}` explains it)", file=stream, flush=True)
+        print(f"training: {visible(str(where / 'train-command.sh'))} (SpecForge's command and config, "
+              f"data.max_length = the longest sample; `draftgen train-command {sh_path(config.path)}` explains it)",
+              file=stream, flush=True)
     if stats.draft_layer_ids is not None:
         print(f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids = {stats.draft_layer_ids} "
               f"(SGLang's numbering of layers {list(stats.layers)}; also in stats.json)", file=stream, flush=True)

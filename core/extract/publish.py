@@ -15,6 +15,7 @@ from typing import Any
 
 from draftgen.core.config import Config
 from draftgen.core.live.snapshot import Event, EventKind, Level, RunSnapshot, RunState, StageProgress, StageState
+from draftgen.core.safe_text import visible
 
 
 class ExtractPublisher:
@@ -48,7 +49,7 @@ class ExtractPublisher:
             self._thread.join(timeout=30)
 
     def _snapshot(self, seq: int, started: float, gpus: Any, state: RunState) -> RunSnapshot:
-        return RunSnapshot(run_name=self.config.run_dir.name, model=self.config.extract.model, state=state,
+        return RunSnapshot(run_name=visible(self.config.run_dir.name), model=self.config.extract.model, state=state,
                            elapsed_s=time.monotonic() - started, seq=seq, gpus=gpus, stages=(self._latest,))
 
     async def _serve(self) -> None:

@@ -252,7 +252,8 @@ class AttachServer:
         sub = self.hub.subscribe(maxsize=self.client_queue)
         discard = asyncio.create_task(self._discard(reader))
         try:
-            hello = {"type": "hello", "protocol": PROTOCOL, "pid": os.getpid(), "run_dir": str(self.path.parent)}
+            hello = {"type": "hello", "protocol": PROTOCOL, "pid": os.getpid(),
+                     "run_dir": visible(str(self.path.parent))}
             writer.write(orjson.dumps(hello) + b"\n")
             await self._pump(sub, writer, discard)
         except (ConnectionError, OSError, asyncio.CancelledError):
@@ -429,7 +430,7 @@ class AttachClient:
             if kind == "event":
                 return event_from_dict(msg["data"])
             if kind == "hello":
-                return AttachState(LIVE, f"attached to the run in {self.run_dir} (pid {msg.get('pid')})")
+                return AttachState(LIVE, f"attached to the run in {visible(str(self.run_dir))} (pid {msg.get('pid')})")
             if kind == "bye":
                 return AttachState(ENDED, f"{msg.get('reason') or 'run ended'}: showing its last state;"
                                           " a restarted run is picked up")
@@ -532,7 +533,7 @@ class AttachControls:
 
     def _publish(self) -> None:
         """The last snapshot as this viewer should show it: attached, and stale runs flagged."""
-        base = self._last or RunSnapshot(run_name=self.run_dir.name, model="—")
+        base = self._last or RunSnapshot(run_name=visible(self.run_dir.name), model="—")
         alert = base.alert
         if self.status.state != LIVE:
             alert = self.status.message + (f" | {alert}" if alert else "")

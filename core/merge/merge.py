@@ -635,7 +635,7 @@ def merge_command(config: Config, *, replace_hidden_states: bool = False) -> int
                                sum(usd_shown(d.cost_all_usd) for d in stats.datasets))
     rows = [*stats.datasets, totals]
     # Names and paths are the user's text, not rich markup ("B[/x]" must print, not raise).
-    table = Table(title=f"merged → {escape(stats.output_dir)} (seed {stats.seed})")
+    table = Table(title=f"merged → {escape(visible(stats.output_dir))} (seed {stats.seed})")
     # Costs from the spend ledger: "spent" is the dataset's figure in the run's views and report.
     for col in ("dataset", "read", "kept", "dropped", "tokens", "masked", "kept cost", "spent"):
         table.add_column(col, justify="left" if col == "dataset" else "right")

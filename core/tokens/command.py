@@ -48,7 +48,7 @@ def _tokens(config: Config) -> int:
 
     # Names and paths are the user's text, not rich markup ("B[/x]" must print, not raise); a provider's
     # name is read from the records, written by any version: shown with its controls escaped.
-    table = Table(title=f"token reconstruction — {escape(str(config.run_dir))}", box=None, header_style="bold")
+    table = Table(title=f"token reconstruction — {escape(visible(str(config.run_dir)))}", box=None, header_style="bold")
     table.add_column("dataset", no_wrap=True)
     for col in ("answers", "valid", "invalid", "trunc.", "Δ mean", "p50 |Δ|", "p99 |Δ|", "exact"):
         table.add_column(col, justify="right", no_wrap=True)

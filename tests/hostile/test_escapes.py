@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -77,12 +78,26 @@ def config(folder: Path, base_url: str, stream: bool = False, hostile_ids: bool 
                                "api": {"credits_interval_s": 0.2, "generation_lookup_s": 1.0, "stream": stream}})
 
 
-async def cli(*args: str) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "draftgen.cli.main", *args, env=cli_env(),
+async def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "draftgen.cli.main", *args,
+                                                env={**cli_env(), **(env or {})},
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert b"Traceback" not in err, err.decode()[-3000:]
     return proc.returncode or 0, (out + err).decode()
+
+
+async def headless_run(cfg: Config) -> tuple[int, str, bytes]:
+    """`draftgen run --headless --skip-smoke` in a subprocess, with a viewer on its attach socket: its exit
+    status, its output, and every byte the viewer was sent."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
+        "--interval", "0.2", env=cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    attach = asyncio.create_task(read_attach_stream(cfg.run_dir, proc))
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    stream_bytes = await asyncio.wait_for(attach, 30)
+    assert b"Traceback" not in err, err.decode()[-3000:]
+    return proc.returncode or 0, (out + err).decode(), stream_bytes
 
 
 def strings(value: Any) -> list[str]:
@@ -104,14 +119,8 @@ async def test_no_control_a_server_sends_reaches_the_commands_the_headless_run_o
     async with hostile_sim() as sim:
         cfg = config(tmp_path, sim.base_url, stream)
         # The run first: with no smoke test answered before it, b (every request refused) stops.
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
-            "--interval", "0.2", env=cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        attach = asyncio.create_task(read_attach_stream(cfg.run_dir, proc))
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
-        stream_bytes = await asyncio.wait_for(attach, 30)
-        outputs["run"] = (out + err).decode()
-        assert proc.returncode == 3 and b"Traceback" not in err, outputs["run"][-3000:]  # b stopped
+        code, outputs["run"], stream_bytes = await headless_run(cfg)
+        assert code == 3, outputs["run"][-3000:]  # b stopped
         code, outputs["smoke"] = await cli("smoke", str(cfg.path))
         for command in ("tokens", "ledger", "report"):
             code, outputs[command] = await cli(command, str(cfg.path))
@@ -328,3 +337,81 @@ async def test_the_smoke_rows_quote_a_servers_text_escaped_once(tmp_path: Path) 
     assert rows["a: provider"].endswith(f"{SHOWN}'"), rows["a: provider"]
     assert f"{SHOWN}'" in rows["key"], rows["key"]
     assert not [c for c in rows.values() if controls(c)]
+
+
+# A run directory's name with a window title, a screen wipe and a C1 CSI; a dataset's printable name that
+# is an OSC 8 link when read as Rich markup.
+RUN_NAME = "run\x1b]0;pwned\x07\x1b[2J\x9b31m"
+LINK_NAME = "[link=https:evil.example]click"
+
+
+@pytest.mark.slow
+async def test_the_run_directorys_name_and_the_dataset_names_are_shown_as_text(tmp_path: Path) -> None:
+    """`[output] dir` may name a folder with controls (under tmux, `ESC ]0;` set the pane title from the
+    TUI's header), and a dataset may be named `[link=https:evil.example]click`. The TUI, the headless run, the
+    attach stream and view and `report` (of the run, and of a run directory without run.json, whose names are
+    its folders') show both as text: controls escaped, markup as written."""
+    from draftgen.tui.app import DraftgenApp
+    from draftgen.tui.launch import run_tui
+
+    tables: dict[str, dict[str, Any]] = {"engine": {"reconstruct": False}, "output": {"dir": RUN_NAME}}
+    shown: dict[str, str] = {}
+    async with SimServer(SimConfig(seed=5, latency_scale=0.0, mean_completion_tokens=20), port=0) as sim:
+        cfg = make_config(tmp_path / "tui", sim.base_url, [{"name": LINK_NAME, "n": 3, "concurrency": 2}],
+                          tables=tables)
+
+        async def drive(app: DraftgenApp) -> None:
+            async with app.run_test(size=(160, 50)):
+                await until(lambda: "DONE" in screen(app), "the run done")
+                shown["tui"] = screen(app)
+                shown["tui title"] = app.title
+                app.exit()
+
+        tui_out = io.StringIO()
+        await asyncio.wait_for(run_tui(cfg, TEST_KEY, out=tui_out, run_app=drive, skip_smoke=True), 120)
+        shown["tui summary"] = tui_out.getvalue()
+
+        # The headless run in a subprocess, with a viewer on its attach socket.
+        cfg = make_config(tmp_path / "headless", sim.base_url, [{"name": LINK_NAME, "n": 3, "concurrency": 2}],
+                          tables=tables)
+        code, shown["headless"], stream_bytes = await headless_run(cfg)
+        assert code == 0, shown["headless"][-3000:]
+        lines = [orjson.loads(line) for line in stream_bytes.splitlines()]
+        shown["attach stream"] = "\n".join(s for x in lines for s in strings(x))
+
+        # The read-only attach view, as `draftgen attach` starts it, of a run in this process.
+        pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True)
+        await pipeline.start()
+        try:
+            viewer = AttachControls(cfg.run_dir, retry_s=0.05)
+            app = DraftgenApp(viewer, title="draftgen attach", refresh_s=0.02)
+            async with viewer, app.run_test(size=(160, 50)):
+                await until(lambda: "ATTACHED" in screen(app), "attached")
+                await pipeline.generate()  # nothing left to ask: the datasets shown, done
+                await until(lambda: LINK_NAME in screen(app), "the datasets shown")
+                shown["attach"] = screen(app)
+                shown["attach status"] = viewer.status.message
+        finally:
+            await pipeline.close()
+
+    # `report` of the run, and of a copy without run.json: the names are its folders'.
+    for name in ("report", "report without run.json"):
+        if name != "report":
+            (cfg.run_dir / "run.json").unlink()
+            (cfg.run_dir / LINK_NAME).rename(cfg.run_dir / f"x{RUN_NAME}")
+            (cfg.run_dir / "b").mkdir()
+            (cfg.run_dir / "b" / "responses.jsonl").write_bytes(b"")
+        code, shown[name] = await cli("report", str(cfg.run_dir), env={"FORCE_COLOR": "1", "COLUMNS": "200"})
+        assert code == 0, shown[name]
+
+    run_shown = visible(RUN_NAME)
+    for where in ("tui", "tui title", "tui summary", "headless", "attach stream", "attach", "attach status",
+                  "report", "report without run.json"):
+        assert run_shown in shown[where], (where, shown[where])
+    for where in ("tui", "attach", "report"):
+        assert LINK_NAME in shown[where], (where, shown[where])
+    assert f"x{run_shown}" in shown["report without run.json"], shown["report without run.json"]
+    assert not any("\x1b]8" in text for text in shown.values())
+    # FORCE_COLOR: report's own styles (SGR) are the only escape sequences printed.
+    found = {where: c for where, text in shown.items() if (c := controls(re.sub("\x1b\\[[0-9;]*m", "", text)))}
+    assert not found, f"a run directory's or dataset's name reached the screen raw: {found}"

@@ -16,6 +16,8 @@ import asyncio
 import grp
 import io
 import os
+import pwd
+import re
 import shutil
 import signal
 import subprocess
@@ -324,6 +326,49 @@ def test_a_run_directory_another_group_can_write_or_another_user_owns_is_refused
     with pytest.raises(DraftgenError, match=f"owned by uid {NOBODY}, not by you"):
         check_private(run, "c.toml", shared=False)
     check_private(run, "c.toml", shared=True)
+
+
+def test_a_folder_or_link_on_the_way_that_another_user_owns_is_refused(tmp_path: Path) -> None:
+    """A folder above the run directory owned by another user (even 0755) lets them rename the directory
+    away and put their own in its place; a symbolic link they own on the way, they can point elsewhere. Both
+    are refused naming the folder or link and its owner, also when the link's target is reached through
+    another link; root's and the user's own are fine, and `[output] shared = true` lets them through."""
+    tmp_path.chmod(0o755)
+    theirs = tmp_path / "theirs"
+    run = theirs / "mine" / "run"
+    run.mkdir(parents=True, mode=0o700)
+    theirs.chmod(0o755)
+    (theirs / "mine").chmod(0o700)
+    check_private(run, "c.toml", shared=False)  # root's (or the user's own): fine
+    os.chown(theirs, NOBODY, -1)
+    owner = f"uid {NOBODY} ({pwd.getpwuid(NOBODY).pw_name})"
+    with pytest.raises(DraftgenError, match=f"^{theirs}, a folder on the way to the run directory {run}, is owned "
+                                            f"by {re.escape(owner)}, not by you or root \\(mode 0755\\)"):
+        check_private(run, "c.toml", shared=False)
+    check_private(run, "c.toml", shared=True)
+    # Not made yet: the folders above it are checked all the same.
+    with pytest.raises(DraftgenError, match=f"^{theirs}, a folder on the way"):
+        check_private(run / "later", "c.toml", shared=False)
+
+    mine = tmp_path / "target"
+    mine.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    check_private(link / "run", "c.toml", shared=False)  # the user's own link
+    os.chown(link, NOBODY, -1, follow_symlinks=False)
+    for via in (link / "run", link, tmp_path / "link2"):
+        if via.name == "link2":
+            (tmp_path / "link2").symlink_to("link/run")  # the user's own link, through theirs
+        with pytest.raises(DraftgenError, match=f"^{link}, a symbolic link on the way to the run directory "
+                                                f"{mine}.*, is owned by {re.escape(owner)}, not by you or root"):
+            check_private(via, "c.toml", shared=False)
+    check_private(link / "run", "c.toml", shared=True)
+    # The user's own link in a folder another user owns leads to the user's own folder: the owner of that folder
+    # can replace the link, so it is on the way too (it is not above the directory the link leads to).
+    (theirs / "ln").symlink_to(mine)
+    os.chown(theirs / "ln", 0, -1, follow_symlinks=False)
+    with pytest.raises(DraftgenError, match=f"^{theirs}, a folder on the way to the run directory {mine}/run,"):
+        check_private(theirs / "ln" / "run", "c.toml", shared=False)
 
 
 async def test_every_command_that_writes_into_a_run_directory_others_can_write_refuses_it(tmp_path: Path) -> None:

@@ -51,13 +51,13 @@ class GpuPanel(Panel):
         for g in s.gpus:
             label = f"{g.index}" if g.physical in (None, g.index) else f"{g.index}→{g.physical}"
             if g.error is not None:  # this device alone: the others keep their rows; the message goes below
-                table.add_row(f"{label} {g.name.removeprefix('NVIDIA ')}", Text("NVML error", style="red"),
+                table.add_row(Text(f"{label} {g.name.removeprefix('NVIDIA ')}"), Text("NVML error", style="red"),
                               "—", "—", "—")
                 errors.append(Text(f"GPU {label}: NVML: {g.error}", style="red"))
                 continue
             mem = f"{g.mem_used_mb / 1024:.0f}/{g.mem_total_mb / 1024:.0f} GiB"
             table.add_row(
-                f"{label} {g.name.removeprefix('NVIDIA ')}",
+                Text(f"{label} {g.name.removeprefix('NVIDIA ')}"),  # the driver's text, not Rich markup
                 fmt.Bar(g.util_pct / 100, style="green", label=f"{g.util_pct:.0f}%".rjust(4), max_width=20),
                 mem,
                 "—" if g.power_w is None else f"{g.power_w:.0f} W",

@@ -44,7 +44,7 @@ class Retried:
         # The kinds are failures.jsonl's (a file: an older version's, or edited): shown with controls escaped.
         kinds = ", ".join(f"{visible(k)}: {v}" for k, v in self.moved.most_common())
         return (f"{self.dataset}: {n} failed prompt(s) eligible again ({kinds}); {self.kept} kept; "
-                f"their lines are in {history}")
+                f"their lines are in {visible(str(history))}")
 
 
 def history_path(rundir: RunDir, dataset: str) -> Path:

@@ -72,6 +72,7 @@ from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.live.summary import ended_line, final_state
 from draftgen.core.rundir import RunDir, check_private
+from draftgen.core.safe_text import visible
 from draftgen.core.secrets import Redactor
 from draftgen.core.units import usd
 
@@ -105,7 +106,7 @@ class Engine:
         self._rng = random.Random(seed)
         self._opened: Opened | None = None  # what the run opened (the client, the costs, the duplicates)
         self._loop: RunLoop | None = None   # built, whole, once the run has opened what it needs
-        self._projector = Projector(run_name=self.rundir.root.name, model=config.api.model,
+        self._projector = Projector(run_name=visible(self.rundir.root.name), model=config.api.model,
                                     parallel=config.engine.parallel, datasets=self.datasets.values(), book=self.book,
                                     money=self.money, recent=self.recent, provider_stats=self.provider_stats)
         self._spool_now = False                # end the wait for the disk: spool what is held
