@@ -215,7 +215,8 @@ async def test_the_ledger_command_prices_unknown_attempts_by_default_once_they_c
     async with SimServer(_sim_config(), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 400, "concurrency": 40, "max_tokens": 2048}],
                           tables={"budget": {"max_usd": MAX_USD}, "engine": {"reconstruct": False},
-                                  "api": {"stream": False, "request_timeout_s": 3.0}})
+                                  # long enough that the first reconcile surely comes before any is due
+                                  "api": {"stream": False, "request_timeout_s": 8.0}})
         proc = await _start(cfg)
         while sim.stats.in_flight < 30 and proc.returncode is None:
             await asyncio.sleep(0.02)
@@ -225,7 +226,7 @@ async def test_the_ledger_command_prices_unknown_attempts_by_default_once_they_c
         early = await reconcile(cfg, TEST_KEY, lookup_s=0)
         assert early.reconciliation.unknown >= 30 and early.from_key_usd is None
         assert "again in" in early.from_key_note and early.from_key_wait_s == 0  # not an error without the flag
-        await asyncio.sleep(running_left_s(SpendLedger.read(RunDir(cfg.run_dir).spend), 3.0) + 0.1)
+        await asyncio.sleep(running_left_s(SpendLedger.read(RunDir(cfg.run_dir).spend), 8.0) + 0.1)
         late = await reconcile(cfg, TEST_KEY, lookup_s=0)
         billed = await _bill_once_every_killed_generation_ended(sim)
     r = late.reconciliation
