@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -186,8 +186,11 @@ def drain_pty(master: int, stop: threading.Event) -> None:
                 return
 
 
-async def read_attach_stream(run_dir: Path, proc: asyncio.subprocess.Process) -> bytes:
-    """Every byte the run's attach socket sends to a viewer, from as early as it can connect to the bye."""
+async def read_attach_stream(run_dir: Path, proc: asyncio.subprocess.Process,
+                             attached: Callable[[], Awaitable[object]] | None = None) -> bytes:
+    """Every byte the run's attach socket sends to a viewer, from as early as it can connect to the bye;
+    `attached` is awaited once the viewer is connected (a test that holds the run's requests until then
+    releases them there, so a short run cannot end before the viewer is in)."""
     sock = RunDir(run_dir).socket
     for _ in range(3000):  # a hang guard: the run serves the socket before its first request
         try:
@@ -198,6 +201,8 @@ async def read_attach_stream(run_dir: Path, proc: asyncio.subprocess.Process) ->
             await asyncio.sleep(0.01)
     else:
         raise AssertionError(f"nothing served {sock}")
+    if attached is not None:
+        await attached()
     chunks = []
     try:
         while chunk := await asyncio.wait_for(reader.read(1 << 16), 60):

@@ -17,9 +17,11 @@ import io
 import re
 import shutil
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 from rich.console import Console
@@ -33,7 +35,7 @@ from draftgen.core.secrets import Redactor
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
 from tests import fixtures as fx
-from tests.helpers import TEST_KEY, cli_env, make_config, read_attach_stream, until
+from tests.helpers import TEST_KEY, chat_body, chat_post, cli_env, make_config, read_attach_stream, until
 
 # A window title, a screen wipe, an OSC 52 clipboard write, an OSC 8 link, a C1 CSI, a carriage return
 # and a backspace that write over what came before, and Rich markup.
@@ -87,13 +89,14 @@ async def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     return proc.returncode or 0, (out + err).decode()
 
 
-async def headless_run(cfg: Config) -> tuple[int, str, bytes]:
+async def headless_run(cfg: Config, attached: Callable[[], Awaitable[object]] | None = None
+                       ) -> tuple[int, str, bytes]:
     """`draftgen run --headless --skip-smoke` in a subprocess, with a viewer on its attach socket: its exit
-    status, its output, and every byte the viewer was sent."""
+    status, its output, and every byte the viewer was sent (`attached`: read_attach_stream's)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--skip-smoke",
         "--interval", "0.2", env=cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    attach = asyncio.create_task(read_attach_stream(cfg.run_dir, proc))
+    attach = asyncio.create_task(read_attach_stream(cfg.run_dir, proc, attached))
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     stream_bytes = await asyncio.wait_for(attach, 30)
     assert b"Traceback" not in err, err.decode()[-3000:]
@@ -371,11 +374,22 @@ async def test_the_run_directorys_name_and_the_dataset_names_are_shown_as_text(t
         await asyncio.wait_for(run_tui(cfg, TEST_KEY, out=tui_out, run_app=drive, skip_smoke=True), 120)
         shown["tui summary"] = tui_out.getvalue()
 
-        # The headless run in a subprocess, with a viewer on its attach socket.
-        cfg = make_config(tmp_path / "headless", sim.base_url, [{"name": LINK_NAME, "n": 3, "concurrency": 2}],
+    # The headless run in a subprocess, with a viewer on its attach socket. Its three prompts would be
+    # answered before a viewer on a loaded machine is in: the simulator holds every request until three are
+    # in flight, the run's two and, once the viewer is attached, one of the test's own.
+    held = SimConfig(seed=5, latency_scale=0.0, mean_completion_tokens=20, hold_until_in_flight=3,
+                     hold_timeout_s=600)
+    async with SimServer(held, port=0) as gate, aiohttp.ClientSession() as session:
+        cfg = make_config(tmp_path / "headless", gate.base_url, [{"name": LINK_NAME, "n": 3, "concurrency": 2}],
                           tables=tables)
-        code, shown["headless"], stream_bytes = await headless_run(cfg)
+        third: list[asyncio.Task[tuple[int, Any, bytes]]] = []
+
+        async def release() -> None:  # the viewer is in: a third request in flight releases the run's two
+            third.append(asyncio.create_task(chat_post(session, gate, chat_body())))
+
+        code, shown["headless"], stream_bytes = await headless_run(cfg, release)
         assert code == 0, shown["headless"][-3000:]
+        assert (await third[0])[0] == 200
         lines = [orjson.loads(line) for line in stream_bytes.splitlines()]
         shown["attach stream"] = "\n".join(s for x in lines for s in strings(x))
 
