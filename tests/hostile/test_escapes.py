@@ -58,6 +58,16 @@ def hostile_sim() -> SimServer:
                                scenarios=SCENARIOS), port=0)
 
 
+def released_by(sim: SimServer, session: aiohttp.ClientSession,
+                sent: list[asyncio.Task[tuple[int, Any, bytes]]]) -> Callable[[], Awaitable[None]]:
+    """What a viewer calls once attached: one request of the test's own in flight, which brings a server
+    holding every request until the run's concurrency + 1 are in flight (SimConfig.hold_until_in_flight) to
+    release them all, so a short run cannot end, on a loaded machine, before its viewer is in."""
+    async def release() -> None:
+        sent.append(asyncio.create_task(chat_post(session, sim, chat_body())))
+    return release
+
+
 def config(folder: Path, base_url: str, stream: bool = False, hostile_ids: bool = False) -> Config:
     """Datasets a (30 prompts, some refused as their own) and b (10, every request refused: it stops);
     `hostile_ids`: prompt ids carrying HOSTILE as a prompt file may, b's lines three-turn conversations."""
@@ -375,19 +385,15 @@ async def test_the_run_directorys_name_and_the_dataset_names_are_shown_as_text(t
         shown["tui summary"] = tui_out.getvalue()
 
     # The headless run in a subprocess, with a viewer on its attach socket. Its three prompts would be
-    # answered before a viewer on a loaded machine is in: the simulator holds every request until three are
-    # in flight, the run's two and, once the viewer is attached, one of the test's own.
-    held = SimConfig(seed=5, latency_scale=0.0, mean_completion_tokens=20, hold_until_in_flight=3,
+    # answered before a viewer on a loaded machine is in: the simulator holds every request until two are
+    # in flight, the run's one (concurrency 1) and, once the viewer is attached, one of the test's own.
+    held = SimConfig(seed=5, latency_scale=0.0, mean_completion_tokens=20, hold_until_in_flight=2,
                      hold_timeout_s=600)
     async with SimServer(held, port=0) as gate, aiohttp.ClientSession() as session:
-        cfg = make_config(tmp_path / "headless", gate.base_url, [{"name": LINK_NAME, "n": 3, "concurrency": 2}],
+        cfg = make_config(tmp_path / "headless", gate.base_url, [{"name": LINK_NAME, "n": 3, "concurrency": 1}],
                           tables=tables)
         third: list[asyncio.Task[tuple[int, Any, bytes]]] = []
-
-        async def release() -> None:  # the viewer is in: a third request in flight releases the run's two
-            third.append(asyncio.create_task(chat_post(session, gate, chat_body())))
-
-        code, shown["headless"], stream_bytes = await headless_run(cfg, release)
+        code, shown["headless"], stream_bytes = await headless_run(cfg, released_by(gate, session, third))
         assert code == 0, shown["headless"][-3000:]
         assert (await third[0])[0] == 200
         lines = [orjson.loads(line) for line in stream_bytes.splitlines()]
