@@ -77,8 +77,9 @@ def as_template_reads(m: dict[str, Any]) -> dict[str, Any]:
 
 # -- generated agent conversations ------------------------------------------------------------------
 
-WORDS = ["file", "lire", "données", "数据", "ファイル", "ошибка", "🙂", "naïve", "Straße", "x̧", "שלום", "λ", "tab\there",
-         "new\nline", "quote\"s", "back\\slash", "{braces}", "<tag>", "  spaced  ", "path/to/a.py", "0", "null"]
+WORDS = ["file", "lire", "données", "数据", "ファイル", "ошибка", "🙂", "naïve", "Straße", "x̧", "שלום", "λ",
+         "tab\there", "new\nline", "quote\"s", "back\\slash", "{braces}", "<tag>", "  spaced  ", "path/to/a.py", "0",
+         "null"]
 
 TOOL_POOL: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "bash", "description": "Run a shell command",
