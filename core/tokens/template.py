@@ -20,8 +20,10 @@ history split in ART's and miles' patches of it; tinker-cookbook's K2.5 renderer
   (`<think></think>`); later ones (tool-call turns) keep their `reasoning_content`. A history message
   may carry its reasoning under another API's key (`history_reasoning`): OpenRouter takes back
   `reasoning_details` or `reasoning` and hands the provider's server `reasoning_content`, so inside a
-  tool-call loop any of the three renders the same text; outside one none renders (multi-turn
-  conversations, which are cut before their first tool turn, never have such a loop);
+  tool-call loop any of the three renders the same text; outside one none renders (the history
+  split: assistant messages after the last one without tool calls keep their reasoning, those up to
+  it render `<think></think>`; a step's prompt is the history it was sent, so a tool loop under way
+  keeps its reasoning and an answered one does not);
 - `RenderedChat.history_turns`: where each earlier assistant turn sits in the prompt (its `<think>`
   through its `<|im_end|>`, the span SpecForge masks when it trains every assistant turn), so a
   per-conversation sample can put them in the loss mask (core/merge; `auto` gives none);
@@ -43,7 +45,17 @@ history split in ART's and miles' patches of it; tinker-cookbook's K2.5 renderer
   template, so a provider serving K2.5 renders no system turn: `kimi-k2.5` renders none by default.
   `[tokenizer] default_system` overrides that (a text renders that turn, as `KimiK25Template(
   default_system=...)`); the smoke test's prompt-token check shows which one the provider ran.
-- Not rendered: `tools` declarations (`tool_declare`) and image parts (rejected with TemplateError).
+- `tools` (the request's function schemas) render first, before the system turn:
+  `<|im_system|>tool_declare<|im_middle|>{tools as JSON}<|im_end|>`, the JSON as transformers' `tojson`
+  writes `tools | tojson(separators=(',', ':'))` (non-ASCII kept, keys in the order given). The
+  template's `tools_ts_str` (a TypeScript-style declaration a caller may pass instead) is never set by
+  vLLM, SGLang or transformers unless asked, so it is not rendered;
+- call ids and `tool_call_id`s render as the messages carry them ("" where absent, as the template
+  prints an undefined value); nothing is invented.
+- Checked token for token against the official template itself, bundled as
+  `core/data/kimi-k2/chat_template.jinja` (tests/tokens/test_agent_template.py renders it with jinja2
+  over generated agent conversations, step by step).
+- Not rendered: image parts (rejected with TemplateError).
 
 `auto`: the tokenizer's own Jinja template (transformers `apply_chat_template`, the final assistant
 message carrying `reasoning_content`). Message texts are replaced by sentinels before rendering so
