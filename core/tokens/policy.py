@@ -105,6 +105,11 @@ class SamplePolicy:
         if failed - MEASURES:  # the structural checks, and any check this policy does not know
             return SampleVerdict(False, "invalid")
         notes = []
+        # Before the counts: rewritten call ids change the answer's length too, and they are the cause.
+        if "tool_call_ids" in failed:
+            if self.limits.drop_foreign_tool_call_ids:
+                return SampleVerdict(False, "foreign_tool_call_id")
+            notes.append("foreign_tool_call_id")
         if count_diff is not None and abs(count_diff) > self.count_tolerance:
             if abs(count_diff) > self.count_limit(billed):
                 return SampleVerdict(False, "count_mismatch")
@@ -121,10 +126,6 @@ class SamplePolicy:
             notes.append("backend_prompt_mismatch")
         if "text_matches_ids" in failed:
             notes.append("text_rewritten")
-        if "tool_call_ids" in failed:
-            if self.limits.drop_foreign_tool_call_ids:
-                return SampleVerdict(False, "foreign_tool_call_id")
-            notes.append("foreign_tool_call_id")
         # Last: a sample the other rules drop keeps their cause; the ones they keep are its source's.
         if self.flagged_sources and source_key(provider) in self.flagged_sources:
             if self.limits.drop_flagged_sources:

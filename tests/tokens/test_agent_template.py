@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import random
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -285,3 +286,31 @@ def test_server_ids_make_the_call_ids_the_servers() -> None:
     calls = [{**c, "id": "call_rewritten"} for c in record["tool_calls"]]
     r = reconstruct_record(TOK, KIMI, {**record, "tool_calls": calls, "token_ids": ids[start:]})
     assert "tool_call_ids" not in r.checks and r.input_ids.tolist() == ids
+
+
+def test_tokens_command_counts_rewritten_call_ids_per_provider(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`draftgen tokens` over agent steps: more steps than run inline (the worker processes get each
+    record's tools), one provider's call ids rewritten; the line names it with its controls escaped."""
+    from draftgen.core.tokens.command import tokens_command
+    from draftgen.core.tokens.workers import INLINE_MAX, REPORT_FILE
+    from tests.tokens.test_tokens import make_config, write_responses
+    monkeypatch.setenv("COLUMNS", "200")
+    config = make_config(tmp_path)
+    steps = [r for conv in generated() for r in conv if r["tool_calls"]][:INLINE_MAX + 8]
+    records = []
+    for k, step in enumerate(steps):
+        ids, _, start = reference(step)
+        rec = {**step, "usage": {"prompt_tokens": start, "completion_tokens": len(ids) - start}}
+        if k < 5:
+            rec["provider"] = "Re\x1b[31mwriter"
+            rec["tool_calls"] = [{**c, "id": f"call_{k}{j}"} for j, c in enumerate(step["tool_calls"])]
+        records.append(rec)
+    write_responses(config, "A", records)
+    assert tokens_command(config) == 0
+    out = capsys.readouterr().out
+    assert f"answers calling tools: {len(steps):,}" in out and "Re\\x1b[31mwriter 5 of 5" in out
+    assert "\x1b[31m" not in out and "foreign_tool_call_id 5" in out
+    report = json.loads((config.run_dir / "A" / "tokens" / REPORT_FILE).read_text())
+    assert report["failures"]["tool_call_ids"] == 5 and report["prompt_token_count"]["mismatches"] == 0
+    assert report["providers"]["Moonshot AI"]["tool_answers"] == len(steps) - 5
