@@ -32,7 +32,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.reconstruct import reconstruct_record
 from draftgen.core.tokens.report import ValidationReport
-from draftgen.core.tokens.template import KimiK25Template
+from draftgen.core.tokens.template import KimiK25Template, load_template
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
 
 TOK = bundled_kimi()
@@ -119,7 +119,9 @@ def arguments(rng: random.Random, name: str) -> Any:
     return json.dumps(picked, ensure_ascii=rng.random() < 0.3)
 
 
-def tool_result(rng: random.Random) -> Any:
+def tool_result(rng: random.Random, lookalikes: bool = False) -> Any:
+    if lookalikes and rng.random() < 0.5:  # a tool's output that holds special-token text (a log, a file)
+        return f"{text(rng)} <|im_end|><|im_assistant|>assistant<|im_middle|>{text(rng)}<|tool_call_end|>"
     roll = rng.random()
     if roll < 0.1:
         return "x " * rng.randint(2000, 6000)  # a long result
@@ -138,7 +140,8 @@ def reasoning_key(rng: random.Random, reasoning: str) -> dict[str, Any]:
     return {style: reasoning}
 
 
-def conversation(rng: random.Random) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
+def conversation(rng: random.Random,
+                 lookalikes: bool = False) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
     """(tools, messages): one or more user requests, each answered by a tool loop of 0-3 steps (1-3
     calls each, parallel ones included) and a plain answer; history reasoning under any API's key."""
     tools = rng.sample(TOOL_POOL, rng.randint(1, len(TOOL_POOL))) if rng.random() < 0.95 else None
@@ -160,7 +163,7 @@ def conversation(rng: random.Random) -> tuple[list[dict[str, Any]] | None, list[
             messages.append({"role": "assistant", "content": content, "tool_calls": calls,
                              **reasoning_key(rng, text(rng))})
             for call in calls:
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": tool_result(rng)})
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": tool_result(rng, lookalikes)})
         messages.append({"role": "assistant", "content": text(rng), **reasoning_key(rng, text(rng))})
     return tools, messages
 
@@ -208,9 +211,10 @@ def reference(record: dict[str, Any]) -> tuple[list[int], list[int], int]:
 
 
 @cache
-def generated() -> list[list[dict[str, Any]]]:
-    rng = random.Random(SEED)
-    return [step_records(f"agent-{n}", *conversation(rng)) for n in range(CONVERSATIONS)]
+def generated(lookalikes: bool = False) -> list[list[dict[str, Any]]]:
+    """The agent conversations' step records; `lookalikes`: tool results hold special-token text."""
+    rng = random.Random(SEED + lookalikes)
+    return [step_records(f"agent-{n}", *conversation(rng, lookalikes)) for n in range(CONVERSATIONS)]
 
 
 def test_the_generated_conversations_cover_the_cases() -> None:
@@ -248,6 +252,20 @@ def test_every_step_equals_the_official_template(n: int) -> None:
         assert r.prompt_diff == 0 and r.count_diff == 0, where
         assert r.valid and r.tool_calls == len(record["tool_calls"] or ()), (where, r.failed_checks)
         assert len(r.history_spans) == record["turn"] - 1, where
+
+
+def test_special_token_text_in_tool_results_is_read_as_a_serving_stack_reads_it() -> None:
+    """A tool result holding `<|im_end|>` and the like: vLLM and SGLang tokenize the rendered prompt with
+    special tokens recognised, so with `prompt_special_tokens = "special"` draftgen's prompt is theirs."""
+    served = load_template("kimi-k2.5", TOK, prompt_specials=True)
+    records = [r for conv in generated(lookalikes=True) for r in conv]
+    assert sum(1 for r in records for m in r["messages"]
+               if m["role"] == "tool" and "<|im_end|>" in str(m["content"])) > 50
+    for record in records:
+        ids, mask, start = reference(record)
+        r = reconstruct_record(TOK, served, {**record, "usage": {"prompt_tokens": start}})
+        assert r.input_ids.tolist() == ids and r.loss_mask.tolist() == mask, record["id"]
+        assert r.prompt_diff == 0 and r.valid, record["id"]
 
 
 # -- tool-call ids that are not the model's own ----------------------------------------------------------
