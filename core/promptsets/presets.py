@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from draftgen.core.errors import DraftgenError
-from draftgen.core.generate.loop.prompts import parse_turns
+from draftgen.core.generate.loop.prompts import TOOL_ROLES, parse_turns
 from draftgen.core.promptsets import agents
 
 PRESETS = ("sharegpt", "openai", "instruction", "text", "trajectory")
@@ -150,10 +150,6 @@ def detect(columns: Sequence[str], label: str = "dataset") -> str:
                        f"--preset or name the columns with --map prompt=COLUMN")
 
 
-# Roles of a tool result turn in the layouts seen (OpenAI `tool`/`function`, ShareGPT agent traces).
-TOOL_ROLES = ("tool", "function", "observation", "ipython")
-
-
 def before_tools(raw: Any) -> Any:
     """A conversation list cut before its first tool turn: a tool result message, or an assistant turn
     with `tool_calls` (regenerating past it would send a half-formed tool loop)."""
@@ -183,13 +179,12 @@ def _turns(raw: Any, column: str, turns: str, max_turns: int | None = None) -> l
     raw = agents.swe_agent_turns(raw, column)
     if turns == "all" and agents.is_agent(raw):
         return _agent_turns(raw, column, max_turns)
-    if turns == "all":
-        cut = before_tools(raw)
-        if isinstance(raw, list) and not cut:
-            raise ValueError(f"`{column}` is empty" if not raw else
-                             f"`{column}` has no user turn before its first tool turn")
-        raw = cut
-    out = parse_turns(raw, column)
+    cut = before_tools(raw)
+    if isinstance(raw, list) and raw and not cut:
+        raise ValueError(f"`{column}` has no user turn before its first tool turn")
+    if turns == "all" and isinstance(raw, list) and not raw:
+        raise ValueError(f"`{column}` is empty")
+    out = parse_turns(cut, column)
     users = [i for i, t in enumerate(out) if t["role"] == "user"]
     if not users:
         raise ValueError(f"`{column}` has no user turn")

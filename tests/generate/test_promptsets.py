@@ -490,6 +490,10 @@ def test_sharegpt_function_call_and_observation_turns_become_an_openai_agent_lin
              "function": {"name": "get_weather", "arguments": '{"city": "東京"}'}}]},
         {"role": "tool", "tool_call_id": "functions.get_weather:2", "content": '{"temp": 18}'},
         {"role": "assistant", "content": "18 degrees."}]
+    first = build(_opts(tmp_path, [str(tmp_path / "glaive.jsonl")], split="off", out_dir=tmp_path / "first"))
+    assert [orjson.loads(x) for x in first.datasets[0].path.read_bytes().splitlines()] == [
+        {"id": "glaive:train:0", "messages": [{"role": "system", "content": "You can call tools."},
+                                              {"role": "user", "content": "Weather in Paris and the time? (0)"}]}]
 
 
 def test_openai_agent_lines_are_kept_whole_with_their_tools(tmp_path: Path) -> None:
@@ -551,6 +555,10 @@ def test_swe_agent_and_openhands_trajectories_are_read(tmp_path: Path) -> None:
         {"role": "tool", "content": "a.py", "name": "execute_bash", "tool_call_id": "toolu_1", "tool_calls": None},
         {"role": "assistant", "content": "Done.", "name": None, "tool_call_id": None, "tool_calls": None}]}]
     (line,) = _build_lines(tmp_path, make_parquet(tmp_path, hands, "hands.parquet"), out_dir=tmp_path / "hands")
+    # Asked once (--turns first), the same trajectory gives its system and first user turn.
+    first = build(_opts(tmp_path, [str(tmp_path / "hands.parquet")], split="off", out_dir=tmp_path / "first"))
+    assert [orjson.loads(x)["messages"] for x in first.datasets[0].path.read_bytes().splitlines()] == [
+        [{"role": "system", "content": "You are OpenHands."}, {"role": "user", "content": "Fix it"}]]
     assert line["messages"][2] == {"role": "assistant", "content": "Looking.", "tool_calls": [
         {"id": "toolu_1", "type": "function", "function": {"name": "execute_bash", "arguments": '{"command": "ls"}'}}]}
     assert line["messages"][3] == {"role": "tool", "tool_call_id": "toolu_1", "content": "a.py"}
