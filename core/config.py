@@ -301,6 +301,10 @@ class ValidationConfig:
     min_exact_share: float = 0.75
     # true: merge drops the samples of a source flagged on its own (false: keeps them, reported).
     drop_flagged_sources: bool = True
+    # true: an answer whose tool calls carry ids not of the model's own shape (`functions.NAME:IDX`;
+    # a provider rewrote them) is dropped, its rendered ids not being what the model generated
+    # (false: kept, reported as foreign_tool_call_id).
+    drop_foreign_tool_call_ids: bool = True
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,8 @@ def _drop_reason(record: dict[str, Any], ref: TokenRef | None,
         return "other_model", ()
     if record.get("truncated") or record.get("finish_reason") == "length" or (ref is not None and ref.truncated):
         return "truncated", ()
-    if record.get("empty_content") or not message_text(record.get("content")):
+    # An agent step that answers with tool calls only has no content: its calls are the answer.
+    if not record.get("tool_calls") and (record.get("empty_content") or not message_text(record.get("content"))):
         return "empty", ()
     if ref is None:
         return "not_reconstructed", ()
