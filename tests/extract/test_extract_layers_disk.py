@@ -180,3 +180,15 @@ def test_a_key_that_turns_speculative_decoding_on_is_refused_by_name(tmp_path: P
 def test_dflash_layers_is_a_pure_function_of_n_and_k() -> None:
     assert dflash_layers(61, 5) == (1, 15, 30, 44, 58)
     assert dflash_layers(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B's 36 layers, DFlash's usual 5
+
+
+def test_the_gpu_plan_counts_the_layers_asked_for() -> None:
+    from draftgen.core.extract.model_info import estimate_weights
+    from draftgen.core.extract.plan import make_gpu_plan
+    from tests.extract.test_extract_gpu_plan import KIMI, extract_cfg
+    three = estimate_weights(KIMI, 8, aux_layers=3).activation_bytes_per_token
+    five = estimate_weights(KIMI, 8, aux_layers=5).activation_bytes_per_token
+    assert five - three == 2 * 2 * 7168 * 2  # two more bf16 layers a token, held twice (SGLang's and SpecForge's)
+    plans = [make_gpu_plan(extract_cfg(aux_layers=aux).extract, KIMI, "kimi", 16384, 4, nvml=None, env={})
+             for aux in ("eagle3", "dflash:5")]
+    assert plans[1].activation_bytes - plans[0].activation_bytes == 16384 * (five - three)
