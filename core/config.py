@@ -952,8 +952,8 @@ def _check_aux_layers(file: Path, aux_layers: str | list[int]) -> None:
         raise ConfigError(f"{file}: extract.aux_layers lists no layer id (give some, or a named set: \"eagle3\", "
                           f"\"dflash:5\")")
     if any(isinstance(k, bool) or k < 0 for k in aux_layers) or list(aux_layers) != sorted(set(aux_layers)):
-        raise ConfigError(f"{file}: extract.aux_layers {aux_layers!r} must be layer ids >= 0 in strictly ascending "
-                          f"order (SGLang concatenates captured layers in model order)")
+        raise ConfigError(f"{file}: extract.aux_layers {aux_layers!r}: the layer ids must be strictly ascending and "
+                          f">= 0 (SGLang concatenates captured layers in model order)")
 
 
 def _check_max_disk(file: Path, max_disk_gb: float) -> None:
