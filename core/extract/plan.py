@@ -415,6 +415,8 @@ def format_plan(plan: Plan) -> list[str]:
     lines += format_set_size(plan)
     this = plan.this
     need = this.bytes_gz if plan.compress else this.bytes_bf16
+    if plan.dtype != "bf16" and plan.hidden_size is not None and not plan.compress:  # what the files will store
+        need = state_bytes(this.tokens_todo, this.todo, plan.hidden_size, len(plan.layers), plan.dtype)
     if plan.max_disk_bytes:
         need = int(plan.budget_fits_bytes * (plan.gz_ratio if plan.compress else 1))
     if plan.nothing_to_do:
@@ -425,7 +427,7 @@ def format_plan(plan: Plan) -> list[str]:
     else:
         verdict = "enough" if need <= plan.free_bytes else "NOT ENOUGH"
         lines.append(f"shard {this.index}/{this.count} (*) writes ~{fmt_bytes(need)} "
-                     f"({'gz' if plan.compress else 'bf16'}); {fmt_bytes(plan.free_bytes)} free there: {verdict}")
+                     f"({'gz' if plan.compress else plan.dtype}); {fmt_bytes(plan.free_bytes)} free there: {verdict}")
     if plan.gpu is not None:
         lines += format_gpu_plan(plan.gpu)
     return lines + plan.notes + compress_warning(plan)
