@@ -331,6 +331,9 @@ class ExtractConfig:
     tokens_per_s: float = 0.0
     # The run pauses before a batch while free disk is below its bytes plus this margin.
     min_free_gb: float = 1.0
+    # The most hidden_states/ may hold, in GB (10^9 bytes; 0 = no limit): samples are extracted in merged
+    # order while their estimated bytes fit, then the run stops and says what is left (docs/extraction.md).
+    max_disk_gb: float = 0.0
     # true: hidden_states/ files 0640 and folders 0750 (readable by the group, e.g. a training job
     # running as another user); false: 0600/0700, this user only.
     group_readable: bool = False
@@ -896,11 +899,69 @@ def _check_extract(file: Path, extract: ExtractConfig) -> None:
     _positive(file, "extract.tp_size", extract.tp_size)
     _positive(file, "extract.tokens_per_s", extract.tokens_per_s, allow_zero=True)
     _positive(file, "extract.min_free_gb", extract.min_free_gb, allow_zero=True)
-    if isinstance(extract.aux_layers, str) and extract.aux_layers != "eagle3":
-        raise ConfigError(f"{file}: extract.aux_layers must be \"eagle3\" or a list of 3 layer ids, "
-                          f"not {extract.aux_layers!r}")
-    if isinstance(extract.aux_layers, list) and len(extract.aux_layers) != 3:
-        raise ConfigError(f"{file}: extract.aux_layers must list exactly 3 layer ids, not {extract.aux_layers!r}")
+    _check_aux_layers(file, extract.aux_layers)
+    _check_max_disk(file, extract.max_disk_gb)
+    for key in sorted(extract.sglang):
+        if _speculative_key(key):
+            raise ConfigError(
+                f"{file}: extract.sglang.{key} is refused: "
+                + ("it turns on speculative decoding" if key.replace("-", "_") == "speculative_algorithm"
+                   else "it configures speculative decoding")
+                + ", and with it on SGLang returns hidden states that belong to the draft tokens it verified, "
+                "not to the sample's own tokens (sglang#26163): the files would train on wrong features. "
+                "Capture runs without it; remove the key from [extract.sglang]")
+
+
+# [extract.sglang] keys of SGLang 0.5.14's ServerArgs that turn speculative decoding on or configure it: its
+# "Speculative decoding" sections (every `speculative_*` field and enable_multi_layer_eagle) and the two draft
+# fields outside them (tests/extract/test_layer_sets_contract.py checks them against the pinned source).
+SPECULATIVE_KEYS = frozenset({"enable_multi_layer_eagle", "enable_draft_weights_cpu_backup",
+                              "decrypted_draft_config_file"})
+
+
+def _speculative_key(key: str) -> bool:
+    name = key.replace("-", "_")
+    return name.startswith("speculative_") or name in SPECULATIVE_KEYS
+
+
+# The named layer sets `[extract] aux_layers` takes (placed from the model's N by
+# extract/model_info.resolve_aux_layers), read from SpecForge 0.2.0: P-EAGLE resolves its capture layers
+# as EAGLE-3 does (algorithms/peagle/providers.py -> resolve_eagle_capture_layers); DSpark's draft is a
+# DFlash draft (DSparkDraftModel(DFlashDraftModel)), whose target_layer_ids default to
+# build_target_layer_ids(num_target_layers, K) as DFlash's do.
+LAYER_SET_NAMES = ("eagle3", "peagle", "dflash:K", "dspark:K")
+
+
+def parse_layer_set(aux_layers: str) -> tuple[str, int]:
+    """("eagle3" | "peagle", 3) or ("dflash" | "dspark", K) from a named set; ValueError naming what is wrong."""
+    if aux_layers in ("eagle3", "peagle"):
+        return aux_layers, 3
+    name, colon, count = aux_layers.partition(":")
+    if name in ("dflash", "dspark") and colon and count.isdigit() and int(count) >= 1:
+        return name, int(count)
+    raise ValueError(f"extract.aux_layers must be a list of layer ids or one of {', '.join(LAYER_SET_NAMES)} "
+                     f"(K: how many layers, e.g. \"dflash:5\"), not {aux_layers!r}")
+
+
+def _check_aux_layers(file: Path, aux_layers: str | list[int]) -> None:
+    """A named set (model_info.LAYER_SET_NAMES) or a non-empty, strictly ascending list of layer ids >= 0;
+    the model's N bounds them when it is read (model_info.resolve_aux_layers)."""
+    if isinstance(aux_layers, str):
+        try:
+            parse_layer_set(aux_layers)
+        except ValueError as e:
+            raise ConfigError(f"{file}: {e}") from None
+        return
+    if not aux_layers:
+        raise ConfigError(f"{file}: extract.aux_layers lists no layer id (give some, or a named set: \"eagle3\", "
+                          f"\"dflash:5\")")
+    if any(isinstance(k, bool) or k < 0 for k in aux_layers) or list(aux_layers) != sorted(set(aux_layers)):
+        raise ConfigError(f"{file}: extract.aux_layers {aux_layers!r}: the layer ids must be strictly ascending and "
+                          f">= 0 (SGLang concatenates captured layers in model order)")
+
+
+def _check_max_disk(file: Path, max_disk_gb: float) -> None:
+    _positive(file, "extract.max_disk_gb", max_disk_gb, allow_zero=True)
 
 
 def _check_tokenizer(file: Path, tokenizer: TokenizerConfig) -> None:

@@ -122,7 +122,7 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
         for line in format_plan(plan):
             print(line, file=stream, flush=True)
         print(_standing_line(standing, hidden, on_other_merge), file=stream, flush=True)
-    if _nothing_left(config, plan, standing, rank0):
+    if _nothing_left(config, plan, standing, rank0) or _budget_spent(config, plan, standing, rank0, stream):
         return 0
     if plan.gpu is not None and plan.gpu.refusal:  # before any weight loads
         raise DraftgenError(plan.gpu.refusal)
@@ -185,6 +185,18 @@ def _nothing_left(config: Config, plan: Any, standing: Any, rank0: bool) -> bool
     return True
 
 
+def _budget_spent(config: Config, plan: Any, standing: Any, rank0: bool, stream: TextIO) -> bool:
+    """extract.max_disk_gb holds no more sample of those left: says so (rank 0); nothing is loaded."""
+    if not (plan.max_disk_bytes and not plan.budget_fits and plan.budget_left and standing.usable):
+        return False
+    if rank0:
+        print(f"extract: nothing extracted: extract.max_disk_gb = {config.extract.max_disk_gb:g} is spent "
+              f"({fmt_bytes(plan.budget_used)} written); {plan.budget_left:,} samples (~"
+              f"{fmt_bytes(plan.budget_left_bytes)}) are left: raise extract.max_disk_gb and run "
+              f"`draftgen extract {sh_path(config.path)}` again", file=stream, flush=True)
+    return True
+
+
 def _runner_extract() -> Any:
     """runner.extract, or a DraftgenError saying how to install torch when it is missing."""
     try:
@@ -204,7 +216,7 @@ def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: 
           f"({fmt_count(stats.tokens_written)} tokens, {fmt_bytes(stats.bytes_written)}, "
           f"{stats.tokens_per_s:,.0f} tok/s), {stats.skipped_existing:,} already there, "
           f"{stats.nan_samples:,} with NaN not written; model {stats.model} (N={stats.num_layers}, "
-          f"H={stats.hidden_size}), aux layers {list(stats.layers)}, {stats.backend}, "
+          f"H={stats.hidden_size}), aux layers {list(stats.layers)} ({stats.layer_set}), {stats.backend}, "
           f"shard {parsed[0]}/{parsed[1]}", file=stream, flush=True)
     if stats.claim_note:
         print(stats.claim_note, file=stream, flush=True)
@@ -212,9 +224,17 @@ def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: 
         print(f"training: {visible(str(where / 'train-command.sh'))} (SpecForge's command and config, "
               f"data.max_length = the longest sample; `draftgen train-command {sh_path(config.path)}` explains it)",
               file=stream, flush=True)
-    if stats.draft_layer_ids is not None:
-        print(f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids = {stats.draft_layer_ids} "
+    eagle = stats.trainer_layer_ids.get("eagle3")
+    if eagle is not None:
+        print(f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids = {eagle} "
               f"(SGLang's numbering of layers {list(stats.layers)}; also in stats.json)", file=stream, flush=True)
+    if stats.layers and len(stats.layers) != 3:
+        print(f"draft config: dflash_config.target_layer_ids = {stats.trainer_layer_ids.get('dflash')} (DFlash's and "
+              f"DSpark's numbering; {len(stats.layers)} layers: not an EAGLE-3 set, see docs/extraction.md)",
+              file=stream, flush=True)
+    if stats.budget_left:
+        from draftgen.core.extract.runner import budget_line
+        print(f"extract: {budget_line(config, stats)}", file=stream, flush=True)
     if stats.too_long_samples:
         shown = ", ".join(f"{x['index']} ({x['tokens']:,} tokens)" for x in stats.too_long[:10])
         more = f" and {stats.too_long_samples - 10} more" if stats.too_long_samples > 10 else ""

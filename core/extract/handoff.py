@@ -121,21 +121,40 @@ def cut_at(reader: TokenReader, lengths: np.ndarray, max_length: int) -> Cut:
 
 
 def _aux_layer_ids(config: Config, notes: list[str]) -> list[int] | None:
-    """SGLang's numbering of the extracted layers: stats.json's, else from the config and the model's config.json."""
+    """SGLang's numbering of the extracted layers when they are an EAGLE-3 set of three: stats.json's, else from the
+    config and the model's config.json; another set is named in `notes` with the trainers that take it."""
+    layers: list[int] | None = None
+    eagle: list[int] | None = None
     stats = config.run_dir / "hidden_states" / "stats.json"
     try:
-        ids = json.loads(stats.read_text(encoding="utf-8")).get("draft_layer_ids")
-        if isinstance(ids, list) and len(ids) == 3:
-            return [int(x) for x in ids]
+        recorded = json.loads(stats.read_text(encoding="utf-8"))
+        if recorded.get("layers"):
+            layers = [int(x) for x in recorded["layers"]]
+            ids = (recorded.get("trainer_layer_ids") or {}).get("eagle3", recorded.get("draft_layer_ids"))
+            eagle = [int(x) for x in ids] if isinstance(ids, list) and len(ids) == 3 else None
     except (OSError, ValueError, AttributeError, TypeError):
         pass
-    from draftgen.core.extract.model_info import read_model_dims, resolve_aux_layers, sglang_capture_ids
-    try:
-        dims = read_model_dims(config.extract.model, trust_remote_code=config.extract.trust_remote_code)
-        return sglang_capture_ids(resolve_aux_layers(config.extract.aux_layers, dims, config.path), dims, config.path)
-    except (ConfigError, DraftgenError) as e:
-        notes.append(f"aux layer ids not set (SpecForge then takes the draft config's or [1, N/2-1, N-4]): {e}")
+    if layers is None:
+        from draftgen.core.extract.model_info import read_model_dims, resolve_aux_layers, trainer_layer_ids
+        try:
+            dims = read_model_dims(config.extract.model, trust_remote_code=config.extract.trust_remote_code)
+            resolved = resolve_aux_layers(config.extract.aux_layers, dims, config.path)
+            layers, eagle = list(resolved), trainer_layer_ids(resolved, dims)["eagle3"]
+        except (ConfigError, DraftgenError) as e:
+            notes.append(f"aux layer ids not set (SpecForge then takes the draft config's or [1, N/2-1, N-4]): {e}")
+            return None
+    if len(layers) != 3:
+        notes.append(
+            f"extract.aux_layers = {config.extract.aux_layers!r}: {len(layers)} layers {layers} (0-based layer "
+            f"outputs; a DFlash or DSpark draft config's dflash_config.target_layer_ids = {layers}). SpecForge "
+            f"{SPECFORGE_VERSION}'s EAGLE-3 and P-EAGLE take exactly three (model.aux_hidden_state_layer_ids, "
+            f"application/planning.py), so this config sets none and does not train on these files; its offline "
+            f"DFlash trainer reads a `hidden_states` key these files do not carry (docs/extraction.md, layer sets)")
         return None
+    if eagle is None:
+        notes.append(f"aux layer ids not set: SGLang cannot capture layers {layers} for this model (an EAGLE-3 "
+                     f"draft config cannot name them)")
+    return eagle
 
 
 def _missing_notes(config: Config, reader: TokenReader, files: int, merge_id: str) -> list[str]:

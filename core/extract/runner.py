@@ -28,8 +28,19 @@ from draftgen.core.extract.model_info import (
     dims_from_config_dict,
     read_model_config,
     resolve_aux_layers,
+    trainer_layer_ids,
 )
-from draftgen.core.extract.plan import context_limit, plan_batches, recorded_too_long
+from draftgen.core.extract.plan import (
+    FILE_OVERHEAD_BYTES,
+    IDS_MASK_BYTES_PER_TOKEN,
+    context_limit,
+    disk_budget,
+    plan_batches,
+    recorded_too_long,
+    state_bytes,
+    stored_dtype,
+    token_bytes,
+)
 from draftgen.core.extract.writer import Item, PooledWriter, Written
 from draftgen.core.files import GROUP_FILE_MODE, TMP_MARK, disk_error, write_json_atomic
 from draftgen.core.live.progress import Throttle
@@ -40,10 +51,6 @@ from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.tokens.store import INDEX_FILE, TokenEntry, TokenReader
 from draftgen.core.units import fmt_bytes, fmt_count
 
-# torch.save's zip container, pickled dict and 64-byte alignment per file, rounded up generously.
-FILE_OVERHEAD_BYTES = 4096
-IDS_MASK_BYTES_PER_TOKEN = 16  # input_ids and loss_mask as int64
-
 
 @dataclass
 class ExtractStats:
@@ -52,7 +59,7 @@ class ExtractStats:
     backend: str
     num_layers: int
     hidden_size: int
-    layers: tuple[int, int, int]
+    layers: tuple[int, ...]
     shard: tuple[int, int]
     compress: bool
     samples: int = 0              # in this shard
@@ -71,17 +78,26 @@ class ExtractStats:
     tokens_per_s: float = 0.0
     # The draft config's eagle_config.eagle_aux_hidden_state_layer_ids: SGLang's numbering of `layers`.
     draft_layer_ids: list[int] | None = None
+    # extract.aux_layers as configured ("eagle3", "dflash:5" or the list), and `layers` in each trainer's
+    # numbering (model_info.trainer_layer_ids)
+    layer_set: str = ""
+    trainer_layer_ids: dict[str, list[int] | None] = field(default_factory=dict)
     nothing_to_do: bool = False   # every file of the shard was there: no model was loaded
     merge_id: str = ""            # the merge these hidden states belong to (hidden_states/merge.json)
     claim_note: str = ""          # what was done to hidden states of another merge (start over, set aside)
+    # extract.max_disk_gb: the samples still to do that did not fit it (left for a later run) and their estimate
+    max_disk_gb: float = 0.0
+    budget_left: int = 0
+    budget_left_bytes: int = 0
+    budget_left_from: int | None = None  # the first of them, in merged order
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def bytes_needed(tokens: int, files: int, hidden_size: int) -> int:
-    """(3H + H)·2 bytes of bf16 states per token, plus the ids, the mask and each file's container."""
-    return tokens * (4 * hidden_size * 2 + IDS_MASK_BYTES_PER_TOKEN) + files * FILE_OVERHEAD_BYTES
+def bytes_needed(tokens: int, files: int, hidden_size: int, layers: int = 3, dtype: str = "bf16") -> int:
+    """(layers + 1)·H states a token in `dtype`, plus the ids, the mask and each file's container (plan.state_bytes)."""
+    return state_bytes(tokens, files, hidden_size, layers, dtype)
 
 
 def _shard_indices(count: int, shard: tuple[int, int]) -> range:
@@ -99,15 +115,16 @@ def _remove_stale_tmp(root: Path, shard: tuple[int, int]) -> None:
                 tmp.unlink(missing_ok=True)
 
 
-def _check_disk(root: Path, tokens: int, files: int, dims: ModelDims) -> None:
-    need = bytes_needed(tokens, files, dims.hidden_size)
+def _check_disk(root: Path, tokens: int, files: int, dims: ModelDims, layers: int = 3, dtype: str = "bf16") -> None:
+    need = bytes_needed(tokens, files, dims.hidden_size, layers, dtype)
     free = shutil.disk_usage(root).free
     if need > free:
         raise DiskError(
             f"{root}: extraction needs {fmt_bytes(need)} ({need:,} bytes: {tokens:,} tokens x "
-            f"({8 * dims.hidden_size:,} bytes of bf16 states, (3H+H)*2 with H={dims.hidden_size}, + "
-            f"{IDS_MASK_BYTES_PER_TOKEN} of ids and mask) + {FILE_OVERHEAD_BYTES:,} per file, for the {files:,} "
-            f"samples still to do) but only {fmt_bytes(free)} ({free:,} bytes) is free there")
+            f"{token_bytes(dims.hidden_size, layers, dtype):,} bytes ({dtype} states of {layers} aux layers + the "
+            f"last, ({layers}H+H) with H={dims.hidden_size}, and {IDS_MASK_BYTES_PER_TOKEN} of ids and mask) + "
+            f"{FILE_OVERHEAD_BYTES:,} per file, for the {files:,} samples still to do) but only {fmt_bytes(free)} "
+            f"({free:,} bytes) is free there")
 
 
 def stats_path(root: Path, shard: tuple[int, int]) -> Path:
@@ -179,12 +196,14 @@ class _Plan:
     mem_fraction: float = 0.0  # SGLang's mem_fraction_static from the GPU plan (0: the backend's default)
     too_long: list[dict[str, Any]] = field(default_factory=list)  # longer than the context: skipped
     context: int | None = None
+    budget_left: list[int] = field(default_factory=list)  # past extract.max_disk_gb: left for a later run
+    budget_left_bytes: int = 0
 
 
 def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: ModelDims, limit: int,
                cfg: Any, max_samples: int | None, on_other_merge: str = claim.REFUSE, *,
                model: tuple[dict[str, Any], str] | None = None, gpu_plan: bool = False,
-               config_path: object = "config") -> _Plan:
+               config_path: object = "config", layers: int = 3) -> _Plan:
     # Rank 0, every rank joined: the folder is made this merge's (or refused) before a file is added.
     note = claim.settle(root, root.parent / "merged", on_other_merge, config_path, reader)
     try:
@@ -204,8 +223,14 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
     if too_long:  # the forward would fail on it (SGLang refuses it; a RoPE model past its length gives junk)
         skip = set(too_long)
         todo = [k for k in todo if k not in skip]
+    dtype = stored_dtype(cfg)
+    left: list[int] = []
+    if cfg.max_disk_gb > 0:  # merged order, up to this shard's share of the budget; the rest waits for a later run
+        todo, left, _used = disk_budget(root, indices, [e.length for e in entries], todo,
+                                        int(cfg.max_disk_gb * 1e9 / shard[1]),
+                                        lambda t: bytes_needed(t, 1, dims.hidden_size, layers, dtype))
     tokens_todo = sum(entries[k].length for k in todo)
-    _check_disk(root, tokens_todo, len(todo), dims)
+    _check_disk(root, tokens_todo, len(todo), dims, layers, dtype)
     if cfg.backend == "specforge" and todo:
         from draftgen.core.extract.specforge_backend import check_shm
         check_shm(cfg.min_shm_gb)
@@ -222,12 +247,14 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
     return _Plan(todo=todo, note=note, batches=batches, skipped_existing=len(indices) - len(todo) - len(too_long),
                  tokens_todo=tokens_todo, max_forward_tokens=widest, max_samples=most, mem_fraction=fraction,
                  too_long=[{"index": k, "id": entries[k].id, "tokens": entries[k].length} for k in too_long],
-                 context=context)
+                 context=context, budget_left=left,
+                 budget_left_bytes=bytes_needed(sum(entries[k].length for k in left), len(left), dims.hidden_size,
+                                                layers, dtype))
 
 
 class _Idle:
     """The backend of a run with nothing to run (every missing sample is too long): no model is loaded."""
-    description = "none (no sample fits the context)"
+    description = "none (no sample left fits the context or the disk budget)"
     max_batch_tokens: int | None = None
     max_batch_samples: int | None = None
 
@@ -367,7 +394,7 @@ def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[Stag
         limit = min(cfg.batch_tokens, (backend.max_batch_tokens if backend else None) or cfg.batch_tokens)
         plan: _Plan = group.share(lambda: _make_plan(
             root, reader, shard, dims, limit, cfg, backend.max_batch_samples if backend else None, on_other_merge,
-            model=(model_cfg, source), gpu_plan=backend is None, config_path=config.path))
+            model=(model_cfg, source), gpu_plan=backend is None, config_path=config.path, layers=len(layers)))
         if backend is None and not plan.todo:  # every sample left is longer than the context: nothing to load
             backend = _Idle()
         if backend is None:
@@ -388,7 +415,7 @@ def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[Stag
             group.close()
 
 
-def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers: tuple[int, int, int],
+def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers: tuple[int, ...],
                 reader: TokenReader, root: Path, plan: _Plan, backend: ExtractBackend,
                 progress: Callable[[StageProgress], None] | None, stop: threading.Event | None,
                 rundir: RunDir, disk_watch: Any = None) -> ExtractStats:
@@ -400,8 +427,12 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                          hidden_size=dims.hidden_size, layers=layers, shard=shard, compress=cfg.compress,
                          samples=len(indices), tokens=sum(entries[k].length for k in indices),
                          skipped_existing=plan.skipped_existing, draft_layer_ids=_draft_layer_ids(layers, dims),
+                         layer_set=layer_set_text(cfg.aux_layers), trainer_layer_ids=trainer_layer_ids(layers, dims),
                          merge_id=_merge_id(root), claim_note=plan.note,
-                         too_long_samples=len(plan.too_long), too_long=plan.too_long, context=plan.context)
+                         too_long_samples=len(plan.too_long), too_long=plan.too_long, context=plan.context,
+                         max_disk_gb=cfg.max_disk_gb, budget_left=len(plan.budget_left),
+                         budget_left_bytes=plan.budget_left_bytes,
+                         budget_left_from=plan.budget_left[0] if plan.budget_left else None)
     if disk_watch is None:
         from draftgen.core.extract.plan import DiskWatch
         disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
@@ -428,13 +459,13 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
             if stop is not None and stop.is_set():
                 stats.stopped = True
                 break
-            need = bytes_needed(sum(len(x) for x in ids), len(ids), dims.hidden_size)
+            need = bytes_needed(sum(len(x) for x in ids), len(ids), dims.hidden_size, len(layers), stored_dtype(cfg))
             if not disk_watch.wait_for(root, need, stop, log=warn):
                 stats.stopped = True
                 break
             outputs = backend.run(ids)
             items = [_checked(index, entries[index].id, torch.from_numpy(sample_ids), torch.from_numpy(mask),
-                              hidden, aux, dims, backend.description)
+                              hidden, aux, dims, backend.description, len(layers))
                      for index, sample_ids, mask, (hidden, aux) in zip(batch, ids, masks, outputs, strict=True)]
             del outputs  # the writer holds the batch now: its memory goes when its files are written
             pool.submit(items)  # the next forward overlaps these files; blocks while the writer is behind
@@ -464,6 +495,8 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
     summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
                f"{stats.skipped_existing:,} already there"
                + (f", {stats.too_long_samples:,} longer than the context (skipped)" if stats.too_long_samples else ""))
+    if stats.budget_left:
+        summary += "; " + budget_line(config, stats)
     events.write("info", f"extract: {'stopped' if stats.stopped else 'done'}: {summary}")
     events.close()
     if reporter is not None:
@@ -494,8 +527,20 @@ def _leave_handoff(config: Config, events: EventLog) -> None:
                              f"not written: {e}")
 
 
-def _draft_layer_ids(layers: tuple[int, int, int], dims: ModelDims) -> list[int] | None:
-    """The ids SGLang serves the draft with; None where SGLang cannot capture these layers."""
+def budget_line(config: Config, stats: ExtractStats) -> str:
+    """What extract.max_disk_gb left undone, and how to go on."""
+    return (f"stopped at the disk budget (extract.max_disk_gb = {stats.max_disk_gb:g}): {stats.budget_left:,} samples "
+            f"(from sample {stats.budget_left_from}, ~{fmt_bytes(stats.budget_left_bytes)} more) are left; raise "
+            f"extract.max_disk_gb by at least {stats.budget_left_bytes / 1e9:.3g} (or free space) and run "
+            f"`draftgen extract {sh_path(config.path)}` again: the files written are kept and skipped")
+
+
+def layer_set_text(aux_layers: str | list[int]) -> str:
+    return aux_layers if isinstance(aux_layers, str) else str(list(aux_layers))
+
+
+def _draft_layer_ids(layers: tuple[int, ...], dims: ModelDims) -> list[int] | None:
+    """The ids SGLang serves an EAGLE-3 draft with; None where SGLang cannot capture these layers."""
     from draftgen.core.extract.model_info import sglang_capture_ids
     try:
         return sglang_capture_ids(layers, dims)
@@ -523,19 +568,19 @@ def _nothing_to_do(config: Config, shard: tuple[int, int], samples: int,
                                rate_unit="tok/s", eta_s=0.0,
                                message=f"nothing to do: {there:,} files already there{skipped}"))
     return ExtractStats(model=cfg.model, backend="none (nothing to do)", num_layers=0, hidden_size=0,
-                        layers=(0, 0, 0), shard=shard, compress=cfg.compress, samples=samples,
+                        layers=(), shard=shard, compress=cfg.compress, samples=samples,
                         skipped_existing=there, nothing_to_do=True, merge_id=standing.current.merge_id,
                         too_long_samples=len(too_long), too_long=too_long, context=context)
 
 
 def _checked(index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor,
-             aux: torch.Tensor, dims: ModelDims, source: str) -> Item:
-    """One sample's outputs for the writer, once their shapes are right."""
+             aux: torch.Tensor, dims: ModelDims, source: str, layers: int = 3) -> Item:
+    """One sample's outputs for the writer, once their shapes are right (aux: `layers` layers side by side)."""
     length = int(input_ids.shape[0])
     h = dims.hidden_size
-    if tuple(hidden.shape) != (length, h) or tuple(aux.shape) != (length, 3 * h):
+    if tuple(hidden.shape) != (length, h) or tuple(aux.shape) != (length, layers * h):
         raise DraftgenError(f"{source}: sample {index} gave hidden {tuple(hidden.shape)} and aux "
-                            f"{tuple(aux.shape)}, expected ({length}, {h}) and ({length}, {3 * h})")
+                            f"{tuple(aux.shape)}, expected ({length}, {h}) and ({length}, {layers * h})")
     return Item(index, sample_id, layout.SampleTensors(input_ids, loss_mask, hidden, aux))
 
 
