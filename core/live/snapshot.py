@@ -323,6 +323,7 @@ class EventKind(StrEnum):
     MERGE_DONE = "merge_done"
     OVER_RESERVATION = "over_reservation"    # an attempt billed past its reservation (a provider's doing)
     PAST_CAP = "past_cap"                    # a provider ran an answer past max_tokens: cut, not kept
+    METRICS = "metrics"                      # the /metrics server ([monitor] metrics) and its address
     PAUSED = "paused"
     PENDING = "pending"                      # attempts of earlier runs not priced yet
     PRICES = "prices"
