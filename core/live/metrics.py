@@ -248,23 +248,30 @@ def registry_for(latest: Callable[[], RunSnapshot | None]) -> CollectorRegistry:
 class MetricsServer:
     """GET /metrics on `host:port`, from the hub's latest snapshot, on the event loop it is started on."""
 
-    def __init__(self, latest: Callable[[], RunSnapshot | None], host: str, port: int, *, key: str) -> None:
+    def __init__(self, latest: Callable[[], RunSnapshot | None], host: str, port: int, *, where: str,
+                 key: str = "monitor.metrics") -> None:
         self.host = host
         self.port = port
-        self.key = key                       # the setting it came from, named in an error ("path: monitor.metrics")
+        self.where = where                   # the config file, named in an error beside the key
+        self.key = key
         self.registry = registry_for(latest)
-        self.scrapes = 0
         self._runner: web.AppRunner | None = None
 
     @property
-    def url(self) -> str:
+    def address(self) -> str:
+        """HOST:PORT as the config writes it ("[::1]:9400" for IPv6)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}/metrics"
 
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # A scrape under way when the run ends delays its exit by at most a second, not aiohttp's 60.
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         try:
@@ -272,15 +279,14 @@ class MetricsServer:
         except OSError as e:
             await runner.cleanup()
             why = e.strerror or str(e)
-            raise MetricsError(f"{self.key} = \"{self.host}:{self.port}\": cannot serve metrics there ({why}): "
+            raise MetricsError(f"{self.where}: {self.key} = \"{self.address}\": cannot serve metrics there ({why}): "
                                f"another process holds the port, or the address is not this machine's; set "
-                               f"{self.key.rpartition(': ')[2]} to a free port (port 0 takes any)") from None
+                               f"{self.key} to a free port (port 0 takes any)") from None
         self._runner = runner
-        if self.port == 0:
-            self.port = runner.addresses[0][1]
+        if self.port == 0:  # the port taken (its address too: "localhost" may have bound two, one port each)
+            self.host, self.port = runner.addresses[0][:2]
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        self.scrapes += 1
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def close(self) -> None:

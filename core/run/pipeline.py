@@ -130,7 +130,7 @@ class Pipeline:
         if address is None:
             return
         from draftgen.core.live.metrics import MetricsServer
-        server = MetricsServer(lambda: self.hub.latest, *address, key=f"{self.config.path}: monitor.metrics")
+        server = MetricsServer(lambda: self.hub.latest, *address, where=str(self.config.path))
         await server.start()
         self._metrics = server
         self.emit(snap.Level.INFO, snap.EventKind.METRICS, f"metrics: serving {server.url}")

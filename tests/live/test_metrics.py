@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from draftgen.core.errors import ConfigError
 from draftgen.core.live.metrics import registry_for
-from draftgen.core.live.snapshot import ProviderStat
+from draftgen.core.live.snapshot import ProviderStat, RunSnapshot
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.safe_text import visible
@@ -33,6 +33,11 @@ SERVING = re.compile(r"metrics: serving (http://127\.0\.0\.1:\d+/metrics)")
 def families(text: str) -> dict[str, list]:
     """{family name: its samples} as prometheus_client's parser reads the exposition."""
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def exposition(s: RunSnapshot) -> str:
+    """What /metrics serves for snapshot `s`."""
+    return generate_latest(registry_for(lambda: s)).decode()
 
 
 def value(fams: dict[str, list], sample: str, **labels: str) -> float:
@@ -156,7 +161,7 @@ def test_hostile_upstream_names_cannot_break_the_exposition():
 def test_gpu_figures_are_served_while_a_stage_samples_them():
     s = fx.extracting()
     assert s.gpus
-    fams = families(generate_latest(registry_for(lambda: s)).decode())
+    fams = families(exposition(s))
     for g in s.gpus:
         labels = {"gpu": str(g.index), "name": g.name}
         assert value(fams, "draftgen_gpu_utilization_ratio", **labels) == pytest.approx(g.util_pct / 100)
@@ -227,3 +232,17 @@ def test_the_metrics_address_is_loopback_unless_made_public_on_purpose(tmp_path,
 def test_metrics_are_off_by_default(tmp_path):
     cfg = make_config(tmp_path, "http://127.0.0.1:9", [{"name": "a", "n": 1}])
     assert cfg.monitor.metrics_address() is None
+
+
+def test_the_example_dashboard_and_the_docs_name_only_series_that_are_served():
+    served = set()
+    for s in (fx.running(), fx.extracting(), fx.paused()):
+        served |= {x.name for samples in families(exposition(s)).values() for x in samples}
+    root = Path(__file__).resolve().parents[2]
+    dashboard = (root / "docs" / "grafana-dashboard.json").read_text()
+    named = set(re.findall(r"draftgen_[a-z_]+", dashboard))
+    assert named and named <= served, sorted(named - served)
+    def family(name: str) -> str:
+        return re.sub(r"_(total|count|sum)$", "", name.removeprefix("draftgen_"))
+    documented = {family(n) for n in re.findall(r"`([a-z_]+)`", (root / "docs" / "metrics.md").read_text())}
+    assert {family(n) for n in served} <= documented, sorted({family(n) for n in served} - documented)
