@@ -9,10 +9,17 @@ sent back the way the API documents it (`history_message`): OpenRouter gets the 
 is booked answered; turns of different conversations interleave under the dataset's concurrency
 (ready turns go before new conversations, so few conversations are open at once).
 
+An agent line (prompts.py parse_agent) is asked step by step the same way: step k sends the line's
+tools, the system turn, and for each earlier step the target's own message (its content, reasoning and
+calls under its own ids) followed by the dataset's recorded tool results under those ids, and the user
+turns. `tool_results = "match"` sends a result only after the same calls as the dataset's; an answer
+that is not the dataset's next move is flagged diverged (records.py TurnFields.diverges) and ends its
+conversation; "replay" sends them after as many other calls, the step flagged "replayed".
+
 A broken turn ends its conversation there: failed for good, cut at max_tokens, an empty answer, an
-answer with tool calls, or skipped (a budget, max_usd, a duplicate). Its later turns are counted
-skipped ("conversation ended at turn k: why"), never written, and recomputed from the records on the
-next run. Nothing is ever conditioned on a broken answer.
+answer with tool calls (an agent step's: one that diverged), or skipped (a budget, max_usd, a
+duplicate). Its later turns are counted skipped ("conversation ended at turn k: why"), never
+written, and recomputed from the records on the next run. Nothing is ever conditioned on a broken answer.
 
 Resume is at turn level: the records of the dataset (responses.jsonl, failures.jsonl: `conversation`,
 `turn`, `prompt_hash`) say where each conversation stands; its next turn is 1 + its highest answered
