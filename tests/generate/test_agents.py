@@ -176,6 +176,7 @@ async def test_max_usd_holds_over_agent_steps_and_ends_a_trajectory_at_the_step_
 
 
 async def test_the_snapshot_and_headless_lines_count_tool_calls_diverged_by_step_and_replayed(tmp_path):
+    from draftgen.core.merge.merge import merge
     from draftgen.headless.printer import detail_lines
 
     lines = [trajectory("m0", 2), trajectory("m1", 2), trajectory("d0", 2, diverge_at=2),
@@ -199,3 +200,9 @@ async def test_the_snapshot_and_headless_lines_count_tool_calls_diverged_by_step
     assert sorted(r["id"] for r in stored if r.get("tool_results") == "replayed") == ["d0#t3", "d1#t2", "d1#t3"]
     text = "\n".join(detail_lines(s))  # both done: the last dataset of the config is shown
     assert "12/12 turns (4/4 conversations done, 0 ended early, 8 tool calls, 0 diverged, 3 replayed)" in text, text
+    # merge's stats count them by step too (every line read, kept or not)
+    stats = merge(cfg)
+    by_ds = {d.name: d.by_turn for d in stats.datasets}
+    assert [row.get("diverged", 0) for row in by_ds["match"].values()] == [1, 1, 0]
+    assert [row.get("replayed", 0) for row in by_ds["replay"].values()] == [0, 1, 2]
+    assert stats.to_json_dict()["by_turn"]["2"]["diverged"] == 1
