@@ -346,8 +346,6 @@ class ResponseRecord:
         if turn is not None:
             line.update(turn.to_dict())
             line["reasoning_details"] = reasoning_details
-            if turn.diverges(tool_calls):
-                line["diverged"] = True
         return line
 
     @classmethod

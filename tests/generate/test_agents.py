@@ -206,3 +206,17 @@ async def test_the_snapshot_and_headless_lines_count_tool_calls_diverged_by_step
     assert [row.get("diverged", 0) for row in by_ds["match"].values()] == [1, 1, 0]
     assert [row.get("replayed", 0) for row in by_ds["replay"].values()] == [0, 1, 2]
     assert stats.to_json_dict()["by_turn"]["2"]["diverged"] == 1
+
+
+async def test_an_answer_cut_at_max_tokens_ends_its_trajectory_as_cut_not_diverged(tmp_path):
+    prompts = write_conversations(tmp_path / "prompts" / "agent.jsonl", [trajectory(f"c{i}", 2) for i in range(3)])
+    async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=200, length_sigma=0.0),
+                         port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "agent", "prompts": prompts, "turns": "all",
+                                                    "max_tokens": 20}], tables={"engine": {"reconstruct": False}})
+        engine, _state, _events = await run_engine(cfg)
+    stored = records(RunDir(cfg.run_dir).responses("agent"))
+    assert sorted(r["id"] for r in stored) == ["c0#t1", "c1#t1", "c2#t1"]
+    assert all(r["truncated"] and not r["tool_calls"] and "diverged" not in r for r in stored)
+    row = next(d for d in engine.snapshot().datasets if d.name == "agent")
+    assert (row.diverged, row.conversations_ended, row.skipped) == (0, 3, 6)

@@ -221,7 +221,7 @@ class ConversationSource:
         assert a is not None
         agent = o.conv.steps is not None
         why = broken_answer(a.content, a.finish_reason, a.tool_calls, agent=agent)
-        if not why and t.diverges(a.tool_calls):
+        if not why and t.diverges(a.tool_calls):  # as record_book.record_answer flagged its record
             why = "diverged"
         calls = f", {len(a.tool_calls)} tool call(s)" if agent and a.tool_calls else ""
         if why:
@@ -290,8 +290,8 @@ class ConversationSource:
                 messages.append(answer)
                 if step.results:
                     calls = answer.get("tool_calls") or []
-                    # Booked only when its calls can take these results (same calls, or as many with "replay").
-                    assert len(calls) == len(step.results), f"{conv.id} step {j}: results for other calls"
+                    # Booked only when its calls can take these results (same calls, or as many with "replay");
+                    # stored answers are checked when the conversation opens (_begin).
                     messages += [{"role": "tool", "tool_call_id": c["id"], "content": r}
                                  for c, r in zip(calls, step.results, strict=True)]
                     if spliced != "replayed":
@@ -354,8 +354,13 @@ class ConversationSource:
             if any(j not in history for j in range(1, m + 1)):  # its answers left the file since _load
                 self._ended(conv, m, "stored answers not readable", kept)
                 return None
-        o = _Open(conv, [history[j] for j in range(1, m + 1)], kept, [f"turn {j}: answered in an earlier run"
-                                                                       for j in range(1, m + 1)])
+        answers = [history[j] for j in range(1, m + 1)]
+        if conv.steps is not None and any(len(a.get("tool_calls") or ()) != len(step.results)
+                                          for a, step in zip(answers, conv.steps[1:], strict=False)):
+            # (a record edited by hand: its calls cannot take the dataset's results after them)
+            self._ended(conv, m, "stored calls do not fit the dataset's tool results", kept)
+            return None
+        o = _Open(conv, answers, kept, [f"turn {j}: answered in an earlier run" for j in range(1, m + 1)])
         self._open[conv.id] = o
         return self._turn(o)
 
