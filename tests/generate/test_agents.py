@@ -220,3 +220,31 @@ async def test_an_answer_cut_at_max_tokens_ends_its_trajectory_as_cut_not_diverg
     assert all(r["truncated"] and not r["tool_calls"] and "diverged" not in r for r in stored)
     row = next(d for d in engine.snapshot().datasets if d.name == "agent")
     assert (row.diverged, row.conversations_ended, row.skipped) == (0, 3, 6)
+
+
+def test_tool_results_is_match_or_replay_and_for_turns_all_only(tmp_path):
+    from draftgen.core.config import ConfigError, config_from_dict
+
+    def load(**ds: Any) -> Any:
+        raw = {"output": {"dir": "run"}, "datasets": [{"name": "agent", "prompts": "agent.jsonl", **ds}]}
+        return config_from_dict(raw, tmp_path / "draftgen.toml")
+
+    (tmp_path / "agent.jsonl").write_bytes(orjson.dumps(trajectory("c", 1)) + b"\n")
+    assert load(turns="all").datasets[0].tool_results == "match"
+    assert load(turns="all", tool_results="replay").datasets[0].tool_results == "replay"
+    with pytest.raises(ConfigError, match=r"draftgen.toml: datasets\[0\].tool_results = 'replay' \(dataset agent\)"
+                                          r".*turns is 'last' \(the default\)"):
+        load(tool_results="replay")
+    with pytest.raises(ConfigError, match="tool_results"):
+        load(turns="all", tool_results="run")
+
+
+def test_the_prompt_bound_counts_tools_as_the_template_renders_them_quotes_escaped():
+    import json
+
+    from draftgen.core.generate.api.prices import body_prompt_bound, prompt_token_bound
+
+    quoted = [{"type": "function", "function": {"name": "q", "description": '"' * 400 + "é" * 50,
+                                                "parameters": {"type": "object"}}}]
+    rendered = len(json.dumps(quoted, ensure_ascii=False).encode())  # what tojson writes: 800 bytes of quotes
+    assert body_prompt_bound({"messages": [], "tools": quoted}) - prompt_token_bound(()) >= rendered
