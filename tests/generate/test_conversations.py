@@ -163,6 +163,14 @@ def test_history_is_sent_as_each_api_documents_it():
     assert history_message("a", "r", [{"type": "x"}], self_hosted=True) == {
         "role": "assistant", "content": "a", "reasoning_content": "r"}
     assert history_message("a", None, None, self_hosted=True) == {"role": "assistant", "content": "a"}
+    # An agent step's calls go back as the target made them (its id, its argument text, not re-serialised),
+    # a stream's assembled call (no "type", keys in another order) in the OpenAI shape.
+    streamed = [{"function": {"arguments": '{ "q":"x" }', "name": "search"}, "id": "functions.search:0"}]
+    call = {"id": "functions.search:0", "type": "function", "function": {"name": "search", "arguments": '{ "q":"x" }'}}
+    assert history_message("", "r", None, self_hosted=True, tool_calls=streamed) == {
+        "role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "r"}
+    assert history_message("", "r", [{"type": "x"}], self_hosted=False, tool_calls=[call]) == {
+        "role": "assistant", "content": "", "tool_calls": [call], "reasoning_details": [{"type": "x"}]}
 
 
 @pytest.mark.parametrize(("why", "result"), [
