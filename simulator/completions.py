@@ -250,7 +250,7 @@ class Completions:
             return responses.error(400, f"max_tokens_exceeded: max_tokens ({max_tokens}) is more than any "
                                         f"allowed endpoint accepts ({limit})", {"code": "max_tokens_exceeded"})
         n_prompt = self._memo.prompt_tokens(ask.key, ask.messages, cfg.default_system,
-                                            "history_reasoning" in cfg.misbehave)
+                                            "history_reasoning" in cfg.misbehave, ask.body.get("tools"))
         if provider.token_skew:  # another tokenizer behind this endpoint: it bills other counts
             n_prompt = max(1, round(n_prompt * (1 + provider.token_skew)))
         ask.n_prompt = n_prompt
@@ -427,14 +427,16 @@ class Memo:
     def forget_routes(self) -> None:
         self._route_cache.clear()
 
-    def prompt_tokens(self, key: str, messages: list[Any], system: str | None, history_reasoning: bool = False) -> int:
-        # Memoised per prompt: retries and repeated prompts are not tokenized again.
-        found = self._prompt_cache.get((key, system, history_reasoning))
+    def prompt_tokens(self, key: str, messages: list[Any], system: str | None, history_reasoning: bool = False,
+                      tools: Any = None) -> int:
+        # Memoised per prompt (and its tools): retries and repeated prompts are not tokenized again.
+        memo = (key + hashlib.sha1(orjson.dumps(tools)).hexdigest() if tools else key, system, history_reasoning)
+        found = self._prompt_cache.get(memo)
         if found is None:
             if len(self._prompt_cache) > 65536:
                 self._prompt_cache.clear()
-            found = self._prompt_cache[(key, system, history_reasoning)] = prompt_token_count(
-                answer_tokenizer(), messages, system, keep_history_reasoning=history_reasoning)
+            found = self._prompt_cache[memo] = prompt_token_count(
+                answer_tokenizer(), messages, system, keep_history_reasoning=history_reasoning, tools=tools)
         return found
 
     def routes(self, cfg: SimConfig, prefs: Any, model: str) -> list[SimProvider] | NoEndpoints:

@@ -76,3 +76,21 @@ async def test_tools_sent_are_answered_with_the_plans_calls_under_kimis_ids_whol
             # No tools sent: never a call.
             status, _, raw = await post(s, sim, body(messages=[{"role": "user", "content": tasks[-1]}]))
             assert status == 200 and "tool_calls" not in orjson.loads(raw)["choices"][0]["message"]
+
+
+async def test_a_requests_tools_are_counted_in_its_prompt_tokens_as_the_template_declares_them():
+    import json
+
+    from draftgen.simulator.answers import answer_tokenizer
+
+    tok = answer_tokenizer()
+    declared = json.dumps(TOOLS, ensure_ascii=False, separators=(",", ":"))  # the template's tojson(',', ':')
+    block = 3 + len(tok.encode_text("tool_declare")) + len(tok.encode_text(declared))  # <|im_system|>..<|im_end|>
+    async with SimServer(SimConfig(seed=3, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
+        async with aiohttp.ClientSession() as s:
+            counts = []
+            for tools in (None, TOOLS):
+                _, _, raw = await post(s, sim, body(messages=[{"role": "user", "content": "task 0"}],
+                                                    **({"tools": tools} if tools else {})))
+                counts.append(orjson.loads(raw)["usage"]["prompt_tokens"])
+    assert counts[1] - counts[0] == block
