@@ -317,7 +317,7 @@ def write_provenance(config: Config, h: Handoff, started_at: float, files: list[
     and inputs, the model and its config's digest, the layers, max_length and each file written with its sha256."""
     from draftgen.core import provenance
     from draftgen.core.extract.model_info import read_model_config
-    from draftgen.core.extract.readback import format_of
+    from draftgen.core.extract.readback import format_name, stored_dtype
     cfg = config.extract
     try:
         model = provenance.model_config_digest(read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code))
@@ -330,8 +330,8 @@ def write_provenance(config: Config, h: Handoff, started_at: float, files: list[
         inputs={"merge_id": merged.merge_id if merged is not None else None,
                 "hidden_states_merge_id": stored.merge_id if stored is not None else None},
         model={"path": cfg.model, **model}, layers=cfg.aux_layers,
-        aux_hidden_state_layer_ids=h.aux_layer_ids, dtype=cfg.dtype, stored_dtype="bfloat16",
-        format=format_of(cfg).name, max_length=h.max_length, samples=h.samples, tokens=h.tokens,
+        aux_hidden_state_layer_ids=h.aux_layer_ids, dtype=cfg.dtype, stored_dtype=stored_dtype(cfg),
+        format=format_name(cfg), max_length=h.max_length, samples=h.samples, tokens=h.tokens,
         outputs=[{"file": p.name, "sha256": provenance.file_sha256(p)} for p in files])
     return provenance.add(h.config_path.parent, "train-command", rec)
 

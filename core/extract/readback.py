@@ -173,9 +173,20 @@ SPECFORGE = Format("specforge", specforge_files, check_specforge_file)
 FORMATS = {SPECFORGE.name: SPECFORGE}
 
 
-def format_of(cfg: Any) -> Format:
+def format_name(cfg: Any) -> str:
     """The format `[extract]` writes (`format`, "specforge" when unset)."""
-    name = str(getattr(cfg, "format", "specforge") or "specforge")
+    return str(getattr(cfg, "format", "specforge") or "specforge")
+
+
+def stored_dtype(cfg: Any) -> str:
+    """The dtype the states are stored in, as torch names it: float8_e4m3fn for `dtype = "fp8"`, else bfloat16
+    (`[extract] dtype` float32 or bfloat16 is the forward's; the files hold bfloat16 either way)."""
+    return "float8_e4m3fn" if getattr(cfg, "dtype", "") == "fp8" else "bfloat16"
+
+
+def format_of(cfg: Any) -> Format:
+    """The read-back rules of the format `[extract]` writes."""
+    name = format_name(cfg)
     if name not in FORMATS:
         raise DraftgenError(f"extract.format {name!r}: the read-back check knows {', '.join(FORMATS)}")
     return FORMATS[name]

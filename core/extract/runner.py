@@ -517,7 +517,7 @@ def _leave_provenance(config: Config, root: Path, stats: ExtractStats, model: tu
                       started_at: float, events: EventLog) -> None:
     """hidden_states/provenance.json's record of this run (core/provenance.py); a failure is said, never fatal."""
     from draftgen.core import provenance
-    from draftgen.core.extract.readback import format_of
+    from draftgen.core.extract.readback import format_name, stored_dtype
     cfg = config.extract
     i, n = stats.shard
     try:
@@ -526,7 +526,7 @@ def _leave_provenance(config: Config, root: Path, stats: ExtractStats, model: tu
             inputs={"merge_id": stats.merge_id, "samples_sha256": _samples_sha256(root)},
             model={"path": cfg.model, **provenance.model_config_digest(model)},
             backend=stats.backend, layers=list(stats.layers), draft_layer_ids=stats.draft_layer_ids,
-            dtype=cfg.dtype, stored_dtype="bfloat16", format=format_of(cfg).name, compress=cfg.compress,
+            dtype=cfg.dtype, stored_dtype=stored_dtype(cfg), format=format_name(cfg), compress=cfg.compress,
             shard=[i, n], written=stats.written, skipped_existing=stats.skipped_existing, stopped=stats.stopped,
             redone=[b["index"] for b in stats.redone])
         provenance.add(root, "extract" if (i, n) == (0, 1) else f"extract shard {i}/{n}", rec)
