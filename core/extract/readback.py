@@ -353,8 +353,9 @@ def check_command(config: Any, shard: tuple[int, int] = (0, 1), *, out: TextIO |
     shard_arg = f" --shard {parsed[0]}/{parsed[1]}" if parsed != (0, 1) else ""
     ours = sum(1 for b in result.bad if b.index >= 0)
     if ours:
+        files = f"{ours:,} bad file{'s' if ours != 1 else ''}"
         print(f"`draftgen extract {sh_path(config.path)} --validate{shard_arg}` checks again, removes the "
-              f"{ours:,} bad files of this merge's samples and extracts those samples again (nothing else)",
+              f"{files} of this merge's samples and extracts those samples again (nothing else)",
               file=stream, flush=True)
     if ours < len(result.bad):
         print(f"{len(result.bad) - ours:,} files are no sample of this merge: move them out of {visible(str(root))} "
