@@ -36,47 +36,9 @@ from draftgen.core.request_keys import (
     known_key,
 )
 from draftgen.core.secrets import key_problem
-from draftgen.core.servers import IDS_KEYS, ids_request, server_at, servers_noted
+from draftgen.core.servers import IDS_KEYS, ServerKind, ServerProfile, ids_request
 
 __all__ = ["COMPLETION_LIMIT_KEYS", "OPENROUTER_ONLY_KEYS"]  # re-exported: smoke.py and others read them here
-
-ServerKind = Literal["openrouter", "openai-compatible"]
-# What the server behind a base_url said it is (GET /key answered or 404), once per process, for
-# `kind = "auto"` off openrouter.ai: set by note_server_kind before the first request.
-_DETECTED: dict[str, ServerKind] = {}
-
-
-_NOTED = 0  # how many times a server's kind or stream mode was noted (`body_epoch`)
-
-
-def note_server_kind(base_url: str, kind: ServerKind) -> None:
-    global _NOTED
-    _DETECTED[base_url] = kind
-    _NOTED += 1
-
-
-def body_epoch() -> int:
-    """A count that changes whenever what a request body is made of beside the config may have: a server's
-    kind, its release (servers.py) or its stream mode noted. A body kept from the same epoch is still exact
-    (loop/room.py keeps one per dataset rather than rebuilding it per prompt)."""
-    return _NOTED + servers_noted()
-
-
-# The mode that keeps a self-hosted server's text as generated (streamed where its non-streamed
-# reasoning parser rewrites text), per (base_url, model), for `[api] stream` unset: decided by the
-# smoke test (commands/smoke.py) and recorded in smoke.json, noted again by a run that reads it
-# (loop/smoke_record.py). Not part of the request fingerprint: the smoke test that decided it checked both.
-_STREAM_DECIDED: dict[tuple[str, str], bool] = {}
-
-
-def note_stream_mode(base_url: str, model: str, streams: bool | None) -> None:
-    """Record (or, with None, forget) the streaming mode a smoke test decided for this server and model."""
-    global _NOTED
-    _NOTED += 1
-    if streams is None:
-        _STREAM_DECIDED.pop((base_url, model), None)
-    else:
-        _STREAM_DECIDED[(base_url, model)] = streams
 
 
 @dataclass(frozen=True)
@@ -109,6 +71,10 @@ class ApiConfig:
     # Request keys draftgen does not know, sent as written (core/request_keys.py): their effect on what is
     # generated and billed is the user's to know; the reservation counts them as changing nothing.
     request_pass_through: list[str] = field(default_factory=list)
+    # Not a key: what this run found of its server (core/servers.py), its own for each loaded config and
+    # shared by the copies `dataclasses.replace` makes of it (the same run, the same server).
+    server: ServerProfile = field(default_factory=ServerProfile, compare=False, repr=False,
+                                  metadata={"key": False})
 
     @property
     def openrouter_for_sure(self) -> bool:
@@ -123,7 +89,7 @@ class ApiConfig:
             return self.kind
         if "openrouter.ai" in self.base_url:
             return "openrouter"
-        return _DETECTED.get(self.base_url, "openrouter")
+        return self.server.kind or "openrouter"
 
     @property
     def self_hosted(self) -> bool:
@@ -132,10 +98,10 @@ class ApiConfig:
     @property
     def streams(self) -> bool:
         """Whether requests stream: `stream` when set; else on OpenRouter; else on a self-hosted server
-        the mode its smoke test decided keeps text as generated (`note_stream_mode`), else not."""
+        the mode its smoke test decided keeps text as generated (`ServerProfile.note_stream`), else not."""
         if self.configured_streams or self.stream is not None:
             return self.configured_streams
-        return self.self_hosted and _STREAM_DECIDED.get((self.base_url, self.model), False)
+        return self.self_hosted and bool(self.server.stream)
 
     @property
     def configured_streams(self) -> bool:
@@ -233,6 +199,10 @@ class DatasetConfig:
     # "all" (every user turn in order, each asked on the target's own earlier answers; docs/config.md).
     turns: Literal["first", "last", "all"] = "last"
     max_turns: int | None = None  # turns = "all": the user turns asked per conversation at most
+    # turns = "all", an agent line's tool results (docs/multi-turn.md): "match", the dataset's recorded result
+    # is sent only after calls that match the dataset's (else the conversation ends, diverged); "replay",
+    # spliced after whatever the target called (each such step flagged and counted).
+    tool_results: Literal["match", "replay"] = "match"
     # Sampling cycles: the i-th prompt of the file (0-based line index, `cycle_index`) is asked with
     # temperatures[i % n] and reasoning effort reasoning_efforts[i % m]; every turn of a conversation alike.
     temperatures: list[float] = field(default_factory=list)
@@ -442,7 +412,7 @@ class Config:
                 for key in IDS_KEYS:
                     body.pop(key, None)
                 streams = self.api.streams if decided else self.api.configured_streams
-                body.update(ids_request(server_at(self.api.base_url), streams))
+                body.update(ids_request(self.api.server.release, streams))
             else:
                 body["return_token_ids"] = True
         if self.api.self_hosted:
@@ -507,7 +477,7 @@ class Config:
         """The config as written to run.json: no secrets (the key is only ever named, never read here)."""
         def convert(value: Any) -> Any:
             if dataclasses.is_dataclass(value):
-                return {f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)}
+                return {f.name: convert(getattr(value, f.name)) for f in key_fields(value)}
             if isinstance(value, Path):
                 return str(value)
             if isinstance(value, (list, tuple)):
@@ -638,6 +608,11 @@ def _coerce_path(value: Any, where: str) -> Path:
     return Path(value)
 
 
+def key_fields(cls: Any) -> list[dataclasses.Field[Any]]:
+    """The fields of a config table (class or instance) that are its keys (not `ApiConfig.server`)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("key", True)]
+
+
 # The plain annotations a config field may carry, each with its check.
 _SCALARS: dict[Any, Callable[[Any, str], Any]] = {bool: _coerce_bool, int: _coerce_int, float: _coerce_float,
                                                  str: _coerce_str, Path: _coerce_path}
@@ -647,7 +622,7 @@ def _build(cls: type, table: Any, where: str, file: Path) -> Any:
     if not isinstance(table, dict):
         raise ConfigError(f"{file}: [{where}] must be a table, not {table!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in key_fields(cls)}
     unknown = sorted(set(table) - set(fields))
     if unknown:
         raise ConfigError(f"{file}: unknown key {where}.{unknown[0]} (known keys: {', '.join(sorted(fields))})")
@@ -851,7 +826,13 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def _check_turns(file: Path, i: int, ds: DatasetConfig, table: dict[str, Any]) -> None:
-    """`max_turns` is a positive integer, for `turns = "all"` only (the other modes ask one request)."""
+    """`max_turns` is a positive integer, and it and `tool_results` are for `turns = "all"` only (the other
+    modes ask one request)."""
+    if "tool_results" in table and ds.turns != "all":
+        how = "set" if "turns" in table else "the default"
+        raise ConfigError(f"{file}: datasets[{i}].tool_results = {ds.tool_results!r} (dataset {ds.name}): says how an "
+                          f"agent line's tool results are sent with turns = \"all\", but datasets[{i}].turns is "
+                          f"{ds.turns!r} ({how}); set turns = \"all\" or remove tool_results")
     if ds.max_turns is None:
         return
     name = f"{file}: datasets[{i}].max_turns = {ds.max_turns!r} (dataset {ds.name})"

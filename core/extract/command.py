@@ -98,12 +98,14 @@ def plan_command(config: Config, shard: str | None, *, out: TextIO | None = None
 
 
 def extract_command(config: Config, shard: str | None, *, out: TextIO | None = None, nvml: Any = None,
-                    disk_watch: Any = None, on_other_merge: str = "refuse") -> int:
+                    disk_watch: Any = None, on_other_merge: str = "refuse", validate: bool = False) -> int:
     """Print the plan, run extraction, print a progress line every few seconds and a summary; 0 when it finished.
 
     Nothing left to do: says so and returns 0 without importing torch or reading the model.
     hidden_states/ of another merge than merged/ (core/extract/claim.py): refused before anything is
     planned, unless `on_other_merge` is "start_over" (`--start-over`) or "set_aside" (`--set-aside`).
+    `validate` (`--validate`): every file is read back first (core/extract/readback.py) and the bad ones
+    are extracted again, even when no file is missing.
     DraftgenError (bad config, no merged tokens, not enough disk, backend missing) propagates to
     the CLI boundary, which prints it without a traceback.
     """
@@ -122,7 +124,8 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
         for line in format_plan(plan):
             print(line, file=stream, flush=True)
         print(_standing_line(standing, hidden, on_other_merge), file=stream, flush=True)
-    if _nothing_left(config, plan, standing, rank0) or _budget_spent(config, plan, standing, rank0, stream):
+    if not validate and (_nothing_left(config, plan, standing, rank0)
+                         or _budget_spent(config, plan, standing, rank0, stream)):
         return 0
     if plan.gpu is not None and plan.gpu.refusal:  # before any weight loads
         raise DraftgenError(plan.gpu.refusal)
@@ -147,7 +150,7 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
             print(f"warning: not serving attach: {publisher.error}", file=stream, flush=True)
         try:
             stats = extract(config, shard=parsed, progress=show, disk_watch=disk_watch,
-                            on_other_merge=on_other_merge)
+                            on_other_merge=on_other_merge, validate=validate)
         except BaseException as e:
             if publisher is not None:
                 publisher.finish(Level.ERROR, f"extraction failed: {e}")
@@ -220,6 +223,9 @@ def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: 
           f"shard {parsed[0]}/{parsed[1]}", file=stream, flush=True)
     if stats.claim_note:
         print(stats.claim_note, file=stream, flush=True)
+    for bad in stats.redone:
+        print(visible(f"--validate: {bad['path']} (sample {bad['index']}) was bad, extracted again: {bad['why']}",
+                      one_line=True), file=stream, flush=True)
     if (where / "train-command.sh").exists():
         print(f"training: {visible(str(where / 'train-command.sh'))} (SpecForge's command and config, "
               f"data.max_length = the longest sample; `draftgen train-command {sh_path(config.path)}` explains it)",

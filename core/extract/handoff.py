@@ -5,6 +5,8 @@ its output when it finishes:
 
     hidden_states/specforge.json     the config `specforge train --config` reads (its typed schema)
     hidden_states/train-command.sh   the command, with the figures below as comments
+    hidden_states/provenance.json    its "train-command" record (core/provenance.py): what made them,
+                                     from which merge, model, layers and config, with each file's sha256
 
 No value of the config runs in the script: the config's path is one quoted argument, the caller's
 arguments follow it verbatim ("$@"), and the comments show line breaks and control characters of
@@ -48,6 +50,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -328,13 +331,39 @@ def write_online(h: Handoff) -> Path:
     return path
 
 
+def write_provenance(config: Config, h: Handoff, started_at: float, files: list[Path]) -> Path:
+    """The hand-off's record in hidden_states/provenance.json (core/provenance.py): the command, versions, config
+    and inputs, the model and its config's digest, the layers, max_length and each file written with its sha256."""
+    from draftgen.core import provenance
+    from draftgen.core.extract.model_info import read_model_config
+    from draftgen.core.extract.readback import format_name, stored_dtype
+    cfg = config.extract
+    try:
+        model = provenance.model_config_digest(read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code))
+    except DraftgenError as e:
+        model = {"config_sha256": None, "config_error": str(e)}
+    merged = identity.read_fingerprint(config.run_dir / "merged" / identity.FINGERPRINT_FILE)
+    stored = identity.read_fingerprint(h.config_path.parent / identity.HIDDEN_MERGE_FILE)
+    rec = provenance.record(
+        config, started_at,
+        inputs={"merge_id": merged.merge_id if merged is not None else None,
+                "hidden_states_merge_id": stored.merge_id if stored is not None else None},
+        model={"path": cfg.model, **model}, layers=cfg.aux_layers,
+        aux_hidden_state_layer_ids=h.aux_layer_ids, dtype=cfg.dtype, stored_dtype=stored_dtype(cfg),
+        format=format_name(cfg), max_length=h.max_length, samples=h.samples, tokens=h.tokens,
+        outputs=[{"file": p.name, "sha256": provenance.file_sha256(p)} for p in files])
+    return provenance.add(h.config_path.parent, "train-command", rec)
+
+
 def train_command(config: Config, *, max_length: int | None = None, out: TextIO | None = None) -> int:
     """`draftgen train-command CONFIG [--max-length N]`: print and write the hand-off; 0."""
     stream = out or sys.stdout
+    started_at = time.time()
     h = make_handoff(config, max_length=max_length)
     try:
         config_path, script = write_handoff(h)
         online_path = write_online(h)
+        write_provenance(config, h, started_at, [config_path, script, online_path])
     except OSError as e:
         from draftgen.core.files import disk_error
         raise disk_error(h.config_path, e) from e

@@ -90,6 +90,7 @@ class ExtractStats:
     budget_left: int = 0
     budget_left_bytes: int = 0
     budget_left_from: int | None = None  # the first of them, in merged order
+    redone: list[dict[str, Any]] = field(default_factory=list)  # --validate: {"index", "path", "why"} removed, redone
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -198,12 +199,13 @@ class _Plan:
     context: int | None = None
     budget_left: list[int] = field(default_factory=list)  # past extract.max_disk_gb: left for a later run
     budget_left_bytes: int = 0
+    redone: list[dict[str, Any]] = field(default_factory=list)    # --validate: bad files removed, to redo
 
 
 def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: ModelDims, limit: int,
                cfg: Any, max_samples: int | None, on_other_merge: str = claim.REFUSE, *,
                model: tuple[dict[str, Any], str] | None = None, gpu_plan: bool = False,
-               config_path: object = "config", layers: int = 3) -> _Plan:
+               config_path: object = "config", layers: int = 3, validate: Any = None) -> _Plan:
     # Rank 0, every rank joined: the folder is made this merge's (or refused) before a file is added.
     note = claim.settle(root, root.parent / "merged", on_other_merge, config_path, reader)
     try:
@@ -215,6 +217,7 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
     except OSError as e:
         raise disk_error(root, e) from e
     _remove_stale_tmp(root, shard)
+    redone = _remove_bad(root, reader, shard, validate, cfg) if validate is not None else []
     entries: list[TokenEntry] = reader.entries
     indices = _shard_indices(len(reader), shard)
     todo = [k for k in indices if layout.existing_sample(root, k) is None]
@@ -249,7 +252,24 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
                  too_long=[{"index": k, "id": entries[k].id, "tokens": entries[k].length} for k in too_long],
                  context=context, budget_left=left,
                  budget_left_bytes=bytes_needed(sum(entries[k].length for k in left), len(left), dims.hidden_size,
-                                                layers, dtype))
+                                                layers, dtype),
+                 redone=redone)
+
+
+def _expected(dims: ModelDims, layers: tuple[int, ...]) -> Any:
+    """What --validate reads every file back against: this model's H and the layers extracted."""
+    from draftgen.core.extract.readback import Expected
+    return Expected(hidden_size=dims.hidden_size, layers=len(layers))
+
+
+def _remove_bad(root: Path, reader: TokenReader, shard: tuple[int, int], expected: Any, cfg: Any,
+                ) -> list[dict[str, Any]]:
+    """--validate (rank 0, before the plan): the shard's files read back by the trainer's rules (readback.py);
+    the bad ones of this merge's samples are deleted, so the plan extracts them again."""
+    from draftgen.core.extract import readback
+    result = readback.check_folder(root, reader, expected, fmt=readback.format_of(cfg), shard=shard)
+    removed, _left = readback.remove_bad(result)  # files no sample owns: `draftgen check` lists them
+    return [{"index": b.index, "path": str(b.path), "why": b.why} for b in removed]
 
 
 class _Idle:
@@ -315,7 +335,7 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
             progress: Callable[[StageProgress], None] | None = None,
             backend: ExtractBackend | None = None, stop: threading.Event | None = None,
             group: Any = None, disk_watch: Any = None, on_other_merge: str = claim.REFUSE,
-            in_child: bool = False) -> ExtractStats:
+            in_child: bool = False, validate: bool = False) -> ExtractStats:
     """Write `hidden_states/` for every sample of `shard` not already there; return the run's stats.
 
     Hidden states of another merge than merged/ (claim.py) are never added to: refused (a
@@ -327,6 +347,8 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
 
     `backend` replaces the one `config.extract` describes (a test's, or a model already loaded);
     `stop`, when set, ends the run after the batch in progress (everything written stays valid).
+    `validate` (`extract --validate`): every file of the shard is first read back by the trainer's rules
+    (readback.py); the bad ones are deleted and extracted again with the missing ones, nothing else.
     Under torchrun (specforge backend) every rank calls this: rank 0 plans, checks and writes,
     and all ranks run the same forwards; `group` is that job (made here when None).
 
@@ -337,7 +359,7 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     """
     with _merged_held(Path(config.run_dir), in_child):
         return _extract(config, shard=shard, progress=progress, backend=backend, stop=stop, group=group,
-                        disk_watch=disk_watch, on_other_merge=on_other_merge, in_child=in_child)
+                        disk_watch=disk_watch, on_other_merge=on_other_merge, in_child=in_child, validate=validate)
 
 
 @contextlib.contextmanager
@@ -353,8 +375,9 @@ def _merged_held(root: Path, in_child: bool) -> Iterator[None]:
 
 def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[StageProgress], None] | None,
              backend: ExtractBackend | None, stop: threading.Event | None, group: Any, disk_watch: Any,
-             on_other_merge: str, in_child: bool) -> ExtractStats:
+             on_other_merge: str, in_child: bool, validate: bool = False) -> ExtractStats:
     """extract(), the merge lock held."""
+    started_at = time.time()
     cfg = config.extract
     if not cfg.model:
         raise ConfigError(f"{config.path}: extract.model is not set (a local model folder or an HF id)")
@@ -368,13 +391,15 @@ def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[Stag
     if not (tokens_dir / INDEX_FILE).exists():
         raise DraftgenError(f"{tokens_dir / INDEX_FILE}: not found; run `draftgen merge` first")
     reader = TokenReader(tokens_dir)
-    done = _already_done(config, rundir, reader, shard, progress, on_other_merge) if backend is None else None
+    # --validate reads every file back first: every rank goes on to the plan, where rank 0 does it.
+    done = (_already_done(config, rundir, reader, shard, progress, on_other_merge)
+            if backend is None and not validate else None)
     if done is not None:
         return done
     from draftgen.core.extract.child import extract_in_child, needs_child
     if not in_child and needs_child(cfg.backend, backend, group):
         stats: ExtractStats = extract_in_child(config, shard=shard, progress=progress, stop=stop,
-                                               on_other_merge=on_other_merge, target=extract)
+                                               on_other_merge=on_other_merge, target=extract, validate=validate)
         return stats
     model_cfg, source = read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
     dims = dims_from_config_dict(model_cfg, source)
@@ -394,7 +419,8 @@ def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[Stag
         limit = min(cfg.batch_tokens, (backend.max_batch_tokens if backend else None) or cfg.batch_tokens)
         plan: _Plan = group.share(lambda: _make_plan(
             root, reader, shard, dims, limit, cfg, backend.max_batch_samples if backend else None, on_other_merge,
-            model=(model_cfg, source), gpu_plan=backend is None, config_path=config.path, layers=len(layers)))
+            model=(model_cfg, source), gpu_plan=backend is None, config_path=config.path, layers=len(layers),
+            validate=_expected(dims, layers) if validate else None))
         if backend is None and not plan.todo:  # every sample left is longer than the context: nothing to load
             backend = _Idle()
         if backend is None:
@@ -403,7 +429,7 @@ def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[Stag
                                    mem_fraction_static=plan.mem_fraction)
         if group.writer:
             return _run_writer(config, shard, dims, layers, reader, root, plan, backend, progress, stop, rundir,
-                               disk_watch)
+                               disk_watch, started_at=started_at, model=(model_cfg, source))
         for _batch, ids, _masks in _batches_of_arrays(reader, plan.batches):
             backend.run(ids)
         return ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
@@ -415,12 +441,29 @@ def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[Stag
             group.close()
 
 
+def _log_plan(events: EventLog, plan: _Plan, stats: ExtractStats, shard: tuple[int, int],
+              layers: tuple[int, ...], dims: ModelDims) -> None:
+    """events.log's lines for what the plan found before any sample is written."""
+    i, n = shard
+    if plan.note:
+        events.write("warn", f"extract: {plan.note}")
+    for bad in plan.redone:
+        events.write("warn", f"extract: --validate: {bad['path']} (sample {bad['index']}) removed, extracted again: "
+                             f"{bad['why']}")
+    events.write("info", f"extract: {len(plan.todo):,} samples ({plan.tokens_todo:,} tokens) to do in shard {i}/{n}, "
+                         f"{stats.skipped_existing:,} already written; layers {list(layers)}, H={dims.hidden_size}")
+    for skip in plan.too_long:
+        events.write("warn", f"extract: sample {skip['index']} (id {skip['id']}) has {skip['tokens']:,} tokens, more "
+                             f"than the model's context of {plan.context:,} (max_position_embeddings, or "
+                             f"extract.sglang.context_length): skipped, not written")
+
+
 def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers: tuple[int, ...],
                 reader: TokenReader, root: Path, plan: _Plan, backend: ExtractBackend,
                 progress: Callable[[StageProgress], None] | None, stop: threading.Event | None,
-                rundir: RunDir, disk_watch: Any = None) -> ExtractStats:
+                rundir: RunDir, disk_watch: Any = None, *, started_at: float | None = None,
+                model: tuple[dict[str, Any], str] | None = None) -> ExtractStats:
     cfg = config.extract
-    i, n = shard
     entries: list[TokenEntry] = reader.entries
     indices = _shard_indices(len(reader), shard)
     stats = ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
@@ -432,19 +475,13 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                          too_long_samples=len(plan.too_long), too_long=plan.too_long, context=plan.context,
                          max_disk_gb=cfg.max_disk_gb, budget_left=len(plan.budget_left),
                          budget_left_bytes=plan.budget_left_bytes,
-                         budget_left_from=plan.budget_left[0] if plan.budget_left else None)
+                         budget_left_from=plan.budget_left[0] if plan.budget_left else None,
+                         redone=plan.redone)
     if disk_watch is None:
         from draftgen.core.extract.plan import DiskWatch
         disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
     events = EventLog(rundir.events_log)
-    if plan.note:
-        events.write("warn", f"extract: {plan.note}")
-    events.write("info", f"extract: {len(plan.todo):,} samples ({plan.tokens_todo:,} tokens) to do in shard {i}/{n}, "
-                         f"{stats.skipped_existing:,} already written; layers {list(layers)}, H={dims.hidden_size}")
-    for skip in plan.too_long:
-        events.write("warn", f"extract: sample {skip['index']} (id {skip['id']}) has {skip['tokens']:,} tokens, more "
-                             f"than the model's context of {plan.context:,} (max_position_embeddings, or "
-                             f"extract.sglang.context_length): skipped, not written")
+    _log_plan(events, plan, stats, shard, layers, dims)
     reporter = _Reporter(progress, stats, backend.description, plan.tokens_todo)
     started = reporter.started
 
@@ -489,11 +526,13 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         stats.elapsed_s = round(elapsed, 3)
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
     write_json_atomic(stats_path(root, shard), stats.to_dict())
+    _leave_provenance(config, root, stats, model, time.time() if started_at is None else started_at, events)
     _leave_handoff(config, events)
     if cfg.group_readable:
         _open_to_group(root)
     summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
                f"{stats.skipped_existing:,} already there"
+               + (f", {len(stats.redone):,} bad files redone (--validate)" if stats.redone else "")
                + (f", {stats.too_long_samples:,} longer than the context (skipped)" if stats.too_long_samples else ""))
     if stats.budget_left:
         summary += "; " + budget_line(config, stats)
@@ -514,14 +553,42 @@ def _open_to_group(root: Path) -> None:
             os.chmod(path, mode | (GROUP_FILE_MODE & 0o070) | (0o010 if mode & 0o100 else 0))
 
 
+def _leave_provenance(config: Config, root: Path, stats: ExtractStats, model: tuple[dict[str, Any], str] | None,
+                      started_at: float, events: EventLog) -> None:
+    """hidden_states/provenance.json's record of this run (core/provenance.py); a failure is said, never fatal."""
+    from draftgen.core import provenance
+    from draftgen.core.extract.readback import format_name, stored_dtype
+    cfg = config.extract
+    i, n = stats.shard
+    try:
+        rec = provenance.record(
+            config, started_at,
+            inputs={"merge_id": stats.merge_id, "samples_sha256": _samples_sha256(root)},
+            model={"path": cfg.model, **provenance.model_config_digest(model)},
+            backend=stats.backend, layers=list(stats.layers), draft_layer_ids=stats.draft_layer_ids,
+            dtype=cfg.dtype, stored_dtype=stored_dtype(cfg), format=format_name(cfg), compress=cfg.compress,
+            shard=[i, n], written=stats.written, skipped_existing=stats.skipped_existing, stopped=stats.stopped,
+            redone=[b["index"] for b in stats.redone])
+        provenance.add(root, "extract" if (i, n) == (0, 1) else f"extract shard {i}/{n}", rec)
+    except (DraftgenError, OSError, ValueError, TypeError) as e:
+        events.write("warn", f"extract: {root / provenance.PROVENANCE_FILE} was not written: {e}")
+
+
+def _samples_sha256(root: Path) -> str:
+    from draftgen.core.tokens import identity
+    fp = identity.read_fingerprint(root / identity.HIDDEN_MERGE_FILE)
+    return fp.samples_sha256 if fp is not None else ""
+
+
 def _leave_handoff(config: Config, events: EventLog) -> None:
     """hidden_states/specforge.json, specforge-online.json and train-command.sh (handoff.py); a failure is
     said, never fatal."""
-    from draftgen.core.extract.handoff import make_handoff, write_handoff, write_online
+    from draftgen.core.extract.handoff import make_handoff, write_handoff, write_online, write_provenance
+    started_at = time.time()
     try:
         h = make_handoff(config)
-        write_handoff(h)
-        write_online(h)
+        written = [*write_handoff(h), write_online(h)]
+        write_provenance(config, h, started_at, written)
     except (DraftgenError, OSError, ValueError) as e:
         events.write("warn", f"extract: the training hand-off (`draftgen train-command {sh_path(config.path)}`) was "
                              f"not written: {e}")
