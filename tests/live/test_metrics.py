@@ -4,6 +4,7 @@ scraped with aiohttp and read back with prometheus_client's own parser."""
 from __future__ import annotations
 
 import asyncio
+import io
 import re
 import signal
 import socket
@@ -11,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -246,3 +248,34 @@ def test_the_example_dashboard_and_the_docs_name_only_series_that_are_served():
         return re.sub(r"_(total|count|sum)$", "", name.removeprefix("draftgen_"))
     documented = {family(n) for n in re.findall(r"`([a-z_]+)`", (root / "docs" / "metrics.md").read_text())}
     assert {family(n) for n in served} <= documented, sorted({family(n) for n in served} - documented)
+
+
+@pytest.mark.slow
+async def test_the_tui_serves_metrics_while_its_run_is_live(tmp_path):
+    """The TUI embeds the same pipeline: /metrics is served while the app shows the run, gone after."""
+    from draftgen.tui.app import DraftgenApp
+    from draftgen.tui.launch import run_tui
+    seen: dict[str, Any] = {}
+    async with SimServer(SimConfig(seed=2, fixed_latency_s=0.02, mean_completion_tokens=40), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 10, "concurrency": 2}],
+                          tables={"engine": {"reconstruct": False}, "monitor": {"metrics": "127.0.0.1:0"}})
+
+        async def drive(app: DraftgenApp) -> None:
+            async with app.run_test(size=(120, 40)) as pilot, aiohttp.ClientSession() as http:
+                pipeline = app.controls
+                assert isinstance(pipeline, Pipeline)
+                await until(lambda: app.latest is not None and app.latest.finished(), "the run done", timeout=60)
+                seen["url"] = pipeline._metrics.url
+                async with http.get(pipeline._metrics.url) as r:
+                    seen["done"] = families(await r.text())
+                await pilot.press("q")
+                await until(lambda: not app.is_running, "the app exited", timeout=60)
+
+        await asyncio.wait_for(run_tui(cfg, TEST_KEY, out=io.StringIO(), run_app=drive, skip_smoke=True), 120)
+    fams = seen["done"]
+    assert value(fams, "draftgen_requests_total", outcome="answered") == 10 == len(read_ids(
+        RunDir(cfg.run_dir).responses("a")))
+    assert value(fams, "draftgen_run_state", state="DONE") == 1
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await http.get(seen["url"])
