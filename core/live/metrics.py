@@ -141,6 +141,10 @@ def dataset_families(s: RunSnapshot) -> Iterator[Metric]:
          lambda d: d.concurrency),
         (_counter("dataset_completion_tokens", "Completion tokens of the dataset's answers (reasoning included).",
                   ("dataset",)), lambda d: d.tokens_used),
+        (_counter("dataset_reasoning_tokens", "Of the completion tokens, the reasoning's (as the usage says).",
+                  ("dataset",)), lambda d: d.reasoning_tokens),
+        (_counter("dataset_prompt_tokens", "Prompt tokens of the dataset's answers, as billed.", ("dataset",)),
+         lambda d: d.prompt_tokens),
         (_gauge("dataset_cost_dollars", "What the dataset's answers cost (USD).", ("dataset",)),
          lambda d: d.cost_usd),
     ]

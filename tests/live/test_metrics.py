@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -113,6 +114,10 @@ async def test_a_headless_run_serves_metrics_that_follow_its_answers(tmp_path):
                 while (s := await _scrape_after(http, url, time.time(), responses)).answered != first + more:
                     await asyncio.sleep(0.05)
                 assert s.written == first + more
+                usage = [orjson.loads(line)["usage"] for line in responses.read_bytes().splitlines()]
+                for kind in ("prompt", "completion", "reasoning"):
+                    billed = sum(u[f"{kind}_tokens"] for u in usage)
+                    assert billed > 0 and value(s.fams, f"draftgen_dataset_{kind}_tokens_total", dataset="a") == billed
                 assert value(s.fams, "draftgen_dataset_answered_total", dataset="a") == first + more
                 assert value(s.fams, "draftgen_dataset_prompts", dataset="a") == 60
                 assert value(s.fams, "draftgen_concurrency_configured") == 4
