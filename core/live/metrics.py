@@ -14,6 +14,7 @@ backslashes, quotes and line breaks the exposition format reserves.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 from aiohttp import web
@@ -73,7 +74,7 @@ def run_families(s: RunSnapshot) -> Iterator[Metric]:
     elapsed = _gauge("elapsed_seconds", "Seconds this run (process) has run.")
     elapsed.add_metric([], s.elapsed_s)
     yield elapsed
-    yield _state_set("run_state", "The run's state, as the header shows it (1 for the current one).", "state",
+    yield _state_set("run_state", "The generation's state (docs/run-end.md; 1 for the current one).", "state",
                      tuple(RunState), s.state)
     stages = GaugeMetricFamily(PREFIX + "stage_state", "Each stage's state (1 for its current one); the "
                                "running stage is the one with state=\"running\".", labels=["stage", "state"])
@@ -282,7 +283,8 @@ class MetricsServer:
             await site.start()
         except OSError as e:
             await runner.cleanup()
-            why = e.strerror or str(e)
+            # "Address already in use" (asyncio's own message repeats the address); a name's lookup says its own.
+            why = os.strerror(e.errno) if isinstance(e.errno, int) and e.errno > 0 else (e.strerror or str(e))
             raise MetricsError(f"{self.where}: {self.key} = \"{self.address}\": cannot serve metrics there ({why}): "
                                f"another process holds the port, or the address is not this machine's; set "
                                f"{self.key} to a free port (port 0 takes any)") from None
