@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import math
 import os
 import stat
@@ -310,6 +311,47 @@ class ExtractConfig:
 
 
 @dataclass(frozen=True)
+class MonitorConfig:
+    """[monitor]: what a live run shows outside its terminal and attach socket (docs/metrics.md)."""
+    # "HOST:PORT" ("[::1]:9400" for IPv6): Prometheus text on http://HOST:PORT/metrics while a run is
+    # live; "" (the default): off. Port 0 takes a free port, said in the log.
+    metrics: str = ""
+    # A HOST that is not loopback serves the run's figures to the network: refused unless this is set.
+    metrics_public: bool = False
+
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of `metrics`, None when off; the config check has refused a malformed one."""
+        return split_host_port(self.metrics) if self.metrics else None
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """("127.0.0.1", 9400) from "127.0.0.1:9400", ("::1", 9400) from "[::1]:9400"; ValueError says why not."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError("must be HOST:PORT, e.g. \"127.0.0.1:9400\"")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError("an IPv6 address goes in brackets: \"[::1]:9400\"")
+    if not port.isascii() or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"the port must be a number from 0 to 65535, not {port!r}")
+    if not host or not host.isprintable() or any(c.isspace() or c in "/[]" for c in host):
+        raise ValueError(f"{host!r} is not a host name or address")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """`host` names this machine only: localhost, 127.0.0.0/8 or ::1 (a name other than localhost is
+    not taken on trust: it may resolve anywhere)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
 class SmokeConfig:
     prompt: str = "What is 2+2? Answer in one word."
     # None: each dataset's own max_tokens, so the request is exactly the run's (same fingerprint).
@@ -330,6 +372,7 @@ class Config:
     extract: ExtractConfig
     smoke: SmokeConfig
     validation: ValidationConfig = ValidationConfig()
+    monitor: MonitorConfig = MonitorConfig()
 
     @property
     def run_dir(self) -> Path:
@@ -603,7 +646,7 @@ MAX_WORKERS = 1024
 
 _TABLES = {"api": ApiConfig, "budget": BudgetConfig, "tokenizer": TokenizerConfig, "output": OutputConfig,
            "engine": EngineConfig, "merge": MergeConfig, "extract": ExtractConfig, "smoke": SmokeConfig,
-           "validation": ValidationConfig}
+           "validation": ValidationConfig, "monitor": MonitorConfig}
 
 
 def _exists(path: Path) -> bool:
@@ -697,6 +740,8 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     _check_tokenizer(file, tokenizer)
     validation: ValidationConfig = parts["validation"]
     _check_validation(file, validation)
+    monitor: MonitorConfig = parts["monitor"]
+    _check_monitor(file, monitor)
     # A local tokenizer folder is resolved against the config; an HF id (org/name) stays as written.
     tok_path = tokenizer.path
     if tok_path.startswith((".", "/", "~")) or _exists(base / tok_path):
@@ -711,7 +756,7 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     return Config(
         path=file, api=api, request=request, budget=budget, tokenizer=tokenizer,
         output=dataclasses.replace(output, dir=out_dir), datasets=tuple(datasets), engine=engine,
-        merge=parts["merge"], extract=extract, smoke=parts["smoke"], validation=validation,
+        merge=parts["merge"], extract=extract, smoke=parts["smoke"], validation=validation, monitor=monitor,
     )
 
 
@@ -859,6 +904,19 @@ def _check_api(file: Path, api: ApiConfig) -> None:
     _positive(file, "api.prompt_price_per_mtok", api.prompt_price_per_mtok, allow_zero=True)
     _positive(file, "api.completion_price_per_mtok", api.completion_price_per_mtok, allow_zero=True)
     _positive(file, "api.generation_lookup_s", api.generation_lookup_s, allow_zero=True)
+
+
+def _check_monitor(file: Path, monitor: MonitorConfig) -> None:
+    if not monitor.metrics:
+        return
+    try:
+        host, _ = split_host_port(monitor.metrics)
+    except ValueError as e:
+        raise ConfigError(f"{file}: monitor.metrics = {monitor.metrics!r} {e}") from None
+    if not is_loopback(host) and not monitor.metrics_public:
+        raise ConfigError(f"{file}: monitor.metrics = {monitor.metrics!r} is not a loopback address: the run's "
+                          f"figures (spend, balance, providers) would be served to the network; set "
+                          f"monitor.metrics_public = true to mean it, or use \"127.0.0.1:PORT\"")
 
 
 def _check_engine(file: Path, engine: EngineConfig) -> None:

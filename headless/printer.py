@@ -265,7 +265,8 @@ class _Signals:
 # The info events the printer shows (every warning and error is shown).
 MILESTONES = frozenset({snap.EventKind.SMOKE, snap.EventKind.DATASET_START, snap.EventKind.DATASET_DONE,
                         snap.EventKind.RUN_DONE, snap.EventKind.SMOKE_DONE, snap.EventKind.MERGE_DONE,
-                        snap.EventKind.EXTRACT_DONE, snap.EventKind.BUDGET, snap.EventKind.TOKENS_DONE})
+                        snap.EventKind.EXTRACT_DONE, snap.EventKind.BUDGET, snap.EventKind.TOKENS_DONE,
+                        snap.EventKind.METRICS})
 
 
 async def _print_updates(sub: Subscription, say: Callable[[str], None], interval_s: float) -> None:

@@ -87,6 +87,8 @@ class DatasetSnapshot:
     concurrency: int = 0        # configured
     effective_concurrency: int = 0  # after 429 back-off
     tokens_used: int = 0        # completion tokens of answers (reasoning included)
+    prompt_tokens: int = 0      # prompt tokens of answers, as billed (usage.prompt_tokens), on disk
+    reasoning_tokens: int = 0   # of tokens_used, the reasoning's (usage's reasoning_tokens; 0 where not said)
     tokens_in_flight: int = 0   # expected tokens of requests in flight (counted against the budget)
     token_budget: int | None = None
     cost_usd: float = 0.0
@@ -329,6 +331,7 @@ class EventKind(StrEnum):
     MERGE_DONE = "merge_done"
     OVER_RESERVATION = "over_reservation"    # an attempt billed past its reservation (a provider's doing)
     PAST_CAP = "past_cap"                    # a provider ran an answer past max_tokens: cut, not kept
+    METRICS = "metrics"                      # the /metrics server ([monitor] metrics) and its address
     PAUSED = "paused"
     PENDING = "pending"                      # attempts of earlier runs not priced yet
     PRICES = "prices"

@@ -100,6 +100,8 @@ class DatasetRun:
     _other_model: int = field(default=0, init=False)  # answers from another model than the one asked
     _unreadable: int = field(default=0, init=False)   # answers in a row that could not be read (BAD_BODY)
     _cost: float = field(default=0.0, init=False)
+    _prompt_tokens: int = field(default=0, init=False)     # usage.prompt_tokens of the answers on disk
+    _reasoning_tokens: int = field(default=0, init=False)  # of their completion tokens, the reasoning's
     _answered_now: int = field(default=0, init=False)
     _cut_now: int = field(default=0, init=False)   # answers this run cut at max_tokens (cut_to_say)
     _cut_said: bool = field(default=False, init=False)
@@ -226,6 +228,11 @@ class DatasetRun:
         return self._cost
 
     @property
+    def usage_tokens(self) -> tuple[int, int]:
+        """(prompt, reasoning) tokens of the answers on disk, as billed (completion: `token_budget.used`)."""
+        return self._prompt_tokens, self._reasoning_tokens
+
+    @property
     def answered_now(self) -> int:
         """Answers this run."""
         return self._answered_now
@@ -249,7 +256,8 @@ class DatasetRun:
         self._check()
 
     def answered(self, prompt_id: str, tokens: int, cost: float, *, short: bool, other_model: bool = False,
-                 now: bool = True, calls: bool = False, diverged: bool = False, replayed: bool = False) -> None:
+                 now: bool = True, calls: bool = False, diverged: bool = False, replayed: bool = False,
+                 prompt_tokens: int = 0, reasoning_tokens: int = 0) -> None:
         """An answer on disk (`now`: this run's; else one read back from disk); `other_model`: from another
         model than the one asked; an agent step's: it `calls` tools, it `diverged` from the dataset (its
         conversation ends), its request carried a `replayed` tool result."""
@@ -259,6 +267,8 @@ class DatasetRun:
         self.token_budget.used += tokens
         self.token_budget.answers += 1
         self._cost += cost
+        self._prompt_tokens += prompt_tokens
+        self._reasoning_tokens += reasoning_tokens
         if self.config.turns == "all":
             _, _, k = prompt_id.rpartition("#t")
             turn = int(k) if k.isdigit() else 1

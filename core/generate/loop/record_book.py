@@ -138,7 +138,8 @@ class RecordBook:
             ds.answered(rec.id, rec.usage.completion_tokens, rec.usage.cost, short=rec.short,
                         other_model=not same_model(self._model, raw.get("model")), now=False,
                         calls=bool(rec.tool_calls), diverged=raw.get("diverged") is True,
-                        replayed=raw.get("tool_results") == "replayed")
+                        replayed=raw.get("tool_results") == "replayed", prompt_tokens=rec.usage.prompt_tokens,
+                        reasoning_tokens=rec.usage.reasoning_tokens)
         for _, raw in iter_jsonl(rd.failures(ds.config.name)):
             rid = str(raw.get("id"))
             if rid not in ds.done_ids:
@@ -275,7 +276,8 @@ class RecordBook:
         self._write(ds, ds.responses, line, True)
         ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty, other_model=other,
                     calls=bool(a.tool_calls), diverged=line.get("diverged") is True,
-                    replayed=turn is not None and turn.tool_results == "replayed")
+                    replayed=turn is not None and turn.tool_results == "replayed",
+                    prompt_tokens=a.usage.prompt_tokens, reasoning_tokens=a.usage.reasoning_tokens)
         self._answers_now += 1
         if other:
             self._other_model(ds, prompt, a, attempts)
