@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import orjson
 import pytest
@@ -89,3 +90,34 @@ def test_the_multi_turn_demo_dataset_is_bundled_and_its_entry_loads_when_switche
     assert len(set(asked)) == len({line["id"] for line in lines}) == 30  # no conversation a duplicate of another
     if enabled:
         assert (names["dialogue"].turns, names["dialogue"].prompts) == ("all", tmp_path / "prompts/dialogue.jsonl")
+
+
+def test_the_agent_demo_dataset_is_bundled_as_its_generator_writes_it_and_its_entry_loads(tmp_path, monkeypatch):
+    """agent.jsonl: 20 OpenAI-layout agent lines (tools, two tool steps, then an answer), tool call ids in
+    Kimi's own shape, each result answering a call of the step before it; 5 record another second call
+    than the target's (they diverge). The demo's config lists it with turns = "all"."""
+    from draftgen.tui import demo, demo_agent
+    monkeypatch.setattr(demo, "build_tiny_model", lambda folder: None)
+    cfg = demo.prepare(tmp_path, "http://127.0.0.1:9/api/v1")
+    agent = next(d for d in cfg.datasets if d.name == "agent")
+    assert (agent.turns, agent.prompts) == ("all", tmp_path / "prompts/agent.jsonl")
+    data = (tmp_path / "prompts" / "agent.jsonl").read_bytes()
+    assert data == demo_agent.dataset()  # python -m draftgen.tui.demo_agent wrote the bundled file
+    lines = [orjson.loads(x) for x in data.splitlines()]
+    assert len(lines) == 20 and len({line["id"] for line in lines}) == 20
+    diverging = 0
+    for i, line in enumerate(lines):
+        assert [t["function"]["name"] for t in line["tools"]] == ["search_code", "read_file", "run_tests"]
+        msgs = line["messages"]
+        steps = [n for n, m in enumerate(msgs) if m["role"] == "assistant"]
+        assert len(steps) == 3 and msgs[steps[-1]]["content"] and "tool_calls" not in msgs[steps[-1]]
+        for a, b in zip(steps, steps[1:]):
+            calls = msgs[a]["tool_calls"]
+            assert all(re.fullmatch(rf"functions\.{c['function']['name']}:\d+", c["id"]) for c in calls)
+            assert all(isinstance(orjson.loads(c["function"]["arguments"]), dict) for c in calls)
+            assert [m["tool_call_id"] for m in msgs[a + 1:b]] == [c["id"] for c in calls]
+        first, second = demo_agent.moves(*demo_agent.task(i)[:2])  # what the simulator's target calls
+        assert msgs[steps[0]]["tool_calls"] == first
+        assert (msgs[steps[1]]["tool_calls"] != second) is demo_agent.diverging(i)
+        diverging += demo_agent.diverging(i)
+    assert diverging == 5

@@ -1,0 +1,126 @@
+"""An agent dataset in the TUI (docs/agents.md): the datasets panel's steps, tool calls and diverged,
+and the drill-down's conversation step by step, read from the run directory's responses.jsonl."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from draftgen.core.live import snapshot as snap
+from draftgen.tui.app import DraftgenApp
+from draftgen.tui.screens.conversation import conversations, read_tail
+from tests import fixtures as fx
+from tests.helpers import text
+
+pytestmark = pytest.mark.usefixtures("utc")
+
+AGENT_ROW = ("j",) * 5  # the agent dataset is the sixth row of fx.with_agent()
+
+
+async def agent_drill(pilot) -> str:
+    """Open the agent dataset's drill-down; its text."""
+    await pilot.press(*AGENT_ROW, "enter")
+    return text(pilot.app, "#drill-body")
+
+
+def make(snapshot: snap.RunSnapshot, run_dir=None) -> DraftgenApp:
+    return DraftgenApp(fx.FakeControls(snapshot, fx.events()), title="draftgen", refresh_s=0.05, run_dir=run_dir)
+
+
+async def test_the_datasets_panel_counts_an_agent_datasets_steps_tool_calls_and_diverged() -> None:
+    app = make(fx.with_agent(replayed=4, conversations_ended=1))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        datasets = text(app, "#datasets")
+        assert "47/60" in datasets
+        assert ("agent: steps 47/60 answered, 37 with tool calls; conversations 13/20 done, 5 diverged, "
+                "1 ended early; 4 replayed") in datasets, datasets
+
+
+async def test_a_multi_turn_dataset_without_tool_calls_still_counts_turns() -> None:
+    app = make(fx.with_agent(tool_calls=0, diverged=0))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        assert "agent: turns 47/60 answered; conversations 13/20 done, 0 ended early" in text(app, "#datasets")
+
+
+async def test_the_drill_down_shows_a_conversation_step_by_step_with_its_calls_and_results(tmp_path) -> None:
+    app = make(fx.with_agent(), fx.agent_run_dir(tmp_path))
+    async with app.run_test(size=(120, 60)) as pilot:
+        body = await agent_drill(pilot)
+        assert "conversations     13 of 20 done, 5 diverged, 0 ended early" in body
+        assert "tool calls        37 answers called tools" in body
+        assert "answered by step  s1 20/20  s2 17/20  s3 10/15" in body
+        # The newest conversation: its three steps in order, each call's name and arguments, each result
+        # under the call id it was sent with.
+        assert "conversation agent-0  3 of 3 steps answered" in body
+        steps = [body.index(f"step {k} ") for k in (1, 2, 3)]
+        assert steps == sorted(steps)
+        assert '→ search_code({"query":"def parse_date"})  functions.search_code:0' in body
+        assert '→ read_file({"path":"utils/dates.py"})  functions.read_file:1' in body
+        assert '→ read_file({"path":"tests/test_dates.py"})  functions.read_file:2' in body
+        assert body.count("the dataset's result, sent under the target's call id") == 3
+        assert "utils/dates.py:12: def parse_date(value):" in body
+        assert "Fix: use %m, not %M, in the format." in body[steps[2]:]
+        # [ goes to older conversations: one under way, then one that diverged.
+        await pilot.press("left_square_bracket")
+        body = text(app, "#drill-body")
+        assert "conversation agent-1  2 of 3 steps answered" in body and "diverged" not in body.split("tool calls")[1]
+        await pilot.press("left_square_bracket")
+        body = text(app, "#drill-body")
+        assert "conversation agent-3  2 of 3 steps answered  diverged at step 2" in body
+        assert "merge_config replaces nested tables: merge them recursively." in body
+        assert "diverged: not the dataset's next move" in body
+        await pilot.press("left_square_bracket")  # the oldest read stays
+        assert "conversation agent-3" in text(app, "#drill-body")
+        await pilot.press("right_square_bracket", "right_square_bracket")
+        assert "conversation agent-0  3 of 3 steps answered  (the newest" in text(app, "#drill-body")
+
+
+async def test_a_conversations_text_is_shown_escaped_never_as_markup_or_controls(tmp_path) -> None:
+    """Tool names, arguments, results and answers come from the dataset and the server: their escape
+    sequences are shown as escapes and their brackets as text."""
+    run = fx.agent_run_dir(tmp_path)
+    records = fx.agent_records(2, 2)  # the newest conversation
+    records[1]["messages"][-1]["content"] = "\x1b]0;pwned\x07[bold red]not markup[/] \u202eevil"
+    records[1]["tool_calls"][0]["function"]["name"] = "read\x1b[2Jfile"
+    records[1]["content"] = "[link=https://evil.example]click[/link]"
+    with open(run / "agent" / "responses.jsonl", "ab") as f:
+        f.write(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    app = make(fx.with_agent(), run)
+    async with app.run_test(size=(120, 60)) as pilot:
+        body = await agent_drill(pilot)
+        assert "\\x1b]0;pwned\\x07[bold red]not markup[/] \\u202eevil" in body
+        assert "→ read\\x1b[2Jfile(" in body
+        assert "[link=https://evil.example]click[/link]" in body
+        assert "\x1b" not in body and "\u202e" not in body
+
+
+async def test_without_a_run_directory_or_for_a_single_turn_dataset_no_conversation_is_shown(tmp_path) -> None:
+    app = make(fx.with_agent())
+    async with app.run_test(size=(120, 60)) as pilot:
+        await pilot.press(*AGENT_ROW, "enter")
+        assert "conversation agent" not in text(app, "#drill-body")
+    app = make(fx.with_agent(), fx.agent_run_dir(tmp_path))
+    async with app.run_test(size=(120, 60)) as pilot:
+        await pilot.press("j", "j", "j", "j", "enter")  # B5: single-turn
+        body = text(app, "#drill-body")
+        assert "dataset B5" in body and "conversation" not in body
+    app = make(fx.with_agent(), tmp_path / "empty")
+    async with app.run_test(size=(120, 60)) as pilot:
+        await pilot.press(*AGENT_ROW, "enter")
+        assert "no conversation answered yet" in text(app, "#drill-body")
+
+
+def test_the_tail_read_leaves_out_the_line_it_cuts_and_a_half_written_last_line(tmp_path) -> None:
+    path = tmp_path / "responses.jsonl"
+    records = [*fx.agent_records(0, 3), *fx.agent_records(1, 1)]
+    data = b"".join(orjson.dumps(r) + b"\n" for r in records)
+    torn = b'{"conversation": "agent-2", "tu'
+    path.write_bytes(data + torn)
+    last_three = len(data) - data.index(b"\n", 0) - 1  # every record but the first, whole
+    got = read_tail(path, limit=last_three + len(torn) + 10)  # starts 10 bytes into the first record
+    assert [r["id"] for r in got] == ["agent-0#t2", "agent-0#t3", "agent-1#t1"]
+    found = conversations(got)
+    assert [(c.id, [r["turn"] for r in c.steps]) for c in found] == [("agent-0", [2, 3]), ("agent-1", [1])]
+    assert read_tail(tmp_path / "missing.jsonl") == []
