@@ -8,8 +8,10 @@ OpenRouter, a 10M-token budget per dataset that long reasoning answers (~5,300 t
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -307,7 +309,9 @@ def agent_run_dir(root: Path | None = None) -> Path:
     """A run directory whose agent/responses.jsonl holds three conversations, oldest first: agent-3 diverged
     at step 2 (it answered where the line called run_tests), agent-1 at step 2 of 3, agent-0 answered in
     its 3 steps (the newest)."""
-    root = Path(tempfile.mkdtemp(prefix="draftgen-agent-")) if root is None else root
+    if root is None:  # a view's (snapshot tests, screenshots): removed when the process ends
+        root = Path(tempfile.mkdtemp(prefix="draftgen-agent-"))
+        atexit.register(shutil.rmtree, root, True)
     diverged = agent_records(3, 2, diverge=True, answer="merge_config replaces nested tables: merge them recursively.")
     records = [*diverged, *agent_records(1, 2), *agent_records(0, 3)]
     (root / "agent").mkdir(parents=True, exist_ok=True)
