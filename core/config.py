@@ -232,6 +232,10 @@ class DatasetConfig:
     # "all" (every user turn in order, each asked on the target's own earlier answers; docs/config.md).
     turns: Literal["first", "last", "all"] = "last"
     max_turns: int | None = None  # turns = "all": the user turns asked per conversation at most
+    # turns = "all", an agent line's tool results (docs/multi-turn.md): "match", the dataset's recorded result
+    # is sent only after calls that match the dataset's (else the conversation ends, diverged); "replay",
+    # spliced after whatever the target called (each such step flagged and counted).
+    tool_results: Literal["match", "replay"] = "match"
     # Sampling cycles: the i-th prompt of the file (0-based line index, `cycle_index`) is asked with
     # temperatures[i % n] and reasoning effort reasoning_efforts[i % m]; every turn of a conversation alike.
     temperatures: list[float] = field(default_factory=list)
@@ -799,7 +803,13 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def _check_turns(file: Path, i: int, ds: DatasetConfig, table: dict[str, Any]) -> None:
-    """`max_turns` is a positive integer, for `turns = "all"` only (the other modes ask one request)."""
+    """`max_turns` is a positive integer, and it and `tool_results` are for `turns = "all"` only (the other
+    modes ask one request)."""
+    if "tool_results" in table and ds.turns != "all":
+        how = "set" if "turns" in table else "the default"
+        raise ConfigError(f"{file}: datasets[{i}].tool_results = {ds.tool_results!r} (dataset {ds.name}): says how an "
+                          f"agent line's tool results are sent with turns = \"all\", but datasets[{i}].turns is "
+                          f"{ds.turns!r} ({how}); set turns = \"all\" or remove tool_results")
     if ds.max_turns is None:
         return
     name = f"{file}: datasets[{i}].max_turns = {ds.max_turns!r} (dataset {ds.name})"

@@ -97,8 +97,10 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
     t, c = s.throughput, s.credits
     out = []
     for d in _active(s):
+        agent = (f", {d.tool_calls:,} tool calls, {d.diverged:,} diverged" + (
+            f", {d.replayed:,} replayed" if d.replayed else "")) if d.tool_calls or d.diverged or d.replayed else ""
         turns = (f" turns ({d.conversations_done:,}/{d.conversations:,} conversations done, "
-                 f"{d.conversations_ended:,} ended early)") if d.conversations else ""
+                 f"{d.conversations_ended:,} ended early{agent})") if d.conversations else ""
         out.append(_fit(f"{INDENT}{d.name}: {d.status} {d.done:,}/{d.total:,}{turns} answered, {d.failed:,} failed, "
                         f"{d.skipped:,} skipped, {d.in_flight:,} in flight (limit {d.effective_concurrency:,}/"
                         f"{d.concurrency:,}), {usd(d.cost_usd)}"))

@@ -98,10 +98,12 @@ class DatasetSnapshot:
     conversations_ended: int = 0    # ended early (a broken turn, a skip, an edited prompt file)
     turns_by_number: tuple[tuple[int, int], ...] = ()  # (answered, total) of turn 1, 2, ...
     last_conversation: tuple[str, ...] = ()  # the last one finished or ended: its id, then one line a turn
-    # Agent lines (tools, tool calls, tool results: docs/agents.md): a step is a turn above.
+    # Agent lines (OpenAI layout with tools, docs/multi-turn.md): a turn is a step (one assistant message).
     tool_calls: int = 0             # answers that called tools
-    diverged: int = 0               # conversations ended by divergence (an answer not the dataset's next move)
+    diverged: int = 0               # conversations ended by an answer that was not the dataset's next move
     replayed: int = 0               # steps sent with a replayed tool result (tool_results = "replay")
+    tool_calls_by_number: tuple[int, ...] = ()  # answers that called tools at step 1, 2, ... (as turns_by_number)
+    diverged_by_number: tuple[int, ...] = ()    # conversations that diverged at step 1, 2, ...
 
 
 @dataclass(frozen=True)

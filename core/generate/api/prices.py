@@ -87,7 +87,7 @@ def prompt_token_bound(messages: Sequence[Mapping[str, Any]]) -> int:
         # whether the template renders it is the provider's rule, so the bound counts it. (A message of a
         # role and a content, most of them, has none of these.)
         if len(m) > 2 or "role" not in m or "content" not in m:
-            for key in ("tool_calls", "name", "reasoning", "reasoning_details", "reasoning_content"):
+            for key in ("tool_calls", "tool_call_id", "name", "reasoning", "reasoning_details", "reasoning_content"):
                 if m.get(key):
                     n += len(repr(m[key]).encode("utf-8", "surrogatepass"))
     return n

@@ -211,8 +211,8 @@ def _count_prompts(ds: DatasetConfig, specials: Any = (), stop: threading.Event 
     n = flagged = 0
     first = ""
     for item in read_dataset(ds.prompts, ds.turns, ds.max_turns, stop):
-        if isinstance(item, Conversation):  # its prompt side: the system and user turns it sends
-            messages = [*item.system, *item.user_turns]
+        if isinstance(item, Conversation):  # its prompt side: the system and user turns (and tool results) it sends
+            messages = item.prompt_side()
         elif isinstance(item, Prompt):
             messages = item.messages
         else:

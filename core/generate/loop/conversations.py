@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from draftgen.core.generate.loop.prompts import (
     Conversation,
     Prompt,
@@ -43,7 +45,7 @@ from draftgen.core.generate.loop.prompts import (
 )
 from draftgen.core.generate.loop.source import Booked, BookedAs
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
-from draftgen.core.records import TurnFields
+from draftgen.core.records import TurnFields, own_calls, same_calls
 from draftgen.core.rundir import iter_jsonl
 
 if TYPE_CHECKING:
@@ -53,12 +55,16 @@ CHUNK = 256  # conversations read from the prompt file per thread hop
 
 
 def history_message(content: str, reasoning: str | None, reasoning_details: list[Any] | None, *,
-                    self_hosted: bool) -> dict[str, Any]:
+                    self_hosted: bool, tool_calls: list[Any] | None = None) -> dict[str, Any]:
     """The target's answer as the assistant message of a later turn's request, as each API documents
     it: OpenRouter, its `reasoning_details` passed back unmodified (else the `reasoning` text, when
     it had one); vLLM and SGLang, `reasoning_content`. Rendering is the chat template's rule (Kimi-K2.5
-    renders earlier turns without their reasoning, core/tokens/template.py)."""
+    renders earlier turns without their reasoning, except inside a tool-call loop, core/tokens/template.py).
+    An agent step's `tool_calls` go back as the target made them: its own ids, names and argument text
+    (`tool_call`), each as OpenAI's assistant message carries a call."""
     msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        msg["tool_calls"] = [tool_call(c) for c in tool_calls]
     if self_hosted:
         if reasoning:
             msg["reasoning_content"] = reasoning
@@ -69,14 +75,31 @@ def history_message(content: str, reasoning: str | None, reasoning_details: list
     return msg
 
 
-def broken_answer(content: str, finish_reason: str | None, tool_calls: Any) -> str:
-    """Why an answer cannot be the history of a later turn ("" when it can)."""
+def tool_call(call: Any) -> dict[str, Any]:
+    """One of the target's calls as an assistant message of the history sends it back: its id, its name
+    and its arguments' text as the answer gave them (what the model generated, not re-serialised)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    fn = fn if isinstance(fn, dict) else {}
+    args = fn.get("arguments")
+    return {"id": call.get("id") if isinstance(call, dict) else None, "type": "function",
+            "function": {"name": fn.get("name"), "arguments": args if isinstance(args, str) else
+                         "" if args is None else orjson.dumps(args).decode()}}
+
+
+def broken_answer(content: str, finish_reason: str | None, tool_calls: Any, *, agent: bool = False) -> str:
+    """Why an answer cannot be the history of a later turn ("" when it can). A step of an agent line
+    may call tools (each call with an id, that its result is sent under)."""
     if finish_reason == "length":
         return "cut at max_tokens"
     if finish_reason in ("content_filter", "error"):  # a partial answer: nothing is asked on it
         return f"ended by {finish_reason}"
     if tool_calls:
-        return "answered with tool calls"
+        if not agent:
+            return "answered with tool calls"
+        if own_calls(tool_calls) is None or not all(isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"]
+                                                    for c in tool_calls):
+            return "a tool call with no name or id"
+        return ""
     if not content.strip():
         return "empty answer"
     return ""
@@ -123,6 +146,7 @@ class ConversationSource:
         self._max_turns = max_turns if max_turns is not None else ds.config.max_turns
         self._stop = stop  # set by a drain or stop now: the file's reading stops (no more conversations)
         self._self_hosted = self_hosted
+        self._replay = ds.config.tool_results == "replay"
         self._responses = responses
         self._failures = failures
         self._event = on_event
@@ -188,13 +212,19 @@ class ConversationSource:
             return
         a = result.answer
         assert a is not None
-        why = broken_answer(a.content, a.finish_reason, a.tool_calls)
+        agent = o.conv.steps is not None
+        why = broken_answer(a.content, a.finish_reason, a.tool_calls, agent=agent)
+        if not why and t.diverges(a.tool_calls):
+            why = "diverged"
+        calls = f", {len(a.tool_calls)} tool call(s)" if agent and a.tool_calls else ""
         if why:
+            o.lines.append(f"turn {t.turn}: answered{calls}")
             self._end(o, t.turn, why)
             return
-        o.history.append(history_message(a.content, a.reasoning, a.reasoning_details, self_hosted=self._self_hosted))
-        o.lines.append(f"turn {t.turn}: answered, {a.usage.prompt_tokens:,} prompt + {a.usage.completion_tokens:,} "
-                       "answer tokens")
+        o.history.append(history_message(a.content, a.reasoning, a.reasoning_details, self_hosted=self._self_hosted,
+                                         tool_calls=a.tool_calls if agent else None))
+        o.lines.append(f"turn {t.turn}: answered{calls}, {a.usage.prompt_tokens:,} prompt + "
+                       f"{a.usage.completion_tokens:,} answer tokens")
         self._advance(o)
 
     @property
@@ -227,6 +257,8 @@ class ConversationSource:
         """The request of the conversation's next turn: its history is the target's own answers."""
         conv = o.conv
         k = len(o.history) + 1
+        if conv.steps is not None:
+            return self._step(o, k)
         messages: list[dict[str, Any]] = list(conv.system)
         for user, answer in zip(conv.user_turns, o.history, strict=False):
             messages.append(user)
@@ -234,6 +266,35 @@ class ConversationSource:
         messages.append(conv.user_turns[k - 1])
         return Prompt(turn_id(conv.id, k), messages, conv.line,
                       TurnFields(conv.id, k, conv.turns, conv.fingerprint[k - 1]))
+
+    def _step(self, o: _Open, k: int) -> Prompt:
+        """The request of an agent line's step k: the system turn, then for each step j <= k the target's
+        own answer to step j-1 (its content, reasoning and calls), the dataset's tool results after it, each
+        under the target's own id of the call it answers, and the dataset's user turns; the line's tools."""
+        conv = o.conv
+        steps = conv.steps
+        assert steps is not None
+        messages: list[dict[str, Any]] = list(conv.system)
+        spliced = ""
+        for j in range(1, k + 1):
+            step = steps[j - 1]
+            if j > 1:
+                answer = o.history[j - 2]
+                messages.append(answer)
+                if step.results:
+                    calls = answer.get("tool_calls") or []
+                    # Booked only when its calls can take these results (same calls, or as many with "replay").
+                    assert len(calls) == len(step.results), f"{conv.id} step {j}: results for other calls"
+                    messages += [{"role": "tool", "tool_call_id": c["id"], "content": r}
+                                 for c, r in zip(calls, step.results, strict=True)]
+                    if spliced != "replayed":
+                        spliced = "matched" if same_calls(own_calls(calls), steps[j - 2].calls) else "replayed"
+            messages += step.users
+        last = k == conv.turns
+        return Prompt(turn_id(conv.id, k), messages, conv.line,
+                      TurnFields(conv.id, k, conv.turns, conv.fingerprint[k - 1], agent=True, tools=conv.tools,
+                                 tool_results=spliced or None, expect=None if last else steps[k - 1].calls,
+                                 replay=self._replay))
 
     def _end(self, o: _Open, k: int, why: str) -> None:
         """Turn k broke (its own outcome is counted by whoever booked it): the conversation ends; its
@@ -350,11 +411,14 @@ class ConversationSource:
                     continue
                 conv, k, turns = where
                 ph = raw.get("prompt_hash")
-                broken = broken_answer(_str(raw.get("content")), raw.get("finish_reason"), raw.get("tool_calls")) \
+                broken = broken_answer(_str(raw.get("content")), raw.get("finish_reason"), raw.get("tool_calls"),
+                                       agent="tools" in raw) \
                     if answered else "failed" + (f" ({raw['error_kind']})" if isinstance(raw.get("error_kind"), str)
                                                  else "")
                 if answered and (raw.get("truncated") or raw.get("empty_content")) and not broken:
                     broken = "cut at max_tokens" if raw.get("truncated") else "empty answer"
+                if answered and raw.get("diverged") is True and not broken:
+                    broken = "diverged"
                 stored.setdefault(conv, {})[k] = _Stored(answered, ph if isinstance(ph, str) else None, broken)
                 if turns:
                     recorded_turns[conv] = turns
@@ -375,9 +439,11 @@ class ConversationSource:
                 continue
             rd = raw.get("reasoning_details")
             reasoning = raw.get("reasoning")
+            calls = raw.get("tool_calls")
             out.setdefault(where[0], {})[where[1]] = history_message(
                 _str(raw.get("content")), reasoning if isinstance(reasoning, str) else None,
-                rd if isinstance(rd, list) else None, self_hosted=self._self_hosted)
+                rd if isinstance(rd, list) else None, self_hosted=self._self_hosted,
+                tool_calls=calls if "tools" in raw and isinstance(calls, list) else None)
         return out
 
     def _reread(self, conv: str) -> dict[int, dict[str, Any]]:

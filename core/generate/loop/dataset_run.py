@@ -45,6 +45,12 @@ class ConversationCounts:
     by_turn_total: Counter[int] = field(default_factory=Counter)  # turns of the file, by turn number
     by_turn_done: Counter[int] = field(default_factory=Counter)   # answered turns, by turn number
     last: tuple[str, ...] = ()  # the last conversation that finished or ended: its id, then one line a turn
+    # Agent lines (docs/multi-turn.md), counted from the records (this run's and earlier ones):
+    tool_calls: int = 0         # answers that called tools
+    replayed: int = 0           # steps sent with a replayed tool result (tool_results = "replay")
+    diverged: int = 0           # conversations ended by an answer that was not the dataset's next move
+    by_turn_calls: Counter[int] = field(default_factory=Counter)     # answers that called tools, by step
+    by_turn_diverged: Counter[int] = field(default_factory=Counter)  # diverged conversations, by the step
 
     def growth(self, turns_left: int, answered: int) -> float:
         """How much bigger the prompts of the turns left are than those answered so far: a turn's history
@@ -243,9 +249,10 @@ class DatasetRun:
         self._check()
 
     def answered(self, prompt_id: str, tokens: int, cost: float, *, short: bool, other_model: bool = False,
-                 now: bool = True) -> None:
+                 now: bool = True, calls: bool = False, diverged: bool = False, replayed: bool = False) -> None:
         """An answer on disk (`now`: this run's; else one read back from disk); `other_model`: from another
-        model than the one asked."""
+        model than the one asked; an agent step's: it `calls` tools, it `diverged` from the dataset (its
+        conversation ends), its request carried a `replayed` tool result."""
         self._done += 1
         self._unreadable = 0
         self.done_ids.add(prompt_id)
@@ -255,8 +262,16 @@ class DatasetRun:
         if self.config.turns == "all":
             _, _, k = prompt_id.rpartition("#t")
             turn = int(k) if k.isdigit() else 1
-            self.conversations.answered_turn_sum += turn
-            self.conversations.by_turn_done[turn] += 1
+            c = self.conversations
+            c.answered_turn_sum += turn
+            c.by_turn_done[turn] += 1
+            if calls:
+                c.tool_calls += 1
+                c.by_turn_calls[turn] += 1
+            if diverged:
+                c.diverged += 1
+                c.by_turn_diverged[turn] += 1
+            c.replayed += replayed
         if short:
             self._truncated += 1
         if other_model:

@@ -60,6 +60,9 @@ def _conversations(ds: DatasetRun) -> dict[str, Any]:
     c = ds.conversations
     return {"conversations": c.total, "conversations_done": c.done, "conversations_ended": c.ended,
             "turns_by_number": tuple((c.by_turn_done[k], c.by_turn_total[k]) for k in sorted(c.by_turn_total)),
+            "tool_calls": c.tool_calls, "diverged": c.diverged, "replayed": c.replayed,
+            "tool_calls_by_number": tuple(c.by_turn_calls[k] for k in sorted(c.by_turn_total)),
+            "diverged_by_number": tuple(c.by_turn_diverged[k] for k in sorted(c.by_turn_total)),
             # its id is the prompt file's: shown with its control characters escaped
             "last_conversation": tuple(visible(line) for line in c.last)}
 

@@ -43,7 +43,7 @@ from typing import Any, BinaryIO, TypeVar
 import orjson
 
 from draftgen.core.errors import NoPromptError, PromptFileError
-from draftgen.core.records import TurnFields
+from draftgen.core.records import TurnFields, own_calls
 
 # One prompt line at most (64 MiB: far above any context window's worth of JSON); longer is rejected.
 MAX_LINE_BYTES = 64 << 20
@@ -93,18 +93,40 @@ class Prompt:
 
 
 @dataclass(slots=True)
+class Step:
+    """One assistant message of an agent line (turns = "all"), asked as one request: what the dataset puts
+    between the assistant message before it and it, and what the dataset's own assistant message did there."""
+    results: list[str]                  # the dataset's tool results answering its calls of the step before
+    #                                     (in the order of those calls)
+    users: list[dict[str, str]]         # the user turns after them
+    calls: list[tuple[str, Any]] | None  # the dataset's assistant message: its calls (name, arguments parsed),
+    #                                      [] for a plain answer, None when the line ends before it
+
+
+@dataclass(slots=True)
 class Conversation:
-    """One line of a turns = "all" dataset: its user turns, asked in order on the target's own answers."""
+    """One line of a turns = "all" dataset: its user turns, asked in order on the target's own answers; an
+    agent line (`steps` set): its assistant messages, asked in order with the dataset's tool results."""
     id: str
     line: int
     system: list[dict[str, str]]       # 0 or 1 message
-    user_turns: list[dict[str, str]]   # each one user message, at most max_turns
-    fingerprint: list[str]             # fingerprint[k-1]: hash of the system and user turns 1..k
+    user_turns: list[dict[str, str]]   # each one user message, at most max_turns (an agent line: all its user turns)
+    fingerprint: list[str]             # fingerprint[k-1]: hash of the system and user turns 1..k (an agent line:
+    #                                    of its tools and what steps 1..k hold, `agent_fingerprints`)
     cut: str = ""                      # why turns after the kept ones were left out ("" when none were)
+    steps: list[Step] | None = None    # an agent line (OpenAI layout with `tools` or tool calls): its steps
+    tools: list[Any] | None = None     # an agent line's `tools`, sent with each of its steps
 
     @property
     def turns(self) -> int:
-        return len(self.user_turns)
+        return len(self.steps) if self.steps is not None else len(self.user_turns)
+
+    def prompt_side(self) -> list[dict[str, str]]:
+        """The dataset's messages its requests send: the system turn, the user turns, the tool results."""
+        if self.steps is None:
+            return [*self.system, *self.user_turns]
+        return [*self.system, *(m for s in self.steps for m in
+                                [*({"role": "tool", "content": r} for r in s.results), *s.users])]
 
 
 def turn_id(conversation: str, turn: int) -> str:
@@ -248,8 +270,12 @@ def _before_tools(raw: Any, key: str) -> list[dict[str, str]]:
 def parse_conversation(obj: Any, max_turns: int | None = None) -> Conversation:
     """A turns = "all" line as a Conversation (line number 0: the reader sets it), or ValueError. The
     dataset's assistant turns are dropped; a system turn counts only as the first message; the
-    conversation is cut before its first tool turn, or before a system turn after the first message."""
+    conversation is cut before its first tool turn, or before a system turn after the first message.
+    An agent line (`messages` with `tools`, a `tool` message or assistant `tool_calls`) is read by
+    `parse_agent` instead: every assistant message one step."""
     pid = _line_id(obj)
+    if is_agent_line(obj):
+        return parse_agent(pid, obj, max_turns)
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
             raise ValueError("`prompt` must be a non-empty string")
@@ -277,6 +303,153 @@ def parse_conversation(obj: Any, max_turns: int | None = None) -> Conversation:
         users = users[:max_turns]
         cut = cut or f"max_turns = {max_turns}"
     return Conversation(pid, 0, system, users, fingerprints(system, users), cut)
+
+
+def is_agent_line(obj: dict[str, Any]) -> bool:
+    """An agent line in the OpenAI layout: `messages` with `tools`, a `tool` message or an assistant
+    message with `tool_calls` (a `conversations` line is cut before its first tool turn instead)."""
+    raw = obj.get("messages")
+    if "prompt" in obj or not isinstance(raw, list):
+        return False
+    return obj.get("tools") is not None or any(
+        isinstance(m, dict) and (m.get("role") == "tool" or (m.get("role") == "assistant" and m.get("tool_calls")))
+        for m in raw)
+
+
+def _tools(raw: Any) -> list[Any] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in raw):
+        raise ValueError("`tools` must be a list of function schemas ({\"type\": \"function\", \"function\": "
+                         "{\"name\": ..., \"parameters\": ...}})")
+    return raw or None
+
+
+class _AgentReader:
+    """parse_agent's state while it reads a line's messages: the steps so far and the one being read."""
+
+    def __init__(self) -> None:
+        self.system: list[dict[str, str]] = []
+        self.steps: list[Step] = []
+        self.results: dict[int, str] = {}   # the step being read: its tool results by the call they answer
+        self.users: list[dict[str, str]] = []
+        self.before: list[Any] | None = None  # the dataset's calls of the step before (the ids its results name)
+
+    def unanswered(self) -> bool:
+        return bool(self.before) and len(self.results) < len(self.before or ())
+
+    def read(self, i: int, m: Any) -> str:
+        """Take message i; why the line is cut there ("" to read on)."""
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object")
+        role = m.get("role")
+        if role == "system":
+            if i:
+                return f"a system turn at messages[{i}]"
+            self.system = [{"role": "system", "content": _text(m.get("content"), f"messages[{i}]")}]
+        elif role == "user":
+            self.users.append({"role": "user", "content": _text(m.get("content"), f"messages[{i}]")})
+        elif role == "tool":
+            return self._tool(i, m)
+        elif role == "assistant":
+            return self._assistant(i, m)
+        else:
+            raise ValueError(f"messages[{i}] has role {role!r}: an agent line is in the OpenAI layout (system, user, "
+                             "assistant with tool_calls, tool); `draftgen prompts build` converts other layouts")
+        return ""
+
+    def _tool(self, i: int, m: dict[str, Any]) -> str:
+        before = self.before
+        if before is None or self.users:
+            return f"a tool result with no tool call right before it at messages[{i}]"
+        content = m.get("content")
+        text = "" if content is None else _text(content, f"messages[{i}]")
+        ids = [c.get("id") if isinstance(c, dict) else None for c in before]
+        call_id = m.get("tool_call_id")
+        named = ids.index(call_id) if call_id is not None and call_id in ids else -1
+        k = named if named >= 0 and named not in self.results else \
+            next((j for j in range(len(before)) if j not in self.results), -1)
+        if k < 0:
+            return f"a tool result with no call left to answer at messages[{i}]"
+        self.results[k] = text
+        return ""
+
+    def _assistant(self, i: int, m: dict[str, Any]) -> str:
+        if self.unanswered():
+            return f"a tool call with no result before messages[{i}]"
+        if not self.users and not self.results:
+            return f"an assistant message with no user turn or tool result before it at messages[{i}]"
+        calls_raw = m.get("tool_calls") or []
+        calls = own_calls(calls_raw) if isinstance(calls_raw, list) else None
+        if calls is None:
+            raise ValueError(f"messages[{i}].tool_calls must be a list of calls, each naming its function")
+        self.close(calls)
+        self.before = calls_raw or None
+        return ""
+
+    def close(self, calls: list[tuple[str, Any]] | None) -> None:
+        """The step read so far ends: at the dataset's assistant message (its `calls`), or the line's end (None)."""
+        self.steps.append(Step([self.results[j] for j in sorted(self.results)], self.users, calls))
+        self.results, self.users = {}, []
+
+
+def parse_agent(pid: str, obj: dict[str, Any], max_turns: int | None = None) -> Conversation:
+    """An agent line (OpenAI layout) as a Conversation of steps, one per assistant message, and one more
+    when the line ends after user turns or tool results. The line is cut before a system turn after the
+    first message, an assistant message with nothing new before it, or a step whose tool results do not
+    answer every call of the assistant message before it (no request carries a call without its result)."""
+    tools = _tools(obj.get("tools"))
+    raw = obj["messages"]
+    if not raw:
+        raise ValueError("`messages` must be a non-empty list")
+    r = _AgentReader()
+    cut = ""
+    for i, m in enumerate(raw):
+        cut = r.read(i, m)
+        if cut:
+            break
+        if max_turns is not None and len(r.steps) >= max_turns:
+            cut = f"max_turns = {max_turns}" if i + 1 < len(raw) else ""
+            break
+    else:
+        if r.unanswered():
+            cut = "a tool call with no result at the end of `messages`"
+        elif r.users or r.results:
+            r.close(None)
+    steps = r.steps
+    if not steps:
+        raise ValueError("`messages` has no user turn before its first tool turn or assistant message" + (
+            f" ({cut})" if cut else ""))
+    if not steps[0].users:
+        raise ValueError("`messages` starts with a tool result: no user turn before it")
+    return Conversation(pid, 0, r.system, [u for s in steps for u in s.users],
+                        agent_fingerprints(r.system, tools, steps), cut, steps, tools)
+
+
+def agent_fingerprints(system: list[dict[str, str]], tools: list[Any] | None, steps: list[Step]) -> list[str]:
+    """fingerprint[k-1] = blake2b (16 hex) of the system text, the tools and steps 1..k (the tool results and
+    user turns before each, and the dataset's own calls there: what the step sends, and what it is judged on)."""
+    h = hashlib.blake2b(digest_size=8)
+    for m in system:
+        text = m["content"].encode()
+        h.update(b"s%d:" % len(text) + text)
+    if tools:
+        text = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS)
+        h.update(b"T%d:" % len(text) + text)
+    out = []
+    for s in steps:
+        for r in s.results:
+            text = r.encode()
+            h.update(b"r%d:" % len(text) + text)
+        for m in s.users:
+            text = m["content"].encode()
+            h.update(b"u%d:" % len(text) + text)
+        text = orjson.dumps(s.calls, option=orjson.OPT_SORT_KEYS)
+        h.update(b"c%d:" % len(text) + text)
+        out.append(h.hexdigest())
+    return out
 
 
 _LINE_SHAPE = "one JSON object per line with an `id` and a `prompt`, `messages` or `conversations`"

@@ -136,7 +136,9 @@ class RecordBook:
             if rec.id in ds.done_ids:
                 continue
             ds.answered(rec.id, rec.usage.completion_tokens, rec.usage.cost, short=rec.short,
-                        other_model=not same_model(self._model, raw.get("model")), now=False)
+                        other_model=not same_model(self._model, raw.get("model")), now=False,
+                        calls=bool(rec.tool_calls), diverged=raw.get("diverged") is True,
+                        replayed=raw.get("tool_results") == "replayed")
         for _, raw in iter_jsonl(rd.failures(ds.config.name)):
             rid = str(raw.get("id"))
             if rid not in ds.done_ids:
@@ -257,7 +259,7 @@ class RecordBook:
         for d in ds.doubts.answered(seq):  # set-aside prompts this answer shows were their own (rare)
             self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"
-        empty = not a.content.strip()
+        empty = not a.content.strip() and not a.tool_calls  # an agent step's answer may be its calls alone
         other = not same_model(self._model, a.model)
         line = ResponseRecord.line(
             prompt.id, prompt.messages, a.reasoning, a.content, a.tool_calls, a.finish_reason,
@@ -267,7 +269,10 @@ class RecordBook:
             line["sampling"] = sampling
         assert ds.responses is not None
         self._write(ds, ds.responses, line, True)
-        ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty, other_model=other)
+        turn = prompt.turn
+        ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty, other_model=other,
+                    calls=bool(a.tool_calls), diverged=line.get("diverged") is True,
+                    replayed=turn is not None and turn.tool_results == "replayed")
         self._answers_now += 1
         if other:
             self._other_model(ds, prompt, a, attempts)

@@ -147,10 +147,14 @@ class Room:
             made = self._bodies[key] = _Made(epoch, self._body(config, [], index=index), config.max_tokens)
         body = made.body.copy()  # the config's part, built once per dataset: only `messages` is the prompt's
         body["messages"] = prompt.messages
+        tools_bound = made.tools_bound
+        if prompt.turn is not None and prompt.turn.tools:  # an agent line's step: the line's tools are sent
+            body["tools"] = prompt.turn.tools
+            tools_bound = body_prompt_bound({"tools": prompt.turn.tools}) - prompt_token_bound(())
         prices = self.prices.get(config.name)
         # body_worst_case(prices, body, max_tokens), its parts that are the dataset's computed once.
         return body, 0.0 if prices is None else (
-            prices.worst_case(prompt_token_bound(prompt.messages) + made.tools_bound, made.cap) * made.answers)
+            prices.worst_case(prompt_token_bound(prompt.messages) + tools_bound, made.cap) * made.answers)
 
     @property
     def money_limited(self) -> bool:
