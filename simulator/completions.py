@@ -37,6 +37,7 @@ from draftgen.simulator.prompt import prompt_token_count
 from draftgen.simulator.routing import NoEndpoints, candidates, choose
 from draftgen.simulator.scenarios import Active, Scenarios
 from draftgen.simulator.stats import Sent, SimStats
+from draftgen.simulator.tools import calls_tokens, tool_calls
 
 # The generation a request started, so that a stream the client aborts is billed up to there.
 GENERATION = web.RequestKey("draftgen_sim_generation", Generation)   # started: billed
@@ -219,7 +220,7 @@ class Completions:
         if cfg.sent_log_size:
             if self.sent.maxlen != cfg.sent_log_size:
                 self.sent = deque(self.sent, maxlen=cfg.sent_log_size)
-            self.sent.append(Sent(ask.seq, ask.messages, ask.n_prompt))
+            self.sent.append(Sent(ask.seq, ask.messages, ask.n_prompt, ask.body.get("tools")))
 
     def _first(self, ask: _Ask, stage: tuple[str, ...]) -> Active | None:
         """The first scenario of `stage` this try draws (None without scenarios)."""
@@ -316,6 +317,10 @@ class Completions:
         # A provider past max_tokens generates (and bills) more than the request allows.
         completion = pool.complete(answer, cap + over if cap is not None and over else cap, think)
         billed_tokens = completion.completion_tokens
+        # `tools` sent: the step's planned calls (tools.py) instead of the content, when the answer was not cut.
+        calls = tool_calls(ask.messages, ask.body.get("tools")) if completion.finish_reason == "stop" else []
+        if calls:
+            billed_tokens = completion.n_reasoning + completion.think_end + calls_tokens(answer_tokenizer(), calls) + 1
         if draws[4] < cfg.tokens_drift:
             billed_tokens = max(1, billed_tokens + (1 if draws[5] < 0.5 else -1))
         if provider.token_skew:
@@ -337,7 +342,7 @@ class Completions:
                            think and show, cfg.reasoning_field,
                            ask.body.get("return_token_ids") is True and not cfg.ignore_token_ids,
                            wire.usage(ask.n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost),
-                           cfg.stream_chunk_tokens, echo, hostile)
+                           cfg.stream_chunk_tokens, echo, hostile, tuple(calls))
         return gen, reply
 
     async def _midstream_error(self, request: web.Request, cfg: SimConfig, upstream: Active, gen: Generation,
