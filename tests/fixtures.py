@@ -264,11 +264,13 @@ def attached_resumed() -> RunSnapshot:
 # -- an agent dataset (docs/agents.md): its snapshot row and its responses.jsonl ----------------------
 
 def agent_dataset(**changes: object) -> DatasetSnapshot:
-    """The demo's agent dataset under way: 20 conversations of 3 steps, 5 diverged at step 2."""
-    d = DatasetSnapshot(name="agent", status=snap.DatasetStatus.RUNNING, total=60, done=47, skipped=5, in_flight=3,
+    """The demo's agent dataset under way: 20 conversations of 3 steps, 5 diverged at step 2 (their step 3
+    skipped), 10 done, 3 steps in flight."""
+    d = DatasetSnapshot(name="agent", status=snap.DatasetStatus.RUNNING, total=60, done=50, skipped=5, in_flight=3,
                         concurrency=20, effective_concurrency=20, tokens_used=31_840, cost_usd=0.41,
-                        projected_cost_usd=0.55, conversations=20, conversations_done=13, conversations_ended=0,
-                        turns_by_number=((20, 20), (17, 20), (10, 15)), tool_calls=37, diverged=5)
+                        projected_cost_usd=0.55, conversations=20, conversations_done=10, conversations_ended=5,
+                        turns_by_number=((20, 20), (20, 20), (10, 20)), tool_calls=40, diverged=5,
+                        tool_calls_by_number=(20, 20, 0), diverged_by_number=(0, 5, 0))
     return dataclasses.replace(d, **changes)  # type: ignore[arg-type]
 
 

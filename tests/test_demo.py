@@ -94,8 +94,10 @@ def test_the_multi_turn_demo_dataset_is_bundled_and_its_entry_loads_when_switche
 
 def test_the_agent_demo_dataset_is_bundled_as_its_generator_writes_it_and_its_entry_loads(tmp_path, monkeypatch):
     """agent.jsonl: 20 OpenAI-layout agent lines (tools, two tool steps, then an answer), tool call ids in
-    Kimi's own shape, each result answering a call of the step before it; 5 record another second call
-    than the target's (they diverge). The demo's config lists it with turns = "all"."""
+    Kimi's own shape, each result answering a call of the step before it; the calls are the simulator's
+    plan for the task but for 5 lines, whose second call is another (they diverge). The demo's config
+    lists it with turns = "all"."""
+    from draftgen.simulator.tools import plan
     from draftgen.tui import demo, demo_agent
     monkeypatch.setattr(demo, "build_tiny_model", lambda folder: None)
     cfg = demo.prepare(tmp_path, "http://127.0.0.1:9/api/v1")
@@ -116,7 +118,10 @@ def test_the_agent_demo_dataset_is_bundled_as_its_generator_writes_it_and_its_en
             assert all(re.fullmatch(rf"functions\.{c['function']['name']}:\d+", c["id"]) for c in calls)
             assert all(isinstance(orjson.loads(c["function"]["arguments"]), dict) for c in calls)
             assert [m["tool_call_id"] for m in msgs[a + 1:b]] == [c["id"] for c in calls]
-        first, second = demo_agent.moves(*demo_agent.task(i)[:2])  # what the simulator's target calls
+        first, second = demo_agent.moves(i)  # what the simulator's target calls
+        planned = plan(msgs[1]["content"], ["search_code", "read_file", "run_tests"])
+        assert [[(c["function"]["name"], orjson.loads(c["function"]["arguments"])) for c in r]
+                for r in (first, second)] == planned
         assert msgs[steps[0]]["tool_calls"] == first
         assert (msgs[steps[1]]["tool_calls"] != second) is demo_agent.diverging(i)
         diverging += demo_agent.diverging(i)

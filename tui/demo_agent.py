@@ -4,11 +4,11 @@
 
 20 agent lines in the OpenAI layout: a system turn, the tools (function schemas), a user task, two
 tool steps (an assistant message with tool calls, then a `tool` result for each call) and a final
-answer. The calls are what the simulator's target makes for such a task (`moves` below): 15 lines
-record exactly those calls, so with tool_results = "match" every step is answered on the recorded
-results; every fourth line (5) records another second call than the target's, so its conversation
-diverges at step 2. The ids are Kimi-K2.5's own shape, functions.NAME:IDX. Deterministic: the same
-file each time.
+answer. The calls are what the simulator's target makes for the task (`moves`: simulator/tools.py
+plans them from the task's text and the tools' names): 15 lines record exactly those calls, so with
+tool_results = "match" every step is answered on the recorded results; every fourth line (5) records
+a run_tests call at step 2 instead, so its conversation diverges there. The ids are Kimi-K2.5's own
+shape, functions.NAME:IDX. Deterministic: the same file each time.
 """
 
 from __future__ import annotations
@@ -19,25 +19,29 @@ from typing import Any
 
 import orjson
 
+from draftgen.simulator.tools import plan
+
 LINES = 20
 DIVERGE_EVERY = 4   # line i with i % DIVERGE_EVERY == DIVERGE_EVERY - 1 records another second call
 
 SYSTEM = "You are a coding agent working in a Python repository. Use the tools to look before you answer."
 
 
-def _tool(name: str, description: str, **params: str) -> dict[str, Any]:
+def _tool(name: str, description: str, query: str) -> dict[str, Any]:
+    """A function schema. Its arguments are those the simulator's target writes (a query and the round)."""
     return {"type": "function", "function": {
         "name": name, "description": description,
-        "parameters": {"type": "object", "properties": {k: {"type": "string", "description": v}
-                                                        for k, v in params.items()},
-                       "required": list(params)}}}
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "description": query},
+            "round": {"type": "integer", "description": "which round of calls of the task this is"}},
+            "required": ["query"]}}}
 
 
 TOOLS = [
     _tool("search_code", "Search the repository; returns matching lines as path:line: text.",
-          query="text or a regular expression to look for"),
-    _tool("read_file", "Read a file of the repository.", path="the file's path from the repository root"),
-    _tool("run_tests", "Run pytest on a path and return its summary.", path="a test file or folder"),
+          "text or a regular expression to look for"),
+    _tool("read_file", "Read the file a query names.", "the file, or what it holds"),
+    _tool("run_tests", "Run pytest on the tests a query names and return its summary.", "the tests to run"),
 ]
 
 # (function, module, what goes wrong, the fix): one task a line, cycled with a suffix past the list.
@@ -55,21 +59,9 @@ TASKS = [
 ]
 
 
-def _call(name: str, index: int, **args: str) -> dict[str, Any]:
+def _call(name: str, index: int, args: dict[str, Any]) -> dict[str, Any]:
     return {"id": f"functions.{name}:{index}", "type": "function",
             "function": {"name": name, "arguments": orjson.dumps(args).decode()}}
-
-
-def _result(call: dict[str, Any], content: str) -> dict[str, Any]:
-    return {"role": "tool", "tool_call_id": call["id"], "content": content}
-
-
-def moves(fn: str, module: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The target's calls at steps 1 and 2 for a task on `fn` in `module`: it searches for the
-    definition, then reads the file and its test file at once (two parallel calls)."""
-    test = f"tests/test_{Path(module).stem}.py"
-    return ([_call("search_code", 0, query=f"def {fn}")],
-            [_call("read_file", 1, path=module), _call("read_file", 2, path=test)])
 
 
 def task(i: int) -> tuple[str, str, str, str]:
@@ -79,25 +71,45 @@ def task(i: int) -> tuple[str, str, str, str]:
     return (fn if n == 0 else f"{fn}_v{n + 1}"), module, wrong, fix
 
 
-def line(i: int) -> dict[str, Any]:
-    fn_i, module, wrong, fix = task(i)
-    first, second = moves(fn_i, module)
-    diverges = diverging(i)
-    if diverges:  # the recorded agent ran the tests where the target reads the files
-        second = [_call("run_tests", 1, path=f"tests/test_{Path(module).stem}.py")]
+def user_turn(i: int) -> str:
+    """Line i's task. "tool rounds: 2" tells the simulator's target to make two rounds of calls."""
+    fn, module, wrong, _ = task(i)
+    return f"`{fn}` in {module} {wrong}. Find the cause and say how to fix it (tool rounds: 2)."
+
+
+def moves(i: int) -> list[list[dict[str, Any]]]:
+    """The target's calls at steps 1 and 2 of line i, as the simulator makes them (simulator/tools.py
+    `plan`: from the task and the tools' names; one call, or two in parallel about one round in four),
+    with Kimi's ids, functions.NAME:IDX counting the conversation's calls from 0."""
+    rounds, n = [], 0
+    for calls in plan(user_turn(i), [t["function"]["name"] for t in TOOLS]):
+        rounds.append([_call(name, n + j, args) for j, (name, args) in enumerate(calls)])
+        n += len(calls)
+    return rounds
+
+
+def _result(call: dict[str, Any], i: int) -> dict[str, Any]:
+    """What the recorded agent's tool returned for `call` (a search hit, a file, a test summary)."""
+    fn, module, wrong, _ = task(i)
     test = f"tests/test_{Path(module).stem}.py"
-    results_1 = [_result(first[0], f"{module}:12: def {fn_i}(value):")]
-    if diverges:
-        results_2 = [_result(second[0], f"FAILED {test}::test_{fn_i} - AssertionError\n1 failed, 7 passed in 0.21s")]
-    else:
-        results_2 = [_result(second[0], f"def {fn_i}(value):\n    # {wrong}\n    ...\n"),
-                     _result(second[1], f"def test_{fn_i}():\n    assert {fn_i}(EXAMPLE) == EXPECTED\n")]
+    name = call["function"]["name"]
+    content = {"search_code": f"{module}:12: def {fn}(value):\n{test}:8: def test_{fn}():",
+               "read_file": f"def {fn}(value):\n    # {wrong}\n    ...\n",
+               "run_tests": f"FAILED {test}::test_{fn} - AssertionError\n1 failed, 7 passed in 0.21s"}[name]
+    return {"role": "tool", "tool_call_id": call["id"], "content": content}
+
+
+def line(i: int) -> dict[str, Any]:
+    fn, module, wrong, fix = task(i)
+    first, second = moves(i)
+    if diverging(i):  # the recorded agent ran the tests where the target does something else
+        second = [_call("run_tests", len(first), {"path": f"tests/test_{Path(module).stem}.py"})]
     return {"id": f"agent-{i}", "tools": TOOLS, "messages": [
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"`{fn_i}` in {module} {wrong}. Find the cause and say how to fix it."},
-        {"role": "assistant", "content": "", "tool_calls": first}, *results_1,
-        {"role": "assistant", "content": "", "tool_calls": second}, *results_2,
-        {"role": "assistant", "content": f"The cause is in `{fn_i}`: {wrong}. Fix: {fix}."},
+        {"role": "user", "content": user_turn(i)},
+        {"role": "assistant", "content": "", "tool_calls": first}, *(_result(c, i) for c in first),
+        {"role": "assistant", "content": "", "tool_calls": second}, *(_result(c, i) for c in second),
+        {"role": "assistant", "content": f"The cause is in `{fn}`: it {wrong}. Fix: {fix}."},
     ]}
 
 

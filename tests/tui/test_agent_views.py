@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from draftgen.core.live import snapshot as snap
+from draftgen.tui import demo_agent
 from draftgen.tui.app import DraftgenApp
 from draftgen.tui.screens.conversation import conversations, read_tail
 from tests import fixtures as fx
@@ -28,44 +29,50 @@ def make(snapshot: snap.RunSnapshot, run_dir=None) -> DraftgenApp:
 
 
 async def test_the_datasets_panel_counts_an_agent_datasets_steps_tool_calls_and_diverged() -> None:
-    app = make(fx.with_agent(replayed=4, conversations_ended=1))
+    app = make(fx.with_agent(replayed=4, conversations_ended=6))
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
         datasets = text(app, "#datasets")
-        assert "47/60" in datasets
-        assert ("agent: steps 47/60 answered, 37 with tool calls; conversations 13/20 done, 5 diverged, "
-                "1 ended early; 4 replayed") in datasets, datasets
+        assert "50/60" in datasets
+        assert ("agent: steps 50/60 answered, 40 with tool calls; conversations 10/20 done, 6 ended early "
+                "(5 diverged); 4 replayed") in datasets, datasets
 
 
 async def test_a_multi_turn_dataset_without_tool_calls_still_counts_turns() -> None:
-    app = make(fx.with_agent(tool_calls=0, diverged=0))
+    app = make(fx.with_agent(tool_calls=0, diverged=0, conversations_ended=0))
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
-        assert "agent: turns 47/60 answered; conversations 13/20 done, 0 ended early" in text(app, "#datasets")
+        assert "agent: turns 50/60 answered; conversations 10/20 done, 0 ended early" in text(app, "#datasets")
 
 
 async def test_the_drill_down_shows_a_conversation_step_by_step_with_its_calls_and_results(tmp_path) -> None:
     app = make(fx.with_agent(), fx.agent_run_dir(tmp_path))
-    async with app.run_test(size=(120, 60)) as pilot:
+    async with app.run_test(size=(200, 60)) as pilot:  # wide: no call's line wraps
         body = await agent_drill(pilot)
-        assert "conversations     13 of 20 done, 5 diverged, 0 ended early" in body
-        assert "tool calls        37 answers called tools" in body
-        assert "answered by step  s1 20/20  s2 17/20  s3 10/15" in body
+        assert "conversations     10 of 20 done, 5 ended early (5 diverged)" in body
+        assert "tool calls        40 answers called tools (by step: s1 20  s2 20)" in body
+        assert "diverged at step  s2 5" in body
+        assert "answered by step  s1 20/20  s2 20/20  s3 10/20" in body
         # The newest conversation: its three steps in order, each call's name and arguments, each result
         # under the call id it was sent with.
         assert "conversation agent-0  3 of 3 steps answered" in body
         steps = [body.index(f"step {k} ") for k in (1, 2, 3)]
         assert steps == sorted(steps)
-        assert '→ search_code({"query":"def parse_date"})  functions.search_code:0' in body
-        assert '→ read_file({"path":"utils/dates.py"})  functions.read_file:1' in body
-        assert '→ read_file({"path":"tests/test_dates.py"})  functions.read_file:2' in body
-        assert body.count("the dataset's result, sent under the target's call id") == 3
-        assert "utils/dates.py:12: def parse_date(value):" in body
+        calls = demo_agent.moves(0)  # one call at step 1, two at once at step 2
+        assert [len(c) for c in calls] == [1, 2]
+        for k, (start, end) in enumerate(zip(steps, steps[1:])):
+            shown = body[start:end]
+            for c in calls[k]:
+                assert f"→ {c['function']['name']}({c['function']['arguments']})  {c['id']}" in shown
+                assert f"← {c['id']}  the dataset's result, sent under the target's call id" in shown
+        assert "utils/dates.py:12: def parse_date(value):" in body  # a result, under its call
+        assert "    # returns the wrong month for ISO dates" in body
         assert "Fix: use %m, not %M, in the format." in body[steps[2]:]
         # [ goes to older conversations: one under way, then one that diverged.
         await pilot.press("left_square_bracket")
         body = text(app, "#drill-body")
-        assert "conversation agent-1  2 of 3 steps answered" in body and "diverged" not in body.split("tool calls")[1]
+        assert "conversation agent-1  2 of 3 steps answered" in body
+        assert "diverged" not in body.split("conversation agent-1")[1]
         await pilot.press("left_square_bracket")
         body = text(app, "#drill-body")
         assert "conversation agent-3  2 of 3 steps answered  diverged at step 2" in body
@@ -124,3 +131,20 @@ def test_the_tail_read_leaves_out_the_line_it_cuts_and_a_half_written_last_line(
     found = conversations(got)
     assert [(c.id, [r["turn"] for r in c.steps]) for c in found] == [("agent-0", [2, 3]), ("agent-1", [1])]
     assert read_tail(tmp_path / "missing.jsonl") == []
+
+
+async def test_replayed_results_are_told_apart_from_matched_ones_step_by_step(tmp_path) -> None:
+    """tool_results = "replay": the first step whose record says "replayed" after one that did not was
+    sent a result after other calls than the dataset's; the results before it were matched."""
+    records = fx.agent_records(5, 3)
+    records[2]["tool_results"] = "replayed"  # step 3: the results after step 2 were replayed
+    (tmp_path / "agent").mkdir()
+    (tmp_path / "agent" / "responses.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    app = make(fx.with_agent(replayed=1), tmp_path)
+    async with app.run_test(size=(120, 60)) as pilot:
+        body = await agent_drill(pilot)
+        step2, step3 = body.index("step 2 "), body.index("step 3 ")
+        assert "the dataset's result, sent under the target's call id" in body[:step2]
+        assert body[step2:step3].count("replayed: the dataset's result after other calls than the dataset's") \
+            == len(demo_agent.moves(5)[1])
+        assert "replayed results  1 steps sent with a replayed tool result" in body

@@ -42,7 +42,8 @@ def is_agent(d: DatasetSnapshot) -> bool:
 
 def conversation_note(d: DatasetSnapshot) -> Text:
     """The line under the table of a turns = "all" dataset: turns (an agent dataset's steps, with its tool
-    calls, diverged and replayed counts) and conversations."""
+    calls, diverged and replayed counts) and conversations. A diverged conversation is one that ended
+    early (its later steps are counted skipped)."""
     if not is_agent(d):
         return Text.assemble((f"{d.name}: ", "bold"), f"turns {fmt.count(d.done)}/{fmt.count(d.total)} answered; "
                              f"conversations {fmt.count(d.conversations_done)}/{fmt.count(d.conversations)} done, ",
@@ -52,8 +53,8 @@ def conversation_note(d: DatasetSnapshot) -> Text:
         (f"{d.name}: ", "bold"), f"steps {fmt.count(d.done)}/{fmt.count(d.total)} answered, "
         f"{fmt.count(d.tool_calls)} with tool calls; conversations {fmt.count(d.conversations_done)}/"
         f"{fmt.count(d.conversations)} done, ",
-        (f"{fmt.count(d.diverged)} diverged", "yellow" if d.diverged else "dim"), ", ",
-        (f"{fmt.count(d.conversations_ended)} ended early", "magenta" if d.conversations_ended else "dim")]
+        (f"{fmt.count(d.conversations_ended)} ended early", "magenta" if d.conversations_ended else "dim"), " (",
+        (f"{fmt.count(d.diverged)} diverged", "yellow" if d.diverged else "dim"), ")"]
     if d.replayed:
         parts += ["; ", (f"{fmt.count(d.replayed)} replayed", "yellow")]
     return Text.assemble(*parts)

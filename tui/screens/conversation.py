@@ -30,7 +30,7 @@ TEXT_CHARS = 400       # a message's text shown at most (a tool result may be a 
 
 
 @dataclass(frozen=True)
-class Conversation:
+class ShownConversation:
     """The records of one conversation found in the file's tail, by step (1-based `turn`)."""
     id: str
     steps: tuple[dict[str, Any], ...]   # ordered by step; the earliest may be missing (before the tail)
@@ -66,7 +66,7 @@ def read_tail(path: Path, limit: int = TAIL_BYTES) -> list[dict[str, Any]]:
     return records
 
 
-def conversations(records: Iterable[dict[str, Any]]) -> list[Conversation]:
+def conversations(records: Iterable[dict[str, Any]]) -> list[ShownConversation]:
     """The conversations of these records (those with a `conversation` and a `turn`), ordered by their
     newest record's place in the file: the last one is the one answered most recently."""
     found: dict[str, dict[int, dict[str, Any]]] = {}
@@ -77,7 +77,7 @@ def conversations(records: Iterable[dict[str, Any]]) -> list[Conversation]:
         steps = found.pop(conv, {})  # popped and put back: the dict keeps the newest last
         steps[turn] = r
         found[conv] = steps
-    return [Conversation(conv, tuple(steps[k] for k in sorted(steps))) for conv, steps in found.items()]
+    return [ShownConversation(conv, tuple(steps[k] for k in sorted(steps))) for conv, steps in found.items()]
 
 
 def _str(value: Any) -> str:
@@ -125,17 +125,21 @@ def _answer(content: Any, reasoning: Any, calls: Any) -> RenderableType:
     return Group(*parts)
 
 
-def _results_flag(record: dict[str, Any] | None) -> tuple[str, str]:
-    """How the tool results before this step were sent: the dataset's, matched or replayed."""
+def _results_flag(record: dict[str, Any] | None, before: dict[str, Any] | None, first: bool) -> tuple[str, str]:
+    """How the tool results just before a step were sent, from the `tool_results` of its record (which
+    says how all the results in its history were: "replayed" when any was) and of the step before
+    (`first`: there is none with results)."""
     how = record.get("tool_results") if record is not None else None
-    if how == "replayed":
-        return "replayed: the dataset's result, whatever the call", "yellow"
     if how == "matched":
         return "the dataset's result, sent under the target's call id", "dim"
+    if how == "replayed":
+        if not first and (before is None or before.get("tool_results") == "replayed"):  # an earlier one was
+            return "the dataset's result (tool_results = \"replay\")", "yellow"
+        return "replayed: the dataset's result after other calls than the dataset's", "yellow"
     return "", ""
 
 
-def draw_conversation(c: Conversation, *, position: str = "") -> RenderableType:
+def draw_conversation(c: ShownConversation, *, position: str = "") -> RenderableType:
     """The conversation step by step from its newest record's history and answer."""
     last = c.last
     by_step = {count_of(r.get("turn")): r for r in c.steps}
@@ -161,7 +165,7 @@ def draw_conversation(c: Conversation, *, position: str = "") -> RenderableType:
                                                                             or m.get("reasoning_content"),
                                                                             m.get("tool_calls")))
         elif role == "tool":
-            note, style = _results_flag(by_step.get(step + 1))
+            note, style = _results_flag(by_step.get(step + 1), by_step.get(step), step == 1)
             call_id = _str(m.get("tool_call_id"))
             grid.add_row(Text("  result", style="cyan"), Group(
                 Text.assemble((f"← {visible(call_id, one_line=True)}", "cyan"), (f"  {note}" if note else "", style)),
@@ -176,7 +180,7 @@ def draw_conversation(c: Conversation, *, position: str = "") -> RenderableType:
     return Group(head, grid)
 
 
-def pick(found: Sequence[Conversation], pinned: str | None) -> int | None:
+def pick(found: Sequence[ShownConversation], pinned: str | None) -> int | None:
     """The index of the conversation to show: the pinned one while the tail still holds it, else the
     newest; None when there is none."""
     if not found:

@@ -24,7 +24,7 @@ from draftgen.tui import fmt
 from draftgen.tui.panels.datasets import is_agent
 from draftgen.tui.panels.header import RunHeader
 from draftgen.tui.panels.panel import DrillKind
-from draftgen.tui.screens.conversation import Conversation, conversations, draw_conversation, pick, read_tail
+from draftgen.tui.screens.conversation import ShownConversation, conversations, draw_conversation, pick, read_tail
 
 DATASET, KIND, PROVIDER = DrillKind.DATASET, DrillKind.KIND, DrillKind.PROVIDER
 
@@ -73,10 +73,13 @@ def _dataset_facts(s: RunSnapshot, name: str) -> list[tuple[str, str | Text]]:
     if d.conversations:  # turns = "all": the counts above are turns (an agent dataset's: steps)
         agent = is_agent(d)
         rows.append(("conversations", f"{fmt.count(d.conversations_done)} of {fmt.count(d.conversations)} done, "
-                                      + (f"{fmt.count(d.diverged)} diverged, " if agent else "")
-                                      + f"{fmt.count(d.conversations_ended)} ended early"))
+                                      f"{fmt.count(d.conversations_ended)} ended early"
+                                      + (f" ({fmt.count(d.diverged)} diverged)" if agent else "")))
         if agent:
-            rows.append(("tool calls", f"{fmt.count(d.tool_calls)} answers called tools"))
+            rows.append(("tool calls", f"{fmt.count(d.tool_calls)} answers called tools"
+                         + (f" (by step: {_by_step(d.tool_calls_by_number)})" if any(d.tool_calls_by_number) else "")))
+            if any(d.diverged_by_number):
+                rows.append(("diverged at step", _by_step(d.diverged_by_number)))
             if d.replayed:  # tool_results = "replay"
                 rows.append(("replayed results", f"{fmt.count(d.replayed)} steps sent with a replayed tool result"))
         if d.turns_by_number:
@@ -89,6 +92,11 @@ def _dataset_facts(s: RunSnapshot, name: str) -> list[tuple[str, str | Text]]:
     if d.message:
         rows.append(("note", d.message))
     return rows
+
+
+def _by_step(counts: tuple[int, ...]) -> str:
+    """Counts by step number, those above 0: "s1 20  s2 12"."""
+    return "  ".join(f"s{k} {fmt.count(n)}" for k, n in enumerate(counts, 1) if n)
 
 
 def _kind_facts(s: RunSnapshot, kind: str) -> list[tuple[str, str | Text]]:
@@ -184,7 +192,7 @@ class DrillScreen(Screen[None]):
         # A turns = "all" dataset's responses file, when the run directory is known.
         self._responses = RunDir(run_dir).responses(target.name) if run_dir is not None and \
             target.what == DATASET else None
-        self._found: list[Conversation] = []
+        self._found: list[ShownConversation] = []
         self._pinned: str | None = None   # the conversation browsed to (None: the newest)
         self._read_at: tuple[float, int] | None = None  # when the file was read, and the count then
         self._reads = 0
