@@ -281,20 +281,26 @@ def with_agent(s: RunSnapshot | None = None, **changes: object) -> RunSnapshot:
                                                  for d in s.datasets))
 
 
+def _reasoning(n: int) -> str:
+    return f"Message {n}: what to look at next."
+
+
 def agent_records(i: int, steps: int, *, answer: str = "", diverge: bool = False) -> list[dict[str, Any]]:
     """The records a run writes for demo agent line `i`'s first `steps` steps, the target calling what the
     line records: each step's `messages` the history sent (the target's own calls, the dataset's results
     under their ids), `tool_results` "matched" after the first step; the last step `diverged` if asked."""
     from draftgen.tui.demo_agent import line
 
-    messages = line(i)["messages"]
+    # The target's own messages go back with their reasoning, as OpenRouter's reasoning_details.
+    messages = [dict(m, reasoning_details=[{"type": "reasoning.text", "text": _reasoning(j)}])
+                if m["role"] == "assistant" else m for j, m in enumerate(line(i)["messages"])]
     at = [n for n, m in enumerate(messages) if m["role"] == "assistant"]
     records = []
     for k in range(1, steps + 1):
         own = messages[at[k - 1]] if not (answer and k == steps) else {"content": answer}
         record: dict[str, Any] = {
             "id": f"agent-{i}#t{k}", "conversation": f"agent-{i}", "turn": k, "turns": len(at),
-            "messages": messages[:at[k - 1]], "reasoning": f"Step {k}: what to look at next.",
+            "messages": messages[:at[k - 1]], "reasoning": _reasoning(at[k - 1]),
             "content": own.get("content", ""),
             "tool_calls": own.get("tool_calls"), "finish_reason": "tool_calls" if own.get("tool_calls") else "stop",
             "provider": "novita", "usage": {"prompt_tokens": 400 * k, "completion_tokens": 60}, "ts": T0 + 10 * k,

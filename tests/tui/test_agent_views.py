@@ -68,6 +68,8 @@ async def test_the_drill_down_shows_a_conversation_step_by_step_with_its_calls_a
         assert "utils/dates.py:12: def parse_date(value):" in body  # a result, under its call
         assert "    # returns the wrong month for ISO dates" in body
         assert "Fix: use %m, not %M, in the format." in body[steps[2]:]
+        # Each step's reasoning: the answer's own, the earlier ones' as their reasoning_details went back.
+        assert [body[s:].count("(reasoning: 32 characters)") for s in steps] == [3, 2, 1]
         # [ goes to older conversations: one under way, then one that diverged.
         await pilot.press("left_square_bracket")
         body = text(app, "#drill-body")

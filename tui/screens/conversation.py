@@ -112,10 +112,23 @@ def _calls(calls: Any) -> list[Text]:
     return lines
 
 
-def _answer(content: Any, reasoning: Any, calls: Any) -> RenderableType:
+def _reasoning_chars(m: dict[str, Any]) -> int:
+    """The length of a message's reasoning: its text (`reasoning`, `reasoning_content`), else the text of
+    its OpenRouter `reasoning_details` (how a history message sends it back)."""
+    for key in ("reasoning", "reasoning_content"):
+        if isinstance(m.get(key), str) and m[key].strip():
+            return len(m[key])
+    details = m.get("reasoning_details")
+    return sum(len(d.get("text") or d.get("summary") or "") for d in details if isinstance(d, dict)
+               and isinstance(d.get("text") or d.get("summary") or "", str)) if isinstance(details, list) else 0
+
+
+def _answer(m: dict[str, Any]) -> RenderableType:
+    """An answer (a record's or a history message): its reasoning's length, its content and its calls."""
+    content, calls = m.get("content"), m.get("tool_calls")
     parts: list[RenderableType] = []
-    if isinstance(reasoning, str) and reasoning.strip():
-        parts.append(Text(f"(reasoning: {len(reasoning):,} characters)", style="dim"))
+    if n := _reasoning_chars(m):
+        parts.append(Text(f"(reasoning: {n:,} characters)", style="dim"))
     text = _text(content)
     if text:
         parts.append(Text(text))
@@ -161,9 +174,7 @@ def draw_conversation(c: ShownConversation, *, position: str = "") -> Renderable
         role = m.get("role")
         if role == "assistant":
             step += 1
-            grid.add_row(Text(f"step {step}", style="bold green"), _answer(m.get("content"), m.get("reasoning")
-                                                                            or m.get("reasoning_content"),
-                                                                            m.get("tool_calls")))
+            grid.add_row(Text(f"step {step}", style="bold green"), _answer(m))
         elif role == "tool":
             note, style = _results_flag(by_step.get(step + 1), by_step.get(step), step == 1)
             call_id = _str(m.get("tool_call_id"))
@@ -173,7 +184,7 @@ def draw_conversation(c: ShownConversation, *, position: str = "") -> Renderable
         elif role in ("user", "system"):
             grid.add_row(Text(str(role), style="bold"), Text(_text(m.get("content"))))
     grid.add_row(Text(f"step {step_n}", style="bold green"),
-                 _answer(last.get("content"), last.get("reasoning"), last.get("tool_calls")))
+                 _answer(last))
     if diverged:
         grid.add_row("", Text("diverged: not the dataset's next move; this answer is a sample, nothing more "
                               "was asked", style="yellow"))
