@@ -39,8 +39,34 @@ async def test_demo_headless_end_to_end(tmp_path, specforge_tree):
     got = check_run_with_specforge(run, specforge_tree)
     rows = [orjson.loads(line) for line in train]
     dialogue = check_multi_turn_demo(run, rows, tokens)
+    check_agent_demo(run)
+    summary = " ".join(text.split())  # its lines wrapped at 120 columns
+    assert "agent: counts are turns; 15/20 conversations done, 5 ended early" in summary
+    assert "40 answers called tools, 5 conversations diverged (at t2 5)" in summary
     read = {n for n, row in enumerate(rows) if row["id"].startswith("dialogue/")}
     assert len(read) == len(dialogue) and all(got["conversations"][n] == rows[n]["conversations"] for n in read)
+
+
+def check_agent_demo(run) -> None:
+    """The agent dataset (20 lines, turns = "all"): each step asked once, on the line's tools, the target's
+    own earlier calls under their ids and the recorded results under those ids; 15 lines answered in their
+    3 steps, the 5 whose second call is not the target's ended at step 2, diverged."""
+    from draftgen.tui.demo_agent import TOOLS, diverging
+    answered = [orjson.loads(x) for x in (run / "agent" / "responses.jsonl").read_bytes().splitlines()]
+    by_id = {r["id"]: r for r in answered}
+    assert len(by_id) == len(answered) == 15 * 3 + 5 * 2
+    for i in range(20):
+        steps = [by_id.get(f"agent-{i}#t{k}") for k in (1, 2, 3)]
+        assert [s is not None for s in steps] == [True, True, not diverging(i)]
+        assert [bool(s.get("diverged")) for s in steps if s] == ([False, True] if diverging(i) else [False] * 3)
+        for k, s in enumerate(steps[1:], 2):
+            if s is None:
+                continue
+            assert s["tools"] == TOOLS and s["tool_results"] == "matched"
+            sent = [m for m in s["messages"] if m["role"] in ("assistant", "tool")]
+            own = [c for r in steps[:k - 1] for c in r["tool_calls"]]
+            assert [c["id"] for m in sent if m["role"] == "assistant" for c in m["tool_calls"]] == \
+                [m["tool_call_id"] for m in sent if m["role"] == "tool"] == [c["id"] for c in own]
 
 
 def check_multi_turn_demo(run, train, tokens) -> set[str]:
@@ -61,8 +87,11 @@ def check_multi_turn_demo(run, train, tokens) -> set[str]:
     samples = {row["id"].removeprefix("dialogue/"): (row, *tokens.arrays(tokens.entry(row["id"])))
                for row in train if row["id"].startswith("dialogue/")}
     stats = orjson.loads((run / "merged" / "stats.json").read_bytes())
-    assert sum(t["read"] for t in stats["by_turn"].values()) == len(answered)
-    assert len(samples) == sum(t["kept"] for t in stats["by_turn"].values()) > 80
+    # by_turn counts every turns = "all" dataset's: the agent dataset's steps too.
+    steps = len((run / "agent" / "responses.jsonl").read_bytes().splitlines())
+    assert sum(t["read"] for t in stats["by_turn"].values()) == len(answered) + steps
+    agent_kept = sum(row["id"].startswith("agent/") for row in train)
+    assert len(samples) == sum(t["kept"] for t in stats["by_turn"].values()) - agent_kept > 80
     for turn_id, (row, ids, mask) in samples.items():
         r = by_id[turn_id]
         assert len(ids) == r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"]
