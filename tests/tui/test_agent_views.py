@@ -150,3 +150,24 @@ async def test_replayed_results_are_told_apart_from_matched_ones_step_by_step(tm
         assert body[step2:step3].count("replayed: the dataset's result after other calls than the dataset's") \
             == len(demo_agent.moves(5)[1])
         assert "replayed results  1 steps sent with a replayed tool result" in body
+
+
+def test_the_report_counts_an_agent_datasets_steps_tool_calls_and_divergences(tmp_path) -> None:
+    """draftgen report reads the same figures from the records alone: steps, answers that called tools,
+    conversations diverged (by step), steps sent with a replayed result; a dataset without tools has none."""
+    import io
+
+    from draftgen.tui.report import report
+    run = fx.agent_run_dir(tmp_path)
+    replayed = fx.agent_records(5, 2)
+    replayed[1]["tool_results"] = "replayed"
+    with open(run / "agent" / "responses.jsonl", "ab") as f:
+        f.write(b"".join(orjson.dumps(r) + b"\n" for r in replayed))
+    (run / "chat").mkdir()
+    (run / "chat" / "responses.jsonl").write_bytes(orjson.dumps({"id": "c1", "content": "hi", "turn": 1}) + b"\n")
+    out = io.StringIO()
+    report(run, out=out, width=160)
+    text = out.getvalue()
+    assert ("agent: 9 agent steps answered, 7 called tools, 1 conversations diverged (at step 2: 1), "
+            "1 steps sent with a replayed tool result") in text, text
+    assert "chat:" not in text
