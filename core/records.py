@@ -217,8 +217,7 @@ def own_calls(tool_calls: Any) -> list[tuple[str, Any]] | None:
     out = []
     for call in tool_calls or ():
         fn = call.get("function") if isinstance(call, dict) else None
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or not name:
+        if not isinstance(fn, dict) or not isinstance(name := fn.get("name"), str) or not name:
             return None
         out.append((name, parsed_arguments(fn.get("arguments"))))
     return out
@@ -347,8 +346,6 @@ class ResponseRecord:
         if turn is not None:
             line.update(turn.to_dict())
             line["reasoning_details"] = reasoning_details
-            if turn.diverges(tool_calls):
-                line["diverged"] = True
         return line
 
     @classmethod

@@ -21,7 +21,8 @@ Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed i
     stats.json    kept and dropped (by reason) per dataset, tokens, cost, seed, input fingerprints
                   (costs from the spend ledger, spend.jsonl: the figures the run's views show); for
                   turns of multi-turn conversations, `by_turn` (per turn number: read, kept, dropped
-                  by reason) and `multi_turn`, the mode they were merged in
+                  by reason; for agent steps `diverged` and `replayed` lines, docs/multi-turn.md) and
+                  `multi_turn`, the mode they were merged in
     fingerprint.json  which merge this is (core/tokens/identity.py): the seed, the inputs and a
                   digest of the samples in order; extraction copies it beside the hidden states
 
@@ -69,7 +70,16 @@ from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef, complete_lines
 from draftgen.core.merge.specforge import has_tool_calls, specforge_record
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
-from draftgen.core.merge.turns import TURN_REASONS, PendingTurn, add_turns, count_turn, resolve, sorted_turns, turn_of
+from draftgen.core.merge.turns import (
+    AGENT_FLAGS,
+    TURN_REASONS,
+    PendingTurn,
+    add_turns,
+    count_turn,
+    resolve,
+    sorted_turns,
+    turn_of,
+)
 from draftgen.core.quoting import sh_path
 from draftgen.core.records import Usage, same_model
 from draftgen.core.rundir import RunDir
@@ -466,7 +476,7 @@ def _settle_turns(ds_index: int, pending: list[PendingTurn], multi_turn: str, se
         if p.reason is None and p.ref is not None:
             tools = tools or p.tools
             kept.append((ds_index, p.offset, p.length, p.ref.offset, p.ref.length, p.history))
-        count_turn(st.by_turn, p.turn, p.reason)
+        count_turn(st.by_turn, p.turn, p.reason, diverged=p.diverged, replayed=p.replayed)
         _tally(st, reporter, p.reason)
     return tools
 
@@ -490,7 +500,8 @@ def _pending(offset: int, length: int, found: tuple[str, int], reason: str | Non
              notes: tuple[str, ...], record: dict[str, Any], costs: dict[str, float]) -> PendingTurn:
     key = record_key(record) if reason is None else b""
     return PendingTurn(offset, length, found[0], found[1], reason, ref, notes, str(record["id"]), key,
-                       _cost(record, costs), has_tool_calls(record))
+                       _cost(record, costs), has_tool_calls(record), diverged=record.get("diverged") is True,
+                       replayed=record.get("tool_results") == "replayed")
 
 
 def _take(key: bytes, sample_id: str, cost: float, notes: tuple[str, ...], seen: _Seen,
@@ -607,11 +618,13 @@ def _turns_table(stats: MergeStats) -> Any:
     from rich.table import Table
     by_turn = stats.by_turn
     reasons = sorted({r for row in by_turn.values() for r in row["dropped"]}, key=DROP_REASONS.index)
+    flags = [f for f in AGENT_FLAGS if any(row.get(f) for row in by_turn.values())]  # agent steps only
     table = Table(title=escape(f"turns of conversations ([merge] multi_turn = \"{stats.multi_turn}\")"))
-    for col in ("turn", "read", "kept", *reasons):
+    for col in ("turn", "read", "kept", *reasons, *flags):
         table.add_column(col, justify="right")
     for k, row in by_turn.items():
-        table.add_row(k, f"{row['read']:,}", f"{row['kept']:,}", *(f"{row['dropped'].get(r, 0):,}" for r in reasons))
+        table.add_row(k, f"{row['read']:,}", f"{row['kept']:,}", *(f"{row['dropped'].get(r, 0):,}" for r in reasons),
+                      *(f"{row.get(f, 0):,}" for f in flags))
     return table
 
 

@@ -14,11 +14,12 @@ from typing import Any
 import orjson
 import pytest
 
+from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.simulator.stats import prompt_key
 from draftgen.simulator.tools import plan
-from tests.generate.test_multiturn import kill_loop, records, run_to_end, write_conversations
+from tests.generate.test_multiturn import kill_loop, records, run_engine, run_to_end, write_conversations
 from tests.helpers import make_config
 
 NAMES = ["search", "read_file", "edit_file"]
@@ -121,3 +122,129 @@ async def test_kill_9_at_any_step_of_agent_trajectories_resumes_at_the_next_step
         earlier = {x["turn"]: x for x in lines if x["conversation"] == r["conversation"] and x["turn"] < r["turn"]}
         sent = [m for m in r["messages"] if m["role"] == "assistant"]
         assert [m["tool_calls"] for m in sent] == [earlier[k]["tool_calls"] for k in sorted(earlier)]
+
+
+def test_a_steps_reservation_is_the_worst_case_of_the_body_sent_its_tools_and_history_included(tmp_path):
+    from types import SimpleNamespace
+
+    from draftgen.core.generate.api.prices import Prices, body_worst_case
+    from draftgen.core.generate.loop.prompts import parse_conversation
+    from draftgen.core.generate.loop.room import Room
+    from draftgen.core.records import TurnFields
+
+    cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "agent", "n": 1, "turns": "all",
+                                                               "max_tokens": 500}])
+    prices = {"agent": Prices(5e-7, 2e-6, 0.0, "config")}
+    room = Room(SimpleNamespace(config=cfg, control=None, event=None), None, None, None, {},  # type: ignore[arg-type]
+                SimpleNamespace(costs=SimpleNamespace(settler=None, prices=prices)))  # type: ignore[arg-type]
+    conv = parse_conversation(trajectory("c", 2))
+    history = [{"role": "user", "content": "c: fix the failing test (tool rounds: 2)"},
+               {"role": "assistant", "content": "", "reasoning_details": [{"type": "reasoning.text", "text": "t"}],
+                "tool_calls": [{"id": "functions.search:0", "type": "function",
+                                "function": {"name": "search", "arguments": '{"query": "x"}'}}]},
+               {"role": "tool", "tool_call_id": "functions.search:0", "content": "RESULT " * 50}]
+    step = Prompt("c#t2", history, 1, TurnFields("c", 2, 3, conv.fingerprint[1], agent=True, tools=conv.tools))
+    d = cfg.datasets[0]
+    body, worst = room.request_for(SimpleNamespace(config=d), step)  # type: ignore[arg-type]
+    assert body["tools"] == TOOLS and body["messages"] is history
+    assert worst == pytest.approx(body_worst_case(prices["agent"], body, d.max_tokens))
+    without = {**body}
+    del without["tools"]
+    assert worst > body_worst_case(prices["agent"], without, d.max_tokens)  # the tools are counted
+
+
+async def test_max_usd_holds_over_agent_steps_and_ends_a_trajectory_at_the_step_it_has_no_room_for(tmp_path):
+    prompts = write_conversations(tmp_path / "prompts" / "agent.jsonl", [trajectory(f"c{i}", 2) for i in range(6)])
+    async with SimServer(SimConfig(seed=5, latency_scale=0.0, mean_completion_tokens=40, length_sigma=0.0,
+                                   sent_log_size=10_000), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "agent", "prompts": prompts, "turns": "all",
+                                                    "concurrency": 1, "max_tokens": 2048}],
+                          tables={"engine": {"reconstruct": False}, "budget": {"max_usd": 0.0075}})
+        engine, _state, events = await run_engine(cfg)
+        log = sim.sent
+        billed = sim.stats.billed_usd
+    lines = records(RunDir(cfg.run_dir).responses("agent"))
+    assert len(log) == len(lines) and 0 < len(lines) < 18  # every step asked was answered; max_usd stopped the rest
+    assert billed <= 0.0075
+    answered: dict[str, set[int]] = {}
+    for r in lines:
+        answered.setdefault(r["conversation"], set()).add(r["turn"])
+    assert all(ks == set(range(1, len(ks) + 1)) for ks in answered.values())  # each trajectory: steps 1..j
+    row = next(x for x in engine.snapshot().datasets if x.name == "agent")
+    assert (row.done, row.skipped, row.total) == (len(lines), 18 - len(lines), 18) and not row.diverged
+    assert any("skipped for max_usd" in msg for _, msg in events), events
+
+
+async def test_the_snapshot_and_headless_lines_count_tool_calls_diverged_by_step_and_replayed(tmp_path):
+    from draftgen.core.merge.merge import merge
+    from draftgen.headless.printer import detail_lines
+
+    lines = [trajectory("m0", 2), trajectory("m1", 2), trajectory("d0", 2, diverge_at=2),
+             trajectory("d1", 2, diverge_at=1)]
+    prompts = write_conversations(tmp_path / "prompts" / "agent.jsonl", lines)
+    async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=40, sent_log_size=1000),
+                         port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [
+            {"name": "match", "prompts": prompts, "turns": "all", "concurrency": 2},
+            {"name": "replay", "prompts": prompts, "turns": "all", "concurrency": 2, "tool_results": "replay"}],
+                          tables={"engine": {"skip_cross_dataset_duplicates": False, "reconstruct": False}})
+        engine, _state, _events = await run_engine(cfg)
+    s = engine.snapshot()
+    match, replay = (next(d for d in s.datasets if d.name == n) for n in ("match", "replay"))
+    assert (match.done, match.skipped, match.diverged, match.replayed) == (2 * 3 + 2 + 1, 3, 2, 0)
+    assert match.diverged_by_number == (1, 1, 0) and match.tool_calls_by_number == (4, 3, 0)
+    assert match.tool_calls == 7
+    # replay: every recorded result spliced after the target's calls (as many of them): all 12 steps asked
+    assert (replay.done, replay.skipped, replay.diverged, replay.replayed) == (12, 0, 0, 3)
+    stored = records(RunDir(cfg.run_dir).responses("replay"))
+    assert sorted(r["id"] for r in stored if r.get("tool_results") == "replayed") == ["d0#t3", "d1#t2", "d1#t3"]
+    text = "\n".join(detail_lines(s))  # both done: the last dataset of the config is shown
+    assert "12/12 turns (4/4 conversations done, 0 ended early, 8 tool calls, 0 diverged, 3 replayed)" in text, text
+    # merge's stats count them by step too (every line read, kept or not)
+    stats = merge(cfg)
+    by_ds = {d.name: d.by_turn for d in stats.datasets}
+    assert [row.get("diverged", 0) for row in by_ds["match"].values()] == [1, 1, 0]
+    assert [row.get("replayed", 0) for row in by_ds["replay"].values()] == [0, 1, 2]
+    assert stats.to_json_dict()["by_turn"]["2"]["diverged"] == 1
+
+
+async def test_an_answer_cut_at_max_tokens_ends_its_trajectory_as_cut_not_diverged(tmp_path):
+    prompts = write_conversations(tmp_path / "prompts" / "agent.jsonl", [trajectory(f"c{i}", 2) for i in range(3)])
+    async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=200, length_sigma=0.0),
+                         port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "agent", "prompts": prompts, "turns": "all",
+                                                    "max_tokens": 20}], tables={"engine": {"reconstruct": False}})
+        engine, _state, _events = await run_engine(cfg)
+    stored = records(RunDir(cfg.run_dir).responses("agent"))
+    assert sorted(r["id"] for r in stored) == ["c0#t1", "c1#t1", "c2#t1"]
+    assert all(r["truncated"] and not r["tool_calls"] and "diverged" not in r for r in stored)
+    row = next(d for d in engine.snapshot().datasets if d.name == "agent")
+    assert (row.diverged, row.conversations_ended, row.skipped) == (0, 3, 6)
+
+
+def test_tool_results_is_match_or_replay_and_for_turns_all_only(tmp_path):
+    from draftgen.core.config import ConfigError, config_from_dict
+
+    def load(**ds: Any) -> Any:
+        raw = {"output": {"dir": "run"}, "datasets": [{"name": "agent", "prompts": "agent.jsonl", **ds}]}
+        return config_from_dict(raw, tmp_path / "draftgen.toml")
+
+    (tmp_path / "agent.jsonl").write_bytes(orjson.dumps(trajectory("c", 1)) + b"\n")
+    assert load(turns="all").datasets[0].tool_results == "match"
+    assert load(turns="all", tool_results="replay").datasets[0].tool_results == "replay"
+    with pytest.raises(ConfigError, match=r"draftgen.toml: datasets\[0\].tool_results = 'replay' \(dataset agent\)"
+                                          r".*turns is 'last' \(the default\)"):
+        load(tool_results="replay")
+    with pytest.raises(ConfigError, match="tool_results"):
+        load(turns="all", tool_results="run")
+
+
+def test_the_prompt_bound_counts_tools_as_the_template_renders_them_quotes_escaped():
+    import json
+
+    from draftgen.core.generate.api.prices import body_prompt_bound, prompt_token_bound
+
+    quoted = [{"type": "function", "function": {"name": "q", "description": '"' * 400 + "é" * 50,
+                                                "parameters": {"type": "object"}}}]
+    rendered = len(json.dumps(quoted, ensure_ascii=False).encode())  # what tojson writes: 800 bytes of quotes
+    assert body_prompt_bound({"messages": [], "tools": quoted}) - prompt_token_bound(()) >= rendered

@@ -104,8 +104,9 @@ async def _drive(src: ConversationSource, ds: DatasetRun, answer: Any, responses
             if result.kind is BookedAs.ANSWERED:
                 a = result.answer
                 empty = not a.content.strip() and not a.tool_calls  # as record_book.record_answer
+                diverged = p.turn is not None and p.turn.diverges(a.tool_calls)  # (answers here are never broken)
                 ds.answered(p.id, 5, 0.0, short=a.finish_reason == "length" or empty, calls=bool(a.tool_calls),
-                            diverged=p.turn is not None and p.turn.diverges(a.tool_calls))
+                            diverged=diverged)
                 if responses is not None:
                     rec = ResponseRecord(id=p.id, messages=p.messages, reasoning=a.reasoning, content=a.content,
                                          tool_calls=a.tool_calls, finish_reason=a.finish_reason,
@@ -115,7 +116,7 @@ async def _drive(src: ConversationSource, ds: DatasetRun, answer: Any, responses
                                          empty_content=empty, ts=1.0, turn=p.turn,
                                          reasoning_details=a.reasoning_details)
                     with open(responses, "ab") as f:
-                        f.write(orjson.dumps(rec.to_dict()) + b"\n")
+                        f.write(orjson.dumps({**rec.to_dict(), **({"diverged": True} if diverged else {})}) + b"\n")
             elif result.kind is BookedAs.FAILED:
                 ds.failed_one(p.id)
             elif result.kind is BookedAs.SKIPPED:
@@ -162,6 +163,14 @@ def test_history_is_sent_as_each_api_documents_it():
     assert history_message("a", "r", [{"type": "x"}], self_hosted=True) == {
         "role": "assistant", "content": "a", "reasoning_content": "r"}
     assert history_message("a", None, None, self_hosted=True) == {"role": "assistant", "content": "a"}
+    # An agent step's calls go back as the target made them (its id, its argument text, not re-serialised),
+    # a stream's assembled call (no "type", keys in another order) in the OpenAI shape.
+    streamed = [{"function": {"arguments": '{ "q":"x" }', "name": "search"}, "id": "functions.search:0"}]
+    call = {"id": "functions.search:0", "type": "function", "function": {"name": "search", "arguments": '{ "q":"x" }'}}
+    assert history_message("", "r", None, self_hosted=True, tool_calls=streamed) == {
+        "role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "r"}
+    assert history_message("", "r", [{"type": "x"}], self_hosted=False, tool_calls=[call]) == {
+        "role": "assistant", "content": "", "tool_calls": [call], "reasoning_details": [{"type": "x"}]}
 
 
 @pytest.mark.parametrize(("why", "result"), [
@@ -462,3 +471,24 @@ def test_an_agent_line_is_read_as_steps_and_its_fingerprint_covers_tools_and_res
     del no_result["messages"][5]  # read's result missing: cut before the step that would send the call bare
     cut = parse_conversation(no_result)
     assert cut.turns == 2 and "no result" in cut.cut
+
+
+async def test_an_agent_line_edited_between_runs_is_said_and_not_continued(tmp_path):
+    path = _write(tmp_path / "agent.jsonl", [_agent("a0"), _agent("a1")])
+    ds = _dataset(tmp_path, path)
+    _count(ds, path)
+    responses = tmp_path / "responses.jsonl"
+    asked = await _drive(_source(tmp_path, ds), ds, _target_step, responses, stop_after=4, concurrency=2)
+    assert sorted(p.id for p in asked) == ["a0#t1", "a0#t2", "a1#t1", "a1#t2"]
+    edited = [_agent("a0"), _agent("a1")]
+    edited[0]["messages"][3]["content"] = "a0: ANOTHER SEARCH RESULT"  # the result step 2 was sent with
+    _write(path, edited)
+    ds2 = _dataset(tmp_path, path)
+    for p in asked:
+        ds2.answered(p.id, 5, 0.0, short=False, now=False)
+    _count(ds2, path)
+    events: list[str] = []
+    again = await _drive(_source(tmp_path, ds2, events=events), ds2, _target_step, responses)
+    assert [p.id for p in again] == ["a1#t3"]  # the unchanged line goes on; the edited one is not mixed
+    said = [e for e in events if "edited" in e]
+    assert len(said) == 1 and f"{path} line 1: turn 2 of conversation 'a0'" in said[0], events

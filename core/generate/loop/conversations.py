@@ -9,10 +9,17 @@ sent back the way the API documents it (`history_message`): OpenRouter gets the 
 is booked answered; turns of different conversations interleave under the dataset's concurrency
 (ready turns go before new conversations, so few conversations are open at once).
 
+An agent line (prompts.py parse_agent) is asked step by step the same way: step k sends the line's
+tools, the system turn, and for each earlier step the target's own message (its content, reasoning and
+calls under its own ids) followed by the dataset's recorded tool results under those ids, and the user
+turns. `tool_results = "match"` sends a result only after the same calls as the dataset's; an answer
+that is not the dataset's next move is flagged diverged (records.py TurnFields.diverges) and ends its
+conversation; "replay" sends them after as many other calls, the step flagged "replayed".
+
 A broken turn ends its conversation there: failed for good, cut at max_tokens, an empty answer, an
-answer with tool calls, or skipped (a budget, max_usd, a duplicate). Its later turns are counted
-skipped ("conversation ended at turn k: why"), never written, and recomputed from the records on the
-next run. Nothing is ever conditioned on a broken answer.
+answer with tool calls (an agent step's: one that diverged), or skipped (a budget, max_usd, a
+duplicate). Its later turns are counted skipped ("conversation ended at turn k: why"), never
+written, and recomputed from the records on the next run. Nothing is ever conditioned on a broken answer.
 
 Resume is at turn level: the records of the dataset (responses.jsonl, failures.jsonl: `conversation`,
 `turn`, `prompt_hash`) say where each conversation stands; its next turn is 1 + its highest answered
@@ -214,7 +221,7 @@ class ConversationSource:
         assert a is not None
         agent = o.conv.steps is not None
         why = broken_answer(a.content, a.finish_reason, a.tool_calls, agent=agent)
-        if not why and t.diverges(a.tool_calls):
+        if not why and t.diverges(a.tool_calls):  # as record_book.record_answer flagged its record
             why = "diverged"
         calls = f", {len(a.tool_calls)} tool call(s)" if agent and a.tool_calls else ""
         if why:
@@ -283,8 +290,8 @@ class ConversationSource:
                 messages.append(answer)
                 if step.results:
                     calls = answer.get("tool_calls") or []
-                    # Booked only when its calls can take these results (same calls, or as many with "replay").
-                    assert len(calls) == len(step.results), f"{conv.id} step {j}: results for other calls"
+                    # Booked only when its calls can take these results (same calls, or as many with "replay");
+                    # stored answers are checked when the conversation opens (_begin).
                     messages += [{"role": "tool", "tool_call_id": c["id"], "content": r}
                                  for c, r in zip(calls, step.results, strict=True)]
                     if spliced != "replayed":
@@ -347,8 +354,13 @@ class ConversationSource:
             if any(j not in history for j in range(1, m + 1)):  # its answers left the file since _load
                 self._ended(conv, m, "stored answers not readable", kept)
                 return None
-        o = _Open(conv, [history[j] for j in range(1, m + 1)], kept, [f"turn {j}: answered in an earlier run"
-                                                                       for j in range(1, m + 1)])
+        answers = [history[j] for j in range(1, m + 1)]
+        if conv.steps is not None and any(len(a.get("tool_calls") or ()) != len(step.results)
+                                          for a, step in zip(answers, conv.steps[1:], strict=False)):
+            # (a record edited by hand: its calls cannot take the dataset's results after them)
+            self._ended(conv, m, "stored calls do not fit the dataset's tool results", kept)
+            return None
+        o = _Open(conv, answers, kept, [f"turn {j}: answered in an earlier run" for j in range(1, m + 1)])
         self._open[conv.id] = o
         return self._turn(o)
 

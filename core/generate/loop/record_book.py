@@ -40,6 +40,7 @@ from draftgen.core.files import replacing
 from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.api.client import ChatAnswer, RequestFailed
 from draftgen.core.generate.loop.context import RunContext
+from draftgen.core.generate.loop.conversations import broken_answer
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.prompts import (
     Conversation,
@@ -267,9 +268,12 @@ class RecordBook:
             truncated, empty, to_ms(time.time()), a.token_ids, a.prompt_token_ids, prompt.turn, a.reasoning_details)
         if sampling is not None:
             line["sampling"] = sampling
+        turn = prompt.turn
+        if turn is not None and turn.expect is not None and not broken_answer(
+                a.content, a.finish_reason, a.tool_calls, agent=True) and turn.diverges(a.tool_calls):
+            line["diverged"] = True  # not the dataset's next move: its conversation ends (conversations.py)
         assert ds.responses is not None
         self._write(ds, ds.responses, line, True)
-        turn = prompt.turn
         ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty, other_model=other,
                     calls=bool(a.tool_calls), diverged=line.get("diverged") is True,
                     replayed=turn is not None and turn.tool_results == "replayed")
