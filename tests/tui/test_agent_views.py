@@ -9,7 +9,7 @@ import pytest
 from draftgen.core.live import snapshot as snap
 from draftgen.tui import demo_agent
 from draftgen.tui.app import DraftgenApp
-from draftgen.tui.screens.conversation import conversations, read_tail
+from draftgen.tui.screens.conversation import _read_tail, conversations, read_tail
 from tests import fixtures as fx
 from tests.helpers import text
 
@@ -133,6 +133,10 @@ def test_the_tail_read_leaves_out_the_line_it_cuts_and_a_half_written_last_line(
     found = conversations(got)
     assert [(c.id, [r["turn"] for r in c.steps]) for c in found] == [("agent-0", [2, 3]), ("agent-1", [1])]
     assert read_tail(tmp_path / "missing.jsonl") == []
+    # A tail shorter than the last record is read again, longer, until it holds one.
+    last = orjson.dumps(records[-1]) + b"\n"
+    short = len(torn) + len(last) // 5
+    assert _read_tail(path, short)[0] == [] and read_tail(path, limit=short)[-1]["id"] == "agent-1#t1"
 
 
 async def test_replayed_results_are_told_apart_from_matched_ones_step_by_step(tmp_path) -> None:

@@ -26,6 +26,7 @@ from draftgen.core.records import count_of
 from draftgen.core.safe_text import visible
 
 TAIL_BYTES = 2 << 20   # the end of responses.jsonl that is read: its last few hundred agent steps
+TAIL_MAX_BYTES = 32 << 20  # read up to this much when the tail holds no whole record (a long trajectory's)
 TEXT_CHARS = 400       # a message's text shown at most (a tool result may be a whole file)
 
 
@@ -42,8 +43,18 @@ class ShownConversation:
 
 def read_tail(path: Path, limit: int = TAIL_BYTES) -> list[dict[str, Any]]:
     """The records of the last `limit` bytes of a responses file, in file order: the line cut by the
-    tail's start, a half-written last line and any line that is not a JSON object are left out. A
-    missing file has none."""
+    tail's start, a half-written last line and any line that is not a JSON object are left out. A tail
+    that holds no whole record is read again four times longer, up to TAIL_MAX_BYTES. A missing file
+    has none."""
+    while True:
+        records, start = _read_tail(path, limit)
+        if records or start == 0 or limit >= TAIL_MAX_BYTES:
+            return records
+        limit = min(4 * limit, TAIL_MAX_BYTES)
+
+
+def _read_tail(path: Path, limit: int) -> tuple[list[dict[str, Any]], int]:
+    """The records of the file's last `limit` bytes, and where they start (0: the whole file)."""
     try:
         with open(path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
@@ -51,7 +62,7 @@ def read_tail(path: Path, limit: int = TAIL_BYTES) -> list[dict[str, Any]]:
             f.seek(start)
             data = f.read(size - start)
     except OSError:
-        return []
+        return [], 0
     lines = data.split(b"\n")
     if start > 0:
         lines = lines[1:]  # begun before the tail
@@ -63,7 +74,7 @@ def read_tail(path: Path, limit: int = TAIL_BYTES) -> list[dict[str, Any]]:
             continue
         if isinstance(obj, dict):
             records.append(obj)
-    return records
+    return records, start
 
 
 def conversations(records: Iterable[dict[str, Any]]) -> list[ShownConversation]:
