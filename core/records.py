@@ -80,6 +80,8 @@
     history_spans             list[[start, end]], earlier assistant turns in the prompt, from the <think>
                               after their header through their <|im_end|> (absent when there are none,
                               or the prompt is the server's and differs from the rendering)
+    tool_calls                int, the tool calls in the answer (absent when it made none): the
+                              report counts answers calling tools, and `tool_call_ids` applies
 """
 
 from __future__ import annotations

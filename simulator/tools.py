@@ -85,10 +85,14 @@ def tool_calls(messages: Any, tools: Any) -> list[dict[str, Any]]:
             for i, (name, args) in enumerate(calls)]
 
 
-def calls_tokens(tok: AnswerTokenizer, calls: list[dict[str, Any]]) -> int:
-    """The tokens of the calls as Kimi-K2.5 generates them: the tool-calls section's begin and end, and for each
-    call its begin, id, argument begin, arguments and end (as simulator/prompt.py counts a call in a history)."""
-    n = 2
+def calls_ids(tok: AnswerTokenizer, calls: list[dict[str, Any]]) -> list[int]:
+    """The token ids of the calls as Kimi-K2.5 generates them (after its `</think>`): the tool-calls section's
+    begin and end, and for each call its begin, id, argument begin, arguments and end (as simulator/prompt.py
+    counts a call in a history)."""
+    sid = tok.special_id
+    ids = [sid("<|tool_calls_section_begin|>")]
     for c in calls:
-        n += 3 + len(tok.encode_text(c["id"])) + len(tok.encode_text(c["function"]["arguments"]))
-    return n
+        ids += [sid("<|tool_call_begin|>"), *tok.encode_text(c["id"]), sid("<|tool_call_argument_begin|>"),
+                *tok.encode_text(c["function"]["arguments"]), sid("<|tool_call_end|>")]
+    ids.append(sid("<|tool_calls_section_end|>"))
+    return ids

@@ -72,6 +72,15 @@ class Reply:
     hostile: str = ""  # SimConfig.hostile_text: before the content and reasoning, in a mid-stream error too
     # The answer's calls when the request sent `tools` (tools.py): `content` "" and finish_reason "tool_calls".
     tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_ids: tuple[int, ...] = ()  # their token ids (tools.py calls_ids), in place of the content's
+
+    @property
+    def ids(self) -> list[int]:
+        """Every generated token, specials included: the answer's, its calls in place of its content."""
+        c = self.completion
+        if not self.tool_calls:
+            return c.ids
+        return [*c.answer.reasoning_ids[: c.n_reasoning], c.think_end_id, *self.tool_ids, c.im_end_id]
 
     @property
     def finish_reason(self) -> str:
@@ -126,7 +135,7 @@ def completion_json(r: Reply, cache: FragmentCache | None = None, finish_reason:
     if error is not None:
         parts += [b',"error":', orjson.dumps(error)]
     if r.token_ids:
-        parts += [b',"token_ids":', orjson.dumps(c.ids)]
+        parts += [b',"token_ids":', orjson.dumps(r.ids)]
     parts += [b'}],"usage":', orjson.dumps(r.usage), b"}"]
     return b"".join(parts)
 
@@ -171,9 +180,10 @@ def _delta_choices(r: Reply) -> list[bytes]:
     if r.tool_calls and c.think_end:  # the calls, each its id and name first, then its arguments
         for i, call in enumerate(r.tool_calls):
             fn = call["function"]
+            ids = [c.think_end_id, *r.tool_ids] if i == 0 else []  # `</think>` and every call's ids come first
             out.append(_choice({"role": "assistant", "content": "", "tool_calls": [
                 {"index": i, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}]},
-                [] if with_ids else None))
+                ids if with_ids else None))
             out.append(_choice({"role": "assistant", "content": "", "tool_calls": [
                 {"index": i, "function": {"arguments": fn["arguments"]}}]}, [] if with_ids else None))
     elif c.think_end:  # the content part begins with `</think>`

@@ -25,6 +25,9 @@ Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed i
                   `multi_turn`, the mode they were merged in
     fingerprint.json  which merge this is (core/tokens/identity.py): the seed, the inputs and a
                   digest of the samples in order; extraction copies it beside the hidden states
+    provenance.json  what made it (core/provenance.py): the command line, draftgen's version and
+                  commit, the libraries' versions, the config's and prompt files' digests, the merge
+                  id, host, start and end times
 
 Turns of multi-turn conversations (a turns = "all" dataset): `[merge] multi_turn` "per_turn" keeps
 each turn as a sample of its own (id `<dataset>/<conversation>#t<k>`, its history + its answer, loss on
@@ -201,7 +204,8 @@ def _drop_reason(record: dict[str, Any], ref: TokenRef | None,
         return "other_model", ()
     if record.get("truncated") or record.get("finish_reason") == "length" or (ref is not None and ref.truncated):
         return "truncated", ()
-    if record.get("empty_content") or not message_text(record.get("content")):
+    # An agent step that answers with tool calls only has no content: its calls are the answer.
+    if not record.get("tool_calls") and (record.get("empty_content") or not message_text(record.get("content"))):
         return "empty", ()
     if ref is None:
         return "not_reconstructed", ()
@@ -289,6 +293,7 @@ def merge(config: Config, progress: ProgressCallback | None = None, *,
 
 def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> MergeStats:
     started = time.monotonic()
+    started_at = time.time()
     inputs = [DatasetInput(root, ds.name) for ds in config.datasets]
     try:
         per_ds = [DatasetMergeStats(ds.name) for ds in config.datasets]
@@ -315,6 +320,7 @@ def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> M
             stats.merge_id = fp.merge_id
             identity.write_fingerprint(tmp / identity.FINGERPRINT_FILE, fp)
             (tmp / STATS_FILE).write_bytes(orjson.dumps(stats.to_json_dict(), option=orjson.OPT_INDENT_2) + b"\n")
+            _write_provenance(config, tmp, fp, started_at)  # inside the folder the switch puts in place
             fsync_tree(tmp)
         except OSError as e:
             raise disk_error(tmp, e) from e
@@ -322,6 +328,15 @@ def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> M
     finally:
         for inp in inputs:
             inp.close()
+
+
+def _write_provenance(config: Config, tmp: Path, fp: identity.MergeFingerprint, started_at: float) -> None:
+    """merged/provenance.json (core/provenance.py): the command, versions, config and inputs of this merge."""
+    from draftgen.core import provenance
+    provenance.write_new(tmp, "merge", provenance.record(
+        config, started_at, inputs={"merge_id": fp.merge_id, "samples_sha256": fp.samples_sha256,
+                                    "responses": list(fp.inputs)},
+        seed=config.merge.seed, multi_turn=config.merge.multi_turn, samples=fp.samples, tokens=fp.tokens))
 
 
 def _hidden_states_guard(config: Config, root: Path, tmp: Path, replace: bool) -> str:

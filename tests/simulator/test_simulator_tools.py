@@ -10,6 +10,7 @@ import aiohttp
 import orjson
 
 from draftgen.simulator import SimConfig, SimServer
+from draftgen.simulator.answers import answer_tokenizer
 from draftgen.simulator.tools import plan, planned_calls
 from tests.helpers import chat_body as body
 from tests.helpers import chat_post as post
@@ -47,6 +48,7 @@ async def test_tools_sent_are_answered_with_the_plans_calls_under_kimis_ids_whol
     assert any(len(r) == 2 for p in plans.values() for r in p)  # parallel calls
     assert len({name for p in plans.values() for r in p for name, _ in r}) == 3
     assert plan("task 1", NAMES) == plans["task 1"] and plan("task 1", []) == []
+    tok = answer_tokenizer()
     async with SimServer(SimConfig(seed=3, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
         async with aiohttp.ClientSession() as s:
             for task in tasks[-6:]:
@@ -68,6 +70,18 @@ async def test_tools_sent_are_answered_with_the_plans_calls_under_kimis_ids_whol
                     assert content == msg["message"]["content"] and (content == "") == bool(expect)
                     usage = orjson.loads(raw)["usage"]
                     assert usage["completion_tokens"] > usage["completion_tokens_details"]["reasoning_tokens"]
+                    # the ids a self-hosted server returns are the calls' (or the content's), as billed
+                    _, _, with_ids = await post(s, sim, body(messages=messages, tools=TOOLS, return_token_ids=True))
+                    ids = orjson.loads(with_ids)["choices"][0]["token_ids"]
+                    assert len(ids) == usage["completion_tokens"]
+                    _, _, raw_ids = await post(s, sim, body(messages=messages, tools=TOOLS, return_token_ids=True,
+                                                            stream=True))
+                    chunks, _, _ = parse_sse(raw_ids)
+                    assert [i for c in chunks for i in c["choices"][0].get("token_ids") or ()] == ids  # streamed alike
+                    if expect:
+                        assert ids[-1] == tok.special_id("<|im_end|>") and ids.count(
+                            tok.special_id("<|tool_call_begin|>")) == len(expect)
+                        assert tok.special_id("<|tool_calls_section_begin|>") in ids
                     before += len(calls)
                     messages += [{"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})},
                                  *({"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in calls)]
@@ -76,3 +90,19 @@ async def test_tools_sent_are_answered_with_the_plans_calls_under_kimis_ids_whol
             # No tools sent: never a call.
             status, _, raw = await post(s, sim, body(messages=[{"role": "user", "content": tasks[-1]}]))
             assert status == 200 and "tool_calls" not in orjson.loads(raw)["choices"][0]["message"]
+
+
+async def test_a_requests_tools_are_counted_in_its_prompt_tokens_as_the_template_declares_them():
+    import json
+
+    tok = answer_tokenizer()
+    declared = json.dumps(TOOLS, ensure_ascii=False, separators=(",", ":"))  # the template's tojson(',', ':')
+    block = 3 + len(tok.encode_text("tool_declare")) + len(tok.encode_text(declared))  # <|im_system|>..<|im_end|>
+    async with SimServer(SimConfig(seed=3, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
+        async with aiohttp.ClientSession() as s:
+            counts = []
+            for tools in (None, TOOLS):
+                _, _, raw = await post(s, sim, body(messages=[{"role": "user", "content": "task 0"}],
+                                                    **({"tools": tools} if tools else {})))
+                counts.append(orjson.loads(raw)["usage"]["prompt_tokens"])
+    assert counts[1] - counts[0] == block

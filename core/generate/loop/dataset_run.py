@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from draftgen.core.config import DatasetConfig
 from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.api.client import RequestFailed
-from draftgen.core.generate.loop.admission import AdaptiveConcurrency
+from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.doubts import Doubts
 from draftgen.core.generate.money.budget import TokenBudget
 from draftgen.core.live.snapshot import DatasetStatus
