@@ -14,7 +14,7 @@ from draftgen.core.extract import load_sample
 from draftgen.core.extract.readback import check_command
 from draftgen.core.tokens.store import TokenReader
 from draftgen.tui.demo import DEMO_KEY, run_demo
-from tests.extract.test_specforge_release import check_run_with_specforge
+from tests.extract.test_specforge_release import as_specforge_reads, check_run_with_specforge
 
 
 @pytest.mark.slow
@@ -55,7 +55,8 @@ async def test_demo_headless_end_to_end(tmp_path, specforge_tree):
     assert "agent: counts are turns; 15/20 conversations done, 5 ended early" in summary
     assert "40 answers called tools, 5 conversations diverged (at t2 5)" in summary
     read = {n for n, row in enumerate(rows) if row["id"].startswith("dialogue/")}
-    assert len(read) == len(dialogue) and all(got["conversations"][n] == rows[n]["conversations"] for n in read)
+    assert len(read) == len(dialogue) and all(got["conversations"][n] == as_specforge_reads(rows[n]["conversations"])
+                                              for n in read)
 
 
 def check_agent_demo(run) -> None:
