@@ -246,6 +246,26 @@ def same_calls(a: list[tuple[str, Any]] | None, b: list[tuple[str, Any]] | None)
                orjson.dumps(y[1], option=orjson.OPT_SORT_KEYS) for x, y in zip(a, b, strict=True))
 
 
+def broken_answer(content: str, finish_reason: str | None, tool_calls: Any, *, agent: bool = False) -> str:
+    """Why an answer cannot be the history of a later turn of its conversation ("" when it can;
+    core/generate/loop/conversations.py). A step of an agent line may call tools (each call with an id,
+    that its result is sent under)."""
+    if finish_reason == "length":
+        return "cut at max_tokens"
+    if finish_reason in ("content_filter", "error"):  # a partial answer: nothing is asked on it
+        return f"ended by {finish_reason}"
+    if tool_calls:
+        if not agent:
+            return "answered with tool calls"
+        if own_calls(tool_calls) is None or not all(isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"]
+                                                    for c in tool_calls):
+            return "a tool call with no name or id"
+        return ""
+    if not content.strip():
+        return "empty answer"
+    return ""
+
+
 @dataclass(slots=True)
 class TurnFields:
     """Which turn of which conversation a record is (the fields documented above); an agent line's step

@@ -248,3 +248,24 @@ def test_the_prompt_bound_counts_tools_as_the_template_renders_them_quotes_escap
                                                 "parameters": {"type": "object"}}}]
     rendered = len(json.dumps(quoted, ensure_ascii=False).encode())  # what tojson writes: 800 bytes of quotes
     assert body_prompt_bound({"messages": [], "tools": quoted}) - prompt_token_bound(()) >= rendered
+
+
+async def test_agent_steps_reconstruct_exactly_each_count_equal_to_the_simulators_bill(tmp_path):
+    # What the run stores for each step (its tools, its history with the target's calls and the recorded
+    # results, its own calls) renders as Kimi-K2.5's template does (core/tokens): every check passes, and
+    # the prompt and answer counts equal what the simulator billed, which renders the tools declared and the
+    # calls on its own (simulator/prompt.py, tools.py).
+    from draftgen.core.tokens.tokenizer import bundled_kimi_path
+    from draftgen.core.tokens.workers import reconstruct_dataset
+
+    lines = [trajectory(f"m{i}", 2) for i in range(6)] + [trajectory("d0", 2, diverge_at=2)]
+    prompts = write_conversations(tmp_path / "prompts" / "agent.jsonl", lines)
+    async with SimServer(SimConfig(seed=4, latency_scale=0.0, mean_completion_tokens=60), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "agent", "prompts": prompts, "turns": "all",
+                                                    "concurrency": 4}],
+                          tables={"api": {"stream": True}, "tokenizer": {"path": str(bundled_kimi_path())}})
+        await run_engine(cfg)
+    report = reconstruct_dataset(cfg, "agent", workers=1)
+    assert (report.checked, report.valid) == (20, 20) and not any(report.failures.values())
+    assert report.diffs == {0: 20} and report.prompt_diffs == {0: 20}
+    assert sum(a.tool_answers for a in report.providers.values()) == 14  # 6 x 2 + d0's 2 (its second diverged)

@@ -52,7 +52,7 @@ from draftgen.core.generate.loop.prompts import (
 )
 from draftgen.core.generate.loop.source import Booked, BookedAs
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
-from draftgen.core.records import TurnFields, own_calls, same_calls
+from draftgen.core.records import TurnFields, broken_answer, own_calls, same_calls
 from draftgen.core.rundir import iter_jsonl
 
 if TYPE_CHECKING:
@@ -91,25 +91,6 @@ def tool_call(call: Any) -> dict[str, Any]:
     return {"id": call.get("id") if isinstance(call, dict) else None, "type": "function",
             "function": {"name": fn.get("name"), "arguments": args if isinstance(args, str) else
                          "" if args is None else orjson.dumps(args).decode()}}
-
-
-def broken_answer(content: str, finish_reason: str | None, tool_calls: Any, *, agent: bool = False) -> str:
-    """Why an answer cannot be the history of a later turn ("" when it can). A step of an agent line
-    may call tools (each call with an id, that its result is sent under)."""
-    if finish_reason == "length":
-        return "cut at max_tokens"
-    if finish_reason in ("content_filter", "error"):  # a partial answer: nothing is asked on it
-        return f"ended by {finish_reason}"
-    if tool_calls:
-        if not agent:
-            return "answered with tool calls"
-        if own_calls(tool_calls) is None or not all(isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"]
-                                                    for c in tool_calls):
-            return "a tool call with no name or id"
-        return ""
-    if not content.strip():
-        return "empty answer"
-    return ""
 
 
 def skip_kind(reason: str) -> str:

@@ -40,7 +40,6 @@ from draftgen.core.files import replacing
 from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.api.client import ChatAnswer, RequestFailed
 from draftgen.core.generate.loop.context import RunContext
-from draftgen.core.generate.loop.conversations import broken_answer
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.prompts import (
     Conversation,
@@ -57,7 +56,7 @@ from draftgen.core.generate.loop.spool_import import SpoolImport
 from draftgen.core.generate.loop.stats import RateTracker
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.live.snapshot import EventKind, Level
-from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord, same_model
+from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord, broken_answer, same_model
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.units import to_ms
 
