@@ -8,11 +8,17 @@ OpenRouter, a 10M-token budget per dataset that long reasoning answers (~5,300 t
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
+import shutil
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.hub import Hub
@@ -255,6 +261,72 @@ def attached_resumed() -> RunSnapshot:
                                credits=dataclasses.replace(s.credits, pending_usd=0.02))
 
 
+# -- an agent dataset (docs/agents.md): its snapshot row and its responses.jsonl ----------------------
+
+def agent_dataset(**changes: object) -> DatasetSnapshot:
+    """The demo's agent dataset under way: 20 conversations of 3 steps, 5 diverged at step 2 (their step 3
+    skipped), 10 done, 3 steps in flight."""
+    d = DatasetSnapshot(name="agent", status=snap.DatasetStatus.RUNNING, total=60, done=50, skipped=5, in_flight=3,
+                        concurrency=20, effective_concurrency=20, tokens_used=31_840, cost_usd=0.41,
+                        projected_cost_usd=0.55, conversations=20, conversations_done=10, conversations_ended=5,
+                        turns_by_number=((20, 20), (20, 20), (10, 20)), tool_calls=40, diverged=5,
+                        tool_calls_by_number=(20, 20, 0), diverged_by_number=(0, 5, 0))
+    return dataclasses.replace(d, **changes)  # type: ignore[arg-type]
+
+
+def with_agent(s: RunSnapshot | None = None, **changes: object) -> RunSnapshot:
+    """`s` (the running snapshot) with the agent dataset in place of B6."""
+    s = s or running()
+    return dataclasses.replace(s, datasets=tuple(agent_dataset(**changes) if d.name == "B6" else d
+                                                 for d in s.datasets))
+
+
+def _reasoning(n: int) -> str:
+    return f"Message {n}: what to look at next."
+
+
+def agent_records(i: int, steps: int, *, answer: str = "", diverge: bool = False) -> list[dict[str, Any]]:
+    """The records a run writes for demo agent line `i`'s first `steps` steps, the target calling what the
+    line records: each step's `messages` the history sent (the target's own calls, the dataset's results
+    under their ids), `tool_results` "matched" after the first step; the last step `diverged` if asked."""
+    from draftgen.tui.demo_agent import line
+
+    # The target's own messages go back with their reasoning, as OpenRouter's reasoning_details.
+    messages = [dict(m, reasoning_details=[{"type": "reasoning.text", "text": _reasoning(j)}])
+                if m["role"] == "assistant" else m for j, m in enumerate(line(i)["messages"])]
+    at = [n for n, m in enumerate(messages) if m["role"] == "assistant"]
+    records = []
+    for k in range(1, steps + 1):
+        own = messages[at[k - 1]] if not (answer and k == steps) else {"content": answer}
+        record: dict[str, Any] = {
+            "id": f"agent-{i}#t{k}", "conversation": f"agent-{i}", "turn": k, "turns": len(at),
+            "messages": messages[:at[k - 1]], "reasoning": _reasoning(at[k - 1]),
+            "content": own.get("content", ""),
+            "tool_calls": own.get("tool_calls"), "finish_reason": "tool_calls" if own.get("tool_calls") else "stop",
+            "provider": "novita", "usage": {"prompt_tokens": 400 * k, "completion_tokens": 60}, "ts": T0 + 10 * k,
+            "tools": line(i)["tools"]}
+        if k > 1:
+            record["tool_results"] = "matched"
+        if diverge and k == steps:
+            record["diverged"] = True
+        records.append(record)
+    return records
+
+
+def agent_run_dir(root: Path | None = None) -> Path:
+    """A run directory whose agent/responses.jsonl holds three conversations, oldest first: agent-3 diverged
+    at step 2 (it answered where the line called run_tests), agent-1 at step 2 of 3, agent-0 answered in
+    its 3 steps (the newest)."""
+    if root is None:  # a view's (snapshot tests, screenshots): removed when the process ends
+        root = Path(tempfile.mkdtemp(prefix="draftgen-agent-"))
+        atexit.register(shutil.rmtree, root, True)
+    diverged = agent_records(3, 2, diverge=True, answer="merge_config replaces nested tables: merge them recursively.")
+    records = [*diverged, *agent_records(1, 2), *agent_records(0, 3)]
+    (root / "agent").mkdir(parents=True, exist_ok=True)
+    (root / "agent" / "responses.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    return root
+
+
 def events() -> tuple[Event, ...]:
     rows = (
         (0, "info", "run_start", f"run {RUN}: 8 datasets, 83,012 prompts, model {MODEL}"),
@@ -373,13 +445,14 @@ class View:
     size: tuple[int, int] = (120, 40)
     read_only: bool = False
     extract_asks: str | None = None  # what `x` asks first (hidden states of another merge)
+    run_dir: Callable[[], Path] | None = None  # the run directory the app reads conversations from
 
     def app(self) -> tuple[DraftgenApp, FakeControls]:
         from draftgen.tui.app import DraftgenApp
 
         controls = FakeControls(self.snapshot(), events(), read_only=self.read_only)
         controls.extract_asks = self.extract_asks
-        return DraftgenApp(controls, title="draftgen"), controls
+        return DraftgenApp(controls, title="draftgen", run_dir=self.run_dir() if self.run_dir else None), controls
 
     async def settle(self, pilot: Pilot[None]) -> None:
         """Press the view's keys, publish what follows them, and let the screen catch up."""
@@ -431,4 +504,8 @@ VIEWS = (
          size=(80, 24), read_only=True),
     View("attach_pending", "Attached at 120x40 with spend pending a price: nothing clipped", attached_resumed,
          read_only=True),
+    View("agent", "An agent dataset (tools, turns = \"all\"): steps, tool calls and diverged under the table",
+         with_agent),
+    View("drill_agent", "Drill-down on an agent dataset: a conversation step by step, tool calls and results",
+         with_agent, ("j", "j", "j", "j", "j", "enter"), size=(120, 50), run_dir=agent_run_dir),
 )

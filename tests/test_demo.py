@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import orjson
 import pytest
@@ -13,7 +14,7 @@ from draftgen.core.extract import load_sample
 from draftgen.core.extract.readback import check_command
 from draftgen.core.tokens.store import TokenReader
 from draftgen.tui.demo import DEMO_KEY, run_demo
-from tests.extract.test_specforge_release import check_run_with_specforge
+from tests.extract.test_specforge_release import as_specforge_reads, check_run_with_specforge
 
 
 @pytest.mark.slow
@@ -49,8 +50,35 @@ async def test_demo_headless_end_to_end(tmp_path, specforge_tree):
     assert DEMO_KEY not in (run / "hidden_states" / "provenance.json").read_text()
     rows = [orjson.loads(line) for line in train]
     dialogue = check_multi_turn_demo(run, rows, tokens)
+    check_agent_demo(run)
+    summary = " ".join(text.split())  # its lines wrapped at 120 columns
+    assert "agent: counts are turns; 15/20 conversations done, 5 ended early" in summary
+    assert "40 answers called tools, 5 conversations diverged (at t2 5)" in summary
     read = {n for n, row in enumerate(rows) if row["id"].startswith("dialogue/")}
-    assert len(read) == len(dialogue) and all(got["conversations"][n] == rows[n]["conversations"] for n in read)
+    assert len(read) == len(dialogue) and all(got["conversations"][n] == as_specforge_reads(rows[n]["conversations"])
+                                              for n in read)
+
+
+def check_agent_demo(run) -> None:
+    """The agent dataset (20 lines, turns = "all"): each step asked once, on the line's tools, the target's
+    own earlier calls under their ids and the recorded results under those ids; 15 lines answered in their
+    3 steps, the 5 whose second call is not the target's ended at step 2, diverged."""
+    from draftgen.tui.demo_agent import TOOLS, diverging
+    answered = [orjson.loads(x) for x in (run / "agent" / "responses.jsonl").read_bytes().splitlines()]
+    by_id = {r["id"]: r for r in answered}
+    assert len(by_id) == len(answered) == 15 * 3 + 5 * 2
+    for i in range(20):
+        steps = [by_id.get(f"agent-{i}#t{k}") for k in (1, 2, 3)]
+        assert [s is not None for s in steps] == [True, True, not diverging(i)]
+        assert [bool(s.get("diverged")) for s in steps if s] == ([False, True] if diverging(i) else [False] * 3)
+        for k, s in enumerate(steps[1:], 2):
+            if s is None:
+                continue
+            assert s["tools"] == TOOLS and s["tool_results"] == "matched"
+            sent = [m for m in s["messages"] if m["role"] in ("assistant", "tool")]
+            own = [c for r in steps[:k - 1] for c in r["tool_calls"]]
+            assert [c["id"] for m in sent if m["role"] == "assistant" for c in m["tool_calls"]] == \
+                [m["tool_call_id"] for m in sent if m["role"] == "tool"] == [c["id"] for c in own]
 
 
 def check_multi_turn_demo(run, train, tokens) -> set[str]:
@@ -71,8 +99,11 @@ def check_multi_turn_demo(run, train, tokens) -> set[str]:
     samples = {row["id"].removeprefix("dialogue/"): (row, *tokens.arrays(tokens.entry(row["id"])))
                for row in train if row["id"].startswith("dialogue/")}
     stats = orjson.loads((run / "merged" / "stats.json").read_bytes())
-    assert sum(t["read"] for t in stats["by_turn"].values()) == len(answered)
-    assert len(samples) == sum(t["kept"] for t in stats["by_turn"].values()) > 80
+    # by_turn counts every turns = "all" dataset's: the agent dataset's steps too.
+    steps = len((run / "agent" / "responses.jsonl").read_bytes().splitlines())
+    assert sum(t["read"] for t in stats["by_turn"].values()) == len(answered) + steps
+    agent_kept = sum(row["id"].startswith("agent/") for row in train)
+    assert len(samples) == sum(t["kept"] for t in stats["by_turn"].values()) - agent_kept > 80
     for turn_id, (row, ids, mask) in samples.items():
         r = by_id[turn_id]
         assert len(ids) == r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"]
@@ -100,3 +131,39 @@ def test_the_multi_turn_demo_dataset_is_bundled_and_its_entry_loads_when_switche
     assert len(set(asked)) == len({line["id"] for line in lines}) == 30  # no conversation a duplicate of another
     if enabled:
         assert (names["dialogue"].turns, names["dialogue"].prompts) == ("all", tmp_path / "prompts/dialogue.jsonl")
+
+
+def test_the_agent_demo_dataset_is_bundled_as_its_generator_writes_it_and_its_entry_loads(tmp_path, monkeypatch):
+    """agent.jsonl: 20 OpenAI-layout agent lines (tools, two tool steps, then an answer), tool call ids in
+    Kimi's own shape, each result answering a call of the step before it; the calls are the simulator's
+    plan for the task but for 5 lines, whose second call is another (they diverge). The demo's config
+    lists it with turns = "all"."""
+    from draftgen.simulator.tools import plan
+    from draftgen.tui import demo, demo_agent
+    monkeypatch.setattr(demo, "build_tiny_model", lambda folder: None)
+    cfg = demo.prepare(tmp_path, "http://127.0.0.1:9/api/v1")
+    agent = next(d for d in cfg.datasets if d.name == "agent")
+    assert (agent.turns, agent.prompts) == ("all", tmp_path / "prompts/agent.jsonl")
+    data = (tmp_path / "prompts" / "agent.jsonl").read_bytes()
+    assert data == demo_agent.dataset()  # python -m draftgen.tui.demo_agent wrote the bundled file
+    lines = [orjson.loads(x) for x in data.splitlines()]
+    assert len(lines) == 20 and len({line["id"] for line in lines}) == 20
+    diverging = 0
+    for i, line in enumerate(lines):
+        assert [t["function"]["name"] for t in line["tools"]] == ["search_code", "read_file", "run_tests"]
+        msgs = line["messages"]
+        steps = [n for n, m in enumerate(msgs) if m["role"] == "assistant"]
+        assert len(steps) == 3 and msgs[steps[-1]]["content"] and "tool_calls" not in msgs[steps[-1]]
+        for a, b in zip(steps, steps[1:]):
+            calls = msgs[a]["tool_calls"]
+            assert all(re.fullmatch(rf"functions\.{c['function']['name']}:\d+", c["id"]) for c in calls)
+            assert all(isinstance(orjson.loads(c["function"]["arguments"]), dict) for c in calls)
+            assert [m["tool_call_id"] for m in msgs[a + 1:b]] == [c["id"] for c in calls]
+        first, second = demo_agent.moves(i)  # what the simulator's target calls
+        planned = plan(msgs[1]["content"], ["search_code", "read_file", "run_tests"])
+        assert [[(c["function"]["name"], orjson.loads(c["function"]["arguments"])) for c in r]
+                for r in (first, second)] == planned
+        assert msgs[steps[0]]["tool_calls"] == first
+        assert (msgs[steps[1]]["tool_calls"] != second) is demo_agent.diverging(i)
+        diverging += demo_agent.diverging(i)
+    assert diverging == 5

@@ -9,6 +9,7 @@ Rendering is pulled on a one-shot timer re-armed after each pass (never two pass
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.text import Text
@@ -92,9 +93,10 @@ class DraftgenApp(RunKeys, App[None]):
     ]
 
     def __init__(self, controls: Controls, *, title: str = "draftgen", refresh_s: float = 0.25,
-                 queue_size: int = 256) -> None:
+                 queue_size: int = 256, run_dir: Path | None = None) -> None:
         super().__init__()
         self.controls = controls
+        self.run_dir = run_dir  # where a dataset's drill-down reads its conversations (None: it shows none)
         self.title = title
         self.refresh_s = refresh_s
         self.latest: RunSnapshot | None = None

@@ -1,11 +1,11 @@
 """`draftgen demo`: the whole pipeline offline in about a minute.
 
 The built-in simulator serves on a free loopback port (realistic latency, a provider mix, a little
-fault injection); four small bundled datasets (one runs out of its token budget, one has two bad
+fault injection); five small bundled datasets (one runs out of its token budget, one has two bad
 lines, one is 30 conversations of 3 user turns asked turn by turn: turns = "all", behind
-MULTI_TURN_DEMO) go through smoke, generation with the bundled Kimi tokenizer reconstructing as
-answers land, merge, and extraction with a tiny random-weight Llama on the CPU. The run directory
-stays for the user to look at.
+MULTI_TURN_DEMO, one is 20 agent lines with tools asked step by step: AGENT_ENTRY) go through smoke,
+generation with the bundled Kimi tokenizer reconstructing as answers land, merge, and extraction
+with a tiny random-weight Llama on the CPU. The run directory stays for the user to look at.
 """
 
 from __future__ import annotations
@@ -100,6 +100,20 @@ turns = "all"
 """
 
 
+# The agent demo (docs/agents.md): 20 lines with tools, each two tool steps then an answer, every step
+# asked in order on the target's own calls and the dataset's tool results (tool_results = "match", the
+# default); 5 record a second call the simulator's target does not make, so they diverge at step 2.
+# tui/demo_agent.py writes agent.jsonl.
+AGENT_ENTRY = """\
+[[datasets]]
+name = "agent"                   # agent demo: every step of a tool loop asked on the target's own calls
+prompts = "prompts/agent.jsonl"
+concurrency = 20
+max_tokens = 2048
+turns = "all"
+"""
+
+
 def multi_turn_entry(enabled: bool) -> str:
     """The dialogue dataset's [[datasets]] entry for the demo's config, commented out unless `enabled`."""
     if enabled:
@@ -133,7 +147,7 @@ def prepare(root: Path, base_url: str) -> Config:
     root.mkdir(parents=True, exist_ok=True)
     prompts = root / "prompts"
     prompts.mkdir(exist_ok=True)
-    for name in ("code", "maths", "chat", "dialogue"):
+    for name in ("code", "maths", "chat", "dialogue", "agent"):
         src = files("draftgen.core").joinpath("data", "demo", f"{name}.jsonl")
         (prompts / f"{name}.jsonl").write_bytes(src.read_bytes())
     model = root / "tiny-model"
@@ -147,7 +161,8 @@ def prepare(root: Path, base_url: str) -> Config:
 def config_text(base_url: str, tokenizer: str | Path) -> str:
     """The demo's config for this simulator and tokenizer folder (where draftgen is installed: any path)."""
     return CONFIG.format(base_url=toml_value(base_url), key_env=toml_value(DEMO_KEY_ENV),
-                         tokenizer=toml_value(tokenizer), multi_turn=multi_turn_entry(MULTI_TURN_DEMO))
+                         tokenizer=toml_value(tokenizer),
+                         multi_turn=multi_turn_entry(MULTI_TURN_DEMO) + "\n" + AGENT_ENTRY)
 
 
 async def run_demo(root: Path, *, headless: bool, out: TextIO = sys.stdout, latency_scale: float = 0.3) -> int:

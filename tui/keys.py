@@ -4,6 +4,7 @@ attached viewer (read-only) gets: the keys that change the run leave its footer 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from textual.app import App
@@ -46,6 +47,7 @@ class RunKeys(_App):
     latest: RunSnapshot | None
     events: EventStore
     quit_requested: bool
+    run_dir: Path | None
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action not in APP_ACTIONS:
@@ -68,7 +70,7 @@ class RunKeys(_App):
 
     def on_selectable_panel_open(self, message: SelectablePanel.Open) -> None:
         if self.latest is not None:
-            self.push_screen(DrillScreen(Target(message.what, message.name), self.latest))
+            self.push_screen(DrillScreen(Target(message.what, message.name), self.latest, run_dir=self.run_dir))
 
     def action_log(self) -> None:
         self.push_screen(LogScreen(self.events, self._dataset_names()))

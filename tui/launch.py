@@ -25,7 +25,7 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
     `run_app` runs the app (default: on this terminal; a test passes Textual's headless pilot)."""
     pipeline = Pipeline(config, api_key, skip_smoke=skip_smoke)
     await pipeline.start()
-    app = DraftgenApp(pipeline, title=f"draftgen · {visible(config.run_dir.name)}")
+    app = DraftgenApp(pipeline, title=f"draftgen · {visible(config.run_dir.name)}", run_dir=config.run_dir)
 
     async def generate_then() -> None:
         state = await pipeline.generate()
@@ -120,7 +120,8 @@ async def attach_tui(run_dir: Path) -> int:
     controls = AttachControls(run_dir)
     await controls.start()
     try:
-        await DraftgenApp(controls, title=f"draftgen · {visible(run_dir.resolve().name)} (attached)").run_async()
+        await DraftgenApp(controls, title=f"draftgen · {visible(run_dir.resolve().name)} (attached)",
+                          run_dir=run_dir).run_async()
     finally:
         await controls.close()
     if controls.error is not None:

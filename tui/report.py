@@ -1,5 +1,6 @@
 """`draftgen report RUN_DIR`: how a run went, from its files alone (it may be running, finished, or
-copied elsewhere): answered, failed and rejected per dataset, the spend on disk, and the history
+copied elsewhere): answered, failed and rejected per dataset (an agent dataset's steps, tool calls and
+divergences below the table), the spend on disk, and the history
 charts from history.jsonl (core/live/timeline.py). Costs are the spend ledger's (spend.jsonl), the
 figures the run's views show; a directory without one falls back to its answers' usage.cost.
 Then which merge merged/ is and which merge the hidden states belong to, with how many samples they
@@ -63,11 +64,14 @@ def report(run_dir: Path, out: TextIO | None = None, width: int | None = None) -
     api = config.get("api")
     asked = api.get("model") if isinstance(api, dict) else None  # the model asked (run.json), to judge answers by
     other_model: dict[str, int] = {}  # answers from another model, by dataset: kept, never a sample
+    agents: list[tuple[str, AgentFigures]] = []
     for name in _datasets(rd, config):
         answered = truncated = tokens = 0
         cost = 0.0
+        agent = AgentFigures()
         for _, rec in iter_jsonl(rd.responses(name)):
             answered += 1
+            agent.add(rec)
             usage = rec.get("usage")
             if not isinstance(usage, dict):
                 usage = {}
@@ -78,6 +82,8 @@ def report(run_dir: Path, out: TextIO | None = None, width: int | None = None) -
             truncated += bool(rec.get("truncated") or rec.get("empty_content"))
             if isinstance(asked, str) and not same_model(asked, rec.get("model")):
                 other_model[name] = other_model.get(name, 0) + 1
+        if agent.steps:
+            agents.append((name, agent))
         if ledger is not None:  # the dataset's figure in the run's views (projection.py: by_dataset, else usage)
             cost = ledger.by_dataset.get(name, cost)
         row = [answered, _count(rd.failures(name)), _count(rd.rejected(name)), truncated, tokens, cost]
@@ -104,6 +110,8 @@ def report(run_dir: Path, out: TextIO | None = None, width: int | None = None) -
         console.print(Text(f"{n} answers from another model than {visible(str(asked))} "
                            f"({by}): kept, but never a sample (merge leaves them out); check [api] model, "
                            f"[request] provider and the server", style="yellow"))
+    for name, agent in agents:  # as the run's summary says them (core/live/summary.py agent_counts)
+        console.print(Text(f"{visible(name)}: {agent.line()}"))
     for line, style in merge_lines(rd):
         console.print(Text(visible(line), style=style))
     timeline = timeline_from_file(rd.history)
@@ -116,6 +124,32 @@ def report(run_dir: Path, out: TextIO | None = None, width: int | None = None) -
                        f" in points of {fmt.duration(timeline.interval_s)}", style="bold"))
     for series, title, value, style in CHARTS:
         console.print(Chart(timeline, series, title, value, style, height=4))
+
+
+class AgentFigures:
+    """An agent dataset's figures from its records (docs/agents.md): steps answered (the records of agent
+    lines, which carry `tools`), those that called tools, the conversations that diverged by step, the
+    steps sent with a replayed result."""
+
+    def __init__(self) -> None:
+        self.steps = self.tool_calls = self.replayed = 0
+        self.diverged: dict[int, int] = {}
+
+    def add(self, rec: dict[str, Any]) -> None:
+        if "tools" not in rec:
+            return
+        self.steps += 1
+        self.tool_calls += bool(rec.get("tool_calls"))
+        self.replayed += rec.get("tool_results") == "replayed"
+        turn = rec.get("turn")
+        if rec.get("diverged") is True and isinstance(turn, int):
+            self.diverged[turn] = self.diverged.get(turn, 0) + 1
+
+    def line(self) -> str:
+        at = ", ".join(f"step {k}: {fmt.count(n)}" for k, n in sorted(self.diverged.items()))
+        return (f"{fmt.count(self.steps)} agent steps answered, {fmt.count(self.tool_calls)} called tools, "
+                f"{fmt.count(sum(self.diverged.values()))} conversations diverged" + (f" (at {at})" if at else "")
+                + f", {fmt.count(self.replayed)} steps sent with a replayed tool result")
 
 
 def merge_lines(rd: RunDir) -> list[tuple[str, str]]:

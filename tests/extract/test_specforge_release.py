@@ -10,6 +10,7 @@ through the same reader in tests/test_demo.py.
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,33 @@ def conversation_problem(messages: object) -> str | None:
     return None if saw_user else "conversation has no user message"
 
 
+def agent_conversation_problem(messages: list[dict]) -> str | None:
+    """An agent sample (tool calls or results in it) as the release's GeneralParser takes it (core/merge/
+    specforge.py): string contents (a turn of calls alone has ""), a first user turn after the system
+    turn, each assistant turn after a user or tool turn, each tool turn after calls, the assistant's last
+    (an answer, or the calls a step answered with).
+    validate_conversation's strict user/assistant alternation is a chat rule: tool turns break it."""
+    before = "system"
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if not isinstance(m.get("content"), str):
+            return f"message {i} content must be a string"
+        allowed = {"system": ("system",) if i == 0 else (), "user": ("system", "assistant", "tool"),
+                   "assistant": ("user", "tool"), "tool": ("calls", "tool")}.get(str(role), ())
+        if before not in allowed:
+            return f"message {i}: a {role!r} turn after a {before!r} one"
+        before = "calls" if role == "assistant" and m.get("tool_calls") not in (None, "", "[]") else str(role)
+    return None if before in ("assistant", "calls") else "the last turn is not the assistant's (an answer or calls)"
+
+
+def as_specforge_reads(messages: list[dict]) -> list[dict]:
+    """`messages` as SpecForge's `safe_conversations_generator` yields them: every list or dict value (the
+    `tool_calls` every final assistant turn carries once a merge has a sample with tool calls, `[]` when
+    it made none) as a JSON string, so Arrow sees one type."""
+    return [{k: json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) else v for k, v in m.items()}
+            for m in messages]
+
+
 def check_run_with_specforge(run: Path, specforge_tree: Path) -> dict:
     """Every file and row of `run` accepted by SpecForge's reader, equal to what draftgen wrote."""
     got = read_with_specforge(run, specforge_tree)
@@ -68,8 +96,10 @@ def check_run_with_specforge(run: Path, specforge_tree: Path) -> dict:
     assert got["row_keys"] == ["conversations"]  # what the reader keeps of a row
     assert len(got["conversations"]) == len(train)
     for n, conv in enumerate(got["conversations"], 1):
-        assert conversation_problem(conv) is None, f"train.jsonl line {n}: {conversation_problem(conv)}"
-        assert conv == train[n - 1]["conversations"]
+        agent = any(m.get("role") == "tool" or m.get("tool_calls") not in (None, "", "[]") for m in conv)
+        check = agent_conversation_problem if agent else conversation_problem
+        assert check(conv) is None, f"train.jsonl line {n}: {check(conv)}"
+        assert conv == as_specforge_reads(train[n - 1]["conversations"])
     return got
 
 

@@ -1,5 +1,6 @@
 """Datasets: one row each with status, progress, token budget, skipped/failed counts and cost; a
-turns = "all" dataset counts turns, and a line under the table counts its conversations."""
+turns = "all" dataset counts turns, and a line under the table counts its conversations (an agent
+dataset's: steps, answers with tool calls, conversations diverged, steps sent with replayed results)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,32 @@ def _tokens_cell(d: DatasetSnapshot) -> Text:
         return Text(used)
     style = "bold magenta" if d.tokens_used + d.tokens_in_flight >= d.token_budget else ""
     return Text(f"{used}/{fmt.tokens(d.token_budget)}", style=style)
+
+
+def is_agent(d: DatasetSnapshot) -> bool:
+    """An agent dataset (docs/agents.md): its answers have called tools, or its steps diverged or were
+    sent with replayed results. Until its first such answer it reads as a multi-turn dataset."""
+    return bool(d.tool_calls or d.diverged or d.replayed)
+
+
+def conversation_note(d: DatasetSnapshot) -> Text:
+    """The line under the table of a turns = "all" dataset: turns (an agent dataset's steps, with its tool
+    calls, diverged and replayed counts) and conversations. A diverged conversation is one that ended
+    early (its later steps are counted skipped)."""
+    if not is_agent(d):
+        return Text.assemble((f"{d.name}: ", "bold"), f"turns {fmt.count(d.done)}/{fmt.count(d.total)} answered; "
+                             f"conversations {fmt.count(d.conversations_done)}/{fmt.count(d.conversations)} done, ",
+                             (f"{fmt.count(d.conversations_ended)} ended early",
+                              "magenta" if d.conversations_ended else "dim"))
+    parts: list[str | tuple[str, str]] = [
+        (f"{d.name}: ", "bold"), f"steps {fmt.count(d.done)}/{fmt.count(d.total)} answered, "
+        f"{fmt.count(d.tool_calls)} with tool calls; conversations {fmt.count(d.conversations_done)}/"
+        f"{fmt.count(d.conversations)} done, ",
+        (f"{fmt.count(d.conversations_ended)} ended early", "magenta" if d.conversations_ended else "dim"), " (",
+        (f"{fmt.count(d.diverged)} diverged", "yellow" if d.diverged else "dim"), ")"]
+    if d.replayed:
+        parts += ["; ", (f"{fmt.count(d.replayed)} replayed", "yellow")]
+    return Text.assemble(*parts)
 
 
 # Column headers spelled out from this content width; abbreviated below it (80-column terminals).
@@ -89,12 +116,8 @@ class DatasetsPanel(SelectablePanel):
                 fmt.usd(d.projected_cost_usd),
                 style="reverse" if d.name == self.selected else None,
             )
-            if d.conversations:  # turns = "all": done/total above are turns
-                notes.append(Text.assemble((f"{d.name}: ", "bold"), f"turns {fmt.count(d.done)}/{fmt.count(d.total)}"
-                                           f" answered; conversations {fmt.count(d.conversations_done)}/"
-                                           f"{fmt.count(d.conversations)} done, ",
-                                           (f"{fmt.count(d.conversations_ended)} ended early",
-                                            "magenta" if d.conversations_ended else "dim")))
+            if d.conversations:  # turns = "all": done/total above are turns (an agent line's: steps)
+                notes.append(conversation_note(d))
             if d.message:
                 notes.append(Text.assemble((f"{d.name}: ", "bold"), d.message))
         if not notes:

@@ -1,9 +1,13 @@
 """Drill-down (enter on a dataset, an error kind or a provider): its figures and its recent failed
-attempts with prompt ids, providers, attempts and messages, newest first, updated live."""
+attempts with prompt ids, providers, attempts and messages, newest first, updated live. A turns =
+"all" dataset's also shows a conversation step by step (tool calls and results included), read from
+its responses.jsonl: the newest, or an older one with [ and ] (screens/conversation.py)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -15,9 +19,12 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from draftgen.core.live.snapshot import ErrorRecord, RunSnapshot
+from draftgen.core.rundir import RunDir
 from draftgen.tui import fmt
+from draftgen.tui.panels.datasets import is_agent
 from draftgen.tui.panels.header import RunHeader
 from draftgen.tui.panels.panel import DrillKind
+from draftgen.tui.screens.conversation import ShownConversation, conversations, draw_conversation, pick, read_tail
 
 DATASET, KIND, PROVIDER = DrillKind.DATASET, DrillKind.KIND, DrillKind.PROVIDER
 
@@ -63,18 +70,33 @@ def _dataset_facts(s: RunSnapshot, name: str) -> list[tuple[str, str | Text]]:
     if d.other_model:
         rows.insert(5, ("other model", Text(f"{fmt.count(d.other_model)} answered by another model than the one "
                                             "asked: kept, never a sample", style="bold red")))
-    if d.conversations:  # turns = "all": the counts above are turns
+    if d.conversations:  # turns = "all": the counts above are turns (an agent dataset's: steps)
+        agent = is_agent(d)
         rows.append(("conversations", f"{fmt.count(d.conversations_done)} of {fmt.count(d.conversations)} done, "
-                                      f"{fmt.count(d.conversations_ended)} ended early"))
+                                      f"{fmt.count(d.conversations_ended)} ended early"
+                                      + (f" ({fmt.count(d.diverged)} diverged)" if agent else "")))
+        if agent:
+            rows.append(("tool calls", f"{fmt.count(d.tool_calls)} answers called tools"
+                         + (f" (by step: {_by_step(d.tool_calls_by_number)})" if any(d.tool_calls_by_number) else "")))
+            if any(d.diverged_by_number):
+                rows.append(("diverged at step", _by_step(d.diverged_by_number)))
+            if d.replayed:  # tool_results = "replay"
+                rows.append(("replayed results", f"{fmt.count(d.replayed)} steps sent with a replayed tool result"))
         if d.turns_by_number:
-            rows.append(("answered by turn", "  ".join(f"t{k} {fmt.count(done)}/{fmt.count(total)}"
-                                                      for k, (done, total) in enumerate(d.turns_by_number, 1))))
+            word, letter = ("step", "s") if agent else ("turn", "t")
+            rows.append((f"answered by {word}", "  ".join(f"{letter}{k} {fmt.count(done)}/{fmt.count(total)}"
+                                                         for k, (done, total) in enumerate(d.turns_by_number, 1))))
         if d.last_conversation:
             head, *turns = d.last_conversation
             rows.append(("last conversation", "\n".join([head, *(f"  {t}" for t in turns)])))
     if d.message:
         rows.append(("note", d.message))
     return rows
+
+
+def _by_step(counts: tuple[int, ...]) -> str:
+    """Counts by step number, those above 0: "s1 20  s2 12"."""
+    return "  ".join(f"s{k} {fmt.count(n)}" for k, n in enumerate(counts, 1) if n)
 
 
 def _kind_facts(s: RunSnapshot, kind: str) -> list[tuple[str, str | Text]]:
@@ -113,7 +135,7 @@ def _provider_facts(s: RunSnapshot, name: str) -> list[tuple[str, str | Text]]:
     return rows
 
 
-def draw_drill(s: RunSnapshot, target: Target) -> RenderableType:
+def draw_drill(s: RunSnapshot, target: Target, conversation: RenderableType | None = None) -> RenderableType:
     facts = {DATASET: _dataset_facts, KIND: _kind_facts, PROVIDER: _provider_facts}[target.what](s, target.name)
     records = [r for r in reversed(s.recent_errors) if target.matches(r)]
     table = Table(box=None, expand=True, padding=(0, 1, 0, 0), show_edge=False, header_style="bold")
@@ -143,7 +165,14 @@ def draw_drill(s: RunSnapshot, target: Target) -> RenderableType:
     head = Text.assemble((f"{target.what} ", "dim"), (target.name, "bold"))
     recent = Text("recent errors, newest first (✗: the prompt failed for good)", style="bold underline") \
         if records else Text("no errors recorded for it in this run", style="green")
-    return Group(head, Text(""), _facts(facts), Text(""), recent, table if records else Text(""))
+    parts: list[RenderableType] = [head, Text(""), _facts(facts), Text("")]
+    if conversation is not None:
+        parts += [conversation, Text("")]
+    return Group(*parts, recent, table if records else Text(""))
+
+
+# A running dataset's file is read again at most this often (while its answered count moves).
+REREAD_S = 2.0
 
 
 class DrillScreen(Screen[None]):
@@ -151,13 +180,22 @@ class DrillScreen(Screen[None]):
         Binding("escape", "back", "back"),
         Binding("j,down", "scroll(1)", "scroll", show=False),
         Binding("k,up", "scroll(-1)", show=False),
+        Binding("left_square_bracket", "browse(-1)", "older conversation"),
+        Binding("right_square_bracket", "browse(1)", "newer conversation"),
     ]
 
-    def __init__(self, target: Target, snapshot: RunSnapshot) -> None:
+    def __init__(self, target: Target, snapshot: RunSnapshot, *, run_dir: Path | None = None) -> None:
         super().__init__()
         self.target = target
         self.latest = snapshot
         self._key: object = None
+        # A turns = "all" dataset's responses file, when the run directory is known.
+        self._responses = RunDir(run_dir).responses(target.name) if run_dir is not None and \
+            target.what == DATASET else None
+        self._found: list[ShownConversation] = []
+        self._pinned: str | None = None   # the conversation browsed to (None: the newest)
+        self._read_at: tuple[float, int] | None = None  # when the file was read, and the count then
+        self._reads = 0
 
     def compose(self) -> ComposeResult:
         yield RunHeader("draftgen", id="header")
@@ -170,14 +208,54 @@ class DrillScreen(Screen[None]):
     def on_mount(self) -> None:
         self.show(self.latest)
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "browse":
+            return self._responses is not None and self._conversational(self.latest)
+        return True
+
+    def _conversational(self, s: RunSnapshot) -> bool:
+        d = next((d for d in s.datasets if d.name == self.target.name), None)
+        return d is not None and d.conversations > 0
+
+    def _read(self, s: RunSnapshot) -> None:
+        """Read the file's tail again when the dataset's answered count moved (at most every REREAD_S)."""
+        if self._responses is None or not self._conversational(s):
+            return
+        d = next(d for d in s.datasets if d.name == self.target.name)
+        now = time.monotonic()
+        if self._read_at is not None and (self._read_at[1] == d.done or now - self._read_at[0] < REREAD_S):
+            return
+        self._read_at = (now, d.done)
+        self._found = conversations(read_tail(self._responses))
+        self._reads += 1
+
+    def _conversation(self) -> RenderableType | None:
+        if self._responses is None or not self._conversational(self.latest):
+            return None
+        i = pick(self._found, self._pinned)
+        if i is None:
+            return Text("no conversation answered yet", style="dim")
+        newest = "the newest" if i == len(self._found) - 1 else f"{len(self._found) - 1 - i} before the newest"
+        return draw_conversation(self._found[i], position=f"{newest} of {len(self._found)} read; [ ] to browse")
+
     def show(self, s: RunSnapshot) -> None:
         self.latest = s
         self.query_one(RunHeader).show(s)
-        key = (s.recent_errors, s.datasets, s.errors, s.providers, s.provider_stats)
+        self._read(s)
+        key = (s.recent_errors, s.datasets, s.errors, s.providers, s.provider_stats, self._pinned, self._reads)
         if key == self._key:
             return
         self._key = key
-        self.query_one("#drill-body", Static).update(draw_drill(s, self.target))
+        self.query_one("#drill-body", Static).update(draw_drill(s, self.target, self._conversation()))
+
+    def action_browse(self, step: int) -> None:
+        i = pick(self._found, self._pinned)
+        if i is None:
+            return
+        i = min(max(0, i + step), len(self._found) - 1)
+        self._pinned = None if i == len(self._found) - 1 else self._found[i].id
+        self._key = None
+        self.show(self.latest)
 
     def action_scroll(self, rows: int) -> None:
         self.query_one("#drill").scroll_relative(y=rows, animate=False)

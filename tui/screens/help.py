@@ -24,6 +24,8 @@ KEYS = (
     ("↑ ↓  j k", "move the cursor in the focused panel"),
     ("enter", "drill down: a dataset, error kind or provider with its recent errors (prompt ids, providers,"
               " attempts, messages); esc goes back"),
+    ("[  ]", "in a turns = \"all\" dataset's drill-down: an older, a newer conversation, step by step"
+             " (tool calls and results too)"),
     ("l  /", "the events log on the whole screen; / searches it"),
     ("v  d  c", "in the log: cycle the level (all, warn+, error), cycle the dataset, clear the filters"),
     ("PgUp PgDn Home End", "scroll the events log; it follows new events again at End"),
