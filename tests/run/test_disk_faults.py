@@ -380,6 +380,58 @@ def test_token_writer_rolls_back_a_failed_sample_and_goes_on(tmp_path):
     assert (folder / "loss_mask.bin").stat().st_size == total
 
 
+BATCH_WRITER_CHILD = r"""
+import resource, signal, sys
+import numpy as np, orjson
+from pathlib import Path
+from draftgen.core.tokens.store import TokenWriter
+
+folder = Path(sys.argv[1])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+rng = np.random.default_rng(1)
+batches = [[(f"b{b}s{i}", rng.integers(0, 163_000, size=int(rng.integers(1, 300)), dtype=np.uint32), {"b": b})
+            for i in range(int(rng.integers(1, 9)))] for b in range(12)]
+outcomes = []
+with TokenWriter(folder) as writer:
+    for b, batch in enumerate(batches):
+        if b == 5:  # the disk fills up: this batch does not fit whole
+            resource.setrlimit(resource.RLIMIT_FSIZE, (writer.tokens * 4 + 600, resource.RLIM_INFINITY))
+        ids = b"".join(a.astype("<u4").tobytes() for _, a, _ in batch)
+        mask = b"".join((a % 2).astype(np.uint8).tobytes() for _, a, _ in batch)
+        try:
+            writer.append_batch(ids, mask, [(sid, int(a.shape[0]), meta) for sid, a, meta in batch])
+            outcomes.append("ok")
+        except Exception as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    if writer.ids != {sid for b, o in zip(batches, outcomes) if o == "ok" for sid, _, _ in b}:
+        outcomes.append("the writer's ids differ from what it committed")
+# The same samples appended one by one, for comparison.
+with TokenWriter(folder.parent / "one_by_one") as writer:
+    for batch, outcome in zip(batches, outcomes):
+        for sid, a, meta in batch if outcome == "ok" else ():
+            writer.append(sid, a, (a % 2).astype(np.uint8), meta)
+print(orjson.dumps(outcomes).decode())
+"""
+
+
+def test_a_batch_of_samples_is_written_whole_or_not_at_all(tmp_path):
+    """TokenWriter.append_batch (a live run's and `draftgen tokens`' batches of answers, one write per
+    file): a batch that does not fit leaves the folder as it was before it, the next batches land after
+    the last committed one, and the files are byte for byte those of the same samples appended one by one."""
+    folder = tmp_path / "tokens"
+    proc = subprocess.run([sys.executable, "-c", BATCH_WRITER_CHILD, str(folder)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcomes = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcomes[:5] == ["ok"] * 5 and outcomes[6:] == ["ok"] * 6, outcomes
+    assert outcomes[5].startswith("DiskError") and str(folder) in outcomes[5] and "too large" in outcomes[5]
+    for name in ("input_ids.bin", "loss_mask.bin", "index.jsonl"):
+        assert (folder / name).read_bytes() == (tmp_path / "one_by_one" / name).read_bytes(), name
+    reader = TokenReader(folder)
+    assert not any(e.id.startswith("b5s") for e in reader.entries) and reader.entries[-1].id.startswith("b11s")
+
+
 BUFFERED_WRITER_CHILD = r"""
 import resource, signal, sys
 import numpy as np
