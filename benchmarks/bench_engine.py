@@ -1,7 +1,7 @@
 """Engine throughput, memory and concurrency against the simulator, next to the references.
 
     python benchmarks/bench_engine.py [--n 20000] [--concurrency 2000] [--openai] [--pin] [--fsync-ab]
-                                      [--rounds R] [--rows bare,engine] [--no-concurrency]
+                                      [--rounds R] [--rows bare,engine] [--no-concurrency] [--mean-tokens 40]
 
 Each contender runs in its own process against the same simulator process (latency 0), so their
 peak RSS is their own:
@@ -32,6 +32,16 @@ peak RSS is their own:
   exchange costs less than the bare loop's aiohttp one, by the per-request timer the engine's deadlines
   do without (core/generate/api/deadlines.py): so the 1.3x target is no longer exactly E <= 0.3x the tuned
   bare loop's CPU; the target is read on the engine row);
+- engine, reconstruct on (engine_tokens; engine_tokens_ab for the --ab-code checkout): the engine with
+  `[engine] reconstruct = true`, each answer handed to the tokens stage as `draftgen run` does
+  (core/run/tokens_stage.py: the real Kimi-K2 tokenizer, worker processes, the token store), the run
+  over once the last answer's ids are written. Its CPU per request counts every process of the run: the
+  main one and its descendants (the token workers, their forkserver and resource tracker, read from
+  /proc before the workers exit); the engine starts once the workers are ready, so the start-up's CPU
+  (the tokenizer loaded in the main process and in each worker) is also given apart. A table then
+  compares it with the engine row (reconstruction off) in the same rounds: CPU per answer on / off with
+  the start-up and after it, main process and workers apart, wall time / the bare loop's. Use
+  --mean-tokens to size the answers (e.g. 100: answers of ~25-150 words);
 - openai: openai-python's AsyncOpenAI (httpx) at the same concurrency (with --openai; slow).
 Then the simulator is restarted with a fixed latency (2 s, or 1 s per 1,000 in flight above 2,000,
 so that one simulator process can keep that many answers open) to measure the concurrency reached.
@@ -43,7 +53,8 @@ process's, not counted. "CPU vs bare" is the bare loop's CPU per request over th
 row spends less CPU per request than the bare loop). On a shared machine req/s follows the load more
 than CPU per request does. --rounds R runs the rows R times, one of each in turn (bare, engine, ...:
 alternating, so a change of load hits them alike), and gives each figure's median over the rounds;
---rows picks the rows (bare, engine, engine_nofsync, bare_gc, engine_max_usd, engine_mt, engine_ab, bare_uv,
+--rows picks the rows (bare, engine, engine_nofsync, bare_gc, engine_max_usd, engine_mt, engine_ab, engine_tokens,
+engine_tokens_ab, bare_uv,
 engine_asyncio: the bare loop on uvloop, the engine on asyncio's own loop, so what the event loop
 and what the engine's code each save is seen apart; bare_tuned: the bare loop on the engine's event
 loop with the engine's GC settings, the reference of "engine CPU per request / tuned bare", given
