@@ -1,7 +1,7 @@
 """Engine throughput, memory and concurrency against the simulator, next to the references.
 
     python benchmarks/bench_engine.py [--n 20000] [--concurrency 2000] [--openai] [--pin] [--fsync-ab]
-                                      [--rounds R] [--rows bare,engine] [--no-concurrency]
+                                      [--rounds R] [--rows bare,engine] [--no-concurrency] [--mean-tokens 40]
 
 Each contender runs in its own process against the same simulator process (latency 0), so their
 peak RSS is their own:
@@ -32,6 +32,16 @@ peak RSS is their own:
   exchange costs less than the bare loop's aiohttp one, by the per-request timer the engine's deadlines
   do without (core/generate/api/deadlines.py): so the 1.3x target is no longer exactly E <= 0.3x the tuned
   bare loop's CPU; the target is read on the engine row);
+- engine, reconstruct on (engine_tokens; engine_tokens_ab for the --ab-code checkout): the engine with
+  `[engine] reconstruct = true`, each answer handed to the tokens stage as `draftgen run` does
+  (core/run/tokens_stage.py: the real Kimi-K2 tokenizer, worker processes, the token store), the run
+  over once the last answer's ids are written. Its CPU per request counts every process of the run: the
+  main one and its descendants (the token workers, their forkserver and resource tracker, read from
+  /proc before the workers exit); the engine starts once the workers are ready, so the start-up's CPU
+  (the tokenizer loaded in the main process and in each worker) is also given apart. A table then
+  compares it with the engine row (reconstruction off) in the same rounds: CPU per answer on / off with
+  the start-up and after it, main process and workers apart, wall time / the bare loop's. Use
+  --mean-tokens to size the answers (e.g. 100: answers of ~25-150 words);
 - openai: openai-python's AsyncOpenAI (httpx) at the same concurrency (with --openai; slow).
 Then the simulator is restarted with a fixed latency (2 s, or 1 s per 1,000 in flight above 2,000,
 so that one simulator process can keep that many answers open) to measure the concurrency reached.
@@ -43,7 +53,8 @@ process's, not counted. "CPU vs bare" is the bare loop's CPU per request over th
 row spends less CPU per request than the bare loop). On a shared machine req/s follows the load more
 than CPU per request does. --rounds R runs the rows R times, one of each in turn (bare, engine, ...:
 alternating, so a change of load hits them alike), and gives each figure's median over the rounds;
---rows picks the rows (bare, engine, engine_nofsync, bare_gc, engine_max_usd, engine_mt, engine_ab, bare_uv,
+--rows picks the rows (bare, engine, engine_nofsync, bare_gc, engine_max_usd, engine_mt, engine_ab, engine_tokens,
+engine_tokens_ab, bare_uv,
 engine_asyncio: the bare loop on uvloop, the engine on asyncio's own loop, so what the event loop
 and what the engine's code each save is seen apart; bare_tuned: the bare loop on the engine's event
 loop with the engine's GC settings, the reference of "engine CPU per request / tuned bare", given
@@ -83,9 +94,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_sim(port: int, *extra: str) -> subprocess.Popen:
+def start_sim(port: int, *extra: str, mean_tokens: int = 40) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "draftgen.cli.main", "simulate", "--port", str(port),
-                             "--seed", "1", "--mean-tokens", "40", "--credits", "1e9", *extra],
+                             "--seed", "1", "--mean-tokens", str(mean_tokens), "--credits", "1e9", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import urllib.request
     for _ in range(200):
@@ -110,7 +121,8 @@ def child(mode: str, port: int, n: int, concurrency: int, pin: bool = False, cod
     if mode == "engine_asyncio":  # the engine on the standard library's loop (core/runtime.py LOOP_ENV)
         env, mode = {**os.environ, "DRAFTGEN_EVENT_LOOP": "asyncio"}, "engine"
     out = subprocess.run([sys.executable, __file__, "--child", {"engine_ab": "engine",
-                                                                 "engine_alone_ab": "engine_alone"}.get(mode, mode),
+                                                                 "engine_alone_ab": "engine_alone",
+                                                                 "engine_tokens_ab": "engine_tokens"}.get(mode, mode),
                           "--port", str(port), "--n", str(n),
                           "--concurrency", str(concurrency), *(["--pin"] if pin else [])],
                          capture_output=True, text=True, check=True, env=env)
@@ -183,12 +195,46 @@ def write_conversations(path: Path, n: int, turns: int) -> None:
             f.write(orjson.dumps({"id": f"c{i}", "conversations": conv}) + b"\n")
 
 
+def descendants_cpu() -> float:
+    """CPU seconds (user + system) of this process's live descendants: the token workers, the forkserver
+    they are forked from and multiprocessing's resource tracker (read from /proc; Linux only)."""
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after the command's name, which may hold spaces
+        pid = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    total, todo = 0.0, list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += children.get(pid, [])
+    return total
+
+
 async def run_engine(url: str, n: int, concurrency: int, max_usd: float | None = None,
-                     turns: int = 1) -> tuple[float, float, int]:
+                     turns: int = 1, reconstruct: bool = False) -> tuple[float, float, int, float, float]:
     """The engine on n single-turn prompts, or (turns > 1) on n / turns conversations of `turns` user turns
-    asked turn by turn (`turns = "all"`: each turn's request carries the target's earlier answers)."""
+    asked turn by turn (`turns = "all"`: each turn's request carries the target's earlier answers).
+    `reconstruct`: each answer is also turned into token ids as it lands, as `draftgen run` does with
+    `[engine] reconstruct = true` (core/run/tokens_stage.py: worker processes, the token store written
+    by the main process), its CPU counted from the stage's start (its tokenizer loaded, its workers
+    started) to its last answer's ids written. The engine starts once the workers are ready, so the
+    start-up's CPU (the tokenizer loaded in the main process and in each worker, the workers' imports) is
+    measured apart, and the wall time (req/s) is the run's from there.
+    Returns req/s, the main process's CPU seconds, the peak in flight, the CPU seconds of its descendants
+    (the token workers, their forkserver and resource tracker) and the start-up's CPU seconds (all processes)."""
     from draftgen.core.config import load_config
     from draftgen.core.generate.loop.engine import Engine
+    from draftgen.core.rundir import RunDir
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if turns > 1:
@@ -198,7 +244,11 @@ async def run_engine(url: str, n: int, concurrency: int, max_usd: float | None =
             with open(root / "p.jsonl", "wb") as f:
                 for i in range(n):
                     f.write(orjson.dumps({"id": i, "prompt": f"Question {i}"}) + b"\n")
-        (root / "c.toml").write_text(f"""
+        tokenizer = ""
+        if reconstruct:  # the real Kimi-K2 vocabulary draftgen bundles
+            from draftgen.core.tokens.tokenizer import bundled_kimi_path
+            tokenizer = f"[tokenizer]\npath = {json.dumps(str(bundled_kimi_path()))}\n"
+        (root / "c.toml").write_text(f"""{tokenizer}
 [api]
 base_url = "{url}"
 api_key_env = "BENCH_KEY"
@@ -206,7 +256,7 @@ api_key_env = "BENCH_KEY"
 temperature = 0.6
 include_reasoning = true
 [engine]
-reconstruct = false
+reconstruct = {"true" if reconstruct else "false"}
 {f"[budget]{chr(10)}max_usd = {max_usd}" if max_usd is not None else ""}
 [output]
 dir = "run"
@@ -218,7 +268,13 @@ max_tokens = 1024
 {'turns = "all"' if turns > 1 else ""}
 """)
         config = load_config(root / "c.toml")
-        engine = Engine(config, KEY)
+        rundir = RunDir(config.run_dir)
+        stage = None
+        if reconstruct:  # as core/run/pipeline.py wires it: each answer on disk handed to the stage
+            from draftgen.core.run.stage_rows import StageRows
+            from draftgen.core.run.tokens_stage import TokensStage
+            stage = TokensStage(config, lambda *a, **k: None, StageRows(), rundir)
+        engine = Engine(config, KEY, on_answer=stage.submit if stage is not None else None, rundir=rundir)
         peak_in_flight = 0
 
         async def watch() -> None:  # what the TUI or headless line does: 4 snapshots a second
@@ -226,14 +282,33 @@ max_tokens = 1024
             while True:
                 await asyncio.sleep(0.25)
                 peak_in_flight = max(peak_in_flight, engine.snapshot().throughput.in_flight)
+                if stage is not None:
+                    stage.refresh()  # the tokens row and the fidelity figures, as the pipeline's ticker asks
         watcher = asyncio.create_task(watch())
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu, cpu_below = time.perf_counter(), time.process_time(), descendants_cpu()
+        startup = 0.0
+        if stage is not None:
+            await stage.start()
+            reconstructor = stage._reconstructor
+            assert reconstructor is not None
+            if reconstructor._restart is not None:  # its workers ready (in a run they start beside the requests)
+                await reconstructor._restart
+            startup = time.process_time() - cpu + descendants_cpu() - cpu_below
+            start = time.perf_counter()  # the wall time is the run's from here (the start-up's CPU is counted)
         await engine.run()
+        if stage is not None:
+            await reconstructor.wait_idle()
+            cpu_below = descendants_cpu() - cpu_below  # before the workers exit: their CPU is gone with them
+            assert await stage.finish(), "some answer has no token ids"
+            report = reconstructor.report(None)
+            assert report.checked == n, report.format()
+        else:
+            cpu_below = 0.0
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         watcher.cancel()
         assert engine.datasets["bench"].done == n, engine.datasets["bench"].done
         assert engine.spend.reserved_usd == 0.0 and engine.spend.settled_usd > 0
-        return n / elapsed, cpu, peak_in_flight
+        return n / elapsed, cpu, peak_in_flight, cpu_below, startup
 
 
 def replay_answers(url: str) -> None:
@@ -288,16 +363,22 @@ def child_main(args: argparse.Namespace) -> None:
         if args.child == "engine_alone":
             replay_answers(url)
         from draftgen.core import runtime  # the loop `draftgen run` runs on
-        rate, cpu, peak = runtime.run(run_engine(url, args.n, args.concurrency,
-                                                 1e6 if args.child == "engine_max_usd" else None,
-                                                 MT_TURNS if args.child == "engine_mt" else 1))
+        rate, cpu, peak, cpu_below, startup = runtime.run(run_engine(url, args.n, args.concurrency,
+                                                            1e6 if args.child == "engine_max_usd" else None,
+                                                            MT_TURNS if args.child == "engine_mt" else 1,
+                                                            args.child in ("engine_tokens", "engine_tokens_ab")))
+        # CPU per answer counts every process of the run: the token workers' share too.
+        extra["main_cpu_us"] = cpu / args.n * 1e6
+        extra["workers_cpu_us"] = cpu_below / args.n * 1e6
+        extra["startup_cpu_s"] = startup
+        cpu += cpu_below
         args.n -= args.n % MT_TURNS if args.child == "engine_mt" else 0  # the requests it sent
         extra["loop"] = runtime.loop_name()
         extra["peak_in_flight"] = peak
         import draftgen.core
         extra["code"] = str(Path(draftgen.core.__file__).resolve().parents[1])  # which checkout's engine ran
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"rate": rate, "rss_mb": rss_mb, "cpu_us": cpu / args.n * 1e6, **extra}))
+    print(json.dumps({"rate": rate, "rss_mb": rss_mb, "cpu_us": cpu / args.n * 1e6, "n": args.n, **extra}))
 
 
 def main() -> None:
@@ -312,6 +393,8 @@ def main() -> None:
     p.add_argument("--no-concurrency", action="store_true", help="skip the concurrency check")
     p.add_argument("--ab-code", help="the engine_ab row imports draftgen from this folder (PYTHONPATH): "
                    "e.g. a folder with a `draftgen` symlink to an old checkout")
+    p.add_argument("--mean-tokens", type=int, default=40,
+                   help="the simulator's mean completion tokens an answer, reasoning included (default 40)")
     p.add_argument("--child")
     p.add_argument("--port", type=int)
     args = p.parse_args()
@@ -320,7 +403,7 @@ def main() -> None:
         return
     os.environ["BENCH_KEY"] = KEY
     port = free_port()
-    sim = start_sim(port, "--latency-scale", "0")
+    sim = start_sim(port, "--latency-scale", "0", mean_tokens=args.mean_tokens)
     if args.pin:
         os.sched_setaffinity(sim.pid, {1})
     names = {"bare": "bare aiohttp loop", "engine": "draftgen engine", "bare_gc": "bare loop + engine's GC",
@@ -328,10 +411,11 @@ def main() -> None:
              "engine_max_usd": "engine + max_usd ceiling", "engine_nofsync": "engine, fsync a no-op",
              "engine_ab": "engine, --ab-code", "bare_tuned": "bare loop, uvloop + GC",
              "engine_mt": f"engine, {MT_TURNS}-turn convs", "engine_alone": "engine, own work",
-             "engine_alone_ab": "own work, --ab-code"}
+             "engine_alone_ab": "own work, --ab-code", "engine_tokens": "engine, reconstruct on",
+             "engine_tokens_ab": "reconstruct on, --ab-code"}
     order = args.rows.split(",") if args.rows else \
         ["bare", "engine", *(["engine_nofsync"] if args.fsync_ab else []), "bare_gc", "engine_max_usd", "engine_mt"]
-    ab_rows = {"engine_ab", "engine_alone_ab"} & set(order)
+    ab_rows = {"engine_ab", "engine_alone_ab", "engine_tokens_ab"} & set(order)
     if order[0] != "bare" or any(m not in names for m in order) or bool(ab_rows) != bool(args.ab_code):
         raise SystemExit(f"--rows: a comma-separated list starting with bare, of {', '.join(names)} "
                          "(engine_ab or engine_alone_ab with --ab-code, and only then)")
@@ -341,12 +425,13 @@ def main() -> None:
         for r in range(args.rounds):
             for m in order:
                 runs[m].append(child(m, port, args.n, args.concurrency, args.pin,
-                                     args.ab_code if m in ("engine_ab", "engine_alone_ab") else None))
+                                     args.ab_code if m in ab_rows else None))
             if args.rounds > 1:
                 print(f"round {r + 1}: " + ", ".join(f"{m} {runs[m][-1]['rate']:.0f} req/s "
                                                       f"{runs[m][-1]['cpu_us']:.0f} us/req" for m in order),
                       flush=True)
-        for mine, other in (("engine", "engine_ab"), ("engine_alone", "engine_alone_ab")):
+        for mine, other in (("engine", "engine_ab"), ("engine_alone", "engine_alone_ab"),
+                            ("engine_tokens", "engine_tokens_ab")):
             if mine in runs and other in runs:
                 print(f"{mine}: {runs[mine][0]['code']}; {other}: {runs[other][0]['code']}")
         oa = child("openai", port, min(args.n, 2000), args.concurrency) if args.openai else None
@@ -381,6 +466,7 @@ def main() -> None:
               "loop's CPU per request (A/B of the engine's own code; the target is read on the engine row)")
     per_round(runs, "engine_alone_ab", "bare_tuned", "the same for the --ab-code checkout (engine_alone_ab)")
     per_round(runs, "engine_alone", "engine_alone_ab", "own work per request, this checkout / the --ab-code one")
+    reconstruction_table(runs)
     if args.no_concurrency:
         print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, None, None, None, tuned)
         return
@@ -397,6 +483,45 @@ def main() -> None:
         sim.wait()
 
     print_table(args, rows, cpu_ratio, rate_ratio, nofsync, med, hold_s, peak, conc, tuned)
+
+
+def reconstruction_table(runs: dict[str, list[dict]]) -> None:
+    """Issue 51's measure of token reconstruction: the CPU per answer of the run with it on (every process:
+    the main one and its token workers) over the same run's with it off, per round, with the start-up
+    (tokenizer loads, worker start: once a run, whatever its size) and without; each row's wall time over
+    the bare aiohttp loop's (the inverse of req/s); medians of the rounds."""
+    rows = [m for m in ("engine", "engine_tokens", "engine_tokens_ab") if m in runs]
+    if "engine_tokens" not in rows or "engine" not in rows:
+        return
+
+    def steady(x: dict) -> float:  # CPU per answer less the start-up's share
+        return x["cpu_us"] - x.get("startup_cpu_s", 0.0) * 1e6 / x["n"]
+    print("\ntoken reconstruction on vs off: CPU per answer of every process of the run (main + token workers), "
+          "with the start-up and after it; wall time / the bare loop's; medians of the rounds\n")
+    print(f"| {'run':26} | {'CPU us/answer':>13} | {'start-up CPU s':>14} | {'after start-up':>14} | {'main us':>7} | "
+          f"{'workers us':>10} | {'on / off':>8} | {'after start-up / off':>20} | {'wall / bare':>11} |")
+    print(f"|{'-' * 28}|{'-' * 15}|{'-' * 16}|{'-' * 16}|{'-' * 9}|{'-' * 12}|{'-' * 10}|{'-' * 22}|{'-' * 13}|")
+    labels = {"engine": "reconstruct off (engine)", "engine_tokens": "reconstruct on",
+              "engine_tokens_ab": "reconstruct on, --ab-code"}
+    for m in rows:
+        xs = runs[m]
+        off = [x["cpu_us"] / e["cpu_us"] for x, e in zip(xs, runs["engine"])]
+        off_steady = [steady(x) / e["cpu_us"] for x, e in zip(xs, runs["engine"])]
+        wall = [b["rate"] / x["rate"] for x, b in zip(xs, runs["bare"])]
+        print(f"| {labels[m]:26} | {statistics.median(x['cpu_us'] for x in xs):13.0f} | "
+              f"{statistics.median(x.get('startup_cpu_s', 0.0) for x in xs):14.2f} | "
+              f"{statistics.median(steady(x) for x in xs):14.0f} | "
+              f"{statistics.median(x.get('main_cpu_us', x['cpu_us']) for x in xs):7.0f} | "
+              f"{statistics.median(x.get('workers_cpu_us', 0.0) for x in xs):10.0f} | "
+              f"{statistics.median(off):7.2f}x | {statistics.median(off_steady):19.2f}x | "
+              f"{statistics.median(wall):10.2f}x |")
+    for m in ("engine_tokens", "engine_tokens_ab"):
+        if m in runs:
+            r = [x["cpu_us"] / e["cpu_us"] for x, e in zip(runs[m], runs["engine"])]
+            q = [steady(x) / e["cpu_us"] for x, e in zip(runs[m], runs["engine"])]
+            print(f"{labels[m]} / off, CPU per answer, per round: {', '.join(f'{v:.2f}' for v in r)}; after "
+                  f"start-up: {', '.join(f'{v:.2f}' for v in q)}; medians {statistics.median(r):.2f}x and "
+                  f"{statistics.median(q):.2f}x (target <= 1.3x)", flush=True)
 
 
 def median_interval(values: list[float], level: float = 0.9) -> str:

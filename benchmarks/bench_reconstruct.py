@@ -34,7 +34,7 @@ from draftgen.core.tokens.workers import (
     WorkerSpec,
     _batches,
     _init_worker,
-    _ping,
+    ping,
     reconstruct_batch,
     reconstruct_dataset,
     worker_pool,
@@ -118,7 +118,7 @@ def raw_batch(records: list[dict[str, Any]]) -> int:
 
 
 def recon_batch(records: list[dict[str, Any]]) -> int:
-    return sum(int(ids.shape[0]) for _, ids, _, _ in reconstruct_batch(records))
+    return sum(length for _, length, _ in reconstruct_batch(records)[2])
 
 
 def paired(fns: dict[str, Any], repeat: int, clock: Any = time.perf_counter) -> dict[str, float]:
@@ -176,7 +176,7 @@ def main() -> None:
 
         t = time.perf_counter()
         pool = worker_pool(config, workers)
-        list(pool.map(_ping, range(workers * 4)))  # every worker started, tokenizer loaded
+        list(pool.map(ping, range(workers * 4)))  # every worker started, tokenizer loaded
         startup = time.perf_counter() - t
         with pool:
             def end_to_end() -> None:

@@ -8,6 +8,7 @@ one of these: core/tokens/tokenizer.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +21,11 @@ from draftgen.core.errors import TokenizerError
 # cuts differ from an uncut encode, so the same cuts are made here to stay id-exact.
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 MAX_NO_WHITESPACES_CHARS = 25_000
+# Texts up to this long are encoded once per tokenizer and remembered (at most SHORT_TEXTS of them, the
+# least recently used forgotten first): a conversation's role names and headers ("user", "assistant")
+# come back in every answer, and a call into tiktoken costs more than the few tokens it returns.
+SHORT_TEXT_CHARS = 16
+SHORT_TEXTS = 1024
 # A run start followed by more than the limit of the same class: matched in linear time because
 # the look-behind fails at once inside a run.
 _LONG_RUN = re.compile(rf"(?<!\S)\S{{{MAX_NO_WHITESPACES_CHARS + 1}}}|(?<!\s)\s{{{MAX_NO_WHITESPACES_CHARS + 1}}}")
@@ -147,8 +153,13 @@ class TiktokenTokenizer(_SpecialTable, _ChatTemplateText):
         self.lossless_text = lossless_text
         self.vocab_size = int(encoding.n_vocab)
         self._encode_ordinary = encoding.encode_ordinary
+        # Keyed by the text, per tokenizer; tuples, so no caller can change what is remembered.
+        self._encode_short = functools.lru_cache(maxsize=SHORT_TEXTS)(
+            lambda text: tuple(encoding.encode_ordinary(text)))
 
     def encode_text(self, text: str) -> list[int]:
+        if len(text) <= SHORT_TEXT_CHARS:
+            return list(self._encode_short(text))
         return encode_like_kimi(self._encode_ordinary, text)
 
     def decode(self, ids: Sequence[int]) -> str:

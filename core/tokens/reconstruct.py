@@ -181,7 +181,7 @@ def _check_think_tags(checks: dict[str, bool], tok: Tokenizer, rendered: Rendere
         if rendered.answer_opens_think:  # templates whose generation prompt leaves `<think>` to the model
             opened = len(span) > 0 and span[0] == open_id
             body, body_text = span_ids[1:], text.removeprefix(rendered.think_open)
-        checks["no_think_open"] = (opened and not bool(np.any(body == open_id))
+        checks["no_think_open"] = (opened and not np.count_nonzero(body == open_id)
                                    and rendered.think_open not in body_text)
 
 

@@ -20,7 +20,7 @@ from functools import partial
 from typing import Any, Generic, TypeVar
 
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
-from draftgen.core.tokens.workers import Result, WorkerSpec, new_pool, ping, reconstruct_batch
+from draftgen.core.tokens.workers import Results, WorkerSpec, new_pool, ping, reconstruct_batch
 
 K = TypeVar("K")
 Batch = list[dict[str, Any]]
@@ -31,7 +31,7 @@ class RespawningPool(Generic[K]):
     """Sends batches of answers to worker processes and starts new workers when they die."""
 
     def __init__(self, spec: WorkerSpec, workers: int, *, hint: str, max_restarts: Callable[[], int],
-                 on_landed: Callable[[K, Batch, list[Result]], None],
+                 on_landed: Callable[[K, Batch, Results], None],
                  on_lost: Callable[[K, Batch, BaseException], None],
                  on_give_up: Callable[[str], None], on_event: EventSink) -> None:
         self._spec = spec
@@ -137,7 +137,7 @@ class RespawningPool(Generic[K]):
         self.inflight.add(fut)
         fut.add_done_callback(partial(self._came_back, key, batch, pool))
 
-    def _came_back(self, key: K, batch: Batch, pool: Pool, fut: asyncio.Future[list[Result]]) -> None:
+    def _came_back(self, key: K, batch: Batch, pool: Pool, fut: asyncio.Future[Results]) -> None:
         self.inflight.discard(fut)
         if fut.cancelled():
             self._lost(key, batch, RuntimeError("cancelled"))

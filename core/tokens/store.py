@@ -12,8 +12,11 @@ Sample k is `input_ids.bin[offset : offset + length]` (in tokens, not bytes). Re
 numpy: `np.memmap(dir / "input_ids.bin", dtype="<u4")[offset:offset + length]`.
 
 Crash safety: the two .bin files are written and flushed before the index line; an index line is
-the commit. On reopening, a torn last index line is cut off and the .bin files are truncated to
-the end of the last committed sample, so a crash never leaves a sample half-visible.
+the commit. A batch (`append_batch`: a live run's or `draftgen tokens`' batch of answers) writes all
+its samples' ids, then all their masks, then all their index lines, one write each: a crash commits
+the samples whose index lines are whole. On reopening, a torn last index line is cut off and the
+.bin files are truncated to the end of the last committed sample, so a crash never leaves a sample
+half-visible.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,17 +117,41 @@ class TokenWriter:
             raise ValueError(f"{sample_id}: input_ids {ids.shape} and loss_mask {mask.shape} differ")
         entry = TokenEntry(str(sample_id), self.tokens, int(ids.shape[0]), dict(meta or {}))
         line = orjson.dumps({"id": entry.id, "offset": entry.offset, "length": entry.length, **entry.meta}) + b"\n"
+        self._write(ids.tobytes(), mask.tobytes(), line)
+        self.ids.add(entry.id)
+        return entry
+
+    def append_batch(self, input_ids: bytes, loss_mask: bytes,
+                     samples: Sequence[tuple[str, int, dict[str, Any]]]) -> None:
+        """Append consecutive samples in one write per file: `input_ids` (little-endian uint32) and
+        `loss_mask` (uint8) are theirs concatenated in the order of `samples`, each `(id, length in
+        tokens, metadata)`. The files end as the same `append`s one by one leave them, and as safe: the
+        index lines go last, so a crash commits a prefix of the batch; a write that fails leaves the
+        folder as it was before the batch (DiskError)."""
+        total = sum(n for _, n, _ in samples)
+        if len(input_ids) != 4 * total or len(loss_mask) != total:
+            raise ValueError(f"a batch of {total} tokens with {len(input_ids)} bytes of ids and {len(loss_mask)} "
+                             f"of mask")
+        lines, offset = [], self.tokens
+        for sample_id, length, meta in samples:
+            lines.append(orjson.dumps({"id": str(sample_id), "offset": offset, "length": length, **meta}))
+            offset += length
+        self._write(input_ids, loss_mask, b"\n".join(lines) + b"\n" if lines else b"")
+        self.ids.update(str(sample_id) for sample_id, _, _ in samples)
+
+    def _write(self, ids: bytes, mask: bytes, lines: bytes) -> None:
+        """Write samples' ids, then their masks, then their index lines (the commit), and count them."""
         ids_path, mask_path, index_path = self._paths
         target = ids_path
         try:
-            _write_all(self._ids_f, ids.tobytes())
+            _write_all(self._ids_f, ids)
             target = mask_path
-            _write_all(self._mask_f, mask.tobytes())
+            _write_all(self._mask_f, mask)
             if self._fsync:
                 os.fsync(self._ids_f.fileno())
                 os.fsync(self._mask_f.fileno())
             target = index_path
-            _write_all(self._index_f, line)
+            _write_all(self._index_f, lines)
             if self._fsync:
                 os.fsync(self._index_f.fileno())
         except OSError as e:
@@ -132,10 +159,8 @@ class TokenWriter:
             # append (when space is back) lands where the index says it does.
             self._rollback()
             raise disk_error(target, e) from e
-        self.tokens += entry.length
-        self._index_size += len(line)
-        self.ids.add(entry.id)
-        return entry
+        self.tokens += len(mask)
+        self._index_size += len(lines)
 
     def _rollback(self) -> None:
         for f, size in ((self._ids_f, self.tokens * 4), (self._mask_f, self.tokens), (self._index_f, self._index_size)):

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from draftgen.core.config import KIMI_DEFAULT_SYSTEM  # noqa: F401 - re-exported for callers of this module
 from draftgen.core.errors import DraftgenError
@@ -83,8 +83,9 @@ class TemplateError(DraftgenError):
     """A conversation the template cannot render (bad message shape, unsupported content)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
+class Segment(NamedTuple):
+    """A piece of a rendered conversation (a named tuple: every answer makes a dozen or more of them, and a
+    tuple is made in under half the time of a frozen dataclass)."""
     text: str
     special: bool = False   # True: `text` is the name of a special token, inserted by id
 

@@ -53,7 +53,11 @@ INLINE_MAX = 32               # fewer pending answers than this: not worth start
 _FIELDS = ("id", "messages", "reasoning", "content", "tool_calls", "finish_reason", "truncated", "token_ids",
            "prompt_token_ids", "provider", "turn", "tools")
 
-Result = tuple[str, np.ndarray, np.ndarray, dict[str, Any]]
+# A batch's outcome as a worker sends it back: every answer's input_ids (little-endian uint32) and
+# loss mask (uint8), concatenated in the batch's order, and each answer's (id, length in tokens, index
+# metadata). Two byte strings cross the pipe, not two arrays an answer, and the main process writes
+# them as they are (TokenWriter.append_batch).
+Results = tuple[bytes, bytes, list[tuple[str, int, dict[str, Any]]]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,18 +128,32 @@ def ping(_: object = None) -> bool:
     return _worker is not None
 
 
-def reconstruct_batch(records: list[dict[str, Any]]) -> list[Result]:
-    """(id, input_ids, loss_mask, index metadata) of each record, in order (runs in a worker)."""
+def reconstruct_batch(records: list[dict[str, Any]]) -> Results:
+    """The records' token ids, loss masks and index metadata, in order (runs in a worker; see Results)."""
     assert _worker is not None, "reconstruct_batch runs in a worker started with _init_worker"
     tok, template, tolerance = _worker
-    out: list[Result] = []
+    ids: list[bytes] = []
+    masks: list[bytes] = []
+    samples: list[tuple[str, int, dict[str, Any]]] = []
     for rec in records:
         try:
             r = reconstruct_record(tok, template, rec, count_tolerance=tolerance)
         except Exception as e:  # one odd answer must not sink its batch: it is flagged, the rest go on
             r = unrenderable(f"{type(e).__name__}: {e}")
-        out.append((str(rec.get("id")), r.input_ids, r.loss_mask, r.index_meta()))
-    return out
+        ids.append(r.input_ids.astype("<u4", copy=False).tobytes())
+        masks.append(r.loss_mask.astype(np.uint8, copy=False).tobytes())
+        samples.append((str(rec.get("id")), int(r.input_ids.shape[0]), r.index_meta()))
+    return b"".join(ids), b"".join(masks), samples
+
+
+def each_sample(results: Results) -> Iterator[tuple[str, np.ndarray, np.ndarray, dict[str, Any]]]:
+    """(id, input_ids, loss_mask, metadata) of each answer of a batch's Results, as views of its buffers."""
+    ids, masks, samples = results
+    all_ids, all_masks = np.frombuffer(ids, "<u4"), np.frombuffer(masks, np.uint8)
+    start = 0
+    for rid, length, meta in samples:
+        yield rid, all_ids[start:start + length], all_masks[start:start + length], meta
+        start += length
 
 
 def slim_record(record: dict[str, Any]) -> dict[str, Any]:
@@ -371,11 +389,11 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: ProgressCal
                         ("tokens/s", f"{tok_s:,.0f}")),
                 message=f"{dataset_name}: {rate.answers:,}/{total:,} answers reconstructed"))
 
-        def land(results: list[Result]) -> None:
-            for rid, ids, mask, meta in results:
-                writer.append(rid, ids, mask, meta)
+        def land(results: Results) -> None:
+            writer.append_batch(*results)
+            for _, length, meta in results[2]:
                 report.add_meta(meta)
-                rate.add(int(ids.shape[0]))
+                rate.add(length)
             tell()
 
         tell(force=True)
@@ -390,7 +408,7 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: ProgressCal
             if own:
                 pool = worker_pool(config, n_workers)
             assert pool is not None
-            inflight: deque[concurrent.futures.Future[list[Result]]] = deque()
+            inflight: deque[concurrent.futures.Future[Results]] = deque()
             try:
                 for batch in _batches(records):
                     inflight.append(pool.submit(reconstruct_batch, batch))

@@ -380,6 +380,120 @@ def test_token_writer_rolls_back_a_failed_sample_and_goes_on(tmp_path):
     assert (folder / "loss_mask.bin").stat().st_size == total
 
 
+BATCH_WRITER_CHILD = r"""
+import resource, signal, sys
+import numpy as np, orjson
+from pathlib import Path
+from draftgen.core.tokens.store import TokenWriter
+
+folder = Path(sys.argv[1])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+rng = np.random.default_rng(1)
+batches = [[(f"b{b}s{i}", rng.integers(0, 163_000, size=int(rng.integers(1, 300)), dtype=np.uint32), {"b": b})
+            for i in range(int(rng.integers(1, 9)))] for b in range(12)]
+outcomes = []
+with TokenWriter(folder) as writer:
+    for b, batch in enumerate(batches):
+        if b == 5:  # the disk fills up: this batch does not fit whole
+            resource.setrlimit(resource.RLIMIT_FSIZE, (writer.tokens * 4 + 600, resource.RLIM_INFINITY))
+        ids = b"".join(a.astype("<u4").tobytes() for _, a, _ in batch)
+        mask = b"".join((a % 2).astype(np.uint8).tobytes() for _, a, _ in batch)
+        try:
+            writer.append_batch(ids, mask, [(sid, int(a.shape[0]), meta) for sid, a, meta in batch])
+            outcomes.append("ok")
+        except Exception as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    if writer.ids != {sid for b, o in zip(batches, outcomes) if o == "ok" for sid, _, _ in b}:
+        outcomes.append("the writer's ids differ from what it committed")
+# The same samples appended one by one, for comparison.
+with TokenWriter(folder.parent / "one_by_one") as writer:
+    for batch, outcome in zip(batches, outcomes):
+        for sid, a, meta in batch if outcome == "ok" else ():
+            writer.append(sid, a, (a % 2).astype(np.uint8), meta)
+print(orjson.dumps(outcomes).decode())
+"""
+
+
+def test_a_batch_of_samples_is_written_whole_or_not_at_all(tmp_path):
+    """TokenWriter.append_batch (a live run's and `draftgen tokens`' batches of answers, one write per
+    file): a batch that does not fit leaves the folder as it was before it, the next batches land after
+    the last committed one, and the files are byte for byte those of the same samples appended one by one."""
+    folder = tmp_path / "tokens"
+    proc = subprocess.run([sys.executable, "-c", BATCH_WRITER_CHILD, str(folder)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcomes = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcomes[:5] == ["ok"] * 5 and outcomes[6:] == ["ok"] * 6, outcomes
+    assert outcomes[5].startswith("DiskError") and str(folder) in outcomes[5] and "too large" in outcomes[5]
+    for name in ("input_ids.bin", "loss_mask.bin", "index.jsonl"):
+        assert (folder / name).read_bytes() == (tmp_path / "one_by_one" / name).read_bytes(), name
+    reader = TokenReader(folder)
+    assert not any(e.id.startswith("b5s") for e in reader.entries) and reader.entries[-1].id.startswith("b11s")
+
+
+LIVE_BATCH_CHILD = r"""
+import asyncio, resource, signal, sys
+import orjson
+from pathlib import Path
+from draftgen.core.config import config_from_dict
+from draftgen.core.tokens.during_run import RunReconstructor
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
+
+root = Path(sys.argv[1])
+config = config_from_dict({"tokenizer": {"path": str(bundled_kimi_path())}, "output": {"dir": "run"},
+                           "datasets": [{"name": "a", "prompts": "a.jsonl"}]}, root / "draftgen.toml")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def answer(i):
+    return {"id": f"a-{i}", "messages": [{"role": "user", "content": f"Question {i}"}],
+            "reasoning": "Let me add them. " * (1 + i % 5), "content": f"It is {2 * i}.", "finish_reason": "stop",
+            "usage": {"completion_tokens": 1, "prompt_tokens": 1}}
+
+
+async def main():
+    recon = RunReconstructor(config, workers=1)
+    await recon.start()
+    for i in range(10):
+        recon.submit("a", answer(i))
+    await recon.wait_idle()
+    # The disk fills: the next batch does not fit whole (the index, the largest file, takes ~400 bytes
+    # an answer, so a few more).
+    largest = max(f.stat().st_size for f in (root / "run" / "a" / "tokens").glob("*.*"))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (largest + 1000, resource.RLIM_INFINITY))
+    for i in range(10, 30):
+        recon.submit("a", answer(i))
+    await recon.wait_idle()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    await recon.close()
+    p = recon.progress()
+    print(orjson.dumps({"state": str(p.state), "done": p.done, "total": p.total, "message": p.message}).decode())
+
+asyncio.run(main())
+"""
+
+
+def test_a_live_batch_the_disk_refuses_keeps_the_answers_that_fit(tmp_path):
+    """A live run's batch is written whole (TokenWriter.append_batch); when the disk refuses it, its
+    answers are written one by one as far as they fit: those are kept, the others are said lost (the stage
+    stops, naming the file), and the token files hold whole answers only."""
+    proc = subprocess.run([sys.executable, "-c", LIVE_BATCH_CHILD, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    folder = tmp_path / "run" / "a" / "tokens"
+    reader = TokenReader(folder)
+    kept = [e.id for e in reader.entries]
+    assert kept == [f"a-{i}" for i in range(len(kept))], kept  # the first batch, then a prefix of the second
+    assert 10 < len(kept) < 30, kept
+    assert result["done"] == len(kept) and result["total"] == 30, result
+    assert result["state"] == "stopped" and str(folder) in result["message"] and "too large" in result["message"]
+    total = sum(e.length for e in reader.entries)
+    assert (folder / "input_ids.bin").stat().st_size == 4 * total
+    assert (folder / "loss_mask.bin").stat().st_size == total
+
+
 BUFFERED_WRITER_CHILD = r"""
 import resource, signal, sys
 import numpy as np

@@ -280,3 +280,21 @@ def test_a_tokenizer_json_folder_encodes_as_transformers_loads_it(tmp_path: Path
     assert "pre_tokenizer" in tok.origin
     assert tok.special_id("<|im_end|>") == (AutoTokenizer.from_pretrained(str(folder))
                                             .convert_tokens_to_ids("<|im_end|>"))
+
+
+def test_short_texts_are_encoded_once_and_given_back_as_new_lists() -> None:
+    """The role names and headers every answer renders are encoded once per tokenizer (core/tokens/encoders.py
+    SHORT_TEXT_CHARS): the ids are tiktoken's own, each call hands back a list of its own (one a caller
+    changes is not what the next call gets), and the cache stays within SHORT_TEXTS texts."""
+    from draftgen.core.tokens.encoders import SHORT_TEXT_CHARS, SHORT_TEXTS
+    tok = bundled_kimi()
+    texts = ["user", "assistant", "system", " ", "答案 🚀", "x" * SHORT_TEXT_CHARS, "y" * (SHORT_TEXT_CHARS + 1)]
+    for text in texts:
+        first = tok.encode_text(text)
+        assert first == tok.encoding.encode_ordinary(text), text
+        first.append(-1)
+        assert tok.encode_text(text) == tok.encoding.encode_ordinary(text), text
+    assert tok._encode_short.cache_info().hits >= len(texts) - 1  # the short ones, asked twice
+    for i in range(SHORT_TEXTS + 10):
+        assert tok.encode_text(f"q{i}") == tok.encoding.encode_ordinary(f"q{i}")
+    assert tok._encode_short.cache_info().currsize <= SHORT_TEXTS
