@@ -29,6 +29,7 @@ its matches to `merged/contamination.jsonl` with its other outputs.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import re
 import unicodedata
@@ -45,6 +46,8 @@ from draftgen.core.errors import ConfigError
 N_WORDS = 8        # words per n-gram
 THRESHOLD = 0.5    # share of an item's distinct n-grams one user turn must hold
 MIN_WORDS = 5      # items shorter than this are not judged (a few words match by chance)
+RECENT_TEXTS = 65_536  # judged texts remembered (a digest and the answer each: a few MB)
+STRIDE = 4         # a text's n-grams looked up first: one every STRIDE words (see match_text)
 REPORT_FILE = "contamination.jsonl"
 
 # The fields a benchmark file's JSON object may hold its prompt in, tried in this order (HumanEval:
@@ -53,6 +56,9 @@ PROMPT_FIELDS = ("prompt", "question", "turns", "instruction", "text", "problem"
 ID_FIELDS = ("task_id", "question_id", "id", "idx")
 
 _WORD = re.compile(r"[^\W_]+")
+# ASCII text: every character but letters and digits is a break, as _WORD has it (str.split is faster).
+_ASCII_BREAKS = str.maketrans({c: " " for c in map(chr, range(128)) if not c.isalnum()})
+Gram = tuple[str, ...]
 
 # Named benchmarks: what reads each one and where it comes from when it is missing.
 KNOWN = {
@@ -63,6 +69,8 @@ KNOWN = {
 
 def words(text: str) -> list[str]:
     """The text's words: NFKC, case-folded, letters and digits only (punctuation and spacing are breaks)."""
+    if text.isascii():  # the same words as below (NFKC and casefold change no ASCII letter but the case)
+        return text.lower().translate(_ASCII_BREAKS).split()
     return _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
 
 
@@ -98,9 +106,11 @@ class ContaminationFilter:
     """Benchmark prompts indexed by n-gram: judges samples (the stage; merge keeps the matches it drops)."""
     benchmarks: list[Benchmark]
     _items: list[_Item] = field(default_factory=list)
-    _index: dict[str, list[int]] = field(default_factory=dict)      # n-gram -> items holding it
-    _short: dict[int, dict[str, int]] = field(default_factory=dict)  # words -> {whole short item: its index}
+    _index: dict[Gram, list[int]] = field(default_factory=dict)      # n-gram -> items holding it
+    _short: dict[int, dict[Gram, int]] = field(default_factory=dict)  # words -> {whole short item: its index}
     skipped: dict[str, int] = field(default_factory=dict)            # benchmark -> items too short to judge
+    # Texts judged lately, by digest: turn k of a conversation repeats its user turns 1..k-1.
+    _recent: dict[bytes, tuple[_Item, float] | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for bench in self.benchmarks:
@@ -112,7 +122,7 @@ class ContaminationFilter:
                     continue
                 index = len(self._items)
                 if len(w) < N_WORDS:
-                    self._short.setdefault(len(w), {})[" ".join(w)] = index
+                    self._short.setdefault(len(w), {})[tuple(w)] = index
                     self._items.append(_Item(bench.name, item_id, 1))
                     continue
                 grams = _grams(w, N_WORDS)
@@ -121,11 +131,18 @@ class ContaminationFilter:
                     self._index.setdefault(g, []).append(index)
 
     def match_text(self, text: str) -> tuple[_Item, float] | None:
-        """The benchmark item this text holds most of, when it holds at least THRESHOLD of it."""
+        """The benchmark item this text holds most of, when it holds at least THRESHOLD of it.
+
+        First only the n-grams starting every STRIDE words are looked up: a text that holds half of an
+        item's n-grams holds runs of them (a change of one word breaks N_WORDS n-grams, so half held means
+        runs of N_WORDS on average), and a run of STRIDE or more is met. Only a text that shares one is
+        cut into all its n-grams and measured (most share none: the lookups were most of the time)."""
         w = words(text)
         hits: dict[int, int] = {}
-        for g in _grams(w, N_WORDS):
-            for index in self._index.get(g, ()):
+        if self._index.keys().isdisjoint(_grams(w, N_WORDS, STRIDE)):
+            return self._match_short(w)
+        for g in self._index.keys() & _grams(w, N_WORDS):  # the set operation in C
+            for index in self._index[g]:
                 hits[index] = hits.get(index, 0) + 1
         best: tuple[_Item, float] | None = None
         for index, n in hits.items():
@@ -133,18 +150,26 @@ class ContaminationFilter:
             share = n / item.grams
             if share >= THRESHOLD and (best is None or share > best[1]):
                 best = (item, share)
-        if best is None:
-            for k, short in self._short.items():
-                for g in _grams(w, k):
-                    if g in short:
-                        return self._items[short[g]], 1.0
-        return best
+        return best if best is not None else self._match_short(w)
+
+    def _match_short(self, w: list[str]) -> tuple[_Item, float] | None:
+        """A short item (under N_WORDS words) whose whole word sequence the text holds."""
+        for k, short in self._short.items():
+            for g in short.keys() & _grams(w, k):
+                return self._items[short[g]], 1.0
+        return None
 
     def judge(self, sample_id: str, record: dict[str, Any]) -> Match | None:
         """The match that leaves this sample out (every user turn of its prompt tried), or None."""
         best: tuple[_Item, float] | None = None
         for text in user_turns(record):
-            found = self.match_text(text)
+            key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+            if key in self._recent:
+                found = self._recent[key]
+            else:
+                if len(self._recent) >= RECENT_TEXTS:
+                    self._recent.clear()
+                found = self._recent[key] = self.match_text(text)
             if found is not None and (best is None or found[1] > best[1]):
                 best = found
         if best is None:
@@ -185,8 +210,10 @@ def write_report(path: Path, matches: Iterable[Match]) -> None:
             f.write(orjson.dumps(m.to_json()) + b"\n")
 
 
-def _grams(w: list[str], n: int) -> set[str]:
-    return {" ".join(w[i:i + n]) for i in range(len(w) - n + 1)}
+def _grams(w: list[str], n: int, stride: int = 1) -> set[Gram]:
+    """The runs of n consecutive words starting every `stride` words (w[i::stride][j] is w[i + j*stride]):
+    tuples made in C by zip; a Python loop per word was most of the time."""
+    return set(zip(*(w[i::stride] for i in range(n))))
 
 
 def user_turns(record: dict[str, Any]) -> Iterator[str]:
