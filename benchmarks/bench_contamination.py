@@ -70,6 +70,7 @@ def main() -> None:
                 started = time.perf_counter()
                 records = [orjson.loads(line) for line in lines]
                 best_parse = min(best_parse, time.perf_counter() - started)
+                screen._recent.clear()  # each repeat judges every text afresh (the cache is for a conversation's turns)
                 started = time.perf_counter()
                 kept, matches = screen.screen((r["id"], r) for r in records)
                 best_filter = min(best_filter, time.perf_counter() - started)

@@ -242,9 +242,14 @@ def load(config: Any) -> ContaminationFilter | None:
     for name in names:
         benchmarks.append(named(name, f"{config.path}: merge.exclude"))
     for entry in files:
-        path = Path(entry).expanduser()
-        benchmarks.append(read_file(path if path.is_absolute() else base / path,
-                                    f"{config.path}: merge.exclude_files"))
+        where = f"{config.path}: merge.exclude_files"
+        if not entry.strip():
+            raise ConfigError(f"{where}: an empty path; name a file of benchmark prompts")
+        try:
+            path = Path(entry).expanduser()
+        except RuntimeError as e:  # ~user of no such user
+            raise ConfigError(f"{where}: {entry!r}: {e}") from None
+        benchmarks.append(read_file(path if path.is_absolute() else base / path, where))
     seen: set[str] = set()
     for b in benchmarks:
         if b.name in seen:
@@ -288,6 +293,9 @@ def read_file(path: Path, where: str) -> Benchmark:
     name = path.name.split(".")[0] or path.name
     if path.is_dir():
         return Benchmark(name, str(path), _saved_dataset(path, where))
+    if path.exists() and not path.is_file():  # a FIFO would block the merge, a device never end
+        raise ConfigError(f"{where}: {path} is not a regular file (a file of benchmark prompts, or a folder "
+                          f"saved with `datasets`' save_to_disk)")
     try:
         raw = path.read_bytes()
     except FileNotFoundError:

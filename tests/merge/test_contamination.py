@@ -132,6 +132,7 @@ def test_merge_drops_the_seeded_benchmark_prompts_and_counts_them_per_benchmark(
     assert stats["dropped"]["contaminated"] == len(report) <= 110
     assert stats["datasets"][0]["contaminated"] == by_bench
     assert stats["contamination"]["benchmarks"][0]["items"] == 164
+    assert stats["cost_usd"] == pytest.approx(0.001 * len(kept))  # kept cost: the samples left out not in it
     assert f"humaneval {by_bench['humaneval']}" in out and f"gsm8k_style {by_bench['gsm8k_style']}" in out
     assert "contamination.jsonl" in out
 
@@ -178,3 +179,44 @@ def test_prompts_from_a_saved_dataset_folder_and_a_text_file(tmp_path: Path) -> 
 def test_words_ignore_case_spacing_and_punctuation() -> None:
     assert contamination.words("Solve:\tThe  CAT's\n(hat), isn't it?") == \
         ["solve", "the", "cat", "s", "hat", "isn", "t", "it"]
+
+
+@pytest.mark.parametrize("mode", ["per_turn", "per_conversation"])
+def test_a_conversation_turn_holding_a_benchmark_prompt_is_left_out_with_the_turns_after_it(
+        tmp_path: Path, mode: str) -> None:
+    """c3's second user turn is a benchmark prompt: turn 2 is contaminated, and so is turn 3, whose prompt
+    carries turn 2's user text in its history; turn 1 stays (per conversation: c3's sample ends there)."""
+    from tests.multiturn import multi_turn_run
+    (tmp_path / "bench.txt").write_text("AND THE NEXT ONE, THREE\n")
+    config, _ = multi_turn_run(tmp_path, merge={"multi_turn": mode, "exclude_files": ["bench.txt"]})
+    stats = merge(config)
+    rows = {orjson.loads(line)["id"] for line in (config.run_dir / "merged" / "train.jsonl").read_bytes().splitlines()}
+    ds = stats.datasets[0]
+    assert ds.contaminated == {"bench": 2} and ds.dropped["contaminated"] == 2
+    assert stats.by_turn["2"]["dropped"]["contaminated"] == stats.by_turn["3"]["dropped"]["contaminated"] == 1
+    report = (config.run_dir / "merged" / contamination.REPORT_FILE).read_bytes().splitlines()
+    assert [orjson.loads(line)["id"] for line in report] == ["M/c3#t2", "M/c3#t3"]
+    if mode == "per_turn":
+        assert rows == {"M/c1#t1", "M/c1#t2", "M/c1#t3", "M/c2#t1", "M/c3#t1", "M/c4#t1"}
+    else:  # c3's sample is its first turn alone: the answers after the benchmark prompt are not trained
+        assert rows == {"M/c1", "M/c2", "M/c3", "M/c4"}
+        assert ds.dropped["in_conversation"] == 2  # c1's turns 1 and 2 (c3's turn 1 is its sample, alone)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("", "an empty path"),
+    ("fifo", "is not a regular file"),
+    ("bad.jsonl", r"bad.jsonl line 2: not valid JSON"),
+    ("noprompt.jsonl", r"noprompt.jsonl line 1: no prompt field"),
+    ("latin1.txt", r"latin1.txt: not UTF-8 text"),
+])
+def test_a_benchmark_file_that_cannot_be_used_is_named_with_its_line(tmp_path: Path, entry: str, message: str) -> None:
+    import os
+    os.mkfifo(tmp_path / "fifo")  # read_bytes would block the merge
+    (tmp_path / "bad.jsonl").write_text('{"question": "fine"}\n{"question": \n')
+    (tmp_path / "noprompt.jsonl").write_text('{"answer": 4}\n')
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    config = config_from_dict({"output": {"dir": "run"}, "datasets": [{"name": "P", "prompts": "P.jsonl"}],
+                               "merge": {"exclude_files": [entry]}}, tmp_path / "draftgen.toml")
+    with pytest.raises(ConfigError, match=message):
+        contamination.load(config)
