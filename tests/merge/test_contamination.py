@@ -243,3 +243,17 @@ async def test_the_run_s_merge_stage_logs_the_drops_by_benchmark(tmp_path: Path)
     lines = [e[2] for e in events]
     assert any(line.startswith("merge done: 1 of 2 answers kept") and "1 contaminated" in line for line in lines)
     assert any(line.startswith("contaminated (left out, by benchmark): bench 1; matches in ") for line in lines)
+
+
+def test_the_stage_on_its_own_and_a_benchmark_named_twice(tmp_path: Path) -> None:
+    (tmp_path / "humaneval.txt").write_text("a prompt of the benchmark with more than eight words in it\n")
+    config = config_from_dict({"output": {"dir": "run"}, "datasets": [{"name": "P", "prompts": "P.jsonl"}],
+                               "merge": {"exclude": ["human-eval"], "exclude_files": ["humaneval.txt"]}},
+                              tmp_path / "draftgen.toml")
+    with pytest.raises(ConfigError, match="'humaneval' twice"):
+        contamination.load(config)
+    screen = contamination.ContaminationFilter([contamination.named("HumanEval", "test")])
+    first = humaneval_items()["HumanEval/0"]
+    kept, dropped = screen.screen([("x", {"messages": user("What is a list?")}),
+                                   ("y", {"messages": user("Please:\n" + first.upper())})])
+    assert kept == ["x"] and dropped == [contamination.Match("y", "humaneval", "HumanEval/0", 1.0)]
