@@ -249,6 +249,10 @@ class MergeConfig:
     # and its answer, loss on that answer); "per_conversation", one per conversation (its longest run of
     # good turns from turn 1, every assistant turn in the loss mask). docs/merge.md says what each costs.
     multi_turn: Literal["per_turn", "per_conversation"] = "per_turn"
+    # The contamination filter (core/merge/contamination.py): benchmarks by name ("humaneval") and files
+    # of benchmark prompts (relative to the config); samples whose prompt holds one are left out.
+    exclude: list[str] = field(default_factory=list)
+    exclude_files: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,8 @@ from draftgen.core.files import disk_error
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.progress import ProgressCallback, Throttle, every
 from draftgen.core.live.snapshot import StageProgress, StageState
+from draftgen.core.merge import contamination
+from draftgen.core.merge.contamination import ContaminationFilter, Match
 from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef, complete_lines
 from draftgen.core.merge.specforge import has_tool_calls, specforge_record
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
@@ -101,8 +103,11 @@ from draftgen.core.units import usd, usd_shown
 # Turns of multi-turn conversations add theirs (core/merge/turns.py): after_invalid_turn (a later turn
 # of a conversation whose answer broke), and with [merge] multi_turn = "per_conversation",
 # after_dropped_turn and in_conversation (a turn whose answer is in its conversation's sample).
+# "contaminated": a sample that would be kept whose prompt holds a benchmark's ([merge] exclude,
+# core/merge/contamination.py), told before duplicates so a copy of it is dropped as contaminated too.
 DROP_REASONS = ("failed", "other_model", "truncated", "empty", "not_reconstructed", "provider_excluded", "invalid",
-                "source_flagged", "count_mismatch", "prompt_mismatch", "duplicate", "bad_line", *TURN_REASONS)
+                "source_flagged", "count_mismatch", "prompt_mismatch", "contaminated", "duplicate", "bad_line",
+                *TURN_REASONS)
 
 TRAIN_FILE, TOKENS_DIR, STATS_FILE = "train.jsonl", "tokens", "stats.json"
 TRAIN_TOKENS_FILE = "train-tokens.jsonl"  # tokens/ as JSON lines: what an online trainer reads
@@ -124,6 +129,7 @@ class DatasetMergeStats:
     flagged_sources: list[dict[str, Any]] = field(default_factory=list)  # sources judged on their own, and why
     # Turn lines of multi-turn conversations by turn number: {"k": {"read", "kept", "dropped": {reason: n}}}
     by_turn: dict[str, dict[str, Any]] = field(default_factory=dict)
+    contaminated: dict[str, int] = field(default_factory=dict)  # benchmark -> samples dropped as contaminated
 
     @property
     def dropped_total(self) -> int:
@@ -149,6 +155,7 @@ class MergeStats:
     merge_id: str = ""
     hidden_states: str = ""   # what became of hidden_states/ (kept, set aside), when it held files
     multi_turn: str = "per_turn"  # [merge] multi_turn
+    contamination: dict[str, Any] = field(default_factory=dict)  # the filter's rule, benchmarks, drops by benchmark
 
     @property
     def read(self) -> int:
@@ -182,6 +189,7 @@ class MergeStats:
             "system_turn": self.system_turn,
             "multi_turn": self.multi_turn,
             "by_turn": self.by_turn,
+            "contamination": self.contamination,
             "datasets": [{**asdict(d), "dropped_total": d.dropped_total} for d in self.datasets],
             "inputs": [asdict(f) for f in self.inputs],
             "outputs": {"train_jsonl": {"lines": self.samples, "bytes": self.train_bytes},
@@ -269,6 +277,7 @@ def merge(config: Config, progress: ProgressCallback | None = None, *,
     if not root.is_dir():
         raise DraftgenError(f"{root}: run directory not found (output.dir in {config.path}); "
                             f"generate first with `draftgen run {sh_path(config.path)}`")
+    screen = contamination.load(config)  # every benchmark read (or a missing one said) before anything is written
     reporter = _Reporter(progress)
     reporter.send(StageState.RUNNING, 0, 0, "starting", force=True)
     try:
@@ -276,7 +285,7 @@ def merge(config: Config, progress: ProgressCallback | None = None, *,
             recover(root)
             tmp = root / f"{TMP_PREFIX}{os.getpid()}"
             try:
-                stats = _merge_into(config, root, tmp, reporter)
+                stats = _merge_into(config, root, tmp, reporter, screen)
                 stats.hidden_states = _hidden_states_guard(config, root, tmp, replace_hidden_states)
                 switch(tmp, root / "merged")
             except BaseException:
@@ -291,7 +300,8 @@ def merge(config: Config, progress: ProgressCallback | None = None, *,
     return stats
 
 
-def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> MergeStats:
+def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter,
+                screen: ContaminationFilter | None = None) -> MergeStats:
     started = time.monotonic()
     started_at = time.time()
     inputs = [DatasetInput(root, ds.name) for ds in config.datasets]
@@ -302,13 +312,18 @@ def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> M
         # Read only (a run may be writing it); a directory without one (before the ledger) has usage.cost alone.
         spend = RunDir(root).spend
         ledger = SpendLedger.read(spend, answer_costs=True) if spend.exists() else None
-        kept, tool_calls_key = _scan(inputs, per_ds, reporter, policy, ledger, config.merge.multi_turn)
+        matches: list[Match] = []
+        kept, tool_calls_key = _scan(inputs, per_ds, reporter, policy, ledger, config.merge.multi_turn, screen, matches)
         random.Random(config.merge.seed).shuffle(kept)
         stats = MergeStats(seed=config.merge.seed, datasets=per_ds, inputs=fingerprints, policy=policy.to_dict(),
                            system_turn=config.tokenizer.system_turn(), multi_turn=config.merge.multi_turn)
+        if screen is not None:
+            stats.contamination = {**screen.settings(), "dropped": screen.counts(matches)}
         tmp.mkdir()
         try:
             _write(inputs, kept, tmp, stats, reporter, tool_calls_key)
+            if screen is not None:
+                contamination.write_report(tmp / contamination.REPORT_FILE, matches)
             stats.created_at = time.time()
             stats.elapsed_s = round(time.monotonic() - started, 3)
             stats.output_dir = str(root / "merged")
@@ -384,7 +399,8 @@ class _Seen:
 
 
 def _scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats], reporter: _Reporter, policy: SamplePolicy,
-          ledger: SpendLedger | None = None, multi_turn: str = "per_turn") -> tuple[list[_Kept], bool]:
+          ledger: SpendLedger | None = None, multi_turn: str = "per_turn", screen: ContaminationFilter | None = None,
+          matches: list[Match] | None = None) -> tuple[list[_Kept], bool]:
     """Pass 1: classify every answer, keep the clean first-seen ones as small tuples.
 
     Also says whether any kept prompt has tool calls (then every row gets the key, see top).
@@ -404,7 +420,7 @@ def _scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats], reporter:
             continue
         seen.ids = set()
         tools = _scan_dataset(ds_index, inp, st, reporter, policy, ledger, multi_turn, seen, kept, done_bytes,
-                              total_bytes) or tools
+                              total_bytes, screen, [] if matches is None else matches) or tools
         done_bytes += inp.size(inp.responses)
     for st in per_ds:  # what the dataset cost: the ledger's figure, attempts without an answer included
         if ledger is not None and st.name in ledger.by_dataset:
@@ -434,9 +450,11 @@ def _count_failures(inp: DatasetInput, st: DatasetMergeStats) -> int:
 
 def _scan_dataset(ds_index: int, inp: DatasetInput, st: DatasetMergeStats, reporter: _Reporter,
                   policy: SamplePolicy, ledger: SpendLedger | None, multi_turn: str, seen: _Seen,
-                  kept: list[_Kept], done_bytes: int, total_bytes: int) -> bool:
+                  kept: list[_Kept], done_bytes: int, total_bytes: int, screen: ContaminationFilter | None,
+                  matches: list[Match]) -> bool:
     """One dataset's lines: single answers kept or dropped as read; turns of conversations held, then
-    resolved per conversation (core/merge/turns.py). Returns whether a kept sample has tool calls."""
+    resolved per conversation (core/merge/turns.py). Returns whether a kept sample has tool calls.
+    Samples left out as contaminated are added to `matches`."""
     assert inp.responses is not None
     tools = False
     refs = inp.read_token_index()
@@ -444,13 +462,20 @@ def _scan_dataset(ds_index: int, inp: DatasetInput, st: DatasetMergeStats, repor
     # An answer the ledger has no line for (carried or found from an older run) cost its usage.cost there too.
     costs = (ledger.answer_costs or {}).get(inp.name, {}) if ledger is not None else {}
     pending: list[PendingTurn] = []
+    turn_matches: dict[str, Match] = {}  # a turn's match, by its id, until its conversation is resolved
     for offset, line in complete_lines(inp.responses, inp.size(inp.responses)):
         st.read += 1
         reporter.read += 1
         reason, ref, record, notes = _judge(line, refs, st, ds_policy)
+        match = None
+        if reason is None and record is not None and screen is not None:
+            match = screen.judge(f"{inp.name}/{record['id']}", record)
+            reason = "contaminated" if match is not None else None
         found = turn_of(record) if record is not None else None
         if found is not None and record is not None:
             pending.append(_pending(offset, len(line), found, reason, ref, notes, record, costs))
+            if match is not None:
+                turn_matches[str(record["id"])] = match
         else:
             key = b""
             if reason is None and record is not None:
@@ -460,11 +485,16 @@ def _scan_dataset(ds_index: int, inp: DatasetInput, st: DatasetMergeStats, repor
                 tools = tools or has_tool_calls(record)
                 kept.append((ds_index, offset, len(line), ref.offset, ref.length, None))
             _tally(st, reporter, reason)
+            if match is not None:
+                _contaminated(st, matches, match)
         if st.read & 255 == 0:
             reporter.send(StageState.RUNNING, done_bytes + offset, total_bytes, f"reading {inp.name}",
                           unit="MB/s", scale=1e6)
     if pending:
         tools = _settle_turns(ds_index, pending, multi_turn, seen, st, reporter, kept) or tools
+        for p in pending:  # a contaminated turn after a broken one is counted as after_invalid_turn
+            if p.reason == "contaminated":
+                _contaminated(st, matches, turn_matches[p.sample_id])
     st.by_turn = sorted_turns(st.by_turn)
     return tools
 
@@ -494,6 +524,11 @@ def _settle_turns(ds_index: int, pending: list[PendingTurn], multi_turn: str, se
         count_turn(st.by_turn, p.turn, p.reason, diverged=p.diverged, replayed=p.replayed)
         _tally(st, reporter, p.reason)
     return tools
+
+
+def _contaminated(st: DatasetMergeStats, matches: list[Match], match: Match) -> None:
+    st.contaminated[match.benchmark] = st.contaminated.get(match.benchmark, 0) + 1
+    matches.append(match)
 
 
 def _tally(st: DatasetMergeStats, reporter: _Reporter, reason: str | None) -> None:
@@ -644,6 +679,23 @@ def _turns_table(stats: MergeStats) -> Any:
 
 
 
+def _print_turns_and_contamination(console: Any, stats: MergeStats) -> None:
+    """The table of turns by number (multi-turn datasets) and the contamination filter's line, when there are."""
+    from rich.markup import escape
+    if stats.by_turn:
+        console.print(_turns_table(stats))
+    if stats.contamination:
+        console.print(escape(contamination_line(stats)), soft_wrap=True, highlight=False)
+
+
+def contamination_line(stats: MergeStats) -> str:
+    """The contamination filter's drops by benchmark, and where the matches are (merge's output, the event)."""
+    counts = stats.contamination.get("dropped", {})
+    by = ", ".join(f"{visible(name)} {n:,}" for name, n in counts.items())
+    return (f"contaminated (left out, by benchmark): {by}; matches in "
+            f"{visible(str(Path(stats.output_dir) / contamination.REPORT_FILE))}")
+
+
 def merge_command(config: Config, *, replace_hidden_states: bool = False) -> int:
     """Headless merge: a progress line about once a second, then a summary table. Returns 0."""
     from rich.console import Console
@@ -680,8 +732,7 @@ def merge_command(config: Config, *, replace_hidden_states: bool = False) -> int
         for d in rows:
             drops.add_row(escape(d.name), *(f"{d.dropped[r]:,}" for r in reasons), end_section=d is stats.datasets[-1])
         console.print(drops)
-    if stats.by_turn:
-        console.print(_turns_table(stats))
+    _print_turns_and_contamination(console, stats)
     checks: dict[str, int] = {}
     for d in stats.datasets:
         for check, n in d.invalid_checks.items():
