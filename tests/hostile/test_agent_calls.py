@@ -1,0 +1,85 @@
+"""A hostile server's tool calls on an agent line's steps (issue 52): calls whose arguments orjson reads
+but cannot write back (nested deeper than 254 levels), whole or streamed, are stored, judged against the
+dataset's calls and sent back in the next step's history; no answer paid for is lost to an error of the
+engine's own. The server is a small aiohttp server of this file's own on 127.0.0.1 (test_money_checks'
+HostileServer answering with the calls each test gives)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from draftgen.core.rundir import RunDir
+from tests.generate.test_multiturn import records, run_engine, write_conversations
+from tests.helpers import make_config
+from tests.hostile.test_money_checks import MAX_TOKENS, TRUE_COST, HostileServer, honest_usage
+
+TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
+DEEP = '{"q": ' + "[" * 300 + "]" * 300 + "}"  # orjson reads 1,024 levels and writes 254
+
+
+class ToolServer(HostileServer):
+    """Answers a request with `calls(body)` as its tool calls (finish_reason tool_calls), or a plain answer
+    when that is None; keeps every body it was sent."""
+
+    def __init__(self, calls: Callable[[dict[str, Any]], list[Any] | None]) -> None:
+        super().__init__()
+        self.calls = calls
+        self.bodies: list[dict[str, Any]] = []
+
+    async def chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        self.answers += 1
+        self.billed += TRUE_COST
+        n = self.answers
+        calls = self.calls(body)
+        message: dict[str, Any] = {"role": "assistant", "content": "" if calls else f"Answer {n}.",
+                                   "reasoning": "Think."}
+        if calls:
+            message["tool_calls"] = calls
+        answer = {"id": f"gen-{n}", "model": "moonshotai/kimi-k2.5", "provider": "Hostile",
+                  "object": "chat.completion", "usage": honest_usage(),
+                  "choices": [{"index": 0, "finish_reason": "tool_calls" if calls else "stop", "message": message}]}
+        return web.Response(body=orjson.dumps(answer), content_type="application/json",
+                            headers={"X-Generation-Id": f"gen-{n}"})
+
+
+def agent_line(cid: str, arguments: str) -> dict[str, Any]:
+    """A user turn, the dataset's call of `search` with these arguments, its result, a final answer."""
+    return {"id": cid, "tools": TOOLS, "messages": [
+        {"role": "user", "content": f"task {cid}"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": f"RESULT of {cid}"},
+        {"role": "assistant", "content": "done"}]}
+
+
+async def test_deeply_nested_call_arguments_are_stored_judged_and_sent_back_never_an_engine_error(tmp_path: Path):
+    # The target calls `search` with DEEP on its first step. Line m recorded the same call (matched: its
+    # result is sent after it, step 2 asked); line d recorded another (diverged, kept, nothing more asked).
+    first = [{"id": "functions.search:0", "type": "function", "function": {"name": "search", "arguments": DEEP}}]
+    async with ToolServer(lambda body: first if len(body["messages"]) == 1 else None) as srv:
+        prompts = write_conversations(tmp_path / "prompts" / "agent.jsonl",
+                                      [agent_line("m", DEEP), agent_line("d", '{"q": "other"}')])
+        cfg = make_config(tmp_path, srv.url, [{"name": "agent", "prompts": prompts, "turns": "all",
+                                               "concurrency": 2, "max_tokens": MAX_TOKENS}],
+                          tables={"engine": {"reconstruct": False}, "budget": {"max_usd": 1.0}})
+        _engine, state, events = await run_engine(cfg)
+    assert str(state) == "DONE", events
+    assert not [e for e in events if "engine's own error" in e[1]], events
+    rd = RunDir(cfg.run_dir)
+    assert not records(rd.failures("agent"))
+    lines = {r["id"]: r for r in records(rd.responses("agent"))}
+    assert sorted(lines) == ["d#t1", "m#t1", "m#t2"]  # every answer paid for is stored
+    assert lines["m#t1"]["tool_calls"] == first and not lines["m#t1"].get("diverged")
+    assert lines["d#t1"]["diverged"] is True
+    assert lines["m#t2"]["tool_results"] == "matched"
+    sent = next(b for b in srv.bodies if len(b["messages"]) > 1)["messages"]
+    assert sent[1]["tool_calls"] == first  # the target's own call, its argument text as it gave it
+    assert sent[2] == {"role": "tool", "tool_call_id": "functions.search:0", "content": "RESULT of m"}
+    assert srv.answers == 3
