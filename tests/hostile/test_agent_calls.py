@@ -83,3 +83,63 @@ async def test_deeply_nested_call_arguments_are_stored_judged_and_sent_back_neve
     assert sent[1]["tool_calls"] == first  # the target's own call, its argument text as it gave it
     assert sent[2] == {"role": "tool", "tool_call_id": "functions.search:0", "content": "RESULT of m"}
     assert srv.answers == 3
+
+
+class StreamingToolServer(ToolServer):
+    """ToolServer's answers streamed: `calls(body)` are the tool-call deltas, one chunk each."""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.answers += 1
+        self.billed += TRUE_COST
+        n = self.answers
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Generation-Id": f"gen-{n}"})
+        await resp.prepare(request)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            c: dict[str, Any] = {"id": f"gen-{n}", "model": "moonshotai/kimi-k2.5", "provider": "Hostile",
+                                 "object": "chat.completion.chunk",
+                                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            if finish:
+                c["usage"] = honest_usage()
+            return b"data: " + orjson.dumps(c) + b"\n\n"
+
+        await resp.write(chunk({"role": "assistant", "reasoning": "Think."}))
+        deltas = self.calls(body)
+        for d in deltas or ():
+            await resp.write(chunk({"tool_calls": [d]}))
+        await resp.write(chunk({}, "tool_calls") if deltas else chunk({"content": f"Answer {n}."}, "stop"))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+async def test_odd_streamed_tool_call_deltas_are_assembled_or_end_the_step_never_an_engine_error(tmp_path: Path):
+    call = {"index": 0, "id": "functions.search:0", "type": "function"}
+    deltas: dict[str, list[Any]] = {
+        "object": [{**call, "function": {"name": "search", "arguments": {"q": 1}}}],  # arguments as an object
+        "index": [{**call, "index": "x", "function": {"name": "search", "arguments": '{"q": 1}'}}],
+        "junk": ["junk", {**call, "function": {"name": "search", "arguments": '{"q": 1}'}}],  # a delta not a call's
+        "function": [{**call, "function": "junk"}],  # no name: the step ends there
+    }
+    async with StreamingToolServer(lambda body: deltas[body["messages"][0]["content"].removeprefix("task ")]
+                                   if len(body["messages"]) == 1 else None) as srv:
+        prompts = write_conversations(tmp_path / "prompts" / "agent.jsonl",
+                                      [agent_line(cid, '{"q": 1}') for cid in deltas])
+        cfg = make_config(tmp_path, srv.url, [{"name": "agent", "prompts": prompts, "turns": "all",
+                                               "concurrency": 4, "max_tokens": MAX_TOKENS}],
+                          tables={"api": {"stream": True}, "engine": {"reconstruct": False},
+                                  "budget": {"max_usd": 1.0}})
+        _engine, state, events = await run_engine(cfg)
+    assert str(state) == "DONE", events
+    assert not [e for e in events if "engine's own error" in e[1]], events
+    rd = RunDir(cfg.run_dir)
+    assert not records(rd.failures("agent"))
+    lines = {r["id"]: r for r in records(rd.responses("agent"))}
+    assert sorted(lines) == ["function#t1", "index#t1", "index#t2", "junk#t1", "junk#t2", "object#t1", "object#t2"]
+    for cid in ("object", "index", "junk"):  # assembled: the dataset's call, its result sent, step 2 asked
+        assert lines[f"{cid}#t1"]["tool_calls"] == [{**{k: v for k, v in call.items() if k != "index"}, "function": {
+            "name": "search", "arguments": '{"q":1}' if cid == "object" else '{"q": 1}'}}]
+        assert lines[f"{cid}#t2"]["tool_results"] == "matched"
+    assert any("conversation 'function' ended at turn 1 of 2: a tool call with no name or id" in e[1] for e in events)
+    assert srv.answers == 7
