@@ -31,12 +31,16 @@ class ToolServer(HostileServer):
         self.calls = calls
         self.bodies: list[dict[str, Any]] = []
 
-    async def chat(self, request: web.Request) -> web.Response:
+    async def billed_request(self, request: web.Request) -> tuple[dict[str, Any], int]:
+        """The request's body (kept) and its answer's number, billed TRUE_COST."""
         body = await request.json()
         self.bodies.append(body)
         self.answers += 1
         self.billed += TRUE_COST
-        n = self.answers
+        return body, self.answers
+
+    async def chat(self, request: web.Request) -> web.Response:
+        body, n = await self.billed_request(request)
         calls = self.calls(body)
         message: dict[str, Any] = {"role": "assistant", "content": "" if calls else f"Answer {n}.",
                                    "reasoning": "Think."}
@@ -89,11 +93,7 @@ class StreamingToolServer(ToolServer):
     """ToolServer's answers streamed: `calls(body)` are the tool-call deltas, one chunk each."""
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        self.answers += 1
-        self.billed += TRUE_COST
-        n = self.answers
+        body, n = await self.billed_request(request)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Generation-Id": f"gen-{n}"})
         await resp.prepare(request)
 
