@@ -522,9 +522,12 @@ def test_openai_agent_lines_are_kept_whole_with_their_tools(tmp_path: Path) -> N
     messages = lines[0]["messages"]
     result = build(_opts(tmp_path, [str(src)], split="off", turns="all", out_dir=tmp_path / "again"))
     (ds,) = result.datasets
-    steps = [prompt_tokens(tok, template, messages[:1], tools), prompt_tokens(tok, template, messages[:3], tools)]
+    # Each step's prompt side: the tools, the user turn and the tool result, without the dataset's answers:
+    # the target's own earlier answers come on top, one for step 2 (history_answers), so none is priced twice.
+    steps = [prompt_tokens(tok, template, messages[:1], tools),
+             prompt_tokens(tok, template, [messages[0], messages[2]], tools)]
     assert steps[0] > prompt_tokens(tok, template, messages[:1])  # the tools are declared in every step's prompt
-    assert ds.requests == 4 and ds.request_prompt_tokens == 2 * sum(steps)
+    assert ds.requests == 4 and ds.request_prompt_tokens == 2 * sum(steps) and ds.history_answers == 2
 
 
 def test_swe_agent_and_openhands_trajectories_are_read(tmp_path: Path) -> None:
