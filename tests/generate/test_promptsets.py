@@ -568,6 +568,25 @@ def test_swe_agent_and_openhands_trajectories_are_read(tmp_path: Path) -> None:
     assert [m["role"] for m in line["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
 
 
+def test_prompts_build_takes_every_preset_on_its_command_line(tmp_path: Path) -> None:
+    """`draftgen prompts build --preset P` takes each of presets.PRESETS (the CLI's list is its own,
+    so --help stays fast): --preset trajectory, which docs/prompts.md names for SWE-agent, was refused."""
+    src = tmp_path / "swe.jsonl"
+    src.write_bytes(orjson.dumps({"trajectory": [{"role": "system", "text": "SETTING: a shell."},
+                                                 {"role": "user", "text": "Fix issue 1"},
+                                                 {"role": "ai", "text": "ls"}, {"role": "user", "text": "a.py"},
+                                                 {"role": "ai", "text": "submit"}]}) + b"\n")
+    assert main(["prompts", "build", str(src), "--out", str(tmp_path / "p"), "--no-config", "--split", "off",
+                 "--preset", "trajectory", "--turns", "all", "--tokenizer", str(bundled_kimi_path())]) == 0
+    (line,) = [orjson.loads(x) for x in (tmp_path / "p" / "swe.jsonl").read_bytes().splitlines()]
+    assert line["messages"][:2] == [{"role": "system", "content": "SETTING: a shell."},
+                                    {"role": "user", "content": "Fix issue 1"}]
+    for preset in presets.PRESETS:
+        with pytest.raises(SystemExit) as e:
+            main(["prompts", "build", "--preset", preset, "--help"])
+        assert e.value.code == 0, preset
+
+
 def test_agent_rows_that_cannot_be_read_say_why(tmp_path: Path) -> None:
     rows = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "function_call", "value": "not json"}]},
             {"conversations": [{"from": "human", "value": "Hi"},
