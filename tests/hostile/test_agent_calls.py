@@ -143,3 +143,31 @@ async def test_odd_streamed_tool_call_deltas_are_assembled_or_end_the_step_never
         assert lines[f"{cid}#t2"]["tool_results"] == "matched"
     assert any("conversation 'function' ended at turn 1 of 2: a tool call with no name or id" in e[1] for e in events)
     assert srv.answers == 7
+
+
+async def test_arguments_are_compared_exactly_integers_past_64_bits_included(tmp_path: Path) -> None:
+    # The target calls with an integer past 64 bits; line "same" recorded it written otherwise (matched),
+    # "other" recorded the next integer (orjson reads both as the same float: it was matched, the dataset's
+    # result sent after a call it did not answer), "inf" recorded 1e400 where the target sent null.
+    big = 2 ** 64
+    first = {"same": f'{{"id": {big}, "q": "x"}}', "other": f'{{"id": {big}, "q": "x"}}', "inf": '{"id": null}'}
+    recorded = {"same": f'{{"q":"x","id":{big}}}', "other": f'{{"id": {big + 1}, "q": "x"}}', "inf": '{"id": 1e400}'}
+
+    def calls(body: dict[str, Any]) -> list[Any] | None:
+        if len(body["messages"]) > 1:
+            return None
+        cid = body["messages"][0]["content"].removeprefix("task ")
+        return [{"id": "functions.search:0", "type": "function",
+                 "function": {"name": "search", "arguments": first[cid]}}]
+    async with ToolServer(calls) as srv:
+        prompts = write_conversations(tmp_path / "prompts" / "agent.jsonl",
+                                      [agent_line(cid, args) for cid, args in recorded.items()])
+        cfg = make_config(tmp_path, srv.url, [{"name": "agent", "prompts": prompts, "turns": "all",
+                                               "concurrency": 3, "max_tokens": MAX_TOKENS}],
+                          tables={"engine": {"reconstruct": False}, "budget": {"max_usd": 1.0}})
+        _engine, state, events = await run_engine(cfg)
+    assert str(state) == "DONE", events
+    lines = {r["id"]: r for r in records(RunDir(cfg.run_dir).responses("agent"))}
+    assert sorted(lines) == ["inf#t1", "other#t1", "same#t1", "same#t2"]
+    assert lines["same#t2"]["tool_results"] == "matched"
+    assert lines["other#t1"]["diverged"] is True and lines["inf#t1"]["diverged"] is True
