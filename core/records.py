@@ -239,7 +239,7 @@ def parsed_arguments(raw: Any) -> Any:
     value = raw
     if isinstance(raw, str):
         try:
-            value = json.loads(raw, parse_constant=_not_json, parse_float=_finite)
+            value = json.loads(raw, parse_constant=_not_json, parse_float=_json_float)
         except (ValueError, RecursionError):  # NaN, Infinity and 1e400 are not JSON numbers either
             return raw
     try:
@@ -256,7 +256,7 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _finite(text: str) -> float:
+def _json_float(text: str) -> float:
     """A JSON number as orjson reads it: one past a double's range is refused (orjson would write inf as null)."""
     value = float(text)
     if not math.isfinite(value):
