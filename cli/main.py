@@ -256,10 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--config", default="draftgen.toml", help="config to add [[datasets]] to; started if absent "
                    "(default ./draftgen.toml)")
     b.add_argument("--no-config", action="store_true", help="write the prompt files only")
-    b.add_argument("--preset", choices=("auto", "sharegpt", "openai", "instruction", "text"), default="auto",
-                   help="row layout (default: detected from the columns)")
+    b.add_argument("--preset", choices=("auto", "sharegpt", "openai", "instruction", "text", "trajectory"),
+                   default="auto", help="row layout (default: detected from the columns; trajectory: an agent "
+                   "trajectory column, SWE-agent's or OpenAI messages)")
     b.add_argument("--map", help="explicit columns: prompt=COL[,input=COL][,system=COL] or messages=COL or "
-                   "conversations=COL")
+                   "conversations=COL[,tools=COL]")
     b.add_argument("--turns", choices=("first", "last", "all"), default="first",
                    help="conversations: the first user turn (default), everything up to the last one (one "
                    "request), or all: every user turn asked in order on the target's own answers (turns = \"all\")")

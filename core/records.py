@@ -86,6 +86,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -227,15 +228,58 @@ def own_calls(tool_calls: Any) -> list[tuple[str, Any]] | None:
 
 def parsed_arguments(raw: Any) -> Any:
     """A call's `arguments` as compared: a JSON string parsed (the text itself when it is not JSON), an
-    object as it is ("" and null: an empty object)."""
+    object as it is ("" and null: an empty object). The standard library parses them: it keeps an
+    integer past 64 bits exact, where orjson reads it as a float (two such integers that differ compared
+    equal). A value orjson cannot write back (nested deeper than its 254 levels, an integer past 64 bits,
+    a lone surrogate) is compared as the standard library writes it (keys sorted), else as its text
+    (`arguments_text`), so neither `same_calls` nor a line's fingerprint fails on a hostile server's or
+    a dataset's call."""
     if raw is None or raw == "":
         return {}
+    value = raw
     if isinstance(raw, str):
         try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
+            value = json.loads(raw, parse_constant=_not_json, parse_float=_json_float)
+        except (ValueError, RecursionError):  # NaN, Infinity and 1e400 are not JSON numbers either
             return raw
-    return raw
+    try:
+        orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        try:  # keys sorted, no spaces, ASCII: the same arguments give the same text
+            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        except (RecursionError, TypeError, ValueError):
+            return arguments_text(raw)
+    return value
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_float(text: str) -> float:
+    """A JSON number as orjson reads it: one past a double's range is refused (orjson would write inf as null)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past a double's range")
+    return value
+
+
+def arguments_text(raw: Any) -> str:
+    """A call's `arguments` as an assistant message sends them back: the text as the answer gave it
+    (what the model generated, not re-serialised), an object as JSON ("" for none). An object orjson
+    cannot write (nested deeper than 254 levels) is written by the standard library, and one deeper than
+    that writes either (Python's recursion limit) says so: a server's answer never fails the run."""
+    if isinstance(raw, str):
+        return raw
+    if raw is None:
+        return ""
+    try:
+        return orjson.dumps(raw).decode()
+    except orjson.JSONEncodeError:
+        try:
+            return json.dumps(raw, ensure_ascii=False, separators=(",", ":"))
+        except (RecursionError, TypeError, ValueError):
+            return "(arguments nested too deep to write)"
 
 
 def same_calls(a: list[tuple[str, Any]] | None, b: list[tuple[str, Any]] | None) -> bool:

@@ -133,10 +133,14 @@ def prompt_tokens(tok: Any, template: Any, messages: list[dict[str, Any]],
 
 def step_prompt_tokens(tok: Any, template: Any, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None) -> tuple[int, ...]:
-    """Each step's prompt of an agent line: its tools and the messages before its k-th assistant
-    message, through the generation prompt (the dataset's answers standing in for the target's)."""
+    """Each step's prompt side of an agent line: its tools, and the system turn, user turns and tool
+    results before its k-th assistant message, through the generation prompt. The dataset's assistant
+    messages are left out: the target's own earlier answers (their calls included) are what each step
+    carries, and they come on top (`DatasetOut.history_answers`, as for chat turns); counting the
+    dataset's too priced every history twice."""
     steps = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    return tuple(prompt_tokens(tok, template, messages[:i], tools) for i in steps)
+    return tuple(prompt_tokens(tok, template, [m for m in messages[:i] if m["role"] != "assistant"], tools)
+                 for i in steps)
 
 
 def turn_prompt_tokens(tok: Any, template: Any, messages: list[dict[str, Any]]) -> tuple[int, ...]:

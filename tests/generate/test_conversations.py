@@ -473,6 +473,15 @@ def test_an_agent_line_is_read_as_steps_and_its_fingerprint_covers_tools_and_res
     assert cut.turns == 2 and "no result" in cut.cut
 
 
+def test_an_agent_line_whose_tools_are_nested_too_deep_to_write_is_refused_with_a_message():
+    """orjson reads 1,024 levels and writes 254: such `tools` could not be fingerprinted nor sent (an error
+    of the engine's own that stopped the run as the line was read)."""
+    deep = {**_agent("a"), "tools": [{"type": "function", "function": {
+        "name": "search", "parameters": orjson.loads("[" * 300 + "]" * 300)}}]}
+    with pytest.raises(ValueError, match="`tools` is nested deeper than 254 levels"):
+        parse_conversation(deep)
+
+
 async def test_an_agent_line_edited_between_runs_is_said_and_not_continued(tmp_path):
     path = _write(tmp_path / "agent.jsonl", [_agent("a0"), _agent("a1")])
     ds = _dataset(tmp_path, path)

@@ -522,9 +522,12 @@ def test_openai_agent_lines_are_kept_whole_with_their_tools(tmp_path: Path) -> N
     messages = lines[0]["messages"]
     result = build(_opts(tmp_path, [str(src)], split="off", turns="all", out_dir=tmp_path / "again"))
     (ds,) = result.datasets
-    steps = [prompt_tokens(tok, template, messages[:1], tools), prompt_tokens(tok, template, messages[:3], tools)]
+    # Each step's prompt side: the tools, the user turn and the tool result, without the dataset's answers:
+    # the target's own earlier answers come on top, one for step 2 (history_answers), so none is priced twice.
+    steps = [prompt_tokens(tok, template, messages[:1], tools),
+             prompt_tokens(tok, template, [messages[0], messages[2]], tools)]
     assert steps[0] > prompt_tokens(tok, template, messages[:1])  # the tools are declared in every step's prompt
-    assert ds.requests == 4 and ds.request_prompt_tokens == 2 * sum(steps)
+    assert ds.requests == 4 and ds.request_prompt_tokens == 2 * sum(steps) and ds.history_answers == 2
 
 
 def test_swe_agent_and_openhands_trajectories_are_read(tmp_path: Path) -> None:
@@ -563,6 +566,25 @@ def test_swe_agent_and_openhands_trajectories_are_read(tmp_path: Path) -> None:
         {"id": "toolu_1", "type": "function", "function": {"name": "execute_bash", "arguments": '{"command": "ls"}'}}]}
     assert line["messages"][3] == {"role": "tool", "tool_call_id": "toolu_1", "content": "a.py"}
     assert [m["role"] for m in line["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+
+
+def test_prompts_build_takes_every_preset_on_its_command_line(tmp_path: Path) -> None:
+    """`draftgen prompts build --preset P` takes each of presets.PRESETS (the CLI's list is its own,
+    so --help stays fast): --preset trajectory, which docs/prompts.md names for SWE-agent, was refused."""
+    src = tmp_path / "swe.jsonl"
+    src.write_bytes(orjson.dumps({"trajectory": [{"role": "system", "text": "SETTING: a shell."},
+                                                 {"role": "user", "text": "Fix issue 1"},
+                                                 {"role": "ai", "text": "ls"}, {"role": "user", "text": "a.py"},
+                                                 {"role": "ai", "text": "submit"}]}) + b"\n")
+    assert main(["prompts", "build", str(src), "--out", str(tmp_path / "p"), "--no-config", "--split", "off",
+                 "--preset", "trajectory", "--turns", "all", "--tokenizer", str(bundled_kimi_path())]) == 0
+    (line,) = [orjson.loads(x) for x in (tmp_path / "p" / "swe.jsonl").read_bytes().splitlines()]
+    assert line["messages"][:2] == [{"role": "system", "content": "SETTING: a shell."},
+                                    {"role": "user", "content": "Fix issue 1"}]
+    for preset in presets.PRESETS:
+        with pytest.raises(SystemExit) as e:
+            main(["prompts", "build", "--preset", preset, "--help"])
+        assert e.value.code == 0, preset
 
 
 def test_agent_rows_that_cannot_be_read_say_why(tmp_path: Path) -> None:

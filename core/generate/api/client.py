@@ -29,7 +29,7 @@ from yarl import URL
 
 from draftgen.core.generate.api.classify import PastCap, RequestFailed, cannot_connect, classify_status
 from draftgen.core.generate.api.deadlines import Deadlines
-from draftgen.core.records import ErrorKind, Usage, reasoning_text
+from draftgen.core.records import ErrorKind, Usage, arguments_text, reasoning_text
 from draftgen.core.request_keys import TEXT_CHARS_PER_TOKEN, body_max_tokens, past_cap_limits
 from draftgen.core.secrets import Redactor
 
@@ -477,7 +477,7 @@ class _StreamState:
                 if details and type(details) is list:
                     self.reasoning_details.feed(details)
             calls = dget("tool_calls")
-            if calls:
+            if calls and isinstance(calls, list):
                 self._tool_call_deltas(calls)
         value = cget("finish_reason")
         if value:
@@ -486,18 +486,28 @@ class _StreamState:
         if value:
             self.native_finish_reason = value
 
-    def _tool_call_deltas(self, calls: list[dict[str, Any]]) -> None:
+    def _tool_call_deltas(self, calls: list[Any]) -> None:
+        """Assemble the calls' deltas by `index`, a server's odd shapes taken as they come, never an error
+        (the answer is paid for): a delta that is not an object is no call's; an `index` that is not an
+        integer is 0; a `function` that is not an object has no name or arguments; `arguments` sent as an
+        object (not text) are its JSON text. A call left with no name or id ends an agent step's
+        conversation (records.broken_answer)."""
         for tc in calls:
-            slot = self.tool_calls.setdefault(int(tc.get("index", 0)), {"function": {"arguments": ""}})
+            if not isinstance(tc, dict):
+                continue
+            index = tc.get("index", 0)
+            slot = self.tool_calls.setdefault(index if type(index) is int else 0, {"function": {"arguments": ""}})
             for k in ("id", "type"):
                 if tc.get(k):
                     slot[k] = tc[k]
-            fn = tc.get("function") or {}
+            fn = tc.get("function")
+            fn = fn if isinstance(fn, dict) else {}
             if fn.get("name"):
                 slot["function"]["name"] = fn["name"]
-            args = fn.get("arguments") or ""
-            slot["function"]["arguments"] += args
-            self.chars += len(args)
+            args = fn.get("arguments")
+            text = "" if args is None else arguments_text(args)
+            slot["function"]["arguments"] += text
+            self.chars += len(text)
 
     def body(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content),

@@ -40,8 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from draftgen.core.generate.loop.prompts import (
     Conversation,
     Prompt,
@@ -52,7 +50,7 @@ from draftgen.core.generate.loop.prompts import (
 )
 from draftgen.core.generate.loop.source import Booked, BookedAs
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
-from draftgen.core.records import TurnFields, broken_answer, own_calls, same_calls
+from draftgen.core.records import TurnFields, arguments_text, broken_answer, own_calls, same_calls
 from draftgen.core.rundir import iter_jsonl
 
 if TYPE_CHECKING:
@@ -87,10 +85,8 @@ def tool_call(call: Any) -> dict[str, Any]:
     and its arguments' text as the answer gave them (what the model generated, not re-serialised)."""
     fn = call.get("function") if isinstance(call, dict) else None
     fn = fn if isinstance(fn, dict) else {}
-    args = fn.get("arguments")
     return {"id": call.get("id") if isinstance(call, dict) else None, "type": "function",
-            "function": {"name": fn.get("name"), "arguments": args if isinstance(args, str) else
-                         "" if args is None else orjson.dumps(args).decode()}}
+            "function": {"name": fn.get("name"), "arguments": arguments_text(fn.get("arguments"))}}
 
 
 def skip_kind(reason: str) -> str:

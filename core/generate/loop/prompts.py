@@ -327,6 +327,10 @@ def _tools(raw: Any) -> list[Any] | None:
             and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in raw):
         raise ValueError("`tools` must be a list of function schemas ({\"type\": \"function\", \"function\": "
                          "{\"name\": ..., \"parameters\": ...}})")
+    try:  # the line's fingerprint and every step's body write them
+        orjson.dumps(raw)
+    except orjson.JSONEncodeError:
+        raise ValueError("`tools` is nested deeper than 254 levels (JSON that draftgen cannot write back)") from None
     return raw or None
 
 
