@@ -319,7 +319,11 @@ def train_command(config: Config, *, max_length: int | None = None, out: TextIO 
     except OSError as e:
         from draftgen.core.files import disk_error
         raise disk_error(h.config_path, e) from e
-    for line in describe(h) + describe_online(h, online_path):
+    extra = []
+    if config.extract.format == "speculators":  # vLLM's speculators reads these files: its config and command too
+        from draftgen.core.extract import speculators_handoff
+        extra = speculators_handoff.write(config, max_length=h.max_length)
+    for line in describe(h) + describe_online(h, online_path) + extra:
         print(f"# {one_line(line)}", file=stream)
     print(f"# config ({one_line(str(config_path))}):", file=stream)
     for line in json.dumps(h.config, indent=2).splitlines():  # ASCII: JSON escapes the rest

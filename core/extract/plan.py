@@ -436,7 +436,7 @@ def make_gpu_plan(cfg: Any, model_cfg: dict[str, Any], source: str, max_forward_
     """The GPU plan for the specforge backend at `cfg.tp_size`; see the module docstring."""
     from draftgen.core.extract.gpu import card_memory
     from draftgen.core.extract.model_info import estimate_weights
-    weights = estimate_weights(model_cfg, cfg.tp_size, cfg.dtype, source)
+    weights = estimate_weights(model_cfg, cfg.tp_size, cfg.compute_dtype, source)
     w = int(weights.per_gpu_bytes * (1 + LOADER_MARGIN))
     kv_tokens = kv_pool_tokens(max_forward_tokens, max_samples, kv_page_size(cfg.attention_backend, cfg.sglang))
     kv = kv_tokens * weights.kv_bytes_per_token

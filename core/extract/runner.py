@@ -22,6 +22,7 @@ import torch
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DiskError, DraftgenError
 from draftgen.core.extract import claim, layout
+from draftgen.core.extract import speculators_layout as speculators
 from draftgen.core.extract.backend import ExtractBackend, make_backend
 from draftgen.core.extract.model_info import (
     ModelDims,
@@ -74,6 +75,13 @@ class ExtractStats:
     nothing_to_do: bool = False   # every file of the shard was there: no model was loaded
     merge_id: str = ""            # the merge these hidden states belong to (hidden_states/merge.json)
     claim_note: str = ""          # what was done to hidden states of another merge (start over, set aside)
+    format: str = "specforge"     # extract.format: the files' layout
+    dtype: str = "bfloat16"       # the files' hidden-state dtype: bfloat16 or fp8
+    # format = "speculators": the file slots' layers in vLLM's numbering (the aux layers, then N: pre-norm last).
+    target_layer_ids: list[int] | None = None
+    # dtype = "fp8": per slot, the worst and median over the files of each file's worst-token cosine and relative
+    # error, measured as written (speculators_layout.QuantError).
+    fp8_error: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -82,6 +90,36 @@ class ExtractStats:
 def bytes_needed(tokens: int, files: int, hidden_size: int) -> int:
     """(3H + H)·2 bytes of bf16 states per token, plus the ids, the mask and each file's container."""
     return tokens * (4 * hidden_size * 2 + IDS_MASK_BYTES_PER_TOKEN) + files * FILE_OVERHEAD_BYTES
+
+
+def _bytes_needed(cfg: Any, tokens: int, files: int, dims: ModelDims, slots: int) -> int:
+    """bytes_needed in the configured format: speculators' files hold the ids and k+1 slots (FP8: 1 byte each)."""
+    if cfg.format != "speculators":
+        return bytes_needed(tokens, files, dims.hidden_size)
+    return (tokens * speculators.bytes_per_token(cfg.dtype, dims.hidden_size, slots)
+            + files * speculators.HEADER_BYTES)
+
+
+def _existing(cfg: Any, root: Path, index: int) -> Path | None:
+    """The file already written for `index` in the configured format."""
+    if cfg.format == "speculators":
+        return speculators.existing_sample(root, index)
+    return layout.existing_sample(root, index)
+
+
+def _refuse_other_format(cfg: Any, root: Path, config_path: object) -> None:
+    """One format per folder: files of the other trainer's layout would be neither redone nor read."""
+    if not root.is_dir():
+        return
+    ours = cfg.format
+    if ours == "speculators":
+        other = next((p for p in root.glob("rows_*/data_*") if p.name.endswith((".ckpt", ".ckpt.gz"))), None)
+    else:
+        other = next(root.glob(f"{speculators.PREFIX}*{speculators.SUFFIX}"), None)
+    if other is not None:
+        raise ConfigError(f"{config_path}: extract.format = {ours!r}, but {root} already holds files of the other "
+                          f"format ({other.name}); move hidden_states/ aside (or set the format it was made with) "
+                          f"before extracting in this one")
 
 
 def _shard_indices(count: int, shard: tuple[int, int]) -> range:
@@ -97,11 +135,22 @@ def _remove_stale_tmp(root: Path, shard: tuple[int, int]) -> None:
             digits = tmp.name.removeprefix(".data_").split(".", 1)[0]
             if digits.isdigit() and int(digits) % n == i:
                 tmp.unlink(missing_ok=True)
+    for tmp in speculators.stale_temporaries(root, shard):
+        tmp.unlink(missing_ok=True)
 
 
-def _check_disk(root: Path, tokens: int, files: int, dims: ModelDims) -> None:
-    need = bytes_needed(tokens, files, dims.hidden_size)
+def _check_disk(root: Path, tokens: int, files: int, dims: ModelDims, cfg: Any = None, slots: int = 4) -> None:
     free = shutil.disk_usage(root).free
+    if cfg is not None and cfg.format == "speculators":
+        need = _bytes_needed(cfg, tokens, files, dims, slots)
+        if need > free:
+            raise DiskError(f"{root}: extraction needs {fmt_bytes(need)} ({need:,} bytes: {tokens:,} tokens x "
+                            f"{speculators.bytes_per_token(cfg.dtype, dims.hidden_size, slots):,} bytes ({slots} "
+                            f"slots of H={dims.hidden_size} in {'fp8' if cfg.dtype == 'fp8' else 'bf16'}) + "
+                            f"{speculators.HEADER_BYTES:,} per file, for the {files:,} samples still to do) but only "
+                            f"{fmt_bytes(free)} ({free:,} bytes) is free there")
+        return
+    need = bytes_needed(tokens, files, dims.hidden_size)
     if need > free:
         raise DiskError(
             f"{root}: extraction needs {fmt_bytes(need)} ({need:,} bytes: {tokens:,} tokens x "
@@ -196,16 +245,17 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
     except OSError as e:
         raise disk_error(root, e) from e
     _remove_stale_tmp(root, shard)
+    _refuse_other_format(cfg, root, config_path)
     entries: list[TokenEntry] = reader.entries
     indices = _shard_indices(len(reader), shard)
-    todo = [k for k in indices if layout.existing_sample(root, k) is None]
+    todo = [k for k in indices if _existing(cfg, root, k) is None]
     context = context_limit(cfg, model[0]) if model is not None else None
     too_long = [k for k in todo if context is not None and entries[k].length > context]
     if too_long:  # the forward would fail on it (SGLang refuses it; a RoPE model past its length gives junk)
         skip = set(too_long)
         todo = [k for k in todo if k not in skip]
     tokens_todo = sum(entries[k].length for k in todo)
-    _check_disk(root, tokens_todo, len(todo), dims)
+    _check_disk(root, tokens_todo, len(todo), dims, cfg)
     if cfg.backend == "specforge" and todo:
         from draftgen.core.extract.specforge_backend import check_shm
         check_shm(cfg.min_shm_gb)
@@ -257,7 +307,7 @@ def _already_done(config: Config, rundir: RunDir, reader: TokenReader, shard: tu
     indices = _shard_indices(len(reader), shard)
     if standing.state not in (claim.SAME, claim.ADOPTED):
         return None
-    missing = [k for k in indices if layout.existing_sample(rundir.hidden_states, k) is None]
+    missing = [k for k in indices if _existing(config.extract, rundir.hidden_states, k) is None]
     context = _settled_context(config, rundir.hidden_states, standing, missing) if missing else None
     if missing and context is None:
         return None
@@ -401,7 +451,9 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                          samples=len(indices), tokens=sum(entries[k].length for k in indices),
                          skipped_existing=plan.skipped_existing, draft_layer_ids=_draft_layer_ids(layers, dims),
                          merge_id=_merge_id(root), claim_note=plan.note,
-                         too_long_samples=len(plan.too_long), too_long=plan.too_long, context=plan.context)
+                         too_long_samples=len(plan.too_long), too_long=plan.too_long, context=plan.context,
+                         format=cfg.format, dtype="fp8" if cfg.dtype == "fp8" else "bfloat16")
+    write, quant = _file_writer(cfg, layers, dims, stats)
     if disk_watch is None:
         from draftgen.core.extract.plan import DiskWatch
         disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
@@ -421,14 +473,14 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         events.write("warn", message)
         reporter.emit(message=message, force=True)
 
-    pool = PooledWriter(root, compress=cfg.compress, group_readable=cfg.group_readable)
+    pool = PooledWriter(root, compress=cfg.compress, group_readable=cfg.group_readable, write=write)
     try:
         reporter.emit(force=True)
         for batch, ids, masks in _batches_of_arrays(reader, plan.batches):
             if stop is not None and stop.is_set():
                 stats.stopped = True
                 break
-            need = bytes_needed(sum(len(x) for x in ids), len(ids), dims.hidden_size)
+            need = _bytes_needed(cfg, sum(len(x) for x in ids), len(ids), dims, len(layers) + 1)
             if not disk_watch.wait_for(root, need, stop, log=warn):
                 stats.stopped = True
                 break
@@ -440,10 +492,10 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
             pool.submit(items)  # the next forward overlaps these files; blocks while the writer is behind
             del items
             for done in pool.completed():
-                _account(done, stats, events)
+                _account(done, stats, events, quant)
             reporter.emit()
         for done in pool.drain():
-            _account(done, stats, events)
+            _account(done, stats, events, quant)
             reporter.emit()
     except BaseException as e:
         pool.close()  # files being written finish whole or are removed; the rest are redone on restart
@@ -457,19 +509,37 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         elapsed = time.monotonic() - started
         stats.elapsed_s = round(elapsed, 3)
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
+        stats.fp8_error = quant.to_dict() if quant is not None else None
     write_json_atomic(stats_path(root, shard), stats.to_dict())
     _leave_handoff(config, events)
     if cfg.group_readable:
         _open_to_group(root)
     summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
                f"{stats.skipped_existing:,} already there"
-               + (f", {stats.too_long_samples:,} longer than the context (skipped)" if stats.too_long_samples else ""))
+               + (f", {stats.too_long_samples:,} longer than the context (skipped)" if stats.too_long_samples else "")
+               + (f"; {speculators.describe(stats.fp8_error)}" if stats.fp8_error is not None else ""))
     events.write("info", f"extract: {'stopped' if stats.stopped else 'done'}: {summary}")
     events.close()
     if reporter is not None:
         reporter.emit(StageState.STOPPED if stats.stopped else StageState.DONE, force=True,
                       message=("stopped: " if stats.stopped else "") + summary)
     return stats
+
+
+def _file_writer(cfg: Any, layers: tuple[int, ...], dims: ModelDims, stats: ExtractStats,
+                 ) -> tuple[Any, speculators.QuantError | None]:
+    """The writer's file format (None: SpecForge's) and, for FP8, the error gathered from every file written;
+    speculators' layer ids go into `stats`."""
+    if cfg.format != "speculators":
+        return None, None
+    ids = speculators.vllm_layer_ids(layers, dims.num_layers)
+    stats.target_layer_ids = ids
+    fp8 = cfg.dtype == "fp8"
+
+    def write(root: Path, index: int, sample: layout.SampleTensors) -> tuple[int, Any]:
+        return speculators.write_sample(root, index, sample, fp8=fp8, layer_ids=ids,
+                                        group_readable=cfg.group_readable)
+    return write, speculators.QuantError(ids) if fp8 else None
 
 
 def _open_to_group(root: Path) -> None:
@@ -489,6 +559,9 @@ def _leave_handoff(config: Config, events: EventLog) -> None:
         h = make_handoff(config)
         write_handoff(h)
         write_online(h)
+        if config.extract.format == "speculators":
+            from draftgen.core.extract import speculators_handoff
+            speculators_handoff.write(config, max_length=h.max_length)
     except (DraftgenError, OSError, ValueError) as e:
         events.write("warn", f"extract: the training hand-off (`draftgen train-command {sh_path(config.path)}`) was "
                              f"not written: {e}")
@@ -539,8 +612,10 @@ def _checked(index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: tor
     return Item(index, sample_id, layout.SampleTensors(input_ids, loss_mask, hidden, aux))
 
 
-def _account(done: Written, stats: ExtractStats, events: EventLog) -> None:
-    """Count one sample the writer finished: written, or NaN/Inf (reported, not written)."""
+def _account(done: Written, stats: ExtractStats, events: EventLog,
+             quant: speculators.QuantError | None = None) -> None:
+    """Count one sample the writer finished: written (its FP8 error into `quant`), or NaN/Inf (reported, not
+    written)."""
     if not done.finite:
         stats.nan_samples += 1
         stats.nan.append({"index": done.index, "id": done.sample_id})
@@ -548,5 +623,7 @@ def _account(done: Written, stats: ExtractStats, events: EventLog) -> None:
                              f"not written")
         return
     stats.bytes_written += done.nbytes
+    if quant is not None and done.quant is not None:
+        quant.add(done.quant)
     stats.written += 1
     stats.tokens_written += done.tokens
