@@ -140,12 +140,12 @@ def _aux_layer_ids(config: Config, notes: list[str]) -> list[int] | None:
 
 def _missing_notes(config: Config, reader: TokenReader, files: int, merge_id: str) -> list[str]:
     """What the missing samples are: skipped as longer than the context (stats*.json), or left to extract."""
-    from draftgen.core.extract import layout
     from draftgen.core.extract.plan import recorded_too_long
+    from draftgen.core.extract.speculators_layout import existing_file
     hidden = config.run_dir / "hidden_states"
     recorded = recorded_too_long(hidden, merge_id, config.extract.model)
     skipped = {k: contexts for k, contexts in recorded.items()
-               if k < len(reader) and layout.existing_sample(hidden, k) is None}
+               if k < len(reader) and existing_file(config.extract.format, hidden, k) is None}
     notes = []
     if skipped:
         context = max(max(c) for c in skipped.values())

@@ -102,9 +102,7 @@ def _bytes_needed(cfg: Any, tokens: int, files: int, dims: ModelDims, slots: int
 
 def _existing(cfg: Any, root: Path, index: int) -> Path | None:
     """The file already written for `index` in the configured format."""
-    if cfg.format == "speculators":
-        return speculators.existing_sample(root, index)
-    return layout.existing_sample(root, index)
+    return speculators.existing_file(cfg.format, root, index)
 
 
 def _refuse_other_format(cfg: Any, root: Path, config_path: object) -> None:
@@ -598,6 +596,7 @@ def _nothing_to_do(config: Config, shard: tuple[int, int], samples: int,
     return ExtractStats(model=cfg.model, backend="none (nothing to do)", num_layers=0, hidden_size=0,
                         layers=(0, 0, 0), shard=shard, compress=cfg.compress, samples=samples,
                         skipped_existing=there, nothing_to_do=True, merge_id=standing.current.merge_id,
+                        format=cfg.format,
                         too_long_samples=len(too_long), too_long=too_long, context=context)
 
 

@@ -68,6 +68,14 @@ def existing_sample(root: Path, index: int) -> Path | None:
     return path if path.exists() else None
 
 
+def existing_file(fmt: str, root: Path, index: int) -> Path | None:
+    """The file already written for `index` in extract.format `fmt` (either SpecForge form, or hs_{index})."""
+    if fmt == "speculators":
+        return existing_sample(root, index)
+    from draftgen.core.extract import layout
+    return layout.existing_sample(root, index)
+
+
 def vllm_layer_ids(layers: tuple[int, ...], num_layers: int) -> list[int]:
     """The k+1 slots in vLLM's numbering: each aux layer output k is vLLM's k + 1, the pre-norm last is N."""
     return [k + 1 for k in layers] + [num_layers]
