@@ -203,8 +203,8 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
               nvml: Any = None, env: Mapping[str, str] | None = None) -> Plan:
     """The plan of every shard of `shard`'s N; the model config is read (and, for the specforge backend, the
     cards' memory) only if this shard has work."""
-    from draftgen.core.extract import layout
     from draftgen.core.extract.model_info import dims_from_config_dict, read_model_config
+    from draftgen.core.extract.speculators_layout import existing_file
     from draftgen.core.rundir import RunDir
     from draftgen.core.tokens.store import INDEX_FILE, TokenReader
     cfg = config.extract
@@ -222,7 +222,7 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
     for k, entry in enumerate(reader.entries):
         s = shards[k % n]
         s.samples += 1
-        path = layout.existing_sample(root, k)
+        path = existing_file(cfg.format, root, k)  # in the configured format (speculators: hs_{k})
         if path is None:
             s.todo += 1
             s.tokens_todo += entry.length

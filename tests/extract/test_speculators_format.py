@@ -267,3 +267,19 @@ def test_hs_files_of_another_merge_are_refused_not_skipped(tmp_path: Path, model
     assert (stats.written, stats.skipped_existing) == (len(make_samples(seed=2)), 0)
     got = speculators.load_sample(config.run_dir / "hidden_states" / "hs_0.safetensors")
     assert got["token_ids"].tolist() == make_samples(seed=2)[0][0].tolist()
+
+
+def test_extract_command_says_the_layers_the_command_and_the_fp8_error(tmp_path: Path, model_dir: Path) -> None:
+    import io
+
+    from draftgen.core.extract import extract_command
+    config = make_run(tmp_path, model_dir, format="speculators", dtype="fp8")
+    out = io.StringIO()
+    assert extract_command(config, None, out=out) == 0
+    text = out.getvalue()
+    assert "speculators: files hs_{i}.safetensors, fp8, layers [2, 4, 5, 8] in vLLM's numbering" in text, text
+    assert "train-speculators.sh" in text and f"fp8 error over {len(make_samples())} files: cosine worst 0.99" in text
+    again = io.StringIO()  # every file there: the plan counts them (hs_{i}), nothing loads
+    assert extract_command(config, None, out=again) == 0
+    assert f"nothing to do ({len(make_samples())} of {len(make_samples())} files already written); the model is not loaded" \
+        in again.getvalue(), again.getvalue()
