@@ -94,30 +94,53 @@ def stacked(sample: SampleTensors) -> torch.Tensor:
     return torch.cat([sample.aux.reshape(t, -1, h), sample.hidden.reshape(t, 1, h)], dim=1)
 
 
+def _slots(sample: SampleTensors) -> list[torch.Tensor]:
+    """The k+1 slots as [T, H] views: the aux layers' slices, then the pre-norm last layer (no copy)."""
+    t, h = sample.hidden.shape
+    return [*sample.aux.reshape(t, -1, h).unbind(1), sample.hidden]
+
+
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """hs_connectors' quantize_tensor_to_fp8: float8_e4m3fn values and one float32 scale per token [T, 1, 1]."""
-    fp32 = x.float()
-    amax = fp32.abs().amax(dim=tuple(range(1, fp32.dim())), keepdim=True)
-    scale = (amax / FP8_MAX).clamp(min=SCALE_FLOOR)
-    return (fp32 / scale).to(torch.float8_e4m3fn), scale
+    """hs_connectors' quantize_tensor_to_fp8 of x [T, S, H]: float8_e4m3fn values and one float32 scale per token
+    [T, 1, 1], bit for bit (tests/extract/test_speculators_format.py)."""
+    values, scale, _errors = _quantize_slots(list(x.unbind(1)), measure=False)
+    return values, scale
 
 
-def slot_errors(x: torch.Tensor, fp8: torch.Tensor, scale: torch.Tensor) -> tuple[tuple[float, float], ...]:
-    """Per slot of x [T, S, H]: (the worst token's cosine, ||dequantized - x|| / ||x||) of the FP8 as stored.
+def _quantize_slots(slots: list[torch.Tensor], *, measure: bool,
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[float, float], ...]]:
+    """quantize_tensor_to_fp8 over the slots stacked on dim 1, one slot at a time (float32 copies of one [T, H]
+    slot at most, not of [T, k+1, H]: 0.6 GB for a 5,300-token Kimi sample, per writer thread), and with
+    `measure` each slot's error as slot_errors gives it.
+
+    The same values as hs_connectors': amax, abs and the float32 conversion are exact, so the amax taken in
+    the slots' own dtype and the division done slot by slot give the same bits."""
+    t, h = slots[0].shape
+    amax = torch.stack([x.abs().amax(dim=-1) for x in slots], dim=1).amax(dim=1).float()
+    scale = (amax / FP8_MAX).clamp(min=SCALE_FLOOR).reshape(t, 1, 1)
+    values = torch.empty((t, len(slots), h), dtype=torch.float8_e4m3fn)
+    errors = []
+    for s, x in enumerate(slots):
+        ref = x.float()
+        values[:, s] = (ref / scale[:, 0]).to(torch.float8_e4m3fn)
+        if measure:
+            errors.append(slot_errors(ref, values[:, s], scale[:, 0]))
+    return values, scale, tuple(errors)
+
+
+def slot_errors(ref: torch.Tensor, fp8: torch.Tensor, scale: torch.Tensor) -> tuple[float, float]:
+    """One slot's (worst token's cosine, ||dequantized - ref|| / ||ref||): ref [T, H] float32, fp8 [T, H] as stored,
+    scale [T, 1].
 
     Dequantized as FP8Transfer does it (to bf16, times the scale in bf16). A token whose slot is all
     zeros and comes back all zeros counts as cosine 1; a slot of zeros, as relative error 0."""
-    ref = x.float()
     back = (fp8.to(torch.bfloat16) * scale.to(torch.bfloat16)).float()
     dot = (ref * back).sum(-1)
     norms = ref.norm(dim=-1) * back.norm(dim=-1)
-    cos = torch.where(norms > 0, dot / norms.clamp(min=1e-30),
-                      (ref.abs().amax(-1) == back.abs().amax(-1)).float())
-    worst = cos.min(dim=0).values if cos.shape[0] else torch.ones(ref.shape[1])
-    diff = (back - ref).norm(dim=(0, 2))
-    base = ref.norm(dim=(0, 2))
-    rel = torch.where(base > 0, diff / base.clamp(min=1e-30), torch.zeros_like(base))
-    return tuple((float(c), float(r)) for c, r in zip(worst.tolist(), rel.tolist(), strict=True))
+    cos = torch.where(norms > 0, dot / norms.clamp(min=1e-30), (ref.abs().amax(-1) == back.abs().amax(-1)).float())
+    worst = float(cos.min()) if cos.numel() else 1.0
+    base = float(ref.norm())
+    return worst, (float((back - ref).norm()) / base if base > 0 else 0.0)
 
 
 SlotErrors = tuple[tuple[float, float], ...]  # per slot: (the worst token's cosine, the relative error)
@@ -126,15 +149,14 @@ SlotErrors = tuple[tuple[float, float], ...]  # per slot: (the worst token's cos
 def tensors(sample: SampleTensors, *, fp8: bool) -> tuple[dict[str, torch.Tensor], SlotErrors | None]:
     """The file's tensors, and with `fp8` each slot's (worst cosine, relative error) as stored."""
     length = int(sample.input_ids.reshape(-1).shape[0])
-    x = stacked(sample)
     out = {"token_ids": sample.input_ids.reshape(length).to(torch.int64).contiguous()}
     if not fp8:
-        out["hidden_states"] = x.to(torch.bfloat16).contiguous()
+        out["hidden_states"] = stacked(sample).to(torch.bfloat16).contiguous()
         return out, None
-    values, scale = quantize(x)
-    out["hidden_states"] = values.contiguous()
+    values, scale, errors = _quantize_slots(_slots(sample), measure=True)
+    out["hidden_states"] = values
     out[SCALES_KEY] = scale.contiguous()
-    return out, slot_errors(x, values, scale)
+    return out, errors
 
 
 def write_sample(root: Path, index: int, sample: SampleTensors, *, fp8: bool, layer_ids: list[int],

@@ -18,7 +18,7 @@ import torch
 
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError
-from draftgen.core.extract import extract
+from draftgen.core.extract import extract, layout
 from draftgen.core.extract import speculators_layout as speculators
 from tests.extract import test_extract
 from tests.extract.test_extract import HIDDEN, N_LAYERS, make_run, make_samples, token_arrays
@@ -132,9 +132,12 @@ def test_one_format_per_folder_and_a_restart_skips_what_is_written(tmp_path: Pat
         extract(specforge)
 
 
-def test_quantize_is_hs_connectors_own(speculators_pythonpath: str) -> None:
-    # The same tensor through hs_connectors.fp8_utils.quantize_tensor_to_fp8 (the release) and ours: equal bytes.
-    x = torch.randn(5, 4, 16) * torch.tensor([0.01, 1.0, 30.0, 500.0])[None, :, None]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_is_hs_connectors_own(speculators_pythonpath: str, dtype: torch.dtype) -> None:
+    # The same tensor through hs_connectors.fp8_utils.quantize_tensor_to_fp8 (the release) and ours (slot by slot,
+    # the amax in the input's dtype): equal bytes, from a float32 forward's rows and from the writer's bf16 ones.
+    torch.manual_seed(3)
+    x = (torch.randn(5, 4, 16) * torch.tensor([0.01, 1.0, 30.0, 500.0])[None, :, None]).to(dtype)
     x[2] = 0  # an all-zero token: the scale's floor
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"draftgen-q-{os.getpid()}.pt"
     torch.save(x, path)
@@ -148,6 +151,14 @@ def test_quantize_is_hs_connectors_own(speculators_pythonpath: str) -> None:
         path.unlink(missing_ok=True)
     ours, our_scale = speculators.quantize(x)
     assert torch.equal(ours.view(torch.uint8), theirs) and torch.equal(our_scale, their_scale)
+    sample = layout.SampleTensors(torch.arange(5), torch.ones(5), x[:, 3], x[:, :3].reshape(5, 48))
+    stored, errors = speculators.tensors(sample, fp8=True)  # what write_sample stores: the same bytes
+    assert torch.equal(stored["hidden_states"].view(torch.uint8), theirs)
+    # One scale per token over every slot: a slot 50,000x smaller than the token's largest falls to FP8's
+    # subnormals, and the error measured says so; the others keep FP8's ~2-3%.
+    assert errors is not None and len(errors) == 4
+    assert errors[0][0] < 0.99 and errors[0][1] > 0.1
+    assert all(c > 0.999 and r < 0.04 for c, r in errors[1:]), errors
 
 
 def resolve_with_speculators(path: Path, pythonpath: str) -> dict:
