@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import KEY, free_port, sim_stats, start_sim  # noqa: E402
@@ -52,6 +53,30 @@ max_tokens = 1024
     return path
 
 
+class LagProbe:
+    """A task that sleeps 10 ms at a time on the run's loop and records how late it wakes (the event-loop
+    lag), and the most requests in flight it saw."""
+
+    def __init__(self, pipeline: Any) -> None:
+        self.lags: list[float] = []
+        self.peak = 0
+        self._task = asyncio.create_task(self._run(pipeline))
+
+    async def _run(self, pipeline: Any) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            self.lags.append(time.perf_counter() - t - 0.01)
+            self.peak = max(self.peak, pipeline.engine.in_flight)
+
+    def stop(self) -> dict:
+        """Lag p50, p99 and max in ms, and the peak in flight."""
+        self._task.cancel()
+        lags_ms = sorted(x * 1000 for x in self.lags) or [0.0]
+        return {"p50": statistics.median(lags_ms), "p99": lags_ms[int(len(lags_ms) * 0.99)], "max": lags_ms[-1],
+                "peak_in_flight": self.peak}
+
+
 VIEW_KEYS = {"main": (), "history": ("h",), "drill": ("enter",)}
 
 
@@ -61,18 +86,7 @@ async def measure(mode: str, config_path: Path) -> dict:
     config = load_config(config_path)
     pipeline = Pipeline(config, KEY, skip_smoke=True)
     await pipeline.start()
-    lags: list[float] = []
-    peak = 0
-
-    async def probe() -> None:
-        nonlocal peak
-        while True:
-            t = time.perf_counter()
-            await asyncio.sleep(0.01)
-            lags.append(time.perf_counter() - t - 0.01)
-            peak = max(peak, pipeline.engine.in_flight)
-
-    prober = asyncio.create_task(probe())
+    probe = LagProbe(pipeline)
     start = time.perf_counter()
     screen = ""
     if mode != "headless":
@@ -88,13 +102,10 @@ async def measure(mode: str, config_path: Path) -> dict:
     else:
         await pipeline.generate()
     elapsed = time.perf_counter() - start
-    prober.cancel()
+    lag = probe.stop()
     done = pipeline.engine.datasets["lag"].done
     await pipeline.close()
-    lags_ms = sorted(x * 1000 for x in lags)
-    return {"req_s": done / elapsed, "p50": statistics.median(lags_ms),
-            "p99": lags_ms[int(len(lags_ms) * 0.99)], "max": lags_ms[-1], "peak_in_flight": peak, "done": done,
-            "screen": screen}
+    return {"req_s": done / elapsed, **lag, "done": done, "screen": screen}
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from draftgen.core.safe_text import visible
 
 EXIT_CODES = """exit codes:
   0  complete: every prompt answered, failed for a reason of its own, or skipped by a token budget
-  1  the smoke test failed (smoke, or run without a passing smoke test)
+  1  the smoke test failed (smoke, or run without a passing smoke test); check found bad files
   2  error: bad config or input, a stage that failed, an internal error
   3  incomplete: the run was drained, stopped, waiting on the account, or limited by max_usd;
      run again to resume
@@ -117,7 +117,15 @@ def cmd_extract(args: argparse.Namespace) -> int:
         from draftgen.core.extract.command import plan_command
         return plan_command(_config(args.config), args.shard)
     on_other = "start_over" if args.start_over else "set_aside" if args.set_aside else "refuse"
-    return extract_command(_config_to_write(args.config), args.shard, on_other_merge=on_other)
+    return extract_command(_config_to_write(args.config), args.shard, on_other_merge=on_other,
+                           validate=args.validate)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from draftgen.core.extract import parse_shard
+    from draftgen.core.extract.readback import check_command
+    shard = parse_shard(args.shard) if args.shard else (0, 1)  # a bad --shard fails before the config is read
+    return check_command(_config(args.config), shard)
 
 
 def cmd_train_command(args: argparse.Namespace) -> int:
@@ -216,10 +224,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "answers): delete them and extract this merge (without a choice such a run is refused)")
     other.add_argument("--set-aside", action="store_true",
                        help="the same, but move the old folder to hidden_states.merge-<id>/ instead of deleting it")
+    p.add_argument("--validate", action="store_true",
+                   help="read every hidden-state file back first (as `draftgen check` does); the bad ones are "
+                   "removed and extracted again, with the missing ones (nothing else)")
     p.add_argument("--self-check", action="store_true",
                    help="check the configured backend end to end on tiny random models first (minutes)")
     p.add_argument("--long-tokens", type=int, default=16384, metavar="N",
                    help="--self-check: length of its long sample (default 16384)")
+    p = add("check", cmd_check, "read every hidden-state file back by the trainer's rules (shapes, dtype, "
+            "finite values, ids equal to merged/tokens, layer count) and list the bad ones; exit 1 if any")
+    p.add_argument("config", help="the config file (e.g. kimi.toml)")
+    p.add_argument("--shard", help="i/N: only this shard's files (as `extract --shard i/N` wrote them)")
     p = add("train-command", cmd_train_command, "SpecForge's training config and command for this run's merged "
             "set and hidden states (max_length fits the longest sample), and its online config "
             "(specforge-online.json: the merged token ids, pre-tokenized); written to hidden_states/")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import math
 import os
 import stat
@@ -35,47 +36,9 @@ from draftgen.core.request_keys import (
     known_key,
 )
 from draftgen.core.secrets import key_problem
-from draftgen.core.servers import IDS_KEYS, ids_request, server_at, servers_noted
+from draftgen.core.servers import IDS_KEYS, ServerKind, ServerProfile, ids_request
 
 __all__ = ["COMPLETION_LIMIT_KEYS", "OPENROUTER_ONLY_KEYS"]  # re-exported: smoke.py and others read them here
-
-ServerKind = Literal["openrouter", "openai-compatible"]
-# What the server behind a base_url said it is (GET /key answered or 404), once per process, for
-# `kind = "auto"` off openrouter.ai: set by note_server_kind before the first request.
-_DETECTED: dict[str, ServerKind] = {}
-
-
-_NOTED = 0  # how many times a server's kind or stream mode was noted (`body_epoch`)
-
-
-def note_server_kind(base_url: str, kind: ServerKind) -> None:
-    global _NOTED
-    _DETECTED[base_url] = kind
-    _NOTED += 1
-
-
-def body_epoch() -> int:
-    """A count that changes whenever what a request body is made of beside the config may have: a server's
-    kind, its release (servers.py) or its stream mode noted. A body kept from the same epoch is still exact
-    (loop/room.py keeps one per dataset rather than rebuilding it per prompt)."""
-    return _NOTED + servers_noted()
-
-
-# The mode that keeps a self-hosted server's text as generated (streamed where its non-streamed
-# reasoning parser rewrites text), per (base_url, model), for `[api] stream` unset: decided by the
-# smoke test (commands/smoke.py) and recorded in smoke.json, noted again by a run that reads it
-# (loop/smoke_record.py). Not part of the request fingerprint: the smoke test that decided it checked both.
-_STREAM_DECIDED: dict[tuple[str, str], bool] = {}
-
-
-def note_stream_mode(base_url: str, model: str, streams: bool | None) -> None:
-    """Record (or, with None, forget) the streaming mode a smoke test decided for this server and model."""
-    global _NOTED
-    _NOTED += 1
-    if streams is None:
-        _STREAM_DECIDED.pop((base_url, model), None)
-    else:
-        _STREAM_DECIDED[(base_url, model)] = streams
 
 
 @dataclass(frozen=True)
@@ -108,6 +71,10 @@ class ApiConfig:
     # Request keys draftgen does not know, sent as written (core/request_keys.py): their effect on what is
     # generated and billed is the user's to know; the reservation counts them as changing nothing.
     request_pass_through: list[str] = field(default_factory=list)
+    # Not a key: what this run found of its server (core/servers.py), its own for each loaded config and
+    # shared by the copies `dataclasses.replace` makes of it (the same run, the same server).
+    server: ServerProfile = field(default_factory=ServerProfile, compare=False, repr=False,
+                                  metadata={"key": False})
 
     @property
     def openrouter_for_sure(self) -> bool:
@@ -122,7 +89,7 @@ class ApiConfig:
             return self.kind
         if "openrouter.ai" in self.base_url:
             return "openrouter"
-        return _DETECTED.get(self.base_url, "openrouter")
+        return self.server.kind or "openrouter"
 
     @property
     def self_hosted(self) -> bool:
@@ -131,10 +98,10 @@ class ApiConfig:
     @property
     def streams(self) -> bool:
         """Whether requests stream: `stream` when set; else on OpenRouter; else on a self-hosted server
-        the mode its smoke test decided keeps text as generated (`note_stream_mode`), else not."""
+        the mode its smoke test decided keeps text as generated (`ServerProfile.note_stream`), else not."""
         if self.configured_streams or self.stream is not None:
             return self.configured_streams
-        return self.self_hosted and _STREAM_DECIDED.get((self.base_url, self.model), False)
+        return self.self_hosted and bool(self.server.stream)
 
     @property
     def configured_streams(self) -> bool:
@@ -232,6 +199,10 @@ class DatasetConfig:
     # "all" (every user turn in order, each asked on the target's own earlier answers; docs/config.md).
     turns: Literal["first", "last", "all"] = "last"
     max_turns: int | None = None  # turns = "all": the user turns asked per conversation at most
+    # turns = "all", an agent line's tool results (docs/multi-turn.md): "match", the dataset's recorded result
+    # is sent only after calls that match the dataset's (else the conversation ends, diverged); "replay",
+    # spliced after whatever the target called (each such step flagged and counted).
+    tool_results: Literal["match", "replay"] = "match"
     # Sampling cycles: the i-th prompt of the file (0-based line index, `cycle_index`) is asked with
     # temperatures[i % n] and reasoning effort reasoning_efforts[i % m]; every turn of a conversation alike.
     temperatures: list[float] = field(default_factory=list)
@@ -301,6 +272,10 @@ class ValidationConfig:
     min_exact_share: float = 0.75
     # true: merge drops the samples of a source flagged on its own (false: keeps them, reported).
     drop_flagged_sources: bool = True
+    # true: an answer whose tool calls carry ids not of the model's own shape (`functions.NAME:IDX`;
+    # a provider rewrote them) is dropped, its rendered ids not being what the model generated
+    # (false: kept, reported as foreign_tool_call_id).
+    drop_foreign_tool_call_ids: bool = True
 
 
 @dataclass(frozen=True)
@@ -331,6 +306,9 @@ class ExtractConfig:
     tokens_per_s: float = 0.0
     # The run pauses before a batch while free disk is below its bytes plus this margin.
     min_free_gb: float = 1.0
+    # The most hidden_states/ may hold, in GB (10^9 bytes; 0 = no limit): samples are extracted in merged
+    # order while their estimated bytes fit, then the run stops and says what is left (docs/extraction.md).
+    max_disk_gb: float = 0.0
     # true: hidden_states/ files 0640 and folders 0750 (readable by the group, e.g. a training job
     # running as another user); false: 0600/0700, this user only.
     group_readable: bool = False
@@ -339,6 +317,47 @@ class ExtractConfig:
     def compute_dtype(self) -> str:
         """The dtype the model runs in ("fp8" files come from a bfloat16 forward)."""
         return "bfloat16" if self.dtype == "fp8" else self.dtype
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """[monitor]: what a live run shows outside its terminal and attach socket (docs/metrics.md)."""
+    # "HOST:PORT" ("[::1]:9400" for IPv6): Prometheus text on http://HOST:PORT/metrics while a run is
+    # live; "" (the default): off. Port 0 takes a free port, said in the log.
+    metrics: str = ""
+    # A HOST that is not loopback serves the run's figures to the network: refused unless this is set.
+    metrics_public: bool = False
+
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of `metrics`, None when off; the config check has refused a malformed one."""
+        return split_host_port(self.metrics) if self.metrics else None
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """("127.0.0.1", 9400) from "127.0.0.1:9400", ("::1", 9400) from "[::1]:9400"; ValueError says why not."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError("must be HOST:PORT, e.g. \"127.0.0.1:9400\"")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError("an IPv6 address goes in brackets: \"[::1]:9400\"")
+    if not port.isascii() or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"the port must be a number from 0 to 65535, not {port!r}")
+    if not host or not host.isprintable() or any(c.isspace() or c in "/[]" for c in host):
+        raise ValueError(f"{host!r} is not a host name or address")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """`host` names this machine only: localhost, 127.0.0.0/8 or ::1 (a name other than localhost is
+    not taken on trust: it may resolve anywhere)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -362,6 +381,7 @@ class Config:
     extract: ExtractConfig
     smoke: SmokeConfig
     validation: ValidationConfig = ValidationConfig()
+    monitor: MonitorConfig = MonitorConfig()
 
     @property
     def run_dir(self) -> Path:
@@ -401,7 +421,7 @@ class Config:
                 for key in IDS_KEYS:
                     body.pop(key, None)
                 streams = self.api.streams if decided else self.api.configured_streams
-                body.update(ids_request(server_at(self.api.base_url), streams))
+                body.update(ids_request(self.api.server.release, streams))
             else:
                 body["return_token_ids"] = True
         if self.api.self_hosted:
@@ -466,7 +486,7 @@ class Config:
         """The config as written to run.json: no secrets (the key is only ever named, never read here)."""
         def convert(value: Any) -> Any:
             if dataclasses.is_dataclass(value):
-                return {f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)}
+                return {f.name: convert(getattr(value, f.name)) for f in key_fields(value)}
             if isinstance(value, Path):
                 return str(value)
             if isinstance(value, (list, tuple)):
@@ -597,6 +617,11 @@ def _coerce_path(value: Any, where: str) -> Path:
     return Path(value)
 
 
+def key_fields(cls: Any) -> list[dataclasses.Field[Any]]:
+    """The fields of a config table (class or instance) that are its keys (not `ApiConfig.server`)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("key", True)]
+
+
 # The plain annotations a config field may carry, each with its check.
 _SCALARS: dict[Any, Callable[[Any, str], Any]] = {bool: _coerce_bool, int: _coerce_int, float: _coerce_float,
                                                  str: _coerce_str, Path: _coerce_path}
@@ -606,7 +631,7 @@ def _build(cls: type, table: Any, where: str, file: Path) -> Any:
     if not isinstance(table, dict):
         raise ConfigError(f"{file}: [{where}] must be a table, not {table!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in key_fields(cls)}
     unknown = sorted(set(table) - set(fields))
     if unknown:
         raise ConfigError(f"{file}: unknown key {where}.{unknown[0]} (known keys: {', '.join(sorted(fields))})")
@@ -630,7 +655,7 @@ MAX_WORKERS = 1024
 
 _TABLES = {"api": ApiConfig, "budget": BudgetConfig, "tokenizer": TokenizerConfig, "output": OutputConfig,
            "engine": EngineConfig, "merge": MergeConfig, "extract": ExtractConfig, "smoke": SmokeConfig,
-           "validation": ValidationConfig}
+           "validation": ValidationConfig, "monitor": MonitorConfig}
 
 
 def _exists(path: Path) -> bool:
@@ -724,6 +749,8 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     _check_tokenizer(file, tokenizer)
     validation: ValidationConfig = parts["validation"]
     _check_validation(file, validation)
+    monitor: MonitorConfig = parts["monitor"]
+    _check_monitor(file, monitor)
     # A local tokenizer folder is resolved against the config; an HF id (org/name) stays as written.
     tok_path = tokenizer.path
     if tok_path.startswith((".", "/", "~")) or _exists(base / tok_path):
@@ -738,7 +765,7 @@ def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     return Config(
         path=file, api=api, request=request, budget=budget, tokenizer=tokenizer,
         output=dataclasses.replace(output, dir=out_dir), datasets=tuple(datasets), engine=engine,
-        merge=parts["merge"], extract=extract, smoke=parts["smoke"], validation=validation,
+        merge=parts["merge"], extract=extract, smoke=parts["smoke"], validation=validation, monitor=monitor,
     )
 
 
@@ -808,7 +835,13 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def _check_turns(file: Path, i: int, ds: DatasetConfig, table: dict[str, Any]) -> None:
-    """`max_turns` is a positive integer, for `turns = "all"` only (the other modes ask one request)."""
+    """`max_turns` is a positive integer, and it and `tool_results` are for `turns = "all"` only (the other
+    modes ask one request)."""
+    if "tool_results" in table and ds.turns != "all":
+        how = "set" if "turns" in table else "the default"
+        raise ConfigError(f"{file}: datasets[{i}].tool_results = {ds.tool_results!r} (dataset {ds.name}): says how an "
+                          f"agent line's tool results are sent with turns = \"all\", but datasets[{i}].turns is "
+                          f"{ds.turns!r} ({how}); set turns = \"all\" or remove tool_results")
     if ds.max_turns is None:
         return
     name = f"{file}: datasets[{i}].max_turns = {ds.max_turns!r} (dataset {ds.name})"
@@ -882,6 +915,19 @@ def _check_api(file: Path, api: ApiConfig) -> None:
     _positive(file, "api.generation_lookup_s", api.generation_lookup_s, allow_zero=True)
 
 
+def _check_monitor(file: Path, monitor: MonitorConfig) -> None:
+    if not monitor.metrics:
+        return
+    try:
+        host, _ = split_host_port(monitor.metrics)
+    except ValueError as e:
+        raise ConfigError(f"{file}: monitor.metrics = {monitor.metrics!r} {e}") from None
+    if not is_loopback(host) and not monitor.metrics_public:
+        raise ConfigError(f"{file}: monitor.metrics = {monitor.metrics!r} is not a loopback address: the run's "
+                          f"figures (spend, balance, providers) would be served to the network; set "
+                          f"monitor.metrics_public = true to mean it, or use \"127.0.0.1:PORT\"")
+
+
 def _check_engine(file: Path, engine: EngineConfig) -> None:
     _positive(file, "engine.max_attempts", engine.max_attempts)
     _positive(file, "engine.snapshot_hz", engine.snapshot_hz)
@@ -902,11 +948,69 @@ def _check_extract(file: Path, extract: ExtractConfig) -> None:
     _positive(file, "extract.tokens_per_s", extract.tokens_per_s, allow_zero=True)
     _positive(file, "extract.min_free_gb", extract.min_free_gb, allow_zero=True)
     _check_extract_format(file, extract)
-    if isinstance(extract.aux_layers, str) and extract.aux_layers != "eagle3":
-        raise ConfigError(f"{file}: extract.aux_layers must be \"eagle3\" or a list of 3 layer ids, "
-                          f"not {extract.aux_layers!r}")
-    if isinstance(extract.aux_layers, list) and len(extract.aux_layers) != 3:
-        raise ConfigError(f"{file}: extract.aux_layers must list exactly 3 layer ids, not {extract.aux_layers!r}")
+    _check_aux_layers(file, extract.aux_layers)
+    _check_max_disk(file, extract.max_disk_gb)
+    for key in sorted(extract.sglang):
+        if _speculative_key(key):
+            raise ConfigError(
+                f"{file}: extract.sglang.{key} is refused: "
+                + ("it turns on speculative decoding" if key.replace("-", "_") == "speculative_algorithm"
+                   else "it configures speculative decoding")
+                + ", and with it on SGLang returns hidden states that belong to the draft tokens it verified, "
+                "not to the sample's own tokens (sglang#26163): the files would train on wrong features. "
+                "Capture runs without it; remove the key from [extract.sglang]")
+
+
+# [extract.sglang] keys of SGLang 0.5.14's ServerArgs that turn speculative decoding on or configure it: its
+# "Speculative decoding" sections (every `speculative_*` field and enable_multi_layer_eagle) and the two draft
+# fields outside them (tests/extract/test_layer_sets_contract.py checks them against the pinned source).
+SPECULATIVE_KEYS = frozenset({"enable_multi_layer_eagle", "enable_draft_weights_cpu_backup",
+                              "decrypted_draft_config_file"})
+
+
+def _speculative_key(key: str) -> bool:
+    name = key.replace("-", "_")
+    return name.startswith("speculative_") or name in SPECULATIVE_KEYS
+
+
+# The named layer sets `[extract] aux_layers` takes (placed from the model's N by
+# extract/model_info.resolve_aux_layers), read from SpecForge 0.2.0: P-EAGLE resolves its capture layers
+# as EAGLE-3 does (algorithms/peagle/providers.py -> resolve_eagle_capture_layers); DSpark's draft is a
+# DFlash draft (DSparkDraftModel(DFlashDraftModel)), whose target_layer_ids default to
+# build_target_layer_ids(num_target_layers, K) as DFlash's do.
+LAYER_SET_NAMES = ("eagle3", "peagle", "dflash:K", "dspark:K")
+
+
+def parse_layer_set(aux_layers: str) -> tuple[str, int]:
+    """("eagle3" | "peagle", 3) or ("dflash" | "dspark", K) from a named set; ValueError naming what is wrong."""
+    if aux_layers in ("eagle3", "peagle"):
+        return aux_layers, 3
+    name, colon, count = aux_layers.partition(":")
+    if name in ("dflash", "dspark") and colon and count.isdigit() and int(count) >= 1:
+        return name, int(count)
+    raise ValueError(f"extract.aux_layers must be a list of layer ids or one of {', '.join(LAYER_SET_NAMES)} "
+                     f"(K: how many layers, e.g. \"dflash:5\"), not {aux_layers!r}")
+
+
+def _check_aux_layers(file: Path, aux_layers: str | list[int]) -> None:
+    """A named set (model_info.LAYER_SET_NAMES) or a non-empty, strictly ascending list of layer ids >= 0;
+    the model's N bounds them when it is read (model_info.resolve_aux_layers)."""
+    if isinstance(aux_layers, str):
+        try:
+            parse_layer_set(aux_layers)
+        except ValueError as e:
+            raise ConfigError(f"{file}: {e}") from None
+        return
+    if not aux_layers:
+        raise ConfigError(f"{file}: extract.aux_layers lists no layer id (give some, or a named set: \"eagle3\", "
+                          f"\"dflash:5\")")
+    if any(isinstance(k, bool) or k < 0 for k in aux_layers) or list(aux_layers) != sorted(set(aux_layers)):
+        raise ConfigError(f"{file}: extract.aux_layers {aux_layers!r}: the layer ids must be strictly ascending and "
+                          f">= 0 (SGLang concatenates captured layers in model order)")
+
+
+def _check_max_disk(file: Path, max_disk_gb: float) -> None:
+    _positive(file, "extract.max_disk_gb", max_disk_gb, allow_zero=True)
 
 
 def _check_extract_format(file: Path, extract: ExtractConfig) -> None:

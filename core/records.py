@@ -39,6 +39,17 @@
     reasoning_details     list | null, OpenRouter's structured reasoning as returned (a stream's pieces
                           joined): what the next turn passes back unmodified
 
+  A step of an agent line (OpenAI layout with `tools` or tool calls: each assistant message one step, `turn`
+  its number, docs/multi-turn.md) adds:
+
+    tools                 list | null, the line's `tools` as the request sent them (present on every agent step)
+    tool_results          "matched" | "replayed" | absent: `messages` carries the dataset's tool results spliced
+                          after the target's own calls (under the target's call ids); "replayed" when one of
+                          them followed calls that were not the dataset's (tool_results = "replay")
+    diverged              true | absent: this answer is not the dataset's next move (other calls, a call where
+                          the dataset answered, an answer where it called): the answer is a sample, the
+                          conversation ends here
+
 `<dataset>/failures.jsonl` — one prompt that failed for good per line:
 
     id, messages, error_kind (an ErrorKind value), status (HTTP status or null), message, attempts, ts
@@ -69,6 +80,8 @@
     history_spans             list[[start, end]], earlier assistant turns in the prompt, from the <think>
                               after their header through their <|im_end|> (absent when there are none,
                               or the prompt is the server's and differs from the rendering)
+    tool_calls                int, the tool calls in the answer (absent when it made none): the
+                              report counts answers calling tools, and `tool_call_ids` applies
 """
 
 from __future__ import annotations
@@ -79,6 +92,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
+
+import orjson
 
 
 class ErrorKind(StrEnum):
@@ -198,17 +213,96 @@ class Usage:
                    count_of(raw.get("reasoning_tokens")), cost_of(raw.get("cost")))
 
 
+def own_calls(tool_calls: Any) -> list[tuple[str, Any]] | None:
+    """An answer's `tool_calls` as (name, arguments parsed as JSON) in order ([] when it called none), None
+    when one of them names no function."""
+    out = []
+    for call in tool_calls or ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(name := fn.get("name"), str) or not name:
+            return None
+        out.append((name, parsed_arguments(fn.get("arguments"))))
+    return out
+
+
+def parsed_arguments(raw: Any) -> Any:
+    """A call's `arguments` as compared: a JSON string parsed (the text itself when it is not JSON), an
+    object as it is ("" and null: an empty object)."""
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, str):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return raw
+    return raw
+
+
+def same_calls(a: list[tuple[str, Any]] | None, b: list[tuple[str, Any]] | None) -> bool:
+    """The same calls: the same names in order, arguments equal as JSON (keys in any order; 1 is not 1.0)."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    return all(x[0] == y[0] and orjson.dumps(x[1], option=orjson.OPT_SORT_KEYS) ==
+               orjson.dumps(y[1], option=orjson.OPT_SORT_KEYS) for x, y in zip(a, b, strict=True))
+
+
+def broken_answer(content: str, finish_reason: str | None, tool_calls: Any, *, agent: bool = False) -> str:
+    """Why an answer cannot be the history of a later turn of its conversation ("" when it can;
+    core/generate/loop/conversations.py). A step of an agent line may call tools (each call with an id,
+    that its result is sent under)."""
+    if finish_reason == "length":
+        return "cut at max_tokens"
+    if finish_reason in ("content_filter", "error"):  # a partial answer: nothing is asked on it
+        return f"ended by {finish_reason}"
+    if tool_calls:
+        if not agent:
+            return "answered with tool calls"
+        if own_calls(tool_calls) is None or not all(isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"]
+                                                    for c in tool_calls):
+            return "a tool call with no name or id"
+        return ""
+    if not content.strip():
+        return "empty answer"
+    return ""
+
+
 @dataclass(slots=True)
 class TurnFields:
-    """Which turn of which conversation a record is (the fields documented above)."""
+    """Which turn of which conversation a record is (the fields documented above); an agent line's step
+    also what it sent (`tools`, `tool_results`) and what its answer is judged on (`expect`, not written)."""
     conversation: str
     turn: int
     turns: int
     prompt_hash: str
+    agent: bool = False                        # a step of an agent line: `tools` is written (null when none)
+    tools: list[Any] | None = None             # the tools the request sends
+    tool_results: str | None = None            # "matched" / "replayed": the history carries spliced results
+    # The dataset's calls at this step when a later step follows (None: not judged, the last step), and
+    # whether its results are replayed whatever the target calls (tool_results = "replay").
+    expect: list[tuple[str, Any]] | None = None
+    replay: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"conversation": self.conversation, "turn": self.turn, "turns": self.turns,
+        line = {"conversation": self.conversation, "turn": self.turn, "turns": self.turns,
                 "prompt_hash": self.prompt_hash}
+        if self.agent:
+            line["tools"] = self.tools
+            if self.tool_results:
+                line["tool_results"] = self.tool_results
+        return line
+
+    def diverges(self, tool_calls: Any) -> bool:
+        """An answer with these calls is not the dataset's next move, so nothing more is asked on it: other
+        calls than the dataset's (with "replay": another number of calls), a call where the dataset answered,
+        an answer where it called. False for a step not judged (the last, or not an agent line's)."""
+        if self.expect is None:
+            return False
+        got = own_calls(tool_calls)
+        if got is None:
+            return True
+        if self.replay:
+            return len(got) != len(self.expect)
+        return not same_calls(got, self.expect)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TurnFields | None:

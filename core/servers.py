@@ -16,7 +16,7 @@ answers differently (read from the released wheels; tests/servers/test_server_co
 
 The server and its release are asked once at run start (`GET /version` answers vLLM's; SGLang's
 `GET /server_info` or, in every release named here, `GET /get_server_info` carries `version`), and
-noted per base_url like the server's kind (core/config.py `note_server_kind`). An unknown server is
+noted in the run's `ServerProfile` beside the server's kind. An unknown server is
 asked the vLLM way, which every server named here takes non-streamed; what does not come back is
 counted in the run (`no_ids`), never silently missing.
 """
@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+# "openrouter" (account endpoints, usage.cost, routing, generation records) or "openai-compatible"
+# (SGLang, vLLM, transformers serve: none of those); [api] kind "auto" is one of them once the server answered.
+ServerKind = Literal["openrouter", "openai-compatible"]
 VLLM = "vllm"
 SGLANG = "sglang"
 # Request keys that ask for ids, whichever server: left out of the request shape the smoke test
@@ -106,36 +109,41 @@ def ids_request(server: Server | None, streamed: bool) -> dict[str, Any]:
     return server.ids_request(streamed) if server is not None else {"return_token_ids": True}
 
 
-# What each base_url's server said it is, once per process (set at run start, before any request).
-_SERVERS: dict[str, Server | None] = {}
+class ServerProfile:
+    """What one run found of the server at its [api] base_url: its kind (GET /key answered, or 404), its
+    release (GET /version, /server_info), the streaming mode its smoke test decided. Each run's config
+    carries its own (`ApiConfig.server`, made fresh by every load), filled in at the run's start, before
+    any request: two runs in one process, or a server restarted on the same address as another kind,
+    never share what was found. Read through `ApiConfig` (`server_kind`, `streams`) and `Config.request_body`.
+
+    `epoch` counts the notes: a request body built before a note may be out of date (loop/room.py keeps
+    one per dataset rather than rebuilding it per prompt)."""
+
+    __slots__ = ("kind", "release", "asked", "stream", "epoch")
+
+    def __init__(self) -> None:
+        self.kind: ServerKind | None = None  # None: not known yet (`ApiConfig.server_kind` says openrouter)
+        self.release: Server | None = None   # None: not asked, or it named no release (see `asked`)
+        self.asked = False                   # whether the server was asked which release it is
+        self.stream: bool | None = None      # the mode a smoke test decided (None: none decided)
+        self.epoch = 0
+
+    def note_kind(self, kind: ServerKind) -> None:
+        self.kind = kind
+        self.epoch += 1
+
+    def note_release(self, server: Server | None) -> None:
+        self.release, self.asked = server, True
+        self.epoch += 1
+
+    def note_stream(self, streams: bool | None) -> None:
+        """Record (or, with None, forget) the streaming mode a smoke test decided for this server."""
+        self.stream = streams
+        self.epoch += 1
 
 
-_NOTED = 0  # how many times a server was noted: a request body built before may be out of date
-
-
-def note_server(base_url: str, server: Server | None) -> None:
-    global _NOTED
-    _SERVERS[base_url] = server
-    _NOTED += 1
-
-
-def servers_noted() -> int:
-    """A count that changes each time a server is noted (config.py `body_epoch`)."""
-    return _NOTED
-
-
-def server_at(base_url: str) -> Server | None:
-    return _SERVERS.get(base_url)
-
-
-def server_noted(base_url: str) -> bool:
-    """Whether the server at `base_url` was asked what it is (in this process)."""
-    return base_url in _SERVERS
-
-
-def ids_plan(base_url: str, streamed: bool) -> tuple[bool, str]:
+def ids_plan(server: Server | None, base_url: str, streamed: bool) -> tuple[bool, str]:
     """(whether ids are asked, a sentence saying how or why not) for the run's events."""
-    server = server_at(base_url)
     mode = "streamed" if streamed else "non-streamed"
     if server is None:
         return True, (f"the server at {base_url} names no release (GET /version, /server_info): its token ids are "
@@ -146,9 +154,8 @@ def ids_plan(base_url: str, streamed: bool) -> tuple[bool, str]:
     return True, f"{server.label} at {base_url}: token ids asked with {', '.join(keys)} ({mode})"
 
 
-def missing_ids_message(base_url: str, streamed: bool) -> str:
+def missing_ids_message(server: Server | None, base_url: str, streamed: bool) -> str:
     """What an answer without the ids asked for means, and the fix."""
-    server = server_at(base_url)
     if server is not None and (reason := server.no_ids_reason(streamed)):
         return f"answers come without token ids: {reason}"
     who = server.label if server is not None else f"the server at {base_url}"

@@ -97,8 +97,10 @@ def detail_lines(s: snap.RunSnapshot) -> list[str]:
     t, c = s.throughput, s.credits
     out = []
     for d in _active(s):
+        agent = (f", {d.tool_calls:,} tool calls, {d.diverged:,} diverged" + (
+            f", {d.replayed:,} replayed" if d.replayed else "")) if d.tool_calls or d.diverged or d.replayed else ""
         turns = (f" turns ({d.conversations_done:,}/{d.conversations:,} conversations done, "
-                 f"{d.conversations_ended:,} ended early)") if d.conversations else ""
+                 f"{d.conversations_ended:,} ended early{agent})") if d.conversations else ""
         out.append(_fit(f"{INDENT}{d.name}: {d.status} {d.done:,}/{d.total:,}{turns} answered, {d.failed:,} failed, "
                         f"{d.skipped:,} skipped, {d.in_flight:,} in flight (limit {d.effective_concurrency:,}/"
                         f"{d.concurrency:,}), {usd(d.cost_usd)}"))
@@ -263,7 +265,8 @@ class _Signals:
 # The info events the printer shows (every warning and error is shown).
 MILESTONES = frozenset({snap.EventKind.SMOKE, snap.EventKind.DATASET_START, snap.EventKind.DATASET_DONE,
                         snap.EventKind.RUN_DONE, snap.EventKind.SMOKE_DONE, snap.EventKind.MERGE_DONE,
-                        snap.EventKind.EXTRACT_DONE, snap.EventKind.BUDGET, snap.EventKind.TOKENS_DONE})
+                        snap.EventKind.EXTRACT_DONE, snap.EventKind.BUDGET, snap.EventKind.TOKENS_DONE,
+                        snap.EventKind.METRICS})
 
 
 async def _print_updates(sub: Subscription, say: Callable[[str], None], interval_s: float) -> None:

@@ -37,6 +37,7 @@ from draftgen.simulator.prompt import prompt_token_count
 from draftgen.simulator.routing import NoEndpoints, candidates, choose
 from draftgen.simulator.scenarios import Active, Scenarios
 from draftgen.simulator.stats import Sent, SimStats
+from draftgen.simulator.tools import calls_ids, tool_calls
 
 # The generation a request started, so that a stream the client aborts is billed up to there.
 GENERATION = web.RequestKey("draftgen_sim_generation", Generation)   # started: billed
@@ -219,7 +220,7 @@ class Completions:
         if cfg.sent_log_size:
             if self.sent.maxlen != cfg.sent_log_size:
                 self.sent = deque(self.sent, maxlen=cfg.sent_log_size)
-            self.sent.append(Sent(ask.seq, ask.messages, ask.n_prompt))
+            self.sent.append(Sent(ask.seq, ask.messages, ask.n_prompt, ask.body.get("tools")))
 
     def _first(self, ask: _Ask, stage: tuple[str, ...]) -> Active | None:
         """The first scenario of `stage` this try draws (None without scenarios)."""
@@ -249,7 +250,7 @@ class Completions:
             return responses.error(400, f"max_tokens_exceeded: max_tokens ({max_tokens}) is more than any "
                                         f"allowed endpoint accepts ({limit})", {"code": "max_tokens_exceeded"})
         n_prompt = self._memo.prompt_tokens(ask.key, ask.messages, cfg.default_system,
-                                            "history_reasoning" in cfg.misbehave)
+                                            "history_reasoning" in cfg.misbehave, ask.body.get("tools"))
         if provider.token_skew:  # another tokenizer behind this endpoint: it bills other counts
             n_prompt = max(1, round(n_prompt * (1 + provider.token_skew)))
         ask.n_prompt = n_prompt
@@ -316,6 +317,11 @@ class Completions:
         # A provider past max_tokens generates (and bills) more than the request allows.
         completion = pool.complete(answer, cap + over if cap is not None and over else cap, think)
         billed_tokens = completion.completion_tokens
+        # `tools` sent: the step's planned calls (tools.py) instead of the content, when the answer was not cut.
+        calls = tool_calls(ask.messages, ask.body.get("tools")) if completion.finish_reason == "stop" else []
+        call_ids = calls_ids(answer_tokenizer(), calls) if calls else []
+        if calls:
+            billed_tokens = completion.n_reasoning + completion.think_end + len(call_ids) + 1
         if draws[4] < cfg.tokens_drift:
             billed_tokens = max(1, billed_tokens + (1 if draws[5] < 0.5 else -1))
         if provider.token_skew:
@@ -337,7 +343,7 @@ class Completions:
                            think and show, cfg.reasoning_field,
                            ask.body.get("return_token_ids") is True and not cfg.ignore_token_ids,
                            wire.usage(ask.n_prompt, billed_tokens, completion.n_reasoning, gen.full_cost),
-                           cfg.stream_chunk_tokens, echo, hostile)
+                           cfg.stream_chunk_tokens, echo, hostile, tuple(calls), tuple(call_ids))
         return gen, reply
 
     async def _midstream_error(self, request: web.Request, cfg: SimConfig, upstream: Active, gen: Generation,
@@ -422,14 +428,16 @@ class Memo:
     def forget_routes(self) -> None:
         self._route_cache.clear()
 
-    def prompt_tokens(self, key: str, messages: list[Any], system: str | None, history_reasoning: bool = False) -> int:
-        # Memoised per prompt: retries and repeated prompts are not tokenized again.
-        found = self._prompt_cache.get((key, system, history_reasoning))
+    def prompt_tokens(self, key: str, messages: list[Any], system: str | None, history_reasoning: bool = False,
+                      tools: Any = None) -> int:
+        # Memoised per prompt (and its tools): retries and repeated prompts are not tokenized again.
+        memo = (key + hashlib.sha1(orjson.dumps(tools)).hexdigest() if tools else key, system, history_reasoning)
+        found = self._prompt_cache.get(memo)
         if found is None:
             if len(self._prompt_cache) > 65536:
                 self._prompt_cache.clear()
-            found = self._prompt_cache[(key, system, history_reasoning)] = prompt_token_count(
-                answer_tokenizer(), messages, system, keep_history_reasoning=history_reasoning)
+            found = self._prompt_cache[memo] = prompt_token_count(
+                answer_tokenizer(), messages, system, keep_history_reasoning=history_reasoning, tools=tools)
         return found
 
     def routes(self, cfg: SimConfig, prefs: Any, model: str) -> list[SimProvider] | NoEndpoints:

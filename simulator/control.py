@@ -13,20 +13,39 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
 
 from draftgen.simulator import responses
-from draftgen.simulator.config import SimulatorError
-from draftgen.simulator.scenarios import SCENARIOS
+from draftgen.simulator.account import Account
+from draftgen.simulator.config import SimConfig, SimulatorError
+from draftgen.simulator.scenarios import SCENARIOS, Scenarios
+from draftgen.simulator.stats import Sent, SimStats
 
-if TYPE_CHECKING:
-    from draftgen.simulator.server import SimServer
+
+class _Sim(Protocol):
+    """What the control endpoints read and change of one simulator (server.py `SimServer`, which adds
+    these routes: this module stays below it)."""
+
+    scenarios: Scenarios
+    account: Account
+
+    @property
+    def config(self) -> SimConfig: ...
+    @property
+    def stats(self) -> SimStats: ...
+    @property
+    def sent(self) -> tuple[Sent, ...]: ...
+    @property
+    def balance(self) -> float: ...
+    def update(self, **changes: Any) -> SimConfig: ...
+    def set_balance(self, usd: float) -> None: ...
+    def scenario(self, name: str, on: bool = True, **params: Any) -> None: ...
 
 
-def add_routes(app: web.Application, sim: SimServer) -> None:
+def add_routes(app: web.Application, sim: _Sim) -> None:
     control = _Control(sim)
     app.router.add_get("/_sim/stats", control.stats)
     app.router.add_get("/_sim/config", control.get_config)
@@ -39,7 +58,7 @@ def add_routes(app: web.Application, sim: SimServer) -> None:
 class _Control:
     """The handlers of the control endpoints, on one simulator."""
 
-    def __init__(self, sim: SimServer) -> None:
+    def __init__(self, sim: _Sim) -> None:
         self.sim = sim
 
     async def stats(self, request: web.Request) -> web.Response:

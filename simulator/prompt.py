@@ -2,7 +2,8 @@
 
 Written here from the template's structure (roles, `<|im_middle|>`, history turns with empty
 `<think></think>` whatever reasoning keys they carry, so a multi-turn request's count is exact against
-the Kimi-K2.5 rendering of its history, tool results as `## Return of {id}`, the generation prompt ending in `<think>`),
+the Kimi-K2.5 rendering of its history, tool results as `## Return of {id}`, a request's tools declared, the
+generation prompt ending in `<think>`),
 not taken from draftgen's own renderer, so the prompt check compares two renderings. `system` is the
 system turn the simulated server puts in front of a conversation that has none: None (Kimi-K2.5's
 template adds none), or a text to make a server that renders another prompt than the run does.
@@ -35,12 +36,17 @@ def _kept_reasoning(m: dict[str, Any]) -> str:
 
 
 def prompt_token_count(tok: AnswerTokenizer, messages: list[Any], system: str | None = None, *,
-                       keep_history_reasoning: bool = False) -> int:
+                       keep_history_reasoning: bool = False, tools: Any = None) -> int:
     """Tokens of the rendered prompt, generation prompt (`<|im_assistant|>assistant<|im_middle|><think>`)
     included; non-dict messages count as nothing (the request was accepted as sent).
     `keep_history_reasoning`: render every earlier assistant turn's reasoning (another template's history
-    rule, the misbehaviour "history_reasoning")."""
+    rule, the misbehaviour "history_reasoning"). `tools` (the request's): declared first, as the template
+    does, `<|im_system|>tool_declare<|im_middle|>` and the tools as compact JSON, then `<|im_end|>`."""
     msgs = [m for m in messages if isinstance(m, dict)]
+    declared = 0
+    if tools:
+        text = json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
+        declared = 3 + len(tok.encode_text("tool_declare")) + len(tok.encode_text(text))
     if system is not None and not (msgs and msgs[0].get("role") == "system"):
         msgs = [{"role": "system", "content": system}, *msgs]
     last_plain = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant" and not m.get("tool_calls")),
@@ -67,4 +73,4 @@ def prompt_token_count(tok: AnswerTokenizer, messages: list[Any], system: str | 
         else:
             n += len(tok.encode_text(body))
         n += 1  # <|im_end|>
-    return n + 2 + len(tok.encode_text("assistant")) + 1  # generation prompt, with its <think>
+    return declared + n + 2 + len(tok.encode_text("assistant")) + 1  # generation prompt, with its <think>

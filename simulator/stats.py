@@ -27,9 +27,10 @@ class Sent:
     seq: int              # the chat request's number, from 1
     messages: Any         # the body's `messages`, as sent
     prompt_tokens: int    # usage.prompt_tokens it counted (0: refused before the prompt was counted)
+    tools: Any = None     # the body's `tools`, as sent (None when it sent none)
 
     def to_json(self) -> dict[str, Any]:
-        return {"seq": self.seq, "messages": self.messages, "prompt_tokens": self.prompt_tokens}
+        return {"seq": self.seq, "messages": self.messages, "prompt_tokens": self.prompt_tokens, "tools": self.tools}
 
 
 @dataclass

@@ -70,6 +70,21 @@ class Reply:
     chunk_tokens: int = TOKENS_PER_CHUNK  # tokens per SSE delta of a streamed answer
     echo: str = ""  # SimConfig.echo_key_fields: the caller's key, quoted in a mid-stream error too
     hostile: str = ""  # SimConfig.hostile_text: before the content and reasoning, in a mid-stream error too
+    # The answer's calls when the request sent `tools` (tools.py): `content` "" and finish_reason "tool_calls".
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_ids: tuple[int, ...] = ()  # their token ids (tools.py calls_ids), in place of the content's
+
+    @property
+    def ids(self) -> list[int]:
+        """Every generated token, specials included: the answer's, its calls in place of its content."""
+        c = self.completion
+        if not self.tool_calls:
+            return c.ids
+        return [*c.answer.reasoning_ids[: c.n_reasoning], c.think_end_id, *self.tool_ids, c.im_end_id]
+
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.tool_calls else self.completion.finish_reason
 
     def prefix(self, obj: str) -> bytes:
         """`{"id":..,"provider":..,"model":..,"object":..,"created":..,"choices":[` """
@@ -79,7 +94,7 @@ class Reply:
 
     def cache_key(self, kind: str) -> tuple[Any, ...] | None:
         c = self.completion
-        if c.finish_reason != "stop":  # cut answers vary with max_tokens: not cached
+        if c.finish_reason != "stop" or self.tool_calls:  # cut answers vary with max_tokens, calls with the request
             return None
         return (kind, c.answer, c.think, self.show_reasoning, self.reasoning_field, self.token_ids,
                 self.chunk_tokens, self.hostile)
@@ -93,7 +108,10 @@ def _reasoning_fields(text: str, field: str) -> dict[str, Any]:
 
 
 def _message(r: Reply, content: str) -> bytes:
-    message: dict[str, Any] = {"role": "assistant", "content": r.hostile + content, "refusal": None}
+    message: dict[str, Any] = {"role": "assistant", "content": r.hostile + ("" if r.tool_calls else content),
+                               "refusal": None}
+    if r.tool_calls:
+        message["tool_calls"] = list(r.tool_calls)
     if r.show_reasoning:
         message.update(_reasoning_fields(r.hostile + r.completion.reasoning, r.reasoning_field))
     else:
@@ -111,13 +129,13 @@ def completion_json(r: Reply, cache: FragmentCache | None = None, finish_reason:
         message = _message(r, c.content if content is None else content)
         if cache is not None and key is not None:
             cache[key] = message
-    fr = orjson.dumps(finish_reason or c.finish_reason)
+    fr = orjson.dumps(finish_reason or r.finish_reason)
     parts = [r.prefix("chat.completion"), b'{"index":0,"finish_reason":', fr, b',"native_finish_reason":', fr,
              b',"logprobs":null,"message":', message]
     if error is not None:
         parts += [b',"error":', orjson.dumps(error)]
     if r.token_ids:
-        parts += [b',"token_ids":', orjson.dumps(c.ids)]
+        parts += [b',"token_ids":', orjson.dumps(r.ids)]
     parts += [b'}],"usage":', orjson.dumps(r.usage), b"}"]
     return b"".join(parts)
 
@@ -159,7 +177,16 @@ def _delta_choices(r: Reply) -> list[bytes]:
         if r.show_reasoning:
             delta.update(_reasoning_fields(text, r.reasoning_field))
         out.append(_choice(delta, ids if with_ids else None))
-    if c.think_end:  # the content part begins with `</think>`
+    if r.tool_calls and c.think_end:  # the calls, each its id and name first, then its arguments
+        for i, call in enumerate(r.tool_calls):
+            fn = call["function"]
+            ids = [c.think_end_id, *r.tool_ids] if i == 0 else []  # `</think>` and every call's ids come first
+            out.append(_choice({"role": "assistant", "content": "", "tool_calls": [
+                {"index": i, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}]},
+                ids if with_ids else None))
+            out.append(_choice({"role": "assistant", "content": "", "tool_calls": [
+                {"index": i, "function": {"arguments": fn["arguments"]}}]}, [] if with_ids else None))
+    elif c.think_end:  # the content part begins with `</think>`
         pending = [c.think_end_id]
         for text, ids in _pieces(a.content_bytes, a.content_ends, a.content_ids, c.n_content, r.chunk_tokens):
             out.append(_choice({"role": "assistant", "content": text}, pending + ids if with_ids else None))
@@ -190,7 +217,7 @@ def final_frame(r: Reply, finish_reason: str | None = None, error: dict[str, Any
                 with_usage: bool = True) -> bytes:
     c = r.completion
     ids = ([c.im_end_id] if c.im_end else []) if r.token_ids else None
-    choice = _choice({"role": "assistant", "content": ""}, ids, finish_reason or c.finish_reason)
+    choice = _choice({"role": "assistant", "content": ""}, ids, finish_reason or r.finish_reason)
     if error is not None:
         choice = choice[:-1] + b',"error":' + orjson.dumps(error) + b"}"
     return _frame(r, choice, usage=r.usage) if with_usage else _frame(r, choice)

@@ -29,20 +29,6 @@ if runtime.loop_factory() is not None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-@pytest.fixture(autouse=True)
-def no_server_noted_before() -> Iterator[None]:
-    """What a process notes of the servers it met (the kind detected, the release that gives ids, the mode a
-    smoke test decided) is per process and keyed by address: a later test on a reused port must not
-    inherit an earlier test's server."""
-    from draftgen.core import config, servers
-    tables = (config._DETECTED, config._STREAM_DECIDED, servers._SERVERS)
-    for table in tables:
-        table.clear()
-    yield
-    for table in tables:
-        table.clear()
-
-
 @pytest.fixture
 def utc() -> Iterator[None]:
     """Event times are wall-clock: pin the zone so rendered texts compare the same everywhere."""

@@ -7,7 +7,10 @@ import io
 import orjson
 import pytest
 
+from draftgen.core import provenance
+from draftgen.core.config import load_config
 from draftgen.core.extract import load_sample
+from draftgen.core.extract.readback import check_command
 from draftgen.core.tokens.store import TokenReader
 from draftgen.tui.demo import DEMO_KEY, run_demo
 from tests.extract.test_specforge_release import check_run_with_specforge
@@ -36,6 +39,14 @@ async def test_demo_headless_end_to_end(tmp_path, specforge_tree):
     # SpecForge's released reader, loader and EAGLE-3 normaliser accept every file and row the demo wrote
     # (the multi-turn dataset's samples, one per turn, with their hidden states, among them).
     got = check_run_with_specforge(run, specforge_tree)
+    # `draftgen check` reads every file back by SpecForge's rules against merged/tokens: all good; and
+    # provenance.json says what made merged/, the hidden states and the hand-off.
+    checked = io.StringIO()
+    assert check_command(load_config(tmp_path / "draftgen.toml"), out=checked) == 0, checked.getvalue()
+    assert f"checked {len(train):,} files" in checked.getvalue() and ", 0 bad," in checked.getvalue()
+    assert set(provenance.read(run / "merged")) == {"merge"}
+    assert set(provenance.read(run / "hidden_states")) == {"extract", "train-command"}
+    assert DEMO_KEY not in (run / "hidden_states" / "provenance.json").read_text()
     rows = [orjson.loads(line) for line in train]
     dialogue = check_multi_turn_demo(run, rows, tokens)
     read = {n for n, row in enumerate(rows) if row["id"].startswith("dialogue/")}

@@ -17,7 +17,7 @@ class ExtractBackend(Protocol):
     """Runs the target model over a batch of token sequences (prefill only).
 
     `run` gets unpadded int64 id arrays and returns, per sample and in the same order,
-    `(hidden [T, H], aux [T, 3H])` on the CPU with exactly that sample's T rows: `hidden` is the
+    `(hidden [T, H], aux [T, K·H])` on the CPU with exactly that sample's T rows: `hidden` is the
     last layer after the final norm, `aux` the configured layer outputs concatenated. Any float
     dtype; the writer stores bf16.
     """
@@ -32,7 +32,7 @@ class ExtractBackend(Protocol):
     def close(self) -> None: ...
 
 
-def make_backend(cfg: ExtractConfig, dims: ModelDims, layers: tuple[int, int, int], *, group: object = None,
+def make_backend(cfg: ExtractConfig, dims: ModelDims, layers: tuple[int, ...], *, group: object = None,
                  max_forward_tokens: int = 0, max_samples: int = 0, config_path: object = "config",
                  mem_fraction_static: float = 0.0) -> ExtractBackend:
     """The backend `cfg` names; for "specforge", `group` is the TorchrunGroup, the two maxima size SGLang's pools and

@@ -41,12 +41,12 @@ def needs_child(backend_name: str, backend: object, group: object, env: Mapping[
 
 
 def _child(target: Callable[..., Any], config: Config, shard: tuple[int, int], out: Any, stop: Any,
-           on_other_merge: str) -> None:
+           on_other_merge: str, validate: bool = False) -> None:
     """The child's side: the whole extraction (`target`, runner.extract: passed in, so that this module and
     the runner do not import each other), its progress and its end sent on `out`."""
     try:
         stats = target(config, shard=shard, progress=lambda p: out.put(("progress", p)), stop=stop, in_child=True,
-                       on_other_merge=on_other_merge)
+                       on_other_merge=on_other_merge, validate=validate)
         out.put(("done", stats))
     except DraftgenError as e:
         out.put(("error", f"{type(e).__module__}:{type(e).__qualname__}", str(e)))
@@ -76,13 +76,13 @@ def _raise(kind: str, message: str) -> None:
 def extract_in_child(config: Config, *, shard: tuple[int, int] = (0, 1),
                      progress: Callable[[StageProgress], None] | None = None,
                      stop: threading.Event | None = None, on_other_merge: str = "refuse",
-                     target: Callable[..., Any]) -> Any:
+                     target: Callable[..., Any], validate: bool = False) -> Any:
     """`target(config, ...)` (runner.extract, which passes itself) in a spawned process; its ExtractStats, or
     its DraftgenError raised here."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     child_stop = ctx.Event()
-    proc = ctx.Process(target=_child, args=(target, config, shard, out, child_stop, on_other_merge),
+    proc = ctx.Process(target=_child, args=(target, config, shard, out, child_stop, on_other_merge, validate),
                        name="draftgen-extract", daemon=True)
     proc.start()
     try:

@@ -98,12 +98,14 @@ def plan_command(config: Config, shard: str | None, *, out: TextIO | None = None
 
 
 def extract_command(config: Config, shard: str | None, *, out: TextIO | None = None, nvml: Any = None,
-                    disk_watch: Any = None, on_other_merge: str = "refuse") -> int:
+                    disk_watch: Any = None, on_other_merge: str = "refuse", validate: bool = False) -> int:
     """Print the plan, run extraction, print a progress line every few seconds and a summary; 0 when it finished.
 
     Nothing left to do: says so and returns 0 without importing torch or reading the model.
     hidden_states/ of another merge than merged/ (core/extract/claim.py): refused before anything is
     planned, unless `on_other_merge` is "start_over" (`--start-over`) or "set_aside" (`--set-aside`).
+    `validate` (`--validate`): every file is read back first (core/extract/readback.py) and the bad ones
+    are extracted again, even when no file is missing.
     DraftgenError (bad config, no merged tokens, not enough disk, backend missing) propagates to
     the CLI boundary, which prints it without a traceback.
     """
@@ -122,7 +124,8 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
         for line in format_plan(plan):
             print(line, file=stream, flush=True)
         print(_standing_line(standing, hidden, on_other_merge), file=stream, flush=True)
-    if _nothing_left(config, plan, standing, rank0):
+    if not validate and (_nothing_left(config, plan, standing, rank0)
+                         or _budget_spent(config, plan, standing, rank0, stream)):
         return 0
     if plan.gpu is not None and plan.gpu.refusal:  # before any weight loads
         raise DraftgenError(plan.gpu.refusal)
@@ -147,7 +150,7 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
             print(f"warning: not serving attach: {publisher.error}", file=stream, flush=True)
         try:
             stats = extract(config, shard=parsed, progress=show, disk_watch=disk_watch,
-                            on_other_merge=on_other_merge)
+                            on_other_merge=on_other_merge, validate=validate)
         except BaseException as e:
             if publisher is not None:
                 publisher.finish(Level.ERROR, f"extraction failed: {e}")
@@ -185,6 +188,18 @@ def _nothing_left(config: Config, plan: Any, standing: Any, rank0: bool) -> bool
     return True
 
 
+def _budget_spent(config: Config, plan: Any, standing: Any, rank0: bool, stream: TextIO) -> bool:
+    """extract.max_disk_gb holds no more sample of those left: says so (rank 0); nothing is loaded."""
+    if not (plan.max_disk_bytes and not plan.budget_fits and plan.budget_left and standing.usable):
+        return False
+    if rank0:
+        print(f"extract: nothing extracted: extract.max_disk_gb = {config.extract.max_disk_gb:g} is spent "
+              f"({fmt_bytes(plan.budget_used)} written); {plan.budget_left:,} samples (~"
+              f"{fmt_bytes(plan.budget_left_bytes)}) are left: raise extract.max_disk_gb and run "
+              f"`draftgen extract {sh_path(config.path)}` again", file=stream, flush=True)
+    return True
+
+
 def _runner_extract() -> Any:
     """runner.extract, or a DraftgenError saying how to install torch when it is missing."""
     try:
@@ -204,18 +219,29 @@ def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: 
           f"({fmt_count(stats.tokens_written)} tokens, {fmt_bytes(stats.bytes_written)}, "
           f"{stats.tokens_per_s:,.0f} tok/s), {stats.skipped_existing:,} already there, "
           f"{stats.nan_samples:,} with NaN not written; model {stats.model} (N={stats.num_layers}, "
-          f"H={stats.hidden_size}), aux layers {list(stats.layers)}, {stats.backend}, "
+          f"H={stats.hidden_size}), aux layers {list(stats.layers)} ({stats.layer_set}), {stats.backend}, "
           f"shard {parsed[0]}/{parsed[1]}", file=stream, flush=True)
     if stats.claim_note:
         print(stats.claim_note, file=stream, flush=True)
+    for bad in stats.redone:
+        print(visible(f"--validate: {bad['path']} (sample {bad['index']}) was bad, extracted again: {bad['why']}",
+                      one_line=True), file=stream, flush=True)
     if (where / "train-command.sh").exists():
         print(f"training: {visible(str(where / 'train-command.sh'))} (SpecForge's command and config, "
               f"data.max_length = the longest sample; `draftgen train-command {sh_path(config.path)}` explains it)",
               file=stream, flush=True)
     _print_speculators(stats, where, stream)
-    if stats.draft_layer_ids is not None:
-        print(f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids = {stats.draft_layer_ids} "
+    eagle = stats.trainer_layer_ids.get("eagle3")
+    if eagle is not None:
+        print(f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids = {eagle} "
               f"(SGLang's numbering of layers {list(stats.layers)}; also in stats.json)", file=stream, flush=True)
+    if stats.layers and len(stats.layers) != 3:
+        print(f"draft config: dflash_config.target_layer_ids = {stats.trainer_layer_ids.get('dflash')} (DFlash's and "
+              f"DSpark's numbering; {len(stats.layers)} layers: not an EAGLE-3 set, see docs/extraction.md)",
+              file=stream, flush=True)
+    if stats.budget_left:
+        from draftgen.core.extract.runner import budget_line
+        print(f"extract: {budget_line(config, stats)}", file=stream, flush=True)
     if stats.too_long_samples:
         shown = ", ".join(f"{x['index']} ({x['tokens']:,} tokens)" for x in stats.too_long[:10])
         more = f" and {stats.too_long_samples - 10} more" if stats.too_long_samples > 10 else ""

@@ -5,6 +5,8 @@ its output when it finishes:
 
     hidden_states/specforge.json     the config `specforge train --config` reads (its typed schema)
     hidden_states/train-command.sh   the command, with the figures below as comments
+    hidden_states/provenance.json    its "train-command" record (core/provenance.py): what made them,
+                                     from which merge, model, layers and config, with each file's sha256
 
 No value of the config runs in the script: the config's path is one quoted argument, the caller's
 arguments follow it verbatim ("$@"), and the comments show line breaks and control characters of
@@ -48,6 +50,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -121,21 +124,40 @@ def cut_at(reader: TokenReader, lengths: np.ndarray, max_length: int) -> Cut:
 
 
 def _aux_layer_ids(config: Config, notes: list[str]) -> list[int] | None:
-    """SGLang's numbering of the extracted layers: stats.json's, else from the config and the model's config.json."""
+    """SGLang's numbering of the extracted layers when they are an EAGLE-3 set of three: stats.json's, else from the
+    config and the model's config.json; another set is named in `notes` with the trainers that take it."""
+    layers: list[int] | None = None
+    eagle: list[int] | None = None
     stats = config.run_dir / "hidden_states" / "stats.json"
     try:
-        ids = json.loads(stats.read_text(encoding="utf-8")).get("draft_layer_ids")
-        if isinstance(ids, list) and len(ids) == 3:
-            return [int(x) for x in ids]
+        recorded = json.loads(stats.read_text(encoding="utf-8"))
+        if recorded.get("layers"):
+            layers = [int(x) for x in recorded["layers"]]
+            ids = (recorded.get("trainer_layer_ids") or {}).get("eagle3", recorded.get("draft_layer_ids"))
+            eagle = [int(x) for x in ids] if isinstance(ids, list) and len(ids) == 3 else None
     except (OSError, ValueError, AttributeError, TypeError):
         pass
-    from draftgen.core.extract.model_info import read_model_dims, resolve_aux_layers, sglang_capture_ids
-    try:
-        dims = read_model_dims(config.extract.model, trust_remote_code=config.extract.trust_remote_code)
-        return sglang_capture_ids(resolve_aux_layers(config.extract.aux_layers, dims, config.path), dims, config.path)
-    except (ConfigError, DraftgenError) as e:
-        notes.append(f"aux layer ids not set (SpecForge then takes the draft config's or [1, N/2-1, N-4]): {e}")
+    if layers is None:
+        from draftgen.core.extract.model_info import read_model_dims, resolve_aux_layers, trainer_layer_ids
+        try:
+            dims = read_model_dims(config.extract.model, trust_remote_code=config.extract.trust_remote_code)
+            resolved = resolve_aux_layers(config.extract.aux_layers, dims, config.path)
+            layers, eagle = list(resolved), trainer_layer_ids(resolved, dims)["eagle3"]
+        except (ConfigError, DraftgenError) as e:
+            notes.append(f"aux layer ids not set (SpecForge then takes the draft config's or [1, N/2-1, N-4]): {e}")
+            return None
+    if len(layers) != 3:
+        notes.append(
+            f"extract.aux_layers = {config.extract.aux_layers!r}: {len(layers)} layers {layers} (0-based layer "
+            f"outputs; a DFlash or DSpark draft config's dflash_config.target_layer_ids = {layers}). SpecForge "
+            f"{SPECFORGE_VERSION}'s EAGLE-3 and P-EAGLE take exactly three (model.aux_hidden_state_layer_ids, "
+            f"application/planning.py), so this config sets none and does not train on these files; its offline "
+            f"DFlash trainer reads a `hidden_states` key these files do not carry (docs/extraction.md, layer sets)")
         return None
+    if eagle is None:
+        notes.append(f"aux layer ids not set: SGLang cannot capture layers {layers} for this model (an EAGLE-3 "
+                     f"draft config cannot name them)")
+    return eagle
 
 
 def _missing_notes(config: Config, reader: TokenReader, files: int, merge_id: str) -> list[str]:
@@ -309,13 +331,39 @@ def write_online(h: Handoff) -> Path:
     return path
 
 
+def write_provenance(config: Config, h: Handoff, started_at: float, files: list[Path]) -> Path:
+    """The hand-off's record in hidden_states/provenance.json (core/provenance.py): the command, versions, config
+    and inputs, the model and its config's digest, the layers, max_length and each file written with its sha256."""
+    from draftgen.core import provenance
+    from draftgen.core.extract.model_info import read_model_config
+    from draftgen.core.extract.readback import format_name, stored_dtype
+    cfg = config.extract
+    try:
+        model = provenance.model_config_digest(read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code))
+    except DraftgenError as e:
+        model = {"config_sha256": None, "config_error": str(e)}
+    merged = identity.read_fingerprint(config.run_dir / "merged" / identity.FINGERPRINT_FILE)
+    stored = identity.read_fingerprint(h.config_path.parent / identity.HIDDEN_MERGE_FILE)
+    rec = provenance.record(
+        config, started_at,
+        inputs={"merge_id": merged.merge_id if merged is not None else None,
+                "hidden_states_merge_id": stored.merge_id if stored is not None else None},
+        model={"path": cfg.model, **model}, layers=cfg.aux_layers,
+        aux_hidden_state_layer_ids=h.aux_layer_ids, dtype=cfg.dtype, stored_dtype=stored_dtype(cfg),
+        format=format_name(cfg), max_length=h.max_length, samples=h.samples, tokens=h.tokens,
+        outputs=[{"file": p.name, "sha256": provenance.file_sha256(p)} for p in files])
+    return provenance.add(h.config_path.parent, "train-command", rec)
+
+
 def train_command(config: Config, *, max_length: int | None = None, out: TextIO | None = None) -> int:
     """`draftgen train-command CONFIG [--max-length N]`: print and write the hand-off; 0."""
     stream = out or sys.stdout
+    started_at = time.time()
     h = make_handoff(config, max_length=max_length)
     try:
         config_path, script = write_handoff(h)
         online_path = write_online(h)
+        write_provenance(config, h, started_at, [config_path, script, online_path])
     except OSError as e:
         from draftgen.core.files import disk_error
         raise disk_error(h.config_path, e) from e

@@ -5,7 +5,7 @@ The decoder (the model without its lm_head) is run, not the whole causal LM: its
 [B, T, vocab] logits tensor. Verified on transformers 5.24 with a tiny Llama (tests/extract/test_extract.py
 checks it on every run): `lm_head(last_hidden_state)` equals the causal LM's logits exactly, and
 `hidden_states[-1]` of `output_hidden_states=True` is that same post-norm tensor. The aux layers
-are taken with forward hooks on the decoder layers, so only three [B, T, H] tensors are kept
+are taken with forward hooks on the decoder layers, so only the K asked for ([B, T, H] each) are kept
 instead of all N+1; a hooked layer's output is HF's `hidden_states[k + 1]`. With `prenorm_last`
 (extract.format = "speculators") the returned `hidden` is instead the last decoder layer's own output,
 taken by a hook on it: the same tensor before the final norm (speculators' trainer applies the norm).
@@ -51,7 +51,7 @@ def _dtype_kwarg() -> str:
 
 
 class HFBackend:
-    def __init__(self, model: str, layers: tuple[int, int, int], *, dtype: str = "bfloat16",
+    def __init__(self, model: str, layers: tuple[int, ...], *, dtype: str = "bfloat16",
                  device: str = "auto", trust_remote_code: bool = False, prenorm_last: bool = False) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging

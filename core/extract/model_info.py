@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftgen.core.config import parse_layer_set
 from draftgen.core.errors import ConfigError, DraftgenError
 
 # SGLang's DeepSeek-family models (DeepseekV2/V3ForCausalLM, and Kimi-K2.5, whose language model is a
@@ -67,23 +68,43 @@ def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
-def resolve_aux_layers(aux_layers: str | list[int], dims: ModelDims,
-                       config_path: Path | str = "config") -> tuple[int, int, int]:
-    """The three aux layers as 0-based layer outputs: layer k's output is HF `hidden_states[k + 1]`.
+def dflash_layers(num_layers: int, count: int) -> tuple[int, ...]:
+    """DFlash's `count` target layers for a model of `num_layers`, as SpecForge 0.2.0 places them
+    (specforge/modeling/draft/dflash.py `build_target_layer_ids`: one layer is N // 2; more are spread
+    evenly from 1 to N - 3, rounded half to even as Python's round()). 0-based layer outputs: DFlash's
+    `extract_context_feature` reads HF `hidden_states[k + 1]` for layer k, as draftgen numbers them."""
+    if count == 1:
+        return (num_layers // 2,)
+    start, end = 1, num_layers - 3
+    return tuple(int(round(start + (i * (end - start)) / (count - 1))) for i in range(count))
 
-    The same convention for every backend. They must be strictly ascending: SGLang concatenates
-    the captured layers in model order whatever order it is given, so a list in another order
-    would silently label the slices wrong.
+
+def resolve_aux_layers(aux_layers: str | list[int], dims: ModelDims,
+                       config_path: Path | str = "config") -> tuple[int, ...]:
+    """The aux layers as 0-based layer outputs: layer k's output is HF `hidden_states[k + 1]`.
+
+    Any number of them: a list, or a named set (config.LAYER_SET_NAMES) placed from N. The same convention
+    for every backend. They must be strictly ascending: SGLang concatenates the captured layers in
+    model order whatever order it is given, so a list in another order would silently label the
+    slices wrong.
     """
     layers: tuple[int, ...]
-    if aux_layers == "eagle3":
-        layers = eagle3_layers(dims.num_layers)
-        where = f"the EAGLE-3 default for N={dims.num_layers}"
+    if isinstance(aux_layers, str):
+        try:
+            name, count = parse_layer_set(aux_layers)
+        except ValueError as e:
+            raise ConfigError(f"{config_path}: {e}") from None
+        if name in ("eagle3", "peagle"):
+            layers = eagle3_layers(dims.num_layers)
+            where = f"the {'EAGLE-3' if name == 'eagle3' else 'P-EAGLE'} default for N={dims.num_layers}"
+        else:
+            layers = dflash_layers(dims.num_layers, count)
+            where = f"extract.aux_layers = {aux_layers!r} (SpecForge's DFlash placement for N={dims.num_layers})"
     else:
         layers = tuple(int(k) for k in aux_layers)
         where = "extract.aux_layers"
-    if len(layers) != 3:
-        raise ConfigError(f"{config_path}: extract.aux_layers must list exactly 3 layer ids, not {list(layers)}")
+    if not layers:
+        raise ConfigError(f"{config_path}: extract.aux_layers lists no layer")
     # The last layer's output is `hidden_state` already (after the norm); SGLang cannot capture it as aux.
     bad = [k for k in layers if not 0 <= k < dims.num_layers - 1]
     if bad:
@@ -92,16 +113,17 @@ def resolve_aux_layers(aux_layers: str | list[int], dims: ModelDims,
     if list(layers) != sorted(set(layers)):
         raise ConfigError(f"{config_path}: {where} gives layers {list(layers)}; they must be strictly ascending "
                           f"(SGLang concatenates captured layers in model order), e.g. {sorted(set(layers))}")
-    return layers[0], layers[1], layers[2]
+    return layers
 
 
-def sglang_capture_ids(layers: tuple[int, int, int], dims: ModelDims, config_path: Path | str = "config") -> list[int]:
+def sglang_capture_ids(layers: tuple[int, ...], dims: ModelDims, config_path: Path | str = "config") -> list[int]:
     """The ids to hand SGLang's `set_eagle3_layers_to_capture` (through SpecForge) so it captures `layers`.
 
     SGLang 0.5.14 records the *input* of each listed layer. Llama-style models add 1 to every id,
     so layer-output ids go in unchanged. DeepSeek-family models (Kimi-K2.5 included) add 1 only
     when the first id is 1 and otherwise take the ids as layer inputs: then the ids must go in
     already shifted, and a first layer of 0 (the output of layer 0) cannot be asked for at all.
+    Any number of ids: the setter takes a list.
     """
     if not dims.deepseek_family or layers[0] == 1:
         return list(layers)
@@ -112,6 +134,25 @@ def sglang_capture_ids(layers: tuple[int, int, int], dims: ModelDims, config_pat
             f"when the first is 1, so the output of layer 0 is out of reach. Start at 1 or higher (the EAGLE-3 "
             f"default is {list(eagle3_layers(dims.num_layers))})")
     return [k + 1 for k in layers]
+
+
+def trainer_layer_ids(layers: tuple[int, ...], dims: ModelDims) -> dict[str, list[int] | None]:
+    """The extracted layers in each trainer's own numbering (stats.json's `trainer_layer_ids`, the hand-off):
+
+    - "eagle3": an EAGLE-3 / P-EAGLE draft config's `eagle_config.eagle_aux_hidden_state_layer_ids` and
+      SpecForge's `model.aux_hidden_state_layer_ids`: SGLang's capture ids (sglang_capture_ids); None where
+      SGLang cannot capture these layers, or where they are not 3 (SpecForge 0.2.0 takes exactly three);
+    - "dflash": a DFlash / DSpark draft config's `dflash_config.target_layer_ids`: 0-based layer outputs, as
+      draftgen numbers them (SpecForge's `extract_context_feature` reads `hidden_states[k + 1]`; SGLang's
+      `set_dflash_layers_to_capture` adds 1 for every model).
+    """
+    eagle: list[int] | None = None
+    if len(layers) == 3:
+        try:
+            eagle = sglang_capture_ids(layers, dims)
+        except ConfigError:
+            eagle = None
+    return {"eagle3": eagle, "dflash": list(layers)}
 
 
 def read_model_config(model: str, *, trust_remote_code: bool = False) -> tuple[dict[str, Any], str]:
@@ -240,7 +281,7 @@ def quantized_bytes(cfg: dict[str, Any], dtype_bytes: int) -> tuple[Callable[[st
 
 
 def estimate_weights(cfg: dict[str, Any], tp_size: int, dtype: str = "bfloat16",
-                     source: str = "config") -> WeightEstimate:
+                     source: str = "config", *, aux_layers: int = 3) -> WeightEstimate:
     """Weights per GPU as SGLang lays out a DeepSeek-V3 / Kimi-K2.5 (MLA, MoE) or a Llama-style model at TP `tp_size`.
 
     Parameter counts come from the dimensions; norms and biases are left out (well under 0.1 %). Under
@@ -300,8 +341,8 @@ def estimate_weights(cfg: dict[str, Any], tp_size: int, dtype: str = "bfloat16",
             vl * (4 * vh * vh + 2 * vh * vi) + merged * merged + merged * h, False)
     topk = _int(t, "num_experts_per_tok", default=1)
     mlp_token = (topk * moe_inter if moe_layers else inter) * 3 * dbytes // max(tp_size, 1)
-    # Kept for the whole forward: the captured states (3H aux + H last), in SGLang's buffer and in
-    # SpecForge's stacked output; working set of one layer: a few H-wide buffers, attention, MLP/MoE.
-    activation_token = 2 * 4 * h * dbytes + 8 * h * dbytes + attn_token + mlp_token
+    # Kept for the whole forward: the captured states (`aux_layers`·H aux + H last), in SGLang's buffer and
+    # in SpecForge's stacked output; working set of one layer: a few H-wide buffers, attention, MLP/MoE.
+    activation_token = 2 * (aux_layers + 1) * h * dbytes + 8 * h * dbytes + attn_token + mlp_token
     return WeightEstimate(parts=tuple(parts), tp_size=tp_size, quantization=scheme, kv_bytes_per_token=kv_token,
                           activation_bytes_per_token=activation_token, source=source)

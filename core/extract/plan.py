@@ -107,9 +107,55 @@ def plan_batches(items: Sequence[tuple[int, int]], batch_tokens: int, max_sample
     return batches
 
 
-def state_bytes(tokens: int, files: int, hidden_size: int) -> int:
-    """(3H + H)·2 bytes of bf16 states per token, plus the ids, the mask and each file's container."""
-    return tokens * (4 * hidden_size * 2 + IDS_MASK_BYTES_PER_TOKEN) + files * FILE_OVERHEAD_BYTES
+# Bytes a stored hidden-state element takes, and the bytes of scale each token adds: fp8 (float8_e4m3fn)
+# carries one float32 scale per token over all its layers (speculators' FP8 layout).
+STATE_DTYPES = {"bf16": (2, 0), "float32": (4, 0), "fp8": (1, 4)}
+
+
+def stored_dtype(cfg: Any) -> str:
+    """The dtype the files store: fp8 when [extract] dtype says so, else bf16 (a float32 forward is stored bf16)."""
+    return "fp8" if getattr(cfg, "dtype", "") == "fp8" else "bf16"
+
+
+def token_bytes(hidden_size: int, layers: int = 3, dtype: str = "bf16") -> int:
+    """One token's bytes in a file: (layers + 1)·H states (the aux layers and the last layer's), the scale
+    (fp8), the ids and the mask."""
+    element, scale = STATE_DTYPES[dtype]
+    return (layers + 1) * hidden_size * element + scale + IDS_MASK_BYTES_PER_TOKEN
+
+
+def state_bytes(tokens: int, files: int, hidden_size: int, layers: int = 3, dtype: str = "bf16") -> int:
+    """(layers + 1)·H states per token in `dtype` (STATE_DTYPES), plus the ids, the mask and each file's container."""
+    return tokens * token_bytes(hidden_size, layers, dtype) + files * FILE_OVERHEAD_BYTES
+
+
+def disk_budget(root: Path, indices: Sequence[int], lengths: Sequence[int], todo: Sequence[int], budget_bytes: int,
+                per_sample: Callable[[int], int], fmt: str = "specforge") -> tuple[list[int], list[int], int]:
+    """(the samples of `todo` that fit, those left for a later run, the bytes already on disk) under a budget.
+
+    `indices` are the shard's samples, `lengths` every sample's tokens; what the shard's files already take
+    on disk is counted first, then `todo` in merged order while each sample's estimate (`per_sample(tokens)`)
+    still fits; the first that does not ends it (merged order kept: a later run resumes where this one stopped).
+    `fmt` is extract.format, whose files are counted.
+    """
+    from draftgen.core.extract.speculators_layout import existing_file
+    used = 0
+    for k in indices:
+        path = existing_file(fmt, root, k)  # `fmt`: extract.format (speculators: hs_{k})
+        if path is not None:
+            try:
+                used += path.stat().st_size
+            except OSError:
+                pass
+    room = budget_bytes - used
+    fits: list[int] = []
+    for n, k in enumerate(todo):
+        need = per_sample(lengths[k])
+        if need > room:
+            return fits, list(todo[n:]), used
+        room -= need
+        fits.append(k)
+    return fits, [], used
 
 
 @dataclass
@@ -141,6 +187,18 @@ class Plan:
     gpu: GpuPlan | None = None     # the specforge backend's, when this shard has work
     context: int | None = None     # the model's context length (None: not read, or the config does not say)
     too_long: int = 0              # samples of this shard longer than `context`: skipped, counted
+    layers: tuple[int, ...] = ()   # the aux layers asked for (empty when the model config was not read)
+    dtype: str = "bf16"            # what the files store (STATE_DTYPES)
+    set_tokens: int = 0            # the whole merged set, every shard
+    set_files: int = 0
+    median_tokens: int = 0         # of a sample of the set
+    largest_tokens: int = 0
+    max_disk_bytes: int = 0        # extract.max_disk_gb for this shard (0: no budget)
+    budget_used: int = 0           # bytes this shard's files take already
+    budget_fits: int = 0           # samples still to do that fit the budget
+    budget_fits_bytes: int = 0
+    budget_left: int = 0           # samples still to do past it: left for a later run
+    budget_left_bytes: int = 0
 
     @property
     def this(self) -> ShardPlan:
@@ -203,7 +261,7 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
               nvml: Any = None, env: Mapping[str, str] | None = None) -> Plan:
     """The plan of every shard of `shard`'s N; the model config is read (and, for the specforge backend, the
     cards' memory) only if this shard has work."""
-    from draftgen.core.extract.model_info import dims_from_config_dict, read_model_config
+    from draftgen.core.extract.model_info import dims_from_config_dict, read_model_config, resolve_aux_layers
     from draftgen.core.extract.speculators_layout import existing_file
     from draftgen.core.rundir import RunDir
     from draftgen.core.tokens.store import INDEX_FILE, TokenReader
@@ -243,9 +301,14 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
     gpu = None
     context = None
     too_long = 0
+    layers: tuple[int, ...] = ()
+    dtype = stored_dtype(cfg)
+    budget: tuple[list[int], list[int], int] | None = None
     if shards[i].todo:
         model_cfg, source = read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
-        hidden = dims_from_config_dict(model_cfg, source).hidden_size
+        dims = dims_from_config_dict(model_cfg, source)
+        hidden = dims.hidden_size
+        layers = resolve_aux_layers(cfg.aux_layers, dims, config.path)
         context = context_limit(cfg, model_cfg)
         lengths = todo_lengths[i]
         if context is not None:
@@ -255,27 +318,68 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
                 notes.append(f"{too_long:,} samples are longer than the model's context ({context:,} tokens, "
                              f"{source} or extract.sglang.context_length): they are skipped and counted, not written")
             _settle_too_long(shards[i], missing, reader, root, context, cfg.model)
+        if cfg.max_disk_gb > 0:
+            budget = _budget(cfg, reader, root, shard, missing, context, dims.hidden_size, len(layers), dtype)
+            lengths = [reader.entries[k].length for k in budget[0]]
         if cfg.backend == "specforge" and lengths:
             batches = plan_batches(list(enumerate(lengths)), cfg.batch_tokens)
             widest = max(len(b) * max(lengths[k] for k in b) for b in batches)
             gpu = make_gpu_plan(cfg, model_cfg, source, widest, max(len(b) for b in batches), nvml=nvml, env=env,
                                 config_path=config.path)
-    gz_ratio, gz_source = ASSUMED_GZ_RATIO, "assumed"
-    if hidden is not None and gz_files:
-        gz_ratio = gz_bytes / max(state_bytes(gz_tokens, gz_files, hidden), 1)
-        gz_source = f"measured on {gz_files:,} files"
-    for s in shards:
-        if hidden is not None:
-            s.bytes_bf16 = state_bytes(s.tokens_todo, s.todo, hidden)
-            s.bytes_gz = int(s.bytes_bf16 * gz_ratio)
+    gz_ratio, gz_source = _size_shards(shards, hidden, len(layers), (gz_bytes, gz_tokens, gz_files))
     where = root if root.exists() else next((p for p in root.parents if p.exists()), Path("/"))
     free = (free_space or (lambda p: shutil.disk_usage(p).free))(where)
     rate, rate_source = _earlier_rate(root) if root.is_dir() else (None, "")
     if rate is None and cfg.tokens_per_s > 0:
         rate, rate_source = cfg.tokens_per_s, "extract.tokens_per_s"
-    return Plan(shards=shards, mine=i, hidden_size=hidden, free_bytes=free, root=root, rate=rate,
+    plan = Plan(shards=shards, mine=i, hidden_size=hidden, free_bytes=free, root=root, rate=rate,
                 rate_source=rate_source, gz_ratio=gz_ratio, gz_source=gz_source, compress=cfg.compress, notes=notes,
-                gpu=gpu, context=context, too_long=too_long)
+                gpu=gpu, context=context, too_long=too_long, layers=layers, dtype=dtype)
+    _set_sizes(plan, reader, budget, int(cfg.max_disk_gb * 1e9 / n))
+    return plan
+
+
+def _size_shards(shards: list[ShardPlan], hidden: int | None, layers: int,
+                 gz: tuple[int, int, int]) -> tuple[float, str]:
+    """Each shard's bytes to write (bf16, and gzipped at the ratio the .gz files on disk show, else assumed);
+    the ratio and where it came from."""
+    gz_bytes, gz_tokens, gz_files = gz
+    gz_ratio, gz_source = ASSUMED_GZ_RATIO, "assumed"
+    if hidden is None:
+        return gz_ratio, gz_source
+    if gz_files:
+        gz_ratio = gz_bytes / max(state_bytes(gz_tokens, gz_files, hidden, layers), 1)
+        gz_source = f"measured on {gz_files:,} files"
+    for s in shards:
+        s.bytes_bf16 = state_bytes(s.tokens_todo, s.todo, hidden, layers)
+        s.bytes_gz = int(s.bytes_bf16 * gz_ratio)
+    return gz_ratio, gz_source
+
+
+def _budget(cfg: Any, reader: Any, root: Path, shard: tuple[int, int], missing: list[int], context: int | None,
+            hidden: int, layers: int, dtype: str) -> tuple[list[int], list[int], int]:
+    """disk_budget() for this shard's missing samples that fit the context: its share of extract.max_disk_gb."""
+    i, n = shard
+    every = [e.length for e in reader.entries]
+    fitting = [k for k in missing if context is None or every[k] <= context]
+    return disk_budget(root, range(i, len(every), n), every, fitting, int(cfg.max_disk_gb * 1e9 / n),
+                       lambda t: state_bytes(t, 1, hidden, layers, dtype), fmt=cfg.format)
+
+
+def _set_sizes(plan: Plan, reader: Any, budget: tuple[list[int], list[int], int] | None, share: int) -> None:
+    """The whole set's tokens, median and largest sample, and the budget's figures, into `plan`."""
+    every_length = sorted(e.length for e in reader.entries)
+    if every_length:
+        plan.set_tokens, plan.set_files = sum(every_length), len(every_length)
+        plan.median_tokens, plan.largest_tokens = every_length[(len(every_length) - 1) // 2], every_length[-1]
+    if budget is None or plan.hidden_size is None:
+        return
+    fits, left, used = budget
+    h, k = plan.hidden_size, len(plan.layers)
+    plan.max_disk_bytes, plan.budget_used = share, used
+    plan.budget_fits, plan.budget_left = len(fits), len(left)
+    plan.budget_fits_bytes = state_bytes(sum(reader.entries[x].length for x in fits), len(fits), h, k, plan.dtype)
+    plan.budget_left_bytes = state_bytes(sum(reader.entries[x].length for x in left), len(left), h, k, plan.dtype)
 
 
 def _settle_too_long(shard: ShardPlan, missing: list[int], reader: Any, root: Path, context: int,
@@ -309,8 +413,13 @@ def format_plan(plan: Plan) -> list[str]:
         lines.append(f"{mark} {f'{s.index}/{s.count}':>9}  {s.samples:>9,}  {s.done:>9,}  {s.todo:>9,}  "
                      f"{fmt_count(s.tokens_todo):>8}  {fmt_bytes(s.bytes_bf16) if sized else '?':>9}  "
                      f"{fmt_bytes(s.bytes_gz) if sized else '?':>9}  {compact_duration(time_s):>7}")
+    lines += format_set_size(plan)
     this = plan.this
     need = this.bytes_gz if plan.compress else this.bytes_bf16
+    if plan.dtype != "bf16" and plan.hidden_size is not None and not plan.compress:  # what the files will store
+        need = state_bytes(this.tokens_todo, this.todo, plan.hidden_size, len(plan.layers), plan.dtype)
+    if plan.max_disk_bytes:
+        need = int(plan.budget_fits_bytes * (plan.gz_ratio if plan.compress else 1))
     if plan.nothing_to_do:
         skipped = (f", {this.too_long:,} skipped as longer than the context of {plan.context:,} tokens"
                    if this.too_long and plan.context else "")
@@ -319,10 +428,37 @@ def format_plan(plan: Plan) -> list[str]:
     else:
         verdict = "enough" if need <= plan.free_bytes else "NOT ENOUGH"
         lines.append(f"shard {this.index}/{this.count} (*) writes ~{fmt_bytes(need)} "
-                     f"({'gz' if plan.compress else 'bf16'}); {fmt_bytes(plan.free_bytes)} free there: {verdict}")
+                     f"({'gz' if plan.compress else plan.dtype}); {fmt_bytes(plan.free_bytes)} free there: {verdict}")
     if plan.gpu is not None:
         lines += format_gpu_plan(plan.gpu)
     return lines + plan.notes + compress_warning(plan)
+
+
+def format_set_size(plan: Plan) -> list[str]:
+    """The whole merged set's bytes in both stored dtypes (the chosen one marked), per sample median and largest,
+    and the disk budget's verdict; nothing when H was not read (nothing to do here)."""
+    if plan.hidden_size is None or not plan.set_files:
+        return []
+    h, k = plan.hidden_size, len(plan.layers)
+    sizes = []
+    for dtype in ("bf16", "fp8"):
+        total = state_bytes(plan.set_tokens, plan.set_files, h, k, dtype)
+        median = state_bytes(plan.median_tokens, 1, h, k, dtype)
+        largest = state_bytes(plan.largest_tokens, 1, h, k, dtype)
+        mark = " (chosen)" if dtype == plan.dtype else ""
+        sizes.append(f"{dtype}{mark} ~{fmt_bytes(total)} (a sample: median ~{fmt_bytes(median)}, largest "
+                     f"~{fmt_bytes(largest)})")
+    lines = [f"the whole set: {plan.set_files:,} samples, {fmt_count(plan.set_tokens)} tokens (median "
+             f"{plan.median_tokens:,}, largest {plan.largest_tokens:,} a sample), {k} aux layers "
+             f"{list(plan.layers)} + the last at H={h}, {token_bytes(h, k, plan.dtype):,} B a token: "
+             + "; ".join(sizes) + f"; {fmt_bytes(plan.free_bytes)} free on the output filesystem"]
+    if plan.max_disk_bytes:
+        left = (f"; {plan.budget_left:,} samples (~{fmt_bytes(plan.budget_left_bytes)}) are left for a later run "
+                f"with a larger extract.max_disk_gb" if plan.budget_left else "; every sample still to do fits")
+        lines.append(f"disk budget (extract.max_disk_gb, this shard's share): {fmt_bytes(plan.max_disk_bytes)}; "
+                     f"{fmt_bytes(plan.budget_used)} already written; {plan.budget_fits:,} samples still to do fit "
+                     f"(~{fmt_bytes(plan.budget_fits_bytes)}, {plan.dtype}){left}")
+    return lines
 
 
 def gzip_rate(nbytes: int = GZ_PROBE_BYTES) -> float:
@@ -345,7 +481,7 @@ def compress_warning(plan: Plan, threads: int | None = None, rate_per_thread: fl
     if threads is None:
         import os
         threads = max(4, min(8, os.cpu_count() or 4))  # writer.THREADS, without importing torch
-    per_token = 4 * plan.hidden_size * 2 + IDS_MASK_BYTES_PER_TOKEN
+    per_token = token_bytes(plan.hidden_size, len(plan.layers) or 3, plan.dtype)
     reach = (rate_per_thread or gzip_rate()) * threads  # zlib lets go of the GIL: the threads add up
     line = (f"compress = true: gzip (level 1, {threads} writer threads, timed here) reaches ~{fmt_bytes(reach)}/s, "
             f"~{fmt_count(reach / per_token)} tok/s at H={plan.hidden_size}")
@@ -435,8 +571,9 @@ def make_gpu_plan(cfg: Any, model_cfg: dict[str, Any], source: str, max_forward_
                   nvml: Any = None, env: Mapping[str, str] | None = None, config_path: object = "config") -> GpuPlan:
     """The GPU plan for the specforge backend at `cfg.tp_size`; see the module docstring."""
     from draftgen.core.extract.gpu import card_memory
-    from draftgen.core.extract.model_info import estimate_weights
-    weights = estimate_weights(model_cfg, cfg.tp_size, cfg.compute_dtype, source)
+    from draftgen.core.extract.model_info import dims_from_config_dict, estimate_weights, resolve_aux_layers
+    aux = len(resolve_aux_layers(cfg.aux_layers, dims_from_config_dict(model_cfg, source), str(config_path)))
+    weights = estimate_weights(model_cfg, cfg.tp_size, cfg.compute_dtype, source, aux_layers=aux)
     w = int(weights.per_gpu_bytes * (1 + LOADER_MARGIN))
     kv_tokens = kv_pool_tokens(max_forward_tokens, max_samples, kv_page_size(cfg.attention_backend, cfg.sglang))
     kv = kv_tokens * weights.kv_bytes_per_token

@@ -29,8 +29,19 @@ from draftgen.core.extract.model_info import (
     dims_from_config_dict,
     read_model_config,
     resolve_aux_layers,
+    trainer_layer_ids,
 )
-from draftgen.core.extract.plan import context_limit, plan_batches, recorded_too_long
+from draftgen.core.extract.plan import (
+    FILE_OVERHEAD_BYTES,
+    IDS_MASK_BYTES_PER_TOKEN,
+    context_limit,
+    disk_budget,
+    plan_batches,
+    recorded_too_long,
+    state_bytes,
+    stored_dtype,
+    token_bytes,
+)
 from draftgen.core.extract.writer import Item, PooledWriter, Written
 from draftgen.core.files import GROUP_FILE_MODE, TMP_MARK, disk_error, write_json_atomic
 from draftgen.core.live.progress import Throttle
@@ -41,10 +52,6 @@ from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.tokens.store import INDEX_FILE, TokenEntry, TokenReader
 from draftgen.core.units import fmt_bytes, fmt_count
 
-# torch.save's zip container, pickled dict and 64-byte alignment per file, rounded up generously.
-FILE_OVERHEAD_BYTES = 4096
-IDS_MASK_BYTES_PER_TOKEN = 16  # input_ids and loss_mask as int64
-
 
 @dataclass
 class ExtractStats:
@@ -53,7 +60,7 @@ class ExtractStats:
     backend: str
     num_layers: int
     hidden_size: int
-    layers: tuple[int, int, int]
+    layers: tuple[int, ...]
     shard: tuple[int, int]
     compress: bool
     samples: int = 0              # in this shard
@@ -72,9 +79,19 @@ class ExtractStats:
     tokens_per_s: float = 0.0
     # The draft config's eagle_config.eagle_aux_hidden_state_layer_ids: SGLang's numbering of `layers`.
     draft_layer_ids: list[int] | None = None
+    # extract.aux_layers as configured ("eagle3", "dflash:5" or the list), and `layers` in each trainer's
+    # numbering (model_info.trainer_layer_ids)
+    layer_set: str = ""
+    trainer_layer_ids: dict[str, list[int] | None] = field(default_factory=dict)
     nothing_to_do: bool = False   # every file of the shard was there: no model was loaded
     merge_id: str = ""            # the merge these hidden states belong to (hidden_states/merge.json)
     claim_note: str = ""          # what was done to hidden states of another merge (start over, set aside)
+    # extract.max_disk_gb: the samples still to do that did not fit it (left for a later run) and their estimate
+    max_disk_gb: float = 0.0
+    budget_left: int = 0
+    budget_left_bytes: int = 0
+    budget_left_from: int | None = None  # the first of them, in merged order
+    redone: list[dict[str, Any]] = field(default_factory=list)  # --validate: {"index", "path", "why"} removed, redone
     format: str = "specforge"     # extract.format: the files' layout
     dtype: str = "bfloat16"       # the files' hidden-state dtype: bfloat16 or fp8
     # format = "speculators": the file slots' layers in vLLM's numbering (the aux layers, then N: pre-norm last).
@@ -87,17 +104,9 @@ class ExtractStats:
         return dataclasses.asdict(self)
 
 
-def bytes_needed(tokens: int, files: int, hidden_size: int) -> int:
-    """(3H + H)·2 bytes of bf16 states per token, plus the ids, the mask and each file's container."""
-    return tokens * (4 * hidden_size * 2 + IDS_MASK_BYTES_PER_TOKEN) + files * FILE_OVERHEAD_BYTES
-
-
-def _bytes_needed(cfg: Any, tokens: int, files: int, dims: ModelDims, slots: int) -> int:
-    """bytes_needed in the configured format: speculators' files hold the ids and k+1 slots (FP8: 1 byte each)."""
-    if cfg.format != "speculators":
-        return bytes_needed(tokens, files, dims.hidden_size)
-    return (tokens * speculators.bytes_per_token(cfg.dtype, dims.hidden_size, slots)
-            + files * speculators.HEADER_BYTES)
+def bytes_needed(tokens: int, files: int, hidden_size: int, layers: int = 3, dtype: str = "bf16") -> int:
+    """(layers + 1)·H states a token in `dtype`, plus the ids, the mask and each file's container (plan.state_bytes)."""
+    return state_bytes(tokens, files, hidden_size, layers, dtype)
 
 
 def _existing(cfg: Any, root: Path, index: int) -> Path | None:
@@ -137,24 +146,16 @@ def _remove_stale_tmp(root: Path, shard: tuple[int, int]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _check_disk(root: Path, tokens: int, files: int, dims: ModelDims, cfg: Any = None, slots: int = 4) -> None:
+def _check_disk(root: Path, tokens: int, files: int, dims: ModelDims, layers: int = 3, dtype: str = "bf16") -> None:
+    need = bytes_needed(tokens, files, dims.hidden_size, layers, dtype)
     free = shutil.disk_usage(root).free
-    if cfg is not None and cfg.format == "speculators":
-        need = _bytes_needed(cfg, tokens, files, dims, slots)
-        if need > free:
-            raise DiskError(f"{root}: extraction needs {fmt_bytes(need)} ({need:,} bytes: {tokens:,} tokens x "
-                            f"{speculators.bytes_per_token(cfg.dtype, dims.hidden_size, slots):,} bytes ({slots} "
-                            f"slots of H={dims.hidden_size} in {'fp8' if cfg.dtype == 'fp8' else 'bf16'}) + "
-                            f"{speculators.HEADER_BYTES:,} per file, for the {files:,} samples still to do) but only "
-                            f"{fmt_bytes(free)} ({free:,} bytes) is free there")
-        return
-    need = bytes_needed(tokens, files, dims.hidden_size)
     if need > free:
         raise DiskError(
             f"{root}: extraction needs {fmt_bytes(need)} ({need:,} bytes: {tokens:,} tokens x "
-            f"({8 * dims.hidden_size:,} bytes of bf16 states, (3H+H)*2 with H={dims.hidden_size}, + "
-            f"{IDS_MASK_BYTES_PER_TOKEN} of ids and mask) + {FILE_OVERHEAD_BYTES:,} per file, for the {files:,} "
-            f"samples still to do) but only {fmt_bytes(free)} ({free:,} bytes) is free there")
+            f"{token_bytes(dims.hidden_size, layers, dtype):,} bytes ({dtype} states of {layers} aux layers + the "
+            f"last, ({layers}H+H) with H={dims.hidden_size}, and {IDS_MASK_BYTES_PER_TOKEN} of ids and mask) + "
+            f"{FILE_OVERHEAD_BYTES:,} per file, for the {files:,} samples still to do) but only {fmt_bytes(free)} "
+            f"({free:,} bytes) is free there")
 
 
 def stats_path(root: Path, shard: tuple[int, int]) -> Path:
@@ -226,12 +227,15 @@ class _Plan:
     mem_fraction: float = 0.0  # SGLang's mem_fraction_static from the GPU plan (0: the backend's default)
     too_long: list[dict[str, Any]] = field(default_factory=list)  # longer than the context: skipped
     context: int | None = None
+    budget_left: list[int] = field(default_factory=list)  # past extract.max_disk_gb: left for a later run
+    budget_left_bytes: int = 0
+    redone: list[dict[str, Any]] = field(default_factory=list)    # --validate: bad files removed, to redo
 
 
 def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: ModelDims, limit: int,
                cfg: Any, max_samples: int | None, on_other_merge: str = claim.REFUSE, *,
                model: tuple[dict[str, Any], str] | None = None, gpu_plan: bool = False,
-               config_path: object = "config") -> _Plan:
+               config_path: object = "config", layers: int = 3, validate: Any = None) -> _Plan:
     # Rank 0, every rank joined: the folder is made this merge's (or refused) before a file is added.
     note = claim.settle(root, root.parent / "merged", on_other_merge, config_path, reader)
     try:
@@ -244,6 +248,7 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
         raise disk_error(root, e) from e
     _remove_stale_tmp(root, shard)
     _refuse_other_format(cfg, root, config_path)
+    redone = _remove_bad(root, reader, shard, validate, cfg) if validate is not None else []
     entries: list[TokenEntry] = reader.entries
     indices = _shard_indices(len(reader), shard)
     todo = [k for k in indices if _existing(cfg, root, k) is None]
@@ -252,8 +257,15 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
     if too_long:  # the forward would fail on it (SGLang refuses it; a RoPE model past its length gives junk)
         skip = set(too_long)
         todo = [k for k in todo if k not in skip]
+    dtype = stored_dtype(cfg)
+    left: list[int] = []
+    if cfg.max_disk_gb > 0:  # merged order, up to this shard's share of the budget; the rest waits for a later run
+        todo, left, _used = disk_budget(root, indices, [e.length for e in entries], todo,
+                                        int(cfg.max_disk_gb * 1e9 / shard[1]),
+                                        lambda t: bytes_needed(t, 1, dims.hidden_size, layers, dtype),
+                                        fmt=cfg.format)
     tokens_todo = sum(entries[k].length for k in todo)
-    _check_disk(root, tokens_todo, len(todo), dims, cfg)
+    _check_disk(root, tokens_todo, len(todo), dims, layers, dtype)
     if cfg.backend == "specforge" and todo:
         from draftgen.core.extract.specforge_backend import check_shm
         check_shm(cfg.min_shm_gb)
@@ -270,12 +282,31 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
     return _Plan(todo=todo, note=note, batches=batches, skipped_existing=len(indices) - len(todo) - len(too_long),
                  tokens_todo=tokens_todo, max_forward_tokens=widest, max_samples=most, mem_fraction=fraction,
                  too_long=[{"index": k, "id": entries[k].id, "tokens": entries[k].length} for k in too_long],
-                 context=context)
+                 context=context, budget_left=left,
+                 budget_left_bytes=bytes_needed(sum(entries[k].length for k in left), len(left), dims.hidden_size,
+                                                layers, dtype),
+                 redone=redone)
+
+
+def _expected(dims: ModelDims, layers: tuple[int, ...]) -> Any:
+    """What --validate reads every file back against: this model's H and the layers extracted."""
+    from draftgen.core.extract.readback import Expected
+    return Expected(hidden_size=dims.hidden_size, layers=len(layers))
+
+
+def _remove_bad(root: Path, reader: TokenReader, shard: tuple[int, int], expected: Any, cfg: Any,
+                ) -> list[dict[str, Any]]:
+    """--validate (rank 0, before the plan): the shard's files read back by the trainer's rules (readback.py);
+    the bad ones of this merge's samples are deleted, so the plan extracts them again."""
+    from draftgen.core.extract import readback
+    result = readback.check_folder(root, reader, expected, fmt=readback.format_of(cfg), shard=shard)
+    removed, _left = readback.remove_bad(result)  # files no sample owns: `draftgen check` lists them
+    return [{"index": b.index, "path": str(b.path), "why": b.why} for b in removed]
 
 
 class _Idle:
     """The backend of a run with nothing to run (every missing sample is too long): no model is loaded."""
-    description = "none (no sample fits the context)"
+    description = "none (no sample left fits the context or the disk budget)"
     max_batch_tokens: int | None = None
     max_batch_samples: int | None = None
 
@@ -336,7 +367,7 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
             progress: Callable[[StageProgress], None] | None = None,
             backend: ExtractBackend | None = None, stop: threading.Event | None = None,
             group: Any = None, disk_watch: Any = None, on_other_merge: str = claim.REFUSE,
-            in_child: bool = False) -> ExtractStats:
+            in_child: bool = False, validate: bool = False) -> ExtractStats:
     """Write `hidden_states/` for every sample of `shard` not already there; return the run's stats.
 
     Hidden states of another merge than merged/ (claim.py) are never added to: refused (a
@@ -348,6 +379,8 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
 
     `backend` replaces the one `config.extract` describes (a test's, or a model already loaded);
     `stop`, when set, ends the run after the batch in progress (everything written stays valid).
+    `validate` (`extract --validate`): every file of the shard is first read back by the trainer's rules
+    (readback.py); the bad ones are deleted and extracted again with the missing ones, nothing else.
     Under torchrun (specforge backend) every rank calls this: rank 0 plans, checks and writes,
     and all ranks run the same forwards; `group` is that job (made here when None).
 
@@ -358,7 +391,7 @@ def extract(config: Config, *, shard: tuple[int, int] = (0, 1),
     """
     with _merged_held(Path(config.run_dir), in_child):
         return _extract(config, shard=shard, progress=progress, backend=backend, stop=stop, group=group,
-                        disk_watch=disk_watch, on_other_merge=on_other_merge, in_child=in_child)
+                        disk_watch=disk_watch, on_other_merge=on_other_merge, in_child=in_child, validate=validate)
 
 
 @contextlib.contextmanager
@@ -374,8 +407,9 @@ def _merged_held(root: Path, in_child: bool) -> Iterator[None]:
 
 def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[StageProgress], None] | None,
              backend: ExtractBackend | None, stop: threading.Event | None, group: Any, disk_watch: Any,
-             on_other_merge: str, in_child: bool) -> ExtractStats:
+             on_other_merge: str, in_child: bool, validate: bool = False) -> ExtractStats:
     """extract(), the merge lock held."""
+    started_at = time.time()
     cfg = config.extract
     if not cfg.model:
         raise ConfigError(f"{config.path}: extract.model is not set (a local model folder or an HF id)")
@@ -389,13 +423,15 @@ def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[Stag
     if not (tokens_dir / INDEX_FILE).exists():
         raise DraftgenError(f"{tokens_dir / INDEX_FILE}: not found; run `draftgen merge` first")
     reader = TokenReader(tokens_dir)
-    done = _already_done(config, rundir, reader, shard, progress, on_other_merge) if backend is None else None
+    # --validate reads every file back first: every rank goes on to the plan, where rank 0 does it.
+    done = (_already_done(config, rundir, reader, shard, progress, on_other_merge)
+            if backend is None and not validate else None)
     if done is not None:
         return done
     from draftgen.core.extract.child import extract_in_child, needs_child
     if not in_child and needs_child(cfg.backend, backend, group):
         stats: ExtractStats = extract_in_child(config, shard=shard, progress=progress, stop=stop,
-                                               on_other_merge=on_other_merge, target=extract)
+                                               on_other_merge=on_other_merge, target=extract, validate=validate)
         return stats
     model_cfg, source = read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
     dims = dims_from_config_dict(model_cfg, source)
@@ -415,7 +451,8 @@ def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[Stag
         limit = min(cfg.batch_tokens, (backend.max_batch_tokens if backend else None) or cfg.batch_tokens)
         plan: _Plan = group.share(lambda: _make_plan(
             root, reader, shard, dims, limit, cfg, backend.max_batch_samples if backend else None, on_other_merge,
-            model=(model_cfg, source), gpu_plan=backend is None, config_path=config.path))
+            model=(model_cfg, source), gpu_plan=backend is None, config_path=config.path, layers=len(layers),
+            validate=_expected(dims, layers) if validate else None))
         if backend is None and not plan.todo:  # every sample left is longer than the context: nothing to load
             backend = _Idle()
         if backend is None:
@@ -424,7 +461,7 @@ def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[Stag
                                    mem_fraction_static=plan.mem_fraction)
         if group.writer:
             return _run_writer(config, shard, dims, layers, reader, root, plan, backend, progress, stop, rundir,
-                               disk_watch)
+                               disk_watch, started_at=started_at, model=(model_cfg, source))
         for _batch, ids, _masks in _batches_of_arrays(reader, plan.batches):
             backend.run(ids)
         return ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
@@ -436,34 +473,48 @@ def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[Stag
             group.close()
 
 
-def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers: tuple[int, int, int],
-                reader: TokenReader, root: Path, plan: _Plan, backend: ExtractBackend,
-                progress: Callable[[StageProgress], None] | None, stop: threading.Event | None,
-                rundir: RunDir, disk_watch: Any = None) -> ExtractStats:
-    cfg = config.extract
+def _log_plan(events: EventLog, plan: _Plan, stats: ExtractStats, shard: tuple[int, int],
+              layers: tuple[int, ...], dims: ModelDims) -> None:
+    """events.log's lines for what the plan found before any sample is written."""
     i, n = shard
-    entries: list[TokenEntry] = reader.entries
-    indices = _shard_indices(len(reader), shard)
-    stats = ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
-                         hidden_size=dims.hidden_size, layers=layers, shard=shard, compress=cfg.compress,
-                         samples=len(indices), tokens=sum(entries[k].length for k in indices),
-                         skipped_existing=plan.skipped_existing, draft_layer_ids=_draft_layer_ids(layers, dims),
-                         merge_id=_merge_id(root), claim_note=plan.note,
-                         too_long_samples=len(plan.too_long), too_long=plan.too_long, context=plan.context,
-                         format=cfg.format, dtype="fp8" if cfg.dtype == "fp8" else "bfloat16")
-    write, quant = _file_writer(cfg, layers, dims, stats)
-    if disk_watch is None:
-        from draftgen.core.extract.plan import DiskWatch
-        disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
-    events = EventLog(rundir.events_log)
     if plan.note:
         events.write("warn", f"extract: {plan.note}")
+    for bad in plan.redone:
+        events.write("warn", f"extract: --validate: {bad['path']} (sample {bad['index']}) removed, extracted again: "
+                             f"{bad['why']}")
     events.write("info", f"extract: {len(plan.todo):,} samples ({plan.tokens_todo:,} tokens) to do in shard {i}/{n}, "
                          f"{stats.skipped_existing:,} already written; layers {list(layers)}, H={dims.hidden_size}")
     for skip in plan.too_long:
         events.write("warn", f"extract: sample {skip['index']} (id {skip['id']}) has {skip['tokens']:,} tokens, more "
                              f"than the model's context of {plan.context:,} (max_position_embeddings, or "
                              f"extract.sglang.context_length): skipped, not written")
+
+
+def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers: tuple[int, ...],
+                reader: TokenReader, root: Path, plan: _Plan, backend: ExtractBackend,
+                progress: Callable[[StageProgress], None] | None, stop: threading.Event | None,
+                rundir: RunDir, disk_watch: Any = None, *, started_at: float | None = None,
+                model: tuple[dict[str, Any], str] | None = None) -> ExtractStats:
+    cfg = config.extract
+    entries: list[TokenEntry] = reader.entries
+    indices = _shard_indices(len(reader), shard)
+    stats = ExtractStats(model=cfg.model, backend=backend.description, num_layers=dims.num_layers,
+                         hidden_size=dims.hidden_size, layers=layers, shard=shard, compress=cfg.compress,
+                         samples=len(indices), tokens=sum(entries[k].length for k in indices),
+                         skipped_existing=plan.skipped_existing, draft_layer_ids=_draft_layer_ids(layers, dims),
+                         layer_set=layer_set_text(cfg.aux_layers), trainer_layer_ids=trainer_layer_ids(layers, dims),
+                         merge_id=_merge_id(root), claim_note=plan.note,
+                         too_long_samples=len(plan.too_long), too_long=plan.too_long, context=plan.context,
+                         max_disk_gb=cfg.max_disk_gb, budget_left=len(plan.budget_left),
+                         budget_left_bytes=plan.budget_left_bytes,
+                         budget_left_from=plan.budget_left[0] if plan.budget_left else None,
+                         redone=plan.redone, format=cfg.format, dtype="fp8" if cfg.dtype == "fp8" else "bfloat16")
+    write, quant = _file_writer(cfg, layers, dims, stats)
+    if disk_watch is None:
+        from draftgen.core.extract.plan import DiskWatch
+        disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
+    events = EventLog(rundir.events_log)
+    _log_plan(events, plan, stats, shard, layers, dims)
     reporter = _Reporter(progress, stats, backend.description, plan.tokens_todo)
     started = reporter.started
 
@@ -478,13 +529,13 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
             if stop is not None and stop.is_set():
                 stats.stopped = True
                 break
-            need = _bytes_needed(cfg, sum(len(x) for x in ids), len(ids), dims, len(layers) + 1)
+            need = bytes_needed(sum(len(x) for x in ids), len(ids), dims.hidden_size, len(layers), stored_dtype(cfg))
             if not disk_watch.wait_for(root, need, stop, log=warn):
                 stats.stopped = True
                 break
             outputs = backend.run(ids)
             items = [_checked(index, entries[index].id, torch.from_numpy(sample_ids), torch.from_numpy(mask),
-                              hidden, aux, dims, backend.description)
+                              hidden, aux, dims, backend.description, len(layers))
                      for index, sample_ids, mask, (hidden, aux) in zip(batch, ids, masks, outputs, strict=True)]
             del outputs  # the writer holds the batch now: its memory goes when its files are written
             pool.submit(items)  # the next forward overlaps these files; blocks while the writer is behind
@@ -509,13 +560,17 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
         stats.fp8_error = quant.to_dict() if quant is not None else None
     write_json_atomic(stats_path(root, shard), stats.to_dict())
+    _leave_provenance(config, root, stats, model, time.time() if started_at is None else started_at, events)
     _leave_handoff(config, events)
     if cfg.group_readable:
         _open_to_group(root)
     summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
                f"{stats.skipped_existing:,} already there"
+               + (f", {len(stats.redone):,} bad files redone (--validate)" if stats.redone else "")
                + (f", {stats.too_long_samples:,} longer than the context (skipped)" if stats.too_long_samples else "")
                + (f"; {speculators.describe(stats.fp8_error)}" if stats.fp8_error is not None else ""))
+    if stats.budget_left:
+        summary += "; " + budget_line(config, stats)
     events.write("info", f"extract: {'stopped' if stats.stopped else 'done'}: {summary}")
     events.close()
     if reporter is not None:
@@ -549,24 +604,64 @@ def _open_to_group(root: Path) -> None:
             os.chmod(path, mode | (GROUP_FILE_MODE & 0o070) | (0o010 if mode & 0o100 else 0))
 
 
+def _leave_provenance(config: Config, root: Path, stats: ExtractStats, model: tuple[dict[str, Any], str] | None,
+                      started_at: float, events: EventLog) -> None:
+    """hidden_states/provenance.json's record of this run (core/provenance.py); a failure is said, never fatal."""
+    from draftgen.core import provenance
+    from draftgen.core.extract.readback import format_name, stored_dtype
+    cfg = config.extract
+    i, n = stats.shard
+    try:
+        rec = provenance.record(
+            config, started_at,
+            inputs={"merge_id": stats.merge_id, "samples_sha256": _samples_sha256(root)},
+            model={"path": cfg.model, **provenance.model_config_digest(model)},
+            backend=stats.backend, layers=list(stats.layers), draft_layer_ids=stats.draft_layer_ids,
+            dtype=cfg.dtype, stored_dtype=stored_dtype(cfg), format=format_name(cfg), compress=cfg.compress,
+            shard=[i, n], written=stats.written, skipped_existing=stats.skipped_existing, stopped=stats.stopped,
+            redone=[b["index"] for b in stats.redone])
+        provenance.add(root, "extract" if (i, n) == (0, 1) else f"extract shard {i}/{n}", rec)
+    except (DraftgenError, OSError, ValueError, TypeError) as e:
+        events.write("warn", f"extract: {root / provenance.PROVENANCE_FILE} was not written: {e}")
+
+
+def _samples_sha256(root: Path) -> str:
+    from draftgen.core.tokens import identity
+    fp = identity.read_fingerprint(root / identity.HIDDEN_MERGE_FILE)
+    return fp.samples_sha256 if fp is not None else ""
+
+
 def _leave_handoff(config: Config, events: EventLog) -> None:
     """hidden_states/specforge.json, specforge-online.json and train-command.sh (handoff.py); a failure is
     said, never fatal."""
-    from draftgen.core.extract.handoff import make_handoff, write_handoff, write_online
+    from draftgen.core.extract.handoff import make_handoff, write_handoff, write_online, write_provenance
+    started_at = time.time()
     try:
         h = make_handoff(config)
-        write_handoff(h)
-        write_online(h)
+        written = [*write_handoff(h), write_online(h)]
         if config.extract.format == "speculators":
             from draftgen.core.extract import speculators_handoff
             speculators_handoff.write(config, max_length=h.max_length)
+        write_provenance(config, h, started_at, written)
     except (DraftgenError, OSError, ValueError) as e:
         events.write("warn", f"extract: the training hand-off (`draftgen train-command {sh_path(config.path)}`) was "
                              f"not written: {e}")
 
 
-def _draft_layer_ids(layers: tuple[int, int, int], dims: ModelDims) -> list[int] | None:
-    """The ids SGLang serves the draft with; None where SGLang cannot capture these layers."""
+def budget_line(config: Config, stats: ExtractStats) -> str:
+    """What extract.max_disk_gb left undone, and how to go on."""
+    return (f"stopped at the disk budget (extract.max_disk_gb = {stats.max_disk_gb:g}): {stats.budget_left:,} samples "
+            f"(from sample {stats.budget_left_from}, ~{fmt_bytes(stats.budget_left_bytes)} more) are left; raise "
+            f"extract.max_disk_gb by at least {stats.budget_left_bytes / 1e9:.3g} (or free space) and run "
+            f"`draftgen extract {sh_path(config.path)}` again: the files written are kept and skipped")
+
+
+def layer_set_text(aux_layers: str | list[int]) -> str:
+    return aux_layers if isinstance(aux_layers, str) else str(list(aux_layers))
+
+
+def _draft_layer_ids(layers: tuple[int, ...], dims: ModelDims) -> list[int] | None:
+    """The ids SGLang serves an EAGLE-3 draft with; None where SGLang cannot capture these layers."""
     from draftgen.core.extract.model_info import sglang_capture_ids
     try:
         return sglang_capture_ids(layers, dims)
@@ -594,20 +689,20 @@ def _nothing_to_do(config: Config, shard: tuple[int, int], samples: int,
                                rate_unit="tok/s", eta_s=0.0,
                                message=f"nothing to do: {there:,} files already there{skipped}"))
     return ExtractStats(model=cfg.model, backend="none (nothing to do)", num_layers=0, hidden_size=0,
-                        layers=(0, 0, 0), shard=shard, compress=cfg.compress, samples=samples,
+                        layers=(), shard=shard, compress=cfg.compress, samples=samples,
                         skipped_existing=there, nothing_to_do=True, merge_id=standing.current.merge_id,
                         format=cfg.format,
                         too_long_samples=len(too_long), too_long=too_long, context=context)
 
 
 def _checked(index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor,
-             aux: torch.Tensor, dims: ModelDims, source: str) -> Item:
-    """One sample's outputs for the writer, once their shapes are right."""
+             aux: torch.Tensor, dims: ModelDims, source: str, layers: int = 3) -> Item:
+    """One sample's outputs for the writer, once their shapes are right (aux: `layers` layers side by side)."""
     length = int(input_ids.shape[0])
     h = dims.hidden_size
-    if tuple(hidden.shape) != (length, h) or tuple(aux.shape) != (length, 3 * h):
+    if tuple(hidden.shape) != (length, h) or tuple(aux.shape) != (length, layers * h):
         raise DraftgenError(f"{source}: sample {index} gave hidden {tuple(hidden.shape)} and aux "
-                            f"{tuple(aux.shape)}, expected ({length}, {h}) and ({length}, {3 * h})")
+                            f"{tuple(aux.shape)}, expected ({length}, {h}) and ({length}, {layers * h})")
     return Item(index, sample_id, layout.SampleTensors(input_ids, loss_mask, hidden, aux))
 
 

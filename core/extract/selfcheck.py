@@ -374,7 +374,7 @@ def _check_model(result: SelfCheckResult, name: str, hf_config: Any, work: Path,
 
 def _compare(result: SelfCheckResult, label: str, samples: list[tuple[np.ndarray, np.ndarray]],
              batch_out: list[tuple[torch.Tensor, torch.Tensor]], alone_out: list[tuple[torch.Tensor, torch.Tensor]],
-             dims: ModelDims, layers: tuple[int, int, int], ref: Any, device: str, dtype: torch.dtype) -> None:
+             dims: ModelDims, layers: tuple[int, ...], ref: Any, device: str, dtype: torch.dtype) -> None:
     h = dims.hidden_size
     limit = thresholds(dtype)
     shapes_ok = all(tuple(hid.shape) == (len(ids), h) and tuple(aux.shape) == (len(ids), 3 * h)

@@ -17,9 +17,9 @@ How the library is driven (specforge/offline_capture/sglang.py and sglang_backen
   forward, it cannot be chunked) and our memory settings as extra ServerArgs; `torch_dtype` goes
   to `ServerArgs.dtype`, a string there ("bfloat16"), so we pass the string;
 - `set_capture_layers(ids, capture_method="eagle3")` hands the ids to the model's
-  `set_eagle3_layers_to_capture` (see model_info.sglang_capture_ids for SGLang's +1 rule);
+  `set_eagle3_layers_to_capture`, any number of ids (see model_info.sglang_capture_ids for SGLang's +1 rule);
 - `capture(input_ids=, attention_mask=, loss_mask=)` takes [B, W] tensors and returns
-  `hidden_states` [B, W, 3H] (aux, ascending layer order) and `last_hidden_states` [B, W, H]
+  `hidden_states` [B, W, K·H] (the K aux layers, ascending) and `last_hidden_states` [B, W, H]
   (after the final norm; SpecForge's logits processor skips lm_head). It makes one request per
   row from the whole row (the attention mask is not used to trim it) and concatenates the rows
   on a new batch dim, so rows must have one width: we right-pad (padding.right_pad) and cut each sample

@@ -55,8 +55,6 @@ PREFIX, SUFFIX = "hs_", ".safetensors"
 SCALES_KEY = "hidden_states_scales"
 FP8_MAX = 448.0            # torch.finfo(torch.float8_e4m3fn).max
 SCALE_FLOOR = 1e-12        # hs_connectors' clamp: an all-zero token keeps a usable scale
-HEADER_BYTES = 1024        # the safetensors header (JSON with three tensors and the metadata), rounded up
-TOKEN_ID_BYTES = 8         # int64
 
 
 def sample_path(root: Path, index: int) -> Path:
@@ -79,13 +77,6 @@ def existing_file(fmt: str, root: Path, index: int) -> Path | None:
 def vllm_layer_ids(layers: tuple[int, ...], num_layers: int) -> list[int]:
     """The k+1 slots in vLLM's numbering: each aux layer output k is vLLM's k + 1, the pre-norm last is N."""
     return [k + 1 for k in layers] + [num_layers]
-
-
-def bytes_per_token(dtype: str, hidden_size: int, slots: int) -> int:
-    """A token's bytes in one file: its id, its k+1 slots of H values (1 byte in FP8, 2 in bf16), its scale."""
-    if dtype == "fp8":
-        return TOKEN_ID_BYTES + slots * hidden_size + 4
-    return TOKEN_ID_BYTES + slots * hidden_size * 2
 
 
 def stacked(sample: SampleTensors) -> torch.Tensor:

@@ -11,7 +11,8 @@ money/     what it costs: `spend` (the spend ledger, spend.jsonl), `spend_file` 
 loop/      the run loop: `engine` (lifecycle and controls), `run_state` (`RunControl`, the run's one
            owner), `run_loop` (its parts, built once the run has opened), `context` (what every part
            reads, passed once), `opening` (what a run reads before its first request), `source` (where
-           a dataset's prompts come from), `admission` (each dataset's loop over its source), `request`
+           a dataset's prompts come from), `admission` (each dataset's loop over its source),
+           `concurrency` (its limit, which adapts to 429s), `request`
            (one request from its admission to its record), `room` (whether one more request fits),
            `dataset_run` (a dataset's counts),
            `record_book` (each dataset's records on disk), `prompts`, `duplicates`, `doubts`, `watch`

@@ -87,6 +87,8 @@ class DatasetSnapshot:
     concurrency: int = 0        # configured
     effective_concurrency: int = 0  # after 429 back-off
     tokens_used: int = 0        # completion tokens of answers (reasoning included)
+    prompt_tokens: int = 0      # prompt tokens of answers, as billed (usage.prompt_tokens), on disk
+    reasoning_tokens: int = 0   # of tokens_used, the reasoning's (usage's reasoning_tokens; 0 where not said)
     tokens_in_flight: int = 0   # expected tokens of requests in flight (counted against the budget)
     token_budget: int | None = None
     cost_usd: float = 0.0
@@ -98,6 +100,12 @@ class DatasetSnapshot:
     conversations_ended: int = 0    # ended early (a broken turn, a skip, an edited prompt file)
     turns_by_number: tuple[tuple[int, int], ...] = ()  # (answered, total) of turn 1, 2, ...
     last_conversation: tuple[str, ...] = ()  # the last one finished or ended: its id, then one line a turn
+    # Agent lines (OpenAI layout with tools, docs/multi-turn.md): a turn is a step (one assistant message).
+    tool_calls: int = 0             # answers that called tools
+    diverged: int = 0               # conversations ended by an answer that was not the dataset's next move
+    replayed: int = 0               # steps sent with a replayed tool result (tool_results = "replay")
+    tool_calls_by_number: tuple[int, ...] = ()  # answers that called tools at step 1, 2, ... (as turns_by_number)
+    diverged_by_number: tuple[int, ...] = ()    # conversations that diverged at step 1, 2, ...
 
 
 @dataclass(frozen=True)
@@ -323,6 +331,7 @@ class EventKind(StrEnum):
     MERGE_DONE = "merge_done"
     OVER_RESERVATION = "over_reservation"    # an attempt billed past its reservation (a provider's doing)
     PAST_CAP = "past_cap"                    # a provider ran an answer past max_tokens: cut, not kept
+    METRICS = "metrics"                      # the /metrics server ([monitor] metrics) and its address
     PAUSED = "paused"
     PENDING = "pending"                      # attempts of earlier runs not priced yet
     PRICES = "prices"

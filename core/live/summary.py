@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from draftgen.core.errors import EXIT_KEY_REFUSED, ExitCode
-from draftgen.core.live.snapshot import STAGE_NAMES, RunSnapshot, RunState, StageState
+from draftgen.core.live.snapshot import STAGE_NAMES, DatasetSnapshot, RunSnapshot, RunState, StageState
 from draftgen.core.records import ErrorKind
 from draftgen.core.units import clock, usd, usd_shown
 
@@ -187,6 +187,18 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     return out
 
 
+def agent_counts(d: DatasetSnapshot) -> str:
+    """An agent dataset's tool figures after its conversation counts ("" when it has none): answers that
+    called tools, conversations that diverged from the dataset (by the step they diverged at), steps sent
+    with a replayed tool result."""
+    if not (d.tool_calls or d.diverged or d.replayed):
+        return ""
+    at = ", ".join(f"t{k} {n:,}" for k, n in enumerate(d.diverged_by_number, 1) if n)
+    return (f"; {d.tool_calls:,} answers called tools, {d.diverged:,} conversations diverged"
+            + (f" (at {at})" if at else "") + (f", {d.replayed:,} steps sent with a replayed tool result"
+                                               if d.replayed else ""))
+
+
 def _conversation_lines(s: RunSnapshot) -> list[str]:
     """Under the rows: each turns = "all" dataset's counts are turns; its conversations beside them."""
     out = []
@@ -195,7 +207,7 @@ def _conversation_lines(s: RunSnapshot) -> list[str]:
             by_turn = ", ".join(f"t{k} {done:,}/{total:,}" for k, (done, total) in enumerate(d.turns_by_number[:8], 1))
             out += textwrap.wrap(f"{d.name}: counts are turns; {d.conversations_done:,}/{d.conversations:,} "
                                  f"conversations done, {d.conversations_ended:,} ended early"
-                                 + (f" (answered by turn: {by_turn})" if by_turn else ""),
+                                 + (f" (answered by turn: {by_turn})" if by_turn else "") + agent_counts(d),
                                  WIDTH, initial_indent="  ", subsequent_indent="    ")
     return out
 

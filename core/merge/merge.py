@@ -21,9 +21,13 @@ Output, in `<run>/merged/` (built in `merged.tmp-<pid>/` beside it and renamed i
     stats.json    kept and dropped (by reason) per dataset, tokens, cost, seed, input fingerprints
                   (costs from the spend ledger, spend.jsonl: the figures the run's views show); for
                   turns of multi-turn conversations, `by_turn` (per turn number: read, kept, dropped
-                  by reason) and `multi_turn`, the mode they were merged in
+                  by reason; for agent steps `diverged` and `replayed` lines, docs/multi-turn.md) and
+                  `multi_turn`, the mode they were merged in
     fingerprint.json  which merge this is (core/tokens/identity.py): the seed, the inputs and a
                   digest of the samples in order; extraction copies it beside the hidden states
+    provenance.json  what made it (core/provenance.py): the command line, draftgen's version and
+                  commit, the libraries' versions, the config's and prompt files' digests, the merge
+                  id, host, start and end times
 
 Turns of multi-turn conversations (a turns = "all" dataset): `[merge] multi_turn` "per_turn" keeps
 each turn as a sample of its own (id `<dataset>/<conversation>#t<k>`, its history + its answer, loss on
@@ -69,7 +73,16 @@ from draftgen.core.live.snapshot import StageProgress, StageState
 from draftgen.core.merge.inputs import DatasetInput, InputFingerprint, TokenRef, complete_lines
 from draftgen.core.merge.specforge import has_tool_calls, specforge_record
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
-from draftgen.core.merge.turns import TURN_REASONS, PendingTurn, add_turns, count_turn, resolve, sorted_turns, turn_of
+from draftgen.core.merge.turns import (
+    AGENT_FLAGS,
+    TURN_REASONS,
+    PendingTurn,
+    add_turns,
+    count_turn,
+    resolve,
+    sorted_turns,
+    turn_of,
+)
 from draftgen.core.quoting import sh_path
 from draftgen.core.records import Usage, same_model
 from draftgen.core.rundir import RunDir
@@ -191,7 +204,8 @@ def _drop_reason(record: dict[str, Any], ref: TokenRef | None,
         return "other_model", ()
     if record.get("truncated") or record.get("finish_reason") == "length" or (ref is not None and ref.truncated):
         return "truncated", ()
-    if record.get("empty_content") or not message_text(record.get("content")):
+    # An agent step that answers with tool calls only has no content: its calls are the answer.
+    if not record.get("tool_calls") and (record.get("empty_content") or not message_text(record.get("content"))):
         return "empty", ()
     if ref is None:
         return "not_reconstructed", ()
@@ -279,6 +293,7 @@ def merge(config: Config, progress: ProgressCallback | None = None, *,
 
 def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> MergeStats:
     started = time.monotonic()
+    started_at = time.time()
     inputs = [DatasetInput(root, ds.name) for ds in config.datasets]
     try:
         per_ds = [DatasetMergeStats(ds.name) for ds in config.datasets]
@@ -305,6 +320,7 @@ def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> M
             stats.merge_id = fp.merge_id
             identity.write_fingerprint(tmp / identity.FINGERPRINT_FILE, fp)
             (tmp / STATS_FILE).write_bytes(orjson.dumps(stats.to_json_dict(), option=orjson.OPT_INDENT_2) + b"\n")
+            _write_provenance(config, tmp, fp, started_at)  # inside the folder the switch puts in place
             fsync_tree(tmp)
         except OSError as e:
             raise disk_error(tmp, e) from e
@@ -312,6 +328,15 @@ def _merge_into(config: Config, root: Path, tmp: Path, reporter: _Reporter) -> M
     finally:
         for inp in inputs:
             inp.close()
+
+
+def _write_provenance(config: Config, tmp: Path, fp: identity.MergeFingerprint, started_at: float) -> None:
+    """merged/provenance.json (core/provenance.py): the command, versions, config and inputs of this merge."""
+    from draftgen.core import provenance
+    provenance.write_new(tmp, "merge", provenance.record(
+        config, started_at, inputs={"merge_id": fp.merge_id, "samples_sha256": fp.samples_sha256,
+                                    "responses": list(fp.inputs)},
+        seed=config.merge.seed, multi_turn=config.merge.multi_turn, samples=fp.samples, tokens=fp.tokens))
 
 
 def _hidden_states_guard(config: Config, root: Path, tmp: Path, replace: bool) -> str:
@@ -466,7 +491,7 @@ def _settle_turns(ds_index: int, pending: list[PendingTurn], multi_turn: str, se
         if p.reason is None and p.ref is not None:
             tools = tools or p.tools
             kept.append((ds_index, p.offset, p.length, p.ref.offset, p.ref.length, p.history))
-        count_turn(st.by_turn, p.turn, p.reason)
+        count_turn(st.by_turn, p.turn, p.reason, diverged=p.diverged, replayed=p.replayed)
         _tally(st, reporter, p.reason)
     return tools
 
@@ -490,7 +515,8 @@ def _pending(offset: int, length: int, found: tuple[str, int], reason: str | Non
              notes: tuple[str, ...], record: dict[str, Any], costs: dict[str, float]) -> PendingTurn:
     key = record_key(record) if reason is None else b""
     return PendingTurn(offset, length, found[0], found[1], reason, ref, notes, str(record["id"]), key,
-                       _cost(record, costs), has_tool_calls(record))
+                       _cost(record, costs), has_tool_calls(record), diverged=record.get("diverged") is True,
+                       replayed=record.get("tool_results") == "replayed")
 
 
 def _take(key: bytes, sample_id: str, cost: float, notes: tuple[str, ...], seen: _Seen,
@@ -607,11 +633,13 @@ def _turns_table(stats: MergeStats) -> Any:
     from rich.table import Table
     by_turn = stats.by_turn
     reasons = sorted({r for row in by_turn.values() for r in row["dropped"]}, key=DROP_REASONS.index)
+    flags = [f for f in AGENT_FLAGS if any(row.get(f) for row in by_turn.values())]  # agent steps only
     table = Table(title=escape(f"turns of conversations ([merge] multi_turn = \"{stats.multi_turn}\")"))
-    for col in ("turn", "read", "kept", *reasons):
+    for col in ("turn", "read", "kept", *reasons, *flags):
         table.add_column(col, justify="right")
     for k, row in by_turn.items():
-        table.add_row(k, f"{row['read']:,}", f"{row['kept']:,}", *(f"{row['dropped'].get(r, 0):,}" for r in reasons))
+        table.add_row(k, f"{row['read']:,}", f"{row['kept']:,}", *(f"{row['dropped'].get(r, 0):,}" for r in reasons),
+                      *(f"{row.get(f, 0):,}" for f in flags))
     return table
 
 

@@ -49,6 +49,8 @@ class PendingTurn:
     cost: float
     tools: bool
     history: tuple[tuple[int, int], ...] | None = None  # set on the turn that ends a per_conversation sample
+    diverged: bool = False      # an agent step whose answer was not the dataset's next move (its record's flag)
+    replayed: bool = False      # an agent step sent with a replayed tool result (`tool_results` "replayed")
 
 
 def turn_of(record: Mapping[str, Any]) -> tuple[str, int] | None:
@@ -99,14 +101,24 @@ def _one_sample(turns: list[PendingTurn]) -> None:
         end.history = end.ref.history if end.ref is not None else ()
 
 
-def count_turn(by_turn: dict[str, dict[str, Any]], turn: int, reason: str | None) -> None:
-    """Count one turn line under its turn number: read, and kept or dropped by `reason`."""
+# Agent steps' figures a turn row carries when any of its lines has them: read lines whose answer diverged
+# from the dataset (the conversation ended there), and lines sent with a replayed tool result.
+AGENT_FLAGS = ("diverged", "replayed")
+
+
+def count_turn(by_turn: dict[str, dict[str, Any]], turn: int, reason: str | None, *, diverged: bool = False,
+               replayed: bool = False) -> None:
+    """Count one turn line under its turn number: read, and kept or dropped by `reason`; an agent step's
+    `diverged` and `replayed` lines too (the keys only in rows that have them)."""
     row = by_turn.setdefault(str(turn), {"read": 0, "kept": 0, "dropped": {}})
     row["read"] += 1
     if reason is None:
         row["kept"] += 1
     else:
         row["dropped"][reason] = row["dropped"].get(reason, 0) + 1
+    for flag, on in zip(AGENT_FLAGS, (diverged, replayed), strict=True):
+        if on:
+            row[flag] = row.get(flag, 0) + 1
 
 
 def add_turns(total: dict[str, dict[str, Any]], by_turn: Mapping[str, Mapping[str, Any]]) -> None:
@@ -116,6 +128,9 @@ def add_turns(total: dict[str, dict[str, Any]], by_turn: Mapping[str, Mapping[st
         mine["kept"] += row["kept"]
         for reason, n in row["dropped"].items():
             mine["dropped"][reason] = mine["dropped"].get(reason, 0) + n
+        for flag in AGENT_FLAGS:
+            if row.get(flag):
+                mine[flag] = mine.get(flag, 0) + row[flag]
 
 
 def sorted_turns(by_turn: Mapping[str, Any]) -> dict[str, Any]:

@@ -86,6 +86,7 @@ class Kept:
     tokens: int
     # turns="all": each turn's prompt side (system + user turns 1..k) in tokens; else (tokens,): one request.
     turn_tokens: tuple[int, ...] = ()
+    tools: list[dict[str, Any]] | None = None  # an agent line's tools (written as the line's `tools`)
 
     @property
     def requests(self) -> int:
@@ -123,10 +124,19 @@ class BuildResult:
     suggested: int | None
 
 
-def prompt_tokens(tok: Any, template: Any, messages: list[dict[str, Any]]) -> int:
+def prompt_tokens(tok: Any, template: Any, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None = None) -> int:
     """Prompt tokens as the target sees them: the chat template through the generation prompt."""
     from draftgen.core.tokens.reconstruct import encode_segments
-    return len(encode_segments(tok, template.render(messages, None, "").prompt))
+    return len(encode_segments(tok, template.render(messages, None, "", tools=tools).prompt))
+
+
+def step_prompt_tokens(tok: Any, template: Any, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None) -> tuple[int, ...]:
+    """Each step's prompt of an agent line: its tools and the messages before its k-th assistant
+    message, through the generation prompt (the dataset's answers standing in for the target's)."""
+    steps = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return tuple(prompt_tokens(tok, template, messages[:i], tools) for i in steps)
 
 
 def turn_prompt_tokens(tok: Any, template: Any, messages: list[dict[str, Any]]) -> tuple[int, ...]:
@@ -169,7 +179,7 @@ def _select(source: Source, opts: BuildOptions, stats: SourceStats, exact: set[b
         if opts.n is not None and len(kept) >= opts.n:
             break
         try:
-            messages = presets.to_messages(row, mapping)
+            messages, tools = presets.to_line(row, mapping)
         except ValueError as e:
             stats.dropped["unusable"] += 1
             stats.example_unusable = stats.example_unusable or f"row {index}: {e}"
@@ -186,7 +196,10 @@ def _select(source: Source, opts: BuildOptions, stats: SourceStats, exact: set[b
             stats.dropped["duplicate_normalised"] += 1
             continue
         try:
-            per_turn = turn_prompt_tokens(opts.tokenizer, opts.template, messages) if opts.turns == "all" else ()
+            if any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+                per_turn = step_prompt_tokens(opts.tokenizer, opts.template, messages, tools)
+            else:
+                per_turn = turn_prompt_tokens(opts.tokenizer, opts.template, messages) if opts.turns == "all" else ()
             tokens = per_turn[-1] if per_turn else prompt_tokens(opts.tokenizer, opts.template, messages)
         except DraftgenError as e:  # a prompt the template cannot render would fail at run time too
             stats.dropped["unusable"] += 1
@@ -200,7 +213,7 @@ def _select(source: Source, opts: BuildOptions, stats: SourceStats, exact: set[b
             continue
         exact.add(ek)
         norm.add(nk)
-        kept.append(Kept(f"{source.name}:{source.split}:{index}", messages, tokens, per_turn))
+        kept.append(Kept(f"{source.name}:{source.split}:{index}", messages, tokens, per_turn, tools))
     kept.sort(key=lambda k: int(k.id.rsplit(":", 1)[1]))  # file order follows the dataset, not the draw
     stats.kept = len(kept)
     return kept
@@ -222,7 +235,10 @@ def _write_jsonl(path: Path, prompts: Sequence[Kept]) -> None:
     try:
         with open(tmp, "wb") as f:
             for k in prompts:
-                f.write(orjson.dumps({"id": k.id, "messages": k.messages}) + b"\n")
+                line: dict[str, Any] = {"id": k.id, "messages": k.messages}
+                if k.tools:
+                    line["tools"] = k.tools
+                f.write(orjson.dumps(line) + b"\n")
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)

@@ -5,7 +5,13 @@ Only the prompt side is kept; the dataset's own answers are dropped (the target 
 - `openai`: a `messages` list of `{role, content}`;
 - `instruction`: `instruction` plus an optional `input` (Alpaca and its descendants), joined by a
   blank line; `output` is dropped;
-- `text`: one text column sent as the user message.
+- `text`: one text column sent as the user message;
+- `trajectory`: a `trajectory` list of agent turns (SWE-agent's `{role, text}`, or OpenAI messages).
+
+With `turns="all"`, a conversation with a tool loop (assistant `tool_calls`, `tool` results, ShareGPT
+`function_call`/`observation` turns) is kept whole in the OpenAI layout through its last assistant
+message, with the row's `tools` column as its `tools` (core/promptsets/agents.py): every assistant
+message is then a step the target answers. Other `turns` keep cutting it before its first tool turn.
 
 For conversations, `turns="first"` keeps a leading system turn and the first user turn (the
 dataset's later turns were answered by another model); `turns="last"` keeps everything up to the
@@ -28,9 +34,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from draftgen.core.errors import DraftgenError
-from draftgen.core.generate.loop.prompts import parse_turns
+from draftgen.core.generate.loop.prompts import TOOL_ROLES, parse_turns
+from draftgen.core.promptsets import agents
 
-PRESETS = ("sharegpt", "openai", "instruction", "text")
+PRESETS = ("sharegpt", "openai", "instruction", "text", "trajectory")
 # Column names a `text` preset looks for, in this order, when no column is named.
 TEXT_COLUMNS = ("prompt", "question", "problem", "query", "instruction", "input", "text")
 
@@ -48,6 +55,7 @@ class FieldMapping:
     system: str | None = None   # an optional system-prompt column
     turns: Literal["first", "last", "all"] = "first"
     max_turns: int | None = None  # turns="all": user turns kept per conversation at most
+    tools: str | None = None    # conversations: the column of the line's tool schemas (agent lines)
 
     def describe(self) -> str:
         extra = "".join(f", {k}={v}" for k, v in (("input", self.input), ("system", self.system)) if v)
@@ -62,9 +70,9 @@ def parse_mapping(text: str) -> dict[str, str]:
         key, column = key.strip(), column.strip()
         if not sep or not key or not column:
             raise MappingError(f"--map {text!r}: expected KEY=COLUMN[,KEY=COLUMN], e.g. prompt=question,system=sys")
-        if key not in ("prompt", "input", "system", "messages", "conversations"):
+        if key not in ("prompt", "input", "system", "messages", "conversations", "tools"):
             raise MappingError(f"--map {text!r}: unknown key {key!r} (known: prompt, input, system, messages, "
-                               f"conversations)")
+                               f"conversations, tools)")
         out[key] = column
     return out
 
@@ -94,7 +102,9 @@ def _resolve(columns: Sequence[str], *, preset: str | None, mapping: Mapping[str
             raise MappingError(f"{label}: --map names both messages and conversations; use one")
         system = _need(cols, mapping["system"], label) if "system" in mapping else None
         if lists:
-            return FieldMapping("conversations", _need(cols, mapping[lists[0]], label), system=system, turns=turns)
+            tools = _need(cols, mapping["tools"], label) if "tools" in mapping else None
+            return FieldMapping("conversations", _need(cols, mapping[lists[0]], label), system=system, turns=turns,
+                                tools=tools)
         if "prompt" not in mapping:
             raise MappingError(f"{label}: --map needs prompt=COLUMN (or messages=/conversations=COLUMN)")
         inp = _need(cols, mapping["input"], label) if "input" in mapping else None
@@ -102,12 +112,16 @@ def _resolve(columns: Sequence[str], *, preset: str | None, mapping: Mapping[str
     if preset is None or preset == "auto":
         preset = detect(cols, label)
     system = "system" if "system" in cols else None
+    tools = "tools" if "tools" in cols else None
     if preset == "sharegpt":
         return FieldMapping("conversations", _need(cols, "conversations", f"{label} (preset sharegpt)"),
-                            system=system, turns=turns)
+                            system=system, turns=turns, tools=tools)
     if preset == "openai":
         return FieldMapping("conversations", _need(cols, "messages", f"{label} (preset openai)"),
-                            system=system, turns=turns)
+                            system=system, turns=turns, tools=tools)
+    if preset == "trajectory":
+        return FieldMapping("conversations", _need(cols, "trajectory", f"{label} (preset trajectory)"),
+                            system=system, turns=turns, tools=tools)
     if preset == "instruction":
         return FieldMapping("instruction", _need(cols, "instruction", f"{label} (preset instruction)"),
                             input="input" if "input" in cols else None, system=system)
@@ -126,16 +140,14 @@ def detect(columns: Sequence[str], label: str = "dataset") -> str:
         return "sharegpt"
     if "messages" in columns:
         return "openai"
+    if "trajectory" in columns:
+        return "trajectory"
     if "instruction" in columns:
         return "instruction"
     if any(c in columns for c in TEXT_COLUMNS):
         return "text"
     raise MappingError(f"{label}: cannot tell the layout from the columns ({', '.join(columns)}); choose "
                        f"--preset or name the columns with --map prompt=COLUMN")
-
-
-# Roles of a tool result turn in the layouts seen (OpenAI `tool`/`function`, ShareGPT agent traces).
-TOOL_ROLES = ("tool", "function", "observation", "ipython")
 
 
 def before_tools(raw: Any) -> Any:
@@ -151,14 +163,28 @@ def before_tools(raw: Any) -> Any:
     return raw
 
 
-def _turns(raw: Any, column: str, turns: str, max_turns: int | None = None) -> list[dict[str, str]]:
-    if turns == "all":
-        cut = before_tools(raw)
-        if isinstance(raw, list) and not cut:
-            raise ValueError(f"`{column}` is empty" if not raw else
-                             f"`{column}` has no user turn before its first tool turn")
-        raw = cut
-    out = parse_turns(raw, column)
+def _agent_turns(raw: Any, column: str, max_turns: int | None) -> list[dict[str, Any]]:
+    """A tool-loop conversation whole, in OpenAI layout (at most `max_turns` user turns)."""
+    out = agents.agent_messages(raw, column)
+    if max_turns is not None:
+        users = [i for i, t in enumerate(out) if t["role"] == "user"]
+        if len(users) > max_turns:
+            out = out[:users[max_turns]]
+            last = max(i for i, t in enumerate(out) if t["role"] == "assistant")
+            out = out[:last + 1]
+    return out
+
+
+def _turns(raw: Any, column: str, turns: str, max_turns: int | None = None) -> list[dict[str, Any]]:
+    raw = agents.swe_agent_turns(raw, column)
+    if turns == "all" and agents.is_agent(raw):
+        return _agent_turns(raw, column, max_turns)
+    cut = before_tools(raw)
+    if isinstance(raw, list) and raw and not cut:
+        raise ValueError(f"`{column}` has no user turn before its first tool turn")
+    if turns == "all" and isinstance(raw, list) and not raw:
+        raise ValueError(f"`{column}` is empty")
+    out = parse_turns(cut, column)
     users = [i for i, t in enumerate(out) if t["role"] == "user"]
     if not users:
         raise ValueError(f"`{column}` has no user turn")
@@ -170,8 +196,15 @@ def _turns(raw: Any, column: str, turns: str, max_turns: int | None = None) -> l
     return out[: users[-1] + 1]
 
 
-def to_messages(row: Mapping[str, Any], m: FieldMapping) -> list[dict[str, str]]:
-    """The prompt messages of one row (prompt side only), or ValueError saying what is wrong."""
+def to_line(row: Mapping[str, Any], m: FieldMapping) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages of one row and, for an agent line (one with tool calls), its `tools`."""
+    messages = to_messages(row, m)
+    agent = any(t.get("tool_calls") or t["role"] == "tool" for t in messages)
+    return messages, agents.parse_tools(row.get(m.tools), m.tools) if agent and m.tools else None
+
+
+def to_messages(row: Mapping[str, Any], m: FieldMapping) -> list[dict[str, Any]]:
+    """The prompt messages of one row (prompt side only, or an agent line whole), or ValueError."""
     if m.kind == "conversations":
         messages = _turns(row.get(m.column), m.column, m.turns, m.max_turns)
     else:

@@ -57,6 +57,7 @@ class Pipeline:
                              rundir=self.rundir, redact=self._redact)
         self.control = self.engine.control  # the run's state and how it ended (core/generate/loop/run_state.py)
         self._attach: Any = None
+        self._metrics: Any = None  # core/live/metrics.py MetricsServer with [monitor] metrics
         self._run_lock: RunLock | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.stages = StageRows()  # the stages panel's rows: their one owner (core/run/stage_rows.py)
@@ -87,6 +88,7 @@ class Pipeline:
         try:
             await self._start()
         except BaseException:
+            await self._close_metrics()
             self._run_lock.release()  # not started: another run or command may use the directory
             self._run_lock = None
             raise
@@ -95,6 +97,7 @@ class Pipeline:
         self.events.open_log(EventLog(self.rundir.events_log))
         await asyncio.to_thread(self.timeline.load)
         self.timeline.start(self._totals())
+        await self._serve_metrics()
         if self._serve_attach:
             from draftgen.core.live.attach import AttachServer
             self._attach = AttachServer(self.hub, self.rundir.socket, on_warning=lambda message: self.emit(
@@ -113,11 +116,29 @@ class Pipeline:
         if self._attach is not None:
             await self._attach.close()
             self._attach = None
+        await self._close_metrics()
         self.events.close()
         self.timeline.close()
         if self._run_lock is not None:
             self._run_lock.release()
             self._run_lock = None
+
+    async def _serve_metrics(self) -> None:
+        """[monitor] metrics: /metrics served from the hub's latest snapshot (docs/metrics.md), bound here,
+        before any request is sent: a port in use stops the run with the key named."""
+        address = self.config.monitor.metrics_address()
+        if address is None:
+            return
+        from draftgen.core.live.metrics import MetricsServer
+        server = MetricsServer(lambda: self.hub.latest, *address, where=str(self.config.path))
+        await server.start()
+        self._metrics = server
+        self.emit(snap.Level.INFO, snap.EventKind.METRICS, f"metrics: serving {server.url}")
+
+    async def _close_metrics(self) -> None:
+        if self._metrics is not None:
+            await self._metrics.close()
+            self._metrics = None
 
     @property
     def exit_code(self) -> int:

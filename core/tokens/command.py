@@ -62,19 +62,7 @@ def _tokens(config: Config) -> int:
                       f"{r.share_exact:.1%}" if counted else "-", end_section=i == len(reports) - 1)
     console.print(table)
     for r in reports:
-        failed = ", ".join(f"{c} {r.failures[c]:,}" for c in CHECKS if r.failures.get(c))
-        if failed:
-            console.print(f"{escape(r.name)}: failed checks: {failed}")
-        prompt = r.prompt
-        if prompt.n:
-            console.print(f"{escape(r.name)}: prompt tokens equal to usage.prompt_tokens in {prompt.share_exact:.1%} "
-                          f"of {prompt.n:,} ({r.prompt_mismatches:,} differ)")
-        if r.prompt_from_backend:
-            console.print(f"{escape(r.name)}: {r.prompt_ids_line()}")
-        dropped = ", ".join(f"{k} {n:,}" for k, n in sorted(r.dropped.items()) if n) or "nothing"
-        noted = ", ".join(f"{k} {n:,}" for k, n in sorted(r.noted.items()) if n)
-        console.print(f"{escape(r.name)}: the sample policy keeps {r.kept:,}" + (f" ({noted})" if noted else "")
-                      + f", drops {dropped}")
+        _print_dataset(console, r)
     named = {p: a for p, a in total.providers.items() if a.answers}
     if named:
         per = Table(title="agreement per provider", caption=PROVIDER_CAPTION, box=None, header_style="bold")
@@ -98,3 +86,23 @@ def _tokens(config: Config) -> int:
     console.print("Δ = reconstructed answer tokens - billed completion_tokens. Reports: "
                   f"{escape(str(RunDir(config.run_dir).root))}/<dataset>/tokens/{REPORT_FILE}")
     return 0
+
+
+def _print_dataset(console: Any, r: ValidationReport) -> None:
+    """One dataset's failed checks, prompt agreement, tool-call ids and sample policy."""
+    from rich.markup import escape
+    failed = ", ".join(f"{c} {r.failures[c]:,}" for c in CHECKS if r.failures.get(c))
+    if failed:
+        console.print(f"{escape(r.name)}: failed checks: {failed}")
+    prompt = r.prompt
+    if prompt.n:
+        console.print(f"{escape(r.name)}: prompt tokens equal to usage.prompt_tokens in {prompt.share_exact:.1%} "
+                      f"of {prompt.n:,} ({r.prompt_mismatches:,} differ)")
+    if r.prompt_from_backend:
+        console.print(f"{escape(r.name)}: {r.prompt_ids_line()}")
+    if tools_line := r.tool_ids_line():  # provider names come from the records: controls escaped
+        console.print(f"{escape(r.name)}: {escape(visible(tools_line))}")
+    dropped = ", ".join(f"{k} {n:,}" for k, n in sorted(r.dropped.items()) if n) or "nothing"
+    noted = ", ".join(f"{k} {n:,}" for k, n in sorted(r.noted.items()) if n)
+    console.print(f"{escape(r.name)}: the sample policy keeps {r.kept:,}" + (f" ({noted})" if noted else "")
+                  + f", drops {dropped}")

@@ -50,8 +50,10 @@ class Tokenizer(Protocol):
     @property
     def has_chat_template(self) -> bool: ...
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
-        """The tokenizer's own chat template rendered as text; TokenizerError when it has none."""
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                    tools: list[Any] | None = None) -> str:
+        """The tokenizer's own chat template rendered as text (`tools`: the request's function schemas,
+        passed to the template as `tools`); TokenizerError when it has none."""
 
 
 class _SpecialTable:
@@ -83,14 +85,15 @@ class _ChatTemplateText:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                    tools: list[Any] | None = None) -> str:
         if self._template is None:
             raise TokenizerError(f"tokenizer {self._name}: has no chat template "
                                  f"(no chat_template.jinja and no chat_template in tokenizer_config.json)")
         # Imported here: transformers takes seconds to import and only `auto` templates need it.
         from transformers.utils.chat_template_utils import render_jinja_template
         try:
-            rendered = render_jinja_template(conversations=[messages], chat_template=self._template,
+            rendered = render_jinja_template(conversations=[messages], tools=tools, chat_template=self._template,
                                              add_generation_prompt=add_generation_prompt, **self._variables)
         except Exception as e:  # a template error is the user's template, shown as such
             raise TokenizerError(f"tokenizer {self._name}: its chat template failed: {e}") from e
@@ -212,10 +215,12 @@ class TransformersTokenizer(_SpecialTable):
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                    tools: list[Any] | None = None) -> str:
         if not self.has_chat_template:
             raise TokenizerError(f"tokenizer {self.name}: has no chat template")
         try:
-            return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self._tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
         except Exception as e:
             raise TokenizerError(f"tokenizer {self.name}: its chat template failed: {e}") from e

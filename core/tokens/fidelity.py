@@ -6,7 +6,9 @@ the share of exact counts, the mean and p99 |difference|, and, where the server 
 ids, how many equal the reconstruction. The prompt's agreement is also kept per turn number of a
 multi-turn dataset (`prompt_turns`, a `TurnFigures` per turn): the history each turn sends back is
 rendered by the template's history rule, and turn k's prompt counts agreeing is what proves that
-rendering is the server's. A provider serving another quantization or tokenizer shows
+rendering is the server's. Answers that call tools are counted too (`tool_answers`), and those whose
+call ids are not the model's own `functions.NAME:IDX` (`foreign_ids`: the provider rewrote them, so
+the rendered answer is not what the model generated). A provider serving another quantization or tokenizer shows
 up as counts that disagree where the others agree: `flag_providers` names it, with the
 `[request.provider] ignore` line that keeps future requests away from it and the `[merge]
 exclude_providers` line that leaves its answers already paid for out of the training set.
@@ -133,9 +135,12 @@ class Agreement:
     backend: int = 0                                              # answers that came with the server's ids
     backend_match: int = 0                                        # ... equal to the reconstruction
     prompt_turns: dict[int, dict[int, int]] = field(default_factory=dict)  # turn number -> prompt_diffs
+    tool_answers: int = 0                                         # answers that called tools
+    foreign_ids: int = 0                                          # ... whose call ids are not the model's shape
 
     def add(self, count_diff: int | None, billed: int | None, prompt_diff: int | None, *,
-            backend: bool = False, backend_match: bool = False, turn: int | None = None) -> None:
+            backend: bool = False, backend_match: bool = False, turn: int | None = None,
+            tool_calls: int = 0, foreign_ids: bool = False) -> None:
         if count_diff is not None:
             self.diffs[count_diff] = self.diffs.get(count_diff, 0) + 1
             self.billed += int(billed or 0)
@@ -144,6 +149,8 @@ class Agreement:
         add_turn(self.prompt_turns, turn, prompt_diff)
         self.backend += backend
         self.backend_match += backend and backend_match
+        self.tool_answers += tool_calls > 0
+        self.foreign_ids += foreign_ids
 
     def merge(self, other: Agreement) -> None:
         _add(self.diffs, other.diffs)
@@ -152,6 +159,8 @@ class Agreement:
         self.backend += other.backend
         self.backend_match += other.backend_match
         merge_turns(self.prompt_turns, other.prompt_turns)
+        self.tool_answers += other.tool_answers
+        self.foreign_ids += other.foreign_ids
 
     @property
     def answer(self) -> Figures:
@@ -175,7 +184,9 @@ class Agreement:
                 "prompt": {**self.prompt.to_dict(),
                            "histogram": {str(d): self.prompt_diffs[d] for d in sorted(self.prompt_diffs)}},
                 "billed": self.billed, "backend_ids": self.backend, "backend_match": self.backend_match,
-                **({"prompt_by_turn": turns_to_dict(self.prompt_turns)} if self.prompt_turns else {})}
+                **({"prompt_by_turn": turns_to_dict(self.prompt_turns)} if self.prompt_turns else {}),
+                **({"tool_answers": self.tool_answers, "foreign_tool_call_ids": self.foreign_ids}
+                   if self.tool_answers else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Agreement:
@@ -184,7 +195,8 @@ class Agreement:
             return {int(k): int(v) for k, v in h.items()}
         return cls(hist(data.get("answer")), int(data.get("billed") or 0), hist(data.get("prompt")),
                    int(data.get("backend_ids") or 0), int(data.get("backend_match") or 0),
-                   turns_from_dict(data.get("prompt_by_turn")))
+                   turns_from_dict(data.get("prompt_by_turn")), int(data.get("tool_answers") or 0),
+                   int(data.get("foreign_tool_call_ids") or 0))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ SpecForge's reader walks the hidden-states folder and keeps the files ending in 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from dataclasses import asdict, dataclass, field
@@ -82,9 +83,6 @@ def samples_digest(reader: TokenReader) -> tuple[str, int]:
     return h.hexdigest(), tokens
 
 
-_DIGESTS: dict[tuple[Any, ...], tuple[str, int]] = {}
-
-
 def _folder_key(folder: Path) -> tuple[Any, ...] | None:
     try:
         stats = [os.stat(folder / name) for name in (INDEX_FILE, IDS_FILE, MASK_FILE)]
@@ -93,16 +91,19 @@ def _folder_key(folder: Path) -> tuple[Any, ...] | None:
     return (str(folder.resolve()), *((s.st_ino, s.st_size, s.st_mtime_ns) for s in stats))
 
 
-def folder_digest(folder: Path, reader: TokenReader | None = None) -> tuple[str, int]:
+def folder_digest(folder: Path) -> tuple[str, int]:
     """samples_digest of `folder`, remembered while its three files are unchanged (a merge replaces them)."""
     key = _folder_key(folder)
-    if key is not None and key in _DIGESTS:
-        return _DIGESTS[key]
-    digest = samples_digest(reader if reader is not None else TokenReader(folder))
-    if key is not None:
-        _DIGESTS.clear()  # one folder at a time is all anyone asks about
-        _DIGESTS[key] = digest
-    return digest
+    if key is None:
+        return samples_digest(TokenReader(folder))
+    return _digest_of(key)
+
+
+@functools.lru_cache(maxsize=1)  # one folder at a time is all anyone asks about
+def _digest_of(key: tuple[Any, ...]) -> tuple[str, int]:
+    """samples_digest of the folder `key` names (its resolved path, then its three files' inode, size and
+    mtime): keyed by the content, so a folder changed since is read again."""
+    return samples_digest(TokenReader(Path(key[0])))
 
 
 def read_fingerprint(path: Path) -> MergeFingerprint | None:

@@ -21,6 +21,10 @@ the provider. This policy turns them into keep or drop, with the cause:
                  likewise its prompt ids (`matches_backend_prompt`: they are what the model saw), and
                  a stored text its ids do not decode to (`text_matches_ids`: the server's parser
                  rewrote the text; noted "text_rewritten").
+    tool ids     an answer's tool calls rendered from ids that are not the model's own shape
+                 (`tool_call_ids`: a provider rewrote `functions.NAME:IDX` to `call_…`): the sample's
+                 ids are not what the model generated. Dropped as "foreign_tool_call_id" while
+                 drop_foreign_tool_call_ids is set (else kept, noted "foreign_tool_call_id").
     provider     answers of a provider in [merge] exclude_providers are dropped as "provider_excluded".
     model        the merge drops an answer whose `model` is not `[api] model` (core/records.py same_model)
                  as "other_model", whichever run wrote it (`model`: the model asked, from the config).
@@ -45,10 +49,11 @@ from draftgen.core.tokens.fidelity import UNKNOWN
 
 STRUCTURAL = ("renders", "one_think_close", "no_think_open", "ends_with_eot", "round_trip")
 # Checks that measure a difference rather than a broken structure: judged by size, never dropped as invalid.
-MEASURES = frozenset({"token_count", "matches_backend", "matches_backend_prompt", "text_matches_ids"})
+MEASURES = frozenset({"token_count", "matches_backend", "matches_backend_prompt", "text_matches_ids",
+                      "tool_call_ids"})
 # Kept samples noted by what differed (stats.json "kept_noted").
 NOTES = ("count_split", "prompt_mismatch", "backend_mismatch", "backend_prompt_mismatch", "text_rewritten",
-         "source_flagged")
+         "source_flagged", "foreign_tool_call_id")
 
 
 def provider_key(name: Any) -> str:
@@ -100,6 +105,11 @@ class SamplePolicy:
         if failed - MEASURES:  # the structural checks, and any check this policy does not know
             return SampleVerdict(False, "invalid")
         notes = []
+        # Before the counts: rewritten call ids change the answer's length too, and they are the cause.
+        if "tool_call_ids" in failed:
+            if self.limits.drop_foreign_tool_call_ids:
+                return SampleVerdict(False, "foreign_tool_call_id")
+            notes.append("foreign_tool_call_id")
         if count_diff is not None and abs(count_diff) > self.count_tolerance:
             if abs(count_diff) > self.count_limit(billed):
                 return SampleVerdict(False, "count_mismatch")
@@ -136,4 +146,5 @@ class SamplePolicy:
                 "prompt_tolerance": v.prompt_tolerance, "drop_prompt_mismatch": v.drop_prompt_mismatch,
                 "exclude_providers": sorted(self.exclude_providers), "structural_checks": list(STRUCTURAL),
                 "min_exact_share": v.min_exact_share, "drop_flagged_sources": v.drop_flagged_sources,
+                "drop_foreign_tool_call_ids": v.drop_foreign_tool_call_ids,
                 "model": self.model}

@@ -20,6 +20,11 @@ segment as ordinary text and insert each special token by id, then check the ans
     matches_backend  the server's own completion ids equal the reconstruction, id for id
     matches_backend_prompt  the server's own prompt ids (`prompt_token_ids`) equal the rendered prompt
                      (the template's render through the generation prompt), id for id
+    tool_call_ids    an answer that calls tools, rendered from its text (no server ids): every call's
+                     `id` has the shape the model itself writes, `functions.{name}:{index}` with the
+                     call's own function name. A provider that rewrites it (`call_…`) or drops it
+                     hands back another text than the model generated, so the rendered ids are not
+                     the model's (core/tokens/policy.py drops the sample unless told to keep it)
 
 Beside the checks, the prompt: its token count (everything before the answer span, the generation
 prompt's `<think>` included) against the provider's `usage.prompt_tokens`, kept as `prompt_diff`.
@@ -62,7 +67,7 @@ from draftgen.core.tokens.template import ChatTemplate, RenderedChat, Segment
 from draftgen.core.tokens.tokenizer import Tokenizer
 
 CHECKS = ("renders", "one_think_close", "no_think_open", "ends_with_eot", "round_trip", "token_count",
-          "matches_backend", "matches_backend_prompt", "text_matches_ids")
+          "matches_backend", "matches_backend_prompt", "text_matches_ids", "tool_call_ids")
 DEFAULT_COUNT_TOLERANCE = 2
 SOURCES = ("reconstructed", "backend")
 PROMPT_SOURCES = ("rendered", "backend")
@@ -91,6 +96,7 @@ class Reconstruction:
     # header through their end-of-turn token (RenderedChat.history_turns); () when the prompt holds
     # none, or is the server's and differs from the rendering (the positions are not known then).
     history_spans: tuple[tuple[int, int], ...] = ()
+    tool_calls: int = 0                      # calls in the answer (tool_call_ids applies when > 0)
 
     @property
     def valid(self) -> bool:
@@ -105,6 +111,7 @@ class Reconstruction:
                 "billed_prompt_tokens": self.billed_prompt_tokens, "prompt_diff": self.prompt_diff,
                 "provider": self.provider, "prompt_source": self.prompt_source,
                 **({"turn": self.turn} if self.turn is not None else {}),
+                **({"tool_calls": self.tool_calls} if self.tool_calls else {}),
                 **({"history_spans": [list(s) for s in self.history_spans]} if self.history_spans else {})}
 
     @property
@@ -178,23 +185,40 @@ def _check_think_tags(checks: dict[str, bool], tok: Tokenizer, rendered: Rendere
                                    and rendered.think_open not in body_text)
 
 
+def model_call_id(call: Any) -> bool:
+    """Whether a tool call's `id` has the shape Kimi-K2 generates: `functions.{name}:{index}`, `name`
+    the call's own function name (vLLM's and SGLang's kimi_k2 tool parsers read it back that way)."""
+    if not isinstance(call, Mapping):
+        return False
+    fn = call.get("function")
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    call_id = call.get("id")
+    if not isinstance(name, str) or not isinstance(call_id, str):
+        return False
+    prefix = f"functions.{name}:"
+    return call_id.startswith(prefix) and call_id[len(prefix):].isascii() and call_id[len(prefix):].isdigit()
+
+
 def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str, Any]], reasoning: str | None,
                 content: str | None, *, billed_tokens: int | None = None, backend_ids: Sequence[int] | None = None,
                 truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None,
                 count_tolerance: int = DEFAULT_COUNT_TOLERANCE, verify_decode: bool = False,
                 billed_prompt_tokens: int | None = None, provider: str | None = None,
-                backend_prompt_ids: Sequence[int] | None = None, turn: int | None = None) -> Reconstruction:
+                backend_prompt_ids: Sequence[int] | None = None, turn: int | None = None,
+                tools: list[Any] | None = None) -> Reconstruction:
     """Token ids, loss mask and validation of one answer to `messages`.
 
     `verify_decode`: decode the span for `round_trip` even where the tokenizer is known lossless.
     `billed_prompt_tokens`: the provider's `usage.prompt_tokens`, compared with the rendered prompt.
     `backend_prompt_ids`: the server's own prompt ids, compared with the rendered prompt (and used).
     `turn`: the turn number of a multi-turn record, kept for the per-turn figures.
+    `tools`: the function schemas the request sent (the template declares them before the messages).
     """
     source = "backend" if backend_ids is not None else "reconstructed"
     billed = int(billed_tokens) if billed_tokens is not None else None
     try:
-        rendered = template.render(messages, reasoning, content or "", truncated=truncated, tool_calls=tool_calls)
+        rendered = template.render(messages, reasoning, content or "", truncated=truncated, tool_calls=tool_calls,
+                                   tools=tools)
         starts: list[int] | None = [] if rendered.history_turns else None
         prompt_ids = encode_segments(tok, rendered.prompt, starts)
         answer_ids = encode_segments(tok, rendered.answer)
@@ -261,13 +285,17 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
             checks["text_matches_ids"] = text == answer_text
     if prompt_match is not None:
         checks["matches_backend_prompt"] = prompt_match
+    if tool_calls and span is answer_ids:
+        # Rendered from the stored calls: their ids are in the span, so they must be the model's own.
+        checks["tool_call_ids"] = all(model_call_id(c) for c in tool_calls)
 
     loss_mask = np.zeros(input_ids.shape[0], dtype=np.uint8)
     loss_mask[start - mask_tail:end] = 1
     billed_prompt = int(billed_prompt_tokens) if billed_prompt_tokens else None  # 0: not reported
     return Reconstruction(input_ids, loss_mask, start, end, checks, _finish(checks), len(span), count_diff,
                           source, billed, truncated, prompt_tokens=start, billed_prompt_tokens=billed_prompt,
-                          provider=provider, prompt_source=prompt_source, turn=turn, history_spans=history)
+                          provider=provider, prompt_source=prompt_source, turn=turn, history_spans=history,
+                          tool_calls=len(tool_calls or ()))
 
 
 def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[str, Any], *,
@@ -286,6 +314,14 @@ def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[s
     backend = record.get("token_ids")
     backend_prompt = record.get("prompt_token_ids")
     messages = record.get("messages")
+    tools = record.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        return unrenderable(f"tools must be a list of function schemas, not {type(tools).__name__}",
+                            billed_tokens=billed, truncated=truncated, provider=provider)
+    tool_calls = record.get("tool_calls")
+    if tool_calls is not None and not isinstance(tool_calls, list):
+        return unrenderable(f"tool_calls must be a list, not {type(tool_calls).__name__}",
+                            billed_tokens=billed, truncated=truncated, provider=provider)
     reasoning, content = record.get("reasoning"), record.get("content")
     for name, value in (("reasoning", reasoning), ("content", content)):
         if value is not None and not isinstance(value, str):
@@ -300,6 +336,6 @@ def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[s
                             truncated=truncated, provider=provider)
     return reconstruct(tok, template, messages if isinstance(messages, list) else [], reasoning, content or "",
                        billed_tokens=billed, backend_ids=backend, truncated=truncated,
-                       tool_calls=record.get("tool_calls") or None, count_tolerance=count_tolerance,
+                       tool_calls=tool_calls or None, count_tolerance=count_tolerance,
                        billed_prompt_tokens=billed_prompt, provider=provider, backend_prompt_ids=backend_prompt,
-                       turn=turn)
+                       turn=turn, tools=tools or None)

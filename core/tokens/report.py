@@ -55,7 +55,7 @@ class ValidationReport:
     def add_outcome(self, failed_checks: Iterable[str], count_diff: int | None, billed_tokens: int | None,
                     truncated: bool, source: str, *, prompt_diff: int | None = None,
                     provider: str | None = None, prompt_source: str | None = None,
-                    turn: int | None = None) -> None:
+                    turn: int | None = None, tool_calls: int = 0) -> None:
         failed = list(failed_checks)
         self.checked += 1
         # Given: used as the sample's prompt, or refused (ids outside the vocabulary) and so failed.
@@ -85,22 +85,25 @@ class ValidationReport:
         backend = source == "backend" or "matches_backend" in failed
         agreement = self.providers.setdefault(provider or UNKNOWN, Agreement())
         agreement.add(count_diff, billed_tokens, prompt_diff, backend=backend,
-                      backend_match="matches_backend" not in failed, turn=turn)
+                      backend_match="matches_backend" not in failed, turn=turn, tool_calls=tool_calls,
+                      foreign_ids="tool_call_ids" in failed)
 
     def add(self, r: Reconstruction) -> None:
         self.add_outcome(r.failed_checks, r.count_diff, r.billed_tokens, r.truncated, r.source,
-                         prompt_diff=r.prompt_diff, provider=r.provider, prompt_source=r.prompt_source, turn=r.turn)
+                         prompt_diff=r.prompt_diff, provider=r.provider, prompt_source=r.prompt_source, turn=r.turn,
+                         tool_calls=r.tool_calls)
 
     def add_meta(self, meta: Mapping[str, Any]) -> None:
         """Count one `tokens/index.jsonl` entry (its metadata fields)."""
         diff, pdiff, provider = meta.get("count_diff"), meta.get("prompt_diff"), meta.get("provider")
-        turn = meta.get("turn")
+        turn, calls = meta.get("turn"), meta.get("tool_calls")
         self.add_outcome(meta.get("failed_checks") or (), diff if isinstance(diff, int) else None,
                          meta.get("billed_tokens"), bool(meta.get("truncated")), str(meta.get("source")),
                          prompt_diff=pdiff if isinstance(pdiff, int) else None,
                          provider=provider if isinstance(provider, str) else None,
                          prompt_source=str(meta.get("prompt_source")),
-                         turn=turn if isinstance(turn, int) and not isinstance(turn, bool) else None)
+                         turn=turn if isinstance(turn, int) and not isinstance(turn, bool) else None,
+                         tool_calls=calls if isinstance(calls, int) and not isinstance(calls, bool) else 0)
 
     def merge(self, other: ValidationReport) -> None:
         self.checked += other.checked
@@ -252,7 +255,25 @@ class ValidationReport:
             parts.append("prompt tokens by " + turns_line(self.prompt_turns))
         if rewritten := self.failures.get("text_matches_ids", 0):
             parts.append(rewritten_line(rewritten))
+        if line := self.tool_ids_line():
+            parts.append(line)
         return "; ".join(parts)
+
+    def tool_ids_line(self) -> str:
+        """Answers that called tools, and those whose call ids are not the model's own, by provider
+        ("" without tool calls)."""
+        tools = sum(a.tool_answers for a in self.providers.values())
+        if not tools:
+            return ""
+        foreign = {p: a for p, a in sorted(self.providers.items()) if a.foreign_ids}
+        line = f"answers calling tools: {tools:,}"
+        if foreign:
+            what = ("dropped as foreign_tool_call_id" if self.policy.limits.drop_foreign_tool_call_ids
+                    else "kept, noted foreign_tool_call_id ([validation] drop_foreign_tool_call_ids = false)")
+            line += (", with call ids not the model's own functions.NAME:IDX (a provider rewrote them, so the "
+                     "rendered ids are not what the model generated; " + what + "): "
+                     + ", ".join(f"{p} {a.foreign_ids:,} of {a.tool_answers:,}" for p, a in foreign.items()))
+        return line
 
     def format(self, flags: Iterable[ProviderFlag] = ()) -> str:
         """A plain-text block (no rich markup) for logs and the headless runner."""
@@ -270,6 +291,8 @@ class ValidationReport:
             lines.append(f"  {self.prompt_ids_line()}")
         if rewritten := self.failures.get("text_matches_ids", 0):
             lines.append(f"  {rewritten_line(rewritten)}")
+        if line := self.tool_ids_line():
+            lines.append(f"  {line}")
         if self.counted:
             share = self.diff_share_of_billed
             lines.append(f"  token count - billed: mean {self.diff_mean:+.2f} (|diff| {self.diff_abs_mean:.2f}"

@@ -20,8 +20,10 @@ history split in ART's and miles' patches of it; tinker-cookbook's K2.5 renderer
   (`<think></think>`); later ones (tool-call turns) keep their `reasoning_content`. A history message
   may carry its reasoning under another API's key (`history_reasoning`): OpenRouter takes back
   `reasoning_details` or `reasoning` and hands the provider's server `reasoning_content`, so inside a
-  tool-call loop any of the three renders the same text; outside one none renders (multi-turn
-  conversations, which are cut before their first tool turn, never have such a loop);
+  tool-call loop any of the three renders the same text; outside one none renders (the history
+  split: assistant messages after the last one without tool calls keep their reasoning, those up to
+  it render `<think></think>`; a step's prompt is the history it was sent, so a tool loop under way
+  keeps its reasoning and an answered one does not);
 - `RenderedChat.history_turns`: where each earlier assistant turn sits in the prompt (its `<think>`
   through its `<|im_end|>`, the span SpecForge masks when it trains every assistant turn), so a
   per-conversation sample can put them in the loss mask (core/merge; `auto` gives none);
@@ -43,7 +45,17 @@ history split in ART's and miles' patches of it; tinker-cookbook's K2.5 renderer
   template, so a provider serving K2.5 renders no system turn: `kimi-k2.5` renders none by default.
   `[tokenizer] default_system` overrides that (a text renders that turn, as `KimiK25Template(
   default_system=...)`); the smoke test's prompt-token check shows which one the provider ran.
-- Not rendered: `tools` declarations (`tool_declare`) and image parts (rejected with TemplateError).
+- `tools` (the request's function schemas) render first, before the system turn:
+  `<|im_system|>tool_declare<|im_middle|>{tools as JSON}<|im_end|>`, the JSON as transformers' `tojson`
+  writes `tools | tojson(separators=(',', ':'))` (non-ASCII kept, keys in the order given). The
+  template's `tools_ts_str` (a TypeScript-style declaration a caller may pass instead) is never set by
+  vLLM, SGLang or transformers unless asked, so it is not rendered;
+- call ids and `tool_call_id`s render as the messages carry them ("" where absent, as the template
+  prints an undefined value); nothing is invented.
+- Checked token for token against the official template itself, bundled as
+  `core/data/kimi-k2/chat_template.jinja` (tests/tokens/test_agent_template.py renders it with jinja2
+  over generated agent conversations, step by step).
+- Not rendered: image parts (rejected with TemplateError).
 
 `auto`: the tokenizer's own Jinja template (transformers `apply_chat_template`, the final assistant
 message carrying `reasoning_content`). Message texts are replaced by sentinels before rendering so
@@ -99,7 +111,8 @@ class ChatTemplate(Protocol):
     name: str
 
     def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
-               truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> RenderedChat: ...
+               truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None,
+               tools: list[Any] | None = None) -> RenderedChat: ...
 
 
 def message_text(message: dict[str, Any], where: str) -> str:
@@ -147,15 +160,32 @@ def with_system(messages: list[dict[str, Any]], system: str | None) -> list[dict
     return [{"role": "system", "content": system}, *messages]
 
 
-def _tool_call_parts(tool_calls: Any, where: str) -> list[Segment]:
-    """Kimi's tool-call section; arguments verbatim when a string, else compact JSON."""
+def _jinja_text(value: Any) -> str:
+    """A value as a Jinja `{{ }}` prints it: "" for a missing one (None prints "None" there, but a
+    message key set to null is read here as missing, as the JSON layouts mean it)."""
+    return "" if value is None else str(value)
+
+
+def tools_json(tools: Any) -> str:
+    """The `tool_declare` text of Kimi-K2.5's template: `tools | tojson(separators=(',', ':'))` under
+    transformers' `tojson` (json.dumps, non-ASCII kept, keys in the order given)."""
     import json
+    return json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
+
+
+def _tool_call_parts(tool_calls: Any, where: str) -> list[Segment]:
+    """Kimi's tool-call section (`render_toolcalls`): each call's `id` as given ("" when it has none:
+    the template renders only what the message carries), its arguments verbatim when a string, else
+    JSON as transformers' `tojson` writes it."""
+    import json
+    if not isinstance(tool_calls, list):
+        raise TemplateError(f"{where}.tool_calls must be a list")
     out = [Segment("<|tool_calls_section_begin|>", True)]
     for j, call in enumerate(tool_calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise TemplateError(f"{where}.tool_calls[{j}] must have function.name")
-        call_id = call.get("id") or f"functions.{fn['name']}:{j}"
+        call_id = _jinja_text(call.get("id"))
         args = fn.get("arguments", "")
         args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         out += [Segment("<|tool_call_begin|>", True), Segment(str(call_id)),
@@ -180,13 +210,18 @@ class KimiK25Template:
         return [Segment(opener, True), Segment(str(name)), Segment("<|im_middle|>", True)]
 
     def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
-               truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> RenderedChat:
+               truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None,
+               tools: list[Any] | None = None) -> RenderedChat:
         messages = with_system(_check_messages(messages), self.default_system)
         prompt: list[Segment] = []
+        if tools:
+            if not isinstance(tools, list):
+                raise TemplateError(f"tools must be a list of function schemas, not {type(tools).__name__}")
+            prompt += [Segment("<|im_system|>", True), Segment("tool_declare"), Segment("<|im_middle|>", True),
+                       Segment(tools_json(tools)), Segment(self.EOT, True)]
         # History ends at the last assistant turn without tool calls; its reasoning (and earlier) is dropped.
         last_plain = max((i for i, m in enumerate(messages)
                           if m["role"] == "assistant" and not m.get("tool_calls")), default=-1)
-        pending_ids: list[str] = []
         history: list[tuple[int, int]] = []
         for i, m in enumerate(messages):
             where = f"messages[{i}]"
@@ -198,13 +233,9 @@ class KimiK25Template:
                 prompt += [Segment(self.THINK_OPEN, True), Segment(rc), Segment(self.THINK_CLOSE, True), Segment(text)]
                 if m.get("tool_calls"):
                     prompt += _tool_call_parts(m["tool_calls"], where)
-                    pending_ids += [str(c.get("id") or "") for c in m["tool_calls"] if isinstance(c, dict)]
                 history.append((opened, len(prompt) + 1))  # through the <|im_end|> appended below
             elif m["role"] == "tool":
-                call_id = m.get("tool_call_id") or (pending_ids[0] if pending_ids else "")
-                if pending_ids:
-                    pending_ids.pop(0)
-                prompt.append(Segment(f"## Return of {call_id}\n{text}"))
+                prompt.append(Segment(f"## Return of {_jinja_text(m.get('tool_call_id'))}\n{text}"))
             else:
                 prompt.append(Segment(text))
             prompt.append(Segment(self.EOT, True))
@@ -276,11 +307,11 @@ class AutoTemplate:
             raise TemplateError(f"the chat template of {self.tok.name} does not render the answer as a "
                                 f"continuation of its generation prompt; use tokenizer.template = \"kimi-k2.5\"")
 
-    def _sentinel_segments(self, hidden: list[dict[str, Any]], final: dict[str, Any],
-                           texts: list[str]) -> tuple[list[Segment], list[Segment]]:
+    def _sentinel_segments(self, hidden: list[dict[str, Any]], final: dict[str, Any], texts: list[str],
+                           tools: list[Any] | None) -> tuple[list[Segment], list[Segment]]:
         """The prompt's and the answer turn's segments, rendered with sentinels for the texts."""
-        head = self.tok.render_chat(hidden, add_generation_prompt=True)
-        full = self.tok.render_chat(hidden + [final], add_generation_prompt=False)
+        head = self.tok.render_chat(hidden, add_generation_prompt=True, tools=tools)
+        full = self.tok.render_chat(hidden + [final], add_generation_prompt=False, tools=tools)
         self._check_continues(head, full)
         tail = full[len(head):]
         for what, sentinel in (("reasoning", final.get("reasoning_content")), ("content", final["content"])):
@@ -310,19 +341,21 @@ class AutoTemplate:
         return [s for s in out if s.special or s.text]
 
     def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
-               truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> RenderedChat:
+               truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None,
+               tools: list[Any] | None = None) -> RenderedChat:
         messages = [_reasoning_content(m) for m in with_system(_check_messages(messages), self.default_system)]
         texts: list[str] = []
         hidden, final = self._hidden(messages, reasoning, content, tool_calls, texts)
-        prompt, rest = self._sentinel_segments(hidden, final, texts)
+        tools = tools or None
+        prompt, rest = self._sentinel_segments(hidden, final, texts, tools)
         # A template that rewrites texts (trims, splits on tags) renders something else than the
         # sentinels stand for: then take its real rendering, split at every special it contains.
         real_final = {k: v for k, v in final.items() if k not in ("content", "reasoning_content")}
         real_final["content"] = content
         if reasoning is not None:
             real_final["reasoning_content"] = reasoning
-        real_head = self.tok.render_chat(messages, add_generation_prompt=True)
-        real_full = self.tok.render_chat(messages + [real_final], add_generation_prompt=False)
+        real_head = self.tok.render_chat(messages, add_generation_prompt=True, tools=tools)
+        real_full = self.tok.render_chat(messages + [real_final], add_generation_prompt=False, tools=tools)
         if "".join(s.text for s in prompt) != real_head or "".join(s.text for s in prompt + rest) != real_full:
             self._check_continues(real_head, real_full)
             prompt = self._segments(real_head, [])
@@ -370,9 +403,11 @@ class _PromptSpecials:
         return getattr(self._inner, attr)
 
     def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
-               truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> RenderedChat:
+               truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None,
+               tools: list[Any] | None = None) -> RenderedChat:
         import dataclasses
-        rendered = self._inner.render(messages, reasoning, content, truncated=truncated, tool_calls=tool_calls)
+        rendered = self._inner.render(messages, reasoning, content, truncated=truncated, tool_calls=tool_calls,
+                                      tools=tools)
         if self._split is None:
             return rendered
         prompt: list[Segment] = []

@@ -373,8 +373,9 @@ def test_explicit_layers_out_of_range_are_refused() -> None:
     assert resolve_aux_layers([0, 3, 6], dims) == (0, 3, 6)
     with pytest.raises(ConfigError, match="outside 0..6"):
         resolve_aux_layers([0, 3, 7], dims)  # the last layer's output is hidden_state already
-    with pytest.raises(ConfigError, match="exactly 3"):
-        resolve_aux_layers([1, 2], dims)
+    assert resolve_aux_layers([1, 2], dims) == (1, 2)  # any number of layers (issue 53)
+    with pytest.raises(ConfigError, match="lists no layer"):
+        resolve_aux_layers([], dims)
 
 
 def test_aux_layers_must_ascend() -> None:

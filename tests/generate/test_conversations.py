@@ -13,7 +13,7 @@ import pytest
 
 from draftgen.core.config import DatasetConfig
 from draftgen.core.generate.api.client import ChatAnswer
-from draftgen.core.generate.loop.admission import AdaptiveConcurrency
+from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.conversations import ConversationSource, history_message
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.prompts import (
@@ -103,17 +103,20 @@ async def _drive(src: ConversationSource, ds: DatasetRun, answer: Any, responses
             result = answer(p)
             if result.kind is BookedAs.ANSWERED:
                 a = result.answer
-                ds.answered(p.id, 5, 0.0, short=a.finish_reason == "length" or not a.content.strip())
+                empty = not a.content.strip() and not a.tool_calls  # as record_book.record_answer
+                diverged = p.turn is not None and p.turn.diverges(a.tool_calls)  # (answers here are never broken)
+                ds.answered(p.id, 5, 0.0, short=a.finish_reason == "length" or empty, calls=bool(a.tool_calls),
+                            diverged=diverged)
                 if responses is not None:
                     rec = ResponseRecord(id=p.id, messages=p.messages, reasoning=a.reasoning, content=a.content,
                                          tool_calls=a.tool_calls, finish_reason=a.finish_reason,
                                          native_finish_reason=None, provider="P", model="m", generation_id="g",
                                          usage=a.usage, latency_s=0.1, attempts=1,
                                          truncated=a.finish_reason == "length",
-                                         empty_content=not a.content.strip(), ts=1.0, turn=p.turn,
+                                         empty_content=empty, ts=1.0, turn=p.turn,
                                          reasoning_details=a.reasoning_details)
                     with open(responses, "ab") as f:
-                        f.write(orjson.dumps(rec.to_dict()) + b"\n")
+                        f.write(orjson.dumps({**rec.to_dict(), **({"diverged": True} if diverged else {})}) + b"\n")
             elif result.kind is BookedAs.FAILED:
                 ds.failed_one(p.id)
             elif result.kind is BookedAs.SKIPPED:
@@ -160,6 +163,14 @@ def test_history_is_sent_as_each_api_documents_it():
     assert history_message("a", "r", [{"type": "x"}], self_hosted=True) == {
         "role": "assistant", "content": "a", "reasoning_content": "r"}
     assert history_message("a", None, None, self_hosted=True) == {"role": "assistant", "content": "a"}
+    # An agent step's calls go back as the target made them (its id, its argument text, not re-serialised),
+    # a stream's assembled call (no "type", keys in another order) in the OpenAI shape.
+    streamed = [{"function": {"arguments": '{ "q":"x" }', "name": "search"}, "id": "functions.search:0"}]
+    call = {"id": "functions.search:0", "type": "function", "function": {"name": "search", "arguments": '{ "q":"x" }'}}
+    assert history_message("", "r", None, self_hosted=True, tool_calls=streamed) == {
+        "role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "r"}
+    assert history_message("", "r", [{"type": "x"}], self_hosted=False, tool_calls=[call]) == {
+        "role": "assistant", "content": "", "tool_calls": [call], "reasoning_details": [{"type": "x"}]}
 
 
 @pytest.mark.parametrize(("why", "result"), [
@@ -371,3 +382,113 @@ def test_the_free_checks_and_the_smoke_estimate_read_a_conversation_file_as_the_
     capped = SimpleNamespace(name="chat", prompts=path, turns="all", max_turns=2)
     assert count_prompts(SimpleNamespace(datasets=[capped])) == {"chat": 8}  # type: ignore[arg-type]
     assert _count_turns(capped)[0] == 8  # type: ignore[arg-type]
+
+
+TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
+         {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+
+
+def _agent(cid: str, second_path: str = "a.txt") -> dict[str, Any]:
+    """An agent line (OpenAI layout): search, then read `second_path`, then an answer; the dataset's own ids."""
+    return {"id": cid, "tools": TOOLS, "messages": [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": f"{cid}: find the file"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"q": "file"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": f"{cid}: SEARCH RESULT"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_2", "type": "function", "function": {"name": "read", "arguments": {"path": second_path}}}]},
+        {"role": "tool", "tool_call_id": "call_2", "content": f"{cid}: READ RESULT"},
+        {"role": "assistant", "content": "DATASET final answer"}]}
+
+
+def _target_step(p: Prompt) -> Booked:
+    """The target's own move at each step: search, read a.txt (arguments in another key order and spacing
+    than the dataset's), then an answer; its calls carry Kimi's own ids."""
+    k = p.turn.turn if p.turn is not None else 1
+    calls = {1: [{"id": "functions.search:0", "type": "function",
+                  "function": {"name": "search", "arguments": '{ "q":"file" }'}}],
+             2: [{"id": "functions.read:1", "type": "function",
+                  "function": {"name": "read", "arguments": '{"path":"a.txt"}'}}]}.get(k)
+    return Booked(BookedAs.ANSWERED, _answer("" if calls else f"OWN answer to {p.id}", finish="tool_calls"
+                                             if calls else "stop", tool_calls=calls))
+
+
+async def test_an_agent_line_asks_each_step_with_its_own_calls_and_the_datasets_results(tmp_path):
+    path = _write(tmp_path / "agent.jsonl", [_agent("a0"), _agent("a1", second_path="b.txt"), _agent("a2")])
+    ds = _dataset(tmp_path, path)
+    _count(ds, path)
+    responses = tmp_path / "responses.jsonl"
+    asked = await _drive(_source(tmp_path, ds), ds, _target_step, responses, stop_after=4, concurrency=3)
+    # killed after 4 bookings: the next source resumes each conversation at its next step, none asked twice
+    src = _source(tmp_path, ds)
+    asked += await _drive(src, ds, _target_step, responses)
+    assert sorted(p.id for p in asked) == ["a0#t1", "a0#t2", "a0#t3", "a1#t1", "a1#t2", "a2#t1", "a2#t2", "a2#t3"]
+    third = next(p for p in asked if p.id == "a0#t3")
+    assert third.turn is not None and third.turn.tools == TOOLS and third.turn.tool_results == "matched"
+    assert [(m["role"], m.get("tool_call_id"), m["content"]) for m in third.messages] == [
+        ("system", None, "You are an agent."), ("user", None, "a0: find the file"),
+        ("assistant", None, ""), ("tool", "functions.search:0", "a0: SEARCH RESULT"),
+        ("assistant", None, ""), ("tool", "functions.read:1", "a0: READ RESULT")]
+    sent_calls = [m["tool_calls"] for m in third.messages if m["role"] == "assistant"]
+    assert sent_calls == [[{"id": "functions.search:0", "type": "function",
+                            "function": {"name": "search", "arguments": '{ "q":"file" }'}}],
+                          [{"id": "functions.read:1", "type": "function",
+                            "function": {"name": "read", "arguments": '{"path":"a.txt"}'}}]]
+    assert all(m["reasoning_details"] for m in third.messages if m["role"] == "assistant")  # passed back
+    lines = [orjson.loads(x) for x in responses.read_bytes().splitlines()]
+    assert [r["id"] for r in lines if r.get("diverged")] == ["a1#t2"]  # read b.txt recorded, a.txt called
+    assert all(r["tools"] == TOOLS for r in lines)
+    assert ds.conversations.diverged == 1 and ds.conversations.by_turn_diverged == {2: 1}
+    assert (ds.conversations.done, ds.conversations.ended, ds.skipped) == (2, 1, 1)
+    assert ds.conversations.reasons == {"diverged": 1}
+
+
+async def test_replay_splices_the_recorded_result_after_other_calls_and_flags_the_step(tmp_path):
+    path = _write(tmp_path / "agent.jsonl", [_agent("a1", second_path="b.txt")])
+    ds = _dataset(tmp_path, path)
+    ds.config = DatasetConfig(name="chat", prompts=path, turns="all", tool_results="replay")
+    _count(ds, path)
+    asked = await _drive(_source(tmp_path, ds), ds, _target_step, tmp_path / "responses.jsonl")
+    assert [p.id for p in asked] == ["a1#t1", "a1#t2", "a1#t3"]
+    assert [p.turn.tool_results for p in asked if p.turn is not None] == [None, "matched", "replayed"]
+    assert asked[2].messages[-1] == {"role": "tool", "tool_call_id": "functions.read:1", "content": "a1: READ RESULT"}
+    assert ds.conversations.done == 1 and not ds.conversations.diverged
+
+
+def test_an_agent_line_is_read_as_steps_and_its_fingerprint_covers_tools_and_results():
+    conv = parse_conversation(_agent("a"))
+    assert conv.turns == 3 and conv.tools == TOOLS and conv.steps is not None
+    assert [s.calls for s in conv.steps] == [[("search", {"q": "file"})], [("read", {"path": "a.txt"})], []]
+    assert [s.results for s in conv.steps] == [[], ["a: SEARCH RESULT"], ["a: READ RESULT"]]
+    edited = _agent("a")
+    edited["messages"][5]["content"] = "another result"
+    assert parse_conversation(edited).fingerprint[:2] == conv.fingerprint[:2]
+    assert parse_conversation(edited).fingerprint[2] != conv.fingerprint[2]
+    other_tools = {**_agent("a"), "tools": TOOLS[:1]}
+    assert parse_conversation(other_tools).fingerprint[0] != conv.fingerprint[0]
+    no_result = _agent("a")
+    del no_result["messages"][5]  # read's result missing: cut before the step that would send the call bare
+    cut = parse_conversation(no_result)
+    assert cut.turns == 2 and "no result" in cut.cut
+
+
+async def test_an_agent_line_edited_between_runs_is_said_and_not_continued(tmp_path):
+    path = _write(tmp_path / "agent.jsonl", [_agent("a0"), _agent("a1")])
+    ds = _dataset(tmp_path, path)
+    _count(ds, path)
+    responses = tmp_path / "responses.jsonl"
+    asked = await _drive(_source(tmp_path, ds), ds, _target_step, responses, stop_after=4, concurrency=2)
+    assert sorted(p.id for p in asked) == ["a0#t1", "a0#t2", "a1#t1", "a1#t2"]
+    edited = [_agent("a0"), _agent("a1")]
+    edited[0]["messages"][3]["content"] = "a0: ANOTHER SEARCH RESULT"  # the result step 2 was sent with
+    _write(path, edited)
+    ds2 = _dataset(tmp_path, path)
+    for p in asked:
+        ds2.answered(p.id, 5, 0.0, short=False, now=False)
+    _count(ds2, path)
+    events: list[str] = []
+    again = await _drive(_source(tmp_path, ds2, events=events), ds2, _target_step, responses)
+    assert [p.id for p in again] == ["a1#t3"]  # the unchanged line goes on; the edited one is not mixed
+    said = [e for e in events if "edited" in e]
+    assert len(said) == 1 and f"{path} line 1: turn 2 of conversation 'a0'" in said[0], events

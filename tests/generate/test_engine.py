@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from draftgen.core.generate.api.classify import ANSWER_KINDS
-from draftgen.core.generate.loop.admission import AdaptiveConcurrency
+from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.request import backoff_delay
 from draftgen.core.live import snapshot as snap

@@ -75,6 +75,53 @@ async def start_run(cfg: Any) -> asyncio.subprocess.Process:
         start_new_session=True)
 
 
+async def kill_loop(tmp_path: Path, name: str, prompts: str, thresholds: tuple[int, ...], total: int
+                    ) -> tuple[Any, tuple[Any, ...]]:
+    """Headless runs of a turns = "all" dataset `name` (concurrency 10, streamed, against a simulator with
+    latency) killed with SIGKILL once it has each of `thresholds` records, then one run to its end (exit 0)
+    and reconcile. Asserts that no turn stored before a kill is asked after it, and that the ledger is the
+    bill (what it could not price within its worst case). Returns the config and the simulator's log of the
+    requests it received."""
+    async with SimServer(SimConfig(seed=8, latency_scale=0.15, mean_completion_tokens=120, sent_log_size=10_000),
+                         port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": name, "prompts": prompts, "turns": "all",
+                                                    "concurrency": 10, "max_tokens": 2048}],
+                          tables={"api": {"stream": True}, "engine": {"reconstruct": False}})
+        rd = RunDir(cfg.run_dir)
+        kills: list[tuple[int, set[str]]] = []  # (requests the simulator had received, turns stored) at each kill
+        for threshold in thresholds:
+            proc = await start_run(cfg)
+            while len(records(rd.responses(name))) < threshold and proc.returncode is None:
+                await asyncio.sleep(0.02)
+            assert proc.returncode is None, "the run ended before the kill"
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            stored = records(rd.responses(name))
+            kills.append((sim.stats.requests_total, {prompt_key(r["messages"]) for r in stored}))
+            assert 0 < len(stored) < total
+        _, report, billed, log = await run_to_end(cfg, sim)
+    for seq, stored_keys in kills:  # a turn stored before a kill is never asked again after it
+        again = [e for e in log if e.seq > seq and prompt_key(e.messages) in stored_keys]
+        assert not again, f"{len(again)} stored turn(s) asked again after a kill"
+    r = report.reconciliation
+    print(f"kills at {[len(stored) for _, stored in kills]} turns stored; {len(log)} requests; "
+          f"billed ${billed:.4f}, ledger ${r.total_usd:.4f}, unknown {r.unknown} (<= ${r.unknown_worst_usd:.4f})")
+    assert r.pending == 0 and r.total_usd <= billed + 1e-4 <= r.total_usd + r.unknown_worst_usd + 2e-4  # ledger = bill
+    return cfg, log
+
+
+async def run_to_end(cfg: Any, sim: SimServer) -> tuple[str, Any, float, tuple[Any, ...]]:
+    """A headless run of `cfg` to its end (exit 0), then reconcile: (its output, the reconcile report, what
+    the simulator billed once every generation was billed, its log of the requests it received)."""
+    proc = await start_run(cfg)
+    out, _ = await asyncio.wait_for(proc.communicate(), 240)
+    text = out.decode()
+    assert proc.returncode == 0, text[-3000:]
+    report = await reconcile(cfg, TEST_KEY, lookup_s=5)
+    await until(lambda: sim.stats.in_flight == 0 and sim.stats.generations_running == 0, "the billing to end")
+    return text, report, sim.stats.billed_usd, sim.sent
+
+
 async def test_thirty_conversations_run_headless_each_turn_once_on_the_targets_own_answers(tmp_path):
     prompts = write_conversations(tmp_path / "prompts" / "chat.jsonl", [conversation(f"c{i}", 3) for i in range(30)])
     async with SimServer(SimConfig(seed=4, latency_scale=0.02, mean_completion_tokens=60, sent_log_size=10_000),
@@ -82,14 +129,7 @@ async def test_thirty_conversations_run_headless_each_turn_once_on_the_targets_o
         cfg = make_config(tmp_path, sim.base_url, [{"name": "chat", "prompts": prompts, "turns": "all",
                                                     "concurrency": 8, "max_tokens": 2048}],
                           tables={"api": {"stream": True}, "engine": {"reconstruct": False}})
-        proc = await start_run(cfg)
-        out, _ = await asyncio.wait_for(proc.communicate(), 180)
-        text = out.decode()
-        assert proc.returncode == 0, text[-3000:]
-        report = await reconcile(cfg, TEST_KEY, lookup_s=5)
-        await until(lambda: sim.stats.generations_running == 0, "the billing to end")
-        billed = sim.stats.billed_usd
-        log = sim.sent
+        text, report, billed, log = await run_to_end(cfg, sim)
     rd = RunDir(cfg.run_dir)
     lines = records(rd.responses("chat"))
     expected = {f"c{i}#t{k}" for i in range(30) for k in (1, 2, 3)}
@@ -109,45 +149,15 @@ async def test_kill_9_mid_conversation_resumes_at_the_next_turn_nothing_paid_twi
     n_conv, n_turns = 30, 4
     prompts = write_conversations(tmp_path / "prompts" / "chat.jsonl",
                                   [conversation(f"c{i}", n_turns) for i in range(n_conv)])
-    async with SimServer(SimConfig(seed=8, latency_scale=0.15, mean_completion_tokens=120, sent_log_size=10_000),
-                         port=0) as sim:
-        cfg = make_config(tmp_path, sim.base_url, [{"name": "chat", "prompts": prompts, "turns": "all",
-                                                    "concurrency": 10, "max_tokens": 2048}],
-                          tables={"api": {"stream": True}, "engine": {"reconstruct": False}})
-        rd = RunDir(cfg.run_dir)
-        kills: list[tuple[int, set[str]]] = []  # (requests the simulator had received, turns stored) at each kill
-        for threshold in (12, 40, 75):
-            proc = await start_run(cfg)
-            while len(records(rd.responses("chat"))) < threshold and proc.returncode is None:
-                await asyncio.sleep(0.02)
-            assert proc.returncode is None, "the run ended before the kill"
-            os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            stored = records(rd.responses("chat"))
-            kills.append((sim.stats.requests_total, {prompt_key(r["messages"]) for r in stored}))
-            assert 0 < len(stored) < n_conv * n_turns
-        proc = await start_run(cfg)
-        out, _ = await asyncio.wait_for(proc.communicate(), 240)
-        assert proc.returncode == 0, out.decode()[-3000:]
-        report = await reconcile(cfg, TEST_KEY, lookup_s=5)
-        await until(lambda: sim.stats.in_flight == 0 and sim.stats.generations_running == 0, "the billing to end")
-        billed = sim.stats.billed_usd
-        log = sim.sent
-    lines = records(rd.responses("chat"))
+    cfg, log = await kill_loop(tmp_path, "chat", prompts, (12, 40, 75), n_conv * n_turns)
+    lines = records(RunDir(cfg.run_dir).responses("chat"))
     ids = [r["id"] for r in lines]
     assert len(ids) == len(set(ids)) == n_conv * n_turns  # none twice, none lost
-    for seq, stored in kills:  # a turn stored before a kill is never asked again after it
-        again = [e for e in log if e.seq > seq and prompt_key(e.messages) in stored]
-        assert not again, f"{len(again)} stored turn(s) asked again after a kill"
     assert assert_own_histories(log, lines) >= n_conv * (n_turns - 1)
     for r in lines:  # the stored record's history is the stored answers of its conversation
         earlier = {x["turn"]: x for x in lines if x["conversation"] == r["conversation"] and x["turn"] < r["turn"]}
         sent = [m for m in r["messages"] if m["role"] == "assistant"]
         assert [m["content"] for m in sent] == [earlier[k]["content"] for k in sorted(earlier)]
-    r = report.reconciliation
-    print(f"kills at {[len(stored) for _, stored in kills]} turns stored; {len(log)} requests for {len(ids)} turns; "
-          f"billed ${billed:.4f}, ledger ${r.total_usd:.4f}, unknown {r.unknown} (<= ${r.unknown_worst_usd:.4f})")
-    assert r.pending == 0 and r.total_usd <= billed + 1e-4 <= r.total_usd + r.unknown_worst_usd + 2e-4
 
 
 async def run_engine(cfg: Any) -> tuple[Engine, Any, list[tuple[str, str]]]:

@@ -378,7 +378,8 @@ def test_turns_all_keeps_every_user_turn_and_its_cost_grows_with_the_history(tmp
     turns = "all" and its cost counts every turn's prompt side plus the earlier answers each history carries."""
     rows = [_three_turns(i) for i in range(4)]
     rows.append({"conversations": [{"from": "human", "value": "List the files."},
-                                   {"from": "gpt", "value": "", "tool_calls": [{"id": "c1", "type": "function"}]},
+                                   {"from": "gpt", "value": "", "tool_calls": [{
+                                       "id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
                                    {"from": "tool", "value": "a.txt"}, {"from": "human", "value": "Open it."}]})
     rows.append({"conversations": [{"from": "tool", "value": "orphan result"}, {"from": "human", "value": "Hm?"}]})
     src = make_jsonl(tmp_path, rows, "chat.jsonl")
@@ -390,10 +391,14 @@ def test_turns_all_keeps_every_user_turn_and_its_cost_grows_with_the_history(tmp
     cfg = load_config(config)
     (ds,) = cfg.datasets
     assert (ds.turns, ds.max_turns) == ("all", 2)
-    prompts = {p.id: p.messages for p in _read(ds.prompts)}
+    lines = [orjson.loads(line) for line in ds.prompts.read_bytes().splitlines()]
+    prompts = {o["id"]: o["messages"] for o in lines}
     assert len(prompts) == 5  # the orphan tool result leaves no user turn before it: unusable
     assert [m["role"] for m in prompts["chat:train:0"]] == ["system", "user", "assistant", "user"]
-    assert prompts["chat:train:4"] == [{"role": "user", "content": "List the files."}]  # cut before its tool turn
+    # An agent line is kept whole through its last assistant message (one step: the call).
+    assert prompts["chat:train:4"] == [{"role": "user", "content": "List the files."}, {
+        "role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]}]
     tok = bundled_kimi()
     template = load_template("kimi-k2.5", tok)
     sides = [[m for m in msgs if m["role"] != "assistant"] for msgs in prompts.values()]
@@ -436,3 +441,136 @@ def test_build_shows_a_sources_path_and_rows_as_text(tmp_path: Path, capsys: pyt
     flat = "".join(said.split())
     assert "data\\x1b]0;pwned\\x07[/x]/q.jsonl" in flat, said
     assert "firstunusablerow" in flat and "row5:messages[0]hasanunknownrole'user\\x1b]0;pwned\\x07[/x]'" in flat, said
+
+
+# -- agent trajectories ---------------------------------------------------------------------------
+
+GLAIVE_TOOLS = [{"name": "get_weather", "description": "Météo d'une ville",
+                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+                {"name": "get_time", "description": "Time now", "parameters": {}}]
+
+
+def _glaive(i: int) -> dict:
+    """LLaMA-Factory's ShareGPT layout with tool turns (glaive-toolcall): `tools` a JSON string."""
+    return {"conversations": [
+        {"from": "human", "value": f"Weather in Paris and the time? ({i})"},
+        {"from": "function_call", "value": '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                                           '{"name": "get_time", "arguments": {}}]'},
+        {"from": "observation", "value": '["{\\"temp\\": 21}", "12:00"]'},
+        {"from": "gpt", "value": "It is 21 degrees; noon."},
+        {"from": "human", "value": "And in Tokyo?"},
+        {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "東京"}}'},
+        {"from": "observation", "value": '{"temp": 18}'},
+        {"from": "gpt", "value": "18 degrees."}],
+        "system": "You can call tools.", "tools": orjson.dumps(GLAIVE_TOOLS).decode()}
+
+
+def _build_lines(tmp_path: Path, src: Path, **kw) -> list[dict]:
+    result = build(_opts(tmp_path, [str(src)], split="off", turns="all", **kw))
+    (ds,) = result.datasets
+    return [orjson.loads(line) for line in ds.path.read_bytes().splitlines()]
+
+
+def test_sharegpt_function_call_and_observation_turns_become_an_openai_agent_line(tmp_path: Path) -> None:
+    (line,) = _build_lines(tmp_path, make_jsonl(tmp_path, [_glaive(0)], "glaive.jsonl"))
+    assert line["tools"] == [{"type": "function", "function": t} for t in GLAIVE_TOOLS]
+    weather = {"id": "functions.get_weather:0", "type": "function",
+               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    clock = {"id": "functions.get_time:1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    assert line["messages"] == [
+        {"role": "system", "content": "You can call tools."},
+        {"role": "user", "content": "Weather in Paris and the time? (0)"},
+        {"role": "assistant", "content": "", "tool_calls": [weather, clock]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": '{"temp": 21}'},
+        {"role": "tool", "tool_call_id": "functions.get_time:1", "content": "12:00"},
+        {"role": "assistant", "content": "It is 21 degrees; noon."},
+        {"role": "user", "content": "And in Tokyo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "functions.get_weather:2", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "東京"}'}}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:2", "content": '{"temp": 18}'},
+        {"role": "assistant", "content": "18 degrees."}]
+    first = build(_opts(tmp_path, [str(tmp_path / "glaive.jsonl")], split="off", out_dir=tmp_path / "first"))
+    assert [orjson.loads(x) for x in first.datasets[0].path.read_bytes().splitlines()] == [
+        {"id": "glaive:train:0", "messages": [{"role": "system", "content": "You can call tools."},
+                                              {"role": "user", "content": "Weather in Paris and the time? (0)"}]}]
+
+
+def test_openai_agent_lines_are_kept_whole_with_their_tools(tmp_path: Path) -> None:
+    """OpenAI layout in a parquet file (Arrow fills absent keys with null): calls keep their ids, an
+    object's arguments become JSON text, a trailing user turn nobody answered is left out; each step's
+    prompt is counted with the tools declared."""
+    tools = [{"type": "function", "function": {"name": "bash", "description": "Run",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    rows = [{"messages": [
+        {"role": "user", "content": f"Count files ({i})", "tool_calls": None, "tool_call_id": None},
+        {"role": "assistant", "content": None, "tool_call_id": None, "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]},
+        {"role": "tool", "content": "a\nb", "tool_call_id": f"call_{i}", "tool_calls": None},
+        {"role": "assistant", "content": "Two.", "tool_calls": None, "tool_call_id": None},
+        {"role": "user", "content": "Thanks", "tool_calls": None, "tool_call_id": None}],
+        "tools": orjson.dumps(tools).decode()} for i in range(2)]
+    src = make_parquet(tmp_path, rows, "agent.parquet")
+    lines = _build_lines(tmp_path, src)
+    assert [m["role"] for m in lines[0]["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert lines[0]["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]}
+    assert lines[0]["messages"][2] == {"role": "tool", "tool_call_id": "call_0", "content": "a\nb"}
+    assert lines[0]["tools"] == tools
+    tok = bundled_kimi()
+    template = load_template("kimi-k2.5", tok)
+    messages = lines[0]["messages"]
+    result = build(_opts(tmp_path, [str(src)], split="off", turns="all", out_dir=tmp_path / "again"))
+    (ds,) = result.datasets
+    steps = [prompt_tokens(tok, template, messages[:1], tools), prompt_tokens(tok, template, messages[:3], tools)]
+    assert steps[0] > prompt_tokens(tok, template, messages[:1])  # the tools are declared in every step's prompt
+    assert ds.requests == 4 and ds.request_prompt_tokens == 2 * sum(steps)
+
+
+def test_swe_agent_and_openhands_trajectories_are_read(tmp_path: Path) -> None:
+    """nebius/SWE-agent-trajectories (`trajectory` of {role system/user/ai, text, system_prompt, mask,
+    cutoff_date}: text actions, a multi-turn conversation) and an OpenHands trajectory in OpenAI layout
+    (nebius/SWE-rebench-openhands-trajectories: `trajectory` of OpenAI messages with tool calls)."""
+    swe = [{"instance_id": f"repo__x-{i}", "model_name": "m", "target": True, "exit_status": "submitted",
+            "trajectory": [
+                {"role": "system", "text": "", "system_prompt": "SETTING: a shell.", "mask": False, "cutoff_date": ""},
+                {"role": "user", "text": f"Fix issue {i}", "system_prompt": None, "mask": False, "cutoff_date": ""},
+                {"role": "ai", "text": "DISCUSSION\nls\n```\nls\n```", "system_prompt": None, "mask": True,
+                 "cutoff_date": ""},
+                {"role": "user", "text": "a.py", "system_prompt": None, "mask": False, "cutoff_date": ""},
+                {"role": "ai", "text": "submit", "system_prompt": None, "mask": True, "cutoff_date": ""}]}
+           for i in range(2)]
+    lines = _build_lines(tmp_path, make_parquet(tmp_path, swe, "swe.parquet"), out_dir=tmp_path / "swe")
+    assert lines[0]["messages"] == [{"role": "system", "content": "SETTING: a shell."},
+                                    {"role": "user", "content": "Fix issue 0"},
+                                    {"role": "assistant", "content": "DISCUSSION\nls\n```\nls\n```"},
+                                    {"role": "user", "content": "a.py"}]
+    assert "tools" not in lines[0]
+    hands = [{"instance_id": "r-1", "trajectory": [
+        {"role": "system", "content": "You are OpenHands.", "name": None, "tool_call_id": None, "tool_calls": None},
+        {"role": "user", "content": "Fix it", "name": None, "tool_call_id": None, "tool_calls": None},
+        {"role": "assistant", "content": "Looking.", "name": None, "tool_call_id": None, "tool_calls": [
+            {"function": {"arguments": '{"command": "ls"}', "name": "execute_bash"}, "id": "toolu_1",
+             "type": "function"}]},
+        {"role": "tool", "content": "a.py", "name": "execute_bash", "tool_call_id": "toolu_1", "tool_calls": None},
+        {"role": "assistant", "content": "Done.", "name": None, "tool_call_id": None, "tool_calls": None}]}]
+    (line,) = _build_lines(tmp_path, make_parquet(tmp_path, hands, "hands.parquet"), out_dir=tmp_path / "hands")
+    # Asked once (--turns first), the same trajectory gives its system and first user turn.
+    first = build(_opts(tmp_path, [str(tmp_path / "hands.parquet")], split="off", out_dir=tmp_path / "first"))
+    assert [orjson.loads(x)["messages"] for x in first.datasets[0].path.read_bytes().splitlines()] == [
+        [{"role": "system", "content": "You are OpenHands."}, {"role": "user", "content": "Fix it"}]]
+    assert line["messages"][2] == {"role": "assistant", "content": "Looking.", "tool_calls": [
+        {"id": "toolu_1", "type": "function", "function": {"name": "execute_bash", "arguments": '{"command": "ls"}'}}]}
+    assert line["messages"][3] == {"role": "tool", "tool_call_id": "toolu_1", "content": "a.py"}
+    assert [m["role"] for m in line["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+
+
+def test_agent_rows_that_cannot_be_read_say_why(tmp_path: Path) -> None:
+    rows = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "function_call", "value": "not json"}]},
+            {"conversations": [{"from": "human", "value": "Hi"},
+                               {"from": "function_call", "value": '{"arguments": {}}'}]},
+            _glaive(1)]
+    result = build(_opts(tmp_path, [str(make_jsonl(tmp_path, rows, "bad.jsonl"))], split="off", turns="all"))
+    assert result.sources[0].dropped["unusable"] == 2 and result.sources[0].kept == 1
+    assert result.sources[0].example_unusable in ("row 0: `conversations`[1] (function_call) is not JSON",
+                                                  "row 1: `conversations`[1][0] has no function name")

@@ -265,11 +265,10 @@ def test_each_prompt_sends_the_configs_exact_body_and_reserves_its_worst_case_af
 
     import orjson
 
-    from draftgen.core.config import note_server_kind, note_stream_mode
     from draftgen.core.generate.api.prices import Prices
     from draftgen.core.generate.loop.prompts import Prompt
     from draftgen.core.generate.loop.room import Room
-    from draftgen.core.servers import Server, note_server
+    from draftgen.core.servers import Server
 
     base = "http://127.0.0.1:9/v1"
     cfg = make_config(tmp_path, base, [
@@ -291,10 +290,10 @@ def test_each_prompt_sends_the_configs_exact_body_and_reserves_its_worst_case_af
         return body
 
     assert "stream" not in check("first") and check("a longer prompt, ünïcode")["return_token_ids"] is True
-    note_server_kind(base, "openai-compatible")  # GET /key said 404: a self-hosted server
-    note_server(base, Server("vllm", (0, 13, 0)))
-    note_stream_mode(base, cfg.api.model, True)  # its smoke test decided: streamed
+    cfg.api.server.note_kind("openai-compatible")  # GET /key said 404: a self-hosted server
+    cfg.api.server.note_release(Server("vllm", (0, 13, 0)))
+    cfg.api.server.note_stream(True)  # its smoke test decided: streamed
     body = check("after the server was noted")
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
-    note_stream_mode(base, cfg.api.model, False)
+    cfg.api.server.note_stream(False)
     assert "stream" not in check("and once more")

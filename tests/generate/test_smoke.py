@@ -146,7 +146,6 @@ def test_the_run_streams_as_smoke_json_records_without_a_new_fingerprint(tmp_pat
     was, and never overrides an explicit `[api] stream`."""
     import dataclasses
 
-    from draftgen.core.config import note_stream_mode
     from draftgen.core.files import write_json_atomic
     from draftgen.core.generate.loop.smoke_record import apply_smoke_stream
     cfg = make_config(tmp_path, "http://127.0.0.1:9/v1", [{"name": "a", "n": 1}],
@@ -154,19 +153,16 @@ def test_the_run_streams_as_smoke_json_records_without_a_new_fingerprint(tmp_pat
     rd = RunDir(cfg.run_dir)
     rd.root.mkdir(parents=True, exist_ok=True)
     fingerprint = cfg.run_fingerprint()
-    try:
-        assert "stream" not in cfg.request_body(cfg.datasets[0], [])
-        write_json_atomic(rd.smoke_json, {"fingerprint": "other", "passed": True, "stream": True})
-        assert apply_smoke_stream(cfg, rd) is None and not cfg.api.streams  # another shape's decision
-        write_json_atomic(rd.smoke_json, {"fingerprint": fingerprint, "passed": True, "stream": True})
-        assert apply_smoke_stream(cfg, rd) is True and cfg.api.stream_decided
-        body = cfg.request_body(cfg.datasets[0], [])
-        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
-        assert cfg.run_fingerprint() == fingerprint and smoke_status(cfg)[0]
-        explicit = dataclasses.replace(cfg, api=dataclasses.replace(cfg.api, stream=False))
-        assert "stream" not in explicit.request_body(cfg.datasets[0], []) and not explicit.api.stream_decided
-    finally:
-        note_stream_mode(cfg.api.base_url, cfg.api.model, None)
+    assert "stream" not in cfg.request_body(cfg.datasets[0], [])
+    write_json_atomic(rd.smoke_json, {"fingerprint": "other", "passed": True, "stream": True})
+    assert apply_smoke_stream(cfg, rd) is None and not cfg.api.streams  # another shape's decision
+    write_json_atomic(rd.smoke_json, {"fingerprint": fingerprint, "passed": True, "stream": True})
+    assert apply_smoke_stream(cfg, rd) is True and cfg.api.stream_decided
+    body = cfg.request_body(cfg.datasets[0], [])
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert cfg.run_fingerprint() == fingerprint and smoke_status(cfg)[0]
+    explicit = dataclasses.replace(cfg, api=dataclasses.replace(cfg.api, stream=False))
+    assert "stream" not in explicit.request_body(cfg.datasets[0], []) and not explicit.api.stream_decided
 
 
 @pytest.mark.parametrize("misbehave, passed", [((), True), (("history_reasoning",), False)])

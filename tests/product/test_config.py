@@ -86,7 +86,9 @@ def test_spec_example_loads(tmp_path):
     (("backend = \"specforge\"", "backend = \"sglang\""), 'extract.backend = "sglang" was replaced by "specforge"'),
     (("template = \"kimi-k2.5\"", "template = \"chatml\""), "tokenizer.template must be"),
     (("[output]", "[outputs]"), "unknown table or key 'outputs'"),
-    (("aux_layers = \"eagle3\"", "aux_layers = [1, 2]"), "exactly 3 layer ids"),
+    (("aux_layers = \"eagle3\"", "aux_layers = [2, 1]"), "strictly ascending"),
+    (("aux_layers = \"eagle3\"", "aux_layers = \"dflash\""), "one of eagle3, peagle, dflash:K, dspark:K"),
+    (("aux_layers = \"eagle3\"", "aux_layers = []"), "lists no layer id"),
     (("request_timeout_s = 1800", "request_timeout_s = true"), "api.request_timeout_s must be a number"),
     (("name = \"B8_sweagent\"", "name = \"B4_mixturethoughts\""), "is used twice"),
 ])

@@ -74,7 +74,7 @@ def digests(root: Path, skip: tuple[str, ...] = ("run.json", "events.log", "run.
 _TABLE_CLASSES = {"api": cfgmod.ApiConfig, "budget": cfgmod.BudgetConfig, "tokenizer": cfgmod.TokenizerConfig,
                   "output": cfgmod.OutputConfig, "engine": cfgmod.EngineConfig, "merge": cfgmod.MergeConfig,
                   "extract": cfgmod.ExtractConfig, "smoke": cfgmod.SmokeConfig, "datasets": cfgmod.DatasetConfig}
-KEYS = sorted({f.name for cls in _TABLE_CLASSES.values() for f in dataclasses.fields(cls)}
+KEYS = sorted({f.name for cls in _TABLE_CLASSES.values() for f in cfgmod.key_fields(cls)}
               | {"unknown_key", "messages", "model", "provider", "datasets", "api"})
 HEADERS = [f"[{t}]" for t in (*_TABLE_CLASSES, "request", "request.provider", "bogus")] + \
           ["[[datasets]]", "[[api]]", "[[datasets.request]]", ""]
@@ -118,14 +118,14 @@ def _fields(table: str, typed_only: bool) -> st.SearchStrategy[dict[str, Any]]:
         kinds = [t for t in _TYPED if t is hint or t in typing.get_args(hint)]
         typed = [_TYPED[t] for t in kinds]
         return st.one_of(*typed) if typed and typed_only else st.one_of(*typed, _value)
-    return st.fixed_dictionaries({}, optional={f.name: value_for(f.name) for f in dataclasses.fields(cls)})
+    return st.fixed_dictionaries({}, optional={f.name: value_for(f.name) for f in cfgmod.key_fields(cls)})
 
 
 _random_section = st.tuples(st.sampled_from(HEADERS),
                             st.lists(st.tuples(st.sampled_from(KEYS), _value), max_size=5))
 # Well-formed TOML with the real tables and keys, a few of them set to values of their own type
 # (nan, inf, NUL, extremes): what is left to catch is a bad value that gets through.
-_TABLE_FIELDS = [(t, f.name) for t, cls in _TABLE_CLASSES.items() for f in dataclasses.fields(cls)]
+_TABLE_FIELDS = [(t, f.name) for t, cls in _TABLE_CLASSES.items() for f in cfgmod.key_fields(cls)]
 
 
 def _one_value(table_field: tuple[str, str]) -> st.SearchStrategy[tuple[str, str, Any]]:

@@ -10,7 +10,7 @@ import pytest
 
 from draftgen.core.generate.api.account import AccountStop
 from draftgen.core.generate.api.classify import AccountCondition
-from draftgen.core.generate.loop.admission import AdaptiveConcurrency
+from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.run_state import Hold, PausedBy, RunControl

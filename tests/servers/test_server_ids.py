@@ -360,3 +360,60 @@ def test_an_unusual_finish_reason_is_a_failed_attempt_only_from_a_self_hosted_se
     with pytest.raises(RequestFailed) as failed:
         parse_completion(body(reason), 0.0, lambda: True)
     assert failed.value.kind is ErrorKind.FINISH_ERROR and reason in failed.value.message
+
+
+class RestartedServer(CannedServer):
+    """One address whose server is replaced between runs (`shape`, `version` changed): GET /version
+    answers while it plays vLLM, GET /server_info while it plays SGLang, the other path 404."""
+
+    async def __aenter__(self) -> RestartedServer:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+
+        def info(shape: str) -> Any:
+            async def answer(_: web.Request) -> web.Response:
+                if self.shape != shape:
+                    raise web.HTTPNotFound()
+                return web.json_response({"version": self.version})
+            return answer
+        app.router.add_get("/version", info("vllm"))
+        app.router.add_get("/server_info", info("sglang"))
+        self.runner, self.port = await serve_local(app)
+        return self
+
+
+async def test_two_runs_in_one_process_each_find_their_own_server(tmp_path):
+    """What a run finds of its server (its kind, its release, the mode its smoke test decided) is the run's
+    own (`ApiConfig.server`), not the process's. The first run's start-up check finds its kind and release
+    (kind "auto": GET /key's 404); a second run at the same address, now SGLang 0.5.14, set to
+    openai-compatible and run without the check (as a notebook would), asks its server which release it is
+    (a process-wide note kept the first run's vLLM: it asked SGLang for ids it ignores and said they were
+    asked); a config loaded after them has found nothing yet (a process-wide note gave it the kind)."""
+    from draftgen.core.generate.api.preflight import check_api
+    from draftgen.core.servers import Server
+
+    def config(name: str, kind: str) -> Config:
+        return make_config(tmp_path / name, server.base_url, [{"name": "a", "n": N, "concurrency": 4,
+                                                               "max_tokens": 512}],
+                           tables={"api": {"kind": kind, "return_token_ids": True, "stream": False},
+                                   "tokenizer": {"path": str(bundled_kimi_path())}})
+    said: list[list[tuple[Any, ...]]] = [[], []]
+    async with RestartedServer("vllm", "0.13.0") as server:
+        cfgs = [config("one", "auto"), config("two", "openai-compatible")]
+        server.spec = WorkerSpec.from_config(cfgs[0])
+        await check_api(cfgs[0], TEST_KEY)  # the first run's start-up check: its kind, then its release
+        for k, (shape, version) in enumerate((("vllm", "0.13.0"), ("sglang", "0.5.14"))):
+            server.shape, server.version = shape, version
+            engine = Engine(cfgs[k], TEST_KEY, seed=1, on_event=lambda *e, k=k: said[k].append(e))
+            assert await engine.run() == snap.RunState.DONE
+            assert engine.errors["no_ids"] == (0 if shape == "vllm" else N)
+        later = config("three", "auto")
+    first, second = ([e[2] for e in events if e[1] == snap.EventKind.SERVER_IDS] for events in said)
+    assert "vLLM 0.13.0" in first[0] and "token ids asked with return_token_ids" in first[0]
+    assert "SGLang 0.5.14 has no `return_token_ids`" in second[0]
+    assert [c.api.server_kind for c in cfgs] == ["openai-compatible"] * 2
+    # Not asked yet: treated as OpenRouter until its server answers.
+    assert later.api.server_kind == "openrouter" and later.api.server.kind is None
+    assert not later.api.server.asked and later.api.server.release is None
+    assert cfgs[0].api.server.release == Server("vllm", (0, 13, 0), "0.13.0")
+    assert cfgs[1].api.server.release == Server("sglang", (0, 5, 14), "0.5.14")

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import aiohttp
 
-from draftgen.core.config import Config, note_server_kind
+from draftgen.core.config import Config
 from draftgen.core.errors import KeyRefusedError, UnreachableError
 from draftgen.core.generate.api.account import AccountStatus, read_account
 from draftgen.core.generate.api.classify import AccountCondition, RequestFailed, unreachable_advice
 from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.secrets import Redactor
-from draftgen.core.servers import Server, note_server, server_from_answers
+from draftgen.core.servers import Server, server_from_answers
 
 
 async def check_api(config: Config, api_key: str, redact: Redactor | None = None) -> AccountStatus:
@@ -58,14 +58,15 @@ NO_KEY_ENDPOINT = frozenset({404, 405})
 
 
 def note_key_answer(config: Config, e: RequestFailed | None) -> None:
-    """Record what GET /key said about the server's kind (`e` None: it answered), for kind "auto"."""
+    """Record what GET /key said about the server's kind (`e` None: it answered), for kind "auto", in the
+    run's server profile (`ApiConfig.server`)."""
     api = config.api
     if api.kind != "auto" or "openrouter.ai" in api.base_url:
         return
     if e is None:
-        note_server_kind(api.base_url, "openrouter")
+        api.server.note_kind("openrouter")
     elif e.status in NO_KEY_ENDPOINT:
-        note_server_kind(api.base_url, "openai-compatible")
+        api.server.note_kind("openai-compatible")
 
 
 # Where each server says its release: vLLM's GET /version ({"version": "0.13.0"}); SGLang has no
@@ -74,9 +75,10 @@ VERSION_PATHS = (("version", "/version"), ("server_info", "/server_info"), ("ser
 
 
 async def detect_server(config: Config, client: ChatClient) -> Server | None:
-    """Which self-hosted server answers at [api] base_url and its release, noted for the request
-    bodies (core/servers.py); None, noted too, for a server that says neither (its ids are then asked
-    the vLLM way, and what does not come back is counted). Asked only where ids are wanted."""
+    """Which self-hosted server answers at [api] base_url and its release, noted in the run's server
+    profile for the request bodies (core/servers.py); None, noted too, for a server that says neither
+    (its ids are then asked the vLLM way, and what does not come back is counted). Asked only where ids
+    are wanted."""
     api = config.api
     if not api.return_token_ids or not api.self_hosted:
         return None
@@ -93,5 +95,5 @@ async def detect_server(config: Config, client: ChatClient) -> Server | None:
         found = server_from_answers(**{what: answer})
         if found is not None:
             break
-    note_server(api.base_url, found)
+    api.server.note_release(found)
     return found

@@ -28,6 +28,7 @@ of the messages plus a few tokens per message for the chat template never underc
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,7 +88,7 @@ def prompt_token_bound(messages: Sequence[Mapping[str, Any]]) -> int:
         # whether the template renders it is the provider's rule, so the bound counts it. (A message of a
         # role and a content, most of them, has none of these.)
         if len(m) > 2 or "role" not in m or "content" not in m:
-            for key in ("tool_calls", "name", "reasoning", "reasoning_details", "reasoning_content"):
+            for key in ("tool_calls", "tool_call_id", "name", "reasoning", "reasoning_details", "reasoning_content"):
                 if m.get(key):
                     n += len(repr(m[key]).encode("utf-8", "surrogatepass"))
     return n
@@ -97,9 +98,18 @@ def body_prompt_bound(body: Mapping[str, Any]) -> int:
     """An upper bound on the prompt tokens of the request `body`: its messages, and the tool
     declarations the chat template renders into the prompt."""
     n = prompt_token_bound(body.get("messages") or ())
-    if body.get("tools"):
-        n += len(repr(body["tools"]).encode("utf-8", "surrogatepass"))
+    if tools := body.get("tools"):
+        # Templates render them as JSON (transformers' tojson: ", " and ": ", non-ASCII kept), where a `"` or
+        # `\` in a string takes 2 bytes that repr may write in 1: the longer of the two.
+        n += max(len(repr(tools).encode("utf-8", "surrogatepass")), _json_bytes(tools))
     return n
+
+
+def _json_bytes(value: Any) -> int:
+    try:
+        return len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    except (TypeError, ValueError):  # not JSON data (not from a file or a config): repr counts it
+        return 0
 
 
 def body_worst_case(prices: Prices, body: Mapping[str, Any], default_max_tokens: int) -> float:

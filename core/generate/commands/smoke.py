@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftgen.core import runtime
-from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig, note_stream_mode
+from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.files import write_json_atomic
 from draftgen.core.generate.api.account import AccountStatus, read_account
@@ -211,8 +211,8 @@ def _count_prompts(ds: DatasetConfig, specials: Any = (), stop: threading.Event 
     n = flagged = 0
     first = ""
     for item in read_dataset(ds.prompts, ds.turns, ds.max_turns, stop):
-        if isinstance(item, Conversation):  # its prompt side: the system and user turns it sends
-            messages = [*item.system, *item.user_turns]
+        if isinstance(item, Conversation):  # its prompt side: the system and user turns (and tool results) it sends
+            messages = item.prompt_side()
         elif isinstance(item, Prompt):
             messages = item.messages
         else:
@@ -742,7 +742,7 @@ async def _compare_modes(test: _SmokeTest, client: ChatClient) -> None:
     if verdict is not None:
         test.parser = verdict.parser
         test.result.stream = verdict.decided
-        note_stream_mode(config.api.base_url, config.api.model, verdict.decided)
+        config.api.server.note_stream(verdict.decided)
 
 
 async def _figures(test: _SmokeTest) -> list[DatasetFigures]:

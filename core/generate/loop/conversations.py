@@ -9,10 +9,17 @@ sent back the way the API documents it (`history_message`): OpenRouter gets the 
 is booked answered; turns of different conversations interleave under the dataset's concurrency
 (ready turns go before new conversations, so few conversations are open at once).
 
+An agent line (prompts.py parse_agent) is asked step by step the same way: step k sends the line's
+tools, the system turn, and for each earlier step the target's own message (its content, reasoning and
+calls under its own ids) followed by the dataset's recorded tool results under those ids, and the user
+turns. `tool_results = "match"` sends a result only after the same calls as the dataset's; an answer
+that is not the dataset's next move is flagged diverged (records.py TurnFields.diverges) and ends its
+conversation; "replay" sends them after as many other calls, the step flagged "replayed".
+
 A broken turn ends its conversation there: failed for good, cut at max_tokens, an empty answer, an
-answer with tool calls, or skipped (a budget, max_usd, a duplicate). Its later turns are counted
-skipped ("conversation ended at turn k: why"), never written, and recomputed from the records on the
-next run. Nothing is ever conditioned on a broken answer.
+answer with tool calls (an agent step's: one that diverged), or skipped (a budget, max_usd, a
+duplicate). Its later turns are counted skipped ("conversation ended at turn k: why"), never
+written, and recomputed from the records on the next run. Nothing is ever conditioned on a broken answer.
 
 Resume is at turn level: the records of the dataset (responses.jsonl, failures.jsonl: `conversation`,
 `turn`, `prompt_hash`) say where each conversation stands; its next turn is 1 + its highest answered
@@ -33,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from draftgen.core.generate.loop.prompts import (
     Conversation,
     Prompt,
@@ -43,7 +52,7 @@ from draftgen.core.generate.loop.prompts import (
 )
 from draftgen.core.generate.loop.source import Booked, BookedAs
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
-from draftgen.core.records import TurnFields
+from draftgen.core.records import TurnFields, broken_answer, own_calls, same_calls
 from draftgen.core.rundir import iter_jsonl
 
 if TYPE_CHECKING:
@@ -53,12 +62,16 @@ CHUNK = 256  # conversations read from the prompt file per thread hop
 
 
 def history_message(content: str, reasoning: str | None, reasoning_details: list[Any] | None, *,
-                    self_hosted: bool) -> dict[str, Any]:
+                    self_hosted: bool, tool_calls: list[Any] | None = None) -> dict[str, Any]:
     """The target's answer as the assistant message of a later turn's request, as each API documents
     it: OpenRouter, its `reasoning_details` passed back unmodified (else the `reasoning` text, when
     it had one); vLLM and SGLang, `reasoning_content`. Rendering is the chat template's rule (Kimi-K2.5
-    renders earlier turns without their reasoning, core/tokens/template.py)."""
+    renders earlier turns without their reasoning, except inside a tool-call loop, core/tokens/template.py).
+    An agent step's `tool_calls` go back as the target made them: its own ids, names and argument text
+    (`tool_call`), each as OpenAI's assistant message carries a call."""
     msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        msg["tool_calls"] = [tool_call(c) for c in tool_calls]
     if self_hosted:
         if reasoning:
             msg["reasoning_content"] = reasoning
@@ -69,17 +82,15 @@ def history_message(content: str, reasoning: str | None, reasoning_details: list
     return msg
 
 
-def broken_answer(content: str, finish_reason: str | None, tool_calls: Any) -> str:
-    """Why an answer cannot be the history of a later turn ("" when it can)."""
-    if finish_reason == "length":
-        return "cut at max_tokens"
-    if finish_reason in ("content_filter", "error"):  # a partial answer: nothing is asked on it
-        return f"ended by {finish_reason}"
-    if tool_calls:
-        return "answered with tool calls"
-    if not content.strip():
-        return "empty answer"
-    return ""
+def tool_call(call: Any) -> dict[str, Any]:
+    """One of the target's calls as an assistant message of the history sends it back: its id, its name
+    and its arguments' text as the answer gave them (what the model generated, not re-serialised)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    fn = fn if isinstance(fn, dict) else {}
+    args = fn.get("arguments")
+    return {"id": call.get("id") if isinstance(call, dict) else None, "type": "function",
+            "function": {"name": fn.get("name"), "arguments": args if isinstance(args, str) else
+                         "" if args is None else orjson.dumps(args).decode()}}
 
 
 def skip_kind(reason: str) -> str:
@@ -123,6 +134,7 @@ class ConversationSource:
         self._max_turns = max_turns if max_turns is not None else ds.config.max_turns
         self._stop = stop  # set by a drain or stop now: the file's reading stops (no more conversations)
         self._self_hosted = self_hosted
+        self._replay = ds.config.tool_results == "replay"
         self._responses = responses
         self._failures = failures
         self._event = on_event
@@ -188,13 +200,19 @@ class ConversationSource:
             return
         a = result.answer
         assert a is not None
-        why = broken_answer(a.content, a.finish_reason, a.tool_calls)
+        agent = o.conv.steps is not None
+        why = broken_answer(a.content, a.finish_reason, a.tool_calls, agent=agent)
+        if not why and t.diverges(a.tool_calls):  # as record_book.record_answer flagged its record
+            why = "diverged"
+        calls = f", {len(a.tool_calls)} tool call(s)" if agent and a.tool_calls else ""
         if why:
+            o.lines.append(f"turn {t.turn}: answered{calls}")
             self._end(o, t.turn, why)
             return
-        o.history.append(history_message(a.content, a.reasoning, a.reasoning_details, self_hosted=self._self_hosted))
-        o.lines.append(f"turn {t.turn}: answered, {a.usage.prompt_tokens:,} prompt + {a.usage.completion_tokens:,} "
-                       "answer tokens")
+        o.history.append(history_message(a.content, a.reasoning, a.reasoning_details, self_hosted=self._self_hosted,
+                                         tool_calls=a.tool_calls if agent else None))
+        o.lines.append(f"turn {t.turn}: answered{calls}, {a.usage.prompt_tokens:,} prompt + "
+                       f"{a.usage.completion_tokens:,} answer tokens")
         self._advance(o)
 
     @property
@@ -227,6 +245,8 @@ class ConversationSource:
         """The request of the conversation's next turn: its history is the target's own answers."""
         conv = o.conv
         k = len(o.history) + 1
+        if conv.steps is not None:
+            return self._step(o, k)
         messages: list[dict[str, Any]] = list(conv.system)
         for user, answer in zip(conv.user_turns, o.history, strict=False):
             messages.append(user)
@@ -234,6 +254,35 @@ class ConversationSource:
         messages.append(conv.user_turns[k - 1])
         return Prompt(turn_id(conv.id, k), messages, conv.line,
                       TurnFields(conv.id, k, conv.turns, conv.fingerprint[k - 1]))
+
+    def _step(self, o: _Open, k: int) -> Prompt:
+        """The request of an agent line's step k: the system turn, then for each step j <= k the target's
+        own answer to step j-1 (its content, reasoning and calls), the dataset's tool results after it, each
+        under the target's own id of the call it answers, and the dataset's user turns; the line's tools."""
+        conv = o.conv
+        steps = conv.steps
+        assert steps is not None
+        messages: list[dict[str, Any]] = list(conv.system)
+        spliced = ""
+        for j in range(1, k + 1):
+            step = steps[j - 1]
+            if j > 1:
+                answer = o.history[j - 2]
+                messages.append(answer)
+                if step.results:
+                    calls = answer.get("tool_calls") or []
+                    # Booked only when its calls can take these results (same calls, or as many with "replay");
+                    # stored answers are checked when the conversation opens (_begin).
+                    messages += [{"role": "tool", "tool_call_id": c["id"], "content": r}
+                                 for c, r in zip(calls, step.results, strict=True)]
+                    if spliced != "replayed":
+                        spliced = "matched" if same_calls(own_calls(calls), steps[j - 2].calls) else "replayed"
+            messages += step.users
+        last = k == conv.turns
+        return Prompt(turn_id(conv.id, k), messages, conv.line,
+                      TurnFields(conv.id, k, conv.turns, conv.fingerprint[k - 1], agent=True, tools=conv.tools,
+                                 tool_results=spliced or None, expect=None if last else steps[k - 1].calls,
+                                 replay=self._replay))
 
     def _end(self, o: _Open, k: int, why: str) -> None:
         """Turn k broke (its own outcome is counted by whoever booked it): the conversation ends; its
@@ -286,8 +335,13 @@ class ConversationSource:
             if any(j not in history for j in range(1, m + 1)):  # its answers left the file since _load
                 self._ended(conv, m, "stored answers not readable", kept)
                 return None
-        o = _Open(conv, [history[j] for j in range(1, m + 1)], kept, [f"turn {j}: answered in an earlier run"
-                                                                       for j in range(1, m + 1)])
+        answers = [history[j] for j in range(1, m + 1)]
+        if conv.steps is not None and any(len(a.get("tool_calls") or ()) != len(step.results)
+                                          for a, step in zip(answers, conv.steps[1:], strict=False)):
+            # (a record edited by hand: its calls cannot take the dataset's results after them)
+            self._ended(conv, m, "stored calls do not fit the dataset's tool results", kept)
+            return None
+        o = _Open(conv, answers, kept, [f"turn {j}: answered in an earlier run" for j in range(1, m + 1)])
         self._open[conv.id] = o
         return self._turn(o)
 
@@ -350,11 +404,14 @@ class ConversationSource:
                     continue
                 conv, k, turns = where
                 ph = raw.get("prompt_hash")
-                broken = broken_answer(_str(raw.get("content")), raw.get("finish_reason"), raw.get("tool_calls")) \
+                broken = broken_answer(_str(raw.get("content")), raw.get("finish_reason"), raw.get("tool_calls"),
+                                       agent="tools" in raw) \
                     if answered else "failed" + (f" ({raw['error_kind']})" if isinstance(raw.get("error_kind"), str)
                                                  else "")
                 if answered and (raw.get("truncated") or raw.get("empty_content")) and not broken:
                     broken = "cut at max_tokens" if raw.get("truncated") else "empty answer"
+                if answered and raw.get("diverged") is True and not broken:
+                    broken = "diverged"
                 stored.setdefault(conv, {})[k] = _Stored(answered, ph if isinstance(ph, str) else None, broken)
                 if turns:
                     recorded_turns[conv] = turns
@@ -375,9 +432,11 @@ class ConversationSource:
                 continue
             rd = raw.get("reasoning_details")
             reasoning = raw.get("reasoning")
+            calls = raw.get("tool_calls")
             out.setdefault(where[0], {})[where[1]] = history_message(
                 _str(raw.get("content")), reasoning if isinstance(reasoning, str) else None,
-                rd if isinstance(rd, list) else None, self_hosted=self._self_hosted)
+                rd if isinstance(rd, list) else None, self_hosted=self._self_hosted,
+                tool_calls=calls if "tools" in raw and isinstance(calls, list) else None)
         return out
 
     def _reread(self, conv: str) -> dict[int, dict[str, Any]]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from draftgen.core.config import DatasetConfig
 from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.api.client import RequestFailed
-from draftgen.core.generate.loop.admission import AdaptiveConcurrency
+from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.doubts import Doubts
 from draftgen.core.generate.money.budget import TokenBudget
 from draftgen.core.live.snapshot import DatasetStatus
@@ -45,6 +45,12 @@ class ConversationCounts:
     by_turn_total: Counter[int] = field(default_factory=Counter)  # turns of the file, by turn number
     by_turn_done: Counter[int] = field(default_factory=Counter)   # answered turns, by turn number
     last: tuple[str, ...] = ()  # the last conversation that finished or ended: its id, then one line a turn
+    # Agent lines (docs/multi-turn.md), counted from the records (this run's and earlier ones):
+    tool_calls: int = 0         # answers that called tools
+    replayed: int = 0           # steps sent with a replayed tool result (tool_results = "replay")
+    diverged: int = 0           # conversations ended by an answer that was not the dataset's next move
+    by_turn_calls: Counter[int] = field(default_factory=Counter)     # answers that called tools, by step
+    by_turn_diverged: Counter[int] = field(default_factory=Counter)  # diverged conversations, by the step
 
     def growth(self, turns_left: int, answered: int) -> float:
         """How much bigger the prompts of the turns left are than those answered so far: a turn's history
@@ -94,6 +100,8 @@ class DatasetRun:
     _other_model: int = field(default=0, init=False)  # answers from another model than the one asked
     _unreadable: int = field(default=0, init=False)   # answers in a row that could not be read (BAD_BODY)
     _cost: float = field(default=0.0, init=False)
+    _prompt_tokens: int = field(default=0, init=False)     # usage.prompt_tokens of the answers on disk
+    _reasoning_tokens: int = field(default=0, init=False)  # of their completion tokens, the reasoning's
     _answered_now: int = field(default=0, init=False)
     _cut_now: int = field(default=0, init=False)   # answers this run cut at max_tokens (cut_to_say)
     _cut_said: bool = field(default=False, init=False)
@@ -220,6 +228,11 @@ class DatasetRun:
         return self._cost
 
     @property
+    def usage_tokens(self) -> tuple[int, int]:
+        """(prompt, reasoning) tokens of the answers on disk, as billed (completion: `token_budget.used`)."""
+        return self._prompt_tokens, self._reasoning_tokens
+
+    @property
     def answered_now(self) -> int:
         """Answers this run."""
         return self._answered_now
@@ -243,20 +256,32 @@ class DatasetRun:
         self._check()
 
     def answered(self, prompt_id: str, tokens: int, cost: float, *, short: bool, other_model: bool = False,
-                 now: bool = True) -> None:
+                 now: bool = True, calls: bool = False, diverged: bool = False, replayed: bool = False,
+                 prompt_tokens: int = 0, reasoning_tokens: int = 0) -> None:
         """An answer on disk (`now`: this run's; else one read back from disk); `other_model`: from another
-        model than the one asked."""
+        model than the one asked; an agent step's: it `calls` tools, it `diverged` from the dataset (its
+        conversation ends), its request carried a `replayed` tool result."""
         self._done += 1
         self._unreadable = 0
         self.done_ids.add(prompt_id)
         self.token_budget.used += tokens
         self.token_budget.answers += 1
         self._cost += cost
+        self._prompt_tokens += prompt_tokens
+        self._reasoning_tokens += reasoning_tokens
         if self.config.turns == "all":
             _, _, k = prompt_id.rpartition("#t")
             turn = int(k) if k.isdigit() else 1
-            self.conversations.answered_turn_sum += turn
-            self.conversations.by_turn_done[turn] += 1
+            c = self.conversations
+            c.answered_turn_sum += turn
+            c.by_turn_done[turn] += 1
+            if calls:
+                c.tool_calls += 1
+                c.by_turn_calls[turn] += 1
+            if diverged:
+                c.diverged += 1
+                c.by_turn_diverged[turn] += 1
+            c.replayed += replayed
         if short:
             self._truncated += 1
         if other_model:

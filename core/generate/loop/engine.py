@@ -55,7 +55,7 @@ from draftgen.core.generate.api.account import AccountStop
 from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.api.limits import ensure_open_files, tune_gc
 from draftgen.core.generate.api.prices import Prices
-from draftgen.core.generate.loop.admission import AdaptiveConcurrency
+from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.opening import Opened, open_costs, open_datasets, write_run_json

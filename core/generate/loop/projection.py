@@ -60,6 +60,9 @@ def _conversations(ds: DatasetRun) -> dict[str, Any]:
     c = ds.conversations
     return {"conversations": c.total, "conversations_done": c.done, "conversations_ended": c.ended,
             "turns_by_number": tuple((c.by_turn_done[k], c.by_turn_total[k]) for k in sorted(c.by_turn_total)),
+            "tool_calls": c.tool_calls, "diverged": c.diverged, "replayed": c.replayed,
+            "tool_calls_by_number": tuple(c.by_turn_calls[k] for k in sorted(c.by_turn_total)),
+            "diverged_by_number": tuple(c.by_turn_diverged[k] for k in sorted(c.by_turn_total)),
             # its id is the prompt file's: shown with its control characters escaped
             "last_conversation": tuple(visible(line) for line in c.last)}
 
@@ -155,6 +158,7 @@ def _datasets(all_ds: list[DatasetRun], plan: RunForecast, spend: SpendLedger, *
             truncated=ds.truncated, other_model=ds.other_model, in_flight=ds.in_flight,
             concurrency=ds.config.concurrency,
             effective_concurrency=ds.concurrency.limit, tokens_used=ds.token_budget.used,
+            prompt_tokens=ds.usage_tokens[0], reasoning_tokens=ds.usage_tokens[1],
             tokens_in_flight=ds.token_budget.in_flight, token_budget=ds.token_budget.limit, cost_usd=round(cost, 6),
             projected_cost_usd=round(cost + fc.cost_usd, 4) if fc.cost_usd or cost else None, message=ds.message,
             **_conversations(ds)))

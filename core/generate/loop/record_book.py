@@ -56,7 +56,7 @@ from draftgen.core.generate.loop.spool_import import SpoolImport
 from draftgen.core.generate.loop.stats import RateTracker
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.live.snapshot import EventKind, Level
-from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord, same_model
+from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord, broken_answer, same_model
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.units import to_ms
 
@@ -136,7 +136,10 @@ class RecordBook:
             if rec.id in ds.done_ids:
                 continue
             ds.answered(rec.id, rec.usage.completion_tokens, rec.usage.cost, short=rec.short,
-                        other_model=not same_model(self._model, raw.get("model")), now=False)
+                        other_model=not same_model(self._model, raw.get("model")), now=False,
+                        calls=bool(rec.tool_calls), diverged=raw.get("diverged") is True,
+                        replayed=raw.get("tool_results") == "replayed", prompt_tokens=rec.usage.prompt_tokens,
+                        reasoning_tokens=rec.usage.reasoning_tokens)
         for _, raw in iter_jsonl(rd.failures(ds.config.name)):
             rid = str(raw.get("id"))
             if rid not in ds.done_ids:
@@ -257,7 +260,7 @@ class RecordBook:
         for d in ds.doubts.answered(seq):  # set-aside prompts this answer shows were their own (rare)
             self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"
-        empty = not a.content.strip()
+        empty = not a.content.strip() and not a.tool_calls  # an agent step's answer may be its calls alone
         other = not same_model(self._model, a.model)
         line = ResponseRecord.line(
             prompt.id, prompt.messages, a.reasoning, a.content, a.tool_calls, a.finish_reason,
@@ -265,9 +268,16 @@ class RecordBook:
             truncated, empty, to_ms(time.time()), a.token_ids, a.prompt_token_ids, prompt.turn, a.reasoning_details)
         if sampling is not None:
             line["sampling"] = sampling
+        turn = prompt.turn
+        if turn is not None and turn.expect is not None and not broken_answer(
+                a.content, a.finish_reason, a.tool_calls, agent=True) and turn.diverges(a.tool_calls):
+            line["diverged"] = True  # not the dataset's next move: its conversation ends (conversations.py)
         assert ds.responses is not None
         self._write(ds, ds.responses, line, True)
-        ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty, other_model=other)
+        ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty, other_model=other,
+                    calls=bool(a.tool_calls), diverged=line.get("diverged") is True,
+                    replayed=turn is not None and turn.tool_results == "replayed",
+                    prompt_tokens=a.usage.prompt_tokens, reasoning_tokens=a.usage.reasoning_tokens)
         self._answers_now += 1
         if other:
             self._other_model(ds, prompt, a, attempts)

@@ -71,7 +71,7 @@ from draftgen.core.generate.money.billing import (
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
 from draftgen.core.live.snapshot import EventData, EventKind, Level, OverReservation, ProviderPastCap
 from draftgen.core.records import ErrorKind
-from draftgen.core.servers import ids_plan, missing_ids_message, server_noted
+from draftgen.core.servers import ids_plan, missing_ids_message
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.dataset_run import DatasetRun
@@ -492,9 +492,9 @@ class Requests:
         if not self._wants_ids:
             return
         config = self._ctx.config
-        if not server_noted(config.api.base_url):
+        if not config.api.server.asked:
             await detect_server(config, self.client)
-        asked, text = ids_plan(config.api.base_url, config.api.streams)
+        asked, text = ids_plan(config.api.server.release, config.api.base_url, config.api.streams)
         self._ids_said = not asked  # the reason is said once, here: each answer without ids is still counted
         self._ctx.event(Level.INFO if asked else Level.WARN, EventKind.SERVER_IDS, text)
 
@@ -504,8 +504,8 @@ class Requests:
         if not self._ids_said:
             self._ids_said = True
             api = self._ctx.config.api
-            self._ctx.event(Level.WARN, EventKind.SERVER_IDS, missing_ids_message(api.base_url, api.streams),
-                            dataset=ds.config.name)
+            self._ctx.event(Level.WARN, EventKind.SERVER_IDS,
+                            missing_ids_message(api.server.release, api.base_url, api.streams), dataset=ds.config.name)
 
     # -- outages ------------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from draftgen.core.config import DatasetConfig, body_epoch, cycle_index
+from draftgen.core.config import DatasetConfig, cycle_index
 from draftgen.core.generate.api.prices import body_prompt_bound, prompt_token_bound
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.prompts import Prompt
@@ -61,7 +61,7 @@ class _Wait(Enum):
 
 class _Made:
     """A dataset's request body without its messages, and the parts of its worst case that are the
-    dataset's (prices.py body_worst_case), as of one `body_epoch`."""
+    dataset's (prices.py body_worst_case), as of one epoch of the run's server profile (servers.py)."""
     __slots__ = ("epoch", "body", "cap", "answers", "tools_bound")
 
     def __init__(self, epoch: int, body: dict[str, Any], max_tokens: int) -> None:
@@ -117,6 +117,7 @@ class Room:
         self._event = ctx.event
         self._settler = opened.costs.settler  # abandoned attempts being priced: settling them may free room
         self._body = ctx.config.request_body  # the exact request body: the reservation is its worst case
+        self._server = ctx.config.api.server  # what was found of the server: a note since changes the body
         # per dataset and place in its sampling cycles: the body without its messages
         self._bodies: dict[tuple[str, tuple[int, int]], _Made] = {}
         self.prices = opened.costs.prices
@@ -139,7 +140,7 @@ class Room:
         is known and no ceiling is set): the worst case of that very body, its own max_tokens (with the
         dataset's sampling cycle at the prompt's line, `cycle_index`)."""
         config = ds.config
-        epoch = body_epoch()
+        epoch = self._server.epoch
         index = cycle_index(prompt.line)
         key = (config.name, _cycle_place(config, index))
         made = self._bodies.get(key)
@@ -147,10 +148,14 @@ class Room:
             made = self._bodies[key] = _Made(epoch, self._body(config, [], index=index), config.max_tokens)
         body = made.body.copy()  # the config's part, built once per dataset: only `messages` is the prompt's
         body["messages"] = prompt.messages
+        tools_bound = made.tools_bound
+        if prompt.turn is not None and prompt.turn.tools:  # an agent line's step: the line's tools are sent
+            body["tools"] = prompt.turn.tools
+            tools_bound = body_prompt_bound({"tools": prompt.turn.tools}) - prompt_token_bound(())
         prices = self.prices.get(config.name)
         # body_worst_case(prices, body, max_tokens), its parts that are the dataset's computed once.
         return body, 0.0 if prices is None else (
-            prices.worst_case(prompt_token_bound(prompt.messages) + made.tools_bound, made.cap) * made.answers)
+            prices.worst_case(prompt_token_bound(prompt.messages) + tools_bound, made.cap) * made.answers)
 
     @property
     def money_limited(self) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from draftgen.core.config import Config, note_stream_mode
+from draftgen.core.config import Config
 from draftgen.core.generate.money.forecast import SmokeFigures
 from draftgen.core.rundir import RunDir
 
@@ -51,5 +51,5 @@ def apply_smoke_stream(config: Config, rd: RunDir) -> bool | None:
     `[api] stream` wins: `ApiConfig.streams`); returns it."""
     decided = load_smoke_stream(rd, config.run_fingerprint())
     if decided is not None:
-        note_stream_mode(config.api.base_url, config.api.model, decided)
+        config.api.server.note_stream(decided)
     return decided

@@ -40,8 +40,8 @@ same way by the settler). One bad figure costs at most one reservation on the le
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.api.classify import PastCap, RequestFailed
@@ -49,8 +49,12 @@ from draftgen.core.generate.api.client import ChatAnswer
 from draftgen.core.generate.api.prices import Prices, body_answers, body_max_tokens, body_prompt_bound
 from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger, Ticket
 
-if TYPE_CHECKING:
-    from draftgen.core.generate.money.settle import Settler
+
+class _Settles(Protocol):
+    """Whoever prices attempts from their generation records (settle.py `Settler`, which imports this
+    module: billing only needs its `add`)."""
+
+    def add(self, items: Iterable[Pending]) -> None: ...
 
 
 # A billed figure past both of these is not believed (`cost_bound`): ten times the reservation (a
@@ -202,7 +206,7 @@ def reserve_one(spend: SpendLedger, max_usd: float | None, ds: str, prompt_id: s
     return ticket, ""
 
 
-def look_up(settler: Settler | None, pending: Pending | None) -> None:
+def look_up(settler: _Settles | None, pending: Pending | None) -> None:
     """Hand an attempt to be priced from its generation record to the settler, when there is one."""
     if settler is not None and pending is not None:
         settler.add((pending,))
