@@ -136,7 +136,10 @@ def describe(spec: dict[str, Any], path: Path, data_note: str, ids: list[int]) -
             f"layer's output before the final norm)",
             f"  total_seq_len = {t['data']['total_seq_len']:,} (samples are packed to it; at least the longest)",
             f"  {command(path)}   (several GPUs: torchrun --nproc_per_node=G -m speculators.train "
-            f"--config {sh_path(path)})"]
+            f"--config {sh_path(path)})"] + ([] if len(ids) == 4 else [
+            f"  NOTE: speculator_type = eagle3 reads 3 aux layers; these files hold {len(ids) - 1}: set the drafter "
+            f"that takes them (speculators' dflash, dspark...) in the config before training (its layer ids were "
+            f"checked here for EAGLE-3 only)"])
 
 
 def write(config: Config, *, max_length: int) -> list[str]:

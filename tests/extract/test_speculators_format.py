@@ -294,3 +294,18 @@ def test_extract_command_says_the_layers_the_command_and_the_fp8_error(tmp_path:
     assert extract_command(config, None, out=again) == 0
     n = len(make_samples())
     assert f"nothing to do ({n} of {n} files already written); the model is not loaded" in again.getvalue()
+
+
+def test_a_five_layer_set_is_written_with_its_slots_and_the_hand_off_says_eagle3_does_not_take_it(
+        tmp_path: Path, model_dir: Path) -> None:
+    import io
+
+    from draftgen.core.extract.handoff import train_command
+    config = make_run(tmp_path, model_dir, format="speculators", dtype="fp8", aux_layers="dflash:5")
+    stats = extract(config)
+    assert len(stats.layers) == 5 and stats.target_layer_ids == [k + 1 for k in stats.layers] + [N_LAYERS]
+    got = speculators.load_sample(config.run_dir / "hidden_states" / "hs_0.safetensors")
+    assert got["hidden_states"].shape[1:] == (6, HIDDEN)
+    out = io.StringIO()
+    train_command(config, out=out)
+    assert "NOTE: speculator_type = eagle3 reads 3 aux layers; these files hold 5" in out.getvalue()
