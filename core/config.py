@@ -289,7 +289,11 @@ class ExtractConfig:
     backend: Literal["hf", "specforge"] = "hf"
     tp_size: int = 1
     aux_layers: str | list[int] = "eagle3"
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # The model's forward dtype; "fp8": the forward in bfloat16 and the files stored as float8_e4m3fn with one
+    # float32 scale per token (format = "speculators" only; docs/extraction.md).
+    dtype: Literal["bfloat16", "float32", "fp8"] = "bfloat16"
+    # The files' layout: SpecForge's offline .ckpt files, or one hs_{i}.safetensors per row for vLLM's speculators.
+    format: Literal["specforge", "speculators"] = "specforge"
     device: str = "auto"
     batch_tokens: int = 16384      # padded tokens per forward (the longest sample alone may exceed it)
     compress: bool = False
@@ -312,6 +316,11 @@ class ExtractConfig:
     # true: hidden_states/ files 0640 and folders 0750 (readable by the group, e.g. a training job
     # running as another user); false: 0600/0700, this user only.
     group_readable: bool = False
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the model runs in ("fp8" files come from a bfloat16 forward)."""
+        return "bfloat16" if self.dtype == "fp8" else self.dtype
 
 
 @dataclass(frozen=True)
@@ -942,6 +951,7 @@ def _check_extract(file: Path, extract: ExtractConfig) -> None:
     _positive(file, "extract.tp_size", extract.tp_size)
     _positive(file, "extract.tokens_per_s", extract.tokens_per_s, allow_zero=True)
     _positive(file, "extract.min_free_gb", extract.min_free_gb, allow_zero=True)
+    _check_extract_format(file, extract)
     _check_aux_layers(file, extract.aux_layers)
     _check_max_disk(file, extract.max_disk_gb)
     for key in sorted(extract.sglang):
@@ -1005,6 +1015,23 @@ def _check_aux_layers(file: Path, aux_layers: str | list[int]) -> None:
 
 def _check_max_disk(file: Path, max_disk_gb: float) -> None:
     _positive(file, "extract.max_disk_gb", max_disk_gb, allow_zero=True)
+
+
+def _check_extract_format(file: Path, extract: ExtractConfig) -> None:
+    """What each trainer's files can carry, refused at load, before any weight loads."""
+    if extract.format == "specforge" and extract.dtype == "fp8":
+        raise ConfigError(f"{file}: extract.dtype = \"fp8\" needs extract.format = \"speculators\": SpecForge 0.2.0's "
+                          f"offline reader (OfflineEagle3Dataset) loads the .ckpt tensors as stored and has no FP8 "
+                          f"scales to undo, so it would train on the raw FP8 values. Set format = \"speculators\" "
+                          f"(vLLM's speculators, FP8 with one scale per token) or dtype = \"bfloat16\"")
+    if extract.format == "speculators" and extract.backend != "hf":
+        raise ConfigError(f"{file}: extract.format = \"speculators\" takes the last decoder layer's output before the "
+                          f"final norm, which the {extract.backend!r} backend (SGLang's capture) does not return; "
+                          f"use backend = \"hf\", or format = \"specforge\"")
+    if extract.format == "speculators" and extract.compress:
+        raise ConfigError(f"{file}: extract.compress = true writes .ckpt.gz files, which speculators does not read "
+                          f"(it opens hs_{{i}}.safetensors as they are); set compress = false, or dtype = \"fp8\" "
+                          f"for half the bytes")
 
 
 def _check_tokenizer(file: Path, tokenizer: TokenizerConfig) -> None:

@@ -62,5 +62,12 @@ def specforge_tree(request: pytest.FixtureRequest) -> Path:
 
 
 @pytest.fixture(scope="session")
+def speculators_pythonpath(request: pytest.FixtureRequest) -> str:
+    """PYTHONPATH of the unpacked speculators 0.9.0 and hs-connectors 0.9.0 wheels (tests/pinned.py)."""
+    from tests.pinned import speculators_path
+    return speculators_path(_cache(request))
+
+
+@pytest.fixture(scope="session")
 def sglang_tree(request: pytest.FixtureRequest) -> Path:
     return pinned_source("sglang", _cache(request))

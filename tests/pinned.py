@@ -43,6 +43,17 @@ def pinned_source(name: str, cache: Path) -> Path:
     return release_source(name, gpu_pins()[name], cache)
 
 
+# vLLM's speculators (extract.format = "speculators"): the releases its reader and trainer config are checked
+# against. hs-connectors 0.9.0 carries the FP8 backend of speculators' PR #1028 (hs_connectors/fp8_utils.py).
+SPECULATORS_PINS = {"speculators": "0.9.0", "hs_connectors": "0.9.0"}
+
+
+def speculators_path(cache: Path) -> str:
+    """PYTHONPATH for the unpacked speculators and hs-connectors releases (downloaded once per cache)."""
+    import os
+    return os.pathsep.join(str(release_source(name, version, cache)) for name, version in SPECULATORS_PINS.items())
+
+
 class Offline(Exception):
     """pip could not download a release (no network, no index): the tests reading it are skipped."""
 

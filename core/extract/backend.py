@@ -39,14 +39,15 @@ def make_backend(cfg: ExtractConfig, dims: ModelDims, layers: tuple[int, ...], *
     `mem_fraction_static` is the GPU plan's (0: extract.mem_fraction_static, or plan.DEFAULT_FRACTION when unset)."""
     if cfg.backend == "hf":
         from draftgen.core.extract.hf_backend import HFBackend
-        return HFBackend(cfg.model, layers, dtype=cfg.dtype, device=cfg.device,
+        return HFBackend(cfg.model, layers, dtype=cfg.compute_dtype, device=cfg.device,
+                         prenorm_last=cfg.format == "speculators",
                          trust_remote_code=cfg.trust_remote_code)
     if cfg.backend == "specforge":
         from draftgen.core.extract.model_info import sglang_capture_ids
         from draftgen.core.extract.plan import DEFAULT_FRACTION
         from draftgen.core.extract.specforge_backend import SpecForgeBackend
         return SpecForgeBackend(cfg.model, sglang_capture_ids(layers, dims, str(config_path)), group=group,  # type: ignore[arg-type]
-                                dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                                dtype=cfg.compute_dtype, trust_remote_code=cfg.trust_remote_code,
                                 max_forward_tokens=max_forward_tokens, max_samples=max_samples,
                                 mem_fraction_static=mem_fraction_static or cfg.mem_fraction_static or DEFAULT_FRACTION,
                                 attention_backend=cfg.attention_backend,

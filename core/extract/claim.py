@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from draftgen.core.errors import DraftgenError
-from draftgen.core.files import disk_error
+from draftgen.core.files import TMP_MARK, disk_error
 from draftgen.core.quoting import sh_path
 from draftgen.core.tokens import identity
 from draftgen.core.tokens.store import TokenReader
@@ -63,8 +63,9 @@ def _files(root: Path) -> list[tuple[int, Path]]:
     out = []
     for folder, _dirs, names in os.walk(root):
         for name in names:
-            if name.startswith("data_") and name.endswith(identity.SAMPLE_SUFFIXES):
-                digits = name.removeprefix("data_").split(".", 1)[0]
+            prefix = "data_" if name.startswith("data_") else "hs_" if name.startswith("hs_") else ""
+            if prefix and name.endswith(identity.SAMPLE_SUFFIXES):
+                digits = name.removeprefix(prefix).split(".", 1)[0]
                 out.append((int(digits) if digits.isdigit() else -1, Path(folder) / name))
     return out
 
@@ -79,8 +80,13 @@ def _mismatched(root: Path, reader: TokenReader) -> int:
             continue
         ids, mask = reader.arrays(reader.entries[index])
         try:
-            got = layout.load_sample(path)
-            same = (np.array_equal(got["input_ids"].numpy(), ids) and np.array_equal(got["loss_mask"].numpy(), mask))
+            if path.name.endswith(".safetensors"):  # speculators' file: its ids only (the mask is merged/'s)
+                from draftgen.core.extract import speculators_layout
+                same = np.array_equal(speculators_layout.load_sample(path)["token_ids"].numpy(), ids)
+            else:
+                got = layout.load_sample(path)
+                same = (np.array_equal(got["input_ids"].numpy(), ids)
+                        and np.array_equal(got["loss_mask"].numpy(), mask))
         except Exception:  # noqa: BLE001 - an unreadable file is not this merge's either
             same = False
         bad += not same
@@ -181,6 +187,8 @@ def _start_over(root: Path) -> None:
         path.unlink()
     for folder in root.glob("rows_*"):
         shutil.rmtree(folder, ignore_errors=True)  # temporary files of a killed run, the empty folders
+    for tmp in root.glob(f".hs_*{TMP_MARK}*"):  # speculators' temporary files of a killed run
+        tmp.unlink()
     for stats in root.glob("stats*.json"):
         stats.unlink()
     (root / identity.HIDDEN_MERGE_FILE).unlink(missing_ok=True)

@@ -230,6 +230,7 @@ def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: 
         print(f"training: {visible(str(where / 'train-command.sh'))} (SpecForge's command and config, "
               f"data.max_length = the longest sample; `draftgen train-command {sh_path(config.path)}` explains it)",
               file=stream, flush=True)
+    _print_speculators(stats, where, stream)
     eagle = stats.trainer_layer_ids.get("eagle3")
     if eagle is not None:
         print(f"draft config: eagle_config.eagle_aux_hidden_state_layer_ids = {eagle} "
@@ -251,6 +252,21 @@ def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: 
         more = f" and {stats.nan_samples - 10} more" if stats.nan_samples > 10 else ""
         print(f"warning: samples with NaN/Inf (not written): {shown}{more}; see stats.json", file=stream, flush=True)
 
+
+
+def _print_speculators(stats: Any, where: Any, stream: TextIO) -> None:
+    """format = "speculators": its layer ids, its command, and the FP8 error measured on the files written."""
+    if getattr(stats, "format", "specforge") != "speculators":
+        return
+    from draftgen.core.extract import speculators_layout
+    from draftgen.core.extract.speculators_handoff import SCRIPT_FILE
+    print(f"speculators: files hs_{{i}}.safetensors, {stats.dtype}, layers {stats.target_layer_ids} in vLLM's "
+          f"numbering (the last: before the final norm; also in stats.json and each file's metadata)",
+          file=stream, flush=True)
+    if (where / SCRIPT_FILE).exists():
+        print(f"training with speculators: {visible(str(where / SCRIPT_FILE))}", file=stream, flush=True)
+    if stats.fp8_error is not None:
+        print(speculators_layout.describe(stats.fp8_error) + " (per slot in stats.json)", file=stream, flush=True)
 
 
 def self_check_command(config: Config | None, *, long_tokens: int, out: TextIO | None = None) -> int:

@@ -162,12 +162,12 @@ def _aux_layer_ids(config: Config, notes: list[str]) -> list[int] | None:
 
 def _missing_notes(config: Config, reader: TokenReader, files: int, merge_id: str) -> list[str]:
     """What the missing samples are: skipped as longer than the context (stats*.json), or left to extract."""
-    from draftgen.core.extract import layout
     from draftgen.core.extract.plan import recorded_too_long
+    from draftgen.core.extract.speculators_layout import existing_file
     hidden = config.run_dir / "hidden_states"
     recorded = recorded_too_long(hidden, merge_id, config.extract.model)
     skipped = {k: contexts for k, contexts in recorded.items()
-               if k < len(reader) and layout.existing_sample(hidden, k) is None}
+               if k < len(reader) and existing_file(config.extract.format, hidden, k) is None}
     notes = []
     if skipped:
         context = max(max(c) for c in skipped.values())
@@ -367,7 +367,11 @@ def train_command(config: Config, *, max_length: int | None = None, out: TextIO 
     except OSError as e:
         from draftgen.core.files import disk_error
         raise disk_error(h.config_path, e) from e
-    for line in describe(h) + describe_online(h, online_path):
+    extra = []
+    if config.extract.format == "speculators":  # vLLM's speculators reads these files: its config and command too
+        from draftgen.core.extract import speculators_handoff
+        extra = speculators_handoff.write(config, max_length=h.max_length)
+    for line in describe(h) + describe_online(h, online_path) + extra:
         print(f"# {one_line(line)}", file=stream)
     print(f"# config ({one_line(str(config_path))}):", file=stream)
     for line in json.dumps(h.config, indent=2).splitlines():  # ASCII: JSON escapes the rest

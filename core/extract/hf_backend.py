@@ -6,7 +6,9 @@ The decoder (the model without its lm_head) is run, not the whole causal LM: its
 checks it on every run): `lm_head(last_hidden_state)` equals the causal LM's logits exactly, and
 `hidden_states[-1]` of `output_hidden_states=True` is that same post-norm tensor. The aux layers
 are taken with forward hooks on the decoder layers, so only the K asked for ([B, T, H] each) are kept
-instead of all N+1; a hooked layer's output is HF's `hidden_states[k + 1]`.
+instead of all N+1; a hooked layer's output is HF's `hidden_states[k + 1]`. With `prenorm_last`
+(extract.format = "speculators") the returned `hidden` is instead the last decoder layer's own output,
+taken by a hook on it: the same tensor before the final norm (speculators' trainer applies the norm).
 
 Batches are right-padded and carry an attention mask. With right padding a real token never
 attends to a pad (pads come after it) and its position ids are unchanged, so the rows kept for
@@ -50,7 +52,7 @@ def _dtype_kwarg() -> str:
 
 class HFBackend:
     def __init__(self, model: str, layers: tuple[int, ...], *, dtype: str = "bfloat16",
-                 device: str = "auto", trust_remote_code: bool = False) -> None:
+                 device: str = "auto", trust_remote_code: bool = False, prenorm_last: bool = False) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -69,6 +71,10 @@ class HFBackend:
         decoder_layers = _decoder_layers(self.decoder)
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [decoder_layers[k].register_forward_hook(self._capture_hook(k)) for k in layers]
+        self._last: int | None = None
+        if prenorm_last:
+            self._last = len(decoder_layers) - 1
+            self._hooks.append(decoder_layers[self._last].register_forward_hook(self._capture_hook(self._last)))
         self.description = f"hf {self.device} {dtype}"
         self.max_batch_tokens: int | None = None
         self.max_batch_samples: int | None = None
@@ -86,6 +92,8 @@ class HFBackend:
             out = self.decoder(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                use_cache=False)
             hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+            if self._last is not None:
+                hidden = self._captured[self._last]  # before the final norm
             aux = torch.cat([self._captured[k] for k in self.layers], dim=-1)
             self._captured.clear()
             return [(hidden[row, :n].cpu(), aux[row, :n].cpu()) for row, n in enumerate(lengths)]

@@ -130,17 +130,18 @@ def state_bytes(tokens: int, files: int, hidden_size: int, layers: int = 3, dtyp
 
 
 def disk_budget(root: Path, indices: Sequence[int], lengths: Sequence[int], todo: Sequence[int], budget_bytes: int,
-                per_sample: Callable[[int], int]) -> tuple[list[int], list[int], int]:
+                per_sample: Callable[[int], int], fmt: str = "specforge") -> tuple[list[int], list[int], int]:
     """(the samples of `todo` that fit, those left for a later run, the bytes already on disk) under a budget.
 
     `indices` are the shard's samples, `lengths` every sample's tokens; what the shard's files already take
     on disk is counted first, then `todo` in merged order while each sample's estimate (`per_sample(tokens)`)
     still fits; the first that does not ends it (merged order kept: a later run resumes where this one stopped).
+    `fmt` is extract.format, whose files are counted.
     """
-    from draftgen.core.extract import layout
+    from draftgen.core.extract.speculators_layout import existing_file
     used = 0
     for k in indices:
-        path = layout.existing_sample(root, k)
+        path = existing_file(fmt, root, k)  # `fmt`: extract.format (speculators: hs_{k})
         if path is not None:
             try:
                 used += path.stat().st_size
@@ -260,8 +261,8 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
               nvml: Any = None, env: Mapping[str, str] | None = None) -> Plan:
     """The plan of every shard of `shard`'s N; the model config is read (and, for the specforge backend, the
     cards' memory) only if this shard has work."""
-    from draftgen.core.extract import layout
     from draftgen.core.extract.model_info import dims_from_config_dict, read_model_config, resolve_aux_layers
+    from draftgen.core.extract.speculators_layout import existing_file
     from draftgen.core.rundir import RunDir
     from draftgen.core.tokens.store import INDEX_FILE, TokenReader
     cfg = config.extract
@@ -279,7 +280,7 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
     for k, entry in enumerate(reader.entries):
         s = shards[k % n]
         s.samples += 1
-        path = layout.existing_sample(root, k)
+        path = existing_file(cfg.format, root, k)  # in the configured format (speculators: hs_{k})
         if path is None:
             s.todo += 1
             s.tokens_todo += entry.length
@@ -362,7 +363,7 @@ def _budget(cfg: Any, reader: Any, root: Path, shard: tuple[int, int], missing: 
     every = [e.length for e in reader.entries]
     fitting = [k for k in missing if context is None or every[k] <= context]
     return disk_budget(root, range(i, len(every), n), every, fitting, int(cfg.max_disk_gb * 1e9 / n),
-                       lambda t: state_bytes(t, 1, hidden, layers, dtype))
+                       lambda t: state_bytes(t, 1, hidden, layers, dtype), fmt=cfg.format)
 
 
 def _set_sizes(plan: Plan, reader: Any, budget: tuple[list[int], list[int], int] | None, share: int) -> None:
@@ -572,7 +573,7 @@ def make_gpu_plan(cfg: Any, model_cfg: dict[str, Any], source: str, max_forward_
     from draftgen.core.extract.gpu import card_memory
     from draftgen.core.extract.model_info import dims_from_config_dict, estimate_weights, resolve_aux_layers
     aux = len(resolve_aux_layers(cfg.aux_layers, dims_from_config_dict(model_cfg, source), str(config_path)))
-    weights = estimate_weights(model_cfg, cfg.tp_size, cfg.dtype, source, aux_layers=aux)
+    weights = estimate_weights(model_cfg, cfg.tp_size, cfg.compute_dtype, source, aux_layers=aux)
     w = int(weights.per_gpu_bytes * (1 + LOADER_MARGIN))
     kv_tokens = kv_pool_tokens(max_forward_tokens, max_samples, kv_page_size(cfg.attention_backend, cfg.sglang))
     kv = kv_tokens * weights.kv_bytes_per_token

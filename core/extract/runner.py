@@ -22,6 +22,7 @@ import torch
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DiskError, DraftgenError
 from draftgen.core.extract import claim, layout
+from draftgen.core.extract import speculators_layout as speculators
 from draftgen.core.extract.backend import ExtractBackend, make_backend
 from draftgen.core.extract.model_info import (
     ModelDims,
@@ -91,6 +92,13 @@ class ExtractStats:
     budget_left_bytes: int = 0
     budget_left_from: int | None = None  # the first of them, in merged order
     redone: list[dict[str, Any]] = field(default_factory=list)  # --validate: {"index", "path", "why"} removed, redone
+    format: str = "specforge"     # extract.format: the files' layout
+    dtype: str = "bfloat16"       # the files' hidden-state dtype: bfloat16 or fp8
+    # format = "speculators": the file slots' layers in vLLM's numbering (the aux layers, then N: pre-norm last).
+    target_layer_ids: list[int] | None = None
+    # dtype = "fp8": per slot, the worst and median over the files of each file's worst-token cosine and relative
+    # error, measured as written (speculators_layout.QuantError).
+    fp8_error: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -99,6 +107,26 @@ class ExtractStats:
 def bytes_needed(tokens: int, files: int, hidden_size: int, layers: int = 3, dtype: str = "bf16") -> int:
     """(layers + 1)·H states a token in `dtype`, plus the ids, the mask and each file's container (plan.state_bytes)."""
     return state_bytes(tokens, files, hidden_size, layers, dtype)
+
+
+def _existing(cfg: Any, root: Path, index: int) -> Path | None:
+    """The file already written for `index` in the configured format."""
+    return speculators.existing_file(cfg.format, root, index)
+
+
+def _refuse_other_format(cfg: Any, root: Path, config_path: object) -> None:
+    """One format per folder: files of the other trainer's layout would be neither redone nor read."""
+    if not root.is_dir():
+        return
+    ours = cfg.format
+    if ours == "speculators":
+        other = next((p for p in root.glob("rows_*/data_*") if p.name.endswith((".ckpt", ".ckpt.gz"))), None)
+    else:
+        other = next(root.glob(f"{speculators.PREFIX}*{speculators.SUFFIX}"), None)
+    if other is not None:
+        raise ConfigError(f"{config_path}: extract.format = {ours!r}, but {root} already holds files of the other "
+                          f"format ({other.name}); move hidden_states/ aside (or set the format it was made with) "
+                          f"before extracting in this one")
 
 
 def _shard_indices(count: int, shard: tuple[int, int]) -> range:
@@ -114,6 +142,8 @@ def _remove_stale_tmp(root: Path, shard: tuple[int, int]) -> None:
             digits = tmp.name.removeprefix(".data_").split(".", 1)[0]
             if digits.isdigit() and int(digits) % n == i:
                 tmp.unlink(missing_ok=True)
+    for tmp in speculators.stale_temporaries(root, shard):
+        tmp.unlink(missing_ok=True)
 
 
 def _check_disk(root: Path, tokens: int, files: int, dims: ModelDims, layers: int = 3, dtype: str = "bf16") -> None:
@@ -217,10 +247,11 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
     except OSError as e:
         raise disk_error(root, e) from e
     _remove_stale_tmp(root, shard)
+    _refuse_other_format(cfg, root, config_path)
     redone = _remove_bad(root, reader, shard, validate, cfg) if validate is not None else []
     entries: list[TokenEntry] = reader.entries
     indices = _shard_indices(len(reader), shard)
-    todo = [k for k in indices if layout.existing_sample(root, k) is None]
+    todo = [k for k in indices if _existing(cfg, root, k) is None]
     context = context_limit(cfg, model[0]) if model is not None else None
     too_long = [k for k in todo if context is not None and entries[k].length > context]
     if too_long:  # the forward would fail on it (SGLang refuses it; a RoPE model past its length gives junk)
@@ -231,7 +262,8 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
     if cfg.max_disk_gb > 0:  # merged order, up to this shard's share of the budget; the rest waits for a later run
         todo, left, _used = disk_budget(root, indices, [e.length for e in entries], todo,
                                         int(cfg.max_disk_gb * 1e9 / shard[1]),
-                                        lambda t: bytes_needed(t, 1, dims.hidden_size, layers, dtype))
+                                        lambda t: bytes_needed(t, 1, dims.hidden_size, layers, dtype),
+                                        fmt=cfg.format)
     tokens_todo = sum(entries[k].length for k in todo)
     _check_disk(root, tokens_todo, len(todo), dims, layers, dtype)
     if cfg.backend == "specforge" and todo:
@@ -304,7 +336,7 @@ def _already_done(config: Config, rundir: RunDir, reader: TokenReader, shard: tu
     indices = _shard_indices(len(reader), shard)
     if standing.state not in (claim.SAME, claim.ADOPTED):
         return None
-    missing = [k for k in indices if layout.existing_sample(rundir.hidden_states, k) is None]
+    missing = [k for k in indices if _existing(config.extract, rundir.hidden_states, k) is None]
     context = _settled_context(config, rundir.hidden_states, standing, missing) if missing else None
     if missing and context is None:
         return None
@@ -476,7 +508,8 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                          max_disk_gb=cfg.max_disk_gb, budget_left=len(plan.budget_left),
                          budget_left_bytes=plan.budget_left_bytes,
                          budget_left_from=plan.budget_left[0] if plan.budget_left else None,
-                         redone=plan.redone)
+                         redone=plan.redone, format=cfg.format, dtype="fp8" if cfg.dtype == "fp8" else "bfloat16")
+    write, quant = _file_writer(cfg, layers, dims, stats)
     if disk_watch is None:
         from draftgen.core.extract.plan import DiskWatch
         disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
@@ -489,7 +522,7 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         events.write("warn", message)
         reporter.emit(message=message, force=True)
 
-    pool = PooledWriter(root, compress=cfg.compress, group_readable=cfg.group_readable)
+    pool = PooledWriter(root, compress=cfg.compress, group_readable=cfg.group_readable, write=write)
     try:
         reporter.emit(force=True)
         for batch, ids, masks in _batches_of_arrays(reader, plan.batches):
@@ -508,10 +541,10 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
             pool.submit(items)  # the next forward overlaps these files; blocks while the writer is behind
             del items
             for done in pool.completed():
-                _account(done, stats, events)
+                _account(done, stats, events, quant)
             reporter.emit()
         for done in pool.drain():
-            _account(done, stats, events)
+            _account(done, stats, events, quant)
             reporter.emit()
     except BaseException as e:
         pool.close()  # files being written finish whole or are removed; the rest are redone on restart
@@ -525,6 +558,7 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         elapsed = time.monotonic() - started
         stats.elapsed_s = round(elapsed, 3)
         stats.tokens_per_s = round(stats.tokens_written / elapsed, 1) if elapsed > 0 else 0.0
+        stats.fp8_error = quant.to_dict() if quant is not None else None
     write_json_atomic(stats_path(root, shard), stats.to_dict())
     _leave_provenance(config, root, stats, model, time.time() if started_at is None else started_at, events)
     _leave_handoff(config, events)
@@ -533,7 +567,8 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
     summary = (f"{stats.written:,} written ({fmt_bytes(stats.bytes_written)}), {stats.nan_samples:,} NaN, "
                f"{stats.skipped_existing:,} already there"
                + (f", {len(stats.redone):,} bad files redone (--validate)" if stats.redone else "")
-               + (f", {stats.too_long_samples:,} longer than the context (skipped)" if stats.too_long_samples else ""))
+               + (f", {stats.too_long_samples:,} longer than the context (skipped)" if stats.too_long_samples else "")
+               + (f"; {speculators.describe(stats.fp8_error)}" if stats.fp8_error is not None else ""))
     if stats.budget_left:
         summary += "; " + budget_line(config, stats)
     events.write("info", f"extract: {'stopped' if stats.stopped else 'done'}: {summary}")
@@ -542,6 +577,22 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         reporter.emit(StageState.STOPPED if stats.stopped else StageState.DONE, force=True,
                       message=("stopped: " if stats.stopped else "") + summary)
     return stats
+
+
+def _file_writer(cfg: Any, layers: tuple[int, ...], dims: ModelDims, stats: ExtractStats,
+                 ) -> tuple[Any, speculators.QuantError | None]:
+    """The writer's file format (None: SpecForge's) and, for FP8, the error gathered from every file written;
+    speculators' layer ids go into `stats`."""
+    if cfg.format != "speculators":
+        return None, None
+    ids = speculators.vllm_layer_ids(layers, dims.num_layers)
+    stats.target_layer_ids = ids
+    fp8 = cfg.dtype == "fp8"
+
+    def write(root: Path, index: int, sample: layout.SampleTensors) -> tuple[int, Any]:
+        return speculators.write_sample(root, index, sample, fp8=fp8, layer_ids=ids,
+                                        group_readable=cfg.group_readable)
+    return write, speculators.QuantError(ids) if fp8 else None
 
 
 def _open_to_group(root: Path) -> None:
@@ -588,6 +639,9 @@ def _leave_handoff(config: Config, events: EventLog) -> None:
     try:
         h = make_handoff(config)
         written = [*write_handoff(h), write_online(h)]
+        if config.extract.format == "speculators":
+            from draftgen.core.extract import speculators_handoff
+            speculators_handoff.write(config, max_length=h.max_length)
         write_provenance(config, h, started_at, written)
     except (DraftgenError, OSError, ValueError) as e:
         events.write("warn", f"extract: the training hand-off (`draftgen train-command {sh_path(config.path)}`) was "
@@ -637,6 +691,7 @@ def _nothing_to_do(config: Config, shard: tuple[int, int], samples: int,
     return ExtractStats(model=cfg.model, backend="none (nothing to do)", num_layers=0, hidden_size=0,
                         layers=(), shard=shard, compress=cfg.compress, samples=samples,
                         skipped_existing=there, nothing_to_do=True, merge_id=standing.current.merge_id,
+                        format=cfg.format,
                         too_long_samples=len(too_long), too_long=too_long, context=context)
 
 
@@ -651,8 +706,10 @@ def _checked(index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: tor
     return Item(index, sample_id, layout.SampleTensors(input_ids, loss_mask, hidden, aux))
 
 
-def _account(done: Written, stats: ExtractStats, events: EventLog) -> None:
-    """Count one sample the writer finished: written, or NaN/Inf (reported, not written)."""
+def _account(done: Written, stats: ExtractStats, events: EventLog,
+             quant: speculators.QuantError | None = None) -> None:
+    """Count one sample the writer finished: written (its FP8 error into `quant`), or NaN/Inf (reported, not
+    written)."""
     if not done.finite:
         stats.nan_samples += 1
         stats.nan.append({"index": done.index, "id": done.sample_id})
@@ -660,5 +717,7 @@ def _account(done: Written, stats: ExtractStats, events: EventLog) -> None:
                              f"not written")
         return
     stats.bytes_written += done.nbytes
+    if quant is not None and done.quant is not None:
+        quant.add(done.quant)
     stats.written += 1
     stats.tokens_written += done.tokens

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +53,11 @@ class Written:
     tokens: int
     finite: bool
     nbytes: int = 0
+    quant: tuple[tuple[float, float], ...] | None = None  # FP8 files: per slot (worst cosine, relative error)
+
+
+# Writes one sample's file under a root: its size and, for FP8, its error per slot (speculators_layout.write_sample).
+FileWriter = Callable[[Path, int, layout.SampleTensors], tuple[int, tuple[tuple[float, float], ...] | None]]
 
 
 class _Slot:
@@ -106,13 +111,16 @@ def _stage(items: Sequence[Item], stream: Any = None,
 
 
 class PooledWriter:
-    """Writes `layout` files for batches of samples on `threads` threads, holding at most `depth` batches."""
+    """Writes `layout` files for batches of samples on `threads` threads, holding at most `depth` batches.
+
+    `write` replaces the file format (speculators_layout's, extract.format = "speculators")."""
 
     def __init__(self, root: Path, *, compress: bool, threads: int = THREADS, depth: int = DEPTH,
-                 group_readable: bool = False) -> None:
+                 group_readable: bool = False, write: FileWriter | None = None) -> None:
         self.root = Path(root)
         self.compress = compress
         self.group_readable = group_readable
+        self._write_file = write
         self.depth = depth
         self._slots = threading.Semaphore(depth)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="draftgen-writer")
@@ -162,6 +170,9 @@ class PooledWriter:
             return Written(index, sample_id, tokens, finite=False)
         if event is not None:
             event.synchronize()  # the pinned copy has landed
+        if self._write_file is not None:
+            nbytes, quant = self._write_file(self.root, index, sample)
+            return Written(index, sample_id, tokens, finite=True, nbytes=nbytes, quant=quant)
         return Written(index, sample_id, tokens, finite=True,
                        nbytes=layout.write_sample(self.root, index, sample, compress=self.compress,
                                                   group_readable=self.group_readable))

@@ -38,7 +38,9 @@ from draftgen.core.tokens.store import IDS_FILE, INDEX_FILE, MASK_FILE, TokenRea
 
 FINGERPRINT_FILE = "fingerprint.json"   # in merged/
 HIDDEN_MERGE_FILE = "merge.json"        # in hidden_states/
-SAMPLE_SUFFIXES = (".ckpt", ".ckpt.gz")  # what SpecForge's reader picks up (core/extract/layout.py)
+# What SpecForge's reader picks up (core/extract/layout.py), and speculators' hs_{i}.safetensors
+# (core/extract/speculators_layout.py).
+SAMPLE_SUFFIXES = (".ckpt", ".ckpt.gz", ".safetensors")
 ASIDE_INFIX = ".merge-"                 # hidden_states.merge-<merge id>/: hidden states set aside
 
 
@@ -158,7 +160,7 @@ def differences(old: MergeFingerprint | None, new: MergeFingerprint) -> list[str
 
 
 def stored_samples(root: Path, *, stop_at: int | None = None) -> int:
-    """How many hidden-state files SpecForge would read under `root` (at most `stop_at` counted)."""
+    """How many hidden-state files SpecForge or speculators would read under `root` (at most `stop_at` counted)."""
     count = 0
     for _dir, _subdirs, files in os.walk(root):
         count += sum(1 for f in files if f.endswith(SAMPLE_SUFFIXES))
