@@ -27,6 +27,8 @@
                           sent carried (`reasoning.effort`, or `reasoning_effort` self-hosted), written when
                           the dataset sets sampling cycles (`temperatures`, `reasoning_efforts`) or turns =
                           "all" (config.sampling_of; added to the line by record_book.record_answer)
+    server                str | absent, the server that answered when [api] base_url is a list (a fleet of
+                          self-hosted servers, core/generate/api/fleet.py): its URL without credentials
 
   A dataset with `turns = "all"` (one line per turn of a conversation, docs/multi-turn.md) adds:
 

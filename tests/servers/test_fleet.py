@@ -1,0 +1,120 @@
+"""A fleet of self-hosted servers behind one run ([api] base_url a list, core/generate/api/fleet.py): three
+`draftgen simulate` processes as openai-compatible workers, one killed by pid a third of the way through."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from draftgen.core.config import toml_value
+from draftgen.core.errors import ConfigError
+from draftgen.core.generate.api.fleet import server_name
+from draftgen.core.rundir import RunDir
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from tests.helpers import TEST_KEY, cli_env, make_config, write_prompts
+
+
+def _simulator(latency: float) -> tuple[subprocess.Popen[str], str]:
+    """A `draftgen simulate` process on a free port, and its base URL (from its first line)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRAFTGEN_SIM_KEY": TEST_KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "draftgen.cli.main", "simulate", "--port", "0",
+                             "--fixed-latency", str(latency), "--mean-tokens", "40", "--status-every", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert "http://127.0.0.1:" in first, first
+    return proc, first.split(" at ")[1].strip()
+
+
+def _config(tmp_path: Path, urls: list[str], n: int, concurrency: int) -> Path:
+    write_prompts(tmp_path / "prompts" / "a.jsonl", n, prefix="a-")
+    lines = ["[api]", f"base_url = {toml_value(urls)}", 'kind = "openai-compatible"', 'api_key_env = "DG_TEST_KEY"',
+             'model = "moonshotai/kimi-k2.5"', "request_timeout_s = 30", "connect_timeout_s = 5", "",
+             "[tokenizer]", f"path = {toml_value(str(bundled_kimi_path()))}", "",
+             "[engine]", "backoff_base_s = 0.05", "backoff_max_s = 0.5", "", "[output]", 'dir = "run"', "",
+             "[[datasets]]", 'name = "a"', 'prompts = "prompts/a.jsonl"', f"concurrency = {concurrency}",
+             "max_tokens = 256"]
+    path = tmp_path / "fleet.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _records(path: Path) -> list[dict]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_loses_nothing_and_the_two_left_answer_the_rest(tmp_path: Path) -> None:
+    sims = [_simulator(0.4) for _ in range(3)]
+    procs, urls = [p for p, _ in sims], [u for _, u in sims]
+    n = 1500
+    path = _config(tmp_path, urls, n, concurrency=300)
+    responses = RunDir(tmp_path / "run").responses("a")
+    run = subprocess.Popen([sys.executable, "-m", "draftgen.cli.main", "run", str(path), "--headless",
+                            "--skip-smoke", "--interval", "1"], env=cli_env(), text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while len(_records(responses)) < n // 3:  # a third of the way through
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGKILL)  # by pid
+        procs[1].wait()
+        killed_at = time.time()  # the records' ts: seconds
+        out, err = run.communicate(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 0, out[-3000:] + err[-3000:]
+    records = _records(responses)
+    ids = [r["id"] for r in records]
+    assert sorted(ids) == sorted(f"a-{i}" for i in range(n))  # every prompt answered, and once
+    names = [server_name(u) for u in urls]
+    before = {r["server"] for r in records if r["ts"] < killed_at}
+    after = [r["server"] for r in records if r["ts"] > killed_at]
+    assert before == set(names), before
+    # After the kill the two left answer the rest; the killed one only what it had sent whole before it.
+    assert after.count(names[0]) > n // 4 and after.count(names[2]) > n // 4, (len(after), set(after))
+    assert after.count(names[1]) <= 300, after.count(names[1])
+    # Said once in events.log, and in the summary with each server's tallies.
+    events = (tmp_path / "run" / "events.log").read_text()
+    assert events.count(f"server {names[1]} taken out of the fleet") == 1, events[-3000:]
+    summary = out[out.rindex("draftgen: run"):]
+    for name in names:
+        assert f"server {name}: " in summary, summary
+    assert f"server {names[1]}: " in summary and "out: " in summary.split(f"server {names[1]}: ")[1].split("\n")[0]
+    assert TEST_KEY not in out + err + events
+
+
+def test_a_list_of_urls_is_refused_for_openrouter_and_one_url_stays_one(tmp_path: Path) -> None:
+    one = make_config(tmp_path, "http://127.0.0.1:9/v1", [{"name": "a", "n": 1}])
+    assert one.api.servers == () and one.api.fleet == ("http://127.0.0.1:9/v1",)
+    assert one.public_dict()["api"]["base_url"] == "http://127.0.0.1:9/v1"
+    two = make_config(tmp_path, ["http://127.0.0.1:9/v1", "http://user:pw@127.0.0.1:10/v1/"],  # type: ignore[arg-type]
+                      [{"name": "a", "n": 1}])
+    assert two.api.base_url == "http://127.0.0.1:9/v1"
+    assert two.api.servers == ("http://127.0.0.1:9/v1", "http://user:pw@127.0.0.1:10/v1")
+    assert two.public_dict()["api"]["base_url"] == list(two.api.servers)
+    assert server_name(two.api.servers[1]) == "http://127.0.0.1:10/v1"
+    assert two.fingerprint(two.datasets[0]) != one.fingerprint(one.datasets[0])
+    with pytest.raises(ConfigError, match=r"api.base_url\[1\] = 'https://openrouter.ai/api/v1'.*OpenRouter is one"):
+        make_config(tmp_path, ["http://127.0.0.1:9/v1", "https://openrouter.ai/api/v1"],  # type: ignore[arg-type]
+                    [{"name": "a", "n": 1}])
+    with pytest.raises(ConfigError, match=r"api.base_url\[0\].*OpenRouter is one"):
+        make_config(tmp_path, ["http://127.0.0.1:9/v1"], [{"name": "a", "n": 1}],  # type: ignore[arg-type]
+                    tables={"api": {"kind": "openrouter"}})
+    with pytest.raises(ConfigError, match=r"api.base_url\[1\] = 'http://127.0.0.1:9/v1/' is listed twice"):
+        make_config(tmp_path, ["http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1/"],  # type: ignore[arg-type]
+                    [{"name": "a", "n": 1}])
