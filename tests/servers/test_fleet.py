@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -16,8 +17,10 @@ import pytest
 from draftgen.core.config import toml_value
 from draftgen.core.errors import ConfigError
 from draftgen.core.generate.api.fleet import server_name
+from draftgen.core.generate.commands.smoke import run_smoke
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.simulator import SimConfig, SimServer
 from tests.helpers import TEST_KEY, cli_env, make_config, write_prompts
 
 
@@ -118,3 +121,27 @@ def test_a_list_of_urls_is_refused_for_openrouter_and_one_url_stays_one(tmp_path
     with pytest.raises(ConfigError, match=r"api.base_url\[1\] = 'http://127.0.0.1:9/v1/' is listed twice"):
         make_config(tmp_path, ["http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1/"],  # type: ignore[arg-type]
                     [{"name": "a", "n": 1}])
+
+
+async def test_the_smoke_test_asks_every_server_and_refuses_one_that_answers_otherwise(tmp_path: Path) -> None:
+    """The second server renders another prompt (a system turn of its own: another chat template): its row
+    fails naming it; the third answers as the first and passes. Each server's request is on the ledger."""
+    fast: dict[str, Any] = dict(seed=3, fixed_latency_s=0.03, mean_completion_tokens=40)
+    async with SimServer(SimConfig(**fast), port=0) as one, \
+            SimServer(SimConfig(**fast, default_system="You are another assistant."), port=0) as two, \
+            SimServer(SimConfig(**fast), port=0) as three:
+        urls = [one.base_url, two.base_url, three.base_url]
+        config = make_config(tmp_path, urls, [{"name": "a", "n": 3, "max_tokens": 64}],  # type: ignore[arg-type]
+                             tables={"api": {"kind": "openai-compatible"},
+                                     "tokenizer": {"path": str(bundled_kimi_path())}})
+        result = await run_smoke(config, TEST_KEY)
+        asked = [sim.stats.requests_total for sim in (one, two, three)]
+    assert min(asked) >= 1, asked
+    rows = {r.check: r for r in result.rows}
+    bad, good = rows[f"server {server_name(urls[1])}"], rows[f"server {server_name(urls[2])}"]
+    assert not bad.passed and "refused: answers otherwise than" in bad.detail and "chat template" in bad.detail, bad
+    assert good.passed and f"answers as {server_name(urls[0])}" in good.detail, good
+    assert not result.passed
+    # Every request any server received went on the ledger before it left.
+    sent = [line for line in RunDir(config.run_dir).spend.read_bytes().splitlines() if b'"e":"sent"' in line]
+    assert len(sent) == sum(asked), (len(sent), asked)

@@ -162,3 +162,22 @@ class FleetClient(ChatClient):
     def servers(self) -> tuple[tuple[str, str], ...]:
         """(name, why it is out: "" while it is in) per server, in the order listed (the snapshot's)."""
         return tuple((m.name, m.why) for m in self.members)
+
+
+def answers_differ(first: ChatAnswer, other: ChatAnswer) -> list[str]:
+    """What another server's answer to the same smoke request says otherwise than the first server's: the
+    model, the prompt's token count and ids (the chat template and tokenizer), whether ids come back.
+    Empty when it answers the same way (the texts are sampled: they are not compared)."""
+    out = []
+    if first.model != other.model:
+        out.append(f"it answers as model {other.model!r}, the first as {first.model!r}")
+    a, b = first.usage.prompt_tokens, other.usage.prompt_tokens
+    if a != b:
+        out.append(f"it counts the prompt as {b} tokens, the first as {a} (another chat template or tokenizer)")
+    elif first.prompt_token_ids is not None and other.prompt_token_ids is not None \
+            and first.prompt_token_ids != other.prompt_token_ids:
+        out.append("its prompt ids differ from the first's (another chat template or tokenizer)")
+    if (first.token_ids is None) != (other.token_ids is None):
+        out.append("it returns no token ids where the first does" if other.token_ids is None
+                   else "it returns token ids where the first does not")
+    return out
