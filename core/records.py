@@ -315,6 +315,15 @@ class TurnFields:
         return cls(conv, turn, count_of(raw.get("turns")), ph if isinstance(ph, str) else "")
 
 
+def answer_source(record: Mapping[str, Any]) -> str | None:
+    """Whom an answer's fidelity is tallied and judged under: the fleet's server that answered (`server`),
+    else the provider (`provider`); None when the line names neither."""
+    for key in ("server", "provider"):
+        if isinstance(value := record.get(key), str):
+            return value
+    return None
+
+
 @dataclass(slots=True)  # one per request: a frozen __init__ costs 3x (setattr per field)
 class ResponseRecord:
     """One line of responses.jsonl (fields as documented above, in the order they are written)."""

@@ -51,7 +51,7 @@ BATCH_CHARS = 1 << 20         # ... or fewer when they are long
 INLINE_MAX = 32               # fewer pending answers than this: not worth starting processes
 # The fields of a response line that reconstruction reads (the rest never crosses to a worker).
 _FIELDS = ("id", "messages", "reasoning", "content", "tool_calls", "finish_reason", "truncated", "token_ids",
-           "prompt_token_ids", "provider", "turn", "tools")
+           "prompt_token_ids", "provider", "server", "turn", "tools")
 
 Result = tuple[str, np.ndarray, np.ndarray, dict[str, Any]]
 

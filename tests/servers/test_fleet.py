@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -16,12 +17,12 @@ import pytest
 
 from draftgen.core.config import toml_value
 from draftgen.core.errors import ConfigError
-from draftgen.core.generate.api.fleet import server_name
+from draftgen.core.generate.api.fleet import FleetClient, server_name
 from draftgen.core.generate.commands.smoke import run_smoke
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
-from tests.helpers import TEST_KEY, cli_env, make_config, write_prompts
+from tests.helpers import TEST_KEY, cli_env, make_config, until, write_prompts
 
 
 def _simulator(latency: float) -> tuple[subprocess.Popen[str], str]:
@@ -91,6 +92,10 @@ def test_a_worker_killed_mid_run_loses_nothing_and_the_two_left_answer_the_rest(
     # After the kill the two left answer the rest; the killed one only what it had sent whole before it.
     assert after.count(names[0]) > n // 4 and after.count(names[2]) > n // 4, (len(after), set(after))
     assert after.count(names[1]) <= 300, after.count(names[1])
+    # Fidelity is tallied per server: the reconstruction's index names the server of each answer.
+    index = [orjson.loads(line) for line in (tmp_path / "run" / "a" / "tokens" / "index.jsonl").read_bytes()
+             .splitlines()]
+    assert {e["provider"] for e in index} == set(names) and len(index) == n
     # Said once in events.log, and in the summary with each server's tallies.
     events = (tmp_path / "run" / "events.log").read_text()
     assert events.count(f"server {names[1]} taken out of the fleet") == 1, events[-3000:]
@@ -145,3 +150,40 @@ async def test_the_smoke_test_asks_every_server_and_refuses_one_that_answers_oth
     # Every request any server received went on the ledger before it left.
     sent = [line for line in RunDir(config.run_dir).spend.read_bytes().splitlines() if b'"e":"sent"' in line]
     assert len(sent) == sum(asked), (len(sent), asked)
+
+
+async def test_a_server_that_refuses_connections_is_taken_out_probed_and_back() -> None:
+    """Two simulators behind a FleetClient: requests spread over both; one closed, the next request that
+    meets its refusal goes to the other in the same call (nothing sent twice), it is said out once; started
+    again on the same port, GET /models brings it back, said once, and it is asked again."""
+    said: list[tuple[bool, str]] = []
+    config = SimConfig(seed=3, fixed_latency_s=0.03, mean_completion_tokens=40)
+    async with SimServer(config, port=0) as one:
+        two = SimServer(config, port=0)
+        await two.start()
+        port = two.port
+        fleet = FleetClient((one.base_url, two.base_url), TEST_KEY, concurrency=8, probe_s=0.05,
+                            say=lambda out, text: said.append((out, text)))
+        fleet.open()
+        try:
+            body = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 32}
+            first = await asyncio.gather(*(fleet.chat(body) for _ in range(4)))
+            assert {a.server for a in first} == {server_name(one.base_url), server_name(two.base_url)}
+            await two.close()
+            before = one.stats.requests_total
+            after = await asyncio.gather(*(fleet.chat(body) for _ in range(4)))
+            assert {a.server for a in after} == {server_name(one.base_url)}
+            assert one.stats.requests_total == before + 4  # each asked once: the refused one was not sent
+            assert [out for out, _ in said] == [True] and server_name(two.base_url) in said[0][1], said
+            assert dict(fleet.servers())[server_name(two.base_url)].startswith("cannot connect")
+            two = SimServer(config, port=port)
+            await two.start()
+            await until(lambda: len(said) == 2, "the server back after GET /models")
+            assert said[1][0] is False and "back in the fleet" in said[1][1], said
+            again = await asyncio.gather(*(fleet.chat(body) for _ in range(4)))
+            assert server_name(two.base_url) in {a.server for a in again}
+            assert dict(fleet.servers()) == {server_name(one.base_url): "", server_name(two.base_url): ""}
+        finally:
+            await fleet.close()
+            await two.close()
