@@ -20,6 +20,7 @@ from draftgen.core.errors import ConfigError
 from draftgen.core.generate.api.fleet import FleetClient, server_name
 from draftgen.core.generate.commands.smoke import run_smoke
 from draftgen.core.rundir import RunDir
+from draftgen.core.tokens.fidelity import Agreement, flag_providers
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
 from tests.helpers import TEST_KEY, cli_env, make_config, until, write_prompts
@@ -187,3 +188,18 @@ async def test_a_server_that_refuses_connections_is_taken_out_probed_and_back() 
         finally:
             await fleet.close()
             await two.close()
+
+
+def test_a_server_whose_counts_depart_from_the_others_is_flagged_with_the_fleets_fix() -> None:
+    """Servers are compared with each other as providers are; the fix is the fleet's (its base_url entry, or
+    the same model, template and tokenizer), not a routing line that no server reads."""
+    good, off = Agreement(), Agreement()
+    for i in range(40):
+        good.add(0, 10, 0)
+        off.add(2 if i % 2 else 0, 10, 0)
+    a, b, c = "http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1", "http://10.0.0.3:8000/v1"
+    [flag] = flag_providers({a: good, b: off, c: good})
+    assert flag.provider == b and not flag.ignore_line and "[api] base_url" in flag.fix, flag
+    assert "template or tokenizer on this server" in flag.reason and b in flag.exclude_line
+    [named] = flag_providers({"Together": good, "Novita": off, "Parasail": good})
+    assert named.ignore_line == 'ignore = ["novita"]' and not named.fix  # providers: as before
