@@ -14,11 +14,16 @@ from typing import Any
 
 import orjson
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from draftgen.core.config import toml_value
 from draftgen.core.errors import ConfigError
 from draftgen.core.generate.api.fleet import FleetClient, server_name
 from draftgen.core.generate.commands.smoke import run_smoke
+from draftgen.core.live.metrics import registry_for
+from draftgen.core.live.recent import ProviderStats
+from draftgen.core.live.snapshot import RunSnapshot
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.fidelity import Agreement, flag_providers
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
@@ -153,6 +158,15 @@ async def test_the_smoke_test_asks_every_server_and_refuses_one_that_answers_oth
     assert len(sent) == sum(asked), (len(sent), asked)
 
 
+def up(fleet: FleetClient) -> dict[str, float]:
+    """/metrics' upstream_up per server, from a snapshot whose per-upstream stats read the fleet (as a run's do)."""
+    stats = ProviderStats()
+    stats.servers = fleet.servers
+    raw = generate_latest(registry_for(lambda: RunSnapshot("run", "m", provider_stats=stats.stats()))).decode()
+    [fam] = [f for f in text_string_to_metric_families(raw) if f.name == "draftgen_upstream_up"]
+    return {x.labels["upstream"]: x.value for x in fam.samples}
+
+
 async def test_a_server_that_refuses_connections_is_taken_out_probed_and_back() -> None:
     """Two simulators behind a FleetClient: requests spread over both; one closed, the next request that
     meets its refusal goes to the other in the same call (nothing sent twice), it is said out once; started
@@ -178,6 +192,7 @@ async def test_a_server_that_refuses_connections_is_taken_out_probed_and_back() 
             assert one.stats.requests_total == before + 4  # each asked once: the refused one was not sent
             assert [out for out, _ in said] == [True] and server_name(two.base_url) in said[0][1], said
             assert dict(fleet.servers())[server_name(two.base_url)].startswith("cannot connect")
+            assert up(fleet) == {server_name(one.base_url): 1, server_name(two.base_url): 0}
             two = SimServer(config, port=port)
             await two.start()
             await until(lambda: len(said) == 2, "the server back after GET /models")
@@ -185,6 +200,7 @@ async def test_a_server_that_refuses_connections_is_taken_out_probed_and_back() 
             again = await asyncio.gather(*(fleet.chat(body) for _ in range(4)))
             assert server_name(two.base_url) in {a.server for a in again}
             assert dict(fleet.servers()) == {server_name(one.base_url): "", server_name(two.base_url): ""}
+            assert up(fleet) == {server_name(one.base_url): 1, server_name(two.base_url): 1}
         finally:
             await fleet.close()
             await two.close()
