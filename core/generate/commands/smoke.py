@@ -671,8 +671,8 @@ class _SmokeTest:
         that answers otherwise than the first (model, prompt tokens or ids: the template, ids, release) is
         refused by name in its row."""
         servers = self.config.api.servers
-        if not servers or not self.answers:
-            return
+        if not servers or not self.answers or self.local_error or self.ledger_error:
+            return  # nothing was sent to the first server either: its rows say why
         fp, body, first, _ = self.answers[0]
         if not isinstance(first, ChatAnswer):
             self.fleet_rows.append(SmokeRow("servers", False, f"not compared: the first server, "
