@@ -75,6 +75,14 @@ class ApiConfig:
     # shared by the copies `dataclasses.replace` makes of it (the same run, the same server).
     server: ServerProfile = field(default_factory=ServerProfile, compare=False, repr=False,
                                   metadata={"key": False})
+    # Not a key of its own: every URL of a `base_url` list (a fleet of self-hosted servers,
+    # core/generate/api/fleet.py), `base_url` being the first; () when base_url is one URL.
+    servers: tuple[str, ...] = field(default=(), metadata={"key": False})
+
+    @property
+    def fleet(self) -> tuple[str, ...]:
+        """Every server's URL: the list's, else the one base_url."""
+        return self.servers or (self.base_url,)
 
     @property
     def openrouter_for_sure(self) -> bool:
@@ -473,7 +481,8 @@ class Config:
         configured mode: the smoke test that decided a self-hosted server's mode checked both)."""
         body = self.request_body(dataset, [], decided=False, server_ids=False)
         body.pop("messages")
-        shape = {"base_url": self.api.base_url, **body}
+        # A fleet's every server (the smoke test checked each): a server added or removed makes it stale.
+        shape = {"base_url": list(self.api.servers) if self.api.servers else self.api.base_url, **body}
         if dataset.cycles:  # only when set: a config without cycles keeps its fingerprint
             shape["cycles"] = {"temperatures": dataset.temperatures, "reasoning_efforts": dataset.reasoning_efforts}
         return shape
@@ -499,6 +508,8 @@ class Config:
                 return {k: convert(v) for k, v in value.items()}
             return value
         out = convert(self)
+        if self.api.servers:  # a fleet: base_url as it was written, a list
+            out["api"]["base_url"] = list(self.api.servers)
         out["tokenizer"]["system_turn"] = {"rendered": self.tokenizer.system_turn(),
                                            "why": self.tokenizer.system_turn_why()}
         return out
@@ -737,8 +748,12 @@ def load_config(path: str | Path) -> Config:
 def config_from_dict(raw: dict[str, Any], file: Path) -> Config:
     _check_top_level(raw, file)
     base = file.resolve().parent
-    parts = {name: _build(cls, raw.get(name, {}), name, file) for name, cls in _TABLES.items()}
+    api_table, servers = _base_urls(raw.get("api", {}), file)
+    parts = {name: _build(cls, api_table if name == "api" else raw.get(name, {}), name, file)
+             for name, cls in _TABLES.items()}
     api: ApiConfig = parts["api"]
+    if servers:
+        api = parts["api"] = dataclasses.replace(api, servers=servers)
     request, pass_through = _request_table(raw, file, api)
     datasets = _datasets(raw, file, base, api, request, pass_through)
     _check_api(file, api)
@@ -906,6 +921,29 @@ def _check_dataset_name(file: Path, i: int, name: str, taken: set[str]) -> None:
                           f"(no control characters, tabs or line breaks)")
     if name in taken:
         raise ConfigError(f"{file}: datasets[{i}].name {name!r} is used twice")
+
+
+def _base_urls(table: Any, file: Path) -> tuple[Any, tuple[str, ...]]:
+    """The [api] table with `base_url` one URL (a list's first), and the list's URLs (() for one URL). A list
+    is a fleet of self-hosted servers: each a string, none twice, and not OpenRouter's (one API, one URL)."""
+    if not isinstance(table, dict) or not isinstance(urls := table.get("base_url"), list):
+        return table, ()
+    if not urls:
+        raise ConfigError(f"{file}: api.base_url = [] names no server: give one URL, or a list of them")
+    for i, url in enumerate(urls):
+        if not isinstance(url, str):
+            raise ConfigError(f"{file}: api.base_url[{i}] must be a string (a URL), not {url!r}")
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{file}: api.base_url[{i}] must start with http:// or https://, not {url!r}")
+        if "openrouter.ai" in url or table.get("kind") == "openrouter":
+            raise ConfigError(f"{file}: api.base_url[{i}] = {url!r}: a list of URLs is a fleet of self-hosted "
+                              f"servers (vLLM, SGLang); OpenRouter is one API at one URL: give it as a string")
+    seen = [url.rstrip("/") for url in urls]
+    for i, url in enumerate(seen):
+        if url in seen[:i]:
+            raise ConfigError(f"{file}: api.base_url[{i}] = {urls[i]!r} is listed twice")
+    servers = tuple(seen) if len(seen) > 1 else ()
+    return {**table, "base_url": urls[0]}, servers
 
 
 def _check_api(file: Path, api: ApiConfig) -> None:

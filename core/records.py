@@ -27,6 +27,8 @@
                           sent carried (`reasoning.effort`, or `reasoning_effort` self-hosted), written when
                           the dataset sets sampling cycles (`temperatures`, `reasoning_efforts`) or turns =
                           "all" (config.sampling_of; added to the line by record_book.record_answer)
+    server                str | absent, the server that answered when [api] base_url is a list (a fleet of
+                          self-hosted servers, core/generate/api/fleet.py): its URL without credentials
 
   A dataset with `turns = "all"` (one line per turn of a conversation, docs/multi-turn.md) adds:
 
@@ -355,6 +357,15 @@ class TurnFields:
         if not isinstance(conv, str) or turn < 1:
             return None
         return cls(conv, turn, count_of(raw.get("turns")), ph if isinstance(ph, str) else "")
+
+
+def answer_source(record: Mapping[str, Any]) -> str | None:
+    """Whom an answer's fidelity is tallied and judged under: the fleet's server that answered (`server`),
+    else the provider (`provider`); None when the line names neither."""
+    for key in ("server", "provider"):
+        if isinstance(value := record.get(key), str):
+            return value
+    return None
 
 
 @dataclass(slots=True)  # one per request: a frozen __init__ costs 3x (setattr per field)

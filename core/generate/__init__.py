@@ -3,7 +3,8 @@ this list (tests/test_layers.py checks that no two import each other):
 
 api/       talking to the service: `client` (HTTP, streaming, errors), `classify` (whose problem a
            response is), `account` (key, balance), `prices` (worst case of a request), `preflight`
-           (the start-up check with causes), `limits` (open files for 2,000 connections).
+           (the start-up check with causes), `limits` (open files for 2,000 connections), `fleet`
+           (a list of self-hosted servers behind one run: spreading, taking out, probing).
 money/     what it costs: `spend` (the spend ledger, spend.jsonl), `spend_file` (its one writer),
            `spend_sums` (reservations and sums behind the ceiling), `billing` (who pays for each
            attempt), `settle` (pricing abandoned generations), `budget` (token and money budgets),

@@ -97,6 +97,8 @@ class ProviderStats:
         self._answered: list[str] = []  # providers in the order of their first answer (answer_counts' ties)
         self._version = 0
         self._built: tuple[int, tuple[ProviderStat, ...]] = (0, ())
+        # A fleet's servers, (name, why it is out or "") each in the order listed (api/fleet.py); None: no fleet.
+        self.servers: Callable[[], tuple[tuple[str, str], ...]] | None = None
 
     def _of(self, provider: str) -> _Provider:
         p = self._by[provider] = _Provider()
@@ -122,6 +124,18 @@ class ProviderStats:
         self._version += 1
 
     def stats(self) -> tuple[ProviderStat, ...]:
+        """Per provider, most answers first; a fleet's servers marked, each listed (answered or not) with
+        whether it is out now."""
+        built = self._stats()
+        if self.servers is None:
+            return built
+        fleet = dict(self.servers())
+        named = {p.name for p in built}
+        return tuple(dataclasses.replace(p, server=True, out=fleet[p.name]) if p.name in fleet else p
+                     for p in built) + tuple(ProviderStat(name=name, server=True, out=why)
+                                             for name, why in fleet.items() if name not in named)
+
+    def _stats(self) -> tuple[ProviderStat, ...]:
         version, built = self._built
         if version == self._version:
             return built

@@ -213,6 +213,8 @@ class ProviderStat:
     latency_mean_s: float = 0.0
     latency_p90_s: float = 0.0
     completion_tokens: int = 0
+    server: bool = False  # a server of a fleet ([api] base_url a list), named by its URL without credentials
+    out: str = ""         # a fleet's server taken out: why (it is probed and comes back at its first answer)
 
 
 # One history point: wall clock at its start, then the rates over it.

@@ -19,6 +19,7 @@ from typing import Protocol
 from draftgen.core.errors import EXIT_KEY_REFUSED, ExitCode
 from draftgen.core.live.snapshot import STAGE_NAMES, DatasetSnapshot, RunSnapshot, RunState, StageState
 from draftgen.core.records import ErrorKind
+from draftgen.core.safe_text import visible
 from draftgen.core.units import clock, usd, usd_shown
 
 
@@ -164,6 +165,7 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     out += _spend_lines(s, runs)
     out += _tokens_lines(s, config_hint)
     out += _flagged_lines(s)
+    out += _server_lines(s)
     for line in stopped_lines(s, config_hint):
         out += textwrap.wrap(line, WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
     if s.alert:
@@ -184,6 +186,18 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
                              f"`draftgen run {config_hint}` again asks them", WIDTH, initial_indent="  ",
                              subsequent_indent="    ", break_on_hyphens=False)
     out.append(f"  exit {exit_code} ({EXIT_MEANING.get(exit_code, 'see docs/run-end.md')})")
+    return out
+
+
+def _server_lines(s: RunSnapshot) -> list[str]:
+    """A fleet's servers ([api] base_url a list): what each answered, its errors and time, and any out now."""
+    out = []
+    for p in s.provider_stats:
+        if p.server:
+            why = f"; out: {visible(p.out, one_line=True)}" if p.out else ""
+            line = (f"server {visible(p.name, one_line=True)}: {p.answers:,} answered, {p.errors:,} errors, "
+                    f"{p.completion_tokens:,} completion tokens, {p.latency_mean_s:.2f} s mean{why}")
+            out += textwrap.wrap(line, WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
     return out
 
 

@@ -86,7 +86,7 @@ from draftgen.core.merge.turns import (
     turn_of,
 )
 from draftgen.core.quoting import sh_path
-from draftgen.core.records import Usage, same_model
+from draftgen.core.records import Usage, answer_source, same_model
 from draftgen.core.rundir import RunDir
 from draftgen.core.safe_text import visible
 from draftgen.core.tokens import identity
@@ -219,7 +219,7 @@ def _drop_reason(record: dict[str, Any], ref: TokenRef | None,
         return "not_reconstructed", ()
     if not ref.valid and not ref.failed_checks:  # an index entry that never says it was validated
         return "invalid", ()
-    verdict = policy.judge(ref.failed_checks, ref.count_diff, ref.billed, ref.prompt_diff, record.get("provider"))
+    verdict = policy.judge(ref.failed_checks, ref.count_diff, ref.billed, ref.prompt_diff, answer_source(record))
     return (None, verdict.notes) if verdict.keep else (verdict.cause, ())
 
 

@@ -79,8 +79,11 @@ def _tokens(config: Config) -> int:
             console.print("  merge drops its samples (" + escape("[validation] drop_flagged_sources = false")
                           + " keeps them)", soft_wrap=True)
             continue
-        console.print(f"  to stop sending it requests, in {escape('[request.provider]')}: {escape(flag.ignore_line)}",
-                      soft_wrap=True)
+        if flag.ignore_line:
+            console.print(f"  to stop sending it requests, in {escape('[request.provider]')}: "
+                          f"{escape(flag.ignore_line)}", soft_wrap=True)
+        else:  # a fleet's server
+            console.print(f"  to change: {escape(visible(flag.fix))}", soft_wrap=True)
         console.print(f"  to leave its answers out of merge, in {escape('[merge]')}: {escape(flag.exclude_line)}",
                       soft_wrap=True)
     console.print("Δ = reconstructed answer tokens - billed completion_tokens. Reports: "

@@ -206,7 +206,8 @@ class ProviderFlag:
     ignore_line: str     # the [request.provider] ignore line with this provider added
     exclude_line: str    # the [merge] exclude_providers line with it added
 
-    fix: str = ""        # for a source judged on its own: what to change (the ignore lines do not apply)
+    # for a source judged on its own, or a fleet's server (no ignore line): what to change
+    fix: str = ""
     absolute: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -317,7 +318,13 @@ def flag_providers(providers: Mapping[str, Agreement], *, min_answers: int = 20,
                 reasons.append(f"{what} token counts exact in {me.share_exact:.0%} of {me.n:,} answers against "
                                f"{them.share_exact:.0%} for the other providers (mean |diff| {me.mean_abs:.1f} "
                                f"vs {them.mean_abs:.1f})")
-        if reasons:
+        if reasons and name.startswith(("http://", "https://")):  # a fleet's server: no routing to change
+            flags.append(ProviderFlag(
+                name, "; ".join(reasons) + ": another model, template or tokenizer on this server?", "",
+                toml_list("exclude_providers", [*exclude, name] if name not in exclude else exclude),
+                "serve the same model, chat template and tokenizer on it as on the others, or remove it from "
+                "[api] base_url"))
+        elif reasons:
             slug = routing_name(name)
             flags.append(ProviderFlag(
                 name, "; ".join(reasons) + ": another quantization or tokenizer?",

@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 
 from draftgen.core.errors import DraftgenError
+from draftgen.core.records import answer_source
 from draftgen.core.tokens.template import ChatTemplate, RenderedChat, Segment
 from draftgen.core.tokens.tokenizer import Tokenizer
 
@@ -307,8 +308,7 @@ def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[s
     truncated = bool(record.get("truncated")) or record.get("finish_reason") == "length"
     billed = billed if isinstance(billed, int) and not isinstance(billed, bool) else None
     billed_prompt = billed_prompt if isinstance(billed_prompt, int) and not isinstance(billed_prompt, bool) else None
-    provider = record.get("provider")
-    provider = provider if isinstance(provider, str) else None
+    provider = answer_source(record)  # a fleet's server, else the provider
     turn = record.get("turn")
     turn = turn if isinstance(turn, int) and not isinstance(turn, bool) else None
     backend = record.get("token_ids")

@@ -312,7 +312,7 @@ class ValidationReport:
             if f.absolute:
                 lines.append(f"    to change: {f.fix}")
                 continue
-            lines.append(f"    [request.provider] {f.ignore_line}")
+            lines.append(f"    [request.provider] {f.ignore_line}" if f.ignore_line else f"    to change: {f.fix}")
             lines.append(f"    [merge] {f.exclude_line}")
         return "\n".join(lines)
 

@@ -51,7 +51,7 @@ BATCH_CHARS = 1 << 20         # ... or fewer when they are long
 INLINE_MAX = 32               # fewer pending answers than this: not worth starting processes
 # The fields of a response line that reconstruction reads (the rest never crosses to a worker).
 _FIELDS = ("id", "messages", "reasoning", "content", "tool_calls", "finish_reason", "truncated", "token_ids",
-           "prompt_token_ids", "provider", "turn", "tools")
+           "prompt_token_ids", "provider", "server", "turn", "tools")
 
 # A batch's outcome as a worker sends it back: every answer's input_ids (little-endian uint32) and
 # loss mask (uint8), concatenated in the batch's order, and each answer's (id, length in tokens, index

@@ -1,6 +1,7 @@
 """Providers: share of answers per provider (with its quantization where known) and, once answers are
 reconstructed, the share whose token count equals the billed one; a provider whose counts depart from
-the others' is marked (`draftgen tokens` prints why, with the `ignore` line to add)."""
+the others' is marked (`draftgen tokens` prints why, with the `ignore` line to add). A fleet's servers
+([api] base_url a list) are its rows, each named by its URL; one taken out is marked "out"."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class ProvidersPanel(SelectablePanel):
         return tuple(name for name, _ in shown)
 
     def key(self, s: RunSnapshot) -> Any:
-        return s.providers, s.fidelity
+        return s.providers, s.fidelity, _out(s)
 
     def fit(self) -> Any:
         return (self.rows, self.cols < 26)
@@ -42,6 +43,7 @@ class ProvidersPanel(SelectablePanel):
         # Too narrow for the agreement column (80 columns): names first; a flagged provider keeps its "!".
         narrow = self.cols < 26
         flagged = {f.name for f in s.fidelity if f.flagged}
+        out = _out(s)
         if narrow:
             fidelity = {}
         if fidelity:
@@ -51,6 +53,8 @@ class ProvidersPanel(SelectablePanel):
         for name, n in shown:
             unflagged = name not in flagged and not (name == "unknown" and UNKNOWN in flagged)
             label = Text(name) if not (narrow and not unflagged) else Text.assemble(("! ", "bold red"), name)
+            if name in out:  # a fleet's server taken out ([api] base_url a list): events.log says why
+                label = Text.assemble(("out ", "bold red"), label)
             cells: list[Any] = [label, fmt.percent(n, total)]
             if fidelity:
                 # The run names a server's answers without a provider "unknown", the report "(unknown)".
@@ -63,3 +67,8 @@ class ProvidersPanel(SelectablePanel):
             table.add_row(Text(f"+{len(rest)} others", style="dim"), fmt.percent(sum(n for _, n in rest), total),
                           *([""] if fidelity else []))
         return table
+
+
+def _out(s: RunSnapshot) -> frozenset[str]:
+    """The fleet's servers taken out now."""
+    return frozenset(p.name for p in s.provider_stats if p.out)

@@ -150,6 +150,7 @@ class RequestFailed(Exception):
         self.code = code if isinstance(code, int) and not isinstance(code, bool) else (
             int(code) if isinstance(code, str) and code.isdigit() else None)
         self.past_cap: PastCap | None = None  # kind PAST_CAP: what the provider produced past the cap
+        self.server = ""  # the fleet's server that failed it (api/fleet.py), its URL without credentials
 
     @classmethod
     def ran_past_cap(cls, cap: PastCap, provider: str | None) -> RequestFailed:

@@ -55,6 +55,7 @@ class ChatAnswer:
     # later turn of the conversation passes back unmodified (core/generate/loop/conversations.py).
     reasoning_details: list[Any] | None = None
     doubt: str = ""  # what its usage said that is not believed (_usage_of): it is unpriced
+    server: str | None = None  # the fleet's server that answered (api/fleet.py); None: one base_url
 
 
 def _details_of(message: dict[str, Any]) -> list[Any] | None:

@@ -82,18 +82,25 @@ async def detect_server(config: Config, client: ChatClient) -> Server | None:
     api = config.api
     if not api.return_token_ids or not api.self_hosted:
         return None
-    found: Server | None = None
+    reached, found = await ask_release(client)
+    if not reached:  # nothing said: asked again by the next start (the run's, the smoke test's)
+        return None
+    api.server.note_release(found)
+    return found
+
+
+async def ask_release(client: ChatClient) -> tuple[bool, Server | None]:
+    """(whether the server could be reached, the server and release it says it is: None when it names none)."""
     for what, path in VERSION_PATHS:
         try:
             answer = await client.get_json(path, at_root=True)
         except RequestFailed as e:
-            if e.unreachable:  # nothing said: asked again by the next start (the run's, the smoke test's)
-                return None
+            if e.unreachable:
+                return False, None
             continue
         except (TimeoutError, aiohttp.ClientError):  # a probe never takes the run down
             continue
         found = server_from_answers(**{what: answer})
         if found is not None:
-            break
-    api.server.note_release(found)
-    return found
+            return True, found
+    return True, None

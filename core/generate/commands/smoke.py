@@ -55,7 +55,8 @@ from draftgen.core.files import write_json_atomic
 from draftgen.core.generate.api.account import AccountStatus, read_account
 from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose
 from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFailed, get_failure
-from draftgen.core.generate.api.preflight import note_key_answer
+from draftgen.core.generate.api.fleet import answers_differ, server_name
+from draftgen.core.generate.api.preflight import ask_release, note_key_answer
 from draftgen.core.generate.api.prices import body_max_tokens, body_worst_case, fetch_prices
 from draftgen.core.generate.commands.precheck import check_tokenizer
 from draftgen.core.generate.commands.stream_check import (
@@ -472,6 +473,7 @@ class _SmokeTest:
         self.parser = ""  # the stream row's cause when the run's mode rewrites text (for the tokens rows)
         self.answers: list[Asked] = []
         self.turn_two: dict[str, Asked] = {}  # per shape of a multi-turn dataset: its second turn
+        self.fleet_rows: list[SmokeRow] = []  # a fleet's servers after the first, each compared with it
         self.spent = 0.0
 
     def add(self, row: SmokeRow) -> None:
@@ -654,6 +656,7 @@ class _SmokeTest:
                 await _compare_modes(self, client)
             self.answers = await asyncio.gather(*(self.ask(client, fp, ds) for fp, ds in self.shapes.items()))
             await self.ask_turn_two(client)
+            await self.ask_fleet(client)
             # The ledger is the spend (the smoke requests and abandoned attempts included).
             spend = self.spend
             self.spent = spend.spent_usd if spend is not None and spend.is_open else \
@@ -661,6 +664,45 @@ class _SmokeTest:
         finally:
             if self.own_spend and self.spend is not None:
                 self.spend.close()
+
+    async def ask_fleet(self, first_client: ChatClient) -> None:
+        """A fleet ([api] base_url a list; `first_client` is the first server's): every other server is asked
+        the first shape's smoke request (on the ledger like the others) and which release it is; a server
+        that answers otherwise than the first (model, prompt tokens or ids: the template, ids, release) is
+        refused by name in its row."""
+        servers = self.config.api.servers
+        if not servers or not self.answers or self.local_error or self.ledger_error:
+            return  # nothing was sent to the first server either: its rows say why
+        fp, body, first, _ = self.answers[0]
+        if not isinstance(first, ChatAnswer):
+            self.fleet_rows.append(SmokeRow("servers", False, f"not compared: the first server, "
+                                            f"{server_name(servers[0])}, did not answer (see the request row)"))
+            return
+        ids = self.config.api.return_token_ids
+        first_release = (await ask_release(first_client))[1] if ids else None
+        for url in servers[1:]:
+            name = server_name(url)
+            async with _client(self.config, url, self.api_key, self.redact) as client:
+                release = (await ask_release(client))[1] if ids else None
+                _, _, answer, took = await self.ask(client, fp, self.shapes[fp], body)
+            if isinstance(answer, SmokeRow):
+                self.fleet_rows.append(SmokeRow(f"server {name}", False, f"refused: {answer.detail}; fix the "
+                                                "server or remove it from [api] base_url"))
+                continue
+            differ = answers_differ(first, answer)
+            if ids and release != first_release:
+                labels = [r.label if r is not None else "no release named" for r in (release, first_release)]
+                differ.append(f"it is {labels[0]}, the first {labels[1]} (token ids are asked per release)")
+            if differ:
+                self.fleet_rows.append(SmokeRow(f"server {name}", False, f"refused: answers otherwise than "
+                                                f"{server_name(servers[0])}: {'; '.join(differ)}; fix the "
+                                                "server or remove it from [api] base_url"))
+            else:
+                self.fleet_rows.append(SmokeRow(f"server {name}", True, f"answers as {server_name(servers[0])} "
+                                                f"in {took:.2f} s: model {answer.model!r}, "
+                                                f"{answer.usage.prompt_tokens} prompt tokens, ids "
+                                                f"{'returned' if answer.token_ids is not None else 'not returned'}"
+                                                + (f", {release.label}" if release is not None else "")))
 
     async def ask_turn_two(self, client: ChatClient) -> None:
         """A second turn for each shape of a multi-turn dataset (`turns = "all"`, whichever dataset of the
@@ -698,6 +740,8 @@ class _SmokeTest:
                     self.result.cost_per_request[other.name] = answer.usage.cost
             if answer.usage.completion_tokens and (smoke is None or answer.usage.cost > smoke.cost_usd):
                 smoke = SmokeFigures(answer.usage.completion_tokens, answer.usage.cost, took)
+        for row in self.fleet_rows:
+            self.add(row)
         return smoke
 
     def finish(self) -> None:
@@ -826,11 +870,7 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
     `draftgen ledger`. `rundir` and `redact`: the run's, when a run in this process asks for it."""
     test = _SmokeTest(config, api_key, progress, spend, settler, rundir=rundir, redact=redact)
     await test.check_local()
-    async with ChatClient(config.api.base_url, api_key, concurrency=4,
-                          request_timeout_s=min(config.api.request_timeout_s, 600),
-                          connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
-                          title=config.api.title, self_hosted=lambda: config.api.self_hosted,
-                          redact=test.redact) as client:
+    async with _client(config, config.api.base_url, api_key, test.redact) as client:
         test.deadline = time.monotonic() + SMOKE_RETRY_S  # one window for the whole smoke test's retries
         await test.check_key(client)
         await test.check_prices(client)
@@ -840,6 +880,13 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
     _project(test, await _figures(test), smoke)
     test.finish()
     return test.result
+
+
+def _client(config: Config, url: str, api_key: str, redact: Redactor) -> ChatClient:
+    """The smoke test's client of the server at `url` ([api] base_url, or one server of a fleet)."""
+    return ChatClient(url, api_key, concurrency=4, request_timeout_s=min(config.api.request_timeout_s, 600),
+                      connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
+                      title=config.api.title, self_hosted=lambda: config.api.self_hosted, redact=redact)
 
 
 SMOKE = "(smoke)"  # the spend ledger's "dataset" of the smoke requests

@@ -53,6 +53,7 @@ from typing import Any
 from draftgen.core.config import Config
 from draftgen.core.generate.api.account import AccountStop
 from draftgen.core.generate.api.client import ChatClient
+from draftgen.core.generate.api.fleet import FleetClient
 from draftgen.core.generate.api.limits import ensure_open_files, tune_gc
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
@@ -229,10 +230,9 @@ class Engine:
         self.rundir.root.mkdir(parents=True, exist_ok=True)
         write_run_json(self.rundir, cfg)
         own_client = client is None
-        client = client or ChatClient(
-            cfg.api.base_url, self._api_key, concurrency=need, request_timeout_s=cfg.api.request_timeout_s,
-            connect_timeout_s=cfg.api.connect_timeout_s, referer=cfg.api.referer, title=cfg.api.title,
-            redact=self._redact, self_hosted=lambda: cfg.api.self_hosted)
+        client = client or self._client(need)
+        if isinstance(client, FleetClient):  # each server's tallies and state in the snapshot
+            self.provider_stats.servers = client.servers
         client.open()
         try:
             costs = await open_costs(cfg, self.rundir, self.spend, client, self._event, on_settled=self._wake_all)
@@ -306,6 +306,22 @@ class Engine:
     def _wake_all(self) -> None:
         for ds in self.datasets.values():
             ds.wake.set()
+
+    def _client(self, need: int) -> ChatClient:
+        """The run's client: one base_url's, or a fleet's (a list of them, api/fleet.py), whose servers taken
+        out and back are said as the run's events."""
+        api = self.config.api
+        kwargs: dict[str, Any] = dict(request_timeout_s=api.request_timeout_s, connect_timeout_s=api.connect_timeout_s,
+                                      referer=api.referer, title=api.title, redact=self._redact,
+                                      self_hosted=lambda: api.self_hosted)
+        if not api.servers:
+            return ChatClient(api.base_url, self._api_key, concurrency=need, **kwargs)
+
+        def say(out: bool, text: str) -> None:  # a server taken out, or back
+            self._event(snap.Level.WARN if out else snap.Level.INFO,
+                        snap.EventKind.UNREACHABLE if out else snap.EventKind.REACHABLE, text)
+
+        return FleetClient(api.servers, self._api_key, concurrency=need, say=say, **kwargs)
 
     def _event(self, level: snap.Level, kind: snap.EventKind, message: str, dataset: str = "",
                data: snap.EventData | None = None) -> None:

@@ -268,6 +268,8 @@ class RecordBook:
             truncated, empty, to_ms(time.time()), a.token_ids, a.prompt_token_ids, prompt.turn, a.reasoning_details)
         if sampling is not None:
             line["sampling"] = sampling
+        if a.server is not None:
+            line["server"] = a.server  # a fleet's server that answered (api/fleet.py)
         turn = prompt.turn
         if turn is not None and turn.expect is not None and not broken_answer(
                 a.content, a.finish_reason, a.tool_calls, agent=True) and turn.diverges(a.tool_calls):

@@ -369,7 +369,7 @@ class Requests:
                       "booked at what it billed, the prompt is asked again (docs/money.md)", ProviderPastCap)
         ctx.errors.add(e.kind)
         ctx.recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=ticket.prompt_id, attempt=tries,
-                       message=ctx.redact(e.message), status=e.status, provider=e.provider)
+                       message=ctx.redact(e.message), status=e.status, provider=e.server or e.provider)
         if e.slows_down(self_hosted):
             ds.concurrency.on_429()
         elif not e.unreachable:
@@ -450,7 +450,8 @@ class Requests:
         if outcome is Outcome.ANSWERED:
             answer = done.answer
             assert answer is not None
-            ctx.provider_stats.answer(answer.provider or "unknown", answer.latency_s, answer.usage.completion_tokens)
+            ctx.provider_stats.answer(answer.server or answer.provider or "unknown", answer.latency_s,
+                                      answer.usage.completion_tokens)
             self._book.record_answer(ds, prompt, answer, done.attempts, done.seq,
                                      sampling=sampling_of(body) if ds.config.records_sampling else None)
             if answer.token_ids is None and self._wants_ids:

@@ -1,0 +1,223 @@
+"""A fleet of self-hosted servers behind one run ([api] base_url a list, core/generate/api/fleet.py): three
+`draftgen simulate` processes as openai-compatible workers, one killed by pid a third of the way through."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from draftgen.core.config import toml_value
+from draftgen.core.errors import ConfigError
+from draftgen.core.generate.api.fleet import FleetClient, server_name
+from draftgen.core.generate.commands.smoke import run_smoke
+from draftgen.core.live.metrics import registry_for
+from draftgen.core.live.recent import ProviderStats
+from draftgen.core.live.snapshot import RunSnapshot
+from draftgen.core.rundir import RunDir
+from draftgen.core.tokens.fidelity import Agreement, flag_providers
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.simulator import SimConfig, SimServer
+from tests.helpers import TEST_KEY, cli_env, make_config, until, write_prompts
+
+
+def _simulator(latency: float) -> tuple[subprocess.Popen[str], str]:
+    """A `draftgen simulate` process on a free port, and its base URL (from its first line)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRAFTGEN_SIM_KEY": TEST_KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "draftgen.cli.main", "simulate", "--port", "0",
+                             "--fixed-latency", str(latency), "--mean-tokens", "40", "--status-every", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert "http://127.0.0.1:" in first, first
+    return proc, first.split(" at ")[1].strip()
+
+
+def _config(tmp_path: Path, urls: list[str], n: int, concurrency: int) -> Path:
+    write_prompts(tmp_path / "prompts" / "a.jsonl", n, prefix="a-")
+    lines = ["[api]", f"base_url = {toml_value(urls)}", 'kind = "openai-compatible"', 'api_key_env = "DG_TEST_KEY"',
+             'model = "moonshotai/kimi-k2.5"', "request_timeout_s = 30", "connect_timeout_s = 5", "",
+             "[tokenizer]", f"path = {toml_value(str(bundled_kimi_path()))}", "",
+             "[engine]", "backoff_base_s = 0.05", "backoff_max_s = 0.5", "", "[output]", 'dir = "run"', "",
+             "[[datasets]]", 'name = "a"', 'prompts = "prompts/a.jsonl"', f"concurrency = {concurrency}",
+             "max_tokens = 256"]
+    path = tmp_path / "fleet.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _records(path: Path) -> list[dict]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_loses_nothing_and_the_two_left_answer_the_rest(tmp_path: Path) -> None:
+    sims = [_simulator(1.0) for _ in range(3)]  # >= 5 s of answers: the kill lands mid-run
+    procs, urls = [p for p, _ in sims], [u for _, u in sims]
+    n = 1500
+    path = _config(tmp_path, urls, n, concurrency=300)
+    responses = RunDir(tmp_path / "run").responses("a")
+    run = subprocess.Popen([sys.executable, "-m", "draftgen.cli.main", "run", str(path), "--headless",
+                            "--skip-smoke", "--interval", "1"], env=cli_env(), text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while (responses.read_bytes().count(b"\n") if responses.exists() else 0) < n // 3:  # a third of the way
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGKILL)  # by pid
+        procs[1].wait()
+        killed_at = time.time()  # the records' ts: seconds
+        out, err = run.communicate(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 0, out[-3000:] + err[-3000:]
+    records = _records(responses)
+    ids = [r["id"] for r in records]
+    assert sorted(ids) == sorted(f"a-{i}" for i in range(n))  # every prompt answered, and once
+    names = [server_name(u) for u in urls]
+    before = {r["server"] for r in records if r["ts"] < killed_at}
+    after = [r["server"] for r in records if r["ts"] > killed_at]
+    assert before == set(names), before
+    # After the kill the two left answer the rest; the killed one only what it had sent whole before it.
+    assert after.count(names[0]) > n // 4 and after.count(names[2]) > n // 4, (len(after), set(after))
+    assert after.count(names[1]) <= 300, after.count(names[1])
+    # What was in flight on it was asked again: those answers count their attempts.
+    assert sum(r["attempts"] > 1 for r in records) >= 1
+    # Fidelity is tallied per server: the reconstruction's index names the server of each answer.
+    index = [orjson.loads(line) for line in (tmp_path / "run" / "a" / "tokens" / "index.jsonl").read_bytes()
+             .splitlines()]
+    assert {e["provider"] for e in index} == set(names) and len(index) == n
+    # Said once in events.log, and in the summary with each server's tallies.
+    events = (tmp_path / "run" / "events.log").read_text()
+    assert events.count(f"server {names[1]} taken out of the fleet") == 1, events[-3000:]
+    summary = out[out.rindex("draftgen: run"):]
+    for name in names:
+        assert f"server {name}: " in summary, summary
+    assert f"server {names[1]}: " in summary and "out: " in summary.split(f"server {names[1]}: ")[1].split("\n")[0]
+    assert TEST_KEY not in out + err + events
+
+
+def test_a_list_of_urls_is_refused_for_openrouter_and_one_url_stays_one(tmp_path: Path) -> None:
+    one = make_config(tmp_path, "http://127.0.0.1:9/v1", [{"name": "a", "n": 1}])
+    assert one.api.servers == () and one.api.fleet == ("http://127.0.0.1:9/v1",)
+    assert one.public_dict()["api"]["base_url"] == "http://127.0.0.1:9/v1"
+    two = make_config(tmp_path, ["http://127.0.0.1:9/v1", "http://user:pw@127.0.0.1:10/v1/"],  # type: ignore[arg-type]
+                      [{"name": "a", "n": 1}])
+    assert two.api.base_url == "http://127.0.0.1:9/v1"
+    assert two.api.servers == ("http://127.0.0.1:9/v1", "http://user:pw@127.0.0.1:10/v1")
+    assert two.public_dict()["api"]["base_url"] == list(two.api.servers)
+    assert server_name(two.api.servers[1]) == "http://127.0.0.1:10/v1"
+    assert two.fingerprint(two.datasets[0]) != one.fingerprint(one.datasets[0])
+    with pytest.raises(ConfigError, match=r"api.base_url\[1\] = 'https://openrouter.ai/api/v1'.*OpenRouter is one"):
+        make_config(tmp_path, ["http://127.0.0.1:9/v1", "https://openrouter.ai/api/v1"],  # type: ignore[arg-type]
+                    [{"name": "a", "n": 1}])
+    with pytest.raises(ConfigError, match=r"api.base_url\[0\].*OpenRouter is one"):
+        make_config(tmp_path, ["http://127.0.0.1:9/v1"], [{"name": "a", "n": 1}],  # type: ignore[arg-type]
+                    tables={"api": {"kind": "openrouter"}})
+    with pytest.raises(ConfigError, match=r"api.base_url\[1\] = 'http://127.0.0.1:9/v1/' is listed twice"):
+        make_config(tmp_path, ["http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1/"],  # type: ignore[arg-type]
+                    [{"name": "a", "n": 1}])
+
+
+async def test_the_smoke_test_asks_every_server_and_refuses_one_that_answers_otherwise(tmp_path: Path) -> None:
+    """The second server renders another prompt (a system turn of its own: another chat template): its row
+    fails naming it; the third answers as the first and passes. Each server's request is on the ledger."""
+    fast: dict[str, Any] = dict(seed=3, fixed_latency_s=0.03, mean_completion_tokens=40)
+    async with SimServer(SimConfig(**fast), port=0) as one, \
+            SimServer(SimConfig(**fast, default_system="You are another assistant."), port=0) as two, \
+            SimServer(SimConfig(**fast), port=0) as three:
+        urls = [one.base_url, two.base_url, three.base_url]
+        config = make_config(tmp_path, urls, [{"name": "a", "n": 3, "max_tokens": 64}],  # type: ignore[arg-type]
+                             tables={"api": {"kind": "openai-compatible"},
+                                     "tokenizer": {"path": str(bundled_kimi_path())}})
+        result = await run_smoke(config, TEST_KEY)
+        asked = [sim.stats.requests_total for sim in (one, two, three)]
+    assert min(asked) >= 1, asked
+    rows = {r.check: r for r in result.rows}
+    bad, good = rows[f"server {server_name(urls[1])}"], rows[f"server {server_name(urls[2])}"]
+    assert not bad.passed and "refused: answers otherwise than" in bad.detail and "chat template" in bad.detail, bad
+    assert good.passed and f"answers as {server_name(urls[0])}" in good.detail, good
+    assert not result.passed
+    # Every request any server received went on the ledger before it left.
+    sent = [line for line in RunDir(config.run_dir).spend.read_bytes().splitlines() if b'"e":"sent"' in line]
+    assert len(sent) == sum(asked), (len(sent), asked)
+
+
+def up(fleet: FleetClient) -> dict[str, float]:
+    """/metrics' upstream_up per server, from a snapshot whose per-upstream stats read the fleet (as a run's do)."""
+    stats = ProviderStats()
+    stats.servers = fleet.servers
+    raw = generate_latest(registry_for(lambda: RunSnapshot("run", "m", provider_stats=stats.stats()))).decode()
+    [fam] = [f for f in text_string_to_metric_families(raw) if f.name == "draftgen_upstream_up"]
+    return {x.labels["upstream"]: x.value for x in fam.samples}
+
+
+async def test_a_server_that_refuses_connections_is_taken_out_probed_and_back() -> None:
+    """Two simulators behind a FleetClient: requests spread over both; one closed, the next request that
+    meets its refusal goes to the other in the same call (nothing sent twice), it is said out once; started
+    again on the same port, GET /models brings it back, said once, and it is asked again."""
+    said: list[tuple[bool, str]] = []
+    config = SimConfig(seed=3, fixed_latency_s=0.03, mean_completion_tokens=40)
+    async with SimServer(config, port=0) as one:
+        two = SimServer(config, port=0)
+        await two.start()
+        port = two.port
+        fleet = FleetClient((one.base_url, two.base_url), TEST_KEY, concurrency=8, probe_s=0.05,
+                            say=lambda out, text: said.append((out, text)))
+        fleet.open()
+        try:
+            body = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 32}
+            first = await asyncio.gather(*(fleet.chat(body) for _ in range(4)))
+            assert {a.server for a in first} == {server_name(one.base_url), server_name(two.base_url)}
+            await two.close()
+            before = one.stats.requests_total
+            after = await asyncio.gather(*(fleet.chat(body) for _ in range(4)))
+            assert {a.server for a in after} == {server_name(one.base_url)}
+            assert one.stats.requests_total == before + 4  # each asked once: the refused one was not sent
+            assert [out for out, _ in said] == [True] and server_name(two.base_url) in said[0][1], said
+            assert dict(fleet.servers())[server_name(two.base_url)].startswith("cannot connect")
+            assert up(fleet) == {server_name(one.base_url): 1, server_name(two.base_url): 0}
+            two = SimServer(config, port=port)
+            await two.start()
+            await until(lambda: len(said) == 2, "the server back after GET /models")
+            assert said[1][0] is False and "back in the fleet" in said[1][1], said
+            again = await asyncio.gather(*(fleet.chat(body) for _ in range(4)))
+            assert server_name(two.base_url) in {a.server for a in again}
+            assert dict(fleet.servers()) == {server_name(one.base_url): "", server_name(two.base_url): ""}
+            assert up(fleet) == {server_name(one.base_url): 1, server_name(two.base_url): 1}
+        finally:
+            await fleet.close()
+            await two.close()
+
+
+def test_a_server_whose_counts_depart_from_the_others_is_flagged_with_the_fleets_fix() -> None:
+    """Servers are compared with each other as providers are; the fix is the fleet's (its base_url entry, or
+    the same model, template and tokenizer), not a routing line that no server reads."""
+    good, off = Agreement(), Agreement()
+    for i in range(40):
+        good.add(0, 10, 0)
+        off.add(2 if i % 2 else 0, 10, 0)
+    a, b, c = "http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1", "http://10.0.0.3:8000/v1"
+    [flag] = flag_providers({a: good, b: off, c: good})
+    assert flag.provider == b and not flag.ignore_line and "[api] base_url" in flag.fix, flag
+    assert "template or tokenizer on this server" in flag.reason and b in flag.exclude_line
+    [named] = flag_providers({"Together": good, "Novita": off, "Parasail": good})
+    assert named.ignore_line == 'ignore = ["novita"]' and not named.fix  # providers: as before
