@@ -8,7 +8,8 @@ credits and faults, for tests, the demo, benchmarks and rehearsals.
 
 Endpoints, one module each: POST /api/v1/chat/completions, JSON or SSE (completions.py);
 GET /api/v1/credits and /api/v1/key (account.py); GET /api/v1/generation?id= and the billing
-(generations.py); GET /api/v1/models and /api/v1/models/{author}/{slug}/endpoints (models.py);
+(generations.py); GET /api/v1/models and /api/v1/models/{author}/{slug}/endpoints (models.py); GET /health
+and /api/health (200, for a router in front: docs/routers.md);
 /_sim/stats, /_sim/config, /_sim/scenario (control.py). Scenarios: scenarios.py.
 
 Every random choice of a request (provider, fault, answer, jitter) is drawn from a hash of the
@@ -35,6 +36,10 @@ from draftgen.simulator.scenarios import Scenarios
 from draftgen.simulator.stats import Sent, SimStats
 
 API = "/api/v1"
+
+
+async def _healthy(_: web.Request) -> web.Response:
+    return web.Response(status=200)
 
 
 class SimServer:
@@ -70,6 +75,11 @@ class SimServer:
         app.router.add_get(f"{API}/generation", self._authed(self.generations.handle))
         app.router.add_get(f"{API}/models", self.models.list_models)
         app.router.add_get(API + "/models/{author}/{slug}/endpoints", self._authed(self.models.endpoints))
+        # GET /health answers 200 as vLLM's and SGLang's do, at the root and under /api: a router
+        # (sglang-router, vllm-router) given http://HOST:PORT/api as a worker probes {worker}/health
+        # before it routes to it, then posts to {worker}/v1/chat/completions (docs/routers.md).
+        app.router.add_get("/health", _healthy)
+        app.router.add_get("/api/health", _healthy)
         control.add_routes(app, self)
         # access_log off: at thousands of requests a second the log line costs more than the
         # answer. handler_cancellation: a client that gives up cancels its handler, so

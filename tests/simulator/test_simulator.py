@@ -250,6 +250,15 @@ async def test_provider_routing(session):
         assert sim.stats.by_status["404"] == 1
 
 
+async def test_health_answers_as_vllm_and_sglang_do_for_a_router(session):
+    """sglang-router and vllm-router route to a worker only once GET {worker}/health answers 200; the
+    simulator is given to them as http://HOST:PORT/api (docs/routers.md). No key is asked for."""
+    async with SimServer(cfg(), port=0) as sim:
+        for path in ("/health", "/api/health"):
+            async with session.get(f"http://127.0.0.1:{sim.port}{path}") as r:
+                assert r.status == 200, path
+
+
 async def test_credits_fall_with_spend_and_402_when_they_run_out(session):
     async with SimServer(cfg(credits=0.01), port=0) as sim:
         async with session.get(f"{sim.base_url}/credits", headers=AUTH) as r:
