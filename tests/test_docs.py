@@ -97,3 +97,17 @@ def test_no_file_points_outside_the_repository_at_the_notes_it_was_built_from() 
             if path.is_file() and needle.encode() in path.read_bytes():
                 hits.append(str(path.relative_to(ROOT)))
     assert not hits, f"{needle} in {hits}: say the rule, or point at the docs/ page that holds it"
+
+
+SOURCE_PATH = re.compile(r"\b(?:core|tui|cli|headless|simulator|tests|docs|benchmarks|scripts)/[\w./<>-]*")
+
+
+def test_every_file_the_contributing_page_names_exists() -> None:
+    """docs/contributing.md draws the flows and lists the files each recipe takes by their paths, in its
+    prose and its diagrams: a file moved or renamed must be moved in the page too. A path with a
+    placeholder (`core/<stage>/`) names a file to be made."""
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    named = {m.group(0).rstrip(".") for m in SOURCE_PATH.finditer(text) if "<" not in m.group(0)}
+    assert len(named) >= 40  # the page names the files of both flows and of the four recipes
+    missing = sorted(path for path in named if not (ROOT / path).exists())
+    assert not missing, f"docs/contributing.md names files that do not exist: {missing}"
