@@ -439,21 +439,31 @@ async def test_sse_streaming(tmp_path):
 
 async def test_sustained_429s_back_off_and_recover():
     clock = [0.0]
-    aimd = AdaptiveConcurrency(100, clock=lambda: clock[0])
+    said: list[tuple[bool, str]] = []
+    aimd = AdaptiveConcurrency(100, clock=lambda: clock[0], on_change=lambda starts, m: said.append((starts, m)))
+    for _ in range(100):
+        aimd.on_send()
     aimd.on_429()
     assert aimd.limit == 100  # one 429 is not sustained
-    for _ in range(3):
+    for _ in range(4):
         clock[0] += 0.1
         aimd.on_429()
-    assert aimd.limit == 70
+    assert aimd.limit == 70 and aimd.in_storm  # 5 of 100 sent
     clock[0] += 0.1
-    for _ in range(3):
+    for _ in range(30):
         aimd.on_429()
     assert aimd.limit == 70  # at most one cut every 2 s
+    clock[0] += 2
+    aimd.on_429()
+    assert aimd.limit == 49
     clock[0] += 10
     while aimd.tick():
         clock[0] += 1
-    assert aimd.limit == 100
+    assert aimd.limit == 100 and not aimd.in_storm
+    # One line when the storm starts, one when it ends, one when the limit is back: not one per cut.
+    assert [starts for starts, _ in said] == [True, False, False], said
+    assert "limit cut 100 → 70" in said[0][1]
+    assert "36 rate-limited, 2 cut(s), lowest limit 49" in said[1][1] and "back at the configured 100" in said[2][1]
 
 
 async def run_watching_concurrency(engine: Engine, start: int) -> tuple[int, snap.RunState]:
@@ -515,16 +525,34 @@ async def test_two_thousand_really_in_flight(tmp_path):
 
 
 def test_a_trickle_of_429s_at_a_high_rate_is_not_a_storm():
+    """2,000 in flight, answers in 20 ± 10 s (about 100 attempts a second) and 1% of the attempts 429'd
+    at random for ten minutes, starting with the first 2,000 sent at once (their 429s back before any
+    answer): the limit is never cut and nothing is said; then a storm (every attempt 429'd) cuts it."""
+    rng = random.Random(7)
     clock = [0.0]
-    aimd = AdaptiveConcurrency(100, clock=lambda: clock[0])
-    for i in range(2000):  # 1,000 responses/s, 1% of them 429s
-        clock[0] += 0.001
-        aimd.on_429() if i % 100 == 0 else aimd.on_response()
-    assert aimd.limit == 100
-    for _ in range(100):  # then every response is a 429 for a second: a storm
-        clock[0] += 0.01
+    said: list[str] = []
+    aimd = AdaptiveConcurrency(2000, clock=lambda: clock[0], on_change=lambda _s, m: said.append(m))
+
+    def send() -> None:
+        aimd.on_send()
+        if rng.random() < 0.01:
+            aimd.on_429()
+
+    for _ in range(2000):
+        send()
+    lowest = aimd.limit
+    for _second in range(600):
+        for _ in range(100):
+            clock[0] += 0.01
+            send()
+        aimd.tick()
+        lowest = min(lowest, aimd.limit)
+    assert lowest == 2000 and said == []
+    for _ in range(200):  # then every attempt is a 429 for a second: a storm
+        clock[0] += 0.005
+        aimd.on_send()
         aimd.on_429()
-    assert aimd.limit == 70
+    assert aimd.limit == 1400 and aimd.in_storm and len(said) == 1
 
 
 async def test_a_stop_now_releases_what_each_abandoned_request_held(tmp_path):

@@ -236,6 +236,37 @@ async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
     assert climbed >= lowest + 2 and lowest <= configured // 2
     a = clean_audit(config, sim)
     assert a.answered == n and a.failed == 0  # Retry-After spaced the retries: none ran out of attempts
+    # The storm is said when it starts (with its cut) and when it ends, in events.log too: not once per cut.
+    log = RunDir(config.run_dir).events_log.read_text()
+    said = [line for line in log.splitlines() if " concurrency " in line or "429 storm" in line]
+    assert sum("a: 429 storm: " in line and "limit cut 40 → 28" in line for line in said) == 1, said
+    assert sum("a: 429 storm over after" in line for line in said) == 1, said
+    assert len(said) <= 3, said  # start, end, and the limit back at 40 if it got there
+
+
+async def test_a_steady_trickle_of_429s_never_cuts_the_limit(tmp_path: Path) -> None:
+    """1% of the attempts 429'd from the first one on, at 300 in flight: the 429s of the first wave come
+    back before any answer, yet the limit stays within 5% of the configured value and no storm is said;
+    every prompt is answered once."""
+    configured, n = 300, 1200
+    async with SimServer(SimConfig(seed=8, fixed_latency_s=0.3, mean_completion_tokens=20, faults={"429": 0.01},
+                                   retry_after_s=0.05), port=0) as sim:
+        config, pipeline, task = await _storm_run(tmp_path, sim, n, configured)
+        lowest = configured
+        try:
+            while not task.done():
+                lowest = min(lowest, pipeline.snapshot().datasets[0].effective_concurrency)
+                await asyncio.sleep(0.02)
+            state = await task
+        finally:
+            if not task.done():
+                pipeline.quit(drain=False)
+            await pipeline.close()
+    assert state == snap.RunState.DONE
+    assert sim.stats.faults.get("429", 0) >= 5
+    assert lowest >= 0.95 * configured, f"a 1% trickle cut the limit to {lowest}"
+    assert not [e for e in pipeline.hub.recent if e.kind == "concurrency"]
+    assert clean_audit(config, sim).answered == n
 
 
 async def test_a_drain_sends_no_further_attempt_of_a_retry_waiting_for_a_slot(tmp_path: Path) -> None:

@@ -90,7 +90,7 @@ class Engine:
         self._on_event = snap.event_sink(on_event)
         self._clock = clock
         self.datasets = {d.name: DatasetRun(d, TokenBudget(d.token_budget, d.max_tokens),
-                                            AdaptiveConcurrency(d.concurrency, clock))
+                                            AdaptiveConcurrency(d.concurrency, clock, self._limit_said(d.name)))
                          for d in config.datasets}
         self.spend = SpendLedger(self.rundir.spend)
         self.money = MoneyBudget(config.budget.max_usd, config.budget.credit_floor_usd, self.spend, clock)
@@ -306,6 +306,13 @@ class Engine:
     def _wake_all(self) -> None:
         for ds in self.datasets.values():
             ds.wake.set()
+
+    def _limit_said(self, name: str) -> Callable[[bool, str], None]:
+        """What dataset `name`'s adaptive limit says (a storm's start and end, the limit back): an event."""
+        def say(starts: bool, message: str) -> None:
+            self._event(snap.Level.WARN if starts else snap.Level.INFO, snap.EventKind.CONCURRENCY,
+                        f"{name}: {message}", dataset=name)
+        return say
 
     def _event(self, level: snap.Level, kind: snap.EventKind, message: str, dataset: str = "",
                data: snap.EventData | None = None) -> None:

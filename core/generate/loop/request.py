@@ -290,6 +290,7 @@ class Requests:
                 return Attempted(Outcome.GIVEN_UP, tries)
             tries += 1
             seq = ds.note_sent()
+            ds.concurrency.on_send()
             sent_no = self._sent
             self._sent += 1
             try:
@@ -349,7 +350,6 @@ class Requests:
                       f"prompt {ticket.prompt_id!r} billed ${ticket.worst + over:.6f}, ${over:.6f} past its "
                       f"reservation of ${ticket.worst:.6f}: booked at what it billed, so max_usd counts it",
                       lambda name: OverReservation(name, ticket.worst, ticket.worst + over))
-        ds.concurrency.on_response()
         self.answered += 1
         blocks, block = self._answered_blocks, sent_no >> ANSWER_BLOCK_BITS
         while len(blocks) <= block:
@@ -374,8 +374,6 @@ class Requests:
                        message=ctx.redact(e.message), status=e.status, provider=e.provider)
         if e.slows_down(self_hosted):
             ds.concurrency.on_429()
-        elif not e.unreachable:
-            ds.concurrency.on_response()
 
     def _doubted(self, ds: DatasetRun, ticket: Ticket, answer: ChatAnswer) -> None:
         """An answer whose bill is not believed (billing.py `believed`): counted (bad_bill), and said once per
