@@ -157,6 +157,14 @@ def paused() -> RunSnapshot:
                                throughput=dataclasses.replace(s.throughput, eta_s=None))
 
 
+def backed_off() -> RunSnapshot:
+    """The issue-54 run: 2,000 configured, a 429 storm cut the limit to 1,780 (the widest figures)."""
+    s = running()
+    return dataclasses.replace(s, throughput=dataclasses.replace(s.throughput, in_flight=1_780,
+                                                                 effective_concurrency=1_780,
+                                                                 configured_concurrency=2_000))
+
+
 SMOKE_CHECKS = (
     ("API key", True, "valid"),
     ("credits", True, "$64.15 available, above the $5.00 floor"),
@@ -431,4 +439,7 @@ VIEWS = (
          size=(80, 24), read_only=True),
     View("attach_pending", "Attached at 120x40 with spend pending a price: nothing clipped", attached_resumed,
          read_only=True),
+    View("backed_off", "A 429 storm cut the limit: effective of configured, whole", backed_off),
+    View("backed_off_80x24", "The limit cut by a storm at 80x24: the configured value still whole", backed_off,
+         size=(80, 24)),
 )
