@@ -427,6 +427,28 @@ async def test_drain_and_stop(tmp_path):
     assert len(ids) == len(set(ids)) == 100
 
 
+async def test_a_drain_keeps_the_projection_of_the_whole_dataset(tmp_path):
+    """After a drain, a dataset that the next run resumes is projected whole (the cost so far plus what
+    its prompts not asked yet will cost), as before the drain; the run's projected total too. It showed
+    the cost so far: the drained dataset counted as finished."""
+    async with SimServer(SimConfig(seed=4, fixed_latency_s=0.05, mean_completion_tokens=50, length_sigma=0.0),
+                         port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 300, "concurrency": 10}])
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        await until(lambda: dataset_row(engine, "a").done >= 60, "60 answers", 60)
+        before = engine.snapshot()
+        engine.drain()
+        assert await asyncio.wait_for(task, 30) == snap.RunState.DRAINED
+        after = engine.snapshot()
+    row, was = after.datasets[0], before.datasets[0]
+    assert row.status == snap.DatasetStatus.STOPPED and row.done < 100
+    assert was.projected_cost_usd is not None and row.projected_cost_usd is not None
+    assert row.projected_cost_usd > 2 * row.cost_usd  # two thirds are not asked yet
+    assert row.projected_cost_usd == pytest.approx(was.projected_cost_usd, rel=0.05)
+    assert after.credits.projected_total_usd == pytest.approx(before.credits.projected_total_usd, rel=0.05)
+
+
 async def test_sse_streaming(tmp_path):
     async with SimServer(SimConfig(seed=8, **FAST), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 10, "concurrency": 5}],
