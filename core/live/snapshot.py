@@ -328,6 +328,7 @@ class EventKind(StrEnum):
     PENDING = "pending"                      # attempts of earlier runs not priced yet
     PRICES = "prices"
     QUIT_DIALOG = "quit_dialog"              # the run waits for the quit dialog's answer before it starts
+    PROVIDER = "provider"                    # a provider gone bad (most of its last attempts failed), or back
     PROVIDER_FLAGGED = "provider_flagged"    # a provider's token counts depart from the others'
     REACHABLE = "reachable"
     REJECTED = "rejected"                    # prompt lines rejected when a dataset opened

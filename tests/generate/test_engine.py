@@ -449,6 +449,35 @@ async def test_a_drain_keeps_the_projection_of_the_whole_dataset(tmp_path):
     assert after.credits.projected_total_usd == pytest.approx(before.credits.projected_total_usd, rel=0.05)
 
 
+async def test_a_provider_gone_bad_and_back_is_one_event_each_way(tmp_path):
+    """Every request answered 500 naming its provider for a while, then none: each provider that failed
+    is said gone bad once (with the errors' kind), and back once when it answers again, not once per
+    error; a steady run says nothing."""
+    async with SimServer(SimConfig(seed=4, fixed_latency_s=0.02, mean_completion_tokens=30, retry_after_s=0.01),
+                         port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 600, "concurrency": 8}],
+                          tables={"engine": {"max_attempts": 200}})
+        events: list[tuple[str, str, str]] = []
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda level, kind, message, **_: events.append(
+            (str(level), str(kind), message)))
+        task = asyncio.create_task(engine.run())
+        await until(lambda: dataset_row(engine, "a").done >= 60, "60 answers", 60)
+        quiet = [e for e in events if e[1] == "provider"]
+        sim.scenarios.switch("provider_500", True, {"rate": 1.0})
+        await until(lambda: any(e[1] == "provider" for e in events), "a provider said gone bad", 60)
+        sim.scenarios.switch("provider_500", False)
+        assert await asyncio.wait_for(task, 120) == snap.RunState.DONE
+    said = [e for e in events if e[1] == "provider"]
+    bad = [m for level, _, m in said if "gone bad" in m]
+    back = [m for level, _, m in said if " back: " in m]
+    assert quiet == [] and bad, said
+    assert all("attempts failed" in m and "5xx" in m for m in bad), bad
+    names = [m.split(" gone bad")[0] for m in bad]
+    assert len(names) == len(set(names)), bad  # once per provider, not once per error
+    assert sorted(m.split(" back:")[0] for m in back) == sorted(names), said  # each one back, once
+    assert len(said) == 2 * len(names), said
+
+
 async def test_sse_streaming(tmp_path):
     async with SimServer(SimConfig(seed=8, **FAST), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 10, "concurrency": 5}],

@@ -95,7 +95,7 @@ class Engine:
         self.spend = SpendLedger(self.rundir.spend)
         self.money = MoneyBudget(config.budget.max_usd, config.budget.credit_floor_usd, self.spend, clock)
         self.errors = Tally()
-        self.provider_stats = ProviderStats()
+        self.provider_stats = ProviderStats(on_health=self._provider_said)
         self.recent = RecentErrors(providers=self.provider_stats)
         self.control = RunControl(self._event)  # the run's state, holds, gate and end: changed only through it
         self._started = clock()
@@ -306,6 +306,10 @@ class Engine:
     def _wake_all(self) -> None:
         for ds in self.datasets.values():
             ds.wake.set()
+
+    def _provider_said(self, bad: bool, message: str) -> None:
+        """A provider gone bad, or back (recent.py `ProviderStats`): an event."""
+        self._event(snap.Level.WARN if bad else snap.Level.INFO, snap.EventKind.PROVIDER, message)
 
     def _limit_said(self, name: str) -> Callable[[bool, str], None]:
         """What dataset `name`'s adaptive limit says (a storm's start and end, the limit back): an event."""
