@@ -9,9 +9,9 @@ line and the TUI take them) on --n prompts at --concurrency in flight against th
 own process (--latency s a request, 1% of them 429s). Between the answers N/4 and 0.9 N (in flight
 alike at both) it reads the process's RSS after a full collection and prints its growth per answer,
 and the peak RSS. With --trace, tracemalloc is on and it also prints the traced Python heap's growth
-per answer, the part of it made on the lines that keep answered ids (a set's `ids.add(` or
-`known.add(`, duplicates.py), the rest ("beyond the id sets", the figure the target bounds: <= 0.2 KB) and the
-lines whose allocations grew most. The run's files are in a temporary directory.
+per answer, the part of it made on the lines that keep answered ids (a set's `ids.add(`,
+`known.add(` or `seen.add(`, duplicates.py), the rest ("beyond the id sets", the figure the target
+bounds: <= 0.2 KB) and the lines whose allocations grew most. The run's files are in a temporary directory.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from bench_engine import KEY, free_port, start_sim
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The lines that keep the answered ids: a set's add (the dataset's done_ids, the token writer's ids, the
-# live reconstruction's known), or the duplicates check (duplicates.py).
+# The lines that keep the answered ids: a set's add (the dataset's done_ids, the prompt reader's seen, the
+# token writer's ids, the live reconstruction's known), or the duplicates check (duplicates.py). The id
+# strings themselves are allocated where the prompt line is parsed (with the rest of it): not counted here.
 ID_SET_FILE = "core/generate/loop/duplicates.py"
 
 
@@ -68,7 +69,7 @@ prompts = "p.jsonl"
 def _is_id_set(trace: tracemalloc.StatisticDiff) -> bool:
     frame = trace.traceback[0]
     line = linecache.getline(frame.filename, frame.lineno)
-    return frame.filename.endswith(ID_SET_FILE) or "ids.add(" in line or "known.add(" in line
+    return frame.filename.endswith(ID_SET_FILE) or any(f"{name}.add(" in line for name in ("ids", "known", "seen"))
 
 
 async def measure(config_path: Path, n: int, top: int, trace: bool) -> dict:
