@@ -163,6 +163,14 @@ def paused() -> RunSnapshot:
                                throughput=dataclasses.replace(s.throughput, eta_s=None))
 
 
+def backed_off() -> RunSnapshot:
+    """The issue-54 run: 2,000 configured, a 429 storm cut the limit to 1,780 (the widest figures)."""
+    s = running()
+    return dataclasses.replace(s, throughput=dataclasses.replace(s.throughput, in_flight=1_780,
+                                                                 effective_concurrency=1_780,
+                                                                 configured_concurrency=2_000))
+
+
 SMOKE_CHECKS = (
     ("API key", True, "valid"),
     ("credits", True, "$64.15 available, above the $5.00 floor"),
@@ -508,4 +516,7 @@ VIEWS = (
          with_agent),
     View("drill_agent", "Drill-down on an agent dataset: a conversation step by step, tool calls and results",
          with_agent, ("j", "j", "j", "j", "j", "enter"), size=(120, 50), run_dir=agent_run_dir),
+    View("backed_off", "A 429 storm cut the limit: effective of configured, whole", backed_off),
+    View("backed_off_80x24", "The limit cut by a storm at 80x24: the configured value still whole", backed_off,
+         size=(80, 24)),
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from operator import itemgetter
 
@@ -47,7 +47,7 @@ class RecentErrors:
                 ring = self._rings[key] = deque(maxlen=self.per_key)
             ring.append(record)
         if provider and self.providers is not None:
-            self.providers.error(provider)
+            self.providers.error(provider, kind)
         self._version += 1
 
     def mark_final(self, dataset: str, prompt_id: str) -> None:
@@ -79,7 +79,7 @@ class RecentErrors:
 class _Provider:
     """One provider's tallies (one object per provider: an answer updates it with one lookup)."""
 
-    __slots__ = ("answers", "errors", "tokens", "latency_sum", "latency")
+    __slots__ = ("answers", "errors", "tokens", "latency_sum", "latency", "outcomes", "failing", "bad")
 
     def __init__(self) -> None:
         self.answers = 0
@@ -87,12 +87,24 @@ class _Provider:
         self.tokens = 0
         self.latency_sum = 0.0
         self.latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # the recent latencies (p90)
+        self.outcomes: deque[str] = deque(maxlen=HEALTH_WINDOW)  # its last attempts: "" answered, else the error
+        self.failing = 0   # of them, errors
+        self.bad = False   # said gone bad, not said back yet
+
+
+# A provider goes bad when at least half of its last HEALTH_WINDOW attempts (HEALTH_WINDOW // 2 at least)
+# failed, and is back once fewer than a fifth of them do: one line each way, not one per error.
+HEALTH_WINDOW = 20
+BAD_SHARE = 0.5
+BACK_SHARE = 0.2
 
 
 class ProviderStats:
-    """Answers, attributed errors, completion tokens and latency per provider."""
+    """Answers, attributed errors, completion tokens and latency per provider; `on_health(bad, message)`
+    hears a provider going bad (with the errors that made it so) and coming back."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_health: Callable[[bool, str], None] | None = None) -> None:
+        self._on_health = on_health
         self._by: dict[str, _Provider] = {}
         self._answered: list[str] = []  # providers in the order of their first answer (answer_counts' ties)
         self._version = 0
@@ -113,15 +125,39 @@ class ProviderStats:
         p.latency_sum += latency_s
         p.latency.append(latency_s)
         self._version += 1
+        if self._on_health is not None:
+            self._health(provider, p, "")
 
     def answer_counts(self) -> tuple[tuple[str, int], ...]:
         """Answers per provider, most first (ties in the order first answered): RunSnapshot.providers."""
         by = self._by
         return tuple(sorted(((name, by[name].answers) for name in self._answered), key=itemgetter(1), reverse=True))
 
-    def error(self, provider: str) -> None:
-        (self._by.get(provider) or self._of(provider)).errors += 1
+    def error(self, provider: str, kind: str = "error") -> None:
+        p = self._by.get(provider) or self._of(provider)
+        p.errors += 1
         self._version += 1
+        if self._on_health is not None:
+            self._health(provider, p, kind)
+
+    def _health(self, name: str, p: _Provider, outcome: str) -> None:
+        """One more attempt of provider `name` (`outcome`: "" answered, else its error's kind)."""
+        out = p.outcomes
+        if len(out) == out.maxlen and out[0]:
+            p.failing -= 1
+        out.append(outcome)
+        if outcome:
+            p.failing += 1
+        n = len(out)
+        assert self._on_health is not None
+        if not p.bad and n >= HEALTH_WINDOW // 2 and p.failing >= BAD_SHARE * n:
+            p.bad = True
+            kinds = Counter(k for k in out if k)
+            why = ", ".join(f"{c} {k}" for k, c in kinds.most_common())
+            self._on_health(True, f"provider {name} gone bad: {p.failing} of its last {n} attempts failed ({why})")
+        elif p.bad and n == HEALTH_WINDOW and p.failing < BACK_SHARE * n:
+            p.bad = False
+            self._on_health(False, f"provider {name} back: {n - p.failing} of its last {n} attempts answered")
 
     def stats(self) -> tuple[ProviderStat, ...]:
         """Per provider, most answers first; a fleet's servers marked, each listed (answered or not) with

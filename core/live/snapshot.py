@@ -319,6 +319,7 @@ class EventKind(StrEnum):
     BAD_BILL = "bad_bill"                    # an answer's cost or token counts not believed (billing.py)
     BUDGET = "budget"                        # a token or money budget skipped prompts
     CREDITS = "credits"                      # the balance, or why it could not be read
+    CONCURRENCY = "concurrency"              # a 429 storm began (the limit cut) or ended, the limit back
     CONVERSATION = "conversation"            # a conversation ended early, or its prompt file was edited
     CUT_ANSWERS = "cut_answers"              # most of a dataset's answers this run are cut at max_tokens
     DATASET_DONE = "dataset_done"
@@ -338,6 +339,7 @@ class EventKind(StrEnum):
     PENDING = "pending"                      # attempts of earlier runs not priced yet
     PRICES = "prices"
     QUIT_DIALOG = "quit_dialog"              # the run waits for the quit dialog's answer before it starts
+    PROVIDER = "provider"                    # a provider gone bad (most of its last attempts failed), or back
     PROVIDER_FLAGGED = "provider_flagged"    # a provider's token counts depart from the others'
     REACHABLE = "reachable"
     REJECTED = "rejected"                    # prompt lines rejected when a dataset opened

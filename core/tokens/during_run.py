@@ -9,6 +9,13 @@ once. They are held, a new pool is started and they are sent again (core/tokens/
 `MAX_RESTARTS` new pools reconstruction stops for the rest of the run and says so (`progress()`
 FAILED, with the command that finishes it, `draftgen tokens CONFIG`): the answers stay in
 responses.jsonl.
+
+Memory stays bounded when the workers fall behind the engine: an answer submitted while `LIVE_BACKLOG`
+batches per worker are already queued is not kept (its line is on disk); its dataset is marked
+behind, and once the queue has drained to a batch per worker the answers not yet queued are read back
+from responses.jsonl (from where the last such read began, not the whole file) and fed at the
+workers' pace (`_feed`). Without it a run whose reconstruction lagged kept every answer waiting for a
+worker in memory (~0.5 KB an answer of the simulator's, more for long answers), without levelling off.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from draftgen.core.live.snapshot import (
     event_sink,
 )
 from draftgen.core.quoting import sh_path
-from draftgen.core.rundir import RunDir
+from draftgen.core.rundir import RunDir, jsonl_objects
 from draftgen.core.tokens.fidelity import turn_figures
 from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.report import ValidationReport
@@ -66,16 +73,40 @@ class _Dataset:
     lost: set[str] = field(default_factory=set)  # ids whose token ids could not be made or written this run
     buffer: list[dict[str, Any]] = field(default_factory=list)
     buffer_chars: int = 0
+    behind: int = 0     # answers submitted and not kept (the queue was full): read back from disk later
+    scan_from: int = 0  # responses.jsonl offset before which every answer was queued, written or read back
 
     @classmethod
     def open(cls, run: RunDir, name: str, policy: SamplePolicy) -> _Dataset:
         folder = run.tokens(name)
         writer = LockedWriter(folder)
-        return cls(name, folder, writer, index_report(folder, name, policy), set(writer.ids))
+        return cls(name, folder, writer, index_report(folder, name, policy), set(writer.ids),
+                   scan_from=_size(run.responses(name)))
 
     def take(self) -> list[dict[str, Any]]:
         batch, self.buffer, self.buffer_chars = self.buffer, [], 0
         return batch
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _offsets_from(responses: Path, start: int, done: set[str]) -> list[int]:
+    """`pending_offsets` from byte `start` on (a line boundary: the file's size at some earlier time)."""
+    if not responses.exists():
+        return []
+    offsets = []
+    with open(responses, "rb") as f:
+        f.seek(start)
+        for offset, rec in jsonl_objects(f):
+            if (rid := str(rec.get("id"))) not in done:
+                done.add(rid)
+                offsets.append(start + offset)
+    return offsets
 
 
 def _read_list(responses: Path, offsets: list[int]) -> list[dict[str, Any]]:
@@ -92,6 +123,7 @@ class RunReconstructor:
     # answers wait a little longer for their ids, which nothing waits on until the run's end).
     FLUSH_AFTER_S = 0.2
     BATCH_ANSWERS = 256
+    LIVE_BACKLOG = 4  # batches per worker queued before a submitted answer is left on disk for later
     MAX_RESTARTS = 3   # new pools after dead workers before reconstruction gives up for the run
 
     def __init__(self, config: Config, workers: int = 0,
@@ -145,13 +177,17 @@ class RunReconstructor:
 
     # -- intake ---------------------------------------------------------------------------------
 
-    def submit(self, dataset_name: str, record: dict[str, Any]) -> None:
-        """Queue one answered record for reconstruction; returns at once."""
+    def submit(self, dataset_name: str, record: dict[str, Any], *, live: bool = True) -> None:
+        """Queue one answered record for reconstruction; returns at once. `live`: the engine's answer,
+        left on disk for later when the workers are behind (one read back from disk is always queued)."""
         if self._loop is None or self._closed:
             raise RuntimeError("RunReconstructor.submit before start() or after close()")
         ds = self._open(dataset_name)
         rid = str(record.get("id"))
         if rid in ds.known:
+            return
+        if live and self._pool.backlog >= self.LIVE_BACKLOG * self.workers:
+            ds.behind += 1  # its line is on disk: read back once the workers have caught up (_landed)
             return
         ds.known.add(rid)
         self._submitted += 1
@@ -193,6 +229,27 @@ class RunReconstructor:
                 continue
             ds.report.add_meta(meta)
             self._rate.add(int(ids.shape[0]))
+        if ds.behind and self._pool.backlog <= self.workers and not self._closed:
+            self._read_back(ds)
+
+    def _read_back(self, ds: _Dataset) -> None:
+        """Feed the answers of `ds` that were left on disk while the workers were behind: those from
+        its scan point on with no token ids queued or written."""
+        ds.behind = 0
+        start, ds.scan_from = ds.scan_from, _size(self._run.responses(ds.name))
+        task = asyncio.create_task(self._read_back_from(ds, start))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _read_back_from(self, ds: _Dataset, start: int) -> None:
+        responses = self._run.responses(ds.name)
+        try:
+            offsets = await asyncio.to_thread(_offsets_from, responses, start, ds.known | ds.lost)
+        except OSError as e:
+            self._error = f"token reconstruction could not read {responses}: {e}"
+            return
+        if offsets:
+            await self._feed(ds.name, responses, offsets)
 
     def _lose(self, ds: _Dataset, batch: list[dict[str, Any]], exc: BaseException) -> None:
         if isinstance(exc, DiskError):  # no room: nothing is wrong with the answers, the stage stops
@@ -239,7 +296,7 @@ class RunReconstructor:
                 for rec in records:
                     if self._closed:
                         return
-                    self.submit(name, rec)
+                    self.submit(name, rec, live=False)
                 self._flush_all()
                 # Bounded memory: keep about two batches per worker queued (or held for a new pool).
                 while self._pool.backlog > 2 * self.workers:
@@ -250,7 +307,11 @@ class RunReconstructor:
 
     async def wait_idle(self) -> None:
         """Wait until everything submitted or queued by `catch_up` is written (or lost, and said so)."""
-        while self._tasks or self._pool.busy or any(ds.buffer for ds in self._datasets.values()):
+        while (self._tasks or self._pool.busy or any(ds.buffer for ds in self._datasets.values())
+               or any(ds.behind for ds in self._datasets.values())):
+            for ds in self._datasets.values():
+                if ds.behind and not self._pool.busy:
+                    self._read_back(ds)
             if self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
             self._flush_all()
@@ -287,7 +348,7 @@ class RunReconstructor:
         what could not be written, and `draftgen tokens` finishes it)."""
         landed = self._rate.answers
         per_s, tok_s = self._rate.per_s()
-        waiting = self._submitted - landed - self._lost
+        waiting = self._submitted - landed - self._lost + sum(ds.behind for ds in self._datasets.values())
         state = (StageState.FAILED if self._error else StageState.STOPPED if self._unwritten
                  else StageState.DONE if self._closed else StageState.RUNNING)
         total = self.report(None)

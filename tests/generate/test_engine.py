@@ -427,6 +427,57 @@ async def test_drain_and_stop(tmp_path):
     assert len(ids) == len(set(ids)) == 100
 
 
+async def test_a_drain_keeps_the_projection_of_the_whole_dataset(tmp_path):
+    """After a drain, a dataset that the next run resumes is projected whole (the cost so far plus what
+    its prompts not asked yet will cost), as before the drain; the run's projected total too. It showed
+    the cost so far: the drained dataset counted as finished."""
+    async with SimServer(SimConfig(seed=4, fixed_latency_s=0.05, mean_completion_tokens=50, length_sigma=0.0),
+                         port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 300, "concurrency": 10}])
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        task = asyncio.create_task(engine.run())
+        await until(lambda: dataset_row(engine, "a").done >= 60, "60 answers", 60)
+        before = engine.snapshot()
+        engine.drain()
+        assert await asyncio.wait_for(task, 30) == snap.RunState.DRAINED
+        after = engine.snapshot()
+    row, was = after.datasets[0], before.datasets[0]
+    assert row.status == snap.DatasetStatus.STOPPED and row.done < 100
+    assert was.projected_cost_usd is not None and row.projected_cost_usd is not None
+    assert row.projected_cost_usd > 2 * row.cost_usd  # two thirds are not asked yet
+    assert row.projected_cost_usd == pytest.approx(was.projected_cost_usd, rel=0.05)
+    assert after.credits.projected_total_usd == pytest.approx(before.credits.projected_total_usd, rel=0.05)
+
+
+async def test_a_provider_gone_bad_and_back_is_one_event_each_way(tmp_path):
+    """Every request answered 500 naming its provider for a while, then none: each provider that failed
+    is said gone bad once (with the errors' kind), and back once when it answers again, not once per
+    error; a steady run says nothing."""
+    async with SimServer(SimConfig(seed=4, fixed_latency_s=0.02, mean_completion_tokens=30, retry_after_s=0.01),
+                         port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 600, "concurrency": 8}],
+                          tables={"engine": {"max_attempts": 200}})
+        events: list[tuple[str, str, str]] = []
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda level, kind, message, **_: events.append(
+            (str(level), str(kind), message)))
+        task = asyncio.create_task(engine.run())
+        await until(lambda: dataset_row(engine, "a").done >= 60, "60 answers", 60)
+        quiet = [e for e in events if e[1] == "provider"]
+        sim.scenarios.switch("provider_500", True, {"rate": 1.0})
+        await until(lambda: any(e[1] == "provider" for e in events), "a provider said gone bad", 60)
+        sim.scenarios.switch("provider_500", False)
+        assert await asyncio.wait_for(task, 120) == snap.RunState.DONE
+    said = [e for e in events if e[1] == "provider"]
+    bad = [m for level, _, m in said if "gone bad" in m]
+    back = [m for level, _, m in said if " back: " in m]
+    assert quiet == [] and bad, said
+    assert all("attempts failed" in m and "5xx" in m for m in bad), bad
+    names = [m.split(" gone bad")[0] for m in bad]
+    assert len(names) == len(set(names)), bad  # once per provider, not once per error
+    assert sorted(m.split(" back:")[0] for m in back) == sorted(names), said  # each one back, once
+    assert len(said) == 2 * len(names), said
+
+
 async def test_sse_streaming(tmp_path):
     async with SimServer(SimConfig(seed=8, **FAST), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 10, "concurrency": 5}],
@@ -439,21 +490,31 @@ async def test_sse_streaming(tmp_path):
 
 async def test_sustained_429s_back_off_and_recover():
     clock = [0.0]
-    aimd = AdaptiveConcurrency(100, clock=lambda: clock[0])
+    said: list[tuple[bool, str]] = []
+    aimd = AdaptiveConcurrency(100, clock=lambda: clock[0], on_change=lambda starts, m: said.append((starts, m)))
+    for _ in range(100):
+        aimd.on_send()
     aimd.on_429()
     assert aimd.limit == 100  # one 429 is not sustained
-    for _ in range(3):
+    for _ in range(4):
         clock[0] += 0.1
         aimd.on_429()
-    assert aimd.limit == 70
+    assert aimd.limit == 70 and aimd.in_storm  # 5 of 100 sent
     clock[0] += 0.1
-    for _ in range(3):
+    for _ in range(30):
         aimd.on_429()
     assert aimd.limit == 70  # at most one cut every 2 s
+    clock[0] += 2
+    aimd.on_429()
+    assert aimd.limit == 49
     clock[0] += 10
     while aimd.tick():
         clock[0] += 1
-    assert aimd.limit == 100
+    assert aimd.limit == 100 and not aimd.in_storm
+    # One line when the storm starts, one when it ends, one when the limit is back: not one per cut.
+    assert [starts for starts, _ in said] == [True, False, False], said
+    assert "limit cut 100 → 70" in said[0][1]
+    assert "36 rate-limited, 2 cut(s), lowest limit 49" in said[1][1] and "back at the configured 100" in said[2][1]
 
 
 async def run_watching_concurrency(engine: Engine, start: int) -> tuple[int, snap.RunState]:
@@ -515,16 +576,34 @@ async def test_two_thousand_really_in_flight(tmp_path):
 
 
 def test_a_trickle_of_429s_at_a_high_rate_is_not_a_storm():
+    """2,000 in flight, answers in 20 ± 10 s (about 100 attempts a second) and 1% of the attempts 429'd
+    at random for ten minutes, starting with the first 2,000 sent at once (their 429s back before any
+    answer): the limit is never cut and nothing is said; then a storm (every attempt 429'd) cuts it."""
+    rng = random.Random(7)
     clock = [0.0]
-    aimd = AdaptiveConcurrency(100, clock=lambda: clock[0])
-    for i in range(2000):  # 1,000 responses/s, 1% of them 429s
-        clock[0] += 0.001
-        aimd.on_429() if i % 100 == 0 else aimd.on_response()
-    assert aimd.limit == 100
-    for _ in range(100):  # then every response is a 429 for a second: a storm
-        clock[0] += 0.01
+    said: list[str] = []
+    aimd = AdaptiveConcurrency(2000, clock=lambda: clock[0], on_change=lambda _s, m: said.append(m))
+
+    def send() -> None:
+        aimd.on_send()
+        if rng.random() < 0.01:
+            aimd.on_429()
+
+    for _ in range(2000):
+        send()
+    lowest = aimd.limit
+    for _second in range(600):
+        for _ in range(100):
+            clock[0] += 0.01
+            send()
+        aimd.tick()
+        lowest = min(lowest, aimd.limit)
+    assert lowest == 2000 and said == []
+    for _ in range(200):  # then every attempt is a 429 for a second: a storm
+        clock[0] += 0.005
+        aimd.on_send()
         aimd.on_429()
-    assert aimd.limit == 70
+    assert aimd.limit == 1400 and aimd.in_storm and len(said) == 1
 
 
 async def test_a_stop_now_releases_what_each_abandoned_request_held(tmp_path):

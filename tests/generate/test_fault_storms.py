@@ -165,6 +165,17 @@ async def test_the_response_table_mixed_with_faults_and_account_episodes(tmp_pat
     assert s.stage("tokens") is not None and s.stage("tokens").done == a.answered
 
 
+async def _storm_run(tmp_path: Path, sim: SimServer, n: int, configured: int
+                     ) -> tuple[Config, Pipeline, asyncio.Task[str]]:
+    """One dataset of `n` prompts at concurrency `configured` against `sim`, started: its config, pipeline
+    and generation task (80 attempts: Retry-After spaces a storm's retries, none runs out)."""
+    config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": n, "concurrency": configured}],
+                        engine={"max_attempts": 80})
+    pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
+    await pipeline.start()
+    return config, pipeline, asyncio.create_task(pipeline.generate())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
@@ -174,11 +185,7 @@ async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
     configured, n = 40, 1000
     async with SimServer(SimConfig(seed=5, fixed_latency_s=0.1, mean_completion_tokens=40, retry_after_s=0.3),
                          port=0) as sim:
-        config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": n, "concurrency": configured}],
-                            engine={"max_attempts": 80})
-        pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
-        await pipeline.start()
-        task = asyncio.create_task(pipeline.generate())
+        config, pipeline, task = await _storm_run(tmp_path, sim, n, configured)
         # `parked` (retries waiting for a slot under the lowered limit) is the room's own count: no snapshot field.
         run = pipeline.engine.datasets["a"]
 
@@ -229,6 +236,37 @@ async def test_429_storm_slows_the_run_and_it_recovers(tmp_path: Path) -> None:
     assert climbed >= lowest + 2 and lowest <= configured // 2
     a = clean_audit(config, sim)
     assert a.answered == n and a.failed == 0  # Retry-After spaced the retries: none ran out of attempts
+    # The storm is said when it starts (with its cut) and when it ends, in events.log too: not once per cut.
+    log = RunDir(config.run_dir).events_log.read_text()
+    said = [line for line in log.splitlines() if " concurrency " in line or "429 storm" in line]
+    assert sum("a: 429 storm: " in line and "limit cut 40 → 28" in line for line in said) == 1, said
+    assert sum("a: 429 storm over after" in line for line in said) == 1, said
+    assert len(said) <= 3, said  # start, end, and the limit back at 40 if it got there
+
+
+async def test_a_steady_trickle_of_429s_never_cuts_the_limit(tmp_path: Path) -> None:
+    """1% of the attempts 429'd from the first one on, at 300 in flight: the 429s of the first wave come
+    back before any answer, yet the limit stays within 5% of the configured value and no storm is said;
+    every prompt is answered once."""
+    configured, n = 300, 1200
+    async with SimServer(SimConfig(seed=8, fixed_latency_s=0.3, mean_completion_tokens=20, faults={"429": 0.01},
+                                   retry_after_s=0.05), port=0) as sim:
+        config, pipeline, task = await _storm_run(tmp_path, sim, n, configured)
+        lowest = configured
+        try:
+            while not task.done():
+                lowest = min(lowest, pipeline.snapshot().datasets[0].effective_concurrency)
+                await asyncio.sleep(0.02)
+            state = await task
+        finally:
+            if not task.done():
+                pipeline.quit(drain=False)
+            await pipeline.close()
+    assert state == snap.RunState.DONE
+    assert sim.stats.faults.get("429", 0) >= 5
+    assert lowest >= 0.95 * configured, f"a 1% trickle cut the limit to {lowest}"
+    assert not [e for e in pipeline.hub.recent if e.kind == "concurrency"]
+    assert clean_audit(config, sim).answered == n
 
 
 async def test_a_drain_sends_no_further_attempt_of_a_retry_waiting_for_a_slot(tmp_path: Path) -> None:
@@ -238,11 +276,7 @@ async def test_a_drain_sends_no_further_attempt_of_a_retry_waiting_for_a_slot(tm
     configured = 40
     async with SimServer(SimConfig(seed=5, fixed_latency_s=0.1, mean_completion_tokens=40, retry_after_s=0.3),
                          port=0) as sim:
-        config = config_for(tmp_path, sim.base_url, [{"name": "a", "n": 400, "concurrency": configured}],
-                            engine={"max_attempts": 80})
-        pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
-        await pipeline.start()
-        task = asyncio.create_task(pipeline.generate())
+        config, pipeline, task = await _storm_run(tmp_path, sim, 400, configured)
         run = pipeline.engine.datasets["a"]
         try:
             await until(lambda: sim.stats.answers_total >= 40, "the run to get going", 60)
@@ -262,6 +296,43 @@ async def test_a_drain_sends_no_further_attempt_of_a_retry_waiting_for_a_slot(tm
     sent_after = sim.stats.requests_total - received
     assert sent_after <= max(0, on_the_way), f"{sent_after} reached the server after the drain ({parked} parked)"
     assert run.in_flight == 0 and run.parked == 0
+
+
+async def test_a_paused_run_sends_nothing_retries_included(tmp_path: Path) -> None:
+    """A pause under a 429 storm: the requests in flight at the pause end (answered, or handed back when
+    they would retry) and from then on not one request reaches the server while the run stays paused,
+    however many Retry-After periods pass; each request out at the pause reaches it at most once more.
+    After the resume every prompt is answered once."""
+    configured, n = 40, 300
+    async with SimServer(SimConfig(seed=5, fixed_latency_s=0.05, mean_completion_tokens=40, retry_after_s=0.05),
+                         port=0) as sim:
+        config, pipeline, task = await _storm_run(tmp_path, sim, n, configured)
+        try:
+            await until(lambda: sim.stats.answers_total >= 40, "the run to get going", 60)
+            sim.update(faults={"429": 1.0})  # every attempt from now on must be retried
+            await until(lambda: sim.stats.faults.get("429", 0) >= configured, "requests to be retrying", 60)
+            out, received = pipeline.engine.in_flight, sim.stats.requests_total
+            pipeline.pause()
+            await until(lambda: pipeline.engine.in_flight == 0, "the requests in flight at the pause to end", 30)
+            on_the_way = sim.stats.requests_total - received  # attempts already out when it paused
+            ended = sim.stats.requests_total
+            # Many Retry-After periods (0.05 s) and backoffs: a retry still going on would be sent here.
+            await asyncio.sleep(1.5)
+            during = sim.stats.requests_total - ended
+            paused = pipeline.engine.state
+            sim.update(faults={})
+            pipeline.resume()
+            state = await asyncio.wait_for(task, 120)
+        finally:
+            if not task.done():
+                pipeline.quit(drain=False)
+            await pipeline.close()
+    assert paused == snap.RunState.PAUSED
+    assert during == 0, f"{during} requests reached the server while the run was paused"
+    assert on_the_way <= out, (on_the_way, out)
+    assert state == snap.RunState.DONE
+    a = clean_audit(config, sim)
+    assert a.answered == n and a.failed == 0  # the prompts handed back at the pause were asked after it
 
 
 @pytest.mark.slow

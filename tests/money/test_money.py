@@ -276,7 +276,7 @@ async def test_sigkills_mid_run_never_let_the_next_run_pass_the_ceiling(tmp_path
 
     # 2,000 in flight (the ceiling leaves room for them), every fault kind, drops and hangs included:
     # ~15 of each over the ~5,000 requests (at 0.0005 a loaded run drew no 429 at all), a trickle that
-    # never cuts the concurrency (AdaptiveConcurrency waits for 429s to be 5% of the responses).
+    # never cuts the concurrency (AdaptiveConcurrency waits for 429s to be 5% of the attempts sent).
     faults = dict.fromkeys(FAULT_KINDS, 0.003)
     # The wait before the key's usage may price the unknown attempts is api.request_timeout_s past the last
     # one sent (running_left_s): 20 s, and answers of at most ~7 s (latency_scale 0.05, the slowest replica

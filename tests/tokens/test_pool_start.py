@@ -141,3 +141,26 @@ async def test_a_start_cancelled_while_the_workers_are_spawned_leaves_no_worker_
     gate.touch()  # the worker finishes its start-up and sees the shutdown
     await until(lambda: not _workers(), "the worker gone", 60)
     assert pool.detach() is None  # the cancelled start never became the run's pool
+
+
+async def test_answers_past_the_workers_backlog_wait_on_disk_not_in_memory(tmp_path: Path) -> None:
+    """Workers that cannot keep up (held back by the gate): past LIVE_BACKLOG batches per worker, a
+    submitted answer is not kept in memory (its line is on disk) but counted waiting; once the workers
+    catch up the answers left on disk are read back from it and reconstructed, each once."""
+    live, gate = _gated(tmp_path)
+    await asyncio.wait_for(live.start(), 60)
+    bound = live.LIVE_BACKLOG * live.workers * live.BATCH_ANSWERS  # batches per worker, answers per live batch
+    records = [response(i) for i in range(3 * bound)]
+    write_responses(live.config, "A", records)
+    for rec in records:
+        live.submit("A", rec)
+    await asyncio.sleep(live.FLUSH_AFTER_S + 0.1)  # past the batching delay
+    kept = sum(len(batch) for _, batch in live._pool.held) + sum(len(d.buffer) for d in live._datasets.values())
+    assert kept <= bound, f"{kept} answers kept in memory for {live.workers} worker(s) not ready"
+    assert dict(live.progress().detail)["waiting"] == f"{len(records):,}"
+    gate.touch()
+    await asyncio.wait_for(live.close(), 180)
+    ids = [e["id"] for e in index_lines(live.config, "A")]
+    assert sorted(ids) == sorted(r["id"] for r in records) and len(ids) == len(records)
+    done = live.progress()
+    assert done.state == "done" and done.done == done.total == len(records), done

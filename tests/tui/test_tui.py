@@ -309,6 +309,22 @@ async def test_alert_bar_says_why_the_run_waits_through_an_outage() -> None:
         assert "WAITING: cannot connect to 127.0.0.1:18799" in text(app, "#alert")
 
 
+@pytest.mark.parametrize("size", [(80, 24), (120, 40), (200, 50)], ids=["80", "120", "200"])
+async def test_the_limit_cut_by_a_storm_shows_its_configured_value_whole(size: tuple[int, int]) -> None:
+    """1,780 of 2,000 (the widest counts) at the panel's own width: nothing cut ("limit 1,780 o…" was)."""
+    app, _ = make(fx.backed_off())
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        widget = app.screen.query_one("#throughput")
+        console = Console(width=widget.content_region.width, file=io.StringIO(), color_system=None)
+        with console.capture() as cap:
+            console.print(widget.content)  # type: ignore[attr-defined]
+        shown, rows = cap.get(), widget.content_region.height
+    assert "in flight 1,780" in shown and "limit 1,780 of 2,000" in shown, shown
+    assert "…" not in shown, shown
+    assert len(shown.splitlines()) <= rows, shown  # every line on screen (a short one gives up the sparkline)
+
+
 async def test_80x24_keeps_every_panel_on_screen() -> None:
     app, _ = make()
     async with app.run_test(size=(80, 24)) as pilot:

@@ -26,6 +26,29 @@ def _labels(cols: int) -> tuple[str, str, str]:
     return next(labels for width, labels in LABELS if cols >= width)
 
 
+ROWS = 7  # the column headers, three rates, in flight with the limit, the limit alone, the sparkline
+
+
+def _flight(in_flight: int, effective: int, configured: int, cols: int) -> Text:
+    """What is in flight and the limit, the configured value always whole (never "limit 1,780 o…"): on
+    one line where it fits, else the limit on a line of its own; the "(429 back-off)" note only where
+    there is room for it."""
+    flight = Text.assemble("in flight ", (fmt.count(in_flight), "bold"))
+    limit = Text("limit ")
+    if effective < configured:  # backed off after 429s: how far, effective of configured
+        limit.append(f"{fmt.count(effective)} of {fmt.count(configured)}", style="bold yellow")
+    else:
+        limit.append(fmt.count(configured))
+    noted = limit + " (429 back-off)" if effective < configured else limit
+    for line in (noted, limit):
+        if len(flight) + 2 + len(line) <= cols:
+            return Text.assemble(flight, ", ", line, no_wrap=True, overflow="ellipsis")
+    lines = Text("\n").join([flight, noted if len(noted) <= cols else limit])
+    lines.no_wrap = True
+    lines.overflow = "ellipsis"
+    return lines
+
+
 class ThroughputPanel(Panel):
     TITLE = "throughput"
 
@@ -33,11 +56,11 @@ class ThroughputPanel(Panel):
         return s.throughput
 
     def fit(self) -> Any:
-        return _labels(self.cols)
+        # the labels and where the limit goes depend on the width, the sparkline on a row left for it
+        return self.cols, self.content_region.height
 
     def draw(self, s: RunSnapshot) -> RenderableType:
         t = s.throughput
-        wide = self.cols >= LABELS[0][0]
         req, tok, avg = _labels(self.cols)
         table = Table(box=None, expand=True, padding=(0, 0, 0, 1), pad_edge=False, show_edge=False,
                       header_style="bold")
@@ -50,17 +73,7 @@ class ThroughputPanel(Panel):
         table.add_row(avg,
                       fmt.count(t.avg_completion_tokens_window), fmt.count(t.avg_completion_tokens_total))
 
-        flight = Text.assemble("in flight ", (fmt.count(t.in_flight), "bold"))
-        if t.effective_concurrency < t.configured_concurrency:
-            # Backed off after 429s: show how far, effective of configured.
-            flight.append(", limit ")
-            flight.append(f"{fmt.count(t.effective_concurrency)} of {fmt.count(t.configured_concurrency)}",
-                          style="bold yellow")
-            flight.append(" (429 back-off)" if wide else "")
-        else:
-            flight.append(f", limit {fmt.count(t.configured_concurrency)}")
-        flight.no_wrap = True
-        flight.overflow = "ellipsis"
+        flight = _flight(t.in_flight, t.effective_concurrency, t.configured_concurrency, self.cols)
 
         # One bar per second, newest on the right, scaled to the peak named in its label.
         spark = Table.grid(expand=True, padding=(0, 1, 0, 0), pad_edge=False)
@@ -68,4 +81,6 @@ class ThroughputPanel(Panel):
         spark.add_column(ratio=1)
         spark.add_row(Text(f"req/s ≤{fmt.rate(max(t.history, default=0.0))}", style="dim"),
                       fmt.Spark(t.history, style="green"))
+        if len(flight.plain.splitlines()) > 1 and 0 < self.content_region.height < ROWS:
+            return Group(table, flight)  # a short screen: the limit before the sparkline (h shows the history)
         return Group(table, flight, spark)

@@ -9,7 +9,8 @@ say wait (room.py); the others wait for the lock, not on the dataset's wake. An 
 started, skipped or handed back. A budget that runs out ends the dataset: the rest of its prompts is
 counted skipped (eligible for a later run). Once the source has nothing left (or a drain or stop
 halts admission) the coroutines end as their requests do, and the dataset's final status is left.
-No task is made per request. The limit adapts (AIMD) to sustained 429s (concurrency.py `AdaptiveConcurrency`).
+No task is made per request. The limit adapts (AIMD) to 429 storms, not to a trickle (concurrency.py
+`AdaptiveConcurrency`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A dataset's concurrency limit, which adapts (AIMD) to sustained 429s. Read by admission (how many
+"""A dataset's concurrency limit, which adapts (AIMD) to 429 storms. Read by admission (how many
 requests a dataset may have out) and kept by the dataset's live state (dataset_run.py)."""
 
 from __future__ import annotations
@@ -8,57 +8,119 @@ from collections import deque
 from collections.abc import Callable
 
 
+def _count(n: float) -> str:
+    return f"{int(n):,}"
+
+
 class AdaptiveConcurrency:
-    """AIMD on sustained 429s: three or more within 2 s that are also at least 5% of the responses
-    in those 2 s cut the limit by 30% (at most every 2 s) — a background trickle of 429s at a high
-    request rate is not a storm; 5 s without a 429 lets it grow back by 2% of the configured value
-    per second."""
+    """AIMD on 429 storms, told from a trickle by a rate over a window with a minimum count.
 
-    WINDOW_S = 2.0
-    MIN_429 = 3
+    A storm: in the last 5 s, at least 5 429s that are also at least 5% of the attempts sent in those
+    5 s. A storm cuts the limit by 30% (at most every 2 s). The share is of the attempts sent, not of
+    the responses: a 429 comes back at once while an answer takes its latency, so at a run's start (2,000
+    sent, none answered yet) a 1% trickle would be 100% of the responses. A steady 1% trickle at 2,000 in
+    flight (about 100 attempts a second: 5 of 500 in a window) never reaches 5%. The storm ends 5 s after
+    the last 429 that met the rule; from then the limit grows back by 2% of the configured value per
+    second, whatever trickle goes on.
+
+    `on_change(starts, message)` is told of each storm's start (`starts` True) with its cut, its end
+    (its 429s, its cuts, the lowest limit) and the limit back at the configured value: a storm is a few
+    lines, not one per 429 or per cut."""
+
+    WINDOW_S = 5.0
+    MIN_429 = 5
     MIN_SHARE = 0.05
+    CUT_EVERY_S = 2.0
+    QUIET_S = 5.0  # without a storm-level share, the storm is over and the limit grows back
 
-    def __init__(self, configured: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, configured: int, clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[bool, str], None] | None = None) -> None:
         self.configured = configured
         self.effective = float(configured)
         self._clock = clock
-        self._recent: deque[float] = deque()      # times of 429s in the window
-        self._responses: deque[float] = deque()   # times of every response in the window
+        self._on_change = on_change
+        self._recent: deque[float] = deque()  # times of 429s in the window
+        self._sent: deque[float] = deque()    # times of every attempt sent in the window
         self._last_cut = -1e9
-        self._last_429 = -1e9
+        self._last_storm = -1e9  # the last 429 that met the storm rule
+        self._storm: _Storm | None = None  # the storm going on (None: none)
 
     @property
     def limit(self) -> int:
         return max(1, int(self.effective))
 
+    @property
+    def in_storm(self) -> bool:
+        return self._storm is not None
+
     def _prune(self, now: float) -> None:
-        for q in (self._recent, self._responses):
+        for q in (self._recent, self._sent):
             while q and now - q[0] >= self.WINDOW_S:
                 q.popleft()
 
-    def on_response(self) -> None:
-        """Any answer or error other than a 429 (the share's denominator)."""
+    def on_send(self) -> None:
+        """An attempt sent (the share's denominator)."""
         now = self._clock()
-        self._responses.append(now)
-        if len(self._responses) > 4096:
+        self._sent.append(now)
+        if len(self._sent) > 8192:
             self._prune(now)
 
     def on_429(self) -> None:
+        """A 429 (or what slows down as one: the in-flight-budget 402, a self-hosted server's 503)."""
         now = self._clock()
-        self._last_429 = now
         self._recent.append(now)
-        self._responses.append(now)
         self._prune(now)
-        share = len(self._recent) / len(self._responses)
-        if len(self._recent) >= self.MIN_429 and share >= self.MIN_SHARE and now - self._last_cut >= 2.0:
-            self.effective = max(1.0, self.effective * 0.7)
-            self._last_cut = now
-            self._recent.clear()
+        n = len(self._recent)
+        sent = max(len(self._sent), n)
+        if self._storm is not None:
+            self._storm.rate_limited += 1
+        if n < self.MIN_429 or n / sent < self.MIN_SHARE:
+            return
+        self._last_storm = now
+        if self._storm is None:
+            self._storm = _Storm(now, self.limit, n)
+        if now - self._last_cut < self.CUT_EVERY_S:
+            return
+        before = self.limit
+        self.effective = max(1.0, self.effective * 0.7)
+        self._last_cut = now
+        storm = self._storm
+        storm.cuts += 1
+        storm.lowest = min(storm.lowest, self.limit)
+        if storm.cuts == 1:
+            self._say(True, f"429 storm: {n:,} of the {sent:,} attempts sent in the last {self.WINDOW_S:g} s were "
+                      f"rate-limited (a storm is {self.MIN_429}+ and {self.MIN_SHARE:.0%}+); limit cut "
+                      f"{_count(before)} → {_count(self.limit)} (30% at most every {self.CUT_EVERY_S:g} s while "
+                      f"it lasts, then +2% of {self.configured:,} a second)")
 
     def tick(self) -> bool:
         """Called every second; True when the limit grew."""
         now = self._clock()
-        if self.effective < self.configured and now - self._last_429 >= 5.0:
+        if now - self._last_storm < self.QUIET_S:
+            return False
+        if (storm := self._storm) is not None:
+            self._storm = None
+            self._say(False, f"429 storm over after {self._last_storm - storm.start:.0f} s: {storm.rate_limited:,} "
+                      f"rate-limited, {storm.cuts} cut(s), lowest limit {storm.lowest:,}; growing back to "
+                      f"{self.configured:,}")
+        if self.effective < self.configured:
             self.effective = min(float(self.configured), self.effective + max(1.0, self.configured * 0.02))
+            if self.effective >= self.configured:
+                self._say(False, f"limit back at the configured {self.configured:,}")
             return True
         return False
+
+    def _say(self, storm: bool, message: str) -> None:
+        if self._on_change is not None:
+            self._on_change(storm, message)
+
+
+class _Storm:
+    """A storm going on: when it began, the 429s in it, its cuts and the lowest limit they left."""
+    __slots__ = ("start", "rate_limited", "cuts", "lowest")
+
+    def __init__(self, start: float, limit: int, rate_limited: int) -> None:
+        self.start = start
+        self.rate_limited = rate_limited
+        self.cuts = 0
+        self.lowest = limit

@@ -91,12 +91,12 @@ class Engine:
         self._on_event = snap.event_sink(on_event)
         self._clock = clock
         self.datasets = {d.name: DatasetRun(d, TokenBudget(d.token_budget, d.max_tokens),
-                                            AdaptiveConcurrency(d.concurrency, clock))
+                                            AdaptiveConcurrency(d.concurrency, clock, self._limit_said(d.name)))
                          for d in config.datasets}
         self.spend = SpendLedger(self.rundir.spend)
         self.money = MoneyBudget(config.budget.max_usd, config.budget.credit_floor_usd, self.spend, clock)
         self.errors = Tally()
-        self.provider_stats = ProviderStats()
+        self.provider_stats = ProviderStats(on_health=self._provider_said)
         self.recent = RecentErrors(providers=self.provider_stats)
         self.control = RunControl(self._event)  # the run's state, holds, gate and end: changed only through it
         self._started = clock()
@@ -322,6 +322,17 @@ class Engine:
                         snap.EventKind.UNREACHABLE if out else snap.EventKind.REACHABLE, text)
 
         return FleetClient(api.servers, self._api_key, concurrency=need, say=say, **kwargs)
+
+    def _provider_said(self, bad: bool, message: str) -> None:
+        """A provider gone bad, or back (recent.py `ProviderStats`): an event."""
+        self._event(snap.Level.WARN if bad else snap.Level.INFO, snap.EventKind.PROVIDER, message)
+
+    def _limit_said(self, name: str) -> Callable[[bool, str], None]:
+        """What dataset `name`'s adaptive limit says (a storm's start and end, the limit back): an event."""
+        def say(starts: bool, message: str) -> None:
+            self._event(snap.Level.WARN if starts else snap.Level.INFO, snap.EventKind.CONCURRENCY,
+                        f"{name}: {message}", dataset=name)
+        return say
 
     def _event(self, level: snap.Level, kind: snap.EventKind, message: str, dataset: str = "",
                data: snap.EventData | None = None) -> None:

@@ -27,12 +27,15 @@ from draftgen.core.safe_text import visible
 
 
 def remaining(ds: DatasetRun) -> int:
-    """Answers this dataset may still ask for."""
+    """Answers this dataset may still ask for, this run or the next: a dataset the run's drain or stop
+    left STOPPED keeps its prompts not asked yet (the next run resumes it), so its projection stays the
+    whole dataset's; one that is DONE, ended by a budget or stopped by its own settings has only what
+    is in flight left."""
     left = max(0, ds.total - ds.done - ds.failed - ds.skipped)
     if ds.token_budget.limit is not None and ds.token_budget.answers:
         by_budget = (ds.token_budget.remaining() or 0) / max(1.0, ds.token_budget.used / ds.token_budget.answers)
         left = min(left, int(by_budget) + ds.in_flight)
-    if ds.status in (DatasetStatus.BUDGET, DatasetStatus.STOPPED, DatasetStatus.DONE):
+    if ds.status in (DatasetStatus.BUDGET, DatasetStatus.DONE) or ds.stopped:
         left = ds.in_flight
     return left
 

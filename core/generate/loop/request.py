@@ -27,9 +27,11 @@ this prompt's, not the service's. Only answers to requests sent after this promp
 left alone (nothing else of its dataset in flight, no other fault since its first try) has no such
 evidence: its answer faults spend attempts, so a poison prompt at a dataset's end is not asked, and
 paid for, forever. A 429 and the in-flight-budget 402 feed the dataset's adaptive limit (AIMD), and
-so does a self-hosted server's 503. A drain gives a retrying prompt up unrecorded. A first attempt whose
-run was paused or held while its `sent` line was being made durable does not leave: it is booked
-refused on the ledger (nothing billed) and its prompt handed back.
+so does a self-hosted server's 503. A drain gives a retrying prompt up unrecorded. A paused run sends
+nothing, retries included: a request that must retry while the run is paused or held hands its prompt
+back (unrecorded, asked once the run goes on), and an attempt whose run was paused or held while its
+`sent` line was being made durable does not leave: it is booked refused on the ledger (nothing billed)
+and its prompt handed back.
 
 Each request runs in one of its dataset's request coroutines (admission.py), which admits it and
 then asks it here (`ask`): what it holds (its slot, its reservation, its tokens in flight, its
@@ -98,7 +100,7 @@ class Outcome(Enum):
     FAILED = "failed"        # failed for a reason of its own: record the failure
     ACCOUNT = "account"      # the key or the account: hand the prompt back, stop admission run-wide
     DATASET = "dataset"      # the dataset's routing or settings: stop the dataset, the prompt stays eligible
-    GIVEN_UP = "given_up"    # drained while retrying: not recorded, stays eligible
+    GIVEN_UP = "given_up"    # drained, or paused, while retrying: not recorded, stays eligible
     OVER_BUDGET = "over_budget"  # max_usd leaves no room for a retry: not recorded, counted skipped
     UNSENT = "unsent"        # the disk refused the spend ledger's line: not sent, handed back
 
@@ -279,15 +281,16 @@ class Requests:
             except DiskError as e:
                 spend.release(ticket)
                 return Attempted(Outcome.UNSENT, tries, disk_error=e)
-            if not tries and not self._ctx.control.is_open:
+            if not self._ctx.control.is_open:
                 # Paused or held (an account's 402) while its sent line was made durable: it has not left,
-                # so it does not (a retry of a request in flight does; a drain lets what it admitted go
+                # so it does not, a retry no more than a first attempt (a drain lets what it admitted go
                 # out and finish); the ledger says so (refused, nothing billed) and the prompt is handed
                 # back, asked once the run goes on.
                 spend.refused(ticket)
                 return Attempted(Outcome.GIVEN_UP, tries)
             tries += 1
             seq = ds.note_sent()
+            ds.concurrency.on_send()
             sent_no = self._sent
             self._sent += 1
             try:
@@ -347,7 +350,6 @@ class Requests:
                       f"prompt {ticket.prompt_id!r} billed ${ticket.worst + over:.6f}, ${over:.6f} past its "
                       f"reservation of ${ticket.worst:.6f}: booked at what it billed, so max_usd counts it",
                       lambda name: OverReservation(name, ticket.worst, ticket.worst + over))
-        ds.concurrency.on_response()
         self.answered += 1
         blocks, block = self._answered_blocks, sent_no >> ANSWER_BLOCK_BITS
         while len(blocks) <= block:
@@ -372,8 +374,6 @@ class Requests:
                        message=ctx.redact(e.message), status=e.status, provider=e.server or e.provider)
         if e.slows_down(self_hosted):
             ds.concurrency.on_429()
-        elif not e.unreachable:
-            ds.concurrency.on_response()
 
     def _doubted(self, ds: DatasetRun, ticket: Ticket, answer: ChatAnswer) -> None:
         """An answer whose bill is not believed (billing.py `believed`): counted (bad_bill), and said once per
@@ -418,25 +418,29 @@ class Requests:
         return Attempted(Outcome.FAILED, tries, error=e, seq=seq)
 
     async def _back_off(self, ds: DatasetRun, tries: int, e: RequestFailed) -> Attempted | None:
-        """Wait out a transient error and a slot for the retry; GIVEN_UP instead when the run stops meanwhile."""
+        """Wait out a transient error and a slot for the retry; GIVEN_UP instead when the run stops, or is
+        paused or held, meanwhile.
+
+        A paused run sends nothing, retries included: each is an attempt the provider may bill. A request
+        in flight at the pause finishes if its attempt out answers; one that must retry hands its prompt
+        back (unrecorded, asked once the run goes on) instead of waiting with its slot, so what is in
+        flight drains to nothing while the run is paused."""
         control = self._ctx.control
-        if control.closed:
+        if control.closed or not control.is_open:
             return Attempted(Outcome.GIVEN_UP, tries - 1, error=e)
         self.retries += 1
         self.backing_off += 1
         try:
-            # Retries go on while the run is paused: a request in flight finishes (an account
-            # condition answers it at once and hands the prompt back).
             eng = self._ctx.config.engine
             await asyncio.sleep(backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after,
                                               self._rng))
         finally:
             self.backing_off -= 1
             self.last_transient = e
-        if control.closed:
+        if control.closed or not control.is_open:
             return Attempted(Outcome.GIVEN_UP, tries, error=e)
         await self._room.retry_slot(ds)
-        if control.closed:  # a drain or stop while it waited for a slot: no further attempt goes out
+        if control.closed or not control.is_open:  # a drain, stop or pause while it waited for a slot
             return Attempted(Outcome.GIVEN_UP, tries, error=e)
         return None
 

@@ -223,7 +223,7 @@ class RunControl:
         self._paused_by = by
         self._open.clear()
         self._event(Level.INFO, EventKind.PAUSED, f"paused {by} "
-                    "(requests in flight finish and are recorded)")
+                    "(requests in flight finish and are recorded; none is retried while paused)")
         return True
 
     def hold(self, why: Hold, reason: str, account: AccountStop | None = None) -> None:
