@@ -1,0 +1,179 @@
+"""The smoke test's agent exchange (core/generate/commands/smoke_agent.py): a run with an agent dataset has
+its tools, its tool history and its call ids checked before any dataset request is paid for. Against the
+simulator on 127.0.0.1 (it answers `tools` with calls, simulator/tools.py), and against a small aiohttp
+proxy of this file's own in front of it that refuses `tools` with a 400, or rewrites call ids to `call_…`."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from draftgen.core.generate.api.client import ChatClient
+from draftgen.core.generate.api.prices import body_worst_case, fetch_prices
+from draftgen.core.generate.commands.smoke import run_smoke, smoke_command
+from draftgen.core.generate.commands.smoke_agent import AGENT_TOOLS, TOOL_RESULT
+from draftgen.core.rundir import RunDir, iter_jsonl
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.simulator import SimConfig, SimServer
+from tests.generate.test_agents import trajectory
+from tests.generate.test_multiturn import write_conversations
+from tests.helpers import TEST_KEY, make_config, serve_local
+
+REQUEST = {"temperature": 0.6, "include_reasoning": True}
+REFUSAL = "Provider returned error: tools are not supported \x1b[31mhere\x1b[0m"
+
+
+def datasets(tmp_path, *, agent: bool = True) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [{"name": "chat", "n": 3, "max_tokens": 2048}]
+    if agent:
+        prompts = write_conversations(tmp_path / "prompts" / "agent.jsonl", [trajectory(f"m{i}", 2) for i in range(3)])
+        out.append({"name": "agent", "prompts": prompts, "turns": "all", "max_tokens": 2048})
+    return out
+
+
+def config(tmp_path, url: str, *, agent: bool = True, validation: dict[str, Any] | None = None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return make_config(tmp_path, url, datasets(tmp_path, agent=agent), request=REQUEST,
+                       tables={"tokenizer": {"path": str(bundled_kimi_path())}, "validation": validation or {}})
+
+
+class Proxy:
+    """Forwards every request to the simulator; `refuse_tools`: a chat request carrying `tools` gets a 400
+    with REFUSAL; `rewrite_ids`: the answer's call ids become `call_…`. Keeps the chat bodies it was sent."""
+
+    def __init__(self, upstream: str, *, refuse_tools: bool = False, rewrite_ids: bool = False) -> None:
+        self.upstream = upstream.rsplit("/api/v1", 1)[0]
+        self.refuse_tools = refuse_tools
+        self.rewrite_ids = rewrite_ids
+        self.bodies: list[dict[str, Any]] = []
+        self.url = ""
+
+    async def __aenter__(self) -> Proxy:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.forward)
+        self._runner, port = await serve_local(app)
+        self._session = aiohttp.ClientSession()
+        self.url = f"http://127.0.0.1:{port}/api/v1"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._session.close()
+        await self._runner.cleanup()
+
+    async def forward(self, request: web.Request) -> web.Response:
+        data = await request.read()
+        chat = request.path.endswith("/chat/completions")
+        if chat:
+            body = orjson.loads(data)
+            self.bodies.append(body)
+            if self.refuse_tools and body.get("tools"):
+                return web.json_response({"error": {"code": 400, "message": REFUSAL}}, status=400)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        async with self._session.request(request.method, self.upstream + request.path_qs, data=data or None,
+                                         headers=headers) as up:
+            out = await up.read()
+            status, ctype = up.status, up.content_type
+        if chat and self.rewrite_ids and status == 200:
+            answer = orjson.loads(out)
+            for i, call in enumerate(answer["choices"][0]["message"].get("tool_calls") or []):
+                call["id"] = f"call_{i}abc"
+            out = orjson.dumps(answer)
+        return web.Response(body=out, status=status, content_type=ctype)
+
+
+def rows(result) -> dict[str, Any]:
+    return {r.check: r for r in result.rows}
+
+
+def smoke_sent(cfg) -> list[dict[str, Any]]:
+    """The smoke requests' "sent" lines of the run directory's spend ledger."""
+    return [line for _, line in iter_jsonl(RunDir(cfg.run_dir).spend) if line.get("e") == "sent"]
+
+
+async def test_an_agent_dataset_sends_a_tool_loop_checked_and_on_the_ledger(tmp_path):
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0, sent_log_size=64), port=0) as sim, \
+            Proxy(sim.base_url) as proxy:
+        cfg = config(tmp_path, proxy.url)
+        result = await run_smoke(cfg, TEST_KEY)
+        sent = list(sim.sent)
+        async with ChatClient(cfg.api.base_url, TEST_KEY, concurrency=1) as client:
+            prices, _ = await fetch_prices(client, cfg)
+    by = rows(result)
+    assert result.passed, [r for r in result.rows if not r.passed]
+    assert "1 tool call(s): 'get_time'" in by["agent: agent step 1 request"].detail
+    assert by["agent: agent call ids"].passed and "'functions.get_time:0'" in by["agent: agent call ids"].detail
+    for k in (1, 2):
+        assert by[f"agent: agent step {k} request"].passed and by[f"agent: agent step {k} prompt tokens"].passed
+        assert "(diff 0;" in by[f"agent: agent step {k} prompt tokens"].detail
+    assert not any(c.startswith("chat: agent") for c in by)
+    with_tools = [e for e in sent if e.tools]
+    assert len(with_tools) == 2 and all(e.tools == AGENT_TOOLS for e in with_tools)
+    # Step 2: the target's own call under its own id, its reasoning as OpenRouter documents it, the result.
+    _, call, result_msg = with_tools[1].messages
+    assert call["tool_calls"][0]["id"] == "functions.get_time:0" and call["reasoning_details"]
+    assert set(call) == {"role", "content", "tool_calls", "reasoning_details"}
+    assert result_msg == {"role": "tool", "tool_call_id": "functions.get_time:0", "content": TOOL_RESULT}
+    # Money: every request the server got is on the ledger, each reserved from the body sent (tools and
+    # history included: step 2's reservation is above step 1's).
+    ledger = smoke_sent(cfg)
+    assert len(ledger) == len(sent) == len(proxy.bodies) and all(line["ds"] == "(smoke)" for line in ledger)
+    reserved = [line["w"] for line in ledger if line["p"] == "smoke:agent"]
+    bodies = [b for b in proxy.bodies if b.get("tools")]
+    assert reserved == [body_worst_case(prices["agent"], b, 2048) for b in bodies] and reserved[0] < reserved[1]
+
+
+async def test_a_run_without_agent_lines_sends_no_tool_exchange(tmp_path):
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0, sent_log_size=64), port=0) as sim:
+        cfg = config(tmp_path, sim.base_url, agent=False)
+        result = await run_smoke(cfg, TEST_KEY)
+        sent = list(sim.sent)
+    assert result.passed and not any("agent" in r.check for r in result.rows)
+    assert len(sent) == 1 and not sent[0].tools  # one shape, one request, no tools
+
+
+async def smoke_exit(cfg, capsys) -> tuple[int, str]:
+    """`draftgen smoke`'s exit code and what it printed (its own event loop, in a thread)."""
+    code = await asyncio.to_thread(smoke_command, cfg, TEST_KEY)
+    return code, " ".join(capsys.readouterr().out.split())
+
+
+async def test_a_provider_refusing_tools_fails_the_check_by_name_before_any_step_is_paid_for(tmp_path, capsys):
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0), port=0) as sim, \
+            Proxy(sim.base_url, refuse_tools=True) as proxy:
+        cfg = config(tmp_path, proxy.url)
+        code, out = await smoke_exit(cfg, capsys)
+    assert code == 1 and "\x1b[31m" not in out
+    assert ("FAILED: 16/17 checks passed; failed: agent: agent step 1 request (400: HTTP 400: Provider returned "
+            "error: tools are not supported \\x1b[31mhere\\x1b[0m") in out, out
+    assert len([b for b in proxy.bodies if b.get("tools")]) == 1  # no step 2 after a refusal
+    saved = {r["check"]: r for r in orjson.loads(RunDir(cfg.run_dir).smoke_json.read_bytes())["rows"]}
+    assert not saved["agent: agent step 1 request"]["passed"] and "agent: agent step 2 request" not in saved
+    assert "(a request carrying `tools`, as every agent step" in saved["agent: agent step 1 request"]["detail"]
+    assert saved["chat: request"]["passed"]  # the shape's plain prompt passes: only the tools are refused
+
+
+async def test_rewritten_call_ids_fail_the_check_naming_the_setting_or_warn_when_kept(tmp_path, capsys):
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0), port=0) as sim, \
+            Proxy(sim.base_url, rewrite_ids=True) as proxy:
+        cfg = config(tmp_path / "drop", proxy.url)
+        code, out = await smoke_exit(cfg, capsys)
+        assert code == 1
+        assert "FAILED: 20/21 checks passed; failed: agent: agent call ids ('" in out, out
+        assert ("' rewrote the call ids ('call_0abc'; the model's own are functions.NAME:IDX): merge would drop every "
+                "sample of a step that calls tools") in out, out
+        saved = {r["check"]: r for r in orjson.loads(RunDir(cfg.run_dir).smoke_json.read_bytes())["rows"]}
+        assert "as foreign_tool_call_id ([validation] drop_foreign_tool_call_ids = true)" in \
+            saved["agent: agent call ids"]["detail"]
+        assert [c for c, r in saved.items() if not r["passed"]] == ["agent: agent call ids"]
+        # Step 2 was still sent, under the provider's id: the tool history itself is accepted.
+        step_two = [b for b in proxy.bodies if b.get("tools") and len(b["messages"]) == 3]
+        assert step_two and step_two[0]["messages"][2]["tool_call_id"] == "call_0abc"
+        cfg = config(tmp_path / "keep", proxy.url, validation={"drop_foreign_tool_call_ids": False})
+        result = await run_smoke(cfg, TEST_KEY)
+    by = rows(result)
+    assert result.passed and by["agent: agent call ids"].warning
+    assert "merge keeps those samples, flagged" in by["agent: agent call ids"].detail
