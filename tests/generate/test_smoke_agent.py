@@ -6,6 +6,7 @@ proxy of this file's own in front of it that refuses `tools` with a 400, or rewr
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import aiohttp
@@ -21,7 +22,7 @@ from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
 from tests.generate.test_agents import trajectory
 from tests.generate.test_multiturn import write_conversations
-from tests.helpers import TEST_KEY, make_config, serve_local
+from tests.helpers import TEST_KEY, cli_env, make_config, serve_local
 
 REQUEST = {"temperature": 0.6, "include_reasoning": True}
 REFUSAL = "Provider returned error: tools are not supported \x1b[31mhere\x1b[0m"
@@ -177,3 +178,23 @@ async def test_rewritten_call_ids_fail_the_check_naming_the_setting_or_warn_when
     by = rows(result)
     assert result.passed and by["agent: agent call ids"].warning
     assert "merge keeps those samples, flagged" in by["agent: agent call ids"].detail
+
+
+async def test_a_run_stops_at_its_smoke_test_when_tools_are_refused_no_dataset_request_sent(tmp_path):
+    # `draftgen run` headless, as a user starts it (no smoke.json yet): its smoke test meets the refusal, the
+    # run stops there, and the server never saw a dataset's request (the lines' own tools, or their prompts).
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0), port=0) as sim, \
+            Proxy(sim.base_url, refuse_tools=True) as proxy:
+        cfg = config(tmp_path, proxy.url)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "draftgen.cli.main", "run", str(cfg.path), "--headless", "--interval", "0.5",
+            env=cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    said = " ".join(out.decode().split())
+    assert proc.returncode != 0, said
+    assert "agent: agent step 1 request (400: HTTP 400: Provider returned error: tools are not supported" in said, said
+    assert TEST_KEY not in said and "\x1b[31mhere" not in said
+    assert [b["tools"] for b in proxy.bodies if b.get("tools")] == [AGENT_TOOLS]  # the smoke test's, once
+    asked = {m["content"] for b in proxy.bodies for m in b["messages"] if m["role"] == "user"}
+    assert not any(q.startswith(("Question chat-", "m0:", "m1:", "m2:")) for q in asked), asked
+    assert not RunDir(cfg.run_dir).responses("agent").exists() and not RunDir(cfg.run_dir).responses("chat").exists()
