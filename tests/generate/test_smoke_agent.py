@@ -25,6 +25,7 @@ from tests.generate.test_multiturn import write_conversations
 from tests.helpers import TEST_KEY, cli_env, make_config, serve_local
 
 REQUEST = {"temperature": 0.6, "include_reasoning": True}
+THOUGHT = "The user wants the time in Paris: call get_time."
 REFUSAL = "Provider returned error: tools are not supported \x1b[31mhere\x1b[0m"
 
 
@@ -44,12 +45,16 @@ def config(tmp_path, url: str, *, agent: bool = True, validation: dict[str, Any]
 
 class Proxy:
     """Forwards every request to the simulator; `refuse_tools`: a chat request carrying `tools` gets a 400
-    with REFUSAL; `rewrite_ids`: the answer's call ids become `call_…`. Keeps the chat bodies it was sent."""
+    with REFUSAL; `rewrite_ids`: the answer's call ids become `call_…`; `think`: an answer to a request with
+    `tools` carries THOUGHT as its `reasoning_content` (as a self-hosted reasoning parser returns it). Keeps
+    the chat bodies it was sent."""
 
-    def __init__(self, upstream: str, *, refuse_tools: bool = False, rewrite_ids: bool = False) -> None:
+    def __init__(self, upstream: str, *, refuse_tools: bool = False, rewrite_ids: bool = False,
+                 think: bool = False) -> None:
         self.upstream = upstream.rsplit("/api/v1", 1)[0]
         self.refuse_tools = refuse_tools
         self.rewrite_ids = rewrite_ids
+        self.think = think
         self.bodies: list[dict[str, Any]] = []
         self.url = ""
 
@@ -78,10 +83,13 @@ class Proxy:
                                          headers=headers) as up:
             out = await up.read()
             status, ctype = up.status, up.content_type
-        if chat and self.rewrite_ids and status == 200:
+        if chat and (self.rewrite_ids or self.think and body.get("tools")) and status == 200:
             answer = orjson.loads(out)
-            for i, call in enumerate(answer["choices"][0]["message"].get("tool_calls") or []):
+            message = answer["choices"][0]["message"]
+            for i, call in enumerate(message.get("tool_calls") or [] if self.rewrite_ids else []):
                 call["id"] = f"call_{i}abc"
+            if self.think:
+                message["reasoning_content"] = THOUGHT
             out = orjson.dumps(answer)
         return web.Response(body=out, status=status, content_type=ctype)
 
@@ -198,3 +206,20 @@ async def test_a_run_stops_at_its_smoke_test_when_tools_are_refused_no_dataset_r
     asked = {m["content"] for b in proxy.bodies for m in b["messages"] if m["role"] == "user"}
     assert not any(q.startswith(("Question chat-", "m0:", "m1:", "m2:")) for q in asked), asked
     assert not RunDir(cfg.run_dir).responses("agent").exists() and not RunDir(cfg.run_dir).responses("chat").exists()
+
+
+async def test_a_self_hosted_server_gets_the_reasoning_back_as_reasoning_content(tmp_path):
+    # vLLM and SGLang read an earlier turn's reasoning from `reasoning_content` (the engine's rule,
+    # conversations.history_message): step 2 carries it there, never OpenRouter's reasoning_details.
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0, sent_log_size=64), port=0) as sim, \
+            Proxy(sim.base_url, think=True) as proxy:
+        cfg = make_config(tmp_path, proxy.url, datasets(tmp_path), request={"temperature": 0.6},
+                          tables={"api": {"kind": "openai-compatible"},
+                                  "tokenizer": {"path": str(bundled_kimi_path())}})
+        result = await run_smoke(cfg, TEST_KEY)
+        sent = [e for e in sim.sent if e.tools]
+    by = rows(result)
+    assert by["agent: agent step 2 request"].passed and by["agent: agent step 2 prompt tokens"].passed, result.rows
+    (call,) = [m for e in sent for m in e.messages if m["role"] == "assistant"]
+    assert call["reasoning_content"] == THOUGHT and call["tool_calls"][0]["id"] == "functions.get_time:0"
+    assert set(call) == {"role", "content", "tool_calls", "reasoning_content"}
