@@ -26,6 +26,7 @@ from tests.helpers import TEST_KEY, cli_env, make_config, serve_local
 
 REQUEST = {"temperature": 0.6, "include_reasoning": True}
 THOUGHT = "The user wants the time in Paris: call get_time."
+HISTORY_REFUSAL = "reasoning_content is required in assistant messages with tool_calls"
 REFUSAL = "Provider returned error: tools are not supported \x1b[31mhere\x1b[0m"
 
 
@@ -45,14 +46,16 @@ def config(tmp_path, url: str, *, agent: bool = True, validation: dict[str, Any]
 
 class Proxy:
     """Forwards every request to the simulator; `refuse_tools`: a chat request carrying `tools` gets a 400
-    with REFUSAL; `rewrite_ids`: the answer's call ids become `call_…`; `think`: an answer to a request with
-    `tools` carries THOUGHT as its `reasoning_content` (as a self-hosted reasoning parser returns it). Keeps
-    the chat bodies it was sent."""
+    with REFUSAL; `refuse_history`: one carrying a tool result gets a 400 with HISTORY_REFUSAL;
+    `rewrite_ids`: the answer's call ids become `call_…`; `think`: an answer to a request with `tools`
+    carries THOUGHT as its `reasoning_content` (as a self-hosted reasoning parser returns it). Keeps the
+    chat bodies it was sent."""
 
-    def __init__(self, upstream: str, *, refuse_tools: bool = False, rewrite_ids: bool = False,
-                 think: bool = False) -> None:
+    def __init__(self, upstream: str, *, refuse_tools: bool = False, refuse_history: bool = False,
+                 rewrite_ids: bool = False, think: bool = False) -> None:
         self.upstream = upstream.rsplit("/api/v1", 1)[0]
         self.refuse_tools = refuse_tools
+        self.refuse_history = refuse_history
         self.rewrite_ids = rewrite_ids
         self.think = think
         self.bodies: list[dict[str, Any]] = []
@@ -78,6 +81,8 @@ class Proxy:
             self.bodies.append(body)
             if self.refuse_tools and body.get("tools"):
                 return web.json_response({"error": {"code": 400, "message": REFUSAL}}, status=400)
+            if self.refuse_history and any(m["role"] == "tool" for m in body["messages"]):
+                return web.json_response({"error": {"code": 400, "message": HISTORY_REFUSAL}}, status=400)
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
         async with self._session.request(request.method, self.upstream + request.path_qs, data=data or None,
                                          headers=headers) as up:
@@ -223,3 +228,19 @@ async def test_a_self_hosted_server_gets_the_reasoning_back_as_reasoning_content
     (call,) = [m for e in sent for m in e.messages if m["role"] == "assistant"]
     assert call["reasoning_content"] == THOUGHT and call["tool_calls"][0]["id"] == "functions.get_time:0"
     assert set(call) == {"role", "content", "tool_calls", "reasoning_content"}
+
+
+async def test_a_provider_refusing_the_tool_history_fails_step_two_by_name(tmp_path, capsys):
+    # Tools accepted, the history with the target's call and its result refused (as a provider that wants
+    # reasoning on tool-call turns answers): step 2's row fails with its message, exit 1.
+    async with SimServer(SimConfig(seed=1, latency_scale=0.0), port=0) as sim, \
+            Proxy(sim.base_url, refuse_history=True) as proxy:
+        cfg = config(tmp_path, proxy.url)
+        code, out = await smoke_exit(cfg, capsys)
+    assert code == 1
+    assert (f"failed: agent: agent step 2 request (400: HTTP 400: {HISTORY_REFUSAL} (a request carrying the "
+            "target's own tool call") in out, out
+    saved = {r["check"]: r for r in orjson.loads(RunDir(cfg.run_dir).smoke_json.read_bytes())["rows"]}
+    assert saved["agent: agent step 1 request"]["passed"] and saved["agent: agent call ids"]["passed"]
+    assert [c for c, r in saved.items() if not r["passed"]] == ["agent: agent step 2 request"]
+    assert len([b for b in proxy.bodies if b.get("tools")]) == 2

@@ -123,9 +123,14 @@ def agent_rows(config: Config, ds: DatasetConfig, asked: list[Asked], reconstruc
         rec = tools_fn(body["messages"], answer)
         if rec is not None:
             rows.append(prompt_row(config, label, rec, body["messages"], tools_fn))
-    if len(asked) == 1 and isinstance(asked[0][2], ChatAnswer):
-        rows.append(SmokeRow(f"{ds.name}: agent step 2 request", True, "not sent: step 1 answered without a call "
-                             "(a tool history is first sent by the run's own step 2)", warning=True))
+    if len(asked) == 1 and isinstance(first := asked[0][2], ChatAnswer):
+        if first.tool_calls:  # calls no result can be sent under: the run ends each conversation at them
+            rows.append(SmokeRow(f"{ds.name}: agent step 2 request", False, "not sent: a call of step 1 carries no "
+                                 "id or no function name, so no tool result can follow it; the run would end every "
+                                 "agent conversation at its first call"))
+        else:
+            rows.append(SmokeRow(f"{ds.name}: agent step 2 request", True, "not sent: step 1 answered without a "
+                                 "call (a tool history is first sent by the run's own step 2)", warning=True))
     return rows
 
 
