@@ -417,7 +417,7 @@ class _SmokeTest:
         if self.progress is not None:
             self.progress(snap.StageProgress(
                 "smoke", state=snap.StageState.RUNNING, done=len(self.result.rows),
-                total=2 + len(self.config.datasets) + 9 * len(self.shapes),
+                total=2 + len(self.config.datasets) + 9 * len(self.shapes) + 5 * len(self.agents),
                 checks=tuple((r.check, r.passed, r.detail) for r in self.result.rows)))
 
     async def check_local(self) -> None:
