@@ -120,9 +120,11 @@ async def test_an_agent_dataset_sends_a_tool_loop_checked_and_on_the_ledger(tmp_
     assert result.passed, [r for r in result.rows if not r.passed]
     assert "1 tool call(s): 'get_time'" in by["agent: agent step 1 request"].detail
     assert by["agent: agent call ids"].passed and "'functions.get_time:0'" in by["agent: agent call ids"].detail
-    for k in (1, 2):
-        assert by[f"agent: agent step {k} request"].passed and by[f"agent: agent step {k} prompt tokens"].passed
+    for k in (1, 2):  # each answer (step 1's: its call) and each prompt rendered as the server counted them
+        for row in ("request", "tokens", "prompt tokens"):
+            assert by[f"agent: agent step {k} {row}"].passed, by[f"agent: agent step {k} {row}"]
         assert "(diff 0;" in by[f"agent: agent step {k} prompt tokens"].detail
+        assert "(diff 0); all checks pass" in by[f"agent: agent step {k} tokens"].detail
     assert not any(c.startswith("chat: agent") for c in by)
     with_tools = [e for e in sent if e.tools]
     assert len(with_tools) == 2 and all(e.tools == AGENT_TOOLS for e in with_tools)
@@ -176,7 +178,7 @@ async def test_rewritten_call_ids_fail_the_check_naming_the_setting_or_warn_when
         cfg = config(tmp_path / "drop", proxy.url)
         code, out = await smoke_exit(cfg, capsys)
         assert code == 1
-        assert "FAILED: 20/21 checks passed; failed: agent: agent call ids ('" in out, out
+        assert "FAILED: 21/22 checks passed; failed: agent: agent call ids ('" in out, out
         assert ("' rewrote the call ids ('call_0abc'; the model's own are functions.NAME:IDX): merge would drop every "
                 "sample of a step that calls tools") in out, out
         saved = {r["check"]: r for r in orjson.loads(RunDir(cfg.run_dir).smoke_json.read_bytes())["rows"]}

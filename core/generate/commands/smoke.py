@@ -61,6 +61,7 @@ from draftgen.core.generate.api.preflight import note_key_answer
 from draftgen.core.generate.api.prices import body_max_tokens, body_worst_case, fetch_prices
 from draftgen.core.generate.commands.precheck import check_tokenizer
 from draftgen.core.generate.commands.smoke_rows import Asked, SmokeRow, prompt_row, quoted, smoke_body
+from draftgen.core.generate.commands.smoke_rows import tokens_row as _tokens_row
 from draftgen.core.generate.commands.stream_check import (
     SAMPLED_SEEDS,
     SAMPLED_TEMPERATURE,
@@ -294,39 +295,6 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
     rows.append(_tokens_row(config, label, rec, a.provider, parser))
     rows.append(prompt_row(config, label, rec, body["messages"], reconstruct_fn))
     return rows
-
-
-def _tokens_row(config: Config, label: str, rec: Any, provider: str | None, parser: str = "") -> SmokeRow:
-    """The answer's ids: structure checked, count judged by the sample policy (a BPE split passes)."""
-    from draftgen.core.tokens.fidelity import routing_name, toml_list
-    from draftgen.core.tokens.policy import SamplePolicy
-    verdict = SamplePolicy.from_config(config).judge(rec.failed_checks, rec.count_diff, rec.billed_tokens)
-    detail = (f"{rec.span_tokens} answer tokens vs {rec.billed_tokens} billed (diff {rec.count_diff})"
-              + (f"; failed: {', '.join(rec.failed_checks)}" if rec.failed_checks else "; all checks pass"))
-    if rec.source == "backend" or "matches_backend" in rec.failed_checks:
-        detail += ("; the server's token ids " + ("differ from" if "matches_backend" in rec.failed_checks
-                                                   else "equal") + " the reconstruction")
-    if verdict.cause == "count_mismatch" and provider:
-        routing = config.request.get("provider")
-        ignore = routing.get("ignore") if isinstance(routing, dict) else None
-        names = [*(str(x) for x in ignore if isinstance(ignore, list)), routing_name(provider)] \
-            if isinstance(ignore, list) else [routing_name(provider)]
-        detail += (f"; {provider} counts this answer {abs(rec.count_diff) / max(1, rec.billed_tokens or 1):.1%} "
-                   f"off: another tokenizer or quantization? To route around it, in [request.provider]: "
-                   f"{toml_list('ignore', names)}")
-    passed = verdict.keep and not rec.truncated
-    if config.api.self_hosted and passed and rec.count_diff:
-        # One server, one tokenizer: a finished answer's ids are exact or not the model's (no BPE split
-        # between providers to excuse a difference, and no other provider to compare with).
-        passed = False
-        if parser:  # the stream row saw the server's parser rewrite this mode's text: that is the cause
-            return SmokeRow(f"{label} tokens", passed, detail + f"; a self-hosted answer that ended must count "
-                            f"exactly: {rec.count_diff:+d} is the server's parser, not the chat template: {parser}")
-        detail += (f"; a self-hosted answer that ended must count exactly: {rec.count_diff:+d} is the chat "
-                   f"template (a generation prompt or end of turn a token off the server's: [tokenizer] "
-                   f"template = \"auto\" with the served model's tokenizer), or a reasoning parser rewriting the "
-                   f"text (see the stream row: [api] stream = true), or another tokenizer ([tokenizer] path)")
-    return SmokeRow(f"{label} tokens", passed, detail)
 
 
 _UNSET = object()  # the reconstruction's own default system turn

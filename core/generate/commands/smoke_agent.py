@@ -14,8 +14,9 @@ its own (`call_…`). Each is found here, before the run pays for step 1 of ever
   (`conversations.history_message`: its calls under its own ids, its reasoning as the API documents:
   OpenRouter `reasoning_details`, a self-hosted server `reasoning_content`), then `TOOL_RESULT` under
   each call's own id; it must answer;
-- each step's `usage.prompt_tokens` against that step's rendering (the tools declared, the tool history
-  by the template's rule), as the chat rows check it.
+- each step's answer reconstructed (step 1's calls as the template renders them) and counted against
+  `usage.completion_tokens`, and its `usage.prompt_tokens` against that step's rendering (the tools
+  declared, the tool history by the template's rule), as the chat rows check them.
 
 The requests are the smoke test's own (`_SmokeTest.ask`): reserved against `max_usd` at the worst case
 of the body sent (tools and history included), on the ledger's "(smoke)" dataset, retried on an outage.
@@ -28,8 +29,9 @@ import functools
 from typing import TYPE_CHECKING, Any, Protocol
 
 from draftgen.core.generate.api.client import ChatAnswer
-from draftgen.core.generate.commands.smoke_rows import Asked, SmokeRow, prompt_row, quoted, smoke_body
+from draftgen.core.generate.commands.smoke_rows import Asked, SmokeRow, prompt_row, quoted, smoke_body, tokens_row
 from draftgen.core.generate.loop.conversations import history_message
+from draftgen.core.tokens.reconstruct import model_call_id
 
 if TYPE_CHECKING:
     from draftgen.core.config import Config, DatasetConfig
@@ -101,7 +103,8 @@ def _callable(a: ChatAnswer) -> bool:
 
 
 def agent_rows(config: Config, ds: DatasetConfig, asked: list[Asked], reconstruct_fn: Any) -> list[SmokeRow]:
-    """The exchange's rows: each step's request and prompt tokens, step 1's call ids."""
+    """The exchange's rows: each step's request, its answer's tokens (the calls as the template renders them)
+    and its prompt tokens; step 1's call ids."""
     tools_fn = functools.partial(reconstruct_fn, tools=AGENT_TOOLS)
     rows: list[SmokeRow] = []
     for k, (_, body, answer, took) in enumerate(asked, 1):
@@ -118,10 +121,13 @@ def agent_rows(config: Config, ds: DatasetConfig, asked: list[Asked], reconstruc
                                                           for c in calls if isinstance(c, dict))
                 if calls else f"answered without a call ({quoted(answer.content[:60])})")
         rows.append(SmokeRow(f"{label} request", True, f"answered in {took:.2f} s, {said}"))
+        own = all(model_call_id(c) for c in calls)
         if k == 1:
             rows.append(_ids_row(config, ds, answer))
         rec = tools_fn(body["messages"], answer)
         if rec is not None:
+            if own:  # (rewritten ids: the ids row says what becomes of those answers)
+                rows.append(tokens_row(config, label, rec, answer.provider))
             rows.append(prompt_row(config, label, rec, body["messages"], tools_fn))
     if len(asked) == 1 and isinstance(first := asked[0][2], ChatAnswer):
         if first.tool_calls:  # calls no result can be sent under: the run ends each conversation at them
@@ -136,7 +142,6 @@ def agent_rows(config: Config, ds: DatasetConfig, asked: list[Asked], reconstruc
 
 def _ids_row(config: Config, ds: DatasetConfig, a: ChatAnswer) -> SmokeRow:
     """Step 1's call ids: Kimi's own `functions.NAME:IDX`, or rewritten, and what merge does with such samples."""
-    from draftgen.core.tokens.reconstruct import model_call_id
     check = f"{ds.name}: agent call ids"
     calls = [c for c in a.tool_calls or [] if isinstance(c, dict)]
     if not calls:
