@@ -18,6 +18,8 @@ The checklist (each row pass/fail with its reason):
   the shape, its first answer sent back as history the way the API documents (`FOLLOW_UP` as the next
   user turn), paid for like the first; its prompt tokens against the history rendered with the
   template's history rule: the per-turn prompt check, before a run conditions every later turn on it;
+- agent steps (a `turns = "all"` dataset with agent lines): a small tool loop of the shape, its tools
+  accepted, the call ids' shape, the tool history accepted, each step's prompt tokens (smoke_agent.py);
 - stream (a self-hosted server): the same request streamed and not, before the shape requests
   (stream_check.py): the mode that keeps the text as generated is noted for them and, with `[api]
   stream` unset, recorded in smoke.json for `run`; set to the mode that rewrites text, the row fails
@@ -49,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftgen.core import runtime
-from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig
+from draftgen.core.config import Config, DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.files import write_json_atomic
 from draftgen.core.generate.api.account import AccountStatus, read_account
@@ -59,6 +61,8 @@ from draftgen.core.generate.api.fleet import answers_differ, server_name
 from draftgen.core.generate.api.preflight import ask_release, note_key_answer
 from draftgen.core.generate.api.prices import body_max_tokens, body_worst_case, fetch_prices
 from draftgen.core.generate.commands.precheck import check_tokenizer
+from draftgen.core.generate.commands.smoke_rows import Asked, SmokeRow, prompt_row, quoted, smoke_body
+from draftgen.core.generate.commands.smoke_rows import tokens_row as _tokens_row
 from draftgen.core.generate.commands.stream_check import (
     SAMPLED_SEEDS,
     SAMPLED_TEMPERATURE,
@@ -89,19 +93,10 @@ from draftgen.core.generate.money.forecast import (
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
-from draftgen.core.quoting import one_line
 from draftgen.core.records import ResponseRecord, same_model
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
 from draftgen.core.units import clip, usd
-
-
-@dataclass(frozen=True)
-class SmokeRow:
-    check: str
-    passed: bool
-    detail: str
-    warning: bool = False  # passed, but worth reading (an unknown balance)
 
 
 @dataclass
@@ -149,18 +144,6 @@ def _outage(e: RequestFailed) -> bool:
     return e.whose is Whose.TRANSIENT and (e.kind not in ANSWER_KINDS or e.outage)
 
 
-def smoke_body(config: Config, ds: DatasetConfig) -> dict[str, Any]:
-    """The body the smoke test sends for `ds`: the run's, with the smoke prompt (and `[smoke] max_tokens`
-    in every answer-cap key the body carries, so the server and the reservation see the same cap); with
-    sampling cycles, the first prompt's values (index 0)."""
-    body = config.request_body(ds, [{"role": "user", "content": config.smoke.prompt}], index=0)
-    if config.smoke.max_tokens is not None:
-        for key in COMPLETION_LIMIT_KEYS:
-            if key in body or key == "max_tokens":
-                body[key] = config.smoke.max_tokens
-    return body
-
-
 # The smoke test's second user turn of a multi-turn dataset: its prompt holds the first answer as history.
 FOLLOW_UP = "Now say that again in one short sentence."
 
@@ -183,7 +166,7 @@ def _turn_two_rows(config: Config, ds: DatasetConfig, asked: Asked,
     rows = [SmokeRow(f"{label} request", True, f"answered in {took:.2f} s, the first answer sent back as history")]
     rec = reconstruct_fn(body["messages"], answer)
     if rec is not None:
-        row = _prompt_row(config, label, rec, body["messages"], reconstruct_fn)
+        row = prompt_row(config, label, rec, body["messages"], reconstruct_fn)
         why = "" if row.passed or rec.prompt_diff is None else (
             "; turn 1 agreeing and turn 2 not: the server renders the earlier answer otherwise than the chat "
             "template's history rule (e.g. keeps its reasoning), so every later turn's prompt would differ")
@@ -228,20 +211,14 @@ def _count_prompts(ds: DatasetConfig, specials: Any = (), stop: threading.Event 
     return n, flagged, first
 
 
-def _count_turns(ds: DatasetConfig, stop: threading.Event | None = None) -> tuple[int, float]:
-    """A `turns = "all"` dataset's requests: the user turns of its conversations (at most max_turns each),
-    and the mean earlier answers each request's history carries (forecast.history_per_turn)."""
-    # The run's reader (max_turns, the cut before a tool turn, the dataset's answers dropped).
-    turns = [item.turns for item in read_conversations(ds.prompts, ds.max_turns, stop)
-             if isinstance(item, Conversation)]
-    return sum(turns), history_per_turn(turns)
-
-
-def _quoted(text: str | None) -> str:
-    """`text` in quotes on one line, its controls shown as escapes once (quoting.one_line): a row quotes
-    a server's text so, not by its repr, whose backslashes would be doubled (`\\\\x1b` for the `\\x1b` the
-    Redactor already wrote). None as None."""
-    return "None" if text is None else f"'{one_line(text)}'"
+def _count_turns(ds: DatasetConfig, stop: threading.Event | None = None) -> tuple[int, float, bool]:
+    """A `turns = "all"` dataset's requests: the user turns (an agent line's steps) of its conversations
+    (at most max_turns each), the mean earlier answers each request's history carries
+    (forecast.history_per_turn), and whether it holds agent lines (smoke_agent.py checks their requests)."""
+    # The run's reader (max_turns, the dataset's answers dropped).
+    convs = [item for item in read_conversations(ds.prompts, ds.max_turns, stop) if isinstance(item, Conversation)]
+    turns = [c.turns for c in convs]
+    return sum(turns), history_per_turn(turns), any(c.steps is not None for c in convs)
 
 
 def special_text_row(config: Config, name: str, flagged: int, first: str) -> SmokeRow:
@@ -250,7 +227,7 @@ def special_text_row(config: Config, name: str, flagged: int, first: str) -> Smo
     how = ("read as the special token, as vLLM, SGLang and transformers serve tokenize the rendered prompt"
            if reads else "kept as text")
     return SmokeRow(f"{name}: special-token text", True,
-                    f"{flagged} prompt(s) hold special-token text (e.g. {_quoted(first)}): {how} ([tokenizer] "
+                    f"{flagged} prompt(s) hold special-token text (e.g. {quoted(first)}): {how} ([tokenizer] "
                     f"prompt_special_tokens = \"{'special' if reads else 'text'}\"; check the prompt tokens row)",
                     warning=True)
 
@@ -273,7 +250,7 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
     label = f"{ds.name}:"
     ignore = {_norm(p) for p in (body.get("provider") or {}).get("ignore", []) or []}
     rows = [SmokeRow(f"{label} content", bool(a.content.strip()),
-                     _quoted(a.content[:60]) if a.content.strip() else "empty content (reasoning may have used up "
+                     quoted(a.content[:60]) if a.content.strip() else "empty content (reasoning may have used up "
                      "max_tokens)")]
     if _asks_reasoning(body):
         rows.append(SmokeRow(f"{label} reasoning", bool(a.reasoning),
@@ -290,7 +267,7 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
     want = config.api.model
     model = a.model or ""
     model_ok = bool(model) and same_model(want, model)  # as the run judges it: else never a sample
-    rows.append(SmokeRow(f"{label} model", model_ok, f"{_quoted(a.model)} (asked for {_quoted(want)})"))
+    rows.append(SmokeRow(f"{label} model", model_ok, f"{quoted(a.model)} (asked for {quoted(want)})"))
     u = a.usage
     tokens = f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens ({u.reasoning_tokens} reasoning)"
     if config.api.self_hosted:  # no usage.cost, no provider: the ledger prices tokens at [api] prices
@@ -304,93 +281,21 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
                              + ("" if u.cost > 0 else ": no cost in usage (budgets need it)")))
         provider_ok = bool(a.provider) and _norm(a.provider or "") not in ignore
         rows.append(SmokeRow(f"{label} provider", provider_ok,
-                             _quoted(a.provider) + (" is in provider.ignore" if not provider_ok else "")
+                             quoted(a.provider) + (" is in provider.ignore" if not provider_ok else "")
                              if a.provider else "no provider in the response"))
     raise_it = ("[smoke] max_tokens" if config.smoke.max_tokens is not None else
                 "the dataset's max_tokens (answers of the run cut there are kept, marked truncated)")
     cut = (f": cut at max_tokens {body_max_tokens(body, 0)}; the smoke test checks a whole answer's ids and end of "
            f"turn: raise {raise_it}" if a.finish_reason == "length" else "")
     rows.append(SmokeRow(f"{label} finish", a.finish_reason == "stop",
-                         f"finish_reason {_quoted(a.finish_reason)}, native {_quoted(a.native_finish_reason)}{cut}"))
+                         f"finish_reason {quoted(a.finish_reason)}, native {quoted(a.native_finish_reason)}{cut}"))
     rec = reconstruct_fn(body["messages"], a)
     if rec is None:
         rows.append(SmokeRow(f"{label} tokens", False, "the tokenizer could not be loaded"))
         return rows
     rows.append(_tokens_row(config, label, rec, a.provider, parser))
-    rows.append(_prompt_row(config, label, rec, body["messages"], reconstruct_fn))
+    rows.append(prompt_row(config, label, rec, body["messages"], reconstruct_fn))
     return rows
-
-
-def _tokens_row(config: Config, label: str, rec: Any, provider: str | None, parser: str = "") -> SmokeRow:
-    """The answer's ids: structure checked, count judged by the sample policy (a BPE split passes)."""
-    from draftgen.core.tokens.fidelity import routing_name, toml_list
-    from draftgen.core.tokens.policy import SamplePolicy
-    verdict = SamplePolicy.from_config(config).judge(rec.failed_checks, rec.count_diff, rec.billed_tokens)
-    detail = (f"{rec.span_tokens} answer tokens vs {rec.billed_tokens} billed (diff {rec.count_diff})"
-              + (f"; failed: {', '.join(rec.failed_checks)}" if rec.failed_checks else "; all checks pass"))
-    if rec.source == "backend" or "matches_backend" in rec.failed_checks:
-        detail += ("; the server's token ids " + ("differ from" if "matches_backend" in rec.failed_checks
-                                                   else "equal") + " the reconstruction")
-    if verdict.cause == "count_mismatch" and provider:
-        routing = config.request.get("provider")
-        ignore = routing.get("ignore") if isinstance(routing, dict) else None
-        names = [*(str(x) for x in ignore if isinstance(ignore, list)), routing_name(provider)] \
-            if isinstance(ignore, list) else [routing_name(provider)]
-        detail += (f"; {provider} counts this answer {abs(rec.count_diff) / max(1, rec.billed_tokens or 1):.1%} "
-                   f"off: another tokenizer or quantization? To route around it, in [request.provider]: "
-                   f"{toml_list('ignore', names)}")
-    passed = verdict.keep and not rec.truncated
-    if config.api.self_hosted and passed and rec.count_diff:
-        # One server, one tokenizer: a finished answer's ids are exact or not the model's (no BPE split
-        # between providers to excuse a difference, and no other provider to compare with).
-        passed = False
-        if parser:  # the stream row saw the server's parser rewrite this mode's text: that is the cause
-            return SmokeRow(f"{label} tokens", passed, detail + f"; a self-hosted answer that ended must count "
-                            f"exactly: {rec.count_diff:+d} is the server's parser, not the chat template: {parser}")
-        detail += (f"; a self-hosted answer that ended must count exactly: {rec.count_diff:+d} is the chat "
-                   f"template (a generation prompt or end of turn a token off the server's: [tokenizer] "
-                   f"template = \"auto\" with the served model's tokenizer), or a reasoning parser rewriting the "
-                   f"text (see the stream row: [api] stream = true), or another tokenizer ([tokenizer] path)")
-    return SmokeRow(f"{label} tokens", passed, detail)
-
-
-def _prompt_row(config: Config, label: str, rec: Any, messages: list[dict[str, Any]],
-                reconstruct_fn: Callable[..., Any]) -> SmokeRow:
-    """The prompt the provider ran (usage.prompt_tokens) against the prompt the run reconstructs."""
-    from draftgen.core.config import KIMI_DEFAULT_SYSTEM
-    if rec.prompt_diff is None:
-        return SmokeRow(f"{label} prompt tokens", False,
-                        "no usage.prompt_tokens in the answer: the prompt cannot be checked")
-    tol = config.validation.prompt_tolerance
-    detail = (f"{rec.prompt_tokens} prompt tokens rendered vs {rec.billed_prompt_tokens} in usage.prompt_tokens "
-              f"(diff {rec.prompt_diff}; system turn: {config.tokenizer.system_turn_why()})")
-    if abs(rec.prompt_diff) <= tol:
-        return SmokeRow(f"{label} prompt tokens", True, detail)
-    # Would the other default system turn explain it? Say which setting matches the provider.
-    current = config.tokenizer.system_turn()
-    other = None if current is not None else KIMI_DEFAULT_SYSTEM
-    alt = reconstruct_fn(messages, None, system=other)
-    if alt is not None and alt.prompt_tokens is not None and abs(alt.prompt_tokens - rec.billed_prompt_tokens) <= tol:
-        setting = "\"none\"" if other is None else '"' + other + '"'
-        detail += (f"; the provider's count matches the prompt rendered with "
-                   f"{'no default system turn' if other is None else 'the Kimi default system turn'}: "
-                   f"set [tokenizer] default_system = {setting}")
-    elif rec.count_diff == 0:
-        # The answer counts exactly, so the template's turns agree with the server's: the text encodes otherwise.
-        detail += (f"; the answer counts exactly, so the chat template is not the cause: possible tokenizer "
-                   f"mismatch: draftgen encodes with {_origin(reconstruct_fn, config)}, the server loads its own "
-                   f"tokenizer for the model (set [tokenizer] path to the folder the server serves)")
-    else:
-        detail += ("; the provider ran another prompt than the one reconstructed (a different chat template, "
-                   "system turn or tool declarations), so every row's prompt would differ from what produced "
-                   f"its answer; or a possible tokenizer mismatch (draftgen encodes with "
-                   f"{_origin(reconstruct_fn, config)})")
-    return SmokeRow(f"{label} prompt tokens", False, detail)
-
-
-def _origin(reconstruct_fn: Callable[..., Any], config: Config) -> str:
-    """The tokenizer file the smoke test encoded with (set once the tokenizer loaded)."""
-    return str(getattr(reconstruct_fn, "origin", None) or config.tokenizer.path)
 
 
 _UNSET = object()  # the reconstruction's own default system turn
@@ -409,8 +314,10 @@ class _Reconstruct:
         self.on_error(row)
         self.loaded.append(None)
 
-    def __call__(self, messages: list[dict[str, Any]], a: ChatAnswer | None, system: Any = _UNSET) -> Any:
-        """The answer `a` reconstructed; with `a` None, only the prompt (rendered with `system`)."""
+    def __call__(self, messages: list[dict[str, Any]], a: ChatAnswer | None, system: Any = _UNSET,
+                 tools: list[Any] | None = None) -> Any:
+        """The answer `a` reconstructed; with `a` None, only the prompt (rendered with `system`); `tools`: the
+        function schemas the request declared."""
         from draftgen.core.tokens.reconstruct import reconstruct
         from draftgen.core.tokens.template import load_template
         from draftgen.core.tokens.tokenizer import load_tokenizer
@@ -430,14 +337,11 @@ class _Reconstruct:
         tok, template = self.loaded[0]
         if a is None:
             return reconstruct(tok, load_template(config.tokenizer.template, tok, default_system=system,
-                                                  prompt_specials=specials), messages, "", "")
+                                                  prompt_specials=specials), messages, "", "", tools=tools)
         return reconstruct(tok, template, messages, a.reasoning, a.content, billed_tokens=a.usage.completion_tokens,
                            backend_ids=a.token_ids, truncated=a.finish_reason == "length", tool_calls=a.tool_calls,
                            count_tolerance=config.validation.count_tolerance,
-                           billed_prompt_tokens=a.usage.prompt_tokens, provider=a.provider)
-
-
-Asked = tuple[str, dict[str, Any], "ChatAnswer | SmokeRow", float]  # (shape, body sent, answer or row, seconds)
+                           billed_prompt_tokens=a.usage.prompt_tokens, provider=a.provider, tools=tools)
 
 
 class _SmokeTest:
@@ -474,6 +378,8 @@ class _SmokeTest:
         self.answers: list[Asked] = []
         self.turn_two: dict[str, Asked] = {}  # per shape of a multi-turn dataset: its second turn
         self.fleet_rows: list[SmokeRow] = []  # a fleet's servers after the first, each compared with it
+        self.agents: set[str] = set()  # datasets with agent lines: their shapes' tool exchange (smoke_agent.py)
+        self.agent: dict[str, tuple[DatasetConfig, list[Asked]]] = {}  # per such shape: its dataset, its steps
         self.spent = 0.0
 
     def add(self, row: SmokeRow) -> None:
@@ -481,7 +387,7 @@ class _SmokeTest:
         if self.progress is not None:
             self.progress(snap.StageProgress(
                 "smoke", state=snap.StageState.RUNNING, done=len(self.result.rows),
-                total=2 + len(self.config.datasets) + 9 * len(self.shapes),
+                total=2 + len(self.config.datasets) + 9 * len(self.shapes) + 5 * len(self.agents),
                 checks=tuple((r.check, r.passed, r.detail) for r in self.result.rows)))
 
     async def check_local(self) -> None:
@@ -495,8 +401,10 @@ class _SmokeTest:
             try:
                 # A stop now cancels the smoke test: the count stops with it (read_stoppable).
                 if ds.turns == "all":
-                    self.counts[ds.name], self.history[ds.name] = await read_stoppable(
+                    self.counts[ds.name], self.history[ds.name], agent = await read_stoppable(
                         functools.partial(_count_turns, ds))
+                    if agent:
+                        self.agents.add(ds.name)
                 else:
                     self.counts[ds.name] = (await read_stoppable(functools.partial(_count_prompts, ds, ())))[0]
             except DraftgenError as e:
@@ -528,7 +436,7 @@ class _SmokeTest:
             self.account = await self._read_account(client)
             note_key_answer(config, None)
             label = self.redact(str(self.account.label or "unlabelled"))
-            self.add(SmokeRow("key", True, f"accepted (label {_quoted(label)})"))
+            self.add(SmokeRow("key", True, f"accepted (label {quoted(label)})"))
             self.result.balance_usd = self.account.balance
         except RequestFailed as e:
             self.unreachable = e.unreachable
@@ -657,6 +565,9 @@ class _SmokeTest:
             self.answers = await asyncio.gather(*(self.ask(client, fp, ds) for fp, ds in self.shapes.items()))
             await self.ask_turn_two(client)
             await self.ask_fleet(client)
+            if self.agents:
+                from draftgen.core.generate.commands.smoke_agent import ask_agent
+                self.agent = await ask_agent(self, client, self.agents)
             # The ledger is the spend (the smoke requests and abandoned attempts included).
             spend = self.spend
             self.spent = spend.spent_usd if spend is not None and spend.is_open else \
@@ -732,6 +643,10 @@ class _SmokeTest:
             if fp in self.turn_two:
                 for row in await asyncio.to_thread(_turn_two_rows, self.config, ds, self.turn_two[fp],
                                                    self.reconstruct):
+                    self.add(row)
+            if fp in self.agent:
+                from draftgen.core.generate.commands.smoke_agent import agent_rows
+                for row in await asyncio.to_thread(agent_rows, self.config, *self.agent[fp], self.reconstruct):
                     self.add(row)
             if not answer.priced:  # no usage.cost: its row says so; the projection does not take it as $0
                 continue
