@@ -59,13 +59,15 @@ async def _start(cfg: Any) -> asyncio.subprocess.Process:
 
 
 async def _kills_then_finish(sim: SimServer, cfg: Any, at: tuple[float, ...]) -> tuple[int, str, list[str]]:
-    """A run killed (kill -9) at each share of max_usd billed in `at`, with ~300 requests in flight, each
+    """A run killed (kill -9) at each share of max_usd billed in `at`, with 200 or more requests in flight, each
     next run started at once; then a last run to its end. Returns its exit code, its output and what
     each kill caught."""
     steps = []
+    # 200, not 300: past 3/4 of max_usd the ceiling holds the run to what is left of it (~250-310 worst cases
+    # here), so a wait for 250 could see the run end first on a busy machine.
     for share in at:
         proc = await _start(cfg)
-        while (sim.stats.billed_usd < share * MAX_USD or sim.stats.in_flight < 250) and proc.returncode is None:
+        while (sim.stats.billed_usd < share * MAX_USD or sim.stats.in_flight < 200) and proc.returncode is None:
             await asyncio.sleep(0.02)
         assert proc.returncode is None, (await proc.communicate())[0].decode()[-3000:]
         steps.append(f"killed at ${sim.stats.billed_usd:.4f} billed, {sim.stats.in_flight} in flight")
