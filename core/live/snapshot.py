@@ -65,9 +65,27 @@ class Stage(StrEnum):
     EXTRACT = "extract"
 
 
-STAGE_NAMES = tuple(Stage)
+@dataclass(frozen=True)
+class StageWords:
+    """How the views name a stage: the snapshot's side of the stage registry (core/run/registry.py,
+    whose behaviour this layer cannot import), read by attached viewers as well."""
+    name: Stage
+    running: str    # the header's word while it runs and generation does not
+    what: str       # a sentence's name for it ("the smoke test did not finish")
+    finish: str     # the command that runs it again or finishes it ({config}: the config's path)
+
+
+# One line per stage, in run order: the registry's order (tests/run/test_registry.py checks it).
+STAGE_WORDS = (
+    StageWords(Stage.SMOKE, "SMOKE TEST", "the smoke test", "draftgen run {config}"),
+    StageWords(Stage.GENERATION, "", "the run", "draftgen run {config}"),
+    StageWords(Stage.TOKENS, "TOKENS", "tokens", "draftgen tokens {config}"),
+    StageWords(Stage.MERGE, "MERGING", "merge", "draftgen merge {config}"),
+    StageWords(Stage.EXTRACT, "EXTRACTING", "extract", "draftgen extract {config}"),
+)
+STAGE_NAMES = tuple(w.name for w in STAGE_WORDS)
 # The header's word for a run whose generation has ended while a later stage still runs.
-STAGE_RUNNING_LABEL = {"smoke": "SMOKE TEST", "tokens": "TOKENS", "merge": "MERGING", "extract": "EXTRACTING"}
+STAGE_RUNNING_LABEL: dict[str, str] = {w.name: w.running for w in STAGE_WORDS if w.running}
 _GENERATION = {"IDLE": StageState.IDLE, "RUNNING": StageState.RUNNING, "PAUSED": StageState.RUNNING,
                "DRAINING": StageState.RUNNING, "DONE": StageState.DONE, "LIMITED": StageState.DONE}
 

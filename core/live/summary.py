@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from draftgen.core.errors import EXIT_KEY_REFUSED, ExitCode
-from draftgen.core.live.snapshot import STAGE_NAMES, DatasetSnapshot, RunSnapshot, RunState, StageState
+from draftgen.core.live.snapshot import STAGE_WORDS, DatasetSnapshot, RunSnapshot, RunState, StageState
 from draftgen.core.records import ErrorKind
 from draftgen.core.safe_text import visible
 from draftgen.core.units import clock, usd, usd_shown
@@ -49,10 +49,8 @@ WIDTH = 120
 INCOMPLETE = (RunState.DRAINED, RunState.STOPPED, RunState.WAITING, RunState.LIMITED)
 
 
-# The command that finishes a stage stopped before its end.
-FINISH = {"smoke": "draftgen run {config}", "generation": "draftgen run {config}",
-          "tokens": "draftgen tokens {config}", "merge": "draftgen merge {config}",
-          "extract": "draftgen extract {config}"}
+# The command that finishes a stage stopped before its end (core/live/snapshot.py STAGE_WORDS).
+FINISH: dict[str, str] = {w.name: w.finish for w in STAGE_WORDS}
 
 
 @dataclass(frozen=True)
@@ -105,15 +103,16 @@ def signal_line(name: str, s: RunSnapshot, *, again: bool) -> str:
 def stopped_lines(s: RunSnapshot, config_hint: str) -> list[str]:
     """One line per stage stopped before its end (or never started): its counts, and what finishes it."""
     out = []
-    for name in STAGE_NAMES:
+    for words in STAGE_WORDS:
+        name = words.name
         state = s.stage_state(name)
         if (state not in (StageState.STOPPED, StageState.SKIPPED)
                 or name == "generation" and state == StageState.STOPPED):
             continue  # a stopped generation says so in its own lines (prompts not asked yet)
         st = s.stage(name)
         counts = f" at {st.done:,} of {st.total:,}" if st is not None and st.total and not st.checks else ""
-        what = {"smoke": "the smoke test", "generation": "the run"}.get(name, name)
-        command = f"`{FINISH[name].format(config=config_hint)}`"
+        what = words.what
+        command = f"`{words.finish.format(config=config_hint)}`"
         if state == StageState.SKIPPED:
             out.append(f"{name}: skipped: {what} did not start; {command} starts it")
         else:
