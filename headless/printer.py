@@ -171,10 +171,10 @@ class _Output:
 
 
 async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False, interval_s: float = 5.0,
-                       out: TextIO = sys.stdout, merge: bool = False, extract: bool = False,
-                       reconstruct: bool | None = None, then: dict[str, bool] | None = None) -> int:
-    """`then`: the chained stages' flags (core/run/registry.py `chained`) asked for, beside `merge` and
-    `extract`."""
+                       out: TextIO = sys.stdout, reconstruct: bool | None = None,
+                       then: dict[str, bool] | None = None) -> int:
+    """`then`: the flags of the stages to run after generation (core/run/registry.py `chained`: `--merge`,
+    `--extract`), each run in the registry's order once generation is DONE with exit code 0."""
     pipeline = Pipeline(config, api_key, skip_smoke=skip_smoke, reconstruct=reconstruct)
     await pipeline.start()
     loop = asyncio.get_running_loop()
@@ -187,9 +187,8 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
         state = await pipeline.generate()
         if pipeline.error is not None:
             raise pipeline.error  # printed once, at the command boundary
-        chain = {"merge": merge, "extract": extract, **(then or {})}
         for stage in registry.chained():  # the stages asked for after generation, in run order
-            if pipeline.exit_code == 0 and state == snap.RunState.DONE and chain.get(str(stage.flag)) \
+            if pipeline.exit_code == 0 and state == snap.RunState.DONE and (then or {}).get(str(stage.flag)) \
                     and not pipeline.quit_requested.is_set():
                 await pipeline.run_stage(stage.name)
         code = pipeline.exit_code  # read last: a stage stopped by a quit makes it incomplete

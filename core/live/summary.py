@@ -84,6 +84,11 @@ def quit_effects(s: RunSnapshot | None) -> QuitEffects:
     if stage == "tokens" and s is not None and s.stage_state("generation") != StageState.RUNNING:
         return QuitEffects(stage, "token ids are being reconstructed", "let reconstruction finish, then exit",
                            "stop reconstruction (`draftgen tokens` finishes it); exit now")
+    words = next((w for w in STAGE_WORDS if w.name == stage and w.name not in ("smoke", "generation")), None)
+    if words is not None and s is not None and s.stage_state("generation") != StageState.RUNNING:
+        # Any other stage of the registry (core/run/registry.py): stop now cancels it, its command finishes it.
+        return QuitEffects(stage, f"{words.what} is running", f"let {words.what} finish, then exit",
+                           f"stop {words.what} (`{words.finish.format(config='CONFIG')}` finishes it); exit now")
     return QuitEffects(stage, f"generation is running: {n:,} requests are in flight",
                        "stop admitting, let the requests in flight finish, then exit",
                        "exit now; the requests in flight are asked again by the next run")

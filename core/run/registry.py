@@ -61,6 +61,7 @@ class _Merge(RunStage):
     key = "m"
     help = "merge: all datasets into one deduplicated, shuffled training set (merged/)"
     flag = "merge"
+    flag_help = "headless: merge when generation is done"
     steps = ("contamination",)  # [merge] exclude, exclude_files: core/merge/contamination.py
 
     def unavailable(self, host: StageHost) -> str | None:
@@ -81,6 +82,7 @@ class _Extract(RunStage):
     key = "x"
     help = "extract: run the target model over merged/ and write hidden states (GPU panel)"
     flag = "extract"
+    flag_help = "headless: extract after merging"
 
     def unavailable(self, host: StageHost) -> str | None:
         if not host.config.extract.model:

@@ -54,6 +54,7 @@ class RunStage:
     key: ClassVar[str | None] = None           # its key in the TUI (the action of the same name), if any
     help: ClassVar[str] = ""                   # what the key does, for the help screen
     flag: ClassVar[str | None] = None          # `draftgen run --headless --<flag>` chains it after generation
+    flag_help: ClassVar[str] = ""              # the flag's line in `draftgen run --help`
     steps: ClassVar[tuple[str, ...]] = ()      # declared sub-steps that run inside it (their own config table)
 
     @property

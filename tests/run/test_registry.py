@@ -8,6 +8,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+from draftgen.cli.main import build_parser
 from draftgen.core.live import snapshot as snap
 from draftgen.core.run import registry
 from draftgen.core.run.pipeline import Pipeline
@@ -30,6 +31,8 @@ def test_the_registry_is_the_run_order_every_view_names() -> None:
     assert all(bound[str(s.key)] == s.name and (s.key, s.help) in KEYS for s in registry.keyed())
     assert registry.milestones() <= MILESTONES
     assert [s.flag for s in registry.chained()] == ["merge", "extract"]
+    run = build_parser().parse_args(["run", "kimi.toml", "--headless", "--extract"])
+    assert (run.merge, run.extract) == (False, True)  # `draftgen run --<flag>`: one per chained stage
     assert registry.stage("merge").steps == ("contamination",)
 
 
