@@ -15,6 +15,7 @@ import inspect
 import time
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -88,6 +89,15 @@ STAGE_NAMES = tuple(w.name for w in STAGE_WORDS)
 STAGE_RUNNING_LABEL: dict[str, str] = {w.name: w.running for w in STAGE_WORDS if w.running}
 _GENERATION = {"IDLE": StageState.IDLE, "RUNNING": StageState.RUNNING, "PAUSED": StageState.RUNNING,
                "DRAINING": StageState.RUNNING, "DONE": StageState.DONE, "LIMITED": StageState.DONE}
+
+
+def weighed(states: Iterable[StageState]) -> StageState | None:
+    """How the stages weigh on a run whose generation ended complete: FAILED when one failed (exit 2),
+    else STOPPED when one stopped before its end (exit 3), else None. The smoke test is not passed in:
+    it gates the run and is not its work. The one rule the header's label (`RunSnapshot.label`) and the
+    exit code (core/run/life.py `RunLife`) read."""
+    seen = set(states)
+    return next((st for st in (StageState.FAILED, StageState.STOPPED) if st in seen), None)
 
 
 @dataclass(frozen=True)
@@ -310,11 +320,9 @@ class RunSnapshot:
         running = self.running_stage()
         if running is not None and running != "generation" and self.stage_state("generation") != StageState.RUNNING:
             return STAGE_RUNNING_LABEL.get(running, str(self.state))
-        if self.state == RunState.DONE and any(self.stage_state(n) == StageState.STOPPED for n in STAGE_NAMES):
-            return "STOPPED"
-        if self.state == RunState.DONE and any(self.stage_state(n) == StageState.FAILED
-                                               for n in STAGE_NAMES if n != "smoke"):
-            return "FAILED"
+        weight = weighed(self.stage_state(n) for n in STAGE_NAMES if n != "smoke")
+        if self.state == RunState.DONE and weight is not None:
+            return weight.upper()  # as the exit code says it (core/run/life.py): FAILED 2, STOPPED 3
         return str(self.state)
 
     def to_json(self) -> bytes:

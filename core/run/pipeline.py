@@ -25,6 +25,7 @@ from draftgen.core.records import error_count
 from draftgen.core.run import registry
 from draftgen.core.run.events import EventPublisher
 from draftgen.core.run.generation import GenerationStage
+from draftgen.core.run.life import RunLife
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.run.stages import Stages
 from draftgen.core.run.startup import (
@@ -67,8 +68,9 @@ class Pipeline:
         self.tokens_stage = TokensStage(config, self.emit, self.stages, self.rundir)
         self.startup = Startup(config, api_key, self.oneshot, self.emit, rundir=self.rundir, redact=self._redact,
                                skip_smoke=skip_smoke, reconstruct=self._reconstruct)
+        self.life = RunLife(self.control, self.stages, self._redact)  # how the run ends: its one owner
         self.generation = GenerationStage(
-            config, self.engine, self.startup, self.tokens_stage, self.oneshot, self.stages, self.emit, self._redact,
+            config, self.engine, self.startup, self.tokens_stage, self.oneshot, self.life, self.emit,
             publish=self.publish, reconstruct=self._reconstruct)
         self.timeline = TimelineRecorder(self.rundir.history, on_write_error=lambda message: self.emit(
             snap.Level.WARN, snap.EventKind.HISTORY, message))
@@ -143,13 +145,13 @@ class Pipeline:
 
     @property
     def exit_code(self) -> int:
-        """The run's exit code (docs/run-end.md): see GenerationStage.exit_code."""
-        return self.generation.exit_code
+        """The run's exit code (docs/run-end.md), decided by its one owner (core/run/life.py)."""
+        return self.life.exit_code
 
     @property
     def error(self) -> DraftgenError | None:
         """The user-facing error that stopped the run, for the command boundary to print."""
-        return self.generation.error
+        return self.life.error
 
     async def generate(self) -> str:
         """Smoke gate, then the run (core/run/generation.py). Returns the engine's final state."""

@@ -4,7 +4,9 @@ keys and help, and the headless printer read it, so a stage added there runs wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -76,22 +78,30 @@ async def test_a_stage_added_to_the_registry_runs_chained_after_generation_with_
     assert before.unavailable("count") is None
 
 
-async def test_a_stage_started_by_name_reports_its_row_in_run_order(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr(registry, "REGISTRY", (*registry.REGISTRY, _Count()))
-    monkeypatch.setattr(snap, "STAGE_NAMES", (*snap.STAGE_NAMES, "count"))
+@contextlib.asynccontextmanager
+async def run_done(tmp_path: Path, answers: int = 4) -> AsyncIterator[Pipeline]:
+    """A pipeline whose generation ended DONE with `answers` answers and their token ids, against the
+    simulator; closed on the way out."""
     async with SimServer(SimConfig(seed=2, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
-        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 4, "concurrency": 2}], tables={
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": answers, "concurrency": 2}], tables={
             "tokenizer": {"path": str(bundled_kimi_path())}, "engine": {"reconstruct": True, "workers": 1}})
         pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
         await pipeline.start()
         try:
             assert await asyncio.wait_for(pipeline.generate(), 120) == snap.RunState.DONE
-            pipeline.start_merge()
-            await asyncio.wait_for(pipeline.oneshot.task("merge"), 60)
-            pipeline.start_stage("count")
-            await asyncio.wait_for(pipeline.oneshot.task("count"), 60)
-            rows = pipeline.snapshot().stages
+            yield pipeline
         finally:
             await pipeline.close()
+
+
+async def test_a_stage_started_by_name_reports_its_row_in_run_order(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(registry, "REGISTRY", (*registry.REGISTRY, _Count()))
+    monkeypatch.setattr(snap, "STAGE_NAMES", (*snap.STAGE_NAMES, "count"))
+    async with run_done(tmp_path) as pipeline:
+        pipeline.start_merge()
+        await asyncio.wait_for(pipeline.oneshot.task("merge"), 60)
+        pipeline.start_stage("count")
+        await asyncio.wait_for(pipeline.oneshot.task("count"), 60)
+        rows = pipeline.snapshot().stages
     assert [(r.name, r.state, r.done) for r in rows] == [
         ("tokens", "done", 4), ("merge", "done", 4), ("count", "done", 4)]
