@@ -53,7 +53,8 @@ class Pipeline:
         self.hub = Hub()
         self._api_key = api_key
         self.events = EventPublisher(self.hub, self._redact)
-        self._reconstruct = config.engine.reconstruct if reconstruct is None else reconstruct
+        # The tokens stage runs beside generation when its entry is on for the config, unless told.
+        self._reconstruct = registry.stage("tokens").enabled(config) if reconstruct is None else reconstruct
         self._serve_attach = serve_attach
         self.engine = Engine(config, api_key, on_event=self.emit, on_answer=self._on_answer, seed=seed,
                              rundir=self.rundir, redact=self._redact)

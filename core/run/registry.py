@@ -115,7 +115,7 @@ def keyed() -> tuple[RunStage, ...]:
 
 def chained() -> tuple[RunStage, ...]:
     """The stages `draftgen run --headless --<flag>` (and the demo) may run after generation, in order."""
-    return tuple(s for s in REGISTRY if s.flag)
+    return tuple(s for s in REGISTRY if s.flag and s.when is When.AFTER)
 
 
 def milestones() -> frozenset[snap.EventKind]:
