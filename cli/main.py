@@ -46,9 +46,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = _config_to_write(args.config)
     key = config.api_key()
     if args.headless:
+        from draftgen.core.run import registry
         from draftgen.headless.printer import run_headless
-        return runtime.run(run_headless(config, key, skip_smoke=args.skip_smoke,
-                                        interval_s=args.interval, merge=args.merge, extract=args.extract))
+        then = {str(s.flag): bool(getattr(args, str(s.flag))) for s in registry.chained()}
+        return runtime.run(run_headless(config, key, skip_smoke=args.skip_smoke, interval_s=args.interval,
+                                        then=then))
     from draftgen.tui.launch import run_tui
     return runtime.run(run_tui(config, key, skip_smoke=args.skip_smoke))
 
@@ -185,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--headless", action="store_true", help="no TUI: a status line every few seconds")
     p.add_argument("--skip-smoke", action="store_true", help="start without a passing smoke test")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between headless status lines")
-    p.add_argument("--merge", action="store_true", help="headless: merge when generation is done")
-    p.add_argument("--extract", action="store_true", help="headless: extract after merging")
+    from draftgen.core.run import registry
+    for stage in registry.chained():  # --merge, --extract: the stages of core/run/registry.py with a flag
+        p.add_argument(f"--{stage.flag}", action="store_true", help=stage.flag_help)
     p = add("retry-failed", cmd_retry_failed, "make failed prompts eligible again (their lines move to "
             "failures.history.jsonl); the next run answers them")
     p.add_argument("config", help="the config file (e.g. kimi.toml)")

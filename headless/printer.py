@@ -25,6 +25,7 @@ from draftgen.core.live.hub import Subscription
 from draftgen.core.live.summary import prompts_left, signal_line, summary_lines
 from draftgen.core.quoting import sh_path
 from draftgen.core.records import error_count
+from draftgen.core.run import registry
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.units import clock, compact_duration, fmt_count, usd
 
@@ -170,8 +171,10 @@ class _Output:
 
 
 async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False, interval_s: float = 5.0,
-                       out: TextIO = sys.stdout, merge: bool = False, extract: bool = False,
-                       reconstruct: bool | None = None) -> int:
+                       out: TextIO = sys.stdout, reconstruct: bool | None = None,
+                       then: dict[str, bool] | None = None) -> int:
+    """`then`: the flags of the stages to run after generation (core/run/registry.py `chained`: `--merge`,
+    `--extract`), each run in the registry's order once generation is DONE with exit code 0."""
     pipeline = Pipeline(config, api_key, skip_smoke=skip_smoke, reconstruct=reconstruct)
     await pipeline.start()
     loop = asyncio.get_running_loop()
@@ -184,10 +187,10 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
         state = await pipeline.generate()
         if pipeline.error is not None:
             raise pipeline.error  # printed once, at the command boundary
-        if pipeline.exit_code == 0 and state == snap.RunState.DONE and merge and not pipeline.quit_requested.is_set():
-            await pipeline.merge()
-        if pipeline.exit_code == 0 and state == snap.RunState.DONE and extract and not pipeline.quit_requested.is_set():
-            await pipeline.extract()
+        for stage in registry.chained():  # the stages asked for after generation, in run order
+            if pipeline.exit_code == 0 and state == snap.RunState.DONE and (then or {}).get(str(stage.flag)) \
+                    and not pipeline.quit_requested.is_set():
+                await pipeline.run_stage(stage.name)
         code = pipeline.exit_code  # read last: a stage stopped by a quit makes it incomplete
         await asyncio.sleep(0)  # let the printer flush the last events
         final = pipeline.snapshot()
@@ -263,10 +266,9 @@ class _Signals:
 
 
 # The info events the printer shows (every warning and error is shown).
+# Every stage's outcome is one (core/run/registry.py `milestones`).
 MILESTONES = frozenset({snap.EventKind.SMOKE, snap.EventKind.DATASET_START, snap.EventKind.DATASET_DONE,
-                        snap.EventKind.RUN_DONE, snap.EventKind.SMOKE_DONE, snap.EventKind.MERGE_DONE,
-                        snap.EventKind.EXTRACT_DONE, snap.EventKind.BUDGET, snap.EventKind.TOKENS_DONE,
-                        snap.EventKind.METRICS})
+                        snap.EventKind.BUDGET, snap.EventKind.METRICS}) | registry.milestones()
 
 
 async def _print_updates(sub: Subscription, say: Callable[[str], None], interval_s: float) -> None:

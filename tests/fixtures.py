@@ -429,6 +429,9 @@ class FakeControls:
         self.calls.append("extract" if on_other_merge == "refuse" else f"extract:{on_other_merge}")
         self.publish(extracting())
 
+    def start_stage(self, name: str) -> None:
+        self.calls.append(f"stage:{name}")
+
     def quit(self, drain: bool) -> None:
         self.calls.append("quit:drain" if drain else "quit:stop")
         self._next(state=snap.RunState.DRAINING if drain else snap.RunState.STOPPED)

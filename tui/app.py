@@ -24,7 +24,8 @@ from textual.widgets import Footer, Static
 from draftgen.core.live.control import Controls
 from draftgen.core.live.hub import Subscription
 from draftgen.core.live.snapshot import Event, RunSnapshot
-from draftgen.tui.keys import RunKeys
+from draftgen.core.run import registry
+from draftgen.tui.keys import RunKeys, stage_action
 from draftgen.tui.panels.credits import CreditsPanel
 from draftgen.tui.panels.datasets import DatasetsPanel
 from draftgen.tui.panels.errors import ErrorsPanel
@@ -36,6 +37,7 @@ from draftgen.tui.panels.panel import Panel
 from draftgen.tui.panels.providers import ProvidersPanel
 from draftgen.tui.panels.stages import StagesPanel
 from draftgen.tui.panels.throughput import ThroughputPanel
+from draftgen.tui.screens.help import CONTROL_KEYS
 
 MIN_SIZE = (80, 24)  # below it a one-line notice replaces the panels
 
@@ -75,10 +77,9 @@ class DraftgenApp(RunKeys, App[None]):
     BINDINGS = [
         Binding("p", "pause", "pause"),
         Binding("r", "resume", "resume"),
-        Binding("s", "smoke", "smoke"),
-        Binding("m", "merge", "merge"),
-        Binding("x", "extract", "extract"),
-        Binding("p,r,s,m,x", "read_only", show=False),  # attached: these keys say why they do nothing
+        # Each stage's key (core/run/registry.py): its own action when keys.py has one, else `stage`.
+        *(Binding(str(s.key), stage_action(s.name), s.name) for s in registry.keyed()),
+        Binding(",".join(CONTROL_KEYS), "read_only", show=False),  # attached: these keys say why they do nothing
         Binding("l", "log", "log"),
         Binding("h", "history", "history"),
         Binding("slash", "search", "search", show=False),

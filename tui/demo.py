@@ -183,7 +183,8 @@ async def run_demo(root: Path, *, headless: bool, out: TextIO = sys.stdout, late
             print_result(result)
             if not result.passed:
                 return 1
-            code = await run_headless(config, DEMO_KEY, interval_s=3.0, out=out, merge=True, extract=True)
+            code = await run_headless(config, DEMO_KEY, interval_s=3.0, out=out,
+                                      then={"merge": True, "extract": True})
         else:
             from draftgen.tui.launch import run_tui
             code = await run_tui(config, DEMO_KEY, after_run=["merge", "extract"])

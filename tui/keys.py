@@ -25,7 +25,7 @@ from draftgen.tui.screens.smoke import SmokeScreen
 
 # Actions that change the run: hidden from the footer when attached read-only, where their keys
 # answer that the viewer is read-only.
-CONTROL_ACTIONS = frozenset(Action)  # the keys p, r, s, m, e: named like the actions they ask for
+CONTROL_ACTIONS = frozenset(Action)  # p, r and the stages' keys: named like the actions they ask for
 VIEW_ACTIONS = frozenset({"log", "search", "history"})
 APP_ACTIONS = CONTROL_ACTIONS | VIEW_ACTIONS | {"quit_run", "help", "read_only"}
 FINAL_STATES = (snap.RunState.DONE, snap.RunState.STOPPED, snap.RunState.DRAINED, snap.RunState.WAITING,
@@ -37,6 +37,12 @@ if TYPE_CHECKING:
     _App = App[None]
 else:
     _App = object
+
+
+def stage_action(name: str) -> str:
+    """The action a stage's key runs: RunKeys' own `action_<name>` when it asks something first (the
+    smoke screen, merge's and extract's questions), else the plain `stage(name)`."""
+    return name if hasattr(RunKeys, f"action_{name}") else f"stage({name!r})"
 
 
 class RunKeys(_App):
@@ -88,7 +94,7 @@ class RunKeys(_App):
     def _dataset_names(self) -> tuple[str, ...]:
         return tuple(d.name for d in self.latest.datasets) if self.latest else ()
 
-    def _allowed(self, action: Action) -> bool:
+    def _allowed(self, action: Action | str) -> bool:
         """Ask the controls first; a stage that cannot start yet says why instead."""
         reason = self.controls.unavailable(action)
         if reason:
@@ -97,6 +103,12 @@ class RunKeys(_App):
             self.notify(reason, title=f"{action}: not available", severity="warning", markup=False)
             return False
         return True
+
+    def action_stage(self, name: str) -> None:
+        """A stage of the registry that asks nothing first: started, its progress in the stages panel."""
+        if self._allowed(name):
+            self.controls.start_stage(name)
+            self.notify(f"{name} started: progress in the stages panel", title=name)
 
     def action_pause(self) -> None:
         if self._allowed(Action.PAUSE):

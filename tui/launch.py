@@ -33,7 +33,7 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
         for stage in after_run or ():
             if pipeline.quit_requested.is_set() or state != "DONE":
                 return
-            await (pipeline.merge() if stage == "merge" else pipeline.extract())
+            await pipeline.run_stage(stage)
 
     work = asyncio.create_task(generate_then())
     loop = asyncio.get_running_loop()

@@ -20,17 +20,20 @@ class Action(StrEnum):
     SMOKE = "smoke"
     MERGE = "merge"
     EXTRACT = "extract"
+    STAGE = "stage"      # any other stage of the registry (core/run/registry.py), by name: `start_stage`
 
 
 class Controls(Protocol):
     hub: Hub               # snapshots and events to render
     read_only: bool        # True when attached: every action is disabled
 
-    def unavailable(self, action: Action) -> str | None:
-        """None when `action` can run now, else a sentence saying why not (shown to the user)."""
+    def unavailable(self, action: Action | str) -> str | None:
+        """None when `action` (or a stage of the registry, by name) can run now, else a sentence saying
+        why not (shown to the user)."""
 
     def pause(self) -> None: ...
     def resume(self) -> None: ...
+    def start_stage(self, name: str) -> None: ...  # a stage of the registry (core/run/registry.py), started
     def run_smoke(self) -> None: ...      # progress/result: snapshot stage "smoke" (checks), event "smoke_done"
     # stage "merge", event "merge_done"; replace_hidden_states: hidden states of another merge set aside
     def start_merge(self, replace_hidden_states: bool = False) -> None: ...

@@ -15,6 +15,7 @@ import inspect
 import time
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -65,11 +66,38 @@ class Stage(StrEnum):
     EXTRACT = "extract"
 
 
-STAGE_NAMES = tuple(Stage)
+@dataclass(frozen=True)
+class StageWords:
+    """How the views name a stage: the snapshot's side of the stage registry (core/run/registry.py,
+    whose behaviour this layer cannot import), read by attached viewers as well."""
+    name: Stage
+    running: str    # the header's word while it runs and generation does not
+    what: str       # a sentence's name for it ("the smoke test did not finish")
+    finish: str     # the command that runs it again or finishes it ({config}: the config's path)
+
+
+# One line per stage, in run order: the registry's order (tests/run/test_registry.py checks it).
+STAGE_WORDS = (
+    StageWords(Stage.SMOKE, "SMOKE TEST", "the smoke test", "draftgen run {config}"),
+    StageWords(Stage.GENERATION, "", "the run", "draftgen run {config}"),
+    StageWords(Stage.TOKENS, "TOKENS", "tokens", "draftgen tokens {config}"),
+    StageWords(Stage.MERGE, "MERGING", "merge", "draftgen merge {config}"),
+    StageWords(Stage.EXTRACT, "EXTRACTING", "extract", "draftgen extract {config}"),
+)
+STAGE_NAMES = tuple(w.name for w in STAGE_WORDS)
 # The header's word for a run whose generation has ended while a later stage still runs.
-STAGE_RUNNING_LABEL = {"smoke": "SMOKE TEST", "tokens": "TOKENS", "merge": "MERGING", "extract": "EXTRACTING"}
+STAGE_RUNNING_LABEL: dict[str, str] = {w.name: w.running for w in STAGE_WORDS if w.running}
 _GENERATION = {"IDLE": StageState.IDLE, "RUNNING": StageState.RUNNING, "PAUSED": StageState.RUNNING,
                "DRAINING": StageState.RUNNING, "DONE": StageState.DONE, "LIMITED": StageState.DONE}
+
+
+def weighed(states: Iterable[StageState]) -> StageState | None:
+    """How the stages weigh on a run whose generation ended complete: FAILED when one failed (exit 2),
+    else STOPPED when one stopped before its end (exit 3), else None. The smoke test is not passed in:
+    it gates the run and is not its work. The one rule the header's label (`RunSnapshot.label`) and the
+    exit code (core/run/life.py `RunLife`) read."""
+    seen = set(states)
+    return next((st for st in (StageState.FAILED, StageState.STOPPED) if st in seen), None)
 
 
 @dataclass(frozen=True)
@@ -292,11 +320,9 @@ class RunSnapshot:
         running = self.running_stage()
         if running is not None and running != "generation" and self.stage_state("generation") != StageState.RUNNING:
             return STAGE_RUNNING_LABEL.get(running, str(self.state))
-        if self.state == RunState.DONE and any(self.stage_state(n) == StageState.STOPPED for n in STAGE_NAMES):
-            return "STOPPED"
-        if self.state == RunState.DONE and any(self.stage_state(n) == StageState.FAILED
-                                               for n in STAGE_NAMES if n != "smoke"):
-            return "FAILED"
+        weight = weighed(self.stage_state(n) for n in STAGE_NAMES if n != "smoke")
+        if self.state == RunState.DONE and weight is not None:
+            return weight.upper()  # as the exit code says it (core/run/life.py): FAILED 2, STOPPED 3
         return str(self.state)
 
     def to_json(self) -> bytes:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from draftgen.core.errors import EXIT_KEY_REFUSED, ExitCode
-from draftgen.core.live.snapshot import STAGE_NAMES, DatasetSnapshot, RunSnapshot, RunState, StageState
+from draftgen.core.live.snapshot import STAGE_WORDS, DatasetSnapshot, RunSnapshot, RunState, StageState
 from draftgen.core.records import ErrorKind
 from draftgen.core.safe_text import visible
 from draftgen.core.units import clock, usd, usd_shown
@@ -49,10 +49,8 @@ WIDTH = 120
 INCOMPLETE = (RunState.DRAINED, RunState.STOPPED, RunState.WAITING, RunState.LIMITED)
 
 
-# The command that finishes a stage stopped before its end.
-FINISH = {"smoke": "draftgen run {config}", "generation": "draftgen run {config}",
-          "tokens": "draftgen tokens {config}", "merge": "draftgen merge {config}",
-          "extract": "draftgen extract {config}"}
+# The command that finishes a stage stopped before its end (core/live/snapshot.py STAGE_WORDS).
+FINISH: dict[str, str] = {w.name: w.finish for w in STAGE_WORDS}
 
 
 @dataclass(frozen=True)
@@ -86,6 +84,11 @@ def quit_effects(s: RunSnapshot | None) -> QuitEffects:
     if stage == "tokens" and s is not None and s.stage_state("generation") != StageState.RUNNING:
         return QuitEffects(stage, "token ids are being reconstructed", "let reconstruction finish, then exit",
                            "stop reconstruction (`draftgen tokens` finishes it); exit now")
+    words = next((w for w in STAGE_WORDS if w.name == stage and w.name not in ("smoke", "generation")), None)
+    if words is not None and s is not None and s.stage_state("generation") != StageState.RUNNING:
+        # Any other stage of the registry (core/run/registry.py): stop now cancels it, its command finishes it.
+        return QuitEffects(stage, f"{words.what} is running", f"let {words.what} finish, then exit",
+                           f"stop {words.what} (`{words.finish.format(config='CONFIG')}` finishes it); exit now")
     return QuitEffects(stage, f"generation is running: {n:,} requests are in flight",
                        "stop admitting, let the requests in flight finish, then exit",
                        "exit now; the requests in flight are asked again by the next run")
@@ -105,15 +108,16 @@ def signal_line(name: str, s: RunSnapshot, *, again: bool) -> str:
 def stopped_lines(s: RunSnapshot, config_hint: str) -> list[str]:
     """One line per stage stopped before its end (or never started): its counts, and what finishes it."""
     out = []
-    for name in STAGE_NAMES:
+    for words in STAGE_WORDS:
+        name = words.name
         state = s.stage_state(name)
         if (state not in (StageState.STOPPED, StageState.SKIPPED)
                 or name == "generation" and state == StageState.STOPPED):
             continue  # a stopped generation says so in its own lines (prompts not asked yet)
         st = s.stage(name)
         counts = f" at {st.done:,} of {st.total:,}" if st is not None and st.total and not st.checks else ""
-        what = {"smoke": "the smoke test", "generation": "the run"}.get(name, name)
-        command = f"`{FINISH[name].format(config=config_hint)}`"
+        what = words.what
+        command = f"`{words.finish.format(config=config_hint)}`"
         if state == StageState.SKIPPED:
             out.append(f"{name}: skipped: {what} did not start; {command} starts it")
         else:

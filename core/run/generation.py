@@ -1,7 +1,7 @@
 """The generation stage as the pipeline runs it: the start-up gate (startup.py), the engine's run, the
 tokens stage after it (tokens_stage.py). How it ended (its stage state, whether run requests may have
-been sent, the exit code: docs/run-end.md) is told to the run's owner, the engine's `RunControl`
-(core/generate/loop/run_state.py); the error that stopped it is kept here for the command boundary.
+been sent: docs/run-end.md) is told to the engine's `RunControl` (core/generate/loop/run_state.py); a
+failure that stops it to the run's one owner, `RunLife` (life.py), which decides the exit code.
 """
 
 from __future__ import annotations
@@ -14,42 +14,32 @@ from draftgen.core.errors import DraftgenError, ExitCode
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
 from draftgen.core.quoting import sh_path
-from draftgen.core.run.stage_rows import StageRows
+from draftgen.core.run.life import RunLife
 from draftgen.core.run.stages import Stages
 from draftgen.core.run.startup import Startup, StartVerdict
 from draftgen.core.run.tokens_stage import TokensStage
-from draftgen.core.secrets import Redactor
 
 
 class GenerationStage:
     """Smoke gate, then the run, then the tokens stage's report; how it ended, told to RunControl."""
 
     def __init__(self, config: Config, engine: Engine, startup: Startup, tokens_stage: TokensStage, oneshot: Stages,
-                 rows: StageRows, emit: snap.EventSink, redact: Redactor, *, publish: Callable[[], None],
-                 reconstruct: bool) -> None:
+                 life: RunLife, emit: snap.EventSink, *, publish: Callable[[], None], reconstruct: bool) -> None:
         self._config = config
         self._engine = engine
         self._control = engine.control  # the run's owner: its state and how it ended
         self._startup = startup
         self._tokens_stage = tokens_stage
         self._oneshot = oneshot
-        self._rows = rows
+        self._life = life  # how the run ends: its exit code, the failure that stopped it
         self._emit = emit
-        self._redact = redact
         self._publish = publish
         self._reconstruct = reconstruct
-        self.error: DraftgenError | None = None
-
-    @property
-    def exit_code(self) -> ExitCode:
-        """The run's exit code (docs/run-end.md): RunControl's, with the other stages' states weighed
-        (a stage stopped before its end is incomplete (3), a stage that failed an error (2), never complete)."""
-        return self._control.exit_code(self._rows.states(but="smoke"))
 
     async def run(self) -> str:
         """Smoke gate, then the run. Returns the engine's final state. A user-facing error (a missing
         tokenizer or prompt file, the open-file limit) stops the run with an alert and is kept in
-        `self.error` for the command boundary to print."""
+        `RunLife.error` for the command boundary to print."""
         try:
             return await self._generate()
         except Exception as e:  # noqa: BLE001 - the run must never sit silent: every failure shows
@@ -59,9 +49,7 @@ class GenerationStage:
                                         "traceback, and please report it)")
                 wrapper.__cause__ = e
                 e = wrapper
-            self.error = e
-            self._rows.fail_running(self._redact(str(e)))
-            self._control.fail(self._redact(str(e)), e.exit_code)
+            self._life.fail(e)
             self._emit(snap.Level.ERROR, snap.EventKind.RUN_FAILED, f"the run cannot go on: {e}")
             return snap.RunState.STOPPED
 

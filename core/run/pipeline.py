@@ -22,8 +22,10 @@ from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import QuitEffects, quit_effects
 from draftgen.core.live.timeline import TimelineRecorder, Totals
 from draftgen.core.records import error_count
+from draftgen.core.run import registry
 from draftgen.core.run.events import EventPublisher
 from draftgen.core.run.generation import GenerationStage
+from draftgen.core.run.life import RunLife
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.run.stages import Stages
 from draftgen.core.run.startup import (
@@ -51,7 +53,8 @@ class Pipeline:
         self.hub = Hub()
         self._api_key = api_key
         self.events = EventPublisher(self.hub, self._redact)
-        self._reconstruct = config.engine.reconstruct if reconstruct is None else reconstruct
+        # The tokens stage runs beside generation when its entry is on for the config, unless told.
+        self._reconstruct = registry.stage("tokens").enabled(config) if reconstruct is None else reconstruct
         self._serve_attach = serve_attach
         self.engine = Engine(config, api_key, on_event=self.emit, on_answer=self._on_answer, seed=seed,
                              rundir=self.rundir, redact=self._redact)
@@ -66,8 +69,9 @@ class Pipeline:
         self.tokens_stage = TokensStage(config, self.emit, self.stages, self.rundir)
         self.startup = Startup(config, api_key, self.oneshot, self.emit, rundir=self.rundir, redact=self._redact,
                                skip_smoke=skip_smoke, reconstruct=self._reconstruct)
+        self.life = RunLife(self.control, self.stages, self._redact)  # how the run ends: its one owner
         self.generation = GenerationStage(
-            config, self.engine, self.startup, self.tokens_stage, self.oneshot, self.stages, self.emit, self._redact,
+            config, self.engine, self.startup, self.tokens_stage, self.oneshot, self.life, self.emit,
             publish=self.publish, reconstruct=self._reconstruct)
         self.timeline = TimelineRecorder(self.rundir.history, on_write_error=lambda message: self.emit(
             snap.Level.WARN, snap.EventKind.HISTORY, message))
@@ -142,13 +146,13 @@ class Pipeline:
 
     @property
     def exit_code(self) -> int:
-        """The run's exit code (docs/run-end.md): see GenerationStage.exit_code."""
-        return self.generation.exit_code
+        """The run's exit code (docs/run-end.md), decided by its one owner (core/run/life.py)."""
+        return self.life.exit_code
 
     @property
     def error(self) -> DraftgenError | None:
         """The user-facing error that stopped the run, for the command boundary to print."""
-        return self.generation.error
+        return self.life.error
 
     async def generate(self) -> str:
         """Smoke gate, then the run (core/run/generation.py). Returns the engine's final state."""
@@ -196,27 +200,15 @@ class Pipeline:
 
     # -- control surface (core/live/control.py) ------------------------------------------------------
 
-    def unavailable(self, action: Action) -> str | None:
+    def unavailable(self, action: Action | str) -> str | None:
         state = self.engine.state
         if action == Action.PAUSE:
             return None if state == snap.RunState.RUNNING else f"nothing to pause: the run is {state.lower()}"
         if action == Action.RESUME:
             return None if state == snap.RunState.PAUSED else f"nothing to resume: the run is {state.lower()}"
-        if action in (Action.SMOKE, Action.MERGE, Action.EXTRACT) and self.oneshot.running(action):
+        if self.oneshot.running(action):
             return f"{action} is already running"
-        if action == Action.MERGE:
-            if not any(self.rundir.responses(d.name).exists() for d in self.config.datasets):
-                return "nothing to merge yet: no answers on disk"
-            if self.oneshot.running("extract"):
-                return "extraction is running: a merge now would change merged/ under it"
-        if action == Action.EXTRACT:
-            if not self.config.extract.model:
-                return f"no model to extract with: set [extract] model in {self.config.path}"
-            if not (self.rundir.merged / "tokens" / "index.jsonl").exists():
-                return "no merged set yet: press m to merge first"
-            if self.oneshot.running("merge"):
-                return "merge is still running"
-        return None
+        return registry.stage(action).unavailable(self)
 
     def pause(self) -> None:
         self.engine.pause(PausedBy.USER)
@@ -227,22 +219,30 @@ class Pipeline:
     async def smoke(self) -> bool:
         return await self.oneshot.smoke()
 
+    async def run_stage(self, name: str, **options: Any) -> Any:
+        """Run a stage of the registry in the foreground (stop now cancels it: None)."""
+        return await self.oneshot.run(name, registry.stage(name).run(self, **options))
+
+    def start_stage(self, name: str, **options: Any) -> None:
+        """Start a stage of the registry in the background: its progress is its row, its end an event."""
+        self.oneshot.spawn(name, registry.stage(name).run(self, **options))
+
     async def merge(self) -> Any:
         """Merge in the foreground (stop now cancels it: None)."""
-        return await self.oneshot.run("merge", self.oneshot.merge())
+        return await self.run_stage("merge")
 
     async def extract(self, shard: tuple[int, int] = (0, 1)) -> Any:
         """Extract in the foreground (stop now ends it after its batch, stopped)."""
-        return await self.oneshot.run("extract", self.oneshot.extract(shard))
+        return await self.run_stage("extract", shard=shard)
 
     def run_smoke(self) -> None:
-        self.oneshot.spawn("smoke", self.oneshot.smoke())
+        self.start_stage("smoke")
 
     def start_merge(self, replace_hidden_states: bool = False) -> None:
-        self.oneshot.spawn("merge", self.oneshot.merge(replace_hidden_states))
+        self.start_stage("merge", replace_hidden_states=replace_hidden_states)
 
     def start_extract(self, on_other_merge: str = "refuse") -> None:
-        self.oneshot.spawn("extract", self.oneshot.extract(on_other_merge=on_other_merge))
+        self.start_stage("extract", on_other_merge=on_other_merge)
 
     def merge_question(self) -> str | None:
         from draftgen.core.extract.claim import merge_question

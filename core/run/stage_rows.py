@@ -1,4 +1,4 @@
-"""The stages panel's rows (smoke, tokens, merge, extract) and their one owner: `StageRows`.
+"""The stages panel's rows (every stage of the registry but generation) and their one owner: `StageRows`.
 
 Every stage's progress is written here and only through its methods: the one-shot stages
 (stages.py, whose merge and extraction report from a worker thread), the tokens stage
@@ -15,8 +15,6 @@ from collections.abc import Callable
 
 from draftgen.core.live import snapshot as snap
 
-STAGES = ("smoke", "tokens", "merge", "extract")  # the stages panel's rows (generation is the datasets panel)
-
 
 class StageRows:
     """Each stage's last progress, by name; every change is a method (safe from a worker thread)."""
@@ -31,9 +29,10 @@ class StageRows:
         return self._rows.get(name)
 
     def rows(self) -> tuple[snap.StageProgress, ...]:
-        """The rows in the panel's order (a stage never started has none)."""
+        """The rows in run order (snapshot.STAGE_NAMES, the registry's order: core/run/registry.py); a
+        stage never started has none, generation has none (it is the datasets panel)."""
         rows = self._rows
-        return tuple(rows[n] for n in STAGES if n in rows)
+        return tuple(rows[n] for n in snap.STAGE_NAMES if n in rows)
 
     def states(self, *, but: str = "") -> set[snap.StageState]:
         """The states of the stages that have a row, `but` the one named."""

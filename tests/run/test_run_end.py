@@ -30,6 +30,7 @@ from draftgen.simulator import SimConfig, SimServer
 from tests import fixtures as fx
 from tests.helpers import TEST_KEY, cli_env, drain_pty, make_config, tui_run_in_pty, until
 from tests.run.test_disk_faults import fsize_limit, parsed_ids
+from tests.run.test_registry import run_done
 
 
 async def test_the_run_that_imports_spooled_answers_gives_them_token_ids(tmp_path, monkeypatch):
@@ -173,3 +174,19 @@ async def test_the_summary_says_how_many_paid_answers_were_cut_at_max_tokens_and
            "failed)" in summary, summary
     assert (f"answers kept but flagged this run (merge leaves out the cut and empty ones): {cut} cut at max_tokens "
             "(raise the dataset's max_tokens if they are many)") in summary, summary
+
+
+async def test_the_header_says_what_the_exit_code_says_when_stages_after_the_run_failed_or_stopped(tmp_path):
+    """One owner decides the end (core/run/life.py RunLife, with snapshot.weighed): after a DONE run, a
+    failed merge and a stopped extraction are exit 2 and the header says FAILED (it said STOPPED); a
+    smoke test stopped by hand is not the run's work: exit 0 and DONE (the header said STOPPED)."""
+    async with run_done(tmp_path) as pipeline:
+        pipeline.stages.start("smoke")
+        pipeline.stages.stop("smoke", "stopped before it finished")
+        smoke_stopped = (pipeline.snapshot().label(), pipeline.exit_code)
+        pipeline.stages.fail("merge", "merge failed: the disk is full")
+        pipeline.stages.start("extract")
+        pipeline.stages.stop("extract", "stopped at 2 of 4 files")
+        both = (pipeline.snapshot().label(), pipeline.exit_code)
+    assert smoke_stopped == ("DONE", 0)
+    assert both == ("FAILED", 2)

@@ -11,13 +11,15 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 
+from draftgen.core.run import registry
+
+# The keys that change the run: pause, resume and each stage's (an attached viewer's answer "read-only").
+CONTROL_KEYS = ("p", "r", *(str(s.key) for s in registry.keyed()))
+
 KEYS = (
     ("p", "pause: stop admitting new requests; those in flight finish and are recorded"),
     ("r", "resume: admit requests again (also after adding credits following a 402)"),
-    ("s", "smoke test: one request per dataset with the exact run parameters, checked field by field;"
-          " the run is paused while it runs"),
-    ("m", "merge: all datasets into one deduplicated, shuffled training set (merged/)"),
-    ("x", "extract: run the target model over merged/ and write hidden states (GPU panel)"),
+    *((str(s.key), s.help) for s in registry.keyed()),  # the stages' keys (core/run/registry.py)
     ("q", "quit: choose drain (finish requests in flight) or stop now; nothing on disk is lost (Ctrl-C,"
           " Ctrl-Q ask the same)"),
     ("tab", "move between the datasets, errors, providers and events panels"),
@@ -67,7 +69,7 @@ class HelpScreen(ModalScreen[None]):
         parts: list[RenderableType] = [Text("keys", style="bold underline"), keys, Text(""),
                  Text("reading the panels", style="bold underline"), reading]
         if self.read_only:
-            parts[:0] = [Text("Attached read-only: this viewer cannot change the run; p r s m x answer"
+            parts[:0] = [Text(f"Attached read-only: this viewer cannot change the run; {' '.join(CONTROL_KEYS)} answer"
                               " \"read-only\" and q closes the viewer only.\n", style="bold")]
         with VerticalScroll(id="help-dialog", classes="dialog") as box:
             box.border_title = "help"

@@ -28,7 +28,7 @@ from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
 from draftgen.core.errors import ExitCode
-from draftgen.core.live.snapshot import EventKind, EventSink, Level, RunState, StageState
+from draftgen.core.live.snapshot import EventKind, EventSink, Level, RunState, StageState, weighed
 from draftgen.core.live.summary import INCOMPLETE
 
 if TYPE_CHECKING:
@@ -196,11 +196,11 @@ class RunControl:
         """The run's exit code (docs/run-end.md); `stages`: the other stages' states (tokens, merge,
         extract): one stopped before its end makes a complete run incomplete (3), one failed an error (2)."""
         code = self._code
-        if code == ExitCode.COMPLETE:
-            states = set(stages)
-            if StageState.FAILED in states:
+        if code == ExitCode.COMPLETE:  # snapshot.weighed: the rule the header's label reads too
+            weight = weighed(stages)
+            if weight is StageState.FAILED:
                 return ExitCode.ERROR
-            if StageState.STOPPED in states:
+            if weight is StageState.STOPPED:
                 return ExitCode.INCOMPLETE
         return code
 
