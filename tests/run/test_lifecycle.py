@@ -15,7 +15,9 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 
@@ -31,7 +33,7 @@ from draftgen.tui.app import DraftgenApp
 from draftgen.tui.launch import run_tui
 from draftgen.tui.screens.quitdialog import QuitScreen
 from tests.extract.test_extract_writer import HIDDEN, N_LAYERS, FakeBackend
-from tests.helpers import TEST_KEY, cli_env, make_config, text, until
+from tests.helpers import TEST_KEY, chat_body, chat_post, cli_env, make_config, text, until
 
 TOKENIZER = {"path": str(bundled_kimi_path())}
 
@@ -55,11 +57,16 @@ def stage_is(app: DraftgenApp, name: str, state: str) -> bool:
 @pytest.mark.parametrize("choice", ["d", "s"], ids=["drain", "stop-now"])
 async def test_tui_quit_during_the_smoke_test_sends_no_run_request(tmp_path: Path, choice: str) -> None:
     """q while the start-up smoke test's request is in the air: the dialog says the smoke test runs and
-    what d and s do to it; the run waits for the answer, and neither choice sends a run request."""
-    async with SimServer(SimConfig(seed=3, fixed_latency_s=1.0, mean_completion_tokens=60), port=0) as sim:
+    what d and s do to it; the run waits for the answer, and neither choice sends a run request.
+    The server holds the smoke request until a second request is in flight (one of the test's own, sent once
+    the dialog has been read), so on a loaded machine the answer cannot land before the header and the
+    dialog are seen."""
+    async with SimServer(SimConfig(seed=3, fixed_latency_s=0.2, mean_completion_tokens=60, hold_until_in_flight=2),
+                         port=0) as sim, aiohttp.ClientSession() as session:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 40, "concurrency": 8}],
                           tables={"tokenizer": TOKENIZER, "engine": {"reconstruct": False}})
         seen: dict[str, str] = {}
+        released: list[asyncio.Task[Any]] = []  # the test's own request that releases the held smoke request
 
         async def drive(app: DraftgenApp) -> None:
             async with app.run_test(size=(120, 40)) as pilot:
@@ -70,18 +77,20 @@ async def test_tui_quit_during_the_smoke_test_sends_no_run_request(tmp_path: Pat
                 await pilot.press("q")
                 assert isinstance(app.screen, QuitScreen)
                 seen["dialog"] = " ".join(text(app, "#quit-text").split()).lower()
+                released.append(asyncio.create_task(chat_post(session, sim, chat_body())))
                 if choice == "s":
                     # The dialog left open while the smoke request ends: the run still waits for the answer.
                     await until(lambda: sim.stats.in_flight == 0 and stage_is(app, "smoke", "done"),
                                 "the smoke test passed")
                     await pilot.pause(0.3)
-                    assert sim.stats.requests_total == 1, "the run started sending behind the quit dialog"
+                    assert sim.stats.requests_total == 2, "the run started sending behind the quit dialog"
                 await pilot.press(choice)
                 await until(lambda: not app.is_running, "the app exited", timeout=60)
 
         out = io.StringIO()
         code = await asyncio.wait_for(run_tui(cfg, TEST_KEY, out=out, run_app=drive), 120)
-        requests = sim.stats.requests_total
+        await asyncio.gather(*released)
+        requests = sim.stats.requests_total - len(released)
     summary = out.getvalue()
     assert "SMOKE TEST" in seen["header"], seen["header"]
     assert "smoke test is running" in seen["dialog"] and "the run does not start" in seen["dialog"], seen["dialog"]
