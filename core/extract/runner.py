@@ -288,10 +288,11 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
                  redone=redone)
 
 
-def _expected(dims: ModelDims, layers: tuple[int, ...]) -> Any:
-    """What --validate reads every file back against: this model's H and the layers extracted."""
-    from draftgen.core.extract.readback import Expected
-    return Expected(hidden_size=dims.hidden_size, layers=len(layers))
+def _expected(cfg: Any, dims: ModelDims, layers: tuple[int, ...]) -> Any:
+    """What --validate reads every file back against: this model's H, the layers extracted, the stored dtype
+    (and FP8's scales)."""
+    from draftgen.core.extract.readback import expected_of
+    return expected_of(cfg, dims.hidden_size, len(layers))
 
 
 def _remove_bad(root: Path, reader: TokenReader, shard: tuple[int, int], expected: Any, cfg: Any,
@@ -452,7 +453,7 @@ def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[Stag
         plan: _Plan = group.share(lambda: _make_plan(
             root, reader, shard, dims, limit, cfg, backend.max_batch_samples if backend else None, on_other_merge,
             model=(model_cfg, source), gpu_plan=backend is None, config_path=config.path, layers=len(layers),
-            validate=_expected(dims, layers) if validate else None))
+            validate=_expected(cfg, dims, layers) if validate else None))
         if backend is None and not plan.todo:  # every sample left is longer than the context: nothing to load
             backend = _Idle()
         if backend is None:
