@@ -93,6 +93,20 @@ def test_provenance_beside_merged_hidden_states_and_the_handoff(tmp_path: Path, 
     assert identity.merged_fingerprint(run / "merged").same_merge(fp)
 
 
+def test_records_added_at_once_are_all_kept_and_the_lock_is_in_the_run_directory(tmp_path: Path) -> None:
+    folder = tmp_path / "run" / "hidden_states"
+    folder.mkdir(parents=True)
+    code = ("import sys; from pathlib import Path; from draftgen.core import provenance\n"
+            "for i in range(40): provenance.add(Path(sys.argv[1]), f'{sys.argv[2]}-{i}', {'i': i})\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(folder), f"w{k}"]) for k in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    assert set(provenance.read(folder)) == {f"w{k}-{i}" for k in range(3) for i in range(40)}
+    # hidden_states/ holds the records only (what a trainer or `ls` sees); the lock is the run directory's.
+    assert sorted(p.name for p in folder.iterdir()) == [provenance.PROVENANCE_FILE]
+    assert provenance.lock_path(folder) == tmp_path / "run" / ".hidden_states.provenance.lock"
+    assert provenance.lock_path(folder).is_file()
+
+
 def test_check_finds_a_truncated_and_a_swapped_file_and_validate_redoes_only_those(tmp_path: Path,
                                                                                  model_dir: Path) -> None:
     config = test_extract.make_run(tmp_path, model_dir)
