@@ -73,6 +73,14 @@ def test_named_sets_are_placed_from_n() -> None:
     tiny = ModelDims(N_LAYERS, HIDDEN, "tiny")
     with pytest.raises(ConfigError, match="strictly ascending"):  # 8 layers cannot hold 7 distinct ones in 1..5
         resolve_aux_layers("dflash:7", tiny)
+    # A K past the room says the most there is, not a list of K layers (dflash:1000 printed 1,000 ids).
+    with pytest.raises(ConfigError) as refused:
+        resolve_aux_layers("dflash:1000", tiny)
+    assert str(refused.value) == (
+        "config: extract.aux_layers = 'dflash:1000' (SpecForge's DFlash placement for N=8) spreads 1,000 layers "
+        "from 1 to N-3 = 5, which has room for 5: they would not be strictly ascending (a layer twice); ask for "
+        "dflash:5 or fewer (tiny)")
+    assert resolve_aux_layers("dflash:5", tiny) == (1, 2, 3, 4, 5)
     with pytest.raises(ConfigError, match="one of eagle3, peagle, dflash:K, dspark:K"):
         resolve_aux_layers("dflash:0", tiny)
 
