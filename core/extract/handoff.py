@@ -331,6 +331,14 @@ def write_online(h: Handoff) -> Path:
     return path
 
 
+def _under(path: Path, folder: Path) -> str:
+    """`path` as named under `folder` (speculators-data/state.json), its name when it is elsewhere."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(folder).resolve()))
+    except ValueError:
+        return Path(path).name
+
+
 def write_provenance(config: Config, h: Handoff, started_at: float, files: list[Path]) -> Path:
     """The hand-off's record in hidden_states/provenance.json (core/provenance.py): the command, versions, config
     and inputs, the model and its config's digest, the layers, max_length and each file written with its sha256."""
@@ -351,7 +359,7 @@ def write_provenance(config: Config, h: Handoff, started_at: float, files: list[
         model={"path": cfg.model, **model}, layers=cfg.aux_layers,
         aux_hidden_state_layer_ids=h.aux_layer_ids, dtype=cfg.dtype, stored_dtype=stored_dtype(cfg),
         format=format_name(cfg), max_length=h.max_length, samples=h.samples, tokens=h.tokens,
-        outputs=[{"file": p.name, "sha256": provenance.file_sha256(p)} for p in files])
+        outputs=[{"file": _under(p, h.config_path.parent), "sha256": provenance.file_sha256(p)} for p in files])
     return provenance.add(h.config_path.parent, "train-command", rec)
 
 
@@ -363,14 +371,16 @@ def train_command(config: Config, *, max_length: int | None = None, out: TextIO 
     try:
         config_path, script = write_handoff(h)
         online_path = write_online(h)
-        write_provenance(config, h, started_at, [config_path, script, online_path])
+        written = [config_path, script, online_path]
+        extra = []
+        if config.extract.format == "speculators":  # vLLM's speculators reads these files: its config and command too
+            from draftgen.core.extract import speculators_handoff
+            extra = speculators_handoff.write(config, max_length=h.max_length)
+            written += speculators_handoff.written_files(config)
+        write_provenance(config, h, started_at, written)
     except OSError as e:
         from draftgen.core.files import disk_error
         raise disk_error(h.config_path, e) from e
-    extra = []
-    if config.extract.format == "speculators":  # vLLM's speculators reads these files: its config and command too
-        from draftgen.core.extract import speculators_handoff
-        extra = speculators_handoff.write(config, max_length=h.max_length)
     for line in describe(h) + describe_online(h, online_path) + extra:
         print(f"# {one_line(line)}", file=stream)
     print(f"# config ({one_line(str(config_path))}):", file=stream)

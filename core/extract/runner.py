@@ -643,6 +643,7 @@ def _leave_handoff(config: Config, events: EventLog) -> None:
         if config.extract.format == "speculators":
             from draftgen.core.extract import speculators_handoff
             speculators_handoff.write(config, max_length=h.max_length)
+            written += speculators_handoff.written_files(config)
         write_provenance(config, h, started_at, written)
     except (DraftgenError, OSError, ValueError) as e:
         events.write("warn", f"extract: the training hand-off (`draftgen train-command {sh_path(config.path)}`) was "

@@ -93,6 +93,22 @@ def test_provenance_beside_merged_hidden_states_and_the_handoff(tmp_path: Path, 
     assert identity.merged_fingerprint(run / "merged").same_merge(fp)
 
 
+@pytest.mark.parametrize("via", ["extract", "train-command"])
+def test_the_speculators_hand_off_is_in_its_provenance_record(tmp_path: Path, model_dir: Path, via: str) -> None:
+    config = test_extract.make_run(tmp_path, model_dir, samples=test_extract.make_samples(n=3),
+                                   format="speculators", dtype="fp8")
+    extract(config)  # leaves the hand-off and its record as it ends
+    if via == "train-command":
+        train_command(config, out=io.StringIO())
+    hidden = config.run_dir / "hidden_states"
+    outputs = {o["file"]: o["sha256"] for o in provenance.read(hidden)["train-command"]["outputs"]}
+    data = sorted(str(p.relative_to(hidden)) for p in (hidden / "speculators-data").rglob("*") if p.is_file())
+    assert "speculators-data/state.json" in data
+    names = ["speculators-train.yaml", "train-speculators.sh", *data]
+    assert {k: outputs[k] for k in names if k in outputs} == {k: sha256(hidden / k) for k in names}
+    assert {"specforge.json", "train-command.sh", "specforge-online.json"} <= set(outputs)
+
+
 def test_records_added_at_once_are_all_kept_and_the_lock_is_in_the_run_directory(tmp_path: Path) -> None:
     folder = tmp_path / "run" / "hidden_states"
     folder.mkdir(parents=True)
