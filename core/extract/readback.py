@@ -424,6 +424,8 @@ def check_command(config: Any, shard: tuple[int, int] = (0, 1), *, out: TextIO |
     if not standing.usable:
         raise claim.refusal(standing, root, config.path)
     fmt = format_of(config.extract)
+    from draftgen.core.extract.speculators_layout import refuse_other_format
+    refuse_other_format(fmt.name, root, config.path)  # else the other format's files pass as "without a file"
     expected = expected_for(config, root)
     print(f"checking {visible(str(root))} against {standing.current.describe()}, shard {parsed[0]}/{parsed[1]}: "
           f"{fmt.name} files, H={expected.hidden_size}, {expected.layers} aux layers, {expected.dtype}",

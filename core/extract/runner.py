@@ -116,17 +116,7 @@ def _existing(cfg: Any, root: Path, index: int) -> Path | None:
 
 def _refuse_other_format(cfg: Any, root: Path, config_path: object) -> None:
     """One format per folder: files of the other trainer's layout would be neither redone nor read."""
-    if not root.is_dir():
-        return
-    ours = cfg.format
-    if ours == "speculators":
-        other = next((p for p in root.glob("rows_*/data_*") if p.name.endswith((".ckpt", ".ckpt.gz"))), None)
-    else:
-        other = next(root.glob(f"{speculators.PREFIX}*{speculators.SUFFIX}"), None)
-    if other is not None:
-        raise ConfigError(f"{config_path}: extract.format = {ours!r}, but {root} already holds files of the other "
-                          f"format ({other.name}); move hidden_states/ aside (or set the format it was made with) "
-                          f"before extracting in this one")
+    speculators.refuse_other_format(cfg.format, root, config_path)
 
 
 def _shard_indices(count: int, shard: tuple[int, int]) -> range:

@@ -130,6 +130,16 @@ def test_one_format_per_folder_and_a_restart_skips_what_is_written(tmp_path: Pat
     specforge: Config = config_from_dict(raw, tmp_path / "draftgen.toml")
     with pytest.raises(ConfigError, match="files of the other format"):
         extract(specforge)
+    # The plan and the read-back check say so too: the plan counted every sample to do (0 done) and the check
+    # passed (exit 0, every sample "without a file") on a folder extract refuses.
+    import io
+
+    from draftgen.core.extract import readback
+    from draftgen.core.extract.command import plan_command
+    with pytest.raises(ConfigError, match=r"holds files of the other format \(hs_"):
+        plan_command(specforge, None, out=io.StringIO())
+    with pytest.raises(ConfigError, match=r"holds files of the other format \(hs_"):
+        readback.check_command(specforge, out=io.StringIO())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
