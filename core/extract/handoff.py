@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -108,6 +109,8 @@ class Handoff:
     hidden: str                              # what hidden_states/ holds
     train_jsonl: Path
     notes: list[str] = field(default_factory=list)
+    # extract.format = "speculators": no .ckpt file for SpecForge's offline reader, so train-command.sh refuses
+    offline_refusal: str = ""
 
     @property
     def command(self) -> str:
@@ -222,6 +225,13 @@ def make_handoff(config: Config, *, max_length: int | None = None) -> Handoff:
         hidden_text = f"{files:,} of {len(reader):,} samples" + (f", {stored.describe()}" if stored else "")
         if files < len(reader):
             notes += _missing_notes(config, reader, files, stored.merge_id if stored is not None else "")
+    refusal = ""
+    if config.extract.format == "speculators":
+        refusal = (f"these hidden states are speculators' hs_{{i}}.safetensors (extract.format = \"speculators\"): "
+                   f"SpecForge's offline reader takes .ckpt files only and would find none; train with "
+                   f"{sh_path(hidden.resolve() / 'train-speculators.sh')}, or SpecForge online "
+                   f"(specforge-online.json)")
+        notes.append(refusal)
     aux = _aux_layer_ids(config, notes)
     model: dict[str, Any] = {"target_model_path": config.extract.model, "torch_dtype": "bfloat16"}
     if config.extract.trust_remote_code:
@@ -242,7 +252,7 @@ def make_handoff(config: Config, *, max_length: int | None = None) -> Handoff:
                    chosen=cut_at(reader, lengths, chosen_length),
                    cuts=[cut_at(reader, lengths, n) for n in shown if n < longest],
                    aux_layer_ids=aux, merge=merge, hidden=hidden_text,
-                   train_jsonl=(merged / "train.jsonl").resolve(), notes=notes)
+                   train_jsonl=(merged / "train.jsonl").resolve(), notes=notes, offline_refusal=refusal)
 
 
 def _cut_text(c: Cut, samples: int, verb: str = "cuts") -> str:
@@ -278,7 +288,9 @@ def write_handoff(h: Handoff) -> tuple[Path, Path]:
     h.config_path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(h.config_path, h.config)
     script = h.config_path.with_name(SCRIPT_FILE)
-    body = "#!/bin/sh\n" + "".join(f"# {one_line(line)}\n" for line in describe(h)) + f"exec {h.command} \"$@\"\n"
+    run = (f"exec {h.command} \"$@\"\n" if not h.offline_refusal else
+           f"echo {shlex.quote('train-command.sh: ' + one_line(h.offline_refusal))} >&2\nexit 1\n")
+    body = "#!/bin/sh\n" + "".join(f"# {one_line(line)}\n" for line in describe(h)) + run
     write_atomic(script, body.encode())
     script.chmod(script.stat().st_mode | 0o100)
     return h.config_path, script

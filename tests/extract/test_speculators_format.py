@@ -319,3 +319,26 @@ def test_a_five_layer_set_is_written_with_its_slots_and_the_hand_off_says_eagle3
     out = io.StringIO()
     train_command(config, out=out)
     assert "NOTE: speculator_type = eagle3 reads 3 aux layers; these files hold 5" in out.getvalue()
+
+
+def test_specforges_offline_script_refuses_a_speculators_set_and_names_what_reads_it(
+        tmp_path: Path, model_dir: Path) -> None:
+    import io
+
+    from draftgen.core.extract.handoff import train_command
+    config = make_run(tmp_path, model_dir, samples=make_samples(n=2), format="speculators", dtype="fp8")
+    from draftgen.core.extract.command import extract_command
+    out = io.StringIO()
+    assert extract_command(config, None, out=out) == 0
+    assert "training with speculators: " in out.getvalue() and "train-command.sh" not in out.getvalue()
+    hidden = (config.run_dir / "hidden_states").resolve()
+    out = io.StringIO()
+    assert train_command(config, out=out) == 0
+    assert ("NOTE: these hidden states are speculators' hs_{i}.safetensors (extract.format = \"speculators\"): "
+            "SpecForge's offline reader takes .ckpt files only and would find none") in out.getvalue()
+    # train-command.sh ran `specforge train` on a folder with no .ckpt file: it says why and what to run instead.
+    proc = subprocess.run(["sh", str(hidden / "train-command.sh")], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"]})
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("train-command.sh: these hidden states are speculators' hs_{i}.safetensors")
+    assert f"train with {hidden / 'train-speculators.sh'}, or SpecForge online" in proc.stderr
