@@ -269,7 +269,8 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
         if gpu.refusal:
             raise DraftgenError(gpu.refusal)
         fraction = gpu.fraction
-    return _Plan(todo=todo, note=note, batches=batches, skipped_existing=len(indices) - len(todo) - len(too_long),
+    there = len(indices) - len(todo) - len(too_long) - len(left)  # files on disk: not those left for the budget
+    return _Plan(todo=todo, note=note, batches=batches, skipped_existing=there,
                  tokens_todo=tokens_todo, max_forward_tokens=widest, max_samples=most, mem_fraction=fraction,
                  too_long=[{"index": k, "id": entries[k].id, "tokens": entries[k].length} for k in too_long],
                  context=context, budget_left=left,

@@ -140,7 +140,10 @@ def test_a_disk_budget_stops_the_run_and_a_larger_one_finishes_the_rest_none_twi
     assert [p.name for p in files] == [f"data_{k}.ckpt" for k in range(5)]  # merged order
     assert sum(p.stat().st_size for p in files) <= budget
     first = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in files}
-    assert json.loads((root / "stats.json").read_text())["budget_left"] == 3
+    recorded = json.loads((root / "stats.json").read_text())
+    # The 3 left for a later run are not "already there" (the summary said "5 files written, 3 already there").
+    assert (recorded["budget_left"], recorded["written"], recorded["skipped_existing"]) == (3, 5, 0)
+    assert "5 files written to" in out and "0 already there" in out
 
     # The same budget again counts the files' real bytes (below the estimates): what still fits, in merged
     # order, and never past the budget.
