@@ -233,9 +233,9 @@ def check_speculators_file(path: Path, ids: np.ndarray, mask: np.ndarray, expect
     scales = None
     if expected.scale_key is not None:
         scales = data[expected.scale_key]
-        why = _check_scales(scales, expected.scale_key, t)
-        if why:
-            return why
+        wrong = _check_scales(scales, expected.scale_key, t)
+        if wrong:
+            return wrong
         if tuple(scales.shape) != (t, 1, 1):
             return f"{expected.scale_key} is float32 {list(scales.shape)}, expected float32 {[t, 1, 1]}"
     for s in range(slots):  # one [T, H] slot at a time: no float copy of the whole file
