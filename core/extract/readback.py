@@ -57,6 +57,8 @@ class Expected:
     layers: int                     # aux layers stacked in the file (3 for EAGLE-3)
     dtype: str = "bfloat16"         # the states' stored dtype, as torch names it
     scale_key: str | None = None    # FP8: the key of the per-token scales, which must be present
+    # speculators: the slots' layers in vLLM's numbering, which each file's metadata must name (None: unchecked)
+    layer_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,9 @@ def check_speculators_file(path: Path, ids: np.ndarray, mask: np.ndarray, expect
     if hidden.dtype != dtype or tuple(hidden.shape) != (t, slots, h):
         return (f"hidden_states is {str(hidden.dtype).removeprefix('torch.')} {list(hidden.shape)}, expected "
                 f"{expected.dtype} {[t, slots, h]}")
+    other_layers = _other_layers(path, expected)
+    if other_layers:
+        return other_layers
     scales = None
     if expected.scale_key is not None:
         scales = data[expected.scale_key]
@@ -255,6 +260,30 @@ def check_speculators_file(path: Path, ids: np.ndarray, mask: np.ndarray, expect
     return None
 
 
+def _other_layers(path: Path, expected: Expected) -> str | None:
+    """Why a speculators file holds other layers than the configured ones (its metadata's target_layer_ids)."""
+    named = _target_layer_ids(path) if expected.layer_ids is not None else None
+    if named is None or expected.layer_ids is None or named == list(expected.layer_ids):
+        return None
+    return (f"holds layers {named} (vLLM's numbering, its metadata), not the configured {list(expected.layer_ids)}: "
+            f"extracted with another extract.aux_layers")
+
+
+def _target_layer_ids(path: Path) -> list[int] | None:
+    """The `target_layer_ids` draftgen writes in a speculators file's header; None when it names none (a file
+    another tool wrote) or cannot be parsed."""
+    import json
+
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            text = (f.metadata() or {}).get("target_layer_ids")
+        ids = json.loads(text) if text is not None else None
+    except (OSError, ValueError, TypeError):
+        return None
+    return [int(k) for k in ids] if isinstance(ids, list) and all(isinstance(k, int) for k in ids) else None
+
+
 SPECULATORS = Format("speculators", speculators_files, check_speculators_file)
 FORMATS = {SPECFORGE.name: SPECFORGE, SPECULATORS.name: SPECULATORS}
 
@@ -270,13 +299,15 @@ def stored_dtype(cfg: Any) -> str:
     return "float8_e4m3fn" if getattr(cfg, "dtype", "") == "fp8" else "bfloat16"
 
 
-def expected_of(cfg: Any, hidden_size: int, layers: int) -> Expected:
-    """What each file of `[extract]`'s format and dtype holds for H and `layers` aux layers: its stored dtype, and
-    for FP8 the key of its scales."""
+def expected_of(cfg: Any, hidden_size: int, layers: int, layer_ids: list[int] | None = None) -> Expected:
+    """What each file of `[extract]`'s format and dtype holds for H and `layers` aux layers: its stored dtype, for
+    FP8 the key of its scales, and for speculators `layer_ids` (its slots in vLLM's numbering), named in each file."""
     from draftgen.core.extract.speculators_layout import SCALES_KEY
     dtype = stored_dtype(cfg)
     fp8 = dtype == "float8_e4m3fn"
-    return Expected(hidden_size=hidden_size, layers=layers, dtype=dtype, scale_key=SCALES_KEY if fp8 else None)
+    ids = tuple(layer_ids) if layer_ids is not None and format_name(cfg) == "speculators" else None
+    return Expected(hidden_size=hidden_size, layers=layers, dtype=dtype, scale_key=SCALES_KEY if fp8 else None,
+                    layer_ids=ids)
 
 
 def format_of(cfg: Any) -> Format:
@@ -353,8 +384,10 @@ def expected_for(config: Any, root: Path) -> Expected:
     cfg = config.extract
     try:
         model_cfg, source = read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        from draftgen.core.extract.speculators_layout import vllm_layer_ids
         dims = dims_from_config_dict(model_cfg, source)
-        return expected_of(cfg, dims.hidden_size, len(resolve_aux_layers(cfg.aux_layers, dims, config.path)))
+        layers = resolve_aux_layers(cfg.aux_layers, dims, config.path)
+        return expected_of(cfg, dims.hidden_size, len(layers), vllm_layer_ids(layers, dims.num_layers))
     except DraftgenError as e:
         reason = str(e)
     import orjson
@@ -362,7 +395,9 @@ def expected_for(config: Any, root: Path) -> Expected:
         try:
             obj = orjson.loads(stats.read_bytes())
             if int(obj.get("hidden_size") or 0) > 0 and obj.get("layers"):
-                return expected_of(cfg, int(obj["hidden_size"]), len(obj["layers"]))
+                ids = obj.get("target_layer_ids")
+                return expected_of(cfg, int(obj["hidden_size"]), len(obj["layers"]),
+                                   [int(k) for k in ids] if isinstance(ids, list) else None)
         except (OSError, orjson.JSONDecodeError, TypeError, ValueError):
             continue
     raise DraftgenError(f"cannot tell what the hidden-state files should hold: the model's config cannot be read "

@@ -283,7 +283,7 @@ def _expected(cfg: Any, dims: ModelDims, layers: tuple[int, ...]) -> Any:
     """What --validate reads every file back against: this model's H, the layers extracted, the stored dtype
     (and FP8's scales)."""
     from draftgen.core.extract.readback import expected_of
-    return expected_of(cfg, dims.hidden_size, len(layers))
+    return expected_of(cfg, dims.hidden_size, len(layers), speculators.vllm_layer_ids(layers, dims.num_layers))
 
 
 def _remove_bad(root: Path, reader: TokenReader, shard: tuple[int, int], expected: Any, cfg: Any,

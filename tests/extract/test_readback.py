@@ -4,6 +4,7 @@ on the CPU: a real merge, extraction and hand-off write provenance.json in merge
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import io
@@ -207,6 +208,13 @@ def test_speculators_fp8_check_finds_a_truncated_and_a_swapped_file_and_validate
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in before} == before  # the good ones untouched
     out = io.StringIO()
     assert readback.check_command(config, out=out) == 0
+    # aux_layers changed between runs: the files of the old layers (same shape) are bad (--validate would redo them).
+    other = dataclasses.replace(config, extract=dataclasses.replace(config.extract, aux_layers=[0, 2, 5]))
+    out = io.StringIO()
+    assert readback.check_command(other, out=out) == 1
+    assert f"0 good, {test_extract.N_SAMPLES} bad" in out.getvalue()
+    assert ("bad: hs_0.safetensors (sample 0, id s0): holds layers [2, 4, 5, 8] (vLLM's numbering, its metadata), "
+            "not the configured [1, 3, 6, 8]") in out.getvalue()
     # And speculators' own FP8 reader takes every file, the two redone ones included.
     got = read_with_speculators(config.run_dir, tmp_path / "read", speculators_pythonpath)
     assert got["existing"] == list(range(test_extract.N_SAMPLES))
@@ -256,6 +264,18 @@ def test_each_speculators_rule_names_what_is_wrong(tmp_path: Path, model_dir: Pa
     states[1, 2, 3] = float("nan")
     save_file({"token_ids": good["token_ids"], "hidden_states": states}, str(path))
     assert readback.check_speculators_file(path, ids, mask, bf16) == "NaN or Inf in its hidden states (slot 2)"
+    # Each file names its layers (vLLM's numbering): one extracted with other aux_layers is bad, though its shape
+    # is the same (the same count of layers); a file naming none (another tool's) is not judged by it.
+    assert fp8.layer_ids is None  # expected_of without the ids
+    named = readback.expected_of(config.extract, test_extract.HIDDEN, 3, [2, 4, 5, 8])
+    save_file(good, str(path), metadata={"target_layer_ids": "[2, 4, 5, 8]"})
+    assert readback.check_speculators_file(path, ids, mask, named) is None
+    save_file(good, str(path), metadata={"target_layer_ids": "[1, 3, 6, 8]"})
+    assert readback.check_speculators_file(path, ids, mask, named) == (
+        "holds layers [1, 3, 6, 8] (vLLM's numbering, its metadata), not the configured [2, 4, 5, 8]: extracted "
+        "with another extract.aux_layers")
+    save_file(good, str(path))
+    assert readback.check_speculators_file(path, ids, mask, named) is None
     # Files of names speculators counts but no row owns (hs_007, hs_99 past the rows) are listed, not read.
     shutil.copy(root / "hs_0.safetensors", root / "hs_007.safetensors")
     shutil.copy(root / "hs_0.safetensors", root / "hs_99.safetensors")
