@@ -119,6 +119,28 @@ def _refuse_other_format(cfg: Any, root: Path, config_path: object) -> None:
     speculators.refuse_other_format(cfg.format, root, config_path)
 
 
+def _refuse_other_layers(root: Path, layers: tuple[int, ...], config_path: object) -> None:
+    """The files of one folder hold one layer set: where a run's stats (stats.json, a shard's) say its files hold
+    other aux layers than `layers`, they would be skipped as already there and trained on as these (a SpecForge
+    `.ckpt` names no layers; a speculators file's own are checked by `draftgen check`)."""
+    import orjson
+
+    from draftgen.core.tokens import identity
+    if not root.is_dir():
+        return
+    for stats in sorted(root.glob("stats*.json")):
+        try:
+            obj = orjson.loads(stats.read_bytes())
+            before = [int(k) for k in obj["layers"]] if isinstance(obj, dict) and obj.get("layers") else None
+        except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+        if before is not None and before != list(layers) and identity.stored_samples(root):
+            raise ConfigError(f"{config_path}: extract.aux_layers gives layers {list(layers)}, but the files in {root} "
+                              f"hold layers {before} ({stats.name}): extracting would mix two layer sets, the files "
+                              f"there skipped as already done. Move hidden_states/ aside (or set aux_layers back to "
+                              f"{before}) before extracting these layers")
+
+
 def _shard_indices(count: int, shard: tuple[int, int]) -> range:
     i, n = shard
     return range(i, count, n)
@@ -238,6 +260,7 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
         raise disk_error(root, e) from e
     _remove_stale_tmp(root, shard)
     _refuse_other_format(cfg, root, config_path)
+    _refuse_other_layers(root, resolve_aux_layers(cfg.aux_layers, dims, config_path), config_path)
     redone = _remove_bad(root, reader, shard, validate, cfg) if validate is not None else []
     entries: list[TokenEntry] = reader.entries
     indices = _shard_indices(len(reader), shard)

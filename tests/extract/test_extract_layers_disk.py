@@ -203,3 +203,22 @@ def test_the_gpu_plan_counts_the_layers_asked_for() -> None:
     plans = [make_gpu_plan(extract_cfg(aux_layers=aux).extract, KIMI, "kimi", 16384, 4, nvml=None, env={})
              for aux in ("eagle3", "dflash:5")]
     assert plans[1].activation_bytes - plans[0].activation_bytes == 16384 * (five - three)
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_other_aux_layers_over_files_of_a_layer_set_are_refused_not_mixed(tmp_path: Path, model_dir: Path,
+                                                                          fmt: str) -> None:
+    import dataclasses
+    config = make_run(tmp_path, model_dir, test_extract.make_samples(n=4), format=fmt)
+    assert extract(config).written == 4
+    root = config.run_dir / "hidden_states"
+    gone = next(p for p in sorted(root.rglob("*")) if p.name in ("data_3.ckpt", "hs_3.safetensors"))
+    gone.unlink()
+    kept = {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.suffix in (".ckpt", ".safetensors")}
+    other = dataclasses.replace(config, extract=dataclasses.replace(config.extract, aux_layers=[0, 2, 5]))
+    # The three files of layers [1, 3, 4] were skipped as done and the fourth written with [0, 2, 5].
+    with pytest.raises(ConfigError, match=r"gives layers \[0, 2, 5\], but the files in .* hold layers \[1, 3, 4\] "
+                                          r"\(stats.json\): extracting would mix two layer sets"):
+        extract(other)
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept and not gone.exists()
+    assert extract(config).written == 1  # the same layers go on
