@@ -260,7 +260,7 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
         raise disk_error(root, e) from e
     _remove_stale_tmp(root, shard)
     _refuse_other_format(cfg, root, config_path)
-    _refuse_other_layers(root, resolve_aux_layers(cfg.aux_layers, dims, config_path), config_path)
+    _refuse_other_layers(root, resolve_aux_layers(cfg.aux_layers, dims, str(config_path)), config_path)
     redone = _remove_bad(root, reader, shard, validate, cfg) if validate is not None else []
     entries: list[TokenEntry] = reader.entries
     indices = _shard_indices(len(reader), shard)
