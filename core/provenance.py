@@ -25,9 +25,14 @@ Written atomically like every other output (core/files.py): readers see the old 
 one. merged/'s is written inside the merge's temporary folder, before it is fsynced and switched
 in (core/merge/swap.py), so it is part of the all-or-nothing switch; it is not in the merge id,
 which is the samples' digest alone. In hidden_states/ two commands may add their records at once
-(extraction and `draftgen train-command`, shards on several machines): a lock file beside it
-(`.provenance.lock`) makes each read-and-replace whole. SpecForge's offline reader takes only
-`.ckpt` files: neither file is read as a sample.
+(extraction and `draftgen train-command`, shards on several machines): an flock on a lock file in the
+folder's parent, named after it (`RUN/.hidden_states.provenance.lock`), makes each read-and-replace
+whole. The lock is not in hidden_states/ itself, which holds only what a trainer or a user looks for,
+and it is never removed (removing a lock file lets a third writer lock a new file while the second holds
+the old one). Shards on several machines share the run directory (each reads merged/ from it), so the
+lock file is on the same filesystem as the records; Linux's NFS client carries flock to the server
+(as a whole-file POSIX lock, NFSv4 or NFSv3 with lockd). SpecForge's offline reader takes only `.ckpt`
+files and speculators' only `hs_*.safetensors`: provenance.json is read as no sample.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from draftgen.core import __version__
 from draftgen.core.files import FILE_MODE, disk_error, write_json_atomic
 
 PROVENANCE_FILE = "provenance.json"
-LOCK_FILE = ".provenance.lock"
+LOCK_SUFFIX = ".provenance.lock"  # RUN/.<folder>.provenance.lock: the lock of RUN/<folder>/provenance.json
 ABSENT = "absent"
 # The libraries that do the work: their versions as installed (import names differ: looked up by distribution).
 LIBRARIES = ("torch", "transformers", "sglang", "specforge", "numpy", "safetensors")
@@ -176,9 +181,15 @@ def read(folder: Path) -> dict[str, Any]:
     return records if isinstance(records, dict) else {}
 
 
+def lock_path(folder: Path) -> Path:
+    """The lock file of `folder`'s provenance.json: in its parent (the run directory), named after it."""
+    folder = Path(folder)
+    return folder.parent / f".{folder.name}{LOCK_SUFFIX}"
+
+
 @contextlib.contextmanager
 def _locked(folder: Path) -> Iterator[None]:
-    path = Path(folder) / LOCK_FILE
+    path = lock_path(folder)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
     except OSError as e:

@@ -226,7 +226,7 @@ def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: 
     for bad in stats.redone:
         print(visible(f"--validate: {bad['path']} (sample {bad['index']}) was bad, extracted again: {bad['why']}",
                       one_line=True), file=stream, flush=True)
-    if (where / "train-command.sh").exists():
+    if (where / "train-command.sh").exists() and stats.format != "speculators":  # speculators: its own script below
         print(f"training: {visible(str(where / 'train-command.sh'))} (SpecForge's command and config, "
               f"data.max_length = the longest sample; `draftgen train-command {sh_path(config.path)}` explains it)",
               file=stream, flush=True)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -108,6 +109,8 @@ class Handoff:
     hidden: str                              # what hidden_states/ holds
     train_jsonl: Path
     notes: list[str] = field(default_factory=list)
+    # extract.format = "speculators": no .ckpt file for SpecForge's offline reader, so train-command.sh refuses
+    offline_refusal: str = ""
 
     @property
     def command(self) -> str:
@@ -222,6 +225,13 @@ def make_handoff(config: Config, *, max_length: int | None = None) -> Handoff:
         hidden_text = f"{files:,} of {len(reader):,} samples" + (f", {stored.describe()}" if stored else "")
         if files < len(reader):
             notes += _missing_notes(config, reader, files, stored.merge_id if stored is not None else "")
+    refusal = ""
+    if config.extract.format == "speculators":
+        refusal = (f"these hidden states are speculators' hs_{{i}}.safetensors (extract.format = \"speculators\"): "
+                   f"SpecForge's offline reader takes .ckpt files only and would find none; train with "
+                   f"{sh_path(hidden.resolve() / 'train-speculators.sh')}, or SpecForge online "
+                   f"(specforge-online.json)")
+        notes.append(refusal)
     aux = _aux_layer_ids(config, notes)
     model: dict[str, Any] = {"target_model_path": config.extract.model, "torch_dtype": "bfloat16"}
     if config.extract.trust_remote_code:
@@ -242,7 +252,7 @@ def make_handoff(config: Config, *, max_length: int | None = None) -> Handoff:
                    chosen=cut_at(reader, lengths, chosen_length),
                    cuts=[cut_at(reader, lengths, n) for n in shown if n < longest],
                    aux_layer_ids=aux, merge=merge, hidden=hidden_text,
-                   train_jsonl=(merged / "train.jsonl").resolve(), notes=notes)
+                   train_jsonl=(merged / "train.jsonl").resolve(), notes=notes, offline_refusal=refusal)
 
 
 def _cut_text(c: Cut, samples: int, verb: str = "cuts") -> str:
@@ -278,7 +288,9 @@ def write_handoff(h: Handoff) -> tuple[Path, Path]:
     h.config_path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(h.config_path, h.config)
     script = h.config_path.with_name(SCRIPT_FILE)
-    body = "#!/bin/sh\n" + "".join(f"# {one_line(line)}\n" for line in describe(h)) + f"exec {h.command} \"$@\"\n"
+    run = (f"exec {h.command} \"$@\"\n" if not h.offline_refusal else
+           f"echo {shlex.quote('train-command.sh: ' + one_line(h.offline_refusal))} >&2\nexit 1\n")
+    body = "#!/bin/sh\n" + "".join(f"# {one_line(line)}\n" for line in describe(h)) + run
     write_atomic(script, body.encode())
     script.chmod(script.stat().st_mode | 0o100)
     return h.config_path, script
@@ -331,6 +343,14 @@ def write_online(h: Handoff) -> Path:
     return path
 
 
+def _under(path: Path, folder: Path) -> str:
+    """`path` as named under `folder` (speculators-data/state.json), its name when it is elsewhere."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(folder).resolve()))
+    except ValueError:
+        return Path(path).name
+
+
 def write_provenance(config: Config, h: Handoff, started_at: float, files: list[Path]) -> Path:
     """The hand-off's record in hidden_states/provenance.json (core/provenance.py): the command, versions, config
     and inputs, the model and its config's digest, the layers, max_length and each file written with its sha256."""
@@ -351,7 +371,7 @@ def write_provenance(config: Config, h: Handoff, started_at: float, files: list[
         model={"path": cfg.model, **model}, layers=cfg.aux_layers,
         aux_hidden_state_layer_ids=h.aux_layer_ids, dtype=cfg.dtype, stored_dtype=stored_dtype(cfg),
         format=format_name(cfg), max_length=h.max_length, samples=h.samples, tokens=h.tokens,
-        outputs=[{"file": p.name, "sha256": provenance.file_sha256(p)} for p in files])
+        outputs=[{"file": _under(p, h.config_path.parent), "sha256": provenance.file_sha256(p)} for p in files])
     return provenance.add(h.config_path.parent, "train-command", rec)
 
 
@@ -363,14 +383,16 @@ def train_command(config: Config, *, max_length: int | None = None, out: TextIO 
     try:
         config_path, script = write_handoff(h)
         online_path = write_online(h)
-        write_provenance(config, h, started_at, [config_path, script, online_path])
+        written = [config_path, script, online_path]
+        extra = []
+        if config.extract.format == "speculators":  # vLLM's speculators reads these files: its config and command too
+            from draftgen.core.extract import speculators_handoff
+            extra = speculators_handoff.write(config, max_length=h.max_length)
+            written += speculators_handoff.written_files(config)
+        write_provenance(config, h, started_at, written)
     except OSError as e:
         from draftgen.core.files import disk_error
         raise disk_error(h.config_path, e) from e
-    extra = []
-    if config.extract.format == "speculators":  # vLLM's speculators reads these files: its config and command too
-        from draftgen.core.extract import speculators_handoff
-        extra = speculators_handoff.write(config, max_length=h.max_length)
     for line in describe(h) + describe_online(h, online_path) + extra:
         print(f"# {one_line(line)}", file=stream)
     print(f"# config ({one_line(str(config_path))}):", file=stream)

@@ -100,6 +100,11 @@ def resolve_aux_layers(aux_layers: str | list[int], dims: ModelDims,
         else:
             layers = dflash_layers(dims.num_layers, count)
             where = f"extract.aux_layers = {aux_layers!r} (SpecForge's DFlash placement for N={dims.num_layers})"
+            room = max(dims.num_layers - 3, 1)  # layers 1 to N - 3: more than that many repeat one
+            if count > room and len(set(layers)) < len(layers):
+                raise ConfigError(f"{config_path}: {where} spreads {count:,} layers from 1 to N-3 = "
+                                  f"{dims.num_layers - 3}, which has room for {room}: they would not be strictly "
+                                  f"ascending (a layer twice); ask for {name}:{room} or fewer ({dims.source})")
     else:
         layers = tuple(int(k) for k in aux_layers)
         where = "extract.aux_layers"

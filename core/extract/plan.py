@@ -262,7 +262,7 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
     """The plan of every shard of `shard`'s N; the model config is read (and, for the specforge backend, the
     cards' memory) only if this shard has work."""
     from draftgen.core.extract.model_info import dims_from_config_dict, read_model_config, resolve_aux_layers
-    from draftgen.core.extract.speculators_layout import existing_file
+    from draftgen.core.extract.speculators_layout import existing_file, refuse_other_format
     from draftgen.core.rundir import RunDir
     from draftgen.core.tokens.store import INDEX_FILE, TokenReader
     cfg = config.extract
@@ -272,6 +272,7 @@ def make_plan(config: Config, shard: tuple[int, int], *, free_space: Callable[[P
         raise DraftgenError(f"{tokens_dir / INDEX_FILE}: not found; run `draftgen merge` first")
     reader = TokenReader(tokens_dir)
     root = rundir.hidden_states
+    refuse_other_format(cfg.format, root, config.path)  # as extract would: no plan of files it would not count
     i, n = shard
     shards = [ShardPlan(j, n) for j in range(n)]
     gz_bytes = gz_tokens = gz_files = 0

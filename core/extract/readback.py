@@ -6,7 +6,7 @@ and extracts those samples again (and the missing ones; nothing else).
 
 A format is a `Format`: the files its trainer would read under hidden_states/, each with the merged
 row it claims, and a function that checks one file against its row (`check_file(path, ids, mask,
-expected)`: None when good, else why, in words). Today's: SpecForge's offline `.ckpt` layout
+expected)`: None when good, else why, in words). SpecForge's offline `.ckpt` layout
 (layout.py), by the rules of its reader (specforge/data/preprocessing.py and the 0.2.0
 `OfflineManifestReader`/`normalize_offline_sample`, tests/specforge_read.py):
 
@@ -20,6 +20,10 @@ expected)`: None when good, else why, in words). Today's: SpecForge's offline `.
   the model is not on this machine);
 - every value of both states is finite;
 - `input_ids` and `loss_mask` equal merged/tokens entry `i`, token for token.
+
+and speculators' `hs_{i}.safetensors` (speculators_layout.py) by speculators 0.9.0 / hs-connectors 0.9.0's
+reader (`check_speculators_file`): loads, `token_ids` int64 [T] equal to the row's ids, `hidden_states`
+[T, k+1, H] of the stored dtype, finite as dequantized, FP8's scales [T, 1, 1].
 
 `Expected.scale_key` is the hook for FP8 files: when a format stores FP8, the file must also hold its
 scales under that key, [T, ...] float32, finite and positive.
@@ -53,6 +57,8 @@ class Expected:
     layers: int                     # aux layers stacked in the file (3 for EAGLE-3)
     dtype: str = "bfloat16"         # the states' stored dtype, as torch names it
     scale_key: str | None = None    # FP8: the key of the per-token scales, which must be present
+    # speculators: the slots' layers in vLLM's numbering, which each file's metadata must name (None: unchecked)
+    layer_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,116 @@ def _check_scales(scales: Any, key: str, t: int) -> str | None:
 
 
 SPECFORGE = Format("specforge", specforge_files, check_specforge_file)
-FORMATS = {SPECFORGE.name: SPECFORGE}
+
+
+# ---------------------------------------------------------------------------------------------
+# speculators' hs_{i}.safetensors (speculators_layout.py)
+
+
+def speculators_files(root: Path) -> list[tuple[int, Path]]:
+    """Every `hs_*.safetensors` directly in `root` (speculators reads one folder: its
+    get_existing_hidden_state_indices counts each as a sample written, its trainer loads `hs_{i}` by the
+    dataset's row i), each with the row its name gives, -1 for a name no row's file has (`hs_x`, `hs_007`)."""
+    from draftgen.core.extract import speculators_layout as sl
+    out = []
+    for path in root.iterdir():
+        name = path.name
+        if not (name.startswith(sl.PREFIX) and name.endswith(sl.SUFFIX)) or not path.is_file():
+            continue
+        digits = name.removeprefix(sl.PREFIX).removesuffix(sl.SUFFIX)
+        index = int(digits) if digits.isdigit() and digits.isascii() and str(int(digits)) == digits else -1
+        out.append((index, path))
+    return sorted(out, key=lambda x: str(x[1]))
+
+
+def check_speculators_file(path: Path, ids: np.ndarray, mask: np.ndarray, expected: Expected) -> str | None:
+    """None when speculators reads `path` as merged row `ids` with the expected states; else why.
+
+    Its rules (speculators 0.9.0, hs-connectors 0.9.0; speculators_layout.py): the file loads with
+    safetensors' load_file; `token_ids` int64 [T] equal to the row's ids (check_hidden_states; the loss
+    mask is the dataset's, not the file's); `hidden_states` [T, k+1, H] of the stored dtype (ArrowDataset
+    cuts the k aux slots and the last); finite values as the trainer gets them (for FP8, dequantized as
+    FP8Transfer does: fp8 to bfloat16 times the scale in bfloat16); FP8's `hidden_states_scales` float32
+    [T, 1, 1], finite and positive."""
+    import torch
+
+    from draftgen.core.extract import speculators_layout as sl
+    try:
+        data = sl.load_sample(path)
+    except Exception as e:  # noqa: BLE001 - whatever safetensors raises, the file is unreadable
+        return f"unreadable (truncated or corrupt): {type(e).__name__}: {e}"
+    keys = ["token_ids", "hidden_states"] + ([expected.scale_key] if expected.scale_key else [])
+    missing = [k for k in keys if k not in data]
+    if missing:
+        why = " (FP8 states need their per-token scales)" if missing == [expected.scale_key] else ""
+        return f"no {', '.join(missing)}{why} (speculators reads {', '.join(keys)})"
+    token_ids, hidden = data["token_ids"], data["hidden_states"]
+    t = int(token_ids.shape[0]) if token_ids.dim() == 1 else -1
+    if t < 1 or token_ids.dtype != torch.int64:
+        return (f"token_ids is {str(token_ids.dtype).removeprefix('torch.')} {list(token_ids.shape)}, "
+                f"not int64 [T] with T >= 1")
+    h, slots = expected.hidden_size, expected.layers + 1
+    if hidden.dim() == 3 and hidden.shape[1] != slots:
+        return (f"hidden_states holds {hidden.shape[1]} layer slots, not {slots} (the {expected.layers} configured "
+                f"aux layers, then the last layer)")
+    dtype = getattr(torch, expected.dtype)
+    if hidden.dtype != dtype or tuple(hidden.shape) != (t, slots, h):
+        return (f"hidden_states is {str(hidden.dtype).removeprefix('torch.')} {list(hidden.shape)}, expected "
+                f"{expected.dtype} {[t, slots, h]}")
+    other_layers = _other_layers(path, expected)
+    if other_layers:
+        return other_layers
+    scales = None
+    if expected.scale_key is not None:
+        scales = data[expected.scale_key]
+        wrong = _check_scales(scales, expected.scale_key, t)
+        if wrong:
+            return wrong
+        if tuple(scales.shape) != (t, 1, 1):
+            return f"{expected.scale_key} is float32 {list(scales.shape)}, expected float32 {[t, 1, 1]}"
+    for s in range(slots):  # one [T, H] slot at a time: no float copy of the whole file
+        x = hidden[:, s]
+        if scales is not None:
+            x = x.to(torch.bfloat16) * scales[:, 0].to(torch.bfloat16)
+        lo, hi = torch.aminmax(x.reshape(-1))
+        if not bool(torch.isfinite(torch.stack((lo, hi)).float()).all()):
+            return f"NaN or Inf in its hidden states (slot {s}{', dequantized' if scales is not None else ''})"
+    if len(ids) != t:
+        return f"holds {t:,} tokens, but merged/tokens row has {len(ids):,} (another sample's states)"
+    got = token_ids.numpy()
+    if not np.array_equal(got, ids):
+        at = _first_difference(got, ids)
+        return (f"token_ids differ from merged/tokens from token {at:,} on ({int(got[at])} where merged has "
+                f"{int(ids[at])}): another sample's states")
+    return None
+
+
+def _other_layers(path: Path, expected: Expected) -> str | None:
+    """Why a speculators file holds other layers than the configured ones (its metadata's target_layer_ids)."""
+    named = _target_layer_ids(path) if expected.layer_ids is not None else None
+    if named is None or expected.layer_ids is None or named == list(expected.layer_ids):
+        return None
+    return (f"holds layers {named} (vLLM's numbering, its metadata), not the configured {list(expected.layer_ids)}: "
+            f"extracted with another extract.aux_layers")
+
+
+def _target_layer_ids(path: Path) -> list[int] | None:
+    """The `target_layer_ids` draftgen writes in a speculators file's header; None when it names none (a file
+    another tool wrote) or cannot be parsed."""
+    import json
+
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            text = (f.metadata() or {}).get("target_layer_ids")
+        ids = json.loads(text) if text is not None else None
+    except (OSError, ValueError, TypeError):
+        return None
+    return [int(k) for k in ids] if isinstance(ids, list) and all(isinstance(k, int) for k in ids) else None
+
+
+SPECULATORS = Format("speculators", speculators_files, check_speculators_file)
+FORMATS = {SPECFORGE.name: SPECFORGE, SPECULATORS.name: SPECULATORS}
 
 
 def format_name(cfg: Any) -> str:
@@ -182,6 +297,17 @@ def stored_dtype(cfg: Any) -> str:
     """The dtype the states are stored in, as torch names it: float8_e4m3fn for `dtype = "fp8"`, else bfloat16
     (`[extract] dtype` float32 or bfloat16 is the forward's; the files hold bfloat16 either way)."""
     return "float8_e4m3fn" if getattr(cfg, "dtype", "") == "fp8" else "bfloat16"
+
+
+def expected_of(cfg: Any, hidden_size: int, layers: int, layer_ids: list[int] | None = None) -> Expected:
+    """What each file of `[extract]`'s format and dtype holds for H and `layers` aux layers: its stored dtype, for
+    FP8 the key of its scales, and for speculators `layer_ids` (its slots in vLLM's numbering), named in each file."""
+    from draftgen.core.extract.speculators_layout import SCALES_KEY
+    dtype = stored_dtype(cfg)
+    fp8 = dtype == "float8_e4m3fn"
+    ids = tuple(layer_ids) if layer_ids is not None and format_name(cfg) == "speculators" else None
+    return Expected(hidden_size=hidden_size, layers=layers, dtype=dtype, scale_key=SCALES_KEY if fp8 else None,
+                    layer_ids=ids)
 
 
 def format_of(cfg: Any) -> Format:
@@ -258,9 +384,10 @@ def expected_for(config: Any, root: Path) -> Expected:
     cfg = config.extract
     try:
         model_cfg, source = read_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        from draftgen.core.extract.speculators_layout import vllm_layer_ids
         dims = dims_from_config_dict(model_cfg, source)
-        return Expected(hidden_size=dims.hidden_size, layers=len(resolve_aux_layers(cfg.aux_layers, dims,
-                                                                                   config.path)))
+        layers = resolve_aux_layers(cfg.aux_layers, dims, config.path)
+        return expected_of(cfg, dims.hidden_size, len(layers), vllm_layer_ids(layers, dims.num_layers))
     except DraftgenError as e:
         reason = str(e)
     import orjson
@@ -268,7 +395,9 @@ def expected_for(config: Any, root: Path) -> Expected:
         try:
             obj = orjson.loads(stats.read_bytes())
             if int(obj.get("hidden_size") or 0) > 0 and obj.get("layers"):
-                return Expected(hidden_size=int(obj["hidden_size"]), layers=len(obj["layers"]))
+                ids = obj.get("target_layer_ids")
+                return expected_of(cfg, int(obj["hidden_size"]), len(obj["layers"]),
+                                   [int(k) for k in ids] if isinstance(ids, list) else None)
         except (OSError, orjson.JSONDecodeError, TypeError, ValueError):
             continue
     raise DraftgenError(f"cannot tell what the hidden-state files should hold: the model's config cannot be read "
@@ -330,6 +459,8 @@ def check_command(config: Any, shard: tuple[int, int] = (0, 1), *, out: TextIO |
     if not standing.usable:
         raise claim.refusal(standing, root, config.path)
     fmt = format_of(config.extract)
+    from draftgen.core.extract.speculators_layout import refuse_other_format
+    refuse_other_format(fmt.name, root, config.path)  # else the other format's files pass as "without a file"
     expected = expected_for(config, root)
     print(f"checking {visible(str(root))} against {standing.current.describe()}, shard {parsed[0]}/{parsed[1]}: "
           f"{fmt.name} files, H={expected.hidden_size}, {expected.layers} aux layers, {expected.dtype}",

@@ -116,17 +116,29 @@ def _existing(cfg: Any, root: Path, index: int) -> Path | None:
 
 def _refuse_other_format(cfg: Any, root: Path, config_path: object) -> None:
     """One format per folder: files of the other trainer's layout would be neither redone nor read."""
+    speculators.refuse_other_format(cfg.format, root, config_path)
+
+
+def _refuse_other_layers(root: Path, layers: tuple[int, ...], config_path: object) -> None:
+    """The files of one folder hold one layer set: where a run's stats (stats.json, a shard's) say its files hold
+    other aux layers than `layers`, they would be skipped as already there and trained on as these (a SpecForge
+    `.ckpt` names no layers; a speculators file's own are checked by `draftgen check`)."""
+    import orjson
+
+    from draftgen.core.tokens import identity
     if not root.is_dir():
         return
-    ours = cfg.format
-    if ours == "speculators":
-        other = next((p for p in root.glob("rows_*/data_*") if p.name.endswith((".ckpt", ".ckpt.gz"))), None)
-    else:
-        other = next(root.glob(f"{speculators.PREFIX}*{speculators.SUFFIX}"), None)
-    if other is not None:
-        raise ConfigError(f"{config_path}: extract.format = {ours!r}, but {root} already holds files of the other "
-                          f"format ({other.name}); move hidden_states/ aside (or set the format it was made with) "
-                          f"before extracting in this one")
+    for stats in sorted(root.glob("stats*.json")):
+        try:
+            obj = orjson.loads(stats.read_bytes())
+            before = [int(k) for k in obj["layers"]] if isinstance(obj, dict) and obj.get("layers") else None
+        except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+        if before is not None and before != list(layers) and identity.stored_samples(root):
+            raise ConfigError(f"{config_path}: extract.aux_layers gives layers {list(layers)}, but the files in {root} "
+                              f"hold layers {before} ({stats.name}): extracting would mix two layer sets, the files "
+                              f"there skipped as already done. Move hidden_states/ aside (or set aux_layers back to "
+                              f"{before}) before extracting these layers")
 
 
 def _shard_indices(count: int, shard: tuple[int, int]) -> range:
@@ -248,6 +260,7 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
         raise disk_error(root, e) from e
     _remove_stale_tmp(root, shard)
     _refuse_other_format(cfg, root, config_path)
+    _refuse_other_layers(root, resolve_aux_layers(cfg.aux_layers, dims, str(config_path)), config_path)
     redone = _remove_bad(root, reader, shard, validate, cfg) if validate is not None else []
     entries: list[TokenEntry] = reader.entries
     indices = _shard_indices(len(reader), shard)
@@ -279,7 +292,8 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
         if gpu.refusal:
             raise DraftgenError(gpu.refusal)
         fraction = gpu.fraction
-    return _Plan(todo=todo, note=note, batches=batches, skipped_existing=len(indices) - len(todo) - len(too_long),
+    there = len(indices) - len(todo) - len(too_long) - len(left)  # files on disk: not those left for the budget
+    return _Plan(todo=todo, note=note, batches=batches, skipped_existing=there,
                  tokens_todo=tokens_todo, max_forward_tokens=widest, max_samples=most, mem_fraction=fraction,
                  too_long=[{"index": k, "id": entries[k].id, "tokens": entries[k].length} for k in too_long],
                  context=context, budget_left=left,
@@ -288,10 +302,11 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
                  redone=redone)
 
 
-def _expected(dims: ModelDims, layers: tuple[int, ...]) -> Any:
-    """What --validate reads every file back against: this model's H and the layers extracted."""
-    from draftgen.core.extract.readback import Expected
-    return Expected(hidden_size=dims.hidden_size, layers=len(layers))
+def _expected(cfg: Any, dims: ModelDims, layers: tuple[int, ...]) -> Any:
+    """What --validate reads every file back against: this model's H, the layers extracted, the stored dtype
+    (and FP8's scales)."""
+    from draftgen.core.extract.readback import expected_of
+    return expected_of(cfg, dims.hidden_size, len(layers), speculators.vllm_layer_ids(layers, dims.num_layers))
 
 
 def _remove_bad(root: Path, reader: TokenReader, shard: tuple[int, int], expected: Any, cfg: Any,
@@ -452,7 +467,7 @@ def _extract(config: Config, *, shard: tuple[int, int], progress: Callable[[Stag
         plan: _Plan = group.share(lambda: _make_plan(
             root, reader, shard, dims, limit, cfg, backend.max_batch_samples if backend else None, on_other_merge,
             model=(model_cfg, source), gpu_plan=backend is None, config_path=config.path, layers=len(layers),
-            validate=_expected(dims, layers) if validate else None))
+            validate=_expected(cfg, dims, layers) if validate else None))
         if backend is None and not plan.todo:  # every sample left is longer than the context: nothing to load
             backend = _Idle()
         if backend is None:
@@ -642,6 +657,7 @@ def _leave_handoff(config: Config, events: EventLog) -> None:
         if config.extract.format == "speculators":
             from draftgen.core.extract import speculators_handoff
             speculators_handoff.write(config, max_length=h.max_length)
+            written += speculators_handoff.written_files(config)
         write_provenance(config, h, started_at, written)
     except (DraftgenError, OSError, ValueError) as e:
         events.write("warn", f"extract: the training hand-off (`draftgen train-command {sh_path(config.path)}`) was "

@@ -142,6 +142,15 @@ def describe(spec: dict[str, Any], path: Path, data_note: str, ids: list[int]) -
             f"checked here for EAGLE-3 only)"])
 
 
+def written_files(config: Config) -> list[Path]:
+    """The hand-off's files as written: its config, its script and every file of its Arrow dataset (for the
+    record in hidden_states/provenance.json)."""
+    hidden = config.run_dir / "hidden_states"
+    data = hidden / DATA_DIR
+    found = sorted(p for p in data.rglob("*") if p.is_file()) if data.is_dir() else []
+    return [hidden / CONFIG_FILE, hidden / SCRIPT_FILE, *found]
+
+
 def write(config: Config, *, max_length: int) -> list[str]:
     """Write the config, the script and the dataset; the lines that describe them."""
     from draftgen.core.tokens import identity

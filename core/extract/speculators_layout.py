@@ -74,6 +74,22 @@ def existing_file(fmt: str, root: Path, index: int) -> Path | None:
     return layout.existing_sample(root, index)
 
 
+def refuse_other_format(fmt: str, root: Path, config_path: object) -> None:
+    """One format per folder: ConfigError when `root` holds a sample file of the other trainer's layout, which
+    extraction would neither skip nor redo and the read-back check would not read (extract, --plan, check)."""
+    from draftgen.core.errors import ConfigError
+    if not Path(root).is_dir():
+        return
+    if fmt == "speculators":
+        other = next((p for p in Path(root).glob("rows_*/data_*") if p.name.endswith((".ckpt", ".ckpt.gz"))), None)
+    else:
+        other = next(Path(root).glob(f"{PREFIX}*{SUFFIX}"), None)
+    if other is not None:
+        raise ConfigError(f"{config_path}: extract.format = {fmt!r}, but {root} already holds files of the other "
+                          f"format ({other.name}); move hidden_states/ aside (or set the format it was made with) "
+                          f"before extracting in this one")
+
+
 def vllm_layer_ids(layers: tuple[int, ...], num_layers: int) -> list[int]:
     """The k+1 slots in vLLM's numbering: each aux layer output k is vLLM's k + 1, the pre-norm last is N."""
     return [k + 1 for k in layers] + [num_layers]

@@ -73,6 +73,14 @@ def test_named_sets_are_placed_from_n() -> None:
     tiny = ModelDims(N_LAYERS, HIDDEN, "tiny")
     with pytest.raises(ConfigError, match="strictly ascending"):  # 8 layers cannot hold 7 distinct ones in 1..5
         resolve_aux_layers("dflash:7", tiny)
+    # A K past the room says the most there is, not a list of K layers (dflash:1000 printed 1,000 ids).
+    with pytest.raises(ConfigError) as refused:
+        resolve_aux_layers("dflash:1000", tiny)
+    assert str(refused.value) == (
+        "config: extract.aux_layers = 'dflash:1000' (SpecForge's DFlash placement for N=8) spreads 1,000 layers "
+        "from 1 to N-3 = 5, which has room for 5: they would not be strictly ascending (a layer twice); ask for "
+        "dflash:5 or fewer (tiny)")
+    assert resolve_aux_layers("dflash:5", tiny) == (1, 2, 3, 4, 5)
     with pytest.raises(ConfigError, match="one of eagle3, peagle, dflash:K, dspark:K"):
         resolve_aux_layers("dflash:0", tiny)
 
@@ -132,7 +140,10 @@ def test_a_disk_budget_stops_the_run_and_a_larger_one_finishes_the_rest_none_twi
     assert [p.name for p in files] == [f"data_{k}.ckpt" for k in range(5)]  # merged order
     assert sum(p.stat().st_size for p in files) <= budget
     first = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in files}
-    assert json.loads((root / "stats.json").read_text())["budget_left"] == 3
+    recorded = json.loads((root / "stats.json").read_text())
+    # The 3 left for a later run are not "already there" (the summary said "5 files written, 3 already there").
+    assert (recorded["budget_left"], recorded["written"], recorded["skipped_existing"]) == (3, 5, 0)
+    assert "5 files written to" in out and "0 already there" in out
 
     # The same budget again counts the files' real bytes (below the estimates): what still fits, in merged
     # order, and never past the budget.
@@ -192,3 +203,22 @@ def test_the_gpu_plan_counts_the_layers_asked_for() -> None:
     plans = [make_gpu_plan(extract_cfg(aux_layers=aux).extract, KIMI, "kimi", 16384, 4, nvml=None, env={})
              for aux in ("eagle3", "dflash:5")]
     assert plans[1].activation_bytes - plans[0].activation_bytes == 16384 * (five - three)
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_other_aux_layers_over_files_of_a_layer_set_are_refused_not_mixed(tmp_path: Path, model_dir: Path,
+                                                                          fmt: str) -> None:
+    import dataclasses
+    config = make_run(tmp_path, model_dir, test_extract.make_samples(n=4), format=fmt)
+    assert extract(config).written == 4
+    root = config.run_dir / "hidden_states"
+    gone = next(p for p in sorted(root.rglob("*")) if p.name in ("data_3.ckpt", "hs_3.safetensors"))
+    gone.unlink()
+    kept = {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.suffix in (".ckpt", ".safetensors")}
+    other = dataclasses.replace(config, extract=dataclasses.replace(config.extract, aux_layers=[0, 2, 5]))
+    # The three files of layers [1, 3, 4] were skipped as done and the fourth written with [0, 2, 5].
+    with pytest.raises(ConfigError, match=r"gives layers \[0, 2, 5\], but the files in .* hold layers \[1, 3, 4\] "
+                                          r"\(stats.json\): extracting would mix two layer sets"):
+        extract(other)
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept and not gone.exists()
+    assert extract(config).written == 1  # the same layers go on

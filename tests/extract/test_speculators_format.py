@@ -130,6 +130,16 @@ def test_one_format_per_folder_and_a_restart_skips_what_is_written(tmp_path: Pat
     specforge: Config = config_from_dict(raw, tmp_path / "draftgen.toml")
     with pytest.raises(ConfigError, match="files of the other format"):
         extract(specforge)
+    # The plan and the read-back check say so too: the plan counted every sample to do (0 done) and the check
+    # passed (exit 0, every sample "without a file") on a folder extract refuses.
+    import io
+
+    from draftgen.core.extract import readback
+    from draftgen.core.extract.command import plan_command
+    with pytest.raises(ConfigError, match=r"holds files of the other format \(hs_"):
+        plan_command(specforge, None, out=io.StringIO())
+    with pytest.raises(ConfigError, match=r"holds files of the other format \(hs_"):
+        readback.check_command(specforge, out=io.StringIO())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -309,3 +319,26 @@ def test_a_five_layer_set_is_written_with_its_slots_and_the_hand_off_says_eagle3
     out = io.StringIO()
     train_command(config, out=out)
     assert "NOTE: speculator_type = eagle3 reads 3 aux layers; these files hold 5" in out.getvalue()
+
+
+def test_specforges_offline_script_refuses_a_speculators_set_and_names_what_reads_it(
+        tmp_path: Path, model_dir: Path) -> None:
+    import io
+
+    from draftgen.core.extract.handoff import train_command
+    config = make_run(tmp_path, model_dir, samples=make_samples(n=2), format="speculators", dtype="fp8")
+    from draftgen.core.extract.command import extract_command
+    out = io.StringIO()
+    assert extract_command(config, None, out=out) == 0
+    assert "training with speculators: " in out.getvalue() and "train-command.sh" not in out.getvalue()
+    hidden = (config.run_dir / "hidden_states").resolve()
+    out = io.StringIO()
+    assert train_command(config, out=out) == 0
+    assert ("NOTE: these hidden states are speculators' hs_{i}.safetensors (extract.format = \"speculators\"): "
+            "SpecForge's offline reader takes .ckpt files only and would find none") in out.getvalue()
+    # train-command.sh ran `specforge train` on a folder with no .ckpt file: it says why and what to run instead.
+    proc = subprocess.run(["sh", str(hidden / "train-command.sh")], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"]})
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("train-command.sh: these hidden states are speculators' hs_{i}.safetensors")
+    assert f"train with {hidden / 'train-speculators.sh'}, or SpecForge online" in proc.stderr

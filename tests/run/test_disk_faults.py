@@ -627,9 +627,9 @@ def test_extraction_on_a_full_disk_keeps_every_finished_file(tmp_path):
     proc = cli(["extract", str(config)], limit=8_000, timeout=120)  # every file is ~30 KB
     assert_clean_error(proc, f"cannot write {run / 'hidden_states'}", ".ckpt: the file is too large")
     assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in kept} == kept
-    # Besides the sample files: stats, merge.json, provenance.json and its lock, the training hand-off (.json, .sh).
+    # Besides the sample files: stats, merge.json, provenance.json, the training hand-off (.json, .sh).
     left = sorted(p for p in (run / "hidden_states").rglob("*")
-                  if p.is_file() and p.suffix not in (".json", ".sh") and p.name != ".provenance.lock")
+                  if p.is_file() and p.suffix not in (".json", ".sh"))
     assert left == sorted(kept), "a half-written file was left behind"
 
     stats = extract(load_config(config))
