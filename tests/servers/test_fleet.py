@@ -168,12 +168,13 @@ async def test_the_smoke_test_asks_every_server_and_refuses_one_that_answers_oth
     assert len(sent) == sum(asked), (len(sent), asked)
 
 
-def up(fleet: FleetClient) -> dict[str, float]:
-    """/metrics' upstream_up per server, from a snapshot whose per-upstream stats read the fleet (as a run's do)."""
+def up(fleet: FleetClient, family: str = "draftgen_upstream_up") -> dict[str, float]:
+    """/metrics' upstream_up (or another per-upstream family) per server, from a snapshot whose per-upstream
+    stats read the fleet (as a run's do)."""
     stats = ProviderStats()
-    stats.servers = fleet.servers
+    stats.servers, stats.server_limits = fleet.servers, fleet.limits
     raw = generate_latest(registry_for(lambda: RunSnapshot("run", "m", provider_stats=stats.stats()))).decode()
-    [fam] = [f for f in text_string_to_metric_families(raw) if f.name == "draftgen_upstream_up"]
+    [fam] = [f for f in text_string_to_metric_families(raw) if f.name == family]
     return {x.labels["upstream"]: x.value for x in fam.samples}
 
 
@@ -203,6 +204,8 @@ async def test_a_server_that_refuses_connections_is_taken_out_probed_and_back() 
             assert [out for out, _ in said] == [True] and server_name(two.base_url) in said[0][1], said
             assert dict(fleet.servers())[server_name(two.base_url)].startswith("cannot connect")
             assert up(fleet) == {server_name(one.base_url): 1, server_name(two.base_url): 0}
+            # Each server's own limit: the concurrency of 8 shared evenly, not cut by a refusal.
+            assert up(fleet, "draftgen_upstream_limit") == {server_name(one.base_url): 4, server_name(two.base_url): 4}
             two = SimServer(config, port=port)
             await two.start()
             await until(lambda: len(said) == 2, "the server back after GET /models")
