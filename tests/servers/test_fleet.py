@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from draftgen.core.config import toml_value
 from draftgen.core.errors import ConfigError
+from draftgen.core.generate.api.client import RequestFailed
 from draftgen.core.generate.api.fleet import FleetClient, server_name
 from draftgen.core.generate.commands.smoke import run_smoke
 from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
@@ -218,6 +219,31 @@ async def test_a_server_that_refuses_connections_is_taken_out_probed_and_back() 
             await fleet.close()
             await two.close()
 
+
+async def test_a_servers_429s_leave_the_datasets_limit_alone_until_every_server_storms() -> None:
+    """Two simulators answering every request with a 429: while only one server is in a storm of its own,
+    its failures are `fleet_limited` (its limit took them: the dataset's is not cut); once both are, they
+    are not (the fleet as a whole is overloaded: the dataset's limit is cut as with one URL)."""
+    config = SimConfig(seed=3, fixed_latency_s=0.0, mean_completion_tokens=40, faults={"429": 1.0})
+    async with SimServer(config, port=0) as one, SimServer(config, port=0) as two:
+        fleet = FleetClient((one.base_url, two.base_url), TEST_KEY, concurrency=8, limits=limits)
+        fleet.open()
+        body = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+
+        async def ask() -> RequestFailed:
+            with pytest.raises(RequestFailed) as e:
+                await fleet.chat(body)
+            return e.value
+        try:
+            first = await asyncio.gather(*(ask() for _ in range(8)))  # 4 each: no storm yet (5 make one)
+            assert [e.fleet_limited for e in first] == [True] * 8
+            assert {e.server for e in first} == {server_name(one.base_url), server_name(two.base_url)}
+            await asyncio.gather(*(ask() for _ in range(8)))  # each its 5th to 8th: a storm each, cut
+            assert fleet.limits() == {server_name(one.base_url): (2, 4), server_name(two.base_url): (2, 4)}
+            third = await asyncio.gather(*(ask() for _ in range(8)))
+            assert [e.fleet_limited for e in third] == [False] * 8  # both in a storm: the dataset's limit hears it
+        finally:
+            await fleet.close()
 
 def test_a_server_whose_counts_depart_from_the_others_is_flagged_with_the_fleets_fix() -> None:
     """Servers are compared with each other as providers are; the fix is the fleet's (its base_url entry, or
