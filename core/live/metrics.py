@@ -195,17 +195,20 @@ def upstream_families(s: RunSnapshot) -> Iterator[Metric]:
                                   "answers, _sum their latencies, quantile 0.9 over the upstream's recent 256 "
                                   "answers.", labels=["upstream"])
     up = _gauge("upstream_up", "A fleet's server ([api] base_url a list): 1 in the fleet, 0 taken out.", ("upstream",))
+    limit = _gauge("upstream_limit", "A fleet's server: its own adaptive limit now (cut by its 429 storms, grows "
+                   "back to the run's concurrency shared evenly).", ("upstream",))
     for p in s.provider_stats:
         name = [_label(p.name)]
         if p.server:
             up.add_metric(name, 0 if p.out else 1)
+            limit.add_metric(name, p.limit)
         answers.add_metric(name, p.answers)
         errors.add_metric(name, p.errors)
         tokens.add_metric(name, p.completion_tokens)
         if p.answers:
             latency.add_metric(name, count_value=p.answers, sum_value=p.latency_mean_s * p.answers)
             latency.add_sample(latency.name, {"upstream": name[0], "quantile": LATENCY_QUANTILE}, p.latency_p90_s)
-    yield from (answers, errors, tokens, latency, up)
+    yield from (answers, errors, tokens, latency, up, limit)
 
 
 def gpu_families(s: RunSnapshot) -> Iterator[Metric]:

@@ -111,6 +111,8 @@ class ProviderStats:
         self._built: tuple[int, tuple[ProviderStat, ...]] = (0, ())
         # A fleet's servers, (name, why it is out or "") each in the order listed (api/fleet.py); None: no fleet.
         self.servers: Callable[[], tuple[tuple[str, str], ...]] | None = None
+        # A fleet's servers' adaptive limits: name -> (now, configured) (api/fleet.py); None: no fleet.
+        self.server_limits: Callable[[], dict[str, tuple[int, int]]] | None = None
 
     def _of(self, provider: str) -> _Provider:
         p = self._by[provider] = _Provider()
@@ -161,15 +163,19 @@ class ProviderStats:
 
     def stats(self) -> tuple[ProviderStat, ...]:
         """Per provider, most answers first; a fleet's servers marked, each listed (answered or not) with
-        whether it is out now."""
+        whether it is out now and its adaptive limit."""
         built = self._stats()
         if self.servers is None:
             return built
         fleet = dict(self.servers())
+        limits = self.server_limits() if self.server_limits is not None else {}
         named = {p.name for p in built}
-        return tuple(dataclasses.replace(p, server=True, out=fleet[p.name]) if p.name in fleet else p
-                     for p in built) + tuple(ProviderStat(name=name, server=True, out=why)
-                                             for name, why in fleet.items() if name not in named)
+
+        def server(p: ProviderStat) -> ProviderStat:
+            now, configured = limits.get(p.name, (0, 0))
+            return dataclasses.replace(p, server=True, out=fleet[p.name], limit=now, limit_configured=configured)
+        return tuple(server(p) if p.name in fleet else p for p in built) + tuple(
+            server(ProviderStat(name=name)) for name in fleet if name not in named)
 
     def _stats(self) -> tuple[ProviderStat, ...]:
         version, built = self._built

@@ -243,6 +243,8 @@ class ProviderStat:
     completion_tokens: int = 0
     server: bool = False  # a server of a fleet ([api] base_url a list), named by its URL without credentials
     out: str = ""         # a fleet's server taken out: why (it is probed and comes back at its first answer)
+    limit: int = 0        # a fleet's server: its own adaptive limit now (cut by its 429 storms); 0 otherwise
+    limit_configured: int = 0  # a fleet's server: the limit it grows back to (the run's concurrency shared evenly)
 
 
 # One history point: wall clock at its start, then the rates over it.

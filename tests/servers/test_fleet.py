@@ -19,16 +19,25 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from draftgen.core.config import toml_value
 from draftgen.core.errors import ConfigError
+from draftgen.core.generate.api.client import RequestFailed
 from draftgen.core.generate.api.fleet import FleetClient, server_name
 from draftgen.core.generate.commands.smoke import run_smoke
+from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
+from draftgen.core.live import snapshot as snap
 from draftgen.core.live.metrics import registry_for
 from draftgen.core.live.recent import ProviderStats
 from draftgen.core.live.snapshot import RunSnapshot
+from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.fidelity import Agreement, flag_providers
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
 from tests.helpers import TEST_KEY, cli_env, make_config, until, write_prompts
+
+
+def limits(configured: int, said: Any) -> AdaptiveConcurrency:
+    """A server's adaptive limit, as the engine makes it."""
+    return AdaptiveConcurrency(configured, on_change=said)
 
 
 def _simulator(latency: float) -> tuple[subprocess.Popen[str], str]:
@@ -160,12 +169,13 @@ async def test_the_smoke_test_asks_every_server_and_refuses_one_that_answers_oth
     assert len(sent) == sum(asked), (len(sent), asked)
 
 
-def up(fleet: FleetClient) -> dict[str, float]:
-    """/metrics' upstream_up per server, from a snapshot whose per-upstream stats read the fleet (as a run's do)."""
+def up(fleet: FleetClient, family: str = "draftgen_upstream_up") -> dict[str, float]:
+    """/metrics' upstream_up (or another per-upstream family) per server, from a snapshot whose per-upstream
+    stats read the fleet (as a run's do)."""
     stats = ProviderStats()
-    stats.servers = fleet.servers
+    stats.servers, stats.server_limits = fleet.servers, fleet.limits
     raw = generate_latest(registry_for(lambda: RunSnapshot("run", "m", provider_stats=stats.stats()))).decode()
-    [fam] = [f for f in text_string_to_metric_families(raw) if f.name == "draftgen_upstream_up"]
+    [fam] = [f for f in text_string_to_metric_families(raw) if f.name == family]
     return {x.labels["upstream"]: x.value for x in fam.samples}
 
 
@@ -179,7 +189,7 @@ async def test_a_server_that_refuses_connections_is_taken_out_probed_and_back() 
         two = SimServer(config, port=0)
         await two.start()
         port = two.port
-        fleet = FleetClient((one.base_url, two.base_url), TEST_KEY, concurrency=8, probe_s=0.05,
+        fleet = FleetClient((one.base_url, two.base_url), TEST_KEY, concurrency=8, probe_s=0.05, limits=limits,
                             say=lambda out, text: said.append((out, text)))
         fleet.open()
         try:
@@ -195,6 +205,8 @@ async def test_a_server_that_refuses_connections_is_taken_out_probed_and_back() 
             assert [out for out, _ in said] == [True] and server_name(two.base_url) in said[0][1], said
             assert dict(fleet.servers())[server_name(two.base_url)].startswith("cannot connect")
             assert up(fleet) == {server_name(one.base_url): 1, server_name(two.base_url): 0}
+            # Each server's own limit: the concurrency of 8 shared evenly, not cut by a refusal.
+            assert up(fleet, "draftgen_upstream_limit") == {server_name(one.base_url): 4, server_name(two.base_url): 4}
             two = SimServer(config, port=port)
             await two.start()
             await until(lambda: len(said) == 2, "the server back after GET /models")
@@ -207,6 +219,31 @@ async def test_a_server_that_refuses_connections_is_taken_out_probed_and_back() 
             await fleet.close()
             await two.close()
 
+
+async def test_a_servers_429s_leave_the_datasets_limit_alone_until_every_server_storms() -> None:
+    """Two simulators answering every request with a 429: while only one server is in a storm of its own,
+    its failures are `fleet_limited` (its limit took them: the dataset's is not cut); once both are, they
+    are not (the fleet as a whole is overloaded: the dataset's limit is cut as with one URL)."""
+    config = SimConfig(seed=3, fixed_latency_s=0.0, mean_completion_tokens=40, faults={"429": 1.0})
+    async with SimServer(config, port=0) as one, SimServer(config, port=0) as two:
+        fleet = FleetClient((one.base_url, two.base_url), TEST_KEY, concurrency=8, limits=limits)
+        fleet.open()
+        body = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+
+        async def ask() -> RequestFailed:
+            with pytest.raises(RequestFailed) as e:
+                await fleet.chat(body)
+            return e.value
+        try:
+            first = await asyncio.gather(*(ask() for _ in range(8)))  # 4 each: no storm yet (5 make one)
+            assert [e.fleet_limited for e in first] == [True] * 8
+            assert {e.server for e in first} == {server_name(one.base_url), server_name(two.base_url)}
+            await asyncio.gather(*(ask() for _ in range(8)))  # each its 5th to 8th: a storm each, cut
+            assert fleet.limits() == {server_name(one.base_url): (2, 4), server_name(two.base_url): (2, 4)}
+            third = await asyncio.gather(*(ask() for _ in range(8)))
+            assert [e.fleet_limited for e in third] == [False] * 8  # both in a storm: the dataset's limit hears it
+        finally:
+            await fleet.close()
 
 def test_a_server_whose_counts_depart_from_the_others_is_flagged_with_the_fleets_fix() -> None:
     """Servers are compared with each other as providers are; the fix is the fleet's (its base_url entry, or
@@ -221,3 +258,63 @@ def test_a_server_whose_counts_depart_from_the_others_is_flagged_with_the_fleets
     assert "template or tokenizer on this server" in flag.reason and b in flag.exclude_line
     [named] = flag_providers({"Together": good, "Novita": off, "Parasail": good})
     assert named.ignore_line == 'ignore = ["novita"]' and not named.fix  # providers: as before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_a_servers_429_storm_cuts_its_own_limit_only_and_the_others_take_the_run(tmp_path: Path) -> None:
+    """Three simulators behind one run at concurrency 60 (20 a server); the first answers every request with
+    a 429 for a while: its own limit is cut, the others' and the dataset's are not (with one limit for the
+    run, the dataset's was cut and the two others slowed with it), the other two answer the run, the
+    storm's start and end and the limit back are said once each naming that server; every prompt is
+    answered once, none fails. Each point is a state waited for."""
+    fast = dict(seed=5, fixed_latency_s=0.1, mean_completion_tokens=40, retry_after_s=0.3)
+    n, configured = 1500, 60
+    async with SimServer(SimConfig(**fast), port=0) as one, SimServer(SimConfig(**fast), port=0) as two, \
+            SimServer(SimConfig(**fast), port=0) as three:
+        sims = (one, two, three)
+        names = [server_name(s.base_url) for s in sims]
+        config = make_config(tmp_path, [s.base_url for s in sims], [{"name": "a", "n": n, "concurrency": configured}],
+                             tables={"api": {"kind": "openai-compatible", "request_timeout_s": 10},
+                                     "engine": {"max_attempts": 80},
+                                     "tokenizer": {"path": str(bundled_kimi_path()), "template": "kimi-k2.5"}})
+        pipeline = Pipeline(config, TEST_KEY, skip_smoke=True, serve_attach=False, seed=1)
+        await pipeline.start()
+        task = asyncio.create_task(pipeline.generate())
+
+        def server(name: str) -> snap.ProviderStat:
+            return next(p for p in pipeline.snapshot().provider_stats if p.name == name)
+
+        try:
+            await until(lambda: all(s.stats.answers_total >= 30 for s in sims), "all three to answer", 60)
+            assert [server(x).limit for x in names] == [20, 20, 20]
+            one.update(faults={"429": 1.0})
+            await until(lambda: server(names[0]).limit <= 10, "the first server's limit cut to half", 60)
+            # The others are not cut, nor the dataset's: the run keeps its 60 in flight on them.
+            at_cut = [s.stats.answers_total for s in sims]
+            await until(lambda: all(s.stats.answers_total >= a + 200 for s, a in zip(sims[1:], at_cut[1:])),
+                        "the other two to answer 200 more each", 60)
+            assert [server(x).limit for x in names[1:]] == [20, 20]
+            assert pipeline.snapshot().datasets[0].effective_concurrency == configured
+            assert one.stats.answers_total == at_cut[0]  # every request it got was rate-limited
+            # Over: slow answers so the run lasts while its limit grows back (5 s quiet, then +1 a second).
+            for s in sims:
+                s.update(faults={}, fixed_latency_s=2.0)
+            await until(lambda: server(names[0]).limit == 20, "the first server's limit back at 20", 90)
+            for s in sims:
+                s.update(fixed_latency_s=0.0)
+            state = await asyncio.wait_for(task, 120)
+        finally:
+            if not task.done():
+                pipeline.quit(drain=False)
+            await pipeline.close()
+    assert state == snap.RunState.DONE
+    records = _records(RunDir(config.run_dir).responses("a"))
+    assert sorted(r["id"] for r in records) == sorted(f"a-{i}" for i in range(n))  # every prompt, once
+    assert not _records(RunDir(config.run_dir).failures("a"))
+    log = RunDir(config.run_dir).events_log.read_text()
+    said = [line for line in log.splitlines() if "storm" in line or "limit back" in line]
+    assert sum(f"server {names[0]}: 429 storm: " in line for line in said) == 1, said
+    assert sum(f"server {names[0]}: 429 storm over after" in line for line in said) == 1, said
+    assert sum(f"server {names[0]}: limit back at the configured 20" in line for line in said) == 1, said
+    assert not any(names[1] in line or names[2] in line or "a: 429 storm" in line for line in said), said

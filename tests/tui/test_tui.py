@@ -402,6 +402,19 @@ async def test_providers_panel_shows_token_agreement_and_the_flag() -> None:
         assert "together/int4" in shown  # no figures yet: listed without them
 
 
+async def test_providers_panel_shows_each_fleet_servers_own_limit() -> None:
+    """A fleet's servers are the providers' rows, each with its own adaptive limit after its share."""
+    names = ("http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1")
+    stats = (snap.ProviderStat(names[0], answers=600, server=True, limit=34, limit_configured=100),
+             snap.ProviderStat(names[1], answers=400, server=True, limit=100, limit_configured=100))
+    app, _ = make(dataclasses.replace(fx.running(), providers=((names[0], 600), (names[1], 400)),
+                                      provider_stats=stats, fidelity=()))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        shown = text(app, "#providers")
+        assert "60% ≤34" in shown and "40% ≤100" in shown, shown
+
+
 # -- the operator's views: drill-down, log, history, end states, terminal sizes ------------------------
 
 

@@ -1,7 +1,9 @@
 """Providers: share of answers per provider (with its quantization where known) and, once answers are
 reconstructed, the share whose token count equals the billed one; a provider whose counts depart from
 the others' is marked (`draftgen tokens` prints why, with the `ignore` line to add). A fleet's servers
-([api] base_url a list) are its rows, each named by its URL; one taken out is marked "out"."""
+([api] base_url a list) are its rows, each named by its URL, with its own adaptive limit after its share
+("≤100"; yellow while a 429 storm of its own holds it below its configured value); one taken out is
+marked "out"."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ class ProvidersPanel(SelectablePanel):
         return tuple(name for name, _ in shown)
 
     def key(self, s: RunSnapshot) -> Any:
-        return s.providers, s.fidelity, _out(s)
+        return s.providers, s.fidelity, _out(s), _limits(s)
 
     def fit(self) -> Any:
         return (self.rows, self.cols < 26)
@@ -44,6 +46,7 @@ class ProvidersPanel(SelectablePanel):
         narrow = self.cols < 26
         flagged = {f.name for f in s.fidelity if f.flagged}
         out = _out(s)
+        limits = _limits(s)
         if narrow:
             fidelity = {}
         if fidelity:
@@ -55,7 +58,11 @@ class ProvidersPanel(SelectablePanel):
             label = Text(name) if not (narrow and not unflagged) else Text.assemble(("! ", "bold red"), name)
             if name in out:  # a fleet's server taken out ([api] base_url a list): events.log says why
                 label = Text.assemble(("out ", "bold red"), label)
-            cells: list[Any] = [label, fmt.percent(n, total)]
+            share: Any = fmt.percent(n, total)
+            if name in limits:  # a fleet's server: its own adaptive limit
+                now, configured = limits[name]
+                share = Text.assemble(share, " ", (f"≤{now:,}", "yellow" if now < configured else "dim"))
+            cells: list[Any] = [label, share]
             if fidelity:
                 # The run names a server's answers without a provider "unknown", the report "(unknown)".
                 f = fidelity.get(name) or (fidelity.get(UNKNOWN) if name == "unknown" else None)
@@ -67,6 +74,11 @@ class ProvidersPanel(SelectablePanel):
             table.add_row(Text(f"+{len(rest)} others", style="dim"), fmt.percent(sum(n for _, n in rest), total),
                           *([""] if fidelity else []))
         return table
+
+
+def _limits(s: RunSnapshot) -> dict[str, tuple[int, int]]:
+    """The fleet's servers' adaptive limits: name -> (now, configured)."""
+    return {p.name: (p.limit, p.limit_configured) for p in s.provider_stats if p.server and p.limit}
 
 
 def _out(s: RunSnapshot) -> frozenset[str]:

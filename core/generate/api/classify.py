@@ -151,6 +151,8 @@ class RequestFailed(Exception):
             int(code) if isinstance(code, str) and code.isdigit() else None)
         self.past_cap: PastCap | None = None  # kind PAST_CAP: what the provider produced past the cap
         self.server = ""  # the fleet's server that failed it (api/fleet.py), its URL without credentials
+        # A slow-down that the fleet's server's own limit took (api/fleet.py): the dataset's limit is not cut.
+        self.fleet_limited = False
 
     @classmethod
     def ran_past_cap(cls, cap: PastCap, provider: str | None) -> RequestFailed:

@@ -1,8 +1,22 @@
 """A fleet of self-hosted servers behind one run: `[api] base_url` given as a list of URLs.
 
 `FleetClient` is a `ChatClient` whose `chat` asks one of its servers (`Member`), each with its own
-connection pool and its own count of requests in flight: a request goes to the live server with the
-fewest in flight (ties: the first listed). A server is taken out of the fleet when
+connection pool, its own count of requests in flight and its own adaptive limit (`ServerLimit`: the
+engine passes loop/concurrency.py's `AdaptiveConcurrency`), configured at the run's concurrency shared
+evenly (ceil(total / servers)): a request goes to the live server with room (in flight below its
+limit) with the fewest in flight (ties: the first listed); when every live server is at its limit, to
+the one least full for its limit (in flight / limit), so the fleet never holds a request the run
+admitted (a pause stays a pause: admission decides what is sent) and a cut server's share of the run
+shrinks to its limit's share.
+
+A server's limit is cut by its own 429 storms (the trickle-vs-storm rule of AdaptiveConcurrency, counted
+over the attempts sent to that server): its 429s, its 503s (a full queue) and its timeouts. The others'
+limits are not touched, and such a failure does not cut the dataset's limit (`RequestFailed.fleet_limited`)
+unless every live server is in a storm at once: then the fleet as a whole is overloaded and the run's
+limit is cut as with one base_url. Each server's storm start, end and its limit back are said once each
+(`say_limit`: concurrency events naming the server), and its limit is in the snapshot (`limits`).
+
+A server is taken out of the fleet when
 
 - it refuses a connection (nothing was sent: the request is asked of the next live server at once,
   under the same attempt, so nothing is paid or counted twice), or
@@ -28,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFailed
@@ -38,6 +52,24 @@ from draftgen.core.secrets import Redactor
 FAILS_OUT = 5        # a server's faults in a row (no answer between) that take it out of the fleet
 PROBE_S = 5.0        # how often a server taken out is asked GET /models
 _SERVER_FAULTS = frozenset({ErrorKind.CONNECTION, ErrorKind.BAD_BODY, ErrorKind.TIMEOUT})
+
+
+class ServerLimit(Protocol):
+    """A server's adaptive limit as the fleet uses it (loop/concurrency.py `AdaptiveConcurrency`, made by
+    the caller: the api layer does not import the loop's)."""
+    configured: int
+
+    @property
+    def limit(self) -> int: ...
+    @property
+    def in_storm(self) -> bool: ...
+    def on_send(self) -> None: ...
+    def on_429(self) -> None: ...
+    def tick(self) -> bool: ...
+
+
+# A server's limit from its configured value and what its storms say (`starts`, the message).
+LimitFactory = Callable[[int, Callable[[bool, str], None]], ServerLimit]
 
 
 def server_name(url: str) -> str:
@@ -51,15 +83,17 @@ def server_name(url: str) -> str:
 
 
 class Member:
-    """One server of the fleet: its client, what it has in flight, whether it is in the fleet."""
+    """One server of the fleet: its client, what it has in flight, its adaptive limit, whether it is in
+    the fleet."""
 
-    __slots__ = ("url", "name", "client", "in_flight", "fails", "out", "why")
+    __slots__ = ("url", "name", "client", "in_flight", "limit", "fails", "out", "why")
 
-    def __init__(self, url: str, client: ChatClient) -> None:
+    def __init__(self, url: str, client: ChatClient, limit: ServerLimit) -> None:
         self.url = url
         self.name = server_name(url)
         self.client = client
         self.in_flight = 0
+        self.limit = limit   # its own: cut by its 429 storms only
         self.fails = 0       # faults of the server's in a row since its last answer
         self.out = False     # taken out: asked nothing while another server is in
         self.why = ""        # what took it out
@@ -69,15 +103,20 @@ class FleetClient(ChatClient):
     """`chat` spread over several servers by least in flight (module docstring); everything else of a
     `ChatClient` (GET /key, /version, /server_info, /generation) is the first server's."""
 
-    def __init__(self, urls: tuple[str, ...], api_key: str, *, concurrency: int,
+    def __init__(self, urls: tuple[str, ...], api_key: str, *, concurrency: int, limits: LimitFactory,
                  say: Callable[[bool, str], None] | None = None, probe_s: float = PROBE_S,
-                 **kwargs: Any) -> None:
+                 say_limit: Callable[[bool, str], None] | None = None, **kwargs: Any) -> None:
         super().__init__(urls[0], api_key, concurrency=concurrency, **kwargs)
-        # Each server's pool can take every request of the run (the others may all be out).
-        self.members = [Member(url, ChatClient(url, api_key, concurrency=concurrency, **kwargs)) for url in urls]
+        share = -(-concurrency // len(urls))  # each server's configured limit: the run's shared evenly
+        # Each server's pool can take every request of the run (the others may all be out or full).
+        self.members = [Member(url, ChatClient(url, api_key, concurrency=concurrency, **kwargs),
+                               limits(share, self._limit_said(server_name(url))))
+                        for url in urls]
         self._say = say or (lambda out, text: None)
+        self._say_limit = say_limit or (lambda starts, text: None)
         self._probe_s = probe_s
         self._probe: asyncio.Task[None] | None = None
+        self._grow: asyncio.Task[None] | None = None
         self._redact: Redactor = kwargs.get("redact") or Redactor(api_key)
 
     def open(self) -> None:
@@ -86,33 +125,49 @@ class FleetClient(ChatClient):
             m.client.open()
 
     async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe
-            self._probe = None
+        for task in (self._probe, self._grow):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._probe = self._grow = None
         for m in self.members:
             await m.client.close()
         await super().close()
 
+    def _limit_said(self, name: str) -> Callable[[bool, str], None]:
+        """What server `name`'s adaptive limit says (its storm's start and end, its limit back)."""
+        return lambda starts, text: self._say_limit(starts, f"server {name}: {text}")
+
     def _pick(self, tried: set[int]) -> tuple[int, Member]:
-        """The live server with the fewest requests in flight that this request has not tried; with none
-        live, the one (out) with the fewest."""
-        live = [(m.in_flight, i) for i, m in enumerate(self.members) if not m.out and i not in tried]
-        pool = live or [(m.in_flight, i) for i, m in enumerate(self.members) if i not in tried]
-        _, i = min(pool)
+        """The live server with room (in flight below its limit) and the fewest requests in flight that this
+        request has not tried; with every live one at its limit, the one least full for its limit; with
+        none live, the one (out) with the fewest."""
+        untried = [(i, m) for i, m in enumerate(self.members) if i not in tried]
+        live = [(i, m) for i, m in untried if not m.out]
+        room = [(m.in_flight, i) for i, m in live if m.in_flight < m.limit.limit]
+        if room:
+            _, i = min(room)
+        elif live:
+            _, _, i = min((m.in_flight / m.limit.limit, m.in_flight, i) for i, m in live)
+        else:
+            _, i = min((m.in_flight, i) for i, m in untried)
         return i, self.members[i]
 
     async def chat(self, body: dict[str, Any], on_generation: Callable[[str], None] | None = None, *,
                    details: bool = False) -> ChatAnswer:
+        if self._grow is None:
+            self._grow = asyncio.get_running_loop().create_task(self._grow_limits())
         tried: set[int] = set()
         while True:
             i, m = self._pick(tried)
             m.in_flight += 1
+            m.limit.on_send()
             try:
                 answer = await m.client.chat(body, on_generation, details=details)
             except RequestFailed as e:
                 self._failed(m, e)
+                self._slowed(m, e)
                 tried.add(i)
                 if e.unreachable and any(not o.out and j not in tried for j, o in enumerate(self.members)):
                     continue  # no connection, nothing sent: asked of the next live server now
@@ -133,6 +188,21 @@ class FleetClient(ChatClient):
             m.fails += 1
             if m.fails >= FAILS_OUT:
                 self._take_out(m, f"{m.fails} requests in a row failed (the last: {self._redact(e.message)[:160]})")
+
+    def _slowed(self, m: Member, e: RequestFailed) -> None:
+        """A 429, a full queue's 503 or a timeout of server `m`'s: its own limit hears it (a storm cuts it).
+        The dataset's limit is left alone (`fleet_limited`) while another live server is not in a storm."""
+        if not (e.slow_down or e.status == 503 or e.kind is ErrorKind.TIMEOUT):
+            return
+        m.limit.on_429()
+        e.fleet_limited = any(not o.out and not o.limit.in_storm for o in self.members)
+
+    async def _grow_limits(self) -> None:
+        """Every second: the servers' limits cut by their storms grow back (for the life of the client)."""
+        while True:
+            await asyncio.sleep(1.0)
+            for m in self.members:
+                m.limit.tick()
 
     def _take_out(self, m: Member, why: str) -> None:
         if m.out:
@@ -162,6 +232,10 @@ class FleetClient(ChatClient):
     def servers(self) -> tuple[tuple[str, str], ...]:
         """(name, why it is out: "" while it is in) per server, in the order listed (the snapshot's)."""
         return tuple((m.name, m.why) for m in self.members)
+
+    def limits(self) -> dict[str, tuple[int, int]]:
+        """Per server: (its adaptive limit now, its configured limit) (the snapshot's)."""
+        return {m.name: (m.limit.limit, m.limit.configured) for m in self.members}
 
 
 def answers_differ(first: ChatAnswer, other: ChatAnswer) -> list[str]:

@@ -233,6 +233,7 @@ class Engine:
         client = client or self._client(need)
         if isinstance(client, FleetClient):  # each server's tallies and state in the snapshot
             self.provider_stats.servers = client.servers
+            self.provider_stats.server_limits = client.limits
         client.open()
         try:
             costs = await open_costs(cfg, self.rundir, self.spend, client, self._event, on_settled=self._wake_all)
@@ -321,7 +322,12 @@ class Engine:
             self._event(snap.Level.WARN if out else snap.Level.INFO,
                         snap.EventKind.UNREACHABLE if out else snap.EventKind.REACHABLE, text)
 
-        return FleetClient(api.servers, self._api_key, concurrency=need, say=say, **kwargs)
+        def say_limit(starts: bool, text: str) -> None:  # a server's storm began or ended, its limit back
+            self._event(snap.Level.WARN if starts else snap.Level.INFO, snap.EventKind.CONCURRENCY, text)
+
+        clock = self._clock
+        return FleetClient(api.servers, self._api_key, concurrency=need, say=say, say_limit=say_limit,
+                           limits=lambda share, said: AdaptiveConcurrency(share, clock, said), **kwargs)
 
     def _provider_said(self, bad: bool, message: str) -> None:
         """A provider gone bad, or back (recent.py `ProviderStats`): an event."""

@@ -372,7 +372,7 @@ class Requests:
         ctx.errors.add(e.kind)
         ctx.recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=ticket.prompt_id, attempt=tries,
                        message=ctx.redact(e.message), status=e.status, provider=e.server or e.provider)
-        if e.slows_down(self_hosted):
+        if e.slows_down(self_hosted) and not e.fleet_limited:  # a fleet's server's own limit took it
             ds.concurrency.on_429()
 
     def _doubted(self, ds: DatasetRun, ticket: Ticket, answer: ChatAnswer) -> None:
