@@ -3,11 +3,22 @@
 `FleetClient` is a `ChatClient` whose `chat` asks one of its servers (`Member`), each with its own
 connection pool, its own count of requests in flight and its own adaptive limit (`ServerLimit`: the
 engine passes loop/concurrency.py's `AdaptiveConcurrency`), configured at the run's concurrency shared
-evenly (ceil(total / servers)): a request goes to the live server with room (in flight below its
-limit) with the fewest in flight (ties: the first listed); when every live server is at its limit, to
-the one least full for its limit (in flight / limit), so the fleet never holds a request the run
-admitted (a pause stays a pause: admission decides what is sent) and a cut server's share of the run
-shrinks to its limit's share.
+evenly (ceil(total / servers)): a request goes to the live server not in a storm of its own with room
+(in flight below its limit) and the fewest in flight for its limit (ties: fewer in flight, then the first
+listed); when every such server is at its limit, to the one least full for its limit (in flight / limit),
+so the fleet never holds a request the run admitted (a pause stays a pause: admission decides what is
+sent).
+
+A server in a 429 storm (below) answers at once, so it always has room: counting requests in flight would
+send it attempt after attempt (1,297 429s in 8 s in tests/servers/test_fleet.py's storm test). While
+another live server is not in a storm, a storming one gets a request only as a probe: at most one every
+STORM_PROBE_S seconds, and only with room under its cut limit. Probing (rather than asking it only when
+every other server is full) keeps its share bounded by time, not by how full the others are: when they are
+full, their extra requests queue on servers that answer instead of bouncing off one that does not (each
+bounce is an attempt and a retry's wait for that prompt). The probes are its 429s that keep the storm
+seen (2 a second: 10 a window, the storm rule's 5 at least) and its first answers that end it: 5 s
+without a storm's 429s, as with one URL. With every live server in a storm, they share requests by room
+and fullness as above.
 
 A server's limit is cut by its own 429 storms (the trickle-vs-storm rule of AdaptiveConcurrency, counted
 over the attempts sent to that server): its 429s, its 503s (a full queue) and its timeouts. The others'
@@ -41,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -51,6 +63,7 @@ from draftgen.core.secrets import Redactor
 
 FAILS_OUT = 5        # a server's faults in a row (no answer between) that take it out of the fleet
 PROBE_S = 5.0        # how often a server taken out is asked GET /models
+STORM_PROBE_S = 0.5  # a server in a storm, with another not in one: one request every so often
 _SERVER_FAULTS = frozenset({ErrorKind.CONNECTION, ErrorKind.BAD_BODY, ErrorKind.TIMEOUT})
 
 
@@ -86,7 +99,7 @@ class Member:
     """One server of the fleet: its client, what it has in flight, its adaptive limit, whether it is in
     the fleet."""
 
-    __slots__ = ("url", "name", "client", "in_flight", "limit", "fails", "out", "why")
+    __slots__ = ("url", "name", "client", "in_flight", "limit", "fails", "out", "why", "probe_at")
 
     def __init__(self, url: str, client: ChatClient, limit: ServerLimit) -> None:
         self.url = url
@@ -97,6 +110,7 @@ class Member:
         self.fails = 0       # faults of the server's in a row since its last answer
         self.out = False     # taken out: asked nothing while another server is in
         self.why = ""        # what took it out
+        self.probe_at = 0.0  # in a storm: when it may be sent its next probe (time.monotonic)
 
 
 class FleetClient(ChatClient):
@@ -140,18 +154,28 @@ class FleetClient(ChatClient):
         return lambda starts, text: self._say_limit(starts, f"server {name}: {text}")
 
     def _pick(self, tried: set[int]) -> tuple[int, Member]:
-        """The live server with room (in flight below its limit) and the fewest requests in flight that this
-        request has not tried; with every live one at its limit, the one least full for its limit; with
-        none live, the one (out) with the fewest."""
+        """The server this request goes to, of those it has not tried (module docstring): with a live server
+        not in a storm, a storming one due a probe (with room), else of those not in a storm the one with room
+        and the fewest in flight for its limit, else the least full for its limit; with every live one in a
+        storm, the same among them; with none live, the one (out) with the fewest in flight."""
         untried = [(i, m) for i, m in enumerate(self.members) if i not in tried]
         live = [(i, m) for i, m in untried if not m.out]
-        room = [(m.in_flight, i) for i, m in live if m.in_flight < m.limit.limit]
-        if room:
-            _, i = min(room)
-        elif live:
-            _, _, i = min((m.in_flight / m.limit.limit, m.in_flight, i) for i, m in live)
-        else:
+        if not live:
             _, i = min((m.in_flight, i) for i, m in untried)
+            return i, self.members[i]
+        calm = [(i, m) for i, m in live if not m.limit.in_storm]
+        if calm and len(calm) < len(live):
+            now = time.monotonic()
+            due = [(m.probe_at, i) for i, m in live
+                   if m.limit.in_storm and m.probe_at <= now and m.in_flight < m.limit.limit]
+            if due:
+                _, i = min(due)
+                self.members[i].probe_at = now + STORM_PROBE_S
+                return i, self.members[i]
+        pool = calm or live
+        full = [(m.in_flight / m.limit.limit, m.in_flight, i) for i, m in pool]
+        room = [f for f, (_, m) in zip(full, pool) if m.in_flight < m.limit.limit]
+        _, _, i = min(room or full)
         return i, self.members[i]
 
     async def chat(self, body: dict[str, Any], on_generation: Callable[[str], None] | None = None, *,
