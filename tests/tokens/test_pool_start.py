@@ -164,3 +164,24 @@ async def test_answers_past_the_workers_backlog_wait_on_disk_not_in_memory(tmp_p
     assert sorted(ids) == sorted(r["id"] for r in records) and len(ids) == len(records)
     done = live.progress()
     assert done.state == "done" and done.done == done.total == len(records), done
+
+
+async def test_a_live_reconstruction_keeps_each_answered_id_once(tmp_path: Path) -> None:
+    """The answered ids a live reconstruction keeps (those committed and those on their way) are one set,
+    the token writer's own, not a copy beside it: a run kept each id's string and table entry twice, a
+    share of the main process's growth per answer (BENCHMARKS.md, Memory per answer)."""
+    config = make_config(tmp_path)
+    live = RunReconstructor(config, workers=1)
+    await asyncio.wait_for(live.start(), 60)
+    records = [response(i) for i in range(40)]
+    write_responses(config, "A", records)
+    for rec in records:
+        live.submit("A", rec)
+    await asyncio.wait_for(live.wait_idle(), 120)
+    ds = live._datasets["A"]
+    answered = {r["id"] for r in records}
+    holders = {id(s): s for obj in (ds, ds.writer) for s in vars(obj).values()
+               if isinstance(s, set) and answered <= s}
+    await asyncio.wait_for(live.close(), 60)
+    assert len(index_lines(config, "A")) == len(records)
+    assert len(holders) == 1, f"the answered ids are kept in {len(holders)} sets"
