@@ -11,7 +11,10 @@ alike at both) it reads the process's RSS after a full collection and prints its
 and the peak RSS. With --trace, tracemalloc is on and it also prints the traced Python heap's growth
 per answer, the part of it made on the lines that keep answered ids (a set's `ids.add(`,
 `known.add(` or `seen.add(`, duplicates.py), the rest ("beyond the id sets", the figure the target
-bounds: <= 0.2 KB) and the lines whose allocations grew most. The run's files are in a temporary directory.
+bounds: <= 0.2 KB) and the lines whose allocations grew most. Where the C library is glibc it also prints its
+heap's growth per answer between the two marks (`mallinfo2`, every arena: bytes in use, and bytes free inside
+its heaps, which the RSS holds and tracemalloc does not see: fragmentation). The run's files are in a temporary
+directory.
 """
 
 from __future__ import annotations
