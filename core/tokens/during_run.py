@@ -218,10 +218,12 @@ class RunReconstructor:
             ds.writer.append_batch(*results)  # the whole batch in one write per file
         except Exception:  # a full disk: nothing of the batch was kept; answer by answer, as far as it goes
             self._land_each(ds, results)
-            return
-        for _, length, meta in results[2]:
-            ds.report.add_meta(meta)
-            self._rate.add(length)
+        else:
+            for _, length, meta in results[2]:
+                ds.report.add_meta(meta)
+                self._rate.add(length)
+        if ds.behind and self._pool.backlog <= self.workers and not self._closed:
+            self._read_back(ds)
 
     def _land_each(self, ds: _Dataset, results: Results) -> None:
         for rid, ids, mask, meta in each_sample(results):
@@ -232,8 +234,6 @@ class RunReconstructor:
                 continue
             ds.report.add_meta(meta)
             self._rate.add(int(ids.shape[0]))
-        if ds.behind and self._pool.backlog <= self.workers and not self._closed:
-            self._read_back(ds)
 
     def _read_back(self, ds: _Dataset) -> None:
         """Feed the answers of `ds` that were left on disk while the workers were behind: those from
