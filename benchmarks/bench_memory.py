@@ -11,13 +11,17 @@ alike at both) it reads the process's RSS after a full collection and prints its
 and the peak RSS. With --trace, tracemalloc is on and it also prints the traced Python heap's growth
 per answer, the part of it made on the lines that keep answered ids (a set's `ids.add(`,
 `known.add(` or `seen.add(`, duplicates.py), the rest ("beyond the id sets", the figure the target
-bounds: <= 0.2 KB) and the lines whose allocations grew most. The run's files are in a temporary directory.
+bounds: <= 0.2 KB) and the lines whose allocations grew most. Where the C library is glibc it also prints its
+heap's growth per answer between the two marks (`mallinfo2`, every arena: bytes in use, and bytes free inside
+its heaps, which the RSS holds and tracemalloc does not see: fragmentation). The run's files are in a temporary
+directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import gc
 import linecache
 import resource
@@ -66,6 +70,24 @@ prompts = "p.jsonl"
     return root / "c.toml"
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_figures() -> tuple[int, int] | None:
+    """glibc's heap as `mallinfo2` sees it, every arena: (bytes in use, bytes free inside the heaps), or
+    None where it is not glibc. Memory the RSS holds that tracemalloc does not see shows here as free
+    bytes the allocator kept (fragmentation) or as bytes in use outside Python's own allocators."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _Mallinfo2
+    info = fn()
+    return info.uordblks + info.hblkhd, info.fordblks
+
+
 def _is_id_set(trace: tracemalloc.StatisticDiff) -> bool:
     frame = trace.traceback[0]
     line = linecache.getline(frame.filename, frame.lineno)
@@ -92,6 +114,7 @@ async def measure(config_path: Path, n: int, top: int, trace: bool) -> dict:
                 if name not in marks and a >= at:
                     gc.collect()
                     rss = proc.memory_info().rss
+                    heaps[name] = malloc_figures()
                     tokens = pipeline.snapshot().stage("tokens")
                     queued[name] = dict(tokens.detail).get("waiting", "0") if tokens is not None else "-"
                     if trace:
@@ -101,6 +124,7 @@ async def measure(config_path: Path, n: int, top: int, trace: bool) -> dict:
                         marks[name] = (answered(), rss, 0, None)
 
     proc = psutil.Process()
+    heaps: dict[str, tuple[int, int] | None] = {}  # malloc_figures() at each measure
     queued: dict[str, str] = {}  # answers waiting for token reconstruction at each measure
     if trace:
         tracemalloc.start(1)
@@ -116,7 +140,10 @@ async def measure(config_path: Path, n: int, top: int, trace: bool) -> dict:
     span = a1 - a0
     out = {"queued": queued, "n": n, "answered": answered(), "elapsed_s": elapsed, "from": a0, "to": a1,
            "rss_b": (r1 - r0) / span, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "top": []}
+           "top": [], "heap": None}
+    h0, h1 = heaps["first"], heaps["last"]
+    if h0 is not None and h1 is not None:
+        out["heap"] = ((h1[0] - h0[0]) / span, (h1[1] - h0[1]) / span)
     if trace:
         tracemalloc.stop()
         assert s0 is not None and s1 is not None
@@ -167,6 +194,9 @@ def main() -> None:
     traced = (f"{r['per_answer_b']:.0f} B | {r['id_sets_b']:.0f} B | {r['beyond_b']:.0f} B" if args.trace
               else "(--trace) | | ")
     print(f"| {r['rss_b']:.0f} B | {traced} | {r['peak_rss_mb']:.0f} MB |")
+    if r["heap"] is not None:
+        print(f"glibc malloc (mallinfo2, every arena) per answer: in use {r['heap'][0]:+.0f} B, "
+              f"free inside its heaps {r['heap'][1]:+.0f} B")
     if r["top"]:
         print("\nlines whose allocations grew most (bytes per answer, blocks):")
         for where, size, count in r["top"]:

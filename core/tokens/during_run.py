@@ -69,7 +69,10 @@ class _Dataset:
     folder: Path
     writer: TokenWriter
     report: ValidationReport
-    known: set[str]                    # ids committed or on their way
+    # Ids committed or on their way: the writer's own set of committed ids (`writer.ids`), not a copy of it,
+    # so each answered id is kept once (its string and its table entry), not twice; the writer adds what it
+    # commits, already there. Nothing reads `writer.ids` during a run beyond this.
+    known: set[str]
     lost: set[str] = field(default_factory=set)  # ids whose token ids could not be made or written this run
     buffer: list[dict[str, Any]] = field(default_factory=list)
     buffer_chars: int = 0
@@ -80,7 +83,7 @@ class _Dataset:
     def open(cls, run: RunDir, name: str, policy: SamplePolicy) -> _Dataset:
         folder = run.tokens(name)
         writer = LockedWriter(folder)
-        return cls(name, folder, writer, index_report(folder, name, policy), set(writer.ids),
+        return cls(name, folder, writer, index_report(folder, name, policy), writer.ids,
                    scan_from=_size(run.responses(name)))
 
     def take(self) -> list[dict[str, Any]]:
@@ -215,10 +218,12 @@ class RunReconstructor:
             ds.writer.append_batch(*results)  # the whole batch in one write per file
         except Exception:  # a full disk: nothing of the batch was kept; answer by answer, as far as it goes
             self._land_each(ds, results)
-            return
-        for _, length, meta in results[2]:
-            ds.report.add_meta(meta)
-            self._rate.add(length)
+        else:
+            for _, length, meta in results[2]:
+                ds.report.add_meta(meta)
+                self._rate.add(length)
+        if ds.behind and self._pool.backlog <= self.workers and not self._closed:
+            self._read_back(ds)
 
     def _land_each(self, ds: _Dataset, results: Results) -> None:
         for rid, ids, mask, meta in each_sample(results):
@@ -229,8 +234,6 @@ class RunReconstructor:
                 continue
             ds.report.add_meta(meta)
             self._rate.add(int(ids.shape[0]))
-        if ds.behind and self._pool.backlog <= self.workers and not self._closed:
-            self._read_back(ds)
 
     def _read_back(self, ds: _Dataset) -> None:
         """Feed the answers of `ds` that were left on disk while the workers were behind: those from

@@ -90,7 +90,7 @@ class Segment(NamedTuple):
     special: bool = False   # True: `text` is the name of a special token, inserted by id
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per answer in the workers: a frozen __init__ costs ~3x (setattr per field)
 class RenderedChat:
     prompt: tuple[Segment, ...]      # everything before the answer span, generation prompt included
     answer: tuple[Segment, ...]      # what the target model generated

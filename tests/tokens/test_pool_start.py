@@ -164,3 +164,45 @@ async def test_answers_past_the_workers_backlog_wait_on_disk_not_in_memory(tmp_p
     assert sorted(ids) == sorted(r["id"] for r in records) and len(ids) == len(records)
     done = live.progress()
     assert done.state == "done" and done.done == done.total == len(records), done
+
+
+async def test_a_live_reconstruction_keeps_each_answered_id_once(tmp_path: Path) -> None:
+    """The answered ids a live reconstruction keeps (those committed and those on their way) are one set,
+    the token writer's own, not a copy beside it: a run kept each id's string and table entry twice, a
+    share of the main process's growth per answer (BENCHMARKS.md, Memory per answer)."""
+    config = make_config(tmp_path)
+    live = RunReconstructor(config, workers=1)
+    await asyncio.wait_for(live.start(), 60)
+    records = [response(i) for i in range(40)]
+    write_responses(config, "A", records)
+    for rec in records:
+        live.submit("A", rec)
+    await asyncio.wait_for(live.wait_idle(), 120)
+    ds = live._datasets["A"]
+    answered = {r["id"] for r in records}
+    holders = {id(s): s for obj in (ds, ds.writer) for s in vars(obj).values()
+               if isinstance(s, set) and answered <= s}
+    await asyncio.wait_for(live.close(), 60)
+    assert len(index_lines(config, "A")) == len(records)
+    assert len(holders) == 1, f"the answered ids are kept in {len(holders)} sets"
+
+
+async def test_answers_left_on_disk_are_read_back_once_the_workers_catch_up_before_the_run_ends(
+        tmp_path: Path) -> None:
+    """The answers a run left on disk while its workers were behind are read back as soon as the queue has
+    drained (a batch landed with at most a batch per worker queued), not only when the run ends: the
+    read-back sat on the full-disk path alone, so a run's tokens stage stayed behind until its close."""
+    live, gate = _gated(tmp_path)
+    await asyncio.wait_for(live.start(), 60)
+    bound = live.LIVE_BACKLOG * live.workers * live.BATCH_ANSWERS
+    records = [response(i) for i in range(2 * bound)]
+    write_responses(live.config, "A", records)
+    for rec in records:
+        live.submit("A", rec)
+    assert sum(ds.behind for ds in live._datasets.values()) > 0  # some were left on disk
+    gate.touch()
+    # No wait_idle, no close: the run is still going.
+    await until(lambda: live.progress().done == len(records), "every answer reconstructed during the run", 180)
+    await asyncio.wait_for(live.close(), 120)
+    ids = [e["id"] for e in index_lines(live.config, "A")]
+    assert sorted(ids) == sorted(r["id"] for r in records) and len(ids) == len(records)
