@@ -2,8 +2,9 @@
 
 Made for `nohup ... &` and `tail -f`: each line stands alone and labels its averages. SIGINT drains
 (a second SIGINT stops now); SIGTERM and SIGHUP (a closed tmux pane, a dropped SSH session) drain.
-SIGUSR1 resumes a run held by the account (402, a spending limit) or a full disk; while the run
-waits, each status line says WAITING and the detail lines say why. Answers the disk refused are never
+SIGUSR2 pauses the run (nothing is sent, retries included, until SIGUSR1); SIGUSR1 resumes it, or a run
+held by the account (402, a spending limit) or a full disk; while the run waits, each status line says
+WAITING and the detail lines say why. Answers the disk refused are never
 dropped: a drain waits for the disk (retrying the write every few seconds) and a second SIGINT spools
 them to a fallback file (core/generate/loop/spool.py) that the next run imports.
 """
@@ -21,6 +22,7 @@ from typing import TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.control import Action
 from draftgen.core.live.hub import Subscription
 from draftgen.core.live.summary import prompts_left, signal_line, summary_lines
 from draftgen.core.quoting import sh_path
@@ -213,9 +215,10 @@ async def run_headless(config: Config, api_key: str, *, skip_smoke: bool = False
 
 class _Signals:
     """What a signal does to a headless run, and the line that says so: SIGINT drains (a second one
-    stops now), SIGTERM and SIGHUP drain, SIGUSR1 resumes a run held by the account or a full disk."""
+    stops now), SIGTERM and SIGHUP drain, SIGUSR2 pauses (the TUI's `p`), SIGUSR1 resumes a paused run or
+    one held by the account or a full disk."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
     def __init__(self, pipeline: Pipeline, say: Callable[[str], None]) -> None:
         self._pipeline = pipeline
@@ -228,6 +231,8 @@ class _Signals:
         loop.add_signal_handler(signal.SIGHUP, self._on_term, "SIGHUP")
         # Headless has no `r` key: SIGUSR1 resumes a run held by the account or a full disk.
         loop.add_signal_handler(signal.SIGUSR1, self._pipeline.resume)
+        # Headless has no `p` key either: SIGUSR2 pauses (an operator's pause of a long run).
+        loop.add_signal_handler(signal.SIGUSR2, self._on_pause)
 
     def remove(self, loop: asyncio.AbstractEventLoop) -> None:
         for sig in self.SIGNALS:
@@ -243,6 +248,14 @@ class _Signals:
         return (f"; {n} paid answer(s) are held in memory, not on disk: the run waits for the disk (the write is "
                 "retried every few seconds; SIGUSR1 retries now); a second SIGINT spools them to a fallback file"
                 if n else "")
+
+    def _on_pause(self) -> None:
+        why_not = self._pipeline.unavailable(Action.PAUSE)
+        if why_not is None:
+            self._pipeline.pause()
+        self._tell(f"SIGUSR2: {why_not}" if why_not else
+                   f"SIGUSR2: paused ({self._pipeline.engine.in_flight:,} in flight finish; nothing more is sent, "
+                   "retries included); SIGUSR1 resumes")
 
     def _on_sigint(self) -> None:
         pipeline = self._pipeline

@@ -153,6 +153,21 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 30.0, ever
         raise AssertionError(f"never happened within {timeout:.0f} s: {what}") from None
 
 
+async def read_until(proc: asyncio.subprocess.Process, lines: list[str], needle: str, timeout: float = 60.0) -> None:
+    """Read `proc`'s output into `lines` until its last 8 lines, joined, hold `needle`: a guard against a
+    hang (the timeout), not a timing check; the output so far is in the failure."""
+    async def read() -> None:
+        assert proc.stdout is not None
+        while needle not in " ".join(x.strip() for x in lines[-8:]):
+            line = (await proc.stdout.readline()).decode()
+            assert line, f"ended before {needle!r}: " + "".join(lines)[-3000:]
+            lines.append(line)
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise AssertionError(f"never printed {needle!r}: " + "".join(lines)[-3000:]) from None
+
+
 def tui_run_in_pty(config_path: Path) -> tuple[subprocess.Popen[bytes], int]:
     """`draftgen run CONFIG --skip-smoke` (the TUI) in a 120x40 pseudo-terminal it has as its controlling
     terminal (so a hang-up reaches it as SIGHUP); returns the process and the pty's master end."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TextIO
 
 from draftgen.core.config import Config
+from draftgen.core.live.control import Action
 from draftgen.core.live.snapshot import EventKind, Level
 from draftgen.core.live.summary import EXIT_ERROR, signal_line, summary_lines
 from draftgen.core.quoting import sh_path
@@ -41,12 +42,13 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
     for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, pipeline, app, signalled, sig.name)
     loop.add_signal_handler(signal.SIGUSR1, pipeline.resume)  # as in headless: also after the pane closed
+    loop.add_signal_handler(signal.SIGUSR2, _pause, pipeline)  # as in headless: `p` from another shell
     try:
         await (app.run_async() if run_app is None else run_app(app))
     finally:
         await _end_work(pipeline, work, signalled=bool(signalled))
         await pipeline.close()
-        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             loop.remove_signal_handler(sig)
         # The screen is gone: say in the shell how the run ended (also after a failed smoke or an error).
         code = EXIT_ERROR if pipeline.error is not None else pipeline.exit_code
@@ -55,6 +57,12 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
     if pipeline.error is not None:
         raise pipeline.error  # shown in the UI's alert bar; printed again once the screen is gone
     return pipeline.exit_code
+
+
+def _pause(pipeline: Pipeline) -> None:
+    """SIGUSR2: pause as `p` does, where a pause can be (the header says PAUSED; SIGUSR1 or `r` resumes)."""
+    if pipeline.unavailable(Action.PAUSE) is None:
+        pipeline.pause()
 
 
 def _on_signal(pipeline: Pipeline, app: DraftgenApp, signalled: list[str], name: str) -> None:

@@ -606,6 +606,28 @@ def test_a_trickle_of_429s_at_a_high_rate_is_not_a_storm():
     assert aimd.limit == 1400 and aimd.in_storm and len(said) == 1
 
 
+def test_429s_of_a_burst_that_come_back_late_are_not_a_storm():
+    """2,000 attempts sent at once, their 1% of 429s back over the next 6 to 9 s (a loaded server: the
+    operator run's start, where 10 429s met 174 attempts sent in their window and the limit was cut to
+    1,400), a few attempts sent meanwhile: each 429 counts at its attempt's time, so no storm is said and
+    the limit stays; 429s of attempts sent now still make one."""
+    clock = [0.0]
+    said: list[str] = []
+    aimd = AdaptiveConcurrency(2000, clock=lambda: clock[0], on_change=lambda _s, m: said.append(m))
+    burst = [aimd.on_send() for _ in range(2000)]
+    for i in range(20):  # the burst's 429s, late, among 30 attempts sent a second
+        clock[0] = 6.0 + i * 0.15
+        for _ in range(5):
+            aimd.on_send()
+        aimd.on_429(burst[i * 100])
+        aimd.tick()
+    assert aimd.limit == 2000 and said == []
+    for _ in range(20):  # 429s of attempts sent now, all of them: a storm
+        clock[0] += 0.01
+        aimd.on_429(aimd.on_send())
+    assert aimd.limit == 1400 and len(said) == 1
+
+
 async def test_a_stop_now_releases_what_each_abandoned_request_held(tmp_path):
     """Each request's slot, token estimate and reservation go back when its task ends, also when stop
     now cancels it (before its first step or mid-request): the request's done callback, not its body."""

@@ -32,6 +32,7 @@ from draftgen.simulator import SimConfig, SimServer
 from draftgen.tui.app import DraftgenApp
 from draftgen.tui.launch import run_tui
 from draftgen.tui.screens.quitdialog import QuitScreen
+from tests import helpers
 from tests.extract.test_extract_writer import HIDDEN, N_LAYERS, FakeBackend
 from tests.helpers import TEST_KEY, chat_body, chat_post, cli_env, make_config, text, until
 
@@ -156,15 +157,7 @@ async def test_headless_ctrl_c_twice_during_the_smoke_test_ends_at_once_with_130
         lines: list[str] = []
 
         async def read_until(needle: str) -> None:
-            async def read() -> None:
-                while needle not in " ".join(x.strip() for x in lines[-8:]):
-                    line = (await proc.stdout.readline()).decode()
-                    assert line, f"ended before {needle!r}: " + "".join(lines)[-3000:]
-                    lines.append(line)
-            try:
-                await asyncio.wait_for(read(), 60)  # a hang guard, not a timing check
-            except TimeoutError:
-                raise AssertionError(f"never printed {needle!r}: " + "".join(lines)[-3000:]) from None
+            await helpers.read_until(proc, lines, needle)
 
         try:
             await read_until("running the smoke test first")

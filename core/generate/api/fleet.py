@@ -76,8 +76,8 @@ class ServerLimit(Protocol):
     def limit(self) -> int: ...
     @property
     def in_storm(self) -> bool: ...
-    def on_send(self) -> None: ...
-    def on_429(self) -> None: ...
+    def on_send(self) -> float: ...
+    def on_429(self, sent_at: float | None = None) -> None: ...
     def tick(self) -> bool: ...
 
 
@@ -186,12 +186,12 @@ class FleetClient(ChatClient):
         while True:
             i, m = self._pick(tried)
             m.in_flight += 1
-            m.limit.on_send()
+            sent_at = m.limit.on_send()
             try:
                 answer = await m.client.chat(body, on_generation, details=details)
             except RequestFailed as e:
                 self._failed(m, e)
-                self._slowed(m, e)
+                self._slowed(m, e, sent_at)
                 tried.add(i)
                 if e.unreachable and any(not o.out and j not in tried for j, o in enumerate(self.members)):
                     continue  # no connection, nothing sent: asked of the next live server now
@@ -213,12 +213,13 @@ class FleetClient(ChatClient):
             if m.fails >= FAILS_OUT:
                 self._take_out(m, f"{m.fails} requests in a row failed (the last: {self._redact(e.message)[:160]})")
 
-    def _slowed(self, m: Member, e: RequestFailed) -> None:
-        """A 429, a full queue's 503 or a timeout of server `m`'s: its own limit hears it (a storm cuts it).
+    def _slowed(self, m: Member, e: RequestFailed, sent_at: float) -> None:
+        """A 429, a full queue's 503 or a timeout of server `m`'s: its own limit hears it (a storm cuts it),
+        counted at its attempt's send time as the dataset's limit counts them (concurrency.py `on_429`).
         The dataset's limit is left alone (`fleet_limited`) while another live server is not in a storm."""
         if not (e.slow_down or e.status == 503 or e.kind is ErrorKind.TIMEOUT):
             return
-        m.limit.on_429()
+        m.limit.on_429(sent_at)
         e.fleet_limited = any(not o.out and not o.limit.in_storm for o in self.members)
 
     async def _grow_limits(self) -> None:

@@ -3,6 +3,7 @@ requests a dataset may have out) and kept by the dataset's live state (dataset_r
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -15,13 +16,13 @@ def _count(n: float) -> str:
 class AdaptiveConcurrency:
     """AIMD on 429 storms, told from a trickle by a rate over a window with a minimum count.
 
-    A storm: in the last 5 s, at least 5 429s that are also at least 5% of the attempts sent in those
-    5 s. A storm cuts the limit by 30% (at most every 2 s). The share is of the attempts sent, not of
-    the responses: a 429 comes back at once while an answer takes its latency, so at a run's start (2,000
-    sent, none answered yet) a 1% trickle would be 100% of the responses. A steady 1% trickle at 2,000 in
-    flight (about 100 attempts a second: 5 of 500 in a window) never reaches 5%. The storm ends 5 s after
-    the last 429 that met the rule; from then the limit grows back by 2% of the configured value per
-    second, whatever trickle goes on.
+    A storm: in the last 5 s, at least 5 429s that are also at least 5% of the attempts sent in those 5 s, each 429
+    counted at the time its attempt was sent. A storm cuts the limit by 30% (at most every 2 s). The share is of the
+    attempts sent, not of the responses: a 429 comes back at once while an answer takes its latency, so at a run's
+    start (2,000 sent, none answered yet) a 1% trickle would be 100% of the responses. A steady 1% trickle at 2,000
+    in flight (about 100 attempts a second: 5 of 500 in a window) never reaches 5%. The storm ends 5 s after the
+    last 429 that met the rule; from then the limit grows back by 2% of the configured value per second, whatever
+    trickle goes on.
 
     `on_change(starts, message)` is told of each storm's start (`starts` True) with its cut, its end
     (its 429s, its cuts, the lowest limit) and the limit back at the configured value: a storm is a few
@@ -58,17 +59,26 @@ class AdaptiveConcurrency:
             while q and now - q[0] >= self.WINDOW_S:
                 q.popleft()
 
-    def on_send(self) -> None:
-        """An attempt sent (the share's denominator)."""
+    def on_send(self) -> float:
+        """An attempt sent (the share's denominator); returns its time, for `on_429(sent_at)`."""
         now = self._clock()
         self._sent.append(now)
         if len(self._sent) > 8192:
             self._prune(now)
+        return now
 
-    def on_429(self) -> None:
-        """A 429 (or what slows down as one: the in-flight-budget 402, a self-hosted server's 503)."""
+    def on_429(self, sent_at: float | None = None) -> None:
+        """A 429 (or what slows down as one: the in-flight-budget 402, a self-hosted server's 503) to the
+        attempt sent at `sent_at` (`on_send`'s time; None: now). It counts at its attempt's time, among the
+        attempts sent then: a burst of 2,000 whose 1% of 429s come back over several seconds (a loaded
+        server, a slow network) is 1% of the attempts sent in their window, not 20 429s in a window that
+        holds the few sent after the burst."""
         now = self._clock()
-        self._recent.append(now)
+        at = now if sent_at is None else sent_at
+        if not self._recent or at >= self._recent[-1]:
+            self._recent.append(at)
+        else:
+            bisect.insort(self._recent, at)  # a 429 slower than a later one: the window stays in order
         self._prune(now)
         n = len(self._recent)
         sent = max(len(self._sent), n)

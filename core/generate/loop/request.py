@@ -290,14 +290,14 @@ class Requests:
                 return Attempted(Outcome.GIVEN_UP, tries)
             tries += 1
             seq = ds.note_sent()
-            ds.concurrency.on_send()
+            sent_at = ds.concurrency.on_send()
             sent_no = self._sent
             self._sent += 1
             try:
                 answer = await self.client.chat(body, functools.partial(spend.generation, ticket),
                                                 details=ds.config.turns == "all")  # passed back next turn
             except RequestFailed as e:
-                self._note_failure(ds, ticket, tries, e, body)
+                self._note_failure(ds, ticket, tries, e, body, sent_at)
                 ended = self._ended_by(ds, prompt_id, tries, e, seq)
                 if ended is not None:
                     return ended
@@ -360,7 +360,7 @@ class Requests:
         return Attempted(Outcome.ANSWERED, tries, answer=answer, seq=seq)
 
     def _note_failure(self, ds: DatasetRun, ticket: Ticket, tries: int, e: RequestFailed,
-                      body: dict[str, Any]) -> None:
+                      body: dict[str, Any], sent_at: float) -> None:
         """A failed attempt on the ledger, in the error tallies, and as feedback to the dataset's concurrency."""
         ctx = self._ctx
         self_hosted = ctx.config.api.self_hosted
@@ -373,7 +373,7 @@ class Requests:
         ctx.recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=ticket.prompt_id, attempt=tries,
                        message=ctx.redact(e.message), status=e.status, provider=e.server or e.provider)
         if e.slows_down(self_hosted) and not e.fleet_limited:  # a fleet's server's own limit took it
-            ds.concurrency.on_429()
+            ds.concurrency.on_429(sent_at)
 
     def _doubted(self, ds: DatasetRun, ticket: Ticket, answer: ChatAnswer) -> None:
         """An answer whose bill is not believed (billing.py `believed`): counted (bad_bill), and said once per
