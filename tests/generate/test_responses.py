@@ -629,3 +629,22 @@ def test_retry_failed_shows_a_failures_kind_from_the_file_escaped(tmp_path: Path
     assert main(["retry-failed", str(config.path)]) == 0
     out = capsys.readouterr().out
     assert "a: 1 failed prompt(s) eligible again (401\\x1b]0;pwned\\x07: 1)" in out and "\x1b" not in out, out
+
+
+async def test_a_drain_ends_the_wait_of_a_request_backing_off(tmp_path: Path) -> None:
+    """A drain while every request waits out a long backoff before its retry: the run ends at once, the
+    waiting prompts given up unrecorded (stay eligible). Before, the wait ran its course first: a backoff
+    of up to backoff_max_s held a drained run's exit (the soak's SIGHUP drain passed its 60 s on a busy
+    machine with 0 requests in flight)."""
+    async with SimServer(sim_config(), port=0) as sim:
+        config = make_config(tmp_path, sim.base_url, [{"name": "a", "n": A, "concurrency": 4}],
+                             tables={"api": {"stream": False, "request_timeout_s": 10},
+                                     "engine": {"backoff_base_s": 600, "backoff_max_s": 600, "max_attempts": 3}})
+        sim.scenario("provider_502", True)
+        run = Watch(config)
+        await run.until(lambda: run.engine.backing_off == 4, "every request backing off")
+        run.engine.drain()
+        state = await run.result(timeout=60)  # the backoffs alone would take 600 s
+    assert state == snap.RunState.DRAINED, state
+    assert run.engine.backing_off == 0
+    assert failures(config, "a") == []  # given up, not failed: they stay eligible

@@ -45,6 +45,7 @@ next run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import random
 from collections.abc import Callable
@@ -432,8 +433,11 @@ class Requests:
         self.backing_off += 1
         try:
             eng = self._ctx.config.engine
-            await asyncio.sleep(backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after,
-                                              self._rng))
+            delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, self._rng)
+            # A drain or stop ends the wait at once (the prompt is given up below): a backoff of up to
+            # backoff_max_s must not hold a drained run's exit.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(control.wait_closed(), delay)
         finally:
             self.backing_off -= 1
             self.last_transient = e

@@ -108,6 +108,7 @@ class RunControl:
         self._stopping = False
         self._open = asyncio.Event()  # clear while paused or held
         self._open.set()
+        self._closing = asyncio.Event()  # set at a drain or a stop: a retry's wait ends there
         # How the run ended (told by those who see it; read by the snapshot and the command boundary).
         self._launched = False                   # the engine's run was started: run requests may have been sent
         self._generation = StageState.IDLE       # the generation stage, as the pipeline runs it
@@ -166,6 +167,10 @@ class RunControl:
 
     async def wait_open(self) -> None:
         await self._open.wait()
+
+    async def wait_closed(self) -> None:
+        """Until a drain or a stop begins."""
+        await self._closing.wait()
 
     @property
     def launched(self) -> bool:
@@ -268,6 +273,7 @@ class RunControl:
         self._draining = True
         self._state = RunState.DRAINING
         self._open.set()  # what waits for a resume wakes and sees the drain
+        self._closing.set()
         return True
 
     def stop(self) -> bool:
@@ -277,6 +283,7 @@ class RunControl:
         self._stopping = True
         self._draining = True
         self._open.set()
+        self._closing.set()
         return True
 
     def fail(self, message: str, code: ExitCode = ExitCode.ERROR) -> None:
