@@ -63,6 +63,15 @@ def agent_line(cid: str, arguments: str) -> dict[str, Any]:
         {"role": "assistant", "content": "done"}]}
 
 
+def stored_cleanly(cfg: Any, state: Any, events: list[Any]) -> dict[str, dict[str, Any]]:
+    """The run ended DONE with no engine error and no failure: its stored answers by id."""
+    assert str(state) == "DONE", events
+    assert not [e for e in events if "engine's own error" in e[1]], events
+    rd = RunDir(cfg.run_dir)
+    assert not records(rd.failures("agent"))
+    return {r["id"]: r for r in records(rd.responses("agent"))}
+
+
 async def test_deeply_nested_call_arguments_are_stored_judged_and_sent_back_never_an_engine_error(tmp_path: Path):
     # The target calls `search` with DEEP on its first step. Line m recorded the same call (matched: its
     # result is sent after it, step 2 asked); line d recorded another (diverged, kept, nothing more asked).
@@ -74,11 +83,7 @@ async def test_deeply_nested_call_arguments_are_stored_judged_and_sent_back_neve
                                                "concurrency": 2, "max_tokens": MAX_TOKENS}],
                           tables={"engine": {"reconstruct": False}, "budget": {"max_usd": 1.0}})
         _engine, state, events = await run_engine(cfg)
-    assert str(state) == "DONE", events
-    assert not [e for e in events if "engine's own error" in e[1]], events
-    rd = RunDir(cfg.run_dir)
-    assert not records(rd.failures("agent"))
-    lines = {r["id"]: r for r in records(rd.responses("agent"))}
+    lines = stored_cleanly(cfg, state, events)
     assert sorted(lines) == ["d#t1", "m#t1", "m#t2"]  # every answer paid for is stored
     assert lines["m#t1"]["tool_calls"] == first and not lines["m#t1"].get("diverged")
     assert lines["d#t1"]["diverged"] is True
@@ -131,11 +136,7 @@ async def test_odd_streamed_tool_call_deltas_are_assembled_or_end_the_step_never
                           tables={"api": {"stream": True}, "engine": {"reconstruct": False},
                                   "budget": {"max_usd": 1.0}})
         _engine, state, events = await run_engine(cfg)
-    assert str(state) == "DONE", events
-    assert not [e for e in events if "engine's own error" in e[1]], events
-    rd = RunDir(cfg.run_dir)
-    assert not records(rd.failures("agent"))
-    lines = {r["id"]: r for r in records(rd.responses("agent"))}
+    lines = stored_cleanly(cfg, state, events)
     assert sorted(lines) == ["function#t1", "index#t1", "index#t2", "junk#t1", "junk#t2", "object#t1", "object#t2"]
     for cid in ("object", "index", "junk"):  # assembled: the dataset's call, its result sent, step 2 asked
         assert lines[f"{cid}#t1"]["tool_calls"] == [{**{k: v for k, v in call.items() if k != "index"}, "function": {
