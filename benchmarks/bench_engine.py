@@ -335,7 +335,9 @@ def replay_answers(url: str) -> None:
             await asyncio.sleep(0)
         if on_generation is not None:  # a new id each time, as in a run (the Redactor checks each once)
             on_generation(self._redact(f"{gen_id}-{next(sent)}"))
-        answer = cl.parse_completion(orjson.loads(raw), time.monotonic() - start, self._self_hosted)
+        # the run's server profile (an --ab-code checkout from before core/server_kinds.py: its callback)
+        server = self._server if hasattr(self, "_server") else getattr(self, "_self_hosted", None)
+        answer = cl.parse_completion(orjson.loads(raw), time.monotonic() - start, server)
         assert answer.usage.completion_tokens <= cl.body_max_tokens(body, 0)  # chat's check of the cap, as it runs
         return cl.redacted_answer(answer, self._redact)
     cl.ChatClient.chat = chat  # type: ignore[method-assign]

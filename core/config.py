@@ -36,7 +36,8 @@ from draftgen.core.request_keys import (
     known_key,
 )
 from draftgen.core.secrets import key_problem
-from draftgen.core.servers import IDS_KEYS, ServerKind, ServerProfile, ids_request
+from draftgen.core.server_kinds import KindName, configured_kind
+from draftgen.core.servers import IDS_KEYS, ServerProfile, ids_request
 
 __all__ = ["COMPLETION_LIMIT_KEYS", "OPENROUTER_ONLY_KEYS"]  # re-exported: smoke.py and others read them here
 
@@ -45,8 +46,9 @@ __all__ = ["COMPLETION_LIMIT_KEYS", "OPENROUTER_ONLY_KEYS"]  # re-exported: smok
 class ApiConfig:
     base_url: str = "https://openrouter.ai/api/v1"
     # "openrouter" (account endpoints, usage.cost, routing, generation records), "openai-compatible"
-    # (SGLang, vLLM, transformers serve: none of those), or "auto" (see `server_kind`).
-    kind: Literal["auto", "openrouter", "openai-compatible"] = "auto"
+    # (SGLang, vLLM, transformers serve: none of those), or "auto" (core/server_kinds.py; the run's kind
+    # is `server.kind`).
+    kind: KindName = "auto"
     api_key_env: str = "OPENROUTER_API_KEY"
     model: str = "moonshotai/kimi-k2.5"
     request_timeout_s: float = 1800.0
@@ -79,6 +81,9 @@ class ApiConfig:
     # core/generate/api/fleet.py), `base_url` being the first; () when base_url is one URL.
     servers: tuple[str, ...] = field(default=(), metadata={"key": False})
 
+    def __post_init__(self) -> None:
+        self.server.configure(configured_kind(self.kind, self.base_url))
+
     @property
     def fleet(self) -> tuple[str, ...]:
         """Every server's URL: the list's, else the one base_url."""
@@ -90,33 +95,19 @@ class ApiConfig:
         return self.kind == "openrouter" or (self.kind == "auto" and "openrouter.ai" in self.base_url)
 
     @property
-    def server_kind(self) -> ServerKind:
-        """The kind set, else openrouter.ai's, else what the server answered (GET /key 404: openai-compatible);
-        before it answered, openrouter (its checks are the stricter ones)."""
-        if self.kind != "auto":
-            return self.kind
-        if "openrouter.ai" in self.base_url:
-            return "openrouter"
-        return self.server.kind or "openrouter"
-
-    @property
-    def self_hosted(self) -> bool:
-        return self.server_kind == "openai-compatible"
-
-    @property
     def streams(self) -> bool:
-        """Whether requests stream: `stream` when set; else on OpenRouter; else on a self-hosted server
-        the mode its smoke test decided keeps text as generated (`ServerProfile.note_stream`), else not."""
+        """Whether requests stream: `stream` when set; else on OpenRouter; else on a server whose smoke test
+        decides it, the mode that keeps text as generated (`ServerProfile.note_stream`), else not."""
         if self.configured_streams or self.stream is not None:
             return self.configured_streams
-        return self.self_hosted and bool(self.server.stream)
+        return self.server.kind.smoke_decides_stream and bool(self.server.stream)
 
     @property
     def configured_streams(self) -> bool:
         """The mode from the config alone (no smoke test's decision): what the request fingerprint holds."""
         if self.stream is not None:
             return self.stream
-        return "openrouter.ai" in self.base_url and not self.self_hosted
+        return "openrouter.ai" in self.base_url and self.server.kind.streams_by_default
 
     @property
     def stream_decided(self) -> bool:
@@ -428,20 +419,20 @@ class Config:
         body.update(dataset.request)
         if index is not None and dataset.cycles:
             self._cycle(body, dataset, index)
+        kind = self.api.server.kind
         if self.api.return_token_ids:
-            if server_ids and self.api.self_hosted:
+            if server_ids and kind.returns_ids:
                 for key in IDS_KEYS:
                     body.pop(key, None)
                 streams = self.api.streams if decided else self.api.configured_streams
                 body.update(ids_request(self.api.server.release, streams))
             else:
                 body["return_token_ids"] = True
-        if self.api.self_hosted:
-            for key in self.dropped_keys(dataset):
-                del body[key]
+        for key in self.dropped_keys(dataset):
+            del body[key]
         if self.api.streams if decided else self.api.configured_streams:
             body["stream"] = True
-            if self.api.self_hosted:  # vLLM and SGLang put usage in a stream only when asked
+            if kind.stream_usage_asked:  # vLLM and SGLang put usage in a stream only when asked
                 body["stream_options"] = {"include_usage": True}
         return body
 
@@ -453,28 +444,22 @@ class Config:
         if temperature is not None:
             body["temperature"] = temperature
         if effort is not None:
-            if self.api.self_hosted:
-                body["reasoning_effort"] = effort
-            else:
-                reasoning = body.get("reasoning")
-                body["reasoning"] = {**(reasoning if isinstance(reasoning, dict) else {}), "effort": effort}
+            self.api.server.kind.put_effort(body, effort)
 
     def dropped_keys(self, dataset: DatasetConfig) -> list[str]:
-        """The OpenRouter-only request keys of `dataset` left out for an openai-compatible server."""
-        if not self.api.self_hosted:
-            return []
-        return [k for k in OPENROUTER_ONLY_KEYS if k in self.request or k in dataset.request]
+        """The request keys of `dataset` the server's kind does not take (OpenRouter-only keys for an
+        openai-compatible server), left out of its bodies."""
+        return [k for k in self.api.server.kind.dropped_keys if k in self.request or k in dataset.request]
 
     def kind_warning(self) -> str:
         """One warning naming the OpenRouter-only keys dropped for an openai-compatible server ("" if none)."""
-        keys = sorted({k for d in self.datasets for k in self.dropped_keys(d)},
-                      key=OPENROUTER_ONLY_KEYS.index)
+        kind = self.api.server.kind
+        keys = sorted({k for d in self.datasets for k in self.dropped_keys(d)}, key=kind.dropped_keys.index)
         if not keys:
             return ""
         one = len(keys) == 1
         return (f"{self.path}: [request] {', '.join(keys)} {'is' if one else 'are'} OpenRouter-only, not sent to "
-                f"the openai-compatible server at {self.api.base_url} (remove {'it' if one else 'them'} to "
-                "silence this)")
+                f"{kind.label} at {self.api.base_url} (remove {'it' if one else 'them'} to silence this)")
 
     def request_shape(self, dataset: DatasetConfig) -> dict[str, Any]:
         """Everything about a request except its messages: what the smoke test must have checked (the

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-# "openrouter" (account endpoints, usage.cost, routing, generation records) or "openai-compatible"
-# (SGLang, vLLM, transformers serve: none of those); [api] kind "auto" is one of them once the server answered.
-ServerKind = Literal["openrouter", "openai-compatible"]
+from draftgen.core.server_kinds import OpenRouter, ServerKind
+
 VLLM = "vllm"
 SGLANG = "sglang"
 # Request keys that ask for ids, whichever server: left out of the request shape the smoke test
@@ -110,26 +109,39 @@ def ids_request(server: Server | None, streamed: bool) -> dict[str, Any]:
 
 
 class ServerProfile:
-    """What one run found of the server at its [api] base_url: its kind (GET /key answered, or 404), its
-    release (GET /version, /server_info), the streaming mode its smoke test decided. Each run's config
-    carries its own (`ApiConfig.server`, made fresh by every load), filled in at the run's start, before
-    any request: two runs in one process, or a server restarted on the same address as another kind,
-    never share what was found. Read through `ApiConfig` (`server_kind`, `streams`) and `Config.request_body`.
+    """What one run found of the server at its [api] base_url: its kind (core/server_kinds.py: the one
+    configured, or what GET /key answered), its release (GET /version, /server_info), the streaming mode
+    its smoke test decided. Each run's config carries its own (`ApiConfig.server`, made fresh by every
+    load), filled in at the run's start, before any request: two runs in one process, or a server
+    restarted on the same address as another kind, never share what was found. Read through `kind`,
+    `ApiConfig.streams` and `Config.request_body`.
 
     `epoch` counts the notes: a request body built before a note may be out of date (loop/room.py keeps
     one per dataset rather than rebuilding it per prompt)."""
 
-    __slots__ = ("kind", "release", "asked", "stream", "epoch")
+    __slots__ = ("configured", "found", "release", "asked", "stream", "epoch")
 
-    def __init__(self) -> None:
-        self.kind: ServerKind | None = None  # None: not known yet (`ApiConfig.server_kind` says openrouter)
+    def __init__(self, configured: ServerKind | None = None) -> None:
+        self.configured = configured  # what [api] kind and base_url decide (None: "auto" elsewhere)
+        self.found: ServerKind | None = None       # what GET /key answered ("auto"; None: not known yet)
         self.release: Server | None = None   # None: not asked, or it named no release (see `asked`)
         self.asked = False                   # whether the server was asked which release it is
         self.stream: bool | None = None      # the mode a smoke test decided (None: none decided)
         self.epoch = 0
 
+    @property
+    def kind(self) -> ServerKind:
+        """The run's kind: the one configured, else the one found; before the server answered, OpenRouter
+        (its checks are the stricter ones)."""
+        return self.configured or self.found or _OPENROUTER
+
+    def configure(self, kind: ServerKind | None) -> None:
+        """The kind the config decides (ApiConfig, as it is made)."""
+        self.configured = kind
+
     def note_kind(self, kind: ServerKind) -> None:
-        self.kind = kind
+        """The kind the server's answer showed (GET /key, for "auto")."""
+        self.found = kind
         self.epoch += 1
 
     def note_release(self, server: Server | None) -> None:
@@ -140,6 +152,9 @@ class ServerProfile:
         """Record (or, with None, forget) the streaming mode a smoke test decided for this server."""
         self.stream = streams
         self.epoch += 1
+
+
+_OPENROUTER = OpenRouter()
 
 
 def ids_plan(server: Server | None, base_url: str, streamed: bool) -> tuple[bool, str]:

@@ -6,6 +6,7 @@ is ruff's (C90, pyproject.toml)."""
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -168,3 +169,20 @@ def test_live_names_the_package_only() -> None:
     named = [str(p.relative_to(ROOT)) for folder in FOLDERS for p in (ROOT / folder).rglob("*live*.py")
              if p.parent != CORE / "live"]
     assert not named, named
+
+
+# Naming a server kind: the old flag and type, a kind's name compared or quoted, a kind class of
+# core/server_kinds.py or an import of that module. Every other file asks the run's kind what it means
+# (`config.api.server.kind.has_account`, docs/contributing.md "Add a server kind").
+KIND_NAMED = re.compile(r'\b(self_hosted|ServerKind|server_kind)\b|== "openrouter"|"openai-compatible"'
+                        r"|\bOpenAICompatible\b|\bOpenRouter\(\)|isinstance\([^)]*\bOpenRouter\b"
+                        r"|from draftgen\.core\.server_kinds import|import draftgen\.core\.server_kinds")
+KIND_FILES_MAX = 6
+
+
+def test_at_most_six_files_name_a_server_kind() -> None:
+    """The kinds' module, config.py (the `[api] kind` key), preflight.py (detection) and servers.py (the
+    run's profile holds the kind): a new kind is one module and one registry entry, not a branch in each."""
+    named = sorted(str(p.relative_to(ROOT)) for folder in ("core", "tui", "cli", "headless")
+                   for p in (ROOT / folder).rglob("*.py") if KIND_NAMED.search(p.read_text()))
+    assert len(named) <= KIND_FILES_MAX, f"{len(named)} files name a server kind: {', '.join(named)}"

@@ -78,7 +78,7 @@ class WorkerSpec:
     def from_config(cls, config: Config) -> WorkerSpec:
         t = config.tokenizer
         return cls(t.path, t.trust_remote_code, t.template, config.validation.count_tolerance, t.system_turn(),
-                   t.prompt_specials(config.api.self_hosted))
+                   t.prompt_specials(config.api.server.kind.specials_as_tokens))
 
     def load(self) -> tuple[Tokenizer, ChatTemplate]:
         tok = load_tokenizer(self.tokenizer_path, self.trust_remote_code)

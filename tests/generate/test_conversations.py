@@ -27,6 +27,10 @@ from draftgen.core.generate.loop.prompts import (
 from draftgen.core.generate.loop.source import Booked, BookedAs
 from draftgen.core.generate.money.budget import TokenBudget
 from draftgen.core.records import FailureRecord, ResponseRecord, TurnFields, Usage
+from draftgen.core.server_kinds import OpenAICompatible, OpenRouter
+from draftgen.core.servers import ServerProfile
+
+OPENROUTER, SELF_HOSTED = ServerProfile(OpenRouter()), ServerProfile(OpenAICompatible())
 
 
 def _conv(cid: str, n: int, *, system: str | None = None, tool_after: int | None = None) -> dict[str, Any]:
@@ -59,10 +63,10 @@ def _dataset(tmp_path: Path, prompts: Path) -> DatasetRun:
     return ds
 
 
-def _source(tmp_path: Path, ds: DatasetRun, *, self_hosted: bool = False, events: list[str] | None = None,
+def _source(tmp_path: Path, ds: DatasetRun, *, events: list[str] | None = None,
             max_turns: int | None = None) -> ConversationSource:
     sink = events if events is not None else []
-    return ConversationSource(ds, self_hosted=self_hosted, responses=tmp_path / "responses.jsonl",
+    return ConversationSource(ds, server=OPENROUTER, responses=tmp_path / "responses.jsonl",
                               failures=tmp_path / "failures.jsonl", max_turns=max_turns,
                               on_event=lambda level, kind, message, dataset="": sink.append(message))
 
@@ -157,19 +161,19 @@ async def test_every_turn_is_asked_once_in_order_on_the_targets_own_answers(tmp_
 
 
 def test_history_is_sent_as_each_api_documents_it():
-    assert history_message("a", "r", [{"type": "reasoning.text", "text": "r"}], self_hosted=False) == {
+    assert history_message("a", "r", [{"type": "reasoning.text", "text": "r"}], server=OPENROUTER) == {
         "role": "assistant", "content": "a", "reasoning_details": [{"type": "reasoning.text", "text": "r"}]}
-    assert history_message("a", "r", None, self_hosted=False) == {"role": "assistant", "content": "a", "reasoning": "r"}
-    assert history_message("a", "r", [{"type": "x"}], self_hosted=True) == {
+    assert history_message("a", "r", None, server=OPENROUTER) == {"role": "assistant", "content": "a", "reasoning": "r"}
+    assert history_message("a", "r", [{"type": "x"}], server=SELF_HOSTED) == {
         "role": "assistant", "content": "a", "reasoning_content": "r"}
-    assert history_message("a", None, None, self_hosted=True) == {"role": "assistant", "content": "a"}
+    assert history_message("a", None, None, server=SELF_HOSTED) == {"role": "assistant", "content": "a"}
     # An agent step's calls go back as the target made them (its id, its argument text, not re-serialised),
     # a stream's assembled call (no "type", keys in another order) in the OpenAI shape.
     streamed = [{"function": {"arguments": '{ "q":"x" }', "name": "search"}, "id": "functions.search:0"}]
     call = {"id": "functions.search:0", "type": "function", "function": {"name": "search", "arguments": '{ "q":"x" }'}}
-    assert history_message("", "r", None, self_hosted=True, tool_calls=streamed) == {
+    assert history_message("", "r", None, server=SELF_HOSTED, tool_calls=streamed) == {
         "role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "r"}
-    assert history_message("", "r", [{"type": "x"}], self_hosted=False, tool_calls=[call]) == {
+    assert history_message("", "r", [{"type": "x"}], server=OPENROUTER, tool_calls=[call]) == {
         "role": "assistant", "content": "", "tool_calls": [call], "reasoning_details": [{"type": "x"}]}
 
 
@@ -316,9 +320,9 @@ def test_records_carry_the_turn_fields_and_read_them_back():
 def test_a_turns_reservation_bound_counts_its_whole_history_reasoning_included():
     from draftgen.core.generate.api.prices import prompt_token_bound
     long = "r" * 5000
-    for msg in (history_message("a", long, [{"type": "reasoning.text", "text": long}], self_hosted=False),
-                history_message("a", long, None, self_hosted=False),
-                history_message("a", long, None, self_hosted=True)):
+    for msg in (history_message("a", long, [{"type": "reasoning.text", "text": long}], server=OPENROUTER),
+                history_message("a", long, None, server=OPENROUTER),
+                history_message("a", long, None, server=SELF_HOSTED)):
         bare = prompt_token_bound([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
         assert prompt_token_bound([{"role": "user", "content": "q"}, msg]) >= bare + 5000
 

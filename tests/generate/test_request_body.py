@@ -14,6 +14,7 @@ from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
 from draftgen.core.rundir import RunDir
+from draftgen.core.server_kinds import OpenAICompatible
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.simulator.config import SimProvider
 from tests.helpers import TEST_KEY, dataset_row, make_config
@@ -290,7 +291,7 @@ def test_each_prompt_sends_the_configs_exact_body_and_reserves_its_worst_case_af
         return body
 
     assert "stream" not in check("first") and check("a longer prompt, ünïcode")["return_token_ids"] is True
-    cfg.api.server.note_kind("openai-compatible")  # GET /key said 404: a self-hosted server
+    cfg.api.server.note_kind(OpenAICompatible())  # GET /key said 404: a self-hosted server
     cfg.api.server.note_release(Server("vllm", (0, 13, 0)))
     cfg.api.server.note_stream(True)  # its smoke test decided: streamed
     body = check("after the server was noted")

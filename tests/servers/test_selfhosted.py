@@ -360,7 +360,7 @@ def test_a_killed_runs_open_attempts_settle_at_zero_on_a_self_hosted_server(tmp_
     spend.open()
     assert spend.pending_usd == pytest.approx(3 * 0.0256)
     try:
-        Settler(spend, ChatClient("http://127.0.0.1:9/v1", TEST_KEY, concurrency=1), 1.0, self_hosted=True).start()
+        Settler(spend, ChatClient("http://127.0.0.1:9/v1", TEST_KEY, concurrency=1), 1.0, bills_answers=False).start()
     finally:
         spend.close()
     again = SpendLedger.read(path)

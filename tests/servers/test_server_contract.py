@@ -41,7 +41,8 @@ from draftgen.core.generate.api.client import (
 )
 from draftgen.core.generate.loop.conversations import history_message
 from draftgen.core.records import ErrorKind
-from draftgen.core.servers import SGLANG, VLLM, Server, parse_version, server_from_answers
+from draftgen.core.server_kinds import OpenAICompatible
+from draftgen.core.servers import SGLANG, VLLM, Server, ServerProfile, parse_version, server_from_answers
 from tests.pinned import Offline, release_source
 
 RELEASES = [(VLLM, "0.12.0"), (VLLM, "0.13.0"), (VLLM, "0.33.0"),
@@ -228,7 +229,7 @@ def test_finish_reasons_that_end_no_answer_are_failed_attempts(release: Protocol
             assert parse_completion(_body(p, reason), 0.1).finish_reason == reason
         else:
             with pytest.raises(RequestFailed) as e:
-                parse_completion(_body(p, reason), 0.1, lambda: True)  # a self-hosted server
+                parse_completion(_body(p, reason), 0.1, ServerProfile(OpenAICompatible()))  # a self-hosted server
             assert e.value.kind is ErrorKind.FINISH_ERROR and reason in e.value.message
 
 
@@ -280,7 +281,7 @@ def test_vllm_reads_the_reasoning_of_a_later_turns_history(vllm: Protocol) -> No
     """vLLM takes an assistant message's `reasoning_content` (0.12 and 0.13 read it beside `reasoning` in
     chat_utils.py; 0.33's request renames it to `reasoning` before validation)."""
     p = vllm
-    history = history_message("the answer", "the reasoning", None, self_hosted=True)
+    history = history_message("the answer", "the reasoning", None, server=ServerProfile(OpenAICompatible()))
     assert history["reasoning_content"] == "the reasoning"
     assert any(rule.search(text) for text in p.sources.values() for rule in VLLM_READS_HISTORY_REASONING), \
         f"vLLM {p.version} reads no `reasoning_content` of a history message"
@@ -399,7 +400,7 @@ def test_sglang_takes_a_later_turns_history_reasoning_and_all(sglang: tuple[Prot
     server, keeps the earlier answer's text and reasoning on its assistant message (what its template
     renders the history from)."""
     _, m = sglang
-    history = history_message("the answer", "the reasoning", None, self_hosted=True)
+    history = history_message("the answer", "the reasoning", None, server=ServerProfile(OpenAICompatible()))
     request = m.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "first"}, history,
                                                             {"role": "user", "content": "second"}])
     assistant = request.messages[1]

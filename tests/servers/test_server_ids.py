@@ -29,6 +29,8 @@ from draftgen.core.config import Config
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
 from draftgen.core.rundir import RunDir
+from draftgen.core.server_kinds import OpenAICompatible, OpenRouter
+from draftgen.core.servers import ServerProfile
 from draftgen.core.tokens.command import tokens_command
 from draftgen.core.tokens.reconstruct import reconstruct
 from draftgen.core.tokens.store import TokenReader
@@ -350,15 +352,15 @@ def test_an_unusual_finish_reason_is_a_failed_attempt_only_from_a_self_hosted_se
                              "finish_reason": finish}],
                 "usage": {"prompt_tokens": 10, "completion_tokens": 500, "cost": 0.01}}
 
-    kept = parse_completion(body(reason), 0.0, lambda: False)
+    kept = parse_completion(body(reason), 0.0, ServerProfile(OpenRouter()))
     assert kept.content == "4" and kept.finish_reason == reason
     assert parse_completion(body(reason), 0.0).content == "4"  # a caller that does not know the kind: kept
-    for self_hosted in (True, False):
+    for kind in (OpenAICompatible(), OpenRouter()):
         with pytest.raises(RequestFailed) as abort:
-            parse_completion(body("abort"), 0.0, lambda self_hosted=self_hosted: self_hosted)
+            parse_completion(body("abort"), 0.0, ServerProfile(kind))
         assert abort.value.kind is ErrorKind.FINISH_ERROR
     with pytest.raises(RequestFailed) as failed:
-        parse_completion(body(reason), 0.0, lambda: True)
+        parse_completion(body(reason), 0.0, ServerProfile(OpenAICompatible()))
     assert failed.value.kind is ErrorKind.FINISH_ERROR and reason in failed.value.message
 
 
@@ -411,9 +413,9 @@ async def test_two_runs_in_one_process_each_find_their_own_server(tmp_path):
     first, second = ([e[2] for e in events if e[1] == snap.EventKind.SERVER_IDS] for events in said)
     assert "vLLM 0.13.0" in first[0] and "token ids asked with return_token_ids" in first[0]
     assert "SGLang 0.5.14 has no `return_token_ids`" in second[0]
-    assert [c.api.server_kind for c in cfgs] == ["openai-compatible"] * 2
+    assert [c.api.server.kind.name for c in cfgs] == ["openai-compatible"] * 2
     # Not asked yet: treated as OpenRouter until its server answers.
-    assert later.api.server_kind == "openrouter" and later.api.server.kind is None
+    assert later.api.server.kind.name == "openrouter" and later.api.server.found is None
     assert not later.api.server.asked and later.api.server.release is None
     assert cfgs[0].api.server.release == Server("vllm", (0, 13, 0), "0.13.0")
     assert cfgs[1].api.server.release == Server("sglang", (0, 5, 14), "0.5.14")

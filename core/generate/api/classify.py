@@ -183,10 +183,10 @@ class RequestFailed(Exception):
         """A 429 or a full in-flight budget, or a rate limit met mid-stream (an error chunk coded 429)."""
         return self.kind in SLOW_DOWN_KINDS or (self.kind in IN_200_KINDS and self.code == 429)
 
-    def slows_down(self, self_hosted: bool) -> bool:
-        """`slow_down`, and on a self-hosted server a 503 too: vLLM and SGLang answer a full queue with
-        it (OpenRouter's 503 is its routing finding no provider: the concurrency stays)."""
-        return self.slow_down or (self_hosted and self.status == 503)
+    def slows_down(self, full_at_503: bool) -> bool:
+        """`slow_down`, and a 503 too where the server kind answers a full queue with it (`full_at_503`:
+        vLLM and SGLang; OpenRouter's 503 is its routing finding no provider: the concurrency stays)."""
+        return self.slow_down or (full_at_503 and self.status == 503)
 
     @property
     def provider(self) -> str:

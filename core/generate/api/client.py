@@ -32,6 +32,7 @@ from draftgen.core.generate.api.deadlines import Deadlines
 from draftgen.core.records import ErrorKind, Usage, arguments_text, reasoning_text
 from draftgen.core.request_keys import TEXT_CHARS_PER_TOKEN, body_max_tokens, past_cap_limits
 from draftgen.core.secrets import Redactor
+from draftgen.core.servers import ServerProfile
 
 __all__ = ["ChatAnswer", "ChatClient", "RequestFailed", "classify_status", "parse_completion"]
 
@@ -223,11 +224,11 @@ def _prompt_token_ids(obj: dict[str, Any], choice: dict[str, Any]) -> list[int] 
 ANSWER_FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter"})
 
 
-def _check_finish(obj: dict[str, Any], choice: dict[str, Any], self_hosted: Callable[[], bool] | None) -> None:
+def _check_finish(obj: dict[str, Any], choice: dict[str, Any], server: ServerProfile | None) -> None:
     """RequestFailed for a finish reason that ends no answer (an attempt that failed, retried): "error", and
-    "abort" (SGLang's aborted request); from a self-hosted server (`self_hosted()`), any reason but the four
-    that end an answer. OpenRouter's other reasons are a provider's own word passed through (e.g. "end_turn")
-    on an answer it billed: kept, as before."""
+    "abort" (SGLang's aborted request); from a server whose kind says so (`odd_finish_fails`: a self-hosted
+    one), any reason but the four that end an answer. OpenRouter's other reasons are a provider's own word
+    passed through (e.g. "end_turn") on an answer it billed: kept, as before."""
     reason = choice.get("finish_reason")
     if reason is None or reason in ANSWER_FINISH_REASONS:
         return
@@ -235,14 +236,14 @@ def _check_finish(obj: dict[str, Any], choice: dict[str, Any], self_hosted: Call
         raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason \"error\" ({choice.get('native_finish_reason')})",
                             metadata=_failure_meta(choice.get("error"), obj.get("provider")),
                             code=_error_code(choice.get("error")))
-    if reason == "abort" or (self_hosted is not None and self_hosted()):
+    if reason == "abort" or (server is not None and server.kind.odd_finish_fails):
         raise RequestFailed(ErrorKind.FINISH_ERROR, f"finish_reason {str(reason)[:40]!r}: the server ended the "
                             "request without an answer (SGLang: \"abort\"); retried, never stored")
 
 
-def parse_completion(obj: Any, latency_s: float, self_hosted: Callable[[], bool] | None = None) -> ChatAnswer:
-    """An answer from a non-streamed body, or RequestFailed for the 200-with-a-problem cases (`self_hosted`:
-    whether the server is, asked only for a finish reason OpenRouter would keep, see _check_finish)."""
+def parse_completion(obj: Any, latency_s: float, server: ServerProfile | None = None) -> ChatAnswer:
+    """An answer from a non-streamed body, or RequestFailed for the 200-with-a-problem cases (`server`: the
+    run's profile, its kind asked only for a finish reason OpenRouter would keep, see _check_finish)."""
     # Once per answer: one lookup per key, the checks of the rare cases only when they apply.
     if not isinstance(obj, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "response body is not a JSON object")
@@ -257,7 +258,7 @@ def parse_completion(obj: Any, latency_s: float, self_hosted: Callable[[], bool]
     cget = choice.get
     reason = cget("finish_reason")
     if reason is not None and reason not in ANSWER_FINISH_REASONS:
-        _check_finish(obj, choice, self_hosted)
+        _check_finish(obj, choice, server)
     message = cget("message") or {}
     if not isinstance(message, dict):
         raise RequestFailed(ErrorKind.BAD_BODY, "choices[0].message is not an object")
@@ -552,9 +553,9 @@ class ChatClient:
 
     def __init__(self, base_url: str, api_key: str, *, concurrency: int, request_timeout_s: float = 1800.0,
                  connect_timeout_s: float = 30.0, referer: str = "", title: str = "draftgen",
-                 redact: Redactor | None = None, self_hosted: Callable[[], bool] | None = None) -> None:
+                 redact: Redactor | None = None, server: ServerProfile | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self._self_hosted = self_hosted  # read only for an unusual finish reason (ApiConfig.self_hosted)
+        self._server = server  # the run's profile: its kind read for an unusual finish reason, a stream's id
         self._api_key = api_key
         self._redact = redact or Redactor(api_key)  # what comes from upstream, as it enters
         self._headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
@@ -632,7 +633,7 @@ class ChatClient:
         except aiohttp.ClientResponseError as e:
             raise RequestFailed(ErrorKind.BAD_BODY, f"bad response: {e.message}") from None
         try:
-            answer = parse_completion(obj, time.monotonic() - start, self._self_hosted)
+            answer = parse_completion(obj, time.monotonic() - start, self._server)
             if cap and (n := answer.usage.completion_tokens) > cap and n > past_cap_limits(cap)[0]:  # limit >= cap
                 u = answer.usage
                 raise RequestFailed.ran_past_cap(PastCap(cap, u.completion_tokens, True, u, answer.priced),
@@ -664,14 +665,15 @@ class ChatClient:
     def _header_generation(self, resp: aiohttp.ClientResponse,
                            on_generation: Callable[[str], None] | None) -> Callable[[str], None] | None:
         """Tell `on_generation` the X-Generation-Id header's id; returns it when a stream's first chunk
-        should tell it instead (no header; None on a self-hosted server, whose ids name no record)."""
+        should tell it instead (no header; None where the kind bills no answers: a self-hosted server's ids
+        name no record)."""
         if on_generation is None:
             return None
         gen_id = resp.headers.get("X-Generation-Id")
         if gen_id:
             on_generation(self._redact.known.get(gen_id) or self._redact(gen_id))
             return None
-        return None if self._self_hosted is not None and self._self_hosted() else on_generation
+        return None if self._server is not None and not self._server.kind.bills_answers else on_generation
 
     async def _read_sse(self, resp: aiohttp.ClientResponse, cap: int = 0, details: bool = False,
                         on_generation: Callable[[str], None] | None = None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from draftgen.core.generate.api.account import AccountStatus, read_account
 from draftgen.core.generate.api.classify import AccountCondition, RequestFailed, unreachable_advice
 from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.secrets import Redactor
+from draftgen.core.server_kinds import answered_kind
 from draftgen.core.servers import Server, server_from_answers
 
 
@@ -61,12 +62,10 @@ def note_key_answer(config: Config, e: RequestFailed | None) -> None:
     """Record what GET /key said about the server's kind (`e` None: it answered), for kind "auto", in the
     run's server profile (`ApiConfig.server`)."""
     api = config.api
-    if api.kind != "auto" or "openrouter.ai" in api.base_url:
+    if api.server.configured is not None:
         return
-    if e is None:
-        api.server.note_kind("openrouter")
-    elif e.status in NO_KEY_ENDPOINT:
-        api.server.note_kind("openai-compatible")
+    if e is None or e.status in NO_KEY_ENDPOINT:
+        api.server.note_kind(answered_kind(has_key_endpoint=e is None))
 
 
 # Where each server says its release: vLLM's GET /version ({"version": "0.13.0"}); SGLang has no
@@ -80,7 +79,7 @@ async def detect_server(config: Config, client: ChatClient) -> Server | None:
     (its ids are then asked the vLLM way, and what does not come back is counted). Asked only where ids
     are wanted."""
     api = config.api
-    if not api.return_token_ids or not api.self_hosted:
+    if not api.return_token_ids or not api.server.kind.returns_ids:
         return None
     reached, found = await ask_release(client)
     if not reached:  # nothing said: asked again by the next start (the run's, the smoke test's)

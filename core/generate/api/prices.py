@@ -213,7 +213,7 @@ FREE_SUFFIX = ":free"
 def zero_listing(config: Config, ds: DatasetConfig, prices: Prices | None) -> str:
     """Why the listing's $0 prices for `ds` are not trusted ("" when they are, or are not $0): on OpenRouter,
     a model (or fallback model) of the dataset's body that is not a ":free" variant."""
-    if prices is None or prices.prompt or prices.completion or config.api.self_hosted \
+    if prices is None or prices.prompt or prices.completion or not config.api.server.kind.lists_prices \
             or prices.source.startswith("config"):
         return ""
     models = [config.api.model, *fallback_models(config.request_body(ds, []))]
@@ -263,7 +263,7 @@ async def fetch_prices(client: ChatClient, config: Config) -> tuple[dict[str, Pr
     api = config.api
     if api.prompt_price_per_mtok is None and api.completion_price_per_mtok is None:
         endpoints, error = await _listing(client, api.model)
-        if not config.api.self_hosted:  # `models` is OpenRouter's (left out of a self-hosted body)
+        if config.api.server.kind.lists_prices:  # `models` is OpenRouter's (left out of a self-hosted body)
             for ds in config.datasets:
                 for model in fallback_models(config.request_body(ds, [])):
                     if model != api.model and model not in fallbacks:

@@ -151,7 +151,7 @@ FOLLOW_UP = "Now say that again in one short sentence."
 def turn_two_body(config: Config, body: dict[str, Any], a: ChatAnswer) -> dict[str, Any]:
     """The smoke body of a multi-turn dataset's second turn: the first turn, its answer sent back by the
     engine's own rule (`conversations.history_message`, as each API documents it), `FOLLOW_UP`."""
-    earlier = history_message(a.content, a.reasoning, a.reasoning_details, self_hosted=config.api.self_hosted)
+    earlier = history_message(a.content, a.reasoning, a.reasoning_details, server=config.api.server)
     return {**body, "messages": [*body["messages"], earlier,
                                  {"role": "user", "content": FOLLOW_UP}]}
 
@@ -223,7 +223,7 @@ def _count_turns(ds: DatasetConfig, stop: threading.Event | None = None) -> tupl
 
 def special_text_row(config: Config, name: str, flagged: int, first: str) -> SmokeRow:
     """A warning counting the prompts with special-token text, and how this run reads it."""
-    reads = config.tokenizer.prompt_specials(config.api.self_hosted)
+    reads = config.tokenizer.prompt_specials(config.api.server.kind.specials_as_tokens)
     how = ("read as the special token, as vLLM, SGLang and transformers serve tokenize the rendered prompt"
            if reads else "kept as text")
     return SmokeRow(f"{name}: special-token text", True,
@@ -270,7 +270,7 @@ def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: Cha
     rows.append(SmokeRow(f"{label} model", model_ok, f"{quoted(a.model)} (asked for {quoted(want)})"))
     u = a.usage
     tokens = f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens ({u.reasoning_tokens} reasoning)"
-    if config.api.self_hosted:  # no usage.cost, no provider: the ledger prices tokens at [api] prices
+    if not config.api.server.kind.bills_answers:  # no usage.cost, no provider: tokens at [api] prices
         rows.append(SmokeRow(f"{label} usage", u.completion_tokens > 0,
                              f"{tokens}; cost n/a (self-hosted)" if u.completion_tokens > 0 else
                              f"no completion_tokens in usage ({tokens}): token budgets and prices need them"))
@@ -322,7 +322,7 @@ class _Reconstruct:
         from draftgen.core.tokens.template import load_template
         from draftgen.core.tokens.tokenizer import load_tokenizer
         config = self.config
-        specials = config.tokenizer.prompt_specials(config.api.self_hosted)
+        specials = config.tokenizer.prompt_specials(config.api.server.kind.specials_as_tokens)
         if not self.loaded:
             try:
                 tok = load_tokenizer(config.tokenizer.path, config.tokenizer.trust_remote_code)
@@ -429,8 +429,8 @@ class _SmokeTest:
 
     async def check_key(self, client: ChatClient) -> None:
         config = self.config
-        if config.api.self_hosted:
-            self.add(SmokeRow("key", True, "n/a (self-hosted: [api] kind = \"openai-compatible\")"))
+        if not config.api.server.kind.has_account:
+            self.add(SmokeRow("key", True, f'n/a (self-hosted: [api] kind = "{config.api.kind}")'))
             return
         try:
             self.account = await self._read_account(client)
@@ -442,7 +442,7 @@ class _SmokeTest:
             self.unreachable = e.unreachable
             note_key_answer(config, e)
             tries = self.key_tries
-            if config.api.self_hosted:
+            if not config.api.server.kind.has_account:
                 self.add(SmokeRow("key", True, f"n/a (self-hosted: GET /key answered {e.status}, so "
                                   f"{config.api.base_url} is an openai-compatible server)"))
             else:
@@ -483,7 +483,7 @@ class _SmokeTest:
         self.on_disk = {ds.name: await asyncio.to_thread(_on_disk, rd, ds) for ds in self.config.datasets}
         # Without GET /key the key is in doubt (its row says why), and a new ledger could not record
         # the key's usage before its first attempt (`draftgen ledger --unknown-from-key` needs it).
-        self.ledger_error = "" if self.account is not None or self.config.api.self_hosted else \
+        self.ledger_error = "" if self.account is not None or not self.config.api.server.kind.has_account else \
             "not sent: GET /key failed (see the key row)"
         if self.spend is not None or self.ledger_error:
             return
@@ -539,8 +539,8 @@ class _SmokeTest:
             # details: a stream's reasoning_details kept, so a second turn sends back what a run's would
             answer = await client.chat(body, functools.partial(spend.generation, ticket), details=True)
         except RequestFailed as e:
-            look_up(self.settler, book_failure(spend, ticket, e, p, self_hosted=self.config.api.self_hosted,
-                                               body=body))
+            bills = self.config.api.server.kind.bills_answers
+            look_up(self.settler, book_failure(spend, ticket, e, p, bills_answers=bills, body=body))
             delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, self.rng)
             if _outage(e) and tries < SMOKE_TRIES and time.monotonic() + delay <= self.deadline:
                 return float(delay), 0.0
@@ -560,7 +560,7 @@ class _SmokeTest:
         """The comparison (self-hosted) first, then one request per shape, all at once: a run's shapes
         differ only in their parameters."""
         try:
-            if self.config.api.self_hosted and self.shapes and not self.ledger_error:
+            if self.config.api.server.kind.smoke_decides_stream and self.shapes and not self.ledger_error:
                 await _compare_modes(self, client)
             self.answers = await asyncio.gather(*(self.ask(client, fp, ds) for fp, ds in self.shapes.items()))
             await self.ask_turn_two(client)
@@ -755,7 +755,7 @@ def _mode_row(config: Config, streamed: Any, plain: Any, how: str, sampled: bool
 def _balance_row(config: Config, account: AccountStatus | None, balance: float | None, plan: RunForecast,
                  need: float | None, redact: Redactor) -> SmokeRow:
     cap = config.budget.max_usd
-    if config.api.self_hosted:
+    if not config.api.server.kind.has_account:
         return SmokeRow("balance", True, "n/a (self-hosted): no account; the run keeps going under max_usd"
                         + (f" ({usd(cap)}, tokens at [api] prices)" if cap is not None else " (none set)"))
     if account is None:
@@ -801,7 +801,7 @@ def _client(config: Config, url: str, api_key: str, redact: Redactor) -> ChatCli
     """The smoke test's client of the server at `url` ([api] base_url, or one server of a fleet)."""
     return ChatClient(url, api_key, concurrency=4, request_timeout_s=min(config.api.request_timeout_s, 600),
                       connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
-                      title=config.api.title, self_hosted=lambda: config.api.self_hosted, redact=redact)
+                      title=config.api.title, server=config.api.server, redact=redact)
 
 
 SMOKE = "(smoke)"  # the spend ledger's "dataset" of the smoke requests

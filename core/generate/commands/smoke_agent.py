@@ -67,7 +67,7 @@ def step_one_body(config: Config, ds: DatasetConfig) -> dict[str, Any]:
 def step_two_body(config: Config, body: dict[str, Any], a: ChatAnswer) -> dict[str, Any]:
     """Step 2: step 1's messages, the target's answer as the engine sends it back (its calls under its own
     ids, its reasoning as the API documents it), and a result under each call's id."""
-    earlier = history_message(a.content, a.reasoning, a.reasoning_details, self_hosted=config.api.self_hosted,
+    earlier = history_message(a.content, a.reasoning, a.reasoning_details, server=config.api.server,
                               tool_calls=a.tool_calls)
     results = [{"role": "tool", "tool_call_id": call["id"], "content": TOOL_RESULT} for call in earlier["tool_calls"]]
     return {**body, "messages": [*body["messages"], earlier, *results]}

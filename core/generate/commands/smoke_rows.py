@@ -95,7 +95,7 @@ def tokens_row(config: Config, label: str, rec: Any, provider: str | None, parse
                    f"off: another tokenizer or quantization? To route around it, in [request.provider]: "
                    f"{toml_list('ignore', names)}")
     passed = verdict.keep and not rec.truncated
-    if config.api.self_hosted and passed and rec.count_diff:
+    if config.api.server.kind.one_tokenizer and passed and rec.count_diff:
         # One server, one tokenizer: a finished answer's ids are exact or not the model's (no BPE split
         # between providers to excuse a difference, and no other provider to compare with).
         passed = False

@@ -63,7 +63,7 @@ class Admission:
         self._requests = requests
         self._control = ctx.control
         self._event = ctx.event
-        self._self_hosted = ctx.config.api.self_hosted  # a conversation's history is sent as its API documents it
+        self._server = ctx.config.api.server  # a conversation's history is sent as its kind's API documents it
 
     async def run(self, ds: DatasetRun) -> None:
         """Admit and ask the dataset's prompts until its source has none left (or a budget, drain or stop
@@ -130,7 +130,7 @@ class Admission:
         """The dataset's prompt source: its conversations turn by turn (turns = "all"), else its file."""
         if ds.config.turns == "all":
             rd = self._book.rundir
-            return ConversationSource(ds, self_hosted=self._self_hosted, responses=rd.responses(ds.config.name),
+            return ConversationSource(ds, server=self._server, responses=rd.responses(ds.config.name),
                                       failures=rd.failures(ds.config.name), on_event=self._event,
                                       stop=self._book.reading_stop)
         return open_source(ds, self._book)

@@ -52,6 +52,7 @@ from draftgen.core.generate.loop.source import Booked, BookedAs
 from draftgen.core.live.snapshot import EventKind, EventSink, Level
 from draftgen.core.records import TurnFields, arguments_text, broken_answer, own_calls, same_calls
 from draftgen.core.rundir import iter_jsonl
+from draftgen.core.servers import ServerProfile
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.dataset_run import DatasetRun
@@ -60,23 +61,18 @@ CHUNK = 256  # conversations read from the prompt file per thread hop
 
 
 def history_message(content: str, reasoning: str | None, reasoning_details: list[Any] | None, *,
-                    self_hosted: bool, tool_calls: list[Any] | None = None) -> dict[str, Any]:
-    """The target's answer as the assistant message of a later turn's request, as each API documents
-    it: OpenRouter, its `reasoning_details` passed back unmodified (else the `reasoning` text, when
-    it had one); vLLM and SGLang, `reasoning_content`. Rendering is the chat template's rule (Kimi-K2.5
+                    server: ServerProfile, tool_calls: list[Any] | None = None) -> dict[str, Any]:
+    """The target's answer as the assistant message of a later turn's request, as the API of the run's
+    server kind documents it (`history_reasoning`, core/server_kinds.py): OpenRouter, its
+    `reasoning_details` passed back unmodified (else the `reasoning` text, when it had one); vLLM and
+    SGLang, `reasoning_content`. Rendering is the chat template's rule (Kimi-K2.5
     renders earlier turns without their reasoning, except inside a tool-call loop, core/tokens/template.py).
     An agent step's `tool_calls` go back as the target made them: its own ids, names and argument text
     (`tool_call`), each as OpenAI's assistant message carries a call."""
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         msg["tool_calls"] = [tool_call(c) for c in tool_calls]
-    if self_hosted:
-        if reasoning:
-            msg["reasoning_content"] = reasoning
-    elif reasoning_details:
-        msg["reasoning_details"] = reasoning_details
-    elif reasoning:
-        msg["reasoning"] = reasoning
+    server.kind.history_reasoning(msg, reasoning, reasoning_details)
     return msg
 
 
@@ -122,14 +118,14 @@ class _Open:
 class ConversationSource:
     """The prompts of a turns = "all" dataset: next() the next ready turn, booked() each outcome."""
 
-    def __init__(self, ds: DatasetRun, *, self_hosted: bool, responses: Path, failures: Path,
+    def __init__(self, ds: DatasetRun, *, server: ServerProfile, responses: Path, failures: Path,
                  on_event: EventSink, max_turns: int | None = None, stop: threading.Event | None = None) -> None:
         self._ds = ds
         self._name = ds.config.name
         self._path = ds.config.prompts
         self._max_turns = max_turns if max_turns is not None else ds.config.max_turns
         self._stop = stop  # set by a drain or stop now: the file's reading stops (no more conversations)
-        self._self_hosted = self_hosted
+        self._server = server  # a conversation's history is sent as its kind's API documents it
         self._replay = ds.config.tool_results == "replay"
         self._responses = responses
         self._failures = failures
@@ -205,7 +201,7 @@ class ConversationSource:
             o.lines.append(f"turn {t.turn}: answered{calls}")
             self._end(o, t.turn, why)
             return
-        o.history.append(history_message(a.content, a.reasoning, a.reasoning_details, self_hosted=self._self_hosted,
+        o.history.append(history_message(a.content, a.reasoning, a.reasoning_details, server=self._server,
                                          tool_calls=a.tool_calls if agent else None))
         o.lines.append(f"turn {t.turn}: answered{calls}, {a.usage.prompt_tokens:,} prompt + "
                        f"{a.usage.completion_tokens:,} answer tokens")
@@ -431,7 +427,7 @@ class ConversationSource:
             calls = raw.get("tool_calls")
             out.setdefault(where[0], {})[where[1]] = history_message(
                 _str(raw.get("content")), reasoning if isinstance(reasoning, str) else None,
-                rd if isinstance(rd, list) else None, self_hosted=self._self_hosted,
+                rd if isinstance(rd, list) else None, server=self._server,
                 tool_calls=calls if "tools" in raw and isinstance(calls, list) else None)
         return out
 

@@ -314,7 +314,7 @@ class Engine:
         api = self.config.api
         kwargs: dict[str, Any] = dict(request_timeout_s=api.request_timeout_s, connect_timeout_s=api.connect_timeout_s,
                                       referer=api.referer, title=api.title, redact=self._redact,
-                                      self_hosted=lambda: api.self_hosted)
+                                      server=api.server)
         if not api.servers:
             return ChatClient(api.base_url, self._api_key, concurrency=need, **kwargs)
 

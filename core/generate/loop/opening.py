@@ -162,7 +162,7 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
     if cut:
         event(Level.WARN, EventKind.REPAIRED, f"{spend.path}: cut a half-written last line ({cut} bytes)")
     # the key's usage before the directory's first attempt (`draftgen ledger`)
-    if not spend.existed and not config.api.self_hosted:
+    if not spend.existed and config.api.server.kind.has_account:
         with contextlib.suppress(Exception):
             usage = (await read_account(client, management_key=config.api.management_key())).key_usage
             if usage is not None:
@@ -197,7 +197,7 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
               f"since the directory's first run: {usd(cost)} together (they counted {usd(worst)} at worst case)")
 
     settler = Settler(spend, client, config.api.generation_lookup_s, on_settled=on_settled,
-                      self_hosted=config.api.self_hosted, on_over=over, on_doubt=doubt,
+                      bills_answers=config.api.server.kind.bills_answers, on_over=over, on_doubt=doubt,
                       key_usage=lambda: read_key_usage(client), request_timeout_s=config.api.request_timeout_s,
                       on_key_priced=key_priced)
     settler.start()
@@ -209,7 +209,7 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
               + (f", {unknown} without a generation id priced from the key's usage once they cannot still be "
                  f"running (in {settler.unknown_due_s():.0f} s at most)" if unknown and settler.prices_unknown
                  else f", {unknown} without a generation id stay at worst case (no key usage baseline)"
-                 if unknown and not config.api.self_hosted else ""))
+                 if unknown and config.api.server.kind.has_account else ""))
     settler.add(left)
     return OpenedMoney(prices, smoke, settler)
 

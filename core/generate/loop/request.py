@@ -169,7 +169,7 @@ class Requests:
         self._said: dict[tuple[EventKind, str], int] = {}  # (event kind, provider) -> times seen
         self._doubts_said: set[str] = set()  # the kinds of bill not believed, said once each
         api = ctx.config.api
-        self._wants_ids = api.return_token_ids and api.self_hosted
+        self._wants_ids = api.return_token_ids and api.server.kind.returns_ids
         self._ids_said = False  # why answers come without the server's ids was said
 
     # -- 1. admit, 2. reserve ------------------------------------------------------------------------
@@ -364,16 +364,16 @@ class Requests:
                       body: dict[str, Any], sent_at: float) -> None:
         """A failed attempt on the ledger, in the error tallies, and as feedback to the dataset's concurrency."""
         ctx = self._ctx
-        self_hosted = ctx.config.api.self_hosted
+        kind = ctx.config.api.server.kind
         look_up(self.settler, book_failure(self._spend, ticket, e, self.prices.get(ds.config.name),
-                                           self_hosted=self_hosted, body=body))
+                                           bills_answers=kind.bills_answers, body=body))
         if e.past_cap is not None:
             self._say(EventKind.PAST_CAP, ds, e.provider, f"prompt {ticket.prompt_id!r}: {ctx.redact(e.message)}; "
                       "booked at what it billed, the prompt is asked again (docs/money.md)", ProviderPastCap)
         ctx.errors.add(e.kind)
         ctx.recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=ticket.prompt_id, attempt=tries,
                        message=ctx.redact(e.message), status=e.status, provider=e.server or e.provider)
-        if e.slows_down(self_hosted) and not e.fleet_limited:  # a fleet's server's own limit took it
+        if e.slows_down(kind.full_at_503) and not e.fleet_limited:  # a fleet's server's own limit took it
             ds.concurrency.on_429(sent_at)
 
     def _doubted(self, ds: DatasetRun, ticket: Ticket, answer: ChatAnswer) -> None:

@@ -111,7 +111,7 @@ class AccountWatch:
                 return
 
     async def read(self) -> AccountStatus:
-        if self._config.api.self_hosted:  # no account behind an openai-compatible server
+        if not self._config.api.server.kind.has_account:  # no account behind an openai-compatible server
             self.status = AccountStatus()
             return self.status
         status = await read_account(self.client, management_key=self._config.api.management_key())
@@ -139,7 +139,7 @@ class AccountWatch:
 
     async def watch(self) -> None:
         """The balance, read every credits interval for the whole run (none on a self-hosted server)."""
-        if self._config.api.self_hosted:
+        if not self._config.api.server.kind.has_account:
             return
         while True:
             try:

@@ -143,11 +143,12 @@ def book_answer(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Price
 
 
 def book_failure(spend: SpendLedger, t: Ticket, e: RequestFailed, prices: Prices | None = None, *,
-                 self_hosted: bool = False, body: Mapping[str, Any] | None = None) -> Pending | None:
+                 bills_answers: bool = True, body: Mapping[str, Any] | None = None) -> Pending | None:
     """Book a request that got no answer (`body`: what it sent, which bounds what an answer run past its
-    cap is believed to have cost); returns what the settler should look up."""
+    cap is believed to have cost; `bills_answers`: the server kind's, whether a generation record prices
+    it); returns what the settler should look up."""
     if e.past_cap is not None:
-        return _book_past_cap(spend, t, e.past_cap, prices, self_hosted, max(cost_bound(t.worst, body), RUN_ON_USD))
+        return _book_past_cap(spend, t, e.past_cap, prices, bills_answers, max(cost_bound(t.worst, body), RUN_ON_USD))
     if e.unreachable:  # no connection, so nothing was sent
         spend.refused(t)
         return None
@@ -171,7 +172,7 @@ def past_cap_cost(cap: PastCap, t: Ticket, prices: Prices | None) -> float:
 
 
 def _book_past_cap(spend: SpendLedger, t: Ticket, cap: PastCap, prices: Prices | None,
-                   self_hosted: bool, bound: float) -> Pending | None:
+                   bills_answers: bool, bound: float) -> Pending | None:
     """Booked at its own cost, or its tokens at the worst prices; a figure past `bound` (what a generation run
     on is believed to cost at most) is not believed: its worst case instead (or its record's cost)."""
     if cap.priced and cap.usage is not None and cap.usage.cost <= bound:
@@ -182,7 +183,7 @@ def _book_past_cap(spend: SpendLedger, t: Ticket, cap: PastCap, prices: Prices |
     cost = past_cap_cost(cap, t, prices)
     if cost > bound:
         cost = t.worst
-    if t.gen and not self_hosted:
+    if t.gen and bills_answers:
         return spend.abandoned(t, at_least=cost)
     p = spend.abandoned(t)
     if p is not None:

@@ -74,7 +74,7 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
                               connect_timeout_s=config.api.connect_timeout_s, referer=config.api.referer,
                               title=config.api.title) as client:
             look = config.api.generation_lookup_s if lookup_s is None else lookup_s
-            settler = Settler(spend, client, look, self_hosted=config.api.self_hosted and not busy)
+            settler = Settler(spend, client, look, bills_answers=config.api.server.kind.bills_answers or bool(busy))
             settler.start()
             settler.add(todo)
             # Each lookup gives up after `look`; the slack lets the last ones finish (it returns as soon
@@ -83,7 +83,7 @@ async def reconcile(config: Config, api_key: str, *, lookup_s: float | None = No
             # The attempts without a generation id that cannot still be running, with the ledger's exact
             # costs as they are before the key's usage is read (unknown.py).
             timeout = config.api.request_timeout_s
-            due = None if busy or config.api.self_hosted else due_unknown(spend, timeout)
+            due = None if busy or not config.api.server.kind.has_account else due_unknown(spend, timeout)
             if due is not None and due.attempts:
                 await asyncio.sleep(settler.key_lag_s)  # a charge the key's usage shows late is in it
             try:

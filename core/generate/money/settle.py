@@ -70,7 +70,7 @@ def record_cost(record: dict[str, object], worst: float) -> tuple[float | None, 
 
 class Settler:
     def __init__(self, spend: SpendLedger, client: ChatClient, lookup_s: float,
-                 on_settled: Callable[[], None] = lambda: None, *, self_hosted: bool = False,
+                 on_settled: Callable[[], None] = lambda: None, *, bills_answers: bool = True,
                  on_over: Callable[[Pending, float, str], None] | None = None,
                  on_doubt: Callable[[Pending, str], None] | None = None,
                  key_usage: Callable[[], Awaitable[float | None]] | None = None, request_timeout_s: float = 0.0,
@@ -92,7 +92,9 @@ class Settler:
         # A believed record's bill with its native token counts (the run's price trust checks its prices).
         self.on_bill: Callable[[Pending, float, int, int], None] | None = None
         self.doubted = 0  # records not believed
-        self._self_hosted = self_hosted
+        # False: the server bills nothing to look up (an answer keeps its token estimate, a lost attempt is
+        # $0), the kind's `bills_answers`.
+        self._bills = bills_answers
         self._client = client
         self._lookup_s = lookup_s
         self._on_settled = on_settled
@@ -102,14 +104,14 @@ class Settler:
         self.failures = 0     # lookups refused for another reason than "not there yet"
 
     def start(self) -> None:
-        if self._self_hosted:  # what earlier runs left pending: nothing to look up, nothing billed
+        if not self._bills:  # what earlier runs left pending: nothing to look up, nothing billed
             self.add(list(self._spend.pending.values()))
             return
         if not self._workers:
             self._workers = [asyncio.create_task(self._work()) for _ in range(WORKERS)]
 
     def add(self, items: Iterable[Pending]) -> None:
-        if self._self_hosted:
+        if not self._bills:
             settled = False
             for p in items:
                 if p.id in self._spend.pending:
@@ -136,7 +138,7 @@ class Settler:
     def prices_unknown(self) -> bool:
         """Whether attempts without a generation id are priced from the key's usage (a key reader was given,
         the ledger has its baseline, the server is OpenRouter)."""
-        return self._key_usage is not None and self._spend.key_baseline is not None and not self._self_hosted
+        return self._key_usage is not None and self._spend.key_baseline is not None and self._bills
 
     def start_unknown(self) -> None:
         """Start pricing attempts without a generation id from the key's usage (once the run has settled
