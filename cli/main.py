@@ -27,7 +27,7 @@ start with `draftgen demo`; `draftgen COMMAND -h` for a command's options"""
 
 
 def _config(path: str):  # noqa: ANN202 - Config; imported lazily to keep `--help` fast
-    from draftgen.core.config import load_config
+    from draftgen.core.config_load import load_config
     return load_config(path)
 
 
