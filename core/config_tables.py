@@ -57,7 +57,7 @@ class TokenizerConfig:
 class OutputConfig:
     dir: Path = Path("runs/draftgen")
     # The run directory (or a folder above it) may be writable by other users: shared on purpose. Off, a run
-    # refuses such a directory (core/rundir.py check_private): another user could move its records away or
+    # refuses such a directory (core/private_dir.py check_private): another user could move its records away or
     # reset its spend ledger.
     shared: bool = False
 
