@@ -232,7 +232,7 @@ async def run_engine(url: str, n: int, concurrency: int, max_usd: float | None =
     measured apart, and the wall time (req/s) is the run's from there.
     Returns req/s, the main process's CPU seconds, the peak in flight, the CPU seconds of its descendants
     (the token workers, their forkserver and resource tracker) and the start-up's CPU seconds (all processes)."""
-    from draftgen.core.config import load_config
+    from draftgen.core.config_load import load_config
     from draftgen.core.generate.loop.engine import Engine
     from draftgen.core.rundir import RunDir
     with tempfile.TemporaryDirectory() as tmp:

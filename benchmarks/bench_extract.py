@@ -65,7 +65,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftgen.core.config import config_from_dict  # noqa: E402
+from draftgen.core.config_load import config_from_dict  # noqa: E402
 from draftgen.core.extract import (
     extract,  # noqa: E402
     layout,  # noqa: E402

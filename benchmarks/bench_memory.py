@@ -95,7 +95,7 @@ def _is_id_set(trace: tracemalloc.StatisticDiff) -> bool:
 
 
 async def measure(config_path: Path, n: int, top: int, trace: bool) -> dict:
-    from draftgen.core.config import load_config
+    from draftgen.core.config_load import load_config
     from draftgen.core.run.pipeline import Pipeline
     config = load_config(config_path)
     pipeline = Pipeline(config, KEY, skip_smoke=True, serve_attach=False)

@@ -130,7 +130,7 @@ def peak_rss_mb() -> float:
 
 def worker(config_path: str, baseline: bool) -> None:
     """Runs in the measured subprocess: one merge (or, for the baseline, only the imports)."""
-    from draftgen.core.config import load_config
+    from draftgen.core.config_load import load_config
     from draftgen.core.live.snapshot import StageProgress
     from draftgen.core.merge.merge import merge
 

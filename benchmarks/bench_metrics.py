@@ -40,7 +40,7 @@ while True:
 async def measure(mode: str, config_path: Path, hz: float) -> dict:
     import dataclasses
 
-    from draftgen.core.config import load_config
+    from draftgen.core.config_load import load_config
     from draftgen.core.live import metrics
     from draftgen.core.run.pipeline import Pipeline
     config = load_config(config_path)

@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from draftgen.core.config import config_from_dict
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.tokens.reconstruct import reconstruct_record
 from draftgen.core.tokens.template import load_template
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path

@@ -81,7 +81,7 @@ VIEW_KEYS = {"main": (), "history": ("h",), "drill": ("enter",)}
 
 
 async def measure(mode: str, config_path: Path) -> dict:
-    from draftgen.core.config import load_config
+    from draftgen.core.config_load import load_config
     from draftgen.core.run.pipeline import Pipeline
     config = load_config(config_path)
     pipeline = Pipeline(config, KEY, skip_smoke=True)

@@ -59,7 +59,9 @@ from typing import Any, TextIO
 import orjson
 import psutil
 
-from draftgen.core.config import Config, DatasetConfig, load_config
+from draftgen.core.config import Config
+from draftgen.core.config_load import load_config
+from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.generate.api.classify import ANSWER_KINDS, WHOSE, Whose
 from draftgen.core.generate.loop.prompts import Prompt, read_prompts
 from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_INCOMPLETE

@@ -27,16 +27,16 @@ start with `draftgen demo`; `draftgen COMMAND -h` for a command's options"""
 
 
 def _config(path: str):  # noqa: ANN202 - Config; imported lazily to keep `--help` fast
-    from draftgen.core.config import load_config
+    from draftgen.core.config_load import load_config
     return load_config(path)
 
 
 def _config_to_write(path: str):  # noqa: ANN202 - Config
     """The config of a command that writes into its run directory (run, smoke, retry-failed, ledger,
     tokens, merge, extract, train-command): the run directory is refused first if other users can write
-    it, or a folder above it without the sticky bit, unless `[output] shared = true` (core/rundir.py
+    it, or a folder above it without the sticky bit, unless `[output] shared = true` (core/private_dir.py
     check_private). Checked here, once for every such command, before anything is written or sent."""
-    from draftgen.core.rundir import check_private
+    from draftgen.core.private_dir import check_private
     config = _config(path)
     check_private(config.run_dir, config.path, shared=config.output.shared)
     return config

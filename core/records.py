@@ -26,7 +26,7 @@
     sampling              {temperature: float | null, reasoning_effort: str | null} | absent: what the body
                           sent carried (`reasoning.effort`, or `reasoning_effort` self-hosted), written when
                           the dataset sets sampling cycles (`temperatures`, `reasoning_efforts`) or turns =
-                          "all" (config.sampling_of; added to the line by record_book.record_answer)
+                          "all" (config_tables.sampling_of; added to the line by record_book.record_answer)
     server                str | absent, the server that answered when [api] base_url is a list (a fleet of
                           self-hosted servers, core/generate/api/fleet.py): its URL without credentials
 

@@ -5,7 +5,7 @@ A body is a contract: whatever it carries is generated and billed. Each key draf
 - PLAIN: changes how an answer is sampled or routed, not how many tokens may be billed (temperature,
   top_p, seed, stop, provider, include_reasoning, stream_options, ...);
 - CAP: an answer cap (`max_tokens` and its other names): it must equal the dataset's max_tokens, which
-  the reservation and the token budget use (config.py `_completion_limit`; one number, or the load
+  the reservation and the token budget use (config_load.py `_completion_limit`; one number, or the load
   stops). `reasoning.max_tokens` (a reasoning budget, counted inside the completion) may not exceed it;
 - RESERVED: priced by the reservation: `models` (with `route = "fallback"`): every fallback model's
   endpoints listing is read and the reservation takes the worst of them (prices.py);
@@ -40,7 +40,7 @@ SELF_HOSTED_ONLY_KEYS = ("chat_template_kwargs", "skip_special_tokens", "spaces_
 PLAIN_KEYS = ("temperature", "top_p", "top_k", "min_p", "top_a", "seed", "stop", "frequency_penalty",
               "presence_penalty", "repetition_penalty", "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
               "response_format", "user", "stream_options", "reasoning_effort", "verbosity")
-# Answer caps: each must equal the dataset's max_tokens (config.py `_completion_limit`).
+# Answer caps: each must equal the dataset's max_tokens (config_load.py `_completion_limit`).
 COMPLETION_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens")
 # Keys of the OpenRouter `reasoning` table.
 REASONING_KEYS = ("effort", "max_tokens", "exclude", "enabled", "summary")
@@ -92,7 +92,7 @@ def check_request_table(file: Path, table: str, request: Mapping[str, Any], *, o
     know for this kind, or knows to change what is billed past the reservation. `table` is "request" or
     "datasets[i].request" (of `dataset`, its name); `openrouter`: the config is OpenRouter's for sure
     (its kind or base_url).
-    Answer caps are checked against max_tokens by config.py `_completion_limit`."""
+    Answer caps are checked against max_tokens by config_load.py `_completion_limit`."""
     where = _where(table, dataset)
     for key, value in request.items():
         name = f"{table}.{key}"

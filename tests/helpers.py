@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from rich.console import Console
 
-from draftgen.core.config import Config, load_config, toml_value
+from draftgen.core.config import Config
+from draftgen.core.config_load import load_config
+from draftgen.core.config_values import toml_value
 from draftgen.core.rundir import RunDir
 
 if TYPE_CHECKING:

@@ -123,7 +123,7 @@ def multi_turn_run(tmp_path: Path, *, merge: dict[str, Any] | None = None, style
     tokenizer: c1 all good; c2's turn 2 invalid (a leaked `<think>`), its turn 3 written BEFORE turn 2
     (order on disk must not matter); c3 all good; c4's turn 2 failed for good (no turn 3).
     `tables`: more config tables (e.g. [extract]). Returns the config and each conversation's records."""
-    from draftgen.core.config import config_from_dict
+    from draftgen.core.config_load import config_from_dict
     from draftgen.core.tokens.tokenizer import bundled_kimi_path
     from draftgen.core.tokens.workers import reconstruct_dataset
     raw = {"output": {"dir": "run"}, "tokenizer": {"path": str(bundled_kimi_path())},

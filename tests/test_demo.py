@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from draftgen.core import provenance
-from draftgen.core.config import load_config
+from draftgen.core.config_load import load_config
 from draftgen.core.extract import load_sample
 from draftgen.core.extract.readback import check_command
 from draftgen.core.tokens.store import TokenReader

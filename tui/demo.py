@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import TextIO
 
 from draftgen.core import runtime
-from draftgen.core.config import Config, load_config, toml_value
+from draftgen.core.config import Config
+from draftgen.core.config_load import load_config
+from draftgen.core.config_values import toml_value
 from draftgen.core.errors import DraftgenError
 
 DEMO_KEY_ENV = "DRAFTGEN_DEMO_KEY"

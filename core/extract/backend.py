@@ -8,7 +8,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from draftgen.core.config import ExtractConfig
+from draftgen.core.config_tables import ExtractConfig
 from draftgen.core.errors import ConfigError
 from draftgen.core.extract.model_info import ModelDims
 

@@ -278,7 +278,7 @@ def self_check_command(config: Config | None, *, long_tokens: int, out: TextIO |
     import dataclasses
     from pathlib import Path
 
-    from draftgen.core.config import ExtractConfig
+    from draftgen.core.config_tables import ExtractConfig
     if long_tokens < 8:
         raise DraftgenError(f"--long-tokens {long_tokens}: must be at least 8")
     try:

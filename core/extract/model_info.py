@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftgen.core.config import parse_layer_set
+from draftgen.core.config_checks import parse_layer_set
 from draftgen.core.errors import ConfigError, DraftgenError
 
 # SGLang's DeepSeek-family models (DeepseekV2/V3ForCausalLM, and Kimi-K2.5, whose language model is a
@@ -83,7 +83,7 @@ def resolve_aux_layers(aux_layers: str | list[int], dims: ModelDims,
                        config_path: Path | str = "config") -> tuple[int, ...]:
     """The aux layers as 0-based layer outputs: layer k's output is HF `hidden_states[k + 1]`.
 
-    Any number of them: a list, or a named set (config.LAYER_SET_NAMES) placed from N. The same convention
+    Any number of them: a list, or a named set (config_checks.LAYER_SET_NAMES) placed from N. The same convention
     for every backend. They must be strictly ascending: SGLang concatenates the captured layers in
     model order whatever order it is given, so a list in another order would silently label the
     slices wrong.

@@ -56,7 +56,9 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
-from draftgen.core.config import Config, ExtractConfig, config_from_dict
+from draftgen.core.config import Config
+from draftgen.core.config_load import config_from_dict
+from draftgen.core.config_tables import ExtractConfig
 from draftgen.core.extract import layout
 from draftgen.core.extract.backend import make_backend
 from draftgen.core.extract.model_info import ModelDims, read_model_dims, resolve_aux_layers

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from draftgen.core.config import load_config
+from draftgen.core.config_load import load_config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.promptsets import presets
 from draftgen.core.promptsets.build import DROP_REASONS, BuildError, BuildOptions, SourceStats, build

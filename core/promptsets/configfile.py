@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftgen.core.config import Config, config_from_dict, toml_value
+from draftgen.core.config import Config
+from draftgen.core.config_load import config_from_dict
+from draftgen.core.config_values import toml_value
 from draftgen.core.errors import ConfigError
 from draftgen.core.promptsets.build import DatasetOut
 from draftgen.core.quoting import one_line

@@ -21,6 +21,7 @@ from draftgen.core.live.control import Action
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import QuitEffects, quit_effects
 from draftgen.core.live.timeline import TimelineRecorder, Totals
+from draftgen.core.private_dir import check_private
 from draftgen.core.records import error_count
 from draftgen.core.run import registry
 from draftgen.core.run.events import EventPublisher
@@ -33,7 +34,7 @@ from draftgen.core.run.startup import (
     smoke_status,  # noqa: F401 - its old home: tests and the CLI import it here
 )
 from draftgen.core.run.tokens_stage import TokensStage
-from draftgen.core.rundir import EventLog, RunDir, check_private
+from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.secrets import Redactor
 
 
@@ -84,7 +85,7 @@ class Pipeline:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        # Not a directory other users can write, unless shared on purpose (core/rundir.py check_private).
+        # Not a directory other users can write, unless shared on purpose (core/private_dir.py check_private).
         check_private(self.rundir.root, self.config.path, shared=self.config.output.shared)
         self.rundir.root.mkdir(parents=True, exist_ok=True)
         # The run directory is live from here until close() (core/files.py `exclusive`).

@@ -33,7 +33,7 @@ the provider. This policy turns them into keep or drop, with the cause:
                  text or template is not what the model saw) are dropped as "source_flagged" while
                  drop_flagged_sources is set (else kept, noted "source_flagged"); merge says why.
 
-Thresholds are `[validation]` in the config (core/config.py ValidationConfig); the defaults keep the
+Thresholds are `[validation]` in the config (core/config_tables.py ValidationConfig); the defaults keep the
 reference run's splits (mean 1.0 token on ~2,300-token answers, at most a few tokens) and drop a
 3 % count difference.
 """
@@ -44,7 +44,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftgen.core.config import Config, ValidationConfig
+from draftgen.core.config import Config
+from draftgen.core.config_tables import ValidationConfig
 from draftgen.core.tokens.fidelity import UNKNOWN
 
 STRUCTURAL = ("renders", "one_think_close", "no_think_open", "ends_with_eot", "round_trip")

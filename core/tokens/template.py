@@ -71,7 +71,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from draftgen.core.config import KIMI_DEFAULT_SYSTEM  # noqa: F401 - re-exported for callers of this module
+from draftgen.core.config_tables import KIMI_DEFAULT_SYSTEM  # noqa: F401 - re-exported for callers of this module
 from draftgen.core.errors import DraftgenError
 from draftgen.core.records import reasoning_text
 from draftgen.core.tokens.tokenizer import Tokenizer

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from draftgen.core.config import Config, config_from_dict
+from draftgen.core.config import Config
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import ConfigError, DiskError, DraftgenError
 from draftgen.core.extract import extract, extract_command, layout, parse_shard, runner
 from draftgen.core.extract.hf_backend import HFBackend

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from draftgen.core.config import Config, config_from_dict
+from draftgen.core.config import Config
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.extract import layout, runner
 from draftgen.core.extract.child import extract_in_child, needs_child

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from draftgen.core.config import Config, config_from_dict
+from draftgen.core.config import Config
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import DraftgenError
 from draftgen.core.extract.model_info import context_length, estimate_weights
 from draftgen.core.extract.plan import (

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from draftgen.core.config import Config, config_from_dict
+from draftgen.core.config import Config
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.extract import layout
 from draftgen.core.extract.command import parse_shard, shard_from_env
@@ -293,7 +294,7 @@ class FakeNvml:
 
 
 def test_prerequisite_rows_judge_the_driver_glibc_shm_and_disk(tmp_path: Path, model_dir: Path) -> None:
-    from draftgen.core.config import ExtractConfig
+    from draftgen.core.config_tables import ExtractConfig
     from draftgen.core.extract.selfcheck import SelfCheckResult, add_prerequisites, glibc_version
 
     def rows(base: ExtractConfig, nvml: object, config: Config | None = None) -> dict[str, tuple[bool, str]]:

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from draftgen.core.config import Config, config_from_dict
+from draftgen.core.config import Config
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import DiskError
 from draftgen.core.extract import extract, layout
 from draftgen.core.extract import writer as writer_mod

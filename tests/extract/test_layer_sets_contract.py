@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from draftgen.core.config import SPECULATIVE_KEYS, _speculative_key
+from draftgen.core.config_checks import SPECULATIVE_KEYS, _speculative_key
 from draftgen.core.extract.model_info import ModelDims, dflash_layers, eagle3_layers, resolve_aux_layers
 
 

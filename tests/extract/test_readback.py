@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from draftgen.core import provenance
-from draftgen.core.config import Config, load_config
+from draftgen.core.config import Config
+from draftgen.core.config_load import load_config
 from draftgen.core.extract import extract, layout, readback
 from draftgen.core.extract.command import extract_command
 from draftgen.core.extract.handoff import train_command

@@ -59,7 +59,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """`draftgen demo --headless`'s run (simulator, smoke, generation, merge, extraction): its config."""
     import asyncio
 
-    from draftgen.core.config import load_config
+    from draftgen.core.config_load import load_config
     from draftgen.tui.demo import run_demo
     root = tmp_path_factory.mktemp("demo")
     out = io.StringIO()

@@ -18,7 +18,7 @@ import orjson
 import pytest
 import torch
 
-from draftgen.core.config import config_from_dict
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.extract import extract
 from draftgen.core.tokens.store import TokenReader, TokenWriter
 from tests.pinned import read_with_specforge

@@ -126,7 +126,7 @@ def test_one_format_per_folder_and_a_restart_skips_what_is_written(tmp_path: Pat
     assert (again.written, again.skipped_existing) == (1, len(make_samples()) - 1)
     raw = {"output": {"dir": str(config.run_dir)}, "datasets": [{"name": "B1", "prompts": "p.jsonl"}],
            "extract": {"model": str(model_dir), "backend": "hf", "device": "cpu", "dtype": "float32"}}
-    from draftgen.core.config import config_from_dict
+    from draftgen.core.config_load import config_from_dict
     specforge: Config = config_from_dict(raw, tmp_path / "draftgen.toml")
     with pytest.raises(ConfigError, match="files of the other format"):
         extract(specforge)
@@ -225,7 +225,7 @@ async def test_the_demos_merged_set_in_speculators_fp8(tmp_path: Path, speculato
 
     from transformers import AutoModelForCausalLM
 
-    from draftgen.core.config import config_from_dict
+    from draftgen.core.config_load import config_from_dict
     from draftgen.tui.demo import run_demo
     out = io.StringIO()
     assert await run_demo(tmp_path / "demo", headless=True, out=out, latency_scale=0.02) == 0, out.getvalue()[-3000:]

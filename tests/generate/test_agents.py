@@ -223,7 +223,8 @@ async def test_an_answer_cut_at_max_tokens_ends_its_trajectory_as_cut_not_diverg
 
 
 def test_tool_results_is_match_or_replay_and_for_turns_all_only(tmp_path):
-    from draftgen.core.config import ConfigError, config_from_dict
+    from draftgen.core.config_load import config_from_dict
+    from draftgen.core.errors import ConfigError
 
     def load(**ds: Any) -> Any:
         raw = {"output": {"dir": "run"}, "datasets": [{"name": "agent", "prompts": "agent.jsonl", **ds}]}

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from draftgen.core.config import DatasetConfig
+from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.generate.api.client import ChatAnswer
 from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.conversations import ConversationSource, history_message

@@ -70,7 +70,7 @@ async def test_changed_parameters_need_a_new_smoke(tmp_path):
     assert smoke_status(cfg)[0]
     text = cfg.path.read_text().replace("temperature = 0.6", "temperature = 0.7")
     cfg.path.write_text(text)
-    from draftgen.core.config import load_config
+    from draftgen.core.config_load import load_config
     ok, why = smoke_status(load_config(cfg.path))
     assert not ok and "changed" in why
 

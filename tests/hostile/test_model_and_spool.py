@@ -35,8 +35,9 @@ from draftgen.core.live.attach import ENDED, AttachControls, AttachServer
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import summary_lines
 from draftgen.core.merge.merge import merge
+from draftgen.core.private_dir import check_private
 from draftgen.core.run.pipeline import Pipeline
-from draftgen.core.rundir import RunDir, check_private
+from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
 from draftgen.tui.report import report

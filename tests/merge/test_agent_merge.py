@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from draftgen.core.config import config_from_dict
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.merge.merge import merge
 from draftgen.core.tokens.store import TokenReader
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path

@@ -19,7 +19,8 @@ from typing import Any
 import orjson
 import pytest
 
-from draftgen.core.config import Config, config_from_dict
+from draftgen.core.config import Config
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import ConfigError
 from draftgen.core.merge import contamination
 from draftgen.core.merge.merge import merge, merge_command

@@ -13,7 +13,8 @@ import numpy as np
 import orjson
 import pytest
 
-from draftgen.core.config import Config, config_from_dict
+from draftgen.core.config import Config
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import DraftgenError
 from draftgen.core.extract import claim, extract, layout
 from draftgen.core.merge.merge import merge

@@ -18,7 +18,8 @@ import numpy as np
 import orjson
 import pytest
 
-from draftgen.core.config import Config, config_from_dict
+from draftgen.core.config import Config
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import DraftgenError
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.merge import merge as merge_mod
@@ -309,7 +310,7 @@ import os, sys
 from pathlib import Path
 import orjson
 from draftgen.core.merge import merge as m
-from draftgen.core.config import config_from_dict
+from draftgen.core.config_load import config_from_dict
 
 where, calls = sys.argv[3], [0]
 real_append, real_rename = m.TokenWriter.append, os.rename

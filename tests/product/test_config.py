@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from draftgen.core.config import load_config
+from draftgen.core.config_load import load_config
 from draftgen.core.errors import ConfigError
 
 GOOD = """
@@ -152,7 +152,7 @@ def test_cycles_give_the_ith_prompt_its_values_in_the_body(tmp_path):
 
 
 def test_cycle_index_is_the_prompt_line_and_sampling_reads_the_body_sent(tmp_path):
-    from draftgen.core.config import cycle_index, sampling_of
+    from draftgen.core.config_tables import cycle_index, sampling_of
     assert [cycle_index(line) for line in (1, 2, 7)] == [0, 1, 6]
     assert sampling_of({"temperature": 0.6, "reasoning": {"effort": "high"}}) == {
         "temperature": 0.6, "reasoning_effort": "high"}

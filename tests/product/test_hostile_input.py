@@ -27,8 +27,19 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from draftgen.core import config as cfgmod
-from draftgen.core.config import Config, load_config
+from draftgen.core.config import ApiConfig, Config
+from draftgen.core.config_load import load_config
+from draftgen.core.config_tables import (
+    BudgetConfig,
+    DatasetConfig,
+    EngineConfig,
+    ExtractConfig,
+    MergeConfig,
+    OutputConfig,
+    SmokeConfig,
+    TokenizerConfig,
+)
+from draftgen.core.config_values import key_fields
 from draftgen.core.errors import ConfigError, NoPromptError, PromptFileError
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.prompts import Prompt, Rejection, read_prompts
@@ -71,10 +82,10 @@ def digests(root: Path, skip: tuple[str, ...] = ("run.json", "events.log", "run.
 # ---------------------------------------------------------------------------------------------
 # Config files
 
-_TABLE_CLASSES = {"api": cfgmod.ApiConfig, "budget": cfgmod.BudgetConfig, "tokenizer": cfgmod.TokenizerConfig,
-                  "output": cfgmod.OutputConfig, "engine": cfgmod.EngineConfig, "merge": cfgmod.MergeConfig,
-                  "extract": cfgmod.ExtractConfig, "smoke": cfgmod.SmokeConfig, "datasets": cfgmod.DatasetConfig}
-KEYS = sorted({f.name for cls in _TABLE_CLASSES.values() for f in cfgmod.key_fields(cls)}
+_TABLE_CLASSES = {"api": ApiConfig, "budget": BudgetConfig, "tokenizer": TokenizerConfig, "output": OutputConfig,
+                  "engine": EngineConfig, "merge": MergeConfig, "extract": ExtractConfig, "smoke": SmokeConfig,
+                  "datasets": DatasetConfig}
+KEYS = sorted({f.name for cls in _TABLE_CLASSES.values() for f in key_fields(cls)}
               | {"unknown_key", "messages", "model", "provider", "datasets", "api"})
 HEADERS = [f"[{t}]" for t in (*_TABLE_CLASSES, "request", "request.provider", "bogus")] + \
           ["[[datasets]]", "[[api]]", "[[datasets.request]]", ""]
@@ -118,14 +129,14 @@ def _fields(table: str, typed_only: bool) -> st.SearchStrategy[dict[str, Any]]:
         kinds = [t for t in _TYPED if t is hint or t in typing.get_args(hint)]
         typed = [_TYPED[t] for t in kinds]
         return st.one_of(*typed) if typed and typed_only else st.one_of(*typed, _value)
-    return st.fixed_dictionaries({}, optional={f.name: value_for(f.name) for f in cfgmod.key_fields(cls)})
+    return st.fixed_dictionaries({}, optional={f.name: value_for(f.name) for f in key_fields(cls)})
 
 
 _random_section = st.tuples(st.sampled_from(HEADERS),
                             st.lists(st.tuples(st.sampled_from(KEYS), _value), max_size=5))
 # Well-formed TOML with the real tables and keys, a few of them set to values of their own type
 # (nan, inf, NUL, extremes): what is left to catch is a bad value that gets through.
-_TABLE_FIELDS = [(t, f.name) for t, cls in _TABLE_CLASSES.items() for f in cfgmod.key_fields(cls)]
+_TABLE_FIELDS = [(t, f.name) for t, cls in _TABLE_CLASSES.items() for f in key_fields(cls)]
 
 
 def _one_value(table_field: tuple[str, str]) -> st.SearchStrategy[tuple[str, str, Any]]:

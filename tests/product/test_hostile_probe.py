@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 import pytest
 
-from draftgen.core.config import load_config
+from draftgen.core.config_load import load_config
 from draftgen.core.errors import ConfigError
 from draftgen.core.generate.loop import prompts as prompts_mod
 from draftgen.core.generate.loop.prompts import Prompt, Rejection, read_prompts
@@ -94,7 +94,7 @@ def test_the_management_key_is_cut_too(monkeypatch, tmp_path):
     # GET /credits takes the management key: an error that quotes it is cut like the run's key.
     mgmt = "sk-or-v1-" + "9f8e7d6c5b4a" * 5
     monkeypatch.setenv("DG_MGMT_KEY", mgmt)
-    from draftgen.core.config import load_config
+    from draftgen.core.config_load import load_config
     cfg = load_config(offline_config(tmp_path))
     import dataclasses
     api = dataclasses.replace(cfg.api, management_key_env="DG_MGMT_KEY")

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from draftgen.cli.main import main
-from draftgen.core.config import config_from_dict, load_config, toml_value
+from draftgen.core.config_load import config_from_dict, load_config
+from draftgen.core.config_values import toml_value
 from draftgen.core.errors import ConfigError
 from draftgen.core.quoting import one_line
 from draftgen.core.tokens.store import TokenWriter

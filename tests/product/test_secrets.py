@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 import pytest
 
-from draftgen.core.config import load_config
+from draftgen.core.config_load import load_config
 from draftgen.core.errors import EXIT_KEY_REFUSED
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir

@@ -27,7 +27,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from draftgen.core.config import load_config
+from draftgen.core.config_load import load_config
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
 from draftgen.core.run.pipeline import Pipeline
@@ -436,7 +436,7 @@ LIVE_BATCH_CHILD = r"""
 import asyncio, resource, signal, sys
 import orjson
 from pathlib import Path
-from draftgen.core.config import config_from_dict
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.tokens.during_run import RunReconstructor
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from draftgen.core.config import load_config
+from draftgen.core.config_load import load_config
 from draftgen.core.files import RunDirBusyError, exclusive
 from draftgen.core.generate.commands.retry_failed import history_path, retry_failed
 from draftgen.core.run.pipeline import Pipeline

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from draftgen.core.config import load_config
+from draftgen.core.config_load import load_config
 from draftgen.core.live.summary import EXIT_INCOMPLETE
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.store import TokenReader

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from draftgen.core.config import toml_value
+from draftgen.core.config_values import toml_value
 from draftgen.core.errors import ConfigError
 from draftgen.core.generate.api.client import RequestFailed
 from draftgen.core.generate.api.fleet import FleetClient, server_name

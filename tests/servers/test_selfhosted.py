@@ -22,7 +22,8 @@ from typing import Any
 import orjson
 import pytest
 
-from draftgen.core.config import load_config, toml_value
+from draftgen.core.config_load import load_config
+from draftgen.core.config_values import toml_value
 from draftgen.core.generate.api.classify import classify_status
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.records import ErrorKind

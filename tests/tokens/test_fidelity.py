@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from draftgen.core.config import KIMI_DEFAULT_SYSTEM
+from draftgen.core.config_tables import KIMI_DEFAULT_SYSTEM
 from draftgen.core.generate.commands.smoke import run_smoke
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap

@@ -396,7 +396,9 @@ def test_prompt_special_tokens_special_reads_typed_special_text_as_the_token() -
 
 
 def test_prompt_special_tokens_default_follows_the_server_kind(tmp_path: Path) -> None:
-    from draftgen.core.config import ConfigError, TokenizerConfig, load_config
+    from draftgen.core.config_load import load_config
+    from draftgen.core.config_tables import TokenizerConfig
+    from draftgen.core.errors import ConfigError
     assert TokenizerConfig().prompt_specials(self_hosted=True) is True
     assert TokenizerConfig().prompt_specials(self_hosted=False) is False
     assert TokenizerConfig(prompt_special_tokens="special").prompt_specials(self_hosted=False) is True

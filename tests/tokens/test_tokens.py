@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from draftgen.core.config import Config, config_from_dict
+from draftgen.core.config import Config
+from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import ConfigError, TokenizerError
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.rundir import RunDir, repair_torn_tail

@@ -35,7 +35,8 @@ from typing import Any
 
 import aiohttp
 
-from draftgen.core.config import Config, DatasetConfig
+from draftgen.core.config import Config
+from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.errors import ConfigError
 from draftgen.core.generate.api.client import ChatClient, RequestFailed, get_failure
 from draftgen.core.request_keys import body_answers, body_max_tokens, fallback_models

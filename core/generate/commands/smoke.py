@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftgen.core import runtime
-from draftgen.core.config import Config, DatasetConfig
+from draftgen.core.config import Config
+from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.files import write_json_atomic
 from draftgen.core.generate.api.account import AccountStatus, read_account

@@ -34,7 +34,8 @@ from draftgen.core.generate.loop.conversations import history_message
 from draftgen.core.tokens.reconstruct import model_call_id
 
 if TYPE_CHECKING:
-    from draftgen.core.config import Config, DatasetConfig
+    from draftgen.core.config import Config
+    from draftgen.core.config_tables import DatasetConfig
     from draftgen.core.generate.api.client import ChatClient
 
 

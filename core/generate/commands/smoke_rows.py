@@ -7,9 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig
+from draftgen.core.config import Config
+from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.generate.api.client import ChatAnswer
 from draftgen.core.quoting import one_line
+from draftgen.core.request_keys import COMPLETION_LIMIT_KEYS
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ def quoted(text: str | None) -> str:
 def prompt_row(config: Config, label: str, rec: Any, messages: list[dict[str, Any]],
                 reconstruct_fn: Callable[..., Any]) -> SmokeRow:
     """The prompt the provider ran (usage.prompt_tokens) against the prompt the run reconstructs."""
-    from draftgen.core.config import KIMI_DEFAULT_SYSTEM
+    from draftgen.core.config_tables import KIMI_DEFAULT_SYSTEM
     if rec.prompt_diff is None:
         return SmokeRow(f"{label} prompt tokens", False,
                         "no usage.prompt_tokens in the answer: the prompt cannot be checked")

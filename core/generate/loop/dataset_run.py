@@ -17,7 +17,7 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 
-from draftgen.core.config import DatasetConfig
+from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
 from draftgen.core.generate.api.client import RequestFailed
 from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency

@@ -72,7 +72,8 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.live.summary import ended_line, final_state
-from draftgen.core.rundir import RunDir, check_private
+from draftgen.core.private_dir import check_private
+from draftgen.core.rundir import RunDir
 from draftgen.core.safe_text import visible
 from draftgen.core.secrets import Redactor
 from draftgen.core.units import usd

@@ -256,7 +256,7 @@ class RecordBook:
                       sampling: dict[str, Any] | None = None) -> None:
         """The answer on disk (or held while the disk refuses); and the prompts set aside by a 4xx naming
         no known cause before request `seq` was sent fail as their own: the same parameters work.
-        `sampling`: the line's `sampling` field (config.sampling_of the body sent), when the dataset records it."""
+        `sampling`: the line's `sampling` field (`sampling_of` the body sent), when the dataset records it."""
         for d in ds.doubts.answered(seq):  # set-aside prompts this answer shows were their own (rare)
             self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"

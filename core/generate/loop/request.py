@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from draftgen.core.config import sampling_of
+from draftgen.core.config_tables import sampling_of
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose, unreachable_advice
 from draftgen.core.generate.api.client import ChatAnswer, RequestFailed

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from draftgen.core.config import DatasetConfig, cycle_index
+from draftgen.core.config_tables import DatasetConfig, cycle_index
 from draftgen.core.generate.api.prices import body_prompt_bound, prompt_token_bound
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.prompts import Prompt
