@@ -126,7 +126,7 @@ class Stages:
                    f"merge done: {stats.samples} of {stats.read} answers kept "
                   f"({stats.tokens:,} tokens), dropped: {dropped}; {self._rundir.merged}/train.jsonl")
         if stats.contamination:
-            from draftgen.core.merge.merge import contamination_line
+            from draftgen.core.merge.command import contamination_line
             self._emit(snap.Level.INFO, snap.EventKind.MERGE_DONE, contamination_line(stats))
         if stats.hidden_states:
             self._emit(snap.Level.WARN if "set aside" in stats.hidden_states else snap.Level.INFO,

@@ -22,7 +22,8 @@ import pytest
 from draftgen.core.config import Config, config_from_dict
 from draftgen.core.errors import ConfigError
 from draftgen.core.merge import contamination
-from draftgen.core.merge.merge import merge, merge_command
+from draftgen.core.merge.command import merge_command
+from draftgen.core.merge.merge import merge
 from tests.merge.test_merge import Sample, user, write_dataset
 
 GSM8K_FILE = Path(__file__).with_name("gsm8k_style.jsonl")

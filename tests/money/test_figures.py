@@ -11,7 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
-from draftgen.core.merge.merge import merge, merge_command
+from draftgen.core.merge.command import merge_command
+from draftgen.core.merge.merge import merge
 from tests.merge.test_merge import Sample, user, write_dataset
 from tests.merge.test_merge import make_config as merge_config
 
