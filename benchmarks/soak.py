@@ -61,7 +61,8 @@ import psutil
 
 from draftgen.core.config import Config, DatasetConfig, load_config
 from draftgen.core.generate.api.classify import ANSWER_KINDS, WHOSE, Whose
-from draftgen.core.generate.loop.prompts import Prompt, read_prompts
+from draftgen.core.generate.loop.prompt_files import read_prompts
+from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_INCOMPLETE
 from draftgen.core.records import ErrorKind
 from draftgen.core.rundir import RunDir

@@ -12,7 +12,8 @@ import pytest
 
 from draftgen.core.errors import DraftgenError, NoPromptError
 from draftgen.core.generate.commands.smoke import run_smoke
-from draftgen.core.generate.loop.prompts import Prompt, read_prompts
+from draftgen.core.generate.loop.prompt_files import read_prompts
+from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.tokenizer import bundled_kimi_path

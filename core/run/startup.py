@@ -66,7 +66,7 @@ class Startup:
         self._skip_smoke = skip_smoke
         self._reconstruct = reconstruct
         self.quit_requested = asyncio.Event()
-        self._reading_stop = threading.Event()  # a quit stops the prompt files' count (prompts.py ReadingStopped)
+        self._reading_stop = threading.Event()  # a quit stops the prompt files' count (prompt_files.py ReadingStopped)
         self._no_dialog = asyncio.Event()  # cleared while the quit dialog is open: the run does not start
         self._no_dialog.set()
         self._smoke: asyncio.Future[bool] | None = None  # the start-up smoke test (stop now cancels it)
@@ -77,7 +77,7 @@ class Startup:
         dialog; say whether the run may start."""
         from draftgen.core.generate.api.preflight import check_api
         from draftgen.core.generate.commands.precheck import check_inputs
-        from draftgen.core.generate.loop.prompts import ReadingStopped
+        from draftgen.core.generate.loop.prompt_files import ReadingStopped
         cfg = self._config
         # Prompt files and the tokenizer before anything is paid for (the smoke test included).
         try:

@@ -73,13 +73,8 @@ from draftgen.core.generate.commands.stream_check import (
     stream_pair,
 )
 from draftgen.core.generate.loop.conversations import history_message
-from draftgen.core.generate.loop.prompts import (
-    Conversation,
-    Prompt,
-    read_conversations,
-    read_dataset,
-    read_stoppable,
-)
+from draftgen.core.generate.loop.prompt_files import read_conversations, read_dataset, read_stoppable
+from draftgen.core.generate.loop.prompts import Conversation, Prompt
 from draftgen.core.generate.loop.request import backoff_delay
 from draftgen.core.generate.loop.smoke_record import last_smoke
 from draftgen.core.generate.money.billing import believed, book_answer, book_failure, look_up, reserve_one
@@ -189,7 +184,7 @@ def _asks_reasoning(body: dict[str, Any]) -> bool:
 
 def _count_prompts(ds: DatasetConfig, specials: Any = (), stop: threading.Event | None = None) -> tuple[int, int, str]:
     """Prompts in the file, those holding special-token text, and the first such token seen (`stop`: see
-    prompts.py read_stoppable)."""
+    prompt_files.py read_stoppable)."""
     from draftgen.core.tokens.template import special_text_pattern
     pattern = special_text_pattern(specials)
     n = flagged = 0

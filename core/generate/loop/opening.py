@@ -34,7 +34,7 @@ from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.api.prices import Prices, fetch_prices, require_prices
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
-from draftgen.core.generate.loop.prompts import ReadingStopped
+from draftgen.core.generate.loop.prompt_files import ReadingStopped
 from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.smoke_record import apply_smoke_stream, load_smoke_answer, load_smoke_answered
 from draftgen.core.generate.money.forecast import SmokeFigures
