@@ -31,7 +31,8 @@ from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.generate.loop.spool import SpoolRecord, find_spools, run_key, write_spool
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.attach import ENDED, AttachControls, AttachServer
+from draftgen.core.live.attach import AttachServer
+from draftgen.core.live.attach_viewer import ENDED, AttachControls
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import summary_lines
 from draftgen.core.merge.merge import merge

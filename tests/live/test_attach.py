@@ -16,16 +16,8 @@ import orjson
 import pytest
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.attach import (
-    ENDED,
-    LIVE,
-    WAITING,
-    AttachClient,
-    AttachControls,
-    AttachError,
-    AttachServer,
-    AttachState,
-)
+from draftgen.core.live.attach import AttachError, AttachServer
+from draftgen.core.live.attach_viewer import ENDED, LIVE, WAITING, AttachClient, AttachControls, AttachState
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.snapshot import event_from_dict, snapshot_from_dict
 from draftgen.core.rundir import RunDir
@@ -37,7 +29,7 @@ from tests.helpers import until
 VIEWER = r"""
 import asyncio, sys, orjson
 from pathlib import Path
-from draftgen.core.live.attach import AttachClient, AttachState
+from draftgen.core.live.attach_viewer import AttachClient, AttachState
 from draftgen.core.live.snapshot import RunSnapshot
 
 def say(**kw):
