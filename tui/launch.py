@@ -12,7 +12,7 @@ from typing import TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.live.control import Action
-from draftgen.core.live.snapshot import EventKind, Level
+from draftgen.core.live.events import EventKind, Level
 from draftgen.core.live.summary import EXIT_ERROR, signal_line, summary_lines
 from draftgen.core.quoting import sh_path
 from draftgen.core.run.pipeline import Pipeline

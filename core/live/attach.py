@@ -37,8 +37,8 @@ from typing import Any
 import orjson
 
 from draftgen.core.errors import DraftgenError
+from draftgen.core.live.events import Event, EventKind, Level
 from draftgen.core.live.hub import Hub, Subscription
-from draftgen.core.live.snapshot import Event, EventKind, Level
 from draftgen.core.rundir import RunDir
 from draftgen.core.safe_text import visible
 

@@ -28,6 +28,7 @@ from aiohttp import web
 from draftgen.core.config import Config
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import EventKind
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.command import tokens_command
 from draftgen.core.tokens.reconstruct import reconstruct
@@ -282,7 +283,7 @@ async def test_ids_a_release_cannot_give_are_said_and_counted(tmp_path, shape, v
         engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e))
         assert await engine.run() == snap.RunState.DONE
     assert len(server.sent) == N and engine.errors["no_ids"] == N
-    said = [e[2] for e in events if e[1] == snap.EventKind.SERVER_IDS]
+    said = [e[2] for e in events if e[1] == EventKind.SERVER_IDS]
     assert said and version in said[0] and ("stream = false" in said[0]) == stream
     if stream:
         assert not any(b.get("return_token_ids") for b in server.bodies)
@@ -303,7 +304,7 @@ async def test_ids_asked_of_a_server_that_ignores_the_key_are_counted_never_sile
         assert await engine.run() == snap.RunState.DONE
     assert engine.errors["no_ids"] == N
     assert ("no_ids", N) in engine.snapshot().errors
-    said = [e[2] for e in events if e[1] == snap.EventKind.SERVER_IDS]
+    said = [e[2] for e in events if e[1] == EventKind.SERVER_IDS]
     assert any("without the token ids asked for" in m and "return_token_ids = false" in m for m in said)
     assert len(RunDir(cfg.run_dir).responses("a").read_bytes().splitlines()) == N
 
@@ -408,7 +409,7 @@ async def test_two_runs_in_one_process_each_find_their_own_server(tmp_path):
             assert await engine.run() == snap.RunState.DONE
             assert engine.errors["no_ids"] == (0 if shape == "vllm" else N)
         later = config("three", "auto")
-    first, second = ([e[2] for e in events if e[1] == snap.EventKind.SERVER_IDS] for events in said)
+    first, second = ([e[2] for e in events if e[1] == EventKind.SERVER_IDS] for events in said)
     assert "vLLM 0.13.0" in first[0] and "token ids asked with return_token_ids" in first[0]
     assert "SGLang 0.5.14 has no `return_token_ids`" in second[0]
     assert [c.api.server_kind for c in cfgs] == ["openai-compatible"] * 2

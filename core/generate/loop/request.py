@@ -72,7 +72,7 @@ from draftgen.core.generate.money.billing import (
     over_reservation,
 )
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
-from draftgen.core.live.snapshot import EventData, EventKind, Level, OverReservation, ProviderPastCap
+from draftgen.core.live.events import EventData, EventKind, Level, OverReservation, ProviderPastCap
 from draftgen.core.records import ErrorKind
 from draftgen.core.servers import ids_plan, missing_ids_message
 
