@@ -319,6 +319,7 @@ def replay_answers(url: str) -> None:
     import urllib.request
 
     from draftgen.core.generate.api import client as cl
+    from draftgen.core.generate.api.answer import ChatAnswer, parse_completion, redacted_answer
     body = {**BODY, "messages": [{"role": "user", "content": "Question 0"}]}
     ask = urllib.request.Request(f"{url}/chat/completions", data=orjson.dumps(body), method="POST",
                                  headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
@@ -326,7 +327,7 @@ def replay_answers(url: str) -> None:
         raw, gen_id = resp.read(), resp.headers["X-Generation-Id"]
     sent = itertools.count()
 
-    async def chat(self: cl.ChatClient, body: dict, on_generation=None, *, details: bool = False) -> cl.ChatAnswer:
+    async def chat(self: cl.ChatClient, body: dict, on_generation=None, *, details: bool = False) -> ChatAnswer:
         start = time.monotonic()
         orjson.dumps(body)
         # The exchange (under its deadline: an --ab-code checkout from before deadlines.py has aiohttp's);
@@ -335,9 +336,9 @@ def replay_answers(url: str) -> None:
             await asyncio.sleep(0)
         if on_generation is not None:  # a new id each time, as in a run (the Redactor checks each once)
             on_generation(self._redact(f"{gen_id}-{next(sent)}"))
-        answer = cl.parse_completion(orjson.loads(raw), time.monotonic() - start, self._self_hosted)
+        answer = parse_completion(orjson.loads(raw), time.monotonic() - start, self._self_hosted)
         assert answer.usage.completion_tokens <= cl.body_max_tokens(body, 0)  # chat's check of the cap, as it runs
-        return cl.redacted_answer(answer, self._redact)
+        return redacted_answer(answer, self._redact)
     cl.ChatClient.chat = chat  # type: ignore[method-assign]
 
 

@@ -157,7 +157,7 @@ async def test_an_unreachable_address_says_its_cause_once_with_network_advice(tm
 
 
 def _answer(**kw: object):  # noqa: ANN202 - a ChatAnswer
-    from draftgen.core.generate.api.client import ChatAnswer
+    from draftgen.core.generate.api.answer import ChatAnswer
     from draftgen.core.records import Usage
     base = dict(content="4", reasoning=None, tool_calls=None, finish_reason="stop", native_finish_reason="stop",
                 provider="Moonshot", model="moonshotai/kimi-k2.5", generation_id="g", latency_s=0.1,

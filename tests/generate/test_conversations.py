@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from draftgen.core.config import DatasetConfig
-from draftgen.core.generate.api.client import ChatAnswer
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.conversations import ConversationSource, history_message
 from draftgen.core.generate.loop.dataset_run import DatasetRun

@@ -342,7 +342,8 @@ def test_an_unusual_finish_reason_is_a_failed_attempt_only_from_a_self_hosted_se
     """OpenRouter passes a provider's own finish reason through on an answer it billed ("end_turn"): kept,
     never bought again; a self-hosted server's reason other than stop, length, tool_calls or
     content_filter (vLLM's "repetition") ends no answer: a failed attempt. "abort" is one from either."""
-    from draftgen.core.generate.api.client import RequestFailed, parse_completion
+    from draftgen.core.generate.api.answer import parse_completion
+    from draftgen.core.generate.api.client import RequestFailed
     from draftgen.core.records import ErrorKind
 
     def body(finish: str) -> dict:

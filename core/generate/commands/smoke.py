@@ -55,8 +55,9 @@ from draftgen.core.config import Config, DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.files import write_json_atomic
 from draftgen.core.generate.api.account import AccountStatus, read_account
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose
-from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFailed, get_failure
+from draftgen.core.generate.api.client import ChatClient, RequestFailed, get_failure
 from draftgen.core.generate.api.fleet import answers_differ, server_name
 from draftgen.core.generate.api.preflight import ask_release, note_key_answer
 from draftgen.core.generate.api.prices import body_max_tokens, body_worst_case, fetch_prices

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftgen.core.config import COMPLETION_LIMIT_KEYS, Config, DatasetConfig
-from draftgen.core.generate.api.client import ChatAnswer
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.quoting import one_line
 
 

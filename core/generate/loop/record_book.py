@@ -37,8 +37,9 @@ import orjson
 
 from draftgen.core.errors import DiskError
 from draftgen.core.files import replacing
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
-from draftgen.core.generate.api.client import ChatAnswer, RequestFailed
+from draftgen.core.generate.api.client import RequestFailed
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.prompt_files import ReadingStopped, read_dataset, read_prompts

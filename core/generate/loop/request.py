@@ -55,8 +55,9 @@ from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import sampling_of
 from draftgen.core.errors import DiskError
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose, unreachable_advice
-from draftgen.core.generate.api.client import ChatAnswer, RequestFailed
+from draftgen.core.generate.api.client import RequestFailed
 from draftgen.core.generate.api.preflight import detect_server
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.prompts import Prompt
