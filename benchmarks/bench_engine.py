@@ -319,6 +319,10 @@ def replay_answers(url: str) -> None:
     import urllib.request
 
     from draftgen.core.generate.api import client as cl
+    try:
+        from draftgen.core.generate.api.answer import ChatAnswer, parse_completion, redacted_answer
+    except ImportError:  # an --ab-code checkout from before api/answer.py: the client parsed its answers
+        ChatAnswer, parse_completion, redacted_answer = cl.ChatAnswer, cl.parse_completion, cl.redacted_answer
     body = {**BODY, "messages": [{"role": "user", "content": "Question 0"}]}
     ask = urllib.request.Request(f"{url}/chat/completions", data=orjson.dumps(body), method="POST",
                                  headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
@@ -326,7 +330,7 @@ def replay_answers(url: str) -> None:
         raw, gen_id = resp.read(), resp.headers["X-Generation-Id"]
     sent = itertools.count()
 
-    async def chat(self: cl.ChatClient, body: dict, on_generation=None, *, details: bool = False) -> cl.ChatAnswer:
+    async def chat(self: cl.ChatClient, body: dict, on_generation=None, *, details: bool = False) -> ChatAnswer:
         start = time.monotonic()
         orjson.dumps(body)
         # The exchange (under its deadline: an --ab-code checkout from before deadlines.py has aiohttp's);
@@ -337,9 +341,9 @@ def replay_answers(url: str) -> None:
             on_generation(self._redact(f"{gen_id}-{next(sent)}"))
         # the run's server profile (an --ab-code checkout from before core/server_kinds.py: its callback)
         server = self._server if hasattr(self, "_server") else getattr(self, "_self_hosted", None)
-        answer = cl.parse_completion(orjson.loads(raw), time.monotonic() - start, server)
+        answer = parse_completion(orjson.loads(raw), time.monotonic() - start, server)
         assert answer.usage.completion_tokens <= cl.body_max_tokens(body, 0)  # chat's check of the cap, as it runs
-        return cl.redacted_answer(answer, self._redact)
+        return redacted_answer(answer, self._redact)
     cl.ChatClient.chat = chat  # type: ignore[method-assign]
 
 

@@ -63,7 +63,8 @@ from draftgen.core.config import Config
 from draftgen.core.config_load import load_config
 from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.generate.api.classify import ANSWER_KINDS, WHOSE, Whose
-from draftgen.core.generate.loop.prompts import Prompt, read_prompts
+from draftgen.core.generate.loop.prompt_files import read_prompts
+from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.live.summary import EXIT_COMPLETE, EXIT_INCOMPLETE
 from draftgen.core.records import ErrorKind
 from draftgen.core.rundir import RunDir

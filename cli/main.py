@@ -102,7 +102,7 @@ def cmd_tokens(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from draftgen.core.merge.merge import merge_command
+    from draftgen.core.merge.command import merge_command
     return merge_command(_config_to_write(args.config), replace_hidden_states=args.replace_hidden_states)
 
 

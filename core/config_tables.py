@@ -35,9 +35,10 @@ class TokenizerConfig:
     # on a self-hosted server, "text" on OpenRouter (its providers' stacks are unknown and vary).
     prompt_special_tokens: str = "auto"
 
-    def prompt_specials(self, self_hosted: bool) -> bool:
-        """Whether special-token text in prompts is read as the special token on this server kind."""
-        return self.prompt_special_tokens == "special" or (self.prompt_special_tokens == "auto" and self_hosted)
+    def prompt_specials(self, kind_reads_them: bool) -> bool:
+        """Whether special-token text in prompts is read as the special token: "special", or "auto" where the
+        server's kind reads them so (`ServerKind.specials_as_tokens`)."""
+        return self.prompt_special_tokens == "special" or (self.prompt_special_tokens == "auto" and kind_reads_them)
 
     def system_turn(self) -> str | None:
         """The default system text this run renders (and writes into train.jsonl), or None."""

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import Event
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.snapshot import (
     Credits,
     DatasetSnapshot,
     ErrorRecord,
-    Event,
     GpuStat,
     ProviderFidelity,
     ProviderStat,

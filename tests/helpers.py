@@ -211,7 +211,7 @@ async def read_attach_stream(run_dir: Path, proc: asyncio.subprocess.Process,
     sock = RunDir(run_dir).socket
     for _ in range(3000):  # a hang guard: the run serves the socket before its first request
         try:
-            # Through its folder's descriptor, as `draftgen attach` does (attach.py _short_path): a run
+            # Through its folder's descriptor, as `draftgen attach` does (attach.py short_path): a run
             # directory under a deep tmp_path (pytest-xdist's popen-gwN) names a socket past sockaddr_un's
             # ~108 bytes.
             folder = os.open(sock.parent, os.O_RDONLY | os.O_DIRECTORY)

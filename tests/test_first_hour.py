@@ -12,7 +12,8 @@ import pytest
 
 from draftgen.core.errors import DraftgenError, NoPromptError
 from draftgen.core.generate.commands.smoke import run_smoke
-from draftgen.core.generate.loop.prompts import Prompt, read_prompts
+from draftgen.core.generate.loop.prompt_files import read_prompts
+from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
@@ -156,7 +157,7 @@ async def test_an_unreachable_address_says_its_cause_once_with_network_advice(tm
 
 
 def _answer(**kw: object):  # noqa: ANN202 - a ChatAnswer
-    from draftgen.core.generate.api.client import ChatAnswer
+    from draftgen.core.generate.api.answer import ChatAnswer
     from draftgen.core.records import Usage
     base = dict(content="4", reasoning=None, tool_calls=None, finish_reason="stop", native_finish_reason="stop",
                 provider="Moonshot", model="moonshotai/kimi-k2.5", generation_id="g", latency_s=0.1,
@@ -314,18 +315,18 @@ async def test_the_attach_header_keeps_the_run_name_at_80x24(runs: int) -> None:
 
 async def test_a_dataset_done_line_shows_the_ledger_cost_in_the_one_money_format(tmp_path: Path) -> None:
     from draftgen.core.generate.loop.engine import Engine
-    from draftgen.core.live import snapshot as snap
+    from draftgen.core.live.events import DatasetDone, EventData, EventKind
     from draftgen.core.units import usd
     async with SimServer(SimConfig(seed=1, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3, "max_tokens": 200}],
                           tables={"engine": {"reconstruct": False}})
-        events: list[tuple[str, str, str, snap.EventData | None]] = []
+        events: list[tuple[str, str, str, EventData | None]] = []
         engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda lvl, kind, msg, dataset="", data=None:
                         events.append((lvl, kind, msg, data)))
         await engine.run()
-    (done,) = [(m, data) for _, kind, m, data in events if kind == snap.EventKind.DATASET_DONE]
+    (done,) = [(m, data) for _, kind, m, data in events if kind == EventKind.DATASET_DONE]
     assert done[0].endswith(", " + usd(engine.spend.by_dataset["a"])), done
-    assert isinstance(done[1], snap.DatasetDone) and done[1].cost_usd == engine.spend.by_dataset["a"]
+    assert isinstance(done[1], DatasetDone) and done[1].cost_usd == engine.spend.by_dataset["a"]
     assert (done[1].answered, done[1].total, done[1].failed) == (3, 3, 0)
 
 

@@ -22,8 +22,9 @@ from textual.timer import Timer
 from textual.widgets import Footer, Static
 
 from draftgen.core.live.control import Controls
+from draftgen.core.live.events import Event
 from draftgen.core.live.hub import Subscription
-from draftgen.core.live.snapshot import Event, RunSnapshot
+from draftgen.core.live.snapshot import RunSnapshot
 from draftgen.core.run import registry
 from draftgen.tui.keys import RunKeys, stage_action
 from draftgen.tui.panels.credits import CreditsPanel

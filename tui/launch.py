@@ -12,7 +12,7 @@ from typing import TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.live.control import Action
-from draftgen.core.live.snapshot import EventKind, Level
+from draftgen.core.live.events import EventKind, Level
 from draftgen.core.live.summary import EXIT_ERROR, signal_line, summary_lines
 from draftgen.core.quoting import sh_path
 from draftgen.core.run.pipeline import Pipeline
@@ -123,7 +123,8 @@ def _silence_terminal() -> None:
 
 async def attach_tui(run_dir: Path) -> int:
     """The read-only viewer; AttachError (exit 2, said by the command) when this user may not attach."""
-    from draftgen.core.live.attach import AttachControls, check_access
+    from draftgen.core.live.attach import check_access
+    from draftgen.core.live.attach_viewer import AttachControls
     await asyncio.to_thread(check_access, run_dir)  # "permission denied" now, not a viewer that waits for ever
     controls = AttachControls(run_dir)
     await controls.start()

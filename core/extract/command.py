@@ -11,8 +11,9 @@ from typing import Any, TextIO
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
+from draftgen.core.live.events import Level
 from draftgen.core.live.progress import every
-from draftgen.core.live.snapshot import Level, StageProgress
+from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.quoting import sh_path
 from draftgen.core.safe_text import visible
 from draftgen.core.units import compact_duration, fmt_bytes, fmt_count

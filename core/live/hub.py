@@ -10,7 +10,8 @@ import asyncio
 from collections import deque
 from typing import Literal
 
-from draftgen.core.live.snapshot import Event, RunSnapshot
+from draftgen.core.live.events import Event
+from draftgen.core.live.snapshot import RunSnapshot
 
 Item = tuple[Literal["snapshot"], RunSnapshot] | tuple[Literal["event"], Event]
 

@@ -21,9 +21,9 @@ of the item's n-grams: a prompt that quotes a benchmark item with a prefix ("Sol
 added keeps nearly all of them; a prompt that shares a sentence or a code idiom with an item keeps a
 few. The overlap is measured on the item's side, so a long prompt that embeds a whole item matches.
 
-The stage's entry point is `ContaminationFilter.judge` (one sample) or `screen` (many): merge
-(core/merge/merge.py) asks it for each sample it would keep, before duplicates are told, and writes
-its matches to `merged/contamination.jsonl` with its other outputs.
+The stage's entry point is `ContaminationFilter.judge` (one sample) or `screen` (many): merge's pass 1
+(core/merge/select.py) asks it for each sample it would keep, before duplicates are told, and merge
+(core/merge/merge.py) writes its matches to `merged/contamination.jsonl` with its other outputs.
 """
 
 from __future__ import annotations

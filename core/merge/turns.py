@@ -2,7 +2,7 @@
 
 A turns = "all" dataset writes one responses.jsonl line per turn (`conversation`, `turn`: core/records.py);
 turn k's messages hold the target's own answers to turns 1..k-1. Those lines are judged like any
-answer (core/merge/merge.py `_drop_reason`), then held here until the dataset is read, and resolved
+answer (core/merge/select.py `_drop_reason`), then held here until the dataset is read, and resolved
 per conversation, whatever order the lines came in:
 
 - a turn dropped for a broken answer (`BREAKING`: truncated, empty, invalid, or another model's)

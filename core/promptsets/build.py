@@ -30,7 +30,8 @@ import orjson
 
 from draftgen.core import dedupe
 from draftgen.core.errors import DraftgenError, NoPromptError
-from draftgen.core.generate.loop.prompts import Prompt, read_prompts
+from draftgen.core.generate.loop.prompt_files import read_prompts
+from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.promptsets import language, presets
 from draftgen.core.promptsets.sources import Source, SourceSpec, open_source
 from draftgen.core.promptsets.split import LONG, SHORT, ClassSettings, suggest_threshold

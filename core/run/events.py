@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import time
 
-from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import Event, EventData, EventKind, Level
 from draftgen.core.live.hub import Hub
 from draftgen.core.rundir import EventLog
 from draftgen.core.secrets import Redactor
 
 REPEAT_WINDOW_S = 30.0
 # Events that close a part of the run: the warnings held back before them are counted first.
-CLOSING = frozenset({snap.EventKind.RUN_DONE, snap.EventKind.RUN_FAILED})
+CLOSING = frozenset({EventKind.RUN_DONE, EventKind.RUN_FAILED})
 
 
 class EventPublisher:
@@ -36,12 +36,12 @@ class EventPublisher:
         if self._log is not None:
             self._log.close()
 
-    def emit(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "",
-             data: snap.EventData | None = None) -> None:
+    def emit(self, level: Level | str, kind: EventKind | str, message: str, dataset: str = "",
+             data: EventData | None = None) -> None:
         message = self._redact(message)
         if kind in CLOSING:
             self.flush_repeats()
-        if level == snap.Level.WARN:
+        if level == Level.WARN:
             now = time.monotonic()
             seen = self._repeats.get((kind, message, dataset))
             if seen is not None and now - seen[0] < REPEAT_WINDOW_S:
@@ -59,12 +59,12 @@ class EventPublisher:
         held, self._repeats = self._repeats, {}
         for (kind, message, dataset), (_, times) in held.items():
             if times:
-                self._publish(snap.Level.WARN, kind, f"{message} (and {times:.0f} more like it within "
+                self._publish(Level.WARN, kind, f"{message} (and {times:.0f} more like it within "
                               f"{REPEAT_WINDOW_S:.0f} s)", dataset)
 
-    def _publish(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "",
-                 data: snap.EventData | None = None) -> None:
-        event = snap.Event(time.time(), level, kind, message, dataset, data)  # type: ignore[arg-type]  # coerced to the enums
+    def _publish(self, level: Level | str, kind: EventKind | str, message: str, dataset: str = "",
+                 data: EventData | None = None) -> None:
+        event = Event(time.time(), level, kind, message, dataset, data)  # type: ignore[arg-type]  # coerced to the enums
         if self._log is not None:
             self._log.write(level, message, event.ts)
         self._hub.publish_event(event)

@@ -13,6 +13,7 @@ from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError, ExitCode
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import EventKind, EventSink, Level
 from draftgen.core.quoting import sh_path
 from draftgen.core.run.life import RunLife
 from draftgen.core.run.stages import Stages
@@ -24,7 +25,7 @@ class GenerationStage:
     """Smoke gate, then the run, then the tokens stage's report; how it ended, told to RunControl."""
 
     def __init__(self, config: Config, engine: Engine, startup: Startup, tokens_stage: TokensStage, oneshot: Stages,
-                 life: RunLife, emit: snap.EventSink, *, publish: Callable[[], None], reconstruct: bool) -> None:
+                 life: RunLife, emit: EventSink, *, publish: Callable[[], None], reconstruct: bool) -> None:
         self._config = config
         self._engine = engine
         self._control = engine.control  # the run's owner: its state and how it ended
@@ -50,7 +51,7 @@ class GenerationStage:
                 wrapper.__cause__ = e
                 e = wrapper
             self._life.fail(e)
-            self._emit(snap.Level.ERROR, snap.EventKind.RUN_FAILED, f"the run cannot go on: {e}")
+            self._emit(Level.ERROR, EventKind.RUN_FAILED, f"the run cannot go on: {e}")
             return snap.RunState.STOPPED
 
     async def _generate(self) -> str:
@@ -78,7 +79,7 @@ class GenerationStage:
     def _not_started(self, why: str) -> str:
         """Quit before the run started: no run request was sent; exit 130 (docs/run-end.md)."""
         self._control.not_started()
-        self._emit(snap.Level.WARN, snap.EventKind.RUN_DONE, f"{why}: no run request was sent; "
+        self._emit(Level.WARN, EventKind.RUN_DONE, f"{why}: no run request was sent; "
                    f"`draftgen run {sh_path(self._config.path)}` starts it")
         return snap.RunState.STOPPED
 

@@ -18,6 +18,7 @@ from draftgen.core.generate.loop.projection import Beside
 from draftgen.core.generate.loop.run_state import PausedBy
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.control import Action
+from draftgen.core.live.events import EventData, EventKind, Level
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import QuitEffects, quit_effects
 from draftgen.core.live.timeline import TimelineRecorder, Totals
@@ -75,7 +76,7 @@ class Pipeline:
             config, self.engine, self.startup, self.tokens_stage, self.oneshot, self.life, self.emit,
             publish=self.publish, reconstruct=self._reconstruct)
         self.timeline = TimelineRecorder(self.rundir.history, on_write_error=lambda message: self.emit(
-            snap.Level.WARN, snap.EventKind.HISTORY, message))
+            Level.WARN, EventKind.HISTORY, message))
 
     @property
     def quit_requested(self) -> asyncio.Event:
@@ -106,7 +107,7 @@ class Pipeline:
         if self._serve_attach:
             from draftgen.core.live.attach import AttachServer
             self._attach = AttachServer(self.hub, self.rundir.socket, on_warning=lambda message: self.emit(
-                snap.Level.WARN, snap.EventKind.ATTACH, message))
+                Level.WARN, EventKind.ATTACH, message))
             await self._attach.start()
         self._ticker = asyncio.create_task(self._publish_loop())
         self.publish()
@@ -138,7 +139,7 @@ class Pipeline:
         server = MetricsServer(lambda: self.hub.latest, *address, where=str(self.config.path))
         await server.start()
         self._metrics = server
-        self.emit(snap.Level.INFO, snap.EventKind.METRICS, f"metrics: serving {server.url}")
+        self.emit(Level.INFO, EventKind.METRICS, f"metrics: serving {server.url}")
 
     async def _close_metrics(self) -> None:
         if self._metrics is not None:
@@ -161,8 +162,8 @@ class Pipeline:
 
     # -- events and snapshots -------------------------------------------------------------------
 
-    def emit(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "",
-             data: snap.EventData | None = None) -> None:
+    def emit(self, level: Level | str, kind: EventKind | str, message: str, dataset: str = "",
+             data: EventData | None = None) -> None:
         self.events.emit(level, kind, message, dataset, data)
 
     def _flush_repeats(self) -> None:

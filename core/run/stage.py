@@ -15,6 +15,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import EventData, EventKind, Level
 
 if TYPE_CHECKING:  # the registry is read by views (the TUI's keys) that never load the engine
     from draftgen.core.config import Config
@@ -40,8 +41,8 @@ class StageHost(Protocol):
     oneshot: Stages
     stages: StageRows
 
-    def emit(self, level: snap.Level | str, kind: snap.EventKind | str, message: str, dataset: str = "",
-             data: snap.EventData | None = None) -> None: ...
+    def emit(self, level: Level | str, kind: EventKind | str, message: str, dataset: str = "",
+             data: EventData | None = None) -> None: ...
 
 
 class RunStage:
@@ -50,7 +51,7 @@ class RunStage:
 
     name: ClassVar[str]                        # as in snapshot.STAGE_NAMES: its row, state and events
     when: ClassVar[When]
-    done: ClassVar[snap.EventKind | None] = None  # the event its outcome is told with (a headless milestone)
+    done: ClassVar[EventKind | None] = None  # the event its outcome is told with (a headless milestone)
     key: ClassVar[str | None] = None           # its key in the TUI (the action of the same name), if any
     help: ClassVar[str] = ""                   # what the key does, for the help screen
     flag: ClassVar[str | None] = None          # `draftgen run --headless --<flag>` chains it after generation

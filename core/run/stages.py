@@ -16,6 +16,7 @@ from draftgen.core.errors import DraftgenError
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.run_state import PausedBy
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import EventKind, Level
 from draftgen.core.quoting import sh_path
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.rundir import RunDir
@@ -50,7 +51,7 @@ class Stages:
                 pass  # already reported as an event and in the stage panel
             except Exception as e:  # a stage crash must not take the run down
                 self._rows.fail(name, f"{type(e).__name__}: {e}")
-                self._emit(snap.Level.ERROR, snap.EventKind(f"{name}_done"),
+                self._emit(Level.ERROR, EventKind(f"{name}_done"),
                            f"{name} crashed: {type(e).__name__}: {self._redact(str(e))}")
         self._tasks[name] = asyncio.create_task(guarded())
 
@@ -90,18 +91,18 @@ class Stages:
                                      rundir=self._rundir, redact=self._redact)
         except DraftgenError as e:
             self._rows.fail("smoke", self._redact(str(e)))
-            self._emit(snap.Level.ERROR, snap.EventKind.SMOKE_DONE, f"smoke test could not run: {e}")
+            self._emit(Level.ERROR, EventKind.SMOKE_DONE, f"smoke test could not run: {e}")
             return False
         except asyncio.CancelledError:
             self._rows.stop("smoke", "stopped before it finished (its requests stay on the spend ledger)")
-            self._emit(snap.Level.WARN, snap.EventKind.SMOKE_DONE, "smoke test stopped before it finished: its "
+            self._emit(Level.WARN, EventKind.SMOKE_DONE, "smoke test stopped before it finished: its "
                        "request was abandoned (it stays on the spend ledger)")
             raise
         finally:
             if was_running:
                 self.engine.resume()
         passed = bool(result.passed)
-        self._emit(snap.Level.INFO if passed else snap.Level.ERROR, snap.EventKind.SMOKE_DONE,
+        self._emit(Level.INFO if passed else Level.ERROR, EventKind.SMOKE_DONE,
                   f"smoke test {'passed' if passed else 'FAILED'}: {result.summary()}")
         return passed
 
@@ -114,23 +115,23 @@ class Stages:
         except asyncio.CancelledError:
             self._rows.stop("merge", f"not waited for: merged/ is replaced whole or not at all; "
                           f"`draftgen merge {sh_path(self._config.path)}` redoes it")
-            self._emit(snap.Level.WARN, snap.EventKind.MERGE_DONE, "merge was not waited for: merged/ is replaced "
+            self._emit(Level.WARN, EventKind.MERGE_DONE, "merge was not waited for: merged/ is replaced "
                        f"whole or not at all (`draftgen merge {sh_path(self._config.path)}` redoes it)")
             raise
         except DraftgenError as e:
             self._rows.fail("merge", str(e))
-            self._emit(snap.Level.ERROR, snap.EventKind.MERGE_DONE, f"merge failed: {e}")
+            self._emit(Level.ERROR, EventKind.MERGE_DONE, f"merge failed: {e}")
             raise
         dropped = ", ".join(f"{n} {why}" for why, n in stats.dropped.items() if n) or "none"
-        self._emit(snap.Level.INFO, snap.EventKind.MERGE_DONE,
+        self._emit(Level.INFO, EventKind.MERGE_DONE,
                    f"merge done: {stats.samples} of {stats.read} answers kept "
                   f"({stats.tokens:,} tokens), dropped: {dropped}; {self._rundir.merged}/train.jsonl")
         if stats.contamination:
-            from draftgen.core.merge.merge import contamination_line
-            self._emit(snap.Level.INFO, snap.EventKind.MERGE_DONE, contamination_line(stats))
+            from draftgen.core.merge.command import contamination_line
+            self._emit(Level.INFO, EventKind.MERGE_DONE, contamination_line(stats))
         if stats.hidden_states:
-            self._emit(snap.Level.WARN if "set aside" in stats.hidden_states else snap.Level.INFO,
-                       snap.EventKind.MERGE_DONE, stats.hidden_states)
+            self._emit(Level.WARN if "set aside" in stats.hidden_states else Level.INFO,
+                       EventKind.MERGE_DONE, stats.hidden_states)
         return stats
 
     async def extract(self, shard: tuple[int, int] = (0, 1), on_other_merge: str = "refuse") -> Any:
@@ -148,7 +149,7 @@ class Stages:
             raise
         except DraftgenError as e:
             self._rows.fail("extract", str(e))
-            self._emit(snap.Level.ERROR, snap.EventKind.EXTRACT_DONE, f"extraction failed: {e}")
+            self._emit(Level.ERROR, EventKind.EXTRACT_DONE, f"extraction failed: {e}")
             raise
         finally:
             sampler.cancel()
@@ -156,12 +157,12 @@ class Stages:
             done = stats.skipped_existing + stats.written + stats.nan_samples
             self._rows.stop("extract", f"stopped at {done:,} of {stats.samples:,} files: "
                           f"`draftgen extract {sh_path(self._config.path)}` finishes the rest")
-            self._emit(snap.Level.WARN, snap.EventKind.EXTRACT_DONE,
+            self._emit(Level.WARN, EventKind.EXTRACT_DONE,
                        f"extraction STOPPED at {done:,} of {stats.samples:,} files "
                        f"({stats.written} written this time) in {self._rundir.hidden_states}; "
                        f"`draftgen extract {sh_path(self._config.path)}` finishes the rest")
             return stats
-        self._emit(snap.Level.INFO, snap.EventKind.EXTRACT_DONE, f"extraction done: {stats.written} files written "
+        self._emit(Level.INFO, EventKind.EXTRACT_DONE, f"extraction done: {stats.written} files written "
                   f"({stats.skipped_existing} already there, {stats.nan_samples} NaN"
                   + (f", {stats.too_long_samples} longer than the context: skipped" if stats.too_long_samples else "")
                   + "), "

@@ -18,7 +18,7 @@ from draftgen.core.config import Config
 from draftgen.core.errors import UnreachableError
 from draftgen.core.generate.commands.smoke import SMOKE_RETRY_S
 from draftgen.core.generate.money.spend import SpendLedger
-from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import EventKind, EventSink, Level
 from draftgen.core.run.stages import Stages
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
@@ -55,7 +55,7 @@ class Gated:
 class Startup:
     """The gate in front of the run, and the quit asked for while it is closed."""
 
-    def __init__(self, config: Config, api_key: str, oneshot: Stages, emit: snap.EventSink, *, rundir: RunDir,
+    def __init__(self, config: Config, api_key: str, oneshot: Stages, emit: EventSink, *, rundir: RunDir,
                  redact: Redactor, skip_smoke: bool, reconstruct: bool) -> None:
         self._config = config
         self._rundir = rundir  # the run's, and its redactor (one each per run: core/run/pipeline.py)
@@ -66,7 +66,7 @@ class Startup:
         self._skip_smoke = skip_smoke
         self._reconstruct = reconstruct
         self.quit_requested = asyncio.Event()
-        self._reading_stop = threading.Event()  # a quit stops the prompt files' count (prompts.py ReadingStopped)
+        self._reading_stop = threading.Event()  # a quit stops the prompt files' count (prompt_files.py ReadingStopped)
         self._no_dialog = asyncio.Event()  # cleared while the quit dialog is open: the run does not start
         self._no_dialog.set()
         self._smoke: asyncio.Future[bool] | None = None  # the start-up smoke test (stop now cancels it)
@@ -77,7 +77,7 @@ class Startup:
         dialog; say whether the run may start."""
         from draftgen.core.generate.api.preflight import check_api
         from draftgen.core.generate.commands.precheck import check_inputs
-        from draftgen.core.generate.loop.prompts import ReadingStopped
+        from draftgen.core.generate.loop.prompt_files import ReadingStopped
         cfg = self._config
         # Prompt files and the tokenizer before anything is paid for (the smoke test included).
         try:
@@ -89,14 +89,14 @@ class Startup:
             await check_api(cfg, self._api_key, self._redact)
         except UnreachableError as e:
             # What happens next depends on the smoke gate: say that, not a wait that never comes.
-            self._emit(snap.Level.WARN, snap.EventKind.UNREACHABLE,
+            self._emit(Level.WARN, EventKind.UNREACHABLE,
                        f"{e}; the run waits for it (no prompt is failed meanwhile)" if ok
                        else f"{e}; the smoke test needed first retries it for up to "
                             f"{SMOKE_RETRY_S / 60:.0f} min, then the run stops")
         if warning := cfg.kind_warning():  # the server's kind is known from here
-            self._emit(snap.Level.WARN, snap.EventKind.REQUEST_KEYS, warning)
+            self._emit(Level.WARN, EventKind.REQUEST_KEYS, warning)
         if not self._skip_smoke and not ok and not self.quit_requested.is_set():
-            self._emit(snap.Level.INFO, snap.EventKind.SMOKE, f"running the smoke test first: {why}; no run request is "
+            self._emit(Level.INFO, EventKind.SMOKE, f"running the smoke test first: {why}; no run request is "
                        "sent before it passes (a quit now stops it and the run does not start)")
             spend = self._rundir.spend
             before = await asyncio.to_thread(_spent_on_disk, spend)
@@ -110,7 +110,7 @@ class Startup:
                 return Gated(StartVerdict.SMOKE_FAILED)
         if self.quit_requested.is_set() or not self._no_dialog.is_set():
             if not self._no_dialog.is_set():
-                self._emit(snap.Level.INFO, snap.EventKind.QUIT_DIALOG,
+                self._emit(Level.INFO, EventKind.QUIT_DIALOG,
                            "the run starts once the quit dialog is answered")
                 await self._no_dialog.wait()
             if self.quit_requested.is_set():

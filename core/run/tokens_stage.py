@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import EventKind, EventSink, Level
 from draftgen.core.quoting import sh_path
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.rundir import RunDir
@@ -19,7 +20,7 @@ if TYPE_CHECKING:  # imported when the stage starts: a run without reconstructio
 class TokensStage:
     """The live reconstructor of one run, from its start to its report."""
 
-    def __init__(self, config: Config, emit: snap.EventSink, rows: StageRows, rundir: RunDir) -> None:
+    def __init__(self, config: Config, emit: EventSink, rows: StageRows, rundir: RunDir) -> None:
         self._config = config
         self._rundir = rundir  # the run's one RunDir, handed to the reconstructor
         self._emit = emit
@@ -61,19 +62,19 @@ class TokensStage:
         tokens = r.progress()
         self._rows.set(tokens)
         self.fidelity = r.fidelity()
-        self._emit(snap.Level.INFO, snap.EventKind.TOKENS_DONE, r.report(None).summary_line())
+        self._emit(Level.INFO, EventKind.TOKENS_DONE, r.report(None).summary_line())
         complete = tokens.done >= tokens.total
         if tokens.state == snap.StageState.STOPPED:  # the disk refused: nothing is wrong, it did not finish
-            self._emit(snap.Level.WARN, snap.EventKind.TOKENS_FAILED,
+            self._emit(Level.WARN, EventKind.TOKENS_FAILED,
                        f"tokens: stopped at {tokens.done:,} of {tokens.total:,} answers: {tokens.message}")
             complete = True  # the stage's STOPPED state makes the run incomplete (exit 3), not an error
         elif not complete:  # the tokens stage failed: not a complete run, merge would drop them
-            self._emit(snap.Level.ERROR, snap.EventKind.TOKENS_FAILED,
+            self._emit(Level.ERROR, EventKind.TOKENS_FAILED,
                        f"tokens: {tokens.done:,} of {tokens.total:,} answers have "
                        f"token ids ({tokens.message}); finish with `draftgen tokens {sh_path(self._config.path)}`")
         for row in self.fidelity:
             if row.flagged:
-                self._emit(snap.Level.WARN, snap.EventKind.PROVIDER_FLAGGED,
+                self._emit(Level.WARN, EventKind.PROVIDER_FLAGGED,
                            f"provider {row.name}: {row.flagged} (`draftgen tokens` prints what to change)")
         self._reconstructor = None
         return complete

@@ -27,14 +27,8 @@ from typing import Any
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DiskError
-from draftgen.core.live.snapshot import (
-    EventSink,
-    ProviderFidelity,
-    StageProgress,
-    StageState,
-    TurnAgreement,
-    event_sink,
-)
+from draftgen.core.live.events import EventSink, event_sink
+from draftgen.core.live.snapshot import ProviderFidelity, StageProgress, StageState, TurnAgreement
 from draftgen.core.quoting import sh_path
 from draftgen.core.rundir import RunDir, jsonl_objects
 from draftgen.core.tokens.fidelity import turn_figures

@@ -527,7 +527,7 @@ async def test_extract_is_served_to_attach_with_the_gpu_panel(tmp_path: Path, mo
     import asyncio
 
     from draftgen.core.extract.publish import ExtractPublisher
-    from draftgen.core.live.attach import AttachClient
+    from draftgen.core.live.attach_viewer import AttachClient
     from draftgen.core.live.snapshot import RunSnapshot
     from tests.extract.test_gpu import FakeNvml
 

@@ -13,7 +13,8 @@ import orjson
 import pytest
 from aiohttp.base_protocol import BaseProtocol
 
-from draftgen.core.generate.api.client import ChatClient, RequestFailed, parse_completion
+from draftgen.core.generate.api.answer import parse_completion
+from draftgen.core.generate.api.client import ChatClient, RequestFailed
 from draftgen.core.records import ErrorKind
 from draftgen.simulator import SimConfig, SimServer
 

@@ -12,18 +12,12 @@ import orjson
 import pytest
 
 from draftgen.core.config_tables import DatasetConfig
-from draftgen.core.generate.api.client import ChatAnswer
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.conversations import ConversationSource, history_message
 from draftgen.core.generate.loop.dataset_run import DatasetRun
-from draftgen.core.generate.loop.prompts import (
-    Conversation,
-    Prompt,
-    Rejection,
-    parse_conversation,
-    read_conversations,
-    read_prompts,
-)
+from draftgen.core.generate.loop.prompt_files import read_conversations, read_prompts
+from draftgen.core.generate.loop.prompts import Conversation, Prompt, Rejection, parse_conversation
 from draftgen.core.generate.loop.source import Booked, BookedAs
 from draftgen.core.generate.money.budget import TokenBudget
 from draftgen.core.records import FailureRecord, ResponseRecord, TurnFields, Usage

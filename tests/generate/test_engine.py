@@ -14,6 +14,7 @@ from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.request import backoff_delay
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import EventKind
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 from tests.helpers import TEST_KEY, dataset_row, make_config, read_ids, until
@@ -663,7 +664,7 @@ async def test_a_request_that_ends_on_the_engines_own_error_is_said_with_its_cau
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 6}])
         engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda level, kind, msg, **_: events.append((level, kind, msg)))
         await asyncio.wait_for(engine.run(), 30)
-    said = [msg for level, kind, msg in events if kind == snap.EventKind.REQUEST_ERROR]
+    said = [msg for level, kind, msg in events if kind == EventKind.REQUEST_ERROR]
     assert said == ["a: prompt 'a-3' not asked again this run: the engine's own error RuntimeError: "
                     "a bug of the engine's own"]
     assert engine.datasets["a"].done == 5

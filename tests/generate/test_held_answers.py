@@ -24,6 +24,7 @@ import pytest
 
 from draftgen.core.generate.loop.spool import SpoolRecord, find_spools, write_spool
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import Event
 from draftgen.core.live.summary import summary_lines
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
@@ -35,7 +36,7 @@ from tests.run.test_disk_faults import FullDisk, fsize_limit, parsed_ids
 from tests.tui.test_tui import make
 
 
-def events_of(sub) -> list[snap.Event]:  # noqa: ANN001 - a hub Subscription
+def events_of(sub) -> list[Event]:  # noqa: ANN001 - a hub Subscription
     out = []
     while (item := sub.get_nowait()) is not None:
         if item[0] == "event":

@@ -4,7 +4,8 @@ import orjson
 import pytest
 
 from draftgen.core.errors import PromptFileError
-from draftgen.core.generate.loop.prompts import Prompt, Rejection, read_prompts
+from draftgen.core.generate.loop.prompt_files import read_prompts
+from draftgen.core.generate.loop.prompts import Prompt, Rejection
 
 
 def lines(*objs):

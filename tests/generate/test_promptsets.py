@@ -14,7 +14,8 @@ datasets = pytest.importorskip("datasets")
 from draftgen.cli.main import main  # noqa: E402
 from draftgen.core import dedupe  # noqa: E402
 from draftgen.core.config_load import load_config  # noqa: E402
-from draftgen.core.generate.loop.prompts import Prompt, read_prompts  # noqa: E402
+from draftgen.core.generate.loop.prompt_files import read_prompts  # noqa: E402
+from draftgen.core.generate.loop.prompts import Prompt  # noqa: E402
 from draftgen.core.promptsets import presets  # noqa: E402
 from draftgen.core.promptsets.build import BuildError, BuildOptions, build, prompt_tokens  # noqa: E402
 from draftgen.core.promptsets.sources import SourceError, open_source, parse_source, stay_offline  # noqa: E402

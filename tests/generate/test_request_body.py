@@ -12,7 +12,7 @@ from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.api.prices import body_worst_case, fetch_prices
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.money.spend import SpendLedger
-from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import EventData, EventKind, OverReservation, ProviderPastCap
 from draftgen.core.rundir import RunDir
 from draftgen.core.server_kinds import OpenAICompatible
 from draftgen.simulator import SimConfig, SimServer
@@ -150,7 +150,7 @@ async def test_an_answer_billed_past_its_reservation_is_booked_at_its_real_cost(
                                   "budget": {"max_usd": 1.0}, "tokenizer": {"path": str(_tokenizer())},
                                   "engine": {"reconstruct": False}},
                           request={"temperature": 0.6})
-        events: list[tuple[str, str, str, snap.EventData | None]] = []
+        events: list[tuple[str, str, str, EventData | None]] = []
         engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda lvl, kind, msg, dataset="", data=None:
                         events.append((lvl, kind, msg, data)))
         await engine.run()
@@ -160,8 +160,8 @@ async def test_an_answer_billed_past_its_reservation_is_booked_at_its_real_cost(
     sent = [w for w in _sent_worst(cfg)]
     assert len(sent) == 6 and billed > sum(sent)  # the server billed past the reservations
     assert spend.reconcile().total_usd == pytest.approx(billed, rel=1e-9)
-    over = [data for _, kind, _, data in events if kind == snap.EventKind.OVER_RESERVATION]
-    assert over and isinstance(over[0], snap.OverReservation) and over[0].provider == "Solo", events
+    over = [data for _, kind, _, data in events if kind == EventKind.OVER_RESERVATION]
+    assert over and isinstance(over[0], OverReservation) and over[0].provider == "Solo", events
     assert over[0].billed_usd > over[0].reserved_usd > 0
 
 
@@ -186,7 +186,7 @@ async def test_a_provider_past_max_tokens_is_cut_named_and_on_the_ledger(tmp_pat
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 12, "concurrency": 4, "max_tokens": 100}],
                           tables={"api": {"stream": stream}, "budget": {"max_usd": 1.0},
                                   "tokenizer": {"path": str(_tokenizer())}, "engine": {"reconstruct": False}})
-        events: list[tuple[str, str, str, snap.EventData | None]] = []
+        events: list[tuple[str, str, str, EventData | None]] = []
         engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda lvl, kind, msg, dataset="", data=None:
                         events.append((lvl, kind, msg, data)))
         await engine.run()
@@ -198,12 +198,12 @@ async def test_a_provider_past_max_tokens_is_cut_named_and_on_the_ledger(tmp_pat
     assert kept and all(k["provider"] == "Honest" for k in kept)  # nothing past the cap kept
     assert all(k["usage"]["completion_tokens"] <= 100 for k in kept)
     assert served.get("Solo", 0) > 0 or not stream, served  # Solo answered (its streams reached the client)
-    past = [(msg, data) for _, kind, msg, data in events if kind == snap.EventKind.PAST_CAP]
-    assert past and past[0][1] == snap.ProviderPastCap("Solo") and "max_tokens 100" in past[0][0], events
+    past = [(msg, data) for _, kind, msg, data in events if kind == EventKind.PAST_CAP]
+    assert past and past[0][1] == ProviderPastCap("Solo") and "max_tokens 100" in past[0][0], events
     if stream:  # the cut stream ran on to its end upstream: its record bills past what it was counted at
-        over = [(msg, data) for _, kind, msg, data in events if kind == snap.EventKind.OVER_RESERVATION]
+        over = [(msg, data) for _, kind, msg, data in events if kind == EventKind.OVER_RESERVATION]
         assert over and "generation record" in over[0][0], events
-        assert isinstance(over[0][1], snap.OverReservation) and over[0][1].provider == "Solo"
+        assert isinstance(over[0][1], OverReservation) and over[0][1].provider == "Solo"
         assert over[0][1].billed_usd > over[0][1].reserved_usd
     r = SpendLedger.read(rd.spend).reconcile()
     assert r.pending == r.unknown == 0

@@ -76,7 +76,7 @@ async def test_changed_parameters_need_a_new_smoke(tmp_path):
 
 
 def _answer(reasoning, content, token_ids=None):
-    from draftgen.core.generate.api.client import ChatAnswer
+    from draftgen.core.generate.api.answer import ChatAnswer
     from draftgen.core.records import Usage
     return ChatAnswer(content=content, reasoning=reasoning, tool_calls=None, finish_reason="stop",
                       native_finish_reason="stop", provider=None, model="m", generation_id=None, latency_s=0.1,

@@ -27,7 +27,7 @@ import pytest
 from rich.console import Console
 
 from draftgen.core.config import Config
-from draftgen.core.live.attach import AttachControls, last_run_ended
+from draftgen.core.live.attach_viewer import AttachControls, last_run_ended
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import EventLog, RunDir
 from draftgen.core.safe_text import visible

@@ -31,7 +31,9 @@ from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.generate.loop.spool import SpoolRecord, find_spools, run_key, write_spool
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.attach import ENDED, AttachControls, AttachServer
+from draftgen.core.live.attach import AttachServer
+from draftgen.core.live.attach_viewer import ENDED, AttachControls
+from draftgen.core.live.events import Event
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import summary_lines
 from draftgen.core.merge.merge import merge
@@ -50,7 +52,7 @@ OTHER_MODEL = "openai/gpt-3.5-turbo"
 ASKED = "moonshotai/kimi-k2.5"
 
 
-async def _run_to_the_end(cfg: Config) -> tuple[snap.RunSnapshot, list[snap.Event]]:
+async def _run_to_the_end(cfg: Config) -> tuple[snap.RunSnapshot, list[Event]]:
     """A run of `cfg` that must end DONE by itself: its last snapshot and its events."""
     pipeline = Pipeline(cfg, TEST_KEY, skip_smoke=True, serve_attach=False)
     sub = pipeline.hub.subscribe(maxsize=10_000)

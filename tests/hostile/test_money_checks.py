@@ -17,7 +17,7 @@ from aiohttp import web
 from draftgen.core.errors import ConfigError
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.money.spend import SpendLedger
-from draftgen.core.live.snapshot import EventKind
+from draftgen.core.live.events import EventKind
 from draftgen.core.live.summary import summary_lines
 from draftgen.core.rundir import RunDir
 from tests.helpers import TEST_KEY, dataset_row, make_config, serve_local

@@ -16,16 +16,9 @@ import orjson
 import pytest
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.attach import (
-    ENDED,
-    LIVE,
-    WAITING,
-    AttachClient,
-    AttachControls,
-    AttachError,
-    AttachServer,
-    AttachState,
-)
+from draftgen.core.live.attach import AttachError, AttachServer
+from draftgen.core.live.attach_viewer import ENDED, LIVE, WAITING, AttachClient, AttachControls, AttachState
+from draftgen.core.live.events import EVENT_DATA, DatasetDone, Event, EventKind, Level, OverReservation, ProviderPastCap
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.snapshot import event_from_dict, snapshot_from_dict
 from draftgen.core.rundir import RunDir
@@ -37,7 +30,7 @@ from tests.helpers import until
 VIEWER = r"""
 import asyncio, sys, orjson
 from pathlib import Path
-from draftgen.core.live.attach import AttachClient, AttachState
+from draftgen.core.live.attach_viewer import AttachClient, AttachState
 from draftgen.core.live.snapshot import RunSnapshot
 
 def say(**kw):
@@ -318,15 +311,15 @@ def test_an_events_figures_come_back_from_json_as_its_kinds_payload_class() -> N
     """An event's typed payload (`Event.data`) crosses the attach stream as the class of its kind; an
     event without one, or from an engine that sends none, has None; a payload of a kind this side does
     not know is dropped rather than guessed."""
-    sent = (snap.Event(1.0, snap.Level.INFO, snap.EventKind.DATASET_DONE, "a: done: 2/3 answered, 1 failed, "
-                       "0 skipped, $0.01", "a", snap.DatasetDone("done", 2, 3, 1, 0, 0.0125)),
-            snap.Event(2.0, snap.Level.WARN, snap.EventKind.OVER_RESERVATION, "a: provider Solo: ...", "a",
-                       snap.OverReservation("Solo", 0.001, 0.0042)),
-            snap.Event(3.0, snap.Level.WARN, snap.EventKind.PAST_CAP, "a: provider Solo: ...", "a",
-                       snap.ProviderPastCap("Solo")))
+    sent = (Event(1.0, Level.INFO, EventKind.DATASET_DONE, "a: done: 2/3 answered, 1 failed, "
+                       "0 skipped, $0.01", "a", DatasetDone("done", 2, 3, 1, 0, 0.0125)),
+            Event(2.0, Level.WARN, EventKind.OVER_RESERVATION, "a: provider Solo: ...", "a",
+                       OverReservation("Solo", 0.001, 0.0042)),
+            Event(3.0, Level.WARN, EventKind.PAST_CAP, "a: provider Solo: ...", "a",
+                       ProviderPastCap("Solo")))
     for event in sent:
         back = event_from_dict(orjson.loads(event.to_json()))
-        assert back == event and type(back.data) is snap.EVENT_DATA[event.kind]
+        assert back == event and type(back.data) is EVENT_DATA[event.kind]
     older = orjson.loads(sent[0].to_json())
     del older["data"]
     assert event_from_dict(older).data is None

@@ -23,7 +23,8 @@ from draftgen.core.config import Config
 from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import ConfigError
 from draftgen.core.merge import contamination
-from draftgen.core.merge.merge import merge, merge_command
+from draftgen.core.merge.command import merge_command
+from draftgen.core.merge.merge import merge
 from tests.merge.test_merge import Sample, user, write_dataset
 
 GSM8K_FILE = Path(__file__).with_name("gsm8k_style.jsonl")

@@ -23,7 +23,9 @@ from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import DraftgenError
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.merge import merge as merge_mod
-from draftgen.core.merge.merge import DROP_REASONS, merge, merge_command
+from draftgen.core.merge.command import merge_command
+from draftgen.core.merge.merge import merge
+from draftgen.core.merge.stats import DROP_REASONS
 from draftgen.core.merge.swap import recover
 from draftgen.core.tokens.store import TokenReader, TokenWriter
 from tests.multiturn import multi_turn_run

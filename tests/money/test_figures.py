@@ -11,7 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
-from draftgen.core.merge.merge import merge, merge_command
+from draftgen.core.merge.command import merge_command
+from draftgen.core.merge.merge import merge
 from tests.merge.test_merge import Sample, user, write_dataset
 from tests.merge.test_merge import make_config as merge_config
 
@@ -154,7 +155,7 @@ LONG = ("B5: 412 answers in runs/B5/responses.jsonl have no line on the spend le
 
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
 async def test_an_event_that_does_not_fit_is_cut_at_a_word_and_shown_whole_wrapped_under_its_message(size) -> None:
-    from draftgen.core.live.snapshot import Event
+    from draftgen.core.live.events import Event
     from draftgen.tui.app import DraftgenApp
     from draftgen.tui.panels.eventlog import EventLogPanel
     from tests import fixtures as fx

@@ -10,8 +10,8 @@ import contextlib
 import orjson
 import pytest
 
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.api.classify import RequestFailed
-from draftgen.core.generate.api.client import ChatAnswer
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.commands.smoke import SMOKE, run_smoke
 from draftgen.core.generate.loop.engine import Engine

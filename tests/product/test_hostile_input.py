@@ -42,7 +42,8 @@ from draftgen.core.config_tables import (
 from draftgen.core.config_values import key_fields
 from draftgen.core.errors import ConfigError, NoPromptError, PromptFileError
 from draftgen.core.generate.loop.engine import Engine
-from draftgen.core.generate.loop.prompts import Prompt, Rejection, read_prompts
+from draftgen.core.generate.loop.prompt_files import read_prompts
+from draftgen.core.generate.loop.prompts import Prompt, Rejection
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens.store import TokenReader
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path

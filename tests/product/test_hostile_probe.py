@@ -26,8 +26,9 @@ import pytest
 
 from draftgen.core.config_load import load_config
 from draftgen.core.errors import ConfigError
-from draftgen.core.generate.loop import prompts as prompts_mod
-from draftgen.core.generate.loop.prompts import Prompt, Rejection, read_prompts
+from draftgen.core.generate.loop import prompt_files
+from draftgen.core.generate.loop.prompt_files import read_prompts
+from draftgen.core.generate.loop.prompts import Prompt, Rejection
 from draftgen.core.live import attach as attach_mod
 from draftgen.core.live.attach import AttachServer
 from draftgen.core.live.hub import Hub
@@ -313,12 +314,12 @@ def test_a_prompt_path_that_is_not_a_regular_file_is_refused(tmp_path, kind):
 def test_reading_a_prompt_path_that_became_a_fifo_fails_at_once(tmp_path):
     fifo = tmp_path / "p.jsonl"
     os.mkfifo(fifo)
-    with pytest.raises(prompts_mod.PromptFileError, match="not a regular file"):
+    with pytest.raises(prompt_files.PromptFileError, match="not a regular file"):
         list(read_prompts(fifo))  # opened without waiting for a writer
 
 
 def test_a_line_far_too_long_is_rejected_by_length(tmp_path, monkeypatch):
-    monkeypatch.setattr(prompts_mod, "MAX_LINE_BYTES", 1000)
+    monkeypatch.setattr(prompt_files, "MAX_LINE_BYTES", 1000)
     path = tmp_path / "p.jsonl"
     lines = [orjson.dumps({"id": "ok1", "prompt": "short"}),
              orjson.dumps({"id": "huge", "prompt": "x" * 5_000_000}),

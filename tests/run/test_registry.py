@@ -12,6 +12,7 @@ from typing import Any
 
 from draftgen.cli.main import build_parser
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import EventKind, Level
 from draftgen.core.run import registry
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.run.stage import RunStage, StageHost, When
@@ -54,7 +55,7 @@ class _Count(RunStage):
         lines = sum(len(host.rundir.responses(d.name).read_bytes().splitlines()) for d in host.config.datasets)
         (host.rundir.root / "count.txt").write_text(f"{lines}\n")
         host.stages.set(snap.StageProgress(self.name, state=snap.StageState.DONE, done=lines, total=lines))
-        host.emit(snap.Level.WARN, snap.EventKind.RUN_DONE, f"count: {lines} answers on disk")
+        host.emit(Level.WARN, EventKind.RUN_DONE, f"count: {lines} answers on disk")
         return lines
 
     def run(self, host: StageHost, **options: Any) -> Any:

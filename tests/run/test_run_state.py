@@ -16,7 +16,8 @@ from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.run_state import Hold, PausedBy, RunControl
 from draftgen.core.generate.money.budget import TokenBudget
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.snapshot import DatasetStatus, EventKind, RunState
+from draftgen.core.live.events import EventKind
+from draftgen.core.live.snapshot import DatasetStatus, RunState
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 from tests.helpers import TEST_KEY, dataset_row, make_config

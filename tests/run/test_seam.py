@@ -21,6 +21,7 @@ import pytest
 from draftgen.cli.main import EXIT_CODES
 from draftgen.core.errors import DraftgenError, ExitCode, KeyRefusedError
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import Event, EventKind, Level
 from draftgen.core.live.hub import Hub
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
@@ -49,7 +50,7 @@ class Finished:
         return self.pipeline.hub.latest
 
     @property
-    def events(self) -> list[snap.Event]:
+    def events(self) -> list[Event]:
         return list(self.pipeline.hub.recent)
 
 
@@ -232,7 +233,7 @@ async def test_event_log_panel_filters_by_the_events_dataset(finished: Finished)
         log = pilot.app.screen.events_log  # type: ignore[attr-defined]
         assert log.dataset == "alpha"
         mine = [e for e in events if e.dataset == "alpha"]
-        assert {e.kind for e in mine} >= {snap.EventKind.DATASET_START, snap.EventKind.DATASET_DONE}
+        assert {e.kind for e in mine} >= {EventKind.DATASET_START, EventKind.DATASET_DONE}
         assert [line.split(" ", 2)[2].strip() for line in log.lines] == [e.message for e in mine]
 
 
@@ -241,29 +242,29 @@ async def test_event_log_panel_filters_by_the_events_dataset(finished: Finished)
 
 def test_the_pipelines_events_are_typed_and_name_their_dataset(finished: Finished) -> None:
     events = finished.events
-    assert all(isinstance(e.level, snap.Level) and isinstance(e.kind, snap.EventKind) for e in events)
-    per_dataset = [e for e in events if e.kind in (snap.EventKind.DATASET_START, snap.EventKind.DATASET_DONE)]
+    assert all(isinstance(e.level, Level) and isinstance(e.kind, EventKind) for e in events)
+    per_dataset = [e for e in events if e.kind in (EventKind.DATASET_START, EventKind.DATASET_DONE)]
     assert sorted((e.kind, e.dataset) for e in per_dataset) == [
         ("dataset_done", "alpha"), ("dataset_done", "beta"), ("dataset_start", "alpha"), ("dataset_start", "beta")]
-    assert all(e.dataset == "" for e in events if e.kind == snap.EventKind.RUN_DONE)
+    assert all(e.dataset == "" for e in events if e.kind == EventKind.RUN_DONE)
 
 
 def test_events_travel_as_json_and_older_ones_still_read() -> None:
-    e = snap.Event(1.0, snap.Level.WARN, snap.EventKind.BUDGET, "alpha: token budget reached", "alpha")
+    e = Event(1.0, Level.WARN, EventKind.BUDGET, "alpha: token budget reached", "alpha")
     data = orjson.loads(e.to_json())
     assert data == {"ts": 1.0, "level": "warn", "kind": "budget", "message": "alpha: token budget reached",
                     "dataset": "alpha", "data": None}  # `data`: a kind's figures (snapshot.EVENT_DATA)
     assert snap.event_from_dict(data) == e
     # An engine from before the field, and a newer engine's kind: read, not refused.
     older = snap.event_from_dict({"ts": 2.0, "level": "info", "kind": "a_kind_from_later", "message": "m"})
-    assert older.dataset == "" and older.level is snap.Level.INFO and older.kind == "a_kind_from_later"
+    assert older.dataset == "" and older.level is Level.INFO and older.kind == "a_kind_from_later"
     # The plain strings still compare equal (callers and views written before the enums keep working).
     assert e.level == "warn" and e.kind == "budget" and f"{e.level:<5}" == "warn "
 
 
 async def test_log_filters_on_the_dataset_field_not_the_message_text() -> None:
-    ev = (snap.Event(fx.T0, snap.Level.INFO, snap.EventKind.CREDITS, "B1: looks like a dataset, is not one"),
-          snap.Event(fx.T0 + 1, snap.Level.WARN, snap.EventKind.BUDGET, "token budget reached", dataset="B1"))
+    ev = (Event(fx.T0, Level.INFO, EventKind.CREDITS, "B1: looks like a dataset, is not one"),
+          Event(fx.T0 + 1, Level.WARN, EventKind.BUDGET, "token budget reached", dataset="B1"))
     app = DraftgenApp(fx.FakeControls(fx.running(), ev), title="draftgen", refresh_s=0.05)  # type: ignore[arg-type]
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("l", "d")
@@ -285,7 +286,7 @@ def test_a_slow_subscriber_loses_old_snapshots_and_keeps_every_event() -> None:
     hub = Hub()
     slow, fast = hub.subscribe(maxsize=4), hub.subscribe(maxsize=1000)
     snaps = [dataclasses.replace(fx.running(), seq=i) for i in range(10)]
-    events = [snap.Event(fx.T0 + i, snap.Level.INFO, snap.EventKind.CREDITS, f"e{i}") for i in range(2)]
+    events = [Event(fx.T0 + i, Level.INFO, EventKind.CREDITS, f"e{i}") for i in range(2)]
     for i, s in enumerate(snaps):
         hub.publish_snapshot(s)  # never blocks: a publisher is never slowed by a subscriber
         if i in (3, 6):
@@ -303,7 +304,7 @@ def test_a_subscriber_full_of_events_loses_the_oldest() -> None:
     hub = Hub()
     sub = hub.subscribe(maxsize=3)
     for i in range(5):
-        hub.publish_event(snap.Event(fx.T0 + i, snap.Level.WARN, snap.EventKind.BUDGET, f"e{i}"))
+        hub.publish_event(Event(fx.T0 + i, Level.WARN, EventKind.BUDGET, f"e{i}"))
     assert [x[1].message for x in _drain(sub)] == ["e2", "e3", "e4"] and sub.dropped == 2
 
 

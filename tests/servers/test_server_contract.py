@@ -11,7 +11,7 @@ chunks are built from exactly those names. SGLang's protocol module needs only p
 beside two names of its own package (`sglang.utils.convert_json_schema_to_str`, and `msgspec.Struct`
 from 0.5.23), which are stubbed for the import: its own classes build the responses and stream
 chunks, serialized as the server serializes them (ast is used for its request fields and the stream
-refusals in serving_chat.py). Everything is run through draftgen's parser (core/generate/api/client.py);
+refusals in serving_chat.py). Everything is run through draftgen's parser (core/generate/api/answer.py);
 the request keys draftgen sends each release (core/servers.py) must be fields of its request class,
 and a stream must never carry a key the release refuses on streams.
 """
@@ -32,13 +32,8 @@ from typing import Any
 import orjson
 import pytest
 
-from draftgen.core.generate.api.client import (
-    ANSWER_FINISH_REASONS,
-    RequestFailed,
-    _feed_lines,
-    _StreamState,
-    parse_completion,
-)
+from draftgen.core.generate.api.answer import ANSWER_FINISH_REASONS, StreamState, feed_lines, parse_completion
+from draftgen.core.generate.api.client import RequestFailed
 from draftgen.core.generate.loop.conversations import history_message
 from draftgen.core.records import ErrorKind
 from draftgen.core.server_kinds import OpenAICompatible
@@ -195,8 +190,8 @@ def test_the_streamed_answer_is_read_and_no_refused_key_is_sent(release: Protoco
     assert not set(asked) & _refused_on_streams(p)
     if p.name == SGLANG and p.server.at_least(0, 5, 17):
         assert "return_token_ids" in _refused_on_streams(p)  # why draftgen never streams it there
-    state = _StreamState()
-    assert _feed_lines(_stream_lines(p, asked), state)
+    state = StreamState()
+    assert feed_lines(_stream_lines(p, asked), state)
     answer = parse_completion(state.body(), 0.1)
     assert answer.content == "the answer" and answer.reasoning == "the reasoning"
     assert answer.usage.completion_tokens == 3
@@ -388,8 +383,8 @@ def test_sglang_streams_built_by_its_own_classes_are_read(sglang: tuple[Protocol
         lines.append(chunk(None, sglext=m.SglExt(input_ids=PROMPT_IDS, output_ids=[IDS])))
     lines += [chunk(None, usage=m.UsageInfo(prompt_tokens=2, completion_tokens=3, total_tokens=5)),
               b"data: [DONE]"]
-    state = _StreamState()
-    assert _feed_lines(lines, state)
+    state = StreamState()
+    assert feed_lines(lines, state)
     answer = parse_completion(state.body(), 0.1)
     assert (answer.content, answer.reasoning, answer.usage.completion_tokens) == ("the answer", "the reasoning", 3)
     assert (answer.token_ids, answer.prompt_token_ids) == ((IDS, PROMPT_IDS) if asked else (None, None))

@@ -28,6 +28,7 @@ from aiohttp import web
 from draftgen.core.config import Config
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import EventKind
 from draftgen.core.rundir import RunDir
 from draftgen.core.server_kinds import OpenAICompatible, OpenRouter
 from draftgen.core.servers import ServerProfile
@@ -284,7 +285,7 @@ async def test_ids_a_release_cannot_give_are_said_and_counted(tmp_path, shape, v
         engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e))
         assert await engine.run() == snap.RunState.DONE
     assert len(server.sent) == N and engine.errors["no_ids"] == N
-    said = [e[2] for e in events if e[1] == snap.EventKind.SERVER_IDS]
+    said = [e[2] for e in events if e[1] == EventKind.SERVER_IDS]
     assert said and version in said[0] and ("stream = false" in said[0]) == stream
     if stream:
         assert not any(b.get("return_token_ids") for b in server.bodies)
@@ -305,7 +306,7 @@ async def test_ids_asked_of_a_server_that_ignores_the_key_are_counted_never_sile
         assert await engine.run() == snap.RunState.DONE
     assert engine.errors["no_ids"] == N
     assert ("no_ids", N) in engine.snapshot().errors
-    said = [e[2] for e in events if e[1] == snap.EventKind.SERVER_IDS]
+    said = [e[2] for e in events if e[1] == EventKind.SERVER_IDS]
     assert any("without the token ids asked for" in m and "return_token_ids = false" in m for m in said)
     assert len(RunDir(cfg.run_dir).responses("a").read_bytes().splitlines()) == N
 
@@ -343,7 +344,8 @@ def test_an_unusual_finish_reason_is_a_failed_attempt_only_from_a_self_hosted_se
     """OpenRouter passes a provider's own finish reason through on an answer it billed ("end_turn"): kept,
     never bought again; a self-hosted server's reason other than stop, length, tool_calls or
     content_filter (vLLM's "repetition") ends no answer: a failed attempt. "abort" is one from either."""
-    from draftgen.core.generate.api.client import RequestFailed, parse_completion
+    from draftgen.core.generate.api.answer import parse_completion
+    from draftgen.core.generate.api.client import RequestFailed
     from draftgen.core.records import ErrorKind
 
     def body(finish: str) -> dict:
@@ -410,7 +412,7 @@ async def test_two_runs_in_one_process_each_find_their_own_server(tmp_path):
             assert await engine.run() == snap.RunState.DONE
             assert engine.errors["no_ids"] == (0 if shape == "vllm" else N)
         later = config("three", "auto")
-    first, second = ([e[2] for e in events if e[1] == snap.EventKind.SERVER_IDS] for events in said)
+    first, second = ([e[2] for e in events if e[1] == EventKind.SERVER_IDS] for events in said)
     assert "vLLM 0.13.0" in first[0] and "token ids asked with return_token_ids" in first[0]
     assert "SGLang 0.5.14 has no `return_token_ids`" in second[0]
     assert [c.api.server.kind.name for c in cfgs] == ["openai-compatible"] * 2

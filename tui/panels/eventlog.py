@@ -18,7 +18,7 @@ from rich.text import Text
 from textual.binding import Binding
 from textual.widgets import OptionList
 
-from draftgen.core.live.snapshot import Event, Level
+from draftgen.core.live.events import Event, Level
 from draftgen.tui import fmt
 
 LEVEL_STYLES = {Level.INFO: "", Level.WARN: "bold yellow", Level.ERROR: "bold red"}

@@ -57,7 +57,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFailed
+from draftgen.core.generate.api.answer import ChatAnswer
+from draftgen.core.generate.api.client import ChatClient, RequestFailed
 from draftgen.core.records import ErrorKind
 from draftgen.core.secrets import Redactor
 

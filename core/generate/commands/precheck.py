@@ -9,7 +9,8 @@ from __future__ import annotations
 import threading
 
 from draftgen.core.config import Config
-from draftgen.core.generate.loop.prompts import Conversation, Prompt, read_dataset
+from draftgen.core.generate.loop.prompt_files import read_dataset
+from draftgen.core.generate.loop.prompts import Conversation, Prompt
 
 
 def count_prompts(config: Config, stop: threading.Event | None = None) -> dict[str, int]:

@@ -56,8 +56,9 @@ from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.files import write_json_atomic
 from draftgen.core.generate.api.account import AccountStatus, read_account
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose
-from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFailed, get_failure
+from draftgen.core.generate.api.client import ChatClient, RequestFailed, get_failure
 from draftgen.core.generate.api.fleet import answers_differ, server_name
 from draftgen.core.generate.api.preflight import ask_release, note_key_answer
 from draftgen.core.generate.api.prices import body_max_tokens, body_worst_case, fetch_prices
@@ -74,13 +75,8 @@ from draftgen.core.generate.commands.stream_check import (
     stream_pair,
 )
 from draftgen.core.generate.loop.conversations import history_message
-from draftgen.core.generate.loop.prompts import (
-    Conversation,
-    Prompt,
-    read_conversations,
-    read_dataset,
-    read_stoppable,
-)
+from draftgen.core.generate.loop.prompt_files import read_conversations, read_dataset, read_stoppable
+from draftgen.core.generate.loop.prompts import Conversation, Prompt
 from draftgen.core.generate.loop.request import backoff_delay
 from draftgen.core.generate.loop.smoke_record import last_smoke
 from draftgen.core.generate.money.billing import believed, book_answer, book_failure, look_up, reserve_one
@@ -190,7 +186,7 @@ def _asks_reasoning(body: dict[str, Any]) -> bool:
 
 def _count_prompts(ds: DatasetConfig, specials: Any = (), stop: threading.Event | None = None) -> tuple[int, int, str]:
     """Prompts in the file, those holding special-token text, and the first such token seen (`stop`: see
-    prompts.py read_stoppable)."""
+    prompt_files.py read_stoppable)."""
     from draftgen.core.tokens.template import special_text_pattern
     pattern = special_text_pattern(specials)
     n = flagged = 0

@@ -28,7 +28,7 @@ import asyncio
 import functools
 from typing import TYPE_CHECKING, Any, Protocol
 
-from draftgen.core.generate.api.client import ChatAnswer
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.commands.smoke_rows import Asked, SmokeRow, prompt_row, quoted, smoke_body, tokens_row
 from draftgen.core.generate.loop.conversations import history_message
 from draftgen.core.tokens.reconstruct import model_call_id

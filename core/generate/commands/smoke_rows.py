@@ -9,7 +9,7 @@ from typing import Any
 
 from draftgen.core.config import Config
 from draftgen.core.config_tables import DatasetConfig
-from draftgen.core.generate.api.client import ChatAnswer
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.quoting import one_line
 from draftgen.core.request_keys import COMPLETION_LIMIT_KEYS
 

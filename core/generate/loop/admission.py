@@ -19,10 +19,11 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from draftgen.core.generate.loop.conversations import ConversationSource
-from draftgen.core.generate.loop.prompts import ReadingStopped
+from draftgen.core.generate.loop.prompt_files import ReadingStopped
 from draftgen.core.generate.loop.room import Admit, Decision
 from draftgen.core.generate.loop.source import Booked, PromptSource, open_source
-from draftgen.core.live.snapshot import DatasetDone, DatasetStatus, EventKind, Level
+from draftgen.core.live.events import DatasetDone, EventKind, Level
+from draftgen.core.live.snapshot import DatasetStatus
 from draftgen.core.units import usd
 
 if TYPE_CHECKING:

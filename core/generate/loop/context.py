@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from draftgen.core.config import Config
 from draftgen.core.generate.loop.run_state import RunControl
 from draftgen.core.generate.loop.stats import Tally
+from draftgen.core.live.events import EventSink
 from draftgen.core.live.recent import ProviderStats, RecentErrors
-from draftgen.core.live.snapshot import EventSink
 from draftgen.core.secrets import Redactor
 
 

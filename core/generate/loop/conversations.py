@@ -40,16 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from draftgen.core.generate.loop.prompts import (
-    Conversation,
-    Prompt,
-    ReadingStopped,
-    Rejection,
-    read_conversations,
-    turn_id,
-)
+from draftgen.core.generate.loop.prompt_files import ReadingStopped, read_conversations
+from draftgen.core.generate.loop.prompts import Conversation, Prompt, Rejection, turn_id
 from draftgen.core.generate.loop.source import Booked, BookedAs
-from draftgen.core.live.snapshot import EventKind, EventSink, Level
+from draftgen.core.live.events import EventKind, EventSink, Level
 from draftgen.core.records import TurnFields, arguments_text, broken_answer, own_calls, same_calls
 from draftgen.core.rundir import iter_jsonl
 from draftgen.core.servers import ServerProfile

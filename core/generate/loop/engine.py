@@ -69,6 +69,7 @@ from draftgen.core.generate.money.budget import MoneyBudget, TokenBudget
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live.events import EventData, EventKind, EventSink, Level, event_sink
 from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.live.summary import ended_line, final_state
@@ -81,7 +82,7 @@ from draftgen.core.units import usd
 HELD_RETRY_S = 3.0  # how often a run ending with answers held retries writing them
 
 class Engine:
-    def __init__(self, config: Config, api_key: str, *, on_event: snap.EventSink | None = None,
+    def __init__(self, config: Config, api_key: str, *, on_event: EventSink | None = None,
                  on_answer: Callable[[str, dict[str, Any]], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, seed: int | None = None,
                  rundir: RunDir | None = None, redact: Redactor | None = None) -> None:
@@ -89,7 +90,7 @@ class Engine:
         self.rundir = rundir or RunDir(config.run_dir)  # the pipeline's (one per run), or the engine's own
         self._api_key = api_key
         self._redact = redact or Redactor(api_key, config.api.management_key())
-        self._on_event = snap.event_sink(on_event)
+        self._on_event = event_sink(on_event)
         self._clock = clock
         self.datasets = {d.name: DatasetRun(d, TokenBudget(d.token_budget, d.max_tokens),
                                             AdaptiveConcurrency(d.concurrency, clock, self._limit_said(d.name)))
@@ -193,7 +194,7 @@ class Engine:
         if not self.control.drain():
             return
         self._wake_all()
-        self._event(snap.Level.INFO, snap.EventKind.DRAINING,
+        self._event(Level.INFO, EventKind.DRAINING,
                     f"draining: waiting for {self.in_flight} requests in flight")
 
     def spool_held(self) -> None:
@@ -212,7 +213,7 @@ class Engine:
         tasks = tuple(self._loop.requests.tasks) if self._loop is not None else ()
         for task in tasks:
             task.cancel()
-        self._event(snap.Level.WARN, snap.EventKind.STOPPING,
+        self._event(Level.WARN, EventKind.STOPPING,
                     f"stopping now: {len(tasks)} requests in flight abandoned "
                     "(they stay eligible for the next run)")
 
@@ -278,7 +279,7 @@ class Engine:
                             waiting=self.current_hold is Hold.ACCOUNT,
                             money_limited=self._loop is not None and self._loop.room.money_limited)
         self.control.end(final, ended_line(final, self.datasets.values()))
-        self._event(snap.Level.INFO if self.state == RunState.DONE else snap.Level.WARN, snap.EventKind.RUN_DONE,
+        self._event(Level.INFO if self.state == RunState.DONE else Level.WARN, EventKind.RUN_DONE,
                     f"run {self.ended}; {usd(self.money.spent_run)} spent this run, "
                     f"{usd(self.spend.spent_usd)} all runs"
                     + (f" ({usd(self.spend.pending_usd)} of it pending, at worst case)" if self.spend.pending else ""))
@@ -290,12 +291,12 @@ class Engine:
         said = False
         while self.book.holding and not (self._spool_now or self.control.stopping):
             if self.book.flush_held():
-                self._event(snap.Level.INFO, snap.EventKind.HELD_WRITTEN,
+                self._event(Level.INFO, EventKind.HELD_WRITTEN,
                             "the disk took the held records: every answer is on disk")
                 return
             if not said:
                 said = True
-                self._event(snap.Level.WARN, snap.EventKind.HELD_WAIT,
+                self._event(Level.WARN, EventKind.HELD_WAIT,
                             f"{self.book.held_answers} paid answer(s) are held in memory, not "
                             f"on disk: the run waits for the disk, retrying every {HELD_RETRY_S:g} s (free space; r "
                             "or SIGUSR1 retries now); quit again (a second SIGINT) to spool them to a fallback file")
@@ -320,11 +321,11 @@ class Engine:
             return ChatClient(api.base_url, self._api_key, concurrency=need, **kwargs)
 
         def say(out: bool, text: str) -> None:  # a server taken out, or back
-            self._event(snap.Level.WARN if out else snap.Level.INFO,
-                        snap.EventKind.UNREACHABLE if out else snap.EventKind.REACHABLE, text)
+            self._event(Level.WARN if out else Level.INFO,
+                        EventKind.UNREACHABLE if out else EventKind.REACHABLE, text)
 
         def say_limit(starts: bool, text: str) -> None:  # a server's storm began or ended, its limit back
-            self._event(snap.Level.WARN if starts else snap.Level.INFO, snap.EventKind.CONCURRENCY, text)
+            self._event(Level.WARN if starts else Level.INFO, EventKind.CONCURRENCY, text)
 
         clock = self._clock
         return FleetClient(api.servers, self._api_key, concurrency=need, say=say, say_limit=say_limit,
@@ -332,17 +333,17 @@ class Engine:
 
     def _provider_said(self, bad: bool, message: str) -> None:
         """A provider gone bad, or back (recent.py `ProviderStats`): an event."""
-        self._event(snap.Level.WARN if bad else snap.Level.INFO, snap.EventKind.PROVIDER, message)
+        self._event(Level.WARN if bad else Level.INFO, EventKind.PROVIDER, message)
 
     def _limit_said(self, name: str) -> Callable[[bool, str], None]:
         """What dataset `name`'s adaptive limit says (a storm's start and end, the limit back): an event."""
         def say(starts: bool, message: str) -> None:
-            self._event(snap.Level.WARN if starts else snap.Level.INFO, snap.EventKind.CONCURRENCY,
+            self._event(Level.WARN if starts else Level.INFO, EventKind.CONCURRENCY,
                         f"{name}: {message}", dataset=name)
         return say
 
-    def _event(self, level: snap.Level, kind: snap.EventKind, message: str, dataset: str = "",
-               data: snap.EventData | None = None) -> None:
+    def _event(self, level: Level, kind: EventKind, message: str, dataset: str = "",
+               data: EventData | None = None) -> None:
         self._on_event(level, kind, self._redact(message), dataset=dataset, data=data)
 
     def waiting(self) -> str:

@@ -34,13 +34,13 @@ from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.api.prices import Prices, fetch_prices, require_prices
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.duplicates import CrossDatasetDuplicates
-from draftgen.core.generate.loop.prompts import ReadingStopped
+from draftgen.core.generate.loop.prompt_files import ReadingStopped
 from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.smoke_record import apply_smoke_stream, load_smoke_answer, load_smoke_answered
 from draftgen.core.generate.money.forecast import SmokeFigures
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger
-from draftgen.core.live.snapshot import EventKind, EventSink, Level, OverReservation
+from draftgen.core.live.events import EventKind, EventSink, Level, OverReservation
 from draftgen.core.records import cost_of, count_of
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.units import usd

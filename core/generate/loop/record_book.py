@@ -37,25 +37,19 @@ import orjson
 
 from draftgen.core.errors import DiskError
 from draftgen.core.files import replacing
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.api.classify import UNRECOGNIZED_4XX
-from draftgen.core.generate.api.client import ChatAnswer, RequestFailed
+from draftgen.core.generate.api.client import RequestFailed
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.dataset_run import DatasetRun
-from draftgen.core.generate.loop.prompts import (
-    Conversation,
-    Prompt,
-    ReadingStopped,
-    Rejection,
-    read_dataset,
-    read_prompts,
-    turn_id,
-)
+from draftgen.core.generate.loop.prompt_files import ReadingStopped, read_dataset, read_prompts
+from draftgen.core.generate.loop.prompts import Conversation, Prompt, Rejection, turn_id
 from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.loop.spool import SpoolRecord, write_spool
 from draftgen.core.generate.loop.spool_import import SpoolImport
 from draftgen.core.generate.loop.stats import RateTracker
 from draftgen.core.generate.money.budget import MoneyBudget
-from draftgen.core.live.snapshot import EventKind, Level
+from draftgen.core.live.events import EventKind, Level
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord, broken_answer, same_model
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.units import to_ms
@@ -103,7 +97,7 @@ class RecordBook:
         self._scanned: dict[str, tuple[list[Prompt], int]] = {}
         self._kept_lock = threading.Lock()
         # Set by a drain or stop now: the prompt files being read (in threads) stop at their next line, so a
-        # quit never waits for a file read through (prompts.py ReadingStopped); the prompts not read stay
+        # quit never waits for a file read through (prompt_files.py ReadingStopped); the prompts not read stay
         # eligible for the next run.
         self.reading_stop = threading.Event()
         self._disk_error: DiskError | None = None   # why the records are held

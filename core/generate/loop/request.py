@@ -55,8 +55,9 @@ from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config_tables import sampling_of
 from draftgen.core.errors import DiskError
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose, unreachable_advice
-from draftgen.core.generate.api.client import ChatAnswer, RequestFailed
+from draftgen.core.generate.api.client import RequestFailed
 from draftgen.core.generate.api.preflight import detect_server
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.prompts import Prompt
@@ -72,7 +73,7 @@ from draftgen.core.generate.money.billing import (
     over_reservation,
 )
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
-from draftgen.core.live.snapshot import EventData, EventKind, Level, OverReservation, ProviderPastCap
+from draftgen.core.live.events import EventData, EventKind, Level, OverReservation, ProviderPastCap
 from draftgen.core.records import ErrorKind
 from draftgen.core.servers import ids_plan, missing_ids_message
 

@@ -24,7 +24,7 @@ from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.money.budget import Block, BlockReason, MoneyBudget
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
 from draftgen.core.generate.money.trust import FIRST_WAVE, PriceTrust
-from draftgen.core.live.snapshot import EventKind, Level
+from draftgen.core.live.events import EventKind, Level
 from draftgen.core.request_keys import body_answers, body_max_tokens
 from draftgen.core.units import usd
 

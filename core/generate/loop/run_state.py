@@ -28,7 +28,8 @@ from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
 from draftgen.core.errors import ExitCode
-from draftgen.core.live.snapshot import EventKind, EventSink, Level, RunState, StageState, weighed
+from draftgen.core.live.events import EventKind, EventSink, Level
+from draftgen.core.live.snapshot import RunState, StageState, weighed
 from draftgen.core.live.summary import INCOMPLETE
 
 if TYPE_CHECKING:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
-from draftgen.core.generate.api.client import ChatAnswer
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.loop.prompts import Prompt
 
 if TYPE_CHECKING:

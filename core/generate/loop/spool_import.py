@@ -15,7 +15,7 @@ from collections.abc import Callable
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.spool import Spool, find_spools
-from draftgen.core.live.snapshot import EventKind, EventSink, Level
+from draftgen.core.live.events import EventKind, EventSink, Level
 from draftgen.core.rundir import RunDir, iter_jsonl
 
 

@@ -23,7 +23,7 @@ from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.generate.money.spend import SpendLedger
-from draftgen.core.live.snapshot import EventKind, Level
+from draftgen.core.live.events import EventKind, Level
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.dataset_run import DatasetRun

@@ -28,7 +28,7 @@ the same response is never priced two ways:
   from the generation record when it has an id; without one it stays at its worst case.
 
 What a server says it billed is checked before it is booked (`believed`): a usage.cost that is negative
-or not a finite number, token counts that are not counts (client.py `_usage_of`), or a figure beyond
+or not a finite number, token counts that are not counts (answer.py `_usage_of`), or a figure beyond
 what the request could cost (`cost_bound`: ten times its reservation, and never less than its token
 bound at $100 per million tokens, far above any model's listed price; for an answer a provider ran past
 its cap, which bills what it generated, up to `RUN_ON_USD`) is not believed. The answer is
@@ -44,8 +44,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from draftgen.core.errors import DiskError
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.api.classify import PastCap, RequestFailed
-from draftgen.core.generate.api.client import ChatAnswer
 from draftgen.core.generate.api.prices import Prices, body_answers, body_max_tokens, body_prompt_bound
 from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger, Ticket
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Container, Mapping
 
-from draftgen.core.generate.api.client import ChatAnswer
+from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.money.billing import SANE_USD_PER_TOKEN
 
