@@ -166,11 +166,11 @@ def _answer(**kw: object):  # noqa: ANN202 - a ChatAnswer
 
 
 def test_smoke_rows_say_what_came_back(tmp_path: Path) -> None:
-    from draftgen.core.generate.commands.smoke import _answer_rows
+    from draftgen.core.generate.commands.smoke_answer import shape_rows
     cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "a", "n": 1}])
     body = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 10}
-    rows = {r.check: r for r in _answer_rows(cfg, cfg.datasets[0], body, _answer(provider=None, reasoning="hmm"),
-                                             lambda *a: None)}
+    rows = {r.check: r for r in shape_rows(cfg, cfg.datasets[0], body, _answer(provider=None, reasoning="hmm"),
+                                            lambda *a: None)}
     assert rows["a: provider"].detail == "no provider in the response"
     assert rows["a: reasoning"].detail == "not requested, yet 3 chars of reasoning came back"
 

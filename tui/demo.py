@@ -179,7 +179,8 @@ async def run_demo(root: Path, *, headless: bool, out: TextIO = sys.stdout, late
         config = prepare(root, sim.base_url)
         print(f"draftgen demo: simulator at {sim.base_url}, run directory {run_dir}", file=out, flush=True)
         if headless:
-            from draftgen.core.generate.commands.smoke import print_result, run_smoke
+            from draftgen.core.generate.commands.smoke import run_smoke
+            from draftgen.core.generate.commands.smoke_result import print_result
             from draftgen.headless.printer import run_headless
             result = await run_smoke(config, DEMO_KEY)
             print_result(result)

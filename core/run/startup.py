@@ -16,7 +16,7 @@ import orjson
 
 from draftgen.core.config import Config
 from draftgen.core.errors import UnreachableError
-from draftgen.core.generate.commands.smoke import SMOKE_RETRY_S
+from draftgen.core.generate.commands.smoke_account import SMOKE_RETRY_S
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.events import EventKind, EventSink, Level
 from draftgen.core.run.stages import Stages

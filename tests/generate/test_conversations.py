@@ -368,7 +368,7 @@ def test_the_free_checks_and_the_smoke_estimate_read_a_conversation_file_as_the_
     from types import SimpleNamespace
 
     from draftgen.core.generate.commands.precheck import count_prompts
-    from draftgen.core.generate.commands.smoke import _count_turns
+    from draftgen.core.generate.commands.smoke_local import count_turns
     path = tmp_path / "chat.jsonl"
     lines = [{"id": f"c{i}", "messages": [m for k in range(3) for m in (
         {"role": "user", "content": f"question {k + 1} of {i}"}, {"role": "assistant", "content": "theirs"})]}
@@ -376,10 +376,10 @@ def test_the_free_checks_and_the_smoke_estimate_read_a_conversation_file_as_the_
     path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
     ds = SimpleNamespace(name="chat", prompts=path, turns="all", max_turns=None)
     assert count_prompts(SimpleNamespace(datasets=[ds])) == {"chat": 12}  # type: ignore[arg-type]
-    assert _count_turns(ds)[0] == 12  # type: ignore[arg-type]
+    assert count_turns(ds)[0] == 12  # type: ignore[arg-type]
     capped = SimpleNamespace(name="chat", prompts=path, turns="all", max_turns=2)
     assert count_prompts(SimpleNamespace(datasets=[capped])) == {"chat": 8}  # type: ignore[arg-type]
-    assert _count_turns(capped)[0] == 8  # type: ignore[arg-type]
+    assert count_turns(capped)[0] == 8  # type: ignore[arg-type]
 
 
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},

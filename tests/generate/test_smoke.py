@@ -128,15 +128,15 @@ def test_what_cannot_be_compared_is_a_warning_never_a_pass():
 def test_a_tokens_row_that_counts_off_names_the_parser_the_stream_row_saw(tmp_path):
     from types import SimpleNamespace
 
-    from draftgen.core.generate.commands.smoke import _tokens_row
+    from draftgen.core.generate.commands.smoke_rows import tokens_row
     cfg = make_config(tmp_path, "http://127.0.0.1:9/v1", [{"name": "a", "n": 1}],
                       tables={"api": {"kind": "openai-compatible"}})
     rec = SimpleNamespace(failed_checks=[], count_diff=1, billed_tokens=5, span_tokens=6, source="reconstructed",
                           truncated=False)
-    row = _tokens_row(cfg, "a:", rec, None)
+    row = tokens_row(cfg, "a:", rec, None)
     assert not row.passed and "is the chat template" in row.detail
-    row = _tokens_row(cfg, "a:", rec, None, parser="the server's reasoning parser strips leading whitespace of the "
-                      "reasoning in non-streamed answers: use stream = true")
+    row = tokens_row(cfg, "a:", rec, None, parser="the server's reasoning parser strips leading whitespace of the "
+                     "reasoning in non-streamed answers: use stream = true")
     assert not row.passed and "the server's parser, not the chat template" in row.detail
     assert row.detail.endswith("use stream = true")
 
@@ -169,7 +169,7 @@ def test_the_run_streams_as_smoke_json_records_without_a_new_fingerprint(tmp_pat
 async def test_a_multi_turn_dataset_checks_the_prompt_of_a_second_turn(tmp_path, misbehave, passed):
     # A dataset that asks every turn (`turns = "all"`): the smoke test asks a second turn on its first
     # answer and checks that turn's prompt tokens, the history rendered by the template's history rule.
-    from draftgen.core.generate.commands import smoke as smoke_mod
+    from draftgen.core.generate.commands.smoke_answer import FOLLOW_UP
     async with SimServer(SimConfig(seed=1, latency_scale=0.0, sent_log_size=16, misbehave=misbehave)) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "short", "n": 4, "max_tokens": 2048, "turns": "all"},
                                                    {"name": "long", "n": 4, "max_tokens": 4096}],
@@ -190,7 +190,7 @@ async def test_a_multi_turn_dataset_checks_the_prompt_of_a_second_turn(tmp_path,
     # answer's reasoning_details passed back whole, not its text as well.
     assert second[1]["reasoning_details"] and "".join(d["text"] for d in second[1]["reasoning_details"])
     assert set(second[1]) == {"role", "content", "reasoning_details"}
-    assert second[2] == {"role": "user", "content": smoke_mod.FOLLOW_UP}
+    assert second[2] == {"role": "user", "content": FOLLOW_UP}
     assert result.passed is passed
 
 

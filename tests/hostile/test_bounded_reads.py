@@ -199,7 +199,7 @@ def test_a_quit_is_honoured_while_a_prompt_file_of_blank_lines_is_read(tmp_path,
 
 
 async def test_a_cancelled_smoke_count_stops_reading_its_prompt_file(tmp_path):
-    from draftgen.core.generate.commands.smoke import _count_prompts
+    from draftgen.core.generate.commands.smoke_local import scan_prompts
     from draftgen.core.generate.loop.prompt_files import read_stoppable
     prompts = blank_lines_gz(tmp_path / "blank.jsonl.gz")
     cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "blank", "prompts": str(prompts)}])
@@ -208,7 +208,7 @@ async def test_a_cancelled_smoke_count_stops_reading_its_prompt_file(tmp_path):
     def count(stop: threading.Event) -> object:
         started.set()
         try:
-            return _count_prompts(cfg.datasets[0], (), stop)
+            return scan_prompts(cfg.datasets[0], (), stop)
         finally:
             ended.set()
     task = asyncio.ensure_future(read_stoppable(count))

@@ -33,21 +33,20 @@ dataset. An outage answer (429, 5xx, 408, no connection: classify.py) is retried
 backoff, honouring Retry-After, up to `SMOKE_TRIES` tries within `SMOKE_RETRY_S`; each retry is a
 request of its own on the ledger, with its own reservation.
 
-Over 400 lines: the checklist is one flow (`run_smoke`: `_SmokeTest`'s steps in order), with the row
-builders it calls beside it.
+Here are the checklist's flow (`run_smoke`: `_SmokeTest`'s steps in order) and its requests; the rows
+are built beside it: smoke_local.py (the prompt files), smoke_account.py (key, prices, balance and the
+projection's figures), smoke_answer.py (each answer, turn 2, the stream row), smoke_agent.py (the
+agent steps); smoke_result.py holds the result smoke.json keeps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import random
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from draftgen.core import runtime
@@ -55,178 +54,38 @@ from draftgen.core.config import Config
 from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.files import write_json_atomic
-from draftgen.core.generate.api.account import AccountStatus, read_account
+from draftgen.core.generate.api.account import AccountStatus
 from draftgen.core.generate.api.answer import ChatAnswer
-from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose
-from draftgen.core.generate.api.client import ChatClient, RequestFailed, get_failure
+from draftgen.core.generate.api.client import ChatClient, RequestFailed
 from draftgen.core.generate.api.fleet import answers_differ, server_name
-from draftgen.core.generate.api.preflight import ask_release, note_key_answer
-from draftgen.core.generate.api.prices import body_max_tokens, body_worst_case, fetch_prices
+from draftgen.core.generate.api.preflight import ask_release
+from draftgen.core.generate.api.prices import body_worst_case, fetch_prices
 from draftgen.core.generate.commands.precheck import check_tokenizer
-from draftgen.core.generate.commands.smoke_rows import Asked, SmokeRow, prompt_row, quoted, smoke_body
-from draftgen.core.generate.commands.smoke_rows import tokens_row as _tokens_row
-from draftgen.core.generate.commands.stream_check import (
-    SAMPLED_SEEDS,
-    SAMPLED_TEMPERATURE,
-    ModeVerdict,
-    has_text,
-    mode_verdict,
-    not_compared,
-    stream_pair,
+from draftgen.core.generate.commands.smoke_account import (
+    SMOKE_RETRY_S,
+    SMOKE_TRIES,
+    KeyCheck,
+    balance_row,
+    dataset_figures,
+    price_rows,
 )
-from draftgen.core.generate.loop.conversations import history_message
-from draftgen.core.generate.loop.prompt_files import read_conversations, read_dataset, read_stoppable
-from draftgen.core.generate.loop.prompts import Conversation, Prompt
+from draftgen.core.generate.commands.smoke_account import outage as _outage  # `_try`'s name for it
+from draftgen.core.generate.commands.smoke_answer import Reconstruct, mode_row, shape_rows, turn_two_body, turn_two_rows
+from draftgen.core.generate.commands.smoke_local import count_turns, scan_prompts, special_text_rows
+from draftgen.core.generate.commands.smoke_result import SmokeResult, print_result
+from draftgen.core.generate.commands.smoke_rows import Asked, SmokeRow, smoke_body
+from draftgen.core.generate.commands.stream_check import SAMPLED_SEEDS, SAMPLED_TEMPERATURE, has_text, stream_pair
+from draftgen.core.generate.loop.prompt_files import read_stoppable
 from draftgen.core.generate.loop.request import backoff_delay
 from draftgen.core.generate.loop.smoke_record import last_smoke
 from draftgen.core.generate.money.billing import believed, book_answer, book_failure, look_up, reserve_one
-from draftgen.core.generate.money.forecast import (
-    DatasetFigures,
-    RunForecast,
-    SmokeFigures,
-    forecast,
-    history_per_turn,
-)
+from draftgen.core.generate.money.forecast import SmokeFigures, forecast
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
-from draftgen.core.records import ResponseRecord, same_model
+from draftgen.core.records import ResponseRecord
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.secrets import Redactor
-from draftgen.core.units import clip, usd
-
-
-@dataclass
-class SmokeResult:
-    fingerprint: str
-    rows: list[SmokeRow] = field(default_factory=list)
-    cost_per_request: dict[str, float] = field(default_factory=dict)  # dataset name -> $ of its smoke request
-    projected_cost_usd: float | None = None
-    balance_usd: float | None = None
-    projection: RunForecast | None = None
-    smoke_answer: SmokeFigures | None = None  # the projection's pace and price before a run has answers
-    stream: bool | None = None  # the mode that keeps a self-hosted server's text (True: streamed); None: not known
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.rows) and all(r.passed for r in self.rows)
-
-    def summary(self) -> str:
-        """One line: the count, and each failed check with its cause ("key (cannot connect to …)")."""
-        failed = [r for r in self.rows if not r.passed]
-        head = f"{len(self.rows) - len(failed)}/{len(self.rows)} checks passed"
-        if not failed:
-            return head
-        # Cut at a word: the whole detail is in the checklist table and smoke.json.
-        return head + "; failed: " + ", ".join(f"{r.check} ({clip(r.detail, 160)})" for r in failed)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "passed": self.passed, "checked_at": time.time(),
-                "rows": [{"check": r.check, "passed": r.passed, "detail": r.detail, "warning": r.warning}
-                         for r in self.rows],
-                "cost_per_request": self.cost_per_request, "projected_cost_usd": self.projected_cost_usd,
-                "balance_usd": self.balance_usd, "stream": self.stream,
-                "smoke_answer": None if self.smoke_answer is None else dataclasses.asdict(self.smoke_answer)}
-
-
-# How long (and how often) the smoke test retries an outage (429, 5xx, 408, unreachable) before its
-# row fails: a momentary rate limit must not end a nohup job before it starts, a real outage must.
-SMOKE_RETRY_S = 120.0
-SMOKE_TRIES = 8
-
-
-def _outage(e: RequestFailed) -> bool:
-    """A transient error of the service's (not an answer fault, which says something about the request;
-    an error chunk coded 503 or 429 is the service's, RequestFailed.outage)."""
-    return e.whose is Whose.TRANSIENT and (e.kind not in ANSWER_KINDS or e.outage)
-
-
-# The smoke test's second user turn of a multi-turn dataset: its prompt holds the first answer as history.
-FOLLOW_UP = "Now say that again in one short sentence."
-
-
-def turn_two_body(config: Config, body: dict[str, Any], a: ChatAnswer) -> dict[str, Any]:
-    """The smoke body of a multi-turn dataset's second turn: the first turn, its answer sent back by the
-    engine's own rule (`conversations.history_message`, as each API documents it), `FOLLOW_UP`."""
-    earlier = history_message(a.content, a.reasoning, a.reasoning_details, server=config.api.server)
-    return {**body, "messages": [*body["messages"], earlier,
-                                 {"role": "user", "content": FOLLOW_UP}]}
-
-
-def _turn_two_rows(config: Config, ds: DatasetConfig, asked: Asked,
-                   reconstruct_fn: Callable[..., Any]) -> list[SmokeRow]:
-    """The second turn's request and its prompt check (the history rendered by the template's rule)."""
-    _, body, answer, took = asked
-    label = f"{ds.name}: turn 2"
-    if isinstance(answer, SmokeRow):
-        return [SmokeRow(f"{label} request", False, answer.detail)]
-    rows = [SmokeRow(f"{label} request", True, f"answered in {took:.2f} s, the first answer sent back as history")]
-    rec = reconstruct_fn(body["messages"], answer)
-    if rec is not None:
-        row = prompt_row(config, label, rec, body["messages"], reconstruct_fn)
-        why = "" if row.passed or rec.prompt_diff is None else (
-            "; turn 1 agreeing and turn 2 not: the server renders the earlier answer otherwise than the chat "
-            "template's history rule (e.g. keeps its reasoning), so every later turn's prompt would differ")
-        rows.append(SmokeRow(row.check, row.passed, row.detail + why))
-    return rows
-
-
-def _norm(name: str) -> str:
-    return "".join(ch for ch in name.lower() if ch.isalnum())
-
-
-def _asks_reasoning(body: dict[str, Any]) -> bool:
-    r = body.get("reasoning")
-    if isinstance(r, dict):
-        if r.get("exclude") or r.get("enabled") is False:
-            return False
-        return True
-    return bool(body.get("include_reasoning"))
-
-
-def _count_prompts(ds: DatasetConfig, specials: Any = (), stop: threading.Event | None = None) -> tuple[int, int, str]:
-    """Prompts in the file, those holding special-token text, and the first such token seen (`stop`: see
-    prompt_files.py read_stoppable)."""
-    from draftgen.core.tokens.template import special_text_pattern
-    pattern = special_text_pattern(specials)
-    n = flagged = 0
-    first = ""
-    for item in read_dataset(ds.prompts, ds.turns, ds.max_turns, stop):
-        if isinstance(item, Conversation):  # its prompt side: the system and user turns (and tool results) it sends
-            messages = item.prompt_side()
-        elif isinstance(item, Prompt):
-            messages = item.messages
-        else:
-            continue
-        n += 1
-        if pattern is not None:
-            found = next((m for msg in messages if isinstance(msg.get("content"), str)
-                          for m in [pattern.search(msg["content"])] if m), None)
-            if found:
-                flagged += 1
-                first = first or found.group(0)
-    return n, flagged, first
-
-
-def _count_turns(ds: DatasetConfig, stop: threading.Event | None = None) -> tuple[int, float, bool]:
-    """A `turns = "all"` dataset's requests: the user turns (an agent line's steps) of its conversations
-    (at most max_turns each), the mean earlier answers each request's history carries
-    (forecast.history_per_turn), and whether it holds agent lines (smoke_agent.py checks their requests)."""
-    # The run's reader (max_turns, the dataset's answers dropped).
-    convs = [item for item in read_conversations(ds.prompts, ds.max_turns, stop) if isinstance(item, Conversation)]
-    turns = [c.turns for c in convs]
-    return sum(turns), history_per_turn(turns), any(c.steps is not None for c in convs)
-
-
-def special_text_row(config: Config, name: str, flagged: int, first: str) -> SmokeRow:
-    """A warning counting the prompts with special-token text, and how this run reads it."""
-    reads = config.tokenizer.prompt_specials(config.api.server.kind.specials_as_tokens)
-    how = ("read as the special token, as vLLM, SGLang and transformers serve tokenize the rendered prompt"
-           if reads else "kept as text")
-    return SmokeRow(f"{name}: special-token text", True,
-                    f"{flagged} prompt(s) hold special-token text (e.g. {quoted(first)}): {how} ([tokenizer] "
-                    f"prompt_special_tokens = \"{'special' if reads else 'text'}\"; check the prompt tokens row)",
-                    warning=True)
 
 
 def _on_disk(rd: RunDir, ds: DatasetConfig) -> tuple[int, int, float]:
@@ -239,106 +98,6 @@ def _on_disk(rd: RunDir, ds: DatasetConfig) -> tuple[int, int, float]:
         tokens += usage.completion_tokens
         cost += usage.cost
     return answers, tokens, cost
-
-
-def _answer_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: ChatAnswer,
-                 reconstruct_fn: Callable[..., Any], parser: str = "") -> list[SmokeRow]:
-    """The rows of one shape's answer (`parser`: the stream row's cause when the run's mode rewrites text)."""
-    label = f"{ds.name}:"
-    ignore = {_norm(p) for p in (body.get("provider") or {}).get("ignore", []) or []}
-    rows = [SmokeRow(f"{label} content", bool(a.content.strip()),
-                     quoted(a.content[:60]) if a.content.strip() else "empty content (reasoning may have used up "
-                     "max_tokens)")]
-    if _asks_reasoning(body):
-        rows.append(SmokeRow(f"{label} reasoning", bool(a.reasoning),
-                             f"{len(a.reasoning or '')} chars of reasoning" if a.reasoning else
-                             "the request asks for reasoning but none came back (checked `reasoning`, "
-                             "`reasoning_content`, `reasoning_details`)"))
-    else:
-        rows.append(SmokeRow(f"{label} reasoning", True, "not requested" if not a.reasoning else
-                             f"not requested, yet {len(a.reasoning)} chars of reasoning came back"))
-    tools_sent = bool(body.get("tools"))
-    rows.append(SmokeRow(f"{label} tool calls", tools_sent or not a.tool_calls,
-                         f"{len(a.tool_calls or [])} tool call(s)" + ("" if tools_sent or not a.tool_calls
-                                                                      else " without tools in the request")))
-    want = config.api.model
-    model = a.model or ""
-    model_ok = bool(model) and same_model(want, model)  # as the run judges it: else never a sample
-    rows.append(SmokeRow(f"{label} model", model_ok, f"{quoted(a.model)} (asked for {quoted(want)})"))
-    u = a.usage
-    tokens = f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens ({u.reasoning_tokens} reasoning)"
-    if not config.api.server.kind.bills_answers:  # no usage.cost, no provider: tokens at [api] prices
-        rows.append(SmokeRow(f"{label} usage", u.completion_tokens > 0,
-                             f"{tokens}; cost n/a (self-hosted)" if u.completion_tokens > 0 else
-                             f"no completion_tokens in usage ({tokens}): token budgets and prices need them"))
-        rows.append(SmokeRow(f"{label} provider", True, "n/a (self-hosted)"))
-    else:
-        rows.append(SmokeRow(f"{label} usage", u.completion_tokens > 0 and u.cost > 0,
-                             f"{tokens}, cost {usd(u.cost)}"
-                             + ("" if u.cost > 0 else ": no cost in usage (budgets need it)")))
-        provider_ok = bool(a.provider) and _norm(a.provider or "") not in ignore
-        rows.append(SmokeRow(f"{label} provider", provider_ok,
-                             quoted(a.provider) + (" is in provider.ignore" if not provider_ok else "")
-                             if a.provider else "no provider in the response"))
-    raise_it = ("[smoke] max_tokens" if config.smoke.max_tokens is not None else
-                "the dataset's max_tokens (answers of the run cut there are kept, marked truncated)")
-    cut = (f": cut at max_tokens {body_max_tokens(body, 0)}; the smoke test checks a whole answer's ids and end of "
-           f"turn: raise {raise_it}" if a.finish_reason == "length" else "")
-    rows.append(SmokeRow(f"{label} finish", a.finish_reason == "stop",
-                         f"finish_reason {quoted(a.finish_reason)}, native {quoted(a.native_finish_reason)}{cut}"))
-    rec = reconstruct_fn(body["messages"], a)
-    if rec is None:
-        rows.append(SmokeRow(f"{label} tokens", False, "the tokenizer could not be loaded"))
-        return rows
-    rows.append(_tokens_row(config, label, rec, a.provider, parser))
-    rows.append(prompt_row(config, label, rec, body["messages"], reconstruct_fn))
-    return rows
-
-
-_UNSET = object()  # the reconstruction's own default system turn
-
-
-class _Reconstruct:
-    """The smoke answer reconstructed with the target tokenizer, loaded once (its file kept in `origin`)."""
-
-    def __init__(self, config: Config, on_error: Callable[[SmokeRow], None]) -> None:
-        self.config = config
-        self.on_error = on_error
-        self.loaded: list[Any] = []  # [] not tried, [None] failed, [(tokenizer, template)]
-        self.origin: str | None = None
-
-    def failed(self, row: SmokeRow) -> None:
-        self.on_error(row)
-        self.loaded.append(None)
-
-    def __call__(self, messages: list[dict[str, Any]], a: ChatAnswer | None, system: Any = _UNSET,
-                 tools: list[Any] | None = None) -> Any:
-        """The answer `a` reconstructed; with `a` None, only the prompt (rendered with `system`); `tools`: the
-        function schemas the request declared."""
-        from draftgen.core.tokens.reconstruct import reconstruct
-        from draftgen.core.tokens.template import load_template
-        from draftgen.core.tokens.tokenizer import load_tokenizer
-        config = self.config
-        specials = config.tokenizer.prompt_specials(config.api.server.kind.specials_as_tokens)
-        if not self.loaded:
-            try:
-                tok = load_tokenizer(config.tokenizer.path, config.tokenizer.trust_remote_code)
-                self.origin = getattr(tok, "origin", tok.name)
-                self.loaded.append((tok, load_template(config.tokenizer.template, tok,
-                                                       default_system=config.tokenizer.system_turn(),
-                                                       prompt_specials=specials)))
-            except DraftgenError as e:
-                self.failed(SmokeRow("tokenizer", False, str(e)))
-        if self.loaded[0] is None:
-            return None
-        tok, template = self.loaded[0]
-        if a is None:
-            return reconstruct(tok, load_template(config.tokenizer.template, tok, default_system=system,
-                                                  prompt_specials=specials), messages, "", "", tools=tools)
-        return reconstruct(tok, template, messages, a.reasoning, a.content, billed_tokens=a.usage.completion_tokens,
-                           backend_ids=a.token_ids, truncated=a.finish_reason == "length", tool_calls=a.tool_calls,
-                           count_tolerance=config.validation.count_tolerance,
-                           billed_prompt_tokens=a.usage.prompt_tokens, provider=a.provider, tools=tools)
 
 
 class _SmokeTest:
@@ -356,7 +115,7 @@ class _SmokeTest:
         self.redact = redact or Redactor(api_key, config.api.management_key())
         self.result = SmokeResult(fingerprint="")
         self.shapes: dict[str, DatasetConfig] = {}
-        self.reconstruct = _Reconstruct(config, self.add)
+        self.reconstruct = Reconstruct(config, self.add)
         self.local_error = ""
         self.ledger_error = ""
         self.counts: dict[str, int] = {}   # requests each dataset sends: its prompts, or turns (turns = "all")
@@ -365,7 +124,6 @@ class _SmokeTest:
         self.account: AccountStatus | None = None
         self.unreachable = False  # the address does not answer: advice is about the network, not the config
         self.rng = random.Random()
-        self.key_tries = 0
         self.deadline = 0.0
         self.prices: dict[str, Any] = {}
         self.rd = rundir or RunDir(config.run_dir)
@@ -399,54 +157,23 @@ class _SmokeTest:
                 # A stop now cancels the smoke test: the count stops with it (read_stoppable).
                 if ds.turns == "all":
                     self.counts[ds.name], self.history[ds.name], agent = await read_stoppable(
-                        functools.partial(_count_turns, ds))
+                        functools.partial(count_turns, ds))
                     if agent:
                         self.agents.add(ds.name)
                 else:
-                    self.counts[ds.name] = (await read_stoppable(functools.partial(_count_prompts, ds, ())))[0]
+                    self.counts[ds.name] = (await read_stoppable(functools.partial(scan_prompts, ds, ())))[0]
             except DraftgenError as e:
                 self.add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
                 self.counts[ds.name] = 0
                 self.local_error = self.local_error or \
                     f"not sent: {ds.name}'s prompt file cannot be used (see its prompts row)"
 
-    async def _read_account(self, client: ChatClient) -> AccountStatus:
-        """GET /key, retried on an outage within the smoke test's window (`key_tries` counts the tries)."""
-        eng = self.config.engine
-        while True:
-            self.key_tries += 1
-            try:
-                return await read_account(client, management_key=self.config.api.management_key())
-            except RequestFailed as e:
-                delay = backoff_delay(min(self.key_tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after,
-                                      self.rng)
-                if not _outage(e) or self.key_tries >= SMOKE_TRIES or time.monotonic() + delay > self.deadline:
-                    raise
-                await asyncio.sleep(delay)
-
     async def check_key(self, client: ChatClient) -> None:
-        config = self.config
-        if not config.api.server.kind.has_account:
-            self.add(SmokeRow("key", True, f'n/a (self-hosted: [api] kind = "{config.api.kind}")'))
-            return
-        try:
-            self.account = await self._read_account(client)
-            note_key_answer(config, None)
-            label = self.redact(str(self.account.label or "unlabelled"))
-            self.add(SmokeRow("key", True, f"accepted (label {quoted(label)})"))
-            self.result.balance_usd = self.account.balance
-        except RequestFailed as e:
-            self.unreachable = e.unreachable
-            note_key_answer(config, e)
-            tries = self.key_tries
-            if not config.api.server.kind.has_account:
-                self.add(SmokeRow("key", True, f"n/a (self-hosted: GET /key answered {e.status}, so "
-                                  f"{config.api.base_url} is an openai-compatible server)"))
-            else:
-                self.add(SmokeRow("key", False, get_failure("/key", e)
-                                  + (f" (after {tries} tries)" if tries > 1 else "")))
-        except Exception as e:  # noqa: BLE001 - any network failure is this row's failure
-            self.add(SmokeRow("key", False, f"GET /key failed: {type(e).__name__}: {e}"))
+        key = KeyCheck(self.config, self.redact, self.rng)
+        self.add(await key.row(client, self.deadline))
+        self.account, self.unreachable = key.account, key.unreachable
+        if key.account is not None:
+            self.result.balance_usd = key.account.balance
 
     async def check_prices(self, client: ChatClient) -> None:
         """The request shapes (the kind's: an openai-compatible server gets no OpenRouter-only keys) and
@@ -458,21 +185,8 @@ class _SmokeTest:
         if warning := config.kind_warning():
             self.add(SmokeRow("request keys", True, warning, warning=True))
         self.prices, listing_error = await fetch_prices(client, config)
-        for ds in config.datasets:
-            p = self.prices[ds.name]
-            if p is not None:
-                body = smoke_body(config, ds)  # the reservation is the worst case of the body sent
-                self.add(SmokeRow(f"{ds.name}: prices", True, f"worst case {p.describe()}; at most "
-                                  f"${body_worst_case(p, body, ds.max_tokens):.6f} for the smoke request at "
-                                  f"max_tokens {body_max_tokens(body, ds.max_tokens)}"))
-                continue
-            need = config.budget.max_usd is not None
-            why = listing_error or "the routing allows no listed provider"
-            hint = ("; the address does not answer (see the key row): the prices are read from its listing "
-                    "once it does" if self.unreachable else
-                    "; max_usd needs one: set [api] prompt_price_per_mtok and completion_price_per_mtok"
-                    if need else "; no max_usd, so no ceiling to keep")
-            self.add(SmokeRow(f"{ds.name}: prices", not need, f"no price known ({why}){hint}", warning=not need))
+        for row in price_rows(config, self.prices, listing_error, self.unreachable):
+            self.add(row)
 
     async def open_ledger(self) -> None:
         """The directory's spend ledger, unless a run's is open in this process (or the key is in doubt)."""
@@ -634,11 +348,11 @@ class _SmokeTest:
                 continue
             self.add(SmokeRow(f"{ds.name}: request", True, f"answered in {took:.2f} s "
                               f"(shape {fp}, max_tokens {body['max_tokens']})"))
-            for row in await asyncio.to_thread(_answer_rows, self.config, ds, body, answer, self.reconstruct,
+            for row in await asyncio.to_thread(shape_rows, self.config, ds, body, answer, self.reconstruct,
                                                self.parser):
                 self.add(row)
             if fp in self.turn_two:
-                for row in await asyncio.to_thread(_turn_two_rows, self.config, ds, self.turn_two[fp],
+                for row in await asyncio.to_thread(turn_two_rows, self.config, ds, self.turn_two[fp],
                                                    self.reconstruct):
                     self.add(row)
             if fp in self.agent:
@@ -694,80 +408,27 @@ async def _compare_modes(test: _SmokeTest, client: ChatClient) -> None:
         streamed_body, plain_body = stream_pair(body, temperature=SAMPLED_TEMPERATURE, seed=seed)
         streamed = (await test.ask(client, fp, ds, streamed_body))[2]
         plain = (await test.ask(client, fp, ds, plain_body))[2]
-    test.stream_row, verdict = _mode_row(config, streamed, plain, how, sampled, tried)
+    test.stream_row, verdict = mode_row(config, streamed, plain, how, sampled, tried)
     if verdict is not None:
         test.parser = verdict.parser
         test.result.stream = verdict.decided
         config.api.server.note_stream(verdict.decided)
 
 
-async def _figures(test: _SmokeTest) -> list[DatasetFigures]:
-    """Each dataset's figures for the projection (and its special-token text warning)."""
-    figures = []
-    loaded = test.reconstruct.loaded[0] if test.reconstruct.loaded else None
-    for ds in test.config.datasets:
-        n = test.counts[ds.name]
-        if loaded and n:
-            try:
-                _, flagged, first = await read_stoppable(
-                    functools.partial(_count_prompts, ds, loaded[0].special_tokens()))
-                if flagged:
-                    test.add(special_text_row(test.config, ds.name, flagged, first))
-            except DraftgenError as e:
-                test.add(SmokeRow(f"{ds.name}: prompts", False, str(e)))
-        answers, tokens, cost = test.on_disk[ds.name]
-        figures.append(DatasetFigures(
-            name=ds.name, remaining=max(0, n - answers), max_tokens=ds.max_tokens, concurrency=ds.concurrency,
-            token_budget_left=None if ds.token_budget is None else max(0, ds.token_budget - tokens),
-            answers=answers, completion_tokens=tokens, cost_usd=cost, prices=test.prices[ds.name],
-            history_answers=test.history.get(ds.name, 0.0)))
-    return figures
-
-
-def _project(test: _SmokeTest, figures: list[DatasetFigures], smoke: SmokeFigures | None) -> None:
-    """The projection, and the balance row against it."""
+def _project(test: _SmokeTest, smoke: SmokeFigures | None) -> None:
+    """The projection from each dataset's figures, and the balance row against it."""
     config, result = test.config, test.result
     result.smoke_answer = smoke
+    figures = dataset_figures(config, test.counts, test.on_disk, test.prices, test.history)
     plan = forecast(figures, spent_usd=test.spent, max_usd=config.budget.max_usd, smoke=smoke,
                     parallel=config.engine.parallel)
     known = plan.left_usd > 0 or not any(d.answers_left for d in plan.datasets)
     if known:
         result.projected_cost_usd = plan.total_usd
         result.projection = plan
-    test.add(_balance_row(config, test.account, result.balance_usd, plan,
+    test.add(balance_row(config, test.account, result.balance_usd, plan,
                           plan.total_usd - test.spent if known else None, test.redact))
 
-
-def _mode_row(config: Config, streamed: Any, plain: Any, how: str, sampled: bool,
-              tried: int) -> tuple[SmokeRow, ModeVerdict | None]:
-    """The stream row from the comparison's answers (or its failed requests)."""
-    for what, a in (("streamed", streamed), ("non-streamed", plain)):
-        if isinstance(a, SmokeRow):
-            return SmokeRow("stream", False, f"the {what} comparison request failed: {a.detail}"), None
-    verdict = mode_verdict(config.api.stream, streamed, plain, how, sampled=sampled) \
-        if has_text(streamed) or has_text(plain) else not_compared(tried)
-    return SmokeRow("stream", verdict.passed, verdict.detail, verdict.warning), verdict
-
-
-def _balance_row(config: Config, account: AccountStatus | None, balance: float | None, plan: RunForecast,
-                 need: float | None, redact: Redactor) -> SmokeRow:
-    cap = config.budget.max_usd
-    if not config.api.server.kind.has_account:
-        return SmokeRow("balance", True, "n/a (self-hosted): no account; the run keeps going under max_usd"
-                        + (f" ({usd(cap)}, tokens at [api] prices)" if cap is not None else " (none set)"))
-    if account is None:
-        return SmokeRow("balance", False, "could not read the balance (GET /key failed)")
-    if balance is None:
-        return SmokeRow("balance", True, f"{redact(account.balance_detail)}. A warning, not a failure: the run keeps "
-                        "going under max_usd" + (f" ({usd(cap)})" if cap is not None else " (none set)"), warning=True)
-    floor = config.budget.credit_floor_usd
-    if need is None:
-        return SmokeRow("balance", balance > floor,
-                        f"{usd(balance)} ({account.balance_source}); no projection (no answer came back)")
-    ok = balance - floor >= need
-    return SmokeRow("balance", ok, f"{usd(balance)} ({account.balance_source}) against {usd(need)} "
-                    f"to finish (projected {plan.describe()}) + floor {usd(floor)}"
-                    + ("" if ok else ": the run would stop at the credit floor before finishing"))
 
 
 async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.StageProgress], None] | None = None,
@@ -789,7 +450,9 @@ async def run_smoke(config: Config, api_key: str, progress: Callable[[snap.Stage
         await test.open_ledger()
         await test.ask_shapes(client)
     smoke = await test.answer_rows()
-    _project(test, await _figures(test), smoke)
+    async for row in special_text_rows(config, test.reconstruct.tokenizer, test.counts):
+        test.add(row)
+    _project(test, smoke)
     test.finish()
     return test.result
 
@@ -822,26 +485,6 @@ def _open_spend(spend: SpendLedger, rd: RunDir, on_disk: dict[str, tuple[int, in
         spend.carry(name, cost)
     if key_usage is not None:
         spend.set_key_baseline(key_usage)
-
-
-def print_result(result: SmokeResult) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-
-    from draftgen.core.checklist import checklist_table
-    console = Console()
-    # Details quote the upstream (answers, error bodies): "[/INST]" there is text, not rich markup.
-    console.print(checklist_table("draftgen smoke test", ((r.check, r.passed, r.detail, r.warning)
-                                                          for r in result.rows)))
-    for name, cost in result.cost_per_request.items():
-        console.print(f"cost per request ({escape(name)}): {usd(cost)}")
-    if result.projection is not None:
-        console.print(f"projected run cost, every dataset: {escape(result.projection.describe())}")
-        for d in result.projection.datasets:
-            console.print(f"  {escape(d.name)}: {d.answers_left} answers of ~{d.tokens_per_answer:.0f} tokens "
-                          f"({d.basis}): {usd(d.cost_usd)} ({usd(d.low_usd)}-{usd(d.high_usd)})"
-                          + (f", ~{d.time_s / 60:.0f} min" if d.time_s is not None else ""))
-    console.print(("[green]PASSED[/]: " if result.passed else "[bold red]FAILED[/]: ") + escape(result.summary()))
 
 
 def smoke_command(config: Config, api_key: str) -> int:

@@ -1,5 +1,6 @@
-"""The smoke test's rows that more than one of its parts builds (smoke.py's checklist, smoke_agent.py's agent
-exchange): the row itself, the smoke body of a shape, a server's text quoted, the prompt tokens row."""
+"""The smoke test's rows that more than one of its parts builds (smoke.py's checklist and the modules of its
+rows, smoke_agent.py's agent exchange): the row itself, the smoke body of a shape, a server's text quoted,
+the prompt tokens row, the tokens row."""
 
 from __future__ import annotations
 
