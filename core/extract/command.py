@@ -109,7 +109,8 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
     DraftgenError (bad config, no merged tokens, not enough disk, backend missing) propagates to
     the CLI boundary, which prints it without a traceback.
     """
-    from draftgen.core.extract.plan import DiskWatch, format_plan, make_plan
+    from draftgen.core.extract.disk import DiskWatch
+    from draftgen.core.extract.plan import format_plan, make_plan
     stream = out or sys.stdout
     parsed = parse_shard(shard) if shard else (0, 1)
     from draftgen.core.extract import claim

@@ -24,6 +24,14 @@ from draftgen.core.errors import ConfigError, DiskError, DraftgenError
 from draftgen.core.extract import claim, layout
 from draftgen.core.extract import speculators_layout as speculators
 from draftgen.core.extract.backend import ExtractBackend, make_backend
+from draftgen.core.extract.disk import (
+    FILE_OVERHEAD_BYTES,
+    IDS_MASK_BYTES_PER_TOKEN,
+    disk_budget,
+    state_bytes,
+    stored_dtype,
+    token_bytes,
+)
 from draftgen.core.extract.model_info import (
     ModelDims,
     dims_from_config_dict,
@@ -31,17 +39,7 @@ from draftgen.core.extract.model_info import (
     resolve_aux_layers,
     trainer_layer_ids,
 )
-from draftgen.core.extract.plan import (
-    FILE_OVERHEAD_BYTES,
-    IDS_MASK_BYTES_PER_TOKEN,
-    context_limit,
-    disk_budget,
-    plan_batches,
-    recorded_too_long,
-    state_bytes,
-    stored_dtype,
-    token_bytes,
-)
+from draftgen.core.extract.plan import context_limit, plan_batches, recorded_too_long
 from draftgen.core.extract.writer import Item, PooledWriter, Written
 from draftgen.core.files import GROUP_FILE_MODE, TMP_MARK, disk_error, write_json_atomic
 from draftgen.core.live.progress import Throttle
@@ -105,7 +103,7 @@ class ExtractStats:
 
 
 def bytes_needed(tokens: int, files: int, hidden_size: int, layers: int = 3, dtype: str = "bf16") -> int:
-    """(layers + 1)·H states a token in `dtype`, plus the ids, the mask and each file's container (plan.state_bytes)."""
+    """(layers + 1)·H states a token in `dtype`, plus the ids, the mask and each file's container (disk.state_bytes)."""
     return state_bytes(tokens, files, hidden_size, layers, dtype)
 
 
@@ -287,7 +285,7 @@ def _make_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: Mo
     most = max((len(b) for b in batches), default=0)
     fraction = 0.0
     if gpu_plan and cfg.backend == "specforge" and todo and model is not None:
-        from draftgen.core.extract.plan import make_gpu_plan
+        from draftgen.core.extract.gpu_plan import make_gpu_plan
         gpu = make_gpu_plan(cfg, model[0], model[1], widest, most, config_path=config_path)
         if gpu.refusal:
             raise DraftgenError(gpu.refusal)
@@ -526,7 +524,7 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
                          redone=plan.redone, format=cfg.format, dtype="fp8" if cfg.dtype == "fp8" else "bfloat16")
     write, quant = _file_writer(cfg, layers, dims, stats)
     if disk_watch is None:
-        from draftgen.core.extract.plan import DiskWatch
+        from draftgen.core.extract.disk import DiskWatch
         disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
     events = EventLog(rundir.events_log)
     _log_plan(events, plan, stats, shard, layers, dims)

@@ -304,7 +304,8 @@ def activation_allowance(config: Config | None) -> int | None:
     if config is None or config.extract.backend != "specforge":
         return None
     from draftgen.core.errors import DraftgenError
-    from draftgen.core.extract.plan import RUNTIME_BYTES, make_plan
+    from draftgen.core.extract.gpu_plan import RUNTIME_BYTES
+    from draftgen.core.extract.plan import make_plan
     try:
         gpu = make_plan(config, (0, 1)).gpu
     except DraftgenError:

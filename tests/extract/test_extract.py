@@ -491,7 +491,7 @@ def test_server_args_size_the_pools_for_the_largest_forward() -> None:
 
 def test_the_kv_margin_follows_the_attention_backends_page_size() -> None:
     # Each sample's tokens are rounded up to whole KV pages: a page-128 backend needs a page a sample.
-    from draftgen.core.extract.plan import LARGEST_PAGE, kv_page_size
+    from draftgen.core.extract.gpu_plan import LARGEST_PAGE, kv_page_size
     from draftgen.core.extract.specforge_backend import server_args
 
     def total(backend: str, **extra: int) -> int:

@@ -18,8 +18,9 @@ from draftgen.core.config import Config, config_from_dict
 from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.extract import layout
 from draftgen.core.extract.command import parse_shard, shard_from_env
+from draftgen.core.extract.disk import DiskWatch
 from draftgen.core.extract.model_info import ModelDims
-from draftgen.core.extract.plan import DiskWatch, make_plan
+from draftgen.core.extract.plan import make_plan
 from draftgen.core.tokens.store import TokenWriter
 
 N_LAYERS, HIDDEN, VOCAB = 8, 64, 500

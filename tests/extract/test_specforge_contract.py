@@ -208,7 +208,7 @@ def test_the_page_sizes_sglang_forces_are_the_ones_the_kv_margin_knows(releases:
     # A backend added upstream with a larger forced page would make the KV pool too small for a batch.
     import re as _re
 
-    from draftgen.core.extract.plan import FORCED_PAGE_SIZES, LARGEST_PAGE
+    from draftgen.core.extract.gpu_plan import FORCED_PAGE_SIZES, LARGEST_PAGE
     text = next(r / "sglang/srt/server_args.py" for r in releases.roots
                 if (r / "sglang/srt/server_args.py").is_file()).read_text()
     forced = {int(n) for n in _re.findall(r"self\.page_size = (\d+)", text)}
