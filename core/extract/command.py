@@ -241,7 +241,7 @@ def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: 
               f"DSpark's numbering; {len(stats.layers)} layers: not an EAGLE-3 set, see docs/extraction.md)",
               file=stream, flush=True)
     if stats.budget_left:
-        from draftgen.core.extract.runner import budget_line
+        from draftgen.core.extract.stats import budget_line
         print(f"extract: {budget_line(config, stats)}", file=stream, flush=True)
     if stats.too_long_samples:
         shown = ", ".join(f"{x['index']} ({x['tokens']:,} tokens)" for x in stats.too_long[:10])

@@ -20,7 +20,7 @@ from typing import Any
 
 from draftgen.core.units import fmt_bytes
 
-# torch.save's zip container per file, and ids + mask as int64 (must match runner.bytes_needed).
+# torch.save's zip container per file, and ids + mask as int64.
 FILE_OVERHEAD_BYTES = 4096
 IDS_MASK_BYTES_PER_TOKEN = 16
 DISK_RECHECK_S = 5.0
@@ -74,6 +74,12 @@ def disk_budget(root: Path, indices: Sequence[int], lengths: Sequence[int], todo
         room -= need
         fits.append(k)
     return fits, [], used
+
+
+def bytes_needed(tokens: int, files: int, hidden_size: int, layers: int = 3, dtype: str = "bf16") -> int:
+    """What `tokens` tokens in `files` files need on disk (state_bytes): what the runner checks free space and
+    extract.max_disk_gb against."""
+    return state_bytes(tokens, files, hidden_size, layers, dtype)
 
 
 @dataclass
