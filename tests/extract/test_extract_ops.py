@@ -295,7 +295,8 @@ class FakeNvml:
 
 def test_prerequisite_rows_judge_the_driver_glibc_shm_and_disk(tmp_path: Path, model_dir: Path) -> None:
     from draftgen.core.config import ExtractConfig
-    from draftgen.core.extract.selfcheck import SelfCheckResult, add_prerequisites, glibc_version
+    from draftgen.core.extract.selfcheck import add_prerequisites, glibc_version
+    from draftgen.core.extract.selfcheck_rows import SelfCheckResult
 
     def rows(base: ExtractConfig, nvml: object, config: Config | None = None) -> dict[str, tuple[bool, str]]:
         result = SelfCheckResult()
