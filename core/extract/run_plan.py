@@ -59,7 +59,7 @@ class RunPlan:
 
 
 def already_done(config: Config, rundir: RunDir, reader: TokenReader, shard: tuple[int, int],
-                  progress: Callable[[StageProgress], None] | None, on_other_merge: str) -> ExtractStats | None:
+                 progress: Callable[[StageProgress], None] | None, on_other_merge: str) -> ExtractStats | None:
     """The stats of a shard whose every sample is already written for this merge, or was skipped by an earlier
     run as longer than the same context (no model loaded, no process group), else None; hidden states of
     another merge are refused here unless `on_other_merge` says what to do."""
@@ -117,9 +117,9 @@ def _nothing_to_do(config: Config, shard: tuple[int, int], samples: int,
 
 
 def make_run_plan(root: Path, reader: TokenReader, shard: tuple[int, int], dims: ModelDims, limit: int,
-               cfg: Any, max_samples: int | None, on_other_merge: str = claim.REFUSE, *,
-               model: tuple[dict[str, Any], str] | None = None, gpu_plan: bool = False,
-               config_path: object = "config", layers: int = 3, validate: Any = None) -> RunPlan:
+                  cfg: Any, max_samples: int | None, on_other_merge: str = claim.REFUSE, *,
+                  model: tuple[dict[str, Any], str] | None = None, gpu_plan: bool = False,
+                  config_path: object = "config", layers: int = 3, validate: Any = None) -> RunPlan:
     # Rank 0, every rank joined: the folder is made this merge's (or refused) before a file is added.
     note = claim.settle(root, root.parent / "merged", on_other_merge, config_path, reader)
     try:

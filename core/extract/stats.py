@@ -130,7 +130,7 @@ class Reporter:
 
 
 def account(done: Written, stats: ExtractStats, events: EventLog,
-             quant: speculators.QuantError | None = None) -> None:
+            quant: speculators.QuantError | None = None) -> None:
     """Count one sample the writer finished: written (its FP8 error into `quant`), or NaN/Inf (reported, not
     written)."""
     if not done.finite:
