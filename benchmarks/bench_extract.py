@@ -416,7 +416,7 @@ def main() -> None:
             before = matmul_tflops(args.hidden, dtype, device)
             backend = HFBackend(str(tmp_path / "model"), eagle3_layers(args.layers), dtype=dtype_name, device=device)
             backend.run([samples[0][:64]])  # warm-up
-            from draftgen.core.extract.runner import plan_batches
+            from draftgen.core.extract.plan import plan_batches
             batches = plan_batches([(k, len(s)) for k, s in enumerate(samples)], args.batch_tokens)
             start = time.perf_counter()
             for batch in batches:

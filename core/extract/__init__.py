@@ -12,8 +12,8 @@ from typing import Any
 
 _EXPORTS = {
     "extract_command": "command", "parse_shard": "command",
-    "extract": "runner", "ExtractStats": "runner", "plan_batches": "plan", "bytes_needed": "runner",
-    "stats_path": "runner",
+    "extract": "runner", "ExtractStats": "stats", "plan_batches": "plan", "bytes_needed": "disk",
+    "stats_path": "stats",
     "ExtractBackend": "backend", "make_backend": "backend",
     "KEYS": "layout", "ROWS_PER_DIR": "layout", "load_sample": "layout", "sample_path": "layout",
     "ModelDims": "model_info", "eagle3_layers": "model_info", "read_model_dims": "model_info",

@@ -36,15 +36,16 @@ def make_backend(cfg: ExtractConfig, dims: ModelDims, layers: tuple[int, ...], *
                  max_forward_tokens: int = 0, max_samples: int = 0, config_path: object = "config",
                  mem_fraction_static: float = 0.0) -> ExtractBackend:
     """The backend `cfg` names; for "specforge", `group` is the TorchrunGroup, the two maxima size SGLang's pools and
-    `mem_fraction_static` is the GPU plan's (0: extract.mem_fraction_static, or plan.DEFAULT_FRACTION when unset)."""
+    `mem_fraction_static` is the GPU plan's (0: extract.mem_fraction_static, or gpu_plan.DEFAULT_FRACTION when
+    unset)."""
     if cfg.backend == "hf":
         from draftgen.core.extract.hf_backend import HFBackend
         return HFBackend(cfg.model, layers, dtype=cfg.compute_dtype, device=cfg.device,
                          prenorm_last=cfg.format == "speculators",
                          trust_remote_code=cfg.trust_remote_code)
     if cfg.backend == "specforge":
+        from draftgen.core.extract.gpu_plan import DEFAULT_FRACTION
         from draftgen.core.extract.model_info import sglang_capture_ids
-        from draftgen.core.extract.plan import DEFAULT_FRACTION
         from draftgen.core.extract.specforge_backend import SpecForgeBackend
         return SpecForgeBackend(cfg.model, sglang_capture_ids(layers, dims, str(config_path)), group=group,  # type: ignore[arg-type]
                                 dtype=cfg.compute_dtype, trust_remote_code=cfg.trust_remote_code,

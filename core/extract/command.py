@@ -110,7 +110,8 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
     DraftgenError (bad config, no merged tokens, not enough disk, backend missing) propagates to
     the CLI boundary, which prints it without a traceback.
     """
-    from draftgen.core.extract.plan import DiskWatch, format_plan, make_plan
+    from draftgen.core.extract.disk import DiskWatch
+    from draftgen.core.extract.plan import format_plan, make_plan
     stream = out or sys.stdout
     parsed = parse_shard(shard) if shard else (0, 1)
     from draftgen.core.extract import claim
@@ -241,7 +242,7 @@ def _print_summary(config: Config, stats: Any, parsed: tuple[int, int], stream: 
               f"DSpark's numbering; {len(stats.layers)} layers: not an EAGLE-3 set, see docs/extraction.md)",
               file=stream, flush=True)
     if stats.budget_left:
-        from draftgen.core.extract.runner import budget_line
+        from draftgen.core.extract.stats import budget_line
         print(f"extract: {budget_line(config, stats)}", file=stream, flush=True)
     if stats.too_long_samples:
         shown = ", ".join(f"{x['index']} ({x['tokens']:,} tokens)" for x in stats.too_long[:10])

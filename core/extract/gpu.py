@@ -7,7 +7,7 @@ One device whose query fails gets a row with its error; the others keep theirs.
 NVML numbers GPUs physically (PCI order); CUDA numbers those CUDA_VISIBLE_DEVICES lists, in its
 order, by index or by UUID (`GPU-…`, a unique prefix is enough), up to the first entry it cannot
 use. `visible_devices()` applies the same rule, so `GpuStat.index` is the `cuda:N` of this process
-and `GpuStat.physical` the NVML index. `card_memory()` gives the GPU plan (plan.py) the cards' total
+and `GpuStat.physical` the NVML index. `card_memory()` gives the GPU plan (gpu_plan.py) the cards' total
 and free memory the same way. The `nvml` module is injectable so tests can stand in for a GPU that
 does not exist here.
 """

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from draftgen.core.errors import ConfigError, DraftgenError
-from draftgen.core.extract.plan import kv_page_size, kv_pool_tokens  # the GPU plan sizes the same KV pool
+from draftgen.core.extract.gpu_plan import kv_page_size, kv_pool_tokens  # the GPU plan sizes the same KV pool
 from draftgen.core.quoting import sh_path
 from draftgen.core.units import fmt_bytes
 

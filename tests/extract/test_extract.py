@@ -20,7 +20,7 @@ import torch
 from draftgen.core.config import Config
 from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import ConfigError, DiskError, DraftgenError
-from draftgen.core.extract import extract, extract_command, layout, parse_shard, runner
+from draftgen.core.extract import disk, extract, extract_command, layout, parse_shard, run_plan
 from draftgen.core.extract.hf_backend import HFBackend
 from draftgen.core.extract.model_info import (
     ModelDims,
@@ -29,7 +29,7 @@ from draftgen.core.extract.model_info import (
     read_model_dims,
     resolve_aux_layers,
 )
-from draftgen.core.extract.runner import plan_batches
+from draftgen.core.extract.plan import plan_batches
 from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.tokens.store import TokenWriter
 
@@ -329,10 +329,10 @@ def test_disk_check_refuses_when_space_is_short(tmp_path: Path, model_dir: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     config = make_run(tmp_path, model_dir)
     tokens = sum(len(ids) for ids, _ in token_arrays(config))
-    need = runner.bytes_needed(tokens, N_SAMPLES, HIDDEN)
+    need = disk.bytes_needed(tokens, N_SAMPLES, HIDDEN)
     assert need >= tokens * (3 * HIDDEN + HIDDEN) * 2
     usage = type("Usage", (), {"total": 10**9, "used": 10**9 - 5000, "free": 5000})
-    monkeypatch.setattr(runner.shutil, "disk_usage", lambda path: usage)
+    monkeypatch.setattr(run_plan.shutil, "disk_usage", lambda path: usage)
     with pytest.raises(DiskError) as err:
         extract(config)
     assert f"{need:,} bytes" in str(err.value) and "5,000 bytes" in str(err.value)
@@ -492,7 +492,7 @@ def test_server_args_size_the_pools_for_the_largest_forward() -> None:
 
 def test_the_kv_margin_follows_the_attention_backends_page_size() -> None:
     # Each sample's tokens are rounded up to whole KV pages: a page-128 backend needs a page a sample.
-    from draftgen.core.extract.plan import LARGEST_PAGE, kv_page_size
+    from draftgen.core.extract.gpu_plan import LARGEST_PAGE, kv_page_size
     from draftgen.core.extract.specforge_backend import server_args
 
     def total(backend: str, **extra: int) -> int:
@@ -514,7 +514,7 @@ def test_specforge_plan_is_made_before_the_model_loads(tmp_path: Path, model_dir
     from draftgen.core.tokens.store import TokenReader
     reader = TokenReader(config.run_dir / "merged" / "tokens")
     dims = read_model_dims(str(model_dir))
-    plan = runner._make_plan(root, reader, (0, 1), dims, 64, config.extract, None)
+    plan = run_plan.make_run_plan(root, reader, (0, 1), dims, 64, config.extract, None)
     lengths = [e.length for e in reader.entries]
     assert sorted(k for b in plan.batches for k in b) == list(range(len(lengths)))
     assert plan.max_forward_tokens == max(len(b) * max(lengths[k] for k in b) for b in plan.batches)

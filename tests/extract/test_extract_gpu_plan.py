@@ -15,15 +15,9 @@ import pytest
 from draftgen.core.config import Config
 from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import DraftgenError
+from draftgen.core.extract.gpu_plan import CONTEXT_BYTES, DEFAULT_FRACTION, make_gpu_plan
 from draftgen.core.extract.model_info import context_length, estimate_weights
-from draftgen.core.extract.plan import (
-    CONTEXT_BYTES,
-    DEFAULT_FRACTION,
-    compress_warning,
-    format_plan,
-    make_gpu_plan,
-    make_plan,
-)
+from draftgen.core.extract.plan import compress_warning, format_plan, make_plan
 from draftgen.core.tokens.store import TokenWriter
 
 GIB = 2**30
@@ -201,7 +195,7 @@ def test_without_nvml_the_plan_says_what_each_gpu_needs() -> None:
 
 
 def format_plan_lines(plan: object) -> list[str]:
-    from draftgen.core.extract.plan import format_gpu_plan
+    from draftgen.core.extract.gpu_plan import format_gpu_plan
     return format_gpu_plan(plan)  # type: ignore[arg-type]
 
 

@@ -17,8 +17,8 @@ import torch
 
 from draftgen.core.errors import ConfigError
 from draftgen.core.extract import extract, layout
+from draftgen.core.extract.disk import FILE_OVERHEAD_BYTES, state_bytes
 from draftgen.core.extract.model_info import ModelDims, dflash_layers, resolve_aux_layers, trainer_layer_ids
-from draftgen.core.extract.plan import FILE_OVERHEAD_BYTES, state_bytes
 from draftgen.core.units import fmt_bytes
 from tests.extract import test_extract
 from tests.extract.test_extract import HIDDEN, N_LAYERS, make_run, reference, token_arrays
@@ -194,8 +194,8 @@ def test_dflash_layers_is_a_pure_function_of_n_and_k() -> None:
 
 
 def test_the_gpu_plan_counts_the_layers_asked_for() -> None:
+    from draftgen.core.extract.gpu_plan import make_gpu_plan
     from draftgen.core.extract.model_info import estimate_weights
-    from draftgen.core.extract.plan import make_gpu_plan
     from tests.extract.test_extract_gpu_plan import KIMI, extract_cfg
     three = estimate_weights(KIMI, 8, aux_layers=3).activation_bytes_per_token
     five = estimate_weights(KIMI, 8, aux_layers=5).activation_bytes_per_token

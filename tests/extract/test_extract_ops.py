@@ -19,8 +19,9 @@ from draftgen.core.config_load import config_from_dict
 from draftgen.core.errors import ConfigError, DraftgenError
 from draftgen.core.extract import layout
 from draftgen.core.extract.command import parse_shard, shard_from_env
+from draftgen.core.extract.disk import DiskWatch
 from draftgen.core.extract.model_info import ModelDims
-from draftgen.core.extract.plan import DiskWatch, make_plan
+from draftgen.core.extract.plan import make_plan
 from draftgen.core.tokens.store import TokenWriter
 
 N_LAYERS, HIDDEN, VOCAB = 8, 64, 500
@@ -295,7 +296,8 @@ class FakeNvml:
 
 def test_prerequisite_rows_judge_the_driver_glibc_shm_and_disk(tmp_path: Path, model_dir: Path) -> None:
     from draftgen.core.config_tables import ExtractConfig
-    from draftgen.core.extract.selfcheck import SelfCheckResult, add_prerequisites, glibc_version
+    from draftgen.core.extract.selfcheck import add_prerequisites, glibc_version
+    from draftgen.core.extract.selfcheck_rows import SelfCheckResult
 
     def rows(base: ExtractConfig, nvml: object, config: Config | None = None) -> dict[str, tuple[bool, str]]:
         result = SelfCheckResult()

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from draftgen.core.extract.model_info import ModelDims, eagle3_layers, read_model_dims
-from draftgen.core.extract.selfcheck import FAMILIES, SelfCheckResult, _compare, _samples, families_for
+from draftgen.core.extract.selfcheck import _samples
+from draftgen.core.extract.selfcheck_rows import SelfCheckResult, check_states
+from draftgen.core.extract.tiny_models import FAMILIES, families_for
 
 CHECKS = ("backend starts", "mixed batch: shapes, dtypes, finite", "each sample alone == in the batch",
           "lm_head(hidden_state) vs HF logits", "aux slices are HF hidden_states[k+1]", "peak memory, long sample",
@@ -73,7 +75,7 @@ def _outputs(model: torch.nn.Module, samples: list, layers: tuple[int, int, int]
 def _rows(path: Path, model: torch.nn.Module, batch: list, alone: list, samples: list) -> dict[str, bool]:
     result = SelfCheckResult()
     dims = read_model_dims(str(path))
-    _compare(result, "[t]", samples, batch, alone, dims, eagle3_layers(8), model, "cpu", torch.float32)
+    check_states(result, "[t]", samples, batch, alone, dims, eagle3_layers(8), model, "cpu", torch.float32)
     return {r.check.removeprefix("[t] "): r.passed for r in result.rows}
 
 
@@ -118,7 +120,7 @@ def test_the_kimi_form_is_kimi_k25s_config_with_the_language_weights_under_langu
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from draftgen.core.extract.selfcheck import KIMI_ARCH, TINY_VISION, VOCAB, kimi_form, tiny_configs
+    from draftgen.core.extract.tiny_models import KIMI_ARCH, TINY_VISION, VOCAB, kimi_form, tiny_configs
     text_cfg = tiny_configs(256)[FAMILIES[2]]
     assert (text_cfg.scoring_func, text_cfg.topk_method, text_cfg.n_group, text_cfg.first_k_dense_replace,
             text_cfg.n_shared_experts, text_cfg.kv_lora_rank) == ("sigmoid", "noaux_tc", 1, 1, 1, 512)
@@ -148,7 +150,7 @@ def test_the_kimi_form_is_kimi_k25s_config_with_the_language_weights_under_langu
 
 
 def test_thresholds_are_chosen_by_dtype() -> None:
-    from draftgen.core.extract.selfcheck import thresholds
+    from draftgen.core.extract.selfcheck_rows import thresholds
     f32, bf16 = thresholds(torch.float32), thresholds(torch.bfloat16)
     assert thresholds(torch.float16) == bf16 and thresholds(torch.float64) == f32
     assert (f32.cosine_min, f32.argmax_min, f32.aux_margin, f32.alone_cosine_min) == (0.99, 0.98, 2.0, 0.999)
@@ -165,18 +167,18 @@ def test_bf16_rounding_passes_at_bf16_thresholds_and_a_wrong_layer_still_fails(
 
     def rows(batch: list, dtype: torch.dtype) -> dict[str, bool]:
         result = SelfCheckResult()
-        _compare(result, "[t]", samples, batch, batch, dims, layers, model, "cpu", dtype)
+        check_states(result, "[t]", samples, batch, batch, dims, layers, model, "cpu", dtype)
         return {r.check.removeprefix("[t] "): r.passed for r in result.rows}
 
     right = [(h.to(torch.bfloat16), a.to(torch.bfloat16)) for h, a in _outputs(model, samples, layers)]
     assert all(rows(right, torch.bfloat16).values())
     early = [(h.to(torch.bfloat16), a.to(torch.bfloat16)) for h, a in _outputs(model, samples, layers, shift=0)]
     assert not rows(early, torch.bfloat16)["aux slices are HF hidden_states[k+1]"]
-    model.float()  # _compare moved the reference to bf16
+    model.float()  # check_states moved the reference to bf16
 
 
 def test_the_memory_row_is_judged_on_a_gpu_against_the_plans_allowance() -> None:
-    from draftgen.core.extract.selfcheck import memory_verdict
+    from draftgen.core.extract.selfcheck_rows import memory_verdict
     gib = 2**30
     # 1 GiB for 16,384 tokens at H=256 -> ~28 GiB for the same at H=7168.
     ok, detail = memory_verdict(gib, 16_384, 256, 7168, 16_384, "cuda", 40 * gib)

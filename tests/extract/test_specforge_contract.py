@@ -208,7 +208,7 @@ def test_the_page_sizes_sglang_forces_are_the_ones_the_kv_margin_knows(releases:
     # A backend added upstream with a larger forced page would make the KV pool too small for a batch.
     import re as _re
 
-    from draftgen.core.extract.plan import FORCED_PAGE_SIZES, LARGEST_PAGE
+    from draftgen.core.extract.gpu_plan import FORCED_PAGE_SIZES, LARGEST_PAGE
     text = next(r / "sglang/srt/server_args.py" for r in releases.roots
                 if (r / "sglang/srt/server_args.py").is_file()).read_text()
     forced = {int(n) for n in _re.findall(r"self\.page_size = (\d+)", text)}
@@ -282,9 +282,9 @@ def test_train_command_output_is_accepted_by_the_pinned_specforge(specforge_tree
 
 def test_the_self_checks_kimi_form_is_what_the_pinned_sglang_loads_for_kimi_k25(sglang_tree: Path) -> None:
     """The class the released SGLang registers for Kimi-K2.5, the config it reads, and the weight names its
-    load_weights takes: the self-check's tiny Kimi (selfcheck.kimi_form) must be built for exactly these."""
+    load_weights takes: the self-check's tiny Kimi (tiny_models.kimi_form) must be built for exactly these."""
     from draftgen.core.extract.model_info import DEEPSEEK_FAMILY_ARCHS
-    from draftgen.core.extract.selfcheck import KIMI_ARCH, TINY_VISION
+    from draftgen.core.extract.tiny_models import KIMI_ARCH, TINY_VISION
     model = (sglang_tree / "sglang/srt/models/kimi_k25.py").read_text()
     config = (sglang_tree / "sglang/srt/configs/kimi_k25.py").read_text()
     assert f"EntryClass = [{KIMI_ARCH}]" in model and KIMI_ARCH in DEEPSEEK_FAMILY_ARCHS
