@@ -15,7 +15,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
@@ -33,7 +33,6 @@ from draftgen.core.config_tables import (
 )
 from draftgen.core.config_values import key_fields
 from draftgen.core.errors import ConfigError
-from draftgen.core.request_keys import OPENROUTER_ONLY_KEYS
 from draftgen.core.secrets import key_problem
 from draftgen.core.server_kinds import KindName, configured_kind
 from draftgen.core.servers import IDS_KEYS, ServerProfile, ids_request

@@ -9,7 +9,6 @@ self-hosted server returns are read wherever its release puts them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
