@@ -32,7 +32,7 @@ from draftgen.core.extract.model_info import (
     trainer_layer_ids,
 )
 from draftgen.core.extract.run_plan import RunPlan, already_done, make_run_plan, shard_indices
-from draftgen.core.extract.stats import ExtractStats, Reporter, account, budget_line, layer_set_text, stats_path
+from draftgen.core.extract.stats import ExtractReporter, ExtractStats, account, budget_line, layer_set_text, stats_path
 from draftgen.core.extract.writer import Item, PooledWriter
 from draftgen.core.files import GROUP_FILE_MODE, TMP_MARK, write_json_atomic
 from draftgen.core.live.snapshot import StageProgress, StageState
@@ -234,7 +234,7 @@ def _run_writer(config: Config, shard: tuple[int, int], dims: ModelDims, layers:
         disk_watch = DiskWatch(margin_bytes=int(cfg.min_free_gb * 2**30))
     events = EventLog(rundir.events_log)
     _log_plan(events, plan, stats, shard, layers, dims)
-    reporter = Reporter(progress, stats, backend.description, plan.tokens_todo)
+    reporter = ExtractReporter(progress, stats, backend.description, plan.tokens_todo)
     started = reporter.started
 
     def warn(message: str) -> None:

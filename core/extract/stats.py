@@ -1,6 +1,6 @@
 """One extraction run's counts: `ExtractStats` (what `hidden_states/stats.json` holds, one file per shard),
 how they grow as the writer finishes each file (`account`), the progress the views read from them
-(`Reporter`), and the line that says what extract.max_disk_gb left undone (`budget_line`)."""
+(`ExtractReporter`), and the line that says what extract.max_disk_gb left undone (`budget_line`)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def budget_line(config: Config, stats: ExtractStats) -> str:
             f"`draftgen extract {sh_path(config.path)}` again: the files written are kept and skipped")
 
 
-class Reporter:
+class ExtractReporter:
     """Builds StageProgress from the running counts, at most every PROGRESS_INTERVAL_S."""
 
     def __init__(self, progress: Callable[[StageProgress], None] | None, stats: ExtractStats,

@@ -74,7 +74,7 @@ from draftgen.core.merge.contamination import ContaminationFilter, Match
 from draftgen.core.merge.inputs import DatasetInput
 from draftgen.core.merge.select import Kept, scan
 from draftgen.core.merge.specforge import specforge_record
-from draftgen.core.merge.stats import DatasetMergeStats, MergeStats, Reporter
+from draftgen.core.merge.stats import DatasetMergeStats, MergeReporter, MergeStats
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
 from draftgen.core.quoting import sh_path
 from draftgen.core.rundir import RunDir
@@ -108,7 +108,7 @@ def merge(config: Config, progress: ProgressCallback | None = None, *,
         raise DraftgenError(f"{root}: run directory not found (output.dir in {config.path}); "
                             f"generate first with `draftgen run {sh_path(config.path)}`")
     screen = contamination.load(config)  # every benchmark read (or a missing one said) before anything is written
-    reporter = Reporter(progress)
+    reporter = MergeReporter(progress)
     reporter.send(StageState.RUNNING, 0, 0, "starting", force=True)
     try:
         with merge_lock(root):
@@ -130,7 +130,7 @@ def merge(config: Config, progress: ProgressCallback | None = None, *,
     return stats
 
 
-def _merge_into(config: Config, root: Path, tmp: Path, reporter: Reporter,
+def _merge_into(config: Config, root: Path, tmp: Path, reporter: MergeReporter,
                 screen: ContaminationFilter | None = None) -> MergeStats:
     started = time.monotonic()
     started_at = time.time()
@@ -215,7 +215,7 @@ def _hidden_states_guard(config: Config, root: Path, tmp: Path, replace: bool) -
 
 
 def _write(inputs: list[DatasetInput], kept: list[Kept], tmp: Path, stats: MergeStats,
-           reporter: Reporter, tool_calls_key: bool) -> None:
+           reporter: MergeReporter, tool_calls_key: bool) -> None:
     """Pass 2: train.jsonl, tokens/ and train-tokens.jsonl in shuffled order, line k ↔ token entry k."""
     reporter.phase()
     total = len(kept)

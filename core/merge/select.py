@@ -16,7 +16,7 @@ from draftgen.core.live.snapshot import StageState
 from draftgen.core.merge.contamination import ContaminationFilter, Match
 from draftgen.core.merge.inputs import DatasetInput, TokenRef, complete_lines
 from draftgen.core.merge.specforge import has_tool_calls
-from draftgen.core.merge.stats import DatasetMergeStats, Reporter
+from draftgen.core.merge.stats import DatasetMergeStats, MergeReporter
 from draftgen.core.merge.turns import PendingTurn, count_turn, resolve, sorted_turns, turn_of
 from draftgen.core.records import Usage, answer_source, same_model
 from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, flag_sources
@@ -55,7 +55,7 @@ class _Seen:
     ids: set[str] = field(default_factory=set)
 
 
-def scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats], reporter: Reporter, policy: SamplePolicy,
+def scan(inputs: list[DatasetInput], per_ds: list[DatasetMergeStats], reporter: MergeReporter, policy: SamplePolicy,
          ledger: SpendLedger | None = None, multi_turn: str = "per_turn", screen: ContaminationFilter | None = None,
          matches: list[Match] | None = None) -> tuple[list[Kept], bool]:
     """Pass 1: classify every answer, keep the clean first-seen ones as small tuples.
@@ -105,7 +105,7 @@ def _count_failures(inp: DatasetInput, st: DatasetMergeStats) -> int:
     return failed
 
 
-def _scan_dataset(ds_index: int, inp: DatasetInput, st: DatasetMergeStats, reporter: Reporter,
+def _scan_dataset(ds_index: int, inp: DatasetInput, st: DatasetMergeStats, reporter: MergeReporter,
                   policy: SamplePolicy, ledger: SpendLedger | None, multi_turn: str, seen: _Seen,
                   kept: list[Kept], done_bytes: int, total_bytes: int, screen: ContaminationFilter | None,
                   matches: list[Match]) -> bool:
@@ -157,7 +157,7 @@ def _scan_dataset(ds_index: int, inp: DatasetInput, st: DatasetMergeStats, repor
 
 
 def _settle_turns(ds_index: int, pending: list[PendingTurn], multi_turn: str, seen: _Seen, st: DatasetMergeStats,
-                  reporter: Reporter, kept: list[Kept]) -> bool:
+                  reporter: MergeReporter, kept: list[Kept]) -> bool:
     """A dataset's turn lines, resolved per conversation (core/merge/turns.py), kept or dropped in file
     order. A turn folded into its conversation's sample counts with that sample: its cost is the kept
     cost, and when the sample itself is a duplicate so is the turn."""
@@ -188,7 +188,7 @@ def _contaminated(st: DatasetMergeStats, matches: list[Match], match: Match) -> 
     matches.append(match)
 
 
-def _tally(st: DatasetMergeStats, reporter: Reporter, reason: str | None) -> None:
+def _tally(st: DatasetMergeStats, reporter: MergeReporter, reason: str | None) -> None:
     if reason is None:
         st.kept += 1
         reporter.kept += 1

@@ -116,7 +116,7 @@ class MergeStats:
         }
 
 
-class Reporter:
+class MergeReporter:
     """Sends StageProgress to the callback at most every PROGRESS_INTERVAL_S (and always when told)."""
 
     def __init__(self, callback: ProgressCallback | None) -> None:
