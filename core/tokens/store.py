@@ -12,11 +12,11 @@ Sample k is `input_ids.bin[offset : offset + length]` (in tokens, not bytes). Re
 numpy: `np.memmap(dir / "input_ids.bin", dtype="<u4")[offset:offset + length]`.
 
 Crash safety: the two .bin files are written and flushed before the index line; an index line is
-the commit. A batch (`append_batch`: a live run's or `draftgen tokens`' batch of answers) writes all
-its samples' ids, then all their masks, then all their index lines, one write each: a crash commits
-the samples whose index lines are whole. On reopening, a torn last index line is cut off and the
-.bin files are truncated to the end of the last committed sample, so a crash never leaves a sample
-half-visible.
+the commit. A batch (`append_encoded`: a live run's or `draftgen tokens`' batch of answers as a token
+worker sends it back; `append_batch`) writes all its samples' ids, then all their masks, then all
+their index lines, one write each: a crash commits the samples whose index lines are whole. On
+reopening, a torn last index line is cut off and the .bin files are truncated to the end of the last
+committed sample, so a crash never leaves a sample half-visible.
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ def each_sample(results: Results) -> Iterator[tuple[str, np.ndarray, np.ndarray,
     all_ids, all_masks = np.frombuffer(ids, "<u4"), np.frombuffer(masks, np.uint8)
     start = 0
     for rid, length, meta in samples:
-        yield rid, all_ids[start:start + length], all_masks[start:start + length], orjson.loads(b"{" + meta[1:])
+        yield (rid, all_ids[start:start + length], all_masks[start:start + length],
+               orjson.loads(b"{" + meta[1:]) if meta != b"}" else {})  # meta_json's text as a dict again
         start += length
 
 
