@@ -55,7 +55,6 @@ from draftgen.core.config import Config, DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.files import write_json_atomic
 from draftgen.core.generate.api.account import AccountStatus, read_account
-from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose
 from draftgen.core.generate.api.client import ChatAnswer, ChatClient, RequestFailed, get_failure
 from draftgen.core.generate.api.fleet import answers_differ, server_name
 from draftgen.core.generate.api.preflight import ask_release, note_key_answer
@@ -80,9 +79,11 @@ from draftgen.core.generate.loop.prompts import (
     read_dataset,
     read_stoppable,
 )
-from draftgen.core.generate.loop.request import backoff_delay
+from draftgen.core.generate.loop.request import Outcome, Request
+from draftgen.core.generate.loop.service import backoff_delay
 from draftgen.core.generate.loop.smoke_record import last_smoke
-from draftgen.core.generate.money.billing import believed, book_answer, book_failure, look_up, reserve_one
+from draftgen.core.generate.loop.smoke_request import SmokeLedger, SmokeTerms, SmokeWindow
+from draftgen.core.generate.loop.smoke_request import outage as _outage
 from draftgen.core.generate.money.forecast import (
     DatasetFigures,
     RunForecast,
@@ -136,12 +137,6 @@ class SmokeResult:
 # row fails: a momentary rate limit must not end a nohup job before it starts, a real outage must.
 SMOKE_RETRY_S = 120.0
 SMOKE_TRIES = 8
-
-
-def _outage(e: RequestFailed) -> bool:
-    """A transient error of the service's (not an answer fault, which says something about the request;
-    an error chunk coded 503 or 429 is the service's, RequestFailed.outage)."""
-    return e.whose is Whose.TRANSIENT and (e.kind not in ANSWER_KINDS or e.outage)
 
 
 # The smoke test's second user turn of a multi-turn dataset: its prompt holds the first answer as history.
@@ -509,52 +504,34 @@ class _SmokeTest:
         fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
         if self.local_error or self.ledger_error:
             return fp, body, fail(self.local_error or self.ledger_error), 0.0
-        p = self.prices[ds.name]
-        if p is None and config.budget.max_usd is not None:
+        if self.prices[ds.name] is None and config.budget.max_usd is not None:
             return fp, body, fail("not sent: max_usd is set and no price is known (see the prices row)"), 0.0
-        worst = body_worst_case(p, body, ds.max_tokens) if p else 0.0
-        tries = 0
-        while True:
-            tries += 1
-            outcome, took = await self._try(client, ds, body, p, worst, tries)
-            if not isinstance(outcome, float):  # an answer or its failed row
-                return fp, body, outcome, took
-            await asyncio.sleep(outcome)  # each retry goes on the ledger with its own reservation
+        outcome, took = await self._try(client, ds, body)
+        return fp, body, outcome, took
 
-    async def _try(self, client: ChatClient, ds: DatasetConfig, body: dict[str, Any], p: Any, worst: float,
-                   tries: int) -> tuple[ChatAnswer | SmokeRow | float, float]:
-        """One try: the answer and its seconds, the row that fails the request, or the delay before the
-        next try."""
-        eng = self.config.engine
+    async def _try(self, client: ChatClient, ds: DatasetConfig, body: dict[str, Any]) -> tuple[ChatAnswer | SmokeRow,
+                                                                                                float]:
+        """The request asked as a run's is (request.py `Request.attempts`) on the smoke test's terms
+        (smoke_request.py): the answer and its seconds, or the row that fails the request."""
         spend = self.spend
         assert spend is not None
+        terms = SmokeTerms(self.config, client, SmokeLedger(SMOKE, spend, self.settler, self.prices, self.sent),
+                           SmokeWindow(SMOKE_TRIES, self.deadline, self.rng), ds)
+        req = Request(terms, Prompt(f"smoke:{ds.name}", body.get("messages") or [], 0), body=body)
         fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
-        after = f" (retry {tries - 1} after an outage)" if tries > 1 else ""
-        ticket, why = reserve_one(spend, self.config.budget.max_usd, SMOKE, f"smoke:{ds.name}", worst)
-        if ticket is None:
-            return fail(why + after), 0.0
-        start = time.monotonic()
-        self.sent.append(True)
         try:
-            # details: a stream's reasoning_details kept, so a second turn sends back what a run's would
-            answer = await client.chat(body, functools.partial(spend.generation, ticket), details=True)
-        except RequestFailed as e:
-            look_up(self.settler, book_failure(spend, ticket, e, p, self_hosted=self.config.api.self_hosted,
-                                               body=body))
-            delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, self.rng)
-            if _outage(e) and tries < SMOKE_TRIES and time.monotonic() + delay <= self.deadline:
-                return float(delay), 0.0
-            return fail(f"{e.kind}: {e.message}" + (f" (after {tries} tries)" if tries > 1 else "")), 0.0
-        except Exception as e:  # noqa: BLE001 - any failure is this row's failure
-            look_up(self.settler, spend.abandoned(ticket))
+            outcome = await req.attempts()
+        except Exception as e:  # noqa: BLE001 - any failure is this row's failure (the attempt is booked abandoned)
             return fail(f"{type(e).__name__}: {e}"), 0.0
-        except BaseException:  # cancelled mid-request: the provider may bill it anyway
-            look_up(self.settler, spend.abandoned(ticket))
-            raise
-        took = time.monotonic() - start
-        answer = believed(answer, ticket, p, body)  # a bill not believed: booked as the run's answers are
-        look_up(self.settler, book_answer(spend, ticket, answer, p))
-        return answer, took
+        tries = req.tries
+        if outcome is Outcome.ANSWERED:
+            assert req.answer is not None
+            return req.answer, time.monotonic() - terms.left_at
+        if outcome is Outcome.UNSENT:
+            return fail(req.why + (f" (retry {tries} after an outage)" if tries else "")), 0.0
+        error = req.error
+        assert error is not None
+        return fail(f"{error.kind}: {error.message}" + (f" (after {tries} tries)" if tries > 1 else "")), 0.0
 
     async def ask_shapes(self, client: ChatClient) -> None:
         """The comparison (self-hosted) first, then one request per shape, all at once: a run's shapes
