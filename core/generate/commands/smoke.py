@@ -31,7 +31,8 @@ The smoke requests are paid for like a run's: reserved against `max_usd` at the 
 sent, on spend.jsonl before they leave, booked as they end (billing.py), in the ledger's "(smoke)"
 dataset. An outage answer (429, 5xx, 408, no connection: classify.py) is retried with the run's
 backoff, honouring Retry-After, up to `SMOKE_TRIES` tries within `SMOKE_RETRY_S`; each retry is a
-request of its own on the ledger, with its own reservation.
+request of its own on the ledger, with its own reservation. Each smoke request is a run's `Request`
+(loop/request.py), asked by the same attempts on the smoke test's terms (loop/smoke_request.py).
 
 Over 400 lines: the checklist is one flow (`run_smoke`: `_SmokeTest`'s steps in order), with the row
 builders it calls beside it.
