@@ -1,7 +1,7 @@
 """Admission: which prompt goes out, and when.
 
 A dataset's requests are run by a pool of request coroutines, as many as its concurrency. Each one
-admits its own next prompt and asks it (request.py), then the next, until the dataset's prompt source
+admits its own next prompt and runs its `Request` (request.py), then the next, until the dataset's prompt source
 (source.py: the prompts handed back first, then the file's next ones not on disk) has none left. One
 coroutine admits at a time (the dataset's admission lock): the prompts go out in the source's order,
 and only one waits for room while the run is paused, the concurrency limit is reached or the budgets
@@ -47,8 +47,9 @@ class _Admitting:
 
 
 class Admission:
-    """Admits the prompts of every dataset: each dataset's loop pulls its source and offers each prompt
-    to its request (request.py) until nothing is left or a budget, drain or stop ends it."""
+    """Admits the prompts of every dataset: each dataset's loop pulls its source, makes each prompt's
+    `Request` (request.py), admits it and runs it, until nothing is left or a budget, drain or stop
+    ends it."""
 
     def __init__(self, terms: RunTerms) -> None:
         ctx, parts = terms.ctx, terms.parts
