@@ -15,10 +15,11 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
+from draftgen.core.bodies import ChatBody, ChatMessage
 from draftgen.core.config_tables import (
     BudgetConfig,
     DatasetConfig,
@@ -152,13 +153,15 @@ class Config:
                                   f"without it (the key itself is not shown)")
         return key
 
-    def request_body(self, dataset: DatasetConfig, messages: list[dict[str, Any]], *,
-                     decided: bool = True, server_ids: bool = True, index: int | None = None) -> dict[str, Any]:
+    def request_body(self, dataset: DatasetConfig, messages: list[ChatMessage], *,
+                     decided: bool = True, server_ids: bool = True, index: int | None = None) -> ChatBody:
         """The exact body sent for a prompt of `dataset`: the [request] table as-is, then the dataset's
         (streamed as the smoke test decided, `ApiConfig.streams`; `decided` False: as configured), then
         the dataset's sampling cycles at the prompt's `index` (`cycle_index`; None: no cycle applied).
         With `[api] return_token_ids`, the keys that ask the server found at run start for its ids in
-        this mode (core/servers.py; `server_ids` False: the plain `return_token_ids` switch)."""
+        this mode (core/servers.py; `server_ids` False: the plain `return_token_ids` switch). The tables'
+        keys are the user's, any of those core/request_keys.py lets through: built as a plain dict, the
+        body is a `ChatBody` from here on (core/bodies.py), the one cast on the request path."""
         body: dict[str, Any] = {"model": self.api.model, "messages": messages, "max_tokens": dataset.max_tokens}
         body.update(self.request)
         body.update(dataset.request)
@@ -179,7 +182,7 @@ class Config:
             body["stream"] = True
             if kind.stream_usage_asked:  # vLLM and SGLang put usage in a stream only when asked
                 body["stream_options"] = {"include_usage": True}
-        return body
+        return cast(ChatBody, body)
 
     def _cycle(self, body: dict[str, Any], dataset: DatasetConfig, index: int) -> None:
         """The cycles' temperature and reasoning effort for the prompt at `index`, into `body`: the effort
@@ -212,7 +215,7 @@ class Config:
         body = self.request_body(dataset, [], decided=False, server_ids=False)
         body.pop("messages")
         # A fleet's every server (the smoke test checked each): a server added or removed makes it stale.
-        shape = {"base_url": list(self.api.servers) if self.api.servers else self.api.base_url, **body}
+        shape: dict[str, Any] = {"base_url": list(self.api.servers) if self.api.servers else self.api.base_url, **body}
         if dataset.cycles:  # only when set: a config without cycles keeps its fingerprint
             shape["cycles"] = {"temperatures": dataset.temperatures, "reasoning_efforts": dataset.reasoning_efforts}
         return shape

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from draftgen.core.bodies import ChatBody, Sampling
+
 
 @dataclass(frozen=True)
 class BudgetConfig:
@@ -125,7 +127,7 @@ def cycle_index(line: int) -> int:
     return max(0, line - 1)
 
 
-def sampling_of(body: dict[str, Any]) -> dict[str, Any]:
+def sampling_of(body: ChatBody) -> Sampling:
     """The record's `sampling` field from the body actually sent: its temperature and reasoning effort
     (`reasoning.effort` on OpenRouter, `reasoning_effort` on a self-hosted server), null when absent."""
     reasoning = body.get("reasoning")

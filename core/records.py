@@ -98,6 +98,8 @@ from typing import Any
 
 import orjson
 
+from draftgen.core.bodies import ChatMessage
+
 
 class ErrorKind(StrEnum):
     """Why a request produced no answer (tallied in the UI, written as failures.jsonl `error_kind`)."""
@@ -372,7 +374,7 @@ def answer_source(record: Mapping[str, Any]) -> str | None:
 class ResponseRecord:
     """One line of responses.jsonl (fields as documented above, in the order they are written)."""
     id: str
-    messages: list[Any]
+    messages: list[ChatMessage]                   # as sent (read back leniently: a list, its items unchecked)
     reasoning: str | None
     content: str
     tool_calls: list[Any] | None
@@ -400,7 +402,7 @@ class ResponseRecord:
             self.turn, self.reasoning_details)
 
     @staticmethod
-    def line(id: str, messages: list[Any], reasoning: str | None, content: str, tool_calls: list[Any] | None,
+    def line(id: str, messages: list[ChatMessage], reasoning: str | None, content: str, tool_calls: list[Any] | None,
              finish_reason: str | None, native_finish_reason: str | None, provider: str | None, model: str | None,
              generation_id: str | None, u: Usage, latency_s: float, attempts: int, truncated: bool,
              empty_content: bool, ts: float, token_ids: list[int] | None, prompt_token_ids: list[int] | None,
@@ -460,7 +462,7 @@ class ResponseRecord:
 class FailureRecord:
     """One line of failures.jsonl."""
     id: str
-    messages: list[Any]
+    messages: list[ChatMessage]
     error_kind: ErrorKind
     status: int | None
     message: str

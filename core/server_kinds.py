@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
+from draftgen.core.bodies import ChatMessage
 from draftgen.core.request_keys import OPENROUTER_ONLY_KEYS
 
 # The values of `[api] kind` (config.py reads its key's type here): "auto" and every registry entry's name.
@@ -71,7 +72,7 @@ class ServerKind:
         """A sampling cycle's reasoning effort into `body`, as this kind reads it."""
         raise NotImplementedError
 
-    def history_reasoning(self, msg: dict[str, Any], reasoning: str | None, details: list[Any] | None) -> None:
+    def history_reasoning(self, msg: ChatMessage, reasoning: str | None, details: list[Any] | None) -> None:
         """An earlier answer's reasoning into its assistant message of a later request, as the API documents it."""
         raise NotImplementedError
 
@@ -93,7 +94,7 @@ class OpenRouter(ServerKind):
         reasoning = body.get("reasoning")
         body["reasoning"] = {**(reasoning if isinstance(reasoning, dict) else {}), "effort": effort}
 
-    def history_reasoning(self, msg: dict[str, Any], reasoning: str | None, details: list[Any] | None) -> None:
+    def history_reasoning(self, msg: ChatMessage, reasoning: str | None, details: list[Any] | None) -> None:
         """Its `reasoning_details` passed back unmodified, else the `reasoning` text when it had one."""
         if details:
             msg["reasoning_details"] = details
@@ -118,7 +119,7 @@ class OpenAICompatible(ServerKind):
         """The top-level `reasoning_effort` vLLM and SGLang read (`reasoning` is OpenRouter's)."""
         body["reasoning_effort"] = effort
 
-    def history_reasoning(self, msg: dict[str, Any], reasoning: str | None, details: list[Any] | None) -> None:
+    def history_reasoning(self, msg: ChatMessage, reasoning: str | None, details: list[Any] | None) -> None:
         """`reasoning_content`, as vLLM and SGLang take it."""
         if reasoning:
             msg["reasoning_content"] = reasoning

@@ -21,7 +21,7 @@ import contextlib
 import os
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -152,7 +152,7 @@ def turn_prompt_tokens(tok: Any, template: Any, messages: list[dict[str, Any]]) 
     return tuple(prompt_tokens(tok, template, side[: i + 1]) for i in users)
 
 
-def _key(messages: list[dict[str, str]], turns: str) -> bytes:
+def _key(messages: Sequence[Mapping[str, Any]], turns: str) -> bytes:
     """The normalised dedupe key: a conversation asked turn by turn on its prompt side (dedupe.turn_key)."""
     return dedupe.turn_key(messages) if turns == "all" else dedupe.prompt_key(messages)
 

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from draftgen.core.bodies import plain_messages
 from draftgen.core.errors import DraftgenError
 from draftgen.core.generate.loop.prompts import TOOL_ROLES, parse_turns
 from draftgen.core.promptsets import agents
@@ -184,7 +185,7 @@ def _turns(raw: Any, column: str, turns: str, max_turns: int | None = None) -> l
         raise ValueError(f"`{column}` has no user turn before its first tool turn")
     if turns == "all" and isinstance(raw, list) and not raw:
         raise ValueError(f"`{column}` is empty")
-    out = parse_turns(cut, column)
+    out = plain_messages(parse_turns(cut, column))
     users = [i for i, t in enumerate(out) if t["role"] == "user"]
     if not users:
         raise ValueError(f"`{column}` has no user turn")

@@ -25,6 +25,7 @@ import aiohttp
 import orjson
 from yarl import URL
 
+from draftgen.core.bodies import ChatBody
 from draftgen.core.generate.api.answer import ChatAnswer, StreamState, feed_lines, parse_completion, redacted_answer
 from draftgen.core.generate.api.classify import PastCap, RequestFailed, cannot_connect, classify_status
 from draftgen.core.generate.api.deadlines import Deadlines
@@ -167,7 +168,7 @@ class ChatClient:
             await self._session.close()
             self._session = None
 
-    async def chat(self, body: dict[str, Any], on_generation: Callable[[str], None] | None = None, *,
+    async def chat(self, body: ChatBody, on_generation: Callable[[str], None] | None = None, *,
                    details: bool = False) -> ChatAnswer:
         """One completion. `on_generation` hears the generation id as soon as the headers carry it
         (X-Generation-Id), before the body: what prices the request if it is abandoned; a stream

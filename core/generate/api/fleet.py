@@ -57,6 +57,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
+from draftgen.core.bodies import ChatBody
 from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.api.client import ChatClient, RequestFailed
 from draftgen.core.records import ErrorKind
@@ -179,7 +180,7 @@ class FleetClient(ChatClient):
         _, _, i = min(room or full)
         return i, self.members[i]
 
-    async def chat(self, body: dict[str, Any], on_generation: Callable[[str], None] | None = None, *,
+    async def chat(self, body: ChatBody, on_generation: Callable[[str], None] | None = None, *,
                    details: bool = False) -> ChatAnswer:
         if self._grow is None:
             self._grow = asyncio.get_running_loop().create_task(self._grow_limits())

@@ -35,6 +35,7 @@ from typing import Any
 
 import aiohttp
 
+from draftgen.core.bodies import ChatBody
 from draftgen.core.config import Config
 from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.errors import ConfigError
@@ -95,7 +96,7 @@ def prompt_token_bound(messages: Sequence[Mapping[str, Any]]) -> int:
     return n
 
 
-def body_prompt_bound(body: Mapping[str, Any]) -> int:
+def body_prompt_bound(body: ChatBody) -> int:
     """An upper bound on the prompt tokens of the request `body`: its messages, and the tool
     declarations the chat template renders into the prompt."""
     n = prompt_token_bound(body.get("messages") or ())
@@ -113,7 +114,7 @@ def _json_bytes(value: Any) -> int:
         return 0
 
 
-def body_worst_case(prices: Prices, body: Mapping[str, Any], default_max_tokens: int) -> float:
+def body_worst_case(prices: Prices, body: ChatBody, default_max_tokens: int) -> float:
     """The worst-case cost of sending exactly `body`: what every reservation is made of (the run's
     admission, its retries and the smoke test's requests alike)."""
     worst = prices.worst_case(body_prompt_bound(body), body_max_tokens(body, default_max_tokens))

@@ -51,6 +51,7 @@ from collections.abc import Callable
 from typing import Any
 
 from draftgen.core import runtime
+from draftgen.core.bodies import ChatBody
 from draftgen.core.config import Config
 from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
@@ -214,7 +215,7 @@ class _SmokeTest:
         except (DiskError, OSError) as e:
             self.ledger_error = f"not sent: the spend ledger cannot be written ({e})"
 
-    async def ask(self, client: ChatClient, fp: str, ds: DatasetConfig, body: dict[str, Any] | None = None) -> Asked:
+    async def ask(self, client: ChatClient, fp: str, ds: DatasetConfig, body: ChatBody | None = None) -> Asked:
         """One smoke request of `ds`'s shape (or `body`), reserved, on the ledger, retried on an outage."""
         config = self.config
         body = smoke_body(config, ds) if body is None else body
@@ -226,7 +227,7 @@ class _SmokeTest:
         outcome, took = await self._try(client, ds, body)
         return fp, body, outcome, took
 
-    async def _try(self, client: ChatClient, ds: DatasetConfig, body: dict[str, Any]) -> tuple[ChatAnswer | SmokeRow,
+    async def _try(self, client: ChatClient, ds: DatasetConfig, body: ChatBody) -> tuple[ChatAnswer | SmokeRow,
                                                                                                 float]:
         """The request asked as a run's is (request.py `Request.attempts`) on the smoke test's terms
         (smoke_request.py): the answer and its seconds, or the row that fails the request."""

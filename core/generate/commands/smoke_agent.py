@@ -28,6 +28,7 @@ import asyncio
 import functools
 from typing import TYPE_CHECKING, Any, Protocol
 
+from draftgen.core.bodies import ChatBody, ChatMessage
 from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.commands.smoke_rows import Asked, SmokeRow, prompt_row, quoted, smoke_body, tokens_row
 from draftgen.core.generate.loop.conversations import history_message
@@ -48,7 +49,7 @@ class SmokeAsker(Protocol):
     answers: list[Asked]
 
     async def ask(self, client: ChatClient, fp: str, ds: DatasetConfig,
-                  body: dict[str, Any] | None = None) -> Asked: ...
+                  body: ChatBody | None = None) -> Asked: ...
 
 
 # The exchange's task and its one tool: small, so the check costs little; a model asked this calls the
@@ -60,17 +61,18 @@ AGENT_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {
 TOOL_RESULT = '{"time": "14:05"}'  # the result sent after each of step 1's calls
 
 
-def step_one_body(config: Config, ds: DatasetConfig) -> dict[str, Any]:
+def step_one_body(config: Config, ds: DatasetConfig) -> ChatBody:
     """The shape's smoke body (its parameters and answer cap) with the agent task and its tool."""
     return {**smoke_body(config, ds), "messages": [{"role": "user", "content": AGENT_PROMPT}], "tools": AGENT_TOOLS}
 
 
-def step_two_body(config: Config, body: dict[str, Any], a: ChatAnswer) -> dict[str, Any]:
+def step_two_body(config: Config, body: ChatBody, a: ChatAnswer) -> ChatBody:
     """Step 2: step 1's messages, the target's answer as the engine sends it back (its calls under its own
     ids, its reasoning as the API documents it), and a result under each call's id."""
     earlier = history_message(a.content, a.reasoning, a.reasoning_details, server=config.api.server,
                               tool_calls=a.tool_calls)
-    results = [{"role": "tool", "tool_call_id": call["id"], "content": TOOL_RESULT} for call in earlier["tool_calls"]]
+    results: list[ChatMessage] = [{"role": "tool", "tool_call_id": call["id"], "content": TOOL_RESULT}
+                                  for call in earlier["tool_calls"]]
     return {**body, "messages": [*body["messages"], earlier, *results]}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from draftgen.core.bodies import ChatBody, ChatMessage, plain_messages
 from draftgen.core.config import Config
 from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.errors import DraftgenError
@@ -22,7 +23,7 @@ from draftgen.core.units import usd
 FOLLOW_UP = "Now say that again in one short sentence."
 
 
-def turn_two_body(config: Config, body: dict[str, Any], a: ChatAnswer) -> dict[str, Any]:
+def turn_two_body(config: Config, body: ChatBody, a: ChatAnswer) -> ChatBody:
     """The smoke body of a multi-turn dataset's second turn: the first turn, its answer sent back by the
     engine's own rule (`conversations.history_message`, as each API documents it), `FOLLOW_UP`."""
     earlier = history_message(a.content, a.reasoning, a.reasoning_details, server=config.api.server)
@@ -52,7 +53,7 @@ def _norm(name: str) -> str:
     return "".join(ch for ch in name.lower() if ch.isalnum())
 
 
-def _asks_reasoning(body: dict[str, Any]) -> bool:
+def _asks_reasoning(body: ChatBody) -> bool:
     r = body.get("reasoning")
     if isinstance(r, dict):
         if r.get("exclude") or r.get("enabled") is False:
@@ -61,7 +62,7 @@ def _asks_reasoning(body: dict[str, Any]) -> bool:
     return bool(body.get("include_reasoning"))
 
 
-def shape_rows(config: Config, ds: DatasetConfig, body: dict[str, Any], a: ChatAnswer,
+def shape_rows(config: Config, ds: DatasetConfig, body: ChatBody, a: ChatAnswer,
                reconstruct_fn: Callable[..., Any], parser: str = "") -> list[SmokeRow]:
     """The rows of one shape's answer (`parser`: the stream row's cause when the run's mode rewrites text)."""
     label = f"{ds.name}:"
@@ -136,7 +137,7 @@ class Reconstruct:
         """The target tokenizer once loaded; None before it is tried, or when it failed."""
         return self.loaded[0][0] if self.loaded and self.loaded[0] is not None else None
 
-    def __call__(self, messages: list[dict[str, Any]], a: ChatAnswer | None, system: Any = _UNSET,
+    def __call__(self, messages: list[ChatMessage], a: ChatAnswer | None, system: Any = _UNSET,
                  tools: list[Any] | None = None) -> Any:
         """The answer `a` reconstructed; with `a` None, only the prompt (rendered with `system`); `tools`: the
         function schemas the request declared."""
@@ -159,9 +160,11 @@ class Reconstruct:
         tok, template = self.loaded[0]
         if a is None:
             return reconstruct(tok, load_template(config.tokenizer.template, tok, default_system=system,
-                                                  prompt_specials=specials), messages, "", "", tools=tools)
-        return reconstruct(tok, template, messages, a.reasoning, a.content, billed_tokens=a.usage.completion_tokens,
-                           backend_ids=a.token_ids, truncated=a.finish_reason == "length", tool_calls=a.tool_calls,
+                                                  prompt_specials=specials), plain_messages(messages), "", "",
+                               tools=tools)
+        return reconstruct(tok, template, plain_messages(messages), a.reasoning, a.content,
+                           billed_tokens=a.usage.completion_tokens, backend_ids=a.token_ids,
+                           truncated=a.finish_reason == "length", tool_calls=a.tool_calls,
                            count_tolerance=config.validation.count_tolerance,
                            billed_prompt_tokens=a.usage.prompt_tokens, provider=a.provider, tools=tools)
 

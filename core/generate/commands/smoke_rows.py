@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from draftgen.core.bodies import ChatBody, ChatMessage, any_keys
 from draftgen.core.config import Config
 from draftgen.core.config_tables import DatasetConfig
 from draftgen.core.generate.api.answer import ChatAnswer
@@ -23,10 +24,10 @@ class SmokeRow:
     warning: bool = False  # passed, but worth reading (an unknown balance)
 
 
-Asked = tuple[str, dict[str, Any], "ChatAnswer | SmokeRow", float]  # (shape, body sent, answer or row, seconds)
+Asked = tuple[str, ChatBody, "ChatAnswer | SmokeRow", float]  # (shape, body sent, answer or row, seconds)
 
 
-def smoke_body(config: Config, ds: DatasetConfig) -> dict[str, Any]:
+def smoke_body(config: Config, ds: DatasetConfig) -> ChatBody:
     """The body the smoke test sends for `ds`: the run's, with the smoke prompt (and `[smoke] max_tokens`
     in every answer-cap key the body carries, so the server and the reservation see the same cap); with
     sampling cycles, the first prompt's values (index 0)."""
@@ -34,7 +35,7 @@ def smoke_body(config: Config, ds: DatasetConfig) -> dict[str, Any]:
     if config.smoke.max_tokens is not None:
         for key in COMPLETION_LIMIT_KEYS:
             if key in body or key == "max_tokens":
-                body[key] = config.smoke.max_tokens
+                any_keys(body)[key] = config.smoke.max_tokens
     return body
 
 
@@ -45,7 +46,7 @@ def quoted(text: str | None) -> str:
     return "None" if text is None else f"'{one_line(text)}'"
 
 
-def prompt_row(config: Config, label: str, rec: Any, messages: list[dict[str, Any]],
+def prompt_row(config: Config, label: str, rec: Any, messages: list[ChatMessage],
                 reconstruct_fn: Callable[..., Any]) -> SmokeRow:
     """The prompt the provider ran (usage.prompt_tokens) against the prompt the run reconstructs."""
     from draftgen.core.config_tables import KIMI_DEFAULT_SYSTEM

@@ -25,7 +25,9 @@ mode, the row fails with the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+
+from draftgen.core.bodies import ChatBody
 
 # SGLang 0.5.17+ answers 400 to `return_token_ids` in a streamed request.
 STREAM_REFUSED_KEYS = ("return_token_ids",)
@@ -34,14 +36,14 @@ SAMPLED_SEEDS = (1, 2, 3)
 PARTS = ("reasoning", "content")
 
 
-def stream_pair(body: dict[str, Any], *, temperature: float = 0,
-                seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+def stream_pair(body: ChatBody, *, temperature: float = 0, seed: int = 0) -> tuple[ChatBody, ChatBody]:
     """`body` streamed and not, with the same `temperature` and `seed` (greedy by default), so a server
     answers both with the same ids; the streamed copy without the keys streaming refuses."""
     base = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     base.update(temperature=temperature, seed=seed)
     streamed = {k: v for k, v in base.items() if k not in STREAM_REFUSED_KEYS}
-    return {**streamed, "stream": True, "stream_options": {"include_usage": True}}, base
+    return (cast(ChatBody, {**streamed, "stream": True, "stream_options": {"include_usage": True}}),
+            cast(ChatBody, base))
 
 
 def _parts(a: Any) -> dict[str, str]:

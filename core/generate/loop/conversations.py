@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from draftgen.core.bodies import ChatMessage, ToolCall
 from draftgen.core.generate.loop.prompt_files import ReadingStopped, read_conversations
 from draftgen.core.generate.loop.prompts import Conversation, Prompt, Rejection, turn_id
 from draftgen.core.generate.loop.source import Booked, BookedAs
@@ -55,7 +56,7 @@ CHUNK = 256  # conversations read from the prompt file per thread hop
 
 
 def history_message(content: str, reasoning: str | None, reasoning_details: list[Any] | None, *,
-                    server: ServerProfile, tool_calls: list[Any] | None = None) -> dict[str, Any]:
+                    server: ServerProfile, tool_calls: list[Any] | None = None) -> ChatMessage:
     """The target's answer as the assistant message of a later turn's request, as the API of the run's
     server kind documents it (`history_reasoning`, core/server_kinds.py): OpenRouter, its
     `reasoning_details` passed back unmodified (else the `reasoning` text, when it had one); vLLM and
@@ -63,14 +64,14 @@ def history_message(content: str, reasoning: str | None, reasoning_details: list
     renders earlier turns without their reasoning, except inside a tool-call loop, core/tokens/template.py).
     An agent step's `tool_calls` go back as the target made them: its own ids, names and argument text
     (`tool_call`), each as OpenAI's assistant message carries a call."""
-    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    msg: ChatMessage = {"role": "assistant", "content": content}
     if tool_calls:
         msg["tool_calls"] = [tool_call(c) for c in tool_calls]
     server.kind.history_reasoning(msg, reasoning, reasoning_details)
     return msg
 
 
-def tool_call(call: Any) -> dict[str, Any]:
+def tool_call(call: Any) -> ToolCall:
     """One of the target's calls as an assistant message of the history sends it back: its id, its name
     and its arguments' text as the answer gave them (what the model generated, not re-serialised)."""
     fn = call.get("function") if isinstance(call, dict) else None
@@ -104,7 +105,7 @@ class _Stored:
 class _Open:
     """A conversation being asked: its turns, the target's answers so far."""
     conv: Conversation
-    history: list[dict[str, Any]]   # assistant messages for turns 1..len(history)
+    history: list[ChatMessage]   # assistant messages for turns 1..len(history)
     stored: set[int] = field(default_factory=set)  # turns with an outcome on disk when it opened
     lines: list[str] = field(default_factory=list)  # one a turn so far, for the views (`ConversationCounts.last`)
 
@@ -125,7 +126,7 @@ class ConversationSource:
         self._failures = failures
         self._event = on_event
         self._stored: dict[str, dict[int, _Stored]] | None = None  # loaded on the first next()
-        self._history: dict[str, dict[int, dict[str, Any]]] = {}   # stored answers of unfinished conversations
+        self._history: dict[str, dict[int, ChatMessage]] = {}   # stored answers of unfinished conversations
         self._open: dict[str, _Open] = {}
         self._ready: deque[Prompt] = deque()
         self._out = 0                     # turns yielded, not booked yet
@@ -233,7 +234,7 @@ class ConversationSource:
         k = len(o.history) + 1
         if conv.steps is not None:
             return self._step(o, k)
-        messages: list[dict[str, Any]] = list(conv.system)
+        messages: list[ChatMessage] = list(conv.system)
         for user, answer in zip(conv.user_turns, o.history, strict=False):
             messages.append(user)
             messages.append(answer)
@@ -248,7 +249,7 @@ class ConversationSource:
         conv = o.conv
         steps = conv.steps
         assert steps is not None
-        messages: list[dict[str, Any]] = list(conv.system)
+        messages: list[ChatMessage] = list(conv.system)
         spliced = ""
         for j in range(1, k + 1):
             step = steps[j - 1]
@@ -408,8 +409,8 @@ class ConversationSource:
         self._stored = stored
         self._history = self._answers(unfinished)
 
-    def _answers(self, convs: set[str]) -> dict[str, dict[int, dict[str, Any]]]:
-        out: dict[str, dict[int, dict[str, Any]]] = {}
+    def _answers(self, convs: set[str]) -> dict[str, dict[int, ChatMessage]]:
+        out: dict[str, dict[int, ChatMessage]] = {}
         if not convs:
             return out
         for _, raw in iter_jsonl(self._responses):
@@ -425,7 +426,7 @@ class ConversationSource:
                 tool_calls=calls if "tools" in raw and isinstance(calls, list) else None)
         return out
 
-    def _reread(self, conv: str) -> dict[int, dict[str, Any]]:
+    def _reread(self, conv: str) -> dict[int, ChatMessage]:
         """The stored answers of one conversation its records said was finished, when the file now
         has more turns (max_turns raised, a turn added at its end): read again (rare)."""
         return self._answers({conv}).get(conv, {})

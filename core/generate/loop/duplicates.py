@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
+from draftgen.core.bodies import ChatMessage
 from draftgen.core.dedupe import prompt_key, record_key, turn_key
 from draftgen.core.rundir import iter_jsonl
 
@@ -49,7 +49,7 @@ class CrossDatasetDuplicates:
         if self.needed:
             self._answered = answered_keys((n, root / n / "responses.jsonl") for n in [*names, *others])
 
-    def claim(self, dataset: str, prompt_id: str, messages: Any, *, turn: bool = False) -> str | None:
+    def claim(self, dataset: str, prompt_id: str, messages: list[ChatMessage], *, turn: bool = False) -> str | None:
         """The other dataset that answered or is sending this prompt (then it must not go out), or None:
         then it is `dataset`'s, in flight, until `settled`. `turn`: a turn of a `turns = "all"` conversation,
         keyed on its prompt side (dedupe.turn_key), not on the target's earlier answers in its history."""

@@ -32,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from draftgen.core.bodies import ChatMessage
 from draftgen.core.records import TurnFields, own_calls
 
 _ROLE_ALIASES = {
@@ -48,7 +49,7 @@ TOOL_ROLES = frozenset({"tool", "function", "function_call", "tool_call", "tool_
 @dataclass(slots=True)  # one per request: a frozen __init__ costs 3x (setattr per field)
 class Prompt:
     id: str
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage]
     line: int
     turn: TurnFields | None = None  # set for a turn of a conversation (turns = "all")
 
@@ -59,7 +60,7 @@ class Step:
     between the assistant message before it and it, and what the dataset's own assistant message did there."""
     results: list[str]                  # the dataset's tool results answering its calls of the step before
     #                                     (in the order of those calls)
-    users: list[dict[str, str]]         # the user turns after them
+    users: list[ChatMessage]         # the user turns after them
     calls: list[tuple[str, Any]] | None  # the dataset's assistant message: its calls (name, arguments parsed),
     #                                      [] for a plain answer, None when the line ends before it
 
@@ -70,8 +71,8 @@ class Conversation:
     agent line (`steps` set): its assistant messages, asked in order with the dataset's tool results."""
     id: str
     line: int
-    system: list[dict[str, str]]       # 0 or 1 message
-    user_turns: list[dict[str, str]]   # each one user message, at most max_turns (an agent line: all its user turns)
+    system: list[ChatMessage]       # 0 or 1 message
+    user_turns: list[ChatMessage]   # each one user message, at most max_turns (an agent line: all its user turns)
     fingerprint: list[str]             # fingerprint[k-1]: hash of the system and user turns 1..k (an agent line:
     #                                    of its tools and what steps 1..k hold, `agent_fingerprints`)
     cut: str = ""                      # why turns after the kept ones were left out ("" when none were)
@@ -82,12 +83,15 @@ class Conversation:
     def turns(self) -> int:
         return len(self.steps) if self.steps is not None else len(self.user_turns)
 
-    def prompt_side(self) -> list[dict[str, str]]:
+    def prompt_side(self) -> list[ChatMessage]:
         """The dataset's messages its requests send: the system turn, the user turns, the tool results."""
         if self.steps is None:
             return [*self.system, *self.user_turns]
-        return [*self.system, *(m for s in self.steps for m in
-                                [*({"role": "tool", "content": r} for r in s.results), *s.users])]
+        side = list(self.system)
+        for s in self.steps:
+            side += [{"role": "tool", "content": r} for r in s.results]
+            side += s.users
+        return side
 
 
 def turn_id(conversation: str, turn: int) -> str:
@@ -95,7 +99,7 @@ def turn_id(conversation: str, turn: int) -> str:
     return f"{conversation}#t{turn}"
 
 
-def fingerprints(system: list[dict[str, str]], user_turns: list[dict[str, str]]) -> list[str]:
+def fingerprints(system: list[ChatMessage], user_turns: list[ChatMessage]) -> list[str]:
     """fingerprint[k-1] = blake2b (16 hex) of the system text and user turns 1..k, each length-prefixed."""
     h = hashlib.blake2b(digest_size=8)
     for m in system:
@@ -126,11 +130,11 @@ def _text(content: Any, where: str) -> str:
     raise ValueError(f"{where} content must be a string (or text parts)")
 
 
-def parse_turns(raw: Any, key: str) -> list[dict[str, str]]:
+def parse_turns(raw: Any, key: str) -> list[ChatMessage]:
     """A `messages`/`conversations` list as role/content turns (roles normalised), or ValueError."""
     if not isinstance(raw, list) or not raw:
         raise ValueError(f"`{key}` must be a non-empty list")
-    turns = []
+    turns: list[ChatMessage] = []
     for i, turn in enumerate(raw):
         if not isinstance(turn, dict):
             raise ValueError(f"{key}[{i}] must be an object")
@@ -156,7 +160,7 @@ def _line_id(obj: Any) -> str:
     raise ValueError("missing `id` (a string or integer)" if raw_id is None else f"bad id {raw_id!r}")
 
 
-def parse_prompt(obj: Any, turns: str = "last") -> tuple[str, list[dict[str, str]]]:
+def parse_prompt(obj: Any, turns: str = "last") -> tuple[str, list[ChatMessage]]:
     """(id, messages) from one decoded line, or ValueError saying what is wrong. `turns` "first": a
     `messages`/`conversations` line is cut after its first user turn; "last": after its last."""
     pid = _line_id(obj)
@@ -185,7 +189,7 @@ def parse_prompt(obj: Any, turns: str = "last") -> tuple[str, list[dict[str, str
     raise ValueError("no `prompt`, `messages` or `conversations`")
 
 
-def _before_tools(raw: Any, key: str) -> list[dict[str, str]]:
+def _before_tools(raw: Any, key: str) -> list[ChatMessage]:
     """The turns of a `messages`/`conversations` list before its first tool turn (a tool-role message
     or an assistant message with `tool_calls`), roles normalised; ValueError for what parse_turns refuses."""
     if not isinstance(raw, list) or not raw:
@@ -216,8 +220,8 @@ def parse_conversation(obj: Any, max_turns: int | None = None) -> Conversation:
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
             raise ValueError("`prompt` must be a non-empty string")
-        system: list[dict[str, str]] = []
-        users = [{"role": "user", "content": obj["prompt"]}]
+        system: list[ChatMessage] = []
+        users: list[ChatMessage] = [{"role": "user", "content": obj["prompt"]}]
         cut = ""
     else:
         key = "messages" if "messages" in obj else "conversations" if "conversations" in obj else ""
@@ -272,10 +276,10 @@ class _AgentReader:
     """parse_agent's state while it reads a line's messages: the steps so far and the one being read."""
 
     def __init__(self) -> None:
-        self.system: list[dict[str, str]] = []
+        self.system: list[ChatMessage] = []
         self.steps: list[Step] = []
         self.results: dict[int, str] = {}   # the step being read: its tool results by the call they answer
-        self.users: list[dict[str, str]] = []
+        self.users: list[ChatMessage] = []
         self.before: list[Any] | None = None  # the dataset's calls of the step before (the ids its results name)
 
     def unanswered(self) -> bool:
@@ -369,7 +373,7 @@ def parse_agent(pid: str, obj: dict[str, Any], max_turns: int | None = None) -> 
                         agent_fingerprints(r.system, tools, steps), cut, steps, tools)
 
 
-def agent_fingerprints(system: list[dict[str, str]], tools: list[Any] | None, steps: list[Step]) -> list[str]:
+def agent_fingerprints(system: list[ChatMessage], tools: list[Any] | None, steps: list[Step]) -> list[str]:
     """fingerprint[k-1] = blake2b (16 hex) of the system text, the tools and steps 1..k (the tool results and
     user turns before each, and the dataset's own calls there: what the step sends, and what it is judged on)."""
     h = hashlib.blake2b(digest_size=8)

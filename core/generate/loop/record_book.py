@@ -35,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from draftgen.core.bodies import Sampling
 from draftgen.core.errors import DiskError
 from draftgen.core.files import replacing
 from draftgen.core.generate.api.answer import ChatAnswer
@@ -247,7 +248,7 @@ class RecordBook:
     # -- records --------------------------------------------------------------------------------
 
     def record_answer(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int, seq: int = 0,
-                      sampling: dict[str, Any] | None = None) -> None:
+                      sampling: Sampling | None = None) -> None:
         """The answer on disk (or held while the disk refuses); and the prompts set aside by a 4xx naming
         no known cause before request `seq` was sent fail as their own: the same parameters work.
         `sampling`: the line's `sampling` field (`sampling_of` the body sent), when the dataset records it."""

@@ -54,8 +54,9 @@ import asyncio
 import contextlib
 import functools
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from draftgen.core.bodies import ChatBody
 from draftgen.core.config_tables import sampling_of
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.api.answer import ChatAnswer
@@ -126,12 +127,12 @@ class Request:
                  "error", "disk_error", "why")
 
     def __init__(self, terms: Terms, prompt: Prompt, ds: DatasetRun | None = None, source: PromptSource | None = None,
-                 body: dict[str, Any] | None = None) -> None:
+                 body: ChatBody | None = None) -> None:
         self.terms = terms
         self.prompt = prompt
         self.ds = ds              # the run's dataset (None: a smoke test's request)
         self.source = source      # told what became of the prompt, once (None: a smoke test's)
-        self.body: dict[str, Any] = body or {}
+        self.body: ChatBody = body or {}
         self.ticket: Ticket | None = None  # the attempt's reservation (the first one's released as it ends)
         self.expected = 0         # its tokens counted in flight against the dataset's token budget
         self.probe = False        # the one request of a dataset held by its doubts (doubts.py)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from draftgen.core.bodies import ChatBody
 from draftgen.core.config_tables import DatasetConfig, cycle_index
 from draftgen.core.generate.api.prices import body_prompt_bound, prompt_token_bound
 from draftgen.core.generate.loop.context import RunContext
@@ -64,7 +65,7 @@ class _Made:
     dataset's (prices.py body_worst_case), as of one epoch of the run's server profile (servers.py)."""
     __slots__ = ("epoch", "body", "cap", "answers", "tools_bound")
 
-    def __init__(self, epoch: int, body: dict[str, Any], max_tokens: int) -> None:
+    def __init__(self, epoch: int, body: ChatBody, max_tokens: int) -> None:
         self.epoch = epoch
         self.body = body
         self.cap = body_max_tokens(body, max_tokens)
@@ -136,7 +137,7 @@ class Room:
         """Requests in flight over every dataset."""
         return sum(d.in_flight for d in self._datasets.values())
 
-    def request_for(self, ds: DatasetRun, prompt: Prompt) -> tuple[dict[str, Any], float]:
+    def request_for(self, ds: DatasetRun, prompt: Prompt) -> tuple[ChatBody, float]:
         """The body this prompt's request sends, and what sending it can cost at most (0 when no price
         is known and no ceiling is set): the worst case of that very body, its own max_tokens (with the
         dataset's sampling cycle at the prompt's line, `cycle_index`)."""

@@ -40,9 +40,10 @@ same way by the settler). One bad figure costs at most one reservation on the le
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
+from draftgen.core.bodies import ChatBody
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.api.classify import PastCap, RequestFailed
@@ -71,13 +72,13 @@ ABSURD_COST = "a cost beyond what the request could cost"
 ABSURD_COUNT = "token counts beyond what the request could cost"
 
 
-def cost_bound(worst: float, body: Mapping[str, Any] | None) -> float:
+def cost_bound(worst: float, body: ChatBody | None) -> float:
     """The most an attempt reserved at `worst` for `body` is believed to have been billed."""
     tokens = 0 if body is None else (body_prompt_bound(body) + body_max_tokens(body, 0)) * body_answers(body)
     return max(ABSURD_FACTOR * worst, tokens * SANE_USD_PER_TOKEN)
 
 
-def believed(answer: ChatAnswer, t: Ticket, prices: Prices | None, body: Mapping[str, Any] | None) -> ChatAnswer:
+def believed(answer: ChatAnswer, t: Ticket, prices: Prices | None, body: ChatBody | None) -> ChatAnswer:
     """The answer with what its usage says that is not believed taken out (`doubt` says what, "" when
     all is believed): a cost past `cost_bound` leaves it unpriced, counts whose estimate passes it are
     dropped too (it is then booked at its worst case, or its generation record). Checks the bound only
@@ -143,7 +144,7 @@ def book_answer(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Price
 
 
 def book_failure(spend: SpendLedger, t: Ticket, e: RequestFailed, prices: Prices | None = None, *,
-                 bills_answers: bool = True, body: Mapping[str, Any] | None = None) -> Pending | None:
+                 bills_answers: bool = True, body: ChatBody | None = None) -> Pending | None:
     """Book a request that got no answer (`body`: what it sent, which bounds what an answer run past its
     cap is believed to have cost; `bills_answers`: the server kind's, whether a generation record prices
     it); returns what the settler should look up."""
