@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from draftgen.core.live.events import EVENT_DATA, Event, EventKind
+from draftgen.core.live.events import Event
 
 
 class RunState(StrEnum):
@@ -374,12 +374,5 @@ def snapshot_from_dict(data: dict[str, Any]) -> RunSnapshot:
 
 
 def event_from_dict(data: dict[str, Any]) -> Event:
-    """An event from its JSON dict; one from an engine without `dataset` gets "" there, and `data` is
-    rebuilt as its kind's payload class (left None for a kind this side does not know)."""
-    fields = {f.name: data[f.name] for f in dataclasses.fields(Event) if f.name in data}
-    payload = fields.pop("data", None)
-    event = Event(**fields)
-    cls = EVENT_DATA.get(event.kind) if isinstance(event.kind, EventKind) else None
-    if cls is not None and isinstance(payload, dict):
-        event = dataclasses.replace(event, data=_from(cls, payload))
-    return event
+    """An event from its JSON dict: its payload rebuilt as its kind's class (`Event.from_dict`)."""
+    return Event.from_dict(data)

@@ -73,7 +73,8 @@ from draftgen.core.generate.money.billing import (
     over_reservation,
 )
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
-from draftgen.core.live.events import EventData, EventKind, Level, OverReservation, ProviderPastCap
+from draftgen.core.live import events as ev
+from draftgen.core.live.events import EventKind, Level
 from draftgen.core.records import ErrorKind
 from draftgen.core.servers import ids_plan, missing_ids_message
 
@@ -210,10 +211,10 @@ class Requests:
             return False
         ds.skipped_some()
         if self.duplicates.skip(ds.config.name) == 1:
-            self._ctx.event(Level.WARN, EventKind.DUPLICATE,
-                            f"{ds.config.name}: prompt {prompt.id!r} skipped: the same prompt (normalised text) is "
+            self._ctx.event(ev.Duplicate(
+                line=f"{ds.config.name}: prompt {prompt.id!r} skipped: the same prompt (normalised text) is "
                             f"already answered in {other}; every such prompt is skipped and counted ([engine] "
-                            "skip_cross_dataset_duplicates = false sends them)", dataset=ds.config.name)
+                            "skip_cross_dataset_duplicates = false sends them)", dataset=ds.config.name))
         return True
 
     def _admitted(self, ds: DatasetRun, prompt: Prompt, source: PromptSource, body: dict[str, Any],
@@ -239,8 +240,7 @@ class Requests:
                 req.book(ENDED_ON_ERROR)
                 said = (f"{req.ds.config.name}: prompt {req.prompt.id!r} not asked again this run: the engine's own "
                         f"error {type(exc).__name__}: {exc}")
-                self._ctx.event(Level.ERROR, EventKind.REQUEST_ERROR, self._ctx.redact(said),
-                                dataset=req.ds.config.name)
+                self._ctx.event(ev.RequestError(line=self._ctx.redact(said), dataset=req.ds.config.name))
         finally:
             self.tasks.discard(task)
             self._release(req)
@@ -348,10 +348,9 @@ class Requests:
         answer = as_booked(answer, ticket, prices)  # the record's cost is what the ledger booked
         over = over_reservation(answer, ticket, prices)
         if over:
-            self._say(EventKind.OVER_RESERVATION, ds, answer.provider or "",
-                      f"prompt {ticket.prompt_id!r} billed ${ticket.worst + over:.6f}, ${over:.6f} past its "
-                      f"reservation of ${ticket.worst:.6f}: booked at what it billed, so max_usd counts it",
-                      lambda name: OverReservation(name, ticket.worst, ticket.worst + over))
+            self._say(EventKind.OVER_RESERVATION, answer.provider or "", lambda name, n: ev.OverReservation(
+                provider=name, times=n, prompt_id=ticket.prompt_id, reserved_usd=ticket.worst,
+                billed_usd=ticket.worst + over, dataset=ds.config.name))
         self.answered += 1
         blocks, block = self._answered_blocks, sent_no >> ANSWER_BLOCK_BITS
         while len(blocks) <= block:
@@ -369,8 +368,9 @@ class Requests:
         look_up(self.settler, book_failure(self._spend, ticket, e, self.prices.get(ds.config.name),
                                            bills_answers=kind.bills_answers, body=body))
         if e.past_cap is not None:
-            self._say(EventKind.PAST_CAP, ds, e.provider, f"prompt {ticket.prompt_id!r}: {ctx.redact(e.message)}; "
-                      "booked at what it billed, the prompt is asked again (docs/money.md)", ProviderPastCap)
+            self._say(EventKind.PAST_CAP, e.provider, lambda name, n: ev.ProviderPastCap(
+                provider=name, times=n, prompt_id=ticket.prompt_id, cause=ctx.redact(e.message),
+                dataset=ds.config.name))
         ctx.errors.add(e.kind)
         ctx.recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=ticket.prompt_id, attempt=tries,
                        message=ctx.redact(e.message), status=e.status, provider=e.server or e.provider)
@@ -388,21 +388,18 @@ class Requests:
         counts = answer.usage.prompt_tokens or answer.usage.completion_tokens
         instead = ("its generation record's cost (checked the same way)" if ticket.gen else
                    "its token counts at the worst prices" if counts else f"its worst case ${ticket.worst:.6f}")
-        self._ctx.event(Level.WARN, EventKind.BAD_BILL, f"{ds.config.name}: provider {name}: prompt "
+        self._ctx.event(ev.BadBill(line=f"{ds.config.name}: provider {name}: prompt "
                         f"{ticket.prompt_id!r} came with {answer.doubt}: not booked as given but at {instead}; the "
                         "answer is kept. Said once per kind; each such answer is counted as bad_bill",
-                        dataset=ds.config.name)
+                        dataset=ds.config.name))
 
-    def _say(self, kind: EventKind, ds: DatasetRun, provider: str, what: str,
-             data: Callable[[str], EventData]) -> None:
-        """A provider's billing past what was asked: said the 1st, 10th, 100th... time per provider, with
-        its payload made by `data` from the provider's (redacted) name."""
+    def _say(self, kind: EventKind, provider: str, payload: Callable[[str, int], ev.Payload]) -> None:
+        """A provider's billing past what was asked: said the 1st, 10th, 100th... time per provider, as
+        the payload `payload` makes of the provider's (redacted) name and the times so far."""
         name = self._ctx.redact(provider) or "(unnamed provider)"
         n = self._said[kind, name] = self._said.get((kind, name), 0) + 1
         if n == 1 or (n % 10 == 0 and str(n).rstrip("0") == "1"):
-            again = f" ({n} times so far)" if n > 1 else ""
-            self._ctx.event(Level.WARN, kind, f"{ds.config.name}: provider {name}{again}: {what}",
-                            dataset=ds.config.name, data=data(name))
+            self._ctx.event(payload(name, n))
 
     def _ended_by(self, ds: DatasetRun, prompt_id: str, tries: int, e: RequestFailed, seq: int) -> Attempted | None:
         """The outcome when the error is the account's, the dataset's or the prompt's own (no retry helps)."""
@@ -490,8 +487,7 @@ class Requests:
         elif outcome is Outcome.DATASET:
             assert done.error is not None
             if ds.stop_for(done.error, ctx.redact):
-                ctx.event(Level.ERROR, EventKind.DATASET_STOPPED, f"{ds.config.name}: {ds.message}",
-                          dataset=ds.config.name)
+                ctx.event(ev.DatasetStopped(line=f"{ds.config.name}: {ds.message}", dataset=ds.config.name))
         return False  # GIVEN_UP: a drain or stop while retrying
 
     # -- the self-hosted server's token ids ---------------------------------------------------------
@@ -506,7 +502,7 @@ class Requests:
             await detect_server(config, self.client)
         asked, text = ids_plan(config.api.server.release, config.api.base_url, config.api.streams)
         self._ids_said = not asked  # the reason is said once, here: each answer without ids is still counted
-        self._ctx.event(Level.INFO if asked else Level.WARN, EventKind.SERVER_IDS, text)
+        self._ctx.event(ev.ServerIds(line=text, at=Level.INFO if asked else Level.WARN))
 
     def _no_ids(self, ds: DatasetRun) -> None:
         """An answer without the ids asked for: counted (no_ids), and said once with the fix."""
@@ -514,8 +510,8 @@ class Requests:
         if not self._ids_said:
             self._ids_said = True
             api = self._ctx.config.api
-            self._ctx.event(Level.WARN, EventKind.SERVER_IDS,
-                            missing_ids_message(api.server.release, api.base_url, api.streams), dataset=ds.config.name)
+            self._ctx.event(ev.ServerIds(line=missing_ids_message(api.server.release, api.base_url, api.streams),
+            dataset=ds.config.name))
 
     # -- outages ------------------------------------------------------------------------------------
 
@@ -542,13 +538,13 @@ class Requests:
             # The cause once (it names the address), the advice that matches it, then what the run does.
             cause = self.unreachable_cause
             advice = unreachable_advice(ctx.config.api.base_url, cause, ctx.config.path)
-            ctx.event(Level.WARN, EventKind.UNREACHABLE, f"{cause}: {advice}; retrying until it answers, no prompt "
-                      "is failed meanwhile")
+            ctx.event(ev.Unreachable(line=f"{cause}: {advice}; retrying until it answers, no prompt "
+                      "is failed meanwhile"))
 
     def _note_reachable(self, since: float) -> None:
         """The API answers again after it could not be reached since `since`."""
         ctx = self._ctx
-        ctx.event(Level.INFO, EventKind.REACHABLE, f"{ctx.config.api.base_url} answers again after "
-                  f"{ctx.clock() - since:.0f} s out of reach")
+        ctx.event(ev.Reachable(line=f"{ctx.config.api.base_url} answers again after "
+                  f"{ctx.clock() - since:.0f} s out of reach"))
         self._unreachable_since = None
 
