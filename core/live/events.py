@@ -178,10 +178,18 @@ class ConversationEnded(Said):
     kind = EventKind.CONVERSATION
 
 
-class CutAnswers(Said):
-    """CUT_ANSWERS: most of a dataset's answers this run are cut at max_tokens."""
+@dataclass(frozen=True, kw_only=True)
+class CutAnswers(Payload):
+    """CUT_ANSWERS: most of a dataset's answers this run are cut at max_tokens (`cut` of `answered`)."""
     kind = EventKind.CUT_ANSWERS
     usual = Level.WARN
+    cut: int
+    answered: int
+
+    def text(self) -> str:
+        return (f"{self.dataset}: {self.cut} of its {self.answered} answers this run were cut at max_tokens: they "
+                "are paid for and kept (marked truncated), but the merge leaves them out; drain (q then d; "
+                "headless: Ctrl-C) and raise the dataset's max_tokens before asking more")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,10 +229,15 @@ class DatasetStart(Payload):
                 f"already failed; concurrency {self.concurrency}")
 
 
-class DatasetStopped(Said):
-    """DATASET_STOPPED: stopped by its routing or settings (`line`: why)."""
+@dataclass(frozen=True, kw_only=True)
+class DatasetStopped(Payload):
+    """DATASET_STOPPED: stopped by its routing or settings; `cause`: why, as the dataset says it."""
     kind = EventKind.DATASET_STOPPED
     usual = Level.ERROR
+    cause: str
+
+    def text(self) -> str:
+        return f"{self.dataset}: {self.cause}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,10 +250,18 @@ class Draining(Payload):
         return f"draining: waiting for {self.in_flight} requests in flight"
 
 
-class Duplicate(Said):
-    """DUPLICATE: a prompt skipped: already answered in another dataset."""
+@dataclass(frozen=True, kw_only=True)
+class Duplicate(Payload):
+    """DUPLICATE: a prompt skipped: already answered in another dataset (`other`)."""
     kind = EventKind.DUPLICATE
     usual = Level.WARN
+    prompt_id: str
+    other: str
+
+    def text(self) -> str:
+        return (f"{self.dataset}: prompt {self.prompt_id!r} skipped: the same prompt (normalised text) is already "
+                f"answered in {self.other}; every such prompt is skipped and counted ([engine] "
+                "skip_cross_dataset_duplicates = false sends them)")
 
 
 class ExtractDone(Said):
@@ -356,9 +377,13 @@ class PriceNote(Said):
     kind = EventKind.PRICES
 
 
-class QuitDialog(Said):
+@dataclass(frozen=True, kw_only=True)
+class QuitDialog(Payload):
     """QUIT_DIALOG: the run waits for the quit dialog's answer before it starts."""
     kind = EventKind.QUIT_DIALOG
+
+    def text(self) -> str:
+        return "the run starts once the quit dialog is answered"
 
 
 class Provider(Said):
@@ -367,10 +392,16 @@ class Provider(Said):
     usual = Level.WARN
 
 
-class ProviderFlagged(Said):
-    """PROVIDER_FLAGGED: a provider's token counts depart from the others'."""
+@dataclass(frozen=True, kw_only=True)
+class ProviderFlagged(Payload):
+    """PROVIDER_FLAGGED: a provider's token counts depart from the others' (`cause`: how, as fidelity says it)."""
     kind = EventKind.PROVIDER_FLAGGED
     usual = Level.WARN
+    provider: str
+    cause: str
+
+    def text(self) -> str:
+        return f"provider {self.provider}: {self.cause} (`draftgen tokens` prints what to change)"
 
 
 class Reachable(Said):
@@ -390,16 +421,31 @@ class Rejected(Payload):
         return f"{self.dataset}: {self.lines} prompt lines rejected (see {self.path})"
 
 
-class Repaired(Said):
-    """REPAIRED: a half-written last line cut."""
+@dataclass(frozen=True, kw_only=True)
+class Repaired(Payload):
+    """REPAIRED: a half-written last line (`cut_bytes`) cut from `path`; `by_crash`: said as a crash's."""
     kind = EventKind.REPAIRED
     usual = Level.WARN
+    path: str
+    cut_bytes: int
+    by_crash: bool = False
+
+    def text(self) -> str:
+        return (f"{self.path}: cut a half-written last line ({self.cut_bytes} bytes)"
+                + (" left by a crash" if self.by_crash else ""))
 
 
-class RequestError(Said):
-    """REQUEST_ERROR: a request ended on an error of the engine's own (a bug), with its cause."""
+@dataclass(frozen=True, kw_only=True)
+class RequestError(Payload):
+    """REQUEST_ERROR: a request ended on an error of the engine's own (a bug); `cause`: the error."""
     kind = EventKind.REQUEST_ERROR
     usual = Level.ERROR
+    prompt_id: str
+    cause: str
+
+    def text(self) -> str:
+        return (f"{self.dataset}: prompt {self.prompt_id!r} not asked again this run: the engine's own error "
+                f"{self.cause}")
 
 
 class RequestKeys(Said):
@@ -421,10 +467,15 @@ class RunDone(Said):
     kind = EventKind.RUN_DONE
 
 
-class RunFailed(Said):
-    """RUN_FAILED: the run cannot go on (`line`: why)."""
+@dataclass(frozen=True, kw_only=True)
+class RunFailed(Payload):
+    """RUN_FAILED: the run cannot go on; `cause`: the error that stopped it."""
     kind = EventKind.RUN_FAILED
     usual = Level.ERROR
+    cause: str
+
+    def text(self) -> str:
+        return f"the run cannot go on: {self.cause}"
 
 
 class ServerIds(Said):
@@ -439,9 +490,15 @@ class Signal(Said):
     usual = Level.WARN
 
 
-class Smoke(Said):
-    """SMOKE: the smoke test runs first (`line`: why)."""
+@dataclass(frozen=True, kw_only=True)
+class Smoke(Payload):
+    """SMOKE: the smoke test runs first; `why`: what asks for it."""
     kind = EventKind.SMOKE
+    why: str
+
+    def text(self) -> str:
+        return (f"running the smoke test first: {self.why}; no run request is sent before it passes (a quit now "
+                "stops it and the run does not start)")
 
 
 class SmokeDone(Said):
@@ -454,10 +511,19 @@ class SpoolImported(Said):
     kind = EventKind.SPOOL
 
 
-class Spooled(Said):
-    """SPOOLED: answers held in memory spooled to a fallback file."""
+@dataclass(frozen=True, kw_only=True)
+class Spooled(Payload):
+    """SPOOLED: answers held in memory (the disk refused them: `cause`) spooled to `path`."""
     kind = EventKind.SPOOLED
     usual = Level.WARN
+    answers: int
+    cause: str
+    path: str
+    run_dir: str
+
+    def text(self) -> str:
+        return (f"{self.answers} answer(s) held in memory (the disk refused them: {self.cause}) are spooled to "
+                f"{self.path}; the next `draftgen run` of {self.run_dir} imports them before it sends anything")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,7 @@ class GenerationStage:
                 wrapper.__cause__ = e
                 e = wrapper
             self._life.fail(e)
-            self._emit(ev.RunFailed(line=f"the run cannot go on: {e}"))
+            self._emit(ev.RunFailed(cause=str(e)))
             return snap.RunState.STOPPED
 
     async def _generate(self) -> str:

@@ -96,8 +96,7 @@ class Startup:
         if warning := cfg.kind_warning():  # the server's kind is known from here
             self._emit(ev.RequestKeys(line=warning, at=Level.WARN))
         if not self._skip_smoke and not ok and not self.quit_requested.is_set():
-            self._emit(ev.Smoke(line=f"running the smoke test first: {why}; no run request is "
-                       "sent before it passes (a quit now stops it and the run does not start)"))
+            self._emit(ev.Smoke(why=why))
             spend = self._rundir.spend
             before = await asyncio.to_thread(_spent_on_disk, spend)
             self._smoke = asyncio.ensure_future(self._oneshot.smoke())
@@ -110,7 +109,7 @@ class Startup:
                 return Gated(StartVerdict.SMOKE_FAILED)
         if self.quit_requested.is_set() or not self._no_dialog.is_set():
             if not self._no_dialog.is_set():
-                self._emit(ev.QuitDialog(line="the run starts once the quit dialog is answered"))
+                self._emit(ev.QuitDialog())
                 await self._no_dialog.wait()
             if self.quit_requested.is_set():
                 return Gated(StartVerdict.NOT_STARTED, "quit before the run started")

@@ -75,8 +75,7 @@ class TokensStage:
                        f"token ids ({tokens.message}); finish with `draftgen tokens {sh_path(self._config.path)}`"))
         for row in self.fidelity:
             if row.flagged:
-                self._emit(ev.ProviderFlagged(
-                    line=f"provider {row.name}: {row.flagged} (`draftgen tokens` prints what to change)"))
+                self._emit(ev.ProviderFlagged(provider=row.name, cause=row.flagged))
         self._reconstructor = None
         return complete
 

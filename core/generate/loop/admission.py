@@ -161,7 +161,7 @@ class Admission:
         """Nothing left in flight: settle the set-aside prompts, leave the dataset's final status, say it."""
         name = ds.config.name
         if not self._control.closed and not budget_reason and self._book.settle_doubts(ds):
-            self._event(ev.DatasetStopped(line=f"{name}: {ds.message}", dataset=name))
+            self._event(ev.DatasetStopped(cause=ds.message, dataset=name))
         if ds.stopped:
             ds.end(DatasetStatus.STOPPED)
         elif budget_reason:

@@ -157,7 +157,7 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
                      event: EventSink, on_settled: Callable[[], None]) -> OpenedMoney:
     cut = await asyncio.to_thread(spend.open)
     if cut:
-        event(ev.Repaired(line=f"{spend.path}: cut a half-written last line ({cut} bytes)"))
+        event(ev.Repaired(path=str(spend.path), cut_bytes=cut))
     # the key's usage before the directory's first attempt (`draftgen ledger`)
     if not spend.existed and config.api.server.kind.has_account:
         with contextlib.suppress(Exception):

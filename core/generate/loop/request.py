@@ -211,10 +211,7 @@ class Requests:
             return False
         ds.skipped_some()
         if self.duplicates.skip(ds.config.name) == 1:
-            self._ctx.event(ev.Duplicate(
-                line=f"{ds.config.name}: prompt {prompt.id!r} skipped: the same prompt (normalised text) is "
-                            f"already answered in {other}; every such prompt is skipped and counted ([engine] "
-                            "skip_cross_dataset_duplicates = false sends them)", dataset=ds.config.name))
+            self._ctx.event(ev.Duplicate(prompt_id=prompt.id, other=other, dataset=ds.config.name))
         return True
 
     def _admitted(self, ds: DatasetRun, prompt: Prompt, source: PromptSource, body: dict[str, Any],
@@ -238,9 +235,8 @@ class Requests:
         except Exception as exc:  # an error of the engine's own: not asked again this run, said with its cause
             if not req.booked:
                 req.book(ENDED_ON_ERROR)
-                said = (f"{req.ds.config.name}: prompt {req.prompt.id!r} not asked again this run: the engine's own "
-                        f"error {type(exc).__name__}: {exc}")
-                self._ctx.event(ev.RequestError(line=self._ctx.redact(said), dataset=req.ds.config.name))
+                self._ctx.event(ev.RequestError(prompt_id=req.prompt.id, cause=f"{type(exc).__name__}: {exc}",
+                                                dataset=req.ds.config.name))
         finally:
             self.tasks.discard(task)
             self._release(req)
@@ -487,7 +483,7 @@ class Requests:
         elif outcome is Outcome.DATASET:
             assert done.error is not None
             if ds.stop_for(done.error, ctx.redact):
-                ctx.event(ev.DatasetStopped(line=f"{ds.config.name}: {ds.message}", dataset=ds.config.name))
+                ctx.event(ev.DatasetStopped(cause=ds.message, dataset=ds.config.name))
         return False  # GIVEN_UP: a drain or stop while retrying
 
     # -- the self-hosted server's token ids ---------------------------------------------------------

@@ -236,7 +236,7 @@ class Room:
         """A doubted dataset stops when its doubts are given up, and waits while its one probe is out."""
         if ds.doubts.given_up:
             if self._book.stop_doubted(ds):
-                self._event(ev.DatasetStopped(line=f"{ds.config.name}: {ds.message}", dataset=ds.config.name))
+                self._event(ev.DatasetStopped(cause=ds.message, dataset=ds.config.name))
             return HALT
         if ds.doubts.probe_out:
             return _Wait.WAKE
