@@ -42,7 +42,6 @@ from draftgen.core.tokens.workers import (
     LockedWriter,
     Results,
     TokenRate,
-    WorkerSpec,
     check_dataset,
     cores,
     each_sample,
@@ -52,6 +51,7 @@ from draftgen.core.tokens.workers import (
     read_records,
     record_chars,
     slim_record,
+    worker_spec,
     write_report,
 )
 
@@ -129,7 +129,7 @@ class RunReconstructor:
         self._event = on_event or no_event
         # Leave a core to the event loop unless told otherwise.
         self.workers = workers or max(1, cores() - 1)
-        self._spec = WorkerSpec.from_config(config)
+        self._spec = worker_spec(config)
         self._run = rundir or RunDir(config.run_dir)  # the pipeline's (one per run), or its own
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: RespawningPool[_Dataset] = RespawningPool(
@@ -137,6 +137,7 @@ class RunReconstructor:
             max_restarts=lambda: self.MAX_RESTARTS, on_landed=self._landed, on_lost=self._lose,
             on_give_up=self._gave_up, on_event=self._event)
         self._datasets: dict[str, _Dataset] = {}
+        self._total: ValidationReport | None = None  # every dataset's report combined, until the next lands
         self._flush_handle: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._rate = TokenRate()
@@ -170,6 +171,7 @@ class RunReconstructor:
         ds = self._datasets.get(name)
         if ds is None:
             ds = self._datasets[name] = _Dataset.open(self._run, name, SamplePolicy.from_config(self.config))
+            self._total = None
         return ds
 
     # -- intake ---------------------------------------------------------------------------------
@@ -208,14 +210,15 @@ class RunReconstructor:
     # -- what comes back from the workers -------------------------------------------------------
 
     def _landed(self, ds: _Dataset, batch: list[dict[str, Any]], results: Results) -> None:
+        ids, masks, samples, report = results
         try:
-            ds.writer.append_batch(*results)  # the whole batch in one write per file
+            ds.writer.append_encoded(ids, masks, samples)  # the whole batch in one write per file
         except Exception:  # a full disk: nothing of the batch was kept; answer by answer, as far as it goes
             self._land_each(ds, results)
         else:
-            for _, length, meta in results[2]:
-                ds.report.add_meta(meta)
-                self._rate.add(length)
+            ds.report.merge(report)  # counted by the worker: one merge a batch, nothing an answer
+            self._rate.add(len(masks), len(samples))
+        self._total = None
         if ds.behind and self._pool.backlog <= self.workers and not self._closed:
             self._read_back(ds)
 
@@ -318,9 +321,12 @@ class RunReconstructor:
     # -- views ----------------------------------------------------------------------------------------
 
     def report(self, dataset_name: str | None = None) -> ValidationReport:
-        """One dataset's report (every answer in its tokens folder), or all datasets' with None."""
+        """One dataset's report (every answer in its tokens folder), or all datasets' with None (combined
+        again only once another batch has landed: the stage's row and fidelity figures ask 4 times a second)."""
         if dataset_name is None:
-            return ValidationReport.combine(ds.report for ds in self._datasets.values())
+            if self._total is None:
+                self._total = ValidationReport.combine(ds.report for ds in self._datasets.values())
+            return self._total
         if dataset_name not in self._datasets:
             return ValidationReport(dataset_name, policy=SamplePolicy.from_config(self.config))
         return self._datasets[dataset_name].report

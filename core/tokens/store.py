@@ -12,11 +12,11 @@ Sample k is `input_ids.bin[offset : offset + length]` (in tokens, not bytes). Re
 numpy: `np.memmap(dir / "input_ids.bin", dtype="<u4")[offset:offset + length]`.
 
 Crash safety: the two .bin files are written and flushed before the index line; an index line is
-the commit. A batch (`append_batch`: a live run's or `draftgen tokens`' batch of answers) writes all
-its samples' ids, then all their masks, then all their index lines, one write each: a crash commits
-the samples whose index lines are whole. On reopening, a torn last index line is cut off and the
-.bin files are truncated to the end of the last committed sample, so a crash never leaves a sample
-half-visible.
+the commit. A batch (`append_encoded`: a live run's or `draftgen tokens`' batch of answers as a token
+worker sends it back; `append_batch`) writes all its samples' ids, then all their masks, then all
+their index lines, one write each: a crash commits the samples whose index lines are whole. On
+reopening, a torn last index line is cut off and the .bin files are truncated to the end of the last
+committed sample, so a crash never leaves a sample half-visible.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,13 @@ def _read_index(path: Path) -> tuple[list[TokenEntry], int]:
             entries.append(entry)
             good = pos = end
     return entries, good
+
+
+def meta_json(meta: Mapping[str, Any]) -> bytes:
+    """An index line's metadata as the JSON text that follows its "length": `,"key":value...}`, or `}`
+    when empty (the line is `{"id":...,"offset":...,"length":...` then this, as `append` writes it)."""
+    text = orjson.dumps(meta)
+    return b"," + text[1:] if len(text) > 2 else b"}"
 
 
 def _write_all(f: Any, data: bytes) -> None:
@@ -128,13 +135,18 @@ class TokenWriter:
         tokens, metadata)`. The files end as the same `append`s one by one leave them, and as safe: the
         index lines go last, so a crash commits a prefix of the batch; a write that fails leaves the
         folder as it was before the batch (DiskError)."""
+        self.append_encoded(input_ids, loss_mask, [(sid, length, meta_json(meta)) for sid, length, meta in samples])
+
+    def append_encoded(self, input_ids: bytes, loss_mask: bytes, samples: Sequence[tuple[str, int, bytes]]) -> None:
+        """`append_batch` with each sample's metadata already encoded by `meta_json` (as a token worker
+        sends it back): its index line is written without decoding or encoding the metadata again."""
         total = sum(n for _, n, _ in samples)
         if len(input_ids) != 4 * total or len(loss_mask) != total:
             raise ValueError(f"a batch of {total} tokens with {len(input_ids)} bytes of ids and {len(loss_mask)} "
                              f"of mask")
         lines, offset = [], self.tokens
         for sample_id, length, meta in samples:
-            lines.append(orjson.dumps({"id": str(sample_id), "offset": offset, "length": length, **meta}))
+            lines.append(b'{"id":%b,"offset":%d,"length":%d%b' % (orjson.dumps(str(sample_id)), offset, length, meta))
             offset += length
         self._write(input_ids, loss_mask, b"\n".join(lines) + b"\n" if lines else b"")
         self.ids.update(str(sample_id) for sample_id, _, _ in samples)

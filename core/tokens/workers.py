@@ -23,11 +23,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from draftgen.core.config import Config
 from draftgen.core.errors import ConfigError, DraftgenError
@@ -40,7 +41,7 @@ from draftgen.core.tokens.fidelity import ProviderFlag
 from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.reconstruct import DEFAULT_COUNT_TOLERANCE, reconstruct_record, unrenderable
 from draftgen.core.tokens.report import ValidationReport
-from draftgen.core.tokens.store import INDEX_FILE, TokenWriter
+from draftgen.core.tokens.store import INDEX_FILE, TokenWriter, meta_json
 from draftgen.core.tokens.template import ChatTemplate, load_template
 from draftgen.core.tokens.tokenizer import Tokenizer, load_tokenizer
 
@@ -54,10 +55,12 @@ _FIELDS = ("id", "messages", "reasoning", "content", "tool_calls", "finish_reaso
            "prompt_token_ids", "provider", "server", "turn", "tools")
 
 # A batch's outcome as a worker sends it back: every answer's input_ids (little-endian uint32) and
-# loss mask (uint8), concatenated in the batch's order, and each answer's (id, length in tokens, index
-# metadata). Two byte strings cross the pipe, not two arrays an answer, and the main process writes
-# them as they are (TokenWriter.append_batch).
-Results = tuple[bytes, bytes, list[tuple[str, int, dict[str, Any]]]]
+# loss mask (uint8), concatenated in the batch's order; each answer's (id, length in tokens, index
+# metadata already JSON: `meta_json`); and the batch's ValidationReport, its answers counted by the
+# worker. Two byte strings, a byte string an answer and one report cross the pipe, not two arrays and
+# a dict an answer: the main process writes the bytes as they are (TokenWriter.append_encoded) and
+# merges one report a batch, so what it does an answer is an index line's offset and little more.
+Results = tuple[bytes, bytes, list[tuple[str, int, bytes]], ValidationReport]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,6 +76,7 @@ class WorkerSpec:
     count_tolerance: int = DEFAULT_COUNT_TOLERANCE
     default_system: str | None = None
     prompt_specials: bool = False
+    policy: SamplePolicy = field(default_factory=SamplePolicy)  # what a batch's report keeps and drops
 
     @classmethod
     def from_config(cls, config: Config) -> WorkerSpec:
@@ -86,13 +90,18 @@ class WorkerSpec:
                                   prompt_specials=self.prompt_specials)
 
 
-_worker: tuple[Tokenizer, ChatTemplate, int] | None = None
+def worker_spec(config: Config) -> WorkerSpec:
+    """The config's WorkerSpec with its sample policy, which each batch's report is judged by."""
+    return replace(WorkerSpec.from_config(config), policy=SamplePolicy.from_config(config))
+
+
+_worker: tuple[Tokenizer, ChatTemplate, int, SamplePolicy] | None = None
 
 
 def _init_worker(spec: WorkerSpec) -> None:
     global _worker
     tok, template = spec.load()
-    _worker = (tok, template, spec.count_tolerance)
+    _worker = (tok, template, spec.count_tolerance, spec.policy)
 
 
 def _init_pool_worker(spec: WorkerSpec) -> None:
@@ -129,12 +138,13 @@ def ping(_: object = None) -> bool:
 
 
 def reconstruct_batch(records: list[dict[str, Any]]) -> Results:
-    """The records' token ids, loss masks and index metadata, in order (runs in a worker; see Results)."""
+    """The records' token ids, loss masks, index metadata and report, in order (runs in a worker; see Results)."""
     assert _worker is not None, "reconstruct_batch runs in a worker started with _init_worker"
-    tok, template, tolerance = _worker
+    tok, template, tolerance, policy = _worker
     ids: list[bytes] = []
     masks: list[bytes] = []
-    samples: list[tuple[str, int, dict[str, Any]]] = []
+    samples: list[tuple[str, int, bytes]] = []
+    report = ValidationReport("", policy=policy)
     for rec in records:
         try:
             r = reconstruct_record(tok, template, rec, count_tolerance=tolerance)
@@ -142,17 +152,19 @@ def reconstruct_batch(records: list[dict[str, Any]]) -> Results:
             r = unrenderable(f"{type(e).__name__}: {e}")
         ids.append(r.input_ids.astype("<u4", copy=False).tobytes())
         masks.append(r.loss_mask.astype(np.uint8, copy=False).tobytes())
-        samples.append((str(rec.get("id")), int(r.input_ids.shape[0]), r.index_meta()))
-    return b"".join(ids), b"".join(masks), samples
+        samples.append((str(rec.get("id")), int(r.input_ids.shape[0]), meta_json(r.index_meta())))
+        report.add(r)
+    return b"".join(ids), b"".join(masks), samples, report
 
 
 def each_sample(results: Results) -> Iterator[tuple[str, np.ndarray, np.ndarray, dict[str, Any]]]:
     """(id, input_ids, loss_mask, metadata) of each answer of a batch's Results, as views of its buffers."""
-    ids, masks, samples = results
+    ids, masks, samples, _ = results
     all_ids, all_masks = np.frombuffer(ids, "<u4"), np.frombuffer(masks, np.uint8)
     start = 0
     for rid, length, meta in samples:
-        yield rid, all_ids[start:start + length], all_masks[start:start + length], meta
+        yield (rid, all_ids[start:start + length], all_masks[start:start + length],
+               orjson.loads(b"{" + meta[1:]) if meta != b"}" else {})  # meta_json's text as a dict again
         start += length
 
 
@@ -327,8 +339,8 @@ class TokenRate:
         self.answers = 0
         self.tokens = 0
 
-    def add(self, tokens: int) -> None:
-        self.answers += 1
+    def add(self, tokens: int, answers: int = 1) -> None:
+        self.answers += answers
         self.tokens += tokens
 
     def per_s(self) -> tuple[float, float]:
@@ -368,7 +380,7 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: ProgressCal
     check_dataset(config, dataset_name)
     run = RunDir(config.run_dir)
     responses, folder = run.responses(dataset_name), run.tokens(dataset_name)
-    spec = WorkerSpec.from_config(config)
+    spec = worker_spec(config)
     n_workers = workers if workers is not None else (config.engine.workers or cores())
     with LockedWriter(folder) as writer:
         report = index_report(folder, dataset_name, SamplePolicy.from_config(config))
@@ -390,10 +402,10 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: ProgressCal
                 message=f"{dataset_name}: {rate.answers:,}/{total:,} answers reconstructed"))
 
         def land(results: Results) -> None:
-            writer.append_batch(*results)
-            for _, length, meta in results[2]:
-                report.add_meta(meta)
-                rate.add(length)
+            ids, masks, samples, batch_report = results
+            writer.append_encoded(ids, masks, samples)
+            report.merge(batch_report)
+            rate.add(len(masks), len(samples))
             tell()
 
         tell(force=True)
@@ -433,6 +445,6 @@ def reconstruct_dataset(config: Config, dataset_name: str, progress: ProgressCal
 
 def worker_pool(config: Config, workers: int | None = None) -> concurrent.futures.ProcessPoolExecutor:
     """A process pool whose workers each hold the config's tokenizer and template."""
-    spec = WorkerSpec.from_config(config)
+    spec = worker_spec(config)
     spec.load()  # a tokenizer error is raised here, clearly, not as a broken pool
     return new_pool(spec, workers or config.engine.workers or cores())

@@ -135,8 +135,9 @@ def test_a_steps_reservation_is_the_worst_case_of_the_body_sent_its_tools_and_hi
     cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "agent", "n": 1, "turns": "all",
                                                                "max_tokens": 500}])
     prices = {"agent": Prices(5e-7, 2e-6, 0.0, "config")}
-    room = Room(SimpleNamespace(config=cfg, control=None, event=None), None, None, None, {},  # type: ignore[arg-type]
-                SimpleNamespace(costs=SimpleNamespace(settler=None, prices=prices)))  # type: ignore[arg-type]
+    parts = SimpleNamespace(money=None, book=None, datasets={}, opened=SimpleNamespace(
+        costs=SimpleNamespace(settler=None, prices=prices)))
+    room = Room(SimpleNamespace(config=cfg, control=None, event=None), parts, None)  # type: ignore[arg-type]
     conv = parse_conversation(trajectory("c", 2))
     history = [{"role": "user", "content": "c: fix the failing test (tool rounds: 2)"},
                {"role": "assistant", "content": "", "reasoning_details": [{"type": "reasoning.text", "text": "t"}],

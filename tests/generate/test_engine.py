@@ -12,7 +12,7 @@ import pytest
 from draftgen.core.generate.api.classify import ANSWER_KINDS
 from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.engine import Engine
-from draftgen.core.generate.loop.request import backoff_delay
+from draftgen.core.generate.loop.service import backoff_delay
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.events import EventKind
 from draftgen.core.rundir import RunDir
@@ -651,14 +651,14 @@ async def test_a_stop_now_releases_what_each_abandoned_request_held(tmp_path):
 async def test_a_request_that_ends_on_the_engines_own_error_is_said_with_its_cause(tmp_path, monkeypatch):
     """A bug in the request path (here: the attempt raising for one prompt) fails nothing on disk, the
     prompt is not asked again this run, and an error event names the prompt and the cause."""
-    from draftgen.core.generate.loop.request import Requests
-    ask = Requests._ask
+    from draftgen.core.generate.loop.request import Request
+    attempts = Request.attempts
 
-    async def broken(self, ds, body, ticket):  # type: ignore[no-untyped-def]
-        if ticket.prompt_id == "a-3":
+    async def broken(self):  # type: ignore[no-untyped-def]
+        if self.prompt.id == "a-3":
             raise RuntimeError("a bug of the engine's own")
-        return await ask(self, ds, body, ticket)
-    monkeypatch.setattr(Requests, "_ask", broken)
+        return await attempts(self)
+    monkeypatch.setattr(Request, "attempts", broken)
     events: list[tuple[str, str, str]] = []
     async with SimServer(SimConfig(seed=5, latency_scale=0.0), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 6}])

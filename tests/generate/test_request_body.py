@@ -279,8 +279,9 @@ def test_each_prompt_sends_the_configs_exact_body_and_reserves_its_worst_case_af
             {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]}}],
         tables={"api": {"return_token_ids": True, "prompt_price_per_mtok": 0.5, "completion_price_per_mtok": 2.0}})
     prices = {d.name: Prices(5e-7, 2e-6, 0.0, "config") for d in cfg.datasets}
-    room = Room(SimpleNamespace(config=cfg, control=None, event=None), None, None, None, {},  # type: ignore[arg-type]
-                SimpleNamespace(costs=SimpleNamespace(settler=None, prices=prices)))  # type: ignore[arg-type]
+    parts = SimpleNamespace(money=None, book=None, datasets={}, opened=SimpleNamespace(
+        costs=SimpleNamespace(settler=None, prices=prices)))
+    room = Room(SimpleNamespace(config=cfg, control=None, event=None), parts, None)  # type: ignore[arg-type]
 
     def check(message: str) -> dict:
         for d in cfg.datasets:

@@ -399,10 +399,10 @@ def test_prompt_special_tokens_default_follows_the_server_kind(tmp_path: Path) -
     from draftgen.core.config_load import load_config
     from draftgen.core.config_tables import TokenizerConfig
     from draftgen.core.errors import ConfigError
-    assert TokenizerConfig().prompt_specials(self_hosted=True) is True
-    assert TokenizerConfig().prompt_specials(self_hosted=False) is False
-    assert TokenizerConfig(prompt_special_tokens="special").prompt_specials(self_hosted=False) is True
-    assert TokenizerConfig(prompt_special_tokens="text").prompt_specials(self_hosted=True) is False
+    assert TokenizerConfig().prompt_specials(kind_reads_them=True) is True
+    assert TokenizerConfig().prompt_specials(kind_reads_them=False) is False
+    assert TokenizerConfig(prompt_special_tokens="special").prompt_specials(kind_reads_them=False) is True
+    assert TokenizerConfig(prompt_special_tokens="text").prompt_specials(kind_reads_them=True) is False
     path = tmp_path / "c.toml"
     path.write_text('[tokenizer]\nprompt_special_tokens = "token"\n')
     with pytest.raises(ConfigError, match="prompt_special_tokens"):

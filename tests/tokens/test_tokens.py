@@ -249,3 +249,36 @@ def make_report_single(tmp_path: Path) -> Any:
     config = make_config(tmp_path / "single")
     write_responses(config, "A", [response(i) for i in range(3)])
     return reconstruct_dataset(config, "A", workers=1)
+
+
+def test_a_batch_comes_back_with_its_report_and_its_index_lines_encoded(tmp_path: Path) -> None:
+    """A worker's batch (reconstruct_batch) carries its answers' report, judged by the config's sample
+    policy, and their index metadata already JSON: the main process merges one report a batch and writes
+    the lines without decoding them. The report is the one the index lines give, answer by answer, and the
+    files are byte for byte those of the same answers appended one by one."""
+    from draftgen.core.tokens.report import ValidationReport
+    from draftgen.core.tokens.store import TokenWriter
+    from draftgen.core.tokens.workers import _init_worker, each_sample, reconstruct_batch, worker_spec
+    raw: dict[str, Any] = {"tokenizer": {"path": str(bundled_kimi_path()), "template": "kimi-k2.5"},
+                           "output": {"dir": "run"}, "merge": {"exclude_providers": ["Other"]},
+                           "datasets": [{"name": "A", "prompts": "A.jsonl"}]}
+    config = config_from_dict(raw, tmp_path / "draftgen.toml")
+    records = [response(i) for i in range(6)]
+    records[1]["provider"] = "Other"                                     # dropped by the policy
+    records[2]["usage"] = {**records[2]["usage"], "completion_tokens": 3}  # a count that differs
+    records[3]["messages"] = "not a list"                                # nothing to render
+    records[4]["turn"] = 2
+    _init_worker(worker_spec(config))
+    results = reconstruct_batch(records)
+    ids, masks, samples, report = results
+    assert [rid for rid, _, _ in samples] == [f"p{i}" for i in range(6)]
+    by_lines = ValidationReport("", policy=report.policy)
+    with TokenWriter(tmp_path / "batch") as batch, TokenWriter(tmp_path / "one_by_one") as one:
+        batch.append_encoded(ids, masks, samples)
+        for rid, sample_ids, mask, meta in each_sample(results):
+            one.append(rid, sample_ids, mask, meta)
+            by_lines.add_meta(meta)
+    for name in ("input_ids.bin", "loss_mask.bin", "index.jsonl"):
+        assert (tmp_path / "batch" / name).read_bytes() == (tmp_path / "one_by_one" / name).read_bytes(), name
+    assert report.to_dict() == by_lines.to_dict()
+    assert report.checked == 6 and report.dropped.get("provider_excluded") == 1 and report.valid < 6

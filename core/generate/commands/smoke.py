@@ -31,7 +31,8 @@ The smoke requests are paid for like a run's: reserved against `max_usd` at the 
 sent, on spend.jsonl before they leave, booked as they end (billing.py), in the ledger's "(smoke)"
 dataset. An outage answer (429, 5xx, 408, no connection: classify.py) is retried with the run's
 backoff, honouring Retry-After, up to `SMOKE_TRIES` tries within `SMOKE_RETRY_S`; each retry is a
-request of its own on the ledger, with its own reservation.
+request of its own on the ledger, with its own reservation. Each smoke request is a run's `Request`
+(loop/request.py), asked by the same attempts on the smoke test's terms (loop/smoke_request.py).
 
 Here are the checklist's flow (`run_smoke`: `_SmokeTest`'s steps in order) and its requests; the rows
 are built beside it: smoke_local.py (the prompt files), smoke_account.py (key, prices, balance and the
@@ -56,10 +57,10 @@ from draftgen.core.errors import DiskError, DraftgenError, LedgerBusyError
 from draftgen.core.files import write_json_atomic
 from draftgen.core.generate.api.account import AccountStatus
 from draftgen.core.generate.api.answer import ChatAnswer
-from draftgen.core.generate.api.client import ChatClient, RequestFailed
+from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.api.fleet import answers_differ, server_name
 from draftgen.core.generate.api.preflight import ask_release
-from draftgen.core.generate.api.prices import body_worst_case, fetch_prices
+from draftgen.core.generate.api.prices import fetch_prices
 from draftgen.core.generate.commands.precheck import check_tokenizer
 from draftgen.core.generate.commands.smoke_account import (
     SMOKE_RETRY_S,
@@ -69,16 +70,16 @@ from draftgen.core.generate.commands.smoke_account import (
     dataset_figures,
     price_rows,
 )
-from draftgen.core.generate.commands.smoke_account import outage as _outage  # `_try`'s name for it
 from draftgen.core.generate.commands.smoke_answer import Reconstruct, mode_row, shape_rows, turn_two_body, turn_two_rows
 from draftgen.core.generate.commands.smoke_local import count_turns, scan_prompts, special_text_rows
 from draftgen.core.generate.commands.smoke_result import SmokeResult, print_result
 from draftgen.core.generate.commands.smoke_rows import Asked, SmokeRow, smoke_body
 from draftgen.core.generate.commands.stream_check import SAMPLED_SEEDS, SAMPLED_TEMPERATURE, has_text, stream_pair
 from draftgen.core.generate.loop.prompt_files import read_stoppable
-from draftgen.core.generate.loop.request import backoff_delay
+from draftgen.core.generate.loop.prompts import Prompt
+from draftgen.core.generate.loop.request import Outcome, Request
 from draftgen.core.generate.loop.smoke_record import last_smoke
-from draftgen.core.generate.money.billing import believed, book_answer, book_failure, look_up, reserve_one
+from draftgen.core.generate.loop.smoke_request import SmokeLedger, SmokeTerms, SmokeWindow
 from draftgen.core.generate.money.forecast import SmokeFigures, forecast
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger
@@ -220,52 +221,34 @@ class _SmokeTest:
         fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
         if self.local_error or self.ledger_error:
             return fp, body, fail(self.local_error or self.ledger_error), 0.0
-        p = self.prices[ds.name]
-        if p is None and config.budget.max_usd is not None:
+        if self.prices[ds.name] is None and config.budget.max_usd is not None:
             return fp, body, fail("not sent: max_usd is set and no price is known (see the prices row)"), 0.0
-        worst = body_worst_case(p, body, ds.max_tokens) if p else 0.0
-        tries = 0
-        while True:
-            tries += 1
-            outcome, took = await self._try(client, ds, body, p, worst, tries)
-            if not isinstance(outcome, float):  # an answer or its failed row
-                return fp, body, outcome, took
-            await asyncio.sleep(outcome)  # each retry goes on the ledger with its own reservation
+        outcome, took = await self._try(client, ds, body)
+        return fp, body, outcome, took
 
-    async def _try(self, client: ChatClient, ds: DatasetConfig, body: dict[str, Any], p: Any, worst: float,
-                   tries: int) -> tuple[ChatAnswer | SmokeRow | float, float]:
-        """One try: the answer and its seconds, the row that fails the request, or the delay before the
-        next try."""
-        eng = self.config.engine
+    async def _try(self, client: ChatClient, ds: DatasetConfig, body: dict[str, Any]) -> tuple[ChatAnswer | SmokeRow,
+                                                                                                float]:
+        """The request asked as a run's is (request.py `Request.attempts`) on the smoke test's terms
+        (smoke_request.py): the answer and its seconds, or the row that fails the request."""
         spend = self.spend
         assert spend is not None
+        terms = SmokeTerms(self.config, client, SmokeLedger(SMOKE, spend, self.settler, self.prices, self.sent),
+                           SmokeWindow(SMOKE_TRIES, self.deadline, self.rng), ds)
+        req = Request(terms, Prompt(f"smoke:{ds.name}", body.get("messages") or [], 0), body=body)
         fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
-        after = f" (retry {tries - 1} after an outage)" if tries > 1 else ""
-        ticket, why = reserve_one(spend, self.config.budget.max_usd, SMOKE, f"smoke:{ds.name}", worst)
-        if ticket is None:
-            return fail(why + after), 0.0
-        start = time.monotonic()
-        self.sent.append(True)
         try:
-            # details: a stream's reasoning_details kept, so a second turn sends back what a run's would
-            answer = await client.chat(body, functools.partial(spend.generation, ticket), details=True)
-        except RequestFailed as e:
-            bills = self.config.api.server.kind.bills_answers
-            look_up(self.settler, book_failure(spend, ticket, e, p, bills_answers=bills, body=body))
-            delay = backoff_delay(min(tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after, self.rng)
-            if _outage(e) and tries < SMOKE_TRIES and time.monotonic() + delay <= self.deadline:
-                return float(delay), 0.0
-            return fail(f"{e.kind}: {e.message}" + (f" (after {tries} tries)" if tries > 1 else "")), 0.0
-        except Exception as e:  # noqa: BLE001 - any failure is this row's failure
-            look_up(self.settler, spend.abandoned(ticket))
+            outcome = await req.attempts()
+        except Exception as e:  # noqa: BLE001 - any failure is this row's failure (the attempt is booked abandoned)
             return fail(f"{type(e).__name__}: {e}"), 0.0
-        except BaseException:  # cancelled mid-request: the provider may bill it anyway
-            look_up(self.settler, spend.abandoned(ticket))
-            raise
-        took = time.monotonic() - start
-        answer = believed(answer, ticket, p, body)  # a bill not believed: booked as the run's answers are
-        look_up(self.settler, book_answer(spend, ticket, answer, p))
-        return answer, took
+        tries = req.tries
+        if outcome is Outcome.ANSWERED:
+            assert req.answer is not None
+            return req.answer, time.monotonic() - terms.left_at
+        if outcome is Outcome.UNSENT:
+            return fail(req.why + (f" (retry {tries} after an outage)" if tries else "")), 0.0
+        error = req.error
+        assert error is not None
+        return fail(f"{error.kind}: {error.message}" + (f" (after {tries} tries)" if tries > 1 else "")), 0.0
 
     async def ask_shapes(self, client: ChatClient) -> None:
         """The comparison (self-hosted) first, then one request per shape, all at once: a run's shapes

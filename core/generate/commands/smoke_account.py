@@ -11,12 +11,12 @@ from typing import Any
 
 from draftgen.core.config import Config
 from draftgen.core.generate.api.account import AccountStatus, read_account
-from draftgen.core.generate.api.classify import ANSWER_KINDS, Whose
 from draftgen.core.generate.api.client import ChatClient, RequestFailed, get_failure
 from draftgen.core.generate.api.preflight import note_key_answer
 from draftgen.core.generate.api.prices import body_max_tokens, body_worst_case
 from draftgen.core.generate.commands.smoke_rows import SmokeRow, quoted, smoke_body
-from draftgen.core.generate.loop.request import backoff_delay
+from draftgen.core.generate.loop.service import backoff_delay
+from draftgen.core.generate.loop.smoke_request import outage
 from draftgen.core.generate.money.forecast import DatasetFigures, RunForecast
 from draftgen.core.secrets import Redactor
 from draftgen.core.units import usd
@@ -25,12 +25,6 @@ from draftgen.core.units import usd
 # row fails: a momentary rate limit must not end a nohup job before it starts, a real outage must.
 SMOKE_RETRY_S = 120.0
 SMOKE_TRIES = 8
-
-
-def outage(e: RequestFailed) -> bool:
-    """A transient error of the service's (not an answer fault, which says something about the request;
-    an error chunk coded 503 or 429 is the service's, RequestFailed.outage)."""
-    return e.whose is Whose.TRANSIENT and (e.kind not in ANSWER_KINDS or e.outage)
 
 
 class KeyCheck:

@@ -1,7 +1,7 @@
 """Admission: which prompt goes out, and when.
 
 A dataset's requests are run by a pool of request coroutines, as many as its concurrency. Each one
-admits its own next prompt and asks it (request.py), then the next, until the dataset's prompt source
+admits its own next prompt and runs its `Request` (request.py), then the next, until the dataset's prompt source
 (source.py: the prompts handed back first, then the file's next ones not on disk) has none left. One
 coroutine admits at a time (the dataset's admission lock): the prompts go out in the source's order,
 and only one waits for room while the run is paused, the concurrency limit is reached or the budgets
@@ -20,18 +20,14 @@ from typing import TYPE_CHECKING
 
 from draftgen.core.generate.loop.conversations import ConversationSource
 from draftgen.core.generate.loop.prompt_files import ReadingStopped
+from draftgen.core.generate.loop.request import Request, RunTerms
 from draftgen.core.generate.loop.room import Admit, Decision
 from draftgen.core.generate.loop.source import Booked, PromptSource, open_source
 from draftgen.core.live import events as ev
 from draftgen.core.live.snapshot import DatasetStatus
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.loop.context import RunContext
     from draftgen.core.generate.loop.dataset_run import DatasetRun
-    from draftgen.core.generate.loop.record_book import RecordBook
-    from draftgen.core.generate.loop.request import Request, Requests
-    from draftgen.core.generate.loop.room import Room
-    from draftgen.core.generate.money.budget import MoneyBudget
 
 
 
@@ -51,16 +47,18 @@ class _Admitting:
 
 
 class Admission:
-    """Admits the prompts of every dataset: each dataset's loop pulls its source and offers each prompt
-    to its request (request.py) until nothing is left or a budget, drain or stop ends it."""
+    """Admits the prompts of every dataset: each dataset's loop pulls its source, makes each prompt's
+    `Request` (request.py), admits it and runs it, until nothing is left or a budget, drain or stop
+    ends it."""
 
-    def __init__(self, ctx: RunContext, datasets: dict[str, DatasetRun], money: MoneyBudget, room: Room,
-                 book: RecordBook, requests: Requests) -> None:
-        self._datasets = datasets
-        self._money = money
-        self._room = room
-        self._book = book
-        self._requests = requests
+    def __init__(self, terms: RunTerms) -> None:
+        ctx, parts = terms.ctx, terms.parts
+        self._terms = terms  # each prompt's `Request` is made on the run's terms
+        self._datasets = parts.datasets
+        self._money = parts.money
+        self._room = terms.room
+        self._book = parts.book
+        self._duplicates = parts.opened.duplicates
         self._control = ctx.control
         self._event = ctx.event
         self._server = ctx.config.api.server  # a conversation's history is sent as its kind's API documents it
@@ -98,7 +96,7 @@ class Admission:
                 req = await self._admit_next(admitting)
             if req is None:
                 return
-            await self._requests.ask(req)
+            await req.run()
 
     async def _admit_next(self, admitting: _Admitting) -> Request | None:
         """The next prompt admitted (its request, to ask), the ones skipped before it booked as such; None
@@ -114,8 +112,9 @@ class Admission:
                 ds.skipped_some()
                 source.booked(prompt, Booked.skipped(admitting.budget_reason))
                 continue
-            decision, req = await self._requests.offer(ds, prompt, source)
-            if req is not None:
+            req = Request(self._terms, prompt, ds, source)
+            decision = await req.admit()
+            if decision.verdict is Admit.GO:
                 return req
             if decision.verdict is Admit.HALT:
                 admitting.over = True
@@ -173,7 +172,7 @@ class Admission:
                    "above what max_usd leaves (they stay eligible for a later run)")
         else:
             ds.end(DatasetStatus.DONE)
-        duplicates = self._requests.duplicates.skipped.get(name, 0) if self._requests.duplicates is not None else 0
+        duplicates = self._duplicates.skipped.get(name, 0) if self._duplicates is not None else 0
         costly = self._room.money_skipped.get(name, 0)
         cost = self._money.spend.by_dataset.get(name, ds.cost)  # the ledger's, as in the panel
         self._event(ev.DatasetDone(status=str(ds.status), answered=ds.done, total=ds.total, failed=ds.failed,

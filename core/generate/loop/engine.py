@@ -7,12 +7,16 @@ is done by its parts, each in its own module:
                    (exit code, ended line, held outcome; changed only there)
     dataset_run.py a dataset's counts (answered + failed + skipped + left = total, asserted) and its files
     context.py     RunContext: the config, the gate, the event sink, clock and redactor every part reads
-    run_loop.py    the account watch, the room, the requests and admission, built once the run has opened
+    parts.py       RunParts: the datasets, the money budget and ledger, the record book and what the run
+                   opened (the client, the costs, the duplicates), handed down as one bundle
+    run_loop.py    the account watch, the room, the service, the requests' terms and admission, built
+                   once the run has opened
     admission.py   which prompt goes out when: each dataset's loop over its prompt source (source.py:
                    the file's prompts and those handed back), adaptive concurrency
-    request.py     one request from its admission to its record, in one place: room for it (room.py:
-                   slots, budgets), its reservation, attempts and retries (backoff, outages), its
-                   outcome booked, recorded and told to its source
+    request.py     one request (`Request`) from its admission to its record, in one place: room for it
+                   (room.py: slots, budgets), its reservation, attempts and retries (backoff, outages),
+                   its outcome booked, recorded and told to its source; service.py: what the service
+                   did for all of them (answers, faults, outages)
     duplicates.py  a prompt another dataset of the run directory answered is not sent again
     doubts.py      prompts set aside by a 4xx naming no known cause, until it is known whose it is
     record_book.py resume from disk, the record writer, the disk-full hold-back (spool_import.py:
@@ -60,6 +64,7 @@ from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.opening import Opened, open_costs, open_datasets, write_run_json
+from draftgen.core.generate.loop.parts import RunParts
 from draftgen.core.generate.loop.projection import ALONE, Beside, EngineNow, Projector
 from draftgen.core.generate.loop.record_book import RecordBook
 from draftgen.core.generate.loop.run_loop import RunLoop
@@ -122,12 +127,12 @@ class Engine:
 
     @property
     def retries(self) -> int:
-        return self._loop.requests.retries if self._loop is not None else 0
+        return self._loop.service.retries if self._loop is not None else 0
 
     @property
     def backing_off(self) -> int:
         """Requests waiting out a transient error before their retry, now."""
-        return self._loop.requests.backing_off if self._loop is not None else 0
+        return self._loop.service.backing_off if self._loop is not None else 0
 
     @property
     def prices(self) -> dict[str, Prices | None]:
@@ -210,7 +215,7 @@ class Engine:
         if not self.control.stop():
             return
         self._wake_all()
-        tasks = tuple(self._loop.requests.tasks) if self._loop is not None else ()
+        tasks = tuple(self._loop.service.tasks) if self._loop is not None else ()
         for task in tasks:
             task.cancel()
         self._event(ev.Stopping(abandoned=len(tasks)))
@@ -252,8 +257,8 @@ class Engine:
             self.book.finish_import()
             costs.settler.start_unknown()  # after the records on disk priced what they can
             self._opened = Opened(client, costs, duplicates)
-            self._loop = RunLoop(self._ctx, self._opened, datasets=self.datasets, money=self.money, spend=self.spend,
-                                 book=self.book, rng=self._rng, drain=self.drain, resume=self._set_running)
+            parts = RunParts(self.datasets, self.money, self.spend, self.book, self._opened)  # handed down whole
+            self._loop = RunLoop(self._ctx, parts, rng=self._rng, drain=self.drain, resume=self._set_running)
             tune_gc(need)  # again: what the opening built (the prompts kept, the ids on disk) frozen out too
             await self._loop.run()
             await self._wait_for_disk()
@@ -350,7 +355,7 @@ class Engine:
             return ""
         if self._loop is None:
             return ""
-        return self._loop.requests.stalled(self.in_flight) or self._loop.room.unknown_wait()
+        return self._loop.service.stalled(self.in_flight) or self._loop.room.unknown_wait()
 
     # -- the picture ----------------------------------------------------------------------------
 

@@ -21,8 +21,8 @@ from draftgen.core.config_tables import DatasetConfig, cycle_index
 from draftgen.core.generate.api.prices import body_prompt_bound, prompt_token_bound
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.prompts import Prompt
-from draftgen.core.generate.money.budget import Block, BlockReason, MoneyBudget
-from draftgen.core.generate.money.spend import SpendLedger, Ticket
+from draftgen.core.generate.money.budget import Block, BlockReason
+from draftgen.core.generate.money.spend import Ticket
 from draftgen.core.generate.money.trust import FIRST_WAVE, PriceTrust
 from draftgen.core.live import events as ev
 from draftgen.core.live.events import Level
@@ -31,9 +31,9 @@ from draftgen.core.units import usd
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.dataset_run import DatasetRun
-    from draftgen.core.generate.loop.opening import Opened
-    from draftgen.core.generate.loop.record_book import RecordBook
+    from draftgen.core.generate.loop.parts import RunParts
     from draftgen.core.generate.loop.watch import AccountWatch
+
 
 class Admit(Enum):
     GO = "go"            # admit now
@@ -80,12 +80,12 @@ def _cycle_place(config: DatasetConfig, index: int) -> tuple[int, int]:
     return (index % len(temps) if temps else 0, index % len(efforts) if efforts else 0)
 
 
-def price_trust(ctx: RunContext, opened: Opened, spend: SpendLedger, datasets: dict[str, DatasetRun]) -> PriceTrust:
+def price_trust(ctx: RunContext, parts: RunParts) -> PriceTrust:
     """The run's price trust (trust.py): under max_usd with the listing's prices, a first wave for each
     dataset whose concurrency is above it and whose request shape no bill in this directory has checked
     (the ledger's "prices" lines), said once; raises said once per dataset; generation records' bills
     checked too (the settler's `on_bill`)."""
-    config = ctx.config
+    config, opened, spend, datasets = ctx.config, parts.opened, parts.spend, parts.datasets
     api = config.api
     listed = config.budget.max_usd is not None and api.prompt_price_per_mtok is None \
         and api.completion_price_per_mtok is None
@@ -108,13 +108,14 @@ def price_trust(ctx: RunContext, opened: Opened, spend: SpendLedger, datasets: d
 class Room:
     """Whether one more request (or retry) of a dataset may go out now, and what max_usd left unasked."""
 
-    def __init__(self, ctx: RunContext, money: MoneyBudget, book: RecordBook, watch: AccountWatch,
-                 datasets: dict[str, DatasetRun], opened: Opened, *, trust: PriceTrust | None = None) -> None:
-        self._money = money
+    def __init__(self, ctx: RunContext, parts: RunParts, watch: AccountWatch, *,
+                 trust: PriceTrust | None = None) -> None:
+        opened = parts.opened
+        self._money = parts.money
         self._control = ctx.control
-        self._book = book
+        self._book = parts.book
         self._watch = watch  # the balance reached credit_floor_usd: the watch holds the run
-        self._datasets = datasets
+        self._datasets = parts.datasets
         self._event = ctx.event
         self._settler = opened.costs.settler  # abandoned attempts being priced: settling them may free room
         self._body = ctx.config.request_body  # the exact request body: the reservation is its worst case

@@ -1,10 +1,11 @@
 """The run loop's parts, built once the run has opened what they need.
 
 `Engine.run` opens the client, the money (prices, the settler, the last smoke answer) and the
-datasets (what is on disk, the cross-dataset duplicates); only then is a `RunLoop` built, whole: the
-account watch, the room (room.py), the requests (request.py: each request from its admission to its
-record) and admission get the client, prices, settler and duplicates in their constructors, so none
-of them is half-built while the run goes.
+datasets (what is on disk, the cross-dataset duplicates) and bundles them with the datasets, the money
+budget, the spend ledger and the record book (parts.py `RunParts`); only then is a `RunLoop` built,
+whole: the account watch, the room (room.py), the service and the requests' terms (service.py,
+request.py: each request from its admission to its record) and admission are built from the run's
+context and its parts, so none of them is half-built while the run goes.
 """
 
 from __future__ import annotations
@@ -16,39 +17,32 @@ from collections.abc import Callable
 from draftgen.core.generate.api.account import AccountStop
 from draftgen.core.generate.loop.admission import Admission
 from draftgen.core.generate.loop.context import RunContext
-from draftgen.core.generate.loop.dataset_run import DatasetRun
-from draftgen.core.generate.loop.opening import Opened
-from draftgen.core.generate.loop.record_book import RecordBook
-from draftgen.core.generate.loop.request import Requests
+from draftgen.core.generate.loop.parts import RunParts
+from draftgen.core.generate.loop.request import RunTerms
 from draftgen.core.generate.loop.room import Room, price_trust
+from draftgen.core.generate.loop.service import Service
 from draftgen.core.generate.loop.watch import AccountWatch
-from draftgen.core.generate.money.budget import MoneyBudget
-from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import events as ev
 
 
 class RunLoop:
-    """The account watch, the room, the requests and admission of one run."""
+    """The account watch, the room, the service, the requests' terms and admission of one run."""
 
-    def __init__(self, ctx: RunContext, opened: Opened, *, datasets: dict[str, DatasetRun], money: MoneyBudget,
-                 spend: SpendLedger, book: RecordBook, rng: random.Random, drain: Callable[[], None],
+    def __init__(self, ctx: RunContext, parts: RunParts, *, rng: random.Random, drain: Callable[[], None],
                  resume: Callable[[], None]) -> None:
         self._ctx = ctx
-        self._datasets = datasets
-        self._book = book
+        self._datasets = parts.datasets
+        self._book = parts.book
         self._drain = drain    # the engine's drain (a refused key)
         self._resume = resume  # the engine's resume (an account condition cleared)
-        self.watch = AccountWatch(ctx, money, spend, datasets, opened.client, on_key_refused=self._key_refused,
-                                  on_cleared=self._account_cleared)
-        self.room = Room(ctx, money, book, self.watch, datasets, opened,
-                         trust=price_trust(ctx, opened, spend, datasets))
-        self.requests = Requests(ctx, opened, room=self.room, book=book, watch=self.watch, spend=spend,
-                                 datasets=datasets, rng=rng)
-        self.admission = Admission(ctx, datasets, money, self.room, book, self.requests)
+        self.watch = AccountWatch(ctx, parts, on_key_refused=self._key_refused, on_cleared=self._account_cleared)
+        self.room = Room(ctx, parts, self.watch, trust=price_trust(ctx, parts))
+        self.service = Service(ctx, parts.opened.client, rng)
+        self.admission = Admission(RunTerms(ctx, parts, self.room, self.watch, self.service))
 
     async def run(self) -> None:
         """Every dataset admitted until it has nothing left (or a budget, drain or stop ends it)."""
-        await self.requests.server_ids()
+        await self.service.server_ids()
         beside = [asyncio.create_task(self.admission.grow_limits()), asyncio.create_task(self.watch.watch())]
         try:
             datasets = self._datasets.values()

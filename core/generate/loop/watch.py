@@ -18,32 +18,28 @@ from typing import TYPE_CHECKING
 
 from draftgen.core.generate.api.account import AccountStatus, AccountStop, read_account
 from draftgen.core.generate.api.classify import AccountCondition, RequestFailed
-from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.run_state import Hold
-from draftgen.core.generate.money.budget import MoneyBudget
-from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import events as ev
 from draftgen.core.live.events import Level
 
 if TYPE_CHECKING:
-    from draftgen.core.generate.loop.dataset_run import DatasetRun
+    from draftgen.core.generate.loop.parts import RunParts
 
 
 class AccountWatch:
-    def __init__(self, ctx: RunContext, money: MoneyBudget, spend: SpendLedger, datasets: dict[str, DatasetRun],
-                 client: ChatClient, *, on_key_refused: Callable[[AccountStop], None],
+    def __init__(self, ctx: RunContext, parts: RunParts, *, on_key_refused: Callable[[AccountStop], None],
                  on_cleared: Callable[[], None]) -> None:
         self._config = ctx.config
-        self._money = money
-        self._spend = spend
-        self._datasets = datasets
+        self._money = parts.money
+        self._spend = parts.spend
+        self._datasets = parts.datasets
         self._run = ctx.control
         self._redact = ctx.redact
         self._event = ctx.event
         self._on_key_refused = on_key_refused  # the engine drains the run
         self._on_cleared = on_cleared          # the engine resumes the run (once the disk holds nothing)
-        self.client = client
+        self.client = parts.opened.client
         self.status: AccountStatus | None = None     # the last read of GET /key and GET /credits
         self._recheck: asyncio.Task[None] | None = None
         self._next_worst = 0.0  # the worst case of the last request asked room for (room.py)

@@ -1,0 +1,56 @@
+"""A request is one object (issue 51): a run's and a smoke test's requests are the same `Request`, asked
+by the same `Request.attempts`, and the objects on the request path take at most 5 constructor
+parameters (the run's parts handed down as one bundle)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from draftgen.core.generate.commands.smoke import SMOKE, run_smoke
+from draftgen.core.generate.loop.admission import Admission
+from draftgen.core.generate.loop.engine import Engine
+from draftgen.core.generate.loop.record_book import RecordBook
+from draftgen.core.generate.loop.request import Outcome, Request, RunTerms
+from draftgen.core.generate.loop.room import Room
+from draftgen.core.generate.loop.run_loop import RunLoop
+from draftgen.core.generate.loop.service import Service
+from draftgen.core.generate.loop.smoke_request import SmokeTerms
+from draftgen.core.generate.loop.watch import AccountWatch
+from draftgen.core.generate.money.spend import SpendLedger
+from draftgen.core.rundir import RunDir
+from draftgen.core.tokens.tokenizer import bundled_kimi_path
+from draftgen.simulator import SimConfig, SimServer
+from tests.helpers import TEST_KEY, make_config
+
+
+@pytest.mark.parametrize("cls", [Admission, RunTerms, Room, RecordBook, AccountWatch, Request, Service, RunLoop,
+                                 SmokeTerms])
+def test_constructors_on_the_request_path_take_at_most_five_parameters(cls: type) -> None:
+    params = [p for p in inspect.signature(cls).parameters.values()]
+    assert len(params) <= 5, f"{cls.__name__}({', '.join(p.name for p in params)})"
+
+
+async def test_a_smoke_test_and_a_run_ask_through_the_same_request(tmp_path, monkeypatch):
+    """The smoke test's requests and the run's are `Request`s asked by `Request.attempts`, on their own terms;
+    the smoke's answers are on the ledger as the run's are (at what the simulator billed)."""
+    asked: list[tuple[str, str, Outcome]] = []
+    attempts = Request.attempts
+
+    async def counted(self: Request) -> Outcome:
+        outcome = await attempts(self)
+        asked.append((type(self.terms).__name__, self.prompt.id, outcome))
+        return outcome
+    monkeypatch.setattr(Request, "attempts", counted)
+    async with SimServer(SimConfig(seed=3, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3, "max_tokens": 400}],
+                          tables={"budget": {"max_usd": 5.0}, "tokenizer": {"path": str(bundled_kimi_path())}})
+        result = await run_smoke(cfg, TEST_KEY)
+        assert result.passed, result.summary()
+        smoke_billed = sim.stats.billed_usd
+        await Engine(cfg, TEST_KEY, seed=1).run()
+    assert asked[0] == ("SmokeTerms", "smoke:a", Outcome.ANSWERED)
+    assert sorted(asked[1:]) == [("RunTerms", f"a-{i}", Outcome.ANSWERED) for i in range(3)]
+    spend = SpendLedger.read(RunDir(cfg.run_dir).spend)
+    assert spend.by_dataset[SMOKE] == pytest.approx(smoke_billed, abs=1e-9) and smoke_billed > 0
