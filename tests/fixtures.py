@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.events import PAYLOADS, Event, EventKind
+from draftgen.core.live.events import Event, EventKind
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.payloads import PAYLOADS
 from draftgen.core.live.snapshot import (
     Credits,
     DatasetSnapshot,
@@ -368,7 +369,7 @@ def event(ts: float, level: str, kind: str, message: str, dataset: str = "") -> 
         cls = PAYLOADS[EventKind(kind)]
         data |= {f.name: _ZERO[str(f.type)] for f in dataclasses.fields(cls) if str(f.type) in _ZERO
                  and f.name not in data and f.default is dataclasses.MISSING}
-    return Event.from_dict({"ts": ts, "level": level, "kind": kind, "message": message, "dataset": dataset,
+    return snap.event_from_dict({"ts": ts, "level": level, "kind": kind, "message": message, "dataset": dataset,
                             "data": data})
 
 

@@ -192,7 +192,8 @@ async def test_a_failed_smoke_gate_gives_a_command_not_a_key(tmp_path: Path) -> 
 
 
 async def test_a_warning_repeated_during_an_outage_is_said_once_with_a_count(tmp_path: Path) -> None:
-    from draftgen.core.live.events import CreditsRead, Level, Unreachable
+    from draftgen.core.live.events import Level
+    from draftgen.core.live.payloads import CreditsRead, Unreachable
     from draftgen.core.run.pipeline import Pipeline
     cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "a", "n": 2}])
     pipeline = Pipeline(cfg, TEST_KEY, serve_attach=False)
@@ -316,7 +317,8 @@ async def test_the_attach_header_keeps_the_run_name_at_80x24(runs: int) -> None:
 
 async def test_a_dataset_done_line_shows_the_ledger_cost_in_the_one_money_format(tmp_path: Path) -> None:
     from draftgen.core.generate.loop.engine import Engine
-    from draftgen.core.live.events import DatasetDone, EventKind, Payload
+    from draftgen.core.live.events import EventKind, Payload
+    from draftgen.core.live.payloads import DatasetDone
     from draftgen.core.units import usd
     async with SimServer(SimConfig(seed=1, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3, "max_tokens": 200}],

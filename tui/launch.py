@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TextIO
 
 from draftgen.core.config import Config
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live.control import Action
 from draftgen.core.live.summary import EXIT_ERROR, signal_line, summary_lines
 from draftgen.core.quoting import sh_path

@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.live.events import Event, ExtractDone, Level
+from draftgen.core.live.events import Event, Level
+from draftgen.core.live.payloads import ExtractDone
 from draftgen.core.live.snapshot import RunSnapshot, RunState, StageProgress, StageState
 from draftgen.core.safe_text import visible
 

@@ -37,8 +37,9 @@ from typing import Any
 import orjson
 
 from draftgen.core.errors import DraftgenError
-from draftgen.core.live.events import Attach, Event
+from draftgen.core.live.events import Event
 from draftgen.core.live.hub import Hub, Subscription
+from draftgen.core.live.payloads import Attach
 from draftgen.core.rundir import RunDir
 from draftgen.core.safe_text import visible
 

@@ -18,8 +18,9 @@ import orjson
 
 from draftgen.core.live.attach import DENIED, MAX_LINE, AttachError, run_directory, short_path
 from draftgen.core.live.control import Action
-from draftgen.core.live.events import Attach, Event, Level
+from draftgen.core.live.events import Event, Level
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.payloads import Attach
 from draftgen.core.live.snapshot import RunSnapshot, RunState, event_from_dict, snapshot_from_dict
 from draftgen.core.rundir import RunDir
 from draftgen.core.safe_text import visible

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError, ExitCode
 from draftgen.core.generate.loop.engine import Engine
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.events import EventSink, Level
 from draftgen.core.quoting import sh_path

@@ -16,9 +16,10 @@ from draftgen.core.files import RunLock, exclusive
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.projection import Beside
 from draftgen.core.generate.loop.run_state import PausedBy
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.control import Action
+from draftgen.core.live.events import Payload
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import QuitEffects, quit_effects
 from draftgen.core.live.timeline import TimelineRecorder, Totals
@@ -162,7 +163,7 @@ class Pipeline:
 
     # -- events and snapshots -------------------------------------------------------------------
 
-    def emit(self, payload: ev.Payload, /) -> None:
+    def emit(self, payload: Payload, /) -> None:
         self.events.emit(payload)
 
     def _flush_repeats(self) -> None:

@@ -15,9 +15,9 @@ from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.run_state import PausedBy
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.events import Level
+from draftgen.core.live.events import EventKind, EventSink, Level, Said
 from draftgen.core.quoting import sh_path
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.rundir import RunDir
@@ -26,7 +26,7 @@ from draftgen.core.secrets import Redactor
 
 class Stages:
     def __init__(self, config: Config, api_key: str, engine: Engine, rows: StageRows, *, rundir: RunDir,
-                 redact: Redactor, emit: ev.EventSink) -> None:
+                 redact: Redactor, emit: EventSink) -> None:
         self._config = config
         self._api_key = api_key
         self._rundir = rundir
@@ -52,8 +52,8 @@ class Stages:
                 pass  # already reported as an event and in the stage panel
             except Exception as e:  # a stage crash must not take the run down
                 self._rows.fail(name, f"{type(e).__name__}: {e}")
-                said = ev.PAYLOADS[ev.EventKind(f"{name}_done")]  # SmokeDone, MergeDone, ExtractDone: prose
-                assert issubclass(said, ev.Said)
+                said = ev.PAYLOADS[EventKind(f"{name}_done")]  # SmokeDone, MergeDone, ExtractDone: prose
+                assert issubclass(said, Said)
                 self._emit(said(line=f"{name} crashed: {type(e).__name__}: {e}", at=Level.ERROR))
         self._tasks[name] = asyncio.create_task(guarded())
 

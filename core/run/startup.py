@@ -18,7 +18,7 @@ from draftgen.core.config import Config
 from draftgen.core.errors import UnreachableError
 from draftgen.core.generate.commands.smoke_account import SMOKE_RETRY_S
 from draftgen.core.generate.money.spend import SpendLedger
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventSink, Level
 from draftgen.core.run.stages import Stages
 from draftgen.core.rundir import RunDir

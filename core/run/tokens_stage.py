@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.events import EventSink, Level
 from draftgen.core.quoting import sh_path

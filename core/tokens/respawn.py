@@ -19,7 +19,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Generic, TypeVar
 
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventSink
 from draftgen.core.tokens.workers import Results, WorkerSpec, new_pool, ping, reconstruct_batch
 

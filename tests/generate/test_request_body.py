@@ -12,7 +12,8 @@ from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.api.prices import body_worst_case, fetch_prices
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.money.spend import SpendLedger
-from draftgen.core.live.events import EventKind, OverReservation, Payload, ProviderPastCap
+from draftgen.core.live.events import EventKind, Payload
+from draftgen.core.live.payloads import OverReservation, ProviderPastCap
 from draftgen.core.rundir import RunDir
 from draftgen.core.server_kinds import OpenAICompatible
 from draftgen.simulator import SimConfig, SimServer

@@ -18,8 +18,9 @@ import pytest
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.attach import AttachError, AttachServer
 from draftgen.core.live.attach_viewer import ENDED, LIVE, WAITING, AttachClient, AttachControls, AttachState
-from draftgen.core.live.events import PAYLOADS, Event, EventKind, Level, Other, Payload
+from draftgen.core.live.events import Event, EventKind, Level, Other, Payload
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.payloads import PAYLOADS
 from draftgen.core.live.snapshot import event_from_dict, snapshot_from_dict
 from draftgen.core.rundir import RunDir
 from tests import fixtures as fx

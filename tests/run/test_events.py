@@ -7,8 +7,9 @@ from pathlib import Path
 
 import orjson
 
-from draftgen.core.live.events import Event, Level, ProviderPastCap
+from draftgen.core.live.events import Event, Level
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.payloads import ProviderPastCap
 from draftgen.core.live.snapshot import event_from_dict
 from draftgen.core.run.events import EventPublisher
 from draftgen.core.rundir import EventLog

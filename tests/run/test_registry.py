@@ -12,7 +12,8 @@ from typing import Any
 
 from draftgen.cli.main import build_parser
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.events import Level, RunDone
+from draftgen.core.live.events import Level
+from draftgen.core.live.payloads import RunDone
 from draftgen.core.run import registry
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.run.stage import RunStage, StageHost, When

@@ -21,8 +21,9 @@ import pytest
 from draftgen.cli.main import EXIT_CODES
 from draftgen.core.errors import DraftgenError, ExitCode, KeyRefusedError
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.events import Budget, CreditsRead, Event, EventKind, Level, Other
+from draftgen.core.live.events import Event, EventKind, Level, Other
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.payloads import Budget, CreditsRead
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer

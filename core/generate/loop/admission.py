@@ -23,7 +23,7 @@ from draftgen.core.generate.loop.prompt_files import ReadingStopped
 from draftgen.core.generate.loop.request import Request, RunTerms
 from draftgen.core.generate.loop.room import Admit, Decision
 from draftgen.core.generate.loop.source import Booked, PromptSource, open_source
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live.snapshot import DatasetStatus
 
 if TYPE_CHECKING:

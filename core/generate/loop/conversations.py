@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from draftgen.core.generate.loop.prompt_files import ReadingStopped, read_conversations
 from draftgen.core.generate.loop.prompts import Conversation, Prompt, Rejection, turn_id
 from draftgen.core.generate.loop.source import Booked, BookedAs
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventSink, Level
 from draftgen.core.records import TurnFields, arguments_text, broken_answer, own_calls, same_calls
 from draftgen.core.rundir import iter_jsonl

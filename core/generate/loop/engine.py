@@ -73,7 +73,7 @@ from draftgen.core.generate.loop.stats import Tally
 from draftgen.core.generate.money.budget import MoneyBudget, TokenBudget
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.events import EventSink, Level, no_event
 from draftgen.core.live.recent import ProviderStats, RecentErrors

@@ -40,7 +40,7 @@ from draftgen.core.generate.loop.smoke_record import apply_smoke_stream, load_sm
 from draftgen.core.generate.money.forecast import SmokeFigures
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventSink, Level, no_event
 from draftgen.core.records import cost_of, count_of
 from draftgen.core.rundir import RunDir, iter_jsonl

@@ -79,7 +79,7 @@ from draftgen.core.generate.money.billing import (
 )
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventKind
 from draftgen.core.records import ErrorKind
 

@@ -24,7 +24,7 @@ from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.money.budget import Block, BlockReason
 from draftgen.core.generate.money.spend import Ticket
 from draftgen.core.generate.money.trust import FIRST_WAVE, PriceTrust
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import Level
 from draftgen.core.request_keys import body_answers, body_max_tokens
 from draftgen.core.units import usd

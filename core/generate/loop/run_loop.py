@@ -22,7 +22,7 @@ from draftgen.core.generate.loop.request import RunTerms
 from draftgen.core.generate.loop.room import Room, price_trust
 from draftgen.core.generate.loop.service import Service
 from draftgen.core.generate.loop.watch import AccountWatch
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 
 
 class RunLoop:

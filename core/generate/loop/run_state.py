@@ -28,7 +28,7 @@ from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
 from draftgen.core.errors import ExitCode
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventSink
 from draftgen.core.live.snapshot import RunState, StageState, weighed
 from draftgen.core.live.summary import INCOMPLETE

@@ -19,8 +19,8 @@ from draftgen.core.generate.api.client import ChatClient, RequestFailed
 from draftgen.core.generate.api.preflight import detect_server
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.money.spend import Ticket
-from draftgen.core.live import events as ev
-from draftgen.core.live.events import EventKind, Level
+from draftgen.core.live import payloads as ev
+from draftgen.core.live.events import EventKind, Level, Payload
 from draftgen.core.records import ErrorKind
 from draftgen.core.servers import ids_plan, missing_ids_message
 
@@ -109,7 +109,7 @@ class Service:
 
     # -- said once, or sparingly ---------------------------------------------------------------------
 
-    def say(self, kind: EventKind, provider: str, payload: Callable[[str, int], ev.Payload]) -> None:
+    def say(self, kind: EventKind, provider: str, payload: Callable[[str, int], Payload]) -> None:
         """A provider's billing past what was asked: said the 1st, 10th, 100th... time per provider, as the
         payload `payload` makes of the provider's (redacted) name and the times so far."""
         ctx = self._ctx

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.spool import Spool, find_spools
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventSink, Level
 from draftgen.core.rundir import RunDir, iter_jsonl
 

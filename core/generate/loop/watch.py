@@ -20,7 +20,7 @@ from draftgen.core.generate.api.account import AccountStatus, AccountStop, read_
 from draftgen.core.generate.api.classify import AccountCondition, RequestFailed
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.run_state import Hold
-from draftgen.core.live import events as ev
+from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import Level
 
 if TYPE_CHECKING:
