@@ -161,7 +161,7 @@ class Config:
         With `[api] return_token_ids`, the keys that ask the server found at run start for its ids in
         this mode (core/servers.py; `server_ids` False: the plain `return_token_ids` switch). The tables'
         keys are the user's, any of those core/request_keys.py lets through: built as a plain dict, the
-        body is a `ChatBody` from here on (core/bodies.py), the one cast on the request path."""
+        body is a `ChatBody` from here on (core/bodies.py): the one cast that makes a body."""
         body: dict[str, Any] = {"model": self.api.model, "messages": messages, "max_tokens": dataset.max_tokens}
         body.update(self.request)
         body.update(dataset.request)

@@ -25,9 +25,9 @@ mode, the row fails with the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from draftgen.core.bodies import ChatBody
+from draftgen.core.bodies import ChatBody, any_keys
 
 # SGLang 0.5.17+ answers 400 to `return_token_ids` in a streamed request.
 STREAM_REFUSED_KEYS = ("return_token_ids",)
@@ -39,11 +39,17 @@ PARTS = ("reasoning", "content")
 def stream_pair(body: ChatBody, *, temperature: float = 0, seed: int = 0) -> tuple[ChatBody, ChatBody]:
     """`body` streamed and not, with the same `temperature` and `seed` (greedy by default), so a server
     answers both with the same ids; the streamed copy without the keys streaming refuses."""
-    base = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    base.update(temperature=temperature, seed=seed)
-    streamed = {k: v for k, v in base.items() if k not in STREAM_REFUSED_KEYS}
-    return (cast(ChatBody, {**streamed, "stream": True, "stream_options": {"include_usage": True}}),
-            cast(ChatBody, base))
+    base = body.copy()
+    base.pop("stream", None)
+    base.pop("stream_options", None)
+    base["temperature"] = temperature
+    base["seed"] = seed
+    streamed = base.copy()
+    for key in STREAM_REFUSED_KEYS:
+        any_keys(streamed).pop(key, None)
+    streamed["stream"] = True
+    streamed["stream_options"] = {"include_usage": True}
+    return streamed, base
 
 
 def _parts(a: Any) -> dict[str, str]:
