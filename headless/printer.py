@@ -23,8 +23,9 @@ from typing import TextIO
 from draftgen.core.config import Config
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.control import Action
-from draftgen.core.live.events import EventKind, Level
+from draftgen.core.live.events import Level, Payload
 from draftgen.core.live.hub import Subscription
+from draftgen.core.live.payloads import Budget, DatasetDone, DatasetStart, Metrics, Smoke
 from draftgen.core.live.summary import prompts_left, signal_line, summary_lines
 from draftgen.core.quoting import sh_path
 from draftgen.core.records import error_count
@@ -281,8 +282,7 @@ class _Signals:
 
 # The info events the printer shows (every warning and error is shown).
 # Every stage's outcome is one (core/run/registry.py `milestones`).
-MILESTONES = frozenset({EventKind.SMOKE, EventKind.DATASET_START, EventKind.DATASET_DONE,
-                        EventKind.BUDGET, EventKind.METRICS}) | registry.milestones()
+MILESTONES: tuple[type[Payload], ...] = (Smoke, DatasetStart, DatasetDone, Budget, Metrics, *registry.milestones())
 
 
 async def _print_updates(sub: Subscription, say: Callable[[str], None], interval_s: float) -> None:
@@ -296,7 +296,7 @@ async def _print_updates(sub: Subscription, say: Callable[[str], None], interval
         item = await sub.get()
         if item[0] == "event":
             ev = item[1]
-            if ev.level != Level.INFO or ev.kind in MILESTONES:
+            if ev.level != Level.INFO or isinstance(ev.payload, MILESTONES):
                 wall = time.strftime("%H:%M:%S", time.localtime(ev.ts))
                 # Wrapped, not cut: an event's end is often what matters (a path, the figures).
                 for line in textwrap.wrap(f"{wall} {ev.level:<8} {ev.message}", WIDTH,

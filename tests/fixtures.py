@@ -9,6 +9,7 @@ OpenRouter, a 10M-token budget per dataset that long reasoning answers (~5,300 t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import math
 import shutil
@@ -21,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.events import Event
+from draftgen.core.live.events import Event, EventKind
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.payloads import PAYLOADS
 from draftgen.core.live.snapshot import (
     Credits,
     DatasetSnapshot,
@@ -351,9 +353,24 @@ def events() -> tuple[Event, ...]:
         (2_326, "info", "credits", "balance $64.15"),
     )
     # The dataset an event is about is in its `dataset` field, as the engine sends it (the message names it too).
-    return tuple(Event(ts=T0 + dt, level=level, kind=kind, message=msg,  # type: ignore[arg-type]
-                       dataset=msg.partition(":")[0] if msg[:1] == "B" and ":" in msg else "")
-                 for dt, level, kind, msg in rows)
+    return tuple(event(T0 + dt, level, kind, msg, dataset=msg.partition(":")[0] if msg[:1] == "B" and ":" in msg
+                       else "") for dt, level, kind, msg in rows)
+
+
+_ZERO: dict[str, object] = {"int": 0, "float": 0.0, "str": "", "bool": False}
+
+
+def event(ts: float, level: str, kind: str, message: str, dataset: str = "") -> Event:
+    """An event of `kind` as the views get it, its message `message`: a prose kind carries the message
+    as its line, a kind with figures gets zero figures (the views under test show the message, not the
+    figures), a kind this side does not know comes as `Other` (as from a newer engine's stream)."""
+    data: dict[str, object] = {"dataset": dataset, "at": level, "line": message}
+    with contextlib.suppress(ValueError):
+        cls = PAYLOADS[EventKind(kind)]
+        data |= {f.name: _ZERO[str(f.type)] for f in dataclasses.fields(cls) if str(f.type) in _ZERO
+                 and f.name not in data and f.default is dataclasses.MISSING}
+    return snap.event_from_dict({"ts": ts, "level": level, "kind": kind, "message": message, "dataset": dataset,
+                            "data": data})
 
 
 class FakeControls:
@@ -381,8 +398,7 @@ class FakeControls:
 
     def event(self, level: str, kind: str, message: str, dataset: str = "") -> None:
         last = self.hub.recent[-1].ts if self.hub.recent else T0
-        self.hub.publish_event(Event(ts=last + 1, level=level, kind=kind, message=message,  # type: ignore[arg-type]
-                                     dataset=dataset))
+        self.hub.publish_event(event(last + 1, level, kind, message, dataset))
 
     def _next(self, **changes: object) -> None:
         s = self.latest

@@ -192,15 +192,17 @@ async def test_a_failed_smoke_gate_gives_a_command_not_a_key(tmp_path: Path) -> 
 
 
 async def test_a_warning_repeated_during_an_outage_is_said_once_with_a_count(tmp_path: Path) -> None:
+    from draftgen.core.live.events import Level
+    from draftgen.core.live.payloads import CreditsRead, Unreachable
     from draftgen.core.run.pipeline import Pipeline
     cfg = make_config(tmp_path, "http://127.0.0.1:9/api/v1", [{"name": "a", "n": 2}])
     pipeline = Pipeline(cfg, TEST_KEY, serve_attach=False)
     seen: list[str] = []
     pipeline.hub.publish_event = lambda e: seen.append(e.message)  # type: ignore[method-assign]
     for _ in range(30):
-        pipeline.emit("warn", "unreachable", "cannot reach http://127.0.0.1:9 (connection refused)")
-    pipeline.emit("info", "x", "an info line is never held back")
-    pipeline.emit("info", "x", "an info line is never held back")
+        pipeline.emit(Unreachable(line="cannot reach http://127.0.0.1:9 (connection refused)"))
+    pipeline.emit(CreditsRead(line="an info line is never held back", at=Level.INFO))
+    pipeline.emit(CreditsRead(line="an info line is never held back", at=Level.INFO))
     assert seen == ["cannot reach http://127.0.0.1:9 (connection refused)"] + ["an info line is never held back"] * 2
     pipeline._flush_repeats()
     assert seen[-1] == "cannot reach http://127.0.0.1:9 (connection refused) (and 29 more like it within 30 s)"
@@ -315,14 +317,15 @@ async def test_the_attach_header_keeps_the_run_name_at_80x24(runs: int) -> None:
 
 async def test_a_dataset_done_line_shows_the_ledger_cost_in_the_one_money_format(tmp_path: Path) -> None:
     from draftgen.core.generate.loop.engine import Engine
-    from draftgen.core.live.events import DatasetDone, EventData, EventKind
+    from draftgen.core.live.events import EventKind, Payload
+    from draftgen.core.live.payloads import DatasetDone
     from draftgen.core.units import usd
     async with SimServer(SimConfig(seed=1, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3, "max_tokens": 200}],
                           tables={"engine": {"reconstruct": False}})
-        events: list[tuple[str, str, str, EventData | None]] = []
-        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda lvl, kind, msg, dataset="", data=None:
-                        events.append((lvl, kind, msg, data)))
+        events: list[tuple[str, str, str, Payload]] = []
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p:
+                        events.append((p.level, p.kind, p.text(), p)))
         await engine.run()
     (done,) = [(m, data) for _, kind, m, data in events if kind == EventKind.DATASET_DONE]
     assert done[0].endswith(", " + usd(engine.spend.by_dataset["a"])), done

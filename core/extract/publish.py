@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.live.events import Event, EventKind, Level
+from draftgen.core.live.events import Event, Level
+from draftgen.core.live.payloads import ExtractDone
 from draftgen.core.live.snapshot import RunSnapshot, RunState, StageProgress, StageState
 from draftgen.core.safe_text import visible
 
@@ -83,8 +84,7 @@ class ExtractPublisher:
             done = self._latest.state == "done"
             hub.publish_snapshot(self._snapshot(seq, started, gpus, RunState.DONE if done else RunState.STOPPED))
             if self._final is not None:
-                hub.publish_event(Event(ts=time.time(), level=self._final[0], kind=EventKind.EXTRACT_DONE,
-                                        message=self._final[1]))
+                hub.publish_event(Event.of(ExtractDone(line=self._final[1], at=self._final[0])))
             await asyncio.sleep(0.05)  # let the viewers' pumps take the last items
         finally:
             await asyncio.to_thread(monitor.close)

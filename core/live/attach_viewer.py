@@ -18,8 +18,9 @@ import orjson
 
 from draftgen.core.live.attach import DENIED, MAX_LINE, AttachError, run_directory, short_path
 from draftgen.core.live.control import Action
-from draftgen.core.live.events import Event, EventKind, Level
+from draftgen.core.live.events import Event, Level
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.payloads import Attach
 from draftgen.core.live.snapshot import RunSnapshot, RunState, event_from_dict, snapshot_from_dict
 from draftgen.core.rundir import RunDir
 from draftgen.core.safe_text import visible
@@ -189,7 +190,7 @@ class AttachControls:
         except AttachError as e:
             self.error = e
             self.status = AttachState(ENDED, str(e))
-            self.hub.publish_event(Event(ts=time.time(), level=Level.ERROR, kind=EventKind.ATTACH, message=str(e)))
+            self.hub.publish_event(Event.of(Attach(line=str(e), at=Level.ERROR)))
             self._publish()
 
     async def _follow(self) -> None:
@@ -210,8 +211,7 @@ class AttachControls:
                 self.hub.publish_event(item)
             else:
                 self.status = item
-                event = Event(ts=time.time(), level=Level.INFO if item.state == LIVE else Level.WARN,
-                              kind=EventKind.ATTACH, message=item.message)
+                event = Event.of(Attach(line=item.message, at=Level.INFO if item.state == LIVE else Level.WARN))
                 if item.state == LIVE:
                     note = event
                 else:

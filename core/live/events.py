@@ -1,13 +1,21 @@
-"""What a run says as it goes: typed events beside the snapshot (core/live/snapshot.py), each with a
-`Level`, an `EventKind` and the message the log and the views show; the kinds that carry figures
-carry them as a payload (`Event.data`). The engine's parts send them through an `EventSink`; they
-travel over the attach socket as JSON (`event_from_dict` in core/live/snapshot.py reads them back).
+"""What a run says as it goes: typed events beside the snapshot (core/live/snapshot.py).
+
+Every `EventKind` has one payload class (a frozen dataclass under `Payload`, in core/live/payloads.py:
+`PAYLOADS`): it declares its kind and its usual level, carries its figures as fields and makes its
+message (`text()`). The engine's parts send
+payloads through an `EventSink` (one argument: `ctx.event(Draining(in_flight=n))`); the pipeline's
+EventPublisher (core/run/events.py) redacts them, once, and makes each an `Event`: the time, the
+payload and the message as it left, which the hub, events.log and the attach stream carry. Views and
+the headless printer decide from the payload (its type, its fields), never from the message's words.
+Over attach an event travels as JSON, its payload's fields under `data`; `event_from_dict`
+(core/live/payloads.py) rebuilds the payload by its kind, and one it cannot (a newer engine's kind)
+comes as `Other`, shown by its message.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
+import dataclasses
+import time
 import typing
 from dataclasses import dataclass
 from enum import StrEnum
@@ -74,93 +82,92 @@ class EventKind(StrEnum):
     UNLEDGERED = "unledgered"                # answers without a spend-ledger line
     UNREACHABLE = "unreachable"
     UNSAVED = "unsaved"                      # records the disk never took
+    OTHER = "other"                          # a kind this side does not know (an attach stream from a newer engine)
 
 
-# -- typed payloads: the figures an event carries beside its message (one class per kind) -----------
-# The message stays what the log and the views show; a consumer that needs a figure reads `Event.data`
-# (the payload of its kind, or None: an event without figures, or from an engine that sends none).
+# -- payloads: the base of the one frozen class per kind (core/live/payloads.py) ----------------------
+# Each declares its kind and its usual level, carries its figures as fields and renders its message
+# (`text()`). `dataset` names the dataset it is about ("": the run's); `at` overrides the usual level
+# where one kind has several (a provider gone bad is a warning, back again is news).
 
-@dataclass(frozen=True)
-class DatasetDone:
-    """DATASET_DONE: how the dataset ended and its figures."""
-    status: str
-    answered: int
-    total: int
-    failed: int
-    skipped: int
-    cost_usd: float
+@dataclass(frozen=True, kw_only=True)
+class Payload:
+    """What an event says: its kind, its level and its figures; `text()` is the message."""
+    kind: typing.ClassVar[EventKind]
+    usual: typing.ClassVar[Level] = Level.INFO
+    dataset: str = ""
+    at: Level | None = None
 
+    @property
+    def level(self) -> Level:
+        return self.at or self.usual
 
-@dataclass(frozen=True)
-class OverReservation:
-    """OVER_RESERVATION: an attempt billed past the reservation taken for it."""
-    provider: str
-    reserved_usd: float
-    billed_usd: float
+    def text(self) -> str:
+        raise NotImplementedError
 
 
-@dataclass(frozen=True)
-class ProviderPastCap:
-    """PAST_CAP: a provider ran an answer past max_tokens (cut, booked at what it billed)."""
-    provider: str
+@dataclass(frozen=True, kw_only=True)
+class Said(Payload):
+    """A kind whose words are prose from elsewhere (an alert, a stage's outcome, a server's error, a
+    signal line): `line` is the message as it was said."""
+    line: str
+
+    def text(self) -> str:
+        return self.line
 
 
-EventData = DatasetDone | OverReservation | ProviderPastCap
-# The payload class of each kind that carries one (what the attach side decodes `data` as).
-EVENT_DATA: dict[EventKind, type] = {EventKind.DATASET_DONE: DatasetDone, EventKind.OVER_RESERVATION: OverReservation,
-                                     EventKind.PAST_CAP: ProviderPastCap}
+@dataclass(frozen=True, kw_only=True)
+class Other(Payload):
+    """OTHER: a kind this side does not know (an attach stream from a newer engine): its `name`, its
+    level and its message as sent; shown, never refused."""
+    kind = EventKind.OTHER
+    name: str
+    line: str
+
+    def text(self) -> str:
+        return self.line
 
 
 class EventSink(typing.Protocol):
-    """Where the engine's parts send their events (`Pipeline.emit`); `dataset` names the one it is about,
-    `data` carries the figures of a kind listed in EVENT_DATA."""
+    """Where the engine's parts send their events (`Pipeline.emit`)."""
 
-    def __call__(self, level: Level, kind: EventKind, message: str, dataset: str = "",
-                 data: EventData | None = None) -> None: ...
+    def __call__(self, payload: Payload, /) -> None: ...
 
 
-def _no_event(level: Level, kind: EventKind, message: str, dataset: str = "", data: EventData | None = None) -> None:
+def no_event(payload: Payload, /) -> None:
+    """An EventSink that drops every event (a part used outside a run)."""
     return None
-
-
-def event_sink(fn: typing.Callable[..., None] | None) -> EventSink:
-    """`fn` as an EventSink. Callbacks of the older shapes still work: `(level, kind, message, dataset=)`
-    is called without the data, `(level, kind, message)` without the dataset either."""
-    if fn is None:
-        return _no_event
-    try:
-        sig = inspect.signature(fn)
-    except ValueError:  # no signature to read (a builtin): taken as it is
-        return typing.cast(EventSink, fn)
-    try:
-        sig.bind("info", "kind", "message", dataset="", data=None)
-        return typing.cast(EventSink, fn)
-    except TypeError:
-        pass
-    older = fn
-    try:
-        sig.bind("info", "kind", "message", dataset="")
-    except TypeError:
-        return lambda level, kind, message, dataset="", data=None: older(level, kind, message)
-    return lambda level, kind, message, dataset="", data=None: older(level, kind, message, dataset=dataset)
 
 
 @dataclass(frozen=True)
 class Event:
+    """An event as the hub, events.log and attach carry it: when, and what (`payload`); `message` is
+    the payload's text as it left (redacted by core/run/events.py)."""
     ts: float
-    level: Level
-    kind: EventKind
+    payload: Payload
     message: str
-    dataset: str = ""   # the dataset it is about ("": the run's); the message still names it for the log
-    data: EventData | None = None  # the figures of a kind in EVENT_DATA (the message says them too)
 
-    def __post_init__(self) -> None:
-        # Callers may pass the plain strings (older call sites, attach streams): stored as the enums.
-        for name, kind in (("level", Level), ("kind", EventKind)):
-            value = getattr(self, name)
-            if type(value) is not kind:
-                with contextlib.suppress(ValueError):  # a newer engine's value: shown as it is, not refused
-                    object.__setattr__(self, name, kind(value))
+    @classmethod
+    def of(cls, payload: Payload, ts: float | None = None) -> Event:
+        """`payload` as an event now (or at `ts`), its message its text."""
+        return cls(time.time() if ts is None else ts, payload, payload.text())
+
+    @property
+    def level(self) -> Level:
+        return self.payload.level
+
+    @property
+    def kind(self) -> EventKind:
+        return self.payload.kind
+
+    @property
+    def dataset(self) -> str:
+        return self.payload.dataset
+
+    def to_dict(self) -> dict[str, typing.Any]:
+        return {"ts": self.ts, "level": self.level, "kind": self.kind, "message": self.message,
+                "dataset": self.dataset,
+                "data": {f.name: getattr(self.payload, f.name) for f in dataclasses.fields(self.payload)}}
 
     def to_json(self) -> bytes:
-        return orjson.dumps(self)
+        return orjson.dumps(self.to_dict())

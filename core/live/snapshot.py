@@ -8,6 +8,7 @@ travel over the attach socket as JSON (`to_json`, read back by `snapshot_from_di
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -21,7 +22,8 @@ from typing import Any
 
 import orjson
 
-from draftgen.core.live.events import EVENT_DATA, Event, EventKind
+from draftgen.core.live.events import Event, EventKind, Level, Other, Said
+from draftgen.core.live.payloads import PAYLOADS
 
 
 class RunState(StrEnum):
@@ -373,13 +375,26 @@ def snapshot_from_dict(data: dict[str, Any]) -> RunSnapshot:
     return snapshot
 
 
-def event_from_dict(data: dict[str, Any]) -> Event:
-    """An event from its JSON dict; one from an engine without `dataset` gets "" there, and `data` is
-    rebuilt as its kind's payload class (left None for a kind this side does not know)."""
-    fields = {f.name: data[f.name] for f in dataclasses.fields(Event) if f.name in data}
-    payload = fields.pop("data", None)
-    event = Event(**fields)
-    cls = EVENT_DATA.get(event.kind) if isinstance(event.kind, EventKind) else None
-    if cls is not None and isinstance(payload, dict):
-        event = dataclasses.replace(event, data=_from(cls, payload))
-    return event
+def event_from_dict(data: dict[str, typing.Any]) -> Event:
+    """An event from its JSON dict (the attach viewer's side): the payload rebuilt as its kind's class
+    from its fields (core/live/payloads.py); a kind this side does not know, or fields it cannot take
+    (a newer or older engine), come as `Other` with the level and message as sent."""
+    message = str(data.get("message", ""))
+    ts = float(data.get("ts", 0.0))
+    fields = data.get("data")
+    with contextlib.suppress(ValueError, TypeError):
+        payload_cls = PAYLOADS[EventKind(str(data.get("kind")))]
+        if fields is None and issubclass(payload_cls, Said):  # an engine from before the payloads: prose
+            fields = {"line": message, "at": data.get("level"), "dataset": data.get("dataset", "")}
+        if isinstance(fields, dict):
+            names = {f.name for f in dataclasses.fields(payload_cls)}
+            payload = payload_cls(**{k: v for k, v in fields.items() if k in names})
+            if payload.at is not None:
+                payload = dataclasses.replace(payload, at=Level(payload.at))
+            return Event(ts, payload, message)
+    try:
+        level = Level(str(data.get("level")))
+    except ValueError:
+        level = Level.INFO
+    return Event(ts, Other(name=str(data.get("kind", "")), line=message, at=level,
+                         dataset=str(data.get("dataset", "") or "")), message)

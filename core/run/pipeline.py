@@ -16,9 +16,10 @@ from draftgen.core.files import RunLock, exclusive
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.projection import Beside
 from draftgen.core.generate.loop.run_state import PausedBy
+from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.control import Action
-from draftgen.core.live.events import EventData, EventKind, Level
+from draftgen.core.live.events import Payload
 from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import QuitEffects, quit_effects
 from draftgen.core.live.timeline import TimelineRecorder, Totals
@@ -76,7 +77,7 @@ class Pipeline:
             config, self.engine, self.startup, self.tokens_stage, self.oneshot, self.life, self.emit,
             publish=self.publish, reconstruct=self._reconstruct)
         self.timeline = TimelineRecorder(self.rundir.history, on_write_error=lambda message: self.emit(
-            Level.WARN, EventKind.HISTORY, message))
+            ev.History(line=message)))
 
     @property
     def quit_requested(self) -> asyncio.Event:
@@ -107,7 +108,7 @@ class Pipeline:
         if self._serve_attach:
             from draftgen.core.live.attach import AttachServer
             self._attach = AttachServer(self.hub, self.rundir.socket, on_warning=lambda message: self.emit(
-                Level.WARN, EventKind.ATTACH, message))
+                ev.Attach(line=message)))
             await self._attach.start()
         self._ticker = asyncio.create_task(self._publish_loop())
         self.publish()
@@ -139,7 +140,7 @@ class Pipeline:
         server = MetricsServer(lambda: self.hub.latest, *address, where=str(self.config.path))
         await server.start()
         self._metrics = server
-        self.emit(Level.INFO, EventKind.METRICS, f"metrics: serving {server.url}")
+        self.emit(ev.Metrics(url=server.url))
 
     async def _close_metrics(self) -> None:
         if self._metrics is not None:
@@ -162,9 +163,8 @@ class Pipeline:
 
     # -- events and snapshots -------------------------------------------------------------------
 
-    def emit(self, level: Level | str, kind: EventKind | str, message: str, dataset: str = "",
-             data: EventData | None = None) -> None:
-        self.events.emit(level, kind, message, dataset, data)
+    def emit(self, payload: Payload, /) -> None:
+        self.events.emit(payload)
 
     def _flush_repeats(self) -> None:
         self.events.flush_repeats()

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from draftgen.core.live.events import EventKind
+from draftgen.core.live.events import Payload
+from draftgen.core.live.payloads import ExtractDone, MergeDone, RunDone, SmokeDone, TokensDone
 from draftgen.core.run.stage import RunStage, StageHost, When
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 class _Smoke(RunStage):
     name = "smoke"
     when = When.BEFORE
-    done = EventKind.SMOKE_DONE
+    done = SmokeDone
     key = "s"
     help = ("smoke test: one request per dataset with the exact run parameters, checked field by field;"
             " the run is paused while it runs")
@@ -41,14 +42,14 @@ class _Generation(RunStage):
     """The run's requests: started once by the pipeline (core/run/generation.py), never on demand."""
     name = "generation"
     when = When.GENERATION
-    done = EventKind.RUN_DONE
+    done = RunDone
 
 
 class _Tokens(RunStage):
     """Token ids as answers land (core/run/tokens_stage.py); `draftgen tokens` outside a run."""
     name = "tokens"
     when = When.BESIDE
-    done = EventKind.TOKENS_DONE
+    done = TokensDone
 
     def enabled(self, config: Config) -> bool:
         return config.engine.reconstruct
@@ -57,7 +58,7 @@ class _Tokens(RunStage):
 class _Merge(RunStage):
     name = "merge"
     when = When.AFTER
-    done = EventKind.MERGE_DONE
+    done = MergeDone
     key = "m"
     help = "merge: all datasets into one deduplicated, shuffled training set (merged/)"
     flag = "merge"
@@ -78,7 +79,7 @@ class _Merge(RunStage):
 class _Extract(RunStage):
     name = "extract"
     when = When.AFTER
-    done = EventKind.EXTRACT_DONE
+    done = ExtractDone
     key = "x"
     help = "extract: run the target model over merged/ and write hidden states (GPU panel)"
     flag = "extract"
@@ -118,6 +119,6 @@ def chained() -> tuple[RunStage, ...]:
     return tuple(s for s in REGISTRY if s.flag and s.when is When.AFTER)
 
 
-def milestones() -> frozenset[EventKind]:
-    """The event kinds the stages tell their outcome with (the headless printer shows them)."""
-    return frozenset(s.done for s in REGISTRY if s.done is not None)
+def milestones() -> tuple[type[Payload], ...]:
+    """The payload types the stages tell their outcome with (the headless printer shows them)."""
+    return tuple(s.done for s in REGISTRY if s.done is not None)

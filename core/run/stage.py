@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.events import EventData, EventKind, Level
+from draftgen.core.live.events import Payload
 
 if TYPE_CHECKING:  # the registry is read by views (the TUI's keys) that never load the engine
     from draftgen.core.config import Config
@@ -41,8 +41,7 @@ class StageHost(Protocol):
     oneshot: Stages
     stages: StageRows
 
-    def emit(self, level: Level | str, kind: EventKind | str, message: str, dataset: str = "",
-             data: EventData | None = None) -> None: ...
+    def emit(self, payload: Payload, /) -> None: ...
 
 
 class RunStage:
@@ -51,7 +50,7 @@ class RunStage:
 
     name: ClassVar[str]                        # as in snapshot.STAGE_NAMES: its row, state and events
     when: ClassVar[When]
-    done: ClassVar[EventKind | None] = None  # the event its outcome is told with (a headless milestone)
+    done: ClassVar[type[Payload] | None] = None  # the event its outcome is told with (a headless milestone)
     key: ClassVar[str | None] = None           # its key in the TUI (the action of the same name), if any
     help: ClassVar[str] = ""                   # what the key does, for the help screen
     flag: ClassVar[str | None] = None          # `draftgen run --headless --<flag>` chains it after generation

@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from draftgen.core.config import Config
+from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.events import EventKind, EventSink, Level
+from draftgen.core.live.events import EventSink, Level
 from draftgen.core.quoting import sh_path
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.rundir import RunDir
@@ -62,20 +63,19 @@ class TokensStage:
         tokens = r.progress()
         self._rows.set(tokens)
         self.fidelity = r.fidelity()
-        self._emit(Level.INFO, EventKind.TOKENS_DONE, r.report(None).summary_line())
+        self._emit(ev.TokensDone(line=r.report(None).summary_line()))
         complete = tokens.done >= tokens.total
         if tokens.state == snap.StageState.STOPPED:  # the disk refused: nothing is wrong, it did not finish
-            self._emit(Level.WARN, EventKind.TOKENS_FAILED,
-                       f"tokens: stopped at {tokens.done:,} of {tokens.total:,} answers: {tokens.message}")
+            self._emit(ev.TokensFailed(
+                line=f"tokens: stopped at {tokens.done:,} of {tokens.total:,} answers: {tokens.message}",
+                at=Level.WARN))
             complete = True  # the stage's STOPPED state makes the run incomplete (exit 3), not an error
         elif not complete:  # the tokens stage failed: not a complete run, merge would drop them
-            self._emit(Level.ERROR, EventKind.TOKENS_FAILED,
-                       f"tokens: {tokens.done:,} of {tokens.total:,} answers have "
-                       f"token ids ({tokens.message}); finish with `draftgen tokens {sh_path(self._config.path)}`")
+            self._emit(ev.TokensFailed(line=f"tokens: {tokens.done:,} of {tokens.total:,} answers have "
+                       f"token ids ({tokens.message}); finish with `draftgen tokens {sh_path(self._config.path)}`"))
         for row in self.fidelity:
             if row.flagged:
-                self._emit(Level.WARN, EventKind.PROVIDER_FLAGGED,
-                           f"provider {row.name}: {row.flagged} (`draftgen tokens` prints what to change)")
+                self._emit(ev.ProviderFlagged(provider=row.name, cause=row.flagged))
         self._reconstructor = None
         return complete
 

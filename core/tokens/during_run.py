@@ -27,7 +27,7 @@ from typing import Any
 
 from draftgen.core.config import Config
 from draftgen.core.errors import DiskError
-from draftgen.core.live.events import EventSink, event_sink
+from draftgen.core.live.events import EventSink, no_event
 from draftgen.core.live.snapshot import ProviderFidelity, StageProgress, StageState, TurnAgreement
 from draftgen.core.quoting import sh_path
 from draftgen.core.rundir import RunDir, jsonl_objects
@@ -128,7 +128,7 @@ class RunReconstructor:
     def __init__(self, config: Config, workers: int = 0,
                  on_event: EventSink | None = None, rundir: RunDir | None = None) -> None:
         self.config = config
-        self._event = on_event if on_event is not None else event_sink(None)
+        self._event = on_event or no_event
         # Leave a core to the event loop unless told otherwise.
         self.workers = workers or max(1, cores() - 1)
         self._spec = worker_spec(config)

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Generic, TypeVar
 
-from draftgen.core.live.events import EventKind, EventSink, Level
+from draftgen.core.live import payloads as ev
+from draftgen.core.live.events import EventSink
 from draftgen.core.tokens.workers import Results, WorkerSpec, new_pool, ping, reconstruct_batch
 
 K = TypeVar("K")
@@ -181,10 +182,7 @@ class RespawningPool(Generic[K]):
                 self._give_up(f"token reconstruction stopped: its worker processes died {self.restarts} times "
                               f"(killed, or out of memory); the answers without tokens stay in responses.jsonl: {hint}")
                 return
-            self._event(Level.WARN, EventKind.TOKENS_WORKER_DIED,
-                        f"a token reconstruction worker process died (killed, or out "
-                        f"of memory): starting new workers ({self.restarts} of at most {limit}); {held:,} "
-                        "answers in flight are sent again")
+            self._event(ev.TokensWorkerDied(restarts=self.restarts, limit=limit, in_flight=held))
             pool = await asyncio.to_thread(self._new_pool)
         except BaseException as e:  # no new pool (or cancelled): said once, the run goes on without tokens
             self._give_up(f"token reconstruction stopped: new worker processes could not start ({type(e).__name__}: "
@@ -200,7 +198,7 @@ class RespawningPool(Generic[K]):
         self._gave_up = message
         self.restart = None
         self._give_up_to(message)
-        self._event(Level.ERROR, EventKind.TOKENS_FAILED, message)
+        self._event(ev.TokensFailed(line=message))
         held, self.held = self.held, []
         for key, batch in held:
             self._lost(key, batch, RuntimeError(message))

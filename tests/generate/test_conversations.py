@@ -62,7 +62,7 @@ def _source(tmp_path: Path, ds: DatasetRun, *, events: list[str] | None = None,
     sink = events if events is not None else []
     return ConversationSource(ds, server=OPENROUTER, responses=tmp_path / "responses.jsonl",
                               failures=tmp_path / "failures.jsonl", max_turns=max_turns,
-                              on_event=lambda level, kind, message, dataset="": sink.append(message))
+                              on_event=lambda p: sink.append(p.text()))
 
 
 def _count(ds: DatasetRun, path: Path, max_turns: int | None = None) -> None:

@@ -28,7 +28,7 @@ def lines(path):
 
 async def run_engine(config, **kw):
     events = []
-    engine = Engine(config, TEST_KEY, on_event=lambda lvl, kind, msg: events.append((lvl, kind, msg)), seed=1, **kw)
+    engine = Engine(config, TEST_KEY, on_event=lambda p: events.append((p.level, p.kind, p.text())), seed=1, **kw)
     state = await engine.run()
     return engine, state, events
 
@@ -371,7 +371,7 @@ async def test_402_pauses_the_run_and_resume_finishes_it(tmp_path):
                                    credits_forbidden=True), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 60, "concurrency": 4}])
         events = []
-        engine = Engine(cfg, TEST_KEY, on_event=lambda *e: events.append(e), seed=1)
+        engine = Engine(cfg, TEST_KEY, on_event=lambda p: events.append((p.level, p.kind, p.text())), seed=1)
         task = asyncio.create_task(engine.run())
         for _ in range(200):
             await asyncio.sleep(0.05)
@@ -459,8 +459,8 @@ async def test_a_provider_gone_bad_and_back_is_one_event_each_way(tmp_path):
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 600, "concurrency": 8}],
                           tables={"engine": {"max_attempts": 200}})
         events: list[tuple[str, str, str]] = []
-        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda level, kind, message, **_: events.append(
-            (str(level), str(kind), message)))
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p: events.append(
+            (str(p.level), str(p.kind), p.text())))
         task = asyncio.create_task(engine.run())
         await until(lambda: dataset_row(engine, "a").done >= 60, "60 answers", 60)
         quiet = [e for e in events if e[1] == "provider"]
@@ -662,7 +662,7 @@ async def test_a_request_that_ends_on_the_engines_own_error_is_said_with_its_cau
     events: list[tuple[str, str, str]] = []
     async with SimServer(SimConfig(seed=5, latency_scale=0.0), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 6}])
-        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda level, kind, msg, **_: events.append((level, kind, msg)))
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p: events.append((p.level, p.kind, p.text())))
         await asyncio.wait_for(engine.run(), 30)
     said = [msg for level, kind, msg in events if kind == EventKind.REQUEST_ERROR]
     assert said == ["a: prompt 'a-3' not asked again this run: the engine's own error RuntimeError: "

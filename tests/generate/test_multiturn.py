@@ -162,7 +162,7 @@ async def test_kill_9_mid_conversation_resumes_at_the_next_turn_nothing_paid_twi
 
 async def run_engine(cfg: Any) -> tuple[Engine, Any, list[tuple[str, str]]]:
     events: list[tuple[str, str]] = []
-    engine = Engine(cfg, TEST_KEY, on_event=lambda lvl, kind, msg: events.append((str(kind), msg)), seed=1)
+    engine = Engine(cfg, TEST_KEY, on_event=lambda p: events.append((str(p.kind), p.text())), seed=1)
     state = await engine.run()
     return engine, state, events
 

@@ -12,7 +12,8 @@ from draftgen.core.generate.api.client import ChatClient
 from draftgen.core.generate.api.prices import body_worst_case, fetch_prices
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.money.spend import SpendLedger
-from draftgen.core.live.events import EventData, EventKind, OverReservation, ProviderPastCap
+from draftgen.core.live.events import EventKind, Payload
+from draftgen.core.live.payloads import OverReservation, ProviderPastCap
 from draftgen.core.rundir import RunDir
 from draftgen.core.server_kinds import OpenAICompatible
 from draftgen.simulator import SimConfig, SimServer
@@ -150,9 +151,9 @@ async def test_an_answer_billed_past_its_reservation_is_booked_at_its_real_cost(
                                   "budget": {"max_usd": 1.0}, "tokenizer": {"path": str(_tokenizer())},
                                   "engine": {"reconstruct": False}},
                           request={"temperature": 0.6})
-        events: list[tuple[str, str, str, EventData | None]] = []
-        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda lvl, kind, msg, dataset="", data=None:
-                        events.append((lvl, kind, msg, data)))
+        events: list[tuple[str, str, str, Payload]] = []
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p:
+                        events.append((p.level, p.kind, p.text(), p)))
         await engine.run()
         assert dataset_row(engine, "a").done == 6
         billed = sim.stats.billed_usd
@@ -186,9 +187,9 @@ async def test_a_provider_past_max_tokens_is_cut_named_and_on_the_ledger(tmp_pat
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 12, "concurrency": 4, "max_tokens": 100}],
                           tables={"api": {"stream": stream}, "budget": {"max_usd": 1.0},
                                   "tokenizer": {"path": str(_tokenizer())}, "engine": {"reconstruct": False}})
-        events: list[tuple[str, str, str, EventData | None]] = []
-        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda lvl, kind, msg, dataset="", data=None:
-                        events.append((lvl, kind, msg, data)))
+        events: list[tuple[str, str, str, Payload]] = []
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p:
+                        events.append((p.level, p.kind, p.text(), p)))
         await engine.run()
         billed = sim.stats.billed_usd
         served = dict(sim.stats.answers_by_provider)
@@ -199,7 +200,8 @@ async def test_a_provider_past_max_tokens_is_cut_named_and_on_the_ledger(tmp_pat
     assert all(k["usage"]["completion_tokens"] <= 100 for k in kept)
     assert served.get("Solo", 0) > 0 or not stream, served  # Solo answered (its streams reached the client)
     past = [(msg, data) for _, kind, msg, data in events if kind == EventKind.PAST_CAP]
-    assert past and past[0][1] == ProviderPastCap("Solo") and "max_tokens 100" in past[0][0], events
+    assert past and isinstance(past[0][1], ProviderPastCap) and past[0][1].provider == "Solo", events
+    assert "max_tokens 100" in past[0][0] and "max_tokens 100" in past[0][1].cause
     if stream:  # the cut stream ran on to its end upstream: its record bills past what it was counted at
         over = [(msg, data) for _, kind, msg, data in events if kind == EventKind.OVER_RESERVATION]
         assert over and "generation record" in over[0][0], events

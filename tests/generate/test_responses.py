@@ -74,7 +74,8 @@ class Watch:
 
     def __init__(self, config: Config) -> None:
         self.events: list[tuple[str, str, str]] = []
-        self.engine = Engine(config, TEST_KEY, seed=1, on_event=lambda *e: self.events.append(e))
+        self.engine = Engine(config, TEST_KEY, seed=1,
+                             on_event=lambda p: self.events.append((p.level, p.kind, p.text())))
         self.states: set[str] = set()
         self.lowest_limit = sum(d.concurrency for d in config.datasets)  # effective concurrency, at its lowest
         self.task = asyncio.create_task(self.engine.run())

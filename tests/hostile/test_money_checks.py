@@ -146,8 +146,8 @@ class Run:
 
 async def _run(cfg: Any) -> Run:
     events: list[tuple[str, str]] = []
-    engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda lvl, kind, msg, dataset="", data=None:
-                    events.append((kind, msg)))
+    engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p:
+                    events.append((p.kind, p.text())))
     await engine.run()
     return Run(engine, events)
 

@@ -18,8 +18,9 @@ import pytest
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.attach import AttachError, AttachServer
 from draftgen.core.live.attach_viewer import ENDED, LIVE, WAITING, AttachClient, AttachControls, AttachState
-from draftgen.core.live.events import EVENT_DATA, DatasetDone, Event, EventKind, Level, OverReservation, ProviderPastCap
+from draftgen.core.live.events import Event, EventKind, Level, Other, Payload
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.payloads import PAYLOADS
 from draftgen.core.live.snapshot import event_from_dict, snapshot_from_dict
 from draftgen.core.rundir import RunDir
 from tests import fixtures as fx
@@ -307,21 +308,29 @@ def test_a_snapshot_comes_back_from_json_equal_and_typed(make) -> None:
         assert event_from_dict(orjson.loads(event.to_json())) == event
 
 
-def test_an_events_figures_come_back_from_json_as_its_kinds_payload_class() -> None:
-    """An event's typed payload (`Event.data`) crosses the attach stream as the class of its kind; an
-    event without one, or from an engine that sends none, has None; a payload of a kind this side does
-    not know is dropped rather than guessed."""
-    sent = (Event(1.0, Level.INFO, EventKind.DATASET_DONE, "a: done: 2/3 answered, 1 failed, "
-                       "0 skipped, $0.01", "a", DatasetDone("done", 2, 3, 1, 0, 0.0125)),
-            Event(2.0, Level.WARN, EventKind.OVER_RESERVATION, "a: provider Solo: ...", "a",
-                       OverReservation("Solo", 0.001, 0.0042)),
-            Event(3.0, Level.WARN, EventKind.PAST_CAP, "a: provider Solo: ...", "a",
-                       ProviderPastCap("Solo")))
-    for event in sent:
+def _example(cls: type[Payload]) -> Payload:
+    """A payload of `cls` with a value in each field, of the field's type (text, counts, dollars)."""
+    values = {"str": "a text with 'quotes', a \u00e9 and a $", "int": 7, "float": 0.0125, "bool": True}
+    fields = {f.name: values[str(f.type)] for f in dataclasses.fields(cls) if str(f.type) in values}
+    return cls(**(fields | {"dataset": "a", "at": Level.ERROR}))
+
+
+def test_every_event_kind_has_one_payload_type_and_each_comes_back_from_json_as_itself() -> None:
+    """Each EventKind has exactly one payload class, which declares it; an event of each crosses the
+    attach stream as the same payload class with the same fields, level and message. A kind this side
+    does not know (a newer engine's) comes as `Other`, shown by its message, never refused; so does a
+    known kind whose fields this side cannot take (an engine from before they were typed)."""
+    assert set(PAYLOADS) == set(EventKind) and len(set(PAYLOADS.values())) == len(EventKind)
+    assert all(cls.kind is kind for kind, cls in PAYLOADS.items())
+    for kind, cls in PAYLOADS.items():
+        event = Event.of(_example(cls), ts=1.5)
         back = event_from_dict(orjson.loads(event.to_json()))
-        assert back == event and type(back.data) is EVENT_DATA[event.kind]
-    older = orjson.loads(sent[0].to_json())
-    del older["data"]
-    assert event_from_dict(older).data is None
-    newer = {"ts": 4.0, "level": "info", "kind": "a_kind_from_a_newer_engine", "message": "m", "data": {"x": 1}}
-    assert event_from_dict(newer).data is None and event_from_dict(newer).message == "m"
+        assert back == event and type(back.payload) is cls, kind
+        assert (back.kind, back.level, back.dataset, back.message) == (kind, Level.ERROR, "a", event.payload.text())
+    newer = {"ts": 4.0, "level": "warn", "kind": "a_kind_from_a_newer_engine", "message": "m", "data": {"x": 1}}
+    back = event_from_dict(newer)
+    assert isinstance(back.payload, Other) and back.payload.name == "a_kind_from_a_newer_engine"
+    assert (back.kind, back.level, back.message) == (EventKind.OTHER, Level.WARN, "m")
+    older = {"ts": 5.0, "level": "info", "kind": "dataset_done", "message": "a: done", "dataset": "a", "data": None}
+    back = event_from_dict(older)
+    assert isinstance(back.payload, Other) and (back.message, back.dataset) == ("a: done", "a")

@@ -109,7 +109,7 @@ async def test_the_run_done_line_uses_the_one_formatter(tmp_path: Path) -> None:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3, "max_tokens": 200}],
                           tables={"engine": {"reconstruct": False}})
         events: list[tuple[str, str, str]] = []
-        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e))
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p: events.append((p.level, p.kind, p.text())))
         await engine.run()
     (done,) = [m for _, kind, m in events if kind == "run_done"]
     assert f"; {usd(engine.money.spent_run)} spent this run, {usd(engine.spend.spent_usd)} all runs" in done, done
@@ -155,12 +155,11 @@ LONG = ("B5: 412 answers in runs/B5/responses.jsonl have no line on the spend le
 
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
 async def test_an_event_that_does_not_fit_is_cut_at_a_word_and_shown_whole_wrapped_under_its_message(size) -> None:
-    from draftgen.core.live.events import Event
     from draftgen.tui.app import DraftgenApp
     from draftgen.tui.panels.eventlog import EventLogPanel
     from tests import fixtures as fx
-    events = (*fx.events(), Event(ts=fx.T0 + 2_400, level="warn", kind="unledgered", message=LONG),
-              Event(ts=fx.T0 + 2_401, level="info", kind="credits", message="balance $63.90"))
+    events = (*fx.events(), fx.event(fx.T0 + 2_400, "warn", "unledgered", LONG),
+              fx.event(fx.T0 + 2_401, "info", "credits", "balance $63.90"))
     app = DraftgenApp(fx.FakeControls(fx.running(), events), title="draftgen", refresh_s=0.05)  # type: ignore[arg-type]
     async with app.run_test(size=size) as pilot:
         await pilot.pause(0.1)
@@ -212,7 +211,7 @@ async def test_the_unreachable_warning_says_its_cause_once_with_advice_that_fits
                       tables={"engine": {"reconstruct": False, "backoff_base_s": 0.01, "backoff_max_s": 0.02},
                               "api": {"prompt_price_per_mtok": 1.0, "completion_price_per_mtok": 4.0}})
     events: list[tuple[str, str, str]] = []
-    engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e))
+    engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p: events.append((p.level, p.kind, p.text())))
     task = asyncio.create_task(engine.run())
     waiting = ""
     for _ in range(500):

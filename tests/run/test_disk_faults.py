@@ -126,7 +126,7 @@ async def test_a_failing_write_pauses_the_run_and_resume_loses_nothing(tmp_path,
         disk = FullDisk(run.root, err, short, spare=run.spend.name)
         monkeypatch.setattr(os, "write", disk)
         events: list[tuple[str, str, str]] = []
-        engine = Engine(cfg, TEST_KEY, on_event=lambda *e: events.append(e), seed=1)
+        engine = Engine(cfg, TEST_KEY, on_event=lambda p: events.append((p.level, p.kind, p.text())), seed=1)
         task = asyncio.create_task(engine.run())
         await until(lambda: dataset_row(engine, "a").done >= 25, "25 answers")
         disk.full = True

@@ -180,7 +180,7 @@ async def test_an_os_crash_mid_run_loses_no_spend_and_the_next_run_keeps_the_cei
         assert 0 < billed_1 < max_usd
 
         events: list[tuple[str, str, str]] = []
-        engine2 = Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e))
+        engine2 = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p: events.append((p.level, p.kind, p.text())))
         await engine2.run()
         billed = sim.stats.billed_usd
     print(f"billed ${billed:.4f} of max_usd ${max_usd}; run 2 counted ${engine2.spend.committed_usd:.4f}")
@@ -208,7 +208,7 @@ async def test_a_ledger_behind_its_answers_counts_their_cost_once(tmp_path):
         max_usd = billed_1 + 0.05
         cfg = _config(tmp_path, sim.base_url, max_usd, n=800)
         events: list[tuple[str, str, str]] = []
-        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e))
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p: events.append((p.level, p.kind, p.text())))
         await engine.run()
         billed = sim.stats.billed_usd
         found = [e for e in events if e[1] == "unledgered"]
@@ -222,7 +222,7 @@ async def test_a_ledger_behind_its_answers_counts_their_cost_once(tmp_path):
         # The next opening counts them as covered: no second `found` line, the same spend.
         before = SpendLedger.read(rd.spend).settled_usd
         events.clear()
-        await Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e)).run()
+        await Engine(cfg, TEST_KEY, seed=1, on_event=lambda p: events.append((p.level, p.kind, p.text()))).run()
         assert not [e for e in events if e[1] == "unledgered"]
         assert len([x for x in _lines(rd.spend) if x["e"] == "found"]) == 1
         assert SpendLedger.read(rd.spend).settled_usd >= before
@@ -238,7 +238,7 @@ async def test_answers_the_ledger_has_but_responses_lost_are_reported_and_stay_c
         lines = rd.responses("a").read_bytes().splitlines(keepends=True)
         rd.responses("a").write_bytes(b"".join(lines[:-5]))  # the answers' tail lost, not the ledger's
         events: list[tuple[str, str, str]] = []
-        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e))
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p: events.append((p.level, p.kind, p.text())))
         await engine.run()
     lost = [e for e in events if e[1] == "answers_lost"]
     assert len(lost) == 1 and "5 prompt(s)" in lost[0][2]

@@ -186,7 +186,7 @@ async def test_workers_that_keep_dying_stop_reconstruction_loudly(tmp_path: Path
     """Past MAX_RESTARTS new pools the tokens stage fails and says how to finish; nothing hangs."""
     config = tokens_config(tmp_path)
     events: list[tuple[str, str, str]] = []
-    live = RunReconstructor(config, workers=1, on_event=lambda *e: events.append(e))
+    live = RunReconstructor(config, workers=1, on_event=lambda p: events.append((p.level, p.kind, p.text())))
     live.MAX_RESTARTS = 1
     await live.start()
     records = [response(i) for i in range(40)]

@@ -12,7 +12,8 @@ from typing import Any
 
 from draftgen.cli.main import build_parser
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.events import EventKind, Level
+from draftgen.core.live.events import Level
+from draftgen.core.live.payloads import RunDone
 from draftgen.core.run import registry
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.run.stage import RunStage, StageHost, When
@@ -32,7 +33,7 @@ def test_the_registry_is_the_run_order_every_view_names() -> None:
     bound = {b.key: b.description for b in DraftgenApp.BINDINGS if isinstance(b.key, str)}
     assert {s.key: s.name for s in registry.keyed()} == {"s": "smoke", "m": "merge", "x": "extract"}
     assert all(bound[str(s.key)] == s.name and (s.key, s.help) in KEYS for s in registry.keyed())
-    assert registry.milestones() <= MILESTONES
+    assert set(registry.milestones()) <= set(MILESTONES)
     assert [s.flag for s in registry.chained()] == ["merge", "extract"]
     run = build_parser().parse_args(["run", "kimi.toml", "--headless", "--extract"])
     assert (run.merge, run.extract) == (False, True)  # `draftgen run --<flag>`: one per chained stage
@@ -55,7 +56,7 @@ class _Count(RunStage):
         lines = sum(len(host.rundir.responses(d.name).read_bytes().splitlines()) for d in host.config.datasets)
         (host.rundir.root / "count.txt").write_text(f"{lines}\n")
         host.stages.set(snap.StageProgress(self.name, state=snap.StageState.DONE, done=lines, total=lines))
-        host.emit(Level.WARN, EventKind.RUN_DONE, f"count: {lines} answers on disk")
+        host.emit(RunDone(line=f"count: {lines} answers on disk", at=Level.WARN))
         return lines
 
     def run(self, host: StageHost, **options: Any) -> Any:

@@ -25,7 +25,7 @@ from tests.helpers import TEST_KEY, dataset_row, make_config
 
 def control() -> tuple[RunControl, list[tuple[str, str, str]]]:
     events: list[tuple[str, str, str]] = []
-    return RunControl(lambda level, kind, message, dataset="": events.append((level, kind, message))), events
+    return RunControl(lambda p: events.append((p.level, p.kind, p.text()))), events
 
 
 def kinds(events: list[tuple[str, str, str]]) -> list[str]:

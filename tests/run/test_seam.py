@@ -21,8 +21,9 @@ import pytest
 from draftgen.cli.main import EXIT_CODES
 from draftgen.core.errors import DraftgenError, ExitCode, KeyRefusedError
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.events import Event, EventKind, Level
+from draftgen.core.live.events import Event, EventKind, Level, Other
 from draftgen.core.live.hub import Hub
+from draftgen.core.live.payloads import Budget, CreditsRead
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 from draftgen.simulator import SimConfig, SimServer
@@ -250,21 +251,23 @@ def test_the_pipelines_events_are_typed_and_name_their_dataset(finished: Finishe
 
 
 def test_events_travel_as_json_and_older_ones_still_read() -> None:
-    e = Event(1.0, Level.WARN, EventKind.BUDGET, "alpha: token budget reached", "alpha")
+    e = Event.of(Budget(line="alpha: token budget reached", dataset="alpha"), ts=1.0)
     data = orjson.loads(e.to_json())
     assert data == {"ts": 1.0, "level": "warn", "kind": "budget", "message": "alpha: token budget reached",
-                    "dataset": "alpha", "data": None}  # `data`: a kind's figures (snapshot.EVENT_DATA)
+                    "dataset": "alpha", "data": {"dataset": "alpha", "at": None,
+                                                 "line": "alpha: token budget reached"}}  # `data`: the payload
     assert snap.event_from_dict(data) == e
     # An engine from before the field, and a newer engine's kind: read, not refused.
     older = snap.event_from_dict({"ts": 2.0, "level": "info", "kind": "a_kind_from_later", "message": "m"})
-    assert older.dataset == "" and older.level is Level.INFO and older.kind == "a_kind_from_later"
+    assert older.dataset == "" and older.level is Level.INFO and older.kind is EventKind.OTHER
+    assert isinstance(older.payload, Other) and older.payload.name == "a_kind_from_later" and older.message == "m"
     # The plain strings still compare equal (callers and views written before the enums keep working).
     assert e.level == "warn" and e.kind == "budget" and f"{e.level:<5}" == "warn "
 
 
 async def test_log_filters_on_the_dataset_field_not_the_message_text() -> None:
-    ev = (Event(fx.T0, Level.INFO, EventKind.CREDITS, "B1: looks like a dataset, is not one"),
-          Event(fx.T0 + 1, Level.WARN, EventKind.BUDGET, "token budget reached", dataset="B1"))
+    ev = (Event.of(CreditsRead(line="B1: looks like a dataset, is not one", at=Level.INFO), ts=fx.T0),
+          Event.of(Budget(line="token budget reached", dataset="B1"), ts=fx.T0 + 1))
     app = DraftgenApp(fx.FakeControls(fx.running(), ev), title="draftgen", refresh_s=0.05)  # type: ignore[arg-type]
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("l", "d")
@@ -286,7 +289,7 @@ def test_a_slow_subscriber_loses_old_snapshots_and_keeps_every_event() -> None:
     hub = Hub()
     slow, fast = hub.subscribe(maxsize=4), hub.subscribe(maxsize=1000)
     snaps = [dataclasses.replace(fx.running(), seq=i) for i in range(10)]
-    events = [Event(fx.T0 + i, Level.INFO, EventKind.CREDITS, f"e{i}") for i in range(2)]
+    events = [Event.of(CreditsRead(line=f"e{i}", at=Level.INFO), ts=fx.T0 + i) for i in range(2)]
     for i, s in enumerate(snaps):
         hub.publish_snapshot(s)  # never blocks: a publisher is never slowed by a subscriber
         if i in (3, 6):
@@ -304,7 +307,7 @@ def test_a_subscriber_full_of_events_loses_the_oldest() -> None:
     hub = Hub()
     sub = hub.subscribe(maxsize=3)
     for i in range(5):
-        hub.publish_event(Event(fx.T0 + i, Level.WARN, EventKind.BUDGET, f"e{i}"))
+        hub.publish_event(Event.of(Budget(line=f"e{i}"), ts=fx.T0 + i))
     assert [x[1].message for x in _drain(sub)] == ["e2", "e3", "e4"] and sub.dropped == 2
 
 

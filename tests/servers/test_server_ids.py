@@ -282,7 +282,7 @@ async def test_ids_a_release_cannot_give_are_said_and_counted(tmp_path, shape, v
     async with CannedServer(shape, version) as server:
         cfg = server_config(tmp_path, server.base_url, stream)
         server.spec = WorkerSpec.from_config(cfg)
-        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e))
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p: events.append((p.level, p.kind, p.text())))
         assert await engine.run() == snap.RunState.DONE
     assert len(server.sent) == N and engine.errors["no_ids"] == N
     said = [e[2] for e in events if e[1] == EventKind.SERVER_IDS]
@@ -302,7 +302,7 @@ async def test_ids_asked_of_a_server_that_ignores_the_key_are_counted_never_sile
                                    reasoning_field="reasoning_content"), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": N, "concurrency": 3, "max_tokens": 512}],
                           tables={"api": {"kind": "openai-compatible", "return_token_ids": True, "stream": False}})
-        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda *e: events.append(e))
+        engine = Engine(cfg, TEST_KEY, seed=1, on_event=lambda p: events.append((p.level, p.kind, p.text())))
         assert await engine.run() == snap.RunState.DONE
     assert engine.errors["no_ids"] == N
     assert ("no_ids", N) in engine.snapshot().errors
@@ -408,7 +408,8 @@ async def test_two_runs_in_one_process_each_find_their_own_server(tmp_path):
         await check_api(cfgs[0], TEST_KEY)  # the first run's start-up check: its kind, then its release
         for k, (shape, version) in enumerate((("vllm", "0.13.0"), ("sglang", "0.5.14"))):
             server.shape, server.version = shape, version
-            engine = Engine(cfgs[k], TEST_KEY, seed=1, on_event=lambda *e, k=k: said[k].append(e))
+            engine = Engine(cfgs[k], TEST_KEY, seed=1,
+                            on_event=lambda p, k=k: said[k].append((p.level, p.kind, p.text())))
             assert await engine.run() == snap.RunState.DONE
             assert engine.errors["no_ids"] == (0 if shape == "vllm" else N)
         later = config("three", "auto")

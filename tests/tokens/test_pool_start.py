@@ -62,7 +62,7 @@ async def test_a_worker_that_dies_before_it_is_ready_is_replaced_and_its_answers
         tmp_path: Path) -> None:
     live, gate = _gated(tmp_path)
     events: list[tuple[str, str, str]] = []
-    live._pool._event = lambda *e: events.append(e)
+    live._pool._event = lambda p: events.append((p.level, p.kind, p.text()))
     await asyncio.wait_for(live.start(), 60)
     records = [response(i) for i in range(12)]
     for rec in records:
@@ -96,7 +96,7 @@ async def test_workers_that_cannot_start_at_all_stop_reconstruction_loudly_and_l
     to finish (docs/workflow.md), as when the workers keep dying; the answers stay in responses.jsonl."""
     config = make_config(tmp_path)
     events: list[tuple[str, str, str]] = []
-    live = RunReconstructor(config, workers=1, on_event=lambda *e: events.append(e))
+    live = RunReconstructor(config, workers=1, on_event=lambda p: events.append((p.level, p.kind, p.text())))
     live._pool._spec = BrokenWorkerSpec.of(live._spec)
     await asyncio.wait_for(live.start(), 60)
     for i in range(10):

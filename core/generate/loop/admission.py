@@ -23,9 +23,8 @@ from draftgen.core.generate.loop.prompt_files import ReadingStopped
 from draftgen.core.generate.loop.request import Request, RunTerms
 from draftgen.core.generate.loop.room import Admit, Decision
 from draftgen.core.generate.loop.source import Booked, PromptSource, open_source
-from draftgen.core.live.events import DatasetDone, EventKind, Level
+from draftgen.core.live import payloads as ev
 from draftgen.core.live.snapshot import DatasetStatus
-from draftgen.core.units import usd
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.dataset_run import DatasetRun
@@ -142,12 +141,11 @@ class Admission:
             await asyncio.to_thread(self._book.scan_prompts, ds)
         ds.running()
         if ds.rejected:
-            self._event(Level.WARN, EventKind.REJECTED, f"{name}: {ds.rejected} prompt lines rejected "
-                        f"(see {self._book.rundir.rejected(name)})", dataset=name)
+            self._event(ev.Rejected(lines=ds.rejected, path=str(self._book.rundir.rejected(name)), dataset=name))
         units = (f"turns of {ds.conversations.total} conversations (turns = \"all\")" if ds.config.turns == "all"
                  else "prompts")
-        self._event(Level.INFO, EventKind.DATASET_START, f"{name}: {ds.total} {units}, {ds.done} already answered, "
-                    f"{ds.failed} already failed; concurrency {ds.config.concurrency}", dataset=name)
+        self._event(ev.DatasetStart(total=ds.total, units=units, answered=ds.done, failed=ds.failed,
+                                     concurrency=ds.config.concurrency, dataset=name))
 
     def _budget_ends(self, ds: DatasetRun, decision: Decision) -> None:
         """A budget ends the dataset: the rest of its prompts is skipped (eligible for a later run)."""
@@ -155,14 +153,14 @@ class Admission:
         if decision.money:
             self._room.stop_for_money(name)
         ds.end(DatasetStatus.BUDGET, decision.reason)
-        self._event(Level.WARN, EventKind.BUDGET, f"{name}: {decision.reason}; the rest is skipped "
-                    "(stays eligible for a later run)", dataset=name)
+        self._event(ev.Budget(line=f"{name}: {decision.reason}; the rest is skipped "
+                    "(stays eligible for a later run)", dataset=name))
 
     def _end(self, ds: DatasetRun, budget_reason: str) -> None:
         """Nothing left in flight: settle the set-aside prompts, leave the dataset's final status, say it."""
         name = ds.config.name
         if not self._control.closed and not budget_reason and self._book.settle_doubts(ds):
-            self._event(Level.ERROR, EventKind.DATASET_STOPPED, f"{name}: {ds.message}", dataset=name)
+            self._event(ev.DatasetStopped(cause=ds.message, dataset=name))
         if ds.stopped:
             ds.end(DatasetStatus.STOPPED)
         elif budget_reason:
@@ -177,12 +175,9 @@ class Admission:
         duplicates = self._duplicates.skipped.get(name, 0) if self._duplicates is not None else 0
         costly = self._room.money_skipped.get(name, 0)
         cost = self._money.spend.by_dataset.get(name, ds.cost)  # the ledger's, as in the panel
-        self._event(Level.INFO, EventKind.DATASET_DONE, f"{name}: {ds.status}: {ds.done}/{ds.total} answered, "
-                    f"{ds.failed} failed, {ds.skipped} skipped"
-                    f"{f' ({costly} by max_usd)' if costly else ''}"
-                    f"{f' ({duplicates} already answered in another dataset)' if duplicates else ''}, {usd(cost)}"
-                    f"{_conversations_done(ds)}",
-                    dataset=name, data=DatasetDone(str(ds.status), ds.done, ds.total, ds.failed, ds.skipped, cost))
+        self._event(ev.DatasetDone(status=str(ds.status), answered=ds.done, total=ds.total, failed=ds.failed,
+                                    skipped=ds.skipped, cost_usd=cost, by_max_usd=costly, duplicates=duplicates,
+                                    conversations=_conversations_done(ds), dataset=name))
 
     async def grow_limits(self) -> None:
         """Every second: let the limits cut by 429s grow back (runs for the life of the run)."""

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 from draftgen.core.generate.loop.prompt_files import ReadingStopped, read_conversations
 from draftgen.core.generate.loop.prompts import Conversation, Prompt, Rejection, turn_id
 from draftgen.core.generate.loop.source import Booked, BookedAs
-from draftgen.core.live.events import EventKind, EventSink, Level
+from draftgen.core.live import payloads as ev
+from draftgen.core.live.events import EventSink, Level
 from draftgen.core.records import TurnFields, arguments_text, broken_answer, own_calls, same_calls
 from draftgen.core.rundir import iter_jsonl
 from draftgen.core.servers import ServerProfile
@@ -287,10 +288,11 @@ class ConversationSource:
         self.counts.reasons[kind] += 1
         if not self._said_ended and rest:
             self._said_ended = True
-            self._event(Level.INFO, EventKind.BUDGET if kind.startswith("skipped") else EventKind.CONVERSATION,
-                        f"{self._name}: conversation {conv.id!r} ended at turn {k} of {conv.turns}: {why}; its "
-                        f"{rest} later turn(s) are skipped (nothing is asked on a broken answer); every conversation "
-                        "that ends early is counted", dataset=self._name)
+            line = (f"{self._name}: conversation {conv.id!r} ended at turn {k} of {conv.turns}: {why}; its "
+                    f"{rest} later turn(s) are skipped (nothing is asked on a broken answer); every conversation "
+                    "that ends early is counted")
+            self._event(ev.Budget(line=line, dataset=self._name, at=Level.INFO) if kind.startswith("skipped")
+                        else ev.ConversationEnded(line=line, dataset=self._name))
 
     def _begin(self, conv: Conversation) -> Prompt | None:
         """A conversation read from the file: its first turn with no outcome on disk, or None when it
@@ -339,11 +341,11 @@ class ConversationSource:
         self.counts.ended += 1
         self.counts.reasons["prompt file edited"] += 1
         if self._edited == 1:
-            self._event(Level.WARN, EventKind.CONVERSATION,
-                        f"{self._name}: {self._path} line {conv.line}: turn {k} of conversation {conv.id!r} is not "
+            self._event(ev.ConversationEnded(
+                line=f"{self._name}: {self._path} line {conv.line}: turn {k} of conversation {conv.id!r} is not "
                         "the one its stored answer was asked with (the prompt file was edited since): the "
                         "conversation is not continued (its stored turns stay, its rest is counted skipped); "
-                        "every such conversation is counted", dataset=self._name)
+                        "every such conversation is counted", dataset=self._name, at=Level.WARN))
 
     @property
     def edited(self) -> int:

@@ -73,8 +73,9 @@ from draftgen.core.generate.loop.stats import Tally
 from draftgen.core.generate.money.budget import MoneyBudget, TokenBudget
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger
+from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.events import EventData, EventKind, EventSink, Level, event_sink
+from draftgen.core.live.events import EventSink, Level, no_event
 from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.live.summary import ended_line, final_state
@@ -95,7 +96,7 @@ class Engine:
         self.rundir = rundir or RunDir(config.run_dir)  # the pipeline's (one per run), or the engine's own
         self._api_key = api_key
         self._redact = redact or Redactor(api_key, config.api.management_key())
-        self._on_event = event_sink(on_event)
+        self._event: EventSink = on_event or no_event  # the pipeline's: it redacts what leaves for the views
         self._clock = clock
         self.datasets = {d.name: DatasetRun(d, TokenBudget(d.token_budget, d.max_tokens),
                                             AdaptiveConcurrency(d.concurrency, clock, self._limit_said(d.name)))
@@ -199,8 +200,7 @@ class Engine:
         if not self.control.drain():
             return
         self._wake_all()
-        self._event(Level.INFO, EventKind.DRAINING,
-                    f"draining: waiting for {self.in_flight} requests in flight")
+        self._event(ev.Draining(in_flight=self.in_flight))
 
     def spool_held(self) -> None:
         """Stop waiting for the disk: the records held in memory go to the spool (spool.py) at the end."""
@@ -218,9 +218,7 @@ class Engine:
         tasks = tuple(self._loop.service.tasks) if self._loop is not None else ()
         for task in tasks:
             task.cancel()
-        self._event(Level.WARN, EventKind.STOPPING,
-                    f"stopping now: {len(tasks)} requests in flight abandoned "
-                    "(they stay eligible for the next run)")
+        self._event(ev.Stopping(abandoned=len(tasks)))
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -284,10 +282,10 @@ class Engine:
                             waiting=self.current_hold is Hold.ACCOUNT,
                             money_limited=self._loop is not None and self._loop.room.money_limited)
         self.control.end(final, ended_line(final, self.datasets.values()))
-        self._event(Level.INFO if self.state == RunState.DONE else Level.WARN, EventKind.RUN_DONE,
-                    f"run {self.ended}; {usd(self.money.spent_run)} spent this run, "
+        self._event(ev.RunDone(line=f"run {self.ended}; {usd(self.money.spent_run)} spent this run, "
                     f"{usd(self.spend.spent_usd)} all runs"
-                    + (f" ({usd(self.spend.pending_usd)} of it pending, at worst case)" if self.spend.pending else ""))
+                    + (f" ({usd(self.spend.pending_usd)} of it pending, at worst case)" if self.spend.pending else ""),
+                    at=Level.INFO if self.state == RunState.DONE else Level.WARN))
         return self.state
 
     async def _wait_for_disk(self) -> None:
@@ -296,15 +294,11 @@ class Engine:
         said = False
         while self.book.holding and not (self._spool_now or self.control.stopping):
             if self.book.flush_held():
-                self._event(Level.INFO, EventKind.HELD_WRITTEN,
-                            "the disk took the held records: every answer is on disk")
+                self._event(ev.HeldWritten())
                 return
             if not said:
                 said = True
-                self._event(Level.WARN, EventKind.HELD_WAIT,
-                            f"{self.book.held_answers} paid answer(s) are held in memory, not "
-                            f"on disk: the run waits for the disk, retrying every {HELD_RETRY_S:g} s (free space; r "
-                            "or SIGUSR1 retries now); quit again (a second SIGINT) to spool them to a fallback file")
+                self._event(ev.HeldWait(answers=self.book.held_answers, retry_s=HELD_RETRY_S))
             self._held_wake.clear()
             try:
                 await asyncio.wait_for(self._held_wake.wait(), HELD_RETRY_S)
@@ -326,11 +320,10 @@ class Engine:
             return ChatClient(api.base_url, self._api_key, concurrency=need, **kwargs)
 
         def say(out: bool, text: str) -> None:  # a server taken out, or back
-            self._event(Level.WARN if out else Level.INFO,
-                        EventKind.UNREACHABLE if out else EventKind.REACHABLE, text)
+            self._event(ev.Unreachable(line=text) if out else ev.Reachable(line=text))
 
         def say_limit(starts: bool, text: str) -> None:  # a server's storm began or ended, its limit back
-            self._event(Level.WARN if starts else Level.INFO, EventKind.CONCURRENCY, text)
+            self._event(ev.Concurrency(line=text, at=Level.WARN if starts else Level.INFO))
 
         clock = self._clock
         return FleetClient(api.servers, self._api_key, concurrency=need, say=say, say_limit=say_limit,
@@ -338,18 +331,14 @@ class Engine:
 
     def _provider_said(self, bad: bool, message: str) -> None:
         """A provider gone bad, or back (recent.py `ProviderStats`): an event."""
-        self._event(Level.WARN if bad else Level.INFO, EventKind.PROVIDER, message)
+        self._event(ev.Provider(line=message, at=Level.WARN if bad else Level.INFO))
 
     def _limit_said(self, name: str) -> Callable[[bool, str], None]:
         """What dataset `name`'s adaptive limit says (a storm's start and end, the limit back): an event."""
         def say(starts: bool, message: str) -> None:
-            self._event(Level.WARN if starts else Level.INFO, EventKind.CONCURRENCY,
-                        f"{name}: {message}", dataset=name)
+            self._event(ev.Concurrency(line=f"{name}: {message}", dataset=name,
+                                       at=Level.WARN if starts else Level.INFO))
         return say
-
-    def _event(self, level: Level, kind: EventKind, message: str, dataset: str = "",
-               data: EventData | None = None) -> None:
-        self._on_event(level, kind, self._redact(message), dataset=dataset, data=data)
 
     def waiting(self) -> str:
         """Why the run is making no progress right now, in a sentence (empty while it is)."""

@@ -40,14 +40,11 @@ from draftgen.core.generate.loop.smoke_record import apply_smoke_stream, load_sm
 from draftgen.core.generate.money.forecast import SmokeFigures
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger
-from draftgen.core.live.events import EventKind, EventSink, Level, OverReservation
+from draftgen.core.live import payloads as ev
+from draftgen.core.live.events import EventSink, Level, no_event
 from draftgen.core.records import cost_of, count_of
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.units import usd
-
-
-def _no_event(level: str, kind: str, message: str, dataset: str = "") -> None:
-    pass
 
 
 def _estimate(usage: Any, p: Prices | None) -> float:
@@ -160,7 +157,7 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
                      event: EventSink, on_settled: Callable[[], None]) -> OpenedMoney:
     cut = await asyncio.to_thread(spend.open)
     if cut:
-        event(Level.WARN, EventKind.REPAIRED, f"{spend.path}: cut a half-written last line ({cut} bytes)")
+        event(ev.Repaired(path=str(spend.path), cut_bytes=cut))
     # the key's usage before the directory's first attempt (`draftgen ledger`)
     if not spend.existed and config.api.server.kind.has_account:
         with contextlib.suppress(Exception):
@@ -170,31 +167,29 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
     prices, listing_error = await fetch_prices(client, config)
     require_prices(config, prices, listing_error)
     for name, p in prices.items():
-        event(Level.INFO, EventKind.PRICES, f"{name}: worst case {p.describe()}" if p is not None else
-              f"{name}: no price known ({listing_error or 'no provider allowed'}); no ceiling is set", dataset=name)
+        event(ev.PriceNote(line=f"{name}: worst case {p.describe()}" if p is not None else
+              f"{name}: no price known ({listing_error or 'no provider allowed'}); no ceiling is set", dataset=name))
     smoke = await asyncio.to_thread(load_smoke_answer, rundir, config.run_fingerprint())
     await asyncio.to_thread(apply_smoke_stream, config, rundir)
     if config.api.stream_decided:
-        event(Level.INFO, EventKind.REQUEST_KEYS, f"requests stream: the smoke test found the non-streamed answers of "
-              f"{config.api.base_url} rewritten by its parser ({rundir.smoke_json}; [api] stream overrides it)")
+        event(ev.RequestKeys(line=f"requests stream: the smoke test found the non-streamed answers of "
+              f"{config.api.base_url} rewritten by its parser ({rundir.smoke_json}; [api] stream overrides it)"))
     def over(p: Pending, cost: float, provider: str) -> None:
-        event(Level.WARN, EventKind.OVER_RESERVATION, f"{p.ds}: provider {provider or '(unnamed)'}: prompt "
-              f"{p.prompt_id!r} billed ${cost:.6f} by its generation record, ${cost - p.worst:.6f} past the "
-              f"${p.worst:.6f} it was counted at: booked at what it billed, so max_usd counts it", dataset=p.ds,
-              data=OverReservation(provider or "(unnamed)", p.worst, cost))
+        event(ev.OverReservation(provider=provider or "(unnamed)", prompt_id=p.prompt_id, reserved_usd=p.worst,
+                                 billed_usd=cost, by_record=True, dataset=p.ds))
 
     said: list[bool] = []
 
     def doubt(p: Pending, figure: str) -> None:  # said once a run (the settler counts them all)
         if not said:
             said.append(True)
-            event(Level.WARN, EventKind.BAD_BILL, f"{p.ds}: prompt {p.prompt_id!r}: its generation record says it "
+            event(ev.BadBill(line=f"{p.ds}: prompt {p.prompt_id!r}: its generation record says it "
                   f"cost {figure}, which is not believed (settle.py): settled at what it counted at, "
-                  f"${p.worst:.6f}", dataset=p.ds)
+                  f"${p.worst:.6f}", dataset=p.ds))
 
     def key_priced(n: int, cost: float, worst: float) -> None:
-        event(Level.INFO, EventKind.PENDING, f"{n} attempt(s) without a generation id priced from the key's usage "
-              f"since the directory's first run: {usd(cost)} together (they counted {usd(worst)} at worst case)")
+        event(ev.PendingAttempts(line=f"{n} attempt(s) without a generation id priced from the key's usage "
+              f"since the directory's first run: {usd(cost)} together (they counted {usd(worst)} at worst case)"))
 
     settler = Settler(spend, client, config.api.generation_lookup_s, on_settled=on_settled,
                       bills_answers=config.api.server.kind.bills_answers, on_over=over, on_doubt=doubt,
@@ -204,12 +199,12 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
     left = spend.lookups()
     if spend.pending:
         unknown = len(spend.unknown())
-        event(Level.WARN, EventKind.PENDING, f"{len(spend.pending)} attempt(s) of earlier runs not priced yet "
+        event(ev.PendingAttempts(line=f"{len(spend.pending)} attempt(s) of earlier runs not priced yet "
               f"count at their worst case ({usd(spend.pending_usd)}); {len(left)} looked up now"
               + (f", {unknown} without a generation id priced from the key's usage once they cannot still be "
                  f"running (in {settler.unknown_due_s():.0f} s at most)" if unknown and settler.prices_unknown
                  else f", {unknown} without a generation id stay at worst case (no key usage baseline)"
-                 if unknown and config.api.server.kind.has_account else ""))
+                 if unknown and config.api.server.kind.has_account else ""), at=Level.WARN))
     settler.add(left)
     return OpenedMoney(prices, smoke, settler)
 
@@ -227,7 +222,7 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
         ds.smoke_answered(name in smoke_answered)
     for ds in datasets.values():  # a directory from before the spend ledger: its answers' cost carries in
         spend.carry(ds.config.name, ds.cost, ds.done)
-    say = event or _no_event
+    say = event or no_event
     settled: dict[str, tuple[int, float]] = {}
     for p, cost, source in await asyncio.to_thread(recorded_answers, rundir, datasets, spend):
         p.answer = True  # on the loop: the settler writes the ledger too
@@ -235,22 +230,17 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
         n, total = settled.get(p.ds, (0, 0.0))
         settled[p.ds] = (n + 1, total + cost)
     for name, (n, total) in settled.items():
-        say(Level.INFO, EventKind.PENDING, f"{name}: {n} attempt(s) an earlier run left open have their answer in "
+        say(ev.PendingAttempts(line=f"{name}: {n} attempt(s) an earlier run left open have their answer in "
             f"{rundir.responses(name)} (written before the ledger's line, or imported from a spool): settled at "
-            f"their recorded cost, {usd(total)}", dataset=name)
+            f"their recorded cost, {usd(total)}", dataset=name))
     # A ledger behind its answers (or the reverse), e.g. after an OS crash of a version without fsync.
     for name, found in (await asyncio.to_thread(count_unledgered, rundir, datasets, spend, prices or {})).items():
         if found.lost:
-            say(Level.WARN, EventKind.ANSWERS_LOST,
-                f"{name}: {found.lost} prompt(s) answered on the spend ledger have no answer "
-                f"in {rundir.responses(name)} (lost in a crash?): their cost stays counted and they are asked again",
-                dataset=name)
+            say(ev.AnswersLost(lost=found.lost, responses=str(rundir.responses(name)), dataset=name))
         if found.answers:
             spend.found(name, found.answers, found.usd)  # on the loop: the settler writes the ledger too
-            say(Level.WARN, EventKind.UNLEDGERED,
-                f"{name}: {found.answers} answer(s) in {rundir.responses(name)} have no "
-                f"line on {spend.path} (its tail lost in a crash?): their {usd(found.usd)} now counts as spent",
-                dataset=name)
+            say(ev.UnledgeredAnswers(answers=found.answers, usd=found.usd, responses=str(rundir.responses(name)),
+                              ledger=str(spend.path), dataset=name))
     # A file that cannot be read fails when its dataset starts, as before; a quit stops the count.
     for ds in datasets.values():
         with contextlib.suppress(DraftgenError, ReadingStopped):

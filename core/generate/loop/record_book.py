@@ -49,7 +49,7 @@ from draftgen.core.generate.loop.spool import SpoolRecord, write_spool
 from draftgen.core.generate.loop.spool_import import SpoolImport
 from draftgen.core.generate.loop.stats import RateTracker
 from draftgen.core.generate.money.budget import MoneyBudget
-from draftgen.core.live.events import EventKind, Level
+from draftgen.core.live import payloads as ev
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord, broken_answer, same_model
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.units import to_ms
@@ -122,8 +122,7 @@ class RecordBook:
         ds.open_files(responses, failures)
         for f in (responses, failures):
             if f.cut_bytes:
-                self._event(Level.WARN, EventKind.REPAIRED, f"{f.path}: cut a half-written last line "
-                            f"({f.cut_bytes} bytes) left by a crash")
+                self._event(ev.Repaired(path=str(f.path), cut_bytes=f.cut_bytes, by_crash=True))
         self._spools.import_into(ds)
         for _, raw in iter_jsonl(rd.responses(ds.config.name)):
             rec = ResponseRecord.from_dict(raw)  # odd values in a hand-edited line count as nothing
@@ -281,10 +280,7 @@ class RecordBook:
             self.errors.add(ErrorKind.LENGTH if truncated else ErrorKind.EMPTY_CONTENT)
             if truncated and (cut := ds.cut_to_say()):
                 name = ds.config.name
-                self._event(Level.WARN, EventKind.CUT_ANSWERS,
-                            f"{name}: {cut} of its {ds.answered_now} answers this run were cut at max_tokens: they "
-                            "are paid for and kept (marked truncated), but the merge leaves them out; drain (q then "
-                            "d; headless: Ctrl-C) and raise the dataset's max_tokens before asking more", dataset=name)
+                self._event(ev.CutAnswers(cut=cut, answered=ds.answered_now, dataset=name))
         self.rates.record(a.usage.completion_tokens)
 
     def _other_model(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int) -> None:
@@ -410,9 +406,8 @@ class RecordBook:
             self._control.held_spooled(answers, len(self._held) - answers, str(path))
             self._held.clear()
             self._control.release(Hold.DISK)
-            self._event(Level.WARN, EventKind.SPOOLED, f"{answers} answer(s) held in memory (the disk refused them: "
-                        f"{self._disk_error}) are spooled to {path}; the next `draftgen run` of {self.rundir.root} "
-                        "imports them before it sends anything")
+            self._event(ev.Spooled(answers=answers, cause=str(self._disk_error), path=str(path),
+                                   run_dir=str(self.rundir.root)))
             return
         self._control.held_lost(answers)
         lost: dict[str, int] = {}
@@ -422,7 +417,6 @@ class RecordBook:
         self._held.clear()
         self._control.release(Hold.DISK)
         where = ", ".join(f"{n} for {path}" for path, n in lost.items())
-        self._event(Level.ERROR, EventKind.UNSAVED,
-                    f"{sum(lost.values())} record(s) could not be written and are not saved "
+        self._event(ev.Unsaved(line=f"{sum(lost.values())} record(s) could not be written and are not saved "
                     f"({where}): {self._disk_error}; no spool place took them either ({'; '.join(refused)}); "
-                    "the next run asks those prompts again")
+                    "the next run asks those prompts again"))

@@ -79,7 +79,8 @@ from draftgen.core.generate.money.billing import (
 )
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
-from draftgen.core.live.events import EventKind, Level, OverReservation, ProviderPastCap
+from draftgen.core.live import payloads as ev
+from draftgen.core.live.events import EventKind
 from draftgen.core.records import ErrorKind
 
 if TYPE_CHECKING:
@@ -199,10 +200,8 @@ class Request:
         except Exception as exc:  # an error of the engine's own: not asked again this run, said with its cause
             if not self.booked:
                 self._tell(ENDED_ON_ERROR)
-                said = (f"{ds.config.name}: prompt {self.prompt.id!r} not asked again this run: the engine's own "
-                        f"error {type(exc).__name__}: {exc}")
-                ctx = terms.ctx
-                ctx.event(Level.ERROR, EventKind.REQUEST_ERROR, ctx.redact(said), dataset=ds.config.name)
+                terms.ctx.event(ev.RequestError(prompt_id=self.prompt.id, cause=f"{type(exc).__name__}: {exc}",
+                                                dataset=ds.config.name))
         finally:
             tasks.discard(task)
             # What it held, released; its dataset (or, money being shared, every dataset) woken.
@@ -293,8 +292,7 @@ class Request:
         elif outcome is Outcome.DATASET:
             assert self.error is not None
             if ds.stop_for(self.error, ctx.redact):
-                ctx.event(Level.ERROR, EventKind.DATASET_STOPPED, f"{ds.config.name}: {ds.message}",
-                          dataset=ds.config.name)
+                ctx.event(ev.DatasetStopped(cause=ds.message, dataset=ds.config.name))
         return False  # GIVEN_UP: a drain or stop while retrying
 
 
@@ -329,10 +327,7 @@ class RunTerms:
             return False
         ds.skipped_some()
         if duplicates.skip(ds.config.name) == 1:
-            self.ctx.event(Level.WARN, EventKind.DUPLICATE,
-                           f"{ds.config.name}: prompt {prompt.id!r} skipped: the same prompt (normalised text) is "
-                           f"already answered in {other}; every such prompt is skipped and counted ([engine] "
-                           "skip_cross_dataset_duplicates = false sends them)", dataset=ds.config.name)
+            self.ctx.event(ev.Duplicate(prompt_id=prompt.id, other=other, dataset=ds.config.name))
         return True
 
     def wake(self, ds: DatasetRun) -> None:
@@ -380,9 +375,8 @@ class RunTerms:
         ctx, ds, ticket, service = self.ctx, req.ds, req.ticket, self.service
         assert ds is not None and ticket is not None
         if e.past_cap is not None:
-            service.say(EventKind.PAST_CAP, ds.config.name, e.provider, f"prompt {ticket.prompt_id!r}: "
-                        f"{ctx.redact(e.message)}; booked at what it billed, the prompt is asked again "
-                        "(docs/money.md)", ProviderPastCap)
+            service.say(EventKind.PAST_CAP, e.provider, lambda who, n: ev.ProviderPastCap(
+                provider=who, times=n, prompt_id=ticket.prompt_id, cause=e.message, dataset=ds.config.name))
         ctx.errors.add(e.kind)
         ctx.recent.add(kind=str(e.kind), dataset=ds.config.name, prompt_id=ticket.prompt_id, attempt=req.tries,
                        message=ctx.redact(e.message), status=e.status, provider=e.server or e.provider)
@@ -476,10 +470,9 @@ class RunTerms:
         answer = as_booked(answer, ticket, prices)  # the record's cost is what the ledger booked
         over = over_reservation(answer, ticket, prices)
         if over:
-            service.say(EventKind.OVER_RESERVATION, name, answer.provider or "",
-                        f"prompt {ticket.prompt_id!r} billed ${ticket.worst + over:.6f}, ${over:.6f} past its "
-                        f"reservation of ${ticket.worst:.6f}: booked at what it billed, so max_usd counts it",
-                        lambda who: OverReservation(who, ticket.worst, ticket.worst + over))
+            service.say(EventKind.OVER_RESERVATION, answer.provider or "", lambda who, n: ev.OverReservation(
+                provider=who, times=n, prompt_id=ticket.prompt_id, reserved_usd=ticket.worst,
+                billed_usd=ticket.worst + over, dataset=name))
         service.note_answer(req.sent_no)
         req.answer = answer
         return Outcome.ANSWERED

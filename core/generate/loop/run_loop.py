@@ -22,7 +22,7 @@ from draftgen.core.generate.loop.request import RunTerms
 from draftgen.core.generate.loop.room import Room, price_trust
 from draftgen.core.generate.loop.service import Service
 from draftgen.core.generate.loop.watch import AccountWatch
-from draftgen.core.live.events import EventKind, Level
+from draftgen.core.live import payloads as ev
 
 
 class RunLoop:
@@ -61,7 +61,7 @@ class RunLoop:
     def _key_refused(self, stop: AccountStop) -> None:
         alert = stop.alert(paused=False)
         self._ctx.control.say(alert)
-        self._ctx.event(Level.ERROR, EventKind.ACCOUNT, alert)
+        self._ctx.event(ev.AccountChanged(line=alert))
         self._drain()
 
     def _account_cleared(self) -> None:

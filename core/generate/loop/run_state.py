@@ -28,7 +28,8 @@ from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
 from draftgen.core.errors import ExitCode
-from draftgen.core.live.events import EventKind, EventSink, Level
+from draftgen.core.live import payloads as ev
+from draftgen.core.live.events import EventSink
 from draftgen.core.live.snapshot import RunState, StageState, weighed
 from draftgen.core.live.summary import INCOMPLETE
 
@@ -228,8 +229,7 @@ class RunControl:
         self._state = RunState.PAUSED
         self._paused_by = by
         self._open.clear()
-        self._event(Level.INFO, EventKind.PAUSED, f"paused {by} "
-                    "(requests in flight finish and are recorded; none is retried while paused)")
+        self._event(ev.Paused(by=by))
         return True
 
     def hold(self, why: Hold, reason: str, account: AccountStop | None = None) -> None:
@@ -244,7 +244,7 @@ class RunControl:
             self._state = RunState.PAUSED
             self._open.clear()
         if first:
-            self._event(Level.ERROR, EventKind.ALERT, reason)
+            self._event(ev.Alert(line=reason))
 
     def say(self, alert: str) -> None:
         """An alert with no change of state (a key refused before the drain, a balance re-read)."""
@@ -265,7 +265,7 @@ class RunControl:
         self._account = None
         self._paused_by = None
         self._open.set()
-        self._event(Level.INFO, EventKind.RESUMED, "resumed")
+        self._event(ev.Resumed())
 
     def drain(self) -> bool:
         """Admit nothing more; True when this call began the drain."""

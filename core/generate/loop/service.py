@@ -19,7 +19,8 @@ from draftgen.core.generate.api.client import ChatClient, RequestFailed
 from draftgen.core.generate.api.preflight import detect_server
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.money.spend import Ticket
-from draftgen.core.live.events import EventData, EventKind, Level
+from draftgen.core.live import payloads as ev
+from draftgen.core.live.events import EventKind, Level, Payload
 from draftgen.core.records import ErrorKind
 from draftgen.core.servers import ids_plan, missing_ids_message
 
@@ -74,8 +75,8 @@ class Service:
         blocks[block] += 1
         if (since := self.unreachable_since) is not None:
             ctx = self._ctx
-            ctx.event(Level.INFO, EventKind.REACHABLE, f"{ctx.config.api.base_url} answers again after "
-                      f"{ctx.clock() - since:.0f} s out of reach")
+            ctx.event(ev.Reachable(line=f"{ctx.config.api.base_url} answers again after "
+                      f"{ctx.clock() - since:.0f} s out of reach"))
             self.unreachable_since = None
 
     # -- outages -------------------------------------------------------------------------------------
@@ -103,20 +104,19 @@ class Service:
             # The cause once (it names the address), the advice that matches it, then what the run does.
             cause = self.unreachable_cause
             advice = unreachable_advice(ctx.config.api.base_url, cause, ctx.config.path)
-            ctx.event(Level.WARN, EventKind.UNREACHABLE, f"{cause}: {advice}; retrying until it answers, no prompt "
-                      "is failed meanwhile")
+            ctx.event(ev.Unreachable(line=f"{cause}: {advice}; retrying until it answers, no prompt "
+                      "is failed meanwhile"))
 
     # -- said once, or sparingly ---------------------------------------------------------------------
 
-    def say(self, kind: EventKind, name: str, provider: str, what: str, data: Callable[[str], EventData]) -> None:
-        """A provider's billing past what was asked (dataset `name`): said the 1st, 10th, 100th... time per
-        provider, with its payload made by `data` from the provider's (redacted) name."""
+    def say(self, kind: EventKind, provider: str, payload: Callable[[str, int], Payload]) -> None:
+        """A provider's billing past what was asked: said the 1st, 10th, 100th... time per provider, as the
+        payload `payload` makes of the provider's (redacted) name and the times so far."""
         ctx = self._ctx
         who = ctx.redact(provider) or "(unnamed provider)"
         n = self._said[kind, who] = self._said.get((kind, who), 0) + 1
         if n == 1 or (n % 10 == 0 and str(n).rstrip("0") == "1"):
-            again = f" ({n} times so far)" if n > 1 else ""
-            ctx.event(Level.WARN, kind, f"{name}: provider {who}{again}: {what}", dataset=name, data=data(who))
+            ctx.event(payload(who, n))
 
     def doubted(self, name: str, ticket: Ticket, answer: ChatAnswer) -> None:
         """An answer whose bill is not believed (billing.py `believed`): counted (bad_bill), and said once per
@@ -130,9 +130,9 @@ class Service:
         counts = answer.usage.prompt_tokens or answer.usage.completion_tokens
         instead = ("its generation record's cost (checked the same way)" if ticket.gen else
                    "its token counts at the worst prices" if counts else f"its worst case ${ticket.worst:.6f}")
-        ctx.event(Level.WARN, EventKind.BAD_BILL, f"{name}: provider {who}: prompt {ticket.prompt_id!r} came with "
+        ctx.event(ev.BadBill(line=f"{name}: provider {who}: prompt {ticket.prompt_id!r} came with "
                   f"{answer.doubt}: not booked as given but at {instead}; the answer is kept. Said once per kind; "
-                  "each such answer is counted as bad_bill", dataset=name)
+                  "each such answer is counted as bad_bill", dataset=name))
 
     # -- the self-hosted server's token ids ---------------------------------------------------------
 
@@ -146,7 +146,7 @@ class Service:
             await detect_server(config, self.client)
         asked, text = ids_plan(config.api.server.release, config.api.base_url, config.api.streams)
         self._ids_said = not asked  # the reason is said once, here: each answer without ids is still counted
-        self._ctx.event(Level.INFO if asked else Level.WARN, EventKind.SERVER_IDS, text)
+        self._ctx.event(ev.ServerIds(line=text, at=Level.INFO if asked else Level.WARN))
 
     def no_ids(self, name: str) -> None:
         """An answer without the ids asked for: counted (no_ids), and said once with the fix."""
@@ -154,5 +154,5 @@ class Service:
         if not self._ids_said:
             self._ids_said = True
             api = self._ctx.config.api
-            self._ctx.event(Level.WARN, EventKind.SERVER_IDS,
-                            missing_ids_message(api.server.release, api.base_url, api.streams), dataset=name)
+            self._ctx.event(ev.ServerIds(line=missing_ids_message(api.server.release, api.base_url, api.streams),
+                                         dataset=name))

@@ -20,7 +20,8 @@ from draftgen.core.generate.api.account import AccountStatus, AccountStop, read_
 from draftgen.core.generate.api.classify import AccountCondition, RequestFailed
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.run_state import Hold
-from draftgen.core.live.events import EventKind, Level
+from draftgen.core.live import payloads as ev
+from draftgen.core.live.events import Level
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.parts import RunParts
@@ -101,8 +102,8 @@ class AccountWatch:
             # Room for what is still reserved plus the worst case of the next request, as admission asks.
             need = self._spend.reserved_usd + self._next_worst
             if stop.cleared_by(status, need_usd=need, floor_usd=self._money.floor_usd, now=time.time()):
-                self._event(Level.INFO, EventKind.ACCOUNT, f"{stop.condition.value} cleared ({status.balance_detail}): "
-                            "resuming")
+                self._event(ev.AccountChanged(line=f"{stop.condition.value} cleared ({status.balance_detail}): "
+                            "resuming", at=Level.INFO))
                 self._on_cleared()
                 return
 
@@ -118,9 +119,8 @@ class AccountWatch:
             for ds in self._datasets.values():
                 ds.wake.set()
         elif first_unknown:
-            self._event(Level.WARN, EventKind.CREDITS,
-                        f"balance {self._redact(status.balance_detail)}; the run keeps going "
-                        "under max_usd")
+            self._event(ev.CreditsRead(line=f"balance {self._redact(status.balance_detail)}; the run keeps going "
+                        "under max_usd"))
         return status
 
     async def read_then(self, resume: Callable[[], None]) -> None:
@@ -129,7 +129,7 @@ class AccountWatch:
         try:
             await self.read()
         except Exception as e:  # noqa: BLE001 - resume anyway
-            self._event(Level.WARN, EventKind.CREDITS, f"could not read the balance: {type(e).__name__}")
+            self._event(ev.CreditsRead(line=f"could not read the balance: {type(e).__name__}"))
         if self._run.paused:
             resume()
 
@@ -141,7 +141,7 @@ class AccountWatch:
             try:
                 await self.read()
             except RequestFailed as e:
-                self._event(Level.WARN, EventKind.CREDITS, f"could not read the balance: {self._redact(e.message)}")
+                self._event(ev.CreditsRead(line=f"could not read the balance: {self._redact(e.message)}"))
             except Exception as e:  # a balance check must never take the run down
-                self._event(Level.WARN, EventKind.CREDITS, f"could not read the balance: {type(e).__name__}")
+                self._event(ev.CreditsRead(line=f"could not read the balance: {type(e).__name__}"))
             await asyncio.sleep(self._config.api.credits_interval_s)
