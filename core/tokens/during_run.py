@@ -119,7 +119,8 @@ class RunReconstructor:
     # a pickle, a pipe round trip and a wake-up, so fewer, larger batches cost less CPU an answer (and the
     # answers wait a little longer for their ids, which nothing waits on until the run's end). 1,024 rather
     # than 256: the worker woken a quarter as often cost ~5 us an answer less in bench_engine's runs of ~100-token
-    # answers (BENCHMARKS.md, Token reconstruction during a run); long answers reach BATCH_CHARS first.
+    # answers (BENCHMARKS.md, Token reconstruction during a run); long answers reach BATCH_CHARS first. Batches
+    # by time (2 s, up to 4,096 answers) were tried and measured no better (the same page), the live row 2 s late.
     FLUSH_AFTER_S = 0.5
     BATCH_ANSWERS = 1024
     LIVE_BACKLOG = 4  # batches per worker queued before a submitted answer is left on disk for later
