@@ -221,7 +221,7 @@ def descendants_cpu() -> float:
 
 
 async def run_engine(url: str, n: int, concurrency: int, max_usd: float | None = None,
-                     turns: int = 1, reconstruct: bool = False) -> tuple[float, float, int, float, float]:
+                     turns: int = 1, reconstruct: bool = False) -> tuple[float, float, int, float, tuple[float, float]]:
     """The engine on n single-turn prompts, or (turns > 1) on n / turns conversations of `turns` user turns
     asked turn by turn (`turns = "all"`: each turn's request carries the target's earlier answers).
     `reconstruct`: each answer is also turned into token ids as it lands, as `draftgen run` does with
@@ -231,7 +231,8 @@ async def run_engine(url: str, n: int, concurrency: int, max_usd: float | None =
     start-up's CPU (the tokenizer loaded in the main process and in each worker, the workers' imports) is
     measured apart, and the wall time (req/s) is the run's from there.
     Returns req/s, the main process's CPU seconds, the peak in flight, the CPU seconds of its descendants
-    (the token workers, their forkserver and resource tracker) and the start-up's CPU seconds (all processes)."""
+    (the token workers, their forkserver and resource tracker) and the start-up's CPU seconds (the main
+    process's, its descendants')."""
     from draftgen.core.config_load import load_config
     from draftgen.core.generate.loop.engine import Engine
     from draftgen.core.rundir import RunDir
@@ -286,14 +287,14 @@ max_tokens = 1024
                     stage.refresh()  # the tokens row and the fidelity figures, as the pipeline's ticker asks
         watcher = asyncio.create_task(watch())
         start, cpu, cpu_below = time.perf_counter(), time.process_time(), descendants_cpu()
-        startup = 0.0
+        startup = (0.0, 0.0)
         if stage is not None:
             await stage.start()
             reconstructor = stage._reconstructor
             assert reconstructor is not None
             if reconstructor._restart is not None:  # its workers ready (in a run they start beside the requests)
                 await reconstructor._restart
-            startup = time.process_time() - cpu + descendants_cpu() - cpu_below
+            startup = (time.process_time() - cpu, descendants_cpu() - cpu_below)
             start = time.perf_counter()  # the wall time is the run's from here (the start-up's CPU is counted)
         await engine.run()
         if stage is not None:
@@ -376,7 +377,8 @@ def child_main(args: argparse.Namespace) -> None:
         # CPU per answer counts every process of the run: the token workers' share too.
         extra["main_cpu_us"] = cpu / args.n * 1e6
         extra["workers_cpu_us"] = cpu_below / args.n * 1e6
-        extra["startup_cpu_s"] = startup
+        extra["startup_cpu_s"] = sum(startup)
+        extra["main_startup_s"] = startup[0]  # the main process's share of it (the rest: the workers')
         cpu += cpu_below
         args.n -= args.n % MT_TURNS if args.child == "engine_mt" else 0  # the requests it sent
         extra["loop"] = runtime.loop_name()
@@ -502,8 +504,16 @@ def reconstruction_table(runs: dict[str, list[dict]]) -> None:
 
     def steady(x: dict) -> float:  # CPU per answer less the start-up's share
         return x["cpu_us"] - x.get("startup_cpu_s", 0.0) * 1e6 / x["n"]
+
+    def main_steady(x: dict) -> float:  # the main process's, less its share of the start-up
+        return x.get("main_cpu_us", x["cpu_us"]) - x.get("main_startup_s", 0.0) * 1e6 / x["n"]
+
+    def workers_steady(x: dict) -> float:  # the workers', less theirs
+        start_up = x.get("startup_cpu_s", 0.0) - x.get("main_startup_s", 0.0)
+        return x.get("workers_cpu_us", 0.0) - start_up * 1e6 / x["n"]
     print("\ntoken reconstruction on vs off: CPU per answer of every process of the run (main + token workers), "
-          "with the start-up and after it; wall time / the bare loop's; medians of the rounds\n")
+          "with the start-up and after it (main us and workers us: after it); wall time / the bare loop's; "
+          "medians of the rounds\n")
     print(f"| {'run':26} | {'CPU us/answer':>13} | {'start-up CPU s':>14} | {'after start-up':>14} | {'main us':>7} | "
           f"{'workers us':>10} | {'on / off':>8} | {'after start-up / off':>20} | {'wall / bare':>11} |")
     print(f"|{'-' * 28}|{'-' * 15}|{'-' * 16}|{'-' * 16}|{'-' * 9}|{'-' * 12}|{'-' * 10}|{'-' * 22}|{'-' * 13}|")
@@ -517,8 +527,8 @@ def reconstruction_table(runs: dict[str, list[dict]]) -> None:
         print(f"| {labels[m]:26} | {statistics.median(x['cpu_us'] for x in xs):13.0f} | "
               f"{statistics.median(x.get('startup_cpu_s', 0.0) for x in xs):14.2f} | "
               f"{statistics.median(steady(x) for x in xs):14.0f} | "
-              f"{statistics.median(x.get('main_cpu_us', x['cpu_us']) for x in xs):7.0f} | "
-              f"{statistics.median(x.get('workers_cpu_us', 0.0) for x in xs):10.0f} | "
+              f"{statistics.median(main_steady(x) for x in xs):7.0f} | "
+              f"{statistics.median(workers_steady(x) for x in xs):10.0f} | "
               f"{statistics.median(off):7.2f}x | {statistics.median(off_steady):19.2f}x | "
               f"{statistics.median(wall):10.2f}x |")
     for m in ("engine_tokens", "engine_tokens_ab"):

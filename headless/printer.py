@@ -25,7 +25,8 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.live.control import Action
 from draftgen.core.live.events import Level, Payload
 from draftgen.core.live.hub import Subscription
-from draftgen.core.live.payloads import Budget, DatasetDone, DatasetStart, Metrics, Smoke
+from draftgen.core.live.payloads import Budget, DatasetDone, DatasetStart
+from draftgen.core.live.stage_payloads import Metrics, Smoke
 from draftgen.core.live.summary import prompts_left, signal_line, summary_lines
 from draftgen.core.quoting import sh_path
 from draftgen.core.records import error_count

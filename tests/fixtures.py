@@ -361,10 +361,10 @@ _ZERO: dict[str, object] = {"int": 0, "float": 0.0, "str": "", "bool": False}
 
 
 def event(ts: float, level: str, kind: str, message: str, dataset: str = "") -> Event:
-    """An event of `kind` as the views get it, its message `message`: a prose kind carries the message
-    as its line, a kind with figures gets zero figures (the views under test show the message, not the
-    figures), a kind this side does not know comes as `Other` (as from a newer engine's stream)."""
-    data: dict[str, object] = {"dataset": dataset, "at": level, "line": message}
+    """An event of `kind` as the views get it, its message `message`: its payload gets zero figures
+    (the views under test show the message, not the figures), a kind this side does not know comes as
+    `Other` (as from a newer engine's stream)."""
+    data: dict[str, object] = {"dataset": dataset, "at": level}
     with contextlib.suppress(ValueError):
         cls = PAYLOADS[EventKind(kind)]
         data |= {f.name: _ZERO[str(f.type)] for f in dataclasses.fields(cls) if str(f.type) in _ZERO

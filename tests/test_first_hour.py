@@ -200,10 +200,11 @@ async def test_a_warning_repeated_during_an_outage_is_said_once_with_a_count(tmp
     seen: list[str] = []
     pipeline.hub.publish_event = lambda e: seen.append(e.message)  # type: ignore[method-assign]
     for _ in range(30):
-        pipeline.emit(Unreachable(line="cannot reach http://127.0.0.1:9 (connection refused)"))
-    pipeline.emit(CreditsRead(line="an info line is never held back", at=Level.INFO))
-    pipeline.emit(CreditsRead(line="an info line is never held back", at=Level.INFO))
-    assert seen == ["cannot reach http://127.0.0.1:9 (connection refused)"] + ["an info line is never held back"] * 2
+        pipeline.emit(Unreachable(cause="cannot reach http://127.0.0.1:9 (connection refused)"))
+    pipeline.emit(CreditsRead(cause="an info line is never held back", at=Level.INFO))
+    pipeline.emit(CreditsRead(cause="an info line is never held back", at=Level.INFO))
+    assert seen == ["cannot reach http://127.0.0.1:9 (connection refused)"] + [
+        "could not read the balance: an info line is never held back"] * 2
     pipeline._flush_repeats()
     assert seen[-1] == "cannot reach http://127.0.0.1:9 (connection refused) (and 29 more like it within 30 s)"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TextIO
 
 from draftgen.core.config import Config
-from draftgen.core.live import payloads as ev
+from draftgen.core.live import stage_payloads as ev
 from draftgen.core.live.control import Action
 from draftgen.core.live.summary import EXIT_ERROR, signal_line, summary_lines
 from draftgen.core.quoting import sh_path
@@ -73,12 +73,11 @@ def _on_signal(pipeline: Pipeline, app: DraftgenApp, signalled: list[str], name:
     again = bool(signalled)
     signalled.append(name)
     if again and name == "SIGINT":
-        pipeline.emit(ev.Signal(line="SIGINT again: stopping now (held answers are spooled)"))
+        pipeline.emit(ev.Signal(signal=name, again=True))
         pipeline.quit(drain=False)
     else:
         n = pipeline.engine.book.held_answers
-        pipeline.emit(ev.Signal(line=signal_line(name, pipeline.snapshot(), again=again) + (
-            f"; {n} paid answer(s) held in memory wait for the disk (SIGINT spools them)" if n else "")))
+        pipeline.emit(ev.Signal(signal=name, detail=signal_line(name, pipeline.snapshot(), again=again), held=n))
         pipeline.quit(drain=True)
     if name == "SIGHUP":
         _silence_terminal()  # nothing to draw on any more: every later write goes to /dev/null

@@ -14,6 +14,7 @@ from draftgen.core.errors import DraftgenError
 from draftgen.core.live.events import Level
 from draftgen.core.live.progress import every
 from draftgen.core.live.snapshot import StageProgress
+from draftgen.core.live.stage_payloads import ExtractDone
 from draftgen.core.quoting import sh_path
 from draftgen.core.safe_text import visible
 from draftgen.core.units import compact_duration, fmt_bytes, fmt_count
@@ -155,12 +156,12 @@ def extract_command(config: Config, shard: str | None, *, out: TextIO | None = N
                             on_other_merge=on_other_merge, validate=validate)
         except BaseException as e:
             if publisher is not None:
-                publisher.finish(Level.ERROR, f"extraction failed: {e}")
+                publisher.finish(ExtractDone(outcome="failed", cause=str(e), at=Level.ERROR))
             raise
         if publisher is not None:
-            publisher.finish(Level.INFO, f"extraction {'stopped' if stats.stopped else 'done'}: {stats.written:,} "
-                                         f"files written ({stats.skipped_existing:,} already there, "
-                                         f"{stats.nan_samples:,} NaN)")
+            publisher.finish(ExtractDone(outcome="stopped" if stats.stopped else "done", written=stats.written,
+                                         existing=stats.skipped_existing, nan=stats.nan_samples, short=True,
+                                         at=Level.INFO))
     if not rank0:
         return 0  # under torchrun rank 0 planned, wrote and reports; the others only ran forwards
     _print_summary(config, stats, parsed, stream)

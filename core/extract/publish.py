@@ -14,9 +14,9 @@ import time
 from typing import Any
 
 from draftgen.core.config import Config
-from draftgen.core.live.events import Event, Level
-from draftgen.core.live.payloads import ExtractDone
+from draftgen.core.live.events import Event
 from draftgen.core.live.snapshot import RunSnapshot, RunState, StageProgress, StageState
+from draftgen.core.live.stage_payloads import ExtractDone
 from draftgen.core.safe_text import visible
 
 
@@ -30,14 +30,14 @@ class ExtractPublisher:
         self._latest = StageProgress("extract", state=StageState.RUNNING)
         self._stop = threading.Event()
         self._started = threading.Event()
-        self._final: tuple[Level, str] | None = None  # (level, message) of the closing event
+        self._final: ExtractDone | None = None  # the closing event
         self._thread: threading.Thread | None = None
 
     def progress(self, p: StageProgress) -> None:
         self._latest = p
 
-    def finish(self, level: Level, message: str) -> None:
-        self._final = (level, message)
+    def finish(self, done: ExtractDone) -> None:
+        self._final = done
 
     def __enter__(self) -> ExtractPublisher:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), name="extract-attach", daemon=True)
@@ -84,7 +84,7 @@ class ExtractPublisher:
             done = self._latest.state == "done"
             hub.publish_snapshot(self._snapshot(seq, started, gpus, RunState.DONE if done else RunState.STOPPED))
             if self._final is not None:
-                hub.publish_event(Event.of(ExtractDone(line=self._final[1], at=self._final[0])))
+                hub.publish_event(Event.of(self._final))
             await asyncio.sleep(0.05)  # let the viewers' pumps take the last items
         finally:
             await asyncio.to_thread(monitor.close)

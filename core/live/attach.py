@@ -39,7 +39,7 @@ import orjson
 from draftgen.core.errors import DraftgenError
 from draftgen.core.live.events import Event
 from draftgen.core.live.hub import Hub, Subscription
-from draftgen.core.live.payloads import Attach
+from draftgen.core.live.stage_payloads import Attach
 from draftgen.core.rundir import RunDir
 from draftgen.core.safe_text import visible
 
@@ -152,7 +152,7 @@ class AttachServer:
         self._accepter = asyncio.create_task(self._accept_loop(self._listener))
 
     def _warn_on_hub(self, message: str) -> None:
-        self.hub.publish_event(Event.of(Attach(line=message)))
+        self.hub.publish_event(Event.of(Attach(detail=message)))
 
     def _note(self, kind: str, message: str) -> None:
         """Say `message` unless this kind was said less than NOTE_INTERVAL_S ago (then count it)."""

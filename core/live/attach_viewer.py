@@ -20,8 +20,8 @@ from draftgen.core.live.attach import DENIED, MAX_LINE, AttachError, run_directo
 from draftgen.core.live.control import Action
 from draftgen.core.live.events import Event, Level
 from draftgen.core.live.hub import Hub
-from draftgen.core.live.payloads import Attach
 from draftgen.core.live.snapshot import RunSnapshot, RunState, event_from_dict, snapshot_from_dict
+from draftgen.core.live.stage_payloads import Attach
 from draftgen.core.rundir import RunDir
 from draftgen.core.safe_text import visible
 
@@ -190,7 +190,7 @@ class AttachControls:
         except AttachError as e:
             self.error = e
             self.status = AttachState(ENDED, str(e))
-            self.hub.publish_event(Event.of(Attach(line=str(e), at=Level.ERROR)))
+            self.hub.publish_event(Event.of(Attach(detail=str(e), at=Level.ERROR)))
             self._publish()
 
     async def _follow(self) -> None:
@@ -211,7 +211,7 @@ class AttachControls:
                 self.hub.publish_event(item)
             else:
                 self.status = item
-                event = Event.of(Attach(line=item.message, at=Level.INFO if item.state == LIVE else Level.WARN))
+                event = Event.of(Attach(detail=item.message, at=Level.INFO if item.state == LIVE else Level.WARN))
                 if item.state == LIVE:
                     note = event
                 else:

@@ -1,14 +1,15 @@
 """What a run says as it goes: typed events beside the snapshot (core/live/snapshot.py).
 
-Every `EventKind` has one payload class (a frozen dataclass under `Payload`, in core/live/payloads.py:
-`PAYLOADS`): it declares its kind and its usual level, carries its figures as fields and makes its
-message (`text()`). The engine's parts send
+Every `EventKind` has one payload class (a frozen dataclass under `Payload`, in core/live/payloads.py
+or core/live/stage_payloads.py; `PAYLOADS` holds them all): it declares its kind and its usual level,
+carries its figures as fields (prose from elsewhere, a server's error, in a field named for what it
+is) and makes its message (`text()`). The engine's parts send
 payloads through an `EventSink` (one argument: `ctx.event(Draining(in_flight=n))`); the pipeline's
 EventPublisher (core/run/events.py) redacts them, once, and makes each an `Event`: the time, the
 payload and the message as it left, which the hub, events.log and the attach stream carry. Views and
 the headless printer decide from the payload (its type, its fields), never from the message's words.
 Over attach an event travels as JSON, its payload's fields under `data`; `event_from_dict`
-(core/live/payloads.py) rebuilds the payload by its kind, and one it cannot (a newer engine's kind)
+(core/live/snapshot.py) rebuilds the payload by its kind, and one it cannot (a newer engine's kind)
 comes as `Other`, shown by its message.
 """
 
@@ -104,16 +105,6 @@ class Payload:
 
     def text(self) -> str:
         raise NotImplementedError
-
-
-@dataclass(frozen=True, kw_only=True)
-class Said(Payload):
-    """A kind whose words are prose from elsewhere (an alert, a stage's outcome, a server's error, a
-    signal line): `line` is the message as it was said."""
-    line: str
-
-    def text(self) -> str:
-        return self.line
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,25 +1,41 @@
-"""One payload class per `EventKind` (core/live/events.py), with its figures typed and its message;
-a kind whose words are prose from elsewhere is a `Said`. `PAYLOADS`: each kind's class."""
+"""The payload classes (core/live/events.py) of generation: datasets, prompts, money, providers and
+servers; each carries its figures typed and renders its message, prose from elsewhere (a server's
+error, an alert) in a field named for what it is. The stages' and the run frame's are in
+core/live/stage_payloads.py. `PAYLOADS`: each kind's class, of both modules."""
 
 from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
 
-from draftgen.core.live.events import EventKind, Level, Payload, Said
+from draftgen.core.live import stage_payloads  # noqa: F401 - its classes are in PAYLOADS too
+from draftgen.core.live.events import EventKind, Level, Payload
 from draftgen.core.units import usd
 
 
-class AccountChanged(Said):
-    """ACCOUNT: an account condition stopped admission (`line`: the alert), or cleared."""
+@dataclass(frozen=True, kw_only=True)
+class AccountChanged(Payload):
+    """ACCOUNT: an account condition stopped admission (`alert`: the alert it raises), or `cleared`
+    (the condition, with the `balance` read)."""
     kind = EventKind.ACCOUNT
     usual = Level.ERROR
+    alert: str = ""
+    cleared: str = ""
+    balance: str = ""
+
+    def text(self) -> str:
+        return f"{self.cleared} cleared ({self.balance}): resuming" if self.cleared else self.alert
 
 
-class Alert(Said):
-    """ALERT: the run's alert bar changed (`line`: the alert)."""
+@dataclass(frozen=True, kw_only=True)
+class Alert(Payload):
+    """ALERT: the run's alert bar changed (`alert`: what it says)."""
     kind = EventKind.ALERT
     usual = Level.ERROR
+    alert: str
+
+    def text(self) -> str:
+        return self.alert
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,39 +51,109 @@ class AnswersLost(Payload):
                 f"{self.responses} (lost in a crash?): their cost stays counted and they are asked again")
 
 
-class Attach(Said):
-    """ATTACH: the attach server or viewer (connected, lost, refused)."""
-    kind = EventKind.ATTACH
-    usual = Level.WARN
-
-
-class BadBill(Said):
-    """BAD_BILL: an answer's cost or token counts not believed (billing.py)."""
+@dataclass(frozen=True, kw_only=True)
+class BadBill(Payload):
+    """BAD_BILL: an answer's cost or token counts not believed (billing.py `doubt`): booked at `instead`;
+    or its generation record's cost (`by_record`, `doubt` the figure) settled at `counted_usd`."""
     kind = EventKind.BAD_BILL
     usual = Level.WARN
+    prompt_id: str
+    doubt: str
+    provider: str = ""
+    instead: str = ""
+    by_record: bool = False
+    counted_usd: float = 0.0
+
+    def text(self) -> str:
+        if self.by_record:
+            return (f"{self.dataset}: prompt {self.prompt_id!r}: its generation record says it cost {self.doubt}, "
+                    f"which is not believed (settle.py): settled at what it counted at, ${self.counted_usd:.6f}")
+        return (f"{self.dataset}: provider {self.provider}: prompt {self.prompt_id!r} came with {self.doubt}: not "
+                f"booked as given but at {self.instead}; the answer is kept. Said once per kind; each such answer "
+                "is counted as bad_bill")
 
 
-class Budget(Said):
-    """BUDGET: a token or money budget skipped prompts (`line` names the budget)."""
+@dataclass(frozen=True, kw_only=True)
+class Budget(Payload):
+    """BUDGET: a token or money budget (`reason`) skipped the rest of a dataset, or one prompt
+    (`prompt_id`, the next ones go on); or a conversation (`conversation`) ended at `turn` of `turns`
+    because of it, its `later` turns skipped."""
     kind = EventKind.BUDGET
     usual = Level.WARN
+    reason: str
+    prompt_id: str = ""
+    conversation: str = ""
+    turn: int = 0
+    turns: int = 0
+    later: int = 0
+
+    def text(self) -> str:
+        if self.conversation:
+            return _ended(self.dataset, self.conversation, self.turn, self.turns, self.reason, self.later)
+        if self.prompt_id:
+            return (f"{self.dataset}: prompt {self.prompt_id!r} skipped: {self.reason}; it stays eligible for a later "
+                    "run, and the next prompts go on (each one that does not fit is skipped and counted)")
+        return f"{self.dataset}: {self.reason}; the rest is skipped (stays eligible for a later run)"
 
 
-class CreditsRead(Said):
-    """CREDITS: the balance, or why it could not be read."""
+@dataclass(frozen=True, kw_only=True)
+class CreditsRead(Payload):
+    """CREDITS: the balance as read (`balance`: not a figure the run can use), or why it could not be
+    read (`cause`)."""
     kind = EventKind.CREDITS
     usual = Level.WARN
+    balance: str = ""
+    cause: str = ""
+
+    def text(self) -> str:
+        if self.cause:
+            return f"could not read the balance: {self.cause}"
+        return f"balance {self.balance}; the run keeps going under max_usd"
 
 
-class Concurrency(Said):
-    """CONCURRENCY: a 429 storm began (the limit cut) or ended, the limit back."""
+@dataclass(frozen=True, kw_only=True)
+class Concurrency(Payload):
+    """CONCURRENCY: a 429 storm began (`starts`: the limit cut) or ended, the limit back; `detail`: what
+    the adaptive limit (core/api/concurrency.py) or the fleet says of it."""
     kind = EventKind.CONCURRENCY
     usual = Level.WARN
+    detail: str
+    starts: bool = True
+
+    @property
+    def level(self) -> Level:
+        return self.at or (Level.WARN if self.starts else Level.INFO)
+
+    def text(self) -> str:
+        return f"{self.dataset}: {self.detail}" if self.dataset else self.detail
 
 
-class ConversationEnded(Said):
-    """CONVERSATION: a conversation ended early, or its prompt file was edited."""
+@dataclass(frozen=True, kw_only=True)
+class ConversationEnded(Payload):
+    """CONVERSATION: a conversation (`conversation`) ended early at `turn` of `turns` (`why`), its
+    `later` turns skipped; or its turn `turn` was edited in the prompt file (`path` line `line_no`)."""
     kind = EventKind.CONVERSATION
+    conversation: str
+    turn: int
+    turns: int = 0
+    why: str = ""
+    later: int = 0
+    path: str = ""
+    line_no: int = 0
+
+    def text(self) -> str:
+        if self.path:
+            return (f"{self.dataset}: {self.path} line {self.line_no}: turn {self.turn} of conversation "
+                    f"{self.conversation!r} is not the one its stored answer was asked with (the prompt file was "
+                    "edited since): the conversation is not continued (its stored turns stay, its rest is counted "
+                    "skipped); every such conversation is counted")
+        return _ended(self.dataset, self.conversation, self.turn, self.turns, self.why, self.later)
+
+
+def _ended(dataset: str, conversation: str, turn: int, turns: int, why: str, later: int) -> str:
+    return (f"{dataset}: conversation {conversation!r} ended at turn {turn} of {turns}: {why}; its {later} later "
+            "turn(s) are skipped (nothing is asked on a broken answer); every conversation that ends early is "
+            "counted")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,16 +219,6 @@ class DatasetStopped(Payload):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Draining(Payload):
-    """DRAINING: nothing more is admitted; the requests in flight finish."""
-    kind = EventKind.DRAINING
-    in_flight: int
-
-    def text(self) -> str:
-        return f"draining: waiting for {self.in_flight} requests in flight"
-
-
-@dataclass(frozen=True, kw_only=True)
 class Duplicate(Payload):
     """DUPLICATE: a prompt skipped: already answered in another dataset (`other`)."""
     kind = EventKind.DUPLICATE
@@ -154,45 +230,6 @@ class Duplicate(Payload):
         return (f"{self.dataset}: prompt {self.prompt_id!r} skipped: the same prompt (normalised text) is already "
                 f"answered in {self.other}; every such prompt is skipped and counted ([engine] "
                 "skip_cross_dataset_duplicates = false sends them)")
-
-
-class ExtractDone(Said):
-    """EXTRACT_DONE: the extraction's outcome."""
-    kind = EventKind.EXTRACT_DONE
-
-
-@dataclass(frozen=True, kw_only=True)
-class HeldWait(Payload):
-    """HELD_WAIT: paid answers held in memory, waiting for the disk."""
-    kind = EventKind.HELD_WAIT
-    usual = Level.WARN
-    answers: int
-    retry_s: float
-
-    def text(self) -> str:
-        return (f"{self.answers} paid answer(s) are held in memory, not on disk: the run waits for the disk, "
-                f"retrying every {self.retry_s:g} s (free space; r or SIGUSR1 retries now); quit again (a second "
-                "SIGINT) to spool them to a fallback file")
-
-
-@dataclass(frozen=True, kw_only=True)
-class HeldWritten(Payload):
-    """HELD_WRITTEN: the disk took the records held in memory."""
-    kind = EventKind.HELD_WRITTEN
-
-    def text(self) -> str:
-        return "the disk took the held records: every answer is on disk"
-
-
-class History(Said):
-    """HISTORY: history.jsonl could not be written."""
-    kind = EventKind.HISTORY
-    usual = Level.WARN
-
-
-class MergeDone(Said):
-    """MERGE_DONE: the merge's outcome."""
-    kind = EventKind.MERGE_DONE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,48 +277,82 @@ def _times(n: int) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Metrics(Payload):
-    """METRICS: the /metrics server ([monitor] metrics) and its address."""
-    kind = EventKind.METRICS
-    url: str
-
-    def text(self) -> str:
-        return f"metrics: serving {self.url}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Paused(Payload):
-    """PAUSED: the user paused the run (`by`: how)."""
-    kind = EventKind.PAUSED
-    by: str
-
-    def text(self) -> str:
-        return f"paused {self.by} (requests in flight finish and are recorded; none is retried while paused)"
-
-
-class PendingAttempts(Said):
-    """PENDING: attempts of earlier runs not priced yet, or priced now."""
+class PendingAttempts(Payload):
+    """PENDING: `attempts` of earlier runs not priced yet, or priced now; `case` says which: "open" (at
+    the start: `worst_usd` counted, `looked_up` now, `unknown` without a generation id priced from the
+    key's usage in `due_s`, or kept at worst case when `due_s` is None), "key_priced" (priced `usd`
+    together from the key's usage, `worst_usd` at worst case), "recorded" (their answers found in
+    `responses`, settled at `usd`), "waits" (max_usd waits `due_s` for the key's usage to price them)."""
     kind = EventKind.PENDING
+    case: str
+    attempts: int
+    usd: float = 0.0
+    worst_usd: float = 0.0
+    looked_up: int = 0
+    unknown: int = 0
+    due_s: float | None = None
+    responses: str = ""
 
-
-class PriceNote(Said):
-    """PRICES: a dataset's worst-case prices, or a raise of them."""
-    kind = EventKind.PRICES
+    def text(self) -> str:
+        n = self.attempts
+        if self.case == "key_priced":
+            return (f"{n} attempt(s) without a generation id priced from the key's usage since the directory's "
+                    f"first run: {usd(self.usd)} together (they counted {usd(self.worst_usd)} at worst case)")
+        if self.case == "recorded":
+            return (f"{self.dataset}: {n} attempt(s) an earlier run left open have their answer in {self.responses} "
+                    f"(written before the ledger's line, or imported from a spool): settled at their recorded cost, "
+                    f"{usd(self.usd)}")
+        if self.case == "waits":
+            return (f"max_usd has no room now but for {n} attempt(s) without a generation id (counted at worst case, "
+                    f"{usd(self.worst_usd)}): the run waits for the key's usage to price them, in "
+                    f"{self.due_s or 0:.0f} s at most (api.request_timeout_s after the last was sent), then goes on")
+        unknown = self.unknown
+        return (f"{n} attempt(s) of earlier runs not priced yet count at their worst case ({usd(self.worst_usd)}); "
+                f"{self.looked_up} looked up now"
+                + (f", {unknown} without a generation id priced from the key's usage once they cannot still be "
+                   f"running (in {self.due_s:.0f} s at most)" if unknown and self.due_s is not None
+                   else f", {unknown} without a generation id stay at worst case (no key usage baseline)"
+                   if unknown else ""))
 
 
 @dataclass(frozen=True, kw_only=True)
-class QuitDialog(Payload):
-    """QUIT_DIALOG: the run waits for the quit dialog's answer before it starts."""
-    kind = EventKind.QUIT_DIALOG
+class PriceNote(Payload):
+    """PRICES: a dataset's worst-case `prices` (as `Prices.describe` says them), or why none is known
+    (`cause`); a raise of them (`raised`: what the price check says); or the datasets (`wave`) held at
+    `first_wave` requests in flight until a first bill checks the listed prices."""
+    kind = EventKind.PRICES
+    prices: str = ""
+    cause: str = ""
+    raised: str = ""
+    wave: str = ""
+    first_wave: int = 0
 
     def text(self) -> str:
-        return "the run starts once the quit dialog is answered"
+        if self.wave:
+            return (f"{self.wave}: at most {self.first_wave} requests in flight until the first answer comes back, "
+                    "its bill checking the listed prices (then each dataset's concurrency)")
+        if self.raised:
+            return f"{self.dataset}: {self.raised}"
+        if self.prices:
+            return f"{self.dataset}: worst case {self.prices}"
+        return f"{self.dataset}: no price known ({self.cause}); no ceiling is set"
 
 
-class Provider(Said):
-    """PROVIDER: a provider gone bad (most of its last attempts failed), or back."""
+@dataclass(frozen=True, kw_only=True)
+class Provider(Payload):
+    """PROVIDER: a provider gone `bad` (most of its last attempts failed), or back; `detail`: what its
+    recent figures say (core/generate/recent.py)."""
     kind = EventKind.PROVIDER
     usual = Level.WARN
+    detail: str
+    bad: bool = True
+
+    @property
+    def level(self) -> Level:
+        return self.at or (Level.WARN if self.bad else Level.INFO)
+
+    def text(self) -> str:
+        return self.detail
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,9 +367,17 @@ class ProviderFlagged(Payload):
         return f"provider {self.provider}: {self.cause} (`draftgen tokens` prints what to change)"
 
 
-class Reachable(Said):
-    """REACHABLE: a server answers again."""
+@dataclass(frozen=True, kw_only=True)
+class Reachable(Payload):
+    """REACHABLE: a server (`url`) answers again after `out_s` out of reach; or a fleet's server is
+    back (`detail`: as the fleet says it)."""
     kind = EventKind.REACHABLE
+    url: str = ""
+    out_s: float = 0.0
+    detail: str = ""
+
+    def text(self) -> str:
+        return self.detail or f"{self.url} answers again after {self.out_s:.0f} s out of reach"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,20 +393,6 @@ class Rejected(Payload):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Repaired(Payload):
-    """REPAIRED: a half-written last line (`cut_bytes`) cut from `path`; `by_crash`: said as a crash's."""
-    kind = EventKind.REPAIRED
-    usual = Level.WARN
-    path: str
-    cut_bytes: int
-    by_crash: bool = False
-
-    def text(self) -> str:
-        return (f"{self.path}: cut a half-written last line ({self.cut_bytes} bytes)"
-                + (" left by a crash" if self.by_crash else ""))
-
-
-@dataclass(frozen=True, kw_only=True)
 class RequestError(Payload):
     """REQUEST_ERROR: a request ended on an error of the engine's own (a bug); `cause`: the error."""
     kind = EventKind.REQUEST_ERROR
@@ -340,118 +405,36 @@ class RequestError(Payload):
                 f"{self.cause}")
 
 
-class RequestKeys(Said):
-    """REQUEST_KEYS: what the requests carry (streamed or not, a key the server kind ignores)."""
+@dataclass(frozen=True, kw_only=True)
+class RequestKeys(Payload):
+    """REQUEST_KEYS: what the requests carry: streamed, because the smoke test (`smoke_json`) found the
+    non-streamed answers of `url` rewritten; or a key the server kind ignores (`detail`: the config's
+    warning)."""
     kind = EventKind.REQUEST_KEYS
+    url: str = ""
+    smoke_json: str = ""
+    detail: str = ""
+
+    def text(self) -> str:
+        return self.detail or (f"requests stream: the smoke test found the non-streamed answers of {self.url} "
+                               f"rewritten by its parser ({self.smoke_json}; [api] stream overrides it)")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Resumed(Payload):
-    """RESUMED: the run admits again."""
-    kind = EventKind.RESUMED
-
-    def text(self) -> str:
-        return "resumed"
-
-
-class RunDone(Said):
-    """RUN_DONE: the run ended (or never started), what it spent."""
-    kind = EventKind.RUN_DONE
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunFailed(Payload):
-    """RUN_FAILED: the run cannot go on; `cause`: the error that stopped it."""
-    kind = EventKind.RUN_FAILED
-    usual = Level.ERROR
-    cause: str
-
-    def text(self) -> str:
-        return f"the run cannot go on: {self.cause}"
-
-
-class ServerIds(Said):
-    """SERVER_IDS: the self-hosted server's token ids: how asked, or missing."""
+class ServerIds(Payload):
+    """SERVER_IDS: the self-hosted server's token ids: how they are `asked`, or why they cannot be or
+    are missing (`detail`: as core/api/server_ids.py says it)."""
     kind = EventKind.SERVER_IDS
     usual = Level.WARN
+    detail: str
+    asked: bool = False
 
-
-class Signal(Said):
-    """SIGNAL: a signal came (`line`: what the run does about it)."""
-    kind = EventKind.SIGNAL
-    usual = Level.WARN
-
-
-@dataclass(frozen=True, kw_only=True)
-class Smoke(Payload):
-    """SMOKE: the smoke test runs first; `why`: what asks for it."""
-    kind = EventKind.SMOKE
-    why: str
+    @property
+    def level(self) -> Level:
+        return self.at or (Level.INFO if self.asked else Level.WARN)
 
     def text(self) -> str:
-        return (f"running the smoke test first: {self.why}; no run request is sent before it passes (a quit now "
-                "stops it and the run does not start)")
-
-
-class SmokeDone(Said):
-    """SMOKE_DONE: the smoke test's outcome."""
-    kind = EventKind.SMOKE_DONE
-
-
-class SpoolImported(Said):
-    """SPOOL: spooled records imported (or not)."""
-    kind = EventKind.SPOOL
-
-
-@dataclass(frozen=True, kw_only=True)
-class Spooled(Payload):
-    """SPOOLED: answers held in memory (the disk refused them: `cause`) spooled to `path`."""
-    kind = EventKind.SPOOLED
-    usual = Level.WARN
-    answers: int
-    cause: str
-    path: str
-    run_dir: str
-
-    def text(self) -> str:
-        return (f"{self.answers} answer(s) held in memory (the disk refused them: {self.cause}) are spooled to "
-                f"{self.path}; the next `draftgen run` of {self.run_dir} imports them before it sends anything")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Stopping(Payload):
-    """STOPPING: stop now: the requests in flight abandoned."""
-    kind = EventKind.STOPPING
-    usual = Level.WARN
-    abandoned: int
-
-    def text(self) -> str:
-        return f"stopping now: {self.abandoned} requests in flight abandoned (they stay eligible for the next run)"
-
-
-class TokensDone(Said):
-    """TOKENS_DONE: token reconstruction's summary."""
-    kind = EventKind.TOKENS_DONE
-
-
-class TokensFailed(Said):
-    """TOKENS_FAILED: token reconstruction stopped or failed."""
-    kind = EventKind.TOKENS_FAILED
-    usual = Level.ERROR
-
-
-@dataclass(frozen=True, kw_only=True)
-class TokensWorkerDied(Payload):
-    """TOKENS_WORKER_DIED: a reconstruction worker died; new ones start (`restarts` of at most `limit`)."""
-    kind = EventKind.TOKENS_WORKER_DIED
-    usual = Level.WARN
-    restarts: int
-    limit: int
-    in_flight: int
-
-    def text(self) -> str:
-        return (f"a token reconstruction worker process died (killed, or out of memory): starting new workers "
-                f"({self.restarts} of at most {self.limit}); {self.in_flight:,} answers in flight are sent again")
+        return self.detail
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -469,16 +452,26 @@ class UnledgeredAnswers(Payload):
                 f"tail lost in a crash?): their {usd(self.usd)} now counts as spent")
 
 
-class Unreachable(Said):
-    """UNREACHABLE: a server cannot be reached (`line`: the cause and what the run does)."""
+@dataclass(frozen=True, kw_only=True)
+class Unreachable(Payload):
+    """UNREACHABLE: a server cannot be reached (`cause`, naming the address; a fleet's server taken out
+    as the fleet says it), with the `advice` that matches it; `at_start`: the start-up check found it,
+    the smoke test needed first retrying for `smoke_retry_s` (0: no smoke test waits)."""
     kind = EventKind.UNREACHABLE
     usual = Level.WARN
+    cause: str
+    advice: str = ""
+    at_start: bool = False
+    smoke_retry_s: float = 0.0
 
-
-class Unsaved(Said):
-    """UNSAVED: records the disk never took."""
-    kind = EventKind.UNSAVED
-    usual = Level.ERROR
+    def text(self) -> str:
+        if self.at_start:
+            return self.cause + (f"; the smoke test needed first retries it for up to {self.smoke_retry_s / 60:.0f} "
+                                 "min, then the run stops" if self.smoke_retry_s
+                                 else "; the run waits for it (no prompt is failed meanwhile)")
+        if self.advice:
+            return f"{self.cause}: {self.advice}; retrying until it answers, no prompt is failed meanwhile"
+        return self.cause
 
 
 def _kinds() -> dict[EventKind, type[Payload]]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from draftgen.core.live.events import Event, EventKind, Level, Other, Said
+from draftgen.core.live.events import Event, EventKind, Level, Other
 from draftgen.core.live.payloads import PAYLOADS
 
 
@@ -384,8 +384,6 @@ def event_from_dict(data: dict[str, typing.Any]) -> Event:
     fields = data.get("data")
     with contextlib.suppress(ValueError, TypeError):
         payload_cls = PAYLOADS[EventKind(str(data.get("kind")))]
-        if fields is None and issubclass(payload_cls, Said):  # an engine from before the payloads: prose
-            fields = {"line": message, "at": data.get("level"), "dataset": data.get("dataset", "")}
         if isinstance(fields, dict):
             names = {f.name for f in dataclasses.fields(payload_cls)}
             payload = payload_cls(**{k: v for k, v in fields.items() if k in names})

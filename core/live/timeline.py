@@ -117,7 +117,7 @@ class Series:
 class TimelineRecorder:
     def __init__(self, path: Path | None, *, interval_s: float = 5.0, capacity: int = 360,
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] | None = None,
-                 on_write_error: Callable[[str], None] | None = None) -> None:
+                 on_write_error: Callable[[str, str], None] | None = None) -> None:
         self.path = path
         self.base_interval_s = interval_s
         self.series = Series(interval_s, capacity)
@@ -191,7 +191,7 @@ class TimelineRecorder:
             # The history is a convenience: a full disk stops it (once, said in the log), never the run.
             self._write_failed = True
             if self._on_write_error is not None:
-                self._on_write_error(f"{self.path}: history no longer written: {e.strerror or e}")
+                self._on_write_error(str(self.path), str(e.strerror or e))
 
     def close(self) -> None:
         if self._file is not None:

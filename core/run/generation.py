@@ -12,8 +12,8 @@ from collections.abc import Callable
 from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError, ExitCode
 from draftgen.core.generate.loop.engine import Engine
-from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live import stage_payloads as ev
 from draftgen.core.live.events import EventSink, Level
 from draftgen.core.quoting import sh_path
 from draftgen.core.run.life import RunLife
@@ -80,8 +80,7 @@ class GenerationStage:
     def _not_started(self, why: str) -> str:
         """Quit before the run started: no run request was sent; exit 130 (docs/run-end.md)."""
         self._control.not_started()
-        self._emit(ev.RunDone(line=f"{why}: no run request was sent; "
-                   f"`draftgen run {sh_path(self._config.path)}` starts it", at=Level.WARN))
+        self._emit(ev.RunDone(not_started=why, config=sh_path(self._config.path), at=Level.WARN))
         return snap.RunState.STOPPED
 
     async def _run_engine(self) -> snap.RunState:

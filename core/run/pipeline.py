@@ -16,8 +16,8 @@ from draftgen.core.files import RunLock, exclusive
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.projection import Beside
 from draftgen.core.generate.loop.run_state import PausedBy
-from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
+from draftgen.core.live import stage_payloads as ev
 from draftgen.core.live.control import Action
 from draftgen.core.live.events import Payload
 from draftgen.core.live.hub import Hub
@@ -76,8 +76,8 @@ class Pipeline:
         self.generation = GenerationStage(
             config, self.engine, self.startup, self.tokens_stage, self.oneshot, self.life, self.emit,
             publish=self.publish, reconstruct=self._reconstruct)
-        self.timeline = TimelineRecorder(self.rundir.history, on_write_error=lambda message: self.emit(
-            ev.History(line=message)))
+        self.timeline = TimelineRecorder(self.rundir.history, on_write_error=lambda path, cause: self.emit(
+            ev.History(path=path, cause=cause)))
 
     @property
     def quit_requested(self) -> asyncio.Event:
@@ -108,7 +108,7 @@ class Pipeline:
         if self._serve_attach:
             from draftgen.core.live.attach import AttachServer
             self._attach = AttachServer(self.hub, self.rundir.socket, on_warning=lambda message: self.emit(
-                ev.Attach(line=message)))
+                ev.Attach(detail=message)))
             await self._attach.start()
         self._ticker = asyncio.create_task(self._publish_loop())
         self.publish()

@@ -19,7 +19,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from draftgen.core.live.events import Payload
-from draftgen.core.live.payloads import ExtractDone, MergeDone, RunDone, SmokeDone, TokensDone
+from draftgen.core.live.stage_payloads import ExtractDone, MergeDone, RunDone, SmokeDone, TokensDone
 from draftgen.core.run.stage import RunStage, StageHost, When
 
 if TYPE_CHECKING:

@@ -15,9 +15,10 @@ from draftgen.core.config import Config
 from draftgen.core.errors import DraftgenError
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.run_state import PausedBy
-from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.events import EventKind, EventSink, Level, Said
+from draftgen.core.live import stage_payloads as ev
+from draftgen.core.live.events import EventKind, EventSink, Level
+from draftgen.core.live.payloads import PAYLOADS
 from draftgen.core.quoting import sh_path
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.rundir import RunDir
@@ -52,9 +53,9 @@ class Stages:
                 pass  # already reported as an event and in the stage panel
             except Exception as e:  # a stage crash must not take the run down
                 self._rows.fail(name, f"{type(e).__name__}: {e}")
-                said = ev.PAYLOADS[EventKind(f"{name}_done")]  # SmokeDone, MergeDone, ExtractDone: prose
-                assert issubclass(said, Said)
-                self._emit(said(line=f"{name} crashed: {type(e).__name__}: {e}", at=Level.ERROR))
+                done = PAYLOADS[EventKind(f"{name}_done")]  # SmokeDone, MergeDone, ExtractDone, ...
+                assert issubclass(done, ev.StageDone)
+                self._emit(done(crashed=f"{type(e).__name__}: {e}", at=Level.ERROR))
         self._tasks[name] = asyncio.create_task(guarded())
 
     async def run(self, name: str, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -93,18 +94,17 @@ class Stages:
                                      rundir=self._rundir, redact=self._redact)
         except DraftgenError as e:
             self._rows.fail("smoke", self._redact(str(e)))
-            self._emit(ev.SmokeDone(line=f"smoke test could not run: {e}", at=Level.ERROR))
+            self._emit(ev.SmokeDone(outcome="error", detail=str(e), at=Level.ERROR))
             return False
         except asyncio.CancelledError:
             self._rows.stop("smoke", "stopped before it finished (its requests stay on the spend ledger)")
-            self._emit(ev.SmokeDone(line="smoke test stopped before it finished: its "
-                       "request was abandoned (it stays on the spend ledger)", at=Level.WARN))
+            self._emit(ev.SmokeDone(outcome="stopped", at=Level.WARN))
             raise
         finally:
             if was_running:
                 self.engine.resume()
         passed = bool(result.passed)
-        self._emit(ev.SmokeDone(line=f"smoke test {'passed' if passed else 'FAILED'}: {result.summary()}",
+        self._emit(ev.SmokeDone(outcome="passed" if passed else "failed", detail=result.summary(),
         at=Level.INFO if passed else Level.ERROR))
         return passed
 
@@ -117,21 +117,20 @@ class Stages:
         except asyncio.CancelledError:
             self._rows.stop("merge", f"not waited for: merged/ is replaced whole or not at all; "
                           f"`draftgen merge {sh_path(self._config.path)}` redoes it")
-            self._emit(ev.MergeDone(line="merge was not waited for: merged/ is replaced "
-                       f"whole or not at all (`draftgen merge {sh_path(self._config.path)}` redoes it)", at=Level.WARN))
+            self._emit(ev.MergeDone(outcome="abandoned", config=sh_path(self._config.path), at=Level.WARN))
             raise
         except DraftgenError as e:
             self._rows.fail("merge", str(e))
-            self._emit(ev.MergeDone(line=f"merge failed: {e}", at=Level.ERROR))
+            self._emit(ev.MergeDone(outcome="failed", detail=str(e), at=Level.ERROR))
             raise
         dropped = ", ".join(f"{n} {why}" for why, n in stats.dropped.items() if n) or "none"
-        self._emit(ev.MergeDone(line=f"merge done: {stats.samples} of {stats.read} answers kept "
-                  f"({stats.tokens:,} tokens), dropped: {dropped}; {self._rundir.merged}/train.jsonl"))
+        self._emit(ev.MergeDone(outcome="done", kept=stats.samples, read=stats.read, tokens=stats.tokens,
+                                dropped=dropped, train=f"{self._rundir.merged}/train.jsonl"))
         if stats.contamination:
             from draftgen.core.merge.command import contamination_line
-            self._emit(ev.MergeDone(line=contamination_line(stats)))
+            self._emit(ev.MergeDone(outcome="note", detail=contamination_line(stats)))
         if stats.hidden_states:
-            self._emit(ev.MergeDone(line=stats.hidden_states,
+            self._emit(ev.MergeDone(outcome="note", detail=stats.hidden_states,
             at=Level.WARN if "set aside" in stats.hidden_states else Level.INFO))
         return stats
 
@@ -150,7 +149,7 @@ class Stages:
             raise
         except DraftgenError as e:
             self._rows.fail("extract", str(e))
-            self._emit(ev.ExtractDone(line=f"extraction failed: {e}", at=Level.ERROR))
+            self._emit(ev.ExtractDone(outcome="failed", cause=str(e), at=Level.ERROR))
             raise
         finally:
             sampler.cancel()
@@ -158,16 +157,14 @@ class Stages:
             done = stats.skipped_existing + stats.written + stats.nan_samples
             self._rows.stop("extract", f"stopped at {done:,} of {stats.samples:,} files: "
                           f"`draftgen extract {sh_path(self._config.path)}` finishes the rest")
-            self._emit(ev.ExtractDone(line=f"extraction STOPPED at {done:,} of {stats.samples:,} files "
-                       f"({stats.written} written this time) in {self._rundir.hidden_states}; "
-                       f"`draftgen extract {sh_path(self._config.path)}` finishes the rest", at=Level.WARN))
+            self._emit(ev.ExtractDone(outcome="stopped", done=done, samples=stats.samples, written=stats.written,
+                                      hidden_states=str(self._rundir.hidden_states),
+                                      config=sh_path(self._config.path), at=Level.WARN))
             return stats
-        self._emit(ev.ExtractDone(line=f"extraction done: {stats.written} files written "
-                  f"({stats.skipped_existing} already there, {stats.nan_samples} NaN"
-                  + (f", {stats.too_long_samples} longer than the context: skipped" if stats.too_long_samples else "")
-                  + "), "
-                  f"{stats.tokens_written:,} tokens at {stats.tokens_per_s:,.0f} tok/s in "
-                  f"{self._rundir.hidden_states}"))
+        self._emit(ev.ExtractDone(outcome="done", written=stats.written, existing=stats.skipped_existing,
+                                  nan=stats.nan_samples, too_long=stats.too_long_samples,
+                                  tokens=stats.tokens_written, tok_s=stats.tokens_per_s,
+                                  hidden_states=str(self._rundir.hidden_states)))
         return stats
 
     def _set_gpus(self, gpus: tuple[snap.GpuStat, ...] | None) -> None:

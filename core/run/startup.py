@@ -20,6 +20,7 @@ from draftgen.core.generate.commands.smoke_account import SMOKE_RETRY_S
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventSink, Level
+from draftgen.core.live.stage_payloads import QuitDialog, Smoke
 from draftgen.core.run.stages import Stages
 from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
@@ -90,13 +91,11 @@ class Startup:
             await check_api(cfg, self._api_key, self._redact)
         except UnreachableError as e:
             # What happens next depends on the smoke gate: say that, not a wait that never comes.
-            self._emit(ev.Unreachable(line=f"{e}; the run waits for it (no prompt is failed meanwhile)" if ok
-                       else f"{e}; the smoke test needed first retries it for up to "
-                            f"{SMOKE_RETRY_S / 60:.0f} min, then the run stops"))
+            self._emit(ev.Unreachable(cause=str(e), at_start=True, smoke_retry_s=0.0 if ok else SMOKE_RETRY_S))
         if warning := cfg.kind_warning():  # the server's kind is known from here
-            self._emit(ev.RequestKeys(line=warning, at=Level.WARN))
+            self._emit(ev.RequestKeys(detail=warning, at=Level.WARN))
         if not self._skip_smoke and not ok and not self.quit_requested.is_set():
-            self._emit(ev.Smoke(why=why))
+            self._emit(Smoke(why=why))
             spend = self._rundir.spend
             before = await asyncio.to_thread(_spent_on_disk, spend)
             self._smoke = asyncio.ensure_future(self._oneshot.smoke())
@@ -109,7 +108,7 @@ class Startup:
                 return Gated(StartVerdict.SMOKE_FAILED)
         if self.quit_requested.is_set() or not self._no_dialog.is_set():
             if not self._no_dialog.is_set():
-                self._emit(ev.QuitDialog())
+                self._emit(QuitDialog())
                 await self._no_dialog.wait()
             if self.quit_requested.is_set():
                 return Gated(StartVerdict.NOT_STARTED, "quit before the run started")

@@ -10,6 +10,7 @@ from draftgen.core.config import Config
 from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.events import EventSink, Level
+from draftgen.core.live.stage_payloads import TokensDone, TokensFailed
 from draftgen.core.quoting import sh_path
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.rundir import RunDir
@@ -63,16 +64,15 @@ class TokensStage:
         tokens = r.progress()
         self._rows.set(tokens)
         self.fidelity = r.fidelity()
-        self._emit(ev.TokensDone(line=r.report(None).summary_line()))
+        self._emit(TokensDone(summary=r.report(None).summary_line()))
         complete = tokens.done >= tokens.total
         if tokens.state == snap.StageState.STOPPED:  # the disk refused: nothing is wrong, it did not finish
-            self._emit(ev.TokensFailed(
-                line=f"tokens: stopped at {tokens.done:,} of {tokens.total:,} answers: {tokens.message}",
-                at=Level.WARN))
+            self._emit(TokensFailed(cause=tokens.message, done=tokens.done, total=tokens.total, stopped=True,
+                                    at=Level.WARN))
             complete = True  # the stage's STOPPED state makes the run incomplete (exit 3), not an error
         elif not complete:  # the tokens stage failed: not a complete run, merge would drop them
-            self._emit(ev.TokensFailed(line=f"tokens: {tokens.done:,} of {tokens.total:,} answers have "
-                       f"token ids ({tokens.message}); finish with `draftgen tokens {sh_path(self._config.path)}`"))
+            self._emit(TokensFailed(cause=tokens.message, done=tokens.done, total=tokens.total,
+                                    config=sh_path(self._config.path)))
         for row in self.fidelity:
             if row.flagged:
                 self._emit(ev.ProviderFlagged(provider=row.name, cause=row.flagged))

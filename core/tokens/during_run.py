@@ -117,9 +117,12 @@ class RunReconstructor:
     # A batch goes to a worker once it holds BATCH_ANSWERS answers (or BATCH_CHARS of text), or FLUSH_AFTER_S
     # after its first answer. Short answers arrive by the thousand a second: every batch costs both processes
     # a pickle, a pipe round trip and a wake-up, so fewer, larger batches cost less CPU an answer (and the
-    # answers wait a little longer for their ids, which nothing waits on until the run's end).
-    FLUSH_AFTER_S = 0.2
-    BATCH_ANSWERS = 256
+    # answers wait a little longer for their ids, which nothing waits on until the run's end). 1,024 rather
+    # than 256: the worker woken a quarter as often cost ~5 us an answer less in bench_engine's runs of ~100-token
+    # answers (BENCHMARKS.md, Token reconstruction during a run); long answers reach BATCH_CHARS first. Batches
+    # by time (2 s, up to 4,096 answers) were tried and measured no better (the same page), the live row 2 s late.
+    FLUSH_AFTER_S = 0.5
+    BATCH_ANSWERS = 1024
     LIVE_BACKLOG = 4  # batches per worker queued before a submitted answer is left on disk for later
     MAX_RESTARTS = 3   # new pools after dead workers before reconstruction gives up for the run
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Generic, TypeVar
 
-from draftgen.core.live import payloads as ev
+from draftgen.core.live import stage_payloads as ev
 from draftgen.core.live.events import EventSink
 from draftgen.core.tokens.workers import Results, WorkerSpec, new_pool, ping, reconstruct_batch
 
@@ -198,7 +198,7 @@ class RespawningPool(Generic[K]):
         self._gave_up = message
         self.restart = None
         self._give_up_to(message)
-        self._event(ev.TokensFailed(line=message))
+        self._event(ev.TokensFailed(cause=message))
         held, self.held = self.held, []
         for key, batch in held:
             self._lost(key, batch, RuntimeError(message))

@@ -195,6 +195,15 @@ def _tool_call_parts(tool_calls: Any, where: str) -> list[Segment]:
     return out
 
 
+# Kimi-K2.5's fixed segments, made once (immutable tuples): a turn's header, the generation prompt.
+_IM_MIDDLE, _IM_END = Segment("<|im_middle|>", True), Segment("<|im_end|>", True)
+_THINK_OPEN, _THINK_CLOSE = Segment("<think>", True), Segment("</think>", True)
+_KIMI_OPENERS = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}
+_KIMI_HEADERS = {role: (Segment(_KIMI_OPENERS.get(role, "<|im_system|>"), True), Segment(role), _IM_MIDDLE)
+                 for role in ("system", "user", "assistant", "tool")}
+_KIMI_GENERATION_PROMPT = (*_KIMI_HEADERS["assistant"], _THINK_OPEN)
+
+
 class KimiK25Template:
     """The built-in Kimi-K2.5 rendering (see the module docstring)."""
 
@@ -204,11 +213,12 @@ class KimiK25Template:
     def __init__(self, default_system: str | None = None) -> None:
         self.default_system = default_system
 
-    def _header(self, message: dict[str, Any]) -> list[Segment]:
+    def _header(self, message: dict[str, Any]) -> tuple[Segment, ...]:
         role = message["role"]
         name = message.get("name") or role
-        opener = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}.get(role, "<|im_system|>")
-        return [Segment(opener, True), Segment(str(name)), Segment("<|im_middle|>", True)]
+        if name == role and role in _KIMI_HEADERS:  # the common case: made once, not three Segments a turn
+            return _KIMI_HEADERS[role]
+        return (Segment(_KIMI_OPENERS.get(role, "<|im_system|>"), True), Segment(str(name)), _IM_MIDDLE)
 
     def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
                truncated: bool = False, tool_calls: list[dict[str, Any]] | None = None,
@@ -225,32 +235,32 @@ class KimiK25Template:
                           if m["role"] == "assistant" and not m.get("tool_calls")), default=-1)
         history: list[tuple[int, int]] = []
         for i, m in enumerate(messages):
-            where = f"messages[{i}]"
             prompt += self._header(m)
-            text = message_text(m, where)
+            text = m.get("content")
+            if type(text) is not str:  # a list of parts, or None (the message's index named only on an error)
+                text = message_text(m, f"messages[{i}]")
             if m["role"] == "assistant":
                 opened = len(prompt)
                 rc = "" if i <= last_plain else history_reasoning(m)
-                prompt += [Segment(self.THINK_OPEN, True), Segment(rc), Segment(self.THINK_CLOSE, True), Segment(text)]
+                prompt += [_THINK_OPEN, Segment(rc), _THINK_CLOSE, Segment(text)]
                 if m.get("tool_calls"):
-                    prompt += _tool_call_parts(m["tool_calls"], where)
+                    prompt += _tool_call_parts(m["tool_calls"], f"messages[{i}]")
                 history.append((opened, len(prompt) + 1))  # through the <|im_end|> appended below
             elif m["role"] == "tool":
                 prompt.append(Segment(f"## Return of {_jinja_text(m.get('tool_call_id'))}\n{text}"))
             else:
                 prompt.append(Segment(text))
-            prompt.append(Segment(self.EOT, True))
-        prompt += [Segment("<|im_assistant|>", True), Segment("assistant"), Segment("<|im_middle|>", True),
-                   Segment(self.THINK_OPEN, True)]
+            prompt.append(_IM_END)
+        prompt += _KIMI_GENERATION_PROMPT
 
         answer: list[Segment] = [Segment(reasoning or "")]
         # A truncated answer with no content was cut while still reasoning: no </think> was generated.
         if not (truncated and not content and not tool_calls):
-            answer += [Segment(self.THINK_CLOSE, True), Segment(content)]
+            answer += (_THINK_CLOSE, Segment(content))
         if tool_calls:
             answer += _tool_call_parts(tool_calls, "answer")
         if not truncated:
-            answer.append(Segment(self.EOT, True))
+            answer.append(_IM_END)
         return RenderedChat(tuple(prompt), tuple(answer), (), 1, self.EOT, self.THINK_OPEN, self.THINK_CLOSE,
                             history_turns=tuple(history))
 

@@ -334,3 +334,14 @@ def test_every_event_kind_has_one_payload_type_and_each_comes_back_from_json_as_
     older = {"ts": 5.0, "level": "info", "kind": "dataset_done", "message": "a: done", "dataset": "a", "data": None}
     back = event_from_dict(older)
     assert isinstance(back.payload, Other) and (back.message, back.dataset) == ("a: done", "a")
+
+
+def test_no_kind_is_a_line_made_at_the_call_site() -> None:
+    """Every kind carries what its message is made of as fields of their own (counts, dollars, paths,
+    the cause's text named for what it is); none is one `line` written where it was sent. Only
+    `Other` (a kind this side does not know) keeps the message as it came."""
+    def said(cls: type[Payload]) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} - {"dataset", "at"}
+    assert not [cls.__name__ for cls in PAYLOADS.values() if cls is not Other and "line" in said(cls)]
+    fixed = {EventKind.HELD_WRITTEN, EventKind.QUIT_DIALOG, EventKind.RESUMED}  # one sentence, no figure
+    assert not [kind for kind, cls in PAYLOADS.items() if kind not in fixed and not said(cls)]

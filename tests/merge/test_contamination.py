@@ -226,6 +226,7 @@ def test_a_benchmark_file_that_cannot_be_used_is_named_with_its_line(tmp_path: P
 
 async def test_the_run_s_merge_stage_logs_the_drops_by_benchmark(tmp_path: Path) -> None:
     """`m` in the run's UI merges through core/run/stages.py: its event log gets the line merge prints."""
+    from draftgen.core.live.events import Payload
     from draftgen.core.run.stage_rows import StageRows
     from draftgen.core.run.stages import Stages
     from draftgen.core.rundir import RunDir
@@ -237,12 +238,12 @@ async def test_the_run_s_merge_stage_logs_the_drops_by_benchmark(tmp_path: Path)
     ])
     config = config_from_dict({"output": {"dir": "run"}, "datasets": [{"name": "P", "prompts": "P.jsonl"}],
                                "merge": {"exclude_files": ["bench.txt"]}}, tmp_path / "draftgen.toml")
-    events: list[tuple[str, str, str]] = []
+    events: list[Payload] = []
     stages = Stages(config, "", None, StageRows(), rundir=RunDir(config.run_dir), redact=Redactor(""),  # type: ignore[arg-type]
-                    emit=lambda *e: events.append(e))
+                    emit=events.append)
     stats = await stages.merge()
     assert stats.samples == 1
-    lines = [e[2] for e in events]
+    lines = [e.text() for e in events]
     assert any(line.startswith("merge done: 1 of 2 answers kept") and "1 contaminated" in line for line in lines)
     assert any(line.startswith("contaminated (left out, by benchmark): bench 1; matches in ") for line in lines)
 

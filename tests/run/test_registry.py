@@ -7,13 +7,14 @@ import asyncio
 import contextlib
 import io
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from draftgen.cli.main import build_parser
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.events import Level
-from draftgen.core.live.payloads import RunDone
+from draftgen.core.live.stage_payloads import RunDone
 from draftgen.core.run import registry
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.run.stage import RunStage, StageHost, When
@@ -40,6 +41,15 @@ def test_the_registry_is_the_run_order_every_view_names() -> None:
     assert registry.stage("merge").steps == ("contamination",)
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Counted(RunDone):
+    """The count stage's outcome: a stage's own payload, under a kind headless prints."""
+    answers: int
+
+    def said(self) -> str:
+        return f"count: {self.answers} answers on disk"
+
+
 class _Count(RunStage):
     """A stage no module outside this test names: counts the answers on disk after generation."""
     name = "count"
@@ -56,7 +66,7 @@ class _Count(RunStage):
         lines = sum(len(host.rundir.responses(d.name).read_bytes().splitlines()) for d in host.config.datasets)
         (host.rundir.root / "count.txt").write_text(f"{lines}\n")
         host.stages.set(snap.StageProgress(self.name, state=snap.StageState.DONE, done=lines, total=lines))
-        host.emit(RunDone(line=f"count: {lines} answers on disk", at=Level.WARN))
+        host.emit(_Counted(answers=lines, at=Level.WARN))
         return lines
 
     def run(self, host: StageHost, **options: Any) -> Any:

@@ -251,11 +251,13 @@ def test_the_pipelines_events_are_typed_and_name_their_dataset(finished: Finishe
 
 
 def test_events_travel_as_json_and_older_ones_still_read() -> None:
-    e = Event.of(Budget(line="alpha: token budget reached", dataset="alpha"), ts=1.0)
+    e = Event.of(Budget(reason="token budget reached", dataset="alpha"), ts=1.0)
+    said = "alpha: token budget reached; the rest is skipped (stays eligible for a later run)"
     data = orjson.loads(e.to_json())
-    assert data == {"ts": 1.0, "level": "warn", "kind": "budget", "message": "alpha: token budget reached",
-                    "dataset": "alpha", "data": {"dataset": "alpha", "at": None,
-                                                 "line": "alpha: token budget reached"}}  # `data`: the payload
+    assert data == {"ts": 1.0, "level": "warn", "kind": "budget", "message": said,
+                    "dataset": "alpha", "data": {"dataset": "alpha", "at": None, "reason": "token budget reached",
+                                                 "prompt_id": "", "conversation": "", "turn": 0, "turns": 0,
+                                                 "later": 0}}  # `data`: the payload's figures
     assert snap.event_from_dict(data) == e
     # An engine from before the field, and a newer engine's kind: read, not refused.
     older = snap.event_from_dict({"ts": 2.0, "level": "info", "kind": "a_kind_from_later", "message": "m"})
@@ -266,13 +268,14 @@ def test_events_travel_as_json_and_older_ones_still_read() -> None:
 
 
 async def test_log_filters_on_the_dataset_field_not_the_message_text() -> None:
-    ev = (Event.of(CreditsRead(line="B1: looks like a dataset, is not one", at=Level.INFO), ts=fx.T0),
-          Event.of(Budget(line="token budget reached", dataset="B1"), ts=fx.T0 + 1))
+    ev = (Event.of(CreditsRead(cause="B1: looks like a dataset, is not one", at=Level.INFO), ts=fx.T0),
+          Event.of(Budget(reason="token budget reached", dataset="B1"), ts=fx.T0 + 1))
     app = DraftgenApp(fx.FakeControls(fx.running(), ev), title="draftgen", refresh_s=0.05)  # type: ignore[arg-type]
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("l", "d")
         log = app.screen.events_log  # type: ignore[attr-defined]
-        assert log.dataset == "B1" and [line.split(" ", 2)[2].strip() for line in log.lines] == ["token budget reached"]
+        assert log.dataset == "B1" and [line.split(" ", 2)[2].strip() for line in log.lines] == [
+            "B1: token budget reached; the rest is skipped (stays eligible for a later run)"]
 
 
 # -- the hub's drop policy ----------------------------------------------------------------------
@@ -289,13 +292,14 @@ def test_a_slow_subscriber_loses_old_snapshots_and_keeps_every_event() -> None:
     hub = Hub()
     slow, fast = hub.subscribe(maxsize=4), hub.subscribe(maxsize=1000)
     snaps = [dataclasses.replace(fx.running(), seq=i) for i in range(10)]
-    events = [Event.of(CreditsRead(line=f"e{i}", at=Level.INFO), ts=fx.T0 + i) for i in range(2)]
+    events = [Event.of(CreditsRead(cause=f"e{i}", at=Level.INFO), ts=fx.T0 + i) for i in range(2)]
     for i, s in enumerate(snaps):
         hub.publish_snapshot(s)  # never blocks: a publisher is never slowed by a subscriber
         if i in (3, 6):
             hub.publish_event(events[(i - 3) // 3])
     kept = _drain(slow)
-    assert [x[1].message for x in kept if x[0] == "event"] == ["e0", "e1"], "events are kept, in order"
+    assert [x[1].message for x in kept if x[0] == "event"] == [
+        "could not read the balance: e0", "could not read the balance: e1"], "events are kept, in order"
     assert [x[1].seq for x in kept if x[0] == "snapshot"] == [8, 9], "the newest snapshots are kept"
     assert slow.dropped == 12 - 4
     assert len(_drain(fast)) == 12 and fast.dropped == 0, "a slow subscriber costs the others nothing"
@@ -307,8 +311,9 @@ def test_a_subscriber_full_of_events_loses_the_oldest() -> None:
     hub = Hub()
     sub = hub.subscribe(maxsize=3)
     for i in range(5):
-        hub.publish_event(Event.of(Budget(line=f"e{i}"), ts=fx.T0 + i))
-    assert [x[1].message for x in _drain(sub)] == ["e2", "e3", "e4"] and sub.dropped == 2
+        hub.publish_event(Event.of(CreditsRead(cause=f"e{i}"), ts=fx.T0 + i))
+    assert [x[1].message for x in _drain(sub)] == [f"could not read the balance: e{i}" for i in (2, 3, 4)]
+    assert sub.dropped == 2
 
 
 # -- exit codes -----------------------------------------------------------------------------------

@@ -153,8 +153,7 @@ class Admission:
         if decision.money:
             self._room.stop_for_money(name)
         ds.end(DatasetStatus.BUDGET, decision.reason)
-        self._event(ev.Budget(line=f"{name}: {decision.reason}; the rest is skipped "
-                    "(stays eligible for a later run)", dataset=name))
+        self._event(ev.Budget(reason=decision.reason, dataset=name))
 
     def _end(self, ds: DatasetRun, budget_reason: str) -> None:
         """Nothing left in flight: settle the set-aside prompts, leave the dataset's final status, say it."""

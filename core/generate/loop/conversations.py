@@ -289,11 +289,10 @@ class ConversationSource:
         self.counts.reasons[kind] += 1
         if not self._said_ended and rest:
             self._said_ended = True
-            line = (f"{self._name}: conversation {conv.id!r} ended at turn {k} of {conv.turns}: {why}; its "
-                    f"{rest} later turn(s) are skipped (nothing is asked on a broken answer); every conversation "
-                    "that ends early is counted")
-            self._event(ev.Budget(line=line, dataset=self._name, at=Level.INFO) if kind.startswith("skipped")
-                        else ev.ConversationEnded(line=line, dataset=self._name))
+            self._event(ev.Budget(reason=why, conversation=conv.id, turn=k, turns=conv.turns, later=rest,
+                                  dataset=self._name, at=Level.INFO) if kind.startswith("skipped")
+                        else ev.ConversationEnded(conversation=conv.id, turn=k, turns=conv.turns, why=why, later=rest,
+                                                  dataset=self._name))
 
     def _begin(self, conv: Conversation) -> Prompt | None:
         """A conversation read from the file: its first turn with no outcome on disk, or None when it
@@ -342,11 +341,8 @@ class ConversationSource:
         self.counts.ended += 1
         self.counts.reasons["prompt file edited"] += 1
         if self._edited == 1:
-            self._event(ev.ConversationEnded(
-                line=f"{self._name}: {self._path} line {conv.line}: turn {k} of conversation {conv.id!r} is not "
-                        "the one its stored answer was asked with (the prompt file was edited since): the "
-                        "conversation is not continued (its stored turns stay, its rest is counted skipped); "
-                        "every such conversation is counted", dataset=self._name, at=Level.WARN))
+            self._event(ev.ConversationEnded(conversation=conv.id, turn=k, path=str(self._path), line_no=conv.line,
+                                             dataset=self._name, at=Level.WARN))
 
     @property
     def edited(self) -> int:

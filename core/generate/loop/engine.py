@@ -78,12 +78,12 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.live.events import EventSink, Level, no_event
 from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.snapshot import RunState
+from draftgen.core.live.stage_payloads import Draining, HeldWait, HeldWritten, RunDone, Stopping
 from draftgen.core.live.summary import ended_line, final_state
 from draftgen.core.private_dir import check_private
 from draftgen.core.rundir import RunDir
 from draftgen.core.safe_text import visible
 from draftgen.core.secrets import Redactor
-from draftgen.core.units import usd
 
 HELD_RETRY_S = 3.0  # how often a run ending with answers held retries writing them
 
@@ -200,7 +200,7 @@ class Engine:
         if not self.control.drain():
             return
         self._wake_all()
-        self._event(ev.Draining(in_flight=self.in_flight))
+        self._event(Draining(in_flight=self.in_flight))
 
     def spool_held(self) -> None:
         """Stop waiting for the disk: the records held in memory go to the spool (spool.py) at the end."""
@@ -218,7 +218,7 @@ class Engine:
         tasks = tuple(self._loop.service.tasks) if self._loop is not None else ()
         for task in tasks:
             task.cancel()
-        self._event(ev.Stopping(abandoned=len(tasks)))
+        self._event(Stopping(abandoned=len(tasks)))
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -282,10 +282,10 @@ class Engine:
                             waiting=self.current_hold is Hold.ACCOUNT,
                             money_limited=self._loop is not None and self._loop.room.money_limited)
         self.control.end(final, ended_line(final, self.datasets.values()))
-        self._event(ev.RunDone(line=f"run {self.ended}; {usd(self.money.spent_run)} spent this run, "
-                    f"{usd(self.spend.spent_usd)} all runs"
-                    + (f" ({usd(self.spend.pending_usd)} of it pending, at worst case)" if self.spend.pending else ""),
-                    at=Level.INFO if self.state == RunState.DONE else Level.WARN))
+        self._event(RunDone(state=self.state.value, ended=self.ended, spent_run_usd=self.money.spent_run,
+                            spent_usd=self.spend.spent_usd,
+                            pending_usd=self.spend.pending_usd if self.spend.pending else None,
+                            at=Level.INFO if self.state == RunState.DONE else Level.WARN))
         return self.state
 
     async def _wait_for_disk(self) -> None:
@@ -294,11 +294,11 @@ class Engine:
         said = False
         while self.book.holding and not (self._spool_now or self.control.stopping):
             if self.book.flush_held():
-                self._event(ev.HeldWritten())
+                self._event(HeldWritten())
                 return
             if not said:
                 said = True
-                self._event(ev.HeldWait(answers=self.book.held_answers, retry_s=HELD_RETRY_S))
+                self._event(HeldWait(answers=self.book.held_answers, retry_s=HELD_RETRY_S))
             self._held_wake.clear()
             try:
                 await asyncio.wait_for(self._held_wake.wait(), HELD_RETRY_S)
@@ -320,10 +320,10 @@ class Engine:
             return ChatClient(api.base_url, self._api_key, concurrency=need, **kwargs)
 
         def say(out: bool, text: str) -> None:  # a server taken out, or back
-            self._event(ev.Unreachable(line=text) if out else ev.Reachable(line=text))
+            self._event(ev.Unreachable(cause=text) if out else ev.Reachable(detail=text))
 
         def say_limit(starts: bool, text: str) -> None:  # a server's storm began or ended, its limit back
-            self._event(ev.Concurrency(line=text, at=Level.WARN if starts else Level.INFO))
+            self._event(ev.Concurrency(detail=text, starts=starts))
 
         clock = self._clock
         return FleetClient(api.servers, self._api_key, concurrency=need, say=say, say_limit=say_limit,
@@ -331,13 +331,12 @@ class Engine:
 
     def _provider_said(self, bad: bool, message: str) -> None:
         """A provider gone bad, or back (recent.py `ProviderStats`): an event."""
-        self._event(ev.Provider(line=message, at=Level.WARN if bad else Level.INFO))
+        self._event(ev.Provider(detail=message, bad=bad))
 
     def _limit_said(self, name: str) -> Callable[[bool, str], None]:
         """What dataset `name`'s adaptive limit says (a storm's start and end, the limit back): an event."""
         def say(starts: bool, message: str) -> None:
-            self._event(ev.Concurrency(line=f"{name}: {message}", dataset=name,
-                                       at=Level.WARN if starts else Level.INFO))
+            self._event(ev.Concurrency(detail=message, starts=starts, dataset=name))
         return say
 
     def waiting(self) -> str:

@@ -42,9 +42,9 @@ from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger
 from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventSink, Level, no_event
+from draftgen.core.live.stage_payloads import Repaired
 from draftgen.core.records import cost_of, count_of
 from draftgen.core.rundir import RunDir, iter_jsonl
-from draftgen.core.units import usd
 
 
 def _estimate(usage: Any, p: Prices | None) -> float:
@@ -157,7 +157,7 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
                      event: EventSink, on_settled: Callable[[], None]) -> OpenedMoney:
     cut = await asyncio.to_thread(spend.open)
     if cut:
-        event(ev.Repaired(path=str(spend.path), cut_bytes=cut))
+        event(Repaired(path=str(spend.path), cut_bytes=cut))
     # the key's usage before the directory's first attempt (`draftgen ledger`)
     if not spend.existed and config.api.server.kind.has_account:
         with contextlib.suppress(Exception):
@@ -167,13 +167,12 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
     prices, listing_error = await fetch_prices(client, config)
     require_prices(config, prices, listing_error)
     for name, p in prices.items():
-        event(ev.PriceNote(line=f"{name}: worst case {p.describe()}" if p is not None else
-              f"{name}: no price known ({listing_error or 'no provider allowed'}); no ceiling is set", dataset=name))
+        event(ev.PriceNote(prices=p.describe(), dataset=name) if p is not None else
+              ev.PriceNote(cause=listing_error or "no provider allowed", dataset=name))
     smoke = await asyncio.to_thread(load_smoke_answer, rundir, config.run_fingerprint())
     await asyncio.to_thread(apply_smoke_stream, config, rundir)
     if config.api.stream_decided:
-        event(ev.RequestKeys(line=f"requests stream: the smoke test found the non-streamed answers of "
-              f"{config.api.base_url} rewritten by its parser ({rundir.smoke_json}; [api] stream overrides it)"))
+        event(ev.RequestKeys(url=config.api.base_url, smoke_json=str(rundir.smoke_json)))
     def over(p: Pending, cost: float, provider: str) -> None:
         event(ev.OverReservation(provider=provider or "(unnamed)", prompt_id=p.prompt_id, reserved_usd=p.worst,
                                  billed_usd=cost, by_record=True, dataset=p.ds))
@@ -183,13 +182,10 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
     def doubt(p: Pending, figure: str) -> None:  # said once a run (the settler counts them all)
         if not said:
             said.append(True)
-            event(ev.BadBill(line=f"{p.ds}: prompt {p.prompt_id!r}: its generation record says it "
-                  f"cost {figure}, which is not believed (settle.py): settled at what it counted at, "
-                  f"${p.worst:.6f}", dataset=p.ds))
+            event(ev.BadBill(prompt_id=p.prompt_id, doubt=figure, by_record=True, counted_usd=p.worst, dataset=p.ds))
 
     def key_priced(n: int, cost: float, worst: float) -> None:
-        event(ev.PendingAttempts(line=f"{n} attempt(s) without a generation id priced from the key's usage "
-              f"since the directory's first run: {usd(cost)} together (they counted {usd(worst)} at worst case)"))
+        event(ev.PendingAttempts(case="key_priced", attempts=n, usd=cost, worst_usd=worst))
 
     settler = Settler(spend, client, config.api.generation_lookup_s, on_settled=on_settled,
                       bills_answers=config.api.server.kind.bills_answers, on_over=over, on_doubt=doubt,
@@ -199,12 +195,11 @@ async def open_costs(config: Config, rundir: RunDir, spend: SpendLedger, client:
     left = spend.lookups()
     if spend.pending:
         unknown = len(spend.unknown())
-        event(ev.PendingAttempts(line=f"{len(spend.pending)} attempt(s) of earlier runs not priced yet "
-              f"count at their worst case ({usd(spend.pending_usd)}); {len(left)} looked up now"
-              + (f", {unknown} without a generation id priced from the key's usage once they cannot still be "
-                 f"running (in {settler.unknown_due_s():.0f} s at most)" if unknown and settler.prices_unknown
-                 else f", {unknown} without a generation id stay at worst case (no key usage baseline)"
-                 if unknown and config.api.server.kind.has_account else ""), at=Level.WARN))
+        by_key = bool(unknown) and settler.prices_unknown
+        event(ev.PendingAttempts(case="open", attempts=len(spend.pending), worst_usd=spend.pending_usd,
+                                 looked_up=len(left),
+                                 unknown=unknown if by_key or config.api.server.kind.has_account else 0,
+                                 due_s=settler.unknown_due_s() if by_key else None, at=Level.WARN))
     settler.add(left)
     return OpenedMoney(prices, smoke, settler)
 
@@ -230,9 +225,8 @@ async def open_datasets(config: Config, rundir: RunDir, datasets: dict[str, Data
         n, total = settled.get(p.ds, (0, 0.0))
         settled[p.ds] = (n + 1, total + cost)
     for name, (n, total) in settled.items():
-        say(ev.PendingAttempts(line=f"{name}: {n} attempt(s) an earlier run left open have their answer in "
-            f"{rundir.responses(name)} (written before the ledger's line, or imported from a spool): settled at "
-            f"their recorded cost, {usd(total)}", dataset=name))
+        say(ev.PendingAttempts(case="recorded", attempts=n, responses=str(rundir.responses(name)), usd=total,
+                               dataset=name))
     # A ledger behind its answers (or the reverse), e.g. after an OS crash of a version without fsync.
     for name, found in (await asyncio.to_thread(count_unledgered, rundir, datasets, spend, prices or {})).items():
         if found.lost:

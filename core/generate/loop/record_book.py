@@ -51,6 +51,7 @@ from draftgen.core.generate.loop.spool_import import SpoolImport
 from draftgen.core.generate.loop.stats import RateTracker
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.live import payloads as ev
+from draftgen.core.live.stage_payloads import Repaired, Spooled, Unsaved
 from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord, broken_answer, same_model
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.units import to_ms
@@ -123,7 +124,7 @@ class RecordBook:
         ds.open_files(responses, failures)
         for f in (responses, failures):
             if f.cut_bytes:
-                self._event(ev.Repaired(path=str(f.path), cut_bytes=f.cut_bytes, by_crash=True))
+                self._event(Repaired(path=str(f.path), cut_bytes=f.cut_bytes, by_crash=True))
         self._spools.import_into(ds)
         for _, raw in iter_jsonl(rd.responses(ds.config.name)):
             rec = ResponseRecord.from_dict(raw)  # odd values in a hand-edited line count as nothing
@@ -407,7 +408,7 @@ class RecordBook:
             self._control.held_spooled(answers, len(self._held) - answers, str(path))
             self._held.clear()
             self._control.release(Hold.DISK)
-            self._event(ev.Spooled(answers=answers, cause=str(self._disk_error), path=str(path),
+            self._event(Spooled(answers=answers, cause=str(self._disk_error), path=str(path),
                                    run_dir=str(self.rundir.root)))
             return
         self._control.held_lost(answers)
@@ -418,6 +419,5 @@ class RecordBook:
         self._held.clear()
         self._control.release(Hold.DISK)
         where = ", ".join(f"{n} for {path}" for path, n in lost.items())
-        self._event(ev.Unsaved(line=f"{sum(lost.values())} record(s) could not be written and are not saved "
-                    f"({where}): {self._disk_error}; no spool place took them either ({'; '.join(refused)}); "
-                    "the next run asks those prompts again"))
+        self._event(Unsaved(records=sum(lost.values()), where=where, cause=str(self._disk_error),
+                            refused="; ".join(refused)))

@@ -28,7 +28,6 @@ from draftgen.core.generate.money.trust import FIRST_WAVE, PriceTrust
 from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import Level
 from draftgen.core.request_keys import body_answers, body_max_tokens
-from draftgen.core.units import usd
 
 if TYPE_CHECKING:
     from draftgen.core.generate.loop.dataset_run import DatasetRun
@@ -96,13 +95,12 @@ def price_trust(ctx: RunContext, parts: RunParts) -> PriceTrust:
     trust = PriceTrust(opened.costs.prices, first_wave=wave, seen=seen,
                        record=lambda name, p: spend.prices_checked(name, shapes[name], p.prompt, p.completion,
                                                                    p.request),
-                       raised=lambda name, message: ctx.event(ev.PriceNote(line=f"{name}: {message}",
-                       dataset=name, at=Level.WARN)))
+                       raised=lambda name, message: ctx.event(ev.PriceNote(raised=message, dataset=name,
+                                                                          at=Level.WARN)))
     opened.costs.settler.on_bill = lambda p, cost, prompt_tokens, completion_tokens: trust.bill(
         p.ds, cost, prompt_tokens, completion_tokens, f"prompt {p.prompt_id!r} (its generation record)")
     if waves := [name for name in datasets if trust.in_wave(name)]:
-        ctx.event(ev.PriceNote(line=f"{', '.join(waves)}: at most {FIRST_WAVE} requests in flight until "
-                  "the first answer comes back, its bill checking the listed prices (then each dataset's concurrency)"))
+        ctx.event(ev.PriceNote(wave=", ".join(waves), first_wave=FIRST_WAVE))
     return trust
 
 
@@ -177,9 +175,7 @@ class Room:
         n = self.money_skipped[name] = self.money_skipped.get(name, 0) + 1
         if n == 1:
             why = reason or "max_usd leaves no room"
-            self._event(ev.Budget(line=f"{name}: prompt {prompt_id!r} skipped: {why}; "
-                        "it stays eligible for a later run, and the next prompts go on (each one that does not "
-                        "fit is skipped and counted)", dataset=name))
+            self._event(ev.Budget(reason=why, prompt_id=prompt_id, dataset=name))
 
     def admit_now(self, ds: DatasetRun, worst: float) -> Decision | None:
         """`admit` without waiting: GO, HALT or the budget that stops it when that is decided now, None
@@ -283,10 +279,8 @@ class Room:
         if len(unknown) == self._unknown_said:
             return
         self._unknown_said = len(unknown)
-        self._event(ev.PendingAttempts(line=f"max_usd has no room now but for {len(unknown)} attempt(s) "
-                    f"without a generation id (counted at worst case, {usd(sum(p.worst for p in unknown))}): the "
-                    f"run waits for the key's usage to price them, in {self._settler.unknown_due_s():.0f} s at most "
-                    "(api.request_timeout_s after the last was sent), then goes on", at=Level.WARN))
+        self._event(ev.PendingAttempts(case="waits", attempts=len(unknown), worst_usd=sum(p.worst for p in unknown),
+                                       due_s=self._settler.unknown_due_s(), at=Level.WARN))
 
     async def reserve_retry(self, ds: DatasetRun, prompt_id: str, worst: float) -> Ticket | None:
         """A new reservation for a retry (the last attempt's may be pending at its worst case); None when

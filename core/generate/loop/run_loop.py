@@ -61,7 +61,7 @@ class RunLoop:
     def _key_refused(self, stop: AccountStop) -> None:
         alert = stop.alert(paused=False)
         self._ctx.control.say(alert)
-        self._ctx.event(ev.AccountChanged(line=alert))
+        self._ctx.event(ev.AccountChanged(alert=alert))
         self._drain()
 
     def _account_cleared(self) -> None:

@@ -31,6 +31,7 @@ from draftgen.core.errors import ExitCode
 from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventSink
 from draftgen.core.live.snapshot import RunState, StageState, weighed
+from draftgen.core.live.stage_payloads import Paused, Resumed
 from draftgen.core.live.summary import INCOMPLETE
 
 if TYPE_CHECKING:
@@ -229,7 +230,7 @@ class RunControl:
         self._state = RunState.PAUSED
         self._paused_by = by
         self._open.clear()
-        self._event(ev.Paused(by=by))
+        self._event(Paused(by=by))
         return True
 
     def hold(self, why: Hold, reason: str, account: AccountStop | None = None) -> None:
@@ -244,7 +245,7 @@ class RunControl:
             self._state = RunState.PAUSED
             self._open.clear()
         if first:
-            self._event(ev.Alert(line=reason))
+            self._event(ev.Alert(alert=reason))
 
     def say(self, alert: str) -> None:
         """An alert with no change of state (a key refused before the drain, a balance re-read)."""
@@ -265,7 +266,7 @@ class RunControl:
         self._account = None
         self._paused_by = None
         self._open.set()
-        self._event(ev.Resumed())
+        self._event(Resumed())
 
     def drain(self) -> bool:
         """Admit nothing more; True when this call began the drain."""

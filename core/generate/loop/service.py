@@ -20,7 +20,7 @@ from draftgen.core.generate.api.preflight import detect_server
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.money.spend import Ticket
 from draftgen.core.live import payloads as ev
-from draftgen.core.live.events import EventKind, Level, Payload
+from draftgen.core.live.events import EventKind, Payload
 from draftgen.core.records import ErrorKind
 from draftgen.core.servers import ids_plan, missing_ids_message
 
@@ -75,8 +75,7 @@ class Service:
         blocks[block] += 1
         if (since := self.unreachable_since) is not None:
             ctx = self._ctx
-            ctx.event(ev.Reachable(line=f"{ctx.config.api.base_url} answers again after "
-                      f"{ctx.clock() - since:.0f} s out of reach"))
+            ctx.event(ev.Reachable(url=ctx.config.api.base_url, out_s=ctx.clock() - since))
             self.unreachable_since = None
 
     # -- outages -------------------------------------------------------------------------------------
@@ -104,8 +103,7 @@ class Service:
             # The cause once (it names the address), the advice that matches it, then what the run does.
             cause = self.unreachable_cause
             advice = unreachable_advice(ctx.config.api.base_url, cause, ctx.config.path)
-            ctx.event(ev.Unreachable(line=f"{cause}: {advice}; retrying until it answers, no prompt "
-                      "is failed meanwhile"))
+            ctx.event(ev.Unreachable(cause=cause, advice=advice))
 
     # -- said once, or sparingly ---------------------------------------------------------------------
 
@@ -130,9 +128,8 @@ class Service:
         counts = answer.usage.prompt_tokens or answer.usage.completion_tokens
         instead = ("its generation record's cost (checked the same way)" if ticket.gen else
                    "its token counts at the worst prices" if counts else f"its worst case ${ticket.worst:.6f}")
-        ctx.event(ev.BadBill(line=f"{name}: provider {who}: prompt {ticket.prompt_id!r} came with "
-                  f"{answer.doubt}: not booked as given but at {instead}; the answer is kept. Said once per kind; "
-                  "each such answer is counted as bad_bill", dataset=name))
+        ctx.event(ev.BadBill(provider=who, prompt_id=ticket.prompt_id, doubt=str(answer.doubt), instead=instead,
+                             dataset=name))
 
     # -- the self-hosted server's token ids ---------------------------------------------------------
 
@@ -146,7 +143,7 @@ class Service:
             await detect_server(config, self.client)
         asked, text = ids_plan(config.api.server.release, config.api.base_url, config.api.streams)
         self._ids_said = not asked  # the reason is said once, here: each answer without ids is still counted
-        self._ctx.event(ev.ServerIds(line=text, at=Level.INFO if asked else Level.WARN))
+        self._ctx.event(ev.ServerIds(detail=text, asked=asked))
 
     def no_ids(self, name: str) -> None:
         """An answer without the ids asked for: counted (no_ids), and said once with the fix."""
@@ -154,5 +151,5 @@ class Service:
         if not self._ids_said:
             self._ids_said = True
             api = self._ctx.config.api
-            self._ctx.event(ev.ServerIds(line=missing_ids_message(api.server.release, api.base_url, api.streams),
+            self._ctx.event(ev.ServerIds(detail=missing_ids_message(api.server.release, api.base_url, api.streams),
                                          dataset=name))

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from draftgen.core.errors import DiskError
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.spool import Spool, find_spools
-from draftgen.core.live import payloads as ev
-from draftgen.core.live.events import EventSink, Level
+from draftgen.core.live.events import EventSink
+from draftgen.core.live.stage_payloads import SpoolImported
 from draftgen.core.rundir import RunDir, iter_jsonl
 
 
@@ -66,24 +66,19 @@ class SpoolImport:
         """Every dataset (`names`) is open: remove the spools imported whole; say which stay, and why."""
         for spool in self._spools:
             if spool.refused:
-                self._event(ev.SpoolImported(
-                    line=f"{spool.path} was refused, nothing in it imported: {spool.refused}; a spool is read only "
-                            "from a folder of yours that no other user can write, and only from a file of yours "
-                            "(remove it if you did not write it)", at=Level.ERROR))
+                self._event(SpoolImported(path=str(spool.path), outcome="refused", cause=spool.refused))
                 continue
             others = sorted({r.dataset for r in spool.records} - names)
             if spool.problem or others:
                 why = spool.problem or f"its dataset(s) {', '.join(others)} are not in this config"
-                self._event(ev.SpoolImported(line=f"{spool.path} was not imported: {why}; it stays (run again with "
-                            "those datasets, or move its records by hand)", at=Level.ERROR))
+                self._event(SpoolImported(path=str(spool.path), outcome="kept", cause=why))
                 continue
             try:
                 spool.path.unlink()
             except OSError as e:
-                self._event(ev.SpoolImported(line=f"{spool.path}: imported, but cannot remove it ({e.strerror}); "
-                            "a later run skips what is already on disk", at=Level.WARN))
+                self._event(SpoolImported(path=str(spool.path), outcome="not_removed", cause=str(e.strerror)))
                 continue
             n = sum(1 for r in spool.records if r.file == "responses")
-            self._event(ev.SpoolImported(line=f"imported {len(spool.records)} spooled record(s) ({n} answers) from "
-                        f"{spool.path} into {self.rundir.root}; the spool file is removed"))
+            self._event(SpoolImported(path=str(spool.path), outcome="imported", records=len(spool.records),
+                                      answers=n, run_dir=str(self.rundir.root)))
         self._spools = []

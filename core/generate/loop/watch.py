@@ -102,8 +102,8 @@ class AccountWatch:
             # Room for what is still reserved plus the worst case of the next request, as admission asks.
             need = self._spend.reserved_usd + self._next_worst
             if stop.cleared_by(status, need_usd=need, floor_usd=self._money.floor_usd, now=time.time()):
-                self._event(ev.AccountChanged(line=f"{stop.condition.value} cleared ({status.balance_detail}): "
-                            "resuming", at=Level.INFO))
+                self._event(ev.AccountChanged(cleared=stop.condition.value, balance=status.balance_detail,
+                                              at=Level.INFO))
                 self._on_cleared()
                 return
 
@@ -119,8 +119,7 @@ class AccountWatch:
             for ds in self._datasets.values():
                 ds.wake.set()
         elif first_unknown:
-            self._event(ev.CreditsRead(line=f"balance {self._redact(status.balance_detail)}; the run keeps going "
-                        "under max_usd"))
+            self._event(ev.CreditsRead(balance=self._redact(status.balance_detail)))
         return status
 
     async def read_then(self, resume: Callable[[], None]) -> None:
@@ -129,7 +128,7 @@ class AccountWatch:
         try:
             await self.read()
         except Exception as e:  # noqa: BLE001 - resume anyway
-            self._event(ev.CreditsRead(line=f"could not read the balance: {type(e).__name__}"))
+            self._event(ev.CreditsRead(cause=type(e).__name__))
         if self._run.paused:
             resume()
 
@@ -141,7 +140,7 @@ class AccountWatch:
             try:
                 await self.read()
             except RequestFailed as e:
-                self._event(ev.CreditsRead(line=f"could not read the balance: {self._redact(e.message)}"))
+                self._event(ev.CreditsRead(cause=self._redact(e.message)))
             except Exception as e:  # a balance check must never take the run down
-                self._event(ev.CreditsRead(line=f"could not read the balance: {type(e).__name__}"))
+                self._event(ev.CreditsRead(cause=type(e).__name__))
             await asyncio.sleep(self._config.api.credits_interval_s)
