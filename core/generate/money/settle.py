@@ -83,6 +83,11 @@ class Settler:
         self._request_timeout_s = request_timeout_s
         self._on_key_priced = on_key_priced
         self._unknown_task: asyncio.Task[None] | None = None
+        # Set by close(): the loops end by it, not only by their cancel. On Python 3.11 a cancel that meets
+        # `asyncio.wait_for` as its inner wait completes (the wake set in the same turn of the loop: an
+        # attempt abandoned by the drain) is swallowed, and the pricing loop went on waiting: close()'s
+        # gather, and so the drained run's exit, waited for ever.
+        self._closed = False
         self._unknown_wake = asyncio.Event()
         self.key_failures = 0  # GET /key reads that failed or showed no usage (tried again KEY_RETRY_S later)
         # A record billed past what its attempt counted at (its reservation or token estimate): told with
@@ -175,6 +180,8 @@ class Settler:
         await self.close()
 
     async def close(self) -> None:
+        self._closed = True
+        self._unknown_wake.set()  # a loop waiting on it sees the close at once, cancel swallowed or not
         tasks = [*self._workers, *([self._unknown_task] if self._unknown_task is not None else [])]
         for w in tasks:
             w.cancel()
@@ -187,7 +194,7 @@ class Settler:
         last can no longer be running (one read of GET /key for a killed run's attempts, whose figure is
         the tightest); sleeps until then, or until another is added."""
         assert self._key_usage is not None
-        while True:
+        while not self._closed:
             self._unknown_wake.clear()
             wait = self.unknown_due_s()
             if not wait and self._spend.unknown():
@@ -215,7 +222,7 @@ class Settler:
                 await self._unknown_wake.wait()
 
     async def _work(self) -> None:
-        while True:
+        while not self._closed:
             p, first = await self._queue.get()
             self._busy += 1
             try:
