@@ -83,7 +83,7 @@ def status_line(s: snap.RunSnapshot, now: float | None = None) -> str:
     spent = f"spent {usd(c.spent_total_usd)}+{usd(c.in_flight_usd)} rsv/{ceiling}"
     # Most important first: what does not fit in 120 columns is left to the detail lines.
     # A run that makes no progress says so on every line; the details say why (held, unreachable, backing off).
-    state = f"WAITING ({s.label()})" if s.waiting and s.state != snap.RunState.WAITING else s.label()
+    state = f"WAITING ({s.label})" if s.waiting and s.state != snap.RunState.WAITING else s.label
     parts = [f"{wall} {state} +{clock(s.elapsed_s)}",
              f"{done:,}/{total:,}{pct}",
              spent,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import math
 import shutil
 import tempfile
@@ -37,6 +38,7 @@ from draftgen.core.live.snapshot import (
     Throughput,
     Timeline,
 )
+from draftgen.core.run.life import standing
 
 if TYPE_CHECKING:
     from textual.pilot import Pilot
@@ -136,6 +138,18 @@ FIDELITY = (ProviderFidelity("novita/int4", 3_490, 0.962, 1.0), ProviderFidelity
             ProviderFidelity("together/int4", 1_975, 0.955, 0.998))
 
 
+def decided(s: RunSnapshot) -> RunSnapshot:
+    """`s` with what its run's owner sets as the snapshot is made (core/run/life.py `standing`): its label
+    and whether it is finished, from its states; every snapshot below is handed out so."""
+    st = standing(s.state, s.stage_state("generation"), s.stages)
+    return dataclasses.replace(s, label=st.label, finished=st.finished)
+
+
+def _decided(make: Callable[..., RunSnapshot]) -> Callable[..., RunSnapshot]:
+    return functools.wraps(make)(lambda *args, **kwargs: decided(make(*args, **kwargs)))
+
+
+@_decided
 def running(**changes: object) -> RunSnapshot:
     s = RunSnapshot(
         run_name=RUN, model=MODEL, state=snap.RunState.RUNNING, elapsed_s=2_368.0, seq=100, taken_at=T0 + 2_368,
@@ -158,6 +172,7 @@ def running(**changes: object) -> RunSnapshot:
     return dataclasses.replace(s, **changes)  # type: ignore[arg-type]
 
 
+@_decided
 def paused() -> RunSnapshot:
     s = running()
     return dataclasses.replace(s, state=snap.RunState.PAUSED, seq=s.seq + 1,
@@ -165,6 +180,7 @@ def paused() -> RunSnapshot:
                                throughput=dataclasses.replace(s.throughput, eta_s=None))
 
 
+@_decided
 def backed_off() -> RunSnapshot:
     """The issue-54 run: 2,000 configured, a 429 storm cut the limit to 1,780 (the widest figures)."""
     s = running()
@@ -187,6 +203,7 @@ SMOKE_CHECKS = (
 )
 
 
+@_decided
 def smoke(state: str = "done", checks: int = len(SMOKE_CHECKS)) -> RunSnapshot:
     stage = StageProgress(
         name="smoke", state=state, done=checks, total=len(SMOKE_CHECKS), checks=SMOKE_CHECKS[:checks],
@@ -200,6 +217,7 @@ def smoke(state: str = "done", checks: int = len(SMOKE_CHECKS)) -> RunSnapshot:
                                stages=(stage, StageProgress(name="merge"), StageProgress(name="extract")))
 
 
+@_decided
 def merging() -> RunSnapshot:
     datasets = tuple(_budget_done(d.name, d.total, 1_890 + i * 3, 15.0 + i / 10) for i, d in enumerate(_datasets()))
     s = running()
@@ -218,6 +236,7 @@ def merging() -> RunSnapshot:
                 merge, StageProgress(name="extract")))
 
 
+@_decided
 def extracting() -> RunSnapshot:
     s = merging()
     merge = StageProgress(name="merge", state="done", done=15_157, total=15_157,
@@ -234,6 +253,7 @@ def extracting() -> RunSnapshot:
                                stages=(s.stages[0], s.stages[1], merge, extract))
 
 
+@_decided
 def out_of_credits() -> RunSnapshot:
     s = paused()
     return dataclasses.replace(
@@ -242,6 +262,7 @@ def out_of_credits() -> RunSnapshot:
         errors=(("402 payment required", 1),) + s.errors)
 
 
+@_decided
 def ended(state: str) -> RunSnapshot:
     """The run after it ended in `state`: DONE has nothing left; the others leave B5..B8 to ask."""
     from draftgen.core.live.summary import ended_line
@@ -260,10 +281,12 @@ def ended(state: str) -> RunSnapshot:
         throughput=dataclasses.replace(s.throughput, in_flight=0, req_s_window=0.0, tok_s_window=0.0, eta_s=None))
 
 
+@_decided
 def attached() -> RunSnapshot:
     return dataclasses.replace(running(), attached=True)
 
 
+@_decided
 def attached_resumed() -> RunSnapshot:
     """Attached to the third run of a directory, with spend still pending a price."""
     s = attached()
@@ -284,6 +307,7 @@ def agent_dataset(**changes: object) -> DatasetSnapshot:
     return dataclasses.replace(d, **changes)  # type: ignore[arg-type]
 
 
+@_decided
 def with_agent(s: RunSnapshot | None = None, **changes: object) -> RunSnapshot:
     """`s` (the running snapshot) with the agent dataset in place of B6."""
     s = s or running()
@@ -386,7 +410,7 @@ class FakeControls:
         for e in events:
             self.hub.publish_event(e)
         if snapshot is not None:
-            self.hub.publish_snapshot(snapshot)
+            self.hub.publish_snapshot(decided(snapshot))
 
     @property
     def latest(self) -> RunSnapshot:
@@ -394,7 +418,7 @@ class FakeControls:
         return self.hub.latest
 
     def publish(self, s: RunSnapshot) -> None:
-        self.hub.publish_snapshot(s)
+        self.hub.publish_snapshot(decided(s))  # as a real engine's: its label and `finished` set
 
     def event(self, level: str, kind: str, message: str, dataset: str = "") -> None:
         last = self.hub.recent[-1].ts if self.hub.recent else T0

@@ -230,5 +230,5 @@ class DraftgenApp(RunKeys, App[None]):
                 self._owed = view
         if previous is None or previous.attached != s.attached or previous.state != s.state:
             self.refresh_bindings()
-        if self.quit_requested and s.finished():  # a drain waits for the stage running (merge, extract) too
+        if self.quit_requested and s.finished:  # a drain waits for the stage running (merge, extract) too
             self.exit()

@@ -185,7 +185,7 @@ class RunKeys(_App):
             self.controls.spool_held()
         # Stop now means now: the engine winds down after the screen is gone. A drain keeps the
         # screen up until the engine reports the run stopped (q again offers stop now).
-        if not drain or (self.latest is not None and self.latest.finished()):
+        if not drain or (self.latest is not None and self.latest.finished):
             self.exit()
 
     def action_help(self) -> None:

@@ -85,7 +85,7 @@ def _on_signal(pipeline: Pipeline, app: DraftgenApp, signalled: list[str], name:
             app.exit()
     else:
         app.quit_requested = True  # the screen stays until the run has ended, as after d in the dialog
-        if pipeline.snapshot().finished() and app.is_running:
+        if pipeline.snapshot().finished and app.is_running:
             app.exit()
 
 

@@ -51,8 +51,10 @@ class ExtractPublisher:
             self._thread.join(timeout=30)
 
     def _snapshot(self, seq: int, started: float, gpus: Any, state: RunState) -> RunSnapshot:
+        """Extraction alone, no run around it: its state is its label, finished once extraction ended."""
         return RunSnapshot(run_name=visible(self.config.run_dir.name), model=self.config.extract.model, state=state,
-                           elapsed_s=time.monotonic() - started, seq=seq, gpus=gpus, stages=(self._latest,))
+                           elapsed_s=time.monotonic() - started, seq=seq, gpus=gpus, stages=(self._latest,),
+                           label=str(state), finished=state != RunState.RUNNING)
 
     async def _serve(self) -> None:
         from draftgen.core.extract.gpu import GpuMonitor

@@ -220,7 +220,7 @@ class AttachControls:
 
     def _publish(self) -> None:
         """The last snapshot as this viewer should show it: attached, and stale runs flagged."""
-        base = self._last or RunSnapshot(run_name=visible(self.run_dir.name), model="—")
+        base = self._last or RunSnapshot(run_name=visible(self.run_dir.name), model="—", label=RunState.IDLE)
         alert = base.alert
         if self.status.state != LIVE:
             alert = self.status.message + (f" | {alert}" if alert else "")

@@ -15,7 +15,6 @@ import functools
 import time
 import types
 import typing
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -92,15 +91,6 @@ STAGE_NAMES = tuple(w.name for w in STAGE_WORDS)
 STAGE_RUNNING_LABEL: dict[str, str] = {w.name: w.running for w in STAGE_WORDS if w.running}
 _GENERATION = {"IDLE": StageState.IDLE, "RUNNING": StageState.RUNNING, "PAUSED": StageState.RUNNING,
                "DRAINING": StageState.RUNNING, "DONE": StageState.DONE, "LIMITED": StageState.DONE}
-
-
-def weighed(states: Iterable[StageState]) -> StageState | None:
-    """How the stages weigh on a run whose generation ended complete: FAILED when one failed (exit 2),
-    else STOPPED when one stopped before its end (exit 3), else None. The smoke test is not passed in:
-    it gates the run and is not its work. The one rule the header's label (`RunSnapshot.label`) and the
-    exit code (core/run/life.py `RunLife`) read."""
-    seen = set(states)
-    return next((st for st in (StageState.FAILED, StageState.STOPPED) if st in seen), None)
 
 
 @dataclass(frozen=True)
@@ -297,6 +287,10 @@ class RunSnapshot:
     held_answers: int = 0                         # paid answers held in memory, not on disk (the disk refused)
     held: str = ""                                # what became of the held answers (written, spooled to, lost)
     generation: StageState | None = None          # the generation stage; None: read from `state`
+    # How the run stands as a whole, decided by its one owner (core/run/life.py `RunLife`) when the snapshot
+    # is made and read as it is by every view (header, headless lines, summary, attach): none decides again.
+    label: str = ""          # the header's word: the state, a later stage's (MERGING), or FAILED/STOPPED after DONE
+    finished: bool = False   # generation has ended and no other stage still runs: nothing is left to wait for
 
     def stage(self, name: str) -> StageProgress | None:
         return next((s for s in self.stages if s.name == name), None)
@@ -314,21 +308,6 @@ class RunSnapshot:
     def running_stage(self) -> str | None:
         """The stage running now (the first in run order), None when none is."""
         return next((n for n in STAGE_NAMES if self.stage_state(n) == StageState.RUNNING), None)
-
-    def finished(self) -> bool:
-        """Generation has ended and no other stage still runs: nothing is left to wait for."""
-        return self.stage_state("generation") != StageState.RUNNING and self.running_stage() is None and (
-            self.state not in (RunState.IDLE, RunState.RUNNING, RunState.PAUSED, RunState.DRAINING))
-
-    def label(self) -> str:
-        """The state the header shows: DONE only when every stage that was started has finished."""
-        running = self.running_stage()
-        if running is not None and running != "generation" and self.stage_state("generation") != StageState.RUNNING:
-            return STAGE_RUNNING_LABEL.get(running, str(self.state))
-        weight = weighed(self.stage_state(n) for n in STAGE_NAMES if n != "smoke")
-        if self.state == RunState.DONE and weight is not None:
-            return weight.upper()  # as the exit code says it (core/run/life.py): FAILED 2, STOPPED 3
-        return str(self.state)
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)
@@ -371,7 +350,12 @@ def _from(cls: type, data: dict[str, Any]) -> Any:
 
 
 def snapshot_from_dict(data: dict[str, Any]) -> RunSnapshot:
+    """A snapshot from its JSON dict (the attach viewer's side). An older engine's lacks `label` and
+    `finished`: its state is shown as the label (what its header showed unless a later stage ran), and it
+    does not read as finished (a viewer closes when asked, never waiting on it)."""
     snapshot: RunSnapshot = _from(RunSnapshot, data)
+    if "label" not in data:
+        snapshot = dataclasses.replace(snapshot, label=str(snapshot.state))
     return snapshot
 
 

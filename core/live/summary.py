@@ -1,4 +1,4 @@
-"""How a run ends, and the few lines that say so in the shell.
+"""The few lines that say how a run ends, in the shell, the log and the quit dialog.
 
 A run is DONE only when every usable prompt of every dataset is answered, failed for a reason of
 its own, or skipped because a token budget ran out; LIMITED when `max_usd` skipped some (they stay
@@ -6,6 +6,10 @@ eligible: a higher ceiling asks them). Otherwise it ended DRAINED (a drain let t
 in flight finish), STOPPED (stop now, or a dataset stopped by its routing) or WAITING (an account
 condition held admission when it ended); the prompts not asked stay eligible and the next `run`
 resumes them. The exit code tells these apart (docs/run-end.md, the exit code table).
+
+Nothing here decides: generation's final state is RunControl.end's (core/generate/loop/run_state.py),
+the label, `finished` and the exit code the run's owner's (core/run/life.py `RunLife`); these lines
+read them from the snapshot and the exit code they are given.
 """
 
 from __future__ import annotations
@@ -46,9 +50,6 @@ EXIT_MEANING: dict[int, str] = {EXIT_COMPLETE: "complete", EXIT_SMOKE_FAILED: "s
 WIDTH = 120
 
 
-INCOMPLETE = (RunState.DRAINED, RunState.STOPPED, RunState.WAITING, RunState.LIMITED)
-
-
 # The command that finishes a stage stopped before its end (core/live/snapshot.py STAGE_WORDS).
 FINISH: dict[str, str] = {w.name: w.finish for w in STAGE_WORDS}
 
@@ -66,8 +67,8 @@ def quit_effects(s: RunSnapshot | None) -> QuitEffects:
     """The quit dialog's and the headless SIGINT lines' words, from the stage that runs now."""
     stage = None if s is None else s.running_stage()
     n = 0 if s is None else s.throughput.in_flight
-    if s is not None and s.finished():  # everything ended while the question was open: nothing to choose
-        return QuitEffects(None, f"the run has ended ({s.label()}) and nothing is running", "exit", "exit")
+    if s is not None and s.finished:  # everything ended while the question was open: nothing to choose
+        return QuitEffects(None, f"the run has ended ({s.label}) and nothing is running", "exit", "exit")
     if stage == "smoke" and s is not None and s.stage_state("generation") == StageState.IDLE:
         return QuitEffects(stage, "the start-up smoke test is running; no run request has been sent",
                            "its request finishes and is recorded, the run does not start, then exit",
@@ -97,8 +98,8 @@ def quit_effects(s: RunSnapshot | None) -> QuitEffects:
 def signal_line(name: str, s: RunSnapshot, *, again: bool) -> str:
     """What a drain signal (SIGTERM, SIGHUP, a first SIGINT from outside) does now, for the log and the
     shell: said before the quit acts, and never "draining" once the run has ended or already drains."""
-    if s.finished():
-        return f"{name}: the run has already ended ({s.label()}); closing"
+    if s.finished:
+        return f"{name}: the run has already ended ({s.label}); closing"
     if again:
         return f"{name}: already draining; the drain goes on"
     effects = quit_effects(s)
@@ -135,22 +136,8 @@ def prompts_left(datasets: Iterable[Counted]) -> int:
     return sum(left(d) for d in datasets)
 
 
-def final_state(datasets: Iterable[Counted], *, stopping: bool, draining: bool, waiting: bool,
-                money_limited: bool = False) -> RunState:
-    """How a finished run ended: DONE only when no prompt is left to ask and max_usd skipped none."""
-    if prompts_left(datasets) == 0:
-        return RunState.LIMITED if money_limited else RunState.DONE
-    if waiting:
-        return RunState.WAITING
-    if stopping:
-        return RunState.STOPPED
-    if draining:
-        return RunState.DRAINED
-    return RunState.STOPPED  # a dataset stopped by its routing (404 no endpoints) left prompts
-
-
 def ended_line(state: str, datasets: Iterable[Counted]) -> str:
-    """One line for the header and the log: the end state with its counts."""
+    """One line for the header and the log: the end state (RunControl.end's) with its counts."""
     ds = tuple(datasets)
     total = sum(d.total for d in ds)
     head = f"{state} by max_usd" if state == RunState.LIMITED else state
@@ -162,7 +149,7 @@ def summary_lines(s: RunSnapshot, exit_code: int, *, config_hint: str = "CONFIG"
     """The block printed when the TUI closes or a headless run ends: each line fits 120 columns."""
     started = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.first_started_at)) if s.first_started_at else "?"
     runs = len(s.timeline.runs)
-    out = [f"draftgen: run {s.run_name}: {s.label()} after {clock(s.elapsed_s)} this run"
+    out = [f"draftgen: run {s.run_name}: {s.label} after {clock(s.elapsed_s)} this run"
            + (f" (first started {started}, {runs} runs)" if runs > 1 else "")]
     out += _dataset_rows(s)
     out += _conversation_lines(s)

@@ -61,7 +61,7 @@ class Pipeline:
         self._serve_attach = serve_attach
         self.engine = Engine(config, api_key, on_event=self.emit, on_answer=self._on_answer, seed=seed,
                              rundir=self.rundir, redact=self._redact)
-        self.control = self.engine.control  # the run's state and how it ended (core/generate/loop/run_state.py)
+        self.control = self.engine.control  # generation's state and how it ended (core/generate/loop/run_state.py)
         self._attach: Any = None
         self._metrics: Any = None  # core/live/metrics.py MetricsServer with [monitor] metrics
         self._run_lock: RunLock | None = None
@@ -174,9 +174,11 @@ class Pipeline:
         its owners' views and what the pipeline's own owners add beside them."""
         self.tokens_stage.refresh()
         # The run never opened its ledger: what was spent (the smoke test's requests) is on spend.jsonl.
-        smoke_spent = self.startup.spent if not self.control.launched else None
+        smoke_spent = self.startup.spent if not self.life.launched else None
+        life = self.life.now()  # the stages and how the run stands, decided by its one owner (core/run/life.py)
         return self.engine.snapshot(Beside(
-            generation=self.control.generation, stages=self.stages.rows(), gpus=self.oneshot.gpus,
+            generation=life.generation, stages=life.stages, label=life.label, finished=life.finished,
+            gpus=self.oneshot.gpus,
             fidelity=self.tokens_stage.fidelity, timeline=self.timeline.timeline(), started_at=self.timeline.started_at,
             first_started_at=self.timeline.first_started_at, smoke_spent=smoke_spent))
 
@@ -270,7 +272,7 @@ class Pipeline:
         self.startup.quit(drain)
         if not drain:
             self.oneshot.cancel()  # the extraction thread stops after its current batch
-        if not self.control.launched:
+        if not self.life.launched:
             return  # nothing to drain or stop yet: the run will not start (core/run/pipeline.py _generate)
         if drain:
             self.engine.drain()

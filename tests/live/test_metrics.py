@@ -269,7 +269,7 @@ async def test_the_tui_serves_metrics_while_its_run_is_live(tmp_path):
             async with app.run_test(size=(120, 40)) as pilot, aiohttp.ClientSession() as http:
                 pipeline = app.controls
                 assert isinstance(pipeline, Pipeline)
-                await until(lambda: app.latest is not None and app.latest.finished(), "the run done", timeout=60)
+                await until(lambda: app.latest is not None and app.latest.finished, "the run done", timeout=60)
                 seen["url"] = pipeline._metrics.url
                 async with http.get(pipeline._metrics.url) as r:
                     seen["done"] = families(await r.text())

@@ -205,12 +205,13 @@ def test_one_prompt_too_costly_for_max_usd_is_skipped_and_the_run_is_not_complet
     assert "prompt 'huge' skipped" in out and "raise [budget] max_usd" in out, out
 
 
-def test_limited_is_a_final_incomplete_state():
-    from draftgen.core.live.summary import INCOMPLETE, final_state
+async def test_limited_is_a_final_incomplete_state():
+    from draftgen.core.generate.loop.run_state import RunControl
+    from draftgen.core.run.life import INCOMPLETE
 
     class D:
         name, total, done, failed, skipped = "a", 3, 2, 0, 1
 
-    assert final_state([D()], stopping=False, draining=False, waiting=False) == RunState.DONE
-    assert final_state([D()], stopping=False, draining=False, waiting=False, money_limited=True) == RunState.LIMITED
+    assert RunControl(lambda p: None).end([D()]) == RunState.DONE
+    assert RunControl(lambda p: None).end([D()], money_limited=True) == RunState.LIMITED
     assert RunState.LIMITED in INCOMPLETE

@@ -13,7 +13,7 @@ import pytest
 from draftgen.cli.main import main
 from draftgen.core.live import snapshot as snap
 from draftgen.core.live.recent import ProviderStats, RecentErrors
-from draftgen.core.live.summary import EXIT_INCOMPLETE, final_state, summary_lines
+from draftgen.core.live.summary import EXIT_INCOMPLETE, summary_lines
 from draftgen.core.live.timeline import TimelineRecorder, Totals, read_history
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.rundir import RunDir
@@ -75,16 +75,6 @@ def test_recent_errors_keep_each_kind_dataset_and_provider() -> None:
     stats.answer("novita", 4.0, 300)
     (s,) = stats.stats()
     assert (s.answers, s.errors, s.latency_mean_s, s.completion_tokens) == (2, 1_000, 3.0, 400)
-
-
-def test_done_only_when_every_prompt_has_an_outcome() -> None:
-    finished = [snap.DatasetSnapshot(name="a", total=10, done=7, failed=1, skipped=2)]
-    unfinished = [snap.DatasetSnapshot(name="a", total=10, done=7, failed=1)]
-    assert final_state(finished, stopping=True, draining=True, waiting=False) == snap.RunState.DONE
-    assert final_state(unfinished, stopping=False, draining=True, waiting=False) == snap.RunState.DRAINED
-    assert final_state(unfinished, stopping=True, draining=True, waiting=False) == snap.RunState.STOPPED
-    assert final_state(unfinished, stopping=False, draining=True, waiting=True) == snap.RunState.WAITING
-    assert final_state(unfinished, stopping=False, draining=False, waiting=False) == snap.RunState.STOPPED
 
 
 def test_headless_lines_fit_120_columns_with_wall_clock_and_both_totals() -> None:

@@ -177,16 +177,16 @@ async def test_the_summary_says_how_many_paid_answers_were_cut_at_max_tokens_and
 
 
 async def test_the_header_says_what_the_exit_code_says_when_stages_after_the_run_failed_or_stopped(tmp_path):
-    """One owner decides the end (core/run/life.py RunLife, with snapshot.weighed): after a DONE run, a
+    """One owner decides the end (core/run/life.py RunLife, with its weighed): after a DONE run, a
     failed merge and a stopped extraction are exit 2 and the header says FAILED (it said STOPPED); a
     smoke test stopped by hand is not the run's work: exit 0 and DONE (the header said STOPPED)."""
     async with run_done(tmp_path) as pipeline:
         pipeline.stages.start("smoke")
         pipeline.stages.stop("smoke", "stopped before it finished")
-        smoke_stopped = (pipeline.snapshot().label(), pipeline.exit_code)
+        smoke_stopped = (pipeline.snapshot().label, pipeline.exit_code)
         pipeline.stages.fail("merge", "merge failed: the disk is full")
         pipeline.stages.start("extract")
         pipeline.stages.stop("extract", "stopped at 2 of 4 files")
-        both = (pipeline.snapshot().label(), pipeline.exit_code)
+        both = (pipeline.snapshot().label, pipeline.exit_code)
     assert smoke_stopped == ("DONE", 0)
     assert both == ("FAILED", 2)

@@ -87,7 +87,7 @@ async def test_drain_then_stop_close_the_gate_and_wake_what_waits() -> None:
     assert run.state == RunState.DRAINING and run.draining and run.closed and not run.stopping
     assert run.stop() and not run.stop()
     assert run.stopping and run.draining
-    run.end(RunState.STOPPED)
+    assert run.end([Left(1)]) == RunState.STOPPED, "stop now with prompts left"
     assert run.state == RunState.STOPPED and not run.drain(), "a finished run does not drain"
 
 
@@ -98,8 +98,39 @@ async def test_stop_before_the_start_and_fail_and_end() -> None:
     assert run.state == RunState.RUNNING, "a stop is the gate's; the state is set when the run ends"
     run.fail("the prompt file is missing")
     assert run.state == RunState.STOPPED and run.alert == "the prompt file is missing"
-    with pytest.raises(AssertionError):
-        run.end(RunState.RUNNING)  # not a final state
+
+
+class Left:
+    """A dataset's counts with `left` prompts not asked yet (summary.py Counted)."""
+    def __init__(self, left: int, skipped: int = 0) -> None:
+        self.total, self.done, self.failed, self.skipped = 5 + left + skipped, 5, 0, skipped
+
+
+async def test_how_generation_ended_is_decided_once_by_run_control_from_what_it_left() -> None:
+    """RunControl.end, the one rule: DONE only when no prompt is left (LIMITED when max_usd skipped some);
+    with prompts left, WAITING while the account held admission, STOPPED after stop now, DRAINED after a
+    drain, STOPPED when a dataset stopped by its routing; the line says it with the counts."""
+    def ended(left: int, *steps: str, money_limited: bool = False) -> tuple[RunState, str]:
+        run, _ = control()
+        run.start()
+        for step in steps:
+            if step == "hold":
+                run.hold(Hold.ACCOUNT, "402: add credits", account=AccountStop(AccountCondition.OUT_OF_CREDITS, "402"))
+            else:
+                getattr(run, step)()
+        final = run.end([Left(left)], money_limited=money_limited)
+        assert run.state == final
+        return final, run.ended
+
+    assert ended(0, "stop") == (RunState.DONE, "DONE: 5 of 5 answered, 0 failed, 0 skipped, 0 not asked yet")
+    assert ended(0, money_limited=True)[0] == RunState.LIMITED
+    assert ended(2, "drain")[1] == "DRAINED: 5 of 7 answered, 0 failed, 0 skipped, 2 not asked yet"
+    assert ended(2, "drain", "stop")[0] == RunState.STOPPED
+    assert ended(2, "hold", "drain")[0] == RunState.WAITING
+    assert ended(2)[0] == RunState.STOPPED, "a dataset stopped by its routing left prompts"
+    quit_early, _ = control()
+    quit_early.not_started()
+    assert (quit_early.state, quit_early.ended) == (RunState.STOPPED, "")
 
 
 def dataset(tmp_path) -> DatasetRun:
@@ -168,56 +199,6 @@ def test_a_datasets_state_changes_only_through_its_methods(tmp_path) -> None:
     ds.end(DatasetStatus.BUDGET)  # None keeps the message a stop or a budget gave
     assert (ds.status, ds.message, ds.in_flight, ds.parked, ds.sent) == (DatasetStatus.BUDGET, "token_budget reached",
                                                                          1, 0, 2)
-
-
-async def test_how_the_run_ended_is_told_to_its_owner_and_gives_the_exit_code() -> None:
-    from draftgen.core.errors import ExitCode
-    run, _ = control()
-    assert run.exit_code() == ExitCode.COMPLETE and run.generation == snap.StageState.IDLE and not run.launched
-    run.launch()
-    run.start()
-    assert run.generation == snap.StageState.RUNNING
-    run.end(RunState.DONE, "DONE: 5 of 5 answered")
-    assert run.ended == "DONE: 5 of 5 answered" and run.generation == snap.StageState.DONE
-    run.finished(RunState.DONE, tokens_complete=True)
-    assert run.exit_code() == ExitCode.COMPLETE
-    assert run.exit_code([snap.StageState.STOPPED]) == ExitCode.INCOMPLETE, "a stage stopped before its end"
-    assert run.exit_code([snap.StageState.FAILED, snap.StageState.STOPPED]) == ExitCode.ERROR
-
-    spooled, _ = control()  # records waiting in a spool for the next run: incomplete, even when DONE
-    spooled.launch()
-    spooled.held_spooled(2, 1, "/tmp/spool.jsonl")
-    spooled.end(RunState.DONE)
-    spooled.finished(RunState.DONE, tokens_complete=False)
-    assert spooled.exit_code() == ExitCode.INCOMPLETE and "2 held answer(s) spooled" in spooled.held_outcome.line()
-
-    refused, _ = control()  # a refused key is 4, whatever else held
-    stop = AccountStop(AccountCondition.KEY_REFUSED, "401 key refused")
-    assert refused.refuse_key(stop) and not refused.refuse_key(stop), "said once"
-    refused.launch()
-    refused.end(RunState.DRAINED)
-    refused.finished(RunState.DRAINED, tokens_complete=True)
-    assert refused.key_refused is stop and refused.exit_code() == ExitCode.KEY_REFUSED
-    assert refused.generation == snap.StageState.STOPPED
-
-    tokens, _ = control()  # answers left without token ids: an error
-    tokens.launch()
-    tokens.end(RunState.DONE)
-    tokens.finished(RunState.DONE, tokens_complete=False)
-    assert tokens.exit_code() == ExitCode.ERROR
-
-    quit_early, _ = control()  # quit before the run started: 130, the stage skipped
-    quit_early.not_started()
-    assert quit_early.exit_code() == ExitCode.INTERRUPTED and quit_early.generation == snap.StageState.SKIPPED
-    assert quit_early.state == RunState.STOPPED and quit_early.ended == ""
-
-    failed, _ = control()  # an error after the start fails the stage; before it, skips it
-    failed.launch()
-    failed.fail("disk gone", ExitCode.ERROR)
-    assert failed.generation == snap.StageState.FAILED and failed.exit_code() == ExitCode.ERROR
-    smoke, _ = control()
-    smoke.fail("the smoke test failed", ExitCode.SMOKE_FAILED)
-    assert smoke.generation == snap.StageState.SKIPPED and smoke.exit_code() == ExitCode.SMOKE_FAILED
 
 
 def test_the_held_outcome_changes_only_through_the_run_owner() -> None:

@@ -41,14 +41,14 @@ class RunHeader(Panel):
 
     def key(self, s: RunSnapshot) -> Any:
         eta = fmt.duration(s.throughput.eta_s) if s.throughput.eta_s is not None else ""
-        return (s.run_name, s.model, s.label(), int(s.elapsed_s), s.attached, eta, len(s.timeline.runs))
+        return (s.run_name, s.model, s.label, int(s.elapsed_s), s.attached, eta, len(s.timeline.runs))
 
     def fit(self) -> Any:
         return self.cols < 100
 
     def draw(self, s: RunSnapshot) -> RenderableType:
         # State first: on a narrow terminal the model name is what gets cut, never the state.
-        label = s.label()  # DONE only when every stage started has finished (core/live/snapshot.py)
+        label = s.label  # the run's owner decides it (core/run/life.py RunLife.label)
         left = Text.assemble((f" {label} ", STATE_STYLES.get(label, "bold reverse")), " ")
         narrow = self.cols < 100  # 80x24: the run name must stay, so the clock gets short
         if s.attached:

@@ -3,8 +3,9 @@
 The engine drives the run's lifecycle and its control surface (pause, resume, drain, stop); the work
 is done by its parts, each in its own module:
 
-    run_state.py   RunControl: the run's state, its holds and their reasons, the gate, how the run ended
-                   (exit code, ended line, held outcome; changed only there)
+    run_state.py   RunControl: the run's state, its holds and their reasons, the gate, how generation
+                   ended (its final state, decided in RunControl.end; the ended line, the held outcome);
+                   the run's end (label, exit code) is decided from it by core/run/life.py RunLife
     dataset_run.py a dataset's counts (answered + failed + skipped + left = total, asserted) and its files
     context.py     RunContext: the config, the gate, the event sink, clock and redactor every part reads
     parts.py       RunParts: the datasets, the money budget and ledger, the record book and what the run
@@ -79,7 +80,6 @@ from draftgen.core.live.events import EventSink, Level, no_event
 from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.live.stage_payloads import Draining, HeldWait, HeldWritten, RunDone, Stopping
-from draftgen.core.live.summary import ended_line, final_state
 from draftgen.core.private_dir import check_private
 from draftgen.core.rundir import RunDir
 from draftgen.core.safe_text import visible
@@ -277,11 +277,8 @@ class Engine:
             finally:
                 self.spend.close()  # and its lock: another run or smoke test may open it
                 self._ended_at = self._clock()  # however it ended: its elapsed time stops here
-        # DONE only when every prompt has an outcome; otherwise how it ended, with what is left.
-        final = final_state(self.datasets.values(), stopping=self.control.stopping, draining=self.control.draining,
-                            waiting=self.current_hold is Hold.ACCOUNT,
-                            money_limited=self._loop is not None and self._loop.room.money_limited)
-        self.control.end(final, ended_line(final, self.datasets.values()))
+        # How generation ended, with what is left: reported to RunControl, which decides its final state.
+        self.control.end(self.datasets.values(), money_limited=self._loop is not None and self._loop.room.money_limited)
         self._event(RunDone(state=self.state.value, ended=self.ended, spent_run_usd=self.money.spent_run,
                             spent_usd=self.spend.spent_usd,
                             pending_usd=self.spend.pending_usd if self.spend.pending else None,

@@ -16,7 +16,7 @@ from typing import Any
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.dataset_run import DatasetRun
 from draftgen.core.generate.loop.record_book import RecordBook
-from draftgen.core.generate.loop.run_state import ControlView
+from draftgen.core.generate.loop.run_state import LIVE, ControlView
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.generate.money.forecast import DatasetFigures, RunForecast, SmokeFigures, forecast
 from draftgen.core.generate.money.spend import SpendLedger
@@ -86,6 +86,10 @@ class Beside:
     reads them for a snapshot; the defaults are an engine run alone (its tests, the benchmarks)."""
     generation: StageState | None = None   # the generation stage (None: read from the run's state)
     stages: tuple[snap.StageProgress, ...] = ()
+    # How the run stands, decided by its one owner (core/run/life.py RunLife). None: an engine run alone,
+    # which is generation only: its state is its label, and it is finished once that state is final.
+    label: str | None = None
+    finished: bool | None = None
     gpus: tuple[snap.GpuStat, ...] | None = None
     fidelity: tuple[snap.ProviderFidelity, ...] = ()
     timeline: Timeline = Timeline()
@@ -146,7 +150,9 @@ class Projector:
             paused_by=c.paused_by.value if c.paused_by is not None else "",
             started_at=beside.started_at, first_started_at=beside.first_started_at, timeline=beside.timeline,
             recent_errors=self._recent.records(), provider_stats=self._provider_stats.stats(), ended=c.ended,
-            held_answers=book.held_answers, held=c.held_outcome.line(), generation=beside.generation)
+            held_answers=book.held_answers, held=c.held_outcome.line(), generation=beside.generation,
+            label=str(c.state) if beside.label is None else beside.label,
+            finished=c.state not in LIVE if beside.finished is None else beside.finished)
 
 
 def _datasets(all_ds: list[DatasetRun], plan: RunForecast, spend: SpendLedger, *,

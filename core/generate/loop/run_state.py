@@ -7,15 +7,15 @@ calls them (its control surface, the account watch, the ledger's disk holds); ev
 reads. What each change does to the requests (waking admission, cancelling tasks) stays with the
 engine; this class only says whether the change happened.
 
-How the run ended lives here too, told by those who see it: the generation stage's state and
-whether run requests may have been sent (core/run/generation.py), the line the summary and header
-show (the engine, as the run ends), a refused key (the account watch), what became of the records
-the disk refused (the record book: `HeldOutcome`), and from all of these the exit code
-(docs/run-end.md).
+How generation ended is reported here, as facts: its final state (decided in `end`, the one place,
+from what the run left), the line that says it with counts, a refused key (the account watch) and
+what became of the records the disk refused (the record book: `HeldOutcome`). The run's end (the
+generation stage's state, the label every view shows, the exit code) is decided from these by the
+run's one owner, core/run/life.py `RunLife` (docs/run-end.md).
 
     IDLE --start--> RUNNING <--pause/hold, resume--> PAUSED
     any live state --drain--> DRAINING;  stop(): the gate closes for good (requests abandoned)
-    end(final) / fail(message) / not_started(): a final state (DONE, STOPPED, DRAINED, WAITING, LIMITED)
+    end(datasets) / fail(message) / not_started(): a final state (DONE, STOPPED, DRAINED, WAITING, LIMITED)
 """
 
 from __future__ import annotations
@@ -27,12 +27,11 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
-from draftgen.core.errors import ExitCode
 from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventSink
-from draftgen.core.live.snapshot import RunState, StageState, weighed
+from draftgen.core.live.snapshot import RunState
 from draftgen.core.live.stage_payloads import Paused, Resumed
-from draftgen.core.live.summary import INCOMPLETE
+from draftgen.core.live.summary import Counted, ended_line, prompts_left
 
 if TYPE_CHECKING:
     from draftgen.core.generate.api.account import AccountStop
@@ -93,8 +92,6 @@ class ControlView:
     account: AccountStop | None
     ended: str                  # how the run ended, with counts (final states only)
     held_outcome: HeldOutcome   # what became of the records the disk refused
-    generation: StageState      # the generation stage, as the pipeline tells it
-    launched: bool              # the engine's run was started: run requests may have been sent
 
 
 class RunControl:
@@ -112,13 +109,10 @@ class RunControl:
         self._open = asyncio.Event()  # clear while paused or held
         self._open.set()
         self._closing = asyncio.Event()  # set at a drain or a stop: a retry's wait ends there
-        # How the run ended (told by those who see it; read by the snapshot and the command boundary).
-        self._launched = False                   # the engine's run was started: run requests may have been sent
-        self._generation = StageState.IDLE       # the generation stage, as the pipeline runs it
+        # How generation ended (reported by those who see it; the run's owner, core/run/life.py, decides from it).
         self._ended = ""                         # how the run ended, with counts (final states only)
         self._key_refused: AccountStop | None = None  # a 401 drained the run
         self._held_outcome = HeldOutcome()
-        self._code = ExitCode.COMPLETE           # before the stages' states are weighed (exit_code)
 
     # -- what everyone reads ----------------------------------------------------------------------
 
@@ -176,16 +170,6 @@ class RunControl:
         await self._closing.wait()
 
     @property
-    def launched(self) -> bool:
-        """The engine's run was started: run requests may have been sent."""
-        return self._launched
-
-    @property
-    def generation(self) -> StageState:
-        """The generation stage's state (the pipeline's view of the run)."""
-        return self._generation
-
-    @property
     def ended(self) -> str:
         """How the run ended, with counts (final states only; empty before, and for a run never started)."""
         return self._ended
@@ -200,21 +184,9 @@ class RunControl:
         """What became of the records the disk refused this run (and those an earlier run spooled)."""
         return self._held_outcome
 
-    def exit_code(self, stages: Iterable[StageState] = ()) -> ExitCode:
-        """The run's exit code (docs/run-end.md); `stages`: the other stages' states (tokens, merge,
-        extract): one stopped before its end makes a complete run incomplete (3), one failed an error (2)."""
-        code = self._code
-        if code == ExitCode.COMPLETE:  # snapshot.weighed: the rule the header's label reads too
-            weight = weighed(stages)
-            if weight is StageState.FAILED:
-                return ExitCode.ERROR
-            if weight is StageState.STOPPED:
-                return ExitCode.INCOMPLETE
-        return code
-
     def view(self) -> ControlView:
         return ControlView(self._state, self._alert, self._hold, self._paused_by, self._draining, self._stopping,
-                           self._account, self._ended, self._held_outcome, self._generation, self._launched)
+                           self._account, self._ended, self._held_outcome)
 
     # -- changes ----------------------------------------------------------------------------------
 
@@ -288,48 +260,39 @@ class RunControl:
         self._closing.set()
         return True
 
-    def fail(self, message: str, code: ExitCode = ExitCode.ERROR) -> None:
-        """The run cannot go on (or will not start): STOPPED, with why as the alert, and `code` its exit
-        code; the generation stage failed (skipped when the run was not started)."""
+    def fail(self, message: str) -> None:
+        """The run cannot go on (or will not start): STOPPED, with why as the alert (its exit code and the
+        generation stage's state are the run's owner's: core/run/life.py)."""
         self._alert = message
         self._state = RunState.STOPPED
-        self._code = code
-        self._generation = StageState.FAILED if self._launched else StageState.SKIPPED
 
-    def end(self, final: RunState, ended: str = "") -> None:
-        """The run is over: its final state (summary.py final_state, or STOPPED before it started) and the
-        line that says how, with counts (summary.py ended_line)."""
-        assert final not in LIVE, f"{final} is not a final state"
-        self._state = final
-        self._ended = ended
-        if self._launched:
-            self._generation = StageState.DONE if final in (RunState.DONE, RunState.LIMITED) else StageState.STOPPED
+    def end(self, datasets: Iterable[Counted], *, money_limited: bool = False) -> RunState:
+        """The run that was started is over: how generation ended, decided here and only here, and the line
+        that says it with counts (summary.py ended_line). DONE only when no prompt is left to ask, LIMITED
+        when max_usd skipped some; with prompts left, WAITING when an account condition held admission,
+        else STOPPED (stop now), DRAINED (a drain) or STOPPED (a dataset stopped by its routing, 404 no
+        endpoints). Returns the final state."""
+        ds = tuple(datasets)
+        if prompts_left(ds) == 0:
+            final = RunState.LIMITED if money_limited else RunState.DONE
+        elif self._hold is Hold.ACCOUNT:
+            final = RunState.WAITING
+        elif self._stopping:
+            final = RunState.STOPPED
+        elif self._draining:
+            final = RunState.DRAINED
         else:
-            self._generation = StageState.SKIPPED
-
-    # -- how the run ended, as those who see it tell it -------------------------------------------------
-
-    def launch(self) -> None:
-        """The engine's run is started (the pipeline, once the start-up gate let it): run requests may be sent."""
-        self._launched = True
-        self._generation = StageState.RUNNING
+            final = RunState.STOPPED  # a dataset stopped by its routing (404 no endpoints) left prompts
+        self._state = final
+        self._ended = ended_line(final, ds)
+        return final
 
     def not_started(self) -> None:
-        """Quit before the run started: no run request was sent; exit 130."""
-        self.end(RunState.STOPPED)
-        self._code = ExitCode.INTERRUPTED
+        """Quit before the run started: STOPPED, with no ended line (no run request was sent)."""
+        self._state = RunState.STOPPED
+        self._ended = ""
 
-    def finished(self, final: RunState, *, tokens_complete: bool) -> None:
-        """The run that was started is over, its tokens stage reported: prompts left, or records waiting
-        in a spool for the next run, make it incomplete (3); a refused key is 4; answers left without
-        token ids (not for a full disk) an error (2)."""
-        held = self._held_outcome
-        if (final in INCOMPLETE or held.spooled or held.spooled_failures) and self._code == ExitCode.COMPLETE:
-            self._code = ExitCode.INCOMPLETE
-        if self._key_refused is not None:
-            self._code = ExitCode.KEY_REFUSED
-        if not tokens_complete and self._code == ExitCode.COMPLETE:
-            self._code = ExitCode.ERROR
+    # -- how generation ended, as those who see it tell it ------------------------------------------
 
     def refuse_key(self, stop: AccountStop) -> bool:
         """A 401: True the first time (the engine then drains the run)."""
