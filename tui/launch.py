@@ -13,7 +13,7 @@ from typing import TextIO
 from draftgen.core.config import Config
 from draftgen.core.live import stage_payloads as ev
 from draftgen.core.live.control import Action
-from draftgen.core.live.summary import EXIT_ERROR, signal_line, summary_lines
+from draftgen.core.live.summary import signal_line, summary_lines
 from draftgen.core.quoting import sh_path
 from draftgen.core.run.pipeline import Pipeline
 from draftgen.core.safe_text import visible
@@ -50,10 +50,10 @@ async def run_tui(config: Config, api_key: str, *, skip_smoke: bool = False, aft
         await pipeline.close()
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             loop.remove_signal_handler(sig)
-        # The screen is gone: say in the shell how the run ended (also after a failed smoke or an error).
-        code = EXIT_ERROR if pipeline.error is not None else pipeline.exit_code
-        print("\n".join(summary_lines(pipeline.snapshot(), code, config_hint=sh_path(config.path))), file=out,
-              flush=True)
+        # The screen is gone: say in the shell how the run ended (also after a failed smoke or an error), with
+        # the exit code the shell gets (the run's owner's: an error's own, 4 for a key refused at the start).
+        print("\n".join(summary_lines(pipeline.snapshot(), pipeline.exit_code, config_hint=sh_path(config.path))),
+              file=out, flush=True)
     if pipeline.error is not None:
         raise pipeline.error  # shown in the UI's alert bar; printed again once the screen is gone
     return pipeline.exit_code

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from draftgen.core.errors import DraftgenError, ExitCode
 from draftgen.core.generate.api.account import AccountStop
@@ -235,3 +236,29 @@ async def test_the_exit_code_and_the_generation_stage_are_the_owners_from_what_i
     smoke.smoke_failed("the smoke test failed")
     assert (smoke.generation(), smoke.exit_code, smoke.now().label) == (
         StageState.SKIPPED, ExitCode.SMOKE_FAILED, "STOPPED")
+
+
+async def test_the_tui_summary_after_a_key_refused_at_the_start_says_the_exit_code_the_shell_gets(tmp_path: Path):
+    """The summary printed once the screen is gone reads the owner's exit code: 4 for a key refused at the
+    start, as `draftgen run` exits (it said exit 2)."""
+    import io
+
+    from draftgen.core.errors import KeyRefusedError
+    from draftgen.tui.app import DraftgenApp
+    from draftgen.tui.launch import run_tui
+
+    async with SimServer(SimConfig(seed=3, latency_scale=0.0, api_key="the-right-key"), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 4, "concurrency": 2}],
+                          tables={"engine": {"reconstruct": False}})
+
+        async def drive(app: DraftgenApp) -> None:
+            async with app.run_test(size=(120, 40)) as pilot:
+                await until(lambda: app.latest is not None and app.latest.finished, "the run stopped", timeout=60)
+                await pilot.press("q")  # nothing runs: the app closes
+                await until(lambda: not app.is_running, "the app exited", timeout=60)
+
+        out = io.StringIO()
+        with pytest.raises(KeyRefusedError) as caught:  # printed by cli/main.py, which exits with its code
+            await asyncio.wait_for(run_tui(cfg, TEST_KEY, out=out, run_app=drive, skip_smoke=True), 120)
+    assert caught.value.exit_code == ExitCode.KEY_REFUSED
+    assert "  exit 4 (the API key was refused: set a valid one, run again)" in out.getvalue(), out.getvalue()

@@ -1,5 +1,6 @@
-"""The run's one owner (core/generate/loop/run_state.py) and a dataset's counts (core/generate/loop/dataset_run.py):
-each change a method, its effect, and the invariant answered + failed + skipped + left = total."""
+"""The run's state, gate and how generation ended (core/generate/loop/run_state.py) and a dataset's counts
+(core/generate/loop/dataset_run.py): each change a method, its effect, and the invariant answered + failed
++ skipped + left = total."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The run's state and its one owner: `RunControl`.
+"""The run's state, its gate and how generation ended: `RunControl`.
 
 The state the header shows (RunState), the alert beside it, why the run is held (a hold's kind, its
 message and the account condition behind it), who paused it, and the gate every admission and retry
@@ -95,7 +95,7 @@ class ControlView:
 
 
 class RunControl:
-    """The run's state, its holds and their reasons, and the gate; every change is a method."""
+    """The run's state, its holds and their reasons, the gate and how generation ended; every change is a method."""
 
     def __init__(self, on_event: EventSink) -> None:
         self._event = on_event
