@@ -10,6 +10,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 
 from draftgen.core.generate.money import spend as spend_module
@@ -101,3 +102,16 @@ def test_spend_module_documents_every_kind_written():
     written = {line.split(b'"e":"')[1].split(b'"')[0].decode() for line in golden}
     assert written == {"key", "carry", "found", "prices", "sent", "gen", "end", "settle"}
     assert all(f'{{"e":"{kind}"' in (spend_module.__doc__ or "") for kind in written)
+
+
+def test_an_end_or_settle_line_that_will_not_convert_leaves_its_attempt_at_worst_case(tmp_path):
+    """A hand-edited end or settle line whose cost is not a number counts as nothing (ledger_lines.py `checked`):
+    its attempt stays open, pending at its reservation, rather than dropped from the sums (it counted $0)."""
+    path = tmp_path / "spend.jsonl"
+    sent = [{"e": "sent", "a": a, "ds": "a", "p": a, "w": 0.5, "t": NOW} for a in ("x", "y")]
+    odd = [{"e": "end", "a": "x", "o": "answered", "c": "n/a", "s": "usage.cost"},
+           {"e": "end", "a": "y", "o": "abandoned", "c": None, "s": "pending"},
+           {"e": "settle", "a": "y", "c": [1], "s": "generation"}]
+    path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in sent + odd))
+    ledger = SpendLedger.read(path)
+    assert sorted(ledger.pending) == ["x", "y"] and ledger.pending_usd == 1.0 and ledger.settled_usd == 0.0
