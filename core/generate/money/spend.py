@@ -76,7 +76,9 @@ its attempt at worst case (or look it up).
 
 A cost read back that no attempt can have been billed (not a finite number, negative, or $1,000 or more:
 `MAX_ATTEMPT_USD`, e.g. a figure a server sent that an older version booked as given) counts as the
-attempt's reservation (its `w`), so no one line can make the directory's ledger unusable.
+attempt's reservation (its `w`), so no one line can make the directory's ledger unusable. A line whose
+values will not convert to its kind's (ledger_lines.py, where each kind's type is) counts as nothing: the
+attempt of such an end or settle line stays open, pending at its worst case.
 
 Money is then three sums over all runs: settled (known costs), pending (abandoned attempts not yet
 priced, and attempts a killed run left open, each at its worst case) and reserved (the worst case
