@@ -456,11 +456,16 @@ class StoredResponse(TypedDict, total=False):
     tool_results: object
 
 
+def stored_response(raw: dict[str, Any]) -> StoredResponse:
+    """A responses.jsonl line parsed as a JSON object, typed as read back: its keys known, its values unchecked."""
+    return cast(StoredResponse, raw)  # every value `object`: nothing is assumed of it
+
+
 def stored_responses(path: Path) -> Iterator[tuple[int, StoredResponse]]:
     """(byte offset, line) for each whole line of a responses.jsonl that is a JSON object (rundir.py
-    `iter_jsonl`: a torn or unparseable line is skipped), typed as read back: its values unchecked."""
+    `iter_jsonl`: a torn or unparseable line is skipped), typed as read back (`stored_response`)."""
     for offset, raw in iter_jsonl(path):
-        yield offset, cast(StoredResponse, raw)  # the keys of a line, every value `object`: nothing assumed
+        yield offset, stored_response(raw)
 
 
 def answer_source(record: Mapping[str, Any]) -> str | None:
