@@ -91,14 +91,16 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from pathlib import Path
+from typing import Any, NotRequired, TypedDict, cast
 
 import orjson
 
-from draftgen.core.bodies import ChatMessage
+from draftgen.core.bodies import ChatMessage, Sampling
+from draftgen.core.rundir import iter_jsonl
 
 
 class ErrorKind(StrEnum):
@@ -330,14 +332,16 @@ class TurnFields:
     expect: list[tuple[str, Any]] | None = None
     replay: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
-        line = {"conversation": self.conversation, "turn": self.turn, "turns": self.turns,
-                "prompt_hash": self.prompt_hash}
+    def add_to(self, line: TurnKeys) -> None:
+        """The turn's keys added to a record's line, in the documented order."""
+        line["conversation"] = self.conversation
+        line["turn"] = self.turn
+        line["turns"] = self.turns
+        line["prompt_hash"] = self.prompt_hash
         if self.agent:
             line["tools"] = self.tools
             if self.tool_results:
                 line["tool_results"] = self.tool_results
-        return line
 
     def diverges(self, tool_calls: Any) -> bool:
         """An answer with these calls is not the dataset's next move, so nothing more is asked on it: other
@@ -353,12 +357,115 @@ class TurnFields:
         return not same_calls(got, self.expect)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> TurnFields | None:
+    def from_dict(cls, raw: Mapping[str, object]) -> TurnFields | None:
         """The turn fields of a line, None when it has no sane `conversation` and `turn`."""
         conv, turn, ph = raw.get("conversation"), count_of(raw.get("turn")), raw.get("prompt_hash")
         if not isinstance(conv, str) or turn < 1:
             return None
         return cls(conv, turn, count_of(raw.get("turns")), ph if isinstance(ph, str) else "")
+
+
+class UsageLine(TypedDict):
+    """A responses.jsonl line's `usage`."""
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+    cost: float
+
+
+class TurnKeys(TypedDict, total=False):
+    """The keys a turn of a conversation adds to a record's line (`TurnFields.add_to`)."""
+    conversation: str
+    turn: int
+    turns: int
+    prompt_hash: str
+    tools: list[Any] | None
+    tool_results: str
+
+
+class ResponseLine(TurnKeys):
+    """One line of responses.jsonl as written (`ResponseRecord.line`, record_book.py `record_answer`), the
+    fields documented above; the keys a line may lack are NotRequired (and TurnKeys'). A line read back is
+    not one of these until checked (`StoredResponse`, `ResponseRecord.from_dict`)."""
+    id: str
+    messages: list[ChatMessage]
+    reasoning: str | None
+    content: str
+    tool_calls: list[Any] | None
+    finish_reason: str | None
+    native_finish_reason: str | None
+    provider: str | None
+    model: str | None
+    generation_id: str | None
+    usage: UsageLine
+    latency_s: float
+    attempts: int
+    truncated: bool
+    empty_content: bool
+    ts: float
+    token_ids: NotRequired[list[int]]
+    prompt_token_ids: NotRequired[list[int]]
+    reasoning_details: NotRequired[list[Any] | None]
+    sampling: NotRequired[Sampling]
+    server: NotRequired[str]
+    diverged: NotRequired[bool]
+
+
+class FailureLine(TurnKeys):
+    """One line of failures.jsonl as written (`FailureRecord.to_dict`)."""
+    id: str
+    messages: list[ChatMessage]
+    error_kind: ErrorKind
+    status: int | None
+    message: str
+    attempts: int
+    ts: float
+
+
+class StoredResponse(TypedDict, total=False):
+    """A responses.jsonl line read back (`stored_responses`): a JSON object whose keys are a ResponseLine's but
+    whose values are unchecked (a line edited by hand or written by another tool), so each is `object` until
+    its reader narrows it (`isinstance`), or `ResponseRecord.from_dict` reads the whole line leniently."""
+    id: object
+    messages: object
+    reasoning: object
+    content: object
+    tool_calls: object
+    finish_reason: object
+    native_finish_reason: object
+    provider: object
+    model: object
+    generation_id: object
+    usage: object
+    latency_s: object
+    attempts: object
+    truncated: object
+    empty_content: object
+    ts: object
+    token_ids: object
+    prompt_token_ids: object
+    reasoning_details: object
+    sampling: object
+    server: object
+    diverged: object
+    conversation: object
+    turn: object
+    turns: object
+    prompt_hash: object
+    tools: object
+    tool_results: object
+
+
+def stored_response(raw: dict[str, Any]) -> StoredResponse:
+    """A responses.jsonl line parsed as a JSON object, typed as read back: its keys known, its values unchecked."""
+    return cast(StoredResponse, raw)  # every value `object`: nothing is assumed of it
+
+
+def stored_responses(path: Path) -> Iterator[tuple[int, StoredResponse]]:
+    """(byte offset, line) for each whole line of a responses.jsonl that is a JSON object (rundir.py
+    `iter_jsonl`: a torn or unparseable line is skipped), typed as read back (`stored_response`)."""
+    for offset, raw in iter_jsonl(path):
+        yield offset, stored_response(raw)
 
 
 def answer_source(record: Mapping[str, Any]) -> str | None:
@@ -394,7 +501,7 @@ class ResponseRecord:
     turn: TurnFields | None = None                # a turn of a conversation (turns = "all")
     reasoning_details: list[Any] | None = None    # written with `turn` only
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ResponseLine:
         return ResponseRecord.line(
             self.id, self.messages, self.reasoning, self.content, self.tool_calls, self.finish_reason,
             self.native_finish_reason, self.provider, self.model, self.generation_id, self.usage, self.latency_s,
@@ -406,10 +513,10 @@ class ResponseRecord:
              finish_reason: str | None, native_finish_reason: str | None, provider: str | None, model: str | None,
              generation_id: str | None, u: Usage, latency_s: float, attempts: int, truncated: bool,
              empty_content: bool, ts: float, token_ids: list[int] | None, prompt_token_ids: list[int] | None,
-             turn: TurnFields | None, reasoning_details: list[Any] | None) -> dict[str, Any]:
+             turn: TurnFields | None, reasoning_details: list[Any] | None) -> ResponseLine:
         """The line of these fields, in the class's order: what the run writes for each answer, built
         straight from the answer (no record object in between: this runs once per request)."""
-        line: dict[str, Any] = {
+        line: ResponseLine = {
             "id": id, "messages": messages, "reasoning": reasoning, "content": content,
             "tool_calls": tool_calls, "finish_reason": finish_reason,
             "native_finish_reason": native_finish_reason, "provider": provider, "model": model,
@@ -423,12 +530,12 @@ class ResponseRecord:
         if prompt_token_ids is not None:
             line["prompt_token_ids"] = prompt_token_ids
         if turn is not None:
-            line.update(turn.to_dict())
+            turn.add_to(line)
             line["reasoning_details"] = reasoning_details
         return line
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ResponseRecord:
+    def from_dict(cls, raw: Mapping[str, object]) -> ResponseRecord:
         """Read a line leniently (resume, merge): a line edited by hand or written by another tool
         gets neutral values for what is odd, not a crash; `id` is always a string."""
         def text(key: str) -> str | None:
@@ -470,9 +577,9 @@ class FailureRecord:
     ts: float
     turn: TurnFields | None = None  # a turn of a conversation (turns = "all")
 
-    def to_dict(self) -> dict[str, Any]:
-        line = {"id": self.id, "messages": self.messages, "error_kind": self.error_kind, "status": self.status,
-                "message": self.message, "attempts": self.attempts, "ts": self.ts}
+    def to_dict(self) -> FailureLine:
+        line: FailureLine = {"id": self.id, "messages": self.messages, "error_kind": self.error_kind,
+                             "status": self.status, "message": self.message, "attempts": self.attempts, "ts": self.ts}
         if self.turn is not None:
-            line.update(self.turn.to_dict())
+            self.turn.add_to(line)
         return line

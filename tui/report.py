@@ -19,7 +19,7 @@ from rich.text import Text
 
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live.timeline import timeline_from_file
-from draftgen.core.records import same_model
+from draftgen.core.records import StoredResponse, same_model, stored_responses
 from draftgen.core.rundir import RunDir, iter_jsonl
 from draftgen.core.safe_text import visible
 from draftgen.core.tokens import identity
@@ -69,12 +69,11 @@ def report(run_dir: Path, out: TextIO | None = None, width: int | None = None) -
         answered = truncated = tokens = 0
         cost = 0.0
         agent = AgentFigures()
-        for _, rec in iter_jsonl(rd.responses(name)):
+        for _, rec in stored_responses(rd.responses(name)):
             answered += 1
             agent.add(rec)
-            usage = rec.get("usage")
-            if not isinstance(usage, dict):
-                usage = {}
+            raw_usage = rec.get("usage")
+            usage = raw_usage if isinstance(raw_usage, dict) else {}
             n = usage.get("completion_tokens")
             tokens += n if isinstance(n, int) and not isinstance(n, bool) else 0
             c = usage.get("cost")
@@ -135,7 +134,7 @@ class AgentFigures:
         self.steps = self.tool_calls = self.replayed = 0
         self.diverged: dict[int, int] = {}
 
-    def add(self, rec: dict[str, Any]) -> None:
+    def add(self, rec: StoredResponse) -> None:
         if "tools" not in rec:
             return
         self.steps += 1

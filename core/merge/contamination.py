@@ -33,7 +33,7 @@ import hashlib
 import importlib.util
 import re
 import unicodedata
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,7 +159,7 @@ class ContaminationFilter:
                 return self._items[short[g]], 1.0
         return None
 
-    def judge(self, sample_id: str, record: dict[str, Any]) -> Match | None:
+    def judge(self, sample_id: str, record: Mapping[str, object]) -> Match | None:
         """The match that leaves this sample out (every user turn of its prompt tried), or None."""
         best: tuple[_Item, float] | None = None
         for text in user_turns(record):
@@ -176,7 +176,7 @@ class ContaminationFilter:
             return None
         return Match(sample_id, best[0].benchmark, best[0].item, round(best[1], 3))
 
-    def screen(self, rows: Iterable[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[Match]]:
+    def screen(self, rows: Iterable[tuple[str, Mapping[str, object]]]) -> tuple[list[str], list[Match]]:
         """The stage on its own: (sample id, record) rows in, (ids kept, matches of the ids left out) out."""
         kept: list[str] = []
         dropped: list[Match] = []
@@ -216,15 +216,15 @@ def _grams(w: list[str], n: int, stride: int = 1) -> set[Gram]:
     return set(zip(*(w[i::stride] for i in range(n))))
 
 
-def user_turns(record: dict[str, Any]) -> Iterator[str]:
+def user_turns(record: Mapping[str, object]) -> Iterator[str]:
     """The text of each user turn of a record's prompt (`messages`; `prompt` when it is a string)."""
     messages = record.get("messages")
     if isinstance(messages, list):
         for m in messages:
             if isinstance(m, dict) and m.get("role") == "user":
                 yield message_text(m.get("content"))
-    elif isinstance(record.get("prompt"), str):
-        yield record["prompt"]
+    elif isinstance(prompt := record.get("prompt"), str):
+        yield prompt
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ from draftgen.core.merge.specforge import specforge_record
 from draftgen.core.merge.stats import DatasetMergeStats, MergeReporter, MergeStats
 from draftgen.core.merge.swap import TMP_PREFIX, fsync_tree, merge_lock, recover, switch
 from draftgen.core.quoting import sh_path
+from draftgen.core.records import stored_response
 from draftgen.core.rundir import RunDir
 from draftgen.core.tokens import identity
 from draftgen.core.tokens.policy import SamplePolicy
@@ -229,7 +230,7 @@ def _write(inputs: list[DatasetInput], kept: list[Kept], tmp: Path, stats: Merge
             TokenWriter(tmp / TOKENS_DIR, buffered=True) as tokens:
         for k, (ds_index, offset, line_length, tok_offset, tok_length, history) in enumerate(kept):
             inp, st = inputs[ds_index], stats.datasets[ds_index]
-            record = orjson.loads(os.pread(responses[ds_index], line_length, offset))
+            record = stored_response(orjson.loads(os.pread(responses[ds_index], line_length, offset)))
             # A per-conversation sample is named by its conversation (its last good turn's line holds it all).
             sample_id = f"{inp.name}/{record['conversation'] if history is not None else record['id']}"
             line = orjson.dumps(specforge_record(sample_id, record, tool_calls_key=tool_calls_key,

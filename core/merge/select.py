@@ -6,7 +6,6 @@ dataset is read, then resolved per conversation (core/merge/turns.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import orjson
 
@@ -18,12 +17,12 @@ from draftgen.core.merge.inputs import DatasetInput, TokenRef, complete_lines
 from draftgen.core.merge.specforge import has_tool_calls
 from draftgen.core.merge.stats import DatasetMergeStats, MergeReporter
 from draftgen.core.merge.turns import PendingTurn, count_turn, resolve, sorted_turns, turn_of
-from draftgen.core.records import Usage, answer_source, same_model
+from draftgen.core.records import StoredResponse, Usage, answer_source, same_model, stored_response
 from draftgen.core.tokens.fidelity import UNKNOWN, Agreement, flag_sources
 from draftgen.core.tokens.policy import SamplePolicy, source_key
 
 
-def _drop_reason(record: dict[str, Any], ref: TokenRef | None,
+def _drop_reason(record: StoredResponse, ref: TokenRef | None,
                  policy: SamplePolicy) -> tuple[str | None, tuple[str, ...]]:
     """(the reason a sample is dropped or None, what a kept one differed in)."""
     if policy.model and not same_model(policy.model, record.get("model")):  # another model's answer, any run's
@@ -197,14 +196,14 @@ def _tally(st: DatasetMergeStats, reporter: MergeReporter, reason: str | None) -
         reporter.dropped += 1
 
 
-def _cost(record: dict[str, Any], costs: dict[str, float]) -> float:
+def _cost(record: StoredResponse, costs: dict[str, float]) -> float:
     """The ledger's cost of an answer, else its usage.cost."""
     cost = costs.get(str(record.get("id")))
     return Usage.from_dict(record.get("usage")).cost if cost is None else cost
 
 
 def _pending(offset: int, length: int, found: tuple[str, int], reason: str | None, ref: TokenRef | None,
-             notes: tuple[str, ...], record: dict[str, Any], costs: dict[str, float]) -> PendingTurn:
+             notes: tuple[str, ...], record: StoredResponse, costs: dict[str, float]) -> PendingTurn:
     key = record_key(record) if reason is None else b""
     return PendingTurn(offset, length, found[0], found[1], reason, ref, notes, str(record["id"]), key,
                        _cost(record, costs), has_tool_calls(record), diverged=record.get("diverged") is True,
@@ -241,7 +240,7 @@ def _flag_sources(refs: dict[str, TokenRef], st: DatasetMergeStats, policy: Samp
 
 
 def _judge(line: bytes, refs: dict[str, TokenRef], st: DatasetMergeStats, policy: SamplePolicy
-           ) -> tuple[str | None, TokenRef | None, dict[str, Any] | None, tuple[str, ...]]:
+           ) -> tuple[str | None, TokenRef | None, StoredResponse | None, tuple[str, ...]]:
     """(the reason the line is dropped or None, its token entry, the record, what a kept one differed in);
     duplicates are told later (`_take`)."""
     try:
@@ -251,10 +250,11 @@ def _judge(line: bytes, refs: dict[str, TokenRef], st: DatasetMergeStats, policy
         return "bad_line", None, None, ()
     if not isinstance(record, dict):
         return "bad_line", None, None, ()
-    st.cost_all_usd += Usage.from_dict(record.get("usage")).cost
+    stored = stored_response(record)
+    st.cost_all_usd += Usage.from_dict(stored.get("usage")).cost
     ref = refs.get(sample_id)
-    reason, notes = _drop_reason(record, ref, policy)
+    reason, notes = _drop_reason(stored, ref, policy)
     if reason == "invalid":
         for check in (ref.failed_checks if ref is not None else ()) or ("unvalidated",):
             st.invalid_checks[check] = st.invalid_checks.get(check, 0) + 1
-    return reason, ref, record, notes
+    return reason, ref, stored, notes

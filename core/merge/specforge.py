@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from draftgen.core.dedupe import message_text
+from draftgen.core.records import StoredResponse
 
 
 def _turn(message: dict[str, Any]) -> dict[str, Any]:
@@ -41,7 +42,7 @@ def _turn(message: dict[str, Any]) -> dict[str, Any]:
     return turn
 
 
-def specforge_record(sample_id: str, response: dict[str, Any], *, tool_calls_key: bool = False,
+def specforge_record(sample_id: str, response: StoredResponse, *, tool_calls_key: bool = False,
                      system: str | None = None) -> dict[str, Any]:
     """One train.jsonl object from a responses.jsonl record: the prompt as sent, then the answer.
 
@@ -50,7 +51,8 @@ def specforge_record(sample_id: str, response: dict[str, Any], *, tool_calls_key
     front of a prompt without one, so no downstream template adds its own (SpecForge's kimi templates
     would add "You are a helpful assistant.").
     """
-    conversations = [_turn(m) for m in response.get("messages") or () if isinstance(m, dict)]
+    messages = response.get("messages")
+    conversations = [_turn(m) for m in (messages if isinstance(messages, list) else ()) if isinstance(m, dict)]
     if system is not None and not (conversations and conversations[0]["role"] == "system"):
         conversations.insert(0, {"role": "system", "content": system})
     answer: dict[str, Any] = {"role": "assistant", "content": message_text(response.get("content")),
@@ -61,7 +63,7 @@ def specforge_record(sample_id: str, response: dict[str, Any], *, tool_calls_key
     return {"id": sample_id, "conversations": conversations}
 
 
-def has_tool_calls(record: dict[str, Any]) -> bool:
+def has_tool_calls(record: StoredResponse) -> bool:
     """The answer or a prompt turn has tool calls."""
     messages = record.get("messages")
     return bool(record.get("tool_calls")) or (

@@ -24,7 +24,7 @@ from draftgen.core.live.hub import Hub
 from draftgen.core.live.summary import QuitEffects, quit_effects
 from draftgen.core.live.timeline import TimelineRecorder, Totals
 from draftgen.core.private_dir import check_private
-from draftgen.core.records import error_count
+from draftgen.core.records import ResponseLine, error_count
 from draftgen.core.run import registry
 from draftgen.core.run.events import EventPublisher
 from draftgen.core.run.generation import GenerationStage
@@ -199,7 +199,7 @@ class Pipeline:
             self.timeline.observe(self._totals())
             self.publish()
 
-    def _on_answer(self, dataset: str, record: dict[str, Any]) -> None:
+    def _on_answer(self, dataset: str, record: ResponseLine) -> None:
         self.tokens_stage.submit(dataset, record)
 
     # -- control surface (core/live/control.py) ------------------------------------------------------

@@ -4,7 +4,7 @@ when the run ends."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from draftgen.core.config import Config
 from draftgen.core.live import payloads as ev
@@ -12,6 +12,7 @@ from draftgen.core.live import snapshot as snap
 from draftgen.core.live.events import EventSink, Level
 from draftgen.core.live.stage_payloads import TokensDone, TokensFailed
 from draftgen.core.quoting import sh_path
+from draftgen.core.records import ResponseLine
 from draftgen.core.run.stage_rows import StageRows
 from draftgen.core.rundir import RunDir
 
@@ -38,7 +39,7 @@ class TokensStage:
         for ds in self._config.datasets:
             await self._reconstructor.catch_up(ds.name)
 
-    def submit(self, dataset: str, record: dict[str, Any]) -> None:
+    def submit(self, dataset: str, record: ResponseLine) -> None:
         if self._reconstructor is not None:
             self._reconstructor.submit(dataset, record)
 

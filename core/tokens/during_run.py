@@ -21,6 +21,7 @@ worker in memory (~0.5 KB an answer of the simulator's, more for long answers), 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,7 +180,7 @@ class RunReconstructor:
 
     # -- intake ---------------------------------------------------------------------------------
 
-    def submit(self, dataset_name: str, record: dict[str, Any], *, live: bool = True) -> None:
+    def submit(self, dataset_name: str, record: Mapping[str, Any], *, live: bool = True) -> None:
         """Queue one answered record for reconstruction; returns at once. `live`: the engine's answer,
         left on disk for later when the workers are behind (one read back from disk is always queued)."""
         if self._loop is None or self._closed:

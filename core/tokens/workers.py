@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -168,7 +168,7 @@ def each_sample(results: Results) -> Iterator[tuple[str, np.ndarray, np.ndarray,
         start += length
 
 
-def slim_record(record: dict[str, Any]) -> dict[str, Any]:
+def slim_record(record: Mapping[str, Any]) -> dict[str, Any]:
     slim = {k: record[k] for k in _FIELDS if k in record}
     usage = record.get("usage")
     if isinstance(usage, dict):

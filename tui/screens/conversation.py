@@ -12,7 +12,7 @@ server's: shown through `visible` and as rich Text, never markup, and cut at TEX
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from draftgen.core.records import count_of
+from draftgen.core.records import StoredResponse, count_of, stored_response
 from draftgen.core.safe_text import visible
 
 TAIL_BYTES = 2 << 20   # the end of responses.jsonl that is read: its last few hundred agent steps
@@ -34,14 +34,14 @@ TEXT_CHARS = 400       # a message's text shown at most (a tool result may be a 
 class ShownConversation:
     """The records of one conversation found in the file's tail, by step (1-based `turn`)."""
     id: str
-    steps: tuple[dict[str, Any], ...]   # ordered by step; the earliest may be missing (before the tail)
+    steps: tuple[StoredResponse, ...]   # ordered by step; the earliest may be missing (before the tail)
 
     @property
-    def last(self) -> dict[str, Any]:
+    def last(self) -> StoredResponse:
         return self.steps[-1]
 
 
-def read_tail(path: Path, limit: int = TAIL_BYTES) -> list[dict[str, Any]]:
+def read_tail(path: Path, limit: int = TAIL_BYTES) -> list[StoredResponse]:
     """The records of the last `limit` bytes of a responses file, in file order: the line cut by the
     tail's start, a half-written last line and any line that is not a JSON object are left out. A tail
     that holds no whole record is read again four times longer, up to TAIL_MAX_BYTES. A missing file
@@ -53,7 +53,7 @@ def read_tail(path: Path, limit: int = TAIL_BYTES) -> list[dict[str, Any]]:
         limit = min(4 * limit, TAIL_MAX_BYTES)
 
 
-def _read_tail(path: Path, limit: int) -> tuple[list[dict[str, Any]], int]:
+def _read_tail(path: Path, limit: int) -> tuple[list[StoredResponse], int]:
     """The records of the file's last `limit` bytes, and where they start (0: the whole file)."""
     try:
         with open(path, "rb") as f:
@@ -73,14 +73,14 @@ def _read_tail(path: Path, limit: int) -> tuple[list[dict[str, Any]], int]:
         except orjson.JSONDecodeError:
             continue
         if isinstance(obj, dict):
-            records.append(obj)
+            records.append(stored_response(obj))
     return records, start
 
 
-def conversations(records: Iterable[dict[str, Any]]) -> list[ShownConversation]:
+def conversations(records: Iterable[StoredResponse]) -> list[ShownConversation]:
     """The conversations of these records (those with a `conversation` and a `turn`), ordered by their
     newest record's place in the file: the last one is the one answered most recently."""
-    found: dict[str, dict[int, dict[str, Any]]] = {}
+    found: dict[str, dict[int, StoredResponse]] = {}
     for r in records:
         conv, turn = r.get("conversation"), count_of(r.get("turn"))
         if not isinstance(conv, str) or turn < 1:
@@ -123,18 +123,18 @@ def _calls(calls: Any) -> list[Text]:
     return lines
 
 
-def _reasoning_chars(m: dict[str, Any]) -> int:
+def _reasoning_chars(m: Mapping[str, object]) -> int:
     """The length of a message's reasoning: its text (`reasoning`, `reasoning_content`), else the text of
     its OpenRouter `reasoning_details` (how a history message sends it back)."""
     for key in ("reasoning", "reasoning_content"):
-        if isinstance(m.get(key), str) and m[key].strip():
-            return len(m[key])
+        if isinstance(text := m.get(key), str) and text.strip():
+            return len(text)
     details = m.get("reasoning_details")
     return sum(len(d.get("text") or d.get("summary") or "") for d in details if isinstance(d, dict)
                and isinstance(d.get("text") or d.get("summary") or "", str)) if isinstance(details, list) else 0
 
 
-def _answer(m: dict[str, Any]) -> RenderableType:
+def _answer(m: Mapping[str, object]) -> RenderableType:
     """An answer (a record's or a history message): its reasoning's length, its content and its calls."""
     content, calls = m.get("content"), m.get("tool_calls")
     parts: list[RenderableType] = []
@@ -149,7 +149,7 @@ def _answer(m: dict[str, Any]) -> RenderableType:
     return Group(*parts)
 
 
-def _results_flag(record: dict[str, Any] | None, before: dict[str, Any] | None, first: bool) -> tuple[str, str]:
+def _results_flag(record: StoredResponse | None, before: StoredResponse | None, first: bool) -> tuple[str, str]:
     """How the tool results just before a step were sent, from the `tool_results` of its record (which
     says how all the results in its history were: "replayed" when any was) and of the step before
     (`first`: there is none with results)."""

@@ -85,8 +85,8 @@ from draftgen.core.generate.money.forecast import SmokeFigures, forecast
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.live import snapshot as snap
-from draftgen.core.records import ResponseRecord
-from draftgen.core.rundir import RunDir, iter_jsonl
+from draftgen.core.records import ResponseRecord, stored_responses
+from draftgen.core.rundir import RunDir
 from draftgen.core.secrets import Redactor
 
 
@@ -94,7 +94,7 @@ def _on_disk(rd: RunDir, ds: DatasetConfig) -> tuple[int, int, float]:
     """(answers, completion tokens, cost) already in the dataset's responses.jsonl."""
     answers = tokens = 0
     cost = 0.0
-    for _, raw in iter_jsonl(rd.responses(ds.name)):
+    for _, raw in stored_responses(rd.responses(ds.name)):
         usage = ResponseRecord.from_dict(raw).usage
         answers += 1
         tokens += usage.completion_tokens

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,7 +46,14 @@ from draftgen.core.generate.loop.prompts import Conversation, Prompt, Rejection,
 from draftgen.core.generate.loop.source import Booked, BookedAs
 from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventSink, Level
-from draftgen.core.records import TurnFields, arguments_text, broken_answer, own_calls, same_calls
+from draftgen.core.records import (
+    TurnFields,
+    arguments_text,
+    broken_answer,
+    own_calls,
+    same_calls,
+    stored_responses,
+)
 from draftgen.core.rundir import iter_jsonl
 from draftgen.core.servers import ServerProfile
 
@@ -411,7 +418,7 @@ class ConversationSource:
         out: dict[str, dict[int, ChatMessage]] = {}
         if not convs:
             return out
-        for _, raw in iter_jsonl(self._responses):
+        for _, raw in stored_responses(self._responses):
             where = _where(raw)
             if where is None or where[0] not in convs:
                 continue
@@ -438,11 +445,11 @@ def _answered_prefix(stored: dict[int, _Stored], turns: int) -> int:
     return m
 
 
-def _str(value: Any) -> str:
+def _str(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _where(raw: dict[str, Any]) -> tuple[str, int, int] | None:
+def _where(raw: Mapping[str, object]) -> tuple[str, int, int] | None:
     """(conversation, turn, turns) of a record, None for a line that is no conversation's turn."""
     conv, k, turns = raw.get("conversation"), raw.get("turn"), raw.get("turns")
     if not isinstance(conv, str) or not isinstance(k, int) or isinstance(k, bool) or k < 1:

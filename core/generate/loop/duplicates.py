@@ -18,14 +18,14 @@ from pathlib import Path
 
 from draftgen.core.bodies import ChatMessage
 from draftgen.core.dedupe import prompt_key, record_key, turn_key
-from draftgen.core.rundir import iter_jsonl
+from draftgen.core.records import stored_responses
 
 
 def answered_keys(folders: Iterable[tuple[str, Path]]) -> dict[bytes, str]:
     """`prompt_key` → the first dataset whose responses.jsonl holds it, over (name, responses path) pairs."""
     owners: dict[bytes, str] = {}
     for name, path in folders:
-        for _, record in iter_jsonl(path):
+        for _, record in stored_responses(path):
             if isinstance(record.get("messages"), list):
                 owners.setdefault(record_key(record), name)  # a conversation turn: its prompt side (dedupe.py)
     return owners

@@ -81,6 +81,7 @@ from draftgen.core.live.recent import ProviderStats, RecentErrors
 from draftgen.core.live.snapshot import RunState
 from draftgen.core.live.stage_payloads import Draining, HeldWait, HeldWritten, RunDone, Stopping
 from draftgen.core.private_dir import check_private
+from draftgen.core.records import ResponseLine
 from draftgen.core.rundir import RunDir
 from draftgen.core.safe_text import visible
 from draftgen.core.secrets import Redactor
@@ -89,7 +90,7 @@ HELD_RETRY_S = 3.0  # how often a run ending with answers held retries writing t
 
 class Engine:
     def __init__(self, config: Config, api_key: str, *, on_event: EventSink | None = None,
-                 on_answer: Callable[[str, dict[str, Any]], None] | None = None,
+                 on_answer: Callable[[str, ResponseLine], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, seed: int | None = None,
                  rundir: RunDir | None = None, redact: Redactor | None = None) -> None:
         self.config = config

@@ -20,7 +20,6 @@ import platform
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 import orjson
@@ -43,11 +42,11 @@ from draftgen.core.generate.money.spend import CostSource, Pending, SpendLedger
 from draftgen.core.live import payloads as ev
 from draftgen.core.live.events import EventSink, Level, no_event
 from draftgen.core.live.stage_payloads import Repaired
-from draftgen.core.records import cost_of, count_of
-from draftgen.core.rundir import RunDir, iter_jsonl
+from draftgen.core.records import cost_of, count_of, stored_responses
+from draftgen.core.rundir import RunDir
 
 
-def _estimate(usage: Any, p: Prices | None) -> float:
+def _estimate(usage: object, p: Prices | None) -> float:
     """An answer without usage.cost: its tokens at the worst prices ($0 with none known: no ceiling)."""
     if p is None or not isinstance(usage, dict):
         return 0.0
@@ -79,7 +78,7 @@ def count_unledgered(rundir: RunDir, datasets: Mapping[str, DatasetRun], spend: 
         if unmatched <= covered and not by_cost:
             continue
         seen: set[str] = set()
-        for _, raw in iter_jsonl(rundir.responses(name)):
+        for _, raw in stored_responses(rundir.responses(name)):
             rid = str(raw.get("id"))
             if rid in sent or rid in seen:
                 continue
@@ -116,7 +115,7 @@ def recorded_answers(rundir: RunDir, datasets: Mapping[str, DatasetRun],
             open_by.setdefault(p.ds, {}).setdefault(p.prompt_id, []).append(p)
     out: list[tuple[Pending, float, CostSource]] = []
     for name, by_prompt in open_by.items():
-        for _, raw in iter_jsonl(rundir.responses(name)):
+        for _, raw in stored_responses(rundir.responses(name)):
             attempts = by_prompt.pop(str(raw.get("id")), None)
             usage = raw.get("usage")
             cost = usage.get("cost") if isinstance(usage, dict) else None

@@ -31,7 +31,6 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import orjson
 
@@ -52,7 +51,16 @@ from draftgen.core.generate.loop.stats import RateTracker
 from draftgen.core.generate.money.budget import MoneyBudget
 from draftgen.core.live import payloads as ev
 from draftgen.core.live.stage_payloads import Repaired, Spooled, Unsaved
-from draftgen.core.records import ErrorKind, FailureRecord, ResponseRecord, broken_answer, same_model
+from draftgen.core.records import (
+    ErrorKind,
+    FailureLine,
+    FailureRecord,
+    ResponseLine,
+    ResponseRecord,
+    broken_answer,
+    same_model,
+    stored_responses,
+)
 from draftgen.core.rundir import JsonlAppender, RunDir, iter_jsonl
 from draftgen.core.units import to_ms
 
@@ -72,13 +80,13 @@ class _Held:
     """A record the disk refused, waiting in memory."""
     ds: DatasetRun
     appender: JsonlAppender
-    line: dict[str, Any]
-    answer: bool               # a responses.jsonl line (else failures.jsonl)
+    line: ResponseLine | FailureLine
+    answer: ResponseLine | None  # the line, when it is a responses.jsonl line (else failures.jsonl)
 
 
 class RecordBook:
     def __init__(self, ctx: RunContext, rundir: RunDir, datasets: dict[str, DatasetRun], money: MoneyBudget, *,
-                 on_answer: Callable[[str, dict[str, Any]], None] | None) -> None:
+                 on_answer: Callable[[str, ResponseLine], None] | None) -> None:
         self.rundir = rundir
         self._datasets = datasets
         self.money = money
@@ -126,7 +134,7 @@ class RecordBook:
             if f.cut_bytes:
                 self._event(Repaired(path=str(f.path), cut_bytes=f.cut_bytes, by_crash=True))
         self._spools.import_into(ds)
-        for _, raw in iter_jsonl(rd.responses(ds.config.name)):
+        for _, raw in stored_responses(rd.responses(ds.config.name)):
             rec = ResponseRecord.from_dict(raw)  # odd values in a hand-edited line count as nothing
             if rec.id in ds.done_ids:
                 continue
@@ -135,8 +143,8 @@ class RecordBook:
                         calls=bool(rec.tool_calls), diverged=raw.get("diverged") is True,
                         replayed=raw.get("tool_results") == "replayed", prompt_tokens=rec.usage.prompt_tokens,
                         reasoning_tokens=rec.usage.reasoning_tokens)
-        for _, raw in iter_jsonl(rd.failures(ds.config.name)):
-            rid = str(raw.get("id"))
+        for _, failure in iter_jsonl(rd.failures(ds.config.name)):
+            rid = str(failure.get("id"))
             if rid not in ds.done_ids:
                 ds.failed_one(rid, now=False)
 
@@ -270,7 +278,7 @@ class RecordBook:
                 a.content, a.finish_reason, a.tool_calls, agent=True) and turn.diverges(a.tool_calls):
             line["diverged"] = True  # not the dataset's next move: its conversation ends (conversations.py)
         assert ds.responses is not None
-        self._write(ds, ds.responses, line, True)
+        self._write(ds, ds.responses, line, line)
         ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty, other_model=other,
                     calls=bool(a.tool_calls), diverged=line.get("diverged") is True,
                     replayed=turn is not None and turn.tool_results == "replayed",
@@ -334,10 +342,11 @@ class RecordBook:
                                message=self._redact(e.message), attempts=attempts, ts=to_ms(time.time()),
                                turn=prompt.turn)
         assert ds.failures is not None
-        self._write(ds, ds.failures, record.to_dict(), False)
+        self._write(ds, ds.failures, record.to_dict(), None)
         ds.failed_one(prompt.id)
 
-    def _write(self, ds: DatasetRun, appender: JsonlAppender, line: dict[str, Any], answer: bool) -> None:
+    def _write(self, ds: DatasetRun, appender: JsonlAppender, line: ResponseLine | FailureLine,
+               answer: ResponseLine | None) -> None:
         """The record buffered for its file's next write (`_written` hears how it went), or held in memory
         behind the records the disk refused."""
         item = _Held(ds, appender, line, answer)
@@ -353,7 +362,7 @@ class RecordBook:
         for _ in range(n):
             item = queue.popleft()
             if item.answer and self._on_answer is not None:
-                self._on_answer(item.ds.config.name, item.line)
+                self._on_answer(item.ds.config.name, item.answer)
         if refused is not None and queue:
             self._held.extend(queue)
             queue.clear()
@@ -387,7 +396,7 @@ class RecordBook:
             if item.answer:
                 self._control.held_written()
                 if self._on_answer is not None:
-                    self._on_answer(item.ds.config.name, item.line)
+                    self._on_answer(item.ds.config.name, item.answer)
             if not self._held:
                 self._control.release(Hold.DISK)  # "Still paused: N record(s) held" is no longer true
         return True
@@ -414,7 +423,7 @@ class RecordBook:
         self._control.held_lost(answers)
         lost: dict[str, int] = {}
         for item in self._held:
-            item.ds.unrecorded(str(item.line.get("id")), answer=item.answer)
+            item.ds.unrecorded(item.line["id"], answer=item.answer is not None)
             lost[str(item.appender.path)] = lost.get(str(item.appender.path), 0) + 1
         self._held.clear()
         self._control.release(Hold.DISK)

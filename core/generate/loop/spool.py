@@ -27,6 +27,7 @@ import os
 import stat
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,7 @@ def unsafe_place(folder: Path) -> str:
 class SpoolRecord:
     dataset: str
     file: str                  # "responses" or "failures"
-    record: dict[str, Any]
+    record: Mapping[str, Any]  # a ResponseLine or FailureLine written; read back, a JSON object unchecked
 
 
 def write_spool(run_root: Path, records: list[SpoolRecord]) -> tuple[Path | None, list[str]]:

@@ -76,7 +76,9 @@ its attempt at worst case (or look it up).
 
 A cost read back that no attempt can have been billed (not a finite number, negative, or $1,000 or more:
 `MAX_ATTEMPT_USD`, e.g. a figure a server sent that an older version booked as given) counts as the
-attempt's reservation (its `w`), so no one line can make the directory's ledger unusable.
+attempt's reservation (its `w`), so no one line can make the directory's ledger unusable. A line whose
+values will not convert to its kind's (ledger_lines.py, where each kind's type is) counts as nothing: the
+attempt of such an end or settle line stays open, pending at its worst case.
 
 Money is then three sums over all runs: settled (known costs), pending (abandoned attempts not yet
 priced, and attempts a killed run left open, each at its worst case) and reserved (the worst case
@@ -88,11 +90,22 @@ settled + pending + reserved + the next reservation <= max_usd, whatever crashed
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from draftgen.core.errors import DiskError
+from draftgen.core.generate.money.ledger_lines import (
+    CarryLine,
+    EndLine,
+    KeyLine,
+    LedgerLine,
+    PricesLine,
+    SentLine,
+    SettleLine,
+    checked,
+)
 from draftgen.core.generate.money.spend_file import LedgerFile
 
 # Reconciliation, Pending and Ticket are imported from here by the rest of the engine.
@@ -108,10 +121,10 @@ MAX_ATTEMPT_USD = 1000.0
 PRICE_CAPS = (1e-4, 1e-4, 1.0)
 
 
-def _sane(cost: object, worst: float) -> float:
-    """A cost read back from the ledger, or `worst` when it is not one an attempt can have been billed."""
-    value = float(cost)  # type: ignore[arg-type]  # TypeError, ValueError: the line counts as nothing
-    return value if 0 <= value < MAX_ATTEMPT_USD else worst  # NaN: worst
+def _sane(cost: float, worst: float) -> float:
+    """A cost read back from the ledger (a float: ledger_lines.py `checked`), or `worst` when it is not one an
+    attempt can have been billed."""
+    return cost if 0 <= cost < MAX_ATTEMPT_USD else worst  # NaN: worst
 
 
 class CostSource(StrEnum):
@@ -138,6 +151,16 @@ EXACT_SOURCES = frozenset({CostSource.USAGE, CostSource.GENERATION})
 ENDED_STATUSES = frozenset({500, 502, 503})
 
 
+@dataclass(slots=True)
+class _Opened:
+    """A `sent` line with no end line yet (while the ledger is read back)."""
+    ds: str
+    p: str
+    w: float
+    t: float
+    g: str | None = None
+
+
 class SpendReplay:
     """spend.jsonl read back into a `SpendSums`: attempts ended, settled, or left open by a run that died
     (pending at worst case); with `sent_prompts`, also each dataset's prompts with a `sent` line."""
@@ -145,86 +168,83 @@ class SpendReplay:
     def __init__(self, sums: SpendSums, sent_prompts: dict[str, dict[str, bool]] | None = None) -> None:
         self.sums = sums
         self.sent_prompts = sent_prompts  # per dataset, prompt id -> answered on the ledger
-        self._opened: dict[str, dict[str, Any]] = {}  # sent, with no end line yet
+        self._opened: dict[str, _Opened] = {}  # sent, with no end line yet
 
     def read(self, path: Path) -> None:
-        for _, line in iter_jsonl(path):
-            self.line(line)
+        for _, raw in iter_jsonl(path):
+            line = checked(raw)  # a hand-edited line of the wrong shape counts as nothing
+            if line is not None:
+                self.line(line)
         for aid, rec in self._opened.items():  # sent by a run that died before the end line
-            self.sums.add_pending(Pending(aid, rec["ds"], rec["p"], rec["w"], rec.get("g"), sent_at=rec["t"],
-                                          left_open=True))
+            self.sums.add_pending(Pending(aid, rec.ds, rec.p, rec.w, rec.g, sent_at=rec.t, left_open=True))
         self._opened = {}
 
-    def line(self, line: dict[str, Any]) -> None:
-        kind, aid = line.get("e"), str(line.get("a"))
+    def line(self, line: LedgerLine) -> None:
         sums, opened = self.sums, self._opened
-        try:
-            if kind == "sent":
-                opened[aid] = {"ds": str(line["ds"]), "p": str(line["p"]), "w": float(line["w"]),
-                               "t": float(line.get("t") or 0.0)}
-                if self.sent_prompts is not None:
-                    self.sent_prompts.setdefault(opened[aid]["ds"], {}).setdefault(opened[aid]["p"], False)
-            elif kind == "gen":
-                if aid in opened:
-                    opened[aid]["g"] = str(line["g"])
-                elif aid in sums.pending and sums.pending[aid].gen is None:
-                    sums.pending[aid].gen = str(line["g"])
-            elif kind == "end":
-                self._end(aid, line)
-            elif kind == "settle":
-                self._settle(aid, line)
-            elif kind == "prices":
-                self._prices(line)
-            elif kind == "key":
-                if sums.key_baseline is None:
-                    sums.key_baseline = float(line["u"])
-            elif kind in ("carry", "found"):
-                cost, ds = float(line["c"]), str(line["ds"])
-                answers = int(line["n"]) if "n" in line else None
-                if answers is None:
-                    sums.carried_by_cost[ds] = sums.carried_by_cost.get(ds, 0.0) + cost
-                (sums.book_carried if kind == "carry" else sums.book_found)(ds, cost, answers)
-        except (KeyError, TypeError, ValueError):
-            return  # a hand-edited line of the wrong shape counts as nothing
+        if line["e"] == "sent":
+            rec = opened[line["a"]] = _Opened(line["ds"], line["p"], line["w"], line["t"])
+            if self.sent_prompts is not None:
+                self.sent_prompts.setdefault(rec.ds, {}).setdefault(rec.p, False)
+        elif line["e"] == "gen":
+            aid = line["a"]
+            if aid in opened:
+                opened[aid].g = line["g"]
+            elif aid in sums.pending and sums.pending[aid].gen is None:
+                sums.pending[aid].gen = line["g"]
+        elif line["e"] == "end":
+            self._end(line)
+        elif line["e"] == "settle":
+            self._settle(line)
+        elif line["e"] == "prices":
+            self._prices(line)
+        elif line["e"] == "key":
+            if sums.key_baseline is None:
+                sums.key_baseline = line["u"]
+        else:  # carry, found
+            cost, ds, answers = line["c"], line["ds"], line.get("n")
+            if answers is None:
+                sums.carried_by_cost[ds] = sums.carried_by_cost.get(ds, 0.0) + cost
+            (sums.book_carried if line["e"] == "carry" else sums.book_found)(ds, cost, answers)
 
-    def _settle(self, aid: str, line: dict[str, Any]) -> None:
-        sums = self.sums
+    def _settle(self, line: SettleLine) -> None:
+        sums, aid = self.sums, line["a"]
         rec = self._opened.pop(aid, None)  # left open by a killed run, priced by a later one
-        p = sums.drop_pending(aid) if rec is None else Pending(aid, rec["ds"], rec["p"], rec["w"], None)
+        p = sums.drop_pending(aid) if rec is None else Pending(aid, rec.ds, rec.p, rec.w, None)
         if p is not None:
             p.answer = p.answer or line.get("o") == AttemptEnd.ANSWERED
-            cost, source = _sane(line["c"], p.worst), line.get("s")
+            cost, source = _sane(line["c"], p.worst), line["s"]
             sums.book_settled(p, cost, run=False, exact=source in EXACT_SOURCES,
                               from_key=source == CostSource.KEY_USAGE)
             if p.answer:
                 sums.note_answer(p.ds, p.prompt_id, cost)
 
-    def _prices(self, line: dict[str, Any]) -> None:
-        seen = (float(line["p"]), float(line["c"]), float(line["r"]))
+    def _prices(self, line: PricesLine) -> None:
+        seen = (line["p"], line["c"], line["r"])
         if all(0 <= v <= cap for v, cap in zip(seen, PRICE_CAPS, strict=True)):  # NaN: False
-            self.sums.see_prices(str(line["ds"]), str(line["f"]), seen)
+            self.sums.see_prices(line["ds"], line["f"], seen)
 
-    def _end(self, aid: str, line: dict[str, Any]) -> None:
+    def _end(self, line: EndLine) -> None:
+        aid = line["a"]
         rec = self._opened.pop(aid, None)
         if rec is None:
             return
         sums = self.sums
-        outcome, cost = line.get("o"), line.get("c")
+        outcome, cost = line["o"], line["c"]
         if outcome == AttemptEnd.ABANDONED:
-            worst = max(rec["w"], _sane(line.get("w", 0.0), rec["w"]))
-            sums.add_pending(Pending(aid, rec["ds"], rec["p"], worst, rec.get("g") or line.get("g"),
-                                     ended=line.get("st") in ENDED_STATUSES, sent_at=float(line.get("t") or rec["t"])))
+            worst = max(rec.w, _sane(line.get("w", 0.0), rec.w))
+            sums.add_pending(Pending(aid, rec.ds, rec.p, worst, rec.g or line.get("g"),
+                                     ended=line.get("st") in ENDED_STATUSES, sent_at=line.get("t") or rec.t))
         elif outcome == AttemptEnd.ANSWERED and cost is None:
-            sums.add_pending(Pending(aid, rec["ds"], rec["p"], _sane(line.get("w", rec["w"]), rec["w"]),
-                                     rec.get("g") or line.get("g"), answer=True))
+            sums.add_pending(Pending(aid, rec.ds, rec.p, _sane(line.get("w", rec.w), rec.w),
+                                     rec.g or line.get("g"), answer=True))
         else:
-            usd = _sane(cost or 0.0, rec["w"])
-            sums.book(rec["ds"], usd, AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED,
-                      run=False, exact=line.get("s") in EXACT_SOURCES)
+            usd = _sane(cost or 0.0, rec.w)
+            sums.book(rec.ds, usd, AttemptEnd.ANSWERED if outcome == AttemptEnd.ANSWERED else AttemptEnd.REFUSED,
+                      run=False, exact=line["s"] in EXACT_SOURCES)
             if outcome == AttemptEnd.ANSWERED:
-                sums.note_answer(rec["ds"], rec["p"], usd)
+                sums.note_answer(rec.ds, rec.p, usd)
         if outcome == AttemptEnd.ANSWERED and self.sent_prompts is not None:
-            self.sent_prompts.setdefault(rec["ds"], {})[rec["p"]] = True
+            self.sent_prompts.setdefault(rec.ds, {})[rec.p] = True
 
 
 T = TypeVar("T")
@@ -307,7 +327,7 @@ class SpendLedger:
         """Spend found in responses.jsonl of a directory that had no ledger yet (only then: later the
         ledger already counts those answers); `answers`: how many answers it covers."""
         if (cost > 0 or answers) and not self.existed:
-            line: dict[str, Any] = {"e": "carry", "ds": ds, "c": round(cost, 10)}
+            line: CarryLine = {"e": "carry", "ds": ds, "c": round(cost, 10)}
             if answers is not None:
                 line["n"] = answers
             self._write(line)
@@ -317,7 +337,8 @@ class SpendLedger:
         """Answers in responses.jsonl that the ledger has no `sent` line for: their cost on the ledger,
         once (the next run counts them as covered)."""
         if answers:
-            self._write({"e": "found", "ds": ds, "c": round(cost, 10), "n": answers})
+            found: CarryLine = {"e": "found", "ds": ds, "c": round(cost, 10), "n": answers}
+            self._write(found)
             self.sums.book_found(ds, cost, answers)
 
     def sent_prompts(self, ds: str) -> dict[str, bool]:
@@ -330,7 +351,8 @@ class SpendLedger:
 
     def prices_checked(self, ds: str, fingerprint: str, prompt: float, completion: float, request: float) -> None:
         """The worst prices an answer's bill checked for the dataset's request shape (trust.py), for later runs."""
-        self._write({"e": "prices", "ds": ds, "f": fingerprint, "p": prompt, "c": completion, "r": request})
+        line: PricesLine = {"e": "prices", "ds": ds, "f": fingerprint, "p": prompt, "c": completion, "r": request}
+        self._write(line)
         self.sums.see_prices(ds, fingerprint, (prompt, completion, request))
 
     def set_key_baseline(self, usage: float) -> None:
@@ -338,7 +360,8 @@ class SpendLedger:
         this directory's own spend as someone else's)."""
         if not self.existed and self.sums.key_baseline is None:
             self.sums.key_baseline = usage
-            self._write({"e": "key", "u": usage, "t": round(time.time(), 3)})
+            line: KeyLine = {"e": "key", "u": usage, "t": round(time.time(), 3)}
+            self._write(line)
 
     @property
     def is_open(self) -> bool:
@@ -382,7 +405,8 @@ class SpendLedger:
         if self._file is None:  # closed: the run that owned it ended (or it was never opened)
             raise DiskError(f"{self.path}: the spend ledger is closed; nothing more is sent on it")
         t.sent_at = to_ms(time.time())
-        self._file.append({"e": "sent", "a": t.id, "ds": t.ds, "p": t.prompt_id, "w": t.worst, "t": t.sent_at})
+        line: SentLine = {"e": "sent", "a": t.id, "ds": t.ds, "p": t.prompt_id, "w": t.worst, "t": t.sent_at}
+        self._file.append(line)
         return self._file
 
     def generation(self, t: Ticket, gen_id: str) -> None:
@@ -423,8 +447,8 @@ class SpendLedger:
         Returns what to look up."""
         if not self.sums.close(t):
             return None
-        line: dict[str, str | int | float | None] = {"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value,
-                                                     "c": None, "s": CostSource.PENDING.value}
+        line: EndLine = {"e": "end", "a": t.id, "o": AttemptEnd.ABANDONED.value, "c": None,
+                         "s": CostSource.PENDING.value}
         if status is not None:
             line["st"] = status
         worst = t.worst
@@ -446,7 +470,7 @@ class SpendLedger:
     def settle(self, p: Pending, cost: float, source: CostSource = CostSource.GENERATION) -> None:
         """An abandoned attempt priced from its generation record (or, without one, the key's usage)."""
         if self.sums.drop_pending(p.id) is not None:
-            line: dict[str, Any] = {"e": "settle", "a": p.id, "c": cost, "s": source.value}
+            line: SettleLine = {"e": "settle", "a": p.id, "c": cost, "s": source.value}
             if p.answer:
                 line["o"] = AttemptEnd.ANSWERED.value
             self._write(line)
@@ -464,11 +488,11 @@ class SpendLedger:
     def reconcile(self) -> Reconciliation:
         return self.sums.reconcile()
 
-    def _write(self, line: dict[str, Any]) -> None:
+    def _write(self, line: LedgerLine) -> None:
         if self._file is not None:  # closed (the run ended): the next run counts the attempt at worst case
             self._file.append_or_hold(line)
 
-    def _end(self, t: Ticket, line: dict[str, Any]) -> None:
+    def _end(self, t: Ticket, line: EndLine) -> None:
         """An attempt's end line, with its generation id when that has no gen line yet (spend_file.py)."""
         if self._file is not None:
             self._file.append_or_hold(self._file.gen_of(t, line))

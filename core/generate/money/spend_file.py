@@ -7,10 +7,10 @@ import contextlib
 import fcntl
 import os
 from pathlib import Path
-from typing import Any
 
 from draftgen.core.errors import DiskError, LedgerBusyError
 from draftgen.core.files import lock_file
+from draftgen.core.generate.money.ledger_lines import EndLine, GenLine, LedgerLine
 from draftgen.core.generate.money.spend_sums import Ticket
 from draftgen.core.rundir import JsonlAppender
 
@@ -39,7 +39,7 @@ class LedgerFile:
             raise
         self._lock = lock
         self.cut_bytes = self._out.cut_bytes
-        self._unwritten: list[dict[str, Any]] = []
+        self._unwritten: list[LedgerLine] = []
         self._gens: list[Ticket] = []  # attempts whose generation id waits for the tick's write
 
     def generation(self, t: Ticket) -> None:
@@ -50,13 +50,13 @@ class LedgerFile:
             t.gen_due = True
             self._gens.append(t)
         else:
-            self.append_or_hold({"e": "gen", "a": t.id, "g": t.gen})
+            self.append_or_hold(_gen_line(t))
 
-    def gen_of(self, t: Ticket, end: dict[str, Any]) -> dict[str, Any]:
+    def gen_of(self, t: Ticket, end: EndLine) -> EndLine:
         """`end`, t's end line, carrying its generation id when no gen line has gone out for it yet."""
         if t.gen_due:
             t.gen_due = False
-            end["g"] = t.gen
+            end["g"] = _gen(t)
         return end
 
     def _gens_due(self) -> None:
@@ -65,13 +65,13 @@ class LedgerFile:
         for t in gens:
             if t.gen_due:
                 t.gen_due = False
-                line = {"e": "gen", "a": t.id, "g": t.gen}
+                line = _gen_line(t)
                 if self._unwritten:  # behind the lines held back (outside the loop the disk refused)
                     self._unwritten.append(line)
                 else:
                     self._out.buffer(line)
 
-    def append(self, line: dict[str, Any]) -> None:
+    def append(self, line: LedgerLine) -> None:
         """Written after any held-back lines: at once outside the event loop (raises DiskError: for a `sent`
         line, do not send), at the tick's end or the next fsync inside it (`sync`/`synced` raise then)."""
         if self._unwritten:
@@ -92,7 +92,7 @@ class LedgerFile:
             self._out.append(self._unwritten[0])
             self._unwritten.pop(0)
 
-    def append_or_hold(self, line: dict[str, Any]) -> None:
+    def append_or_hold(self, line: LedgerLine) -> None:
         """A line after the attempt left. A refused write is kept and written before the next line that
         goes through; lost with the process, it only makes the next run count the attempt at its
         worst case (its `sent` line is on disk)."""
@@ -108,3 +108,13 @@ class LedgerFile:
         with contextlib.suppress(OSError):
             fcntl.flock(self._lock, fcntl.LOCK_UN)  # released even if a child still holds a copy
         os.close(self._lock)
+
+
+def _gen(t: Ticket) -> str:
+    gen = t.gen
+    assert gen is not None  # set before the ledger is told (SpendLedger.generation)
+    return gen
+
+
+def _gen_line(t: Ticket) -> GenLine:
+    return {"e": "gen", "a": t.id, "g": _gen(t)}
