@@ -49,6 +49,7 @@ the wait and the record book spools them to a fallback place (spool.py) that the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import time
@@ -301,10 +302,12 @@ class Engine:
                 said = True
                 self._event(HeldWait(answers=self.book.held_answers, retry_s=HELD_RETRY_S))
             self._held_wake.clear()
-            try:
-                await asyncio.wait_for(self._held_wake.wait(), HELD_RETRY_S)
-            except TimeoutError:
-                pass
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that arrives as the
+            # wake completes (a resume or spool in the turn the run is cancelled), and the loop went on
+            # retrying a full disk with the cancelled run's exit held.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HELD_RETRY_S):
+                    await self._held_wake.wait()
 
     def _wake_all(self) -> None:
         for ds in self.datasets.values():
