@@ -4,7 +4,10 @@ Python 3.11's `asyncio.wait_for` swallows a cancel that arrives as its inner wai
 tests/money/test_settle_close.py, the settler's pricing loop): the loops in core wait with
 `asyncio.timeout()`, which passes the cancel on. Here: a run that ends with answers held in memory waits
 for the disk (Engine._wait_for_disk, a retry every HELD_RETRY_S); a resume (which wakes that wait) in the
-turn the run is cancelled left the loop retrying the full disk, the cancelled run never ending."""
+turn the run is cancelled left the loop retrying the full disk, the cancelled run never ending. And a
+request backing off before a retry (request.py `_back_off`) waits for the run's close: stop now closes
+the run in the turn it cancels the requests, and each one backing off returned instead of ending
+cancelled (its prompt handed back all the same)."""
 
 from __future__ import annotations
 
@@ -61,3 +64,24 @@ async def test_a_cancel_in_the_turn_the_held_answers_wait_wakes_ends_the_run(tmp
             if not task.done():
                 engine.spool_held()  # let it end (spooled), whichever way the test went
                 await asyncio.wait({task}, timeout=30)
+
+
+async def test_stop_now_cancels_the_requests_backing_off(tmp_path):
+    async with SimServer(SimConfig(seed=4, faults={"429": 1.0}, retry_after_s=60.0, fixed_latency_s=0.01,
+                                   mean_completion_tokens=20), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 6, "concurrency": 3}])
+        engine = Engine(cfg, TEST_KEY, seed=1)
+        run = asyncio.create_task(engine.run())
+        try:
+            await until(lambda: engine._loop is not None and engine._loop.service.backing_off == 3,
+                        "3 requests backing off (Retry-After 60 s)")
+            assert engine._loop is not None
+            requests = set(engine._loop.service.tasks)
+            engine.stop()
+            await asyncio.wait(requests, timeout=30)
+            assert [t.cancelled() for t in requests] == [True] * 3, "a request backing off returned"
+            assert await asyncio.wait_for(run, 30) == snap.RunState.STOPPED
+        finally:
+            if not run.done():
+                run.cancel()
+                await asyncio.wait({run}, timeout=30)

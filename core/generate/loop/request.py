@@ -404,9 +404,12 @@ class RunTerms:
             delay = backoff_delay(min(req.tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after,
                                   service.rng)
             # A drain or stop ends the wait at once (the prompt is given up below): a backoff of up to
-            # backoff_max_s must not hold a drained run's exit.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(control.wait_closed(), delay)
+            # backoff_max_s must not hold a drained run's exit. asyncio.timeout, not wait_for, which on
+            # Python 3.11 swallows a cancel (stop now) that arrives as the wait ends (the stop closes the run
+            # in the turn it cancels the requests).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await control.wait_closed()
         finally:
             service.backing_off -= 1
             service.last_transient = e
