@@ -31,9 +31,9 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import orjson
 import psutil
 from bench_engine import KEY, free_port, start_sim
+from run_files import write_run
 
 from draftgen.core.tokens.tokenizer import bundled_kimi_path
 
@@ -42,32 +42,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # token writer's ids, the live reconstruction's known), or the duplicates check (duplicates.py). The id
 # strings themselves are allocated where the prompt line is parsed (with the rest of it): not counted here.
 ID_SET_FILE = "core/generate/loop/duplicates.py"
-
-
-def write_run(root: Path, url: str, n: int, concurrency: int, reconstruct: bool) -> Path:
-    with open(root / "p.jsonl", "wb") as f:
-        for i in range(n):
-            f.write(orjson.dumps({"id": f"p{i:07d}", "prompt": f"Question {i}"}) + b"\n")
-    (root / "c.toml").write_text(f"""
-[api]
-base_url = "{url}"
-api_key_env = "BENCH_KEY"
-request_timeout_s = 60
-[engine]
-reconstruct = {str(reconstruct).lower()}
-workers = 1
-[tokenizer]
-path = "{bundled_kimi_path()}"
-template = "kimi-k2.5"
-[output]
-dir = "run"
-[[datasets]]
-name = "bench"
-concurrency = {concurrency}
-max_tokens = 1024
-prompts = "p.jsonl"
-""")
-    return root / "c.toml"
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -181,8 +155,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             import os
             os.environ["BENCH_KEY"] = KEY
-            r = asyncio.run(measure(write_run(Path(tmp), f"http://127.0.0.1:{port}/api/v1", args.n,
-                                              args.concurrency, args.reconstruct), args.n, args.top, args.trace))
+            config = write_run(Path(tmp), f"http://127.0.0.1:{port}/api/v1", dataset="bench", n=args.n,
+                               concurrency=args.concurrency, max_tokens=1024, request_timeout_s=60,
+                               tables={"engine": {"reconstruct": args.reconstruct, "workers": 1},
+                                       "tokenizer": {"path": str(bundled_kimi_path()), "template": "kimi-k2.5"}})
+            r = asyncio.run(measure(config, args.n, args.top, args.trace))
     finally:
         sim.kill()
         sim.wait()

@@ -43,6 +43,7 @@ import orjson
 import psutil
 from bench_engine import KEY, free_port, sim_stats, start_sim
 from prometheus_client.parser import text_string_to_metric_families
+from run_files import write_run
 
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.rundir import RunDir
@@ -50,32 +51,6 @@ from draftgen.core.rundir import RunDir
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = "ops"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def write_run(root: Path, url: str, metrics_port: int, n: int, concurrency: int) -> Path:
-    with open(root / "p.jsonl", "wb") as f:
-        for i in range(n):
-            f.write(orjson.dumps({"id": f"p{i:07d}", "prompt": f"Question {i}: explain step {i % 97}."}) + b"\n")
-    (root / "c.toml").write_text(f"""
-[api]
-base_url = "{url}"
-api_key_env = "BENCH_KEY"
-request_timeout_s = 120
-[engine]
-reconstruct = false
-[budget]
-max_usd = 10000
-[monitor]
-metrics = "127.0.0.1:{metrics_port}"
-[output]
-dir = "run"
-[[datasets]]
-name = "{DATASET}"
-concurrency = {concurrency}
-max_tokens = 4096
-prompts = "p.jsonl"
-""")
-    return root / "c.toml"
 
 
 def parse(text: str) -> Samples:
@@ -319,7 +294,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             root = args.dir or Path(tmp)
             root.mkdir(parents=True, exist_ok=True)
-            config = write_run(root, f"http://127.0.0.1:{sim_port}/api/v1", mport, args.n, args.concurrency)
+            config = write_run(root, f"http://127.0.0.1:{sim_port}/api/v1", dataset=DATASET, n=args.n,
+                               concurrency=args.concurrency, max_tokens=4096, request_timeout_s=120,
+                               tables={"engine": {"reconstruct": False}, "budget": {"max_usd": 10000},
+                                       "monitor": {"metrics": f"127.0.0.1:{mport}"}},
+                               prompt=lambda i: f"Question {i}: explain step {i % 97}.")
             fig = asyncio.run(operate(root, config, args, sim_port, mport))
             audit(root, fig, args, sim_port)
             lat = _latency(root)

@@ -256,7 +256,8 @@ class AttachServer:
             if self._closing and not writer.is_closing():
                 with contextlib.suppress(Exception):
                     writer.write(orjson.dumps({"type": "bye", "reason": self._reason}) + b"\n")
-                    await asyncio.wait_for(writer.drain(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await writer.drain()
             writer.close()
 
     async def _pump(self, sub: Subscription, writer: asyncio.StreamWriter, discard: asyncio.Task[None]) -> None:
@@ -272,7 +273,10 @@ class AttachServer:
                 return
             writer.write(self._line(getter.result()))
             try:
-                await asyncio.wait_for(writer.drain(), self.stall_timeout_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel (the server's
+                # close) that arrives as the drain completes, and the pump went on to the next snapshot.
+                async with asyncio.timeout(self.stall_timeout_s):
+                    await writer.drain()
             except TimeoutError:
                 # Its socket stayed full: cut it off rather than hold its backlog.
                 self.dropped_clients += 1

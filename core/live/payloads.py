@@ -113,19 +113,51 @@ class CreditsRead(Payload):
 
 @dataclass(frozen=True, kw_only=True)
 class Concurrency(Payload):
-    """CONCURRENCY: a 429 storm began (`starts`: the limit cut) or ended, the limit back; `detail`: what
-    the adaptive limit (core/api/concurrency.py) or the fleet says of it."""
+    """CONCURRENCY: a dataset's adaptive limit (core/generate/loop/concurrency.py), or a fleet server's
+    (`server`), moved (`reason`): a 429 storm began and cut it `before` → `after` ("storm": `rate_limited`
+    of the `sent` attempts of the last `window_s` seconds were, the storm rule being `min_rate_limited`+
+    and `min_share`+, one cut at most every `cut_every_s`); the storm ended ("over", after `lasted_s`:
+    `rate_limited` in all, `cuts`, the limit down from `before` to `after` at the lowest); or the limit
+    grew from `before` back to `after`, the `configured` value ("back")."""
     kind = EventKind.CONCURRENCY
     usual = Level.WARN
-    detail: str
-    starts: bool = True
+    reason: typing.Literal["storm", "over", "back"] = "storm"
+    before: int = 0
+    after: int = 0
+    configured: int = 0
+    rate_limited: int = 0
+    sent: int = 0
+    window_s: float = 0.0
+    min_rate_limited: int = 0
+    min_share: float = 0.0
+    cut_every_s: float = 0.0
+    lasted_s: float = 0.0
+    cuts: int = 0
+    server: str = ""
+
+    @property
+    def starts(self) -> bool:
+        """A storm began (the limit cut); else it ended, or the limit is back."""
+        return self.reason == "storm"
 
     @property
     def level(self) -> Level:
         return self.at or (Level.WARN if self.starts else Level.INFO)
 
     def text(self) -> str:
-        return f"{self.dataset}: {self.detail}" if self.dataset else self.detail
+        if self.starts:
+            said = (f"429 storm: {self.rate_limited:,} of the {self.sent:,} attempts sent in the last "
+                    f"{self.window_s:g} s were rate-limited (a storm is {self.min_rate_limited}+ and "
+                    f"{self.min_share:.0%}+); limit cut {self.before:,} → {self.after:,} (30% at most every "
+                    f"{self.cut_every_s:g} s while it lasts, then +2% of {self.configured:,} a second)")
+        elif self.reason == "over":
+            said = (f"429 storm over after {self.lasted_s:.0f} s: {self.rate_limited:,} rate-limited, {self.cuts} "
+                    f"cut(s), lowest limit {self.after:,}; growing back to {self.configured:,}")
+        else:
+            said = f"limit back at the configured {self.configured:,}"
+        if self.server:
+            said = f"server {self.server}: {said}"
+        return f"{self.dataset}: {said}" if self.dataset else said
 
 
 @dataclass(frozen=True, kw_only=True)

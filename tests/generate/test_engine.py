@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 
@@ -13,8 +14,9 @@ from draftgen.core.generate.api.classify import ANSWER_KINDS
 from draftgen.core.generate.loop.concurrency import AdaptiveConcurrency
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.service import backoff_delay
+from draftgen.core.live import payloads as ev
 from draftgen.core.live import snapshot as snap
-from draftgen.core.live.events import EventKind
+from draftgen.core.live.events import Event, EventKind
 from draftgen.core.rundir import RunDir
 from draftgen.simulator import SimConfig, SimServer
 from tests.helpers import TEST_KEY, dataset_row, make_config, read_ids, until
@@ -492,7 +494,7 @@ async def test_sse_streaming(tmp_path):
 async def test_sustained_429s_back_off_and_recover():
     clock = [0.0]
     said: list[tuple[bool, str]] = []
-    aimd = AdaptiveConcurrency(100, clock=lambda: clock[0], on_change=lambda starts, m: said.append((starts, m)))
+    aimd = AdaptiveConcurrency(100, clock=lambda: clock[0], on_change=lambda c: said.append((c.starts, c.text())))
     for _ in range(100):
         aimd.on_send()
     aimd.on_429()
@@ -516,6 +518,48 @@ async def test_sustained_429s_back_off_and_recover():
     assert [starts for starts, _ in said] == [True, False, False], said
     assert "limit cut 100 → 70" in said[0][1]
     assert "36 rate-limited, 2 cut(s), lowest limit 49" in said[1][1] and "back at the configured 100" in said[2][1]
+
+
+def test_a_limit_change_carries_its_figures_and_says_the_sentence_it_always_said():
+    """Each change of the adaptive limit is a `Concurrency` payload with the limit before and after and
+    the reason as fields; its message, built from them, is the sentence the limit used to write itself,
+    byte for byte (a dataset's, a fleet server's, and with thousands' commas)."""
+    clock = [0.0]
+    said: list[ev.Concurrency] = []
+    aimd = AdaptiveConcurrency(100, clock=lambda: clock[0], on_change=said.append)
+    for _ in range(100):
+        aimd.on_send()
+    for _ in range(5):
+        clock[0] += 0.1
+        aimd.on_429()
+    clock[0] += 0.1
+    for _ in range(30):
+        aimd.on_429()
+    clock[0] += 2
+    aimd.on_429()
+    clock[0] += 10
+    while aimd.tick():
+        clock[0] += 1
+    assert [(c.reason, c.before, c.after, c.configured) for c in said] == [
+        ("storm", 100, 70, 100), ("over", 100, 49, 100), ("back", 99, 100, 100)]
+    assert (said[0].rate_limited, said[0].sent, said[1].rate_limited, said[1].cuts) == (5, 100, 36, 2)
+    assert [c.starts for c in said] == [True, False, False]
+    assert [Event.of(dataclasses.replace(c, dataset="a")).message for c in said] == [
+        "a: 429 storm: 5 of the 100 attempts sent in the last 5 s were rate-limited (a storm is 5+ and 5%+); limit "
+        "cut 100 → 70 (30% at most every 2 s while it lasts, then +2% of 100 a second)",
+        "a: 429 storm over after 2 s: 36 rate-limited, 2 cut(s), lowest limit 49; growing back to 100",
+        "a: limit back at the configured 100"]
+    assert dataclasses.replace(said[2], server="10.0.0.2:8000").text() == \
+        "server 10.0.0.2:8000: limit back at the configured 100"
+    said.clear()
+    aimd = AdaptiveConcurrency(2000, clock=lambda: clock[0], on_change=said.append)
+    for _ in range(3000):
+        aimd.on_send()
+    for _ in range(150):
+        aimd.on_429()
+    assert [c.text() for c in said] == [
+        "429 storm: 150 of the 3,000 attempts sent in the last 5 s were rate-limited (a storm is 5+ and 5%+); "
+        "limit cut 2,000 → 1,400 (30% at most every 2 s while it lasts, then +2% of 2,000 a second)"]
 
 
 async def run_watching_concurrency(engine: Engine, start: int) -> tuple[int, snap.RunState]:
@@ -583,7 +627,7 @@ def test_a_trickle_of_429s_at_a_high_rate_is_not_a_storm():
     rng = random.Random(7)
     clock = [0.0]
     said: list[str] = []
-    aimd = AdaptiveConcurrency(2000, clock=lambda: clock[0], on_change=lambda _s, m: said.append(m))
+    aimd = AdaptiveConcurrency(2000, clock=lambda: clock[0], on_change=lambda c: said.append(c.text()))
 
     def send() -> None:
         aimd.on_send()
@@ -614,7 +658,7 @@ def test_429s_of_a_burst_that_come_back_late_are_not_a_storm():
     the limit stays; 429s of attempts sent now still make one."""
     clock = [0.0]
     said: list[str] = []
-    aimd = AdaptiveConcurrency(2000, clock=lambda: clock[0], on_change=lambda _s, m: said.append(m))
+    aimd = AdaptiveConcurrency(2000, clock=lambda: clock[0], on_change=lambda c: said.append(c.text()))
     burst = [aimd.on_send() for _ in range(2000)]
     for i in range(20):  # the burst's 429s, late, among 30 attempts sent a second
         clock[0] = 6.0 + i * 0.15

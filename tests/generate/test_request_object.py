@@ -12,7 +12,7 @@ from draftgen.core.generate.commands.smoke import SMOKE, run_smoke
 from draftgen.core.generate.loop.admission import Admission
 from draftgen.core.generate.loop.engine import Engine
 from draftgen.core.generate.loop.record_book import RecordBook
-from draftgen.core.generate.loop.request import Outcome, Request, RunTerms
+from draftgen.core.generate.loop.request import Outcome, Request, RunTerms, Terms
 from draftgen.core.generate.loop.room import Room
 from draftgen.core.generate.loop.run_loop import RunLoop
 from draftgen.core.generate.loop.service import Service
@@ -32,10 +32,23 @@ def test_constructors_on_the_request_path_take_at_most_five_parameters(cls: type
     assert len(params) <= 5, f"{cls.__name__}({', '.join(p.name for p in params)})"
 
 
+def test_the_request_books_through_its_terms_never_asking_which_terms_they_are() -> None:
+    """Booking the outcome is a step of the `Terms` protocol, which the run's and the smoke test's terms
+    both supply: the request has no booking step of its own that tells a run from a smoke test."""
+    steps = {name for name, value in vars(Terms).items() if inspect.isfunction(value) and not name.startswith("_")}
+    assert {"prices", "reserve", "failed", "answered", "book"} <= steps
+    for terms in (RunTerms, SmokeTerms):
+        assert steps <= {name for name, value in vars(terms).items() if inspect.isfunction(value)}, terms
+        assert inspect.iscoroutinefunction(terms.book)
+    assert not hasattr(Request, "_book")
+    assert "RunTerms" not in inspect.getsource(Request.attempts)
+
+
 async def test_a_smoke_test_and_a_run_ask_through_the_same_request(tmp_path, monkeypatch):
-    """The smoke test's requests and the run's are `Request`s asked by `Request.attempts`, on their own terms;
-    the smoke's answers are on the ledger as the run's are (at what the simulator billed)."""
+    """The smoke test's requests and the run's are `Request`s asked by `Request.attempts` and booked by their
+    own terms' `book`; the smoke's answers are on the ledger as the run's are (at what the simulator billed)."""
     asked: list[tuple[str, str, Outcome]] = []
+    booked: list[tuple[str, str, Outcome]] = []
     attempts = Request.attempts
 
     async def counted(self: Request) -> Outcome:
@@ -43,6 +56,13 @@ async def test_a_smoke_test_and_a_run_ask_through_the_same_request(tmp_path, mon
         asked.append((type(self.terms).__name__, self.prompt.id, outcome))
         return outcome
     monkeypatch.setattr(Request, "attempts", counted)
+    for cls in (RunTerms, SmokeTerms):
+        def booking(book):  # each terms class's own book, as it is, with the request it booked noted
+            async def noted(self, req: Request, outcome: Outcome) -> None:
+                booked.append((type(self).__name__, req.prompt.id, outcome))
+                await book(self, req, outcome)
+            return noted
+        monkeypatch.setattr(cls, "book", booking(cls.book))
     async with SimServer(SimConfig(seed=3, latency_scale=0.0, mean_completion_tokens=40), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 3, "max_tokens": 400}],
                           tables={"budget": {"max_usd": 5.0}, "tokenizer": {"path": str(bundled_kimi_path())}})
@@ -52,5 +72,8 @@ async def test_a_smoke_test_and_a_run_ask_through_the_same_request(tmp_path, mon
         await Engine(cfg, TEST_KEY, seed=1).run()
     assert asked[0] == ("SmokeTerms", "smoke:a", Outcome.ANSWERED)
     assert sorted(asked[1:]) == [("RunTerms", f"a-{i}", Outcome.ANSWERED) for i in range(3)]
+    assert booked[0] == asked[0] and sorted(booked[1:]) == sorted(asked[1:])
+    records = RunDir(cfg.run_dir).responses("a").read_bytes().splitlines()
+    assert len(records) == 3  # the run's terms recorded what they booked
     spend = SpendLedger.read(RunDir(cfg.run_dir).spend)
     assert spend.by_dataset[SMOKE] == pytest.approx(smoke_billed, abs=1e-9) and smoke_billed > 0

@@ -121,13 +121,14 @@ async def read_account(client: ChatClient, *, management_key: str = "", timeout_
     that refuses the key only leaves the credits unknown (`credits_note` says why)."""
     from draftgen.core.generate.api.client import RequestFailed
 
-    key = (await asyncio.wait_for(client.get_json("/key"), timeout_s)).get("data")
+    async with asyncio.timeout(timeout_s):  # not wait_for: on Python 3.11 it can swallow a cancel
+        key = (await client.get_json("/key")).get("data")
     which = "the management key" if management_key else "the run's key"
     credits: Any = None
     note = ""
     try:
-        credits = (await asyncio.wait_for(client.get_json("/credits", key=management_key or None),
-                                          timeout_s)).get("data")
+        async with asyncio.timeout(timeout_s):
+            credits = (await client.get_json("/credits", key=management_key or None)).get("data")
         if not isinstance(credits, dict) or "total_credits" not in credits:
             credits, note = None, "GET /credits answered without total_credits"
     except RequestFailed as e:
@@ -141,7 +142,8 @@ async def read_account(client: ChatClient, *, management_key: str = "", timeout_
 
 async def read_key_usage(client: ChatClient, timeout_s: float = 30.0) -> float | None:
     """GET /key's `data.usage` alone (None when it shows none); raises as `read_account` does."""
-    key = (await asyncio.wait_for(client.get_json("/key"), timeout_s)).get("data")
+    async with asyncio.timeout(timeout_s):
+        key = (await client.get_json("/key")).get("data")
     return _num(key.get("usage")) if isinstance(key, dict) else None
 
 

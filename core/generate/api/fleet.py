@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -60,6 +61,7 @@ from urllib.parse import urlsplit, urlunsplit
 from draftgen.core.bodies import ChatBody
 from draftgen.core.generate.api.answer import ChatAnswer
 from draftgen.core.generate.api.client import ChatClient, RequestFailed
+from draftgen.core.live.payloads import Concurrency
 from draftgen.core.records import ErrorKind
 from draftgen.core.secrets import Redactor
 
@@ -83,8 +85,8 @@ class ServerLimit(Protocol):
     def tick(self) -> bool: ...
 
 
-# A server's limit from its configured value and what its storms say (`starts`, the message).
-LimitFactory = Callable[[int, Callable[[bool, str], None]], ServerLimit]
+# A server's limit from its configured value and where its storms are said (a `Concurrency` payload each).
+LimitFactory = Callable[[int, Callable[[Concurrency], None]], ServerLimit]
 
 
 def server_name(url: str) -> str:
@@ -121,7 +123,7 @@ class FleetClient(ChatClient):
 
     def __init__(self, urls: tuple[str, ...], api_key: str, *, concurrency: int, limits: LimitFactory,
                  say: Callable[[bool, str], None] | None = None, probe_s: float = PROBE_S,
-                 say_limit: Callable[[bool, str], None] | None = None, **kwargs: Any) -> None:
+                 say_limit: Callable[[Concurrency], None] | None = None, **kwargs: Any) -> None:
         super().__init__(urls[0], api_key, concurrency=concurrency, **kwargs)
         share = -(-concurrency // len(urls))  # each server's configured limit: the run's shared evenly
         # Each server's pool can take every request of the run (the others may all be out or full).
@@ -129,7 +131,7 @@ class FleetClient(ChatClient):
                                limits(share, self._limit_said(server_name(url))))
                         for url in urls]
         self._say = say or (lambda out, text: None)
-        self._say_limit = say_limit or (lambda starts, text: None)
+        self._say_limit = say_limit or (lambda change: None)
         self._probe_s = probe_s
         self._probe: asyncio.Task[None] | None = None
         self._grow: asyncio.Task[None] | None = None
@@ -151,9 +153,9 @@ class FleetClient(ChatClient):
             await m.client.close()
         await super().close()
 
-    def _limit_said(self, name: str) -> Callable[[bool, str], None]:
-        """What server `name`'s adaptive limit says (its storm's start and end, its limit back)."""
-        return lambda starts, text: self._say_limit(starts, f"server {name}: {text}")
+    def _limit_said(self, name: str) -> Callable[[Concurrency], None]:
+        """What server `name`'s adaptive limit says (its storm's start and end, its limit back), named."""
+        return lambda change: self._say_limit(dataclasses.replace(change, server=name))
 
     def _pick(self, tried: set[int]) -> tuple[int, Member]:
         """The server this request goes to, of those it has not tried (module docstring): with a live server

@@ -78,7 +78,7 @@ from draftgen.core.generate.commands.smoke_rows import Asked, SmokeRow, smoke_bo
 from draftgen.core.generate.commands.stream_check import SAMPLED_SEEDS, SAMPLED_TEMPERATURE, has_text, stream_pair
 from draftgen.core.generate.loop.prompt_files import read_stoppable
 from draftgen.core.generate.loop.prompts import Prompt
-from draftgen.core.generate.loop.request import Outcome, Request
+from draftgen.core.generate.loop.request import Request
 from draftgen.core.generate.loop.smoke_record import last_smoke
 from draftgen.core.generate.loop.smoke_request import SmokeLedger, SmokeTerms, SmokeWindow
 from draftgen.core.generate.money.forecast import SmokeFigures, forecast
@@ -229,8 +229,8 @@ class _SmokeTest:
 
     async def _try(self, client: ChatClient, ds: DatasetConfig, body: ChatBody) -> tuple[ChatAnswer | SmokeRow,
                                                                                                 float]:
-        """The request asked as a run's is (request.py `Request.attempts`) on the smoke test's terms
-        (smoke_request.py): the answer and its seconds, or the row that fails the request."""
+        """The request asked as a run's is (request.py `Request.attempts`) and its outcome booked on the
+        smoke test's terms (smoke_request.py): the answer and its seconds, or the row that fails the request."""
         spend = self.spend
         assert spend is not None
         terms = SmokeTerms(self.config, client, SmokeLedger(SMOKE, spend, self.settler, self.prices, self.sent),
@@ -238,18 +238,11 @@ class _SmokeTest:
         req = Request(terms, Prompt(f"smoke:{ds.name}", body.get("messages") or [], 0), body=body)
         fail = functools.partial(SmokeRow, f"{ds.name}: request", False)
         try:
-            outcome = await req.attempts()
+            await terms.book(req, await req.attempts())
         except Exception as e:  # noqa: BLE001 - any failure is this row's failure (the attempt is booked abandoned)
             return fail(f"{type(e).__name__}: {e}"), 0.0
-        tries = req.tries
-        if outcome is Outcome.ANSWERED:
-            assert req.answer is not None
-            return req.answer, time.monotonic() - terms.left_at
-        if outcome is Outcome.UNSENT:
-            return fail(req.why + (f" (retry {tries} after an outage)" if tries else "")), 0.0
-        error = req.error
-        assert error is not None
-        return fail(f"{error.kind}: {error.message}" + (f" (after {tries} tries)" if tries > 1 else "")), 0.0
+        result = terms.result
+        return (result, terms.took) if isinstance(result, ChatAnswer) else (fail(result), 0.0)
 
     async def ask_shapes(self, client: ChatClient) -> None:
         """The comparison (self-hosted) first, then one request per shape, all at once: a run's shapes

@@ -8,9 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-
-def _count(n: float) -> str:
-    return f"{int(n):,}"
+from draftgen.core.live.payloads import Concurrency
 
 
 class AdaptiveConcurrency:
@@ -24,9 +22,9 @@ class AdaptiveConcurrency:
     last 429 that met the rule; from then the limit grows back by 2% of the configured value per second, whatever
     trickle goes on.
 
-    `on_change(starts, message)` is told of each storm's start (`starts` True) with its cut, its end
-    (its 429s, its cuts, the lowest limit) and the limit back at the configured value: a storm is a few
-    lines, not one per 429 or per cut."""
+    `on_change(event)` is told of each storm's start with its cut, its end (its 429s, its cuts, the
+    lowest limit) and the limit back at the configured value, each a `Concurrency` payload (its figures,
+    no dataset: the caller names whose limit it is): a storm is a few lines, not one per 429 or per cut."""
 
     WINDOW_S = 5.0
     MIN_429 = 5
@@ -35,7 +33,7 @@ class AdaptiveConcurrency:
     QUIET_S = 5.0  # without a storm-level share, the storm is over and the limit grows back
 
     def __init__(self, configured: int, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[bool, str], None] | None = None) -> None:
+                 on_change: Callable[[Concurrency], None] | None = None) -> None:
         self.configured = configured
         self.effective = float(configured)
         self._clock = clock
@@ -98,10 +96,9 @@ class AdaptiveConcurrency:
         storm.cuts += 1
         storm.lowest = min(storm.lowest, self.limit)
         if storm.cuts == 1:
-            self._say(True, f"429 storm: {n:,} of the {sent:,} attempts sent in the last {self.WINDOW_S:g} s were "
-                      f"rate-limited (a storm is {self.MIN_429}+ and {self.MIN_SHARE:.0%}+); limit cut "
-                      f"{_count(before)} → {_count(self.limit)} (30% at most every {self.CUT_EVERY_S:g} s while "
-                      f"it lasts, then +2% of {self.configured:,} a second)")
+            self._say(Concurrency(reason="storm", before=before, after=self.limit, configured=self.configured,
+                                  rate_limited=n, sent=sent, window_s=self.WINDOW_S, min_rate_limited=self.MIN_429,
+                                  min_share=self.MIN_SHARE, cut_every_s=self.CUT_EVERY_S))
 
     def tick(self) -> bool:
         """Called every second; True when the limit grew."""
@@ -110,27 +107,30 @@ class AdaptiveConcurrency:
             return False
         if (storm := self._storm) is not None:
             self._storm = None
-            self._say(False, f"429 storm over after {self._last_storm - storm.start:.0f} s: {storm.rate_limited:,} "
-                      f"rate-limited, {storm.cuts} cut(s), lowest limit {storm.lowest:,}; growing back to "
-                      f"{self.configured:,}")
+            self._say(Concurrency(reason="over", before=storm.began_at, after=storm.lowest, configured=self.configured,
+                                  rate_limited=storm.rate_limited, lasted_s=self._last_storm - storm.start,
+                                  cuts=storm.cuts))
         if self.effective < self.configured:
+            before = self.limit
             self.effective = min(float(self.configured), self.effective + max(1.0, self.configured * 0.02))
             if self.effective >= self.configured:
-                self._say(False, f"limit back at the configured {self.configured:,}")
+                self._say(Concurrency(reason="back", before=before, after=self.limit, configured=self.configured))
             return True
         return False
 
-    def _say(self, storm: bool, message: str) -> None:
+    def _say(self, change: Concurrency) -> None:
         if self._on_change is not None:
-            self._on_change(storm, message)
+            self._on_change(change)
 
 
 class _Storm:
-    """A storm going on: when it began, the 429s in it, its cuts and the lowest limit they left."""
-    __slots__ = ("start", "rate_limited", "cuts", "lowest")
+    """A storm going on: when it began and the limit then, the 429s in it, its cuts and the lowest limit
+    they left."""
+    __slots__ = ("start", "began_at", "rate_limited", "cuts", "lowest")
 
     def __init__(self, start: float, limit: int, rate_limited: int) -> None:
         self.start = start
+        self.began_at = limit
         self.rate_limited = rate_limited
         self.cuts = 0
         self.lowest = limit

@@ -50,6 +50,8 @@ the wait and the record book spools them to a fallback place (spool.py) that the
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -298,10 +300,12 @@ class Engine:
                 said = True
                 self._event(HeldWait(answers=self.book.held_answers, retry_s=HELD_RETRY_S))
             self._held_wake.clear()
-            try:
-                await asyncio.wait_for(self._held_wake.wait(), HELD_RETRY_S)
-            except TimeoutError:
-                pass
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that arrives as the
+            # wake completes (a resume or spool in the turn the run is cancelled), and the loop went on
+            # retrying a full disk with the cancelled run's exit held.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HELD_RETRY_S):
+                    await self._held_wake.wait()
 
     def _wake_all(self) -> None:
         for ds in self.datasets.values():
@@ -320,22 +324,17 @@ class Engine:
         def say(out: bool, text: str) -> None:  # a server taken out, or back
             self._event(ev.Unreachable(cause=text) if out else ev.Reachable(detail=text))
 
-        def say_limit(starts: bool, text: str) -> None:  # a server's storm began or ended, its limit back
-            self._event(ev.Concurrency(detail=text, starts=starts))
-
         clock = self._clock
-        return FleetClient(api.servers, self._api_key, concurrency=need, say=say, say_limit=say_limit,
+        return FleetClient(api.servers, self._api_key, concurrency=need, say=say, say_limit=self._event,
                            limits=lambda share, said: AdaptiveConcurrency(share, clock, said), **kwargs)
 
     def _provider_said(self, bad: bool, message: str) -> None:
         """A provider gone bad, or back (recent.py `ProviderStats`): an event."""
         self._event(ev.Provider(detail=message, bad=bad))
 
-    def _limit_said(self, name: str) -> Callable[[bool, str], None]:
+    def _limit_said(self, name: str) -> Callable[[ev.Concurrency], None]:
         """What dataset `name`'s adaptive limit says (a storm's start and end, the limit back): an event."""
-        def say(starts: bool, message: str) -> None:
-            self._event(ev.Concurrency(detail=message, starts=starts, dataset=name))
-        return say
+        return lambda change: self._event(dataclasses.replace(change, dataset=name))
 
     def waiting(self) -> str:
         """Why the run is making no progress right now, in a sentence (empty while it is)."""

@@ -13,15 +13,15 @@ dataset's source (source.py), builds its `Request` and, under the dataset's admi
 3. attempt and retry (`attempts`): each attempt on the ledger before it leaves, booked as it ends
    (billing.py); transient errors retried with backoff under a new reservation each (room.py:
    `reserve_retry`, `retry_slot`), for as long as an outage lasts;
-4. book (`_book`): the outcome, decided by whose problem the last response was (classify.py);
+4. book (`Terms.book`): the outcome, decided by whose problem the last response was (classify.py);
 5. record: an answer or failure line through the record book (record_book.py), fsynced before the
    request ends; the source told what became of the prompt (`Booked`), once; what it held released.
 
 What differs between a run's request and a smoke test's is its `Terms` (how an attempt is reserved,
-what a failure does, how an answer is booked): `RunTerms` here, one per run; the smoke test's
-(smoke_request.py) runs the same `attempts` on its own ledger and makes its checklist row of the
-outcome. What the service did for every request of the run (answers, answer faults, outages, what was
-said once) is the run's `Service` (service.py).
+what a failure does, how an answer and the outcome are booked): `RunTerms` here, one per run; the smoke
+test's (smoke_request.py) runs the same `attempts` on its own ledger and books the outcome as its
+checklist row's answer or reason. What the service did for every request of the run (answers, answer
+faults, outages, what was said once) is the run's `Service` (service.py).
 
 Retries. Each response is classified by whose problem it is. The prompt's own fails it; the
 dataset's and the account's hand it back unrecorded (it stays eligible) and stop the dataset or the
@@ -120,6 +120,10 @@ class Terms(Protocol):
     def answered(self, req: Request, answer: ChatAnswer) -> Outcome:
         """The answer booked on the ledger (`req.answer`): ANSWERED."""
 
+    async def book(self, req: Request, outcome: Outcome) -> None:
+        """The request's outcome booked: a run's recorded (durable before it returns) or its prompt handed
+        back, skipped or its dataset stopped, its source told; a smoke test's its answer or why it failed."""
+
 
 class Request:
     """One prompt asked: its body, its reservation, its attempts, its outcome, and what it holds."""
@@ -196,11 +200,10 @@ class Request:
         tasks = terms.service.tasks
         tasks.add(task)
         try:
-            if self._book(await self.attempts()):
-                await terms.parts.book.synced(ds)
+            await terms.book(self, await self.attempts())
         except Exception as exc:  # an error of the engine's own: not asked again this run, said with its cause
             if not self.booked:
-                self._tell(ENDED_ON_ERROR)
+                self.tell(ENDED_ON_ERROR)
                 terms.ctx.event(ev.RequestError(prompt_id=self.prompt.id, cause=f"{type(exc).__name__}: {exc}",
                                                 dataset=ds.config.name))
         finally:
@@ -208,7 +211,7 @@ class Request:
             # What it held, released; its dataset (or, money being shared, every dataset) woken.
             ds.request_ended(self.expected, probe=self.probe)
             terms.spend.release(first)  # never sent: nothing to settle
-            self._tell(HANDED_BACK)  # its outcome never decided (stop now cancelled it): stays eligible
+            self.tell(HANDED_BACK)  # its outcome never decided (stop now cancelled it): stays eligible
             if (duplicates := terms.parts.opened.duplicates) is not None:
                 duplicates.settled(ds.config.name, self.prompt.id)
             terms.wake(ds)
@@ -246,55 +249,12 @@ class Request:
 
     # -- 4. book, 5. record --------------------------------------------------------------------------
 
-    def _tell(self, result: Booked) -> None:
+    def tell(self, result: Booked) -> None:
         """Tell the source what became of the prompt (the first outcome booked is the one)."""
         if not self.booked:
             self.booked = True
             assert self.source is not None
             self.source.booked(self.prompt, result)
-
-    def _book(self, outcome: Outcome) -> bool:
-        """The outcome recorded (or the prompt handed back, skipped, its dataset stopped) and its source
-        told; True when a record was written (it is fsynced before the request ends)."""
-        terms, ds, prompt = self.terms, self.ds, self.prompt
-        assert isinstance(terms, RunTerms) and ds is not None
-        ctx, book = terms.ctx, terms.parts.book
-        if outcome is Outcome.ANSWERED:
-            answer = self.answer
-            assert answer is not None
-            ctx.provider_stats.answer(answer.server or answer.provider or "unknown", answer.latency_s,
-                                      answer.usage.completion_tokens)
-            book.record_answer(ds, prompt, answer, self.tries, self.seq,
-                               sampling=sampling_of(self.body) if ds.config.records_sampling else None)
-            if answer.token_ids is None and terms.service.wants_ids:
-                terms.service.no_ids(ds.config.name)
-            if (duplicates := terms.parts.opened.duplicates) is not None:
-                duplicates.answered(ds.config.name, prompt.id)
-            self._tell(Booked.answered(answer))
-            return True
-        if outcome is Outcome.FAILED:
-            assert self.error is not None
-            book.fail_or_doubt(ds, prompt, self.error, self.tries, self.seq)
-            self._tell(Booked.failed(str(self.error.kind)))
-            return True
-        if outcome is Outcome.OVER_BUDGET:  # stays eligible: the next run (a higher max_usd) asks it again
-            reason = "max_usd leaves no room for its retry"
-            terms.room.skip_for_money(ds, prompt.id, reason)
-            self._tell(Booked.skipped(reason))
-            return False
-        self._tell(HANDED_BACK)  # not recorded, not its fault: it stays eligible
-        if outcome is Outcome.ACCOUNT:
-            assert self.error is not None
-            terms.watch.refused(self.error)
-        elif outcome is Outcome.UNSENT:
-            ctx.control.hold(Hold.DISK, f"{self.disk_error}. The run is paused: a request is only sent once the "
-                             "spend ledger has it on disk; free space and press r to resume (headless: kill -USR1 "
-                             "<pid>).")
-        elif outcome is Outcome.DATASET:
-            assert self.error is not None
-            if ds.stop_for(self.error, ctx.redact):
-                ctx.event(ev.DatasetStopped(cause=ds.message, dataset=ds.config.name))
-        return False  # GIVEN_UP: a drain or stop while retrying
 
 
 class RunTerms:
@@ -444,9 +404,12 @@ class RunTerms:
             delay = backoff_delay(min(req.tries, 16), eng.backoff_base_s, eng.backoff_max_s, e.retry_after,
                                   service.rng)
             # A drain or stop ends the wait at once (the prompt is given up below): a backoff of up to
-            # backoff_max_s must not hold a drained run's exit.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(control.wait_closed(), delay)
+            # backoff_max_s must not hold a drained run's exit. asyncio.timeout, not wait_for, which on
+            # Python 3.11 swallows a cancel (stop now) that arrives as the wait ends (the stop closes the run
+            # in the turn it cancels the requests).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await control.wait_closed()
         finally:
             service.backing_off -= 1
             service.last_transient = e
@@ -477,3 +440,48 @@ class RunTerms:
         service.note_answer(req.sent_no)
         req.answer = answer
         return Outcome.ANSWERED
+
+    async def book(self, req: Request, outcome: Outcome) -> None:
+        """The outcome recorded, durable (group fsync) before it returns, or the prompt handed back,
+        skipped, its dataset stopped; its source told."""
+        ds, prompt = req.ds, req.prompt
+        assert ds is not None
+        ctx, book = self.ctx, self.parts.book
+        if outcome is Outcome.ANSWERED:
+            answer = req.answer
+            assert answer is not None
+            ctx.provider_stats.answer(answer.server or answer.provider or "unknown", answer.latency_s,
+                                      answer.usage.completion_tokens)
+            book.record_answer(ds, prompt, answer, req.tries, req.seq,
+                               sampling=sampling_of(req.body) if ds.config.records_sampling else None)
+            if answer.token_ids is None and self.service.wants_ids:
+                self.service.no_ids(ds.config.name)
+            if (duplicates := self.parts.opened.duplicates) is not None:
+                duplicates.answered(ds.config.name, prompt.id)
+            req.tell(Booked.answered(answer))
+            await book.synced(ds)
+            return
+        if outcome is Outcome.FAILED:
+            assert req.error is not None
+            book.fail_or_doubt(ds, prompt, req.error, req.tries, req.seq)
+            req.tell(Booked.failed(str(req.error.kind)))
+            await book.synced(ds)
+            return
+        if outcome is Outcome.OVER_BUDGET:  # stays eligible: the next run (a higher max_usd) asks it again
+            reason = "max_usd leaves no room for its retry"
+            self.room.skip_for_money(ds, prompt.id, reason)
+            req.tell(Booked.skipped(reason))
+            return
+        req.tell(HANDED_BACK)  # not recorded, not its fault: it stays eligible
+        if outcome is Outcome.ACCOUNT:
+            assert req.error is not None
+            self.watch.refused(req.error)
+        elif outcome is Outcome.UNSENT:
+            ctx.control.hold(Hold.DISK, f"{req.disk_error}. The run is paused: a request is only sent once the "
+                             "spend ledger has it on disk; free space and press r to resume (headless: kill -USR1 "
+                             "<pid>).")
+        elif outcome is Outcome.DATASET:
+            assert req.error is not None
+            if ds.stop_for(req.error, ctx.redact):
+                ctx.event(ev.DatasetStopped(cause=ds.message, dataset=ds.config.name))
+        # GIVEN_UP (a drain or stop while retrying): handed back, nothing more

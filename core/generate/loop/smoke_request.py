@@ -5,8 +5,9 @@ What differs from a run's: a request is reserved against max_usd as one request 
 admission (billing.py `reserve_one`: no room, no slot, written to the ledger at once), and a failure is
 retried only when it is an outage of the service's (not an answer fault, which says something about
 the request), with backoff honouring Retry-After, within the smoke test's tries and its one window of
-time. Its answer is booked at what of its bill is believed, as a run's is; the smoke test
-(commands/smoke.py) makes its checklist row of the outcome.
+time. Its answer is booked at what of its bill is believed, as a run's is; its outcome is booked as what
+the smoke test (commands/smoke.py) makes its checklist row of: the answer and its seconds, or why the
+request failed.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class SmokeTerms:
     settler: Settler | None = field(init=False)
     bills_answers: bool = field(init=False)  # whether a failure may be billed (the server kind's: billing.py)
     left_at: float = field(init=False, default=0.0)  # when its last attempt left (its answer timed from there)
+    result: ChatAnswer | str = field(init=False, default="")  # booked: its answer, or why it failed (its row's)
+    took: float = field(init=False, default=0.0)  # booked: its answer's seconds since its last attempt left
 
     def __post_init__(self) -> None:
         self.spend, self.settler = self.ledger.spend, self.ledger.settler
@@ -104,3 +107,17 @@ class SmokeTerms:
         look_up(self.settler, book_answer(self.spend, req.ticket, answer, self.prices(req)))
         req.answer = answer
         return Outcome.ANSWERED
+
+    async def book(self, req: Request, outcome: Outcome) -> None:
+        """The outcome booked as the smoke test's row reads it (`result`): the answer, timed from when its
+        last attempt left (`took`), or why it was not sent or failed."""
+        tries = req.tries
+        if outcome is Outcome.ANSWERED:
+            assert req.answer is not None
+            self.result, self.took = req.answer, time.monotonic() - self.left_at
+        elif outcome is Outcome.UNSENT:
+            self.result = req.why + (f" (retry {tries} after an outage)" if tries else "")
+        else:
+            error = req.error
+            assert error is not None
+            self.result = f"{error.kind}: {error.message}" + (f" (after {tries} tries)" if tries > 1 else "")

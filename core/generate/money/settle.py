@@ -86,7 +86,8 @@ class Settler:
         # Set by close(): the loops end by it, not only by their cancel. On Python 3.11 a cancel that meets
         # `asyncio.wait_for` as its inner wait completes (the wake set in the same turn of the loop: an
         # attempt abandoned by the drain) is swallowed, and the pricing loop went on waiting: close()'s
-        # gather, and so the drained run's exit, waited for ever.
+        # gather, and so the drained run's exit, waited for ever. (It waits with asyncio.timeout now,
+        # which passes the cancel on; the flag stays.)
         self._closed = False
         self._unknown_wake = asyncio.Event()
         self.key_failures = 0  # GET /key reads that failed or showed no usage (tried again KEY_RETRY_S later)
@@ -216,8 +217,9 @@ class Settler:
                     return
                 wait = KEY_RETRY_S
             if wait:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._unknown_wake.wait(), wait + 0.05)
+                with contextlib.suppress(TimeoutError):  # asyncio.timeout passes a cancel on; wait_for may not
+                    async with asyncio.timeout(wait + 0.05):
+                        await self._unknown_wake.wait()
             else:
                 await self._unknown_wake.wait()
 
