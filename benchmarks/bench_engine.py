@@ -59,8 +59,12 @@ engine_asyncio: the bare loop on uvloop, the engine on asyncio's own loop, so wh
 and what the engine's code each save is seen apart; bare_tuned: the bare loop on the engine's event
 loop with the engine's GC settings, the reference of "engine CPU per request / tuned bare", given
 per round with its median, min and max); --no-concurrency
-skips the concurrency check. With --ab-code DIR the engine_ab row is the engine of another checkout (DIR
-holds a `draftgen` link to it), measured in the same rounds as this one's.
+skips the concurrency check. With --ab-code DIR the _ab rows (engine_ab, engine_alone_ab,
+engine_tokens_ab) are the engine of another checkout, measured in the same rounds as this one's: DIR is
+a checkout or a `git archive` of one (a folder with `draftgen/__init__.py` and links to DIR's `core`,
+`tui`, ... is put first on the row's PYTHONPATH, where it wins over the editable install's finder), or a
+folder holding a `draftgen` link to one; each such row stops the benchmark unless its draftgen.core is
+DIR's.
 """
 
 from __future__ import annotations
@@ -114,10 +118,51 @@ def sim_stats(port: int) -> dict:
     return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/_sim/stats", timeout=5).read())
 
 
+PACKAGES = ("core", "tui", "cli", "simulator", "headless")  # pyproject.toml's package-dir: draftgen.<folder>
+CODE_ENV = "BENCH_CODE"  # a child given --ab-code's checkout checks that its draftgen.core lies under this
+
+
+def code_path(code: str, tmp: Path) -> str:
+    """The folder to put first on a child's PYTHONPATH so that it imports `code`'s draftgen: a checkout (or a
+    `git archive` of one) has no `draftgen/` folder (pyproject.toml maps `core`, `tui`, ... to
+    `draftgen.<folder>`), so a folder is made in `tmp` holding `draftgen/__init__.py` and a link
+    `draftgen/<folder>` to each of code's. A regular package found on the path wins over the editable
+    install's finder, which setuptools appends to sys.meta_path after the path's own (the path is searched
+    first, and `draftgen.core` is then looked up in that package's folder only). A folder already holding a
+    `draftgen` package (or a link to a checkout) is used as it is."""
+    root = Path(code).resolve()
+    if (root / "draftgen" / "core").is_dir():
+        return str(root)
+    if not (root / "core" / "__init__.py").is_file():
+        raise SystemExit(f"--ab-code {code}: neither a checkout (core/__init__.py) nor a folder holding draftgen/")
+    folder = tmp / "draftgen"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    for name in PACKAGES:
+        if (root / name).is_dir():
+            (folder / name).symlink_to(root / name, target_is_directory=True)
+    return str(folder.parent)
+
+
+def check_code() -> None:
+    """In a child given another checkout's code: stop, loudly, unless draftgen.core is that checkout's."""
+    want = os.environ.get(CODE_ENV)
+    if not want:
+        return
+    import draftgen.core
+    got = Path(draftgen.core.__file__).resolve()
+    if not got.is_relative_to(Path(want).resolve()):
+        raise SystemExit(f"--ab-code: this row imported draftgen.core from {got}, not from {want}")
+
+
 def child(mode: str, port: int, n: int, concurrency: int, pin: bool = False, code: str | None = None) -> dict:
     """Run one contender in a fresh interpreter; it prints one JSON line with its figures. `code`: a folder
-    holding another `draftgen` package, imported instead of this checkout's (the "engine_ab" row)."""
-    env = {**os.environ, "PYTHONPATH": code} if code else None
+    holding another checkout's `draftgen` package (`code_path`), imported instead of this checkout's (the
+    `_ab` rows); the child checks that it was (`check_code`)."""
+    env = None
+    if code:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (code, os.environ.get("PYTHONPATH")))),
+               CODE_ENV: str((Path(code) / "draftgen" / "core").resolve().parent)}
     if mode == "engine_asyncio":  # the engine on the standard library's loop (core/runtime.py LOOP_ENV)
         env, mode = {**os.environ, "DRAFTGEN_EVENT_LOOP": "asyncio"}, "engine"
     out = subprocess.run([sys.executable, __file__, "--child", {"engine_ab": "engine",
@@ -125,7 +170,9 @@ def child(mode: str, port: int, n: int, concurrency: int, pin: bool = False, cod
                                                                  "engine_tokens_ab": "engine_tokens"}.get(mode, mode),
                           "--port", str(port), "--n", str(n),
                           "--concurrency", str(concurrency), *(["--pin"] if pin else [])],
-                         capture_output=True, text=True, check=True, env=env)
+                         capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise SystemExit(f"the {mode} row failed (exit {out.returncode}):\n{out.stderr.strip()}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -349,6 +396,7 @@ def replay_answers(url: str) -> None:
 
 
 def child_main(args: argparse.Namespace) -> None:
+    check_code()
     url = f"http://127.0.0.1:{args.port}/api/v1"
     if args.pin:
         os.sched_setaffinity(0, {0})
@@ -399,8 +447,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="run the rows this many times in turn; medians")
     p.add_argument("--rows", help="comma-separated rows, bare first (default: all)")
     p.add_argument("--no-concurrency", action="store_true", help="skip the concurrency check")
-    p.add_argument("--ab-code", help="the engine_ab row imports draftgen from this folder (PYTHONPATH): "
-                   "e.g. a folder with a `draftgen` symlink to an old checkout")
+    p.add_argument("--ab-code", help="the _ab rows import draftgen from this checkout (e.g. a `git archive` "
+                   "of an old commit) or from a folder holding a `draftgen` link to one")
     p.add_argument("--mean-tokens", type=int, default=40,
                    help="the simulator's mean completion tokens an answer, reasoning included (default 40)")
     p.add_argument("--child")
@@ -410,6 +458,8 @@ def main() -> None:
         child_main(args)
         return
     os.environ["BENCH_KEY"] = KEY
+    ab_tmp = tempfile.TemporaryDirectory(prefix="bench-ab-")
+    ab_code = code_path(args.ab_code, Path(ab_tmp.name)) if args.ab_code else None
     port = free_port()
     sim = start_sim(port, "--latency-scale", "0", mean_tokens=args.mean_tokens)
     if args.pin:
@@ -433,7 +483,7 @@ def main() -> None:
         for r in range(args.rounds):
             for m in order:
                 runs[m].append(child(m, port, args.n, args.concurrency, args.pin,
-                                     args.ab_code if m in ab_rows else None))
+                                     ab_code if m in ab_rows else None))
             if args.rounds > 1:
                 print(f"round {r + 1}: " + ", ".join(f"{m} {runs[m][-1]['rate']:.0f} req/s "
                                                       f"{runs[m][-1]['cpu_us']:.0f} us/req" for m in order),
@@ -448,6 +498,7 @@ def main() -> None:
     finally:
         sim.terminate()
         sim.wait()
+        ab_tmp.cleanup()
     med = {m: {k: statistics.median(x[k] for x in runs[m]) for k in ("rate", "rss_mb", "cpu_us")} for m in order}
     # Ratios per round (the two rows of a round ran back to back), then their median.
     cpu_ratio = {m: statistics.median(b["cpu_us"] / x["cpu_us"] for b, x in zip(runs["bare"], runs[m]))

@@ -77,10 +77,13 @@ def answer_body_limit(cap: int) -> int:
 
 async def read_upto(resp: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
     """The body, read as it arrives up to `limit` bytes (decompressed): (what was read, at most `limit`
-    bytes; whether more was there). The rest is left unread: the connection is closed, not drained."""
+    bytes; whether more was there). The rest is left unread: the connection is closed, not drained.
+    `readany` in a loop (b"" at the end), as `iter_any` does, without its iterator, a coroutine per piece
+    and the StopAsyncIteration at the end: ~1 us a request of the 2.6 it cost."""
     parts: list[bytes] = []
     size = 0
-    async for data in resp.content.iter_any():
+    readany = resp.content.readany
+    while data := await readany():
         size += len(data)
         if size > limit:
             parts.append(data[:len(data) - (size - limit)])

@@ -91,12 +91,18 @@ class Admission:
     async def _requests_of(self, admitting: _Admitting) -> None:
         """One request coroutine of a dataset: admits the next prompt, asks it, and again, until nothing
         more is admitted. A stop now cancels it while it asks (its prompt is handed back)."""
+        task = asyncio.current_task()
+        assert task is not None
+        lock = admitting.lock
         while True:
-            async with admitting.lock:
+            await lock.acquire()  # what `async with` does, without its two coroutines a request
+            try:
                 req = await self._admit_next(admitting)
+            finally:
+                lock.release()
             if req is None:
                 return
-            await req.run()
+            await req.run(task)
 
     async def _admit_next(self, admitting: _Admitting) -> Request | None:
         """The next prompt admitted (its request, to ask), the ones skipped before it booked as such; None

@@ -189,14 +189,13 @@ class Request:
             source.booked(prompt, Booked.skipped(decision.reason))
         return decision
 
-    async def run(self) -> None:
+    async def run(self, task: asyncio.Task[None]) -> None:
         """The admitted request asked until it has an outcome (under the body its ticket reserved for), the
         outcome booked and recorded, durable (group fsync) before it ends; what it held is released as it
-        ends, however it ends (a stop now cancels it: its prompt is handed back)."""
+        ends, however it ends (a stop now cancels it: its prompt is handed back). `task`: the one running
+        it (its dataset's request coroutine, admission.py), what a stop now cancels."""
         terms, ds, first = self.terms, self.ds, self.ticket
         assert isinstance(terms, RunTerms) and ds is not None and first is not None
-        task = asyncio.current_task()
-        assert task is not None
         tasks = terms.service.tasks
         tasks.add(task)
         try:
