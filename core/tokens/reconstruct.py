@@ -64,7 +64,7 @@ import numpy as np
 
 from draftgen.core.errors import DraftgenError
 from draftgen.core.records import answer_source
-from draftgen.core.tokens.template import ChatTemplate, RenderedChat, Segment
+from draftgen.core.tokens.template import ChatTemplate, RenderedChat, Segment, TemplateError
 from draftgen.core.tokens.tokenizer import Tokenizer
 
 CHECKS = ("renders", "one_think_close", "no_think_open", "ends_with_eot", "round_trip", "token_count",
@@ -105,15 +105,21 @@ class Reconstruction:
 
     def index_meta(self) -> dict[str, Any]:
         """The metadata of this sample's `tokens/index.jsonl` line (documented in core/records.py)."""
-        return {"answer_start": self.answer_start, "answer_end": self.answer_end, "valid": self.valid,
+        meta = {"answer_start": self.answer_start, "answer_end": self.answer_end, "valid": not self.failed_checks,
                 "failed_checks": list(self.failed_checks), "span_tokens": self.span_tokens,
                 "billed_tokens": self.billed_tokens, "count_diff": self.count_diff,
                 "truncated": self.truncated, "source": self.source, "prompt_tokens": self.prompt_tokens,
                 "billed_prompt_tokens": self.billed_prompt_tokens, "prompt_diff": self.prompt_diff,
-                "provider": self.provider, "prompt_source": self.prompt_source,
-                **({"turn": self.turn} if self.turn is not None else {}),
-                **({"tool_calls": self.tool_calls} if self.tool_calls else {}),
-                **({"history_spans": [list(s) for s in self.history_spans]} if self.history_spans else {})}
+                "provider": self.provider, "prompt_source": self.prompt_source}
+        # The optional keys only where set, in this order (a worker makes one of these an answer: no dict for
+        # the keys left out)
+        if self.turn is not None:
+            meta["turn"] = self.turn
+        if self.tool_calls:
+            meta["tool_calls"] = self.tool_calls
+        if self.history_spans:
+            meta["history_spans"] = [list(s) for s in self.history_spans]
+        return meta
 
     @property
     def prompt_diff(self) -> int | None:
@@ -127,10 +133,12 @@ def encode_segments(tok: Tokenizer, segments: Iterable[Segment], starts: list[in
     """The ids of `segments`; `starts`, when given, gets the position each segment starts at (and the end)."""
     ids: list[int] = []
     special_id, encode_text = tok.special_id, tok.encode_text  # bound once: a dozen segments an answer
-    for text, special in segments:
+    for text, special, known in segments:
         if starts is not None:
             starts.append(len(ids))
-        if special:
+        if known:  # a template's fixed piece, encoded when the template was loaded (Segment.ids)
+            ids += known
+        elif special:
             ids.append(special_id(text))
         elif text:
             ids += encode_text(text)
@@ -226,6 +234,10 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
     source = "backend" if backend_ids is not None else "reconstructed"
     billed = int(billed_tokens) if billed_tokens is not None else None
     try:
+        loaded_for = getattr(template, "tok", None)
+        if loaded_for is not None and loaded_for is not tok:  # its fixed pieces' ids are another tokenizer's
+            raise TemplateError(f"the {template.name} template was loaded for tokenizer {loaded_for.name}, "
+                                f"not {tok.name}")
         rendered = template.render(messages, reasoning, content or "", truncated=truncated, tool_calls=tool_calls,
                                    tools=tools)
         starts: list[int] | None = [] if rendered.history_turns else None
