@@ -321,30 +321,48 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
                           tool_calls=len(tool_calls or ()))
 
 
+# The fields of a response line (core/records.py) that reconstruction reads, in the order `answer_fields`
+# gives their values: what crosses to a token worker for each answer, as a tuple (no dict an answer for the
+# main process to make and pickle, or for the worker to read back).
+ANSWER_FIELDS = ("id", "messages", "reasoning", "content", "tool_calls", "finish_reason", "truncated", "token_ids",
+                 "prompt_token_ids", "turn", "tools")
+Answer = tuple[Any, ...]  # answer_fields' values
+
+
+def answer_fields(record: Mapping[str, Any]) -> Answer:
+    """What reconstruction reads of a response line: the values of its ANSWER_FIELDS (None where missing),
+    whom it is tallied under (`answer_source`), then its usage's completion_tokens and prompt_tokens (None
+    where not given)."""
+    usage = record.get("usage")
+    if isinstance(usage, dict):
+        return (*map(record.get, ANSWER_FIELDS), answer_source(record), usage.get("completion_tokens"),
+                usage.get("prompt_tokens"))
+    return (*map(record.get, ANSWER_FIELDS), answer_source(record), None, None)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[str, Any], *,
                        count_tolerance: int = DEFAULT_COUNT_TOLERANCE) -> Reconstruction:
     """`reconstruct` of one responses.jsonl line (fields documented in core/records.py)."""
-    usage = record.get("usage") or {}
-    billed = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    billed_prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    truncated = bool(record.get("truncated")) or record.get("finish_reason") == "length"
-    billed = billed if isinstance(billed, int) and not isinstance(billed, bool) else None
-    billed_prompt = billed_prompt if isinstance(billed_prompt, int) and not isinstance(billed_prompt, bool) else None
-    provider = answer_source(record)  # a fleet's server, else the provider
-    turn = record.get("turn")
-    turn = turn if isinstance(turn, int) and not isinstance(turn, bool) else None
-    backend = record.get("token_ids")
-    backend_prompt = record.get("prompt_token_ids")
-    messages = record.get("messages")
-    tools = record.get("tools")
+    return reconstruct_answer(tok, template, answer_fields(record), count_tolerance=count_tolerance)
+
+
+def reconstruct_answer(tok: Tokenizer, template: ChatTemplate, answer: Answer, *,
+                       count_tolerance: int = DEFAULT_COUNT_TOLERANCE) -> Reconstruction:
+    """`reconstruct_record` of a line's `answer_fields` (what a token worker is sent)."""
+    (_, messages, reasoning, content, tool_calls, finish_reason, truncated, backend, backend_prompt, turn, tools,
+     provider, billed, billed_prompt) = answer
+    truncated = bool(truncated) or finish_reason == "length"
+    billed, billed_prompt, turn = _count(billed), _count(billed_prompt), _count(turn)
     if tools is not None and not isinstance(tools, list):
         return unrenderable(f"tools must be a list of function schemas, not {type(tools).__name__}",
                             billed_tokens=billed, truncated=truncated, provider=provider)
-    tool_calls = record.get("tool_calls")
     if tool_calls is not None and not isinstance(tool_calls, list):
         return unrenderable(f"tool_calls must be a list, not {type(tool_calls).__name__}",
                             billed_tokens=billed, truncated=truncated, provider=provider)
-    reasoning, content = record.get("reasoning"), record.get("content")
     for name, value in (("reasoning", reasoning), ("content", content)):
         if value is not None and not isinstance(value, str):
             return unrenderable(f"{name} must be a string, not {type(value).__name__}", billed_tokens=billed,
