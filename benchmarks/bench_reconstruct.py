@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from draftgen.core.config_load import config_from_dict
-from draftgen.core.tokens.reconstruct import reconstruct_record
+from draftgen.core.tokens.reconstruct import Answer, answer_fields, reconstruct_record
 from draftgen.core.tokens.template import load_template
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
 from draftgen.core.tokens.workers import (
@@ -106,18 +106,18 @@ def make_answers(n: int, seed: int = 0) -> list[dict[str, Any]]:
     return out
 
 
-def raw_batch(records: list[dict[str, Any]]) -> int:
-    """Reference: tiktoken encode_ordinary over the same texts, tokens counted (runs in a worker too)."""
+def raw_batch(records: list[Answer]) -> int:
+    """Reference: tiktoken encode_ordinary over the same texts (answer_fields), tokens counted (in a worker too)."""
     encode = bundled_kimi().encoding.encode_ordinary
     n = 0
-    for rec in records:
-        for m in rec["messages"]:
+    for _, messages, reasoning, content in (rec[:4] for rec in records):
+        for m in messages:
             n += len(encode(m["content"]))
-        n += len(encode(rec["reasoning"])) + len(encode(rec["content"]))
+        n += len(encode(reasoning)) + len(encode(content))
     return n
 
 
-def recon_batch(records: list[dict[str, Any]]) -> int:
+def recon_batch(records: list[Answer]) -> int:
     return sum(length for _, length, _ in reconstruct_batch(records)[2])
 
 
@@ -150,8 +150,9 @@ def main() -> None:
         rec["usage"]["completion_tokens"] = reconstruct_record(tok, template, rec).span_tokens
     spec = WorkerSpec(str(bundled_kimi_path()), False, "kimi-k2.5")
     _init_worker(spec)
-    batches = list(_batches(answers))
-    raw_tokens = raw_batch(answers)
+    fields = [answer_fields(rec) for rec in answers]  # what a worker is sent
+    batches = list(_batches(fields))
+    raw_tokens = raw_batch(fields)
     recon_tokens = sum(recon_batch(b) for b in batches)
 
     # One core: per batch, raw and reconstruct alternate; the sums of per-batch bests (CPU time of this

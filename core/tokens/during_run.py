@@ -34,6 +34,7 @@ from draftgen.core.quoting import sh_path
 from draftgen.core.rundir import RunDir, jsonl_objects
 from draftgen.core.tokens.fidelity import turn_figures
 from draftgen.core.tokens.policy import SamplePolicy
+from draftgen.core.tokens.reconstruct import Answer, answer_fields
 from draftgen.core.tokens.report import ValidationReport
 from draftgen.core.tokens.respawn import RespawningPool
 from draftgen.core.tokens.store import TokenWriter
@@ -51,7 +52,6 @@ from draftgen.core.tokens.workers import (
     provider_flags,
     read_records,
     record_chars,
-    slim_record,
     worker_spec,
     write_report,
 )
@@ -69,7 +69,7 @@ class _Dataset:
     # commits, already there. Nothing reads `writer.ids` during a run beyond this.
     known: set[str]
     lost: set[str] = field(default_factory=set)  # ids whose token ids could not be made or written this run
-    buffer: list[dict[str, Any]] = field(default_factory=list)
+    buffer: list[Answer] = field(default_factory=list)
     buffer_chars: int = 0
     behind: int = 0     # answers submitted and not kept (the queue was full): read back from disk later
     scan_from: int = 0  # responses.jsonl offset before which every answer was queued, written or read back
@@ -81,7 +81,7 @@ class _Dataset:
         return cls(name, folder, writer, index_report(folder, name, policy), writer.ids,
                    scan_from=_size(run.responses(name)))
 
-    def take(self) -> list[dict[str, Any]]:
+    def take(self) -> list[Answer]:
         batch, self.buffer, self.buffer_chars = self.buffer, [], 0
         return batch
 
@@ -107,7 +107,7 @@ def _offsets_from(responses: Path, start: int, done: set[str]) -> list[int]:
     return offsets
 
 
-def _read_list(responses: Path, offsets: list[int]) -> list[dict[str, Any]]:
+def _read_list(responses: Path, offsets: list[int]) -> list[Answer]:
     """The records at `offsets`, read in one go (in a worker thread)."""
     return list(read_records(responses, offsets))
 
@@ -183,20 +183,29 @@ class RunReconstructor:
     def submit(self, dataset_name: str, record: Mapping[str, Any], *, live: bool = True) -> None:
         """Queue one answered record for reconstruction; returns at once. `live`: the engine's answer,
         left on disk for later when the workers are behind (one read back from disk is always queued)."""
+        ds = self._intake(dataset_name, str(record.get("id")), live)
+        if ds is not None:
+            self._queue(ds, answer_fields(record))
+
+    def _intake(self, dataset_name: str, rid: str, live: bool) -> _Dataset | None:
+        """The dataset answer `rid` is queued in, counted as on its way; None when it is not queued now
+        (already on its way or written, or left on disk while the workers are behind)."""
         if self._loop is None or self._closed:
             raise RuntimeError("RunReconstructor.submit before start() or after close()")
         ds = self._open(dataset_name)
-        rid = str(record.get("id"))
         if rid in ds.known:
-            return
+            return None
         if live and self._pool.backlog >= self.LIVE_BACKLOG * self.workers:
             ds.behind += 1  # its line is on disk: read back once the workers have caught up (_landed)
-            return
+            return None
         ds.known.add(rid)
         self._submitted += 1
-        slim = slim_record(record)
-        ds.buffer.append(slim)
-        ds.buffer_chars += record_chars(slim)
+        return ds
+
+    def _queue(self, ds: _Dataset, answer: Answer) -> None:
+        assert self._loop is not None  # _intake said so
+        ds.buffer.append(answer)
+        ds.buffer_chars += record_chars(answer)
         if len(ds.buffer) >= self.BATCH_ANSWERS or ds.buffer_chars >= BATCH_CHARS:
             self._flush(ds)
         elif self._flush_handle is None:
@@ -213,7 +222,7 @@ class RunReconstructor:
 
     # -- what comes back from the workers -------------------------------------------------------
 
-    def _landed(self, ds: _Dataset, batch: list[dict[str, Any]], results: Results) -> None:
+    def _landed(self, ds: _Dataset, batch: list[Answer], results: Results) -> None:
         ids, masks, samples, report = results
         try:
             ds.writer.append_encoded(ids, masks, samples)  # the whole batch in one write per file
@@ -231,7 +240,7 @@ class RunReconstructor:
             try:
                 ds.writer.append(rid, ids, mask, meta)
             except Exception as e:  # a full disk: stop counting it as done, say so
-                self._lose(ds, [{"id": rid}], e)
+                self._lose(ds, [(rid,)], e)  # the answer's id: all _lose reads of it
                 continue
             ds.report.add_meta(meta)
             self._rate.add(int(ids.shape[0]))
@@ -255,14 +264,14 @@ class RunReconstructor:
         if offsets:
             await self._feed(ds.name, responses, offsets)
 
-    def _lose(self, ds: _Dataset, batch: list[dict[str, Any]], exc: BaseException) -> None:
+    def _lose(self, ds: _Dataset, batch: list[Answer], exc: BaseException) -> None:
         if isinstance(exc, DiskError):  # no room: nothing is wrong with the answers, the stage stops
             self._refused(exc)
         elif not self._error:
             self._error = f"token reconstruction stopped: {exc}"
         self._lost += len(batch)
         for rec in batch:
-            rid = str(rec.get("id"))
+            rid = str(rec[0])
             ds.known.discard(rid)
             ds.lost.add(rid)  # not sent again this run (a final catch-up would count it twice)
 
@@ -297,10 +306,11 @@ class RunReconstructor:
             for i in range(0, len(offsets), chunk):
                 part = offsets[i:i + chunk]
                 records = await asyncio.to_thread(_read_list, responses, part)
-                for rec in records:
+                for answer in records:
                     if self._closed:
                         return
-                    self.submit(name, rec, live=False)
+                    if (ds := self._intake(name, str(answer[0]), False)) is not None:
+                        self._queue(ds, answer)
                 self._flush_all()
                 # Bounded memory: keep about two batches per worker queued (or held for a new pool).
                 while self._pool.backlog > 2 * self.workers:

@@ -74,6 +74,9 @@ class SampleVerdict:
     notes: tuple[str, ...] = ()              # what a kept sample differed in (NOTES)
 
 
+_CLEAN = SampleVerdict(True, "")  # what `judge` says of a sample nothing failed or differed in
+
+
 @dataclass(frozen=True)
 class SamplePolicy:
     limits: ValidationConfig = field(default_factory=ValidationConfig)  # the config's [validation]
@@ -100,7 +103,14 @@ class SamplePolicy:
 
     def judge(self, failed_checks: Iterable[str], count_diff: int | None, billed: int | None,
               prompt_diff: int | None = None, provider: Any = None) -> SampleVerdict:
-        failed = set(failed_checks)
+        if (not failed_checks and not self.exclude_providers and not self.flagged_sources
+                and (count_diff is None or abs(count_diff) <= self.limits.count_tolerance)
+                and (prompt_diff is None or abs(prompt_diff) <= self.limits.prompt_tolerance)):
+            return _CLEAN  # most answers (a token worker judges each): no rule drops or notes it
+        return self._by_rules(set(failed_checks), count_diff, billed, prompt_diff, provider)
+
+    def _by_rules(self, failed: set[str], count_diff: int | None, billed: int | None, prompt_diff: int | None,
+                  provider: Any) -> SampleVerdict:
         if self.exclude_providers and provider_key(provider) in self.exclude_providers:
             return SampleVerdict(False, "provider_excluded")
         if failed - MEASURES:  # the structural checks, and any check this policy does not know

@@ -64,7 +64,7 @@ import numpy as np
 
 from draftgen.core.errors import DraftgenError
 from draftgen.core.records import answer_source
-from draftgen.core.tokens.template import ChatTemplate, RenderedChat, Segment
+from draftgen.core.tokens.template import ChatTemplate, RenderedChat, Segment, TemplateError
 from draftgen.core.tokens.tokenizer import Tokenizer
 
 CHECKS = ("renders", "one_think_close", "no_think_open", "ends_with_eot", "round_trip", "token_count",
@@ -105,15 +105,21 @@ class Reconstruction:
 
     def index_meta(self) -> dict[str, Any]:
         """The metadata of this sample's `tokens/index.jsonl` line (documented in core/records.py)."""
-        return {"answer_start": self.answer_start, "answer_end": self.answer_end, "valid": self.valid,
+        meta = {"answer_start": self.answer_start, "answer_end": self.answer_end, "valid": not self.failed_checks,
                 "failed_checks": list(self.failed_checks), "span_tokens": self.span_tokens,
                 "billed_tokens": self.billed_tokens, "count_diff": self.count_diff,
                 "truncated": self.truncated, "source": self.source, "prompt_tokens": self.prompt_tokens,
                 "billed_prompt_tokens": self.billed_prompt_tokens, "prompt_diff": self.prompt_diff,
-                "provider": self.provider, "prompt_source": self.prompt_source,
-                **({"turn": self.turn} if self.turn is not None else {}),
-                **({"tool_calls": self.tool_calls} if self.tool_calls else {}),
-                **({"history_spans": [list(s) for s in self.history_spans]} if self.history_spans else {})}
+                "provider": self.provider, "prompt_source": self.prompt_source}
+        # The optional keys only where set, in this order (a worker makes one of these an answer: no dict for
+        # the keys left out)
+        if self.turn is not None:
+            meta["turn"] = self.turn
+        if self.tool_calls:
+            meta["tool_calls"] = self.tool_calls
+        if self.history_spans:
+            meta["history_spans"] = [list(s) for s in self.history_spans]
+        return meta
 
     @property
     def prompt_diff(self) -> int | None:
@@ -127,10 +133,12 @@ def encode_segments(tok: Tokenizer, segments: Iterable[Segment], starts: list[in
     """The ids of `segments`; `starts`, when given, gets the position each segment starts at (and the end)."""
     ids: list[int] = []
     special_id, encode_text = tok.special_id, tok.encode_text  # bound once: a dozen segments an answer
-    for text, special in segments:
+    for text, special, known in segments:
         if starts is not None:
             starts.append(len(ids))
-        if special:
+        if known:  # a template's fixed piece, encoded when the template was loaded (Segment.ids)
+            ids += known
+        elif special:
             ids.append(special_id(text))
         elif text:
             ids += encode_text(text)
@@ -226,6 +234,10 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
     source = "backend" if backend_ids is not None else "reconstructed"
     billed = int(billed_tokens) if billed_tokens is not None else None
     try:
+        loaded_for = getattr(template, "tok", None)
+        if loaded_for is not None and loaded_for is not tok:  # its fixed pieces' ids are another tokenizer's
+            raise TemplateError(f"the {template.name} template was loaded for tokenizer {loaded_for.name}, "
+                                f"not {tok.name}")
         rendered = template.render(messages, reasoning, content or "", truncated=truncated, tool_calls=tool_calls,
                                    tools=tools)
         starts: list[int] | None = [] if rendered.history_turns else None
@@ -309,30 +321,48 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
                           tool_calls=len(tool_calls or ()))
 
 
+# The fields of a response line (core/records.py) that reconstruction reads, in the order `answer_fields`
+# gives their values: what crosses to a token worker for each answer, as a tuple (no dict an answer for the
+# main process to make and pickle, or for the worker to read back).
+ANSWER_FIELDS = ("id", "messages", "reasoning", "content", "tool_calls", "finish_reason", "truncated", "token_ids",
+                 "prompt_token_ids", "turn", "tools")
+Answer = tuple[Any, ...]  # answer_fields' values
+
+
+def answer_fields(record: Mapping[str, Any]) -> Answer:
+    """What reconstruction reads of a response line: the values of its ANSWER_FIELDS (None where missing),
+    whom it is tallied under (`answer_source`), then its usage's completion_tokens and prompt_tokens (None
+    where not given)."""
+    usage = record.get("usage")
+    if isinstance(usage, dict):
+        return (*map(record.get, ANSWER_FIELDS), answer_source(record), usage.get("completion_tokens"),
+                usage.get("prompt_tokens"))
+    return (*map(record.get, ANSWER_FIELDS), answer_source(record), None, None)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[str, Any], *,
                        count_tolerance: int = DEFAULT_COUNT_TOLERANCE) -> Reconstruction:
     """`reconstruct` of one responses.jsonl line (fields documented in core/records.py)."""
-    usage = record.get("usage") or {}
-    billed = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    billed_prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    truncated = bool(record.get("truncated")) or record.get("finish_reason") == "length"
-    billed = billed if isinstance(billed, int) and not isinstance(billed, bool) else None
-    billed_prompt = billed_prompt if isinstance(billed_prompt, int) and not isinstance(billed_prompt, bool) else None
-    provider = answer_source(record)  # a fleet's server, else the provider
-    turn = record.get("turn")
-    turn = turn if isinstance(turn, int) and not isinstance(turn, bool) else None
-    backend = record.get("token_ids")
-    backend_prompt = record.get("prompt_token_ids")
-    messages = record.get("messages")
-    tools = record.get("tools")
+    return reconstruct_answer(tok, template, answer_fields(record), count_tolerance=count_tolerance)
+
+
+def reconstruct_answer(tok: Tokenizer, template: ChatTemplate, answer: Answer, *,
+                       count_tolerance: int = DEFAULT_COUNT_TOLERANCE) -> Reconstruction:
+    """`reconstruct_record` of a line's `answer_fields` (what a token worker is sent)."""
+    (_, messages, reasoning, content, tool_calls, finish_reason, truncated, backend, backend_prompt, turn, tools,
+     provider, billed, billed_prompt) = answer
+    truncated = bool(truncated) or finish_reason == "length"
+    billed, billed_prompt, turn = _count(billed), _count(billed_prompt), _count(turn)
     if tools is not None and not isinstance(tools, list):
         return unrenderable(f"tools must be a list of function schemas, not {type(tools).__name__}",
                             billed_tokens=billed, truncated=truncated, provider=provider)
-    tool_calls = record.get("tool_calls")
     if tool_calls is not None and not isinstance(tool_calls, list):
         return unrenderable(f"tool_calls must be a list, not {type(tool_calls).__name__}",
                             billed_tokens=billed, truncated=truncated, provider=provider)
-    reasoning, content = record.get("reasoning"), record.get("content")
     for name, value in (("reasoning", reasoning), ("content", content)):
         if value is not None and not isinstance(value, str):
             return unrenderable(f"{name} must be a string, not {type(value).__name__}", billed_tokens=billed,

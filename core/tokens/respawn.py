@@ -21,10 +21,11 @@ from typing import Any, Generic, TypeVar
 
 from draftgen.core.live import stage_payloads as ev
 from draftgen.core.live.events import EventSink
+from draftgen.core.tokens.reconstruct import Answer
 from draftgen.core.tokens.workers import Results, WorkerSpec, new_pool, ping, reconstruct_batch
 
 K = TypeVar("K")
-Batch = list[dict[str, Any]]
+Batch = list[Answer]
 Pool = concurrent.futures.ProcessPoolExecutor
 
 

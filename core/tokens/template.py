@@ -88,6 +88,11 @@ class Segment(NamedTuple):
     tuple is made in under half the time of a frozen dataclass)."""
     text: str
     special: bool = False   # True: `text` is the name of a special token, inserted by id
+    # A piece the template repeats in every rendering (Kimi-K2.5's turn headers, its generation prompt, its
+    # tags) with its ids, made once by the template loaded for its tokenizer: `special` is True (it holds
+    # the template's own text only, never a message's, and nothing splits it again) and the encoder inserts
+    # `ids` as they are. (): encoded with each rendering.
+    ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)  # one per answer in the workers: a frozen __init__ costs ~3x (setattr per field)
@@ -195,29 +200,47 @@ def _tool_call_parts(tool_calls: Any, where: str) -> list[Segment]:
     return out
 
 
-# Kimi-K2.5's fixed segments, made once (immutable tuples): a turn's header, the generation prompt.
-_IM_MIDDLE, _IM_END = Segment("<|im_middle|>", True), Segment("<|im_end|>", True)
-_THINK_OPEN, _THINK_CLOSE = Segment("<think>", True), Segment("</think>", True)
+_IM_MIDDLE = Segment("<|im_middle|>", True)
 _KIMI_OPENERS = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}
-_KIMI_HEADERS = {role: (Segment(_KIMI_OPENERS.get(role, "<|im_system|>"), True), Segment(role), _IM_MIDDLE)
-                 for role in ("system", "user", "assistant", "tool")}
-_KIMI_GENERATION_PROMPT = (*_KIMI_HEADERS["assistant"], _THINK_OPEN)
+_KIMI_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _fixed(tok: Tokenizer | None, *parts: Segment) -> tuple[Segment, ...]:
+    """`parts` as one Segment carrying their ids in `tok` (see Segment.ids); as they are without a tokenizer."""
+    if tok is None:
+        return parts
+    ids: list[int] = []
+    for text, special, _ in parts:
+        ids += [tok.special_id(text)] if special else tok.encode_text(text)
+    return (Segment("".join(p.text for p in parts), True, tuple(ids)),)
 
 
 class KimiK25Template:
-    """The built-in Kimi-K2.5 rendering (see the module docstring)."""
+    """The built-in Kimi-K2.5 rendering (see the module docstring).
+
+    `tok`: the tokenizer it renders for (load_template gives it): each turn's header (`<|im_user|>user
+    <|im_middle|>` and the like), the generation prompt and the tags are then encoded once, here, and only
+    the messages' texts with each answer (identical ids: the same pieces encoded the same way, once).
+    Without one, every piece is encoded with each answer."""
 
     name = "kimi-k2.5"
     EOT, THINK_OPEN, THINK_CLOSE = "<|im_end|>", "<think>", "</think>"
 
-    def __init__(self, default_system: str | None = None) -> None:
+    def __init__(self, default_system: str | None = None, tok: Tokenizer | None = None) -> None:
         self.default_system = default_system
+        self.tok = tok  # reconstruct checks it is the tokenizer it encodes with
+        (self._im_end,), (self._think_open,), (self._think_close,) = (
+            _fixed(tok, Segment(name, True)) for name in (self.EOT, self.THINK_OPEN, self.THINK_CLOSE))
+        headers = {role: (Segment(_KIMI_OPENERS.get(role, "<|im_system|>"), True), Segment(role), _IM_MIDDLE)
+                   for role in _KIMI_ROLES}
+        self._headers = {role: _fixed(tok, *parts) for role, parts in headers.items()}
+        self._generation_prompt = _fixed(tok, *headers["assistant"], Segment(self.THINK_OPEN, True))
 
     def _header(self, message: dict[str, Any]) -> tuple[Segment, ...]:
         role = message["role"]
         name = message.get("name") or role
-        if name == role and role in _KIMI_HEADERS:  # the common case: made once, not three Segments a turn
-            return _KIMI_HEADERS[role]
+        if name == role and role in self._headers:  # the common case: made once, not three Segments a turn
+            return self._headers[role]
         return (Segment(_KIMI_OPENERS.get(role, "<|im_system|>"), True), Segment(str(name)), _IM_MIDDLE)
 
     def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str, *,
@@ -242,7 +265,7 @@ class KimiK25Template:
             if m["role"] == "assistant":
                 opened = len(prompt)
                 rc = "" if i <= last_plain else history_reasoning(m)
-                prompt += [_THINK_OPEN, Segment(rc), _THINK_CLOSE, Segment(text)]
+                prompt += [self._think_open, Segment(rc), self._think_close, Segment(text)]
                 if m.get("tool_calls"):
                     prompt += _tool_call_parts(m["tool_calls"], f"messages[{i}]")
                 history.append((opened, len(prompt) + 1))  # through the <|im_end|> appended below
@@ -250,17 +273,17 @@ class KimiK25Template:
                 prompt.append(Segment(f"## Return of {_jinja_text(m.get('tool_call_id'))}\n{text}"))
             else:
                 prompt.append(Segment(text))
-            prompt.append(_IM_END)
-        prompt += _KIMI_GENERATION_PROMPT
+            prompt.append(self._im_end)
+        prompt += self._generation_prompt
 
         answer: list[Segment] = [Segment(reasoning or "")]
         # A truncated answer with no content was cut while still reasoning: no </think> was generated.
         if not (truncated and not content and not tool_calls):
-            answer += (_THINK_CLOSE, Segment(content))
+            answer += (self._think_close, Segment(content))
         if tool_calls:
             answer += _tool_call_parts(tool_calls, "answer")
         if not truncated:
-            answer.append(_IM_END)
+            answer.append(self._im_end)
         return RenderedChat(tuple(prompt), tuple(answer), (), 1, self.EOT, self.THINK_OPEN, self.THINK_CLOSE,
                             history_turns=tuple(history))
 
@@ -464,7 +487,7 @@ def _load_template(name: str, tok: Tokenizer, *, default_system: str | None = No
         for special in ("<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>",
                         "<think>", "</think>"):
             tok.special_id(special)  # a clear TokenizerError now, not one per answer later
-        return KimiK25Template(default_system)
+        return KimiK25Template(default_system, tok)
     if name == "auto":
         return AutoTemplate(tok, default_system)
     raise TemplateError(f"unknown chat template {name!r} (known: {', '.join(TEMPLATES)})")

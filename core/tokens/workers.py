@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,13 @@ from draftgen.core.quoting import sh_path
 from draftgen.core.rundir import RunDir, iter_jsonl, read_line_at
 from draftgen.core.tokens.fidelity import ProviderFlag
 from draftgen.core.tokens.policy import SamplePolicy
-from draftgen.core.tokens.reconstruct import DEFAULT_COUNT_TOLERANCE, reconstruct_record, unrenderable
+from draftgen.core.tokens.reconstruct import (
+    DEFAULT_COUNT_TOLERANCE,
+    Answer,
+    answer_fields,
+    reconstruct_answer,
+    unrenderable,
+)
 from draftgen.core.tokens.report import ValidationReport
 from draftgen.core.tokens.store import INDEX_FILE, TokenWriter, meta_json
 from draftgen.core.tokens.template import ChatTemplate, load_template
@@ -50,9 +56,6 @@ LOCK_FILE = "writer.lock"     # flock'ed by the one process writing the folder
 BATCH_ANSWERS = 32            # answers per worker task: amortises IPC without starving cores
 BATCH_CHARS = 1 << 20         # ... or fewer when they are long
 INLINE_MAX = 32               # fewer pending answers than this: not worth starting processes
-# The fields of a response line that reconstruction reads (the rest never crosses to a worker).
-_FIELDS = ("id", "messages", "reasoning", "content", "tool_calls", "finish_reason", "truncated", "token_ids",
-           "prompt_token_ids", "provider", "server", "turn", "tools")
 
 # A batch's outcome as a worker sends it back: every answer's input_ids (little-endian uint32) and
 # loss mask (uint8), concatenated in the batch's order; each answer's (id, length in tokens, index
@@ -137,8 +140,9 @@ def ping(_: object = None) -> bool:
     return _worker is not None
 
 
-def reconstruct_batch(records: list[dict[str, Any]]) -> Results:
-    """The records' token ids, loss masks, index metadata and report, in order (runs in a worker; see Results)."""
+def reconstruct_batch(records: list[Answer]) -> Results:
+    """The answers' token ids, loss masks, index metadata and report, in order (runs in a worker; see Results).
+    `records`: each a response line's `answer_fields` (the rest of the line never crosses to a worker)."""
     assert _worker is not None, "reconstruct_batch runs in a worker started with _init_worker"
     tok, template, tolerance, policy = _worker
     ids: list[bytes] = []
@@ -147,12 +151,12 @@ def reconstruct_batch(records: list[dict[str, Any]]) -> Results:
     report = ValidationReport("", policy=policy)
     for rec in records:
         try:
-            r = reconstruct_record(tok, template, rec, count_tolerance=tolerance)
+            r = reconstruct_answer(tok, template, rec, count_tolerance=tolerance)
         except Exception as e:  # one odd answer must not sink its batch: it is flagged, the rest go on
             r = unrenderable(f"{type(e).__name__}: {e}")
         ids.append(r.input_ids.astype("<u4", copy=False).tobytes())
         masks.append(r.loss_mask.astype(np.uint8, copy=False).tobytes())
-        samples.append((str(rec.get("id")), int(r.input_ids.shape[0]), meta_json(r.index_meta())))
+        samples.append((str(rec[0]), int(r.input_ids.shape[0]), meta_json(r.index_meta())))
         report.add(r)
     return b"".join(ids), b"".join(masks), samples, report
 
@@ -168,26 +172,18 @@ def each_sample(results: Results) -> Iterator[tuple[str, np.ndarray, np.ndarray,
         start += length
 
 
-def slim_record(record: Mapping[str, Any]) -> dict[str, Any]:
-    slim = {k: record[k] for k in _FIELDS if k in record}
-    usage = record.get("usage")
-    if isinstance(usage, dict):
-        slim["usage"] = {"completion_tokens": usage.get("completion_tokens"),
-                         "prompt_tokens": usage.get("prompt_tokens")}
-    return slim
-
-
-def record_chars(rec: dict[str, Any]) -> int:
-    n = sum(len(v) for v in (rec.get("reasoning"), rec.get("content")) if isinstance(v, str))
-    messages = rec.get("messages")
+def record_chars(rec: Answer) -> int:
+    """About how much text an answer holds (its batch's bound, BATCH_CHARS)."""
+    _, messages, reasoning, content = rec[:4]
+    n = sum(len(v) for v in (reasoning, content) if isinstance(v, str))
     for m in messages if isinstance(messages, list) else ():
         c = m.get("content") if isinstance(m, dict) else None
         n += len(c) if isinstance(c, str) else 64
     return n
 
 
-def _batches(records: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
-    batch: list[dict[str, Any]] = []
+def _batches(records: Iterable[Answer]) -> Iterator[list[Answer]]:
+    batch: list[Answer] = []
     chars = 0
     for rec in records:
         batch.append(rec)
@@ -363,10 +359,10 @@ def pending_offsets(responses: Path, done: set[str]) -> list[int]:
     return offsets
 
 
-def read_records(responses: Path, offsets: Iterable[int]) -> Iterator[dict[str, Any]]:
+def read_records(responses: Path, offsets: Iterable[int]) -> Iterator[Answer]:
     with open(responses, "rb") as f:
         for offset in offsets:
-            yield slim_record(read_line_at(f, offset))
+            yield answer_fields(read_line_at(f, offset))
 
 
 def reconstruct_dataset(config: Config, dataset_name: str, progress: ProgressCallback | None = None, *,

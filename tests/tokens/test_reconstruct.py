@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,40 @@ def test_loss_mask_on_a_multi_turn_prompt_with_a_system_turn() -> None:
     first_assistant = ids.index(SPECIAL["<|im_assistant|>"])
     assert ids[first_assistant + 3:first_assistant + 5] == [think, SPECIAL["</think>"]]
     assert ids[0] == SPECIAL["<|im_system|>"] and sum(mask) == r.answer_end - r.answer_start + 1
+
+
+def test_kimis_fixed_pieces_are_encoded_once_with_the_same_ids() -> None:
+    """The template loaded for a tokenizer encodes each turn's header, the generation prompt and the tags when
+    it is loaded: an answer encodes its messages' texts only, and its ids, mask and history spans are those
+    of every piece encoded with the answer (the template made without a tokenizer) and of the official
+    rendering (by_hand). A lone surrogate still encodes as tiktoken's own encode_ordinary replaces it."""
+    tok = copy.copy(TOK)  # its own encode_text to count on, the same vocabulary
+    template = load_template("kimi-k2.5", tok)
+    encoded: list[str] = []
+    encode_text = tok.encode_text
+    tok.encode_text = lambda text: encoded.append(text) or encode_text(text)  # type: ignore[method-assign]
+    r = reconstruct(tok, template, SYSTEM_MULTI, "2 plus 2 is 4.", "Four")
+    assert sorted(encoded) == sorted(t for t in ([m["content"] for m in SYSTEM_MULTI] + ["2 plus 2 is 4.", "Four"])
+                                     if t)
+    each_answer = reconstruct(TOK, KimiK25Template(), SYSTEM_MULTI, "2 plus 2 is 4.", "Four")
+    expected, start, end = by_hand(SYSTEM_MULTI, "2 plus 2 is 4.", "Four")
+    assert r.input_ids.tolist() == each_answer.input_ids.tolist() == expected
+    assert r.loss_mask.tolist() == each_answer.loss_mask.tolist()
+    assert (r.answer_start, r.answer_end) == (start, end) and r.history_spans == each_answer.history_spans != ()
+    assert r.index_meta() == each_answer.index_meta()
+    surrogate = "a lone \ud800 surrogate in a longer text"
+    cut = reconstruct(tok, template, user(surrogate), "ok", surrogate)
+    assert cut.input_ids.tolist() == reconstruct(TOK, KimiK25Template(), user(surrogate), "ok", surrogate
+                                                 ).input_ids.tolist()
+    assert TOK.encoding.encode_ordinary(surrogate) == tok.encode_text(surrogate)
+
+
+def test_a_template_loaded_for_another_tokenizer_is_refused() -> None:
+    """Its fixed pieces hold the other tokenizer's ids: the answer is not rendered rather than given them."""
+    other = copy.copy(TOK)  # the same vocabulary even, but not the tokenizer KIMI was loaded for
+    r = reconstruct(other, KIMI, user("Hi"), "ok", "Hello")
+    assert r.failed_checks == ("renders",) and "loaded for tokenizer" in r.error
+    assert reconstruct(other, load_template("kimi-k2.5", other), user("Hi"), "ok", "Hello").valid
 
 
 def test_literal_im_end_in_an_answer_stays_text() -> None:

@@ -16,7 +16,7 @@ from draftgen.core.live.snapshot import StageProgress
 from draftgen.core.rundir import RunDir, repair_torn_tail
 from draftgen.core.tokens.command import tokens_command
 from draftgen.core.tokens.during_run import RunReconstructor
-from draftgen.core.tokens.reconstruct import reconstruct_record
+from draftgen.core.tokens.reconstruct import answer_fields, reconstruct_record
 from draftgen.core.tokens.store import INDEX_FILE, TokenReader
 from draftgen.core.tokens.template import load_template
 from draftgen.core.tokens.tokenizer import bundled_kimi, bundled_kimi_path
@@ -269,7 +269,7 @@ def test_a_batch_comes_back_with_its_report_and_its_index_lines_encoded(tmp_path
     records[3]["messages"] = "not a list"                                # nothing to render
     records[4]["turn"] = 2
     _init_worker(worker_spec(config))
-    results = reconstruct_batch(records)
+    results = reconstruct_batch([answer_fields(r) for r in records])
     ids, masks, samples, report = results
     assert [rid for rid, _, _ in samples] == [f"p{i}" for i in range(6)]
     by_lines = ValidationReport("", policy=report.policy)
