@@ -325,14 +325,8 @@ class RunTerms:
             if renewed is None:
                 return Outcome.GIVEN_UP if control.closed else Outcome.OVER_BUDGET
             req.ticket = ticket = renewed
-        try:  # durable (one fsync per batch) before the request leaves: spend.py send_grouped, awaited here
-            durable = spend.send_soon(ticket)
-            try:
-                await durable
-            except BaseException:
-                spend.refused(ticket)
-                raise
-            ticket.sent = True
+        try:
+            await spend.send_grouped(ticket)  # durable (one fsync per batch) before the request leaves
         except DiskError as e:
             spend.release(ticket)
             req.disk_error = e

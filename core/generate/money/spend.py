@@ -89,7 +89,6 @@ settled + pending + reserved + the next reservation <= max_usd, whatever crashed
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -394,20 +393,13 @@ class SpendLedger:
         latest just before the fsync that covers it begins) and the call returns once that fsync has
         completed, one fsync shared by every request of the moment (raises DiskError: do not send; a
         cancel while it waits: not sent either)."""
-        durable = self.send_soon(t)
+        file = self._append_sent(t)
         try:
-            await durable
+            await file.synced()
         except BaseException:
             self.refused(t)
             raise
         t.sent = True
-
-    def send_soon(self, t: Ticket) -> asyncio.Future[None]:
-        """`send_grouped` for a caller that awaits the fsync itself (a run's request, request.py: one coroutine
-        a request less): the sent line appended now (raises DiskError when the ledger is closed); the future
-        resolves once the group fsync covering it has completed. Then `t.sent = True`; on any exception from
-        it (DiskError, a cancel) `refused(t)`: not sent."""
-        return self._append_sent(t).synced()
 
     def _append_sent(self, t: Ticket) -> LedgerFile:
         if self._file is None:  # closed: the run that owned it ended (or it was never opened)
