@@ -48,21 +48,6 @@ def accounted(config, engine):
                                                                           run.skipped, run.total)
 
 
-async def _watched_run(tmp_path, n: int, watch, unwatch) -> tuple:
-    """A run of `n` prompts at concurrency 4 against the simulator, `watch()` called before it and `unwatch()`
-    after; it ends DONE with every prompt accounted for. Its config and engine."""
-    async with SimServer(SimConfig(seed=3, **FAST), port=0) as sim:
-        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": n, "concurrency": 4}])
-        watch()
-        try:
-            engine, state, _ = await run_engine(cfg)
-        finally:
-            unwatch()
-    assert state == snap.RunState.DONE
-    accounted(cfg, engine)
-    return cfg, engine
-
-
 async def test_answers_land_with_every_field(tmp_path):
     async with SimServer(SimConfig(seed=3, **FAST), port=0) as sim:
         cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 30, "concurrency": 8},
@@ -101,9 +86,16 @@ async def test_requests_run_in_a_pool_of_coroutines_not_a_task_each(tmp_path):
             made.append(coro.__qualname__)
         return asyncio.Task(coro, loop=loop, **kw)
 
-    previous = loop.get_task_factory()
-    cfg, _ = await _watched_run(tmp_path, 300, lambda: loop.set_task_factory(factory),
-                                lambda: loop.set_task_factory(previous))
+    async with SimServer(SimConfig(seed=3, **FAST), port=0) as sim:
+        cfg = make_config(tmp_path, sim.base_url, [{"name": "a", "n": 300, "concurrency": 4}])
+        previous = loop.get_task_factory()
+        loop.set_task_factory(factory)
+        try:
+            engine, state, _ = await run_engine(cfg)
+        finally:
+            loop.set_task_factory(previous)
+    assert state == snap.RunState.DONE
+    accounted(cfg, engine)
     assert made.count("Admission._requests_of") == 4
     assert len(made) < 30, sorted(made)  # 300 prompts: a task each would be 300 more
     ids = read_ids(RunDir(cfg.run_dir).responses("a"))
@@ -720,27 +712,3 @@ async def test_a_request_that_ends_on_the_engines_own_error_is_said_with_its_cau
     assert said == ["a: prompt 'a-3' not asked again this run: the engine's own error RuntimeError: "
                     "a bug of the engine's own"]
     assert engine.datasets["a"].done == 5
-
-
-async def test_a_request_starts_few_coroutines_of_its_own(tmp_path):
-    """A request that need not wait for room is admitted by plain calls, and its record's fsync is awaited by
-    the request itself: per answer, the engine's own coroutines started are the request's run, its attempts,
-    the attempt's reservation and durable `sent` line, the exchange (chat, its body, its bounded read), the
-    booking, and the dataset's next prompt read under the admission lock. Each coroutine a request costs
-    ~1.4k instructions (BENCHMARKS.md "Engine CPU per request")."""
-    import inspect
-    import sys
-    from collections import Counter
-
-    started: Counter[str] = Counter()
-
-    def profile(frame, event, arg):  # a coroutine's first step: its frame has run only its prologue
-        if event == "call" and frame.f_code.co_flags & inspect.CO_COROUTINE and frame.f_lasti < 10 \
-                and frame.f_globals.get("__name__", "").startswith("draftgen.core."):
-            started[frame.f_code.co_qualname] += 1
-
-    n = 200
-    await _watched_run(tmp_path, n, lambda: sys.setprofile(profile), lambda: sys.setprofile(None))
-    per_request = {name: count // n for name, count in started.items() if count >= n}  # the last few: not
-    assert "Request.admit" not in per_request and "RecordBook.synced" not in per_request, per_request
-    assert sum(per_request.values()) == 10, per_request

@@ -370,17 +370,17 @@ class RecordBook:
             self._control.hold(Hold.DISK, f"{refused}. The run is paused with {len(self._held)} record(s) held in "
                                "memory; free space and press r to resume (headless: kill -USR1 <pid>).")
 
-    def unsynced(self, ds: DatasetRun) -> list[JsonlAppender]:
-        """The dataset's records files with lines not yet durable against an OS crash: its request awaits
-        each one's `synced()` (one fsync shared by every request of the moment, in a thread) before it
-        counts as finished, and hands a DiskError to `sync_refused`. Awaited by the request itself
-        (request.py `RunTerms.book`), not through a coroutine of the book's: one coroutine a request less."""
-        return [f for f in (ds.responses, ds.failures) if f is not None and f.unsynced]
-
-    def sync_refused(self, e: DiskError) -> None:
-        """An fsync of the records failed: the run pauses, as for a write the disk refuses."""
-        self._control.hold(Hold.DISK, f"{e}. The run is paused: the last records may not survive an OS "
-                           "crash; check the disk and press r to resume (headless: kill -USR1 <pid>).")
+    async def synced(self, ds: DatasetRun) -> None:
+        """The dataset's records written so far durable against an OS crash (one fsync shared by every
+        request of the moment, in a thread) before its request counts as finished. An fsync that fails
+        pauses the run, as a write the disk refuses does."""
+        for f in (ds.responses, ds.failures):
+            if f is not None and f.unsynced:
+                try:
+                    await f.synced()
+                except DiskError as e:
+                    self._control.hold(Hold.DISK, f"{e}. The run is paused: the last records may not survive an OS "
+                               "crash; check the disk and press r to resume (headless: kill -USR1 <pid>).")
 
     def flush_held(self) -> bool:
         """Write the held records in order; False (and still paused) when the disk refuses again."""

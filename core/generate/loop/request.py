@@ -4,10 +4,9 @@ A request is one `Request` object: it carries its body, its reservation (a `Tick
 attempt), its attempts and the evidence its retries are weighed against, its outcome and what it
 holds until it ends. A request coroutine of its dataset (admission.py) pulls a prompt from the
 dataset's source (source.py), builds its `Request` and, under the dataset's admission lock, admits it
-(`Request.admit_now`, or `Request.admit` when it must wait for room); then `Request.run` takes it to its
-record, in order:
+(`Request.admit`); then `Request.run` takes it to its record, in order:
 
-1. admit (`admit_now`, `admit`): the body this prompt's request sends and the worst case of that very body; room for
+1. admit (`admit`): the body this prompt's request sends and the worst case of that very body; room for
    it (room.py: the gate, the dataset's doubts, token budget, max_usd and credit floor, its
    concurrency); a prompt another dataset answered or is answering is skipped instead (duplicates.py);
 2. reserve: that worst case on the spend ledger (a `Ticket`), the request in flight in its dataset;
@@ -128,7 +127,7 @@ class Terms(Protocol):
 
 class Request:
     """One prompt asked: its body, its reservation, its attempts, its outcome, and what it holds."""
-    __slots__ = ("terms", "ds", "prompt", "source", "body", "worst", "ticket", "expected", "probe", "booked", "tries",
+    __slots__ = ("terms", "ds", "prompt", "source", "body", "ticket", "expected", "probe", "booked", "tries",
                  "spent", "seq", "sent_no", "sent_at", "first_block", "faults_before", "own_faults", "answer",
                  "error", "disk_error", "why")
 
@@ -139,7 +138,6 @@ class Request:
         self.ds = ds              # the run's dataset (None: a smoke test's request)
         self.source = source      # told what became of the prompt, once (None: a smoke test's)
         self.body: ChatBody = body or {}
-        self.worst = 0.0          # what the body can cost at most (room.py request_for): what is reserved
         self.ticket: Ticket | None = None  # the attempt's reservation (the first one's released as it ends)
         self.expected = 0         # its tokens counted in flight against the dataset's token budget
         self.probe = False        # the one request of a dataset held by its doubts (doubts.py)
@@ -159,38 +157,25 @@ class Request:
 
     # -- 1. admit, 2. reserve ------------------------------------------------------------------------
 
-    def admit_now(self) -> Decision | None:
-        """Admit the prompt's request if room says so now (GO: `run` it next), or skip it (SKIP: max_usd has
-        no room for it; a GO whose prompt another dataset has is skipped too, as SKIP), or give it back to
-        its source (HALT); BUDGET leaves it with the caller, whose dataset the budget ends. None: it must
-        wait for room (`admit`). A plain call: most prompts go out here, without a coroutine of their own."""
-        terms, ds = self.terms, self.ds
-        assert isinstance(terms, RunTerms) and ds is not None
-        room = terms.room
-        self.body, self.worst = room.request_for(ds, self.prompt)
-        decision = room.admit_now(ds, self.worst)
-        return None if decision is None else self._decided(decision)
-
     async def admit(self) -> Decision:
-        """`admit_now` that returned None: wait for room, then decide as `admit_now`."""
-        terms, ds, source = self.terms, self.ds, self.source
-        assert isinstance(terms, RunTerms) and ds is not None and source is not None
-        try:
-            decision = await terms.room.admit(ds, self.worst)
-        except asyncio.CancelledError:  # the run cancelled while it waited: the prompt stays eligible
-            source.booked(self.prompt, HANDED_BACK)
-            raise
-        return self._decided(decision)
-
-    def _decided(self, decision: Decision) -> Decision:
-        """Room's decision carried out: GO reserves the worst case and puts the request in flight (or skips
-        a prompt another dataset has), HALT and SKIP book the prompt as such."""
+        """Wait for room for the prompt's request and admit it (GO: `run` it next), or skip it (SKIP: max_usd
+        has no room for it; a GO whose prompt another dataset has is skipped too, as SKIP), or give it back
+        to its source (HALT); BUDGET leaves it with the caller, whose dataset the budget ends."""
         terms, ds, prompt, source = self.terms, self.ds, self.prompt, self.source
         assert isinstance(terms, RunTerms) and ds is not None and source is not None
+        room = terms.room
+        self.body, worst = room.request_for(ds, prompt)
+        decision = room.admit_now(ds, worst)
+        if decision is None:
+            try:
+                decision = await room.admit(ds, worst)
+            except asyncio.CancelledError:  # the run cancelled while it waited: the prompt stays eligible
+                source.booked(prompt, HANDED_BACK)
+                raise
         verdict = decision.verdict
         if verdict is Admit.GO:
             if not terms.taken_elsewhere(ds, prompt):
-                self.ticket = terms.spend.reserve(ds.config.name, prompt.id, self.worst)
+                self.ticket = terms.spend.reserve(ds.config.name, prompt.id, worst)
                 self.expected = ds.token_budget.expected()
                 self.probe = ds.doubts.held  # doubts.py: while held, one request at a time
                 ds.request_started(self.expected, probe=self.probe)
@@ -200,7 +185,7 @@ class Request:
         if verdict is Admit.HALT:
             source.booked(prompt, HANDED_BACK)
         elif verdict is Admit.SKIP:
-            terms.room.skip_for_money(ds, prompt.id, decision.reason)
+            room.skip_for_money(ds, prompt.id, decision.reason)
             source.booked(prompt, Booked.skipped(decision.reason))
         return decision
 
@@ -461,30 +446,25 @@ class RunTerms:
         ds, prompt = req.ds, req.prompt
         assert ds is not None
         ctx, book = self.ctx, self.parts.book
-        if outcome is Outcome.ANSWERED or outcome is Outcome.FAILED:
-            if outcome is Outcome.ANSWERED:
-                answer = req.answer
-                assert answer is not None
-                ctx.provider_stats.answer(answer.server or answer.provider or "unknown", answer.latency_s,
-                                          answer.usage.completion_tokens)
-                book.record_answer(ds, prompt, answer, req.tries, req.seq,
-                                   sampling=sampling_of(req.body) if ds.config.records_sampling else None)
-                if answer.token_ids is None and self.service.wants_ids:
-                    self.service.no_ids(ds.config.name)
-                if (duplicates := self.parts.opened.duplicates) is not None:
-                    duplicates.answered(ds.config.name, prompt.id)
-                req.tell(Booked.answered(answer))
-            else:
-                assert req.error is not None
-                book.fail_or_doubt(ds, prompt, req.error, req.tries, req.seq)
-                req.tell(Booked.failed(str(req.error.kind)))
-            # Durable before the request ends: each records file's group fsync awaited here, not through a
-            # coroutine of the book's (record_book.py `unsynced`).
-            for f in book.unsynced(ds):
-                try:
-                    await f.synced()
-                except DiskError as e:
-                    book.sync_refused(e)
+        if outcome is Outcome.ANSWERED:
+            answer = req.answer
+            assert answer is not None
+            ctx.provider_stats.answer(answer.server or answer.provider or "unknown", answer.latency_s,
+                                      answer.usage.completion_tokens)
+            book.record_answer(ds, prompt, answer, req.tries, req.seq,
+                               sampling=sampling_of(req.body) if ds.config.records_sampling else None)
+            if answer.token_ids is None and self.service.wants_ids:
+                self.service.no_ids(ds.config.name)
+            if (duplicates := self.parts.opened.duplicates) is not None:
+                duplicates.answered(ds.config.name, prompt.id)
+            req.tell(Booked.answered(answer))
+            await book.synced(ds)
+            return
+        if outcome is Outcome.FAILED:
+            assert req.error is not None
+            book.fail_or_doubt(ds, prompt, req.error, req.tries, req.seq)
+            req.tell(Booked.failed(str(req.error.kind)))
+            await book.synced(ds)
             return
         if outcome is Outcome.OVER_BUDGET:  # stays eligible: the next run (a higher max_usd) asks it again
             reason = "max_usd leaves no room for its retry"
