@@ -151,6 +151,10 @@ class TiktokenTokenizer(_SpecialTable, _ChatTemplateText):
         # Byte-level BPE over UTF-8 with every single byte in the vocabulary: decode(encode_text(t)) == t
         # for every valid Unicode text (reconstruction relies on it to skip decoding its own ids).
         self.lossless_text = lossless_text
+        # encode_text never gives a special token's id: tiktoken's encode_ordinary gives the BPE's ranks only,
+        # and the loader refuses a special id among them (tokenizer.py). Reconstruction relies on it to find
+        # the think tags of its own ids among the answer's special pieces, without a pass over the span.
+        self.text_ids_plain = True
         self.vocab_size = int(encoding.n_vocab)
         self._encode_ordinary = encoding.encode_ordinary
         # tiktoken's Rust encoder itself: `Encoding.encode_ordinary` is a Python call around it whose only work

@@ -291,6 +291,39 @@ def test_skipping_the_decode_of_our_own_ids_changes_no_outcome(reasoning: str | 
     assert fast.input_ids.tolist() == full.input_ids.tolist()
 
 
+class _SpanCounted:
+    """The bundled tokenizer, not saying that its text ids are never special: reconstruction then counts
+    the think tags by its pass over the answer span."""
+
+    text_ids_plain = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(TOK, name)
+
+
+SPAN_COUNTED = _SpanCounted()
+KIMI_SPAN_COUNTED = load_template("kimi-k2.5", SPAN_COUNTED)  # type: ignore[arg-type]
+
+
+@settings(max_examples=150, deadline=None)
+@given(reasoning=st.one_of(st.none(), PIECES), content=PIECES, prompt=PIECES, truncated=st.booleans(),
+       calls=st.booleans())
+def test_think_tags_counted_among_the_answers_special_pieces_as_in_the_span(
+        reasoning: str | None, content: str, prompt: str, truncated: bool, calls: bool) -> None:
+    """Our own ids from Kimi's tiktoken: no text id is a special token's, so the think tags are counted
+    among the answer's special pieces; the checks are those of the pass over the span, on any text
+    (look-alikes of the tags typed in it included)."""
+    assert TOK.text_ids_plain
+    assert all(i < min(SPECIAL.values()) for i in TOK.encode_text(prompt + (reasoning or "") + content))
+    tool_calls = [{"id": "functions.ls:0", "type": "function",
+                   "function": {"name": "ls", "arguments": '{"path":"</think>"}'}}] if calls else None
+    fast = reconstruct(TOK, KIMI, user(prompt), reasoning, content, truncated=truncated, tool_calls=tool_calls)
+    span = reconstruct(SPAN_COUNTED, KIMI_SPAN_COUNTED, user(prompt), reasoning, content,  # type: ignore[arg-type]
+                       truncated=truncated, tool_calls=tool_calls)
+    assert fast.checks == span.checks
+    assert fast.input_ids.tolist() == span.input_ids.tolist()
+
+
 # -- template details ----------------------------------------------------------------------------------
 
 
