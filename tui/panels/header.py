@@ -48,7 +48,7 @@ class RunHeader(Panel):
 
     def draw(self, s: RunSnapshot) -> RenderableType:
         # State first: on a narrow terminal the model name is what gets cut, never the state.
-        label = s.label  # the run's owner decides it (core/run/life.py RunLife.label)
+        label = s.label  # the run's owner decides it (core/run/life.py `standing`)
         left = Text.assemble((f" {label} ", STATE_STYLES.get(label, "bold reverse")), " ")
         narrow = self.cols < 100  # 80x24: the run name must stay, so the clock gets short
         if s.attached:
