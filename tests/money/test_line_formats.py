@@ -115,3 +115,22 @@ def test_an_end_or_settle_line_that_will_not_convert_leaves_its_attempt_at_worst
     path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in sent + odd))
     ledger = SpendLedger.read(path)
     assert sorted(ledger.pending) == ["x", "y"] and ledger.pending_usd == 1.0 and ledger.settled_usd == 0.0
+
+
+def test_a_sent_line_with_an_odd_time_still_counts_its_attempt(tmp_path):
+    """A hand-edited `sent` line whose `t` is not a number: its attempt, left open, is pending at its reservation
+    (its `t` read as 0.0, as when absent), not dropped from the sums with the line."""
+    path = tmp_path / "spend.jsonl"
+    path.write_bytes(orjson.dumps({"e": "sent", "a": "x", "ds": "a", "p": "x", "w": 0.5, "t": "soon"}) + b"\n")
+    ledger = SpendLedger.read(path)
+    assert list(ledger.pending) == ["x"] and ledger.pending_usd == 0.5
+
+
+@pytest.mark.parametrize("w", ["nan", -5, "1e400"])
+def test_a_sent_line_with_a_reservation_no_attempt_has_counts_at_the_most_one_can(tmp_path, w):
+    """A hand-edited `sent` reservation that is NaN, negative or infinite counts as `MAX_ATTEMPT_USD`: a NaN
+    pending sum made every `max_usd` check pass, a negative one gave its dollars back."""
+    path = tmp_path / "spend.jsonl"
+    path.write_bytes(orjson.dumps({"e": "sent", "a": "x", "ds": "a", "p": "x", "w": w, "t": NOW}) + b"\n")
+    ledger = SpendLedger.read(path)
+    assert ledger.pending_usd == spend_module.MAX_ATTEMPT_USD

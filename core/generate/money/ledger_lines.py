@@ -6,8 +6,9 @@ The ledger's writers (spend.py `SpendLedger`, spend_file.py `LedgerFile`) build 
 by hand or written by another tool, so each value is converted to its type first (a count that is a JSON
 string is read as the number it spells, as before) and a line that cannot be, or of no known kind, is None
 and counts as nothing (an attempt whose end or settle line is such stays open: pending at its worst
-case). Whether a cost is one an attempt can have been billed is the reader's question
-(spend.py `_sane`): `checked` only makes it a float.
+case). A `t` is not needed to count an attempt: an odd one reads as 0.0, as an absent one does, so a `sent`
+line with one still counts at its reservation. Whether a cost is one an attempt can have been billed is the
+reader's question (spend.py `_sane`): `checked` only makes it a float.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ def checked(raw: dict[str, Any]) -> LedgerLine | None:
 
 
 def _sent(raw: dict[str, Any], a: str) -> SentLine:
+    # An odd `t` reads as none (0.0): the attempt still counts at its reservation rather than vanishing.
     return {"e": "sent", "a": a, "ds": str(raw["ds"]), "p": str(raw["p"]), "w": float(raw["w"]),
-            "t": float(raw.get("t") or 0.0)}
+            "t": _when(raw.get("t"))}
 
 
 def _gen(raw: dict[str, Any], a: str) -> GenLine:
@@ -128,9 +130,7 @@ def _settle(raw: dict[str, Any], a: str) -> SettleLine:
 
 
 def _key(raw: dict[str, Any], a: str) -> KeyLine:
-    t = raw.get("t")  # not read back: an odd one does not lose the baseline
-    return {"e": "key", "u": float(raw["u"]),
-            "t": float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0}
+    return {"e": "key", "u": float(raw["u"]), "t": _when(raw.get("t"))}  # an odd `t` does not lose the baseline
 
 
 def _prices(raw: dict[str, Any], a: str) -> PricesLine:
@@ -143,6 +143,14 @@ def _carry(raw: dict[str, Any], a: str) -> CarryLine:
     if "n" in raw:
         line["n"] = int(raw["n"])
     return line
+
+
+def _when(t: object) -> float:
+    """A line's `t` (a JSON string read as the number it spells), 0.0 when absent or not a number."""
+    try:
+        return float(t or 0.0)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
 
 
 _CHECKS: dict[str, Callable[[dict[str, Any], str], LedgerLine]] = {

@@ -76,7 +76,8 @@ its attempt at worst case (or look it up).
 
 A cost read back that no attempt can have been billed (not a finite number, negative, or $1,000 or more:
 `MAX_ATTEMPT_USD`, e.g. a figure a server sent that an older version booked as given) counts as the
-attempt's reservation (its `w`), so no one line can make the directory's ledger unusable. A line whose
+attempt's reservation (its `w`), so no one line can make the directory's ledger unusable; a `w` that is
+not one counts as `MAX_ATTEMPT_USD`. A line whose
 values will not convert to its kind's (ledger_lines.py, where each kind's type is) counts as nothing: the
 attempt of such an end or settle line stays open, pending at its worst case.
 
@@ -182,7 +183,9 @@ class SpendReplay:
     def line(self, line: LedgerLine) -> None:
         sums, opened = self.sums, self._opened
         if line["e"] == "sent":
-            rec = opened[line["a"]] = _Opened(line["ds"], line["p"], line["w"], line["t"])
+            # A reservation no attempt can have had (NaN, negative: hand-edited) counts at the most one can:
+            # as given, a NaN or negative one would let every later check pass.
+            rec = opened[line["a"]] = _Opened(line["ds"], line["p"], _sane(line["w"], MAX_ATTEMPT_USD), line["t"])
             if self.sent_prompts is not None:
                 self.sent_prompts.setdefault(rec.ds, {}).setdefault(rec.p, False)
         elif line["e"] == "gen":
