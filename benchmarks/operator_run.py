@@ -109,9 +109,17 @@ async def poll(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen,
         await asyncio.sleep(2.0)
 
 
-async def until_answered(w: Watch, proc: subprocess.Popen, count: float) -> None:
+async def until_answered(w: Watch, proc: subprocess.Popen, count: float, n: int, step: str) -> None:
+    """Until the scrapes show `count` answered. The benchmark stops, saying why, when the run has ended or
+    answered every prompt before the plan's next `step`: its checks would read a run that did not do what
+    they check (a run of a few seconds: the scrapes are 2 s apart)."""
     while (not w.series or w.series[-1][3] < count) and proc.poll() is None:
         await asyncio.sleep(0.5)
+    answered = w.series[-1][3] if w.series else 0
+    if proc.poll() is not None or answered >= n:
+        raise SystemExit(f"the run went faster than the plan: {answered:,.0f} of {n:,} answered "
+                         f"({'it has ended' if proc.poll() is not None else 'at one scrape'}) before the {step}; "
+                         "the scrapes are 2 s apart, so raise --n or --latency-scale")
 
 
 def start_run(config: Path, log: Path) -> subprocess.Popen:
@@ -133,7 +141,7 @@ async def operate(root: Path, config: Path, args: argparse.Namespace, sim_port: 
         try:
             # Two scrapes: the counter rises and equals the lines on disk within what was in flight.
             for name, share in (("scrape1", 0.15), ("scrape2", 0.30)):
-                await until_answered(w, proc, n * share)
+                await until_answered(w, proc, n * share, n, f"{name}'s count")
                 m = await scrape(session, url)
                 on_disk = lines(rundir.responses(DATASET))
                 counted = value(m, "requests_total", outcome="answered") or 0
@@ -143,7 +151,7 @@ async def operate(root: Path, config: Path, args: argparse.Namespace, sim_port: 
                 c2 > c1 and abs(c1 - d1) <= f1 and abs(c2 - d2) <= f2)
 
             # A pause: nothing reaches the simulator, retries included.
-            await until_answered(w, proc, n * 0.35)
+            await until_answered(w, proc, n * 0.35, n, "pause")
             before = sim_stats(sim_port)["requests_total"]
             os.kill(proc.pid, signal.SIGUSR2)
             await asyncio.sleep(1.0)
@@ -156,7 +164,7 @@ async def operate(root: Path, config: Path, args: argparse.Namespace, sim_port: 
             fig["checks"]["0 requests during the pause"] = r1 == r0 and paused_state == "PAUSED"
 
             # A drain: the projection after it equals the one before.
-            await until_answered(w, proc, n * args.drain_at)
+            await until_answered(w, proc, n * args.drain_at, n, "drain")
             m = await scrape(session, url)
             p0, done0 = value(m, "projected_total_dollars"), value(m, "requests_total", outcome="answered")
             fig["spent_at_drain"] = value(m, "spend_dollars", scope="ledger")
