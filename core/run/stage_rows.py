@@ -34,10 +34,6 @@ class StageRows:
         rows = self._rows
         return tuple(rows[n] for n in snap.STAGE_NAMES if n in rows)
 
-    def states(self, *, but: str = "") -> set[snap.StageState]:
-        """The states of the stages that have a row, `but` the one named."""
-        return {row.state for name, row in list(self._rows.items()) if name != but}
-
     # -- changes ----------------------------------------------------------------------------------
 
     def set(self, progress: snap.StageProgress) -> None:

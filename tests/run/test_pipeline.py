@@ -111,7 +111,6 @@ def test_a_stage_stopped_stays_stopped_when_its_worker_thread_reports_after(tmp_
     rows.fail_running("disk gone")
     assert [(r.name, r.state) for r in rows.rows()] == [
         ("tokens", snap.StageState.DONE), ("merge", snap.StageState.STOPPED), ("extract", snap.StageState.FAILED)]
-    assert rows.states(but="extract") == {snap.StageState.DONE, snap.StageState.STOPPED}
 
 
 @pytest.mark.parametrize("reconstruct", [False, True], ids=["no-tokens", "tokens"])
