@@ -93,6 +93,9 @@ class RecordBook:
         self.errors = ctx.errors
         self._recent = ctx.recent
         self._model = ctx.config.api.model  # the model asked: an answer from another is never a sample
+        # The last `model` an answer named and whether it is another model (record_answer): an object no
+        # answer names at first.
+        self._judged: tuple[object, bool] = (object(), False)
         self._answers_now = self._other_now = 0  # this run's answers, and those from another model
         self._other_said = False
         self.rates = RateTracker(clock=ctx.clock)
@@ -263,8 +266,11 @@ class RecordBook:
         for d in ds.doubts.answered(seq):  # set-aside prompts this answer shows were their own (rare)
             self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"
-        empty = not a.content.strip() and not a.tool_calls  # an agent step's answer may be its calls alone
-        other = not same_model(self._model, a.model)
+        # an agent step's answer may be its calls alone (isspace: not strip(), which copies the text)
+        empty = not a.tool_calls and (not (content := a.content) or content.isspace())
+        if (model := a.model) is not self._judged[0]:  # the redactor's one string for a model seen before
+            self._judged = (model, not same_model(self._model, model))
+        other = self._judged[1]
         line = ResponseRecord.line(
             prompt.id, prompt.messages, a.reasoning, a.content, a.tool_calls, a.finish_reason,
             a.native_finish_reason, a.provider, a.model, a.generation_id, a.usage, to_ms(a.latency_s), attempts,
@@ -274,15 +280,18 @@ class RecordBook:
         if a.server is not None:
             line["server"] = a.server  # a fleet's server that answered (api/fleet.py)
         turn = prompt.turn
-        if turn is not None and turn.expect is not None and not broken_answer(
-                a.content, a.finish_reason, a.tool_calls, agent=True) and turn.diverges(a.tool_calls):
-            line["diverged"] = True  # not the dataset's next move: its conversation ends (conversations.py)
+        diverged = replayed = False
+        if turn is not None:
+            if turn.expect is not None and not broken_answer(
+                    a.content, a.finish_reason, a.tool_calls, agent=True) and turn.diverges(a.tool_calls):
+                line["diverged"] = diverged = True  # not the dataset's next move: its conversation ends
+            replayed = turn.tool_results == "replayed"
         assert ds.responses is not None
         self._write(ds, ds.responses, line, line)
-        ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty, other_model=other,
-                    calls=bool(a.tool_calls), diverged=line.get("diverged") is True,
-                    replayed=turn is not None and turn.tool_results == "replayed",
-                    prompt_tokens=a.usage.prompt_tokens, reasoning_tokens=a.usage.reasoning_tokens)
+        u = a.usage
+        ds.answered(prompt.id, u.completion_tokens, u.cost, short=truncated or empty, other_model=other,
+                    calls=bool(a.tool_calls), diverged=diverged, replayed=replayed,
+                    prompt_tokens=u.prompt_tokens, reasoning_tokens=u.reasoning_tokens)
         self._answers_now += 1
         if other:
             self._other_model(ds, prompt, a, attempts)
@@ -291,7 +300,7 @@ class RecordBook:
             if truncated and (cut := ds.cut_to_say()):
                 name = ds.config.name
                 self._event(ev.CutAnswers(cut=cut, answered=ds.answered_now, dataset=name))
-        self.rates.record(a.usage.completion_tokens)
+        self.rates.record(u.completion_tokens)
 
     def _other_model(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int) -> None:
         """An answer from another model: counted (by provider in the recent errors); the run held the first
