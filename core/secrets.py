@@ -140,7 +140,9 @@ class Redactor:
         known = self.known
         if short and (done := known.get(text)) is not None:
             return done
-        out = visible(self._cut(text))
+        out = self._cut(text)
+        if not out.isprintable():  # visible's first check, here: a printable text is shown as it is
+            out = visible(out)
         if short:
             if len(known) >= MEMO_SIZE:
                 known.clear()

@@ -75,7 +75,7 @@ MESSAGE_SIZE = 64
 OTHER_MODEL_AFTER = 10  # answers this run before the share of them from another model is judged
 
 
-@dataclass
+@dataclass(slots=True)  # one per record
 class _Held:
     """A record the disk refused, waiting in memory."""
     ds: DatasetRun
