@@ -157,8 +157,13 @@ class Redactor:
         if "\\" in text or "%" in text:  # escapes: matched on the decoded text, cut in the original
             decoded, starts = _decoded(text)
             spans = [[starts[a], starts[b]] for a, b in self._spans(decoded)] if self._may_hold(decoded) else []
-        else:
-            spans = self._spans(text) if self._may_hold(text) else []
+        else:  # _may_hold, inline: every new upstream text comes here (a generation id per request)
+            spans = []
+            folded = text.lower() if self._lower else text.translate(self._fold)
+            for a in self._anchors:
+                if a in folded:
+                    spans = self._spans(text)
+                    break
         if self._b64_any.search(text) is not None:  # an anchor of the key's base64, either alphabet
             spans += self._b64_spans(text)
         if not spans:

@@ -131,7 +131,11 @@ def _usage_of(raw: Any) -> tuple[Usage, bool, str]:
         prompt = _count(prompt)
     if not (type(completion) is int and 0 <= completion < _COUNT_END):
         completion = _count(completion)
-    reasoning = _count(details.get("reasoning_tokens")) if isinstance(details, dict) else 0
+    reasoning = 0
+    if isinstance(details, dict):
+        reasoning = details.get("reasoning_tokens")
+        if not (type(reasoning) is int and 0 <= reasoning < _COUNT_END):
+            reasoning = _count(reasoning)
     doubt = "" if prompt is not None and completion is not None else BAD_COUNT
     priced = False
     if cost is None:

@@ -75,13 +75,18 @@ MESSAGE_SIZE = 64
 OTHER_MODEL_AFTER = 10  # answers this run before the share of them from another model is judged
 
 
-@dataclass(slots=True)  # one per record
+@dataclass
 class _Held:
     """A record the disk refused, waiting in memory."""
     ds: DatasetRun
     appender: JsonlAppender
     line: ResponseLine | FailureLine
     answer: ResponseLine | None  # the line, when it is a responses.jsonl line (else failures.jsonl)
+
+
+# A record buffered for its file's next write, as _Held's fields: a tuple (one per record; a _Held is made
+# only for one the disk refused).
+_Buffered = tuple[DatasetRun, JsonlAppender, ResponseLine | FailureLine, ResponseLine | None]
 
 
 class RecordBook:
@@ -104,7 +109,7 @@ class RecordBook:
         self._control = ctx.control  # the run's owner: a write the disk refuses holds the run through it
         self._on_answer = on_answer  # the answer handed on once on disk (the live token view, core/run)
         self._held: list[_Held] = []
-        self._writing: dict[JsonlAppender, deque[_Held]] = {}  # per file, its records buffered, in order
+        self._writing: dict[JsonlAppender, deque[_Buffered]] = {}  # per file, its records buffered, in order
         # Per dataset: the prompts its count read (scan_prompts) and their size, until its source takes them;
         # counts run in threads.
         self._scanned: dict[str, tuple[list[Prompt], int]] = {}
@@ -153,7 +158,7 @@ class RecordBook:
 
     def _appender(self, path: Path) -> JsonlAppender:
         """A records file whose lines of a tick go out in one write, each record's fate heard (`_written`)."""
-        queue: deque[_Held] = deque()
+        queue: deque[_Buffered] = deque()
         appender = JsonlAppender(path, coalesce=True, on_flush=lambda n, refused: self._written(queue, n, refused))
         self._writing[appender] = queue
         return appender
@@ -358,22 +363,22 @@ class RecordBook:
                answer: ResponseLine | None) -> None:
         """The record buffered for its file's next write (`_written` hears how it went), or held in memory
         behind the records the disk refused."""
-        item = _Held(ds, appender, line, answer)
         if self._held:
-            self._held.append(item)
+            self._held.append(_Held(ds, appender, line, answer))
             return
-        self._writing[appender].append(item)
+        self._writing[appender].append((ds, appender, line, answer))
         appender.append(line)
 
-    def _written(self, queue: deque[_Held], n: int, refused: DiskError | None) -> None:
+    def _written(self, queue: deque[_Buffered], n: int, refused: DiskError | None) -> None:
         """A write of a records file: its first `n` buffered records are on disk (an answer is handed on);
         the rest, when the disk refused them, is held in memory and the run pauses."""
+        on_answer = self._on_answer
         for _ in range(n):
-            item = queue.popleft()
-            if item.answer and self._on_answer is not None:
-                self._on_answer(item.ds.config.name, item.answer)
+            ds, _appender, _line, answer = queue.popleft()
+            if answer and on_answer is not None:
+                on_answer(ds.config.name, answer)
         if refused is not None and queue:
-            self._held.extend(queue)
+            self._held.extend(_Held(*item) for item in queue)
             queue.clear()
             self._disk_error = refused
             self._control.hold(Hold.DISK, f"{refused}. The run is paused with {len(self._held)} record(s) held in "

@@ -69,7 +69,7 @@ from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.loop.room import Admit, Decision, Room
 from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.loop.service import ANSWER_BLOCK_BITS, Service, backoff_delay
-from draftgen.core.generate.loop.source import HANDED_BACK, TAKEN_ELSEWHERE, Booked, PromptSource
+from draftgen.core.generate.loop.source import HANDED_BACK, TAKEN_ELSEWHERE, Booked, BookedAs, PromptSource
 from draftgen.core.generate.money.billing import believed, book_answered, book_failure, look_up
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
@@ -449,7 +449,7 @@ class RunTerms:
                 self.service.no_ids(ds.config.name)
             if (duplicates := self.parts.opened.duplicates) is not None:
                 duplicates.answered(ds.config.name, prompt.id)
-            req.tell(Booked.answered(answer))
+            req.tell(Booked(BookedAs.ANSWERED, answer))  # Booked.answered, without its call
             await book.synced(ds)
             return
         if outcome is Outcome.FAILED:

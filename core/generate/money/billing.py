@@ -152,9 +152,10 @@ def book_answered(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Pri
     """A run's answer booked (`book_answer`, what is to be looked up handed to `settler`): the answer as
     booked (`as_booked`) and how far its cost went past its reservation (`over_reservation`)."""
     if answer.priced:  # nearly every answer: at its usage.cost, the answer as it is (one call, not five)
-        cost = answer.usage.cost
+        cost, worst = answer.usage.cost, t.worst
         spend.answered(t, cost)
-        return answer, _past(cost, t.worst)
+        over = cost - worst  # _past, inline
+        return answer, over if over > 1e-12 and worst > 0 else 0.0
     look_up(settler, book_answer(spend, t, answer, prices))
     answer = as_booked(answer, t, prices)
     return answer, over_reservation(answer, t, prices)
