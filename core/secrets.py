@@ -160,8 +160,8 @@ class Redactor:
         else:  # _may_hold, inline: every new upstream text comes here (a generation id per request)
             spans = []
             folded = text.lower() if self._lower else text.translate(self._fold)
-            for a in self._anchors:
-                if a in folded:
+            for anchor in self._anchors:
+                if anchor in folded:
                     spans = self._spans(text)
                     break
         if self._b64_any.search(text) is not None:  # an anchor of the key's base64, either alphabet

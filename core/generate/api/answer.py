@@ -131,7 +131,7 @@ def _usage_of(raw: Any) -> tuple[Usage, bool, str]:
         prompt = _count(prompt)
     if not (type(completion) is int and 0 <= completion < _COUNT_END):
         completion = _count(completion)
-    reasoning = 0
+    reasoning: int | None = 0
     if isinstance(details, dict):
         reasoning = details.get("reasoning_tokens")
         if not (type(reasoning) is int and 0 <= reasoning < _COUNT_END):
