@@ -421,7 +421,7 @@ class RunTerms:
         if answer.doubt:
             service.doubted(name, ticket, answer)
         self.room.trust.billed(name, answer, ticket.prompt_id)
-        # the record's cost is what the ledger booked (the dataset's prices: `prices`, one lookup)
+        # the record's cost is what the ledger booked (the dataset's prices as `prices` looks them up)
         answer, over = book_answered(self.spend, ticket, answer, self.parts.opened.costs.prices.get(name),
                                      self.settler)
         if over:

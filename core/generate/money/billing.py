@@ -114,12 +114,8 @@ def booked_cost(answer: ChatAnswer, t: Ticket, prices: Prices | None) -> float:
 
 def over_reservation(answer: ChatAnswer, t: Ticket, prices: Prices | None) -> float:
     """How far the cost booked for `answer` went past its reservation (0 when it did not)."""
-    return _past(booked_cost(answer, t, prices), t.worst)
-
-
-def _past(cost: float, worst: float) -> float:
-    over = cost - worst
-    return over if over > 1e-12 and worst > 0 else 0.0
+    over = booked_cost(answer, t, prices) - t.worst
+    return over if over > 1e-12 and t.worst > 0 else 0.0
 
 
 def _guess(answer: ChatAnswer, prices: Prices | None, worst: float) -> float:
@@ -154,7 +150,7 @@ def book_answered(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Pri
     if answer.priced:  # nearly every answer: at its usage.cost, the answer as it is (one call, not five)
         cost, worst = answer.usage.cost, t.worst
         spend.answered(t, cost)
-        over = cost - worst  # _past, inline
+        over = cost - worst  # over_reservation's figure
         return answer, over if over > 1e-12 and worst > 0 else 0.0
     look_up(settler, book_answer(spend, t, answer, prices))
     answer = as_booked(answer, t, prices)
