@@ -40,7 +40,10 @@ def _shown(m: re.Match[str]) -> str:
 def visible(text: str, *, one_line: bool = False) -> str:
     """`text` with each control character and bidi override shown as an escape (`\\x1b`, `\\r`,
     `\\u202e`); newlines and tabs kept unless `one_line`. Text without any (nearly all) is returned as is
-    after one regex search."""
+    after one regex search, or none: a printable text (str.isprintable, a third of a search's cost) holds
+    none of them (controls, bidi formats, separators and surrogates are not printable)."""
+    if text.isprintable():
+        return text
     controls = _CONTROLS_ONE_LINE if one_line else _CONTROLS
     if controls.search(text) is None:
         return text

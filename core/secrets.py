@@ -36,6 +36,7 @@ B64_WIDTH = 16  # base64 characters of the key (12 of its bytes) that are enough
 _ESCAPE = re.compile(r"\\+u([0-9a-fA-F]{4})|%([0-9a-fA-F]{2})")  # `\\u0073`: a JSON text escaped once more
 _B64_RUNS = re.compile(rf"[A-Za-z0-9+/_-]{{{B64_WIDTH},}}")
 _B64_STANDARD = str.maketrans("-_", "+/")  # the URL-safe alphabet compared as the standard one
+_EITHER_ALPHABET = {"+": "[+-]", "/": "[/_]"}  # a character of the standard alphabet or its URL-safe one
 
 
 def _decoded(text: str) -> tuple[str, list[int]]:
@@ -128,18 +129,24 @@ class Redactor:
         # to two), which only adds a match to the check below, never takes one away.
         self._lower = secret.isascii()
         self._b64, self._b64_anchors = _b64_windows(secret)
-        # (no anchors, a key too short to have a base64 window: a pattern that never matches)
-        self._b64_any = re.compile("|".join(map(re.escape, self._b64_anchors)) or r"(?!)")
+        # (no anchors, a key too short to have a base64 window: a pattern that never matches). It searches
+        # the text as it is, in either alphabet (a `+` of an anchor also matches `-`, a `/` also `_`): no
+        # copy of the text in the standard alphabet first.
+        self._b64_any = re.compile("|".join("".join(_EITHER_ALPHABET.get(c) or re.escape(c) for c in anchor)
+                                            for anchor in self._b64_anchors) or r"(?!)")
 
     def __call__(self, text: str) -> str:
         short = len(text) <= MEMO_CHARS
-        if short and (done := self.known.get(text)) is not None:
+        known = self.known
+        if short and (done := known.get(text)) is not None:
             return done
-        out = visible(self._cut(text))
+        out = self._cut(text)
+        if not out.isprintable():  # visible's first check, here: a printable text is shown as it is
+            out = visible(out)
         if short:
-            if len(self.known) >= MEMO_SIZE:
-                self.known.clear()
-            self.known[text] = out
+            if len(known) >= MEMO_SIZE:
+                known.clear()
+            known[text] = out
         return out
 
     def _cut(self, text: str) -> str:
@@ -150,9 +157,14 @@ class Redactor:
         if "\\" in text or "%" in text:  # escapes: matched on the decoded text, cut in the original
             decoded, starts = _decoded(text)
             spans = [[starts[a], starts[b]] for a, b in self._spans(decoded)] if self._may_hold(decoded) else []
-        else:
-            spans = self._spans(text) if self._may_hold(text) else []
-        if self._may_hold_b64(text):
+        else:  # _may_hold, inline: every new upstream text comes here (a generation id per request)
+            spans = []
+            folded = text.lower() if self._lower else text.translate(self._fold)
+            for anchor in self._anchors:
+                if anchor in folded:
+                    spans = self._spans(text)
+                    break
+        if self._b64_any.search(text) is not None:  # an anchor of the key's base64, either alphabet
             spans += self._b64_spans(text)
         if not spans:
             return text
@@ -173,11 +185,6 @@ class Redactor:
             if a in folded:
                 return True
         return False
-
-    def _may_hold_b64(self, text: str) -> bool:
-        """False when `text` holds none of the anchors of the key's base64 (either alphabet): one regex
-        search of the text in the standard alphabet (two replace()s: translate() costs 15x)."""
-        return self._b64_any.search(text.replace("-", "+").replace("_", "/")) is not None
 
     def _spans(self, text: str) -> list[list[int]]:
         """The stretches of `text` that hold a window of the key (case folded), in order, merged."""

@@ -128,7 +128,10 @@ class ProviderStats:
         p.latency.append(latency_s)
         self._version += 1
         if self._on_health is not None:
-            self._health(provider, p, "")
+            if p.failing or p.bad:
+                self._health(provider, p, "")
+            else:  # _health's work when none of its last attempts failed (nearly always): one more answered
+                p.outcomes.append("")
 
     def answer_counts(self) -> tuple[tuple[str, int], ...]:
         """Answers per provider, most first (ties in the order first answered): RunSnapshot.providers."""

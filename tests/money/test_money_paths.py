@@ -15,7 +15,14 @@ from draftgen.core.generate.api.classify import RequestFailed
 from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.commands.smoke import SMOKE, run_smoke
 from draftgen.core.generate.loop.engine import Engine
-from draftgen.core.generate.money.billing import book_answer, book_failure
+from draftgen.core.generate.money.billing import (
+    as_booked,
+    book_answer,
+    book_answered,
+    book_failure,
+    look_up,
+    over_reservation,
+)
 from draftgen.core.generate.money.reconcile import reconcile
 from draftgen.core.generate.money.spend import SpendLedger
 from draftgen.core.records import ErrorKind, Usage
@@ -177,6 +184,61 @@ async def test_an_answer_without_a_cost_is_priced_from_its_generation_record(tmp
 
 def _answer(usage: Usage, priced: bool) -> ChatAnswer:
     return ChatAnswer("hi", None, None, "stop", "stop", "P", "m", None, usage, 0.1, priced=priced)
+
+
+class _Looked:
+    """What a settler was handed to look up (billing's `_Settles`)."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+
+    def add(self, items) -> None:
+        self.items.extend(items)
+
+
+def test_a_runs_answer_is_booked_as_the_five_steps_booked_it(tmp_path):
+    """book_answered (a run's answer: RunTerms.answered) books each kind of answer as book_answer, look_up,
+    as_booked and over_reservation do one after the other: the same ledger lines, the same answer as booked
+    (its cost in the record), the same amount past its reservation, the same look-ups handed on."""
+    prices = Prices(1e-6, 4e-6, 0.0, "test")
+    cases = [  # (usage, priced, reservation, generation id, prices)
+        (Usage(100, 500, 0, 0.002), True, 0.01, None, prices),      # priced, within its reservation
+        (Usage(100, 500, 0, 0.05), True, 0.01, "gen-1", prices),    # priced, past it
+        (Usage(100, 500, 0, 0.0), True, 0.01, None, prices),        # a free answer
+        (Usage(100, 500), False, 0.01, None, prices),               # unpriced: its tokens at the worst prices
+        (Usage(100, 5000), False, 0.01, None, prices),              # ... past its reservation
+        (Usage(), False, 0.01, None, prices),                       # no counts: its reservation
+        (Usage(100, 500), False, 0.01, "gen-2", prices),            # pending until its record prices it
+        (Usage(100, 500), False, 0.0, None, None),                  # no price known: $0
+        (Usage(100, 500), False, 0.0, "gen-3", None),               # ... looked up
+    ]
+    booked = {}
+    for way in ("steps", "one"):
+        spend = SpendLedger(tmp_path / f"{way}.jsonl")
+        spend.open()
+        settler = _Looked()
+        out = []
+        for i, (usage, priced, worst, gen, p) in enumerate(cases):
+            t = spend.reserve("a", f"p{i}", worst)
+            spend.send(t)
+            if gen:
+                spend.generation(t, gen)
+            answer = _answer(usage, priced)
+            if way == "steps":
+                look_up(settler, book_answer(spend, t, answer, p))
+                answer = as_booked(answer, t, p)
+                over = over_reservation(answer, t, p)
+            else:
+                answer, over = book_answered(spend, t, answer, p, settler)
+            out.append((answer.usage, answer.priced, over))
+        spend.close()
+        lines = [orjson.loads(x) for x in (tmp_path / f"{way}.jsonl").read_bytes().splitlines()]
+        booked[way] = (out, [{k: v for k, v in x.items() if k not in ("a", "t")} for x in lines],
+                       [(x.prompt_id, x.worst, x.answer) for x in settler.items])
+    assert booked["one"] == booked["steps"]
+    out, lines, looked = booked["one"]
+    assert [over > 0 for _, _, over in out] == [False, True, False, False, True, False, False, False, False]
+    assert out[3][0].cost == pytest.approx(2100e-6) and [p for p, _, _ in looked] == ["p6", "p8"]
 
 
 def test_an_answer_without_a_cost_or_an_id_is_booked_at_tokens_times_the_worst_price(tmp_path):

@@ -43,11 +43,6 @@ class ChatAnswer:
     server: str | None = None  # the fleet's server that answered (api/fleet.py); None: one base_url
 
 
-def _details_of(message: dict[str, Any]) -> list[Any] | None:
-    details = message.get("reasoning_details")
-    return details if isinstance(details, list) and details else None
-
-
 # The text-bearing keys of a reasoning detail, joined across stream chunks; others are taken as they come.
 _DETAIL_TEXT = frozenset({"text", "summary", "data"})
 
@@ -104,12 +99,15 @@ COST_NOT_A_NUMBER = "a usage.cost that is not a number"
 BAD_COUNT = "token counts that are not counts"
 
 
+_COUNT_END = 1 << 62  # a count past this is none (_count)
+
+
 def _count(value: Any) -> int | None:
     """A token count as a server sends it: a non-negative integer, also written as an integral float
     (`12.0`) or a string of ASCII digits (`"12"`, as some proxies send numbers); None for anything else
     (negative, fractional, NaN, infinite, a boolean, null, missing, any other string)."""
     if type(value) is int:
-        return value if 0 <= value < 1 << 62 else None
+        return value if 0 <= value < _COUNT_END else None
     if type(value) is float:
         return int(value) if value.is_integer() and 0 <= value < 2.0 ** 62 else None  # NaN, inf: not integral
     if type(value) is str and 0 < len(value) <= 18 and value.isascii() and value.isdigit():
@@ -127,8 +125,17 @@ def _usage_of(raw: Any) -> tuple[Usage, bool, str]:
         return Usage(), False, ""
     get = raw.get  # once per answer: positional fields (prompt, completion, reasoning tokens, cost)
     cost, details = get("cost"), get("completion_tokens_details")
-    prompt, completion = _count(get("prompt_tokens")), _count(get("completion_tokens"))
-    reasoning = _count(details.get("reasoning_tokens")) if isinstance(details, dict) else 0
+    # A count sent as a JSON integer (nearly all) is taken here; _count reads the other forms.
+    prompt, completion = get("prompt_tokens"), get("completion_tokens")
+    if not (type(prompt) is int and 0 <= prompt < _COUNT_END):
+        prompt = _count(prompt)
+    if not (type(completion) is int and 0 <= completion < _COUNT_END):
+        completion = _count(completion)
+    reasoning: int | None = 0
+    if isinstance(details, dict):
+        reasoning = details.get("reasoning_tokens")
+        if not (type(reasoning) is int and 0 <= reasoning < _COUNT_END):
+            reasoning = _count(reasoning)
     doubt = "" if prompt is not None and completion is not None else BAD_COUNT
     priced = False
     if cost is None:
@@ -254,17 +261,16 @@ def parse_completion(obj: Any, latency_s: float, server: ServerProfile | None = 
         reasoning = _reasoning_of(message)
     used, priced, doubt = _usage_of(get("usage"))
     token_ids = prompt_ids = None
-    if not _ID_KEYS.isdisjoint(choice) or not _TOP_ID_KEYS.isdisjoint(obj):  # a self-hosted server's ids
+    # A self-hosted server's ids, where _token_ids and _prompt_token_ids look (five `in`: a third of
+    # frozenset.isdisjoint's cost, which walks every key of the dicts)
+    if ("token_ids" in choice or "response_token_ids" in choice or "prompt_token_ids" in choice
+            or "prompt_token_ids" in obj or "sglext" in obj):
         token_ids, prompt_ids = _token_ids(obj, choice), _prompt_token_ids(obj, choice)
+    details = mget("reasoning_details")  # kept when it is a non-empty list
     return ChatAnswer(
         mget("content") or "", reasoning, mget("tool_calls") or None, reason, cget("native_finish_reason"),
         get("provider"), get("model"), get("id"), used, latency_s, token_ids, priced, prompt_ids,
-        reasoning_details=_details_of(message), doubt=doubt)
-
-
-# Where a body may carry token ids (_token_ids, _prompt_token_ids): on the choice, at the top level.
-_ID_KEYS = frozenset({"token_ids", "response_token_ids", "prompt_token_ids"})
-_TOP_ID_KEYS = frozenset({"prompt_token_ids", "sglext"})
+        details if isinstance(details, list) and details else None, doubt)
 
 
 def redacted_answer(a: ChatAnswer, redact: Redactor) -> ChatAnswer:

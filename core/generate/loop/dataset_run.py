@@ -288,7 +288,9 @@ class DatasetRun:
             self._other_model += 1
         if now:
             self._answered_now += 1
-            self._leaves()
+            if self._scanned:  # _leaves, inline: this runs once per answer
+                self._left -= 1
+                self._check()
 
     def cut_to_say(self) -> int:
         """One more answer this run was cut at max_tokens: the count of them, the first time most of this

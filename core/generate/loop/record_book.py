@@ -84,6 +84,11 @@ class _Held:
     answer: ResponseLine | None  # the line, when it is a responses.jsonl line (else failures.jsonl)
 
 
+# A record buffered for its file's next write, as _Held's fields: a tuple (one per record; a _Held is made
+# only for one the disk refused).
+_Buffered = tuple[DatasetRun, JsonlAppender, ResponseLine | FailureLine, ResponseLine | None]
+
+
 class RecordBook:
     def __init__(self, ctx: RunContext, rundir: RunDir, datasets: dict[str, DatasetRun], money: MoneyBudget, *,
                  on_answer: Callable[[str, ResponseLine], None] | None) -> None:
@@ -93,6 +98,9 @@ class RecordBook:
         self.errors = ctx.errors
         self._recent = ctx.recent
         self._model = ctx.config.api.model  # the model asked: an answer from another is never a sample
+        # The last `model` an answer named and whether it is another model (record_answer): an object no
+        # answer names at first.
+        self._judged: tuple[object, bool] = (object(), False)
         self._answers_now = self._other_now = 0  # this run's answers, and those from another model
         self._other_said = False
         self.rates = RateTracker(clock=ctx.clock)
@@ -101,7 +109,7 @@ class RecordBook:
         self._control = ctx.control  # the run's owner: a write the disk refuses holds the run through it
         self._on_answer = on_answer  # the answer handed on once on disk (the live token view, core/run)
         self._held: list[_Held] = []
-        self._writing: dict[JsonlAppender, deque[_Held]] = {}  # per file, its records buffered, in order
+        self._writing: dict[JsonlAppender, deque[_Buffered]] = {}  # per file, its records buffered, in order
         # Per dataset: the prompts its count read (scan_prompts) and their size, until its source takes them;
         # counts run in threads.
         self._scanned: dict[str, tuple[list[Prompt], int]] = {}
@@ -150,7 +158,7 @@ class RecordBook:
 
     def _appender(self, path: Path) -> JsonlAppender:
         """A records file whose lines of a tick go out in one write, each record's fate heard (`_written`)."""
-        queue: deque[_Held] = deque()
+        queue: deque[_Buffered] = deque()
         appender = JsonlAppender(path, coalesce=True, on_flush=lambda n, refused: self._written(queue, n, refused))
         self._writing[appender] = queue
         return appender
@@ -263,8 +271,11 @@ class RecordBook:
         for d in ds.doubts.answered(seq):  # set-aside prompts this answer shows were their own (rare)
             self.record_failure(ds, d.prompt, d.error, d.attempts)
         truncated = a.finish_reason == "length"
-        empty = not a.content.strip() and not a.tool_calls  # an agent step's answer may be its calls alone
-        other = not same_model(self._model, a.model)
+        # an agent step's answer may be its calls alone (isspace: not strip(), which copies the text)
+        empty = not a.tool_calls and (not (content := a.content) or content.isspace())
+        if (model := a.model) is not self._judged[0]:  # the redactor's one string for a model seen before
+            self._judged = (model, not same_model(self._model, model))
+        other = self._judged[1]
         line = ResponseRecord.line(
             prompt.id, prompt.messages, a.reasoning, a.content, a.tool_calls, a.finish_reason,
             a.native_finish_reason, a.provider, a.model, a.generation_id, a.usage, to_ms(a.latency_s), attempts,
@@ -274,15 +285,18 @@ class RecordBook:
         if a.server is not None:
             line["server"] = a.server  # a fleet's server that answered (api/fleet.py)
         turn = prompt.turn
-        if turn is not None and turn.expect is not None and not broken_answer(
-                a.content, a.finish_reason, a.tool_calls, agent=True) and turn.diverges(a.tool_calls):
-            line["diverged"] = True  # not the dataset's next move: its conversation ends (conversations.py)
+        diverged = replayed = False
+        if turn is not None:
+            if turn.expect is not None and not broken_answer(
+                    a.content, a.finish_reason, a.tool_calls, agent=True) and turn.diverges(a.tool_calls):
+                line["diverged"] = diverged = True  # not the dataset's next move: its conversation ends
+            replayed = turn.tool_results == "replayed"
         assert ds.responses is not None
         self._write(ds, ds.responses, line, line)
-        ds.answered(prompt.id, a.usage.completion_tokens, a.usage.cost, short=truncated or empty, other_model=other,
-                    calls=bool(a.tool_calls), diverged=line.get("diverged") is True,
-                    replayed=turn is not None and turn.tool_results == "replayed",
-                    prompt_tokens=a.usage.prompt_tokens, reasoning_tokens=a.usage.reasoning_tokens)
+        u = a.usage
+        ds.answered(prompt.id, u.completion_tokens, u.cost, short=truncated or empty, other_model=other,
+                    calls=bool(a.tool_calls), diverged=diverged, replayed=replayed,
+                    prompt_tokens=u.prompt_tokens, reasoning_tokens=u.reasoning_tokens)
         self._answers_now += 1
         if other:
             self._other_model(ds, prompt, a, attempts)
@@ -291,7 +305,7 @@ class RecordBook:
             if truncated and (cut := ds.cut_to_say()):
                 name = ds.config.name
                 self._event(ev.CutAnswers(cut=cut, answered=ds.answered_now, dataset=name))
-        self.rates.record(a.usage.completion_tokens)
+        self.rates.record(u.completion_tokens)
 
     def _other_model(self, ds: DatasetRun, prompt: Prompt, a: ChatAnswer, attempts: int) -> None:
         """An answer from another model: counted (by provider in the recent errors); the run held the first
@@ -349,22 +363,22 @@ class RecordBook:
                answer: ResponseLine | None) -> None:
         """The record buffered for its file's next write (`_written` hears how it went), or held in memory
         behind the records the disk refused."""
-        item = _Held(ds, appender, line, answer)
         if self._held:
-            self._held.append(item)
+            self._held.append(_Held(ds, appender, line, answer))
             return
-        self._writing[appender].append(item)
+        self._writing[appender].append((ds, appender, line, answer))
         appender.append(line)
 
-    def _written(self, queue: deque[_Held], n: int, refused: DiskError | None) -> None:
+    def _written(self, queue: deque[_Buffered], n: int, refused: DiskError | None) -> None:
         """A write of a records file: its first `n` buffered records are on disk (an answer is handed on);
         the rest, when the disk refused them, is held in memory and the run pauses."""
+        on_answer = self._on_answer
         for _ in range(n):
-            item = queue.popleft()
-            if item.answer and self._on_answer is not None:
-                self._on_answer(item.ds.config.name, item.answer)
+            ds, _appender, _line, answer = queue.popleft()
+            if answer and on_answer is not None:
+                on_answer(ds.config.name, answer)
         if refused is not None and queue:
-            self._held.extend(queue)
+            self._held.extend(_Held(*item) for item in queue)
             queue.clear()
             self._disk_error = refused
             self._control.hold(Hold.DISK, f"{refused}. The run is paused with {len(self._held)} record(s) held in "

@@ -69,15 +69,8 @@ from draftgen.core.generate.loop.prompts import Prompt
 from draftgen.core.generate.loop.room import Admit, Decision, Room
 from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.loop.service import ANSWER_BLOCK_BITS, Service, backoff_delay
-from draftgen.core.generate.loop.source import HANDED_BACK, TAKEN_ELSEWHERE, Booked, PromptSource
-from draftgen.core.generate.money.billing import (
-    as_booked,
-    believed,
-    book_answer,
-    book_failure,
-    look_up,
-    over_reservation,
-)
+from draftgen.core.generate.loop.source import HANDED_BACK, TAKEN_ELSEWHERE, Booked, BookedAs, PromptSource
+from draftgen.core.generate.money.billing import believed, book_answered, book_failure, look_up
 from draftgen.core.generate.money.settle import Settler
 from draftgen.core.generate.money.spend import SpendLedger, Ticket
 from draftgen.core.live import payloads as ev
@@ -425,13 +418,12 @@ class RunTerms:
         ds, ticket, service = req.ds, req.ticket, self.service
         assert ds is not None and ticket is not None
         name = ds.config.name
-        prices = self.prices(req)
         if answer.doubt:
             service.doubted(name, ticket, answer)
-        self.room.trust.billed(name, answer, f"prompt {ticket.prompt_id!r}")
-        look_up(self.settler, book_answer(self.spend, ticket, answer, prices))
-        answer = as_booked(answer, ticket, prices)  # the record's cost is what the ledger booked
-        over = over_reservation(answer, ticket, prices)
+        self.room.trust.billed(name, answer, ticket.prompt_id)
+        # the record's cost is what the ledger booked (the dataset's prices as `prices` looks them up)
+        answer, over = book_answered(self.spend, ticket, answer, self.parts.opened.costs.prices.get(name),
+                                     self.settler)
         if over:
             service.say(EventKind.OVER_RESERVATION, answer.provider or "", lambda who, n: ev.OverReservation(
                 provider=who, times=n, prompt_id=ticket.prompt_id, reserved_usd=ticket.worst,
@@ -457,7 +449,7 @@ class RunTerms:
                 self.service.no_ids(ds.config.name)
             if (duplicates := self.parts.opened.duplicates) is not None:
                 duplicates.answered(ds.config.name, prompt.id)
-            req.tell(Booked.answered(answer))
+            req.tell(Booked(BookedAs.ANSWERED, answer))  # Booked.answered, without its call
             await book.synced(ds)
             return
         if outcome is Outcome.FAILED:

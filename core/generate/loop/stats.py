@@ -23,15 +23,15 @@ class RateTracker:
         self.answers += 1
         self.tokens += completion_tokens
         sec = int(self._clock())
-        if self._buckets and self._buckets[-1][0] == sec:
-            bucket = self._buckets[-1]
+        buckets = self._buckets
+        if buckets and (bucket := buckets[-1])[0] == sec:  # once per answer: the second's bucket looked up once
             bucket[1] += 1
             bucket[2] += completion_tokens
         else:
-            self._buckets.append([sec, 1, completion_tokens])
+            buckets.append([sec, 1, completion_tokens])
             horizon = sec - max(self._history_s, self.window_s) - 1
-            while self._buckets and self._buckets[0][0] < horizon:
-                self._buckets.popleft()
+            while buckets and buckets[0][0] < horizon:
+                buckets.popleft()
 
     def window(self) -> tuple[float, float, float]:
         """(answers/s, tokens/s, mean completion tokens) over the recent window."""

@@ -143,6 +143,20 @@ def book_answer(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Price
     return None
 
 
+def book_answered(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Prices | None,
+                  settler: _Settles | None) -> tuple[ChatAnswer, float]:
+    """A run's answer booked (`book_answer`, what is to be looked up handed to `settler`): the answer as
+    booked (`as_booked`) and how far its cost went past its reservation (`over_reservation`)."""
+    if answer.priced:  # nearly every answer: at its usage.cost, the answer as it is (one call, not five)
+        cost, worst = answer.usage.cost, t.worst
+        spend.answered(t, cost)
+        over = cost - worst  # over_reservation's figure
+        return answer, over if over > 1e-12 and worst > 0 else 0.0
+    look_up(settler, book_answer(spend, t, answer, prices))
+    answer = as_booked(answer, t, prices)
+    return answer, over_reservation(answer, t, prices)
+
+
 def book_failure(spend: SpendLedger, t: Ticket, e: RequestFailed, prices: Prices | None = None, *,
                  bills_answers: bool = True, body: ChatBody | None = None) -> Pending | None:
     """Book a request that got no answer (`body`: what it sent, which bounds what an answer run past its

@@ -59,6 +59,7 @@ class PriceTrust:
         self._said: set[str] = set()  # datasets whose raise was said
         self._wave: set[str] = set()
         self._recorded: dict[str, tuple[float, float, float]] = {}
+        self._checked_as: dict[str, Prices] = {}  # the prices `_checked` last saw (their figures recorded)
         for name, p in prices.items():
             if p is None:
                 continue
@@ -93,25 +94,40 @@ class PriceTrust:
         self._wave.discard(name)
         return False
 
-    def billed(self, name: str, answer: ChatAnswer, what: str) -> None:
-        """An answer (billing.py `believed` has taken out what of its bill is not believed): it ends the
-        dataset's first wave; a bill with its token counts checks the dataset's prices (`bill`)."""
+    def billed(self, name: str, answer: ChatAnswer, prompt_id: str) -> None:
+        """An answer to prompt `prompt_id` (billing.py `believed` has taken out what of its bill is not
+        believed): it ends the dataset's first wave; a bill with its token counts checks the dataset's
+        prices (`bill`). Runs once per answer: the message naming it is made only for a raise."""
         self._unanswered.discard(name)
-        u = answer.usage
         if answer.priced:
-            self.bill(name, u.cost, u.prompt_tokens, u.completion_tokens, what)
+            u = answer.usage
+            if not self._agrees(name, u.cost, u.prompt_tokens, u.completion_tokens):
+                self._raise(name, u.cost, u.prompt_tokens, u.completion_tokens, f"prompt {prompt_id!r}")
 
     def bill(self, name: str, cost: float, prompt_tokens: int, completion_tokens: int, what: str) -> None:
         """A believed bill (an answer's usage.cost, a generation record's total_cost) for these token counts,
         `what` naming it: the dataset's prices checked against it, and raised when it says more (said once
         per dataset through `raised`)."""
+        if not self._agrees(name, cost, prompt_tokens, completion_tokens):
+            self._raise(name, cost, prompt_tokens, completion_tokens, what)
+
+    def _agrees(self, name: str, cost: float, prompt_tokens: int, completion_tokens: int) -> bool:
+        """Whether a bill leaves the dataset's prices as they are: none known, no counts to check, or a cost
+        within AGREES of its tokens at them (then on the ledger as checked, `_checked`)."""
         p = self._prices.get(name)
         if p is None or not (prompt_tokens or completion_tokens):
-            return
+            return True
+        if cost <= (prompt_tokens * p.prompt + completion_tokens * p.completion + p.request) * AGREES + 1e-12:
+            if self._checked_as.get(name) is not p:  # the prices checked last (nearly every bill): on the ledger
+                self._checked(name, p)
+            return True
+        return False
+
+    def _raise(self, name: str, cost: float, prompt_tokens: int, completion_tokens: int, what: str) -> None:
+        """A bill above the dataset's prices (`_agrees`): each raised by its ratio to them."""
+        p = self._prices[name]
+        assert p is not None
         listed = prompt_tokens * p.prompt + completion_tokens * p.completion + p.request
-        if cost <= listed * AGREES + 1e-12:
-            self._checked(name, p)
-            return
         if listed > 0:
             ratio = cost / listed
             prompt, completion, request = p.prompt * ratio, p.completion * ratio, p.request * ratio
@@ -140,3 +156,4 @@ class PriceTrust:
         if self._recorded.get(name) != figures:
             self._recorded[name] = figures
             self._record(name, p)
+        self._checked_as[name] = p
