@@ -119,7 +119,9 @@ class Admission:
                 source.booked(prompt, Booked.skipped(admitting.budget_reason))
                 continue
             req = Request(self._terms, prompt, ds, source)
-            decision = await req.admit()
+            decision = req.admit_now()
+            if decision is None:  # it waits for room
+                decision = await req.admit()
             if decision.verdict is Admit.GO:
                 return req
             if decision.verdict is Admit.HALT:

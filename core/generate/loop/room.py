@@ -142,11 +142,14 @@ class Room:
         dataset's sampling cycle at the prompt's line, `cycle_index`)."""
         config = ds.config
         epoch = self._server.epoch
-        index = cycle_index(prompt.line)
-        key = (config.name, _cycle_place(config, index))
+        # Without sampling cycles every prompt of the dataset sends the same body (no place to work out).
+        place = (_cycle_place(config, cycle_index(prompt.line)) if config.temperatures or config.reasoning_efforts
+                 else (0, 0))
+        key = (config.name, place)
         made = self._bodies.get(key)
         if made is None or made.epoch != epoch:  # the dataset's first prompt, or a server's kind or mode noted since
-            made = self._bodies[key] = _Made(epoch, self._body(config, [], index=index), config.max_tokens)
+            made = self._bodies[key] = _Made(epoch, self._body(config, [], index=cycle_index(prompt.line)),
+                                             config.max_tokens)
         body = made.body.copy()  # the config's part, built once per dataset: only `messages` is the prompt's
         body["messages"] = prompt.messages
         tools_bound = made.tools_bound
