@@ -192,7 +192,9 @@ class Request:
             if terms.duplicates is None or not terms.taken_elsewhere(ds, prompt):  # no call without duplicates
                 self.ticket = terms.spend.reserve(ds.config.name, prompt.id, self.worst)
                 self.expected = expected = ds.token_budget.expected()
-                self.probe = probe = ds.doubts.held  # doubts.py: while held, one request at a time
+                # doubts.py: while held, one request at a time (`held` not asked while nothing is set aside)
+                doubts = ds.doubts
+                self.probe = probe = doubts.held if doubts.items else False
                 ds.request_started(expected, probe=probe)
                 return decision
             source.booked(prompt, TAKEN_ELSEWHERE)
@@ -276,7 +278,7 @@ class RunTerms:
     """A run's terms for its requests (one per run, built by run_loop.py): its parts, its room and
     account watch, and the service's run-wide counts."""
     __slots__ = ("ctx", "parts", "room", "watch", "service", "spend", "settler", "client", "bills_answers",
-                 "duplicates", "_datasets")
+                 "duplicates", "_datasets", "_prices")
 
     def __init__(self, ctx: RunContext, parts: RunParts, room: Room, watch: AccountWatch, service: Service) -> None:
         self.ctx = ctx
@@ -290,10 +292,11 @@ class RunTerms:
         self.bills_answers = ctx.config.api.server.kind.bills_answers
         self.duplicates = parts.opened.duplicates  # claims against the other datasets (None: a single dataset's)
         self._datasets = tuple(parts.datasets.values())  # woken as a request ends (`wake`)
+        self._prices = parts.opened.costs.prices  # per dataset, as the run finds them (read at each answer)
 
     def prices(self, req: Request) -> Prices | None:
         assert req.ds is not None
-        return self.parts.opened.costs.prices.get(req.ds.config.name)
+        return self._prices.get(req.ds.config.name)
 
     def taken_elsewhere(self, ds: DatasetRun, prompt: Prompt) -> bool:
         """Skip (counted, and said once per dataset) a prompt another dataset answered or is answering;

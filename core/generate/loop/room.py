@@ -214,7 +214,8 @@ class Room:
     def _held_back(self, ds: DatasetRun, worst: float) -> Decision | _Wait | None:
         """What keeps one more request of `ds` from going out now, in the order they are checked: its
         doubts, its token budget, the money, its concurrency limit. None when nothing does."""
-        if ds.doubts.held:  # set aside by a 4xx naming no cause (doubts.py): one probe at a time
+        # set aside by a 4xx naming no cause (doubts.py): one probe at a time (`held` not asked while none is)
+        if ds.doubts.items and ds.doubts.held:
             doubted = self._doubted(ds)
             if doubted is not None:
                 return doubted
