@@ -67,7 +67,7 @@ from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.parts import RunParts
 from draftgen.core.generate.loop.prompts import Prompt
-from draftgen.core.generate.loop.room import Admit, Decision, Room
+from draftgen.core.generate.loop.room import VERDICT_GO, Admit, Decision, Room
 from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.loop.service import ANSWER_BLOCK_BITS, Service, backoff_delay
 from draftgen.core.generate.loop.source import HANDED_BACK, TAKEN_ELSEWHERE, Booked, PromptSource
@@ -188,7 +188,7 @@ class Request:
         terms, ds, prompt, source = self.terms, self.ds, self.prompt, self.source
         assert isinstance(terms, RunTerms) and ds is not None and source is not None
         verdict = decision.verdict
-        if verdict is Admit.GO:
+        if verdict is VERDICT_GO:  # Admit.GO (room.py says why it is read so)
             if terms.duplicates is None or not terms.taken_elsewhere(ds, prompt):  # no call without duplicates
                 self.ticket = terms.spend.reserve(ds.config.name, prompt.id, self.worst)
                 self.expected = expected = ds.token_budget.expected()

@@ -48,6 +48,11 @@ class BookedAs(Enum):
     SKIPPED = "skipped"          # a budget, max_usd, a duplicate: counted skipped, eligible for a later run
 
 
+# On Python 3.11 an Enum member read off its class goes through EnumType.__getattr__ (about 5x a module
+# global's read): the kinds read on every request are read once, here.
+_ANSWERED, _HANDED_BACK = BookedAs.ANSWERED, BookedAs.HANDED_BACK
+
+
 @dataclass(slots=True)  # one per answered request: a frozen __init__ costs 3x (setattr per field)
 class Booked:
     """What became of a prompt `next` yielded (see the module docstring)."""
@@ -57,7 +62,7 @@ class Booked:
 
     @staticmethod
     def answered(answer: ChatAnswer) -> Booked:
-        return Booked(BookedAs.ANSWERED, answer)
+        return Booked(_ANSWERED, answer)
 
     @staticmethod
     def failed(reason: str) -> Booked:
@@ -126,7 +131,7 @@ class FileSource:
 
     def booked(self, prompt: Prompt, result: Booked) -> None:
         self._out -= 1
-        if result.kind is BookedAs.HANDED_BACK:
+        if result.kind is _HANDED_BACK:
             self._back.append(prompt)
         self._booked.set()
 
