@@ -187,7 +187,8 @@ class Room:
         """`admit` without waiting: GO, HALT or the budget that stops it when that is decided now, None
         when the request must wait (then `admit` waits; a prompt goes out here almost always)."""
         decided = self._now(ds, worst)
-        return None if isinstance(decided, _Wait) else decided
+        # Decision or _Wait: asked of Decision, as isinstance with an Enum class is about 5x slower (3.11)
+        return decided if isinstance(decided, Decision) else None
 
     async def admit(self, ds: DatasetRun, worst: float) -> Decision:
         """Wait until the dataset may send one more request costing at most `worst`; GO, HALT, or the

@@ -97,7 +97,8 @@ class FileSource:
         self._chunk: deque[Prompt] = deque()  # the rest of the chunk read last
         self._back: deque[Prompt] = deque()
         self._out = 0  # yielded, not booked yet
-        self._booked = asyncio.Event()  # set on each booking, for a `next` waiting at the file's end
+        self._booked = asyncio.Event()  # set on a booking while a `next` waits at the file's end
+        self._waiting = False  # a `next` waits on `_booked` (else a booking sets nothing: no call per request)
 
     @property
     def out(self) -> int:
@@ -127,13 +128,18 @@ class FileSource:
             if not self._out:
                 return None
             self._booked.clear()
-            await self._booked.wait()
+            self._waiting = True
+            try:
+                await self._booked.wait()
+            finally:
+                self._waiting = False
 
     def booked(self, prompt: Prompt, result: Booked) -> None:
         self._out -= 1
         if result.kind is _HANDED_BACK:
             self._back.append(prompt)
-        self._booked.set()
+        if self._waiting:
+            self._booked.set()
 
 
 def open_source(ds: DatasetRun, book: RecordBook) -> PromptSource:
