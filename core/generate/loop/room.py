@@ -234,7 +234,8 @@ class Room:
         block = self._money.blocked(worst)
         if block is not None:
             return self._money_held(ds, worst, block)
-        if ds.in_flight >= ds.concurrency.limit or self.trust.wave_holds(ds.config.name, ds.in_flight):
+        in_flight = ds.in_flight  # a property: read once
+        if in_flight >= ds.concurrency.limit or self.trust.wave_holds(ds.config.name, in_flight):
             return _Wait.WAKE
         return None
 
