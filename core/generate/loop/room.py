@@ -57,10 +57,10 @@ VERDICT_GO = Admit.GO
 
 
 class _Wait(Enum):
-    """What a request held back waits for before admission looks again."""
+    """What a request held back waits for before admission looks again (`admit`: the gate while the run
+    is not open, else its dataset's wake)."""
     WAKE = "wake"  # its dataset's wake: an answer in flight came back, or money settled
     GATE = "gate"  # the run's gate: the run is held at the credit floor
-    OPEN = "open"  # the run's gate opening again (paused, or held)
 
 
 class _Made:
@@ -186,34 +186,28 @@ class Room:
     def admit_now(self, ds: DatasetRun, worst: float) -> Decision | None:
         """`admit` without waiting: GO, HALT or the budget that stops it when that is decided now, None
         when the request must wait (then `admit` waits; a prompt goes out here almost always)."""
-        decided = self._now(ds, worst)
-        # Decision or _Wait: asked of Decision, as isinstance with an Enum class is about 5x slower (3.11)
-        return decided if isinstance(decided, Decision) else None
-
-    async def admit(self, ds: DatasetRun, worst: float) -> Decision:
-        """Wait until the dataset may send one more request costing at most `worst`; GO, HALT, or the
-        budget that stops it."""
-        while True:
-            decided = self._now(ds, worst)
-            if decided is _Wait.OPEN:
-                await self._control.wait_open()
-            elif decided is _Wait.WAKE:
-                ds.wake.clear()
-                await ds.wake.wait()
-            elif decided is not _Wait.GATE:
-                return decided
-
-    def _now(self, ds: DatasetRun, worst: float) -> Decision | _Wait:
-        """GO, HALT, the budget that stops the dataset, or what the request waits for."""
-        if self._control.closed or ds.stopped:
+        control = self._control
+        if control.closed or ds.stopped:
             return HALT
-        if not self._control.is_open:
-            return _Wait.OPEN
+        if not control.is_open:
+            return None  # paused or held: it waits for the gate
         held = self._held_back(ds, worst)
         if held is None:
             self.waits_for_unknown = False
             return GO
-        return held
+        # Decision or _Wait: asked of Decision, as isinstance with an Enum class is about 5x slower (3.11)
+        return held if isinstance(held, Decision) else None
+
+    async def admit(self, ds: DatasetRun, worst: float) -> Decision:
+        """Wait until the dataset may send one more request costing at most `worst`; GO, HALT, or the
+        budget that stops it."""
+        while (decided := self.admit_now(ds, worst)) is None:
+            if not self._control.is_open:  # paused, or held (the credit floor's hold too: _money_held)
+                await self._control.wait_open()
+            else:  # its dataset's wake: a request ended, money settled, the limit grew
+                ds.wake.clear()
+                await ds.wake.wait()
+        return decided
 
     def _held_back(self, ds: DatasetRun, worst: float) -> Decision | _Wait | None:
         """What keeps one more request of `ds` from going out now, in the order they are checked: its
