@@ -22,7 +22,7 @@ SWEEP_S = 1.0
 class Deadlines:
     """`with deadlines:` bounds the awaits inside it to `timeout_s` (TimeoutError past it). A task is
     inside at most once at a time (a request's exchange); a plain context manager, so entering costs
-    two calls, not two coroutines."""
+    two calls, not two coroutines. One thread's loop at a time enters it (its client's)."""
 
     def __init__(self, timeout_s: float, every_s: float | None = None) -> None:
         self.timeout_s = timeout_s
@@ -33,9 +33,14 @@ class Deadlines:
         self._loop: asyncio.AbstractEventLoop | None = None  # the sweep's
 
     def __enter__(self) -> None:
-        task = asyncio.current_task()
-        assert task is not None, "a request's exchange runs in a task"
-        loop = task.get_loop()
+        # The requests of a client run on one loop, the sweep's: the current task is looked up on it, where
+        # asyncio.current_task() first asks which loop runs (on Python 3.11 a getpid() call each time).
+        loop = self._loop
+        if loop is None or (task := asyncio.current_task(loop)) is None:
+            # the first request, or one on a new loop (a client used again by a later run)
+            task = asyncio.current_task()
+            assert task is not None, "a request's exchange runs in a task"
+            loop = task.get_loop()
         self._due[task] = (loop.time() + self.timeout_s, task.cancelling())
         if self._sweep is None or self._loop is not loop:
             self._loop = loop
@@ -43,7 +48,9 @@ class Deadlines:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)  # the loop `__enter__` found (see there)
+        if task is None:  # another loop entered meanwhile (one loop at a time runs a thread)
+            task = asyncio.current_task()
         assert task is not None
         _, cancelling = self._due.pop(task)
         if self._expired and task in self._expired:

@@ -83,7 +83,8 @@ def prompt_token_bound(messages: Sequence[Mapping[str, Any]]) -> int:
         n += TEMPLATE_TOKENS_PER_MESSAGE
         content = m.get("content")
         if isinstance(content, str):
-            n += len(content.encode("utf-8", "surrogatepass"))
+            # ASCII (a flag of the string: no scan) has one byte per character: no copy encoded to count it
+            n += len(content) if content.isascii() else len(content.encode("utf-8", "surrogatepass"))
         elif content is not None:  # parts, tool calls: their JSON is longer than their text
             n += len(repr(content).encode("utf-8", "surrogatepass"))
         # An earlier turn's reasoning sent back (a conversation's history, core/generate/loop/conversations.py):

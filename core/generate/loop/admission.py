@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from draftgen.core.generate.loop.conversations import ConversationSource
 from draftgen.core.generate.loop.prompt_files import ReadingStopped
 from draftgen.core.generate.loop.request import Request, RunTerms
-from draftgen.core.generate.loop.room import Admit, Decision
+from draftgen.core.generate.loop.room import VERDICT_GO, Admit, Decision
 from draftgen.core.generate.loop.source import Booked, PromptSource, open_source
 from draftgen.core.live import payloads as ev
 from draftgen.core.live.snapshot import DatasetStatus
@@ -119,8 +119,10 @@ class Admission:
                 source.booked(prompt, Booked.skipped(admitting.budget_reason))
                 continue
             req = Request(self._terms, prompt, ds, source)
-            decision = await req.admit()
-            if decision.verdict is Admit.GO:
+            decision = req.admit_now()
+            if decision is None:  # it waits for room
+                decision = await req.admit()
+            if decision.verdict is VERDICT_GO:  # Admit.GO (room.py says why it is read so)
                 return req
             if decision.verdict is Admit.HALT:
                 admitting.over = True

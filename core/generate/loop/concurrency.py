@@ -35,7 +35,8 @@ class AdaptiveConcurrency:
     def __init__(self, configured: int, clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[Concurrency], None] | None = None) -> None:
         self.configured = configured
-        self.effective = float(configured)
+        self.effective = float(configured)  # set by `_set`, which keeps `limit`
+        self.limit = max(1, configured)  # requests the dataset may have out: read per request, so an attribute
         self._clock = clock
         self._on_change = on_change
         self._recent: deque[float] = deque()  # times of 429s in the window
@@ -44,9 +45,9 @@ class AdaptiveConcurrency:
         self._last_storm = -1e9  # the last 429 that met the storm rule
         self._storm: _Storm | None = None  # the storm going on (None: none)
 
-    @property
-    def limit(self) -> int:
-        return max(1, int(self.effective))
+    def _set(self, effective: float) -> None:
+        self.effective = effective
+        self.limit = max(1, int(effective))
 
     @property
     def in_storm(self) -> bool:
@@ -90,7 +91,7 @@ class AdaptiveConcurrency:
         if now - self._last_cut < self.CUT_EVERY_S:
             return
         before = self.limit
-        self.effective = max(1.0, self.effective * 0.7)
+        self._set(max(1.0, self.effective * 0.7))
         self._last_cut = now
         storm = self._storm
         storm.cuts += 1
@@ -112,7 +113,7 @@ class AdaptiveConcurrency:
                                   cuts=storm.cuts))
         if self.effective < self.configured:
             before = self.limit
-            self.effective = min(float(self.configured), self.effective + max(1.0, self.configured * 0.02))
+            self._set(min(float(self.configured), self.effective + max(1.0, self.configured * 0.02)))
             if self.effective >= self.configured:
                 self._say(Concurrency(reason="back", before=before, after=self.limit, configured=self.configured))
             return True

@@ -4,11 +4,12 @@ A request is one `Request` object: it carries its body, its reservation (a `Tick
 attempt), its attempts and the evidence its retries are weighed against, its outcome and what it
 holds until it ends. A request coroutine of its dataset (admission.py) pulls a prompt from the
 dataset's source (source.py), builds its `Request` and, under the dataset's admission lock, admits it
-(`Request.admit`); then `Request.run` takes it to its record, in order:
+(`Request.admit_now`, or `Request.admit` when it must wait for room); then `Request.run` takes it to
+its record, in order:
 
-1. admit (`admit`): the body this prompt's request sends and the worst case of that very body; room for
-   it (room.py: the gate, the dataset's doubts, token budget, max_usd and credit floor, its
-   concurrency); a prompt another dataset answered or is answering is skipped instead (duplicates.py);
+1. admit (`admit_now`, `admit`, `admitted`): the body this prompt's request sends and the worst case
+   of that very body; room for it (room.py: the gate, the dataset's doubts, token budget, max_usd and
+   credit floor, its concurrency); a prompt another dataset answered or is answering is skipped instead (duplicates.py);
 2. reserve: that worst case on the spend ledger (a `Ticket`), the request in flight in its dataset;
 3. attempt and retry (`attempts`): each attempt on the ledger before it leaves, booked as it ends
    (billing.py); transient errors retried with backoff under a new reservation each (room.py:
@@ -66,7 +67,7 @@ from draftgen.core.generate.api.prices import Prices
 from draftgen.core.generate.loop.context import RunContext
 from draftgen.core.generate.loop.parts import RunParts
 from draftgen.core.generate.loop.prompts import Prompt
-from draftgen.core.generate.loop.room import Admit, Decision, Room
+from draftgen.core.generate.loop.room import VERDICT_GO, Admit, Decision, Room
 from draftgen.core.generate.loop.run_state import Hold
 from draftgen.core.generate.loop.service import ANSWER_BLOCK_BITS, Service, backoff_delay
 from draftgen.core.generate.loop.source import HANDED_BACK, TAKEN_ELSEWHERE, Booked, BookedAs, PromptSource
@@ -120,7 +121,7 @@ class Terms(Protocol):
 
 class Request:
     """One prompt asked: its body, its reservation, its attempts, its outcome, and what it holds."""
-    __slots__ = ("terms", "ds", "prompt", "source", "body", "ticket", "expected", "probe", "booked", "tries",
+    __slots__ = ("terms", "ds", "prompt", "source", "body", "worst", "ticket", "expected", "probe", "booked", "tries",
                  "spent", "seq", "sent_no", "sent_at", "first_block", "faults_before", "own_faults", "answer",
                  "error", "disk_error", "why")
 
@@ -131,6 +132,7 @@ class Request:
         self.ds = ds              # the run's dataset (None: a smoke test's request)
         self.source = source      # told what became of the prompt, once (None: a smoke test's)
         self.body: ChatBody = body or {}
+        self.worst = 0.0          # the worst case of `body` (admit_now): what its first attempt reserves
         self.ticket: Ticket | None = None  # the attempt's reservation (the first one's released as it ends)
         self.expected = 0         # its tokens counted in flight against the dataset's token budget
         self.probe = False        # the one request of a dataset held by its doubts (doubts.py)
@@ -150,35 +152,50 @@ class Request:
 
     # -- 1. admit, 2. reserve ------------------------------------------------------------------------
 
+    def admit_now(self) -> Decision | None:
+        """The body this prompt's request sends and its worst case made, and the prompt admitted if room
+        for it is decided now (`admitted`); None when it must wait for room (then `admit`). A prompt is
+        decided here almost always: no coroutine is made for it."""
+        terms = self.terms
+        assert isinstance(terms, RunTerms) and self.ds is not None
+        room = terms.room
+        self.body, self.worst = room.request_for(self.ds, self.prompt)
+        decision = room.admit_now(self.ds, self.worst)
+        return None if decision is None else self.admitted(decision)
+
     async def admit(self) -> Decision:
-        """Wait for room for the prompt's request and admit it (GO: `run` it next), or skip it (SKIP: max_usd
-        has no room for it; a GO whose prompt another dataset has is skipped too, as SKIP), or give it back
-        to its source (HALT); BUDGET leaves it with the caller, whose dataset the budget ends."""
+        """Wait for room for the prompt's request (`admit_now` returned None) and admit it (`admitted`)."""
+        terms, source = self.terms, self.source
+        assert isinstance(terms, RunTerms) and self.ds is not None and source is not None
+        try:
+            decision = await terms.room.admit(self.ds, self.worst)
+        except asyncio.CancelledError:  # the run cancelled while it waited: the prompt stays eligible
+            source.booked(self.prompt, HANDED_BACK)
+            raise
+        return self.admitted(decision)
+
+    def admitted(self, decision: Decision) -> Decision:
+        """The prompt admitted (GO: `run` it next), or skipped (SKIP: max_usd has no room for it; a GO whose
+        prompt another dataset has is skipped too, as SKIP), or given back to its source (HALT); BUDGET
+        leaves it with the caller, whose dataset the budget ends."""
         terms, ds, prompt, source = self.terms, self.ds, self.prompt, self.source
         assert isinstance(terms, RunTerms) and ds is not None and source is not None
-        room = terms.room
-        self.body, worst = room.request_for(ds, prompt)
-        decision = room.admit_now(ds, worst)
-        if decision is None:
-            try:
-                decision = await room.admit(ds, worst)
-            except asyncio.CancelledError:  # the run cancelled while it waited: the prompt stays eligible
-                source.booked(prompt, HANDED_BACK)
-                raise
         verdict = decision.verdict
-        if verdict is Admit.GO:
-            if not terms.taken_elsewhere(ds, prompt):
-                self.ticket = terms.spend.reserve(ds.config.name, prompt.id, worst)
-                self.expected = ds.token_budget.expected()
-                self.probe = ds.doubts.held  # doubts.py: while held, one request at a time
-                ds.request_started(self.expected, probe=self.probe)
+        if verdict is VERDICT_GO:  # Admit.GO (room.py says why it is read so)
+            if terms.duplicates is None or not terms.taken_elsewhere(ds, prompt):  # no call without duplicates
+                self.ticket = terms.spend.reserve(ds.config.name, prompt.id, self.worst)
+                self.expected = expected = ds.token_budget.expected()
+                # doubts.py: while held, one request at a time (`held` not asked while nothing is set aside)
+                doubts = ds.doubts
+                self.probe = probe = doubts.held if doubts.items else False
+                ds.request_started(expected, probe=probe)
                 return decision
             source.booked(prompt, TAKEN_ELSEWHERE)
             return TAKEN
         if verdict is Admit.HALT:
             source.booked(prompt, HANDED_BACK)
         elif verdict is Admit.SKIP:
-            room.skip_for_money(ds, prompt.id, decision.reason)
+            terms.room.skip_for_money(ds, prompt.id, decision.reason)
             source.booked(prompt, Booked.skipped(decision.reason))
         return decision
 
@@ -203,8 +220,9 @@ class Request:
             # What it held, released; its dataset (or, money being shared, every dataset) woken.
             ds.request_ended(self.expected, probe=self.probe)
             terms.spend.release(first)  # never sent: nothing to settle
-            self.tell(HANDED_BACK)  # its outcome never decided (stop now cancelled it): stays eligible
-            if (duplicates := terms.parts.opened.duplicates) is not None:
+            if not self.booked:  # its outcome never decided (stop now cancelled it): stays eligible
+                self.tell(HANDED_BACK)
+            if (duplicates := terms.duplicates) is not None:
                 duplicates.settled(ds.config.name, self.prompt.id)
             terms.wake(ds)
 
@@ -252,7 +270,8 @@ class Request:
 class RunTerms:
     """A run's terms for its requests (one per run, built by run_loop.py): its parts, its room and
     account watch, and the service's run-wide counts."""
-    __slots__ = ("ctx", "parts", "room", "watch", "service", "spend", "settler", "client", "bills_answers")
+    __slots__ = ("ctx", "parts", "room", "watch", "service", "spend", "settler", "client", "bills_answers",
+                 "duplicates", "_datasets", "_prices")
 
     def __init__(self, ctx: RunContext, parts: RunParts, room: Room, watch: AccountWatch, service: Service) -> None:
         self.ctx = ctx
@@ -264,15 +283,18 @@ class RunTerms:
         self.settler: Settler | None = parts.opened.costs.settler
         self.client = parts.opened.client
         self.bills_answers = ctx.config.api.server.kind.bills_answers
+        self.duplicates = parts.opened.duplicates  # claims against the other datasets (None: a single dataset's)
+        self._datasets = tuple(parts.datasets.values())  # woken as a request ends (`wake`)
+        self._prices = parts.opened.costs.prices  # per dataset, as the run finds them (read at each answer)
 
     def prices(self, req: Request) -> Prices | None:
         assert req.ds is not None
-        return self.parts.opened.costs.prices.get(req.ds.config.name)
+        return self._prices.get(req.ds.config.name)
 
     def taken_elsewhere(self, ds: DatasetRun, prompt: Prompt) -> bool:
         """Skip (counted, and said once per dataset) a prompt another dataset answered or is answering;
         otherwise the prompt is this dataset's while it is in flight (core/generate/loop/duplicates.py)."""
-        duplicates = self.parts.opened.duplicates
+        duplicates = self.duplicates
         if duplicates is None:
             return False
         other = duplicates.claim(ds.config.name, prompt.id, prompt.messages, turn=ds.config.turns == "all")
@@ -285,11 +307,11 @@ class RunTerms:
 
     def wake(self, ds: DatasetRun) -> None:
         """A request of `ds` ended: its dataset (or, money being shared, every dataset) woken."""
-        datasets = self.parts.datasets
+        datasets = self._datasets
         if len(datasets) == 1:
             ds.wake.set()
         else:
-            for d in datasets.values():
+            for d in datasets:
                 d.wake.set()
 
     async def reserve(self, req: Request) -> Outcome | None:
@@ -318,8 +340,9 @@ class RunTerms:
             return Outcome.GIVEN_UP
         req.seq = ds.note_sent()
         req.sent_at = ds.concurrency.on_send()
-        req.sent_no = self.service.sent
-        self.service.sent += 1
+        service = self.service
+        req.sent_no = sent = service.sent
+        service.sent = sent + 1
         return None
 
     async def failed(self, req: Request, e: RequestFailed) -> Outcome | None:

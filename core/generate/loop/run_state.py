@@ -108,6 +108,10 @@ class RunControl:
         self._stopping = False
         self._open = asyncio.Event()  # clear while paused or held
         self._open.set()
+        # Read several times per request, so plain attributes (a property is a call), kept by the methods
+        # below with `_open` and `_draining`/`_stopping`; read them, never set them.
+        self.is_open = True   # admission may go on (not paused, not held): `_open` is set
+        self.closed = False   # a drain or a stop began
         self._closing = asyncio.Event()  # set at a drain or a stop: a retry's wait ends there
         # How generation ended (reported by those who see it; the run's owner, core/run/life.py, decides from it).
         self._ended = ""                         # how the run ended, with counts (final states only)
@@ -153,15 +157,6 @@ class RunControl:
         """Requests in flight are abandoned."""
         return self._stopping
 
-    @property
-    def closed(self) -> bool:
-        return self._draining or self._stopping
-
-    @property
-    def is_open(self) -> bool:
-        """Admission may go on (not paused, not held)."""
-        return self._open.is_set()
-
     async def wait_open(self) -> None:
         await self._open.wait()
 
@@ -202,6 +197,7 @@ class RunControl:
         self._state = RunState.PAUSED
         self._paused_by = by
         self._open.clear()
+        self.is_open = False
         self._event(Paused(by=by))
         return True
 
@@ -216,6 +212,7 @@ class RunControl:
         if self._state == RunState.RUNNING:
             self._state = RunState.PAUSED
             self._open.clear()
+            self.is_open = False
         if first:
             self._event(ev.Alert(alert=reason))
 
@@ -238,6 +235,7 @@ class RunControl:
         self._account = None
         self._paused_by = None
         self._open.set()
+        self.is_open = True
         self._event(Resumed())
 
     def drain(self) -> bool:
@@ -247,6 +245,7 @@ class RunControl:
         self._draining = True
         self._state = RunState.DRAINING
         self._open.set()  # what waits for a resume wakes and sees the drain
+        self.is_open = self.closed = True
         self._closing.set()
         return True
 
@@ -257,6 +256,7 @@ class RunControl:
         self._stopping = True
         self._draining = True
         self._open.set()
+        self.is_open = self.closed = True
         self._closing.set()
         return True
 

@@ -48,6 +48,11 @@ class BookedAs(Enum):
     SKIPPED = "skipped"          # a budget, max_usd, a duplicate: counted skipped, eligible for a later run
 
 
+# On Python 3.11 an Enum member read off its class goes through EnumType.__getattr__ (about 5x a module
+# global's read): the kinds read on every request are read once, here.
+_ANSWERED, _HANDED_BACK = BookedAs.ANSWERED, BookedAs.HANDED_BACK
+
+
 @dataclass(slots=True)  # one per answered request: a frozen __init__ costs 3x (setattr per field)
 class Booked:
     """What became of a prompt `next` yielded (see the module docstring)."""
@@ -57,7 +62,7 @@ class Booked:
 
     @staticmethod
     def answered(answer: ChatAnswer) -> Booked:
-        return Booked(BookedAs.ANSWERED, answer)
+        return Booked(_ANSWERED, answer)
 
     @staticmethod
     def failed(reason: str) -> Booked:
@@ -92,7 +97,8 @@ class FileSource:
         self._chunk: deque[Prompt] = deque()  # the rest of the chunk read last
         self._back: deque[Prompt] = deque()
         self._out = 0  # yielded, not booked yet
-        self._booked = asyncio.Event()  # set on each booking, for a `next` waiting at the file's end
+        self._booked = asyncio.Event()  # set on a booking while a `next` waits at the file's end
+        self._waiting = False  # a `next` waits on `_booked` (else a booking sets nothing: no call per request)
 
     @property
     def out(self) -> int:
@@ -122,13 +128,18 @@ class FileSource:
             if not self._out:
                 return None
             self._booked.clear()
-            await self._booked.wait()
+            self._waiting = True
+            try:
+                await self._booked.wait()
+            finally:
+                self._waiting = False
 
     def booked(self, prompt: Prompt, result: Booked) -> None:
         self._out -= 1
-        if result.kind is BookedAs.HANDED_BACK:
+        if result.kind is _HANDED_BACK:
             self._back.append(prompt)
-        self._booked.set()
+        if self._waiting:
+            self._booked.set()
 
 
 def open_source(ds: DatasetRun, book: RecordBook) -> PromptSource:

@@ -126,18 +126,21 @@ class MoneyBudget:
     def below_floor(self, worst: float) -> str | None:
         """Why the live balance minus what is reserved allows no request whose worst case is `worst`
         (an account condition: the run holds until the balance shows room again), or None."""
+        if self._balance is None:
+            return None
         sp = self.spend
-        balance = self.balance_now()
-        if balance is not None and balance - sp.reserved_usd - worst <= self.floor_usd:
+        balance = self._balance - (sp.spent_usd - self._spent_at_fetch)  # balance_now, inlined: once per request
+        if balance - sp.reserved_usd - worst <= self.floor_usd:
             return (f"credit floor reached: balance ${balance:.2f} - ${sp.reserved_usd:.2f} reserved "
                     f"<= floor ${self.floor_usd:.2f}")
         return None
 
     def blocked(self, worst: float) -> Block | None:
         """Why a request whose worst case is `worst` may not go out now (the ceiling first), or None."""
-        if self.max_usd is None and self._balance is None:  # no ceiling, no balance known: nothing to check
-            return None
-        if (why := self.over_max(worst)) is not None:
+        if self.max_usd is None:
+            if self._balance is None:  # no ceiling, no balance known: nothing to check
+                return None
+        elif (why := self.over_max(worst)) is not None:
             return Block(BlockReason.MAX_USD, why)
         if (why := self.below_floor(worst)) is not None:
             return Block(BlockReason.CREDIT_FLOOR, why)
