@@ -74,10 +74,17 @@ SOURCES = ("reconstructed", "backend")
 PROMPT_SOURCES = ("rendered", "backend")
 
 
+# The sample's ids as the worker builds them: an `array` of unsigned 32-bit integers in the machine's order.
+U32 = "I" if array("I").itemsize == 4 else "L"
+
+
 @dataclass(slots=True, eq=False)  # one per answer in the workers: a frozen __init__ costs ~3x (setattr per field)
 class Reconstruction:
-    input_ids: np.ndarray            # uint32 [T]
-    loss_mask: np.ndarray            # uint8 [T], 0/1
+    # The sample as built, no numpy array made for it (a token worker writes these buffers' bytes as they are:
+    # numpy's per-call cost on ~150 ids is most of what making and dropping two arrays an answer costs);
+    # `input_ids` and `loss_mask` are numpy views of them.
+    ids: array                       # uint32 [T] (typecode U32)
+    mask: bytearray                  # uint8 [T], 0/1
     answer_start: int                # the answer span is input_ids[answer_start:answer_end]
     answer_end: int
     checks: dict[str, bool]          # checks that applied, by name (see CHECKS)
@@ -98,6 +105,16 @@ class Reconstruction:
     # none, or is the server's and differs from the rendering (the positions are not known then).
     history_spans: tuple[tuple[int, int], ...] = ()
     tool_calls: int = 0                      # calls in the answer (tool_call_ids applies when > 0)
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        """uint32 [T]: the sample's ids (a view of `ids`)."""
+        return np.frombuffer(self.ids, dtype=np.uint32)
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        """uint8 [T], 0/1 (a view of `mask`)."""
+        return np.frombuffer(self.mask, dtype=np.uint8)
 
     @property
     def valid(self) -> bool:
@@ -151,7 +168,7 @@ def unrenderable(error: str, *, billed_tokens: int | None = None, truncated: boo
                  source: str = "reconstructed", provider: str | None = None) -> Reconstruction:
     """The outcome of an answer whose conversation could not be rendered: no tokens, `renders` failed."""
     checks = {"renders": False}
-    return Reconstruction(np.zeros(0, np.uint32), np.zeros(0, np.uint8), 0, 0, checks, _finish(checks), 0, None,
+    return Reconstruction(array(U32), bytearray(), 0, 0, checks, _finish(checks), 0, None,
                           source, billed_tokens, truncated, error, provider=provider)
 
 
@@ -179,22 +196,23 @@ def _decoded(tok: Tokenizer, span: list[int]) -> str | None:
         return None
 
 
-def _check_think_tags(checks: dict[str, bool], tok: Tokenizer, rendered: RenderedChat, span: np.ndarray,
-                      text: str, special_ids: list[int] | None = None) -> None:
+def _check_think_tags(checks: dict[str, bool], tok: Tokenizer, rendered: RenderedChat,
+                      span: np.ndarray | list[int], text: str, special_ids: list[int] | None = None) -> None:
     """`one_think_close` and `no_think_open`, for templates with thinking tags: the answer closes its
     thinking exactly once and never opens it (beyond the `<think>` a template leaves to the model).
-    `span` is the answer's ids (a view of the sample's array). The tags are counted among `special_ids`
-    when given: every id of the span that can be a special token's (`_answer_special_ids`, our own ids).
-    Otherwise one numpy pass keeps the span's ids from the lower tag's up, a handful, and they are counted
-    among those (two `list.count`s over the whole span cost as much at 130 tokens, and 35x that at 2,000,
-    where an answer with its reasoning often is)."""
+    `span` is the answer's ids: a list where `special_ids` are given, else a numpy view of the sample's ids.
+    The tags are counted among `special_ids` when given: every id of the span that can be a special token's
+    (`_answer_special_ids`, our own ids). Otherwise one numpy pass keeps the span's ids from the lower tag's
+    up, a handful, and they are counted among those (two `list.count`s over the whole span cost as much at
+    130 tokens, and 35x that at 2,000, where an answer with its reasoning often is)."""
     close_tag, open_tag = rendered.think_close, rendered.think_open
     if close_tag is None and open_tag is None:
         return
     close_id = tok.special_id(close_tag) if close_tag is not None else -1  # -1: the template has no such tag
     open_id = tok.special_id(open_tag) if open_tag is not None else -1
     if special_ids is None:
-        special_ids = span[span >= min(i for i in (close_id, open_id) if i >= 0)].tolist()
+        ids = np.asarray(span)  # the view it is given then, as it is
+        special_ids = ids[ids >= min(i for i in (close_id, open_id) if i >= 0)].tolist()
     if close_tag is not None:
         checks["one_think_close"] = special_ids.count(close_id) == 1 and text.count(close_tag) == 1
     if open_tag is not None:
@@ -303,18 +321,17 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
         # only ids that do not decode at all fail the round trip.
         round_trip = decoded is not None and (span is not answer_ids or decoded == answer_text)
     # One uint32 buffer for the whole sample, filled in place (no list of the whole sample made first).
-    buffer = array("I", prompt_ids)
+    buffer = array(U32, prompt_ids)
     buffer.fromlist(span)
     buffer.fromlist(suffix_ids)
-    input_ids = np.frombuffer(buffer, dtype=np.uint32)
     start = len(prompt_ids)
     end = start + len(span)
 
     checks: dict[str, bool] = {"renders": True}
     # Our own ids from a tokenizer whose text ids are never special: the span's special ids are its pieces'.
-    special_ids = (_answer_special_ids(tok, rendered.answer)
-                   if span is answer_ids and getattr(tok, "text_ids_plain", False) else None)
-    _check_think_tags(checks, tok, rendered, input_ids[start:end], text, special_ids)
+    own = span is answer_ids and getattr(tok, "text_ids_plain", False)
+    _check_think_tags(checks, tok, rendered, span if own else np.frombuffer(buffer, dtype=np.uint32)[start:end], text,
+                      _answer_special_ids(tok, rendered.answer) if own else None)
     checks["ends_with_eot"] = len(span) > 0 and span[-1] == eot_id
     checks["round_trip"] = round_trip
     count_diff = None
@@ -332,10 +349,12 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
         # Rendered from the stored calls: their ids are in the span, so they must be the model's own.
         checks["tool_call_ids"] = all(model_call_id(c) for c in tool_calls)
 
-    loss_mask = np.zeros(input_ids.shape[0], dtype=np.uint8)
-    loss_mask[start - mask_tail:end] = 1
+    # 1 over [start - mask_tail, end), a Python slice of the sample as numpy's `mask[a:b] = 1` took it
+    length = len(buffer)
+    loss_mask = bytearray(length)
+    loss_mask[start - mask_tail:end] = b"\x01" * len(range(length)[start - mask_tail:end])
     billed_prompt = int(billed_prompt_tokens) if billed_prompt_tokens else None  # 0: not reported
-    return Reconstruction(input_ids, loss_mask, start, end, checks, _finish(checks), len(span), count_diff,
+    return Reconstruction(buffer, loss_mask, start, end, checks, _finish(checks), len(span), count_diff,
                           source, billed, truncated, prompt_tokens=start, billed_prompt_tokens=billed_prompt,
                           provider=provider, prompt_source=prompt_source, turn=turn, history_spans=history,
                           tool_calls=len(tool_calls or ()))

@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,7 @@ from draftgen.core.tokens.fidelity import ProviderFlag
 from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.reconstruct import (
     DEFAULT_COUNT_TOLERANCE,
+    U32,
     Answer,
     answer_fields,
     reconstruct_answer,
@@ -56,6 +58,7 @@ LOCK_FILE = "writer.lock"     # flock'ed by the one process writing the folder
 BATCH_ANSWERS = 32            # answers per worker task: amortises IPC without starving cores
 BATCH_CHARS = 1 << 20         # ... or fewer when they are long
 INLINE_MAX = 32               # fewer pending answers than this: not worth starting processes
+LITTLE_ENDIAN = sys.byteorder == "little"  # a Reconstruction's ids are the machine's order, the files little-endian
 
 # A batch's outcome as a worker sends it back: every answer's input_ids (little-endian uint32) and
 # loss mask (uint8), concatenated in the batch's order; each answer's (id, length in tokens, index
@@ -146,7 +149,7 @@ def reconstruct_batch(records: list[Answer]) -> Results:
     assert _worker is not None, "reconstruct_batch runs in a worker started with _init_worker"
     tok, template, tolerance, policy = _worker
     ids: list[bytes] = []
-    masks: list[bytes] = []
+    masks: list[bytearray] = []
     samples: list[tuple[str, int, bytes]] = []
     report = ValidationReport("", policy=policy)
     for rec in records:
@@ -154,9 +157,14 @@ def reconstruct_batch(records: list[Answer]) -> Results:
             r = reconstruct_answer(tok, template, rec, count_tolerance=tolerance)
         except Exception as e:  # one odd answer must not sink its batch: it is flagged, the rest go on
             r = unrenderable(f"{type(e).__name__}: {e}")
-        ids.append(r.input_ids.astype("<u4", copy=False).tobytes())
-        masks.append(r.loss_mask.astype(np.uint8, copy=False).tobytes())
-        samples.append((str(rec[0]), int(r.input_ids.shape[0]), meta_json(r.index_meta())))
+        if LITTLE_ENDIAN:
+            ids.append(r.ids.tobytes())
+        else:  # the files hold little-endian ids
+            swapped = array(U32, r.ids)
+            swapped.byteswap()
+            ids.append(swapped.tobytes())
+        masks.append(r.mask)
+        samples.append((str(rec[0]), len(r.ids), meta_json(r.index_meta())))
         report.add(r)
     return b"".join(ids), b"".join(masks), samples, report
 
