@@ -146,10 +146,60 @@ class Reconstruction:
         return self.prompt_tokens - self.billed_prompt_tokens
 
 
-def encode_segments(tok: Tokenizer, segments: Iterable[Segment], starts: list[int] | None = None) -> list[int]:
-    """The ids of `segments`; `starts`, when given, gets the position each segment starts at (and the end)."""
+# The prompt texts a token worker remembers the ids of (PromptTexts): texts of at least PROMPT_TEXT_MIN characters
+# (shorter ones cost less to encode than to remember; the tokenizer keeps its own very short ones), up to
+# PROMPT_TEXT_CHARS characters in all, the least recently used forgotten first. About 4 MB a worker when full
+# (the texts, 2 bytes a character where one is not Latin-1, their ids at 4 bytes a token, the table: 8.2 MB
+# measured at 2M characters of bench_engine's answers).
+PROMPT_TEXT_MIN = 64
+PROMPT_TEXT_CHARS = 1 << 20
+
+
+class PromptTexts:
+    """The ids of the prompt texts a token worker encoded last, by their text: a system prompt sent with every
+    request, a tool declaration, a multi-turn conversation's earlier turns (each turn's prompt holds them all
+    again) are encoded once while they keep coming back, not with each answer. The same ids as encoding
+    them again (a tokenizer's ids depend on the text only). Bounded: `max_chars` characters of text in all
+    (a text longer than that is encoded and not kept)."""
+
+    def __init__(self, tok: Tokenizer, max_chars: int = PROMPT_TEXT_CHARS) -> None:
+        self.tok = tok
+        self.max_chars = max_chars
+        self.chars = 0  # the characters of the texts kept
+        self._ids: dict[str, array] = {}  # oldest first: a text used again is moved to the end
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, text: str) -> bool:
+        return text in self._ids
+
+    def encode(self, text: str) -> Sequence[int]:
+        """`tok.encode_text(text)`, remembered."""
+        n = len(text)
+        if n < PROMPT_TEXT_MIN:
+            return self.tok.encode_text(text)
+        ids = self._ids.pop(text, None)
+        if ids is None:
+            ids = array(U32, self.tok.encode_text(text))
+            if n > self.max_chars:
+                return ids
+            self.chars += n
+            while self.chars > self.max_chars:
+                oldest = next(iter(self._ids))
+                self.chars -= len(oldest)
+                del self._ids[oldest]
+        self._ids[text] = ids
+        return ids
+
+
+def encode_segments(tok: Tokenizer, segments: Iterable[Segment], starts: list[int] | None = None,
+                    texts: PromptTexts | None = None) -> list[int]:
+    """The ids of `segments`; `starts`, when given, gets the position each segment starts at (and the end).
+    `texts`: the ids of texts encoded before (a worker's, for a prompt's texts)."""
     ids: list[int] = []
-    special_id, encode_text = tok.special_id, tok.encode_text  # bound once: a dozen segments an answer
+    special_id = tok.special_id  # bound once: a dozen segments an answer
+    encode_text = texts.encode if texts is not None else tok.encode_text
     for text, special, known in segments:
         if starts is not None:
             starts.append(len(ids))
@@ -257,7 +307,7 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
                 count_tolerance: int = DEFAULT_COUNT_TOLERANCE, verify_decode: bool = False,
                 billed_prompt_tokens: int | None = None, provider: str | None = None,
                 backend_prompt_ids: Sequence[int] | None = None, turn: int | None = None,
-                tools: list[Any] | None = None) -> Reconstruction:
+                tools: list[Any] | None = None, texts: PromptTexts | None = None) -> Reconstruction:
     """Token ids, loss mask and validation of one answer to `messages`.
 
     `verify_decode`: decode the span for `round_trip` even where the tokenizer is known lossless.
@@ -265,6 +315,7 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
     `backend_prompt_ids`: the server's own prompt ids, compared with the rendered prompt (and used).
     `turn`: the turn number of a multi-turn record, kept for the per-turn figures.
     `tools`: the function schemas the request sent (the template declares them before the messages).
+    `texts`: the ids of prompt texts encoded before (a token worker's PromptTexts).
     """
     source = "backend" if backend_ids is not None else "reconstructed"
     billed = int(billed_tokens) if billed_tokens is not None else None
@@ -276,7 +327,7 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
         rendered = template.render(messages, reasoning, content or "", truncated=truncated, tool_calls=tool_calls,
                                    tools=tools)
         starts: list[int] | None = [] if rendered.history_turns else None
-        prompt_ids = encode_segments(tok, rendered.prompt, starts)
+        prompt_ids = encode_segments(tok, rendered.prompt, starts, texts)
         answer_ids = encode_segments(tok, rendered.answer)
         suffix_ids = encode_segments(tok, rendered.suffix)
         eot_id = tok.special_id(rendered.eot)
@@ -390,8 +441,10 @@ def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[s
 
 
 def reconstruct_answer(tok: Tokenizer, template: ChatTemplate, answer: Answer, *,
-                       count_tolerance: int = DEFAULT_COUNT_TOLERANCE) -> Reconstruction:
-    """`reconstruct_record` of a line's `answer_fields` (what a token worker is sent)."""
+                       count_tolerance: int = DEFAULT_COUNT_TOLERANCE, texts: PromptTexts | None = None
+                       ) -> Reconstruction:
+    """`reconstruct_record` of a line's `answer_fields` (what a token worker is sent); `texts`: the worker's
+    PromptTexts."""
     (_, messages, reasoning, content, tool_calls, finish_reason, truncated, backend, backend_prompt, turn, tools,
      provider, billed, billed_prompt) = answer
     truncated = bool(truncated) or finish_reason == "length"
@@ -417,4 +470,4 @@ def reconstruct_answer(tok: Tokenizer, template: ChatTemplate, answer: Answer, *
                        billed_tokens=billed, backend_ids=backend, truncated=truncated,
                        tool_calls=tool_calls or None, count_tolerance=count_tolerance,
                        billed_prompt_tokens=billed_prompt, provider=provider, backend_prompt_ids=backend_prompt,
-                       turn=turn, tools=tools or None)
+                       turn=turn, tools=tools or None, texts=texts)

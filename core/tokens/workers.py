@@ -44,6 +44,7 @@ from draftgen.core.tokens.reconstruct import (
     DEFAULT_COUNT_TOLERANCE,
     U32,
     Answer,
+    PromptTexts,
     answer_fields,
     reconstruct_answer,
     unrenderable,
@@ -101,13 +102,13 @@ def worker_spec(config: Config) -> WorkerSpec:
     return replace(WorkerSpec.from_config(config), policy=SamplePolicy.from_config(config))
 
 
-_worker: tuple[Tokenizer, ChatTemplate, int, SamplePolicy] | None = None
+_worker: tuple[Tokenizer, ChatTemplate, int, SamplePolicy, PromptTexts] | None = None
 
 
 def _init_worker(spec: WorkerSpec) -> None:
     global _worker
     tok, template = spec.load()
-    _worker = (tok, template, spec.count_tolerance, spec.policy)
+    _worker = (tok, template, spec.count_tolerance, spec.policy, PromptTexts(tok))
 
 
 def _init_pool_worker(spec: WorkerSpec) -> None:
@@ -147,14 +148,14 @@ def reconstruct_batch(records: list[Answer]) -> Results:
     """The answers' token ids, loss masks, index metadata and report, in order (runs in a worker; see Results).
     `records`: each a response line's `answer_fields` (the rest of the line never crosses to a worker)."""
     assert _worker is not None, "reconstruct_batch runs in a worker started with _init_worker"
-    tok, template, tolerance, policy = _worker
+    tok, template, tolerance, policy, texts = _worker
     ids: list[bytes] = []
     masks: list[bytearray] = []
     samples: list[tuple[str, int, bytes]] = []
     report = ValidationReport("", policy=policy)
     for rec in records:
         try:
-            r = reconstruct_answer(tok, template, rec, count_tolerance=tolerance)
+            r = reconstruct_answer(tok, template, rec, count_tolerance=tolerance, texts=texts)
         except Exception as e:  # one odd answer must not sink its batch: it is flagged, the rest go on
             r = unrenderable(f"{type(e).__name__}: {e}")
         if LITTLE_ENDIAN:
