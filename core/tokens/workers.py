@@ -149,8 +149,8 @@ def reconstruct_batch(records: list[Answer]) -> Results:
     `records`: each a response line's `answer_fields` (the rest of the line never crosses to a worker)."""
     assert _worker is not None, "reconstruct_batch runs in a worker started with _init_worker"
     tok, template, tolerance, policy, texts = _worker
-    ids: list[bytes] = []
-    masks: list[bytearray] = []
+    ids = array(U32)  # every answer's ids, appended as they are made (one copy each, one bytes at the end)
+    masks = bytearray()
     samples: list[tuple[str, int, bytes]] = []
     report = ValidationReport("", policy=policy)
     for rec in records:
@@ -158,16 +158,13 @@ def reconstruct_batch(records: list[Answer]) -> Results:
             r = reconstruct_answer(tok, template, rec, count_tolerance=tolerance, texts=texts)
         except Exception as e:  # one odd answer must not sink its batch: it is flagged, the rest go on
             r = unrenderable(f"{type(e).__name__}: {e}")
-        if LITTLE_ENDIAN:
-            ids.append(r.ids.tobytes())
-        else:  # the files hold little-endian ids
-            swapped = array(U32, r.ids)
-            swapped.byteswap()
-            ids.append(swapped.tobytes())
-        masks.append(r.mask)
+        ids += r.ids
+        masks += r.mask
         samples.append((str(rec[0]), len(r.ids), meta_json(r.index_meta())))
         report.add(r)
-    return b"".join(ids), b"".join(masks), samples, report
+    if not LITTLE_ENDIAN:  # the files hold little-endian ids
+        ids.byteswap()
+    return ids.tobytes(), bytes(masks), samples, report
 
 
 def each_sample(results: Results) -> Iterator[tuple[str, np.ndarray, np.ndarray, dict[str, Any]]]:
@@ -183,8 +180,8 @@ def each_sample(results: Results) -> Iterator[tuple[str, np.ndarray, np.ndarray,
 
 def record_chars(rec: Answer) -> int:
     """About how much text an answer holds (its batch's bound, BATCH_CHARS)."""
-    _, messages, reasoning, content = rec[:4]
-    n = sum(len(v) for v in (reasoning, content) if isinstance(v, str))
+    messages, reasoning, content = rec[1], rec[2], rec[3]  # no slice, no generator: the main process counts each
+    n = (len(reasoning) if isinstance(reasoning, str) else 0) + (len(content) if isinstance(content, str) else 0)
     for m in messages if isinstance(messages, list) else ():
         c = m.get("content") if isinstance(m, dict) else None
         n += len(c) if isinstance(c, str) else 64
