@@ -74,10 +74,17 @@ SOURCES = ("reconstructed", "backend")
 PROMPT_SOURCES = ("rendered", "backend")
 
 
+# The sample's ids as the worker builds them: an `array` of unsigned 32-bit integers in the machine's order.
+U32 = "I" if array("I").itemsize == 4 else "L"
+
+
 @dataclass(slots=True, eq=False)  # one per answer in the workers: a frozen __init__ costs ~3x (setattr per field)
 class Reconstruction:
-    input_ids: np.ndarray            # uint32 [T]
-    loss_mask: np.ndarray            # uint8 [T], 0/1
+    # The sample as built, no numpy array made for it (a token worker writes these buffers' bytes as they are:
+    # numpy's per-call cost on ~150 ids is most of what making and dropping two arrays an answer costs);
+    # `input_ids` and `loss_mask` are numpy views of them.
+    ids: array                       # uint32 [T] (typecode U32)
+    mask: bytearray                  # uint8 [T], 0/1
     answer_start: int                # the answer span is input_ids[answer_start:answer_end]
     answer_end: int
     checks: dict[str, bool]          # checks that applied, by name (see CHECKS)
@@ -98,6 +105,16 @@ class Reconstruction:
     # none, or is the server's and differs from the rendering (the positions are not known then).
     history_spans: tuple[tuple[int, int], ...] = ()
     tool_calls: int = 0                      # calls in the answer (tool_call_ids applies when > 0)
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        """uint32 [T]: the sample's ids (a view of `ids`)."""
+        return np.frombuffer(self.ids, dtype=np.uint32)
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        """uint8 [T], 0/1 (a view of `mask`)."""
+        return np.frombuffer(self.mask, dtype=np.uint8)
 
     @property
     def valid(self) -> bool:
@@ -129,10 +146,60 @@ class Reconstruction:
         return self.prompt_tokens - self.billed_prompt_tokens
 
 
-def encode_segments(tok: Tokenizer, segments: Iterable[Segment], starts: list[int] | None = None) -> list[int]:
-    """The ids of `segments`; `starts`, when given, gets the position each segment starts at (and the end)."""
+# The prompt texts a token worker remembers the ids of (PromptTexts): texts of at least PROMPT_TEXT_MIN characters
+# (shorter ones cost less to encode than to remember; the tokenizer keeps its own very short ones), up to
+# PROMPT_TEXT_CHARS characters in all, the least recently used forgotten first. About 4 MB a worker when full
+# (the texts, 2 bytes a character where one is not Latin-1, their ids at 4 bytes a token, the table: 8.2 MB
+# measured at 2M characters of bench_engine's answers).
+PROMPT_TEXT_MIN = 64
+PROMPT_TEXT_CHARS = 1 << 20
+
+
+class PromptTexts:
+    """The ids of the prompt texts a token worker encoded last, by their text: a system prompt sent with every
+    request, a tool declaration, a multi-turn conversation's earlier turns (each turn's prompt holds them all
+    again) are encoded once while they keep coming back, not with each answer. The same ids as encoding
+    them again (a tokenizer's ids depend on the text only). Bounded: `max_chars` characters of text in all
+    (a text longer than that is encoded and not kept)."""
+
+    def __init__(self, tok: Tokenizer, max_chars: int = PROMPT_TEXT_CHARS) -> None:
+        self.tok = tok
+        self.max_chars = max_chars
+        self.chars = 0  # the characters of the texts kept
+        self._ids: dict[str, array] = {}  # oldest first: a text used again is moved to the end
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, text: str) -> bool:
+        return text in self._ids
+
+    def encode(self, text: str) -> Sequence[int]:
+        """`tok.encode_text(text)`, remembered."""
+        n = len(text)
+        if n < PROMPT_TEXT_MIN:
+            return self.tok.encode_text(text)
+        ids = self._ids.pop(text, None)
+        if ids is None:
+            ids = array(U32, self.tok.encode_text(text))
+            if n > self.max_chars:
+                return ids
+            self.chars += n
+            while self.chars > self.max_chars:
+                oldest = next(iter(self._ids))
+                self.chars -= len(oldest)
+                del self._ids[oldest]
+        self._ids[text] = ids
+        return ids
+
+
+def encode_segments(tok: Tokenizer, segments: Iterable[Segment], starts: list[int] | None = None,
+                    texts: PromptTexts | None = None) -> list[int]:
+    """The ids of `segments`; `starts`, when given, gets the position each segment starts at (and the end).
+    `texts`: the ids of texts encoded before (a worker's, for a prompt's texts)."""
     ids: list[int] = []
-    special_id, encode_text = tok.special_id, tok.encode_text  # bound once: a dozen segments an answer
+    special_id = tok.special_id  # bound once: a dozen segments an answer
+    encode_text = texts.encode if texts is not None else tok.encode_text
     for text, special, known in segments:
         if starts is not None:
             starts.append(len(ids))
@@ -151,7 +218,7 @@ def unrenderable(error: str, *, billed_tokens: int | None = None, truncated: boo
                  source: str = "reconstructed", provider: str | None = None) -> Reconstruction:
     """The outcome of an answer whose conversation could not be rendered: no tokens, `renders` failed."""
     checks = {"renders": False}
-    return Reconstruction(np.zeros(0, np.uint32), np.zeros(0, np.uint8), 0, 0, checks, _finish(checks), 0, None,
+    return Reconstruction(array(U32), bytearray(), 0, 0, checks, _finish(checks), 0, None,
                           source, billed_tokens, truncated, error, provider=provider)
 
 
@@ -179,22 +246,23 @@ def _decoded(tok: Tokenizer, span: list[int]) -> str | None:
         return None
 
 
-def _check_think_tags(checks: dict[str, bool], tok: Tokenizer, rendered: RenderedChat, span: np.ndarray,
-                      text: str, special_ids: list[int] | None = None) -> None:
+def _check_think_tags(checks: dict[str, bool], tok: Tokenizer, rendered: RenderedChat,
+                      span: np.ndarray | list[int], text: str, special_ids: list[int] | None = None) -> None:
     """`one_think_close` and `no_think_open`, for templates with thinking tags: the answer closes its
     thinking exactly once and never opens it (beyond the `<think>` a template leaves to the model).
-    `span` is the answer's ids (a view of the sample's array). The tags are counted among `special_ids`
-    when given: every id of the span that can be a special token's (`_answer_special_ids`, our own ids).
-    Otherwise one numpy pass keeps the span's ids from the lower tag's up, a handful, and they are counted
-    among those (two `list.count`s over the whole span cost as much at 130 tokens, and 35x that at 2,000,
-    where an answer with its reasoning often is)."""
+    `span` is the answer's ids: a list where `special_ids` are given, else a numpy view of the sample's ids.
+    The tags are counted among `special_ids` when given: every id of the span that can be a special token's
+    (`_answer_special_ids`, our own ids). Otherwise one numpy pass keeps the span's ids from the lower tag's
+    up, a handful, and they are counted among those (two `list.count`s over the whole span cost as much at
+    130 tokens, and 35x that at 2,000, where an answer with its reasoning often is)."""
     close_tag, open_tag = rendered.think_close, rendered.think_open
     if close_tag is None and open_tag is None:
         return
     close_id = tok.special_id(close_tag) if close_tag is not None else -1  # -1: the template has no such tag
     open_id = tok.special_id(open_tag) if open_tag is not None else -1
     if special_ids is None:
-        special_ids = span[span >= min(i for i in (close_id, open_id) if i >= 0)].tolist()
+        ids = np.asarray(span)  # the view it is given then, as it is
+        special_ids = ids[ids >= min(i for i in (close_id, open_id) if i >= 0)].tolist()
     if close_tag is not None:
         checks["one_think_close"] = special_ids.count(close_id) == 1 and text.count(close_tag) == 1
     if open_tag is not None:
@@ -239,7 +307,7 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
                 count_tolerance: int = DEFAULT_COUNT_TOLERANCE, verify_decode: bool = False,
                 billed_prompt_tokens: int | None = None, provider: str | None = None,
                 backend_prompt_ids: Sequence[int] | None = None, turn: int | None = None,
-                tools: list[Any] | None = None) -> Reconstruction:
+                tools: list[Any] | None = None, texts: PromptTexts | None = None) -> Reconstruction:
     """Token ids, loss mask and validation of one answer to `messages`.
 
     `verify_decode`: decode the span for `round_trip` even where the tokenizer is known lossless.
@@ -247,6 +315,7 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
     `backend_prompt_ids`: the server's own prompt ids, compared with the rendered prompt (and used).
     `turn`: the turn number of a multi-turn record, kept for the per-turn figures.
     `tools`: the function schemas the request sent (the template declares them before the messages).
+    `texts`: the ids of prompt texts encoded before (a token worker's PromptTexts).
     """
     source = "backend" if backend_ids is not None else "reconstructed"
     billed = int(billed_tokens) if billed_tokens is not None else None
@@ -258,7 +327,7 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
         rendered = template.render(messages, reasoning, content or "", truncated=truncated, tool_calls=tool_calls,
                                    tools=tools)
         starts: list[int] | None = [] if rendered.history_turns else None
-        prompt_ids = encode_segments(tok, rendered.prompt, starts)
+        prompt_ids = encode_segments(tok, rendered.prompt, starts, texts)
         answer_ids = encode_segments(tok, rendered.answer)
         suffix_ids = encode_segments(tok, rendered.suffix)
         eot_id = tok.special_id(rendered.eot)
@@ -303,18 +372,17 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
         # only ids that do not decode at all fail the round trip.
         round_trip = decoded is not None and (span is not answer_ids or decoded == answer_text)
     # One uint32 buffer for the whole sample, filled in place (no list of the whole sample made first).
-    buffer = array("I", prompt_ids)
+    buffer = array(U32, prompt_ids)
     buffer.fromlist(span)
     buffer.fromlist(suffix_ids)
-    input_ids = np.frombuffer(buffer, dtype=np.uint32)
     start = len(prompt_ids)
     end = start + len(span)
 
     checks: dict[str, bool] = {"renders": True}
     # Our own ids from a tokenizer whose text ids are never special: the span's special ids are its pieces'.
-    special_ids = (_answer_special_ids(tok, rendered.answer)
-                   if span is answer_ids and getattr(tok, "text_ids_plain", False) else None)
-    _check_think_tags(checks, tok, rendered, input_ids[start:end], text, special_ids)
+    own = span is answer_ids and getattr(tok, "text_ids_plain", False)
+    _check_think_tags(checks, tok, rendered, span if own else np.frombuffer(buffer, dtype=np.uint32)[start:end], text,
+                      _answer_special_ids(tok, rendered.answer) if own else None)
     checks["ends_with_eot"] = len(span) > 0 and span[-1] == eot_id
     checks["round_trip"] = round_trip
     count_diff = None
@@ -332,10 +400,12 @@ def reconstruct(tok: Tokenizer, template: ChatTemplate, messages: list[dict[str,
         # Rendered from the stored calls: their ids are in the span, so they must be the model's own.
         checks["tool_call_ids"] = all(model_call_id(c) for c in tool_calls)
 
-    loss_mask = np.zeros(input_ids.shape[0], dtype=np.uint8)
-    loss_mask[start - mask_tail:end] = 1
+    # 1 over [start - mask_tail, end), a Python slice of the sample as numpy's `mask[a:b] = 1` took it
+    length = len(buffer)
+    loss_mask = bytearray(length)
+    loss_mask[start - mask_tail:end] = b"\x01" * len(range(length)[start - mask_tail:end])
     billed_prompt = int(billed_prompt_tokens) if billed_prompt_tokens else None  # 0: not reported
-    return Reconstruction(input_ids, loss_mask, start, end, checks, _finish(checks), len(span), count_diff,
+    return Reconstruction(buffer, loss_mask, start, end, checks, _finish(checks), len(span), count_diff,
                           source, billed, truncated, prompt_tokens=start, billed_prompt_tokens=billed_prompt,
                           provider=provider, prompt_source=prompt_source, turn=turn, history_spans=history,
                           tool_calls=len(tool_calls or ()))
@@ -371,8 +441,10 @@ def reconstruct_record(tok: Tokenizer, template: ChatTemplate, record: Mapping[s
 
 
 def reconstruct_answer(tok: Tokenizer, template: ChatTemplate, answer: Answer, *,
-                       count_tolerance: int = DEFAULT_COUNT_TOLERANCE) -> Reconstruction:
-    """`reconstruct_record` of a line's `answer_fields` (what a token worker is sent)."""
+                       count_tolerance: int = DEFAULT_COUNT_TOLERANCE, texts: PromptTexts | None = None
+                       ) -> Reconstruction:
+    """`reconstruct_record` of a line's `answer_fields` (what a token worker is sent); `texts`: the worker's
+    PromptTexts."""
     (_, messages, reasoning, content, tool_calls, finish_reason, truncated, backend, backend_prompt, turn, tools,
      provider, billed, billed_prompt) = answer
     truncated = bool(truncated) or finish_reason == "length"
@@ -398,4 +470,4 @@ def reconstruct_answer(tok: Tokenizer, template: ChatTemplate, answer: Answer, *
                        billed_tokens=billed, backend_ids=backend, truncated=truncated,
                        tool_calls=tool_calls or None, count_tolerance=count_tolerance,
                        billed_prompt_tokens=billed_prompt, provider=provider, backend_prompt_ids=backend_prompt,
-                       turn=turn, tools=tools or None)
+                       turn=turn, tools=tools or None, texts=texts)

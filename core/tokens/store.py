@@ -140,16 +140,18 @@ class TokenWriter:
     def append_encoded(self, input_ids: bytes, loss_mask: bytes, samples: Sequence[tuple[str, int, bytes]]) -> None:
         """`append_batch` with each sample's metadata already encoded by `meta_json` (as a token worker
         sends it back): its index line is written without decoding or encoding the metadata again."""
-        total = sum(n for _, n, _ in samples)
+        lines, names, offset = [], [], self.tokens
+        for sample_id, length, meta in samples:  # one pass an answer (a live run writes every answer here)
+            name = str(sample_id)
+            names.append(name)
+            lines.append(b'{"id":%b,"offset":%d,"length":%d%b' % (orjson.dumps(name), offset, length, meta))
+            offset += length
+        total = offset - self.tokens
         if len(input_ids) != 4 * total or len(loss_mask) != total:
             raise ValueError(f"a batch of {total} tokens with {len(input_ids)} bytes of ids and {len(loss_mask)} "
                              f"of mask")
-        lines, offset = [], self.tokens
-        for sample_id, length, meta in samples:
-            lines.append(b'{"id":%b,"offset":%d,"length":%d%b' % (orjson.dumps(str(sample_id)), offset, length, meta))
-            offset += length
         self._write(input_ids, loss_mask, b"\n".join(lines) + b"\n" if lines else b"")
-        self.ids.update(str(sample_id) for sample_id, _, _ in samples)
+        self.ids.update(names)
 
     def _write(self, ids: bytes, mask: bytes, lines: bytes) -> None:
         """Write samples' ids, then their masks, then their index lines (the commit), and count them."""

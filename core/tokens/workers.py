@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -41,7 +42,9 @@ from draftgen.core.tokens.fidelity import ProviderFlag
 from draftgen.core.tokens.policy import SamplePolicy
 from draftgen.core.tokens.reconstruct import (
     DEFAULT_COUNT_TOLERANCE,
+    U32,
     Answer,
+    PromptTexts,
     answer_fields,
     reconstruct_answer,
     unrenderable,
@@ -56,6 +59,7 @@ LOCK_FILE = "writer.lock"     # flock'ed by the one process writing the folder
 BATCH_ANSWERS = 32            # answers per worker task: amortises IPC without starving cores
 BATCH_CHARS = 1 << 20         # ... or fewer when they are long
 INLINE_MAX = 32               # fewer pending answers than this: not worth starting processes
+LITTLE_ENDIAN = sys.byteorder == "little"  # a Reconstruction's ids are the machine's order, the files little-endian
 
 # A batch's outcome as a worker sends it back: every answer's input_ids (little-endian uint32) and
 # loss mask (uint8), concatenated in the batch's order; each answer's (id, length in tokens, index
@@ -98,13 +102,13 @@ def worker_spec(config: Config) -> WorkerSpec:
     return replace(WorkerSpec.from_config(config), policy=SamplePolicy.from_config(config))
 
 
-_worker: tuple[Tokenizer, ChatTemplate, int, SamplePolicy] | None = None
+_worker: tuple[Tokenizer, ChatTemplate, int, SamplePolicy, PromptTexts] | None = None
 
 
 def _init_worker(spec: WorkerSpec) -> None:
     global _worker
     tok, template = spec.load()
-    _worker = (tok, template, spec.count_tolerance, spec.policy)
+    _worker = (tok, template, spec.count_tolerance, spec.policy, PromptTexts(tok))
 
 
 def _init_pool_worker(spec: WorkerSpec) -> None:
@@ -144,21 +148,23 @@ def reconstruct_batch(records: list[Answer]) -> Results:
     """The answers' token ids, loss masks, index metadata and report, in order (runs in a worker; see Results).
     `records`: each a response line's `answer_fields` (the rest of the line never crosses to a worker)."""
     assert _worker is not None, "reconstruct_batch runs in a worker started with _init_worker"
-    tok, template, tolerance, policy = _worker
-    ids: list[bytes] = []
-    masks: list[bytes] = []
+    tok, template, tolerance, policy, texts = _worker
+    ids = array(U32)  # every answer's ids, appended as they are made (one copy each, one bytes at the end)
+    masks = bytearray()
     samples: list[tuple[str, int, bytes]] = []
     report = ValidationReport("", policy=policy)
     for rec in records:
         try:
-            r = reconstruct_answer(tok, template, rec, count_tolerance=tolerance)
+            r = reconstruct_answer(tok, template, rec, count_tolerance=tolerance, texts=texts)
         except Exception as e:  # one odd answer must not sink its batch: it is flagged, the rest go on
             r = unrenderable(f"{type(e).__name__}: {e}")
-        ids.append(r.input_ids.astype("<u4", copy=False).tobytes())
-        masks.append(r.loss_mask.astype(np.uint8, copy=False).tobytes())
-        samples.append((str(rec[0]), int(r.input_ids.shape[0]), meta_json(r.index_meta())))
+        ids += r.ids
+        masks += r.mask
+        samples.append((str(rec[0]), len(r.ids), meta_json(r.index_meta())))
         report.add(r)
-    return b"".join(ids), b"".join(masks), samples, report
+    if not LITTLE_ENDIAN:  # the files hold little-endian ids
+        ids.byteswap()
+    return ids.tobytes(), bytes(masks), samples, report
 
 
 def each_sample(results: Results) -> Iterator[tuple[str, np.ndarray, np.ndarray, dict[str, Any]]]:
@@ -174,8 +180,8 @@ def each_sample(results: Results) -> Iterator[tuple[str, np.ndarray, np.ndarray,
 
 def record_chars(rec: Answer) -> int:
     """About how much text an answer holds (its batch's bound, BATCH_CHARS)."""
-    _, messages, reasoning, content = rec[:4]
-    n = sum(len(v) for v in (reasoning, content) if isinstance(v, str))
+    messages, reasoning, content = rec[1], rec[2], rec[3]  # no slice, no generator: the main process counts each
+    n = (len(reasoning) if isinstance(reasoning, str) else 0) + (len(content) if isinstance(content, str) else 0)
     for m in messages if isinstance(messages, list) else ():
         c = m.get("content") if isinstance(m, dict) else None
         n += len(c) if isinstance(c, str) else 64

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draftgen.core.tokens.policy import SamplePolicy
-from draftgen.core.tokens.reconstruct import CHECKS, reconstruct, reconstruct_record
+from draftgen.core.tokens.reconstruct import CHECKS, PROMPT_TEXT_MIN, PromptTexts, reconstruct, reconstruct_record
 from draftgen.core.tokens.report import ValidationReport
 from draftgen.core.tokens.template import (
     KIMI_DEFAULT_SYSTEM,
@@ -559,3 +559,68 @@ def test_auto_template_reads_a_history_turns_reasoning_under_openrouters_keys(tj
         got = reconstruct(tj_tok, template, history(**keys), "sum", "4")
         assert got.input_ids.tolist() == want.input_ids.tolist(), keys
     assert reconstruct(tj_tok, template, history(), "sum", "4").input_ids.tolist() != want.input_ids.tolist()
+
+
+SYSTEM = "You answer questions about science and code. Think step by step and check each result. " * 8
+
+
+def test_a_workers_prompt_texts_give_the_same_ids_and_keep_a_repeated_text_encoded() -> None:
+    """A token worker remembers the ids of the prompt texts it encoded (PromptTexts): a system prompt sent
+    with every request and a conversation's earlier turns are encoded once while they come back, with the
+    same ids, mask and checks as encoding them again; the answers' texts are never kept."""
+    texts = PromptTexts(TOK)
+    earlier = "An earlier answer, long enough to be kept: " + "the sky scatters blue light more. " * 4
+    conversations = [
+        [{"role": "system", "content": SYSTEM}, *user("Why is the sky blue?")],
+        [{"role": "system", "content": SYSTEM}, *user("Why is the sky blue?"),
+         {"role": "assistant", "content": earlier}, *user("And at sunset, " + "what changes then? " * 4)],
+        [{"role": "system", "content": SYSTEM}, *user("Another question " * 5)],
+    ]
+    for messages in conversations * 2:
+        plain = reconstruct(TOK, KIMI, messages, "Rayleigh scattering " * 5, "Short waves scatter " * 5)
+        kept = reconstruct(TOK, KIMI, messages, "Rayleigh scattering " * 5, "Short waves scatter " * 5, texts=texts)
+        assert kept.input_ids.tolist() == plain.input_ids.tolist()
+        assert kept.loss_mask.tolist() == plain.loss_mask.tolist()
+        assert kept.checks == plain.checks and kept.history_spans == plain.history_spans
+    assert SYSTEM in texts and earlier in texts
+    assert "Rayleigh scattering " * 5 not in texts and "Why is the sky blue?" not in texts  # an answer; too short
+    assert texts.encode(SYSTEM) is texts.encode(SYSTEM)  # kept, not encoded again
+    assert texts.chars == sum(len(t) for t in (SYSTEM, earlier, "And at sunset, " + "what changes then? " * 4,
+                                               "Another question " * 5))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["a " * 40, "b " * 50, "c " * 60, "δ " * 70, "e" * 120, "short"]), max_size=30),
+       st.integers(80, 400))
+def test_prompt_texts_stay_within_their_bound_and_give_the_tokenizers_ids(sequence: list[str], bound: int) -> None:
+    """Whatever order texts come in, PromptTexts gives the tokenizer's own ids, keeps at most `max_chars`
+    characters of text (a longer text is encoded and not kept), and forgets the least recently used first."""
+    texts = PromptTexts(TOK, max_chars=bound)
+    used: list[str] = []
+    for text in sequence:
+        assert list(texts.encode(text)) == TOK.encode_text(text)
+        assert texts.chars <= bound and texts.chars == sum(len(t) for t in set(used + [text]) if t in texts)
+        if PROMPT_TEXT_MIN <= len(text) <= bound:  # one it can keep
+            if text in used:
+                used.remove(text)
+            used.append(text)
+        kept = [t for t in used if t in texts]
+        assert kept == used[len(used) - len(kept):]  # the most recently used ones
+        assert (text in texts) == (PROMPT_TEXT_MIN <= len(text) <= bound)
+
+
+def test_a_token_worker_keeps_its_prompt_texts_between_batches() -> None:
+    """reconstruct_batch encodes with its worker's PromptTexts: a system prompt of one batch is kept for the
+    next, and the batch's bytes are those of answers reconstructed without it."""
+    from draftgen.core.tokens import workers
+    from draftgen.core.tokens.reconstruct import answer_fields, reconstruct_answer
+    workers._init_worker(workers.WorkerSpec(str(bundled_kimi_path()), False, "kimi-k2.5"))
+    records = [{"id": f"s{i}", "messages": [{"role": "system", "content": SYSTEM}, *user(f"Question {i}")],
+                "reasoning": "thinking " * i, "content": f"Answer {i}", "finish_reason": "stop"} for i in range(4)]
+    first = workers.reconstruct_batch([answer_fields(r) for r in records[:2]])
+    assert workers._worker is not None and SYSTEM in workers._worker[4]
+    second = workers.reconstruct_batch([answer_fields(r) for r in records[2:]])
+    for results, part in ((first, records[:2]), (second, records[2:])):
+        alone = [reconstruct_answer(TOK, KIMI, answer_fields(r)) for r in part]
+        assert results[0] == b"".join(r.input_ids.astype("<u4").tobytes() for r in alone)
+        assert results[1] == b"".join(r.loss_mask.tobytes() for r in alone)
