@@ -283,7 +283,7 @@ class JsonlAppender:
         """Resolves once an fsync begun after every line written so far has completed (DiskError when it
         failed). Each caller gets its own future, so cancelling one waiter cancels no other."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if not self.unsynced:
+        if not self._buf and self._synced >= self._written:  # not `unsynced`: a call saved for each waiter
             fut.set_result(None)
             return fut
         self._batch.append(fut)

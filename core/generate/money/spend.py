@@ -93,6 +93,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import StrEnum
+from operator import attrgetter
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -254,18 +255,20 @@ T = TypeVar("T")
 
 
 class _OnSums(Generic[T]):
-    """A SpendLedger attribute that lives on its `sums` (read and written there)."""
+    """A SpendLedger attribute that lives on its `sums` (read and written there). Once its class is made it
+    puts a `property` in its place whose getter is an `attrgetter` (C, no Python frame: the ceiling's checks
+    read some of these for every request); this class's `__get__` and `__set__` say what it does, for mypy."""
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
+        def put(ledger: SpendLedger, value: T) -> None:
+            setattr(ledger.sums, name, value)
+        setattr(owner, name, property(attrgetter(f"sums.{name}"), put))
 
     def __get__(self, ledger: SpendLedger | None, owner: type | None = None) -> T:
-        if ledger is None:
-            return self  # type: ignore[return-value]  # the descriptor itself, on the class
-        return getattr(ledger.sums, self._name)
+        raise NotImplementedError  # replaced by the property (__set_name__)
 
     def __set__(self, ledger: SpendLedger, value: T) -> None:
-        setattr(ledger.sums, self._name, value)
+        raise NotImplementedError
 
 
 class SpendLedger:
@@ -498,4 +501,4 @@ class SpendLedger:
     def _end(self, t: Ticket, line: EndLine) -> None:
         """An attempt's end line, with its generation id when that has no gen line yet (spend_file.py)."""
         if self._file is not None:
-            self._file.append_or_hold(self._file.gen_of(t, line))
+            self._file.end(t, line)

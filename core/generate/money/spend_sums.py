@@ -136,21 +136,18 @@ class SpendSums:
     def release(self, t: Ticket) -> None:
         """A reservation never sent (cancelled before it left, or the disk refused its line)."""
         if t.open and not t.sent:
-            self._end(t)
+            self.close(t)
 
     def close(self, t: Ticket) -> bool:
         """Ends a ticket's reservation; False when it had ended already (its end is booked once)."""
         if not t.open:
             return False
-        self._end(t)
-        return True
-
-    def _end(self, t: Ticket) -> None:
         t.open = False
         self._reserved -= 1
         # Added and taken away in another order, the worst cases leave float crumbs (2e-17): with no
         # reservation open the sum is exactly 0.
         self.reserved_usd = max(0.0, self.reserved_usd - t.worst) if self._reserved else 0.0
+        return True
 
     # -- known costs -----------------------------------------------------------------------
 
