@@ -111,7 +111,7 @@ from draftgen.core.generate.money.ledger_lines import (
 from draftgen.core.generate.money.spend_file import LedgerFile
 
 # Reconciliation, Pending and Ticket are imported from here by the rest of the engine.
-from draftgen.core.generate.money.spend_sums import AttemptEnd, Pending, Reconciliation, SpendSums, Ticket
+from draftgen.core.generate.money.spend_sums import ANSWERED, AttemptEnd, Pending, Reconciliation, SpendSums, Ticket
 from draftgen.core.rundir import iter_jsonl
 from draftgen.core.units import to_ms
 
@@ -295,6 +295,8 @@ class SpendLedger:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.sums = SpendSums()
+        # An attempt's worst case reserved on the sums: its `Ticket` (bound here: one call a request, not two).
+        self.reserve = self.sums.reserve
         self._file: LedgerFile | None = None
         self.existed = False
         # For `count_unledgered` (opening.py), while a run opens the directory: per dataset, each prompt
@@ -380,9 +382,6 @@ class SpendLedger:
 
     # -- one attempt -----------------------------------------------------------------------
 
-    def reserve(self, ds: str, prompt_id: str, worst: float) -> Ticket:
-        return self.sums.reserve(ds, prompt_id, worst)
-
     def send(self, t: Ticket) -> None:
         """Durable (fsynced) before it returns, so before the request leaves (raises DiskError when the
         disk refuses: do not send). For a few requests (the smoke test); a run uses `send_grouped`."""
@@ -422,10 +421,12 @@ class SpendLedger:
                 self._file.generation(t)  # with its end line when that comes in this tick
 
     def answered(self, t: Ticket, cost: float, source: CostSource = CostSource.USAGE) -> None:
-        if self.sums.close(t):
-            # The StrEnums as they are: orjson writes their values (two .value lookups a request saved).
-            self._end(t, {"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED, "c": cost, "s": source})
-            self.sums.book(t.ds, cost, AttemptEnd.ANSWERED, run=True, exact=source in EXACT_SOURCES)
+        sums, file = self.sums, self._file
+        if sums.close(t):
+            if file is not None:  # `_end`, inline (one call a request saved)
+                # The StrEnums as they are: orjson writes their values (two .value lookups a request saved).
+                file.end(t, {"e": "end", "a": t.id, "o": ANSWERED, "c": cost, "s": source})
+            sums.book(t.ds, cost, ANSWERED, run=True, exact=source in EXACT_SOURCES)
 
     def answered_unpriced(self, t: Ticket, estimate: float) -> Pending | None:
         """An answer that carried no usage.cost but has a generation id: pending (at `estimate`, above the

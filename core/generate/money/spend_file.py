@@ -97,7 +97,9 @@ class LedgerFile:
         goes through; lost with the process, it only makes the next run count the attempt at its
         worst case (its `sent` line is on disk)."""
         try:
-            self.append(line)
+            if self._unwritten:  # `append`, inline: its end line, one a request
+                self._flush()
+            self._out.append(line)
         except (DiskError, OSError):
             self._unwritten.append(line)
 
