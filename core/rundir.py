@@ -145,11 +145,15 @@ class JsonlAppender:
     rest is then the owner's (held in memory), not retried here, and nothing is raised. `append_now`
     writes one line at once whatever the mode (raises DiskError), after what is buffered. With
     `before_write` (the spend ledger's generation ids, spend_file.py) its owner adds lines (`buffer`)
-    to each write just before it is made; `write_soon` has the tick's write made with nothing buffered."""
+    to each write just before it is made; `write_soon` has the tick's write made with nothing buffered.
+    With `on_sync_error` (the records, record_book.py) a group commit that failed is told to its owner
+    once for each of its waiters, just before that waiter resumes, and the waiter's future resolves
+    without the error: what the owner does about it (pause the run) is its caller's whole answer."""
 
     def __init__(self, path: Path, *, fsync: bool = False, coalesce: bool = False,
                  on_flush: Callable[[int, DiskError | None], None] | None = None,
-                 before_write: Callable[[], None] | None = None) -> None:
+                 before_write: Callable[[], None] | None = None,
+                 on_sync_error: Callable[[DiskError], None] | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(DIR_MODE, parents=True, exist_ok=True)
         self.cut_bytes = repair_torn_tail(self.path)
@@ -157,6 +161,7 @@ class JsonlAppender:
         self._coalesce = coalesce and not fsync
         self._on_flush = on_flush if self._coalesce else None  # lines written, and the error that kept the rest
         self._before_write = before_write if self._coalesce else None  # the owner's late lines, buffered
+        self._on_sync_error = on_sync_error  # told a failed group commit, for each of its waiters
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
         self._written = 0    # appends written so far
         self._synced = 0     # of those, the ones an fsync has covered
@@ -281,9 +286,10 @@ class JsonlAppender:
 
     def synced(self) -> asyncio.Future[None]:
         """Resolves once an fsync begun after every line written so far has completed (DiskError when it
-        failed). Each caller gets its own future, so cancelling one waiter cancels no other."""
+        failed, or, with `on_sync_error`, None once that was told it). Each caller gets its own future, so
+        cancelling one waiter cancels no other."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if not self.unsynced:
+        if not self._buf and self._synced >= self._written:  # not `unsynced`: a call saved for each waiter
             fut.set_result(None)
             return fut
         self._batch.append(fut)
@@ -328,15 +334,23 @@ class JsonlAppender:
     def _finish(self, batch: list[asyncio.Future[None]], target: int, error: BaseException | None) -> None:
         if error is None:
             self._synced = max(self._synced, target)
-        for fut in batch:
-            if fut.done():  # its waiter was cancelled
-                continue
-            if error is None:
-                fut.set_result(None)
-            elif isinstance(error, asyncio.CancelledError):  # the loop is shutting its executor down
-                fut.cancel()
-            else:
-                fut.set_exception(disk_error(self.path, error) if isinstance(error, OSError) else error)
+            for fut in batch:
+                if not fut.done():  # done: its waiter was cancelled
+                    fut.set_result(None)
+        else:
+            told = self._on_sync_error
+            for fut in batch:
+                if fut.done():
+                    continue
+                if isinstance(error, asyncio.CancelledError):  # the loop is shutting its executor down
+                    fut.cancel()
+                    continue
+                refused = disk_error(self.path, error) if isinstance(error, OSError) else error
+                if told is not None and isinstance(refused, DiskError):
+                    told(refused)
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(refused)
         if self._batch:  # callers that came while this fsync ran: the next one covers them
             self._start_soon()
         else:

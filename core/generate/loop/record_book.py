@@ -28,7 +28,7 @@ import asyncio
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +159,8 @@ class RecordBook:
     def _appender(self, path: Path) -> JsonlAppender:
         """A records file whose lines of a tick go out in one write, each record's fate heard (`_written`)."""
         queue: deque[_Buffered] = deque()
-        appender = JsonlAppender(path, coalesce=True, on_flush=lambda n, refused: self._written(queue, n, refused))
+        appender = JsonlAppender(path, coalesce=True, on_flush=lambda n, refused: self._written(queue, n, refused),
+                                 on_sync_error=self._sync_failed)
         self._writing[appender] = queue
         return appender
 
@@ -384,17 +385,21 @@ class RecordBook:
             self._control.hold(Hold.DISK, f"{refused}. The run is paused with {len(self._held)} record(s) held in "
                                "memory; free space and press r to resume (headless: kill -USR1 <pid>).")
 
-    async def synced(self, ds: DatasetRun) -> None:
+    def synced(self, ds: DatasetRun) -> Awaitable[None]:
         """The dataset's records written so far durable against an OS crash (one fsync shared by every
-        request of the moment, in a thread) before its request counts as finished. An fsync that fails
-        pauses the run, as a write the disk refuses does."""
-        for f in (ds.responses, ds.failures):
-            if f is not None and f.unsynced:
-                try:
-                    await f.synced()
-                except DiskError as e:
-                    self._control.hold(Hold.DISK, f"{e}. The run is paused: the last records may not survive an OS "
-                               "crash; check the disk and press r to resume (headless: kill -USR1 <pid>).")
+        request of the moment, in a thread) once it is awaited, before its request counts as finished. An
+        fsync that fails pauses the run (`_sync_failed`, told by the appender), as a write the disk refuses
+        does. Most requests wrote to one file: they await its appender's future itself (a coroutine more
+        on the way costs each request its frame and one more level to wake)."""
+        responses, failures = ds.responses, ds.failures
+        if responses is not None and (failures is None or not failures.unsynced):
+            return responses.synced()  # a future already done when nothing is left to make durable
+        return _each_synced((responses, failures))
+
+    def _sync_failed(self, e: DiskError) -> None:
+        """A records file's group commit failed: told once for each request that waited on it."""
+        self._control.hold(Hold.DISK, f"{e}. The run is paused: the last records may not survive an OS "
+                           "crash; check the disk and press r to resume (headless: kill -USR1 <pid>).")
 
     def flush_held(self) -> bool:
         """Write the held records in order; False (and still paused) when the disk refuses again."""
@@ -444,3 +449,10 @@ class RecordBook:
         where = ", ".join(f"{n} for {path}" for path, n in lost.items())
         self._event(Unsaved(records=sum(lost.values()), where=where, cause=str(self._disk_error),
                             refused="; ".join(refused)))
+
+
+async def _each_synced(files: tuple[JsonlAppender | None, ...]) -> None:
+    """Each records file's lines durable in turn (RecordBook.synced, when a request wrote to both or neither)."""
+    for f in files:
+        if f is not None and f.unsynced:
+            await f.synced()

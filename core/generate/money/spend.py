@@ -93,6 +93,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import StrEnum
+from operator import attrgetter
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -110,7 +111,7 @@ from draftgen.core.generate.money.ledger_lines import (
 from draftgen.core.generate.money.spend_file import LedgerFile
 
 # Reconciliation, Pending and Ticket are imported from here by the rest of the engine.
-from draftgen.core.generate.money.spend_sums import AttemptEnd, Pending, Reconciliation, SpendSums, Ticket
+from draftgen.core.generate.money.spend_sums import ANSWERED, AttemptEnd, Pending, Reconciliation, SpendSums, Ticket
 from draftgen.core.rundir import iter_jsonl
 from draftgen.core.units import to_ms
 
@@ -254,18 +255,20 @@ T = TypeVar("T")
 
 
 class _OnSums(Generic[T]):
-    """A SpendLedger attribute that lives on its `sums` (read and written there)."""
+    """A SpendLedger attribute that lives on its `sums` (read and written there). Once its class is made it
+    puts a `property` in its place whose getter is an `attrgetter` (C, no Python frame: the ceiling's checks
+    read some of these for every request); this class's `__get__` and `__set__` say what it does, for mypy."""
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
+        def put(ledger: SpendLedger, value: T) -> None:
+            setattr(ledger.sums, name, value)
+        setattr(owner, name, property(attrgetter(f"sums.{name}"), put))
 
     def __get__(self, ledger: SpendLedger | None, owner: type | None = None) -> T:
-        if ledger is None:
-            return self  # type: ignore[return-value]  # the descriptor itself, on the class
-        return getattr(ledger.sums, self._name)
+        raise NotImplementedError  # replaced by the property (__set_name__)
 
     def __set__(self, ledger: SpendLedger, value: T) -> None:
-        setattr(ledger.sums, self._name, value)
+        raise NotImplementedError
 
 
 class SpendLedger:
@@ -292,6 +295,8 @@ class SpendLedger:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.sums = SpendSums()
+        # An attempt's worst case reserved on the sums: its `Ticket` (bound here: one call a request, not two).
+        self.reserve = self.sums.reserve
         self._file: LedgerFile | None = None
         self.existed = False
         # For `count_unledgered` (opening.py), while a run opens the directory: per dataset, each prompt
@@ -377,9 +382,6 @@ class SpendLedger:
 
     # -- one attempt -----------------------------------------------------------------------
 
-    def reserve(self, ds: str, prompt_id: str, worst: float) -> Ticket:
-        return self.sums.reserve(ds, prompt_id, worst)
-
     def send(self, t: Ticket) -> None:
         """Durable (fsynced) before it returns, so before the request leaves (raises DiskError when the
         disk refuses: do not send). For a few requests (the smoke test); a run uses `send_grouped`."""
@@ -419,10 +421,12 @@ class SpendLedger:
                 self._file.generation(t)  # with its end line when that comes in this tick
 
     def answered(self, t: Ticket, cost: float, source: CostSource = CostSource.USAGE) -> None:
-        if self.sums.close(t):
-            # The StrEnums as they are: orjson writes their values (two .value lookups a request saved).
-            self._end(t, {"e": "end", "a": t.id, "o": AttemptEnd.ANSWERED, "c": cost, "s": source})
-            self.sums.book(t.ds, cost, AttemptEnd.ANSWERED, run=True, exact=source in EXACT_SOURCES)
+        sums, file = self.sums, self._file
+        if sums.close(t):
+            if file is not None:  # `_end`, inline (one call a request saved)
+                # The StrEnums as they are: orjson writes their values (two .value lookups a request saved).
+                file.end(t, {"e": "end", "a": t.id, "o": ANSWERED, "c": cost, "s": source})
+            sums.book(t.ds, cost, ANSWERED, run=True, exact=source in EXACT_SOURCES)
 
     def answered_unpriced(self, t: Ticket, estimate: float) -> Pending | None:
         """An answer that carried no usage.cost but has a generation id: pending (at `estimate`, above the
@@ -498,4 +502,4 @@ class SpendLedger:
     def _end(self, t: Ticket, line: EndLine) -> None:
         """An attempt's end line, with its generation id when that has no gen line yet (spend_file.py)."""
         if self._file is not None:
-            self._file.append_or_hold(self._file.gen_of(t, line))
+            self._file.end(t, line)

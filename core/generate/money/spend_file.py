@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import fcntl
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from draftgen.core.errors import DiskError, LedgerBusyError
@@ -22,7 +23,7 @@ class LedgerFile:
     Inside the event loop the lines of one tick go out in one write (`JsonlAppender(coalesce=True)`);
     `sync`/`synced` write what is buffered and make it durable against an OS crash (a `sent` line,
     before its request). An attempt's generation id waits for that write (`generation`): its end line
-    carries it when the answer came in the same tick (`gen_of`), else a gen line of its own goes out."""
+    carries it when the answer came in the same tick (`end`), else a gen line of its own goes out."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -39,6 +40,10 @@ class LedgerFile:
             raise
         self._lock = lock
         self.cut_bytes = self._out.cut_bytes
+        # Resolves once every line appended so far is written and durable (group commit: one fsync for all the
+        # callers of a tick, or of the time the previous fsync ran, in a thread); DiskError when not. The
+        # appender's own method, bound here: a `sent` line's wait, one call a request, forwards through nothing.
+        self.synced: Callable[[], asyncio.Future[None]] = self._out.synced
         self._unwritten: list[LedgerLine] = []
         self._gens: list[Ticket] = []  # attempts whose generation id waits for the tick's write
 
@@ -52,12 +57,12 @@ class LedgerFile:
         else:
             self.append_or_hold(_gen_line(t))
 
-    def gen_of(self, t: Ticket, end: EndLine) -> EndLine:
-        """`end`, t's end line, carrying its generation id when no gen line has gone out for it yet."""
+    def end(self, t: Ticket, line: EndLine) -> None:
+        """t's end line (`append_or_hold`), carrying its generation id when no gen line has gone out for it yet."""
         if t.gen_due:
             t.gen_due = False
-            end["g"] = _gen(t)
-        return end
+            line["g"] = _gen(t)
+        self.append_or_hold(line)
 
     def _gens_due(self) -> None:
         """The gen lines of the attempts that did not end since their id came, added to the write being made."""
@@ -82,11 +87,6 @@ class LedgerFile:
         """Every line appended so far written and durable against an OS crash before it returns (raises DiskError)."""
         self._out.sync()
 
-    def synced(self) -> asyncio.Future[None]:
-        """Resolves once every line appended so far is written and durable (group commit: one fsync for all the
-        callers of a tick, or of the time the previous fsync ran, in a thread); DiskError when not."""
-        return self._out.synced()
-
     def _flush(self) -> None:
         while self._unwritten:
             self._out.append(self._unwritten[0])
@@ -97,7 +97,9 @@ class LedgerFile:
         goes through; lost with the process, it only makes the next run count the attempt at its
         worst case (its `sent` line is on disk)."""
         try:
-            self.append(line)
+            if self._unwritten:  # `append`, inline: its end line, one a request
+                self._flush()
+            self._out.append(line)
         except (DiskError, OSError):
             self._unwritten.append(line)
 
