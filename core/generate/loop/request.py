@@ -186,8 +186,7 @@ class Request:
                 self.ticket = terms.spend.reserve(ds.config.name, prompt.id, self.worst)
                 self.expected = expected = ds.token_budget.expected()
                 # doubts.py: while held, one request at a time (`held` not asked while nothing is set aside)
-                doubts = ds.doubts
-                self.probe = probe = doubts.held if doubts.items else False
+                self.probe = probe = doubts.held if (doubts := ds.doubts).items else False
                 ds.request_started(expected, probe=probe)
                 return decision
             source.booked(prompt, TAKEN_ELSEWHERE)
