@@ -108,8 +108,8 @@ class RunControl:
         self._stopping = False
         self._open = asyncio.Event()  # clear while paused or held
         self._open.set()
-        # Read several times per request, so plain attributes (a property is a call), kept by the methods
-        # below with `_open` and `_draining`/`_stopping`; read them, never set them.
+        # Read several times per request, so plain attributes (a property is a call): `is_open` changes
+        # with `_open` (`_set_open`), `closed` with `_draining`; read them, never set them.
         self.is_open = True   # admission may go on (not paused, not held): `_open` is set
         self.closed = False   # a drain or a stop began
         self._closing = asyncio.Event()  # set at a drain or a stop: a retry's wait ends there
@@ -157,6 +157,14 @@ class RunControl:
         """Requests in flight are abandoned."""
         return self._stopping
 
+    def _set_open(self, now: bool) -> None:
+        """`_open` and the `is_open` read on every request, changed together (here only)."""
+        if now:
+            self._open.set()
+        else:
+            self._open.clear()
+        self.is_open = now
+
     async def wait_open(self) -> None:
         await self._open.wait()
 
@@ -196,8 +204,7 @@ class RunControl:
             return False
         self._state = RunState.PAUSED
         self._paused_by = by
-        self._open.clear()
-        self.is_open = False
+        self._set_open(False)
         self._event(Paused(by=by))
         return True
 
@@ -211,8 +218,7 @@ class RunControl:
             self._account = account
         if self._state == RunState.RUNNING:
             self._state = RunState.PAUSED
-            self._open.clear()
-            self.is_open = False
+            self._set_open(False)
         if first:
             self._event(ev.Alert(alert=reason))
 
@@ -234,8 +240,7 @@ class RunControl:
         self._hold = None
         self._account = None
         self._paused_by = None
-        self._open.set()
-        self.is_open = True
+        self._set_open(True)
         self._event(Resumed())
 
     def drain(self) -> bool:
@@ -244,8 +249,8 @@ class RunControl:
             return False
         self._draining = True
         self._state = RunState.DRAINING
-        self._open.set()  # what waits for a resume wakes and sees the drain
-        self.is_open = self.closed = True
+        self._set_open(True)  # what waits for a resume wakes and sees the drain
+        self.closed = True
         self._closing.set()
         return True
 
@@ -255,8 +260,8 @@ class RunControl:
             return False
         self._stopping = True
         self._draining = True
-        self._open.set()
-        self.is_open = self.closed = True
+        self._set_open(True)
+        self.closed = True
         self._closing.set()
         return True
 

@@ -114,8 +114,13 @@ def booked_cost(answer: ChatAnswer, t: Ticket, prices: Prices | None) -> float:
 
 def over_reservation(answer: ChatAnswer, t: Ticket, prices: Prices | None) -> float:
     """How far the cost booked for `answer` went past its reservation (0 when it did not)."""
-    over = booked_cost(answer, t, prices) - t.worst
-    return over if over > 1e-12 and t.worst > 0 else 0.0
+    return _past(booked_cost(answer, t, prices), t.worst)
+
+
+def _past(cost: float, worst: float) -> float:
+    """How far `cost` went past the reservation `worst` (0 when it did not, or nothing was reserved)."""
+    over = cost - worst
+    return over if over > 1e-12 and worst > 0 else 0.0
 
 
 def _guess(answer: ChatAnswer, prices: Prices | None, worst: float) -> float:
@@ -148,10 +153,9 @@ def book_answered(spend: SpendLedger, t: Ticket, answer: ChatAnswer, prices: Pri
     """A run's answer booked (`book_answer`, what is to be looked up handed to `settler`): the answer as
     booked (`as_booked`) and how far its cost went past its reservation (`over_reservation`)."""
     if answer.priced:  # nearly every answer: at its usage.cost, the answer as it is (one call, not five)
-        cost, worst = answer.usage.cost, t.worst
+        cost = answer.usage.cost
         spend.answered(t, cost)
-        over = cost - worst  # over_reservation's figure
-        return answer, over if over > 1e-12 and worst > 0 else 0.0
+        return answer, _past(cost, t.worst)
     look_up(settler, book_answer(spend, t, answer, prices))
     answer = as_booked(answer, t, prices)
     return answer, over_reservation(answer, t, prices)
